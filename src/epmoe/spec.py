@@ -1,0 +1,392 @@
+"""The MoE facts of a model, parsed once from a Hugging Face ``config.json``.
+
+Every family the project serves is read here and nowhere else: DeepSeek-V2/V3/R1, Kimi-K2 and
+Kimi-K2.5 (``kimi_k2`` is the DeepSeek-V3 architecture; K2.5 keeps its language model under
+``text_config``), Qwen1.5/Qwen2/Qwen3-MoE, Mixtral, OLMoE, gpt-oss and Llama-4 (text part).
+The routing rules follow the Hugging Face transformers MoE blocks of each family.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+Scoring = Literal["softmax", "sigmoid"]
+# How the router turns logits into top-k weights:
+#   softmax_topk : softmax over all experts, then top-k (Qwen, OLMoE, Mixtral, DeepSeek-V2)
+#   topk_softmax : top-k logits, then softmax over the chosen ones (gpt-oss)
+#   sigmoid_topk : sigmoid scores, top-k chosen on score + correction bias (DeepSeek-V3, Kimi-K2)
+#   topk_sigmoid : top-k logits, sigmoid of the chosen ones, weight applied to the expert input (Llama-4)
+RouterKind = Literal["softmax_topk", "topk_softmax", "sigmoid_topk", "topk_sigmoid"]
+GroupScore = Literal["max", "top2_sum"]
+
+_DEEPSEEK = {"deepseek_v2", "deepseek_v3", "kimi_k2"}
+_QWEN = {"qwen2_moe", "qwen3_moe"}
+_SUPPORTED = _DEEPSEEK | _QWEN | {"mixtral", "olmoe", "gpt_oss", "llama4_text"}
+_DENSE = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Attention facts the planner needs (per layer).
+
+    Attributes:
+        num_heads: query heads.
+        num_kv_heads: key/value heads (GQA); equal to ``num_heads`` for MLA.
+        head_dim: dimension of one query/key head (for MLA: ``qk_nope + qk_rope``).
+        v_head_dim: dimension of one value head.
+        kv_lora_rank: MLA compressed KV width, 0 when the model has no MLA.
+        q_lora_rank: MLA query low-rank width, 0 when absent.
+        qk_rope_head_dim: MLA decoupled RoPE key width, 0 when absent.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+
+    @property
+    def is_mla(self) -> bool:
+        """True for DeepSeek's multi-head latent attention."""
+        return self.kv_lora_rank > 0
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The MoE facts of one model.
+
+    Attributes:
+        model_type: Hugging Face ``model_type`` of the language model (``kimi_k2`` kept as is).
+        source: the file it was parsed from (for messages).
+        num_layers: decoder layers in total.
+        moe_layers: indices of the decoder layers whose MLP is an MoE block, ascending.
+        num_experts: logical routed experts per MoE layer (``E``).
+        top_k: routed experts per token (``K``).
+        hidden_size: ``D``.
+        moe_intermediate_size: ``F`` of one routed expert.
+        dense_intermediate_size: intermediate size of the dense MLP layers (0 if none).
+        num_shared_experts: shared experts per MoE layer (0 if none).
+        shared_intermediate_size: total intermediate size of the shared-expert MLP (0 if none).
+        shared_expert_gate: Qwen2-MoE's sigmoid gate on the shared expert output.
+        router_kind: see ``RouterKind``.
+        n_group: expert groups for grouped top-k (1 = not grouped).
+        topk_group: groups kept per token.
+        group_score: how a group is scored: ``max`` (DeepSeek-V2) or ``top2_sum`` (DeepSeek-V3).
+        norm_topk_prob: renormalise the top-k weights to sum to one.
+        routed_scaling_factor: multiplier on routed expert weights.
+        correction_bias: DeepSeek-V3's ``e_score_correction_bias`` (selection only).
+        router_bias: gpt-oss's router linear bias.
+        expert_bias: gpt-oss's expert projection biases.
+        hidden_act: activation of the experts (``silu``).
+        swiglu_limit: gpt-oss's clamp of the clamped SwiGLU, ``None`` for plain SwiGLU.
+        swiglu_alpha: gpt-oss's sigmoid slope of the clamped SwiGLU.
+        vocab_size: vocabulary size.
+        attention: attention facts for the planner.
+        expert_weight_format: routed expert storage in the published checkpoint:
+            ``bf16``, ``fp8_block128`` (DeepSeek FP8, 128x128 scales), ``int4_group32`` (Kimi-K2.5),
+            ``mxfp4`` (gpt-oss).
+    """
+
+    model_type: str
+    source: str
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    moe_intermediate_size: int
+    dense_intermediate_size: int
+    num_shared_experts: int
+    shared_intermediate_size: int
+    shared_expert_gate: bool
+    router_kind: RouterKind
+    n_group: int
+    topk_group: int
+    group_score: GroupScore
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    correction_bias: bool
+    router_bias: bool
+    expert_bias: bool
+    hidden_act: str
+    swiglu_limit: float | None
+    swiglu_alpha: float
+    vocab_size: int
+    attention: AttentionSpec
+    expert_weight_format: str
+
+    @property
+    def num_moe_layers(self) -> int:
+        """``L``: the number of MoE layers."""
+        return len(self.moe_layers)
+
+    @property
+    def scoring(self) -> Scoring:
+        """Scoring function of the router: ``softmax`` or ``sigmoid``."""
+        return "sigmoid" if self.router_kind in ("sigmoid_topk", "topk_sigmoid") else "softmax"
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        """Decoder layers whose MLP is dense."""
+        moe = set(self.moe_layers)
+        return tuple(i for i in range(self.num_layers) if i not in moe)
+
+    def expert_params(self) -> int:
+        """Parameters of one routed expert (gate, up, down; plus biases where the model has them)."""
+        d, f = self.hidden_size, self.moe_intermediate_size
+        return 3 * d * f + ((2 * f + d) if self.expert_bias else 0)
+
+
+class DenseModelError(ValueError):
+    """Raised when MoE facts are asked of a dense model (for example an EAGLE-3 draft)."""
+
+
+def _require(cfg: dict[str, Any], key: str, source: str, *alternatives: str) -> Any:
+    for k in (key, *alternatives):
+        if k in cfg and cfg[k] is not None:
+            return cfg[k]
+    names = " or ".join(repr(k) for k in (key, *alternatives))
+    raise ValueError(f"{source}: missing field {names} in config.json")
+
+
+def _positive_int(cfg: dict[str, Any], key: str, source: str, *alternatives: str) -> int:
+    value = _require(cfg, key, source, *alternatives)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def language_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Return the language-model part of a (possibly multimodal) config dict.
+
+    Kimi-K2.5 and Llama-4 keep the text model under ``text_config``; other models are returned as is.
+    """
+    text = cfg.get("text_config")
+    if isinstance(text, dict):
+        merged = dict(text)
+        merged.setdefault("quantization_config", cfg.get("quantization_config"))
+        return merged
+    return cfg
+
+
+def _moe_layer_indices(cfg: dict[str, Any], mt: str, num_layers: int, source: str) -> tuple[int, ...]:
+    if mt in _DEEPSEEK:
+        first_dense = int(cfg.get("first_k_dense_replace", 0) or 0)
+        freq = int(cfg.get("moe_layer_freq", 1) or 1)
+        if first_dense < 0 or first_dense > num_layers:
+            raise ValueError(
+                f"{source}: first_k_dense_replace ({first_dense}) must lie in [0, num_hidden_layers={num_layers}]"
+            )
+        return tuple(i for i in range(first_dense, num_layers) if i % freq == 0)
+    if mt in _QWEN:
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        mlp_only = set(cfg.get("mlp_only_layers") or [])
+        bad = sorted(i for i in mlp_only if not 0 <= i < num_layers)
+        if bad:
+            raise ValueError(f"{source}: mlp_only_layers holds {bad}, outside [0, {num_layers})")
+        return tuple(i for i in range(num_layers) if i not in mlp_only and (i + 1) % step == 0)
+    if mt == "llama4_text":
+        explicit = cfg.get("moe_layers")
+        if explicit is not None:
+            return tuple(sorted(int(i) for i in explicit))
+        step = int(cfg.get("interleave_moe_layer_step", 1) or 1)
+        return tuple(range(step - 1, num_layers, step))
+    return tuple(range(num_layers))
+
+
+def _weight_format(cfg: dict[str, Any]) -> str:
+    qc = cfg.get("quantization_config") or {}
+    method = qc.get("quant_method")
+    if method == "fp8":
+        return "fp8_block128" if list(qc.get("weight_block_size") or []) == [128, 128] else "fp8"
+    if method == "mxfp4":
+        return "mxfp4"
+    if method == "compressed-tensors" or "config_groups" in qc:
+        for group in (qc.get("config_groups") or {}).values():
+            w = group.get("weights") or {}
+            if w.get("num_bits") == 4:
+                return f"int4_group{w.get('group_size', 0)}"
+    return "bf16"
+
+
+def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
+    """Parse the MoE facts from a Hugging Face config dict.
+
+    Args:
+        cfg: the JSON object of a ``config.json`` (multimodal wrappers are unwrapped via ``text_config``).
+        source: name used in error messages (usually the file path).
+
+    Returns:
+        The validated ``MoESpec``.
+
+    Raises:
+        DenseModelError: the config describes a dense model (no routed experts), e.g. an EAGLE-3 draft.
+        ValueError: a field is missing, of the wrong type, or contradicts another (named in the message).
+    """
+    cfg = language_model_config(cfg)
+    mt = _require(cfg, "model_type", source)
+    if mt in _DENSE or (mt not in _SUPPORTED and not any(k in cfg for k in ("n_routed_experts", "num_experts", "num_local_experts"))):
+        arch = ", ".join(cfg.get("architectures") or []) or mt
+        raise DenseModelError(
+            f"{source}: model_type {mt!r} ({arch}) is a dense model with no MoE layers "
+            f"(EAGLE-3 drafts are one dense decoder layer); it has no experts to place"
+        )
+    if mt not in _SUPPORTED:
+        raise ValueError(f"{source}: model_type {mt!r} is not supported; supported: {sorted(_SUPPORTED)}")
+
+    num_layers = _positive_int(cfg, "num_hidden_layers", source)
+    hidden = _positive_int(cfg, "hidden_size", source)
+    vocab = _positive_int(cfg, "vocab_size", source)
+    num_heads = _positive_int(cfg, "num_attention_heads", source)
+    num_kv = int(cfg.get("num_key_value_heads") or num_heads)
+    dense_inter = int(cfg.get("intermediate_size") or 0)
+    hidden_act = str(cfg.get("hidden_act", "silu"))
+
+    n_group, topk_group, group_score = 1, 1, "max"
+    norm, scale = False, 1.0
+    correction = router_bias = expert_bias = shared_gate = False
+    n_shared, shared_inter = 0, 0
+    swiglu_limit: float | None = None
+    swiglu_alpha = 1.702
+
+    if mt in _DEEPSEEK:
+        num_experts = _positive_int(cfg, "n_routed_experts", source)
+        moe_inter = _positive_int(cfg, "moe_intermediate_size", source)
+        n_shared = int(cfg.get("n_shared_experts") or 0)
+        shared_inter = n_shared * moe_inter
+        n_group = int(cfg.get("n_group") or 1)
+        topk_group = int(cfg.get("topk_group") or 1)
+        scale = float(cfg.get("routed_scaling_factor", 1.0))
+        if mt == "deepseek_v2":
+            scoring = cfg.get("scoring_func", "softmax")
+            if scoring != "softmax":
+                raise ValueError(f"{source}: deepseek_v2 scoring_func must be 'softmax', got {scoring!r}")
+            method = cfg.get("topk_method", "greedy")
+            if method not in ("greedy", "group_limited_greedy"):
+                raise ValueError(
+                    f"{source}: topk_method {method!r} is not one of 'greedy', 'group_limited_greedy'"
+                )
+            router_kind: RouterKind = "softmax_topk"
+            if method == "greedy":
+                n_group, topk_group = 1, 1
+            group_score = "max"
+            norm = False
+        else:
+            scoring = cfg.get("scoring_func", "sigmoid")
+            method = cfg.get("topk_method", "noaux_tc")
+            if scoring != "sigmoid" or method != "noaux_tc":
+                raise ValueError(
+                    f"{source}: {mt} expects scoring_func 'sigmoid' with topk_method 'noaux_tc', "
+                    f"got scoring_func={scoring!r}, topk_method={method!r}"
+                )
+            router_kind = "sigmoid_topk"
+            group_score = "top2_sum"
+            norm = bool(cfg.get("norm_topk_prob", True))
+            correction = True
+    elif mt in _QWEN or mt == "olmoe":
+        num_experts = _positive_int(cfg, "num_experts", source)
+        moe_inter = _positive_int(cfg, "moe_intermediate_size", source, "intermediate_size") if mt != "olmoe" \
+            else _positive_int(cfg, "intermediate_size", source)
+        router_kind = "softmax_topk"
+        norm = bool(cfg.get("norm_topk_prob", False))
+        if mt == "qwen2_moe":
+            shared_inter = int(cfg.get("shared_expert_intermediate_size") or 0)
+            n_shared = 1 if shared_inter > 0 else 0
+            shared_gate = n_shared > 0
+    elif mt == "mixtral":
+        num_experts = _positive_int(cfg, "num_local_experts", source)
+        moe_inter = _positive_int(cfg, "intermediate_size", source)
+        router_kind, norm = "softmax_topk", True
+        dense_inter = 0
+    elif mt == "gpt_oss":
+        num_experts = _positive_int(cfg, "num_local_experts", source)
+        moe_inter = _positive_int(cfg, "intermediate_size", source)
+        router_kind = "topk_softmax"
+        router_bias = expert_bias = True
+        swiglu_limit = float(_require(cfg, "swiglu_limit", source))
+        swiglu_alpha = float(cfg.get("swiglu_alpha", 1.702))
+        dense_inter = 0
+    else:  # llama4_text
+        num_experts = _positive_int(cfg, "num_local_experts", source)
+        moe_inter = _positive_int(cfg, "intermediate_size", source)
+        router_kind = "topk_sigmoid"
+        n_shared, shared_inter = 1, moe_inter
+        dense_inter = int(cfg.get("intermediate_size_mlp") or 0)
+
+    top_k = _positive_int(cfg, "num_experts_per_tok", source, "experts_per_token")
+    if "experts_per_token" in cfg and "num_experts_per_tok" in cfg and cfg["experts_per_token"] != cfg["num_experts_per_tok"]:
+        raise ValueError(
+            f"{source}: num_experts_per_tok ({cfg['num_experts_per_tok']}) contradicts "
+            f"experts_per_token ({cfg['experts_per_token']})"
+        )
+    if top_k > num_experts:
+        raise ValueError(f"{source}: num_experts_per_tok ({top_k}) exceeds the number of experts ({num_experts})")
+    if n_group < 1 or num_experts % n_group:
+        raise ValueError(f"{source}: n_group ({n_group}) must divide the number of routed experts ({num_experts})")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"{source}: topk_group ({topk_group}) must lie in [1, n_group={n_group}]")
+    if n_group > 1 and topk_group * (num_experts // n_group) < top_k:
+        raise ValueError(
+            f"{source}: topk_group ({topk_group}) groups of {num_experts // n_group} experts cannot hold "
+            f"num_experts_per_tok ({top_k}) experts"
+        )
+    moe_layers = _moe_layer_indices(cfg, mt, num_layers, source)
+    if not moe_layers:
+        raise DenseModelError(f"{source}: {mt} config has no MoE layers (all {num_layers} layers are dense)")
+    if any(not 0 <= i < num_layers for i in moe_layers):
+        raise ValueError(f"{source}: moe_layers {list(moe_layers)} fall outside [0, {num_layers})")
+
+    if cfg.get("kv_lora_rank"):
+        nope = _positive_int(cfg, "qk_nope_head_dim", source)
+        rope = _positive_int(cfg, "qk_rope_head_dim", source)
+        attention = AttentionSpec(
+            num_heads=num_heads, num_kv_heads=num_heads, head_dim=nope + rope,
+            v_head_dim=_positive_int(cfg, "v_head_dim", source),
+            kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+            qk_rope_head_dim=rope,
+        )
+    else:
+        head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+        attention = AttentionSpec(num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dim, v_head_dim=head_dim)
+
+    return MoESpec(
+        model_type=mt, source=source, num_layers=num_layers, moe_layers=moe_layers,
+        num_experts=num_experts, top_k=top_k, hidden_size=hidden, moe_intermediate_size=moe_inter,
+        dense_intermediate_size=dense_inter if len(moe_layers) < num_layers or mt == "llama4_text" else 0,
+        num_shared_experts=n_shared, shared_intermediate_size=shared_inter, shared_expert_gate=shared_gate,
+        router_kind=router_kind, n_group=n_group, topk_group=topk_group, group_score=group_score,
+        norm_topk_prob=norm, routed_scaling_factor=scale, correction_bias=correction,
+        router_bias=router_bias, expert_bias=expert_bias, hidden_act=hidden_act,
+        swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha, vocab_size=vocab, attention=attention,
+        expert_weight_format=_weight_format(cfg),
+    )
+
+
+def load_moe_spec(path: str | Path) -> MoESpec:
+    """Read a ``config.json`` (or a checkpoint directory holding one) and parse its MoE facts.
+
+    Args:
+        path: a ``config.json`` file or a directory containing ``config.json``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is not JSON, or a field is missing or contradictory (named in the message).
+        DenseModelError: the model has no MoE layers.
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"config file {str(p)!r} does not exist")
+    try:
+        cfg = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{p}: not valid JSON ({exc})") from exc
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{p}: expected a JSON object, got {type(cfg).__name__}")
+    return parse_moe_spec(cfg, str(p))
