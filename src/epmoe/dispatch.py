@@ -1,0 +1,194 @@
+"""Dispatch and combine: move each token to the EP ranks holding its chosen slots and back.
+
+Contract (DESIGN.md rule 4): ``dispatch`` returns a ``DispatchHandle``; ``combine`` consumes it. A
+dispatcher keeps no state between the two, so several micro-batches may be in flight at once.
+
+A token's hidden state travels to a given rank once, even when several of its top-k slots live there;
+that rank computes all of them, sums the weighted results and sends one row back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from .comm import Comm
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """What a rank received, and how to send the results back.
+
+    Attributes:
+        recv_x: ``[R, D]`` rows this rank computes.
+        recv_slots: ``[R, K]`` int64 local slot ids on this rank, ``-1`` = not computed here.
+        recv_weights: ``[R, K]`` float32 routing weights matching ``recv_slots``.
+        send_token_idx: ``[N]`` int64 token index of each row sent, grouped by destination rank.
+        send_splits: rows sent to each rank (host list of ``G`` ints); ``None`` for the local path.
+        recv_splits: rows received from each rank (host list of ``G`` ints); ``None`` for the local path.
+        num_tokens: ``T`` tokens of the caller.
+    """
+
+    recv_x: torch.Tensor
+    recv_slots: torch.Tensor
+    recv_weights: torch.Tensor
+    send_token_idx: torch.Tensor | None
+    send_splits: list[int] | None
+    recv_splits: list[int] | None
+    num_tokens: int
+
+
+class Dispatcher(Protocol):
+    """Moves tokens to experts and results back."""
+
+    def dispatch(self, x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor) -> DispatchHandle:
+        """Send tokens to the ranks holding their slots.
+
+        Args:
+            x: ``[T, D]`` hidden states.
+            topk_slots: ``[T, K]`` int64 global physical slot ids, ``-1`` = none.
+            topk_weights: ``[T, K]`` float32 routing weights.
+        """
+        ...
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Return ``[T, D]``: each token's summed expert outputs ``y`` (``[R, D]``) brought home."""
+        ...
+
+
+def _check_inputs(x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, D], got shape {tuple(x.shape)}")
+    if topk_slots.shape != topk_weights.shape or topk_slots.dim() != 2 or topk_slots.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"topk_slots {tuple(topk_slots.shape)} and topk_weights {tuple(topk_weights.shape)} must both be "
+            f"[T={x.shape[0]}, K]"
+        )
+
+
+class LocalDispatcher:
+    """EP = 1, the reference: every slot is local, nothing moves.
+
+    Args:
+        num_slots: ``P`` slots, all on this rank.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+
+    def dispatch(self, x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor) -> DispatchHandle:
+        """See ``Dispatcher.dispatch``; the handle's ``recv_*`` are the inputs themselves."""
+        _check_inputs(x, topk_slots, topk_weights)
+        return DispatchHandle(x, topk_slots, topk_weights.float(), None, None, None, x.shape[0])
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """See ``Dispatcher.combine``: returns ``y``."""
+        return y
+
+
+def _pack(x: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """Append float32 ``meta [N, M]`` to ``x [N, D]`` bit-exactly, in ``x``'s dtype."""
+    if x.dtype == torch.float32:
+        return torch.cat([x, meta], dim=1)
+    if meta.shape[1] * 4 % x.element_size():
+        raise TypeError(f"cannot pack float32 metadata into rows of dtype {x.dtype}")
+    return torch.cat([x, meta.contiguous().view(x.dtype)], dim=1)
+
+
+def _unpack(rows: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = rows[:, :d]
+    meta = rows[:, d:].contiguous()
+    return x, meta if rows.dtype == torch.float32 else meta.view(torch.float32)
+
+
+class AllToAllDispatcher:
+    """Dispatch/combine with ``all_to_all_single`` over the EP group, after exchanging counts.
+
+    Per call: one all-to-all of the ``G`` row counts (host sync: the split sizes must be known), one
+    all-to-all of the rows (hidden state with the slot ids and weights packed bit-exactly beside it), and
+    one all-to-all back in ``combine``. Works with gloo on CPU and NCCL on CUDA.
+
+    Args:
+        comm: the EP group.
+        slots_per_rank: ``P / G``; rank ``g`` holds global slots ``[g*P/G, (g+1)*P/G)``.
+    """
+
+    def __init__(self, comm: Comm, slots_per_rank: int) -> None:
+        if slots_per_rank <= 0:
+            raise ValueError(f"slots_per_rank must be positive, got {slots_per_rank}")
+        self.comm = comm
+        self.slots_per_rank = slots_per_rank
+
+    def dispatch(self, x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor) -> DispatchHandle:
+        """See ``Dispatcher.dispatch``."""
+        _check_inputs(x, topk_slots, topk_weights)
+        g, s = self.comm.size, self.slots_per_rank
+        t, k = topk_slots.shape
+        d = x.shape[1]
+        dest = torch.where(topk_slots >= 0, topk_slots // s, g)  # [T, K], g = none
+        goes = torch.zeros(t, g + 1, dtype=torch.bool, device=x.device)
+        goes.scatter_(1, dest, True)
+        goes = goes[:, :g]
+        pairs = goes.t().nonzero()  # [N, 2] (rank, token), sorted by rank then token
+        send_rank, send_token_idx = pairs[:, 0], pairs[:, 1]
+        send_counts = goes.sum(dim=0)
+        sel_slots = topk_slots[send_token_idx]
+        here = (sel_slots // s) == send_rank.unsqueeze(1)
+        local_slots = torch.where(here & (sel_slots >= 0), sel_slots - send_rank.unsqueeze(1) * s, -1)
+        local_w = torch.where(here, topk_weights[send_token_idx].float(), 0.0)
+        meta = torch.cat([local_slots.float(), local_w], dim=1)
+        payload = _pack(x[send_token_idx], meta)
+
+        recv_counts = torch.empty_like(send_counts)
+        self.comm.all_to_all_single(recv_counts, send_counts)
+        send_splits = send_counts.tolist()
+        recv_splits = recv_counts.tolist()
+        recv = payload.new_empty((sum(recv_splits), payload.shape[1]))
+        self.comm.all_to_all_single(recv, payload, recv_splits, send_splits)
+        recv_x, recv_meta = _unpack(recv, d)
+        return DispatchHandle(
+            recv_x=recv_x,
+            recv_slots=recv_meta[:, :k].to(torch.int64),
+            recv_weights=recv_meta[:, k:],
+            send_token_idx=send_token_idx,
+            send_splits=send_splits,
+            recv_splits=recv_splits,
+            num_tokens=t,
+        )
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """See ``Dispatcher.combine``: one all-to-all back, then a sum per token."""
+        assert handle.send_splits is not None and handle.recv_splits is not None, "handle is not from all-to-all"
+        back = y.new_empty((sum(handle.send_splits), y.shape[1]))
+        self.comm.all_to_all_single(back, y.contiguous(), handle.send_splits, handle.recv_splits)
+        out = y.new_zeros((handle.num_tokens, y.shape[1]))
+        out.index_add_(0, handle.send_token_idx, back)
+        return out
+
+
+DISPATCHERS: dict[str, Callable[..., Dispatcher]] = {
+    "local": lambda comm, slots_per_rank, **_: LocalDispatcher(slots_per_rank * comm.size),
+    "all_to_all": lambda comm, slots_per_rank, **_: AllToAllDispatcher(comm, slots_per_rank),
+}
+
+
+def make_dispatcher(name: str, comm: Comm, slots_per_rank: int, **options) -> Dispatcher:
+    """Build the dispatcher registered as ``name`` for the EP group ``comm``.
+
+    Args:
+        name: ``local`` (EP = 1 only) or ``all_to_all`` (plus any registered fast path).
+        comm: the EP group.
+        slots_per_rank: ``P / G``.
+        options: backend-specific options (for example a capacity).
+
+    Raises:
+        KeyError: unknown name (the message lists the registered ones).
+        ValueError: ``local`` asked for with more than one EP rank.
+    """
+    if name not in DISPATCHERS:
+        raise KeyError(f"unknown dispatcher {name!r}; supported: {sorted(DISPATCHERS)}")
+    if name == "local" and comm.size != 1:
+        raise ValueError(f"the local dispatcher serves EP size 1 only, the EP group has {comm.size} ranks")
+    return DISPATCHERS[name](comm, slots_per_rank, **options)
