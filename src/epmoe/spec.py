@@ -255,7 +255,7 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
     swiglu_alpha = 1.702
 
     if mt in _DEEPSEEK:
-        num_experts = _positive_int(cfg, "n_routed_experts", source)
+        num_experts = _positive_int(cfg, "n_routed_experts", source, "num_local_experts")
         moe_inter = _positive_int(cfg, "moe_intermediate_size", source)
         n_shared = int(cfg.get("n_shared_experts") or 0)
         shared_inter = n_shared * moe_inter
@@ -289,7 +289,7 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
             norm = bool(cfg.get("norm_topk_prob", True))
             correction = True
     elif mt in _QWEN or mt == "olmoe":
-        num_experts = _positive_int(cfg, "num_experts", source)
+        num_experts = _positive_int(cfg, "num_experts", source, "num_local_experts")
         moe_inter = _positive_int(cfg, "moe_intermediate_size", source, "intermediate_size") if mt != "olmoe" \
             else _positive_int(cfg, "intermediate_size", source)
         router_kind = "softmax_topk"

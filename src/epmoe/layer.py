@@ -1,0 +1,236 @@
+"""``MoELayer`` (expert parallel, composition only) and ``TPMoELayer`` (the tensor-parallel baseline).
+
+Data flow of ``MoELayer.forward`` (DESIGN.md): router -> placement map -> load recorder -> dispatch ->
+grouped experts -> combine (+ shared experts on every rank). Everything a layer needs is a
+constructor argument; a missing piece is an error at construction that names it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from .comm import Comm
+from .dispatch import Dispatcher, make_dispatcher
+from .experts import Activation, ExpertWeights, get_expert_backend
+from .placement import ExpertPlacement
+from .routing import ReplicaPolicy, Router, SlotMap
+from .spec import MoESpec
+
+
+class LoadSink(Protocol):
+    """Anything that records per-slot token counts (see ``epmoe.loads.ExpertLoadRecorder``)."""
+
+    def record(self, layer: int, topk_slots: torch.Tensor) -> None:
+        """Count ``topk_slots [T, K]`` global physical slot ids (-1 = none) for MoE layer ``layer``."""
+        ...
+
+
+class SharedExpert(nn.Module):
+    """The shared-expert MLP ``down(act(gate(x)) * up(x))``, optionally gated by ``sigmoid(g(x))`` (Qwen2-MoE).
+
+    Parameter names follow the checkpoints: ``gate_proj``, ``up_proj``, ``down_proj`` (and the gate,
+    ``shared_expert_gate``, held by the owning layer).
+
+    Args:
+        hidden_size: ``D``.
+        intermediate_size: intermediate size of this rank's part.
+        activation: the gated activation.
+        dtype, device: of the parameters.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: Activation,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        kw = dict(bias=False, dtype=dtype, device=device)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+        self.activation = activation
+        self.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, D]`` -> ``[T, D]``."""
+        return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))
+
+
+def activation_of(spec: MoESpec) -> Activation:
+    """The expert activation a model uses."""
+    return Activation(act=spec.hidden_act, swiglu_limit=spec.swiglu_limit, swiglu_alpha=spec.swiglu_alpha)
+
+
+class _ExpertParams(nn.Module):
+    """Expert weights of ``S`` slots: ``w13 [S, 2F, D]``, ``w2 [S, D, F]``, biases ``b13 [S, 2F]``, ``b2 [S, D]``."""
+
+    def __init__(self, spec: MoESpec, num_slots: int, inter: int, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        d = spec.hidden_size
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.w13 = param(num_slots, 2 * inter, d)
+        self.w2 = param(num_slots, d, inter)
+        self.b13 = param(num_slots, 2 * inter) if spec.expert_bias else None
+        self.b2 = param(num_slots, d) if spec.expert_bias else None
+
+    def weights(self) -> ExpertWeights:
+        return ExpertWeights(self.w13, self.w2, self.b13, self.b2)
+
+
+class _MoEBase(nn.Module):
+    """Router, shared experts and their forward glue, common to the EP and TP layers."""
+
+    def __init__(self, spec: MoESpec, shared_inter: int, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        if not isinstance(spec, MoESpec):
+            raise TypeError(f"spec must be an MoESpec, got {type(spec).__name__}")
+        self.spec = spec
+        self.activation = activation_of(spec)
+        self.weight_on_input = spec.router_kind == "topk_sigmoid"
+        self.gate = Router(spec, dtype=dtype, device=device)
+        self.shared_experts = (
+            SharedExpert(spec.hidden_size, shared_inter, self.activation, dtype, device) if shared_inter else None
+        )
+        self.shared_expert_gate = (
+            nn.Linear(spec.hidden_size, 1, bias=False, dtype=dtype, device=device).requires_grad_(False)
+            if spec.shared_expert_gate else None
+        )
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.shared_experts is None:
+            return None
+        y = self.shared_experts(x)
+        if self.shared_expert_gate is not None:
+            y = torch.sigmoid(self.shared_expert_gate(x)) * y
+        return y
+
+
+class MoELayer(_MoEBase):
+    """One expert-parallel MoE layer.
+
+    Args:
+        spec: the model's MoE facts.
+        layer: index of this layer among the model's MoE layers, ``[0, L)``.
+        placement: the expert placement (required: there is no default and no global).
+        comm: the EP group (``Comm(None)`` for a single process).
+        dispatcher: a registered dispatcher name (``local``, ``all_to_all``, ...) or an instance.
+        expert_backend: a registered expert backend name (``reference``, ...).
+        replica_policy: how a token picks among an expert's copies (``static``, ``round_robin``, ``random``).
+        load_recorder: optional sink counting tokens per physical slot.
+        dtype, device: of the parameters.
+
+    Parameters: ``gate`` (router), ``experts.w13 [P/G, 2F, D]``, ``experts.w2 [P/G, D, F]`` (+ biases),
+    ``shared_experts``, ``shared_expert_gate``; all filled by the checkpoint loader.
+
+    Raises:
+        TypeError: ``placement`` is missing or not an ``ExpertPlacement``; ``comm`` is not a ``Comm``.
+        ValueError: the placement does not match the model or the EP group (sizes named).
+        KeyError: unknown dispatcher, expert backend.
+    """
+
+    def __init__(
+        self,
+        spec: MoESpec,
+        layer: int,
+        placement: ExpertPlacement,
+        comm: Comm,
+        dispatcher: str | Dispatcher = "all_to_all",
+        expert_backend: str = "reference",
+        replica_policy: ReplicaPolicy = "static",
+        load_recorder: LoadSink | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if not isinstance(placement, ExpertPlacement):
+            raise TypeError(
+                f"MoELayer for MoE layer {layer} needs an ExpertPlacement, got {type(placement).__name__}; "
+                f"build one with ExpertPlacement.trivial(...) or ExpertPlacement.load(path) and pass it explicitly"
+            )
+        if not isinstance(comm, Comm):
+            raise TypeError(f"MoELayer needs its EP group as an epmoe.comm.Comm, got {type(comm).__name__}")
+        placement.check_model(spec.num_moe_layers, spec.num_experts, what=f"model {spec.source}")
+        if placement.ep_size != comm.size:
+            raise ValueError(
+                f"placement is for EP size {placement.ep_size} but the EP group has {comm.size} ranks"
+            )
+        super().__init__(spec, spec.shared_intermediate_size, dtype, device)
+        self.layer = layer
+        self.placement = placement
+        self.comm = comm
+        self.slot_map = SlotMap(placement, layer, comm.rank, replica_policy, device)
+        self.dispatcher = (
+            make_dispatcher(dispatcher, comm, placement.slots_per_rank) if isinstance(dispatcher, str) else dispatcher
+        )
+        self.experts_fn = get_expert_backend(expert_backend)
+        self.load_recorder = load_recorder
+        self.experts = _ExpertParams(spec, placement.slots_per_rank, spec.moe_intermediate_size, dtype, device)
+
+    @property
+    def local_experts(self) -> torch.Tensor:
+        """``[P/G]`` int64: the logical expert held in each local slot of this layer."""
+        return self.placement.local_experts(self.comm.rank)[self.layer]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [..., D]`` -> ``[..., D]``: routed experts (over the EP group) plus shared experts."""
+        shape = hidden.shape
+        x = hidden.reshape(-1, shape[-1])
+        topk_idx, topk_weights = self.gate(x)
+        topk_slots = self.slot_map(topk_idx)
+        if self.load_recorder is not None:
+            self.load_recorder.record(self.layer, topk_slots)
+        handle = self.dispatcher.dispatch(x, topk_slots, topk_weights)
+        y = self.experts_fn(
+            handle.recv_x, handle.recv_slots, handle.recv_weights,
+            self.experts.weights(), self.activation, self.weight_on_input,
+        )
+        out = self.dispatcher.combine(y, handle)
+        shared = self._shared(x)
+        if shared is not None:
+            out = out + shared
+        return out.reshape(shape)
+
+
+class TPMoELayer(_MoEBase):
+    """The tensor-parallel baseline: every rank holds a ``1/G`` slice of every expert's intermediate
+    dimension (and of the shared expert), computes all tokens, then all-reduces.
+
+    Args:
+        spec: the model's MoE facts.
+        comm: the TP group.
+        expert_backend: a registered expert backend name.
+        dtype, device: of the parameters.
+
+    Parameters: ``experts.w13 [E, 2F/G, D]`` (gate slice rows then up slice rows), ``experts.w2
+    [E, D, F/G]``, biases (``b2`` non-zero on rank 0 only), shared expert slices.
+
+    Raises:
+        TypeError: ``comm`` is not a ``Comm``.
+        ValueError: ``F`` (or the shared intermediate size) not divisible by the TP size.
+    """
+
+    def __init__(self, spec: MoESpec, comm: Comm, expert_backend: str = "reference",
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        if not isinstance(comm, Comm):
+            raise TypeError(f"TPMoELayer needs its TP group as an epmoe.comm.Comm, got {type(comm).__name__}")
+        for name, size in (("moe_intermediate_size", spec.moe_intermediate_size),
+                           ("shared_intermediate_size", spec.shared_intermediate_size)):
+            if size % comm.size:
+                raise ValueError(f"{name} ({size}) must be divisible by the TP group size ({comm.size})")
+        super().__init__(spec, spec.shared_intermediate_size // comm.size, dtype, device)
+        self.comm = comm
+        self.experts_fn = get_expert_backend(expert_backend)
+        self.experts = _ExpertParams(spec, spec.num_experts, spec.moe_intermediate_size // comm.size, dtype, device)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [..., D]`` -> ``[..., D]``; one all-reduce over the TP group."""
+        shape = hidden.shape
+        x = hidden.reshape(-1, shape[-1])
+        topk_idx, topk_weights = self.gate(x)
+        out = self.experts_fn(x, topk_idx, topk_weights, self.experts.weights(), self.activation, self.weight_on_input)
+        shared = self._shared(x)
+        if shared is not None:
+            out = out + shared
+        return self.comm.all_reduce(out).reshape(shape)

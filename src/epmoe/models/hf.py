@@ -1,0 +1,190 @@
+"""A Hugging Face MoE model whose MoE blocks are ``MoELayer``s, loaded rank by rank.
+
+The transformers model is built on the ``meta`` device, its MoE blocks are swapped for ``MoELayer``s
+that allocate only this rank's expert slots, and every tensor is then read from the checkpoint: the
+non-expert weights in full (attention runs data-parallel), the experts only for the local slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+from ..dispatch import Dispatcher
+from ..layer import LoadSink, MoELayer
+from ..placement import ExpertPlacement
+from ..routing import ReplicaPolicy
+from ..spec import MoESpec, load_moe_spec
+from .checkpoint import CheckpointReader, FamilyLayout, family_layout, read_expert
+
+
+class _TupleBlock(nn.Module):
+    """Adapter for families whose decoder layer unpacks ``(hidden, router_output)`` from the MoE block."""
+
+    def __init__(self, moe: MoELayer) -> None:
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.moe(hidden), None
+
+
+@dataclass
+class EPModel:
+    """A causal LM with expert-parallel MoE layers, ready to run on one EP rank.
+
+    Attributes:
+        model: the transformers causal LM (its MoE blocks replaced).
+        spec: the model's MoE facts.
+        placement: the expert placement the layers were built with.
+        comm: the EP group.
+        moe_layers: the ``MoELayer`` of every MoE layer, in model order.
+        expert_bytes: bytes of routed-expert weights held on this rank.
+        full_expert_bytes: bytes all routed experts would take if every rank held them all.
+    """
+
+    model: nn.Module
+    spec: MoESpec
+    placement: ExpertPlacement
+    comm: Comm
+    moe_layers: list[MoELayer] = field(default_factory=list)
+    expert_bytes: int = 0
+    full_expert_bytes: int = 0
+
+    def idle_step(self) -> None:
+        """Join every MoE layer's collectives with an empty batch (a rank with nothing to do this step)."""
+        p = next(self.model.parameters())
+        empty = torch.empty(0, self.spec.hidden_size, dtype=p.dtype, device=p.device)
+        for layer in self.moe_layers:
+            layer(empty)
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} has no model.layers list of decoder layers")
+    return layers
+
+
+def build_meta_model(checkpoint_dir: str, dtype: torch.dtype) -> nn.Module:
+    """Instantiate the transformers causal LM of ``checkpoint_dir`` on the ``meta`` device (no memory).
+
+    Raises:
+        ValueError: transformers does not know the model type.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(checkpoint_dir)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def _load_moe_layer(moe: MoELayer, reader: CheckpointReader, layout: FamilyLayout, block: str) -> None:
+    with torch.no_grad():
+        for ours, suffix in layout.router.items():
+            getattr(moe.gate, ours).copy_(reader.get(f"{block}.{suffix}"))
+        if moe.shared_experts is not None:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                getattr(moe.shared_experts, proj).weight.copy_(reader.get(f"{block}.{layout.shared}.{proj}.weight"))
+        if moe.shared_expert_gate is not None:
+            moe.shared_expert_gate.weight.copy_(reader.get(f"{block}.{layout.shared_gate}"))
+        cache: dict[int, dict[str, torch.Tensor]] = {}
+        params = moe.experts
+        for slot, expert in enumerate(moe.local_experts.tolist()):
+            if expert not in cache:
+                try:
+                    cache[expert] = read_expert(reader, layout, block, expert)
+                except KeyError as exc:
+                    raise KeyError(
+                        f"checkpoint is missing a tensor of logical expert {expert} of {block}: {exc.args[0]}"
+                    ) from None
+            for name, tensor in cache[expert].items():
+                dest = getattr(params, name)
+                if dest is None:
+                    continue
+                if tuple(tensor.shape) != tuple(dest.shape[1:]):
+                    raise ValueError(
+                        f"{block} expert {expert} tensor {name} has shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(dest.shape[1:])} from config.json"
+                    )
+                dest[slot].copy_(tensor)
+
+
+def load_ep_model(
+    checkpoint_dir: str,
+    placement: ExpertPlacement,
+    comm: Comm,
+    *,
+    dispatcher: str | Dispatcher = "all_to_all",
+    expert_backend: str = "reference",
+    replica_policy: ReplicaPolicy = "static",
+    load_recorder: LoadSink | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> EPModel:
+    """Load a local Hugging Face MoE checkpoint for one EP rank.
+
+    Args:
+        checkpoint_dir: directory with ``config.json`` and safetensors weights in the published layout.
+        placement: the expert placement (checked against the model: layers and experts).
+        comm: the EP group; its rank decides which slots are loaded.
+        dispatcher, expert_backend, replica_policy, load_recorder: passed to every ``MoELayer``.
+        dtype: compute dtype of the model.
+        device: where this rank's weights live.
+
+    Returns:
+        The ``EPModel``; every parameter is materialised from the checkpoint.
+
+    Raises:
+        FileNotFoundError: no checkpoint there.
+        ValueError: placement/model mismatch; a tensor with the wrong shape.
+        KeyError: a tensor is missing from the checkpoint (named), or an unsupported family.
+    """
+    spec = load_moe_spec(checkpoint_dir)
+    layout = family_layout(spec.model_type)
+    reader = CheckpointReader(checkpoint_dir)
+    placement.check_model(spec.num_moe_layers, spec.num_experts, what=f"checkpoint {checkpoint_dir}")
+    model = build_meta_model(checkpoint_dir, dtype)
+    layers = _decoder_layers(model)
+    ep = EPModel(model=model, spec=spec, placement=placement, comm=comm)
+    for moe_index, layer_index in enumerate(spec.moe_layers):
+        moe = MoELayer(
+            spec, moe_index, placement, comm, dispatcher=dispatcher, expert_backend=expert_backend,
+            replica_policy=replica_policy, load_recorder=load_recorder, dtype=dtype, device=device,
+        )
+        block = f"model.layers.{layer_index}.{layout.ckpt_block}"
+        _load_moe_layer(moe, reader, layout, block)
+        setattr(layers[layer_index], layout.moe_attr, _TupleBlock(moe) if layout.returns_tuple else moe)
+        ep.moe_layers.append(moe)
+        ep.expert_bytes += sum(p.numel() * p.element_size() for p in moe.experts.parameters())
+    per_expert = ep.expert_bytes // max(1, placement.slots_per_rank * spec.num_moe_layers)
+    ep.full_expert_bytes = per_expert * spec.num_experts * spec.num_moe_layers
+
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if not tensor.is_meta:
+            continue
+        if name in reader:
+            state[name] = reader.get(name).to(device=device, dtype=tensor.dtype)
+        elif tied and name == "lm_head.weight":
+            continue
+        elif name.endswith("inv_freq"):
+            continue  # RoPE tables are rebuilt from the config below
+        else:
+            raise KeyError(f"checkpoint {checkpoint_dir} is missing tensor {name!r}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if tied:
+        model.tie_weights()
+    for parent in list(model.modules()):
+        for child_name, child in parent.named_children():
+            if type(child).__name__.endswith("RotaryEmbedding"):
+                setattr(parent, child_name, type(child)(config=child.config).to(device))
+    still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if still_meta:
+        raise ValueError(f"tensors left unloaded after reading {checkpoint_dir}: {still_meta[:5]}")
+    model.eval()
+    return ep

@@ -1,0 +1,139 @@
+"""Small real-format checkpoints of every served family, written by transformers itself.
+
+Each entry keeps the routing architecture of the real model (scoring, grouping, shared experts,
+dense-first layers, biases) and scales the sizes down so a whole model runs on two CPU cores in
+seconds. ``build_tiny_checkpoint`` calls ``save_pretrained``: the tensors have the published names and
+layout, and a byte-level tokenizer is saved beside them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Shared small sizes: hidden 64, 4 heads, vocab 259 (256 bytes + bos/eos/pad).
+_COMMON: dict[str, Any] = dict(
+    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=259, max_position_embeddings=256,
+    bos_token_id=256, eos_token_id=257, pad_token_id=258, tie_word_embeddings=False, initializer_range=0.05,
+)
+_MLA: dict[str, Any] = dict(
+    num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+    rope_scaling=None,
+)
+
+TINY_FAMILIES: dict[str, dict[str, Any]] = {
+    # Kimi-K2.5's language model (DeepSeek-V3 architecture, model_type kimi_k2 in the real file):
+    # sigmoid scoring with a correction bias, n_group 1, 1 shared expert, first layer dense,
+    # routed_scaling_factor 2.827, top-k normalised. 384 experts top-8 scaled to 16 experts top-4.
+    "kimi-k2.5": dict(
+        model_type="deepseek_v3", num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=16,
+        num_experts_per_tok=4, n_group=1, topk_group=1, n_shared_experts=1, moe_intermediate_size=32,
+        intermediate_size=128, routed_scaling_factor=2.827, norm_topk_prob=True, **_MLA,
+    ),
+    # DeepSeek-V3: 8 groups / top-4 groups scaled to 4 groups / top-2 groups.
+    "deepseek-v3": dict(
+        model_type="deepseek_v3", num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=16,
+        num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=32,
+        intermediate_size=128, routed_scaling_factor=2.5, norm_topk_prob=True, **_MLA,
+    ),
+    # DeepSeek-V2 with device-limited (group_limited_greedy) routing, 2 shared experts, softmax.
+    "deepseek-v2": dict(
+        model_type="deepseek_v2", num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=16,
+        num_experts_per_tok=4, n_group=4, topk_group=2, topk_method="group_limited_greedy", n_shared_experts=2,
+        moe_intermediate_size=32, intermediate_size=128, routed_scaling_factor=1.0, **_MLA,
+    ),
+    "qwen2-moe": dict(
+        model_type="qwen2_moe", num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, intermediate_size=96, norm_topk_prob=False,
+    ),
+    "qwen3-moe": dict(
+        model_type="qwen3_moe", num_hidden_layers=2, num_experts=16, num_experts_per_tok=4,
+        moe_intermediate_size=32, intermediate_size=96, norm_topk_prob=True, head_dim=16,
+    ),
+    "mixtral": dict(model_type="mixtral", num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2,
+                    intermediate_size=32),
+    "olmoe": dict(model_type="olmoe", num_hidden_layers=2, num_experts=16, num_experts_per_tok=4,
+                  intermediate_size=32, num_key_value_heads=4),
+    "gpt-oss": dict(
+        model_type="gpt_oss", num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=4,
+        intermediate_size=32, head_dim=16, layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+        swiglu_limit=7.0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    "llama4": dict(
+        model_type="llama4_text", num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=1,
+        intermediate_size=32, intermediate_size_mlp=64, head_dim=16, interleave_moe_layer_step=1,
+        no_rope_layers=[1, 1], attention_chunk_size=64, rope_scaling=None,
+    ),
+}
+
+DEFAULT_FAMILY = "kimi-k2.5"
+
+
+def _byte_tokenizer():
+    """A byte-level BPE tokenizer with no merges: token ``i < 256`` is byte ``i``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=lambda c: _byte_of(c))
+    vocab = {ch: i for i, ch in enumerate(byte_chars)}
+    vocab.update({"<s>": 256, "</s>": 257, "<pad>": 258})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def _byte_of(ch: str) -> int:
+    """GPT-2's byte -> printable-char table, inverted."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    if ord(ch) in printable:
+        return ord(ch)
+    extra = [b for b in range(256) if b not in printable]
+    return extra[ord(ch) - 256]
+
+
+def build_tiny_checkpoint(family: str, directory: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+    """Write a small checkpoint of ``family`` to ``directory`` with transformers' ``save_pretrained``.
+
+    Routers get non-trivial weights (and DeepSeek-V3 a non-zero correction bias) so that routing is
+    spread over all experts; everything else keeps transformers' own initialisation.
+
+    Args:
+        family: a key of ``TINY_FAMILIES``.
+        directory: output directory (created).
+        seed: RNG seed of the weights.
+        dtype: dtype the tensors are saved in.
+
+    Returns:
+        The directory.
+
+    Raises:
+        KeyError: unknown family (the known ones are listed).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if family not in TINY_FAMILIES:
+        raise KeyError(f"unknown tiny family {family!r}; known: {sorted(TINY_FAMILIES)}")
+    kwargs = {**_COMMON, **TINY_FAMILIES[family]}
+    model_type = kwargs.pop("model_type")
+    config = AutoConfig.for_model(model_type, **kwargs)
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("gate.weight", "router.weight")) and param.dim() == 2 and param.shape[0] > 1:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=gen) * 0.05)
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    _byte_tokenizer().save_pretrained(out)
+    (out / "epmoe_tiny.json").write_text(json.dumps({"family": family, "seed": seed}))
+    return out
