@@ -1,0 +1,61 @@
+"""Rendering a ``RunReport`` as the tables ``epmoe run`` prints."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from ..comm import COLLECTIVE_KINDS
+from .run import RunReport
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def print_run_report(report: RunReport, console: Console | None = None) -> None:
+    """Print the outputs, the per-rank table and the summary of a run."""
+    console = console or Console()
+    outputs = Table(title="Generations", show_lines=False)
+    outputs.add_column("#", justify="right")
+    outputs.add_column("prompt")
+    outputs.add_column("continuation")
+    outputs.add_column("matches reference")
+    for i, (p, o) in enumerate(zip(report.prompts, report.outputs)):
+        match = "-" if report.matches_reference is None else ("no" if i in report.mismatches else "yes")
+        outputs.add_row(str(i), p, repr(o), match)
+    console.print(outputs)
+
+    per_rank = Table(title=f"EP ranks ({report.model_type}, EP {report.ep}, {report.device})")
+    for col in ("rank", "prompts", "tokens/step (decode)", "routed tokens/step",
+                *[f"{k}/step" for k in COLLECTIVE_KINDS], "bytes sent/step", "experts held", "peak memory"):
+        per_rank.add_column(col, justify="right")
+    for r in report.ranks:
+        decode = r.batch_tokens[1:] or r.batch_tokens
+        routed = report.routed_tokens_per_step[r.rank]
+        mem = f"{r.peak_rss_mb:.0f} MiB RSS" + (f", {r.peak_cuda_mb:.0f} MiB CUDA" if r.peak_cuda_mb else "")
+        per_rank.add_row(
+            str(r.rank), str(len(r.prompts)), f"{sum(decode) / len(decode):.1f}", f"{routed:.1f}",
+            *[f"{r.collectives[k]:.0f}" for k in COLLECTIVE_KINDS],
+            _fmt_bytes(sum(r.bytes_per_step.values())),
+            f"{r.expert_mb:.2f} of {r.full_expert_mb:.2f} MiB", mem,
+        )
+    console.print(per_rank)
+
+    summary = Table(title="Summary", show_header=False)
+    summary.add_column("what")
+    summary.add_column("value")
+    summary.add_row("model", report.model)
+    summary.add_row("tokens/s (decode, all ranks)", f"{report.tokens_per_s:.1f}")
+    summary.add_row("balancedness (mean/max routed tokens per rank)", f"{report.balancedness:.3f}")
+    if report.matches_reference is None:
+        summary.add_row("matches transformers reference", "not checked (--no-reference)")
+    else:
+        verdict = "YES, token for token" if report.matches_reference else f"NO: prompts {report.mismatches} differ"
+        summary.add_row("matches transformers reference", verdict)
+        summary.add_row("last-step logits rel. error", f"{report.max_logits_rel_err:.2e}")
+    console.print(summary)
