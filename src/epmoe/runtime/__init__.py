@@ -1,0 +1,1 @@
+"""Process launch, lockstep generation and the ``epmoe run`` job."""

@@ -1,0 +1,106 @@
+"""ExpertPlacement: constructors, derived tables, per-rank views, files, validation messages."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from epmoe.placement import ExpertPlacement
+
+
+def test_contiguous_and_round_robin_layouts():
+    c = ExpertPlacement.trivial(2, 8, 4)
+    assert c.phy2log[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert c.local_experts(1).tolist() == [[2, 3], [2, 3]]
+    rr = ExpertPlacement.trivial(1, 8, 4, layout="round_robin")
+    assert rr.phy2log[0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert rr.local_slots(2) == range(4, 6)
+
+
+def test_redundant_tables():
+    p = ExpertPlacement.trivial(1, 6, 4, num_redundant=2, layout="round_robin")
+    assert p.phy2log[0].tolist() == [0, 4, 1, 5, 2, 0, 3, 1]
+    assert p.logcnt[0].tolist() == [2, 2, 1, 1, 1, 1]
+    assert p.log2phy[0].tolist() == [[0, 5], [2, 7], [4, -1], [6, -1], [1, -1], [3, -1]]
+    assert (p.num_slots, p.num_redundant, p.slots_per_rank) == (8, 2, 2)
+
+
+def test_dispatch_table_prefers_local_copy_then_spreads():
+    p = ExpertPlacement.trivial(1, 6, 4, num_redundant=2, layout="round_robin")
+    # rank 0 holds slots 0,1 (experts 0,4); expert 1 lives at slots 2 and 7 -> rank 0 takes copy 0 % 2.
+    assert p.dispatch_table(0)[0].tolist() == [0, 2, 4, 6, 1, 3]
+    # rank 1 holds slots 2,3 (experts 1,5): local copy of expert 1; expert 0 -> copy 1 % 2 = slot 5.
+    assert p.dispatch_table(1)[0].tolist() == [5, 2, 4, 6, 1, 3]
+    # every entry of every table holds the right expert
+    for r in range(4):
+        assert torch.equal(p.phy2log[0][p.dispatch_table(r)[0]], torch.arange(6))
+
+
+@pytest.mark.parametrize("suffix", [".json", ".safetensors"])
+def test_save_load_roundtrip(tmp_path, suffix):
+    p = ExpertPlacement.from_phy2log(torch.tensor([[3, 0, 1, 2, 3, 3], [0, 1, 2, 3, 0, 1]]), ep_size=3)
+    path = tmp_path / f"pl{suffix}"
+    p.save(path)
+    q = ExpertPlacement.load(path)
+    assert q == p and q.ep_size == 3 and q.num_experts == 4
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_sglang_key_and_ep_size_argument(tmp_path):
+    path = tmp_path / "sgl.json"
+    path.write_text(json.dumps({"physical_to_logical_map": [[1, 0, 1, 0]]}))
+    p = ExpertPlacement.load(path, ep_size=2)
+    assert p.phy2log.tolist() == [[1, 0, 1, 0]] and p.ep_size == 2
+    with pytest.raises(ValueError, match="field 'ep_size' is missing and no EP size was given"):
+        ExpertPlacement.load(path)
+
+
+@pytest.mark.parametrize(
+    "phy2log, ep, experts, message",
+    [
+        ([[0, 1, 1, 1]], 2, 3, r"layer 0: logical expert 2 has no physical slot"),
+        ([[0, 1, 2, 3, 4]], 2, 5, r"num_slots \(5\) must be divisible by the EP group size \(2\)"),
+        ([[0, 1]], 4, 2, r"EP size \(4\) is larger than the number of slots \(2\)"),
+        ([[0, 1, 2, 9]], 2, 4, r"phy2log\[0, 3\] = 9 is not a logical expert id in \[0, 4\)"),
+        ([[0, 1, 2, 3], [0, 1, 2, 2]], 2, 4, r"layer 1: logical expert 3 has no physical slot"),
+    ],
+)
+def test_validation_messages(phy2log, ep, experts, message):
+    with pytest.raises(ValueError, match=message):
+        ExpertPlacement(torch.tensor(phy2log), num_experts=experts, ep_size=ep)
+
+
+def test_type_errors_and_model_check():
+    with pytest.raises(TypeError, match="integer tensor"):
+        ExpertPlacement(torch.zeros(1, 4), num_experts=4, ep_size=1)
+    p = ExpertPlacement.trivial(3, 8, 2)
+    with pytest.raises(ValueError, match="placement covers 3 MoE layers but the model has 4"):
+        p.check_model(4, 8)
+    with pytest.raises(ValueError, match="placement is for 8 logical experts per layer but the model has 16"):
+        p.check_model(3, 16)
+
+
+@pytest.mark.parametrize(
+    "doc, message",
+    [
+        ({"ep_size": 2, "phy2log": [[0, 1], [0]]}, r"phy2log layer 1 has 1 slots but layer 0 has 2"),
+        ({"ep_size": 2}, r"field 'phy2log' is missing"),
+        ({"ep_size": 2, "num_experts": 4, "phy2log": [[0, 1, 2, 2]]}, r"layer 0: logical expert 3 has no physical slot"),
+        ({"ep_size": 2, "phy2log": [[0, 1.5]]}, r"integers only"),
+    ],
+)
+def test_bad_files_name_the_problem(tmp_path, doc, message):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=message) as info:
+        ExpertPlacement.load(path)
+    assert "bad.json" in str(info.value)
+
+
+def test_file_ep_disagreement(tmp_path):
+    path = tmp_path / "p.json"
+    ExpertPlacement.trivial(1, 4, 2).save(path)
+    with pytest.raises(ValueError, match="the file is for EP size 2 but EP size 4 was asked for"):
+        ExpertPlacement.load(path, ep_size=4)
