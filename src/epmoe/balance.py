@@ -1,0 +1,474 @@
+"""Expert load balancing (EPLB): pure functions ``load [L, E] -> ExpertPlacement``.
+
+Load model (the same as DeepSeek's EPLB): the ``c`` copies of one logical expert share its load
+evenly, so a copy of expert ``e`` carries ``load[e] / logcnt[e]`` tokens, and an EP rank's load is the
+sum over the slots it holds. ``balancedness`` of a layer is mean over ranks / max over ranks of that
+per-rank load (1.0 = perfect); of a placement, the average over layers.
+
+Balancers (all take ``load, ep_size, num_redundant`` and the keywords ``num_nodes``, ``num_groups``):
+
+* ``"deepseek"``: DeepSeek's published EPLB (github.com/deepseek-ai/EPLB), see ``balance_deepseek``.
+* ``"epmoe"``: ours. Replicate by largest load per copy (which minimises the heaviest copy), pack the
+  copies heaviest first onto the lightest rank with a free slot and without a copy of the same expert
+  (LPT with cardinality), then improve by local search: swap a copy on the busiest rank with a lighter
+  copy on another rank while that lowers the busiest rank, and move a redundant copy from a cold
+  expert to a hot one on the busiest rank while that lowers the maximum. Every rank holds ``P / G``
+  slots, every expert at least one copy, and no rank two copies of one expert unless ``P / G > E``.
+* ``"exact"``: the optimum of a mixed-integer model solved by scipy's HiGHS (``balance_exact``).
+
+The hierarchical option (``num_nodes > 1``) keeps every expert group on one node, as DeepSeek's
+hierarchical policy does: groups are packed onto nodes, then each node is balanced on its own slots.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Callable, Mapping
+
+import numpy as np
+import torch
+
+from epmoe.balance_deepseek import deepseek_phy2log
+from epmoe.placement import ExpertPlacement
+
+Balancer = Callable[..., ExpertPlacement]
+
+_REL_EPS = 1e-12
+
+
+# ---- input checks -------------------------------------------------------------------------------
+def as_load_array(load: torch.Tensor | np.ndarray, name: str = "load") -> np.ndarray:
+    """Validate a logical load table and return it as a float64 array.
+
+    Args:
+        load: ``[L, E]`` tokens routed to each logical expert, any real dtype.
+        name: the field name used in error messages.
+
+    Returns:
+        ``[L, E]`` float64 copy.
+
+    Raises:
+        ValueError: not 2-D, empty, NaN or infinite entries, or negative entries (position named).
+    """
+    arr = load.detach().cpu().double().numpy() if isinstance(load, torch.Tensor) else np.asarray(load, dtype=np.float64)
+    if arr.ndim != 2:
+        raise ValueError(f"{name} must be 2-D [num_layers, num_experts], got shape {tuple(arr.shape)}")
+    if arr.shape[0] == 0 or arr.shape[1] == 0:
+        raise ValueError(f"{name} must have at least one layer and one expert, got shape {tuple(arr.shape)}")
+    bad = ~np.isfinite(arr)
+    if bad.any():
+        layer, expert = (int(v) for v in np.argwhere(bad)[0])
+        raise ValueError(f"{name}[{layer}, {expert}] = {arr[layer, expert]} is not a finite number")
+    neg = arr < 0
+    if neg.any():
+        layer, expert = (int(v) for v in np.argwhere(neg)[0])
+        raise ValueError(f"{name}[{layer}, {expert}] = {arr[layer, expert]} is negative; loads count tokens")
+    return arr.copy()
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_problem(
+    load: torch.Tensor | np.ndarray, ep_size: int, num_redundant: int, num_nodes: int = 1, num_groups: int = 1
+) -> np.ndarray:
+    """Validate a balancing problem; return the loads as ``[L, E]`` float64.
+
+    Raises:
+        ValueError: bad loads (see ``as_load_array``), a non-positive count, more EP ranks than slots,
+            slots not divisible by the EP size, EP size not divisible by ``num_nodes``, experts not
+            divisible by ``num_groups``, or ``num_groups`` not divisible by ``num_nodes``.
+    """
+    w = as_load_array(load)
+    num_experts = w.shape[1]
+    ep_size = _check_int("ep_size", ep_size, 1)
+    num_redundant = _check_int("num_redundant", num_redundant, 0)
+    num_nodes = _check_int("num_nodes", num_nodes, 1)
+    num_groups = _check_int("num_groups", num_groups, 1)
+    num_slots = num_experts + num_redundant
+    if ep_size > num_slots:
+        raise ValueError(
+            f"ep_size ({ep_size}) is larger than the number of slots ({num_slots} = {num_experts} experts + "
+            f"{num_redundant} redundant): every EP rank needs at least one slot"
+        )
+    if num_slots % ep_size:
+        raise ValueError(
+            f"num_slots ({num_slots} = {num_experts} experts + {num_redundant} redundant) must be divisible "
+            f"by the EP group size ({ep_size})"
+        )
+    if ep_size % num_nodes:
+        raise ValueError(f"ep_size ({ep_size}) must be divisible by num_nodes ({num_nodes})")
+    if num_experts % num_groups:
+        raise ValueError(f"num_experts ({num_experts}) must be divisible by num_groups ({num_groups})")
+    if num_groups % num_nodes:
+        raise ValueError(f"num_groups ({num_groups}) must be divisible by num_nodes ({num_nodes})")
+    return w
+
+
+# ---- metrics ------------------------------------------------------------------------------------
+def _rank_loads_np(w: np.ndarray, phy2log: np.ndarray, ep_size: int) -> np.ndarray:
+    num_layers, num_experts = w.shape
+    cnt = np.zeros((num_layers, num_experts))
+    np.add.at(cnt, (np.arange(num_layers)[:, None], phy2log), 1.0)
+    per_slot = np.take_along_axis(w / np.maximum(cnt, 1.0), phy2log, axis=1)
+    return per_slot.reshape(num_layers, ep_size, -1).sum(-1)
+
+
+def _check_pair(load: torch.Tensor | np.ndarray, placement: ExpertPlacement) -> np.ndarray:
+    w = as_load_array(load)
+    if w.shape != (placement.num_layers, placement.num_experts):
+        raise ValueError(
+            f"load has shape {tuple(w.shape)} but the placement covers "
+            f"[{placement.num_layers}, {placement.num_experts}] (layers, experts)"
+        )
+    return w
+
+
+def rank_loads(load: torch.Tensor | np.ndarray, placement: ExpertPlacement) -> torch.Tensor:
+    """Tokens each EP rank computes, copies of an expert sharing its load evenly.
+
+    Args:
+        load: ``[L, E]`` tokens per logical expert.
+        placement: the placement to evaluate.
+
+    Returns:
+        ``[L, G]`` float64 tokens per EP rank.
+
+    Raises:
+        ValueError: bad loads or a shape that does not match the placement.
+    """
+    w = _check_pair(load, placement)
+    return torch.from_numpy(_rank_loads_np(w, placement.phy2log.numpy(), placement.ep_size))
+
+
+def layer_balancedness(load: torch.Tensor | np.ndarray, placement: ExpertPlacement) -> torch.Tensor:
+    """``[L]`` float64: per layer, mean over ranks / max over ranks of the rank load (1.0 if all zero)."""
+    r = rank_loads(load, placement)
+    mx = r.max(dim=1).values
+    return torch.where(mx > 0, r.mean(dim=1) / torch.where(mx > 0, mx, 1.0), torch.ones_like(mx))
+
+
+def balancedness(load: torch.Tensor | np.ndarray, placement: ExpertPlacement) -> float:
+    """Mean over layers of ``layer_balancedness`` (1.0 = every rank equally busy).
+
+    Raises:
+        ValueError: bad loads or a shape that does not match the placement.
+    """
+    return float(layer_balancedness(load, placement).mean())
+
+
+def max_load_lower_bound(load: torch.Tensor | np.ndarray, ep_size: int, num_redundant: int = 0) -> torch.Tensor:
+    """A proven lower bound on the maximum rank load of any placement, per layer.
+
+    Bound = max of (i), (ii) and, when ``num_redundant == 0``, (iii):
+
+    (i) ``W / G`` with ``W`` the layer's total load: the rank loads sum to ``W``, so the largest is at
+    least their mean.
+
+    (ii) ``m* = min over copy counts c (c_e >= 1, sum c_e = P) of max_e w_e / c_e``: a rank holding a copy
+    of ``e`` carries at least ``w_e / c_e`` (loads are non-negative). ``m*`` is what greedy replication
+    reaches (each extra copy to the largest ``w_e / c_e``): greedy gave expert ``e`` its last copy when
+    ``w_e / (c_e - 1)`` was the current maximum, which never increases, so ``w_e / (c_e - 1) >= m_g``
+    (the final maximum, attained by some ``e*``). A count vector ``c'`` with maximum below ``m_g`` needs
+    ``c'_e > c_e - 1`` for all ``e`` and ``c'_e* > c_e*``, hence ``sum c' > sum c = P``: impossible.
+
+    (iii) with one copy per expert: among the ``G + 1`` heaviest experts two share a rank
+    (pigeonhole), so some rank carries ``>= w_(G) + w_(G+1)`` (sorted descending); and the rank holding
+    the heaviest expert holds ``P/G - 1`` other experts, so it carries ``>= w_(1) +`` the sum of the
+    ``P/G - 1`` lightest other experts.
+
+    Args:
+        load: ``[L, E]`` tokens per logical expert.
+        ep_size: ``G`` EP ranks.
+        num_redundant: ``R`` redundant slots (``P = E + R``).
+
+    Returns:
+        ``[L]`` float64 lower bound on the maximum rank load (tokens).
+
+    Raises:
+        ValueError: as ``check_problem``.
+    """
+    w = check_problem(load, ep_size, num_redundant)
+    num_layers, num_experts = w.shape
+    bound = w.sum(1) / ep_size
+    counts = _replicate(w, num_experts + num_redundant, cap=None)
+    bound = np.maximum(bound, (w / counts).max(1))
+    if num_redundant == 0:
+        desc = -np.sort(-w, axis=1)
+        if num_experts > ep_size:
+            bound = np.maximum(bound, desc[:, ep_size - 1] + desc[:, ep_size])
+        per_rank = num_experts // ep_size
+        bound = np.maximum(bound, desc[:, 0] + desc[:, num_experts - (per_rank - 1):].sum(1) * (per_rank > 1))
+    return torch.from_numpy(bound)
+
+
+# ---- epmoe's balancer ---------------------------------------------------------------------------
+def _replicate(w: np.ndarray, num_slots: int, cap: int | None) -> np.ndarray:
+    """``[B, E]`` int64 copies per expert: each extra slot to the largest load per copy (below ``cap``)."""
+    counts = np.ones(w.shape, dtype=np.int64)
+    rows = np.arange(w.shape[0])
+    for _ in range(num_slots - w.shape[1]):
+        per_copy = w / counts
+        if cap is not None:
+            per_copy = np.where(counts < cap, per_copy, -1.0)
+        counts[rows, np.argmax(per_copy, axis=1)] += 1
+    return counts
+
+
+def _pack_lpt(copy_w: np.ndarray, copy_e: np.ndarray, ep_size: int, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Heaviest copy first onto the lightest rank with a free slot and without that expert.
+
+    Args:
+        copy_w: ``[B, P]`` float64 load of each copy.
+        copy_e: ``[B, P]`` int64 expert of each copy.
+
+    Returns:
+        ``(rank_w, rank_e)``: ``[B, G, P/G]`` copy loads and experts per rank.
+    """
+    num_rows, num_slots = copy_w.shape
+    per_rank = num_slots // ep_size
+    rows = np.arange(num_rows)
+    order = np.argsort(-copy_w, axis=1, kind="stable")
+    loads = np.zeros((num_rows, ep_size))
+    fill = np.zeros((num_rows, ep_size), dtype=np.int64)
+    has = np.zeros((num_rows, ep_size, num_experts), dtype=bool)
+    rank_w = np.zeros((num_rows, ep_size, per_rank))
+    rank_e = np.zeros((num_rows, ep_size, per_rank), dtype=np.int64)
+    penalty = (2.0 * copy_w.sum(1) + 1.0)[:, None]
+    for t in range(num_slots):
+        item = order[:, t]
+        e = copy_e[rows, item]
+        cost = np.where(fill < per_rank, loads + penalty * has[rows, :, e], np.inf)
+        g = np.argmin(cost, axis=1)
+        rank_w[rows, g, fill[rows, g]] = copy_w[rows, item]
+        rank_e[rows, g, fill[rows, g]] = e
+        loads[rows, g] += copy_w[rows, item]
+        fill[rows, g] += 1
+        has[rows, g, e] = True
+    return rank_w, rank_e
+
+
+def _swap_search(rank_w: np.ndarray, rank_e: np.ndarray, num_experts: int, max_iters: int) -> None:
+    """Swap a copy on the busiest rank with a lighter one elsewhere while the busiest rank gets lighter.
+
+    Works in place on ``rank_w, rank_e [B, G, S]``. A swap must keep every rank free of duplicate
+    experts and leave the partner below the old maximum, so the sorted rank loads decrease
+    lexicographically and the search terminates.
+    """
+    num_rows, ep_size, per_rank = rank_w.shape
+    active = np.arange(num_rows)
+    for _ in range(max_iters):
+        if active.size == 0:
+            return
+        w, e = rank_w[active], rank_e[active]
+        n = active.size
+        rows = np.arange(n)
+        loads = w.sum(2)
+        top = np.argmax(loads, axis=1)
+        mx = loads[rows, top]
+        a_w, a_e = w[rows, top], e[rows, top]  # [n, S]
+        delta = a_w[:, :, None, None] - w[:, None, :, :]  # [n, S, G, S]
+        new_peak = np.maximum(mx[:, None, None, None] - delta, loads[:, None, :, None] + delta)
+        a_on_h = (e[:, None, :, :] == a_e[:, :, None, None]).any(-1)  # [n, S, G]
+        b_on_top = (e[:, :, :, None] == a_e[:, None, None, :]).any(-1)  # [n, G, S]
+        # h == top never qualifies: its load is mx, so loads[h] + delta < mx fails for delta > 0.
+        ok = (delta > 0) & (new_peak < mx[:, None, None, None] * (1 - _REL_EPS))
+        ok &= ~a_on_h[:, :, :, None]
+        ok &= ~b_on_top[:, None, :, :]
+        score = np.where(ok, new_peak, np.inf).reshape(n, -1)
+        best = np.argmin(score, axis=1)
+        improved = np.isfinite(score[rows, best])
+        sa, h, sb = np.unravel_index(best, (per_rank, ep_size, per_rank))
+        r, sa, h, sb, t = rows[improved], sa[improved], h[improved], sb[improved], top[improved]
+        g_rows = active[r]
+        wa, ea = rank_w[g_rows, t, sa].copy(), rank_e[g_rows, t, sa].copy()
+        rank_w[g_rows, t, sa], rank_e[g_rows, t, sa] = rank_w[g_rows, h, sb], rank_e[g_rows, h, sb]
+        rank_w[g_rows, h, sb], rank_e[g_rows, h, sb] = wa, ea
+        active = g_rows
+    return
+
+
+def _recopy_search(w: np.ndarray, rank_e: np.ndarray, max_iters: int) -> np.ndarray:
+    """Move one redundant copy from a cold expert to an expert on the busiest rank, while it helps.
+
+    One layer at a time. A candidate takes a slot holding expert ``y`` (``c_y >= 2``) and gives it to an
+    expert ``x`` on the busiest rank that is not yet on the slot's rank; it is kept only when the maximum
+    rank load drops. Returns the new ``[G, S]`` experts.
+    """
+    ep_size, per_rank = rank_e.shape
+    num_experts = w.size
+    slot_rank = np.repeat(np.arange(ep_size), per_rank)
+    phy = rank_e.reshape(-1).copy()
+    for _ in range(max_iters):
+        cnt = np.bincount(phy, minlength=num_experts)
+        on = np.zeros((ep_size, num_experts))
+        on[slot_rank, phy] = 1.0
+        loads = on @ (w / np.maximum(cnt, 1))
+        top = int(np.argmax(loads))
+        mx = loads[top]
+        hot = phy[slot_rank == top]
+        donors = np.nonzero(cnt[phy] >= 2)[0]
+        slot = np.repeat(donors, hot.size)
+        x = np.tile(hot, donors.size)
+        h, y = slot_rank[slot], phy[slot]
+        keep = on[h, x] == 0
+        slot, x, h, y = slot[keep], x[keep], h[keep], y[keep]
+        if slot.size == 0:
+            break
+        cy, cx = cnt[y], cnt[x]
+        gain_y = w[y] / (cy - 1) - w[y] / cy
+        drop_x = w[x] / cx - w[x] / (cx + 1)
+        new = loads + on[:, y].T * gain_y[:, None] - on[:, x].T * drop_x[:, None]
+        idx = np.arange(slot.size)
+        new[idx, h] += -w[y] / cy - gain_y + w[x] / (cx + 1)
+        peak = new.max(1)
+        best = int(np.argmin(peak))
+        if not peak[best] < mx * (1 - _REL_EPS):
+            break
+        phy[slot[best]] = x[best]
+    return phy.reshape(ep_size, per_rank)
+
+
+def _balance_flat(w: np.ndarray, num_slots: int, ep_size: int) -> np.ndarray:
+    """epmoe's balancer on ``B`` independent rows: ``w [B, E]`` -> ``phy2log [B, P]`` int64."""
+    num_rows, num_experts = w.shape
+    per_rank = num_slots // ep_size
+    distinct = per_rank <= num_experts
+    counts = _replicate(w, num_slots, cap=ep_size if distinct else None)
+    copy_e = np.repeat(np.broadcast_to(np.arange(num_experts), w.shape).reshape(-1), counts.reshape(-1))
+    copy_e = copy_e.reshape(num_rows, num_slots)
+    copy_w = np.take_along_axis(w / counts, copy_e, axis=1)
+    rank_w, rank_e = _pack_lpt(copy_w, copy_e, ep_size, num_experts)
+    iters = 4 * num_slots
+    _swap_search(rank_w, rank_e, num_experts, iters)
+    if distinct and num_slots > num_experts:
+        for b in range(num_rows):
+            before = rank_w[b].sum(1).max()
+            new_e = _recopy_search(w[b], rank_e[b], iters)
+            if not np.array_equal(new_e, rank_e[b]):
+                cnt = np.bincount(new_e.reshape(-1), minlength=num_experts)
+                rw, re = (w[b][new_e] / cnt[new_e])[None], new_e[None].copy()
+                _swap_search(rw, re, num_experts, iters)
+                if rw[0].sum(1).max() < before:
+                    rank_w[b], rank_e[b] = rw[0], re[0]
+    rank_e = np.sort(rank_e, axis=2)
+    return rank_e.reshape(num_rows, num_slots)
+
+
+def _hierarchical(w: np.ndarray, num_slots: int, ep_size: int, num_nodes: int, num_groups: int) -> np.ndarray:
+    """Groups onto nodes (LPT + swaps), then ``_balance_flat`` inside every node."""
+    num_layers, num_experts = w.shape
+    group_size = num_experts // num_groups
+    group_w = w.reshape(num_layers, num_groups, group_size).sum(-1)
+    node_w, node_g = _pack_lpt(group_w, np.broadcast_to(np.arange(num_groups), group_w.shape).copy(), num_nodes, num_groups)
+    _swap_search(node_w, node_g, num_groups, 4 * num_groups)
+    node_g = np.sort(node_g, axis=2)  # [L, N, K/N]
+    experts = (node_g[..., None] * group_size + np.arange(group_size)).reshape(num_layers, num_nodes, -1)
+    local_w = np.take_along_axis(w, experts.reshape(num_layers, -1), axis=1).reshape(num_layers * num_nodes, -1)
+    local_phy = _balance_flat(local_w, num_slots // num_nodes, ep_size // num_nodes)
+    phy = np.take_along_axis(experts.reshape(num_layers * num_nodes, -1), local_phy, axis=1)
+    return phy.reshape(num_layers, num_slots)
+
+
+def balance_epmoe(
+    load: torch.Tensor | np.ndarray,
+    ep_size: int,
+    num_redundant: int = 0,
+    *,
+    num_nodes: int = 1,
+    num_groups: int = 1,
+) -> ExpertPlacement:
+    """epmoe's balancer: greedy replication, LPT packing, then local search (moves and swaps).
+
+    Args:
+        load: ``[L, E]`` tokens per logical expert (non-negative, finite).
+        ep_size: ``G`` EP ranks.
+        num_redundant: ``R`` redundant slots per layer; ``E + R`` divisible by ``G``.
+        num_nodes: nodes; ``> 1`` selects the hierarchical option (every group stays on one node).
+        num_groups: expert groups (contiguous blocks of ``E / num_groups`` experts).
+
+    Returns:
+        The placement (``P = E + R`` slots, each rank ``P / G``, every expert at least one copy).
+
+    Raises:
+        ValueError: as ``check_problem``.
+    """
+    w = check_problem(load, ep_size, num_redundant, num_nodes, num_groups)
+    num_slots = w.shape[1] + num_redundant
+    if num_nodes > 1:
+        phy = _hierarchical(w, num_slots, ep_size, num_nodes, num_groups)
+    else:
+        phy = _balance_flat(w, num_slots, ep_size)
+    return ExpertPlacement(torch.from_numpy(phy), num_experts=w.shape[1], ep_size=ep_size)
+
+
+def balance_deepseek(
+    load: torch.Tensor | np.ndarray,
+    ep_size: int,
+    num_redundant: int = 0,
+    *,
+    num_nodes: int = 1,
+    num_groups: int = 1,
+) -> ExpertPlacement:
+    """DeepSeek's EPLB (github.com/deepseek-ai/EPLB): hierarchical when ``num_nodes > 1``, else global.
+
+    With ``num_nodes == 1`` and ``num_groups > 1`` this is DeepSeek's hierarchical policy on one node,
+    as its ``rebalance_experts`` does whenever the groups divide over the nodes.
+
+    Args:
+        load: ``[L, E]`` tokens per logical expert.
+        ep_size: ``G`` EP ranks (DeepSeek's ``num_gpus``).
+        num_redundant: ``R``; DeepSeek's ``num_replicas`` is ``E + R``.
+        num_nodes: nodes.
+        num_groups: expert groups.
+
+    Raises:
+        ValueError: as ``check_problem`` (DeepSeek silently falls back to the global policy when the
+            groups do not divide over the nodes; epmoe reports it).
+    """
+    w = check_problem(load, ep_size, num_redundant, num_nodes, num_groups)
+    phy = deepseek_phy2log(w, w.shape[1] + num_redundant, num_groups, num_nodes, ep_size)
+    return ExpertPlacement(torch.from_numpy(phy), num_experts=w.shape[1], ep_size=ep_size)
+
+
+def _balance_exact(load, ep_size, num_redundant=0, *, num_nodes=1, num_groups=1):
+    from epmoe.balance_exact import solve_exact
+
+    return solve_exact(load, ep_size, num_redundant, num_nodes=num_nodes, num_groups=num_groups).placement
+
+
+BALANCERS: Mapping[str, Balancer] = MappingProxyType(
+    {"deepseek": balance_deepseek, "epmoe": balance_epmoe, "exact": _balance_exact}
+)
+
+
+def get_balancer(name: str) -> Balancer:
+    """The balancer registered as ``name``.
+
+    Raises:
+        KeyError: an unknown name (the supported names are listed).
+    """
+    if name not in BALANCERS:
+        raise KeyError(f"unknown balancer {name!r}; supported: {', '.join(sorted(BALANCERS))}")
+    return BALANCERS[name]
+
+
+def balance(
+    load: torch.Tensor | np.ndarray,
+    ep_size: int,
+    num_redundant: int = 0,
+    *,
+    algorithm: str = "epmoe",
+    num_nodes: int = 1,
+    num_groups: int = 1,
+) -> ExpertPlacement:
+    """Run the balancer named ``algorithm`` (see ``BALANCERS``).
+
+    Raises:
+        KeyError: unknown ``algorithm``.
+        ValueError: as ``check_problem``.
+    """
+    return get_balancer(algorithm)(load, ep_size, num_redundant, num_nodes=num_nodes, num_groups=num_groups)
