@@ -168,9 +168,16 @@ class AllToAllDispatcher:
         return out
 
 
+def _fixed_capacity(comm: Comm, slots_per_rank: int, **options) -> Dispatcher:
+    from .dispatch_fixed import FixedCapacityDispatcher  # its module imports this one
+
+    return FixedCapacityDispatcher(comm, slots_per_rank, **options)
+
+
 DISPATCHERS: dict[str, Callable[..., Dispatcher]] = {
     "local": lambda comm, slots_per_rank, **_: LocalDispatcher(slots_per_rank * comm.size),
     "all_to_all": lambda comm, slots_per_rank, **_: AllToAllDispatcher(comm, slots_per_rank),
+    "fixed_capacity": _fixed_capacity,
 }
 
 

@@ -166,8 +166,22 @@ def _reference() -> ExpertBackend:
     return reference_experts
 
 
+def _triton() -> ExpertBackend:
+    from .kernels.select import make_triton_backend  # imports Triton lazily; CPU tensors use the reference
+
+    return make_triton_backend()
+
+
+def _grouped_mm() -> ExpertBackend:
+    from .kernels.select import make_grouped_mm_backend
+
+    return make_grouped_mm_backend()
+
+
 EXPERT_BACKENDS: dict[str, Callable[[], ExpertBackend]] = {
     "reference": _reference,
+    "triton": _triton,
+    "grouped_mm": _grouped_mm,
 }
 
 

@@ -1,0 +1,345 @@
+"""Fused MoE expert compute in Triton: align pairs to slot blocks, gate/up GEMM + activation, down GEMM.
+
+Pipeline for ``x [T, D]`` and ``topk_slots [T, K]`` (``N = T * K`` pairs), all launches of static grid
+size and no host synchronisation (CUDA-graph safe):
+
+1. ``_count_kernel``: per-slot pair counts with atomics.
+2. ``_offsets_kernel`` (one program): block-padded slot offsets (prefix sum), the slot of every row
+   block, the padding sentinel in every sorted position.
+3. ``_scatter_kernel``: each pair takes a position in its slot's group (atomics; the order inside a
+   group does not change any row's result).
+4. ``_gate_up_kernel``: per (row block, F tile): rows gathered from ``x`` by pair id, gate and up tiles
+   accumulated side by side in float32, bias, the gated activation, stored as ``h [NB*BM, F]``.
+5. ``_down_kernel``: per (row block, D tile): ``h @ w2[slot].T``, bias, times the routing weight,
+   stored at the pair's row of ``y [N, D]``.
+6. ``_sum_kernel``: ``out[t] = sum_k y[t*K + k]`` over the pairs whose slot is not ``-1``.
+
+Block-quantized FP8 weights (``BlockFP8ExpertWeights``) are read as float8_e4m3fn, widened to bf16 in
+registers and the tile product scaled by its 128x128 block scale (``BLOCK_K == 128`` so each K step sees
+one scale); activations stay bf16.
+
+Sources: the padded block alignment and the gathered-row grouped GEMM follow the design of vLLM's
+``fused_moe`` Triton kernel (vllm/model_executor/layers/fused_moe/fused_moe.py) and SGLang's
+``moe_align_block_size``; the block FP8 format is DeepSeek-V3's (arXiv:2412.19437, section 3.3). The
+code here is our own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..experts import Activation, ExpertWeights
+from .align import Alignment, num_aligned_blocks
+from .fp8 import FP8_BLOCK, BlockFP8ExpertWeights
+
+_ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2}
+_CLAMPED_SWIGLU = 3
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile shapes of the two GEMM kernels.
+
+    Attributes:
+        block_m: rows per block (the alignment unit).
+        block_n1: F columns per gate/up program (gate and up each; the program computes ``2 * block_n1``).
+        block_n2: D columns per down program.
+        block_k: reduction step (must be 128 for FP8 weights).
+        num_warps: warps per program.
+        num_stages: software pipeline depth.
+    """
+
+    block_m: int
+    block_n1: int
+    block_n2: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(num_pairs: int, num_slots: int, fp8: bool) -> TileConfig:
+    """Tile shapes from the expected rows per slot ``N / S`` (static: no look at the routing).
+
+    Decode sizes (``N / S <= 16``) are weight-read bound: small row blocks, narrow column tiles so that
+    several programs per expert keep every SM streaming weights. Prefill sizes are matrix bound: 128-row
+    blocks (Hopper wgmma tiles).
+    """
+    rows = num_pairs / max(num_slots, 1)
+    if rows <= 16:
+        return TileConfig(16, 16, 32, 128, 4, 4)
+    if rows <= 96:
+        return TileConfig(64, 64, 64, 128 if fp8 else 64, 4, 4)
+    return TileConfig(128, 64, 128, 128 if fp8 else 64, 8, 3)
+
+
+@triton.jit
+def _count_kernel(slots_ptr, counts_ptr, num_pairs, num_slots, BLOCK: tl.constexpr):
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    key = tl.load(slots_ptr + idx, mask=idx < num_pairs, other=-1)
+    ok = (key >= 0) & (key < num_slots)
+    tl.atomic_add(counts_ptr + tl.where(ok, key, 0), tl.full([BLOCK], 1, tl.int32), mask=ok)
+
+
+@triton.jit
+def _offsets_kernel(
+    counts_ptr, cursor_ptr, block_slot_ptr, sorted_ptr, num_pairs, num_slots, num_blocks,
+    BLOCK_M: tl.constexpr, S_PAD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
+):
+    s = tl.arange(0, S_PAD)
+    counts = tl.load(counts_ptr + s, mask=s < num_slots, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + s, end - padded, mask=s < num_slots)
+    for b0 in range(0, num_blocks, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        row = b * BLOCK_M
+        slot = tl.sum((end[None, :] <= row[:, None]).to(tl.int32), axis=1)
+        slot = tl.where(slot < num_slots, slot, -1)
+        tl.store(block_slot_ptr + b, slot, mask=b < num_blocks)
+    for i0 in range(0, num_blocks * BLOCK_M, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        tl.store(sorted_ptr + i, tl.full([BLOCK], 0, tl.int32) + num_pairs, mask=i < num_blocks * BLOCK_M)
+
+
+@triton.jit
+def _scatter_kernel(slots_ptr, cursor_ptr, sorted_ptr, num_pairs, num_slots, BLOCK: tl.constexpr):
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    key = tl.load(slots_ptr + idx, mask=idx < num_pairs, other=-1)
+    ok = (key >= 0) & (key < num_slots)
+    pos = tl.atomic_add(cursor_ptr + tl.where(ok, key, 0), tl.full([BLOCK], 1, tl.int32), mask=ok)
+    tl.store(sorted_ptr + pos, idx.to(tl.int32), mask=ok)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, ws_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, block_slot_ptr,
+    num_pairs, top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn,
+    act_limit, act_alpha,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ACT: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
+):
+    num_n = tl.cdiv(F, BLOCK_N)
+    pid_m = tl.program_id(0) // num_n
+    pid_n = tl.program_id(0) % num_n
+    slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
+    if slot < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    tok = (pair // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < F
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
+    wg_ptrs = w_ptr + slot * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    wu_ptrs = wg_ptrs + F * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k_ok = offs_k < D - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8:
+            kb = k0 // BLOCK_K
+            sg = tl.load(ws_ptr + slot * stride_se + (pid_n * BLOCK_N // 128) * stride_sn + kb)
+            su = tl.load(ws_ptr + slot * stride_se + ((F + pid_n * BLOCK_N) // 128) * stride_sn + kb)
+            acc_g += tl.dot(a, wg.to(a.dtype)) * sg
+            acc_u += tl.dot(a, wu.to(a.dtype)) * su
+        else:
+            acc_g = tl.dot(a, wg, acc_g)
+            acc_u = tl.dot(a, wu, acc_u)
+        a_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K
+        wu_ptrs += BLOCK_K
+    if WEIGHT_ON_INPUT:
+        tw = tl.load(tw_ptr + pair, mask=valid, other=0.0)
+        acc_g *= tw[:, None]
+        acc_u *= tw[:, None]
+    if HAS_BIAS:
+        acc_g += tl.load(b_ptr + slot * 2 * F + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptr + slot * 2 * F + F + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ACT == 0:
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    elif ACT == 1:
+        h = 0.5 * acc_g * (1.0 + tl.erf(acc_g * 0.7071067811865476)) * acc_u
+    elif ACT == 2:
+        h = tl.maximum(acc_g, 0.0) * acc_u
+    else:
+        g = tl.minimum(acc_g, act_limit)
+        u = tl.minimum(tl.maximum(acc_u, -act_limit), act_limit)
+        h = (u + 1.0) * (g / (1.0 + tl.exp(-g * act_alpha)))
+    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * F + offs_n[None, :]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w_ptr, ws_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, block_slot_ptr,
+    num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
+):
+    num_n = tl.cdiv(D, BLOCK_N)
+    pid_m = tl.program_id(0) // num_n
+    pid_n = tl.program_id(0) % num_n
+    slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
+    if slot < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < D
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + rows[:, None].to(tl.int64) * F + offs_k[None, :]
+    w_ptrs = w_ptr + slot * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, F, BLOCK_K):
+        k_ok = offs_k < F - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8:
+            sc = tl.load(ws_ptr + slot * stride_se + (pid_n * BLOCK_N // 128) * stride_sn + k0 // BLOCK_K)
+            acc += tl.dot(a, w.to(a.dtype)) * sc
+        else:
+            acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + slot * D + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if not WEIGHT_ON_INPUT:
+        tw = tl.load(tw_ptr + pair, mask=valid, other=0.0)
+        acc *= tw[:, None]
+    y_ptrs = y_ptr + pair[:, None].to(tl.int64) * D + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_kernel(y_ptr, slots_ptr, out_ptr, D, top_k, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for k in range(0, top_k):
+        here = tl.load(slots_ptr + t * top_k + k) >= 0
+        acc += tl.load(y_ptr + (t * top_k + k) * D + offs, mask=d_ok & here, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * D + offs, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def align_triton(topk_slots: torch.Tensor, num_slots: int, block_m: int) -> Alignment:
+    """Same groups as ``align.align_reference`` in three launches (order inside a slot may differ).
+
+    Args:
+        topk_slots: ``[T, K]`` int64 CUDA local slot ids, ``-1`` = skip.
+        num_slots: ``S``.
+        block_m: rows per block.
+    """
+    device = topk_slots.device
+    n = topk_slots.numel()
+    nb = num_aligned_blocks(n, num_slots, block_m)
+    flat = topk_slots.reshape(-1)
+    counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
+    cursor = torch.empty(num_slots, dtype=torch.int32, device=device)
+    block_slot = torch.empty(nb, dtype=torch.int32, device=device)
+    sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=device)
+    block = 1024
+    grid = (max(1, triton.cdiv(n, block)),)
+    _count_kernel[grid](flat, counts, n, num_slots, BLOCK=block)
+    s_pad = triton.next_power_of_2(num_slots)
+    _offsets_kernel[(1,)](
+        counts, cursor, block_slot, sorted_ids, n, num_slots, nb,
+        BLOCK_M=block_m, S_PAD=s_pad, BLOCK_B=max(16, 8192 // s_pad), BLOCK=1024,
+    )
+    _scatter_kernel[grid](flat, cursor, sorted_ids, n, num_slots, BLOCK=block)
+    return Alignment(sorted_ids, block_slot, block_m)
+
+
+def _act_code(activation: Activation) -> int:
+    return _CLAMPED_SWIGLU if activation.swiglu_limit is not None else _ACT_CODES[activation.act]
+
+
+def triton_experts(
+    x: torch.Tensor,
+    topk_slots: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: ExpertWeights,
+    activation: Activation,
+    weight_on_input: bool = False,
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """Fused expert compute on CUDA (contract of ``experts.ExpertBackend``); graph safe.
+
+    Args:
+        x: ``[T, D]`` bf16 or fp16 CUDA rows.
+        topk_slots: ``[T, K]`` int64 local slot ids, ``-1`` = skip.
+        topk_weights: ``[T, K]`` float routing weights.
+        weights: ``ExpertWeights`` in ``x.dtype``, or ``BlockFP8ExpertWeights``.
+        activation: the gated activation.
+        weight_on_input: scale the expert input by the weight instead of its output.
+        config: tile shapes; ``default_config`` when ``None``.
+
+    Returns:
+        ``[T, D]`` in ``x.dtype``.
+
+    Raises:
+        TypeError: ``x`` not bf16/fp16, or weights of another dtype than ``x`` (unless block FP8).
+    """
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"the triton expert backend computes in bf16 or fp16, got x of dtype {x.dtype}")
+    fp8 = isinstance(weights, BlockFP8ExpertWeights)
+    if not fp8 and (weights.w13.dtype != x.dtype or weights.w2.dtype != x.dtype):
+        raise TypeError(
+            f"the triton expert backend needs weights in x's dtype {x.dtype} or block FP8, got "
+            f"{weights.w13.dtype} and {weights.w2.dtype}"
+        )
+    t, k = topk_slots.shape
+    s, two_f, d = weights.w13.shape
+    f = two_f // 2
+    n = t * k
+    out = torch.empty_like(x)
+    if n == 0:
+        return out
+    cfg = config if config is not None else default_config(n, s, fp8)
+    if fp8 and (cfg.block_k != FP8_BLOCK or FP8_BLOCK % cfg.block_n1 or FP8_BLOCK % cfg.block_n2):
+        raise ValueError(f"block FP8 weights need block_k == 128 and block_n dividing 128, got {cfg}")
+    x = x.contiguous()
+    slots = topk_slots.contiguous()
+    tw = topk_weights.float().contiguous()
+    w13, w2 = weights.w13.contiguous(), weights.w2.contiguous()
+    aln = align_triton(slots, s, cfg.block_m)
+    nb = aln.block_slot.shape[0]
+    h = torch.empty(nb * cfg.block_m, f, dtype=x.dtype, device=x.device)
+    y = torch.empty(n, d, dtype=x.dtype, device=x.device)
+    if fp8:
+        s13, s2 = weights.w13_scale, weights.w2_scale
+        scale_strides13, scale_strides2 = (s13.stride(0), s13.stride(1)), (s2.stride(0), s2.stride(1))
+    else:
+        s13 = s2 = tw
+        scale_strides13 = scale_strides2 = (0, 0)
+    b13 = weights.b13 if weights.b13 is not None else tw
+    b2 = weights.b2 if weights.b2 is not None else tw
+    limit = activation.swiglu_limit if activation.swiglu_limit is not None else 0.0
+    _gate_up_kernel[(nb * triton.cdiv(f, cfg.block_n1),)](
+        x, w13, s13, b13, tw, h, aln.sorted_pair_ids, aln.block_slot,
+        n, k, d, f, x.stride(0), w13.stride(0), w13.stride(1), *scale_strides13,
+        float(limit), float(activation.swiglu_alpha),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k,
+        ACT=_act_code(activation), FP8=fp8, HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    _down_kernel[(nb * triton.cdiv(d, cfg.block_n2),)](
+        h, w2, s2, b2, tw, y, aln.sorted_pair_ids, aln.block_slot,
+        n, d, f, w2.stride(0), w2.stride(1), *scale_strides2,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k,
+        FP8=fp8, HAS_BIAS=weights.b2 is not None, WEIGHT_ON_INPUT=weight_on_input,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    block_d = min(1024, triton.next_power_of_2(d))
+    _sum_kernel[(t, triton.cdiv(d, block_d))](y, slots, out, d, k, BLOCK_D=block_d)
+    return out

@@ -1,0 +1,107 @@
+"""The fixed-capacity dispatcher equals the local path on CPU with gloo in several processes."""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from epmoe.comm import Comm
+from epmoe.dispatch import make_dispatcher
+from epmoe.dispatch_fixed import CapacityExceededError, FixedCapacityDispatcher
+from epmoe.experts import Activation, ExpertWeights, reference_experts
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _problem(seed: int, g: int, t: int):
+    """Full weights of all ``P`` slots and ``G`` ranks' tokens, identical in every process."""
+    gen = torch.Generator().manual_seed(seed)
+    p, d, f, k = 4 * g, 32, 16, 3
+    w = ExpertWeights(torch.randn(p, 2 * f, d, generator=gen) / 6, torch.randn(p, d, f, generator=gen) / 4)
+    x = torch.randn(g, t, d, generator=gen)
+    slots = torch.randint(0, p, (g, t, k), generator=gen)
+    slots[:, :, -1] = torch.where(torch.rand(g, t, generator=gen) < 0.3, -1, slots[:, :, -1])
+    tw = torch.rand(g, t, k, generator=gen)
+    return w, x, slots, tw
+
+
+def _slice(w: ExpertWeights, rank: int, s: int) -> ExpertWeights:
+    return ExpertWeights(w.w13[rank * s:(rank + 1) * s], w.w2[rank * s:(rank + 1) * s])
+
+
+def _worker(rank: int, g: int, port: int, capacity: int, t: int, results) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=g)
+    try:
+        w, x, slots, tw = _problem(0, g, t)
+        s = w.num_slots // g
+        disp = make_dispatcher("fixed_capacity", Comm(dist.group.WORLD), s, capacity=capacity)
+        h = disp.dispatch(x[rank], slots[rank], tw[rank])
+        y = reference_experts(h.recv_x, h.recv_slots, h.recv_weights, _slice(w, rank, s), Activation())
+        try:
+            out = disp.combine(y, h)
+        except CapacityExceededError as err:
+            results[rank] = ("overflow", str(err))
+            return
+        local = reference_experts(x[rank], slots[rank], tw[rank], w, Activation())
+        results[rank] = ("ok", ((out - local).norm() / local.norm()).item(), tuple(h.recv_x.shape))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(g: int, capacity: int, t: int) -> dict:
+    results = mp.Manager().dict()
+    mp.spawn(_worker, args=(g, _free_port(), capacity, t, results), nprocs=g, join=True)
+    return dict(results)
+
+
+@pytest.mark.parametrize("g", [2, 4])
+def test_fixed_capacity_equals_local(g):
+    t = 9
+    results = _run(g, capacity=t, t=t)
+    assert sorted(results) == list(range(g))
+    for status, err, shape in results.values():
+        assert status == "ok"
+        assert err < 1e-5
+        assert shape == (g * t, 32)
+
+
+def test_overflow_detected_on_every_rank():
+    results = _run(2, capacity=2, t=9)
+    assert sorted(results) == [0, 1]
+    for status, msg in results.values():
+        assert status == "overflow"
+        assert "capacity is 2" in msg and "tokens to one EP rank" in msg
+
+
+def test_single_rank_equals_local_and_pads():
+    w, x, slots, tw = _problem(1, 1, 7)
+    disp = make_dispatcher("fixed_capacity", Comm(None), w.num_slots, capacity=10)
+    h = disp.dispatch(x[0], slots[0], tw[0])
+    assert h.recv_x.shape == (10, 32)
+    assert bool((h.recv_slots[7:] == -1).all())
+    y = reference_experts(h.recv_x, h.recv_slots, h.recv_weights, w, Activation())
+    out = disp.combine(y, h)
+    local = reference_experts(x[0], slots[0], tw[0], w, Activation())
+    torch.testing.assert_close(out, local, rtol=1e-5, atol=1e-6)
+
+
+def test_single_rank_overflow_message_names_capacity_and_count():
+    w, x, slots, tw = _problem(2, 1, 7)
+    disp = FixedCapacityDispatcher(Comm(None), w.num_slots, capacity=3)
+    h = disp.dispatch(x[0], slots[0], tw[0])
+    y = reference_experts(h.recv_x, h.recv_slots, h.recv_weights, w, Activation())
+    with pytest.raises(CapacityExceededError, match="routed 7 tokens to one EP rank but the capacity is 3"):
+        disp.combine(y, h)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="capacity must be positive"):
+        FixedCapacityDispatcher(Comm(None), 4, capacity=0)
+    with pytest.raises(KeyError, match="fixed_capacity"):
+        make_dispatcher("nope", Comm(None), 4)
