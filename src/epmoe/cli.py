@@ -67,6 +67,112 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0 if report.matches_reference in (True, None) else 1
 
 
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--batch must be comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"--batch sizes must be >= 1, got {text!r}")
+    return values
+
+
+@_subcommand
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan", help="TP vs EP for a model, machine and batch: step time, collectives and memory per GPU",
+        description="Estimate decode (or speculative verify) steps of every TP / EP strategy at each batch size: "
+        "attention and dense compute, routed-expert compute, collectives (count, bytes, time) and per-GPU memory.",
+    )
+    p.add_argument("--config", required=True, metavar="CONFIG", help="Hugging Face config.json or checkpoint directory")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in total")
+    p.add_argument("--hardware", required=True, metavar="NAME", help="h200-sxm, h100-sxm, rtx-pro-6000, or a profile JSON path")
+    p.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (default 1)")
+    p.add_argument("--batch", type=_batches, default=(1, 8, 64, 256), help="batch sizes, e.g. 1,8,64,256")
+    p.add_argument("--spec-tokens", type=int, default=0, help="draft tokens verified per step (default 0: plain decode)")
+    p.add_argument("--redundant", type=int, default=0, help="redundant expert slots per MoE layer (default 0)")
+    p.add_argument("--context", type=int, default=4096, help="KV-cache tokens per sequence (default 4096)")
+    p.add_argument("--weights", choices=("bf16", "fp8", "int4"), help="routed expert storage (default: the checkpoint's)")
+    p.add_argument("--mem-fraction", type=float, default=0.9, help="share of GPU memory usable (default 0.9)")
+    p.add_argument("--balancedness", type=float, default=0.8, help="expected mean/max load per EP rank (default 0.8)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--plot", metavar="PNG", help="write step time vs batch per strategy to this PNG")
+    p.set_defaults(func=_cmd_plan)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .hardware import load_hardware
+    from .plan_report import report_plan
+    from .planner import PlanRequest
+    from .spec import load_moe_spec
+
+    report_plan(PlanRequest(
+        spec=load_moe_spec(args.config), hardware=load_hardware(args.hardware), gpus=args.gpus, nodes=args.nodes,
+        batches=args.batch, spec_tokens=args.spec_tokens, redundant=args.redundant, context=args.context,
+        weights=args.weights, mem_fraction=args.mem_fraction, balancedness=args.balancedness,
+    ), as_json=args.json, plot_path=args.plot)
+    return 0
+
+
+@_subcommand
+def _add_calibrate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate", help="measure all-reduce / all-to-all latency and bandwidth; write a hardware profile",
+        description="Run under torchrun, or with --nprocs N to spawn N local processes (gloo on CPU, NCCL on GPUs).",
+    )
+    p.add_argument("--out", required=True, metavar="JSON", help="profile file to write (pass it to plan --hardware)")
+    p.add_argument("--nprocs", type=int, help="spawn this many local processes (default: join torchrun's group)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
+    p.add_argument("--max-bytes", type=int, help="largest buffer (default 256 MiB on GPU, 4 MiB on CPU)")
+    p.add_argument("--iters", type=int, default=5, help="timed repetitions per size (default 5)")
+    p.add_argument("--name", default="calibrated", help="profile name (default calibrated)")
+    p.add_argument("--base", metavar="NAME", help="profile supplying the link not measured and the fp8 figure")
+    p.set_defaults(func=_cmd_calibrate)
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from .calibrate import CalibrationConfig, calibrate
+
+    doc = calibrate(CalibrationConfig(out=args.out, nprocs=args.nprocs, backend=args.backend, max_bytes=args.max_bytes,
+                                      iters=args.iters, name=args.name, base=args.base))
+    if doc is not None:
+        link = doc["links"]["intra_node" if "measured" in doc["links"]["intra_node"]["kind"] else "inter_node"]
+        print(f"wrote {args.out}: all-reduce {link['all_reduce_latency_us']:.1f} us + "
+              f"{link['all_reduce_busbw_bytes_per_s'] / 1e9:.2f} GB/s bus, all-to-all {link['all_to_all_latency_us']:.1f} us + "
+              f"{link['all_to_all_busbw_bytes_per_s'] / 1e9:.2f} GB/s bus")
+    return 0
+
+
+@_subcommand
+def _add_doctor(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "doctor", help="check backends, GPUs, placements (target and draft) and memory before launch",
+        description="One line per finding: what is wrong, why it matters, what to change. Exit code 1 on any error.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="DIR", help="target checkpoint directory")
+    src.add_argument("--config", metavar="FILE", help="target config.json")
+    p.add_argument("--placement", metavar="FILE", help="placement of the target (JSON or safetensors)")
+    p.add_argument("--draft", metavar="DIR_OR_CONFIG", help="draft model for speculative decoding")
+    p.add_argument("--draft-placement", metavar="FILE", help="placement of an MoE draft")
+    p.add_argument("--ep", type=int, help="EP size (default 1)")
+    p.add_argument("--hardware", metavar="NAME", help="hardware profile for the memory check")
+    p.add_argument("--batch", type=int, default=64, help="sequences per step for the memory check (default 64)")
+    p.add_argument("--context", type=int, default=4096, help="KV-cache tokens per sequence (default 4096)")
+    p.add_argument("--weights", choices=("bf16", "fp8", "int4"), help="routed expert storage (default: the checkpoint's)")
+    p.set_defaults(func=_cmd_doctor)
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import DoctorConfig, run_doctor
+
+    return run_doctor(DoctorConfig(
+        model=args.model or args.config, placement=args.placement, draft=args.draft,
+        draft_placement=args.draft_placement, ep=args.ep, hardware=args.hardware, batch=args.batch,
+        context=args.context, weights=args.weights,
+    ))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full ``epmoe`` argument parser."""
     parser = argparse.ArgumentParser(prog="epmoe", description="Expert-parallel MoE inference for PyTorch.")

@@ -1,0 +1,445 @@
+"""The planner: tensor or expert parallelism for this model, machine and batch size.
+
+For every batch size and every strategy it estimates one decode step (or one speculative-decoding
+verify step, ``S + 1`` positions per sequence) on the busiest rank, split into attention and dense
+compute, expert compute and communication, and the memory each GPU needs. Pure: numbers in, frozen
+values out.
+
+Strategies over ``G`` GPUs (``t x e = G``):
+
+- ``TP{G}``: attention and experts tensor-parallel; two all-reduces per decoder layer.
+- ``TP{t}xEP{e}``: attention TP over ``G``; experts spread over ``e`` groups, each expert sliced ``t``
+  ways; every rank computes its experts for all tokens, then one all-reduce (vLLM's EP over the TP
+  group is ``TP1xEP{G}``).
+- ``EP{G}+TPattn``: attention TP; the attention output is reduce-scattered, each rank dispatches its
+  ``T/G`` tokens by all-to-all, combines them back and all-gathers (SGLang DeepEP with TP attention).
+- ``EP{G}+DPattn``: attention data-parallel (each rank its own ``B/G`` sequences, weights and KV cache
+  whole); MoE layers dispatch and combine by all-to-all only (DeepSeek-V3 decode deployment).
+
+Model conventions: embeddings replicated; the LM head vocab-parallel with one logits all-gather
+under TP attention, replicated under DP attention; dense MLP layers TP under TP attention and
+replicated under DP attention; shared experts sliced under TP attention and replicated in the
+all-to-all strategies. Decode kernels are modelled as rooflines on the busiest rank with no overlap
+between compute and communication; CUDA graphs remove launch gaps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from epmoe.costs import (
+    ACT_BYTES,
+    WEIGHT_CHOICES,
+    CollectiveKind,
+    MoEDims,
+    attention_params,
+    attention_score_flops,
+    bytes_per_param,
+    collective_ms,
+    compute_dtype,
+    expected_destination_ranks,
+    expected_max_load,
+    expert_layer_ms,
+    kv_bytes_per_token,
+    roofline_ms,
+)
+from epmoe.hardware import HardwareProfile
+from epmoe.spec import MoESpec
+
+GIB = 1024**3
+# Private memory pool of a set of decode CUDA graphs beyond the largest graph's activations
+# (per-graph workspaces, allocator rounding). Estimate, of the order SGLang and vLLM log at capture.
+GRAPH_POOL_FIXED_BYTES = 512 * 1024**2
+
+Mode = Literal["all_reduce", "a2a_tp_attn", "a2a_dp_attn"]
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan (the ``epmoe plan`` flags).
+
+    Attributes:
+        spec: the model.
+        hardware: the machine.
+        gpus: ``G``, GPUs in total.
+        nodes: nodes the GPUs are spread over (``G / nodes`` per node).
+        batches: batch sizes (sequences per step) to evaluate.
+        spec_tokens: ``S`` draft tokens verified per step (0 = plain decode).
+        redundant: ``R`` redundant expert slots per MoE layer (EP strategies).
+        context: KV-cache length per sequence, tokens.
+        weights: routed expert storage: ``bf16``, ``fp8``, ``int4``, or ``None`` for the checkpoint's.
+        mem_fraction: share of GPU memory the server may use (the rest: CUDA context, NCCL, fragmentation).
+        balancedness: expected mean/max tokens per EP rank from routing skew (1.0 = perfect).
+    """
+
+    spec: MoESpec
+    hardware: HardwareProfile
+    gpus: int
+    nodes: int = 1
+    batches: tuple[int, ...] = (1, 8, 64, 256)
+    spec_tokens: int = 0
+    redundant: int = 0
+    context: int = 4096
+    weights: str | None = None
+    mem_fraction: float = 0.9
+    balancedness: float = 0.8
+
+    def __post_init__(self) -> None:
+        def pos_int(name: str, value: object, minimum: int = 1) -> None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+        pos_int("gpus", self.gpus)
+        pos_int("nodes", self.nodes)
+        pos_int("spec_tokens", self.spec_tokens, 0)
+        pos_int("redundant", self.redundant, 0)
+        pos_int("context", self.context)
+        if not self.batches:
+            raise ValueError("batches must name at least one batch size")
+        for b in self.batches:
+            pos_int("batch", b)
+        if self.weights is not None and self.weights not in WEIGHT_CHOICES:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {self.weights!r}")
+        if not 0 < self.mem_fraction <= 1:
+            raise ValueError(f"mem_fraction must lie in (0, 1], got {self.mem_fraction}")
+        if not 0 < self.balancedness <= 1:
+            raise ValueError(f"balancedness must lie in (0, 1], got {self.balancedness}")
+        if self.gpus % self.nodes:
+            raise ValueError(f"gpus ({self.gpus}) must be divisible by nodes ({self.nodes})")
+        per_node = self.gpus // self.nodes
+        if per_node > self.hardware.gpus_per_node:
+            raise ValueError(
+                f"gpus ({self.gpus}) on {self.nodes} node(s) is {per_node} per node but {self.hardware.name} has "
+                f"{self.hardware.gpus_per_node}; pass --nodes {math.ceil(self.gpus / self.hardware.gpus_per_node)}"
+            )
+        if self.nodes > 1 and self.hardware.inter_node is None:
+            raise ValueError(f"nodes ({self.nodes}) > 1 but hardware {self.hardware.name} has no inter_node link")
+        slots = self.spec.num_experts + self.redundant
+        if self.gpus > slots:
+            raise ValueError(
+                f"gpus ({self.gpus}) exceeds the expert slots per layer ({self.spec.num_experts} experts + "
+                f"{self.redundant} redundant): EP needs a slot on every GPU; use --redundant "
+                f"{self.gpus - self.spec.num_experts} or fewer GPUs"
+            )
+
+    @property
+    def expert_format(self) -> str:
+        """Storage format of the routed experts."""
+        return WEIGHT_CHOICES[self.weights] if self.weights else self.spec.expert_weight_format
+
+    @property
+    def dense_format(self) -> str:
+        """Storage of the other linear weights: FP8 when the experts are FP8 (DeepSeek's checkpoints), else bf16."""
+        return "fp8_block128" if self.expert_format.startswith("fp8") else "bf16"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to spread the model over ``G`` GPUs.
+
+    Attributes:
+        name: short name (``TP8``, ``TP2xEP4``, ``EP8+DPattn``).
+        description: in words.
+        attn_tp: attention TP size (``G``, or 1 for DP attention).
+        moe_tp: slices of each expert.
+        moe_ep: groups the experts are spread over (``attn_tp`` x DP = ``moe_tp`` x ``moe_ep`` = ``G``).
+        mode: how MoE outputs are combined: ``all_reduce``, ``a2a_tp_attn``, ``a2a_dp_attn``.
+    """
+
+    name: str
+    description: str
+    attn_tp: int
+    moe_tp: int
+    moe_ep: int
+    mode: Mode
+
+    @property
+    def is_ep(self) -> bool:
+        """True when whole experts are placed on ranks (EP size > 1)."""
+        return self.moe_ep > 1
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """Collectives of one kind and purpose in a step: ``count`` calls of ``bytes_per_call`` bytes per rank.
+
+    Attributes:
+        kind: ``all_reduce``, ``reduce_scatter``, ``all_gather`` or ``all_to_all``.
+        what: the tensor it moves (``attention and MLP outputs``, ``logits``, ``dispatch and combine``).
+        count: calls per step.
+        bytes_per_call: buffer per rank (all-reduce, reduce-scatter input, all-gather output) or bytes
+            each rank sends to other ranks (all-to-all, mean rank), bytes.
+        ms_each: time of one call, ms (all-to-all: priced on the busiest receiver).
+    """
+
+    kind: CollectiveKind
+    what: str
+    count: int
+    bytes_per_call: float
+    ms_each: float
+
+    @property
+    def ms_total(self) -> float:
+        """``count * ms_each``, ms."""
+        return self.count * self.ms_each
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one GPU needs, by kind, against what it may use.
+
+    Attributes:
+        weights: all weights on the rank, bytes (``expert_weights`` included).
+        expert_weights: routed expert slots on the rank, redundant copies included, bytes.
+        kv_cache: KV cache of the rank's sequences at the planned context, bytes.
+        comm_buffers: dispatch/combine or all-reduce buffers, bytes.
+        graph_pool: CUDA-graph memory pool, bytes.
+        capacity: ``memory_bytes * mem_fraction``, bytes.
+    """
+
+    weights: float
+    expert_weights: float
+    kv_cache: float
+    comm_buffers: float
+    graph_pool: float
+    capacity: float
+
+    @property
+    def total(self) -> float:
+        """Bytes needed in total."""
+        return self.weights + self.kv_cache + self.comm_buffers + self.graph_pool
+
+    @property
+    def fits(self) -> bool:
+        """True when ``total <= capacity``."""
+        return self.total <= self.capacity
+
+    @property
+    def over(self) -> float:
+        """Bytes beyond capacity (0 when it fits)."""
+        return max(0.0, self.total - self.capacity)
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """One step of one strategy at one batch size, on the busiest rank.
+
+    Attributes:
+        batch: sequences in the step.
+        tokens: positions computed in the step, ``batch * (S + 1)``.
+        attention_ms: attention, dense MLPs, shared experts, router and LM head, ms.
+        expert_ms: routed expert compute, ms.
+        collectives: per kind, count and cost.
+        memory: per-GPU memory at this batch size.
+    """
+
+    batch: int
+    tokens: int
+    attention_ms: float
+    expert_ms: float
+    collectives: tuple[CollectiveCost, ...]
+    memory: MemoryEstimate
+
+    @property
+    def comm_ms(self) -> float:
+        """Communication time, ms."""
+        return sum(c.ms_total for c in self.collectives)
+
+    @property
+    def total_ms(self) -> float:
+        """Step time, ms (no overlap assumed)."""
+        return self.attention_ms + self.expert_ms + self.comm_ms
+
+    def count(self, kind: CollectiveKind) -> int:
+        """Calls of collective ``kind`` in the step."""
+        return sum(c.count for c in self.collectives if c.kind == kind)
+
+
+@dataclass(frozen=True)
+class StrategyPlan:
+    """A strategy and its estimate at every batch size."""
+
+    strategy: Strategy
+    steps: tuple[StepEstimate, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The answer of ``plan``: every strategy at every batch, and why some strategies were left out."""
+
+    request: PlanRequest
+    strategies: tuple[StrategyPlan, ...]
+    skipped: tuple[str, ...] = field(default=())
+
+    def strategy(self, name: str) -> StrategyPlan:
+        """The plan of strategy ``name``.
+
+        Raises:
+            KeyError: no such strategy (the planned ones are listed).
+        """
+        for s in self.strategies:
+            if s.strategy.name == name:
+                return s
+        raise KeyError(f"strategy {name!r} was not planned; planned: {', '.join(s.strategy.name for s in self.strategies)}")
+
+
+def strategies_for(spec: MoESpec, gpus: int, redundant: int = 0) -> tuple[list[Strategy], list[str]]:
+    """The strategies that can run ``spec`` on ``gpus`` GPUs, and a reason for each one that cannot."""
+    g, slots, a = gpus, spec.num_experts + redundant, spec.attention
+    if g == 1:
+        return [Strategy("TP1", "one GPU holds the whole model", 1, 1, 1, "all_reduce")], []
+    out: list[Strategy] = []
+    skipped: list[str] = []
+    tp_attn_ok = a.num_heads % g == 0
+    if not tp_attn_ok:
+        skipped.append(f"TP attention over {g} GPUs: {a.num_heads} attention heads are not divisible by {g}")
+    for t in sorted((d for d in range(1, g + 1) if g % d == 0), reverse=True):
+        e = g // t
+        name = f"TP{g}" if e == 1 else f"TP{t}xEP{e}"
+        if not tp_attn_ok:
+            continue
+        if spec.moe_intermediate_size % t:
+            skipped.append(f"{name}: expert intermediate size {spec.moe_intermediate_size} is not divisible by {t}")
+            continue
+        if e > 1 and slots % e:
+            skipped.append(f"{name}: {slots} expert slots are not divisible by EP {e}; use --redundant {-slots % e}")
+            continue
+        desc = (f"attention TP{g}, each expert sliced {g} ways, 2 all-reduces per layer" if e == 1 else
+                f"attention TP{g}, experts EP{e} x sliced {t} ways, all tokens on every rank, all-reduce per layer")
+        out.append(Strategy(name, desc, g, t, e, "all_reduce"))
+    if slots % g:
+        skipped.append(f"EP{g} with all-to-all: {slots} expert slots are not divisible by {g}; use --redundant {-slots % g}")
+        return out, skipped
+    if tp_attn_ok:
+        out.append(Strategy(f"EP{g}+TPattn", f"attention TP{g}; experts EP{g}: reduce-scatter, dispatch and combine "
+                            "all-to-all, all-gather per MoE layer", g, 1, g, "a2a_tp_attn"))
+    out.append(Strategy(f"EP{g}+DPattn", f"attention DP{g} (weights and KV whole per rank); experts EP{g}: dispatch "
+                        "and combine all-to-all per MoE layer", 1, 1, g, "a2a_dp_attn"))
+    return out, skipped
+
+
+def _link(req: PlanRequest):
+    return req.hardware.inter_node if req.nodes > 1 else req.hardware.intra_node
+
+
+def _a2a_ms(req: PlanRequest, nbytes: float) -> float:
+    """All-to-all over all ``G`` GPUs: off-node traffic goes over the inter-node link."""
+    hw, g = req.hardware, req.gpus
+    if req.nodes == 1:
+        return collective_ms("all_to_all", nbytes, g, hw.intra_node)
+    off_node = (g - g // req.nodes) / (g - 1)
+    intra = collective_ms("all_to_all", nbytes * (1 - off_node), g, hw.intra_node)
+    inter = collective_ms("all_to_all", nbytes * off_node, g, hw.inter_node)
+    return max(intra, inter)
+
+
+def _memory(req: PlanRequest, s: Strategy, batch: int, tokens_rank: int, seqs_rank: int) -> MemoryEstimate:
+    spec, g = req.spec, req.gpus
+    d, v = spec.hidden_size, spec.vocab_size
+    dense_b, bf16 = bytes_per_param(req.dense_format), bytes_per_param("bf16")
+    attn = attention_params(spec).per_rank(s.attn_tp, spec.attention.num_kv_heads)
+    mlp_split = s.attn_tp  # dense MLPs and shared experts follow attention TP; replicated under DP attention
+    shared_split = mlp_split if s.mode == "all_reduce" else 1
+    dense_mlp = 3 * d * spec.dense_intermediate_size / mlp_split
+    shared = (3 * d * spec.shared_intermediate_size + (d if spec.shared_expert_gate else 0)) / shared_split
+    n_dense, n_moe = len(spec.dense_layers), spec.num_moe_layers
+    slots_rank = spec.num_experts / g if s.moe_ep == 1 else (spec.num_experts + req.redundant) / s.moe_ep / s.moe_tp
+    expert_w = n_moe * slots_rank * spec.expert_params() * bytes_per_param(req.expert_format)
+    lm_head = v * d / (s.attn_tp if s.mode != "a2a_dp_attn" else 1)
+    weights = (expert_w + (spec.num_layers * attn + n_dense * dense_mlp + n_moe * shared) * dense_b
+               + (n_moe * d * spec.num_experts + v * d + lm_head) * bf16)
+    kv = seqs_rank * req.context * spec.num_layers * kv_bytes_per_token(spec, s.attn_tp)
+    if s.mode == "all_reduce":
+        comm = 2 * tokens_rank * d * ACT_BYTES
+    else:
+        t_loc = math.ceil(batch * (req.spec_tokens + 1) / g)
+        # receive worst case: every rank sends all its tokens here; send: one copy per destination rank
+        comm = 2 * (g * t_loc + t_loc * min(spec.top_k, g)) * d * ACT_BYTES
+    f_rank = max(spec.dense_intermediate_size / mlp_split, spec.moe_intermediate_size * spec.top_k / s.moe_tp)
+    graph = tokens_rank * (8 * d + 3 * f_rank) * ACT_BYTES + tokens_rank * v / s.attn_tp * 4 + GRAPH_POOL_FIXED_BYTES
+    return MemoryEstimate(weights=weights, expert_weights=expert_w, kv_cache=kv, comm_buffers=comm,
+                          graph_pool=graph, capacity=req.hardware.memory_bytes * req.mem_fraction)
+
+
+def _step(req: PlanRequest, s: Strategy, batch: int) -> StepEstimate:
+    spec, hw, g = req.spec, req.hardware, req.gpus
+    d, v, k = spec.hidden_size, spec.vocab_size, spec.top_k
+    positions = req.spec_tokens + 1
+    tokens = batch * positions
+    dense_b, bf16 = bytes_per_param(req.dense_format), bytes_per_param("bf16")
+    dense_flops = hw.flops_per_s(compute_dtype(req.dense_format))
+    bw = hw.hbm_bytes_per_s
+    dp = s.mode == "a2a_dp_attn"
+    seqs_attn = math.ceil(batch / g) if dp else batch  # sequences whose attention this rank computes
+    t_attn = seqs_attn * positions
+    t_moe = math.ceil(tokens / g) if s.mode != "all_reduce" else tokens  # tokens entering MoE on this rank
+
+    # attention + dense: per-layer rooflines
+    attn_w = attention_params(spec).per_rank(s.attn_tp, spec.attention.num_kv_heads)
+    kv_read = seqs_attn * req.context * kv_bytes_per_token(spec, s.attn_tp)
+    score = t_attn * req.context * attention_score_flops(spec) / s.attn_tp
+    attn_ms = roofline_ms(attn_w * dense_b + kv_read, 2 * attn_w * t_attn + score, bw, dense_flops)
+    mlp_split = s.attn_tp
+    dense_p = 3 * d * spec.dense_intermediate_size / mlp_split
+    dense_ms = roofline_ms(dense_p * dense_b, 2 * dense_p * t_attn, bw, dense_flops)
+    shared_split, t_shared = (mlp_split, tokens) if s.mode == "all_reduce" else (1, t_moe)
+    shared_p = 3 * d * spec.shared_intermediate_size / shared_split
+    router_p = d * spec.num_experts
+    moe_side_ms = roofline_ms(shared_p * dense_b + router_p * bf16, 2 * (shared_p * t_shared + router_p * t_moe), bw, dense_flops)
+    lm_split = 1 if dp else s.attn_tp
+    lm_ms = roofline_ms(v * d / lm_split * bf16, 2 * v * d / lm_split * t_attn, bw, hw.flops_per_s("bf16"))
+    n_dense, n_moe = len(spec.dense_layers), spec.num_moe_layers
+    attention_ms = spec.num_layers * attn_ms + n_dense * dense_ms + n_moe * moe_side_ms + lm_ms
+
+    # routed experts on the busiest rank
+    dims = MoEDims.from_spec(spec)
+    if s.moe_ep == 1:
+        rows, slots = tokens * k, spec.num_experts
+    else:
+        rows = expected_max_load(tokens * k, s.moe_ep, req.balancedness)
+        slots = (spec.num_experts + req.redundant) / s.moe_ep
+    expert_ms = n_moe * expert_layer_ms(dims, rows, slots, s.moe_tp, hw, req.expert_format)
+
+    # communication
+    link = _link(req)
+    colls: list[CollectiveCost] = []
+
+    def add(kind: CollectiveKind, what: str, count: int, nbytes: float, ms: float | None = None) -> None:
+        if count and g > 1:
+            each = collective_ms(kind, nbytes, g, link) if ms is None else ms
+            colls.append(CollectiveCost(kind, what, count, nbytes, each))
+
+    full = tokens * d * ACT_BYTES
+    if s.mode == "all_reduce":
+        add("all_reduce", "attention and MLP outputs", 2 * spec.num_layers, full)
+    elif s.mode == "a2a_tp_attn":
+        add("all_reduce", "dense-layer outputs", 2 * n_dense, full)
+        add("reduce_scatter", "attention outputs", n_moe, full)
+        add("all_gather", "MoE outputs", n_moe, full)
+    if s.mode != "a2a_dp_attn":
+        add("all_gather", "logits", 1, tokens * v * ACT_BYTES)
+    if s.mode != "all_reduce":
+        fanout = expected_destination_ranks(spec.num_experts, k, g) * (g - 1) / g
+        send = t_moe * fanout * d * ACT_BYTES
+        hot = rows / (tokens * k / g)  # the busiest rank receives this many times the mean
+        add("all_to_all", "dispatch and combine", 2 * n_moe, send, _a2a_ms(req, send * max(1.0, hot)))
+    memory = _memory(req, s, batch, t_attn, seqs_attn)
+    return StepEstimate(batch, tokens, attention_ms, expert_ms, tuple(colls), memory)
+
+
+def plan(req: PlanRequest) -> Plan:
+    """Estimate every strategy at every batch size of ``req``.
+
+    Returns:
+        The ``Plan``; strategies that cannot run (indivisible heads, slots or sizes) are listed in
+        ``skipped`` with the reason.
+
+    Raises:
+        ValueError: invalid request fields (raised when the ``PlanRequest`` is built).
+    """
+    strategies, skipped = strategies_for(req.spec, req.gpus, req.redundant)
+    plans = tuple(StrategyPlan(s, tuple(_step(req, s, b) for b in req.batches)) for s in strategies)
+    return Plan(req, plans, tuple(skipped))
+
