@@ -7,6 +7,7 @@ collectives with an empty batch. The same function runs the unsharded reference 
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -84,11 +85,12 @@ def greedy_generate(
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     step_ids = ids
     for step in range(max_new_tokens):
         t0 = time.perf_counter()
-        out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
-                    past_key_values=cache, use_cache=True)
+        out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                    **{cache_arg: cache})
         logits = out.logits[:, -1, :].float()
         nxt = logits.argmax(dim=-1)
         result.step_ms.append((time.perf_counter() - t0) * 1e3)
