@@ -173,6 +173,44 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     ))
 
 
+@_subcommand
+def _add_balance(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "balance", help="balance expert loads (EPLB): write a placement, a per-layer table and a PNG",
+        description="Reads loads (JSON, safetensors or the OLMoE CSV), writes the placement atomically; nothing on error.",
+    )
+    p.add_argument("--loads", required=True, metavar="FILE", help="loads file [L, E]")
+    p.add_argument("--ep", type=int, required=True, help="EP size G")
+    p.add_argument("--redundant", type=int, default=0, help="redundant slots per layer R (default 0)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (> 1: hierarchical, groups kept on one node)")
+    p.add_argument("--groups", type=int, default=1, help="expert groups (default 1)")
+    p.add_argument("--algorithm", default="epmoe", help="balancer: epmoe (default), deepseek, exact")
+    p.add_argument("--from", dest="from_placement", metavar="PLACEMENT", help="current placement: move few copies")
+    p.add_argument("--max-moves", type=int, help="most slots that may change (with --from)")
+    p.add_argument("--out", required=True, metavar="PLACEMENT", help="placement file to write (.json or .safetensors)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--plot", metavar="PNG", help="write per-rank loads before/after as a PNG")
+    p.set_defaults(func=_cmd_balance)
+
+
+def _cmd_balance(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+
+    from .balance_report import balance_file
+
+    report = balance_file(
+        args.loads, args.ep, args.redundant, args.out, num_nodes=args.nodes, num_groups=args.groups,
+        algorithm=args.algorithm, from_placement=args.from_placement, max_moves=args.max_moves, plot=args.plot,
+    )
+    if args.json:
+        print(json.dumps(report.to_json()))
+    else:
+        Console().print(report.table())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full ``epmoe`` argument parser."""
     parser = argparse.ArgumentParser(prog="epmoe", description="Expert-parallel MoE inference for PyTorch.")

@@ -1,0 +1,202 @@
+"""Expert load recording and load files.
+
+``ExpertLoadRecorder`` counts the tokens sent to every physical slot on each MoE forward with device-side
+``scatter_add_`` only (no host sync, CUDA-graph safe: the window position is a device tensor), keeps the
+last ``window`` steps, and reduces them to logical loads ``[L, E]`` summed over the EP group on demand.
+
+Load files: JSON (``{"format": "epmoe.loads/1", "load": [[...]]}``; the key ``weight`` of DeepSeek's
+EPLB example is read too), safetensors (tensor ``load``), and the CSV of allenai/OLMoE routing counts
+(columns ``domain, layer, expert, count``; every (domain, layer) row group becomes one layer).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from epmoe.placement import ExpertPlacement
+
+LOADS_FORMAT = "epmoe.loads/1"
+
+
+class ExpertLoadRecorder:
+    """Windowed per-slot token counts.
+
+    Args:
+        num_layers: ``L`` MoE layers.
+        num_slots: ``P`` physical slots per layer (global ids ``0 .. P-1``).
+        window: steps kept; ``step()`` drops the oldest.
+        device: where the counts live (that of the routing tensors).
+
+    Raises:
+        ValueError: a count that is not a positive integer.
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, window: int = 1, device: torch.device | str = "cpu"):
+        for name, v in (("num_layers", num_layers), ("num_slots", num_slots), ("window", window)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        self.num_layers, self.num_slots, self.window = num_layers, num_slots, window
+        # Column P collects the -1 (no slot) entries and is never read.
+        self._counts = torch.zeros(window, num_layers, num_slots + 1, dtype=torch.int64, device=device)
+        self._pos = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def record(self, layer_index: int, topk_slots: torch.Tensor) -> None:
+        """Add one forward's routing to the current step.
+
+        Args:
+            layer_index: MoE layer, ``0 <= layer_index < L``.
+            topk_slots: ``[T, K]`` int64 global physical slot ids, -1 = none (on the recorder's device).
+
+        Raises:
+            ValueError: ``layer_index`` out of range.
+        """
+        if not 0 <= layer_index < self.num_layers:
+            raise ValueError(f"layer_index ({layer_index}) must lie in [0, {self.num_layers})")
+        flat = topk_slots.reshape(-1)
+        idx = torch.where(flat >= 0, flat, self.num_slots)
+        offset = (self._pos * self.num_layers + layer_index) * (self.num_slots + 1)
+        self._counts.view(-1).scatter_add_(0, idx + offset, torch.ones_like(idx))
+
+    def step(self) -> None:
+        """Advance the window: the oldest step is cleared and receives the next records."""
+        self._pos.add_(1).remainder_(self.window)
+        self._counts.index_fill_(0, self._pos, 0)
+
+    def reset(self) -> None:
+        """Clear every step (e.g. after the placement changed)."""
+        self._counts.zero_()
+
+    def slot_counts(self) -> torch.Tensor:
+        """``[L, P]`` int64 tokens per physical slot over the window, this process only."""
+        return self._counts[:, :, : self.num_slots].sum(0)
+
+    def logical_load(self, placement: ExpertPlacement, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """Tokens per logical expert over the window, summed over the EP group.
+
+        Args:
+            placement: the placement the slot ids referred to while recording.
+            group: EP process group to all-reduce over; None = this process only.
+
+        Returns:
+            ``[L, E]`` int64 on the recorder's device.
+
+        Raises:
+            ValueError: the placement has another number of layers or slots.
+        """
+        if placement.num_layers != self.num_layers or placement.num_slots != self.num_slots:
+            raise ValueError(
+                f"placement covers [{placement.num_layers}, {placement.num_slots}] (layers, slots) but the recorder "
+                f"counts [{self.num_layers}, {self.num_slots}]"
+            )
+        per_slot = self.slot_counts()
+        load = torch.zeros(self.num_layers, placement.num_experts, dtype=torch.int64, device=per_slot.device)
+        load.scatter_add_(1, placement.phy2log.to(per_slot.device), per_slot)
+        if group is not None:
+            dist.all_reduce(load, op=dist.ReduceOp.SUM, group=group)
+        return load
+
+
+def _as_table(load: torch.Tensor) -> torch.Tensor:
+    if not isinstance(load, torch.Tensor):
+        raise TypeError(f"load must be a torch.Tensor, got {type(load).__name__}")
+    if load.dim() != 2:
+        raise ValueError(f"load must be 2-D [num_layers, num_experts], got shape {tuple(load.shape)}")
+    return load.detach().cpu()
+
+
+def save_loads(path: str | Path, load: torch.Tensor) -> None:
+    """Write ``load [L, E]`` to ``.safetensors`` (tensor ``load``) or JSON, atomically (temp file + rename).
+
+    Raises:
+        TypeError, ValueError: ``load`` is not a 2-D tensor.
+    """
+    load = _as_table(load)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file({"load": load.contiguous()}, str(tmp), metadata={"format": LOADS_FORMAT})
+    else:
+        tmp.write_text(json.dumps({"format": LOADS_FORMAT, "load": load.tolist()}))
+    tmp.replace(path)
+
+
+def read_csv_loads(path: str | Path) -> tuple[torch.Tensor, list[str]]:
+    """Read the OLMoE routing-count CSV: one layer per (domain, layer) group, in file order.
+
+    Returns:
+        ``(load, names)``: ``[L, E]`` float64 counts and ``L`` names ``"domain:layer"``.
+
+    Raises:
+        ValueError: a missing column, a bad number, or a group without exactly one count per expert.
+    """
+    path = Path(path)
+    groups: dict[str, dict[int, float]] = {}
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        missing = {"layer", "expert", "count"} - set(reader.fieldnames or ())
+        if missing:
+            raise ValueError(f"loads file {str(path)!r}: missing column(s) {sorted(missing)}")
+        for line, row in enumerate(reader, start=2):
+            name = f"{row['domain']}:{row['layer']}" if row.get("domain") else str(row["layer"])
+            try:
+                expert, count = int(row["expert"]), float(row["count"])
+            except ValueError as exc:
+                raise ValueError(f"loads file {str(path)!r} line {line}: {exc}") from exc
+            if expert in groups.setdefault(name, {}):
+                raise ValueError(f"loads file {str(path)!r} line {line}: expert {expert} repeated in {name}")
+            groups[name][expert] = count
+    if not groups:
+        raise ValueError(f"loads file {str(path)!r} has no rows")
+    num_experts = max(max(g) for g in groups.values()) + 1
+    for name, g in groups.items():
+        if sorted(g) != list(range(num_experts)):
+            raise ValueError(f"loads file {str(path)!r}: {name} has {len(g)} experts, expected ids 0..{num_experts - 1}")
+    load = torch.tensor([[g[e] for e in range(num_experts)] for g in groups.values()], dtype=torch.float64)
+    return load, list(groups)
+
+
+def read_loads(path: str | Path) -> torch.Tensor:
+    """Read a load table written by ``save_loads``, DeepSeek's example JSON, or the OLMoE CSV.
+
+    Returns:
+        ``[L, E]`` float64 tokens per logical expert (validated: finite, non-negative).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: unreadable file, missing field, ragged rows, or bad values (file named).
+    """
+    from epmoe.balance import as_load_array
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"loads file {str(path)!r} does not exist")
+    try:
+        if path.suffix == ".csv":
+            load = read_csv_loads(path)[0]
+        elif path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                if "load" not in f.keys():
+                    raise ValueError("tensor 'load' is missing")
+                load = f.get_tensor("load")
+        else:
+            doc = json.loads(path.read_text())
+            rows = doc.get("load", doc.get("weight")) if isinstance(doc, dict) else None
+            if rows is None:
+                raise ValueError("field 'load' is missing")
+            if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows) or len({len(r) for r in rows}) > 1:
+                raise ValueError("field 'load' must be a list of equally long per-layer lists")
+            load = torch.tensor(rows, dtype=torch.float64)
+        return torch.from_numpy(as_load_array(load))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"loads file {str(path)!r}: {exc}") from exc
+    except Exception as exc:  # parser errors of json / safetensors
+        raise ValueError(f"loads file {str(path)!r} could not be read: {exc}") from exc
