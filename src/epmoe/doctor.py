@@ -162,7 +162,7 @@ def check_draft(draft: str, draft_placement: str | None, ep: int) -> list[Findin
 
 
 def check_memory(spec: MoESpec, cfg: DoctorConfig, ep: int, redundant: int) -> list[Finding]:
-    """Weights and caches against GPU memory, through the planner, for the best-fitting EP strategy."""
+    """Weights and caches against GPU memory, through the planner, for the best-fitting all-to-all EP strategy."""
     if cfg.hardware is None:
         return [Finding("warning", "memory not checked", "weights or KV cache may not fit",
                         "pass --hardware NAME (or a calibrated profile) to check")]
@@ -172,7 +172,8 @@ def check_memory(spec: MoESpec, cfg: DoctorConfig, ep: int, redundant: int) -> l
         result = plan(req)
     except ValueError as exc:
         return [Finding("error", f"memory cannot be planned: {exc}", "the set-up is inconsistent", "fix the named value")]
-    candidates = [s for s in result.strategies if s.strategy.is_ep or ep == 1]
+    # epmoe's EP runtime dispatches and combines by all-to-all; EP 1 is the single-GPU plan
+    candidates = [s for s in result.strategies if s.strategy.mode != "all_reduce" or ep == 1]
     best = min(candidates, key=lambda s: s.steps[0].memory.over)
     m = best.steps[0].memory
     where = f"{best.strategy.name} at batch {cfg.batch}, context {cfg.context}"

@@ -45,7 +45,7 @@ from epmoe.costs import (
     kv_bytes_per_token,
     roofline_ms,
 )
-from epmoe.hardware import HardwareProfile
+from epmoe.hardware import HardwareProfile, LinkProfile
 from epmoe.spec import MoESpec
 
 GIB = 1024**3
@@ -154,11 +154,6 @@ class Strategy:
     moe_tp: int
     moe_ep: int
     mode: Mode
-
-    @property
-    def is_ep(self) -> bool:
-        """True when whole experts are placed on ranks (EP size > 1)."""
-        return self.moe_ep > 1
 
 
 @dataclass(frozen=True)
@@ -320,7 +315,8 @@ def strategies_for(spec: MoESpec, gpus: int, redundant: int = 0) -> tuple[list[S
     return out, skipped
 
 
-def _link(req: PlanRequest):
+def _link(req: PlanRequest) -> LinkProfile:
+    """The link a collective over all ``G`` GPUs is priced on: inter-node when it spans nodes."""
     return req.hardware.inter_node if req.nodes > 1 else req.hardware.intra_node
 
 
