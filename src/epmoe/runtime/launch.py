@@ -9,6 +9,7 @@ its rank facts explicitly; nothing is read from a global later.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from dataclasses import dataclass
@@ -86,8 +87,8 @@ def init_group(info: RankInfo, device: str, timeout_s: float = 300.0) -> dist.Pr
 def _spawned(local_rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue) -> None:
     info = RankInfo(local_rank, world_size, local_rank, f"tcp://127.0.0.1:{port}")
     try:
-        result = fn(info, *args)
-        queue.put((local_rank, True, result))
+        # plain pickle copies tensors by value: torch's shared-memory handles would die with this process
+        queue.put((local_rank, True, pickle.dumps(fn(info, *args))))
     except BaseException as exc:  # report every failure to the parent, then re-raise
         queue.put((local_rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
@@ -123,7 +124,10 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = ()) -> list[Any
                 p.join(timeout=0.05)
             continue
         rank, ok, value = queue.get()
-        (results if ok else errors)[rank] = value
+        if ok:
+            results[rank] = pickle.loads(value)
+        else:
+            errors[rank] = value
         if errors:
             break
     if errors:

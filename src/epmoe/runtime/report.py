@@ -9,6 +9,9 @@ from ..comm import COLLECTIVE_KINDS
 from .run import RunReport
 
 
+_SHORT = {"all_to_all": "a2a", "all_reduce": "ar", "all_gather": "ag"}
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -31,20 +34,26 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     console.print(outputs)
 
     per_rank = Table(title=f"EP ranks ({report.model_type}, EP {report.ep}, {report.device})")
-    for col in ("rank", "prompts", "tokens/step (decode)", "routed tokens/step",
-                *[f"{k}/step" for k in COLLECTIVE_KINDS], "bytes sent/step", "experts held", "peak memory"):
+    for col in ("rank", "prompts", "batch", "routed", *[_SHORT[k] for k in COLLECTIVE_KINDS], "bytes out",
+                "experts MiB", "peak MiB"):
         per_rank.add_column(col, justify="right")
     for r in report.ranks:
         decode = r.batch_tokens[1:] or r.batch_tokens
         routed = report.routed_tokens_per_step[r.rank]
-        mem = f"{r.peak_rss_mb:.0f} MiB RSS" + (f", {r.peak_cuda_mb:.0f} MiB CUDA" if r.peak_cuda_mb else "")
+        mem = f"{r.peak_cuda_mb if r.peak_cuda_mb else r.peak_rss_mb:.0f}"
         per_rank.add_row(
             str(r.rank), str(len(r.prompts)), f"{sum(decode) / len(decode):.1f}", f"{routed:.1f}",
             *[f"{r.collectives[k]:.0f}" for k in COLLECTIVE_KINDS],
             _fmt_bytes(sum(r.bytes_per_step.values())),
-            f"{r.expert_mb:.2f} of {r.full_expert_mb:.2f} MiB", mem,
+            f"{r.expert_mb:.2f}/{r.full_expert_mb:.2f}", mem,
         )
     console.print(per_rank)
+    console.print(
+        "per decode step and rank: batch = tokens fed, routed = (token, expert) pairs computed per MoE layer, "
+        "a2a/ar/ag = all-to-all/all-reduce/all-gather calls, bytes out = bytes sent; "
+        "experts MiB = routed-expert weights held / all of them; peak MiB = "
+        + ("CUDA memory allocated" if report.device == "cuda" else "process RSS")
+    )
 
     summary = Table(title="Summary", show_header=False)
     summary.add_column("what")

@@ -93,7 +93,7 @@ class RankReport:
         tokens: generated token ids per served prompt.
         decode_ms: wall time of the decode steps (all but the prefill), ms.
         batch_tokens: tokens fed per step.
-        slot_counts: ``[L, P]`` tokens routed to each physical slot over the run (this rank's routing).
+        slot_counts: ``[L, P]`` tokens this rank routed to each physical slot over the decode steps.
         collectives: kind -> calls per decode step.
         bytes_per_step: kind -> bytes sent per decode step by this rank.
         peak_rss_mb: peak resident memory of the process, MiB.
@@ -131,8 +131,8 @@ class RunReport:
         outputs: generated text per prompt.
         ranks: per-rank reports.
         tokens_per_s: generated tokens over all ranks per second of decode wall time.
-        balancedness: mean over ranks / max over ranks of routed tokens per rank, averaged over layers.
-        routed_tokens_per_step: per EP rank, (token, expert) pairs its slots computed per step and MoE layer.
+        balancedness: mean over ranks / max over ranks of routed tokens per rank in decode, averaged over layers.
+        routed_tokens_per_step: per EP rank, (token, expert) pairs its slots computed per decode step and MoE layer.
         matches_reference: generated tokens equal the unsharded transformers model's (``None`` if skipped).
         mismatches: prompt indices whose tokens differ from the reference.
         max_logits_rel_err: ``|ours - ref| / |ref|`` of the last-step logits (``None`` if skipped).
@@ -225,7 +225,7 @@ def _rank_worker(
         device = torch.device("cuda", info.local_rank) if cfg.device == "cuda" else torch.device("cpu")
         spec = load_moe_spec(model_dir)
         placement = _placement(cfg, spec, comm.size)
-        recorder = ExpertLoadRecorder(spec.num_moe_layers, placement.num_slots, window=cfg.max_new_tokens + 1,
+        recorder = ExpertLoadRecorder(spec.num_moe_layers, placement.num_slots, window=cfg.max_new_tokens,
                                       device=device)
         ep_model = load_ep_model(
             model_dir, placement, comm, dispatcher=cfg.dispatcher, expert_backend=cfg.expert_backend,
@@ -235,9 +235,11 @@ def _rank_worker(
         marks: list = []
 
         def on_step(step: int) -> None:
-            recorder.step()
-            if step == 0:
+            if step == 0:  # measure decode steps only: drop the prefill's counts
+                recorder.reset()
                 marks.append(comm.stats.snapshot())
+            else:
+                recorder.step()
 
         gen: GenerationResult = greedy_generate(
             ep_model.model, [all_ids[i] for i in mine], cfg.max_new_tokens, pad_id, device,
@@ -313,6 +315,10 @@ def run_job(cfg: RunConfig) -> RunReport:
         RuntimeError: a rank failed (its error in the message).
     """
     cfg.validate()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
     model_dir = str(cfg.model) if cfg.model else str(ensure_default_checkpoint(cfg.cache_dir))
     spec = load_moe_spec(model_dir)
     prompts = list(cfg.prompts) or list(DEFAULT_PROMPTS)
@@ -343,7 +349,7 @@ def run_job(cfg: RunConfig) -> RunReport:
         balancedness=_balancedness(slot_counts, ep),
         routed_tokens_per_step=(
             slot_counts.reshape(spec.num_moe_layers, ep, -1).sum(dim=(0, 2)).double()
-            / (cfg.max_new_tokens * spec.num_moe_layers)
+            / (max(1, cfg.max_new_tokens - 1) * spec.num_moe_layers)
         ).tolist(),
         matches_reference=None,
     )
