@@ -1,0 +1,104 @@
+"""ExpertLoadRecorder counts, windowing, cross-rank reduction (gloo), load files."""
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from epmoe.loads import ExpertLoadRecorder, read_csv_loads, read_loads, save_loads
+from epmoe.placement import ExpertPlacement
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "loads"
+
+
+def test_record_equals_bincount():
+    g = torch.Generator().manual_seed(0)
+    rec = ExpertLoadRecorder(num_layers=3, num_slots=10, window=4)
+    slots = [torch.randint(-1, 10, (37, 4), generator=g) for _ in range(3)]
+    for layer, s in enumerate(slots):
+        rec.record(layer, s)
+    for layer, s in enumerate(slots):
+        s = s.reshape(-1)
+        assert torch.equal(rec.slot_counts()[layer], torch.bincount(s[s >= 0], minlength=10))
+
+
+def test_window_drops_oldest_step():
+    rec = ExpertLoadRecorder(num_layers=1, num_slots=4, window=2)
+    rec.record(0, torch.tensor([[0, 1]]))
+    rec.step()
+    rec.record(0, torch.tensor([[2, 2]]))
+    assert rec.slot_counts()[0].tolist() == [1, 1, 2, 0]
+    rec.step()  # the first step falls out
+    rec.record(0, torch.tensor([[3, -1]]))
+    assert rec.slot_counts()[0].tolist() == [0, 0, 2, 1]
+    rec.reset()
+    assert rec.slot_counts().sum() == 0
+
+
+def test_logical_load_sums_copies():
+    placement = ExpertPlacement.from_phy2log(torch.tensor([[0, 1, 2, 0]]), ep_size=2, num_experts=3)
+    rec = ExpertLoadRecorder(1, 4)
+    rec.record(0, torch.tensor([[0, 3], [1, 3], [2, -1]]))
+    assert rec.logical_load(placement).tolist() == [[3, 1, 1]]
+    with pytest.raises(ValueError, match="recorder counts"):
+        rec.logical_load(ExpertPlacement.trivial(2, 4, 2))
+    with pytest.raises(ValueError, match="layer_index"):
+        rec.record(1, torch.tensor([[0]]))
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    placement = ExpertPlacement.from_phy2log(torch.tensor([[0, 1, 2, 3], [3, 2, 1, 0]]), ep_size=2, num_experts=4)
+    rec = ExpertLoadRecorder(2, 4)
+    rec.record(0, torch.tensor([[rank, 3]]))
+    rec.record(1, torch.tensor([[0, 1 + rank], [2, -1]]))
+    load = rec.logical_load(placement, group=dist.group.WORLD)
+    if rank == 0:
+        torch.save(load, out)
+    dist.destroy_process_group()
+
+
+def test_cross_rank_reduction_gloo(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "load.pt")
+    mp.spawn(_worker, args=(port, out), nprocs=2, join=True)
+    load = torch.load(out)
+    # layer 0: rank 0 -> slots 0, 3; rank 1 -> slots 1, 3 (slot s holds expert s)
+    # layer 1: rank 0 -> slots 0, 1, 2; rank 1 -> slots 0, 2, 2 (slot s holds expert 3 - s)
+    assert load.tolist() == [[1, 1, 0, 2], [0, 3, 1, 2]]
+
+
+@pytest.mark.parametrize("suffix", [".json", ".safetensors"])
+def test_save_read_roundtrip(tmp_path, suffix):
+    load = torch.tensor([[1.0, 2.0, 3.5], [0.0, 4.0, 1.0]], dtype=torch.float64)
+    save_loads(tmp_path / f"l{suffix}", load)
+    assert torch.equal(read_loads(tmp_path / f"l{suffix}"), load)
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_read_olmoe_csv():
+    load, names = read_csv_loads(DATA / "olmoe_expert_counts.csv")
+    assert load.shape == (15, 64)
+    assert names[0] == "arxiv:0" and names[-1] == "wikipedia:15"
+    assert torch.all(load.sum(1) == 1_671_168)
+    assert torch.equal(read_loads(DATA / "olmoe_expert_counts.csv"), load)
+    assert read_loads(DATA / "eplb_readme_example.json").shape == (2, 12)
+
+
+def test_read_bad_files(tmp_path):
+    (tmp_path / "neg.json").write_text('{"load": [[1, -3]]}')
+    with pytest.raises(ValueError, match=r"neg.json.*load\[0, 1\] = -3.0 is negative"):
+        read_loads(tmp_path / "neg.json")
+    (tmp_path / "ragged.json").write_text('{"load": [[1, 2], [3]]}')
+    with pytest.raises(ValueError, match="equally long"):
+        read_loads(tmp_path / "ragged.json")
+    with pytest.raises(FileNotFoundError):
+        read_loads(tmp_path / "missing.json")
+    (tmp_path / "bad.csv").write_text("domain,layer,expert,count\na,0,0,5\na,0,2,1\n")
+    with pytest.raises(ValueError, match="expected ids 0..2"):
+        read_loads(tmp_path / "bad.csv")
