@@ -225,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, KeyError, FileNotFoundError, TypeError) as exc:
+    except (ValueError, KeyError, FileNotFoundError, TypeError, RuntimeError) as exc:
         print(f"epmoe {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

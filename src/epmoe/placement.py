@@ -226,6 +226,10 @@ class ExpertPlacement:
         if isinstance(num_redundant, bool) or not isinstance(num_redundant, int) or num_redundant < 0:
             raise ValueError(f"num_redundant must be a non-negative integer, got {num_redundant!r}")
         num_slots = num_experts + num_redundant
+        if ep_size > num_slots:
+            raise ValueError(
+                f"EP size ({ep_size}) is larger than the number of slots ({num_slots}): every rank needs at least one slot"
+            )
         if num_slots % ep_size:
             raise ValueError(
                 f"num_slots ({num_slots} = {num_experts} experts + {num_redundant} redundant) must be "

@@ -1,0 +1,139 @@
+"""``epmoe run`` end to end (spawned ranks and torchrun), and its bad-input messages."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from epmoe.cli import main
+from epmoe.comm import Comm
+from epmoe.models.hf import load_ep_model
+from epmoe.placement import ExpertPlacement
+from epmoe.runtime.launch import free_port
+
+
+@pytest.fixture(scope="module")
+def kimi(tiny_checkpoints):
+    return tiny_checkpoints("kimi-k2.5")
+
+
+def test_run_two_ranks_matches_reference(kimi, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    code = main(["run", "--model", str(kimi), "--ep", "2", "--max-new-tokens", "4", "--redundant", "2",
+                 "--prompt", "hello", "--prompt", "expert parallel", "--prompt", "abc", "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["matches_reference"] is True and report["mismatches"] == []
+    assert report["max_logits_rel_err"] < 1e-5
+    assert [len(r["prompts"]) for r in report["ranks"]] == [2, 1]
+    # 2 MoE layers x (counts + rows + results) all-to-alls per decode step, nothing else
+    for r in report["ranks"]:
+        assert r["collectives"] == {"all_to_all": 6.0, "all_reduce": 0.0, "all_gather": 0.0}
+        assert r["expert_mb"] == pytest.approx(r["full_expert_mb"] * 9 / 16)  # (16 + 2) / 2 of 16 experts
+    assert 0 < report["balancedness"] <= 1
+    assert "YES, token for token" in capsys.readouterr().out
+
+
+def test_run_with_placement_file_and_idle_rank(kimi, tmp_path):
+    placement = tmp_path / "pl.safetensors"
+    ExpertPlacement.trivial(2, 16, 4, layout="round_robin").save(placement)
+    out = tmp_path / "r.json"
+    # 2 prompts over 4 ranks: ranks 2 and 3 have nothing to do and join with empty batches
+    code = main(["run", "--model", str(kimi), "--ep", "4", "--placement", str(placement), "--max-new-tokens", "3",
+                 "--prompt", "one", "--prompt", "two", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 0 and report["matches_reference"] is True
+    assert [r["batch_tokens"] for r in report["ranks"]][2:] == [[0, 0, 0], [0, 0, 0]]
+
+
+def test_run_under_torchrun_environment(kimi, tmp_path):
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "epmoe.cli", "run", "--model", str(kimi), "--max-new-tokens", "3",
+             "--json", str(tmp_path / f"r{rank}.json")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    report = json.loads((tmp_path / "r0.json").read_text())
+    assert report["ep"] == 2 and report["matches_reference"] is True
+    assert not (tmp_path / "r1.json").exists()  # only rank 0 reports
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--ep", "32"], r"EP size \(32\) is larger than the number of slots \(16\)"),
+        (["--ep", "2", "--redundant", "1"], r"num_slots \(17 = 16 experts \+ 1 redundant\) must be divisible by the EP group size \(2\)"),
+        (["--ep", "0"], r"--ep must be at least 1, got 0"),
+        (["--max-new-tokens", "0"], r"--max-new-tokens must be at least 1, got 0"),
+    ],
+)
+def test_bad_options(kimi, capsys, args, message):
+    assert main(["run", "--model", str(kimi), *args]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_placement_missing_a_layer(kimi, tmp_path, capsys):
+    bad = tmp_path / "one_layer.json"
+    ExpertPlacement.trivial(1, 16, 2).save(bad)  # the model has 2 MoE layers
+    assert main(["run", "--model", str(kimi), "--placement", str(bad)]) == 2
+    assert "placement covers 1 MoE layers but model" in capsys.readouterr().err
+
+
+def test_placement_with_expert_without_slot(kimi, tmp_path, capsys):
+    bad = tmp_path / "hole.json"
+    rows = [list(range(16)), list(range(15)) + [0]]
+    bad.write_text(json.dumps({"ep_size": 2, "num_experts": 16, "phy2log": rows}))
+    assert main(["run", "--model", str(kimi), "--placement", str(bad)]) == 2
+    assert "layer 1: logical expert 15 has no physical slot" in capsys.readouterr().err
+
+
+def test_missing_model_dir(tmp_path, capsys):
+    assert main(["run", "--model", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_checkpoint_missing_one_expert(kimi, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in kimi.iterdir():
+        if f.suffix != ".safetensors":
+            (broken / f.name).write_bytes(f.read_bytes())
+    tensors = {}
+    for f in kimi.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    placement = ExpertPlacement.trivial(2, 16, 1)
+    with pytest.raises(KeyError, match=r"logical expert 5 of model\.layers\.2\.mlp.*experts\.5\.up_proj\.weight"):
+        load_ep_model(str(broken), placement, Comm(None), dispatcher="local")
+
+
+def test_moe_layer_without_placement_fails_at_construction(kimi):
+    from epmoe.layer import MoELayer
+    from epmoe.spec import load_moe_spec
+
+    spec = load_moe_spec(kimi)
+    with pytest.raises(TypeError, match="MoE layer 0 needs an ExpertPlacement, got NoneType"):
+        MoELayer(spec, 0, None, Comm(None))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="placement is for EP size 2 but the EP group has 1 ranks"):
+        MoELayer(spec, 0, ExpertPlacement.trivial(2, 16, 2), Comm(None))
+    with pytest.raises(KeyError, match=r"unknown dispatcher 'nccl_magic'; supported: \["):
+        MoELayer(spec, 0, ExpertPlacement.trivial(2, 16, 1), Comm(None), dispatcher="nccl_magic")
+    with pytest.raises(KeyError, match=r"unknown expert backend 'fast'"):
+        MoELayer(spec, 0, ExpertPlacement.trivial(2, 16, 1), Comm(None), dispatcher="local", expert_backend="fast")
+    assert torch.equal(MoELayer(spec, 1, ExpertPlacement.trivial(2, 16, 1), Comm(None), dispatcher="local").local_experts,
+                       torch.arange(16))
