@@ -224,6 +224,34 @@ class TPMoELayer(_MoEBase):
         self.experts_fn = get_expert_backend(expert_backend)
         self.experts = _ExpertParams(spec, spec.num_experts, spec.moe_intermediate_size // comm.size, dtype, device)
 
+    @torch.no_grad()
+    def load_from(self, full: MoELayer) -> None:
+        """Copy this rank's slice of every weight from a single-rank ``MoELayer`` holding all experts.
+
+        Raises:
+            ValueError: ``full`` is not one rank holding exactly the ``E`` experts in order.
+        """
+        if full.comm.size != 1 or not torch.equal(full.local_experts, torch.arange(self.spec.num_experts)):
+            raise ValueError("load_from needs a single-rank MoELayer holding experts 0..E-1 in slot order")
+        g, r = self.comm.size, self.comm.rank
+        f = self.spec.moe_intermediate_size
+        part = slice(r * f // g, (r + 1) * f // g)
+        src = full.experts
+        self.gate.load_state_dict(full.gate.state_dict())
+        self.experts.w13.copy_(torch.cat([src.w13[:, :f][:, part], src.w13[:, f:][:, part]], dim=1))
+        self.experts.w2.copy_(src.w2[:, :, part])
+        if src.b13 is not None:
+            self.experts.b13.copy_(torch.cat([src.b13[:, :f][:, part], src.b13[:, f:][:, part]], dim=1))
+            self.experts.b2.copy_(src.b2 if r == 0 else torch.zeros_like(src.b2))
+        if full.shared_experts is not None:
+            fs = self.spec.shared_intermediate_size
+            sp = slice(r * fs // g, (r + 1) * fs // g)
+            self.shared_experts.gate_proj.weight.copy_(full.shared_experts.gate_proj.weight[sp])
+            self.shared_experts.up_proj.weight.copy_(full.shared_experts.up_proj.weight[sp])
+            self.shared_experts.down_proj.weight.copy_(full.shared_experts.down_proj.weight[:, sp])
+        if full.shared_expert_gate is not None:
+            self.shared_expert_gate.weight.copy_(full.shared_expert_gate.weight)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [..., D]`` -> ``[..., D]``; one all-reduce over the TP group."""
         shape = hidden.shape
