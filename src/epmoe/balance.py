@@ -288,7 +288,6 @@ def _swap_search(rank_w: np.ndarray, rank_e: np.ndarray, num_experts: int, max_i
         rank_w[g_rows, t, sa], rank_e[g_rows, t, sa] = rank_w[g_rows, h, sb], rank_e[g_rows, h, sb]
         rank_w[g_rows, h, sb], rank_e[g_rows, h, sb] = wa, ea
         active = g_rows
-    return
 
 
 def _recopy_search(w: np.ndarray, rank_e: np.ndarray, max_iters: int) -> np.ndarray:
@@ -434,7 +433,10 @@ def balance_deepseek(
     return ExpertPlacement(torch.from_numpy(phy), num_experts=w.shape[1], ep_size=ep_size)
 
 
-def _balance_exact(load, ep_size, num_redundant=0, *, num_nodes=1, num_groups=1):
+def _balance_exact(
+    load: torch.Tensor | np.ndarray, ep_size: int, num_redundant: int = 0, *, num_nodes: int = 1, num_groups: int = 1
+) -> ExpertPlacement:
+    """The ``"exact"`` balancer: ``balance_exact.solve_exact`` with its 60 s budget; returns its placement."""
     from epmoe.balance_exact import solve_exact
 
     return solve_exact(load, ep_size, num_redundant, num_nodes=num_nodes, num_groups=num_groups).placement
