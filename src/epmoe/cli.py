@@ -38,6 +38,10 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dispatcher", default="all_to_all", help="dispatcher backend (default all_to_all)")
     p.add_argument("--expert-backend", default="reference", help="expert compute backend (default reference)")
     p.add_argument("--no-reference", action="store_true", help="skip the unsharded transformers comparison")
+    p.add_argument("--eplb-interval", type=int, default=0, metavar="STEPS",
+                   help="rebalance experts live every STEPS decode steps from the recorded loads (default 0: never)")
+    p.add_argument("--max-moves", type=int, default=None, metavar="M",
+                   help="most expert copies one live rebalance may move")
     p.add_argument("--json", metavar="FILE", nargs="?", const="-", help="write the report as JSON (to stdout with no FILE)")
     p.set_defaults(func=_cmd_run)
 
@@ -49,6 +53,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         model=args.model, ep=args.ep, device=args.device, placement=args.placement, redundant=args.redundant,
         layout=args.layout, prompts=tuple(args.prompt), max_new_tokens=args.max_new_tokens, dtype=args.dtype,
         dispatcher=args.dispatcher, expert_backend=args.expert_backend, reference=not args.no_reference,
+        eplb_interval=args.eplb_interval, eplb_max_moves=args.max_moves,
     ))
     if report is None:  # a non-zero torchrun rank: rank 0 prints
         return 0

@@ -173,6 +173,37 @@ class MoELayer(_MoEBase):
         """``[P/G]`` int64: the logical expert held in each local slot of this layer."""
         return self.placement.local_experts(self.comm.rank)[self.layer]
 
+    def commit_placement(self, placement: ExpertPlacement, weights: dict[str, torch.Tensor]) -> None:
+        """Switch this layer to ``placement`` with its already-staged local expert weights.
+
+        The caller (``epmoe.runtime.rebalance``) stages every rank's weights first and commits only when
+        all ranks hold theirs; this method only swaps references, so it cannot fail half-way.
+
+        Args:
+            placement: the new placement (same ``P``, ``E`` and EP size as the current one).
+            weights: ``w13``, ``w2`` (and ``b13``, ``b2`` where the model has biases) for the new local
+                slots, shaped like the current parameters.
+
+        Raises:
+            ValueError: a shape or placement-size mismatch (checked before anything changes).
+        """
+        old = self.placement
+        if (placement.num_slots, placement.num_experts, placement.ep_size) != (old.num_slots, old.num_experts, old.ep_size):
+            raise ValueError(
+                f"new placement has (P, E, G) = {(placement.num_slots, placement.num_experts, placement.ep_size)}, "
+                f"the layer serves {(old.num_slots, old.num_experts, old.ep_size)}"
+            )
+        params = {n: p for n, p in self.experts.named_parameters()}
+        for name, param in params.items():
+            if name not in weights or weights[name].shape != param.shape:
+                got = None if name not in weights else tuple(weights[name].shape)
+                raise ValueError(f"staged weight {name!r} has shape {got}, expected {tuple(param.shape)}")
+        slot_map = SlotMap(placement, self.layer, self.comm.rank, self.slot_map.policy, self.slot_map.table.device)
+        for name, param in params.items():
+            param.data = weights[name]
+        self.slot_map = slot_map
+        self.placement = placement
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [..., D]`` -> ``[..., D]``: routed experts (over the EP group) plus shared experts."""
         shape = hidden.shape

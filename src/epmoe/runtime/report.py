@@ -61,6 +61,15 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     summary.add_row("model", report.model)
     summary.add_row("tokens/s (decode, all ranks)", f"{report.tokens_per_s:.1f}")
     summary.add_row("balancedness (mean/max routed tokens per rank)", f"{report.balancedness:.3f}")
+    events = report.ranks[0].rebalances
+    if events:
+        done = [e for e in events if e["committed"]]
+        summary.add_row(
+            "live rebalances (committed / tried)",
+            f"{len(done)} / {len(events)}; copies moved {sum(e['copies_moved'] for e in done)}; "
+            + "; ".join(f"step {e['step']}: {e['balancedness_before']:.3f} -> {e['balancedness_after']:.3f}"
+                        + ("" if e["committed"] else f" ({e['error']})") for e in events),
+        )
     if report.matches_reference is None:
         summary.add_row("matches transformers reference", "not checked (--no-reference)")
     else:

@@ -48,6 +48,8 @@ class RunConfig:
         dispatcher: dispatcher name (``all_to_all``; ``local`` for EP 1).
         expert_backend: expert compute backend name.
         reference: run the unsharded transformers model and compare tokens.
+        eplb_interval: rebalance every this many decode steps from the recorded loads (0 = never).
+        eplb_max_moves: most expert copies one rebalance may move (``None`` = as few as reach the target).
         cache_dir: where the built-in checkpoint is cached.
     """
 
@@ -63,6 +65,8 @@ class RunConfig:
     dispatcher: str = "all_to_all"
     expert_backend: str = "reference"
     reference: bool = True
+    eplb_interval: int = 0
+    eplb_max_moves: int | None = None
     cache_dir: str | None = None
 
     def validate(self) -> None:
@@ -79,6 +83,10 @@ class RunConfig:
             raise ValueError(f"--dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.redundant < 0:
             raise ValueError(f"--redundant must be non-negative, got {self.redundant}")
+        if self.eplb_interval < 0:
+            raise ValueError(f"--eplb-interval must be non-negative, got {self.eplb_interval}")
+        if self.eplb_max_moves is not None and self.eplb_max_moves < 0:
+            raise ValueError(f"--max-moves must be non-negative, got {self.eplb_max_moves}")
         if any(not p for p in self.prompts):
             raise ValueError("--prompt must not be empty")
 
@@ -93,7 +101,9 @@ class RankReport:
         tokens: generated token ids per served prompt.
         decode_ms: wall time of the decode steps (all but the prefill), ms.
         batch_tokens: tokens fed per step.
-        slot_counts: ``[L, P]`` tokens this rank routed to each physical slot over the decode steps.
+        rank_counts: ``[L, G]`` (token, expert) pairs this rank routed to each EP rank over the decode
+            steps (summed across live rebalances).
+        rebalances: the EPLB events (dicts of ``RebalanceEvent``), empty without ``--eplb-interval``.
         collectives: kind -> calls per decode step.
         bytes_per_step: kind -> bytes sent per decode step by this rank.
         peak_rss_mb: peak resident memory of the process, MiB.
@@ -108,7 +118,8 @@ class RankReport:
     tokens: list[list[int]]
     decode_ms: float
     batch_tokens: list[int]
-    slot_counts: list[list[int]]
+    rank_counts: list[list[int]]
+    rebalances: list[dict]
     collectives: dict[str, float]
     bytes_per_step: dict[str, float]
     peak_rss_mb: float
@@ -218,6 +229,7 @@ def _rank_worker(
     returns every rank's report (collected over the EP group) and the others return ``None``."""
     from ..loads import ExpertLoadRecorder
     from ..models.hf import load_ep_model
+    from .rebalance import EPLBController
 
     group = init_group(info, cfg.device)
     try:
@@ -233,13 +245,26 @@ def _rank_worker(
         )
         mine = list(range(comm.rank, len(all_ids), comm.size))
         marks: list = []
+        carried = torch.zeros(spec.num_moe_layers, comm.size, dtype=torch.int64)
+
+        def per_rank() -> torch.Tensor:
+            return recorder.slot_counts().cpu().reshape(spec.num_moe_layers, comm.size, -1).sum(-1)
+        eplb = (
+            EPLBController(ep_model, recorder, cfg.eplb_interval, max_moves=cfg.eplb_max_moves)
+            if cfg.eplb_interval else None
+        )
 
         def on_step(step: int) -> None:
             if step == 0:  # measure decode steps only: drop the prefill's counts
                 recorder.reset()
                 marks.append(comm.stats.snapshot())
-            else:
-                recorder.step()
+                return
+            recorder.step()
+            if eplb is not None and step % eplb.interval == 0:
+                before = per_rank()
+                eplb.on_step(step)
+                if eplb.events[-1].committed:  # the recorder was reset for the new placement
+                    carried.add_(before)
 
         gen: GenerationResult = greedy_generate(
             ep_model.model, [all_ids[i] for i in mine], cfg.max_new_tokens, pad_id, device,
@@ -256,7 +281,8 @@ def _rank_worker(
             tokens=gen.tokens,
             decode_ms=sum(gen.step_ms[1:]),
             batch_tokens=gen.batch_tokens,
-            slot_counts=recorder.slot_counts().tolist(),
+            rank_counts=(carried + per_rank()).tolist(),
+            rebalances=[asdict(e) for e in eplb.events] if eplb is not None else [],
             collectives={k: delta.calls[k] / decode_steps for k in COLLECTIVE_KINDS},
             bytes_per_step={k: delta.bytes_sent[k] / decode_steps for k in COLLECTIVE_KINDS},
             peak_rss_mb=rss,
@@ -283,10 +309,9 @@ def _placement(cfg: RunConfig, spec, ep: int) -> ExpertPlacement:
     return placement
 
 
-def _balancedness(slot_counts: torch.Tensor, placement_ep: int) -> float:
-    """Per layer mean/max of tokens per rank (slots grouped by rank), averaged over layers."""
-    num_layers, num_slots = slot_counts.shape
-    per_rank = slot_counts.reshape(num_layers, placement_ep, num_slots // placement_ep).sum(-1).double()
+def _balancedness(rank_counts: torch.Tensor) -> float:
+    """Per layer mean/max of ``rank_counts [L, G]`` (tokens per rank), averaged over layers."""
+    per_rank = rank_counts.double()
     peak = per_rank.max(dim=1).values
     ratio = torch.where(peak > 0, per_rank.mean(dim=1) / peak.clamp(min=1e-12), torch.ones_like(peak))
     return float(ratio.mean())
@@ -341,16 +366,14 @@ def run_job(cfg: RunConfig) -> RunReport:
             tokens[i] = t
     decode_s = max(r.decode_ms for r in ranks) / 1e3
     new_tokens = len(prompts) * max(0, cfg.max_new_tokens - 1)
-    slot_counts = torch.tensor([r.slot_counts for r in ranks]).sum(0)
+    rank_counts = torch.tensor([r.rank_counts for r in ranks]).sum(0)  # [L, G]
+    decode_steps = max(1, cfg.max_new_tokens - 1)
     report = RunReport(
         model=model_dir, model_type=spec.model_type, ep=ep, device=cfg.device, prompts=prompts,
         outputs=[_decode(tok, t) for t in tokens], ranks=ranks,
         tokens_per_s=new_tokens / decode_s if decode_s > 0 else float("nan"),
-        balancedness=_balancedness(slot_counts, ep),
-        routed_tokens_per_step=(
-            slot_counts.reshape(spec.num_moe_layers, ep, -1).sum(dim=(0, 2)).double()
-            / (max(1, cfg.max_new_tokens - 1) * spec.num_moe_layers)
-        ).tolist(),
+        balancedness=_balancedness(rank_counts),
+        routed_tokens_per_step=(rank_counts.sum(0).double() / (decode_steps * spec.num_moe_layers)).tolist(),
         matches_reference=None,
     )
     if cfg.reference:

@@ -1,0 +1,241 @@
+"""Live rebalancing: move expert weights to a new placement, commit it everywhere or nowhere.
+
+Protocol, per MoE layer: every rank works out which of its new slots it already holds (copied
+locally) and which it must receive (from the first copy under the old placement), then the ranks agree
+with one small all-reduce that all of them are ready, post matched batched point-to-point sends and
+receives into staging buffers (only the copies that change travel), and agree again that every
+transfer landed. Only after all layers are staged on all ranks does any layer switch; if any rank
+fails at any point, every rank drops its staging buffers and the old placement keeps serving. Because
+the ranks agree *before* posting transfers, no rank is left waiting on a peer that gave up.
+
+The EPLB loop (``EPLBController``) feeds the windowed loads to the movement-aware balancer every
+``interval`` steps and runs this protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..balance import balancedness
+from ..balance_moves import rebalance_with_moves
+from ..layer import MoELayer
+from ..loads import ExpertLoadRecorder
+from ..models.hf import EPModel
+from ..placement import ExpertPlacement
+
+
+@dataclass(frozen=True)
+class MigrationResult:
+    """Outcome of ``migrate``.
+
+    Attributes:
+        committed: the new placement serves now on every rank.
+        copies_moved: slots (over all ranks and layers) whose logical expert changed.
+        copies_received: expert copies this rank received over the network.
+        bytes_received: bytes this rank received.
+        error: why the move was abandoned (``None`` when committed).
+    """
+
+    committed: bool
+    copies_moved: int
+    copies_received: int
+    bytes_received: int
+    error: str | None = None
+
+
+def _weights_of(layer: MoELayer) -> dict[str, torch.Tensor]:
+    return {n: p.data for n, p in layer.experts.named_parameters()}
+
+
+def _source_rank(old: ExpertPlacement, layer: int, expert: int) -> int:
+    return int(old.slot_rank[old.log2phy[layer, expert, 0]])
+
+
+def _agree(ok: bool, layer: MoELayer) -> bool:
+    """True when every rank passes ``ok`` (one tiny all-reduce on the weights' device)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=layer.experts.w13.device)
+    return int(layer.comm.all_reduce(flag)) == layer.comm.size
+
+
+def _stage_layer(
+    layer: MoELayer, old: ExpertPlacement, new: ExpertPlacement, tag_base: int
+) -> tuple[dict[str, torch.Tensor], list[dist.P2POp], list[tuple[int, torch.Tensor]]]:
+    """Staging buffers with the local copies filled in, and the P2P ops this rank must post."""
+    comm, index = layer.comm, layer.layer
+    rank, per_rank = comm.rank, new.slots_per_rank
+    current = _weights_of(layer)
+    names = list(current)
+    staged = {n: torch.empty_like(t) for n, t in current.items()}
+    old_local = old.local_experts(rank)[index].tolist()
+    row_numel = [current[n][0].numel() for n in names]
+
+    def flat(slot: int) -> torch.Tensor:
+        return torch.cat([current[n][slot].reshape(-1) for n in names])
+
+    ops: list[dist.P2POp] = []
+    recvs: list[tuple[int, torch.Tensor]] = []
+    for j, expert in enumerate(new.local_experts(rank)[index].tolist()):
+        if expert in old_local:
+            src_slot = old_local.index(expert)
+            for n in names:
+                staged[n][j].copy_(current[n][src_slot])
+        else:
+            buf = torch.empty(sum(row_numel), dtype=current[names[0]].dtype, device=current[names[0]].device)
+            tag = tag_base + index * new.num_slots + rank * per_rank + j
+            ops.append(dist.P2POp(dist.irecv, buf, _source_rank(old, index, expert), comm.group, tag))
+            recvs.append((j, buf))
+    for dest in range(comm.size):
+        if dest == rank:
+            continue
+        dest_old = old.local_experts(dest)[index].tolist()
+        for j, expert in enumerate(new.local_experts(dest)[index].tolist()):
+            if expert not in dest_old and _source_rank(old, index, expert) == rank:
+                tag = tag_base + index * new.num_slots + dest * per_rank + j
+                ops.append(dist.P2POp(dist.isend, flat(old_local.index(expert)), dest, comm.group, tag))
+    return staged, ops, recvs
+
+
+def _unpack(staged: dict[str, torch.Tensor], recvs: list[tuple[int, torch.Tensor]]) -> None:
+    for j, buf in recvs:
+        offset = 0
+        for name, tensor in staged.items():
+            n = tensor[j].numel()
+            tensor[j].copy_(buf[offset:offset + n].view_as(tensor[j]))
+            offset += n
+
+
+def migrate(ep_model: EPModel, new: ExpertPlacement, *, epoch: int = 0, timeout_s: float = 60.0) -> MigrationResult:
+    """Move this rank's expert weights to ``new`` and commit it on all ranks, or on none.
+
+    Every rank of the EP group must call this with the same ``new`` and ``epoch`` (the epoch keeps the
+    message tags of successive moves apart).
+
+    Args:
+        ep_model: the model serving on this rank (its ``placement`` is the old one).
+        new: the placement to move to (same ``P``, ``E`` and EP size).
+        epoch: a per-move counter, equal on all ranks.
+        timeout_s: how long a transfer may take before this rank gives up (seconds).
+
+    Returns:
+        ``MigrationResult``; on failure ``committed`` is False, ``error`` says why, and the model still
+        serves the old placement with its old weights.
+
+    Raises:
+        ValueError: ``new`` does not match the model's placement in shape (checked before anything moves).
+    """
+    old = ep_model.placement
+    for name in ("num_layers", "num_slots", "num_experts", "ep_size"):
+        if getattr(old, name) != getattr(new, name):
+            raise ValueError(f"new placement has {name} {getattr(new, name)}, the model serves {getattr(old, name)}")
+    comm = ep_model.comm
+    moved = int((old.phy2log != new.phy2log).sum())
+    staged_all: list[dict[str, torch.Tensor]] = []
+    received = nbytes = 0
+    error: str | None = None
+    tag_base = epoch * old.num_layers * old.num_slots
+    for layer in ep_model.moe_layers:
+        try:
+            staged, ops, recvs = _stage_layer(layer, old, new, tag_base)
+            ok, why = True, None
+        except Exception as exc:  # any local failure is reported to every rank below
+            ok, why = False, f"rank {comm.rank}, MoE layer {layer.layer}: {type(exc).__name__}: {exc}"
+        if not _agree(ok, layer):
+            error = why or f"another rank failed while staging MoE layer {layer.layer}"
+            break
+        try:
+            if ops:
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait(timeout=timedelta(seconds=timeout_s))
+            _unpack(staged, recvs)
+            ok, why = True, None
+        except Exception as exc:
+            ok, why = False, f"rank {comm.rank}, MoE layer {layer.layer} transfer: {type(exc).__name__}: {exc}"
+        if not _agree(ok, layer):
+            error = why or f"another rank failed during the transfer of MoE layer {layer.layer}"
+            break
+        staged_all.append(staged)
+        received += len(recvs)
+        nbytes += sum(b.numel() * b.element_size() for _, b in recvs)
+    if error is not None:
+        return MigrationResult(False, moved, 0, 0, f"rebalance abandoned, the old placement keeps serving: {error}")
+    for layer, staged in zip(ep_model.moe_layers, staged_all):
+        layer.commit_placement(new, staged)
+    ep_model.placement = new
+    return MigrationResult(True, moved, received, nbytes)
+
+
+@dataclass
+class RebalanceEvent:
+    """One EPLB decision.
+
+    Attributes:
+        step: generation step at which it ran.
+        balancedness_before: of the window's loads under the old placement (even split over copies).
+        balancedness_after: of the same loads under the new placement.
+        copies_moved: slots whose expert changed.
+        committed: the new placement serves.
+        error: why it was abandoned, if it was.
+    """
+
+    step: int
+    balancedness_before: float
+    balancedness_after: float
+    copies_moved: int
+    committed: bool
+    error: str | None = None
+
+
+@dataclass
+class EPLBController:
+    """Every ``interval`` steps: loads -> movement-aware balancer -> ``migrate``.
+
+    Args:
+        ep_model: the model serving on this rank.
+        recorder: the load recorder its layers feed.
+        interval: steps between rebalances (> 0).
+        max_moves: most expert copies one rebalance may move (``None`` = as few as reach the target).
+        algorithm: balancer name for the from-scratch target.
+        timeout_s: transfer timeout of one move, seconds.
+
+    Raises:
+        ValueError: ``interval`` not positive.
+    """
+
+    ep_model: EPModel
+    recorder: ExpertLoadRecorder
+    interval: int
+    max_moves: int | None = None
+    algorithm: str = "epmoe"
+    timeout_s: float = 60.0
+    events: list[RebalanceEvent] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.interval <= 0:
+            raise ValueError(f"eplb interval must be a positive number of steps, got {self.interval}")
+
+    def on_step(self, step: int) -> None:
+        """Call after every generation step; rebalances when ``step`` is a positive multiple of ``interval``."""
+        if step > 0 and step % self.interval == 0:
+            self.rebalance(step)
+
+    def rebalance(self, step: int) -> RebalanceEvent:
+        """Rebalance now from the recorder's window (all ranks must call together)."""
+        current = self.ep_model.placement
+        load = self.recorder.logical_load(current, self.ep_model.comm.group).double()
+        before = balancedness(load, current)
+        plan = rebalance_with_moves(load, current, max_moves=self.max_moves, algorithm=self.algorithm)
+        after = balancedness(load, plan.placement)
+        if not plan.moves:
+            event = RebalanceEvent(step, before, before, 0, False, "already balanced: no copy to move")
+        else:
+            result = migrate(self.ep_model, plan.placement, epoch=len(self.events) + 1, timeout_s=self.timeout_s)
+            event = RebalanceEvent(step, before, after if result.committed else before, result.copies_moved,
+                                   result.committed, result.error)
+            if result.committed:
+                self.recorder.reset()
+        self.events.append(event)
+        return event
