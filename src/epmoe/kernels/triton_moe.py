@@ -8,6 +8,7 @@ size and no host synchronisation (CUDA-graph safe):
    block, the padding sentinel in every sorted position.
 3. ``_scatter_kernel``: each pair takes a position in its slot's group (atomics; the order inside a
    group does not change any row's result).
+   For decode sizes ``_align_small_kernel`` does 1-3 in one program and one launch.
 4. ``_gate_up_kernel``: per (row block, F tile): rows gathered from ``x`` by pair id, gate and up tiles
    accumulated side by side in float32, bias, the gated activation, stored as ``h [NB*BM, F]``.
 5. ``_down_kernel``: per (row block, D tile): ``h @ w2[slot].T``, bias, times the routing weight,
@@ -38,6 +39,7 @@ from .fp8 import FP8_BLOCK, BlockFP8ExpertWeights
 
 _ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2}
 _CLAMPED_SWIGLU = 3
+_SMALL_ALIGN = 1 << 17
 
 
 @dataclass(frozen=True)
@@ -70,9 +72,9 @@ def default_config(num_pairs: int, num_slots: int, fp8: bool) -> TileConfig:
     """
     rows = num_pairs / max(num_slots, 1)
     if rows <= 16:
-        return TileConfig(16, 16, 32, 128, 4, 4)
-    if rows <= 96:
-        return TileConfig(64, 64, 64, 128 if fp8 else 64, 4, 4)
+        return TileConfig(16, 32, 64, 128, 4, 3)
+    if rows <= 128:
+        return TileConfig(64, 64, 128, 128 if fp8 else 64, 8, 3)
     return TileConfig(128, 64, 128, 128 if fp8 else 64, 8, 3)
 
 
@@ -103,6 +105,31 @@ def _offsets_kernel(
     for i0 in range(0, num_blocks * BLOCK_M, BLOCK):
         i = i0 + tl.arange(0, BLOCK)
         tl.store(sorted_ptr + i, tl.full([BLOCK], 0, tl.int32) + num_pairs, mask=i < num_blocks * BLOCK_M)
+
+
+@triton.jit
+def _align_small_kernel(
+    slots_ptr, cursor_ptr, block_slot_ptr, sorted_ptr, num_pairs, num_slots, num_blocks,
+    BLOCK_M: tl.constexpr, S_PAD: tl.constexpr, N_PAD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
+):
+    idx = tl.arange(0, N_PAD)
+    key = tl.load(slots_ptr + idx, mask=idx < num_pairs, other=-1)
+    ok = (key >= 0) & (key < num_slots)
+    s = tl.arange(0, S_PAD)
+    counts = tl.sum(((key[:, None] == s[None, :]) & ok[:, None]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + s, end - padded, mask=s < num_slots)
+    for b0 in range(0, num_blocks, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        slot = tl.sum((end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_slot_ptr + b, tl.where(slot < num_slots, slot, -1), mask=b < num_blocks)
+    for i0 in range(0, num_blocks * BLOCK_M, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        tl.store(sorted_ptr + i, tl.full([BLOCK], 0, tl.int32) + num_pairs, mask=i < num_blocks * BLOCK_M)
+    tl.debug_barrier()
+    pos = tl.atomic_add(cursor_ptr + tl.where(ok, key, 0), tl.full([N_PAD], 1, tl.int32), mask=ok)
+    tl.store(sorted_ptr + pos, idx.to(tl.int32), mask=ok)
 
 
 @triton.jit
@@ -233,7 +260,10 @@ def _sum_kernel(y_ptr, slots_ptr, out_ptr, D, top_k, BLOCK_D: tl.constexpr):
 
 
 def align_triton(topk_slots: torch.Tensor, num_slots: int, block_m: int) -> Alignment:
-    """Same groups as ``align.align_reference`` in three launches (order inside a slot may differ).
+    """Same groups as ``align.align_reference`` (order inside a slot may differ: atomics).
+
+    Up to ``_SMALL_ALIGN`` (pairs x slots, both padded to powers of two) one program does it all in one
+    launch (decode: launches dominate); above, a count, an offsets and a scatter launch.
 
     Args:
         topk_slots: ``[T, K]`` int64 CUDA local slot ids, ``-1`` = skip.
@@ -244,14 +274,21 @@ def align_triton(topk_slots: torch.Tensor, num_slots: int, block_m: int) -> Alig
     n = topk_slots.numel()
     nb = num_aligned_blocks(n, num_slots, block_m)
     flat = topk_slots.reshape(-1)
-    counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
     cursor = torch.empty(num_slots, dtype=torch.int32, device=device)
     block_slot = torch.empty(nb, dtype=torch.int32, device=device)
     sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=device)
+    s_pad = triton.next_power_of_2(num_slots)
+    n_pad = triton.next_power_of_2(max(n, 16))
+    if n_pad * s_pad <= _SMALL_ALIGN:
+        _align_small_kernel[(1,)](
+            flat, cursor, block_slot, sorted_ids, n, num_slots, nb,
+            BLOCK_M=block_m, S_PAD=s_pad, N_PAD=n_pad, BLOCK_B=max(16, 8192 // s_pad), BLOCK=1024, num_warps=8,
+        )
+        return Alignment(sorted_ids, block_slot, block_m)
+    counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
     block = 1024
     grid = (max(1, triton.cdiv(n, block)),)
     _count_kernel[grid](flat, counts, n, num_slots, BLOCK=block)
-    s_pad = triton.next_power_of_2(num_slots)
     _offsets_kernel[(1,)](
         counts, cursor, block_slot, sorted_ids, n, num_slots, nb,
         BLOCK_M=block_m, S_PAD=s_pad, BLOCK_B=max(16, 8192 // s_pad), BLOCK=1024,

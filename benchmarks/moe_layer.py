@@ -1,0 +1,259 @@
+"""MoE expert compute on one GPU: our Triton backend vs the PyTorch composition vs transformers' grouped_mm.
+
+Run on the device machine (needs CUDA, Triton, transformers):
+
+    PYTHONPATH=src python3 benchmarks/moe_layer.py [--out PATH] [--sizes 1,8,...] [--sweep]
+
+Cases:
+    qwen3: the routed experts of one Qwen3-30B-A3B MoE layer on one GPU: 128 experts, D 2048, F 768,
+        top-8 softmax routing over all 128.
+    dsv3: one rank's shard of a DeepSeek-V3 MoE layer under 8-way expert parallelism: 32 of the 256
+        experts (global ids 0..31), D 7168, F 2048. Each of the T tokens picks top-8 of 256 uniformly at
+        random; choices outside 0..31 are served by other ranks and enter as slot -1, so about 1/8 of the
+        T*8 choices (about T rows of work) are local. This is what the rank's expert backend sees after
+        a dispatcher that sends every token to every rank (the fixed-capacity layout).
+    dsv3_fp8: the same shard with DeepSeek's 128x128 block FP8 weights (our backend only).
+
+Every row: the floor = max(weight bytes of the slots the routing touches / measured copy bandwidth,
+FLOPs of the routed rows / measured bf16 matmul rate), both ceilings measured in the same run; the time
+of each implementation (median of ``triton.testing.do_bench``; sizes up to 64 tokens as CUDA-graph
+replays); ratios to the floor; the relative error against the float32 reference. Then a full MoE layer
+(router, fixed-capacity dispatcher on a one-rank group, Triton experts, combine) captured in a CUDA
+graph is replayed and compared to eager execution. Writes JSON to ``--out`` (default
+``$OUT/moe_layer.json`` when ``$OUT`` is set) and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from epmoe.comm import Comm
+from epmoe.dispatch import make_dispatcher
+from epmoe.experts import Activation, ExpertWeights, get_expert_backend, reference_experts
+from epmoe.kernels.fp8 import block_fp8_expert_weights
+from epmoe.kernels.triton_moe import TileConfig, default_config, triton_experts
+
+CASES = {
+    "qwen3": dict(num_experts=128, slots=128, d=2048, f=768, k=8),
+    "dsv3": dict(num_experts=256, slots=32, d=7168, f=2048, k=8),
+}
+DECODE_MAX = 64
+SWEEP = [
+    TileConfig(16, 16, 32, 128, 4, 4), TileConfig(16, 32, 64, 128, 4, 3), TileConfig(16, 64, 64, 64, 4, 4),
+    TileConfig(32, 64, 64, 64, 4, 4), TileConfig(64, 64, 64, 64, 4, 4), TileConfig(64, 64, 128, 64, 8, 3),
+    TileConfig(128, 64, 128, 64, 8, 3), TileConfig(128, 128, 128, 64, 8, 3), TileConfig(128, 64, 64, 64, 4, 4),
+    TileConfig(128, 128, 128, 64, 8, 4), TileConfig(128, 64, 256, 64, 8, 3), TileConfig(64, 128, 128, 64, 4, 3),
+]
+
+
+def measure_ceilings() -> dict:
+    """Copy bandwidth (bytes read + written per s) and bf16 matmul rate (FLOP/s), on random data."""
+    n = 1 << 30
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    bw = 2 * n * 2 / (ms * 1e-3)
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
+    return {"copy_bytes_per_s": bw, "bf16_flop_per_s": 2 * 8192**3 / (ms * 1e-3)}
+
+
+def make_routing(case: dict, t: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Hidden states and top-k routing (local slot ids, -1 = another rank) for ``t`` tokens."""
+    x = torch.randn(t, case["d"], device="cuda", dtype=torch.bfloat16, generator=gen)
+    logits = torch.randn(t, case["num_experts"], device="cuda", generator=gen)
+    w, idx = torch.topk(torch.softmax(logits, dim=-1), case["k"], dim=-1)
+    w = w / w.sum(dim=-1, keepdim=True)
+    slots = torch.where(idx < case["slots"], idx, -1)
+    return x, slots, w
+
+
+def transformers_experts(weights: ExpertWeights, case: dict):
+    """transformers' Qwen3MoeExperts with ``experts_implementation="grouped_mm"`` sharing our weights."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    cfg = Qwen3MoeConfig(hidden_size=case["d"], moe_intermediate_size=case["f"], num_experts=case["slots"],
+                         num_experts_per_tok=case["k"], hidden_act="silu")
+    cfg._experts_implementation = "grouped_mm"
+    with torch.device("meta"):
+        mod = Qwen3MoeExperts(cfg)
+    mod.gate_up_proj = torch.nn.Parameter(weights.w13, requires_grad=False)
+    mod.down_proj = torch.nn.Parameter(weights.w2, requires_grad=False)
+    sentinel = case["slots"]
+    if case["slots"] < case["num_experts"]:
+        mod._is_expert_parallel = True  # slots of other ranks enter as index S, weight 0 (transformers' EP path)
+
+    def run(x, slots, tw):
+        return mod(x, torch.where(slots >= 0, slots, sentinel), torch.where(slots >= 0, tw, 0.0))
+
+    return run, cfg._experts_implementation
+
+
+def time_fn(fn, graph: bool) -> float:
+    """Median ms of ``fn()``; as CUDA-graph replays when ``graph``."""
+    if graph:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return do_bench(g.replay, warmup=25, rep=200, return_mode="median")
+    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: bool, fp8: bool) -> list[dict]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    s, d, f = case["slots"], case["d"], case["f"]
+    w = ExpertWeights(
+        (torch.randn(s, 2 * f, d, device="cuda", generator=gen) / d**0.5).to(torch.bfloat16),
+        (torch.randn(s, d, f, device="cuda", generator=gen) / f**0.5).to(torch.bfloat16),
+    )
+    w32 = ExpertWeights(w.w13.float(), w.w2.float())
+    qw = block_fp8_expert_weights(w) if fp8 else None
+    q32 = qw.dequantize(torch.float32) if fp8 else None
+    act = Activation()
+    ours = get_expert_backend("triton")
+    torch_comp = get_expert_backend("grouped_mm")
+    hf, hf_impl = transformers_experts(w, case)
+    expert_bytes = 3 * d * f * 2
+    rows = []
+    for t in sizes:
+        x, slots, tw = make_routing(case, t, gen)
+        active = int(torch.unique(slots[slots >= 0]).numel())
+        pairs = int((slots >= 0).sum())
+        flops = 2 * pairs * 3 * d * f
+        graph = t <= DECODE_MAX
+        ref = reference_experts(x.float(), slots, tw, w32, act)
+        impls = {"ours": lambda: ours(x, slots, tw, w, act),
+                 "torch_grouped_mm": lambda: torch_comp(x, slots, tw, w, act),
+                 "hf_grouped_mm": lambda: hf(x, slots, tw)}
+        row = {"case": name, "tokens": t, "active_slots": active, "pairs": pairs,
+               "weight_bytes": active * expert_bytes, "flops": flops, "graph": graph,
+               "default_config": asdict(default_config(t * case["k"], s, False))}
+        row["floor_mem_us"] = active * expert_bytes / ceil["copy_bytes_per_s"] * 1e6
+        row["floor_flop_us"] = flops / ceil["bf16_flop_per_s"] * 1e6
+        row["floor_us"] = max(row["floor_mem_us"], row["floor_flop_us"])
+        for key, fn in impls.items():
+            row[f"{key}_err"] = rel_err(fn(), ref)
+            row[f"{key}_us"] = time_fn(fn, graph) * 1e3
+        if sweep:
+            best = None
+            for cfg in SWEEP:
+                us = time_fn(lambda: triton_experts(x, slots, tw, w, act, config=cfg), graph) * 1e3
+                row.setdefault("sweep", []).append({**asdict(cfg), "us": us})
+                best = (us, cfg) if best is None or us < best[0] else best
+            row["best_us"], row["best_config"] = best[0], asdict(best[1])
+        if fp8:
+            qref = reference_experts(x.float(), slots, tw, q32, act)
+            fn = lambda: ours(x, slots, tw, qw, act)  # noqa: E731
+            row["fp8_err"] = rel_err(fn(), qref)
+            row["fp8_us"] = time_fn(fn, graph) * 1e3
+            fp8_bytes = active * 3 * d * f * (1 + 4 / 128**2)
+            row["fp8_floor_us"] = max(fp8_bytes / ceil["copy_bytes_per_s"] * 1e6, row["floor_flop_us"])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    row0 = rows[0]
+    row0["hf_experts_implementation"] = hf_impl
+    return rows
+
+
+def full_layer_graph(tokens: int) -> dict:
+    """Router + fixed-capacity dispatcher (one-rank group) + Triton experts + combine: graph vs eager."""
+    case = CASES["qwen3"]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    e, d, f, k = case["num_experts"], case["d"], case["f"], case["k"]
+    w = ExpertWeights(
+        (torch.randn(e, 2 * f, d, device="cuda", generator=gen) / d**0.5).to(torch.bfloat16),
+        (torch.randn(e, d, f, device="cuda", generator=gen) / f**0.5).to(torch.bfloat16),
+    )
+    router = (torch.randn(e, d, device="cuda", generator=gen) / d**0.5).to(torch.bfloat16)
+    disp = make_dispatcher("fixed_capacity", Comm(None), e, capacity=tokens)
+    experts = get_expert_backend("triton")
+    act = Activation()
+
+    def layer(x):
+        probs = torch.softmax((x @ router.t()).float(), dim=-1)
+        tw, idx = torch.topk(probs, k, dim=-1)
+        tw = tw / tw.sum(dim=-1, keepdim=True)
+        h = disp.dispatch(x, idx, tw)
+        y = experts(h.recv_x, h.recv_slots, h.recv_weights, w, act)
+        return disp.combine(y, h), h
+
+    static_x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        layer(static_x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_out, static_h = layer(static_x)
+    errs = []
+    for _ in range(3):
+        static_x.copy_(torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16, generator=gen))
+        g.replay()
+        static_h.check_capacity()
+        eager, _ = layer(static_x.clone())
+        errs.append(((static_out.float() - eager.float()).norm() / eager.float().norm()).item())
+    return {"tokens": tokens, "replay_vs_eager_rel_err": errs, "equal": all(e == 0.0 for e in errs),
+            "replay_us": do_bench(g.replay, warmup=25, rep=200, return_mode="median") * 1e3}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.path.join(os.environ["OUT"], "moe_layer.json") if "OUT" in os.environ else None)
+    p.add_argument("--sizes", default="1,8,32,64,128,256,1024,4096")
+    p.add_argument("--cases", default="qwen3,dsv3")
+    p.add_argument("--sweep", action="store_true", help="also time the Triton tile configs in SWEEP")
+    args = p.parse_args(argv)
+    sizes = [int(v) for v in args.sizes.split(",")]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ceil = measure_ceilings()
+    print(json.dumps(ceil), flush=True)
+    rows = []
+    for name in args.cases.split(","):
+        rows += bench_case(name, CASES[name], sizes, ceil, args.sweep, fp8=name == "dsv3")
+    graph = {f"t{t}": full_layer_graph(t) for t in (1, 8, 64)}
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "ceilings": ceil, "rows": rows, "full_layer_graph": graph}
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+    print(f"\nceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s")
+    for key, gr in graph.items():
+        print(f"full layer graph {key}: replay==eager {gr['equal']} errs {gr['replay_vs_eager_rel_err']} "
+              f"replay {gr['replay_us']:.1f} us")
+    hdr = (f"{'case':6} {'T':>5} {'act':>4} {'floor':>7} {'lim':>4} {'ours':>7} {'x_fl':>5} {'torch':>7} "
+           f"{'x_ours':>6} {'hf':>7} {'x_ours':>6} {'best':>7} {'fp8':>7} {'fp8fl':>6} {'err_ours':>8}")
+    print(hdr)
+    for r in rows:
+        lim = "mem" if r["floor_mem_us"] >= r["floor_flop_us"] else "flop"
+        print(f"{r['case']:6} {r['tokens']:5d} {r['active_slots']:4d} {r['floor_us']:7.1f} {lim:>4} "
+              f"{r['ours_us']:7.1f} {r['ours_us'] / r['floor_us']:5.2f} {r['torch_grouped_mm_us']:7.1f} "
+              f"{r['torch_grouped_mm_us'] / r['ours_us']:6.2f} {r['hf_grouped_mm_us']:7.1f} "
+              f"{r['hf_grouped_mm_us'] / r['ours_us']:6.2f} {r.get('best_us', float('nan')):7.1f} "
+              f"{r.get('fp8_us', float('nan')):7.1f} {r.get('fp8_floor_us', float('nan')):6.1f} {r['ours_err']:8.1e}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
