@@ -4,19 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable, Sequence
+from typing import Sequence
 
-# Each subcommand module-level ``_add_<name>(subparsers)`` adds its parser and sets ``func``,
-# a callable taking the parsed namespace and returning the process exit code.
-_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
-
-
-def _subcommand(fn: Callable[[argparse._SubParsersAction], None]) -> Callable[[argparse._SubParsersAction], None]:
-    _SUBCOMMANDS.append(fn)
-    return fn
-
-
-@_subcommand
 def _add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "run",
@@ -82,7 +71,6 @@ def _batches(text: str) -> tuple[int, ...]:
     return values
 
 
-@_subcommand
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan", help="TP vs EP for a model, machine and batch: step time, collectives and memory per GPU",
@@ -119,7 +107,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-@_subcommand
 def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "calibrate", help="measure all-reduce / all-to-all latency and bandwidth; write a hardware profile",
@@ -148,7 +135,6 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-@_subcommand
 def _add_doctor(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "doctor", help="check backends, GPUs, placements (target and draft) and memory before launch",
@@ -178,7 +164,6 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     ))
 
 
-@_subcommand
 def _add_balance(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "balance", help="balance expert loads (EPLB): write a placement, a per-layer table and a PNG",
@@ -220,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The full ``epmoe`` argument parser."""
     parser = argparse.ArgumentParser(prog="epmoe", description="Expert-parallel MoE inference for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in _SUBCOMMANDS:
+    # each ``_add_<name>`` adds its parser and sets ``func``: namespace -> process exit code
+    for add in (_add_run, _add_balance, _add_plan, _add_doctor, _add_calibrate):
         add(sub)
     return parser
 
