@@ -137,3 +137,13 @@ def test_moe_layer_without_placement_fails_at_construction(kimi):
         MoELayer(spec, 0, ExpertPlacement.trivial(2, 16, 1), Comm(None), dispatcher="local", expert_backend="fast")
     assert torch.equal(MoELayer(spec, 1, ExpertPlacement.trivial(2, 16, 1), Comm(None), dispatcher="local").local_experts,
                        torch.arange(16))
+
+
+def test_run_with_fixed_capacity_dispatcher(kimi, tmp_path):
+    out = tmp_path / "fc.json"
+    code = main(["run", "--model", str(kimi), "--ep", "2", "--dispatcher", "fixed_capacity", "--max-new-tokens", "3",
+                 "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 0 and report["matches_reference"] is True
+    # static shapes: one all-to-all out and one back per MoE layer, no count exchange
+    assert report["ranks"][0]["collectives"]["all_to_all"] == 4.0

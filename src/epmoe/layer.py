@@ -116,7 +116,8 @@ class MoELayer(_MoEBase):
         layer: index of this layer among the model's MoE layers, ``[0, L)``.
         placement: the expert placement (required: there is no default and no global).
         comm: the EP group (``Comm(None)`` for a single process).
-        dispatcher: a registered dispatcher name (``local``, ``all_to_all``, ...) or an instance.
+        dispatcher: a registered dispatcher name (``local``, ``all_to_all``, ``fixed_capacity``) or an instance.
+        dispatcher_options: options of a named dispatcher (``fixed_capacity`` needs ``capacity``).
         expert_backend: a registered expert backend name (``reference``, ...).
         replica_policy: how a token picks among an expert's copies (``static``, ``round_robin``, ``random``).
         load_recorder: optional sink counting tokens per physical slot.
@@ -143,6 +144,7 @@ class MoELayer(_MoEBase):
         load_recorder: LoadSink | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        dispatcher_options: dict | None = None,
     ) -> None:
         if not isinstance(placement, ExpertPlacement):
             raise TypeError(
@@ -162,7 +164,8 @@ class MoELayer(_MoEBase):
         self.comm = comm
         self.slot_map = SlotMap(placement, layer, comm.rank, replica_policy, device)
         self.dispatcher = (
-            make_dispatcher(dispatcher, comm, placement.slots_per_rank) if isinstance(dispatcher, str) else dispatcher
+            make_dispatcher(dispatcher, comm, placement.slots_per_rank, **(dispatcher_options or {}))
+            if isinstance(dispatcher, str) else dispatcher
         )
         self.experts_fn = get_expert_backend(expert_backend)
         self.load_recorder = load_recorder

@@ -119,6 +119,7 @@ def load_ep_model(
     comm: Comm,
     *,
     dispatcher: str | Dispatcher = "all_to_all",
+    dispatcher_options: dict | None = None,
     expert_backend: str = "reference",
     replica_policy: ReplicaPolicy = "static",
     load_recorder: LoadSink | None = None,
@@ -131,7 +132,8 @@ def load_ep_model(
         checkpoint_dir: directory with ``config.json`` and safetensors weights in the published layout.
         placement: the expert placement (checked against the model: layers and experts).
         comm: the EP group; its rank decides which slots are loaded.
-        dispatcher, expert_backend, replica_policy, load_recorder: passed to every ``MoELayer``.
+        dispatcher, dispatcher_options, expert_backend, replica_policy, load_recorder: passed to every
+            ``MoELayer``.
         dtype: compute dtype of the model.
         device: where this rank's weights live.
 
@@ -152,8 +154,9 @@ def load_ep_model(
     ep = EPModel(model=model, spec=spec, placement=placement, comm=comm)
     for moe_index, layer_index in enumerate(spec.moe_layers):
         moe = MoELayer(
-            spec, moe_index, placement, comm, dispatcher=dispatcher, expert_backend=expert_backend,
-            replica_policy=replica_policy, load_recorder=load_recorder, dtype=dtype, device=device,
+            spec, moe_index, placement, comm, dispatcher=dispatcher, dispatcher_options=dispatcher_options,
+            expert_backend=expert_backend, replica_policy=replica_policy, load_recorder=load_recorder,
+            dtype=dtype, device=device,
         )
         block = f"model.layers.{layer_index}.{layout.ckpt_block}"
         _load_moe_layer(moe, reader, layout, block)

@@ -45,7 +45,9 @@ class RunConfig:
         prompts: prompt strings; empty = the built-in ones.
         max_new_tokens: tokens generated per prompt.
         dtype: ``float32``, ``bfloat16`` or ``float16``.
-        dispatcher: dispatcher name (``all_to_all``; ``local`` for EP 1).
+        dispatcher: dispatcher name (``all_to_all``, ``fixed_capacity``; ``local`` for EP 1). The
+            fixed-capacity dispatcher gets the capacity no step can exceed: the most tokens one rank
+            feeds in a step (its prefill batch).
         expert_backend: expert compute backend name.
         reference: run the unsharded transformers model and compare tokens.
         eplb_interval: rebalance every this many decode steps from the recorded loads (0 = never).
@@ -239,11 +241,15 @@ def _rank_worker(
         placement = _placement(cfg, spec, comm.size)
         recorder = ExpertLoadRecorder(spec.num_moe_layers, placement.num_slots, window=cfg.max_new_tokens,
                                       device=device)
-        ep_model = load_ep_model(
-            model_dir, placement, comm, dispatcher=cfg.dispatcher, expert_backend=cfg.expert_backend,
-            load_recorder=recorder, dtype=_DTYPES[cfg.dtype], device=device,
-        )
         mine = list(range(comm.rank, len(all_ids), comm.size))
+        options = {}
+        if cfg.dispatcher == "fixed_capacity":
+            shares = [all_ids[r::comm.size] for r in range(comm.size)]
+            options["capacity"] = max(1, max(len(s) * max((len(p) for p in s), default=0) for s in shares))
+        ep_model = load_ep_model(
+            model_dir, placement, comm, dispatcher=cfg.dispatcher, dispatcher_options=options,
+            expert_backend=cfg.expert_backend, load_recorder=recorder, dtype=_DTYPES[cfg.dtype], device=device,
+        )
         marks: list = []
         carried = torch.zeros(spec.num_moe_layers, comm.size, dtype=torch.int64)
 
