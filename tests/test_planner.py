@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 import pytest
 
 from epmoe.cli import main
-from epmoe.costs import expected_destination_ranks, expected_max_load, predict_moe_layer_time
+from epmoe.costs import MoEDims, expected_destination_ranks, expected_max_load, predict_moe_layer_time
 from epmoe.hardware import hardware_names, load_hardware
 from epmoe.plan_report import plan_to_dict, plot_plan, recommend
 from epmoe.planner import PlanRequest, plan
@@ -151,18 +152,46 @@ def test_load_imbalance_model():
 
 def test_predict_moe_layer_time_hand_worked():
     spec = load_moe_spec(CONFIGS / "qwen3-30b-a3b.config.json")
-    hw = load_hardware(H200)
-    # 4096 tokens x top-8 = 32768 rows over 128 experts: all hit. Bytes 128 x 3 x 2048 x 768 x 2 B =
-    # 1,207,959,552 + rows in/out 32768 x 2 x 2048 x 2 B = 268,435,456; FLOPs 32768 x 2 x 4,718,592 =
-    # 3.092e11 -> 0.3914 ms at 790 TFLOP/s (> 1.476e9 B / 4.3 TB/s = 0.343 ms); + 10 us fixed.
-    expected = 32768 * 2 * 4_718_592 / 7.9e14 * 1e3 + 0.010
-    assert predict_moe_layer_time(spec, 4096, 128, hw, "bf16") == pytest.approx(expected, rel=1e-3)
-    from epmoe.costs import MoEDims
-
+    # Fixed figures so the arithmetic below does not move with the shipped profile.
+    hw = dataclasses.replace(load_hardware(H200), hbm_bytes_per_s=4.25e12, matmul_flops_per_s={"bf16": 6.78e14},
+                             moe_layer_fixed_us=27.0)
+    # 4096 tokens x top-8 = 32768 rows over 128 experts; all hit (128 (1 - (15/16)^4096) = 128).
+    # Weights 128 x 3 x 2048 x 768 x 2 B = 1,207,959,552 B; activations 32768 rows x (3 x 2048 + 2 x 768)
+    # x 2 B = 503,316,480 B; together / 4.25 TB/s = 402.65 us. FLOPs 32768 x 2 x 4,718,592 = 3.0923e11
+    # / 678 TFLOP/s = 456.09 us. Added (no overlap) + 27 us fixed = 885.7 us.
+    expected = ((1_207_959_552 + 503_316_480) / 4.25e12 + 32768 * 2 * 4_718_592 / 6.78e14) * 1e3 + 0.027
+    assert expected == pytest.approx(0.8857, rel=1e-3)
+    assert predict_moe_layer_time(spec, 4096, 128, hw, "bf16") == pytest.approx(expected, rel=1e-9)
+    # DeepSeek-V3 EP8 shard, 1 token: 8/256 of its choices are local -> 1 row, 1 expert hit (32 x 8/256).
+    # 3 x 7168 x 2048 x 2 B = 88,080,384 B + 1 x (3 x 7168 + 2 x 2048) x 2 B = 51,200 B -> 20.74 us;
+    # 2 x 44,040,192 FLOPs -> 0.13 us; + 27 us.
     shard = predict_moe_layer_time(MoEDims(7168, 2048, 256, 8), 1, 32, hw, "bf16")
-    assert 0.010 < shard < 0.05
+    assert shard == pytest.approx(((88_080_384 + 51_200) / 4.25e12 + 2 * 44_040_192 / 6.78e14) * 1e3 + 0.027)
     with pytest.raises(ValueError, match="num_local_experts"):
         predict_moe_layer_time(spec, 1, 129, hw)
+
+
+def test_plan_expert_term_is_predict_moe_layer_time():
+    # epmoe plan prices routed experts with the function checked against the H200 measurements:
+    # on one GPU (TP1) the step's expert time is L MoE layers x predict_moe_layer_time(all E local).
+    spec = load_moe_spec(CONFIGS / "qwen3-30b-a3b.config.json")
+    hw = load_hardware(H200)
+    p = plan(PlanRequest(spec=spec, hardware=hw, gpus=1, batches=(1, 8, 64, 256)))
+    for st in p.strategy("TP1").steps:
+        per_layer = predict_moe_layer_time(spec, st.tokens, spec.num_experts, hw, "bf16")
+        assert st.expert_ms == pytest.approx(spec.num_moe_layers * per_layer, rel=1e-12)
+
+
+def test_ep_busiest_rank_reads_more_expert_weights_at_batch_1():
+    # DeepSeek-V3, batch 1: TP8 reads 1/8 of each of the token's 8 experts = 1 expert's bytes per rank.
+    # EP8: the busiest rank receives expected_max_load(8 rows, 8 ranks, balancedness 0.8) = 2.49 rows and is
+    # priced as 2.49 tokens over its 32 of 256 experts: 32 (1 - (1 - 8/256)^2.49) = 2.44 experts' bytes.
+    p = _plan("deepseek-v3", 8, batches=(1,))
+    hw = load_hardware(H200)
+    fixed_ms = 58 * hw.moe_layer_fixed_us * 1e-3
+    tp = p.strategy("TP8").steps[0].expert_ms - fixed_ms
+    ep = p.strategy("EP8+DPattn").steps[0].expert_ms - fixed_ms
+    assert ep / tp == pytest.approx(2.44, rel=0.03)
 
 
 def test_bad_inputs():

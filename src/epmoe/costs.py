@@ -162,11 +162,36 @@ def expected_max_load(num_items: float, num_bins: int, balancedness: float = 1.0
     return float(np.sum(1.0 - below))
 
 
-def touched_experts(num_rows: float, num_slots: float) -> float:
-    """Expected number of distinct slots hit when ``num_rows`` rows spread uniformly over ``num_slots``."""
-    if num_slots <= 0:
-        return 0.0
-    return num_slots * (1.0 - (1.0 - 1.0 / num_slots) ** num_rows) if num_slots > 1 else min(1.0, num_rows)
+def expected_distinct_experts(num_tokens: float, num_experts: int, top_k: int, num_local: float | None = None) -> float:
+    """Expected number of distinct experts among ``num_local`` given ones that ``T`` tokens choose, each
+    token picking ``K`` distinct experts of ``E`` uniformly: ``n_local * (1 - (1 - K/E)^T)``.
+
+    A given expert is among one token's ``K`` choices with probability ``K/E``, missed by all ``T``
+    independent tokens with probability ``(1 - K/E)^T``; linearity of expectation over the ``n_local``
+    experts gives the sum. Qwen3-30B-A3B (E 128, K 8) at T 8: ``128 (1 - (15/16)^8) = 51.6`` of 128
+    experts (their weights are what a decode step reads); a DeepSeek-V3 EP8 shard (32 of 256, K 8) at
+    T 1: ``32 * 8/256 = 1``.
+
+    Args:
+        num_tokens: ``T`` tokens routed, >= 0.
+        num_experts: ``E`` experts the tokens choose among (logical experts, or slots when replicas
+            share their expert's load evenly).
+        top_k: ``K`` distinct choices per token, ``1..E``.
+        num_local: how many of the ``E`` experts to count, ``0..E`` (default all ``E``).
+
+    Raises:
+        ValueError: ``E`` < 1, ``K`` outside ``[1, E]``, ``T`` < 0, or ``num_local`` outside ``[0, E]``.
+    """
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k ({top_k}) must lie in [1, num_experts={num_experts}]")
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    local = num_experts if num_local is None else num_local
+    if not 0 <= local <= num_experts:
+        raise ValueError(f"num_local ({num_local}) must lie in [0, num_experts={num_experts}]")
+    return local * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
 
 
 def expected_destination_ranks(num_experts: int, top_k: int, num_ranks: int) -> float:
@@ -207,25 +232,54 @@ def collective_ms(kind: CollectiveKind, nbytes: float, num_ranks: int, link: Lin
     raise ValueError(f"collective kind {kind!r} is not one of all_reduce, reduce_scatter, all_gather, all_to_all")
 
 
+def expert_activation_bytes(dims: MoEDims, rows: float, tp: int = 1) -> float:
+    """Activation bytes one rank's grouped expert MLP moves for ``rows`` routed rows (bf16).
+
+    Per row: its input gathered (``D``), its intermediate written by the gate/up GEMM and read back by the
+    down GEMM (``2 F / tp``: the two GEMMs are separate kernels), its output written and read again by the
+    weighted sum over ``K`` (``2 D``): ``rows * (3 D + 2 F / tp) * 2`` B.
+    """
+    return rows * (3 * dims.hidden_size + 2 * dims.moe_intermediate_size / tp) * ACT_BYTES
+
+
 def expert_layer_ms(
     dims: MoEDims,
     rows: float,
-    num_slots: float,
+    touched: float,
     tp: int,
     hardware: HardwareProfile,
     weight_format: str,
 ) -> float:
-    """Roofline time of one rank's grouped expert MLP over ``rows`` received rows, ms.
+    """Time of one rank's grouped expert MLP over ``rows`` routed rows hitting ``touched`` experts, ms.
 
-    Reads the weights of the slots hit (a ``1/tp`` slice of each) plus the rows in and out, and does
-    ``2 * 3 D F / tp`` FLOPs per row; adds the profile's fixed per-layer cost.
+    ``fixed + bytes / hbm + FLOPs / matmul`` with
+    - bytes: a ``1/tp`` slice of the weights of the ``touched`` experts (``3 D F`` parameters each, in
+      ``weight_format``) plus ``expert_activation_bytes``;
+    - FLOPs: ``2 * 3 D F / tp`` per row at the profile's matmul rate for the format's compute dtype;
+    - fixed: the profile's ``moe_layer_fixed_us`` (alignment, launches, pipeline fill and drain of the
+      kernels of one layer; fitted to measurements, see the profile's sources).
+    Streaming and matrix work are added rather than overlapped (a ``max`` roofline): on the H200 the
+    measured Triton layer times at 1024-4096 tokens sit at about the sum (Qwen3, 4096 tokens: weights
+    284 + activations 118 + matrix 456 + fixed 27 = 886 us against 903 us measured; a ``max`` gives
+    483 us). Known gap: when too few experts are hit to give every SM a weight tile (a DeepSeek-V3 EP8
+    shard at 1 token: one expert) the stream runs below the profile's bandwidth and the model is about
+    20% low (benchmarks/planner_vs_h200.py).
+
+    Args:
+        dims: the MoE-layer shape.
+        rows: routed (token, expert) rows computed on the rank, e.g. ``T K n_local / E`` or the busiest
+            rank's load.
+        touched: distinct experts among the rank's slots that receive at least one row
+            (``expected_distinct_experts``); their weights are read once.
+        tp: slices of each expert (expert tensor parallelism); 1 = whole experts.
+        hardware: the GPU's profile.
+        weight_format: expert weight storage format (``BYTES_PER_PARAM``).
     """
-    touched = touched_experts(rows, num_slots)
     weight_bytes = touched * dims.expert_params() * bytes_per_param(weight_format) / tp
-    act_bytes = rows * 2 * dims.hidden_size * ACT_BYTES
     flops = rows * 2 * dims.expert_params() / tp
     peak = hardware.flops_per_s(compute_dtype(weight_format))
-    return roofline_ms(weight_bytes + act_bytes, flops, hardware.hbm_bytes_per_s, peak) + hardware.moe_layer_fixed_us * 1e-3
+    stream_s = (weight_bytes + expert_activation_bytes(dims, rows, tp)) / hardware.hbm_bytes_per_s
+    return (stream_s + flops / peak) * 1e3 + hardware.moe_layer_fixed_us * 1e-3
 
 
 def predict_moe_layer_time(
@@ -239,7 +293,9 @@ def predict_moe_layer_time(
 
     ``num_tokens`` tokens are routed top-``K`` uniformly over the ``E`` logical experts; the GPU holds
     ``num_local_experts`` of them (all ``E`` for a single-GPU layer, ``E/G`` for an EP shard) and computes
-    the ``T K n_local / E`` rows that land on them. Examples: the Qwen3-30B-A3B layer (128 of 128 experts)
+    the ``T K n_local / E`` rows that land on them, reading the weights of the ``n_local (1 - (1 - K/E)^T)``
+    of them expected to be hit (``expert_layer_ms`` gives the formula; benchmarks/planner_vs_h200.py
+    checks it against the H200 measurements). Examples: the Qwen3-30B-A3B layer (128 of 128 experts)
     and a DeepSeek-V3 EP shard (32 of 256, D 7168, F 2048).
 
     Args:
@@ -259,4 +315,5 @@ def predict_moe_layer_time(
         raise ValueError(f"num_local_experts ({num_local_experts}) must lie in [1, {dims.num_experts}]")
     fmt = WEIGHT_CHOICES.get(dtype, dtype)
     rows = num_tokens * dims.top_k * num_local_experts / dims.num_experts
-    return expert_layer_ms(dims, rows, num_local_experts, 1, hardware, fmt)
+    touched = expected_distinct_experts(num_tokens, dims.num_experts, dims.top_k, num_local_experts)
+    return expert_layer_ms(dims, rows, touched, 1, hardware, fmt)

@@ -19,8 +19,10 @@ Strategies over ``G`` GPUs (``t x e = G``):
 Model conventions: embeddings replicated; the LM head vocab-parallel with one logits all-gather
 under TP attention, replicated under DP attention; dense MLP layers TP under TP attention and
 replicated under DP attention; shared experts sliced under TP attention and replicated in the
-all-to-all strategies. Decode kernels are modelled as rooflines on the busiest rank with no overlap
-between compute and communication; CUDA graphs remove launch gaps.
+all-to-all strategies. Attention and dense kernels are modelled as rooflines on the busiest rank;
+routed experts by ``costs.expert_layer_ms`` (weight and activation streaming plus matrix work plus a
+fixed per-layer cost fitted to H200 measurements, the same function ``predict_moe_layer_time`` checks
+in benchmarks/planner_vs_h200.py); no overlap between compute and communication.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from epmoe.costs import (
     collective_ms,
     compute_dtype,
     expected_destination_ranks,
+    expected_distinct_experts,
     expected_max_load,
     expert_layer_ms,
     kv_bytes_per_token,
@@ -390,13 +393,21 @@ def _step(req: PlanRequest, s: Strategy, batch: int) -> StepEstimate:
     attention_ms = spec.num_layers * attn_ms + n_dense * dense_ms + n_moe * moe_side_ms + lm_ms
 
     # routed experts on the busiest rank
+    # Weights read: the experts the step's tokens hit (``expected_distinct_experts``). Under EP the busiest
+    # rank receives ``rows``, ``hot`` times the mean ``T K / e``; it is priced as if ``hot * T`` tokens were
+    # routed (at batch 1 the busiest of 8 ranks holds about 2.2 of a token's 8 experts, not the mean 1).
+    # With R redundant slots each slot is taken to carry an even share of its expert's load, so a slot is
+    # among a token's choices with probability K / (E + R).
     dims = MoEDims.from_spec(spec)
     if s.moe_ep == 1:
-        rows, slots = tokens * k, spec.num_experts
+        rows = tokens * k
+        touched = expected_distinct_experts(tokens, spec.num_experts, k)
     else:
         rows = expected_max_load(tokens * k, s.moe_ep, req.balancedness)
-        slots = (spec.num_experts + req.redundant) / s.moe_ep
-    expert_ms = n_moe * expert_layer_ms(dims, rows, slots, s.moe_tp, hw, req.expert_format)
+        hot = rows / (tokens * k / s.moe_ep)
+        slots = spec.num_experts + req.redundant
+        touched = expected_distinct_experts(tokens * hot, slots, k, slots / s.moe_ep)
+    expert_ms = n_moe * expert_layer_ms(dims, rows, touched, s.moe_tp, hw, req.expert_format)
 
     # communication
     link = _link(req)

@@ -1,0 +1,158 @@
+"""The planner's expert-compute model against measured MoE layer times on the H200.
+
+Reads the results of ``benchmarks/moe_layer.py`` (default ``benchmarks/results/moe_layer_h200.json``),
+predicts every row with ``epmoe.costs.predict_moe_layer_time`` (the function whose formula, through
+``expert_layer_ms``, prices the routed experts in ``epmoe plan``) and the shipped ``h200-sxm`` profile,
+and compares with the measured time of our Triton backend (``ours_us``). CPU only, no device:
+
+    PYTHONPATH=src python3 benchmarks/planner_vs_h200.py [--results PATH] [--hardware NAME|PATH]
+        [--ceilings profile|run] [--out PATH] [--check]
+
+Columns: case, tokens, whether the row was timed as CUDA-graph replays, experts hit (measured in that
+run's routing / expected ``n_local (1 - (1 - K/E)^T)``), measured µs, predicted µs, predicted / measured,
+the prediction's parts (weight streaming, activation streaming, matrix work, fixed), and the ratio
+``r@hit`` of the same model given the experts the run's random routing actually hit (separates the
+sampling noise of one routing draw from the model's error).
+
+It also fits the one free parameter, the fixed per-layer cost, to the rows by least squares on the
+relative error (closed form: the prediction is ``base_i + fixed``, so
+``fixed = sum((m_i - base_i) / m_i^2) / sum(1 / m_i^2)``) and prints it next to the profile's value: after
+a new ``moe_layer.py`` run, copy it into ``moe_layer_fixed_us`` of ``src/epmoe/hardware/h200-sxm.json``
+with the run named in ``sources``. ``--ceilings run`` replaces the profile's bandwidth and bf16 rate by
+the ones measured in the same run (``ceilings`` in the results). Writes ``planner_vs_h200.json`` next to
+the results file (or ``--out``); ``--check`` exits 1 when a row is outside the 25% target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from epmoe.costs import (
+    MoEDims,
+    expected_distinct_experts,
+    expert_activation_bytes,
+    predict_moe_layer_time,
+)
+from epmoe.hardware import HardwareProfile, load_hardware
+
+ROOT = Path(__file__).resolve().parent
+DEFAULT_RESULTS = ROOT / "results" / "moe_layer_h200.json"
+TARGET = 0.25  # |predicted / measured - 1| allowed at every measured size
+# The shapes of benchmarks/moe_layer.py's CASES: (MoE-layer shape, experts held by the GPU).
+CASES = {
+    "qwen3": (MoEDims(hidden_size=2048, moe_intermediate_size=768, num_experts=128, top_k=8), 128),
+    "dsv3": (MoEDims(hidden_size=7168, moe_intermediate_size=2048, num_experts=256, top_k=8), 32),
+}
+
+
+def case_shape(row: dict) -> tuple[MoEDims, int]:
+    """The layer shape and local expert count of a results row, checked against the row's own numbers.
+
+    Raises:
+        ValueError: an unknown case, or a row whose bytes per active expert disagree with the shape.
+    """
+    if row["case"] not in CASES:
+        raise ValueError(f"case {row['case']!r} is not known; known: {', '.join(CASES)}")
+    dims, local = CASES[row["case"]]
+    if row.get("active_slots") and row["weight_bytes"] != row["active_slots"] * dims.expert_params() * 2:
+        raise ValueError(f"row {row['case']}/{row['tokens']}: weight_bytes {row['weight_bytes']} is not "
+                         f"active_slots x 3 D F x 2 B for D {dims.hidden_size}, F {dims.moe_intermediate_size}")
+    return dims, local
+
+
+def hardware_for(results: dict, name: str, ceilings: str) -> HardwareProfile:
+    """The profile to predict with: as shipped, or with the run's measured bandwidth and bf16 rate."""
+    hw = load_hardware(name)
+    if ceilings == "run":
+        c = results["ceilings"]
+        flops = dict(hw.matmul_flops_per_s, bf16=c["bf16_flop_per_s"])
+        hw = dataclasses.replace(hw, hbm_bytes_per_s=c["copy_bytes_per_s"], matmul_flops_per_s=flops)
+    return hw
+
+
+def compare(results: dict, hw: HardwareProfile) -> list[dict]:
+    """One entry per measured row: measured and predicted µs of our backend, their ratio, the parts."""
+    out = []
+    for row in results["rows"]:
+        dims, local = case_shape(row)
+        t = row["tokens"]
+        rows = t * dims.top_k * local / dims.num_experts
+        touched = expected_distinct_experts(t, dims.num_experts, dims.top_k, local)
+        pred_us = predict_moe_layer_time(dims, t, local, hw, "bf16") * 1e3
+        # the same model with the experts this run's random routing actually hit, instead of the expectation
+        hit = row.get("active_slots") or touched
+        at_hit_us = pred_us + (hit - touched) * dims.expert_params() * 2 / hw.hbm_bytes_per_s * 1e6
+        out.append({
+            "case": row["case"], "tokens": t, "graph": row.get("graph"),
+            "active_measured": row.get("active_slots"), "active_expected": touched,
+            "measured_us": row["ours_us"], "predicted_us": pred_us, "ratio": pred_us / row["ours_us"],
+            "predicted_at_measured_hits_us": at_hit_us, "ratio_at_measured_hits": at_hit_us / row["ours_us"],
+            "weights_us": touched * dims.expert_params() * 2 / hw.hbm_bytes_per_s * 1e6,
+            "activations_us": expert_activation_bytes(dims, rows) / hw.hbm_bytes_per_s * 1e6,
+            "matmul_us": rows * 2 * dims.expert_params() / hw.flops_per_s("bf16") * 1e6,
+            "fixed_us": hw.moe_layer_fixed_us,
+            "floor_us": row.get("floor_us"),
+        })
+    return out
+
+
+def fit_fixed_us(entries: list[dict]) -> float:
+    """Least-squares fixed per-layer cost (µs) on the relative error, over all rows (closed form)."""
+    base = [(e["predicted_us"] - e["fixed_us"], e["measured_us"]) for e in entries]
+    return sum((m - b) / m**2 for b, m in base) / sum(1 / m**2 for _, m in base)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--results", default=str(DEFAULT_RESULTS), help="moe_layer.py results JSON")
+    p.add_argument("--hardware", default="h200-sxm", help="profile name or path")
+    p.add_argument("--ceilings", choices=("profile", "run"), default="profile",
+                   help="bandwidth and bf16 rate from the profile (as epmoe plan) or from the run's measurement")
+    p.add_argument("--out", help="output JSON (default: planner_vs_h200.json next to --results)")
+    p.add_argument("--check", action="store_true", help=f"exit 1 when a row is off by more than {TARGET:.0%}")
+    args = p.parse_args(argv)
+    path = Path(args.results)
+    results = json.loads(path.read_text())
+    hw = hardware_for(results, args.hardware, args.ceilings)
+    entries = compare(results, hw)
+    fitted = fit_fixed_us(entries)
+    worst = max(entries, key=lambda e: abs(e["ratio"] - 1))
+    outside = [e for e in entries if abs(e["ratio"] - 1) > TARGET]
+    c = results.get("ceilings", {})
+    doc = {
+        "results": str(path), "device": results.get("device"), "torch": results.get("torch"),
+        "triton": results.get("triton"), "hardware": hw.name, "ceilings": args.ceilings,
+        "hbm_bytes_per_s": hw.hbm_bytes_per_s, "bf16_flops_per_s": hw.flops_per_s("bf16"),
+        "moe_layer_fixed_us": hw.moe_layer_fixed_us, "run_ceilings": c,
+        "fitted_fixed_us": fitted, "target": TARGET, "worst_ratio": worst["ratio"],
+        "all_within_target": not outside, "rows": entries,
+    }
+    out = Path(args.out) if args.out else path.with_name("planner_vs_h200.json")
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+
+    print(f"results {path} ({results.get('device')}, torch {results.get('torch')}, triton {results.get('triton')})")
+    print(f"model: {hw.name} ({args.ceilings}): hbm {hw.hbm_bytes_per_s / 1e12:.3f} TB/s, "
+          f"bf16 {hw.flops_per_s('bf16') / 1e12:.0f} TFLOP/s, fixed {hw.moe_layer_fixed_us:.1f} us"
+          + (f"; run measured copy {c['copy_bytes_per_s'] / 1e12:.3f} TB/s, bf16 {c['bf16_flop_per_s'] / 1e12:.0f} "
+             "TFLOP/s" if c else ""))
+    print(f"{'case':5} {'T':>5} {'graph':>5} {'hit':>4} {'E[hit]':>6} {'measured':>9} {'predicted':>9} {'ratio':>6}"
+          f"  {'weights':>7} {'acts':>6} {'matmul':>6} {'fixed':>5} {'r@hit':>6}")
+    for e in entries:
+        flag = "" if abs(e["ratio"] - 1) <= TARGET else "  OUTSIDE"
+        print(f"{e['case']:5} {e['tokens']:5d} {str(e['graph'])[0]:>5} {e['active_measured'] or 0:4d} "
+              f"{e['active_expected']:6.1f} {e['measured_us']:9.1f} {e['predicted_us']:9.1f} {e['ratio']:6.2f}  "
+              f"{e['weights_us']:7.1f} {e['activations_us']:6.1f} {e['matmul_us']:6.1f} {e['fixed_us']:5.1f} "
+              f"{e['ratio_at_measured_hits']:6.2f}{flag}")
+    print(f"worst: {worst['case']} T={worst['tokens']} ratio {worst['ratio']:.2f}; "
+          f"{len(entries) - len(outside)}/{len(entries)} rows within {TARGET:.0%}")
+    print(f"least-squares fixed per-layer cost for these rows: {fitted:.1f} us (profile: {hw.moe_layer_fixed_us:.1f} us)")
+    print(f"wrote {out}")
+    return 1 if args.check and outside else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

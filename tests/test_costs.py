@@ -1,0 +1,79 @@
+"""Cost-model formulas, and the expert-compute model against the stored H200 measurements.
+
+The measurement test is a regression test of the model against ``benchmarks/results/moe_layer_h200.json``
+(written by ``benchmarks/moe_layer.py`` on one H200); nothing is timed here. When that file is replaced by
+a new run, ``python benchmarks/planner_vs_h200.py`` prints the table and the re-fitted fixed per-layer cost.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from epmoe.costs import MoEDims, expected_distinct_experts, expert_activation_bytes, predict_moe_layer_time
+from epmoe.hardware import load_hardware
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "moe_layer_h200.json"
+# benchmarks/moe_layer.py's cases: Qwen3-30B-A3B layer (128 of 128 experts local), DeepSeek-V3 EP8 shard (32 of 256).
+CASES = {"qwen3": (MoEDims(2048, 768, 128, 8), 128), "dsv3": (MoEDims(7168, 2048, 256, 8), 32)}
+
+
+def test_expected_distinct_experts_hand_worked():
+    # Qwen3 (E 128, K 8), 8 tokens: a given expert is missed by one token with probability 120/128 = 15/16,
+    # by all 8 with (15/16)^8 = 0.596719..., so 128 x (1 - 0.596719) = 51.620 experts are hit.
+    assert (15 / 16) ** 8 == pytest.approx(0.5967194, abs=1e-7)
+    assert expected_distinct_experts(8, 128, 8) == pytest.approx(51.620, abs=1e-3)
+    # One token hits exactly K; no tokens hit none; many tokens hit all.
+    assert expected_distinct_experts(1, 128, 8) == pytest.approx(8.0)
+    assert expected_distinct_experts(0, 128, 8) == 0.0
+    assert expected_distinct_experts(4096, 128, 8) == pytest.approx(128.0)
+    # DeepSeek-V3 EP8 shard, 32 of 256 experts: one token -> 32 x 8/256 = 1; 32 tokens -> 32 (1 - (31/32)^32)
+    # = 32 x (1 - 0.362055) = 20.414.
+    assert expected_distinct_experts(1, 256, 8, 32) == pytest.approx(1.0)
+    assert expected_distinct_experts(32, 256, 8, 32) == pytest.approx(20.414, abs=1e-3)
+    # K = E: every expert is hit by every token.
+    assert expected_distinct_experts(1, 8, 8) == 8.0
+
+
+def test_expected_distinct_experts_matches_sampling():
+    # 4000 draws of 8 tokens each choosing 8 distinct experts of 128 without replacement.
+    rng = np.random.default_rng(0)
+    hits = [len(np.unique(np.concatenate([rng.choice(128, 8, replace=False) for _ in range(8)])))
+            for _ in range(4000)]
+    assert np.mean(hits) == pytest.approx(expected_distinct_experts(8, 128, 8), abs=0.3)
+
+
+def test_expected_distinct_experts_bad_input():
+    with pytest.raises(ValueError, match="top_k"):
+        expected_distinct_experts(1, 8, 9)
+    with pytest.raises(ValueError, match="num_tokens"):
+        expected_distinct_experts(-1, 8, 2)
+    with pytest.raises(ValueError, match="num_local"):
+        expected_distinct_experts(1, 8, 2, 9)
+    with pytest.raises(ValueError, match="num_experts"):
+        expected_distinct_experts(1, 0, 1)
+
+
+def test_expert_activation_bytes_hand_worked():
+    # Qwen3 layer, 64 rows: 64 x (3 x 2048 + 2 x 768) x 2 B = 64 x 7680 x 2 = 983,040 B; TP4 slices F only.
+    assert expert_activation_bytes(MoEDims(2048, 768, 128, 8), 64) == 983_040
+    assert expert_activation_bytes(MoEDims(2048, 768, 128, 8), 64, tp=4) == 64 * (3 * 2048 + 2 * 192) * 2
+
+
+def test_model_within_25_percent_of_h200_measurements():
+    results = json.loads(RESULTS.read_text())
+    hw = load_hardware("h200-sxm")
+    assert results["rows"], f"{RESULTS} holds no rows"
+    off = []
+    for row in results["rows"]:
+        dims, local = CASES[row["case"]]
+        predicted_us = predict_moe_layer_time(dims, row["tokens"], local, hw, "bf16") * 1e3
+        ratio = predicted_us / row["ours_us"]
+        if not 0.75 <= ratio <= 1.25:
+            off.append(f"{row['case']} T={row['tokens']}: measured {row['ours_us']:.1f} us, "
+                       f"predicted {predicted_us:.1f} us ({ratio:.2f}x)")
+    assert not off, ("expert-compute model off by more than 25% (re-fit with benchmarks/planner_vs_h200.py): "
+                     + "; ".join(off))
