@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     outside = [e for e in entries if abs(e["ratio"] - 1) > TARGET]
     c = results.get("ceilings", {})
     doc = {
-        "results": str(path), "device": results.get("device"), "torch": results.get("torch"),
+        "results": str(path.resolve().relative_to(ROOT.parent)) if path.resolve().is_relative_to(ROOT.parent) else str(path),
+        "device": results.get("device"), "torch": results.get("torch"),
         "triton": results.get("triton"), "hardware": hw.name, "ceilings": args.ceilings,
         "hbm_bytes_per_s": hw.hbm_bytes_per_s, "bf16_flops_per_s": hw.flops_per_s("bf16"),
         "moe_layer_fixed_us": hw.moe_layer_fixed_us, "run_ceilings": c,
