@@ -2,7 +2,7 @@
 
 Run on the device machine (needs CUDA, Triton, transformers):
 
-    PYTHONPATH=src python3 benchmarks/moe_layer.py [--out PATH] [--sizes 1,8,...] [--sweep]
+    PYTHONPATH=src python3 benchmarks/moe_layer.py [--out PATH] [--sizes 1,8,...] [--sweep [--sweep-sizes 1,4096]]
 
 Cases:
     qwen3: the routed experts of one Qwen3-30B-A3B MoE layer on one GPU: 128 experts, D 2048, F 768,
@@ -16,8 +16,8 @@ Cases:
 
 Every row: the floor = max(weight bytes of the slots the routing touches / measured copy bandwidth,
 FLOPs of the routed rows / measured bf16 matmul rate), both ceilings measured in the same run; the time
-of each implementation (median of ``triton.testing.do_bench``; sizes up to 64 tokens as CUDA-graph
-replays); ratios to the floor; the relative error against the float32 reference. Then a full MoE layer
+of each implementation (median of 100 runs, each after a read that evicts L2, see ``time_fn``; sizes up
+to 64 tokens as CUDA-graph replays, ours also after a do_bench-style zeroing flush, column ``dirty``); ratios to the floor; the relative error against the float32 reference. Then a full MoE layer
 (router, fixed-capacity dispatcher on a one-rank group, Triton experts, combine) captured in a CUDA
 graph is replayed and compared to eager execution. Writes JSON to ``--out`` (default
 ``$OUT/moe_layer.json`` when ``$OUT`` is set) and prints a table last.
@@ -39,7 +39,8 @@ from epmoe.comm import Comm
 from epmoe.dispatch import make_dispatcher
 from epmoe.experts import Activation, ExpertWeights, get_expert_backend, reference_experts
 from epmoe.kernels.fp8 import block_fp8_expert_weights
-from epmoe.kernels.triton_moe import TileConfig, default_config, triton_experts
+from epmoe.kernels.triton_decode import DECODE_MAX_PAIRS, DecodeConfig, decode_experts
+from epmoe.kernels.triton_moe import TileConfig, _act_code, default_config, triton_experts
 
 CASES = {
     "qwen3": dict(num_experts=128, slots=128, d=2048, f=768, k=8),
@@ -51,6 +52,12 @@ SWEEP = [
     TileConfig(32, 64, 64, 64, 4, 4), TileConfig(64, 64, 64, 64, 4, 4), TileConfig(64, 64, 128, 64, 8, 3),
     TileConfig(128, 64, 128, 64, 8, 3), TileConfig(128, 128, 128, 64, 8, 3), TileConfig(128, 64, 64, 64, 4, 4),
     TileConfig(128, 128, 128, 64, 8, 4), TileConfig(128, 64, 256, 64, 8, 3), TileConfig(64, 128, 128, 64, 4, 3),
+    TileConfig(128, 128, 256, 64, 8, 3), TileConfig(128, 64, 256, 64, 8, 4),
+    TileConfig(64, 128, 256, 64, 4, 4),
+]
+DECODE_SWEEP = [
+    DecodeConfig(8, 512, 32, 256, 4), DecodeConfig(4, 1024, 16, 512, 4), DecodeConfig(16, 256, 32, 256, 4),
+    DecodeConfig(8, 512, 16, 512, 4), DecodeConfig(8, 1024, 64, 256, 8), DecodeConfig(4, 512, 32, 256, 4),
 ]
 
 
@@ -100,8 +107,16 @@ def transformers_experts(weights: ExpertWeights, case: dict):
     return run, cfg._experts_implementation
 
 
-def time_fn(fn, graph: bool) -> float:
-    """Median ms of ``fn()``; as CUDA-graph replays when ``graph``."""
+def time_fn(fn, graph: bool, flush: torch.Tensor, dirty: bool = False, reps: int = 100) -> float:
+    """Median ms of ``fn()`` over ``reps`` runs, each after ``flush`` evicted the L2 cache.
+
+    ``flush`` (a buffer several times the 50 MB L2) is read by a sum before each run, so the run starts
+    from a cold L2 holding clean lines, as in serving, where other layers' weights were read last.
+    ``dirty`` zeroes it instead, as ``triton.testing.do_bench`` does: the run then also pays the
+    write-back of up to 50 MB of dirty lines (12 us at 4.25 TB/s), which inflates decode sizes. Sizes up to
+    ``DECODE_MAX`` tokens run as CUDA-graph replays (``graph``).
+    """
+    run = fn
     if graph:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -112,15 +127,28 @@ def time_fn(fn, graph: bool) -> float:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             fn()
-        return do_bench(g.replay, warmup=25, rep=200, return_mode="median")
-    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+        run = g.replay
+    for _ in range(5):
+        run()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        if dirty:
+            flush.zero_()
+        else:
+            flush.sum()
+        start.record()
+        run()
+        end.record()
+    torch.cuda.synchronize()
+    return sorted(start.elapsed_time(end) for start, end in events)[reps // 2]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: bool, fp8: bool) -> list[dict]:
+def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[int], fp8: bool) -> list[dict]:
+    flush = torch.empty(256 << 20, device="cuda", dtype=torch.float16)
     gen = torch.Generator(device="cuda").manual_seed(0)
     s, d, f = case["slots"], case["d"], case["f"]
     w = ExpertWeights(
@@ -148,17 +176,25 @@ def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: bool,
                  "hf_grouped_mm": lambda: hf(x, slots, tw)}
         row = {"case": name, "tokens": t, "active_slots": active, "pairs": pairs,
                "weight_bytes": active * expert_bytes, "flops": flops, "graph": graph,
-               "default_config": asdict(default_config(t * case["k"], s, False))}
+               "default_config": asdict(DecodeConfig() if t * case["k"] <= DECODE_MAX_PAIRS
+                                         else default_config(t * case["k"], s, False))}
         row["floor_mem_us"] = active * expert_bytes / ceil["copy_bytes_per_s"] * 1e6
         row["floor_flop_us"] = flops / ceil["bf16_flop_per_s"] * 1e6
         row["floor_us"] = max(row["floor_mem_us"], row["floor_flop_us"])
         for key, fn in impls.items():
             row[f"{key}_err"] = rel_err(fn(), ref)
-            row[f"{key}_us"] = time_fn(fn, graph) * 1e3
-        if sweep:
+            row[f"{key}_us"] = time_fn(fn, graph, flush) * 1e3
+        if graph:
+            row["ours_dirty_flush_us"] = time_fn(impls["ours"], graph, flush, dirty=True) * 1e3
+        if t in sweep:
             best = None
-            for cfg in SWEEP:
-                us = time_fn(lambda: triton_experts(x, slots, tw, w, act, config=cfg), graph) * 1e3
+            decode = t * case["k"] <= DECODE_MAX_PAIRS
+            for cfg in DECODE_SWEEP if decode else SWEEP:
+                if decode:
+                    fn = lambda: decode_experts(x, slots, tw, w, _act_code(act), act, config=cfg)  # noqa: E731
+                else:
+                    fn = lambda: triton_experts(x, slots, tw, w, act, config=cfg)  # noqa: E731
+                us = time_fn(fn, graph, flush) * 1e3
                 row.setdefault("sweep", []).append({**asdict(cfg), "us": us})
                 best = (us, cfg) if best is None or us < best[0] else best
             row["best_us"], row["best_config"] = best[0], asdict(best[1])
@@ -166,7 +202,7 @@ def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: bool,
             qref = reference_experts(x.float(), slots, tw, q32, act)
             fn = lambda: ours(x, slots, tw, qw, act)  # noqa: E731
             row["fp8_err"] = rel_err(fn(), qref)
-            row["fp8_us"] = time_fn(fn, graph) * 1e3
+            row["fp8_us"] = time_fn(fn, graph, flush) * 1e3
             fp8_bytes = active * 3 * d * f * (1 + 4 / 128**2)
             row["fp8_floor_us"] = max(fp8_bytes / ceil["copy_bytes_per_s"] * 1e6, row["floor_flop_us"])
         rows.append(row)
@@ -215,7 +251,7 @@ def full_layer_graph(tokens: int) -> dict:
         eager, _ = layer(static_x.clone())
         errs.append(((static_out.float() - eager.float()).norm() / eager.float().norm()).item())
     return {"tokens": tokens, "replay_vs_eager_rel_err": errs, "equal": all(e == 0.0 for e in errs),
-            "replay_us": do_bench(g.replay, warmup=25, rep=200, return_mode="median") * 1e3}
+            "replay_us": time_fn(g.replay, False, torch.empty(256 << 20, device="cuda", dtype=torch.float16)) * 1e3}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -223,15 +259,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=os.path.join(os.environ["OUT"], "moe_layer.json") if "OUT" in os.environ else None)
     p.add_argument("--sizes", default="1,8,32,64,128,256,1024,4096")
     p.add_argument("--cases", default="qwen3,dsv3")
-    p.add_argument("--sweep", action="store_true", help="also time the Triton tile configs in SWEEP")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time the tile configs in DECODE_SWEEP (decode path) or SWEEP (grouped path)")
+    p.add_argument("--sweep-sizes", default=None, help="sizes to sweep (default: all of --sizes)")
     args = p.parse_args(argv)
     sizes = [int(v) for v in args.sizes.split(",")]
+    sweep = set()
+    if args.sweep:
+        sweep = {int(v) for v in args.sweep_sizes.split(",")} if args.sweep_sizes else set(sizes)
     torch.backends.cuda.matmul.allow_tf32 = False
     ceil = measure_ceilings()
     print(json.dumps(ceil), flush=True)
     rows = []
     for name in args.cases.split(","):
-        rows += bench_case(name, CASES[name], sizes, ceil, args.sweep, fp8=name == "dsv3")
+        rows += bench_case(name, CASES[name], sizes, ceil, sweep, fp8=name == "dsv3")
     graph = {f"t{t}": full_layer_graph(t) for t in (1, 8, 64)}
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "ceilings": ceil, "rows": rows, "full_layer_graph": graph}
@@ -243,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"full layer graph {key}: replay==eager {gr['equal']} errs {gr['replay_vs_eager_rel_err']} "
               f"replay {gr['replay_us']:.1f} us")
     hdr = (f"{'case':6} {'T':>5} {'act':>4} {'floor':>7} {'lim':>4} {'ours':>7} {'x_fl':>5} {'torch':>7} "
-           f"{'x_ours':>6} {'hf':>7} {'x_ours':>6} {'best':>7} {'fp8':>7} {'fp8fl':>6} {'err_ours':>8}")
+           f"{'x_ours':>6} {'hf':>7} {'x_ours':>6} {'best':>7} {'fp8':>7} {'fp8fl':>6} {'dirty':>7} {'err_ours':>8}")
     print(hdr)
     for r in rows:
         lim = "mem" if r["floor_mem_us"] >= r["floor_flop_us"] else "flop"
@@ -251,7 +292,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['ours_us']:7.1f} {r['ours_us'] / r['floor_us']:5.2f} {r['torch_grouped_mm_us']:7.1f} "
               f"{r['torch_grouped_mm_us'] / r['ours_us']:6.2f} {r['hf_grouped_mm_us']:7.1f} "
               f"{r['hf_grouped_mm_us'] / r['ours_us']:6.2f} {r.get('best_us', float('nan')):7.1f} "
-              f"{r.get('fp8_us', float('nan')):7.1f} {r.get('fp8_floor_us', float('nan')):6.1f} {r['ours_err']:8.1e}")
+              f"{r.get('fp8_us', float('nan')):7.1f} {r.get('fp8_floor_us', float('nan')):6.1f} "
+              f"{r.get('ours_dirty_flush_us', float('nan')):7.1f} {r['ours_err']:8.1e}")
     sys.stdout.flush()
 
 

@@ -5,6 +5,9 @@ rows with equal splits, then one back): the rows of the tokens that have a slot 
 padding rows whose slots are all ``-1`` (the expert backends skip them). No count ever goes to the host,
 so route + dispatch + experts + combine can be captured in one CUDA graph and replayed.
 
+On a one-rank group with ``T <= capacity`` nothing moves: ``dispatch`` pads the inputs to ``capacity``
+rows and ``combine`` returns the first ``T`` rows (a handful of device ops, for graph-replayed decode).
+
 Overflow: a rank that routes more than ``capacity`` tokens to one rank sends only the first
 ``capacity`` of them. The dispatcher never hides this: each row carries its sender's largest count, so
 every rank learns the group-wide largest count from the rows it receives (no extra collective), and
@@ -87,6 +90,8 @@ class FixedCapacityDispatcher:
         _check_inputs(x, topk_slots, topk_weights)
         g, s, c = self.comm.size, self.slots_per_rank, self.capacity
         t, k = topk_slots.shape
+        if g == 1 and t <= c:
+            return self._dispatch_one_rank(x, topk_slots, topk_weights)
         d = x.shape[1]
         dev = x.device
         dest = torch.where(topk_slots >= 0, topk_slots // s, g)  # [T, K], g = none
@@ -128,6 +133,35 @@ class FixedCapacityDispatcher:
             capacity=c,
         )
 
+    def _dispatch_one_rank(
+        self, x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor
+    ) -> FixedCapacityHandle:
+        """One rank and ``T <= C``: token ``t`` is row ``t``, rows ``[T, C)`` are padding; nothing moves.
+
+        The same handle contents as the general path up to the order of rows (a token with no slot
+        takes its row with slots ``-1`` instead of no row), in four device ops or fewer: decode layers
+        replayed from a CUDA graph pay per op. Overflow is impossible (``T <= C``); ``max_count`` is still
+        the exact count of tokens with a slot on this rank.
+        """
+        t, pad = x.shape[0], self.capacity - x.shape[0]
+        recv_x, recv_slots, recv_weights = x, topk_slots.to(torch.int64), topk_weights.float()
+        if pad:
+            recv_x = torch.nn.functional.pad(recv_x, (0, 0, 0, pad))
+            recv_slots = torch.nn.functional.pad(recv_slots, (0, 0, 0, pad), value=-1)
+            recv_weights = torch.nn.functional.pad(recv_weights, (0, 0, 0, pad))
+        return FixedCapacityHandle(
+            recv_x=recv_x,
+            recv_slots=recv_slots,
+            recv_weights=recv_weights,
+            send_token_idx=None,
+            send_splits=None,
+            recv_splits=None,
+            num_tokens=t,
+            send_rows=torch.arange(t, device=x.device).unsqueeze(1),
+            max_count=(topk_slots >= 0).any(dim=1).sum(),
+            capacity=self.capacity,
+        )
+
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """See ``Dispatcher.combine``: one equal-split all-to-all back, then a sum over ranks per token.
 
@@ -140,6 +174,8 @@ class FixedCapacityDispatcher:
         g, c = self.comm.size, self.capacity
         if y.shape[0] != g * c:
             raise ValueError(f"y must have one row per received row ({g * c}), got {tuple(y.shape)}")
+        if g == 1 and handle.num_tokens <= c:
+            return y[: handle.num_tokens]  # one rank, no overflow possible: row t is token t's sum
         back = torch.empty_like(y)
         self.comm.all_to_all_single(back, y.contiguous())
         back = torch.cat([back, back.new_zeros((1, back.shape[1]))])  # row g*c: not sent

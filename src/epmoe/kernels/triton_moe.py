@@ -9,6 +9,8 @@ size and no host synchronisation (CUDA-graph safe):
 3. ``_scatter_kernel``: each pair takes a position in its slot's group (atomics; the order inside a
    group does not change any row's result).
    For decode sizes ``_align_small_kernel`` does 1-3 in one program and one launch.
+   Up to ``triton_decode.DECODE_MAX_PAIRS`` pairs none of this runs: ``triton_decode`` computes them in
+   two launches without alignment.
 4. ``_gate_up_kernel``: per (row block, F tile): rows gathered from ``x`` by pair id, gate and up tiles
    accumulated side by side in float32, bias, the gated activation, stored as ``h [NB*BM, F]``.
 5. ``_down_kernel``: per (row block, D tile): ``h @ w2[slot].T``, bias, times the routing weight,
@@ -36,6 +38,7 @@ import triton.language as tl
 from ..experts import Activation, ExpertWeights
 from .align import Alignment, num_aligned_blocks
 from .fp8 import FP8_BLOCK, BlockFP8ExpertWeights
+from .triton_decode import DECODE_MAX_PAIRS, decode_experts
 
 _ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2}
 _CLAMPED_SWIGLU = 3
@@ -75,7 +78,7 @@ def default_config(num_pairs: int, num_slots: int, fp8: bool) -> TileConfig:
         return TileConfig(16, 32, 64, 128, 4, 3)
     if rows <= 128:
         return TileConfig(64, 64, 128, 128 if fp8 else 64, 8, 3)
-    return TileConfig(128, 64, 128, 128 if fp8 else 64, 8, 3)
+    return TileConfig(128, 64, 128, 128, 8, 3) if fp8 else TileConfig(128, 128, 256, 64, 8, 3)
 
 
 @triton.jit
@@ -319,7 +322,8 @@ def triton_experts(
         weights: ``ExpertWeights`` in ``x.dtype``, or ``BlockFP8ExpertWeights``.
         activation: the gated activation.
         weight_on_input: scale the expert input by the weight instead of its output.
-        config: tile shapes; ``default_config`` when ``None``.
+        config: tile shapes of the grouped path; ``None`` = ``triton_decode.decode_experts`` for up to
+            ``DECODE_MAX_PAIRS`` pairs, else the grouped path with ``default_config``.
 
     Returns:
         ``[T, D]`` in ``x.dtype``.
@@ -342,12 +346,14 @@ def triton_experts(
     out = torch.empty_like(x)
     if n == 0:
         return out
-    cfg = config if config is not None else default_config(n, s, fp8)
-    if fp8 and (cfg.block_k != FP8_BLOCK or FP8_BLOCK % cfg.block_n1 or FP8_BLOCK % cfg.block_n2):
-        raise ValueError(f"block FP8 weights need block_k == 128 and block_n dividing 128, got {cfg}")
     x = x.contiguous()
     slots = topk_slots.contiguous()
     tw = topk_weights.float().contiguous()
+    if config is None and n <= DECODE_MAX_PAIRS:
+        return decode_experts(x, slots, tw, weights, _act_code(activation), activation, weight_on_input)
+    cfg = config if config is not None else default_config(n, s, fp8)
+    if fp8 and (cfg.block_k != FP8_BLOCK or FP8_BLOCK % cfg.block_n1 or FP8_BLOCK % cfg.block_n2):
+        raise ValueError(f"block FP8 weights need block_k == 128 and block_n dividing 128, got {cfg}")
     w13, w2 = weights.w13.contiguous(), weights.w2.contiguous()
     aln = align_triton(slots, s, cfg.block_m)
     nb = aln.block_slot.shape[0]
