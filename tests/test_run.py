@@ -101,7 +101,7 @@ def test_placement_with_expert_without_slot(kimi, tmp_path, capsys):
 
 def test_missing_model_dir(tmp_path, capsys):
     assert main(["run", "--model", str(tmp_path / "nope")]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    assert "is not a checkpoint directory" in capsys.readouterr().err
 
 
 def test_checkpoint_missing_one_expert(kimi, tmp_path):

@@ -24,8 +24,10 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable; default: built-in prompts)")
     p.add_argument("--max-new-tokens", type=int, default=8, help="tokens to generate per prompt (default 8)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    p.add_argument("--dispatcher", default="all_to_all", help="dispatcher backend (default all_to_all)")
-    p.add_argument("--expert-backend", default="reference", help="expert compute backend (default reference)")
+    p.add_argument("--dispatcher", default="all_to_all",
+                   help="all_to_all (default), fixed_capacity (static shapes, CUDA-graph safe) or local (EP 1)")
+    p.add_argument("--expert-backend", default="reference",
+                   help="reference (default), triton (CUDA; reference on CPU) or grouped_mm")
     p.add_argument("--no-reference", action="store_true", help="skip the unsharded transformers comparison")
     p.add_argument("--eplb-interval", type=int, default=0, metavar="STEPS",
                    help="rebalance experts live every STEPS decode steps from the recorded loads (default 0: never)")
@@ -36,8 +38,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from .runtime.run import RunConfig, run_job
 
+    if args.json not in (None, "-") and not Path(args.json).resolve().parent.is_dir():
+        raise ValueError(f"--json {args.json!r}: directory {str(Path(args.json).resolve().parent)!r} does not exist")
     report = run_job(RunConfig(
         model=args.model, ep=args.ep, device=args.device, placement=args.placement, redundant=args.redundant,
         layout=args.layout, prompts=tuple(args.prompt), max_new_tokens=args.max_new_tokens, dtype=args.dtype,
@@ -216,8 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, KeyError, FileNotFoundError, TypeError, RuntimeError) as exc:
-        print(f"epmoe {args.command}: error: {exc}", file=sys.stderr)
+    except (ValueError, KeyError, TypeError, RuntimeError, OSError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc  # KeyError's str() adds quotes
+        print(f"epmoe {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

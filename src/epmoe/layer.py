@@ -146,6 +146,8 @@ class MoELayer(_MoEBase):
         device: torch.device | str | None = None,
         dispatcher_options: dict | None = None,
     ) -> None:
+        if not isinstance(spec, MoESpec):
+            raise TypeError(f"MoELayer needs an MoESpec (epmoe.spec.load_moe_spec), got {type(spec).__name__}")
         if not isinstance(placement, ExpertPlacement):
             raise TypeError(
                 f"MoELayer for MoE layer {layer} needs an ExpertPlacement, got {type(placement).__name__}; "
@@ -208,8 +210,14 @@ class MoELayer(_MoEBase):
         self.placement = placement
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [..., D]`` -> ``[..., D]``: routed experts (over the EP group) plus shared experts."""
+        """``hidden [..., D]`` -> ``[..., D]``: routed experts (over the EP group) plus shared experts.
+
+        Raises:
+            ValueError: the last dimension is not the model's hidden size.
+        """
         shape = hidden.shape
+        if shape[-1] != self.spec.hidden_size:
+            raise ValueError(f"MoE layer {self.layer}: hidden states have size {shape[-1]}, expected {self.spec.hidden_size}")
         x = hidden.reshape(-1, shape[-1])
         topk_idx, topk_weights = self.gate(x)
         topk_slots = self.slot_map(topk_idx)

@@ -66,7 +66,7 @@ class ExpertPlacement:
             raise ValueError(
                 f"num_slots ({num_slots}) must be divisible by the EP group size ({self.ep_size})"
             )
-        p = p.detach().to(device="cpu", dtype=torch.int64).contiguous()
+        p = p.detach().to(device="cpu", dtype=torch.int64, copy=True).contiguous()  # our own copy: immutable
         object.__setattr__(self, "phy2log", p)
         bad = (p < 0) | (p >= self.num_experts)
         if bad.any():
@@ -231,9 +231,10 @@ class ExpertPlacement:
                 f"EP size ({ep_size}) is larger than the number of slots ({num_slots}): every rank needs at least one slot"
             )
         if num_slots % ep_size:
+            fix = num_redundant + (-num_slots) % ep_size
             raise ValueError(
                 f"num_slots ({num_slots} = {num_experts} experts + {num_redundant} redundant) must be "
-                f"divisible by the EP group size ({ep_size})"
+                f"divisible by the EP group size ({ep_size}); {fix} redundant slots would give {num_experts + fix}"
             )
         if layout == "contiguous":
             row = torch.arange(num_slots) % num_experts

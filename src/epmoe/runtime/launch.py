@@ -89,9 +89,10 @@ def _spawned(local_rank: int, world_size: int, port: int, fn: Callable[..., Any]
     try:
         # plain pickle copies tensors by value: torch's shared-memory handles would die with this process
         queue.put((local_rank, True, pickle.dumps(fn(info, *args))))
-    except BaseException as exc:  # report every failure to the parent, then re-raise
-        queue.put((local_rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        raise
+    except BaseException as exc:  # report the failure to the parent; it raises one clear error
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        queue.put((local_rank, False, (f"{type(exc).__name__}: {message}", traceback.format_exc())))
+        os._exit(1)
 
 
 def spawn(fn: Callable[..., Any], world_size: int, args: tuple = ()) -> list[Any]:
@@ -101,7 +102,8 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = ()) -> list[Any
 
     Raises:
         ValueError: ``world_size`` is not positive.
-        RuntimeError: a rank failed (its error and traceback are in the message).
+        RuntimeError: a rank failed: the first failure reported, ``rank N failed: <error>`` (the rank's
+            traceback is attached as an exception note).
     """
     if world_size <= 0:
         raise ValueError(f"world_size must be positive, got {world_size}")
@@ -115,7 +117,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = ()) -> list[Any
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
-    errors: dict[int, str] = {}
+    errors: dict[int, tuple[str, str]] = {}
     while len(results) + len(errors) < world_size:
         if queue.empty() and not any(p.is_alive() for p in procs):
             break
@@ -137,8 +139,11 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = ()) -> list[Any
     for p in procs:
         p.join()
     if errors:
-        rank = min(errors)
-        raise RuntimeError(f"rank {rank} failed: {errors[rank]}")
+        rank = next(iter(errors))  # the first failure reported; peers may fail after it as a consequence
+        message, trace = errors[rank]
+        error = RuntimeError(f"rank {rank} failed: {message}")
+        error.add_note(trace)
+        raise error
     lost = [r for r in range(world_size) if r not in results]
     if lost:
         codes = {r: procs[r].exitcode for r in lost}

@@ -73,7 +73,12 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     if report.matches_reference is None:
         summary.add_row("matches transformers reference", "not checked (--no-reference)")
     else:
-        verdict = "YES, token for token" if report.matches_reference else f"NO: prompts {report.mismatches} differ"
+        if report.matches_reference:
+            verdict = "YES, token for token"
+        else:
+            i, step, ours, theirs = report.first_mismatch
+            verdict = (f"NO: prompts {report.mismatches} differ; first at prompt {i}, step {step}: "
+                       f"token {ours} here, {theirs} in the reference")
         summary.add_row("matches transformers reference", verdict)
         summary.add_row("last-step logits rel. error", f"{report.max_logits_rel_err:.2e}")
     console.print(summary)

@@ -89,6 +89,17 @@ class RunConfig:
             raise ValueError(f"--eplb-interval must be non-negative, got {self.eplb_interval}")
         if self.eplb_max_moves is not None and self.eplb_max_moves < 0:
             raise ValueError(f"--max-moves must be non-negative, got {self.eplb_max_moves}")
+        if self.eplb_max_moves is not None and not self.eplb_interval:
+            raise ValueError("--max-moves limits live rebalancing: give --eplb-interval STEPS with it")
+        from ..dispatch import DISPATCHERS
+        from ..experts import EXPERT_BACKENDS
+
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"--dispatcher {self.dispatcher!r} is not one of {sorted(DISPATCHERS)}")
+        if self.expert_backend not in EXPERT_BACKENDS:
+            raise ValueError(f"--expert-backend {self.expert_backend!r} is not one of {sorted(EXPERT_BACKENDS)}")
+        if self.model is not None and not Path(self.model).is_dir():
+            raise ValueError(f"--model {self.model!r} is not a checkpoint directory (config.json + *.safetensors)")
         if any(not p for p in self.prompts):
             raise ValueError("--prompt must not be empty")
 
@@ -147,7 +158,11 @@ class RunReport:
         balancedness: mean over ranks / max over ranks of routed tokens per rank in decode, averaged over layers.
         routed_tokens_per_step: per EP rank, (token, expert) pairs its slots computed per decode step and MoE layer.
         matches_reference: generated tokens equal the unsharded transformers model's (``None`` if skipped).
+            Promised exactly in float32; in bf16/fp16 the sharded sums run in another order, so a near-tie
+            between two tokens (or two experts) can flip.
         mismatches: prompt indices whose tokens differ from the reference.
+        reference_outputs: token ids the reference generated per prompt (empty if skipped).
+        first_mismatch: ``(prompt, step, ours, reference)`` of the first differing token, or ``None``.
         max_logits_rel_err: ``|ours - ref| / |ref|`` of the last-step logits (``None`` if skipped).
     """
 
@@ -163,6 +178,8 @@ class RunReport:
     routed_tokens_per_step: list[float]
     matches_reference: bool | None
     mismatches: list[int] = field(default_factory=list)
+    reference_outputs: list[list[int]] = field(default_factory=list)
+    first_mismatch: tuple[int, int, int, int] | None = None
     max_logits_rel_err: float | None = None
 
     def to_json(self) -> dict:
@@ -384,16 +401,24 @@ def run_job(cfg: RunConfig) -> RunReport:
     )
     if cfg.reference:
         ref = _reference(cfg, model_dir, all_ids, pad_id, ep)
+        ref_tokens: list[list[int]] = [[] for _ in prompts]
         errs = []
         for r in ranks:
             if ref[r.rank] is None:
                 continue
             for i, t_ref in zip(r.prompts, ref[r.rank].tokens):
+                ref_tokens[i] = t_ref
                 if tokens[i] != t_ref:
                     report.mismatches.append(i)
             a, b = r.last_logits, ref[r.rank].last_logits
             errs.append(float((a - b).norm() / b.norm()))
+        report.mismatches.sort()
         report.matches_reference = not report.mismatches
+        report.reference_outputs = ref_tokens
+        if report.mismatches:
+            i = report.mismatches[0]
+            step = next(k for k, (a, b) in enumerate(zip(tokens[i], ref_tokens[i])) if a != b)
+            report.first_mismatch = (i, step, tokens[i][step], ref_tokens[i][step])
         report.max_logits_rel_err = max(errs) if errs else None
     return report
 
