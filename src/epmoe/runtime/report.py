@@ -22,7 +22,9 @@ def _fmt_bytes(n: float) -> str:
 
 def print_run_report(report: RunReport, console: Console | None = None) -> None:
     """Print the outputs, the per-rank table and the summary of a run."""
-    console = console or Console()
+    if console is None:
+        detected = Console()
+        console = Console(width=max(detected.width, 110))  # the per-rank table needs ~110 columns
     outputs = Table(title="Generations", show_lines=False)
     outputs.add_column("#", justify="right")
     outputs.add_column("prompt")
