@@ -147,3 +147,18 @@ def test_run_with_fixed_capacity_dispatcher(kimi, tmp_path):
     assert code == 0 and report["matches_reference"] is True
     # static shapes: one all-to-all out and one back per MoE layer, no count exchange
     assert report["ranks"][0]["collectives"]["all_to_all"] == 4.0
+
+
+def test_corrupt_or_misplaced_cache(tmp_path, capsys):
+    from epmoe.runtime.run import ensure_default_checkpoint
+
+    built = ensure_default_checkpoint(tmp_path / "cache")
+    assert ensure_default_checkpoint(tmp_path / "cache") == built  # cached: built once
+    weights = next(built.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="is unreadable .* delete that directory and run again"):
+        ensure_default_checkpoint(tmp_path / "cache")
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    with pytest.raises(ValueError, match=r"\(EPMOE_CACHE\) is a file, not a directory"):
+        ensure_default_checkpoint(not_a_dir)

@@ -196,12 +196,29 @@ def default_cache_dir() -> Path:
 
 
 def ensure_default_checkpoint(cache_dir: str | Path | None = None) -> Path:
-    """The built-in checkpoint directory, built once with transformers and cached (atomic rename)."""
+    """The built-in checkpoint directory, built once with transformers and cached (atomic rename).
+
+    Raises:
+        ValueError: the cache path is a file, or the cached checkpoint cannot be read (with the fix).
+    """
     from ..models.tiny import DEFAULT_FAMILY, build_tiny_checkpoint
 
     root = Path(cache_dir) if cache_dir else default_cache_dir()
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"cache directory {str(root)!r} (EPMOE_CACHE) is a file, not a directory")
     target = root / f"{DEFAULT_FAMILY}-tiny"
     if (target / "epmoe_tiny.json").is_file():
+        from ..models.checkpoint import CheckpointReader
+
+        try:
+            reader = CheckpointReader(target)
+            for name in reader.keys():  # read every tensor header and payload once: catches truncation
+                reader.get(name)
+        except Exception as exc:
+            raise ValueError(
+                f"the cached built-in checkpoint {str(target)!r} is unreadable ({type(exc).__name__}: {exc}); "
+                f"delete that directory and run again to rebuild it"
+            ) from None
         return target
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{target.name}.{os.getpid()}"
