@@ -41,10 +41,14 @@ def test_deepseek_hierarchical_cli(tmp_path, capsys):
     "args,msg",
     [
         (["--ep", "7", "--redundant", "8"], "num_slots (72 = 64 experts + 8 redundant) must be divisible by the EP group size (7)"),
-        (["--ep", "128"], "ep_size (128) is larger than the number of slots (64"),
-        (["--ep", "8", "--nodes", "2", "--groups", "3"], "num_experts (64) must be divisible by num_groups (3)"),
-        (["--ep", "8", "--nodes", "4", "--groups", "2"], "num_groups (2) must be divisible by num_nodes (4)"),
-        (["--ep", "8", "--algorithm", "magic"], "supported: deepseek, epmoe, exact"),
+        # the CLI names the flags the user typed, not the library's field names
+        (["--ep", "128"], "error: --ep (128) is larger than the number of slots (64"),
+        (["--ep", "8", "--nodes", "2", "--groups", "3"], "num_experts (64) must be divisible by --groups (3)"),
+        (["--ep", "8", "--nodes", "4", "--groups", "2"], "--groups (2) must be divisible by --nodes (4)"),
+        (["--ep", "8", "--redundant", "-1"], "--redundant must be an integer >= 0, got -1"),
+        (["--ep", "8", "--max-moves", "3"], "--max-moves (3) needs --from (the current placement)"),
+        # KeyError's str() would add quotes around the whole message
+        (["--ep", "8", "--algorithm", "magic"], "error: unknown balancer 'magic'; supported: deepseek, epmoe, exact\n"),
     ],
 )
 def test_bad_input_writes_nothing(tmp_path, capsys, args, msg):
@@ -66,3 +70,47 @@ def test_bad_loads_file_writes_nothing(tmp_path, capsys):
     assert main(["balance", "--loads", str(bad), "--ep", "3", "--out", str(out)]) == 2
     assert "is not a finite number" in capsys.readouterr().err
     assert not out.exists()
+
+
+EPLB = str(DATA / "eplb_readme_example.json")
+
+
+def test_bad_plot_path_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "ok.json"
+    assert main(["balance", "--loads", EPLB, "--ep", "8", "--redundant", "4", "--out", str(out),
+                 "--plot", "/nonexistent/x.png"]) == 2
+    assert ("epmoe balance: error: --plot ('/nonexistent/x.png') cannot be written: directory '/nonexistent' "
+            "does not exist") in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_out_that_is_a_directory_or_in_a_missing_one(tmp_path, capsys):
+    somedir = tmp_path / "somedir"
+    somedir.mkdir()
+    assert main(["balance", "--loads", EPLB, "--ep", "8", "--redundant", "4", "--out", str(somedir)]) == 2
+    err = capsys.readouterr().err
+    assert f"epmoe balance: error: --out ({str(somedir)!r}) is a directory; expected a placement file path" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["somedir"] and list(somedir.iterdir()) == []
+    missing = tmp_path / "missing" / "p.json"
+    assert main(["balance", "--loads", EPLB, "--ep", "8", "--redundant", "4", "--out", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out ({str(missing)!r}) cannot be written: directory {str(missing.parent)!r} does not exist" in err
+    assert ".tmp" not in err
+
+
+def test_outputs_written_together_without_temporary_files(tmp_path, capsys):
+    out, png = tmp_path / "p.safetensors", tmp_path / "loads.png"
+    assert main(["balance", "--loads", EPLB, "--ep", "8", "--redundant", "4", "--out", str(out), "--plot", str(png)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loads.png", "p.safetensors"]
+    assert ExpertPlacement.load(out).ep_size == 8 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_loads_directory_and_weight_key_messages(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["balance", "--loads", str(tmp_path), "--ep", "2", "--out", str(out)]) == 2
+    assert f"error: loads file {str(tmp_path)!r} is a directory, not a file" in capsys.readouterr().err
+    bad = tmp_path / "w.json"
+    bad.write_text('{"weight": [[1, 2], [3]]}')
+    assert main(["balance", "--loads", str(bad), "--ep", "2", "--out", str(out)]) == 2
+    assert "field 'weight' must be a list of equally long per-layer lists" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.json"]

@@ -36,3 +36,28 @@ def test_two_gloo_processes_write_a_profile_plan_accepts(tmp_path, capsys):
     cfg = str(CONFIGS / "olmoe-1b-7b-0924.config.json")
     assert main(["plan", "--config", cfg, "--gpus", "2", "--hardware", str(out), "--batch", "1,8", "--json"]) == 0
     assert '"hardware": "cpu2"' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--base", "a100"], "error: --base ('a100') is not a usable profile: hardware 'a100' is not known"),
+        (["--out", "/nonexistent/dir/p.json"],
+         "error: --out ('/nonexistent/dir/p.json') cannot be written: directory '/nonexistent/dir' does not exist"),
+    ],
+)
+def test_base_and_out_checked_before_measuring(tmp_path, capsys, monkeypatch, args, msg):
+    import torch.multiprocessing
+
+    def spawn(*a, **k):
+        raise AssertionError("measured before the arguments were checked")
+
+    monkeypatch.setattr(torch.multiprocessing, "spawn", spawn)
+    argv = ["calibrate", "--nprocs", "2", "--backend", "gloo", "--out", str(tmp_path / "p.json"), *args]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert msg in err and err.count("\n") == 1 and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+    # an existing directory as --out
+    assert main(["calibrate", "--nprocs", "2", "--backend", "gloo", "--out", str(tmp_path)]) == 2
+    assert f"error: --out ({str(tmp_path)!r}) is a directory" in capsys.readouterr().err

@@ -41,12 +41,14 @@ def test_placement_for_other_model_is_an_error(tmp_path):
 
 
 def test_moe_draft_without_placement_is_a_finding(tmp_path):
-    draft = str(CONFIGS / "qwen3-30b-a3b.config.json")  # an MoE model used as draft
-    errors = _errors(diagnose(DoctorConfig(model=KIMI, draft=draft, ep=8)))
+    # an MoE draft with the target's hidden size (2048) and vocabulary (151936): Qwen1.5-MoE for Qwen3-30B-A3B
+    target = str(CONFIGS / "qwen3-30b-a3b.config.json")
+    draft = str(CONFIGS / "qwen1.5-moe-a2.7b.config.json")
+    errors = _errors(diagnose(DoctorConfig(model=target, draft=draft, ep=4)))
     assert any("no placement of its own" in e.what and "--draft-placement" in e.fix for e in errors)
     good = tmp_path / "draft.json"
-    ExpertPlacement.trivial(48, 128, 8).save(good)
-    assert not _errors(diagnose(DoctorConfig(model=KIMI, draft=draft, draft_placement=str(good), ep=8)))
+    ExpertPlacement.trivial(24, 60, 4).save(good)
+    assert not _errors(diagnose(DoctorConfig(model=target, draft=draft, draft_placement=str(good), ep=4)))
 
 
 def test_indivisible_ep_dense_target_and_memory(capsys):
@@ -54,9 +56,109 @@ def test_indivisible_ep_dense_target_and_memory(capsys):
     errors = _errors(diagnose(DoctorConfig(model=mixtral, ep=16)))
     assert any("8 experts are not divisible by EP size 16" in e.what for e in errors)
     dense = str(CONFIGS / "eagle3-draft-deepseek-v3-specforge.config.json")
-    assert any("has no MoE layers" in e.what for e in _errors(diagnose(DoctorConfig(model=dense))))
+    (dense_error,) = _errors(diagnose(DoctorConfig(model=dense)))
+    assert "is not an MoE model" in dense_error.what
+    # said once, not twice (the spec's message already says it)
+    assert dense_error.line().count("no experts to place") == 1 and dense_error.line().count("no MoE layers") == 1
     # Kimi-K2 Instruct FP8 (~1 TB) does not fit 8 x H200.
     k2 = str(CONFIGS / "kimi-k2-instruct.config.json")
     assert main(["doctor", "--config", k2, "--ep", "8", "--hardware", "h200-sxm"]) == 1
     out = capsys.readouterr().out
     assert "error: weights and caches need" in out and "GiB over" in out
+
+
+DSV3 = str(CONFIGS / "deepseek-v3.config.json")
+
+
+def test_ep_with_no_strategy_keeps_every_finding(capsys):
+    # 256 experts over EP 3: no all-to-all strategy; the planner's empty choice must not replace the findings
+    assert main(["doctor", "--config", DSV3, "--ep", "3", "--hardware", "h200-sxm"]) == 1
+    captured = capsys.readouterr()
+    assert "min()" not in captured.err and captured.err == ""
+    assert "gloo backend available" in captured.out
+    assert "error: the target model: 256 experts are not divisible by EP size 3" in captured.out
+    assert "pass a placement with 2 redundant slot(s) per layer" in captured.out
+    assert "warning: memory not checked: 256 expert slots per layer cannot be spread evenly over EP size 3" in captured.out
+
+
+def test_ep_zero_is_an_error_and_nodes_advice_is_a_doctor_flag(capsys):
+    assert main(["doctor", "--config", DSV3, "--ep", "0"]) == 2
+    assert "epmoe doctor: error: --ep must be an integer >= 1, got 0" in capsys.readouterr().err
+    assert main(["doctor", "--config", DSV3, "--ep", "16", "--nodes", "3"]) == 2
+    assert "epmoe doctor: error: --ep (16) must be divisible by --nodes (3)" in capsys.readouterr().err
+    # 16 ranks on one 8-GPU node: the advice names --nodes, which doctor accepts
+    assert main(["doctor", "--config", DSV3, "--ep", "16", "--hardware", "h200-sxm"]) == 1
+    out = capsys.readouterr().out
+    assert "error: EP size 16 on 1 node(s) is 16 GPUs per node but h200-sxm has 8" in out
+    assert "pass --nodes 2 or a smaller --ep" in out
+    assert main(["doctor", "--config", DSV3, "--ep", "16", "--nodes", "2", "--hardware", "h200-sxm"]) == 0
+    assert "ok: weights and caches fit" in capsys.readouterr().out
+
+
+def _drop_tensor(src, dst, name):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    assert name in tensors, sorted(tensors)[:20]
+    del tensors[name]
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_checkpoint_missing_expert_tensor_is_named(tiny_checkpoints, tmp_path):
+    good = tiny_checkpoints("olmoe")  # 16 experts, 2 MoE layers, per-expert tensors
+    lines = [f.line() for f in diagnose(DoctorConfig(model=str(good), ep=2))]
+    assert "ok: the target model: checkpoint holds the tensors of all 16 routed experts of the 2 MoE layers" in lines
+    bad = _drop_tensor(good, tmp_path / "olmoe", "model.layers.1.mlp.experts.5.up_proj.weight")
+    (error,) = _errors(diagnose(DoctorConfig(model=str(bad), ep=2)))
+    assert "has no tensor 'model.layers.1.mlp.experts.5.up_proj.weight'" in error.what
+    assert "logical expert 5 of MoE layer 1" in error.what and "1 routed-expert tensor(s) missing" in error.what
+    # fused experts (gpt-oss: gate_up_proj [E, D, 2F] per layer)
+    fused = _drop_tensor(tiny_checkpoints("gpt-oss"), tmp_path / "gptoss", "model.layers.0.mlp.experts.down_proj")
+    (error,) = _errors(diagnose(DoctorConfig(model=str(fused), ep=2)))
+    assert "has no tensor 'model.layers.0.mlp.experts.down_proj' (the fused experts of MoE layer 0" in error.what
+
+
+def test_draft_for_another_target_is_an_error():
+    qwen = str(CONFIGS / "qwen3-30b-a3b.config.json")
+    dsv3_draft = str(CONFIGS / "eagle3-draft-deepseek-v3-specforge.config.json")
+    errors = [e.what for e in _errors(diagnose(DoctorConfig(model=qwen, draft=dsv3_draft, ep=2)))]
+    assert ("draft eagle3-draft-deepseek-v3-specforge.config.json has hidden size 7168 but the target model "
+            "qwen3-30b-a3b.config.json has hidden size 2048") in errors
+    assert ("draft eagle3-draft-deepseek-v3-specforge.config.json has vocab size 129280 but the target model "
+            "qwen3-30b-a3b.config.json has vocab size 151936") in errors
+    own = str(CONFIGS / "eagle3-draft-qwen3-30b-a3b-specforge.config.json")
+    assert not _errors(diagnose(DoctorConfig(model=qwen, draft=own, ep=2)))
+
+
+def test_draft_weights_count_in_memory():
+    import re
+
+    from epmoe.doctor import read_draft
+
+    qwen = str(CONFIGS / "qwen3-30b-a3b.config.json")
+    own = str(CONFIGS / "eagle3-draft-qwen3-30b-a3b-specforge.config.json")
+
+    def fit_gib(cfg):
+        (line,) = [f.line() for f in diagnose(cfg) if "weights and caches" in f.what]
+        return float(re.search(r"fit: ([\d.]+) of", line).group(1)), line
+
+    alone, _ = fit_gib(DoctorConfig(model=qwen, ep=2, hardware="h200-sxm", batch=8))
+    with_draft, line = fit_gib(DoctorConfig(model=qwen, draft=own, ep=2, hardware="h200-sxm", batch=8))
+    draft = read_draft(own)
+    # EAGLE-3 draft: embedding 151936 x 2048, fc 3D x D, q/k/v over 2D, o, SwiGLU 3 D I, LM head 32000 x D; bf16
+    d, heads, kv, hd = 2048, 32, 4, 128
+    params = 151936 * d + (2 * d * (heads + 2 * kv) * hd + heads * hd * d) + 3 * d * 12288 + 3 * d * d + 32000 * d
+    assert draft.weight_bytes == 2 * params
+    assert with_draft - alone >= draft.weight_bytes / 2**30 - 0.1
+    assert "draft eagle3-draft-qwen3-30b-a3b-specforge.config.json" in line
+
+
+def test_weights_advice_only_smaller_formats(capsys):
+    k2 = str(CONFIGS / "kimi-k2-instruct.config.json")  # FP8 experts already
+    assert main(["doctor", "--config", k2, "--ep", "8", "--hardware", "h200-sxm"]) == 1
+    out = capsys.readouterr().out
+    assert "use more GPUs, --weights int4, a smaller batch" in out and "fp8/int4" not in out

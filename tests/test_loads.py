@@ -102,3 +102,27 @@ def test_read_bad_files(tmp_path):
     (tmp_path / "bad.csv").write_text("domain,layer,expert,count\na,0,0,5\na,0,2,1\n")
     with pytest.raises(ValueError, match="expected ids 0..2"):
         read_loads(tmp_path / "bad.csv")
+
+
+@pytest.mark.parametrize(
+    "text,msg",
+    [
+        # DeepSeek's key ``weight``: messages name it, not ``load``
+        ('{"weight": [[1, 2], [3]]}', "field 'weight' must be a list of equally long per-layer lists"),
+        ('{"weight": [[1, -3]]}', r"weight[0, 1] = -3.0 is negative"),
+        ('[[1, 2], [3, 4]]', "expected a JSON object with field 'load' (or 'weight'), got a JSON list"),
+        ('{"loads": [[1]]}', "field 'load' (or 'weight') is missing; the object has ['loads']"),
+        ('{"load": [["1", 2]]}', "field 'load' [layer 0, expert 0] = '1': loads must be numbers"),
+        ('{"weight": [[1, true]]}', "field 'weight' [layer 0, expert 1] = True: loads must be numbers"),
+    ],
+)
+def test_bad_json_loads_name_the_key(tmp_path, text, msg):
+    (tmp_path / "l.json").write_text(text)
+    with pytest.raises(ValueError) as info:
+        read_loads(tmp_path / "l.json")
+    assert msg in str(info.value) and "l.json" in str(info.value)
+
+
+def test_directory_is_not_a_loads_file(tmp_path):
+    with pytest.raises(ValueError, match=r"loads file '.*' is a directory, not a file"):
+        read_loads(tmp_path)

@@ -237,3 +237,72 @@ def test_plan_dict_and_plot_roundtrip(tmp_path):
     assert doc["gpus"] == 4 and len(doc["strategies"]) == len(p.strategies)
     plot_plan(p, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    "config,gpus,extra,reasons",
+    [
+        ("deepseek-v3", 3, [], ["128 attention heads are not divisible by 3",
+                                "256 expert slots are not divisible by 3; use --redundant 2"]),
+        ("mixtral-8x7b", 3, [], ["32 attention heads are not divisible by 3",
+                                 "8 expert slots are not divisible by 3; use --redundant 1"]),
+        ("olmoe-1b-7b-0924", 7, [], ["16 attention heads are not divisible by 7",
+                                     "64 expert slots are not divisible by 7; use --redundant 6"]),
+        # the suggestion is the total to pass, counting the redundant slots already asked for
+        ("deepseek-v3", 3, ["--redundant", "1"], ["257 expert slots are not divisible by 3; use --redundant 2"]),
+    ],
+)
+def test_no_strategy_on_n_gpus_says_why(capsys, config, gpus, extra, reasons):
+    cfg = str(CONFIGS / f"{config}.config.json")
+    assert main(["plan", "--config", cfg, "--gpus", str(gpus), "--hardware", "h200-sxm", *extra]) == 2
+    captured = capsys.readouterr()
+    assert f"epmoe plan: error: no strategy can run {config}.config.json on {gpus} GPUs: " in captured.err
+    assert "min()" not in captured.err and all(r in captured.err for r in reasons), captured.err
+    assert captured.out == ""  # nothing printed before the error (no empty table)
+    with pytest.raises(ValueError, match=f"no strategy can run {config}.config.json on {gpus} GPUs"):
+        plan(PlanRequest(spec=load_moe_spec(cfg), hardware=load_hardware("h200-sxm"), gpus=gpus, batches=(1,)))
+
+
+def test_redundant_suggestion_counts_the_slots_given():
+    from epmoe.planner import strategies_for
+
+    # Mixtral: 8 experts + 1 redundant = 9 slots over 4 GPUs: TP2xEP2 needs 10 slots, EP4 needs 12
+    _, skipped = strategies_for(load_moe_spec(CONFIGS / "mixtral-8x7b.config.json"), 4, redundant=1)
+    assert "TP2xEP2: 9 expert slots are not divisible by EP 2; use --redundant 2" in skipped
+    assert "EP4 with all-to-all: 9 expert slots are not divisible by 4; use --redundant 4" in skipped
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--gpus", "8", "--mem-fraction", "2"], "error: --mem-fraction must lie in (0, 1], got 2.0"),
+        (["--gpus", "8", "--spec-tokens", "-1"], "error: --spec-tokens must be an integer >= 0, got -1"),
+        (["--gpus", "8", "--redundant", "-2"], "error: --redundant must be an integer >= 0, got -2"),
+        (["--gpus", "8", "--context", "0"], "error: --context must be an integer >= 1, got 0"),
+        (["--gpus", "0"], "error: --gpus must be an integer >= 1, got 0"),
+        (["--gpus", "16"], "error: --gpus (16) on 1 node(s) is 16 per node but h200-sxm has 8; pass --nodes 2"),
+        (["--gpus", "8", "--nodes", "3"], "error: --gpus (8) must be divisible by --nodes (3)"),
+    ],
+)
+def test_cli_messages_name_the_flags(capsys, args, msg):
+    cfg = str(CONFIGS / "deepseek-v3.config.json")
+    assert main(["plan", "--config", cfg, "--hardware", "h200-sxm", *args]) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_weights_hint_only_smaller_formats(capsys):
+    from epmoe.costs import smaller_weight_choices, weights_hint
+
+    assert smaller_weight_choices("bf16") == ["fp8", "int4"]
+    assert weights_hint("fp8_block128") == "--weights int4"
+    assert weights_hint("int4_group32") == "" and weights_hint("mxfp4") == ""
+    # Kimi-K2-Instruct is stored in FP8 already: only int4 is smaller
+    k2 = str(CONFIGS / "kimi-k2-instruct.config.json")
+    assert main(["plan", "--config", k2, "--gpus", "2", "--hardware", "h200-sxm", "--batch", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "nothing fits" in out and "use --weights int4 or a shorter --context" in out and "fp8/int4" not in out
+    # Kimi-K2.5 (INT4 experts): no --weights advice at all
+    k25 = str(CONFIGS / "kimi-k2.5.config.json")
+    assert main(["plan", "--config", k25, "--gpus", "1", "--hardware", "h200-sxm", "--batch", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "add GPUs or use a shorter --context" in out and "--weights" not in out

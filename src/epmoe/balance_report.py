@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -87,6 +88,41 @@ def _plot_png(names: list[str], before: torch.Tensor, after: torch.Tensor) -> by
     return buf.getvalue()
 
 
+def _check_target(field: str, value: str | Path, expected: str) -> Path:
+    """A file path ``balance_file`` will write: not a directory, in a directory that exists and is writable."""
+    path = Path(value)
+    if path.is_dir():
+        raise ValueError(f"{field} ({str(value)!r}) is a directory; expected {expected}")
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"{field} ({str(value)!r}) cannot be written: directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"{field} ({str(value)!r}) cannot be written: directory {str(parent)!r} is not writable")
+    return path
+
+
+def _write_outputs(placement: ExpertPlacement, out: Path, png: bytes | None, plot: Path | None) -> None:
+    """Write the placement and the PNG: both prepared under temporary names next to their targets, then renamed;
+    on an error every temporary file is removed and the message names the path the user gave."""
+    staged: list[tuple[Path, Path, str]] = []  # (temporary, final, field)
+    try:
+        tmp_out = out.with_name(f".{out.name}.epmoe-partial{out.suffix}")
+        staged.append((tmp_out, out, "out"))
+        placement.save(tmp_out)  # writes ``tmp_out.tmp`` then renames it to ``tmp_out``
+        if png is not None and plot is not None:
+            tmp_png = plot.with_name(plot.name + ".tmp")
+            staged.append((tmp_png, plot, "plot"))
+            tmp_png.write_bytes(png)
+    except OSError as exc:
+        field, final = staged[-1][2], staged[-1][1]
+        for tmp, _, _ in staged:
+            for p in (tmp, tmp.with_name(tmp.name + ".tmp")):
+                p.unlink(missing_ok=True)
+        raise ValueError(f"{field} ({str(final)!r}) cannot be written: {exc.strerror or exc}") from exc
+    for tmp, final, _ in staged:
+        tmp.replace(final)
+
+
 def balance_file(
     loads: str | Path,
     ep_size: int,
@@ -117,9 +153,14 @@ def balance_file(
 
     Raises:
         FileNotFoundError: a missing input file.
-        ValueError: bad loads, sizes, or a placement that does not fit them.
+        ValueError: bad loads, sizes, a placement that does not fit them, or an ``out`` / ``plot`` path that
+            cannot be written (checked before anything is computed; nothing is written then).
         KeyError: unknown ``algorithm``.
     """
+    out_path = _check_target("out", out, "a placement file path (.json or .safetensors)")
+    plot_path = _check_target("plot", plot, "a PNG file path") if plot is not None else None
+    if plot_path is not None and plot_path.resolve() == out_path.resolve():
+        raise ValueError(f"plot ({str(plot)!r}) and out ({str(out)!r}) name the same file")
     path = Path(loads)
     load = read_loads(path)
     names = read_csv_loads(path)[1] if path.suffix == ".csv" else [str(i) for i in range(load.shape[0])]
@@ -131,16 +172,17 @@ def balance_file(
         before.check_model(num_layers, num_experts, what=f"loads file {str(path)!r}")
         if (before.ep_size, before.num_redundant) != (ep_size, num_redundant):
             raise ValueError(
-                f"--from placement has ep_size {before.ep_size} and {before.num_redundant} redundant slots, "
-                f"but ep_size {ep_size} and {num_redundant} redundant were asked for"
+                f"from_placement ({str(from_placement)!r}) is for EP size {before.ep_size} with "
+                f"{before.num_redundant} redundant slots, but ep_size ({ep_size}) and num_redundant ({num_redundant}) "
+                "were asked for"
             )
         if num_nodes > 1:
-            raise ValueError(f"movement-aware rebalancing supports num_nodes = 1 only, got {num_nodes}")
+            raise ValueError(f"num_nodes ({num_nodes}) must be 1 with from_placement (movement-aware rebalancing)")
         result = rebalance_with_moves(load, before, max_moves=max_moves, algorithm=algorithm)
         after, moves = result.placement, result.moves
     else:
         if max_moves is not None:
-            raise ValueError("max_moves needs a current placement (--from)")
+            raise ValueError(f"max_moves ({max_moves}) needs from_placement (the current placement) to count moves from")
         before = ExpertPlacement.trivial(num_layers, num_experts, ep_size, num_redundant)
         after = balance(load, ep_size, num_redundant, algorithm=algorithm, num_nodes=num_nodes, num_groups=num_groups)
         moves = placement_moves(before, after)
@@ -156,12 +198,7 @@ def balance_file(
         for l in range(num_layers)
     ]
     png = _plot_png(names, rb, ra) if plot is not None else None
-    after.save(out)
-    if png is not None:
-        plot_path = Path(plot)
-        tmp = plot_path.with_name(plot_path.name + ".tmp")
-        tmp.write_bytes(png)
-        tmp.replace(plot_path)
+    _write_outputs(after, out_path, png, plot_path)
     return BalanceReport(
         rows=rows,
         balancedness_before=float(bal_b.mean()),

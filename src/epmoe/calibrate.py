@@ -246,6 +246,28 @@ def _spawned(rank: int, cfg: CalibrationConfig, backend: str, port: int) -> None
         dist.destroy_process_group()
 
 
+def check_outputs(cfg: CalibrationConfig) -> None:
+    """What can be checked before measuring: ``base`` names a readable profile and ``out`` can be written
+    (its directory exists, it is not a directory itself).
+
+    Raises:
+        ValueError: a bad ``base`` or ``out`` (the value and the reason named).
+    """
+    if cfg.base is not None:
+        try:
+            load_hardware(cfg.base)
+        except ValueError as exc:
+            raise ValueError(f"base ({cfg.base!r}) is not a usable profile: {exc}") from None
+    out = Path(cfg.out)
+    if out.is_dir():
+        raise ValueError(f"out ({cfg.out!r}) is a directory; expected the path of the profile JSON to write")
+    parent = out.parent
+    if not parent.is_dir():
+        raise ValueError(f"out ({cfg.out!r}) cannot be written: directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"out ({cfg.out!r}) cannot be written: directory {str(parent)!r} is not writable")
+
+
 def calibrate(cfg: CalibrationConfig) -> dict[str, Any] | None:
     """Measure and write the profile ``cfg.out``.
 
@@ -256,9 +278,11 @@ def calibrate(cfg: CalibrationConfig) -> dict[str, Any] | None:
         The profile document on rank 0 (and in the parent of spawned processes); ``None`` on other ranks.
 
     Raises:
-        ValueError: neither ``nprocs`` nor a torchrun environment, ``nccl`` without CUDA, more processes
+        ValueError: a ``base`` that is no profile or an ``out`` that cannot be written (checked before
+            measuring), neither ``nprocs`` nor a torchrun environment, ``nccl`` without CUDA, more processes
             than GPUs under NCCL, or a multi-node run without ``base``.
     """
+    check_outputs(cfg)
     backend = cfg.resolved_backend()
     if cfg.nprocs is not None:
         if backend == "nccl" and cfg.nprocs > torch.cuda.device_count():

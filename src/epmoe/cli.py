@@ -77,6 +77,22 @@ def _batches(text: str) -> tuple[int, ...]:
     return values
 
 
+def _flag_error(exc: Exception, flags: dict[str, str]) -> Exception:
+    """``exc`` as the CLI reports it: the library's field names (``ep_size (7)``, ``gpus must``) replaced by the
+    flags the user typed (``--ep (7)``); a ``KeyError``'s message without the quotes its ``str()`` adds."""
+    import re
+
+    msg = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    for name, flag in flags.items():
+        msg = re.sub(rf"(?<![\w'\"./-]){re.escape(name)}(?=\s\(|\smust\b|\sneeds\b|\sis\b|\sexceeds\b)", flag, msg)
+    return (TypeError if isinstance(exc, TypeError) else ValueError)(msg)
+
+
+_PLAN_FLAGS = {"gpus": "--gpus", "nodes": "--nodes", "spec_tokens": "--spec-tokens", "redundant": "--redundant",
+               "context": "--context", "batch": "--batch", "weights": "--weights", "mem_fraction": "--mem-fraction",
+               "balancedness": "--balancedness"}
+
+
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan", help="TP vs EP for a model, machine and batch: step time, collectives and memory per GPU",
@@ -105,11 +121,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from .planner import PlanRequest
     from .spec import load_moe_spec
 
-    report_plan(PlanRequest(
-        spec=load_moe_spec(args.config), hardware=load_hardware(args.hardware), gpus=args.gpus, nodes=args.nodes,
-        batches=args.batch, spec_tokens=args.spec_tokens, redundant=args.redundant, context=args.context,
-        weights=args.weights, mem_fraction=args.mem_fraction, balancedness=args.balancedness,
-    ), as_json=args.json, plot_path=args.plot)
+    try:
+        req = PlanRequest(
+            spec=load_moe_spec(args.config), hardware=load_hardware(args.hardware), gpus=args.gpus, nodes=args.nodes,
+            batches=args.batch, spec_tokens=args.spec_tokens, redundant=args.redundant, context=args.context,
+            weights=args.weights, mem_fraction=args.mem_fraction, balancedness=args.balancedness,
+        )
+    except (ValueError, TypeError) as exc:
+        raise _flag_error(exc, _PLAN_FLAGS) from exc
+    report_plan(req, as_json=args.json, plot_path=args.plot)
     return 0
 
 
@@ -131,8 +151,12 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from .calibrate import CalibrationConfig, calibrate
 
-    doc = calibrate(CalibrationConfig(out=args.out, nprocs=args.nprocs, backend=args.backend, max_bytes=args.max_bytes,
-                                      iters=args.iters, name=args.name, base=args.base))
+    try:
+        doc = calibrate(CalibrationConfig(out=args.out, nprocs=args.nprocs, backend=args.backend,
+                                          max_bytes=args.max_bytes, iters=args.iters, name=args.name, base=args.base))
+    except (ValueError, TypeError) as exc:
+        raise _flag_error(exc, {"out": "--out", "base": "--base", "nprocs": "--nprocs", "backend": "--backend",
+                                "max_bytes": "--max-bytes", "iters": "--iters"}) from exc
     if doc is not None:
         link = doc["links"]["intra_node" if "measured" in doc["links"]["intra_node"]["kind"] else "inter_node"]
         print(f"wrote {args.out}: all-reduce {link['all_reduce_latency_us']:.1f} us + "
@@ -153,6 +177,7 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", metavar="DIR_OR_CONFIG", help="draft model for speculative decoding")
     p.add_argument("--draft-placement", metavar="FILE", help="placement of an MoE draft")
     p.add_argument("--ep", type=int, help="EP size (default 1)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes the EP ranks are spread over (default 1)")
     p.add_argument("--hardware", metavar="NAME", help="hardware profile for the memory check")
     p.add_argument("--batch", type=int, default=64, help="sequences per step for the memory check (default 64)")
     p.add_argument("--context", type=int, default=4096, help="KV-cache tokens per sequence (default 4096)")
@@ -163,11 +188,15 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from .doctor import DoctorConfig, run_doctor
 
-    return run_doctor(DoctorConfig(
-        model=args.model or args.config, placement=args.placement, draft=args.draft,
-        draft_placement=args.draft_placement, ep=args.ep, hardware=args.hardware, batch=args.batch,
-        context=args.context, weights=args.weights,
-    ))
+    try:
+        return run_doctor(DoctorConfig(
+            model=args.model or args.config, placement=args.placement, draft=args.draft,
+            draft_placement=args.draft_placement, ep=args.ep, nodes=args.nodes, hardware=args.hardware,
+            batch=args.batch, context=args.context, weights=args.weights,
+        ))
+    except (ValueError, TypeError) as exc:
+        raise _flag_error(exc, {"ep": "--ep", "nodes": "--nodes", "batch": "--batch", "context": "--context",
+                                "weights": "--weights"}) from exc
 
 
 def _add_balance(sub: argparse._SubParsersAction) -> None:
@@ -196,10 +225,15 @@ def _cmd_balance(args: argparse.Namespace) -> int:
 
     from .balance_report import balance_file
 
-    report = balance_file(
-        args.loads, args.ep, args.redundant, args.out, num_nodes=args.nodes, num_groups=args.groups,
-        algorithm=args.algorithm, from_placement=args.from_placement, max_moves=args.max_moves, plot=args.plot,
-    )
+    try:
+        report = balance_file(
+            args.loads, args.ep, args.redundant, args.out, num_nodes=args.nodes, num_groups=args.groups,
+            algorithm=args.algorithm, from_placement=args.from_placement, max_moves=args.max_moves, plot=args.plot,
+        )
+    except (ValueError, TypeError, KeyError) as exc:
+        raise _flag_error(exc, {"ep_size": "--ep", "num_redundant": "--redundant", "num_nodes": "--nodes",
+                                "num_groups": "--groups", "max_moves": "--max-moves", "from_placement": "--from",
+                                "out": "--out", "plot": "--plot", "algorithm": "--algorithm"}) from exc
     if args.json:
         print(json.dumps(report.to_json()))
     else:

@@ -47,6 +47,24 @@ def bytes_per_param(weight_format: str) -> float:
     return BYTES_PER_PARAM[weight_format]
 
 
+def smaller_weight_choices(weight_format: str) -> list[str]:
+    """The ``--weights`` choices that store routed experts in fewer bytes than ``weight_format``
+    (``fp8_block128`` -> ``["int4"]``; ``int4_group32`` -> ``[]``), smallest saving first.
+
+    Raises:
+        ValueError: an unknown format (as ``bytes_per_param``).
+    """
+    current = bytes_per_param(weight_format)
+    return [c for c, fmt in sorted(WEIGHT_CHOICES.items(), key=lambda kv: -BYTES_PER_PARAM[kv[1]])
+            if BYTES_PER_PARAM[fmt] < current]
+
+
+def weights_hint(weight_format: str) -> str:
+    """``--weights fp8/int4``-style advice listing only formats smaller than ``weight_format``; ``""`` when none is."""
+    smaller = smaller_weight_choices(weight_format)
+    return f"--weights {'/'.join(smaller)}" if smaller else ""
+
+
 def compute_dtype(weight_format: str) -> str:
     """The matmul dtype used for weights stored as ``weight_format``: ``fp8`` for FP8, else ``bf16``
     (INT4 and MXFP4 weights are dequantised into bf16 GEMMs on Hopper)."""

@@ -1,24 +1,29 @@
 """``epmoe doctor``: check a set-up before launch, one line per finding: what, why it matters, what to change.
 
 Checks that the communication backends are there (gloo, NCCL, CUDA, peer access between GPUs), that
-the visible GPUs cover the EP size, that the placement covers every MoE layer of the target model
-and, for speculative decoding, of the draft model (a dense EAGLE-3 draft needs none), and that
-weights and caches fit in memory (through the planner's memory model).
+the visible GPUs cover the EP size, that a checkpoint directory holds the tensors of every routed
+expert of every MoE layer (names only, from the safetensors index or headers), that the placement
+covers every MoE layer of the target model and, for speculative decoding, of the draft model (a
+dense EAGLE-3 draft needs none), that the draft's hidden and vocabulary sizes match the target's, and
+that weights and caches (the draft's included) fit in memory (through the planner's memory model).
 """
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from epmoe.hardware import load_hardware
+from epmoe.costs import ACT_BYTES, WEIGHT_CHOICES, weights_hint
+from epmoe.hardware import HardwareProfile, load_hardware
 from epmoe.placement import ExpertPlacement
-from epmoe.planner import GIB, PlanRequest, plan
-from epmoe.spec import DenseModelError, MoESpec, load_moe_spec
+from epmoe.planner import GIB, PlanRequest, StrategyPlan, plan
+from epmoe.spec import DenseModelError, MoESpec, language_model_config, load_moe_spec
 
 Severity = Literal["error", "warning", "ok"]
 
@@ -54,6 +59,7 @@ class DoctorConfig:
         draft: draft model directory or ``config.json`` for speculative decoding, or ``None``.
         draft_placement: placement file of an MoE draft.
         ep: EP size ``G`` (``None``: 1).
+        nodes: nodes the ``G`` ranks are spread over (``G / nodes`` GPUs per node).
         hardware: hardware profile name or path for the memory check (``None``: memory not checked).
         batch: sequences per step for the memory check.
         context: KV-cache length per sequence for the memory check, tokens.
@@ -66,6 +72,7 @@ class DoctorConfig:
     draft: str | None = None
     draft_placement: str | None = None
     ep: int | None = None
+    nodes: int = 1
     hardware: str | None = None
     batch: int = 64
     context: int = 4096
@@ -73,8 +80,8 @@ class DoctorConfig:
     mem_fraction: float = 0.9
 
 
-def check_backends(ep: int) -> list[Finding]:
-    """gloo, CUDA, NCCL, the GPU count against ``ep`` and peer access among the first ``ep`` GPUs."""
+def check_backends(ep: int, nodes: int = 1) -> list[Finding]:
+    """gloo, CUDA, NCCL, the GPU count against the ``ep / nodes`` ranks of this node and peer access among them."""
     out: list[Finding] = []
     if not dist.is_available() or not dist.is_gloo_available():
         out.append(Finding("error", "torch.distributed has no gloo backend",
@@ -89,13 +96,17 @@ def check_backends(ep: int) -> list[Finding]:
         out.append(Finding("error", "CUDA is available but torch.distributed has no NCCL backend",
                            "GPU EP uses NCCL for dispatch and combine", "install a PyTorch build with NCCL"))
     n = torch.cuda.device_count()
-    if ep > n:
-        out.append(Finding("error", f"EP size {ep} but {n} GPU(s) are visible on this node",
-                           "each EP rank needs its own GPU", f"use --ep {n} or fewer, check CUDA_VISIBLE_DEVICES, "
-                           "or launch across nodes with torchrun"))
+    per_node = ep // nodes
+    if per_node > n:
+        out.append(Finding("error", f"EP size {ep} on {nodes} node(s) needs {per_node} GPUs per node but {n} GPU(s) "
+                                    "are visible on this node",
+                           "each EP rank needs its own GPU", f"use --ep {n * nodes} or fewer, --nodes "
+                           f"{math.ceil(ep / max(n, 1))} (launched across nodes with torchrun), or check "
+                           "CUDA_VISIBLE_DEVICES"))
     else:
-        out.append(Finding("ok", f"{n} GPU(s) visible, EP size {ep}"))
-    pairs = [(i, j) for i in range(min(ep, n)) for j in range(min(ep, n)) if i != j]
+        out.append(Finding("ok", f"{n} GPU(s) visible, EP size {ep} ({per_node} per node)"))
+    local = min(per_node, n)
+    pairs = [(i, j) for i in range(local) for j in range(local) if i != j]
     missing = [(i, j) for i, j in pairs if not torch.cuda.can_device_access_peer(i, j)]
     if missing:
         shown = ", ".join(f"{i}->{j}" for i, j in missing[:8]) + (" ..." if len(missing) > 8 else "")
@@ -103,7 +114,7 @@ def check_backends(ep: int) -> list[Finding]:
                            "NCCL falls back to copies through host memory: all-to-all and all-reduce get slower",
                            "enable P2P (disable ACS / IOMMU passthrough on PCIe machines) or expect the slower links"))
     elif pairs:
-        out.append(Finding("ok", f"peer access between all {min(ep, n)} GPUs"))
+        out.append(Finding("ok", f"peer access between all {local} GPUs"))
     return out
 
 
@@ -111,7 +122,7 @@ def _load_spec(path: str, what: str) -> tuple[MoESpec | None, list[Finding]]:
     try:
         return load_moe_spec(path), []
     except DenseModelError as exc:
-        return None, [Finding("error", f"{what} has no MoE layers ({exc})", "there are no experts to place",
+        return None, [Finding("error", f"{what} is not an MoE model: {exc}", "EP spreads routed experts over ranks",
                               "run it without EP, or point --model at the MoE checkpoint")]
     except (ValueError, FileNotFoundError) as exc:
         return None, [Finding("error", f"{what} cannot be read: {exc}", "nothing can be checked or launched",
@@ -143,68 +154,295 @@ def check_placement(spec: MoESpec, placement: str | None, ep: int, what: str) ->
                                            f"MoE layers ({p.num_slots} slots, {p.num_redundant} redundant)")]
 
 
-def check_draft(draft: str, draft_placement: str | None, ep: int) -> list[Finding]:
-    """A dense (EAGLE-3) draft needs no placement; an MoE draft needs its own."""
+def check_checkpoint(spec: MoESpec, directory: str, what: str = "the target model") -> list[Finding]:
+    """Check that a checkpoint directory holds the tensors of every routed expert of every MoE layer.
+
+    Names only: the safetensors index (or the file headers) is read, no tensor. The names are those
+    ``models.hf.load_ep_model`` reads (``models.checkpoint.family_layout``); the first missing one is named.
+    """
+    from epmoe.models.checkpoint import CheckpointReader, family_layout
+
     try:
-        spec = load_moe_spec(draft)
+        layout = family_layout(spec.model_type)
+    except KeyError as exc:
+        return [Finding("error", f"{what}: {exc.args[0]}", "epmoe run cannot load the experts of this family",
+                        "use a supported model family")]
+    try:
+        reader = CheckpointReader(directory)
+    except (FileNotFoundError, ValueError, KeyError, OSError) as exc:
+        msg = exc.args[0] if isinstance(exc, KeyError) else str(exc)
+        return [Finding("error", f"{what}: {msg}", "epmoe run cannot read the weights",
+                        "point --model at a complete Hugging Face checkpoint directory")]
+    except Exception as exc:  # safetensors header / JSON parser errors of other types
+        return [Finding("error", f"{what}: checkpoint {directory} cannot be read ({exc})",
+                        "epmoe run cannot read the weights", "re-download the checkpoint")]
+    missing: list[str] = []
+    first = ""
+    for moe_index, layer_index in enumerate(spec.moe_layers):
+        block = f"model.layers.{layer_index}.{layout.ckpt_block}"
+        if layout.experts == "per_expert":
+            for e in range(spec.num_experts):
+                for pattern in layout.expert_names:
+                    name = f"{block}.{pattern.format(e=e)}"
+                    if name not in reader:
+                        if not missing:
+                            first = f"logical expert {e} of MoE layer {moe_index} (decoder layer {layer_index})"
+                        missing.append(name)
+        else:
+            names = [f"{block}.experts.gate_up_proj", f"{block}.experts.down_proj"]
+            if layout.experts == "fused_interleaved":
+                names += [f"{block}.experts.gate_up_proj_bias", f"{block}.experts.down_proj_bias"]
+            for name in names:
+                if name not in reader:
+                    if not missing:
+                        first = f"the fused experts of MoE layer {moe_index} (decoder layer {layer_index})"
+                    missing.append(name)
+    if missing:
+        return [Finding("error", f"{what}: checkpoint {directory} has no tensor {missing[0]!r} ({first}); "
+                                 f"{len(missing)} routed-expert tensor(s) missing in all",
+                        "epmoe run stops with a KeyError when the rank holding that expert loads it",
+                        "re-download the missing shards or point --model at the complete checkpoint")]
+    return [Finding("ok", f"{what}: checkpoint holds the tensors of all {spec.num_experts} routed experts of the "
+                          f"{spec.num_moe_layers} MoE layers")]
+
+
+@dataclass(frozen=True)
+class DraftModel:
+    """What doctor needs of a draft model.
+
+    Attributes:
+        name: file or directory name, for messages.
+        hidden_size: ``D`` of the draft.
+        vocab_size: vocabulary the draft reads tokens from (EAGLE-3: the target's).
+        spec: the MoE facts of an MoE draft, ``None`` for a dense one.
+        weight_bytes: weights of a dense draft, bytes (whole on every GPU); 0 for an MoE draft (planned).
+        kv_bytes_per_token: KV-cache bytes of a dense draft per token, all its layers, all heads; 0 for an MoE draft.
+        kv_heads: KV heads of a dense draft (split by attention TP, one per rank at least).
+    """
+
+    name: str
+    hidden_size: int
+    vocab_size: int
+    spec: MoESpec | None = None
+    weight_bytes: float = 0.0
+    kv_bytes_per_token: float = 0.0
+    kv_heads: int = 1
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"config file {str(p)!r} does not exist")
+    try:
+        cfg = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{p}: not valid JSON ({exc})") from exc
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{p}: expected a JSON object, got {type(cfg).__name__}")
+    return language_model_config(cfg)
+
+
+def _field(cfg: dict[str, Any], key: str, source: str, default: int | None = None) -> int:
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def read_draft(path: str) -> DraftModel:
+    """Read a draft model's config: an MoE draft's ``MoESpec``, or a dense (EAGLE-3) draft's sizes.
+
+    Dense draft weights: embedding ``[V, D]``, per layer attention (EAGLE-3: q/k/v read ``2 D``, the
+    embedding and the fused target hidden state) and a SwiGLU MLP ``3 D I``, EAGLE-3's ``fc [D, 3 D]``,
+    and the LM head ``[draft_vocab_size or V, D]``, in ``torch_dtype`` (float32: 4 B, else 2 B).
+
+    Raises:
+        FileNotFoundError: no config there.
+        ValueError: not JSON, or a size field missing (named).
+    """
+    name = Path(path).name
+    try:
+        spec = load_moe_spec(path)
     except DenseModelError:
-        return [Finding("ok", f"draft {Path(draft).name} is a dense model (an EAGLE-3 draft has one dense decoder "
-                              "layer): it needs no placement")]
+        spec = None
+    if spec is not None:
+        return DraftModel(name, spec.hidden_size, spec.vocab_size, spec=spec)
+    cfg = _read_config(path)
+    d = _field(cfg, "hidden_size", name)
+    v = _field(cfg, "vocab_size", name)
+    layers = _field(cfg, "num_hidden_layers", name)
+    inter = _field(cfg, "intermediate_size", name)
+    heads = _field(cfg, "num_attention_heads", name)
+    kv_heads = _field(cfg, "num_key_value_heads", name, heads)
+    head_dim = _field(cfg, "head_dim", name, d // heads) if cfg.get("head_dim") is not None else d // heads
+    eagle3 = "eagle_config" in cfg or any("Eagle3" in str(a) for a in cfg.get("architectures") or [])
+    attn_in = 2 * d if eagle3 else d
+    attn = attn_in * (heads + 2 * kv_heads) * head_dim + heads * head_dim * d
+    head_vocab = cfg.get("draft_vocab_size") or v
+    params = v * d + layers * (attn + 3 * d * inter) + (3 * d * d if eagle3 else 0) + head_vocab * d
+    dtype_bytes = 4 if cfg.get("torch_dtype") == "float32" else 2
+    kv = layers * 2 * kv_heads * head_dim * ACT_BYTES
+    return DraftModel(name, d, v, weight_bytes=params * dtype_bytes, kv_bytes_per_token=kv, kv_heads=kv_heads)
+
+
+def check_draft(draft: str, draft_placement: str | None, ep: int,
+                target: MoESpec | None = None) -> tuple[DraftModel | None, int, list[Finding]]:
+    """A dense (EAGLE-3) draft needs no placement; an MoE draft needs its own. Either must share the
+    target's hidden size (EAGLE-3 reads the target's hidden states) and vocabulary.
+
+    Returns:
+        The draft (``None`` when unreadable), the redundant slots of an MoE draft's placement, the findings.
+    """
+    try:
+        model = read_draft(draft)
     except (ValueError, FileNotFoundError) as exc:
-        return [Finding("error", f"draft cannot be read: {exc}", "speculative decoding cannot start",
-                        "pass the draft checkpoint directory or its config.json")]
+        return None, 0, [Finding("error", f"draft cannot be read: {exc}", "speculative decoding cannot start",
+                                 "pass the draft checkpoint directory or its config.json")]
+    out: list[Finding] = []
+    if target is not None:
+        for label, dv, tv in (("hidden size", model.hidden_size, target.hidden_size),
+                              ("vocab size", model.vocab_size, target.vocab_size)):
+            if dv != tv:
+                out.append(Finding("error", f"draft {model.name} has {label} {dv} but the target model "
+                                            f"{Path(target.source).name} has {label} {tv}",
+                                   "the draft reads the target's hidden states and token ids: it was trained "
+                                   "for another target",
+                                   "pass the draft trained for this target model"))
+    spec = model.spec
+    if spec is None:
+        out.append(Finding("ok", f"draft {model.name} is a dense model (an EAGLE-3 draft has one dense decoder "
+                                 "layer): it needs no placement"))
+        return model, 0, out
     if draft_placement is None:
-        return [Finding("error", f"draft is an MoE model ({spec.num_moe_layers} MoE layers x {spec.num_experts} "
-                                 "experts) with no placement of its own",
-                        "it must not reuse the target's placement: layer counts and experts differ",
-                        "pass --draft-placement FILE built for the draft")]
-    return check_placement(spec, draft_placement, ep, "the draft model")[1]
+        out.append(Finding("error", f"draft is an MoE model ({spec.num_moe_layers} MoE layers x {spec.num_experts} "
+                                    "experts) with no placement of its own",
+                           "it must not reuse the target's placement: layer counts and experts differ",
+                           "pass --draft-placement FILE built for the draft"))
+        return model, 0, out
+    redundant, found = check_placement(spec, draft_placement, ep, "the draft model")
+    return model, redundant, out + found
 
 
-def check_memory(spec: MoESpec, cfg: DoctorConfig, ep: int, redundant: int) -> list[Finding]:
-    """Weights and caches against GPU memory, through the planner, for the best-fitting all-to-all EP strategy."""
+def _draft_bytes(draft: DraftModel | None, draft_plan: dict[str, StrategyPlan], s: StrategyPlan, batch: int,
+                 ep: int) -> float:
+    """Bytes the draft adds on one GPU under target strategy ``s``: weights and KV cache."""
+    if draft is None:
+        return 0.0
+    if draft.spec is not None:
+        same = draft_plan.get(s.strategy.name)
+        if same is None:
+            return 0.0
+        m = same.steps[0].memory
+        return m.weights + m.kv_cache
+    dp = s.strategy.mode == "a2a_dp_attn"
+    seqs = math.ceil(batch / ep) if dp else batch
+    tp = 1 if dp else s.strategy.attn_tp
+    kv = draft.kv_bytes_per_token * max(1, draft.kv_heads // tp) / draft.kv_heads
+    return draft.weight_bytes + seqs * kv
+
+
+def check_memory(spec: MoESpec, cfg: DoctorConfig, ep: int, redundant: int, draft: DraftModel | None = None,
+                 draft_redundant: int = 0) -> list[Finding]:
+    """Weights and caches (the draft's included) against GPU memory, through the planner, for the
+    best-fitting all-to-all EP strategy."""
     if cfg.hardware is None:
         return [Finding("warning", "memory not checked", "weights or KV cache may not fit",
                         "pass --hardware NAME (or a calibrated profile) to check")]
     try:
-        req = PlanRequest(spec=spec, hardware=load_hardware(cfg.hardware), gpus=ep, batches=(cfg.batch,),
-                          redundant=redundant, context=cfg.context, weights=cfg.weights, mem_fraction=cfg.mem_fraction)
+        hw: HardwareProfile = load_hardware(cfg.hardware)
+    except ValueError as exc:
+        return [Finding("error", f"hardware cannot be read: {exc}", "memory cannot be checked",
+                        "pass a shipped profile name or a profile JSON written by epmoe calibrate")]
+    nodes = cfg.nodes
+    if ep // nodes > hw.gpus_per_node:
+        return [Finding("error", f"EP size {ep} on {nodes} node(s) is {ep // nodes} GPUs per node but {hw.name} has "
+                                 f"{hw.gpus_per_node}", "one node cannot hold that many EP ranks",
+                        f"pass --nodes {math.ceil(ep / hw.gpus_per_node)} or a smaller --ep")]
+    slots = spec.num_experts + redundant
+    if ep > 1 and (ep > slots or slots % ep):
+        return [Finding("warning", f"memory not checked: {slots} expert slots per layer cannot be spread evenly over "
+                                   f"EP size {ep}", "no EP strategy can be planned",
+                        "fix the placement first (see the error above)")]
+    try:
+        req = PlanRequest(spec=spec, hardware=hw, gpus=ep, nodes=nodes, batches=(cfg.batch,), redundant=redundant,
+                          context=cfg.context, weights=cfg.weights, mem_fraction=cfg.mem_fraction)
         result = plan(req)
     except ValueError as exc:
         return [Finding("error", f"memory cannot be planned: {exc}", "the set-up is inconsistent", "fix the named value")]
+    draft_plan: dict[str, StrategyPlan] = {}
+    if draft is not None and draft.spec is not None:
+        try:
+            dreq = PlanRequest(spec=draft.spec, hardware=hw, gpus=ep, nodes=nodes, batches=(cfg.batch,),
+                               redundant=draft_redundant, context=cfg.context, mem_fraction=cfg.mem_fraction)
+            draft_plan = {s.strategy.name: s for s in plan(dreq).strategies}
+        except ValueError as exc:
+            return [Finding("error", f"memory of the draft cannot be planned: {exc}", "the set-up is inconsistent",
+                            "fix the draft's placement or the EP size")]
     # epmoe's EP runtime dispatches and combines by all-to-all; EP 1 is the single-GPU plan
     candidates = [s for s in result.strategies if s.strategy.mode != "all_reduce" or ep == 1]
-    best = min(candidates, key=lambda s: s.steps[0].memory.over)
-    m = best.steps[0].memory
+    if not candidates:
+        return [Finding("warning", f"memory not checked: no all-to-all EP strategy on {ep} GPUs "
+                                   f"({'; '.join(result.skipped)})", "no EP strategy can be planned",
+                        "choose an EP size the model's slots divide")]
+    extra = {id(s): _draft_bytes(draft, draft_plan, s, cfg.batch, ep) for s in candidates}
+    best = min(candidates, key=lambda s: s.steps[0].memory.total + extra[id(s)] - s.steps[0].memory.capacity)
+    m, dbytes = best.steps[0].memory, extra[id(best)]
+    total = m.total + dbytes
     where = f"{best.strategy.name} at batch {cfg.batch}, context {cfg.context}"
-    if m.fits:
-        return [Finding("ok", f"weights and caches fit: {m.total / GIB:.1f} of {m.capacity / GIB:.1f} GiB per GPU ({where})")]
-    return [Finding("error", f"weights and caches need {m.total / GIB:.1f} GiB per GPU, {m.over / GIB:.1f} GiB over the "
-                             f"{m.capacity / GIB:.1f} GiB usable ({where}; weights {m.weights / GIB:.1f}, KV cache "
-                             f"{m.kv_cache / GIB:.1f})",
+    with_draft = f", draft {draft.name} {dbytes / GIB:.1f}" if draft is not None else ""
+    if total <= m.capacity:
+        return [Finding("ok", f"weights and caches fit: {total / GIB:.1f} of {m.capacity / GIB:.1f} GiB per GPU "
+                              f"({where}{with_draft})")]
+    hint = weights_hint(req.expert_format)
+    return [Finding("error", f"weights and caches need {total / GIB:.1f} GiB per GPU, {(total - m.capacity) / GIB:.1f} "
+                             f"GiB over the {m.capacity / GIB:.1f} GiB usable ({where}; weights {m.weights / GIB:.1f}, "
+                             f"KV cache {m.kv_cache / GIB:.1f}{with_draft})",
                     "the server runs out of memory at start-up or at CUDA-graph capture",
-                    "use more GPUs, --weights fp8/int4, a smaller batch or a shorter context")]
+                    f"use more GPUs, {hint + ', ' if hint else ''}a smaller batch or a shorter context")]
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
 
 
 def diagnose(cfg: DoctorConfig) -> list[Finding]:
-    """All checks of ``cfg``, in order: backends, target model and placement, draft, memory."""
-    ep = cfg.ep or 1
-    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-        raise ValueError(f"ep must be a positive integer, got {cfg.ep!r}")
-    findings = check_backends(ep)
+    """All checks of ``cfg``, in order: backends, target model, checkpoint and placement, draft, memory.
+
+    Raises:
+        ValueError: a bad ``ep``, ``nodes``, ``batch``, ``context``, ``weights`` or ``mem_fraction`` (named).
+    """
+    ep = _check_int("ep", 1 if cfg.ep is None else cfg.ep, 1)
+    nodes = _check_int("nodes", cfg.nodes, 1)
+    _check_int("batch", cfg.batch, 1)
+    _check_int("context", cfg.context, 1)
+    if ep % nodes:
+        raise ValueError(f"ep ({ep}) must be divisible by nodes ({nodes})")
+    if cfg.weights is not None and cfg.weights not in WEIGHT_CHOICES:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {cfg.weights!r}")
+    if not 0 < cfg.mem_fraction <= 1:
+        raise ValueError(f"mem_fraction must lie in (0, 1], got {cfg.mem_fraction}")
+    findings = check_backends(ep, nodes)
     spec, problems = _load_spec(cfg.model, "the target model")
     findings += problems
     redundant = 0
     if spec is not None:
+        if Path(cfg.model).is_dir():
+            findings += check_checkpoint(spec, cfg.model)
         redundant, placed = check_placement(spec, cfg.placement, ep, "the target model")
         findings += placed
+    draft, draft_redundant = None, 0
     if cfg.draft is not None:
-        findings += check_draft(cfg.draft, cfg.draft_placement, ep)
+        draft, draft_redundant, found = check_draft(cfg.draft, cfg.draft_placement, ep, spec)
+        findings += found
     elif cfg.draft_placement is not None:
         findings.append(Finding("warning", "--draft-placement given without --draft", "it is not checked",
                                 "pass --draft DIR as well"))
     if spec is not None:
-        findings += check_memory(spec, cfg, ep, redundant)
+        findings += check_memory(spec, cfg, ep, redundant, draft, draft_redundant)
     return findings
 
 

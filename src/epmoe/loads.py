@@ -162,6 +162,10 @@ def read_csv_loads(path: str | Path) -> tuple[torch.Tensor, list[str]]:
     return load, list(groups)
 
 
+def _json_type(value: object) -> str:
+    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}.get(type(value), "null")
+
+
 def read_loads(path: str | Path) -> torch.Tensor:
     """Read a load table written by ``save_loads``, DeepSeek's example JSON, or the OLMoE CSV.
 
@@ -170,13 +174,17 @@ def read_loads(path: str | Path) -> torch.Tensor:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: unreadable file, missing field, ragged rows, or bad values (file named).
+        ValueError: a directory, unreadable file, missing field, ragged rows, or bad values (file and the
+            JSON key used, ``load`` or ``weight``, named).
     """
     from epmoe.balance import as_load_array
 
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"loads file {str(path)!r} is a directory, not a file")
     if not path.is_file():
         raise FileNotFoundError(f"loads file {str(path)!r} does not exist")
+    label = "load"  # how the values are named in messages: the tensor, or the JSON key used
     try:
         if path.suffix == ".csv":
             load = read_csv_loads(path)[0]
@@ -189,13 +197,22 @@ def read_loads(path: str | Path) -> torch.Tensor:
                 load = f.get_tensor("load")
         else:
             doc = json.loads(path.read_text())
-            rows = doc.get("load", doc.get("weight")) if isinstance(doc, dict) else None
+            if not isinstance(doc, dict):
+                raise ValueError(f"expected a JSON object with field 'load' (or 'weight'), got a JSON {_json_type(doc)}")
+            name = "load" if "load" in doc else "weight"
+            label = name
+            rows = doc.get(name)
             if rows is None:
-                raise ValueError("field 'load' is missing")
+                raise ValueError(f"field 'load' (or 'weight') is missing; the object has {sorted(doc)}")
             if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows) or len({len(r) for r in rows}) > 1:
-                raise ValueError("field 'load' must be a list of equally long per-layer lists")
+                raise ValueError(f"field {name!r} must be a list of equally long per-layer lists")
+            for layer, row in enumerate(rows):
+                for expert, v in enumerate(row):
+                    if isinstance(v, bool) or not isinstance(v, (int, float)):
+                        raise ValueError(f"field {name!r} [layer {layer}, expert {expert}] = {v!r}: loads must be "
+                                         "numbers (tokens per expert)")
             load = torch.tensor(rows, dtype=torch.float64)
-        return torch.from_numpy(as_load_array(load))
+        return torch.from_numpy(as_load_array(load, label))
     except (ValueError, TypeError, KeyError) as exc:
         raise ValueError(f"loads file {str(path)!r}: {exc}") from exc
     except Exception as exc:  # parser errors of json / safetensors

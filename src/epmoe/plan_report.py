@@ -9,6 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from epmoe.costs import weights_hint
 from epmoe.planner import GIB, Plan, PlanRequest, StepEstimate, StrategyPlan, plan
 
 
@@ -68,9 +69,10 @@ def recommend(p: Plan) -> str:
         if not fitting:
             least = min(p.strategies, key=lambda s: s.steps[i].memory.over)
             choice = "nothing fits"
+            hint = weights_hint(p.request.expert_format)
             why = (f"at batch {batch} the smallest overshoot is {least.strategy.name} by "
-                   f"{least.steps[i].memory.over / GIB:.1f} GiB per GPU; add GPUs, use --weights fp8/int4 or a "
-                   f"shorter --context")
+                   f"{least.steps[i].memory.over / GIB:.1f} GiB per GPU; "
+                   + (f"add GPUs, use {hint} or a shorter --context" if hint else "add GPUs or use a shorter --context"))
         else:
             best = fitting[0]
             # compare across the TP/EP divide (all-reduce vs all-to-all family) when there is one

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from epmoe.costs import (
@@ -302,13 +303,15 @@ def strategies_for(spec: MoESpec, gpus: int, redundant: int = 0) -> tuple[list[S
             skipped.append(f"{name}: expert intermediate size {spec.moe_intermediate_size} is not divisible by {t}")
             continue
         if e > 1 and slots % e:
-            skipped.append(f"{name}: {slots} expert slots are not divisible by EP {e}; use --redundant {-slots % e}")
+            skipped.append(f"{name}: {slots} expert slots are not divisible by EP {e}; use --redundant "
+                           f"{redundant + -slots % e}")
             continue
         desc = (f"attention TP{g}, each expert sliced {g} ways, 2 all-reduces per layer" if e == 1 else
                 f"attention TP{g}, experts EP{e} x sliced {t} ways, all tokens on every rank, all-reduce per layer")
         out.append(Strategy(name, desc, g, t, e, "all_reduce"))
     if slots % g:
-        skipped.append(f"EP{g} with all-to-all: {slots} expert slots are not divisible by {g}; use --redundant {-slots % g}")
+        skipped.append(f"EP{g} with all-to-all: {slots} expert slots are not divisible by {g}; use --redundant "
+                       f"{redundant + -slots % g}")
         return out, skipped
     if tp_attn_ok:
         out.append(Strategy(f"EP{g}+TPattn", f"attention TP{g}; experts EP{g}: reduce-scatter, dispatch and combine "
@@ -444,9 +447,12 @@ def plan(req: PlanRequest) -> Plan:
         ``skipped`` with the reason.
 
     Raises:
-        ValueError: invalid request fields (raised when the ``PlanRequest`` is built).
+        ValueError: invalid request fields (raised when the ``PlanRequest`` is built), or no strategy can
+            run the model on ``gpus`` GPUs (every reason is named).
     """
     strategies, skipped = strategies_for(req.spec, req.gpus, req.redundant)
+    if not strategies:
+        raise ValueError(f"no strategy can run {Path(req.spec.source).name} on {req.gpus} GPUs: " + "; ".join(skipped))
     plans = tuple(StrategyPlan(s, tuple(_step(req, s, b) for b in req.batches)) for s in strategies)
     return Plan(req, plans, tuple(skipped))
 
