@@ -39,7 +39,7 @@ from epmoe.comm import Comm
 from epmoe.dispatch import make_dispatcher
 from epmoe.experts import Activation, ExpertWeights, get_expert_backend, reference_experts
 from epmoe.kernels.fp8 import block_fp8_expert_weights
-from epmoe.kernels.triton_decode import DECODE_MAX_PAIRS, DecodeConfig, decode_experts
+from epmoe.kernels.triton_decode import DECODE_MAX_PAIRS, DecodeConfig, decode_experts, default_decode_config
 from epmoe.kernels.triton_moe import TileConfig, _act_code, default_config, triton_experts
 
 CASES = {
@@ -48,16 +48,16 @@ CASES = {
 }
 DECODE_MAX = 64
 SWEEP = [
-    TileConfig(16, 16, 32, 128, 4, 4), TileConfig(16, 32, 64, 128, 4, 3), TileConfig(16, 64, 64, 64, 4, 4),
-    TileConfig(32, 64, 64, 64, 4, 4), TileConfig(64, 64, 64, 64, 4, 4), TileConfig(64, 64, 128, 64, 8, 3),
-    TileConfig(128, 64, 128, 64, 8, 3), TileConfig(128, 128, 128, 64, 8, 3), TileConfig(128, 64, 64, 64, 4, 4),
-    TileConfig(128, 128, 128, 64, 8, 4), TileConfig(128, 64, 256, 64, 8, 3), TileConfig(64, 128, 128, 64, 4, 3),
-    TileConfig(128, 128, 256, 64, 8, 3), TileConfig(128, 64, 256, 64, 8, 4),
-    TileConfig(64, 128, 256, 64, 4, 4),
+    TileConfig(64, 64, 128, 64, 8, 3), TileConfig(128, 128, 256, 64, 8, 3), TileConfig(128, 128, 256, 64, 8, 4),
+    TileConfig(64, 128, 256, 64, 4, 3), TileConfig(64, 128, 256, 64, 8, 3), TileConfig(128, 64, 128, 64, 8, 4),
+    TileConfig(128, 128, 128, 64, 8, 4), TileConfig(64, 128, 128, 64, 4, 4),
 ]
 DECODE_SWEEP = [
-    DecodeConfig(8, 512, 32, 256, 4), DecodeConfig(4, 1024, 16, 512, 4), DecodeConfig(16, 256, 32, 256, 4),
-    DecodeConfig(8, 512, 16, 512, 4), DecodeConfig(8, 1024, 64, 256, 8), DecodeConfig(4, 512, 32, 256, 4),
+    DecodeConfig(8, 512, 32, 256, 4, True), DecodeConfig(8, 512, 32, 256, 4, False),
+    DecodeConfig(4, 1024, 16, 512, 4, True), DecodeConfig(16, 512, 32, 256, 8, True),
+    DecodeConfig(8, 1024, 16, 512, 8, True), DecodeConfig(8, 512, 16, 256, 4, True),
+    DecodeConfig(4, 512, 16, 256, 4, True), DecodeConfig(16, 256, 64, 128, 4, True),
+    DecodeConfig(8, 256, 32, 128, 4, True),
 ]
 
 
@@ -176,7 +176,7 @@ def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[i
                  "hf_grouped_mm": lambda: hf(x, slots, tw)}
         row = {"case": name, "tokens": t, "active_slots": active, "pairs": pairs,
                "weight_bytes": active * expert_bytes, "flops": flops, "graph": graph,
-               "default_config": asdict(DecodeConfig() if t * case["k"] <= DECODE_MAX_PAIRS
+               "default_config": asdict(default_decode_config(d, f, 2) if t * case["k"] <= DECODE_MAX_PAIRS
                                          else default_config(t * case["k"], s, False))}
         row["floor_mem_us"] = active * expert_bytes / ceil["copy_bytes_per_s"] * 1e6
         row["floor_flop_us"] = flops / ceil["bf16_flop_per_s"] * 1e6

@@ -99,3 +99,24 @@ def test_decode_path_is_reproducible_and_graph_safe():
     for _ in range(3):
         graph.replay()
         assert torch.equal(static, eager)
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize("t,k,d,f", [(1, 8, 512, 256), (3, 5, 600, 384), (2, 8, 7168, 2048)])
+def test_decode_configs_match_reference(pdl, t, k, d, f):
+    """Decode kernels with and without the programmatic dependent launch, ragged ``D``/``F``, skipped pairs."""
+    from epmoe.kernels.triton_decode import DecodeConfig, decode_experts
+    from epmoe.kernels.triton_moe import _act_code
+
+    s = 4
+    w = _weights(s, d, f, bias=True)
+    act = Activation("silu", 7.0)
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randint(-1, s, (t, k), device="cuda")
+    slots[0, 0] = 1
+    tw = torch.rand(t, k, device="cuda")
+    ref = reference_experts(x.double(), slots, tw.double(), ExpertWeights(
+        w.w13.double(), w.w2.double(), w.b13.double(), w.b2.double()), act)
+    for cfg in (DecodeConfig(pdl=pdl), DecodeConfig(4, 1024, 16, 512, 8, pdl)):
+        out = decode_experts(x, slots, tw, w, _act_code(act), act, config=cfg)
+        assert _rel(out, ref) < 2e-2

@@ -9,13 +9,20 @@ pair is its own matrix-vector product and the work is cut along the output colum
    ``BLOCK_N1`` gate rows and ``BLOCK_N1`` up rows of pair ``p``'s expert (full ``D`` length, so every
    row read is contiguous), applies bias, routing weight (weight on input) and the gated activation,
    and writes ``h [N, F]`` float32, already multiplied by the routing weight when the weight goes on
-   the output. Program ``(0, 0)`` also zeroes the arrival counters of step 2 (launch order makes that
-   safe: step 2 starts after step 1 ends).
+   the output. Program ``(0, 0)`` also zeroes the arrival counters of step 2 (safe: step 2 reads them
+   only after step 1 has ended).
 2. ``_decode_down_kernel``, grid ``(cdiv(D, BLOCK_N2), N)``: program ``(j, p)`` reads ``BLOCK_N2`` rows
    of pair ``p``'s ``w2`` (full ``F`` length) and writes ``y [N, D]`` float32 for its columns, then takes
    a ticket from column tile ``j``'s arrival counter; the program that arrives last for tile ``j`` sums
    that tile over each token's ``K`` pairs in a fixed order and writes ``out`` (the threadfence-reduction
    pattern of the CUDA samples; no float atomics, so results are bitwise reproducible).
+
+Both kernels keep two weight tiles in flight per program by register double buffering (tile ``k + 1``
+is requested before tile ``k`` is reduced; Triton software-pipelines only loads that feed ``tl.dot``).
+On Hopper the down kernel is a programmatic dependent launch (``DecodeConfig.pdl``): step 1 allows it at
+its start, so its programs are placed while step 1's last programs run, request their first ``w2`` tile
+(the slots and weights were complete before step 1 began) and only then wait (``griddepcontrol.wait``)
+for step 1's ``h``; this hides the launch gap between the two.
 
 Pairs with slot ``-1`` exit at once (they still take their ticket). No host synchronisation and static
 grids: CUDA-graph safe. Block FP8 weights are read as float8_e4m3fn (half the bytes) and widened in
@@ -39,6 +46,7 @@ from .fp8 import FP8_BLOCK, BlockFP8ExpertWeights
 
 DECODE_MAX_PAIRS = 16
 _ZERO_BLOCK = 1024
+_TILE_BYTES = 8192
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,9 @@ class DecodeConfig:
         block_n2: ``w2`` rows (output columns) per down program; divides 128 for FP8 weights.
         block_k2: ``F`` elements per step of the down program.
         num_warps: warps per program.
+        pdl: launch the down kernel as a programmatic dependent launch (Hopper): its programs start
+            while the gate/up launch's last programs run, read their first ``w2`` tile, and wait
+            (``griddepcontrol.wait``) only before reading ``h``.
     """
 
     block_n1: int = 8
@@ -58,6 +69,29 @@ class DecodeConfig:
     block_n2: int = 32
     block_k2: int = 256
     num_warps: int = 4
+    pdl: bool = True
+
+
+def default_decode_config(d: int, f: int, weight_bytes: int) -> DecodeConfig:
+    """Tile shapes from the expert's size and the weight element size (static: no look at the routing).
+
+    Each loop step reads ``_TILE_BYTES`` (8 KB) of weights per program (gate and up together), so that
+    with the register double buffering each program has 16 KB in flight and several programs per SM
+    cover the ~50 KB an SM needs at full HBM bandwidth. Large experts (``F >= 1536`` / ``D >= 4096``,
+    DeepSeek-V3) get half as many rows per program, so that one active expert alone still spreads
+    over about four programs per SM. Chosen from the H200 sweep of ``benchmarks/moe_layer.py``:
+    Qwen3-30B-A3B (D 2048, F 768) best at ``(8, 256, 32, 128)``, DeepSeek-V3 (D 7168, F 2048) at
+    ``(4, 512, 16, 256)``.
+
+    Args:
+        d: hidden size ``D``.
+        f: expert intermediate size ``F``.
+        weight_bytes: bytes per weight element (2 for bf16/fp16, 1 for FP8).
+    """
+    block_n1 = 4 if f >= 1536 else 8
+    block_n2 = 16 if d >= 4096 else 32
+    return DecodeConfig(block_n1, _TILE_BYTES // (2 * block_n1 * weight_bytes), block_n2,
+                        _TILE_BYTES // (block_n2 * weight_bytes), 4, True)
 
 
 @triton.jit
@@ -65,10 +99,12 @@ def _decode_gate_up_kernel(
     x_ptr, slots_ptr, tw_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, count_ptr,
     top_k, num_counters, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr, FP8: tl.constexpr,
-    HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, ZERO_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     if (pid_n == 0) & (pair == 0):
         for i0 in range(0, num_counters, ZERO_BLOCK):
             i = i0 + tl.arange(0, ZERO_BLOCK)
@@ -84,28 +120,33 @@ def _decode_gate_up_kernel(
     wg_ptrs = w_ptr + slot * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     wu_ptrs = wg_ptrs + F * stride_wn
     x_ptrs = x_ptr + tok * stride_x + offs_k
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # Register double buffering: tile k + 1 is requested before tile k is reduced (Triton pipelines only
+    # loads that feed tl.dot), so two tiles per program are in flight.
+    first = n_ok[:, None] & (offs_k < D)[None, :]
+    wg = tl.load(wg_ptrs, mask=first, other=0.0)
+    wu = tl.load(wu_ptrs, mask=first, other=0.0)
+    g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         k_ok = offs_k < D - k0
+        nxt = n_ok[:, None] & (offs_k < D - k0 - BLOCK_K)[None, :]
+        wg_next = tl.load(wg_ptrs + BLOCK_K, mask=nxt, other=0.0)
+        wu_next = tl.load(wu_ptrs + BLOCK_K, mask=nxt, other=0.0)
         xk = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-        wg = tl.load(wg_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        wu = tl.load(wu_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         if FP8:
-            kb = (k0 + offs_k) // 128
-            s_row = ws_ptr + slot * stride_se + kb
+            s_row = ws_ptr + slot * stride_se + (k0 + offs_k) // 128
             sg = tl.load(s_row + (pid_n * BLOCK_N // 128) * stride_sn, mask=k_ok, other=0.0)
             su = tl.load(s_row + ((F + pid_n * BLOCK_N) // 128) * stride_sn, mask=k_ok, other=0.0)
-            acc_g += wg * (xk * sg)[None, :]
-            acc_u += wu * (xk * su)[None, :]
+            g += tl.sum(wg.to(tl.float32) * (xk * sg)[None, :], axis=1)
+            u += tl.sum(wu.to(tl.float32) * (xk * su)[None, :], axis=1)
         else:
-            acc_g += wg * xk[None, :]
-            acc_u += wu * xk[None, :]
+            g += tl.sum(wg.to(tl.float32) * xk[None, :], axis=1)
+            u += tl.sum(wu.to(tl.float32) * xk[None, :], axis=1)
+        wg = wg_next
+        wu = wu_next
         x_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K
-    g = tl.sum(acc_g, axis=1)
-    u = tl.sum(acc_u, axis=1)
     tw = tl.load(tw_ptr + pair)
     if WEIGHT_ON_INPUT:
         g *= tw
@@ -133,31 +174,37 @@ def _decode_down_kernel(
     h_ptr, slots_ptr, tw_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, count_ptr, out_ptr,
     num_tokens, top_k, num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PAD: tl.constexpr, FP8: tl.constexpr,
-    HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < D
+    # slots and weights were complete before the gate/up launch began: read them before the wait.
     slot = tl.load(slots_ptr + pair)
-    if slot >= 0:
-        slot = slot.to(tl.int64)
-        offs_k = tl.arange(0, BLOCK_K)
-        w_ptrs = w_ptr + slot * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    live = slot >= 0
+    slot = tl.maximum(slot, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + slot * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    w = tl.load(w_ptrs, mask=live & n_ok[:, None] & (offs_k < F)[None, :], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if live:
         h_ptrs = h_ptr + pair * F + offs_k
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k0 in range(0, F, BLOCK_K):
             k_ok = offs_k < F - k0
+            w_next = tl.load(w_ptrs + BLOCK_K, mask=n_ok[:, None] & (offs_k < F - k0 - BLOCK_K)[None, :], other=0.0)
             hk = tl.load(h_ptrs, mask=k_ok, other=0.0)
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             if FP8:
                 sc = tl.load(ws_ptr + slot * stride_se + (pid_n * BLOCK_N // 128) * stride_sn + (k0 + offs_k) // 128,
                              mask=k_ok, other=0.0)
                 hk *= sc
-            acc += w * hk[None, :]
+            acc += tl.sum(w.to(tl.float32) * hk[None, :], axis=1)
+            w = w_next
             h_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        y = tl.sum(acc, axis=1)
+        y = acc
         if HAS_BIAS:
             b = tl.load(b_ptr + slot * D + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             if not WEIGHT_ON_INPUT:
@@ -197,7 +244,7 @@ def decode_experts(
         act_code: the kernels' activation code (``triton_moe._act_code``).
         activation: the gated activation (its clamp limit and slope).
         weight_on_input: scale the expert input by the weight instead of its output.
-        config: tile shapes; ``DecodeConfig()`` when ``None``.
+        config: tile shapes; ``default_decode_config`` when ``None``.
 
     Returns:
         ``[T, D]`` in ``x.dtype``.
@@ -206,8 +253,9 @@ def decode_experts(
         ValueError: more than ``DECODE_MAX_PAIRS`` pairs, or FP8 weights with ``block_n1``/``block_n2``
             not dividing 128.
     """
-    cfg = config if config is not None else DecodeConfig()
     t, k = topk_slots.shape
+    cfg = config if config is not None else default_decode_config(
+        x.shape[1], weights.w2.shape[2], weights.w13.element_size())
     n = t * k
     if n > DECODE_MAX_PAIRS:
         raise ValueError(f"decode_experts takes at most {DECODE_MAX_PAIRS} (token, k) pairs, got {n}")
@@ -237,12 +285,13 @@ def decode_experts(
         k, grid2[0], d, f, x.stride(0), w13.stride(0), w13.stride(1), *strides13,
         float(limit), float(activation.swiglu_alpha),
         BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, ACT=act_code, FP8=fp8, HAS_BIAS=weights.b13 is not None,
-        WEIGHT_ON_INPUT=weight_on_input, ZERO_BLOCK=_ZERO_BLOCK, num_warps=cfg.num_warps,
+        WEIGHT_ON_INPUT=weight_on_input, ZERO_BLOCK=_ZERO_BLOCK, PDL=cfg.pdl, num_warps=cfg.num_warps,
     )
     _decode_down_kernel[grid2](
         h, topk_slots, topk_weights, w2, s2, b2, y, count, out,
         t, k, n, d, f, w2.stride(0), w2.stride(1), *strides2, out.stride(0),
         BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, K_PAD=triton.next_power_of_2(k), FP8=fp8,
-        HAS_BIAS=weights.b2 is not None, WEIGHT_ON_INPUT=weight_on_input, num_warps=cfg.num_warps,
+        HAS_BIAS=weights.b2 is not None, WEIGHT_ON_INPUT=weight_on_input, PDL=cfg.pdl, num_warps=cfg.num_warps,
+        launch_pdl=cfg.pdl,
     )
     return out

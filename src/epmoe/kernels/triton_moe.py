@@ -71,14 +71,14 @@ def default_config(num_pairs: int, num_slots: int, fp8: bool) -> TileConfig:
 
     Decode sizes (``N / S <= 16``) are weight-read bound: small row blocks, narrow column tiles so that
     several programs per expert keep every SM streaming weights. Prefill sizes are matrix bound: 128-row
-    blocks (Hopper wgmma tiles).
+    blocks (Hopper wgmma tiles), four pipeline stages (H200 sweep at 4096 tokens: 3-4% faster than three).
     """
     rows = num_pairs / max(num_slots, 1)
     if rows <= 16:
         return TileConfig(16, 32, 64, 128, 4, 3)
     if rows <= 128:
         return TileConfig(64, 64, 128, 128 if fp8 else 64, 8, 3)
-    return TileConfig(128, 64, 128, 128, 8, 3) if fp8 else TileConfig(128, 128, 256, 64, 8, 3)
+    return TileConfig(128, 64, 128, 128, 8, 3) if fp8 else TileConfig(128, 128, 256, 64, 8, 4)
 
 
 @triton.jit
