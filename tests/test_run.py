@@ -77,11 +77,23 @@ def test_run_under_torchrun_environment(kimi, tmp_path):
         (["--ep", "2", "--redundant", "1"], r"num_slots \(17 = 16 experts \+ 1 redundant\) must be divisible by the EP group size \(2\)"),
         (["--ep", "0"], r"--ep must be at least 1, got 0"),
         (["--max-new-tokens", "0"], r"--max-new-tokens must be at least 1, got 0"),
+        (["--ep", "2", "--dispatcher", "local"], r"--dispatcher local serves EP size 1 only; EP size is 2"),
+        (["--max-new-tokens", "300"], r"plus --max-new-tokens \(300\) is \d+ positions, past the model's "
+                                      r"max_position_embeddings \(256\)"),
+        (["--max-moves", "3"], r"--max-moves limits live rebalancing: give --eplb-interval STEPS with it"),
+        (["--dispatcher", "nccl_magic"], r"--dispatcher 'nccl_magic' is not one of \['all_to_all'"),
     ],
 )
 def test_bad_options(kimi, capsys, args, message):
     assert main(["run", "--model", str(kimi), *args]) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_placement_file_with_default_placement_options(kimi, tmp_path, capsys):
+    path = tmp_path / "pl.json"
+    ExpertPlacement.trivial(2, 16, 2).save(path)
+    assert main(["run", "--model", str(kimi), "--placement", str(path), "--redundant", "2"]) == 2
+    assert "--redundant and --layout shape the default placement" in capsys.readouterr().err
 
 
 def test_placement_missing_a_layer(kimi, tmp_path, capsys):
@@ -160,5 +172,5 @@ def test_corrupt_or_misplaced_cache(tmp_path, capsys):
         ensure_default_checkpoint(tmp_path / "cache")
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
-    with pytest.raises(ValueError, match=r"\(EPMOE_CACHE\) is a file, not a directory"):
+    with pytest.raises(ValueError, match=r"\(EPMOE_CACHE\) is a file: point EPMOE_CACHE at a directory"):
         ensure_default_checkpoint(not_a_dir)

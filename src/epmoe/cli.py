@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -258,7 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (ValueError, KeyError, TypeError, RuntimeError, OSError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc  # KeyError's str() adds quotes
-        print(f"epmoe {args.command}: error: {message}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike; rank 0 says so
+            print(f"epmoe {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

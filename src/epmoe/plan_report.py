@@ -184,7 +184,9 @@ def report_plan(req: PlanRequest, as_json: bool = False, plot_path: str | Path |
         ValueError: as ``plan``.
     """
     p = plan(req)
-    console = console or Console()
+    if console is None:
+        detected = Console()
+        console = Console(width=max(detected.width, 130))  # the plan table needs ~130 columns
     if as_json:
         console.print_json(json.dumps(plan_to_dict(p)))
     else:

@@ -86,6 +86,8 @@ def init_group(info: RankInfo, device: str, timeout_s: float = 300.0) -> dist.Pr
 
 def _spawned(local_rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue) -> None:
     info = RankInfo(local_rank, world_size, local_rank, f"tcp://127.0.0.1:{port}")
+    # the ranks share this machine's cores: without this each would start one thread per core
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         # plain pickle copies tensors by value: torch's shared-memory handles would die with this process
         queue.put((local_rank, True, pickle.dumps(fn(info, *args))))

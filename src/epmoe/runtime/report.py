@@ -66,11 +66,12 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     events = report.ranks[0].rebalances
     if events:
         done = [e for e in events if e["committed"]]
+        last = events[-1]
         summary.add_row(
             "live rebalances (committed / tried)",
-            f"{len(done)} / {len(events)}; copies moved {sum(e['copies_moved'] for e in done)}; "
-            + "; ".join(f"step {e['step']}: {e['balancedness_before']:.3f} -> {e['balancedness_after']:.3f}"
-                        + ("" if e["committed"] else f" ({e['error']})") for e in events),
+            f"{len(done)} / {len(events)}, {sum(e['copies_moved'] for e in done)} copies moved; last at step "
+            f"{last['step']}: {last['balancedness_before']:.3f} -> {last['balancedness_after']:.3f}"
+            + ("" if last["committed"] else f" ({last['error']})"),
         )
     if report.matches_reference is None:
         summary.add_row("matches transformers reference", "not checked (--no-reference)")

@@ -98,6 +98,10 @@ class RunConfig:
             raise ValueError(f"--dispatcher {self.dispatcher!r} is not one of {sorted(DISPATCHERS)}")
         if self.expert_backend not in EXPERT_BACKENDS:
             raise ValueError(f"--expert-backend {self.expert_backend!r} is not one of {sorted(EXPERT_BACKENDS)}")
+        if self.placement is not None and (self.redundant or self.layout != "contiguous"):
+            raise ValueError(
+                "--redundant and --layout shape the default placement; a --placement file fixes its own slots"
+            )
         if self.model is not None and not Path(self.model).is_dir():
             raise ValueError(f"--model {self.model!r} is not a checkpoint directory (config.json + *.safetensors)")
         if any(not p for p in self.prompts):
@@ -205,7 +209,7 @@ def ensure_default_checkpoint(cache_dir: str | Path | None = None) -> Path:
 
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     if root.exists() and not root.is_dir():
-        raise ValueError(f"cache directory {str(root)!r} (EPMOE_CACHE) is a file, not a directory")
+        raise ValueError(f"cache directory {str(root)!r} (EPMOE_CACHE) is a file: point EPMOE_CACHE at a directory")
     target = root / f"{DEFAULT_FAMILY}-tiny"
     if (target / "epmoe_tiny.json").is_file():
         from ..models.checkpoint import CheckpointReader
@@ -244,6 +248,17 @@ def _encode(model_dir: str, prompts: list[str]) -> tuple[list[list[int]], int, o
         pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
         return ids, int(pad), tok
     return [[b % spec_vocab for b in p.encode()] for p in prompts], 0, None
+
+
+def _check_context(model_dir: str, all_ids: list[list[int]], max_new_tokens: int) -> None:
+    """Refuse prompts that would run past the model's ``max_position_embeddings``."""
+    limit = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    longest = max(len(ids) for ids in all_ids) + max_new_tokens
+    if isinstance(limit, int) and longest > limit:
+        raise ValueError(
+            f"the longest prompt ({longest - max_new_tokens} tokens) plus --max-new-tokens ({max_new_tokens}) "
+            f"is {longest} positions, past the model's max_position_embeddings ({limit})"
+        )
 
 
 def _decode(tok, ids: list[int]) -> str:
@@ -341,10 +356,17 @@ def _rank_worker(
 
 
 def _placement(cfg: RunConfig, spec, ep: int) -> ExpertPlacement:
+    if cfg.dispatcher == "local" and ep != 1:
+        raise ValueError(f"--dispatcher local serves EP size 1 only; EP size is {ep}: use all_to_all or fixed_capacity")
     if cfg.placement:
         placement = ExpertPlacement.load(cfg.placement, ep_size=ep)
     else:
-        placement = ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, ep, cfg.redundant, cfg.layout)
+        try:
+            placement = ExpertPlacement.trivial(
+                spec.num_moe_layers, spec.num_experts, ep, cfg.redundant, cfg.layout
+            )
+        except ValueError as exc:
+            raise ValueError(f"--ep {ep} with --redundant {cfg.redundant}: {exc}") from None
     placement.check_model(spec.num_moe_layers, spec.num_experts, what=f"model {spec.source}")
     return placement
 
@@ -388,6 +410,7 @@ def run_job(cfg: RunConfig) -> RunReport:
     spec = load_moe_spec(model_dir)
     prompts = list(cfg.prompts) or list(DEFAULT_PROMPTS)
     all_ids, pad_id, tok = _encode(model_dir, prompts)
+    _check_context(model_dir, all_ids, cfg.max_new_tokens)
     if under_torchrun():
         info = torchrun_rank_info()
         _placement(cfg, spec, info.world_size)
