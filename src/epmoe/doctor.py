@@ -10,7 +10,6 @@ that weights and caches (the draft's included) fit in memory (through the planne
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from epmoe.costs import ACT_BYTES, WEIGHT_CHOICES, weights_hint
 from epmoe.hardware import HardwareProfile, load_hardware
 from epmoe.placement import ExpertPlacement
 from epmoe.planner import GIB, PlanRequest, StrategyPlan, plan
-from epmoe.spec import DenseModelError, MoESpec, language_model_config, load_moe_spec
+from epmoe.spec import DenseModelError, MoESpec, language_model_config, load_moe_spec, read_config
 
 Severity = Literal["error", "warning", "ok"]
 
@@ -230,18 +229,7 @@ class DraftModel:
 
 
 def _read_config(path: str) -> dict[str, Any]:
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.is_file():
-        raise FileNotFoundError(f"config file {str(p)!r} does not exist")
-    try:
-        cfg = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{p}: not valid JSON ({exc})") from exc
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{p}: expected a JSON object, got {type(cfg).__name__}")
-    return language_model_config(cfg)
+    return language_model_config(read_config(path)[0])
 
 
 def _field(cfg: dict[str, Any], key: str, source: str, default: int | None = None) -> int:

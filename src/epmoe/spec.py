@@ -367,16 +367,15 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
     )
 
 
-def load_moe_spec(path: str | Path) -> MoESpec:
-    """Read a ``config.json`` (or a checkpoint directory holding one) and parse its MoE facts.
+def read_config(path: str | Path) -> tuple[dict[str, Any], Path]:
+    """Read a ``config.json`` (or the one in a checkpoint directory) as a JSON object.
 
-    Args:
-        path: a ``config.json`` file or a directory containing ``config.json``.
+    Returns:
+        The object and the file's path.
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the file is not JSON, or a field is missing or contradictory (named in the message).
-        DenseModelError: the model has no MoE layers.
+        ValueError: the file is not JSON or not a JSON object.
     """
     p = Path(path)
     if p.is_dir():
@@ -389,4 +388,19 @@ def load_moe_spec(path: str | Path) -> MoESpec:
         raise ValueError(f"{p}: not valid JSON ({exc})") from exc
     if not isinstance(cfg, dict):
         raise ValueError(f"{p}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg, p
+
+
+def load_moe_spec(path: str | Path) -> MoESpec:
+    """Read a ``config.json`` (or a checkpoint directory holding one) and parse its MoE facts.
+
+    Args:
+        path: a ``config.json`` file or a directory containing ``config.json``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is not JSON, or a field is missing or contradictory (named in the message).
+        DenseModelError: the model has no MoE layers.
+    """
+    cfg, p = read_config(path)
     return parse_moe_spec(cfg, str(p))

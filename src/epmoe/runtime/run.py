@@ -18,7 +18,7 @@ import torch
 
 from ..comm import COLLECTIVE_KINDS, Comm
 from ..placement import ExpertPlacement
-from ..spec import load_moe_spec
+from ..spec import language_model_config, load_moe_spec, read_config
 from .generate import GenerationResult, greedy_generate
 from .launch import RankInfo, init_group, spawn, torchrun_rank_info, under_torchrun
 
@@ -252,7 +252,7 @@ def _encode(model_dir: str, prompts: list[str]) -> tuple[list[list[int]], int, o
 
 def _check_context(model_dir: str, all_ids: list[list[int]], max_new_tokens: int) -> None:
     """Refuse prompts that would run past the model's ``max_position_embeddings``."""
-    limit = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    limit = language_model_config(read_config(model_dir)[0]).get("max_position_embeddings")
     longest = max(len(ids) for ids in all_ids) + max_new_tokens
     if isinstance(limit, int) and longest > limit:
         raise ValueError(
