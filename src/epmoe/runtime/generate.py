@@ -97,10 +97,10 @@ def greedy_generate(
         result.batch_tokens.append(int(step_ids.numel()))
         for i, tok in enumerate(nxt.tolist()):
             result.tokens[i].append(tok)
-        result.last_logits = logits.cpu()
         if on_step is not None:
             on_step(step)
         step_ids = nxt.unsqueeze(1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         positions = positions[:, -1:] + 1
+    result.last_logits = logits.cpu()
     return result
