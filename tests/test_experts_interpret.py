@@ -1,0 +1,68 @@
+"""The decode kernels under the Triton interpreter (CPU; runs only with ``TRITON_INTERPRET=1``).
+
+    PYTHONPATH=/path/to/cpu/triton:src TRITON_INTERPRET=1 pytest -q tests/test_experts_interpret.py
+
+fp16 and float32 (the interpreter has no bf16), biases with the clamped SwiGLU, weight on input, ragged
+``D``/``F``, skipped pairs, block FP8 weights; without the programmatic dependent launch (a Hopper feature).
+"""
+
+import os
+
+import pytest
+import torch
+
+from epmoe.experts import Activation, ExpertWeights, reference_experts
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+
+
+def _weights(seed, s, d, f, bias, dtype):
+    g = torch.Generator().manual_seed(seed)
+    w = [torch.randn(s, 2 * f, d, generator=g) / d**0.5, torch.randn(s, d, f, generator=g) / f**0.5,
+         torch.randn(s, 2 * f, generator=g) * 0.1 if bias else None, torch.randn(s, d, generator=g) * 0.1 if bias else None]
+    return ExpertWeights(*[None if v is None else v.to(dtype) for v in w])
+
+
+def _f64(w):
+    return ExpertWeights(*[None if v is None else v.double() for v in (w.w13, w.w2, w.b13, w.b2)])
+
+
+@pytest.mark.parametrize("t,k,d,f,dtype,act,bias,woi", [
+    (1, 8, 256, 128, torch.float16, Activation(), False, False),
+    (2, 8, 300, 96, torch.float16, Activation("silu", 7.0), True, False),
+    (3, 5, 200, 72, torch.float32, Activation("gelu"), True, True),
+    (1, 4, 130, 40, torch.float32, Activation("relu"), False, True),
+])
+def test_decode_matches_reference(t, k, d, f, dtype, act, bias, woi):
+    from epmoe.kernels.triton_decode import DecodeConfig, decode_experts
+    from epmoe.kernels.triton_moe import _act_code
+
+    w = _weights(t + d, 6, d, f, bias, dtype)
+    x = torch.randn(t, d).to(dtype)
+    slots = torch.randint(-1, 6, (t, k))
+    slots[0, 0] = 2
+    tw = torch.rand(t, k)
+    ref = reference_experts(x.double(), slots, tw.double(), _f64(w), act, woi)
+    cfg = DecodeConfig(8, 64, 16, 32, 4, False)
+    out = decode_experts(x, slots, tw, w, _act_code(act), act, woi, cfg)
+    rel = ((out.double() - ref).norm() / ref.norm()).item()
+    assert rel < (2e-3 if dtype == torch.float16 else 1e-5)
+    assert torch.equal(out, decode_experts(x, slots, tw, w, _act_code(act), act, woi, cfg))
+
+
+def test_decode_all_skipped_and_fp8():
+    from epmoe.kernels.fp8 import block_fp8_expert_weights
+    from epmoe.kernels.triton_decode import DecodeConfig, decode_experts
+
+    cfg = DecodeConfig(8, 64, 16, 64, 4, False)
+    w = _weights(7, 4, 384, 256, True, torch.float32)
+    x = torch.randn(2, 384).half()
+    tw = torch.rand(2, 4)
+    none = decode_experts(x, torch.full((2, 4), -1), tw, _weights(7, 4, 384, 256, True, torch.float16), 0,
+                          Activation(), False, cfg)
+    assert not none.any()
+    q = block_fp8_expert_weights(w)
+    slots = torch.tensor([[1, -1, 3, 0], [-1, -1, 2, 2]])
+    ref = reference_experts(x.double(), slots, tw.double(), _f64(q.dequantize(torch.float64)), Activation())
+    out = decode_experts(x, slots, tw, q, 0, Activation(), False, cfg)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-3
