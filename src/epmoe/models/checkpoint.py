@@ -2,6 +2,13 @@
 
 Only the tensors asked for are read (``safetensors`` memory-maps the files and ``get_slice`` reads one
 expert out of a fused ``[E, ...]`` tensor), so a rank never materialises experts it does not hold.
+
+Block-FP8 checkpoints (DeepSeek-V3/R1, Kimi-K2: ``quantization_config.quant_method: fp8``,
+``weight_block_size: [128, 128]``) store a linear weight as ``float8_e4m3fn`` with a companion
+``<name>_scale_inv [ceil(N/128), ceil(K/128)]`` float32; the reader hands out the dequantized tensor
+(``weight[i, j] * scale_inv[i // 128, j // 128]``) and hides the companions from ``keys()``.
+Multimodal wrappers whose language model is under ``text_config`` (Kimi-K2.5) keep its tensors under
+``language_model.``; the reader strips that prefix so names match the language model's own modules.
 """
 
 from __future__ import annotations
@@ -13,6 +20,9 @@ from typing import Literal
 
 import torch
 from safetensors import safe_open
+
+SCALE_SUFFIX = "_scale_inv"
+_WRAPPER_PREFIX = "language_model."
 
 
 class CheckpointReader:
@@ -46,34 +56,118 @@ class CheckpointReader:
         missing = sorted({f for f in weight_map.values() if not (self.directory / f).is_file()})
         if missing:
             raise ValueError(f"checkpoint {self.directory}: index names missing shard files {missing}")
+        config = json.loads((self.directory / "config.json").read_text())
+        self.prefix = ""
+        if isinstance(config.get("text_config"), dict) and any(k.startswith(_WRAPPER_PREFIX) for k in weight_map):
+            self.prefix = _WRAPPER_PREFIX
         self.weight_map = weight_map
+        self.block_size = _block_size(config, self.directory)
         self._handles: dict[str, object] = {}
 
-    def _handle(self, name: str):
-        file = self.weight_map[name]
+    def _handle(self, full_name: str):
+        file = self.weight_map[full_name]
         if file not in self._handles:
             self._handles[file] = safe_open(str(self.directory / file), framework="pt")
         return self._handles[file]
 
     def __contains__(self, name: str) -> bool:
-        return name in self.weight_map
+        return self.prefix + name in self.weight_map
 
     def keys(self) -> list[str]:
-        """All tensor names in the checkpoint."""
-        return list(self.weight_map)
+        """Names of the model tensors in the checkpoint (wrapper prefix stripped, ``_scale_inv`` companions
+        and tensors outside the language model left out)."""
+        n = len(self.prefix)
+        return [k[n:] for k in self.weight_map if k.startswith(self.prefix) and not k.endswith(SCALE_SUFFIX)]
 
-    def get(self, name: str, index: int | None = None) -> torch.Tensor:
+    @property
+    def has_fp8(self) -> bool:
+        """The checkpoint holds block-FP8 weights (at least one ``_scale_inv`` companion)."""
+        return any(k.endswith(SCALE_SUFFIX) for k in self.weight_map)
+
+    def get(self, name: str, index: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Read tensor ``name`` (or only row ``index`` of its first dimension).
+
+        A ``float8_e4m3fn`` tensor with a ``<name>_scale_inv`` companion comes back dequantized
+        (``q[i, j] * scale_inv[i // B, j // B]``, ``B`` the block size of ``quantization_config``; ragged
+        last blocks included); with ``index`` only that row of both is read.
+
+        Args:
+            name: tensor name as the language model's modules name it.
+            index: row of the first dimension to read, or ``None`` for the whole tensor.
+            dtype: dtype of the result; ``None`` keeps the stored dtype (float32 for dequantized FP8).
 
         Raises:
             KeyError: the checkpoint has no tensor of that name (the directory is named).
+            ValueError: a float8 tensor without its ``_scale_inv`` companion, or a scale of the wrong
+                shape (the tensor is named).
         """
-        if name not in self.weight_map:
+        full = self.prefix + name
+        if full not in self.weight_map:
             raise KeyError(f"checkpoint {self.directory} has no tensor {name!r}")
-        h = self._handle(name)
-        if index is None:
-            return h.get_tensor(name)
-        return h.get_slice(name)[index]
+        h = self._handle(full)
+        tensor = h.get_tensor(full) if index is None else h.get_slice(full)[index]
+        if tensor.dtype in _FLOAT8:
+            scale_name = full + SCALE_SUFFIX
+            if scale_name not in self.weight_map:
+                raise ValueError(
+                    f"checkpoint {self.directory}: tensor {full!r} is {tensor.dtype} but has no {scale_name!r} "
+                    f"companion with its block scales; cannot dequantize it"
+                )
+            hs = self._handle(scale_name)
+            if index is None:
+                tensor = dequantize_blockwise(tensor, hs.get_tensor(scale_name), self.block_size, what=full)
+            elif tensor.dim() >= 2:  # one expert of a fused [E, N, K] tensor: its own [nb, kb] scales
+                tensor = dequantize_blockwise(tensor, hs.get_slice(scale_name)[index], self.block_size, what=full)
+            else:  # one row of a [N, K] weight: the scale row of its block
+                row = hs.get_slice(scale_name)[index // self.block_size[0]]
+                tensor = dequantize_blockwise(tensor[None], row[None], self.block_size, what=f"{full}[{index}]")[0]
+        return tensor if dtype is None else tensor.to(dtype)
+
+
+_FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
+
+
+def _block_size(config: dict, directory: Path) -> tuple[int, int]:
+    """``quantization_config.weight_block_size`` (top level or under ``text_config``), default 128x128."""
+    qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
+    size = qc.get("weight_block_size") or [128, 128]
+    if len(size) != 2 or not all(isinstance(b, int) and b > 0 for b in size):
+        raise ValueError(f"{directory}/config.json: quantization_config.weight_block_size must be two positive "
+                         f"integers, got {size!r}")
+    return int(size[0]), int(size[1])
+
+
+def dequantize_blockwise(
+    q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128), what: str = "tensor"
+) -> torch.Tensor:
+    """Dequantize a block-quantized weight.
+
+    Args:
+        q: ``[..., N, K]`` float8 values.
+        scale: ``[..., ceil(N/bn), ceil(K/bk)]`` float32 per-block multipliers (``weight_scale_inv``).
+        block: ``(bn, bk)`` block size.
+        what: tensor name for messages.
+
+    Returns:
+        ``[..., N, K]`` float32, ``q[..., i, j] * scale[..., i // bn, j // bk]``.
+
+    Raises:
+        ValueError: ``scale`` has the wrong shape (the tensor is named).
+    """
+    from ..kernels.fp8 import FP8_BLOCK, dequantize_block_fp8
+
+    bn, bk = block
+    n, k = q.shape[-2:]
+    want = (*q.shape[:-2], -(-n // bn), -(-k // bk))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{what}: block scales {what}{SCALE_SUFFIX} have shape {tuple(scale.shape)}, expected "
+                         f"{want} for a {tuple(q.shape)} weight in {bn}x{bk} blocks")
+    if block == (FP8_BLOCK, FP8_BLOCK):
+        lead = q.shape[:-2]
+        out = dequantize_block_fp8(q.reshape(-1, n, k), scale.reshape(-1, *want[-2:]).float(), torch.float32)
+        return out.reshape(*lead, n, k)
+    full = scale.float().repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
+    return q.float() * full
 
 
 ExpertFormat = Literal["per_expert", "fused_interleaved", "fused_concat"]

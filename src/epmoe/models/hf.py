@@ -17,7 +17,7 @@ from ..dispatch import Dispatcher
 from ..layer import LoadSink, MoELayer
 from ..placement import ExpertPlacement
 from ..routing import ReplicaPolicy
-from ..spec import MoESpec, load_moe_spec
+from ..spec import MoESpec, language_model_config, load_moe_spec, read_config
 from .checkpoint import CheckpointReader, FamilyLayout, family_layout, read_expert
 
 
@@ -69,17 +69,56 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def build_meta_model(checkpoint_dir: str, dtype: torch.dtype) -> nn.Module:
-    """Instantiate the transformers causal LM of ``checkpoint_dir`` on the ``meta`` device (no memory).
+# model_type (of the config or of its text_config) -> the transformers architecture that runs it
+_AS_DEEPSEEK_V3 = {"kimi_k2", "kimi_k25"}
+_DROPPED_KEYS = ("auto_map", "architectures", "quantization_config", "model_type")
+
+
+def hf_config(checkpoint_dir: str):
+    """The transformers config that builds the plain (unquantized) language model of ``checkpoint_dir``.
+
+    Kimi-K2 (``model_type: kimi_k2``) and Kimi-K2.5 (``kimi_k25`` with its language model under
+    ``text_config``) are the DeepSeek-V3 architecture: they get a ``DeepseekV3Config`` from the dict (with
+    ``auto_map``, ``architectures`` and ``quantization_config`` dropped). Any ``quantization_config`` is
+    removed, so transformers builds plain Linear layers; the checkpoint reader dequantizes the weights.
 
     Raises:
         ValueError: transformers does not know the model type.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, DeepseekV3Config
 
+    raw, path = read_config(checkpoint_dir)
+    text = language_model_config(raw)
+    if raw.get("model_type") in _AS_DEEPSEEK_V3 or text.get("model_type") in _AS_DEEPSEEK_V3:
+        d = {k: v for k, v in text.items() if k not in _DROPPED_KEYS}
+        return DeepseekV3Config.from_dict(d)
     config = AutoConfig.from_pretrained(checkpoint_dir)
+    for cfg in (config, getattr(config, "text_config", None)):
+        if cfg is not None and getattr(cfg, "quantization_config", None) is not None:
+            del cfg.quantization_config
+    return config
+
+
+def build_meta_model(checkpoint_dir: str, dtype: torch.dtype) -> nn.Module:
+    """Instantiate the transformers causal LM of ``checkpoint_dir`` on the ``meta`` device (no memory),
+    unquantized (see ``hf_config``).
+
+    Raises:
+        ValueError: transformers does not know the model type.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(checkpoint_dir)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def _check_weight_format(spec: MoESpec, checkpoint_dir: str) -> None:
+    if spec.expert_weight_format not in ("bf16", "fp8_block128", "fp8"):
+        raise ValueError(
+            f"checkpoint {checkpoint_dir}: weight format {spec.expert_weight_format!r} (quantization_config) is not "
+            f"supported by the loader; supported: unquantized and block-FP8 (float8_e4m3fn + _scale_inv)"
+        )
 
 
 def _load_moe_layer(moe: MoELayer, reader: CheckpointReader, layout: FamilyLayout, block: str) -> None:
@@ -146,6 +185,7 @@ def load_ep_model(
         KeyError: a tensor is missing from the checkpoint (named), or an unsupported family.
     """
     spec = load_moe_spec(checkpoint_dir)
+    _check_weight_format(spec, checkpoint_dir)
     layout = family_layout(spec.model_type)
     reader = CheckpointReader(checkpoint_dir)
     placement.check_model(spec.num_moe_layers, spec.num_experts, what=f"checkpoint {checkpoint_dir}")
@@ -166,6 +206,20 @@ def load_ep_model(
     per_expert = ep.expert_bytes // max(1, placement.slots_per_rank * spec.num_moe_layers)
     ep.full_expert_bytes = per_expert * spec.num_experts * spec.num_moe_layers
 
+    _materialise(model, reader, checkpoint_dir, device)
+    return ep
+
+
+def _materialise(
+    model: nn.Module, reader: CheckpointReader, checkpoint_dir: str, device: torch.device | str,
+    fused_experts: FamilyLayout | None = None,
+) -> None:
+    """Read every tensor of ``model`` still on ``meta`` from the checkpoint (dequantized), rebuild RoPE.
+
+    With ``fused_experts`` (the unsharded reference), transformers' fused expert parameters
+    ``<block>.experts.gate_up_proj [E, 2F, D]`` / ``down_proj [E, D, F]`` are stacked from the
+    per-expert checkpoint tensors of that layout.
+    """
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     state: dict[str, torch.Tensor] = {}
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
@@ -177,6 +231,17 @@ def load_ep_model(
             continue
         elif name.endswith("inv_freq"):
             continue  # RoPE tables are rebuilt from the config below
+        elif fused_experts is not None and name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            block, _, proj = name.rpartition(".experts.")
+            key = "w13" if proj == "gate_up_proj" else "w2"
+            try:
+                rows = [read_expert(reader, fused_experts, block, e)[key] for e in range(tensor.shape[0])]
+            except KeyError as exc:
+                raise KeyError(f"checkpoint {checkpoint_dir} is missing an expert tensor of {block}: {exc.args[0]}") from None
+            stacked = torch.stack(rows)
+            if stacked.shape != tensor.shape:
+                raise ValueError(f"{name}: experts stack to {tuple(stacked.shape)}, the model expects {tuple(tensor.shape)}")
+            state[name] = stacked.to(device=device, dtype=tensor.dtype)
         else:
             raise KeyError(f"checkpoint {checkpoint_dir} is missing tensor {name!r}")
     model.load_state_dict(state, strict=False, assign=True)
@@ -190,4 +255,30 @@ def load_ep_model(
     if still_meta:
         raise ValueError(f"tensors left unloaded after reading {checkpoint_dir}: {still_meta[:5]}")
     model.eval()
-    return ep
+
+
+def needs_own_loader(checkpoint_dir: str) -> bool:
+    """True when transformers' ``from_pretrained`` cannot read ``checkpoint_dir`` as a plain model: block-FP8
+    weights (its FP8 path needs ``accelerate`` and a GPU, and computes in FP8) or a wrapper prefix."""
+    reader = CheckpointReader(checkpoint_dir)
+    return reader.has_fp8 or bool(reader.prefix)
+
+
+def load_full_model(checkpoint_dir: str, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> nn.Module:
+    """The unsharded transformers causal LM with every tensor read (dequantized) from the checkpoint.
+
+    The reference for checkpoints ``from_pretrained`` cannot load (``needs_own_loader``): built on
+    ``meta`` from ``hf_config`` and filled in transformers' own module layout, experts included (no
+    ``MoELayer``: an independent computation of the same weights).
+
+    Raises:
+        ValueError: an unsupported weight format, a float8 tensor without scales, a shape mismatch.
+        KeyError: a tensor missing from the checkpoint (named).
+    """
+    spec = load_moe_spec(checkpoint_dir)
+    _check_weight_format(spec, checkpoint_dir)
+    reader = CheckpointReader(checkpoint_dir)
+    model = build_meta_model(checkpoint_dir, dtype)
+    _materialise(model, reader, checkpoint_dir, device, fused_experts=family_layout(spec.model_type))
+    return model

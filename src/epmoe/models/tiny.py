@@ -96,7 +96,10 @@ def _byte_of(ch: str) -> int:
     return extra[ord(ch) - 256]
 
 
-def build_tiny_checkpoint(family: str, directory: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+def build_tiny_checkpoint(
+    family: str, directory: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32,
+    overrides: dict[str, Any] | None = None,
+) -> Path:
     """Write a small checkpoint of ``family`` to ``directory`` with transformers' ``save_pretrained``.
 
     Routers get non-trivial weights (and DeepSeek-V3 a non-zero correction bias) so that routing is
@@ -107,6 +110,7 @@ def build_tiny_checkpoint(family: str, directory: str | Path, seed: int = 0, dty
         directory: output directory (created).
         seed: RNG seed of the weights.
         dtype: dtype the tensors are saved in.
+        overrides: config fields replacing the family's (e.g. ``hidden_size`` past one 128-wide FP8 block).
 
     Returns:
         The directory.
@@ -118,7 +122,7 @@ def build_tiny_checkpoint(family: str, directory: str | Path, seed: int = 0, dty
 
     if family not in TINY_FAMILIES:
         raise KeyError(f"unknown tiny family {family!r}; known: {sorted(TINY_FAMILIES)}")
-    kwargs = {**_COMMON, **TINY_FAMILIES[family]}
+    kwargs = {**_COMMON, **TINY_FAMILIES[family], **(overrides or {})}
     model_type = kwargs.pop("model_type")
     config = AutoConfig.for_model(model_type, **kwargs)
     gen = torch.Generator().manual_seed(seed)
@@ -135,5 +139,5 @@ def build_tiny_checkpoint(family: str, directory: str | Path, seed: int = 0, dty
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     _byte_tokenizer().save_pretrained(out)
-    (out / "epmoe_tiny.json").write_text(json.dumps({"family": family, "seed": seed}))
+    (out / "epmoe_tiny.json").write_text(json.dumps({"family": family, "seed": seed, "overrides": overrides or {}}))
     return out

@@ -380,10 +380,20 @@ def _balancedness(rank_counts: torch.Tensor) -> float:
 
 
 def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], pad_id: int, ep: int) -> list[GenerationResult]:
+    """The unsharded transformers model on every rank's share of the prompts (no ``MoELayer``): transformers'
+    own ``from_pretrained`` where it reads the checkpoint, else a full single-rank load of the dequantized
+    tensors into the same transformers model (block-FP8 weights, a ``language_model.`` wrapper)."""
     from transformers import AutoModelForCausalLM
 
+    from ..models.hf import hf_config, load_full_model, needs_own_loader
+
     device = "cuda" if cfg.device == "cuda" else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[cfg.dtype]).to(device).eval()
+    dtype = _DTYPES[cfg.dtype]
+    if needs_own_loader(model_dir):
+        model = load_full_model(model_dir, dtype, device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config(model_dir), dtype=dtype)
+        model = model.to(device).eval()
     out = []
     for rank in range(ep):
         share = [all_ids[i] for i in range(rank, len(all_ids), ep)]
