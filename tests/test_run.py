@@ -162,7 +162,7 @@ def test_run_with_fixed_capacity_dispatcher(kimi, tmp_path):
 
 
 def test_corrupt_or_misplaced_cache(tmp_path, capsys):
-    from epmoe.runtime.run import ensure_default_checkpoint
+    from epmoe.models.tiny import ensure_default_checkpoint
 
     built = ensure_default_checkpoint(tmp_path / "cache")
     assert ensure_default_checkpoint(tmp_path / "cache") == built  # cached: built once

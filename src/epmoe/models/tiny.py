@@ -9,6 +9,8 @@ layout, and a byte-level tokenizer is saved beside them.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -141,3 +143,41 @@ def build_tiny_checkpoint(
     _byte_tokenizer().save_pretrained(out)
     (out / "epmoe_tiny.json").write_text(json.dumps({"family": family, "seed": seed, "overrides": overrides or {}}))
     return out
+
+
+def default_cache_dir() -> Path:
+    """``$EPMOE_CACHE`` or ``~/.cache/epmoe``."""
+    return Path(os.environ.get("EPMOE_CACHE", Path.home() / ".cache" / "epmoe"))
+
+
+def ensure_default_checkpoint(cache_dir: str | Path | None = None) -> Path:
+    """The built-in checkpoint directory, built once with transformers and cached (atomic rename).
+
+    Raises:
+        ValueError: the cache path is a file, or the cached checkpoint cannot be read (with the fix).
+    """
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"cache directory {str(root)!r} (EPMOE_CACHE) is a file: point EPMOE_CACHE at a directory")
+    target = root / f"{DEFAULT_FAMILY}-tiny"
+    if (target / "epmoe_tiny.json").is_file():
+        from .checkpoint import CheckpointReader
+
+        try:
+            reader = CheckpointReader(target)
+            for name in reader.keys():  # read every tensor header and payload once: catches truncation
+                reader.get(name)
+        except Exception as exc:
+            raise ValueError(
+                f"the cached built-in checkpoint {str(target)!r} is unreadable ({type(exc).__name__}: {exc}); "
+                f"delete that directory and run again to rebuild it"
+            ) from None
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{target.name}.{os.getpid()}"
+    build_tiny_checkpoint(DEFAULT_FAMILY, tmp)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -9,7 +9,6 @@ on the same prompts, and return a ``RunReport``.
 from __future__ import annotations
 
 import json
-import os
 import resource
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..comm import COLLECTIVE_KINDS, Comm
+from ..models.tiny import ensure_default_checkpoint
 from ..placement import ExpertPlacement
 from ..spec import language_model_config, load_moe_spec, read_config
 from .generate import GenerationResult, greedy_generate
@@ -192,48 +192,6 @@ class RunReport:
         for r in d["ranks"]:
             r.pop("last_logits", None)
         return d
-
-
-def default_cache_dir() -> Path:
-    """``$EPMOE_CACHE`` or ``~/.cache/epmoe``."""
-    return Path(os.environ.get("EPMOE_CACHE", Path.home() / ".cache" / "epmoe"))
-
-
-def ensure_default_checkpoint(cache_dir: str | Path | None = None) -> Path:
-    """The built-in checkpoint directory, built once with transformers and cached (atomic rename).
-
-    Raises:
-        ValueError: the cache path is a file, or the cached checkpoint cannot be read (with the fix).
-    """
-    from ..models.tiny import DEFAULT_FAMILY, build_tiny_checkpoint
-
-    root = Path(cache_dir) if cache_dir else default_cache_dir()
-    if root.exists() and not root.is_dir():
-        raise ValueError(f"cache directory {str(root)!r} (EPMOE_CACHE) is a file: point EPMOE_CACHE at a directory")
-    target = root / f"{DEFAULT_FAMILY}-tiny"
-    if (target / "epmoe_tiny.json").is_file():
-        from ..models.checkpoint import CheckpointReader
-
-        try:
-            reader = CheckpointReader(target)
-            for name in reader.keys():  # read every tensor header and payload once: catches truncation
-                reader.get(name)
-        except Exception as exc:
-            raise ValueError(
-                f"the cached built-in checkpoint {str(target)!r} is unreadable ({type(exc).__name__}: {exc}); "
-                f"delete that directory and run again to rebuild it"
-            ) from None
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{target.name}.{os.getpid()}"
-    build_tiny_checkpoint(DEFAULT_FAMILY, tmp)
-    try:
-        tmp.rename(target)
-    except OSError:  # another process finished first
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def _encode(model_dir: str, prompts: list[str]) -> tuple[list[list[int]], int, object | None]:
