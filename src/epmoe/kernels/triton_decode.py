@@ -95,6 +95,24 @@ def default_decode_config(d: int, f: int, weight_bytes: int) -> DecodeConfig:
 
 
 @triton.jit
+def gated_activation(g, u, act_limit, act_alpha, ACT: tl.constexpr):
+    """``act(g) * u`` in float32 for the activation code ``ACT`` (0 silu, 1 gelu, 2 relu, 3 gpt-oss's
+    clamped SwiGLU ``(clamp(u, -l, l) + 1) * g' * sigmoid(alpha * g')`` with ``g' = min(g, l)``); shared by
+    the decode and grouped kernels."""
+    if ACT == 0:
+        h = g / (1.0 + tl.exp(-g)) * u
+    elif ACT == 1:
+        h = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476)) * u
+    elif ACT == 2:
+        h = tl.maximum(g, 0.0) * u
+    else:
+        gc = tl.minimum(g, act_limit)
+        uc = tl.minimum(tl.maximum(u, -act_limit), act_limit)
+        h = (uc + 1.0) * (gc / (1.0 + tl.exp(-gc * act_alpha)))
+    return h
+
+
+@triton.jit
 def _decode_gate_up_kernel(
     x_ptr, slots_ptr, tw_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, count_ptr,
     top_k, num_counters, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha,
@@ -154,16 +172,7 @@ def _decode_gate_up_kernel(
     if HAS_BIAS:
         g += tl.load(b_ptr + slot * 2 * F + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         u += tl.load(b_ptr + slot * 2 * F + F + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    if ACT == 0:
-        h = g / (1.0 + tl.exp(-g)) * u
-    elif ACT == 1:
-        h = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476)) * u
-    elif ACT == 2:
-        h = tl.maximum(g, 0.0) * u
-    else:
-        gc = tl.minimum(g, act_limit)
-        uc = tl.minimum(tl.maximum(u, -act_limit), act_limit)
-        h = (uc + 1.0) * (gc / (1.0 + tl.exp(-gc * act_alpha)))
+    h = gated_activation(g, u, act_limit, act_alpha, ACT)
     if not WEIGHT_ON_INPUT:
         h *= tw
     tl.store(h_ptr + pair * F + offs_n, h, mask=n_ok)

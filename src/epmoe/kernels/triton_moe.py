@@ -38,7 +38,7 @@ import triton.language as tl
 from ..experts import Activation, ExpertWeights
 from .align import Alignment, num_aligned_blocks
 from .fp8 import FP8_BLOCK, BlockFP8ExpertWeights
-from .triton_decode import DECODE_MAX_PAIRS, decode_experts
+from .triton_decode import DECODE_MAX_PAIRS, decode_experts, gated_activation
 
 _ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2}
 _CLAMPED_SWIGLU = 3
@@ -194,16 +194,7 @@ def _gate_up_kernel(
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + slot * 2 * F + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b_ptr + slot * 2 * F + F + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if ACT == 0:
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    elif ACT == 1:
-        h = 0.5 * acc_g * (1.0 + tl.erf(acc_g * 0.7071067811865476)) * acc_u
-    elif ACT == 2:
-        h = tl.maximum(acc_g, 0.0) * acc_u
-    else:
-        g = tl.minimum(acc_g, act_limit)
-        u = tl.minimum(tl.maximum(acc_u, -act_limit), act_limit)
-        h = (u + 1.0) * (g / (1.0 + tl.exp(-g * act_alpha)))
+    h = gated_activation(acc_g, acc_u, act_limit, act_alpha, ACT)
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * F + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
