@@ -16,8 +16,12 @@ Cases:
 
 Every row: the floor = max(weight bytes of the slots the routing touches / measured copy bandwidth,
 FLOPs of the routed rows / measured bf16 matmul rate), both ceilings measured in the same run; the time
-of each implementation (median of 100 runs, each after a read that evicts L2, see ``time_fn``; sizes up
-to 64 tokens as CUDA-graph replays, ours also after a do_bench-style zeroing flush, column ``dirty``); ratios to the floor; the relative error against the float32 reference. Then a full MoE layer
+of each implementation as CUDA-graph replays (median of 100, each after a read that evicts L2, see
+``time_fn``): device time, without the host's launch overhead, which a serving loop overlaps with the
+previous layer's device work; ours also launched eagerly (column ``eager``) and, up to 64 tokens, after
+a do_bench-style zeroing flush (``dirty``) and per layer inside one graph of ``MODEL_LAYERS`` layers
+with their own weights, as in a whole-model decode graph (``model``); ratios to the floor; the
+relative error against the float32 reference. Then a full MoE layer
 (router, fixed-capacity dispatcher on a one-rank group, Triton experts, combine) captured in a CUDA
 graph is replayed and compared to eager execution. Writes JSON to ``--out`` (default
 ``$OUT/moe_layer.json`` when ``$OUT`` is set) and prints a table last.
@@ -48,10 +52,15 @@ CASES = {
 }
 DECODE_MAX = 64
 SWEEP = [
-    TileConfig(64, 64, 128, 64, 8, 3), TileConfig(128, 128, 256, 64, 8, 3), TileConfig(128, 128, 256, 64, 8, 4),
-    TileConfig(64, 128, 256, 64, 4, 3), TileConfig(64, 128, 256, 64, 8, 3), TileConfig(128, 64, 128, 64, 8, 4),
-    TileConfig(128, 128, 128, 64, 8, 4), TileConfig(64, 128, 128, 64, 4, 4),
+    TileConfig(16, 32, 64, 128, 4, 3), TileConfig(64, 64, 128, 64, 8, 3), TileConfig(128, 128, 256, 64, 8, 4),
+    TileConfig(64, 128, 128, 64, 4, 4), TileConfig(64, 64, 128, 64, 4, 4, True),
+    TileConfig(64, 128, 256, 64, 4, 4, True), TileConfig(128, 128, 256, 64, 8, 4, True),
+    TileConfig(128, 128, 128, 64, 8, 4, True), TileConfig(64, 64, 128, 64, 4, 4, True, True),
+    TileConfig(64, 128, 256, 64, 4, 4, True, True), TileConfig(128, 128, 256, 64, 8, 4, True, True),
+    TileConfig(128, 128, 256, 64, 8, 3, True, True), TileConfig(128, 128, 128, 64, 8, 4, True, True),
+    TileConfig(128, 64, 256, 64, 8, 4, True, True), TileConfig(128, 128, 256, 64, 8, 4, False, True),
 ]
+MODEL_LAYERS = 8
 DECODE_SWEEP = [
     DecodeConfig(8, 512, 32, 256, 4, True), DecodeConfig(8, 512, 32, 256, 4, False),
     DecodeConfig(4, 1024, 16, 512, 4, True), DecodeConfig(16, 512, 32, 256, 8, True),
@@ -113,8 +122,8 @@ def time_fn(fn, graph: bool, flush: torch.Tensor, dirty: bool = False, reps: int
     ``flush`` (a buffer several times the 50 MB L2) is read by a sum before each run, so the run starts
     from a cold L2 holding clean lines, as in serving, where other layers' weights were read last.
     ``dirty`` zeroes it instead, as ``triton.testing.do_bench`` does: the run then also pays the
-    write-back of up to 50 MB of dirty lines (12 us at 4.25 TB/s), which inflates decode sizes. Sizes up to
-    ``DECODE_MAX`` tokens run as CUDA-graph replays (``graph``).
+    write-back of up to 50 MB of dirty lines (12 us at 4.25 TB/s), which inflates decode sizes. With
+    ``graph`` the runs are CUDA-graph replays (device time without the host's launch overhead).
     """
     run = fn
     if graph:
@@ -143,6 +152,17 @@ def time_fn(fn, graph: bool, flush: torch.Tensor, dirty: bool = False, reps: int
     return sorted(start.elapsed_time(end) for start, end in events)[reps // 2]
 
 
+def time_in_model(fns: list, flush: torch.Tensor, reps: int = 50) -> float:
+    """Median ms per layer when ``len(fns)`` layers (each its own weights and routing) run in one CUDA graph.
+
+    A whole-model decode step is one graph replay, so its fixed replay cost (several us, also for an
+    empty graph) is paid once per step, not once per MoE layer; this is the per-layer time in that
+    setting. ``flush`` evicts L2 before each replay; each layer's weights are its own, so none of
+    them is in L2 when it runs.
+    """
+    return time_fn(lambda: [fn() for fn in fns], True, flush, reps=reps) / len(fns)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
@@ -162,6 +182,8 @@ def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[i
     ours = get_expert_backend("triton")
     torch_comp = get_expert_backend("grouped_mm")
     hf, hf_impl = transformers_experts(w, case)
+    model_weights = [w] + [ExpertWeights(torch.randn_like(w.w13) / d**0.5, torch.randn_like(w.w2) / f**0.5)
+                           for _ in range(MODEL_LAYERS - 1)] if any(t <= DECODE_MAX for t in sizes) else []
     expert_bytes = 3 * d * f * 2
     rows = []
     for t in sizes:
@@ -169,13 +191,13 @@ def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[i
         active = int(torch.unique(slots[slots >= 0]).numel())
         pairs = int((slots >= 0).sum())
         flops = 2 * pairs * 3 * d * f
-        graph = t <= DECODE_MAX
+        decode = t <= DECODE_MAX
         ref = reference_experts(x.float(), slots, tw, w32, act)
         impls = {"ours": lambda: ours(x, slots, tw, w, act),
                  "torch_grouped_mm": lambda: torch_comp(x, slots, tw, w, act),
                  "hf_grouped_mm": lambda: hf(x, slots, tw)}
         row = {"case": name, "tokens": t, "active_slots": active, "pairs": pairs,
-               "weight_bytes": active * expert_bytes, "flops": flops, "graph": graph,
+               "weight_bytes": active * expert_bytes, "flops": flops, "graph": True,
                "default_config": asdict(default_decode_config(d, f, 2) if t * case["k"] <= DECODE_MAX_PAIRS
                                          else default_config(t * case["k"], s, False))}
         row["floor_mem_us"] = active * expert_bytes / ceil["copy_bytes_per_s"] * 1e6
@@ -183,18 +205,29 @@ def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[i
         row["floor_us"] = max(row["floor_mem_us"], row["floor_flop_us"])
         for key, fn in impls.items():
             row[f"{key}_err"] = rel_err(fn(), ref)
-            row[f"{key}_us"] = time_fn(fn, graph, flush) * 1e3
-        if graph:
-            row["ours_dirty_flush_us"] = time_fn(impls["ours"], graph, flush, dirty=True) * 1e3
+            try:
+                row[f"{key}_us"] = time_fn(fn, True, flush) * 1e3
+            except RuntimeError as err:  # not capturable in a CUDA graph: timed as launched
+                row[f"{key}_us"] = time_fn(fn, False, flush) * 1e3
+                row[f"{key}_eager_because"] = str(err)[:300]
+        row["ours_eager_us"] = time_fn(impls["ours"], False, flush) * 1e3
+        if decode:
+            row["ours_dirty_flush_us"] = time_fn(impls["ours"], True, flush, dirty=True) * 1e3
+            layers = [(lw, *make_routing(case, t, gen)) for lw in model_weights]
+            row["ours_in_model_us"] = time_in_model(
+                [lambda lw=lw, x=x, sl=sl, tw=tw: ours(x, sl, tw, lw, act) for lw, x, sl, tw in layers], flush) * 1e3
+            row["torch_grouped_mm_in_model_us"] = time_in_model(
+                [lambda lw=lw, x=x, sl=sl, tw=tw: torch_comp(x, sl, tw, lw, act) for lw, x, sl, tw in layers],
+                flush) * 1e3
         if t in sweep:
             best = None
-            decode = t * case["k"] <= DECODE_MAX_PAIRS
-            for cfg in DECODE_SWEEP if decode else SWEEP:
-                if decode:
+            few = t * case["k"] <= DECODE_MAX_PAIRS
+            for cfg in DECODE_SWEEP if few else SWEEP:
+                if few:
                     fn = lambda: decode_experts(x, slots, tw, w, _act_code(act), act, config=cfg)  # noqa: E731
                 else:
                     fn = lambda: triton_experts(x, slots, tw, w, act, config=cfg)  # noqa: E731
-                us = time_fn(fn, graph, flush) * 1e3
+                us = time_fn(fn, True, flush) * 1e3
                 row.setdefault("sweep", []).append({**asdict(cfg), "us": us})
                 best = (us, cfg) if best is None or us < best[0] else best
             row["best_us"], row["best_config"] = best[0], asdict(best[1])
@@ -202,7 +235,7 @@ def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[i
             qref = reference_experts(x.float(), slots, tw, q32, act)
             fn = lambda: ours(x, slots, tw, qw, act)  # noqa: E731
             row["fp8_err"] = rel_err(fn(), qref)
-            row["fp8_us"] = time_fn(fn, graph, flush) * 1e3
+            row["fp8_us"] = time_fn(fn, True, flush) * 1e3
             fp8_bytes = active * 3 * d * f * (1 + 4 / 128**2)
             row["fp8_floor_us"] = max(fp8_bytes / ceil["copy_bytes_per_s"] * 1e6, row["floor_flop_us"])
         rows.append(row)
@@ -283,17 +316,21 @@ def main(argv: list[str] | None = None) -> None:
     for key, gr in graph.items():
         print(f"full layer graph {key}: replay==eager {gr['equal']} errs {gr['replay_vs_eager_rel_err']} "
               f"replay {gr['replay_us']:.1f} us")
-    hdr = (f"{'case':6} {'T':>5} {'act':>4} {'floor':>7} {'lim':>4} {'ours':>7} {'x_fl':>5} {'torch':>7} "
-           f"{'x_ours':>6} {'hf':>7} {'x_ours':>6} {'best':>7} {'fp8':>7} {'fp8fl':>6} {'dirty':>7} {'err_ours':>8}")
+    nan = float("nan")
+    hdr = (f"{'case':6} {'T':>5} {'act':>4} {'floor':>7} {'lim':>4} {'ours':>7} {'x_fl':>5} {'%peak':>5} {'eager':>7} "
+           f"{'torch':>7} {'x_ours':>6} {'hf':>7} {'x_ours':>6} {'best':>7} {'fp8':>7} {'fp8fl':>6} {'dirty':>7} "
+           f"{'model':>6} {'x_fl':>5} {'torch_m':>7} {'x_ours':>6} {'err_ours':>8}")
     print(hdr)
     for r in rows:
         lim = "mem" if r["floor_mem_us"] >= r["floor_flop_us"] else "flop"
+        model, torch_m = r.get("ours_in_model_us", nan), r.get("torch_grouped_mm_in_model_us", nan)
         print(f"{r['case']:6} {r['tokens']:5d} {r['active_slots']:4d} {r['floor_us']:7.1f} {lim:>4} "
-              f"{r['ours_us']:7.1f} {r['ours_us'] / r['floor_us']:5.2f} {r['torch_grouped_mm_us']:7.1f} "
-              f"{r['torch_grouped_mm_us'] / r['ours_us']:6.2f} {r['hf_grouped_mm_us']:7.1f} "
-              f"{r['hf_grouped_mm_us'] / r['ours_us']:6.2f} {r.get('best_us', float('nan')):7.1f} "
-              f"{r.get('fp8_us', float('nan')):7.1f} {r.get('fp8_floor_us', float('nan')):6.1f} "
-              f"{r.get('ours_dirty_flush_us', float('nan')):7.1f} {r['ours_err']:8.1e}")
+              f"{r['ours_us']:7.1f} {r['ours_us'] / r['floor_us']:5.2f} "
+              f"{100 * r['floor_flop_us'] / r['ours_us']:5.1f} {r['ours_eager_us']:7.1f} "
+              f"{r['torch_grouped_mm_us']:7.1f} {r['torch_grouped_mm_us'] / r['ours_us']:6.2f} "
+              f"{r['hf_grouped_mm_us']:7.1f} {r['hf_grouped_mm_us'] / r['ours_us']:6.2f} {r.get('best_us', nan):7.1f} "
+              f"{r.get('fp8_us', nan):7.1f} {r.get('fp8_floor_us', nan):6.1f} {r.get('ours_dirty_flush_us', nan):7.1f} "
+              f"{model:6.1f} {model / r['floor_us']:5.2f} {torch_m:7.1f} {torch_m / model:6.2f} {r['ours_err']:8.1e}")
     sys.stdout.flush()
 
 

@@ -38,26 +38,45 @@ def test_backend_on_cpu_equals_reference(name, act, woi):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("block_m", [1, 4, 16])
-def test_alignment_groups_pairs_by_slot(block_m):
+@pytest.mark.parametrize("block_m,half", [(1, False), (4, False), (16, False), (4, True), (16, True)])
+def test_alignment_groups_pairs_by_slot(block_m, half):
     _, _, slots, _ = _problem(4, s=7, t=50, k=4)
     n, s = slots.numel(), 7
-    a = align_reference(slots, s, block_m)
+    a = align_reference(slots, s, block_m, half)
     nb = num_aligned_blocks(n, s, block_m)
     assert a.sorted_pair_ids.shape == (nb * block_m,) and a.block_slot.shape == (nb,)
     flat = slots.reshape(-1)
-    seen = []
+    counts = torch.bincount(flat[flat >= 0], minlength=s)
+    seen, end = [], 0
     for b in range(nb):
-        ids = a.sorted_pair_ids[b * block_m:(b + 1) * block_m]
-        real = ids[ids < n]
         if a.block_slot[b] < 0:
-            assert real.numel() == 0
+            assert int(a.block_rows[b]) == 0
             continue
-        assert bool((flat[real.long()] == a.block_slot[b]).all())
+        start, rows = int(a.block_start[b]), int(a.block_rows[b])
+        assert start == end  # blocks tile the sorted positions without gaps or overlaps
+        end = start + rows
+        ids = a.sorted_pair_ids[start:end]
+        real = ids[ids < n]
+        assert real.numel() > 0 and bool((flat[real.long()] == a.block_slot[b]).all())
         seen += real.tolist()
+        last = b + 1 == nb or int(a.block_slot[b + 1]) != int(a.block_slot[b])
+        left = int(counts[a.block_slot[b]]) % block_m or block_m
+        # a half block only as a slot's last block, and only when at most half a block of rows is left
+        assert rows == (block_m // 2 if half and last and left <= block_m // 2 else block_m)
     assert sorted(seen) == (flat >= 0).nonzero().flatten().tolist()
     used = a.block_slot[a.block_slot >= 0]
     assert bool((used[1:] >= used[:-1]).all())
+    assert bool((a.sorted_pair_ids[end:] == n).all())
+
+
+def test_alignment_half_tail_pads_less():
+    slots = torch.tensor([[0], [0], [0], [0], [0], [1], [2], [2], [2], [2], [2], [2], [2]])
+    full, half = align_reference(slots, 3, 4), align_reference(slots, 3, 4, half_tail=True)
+    # slot 0: 5 rows -> 4 + 4 (full) or 4 + 2 (half); slot 1: 1 row -> 4 or 2; slot 2: 7 rows -> 4 + 4 either way
+    assert full.block_rows[:5].tolist() == [4, 4, 4, 4, 4] and half.block_rows[:5].tolist() == [4, 2, 2, 4, 4]
+    assert half.block_start[:5].tolist() == [0, 4, 6, 8, 12] and half.block_slot[:5].tolist() == [0, 0, 1, 2, 2]
+    with pytest.raises(ValueError, match="block_m"):
+        align_reference(slots, 3, 5, half_tail=True)
 
 
 def test_alignment_all_skipped():

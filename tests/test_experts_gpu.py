@@ -47,10 +47,12 @@ def test_triton_matches_reference(t, case):
 def test_triton_alignment_groups_equal_reference():
     from epmoe.kernels.triton_moe import align_triton
 
-    for t, bm in ((777, 16), (777, 64), (3, 16), (50, 16)):
+    for t, bm, half in ((777, 16, False), (777, 64, False), (3, 16, False), (50, 16, False), (777, 64, True),
+                        (50, 32, True), (5000, 128, True)):
         slots = torch.randint(-1, 32, (t, 8), device="cuda")
-        a, b = align_triton(slots, 32, bm), align_reference(slots, 32, bm)
+        a, b = align_triton(slots, 32, bm, half), align_reference(slots, 32, bm, half)
         assert torch.equal(a.block_slot, b.block_slot)
+        assert torch.equal(a.block_start, b.block_start) and torch.equal(a.block_rows, b.block_rows)
         assert torch.equal(_placed_slot(a, slots), _placed_slot(b, slots))
 
 
@@ -59,7 +61,9 @@ def _placed_slot(aln, slots):
     n = slots.numel()
     ids = aln.sorted_pair_ids.long()
     real = ids < n
-    block = torch.arange(ids.numel(), device=ids.device) // aln.block_m
+    pos = torch.arange(ids.numel(), device=ids.device)
+    inside = (pos[:, None] >= aln.block_start[None, :]) & (pos[:, None] < (aln.block_start + aln.block_rows)[None, :])
+    block = inside.int().argmax(dim=1)
     placed = torch.full((n,), -1, dtype=torch.int64, device=ids.device)
     placed[ids[real]] = aln.block_slot[block[real]].long()
     assert int(real.sum()) == int((slots >= 0).sum())
@@ -120,3 +124,24 @@ def test_decode_configs_match_reference(pdl, t, k, d, f):
     for cfg in (DecodeConfig(pdl=pdl), DecodeConfig(4, 1024, 16, 512, 8, pdl)):
         out = decode_experts(x, slots, tw, w, _act_code(act), act, config=cfg)
         assert _rel(out, ref) < 2e-2
+
+
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("half", [False, True])
+@pytest.mark.parametrize("t,d,f", [(700, 512, 256), (300, 520, 200)])
+def test_grouped_tile_configs_match_reference(half, tma, block_m, t, d, f):
+    """Grouped path at prefill tile shapes, with and without TMA, ragged ``D``/``F``, bias, skipped pairs."""
+    from epmoe.kernels.triton_moe import TileConfig, triton_experts
+
+    s, k = 8, 4
+    w = _weights(s, d, f, bias=True)
+    act = Activation("silu", 7.0)
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    slots = torch.where(torch.rand(t, k, device="cuda") < 0.3, -1, torch.randint(0, s, (t, k), device="cuda"))
+    tw = torch.rand(t, k, device="cuda")
+    ref = reference_experts(x.double(), slots, tw.double(), ExpertWeights(
+        w.w13.double(), w.w2.double(), w.b13.double(), w.b2.double()), act)
+    cfg = TileConfig(block_m, 128, 256, 64, 8, 3, tma, half)
+    out = triton_experts(x, slots, tw, w, act, config=cfg)
+    assert _rel(out, ref) < 2e-2

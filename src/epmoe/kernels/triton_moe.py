@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..experts import Activation, ExpertWeights
 from .align import Alignment, num_aligned_blocks
@@ -56,6 +57,11 @@ class TileConfig:
         block_k: reduction step (must be 128 for FP8 weights).
         num_warps: warps per program.
         num_stages: software pipeline depth.
+        tma: read the weight tiles (and the down kernel's ``h`` rows) through Hopper's tensor memory
+            accelerator (host-built tensor descriptors); bf16/fp16 weights only. The gathered token rows
+            are always read with ordinary loads (Hopper's TMA has no row gather).
+        half_tail: a slot's last row block has ``block_m / 2`` rows when no more are left (see ``align``);
+            used when ``block_m >= 32``.
     """
 
     block_m: int
@@ -64,21 +70,29 @@ class TileConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    tma: bool = False
+    half_tail: bool = False
 
 
 def default_config(num_pairs: int, num_slots: int, fp8: bool) -> TileConfig:
     """Tile shapes from the expected rows per slot ``N / S`` (static: no look at the routing).
 
-    Decode sizes (``N / S <= 16``) are weight-read bound: small row blocks, narrow column tiles so that
-    several programs per expert keep every SM streaming weights. Prefill sizes are matrix bound: 128-row
-    blocks (Hopper wgmma tiles), four pipeline stages (H200 sweep at 4096 tokens: 3-4% faster than three).
+    Up to 16 rows per slot the layer is weight-read bound: 16-row blocks, narrow column tiles so that
+    several programs per expert keep every SM streaming weights. Above, TMA weight tiles and half-size
+    last blocks; up to 32 rows 64-row blocks, beyond 128-row blocks (Hopper wgmma tiles) with four
+    pipeline stages. Chosen from the H200 sweep of ``benchmarks/moe_layer.py --sweep`` (Qwen3-30B-A3B at
+    4096 tokens: TMA 8% and half-size last blocks another 6% faster in kernel time). Block FP8 weights
+    keep the ordinary loads (their scales are applied per 128-wide step). ``N`` counts the pairs of
+    other ranks (slot ``-1``) too, so under expert parallelism the estimate is high.
     """
     rows = num_pairs / max(num_slots, 1)
     if rows <= 16:
         return TileConfig(16, 32, 64, 128, 4, 3)
-    if rows <= 128:
-        return TileConfig(64, 64, 128, 128 if fp8 else 64, 8, 3)
-    return TileConfig(128, 64, 128, 128, 8, 3) if fp8 else TileConfig(128, 128, 256, 64, 8, 4)
+    if fp8:
+        return TileConfig(64, 64, 128, 128, 8, 3) if rows <= 128 else TileConfig(128, 64, 128, 128, 8, 3)
+    if rows <= 32:
+        return TileConfig(64, 64, 128, 64, 4, 4, tma=True, half_tail=True)
+    return TileConfig(128, 128, 256, 64, 8, 4, tma=True, half_tail=True)
 
 
 @triton.jit
@@ -90,43 +104,69 @@ def _count_kernel(slots_ptr, counts_ptr, num_pairs, num_slots, BLOCK: tl.constex
 
 
 @triton.jit
-def _offsets_kernel(
-    counts_ptr, cursor_ptr, block_slot_ptr, sorted_ptr, num_pairs, num_slots, num_blocks,
-    BLOCK_M: tl.constexpr, S_PAD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
+def _slot_layout(counts, BLOCK_M: tl.constexpr, HALF_TAIL: tl.constexpr):
+    """From per-slot row counts ``[S_PAD]``: each slot's first padded position, blocks, first block and
+    rows of its last block (``align.align_reference`` computes the same)."""
+    nblk = (counts + BLOCK_M - 1) // BLOCK_M
+    if HALF_TAIL:
+        last_rows = tl.where(counts - (nblk - 1) * BLOCK_M <= BLOCK_M // 2, BLOCK_M // 2, BLOCK_M)
+    else:
+        last_rows = tl.full(counts.shape, BLOCK_M, tl.int32)
+    padded = tl.where(counts > 0, (nblk - 1) * BLOCK_M + last_rows, 0)
+    blk_end = tl.cumsum(nblk, 0)
+    return tl.cumsum(padded, 0) - padded, nblk, blk_end - nblk, last_rows
+
+
+@triton.jit
+def _block_layout(
+    b0, s, start, nblk, blk_begin, last_rows, num_blocks, block_slot_ptr, block_start_ptr, block_rows_ptr,
+    BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
+    """Slot, first sorted position and rows of blocks ``[b0, b0 + BLOCK_B)``."""
+    b = b0 + tl.arange(0, BLOCK_B)
+    mine = (blk_begin[None, :] <= b[:, None]) & (b[:, None] < (blk_begin + nblk)[None, :])
+    used = tl.sum(mine.to(tl.int32), axis=1) > 0
+    j = b - tl.sum(tl.where(mine, blk_begin[None, :], 0), axis=1)
+    last = j == tl.sum(tl.where(mine, nblk[None, :], 0), axis=1) - 1
+    rows = tl.where(last, tl.sum(tl.where(mine, last_rows[None, :], 0), axis=1), BLOCK_M)
+    first = tl.sum(tl.where(mine, start[None, :], 0), axis=1) + j * BLOCK_M
+    ok = b < num_blocks
+    tl.store(block_slot_ptr + b, tl.where(used, tl.sum(tl.where(mine, s[None, :], 0), axis=1), -1), mask=ok)
+    tl.store(block_start_ptr + b, tl.where(used, first, 0), mask=ok)
+    tl.store(block_rows_ptr + b, tl.where(used, rows, 0), mask=ok)
+
+
+@triton.jit
+def _offsets_kernel(
+    counts_ptr, cursor_ptr, block_slot_ptr, block_start_ptr, block_rows_ptr, num_slots, num_blocks,
+    BLOCK_M: tl.constexpr, HALF_TAIL: tl.constexpr, S_PAD: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    # one program per BLOCK_B blocks; each recomputes the (small) per-slot prefix sums
     s = tl.arange(0, S_PAD)
     counts = tl.load(counts_ptr + s, mask=s < num_slots, other=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    end = tl.cumsum(padded, 0)
-    tl.store(cursor_ptr + s, end - padded, mask=s < num_slots)
-    for b0 in range(0, num_blocks, BLOCK_B):
-        b = b0 + tl.arange(0, BLOCK_B)
-        row = b * BLOCK_M
-        slot = tl.sum((end[None, :] <= row[:, None]).to(tl.int32), axis=1)
-        slot = tl.where(slot < num_slots, slot, -1)
-        tl.store(block_slot_ptr + b, slot, mask=b < num_blocks)
-    for i0 in range(0, num_blocks * BLOCK_M, BLOCK):
-        i = i0 + tl.arange(0, BLOCK)
-        tl.store(sorted_ptr + i, tl.full([BLOCK], 0, tl.int32) + num_pairs, mask=i < num_blocks * BLOCK_M)
+    start, nblk, blk_begin, last_rows = _slot_layout(counts, BLOCK_M, HALF_TAIL)
+    if tl.program_id(0) == 0:
+        tl.store(cursor_ptr + s, start, mask=s < num_slots)
+    _block_layout(tl.program_id(0) * BLOCK_B, s, start, nblk, blk_begin, last_rows, num_blocks, block_slot_ptr,
+                  block_start_ptr, block_rows_ptr, BLOCK_M, BLOCK_B)
 
 
 @triton.jit
 def _align_small_kernel(
-    slots_ptr, cursor_ptr, block_slot_ptr, sorted_ptr, num_pairs, num_slots, num_blocks,
-    BLOCK_M: tl.constexpr, S_PAD: tl.constexpr, N_PAD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
+    slots_ptr, cursor_ptr, block_slot_ptr, block_start_ptr, block_rows_ptr, sorted_ptr, num_pairs, num_slots,
+    num_blocks, BLOCK_M: tl.constexpr, HALF_TAIL: tl.constexpr, S_PAD: tl.constexpr, N_PAD: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
 ):
     idx = tl.arange(0, N_PAD)
     key = tl.load(slots_ptr + idx, mask=idx < num_pairs, other=-1)
     ok = (key >= 0) & (key < num_slots)
     s = tl.arange(0, S_PAD)
     counts = tl.sum(((key[:, None] == s[None, :]) & ok[:, None]).to(tl.int32), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    end = tl.cumsum(padded, 0)
-    tl.store(cursor_ptr + s, end - padded, mask=s < num_slots)
+    start, nblk, blk_begin, last_rows = _slot_layout(counts, BLOCK_M, HALF_TAIL)
+    tl.store(cursor_ptr + s, start, mask=s < num_slots)
     for b0 in range(0, num_blocks, BLOCK_B):
-        b = b0 + tl.arange(0, BLOCK_B)
-        slot = tl.sum((end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-        tl.store(block_slot_ptr + b, tl.where(slot < num_slots, slot, -1), mask=b < num_blocks)
+        _block_layout(b0, s, start, nblk, blk_begin, last_rows, num_blocks, block_slot_ptr, block_start_ptr,
+                      block_rows_ptr, BLOCK_M, BLOCK_B)
     for i0 in range(0, num_blocks * BLOCK_M, BLOCK):
         i = i0 + tl.arange(0, BLOCK)
         tl.store(sorted_ptr + i, tl.full([BLOCK], 0, tl.int32) + num_pairs, mask=i < num_blocks * BLOCK_M)
@@ -145,20 +185,14 @@ def _scatter_kernel(slots_ptr, cursor_ptr, sorted_ptr, num_pairs, num_slots, BLO
 
 
 @triton.jit
-def _gate_up_kernel(
-    x_ptr, w_ptr, ws_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, block_slot_ptr,
-    num_pairs, top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn,
-    act_limit, act_alpha,
+def _gate_up_rows(
+    x_ptr, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, slot, first, pid_n,
+    num_pairs, top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ACT: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
+    ACT: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, TMA: tl.constexpr,
 ):
-    num_n = tl.cdiv(F, BLOCK_N)
-    pid_m = tl.program_id(0) // num_n
-    pid_n = tl.program_id(0) % num_n
-    slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
-    if slot < 0:
-        return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    """``h`` for sorted positions ``[first, first + BLOCK_M)`` of ``slot`` and F columns of tile ``pid_n``."""
+    rows = first + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + rows)
     valid = pair < num_pairs
     tok = (pair // top_k).to(tl.int64)
@@ -170,18 +204,24 @@ def _gate_up_kernel(
     wu_ptrs = wg_ptrs + F * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    row_g = (slot * 2 * F + pid_n * BLOCK_N).to(tl.int32)
     for k0 in range(0, D, BLOCK_K):
         k_ok = offs_k < D - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if FP8:
+        if TMA:
+            acc_g = tl.dot(a, w_desc.load([row_g, k0]).T, acc_g)
+            acc_u = tl.dot(a, w_desc.load([row_g + F, k0]).T, acc_u)
+        elif FP8:
+            wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             kb = k0 // BLOCK_K
             sg = tl.load(ws_ptr + slot * stride_se + (pid_n * BLOCK_N // 128) * stride_sn + kb)
             su = tl.load(ws_ptr + slot * stride_se + ((F + pid_n * BLOCK_N) // 128) * stride_sn + kb)
             acc_g += tl.dot(a, wg.to(a.dtype)) * sg
             acc_u += tl.dot(a, wu.to(a.dtype)) * su
         else:
+            wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc_g = tl.dot(a, wg, acc_g)
             acc_u = tl.dot(a, wu, acc_u)
         a_ptrs += BLOCK_K
@@ -200,38 +240,65 @@ def _gate_up_kernel(
 
 
 @triton.jit
-def _down_kernel(
-    h_ptr, w_ptr, ws_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, block_slot_ptr,
-    num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn,
+def _gate_up_kernel(
+    x_ptr, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, block_slot_ptr, block_start_ptr, block_rows_ptr,
+    num_pairs, top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn,
+    act_limit, act_alpha,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
+    ACT: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
+    TMA: tl.constexpr, HALF_TAIL: tl.constexpr,
 ):
-    num_n = tl.cdiv(D, BLOCK_N)
+    num_n = tl.cdiv(F, BLOCK_N)
     pid_m = tl.program_id(0) // num_n
     pid_n = tl.program_id(0) % num_n
     slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
     if slot < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    first = tl.load(block_start_ptr + pid_m)
+    if HALF_TAIL and tl.load(block_rows_ptr + pid_m) < BLOCK_M:
+        _gate_up_rows(x_ptr, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, slot, first, pid_n,
+                      num_pairs, top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit,
+                      act_alpha, BLOCK_M // 2, BLOCK_N, BLOCK_K, ACT, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA)
+    else:
+        _gate_up_rows(x_ptr, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, slot, first, pid_n,
+                      num_pairs, top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit,
+                      act_alpha, BLOCK_M, BLOCK_N, BLOCK_K, ACT, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA)
+
+
+@triton.jit
+def _down_rows(
+    h_ptr, h_desc, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, slot, first, pid_n,
+    num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, TMA: tl.constexpr,
+):
+    """``y`` rows of the pairs at sorted positions ``[first, first + BLOCK_M)``, D columns of tile ``pid_n``."""
+    rows = first + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + rows)
     valid = pair < num_pairs
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < D
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = h_ptr + rows[:, None].to(tl.int64) * F + offs_k[None, :]
-    w_ptrs = w_ptr + slot * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, F, BLOCK_K):
-        k_ok = offs_k < F - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if FP8:
-            sc = tl.load(ws_ptr + slot * stride_se + (pid_n * BLOCK_N // 128) * stride_sn + k0 // BLOCK_K)
-            acc += tl.dot(a, w.to(a.dtype)) * sc
-        else:
-            acc = tl.dot(a, w, acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if TMA:
+        # padding rows of h were never written: their products land in rows the store masks out.
+        row_w = (slot * D + pid_n * BLOCK_N).to(tl.int32)
+        for k0 in range(0, F, BLOCK_K):
+            acc = tl.dot(h_desc.load([first, k0]), w_desc.load([row_w, k0]).T, acc)
+    else:
+        a_ptrs = h_ptr + rows[:, None].to(tl.int64) * F + offs_k[None, :]
+        w_ptrs = w_ptr + slot * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+        for k0 in range(0, F, BLOCK_K):
+            k_ok = offs_k < F - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if FP8:
+                sc = tl.load(ws_ptr + slot * stride_se + (pid_n * BLOCK_N // 128) * stride_sn + k0 // BLOCK_K)
+                acc += tl.dot(a, w.to(a.dtype)) * sc
+            else:
+                acc = tl.dot(a, w, acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(b_ptr + slot * D + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if not WEIGHT_ON_INPUT:
@@ -239,6 +306,31 @@ def _down_kernel(
         acc *= tw[:, None]
     y_ptrs = y_ptr + pair[:, None].to(tl.int64) * D + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, h_desc, h_half_desc, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, block_slot_ptr,
+    block_start_ptr, block_rows_ptr, num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, TMA: tl.constexpr,
+    HALF_TAIL: tl.constexpr,
+):
+    num_n = tl.cdiv(D, BLOCK_N)
+    pid_m = tl.program_id(0) // num_n
+    pid_n = tl.program_id(0) % num_n
+    slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
+    if slot < 0:
+        return
+    first = tl.load(block_start_ptr + pid_m)
+    if HALF_TAIL and tl.load(block_rows_ptr + pid_m) < BLOCK_M:
+        _down_rows(h_ptr, h_half_desc, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, slot, first, pid_n,
+                   num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn,
+                   BLOCK_M // 2, BLOCK_N, BLOCK_K, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA)
+    else:
+        _down_rows(h_ptr, h_desc, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, slot, first, pid_n,
+                   num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn,
+                   BLOCK_M, BLOCK_N, BLOCK_K, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA)
 
 
 @triton.jit
@@ -253,42 +345,47 @@ def _sum_kernel(y_ptr, slots_ptr, out_ptr, D, top_k, BLOCK_D: tl.constexpr):
     tl.store(out_ptr + t * D + offs, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def align_triton(topk_slots: torch.Tensor, num_slots: int, block_m: int) -> Alignment:
-    """Same groups as ``align.align_reference`` (order inside a slot may differ: atomics).
+def align_triton(topk_slots: torch.Tensor, num_slots: int, block_m: int, half_tail: bool = False) -> Alignment:
+    """Same blocks as ``align.align_reference`` (order inside a slot may differ: atomics).
 
     Up to ``_SMALL_ALIGN`` (pairs x slots, both padded to powers of two) one program does it all in one
-    launch (decode: launches dominate); above, a count, an offsets and a scatter launch.
+    launch (decode: launches dominate); above, a sentinel fill, a count, an offsets and a scatter launch.
 
     Args:
         topk_slots: ``[T, K]`` int64 CUDA local slot ids, ``-1`` = skip.
         num_slots: ``S``.
-        block_m: rows per block.
+        block_m: rows per full block.
+        half_tail: half-size last blocks (see ``align``).
     """
     device = topk_slots.device
     n = topk_slots.numel()
     nb = num_aligned_blocks(n, num_slots, block_m)
     flat = topk_slots.reshape(-1)
     cursor = torch.empty(num_slots, dtype=torch.int32, device=device)
-    block_slot = torch.empty(nb, dtype=torch.int32, device=device)
-    sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=device)
+    layout = torch.empty(3, nb, dtype=torch.int32, device=device)
+    block_slot, block_start, block_rows = layout.unbind(0)
     s_pad = triton.next_power_of_2(num_slots)
     n_pad = triton.next_power_of_2(max(n, 16))
     if n_pad * s_pad <= _SMALL_ALIGN:
+        sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=device)
         _align_small_kernel[(1,)](
-            flat, cursor, block_slot, sorted_ids, n, num_slots, nb,
-            BLOCK_M=block_m, S_PAD=s_pad, N_PAD=n_pad, BLOCK_B=max(16, 8192 // s_pad), BLOCK=1024, num_warps=8,
+            flat, cursor, block_slot, block_start, block_rows, sorted_ids, n, num_slots, nb,
+            BLOCK_M=block_m, HALF_TAIL=half_tail, S_PAD=s_pad, N_PAD=n_pad, BLOCK_B=max(16, 8192 // s_pad),
+            BLOCK=1024, num_warps=8,
         )
-        return Alignment(sorted_ids, block_slot, block_m)
-    counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
-    block = 1024
-    grid = (max(1, triton.cdiv(n, block)),)
-    _count_kernel[grid](flat, counts, n, num_slots, BLOCK=block)
-    _offsets_kernel[(1,)](
-        counts, cursor, block_slot, sorted_ids, n, num_slots, nb,
-        BLOCK_M=block_m, S_PAD=s_pad, BLOCK_B=max(16, 8192 // s_pad), BLOCK=1024,
-    )
-    _scatter_kernel[grid](flat, cursor, sorted_ids, n, num_slots, BLOCK=block)
-    return Alignment(sorted_ids, block_slot, block_m)
+    else:
+        sorted_ids = torch.full((nb * block_m,), n, dtype=torch.int32, device=device)
+        counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        block = 1024
+        grid = (max(1, triton.cdiv(n, block)),)
+        _count_kernel[grid](flat, counts, n, num_slots, BLOCK=block)
+        block_b = max(8, 2048 // s_pad)
+        _offsets_kernel[(triton.cdiv(nb, block_b),)](
+            counts, cursor, block_slot, block_start, block_rows, num_slots, nb,
+            BLOCK_M=block_m, HALF_TAIL=half_tail, S_PAD=s_pad, BLOCK_B=block_b, num_warps=4,
+        )
+        _scatter_kernel[grid](flat, cursor, sorted_ids, n, num_slots, BLOCK=block)
+    return Alignment(sorted_ids, block_slot, block_start, block_rows, block_m)
 
 
 def _act_code(activation: Activation) -> int:
@@ -345,8 +442,11 @@ def triton_experts(
     cfg = config if config is not None else default_config(n, s, fp8)
     if fp8 and (cfg.block_k != FP8_BLOCK or FP8_BLOCK % cfg.block_n1 or FP8_BLOCK % cfg.block_n2):
         raise ValueError(f"block FP8 weights need block_k == 128 and block_n dividing 128, got {cfg}")
+    # TMA rows must start 16-byte aligned: D and F multiples of 8 elements.
+    tma = cfg.tma and not fp8 and d % 8 == 0 and f % 8 == 0
     w13, w2 = weights.w13.contiguous(), weights.w2.contiguous()
-    aln = align_triton(slots, s, cfg.block_m)
+    half = cfg.half_tail and cfg.block_m >= 32
+    aln = align_triton(slots, s, cfg.block_m, half)
     nb = aln.block_slot.shape[0]
     h = torch.empty(nb * cfg.block_m, f, dtype=x.dtype, device=x.device)
     y = torch.empty(n, d, dtype=x.dtype, device=x.device)
@@ -359,19 +459,27 @@ def triton_experts(
     b13 = weights.b13 if weights.b13 is not None else tw
     b2 = weights.b2 if weights.b2 is not None else tw
     limit = activation.swiglu_limit if activation.swiglu_limit is not None else 0.0
+    if tma:
+        w13_desc = TensorDescriptor.from_tensor(w13.view(s * two_f, d), [cfg.block_n1, cfg.block_k])
+        w2_desc = TensorDescriptor.from_tensor(w2.view(s * d, f), [cfg.block_n2, cfg.block_k])
+        h_desc = TensorDescriptor.from_tensor(h, [cfg.block_m, cfg.block_k])
+        h_half_desc = TensorDescriptor.from_tensor(h, [max(cfg.block_m // 2, 16), cfg.block_k])
+    else:
+        w13_desc, w2_desc, h_desc, h_half_desc = w13, w2, h, h
     _gate_up_kernel[(nb * triton.cdiv(f, cfg.block_n1),)](
-        x, w13, s13, b13, tw, h, aln.sorted_pair_ids, aln.block_slot,
+        x, w13, w13_desc, s13, b13, tw, h, aln.sorted_pair_ids, aln.block_slot, aln.block_start, aln.block_rows,
         n, k, d, f, x.stride(0), w13.stride(0), w13.stride(1), *scale_strides13,
         float(limit), float(activation.swiglu_alpha),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k,
         ACT=_act_code(activation), FP8=fp8, HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TMA=tma, HALF_TAIL=half, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _down_kernel[(nb * triton.cdiv(d, cfg.block_n2),)](
-        h, w2, s2, b2, tw, y, aln.sorted_pair_ids, aln.block_slot,
+        h, h_desc, h_half_desc, w2, w2_desc, s2, b2, tw, y, aln.sorted_pair_ids, aln.block_slot, aln.block_start,
+        aln.block_rows,
         n, d, f, w2.stride(0), w2.stride(1), *scale_strides2,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k,
-        FP8=fp8, HAS_BIAS=weights.b2 is not None, WEIGHT_ON_INPUT=weight_on_input,
+        FP8=fp8, HAS_BIAS=weights.b2 is not None, WEIGHT_ON_INPUT=weight_on_input, TMA=tma, HALF_TAIL=half,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     block_d = min(1024, triton.next_power_of_2(d))
