@@ -10,17 +10,22 @@ and compares with the measured time of our Triton backend (``ours_us``). CPU onl
 
 Columns: case, tokens, whether the row was timed as CUDA-graph replays, experts hit (measured in that
 run's routing / expected ``n_local (1 - (1 - K/E)^T)``), measured µs, predicted µs, predicted / measured,
-the prediction's parts (weight streaming, activation streaming, matrix work, fixed), and the ratio
-``r@hit`` of the same model given the experts the run's random routing actually hit (separates the
-sampling noise of one routing draw from the model's error).
+the prediction's parts (weight streaming, activation streaming, matrix work, fixed; the prediction is
+``max(stream, matrix) + (1 - overlap) min(stream, matrix) + fixed`` with stream = weights + activations,
+so the parts do not add up to it unless the overlap is 0), and the ratio ``r@hit`` of the same model
+given the experts the run's random routing actually hit (separates the sampling noise of one routing
+draw from the model's error).
 
-It also fits the one free parameter, the fixed per-layer cost, to the rows by least squares on the
-relative error (closed form: the prediction is ``base_i + fixed``, so
-``fixed = sum((m_i - base_i) / m_i^2) / sum(1 / m_i^2)``) and prints it next to the profile's value: after
-a new ``moe_layer.py`` run, copy it into ``moe_layer_fixed_us`` of ``src/epmoe/hardware/h200-sxm.json``
-with the run named in ``sources``. ``--ceilings run`` replaces the profile's bandwidth and bf16 rate by
-the ones measured in the same run (``ceilings`` in the results). Writes ``planner_vs_h200.json`` next to
-the results file (or ``--out``); ``--check`` exits 1 when a row is outside the 25% target.
+It also fits the two free parameters, the stream/matrix overlap and the fixed per-layer cost, to the rows
+by least squares on the relative error: for each overlap on a grid of step 0.001 over [0, 1] the
+prediction is ``base_i + fixed``, so the best fixed cost has the closed form
+``fixed = sum((m_i - base_i) / m_i^2) / sum(1 / m_i^2)`` (0 when that is negative: the objective is a
+parabola in ``fixed``); the pair with the least sum of squared relative errors is kept and printed next to
+the profile's values. After a new ``moe_layer.py`` run, copy them into ``moe_stream_matrix_overlap`` and
+``moe_layer_fixed_us`` of ``src/epmoe/hardware/h200-sxm.json`` with the run named in ``sources``.
+``--ceilings run`` replaces the profile's bandwidth and bf16 rate by the ones measured in the same run
+(``ceilings`` in the results). Writes ``planner_vs_h200.json`` next to the results file (or ``--out``);
+``--check`` exits 1 when a row is outside the 25% target.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from epmoe.costs import (
     MoEDims,
     expected_distinct_experts,
     expert_activation_bytes,
+    expert_layer_ms,
     predict_moe_layer_time,
 )
 from epmoe.hardware import HardwareProfile, load_hardware
@@ -42,6 +48,7 @@ from epmoe.hardware import HardwareProfile, load_hardware
 ROOT = Path(__file__).resolve().parent
 DEFAULT_RESULTS = ROOT / "results" / "moe_layer_h200.json"
 TARGET = 0.25  # |predicted / measured - 1| allowed at every measured size
+OVERLAP_GRID = [i / 1000 for i in range(1001)]  # overlaps tried by fit_overlap_and_fixed
 # The shapes of benchmarks/moe_layer.py's CASES: (MoE-layer shape, experts held by the GPU).
 CASES = {
     "qwen3": (MoEDims(hidden_size=2048, moe_intermediate_size=768, num_experts=128, top_k=8), 128),
@@ -85,7 +92,7 @@ def compare(results: dict, hw: HardwareProfile) -> list[dict]:
         pred_us = predict_moe_layer_time(dims, t, local, hw, "bf16") * 1e3
         # the same model with the experts this run's random routing actually hit, instead of the expectation
         hit = row.get("active_slots") or touched
-        at_hit_us = pred_us + (hit - touched) * dims.expert_params() * 2 / hw.hbm_bytes_per_s * 1e6
+        at_hit_us = expert_layer_ms(dims, rows, hit, 1, hw, "bf16") * 1e3
         out.append({
             "case": row["case"], "tokens": t, "graph": row.get("graph"),
             "active_measured": row.get("active_slots"), "active_expected": touched,
@@ -95,15 +102,29 @@ def compare(results: dict, hw: HardwareProfile) -> list[dict]:
             "activations_us": expert_activation_bytes(dims, rows) / hw.hbm_bytes_per_s * 1e6,
             "matmul_us": rows * 2 * dims.expert_params() / hw.flops_per_s("bf16") * 1e6,
             "fixed_us": hw.moe_layer_fixed_us,
+            "overlap": hw.moe_stream_matrix_overlap,
             "floor_us": row.get("floor_us"),
         })
     return out
 
 
-def fit_fixed_us(entries: list[dict]) -> float:
-    """Least-squares fixed per-layer cost (µs) on the relative error, over all rows (closed form)."""
-    base = [(e["predicted_us"] - e["fixed_us"], e["measured_us"]) for e in entries]
-    return sum((m - b) / m**2 for b, m in base) / sum(1 / m**2 for _, m in base)
+def fit_overlap_and_fixed(entries: list[dict]) -> tuple[float, float, float]:
+    """Least-squares ``(overlap, fixed µs, sum of squared relative errors)`` over all rows.
+
+    For each overlap of ``OVERLAP_GRID`` the prediction is ``base_i + fixed`` with ``base_i = max(s_i, x_i)
+    + (1 - overlap) min(s_i, x_i)`` (``s``: weight + activation streaming, ``x``: matrix work); the fixed
+    cost minimising ``sum((base_i + fixed - m_i)^2 / m_i^2)`` is the closed form, or 0 when that is
+    negative. Ties keep the smaller overlap.
+    """
+    parts = [(e["weights_us"] + e["activations_us"], e["matmul_us"], e["measured_us"]) for e in entries]
+    best = None
+    for overlap in OVERLAP_GRID:
+        base = [(max(s, x) + (1 - overlap) * min(s, x), m) for s, x, m in parts]
+        fixed = max(0.0, sum((m - b) / m**2 for b, m in base) / sum(1 / m**2 for _, m in base))
+        sse = sum(((b + fixed) / m - 1) ** 2 for b, m in base)
+        if best is None or sse < best[2]:
+            best = (overlap, fixed, sse)
+    return best
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     results = json.loads(path.read_text())
     hw = hardware_for(results, args.hardware, args.ceilings)
     entries = compare(results, hw)
-    fitted = fit_fixed_us(entries)
+    fitted_overlap, fitted, fitted_sse = fit_overlap_and_fixed(entries)
     worst = max(entries, key=lambda e: abs(e["ratio"] - 1))
     outside = [e for e in entries if abs(e["ratio"] - 1) > TARGET]
     c = results.get("ceilings", {})
@@ -128,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         "device": results.get("device"), "torch": results.get("torch"),
         "triton": results.get("triton"), "hardware": hw.name, "ceilings": args.ceilings,
         "hbm_bytes_per_s": hw.hbm_bytes_per_s, "bf16_flops_per_s": hw.flops_per_s("bf16"),
-        "moe_layer_fixed_us": hw.moe_layer_fixed_us, "run_ceilings": c,
-        "fitted_fixed_us": fitted, "target": TARGET, "worst_ratio": worst["ratio"],
+        "moe_layer_fixed_us": hw.moe_layer_fixed_us, "moe_stream_matrix_overlap": hw.moe_stream_matrix_overlap,
+        "run_ceilings": c, "fitted_fixed_us": fitted, "fitted_overlap": fitted_overlap,
+        "fitted_sum_sq_rel_err": fitted_sse, "target": TARGET, "worst_ratio": worst["ratio"],
         "all_within_target": not outside, "rows": entries,
     }
     out = Path(args.out) if args.out else path.with_name("planner_vs_h200.json")
@@ -137,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"results {path} ({results.get('device')}, torch {results.get('torch')}, triton {results.get('triton')})")
     print(f"model: {hw.name} ({args.ceilings}): hbm {hw.hbm_bytes_per_s / 1e12:.3f} TB/s, "
-          f"bf16 {hw.flops_per_s('bf16') / 1e12:.0f} TFLOP/s, fixed {hw.moe_layer_fixed_us:.1f} us"
+          f"bf16 {hw.flops_per_s('bf16') / 1e12:.0f} TFLOP/s, fixed {hw.moe_layer_fixed_us:.1f} us, "
+          f"overlap {hw.moe_stream_matrix_overlap:.3f}"
           + (f"; run measured copy {c['copy_bytes_per_s'] / 1e12:.3f} TB/s, bf16 {c['bf16_flop_per_s'] / 1e12:.0f} "
              "TFLOP/s" if c else ""))
     print(f"{'case':5} {'T':>5} {'graph':>5} {'hit':>4} {'E[hit]':>6} {'measured':>9} {'predicted':>9} {'ratio':>6}"
@@ -150,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{e['ratio_at_measured_hits']:6.2f}{flag}")
     print(f"worst: {worst['case']} T={worst['tokens']} ratio {worst['ratio']:.2f}; "
           f"{len(entries) - len(outside)}/{len(entries)} rows within {TARGET:.0%}")
-    print(f"least-squares fixed per-layer cost for these rows: {fitted:.1f} us (profile: {hw.moe_layer_fixed_us:.1f} us)")
+    print(f"least-squares fit for these rows: overlap {fitted_overlap:.3f} (profile: {hw.moe_stream_matrix_overlap:.3f}), "
+          f"fixed per-layer cost {fitted:.1f} us (profile: {hw.moe_layer_fixed_us:.1f} us); "
+          f"sum of squared relative errors {fitted_sse:.4f}")
     print(f"wrote {out}")
     return 1 if args.check and outside else 0
 

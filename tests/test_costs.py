@@ -2,19 +2,28 @@
 
 The measurement test is a regression test of the model against ``benchmarks/results/moe_layer_h200.json``
 (written by ``benchmarks/moe_layer.py`` on one H200); nothing is timed here. When that file is replaced by
-a new run, ``python benchmarks/planner_vs_h200.py`` prints the table and the re-fitted fixed per-layer cost.
+a new run, ``python benchmarks/planner_vs_h200.py`` prints the table and re-fits the stream/matrix overlap and
+the fixed per-layer cost.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from epmoe.costs import MoEDims, expected_distinct_experts, expert_activation_bytes, predict_moe_layer_time
-from epmoe.hardware import load_hardware
+from epmoe.costs import (
+    MoEDims,
+    expected_distinct_experts,
+    expert_activation_bytes,
+    expert_layer_ms,
+    predict_moe_layer_time,
+)
+from epmoe.hardware import load_hardware, parse_hardware
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "moe_layer_h200.json"
 # benchmarks/moe_layer.py's cases: Qwen3-30B-A3B layer (128 of 128 experts local), DeepSeek-V3 EP8 shard (32 of 256).
@@ -61,6 +70,51 @@ def test_expert_activation_bytes_hand_worked():
     # Qwen3 layer, 64 rows: 64 x (3 x 2048 + 2 x 768) x 2 B = 64 x 7680 x 2 = 983,040 B; TP4 slices F only.
     assert expert_activation_bytes(MoEDims(2048, 768, 128, 8), 64) == 983_040
     assert expert_activation_bytes(MoEDims(2048, 768, 128, 8), 64, tp=4) == 64 * (3 * 2048 + 2 * 192) * 2
+
+
+def test_expert_layer_ms_hand_worked_overlap_0_and_1():
+    # D 1024, F 512, 4 experts hit, 100 rows, expert TP 2, bf16 on 1 TB/s and 100 TFLOP/s, 10 us fixed.
+    # Weights 4 x 3 x 1024 x 512 x 2 B / 2 = 6,291,456 B; activations 100 x (3 x 1024 + 2 x 512 / 2) x 2 B
+    # = 716,800 B; stream 7,008,256 B / 1 TB/s = 7.008256 us. Matrix 100 x 2 x 1,572,864 / 2 = 157,286,400
+    # FLOPs / 100 TFLOP/s = 1.572864 us.
+    dims = MoEDims(1024, 512, 16, 2)
+    base = dataclasses.replace(load_hardware("h200-sxm"), hbm_bytes_per_s=1e12, matmul_flops_per_s={"bf16": 1e14},
+                               moe_layer_fixed_us=10.0)
+
+    def us(rows: float, overlap: float) -> float:
+        hw = dataclasses.replace(base, moe_stream_matrix_overlap=overlap)
+        return expert_layer_ms(dims, rows, 4, 2, hw, "bf16") * 1e3
+
+    # overlap 0: added, 7.008256 + 1.572864 + 10 = 18.58112 us; overlap 1: the longer only, 17.008256 us;
+    # overlap 0.25: 7.008256 + 0.75 x 1.572864 + 10 = 18.187904 us.
+    assert us(100, 0.0) == pytest.approx(18.58112, abs=1e-9)
+    assert us(100, 1.0) == pytest.approx(17.008256, abs=1e-9)
+    assert us(100, 0.25) == pytest.approx(18.187904, abs=1e-9)
+    # 2000 rows, matrix-bound: activations 2000 x 3584 x 2 B = 14,336,000 B -> stream 20.627456 us; matrix
+    # 3,145,728,000 FLOPs -> 31.45728 us. Overlap 0: 62.084736 us; overlap 1: 41.45728 us.
+    assert us(2000, 0.0) == pytest.approx(62.084736, abs=1e-9)
+    assert us(2000, 1.0) == pytest.approx(41.45728, abs=1e-9)
+
+
+def _h200_doc() -> dict:
+    return json.loads(resources.files("epmoe.hardware").joinpath("h200-sxm.json").read_text())
+
+
+@pytest.mark.parametrize("value", [1.5, -0.1, "0.5", True, None, float("nan")])
+def test_profile_overlap_outside_0_1_or_not_a_number_refused(value):
+    doc = _h200_doc()
+    doc["moe_stream_matrix_overlap"] = value
+    with pytest.raises(ValueError, match=r"field 'moe_stream_matrix_overlap' must be a number in \[0, 1\], got "):
+        parse_hardware(doc, "bad.json")
+
+
+def test_profile_overlap_absent_means_0_and_bounds_accepted():
+    doc = _h200_doc()
+    del doc["moe_stream_matrix_overlap"]
+    assert parse_hardware(doc).moe_stream_matrix_overlap == 0.0
+    for value in (0, 1, 0.527):
+        doc["moe_stream_matrix_overlap"] = value
+        assert parse_hardware(doc).moe_stream_matrix_overlap == value
 
 
 def test_model_within_25_percent_of_h200_measurements():

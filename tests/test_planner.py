@@ -154,19 +154,22 @@ def test_predict_moe_layer_time_hand_worked():
     spec = load_moe_spec(CONFIGS / "qwen3-30b-a3b.config.json")
     # Fixed figures so the arithmetic below does not move with the shipped profile.
     hw = dataclasses.replace(load_hardware(H200), hbm_bytes_per_s=4.25e12, matmul_flops_per_s={"bf16": 6.78e14},
-                             moe_layer_fixed_us=27.0)
+                             moe_layer_fixed_us=27.0, moe_stream_matrix_overlap=0.5)
     # 4096 tokens x top-8 = 32768 rows over 128 experts; all hit (128 (1 - (15/16)^4096) = 128).
     # Weights 128 x 3 x 2048 x 768 x 2 B = 1,207,959,552 B; activations 32768 rows x (3 x 2048 + 2 x 768)
-    # x 2 B = 503,316,480 B; together / 4.25 TB/s = 402.65 us. FLOPs 32768 x 2 x 4,718,592 = 3.0923e11
-    # / 678 TFLOP/s = 456.09 us. Added (no overlap) + 27 us fixed = 885.7 us.
-    expected = ((1_207_959_552 + 503_316_480) / 4.25e12 + 32768 * 2 * 4_718_592 / 6.78e14) * 1e3 + 0.027
-    assert expected == pytest.approx(0.8857, rel=1e-3)
-    assert predict_moe_layer_time(spec, 4096, 128, hw, "bf16") == pytest.approx(expected, rel=1e-9)
+    # x 2 B = 503,316,480 B; together 1,711,276,032 B / 4.25 TB/s = 402.653 us. FLOPs 32768 x 2 x 4,718,592
+    # = 309,237,645,312 / 678 TFLOP/s = 456.103 us. Half of the shorter (streaming) hidden under the matrix work:
+    # 456.103 + 0.5 x 402.653 = 657.429 us, + 27 us fixed = 684.429 us.
+    stream_ms = (1_207_959_552 + 503_316_480) / 4.25e12 * 1e3
+    matrix_ms = 32768 * 2 * 4_718_592 / 6.78e14 * 1e3
+    assert (stream_ms, matrix_ms) == (pytest.approx(0.402653, abs=1e-6), pytest.approx(0.456103, abs=1e-6))
+    assert predict_moe_layer_time(spec, 4096, 128, hw, "bf16") == pytest.approx(0.684429, abs=1e-6)
     # DeepSeek-V3 EP8 shard, 1 token: 8/256 of its choices are local -> 1 row, 1 expert hit (32 x 8/256).
-    # 3 x 7168 x 2048 x 2 B = 88,080,384 B + 1 x (3 x 7168 + 2 x 2048) x 2 B = 51,200 B -> 20.74 us;
-    # 2 x 44,040,192 FLOPs -> 0.13 us; + 27 us.
+    # 3 x 7168 x 2048 x 2 B = 88,080,384 B + 1 x (3 x 7168 + 2 x 2048) x 2 B = 51,200 B -> 20.7368 us of
+    # streaming; 2 x 44,040,192 FLOPs -> 0.1299 us of matrix work, half of it hidden: 20.8018 us + 27 us.
     shard = predict_moe_layer_time(MoEDims(7168, 2048, 256, 8), 1, 32, hw, "bf16")
-    assert shard == pytest.approx(((88_080_384 + 51_200) / 4.25e12 + 2 * 44_040_192 / 6.78e14) * 1e3 + 0.027)
+    assert shard == pytest.approx(((88_080_384 + 51_200) / 4.25e12 + 0.5 * 2 * 44_040_192 / 6.78e14) * 1e3 + 0.027)
+    assert shard == pytest.approx(0.0478018, abs=1e-7)
     with pytest.raises(ValueError, match="num_local_experts"):
         predict_moe_layer_time(spec, 1, 129, hw)
 

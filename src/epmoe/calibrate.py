@@ -39,7 +39,8 @@ class CalibrationConfig:
         iters: timed repetitions per size (after 2 warm-up calls).
         name: profile name written into the file.
         base: a profile (name or path) supplying the link that was not measured (inter-node on one
-            node, intra-node across nodes) and the fp8 matmul figure.
+            node, intra-node across nodes), the fp8 matmul figure and the MoE-layer model's fitted
+            ``moe_layer_fixed_us`` and ``moe_stream_matrix_overlap`` (0 without a base).
     """
 
     out: str
@@ -201,13 +202,15 @@ def build_profile(rows: list[dict[str, float]], device_facts: dict[str, float], 
         "matmul_flops_per_s": "measured: best of 5 bf16 matmuls" + (f"; fp8 copied from {base.name}" if "fp8" in flops else ""),
     }
     if base is not None:
-        sources["base"] = f"links not measured here copied from {base.path}"
+        sources["base"] = (f"links not measured here, moe_layer_fixed_us and moe_stream_matrix_overlap "
+                           f"copied from {base.path}")
     doc = {
         "format": HARDWARE_FORMAT, "name": cfg.name,
         "description": f"calibrated on {nodes} node(s) x {world_size // nodes} {gpu}",
         "gpu": gpu, "gpus_per_node": world_size // nodes, "memory_bytes": int(device_facts["memory_bytes"]),
         "hbm_bytes_per_s": device_facts["hbm_bytes_per_s"], "matmul_flops_per_s": flops,
         "moe_layer_fixed_us": base.moe_layer_fixed_us if base else 0.0,
+        "moe_stream_matrix_overlap": base.moe_stream_matrix_overlap if base else 0.0,
         "links": links, "sources": sources, "measurements": rows,
     }
     parse_hardware(doc, cfg.out)  # what we write must load

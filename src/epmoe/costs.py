@@ -270,18 +270,24 @@ def expert_layer_ms(
 ) -> float:
     """Time of one rank's grouped expert MLP over ``rows`` routed rows hitting ``touched`` experts, ms.
 
-    ``fixed + bytes / hbm + FLOPs / matmul`` with
-    - bytes: a ``1/tp`` slice of the weights of the ``touched`` experts (``3 D F`` parameters each, in
-      ``weight_format``) plus ``expert_activation_bytes``;
-    - FLOPs: ``2 * 3 D F / tp`` per row at the profile's matmul rate for the format's compute dtype;
+    ``max(stream, matrix) + (1 - overlap) * min(stream, matrix) + fixed`` with
+    - stream: bytes / hbm, the bytes being a ``1/tp`` slice of the weights of the ``touched`` experts
+      (``3 D F`` parameters each, in ``weight_format``) plus ``expert_activation_bytes``;
+    - matrix: ``2 * 3 D F / tp`` FLOPs per row at the profile's matmul rate for the format's compute dtype;
+    - overlap: the profile's ``moe_stream_matrix_overlap``, the share of the shorter of the two that the
+      kernels hide under the longer (0: added; 1: a ``max`` roofline);
     - fixed: the profile's ``moe_layer_fixed_us`` (alignment, launches, pipeline fill and drain of the
-      kernels of one layer; fitted to measurements, see the profile's sources).
-    Streaming and matrix work are added rather than overlapped (a ``max`` roofline): on the H200 the
-    measured Triton layer times at 1024-4096 tokens sit at about the sum (Qwen3, 4096 tokens: weights
-    284 + activations 118 + matrix 456 + fixed 27 = 886 us against 903 us measured; a ``max`` gives
-    483 us). Known gap: when too few experts are hit to give every SM a weight tile (a DeepSeek-V3 EP8
-    shard at 1 token: one expert) the stream runs below the profile's bandwidth and the model is about
-    20% low (benchmarks/planner_vs_h200.py).
+      kernels of one layer).
+    Overlap and fixed cost are fitted together to measurements (benchmarks/planner_vs_h200.py, the
+    profile's sources). The H200 Triton kernels stream weight tiles while they multiply, but not
+    completely (H200 run of commit 2dc8649, overlap 0.527, fixed 13.0 us): Qwen3-30B-A3B at 4096 tokens
+    streams weights 284 + activations 118 = 403 us against 456 us of matrix work; the sum (+ fixed) is
+    872 us, 1.28x the 681 us measured, the ``max`` 469 us, 0.69x; the partial overlap gives
+    ``456 + 0.473 x 403 + 13 = 660`` us, 0.97x. A DeepSeek-V3 EP8 shard at 4096 tokens: stream 713,
+    matrix 532 us, 977 us predicted against 958 measured (sum 1.31x, ``max`` 0.76x). Known gaps: where the
+    layer is stream-bound the kernels do not always reach the profile's bandwidth, so the model is low
+    there: 0.87x for the DeepSeek-V3 shard at 1 token (one expert hit: too few weight tiles to keep every
+    SM streaming), 0.80x for Qwen3 at 128 tokens (measured 387 us, slower than the 343 us at 256).
 
     Args:
         dims: the MoE-layer shape.
@@ -297,7 +303,9 @@ def expert_layer_ms(
     flops = rows * 2 * dims.expert_params() / tp
     peak = hardware.flops_per_s(compute_dtype(weight_format))
     stream_s = (weight_bytes + expert_activation_bytes(dims, rows, tp)) / hardware.hbm_bytes_per_s
-    return (stream_s + flops / peak) * 1e3 + hardware.moe_layer_fixed_us * 1e-3
+    matrix_s = flops / peak
+    overlapped_s = max(stream_s, matrix_s) + (1.0 - hardware.moe_stream_matrix_overlap) * min(stream_s, matrix_s)
+    return overlapped_s * 1e3 + hardware.moe_layer_fixed_us * 1e-3
 
 
 def predict_moe_layer_time(

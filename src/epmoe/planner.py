@@ -20,9 +20,10 @@ Model conventions: embeddings replicated; the LM head vocab-parallel with one lo
 under TP attention, replicated under DP attention; dense MLP layers TP under TP attention and
 replicated under DP attention; shared experts sliced under TP attention and replicated in the
 all-to-all strategies. Attention and dense kernels are modelled as rooflines on the busiest rank;
-routed experts by ``costs.expert_layer_ms`` (weight and activation streaming plus matrix work plus a
-fixed per-layer cost fitted to H200 measurements, the same function ``predict_moe_layer_time`` checks
-in benchmarks/planner_vs_h200.py); no overlap between compute and communication.
+routed experts by ``costs.expert_layer_ms`` (weight and activation streaming and matrix work, the
+shorter partly hidden under the longer, plus a fixed per-layer cost; overlap and fixed cost fitted to
+H200 measurements, the same function ``predict_moe_layer_time`` checks in
+benchmarks/planner_vs_h200.py); no overlap between compute and communication.
 """
 
 from __future__ import annotations

@@ -57,6 +57,9 @@ class HardwareProfile:
         hbm_bytes_per_s: achievable device-memory bandwidth, bytes/s.
         matmul_flops_per_s: achievable dense matrix throughput by compute dtype (``bf16``, ``fp8``), FLOP/s.
         moe_layer_fixed_us: fixed cost of one MoE layer's expert compute (routing, permutation, launch), µs.
+        moe_stream_matrix_overlap: the share, in ``[0, 1]``, of the shorter of an MoE layer's memory
+            streaming and matrix work that the expert kernels hide under the longer one (0: the two add
+            up; 1: a ``max`` roofline; ``costs.expert_layer_ms``). Absent from a file: 0.0.
         intra_node: collectives among GPUs of one node.
         inter_node: collectives across nodes; ``None`` when the profile describes a single node.
         sources: where each figure comes from (field name -> text).
@@ -75,6 +78,7 @@ class HardwareProfile:
     inter_node: LinkProfile | None
     sources: dict[str, str]
     path: str
+    moe_stream_matrix_overlap: float = 0.0
 
     def flops_per_s(self, dtype: str) -> float:
         """Achievable matrix throughput for compute dtype ``dtype`` (falls back to ``bf16``), FLOP/s."""
@@ -104,8 +108,9 @@ def parse_hardware(doc: dict[str, Any], source: str = "<dict>") -> HardwareProfi
     """Validate a profile JSON object.
 
     Raises:
-        ValueError: wrong ``format``, a missing or non-positive figure, no ``bf16`` matmul figure, or no
-            ``links.intra_node`` (the field and value are named).
+        ValueError: wrong ``format``, a missing or non-positive figure, no ``bf16`` matmul figure, no
+            ``links.intra_node``, or a ``moe_stream_matrix_overlap`` that is not a number in ``[0, 1]``
+            (the field and value are named).
     """
     if not isinstance(doc, dict):
         raise ValueError(f"{source}: expected a JSON object, got {type(doc).__name__}")
@@ -124,6 +129,9 @@ def parse_hardware(doc: dict[str, Any], source: str = "<dict>") -> HardwareProfi
     fixed = doc.get("moe_layer_fixed_us", 0.0)
     if isinstance(fixed, bool) or not isinstance(fixed, (int, float)) or fixed < 0:
         raise ValueError(f"{source}: field 'moe_layer_fixed_us' must be a non-negative number, got {fixed!r}")
+    overlap = doc.get("moe_stream_matrix_overlap", 0.0)
+    if isinstance(overlap, bool) or not isinstance(overlap, (int, float)) or not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"{source}: field 'moe_stream_matrix_overlap' must be a number in [0, 1], got {overlap!r}")
     return HardwareProfile(
         name=str(doc.get("name") or Path(source).stem),
         description=str(doc.get("description", "")),
@@ -133,6 +141,7 @@ def parse_hardware(doc: dict[str, Any], source: str = "<dict>") -> HardwareProfi
         hbm_bytes_per_s=_positive_number(doc, "hbm_bytes_per_s", source),
         matmul_flops_per_s=flops,
         moe_layer_fixed_us=float(fixed),
+        moe_stream_matrix_overlap=float(overlap),
         intra_node=_link(links["intra_node"], f"{source}: links.intra_node"),
         inter_node=_link(links["inter_node"], f"{source}: links.inter_node") if links.get("inter_node") else None,
         sources={str(k): str(v) for k, v in (doc.get("sources") or {}).items()},
