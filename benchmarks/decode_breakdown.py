@@ -18,9 +18,10 @@ median of 100):
     empty1           one empty Triton kernel, one program (launch floor)
     empty2           two empty kernels with the path's two grids, plain launches
     empty2_pdl       the same, the second a programmatic dependent launch (as the path)
-    read_w13         a pure read of the live pairs' w13 (sum of the gate and up tiles), gate/up grid and
-                     tiles, same register double buffering, no x / activation
-    read_w2          the same for w2 with the down grid and tiles
+    read_w13         a pure read of the live pairs' w13 (sum of the gate and up tiles), gate/up tiles, one
+                     program row per pair (grid ``(tiles, N)``: the path before pair groups), same
+                     register double buffering, no x / activation
+    read_w2          the same for w2 with the down tiles
     read_both        read_w13 then read_w2, plain launches
     read_both_pdl    the same, read_w2 a programmatic dependent launch that waits after its first tile
                      (the path's launch structure without its math)
@@ -43,7 +44,8 @@ import triton.language as tl
 
 from epmoe.experts import Activation, ExpertWeights
 from epmoe.kernels.triton_decode import (
-    _ZERO_BLOCK, DecodeConfig, _decode_down_kernel, _decode_gate_up_kernel, decode_experts, default_decode_config,
+    _ZERO_BLOCK, DecodeConfig, _decode_down_kernel, _decode_gate_up_kernel, _grid, decode_experts,
+    default_decode_config,
 )
 from epmoe.kernels.triton_moe import _act_code
 
@@ -116,10 +118,13 @@ def buffers(x, slots, tw, w13, w2, cfg: DecodeConfig) -> SimpleNamespace:
     """The decode path's launch arguments and scratch (as ``decode_experts`` makes them), plus read outputs."""
     t, k = slots.shape
     n, f, d = t * k, w2.shape[2], w2.shape[1]
-    grid1, grid2 = (triton.cdiv(f, cfg.block_n1), n), (triton.cdiv(d, cfg.block_n2), n)
+    grid1 = _grid(triton.cdiv(f, cfg.block_n1), n, cfg.max_programs)
+    grid2 = _grid(triton.cdiv(d, cfg.block_n2), n, cfg.max_programs)
+    read1, read2 = (grid1[0], n), (grid2[0], n)
     z = dict(dtype=torch.float32, device=x.device)
     return SimpleNamespace(
         x=x, slots=slots, tw=tw, w13=w13, w2=w2, cfg=cfg, t=t, k=k, n=n, d=d, f=f, grid1=grid1, grid2=grid2,
+        read1=read1, read2=read2, n_pad=triton.next_power_of_2(n),
         h=torch.zeros(n, f, **z), y=torch.zeros(n, d, **z),
         count=torch.zeros(grid2[0], dtype=torch.int32, device=x.device),
         out=torch.empty_like(x), rh=torch.zeros(n, f, **z), ry=torch.zeros(n, d, **z))
@@ -130,10 +135,11 @@ def gate_up(b, act: Activation, pdl: bool) -> None:
     c = b.cfg
     _decode_gate_up_kernel[b.grid1](
         b.x, b.slots, b.tw, b.w13, b.tw, b.tw, b.h, b.count,
-        b.k, b.grid2[0], b.d, b.f, b.x.stride(0), b.w13.stride(0), b.w13.stride(1), 0, 0,
+        b.n, b.k, b.grid2[0], b.d, b.f, b.x.stride(0), b.w13.stride(0), b.w13.stride(1), 0, 0,
         float(act.swiglu_limit or 0.0), float(act.swiglu_alpha),
-        BLOCK_N=c.block_n1, BLOCK_K=c.block_k1, ACT=_act_code(act), FP8=False, HAS_BIAS=False,
-        WEIGHT_ON_INPUT=False, ZERO_BLOCK=_ZERO_BLOCK, PDL=pdl, num_warps=c.num_warps,
+        BLOCK_N=c.block_n1, BLOCK_K=c.block_k1, N_PAD=b.n_pad, GROUPS=b.grid1[1],
+        ONE_PAIR=b.grid1[1] == b.n, ACT=_act_code(act), FP8=False,
+        HAS_BIAS=False, WEIGHT_ON_INPUT=False, ZERO_BLOCK=_ZERO_BLOCK, PDL=pdl, num_warps=c.num_warps,
     )
 
 
@@ -143,20 +149,21 @@ def down(b, pdl: bool, launch_pdl: bool) -> None:
     _decode_down_kernel[b.grid2](
         b.h, b.slots, b.tw, b.w2, b.tw, b.tw, b.y, b.count, b.out,
         b.t, b.k, b.n, b.d, b.f, b.w2.stride(0), b.w2.stride(1), 0, 0, b.out.stride(0),
-        BLOCK_N=c.block_n2, BLOCK_K=c.block_k2, K_PAD=triton.next_power_of_2(b.k), FP8=False,
+        BLOCK_N=c.block_n2, BLOCK_K=c.block_k2, K_PAD=triton.next_power_of_2(b.k), N_PAD=b.n_pad,
+        GROUPS=b.grid2[1], ONE_PAIR=b.grid2[1] == b.n, FP8=False,
         HAS_BIAS=False, WEIGHT_ON_INPUT=False, PDL=pdl, num_warps=c.num_warps, launch_pdl=launch_pdl,
     )
 
 
 def read_w13(b, pdl: bool) -> None:
     c = b.cfg
-    _read_w13_kernel[b.grid1](b.slots, b.w13, b.rh, b.d, b.f, b.w13.stride(0), b.w13.stride(1),
+    _read_w13_kernel[b.read1](b.slots, b.w13, b.rh, b.d, b.f, b.w13.stride(0), b.w13.stride(1),
                               BLOCK_N=c.block_n1, BLOCK_K=c.block_k1, PDL=pdl, num_warps=c.num_warps)
 
 
 def read_w2(b, pdl: bool) -> None:
     c = b.cfg
-    _read_w2_kernel[b.grid2](b.slots, b.w2, b.ry, b.d, b.f, b.w2.stride(0), b.w2.stride(1),
+    _read_w2_kernel[b.read2](b.slots, b.w2, b.ry, b.d, b.f, b.w2.stride(0), b.w2.stride(1),
                              BLOCK_N=c.block_n2, BLOCK_K=c.block_k2, PDL=pdl, num_warps=c.num_warps, launch_pdl=pdl)
 
 

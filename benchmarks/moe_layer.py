@@ -62,11 +62,12 @@ SWEEP = [
 ]
 MODEL_LAYERS = 8
 DECODE_SWEEP = [
-    DecodeConfig(8, 512, 32, 256, 4, True), DecodeConfig(8, 512, 32, 256, 4, False),
-    DecodeConfig(4, 1024, 16, 512, 4, True), DecodeConfig(16, 512, 32, 256, 8, True),
-    DecodeConfig(8, 1024, 16, 512, 8, True), DecodeConfig(8, 512, 16, 256, 4, True),
-    DecodeConfig(4, 512, 16, 256, 4, True), DecodeConfig(16, 256, 64, 128, 4, True),
-    DecodeConfig(8, 256, 32, 128, 4, True),
+    DecodeConfig(8, 256, 32, 128, 4, True), DecodeConfig(8, 256, 32, 128, 4, True, 512),
+    DecodeConfig(8, 256, 32, 128, 4, True, 4096), DecodeConfig(8, 512, 32, 256, 4, True),
+    DecodeConfig(4, 512, 16, 256, 4, True), DecodeConfig(4, 512, 16, 256, 4, True, 512),
+    DecodeConfig(4, 512, 16, 256, 4, True, 768), DecodeConfig(4, 512, 16, 256, 4, True, 1536),
+    DecodeConfig(4, 512, 16, 256, 4, True, 4096), DecodeConfig(8, 512, 16, 256, 4, True, 1024),
+    DecodeConfig(4, 1024, 16, 512, 4, True, 1024), DecodeConfig(4, 512, 16, 256, 8, True, 1024),
 ]
 
 

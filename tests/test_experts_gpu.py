@@ -121,7 +121,8 @@ def test_decode_configs_match_reference(pdl, t, k, d, f):
     tw = torch.rand(t, k, device="cuda")
     ref = reference_experts(x.double(), slots, tw.double(), ExpertWeights(
         w.w13.double(), w.w2.double(), w.b13.double(), w.b2.double()), act)
-    for cfg in (DecodeConfig(pdl=pdl), DecodeConfig(4, 1024, 16, 512, 8, pdl)):
+    for cfg in (DecodeConfig(pdl=pdl), DecodeConfig(4, 1024, 16, 512, 8, pdl), DecodeConfig(pdl=pdl, max_programs=1),
+                DecodeConfig(pdl=pdl, max_programs=100)):
         out = decode_experts(x, slots, tw, w, _act_code(act), act, config=cfg)
         assert _rel(out, ref) < 2e-2
 

@@ -43,18 +43,20 @@ def test_decode_matches_reference(t, k, d, f, dtype, act, bias, woi):
     slots[0, 0] = 2
     tw = torch.rand(t, k)
     ref = reference_experts(x.double(), slots, tw.double(), _f64(w), act, woi)
-    cfg = DecodeConfig(8, 64, 16, 32, 4, False)
-    out = decode_experts(x, slots, tw, w, _act_code(act), act, woi, cfg)
-    rel = ((out.double() - ref).norm() / ref.norm()).item()
-    assert rel < (2e-3 if dtype == torch.float16 else 1e-5)
-    assert torch.equal(out, decode_experts(x, slots, tw, w, _act_code(act), act, woi, cfg))
+    # max_programs 1024: one pair group per pair; 40: 2-3 groups; 1: one group takes every live pair
+    for max_programs in (1024, 40, 1):
+        cfg = DecodeConfig(8, 64, 16, 32, 4, False, max_programs)
+        out = decode_experts(x, slots, tw, w, _act_code(act), act, woi, cfg)
+        rel = ((out.double() - ref).norm() / ref.norm()).item()
+        assert rel < (2e-3 if dtype == torch.float16 else 1e-5)
+        assert torch.equal(out, decode_experts(x, slots, tw, w, _act_code(act), act, woi, cfg))
 
 
 def test_decode_all_skipped_and_fp8():
     from epmoe.kernels.fp8 import block_fp8_expert_weights
     from epmoe.kernels.triton_decode import DecodeConfig, decode_experts
 
-    cfg = DecodeConfig(8, 64, 16, 64, 4, False)
+    cfg = DecodeConfig(8, 64, 16, 64, 4, False, 50)
     w = _weights(7, 4, 384, 256, True, torch.float32)
     x = torch.randn(2, 384).half()
     tw = torch.rand(2, 4)

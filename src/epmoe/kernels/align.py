@@ -84,7 +84,8 @@ def align_reference(topk_slots: torch.Tensor, num_slots: int, block_m: int, half
     counts = counts[:num_slots]
     nblk = (counts + block_m - 1) // block_m
     last = counts - (nblk - 1) * block_m
-    last_rows = torch.where(last <= block_m // 2, block_m // 2, block_m) if half_tail else torch.full_like(last, block_m)
+    half_rows = torch.where(last <= block_m // 2, block_m // 2, block_m)
+    last_rows = half_rows if half_tail else torch.full_like(last, block_m)
     padded = torch.where(counts > 0, (nblk - 1) * block_m + last_rows, 0)
     padded_start = torch.cumsum(padded, 0) - padded
     group_start = torch.cumsum(counts, 0) - counts

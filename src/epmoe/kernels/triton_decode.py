@@ -5,29 +5,37 @@ For a handful of (token, k) pairs (``N = T * K <= DECODE_MAX_PAIRS``) the groupe
 for one row, a separate sum launch, and too few programs to keep 132 SMs reading one expert. Here each
 pair is its own matrix-vector product and the work is cut along the output columns only:
 
-1. ``_decode_gate_up_kernel``, grid ``(cdiv(F, BLOCK_N1), N)``: program ``(j, p)`` reads the
-   ``BLOCK_N1`` gate rows and ``BLOCK_N1`` up rows of pair ``p``'s expert (full ``D`` length, so every
-   row read is contiguous), applies bias, routing weight (weight on input) and the gated activation,
-   and writes ``h [N, F]`` float32, already multiplied by the routing weight when the weight goes on
-   the output. Program ``(0, 0)`` also zeroes the arrival counters of step 2 (safe: step 2 reads them
-   only after step 1 has ended).
-2. ``_decode_down_kernel``, grid ``(cdiv(D, BLOCK_N2), N)``: program ``(j, p)`` reads ``BLOCK_N2`` rows
-   of pair ``p``'s ``w2`` (full ``F`` length) and writes ``y [N, D]`` float32 for its columns, then takes
-   a ticket from column tile ``j``'s arrival counter; the program that arrives last for tile ``j`` sums
-   that tile over each token's ``K`` pairs in a fixed order and writes ``out`` (the threadfence-reduction
-   pattern of the CUDA samples; no float atomics, so results are bitwise reproducible).
+The live pairs (slot not ``-1``) are numbered in order on the device; with ``G`` pair groups,
+program ``(j, g)`` of a launch computes column tile ``j`` of live pairs ``g, g + G, g + 2G, ...``.
+``G = min(N, max_programs // tiles)`` (``DecodeConfig.max_programs``): a layer with all pairs local
+(Qwen3-30B-A3B on one GPU, 8 pairs x 96 tiles) gets one group per pair as before, while an expert-parallel
+shard whose pairs are mostly served on other ranks (a DeepSeek-V3 EP8 shard: 8 pairs, about one local,
+512 tiles) launches 2 groups instead of 8 programs per tile, most of which would only exit.
+
+1. ``_decode_gate_up_kernel``, grid ``(cdiv(F, BLOCK_N1), G)``: for each of its pairs, program
+   ``(j, g)`` reads the ``BLOCK_N1`` gate rows and ``BLOCK_N1`` up rows of the pair's expert (full ``D``
+   length, so every row read is contiguous), applies bias, routing weight (weight on input) and the
+   gated activation, and writes ``h [N, F]`` float32, already multiplied by the routing weight when
+   the weight goes on the output. Program ``(0, 0)`` also zeroes the arrival counters of step 2 (safe:
+   step 2 reads them only after step 1 has ended).
+2. ``_decode_down_kernel``, grid ``(cdiv(D, BLOCK_N2), G)``: for each of its pairs, program ``(j, g)``
+   reads ``BLOCK_N2`` rows of the pair's ``w2`` (full ``F`` length) and writes ``y [N, D]`` float32 for
+   its columns, then takes a ticket from column tile ``j``'s arrival counter; the program that arrives
+   last for tile ``j`` sums that tile over each token's ``K`` pairs in a fixed order and writes ``out``
+   (the threadfence-reduction pattern of the CUDA samples; no float atomics, so results are bitwise
+   reproducible).
 
 Both kernels keep two weight tiles in flight per program by register double buffering (tile ``k + 1``
-is requested before tile ``k`` is reduced; Triton software-pipelines only loads that feed ``tl.dot``).
+is requested before tile ``k`` is reduced, and the next pair's first tile before the last tile of this
+pair; Triton software-pipelines only loads that feed ``tl.dot``).
 On Hopper the down kernel is a programmatic dependent launch (``DecodeConfig.pdl``): step 1 allows it at
 its start, so its programs are placed while step 1's last programs run, request their first ``w2`` tile
 (the slots and weights were complete before step 1 began) and only then wait (``griddepcontrol.wait``)
 for step 1's ``h``; this hides the launch gap between the two.
 
-Pairs with slot ``-1`` exit at once (they still take their ticket). No host synchronisation and static
-grids: CUDA-graph safe. Block FP8 weights are read as float8_e4m3fn (half the bytes) and widened in
-registers; the 128x128 block scale is folded into the vector (``x`` or ``h``) since all rows of a
-program share one scale row (``BLOCK_N`` divides 128).
+No host synchronisation and static grids: CUDA-graph safe. Block FP8 weights are read as
+float8_e4m3fn (half the bytes) and widened in registers; the 128x128 block scale is folded into the
+vector (``x`` or ``h``) since all rows of a program share one scale row (``BLOCK_N`` divides 128).
 
 Floor at one token: the active experts' weight bytes over HBM bandwidth (Qwen3-30B-A3B: 8 x 9.4 MB,
 17.8 us at 4.25 TB/s; DeepSeek-V3 shard: 1 x 88 MB, 20.7 us).
@@ -62,6 +70,9 @@ class DecodeConfig:
         pdl: launch the down kernel as a programmatic dependent launch (Hopper): its programs start
             while the gate/up launch's last programs run, read their first ``w2`` tile, and wait
             (``griddepcontrol.wait``) only before reading ``h``.
+        max_programs: programs per launch, at most (and at least one pair group): the live pairs are
+            shared among ``max_programs // column tiles`` pair groups per column tile (see the module
+            docstring), so a layer whose pairs are mostly on other ranks does not launch idle programs.
     """
 
     block_n1: int = 8
@@ -70,6 +81,7 @@ class DecodeConfig:
     block_k2: int = 256
     num_warps: int = 4
     pdl: bool = True
+    max_programs: int = 1024
 
 
 def default_decode_config(d: int, f: int, weight_bytes: int) -> DecodeConfig:
@@ -91,7 +103,7 @@ def default_decode_config(d: int, f: int, weight_bytes: int) -> DecodeConfig:
     block_n1 = 4 if f >= 1536 else 8
     block_n2 = 16 if d >= 4096 else 32
     return DecodeConfig(block_n1, _TILE_BYTES // (2 * block_n1 * weight_bytes), block_n2,
-                        _TILE_BYTES // (block_n2 * weight_bytes), 4, True)
+                        _TILE_BYTES // (block_n2 * weight_bytes), 4, True, 1024)
 
 
 @triton.jit
@@ -113,38 +125,37 @@ def gated_activation(g, u, act_limit, act_alpha, ACT: tl.constexpr):
 
 
 @triton.jit
-def _decode_gate_up_kernel(
-    x_ptr, slots_ptr, tw_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, count_ptr,
-    top_k, num_counters, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr, FP8: tl.constexpr,
-    HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, ZERO_BLOCK: tl.constexpr, PDL: tl.constexpr,
+def _live_pair(idx, sl, live, rank, i):
+    """Pair index and slot of the ``i``-th live pair (0 and 0 when there is none)."""
+    sel = live & (rank == i)
+    return tl.sum(tl.where(sel, idx, 0), 0), tl.sum(tl.where(sel, sl, 0), 0).to(tl.int64)
+
+
+@triton.jit
+def _live_pairs(slots_ptr, num_pairs, N_PAD: tl.constexpr):
+    """The pairs' slots ``[N_PAD]``, which are live (slot not -1), their rank among the live, how many."""
+    idx = tl.arange(0, N_PAD)
+    sl = tl.load(slots_ptr + idx, mask=idx < num_pairs, other=-1)
+    live = sl >= 0
+    return idx, sl, live, tl.cumsum(live.to(tl.int32), 0) - 1, tl.sum(live.to(tl.int32), 0)
+
+
+@triton.jit
+def _gate_up_pair(
+    x_ptr, tw_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, pair, slot, wg, wu, next_slot, more, pid_n, top_k, D, F,
+    stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha, rows, offs_n, n_ok, offs_k, first,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
+    WEIGHT_ON_INPUT: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pair = tl.program_id(1)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    if (pid_n == 0) & (pair == 0):
-        for i0 in range(0, num_counters, ZERO_BLOCK):
-            i = i0 + tl.arange(0, ZERO_BLOCK)
-            tl.store(count_ptr + i, tl.zeros([ZERO_BLOCK], dtype=tl.int32), mask=i < num_counters)
-    slot = tl.load(slots_ptr + pair)
-    if slot < 0:
-        return
-    slot = slot.to(tl.int64)
-    tok = (pair // top_k).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < F
-    offs_k = tl.arange(0, BLOCK_K)
-    wg_ptrs = w_ptr + slot * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    """``h`` of one pair for column tile ``pid_n``, from its first tiles ``wg``/``wu`` already requested;
+    with ``PREFETCH`` returns the first tiles of ``next_slot`` (requested before this pair's epilogue)."""
+    wg_ptrs = w_ptr + slot * stride_we + rows
     wu_ptrs = wg_ptrs + F * stride_wn
-    x_ptrs = x_ptr + tok * stride_x + offs_k
-    # Register double buffering: tile k + 1 is requested before tile k is reduced (Triton pipelines only
-    # loads that feed tl.dot), so two tiles per program are in flight.
-    first = n_ok[:, None] & (offs_k < D)[None, :]
-    wg = tl.load(wg_ptrs, mask=first, other=0.0)
-    wu = tl.load(wu_ptrs, mask=first, other=0.0)
+    x_ptrs = x_ptr + (pair // top_k).to(tl.int64) * stride_x + offs_k
     g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # register double buffering: tile k + 1 is requested before tile k is reduced (Triton pipelines only
+    # loads that feed tl.dot), so two tiles per program are in flight.
     for k0 in range(0, D, BLOCK_K):
         k_ok = offs_k < D - k0
         nxt = n_ok[:, None] & (offs_k < D - k0 - BLOCK_K)[None, :]
@@ -165,6 +176,9 @@ def _decode_gate_up_kernel(
         x_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K
+    if PREFETCH:
+        wg = tl.load(w_ptr + next_slot * stride_we + rows, mask=first & more, other=0.0)
+        wu = tl.load(w_ptr + next_slot * stride_we + F * stride_wn + rows, mask=first & more, other=0.0)
     tw = tl.load(tw_ptr + pair)
     if WEIGHT_ON_INPUT:
         g *= tw
@@ -176,61 +190,150 @@ def _decode_gate_up_kernel(
     if not WEIGHT_ON_INPUT:
         h *= tw
     tl.store(h_ptr + pair * F + offs_n, h, mask=n_ok)
+    return wg, wu
+
+
+@triton.jit
+def _decode_gate_up_kernel(
+    x_ptr, slots_ptr, tw_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, count_ptr,
+    num_pairs, top_k, num_counters, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit,
+    act_alpha, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_PAD: tl.constexpr, GROUPS: tl.constexpr,
+    ONE_PAIR: tl.constexpr, ACT: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
+    WEIGHT_ON_INPUT: tl.constexpr,
+    ZERO_BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    group = tl.program_id(1)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if (pid_n == 0) & (group == 0):
+        for i in range(0, num_counters, ZERO_BLOCK):
+            zi = i + tl.arange(0, ZERO_BLOCK)
+            tl.store(count_ptr + zi, tl.zeros([ZERO_BLOCK], dtype=tl.int32), mask=zi < num_counters)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < F
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    first = n_ok[:, None] & (offs_k < D)[None, :]
+    if ONE_PAIR:
+        # one group per pair (all pairs usually live): program (j, p) computes pair p, straight-line code
+        slot = tl.load(slots_ptr + group)
+        if slot < 0:
+            return
+        slot = slot.to(tl.int64)
+        wg = tl.load(w_ptr + slot * stride_we + rows, mask=first, other=0.0)
+        wu = tl.load(w_ptr + slot * stride_we + F * stride_wn + rows, mask=first, other=0.0)
+        _gate_up_pair(x_ptr, tw_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, group, slot, wg, wu, slot, False, pid_n, top_k,
+                      D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha, rows, offs_n,
+                      n_ok, offs_k, first, BLOCK_N, BLOCK_K, ACT, FP8, HAS_BIAS, WEIGHT_ON_INPUT, False)
+    else:
+        # live pairs group, group + GROUPS, ...; the next pair's first tiles are requested before this
+        # pair's epilogue
+        idx, sl, live, rank, n_live = _live_pairs(slots_ptr, num_pairs, N_PAD)
+        pair, slot = _live_pair(idx, sl, live, rank, group)
+        wg = tl.load(w_ptr + slot * stride_we + rows, mask=first & (group < n_live), other=0.0)
+        wu = tl.load(w_ptr + slot * stride_we + F * stride_wn + rows, mask=first & (group < n_live), other=0.0)
+        for i in range(group, n_live, GROUPS):
+            next_pair, next_slot = _live_pair(idx, sl, live, rank, i + GROUPS)
+            wg, wu = _gate_up_pair(x_ptr, tw_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, pair, slot, wg, wu, next_slot,
+                                   i + GROUPS < n_live, pid_n, top_k, D, F, stride_x, stride_we, stride_wn, stride_se,
+                                   stride_sn, act_limit, act_alpha, rows, offs_n, n_ok, offs_k, first, BLOCK_N,
+                                   BLOCK_K, ACT, FP8, HAS_BIAS, WEIGHT_ON_INPUT, True)
+            pair = next_pair
+            slot = next_slot
+
+
+@triton.jit
+def _down_pair(
+    h_ptr, tw_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, pair, slot, w, next_slot, more, pid_n, D, F,
+    stride_we, stride_se, stride_sn, rows, offs_n, n_ok, offs_k, first,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
+    WEIGHT_ON_INPUT: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """``y`` of one pair for column tile ``pid_n`` from its first ``w2`` tile ``w`` already requested; with
+    ``PREFETCH`` returns the first tile of ``next_slot``."""
+    w_ptrs = w_ptr + slot * stride_we + rows
+    h_ptrs = h_ptr + pair * F + offs_k
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, F, BLOCK_K):
+        k_ok = offs_k < F - k0
+        w_next = tl.load(w_ptrs + BLOCK_K, mask=n_ok[:, None] & (offs_k < F - k0 - BLOCK_K)[None, :], other=0.0)
+        hk = tl.load(h_ptrs, mask=k_ok, other=0.0)
+        if FP8:
+            sc = tl.load(ws_ptr + slot * stride_se + (pid_n * BLOCK_N // 128) * stride_sn + (k0 + offs_k) // 128,
+                         mask=k_ok, other=0.0)
+            hk *= sc
+        acc += tl.sum(w.to(tl.float32) * hk[None, :], axis=1)
+        w = w_next
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if PREFETCH:
+        w = tl.load(w_ptr + next_slot * stride_we + rows, mask=first & more, other=0.0)
+    if HAS_BIAS:
+        b = tl.load(b_ptr + slot * D + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        if not WEIGHT_ON_INPUT:
+            b *= tl.load(tw_ptr + pair)
+        acc += b
+    tl.store(y_ptr + pair * D + offs_n, acc, mask=n_ok)
+    return w
 
 
 @triton.jit
 def _decode_down_kernel(
     h_ptr, slots_ptr, tw_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, count_ptr, out_ptr,
     num_tokens, top_k, num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn, stride_o,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PAD: tl.constexpr, FP8: tl.constexpr,
-    HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr, GROUPS: tl.constexpr,
+    ONE_PAIR: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    pair = tl.program_id(1)
+    group = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < D
-    # slots and weights were complete before the gate/up launch began: read them before the wait.
-    slot = tl.load(slots_ptr + pair)
-    live = slot >= 0
-    slot = tl.maximum(slot, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + slot * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    w = tl.load(w_ptrs, mask=live & n_ok[:, None] & (offs_k < F)[None, :], other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    if live:
-        h_ptrs = h_ptr + pair * F + offs_k
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, F, BLOCK_K):
-            k_ok = offs_k < F - k0
-            w_next = tl.load(w_ptrs + BLOCK_K, mask=n_ok[:, None] & (offs_k < F - k0 - BLOCK_K)[None, :], other=0.0)
-            hk = tl.load(h_ptrs, mask=k_ok, other=0.0)
-            if FP8:
-                sc = tl.load(ws_ptr + slot * stride_se + (pid_n * BLOCK_N // 128) * stride_sn + (k0 + offs_k) // 128,
-                             mask=k_ok, other=0.0)
-                hk *= sc
-            acc += tl.sum(w.to(tl.float32) * hk[None, :], axis=1)
-            w = w_next
-            h_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        y = acc
-        if HAS_BIAS:
-            b = tl.load(b_ptr + slot * D + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            if not WEIGHT_ON_INPUT:
-                b *= tl.load(tw_ptr + pair)
-            y += b
-        tl.store(y_ptr + pair * D + offs_n, y, mask=n_ok)
+    rows = offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    first = n_ok[:, None] & (offs_k < F)[None, :]
+    # slots and weights were complete before the gate/up launch began: read them before the wait.
+    if ONE_PAIR:
+        slot = tl.load(slots_ptr + group)
+        live = slot >= 0
+        slot = tl.maximum(slot, 0).to(tl.int64)
+        w = tl.load(w_ptr + slot * stride_we + rows, mask=first & live, other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        if live:
+            _down_pair(h_ptr, tw_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, group, slot, w, slot, False, pid_n, D, F,
+                       stride_we, stride_se, stride_sn, rows, offs_n, n_ok, offs_k, first, BLOCK_N, BLOCK_K, FP8,
+                       HAS_BIAS, WEIGHT_ON_INPUT, False)
+    else:
+        idx, sl, live, rank, n_live = _live_pairs(slots_ptr, num_pairs, N_PAD)
+        pair, slot = _live_pair(idx, sl, live, rank, group)
+        w = tl.load(w_ptr + slot * stride_we + rows, mask=first & (group < n_live), other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        for i in range(group, n_live, GROUPS):
+            next_pair, next_slot = _live_pair(idx, sl, live, rank, i + GROUPS)
+            w = _down_pair(h_ptr, tw_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, pair, slot, w, next_slot, i + GROUPS < n_live,
+                           pid_n, D, F, stride_we, stride_se, stride_sn, rows, offs_n, n_ok, offs_k, first, BLOCK_N,
+                           BLOCK_K, FP8, HAS_BIAS, WEIGHT_ON_INPUT, True)
+            pair = next_pair
+            slot = next_slot
     tl.debug_barrier()
     ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-    if ticket == num_pairs - 1:
+    if ticket == GROUPS - 1:
         offs_j = tl.arange(0, K_PAD)
         j_ok = offs_j < top_k
         for t in range(0, num_tokens):
-            sl = tl.load(slots_ptr + t * top_k + offs_j, mask=j_ok, other=-1)
-            rows = (t * top_k + offs_j).to(tl.int64)
-            v = tl.load(y_ptr + rows[:, None] * D + offs_n[None, :], mask=(sl >= 0)[:, None] & n_ok[None, :],
+            slj = tl.load(slots_ptr + t * top_k + offs_j, mask=j_ok, other=-1)
+            yrows = (t * top_k + offs_j).to(tl.int64)
+            v = tl.load(y_ptr + yrows[:, None] * D + offs_n[None, :], mask=(slj >= 0)[:, None] & n_ok[None, :],
                         other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + t * stride_o + offs_n, tl.sum(v, axis=0).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def _grid(tiles: int, num_pairs: int, max_programs: int) -> tuple[int, int]:
+    """``(tiles, groups)``: as many pair groups as fit in ``max_programs`` programs, 1 to ``num_pairs``."""
+    return tiles, max(1, min(num_pairs, max_programs // tiles))
 
 
 def decode_experts(
@@ -277,7 +380,9 @@ def decode_experts(
     dev = x.device
     h = torch.empty(n, f, dtype=torch.float32, device=dev)
     y = torch.empty(n, d, dtype=torch.float32, device=dev)
-    grid2 = (triton.cdiv(d, cfg.block_n2), n)
+    grid1 = _grid(triton.cdiv(f, cfg.block_n1), n, cfg.max_programs)
+    grid2 = _grid(triton.cdiv(d, cfg.block_n2), n, cfg.max_programs)
+    n_pad = triton.next_power_of_2(n)
     count = torch.empty(grid2[0], dtype=torch.int32, device=dev)
     out = torch.empty_like(x)
     if fp8:
@@ -289,18 +394,20 @@ def decode_experts(
     b13 = weights.b13 if weights.b13 is not None else topk_weights
     b2 = weights.b2 if weights.b2 is not None else topk_weights
     limit = activation.swiglu_limit if activation.swiglu_limit is not None else 0.0
-    _decode_gate_up_kernel[(triton.cdiv(f, cfg.block_n1), n)](
+    _decode_gate_up_kernel[grid1](
         x, topk_slots, topk_weights, w13, s13, b13, h, count,
-        k, grid2[0], d, f, x.stride(0), w13.stride(0), w13.stride(1), *strides13,
+        n, k, grid2[0], d, f, x.stride(0), w13.stride(0), w13.stride(1), *strides13,
         float(limit), float(activation.swiglu_alpha),
-        BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, ACT=act_code, FP8=fp8, HAS_BIAS=weights.b13 is not None,
-        WEIGHT_ON_INPUT=weight_on_input, ZERO_BLOCK=_ZERO_BLOCK, PDL=cfg.pdl, num_warps=cfg.num_warps,
+        BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, N_PAD=n_pad, GROUPS=grid1[1], ONE_PAIR=grid1[1] == n,
+        ACT=act_code, FP8=fp8, HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input,
+        ZERO_BLOCK=_ZERO_BLOCK, PDL=cfg.pdl, num_warps=cfg.num_warps,
     )
     _decode_down_kernel[grid2](
         h, topk_slots, topk_weights, w2, s2, b2, y, count, out,
         t, k, n, d, f, w2.stride(0), w2.stride(1), *strides2, out.stride(0),
-        BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, K_PAD=triton.next_power_of_2(k), FP8=fp8,
-        HAS_BIAS=weights.b2 is not None, WEIGHT_ON_INPUT=weight_on_input, PDL=cfg.pdl, num_warps=cfg.num_warps,
+        BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, K_PAD=triton.next_power_of_2(k), N_PAD=n_pad,
+        GROUPS=grid2[1], ONE_PAIR=grid2[1] == n, FP8=fp8, HAS_BIAS=weights.b2 is not None,
+        WEIGHT_ON_INPUT=weight_on_input, PDL=cfg.pdl, num_warps=cfg.num_warps,
         launch_pdl=cfg.pdl,
     )
     return out
