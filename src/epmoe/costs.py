@@ -280,13 +280,13 @@ def expert_layer_ms(
       kernels of one layer).
     Overlap and fixed cost are fitted together to measurements (benchmarks/planner_vs_h200.py, the
     profile's sources). The H200 Triton kernels stream weight tiles while they multiply, but not
-    completely (H200 run of benchmarks/results/moe_layer_h200.json, overlap 0.524, fixed 11.4 us):
+    completely (H200 run of benchmarks/results/moe_layer_h200.json, overlap 0.579, fixed 11.1 us):
     Qwen3-30B-A3B at 4096 tokens streams weights 284 + activations 118 = 403 us against 456 us of matrix
-    work; the sum (+ fixed) is 870 us, 1.29x the 674 us measured, the ``max`` 468 us, 0.69x; the partial
-    overlap gives ``456 + 0.476 x 403 + 11.4 = 660`` us, 0.98x. A DeepSeek-V3 EP8 shard at 4096 tokens:
-    stream 713, matrix 532 us, 977 us predicted against 961 measured (sum 1.31x, ``max`` 0.75x). Known
-    gaps: Qwen3 at 128 tokens is measured slower (389 us) than at 256 (343 us), so the model is 0.79x
-    there; at 1 token the fixed cost is too high for Qwen3 (1.16x).
+    work; the sum (+ fixed) is 870 us, 1.29x the 673 us measured, the ``max`` 467 us, 0.69x; the partial
+    overlap gives ``456 + 0.421 x 403 + 11.1 = 637`` us, 0.95x. A DeepSeek-V3 EP8 shard at 4096 tokens:
+    stream 713, matrix 532 us, 948 us predicted against 935 measured (sum 1.34x, ``max`` 0.77x). Known
+    gap: at a few tokens the layer streams below the profile's bandwidth, so the model is low there
+    (Qwen3 at 8 tokens 0.89x).
 
     Args:
         dims: the MoE-layer shape.
