@@ -3,19 +3,27 @@
 Pipeline for ``x [T, D]`` and ``topk_slots [T, K]`` (``N = T * K`` pairs), all launches of static grid
 size and no host synchronisation (CUDA-graph safe):
 
-1. ``_count_kernel``: per-slot pair counts with atomics.
-2. ``_offsets_kernel`` (one program): block-padded slot offsets (prefix sum), the slot of every row
-   block, the padding sentinel in every sorted position.
+1. a sentinel fill of the sorted positions and ``_count_kernel``: per-slot pair counts with atomics.
+2. ``_offsets_kernel`` (one program per group of row blocks, each recomputing the small per-slot prefix
+   sums): each slot's first padded position, and every row block's slot, first position and rows
+   (``align``: full blocks of ``BM`` rows, with ``half_tail`` a half-size last block when at most
+   ``BM / 2`` rows are left).
 3. ``_scatter_kernel``: each pair takes a position in its slot's group (atomics; the order inside a
    group does not change any row's result).
-   For decode sizes ``_align_small_kernel`` does 1-3 in one program and one launch.
-   Up to ``triton_decode.DECODE_MAX_PAIRS`` pairs none of this runs: ``triton_decode`` computes them in
-   two launches without alignment.
+   For few pairs x slots (``_SMALL_ALIGN``) ``_align_small_kernel`` does 1-3 in one program and one
+   launch. Up to ``triton_decode.DECODE_MAX_PAIRS`` pairs none of this runs: ``triton_decode`` computes
+   them in two launches without alignment.
 4. ``_gate_up_kernel``: per (row block, F tile): rows gathered from ``x`` by pair id, gate and up tiles
    accumulated side by side in float32, bias, the gated activation, stored as ``h [NB*BM, F]``.
 5. ``_down_kernel``: per (row block, D tile): ``h @ w2[slot].T``, bias, times the routing weight,
    stored at the pair's row of ``y [N, D]``.
 6. ``_sum_kernel``: ``out[t] = sum_k y[t*K + k]`` over the pairs whose slot is not ``-1``.
+
+In 4 and 5 a half-size block runs the same code with ``BM / 2`` rows (a second compiled branch), so the
+padding multiplied is under ``BM / 2`` rows per slot. With ``TileConfig.tma`` the weight tiles (and
+the down kernel's ``h`` rows, which are contiguous per block) are read through Hopper's tensor memory
+accelerator from host-built descriptors; the token rows of step 4 are a gather, read with ordinary
+loads.
 
 Block-quantized FP8 weights (``BlockFP8ExpertWeights``) are read as float8_e4m3fn, widened to bf16 in
 registers and the tile product scaled by its 128x128 block scale (``BLOCK_K == 128`` so each K step sees
