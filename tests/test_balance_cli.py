@@ -114,3 +114,22 @@ def test_loads_directory_and_weight_key_messages(tmp_path, capsys):
     assert main(["balance", "--loads", str(bad), "--ep", "2", "--out", str(out)]) == 2
     assert "field 'weight' must be a list of equally long per-layer lists" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w.json"]
+
+
+def test_out_must_not_overwrite_the_loads(tmp_path, capsys):
+    loads = tmp_path / "loads.json"
+    loads.write_text((DATA / "eplb_readme_example.json").read_text())
+    before = loads.read_bytes()
+    assert main(["balance", "--loads", str(loads), "--ep", "8", "--redundant", "4", "--out", str(loads)]) == 2
+    assert "--out" in capsys.readouterr().err and loads.read_bytes() == before
+
+
+def test_absurd_redundant_and_overflowing_loads_are_refused(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["balance", "--loads", str(DATA / "eplb_readme_example.json"), "--ep", "8", "--redundant",
+                 "999999996", "--out", str(out)]) == 2
+    assert "exceeds 84 (12 experts x 7)" in capsys.readouterr().err and not out.exists()
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps({"weight": [[1e308, 1e308, 1, 1]]}))
+    assert main(["balance", "--loads", str(big), "--ep", "2", "--out", str(out)]) == 2
+    assert "overflow float64" in capsys.readouterr().err and not out.exists()

@@ -104,3 +104,22 @@ def test_file_ep_disagreement(tmp_path):
     ExpertPlacement.trivial(1, 4, 2).save(path)
     with pytest.raises(ValueError, match="the file is for EP size 2 but EP size 4 was asked for"):
         ExpertPlacement.load(path, ep_size=4)
+
+
+@pytest.mark.parametrize("doc,msg", [
+    ({"ep_size": "2", "phy2log": [[0, 1, 2, 3]]}, "field 'ep_size' must be an integer, got '2'"),
+    ({"ep_size": 2.0, "phy2log": [[0, 1, 2, 3]]}, "field 'ep_size' must be an integer, got 2.0"),
+    ({"ep_size": 2, "num_experts": True, "phy2log": [[0, 1, 2, 3]]}, "field 'num_experts' must be an integer"),
+    ({"format": "foo/9", "ep_size": 2, "phy2log": [[0, 1, 2, 3]]}, "field 'format' is 'foo/9'"),
+])
+def test_placement_file_fields_are_typed(tmp_path, doc, msg):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=msg):
+        ExpertPlacement.load(path)
+
+
+def test_redundant_slots_bounded():
+    with pytest.raises(ValueError, match=r"num_redundant \(1000000000000\) exceeds 8 \(8 experts x 1\)"):
+        ExpertPlacement.trivial(num_layers=2, num_experts=8, ep_size=2, num_redundant=10**12)
+    assert ExpertPlacement.trivial(num_layers=1, num_experts=4, ep_size=2, num_redundant=4).num_slots == 8

@@ -309,3 +309,40 @@ def test_weights_hint_only_smaller_formats(capsys):
     assert main(["plan", "--config", k25, "--gpus", "1", "--hardware", "h200-sxm", "--batch", "1"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "add GPUs or use a shorter --context" in out and "--weights" not in out
+
+
+@pytest.mark.parametrize("flag,value,msg", [
+    ("--batch", "1000000000000", "--batch must be at most 1048576, got 1000000000000"),
+    ("--spec-tokens", "1000000000", "--spec-tokens must be at most 256, got 1000000000"),
+    ("--context", "999999999999", "--context must be at most 16777216, got 999999999999"),
+    ("--redundant", "100000", "--redundant must be at most 896, got 100000"),  # 128 experts x (8 - 1) GPUs
+])
+def test_plan_refuses_absurd_sizes_at_once(capsys, flag, value, msg):
+    cfg = str(CONFIGS / "qwen3-30b-a3b.config.json")
+    assert main(["plan", "--config", cfg, "--gpus", "8", "--hardware", "h200-sxm", flag, value]) == 2
+    captured = capsys.readouterr()
+    assert msg in captured.err and captured.out == ""
+
+
+def test_expected_max_load_sums_only_the_window():
+    # the window is exact for ordinary sizes: 8 picks over 8 ranks, by direct summation of P(max > k)
+    from scipy.stats import binom
+
+    direct = sum(1 - binom.cdf(k, 8, 1 / 8) ** 8 for k in range(8))
+    assert expected_max_load(8, 8) == pytest.approx(direct, rel=1e-12)
+    # billions of items: O(sqrt(n)) terms; the busiest of 8 bins sits a few standard deviations above the mean
+    n = 2e9
+    mean, sd = n / 8, math.sqrt(n / 8 * 7 / 8)
+    assert mean + sd < expected_max_load(n, 8) < mean + 4 * sd
+
+
+def test_plot_path_checked_before_planning_and_written_exactly(tmp_path, capsys):
+    cfg = str(CONFIGS / "qwen3-30b-a3b.config.json")
+    base = ["plan", "--config", cfg, "--gpus", "8", "--hardware", "h200-sxm", "--batch", "1"]
+    assert main([*base, "--plot", str(tmp_path / "nodir" / "x.png")]) == 2
+    captured = capsys.readouterr()
+    assert "--plot" in captured.err and "does not exist" in captured.err and captured.out == ""
+    assert main([*base, "--plot", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert main([*base, "--plot", str(tmp_path / "steps")]) == 0  # no suffix: written under exactly that name
+    assert (tmp_path / "steps").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "steps.png").exists()

@@ -174,3 +174,10 @@ def test_corrupt_or_misplaced_cache(tmp_path, capsys):
     not_a_dir.write_text("x")
     with pytest.raises(ValueError, match=r"\(EPMOE_CACHE\) is a file: point EPMOE_CACHE at a directory"):
         ensure_default_checkpoint(not_a_dir)
+
+
+def test_json_target_checked_before_the_run(tmp_path, capsys):
+    # an existing directory as --json is refused before any model is read or built (the model path is bogus)
+    assert main(["run", "--model", str(tmp_path / "no-model"), "--json", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--json" in err and "is a directory" in err

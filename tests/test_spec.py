@@ -102,3 +102,9 @@ def test_not_json_and_missing_file(tmp_path):
         load_moe_spec(tmp_path)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_moe_spec(tmp_path / "nope.json")
+
+
+def test_unknown_family_without_experts_is_named_as_unsupported():
+    with pytest.raises(DenseModelError, match=r"model_type 'foo_moe' is not a supported MoE family \(deepseek_v2.*"
+                                              r"names no routed experts \(n_routed_experts"):
+        parse_moe_spec({"model_type": "foo_moe"}, "foo/config.json")

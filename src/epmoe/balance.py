@@ -48,7 +48,8 @@ def as_load_array(load: torch.Tensor | np.ndarray, name: str = "load") -> np.nda
         ``[L, E]`` float64 copy.
 
     Raises:
-        ValueError: not 2-D, empty, NaN or infinite entries, or negative entries (position named).
+        ValueError: not 2-D, empty, NaN or infinite entries, negative entries (position named), or a
+            layer whose sum (times the expert count, the balancers' headroom) overflows float64.
     """
     arr = load.detach().cpu().double().numpy() if isinstance(load, torch.Tensor) else np.asarray(load, dtype=np.float64)
     if arr.ndim != 2:
@@ -63,6 +64,12 @@ def as_load_array(load: torch.Tensor | np.ndarray, name: str = "load") -> np.nda
     if neg.any():
         layer, expert = (int(v) for v in np.argwhere(neg)[0])
         raise ValueError(f"{name}[{layer}, {expert}] = {arr[layer, expert]} is negative; loads count tokens")
+    with np.errstate(over="ignore"):
+        total = arr.sum(axis=1) * arr.shape[1]
+    if not np.isfinite(total).all():
+        layer = int(np.argwhere(~np.isfinite(total))[0][0])
+        raise ValueError(f"{name}[{layer}] is too large to balance: its entries (up to {arr[layer].max():g}) "
+                         "overflow float64 when summed; loads count tokens")
     return arr.copy()
 
 
@@ -79,7 +86,7 @@ def check_problem(
 
     Raises:
         ValueError: bad loads (see ``as_load_array``), a non-positive count, more EP ranks than slots,
-            slots not divisible by the EP size, EP size not divisible by ``num_nodes``, experts not
+            more redundant slots than ``E * max(G - 1, 1)`` (every rank holding every expert), slots not divisible by the EP size, EP size not divisible by ``num_nodes``, experts not
             divisible by ``num_groups``, or ``num_groups`` not divisible by ``num_nodes``.
     """
     w = as_load_array(load)
@@ -93,6 +100,11 @@ def check_problem(
         raise ValueError(
             f"ep_size ({ep_size}) is larger than the number of slots ({num_slots} = {num_experts} experts + "
             f"{num_redundant} redundant): every EP rank needs at least one slot"
+        )
+    if num_redundant > num_experts * max(ep_size - 1, 1):
+        raise ValueError(
+            f"num_redundant ({num_redundant}) exceeds {num_experts * max(ep_size - 1, 1)} ({num_experts} experts x "
+            f"{max(ep_size - 1, 1)}): with that many every rank already holds a copy of every expert"
         )
     if num_slots % ep_size:
         raise ValueError(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import torch
 from epmoe.balance import balance, check_problem, get_balancer, rank_loads
 from epmoe.balance_moves import placement_moves, rebalance_with_moves
 from epmoe.loads import read_csv_loads, read_loads
+from epmoe.outpath import check_output_path
 from epmoe.placement import ExpertPlacement
 
 
@@ -88,19 +88,6 @@ def _plot_png(names: list[str], before: torch.Tensor, after: torch.Tensor) -> by
     return buf.getvalue()
 
 
-def _check_target(field: str, value: str | Path, expected: str) -> Path:
-    """A file path ``balance_file`` will write: not a directory, in a directory that exists and is writable."""
-    path = Path(value)
-    if path.is_dir():
-        raise ValueError(f"{field} ({str(value)!r}) is a directory; expected {expected}")
-    parent = path.parent
-    if not parent.is_dir():
-        raise ValueError(f"{field} ({str(value)!r}) cannot be written: directory {str(parent)!r} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise ValueError(f"{field} ({str(value)!r}) cannot be written: directory {str(parent)!r} is not writable")
-    return path
-
-
 def _write_outputs(placement: ExpertPlacement, out: Path, png: bytes | None, plot: Path | None) -> None:
     """Write the placement and the PNG: both prepared under temporary names next to their targets, then renamed;
     on an error every temporary file is removed and the message names the path the user gave."""
@@ -157,11 +144,14 @@ def balance_file(
             cannot be written (checked before anything is computed; nothing is written then).
         KeyError: unknown ``algorithm``.
     """
-    out_path = _check_target("out", out, "a placement file path (.json or .safetensors)")
-    plot_path = _check_target("plot", plot, "a PNG file path") if plot is not None else None
+    out_path = check_output_path("out", out, "a placement file path (.json or .safetensors)")
+    plot_path = check_output_path("plot", plot, "a PNG file path") if plot is not None else None
     if plot_path is not None and plot_path.resolve() == out_path.resolve():
         raise ValueError(f"plot ({str(plot)!r}) and out ({str(out)!r}) name the same file")
     path = Path(loads)
+    for field, target in (("out", out_path), ("plot", plot_path)):
+        if target is not None and target.resolve() == path.resolve():
+            raise ValueError(f"{field} ({str(target)!r}) names the loads file; write the placement elsewhere")
     load = read_loads(path)
     names = read_csv_loads(path)[1] if path.suffix == ".csv" else [str(i) for i in range(load.shape[0])]
     check_problem(load, ep_size, num_redundant, num_nodes, num_groups)

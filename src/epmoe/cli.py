@@ -39,12 +39,11 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
+    from .outpath import check_output_path
     from .runtime.run import RunConfig, run_job
 
-    if args.json not in (None, "-") and not Path(args.json).resolve().parent.is_dir():
-        raise ValueError(f"--json {args.json!r}: directory {str(Path(args.json).resolve().parent)!r} does not exist")
+    if args.json not in (None, "-"):
+        check_output_path("--json", args.json, "a JSON file path")
     report = run_job(RunConfig(
         model=args.model, ep=args.ep, device=args.device, placement=args.placement, redundant=args.redundant,
         layout=args.layout, prompts=tuple(args.prompt), max_new_tokens=args.max_new_tokens, dtype=args.dtype,

@@ -174,10 +174,13 @@ def expected_max_load(num_items: float, num_bins: int, balancedness: float = 1.0
     if num_bins == 1 or n == 0:
         return float(n)
     p, q = 1.0 / num_bins, min(1.0, 1.0 / (num_bins * balancedness))
-    top = min(n, int(n * q + 12 * math.sqrt(n * q) + 12))
-    k = np.arange(0, top)
+    # P(max > k) is 1 to double precision more than 12 standard deviations below the hot bin's mean and
+    # 0 that far above it: sum only the window between (O(sqrt(n)) terms, also at billions of items).
+    spread = 12 * math.sqrt(n * q) + 12
+    low, top = max(0, int(n * q - spread)), min(n, int(n * q + spread))
+    k = np.arange(low, top)
     below = binom.cdf(k, n, q) * binom.cdf(k, n, p) ** (num_bins - 1)
-    return float(np.sum(1.0 - below))
+    return float(low + np.sum(1.0 - below))
 
 
 def expected_distinct_experts(num_tokens: float, num_experts: int, top_k: int, num_local: float | None = None) -> float:

@@ -225,6 +225,11 @@ class ExpertPlacement:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if isinstance(num_redundant, bool) or not isinstance(num_redundant, int) or num_redundant < 0:
             raise ValueError(f"num_redundant must be a non-negative integer, got {num_redundant!r}")
+        if num_redundant > num_experts * max(ep_size - 1, 1):
+            raise ValueError(
+                f"num_redundant ({num_redundant}) exceeds {num_experts * max(ep_size - 1, 1)} ({num_experts} experts x "
+                f"{max(ep_size - 1, 1)}): with that many every rank already holds a copy of every expert"
+            )
         num_slots = num_experts + num_redundant
         if ep_size > num_slots:
             raise ValueError(
@@ -323,6 +328,11 @@ class ExpertPlacement:
                     phy2log = phy2log.reshape(len(rows), -1)
                 file_ep = doc.get("ep_size")
                 num_experts = doc.get("num_experts")
+                for key, value in (("ep_size", file_ep), ("num_experts", num_experts)):
+                    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                        raise ValueError(f"field {key!r} must be an integer, got {value!r}")
+                if "format" in doc and doc["format"] != PLACEMENT_FORMAT:
+                    raise ValueError(f"field 'format' is {doc['format']!r}; this reader knows {PLACEMENT_FORMAT!r}")
             if file_ep is not None and ep_size is not None and int(file_ep) != ep_size:
                 raise ValueError(f"the file is for EP size {file_ep} but EP size {ep_size} was asked for")
             use_ep = int(file_ep) if file_ep is not None else ep_size

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from epmoe.costs import weights_hint
+from epmoe.outpath import check_output_path
 from epmoe.planner import GIB, Plan, PlanRequest, StepEstimate, StrategyPlan, plan
 
 
@@ -147,8 +148,8 @@ def plan_table(p: Plan) -> Table:
 
 
 def plot_plan(p: Plan, path: str | Path) -> None:
-    """Write a PNG of step time (ms) against batch size, one line per strategy; steps that do not fit are
-    drawn as open markers."""
+    """Write a PNG of step time (ms) against batch size to ``path`` (exactly that name, whatever its
+    suffix), one line per strategy; steps that do not fit are drawn as open markers."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -171,7 +172,7 @@ def plot_plan(p: Plan, path: str | Path) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(str(path), dpi=120)
+    fig.savefig(str(path), format="png", dpi=120)
     plt.close(fig)
 
 
@@ -181,8 +182,10 @@ def report_plan(req: PlanRequest, as_json: bool = False, plot_path: str | Path |
     recommendation and, when ``plot_path`` is given, the PNG.
 
     Raises:
-        ValueError: as ``plan``.
+        ValueError: as ``plan``, or a ``plot_path`` that cannot be written (checked before planning).
     """
+    if plot_path is not None:
+        check_output_path("--plot", plot_path, "a PNG file path")
     p = plan(req)
     if console is None:
         detected = Console()

@@ -57,6 +57,12 @@ GIB = 1024**3
 # Private memory pool of a set of decode CUDA graphs beyond the largest graph's activations
 # (per-graph workspaces, allocator rounding). Estimate, of the order SGLang and vLLM log at capture.
 GRAPH_POOL_FIXED_BYTES = 512 * 1024**2
+# Sanity bounds of a plan request (far above any serving set-up; they keep nonsense from running for minutes):
+# sequences per decode step, draft tokens verified per step, KV-cache tokens per sequence, GPUs.
+MAX_BATCH = 1 << 20
+MAX_SPEC_TOKENS = 256
+MAX_CONTEXT = 1 << 24
+MAX_GPUS = 1 << 16
 
 Mode = Literal["all_reduce", "a2a_tp_attn", "a2a_dp_attn"]
 
@@ -92,19 +98,21 @@ class PlanRequest:
     balancedness: float = 0.8
 
     def __post_init__(self) -> None:
-        def pos_int(name: str, value: object, minimum: int = 1) -> None:
+        def pos_int(name: str, value: object, minimum: int = 1, maximum: int | None = None) -> None:
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+            if maximum is not None and value > maximum:
+                raise ValueError(f"{name} must be at most {maximum}, got {value!r}")
 
-        pos_int("gpus", self.gpus)
+        pos_int("gpus", self.gpus, 1, MAX_GPUS)
         pos_int("nodes", self.nodes)
-        pos_int("spec_tokens", self.spec_tokens, 0)
-        pos_int("redundant", self.redundant, 0)
-        pos_int("context", self.context)
+        pos_int("spec_tokens", self.spec_tokens, 0, MAX_SPEC_TOKENS)
+        pos_int("redundant", self.redundant, 0, self.spec.num_experts * max(self.gpus - 1, 1))
+        pos_int("context", self.context, 1, MAX_CONTEXT)
         if not self.batches:
             raise ValueError("batches must name at least one batch size")
         for b in self.batches:
-            pos_int("batch", b)
+            pos_int("batch", b, 1, MAX_BATCH)
         if self.weights is not None and self.weights not in WEIGHT_CHOICES:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {self.weights!r}")
         if not 0 < self.mem_fraction <= 1:

@@ -230,11 +230,18 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
     """
     cfg = language_model_config(cfg)
     mt = _require(cfg, "model_type", source)
-    if mt in _DENSE or (mt not in _SUPPORTED and not any(k in cfg for k in ("n_routed_experts", "num_experts", "num_local_experts"))):
+    expert_fields = ("n_routed_experts", "num_experts", "num_local_experts")
+    if mt in _DENSE:
         arch = ", ".join(cfg.get("architectures") or []) or mt
         raise DenseModelError(
             f"{source}: model_type {mt!r} ({arch}) is a dense model with no MoE layers "
             f"(EAGLE-3 drafts are one dense decoder layer); it has no experts to place"
+        )
+    if mt not in _SUPPORTED and not any(k in cfg for k in expert_fields):
+        raise DenseModelError(
+            f"{source}: model_type {mt!r} is not a supported MoE family ({', '.join(sorted(_SUPPORTED))}) and "
+            f"its config names no routed experts ({' / '.join(expert_fields)}): read as a dense model, "
+            f"it has no experts to place"
         )
     if mt not in _SUPPORTED:
         raise ValueError(f"{source}: model_type {mt!r} is not supported; supported: {sorted(_SUPPORTED)}")
