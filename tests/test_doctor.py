@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from epmoe.cli import main
 from epmoe.doctor import DoctorConfig, diagnose, run_doctor
 from epmoe.placement import ExpertPlacement
@@ -162,3 +164,20 @@ def test_weights_advice_only_smaller_formats(capsys):
     assert main(["doctor", "--config", k2, "--ep", "8", "--hardware", "h200-sxm"]) == 1
     out = capsys.readouterr().out
     assert "use more GPUs, --weights int4, a smaller batch" in out and "fp8/int4" not in out
+
+
+def test_config_that_does_not_describe_the_weights(tiny_checkpoints, tmp_path, capsys):
+    """config.json says 8 experts, the weights hold 16: doctor says so, and run names the tensor."""
+    import shutil
+
+    bad = tmp_path / "kimi8"
+    shutil.copytree(tiny_checkpoints("kimi-k2.5"), bad)
+    doc = json.loads((bad / "config.json").read_text())
+    doc.get("text_config", doc)["n_routed_experts"] = 8
+    (bad / "config.json").write_text(json.dumps(doc))
+    (error,) = _errors(diagnose(DoctorConfig(model=str(bad), ep=2)))
+    assert error.what == ("the target model: router tensor 'model.layers.1.mlp.gate.weight' scores 16 experts but "
+                          "config.json says 8")
+    assert main(["run", "--model", str(bad), "--ep", "1", "--no-reference", "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "tensor 'model.layers.1.mlp.gate.weight' has shape (16, 64), expected (8, 64) from config.json" in err

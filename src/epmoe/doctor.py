@@ -176,6 +176,14 @@ def check_checkpoint(spec: MoESpec, directory: str, what: str = "the target mode
     except Exception as exc:  # safetensors header / JSON parser errors of other types
         return [Finding("error", f"{what}: checkpoint {directory} cannot be read ({exc})",
                         "epmoe run cannot read the weights", "re-download the checkpoint")]
+    router = f"model.layers.{spec.moe_layers[0]}.{layout.ckpt_block}.{layout.router['weight']}"
+    if router in reader:
+        rows = reader.shape(router)[0]
+        if rows != spec.num_experts:
+            return [Finding("error", f"{what}: router tensor {router!r} scores {rows} experts but config.json says "
+                                     f"{spec.num_experts}",
+                            "epmoe run stops loading that tensor: config.json does not describe these weights",
+                            "use the config.json that came with the checkpoint")]
     missing: list[str] = []
     first = ""
     for moe_index, layer_index in enumerate(spec.moe_layers):

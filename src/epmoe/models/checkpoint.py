@@ -73,6 +73,17 @@ class CheckpointReader:
     def __contains__(self, name: str) -> bool:
         return self.prefix + name in self.weight_map
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of tensor ``name`` from its file header (no data read).
+
+        Raises:
+            KeyError: the checkpoint has no tensor of that name (the directory is named).
+        """
+        full = self.prefix + name
+        if full not in self.weight_map:
+            raise KeyError(f"checkpoint {self.directory} has no tensor {name!r}")
+        return tuple(self._handle(full).get_slice(full).get_shape())
+
     def keys(self) -> list[str]:
         """Names of the model tensors in the checkpoint (wrapper prefix stripped, ``_scale_inv`` companions
         and tensors outside the language model left out)."""

@@ -121,15 +121,25 @@ def _check_weight_format(spec: MoESpec, checkpoint_dir: str) -> None:
         )
 
 
+def _copy_checked(dest: torch.Tensor, reader: CheckpointReader, name: str) -> None:
+    """Copy checkpoint tensor ``name`` into ``dest``; a shape that config.json does not predict is named."""
+    tensor = reader.get(name)
+    if tuple(tensor.shape) != tuple(dest.shape):
+        raise ValueError(f"checkpoint {reader.directory}: tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+                         f"{tuple(dest.shape)} from config.json (does config.json belong to these weights?)")
+    dest.copy_(tensor)
+
+
 def _load_moe_layer(moe: MoELayer, reader: CheckpointReader, layout: FamilyLayout, block: str) -> None:
     with torch.no_grad():
         for ours, suffix in layout.router.items():
-            getattr(moe.gate, ours).copy_(reader.get(f"{block}.{suffix}"))
+            _copy_checked(getattr(moe.gate, ours), reader, f"{block}.{suffix}")
         if moe.shared_experts is not None:
             for proj in ("gate_proj", "up_proj", "down_proj"):
-                getattr(moe.shared_experts, proj).weight.copy_(reader.get(f"{block}.{layout.shared}.{proj}.weight"))
+                _copy_checked(getattr(moe.shared_experts, proj).weight, reader,
+                              f"{block}.{layout.shared}.{proj}.weight")
         if moe.shared_expert_gate is not None:
-            moe.shared_expert_gate.weight.copy_(reader.get(f"{block}.{layout.shared_gate}"))
+            _copy_checked(moe.shared_expert_gate.weight, reader, f"{block}.{layout.shared_gate}")
         cache: dict[int, dict[str, torch.Tensor]] = {}
         params = moe.experts
         for slot, expert in enumerate(moe.local_experts.tolist()):
