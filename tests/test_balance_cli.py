@@ -133,3 +133,13 @@ def test_absurd_redundant_and_overflowing_loads_are_refused(tmp_path, capsys):
     big.write_text(json.dumps({"weight": [[1e308, 1e308, 1, 1]]}))
     assert main(["balance", "--loads", str(big), "--ep", "2", "--out", str(out)]) == 2
     assert "overflow float64" in capsys.readouterr().err and not out.exists()
+
+
+def test_out_suffix_names_the_format(tmp_path, capsys):
+    out = tmp_path / "p.txt"
+    assert main(["balance", "--loads", str(DATA / "eplb_readme_example.json"), "--ep", "8", "--out", str(out)]) == 2
+    assert "must end in .json or .safetensors" in capsys.readouterr().err and not out.exists()
+    st = tmp_path / "p.safetensors"
+    assert main(["balance", "--loads", str(DATA / "eplb_readme_example.json"), "--ep", "8", "--redundant", "4",
+                 "--out", str(st)]) == 0
+    assert st.stat().st_mode & 0o777 == 0o644

@@ -145,6 +145,8 @@ def balance_file(
         KeyError: unknown ``algorithm``.
     """
     out_path = check_output_path("out", out, "a placement file path (.json or .safetensors)")
+    if out_path.suffix not in (".json", ".safetensors"):
+        raise ValueError(f"out ({str(out)!r}) must end in .json or .safetensors (the placement file's format)")
     plot_path = check_output_path("plot", plot, "a PNG file path") if plot is not None else None
     if plot_path is not None and plot_path.resolve() == out_path.resolve():
         raise ValueError(f"plot ({str(plot)!r}) and out ({str(out)!r}) name the same file")

@@ -276,6 +276,7 @@ class ExpertPlacement:
                 "phy2log": self.phy2log.tolist(),
             }
             tmp.write_text(json.dumps(doc))
+        tmp.chmod(0o644)  # the safetensors writer creates owner-only files; both formats read alike
         tmp.replace(path)
 
     @classmethod
