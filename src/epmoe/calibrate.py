@@ -3,8 +3,11 @@
 Measures all-reduce and all-to-all time over the process group for buffer sizes from 8 B up to a
 maximum (doubling), over gloo on CPU or NCCL on GPUs, plus device-memory bandwidth (a large copy)
 and bf16 matmul throughput. Runs under ``torchrun`` (the group it starts) or spawns ``nprocs`` local
-processes itself. Latency is the time of the smallest buffer; bus bandwidth comes from the largest,
-with nccl-tests' factors (all-reduce ``2 (n-1)/n``, all-to-all ``(n-1)/n``).
+processes itself. Before the sweep a few untimed rounds of both collectives on the smallest buffer set up
+the connections, and each size gets 2 untimed calls before its timed ones. Latency is the fastest of the
+sizes up to 4 KiB (transfer time is negligible there, and one slow size, e.g. the first, does not set it);
+bus bandwidth comes from the largest, with nccl-tests' factors (all-reduce ``2 (n-1)/n``, all-to-all
+``(n-1)/n``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,16 @@ from epmoe.hardware import HARDWARE_FORMAT, LinkProfile, load_hardware, parse_ha
 
 GPU_MAX_BYTES = 256 * 1024**2
 CPU_MAX_BYTES = 4 * 1024**2
+# Largest ``max_bytes`` accepted. At the planner's default batches (up to 256 sequences, up to 3 speculative
+# tokens) over the model configs in data/configs, its largest dispatch/combine all-to-all is under 10 MiB,
+# its largest all-reduce / reduce-scatter / all-gather of activations 14 MiB and its largest collective of
+# all, the logits all-gather (Llama-4-Scout, 8 GPUs), 395 MiB; larger batches are priced from the bus
+# bandwidth, which buffers far below 1 GiB already reach. Sizes double, so a bigger limit only adds minutes
+# (or hours, or an allocation failure) for nothing.
+MAX_BYTES_LIMIT = 1024**3
+GLOO_MAX_NPROCS = 64  # also at most 4 x os.cpu_count(): each process is a full Python + torch interpreter
+WARMUP_ROUNDS = 5  # untimed rounds of each collective on the smallest buffer before the sweep
+LATENCY_MAX_BYTES = 4096  # latency: the fastest of the sizes up to this
 
 
 @dataclass(frozen=True)
@@ -35,9 +48,10 @@ class CalibrationConfig:
         out: path of the profile JSON to write.
         nprocs: local processes to spawn; ``None`` to use the group ``torchrun`` describes.
         backend: ``gloo`` or ``nccl``; ``None`` picks NCCL when CUDA is available, else gloo.
-        max_bytes: largest buffer, bytes (default 256 MiB on GPU, 4 MiB on CPU).
-        iters: timed repetitions per size (after 2 warm-up calls).
-        name: profile name written into the file.
+        max_bytes: largest buffer, bytes (default 256 MiB on GPU, 4 MiB on CPU; at most 1 GiB,
+            ``MAX_BYTES_LIMIT``).
+        iters: timed repetitions per size (after 2 untimed warm-up calls).
+        name: profile name written into the file (non-empty).
         base: a profile (name or path) supplying the link that was not measured (inter-node on one
             node, intra-node across nodes), the fp8 matmul figure and the MoE-layer model's fitted
             ``moe_layer_fixed_us`` and ``moe_stream_matrix_overlap`` (0 without a base).
@@ -52,14 +66,42 @@ class CalibrationConfig:
     base: str | None = None
 
     def __post_init__(self) -> None:
-        if self.nprocs is not None and (isinstance(self.nprocs, bool) or self.nprocs < 2):
+        def integer(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if self.nprocs is not None and (not integer(self.nprocs) or self.nprocs < 2):
             raise ValueError(f"nprocs must be >= 2 (collectives need two ranks), got {self.nprocs!r}")
         if self.backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
-        if self.max_bytes is not None and self.max_bytes < 8:
-            raise ValueError(f"max_bytes must be >= 8, got {self.max_bytes}")
-        if self.iters < 1:
-            raise ValueError(f"iters must be >= 1, got {self.iters}")
+        if self.max_bytes is not None and (not integer(self.max_bytes) or self.max_bytes < 8):
+            raise ValueError(f"max_bytes must be >= 8, got {self.max_bytes!r}")
+        if self.max_bytes is not None and self.max_bytes > MAX_BYTES_LIMIT:
+            raise ValueError(f"max_bytes must be <= {MAX_BYTES_LIMIT} (1 GiB, more than the planner's collectives "
+                             f"need), got {self.max_bytes!r}")
+        if not integer(self.iters) or self.iters < 1:
+            raise ValueError(f"iters must be >= 1, got {self.iters!r}")
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
+
+    def check_nprocs(self, backend: str) -> None:
+        """Bound ``nprocs`` for ``backend``: at most the visible CUDA devices for ``nccl``; at most 64 and at
+        most 4 x ``os.cpu_count()`` for ``gloo`` (each spawned process is a whole interpreter with torch).
+
+        Raises:
+            ValueError: ``nprocs`` above the bound (both named).
+        """
+        if self.nprocs is None:
+            return
+        if backend == "nccl":
+            gpus = torch.cuda.device_count()
+            if self.nprocs > gpus:
+                raise ValueError(f"nprocs ({self.nprocs}) exceeds the {gpus} visible GPUs")
+            return
+        cpus = os.cpu_count() or 1
+        limit = min(GLOO_MAX_NPROCS, 4 * cpus)
+        if self.nprocs > limit:
+            raise ValueError(f"nprocs ({self.nprocs}) exceeds {limit}, the most gloo processes on this machine "
+                             f"(at most {GLOO_MAX_NPROCS}, and at most 4 x its {cpus} CPUs)")
 
     def resolved_backend(self) -> str:
         """The backend to use: as given, else ``nccl`` with CUDA and ``gloo`` without.
@@ -105,6 +147,9 @@ def _time_ms(fn, iters: int, device: torch.device, group) -> float:
 def measure_collectives(sizes: list[int], iters: int, device: torch.device, group=None) -> list[dict[str, float]]:
     """Median time (max over ranks) of one all-reduce and one all-to-all per buffer size.
 
+    First ``WARMUP_ROUNDS`` untimed rounds of both on the smallest buffer; then, per size, 2 untimed
+    calls of each before the ``iters`` timed ones.
+
     Args:
         sizes: buffer bytes per rank, multiples of ``4 * world_size``.
         iters: timed repetitions per size.
@@ -114,6 +159,14 @@ def measure_collectives(sizes: list[int], iters: int, device: torch.device, grou
     Returns:
         One ``{"bytes", "all_reduce_ms", "all_to_all_ms"}`` per size.
     """
+    if sizes:  # connection set-up and first-call costs, untimed
+        x = torch.ones(sizes[0] // 4, dtype=torch.float32, device=device)
+        y = torch.empty_like(x)
+        for _ in range(WARMUP_ROUNDS):
+            dist.all_reduce(x, group=group)
+            dist.all_to_all_single(y, x, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     rows = []
     for size in sizes:
         x = torch.ones(size // 4, dtype=torch.float32, device=device)
@@ -156,8 +209,10 @@ def measure_device(device: torch.device) -> dict[str, float]:
 
 
 def _fit(rows: list[dict[str, float]], key: str, factor: float) -> tuple[float, float]:
-    """(latency µs, bus bandwidth bytes/s) from the smallest and the largest buffer."""
-    lat_ms = rows[0][key]
+    """(latency µs, bus bandwidth bytes/s): latency the fastest size up to ``LATENCY_MAX_BYTES`` (the
+    smallest size if none is that small), bandwidth from the largest buffer."""
+    small = [r[key] for r in rows if r["bytes"] <= LATENCY_MAX_BYTES] or [rows[0][key]]
+    lat_ms = min(small)
     big = rows[-1]
     transfer_ms = big[key] - lat_ms if big[key] > lat_ms else big[key]
     return lat_ms * 1e3, factor * big["bytes"] / (transfer_ms * 1e-3)
@@ -197,7 +252,8 @@ def build_profile(rows: list[dict[str, float]], device_facts: dict[str, float], 
         flops["fp8"] = base.matmul_flops_per_s["fp8"]
     sources = {
         "links": f"measured by `epmoe calibrate` ({backend}, {n} ranks, sizes {rows[0]['bytes']}..{rows[-1]['bytes']} B, "
-                 f"median of {cfg.iters}, max over ranks); latency = smallest size, bandwidth = largest",
+                 f"median of {cfg.iters}, max over ranks); latency = fastest size up to {LATENCY_MAX_BYTES} B, "
+                 f"bandwidth = largest",
         "hbm_bytes_per_s": "measured: best of 5 device-to-device copies, read + write bytes",
         "matmul_flops_per_s": "measured: best of 5 bf16 matmuls" + (f"; fp8 copied from {base.name}" if "fp8" in flops else ""),
     }
@@ -282,14 +338,14 @@ def calibrate(cfg: CalibrationConfig) -> dict[str, Any] | None:
 
     Raises:
         ValueError: a ``base`` that is no profile or an ``out`` that cannot be written (checked before
-            measuring), neither ``nprocs`` nor a torchrun environment, ``nccl`` without CUDA, more processes
-            than GPUs under NCCL, or a multi-node run without ``base``.
+            measuring), neither ``nprocs`` nor a torchrun environment, ``nccl`` without CUDA, ``nprocs`` above
+            its bound (``CalibrationConfig.check_nprocs``: the visible GPUs under NCCL, 64 and 4 x the CPUs
+            under gloo), or a multi-node run without ``base``.
     """
     check_outputs(cfg)
     backend = cfg.resolved_backend()
     if cfg.nprocs is not None:
-        if backend == "nccl" and cfg.nprocs > torch.cuda.device_count():
-            raise ValueError(f"nprocs ({cfg.nprocs}) exceeds the {torch.cuda.device_count()} visible GPUs")
+        cfg.check_nprocs(backend)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

@@ -8,7 +8,9 @@ Nothing is cached at module level: each call reads the file again.
 
 from __future__ import annotations
 
+import difflib
 import json
+import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -21,6 +23,16 @@ _LINK_FIELDS = (
     "all_to_all_latency_us",
     "all_to_all_busbw_bytes_per_s",
 )
+# Every key a profile may hold (shipped profiles and what ``epmoe calibrate`` writes); any other is refused
+# as a likely misspelling rather than silently ignored.
+_TOP_FIELDS = (
+    "format", "name", "description", "gpu", "gpus_per_node", "memory_bytes", "hbm_bytes_per_s",
+    "matmul_flops_per_s", "moe_layer_fixed_us", "moe_stream_matrix_overlap", "links", "sources", "measurements",
+)
+_LINK_KINDS = ("intra_node", "inter_node")
+_LINK_KEYS = ("kind", *_LINK_FIELDS)
+# The compute dtypes ``costs.compute_dtype`` asks for.
+_MATMUL_DTYPES = ("bf16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -29,7 +41,8 @@ class LinkProfile:
 
     Attributes:
         kind: what the link is, in words.
-        all_reduce_latency_us: time of a tiny (8 B) all-reduce, µs; also used for reduce-scatter and all-gather.
+        all_reduce_latency_us: time of a tiny all-reduce (the fastest size up to 4 KiB for a calibrated
+            profile), µs; also used for reduce-scatter and all-gather.
         all_reduce_busbw_bytes_per_s: all-reduce bus bandwidth, bytes/s; an all-reduce of ``M`` bytes
             over ``n`` ranks takes ``2 (n-1)/n * M / busbw``.
         all_to_all_latency_us: time of a tiny all-to-all, µs.
@@ -90,61 +103,111 @@ def hardware_names() -> list[str]:
     return sorted(p.name[: -len(".json")] for p in resources.files(__name__).iterdir() if p.name.endswith(".json"))
 
 
-def _positive_number(doc: dict[str, Any], key: str, where: str) -> float:
+def _check_keys(doc: dict[str, Any], known: tuple[str, ...], source: str, where: str = "") -> None:
+    """Refuse a key of ``doc`` not in ``known`` (``where``: the dotted path of ``doc``, ``""`` at the top)."""
+    for key in doc:
+        if key not in known:
+            field = f"{where}.{key}" if where else str(key)
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            of = f" of {where}" if where else ""
+            raise ValueError(f"{source}: unknown field {field!r}{hint}; known fields{of}: {', '.join(known)}")
+
+
+def _number(doc: dict[str, Any], key: str, source: str, where: str = "", *, strict: bool = True,
+            default: float | None = None) -> float:
+    """``doc[key]`` as a float: a finite number (not a bool), ``> 0`` (``strict``) or ``>= 0``.
+
+    ``default`` is used when the key is absent; ``None`` makes the key required.
+    """
+    field = f"{where}.{key}" if where else key
+    if key not in doc:
+        if default is None:
+            raise ValueError(f"{source}: field {field!r} is missing")
+        return default
+    value = doc[key]
+    try:
+        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:  # an integer too large for a float
+        number = math.inf
+    if not math.isfinite(number) or number < 0 or (strict and number == 0):
+        bound = "> 0" if strict else ">= 0"
+        raise ValueError(f"{source}: field {field!r} must be a finite number {bound}, got {value!r}")
+    return number
+
+
+def _text(doc: dict[str, Any], key: str, source: str, where: str = "") -> str:
     value = doc.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"{where}: field {key!r} must be a positive number, got {value!r}")
-    return float(value)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        field = f"{where}.{key}" if where else key
+        raise ValueError(f"{source}: field {field!r} must be a string, got {value!r}")
+    return value
 
 
-def _link(doc: Any, where: str) -> LinkProfile:
+def _link(doc: Any, source: str, where: str) -> LinkProfile:
     if not isinstance(doc, dict):
-        raise ValueError(f"{where}: expected an object with {', '.join(_LINK_FIELDS)}, got {doc!r}")
-    values = {k: _positive_number(doc, k, where) for k in _LINK_FIELDS}
-    return LinkProfile(kind=str(doc.get("kind", "")), **values)
+        raise ValueError(f"{source}: field {where!r} must be an object with {', '.join(_LINK_FIELDS)}, got {doc!r}")
+    _check_keys(doc, _LINK_KEYS, source, where)
+    values = {k: _number(doc, k, source, where, strict=not k.endswith("_latency_us")) for k in _LINK_FIELDS}
+    return LinkProfile(kind=_text(doc, "kind", source, where), **values)
 
 
 def parse_hardware(doc: dict[str, Any], source: str = "<dict>") -> HardwareProfile:
-    """Validate a profile JSON object.
+    """Validate a profile JSON object; every check of a profile is made here.
+
+    Every numeric field must be a finite number (not a bool; JSON's ``NaN`` and ``Infinity`` are refused):
+    bandwidths, rates and ``memory_bytes`` ``> 0``, latencies and ``moe_layer_fixed_us`` ``>= 0``,
+    ``moe_stream_matrix_overlap`` in ``[0, 1]`` and ``gpus_per_node`` a positive integer. Keys other than
+    the known ones (at the top, in ``links``, ``links.<kind>`` and ``matmul_flops_per_s``) are refused
+    as misspellings; ``sources`` is free-form (field name -> text) and ``measurements`` (written by
+    ``epmoe calibrate``) is kept in the file but not read.
 
     Raises:
-        ValueError: wrong ``format``, a missing or non-positive figure, no ``bf16`` matmul figure, no
-            ``links.intra_node``, or a ``moe_stream_matrix_overlap`` that is not a number in ``[0, 1]``
-            (the field and value are named).
+        ValueError: wrong ``format``, an unknown key, a missing, non-finite or out-of-range figure, no
+            ``bf16`` matmul figure, no ``links.intra_node``, or a ``sources`` that is not an object of
+            strings; the message names ``source``, the field and the value.
     """
     if not isinstance(doc, dict):
         raise ValueError(f"{source}: expected a JSON object, got {type(doc).__name__}")
     if doc.get("format") != HARDWARE_FORMAT:
         raise ValueError(f"{source}: field 'format' must be {HARDWARE_FORMAT!r}, got {doc.get('format')!r}")
+    _check_keys(doc, _TOP_FIELDS, source)
     flops = doc.get("matmul_flops_per_s")
     if not isinstance(flops, dict) or "bf16" not in flops:
         raise ValueError(f"{source}: field 'matmul_flops_per_s' must map dtypes to FLOP/s and hold 'bf16', got {flops!r}")
-    flops = {k: _positive_number(flops, k, f"{source}: matmul_flops_per_s") for k in flops}
+    _check_keys(flops, _MATMUL_DTYPES, source, "matmul_flops_per_s")
+    flops = {k: _number(flops, k, source, "matmul_flops_per_s") for k in flops}
     links = doc.get("links")
     if not isinstance(links, dict) or "intra_node" not in links:
         raise ValueError(f"{source}: field 'links' must hold 'intra_node', got {links!r}")
+    _check_keys(links, _LINK_KINDS, source, "links")
     gpn = doc.get("gpus_per_node")
     if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn <= 0:
         raise ValueError(f"{source}: field 'gpus_per_node' must be a positive integer, got {gpn!r}")
-    fixed = doc.get("moe_layer_fixed_us", 0.0)
-    if isinstance(fixed, bool) or not isinstance(fixed, (int, float)) or fixed < 0:
-        raise ValueError(f"{source}: field 'moe_layer_fixed_us' must be a non-negative number, got {fixed!r}")
     overlap = doc.get("moe_stream_matrix_overlap", 0.0)
     if isinstance(overlap, bool) or not isinstance(overlap, (int, float)) or not 0.0 <= overlap <= 1.0:
         raise ValueError(f"{source}: field 'moe_stream_matrix_overlap' must be a number in [0, 1], got {overlap!r}")
+    sources = doc.get("sources") or {}
+    if not isinstance(sources, dict) or not all(isinstance(v, str) for v in sources.values()):
+        raise ValueError(f"{source}: field 'sources' must be an object of strings (field name -> text), got {sources!r}")
+    measurements = doc.get("measurements", [])
+    if not isinstance(measurements, list):
+        raise ValueError(f"{source}: field 'measurements' must be a list, got {measurements!r}")
     return HardwareProfile(
-        name=str(doc.get("name") or Path(source).stem),
-        description=str(doc.get("description", "")),
-        gpu=str(doc.get("gpu", "")),
+        name=_text(doc, "name", source) or Path(source).stem,
+        description=_text(doc, "description", source),
+        gpu=_text(doc, "gpu", source),
         gpus_per_node=gpn,
-        memory_bytes=int(_positive_number(doc, "memory_bytes", source)),
-        hbm_bytes_per_s=_positive_number(doc, "hbm_bytes_per_s", source),
+        memory_bytes=int(_number(doc, "memory_bytes", source)),
+        hbm_bytes_per_s=_number(doc, "hbm_bytes_per_s", source),
         matmul_flops_per_s=flops,
-        moe_layer_fixed_us=float(fixed),
+        moe_layer_fixed_us=_number(doc, "moe_layer_fixed_us", source, strict=False, default=0.0),
         moe_stream_matrix_overlap=float(overlap),
-        intra_node=_link(links["intra_node"], f"{source}: links.intra_node"),
-        inter_node=_link(links["inter_node"], f"{source}: links.inter_node") if links.get("inter_node") else None,
-        sources={str(k): str(v) for k, v in (doc.get("sources") or {}).items()},
+        intra_node=_link(links["intra_node"], source, "links.intra_node"),
+        inter_node=_link(links["inter_node"], source, "links.inter_node") if links.get("inter_node") else None,
+        sources=dict(sources),
         path=source,
     )
 
@@ -161,7 +224,10 @@ def load_hardware(name_or_path: str | Path) -> HardwareProfile:
     if text.endswith(".json") or path.is_file():
         if not path.is_file():
             raise ValueError(f"hardware profile file {text!r} does not exist")
-        source, raw = str(path), path.read_text()
+        try:
+            source, raw = str(path), path.read_text()
+        except OSError as exc:
+            raise ValueError(f"hardware profile file {text!r} cannot be read: {exc.strerror or exc}") from None
     else:
         names = hardware_names()
         if text not in names:
