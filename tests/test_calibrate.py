@@ -179,3 +179,13 @@ def test_collectives_warmed_up_before_timing(monkeypatch):
     rows = measure_collectives([8, 16], 1, torch.device("cpu"))
     assert all(r["all_reduce_ms"] < 25 and r["all_to_all_ms"] < 25 for r in rows), rows
     assert calls == {"all_reduce": WARMUP_ROUNDS + 2 * 3, "all_to_all": WARMUP_ROUNDS + 2 * 3}
+
+
+def test_cli_names_the_name_and_iters_flags(tmp_path, capsys):
+    from epmoe.cli import main
+
+    out = tmp_path / "c.json"
+    assert main(["calibrate", "--nprocs", "2", "--name", "", "--out", str(out)]) == 2
+    assert "--name must be a non-empty string, got ''" in capsys.readouterr().err
+    assert main(["calibrate", "--nprocs", "2", "--iters", "100000", "--out", str(out)]) == 2
+    assert "--iters must be at most 1000" in capsys.readouterr().err and not out.exists()

@@ -37,6 +37,7 @@ CPU_MAX_BYTES = 4 * 1024**2
 MAX_BYTES_LIMIT = 1024**3
 GLOO_MAX_NPROCS = 64  # also at most 4 x os.cpu_count(): each process is a full Python + torch interpreter
 WARMUP_ROUNDS = 5  # untimed rounds of each collective on the smallest buffer before the sweep
+MAX_ITERS = 1000  # timed repetitions per size, at most
 LATENCY_MAX_BYTES = 4096  # latency: the fastest of the sizes up to this
 
 
@@ -80,6 +81,8 @@ class CalibrationConfig:
                              f"need), got {self.max_bytes!r}")
         if not integer(self.iters) or self.iters < 1:
             raise ValueError(f"iters must be >= 1, got {self.iters!r}")
+        if self.iters > MAX_ITERS:
+            raise ValueError(f"iters must be at most {MAX_ITERS} (the median of that many is stable), got {self.iters}")
         if not isinstance(self.name, str) or not self.name.strip():
             raise ValueError(f"name must be a non-empty string, got {self.name!r}")
 

@@ -141,7 +141,7 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="JSON", help="profile file to write (pass it to plan --hardware)")
     p.add_argument("--nprocs", type=int, help="spawn this many local processes (default: join torchrun's group)")
     p.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
-    p.add_argument("--max-bytes", type=int, help="largest buffer (default 256 MiB on GPU, 4 MiB on CPU)")
+    p.add_argument("--max-bytes", type=int, help="largest buffer (default 256 MiB on GPU, 4 MiB on CPU; at most 1 GiB)")
     p.add_argument("--iters", type=int, default=5, help="timed repetitions per size (default 5)")
     p.add_argument("--name", default="calibrated", help="profile name (default calibrated)")
     p.add_argument("--base", metavar="NAME", help="profile supplying the link not measured and the fp8 figure")
@@ -156,7 +156,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
                                           max_bytes=args.max_bytes, iters=args.iters, name=args.name, base=args.base))
     except (ValueError, TypeError) as exc:
         raise _flag_error(exc, {"out": "--out", "base": "--base", "nprocs": "--nprocs", "backend": "--backend",
-                                "max_bytes": "--max-bytes", "iters": "--iters"}) from exc
+                                "max_bytes": "--max-bytes", "iters": "--iters", "name": "--name"}) from exc
     if doc is not None:
         link = doc["links"]["intra_node" if "measured" in doc["links"]["intra_node"]["kind"] else "inter_node"]
         print(f"wrote {args.out}: all-reduce {link['all_reduce_latency_us']:.1f} us + "
