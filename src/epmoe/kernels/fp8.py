@@ -103,3 +103,35 @@ def block_fp8_expert_weights(weights: ExpertWeights) -> BlockFP8ExpertWeights:
     w13, s13 = quantize_block_fp8(weights.w13)
     w2, s2 = quantize_block_fp8(weights.w2)
     return BlockFP8ExpertWeights(w13, w2, weights.b13, weights.b2, w13_scale=s13, w2_scale=s2)
+
+
+@dataclass(frozen=True)
+class KernelOperands:
+    """The optional operands of the expert kernels, with a placeholder tensor where one is absent.
+
+    Attributes:
+        s13, s2: the block scales of ``w13`` / ``w2`` (FP8 weights), else the placeholder.
+        strides13, strides2: their ``(slot, row block)`` strides, ``(0, 0)`` without FP8.
+        b13, b2: the biases, else the placeholder (the kernels read them only when present).
+    """
+
+    s13: torch.Tensor
+    strides13: tuple[int, int]
+    s2: torch.Tensor
+    strides2: tuple[int, int]
+    b13: torch.Tensor
+    b2: torch.Tensor
+
+
+def kernel_operands(weights: ExpertWeights, placeholder: torch.Tensor) -> KernelOperands:
+    """Scales (block-FP8 weights) and biases of ``weights`` as kernel arguments; ``placeholder`` (any
+    tensor on the same device) fills the slots of absent ones, which a kernel never reads."""
+    if isinstance(weights, BlockFP8ExpertWeights):
+        s13, s2 = weights.w13_scale, weights.w2_scale
+        strides13, strides2 = (s13.stride(0), s13.stride(1)), (s2.stride(0), s2.stride(1))
+    else:
+        s13 = s2 = placeholder
+        strides13 = strides2 = (0, 0)
+    b13 = weights.b13 if weights.b13 is not None else placeholder
+    b2 = weights.b2 if weights.b2 is not None else placeholder
+    return KernelOperands(s13, strides13, s2, strides2, b13, b2)

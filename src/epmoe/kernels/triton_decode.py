@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from ..experts import Activation, ExpertWeights
-from .fp8 import FP8_BLOCK, BlockFP8ExpertWeights
+from .fp8 import FP8_BLOCK, BlockFP8ExpertWeights, kernel_operands
 
 DECODE_MAX_PAIRS = 16
 _ZERO_BLOCK = 1024
@@ -385,26 +385,19 @@ def decode_experts(
     n_pad = triton.next_power_of_2(n)
     count = torch.empty(grid2[0], dtype=torch.int32, device=dev)
     out = torch.empty_like(x)
-    if fp8:
-        s13, s2 = weights.w13_scale, weights.w2_scale
-        strides13, strides2 = (s13.stride(0), s13.stride(1)), (s2.stride(0), s2.stride(1))
-    else:
-        s13 = s2 = topk_weights
-        strides13 = strides2 = (0, 0)
-    b13 = weights.b13 if weights.b13 is not None else topk_weights
-    b2 = weights.b2 if weights.b2 is not None else topk_weights
+    ops = kernel_operands(weights, topk_weights)
     limit = activation.swiglu_limit if activation.swiglu_limit is not None else 0.0
     _decode_gate_up_kernel[grid1](
-        x, topk_slots, topk_weights, w13, s13, b13, h, count,
-        n, k, grid2[0], d, f, x.stride(0), w13.stride(0), w13.stride(1), *strides13,
+        x, topk_slots, topk_weights, w13, ops.s13, ops.b13, h, count,
+        n, k, grid2[0], d, f, x.stride(0), w13.stride(0), w13.stride(1), *ops.strides13,
         float(limit), float(activation.swiglu_alpha),
         BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, N_PAD=n_pad, GROUPS=grid1[1], ONE_PAIR=grid1[1] == n,
         ACT=act_code, FP8=fp8, HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input,
         ZERO_BLOCK=_ZERO_BLOCK, PDL=cfg.pdl, num_warps=cfg.num_warps,
     )
     _decode_down_kernel[grid2](
-        h, topk_slots, topk_weights, w2, s2, b2, y, count, out,
-        t, k, n, d, f, w2.stride(0), w2.stride(1), *strides2, out.stride(0),
+        h, topk_slots, topk_weights, w2, ops.s2, ops.b2, y, count, out,
+        t, k, n, d, f, w2.stride(0), w2.stride(1), *ops.strides2, out.stride(0),
         BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, K_PAD=triton.next_power_of_2(k), N_PAD=n_pad,
         GROUPS=grid2[1], ONE_PAIR=grid2[1] == n, FP8=fp8, HAS_BIAS=weights.b2 is not None,
         WEIGHT_ON_INPUT=weight_on_input, PDL=cfg.pdl, num_warps=cfg.num_warps,

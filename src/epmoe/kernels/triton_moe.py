@@ -46,7 +46,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..experts import Activation, ExpertWeights
 from .align import Alignment, num_aligned_blocks
-from .fp8 import FP8_BLOCK, BlockFP8ExpertWeights
+from .fp8 import FP8_BLOCK, BlockFP8ExpertWeights, kernel_operands
 from .triton_decode import DECODE_MAX_PAIRS, decode_experts, gated_activation
 
 _ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2}
@@ -461,14 +461,7 @@ def triton_experts(
     nb = aln.block_slot.shape[0]
     h = torch.empty(nb * cfg.block_m, f, dtype=x.dtype, device=x.device)
     y = torch.empty(n, d, dtype=x.dtype, device=x.device)
-    if fp8:
-        s13, s2 = weights.w13_scale, weights.w2_scale
-        scale_strides13, scale_strides2 = (s13.stride(0), s13.stride(1)), (s2.stride(0), s2.stride(1))
-    else:
-        s13 = s2 = tw
-        scale_strides13 = scale_strides2 = (0, 0)
-    b13 = weights.b13 if weights.b13 is not None else tw
-    b2 = weights.b2 if weights.b2 is not None else tw
+    ops = kernel_operands(weights, tw)
     limit = activation.swiglu_limit if activation.swiglu_limit is not None else 0.0
     if tma:
         w13_desc = TensorDescriptor.from_tensor(w13.view(s * two_f, d), [cfg.block_n1, cfg.block_k])
@@ -478,17 +471,17 @@ def triton_experts(
     else:
         w13_desc, w2_desc, h_desc, h_half_desc = w13, w2, h, h
     _gate_up_kernel[(nb * triton.cdiv(f, cfg.block_n1),)](
-        x, w13, w13_desc, s13, b13, tw, h, aln.sorted_pair_ids, aln.block_slot, aln.block_start, aln.block_rows,
-        n, k, d, f, x.stride(0), w13.stride(0), w13.stride(1), *scale_strides13,
+        x, w13, w13_desc, ops.s13, ops.b13, tw, h, aln.sorted_pair_ids, aln.block_slot, aln.block_start,
+        aln.block_rows, n, k, d, f, x.stride(0), w13.stride(0), w13.stride(1), *ops.strides13,
         float(limit), float(activation.swiglu_alpha),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k,
         ACT=_act_code(activation), FP8=fp8, HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input,
         TMA=tma, HALF_TAIL=half, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _down_kernel[(nb * triton.cdiv(d, cfg.block_n2),)](
-        h, h_desc, h_half_desc, w2, w2_desc, s2, b2, tw, y, aln.sorted_pair_ids, aln.block_slot, aln.block_start,
-        aln.block_rows,
-        n, d, f, w2.stride(0), w2.stride(1), *scale_strides2,
+        h, h_desc, h_half_desc, w2, w2_desc, ops.s2, ops.b2, tw, y, aln.sorted_pair_ids, aln.block_slot,
+        aln.block_start, aln.block_rows,
+        n, d, f, w2.stride(0), w2.stride(1), *ops.strides2,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k,
         FP8=fp8, HAS_BIAS=weights.b2 is not None, WEIGHT_ON_INPUT=weight_on_input, TMA=tma, HALF_TAIL=half,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
