@@ -346,3 +346,16 @@ def test_plot_path_checked_before_planning_and_written_exactly(tmp_path, capsys)
     assert "is a directory" in capsys.readouterr().err
     assert main([*base, "--plot", str(tmp_path / "steps")]) == 0  # no suffix: written under exactly that name
     assert (tmp_path / "steps").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "steps.png").exists()
+
+
+def test_batch_list_parsing(capsys):
+    cfg = str(CONFIGS / "qwen3-30b-a3b.config.json")
+    base = ["plan", "--config", cfg, "--gpus", "8", "--hardware", "h200-sxm", "--json"]
+    assert main([*base, "--batch", "8,1,8"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert sorted({st["batch"] for sp in doc["strategies"] for st in sp["steps"]}) == [1, 8]
+    assert all([st["batch"] for st in sp["steps"]] == [1, 8] for sp in doc["strategies"])
+    with pytest.raises(SystemExit) as exit_info:  # argparse's own usage error
+        main([*base, "--batch", "1,,2"])
+    assert exit_info.value.code == 2
+    assert "--batch must be comma-separated integers, got '1,,2'" in capsys.readouterr().err

@@ -68,13 +68,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _batches(text: str) -> tuple[int, ...]:
+    """``--batch``: comma-separated sizes >= 1, each once, in ascending order."""
     try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
+        values = [int(v) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--batch must be comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
+    if any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"--batch sizes must be >= 1, got {text!r}")
-    return values
+    return tuple(sorted(set(values)))
 
 
 def _flag_error(exc: Exception, flags: dict[str, str]) -> Exception:
