@@ -126,3 +126,17 @@ def test_bad_json_loads_name_the_key(tmp_path, text, msg):
 def test_directory_is_not_a_loads_file(tmp_path):
     with pytest.raises(ValueError, match=r"loads file '.*' is a directory, not a file"):
         read_loads(tmp_path)
+
+
+def test_load_file_errors_name_the_file_once(tmp_path):
+    from safetensors.torch import save_file
+
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError) as info:
+        read_loads(bad)
+    assert str(info.value).count(str(bad)) == 1 and "missing column(s)" in str(info.value)
+    st = tmp_path / "l.safetensors"
+    save_file({"w": torch.ones(2, 4)}, str(st))
+    with pytest.raises(ValueError, match=r"tensor 'load' is missing; the file holds \['w'\]"):
+        read_loads(st)

@@ -193,7 +193,7 @@ def read_loads(path: str | Path) -> torch.Tensor:
 
             with safe_open(str(path), framework="pt") as f:
                 if "load" not in f.keys():
-                    raise ValueError("tensor 'load' is missing")
+                    raise ValueError(f"tensor 'load' is missing; the file holds {sorted(f.keys())}")
                 load = f.get_tensor("load")
         else:
             doc = json.loads(path.read_text())
@@ -214,6 +214,8 @@ def read_loads(path: str | Path) -> torch.Tensor:
             load = torch.tensor(rows, dtype=torch.float64)
         return torch.from_numpy(as_load_array(load, label))
     except (ValueError, TypeError, KeyError) as exc:
+        if str(exc).startswith(f"loads file {str(path)!r}"):  # the CSV reader names the file itself
+            raise
         raise ValueError(f"loads file {str(path)!r}: {exc}") from exc
     except Exception as exc:  # parser errors of json / safetensors
         raise ValueError(f"loads file {str(path)!r} could not be read: {exc}") from exc
