@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from epmoe.hardware import HARDWARE_FORMAT, LinkProfile, load_hardware, parse_hardware
+from epmoe.outpath import check_output_path
 
 GPU_MAX_BYTES = 256 * 1024**2
 CPU_MAX_BYTES = 4 * 1024**2
@@ -320,14 +321,7 @@ def check_outputs(cfg: CalibrationConfig) -> None:
             load_hardware(cfg.base)
         except ValueError as exc:
             raise ValueError(f"base ({cfg.base!r}) is not a usable profile: {exc}") from None
-    out = Path(cfg.out)
-    if out.is_dir():
-        raise ValueError(f"out ({cfg.out!r}) is a directory; expected the path of the profile JSON to write")
-    parent = out.parent
-    if not parent.is_dir():
-        raise ValueError(f"out ({cfg.out!r}) cannot be written: directory {str(parent)!r} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise ValueError(f"out ({cfg.out!r}) cannot be written: directory {str(parent)!r} is not writable")
+    check_output_path("out", cfg.out, "the path of the profile JSON to write")
 
 
 def calibrate(cfg: CalibrationConfig) -> dict[str, Any] | None:
