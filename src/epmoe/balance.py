@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from epmoe.balance_deepseek import deepseek_phy2log
-from epmoe.placement import ExpertPlacement
+from epmoe.placement import ExpertPlacement, check_redundant
 
 Balancer = Callable[..., ExpertPlacement]
 
@@ -101,11 +101,7 @@ def check_problem(
             f"ep_size ({ep_size}) is larger than the number of slots ({num_slots} = {num_experts} experts + "
             f"{num_redundant} redundant): every EP rank needs at least one slot"
         )
-    if num_redundant > num_experts * max(ep_size - 1, 1):
-        raise ValueError(
-            f"num_redundant ({num_redundant}) exceeds {num_experts * max(ep_size - 1, 1)} ({num_experts} experts x "
-            f"{max(ep_size - 1, 1)}): with that many every rank already holds a copy of every expert"
-        )
+    check_redundant(num_redundant, num_experts, ep_size)
     if num_slots % ep_size:
         raise ValueError(
             f"num_slots ({num_slots} = {num_experts} experts + {num_redundant} redundant) must be divisible "

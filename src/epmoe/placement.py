@@ -19,6 +19,26 @@ import torch
 PLACEMENT_FORMAT = "epmoe.placement/1"
 
 
+def max_redundant_slots(num_experts: int, ep_size: int) -> int:
+    """Most redundant slots per layer worth having: ``E * max(G - 1, 1)``, when every rank holds a copy of
+    every expert (more copies cannot spread the load further)."""
+    return num_experts * max(ep_size - 1, 1)
+
+
+def check_redundant(num_redundant: int, num_experts: int, ep_size: int) -> None:
+    """Refuse more redundant slots than ``max_redundant_slots``.
+
+    Raises:
+        ValueError: ``num_redundant`` above the bound (the value, the bound and its factors named).
+    """
+    bound = max_redundant_slots(num_experts, ep_size)
+    if num_redundant > bound:
+        raise ValueError(
+            f"num_redundant ({num_redundant}) exceeds {bound} ({num_experts} experts x {max(ep_size - 1, 1)}): "
+            "with that many every rank already holds a copy of every expert"
+        )
+
+
 @dataclass(frozen=True, eq=False)
 class ExpertPlacement:
     """Where every physical expert slot lives, for every MoE layer.
@@ -225,11 +245,7 @@ class ExpertPlacement:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if isinstance(num_redundant, bool) or not isinstance(num_redundant, int) or num_redundant < 0:
             raise ValueError(f"num_redundant must be a non-negative integer, got {num_redundant!r}")
-        if num_redundant > num_experts * max(ep_size - 1, 1):
-            raise ValueError(
-                f"num_redundant ({num_redundant}) exceeds {num_experts * max(ep_size - 1, 1)} ({num_experts} experts x "
-                f"{max(ep_size - 1, 1)}): with that many every rank already holds a copy of every expert"
-            )
+        check_redundant(num_redundant, num_experts, ep_size)
         num_slots = num_experts + num_redundant
         if ep_size > num_slots:
             raise ValueError(

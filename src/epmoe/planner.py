@@ -51,6 +51,7 @@ from epmoe.costs import (
     roofline_ms,
 )
 from epmoe.hardware import HardwareProfile, LinkProfile
+from epmoe.placement import max_redundant_slots
 from epmoe.spec import MoESpec
 
 GIB = 1024**3
@@ -107,7 +108,7 @@ class PlanRequest:
         pos_int("gpus", self.gpus, 1, MAX_GPUS)
         pos_int("nodes", self.nodes)
         pos_int("spec_tokens", self.spec_tokens, 0, MAX_SPEC_TOKENS)
-        pos_int("redundant", self.redundant, 0, self.spec.num_experts * max(self.gpus - 1, 1))
+        pos_int("redundant", self.redundant, 0, max_redundant_slots(self.spec.num_experts, self.gpus))
         pos_int("context", self.context, 1, MAX_CONTEXT)
         if not self.batches:
             raise ValueError("batches must name at least one batch size")
