@@ -19,7 +19,8 @@ Parts (each in its own try block; a failure is reported with its rank and traceb
    expert intermediate 2048, top-8, one shared expert, the model's real router (random bf16 weights;
    the same seed on every rank). Per tokens-per-rank ``T``: EP with the ``all_to_all`` dispatcher
    (eager: it syncs the host for the split sizes), EP with the ``fixed_capacity`` dispatcher (capacity
-   ``T``; route + dispatch + experts + combine captured in one CUDA graph and replayed), and the TP
+   ``T``; route + dispatch + experts + combine, ``GRAPH_REPS`` calls captured in one CUDA graph and
+   replayed, time per call), and the TP
    layer (``TPMoELayer``, each rank a 1/G slice of every expert, on the ``T * G`` tokens of the whole
    batch, graph replay and eager); dispatch + combine alone for both dispatchers (bytes sent / time =
    bus bandwidth, against NCCL's all-to-all from part 1) and the TP all-reduce alone. Correctness: each
@@ -141,8 +142,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30))
 
 
-def capture(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
-    """Warm ``fn`` up on a side stream, capture one call in a CUDA graph; return the graph and its output."""
+def capture(fn: Callable[[], Any], reps: int = 1) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Warm ``fn`` up on a side stream, capture ``reps`` calls in one CUDA graph; return it and the last output."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -153,7 +154,8 @@ def capture(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
     g = torch.cuda.CUDAGraph()
     # thread_local: NCCL's watchdog thread may query events while this thread captures
     with torch.cuda.graph(g, capture_error_mode="thread_local"):
-        out = fn()
+        for _ in range(reps):
+            out = fn()
     torch.cuda.synchronize()
     return g, out
 
@@ -184,12 +186,15 @@ def time_us(ctx: Ctx, fn: Callable[[], Any], iters: int | None = None, warmup: i
     return all_max(ctx, statistics.median(samples))
 
 
+GRAPH_REPS = 8  # calls per captured graph: per-call device time, as in a graph-replayed decode step of many layers
+
+
 def time_graph_us(ctx: Ctx, fn: Callable[[], Any]) -> tuple[float, bool]:
-    """``fn`` as CUDA-graph replays on GPU (eager on CPU); returns (µs, graphed)."""
+    """``fn`` per call from replays of a CUDA graph of ``GRAPH_REPS`` calls on GPU (eager on CPU); (µs, graphed)."""
     if not ctx.cuda:
         return time_us(ctx, fn), False
-    g, _ = capture(fn)
-    us = time_us(ctx, g.replay, iters=ctx.args.iters * 2)
+    g, _ = capture(fn, GRAPH_REPS)
+    us = time_us(ctx, g.replay, iters=ctx.args.iters * 2) / GRAPH_REPS
     del g
     return us, True
 
@@ -487,15 +492,17 @@ def _dispatch_row(ctx: Ctx, x, slots, w, a2a_disp: AllToAllDispatcher, fixed_dis
     n = ctx.world
     row: dict[str, Any] = {}
 
+    # combine gets a contiguous [R, D] tensor, as from the expert backend (recv_x is a view of the buffer)
+    y_a2a = torch.zeros(a2a_disp.dispatch(x, slots, w).recv_x.shape, dtype=x.dtype, device=x.device)
+    y_fixed = torch.zeros(fixed_disp.dispatch(x, slots, w).recv_x.shape, dtype=x.dtype, device=x.device)
+
     def a2a_round():
-        h = a2a_disp.dispatch(x, slots, w)
-        return a2a_disp.combine(h.recv_x, h)
+        return a2a_disp.combine(y_a2a, a2a_disp.dispatch(x, slots, w))
 
     static_x = x.clone()
 
     def fixed_round():
-        h = fixed_disp.dispatch(static_x, slots, w)
-        return fixed_disp.combine(h.recv_x, h)
+        return fixed_disp.combine(y_fixed, fixed_disp.dispatch(static_x, slots, w))
 
     for name, fn, comm in (("all_to_all", a2a_round, comm_a2a), ("fixed", fixed_round, comm_fixed)):
         before = comm.stats.snapshot()

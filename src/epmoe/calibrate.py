@@ -38,6 +38,7 @@ CPU_MAX_BYTES = 4 * 1024**2
 MAX_BYTES_LIMIT = 1024**3
 GLOO_MAX_NPROCS = 64  # also at most 4 x os.cpu_count(): each process is a full Python + torch interpreter
 WARMUP_ROUNDS = 5  # untimed rounds of each collective on the smallest buffer before the sweep
+GRAPH_REPS = 8  # collectives per captured CUDA graph when timing on CUDA
 MAX_ITERS = 1000  # timed repetitions per size, at most
 LATENCY_MAX_BYTES = 4096  # latency: the fastest of the sizes up to this
 
@@ -131,28 +132,57 @@ def message_sizes(max_bytes: int, world_size: int) -> list[int]:
 
 
 def _time_ms(fn, iters: int, device: torch.device, group) -> float:
-    for _ in range(2):
-        fn()
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    dist.barrier(group=group)
-    samples = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        samples.append((time.perf_counter() - t0) * 1e3)
+        samples = _graph_samples_ms(fn, iters, device, group)
+    else:
+        for _ in range(2):
+            fn()
+        dist.barrier(group=group)
+        samples = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
     t = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # the slowest rank sets the pace
     return float(t.item())
+
+
+def _graph_samples_ms(fn, iters: int, device: torch.device, group) -> list[float]:
+    """Per-call ms of ``fn`` from ``iters`` replays of a CUDA graph of ``GRAPH_REPS`` calls (CUDA events)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # NCCL's first calls on a stream are not capturable
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: NCCL's watchdog thread may query events while this thread captures
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for _ in range(GRAPH_REPS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    dist.barrier(group=group)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) / GRAPH_REPS for start, end in events]
 
 
 def measure_collectives(sizes: list[int], iters: int, device: torch.device, group=None) -> list[dict[str, float]]:
     """Median time (max over ranks) of one all-reduce and one all-to-all per buffer size.
 
     First ``WARMUP_ROUNDS`` untimed rounds of both on the smallest buffer; then, per size, 2 untimed
-    calls of each before the ``iters`` timed ones.
+    calls of each before the ``iters`` timed ones. On CUDA a timed call is one of ``GRAPH_REPS``
+    back-to-back collectives captured in a CUDA graph and replayed, timed with CUDA events: the device
+    time a collective adds to a graph-replayed decode step, without the host's launch and sync time
+    (which measured 2-3x the device time for small messages on two H200s and varied between runs).
+    Elsewhere (gloo) it is wall-clock time per call.
 
     Args:
         sizes: buffer bytes per rank, multiples of ``4 * world_size``.

@@ -15,6 +15,7 @@ from typing import Callable, Protocol
 import torch
 
 from .comm import Comm
+from .dispatch_layout import combine_rows, pack_rows, route_layout, unpack_rows
 
 
 @dataclass(frozen=True)
@@ -22,19 +23,24 @@ class DispatchHandle:
     """What a rank received, and how to send the results back.
 
     Attributes:
-        recv_x: ``[R, D]`` rows this rank computes.
+        recv_x: ``[R, D]`` rows this rank computes (may be a view with row stride above ``D``).
         recv_slots: ``[R, K]`` int64 local slot ids on this rank, ``-1`` = not computed here.
         recv_weights: ``[R, K]`` float32 routing weights matching ``recv_slots``.
-        send_token_idx: ``[N]`` int64 token index of each row sent, grouped by destination rank.
-        send_splits: rows sent to each rank (host list of ``G`` ints); ``None`` for the local path.
-        recv_splits: rows received from each rank (host list of ``G`` ints); ``None`` for the local path.
+        send_pos: ``[T, G]`` int32 row of token ``t`` within the block sent to rank ``g``, ``-1`` = not
+            sent (``dispatch_layout.SendLayout.pos``); ``None`` for the local path.
+        send_row_starts: ``[G]`` int32 first row of each rank's block in the send buffer; ``None`` when
+            the blocks have a fixed size (fixed capacity) or nothing was sent (local path).
+        send_splits: rows sent to each rank (host list of ``G`` ints); ``None`` where no count reaches
+            the host (local and fixed-capacity paths).
+        recv_splits: rows received from each rank (host list of ``G`` ints); ``None`` likewise.
         num_tokens: ``T`` tokens of the caller.
     """
 
     recv_x: torch.Tensor
     recv_slots: torch.Tensor
     recv_weights: torch.Tensor
-    send_token_idx: torch.Tensor | None
+    send_pos: torch.Tensor | None
+    send_row_starts: torch.Tensor | None
     send_splits: list[int] | None
     recv_splits: list[int] | None
     num_tokens: int
@@ -81,34 +87,20 @@ class LocalDispatcher:
     def dispatch(self, x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor) -> DispatchHandle:
         """See ``Dispatcher.dispatch``; the handle's ``recv_*`` are the inputs themselves."""
         _check_inputs(x, topk_slots, topk_weights)
-        return DispatchHandle(x, topk_slots, topk_weights.float(), None, None, None, x.shape[0])
+        return DispatchHandle(x, topk_slots, topk_weights.float(), None, None, None, None, x.shape[0])
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """See ``Dispatcher.combine``: returns ``y``."""
         return y
 
 
-def _pack(x: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
-    """Append float32 ``meta [N, M]`` to ``x [N, D]`` bit-exactly, in ``x``'s dtype."""
-    if x.dtype == torch.float32:
-        return torch.cat([x, meta], dim=1)
-    if meta.shape[1] * 4 % x.element_size():
-        raise TypeError(f"cannot pack float32 metadata into rows of dtype {x.dtype}")
-    return torch.cat([x, meta.contiguous().view(x.dtype)], dim=1)
-
-
-def _unpack(rows: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    x = rows[:, :d]
-    meta = rows[:, d:].contiguous()
-    return x, meta if rows.dtype == torch.float32 else meta.view(torch.float32)
-
-
 class AllToAllDispatcher:
     """Dispatch/combine with ``all_to_all_single`` over the EP group, after exchanging counts.
 
     Per call: one all-to-all of the ``G`` row counts (host sync: the split sizes must be known), one
-    all-to-all of the rows (hidden state with the slot ids and weights packed bit-exactly beside it), and
-    one all-to-all back in ``combine``. Works with gloo on CPU and NCCL on CUDA.
+    all-to-all of the rows (hidden state with the slot ids and weights packed bit-exactly beside it, the
+    exact layout of ``dispatch_layout``), and one all-to-all back in ``combine``. Works with gloo on CPU
+    and NCCL on CUDA (the layout steps are Triton kernels there).
 
     Args:
         comm: the EP group.
@@ -126,46 +118,37 @@ class AllToAllDispatcher:
         _check_inputs(x, topk_slots, topk_weights)
         g, s = self.comm.size, self.slots_per_rank
         t, k = topk_slots.shape
-        d = x.shape[1]
-        dest = torch.where(topk_slots >= 0, topk_slots // s, g)  # [T, K], g = none
-        goes = torch.zeros(t, g + 1, dtype=torch.bool, device=x.device)
-        goes.scatter_(1, dest, True)
-        goes = goes[:, :g]
-        pairs = goes.t().nonzero()  # [N, 2] (rank, token), sorted by rank then token
-        send_rank, send_token_idx = pairs[:, 0], pairs[:, 1]
-        send_counts = goes.sum(dim=0)
-        sel_slots = topk_slots[send_token_idx]
-        here = (sel_slots // s) == send_rank.unsqueeze(1)
-        local_slots = torch.where(here & (sel_slots >= 0), sel_slots - send_rank.unsqueeze(1) * s, -1)
-        local_w = torch.where(here, topk_weights[send_token_idx].float(), 0.0)
-        meta = torch.cat([local_slots.float(), local_w], dim=1)
-        payload = _pack(x[send_token_idx], meta)
-
-        recv_counts = torch.empty_like(send_counts)
-        self.comm.all_to_all_single(recv_counts, send_counts)
-        send_splits = send_counts.tolist()
+        layout = route_layout(topk_slots, s, g, t)  # capacity T: the exact layout never overflows
+        recv_counts = torch.empty_like(layout.counts)
+        self.comm.all_to_all_single(recv_counts, layout.counts)
+        send_splits = layout.counts.tolist()
         recv_splits = recv_counts.tolist()
+        payload = pack_rows(x, topk_slots, topk_weights, layout, s, layout.starts, sum(send_splits))
         recv = payload.new_empty((sum(recv_splits), payload.shape[1]))
         self.comm.all_to_all_single(recv, payload, recv_splits, send_splits)
-        recv_x, recv_meta = _unpack(recv, d)
+        recv_x, recv_slots, recv_weights, _ = unpack_rows(recv, x.shape[1], k)
         return DispatchHandle(
             recv_x=recv_x,
-            recv_slots=recv_meta[:, :k].to(torch.int64),
-            recv_weights=recv_meta[:, k:],
-            send_token_idx=send_token_idx,
+            recv_slots=recv_slots,
+            recv_weights=recv_weights,
+            send_pos=layout.pos,
+            send_row_starts=layout.starts,
             send_splits=send_splits,
             recv_splits=recv_splits,
             num_tokens=t,
         )
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """See ``Dispatcher.combine``: one all-to-all back, then a sum per token."""
-        assert handle.send_splits is not None and handle.recv_splits is not None, "handle is not from all-to-all"
+        """See ``Dispatcher.combine``: one all-to-all back, then each token's rows summed in float32.
+
+        Raises:
+            TypeError: ``handle`` did not come from an all-to-all dispatch.
+        """
+        if handle.send_splits is None or handle.recv_splits is None or handle.send_pos is None:
+            raise TypeError("AllToAllDispatcher.combine needs the handle its dispatch returned")
         back = y.new_empty((sum(handle.send_splits), y.shape[1]))
         self.comm.all_to_all_single(back, y.contiguous(), handle.send_splits, handle.recv_splits)
-        out = y.new_zeros((handle.num_tokens, y.shape[1]))
-        out.index_add_(0, handle.send_token_idx, back)
-        return out
+        return combine_rows(back, handle.send_pos, handle.send_row_starts, handle.num_tokens)
 
 
 def _fixed_capacity(comm: Comm, slots_per_rank: int, **options) -> Dispatcher:

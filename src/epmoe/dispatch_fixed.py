@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from .comm import Comm
-from .dispatch import DispatchHandle, _check_inputs, _pack, _unpack
+from .dispatch import DispatchHandle, _check_inputs
+from .dispatch_layout import combine_rows, pack_rows, route_layout, unpack_rows
 
 
 class CapacityExceededError(RuntimeError):
@@ -36,15 +37,24 @@ class FixedCapacityHandle(DispatchHandle):
     """A ``DispatchHandle`` with the fixed-capacity bookkeeping (all on the device).
 
     Attributes:
-        send_rows: ``[T, G]`` int64 row of each (token, destination rank) in the ``[G * C]`` send buffer;
-            ``G * C`` = not sent.
-        max_count: ``[]`` int64, the largest number of tokens any rank of the group routed to one rank.
+        sender_max: ``[G * C]`` float32, for each received row its sender's largest per-rank count (a
+            view of the receive buffer); ``None`` on a one-rank group, where ``recv_slots`` tells.
         capacity: ``C`` rows per (source, destination) pair.
     """
 
-    send_rows: torch.Tensor | None = None
-    max_count: torch.Tensor | None = None
+    sender_max: torch.Tensor | None = None
     capacity: int = 0
+
+    @property
+    def max_count(self) -> torch.Tensor:
+        """``[]`` int64: the largest number of tokens any rank of the group routed to one rank.
+
+        Computed from the received rows when asked (one small reduction), so a graph-captured layer pays
+        nothing for it; after a replay it reads the graph's static receive buffer.
+        """
+        if self.sender_max is None:
+            return (self.recv_slots >= 0).any(dim=1).sum()
+        return self.sender_max.max().to(torch.int64)
 
     def check_capacity(self) -> None:
         """Raise if any rank routed more tokens to one rank than the capacity (reads one device scalar).
@@ -52,7 +62,6 @@ class FixedCapacityHandle(DispatchHandle):
         Raises:
             CapacityExceededError: the count exceeded the capacity; rows past it were not computed.
         """
-        assert self.max_count is not None, "handle was not built by FixedCapacityDispatcher"
         count = int(self.max_count.item())
         if count > self.capacity:
             raise CapacityExceededError(
@@ -86,50 +95,28 @@ class FixedCapacityDispatcher:
         self.check_overflow = check_overflow
 
     def dispatch(self, x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor) -> FixedCapacityHandle:
-        """See ``Dispatcher.dispatch``; ``recv_x`` is ``[G * C, D]``, padding rows with slots ``-1``."""
+        """See ``Dispatcher.dispatch``; ``recv_x`` is ``[G * C, D]`` (a view of the receive buffer), padding rows
+        zero with slots ``-1``."""
         _check_inputs(x, topk_slots, topk_weights)
         g, s, c = self.comm.size, self.slots_per_rank, self.capacity
         t, k = topk_slots.shape
         if g == 1 and t <= c:
             return self._dispatch_one_rank(x, topk_slots, topk_weights)
-        d = x.shape[1]
-        dev = x.device
-        dest = torch.where(topk_slots >= 0, topk_slots // s, g)  # [T, K], g = none
-        goes = torch.zeros(t, g + 1, dtype=torch.bool, device=dev)
-        goes.scatter_(1, dest, True)
-        goes = goes[:, :g]  # [T, G]
-        pos = torch.cumsum(goes.to(torch.int64), dim=0) - 1  # [T, G] row within the block for that rank
-        counts = goes.sum(dim=0)  # [G]
-        ranks = torch.arange(g, device=dev)
-        send_rows = torch.where(goes & (pos < c), ranks * c + pos, g * c)  # [T, G]
-
-        rank_of_choice = dest.unsqueeze(0) == ranks.view(g, 1, 1)  # [G, T, K]
-        local_slots = torch.where(rank_of_choice, topk_slots.unsqueeze(0) - ranks.view(g, 1, 1) * s, -1)
-        local_w = torch.where(rank_of_choice, topk_weights.float().unsqueeze(0), 0.0)
-        own_max = counts.max().to(torch.float32) if t else torch.zeros((), device=dev)
-
-        idx = send_rows.t().reshape(-1)  # [G*T]
-        send_x = x.new_zeros((g * c + 1, d))
-        send_x[idx] = x.repeat(g, 1)
-        meta = torch.zeros(g * c + 1, 2 * k + 1, dtype=torch.float32, device=dev)
-        meta[:, :k] = -1.0
-        meta[idx, : 2 * k] = torch.cat([local_slots.float(), local_w], dim=2).reshape(g * t, 2 * k)
-        meta[:, 2 * k] = own_max
-        payload = _pack(send_x[:-1], meta[:-1])
-
+        layout = route_layout(topk_slots, s, g, c)
+        payload = pack_rows(x, topk_slots, topk_weights, layout, s, None, g * c)
         recv = torch.empty_like(payload)
         self.comm.all_to_all_single(recv, payload)
-        recv_x, recv_meta = _unpack(recv, d)
+        recv_x, recv_slots, recv_weights, sender_max = unpack_rows(recv, x.shape[1], k)
         return FixedCapacityHandle(
             recv_x=recv_x,
-            recv_slots=recv_meta[:, :k].to(torch.int64),
-            recv_weights=recv_meta[:, k : 2 * k],
-            send_token_idx=None,
+            recv_slots=recv_slots,
+            recv_weights=recv_weights,
+            send_pos=layout.pos,
+            send_row_starts=None,
             send_splits=None,
             recv_splits=None,
             num_tokens=t,
-            send_rows=send_rows,
-            max_count=recv_meta[:, 2 * k].max().to(torch.int64),
+            sender_max=sender_max,
             capacity=c,
         )
 
@@ -153,12 +140,11 @@ class FixedCapacityDispatcher:
             recv_x=recv_x,
             recv_slots=recv_slots,
             recv_weights=recv_weights,
-            send_token_idx=None,
+            send_pos=None,
+            send_row_starts=None,
             send_splits=None,
             recv_splits=None,
             num_tokens=t,
-            send_rows=torch.arange(t, device=x.device).unsqueeze(1),
-            max_count=(topk_slots >= 0).any(dim=1).sum(),
             capacity=self.capacity,
         )
 
@@ -169,17 +155,18 @@ class FixedCapacityDispatcher:
             CapacityExceededError: ``check_overflow`` is set, no CUDA graph is being captured, and the
                 capacity was exceeded.
         """
-        if not isinstance(handle, FixedCapacityHandle) or handle.send_rows is None:
+        if not isinstance(handle, FixedCapacityHandle):
             raise TypeError("FixedCapacityDispatcher.combine needs the handle its dispatch returned")
         g, c = self.comm.size, self.capacity
         if y.shape[0] != g * c:
             raise ValueError(f"y must have one row per received row ({g * c}), got {tuple(y.shape)}")
         if g == 1 and handle.num_tokens <= c:
             return y[: handle.num_tokens]  # one rank, no overflow possible: row t is token t's sum
-        back = torch.empty_like(y)
+        if handle.send_pos is None:
+            raise TypeError("FixedCapacityDispatcher.combine needs the handle its dispatch returned")
+        back = torch.empty(y.shape, dtype=y.dtype, device=y.device)
         self.comm.all_to_all_single(back, y.contiguous())
-        back = torch.cat([back, back.new_zeros((1, back.shape[1]))])  # row g*c: not sent
-        out = back[handle.send_rows].sum(dim=1, dtype=torch.float32).to(y.dtype)  # [T, D]
+        out = combine_rows(back, handle.send_pos, None, c)
         capturing = y.is_cuda and torch.cuda.is_current_stream_capturing()
         if self.check_overflow and not capturing:
             handle.check_capacity()

@@ -384,7 +384,7 @@ def decode_experts(
     grid2 = _grid(triton.cdiv(d, cfg.block_n2), n, cfg.max_programs)
     n_pad = triton.next_power_of_2(n)
     count = torch.empty(grid2[0], dtype=torch.int32, device=dev)
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     ops = kernel_operands(weights, topk_weights)
     limit = activation.swiglu_limit if activation.swiglu_limit is not None else 0.0
     _decode_gate_up_kernel[grid1](

@@ -442,10 +442,11 @@ def triton_experts(
     s, two_f, d = weights.w13.shape
     f = two_f // 2
     n = t * k
-    out = torch.empty_like(x)
+    out = torch.empty(t, d, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    x = x.contiguous()
+    if x.stride(1) != 1:  # rows may sit in a wider buffer (a dispatcher's receive buffer): only D must be dense
+        x = x.contiguous()
     slots = topk_slots.contiguous()
     tw = topk_weights.float().contiguous()
     if config is None and n <= DECODE_MAX_PAIRS:

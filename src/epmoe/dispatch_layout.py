@@ -1,0 +1,225 @@
+"""The send-buffer layout of dispatch and the per-token sum of combine, shared by the multi-rank dispatchers.
+
+Dispatch sends each token once to every EP rank that holds one of its slots. The rows for rank ``g`` form
+block ``g`` of the send buffer, in token order: token ``t`` is row ``row_starts[g] + pos[t, g]``, where
+``pos[t, g]`` counts the earlier tokens that also go to ``g``. Behind its hidden state each row carries,
+packed bit-exactly as ``2K + 1`` float32 values, the token's slots on ``g`` (local ids, ``-1`` = served
+elsewhere), their routing weights, and the sender's largest per-rank count (the fixed-capacity
+dispatcher's overflow signal). Combine receives the results in the same buffer positions and sums each
+token's rows in float32.
+
+Four steps, each one kernel on CUDA (``kernels.triton_dispatch``) and plain PyTorch elsewhere:
+``route_layout`` (positions, counts and the row -> token table), ``pack_rows`` (the send buffer),
+``unpack_rows`` (slots and weights of the received rows), ``combine_rows`` (the per-token sum). None of
+them reads a count on the host, so a fixed-capacity layer can be captured in a CUDA graph. Two layouts:
+fixed blocks of ``C`` rows per rank (``row_starts=None``; rows past a rank's count are padding with
+slots ``-1`` and zero hidden state) and exact blocks (``row_starts`` the exclusive prefix sum of the
+counts, the all-to-all dispatcher).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Impl = Literal["auto", "torch", "triton"]
+
+
+def meta_columns(dtype: torch.dtype, top_k: int) -> int:
+    """Columns of ``dtype`` that the ``2K + 1`` float32 metadata values take behind each row.
+
+    Raises:
+        TypeError: ``dtype`` is not 2 or 4 bytes wide.
+    """
+    size = torch.empty((), dtype=dtype).element_size()
+    if size not in (2, 4):
+        raise TypeError(f"dispatch packs rows of 2- or 4-byte dtypes, got {dtype}")
+    return (2 * top_k + 1) * 4 // size
+
+
+@dataclass(frozen=True)
+class SendLayout:
+    """Where each (token, destination rank) goes in the send buffer (all on the device).
+
+    Attributes:
+        pos: ``[T, G]`` int32 position of token ``t`` in block ``g``, ``-1`` = it does not go to ``g``;
+            positions ``>= capacity`` overflowed and are not sent.
+        counts: ``[G]`` int32 tokens routed to each rank (before the capacity cut).
+        starts: ``[G]`` int32 exclusive prefix sum of ``counts``: the first row of each rank's block in the
+            exact layout.
+        row_token: ``[G, C]`` int32 token of position ``p`` of block ``g``; valid for
+            ``p < min(counts[g], C)``, unspecified elsewhere.
+        capacity: ``C``, positions per block.
+    """
+
+    pos: torch.Tensor
+    counts: torch.Tensor
+    starts: torch.Tensor
+    row_token: torch.Tensor
+    capacity: int
+
+
+def _use_triton(t: torch.Tensor, impl: Impl) -> bool:
+    if impl == "torch" or (impl == "auto" and not t.is_cuda):
+        return False
+    if impl not in ("auto", "triton"):
+        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
+    try:
+        importlib.import_module(".kernels.triton_dispatch", __package__)
+    except ImportError as err:
+        if impl == "triton":
+            raise RuntimeError(f"dispatch layout impl 'triton' needs the triton package: {err}") from err
+        return False
+    return True
+
+
+def route_layout(
+    topk_slots: torch.Tensor, slots_per_rank: int, num_ranks: int, capacity: int, impl: Impl = "auto"
+) -> SendLayout:
+    """Positions of every (token, destination rank) pair in the send buffer.
+
+    Args:
+        topk_slots: ``[T, K]`` int64 global physical slot ids, ``-1`` = none; rank ``g`` holds slots
+            ``[g * slots_per_rank, (g + 1) * slots_per_rank)``.
+        slots_per_rank: ``S``, positive.
+        num_ranks: ``G``, positive.
+        capacity: ``C`` positions per block (``T`` for the exact layout: nothing can overflow).
+        impl: ``auto`` (Triton on CUDA, PyTorch elsewhere), ``torch`` or ``triton``.
+
+    Returns:
+        The ``SendLayout``.
+    """
+    if _use_triton(topk_slots, impl):
+        from .kernels.triton_dispatch import route_layout_triton
+
+        return SendLayout(*route_layout_triton(topk_slots, slots_per_rank, num_ranks, capacity), capacity)
+    t, dev = topk_slots.shape[0], topk_slots.device
+    dest = torch.where(topk_slots >= 0, topk_slots // slots_per_rank, num_ranks)
+    goes = torch.zeros(t, num_ranks + 1, dtype=torch.bool, device=dev).scatter_(1, dest, True)[:, :num_ranks]
+    pos = torch.where(goes, torch.cumsum(goes.t().to(torch.int32), dim=1).t() - 1, -1).to(torch.int32)
+    counts = goes.sum(dim=0).to(torch.int32)
+    starts = (torch.cumsum(counts, 0) - counts).to(torch.int32)
+    flat = torch.where(goes & (pos < capacity), torch.arange(num_ranks, device=dev) * capacity + pos, num_ranks * capacity)
+    row_token = torch.zeros(num_ranks * capacity + 1, dtype=torch.int32, device=dev)
+    tokens = torch.arange(t, dtype=torch.int32, device=dev).unsqueeze(1).expand(t, num_ranks)
+    row_token.scatter_(0, flat.reshape(-1), tokens.reshape(-1))
+    return SendLayout(pos, counts, starts, row_token[:-1].view(num_ranks, capacity), capacity)
+
+
+def pack_rows(
+    x: torch.Tensor,
+    topk_slots: torch.Tensor,
+    topk_weights: torch.Tensor,
+    layout: SendLayout,
+    slots_per_rank: int,
+    row_starts: torch.Tensor | None,
+    num_rows: int,
+    impl: Impl = "auto",
+) -> torch.Tensor:
+    """The send buffer: each sent token's hidden state with its metadata packed behind it.
+
+    Args:
+        x: ``[T, D]`` hidden states (2- or 4-byte dtype).
+        topk_slots: ``[T, K]`` int64 global slot ids, ``-1`` = none.
+        topk_weights: ``[T, K]`` routing weights (any float dtype; sent as float32).
+        layout: ``route_layout`` of ``topk_slots``.
+        slots_per_rank: ``S``.
+        row_starts: ``[G]`` int32/int64 first row of each rank's block (exact layout), or ``None`` for
+            fixed blocks starting at ``g * C`` (padding rows: slots ``-1``, weights 0, zero hidden state).
+        num_rows: ``N`` rows of the buffer: ``G * C`` for fixed blocks, the sum of the counts otherwise.
+        impl: see ``route_layout``.
+
+    Returns:
+        ``[N, D + meta_columns(x.dtype, K)]`` in ``x.dtype``.
+    """
+    g, c = layout.pos.shape[1], layout.capacity
+    t, k = topk_slots.shape
+    d = x.shape[1]
+    if _use_triton(x, impl) and (d * x.element_size()) % 4 == 0:
+        from .kernels.triton_dispatch import pack_rows_triton
+
+        return pack_rows_triton(x, topk_slots, topk_weights, layout.counts, layout.row_token, slots_per_rank,
+                                row_starts, num_rows, c)
+    dev = x.device
+    r = torch.arange(num_rows, device=dev)
+    starts = torch.arange(g, device=dev) * c if row_starts is None else row_starts.to(torch.int64)
+    rank = torch.searchsorted(starts, r, right=True) - 1
+    p = r - starts[rank]
+    real = p < torch.clamp(layout.counts.to(torch.int64), max=c)[rank]
+    tok = torch.where(real, layout.row_token.reshape(-1)[(rank * c + p.clamp(max=c - 1))].to(torch.int64), t)
+    rows = torch.cat([x, x.new_zeros(1, d)])[tok]  # row T: zeros for padding rows
+    sl = torch.cat([topk_slots, topk_slots.new_full((1, k), -1)])[tok]
+    wt = torch.cat([topk_weights.float(), topk_weights.new_zeros(1, k, dtype=torch.float32)])[tok]
+    here = (sl >= 0) & (sl // slots_per_rank == rank.unsqueeze(1))
+    local = torch.where(here, sl - rank.unsqueeze(1) * slots_per_rank, -1).float()
+    own_max = layout.counts.max().float().expand(num_rows, 1)
+    meta = torch.cat([local, torch.where(here, wt, 0.0), own_max], dim=1)
+    if x.dtype == torch.float32:
+        return torch.cat([rows, meta], dim=1)
+    return torch.cat([rows, meta.contiguous().view(x.dtype)], dim=1)
+
+
+def unpack_rows(
+    recv: torch.Tensor, d: int, top_k: int, impl: Impl = "auto"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split received rows into hidden states and metadata.
+
+    Args:
+        recv: ``[R, D + meta_columns(dtype, K)]`` rows as ``pack_rows`` wrote them.
+        d: ``D``.
+        top_k: ``K``.
+        impl: see ``route_layout``.
+
+    Returns:
+        ``recv_x`` ``[R, D]`` (a view of ``recv``, row stride ``recv.shape[1]``), ``recv_slots`` ``[R, K]``
+        int64 local slot ids (``-1`` = none), ``recv_weights`` ``[R, K]`` float32, ``sender_max`` ``[R]``
+        float32 the sending rank's largest per-rank count (a view of ``recv`` when ``D`` is even).
+    """
+    k = top_k
+    if recv.dtype == torch.float32:
+        meta = recv[:, d:]
+    elif (d * recv.element_size()) % 4 == 0:
+        meta = recv[:, d:].view(torch.float32)
+    else:
+        meta = recv[:, d:].contiguous().view(torch.float32)
+    if _use_triton(recv, impl) and recv.shape[0] and meta.stride(1) == 1:
+        from .kernels.triton_dispatch import unpack_meta_triton
+
+        slots, weights = unpack_meta_triton(meta, k)
+    else:
+        slots, weights = meta[:, :k].to(torch.int64), meta[:, k : 2 * k].contiguous()
+    return recv[:, :d], slots, weights, meta[:, 2 * k]
+
+
+def combine_rows(
+    back: torch.Tensor, pos: torch.Tensor, row_starts: torch.Tensor | None, capacity: int, impl: Impl = "auto"
+) -> torch.Tensor:
+    """Each token's sum of the rows it got back, accumulated in float32 (ranks in order).
+
+    Args:
+        back: ``[N, D]`` the results, in the send buffer's row order (row stride may exceed ``D``).
+        pos: ``[T, G]`` int32 ``SendLayout.pos``.
+        row_starts: as for ``pack_rows`` (``None`` = fixed blocks of ``capacity`` rows).
+        capacity: ``C``; positions ``>= C`` were not sent and count as zero.
+        impl: see ``route_layout``.
+
+    Returns:
+        ``[T, D]`` in ``back.dtype``.
+    """
+    t, g = pos.shape
+    if _use_triton(back, impl) and back.stride(1) == 1:
+        from .kernels.triton_dispatch import combine_rows_triton
+
+        return combine_rows_triton(back, pos, row_starts, capacity)
+    n, dev = back.shape[0], back.device
+    starts = torch.arange(g, device=dev) * capacity if row_starts is None else row_starts.to(torch.int64)
+    sent = (pos >= 0) & (pos < capacity)
+    rows = torch.where(sent, starts.unsqueeze(0) + pos, n)
+    padded = torch.cat([back, back.new_zeros(1, back.shape[1])])
+    out = torch.zeros(t, back.shape[1], dtype=torch.float32, device=dev)
+    for rank in range(g):  # in rank order, as the kernel sums: both give the same bits
+        out += padded[rows[:, rank]].float()
+    return out.to(back.dtype)
