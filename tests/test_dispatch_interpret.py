@@ -23,7 +23,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("t,k,g,s,cap,d,dtype", [
     (1, 8, 2, 16, 1, 64, torch.float16),       # decode: one token, two ranks
     (37, 4, 3, 5, 9, 100, torch.float16),      # ragged D, overflow (capacity below the counts)
-    (300, 6, 8, 4, 300, 40, torch.float32),    # several position blocks, no overflow
+    (300, 6, 8, 4, 300, 40, torch.float32),    # two position blocks, no overflow
+    (2000, 8, 2, 16, 1500, 16, torch.float16), # eight position blocks, overflow
     (0, 2, 2, 3, 2, 8, torch.float16),         # no tokens
 ])
 @pytest.mark.parametrize("fixed", [True, False])
