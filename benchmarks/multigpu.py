@@ -671,7 +671,13 @@ def part_plan(ctx: Ctx) -> dict | None:
                 row["tp_expert_meas_us"] = tp_expert
                 row["tp_expert_meas_over_pred"] = ratio(tp_expert, row.get("tp_pred_expert_us"))
         rows.append(row)
+    # the profile's dispatch_layout_fixed_us that would make the fixed dispatcher's rows fit best: the
+    # median of measured - predicted without it (DESIGN.md's H200 profile takes its value from here)
+    resid = [m["disp_fixed_us"] - r["ep_pred_dispatch_combine_us"] + hw.dispatch_layout_fixed_us
+             for r in rows if (m := measured.get(r["tokens_per_rank"])) and r.get("ep_pred_dispatch_combine_us")]
     out = {"hardware": hw.name, "hardware_source": hw_note, "strategies": names, "skipped": list(p.skipped),
+           "dispatch_layout_fixed_us": hw.dispatch_layout_fixed_us,
+           "fit_dispatch_layout_fixed_us": statistics.median(resid) if resid else None,
            "rows": rows, "note": "per MoE layer; prediction = planner's step estimate divided by its MoE layer count; "
                                  "measured expert time = layer time minus dispatch+combine (fixed, graphed) or minus "
                                  "the all-reduce (TP)"}
@@ -769,7 +775,8 @@ def summary(ctx: Ctx) -> tuple[str, bool]:
             lines.append(f"plan ({pl['hardware']}): measured/predicted dispatch+combine "
                          + " ".join(f"T{r['tokens_per_rank']}:{r['ep_disp_fixed_meas_over_pred']:.2f}" for r in rr)
                          + "; all-reduce " + " ".join(f"T{r['tokens_per_rank']}:{_fmt(r.get('tp_all_reduce_meas_over_pred'), '.2f')}" for r in rr)
-                         + " (target 0.75-1.25)")
+                         + f" (target 0.75-1.25; dispatch_layout_fixed_us {pl['dispatch_layout_fixed_us']:.1f}, "
+                         f"best fit {_fmt(pl.get('fit_dispatch_layout_fixed_us'))})")
     run = doc.get("run")
     if run:
         lines.append(f"run ({run['checkpoint']['family']}, {run['checkpoint']['layers']} layers, EP {g}): matches reference "
@@ -807,6 +814,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip", type=lambda s: [v for v in s.split(",") if v], default=[],
                    help=f"parts to skip, comma-separated: {','.join(PARTS)}")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--replan", metavar="JSON", help="only part 4, on a saved multigpu.json (no GPU, no torchrun)")
     args = p.parse_args(argv)
     unknown = [s for s in args.skip if s not in PARTS]
     if unknown:
@@ -823,8 +831,44 @@ def _nccl_version() -> str:
     return ".".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
 
 
+def replan(args: argparse.Namespace) -> int:
+    """Part 4 again on a saved ``multigpu.json`` (no GPU, no torchrun): the planner's current model priced on
+    that run's calibration, beside that run's measurements. Writes ``--out``/``multigpu.json`` and
+    ``profile.json``; prints the summary."""
+    src = Path(args.replan)
+    try:
+        doc = json.loads(src.read_text())
+        calib, world = doc["calibrate"], int(doc["world_size"])
+        rows, facts = calib["rows"], calib["device_facts"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        print(f"--replan {src}: not a multigpu.json with calibration rows ({err})", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    run_args = parse_args(doc.get("argv") or [])
+    run_args.tokens = doc.get("tokens") or run_args.tokens
+    ctx = Ctx(args=run_args, rank=0, world=world, local_rank=0, device=torch.device(doc.get("device", "cpu")),
+              side=None, out=out, doc=doc)
+    if world >= 2:
+        path = out / "profile.json"
+        cfg = CalibrationConfig(out=str(path), name=f"calibrated-{world}x-{'gpu' if ctx.cuda else 'cpu'}",
+                                base="h200-sxm" if ctx.cuda else None, iters=run_args.calib_iters)
+        profile = build_profile(rows, facts, world, 1, "nccl" if ctx.cuda else "gloo", doc["gpus"][0], cfg)
+        path.write_text(json.dumps(profile, indent=2))
+        calib["profile_path"] = str(path)
+    doc["plan"] = part_plan(ctx)
+    doc["replanned_from"] = str(src)
+    text, ok = summary(ctx)
+    doc["summary"] = text
+    write_doc(ctx)
+    print(text + f"\nreplanned from {src}; JSON in {out / 'multigpu.json'}", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replan:
+        return replan(args)
     if not all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         print("multigpu.py runs under torchrun: torchrun --standalone --nproc-per-node G benchmarks/multigpu.py ...",
               file=sys.stderr)

@@ -33,6 +33,10 @@ def test_two_gloo_processes_write_a_profile_plan_accepts(tmp_path, capsys):
     assert [r["bytes"] for r in doc["measurements"]] == message_sizes(4096, 2)
     hw = load_hardware(out)
     assert hw.name == "cpu2" and hw.gpus_per_node == 2 and hw.inter_node is None
+    # the measured curves travel into the profile: the planner prices collectives on them
+    rows = doc["measurements"]
+    assert hw.intra_node.all_to_all_ms_by_bytes == tuple((float(r["bytes"]), r["all_to_all_ms"]) for r in rows)
+    assert hw.intra_node.all_reduce_ms_by_bytes == tuple((float(r["bytes"]), r["all_reduce_ms"]) for r in rows)
     cfg = str(CONFIGS / "olmoe-1b-7b-0924.config.json")
     assert main(["plan", "--config", cfg, "--gpus", "2", "--hardware", str(out), "--batch", "1,8", "--json"]) == 0
     assert '"hardware": "cpu2"' in capsys.readouterr().out

@@ -17,7 +17,10 @@ import numpy as np
 import pytest
 
 from epmoe.costs import (
+    ACT_BYTES,
     MoEDims,
+    collective_ms,
+    dispatch_layout_ms,
     expected_distinct_experts,
     expert_activation_bytes,
     expert_layer_ms,
@@ -131,3 +134,28 @@ def test_model_within_25_percent_of_h200_measurements():
                        f"predicted {predicted_us:.1f} us ({ratio:.2f}x)")
     assert not off, ("expert-compute model off by more than 25% (re-fit with benchmarks/planner_vs_h200.py): "
                      + "; ".join(off))
+
+
+def test_collective_ms_reads_a_measured_curve():
+    link = load_hardware("h200-sxm").intra_node
+    curved = dataclasses.replace(link, all_reduce_ms_by_bytes=((1024.0, 0.010), (4096.0, 0.040)),
+                                 all_to_all_ms_by_bytes=((2048.0, 0.020), (8192.0, 0.080)))
+    # all-reduce of a 2048 B buffer: halfway in log2 between 1024 and 4096 -> sqrt(0.010 * 0.040) = 0.020 ms
+    assert collective_ms("all_reduce", 2048, 2, curved) == pytest.approx(0.020)
+    assert collective_ms("all_reduce", 100, 2, curved) == pytest.approx(0.010)  # flat below the first point
+    # beyond the last point: the last time plus the extra bus bytes at the link's bandwidth
+    extra = 2 * (2 - 1) / 2 * (8192 - 4096) / link.all_reduce_busbw_bytes_per_s * 1e3
+    assert collective_ms("all_reduce", 8192, 2, curved) == pytest.approx(0.040 + extra)
+    # all-to-all: 2048 B sent to the other of 2 ranks is a 4096 B buffer -> sqrt(0.020 * 0.080) = 0.040 ms
+    assert collective_ms("all_to_all", 2048, 2, curved) == pytest.approx(0.040)
+    # reduce-scatter moves half an all-reduce's bytes: the all-reduce curve at half the buffer
+    assert collective_ms("reduce_scatter", 4096, 2, curved) == pytest.approx(0.020)
+    # without a curve: the latency + bandwidth line
+    assert collective_ms("all_to_all", 2048, 2, link) == pytest.approx(
+        link.all_to_all_latency_us * 1e-3 + 2048 / link.all_to_all_busbw_bytes_per_s * 1e3)
+
+
+def test_dispatch_layout_ms_hand_worked():
+    # 100 tokens reaching 1.5 ranks each: pack reads and writes 150 rows, combine reads 150 and writes 100
+    ms = dispatch_layout_ms(150, 100, 7168, 4e12, 9.4)
+    assert ms == pytest.approx(9.4e-3 + (3 * 150 + 100) * 7168 * ACT_BYTES / 4e12 * 1e3)

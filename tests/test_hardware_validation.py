@@ -32,7 +32,7 @@ def _write(tmp_path, doc: dict, name: str = "p.json") -> str:
 POSITIVE = ["memory_bytes", "hbm_bytes_per_s", "matmul_flops_per_s.bf16", "matmul_flops_per_s.fp8",
             "links.intra_node.all_reduce_busbw_bytes_per_s", "links.intra_node.all_to_all_busbw_bytes_per_s",
             "links.inter_node.all_reduce_busbw_bytes_per_s", "links.inter_node.all_to_all_busbw_bytes_per_s"]
-NON_NEGATIVE = ["moe_layer_fixed_us", "links.intra_node.all_reduce_latency_us", "links.intra_node.all_to_all_latency_us",
+NON_NEGATIVE = ["moe_layer_fixed_us", "dispatch_layout_fixed_us", "links.intra_node.all_reduce_latency_us", "links.intra_node.all_to_all_latency_us",
                 "links.inter_node.all_reduce_latency_us", "links.inter_node.all_to_all_latency_us"]
 
 
@@ -175,3 +175,29 @@ def test_plan_and_doctor_report_a_bad_profile(tmp_path, capsys):
     assert main(["doctor", "--config", cfg, "--hardware", path]) == 1
     out = capsys.readouterr()
     assert want in out.out + out.err and "Traceback" not in out.err
+
+
+@pytest.mark.parametrize("curve,item", [
+    ([[8, 0.01], [8, 0.02]], "item 1"),          # bytes not increasing
+    ([[8, -0.01]], "item 0"),                    # negative time
+    ([[0, 0.01]], "item 0"),                     # zero bytes
+    ([[8, 0.01, 3]], "item 0"),                  # not a pair
+    ([[8, math.nan]], "item 0"),                 # not finite
+    ([[8, True]], "item 0"),                     # a bool is not a number
+])
+def test_bad_measured_curve_refused_naming_field_and_item(tmp_path, curve, item):
+    doc = _doc()
+    doc["links"]["intra_node"]["all_to_all_ms_by_bytes"] = curve
+    with pytest.raises(ValueError, match=rf"links\.intra_node\.all_to_all_ms_by_bytes' {item}"):
+        load_hardware(_write(tmp_path, doc))
+    doc["links"]["intra_node"]["all_to_all_ms_by_bytes"] = "fast"
+    with pytest.raises(ValueError, match="must be a list of \\[bytes, ms\\] pairs, got 'fast'"):
+        load_hardware(_write(tmp_path, doc))
+
+
+def test_measured_curve_loads_as_pairs(tmp_path):
+    doc = _doc()
+    doc["links"]["intra_node"]["all_reduce_ms_by_bytes"] = [[8, 0.009], [1024, 0.0095]]
+    hw = load_hardware(_write(tmp_path, doc))
+    assert hw.intra_node.all_reduce_ms_by_bytes == ((8.0, 0.009), (1024.0, 0.0095))
+    assert hw.intra_node.all_to_all_ms_by_bytes == () and hw.dispatch_layout_fixed_us == 9.4

@@ -256,7 +256,9 @@ def _link_doc(link: LinkProfile) -> dict[str, Any]:
     return {"kind": link.kind, "all_reduce_latency_us": link.all_reduce_latency_us,
             "all_reduce_busbw_bytes_per_s": link.all_reduce_busbw_bytes_per_s,
             "all_to_all_latency_us": link.all_to_all_latency_us,
-            "all_to_all_busbw_bytes_per_s": link.all_to_all_busbw_bytes_per_s}
+            "all_to_all_busbw_bytes_per_s": link.all_to_all_busbw_bytes_per_s,
+            **({"all_reduce_ms_by_bytes": [list(p) for p in link.all_reduce_ms_by_bytes]} if link.all_reduce_ms_by_bytes else {}),
+            **({"all_to_all_ms_by_bytes": [list(p) for p in link.all_to_all_ms_by_bytes]} if link.all_to_all_ms_by_bytes else {})}
 
 
 def build_profile(rows: list[dict[str, float]], device_facts: dict[str, float], world_size: int, nodes: int,
@@ -271,7 +273,9 @@ def build_profile(rows: list[dict[str, float]], device_facts: dict[str, float], 
     a2a_lat, a2a_bw = _fit(rows, "all_to_all_ms", (n - 1) / n)
     link = {"kind": f"measured: {backend} over {n} ranks on {nodes} node(s)", "all_reduce_latency_us": ar_lat,
             "all_reduce_busbw_bytes_per_s": ar_bw, "all_to_all_latency_us": a2a_lat,
-            "all_to_all_busbw_bytes_per_s": a2a_bw}
+            "all_to_all_busbw_bytes_per_s": a2a_bw,
+            "all_reduce_ms_by_bytes": [[r["bytes"], r["all_reduce_ms"]] for r in rows],
+            "all_to_all_ms_by_bytes": [[r["bytes"], r["all_to_all_ms"]] for r in rows]}
     base = load_hardware(cfg.base) if cfg.base else None
     if nodes > 1:
         if base is None:
@@ -286,14 +290,14 @@ def build_profile(rows: list[dict[str, float]], device_facts: dict[str, float], 
         flops["fp8"] = base.matmul_flops_per_s["fp8"]
     sources = {
         "links": f"measured by `epmoe calibrate` ({backend}, {n} ranks, sizes {rows[0]['bytes']}..{rows[-1]['bytes']} B, "
-                 f"median of {cfg.iters}, max over ranks); latency = fastest size up to {LATENCY_MAX_BYTES} B, "
-                 f"bandwidth = largest",
+                 f"median of {cfg.iters}, max over ranks); the *_ms_by_bytes curves are the measurements; latency = "
+                 f"fastest size up to {LATENCY_MAX_BYTES} B, bandwidth = largest (used beyond the curves)",
         "hbm_bytes_per_s": "measured: best of 5 device-to-device copies, read + write bytes",
         "matmul_flops_per_s": "measured: best of 5 bf16 matmuls" + (f"; fp8 copied from {base.name}" if "fp8" in flops else ""),
     }
     if base is not None:
-        sources["base"] = (f"links not measured here, moe_layer_fixed_us and moe_stream_matrix_overlap "
-                           f"copied from {base.path}")
+        sources["base"] = (f"links not measured here, moe_layer_fixed_us, moe_stream_matrix_overlap and "
+                           f"dispatch_layout_fixed_us copied from {base.path}")
     doc = {
         "format": HARDWARE_FORMAT, "name": cfg.name,
         "description": f"calibrated on {nodes} node(s) x {world_size // nodes} {gpu}",
@@ -301,6 +305,7 @@ def build_profile(rows: list[dict[str, float]], device_facts: dict[str, float], 
         "hbm_bytes_per_s": device_facts["hbm_bytes_per_s"], "matmul_flops_per_s": flops,
         "moe_layer_fixed_us": base.moe_layer_fixed_us if base else 0.0,
         "moe_stream_matrix_overlap": base.moe_stream_matrix_overlap if base else 0.0,
+        "dispatch_layout_fixed_us": base.dispatch_layout_fixed_us if base else 0.0,
         "links": links, "sources": sources, "measurements": rows,
     }
     parse_hardware(doc, cfg.out)  # what we write must load

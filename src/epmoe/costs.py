@@ -231,12 +231,34 @@ def expected_destination_ranks(num_experts: int, top_k: int, num_ranks: int) -> 
     return num_ranks * (1.0 - miss)
 
 
+def _interpolate_ms(curve: tuple[tuple[float, float], ...], buffer_bytes: float, busbw: float, factor: float) -> float:
+    """ms at ``buffer_bytes`` on a measured curve: linear in log-log between points, flat below the first,
+    the last point plus the extra bytes at ``busbw`` (times ``factor``, the bus-bytes convention) above."""
+    if buffer_bytes <= curve[0][0]:
+        return curve[0][1]
+    last_b, last_ms = curve[-1]
+    if buffer_bytes >= last_b:
+        return last_ms + factor * (buffer_bytes - last_b) / busbw * 1e3
+    hi = next(i for i, (b, _) in enumerate(curve) if b >= buffer_bytes)
+    (b0, m0), (b1, m1) = curve[hi - 1], curve[hi]
+    if m0 <= 0 or m1 <= 0:
+        return m0 + (m1 - m0) * (buffer_bytes - b0) / (b1 - b0)
+    w = math.log(buffer_bytes / b0) / math.log(b1 / b0)
+    return math.exp(math.log(m0) + w * (math.log(m1) - math.log(m0)))
+
+
 def collective_ms(kind: CollectiveKind, nbytes: float, num_ranks: int, link: LinkProfile) -> float:
-    """Time of one collective on ``num_ranks`` ranks, latency + bytes / bus bandwidth, ms.
+    """Time of one collective on ``num_ranks`` ranks, ms.
 
     ``nbytes`` is the buffer of each rank for all-reduce, reduce-scatter (input) and all-gather (output),
-    and the bytes each rank sends to other ranks for all-to-all. Factors follow nccl-tests'
-    PERFORMANCE.md: all-reduce ``2 (n-1)/n``, reduce-scatter and all-gather ``(n-1)/n``.
+    and the bytes each rank sends to other ranks for all-to-all. With a measured curve on the link
+    (``LinkProfile.all_reduce_ms_by_bytes`` / ``all_to_all_ms_by_bytes``, written by ``epmoe calibrate``)
+    the time is read off it (an all-to-all of ``nbytes`` sent has a buffer of ``nbytes * n / (n-1)``;
+    reduce-scatter and all-gather move half an all-reduce's bytes, so they read the all-reduce curve at
+    ``nbytes / 2``); NCCL's protocol changes make mid-size messages slower than a latency + bandwidth
+    line (2 MiB all-reduce on two H200s: 58 µs measured, 26 µs on the line). Without a curve: latency +
+    bytes / bus bandwidth, factors after nccl-tests' PERFORMANCE.md: all-reduce ``2 (n-1)/n``,
+    reduce-scatter and all-gather ``(n-1)/n``.
 
     Raises:
         ValueError: an unknown kind.
@@ -245,12 +267,36 @@ def collective_ms(kind: CollectiveKind, nbytes: float, num_ranks: int, link: Lin
         return 0.0
     n = num_ranks
     if kind == "all_reduce":
+        if link.all_reduce_ms_by_bytes:
+            return _interpolate_ms(link.all_reduce_ms_by_bytes, nbytes, link.all_reduce_busbw_bytes_per_s, 2 * (n - 1) / n)
         return link.all_reduce_latency_us * 1e-3 + 2 * (n - 1) / n * nbytes / link.all_reduce_busbw_bytes_per_s * 1e3
     if kind in ("reduce_scatter", "all_gather"):
+        if link.all_reduce_ms_by_bytes:
+            return _interpolate_ms(link.all_reduce_ms_by_bytes, nbytes / 2, link.all_reduce_busbw_bytes_per_s, 2 * (n - 1) / n)
         return link.all_reduce_latency_us * 1e-3 + (n - 1) / n * nbytes / link.all_reduce_busbw_bytes_per_s * 1e3
     if kind == "all_to_all":
+        if link.all_to_all_ms_by_bytes:
+            return _interpolate_ms(link.all_to_all_ms_by_bytes, nbytes * n / (n - 1), link.all_to_all_busbw_bytes_per_s,
+                                   (n - 1) / n)
         return link.all_to_all_latency_us * 1e-3 + nbytes / link.all_to_all_busbw_bytes_per_s * 1e3
     raise ValueError(f"collective kind {kind!r} is not one of all_reduce, reduce_scatter, all_gather, all_to_all")
+
+
+def dispatch_layout_ms(rows: float, tokens: float, hidden: int, hbm_bytes_per_s: float, fixed_us: float) -> float:
+    """Local time of the send-buffer layout of one expert-parallel dispatch + combine on one rank, ms.
+
+    ``dispatch_layout``'s pack reads each sent row and writes it into the send buffer, and combine's sum
+    reads each returned row and writes one row per token: ``(3 * rows + tokens) * hidden`` activations
+    over HBM bandwidth, plus ``fixed_us`` for the four layout launches (route, pack, unpack, combine).
+
+    Args:
+        rows: rows this rank sends, its own block included (tokens times the ranks each reaches).
+        tokens: this rank's tokens.
+        hidden: ``D``.
+        hbm_bytes_per_s: device memory bandwidth, bytes/s.
+        fixed_us: ``HardwareProfile.dispatch_layout_fixed_us``.
+    """
+    return fixed_us * 1e-3 + (3 * rows + tokens) * hidden * ACT_BYTES / hbm_bytes_per_s * 1e3
 
 
 def expert_activation_bytes(dims: MoEDims, rows: float, tp: int = 1) -> float:

@@ -43,6 +43,7 @@ from epmoe.costs import (
     bytes_per_param,
     collective_ms,
     compute_dtype,
+    dispatch_layout_ms,
     expected_destination_ranks,
     expected_distinct_experts,
     expected_max_load,
@@ -441,10 +442,12 @@ def _step(req: PlanRequest, s: Strategy, batch: int) -> StepEstimate:
     if s.mode != "a2a_dp_attn":
         add("all_gather", "logits", 1, tokens * v * ACT_BYTES)
     if s.mode != "all_reduce":
-        fanout = expected_destination_ranks(spec.num_experts, k, g) * (g - 1) / g
-        send = t_moe * fanout * d * ACT_BYTES
+        reach = expected_destination_ranks(spec.num_experts, k, g)
+        send = t_moe * reach * (g - 1) / g * d * ACT_BYTES
         hot = rows / (tokens * k / g)  # the busiest rank receives this many times the mean
-        add("all_to_all", "dispatch and combine", 2 * n_moe, send, _a2a_ms(req, send * max(1.0, hot)))
+        # each of the two calls also carries half the local send-buffer layout work (dispatch_layout)
+        layout = dispatch_layout_ms(t_moe * reach, t_moe, d, bw, hw.dispatch_layout_fixed_us)
+        add("all_to_all", "dispatch and combine", 2 * n_moe, send, _a2a_ms(req, send * max(1.0, hot)) + layout / 2)
     memory = _memory(req, s, batch, t_attn, seqs_attn)
     return StepEstimate(batch, tokens, attention_ms, expert_ms, tuple(colls), memory)
 

@@ -27,10 +27,12 @@ _LINK_FIELDS = (
 # as a likely misspelling rather than silently ignored.
 _TOP_FIELDS = (
     "format", "name", "description", "gpu", "gpus_per_node", "memory_bytes", "hbm_bytes_per_s",
-    "matmul_flops_per_s", "moe_layer_fixed_us", "moe_stream_matrix_overlap", "links", "sources", "measurements",
+    "matmul_flops_per_s", "moe_layer_fixed_us", "moe_stream_matrix_overlap", "dispatch_layout_fixed_us", "links",
+    "sources", "measurements",
 )
 _LINK_KINDS = ("intra_node", "inter_node")
-_LINK_KEYS = ("kind", *_LINK_FIELDS)
+_LINK_CURVES = ("all_reduce_ms_by_bytes", "all_to_all_ms_by_bytes")
+_LINK_KEYS = ("kind", *_LINK_FIELDS, *_LINK_CURVES)
 # The compute dtypes ``costs.compute_dtype`` asks for.
 _MATMUL_DTYPES = ("bf16", "fp8")
 
@@ -48,6 +50,10 @@ class LinkProfile:
         all_to_all_latency_us: time of a tiny all-to-all, µs.
         all_to_all_busbw_bytes_per_s: all-to-all bus bandwidth, bytes/s: bytes each rank sends to
             other ranks divided by the time.
+        all_reduce_ms_by_bytes: measured ``(buffer bytes per rank, ms)`` points of one all-reduce, bytes
+            increasing (written by ``epmoe calibrate``); when present ``costs.collective_ms`` interpolates
+            them instead of the latency + bandwidth line. Empty for datasheet profiles.
+        all_to_all_ms_by_bytes: the same for one all-to-all (buffer bytes per rank, self block included).
     """
 
     kind: str
@@ -55,6 +61,8 @@ class LinkProfile:
     all_reduce_busbw_bytes_per_s: float
     all_to_all_latency_us: float
     all_to_all_busbw_bytes_per_s: float
+    all_reduce_ms_by_bytes: tuple[tuple[float, float], ...] = ()
+    all_to_all_ms_by_bytes: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,9 @@ class HardwareProfile:
         hbm_bytes_per_s: achievable device-memory bandwidth, bytes/s.
         matmul_flops_per_s: achievable dense matrix throughput by compute dtype (``bf16``, ``fp8``), FLOP/s.
         moe_layer_fixed_us: fixed cost of one MoE layer's expert compute (routing, permutation, launch), µs.
+        dispatch_layout_fixed_us: fixed cost of the send-buffer layout kernels of one expert-parallel
+            dispatch + combine (route, pack, unpack, combine sum), µs; their memory traffic is priced on
+            ``hbm_bytes_per_s`` (``costs.dispatch_layout_ms``). Absent from a file: 0.0.
         moe_stream_matrix_overlap: the share, in ``[0, 1]``, of the shorter of an MoE layer's memory
             streaming and matrix work that the expert kernels hide under the longer one (0: the two add
             up; 1: a ``max`` roofline; ``costs.expert_layer_ms``). Absent from a file: 0.0.
@@ -92,6 +103,7 @@ class HardwareProfile:
     sources: dict[str, str]
     path: str
     moe_stream_matrix_overlap: float = 0.0
+    dispatch_layout_fixed_us: float = 0.0
 
     def flops_per_s(self, dtype: str) -> float:
         """Achievable matrix throughput for compute dtype ``dtype`` (falls back to ``bf16``), FLOP/s."""
@@ -151,7 +163,23 @@ def _link(doc: Any, source: str, where: str) -> LinkProfile:
         raise ValueError(f"{source}: field {where!r} must be an object with {', '.join(_LINK_FIELDS)}, got {doc!r}")
     _check_keys(doc, _LINK_KEYS, source, where)
     values = {k: _number(doc, k, source, where, strict=not k.endswith("_latency_us")) for k in _LINK_FIELDS}
-    return LinkProfile(kind=_text(doc, "kind", source, where), **values)
+    curves = {k: _curve(doc.get(k, []), source, f"{where}.{k}") for k in _LINK_CURVES}
+    return LinkProfile(kind=_text(doc, "kind", source, where), **values, **curves)
+
+
+def _curve(points: Any, source: str, field: str) -> tuple[tuple[float, float], ...]:
+    """``[[bytes, ms], ...]`` with bytes > 0 strictly increasing and finite ms >= 0, as a tuple of pairs."""
+    out: list[tuple[float, float]] = []
+    if not isinstance(points, list):
+        raise ValueError(f"{source}: field {field!r} must be a list of [bytes, ms] pairs, got {points!r}")
+    for i, point in enumerate(points):
+        ok = isinstance(point, list) and len(point) == 2 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in point)
+        if not ok or point[0] <= 0 or point[1] < 0 or (out and point[0] <= out[-1][0]):
+            raise ValueError(f"{source}: field {field!r} item {i} must be [bytes > 0, ms >= 0] with bytes increasing, "
+                             f"got {point!r}")
+        out.append((float(point[0]), float(point[1])))
+    return tuple(out)
 
 
 def parse_hardware(doc: dict[str, Any], source: str = "<dict>") -> HardwareProfile:
@@ -205,6 +233,7 @@ def parse_hardware(doc: dict[str, Any], source: str = "<dict>") -> HardwareProfi
         matmul_flops_per_s=flops,
         moe_layer_fixed_us=_number(doc, "moe_layer_fixed_us", source, strict=False, default=0.0),
         moe_stream_matrix_overlap=float(overlap),
+        dispatch_layout_fixed_us=_number(doc, "dispatch_layout_fixed_us", source, strict=False, default=0.0),
         intra_node=_link(links["intra_node"], source, "links.intra_node"),
         inter_node=_link(links["inter_node"], source, "links.inter_node") if links.get("inter_node") else None,
         sources=dict(sources),
