@@ -69,7 +69,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from epmoe.calibrate import CalibrationConfig, build_profile, measure_collectives, measure_device, message_sizes  # noqa: E402
-from epmoe.comm import COLLECTIVE_KINDS, Comm  # noqa: E402
+from epmoe.comm import Comm  # noqa: E402
 from epmoe.dispatch import AllToAllDispatcher  # noqa: E402
 from epmoe.dispatch_fixed import FixedCapacityDispatcher  # noqa: E402
 from epmoe.layer import MoELayer, TPMoELayer  # noqa: E402
@@ -550,7 +550,6 @@ def build_qwen3_checkpoint(directory: Path, layers: int, device: torch.device) -
 
 
 def part_run(ctx: Ctx) -> dict | None:
-    a = ctx.args
     res: dict[str, Any] | None = None
     err: str | None = None
     if ctx.rank == 0:
