@@ -149,7 +149,9 @@ def route_layout_triton(topk_slots: torch.Tensor, slots_per_rank: int, num_ranks
     row_token = torch.empty(num_ranks, capacity, dtype=torch.int32, device=dev)
     gp, kp = triton.next_power_of_2(num_ranks), triton.next_power_of_2(k)
     limit = max(16, 16384 // (gp * kp))  # the [BLOCK_T, KP, GP] compare stays in registers
-    block_t = max(16, triton.next_power_of_2(t)) if t <= limit else min(limit, 256)
+    # one block (one launch) up to 256 tokens; above, blocks of at most 128 in parallel (on an H200 one
+    # 1024-token block took 16.8 µs, while 16 blocks of 256 took 11.4 µs at 4096 tokens)
+    block_t = max(16, triton.next_power_of_2(t)) if t <= min(limit, 256) else min(limit, 128)
     nb = max(1, triton.cdiv(t, block_t))
     block_counts = torch.empty(nb if nb > 1 else 0, num_ranks, dtype=torch.int32, device=dev)
     if nb > 1:
