@@ -27,10 +27,10 @@ def test_bad_config():
 
 def test_two_gloo_processes_write_a_profile_plan_accepts(tmp_path, capsys):
     out = tmp_path / "cpu.json"
-    doc = calibrate(CalibrationConfig(out=str(out), nprocs=2, backend="gloo", max_bytes=4096, iters=2, name="cpu2"))
+    doc = calibrate(CalibrationConfig(out=str(out), nprocs=2, backend="gloo", max_bytes=2**20, iters=2, name="cpu2"))
     link = doc["links"]["intra_node"]
     assert link["all_reduce_latency_us"] > 0 and link["all_to_all_busbw_bytes_per_s"] > 0
-    assert [r["bytes"] for r in doc["measurements"]] == message_sizes(4096, 2)
+    assert [r["bytes"] for r in doc["measurements"]] == message_sizes(2**20, 2)
     hw = load_hardware(out)
     assert hw.name == "cpu2" and hw.gpus_per_node == 2 and hw.inter_node is None
     # the measured curves travel into the profile: the planner prices collectives on them
@@ -103,7 +103,8 @@ def test_bad_base_profile_refused_before_measuring(tmp_path, capsys, monkeypatch
     "args,msg",
     [
         (["--max-bytes", "1000000000000"], "error: --max-bytes must be <= 1073741824 (1 GiB"),
-        (["--max-bytes", "4"], "error: --max-bytes must be >= 8, got 4"),
+        (["--max-bytes", "4096"], "error: --max-bytes must be >= 1048576 (1 MiB: the bus bandwidth is fitted on the "
+                                  "largest buffer, and smaller ones measure only latency), got 4096"),
         (["--iters", "0"], "error: --iters must be >= 1, got 0"),
         (["--name", ""], "name must be a non-empty string, got ''"),
         (["--name", "  "], "name must be a non-empty string, got '  '"),

@@ -101,7 +101,77 @@ def test_single_rank_overflow_message_names_capacity_and_count():
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="capacity must be positive"):
-        FixedCapacityDispatcher(Comm(None), 4, capacity=0)
+    for cap in (0, 2.5, True, "4"):
+        with pytest.raises(ValueError, match=f"capacity must be a positive integer, got {cap!r}"):
+            FixedCapacityDispatcher(Comm(None), 4, capacity=cap)
+    with pytest.raises(ValueError, match="slots_per_rank must be a positive integer, got 0"):
+        FixedCapacityDispatcher(Comm(None), 0, capacity=2)
     with pytest.raises(KeyError, match="fixed_capacity"):
         make_dispatcher("nope", Comm(None), 4)
+    with pytest.raises(TypeError, match="dispatcher 'all_to_all' takes no options, got capacity"):
+        make_dispatcher("all_to_all", Comm(None), 4, capacity=4)
+
+
+def test_handles_and_outputs_checked():
+    x, slots, tw = torch.randn(3, 8), torch.tensor([[0, 1], [2, -1], [3, 0]]), torch.rand(3, 2)
+    small, big = FixedCapacityDispatcher(Comm(None), 4, capacity=4), FixedCapacityDispatcher(Comm(None), 4, capacity=8)
+    h = small.dispatch(x, slots, tw)
+    with pytest.raises(TypeError, match="needs the handle its dispatch returned"):
+        big.combine(torch.zeros(8, 8), h)  # a handle of another capacity
+    with pytest.raises(ValueError, match=r"y must be \[received rows, D\] = \(4, 8\), got \(4, 9\)"):
+        small.combine(torch.zeros(4, 9), h)
+    local = make_dispatcher("local", Comm(None), 4)
+    with pytest.raises(TypeError, match="LocalDispatcher.combine needs the handle its dispatch returned"):
+        local.combine(torch.zeros(4, 8), h)
+    a2a = make_dispatcher("all_to_all", Comm(None), 4)
+    ha = a2a.dispatch(x, slots, tw)
+    with pytest.raises(ValueError, match=r"y must be \[received rows, D\] = \(3, 8\), got \(5, 8\)"):
+        a2a.combine(torch.zeros(5, 8), ha)
+
+
+@pytest.mark.parametrize("name", ["local", "all_to_all", "fixed_capacity"])
+@pytest.mark.parametrize("bad", [4, 9, -2])
+def test_out_of_range_slots_refused_naming_range_and_ids(name, bad):
+    x, tw = torch.randn(3, 8), torch.rand(3, 2)
+    slots = torch.tensor([[0, 1], [2, bad], [3, 0]])
+    disp = make_dispatcher(name, Comm(None), 4, **({"capacity": 4} if name == "fixed_capacity" else {}))
+    lo, hi = min(bad, 0), max(bad, 3)
+    with pytest.raises(ValueError, match=rf"in \[-1, 4\) \(-1 = none\).*{lo} to {hi}"):
+        h = disp.dispatch(x, slots, tw)
+        disp.combine(torch.zeros(h.recv_x.shape), h)
+
+
+@pytest.mark.parametrize("name", ["all_to_all", "fixed_capacity"])
+def test_rows_of_other_dtypes_refused(name):
+    disp = make_dispatcher(name, Comm(None), 4, **({"capacity": 2} if name == "fixed_capacity" else {}))
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16 .* got torch.float64"):
+        disp.dispatch(torch.randn(3, 8, dtype=torch.float64), torch.zeros(3, 2, dtype=torch.int64), torch.rand(3, 2))
+
+
+def _bad_slot_worker(rank: int, g: int, port: int, name: str, results) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=g)
+    try:
+        disp = make_dispatcher(name, Comm(dist.group.WORLD), 4, **({"capacity": 3} if name == "fixed_capacity" else {}))
+        slots = torch.tensor([[0, 5], [7, 1], [2, 3]])
+        if rank == 1:
+            slots[1, 1] = 8 * g  # outside [-1, P)
+        try:
+            h = disp.dispatch(torch.randn(3, 8), slots, torch.rand(3, 2))
+            disp.combine(torch.zeros(h.recv_x.shape), h)
+            results[rank] = "ok"
+        except ValueError as err:
+            results[rank] = str(err)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["all_to_all", "fixed_capacity"])
+def test_out_of_range_slot_on_one_rank(name):
+    results = mp.Manager().dict()
+    mp.spawn(_bad_slot_worker, args=(2, _free_port(), name, results), nprocs=2, join=True)
+    if name == "all_to_all":  # the flag travels with the counts: every rank refuses, before the rows move
+        for rank in (0, 1):
+            assert "EP rank(s) [1] sent ids outside it" in results[rank]
+        assert "here ids from 0 to 16" in results[1] and "here ids" not in results[0]
+    else:  # checked with the capacity after the layer's collectives: the offending rank names its ids
+        assert results[0] == "ok" and "in [-1, 8) (-1 = none), got ids from 0 to 16" in results[1]

@@ -39,6 +39,10 @@ MAX_BYTES_LIMIT = 1024**3
 GLOO_MAX_NPROCS = 64  # also at most 4 x os.cpu_count(): each process is a full Python + torch interpreter
 WARMUP_ROUNDS = 5  # untimed rounds of each collective on the smallest buffer before the sweep
 GRAPH_REPS = 8  # collectives per captured CUDA graph when timing on CUDA
+# Smallest ``max_bytes`` accepted: up to 256 KiB every size timed within 1.2x of the 8-byte latency on two
+# H200s (NCCL, benchmarks/results/multigpu_h200x2.json), and a 4 KiB largest buffer gave a bus bandwidth of
+# 18 MB/s on CPU (gloo).
+MIN_MAX_BYTES = 2**20
 MAX_ITERS = 1000  # timed repetitions per size, at most
 LATENCY_MAX_BYTES = 4096  # latency: the fastest of the sizes up to this
 
@@ -51,8 +55,8 @@ class CalibrationConfig:
         out: path of the profile JSON to write.
         nprocs: local processes to spawn; ``None`` to use the group ``torchrun`` describes.
         backend: ``gloo`` or ``nccl``; ``None`` picks NCCL when CUDA is available, else gloo.
-        max_bytes: largest buffer, bytes (default 256 MiB on GPU, 4 MiB on CPU; at most 1 GiB,
-            ``MAX_BYTES_LIMIT``).
+        max_bytes: largest buffer, bytes (default 256 MiB on GPU, 4 MiB on CPU; from ``MIN_MAX_BYTES``, 1 MiB,
+            to ``MAX_BYTES_LIMIT``, 1 GiB).
         iters: timed repetitions per size (after 2 untimed warm-up calls).
         name: profile name written into the file (non-empty).
         base: a profile (name or path) supplying the link that was not measured (inter-node on one
@@ -76,8 +80,9 @@ class CalibrationConfig:
             raise ValueError(f"nprocs must be >= 2 (collectives need two ranks), got {self.nprocs!r}")
         if self.backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
-        if self.max_bytes is not None and (not integer(self.max_bytes) or self.max_bytes < 8):
-            raise ValueError(f"max_bytes must be >= 8, got {self.max_bytes!r}")
+        if self.max_bytes is not None and (not integer(self.max_bytes) or self.max_bytes < MIN_MAX_BYTES):
+            raise ValueError(f"max_bytes must be >= {MIN_MAX_BYTES} (1 MiB: the bus bandwidth is fitted on the largest "
+                             f"buffer, and smaller ones measure only latency), got {self.max_bytes!r}")
         if self.max_bytes is not None and self.max_bytes > MAX_BYTES_LIMIT:
             raise ValueError(f"max_bytes must be <= {MAX_BYTES_LIMIT} (1 GiB, more than the planner's collectives "
                              f"need), got {self.max_bytes!r}")

@@ -142,7 +142,7 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="JSON", help="profile file to write (pass it to plan --hardware)")
     p.add_argument("--nprocs", type=int, help="spawn this many local processes (default: join torchrun's group)")
     p.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
-    p.add_argument("--max-bytes", type=int, help="largest buffer (default 256 MiB on GPU, 4 MiB on CPU; at most 1 GiB)")
+    p.add_argument("--max-bytes", type=int, help="largest buffer (default 256 MiB on GPU, 4 MiB on CPU; 1 MiB to 1 GiB)")
     p.add_argument("--iters", type=int, default=5, help="timed repetitions per size (default 5)")
     p.add_argument("--name", default="calibrated", help="profile name (default calibrated)")
     p.add_argument("--base", metavar="NAME", help="profile supplying the link not measured and the fp8 figure")

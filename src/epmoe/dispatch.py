@@ -72,6 +72,33 @@ def _check_inputs(x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch
             f"topk_slots {tuple(topk_slots.shape)} and topk_weights {tuple(topk_weights.shape)} must both be "
             f"[T={x.shape[0]}, K]"
         )
+    if topk_slots.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"topk_slots must be int64 slot ids, got dtype {topk_slots.dtype}")
+
+
+def _check_row_dtype(x: torch.Tensor) -> None:
+    """The multi-rank dispatchers pack float32 metadata behind each row: rows must be 2- or 4-byte floats."""
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"x must be float32, bfloat16 or float16 to be dispatched across ranks, got {x.dtype}")
+
+
+def slot_range(topk_slots: torch.Tensor) -> torch.Tensor | None:
+    """``[2]`` int64 (smallest, largest) slot id on the device, for one host read later; ``None`` when empty."""
+    if topk_slots.numel() == 0:
+        return None
+    lo, hi = torch.aminmax(topk_slots)
+    return torch.stack([lo, hi]).to(torch.int64)
+
+
+def check_slot_range(lo: int, hi: int, num_slots: int, who: str) -> None:
+    """Raise unless every slot id is in ``[-1, num_slots)``.
+
+    Raises:
+        ValueError: naming the dispatcher, the valid range and the ids seen.
+    """
+    if lo < -1 or hi >= num_slots:
+        raise ValueError(f"{who}: topk_slots must be global slot ids in [-1, {num_slots}) (-1 = none), "
+                         f"got ids from {lo} to {hi}")
 
 
 class LocalDispatcher:
@@ -85,12 +112,27 @@ class LocalDispatcher:
         self.num_slots = num_slots
 
     def dispatch(self, x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor) -> DispatchHandle:
-        """See ``Dispatcher.dispatch``; the handle's ``recv_*`` are the inputs themselves."""
+        """See ``Dispatcher.dispatch``; the handle's ``recv_*`` are the inputs themselves.
+
+        Raises:
+            ValueError: on CPU, a slot id outside ``[-1, P)`` (on CUDA the check would stall the stream:
+                the layers' slots come from a validated placement).
+        """
         _check_inputs(x, topk_slots, topk_weights)
+        rng = slot_range(topk_slots) if not topk_slots.is_cuda else None
+        if rng is not None:
+            check_slot_range(*rng.tolist(), self.num_slots, "local dispatcher")
         return DispatchHandle(x, topk_slots, topk_weights.float(), None, None, None, None, x.shape[0])
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """See ``Dispatcher.combine``: returns ``y``."""
+        """See ``Dispatcher.combine``: returns ``y``.
+
+        Raises:
+            TypeError: ``handle`` is not a local dispatch's, or ``y`` has not one row per token.
+        """
+        if type(handle) is not DispatchHandle or handle.send_pos is not None or y.shape[0] != handle.num_tokens:
+            raise TypeError(f"LocalDispatcher.combine needs the handle its dispatch returned and one row per token "
+                            f"({handle.num_tokens}), got y of shape {tuple(y.shape)}")
         return y
 
 
@@ -114,15 +156,31 @@ class AllToAllDispatcher:
         self.slots_per_rank = slots_per_rank
 
     def dispatch(self, x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor) -> DispatchHandle:
-        """See ``Dispatcher.dispatch``."""
+        """See ``Dispatcher.dispatch``.
+
+        Raises:
+            ValueError: bad shapes, or a slot id outside ``[-1, G * S)`` on any rank of the group (each
+                rank's flag travels with its counts, so every rank raises, before the rows move).
+            TypeError: ``x`` not float32/bf16/fp16, or slots not integer.
+        """
         _check_inputs(x, topk_slots, topk_weights)
+        _check_row_dtype(x)
         g, s = self.comm.size, self.slots_per_rank
         t, k = topk_slots.shape
         layout = route_layout(topk_slots, s, g, t)  # capacity T: the exact layout never overflows
-        recv_counts = torch.empty_like(layout.counts)
-        self.comm.all_to_all_single(recv_counts, layout.counts)
-        send_splits = layout.counts.tolist()
-        recv_splits = recv_counts.tolist()
+        # the counts travel with this rank's "has a slot id outside [-1, P)" flag, so every rank learns it
+        invalid = ((topk_slots < -1) | (topk_slots >= g * s)).any().to(torch.int32)
+        send_info = torch.stack([layout.counts, invalid.expand(g)], dim=1)  # [G, 2]
+        recv_info = torch.empty_like(send_info)
+        self.comm.all_to_all_single(recv_info, send_info)
+        rng = slot_range(topk_slots)
+        parts = [layout.counts.to(torch.int64), recv_info.to(torch.int64).reshape(-1)] + ([rng] if rng is not None else [])
+        host = torch.cat(parts).tolist()  # the one host read: splits, the group's flags and this rank's range
+        send_splits, recv_splits, flags = host[:g], host[g : 3 * g : 2], host[g + 1 : 3 * g : 2]
+        if any(flags):
+            mine = f"; here ids from {host[3 * g]} to {host[3 * g + 1]}" if rng is not None and flags[self.comm.rank] else ""
+            raise ValueError(f"all_to_all dispatcher: topk_slots must be global slot ids in [-1, {g * s}) (-1 = none); "
+                             f"EP rank(s) {[r for r, f in enumerate(flags) if f]} sent ids outside it{mine}")
         payload = pack_rows(x, topk_slots, topk_weights, layout, s, layout.starts, sum(send_splits))
         recv = payload.new_empty((sum(recv_splits), payload.shape[1]))
         self.comm.all_to_all_single(recv, payload, recv_splits, send_splits)
@@ -146,6 +204,9 @@ class AllToAllDispatcher:
         """
         if handle.send_splits is None or handle.recv_splits is None or handle.send_pos is None:
             raise TypeError("AllToAllDispatcher.combine needs the handle its dispatch returned")
+        if tuple(y.shape) != (sum(handle.recv_splits), handle.recv_x.shape[1]):
+            raise ValueError(f"y must be [received rows, D] = {(sum(handle.recv_splits), handle.recv_x.shape[1])}, "
+                             f"got {tuple(y.shape)}")
         back = y.new_empty((sum(handle.send_splits), y.shape[1]))
         self.comm.all_to_all_single(back, y.contiguous(), handle.send_splits, handle.recv_splits)
         return combine_rows(back, handle.send_pos, handle.send_row_starts, handle.num_tokens)
@@ -157,9 +218,24 @@ def _fixed_capacity(comm: Comm, slots_per_rank: int, **options) -> Dispatcher:
     return FixedCapacityDispatcher(comm, slots_per_rank, **options)
 
 
+def _no_options(name: str, options: dict) -> None:
+    if options:
+        raise TypeError(f"dispatcher {name!r} takes no options, got {', '.join(sorted(options))}")
+
+
+def _local(comm: Comm, slots_per_rank: int, **options) -> Dispatcher:
+    _no_options("local", options)
+    return LocalDispatcher(slots_per_rank * comm.size)
+
+
+def _all_to_all(comm: Comm, slots_per_rank: int, **options) -> Dispatcher:
+    _no_options("all_to_all", options)
+    return AllToAllDispatcher(comm, slots_per_rank)
+
+
 DISPATCHERS: dict[str, Callable[..., Dispatcher]] = {
-    "local": lambda comm, slots_per_rank, **_: LocalDispatcher(slots_per_rank * comm.size),
-    "all_to_all": lambda comm, slots_per_rank, **_: AllToAllDispatcher(comm, slots_per_rank),
+    "local": _local,
+    "all_to_all": _all_to_all,
     "fixed_capacity": _fixed_capacity,
 }
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .comm import Comm
-from .dispatch import DispatchHandle, _check_inputs
+from .dispatch import DispatchHandle, _check_inputs, _check_row_dtype, check_slot_range, slot_range
 from .dispatch_layout import combine_rows, pack_rows, route_layout, unpack_rows
 
 
@@ -40,10 +40,15 @@ class FixedCapacityHandle(DispatchHandle):
         sender_max: ``[G * C]`` float32, for each received row its sender's largest per-rank count (a
             view of the receive buffer); ``None`` on a one-rank group, where ``recv_slots`` tells.
         capacity: ``C`` rows per (source, destination) pair.
+        slot_range: ``[2]`` int64 smallest and largest slot id of the caller's ``topk_slots``, checked with
+            the capacity; ``None`` when dispatched inside a CUDA graph capture (not checked there) or empty.
+        num_slots: ``P``, the group's slots (the valid ids are ``[-1, P)``).
     """
 
     sender_max: torch.Tensor | None = None
     capacity: int = 0
+    slot_range: torch.Tensor | None = None
+    num_slots: int = 0
 
     @property
     def max_count(self) -> torch.Tensor:
@@ -57,12 +62,20 @@ class FixedCapacityHandle(DispatchHandle):
         return self.sender_max.max().to(torch.int64)
 
     def check_capacity(self) -> None:
-        """Raise if any rank routed more tokens to one rank than the capacity (reads one device scalar).
+        """Raise if any rank routed more tokens to one rank than the capacity, or a slot id was out of range.
+
+        One host read of three device scalars (the count and, unless dispatched in a graph capture, the
+        slot range).
 
         Raises:
+            ValueError: a slot id outside ``[-1, P)``; such a choice was computed nowhere.
             CapacityExceededError: the count exceeded the capacity; rows past it were not computed.
         """
-        count = int(self.max_count.item())
+        parts = [self.max_count.reshape(1).to(torch.int64)] + ([self.slot_range] if self.slot_range is not None else [])
+        host = torch.cat(parts).tolist()
+        if self.slot_range is not None:
+            check_slot_range(host[1], host[2], self.num_slots, "fixed_capacity dispatcher")
+        count = host[0]
         if count > self.capacity:
             raise CapacityExceededError(
                 f"fixed_capacity dispatcher: a rank routed {count} tokens to one EP rank but the capacity is "
@@ -81,14 +94,13 @@ class FixedCapacityDispatcher:
         check_overflow: let ``combine`` check the capacity when no CUDA graph is being captured.
 
     Raises:
-        ValueError: ``slots_per_rank`` or ``capacity`` not positive.
+        ValueError: ``slots_per_rank`` or ``capacity`` not a positive integer.
     """
 
     def __init__(self, comm: Comm, slots_per_rank: int, capacity: int, check_overflow: bool = True) -> None:
-        if slots_per_rank <= 0:
-            raise ValueError(f"slots_per_rank must be positive, got {slots_per_rank}")
-        if capacity <= 0:
-            raise ValueError(f"capacity must be positive, got {capacity}")
+        for name, value in (("slots_per_rank", slots_per_rank), ("capacity", capacity)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.comm = comm
         self.slots_per_rank = slots_per_rank
         self.capacity = capacity
@@ -100,8 +112,11 @@ class FixedCapacityDispatcher:
         _check_inputs(x, topk_slots, topk_weights)
         g, s, c = self.comm.size, self.slots_per_rank, self.capacity
         t, k = topk_slots.shape
+        capturing = topk_slots.is_cuda and torch.cuda.is_current_stream_capturing()
+        rng = None if capturing or not self.check_overflow else slot_range(topk_slots)
         if g == 1 and t <= c:
-            return self._dispatch_one_rank(x, topk_slots, topk_weights)
+            return self._dispatch_one_rank(x, topk_slots, topk_weights, rng)
+        _check_row_dtype(x)
         layout = route_layout(topk_slots, s, g, c)
         payload = pack_rows(x, topk_slots, topk_weights, layout, s, None, g * c)
         recv = torch.empty_like(payload)
@@ -118,10 +133,12 @@ class FixedCapacityDispatcher:
             num_tokens=t,
             sender_max=sender_max,
             capacity=c,
+            slot_range=rng,
+            num_slots=g * s,
         )
 
     def _dispatch_one_rank(
-        self, x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor
+        self, x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, rng: torch.Tensor | None
     ) -> FixedCapacityHandle:
         """One rank and ``T <= C``: token ``t`` is row ``t``, rows ``[T, C)`` are padding; nothing moves.
 
@@ -146,27 +163,33 @@ class FixedCapacityDispatcher:
             recv_splits=None,
             num_tokens=t,
             capacity=self.capacity,
+            slot_range=rng,
+            num_slots=self.slots_per_rank,
         )
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """See ``Dispatcher.combine``: one equal-split all-to-all back, then a sum over ranks per token.
 
         Raises:
+            TypeError: ``handle`` is not this dispatcher's.
+            ValueError: ``y`` is not ``[G * C, D]``; or ``check_overflow`` is set, no CUDA graph is being
+                captured, and a slot id was out of range.
             CapacityExceededError: ``check_overflow`` is set, no CUDA graph is being captured, and the
                 capacity was exceeded.
         """
-        if not isinstance(handle, FixedCapacityHandle):
+        if not isinstance(handle, FixedCapacityHandle) or handle.capacity != self.capacity:
             raise TypeError("FixedCapacityDispatcher.combine needs the handle its dispatch returned")
         g, c = self.comm.size, self.capacity
-        if y.shape[0] != g * c:
-            raise ValueError(f"y must have one row per received row ({g * c}), got {tuple(y.shape)}")
+        if tuple(y.shape) != (g * c, handle.recv_x.shape[1]):
+            raise ValueError(f"y must be [received rows, D] = {(g * c, handle.recv_x.shape[1])}, got {tuple(y.shape)}")
         if g == 1 and handle.num_tokens <= c:
-            return y[: handle.num_tokens]  # one rank, no overflow possible: row t is token t's sum
-        if handle.send_pos is None:
+            out = y[: handle.num_tokens]  # one rank, no overflow possible: row t is token t's sum
+        elif handle.send_pos is None:
             raise TypeError("FixedCapacityDispatcher.combine needs the handle its dispatch returned")
-        back = torch.empty(y.shape, dtype=y.dtype, device=y.device)
-        self.comm.all_to_all_single(back, y.contiguous())
-        out = combine_rows(back, handle.send_pos, None, c)
+        else:
+            back = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+            self.comm.all_to_all_single(back, y.contiguous())
+            out = combine_rows(back, handle.send_pos, None, c)
         capturing = y.is_cuda and torch.cuda.is_current_stream_capturing()
         if self.check_overflow and not capturing:
             handle.check_capacity()

@@ -83,7 +83,8 @@ def route_layout(
 
     Args:
         topk_slots: ``[T, K]`` int64 global physical slot ids, ``-1`` = none; rank ``g`` holds slots
-            ``[g * slots_per_rank, (g + 1) * slots_per_rank)``.
+            ``[g * slots_per_rank, (g + 1) * slots_per_rank)``. Ids outside ``[0, G * S)`` go nowhere
+            (the dispatchers check the range and report it).
         slots_per_rank: ``S``, positive.
         num_ranks: ``G``, positive.
         capacity: ``C`` positions per block (``T`` for the exact layout: nothing can overflow).
@@ -91,13 +92,24 @@ def route_layout(
 
     Returns:
         The ``SendLayout``.
+
+    Raises:
+        ValueError: ``topk_slots`` not ``[T, K]``, or a size argument not a positive integer (``capacity``
+            may be 0 when there are no tokens).
     """
+    if topk_slots.dim() != 2:
+        raise ValueError(f"topk_slots must be [T, K], got shape {tuple(topk_slots.shape)}")
+    for name, value, least in (("slots_per_rank", slots_per_rank, 1), ("num_ranks", num_ranks, 1),
+                               ("capacity", capacity, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
     if _use_triton(topk_slots, impl):
         from .kernels.triton_dispatch import route_layout_triton
 
         return SendLayout(*route_layout_triton(topk_slots, slots_per_rank, num_ranks, capacity), capacity)
     t, dev = topk_slots.shape[0], topk_slots.device
-    dest = torch.where(topk_slots >= 0, topk_slots // slots_per_rank, num_ranks)
+    inside = (topk_slots >= 0) & (topk_slots < num_ranks * slots_per_rank)
+    dest = torch.where(inside, topk_slots // slots_per_rank, num_ranks)
     goes = torch.zeros(t, num_ranks + 1, dtype=torch.bool, device=dev).scatter_(1, dest, True)[:, :num_ranks]
     pos = torch.where(goes, torch.cumsum(goes.t().to(torch.int32), dim=1).t() - 1, -1).to(torch.int32)
     counts = goes.sum(dim=0).to(torch.int32)
@@ -134,9 +146,19 @@ def pack_rows(
 
     Returns:
         ``[N, D + meta_columns(x.dtype, K)]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: ``x``, ``topk_slots``, ``topk_weights`` and ``layout`` disagree on ``T`` or ``K``.
+        TypeError: ``x`` not a 2- or 4-byte float dtype.
     """
     g, c = layout.pos.shape[1], layout.capacity
     t, k = topk_slots.shape
+    if x.dim() != 2 or x.shape[0] != t or topk_weights.shape != (t, k) or layout.pos.shape[0] != t:
+        raise ValueError(f"x {tuple(x.shape)}, topk_slots {(t, k)}, topk_weights {tuple(topk_weights.shape)} and "
+                         f"layout.pos {tuple(layout.pos.shape)} must agree on T (and K)")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a float tensor, got {x.dtype}")
+    meta_columns(x.dtype, k)
     d = x.shape[1]
     if _use_triton(x, impl) and (d * x.element_size()) % 4 == 0:
         from .kernels.triton_dispatch import pack_rows_triton
