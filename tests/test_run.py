@@ -159,6 +159,14 @@ def test_run_with_fixed_capacity_dispatcher(kimi, tmp_path):
     assert code == 0 and report["matches_reference"] is True
     # static shapes: one all-to-all out and one back per MoE layer, no count exchange
     assert report["ranks"][0]["collectives"]["all_to_all"] == 4.0
+    # decode steps use a decode-sized capacity (one token per prompt: C = 2 prompts per rank), not the
+    # prefill's: per MoE layer C rows go to the other rank, float32 rows of D + 2K + 1 out and D back
+    from epmoe.spec import load_moe_spec
+
+    spec = load_moe_spec(kimi)
+    d, k, c = spec.hidden_size, spec.top_k, 2
+    want = spec.num_moe_layers * c * ((d + 2 * k + 1) + d) * 4
+    assert [r["bytes_per_step"]["all_to_all"] for r in report["ranks"]] == [want, want]
 
 
 def test_corrupt_or_misplaced_cache(tmp_path, capsys):

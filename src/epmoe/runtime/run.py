@@ -236,6 +236,7 @@ def _rank_worker(
 ) -> RankReport | list[RankReport] | None:
     """One EP rank: load its experts, generate its share, report. With ``gather`` (torchrun), rank 0
     returns every rank's report (collected over the EP group) and the others return ``None``."""
+    from ..dispatch import make_dispatcher
     from ..loads import ExpertLoadRecorder
     from ..models.hf import load_ep_model
     from .rebalance import EPLBController
@@ -250,8 +251,8 @@ def _rank_worker(
                                       device=device)
         mine = list(range(comm.rank, len(all_ids), comm.size))
         options = {}
-        if cfg.dispatcher == "fixed_capacity":
-            shares = [all_ids[r::comm.size] for r in range(comm.size)]
+        shares = [all_ids[r::comm.size] for r in range(comm.size)]
+        if cfg.dispatcher == "fixed_capacity":  # the prefill's capacity: every prompt token of the busiest rank
             options["capacity"] = max(1, max(len(s) * max((len(p) for p in s), default=0) for s in shares))
         ep_model = load_ep_model(
             model_dir, placement, comm, dispatcher=cfg.dispatcher, dispatcher_options=options,
@@ -271,6 +272,11 @@ def _rank_worker(
             if step == 0:  # measure decode steps only: drop the prefill's counts
                 recorder.reset()
                 marks.append(comm.stats.snapshot())
+                if cfg.dispatcher == "fixed_capacity":  # a decode step feeds one token per prompt
+                    decode_capacity = max(1, max(len(s) for s in shares))
+                    for layer in ep_model.moe_layers:
+                        layer.dispatcher = make_dispatcher("fixed_capacity", comm, placement.slots_per_rank,
+                                                           capacity=decode_capacity)
                 return
             recorder.step()
             if eplb is not None and step % eplb.interval == 0:
