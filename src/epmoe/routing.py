@@ -33,11 +33,21 @@ class Router(nn.Module):
         spec: the model's MoE facts.
         dtype: parameter dtype of ``weight``/``bias`` (the correction bias stays float32).
         device: where the parameters live.
+        impl: how the top-k after the logits runs: ``auto`` (one Triton kernel, ``kernels.triton_router``,
+            for CUDA tensors when Triton imports and the router kind is supported; PyTorch otherwise),
+            ``torch`` (always PyTorch: the reference that matches transformers bit for bit).
+
+    Raises:
+        ValueError: an unknown ``impl``.
     """
 
-    def __init__(self, spec: MoESpec, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+    def __init__(self, spec: MoESpec, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 impl: str = "auto"):
         super().__init__()
+        if impl not in ("auto", "torch"):
+            raise ValueError(f"router impl must be 'auto' or 'torch', got {impl!r}")
         self.spec = spec
+        self.impl = impl
         e, d = spec.num_experts, spec.hidden_size
         self.fp32_logits = spec.model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2")
         w_dtype = torch.float32 if self.fp32_logits else dtype
@@ -66,6 +76,9 @@ class Router(nn.Module):
         else:
             logits = F.linear(x, self.weight, self.bias)
         kind = s.router_kind
+        fused = _fused_router(logits, s) if self.impl == "auto" else None
+        if fused is not None:
+            return fused.route_triton(logits, s, self.e_score_correction_bias)
         if kind == "softmax_topk":
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
             if s.n_group > 1:
@@ -93,6 +106,17 @@ class Router(nn.Module):
             top, idx = torch.topk(logits, s.top_k, dim=1)
             weights = torch.sigmoid(top.float()).to(top.dtype)
         return idx, weights.float()
+
+
+def _fused_router(logits: torch.Tensor, spec: MoESpec):
+    """The ``triton_router`` module when it can route these logits (CUDA, Triton importable, kind supported)."""
+    if not logits.is_cuda:
+        return None
+    try:
+        from .kernels import triton_router
+    except ImportError:
+        return None
+    return triton_router if triton_router.supports(spec) else None
 
 
 def _group_mask(values: torch.Tensor, s: MoESpec, scores_for_groups: torch.Tensor, fill: float) -> torch.Tensor:
