@@ -794,7 +794,8 @@ def _ints(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=os.environ.get("OUT") or "multigpu-out", help="output directory (default $OUT)")
+    p.add_argument("--out", default=os.environ.get("OUT") or "multigpu-out",
+                   help="output directory (default $OUT, else ./multigpu-out)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (NCCL) or cpu (gloo)")
     p.add_argument("--small", action="store_true", help="tiny sizes everywhere (checking the script)")
     p.add_argument("--experts", type=int, choices=sorted(LAYER_MODELS), default=256,
@@ -837,22 +838,39 @@ def replan(args: argparse.Namespace) -> int:
     src = Path(args.replan)
     try:
         doc = json.loads(src.read_text())
-        calib, world = doc["calibrate"], int(doc["world_size"])
+        calib, world, gpu = doc["calibrate"], int(doc["world_size"]), doc["gpus"][0]
         rows, facts = calib["rows"], calib["device_facts"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        print(f"--replan {src}: not a multigpu.json with calibration rows ({err})", file=sys.stderr)
+        if not rows or world < 1:
+            raise ValueError("no calibration rows" if not rows else f"world_size {world}")
+        for r in rows:
+            float(r["bytes"]), float(r["all_reduce_ms"]), float(r["all_to_all_ms"])
+        float(facts["memory_bytes"]), float(facts["hbm_bytes_per_s"]), float(facts["bf16_flops_per_s"])
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as err:
+        print(f"--replan {src}: not a multigpu.json with calibration rows ({type(err).__name__}: {err})",
+              file=sys.stderr)
         return 2
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        print(f"--out {out}: exists and is not a directory", file=sys.stderr)
+        return 2
+    if (out / "multigpu.json").resolve() == src.resolve():
+        print(f"--out {out}: would overwrite the --replan source {src}; give another directory", file=sys.stderr)
+        return 2
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        print(f"--out {out}: cannot be created ({err.strerror or err})", file=sys.stderr)
+        return 2
     run_args = parse_args(doc.get("argv") or [])
     run_args.tokens = doc.get("tokens") or run_args.tokens
     ctx = Ctx(args=run_args, rank=0, world=world, local_rank=0, device=torch.device(doc.get("device", "cpu")),
               side=None, out=out, doc=doc)
+    calib["profile_path"] = None  # the saved run's own path is on its machine; part 4 reads the one written here
     if world >= 2:
         path = out / "profile.json"
         cfg = CalibrationConfig(out=str(path), name=f"calibrated-{world}x-{'gpu' if ctx.cuda else 'cpu'}",
                                 base="h200-sxm" if ctx.cuda else None, iters=run_args.calib_iters)
-        profile = build_profile(rows, facts, world, 1, "nccl" if ctx.cuda else "gloo", doc["gpus"][0], cfg)
+        profile = build_profile(rows, facts, world, 1, "nccl" if ctx.cuda else "gloo", gpu, cfg)
         path.write_text(json.dumps(profile, indent=2))
         calib["profile_path"] = str(path)
     doc["plan"] = part_plan(ctx)
@@ -866,7 +884,7 @@ def replan(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.replan:
+    if args.replan is not None:
         return replan(args)
     if not all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         print("multigpu.py runs under torchrun: torchrun --standalone --nproc-per-node G benchmarks/multigpu.py ...",

@@ -108,3 +108,30 @@ def test_meta_columns_and_bad_impl():
         meta_columns(torch.float64, 8)
     with pytest.raises(ValueError, match="impl must be"):
         route_layout(torch.zeros(1, 1, dtype=torch.int64), 1, 1, 1, impl="cuda")
+
+
+def test_inconsistent_layout_arguments_refused():
+    x, slots, w = _problem(4, 6, 3, 2, 4)
+    lay = route_layout(slots, 4, 2, 6)
+    with pytest.raises(ValueError, match="fixed blocks of 6 rows for 2 ranks are 12 rows, got 9"):
+        pack_rows(x, slots, w, lay, 4, None, 9)
+    with pytest.raises(ValueError, match=r"row_starts must be \[G=2\], got shape \(1,\)"):
+        pack_rows(x, slots, w, lay, 4, lay.starts[:1], int(lay.counts.sum()))
+    buf = pack_rows(x, slots, w, lay, 4, None, 12)
+    with pytest.raises(ValueError, match=r"recv must be float rows \[R, D \+ meta columns\] = \[R, 12 \+ 5\] for K=2"):
+        unpack_rows(buf, 12, 2)  # K one short: the row width says K=3
+    with pytest.raises(ValueError, match="recv must be float rows"):
+        unpack_rows(buf.to(torch.int32), 12, 3)
+    with pytest.raises(ValueError, match="fixed blocks of 4 rows for 2 ranks are 8 rows, got 12"):
+        combine_rows(buf[:, :12], lay.pos, None, 4)  # a capacity other than the layout's
+    with pytest.raises(ValueError, match=r"row_starts must be \[G=2\]"):
+        combine_rows(buf[:, :12], lay.pos, lay.starts[:1], 6)
+
+
+@pytest.mark.parametrize("t", [0, 1, 2])
+def test_odd_hidden_size_in_half_precision_with_few_rows(t):
+    x, slots, w = _problem(5, t, 2, 1, 4, torch.bfloat16, d=3)
+    lay = route_layout(slots, 4, 1, max(t, 1))
+    buf = pack_rows(x, slots, w, lay, 4, None, max(t, 1))
+    rx, rs, rw, _ = unpack_rows(buf, 3, 2)
+    assert torch.equal(rx[:t], x) and torch.equal(rs[:t], slots)

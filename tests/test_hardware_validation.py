@@ -184,6 +184,8 @@ def test_plan_and_doctor_report_a_bad_profile(tmp_path, capsys):
     ([[8, 0.01, 3]], "item 0"),                  # not a pair
     ([[8, math.nan]], "item 0"),                 # not finite
     ([[8, True]], "item 0"),                     # a bool is not a number
+    ([[8, 0.02], [16, 0.01]], "item 1"),         # a larger message faster than a smaller one
+    ([[8, 0.01], [10**400, 0.02]], "item 1"),    # an integer too large for a float
 ])
 def test_bad_measured_curve_refused_naming_field_and_item(tmp_path, curve, item):
     doc = _doc()

@@ -105,3 +105,19 @@ def test_plan_predictions_beside_measurements(result):
         assert r["ep_pred_dispatch_combine_us"] > 0 and r["tp_pred_all_reduce_us"] > 0
         assert r["ep_pred_a2a_calls_per_layer"] == 2
         assert r["ep_disp_fixed_meas_over_pred"] > 0 and r["tp_all_reduce_meas_over_pred"] > 0
+
+
+def test_replan_of_the_2x_h200_run_predicts_its_communication_within_25_percent(tmp_path):
+    """The planner's collective and dispatch model against the measured 2x H200 run (no GPU needed)."""
+    saved = REPO / "benchmarks" / "results" / "multigpu_h200x2.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "multigpu.py"), "--replan", str(saved),
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads((tmp_path / "multigpu.json").read_text())["plan"]
+    rows = [r for r in plan["rows"] if r.get("ep_disp_fixed_meas_over_pred")]
+    assert [r["tokens_per_rank"] for r in rows] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    for r in rows:
+        assert 0.75 <= r["ep_disp_fixed_meas_over_pred"] <= 1.25, r
+        assert 0.75 <= r["tp_all_reduce_meas_over_pred"] <= 1.25, r
+    assert load_hardware(tmp_path / "profile.json").intra_node.all_to_all_ms_by_bytes

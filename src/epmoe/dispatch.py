@@ -9,6 +9,7 @@ that rank computes all of them, sums the weighted results and sends one row back
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -73,7 +74,7 @@ def _check_inputs(x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch
             f"[T={x.shape[0]}, K]"
         )
     if topk_slots.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"topk_slots must be int64 slot ids, got dtype {topk_slots.dtype}")
+        raise TypeError(f"topk_slots must be int64 (or int32) slot ids, got dtype {topk_slots.dtype}")
 
 
 def _check_row_dtype(x: torch.Tensor) -> None:
@@ -109,7 +110,9 @@ class LocalDispatcher:
     """
 
     def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
+        if isinstance(num_slots, bool) or not isinstance(num_slots, numbers.Integral) or num_slots < 1:
+            raise ValueError(f"num_slots must be a positive integer, got {num_slots!r}")
+        self.num_slots = int(num_slots)
 
     def dispatch(self, x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor) -> DispatchHandle:
         """See ``Dispatcher.dispatch``; the handle's ``recv_*`` are the inputs themselves.
@@ -130,9 +133,10 @@ class LocalDispatcher:
         Raises:
             TypeError: ``handle`` is not a local dispatch's, or ``y`` has not one row per token.
         """
-        if type(handle) is not DispatchHandle or handle.send_pos is not None or y.shape[0] != handle.num_tokens:
-            raise TypeError(f"LocalDispatcher.combine needs the handle its dispatch returned and one row per token "
-                            f"({handle.num_tokens}), got y of shape {tuple(y.shape)}")
+        if type(handle) is not DispatchHandle or handle.send_pos is not None:
+            raise TypeError("LocalDispatcher.combine needs the handle its dispatch returned")
+        if tuple(y.shape) != tuple(handle.recv_x.shape):
+            raise ValueError(f"y must be [T, D] = {tuple(handle.recv_x.shape)}, got {tuple(y.shape)}")
         return y
 
 

@@ -19,6 +19,7 @@ point where a host sync is acceptable.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -99,8 +100,9 @@ class FixedCapacityDispatcher:
 
     def __init__(self, comm: Comm, slots_per_rank: int, capacity: int, check_overflow: bool = True) -> None:
         for name, value in (("slots_per_rank", slots_per_rank), ("capacity", capacity)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        slots_per_rank, capacity = int(slots_per_rank), int(capacity)
         self.comm = comm
         self.slots_per_rank = slots_per_rank
         self.capacity = capacity

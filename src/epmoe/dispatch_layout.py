@@ -121,6 +121,16 @@ def route_layout(
     return SendLayout(pos, counts, starts, row_token[:-1].view(num_ranks, capacity), capacity)
 
 
+def _check_blocks(g: int, capacity: int, row_starts: torch.Tensor | None, num_rows: int, who: str) -> None:
+    """The block arguments agree with a layout of ``g`` ranks (the exact layout's row count is the sum of
+    the counts, which only the caller's host copy of them can confirm)."""
+    if row_starts is None:
+        if num_rows != g * capacity:
+            raise ValueError(f"{who}: fixed blocks of {capacity} rows for {g} ranks are {g * capacity} rows, got {num_rows}")
+    elif tuple(row_starts.shape) != (g,):
+        raise ValueError(f"{who}: row_starts must be [G={g}], got shape {tuple(row_starts.shape)}")
+
+
 def pack_rows(
     x: torch.Tensor,
     topk_slots: torch.Tensor,
@@ -148,7 +158,9 @@ def pack_rows(
         ``[N, D + meta_columns(x.dtype, K)]`` in ``x.dtype``.
 
     Raises:
-        ValueError: ``x``, ``topk_slots``, ``topk_weights`` and ``layout`` disagree on ``T`` or ``K``.
+        ValueError: ``x``, ``topk_slots``, ``topk_weights`` and ``layout`` disagree on ``T`` or ``K``; fixed
+            blocks with ``num_rows != G * C``; ``row_starts`` not ``[G]``; ``slots_per_rank`` not positive.
+            (In the exact layout ``num_rows`` must be the sum of the counts: not checked, it would read them.)
         TypeError: ``x`` not a 2- or 4-byte float dtype.
     """
     g, c = layout.pos.shape[1], layout.capacity
@@ -156,6 +168,9 @@ def pack_rows(
     if x.dim() != 2 or x.shape[0] != t or topk_weights.shape != (t, k) or layout.pos.shape[0] != t:
         raise ValueError(f"x {tuple(x.shape)}, topk_slots {(t, k)}, topk_weights {tuple(topk_weights.shape)} and "
                          f"layout.pos {tuple(layout.pos.shape)} must agree on T (and K)")
+    _check_blocks(g, c, row_starts, num_rows, "pack_rows")
+    if isinstance(slots_per_rank, bool) or not isinstance(slots_per_rank, int) or slots_per_rank < 1:
+        raise ValueError(f"slots_per_rank must be an integer >= 1, got {slots_per_rank!r}")
     if not x.is_floating_point():
         raise TypeError(f"x must be a float tensor, got {x.dtype}")
     meta_columns(x.dtype, k)
@@ -199,14 +214,21 @@ def unpack_rows(
         ``recv_x`` ``[R, D]`` (a view of ``recv``, row stride ``recv.shape[1]``), ``recv_slots`` ``[R, K]``
         int64 local slot ids (``-1`` = none), ``recv_weights`` ``[R, K]`` float32, ``sender_max`` ``[R]``
         float32 the sending rank's largest per-rank count (a view of ``recv`` when ``D`` is even).
+
+    Raises:
+        ValueError: ``recv`` is not ``[R, D + meta_columns(dtype, K)]`` of a float dtype.
     """
     k = top_k
+    if recv.dim() != 2 or not recv.is_floating_point() or recv.shape[1] != d + meta_columns(recv.dtype, k):
+        raise ValueError(f"recv must be float rows [R, D + meta columns] = [R, {d} + "
+                         f"{meta_columns(recv.dtype, k) if recv.is_floating_point() else '?'}] for K={k}, "
+                         f"got {tuple(recv.shape)} {recv.dtype}")
     if recv.dtype == torch.float32:
         meta = recv[:, d:]
     elif (d * recv.element_size()) % 4 == 0:
         meta = recv[:, d:].view(torch.float32)
-    else:
-        meta = recv[:, d:].contiguous().view(torch.float32)
+    else:  # the metadata starts off a 4-byte boundary: a fresh copy (even of one row) starts on one
+        meta = recv[:, d:].clone(memory_format=torch.contiguous_format).view(torch.float32)
     if _use_triton(recv, impl) and recv.shape[0] and meta.stride(1) == 1:
         from .kernels.triton_dispatch import unpack_meta_triton
 
@@ -230,8 +252,15 @@ def combine_rows(
 
     Returns:
         ``[T, D]`` in ``back.dtype``.
+
+    Raises:
+        ValueError: ``back`` or ``pos`` not 2-D, fixed blocks whose row count is not ``G * C``, or
+            ``row_starts`` not ``[G]``.
     """
+    if back.dim() != 2 or pos.dim() != 2:
+        raise ValueError(f"back must be [N, D] and pos [T, G], got {tuple(back.shape)} and {tuple(pos.shape)}")
     t, g = pos.shape
+    _check_blocks(g, capacity, row_starts, back.shape[0], "combine_rows")
     if _use_triton(back, impl) and back.stride(1) == 1:
         from .kernels.triton_dispatch import combine_rows_triton
 

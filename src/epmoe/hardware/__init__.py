@@ -167,17 +167,27 @@ def _link(doc: Any, source: str, where: str) -> LinkProfile:
     return LinkProfile(kind=_text(doc, "kind", source, where), **values, **curves)
 
 
+def _finite(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
 def _curve(points: Any, source: str, field: str) -> tuple[tuple[float, float], ...]:
-    """``[[bytes, ms], ...]`` with bytes > 0 strictly increasing and finite ms >= 0, as a tuple of pairs."""
+    """``[[bytes, ms], ...]``: bytes > 0 strictly increasing, finite ms >= 0 never decreasing (a larger
+    message never takes less time; ``epmoe calibrate`` writes the envelope of its measurements)."""
     out: list[tuple[float, float]] = []
     if not isinstance(points, list):
         raise ValueError(f"{source}: field {field!r} must be a list of [bytes, ms] pairs, got {points!r}")
     for i, point in enumerate(points):
-        ok = isinstance(point, list) and len(point) == 2 and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in point)
-        if not ok or point[0] <= 0 or point[1] < 0 or (out and point[0] <= out[-1][0]):
-            raise ValueError(f"{source}: field {field!r} item {i} must be [bytes > 0, ms >= 0] with bytes increasing, "
-                             f"got {point!r}")
+        ok = isinstance(point, list) and len(point) == 2 and all(_finite(v) for v in point)
+        if (not ok or point[0] <= 0 or point[1] < 0
+                or (out and (float(point[0]) <= out[-1][0] or float(point[1]) < out[-1][1]))):
+            raise ValueError(f"{source}: field {field!r} item {i} must be [bytes > 0, ms >= 0] with bytes increasing "
+                             f"and ms not decreasing, got {point!r}")
         out.append((float(point[0]), float(point[1])))
     return tuple(out)
 
