@@ -28,6 +28,10 @@ def test_triton_steps_equal_torch_bf16(t, k, g, s, cap, d, fixed):
     gen = torch.Generator(device="cuda").manual_seed(t + g)
     slots = torch.randint(0, g * s, (t, k), generator=gen, device="cuda")
     slots[:, 0] = torch.where(torch.rand(t, generator=gen, device="cuda") < 0.3, -1, slots[:, 0])
+    if t > 2:  # out-of-range ids go nowhere and are counted: one above P, one below -1
+        slots[1, -1], slots[2, 0] = g * s, -3
+    elif t > 1:
+        slots[1, -1] = g * s
     x = torch.randn(t, d, generator=gen, device="cuda").to(torch.bfloat16)
     w = torch.rand(t, k, generator=gen, device="cuda")
     if not fixed:
@@ -35,6 +39,7 @@ def test_triton_steps_equal_torch_bf16(t, k, g, s, cap, d, fixed):
     lays = {impl: route_layout(slots, s, g, cap, impl=impl) for impl in ("torch", "triton")}
     ref, tri = lays["torch"], lays["triton"]
     assert torch.equal(ref.pos, tri.pos) and torch.equal(ref.counts, tri.counts) and torch.equal(ref.starts, tri.starts)
+    assert ref.invalid.item() == tri.invalid.item() == int((t > 1) + (t > 2))
     for rank in range(g):
         valid = min(int(ref.counts[rank]), cap)
         assert torch.equal(ref.row_token[rank, :valid], tri.row_token[rank, :valid])

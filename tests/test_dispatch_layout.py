@@ -135,3 +135,13 @@ def test_odd_hidden_size_in_half_precision_with_few_rows(t):
     buf = pack_rows(x, slots, w, lay, 4, None, max(t, 1))
     rx, rs, rw, _ = unpack_rows(buf, 3, 2)
     assert torch.equal(rx[:t], x) and torch.equal(rs[:t], slots)
+
+
+def test_out_of_range_ids_are_counted_and_flagged_in_every_row():
+    x, slots, w = _problem(6, 5, 2, 2, 4)
+    slots[3, 1] = 8  # = G * S: outside
+    lay = route_layout(slots, 4, 2, 5)
+    assert lay.invalid.item() == 1
+    _, _, _, smax = unpack_rows(pack_rows(x, slots, w, lay, 4, None, 10), 12, 2)
+    own = int(lay.counts.max())
+    assert smax.tolist() == [-1.0 - own] * 10  # -1 - m in every row, padding rows too

@@ -38,8 +38,9 @@ class FixedCapacityHandle(DispatchHandle):
     """A ``DispatchHandle`` with the fixed-capacity bookkeeping (all on the device).
 
     Attributes:
-        sender_max: ``[G * C]`` float32, for each received row its sender's largest per-rank count (a
-            view of the receive buffer); ``None`` on a one-rank group, where ``recv_slots`` tells.
+        sender_max: ``[G * C]`` float32, for each received row its sender's largest per-rank count ``m``, or
+            ``-1 - m`` when the sender had slot ids out of range (a view of the receive buffer); ``None`` on
+            a one-rank group, where ``recv_slots`` tells.
         capacity: ``C`` rows per (source, destination) pair.
         slot_range: ``[2]`` int64 smallest and largest slot id of the caller's ``topk_slots``, checked with
             the capacity; ``None`` when dispatched inside a CUDA graph capture (not checked there) or empty.
@@ -60,22 +61,33 @@ class FixedCapacityHandle(DispatchHandle):
         """
         if self.sender_max is None:
             return (self.recv_slots >= 0).any(dim=1).sum()
-        return self.sender_max.max().to(torch.int64)
+        return torch.where(self.sender_max < 0, -1.0 - self.sender_max, self.sender_max).max().to(torch.int64)
+
+    @property
+    def bad_senders(self) -> torch.Tensor:
+        """``[]`` bool: some rank of the group sent with slot ids out of range (always False on one rank)."""
+        if self.sender_max is None:
+            return torch.zeros((), dtype=torch.bool, device=self.recv_slots.device)
+        return (self.sender_max < 0).any()
 
     def check_capacity(self) -> None:
         """Raise if any rank routed more tokens to one rank than the capacity, or a slot id was out of range.
 
-        One host read of three device scalars (the count and, unless dispatched in a graph capture, the
-        slot range).
+        One host read of a few device scalars: the count and the flag of the rows received (both also
+        valid after a CUDA-graph replay) and, unless dispatched in a graph capture, this rank's slot range.
 
         Raises:
-            ValueError: a slot id outside ``[-1, P)``; such a choice was computed nowhere.
+            ValueError: a slot id outside ``[-1, P)`` on this rank (named) or on another rank of the group
+                (flagged in its rows); such a choice was computed nowhere.
             CapacityExceededError: the count exceeded the capacity; rows past it were not computed.
         """
-        parts = [self.max_count.reshape(1).to(torch.int64)] + ([self.slot_range] if self.slot_range is not None else [])
-        host = torch.cat(parts).tolist()
+        parts = [self.max_count.reshape(1), self.bad_senders.reshape(1).to(torch.int64)]
+        host = torch.cat(parts + ([self.slot_range] if self.slot_range is not None else [])).tolist()
         if self.slot_range is not None:
-            check_slot_range(host[1], host[2], self.num_slots, "fixed_capacity dispatcher")
+            check_slot_range(host[2], host[3], self.num_slots, "fixed_capacity dispatcher")
+        if host[1]:  # flagged in the rows received from another rank
+            raise ValueError(f"fixed_capacity dispatcher: topk_slots must be global slot ids in [-1, {self.num_slots}) "
+                             f"(-1 = none); another EP rank sent ids outside it")
         count = host[0]
         if count > self.capacity:
             raise CapacityExceededError(

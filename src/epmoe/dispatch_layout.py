@@ -4,9 +4,9 @@ Dispatch sends each token once to every EP rank that holds one of its slots. The
 block ``g`` of the send buffer, in token order: token ``t`` is row ``row_starts[g] + pos[t, g]``, where
 ``pos[t, g]`` counts the earlier tokens that also go to ``g``. Behind its hidden state each row carries,
 packed bit-exactly as ``2K + 1`` float32 values, the token's slots on ``g`` (local ids, ``-1`` = served
-elsewhere), their routing weights, and the sender's largest per-rank count (the fixed-capacity
-dispatcher's overflow signal). Combine receives the results in the same buffer positions and sums each
-token's rows in float32.
+elsewhere), their routing weights, and the sender's largest per-rank count ``m`` (the fixed-capacity
+dispatcher's overflow signal), written as ``-1 - m`` when the sender had slot ids out of range. Combine
+receives the results in the same buffer positions and sums each token's rows in float32.
 
 Four steps, each one kernel on CUDA (``kernels.triton_dispatch``) and plain PyTorch elsewhere:
 ``route_layout`` (positions, counts and the row -> token table), ``pack_rows`` (the send buffer),
@@ -53,6 +53,8 @@ class SendLayout:
         row_token: ``[G, C]`` int32 token of position ``p`` of block ``g``; valid for
             ``p < min(counts[g], C)``, unspecified elsewhere.
         capacity: ``C``, positions per block.
+        invalid: ``[]`` int32 tokens with a slot id outside ``[-1, G * S)`` (such a choice goes nowhere;
+            ``pack_rows`` flags it in every row it writes, so every receiving rank learns it).
     """
 
     pos: torch.Tensor
@@ -60,6 +62,7 @@ class SendLayout:
     starts: torch.Tensor
     row_token: torch.Tensor
     capacity: int
+    invalid: torch.Tensor
 
 
 def _use_triton(t: torch.Tensor, impl: Impl) -> bool:
@@ -106,7 +109,8 @@ def route_layout(
     if _use_triton(topk_slots, impl):
         from .kernels.triton_dispatch import route_layout_triton
 
-        return SendLayout(*route_layout_triton(topk_slots, slots_per_rank, num_ranks, capacity), capacity)
+        pos, counts, starts, row_token, invalid = route_layout_triton(topk_slots, slots_per_rank, num_ranks, capacity)
+        return SendLayout(pos, counts, starts, row_token, capacity, invalid)
     t, dev = topk_slots.shape[0], topk_slots.device
     inside = (topk_slots >= 0) & (topk_slots < num_ranks * slots_per_rank)
     dest = torch.where(inside, topk_slots // slots_per_rank, num_ranks)
@@ -114,11 +118,13 @@ def route_layout(
     pos = torch.where(goes, torch.cumsum(goes.t().to(torch.int32), dim=1).t() - 1, -1).to(torch.int32)
     counts = goes.sum(dim=0).to(torch.int32)
     starts = (torch.cumsum(counts, 0) - counts).to(torch.int32)
-    flat = torch.where(goes & (pos < capacity), torch.arange(num_ranks, device=dev) * capacity + pos, num_ranks * capacity)
+    block_first = torch.arange(num_ranks, device=dev) * capacity
+    flat = torch.where(goes & (pos < capacity), block_first + pos, num_ranks * capacity)
     row_token = torch.zeros(num_ranks * capacity + 1, dtype=torch.int32, device=dev)
     tokens = torch.arange(t, dtype=torch.int32, device=dev).unsqueeze(1).expand(t, num_ranks)
     row_token.scatter_(0, flat.reshape(-1), tokens.reshape(-1))
-    return SendLayout(pos, counts, starts, row_token[:-1].view(num_ranks, capacity), capacity)
+    invalid = ((topk_slots < -1) | (topk_slots >= num_ranks * slots_per_rank)).any(dim=1).sum().to(torch.int32)
+    return SendLayout(pos, counts, starts, row_token[:-1].view(num_ranks, capacity), capacity, invalid)
 
 
 def _check_blocks(g: int, capacity: int, row_starts: torch.Tensor | None, num_rows: int, who: str) -> None:
@@ -126,7 +132,8 @@ def _check_blocks(g: int, capacity: int, row_starts: torch.Tensor | None, num_ro
     the counts, which only the caller's host copy of them can confirm)."""
     if row_starts is None:
         if num_rows != g * capacity:
-            raise ValueError(f"{who}: fixed blocks of {capacity} rows for {g} ranks are {g * capacity} rows, got {num_rows}")
+            raise ValueError(f"{who}: fixed blocks of {capacity} rows for {g} ranks are {g * capacity} rows, "
+                             f"got {num_rows}")
     elif tuple(row_starts.shape) != (g,):
         raise ValueError(f"{who}: row_starts must be [G={g}], got shape {tuple(row_starts.shape)}")
 
@@ -178,8 +185,8 @@ def pack_rows(
     if _use_triton(x, impl) and (d * x.element_size()) % 4 == 0:
         from .kernels.triton_dispatch import pack_rows_triton
 
-        return pack_rows_triton(x, topk_slots, topk_weights, layout.counts, layout.row_token, slots_per_rank,
-                                row_starts, num_rows, c)
+        return pack_rows_triton(x, topk_slots, topk_weights, layout.counts, layout.invalid, layout.row_token,
+                                slots_per_rank, row_starts, num_rows, c)
     dev = x.device
     r = torch.arange(num_rows, device=dev)
     starts = torch.arange(g, device=dev) * c if row_starts is None else row_starts.to(torch.int64)
@@ -192,7 +199,8 @@ def pack_rows(
     wt = torch.cat([topk_weights.float(), topk_weights.new_zeros(1, k, dtype=torch.float32)])[tok]
     here = (sl >= 0) & (sl // slots_per_rank == rank.unsqueeze(1))
     local = torch.where(here, sl - rank.unsqueeze(1) * slots_per_rank, -1).float()
-    own_max = layout.counts.max().float().expand(num_rows, 1)
+    own = layout.counts.max().float()
+    own_max = torch.where(layout.invalid > 0, -1.0 - own, own).expand(num_rows, 1)
     meta = torch.cat([local, torch.where(here, wt, 0.0), own_max], dim=1)
     if x.dtype == torch.float32:
         return torch.cat([rows, meta], dim=1)
@@ -213,7 +221,8 @@ def unpack_rows(
     Returns:
         ``recv_x`` ``[R, D]`` (a view of ``recv``, row stride ``recv.shape[1]``), ``recv_slots`` ``[R, K]``
         int64 local slot ids (``-1`` = none), ``recv_weights`` ``[R, K]`` float32, ``sender_max`` ``[R]``
-        float32 the sending rank's largest per-rank count (a view of ``recv`` when ``D`` is even).
+        float32 the sending rank's largest per-rank count ``m``, or ``-1 - m`` when that rank had slot ids
+        out of range (a view of ``recv`` when ``D`` is even).
 
     Raises:
         ValueError: ``recv`` is not ``[R, D + meta_columns(dtype, K)]`` of a float dtype.

@@ -27,13 +27,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _goes(slots_ptr, b, T, K, S, BLOCK_T: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr):
-    """Tokens of block ``b`` and their ``[BLOCK_T, GP]`` int32 "has a slot on rank g" matrix."""
+def _goes(slots_ptr, b, T, K, S, G, BLOCK_T: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr):
+    """Tokens of block ``b`` and their ``[BLOCK_T, GP]`` int32 "has a slot on rank g" matrix; column ``G``
+    marks a slot id outside ``[-1, G * S)``."""
     tok = b * BLOCK_T + tl.arange(0, BLOCK_T)
     kk = tl.arange(0, KP)
     sl = tl.load(slots_ptr + tok[:, None].to(tl.int64) * K + kk[None, :],
                  mask=(tok[:, None] < T) & (kk[None, :] < K), other=-1)
-    dest = tl.where(sl >= 0, sl // S, -1).to(tl.int32)
+    inside = (sl >= 0) & (sl < G * S)
+    dest = tl.where(inside, sl // S, tl.where(sl == -1, -1, G)).to(tl.int32)
     return tok, tl.max((dest[:, :, None] == tl.arange(0, GP)[None, None, :]).to(tl.int32), axis=1)
 
 
@@ -41,9 +43,9 @@ def _goes(slots_ptr, b, T, K, S, BLOCK_T: tl.constexpr, KP: tl.constexpr, GP: tl
 def _route_count_kernel(slots_ptr, block_counts_ptr, T, K, S, G,
                         BLOCK_T: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr):
     b = tl.program_id(0)
-    _, goes = _goes(slots_ptr, b, T, K, S, BLOCK_T, KP, GP)
+    _, goes = _goes(slots_ptr, b, T, K, S, G, BLOCK_T, KP, GP)
     ranks = tl.arange(0, GP)
-    tl.store(block_counts_ptr + b * G + ranks, tl.sum(goes, 0), mask=ranks < G)
+    tl.store(block_counts_ptr + b * (G + 1) + ranks, tl.sum(goes, 0), mask=ranks <= G)
 
 
 @triton.jit
@@ -51,15 +53,15 @@ def _route_kernel(slots_ptr, block_counts_ptr, pos_ptr, row_token_ptr, counts_pt
                   BLOCK_T: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr, CHUNK: tl.constexpr):
     b = tl.program_id(0)
     ranks = tl.arange(0, GP)
-    tok, goes = _goes(slots_ptr, b, T, K, S, BLOCK_T, KP, GP)
+    tok, goes = _goes(slots_ptr, b, T, K, S, G, BLOCK_T, KP, GP)
     carry = tl.zeros([GP], dtype=tl.int32)  # tokens of earlier blocks per rank
     total = tl.sum(goes, 0)
     if NB > 1:
         total = tl.zeros([GP], dtype=tl.int32)
         for c0 in range(0, NB, CHUNK):
             blk = c0 + tl.arange(0, CHUNK)
-            bc = tl.load(block_counts_ptr + blk[:, None] * G + ranks[None, :],
-                         mask=(blk[:, None] < NB) & (ranks[None, :] < G), other=0)
+            bc = tl.load(block_counts_ptr + blk[:, None] * (G + 1) + ranks[None, :],
+                         mask=(blk[:, None] < NB) & (ranks[None, :] <= G), other=0)
             carry += tl.sum(tl.where(blk[:, None] < b, bc, 0), 0)
             total += tl.sum(bc, 0)
     pos = tl.cumsum(goes, 0) - 1 + carry[None, :]
@@ -69,12 +71,13 @@ def _route_kernel(slots_ptr, block_counts_ptr, pos_ptr, row_token_ptr, counts_pt
     tok_2d = tok[:, None] + tl.zeros([BLOCK_T, GP], dtype=tl.int32)
     tl.store(row_token_ptr + ranks[None, :].to(tl.int64) * C + pos, tok_2d, mask=in_g & sent & (pos < C))
     if b == 0:
-        tl.store(counts_ptr + ranks, total, mask=ranks < G)
-        tl.store(starts_ptr + ranks, tl.cumsum(total, 0) - total, mask=ranks < G)
+        tl.store(counts_ptr + ranks, total, mask=ranks <= G)  # counts[G]: tokens with an id out of range
+        real = tl.where(ranks < G, total, 0)
+        tl.store(starts_ptr + ranks, tl.cumsum(real, 0) - real, mask=ranks < G)
 
 
 @triton.jit
-def _pack_kernel(x_ptr, slots_ptr, w_ptr, counts_ptr, row_token_ptr, row_starts_ptr, out_ptr, meta_ptr,
+def _pack_kernel(x_ptr, slots_ptr, w_ptr, counts_ptr, invalid_ptr, row_token_ptr, row_starts_ptr, out_ptr, meta_ptr,
                  D, K, S, G, C, stride_x, stride_out, meta_off, stride_meta,
                  FIXED: tl.constexpr, GP: tl.constexpr, KP: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0)
@@ -104,7 +107,8 @@ def _pack_kernel(x_ptr, slots_ptr, w_ptr, counts_ptr, row_token_ptr, row_starts_
     meta = meta_ptr + r.to(tl.int64) * stride_meta + meta_off
     tl.store(meta + kk, tl.where(here, sl - g * S, -1).to(tl.float32), mask=kk < K)
     tl.store(meta + K + kk, tl.where(here, wt, 0.0), mask=kk < K)
-    tl.store(meta + 2 * K, tl.max(counts, 0).to(tl.float32))
+    own = tl.max(counts, 0).to(tl.float32)
+    tl.store(meta + 2 * K, tl.where(tl.load(invalid_ptr) > 0, -1.0 - own, own))
 
 
 @triton.jit
@@ -139,33 +143,34 @@ def _combine_kernel(back_ptr, pos_ptr, row_starts_ptr, out_ptr, D, G, C, stride_
 
 def route_layout_triton(topk_slots: torch.Tensor, slots_per_rank: int, num_ranks: int,
                         capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``dispatch_layout.route_layout`` in one launch: ``(pos [T, G], counts [G], starts [G], row_token [G, C])`` int32."""
+    """``dispatch_layout.route_layout`` in one or two launches: ``(pos [T, G], counts [G], starts [G],
+    row_token [G, C], invalid [])``, all int32."""
     t, k = topk_slots.shape
     dev = topk_slots.device
     topk_slots = topk_slots.contiguous()
     pos = torch.empty(t, num_ranks, dtype=torch.int32, device=dev)
-    counts = torch.empty(num_ranks, dtype=torch.int32, device=dev)
+    counts = torch.empty(num_ranks + 1, dtype=torch.int32, device=dev)  # [G]: tokens with an id out of range
     starts = torch.empty(num_ranks, dtype=torch.int32, device=dev)
     row_token = torch.empty(num_ranks, capacity, dtype=torch.int32, device=dev)
-    gp, kp = triton.next_power_of_2(num_ranks), triton.next_power_of_2(k)
+    gp, kp = triton.next_power_of_2(num_ranks + 1), triton.next_power_of_2(k)
     limit = max(16, 16384 // (gp * kp))  # the [BLOCK_T, KP, GP] compare stays in registers
     # one block (one launch) up to 256 tokens; above, blocks of at most 128 in parallel (on an H200 one
     # 1024-token block took 16.8 µs, while 16 blocks of 256 took 11.4 µs at 4096 tokens)
     block_t = max(16, triton.next_power_of_2(t)) if t <= min(limit, 256) else min(limit, 128)
     nb = max(1, triton.cdiv(t, block_t))
-    block_counts = torch.empty(nb if nb > 1 else 0, num_ranks, dtype=torch.int32, device=dev)
+    block_counts = torch.empty(nb if nb > 1 else 0, num_ranks + 1, dtype=torch.int32, device=dev)
     if nb > 1:
         _route_count_kernel[(nb,)](topk_slots, block_counts, t, k, slots_per_rank, num_ranks,
                                    BLOCK_T=block_t, KP=kp, GP=gp, num_warps=4)
     _route_kernel[(nb,)](topk_slots, block_counts if nb > 1 else pos, pos, row_token, counts, starts, t, k,
                          slots_per_rank, num_ranks, capacity, nb, BLOCK_T=block_t, KP=kp, GP=gp,
                          CHUNK=max(16, 2048 // gp), num_warps=4)
-    return pos, counts, starts, row_token
+    return pos, counts[:num_ranks], starts, row_token, counts[num_ranks]
 
 
 def pack_rows_triton(x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, counts: torch.Tensor,
-                     row_token: torch.Tensor, slots_per_rank: int, row_starts: torch.Tensor | None, num_rows: int,
-                     capacity: int) -> torch.Tensor:
+                     invalid: torch.Tensor, row_token: torch.Tensor, slots_per_rank: int,
+                     row_starts: torch.Tensor | None, num_rows: int, capacity: int) -> torch.Tensor:
     """``dispatch_layout.pack_rows`` in one launch (``D`` times the element size a multiple of 4 bytes)."""
     from ..dispatch_layout import meta_columns
 
@@ -182,7 +187,7 @@ def pack_rows_triton(x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: to
     fixed = row_starts is None
     block_d = min(2048, triton.next_power_of_2(d))
     _pack_kernel[(num_rows,)](
-        x, topk_slots.contiguous(), topk_weights.float().contiguous(), counts, row_token,
+        x, topk_slots.contiguous(), topk_weights.float().contiguous(), counts, invalid, row_token,
         counts if fixed else row_starts, out, meta, d, k, slots_per_rank, g, capacity, x.stride(0), width,
         d * esize // 4, width * esize // 4,
         FIXED=fixed, GP=triton.next_power_of_2(g), KP=triton.next_power_of_2(k), BLOCK_D=block_d, num_warps=4,
