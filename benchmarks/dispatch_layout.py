@@ -12,38 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from epmoe.dispatch_layout import combine_rows, pack_rows, route_layout, unpack_rows  # noqa: E402
-
-REPS = 8
-
-
-def time_us(fn) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(REPS):
-            fn()
-    samples = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3 / REPS)
-    return statistics.median(samples)
+from graph_timing import graph_us  # noqa: E402
 
 
 def main() -> int:
@@ -67,10 +44,10 @@ def main() -> int:
                 lay = route_layout(slots, s, g, cap, impl=impl)
                 buf = pack_rows(x, slots, w, lay, s, None, g * cap, impl=impl)
                 back = buf[:, :d].contiguous()
-                row[f"route_{impl}_us"] = time_us(lambda: route_layout(slots, s, g, cap, impl=impl))
-                row[f"pack_{impl}_us"] = time_us(lambda: pack_rows(x, slots, w, lay, s, None, g * cap, impl=impl))
-                row[f"unpack_{impl}_us"] = time_us(lambda: unpack_rows(buf, d, k, impl=impl))
-                row[f"combine_{impl}_us"] = time_us(lambda: combine_rows(back, lay.pos, None, cap, impl=impl))
+                row[f"route_{impl}_us"] = graph_us(lambda: route_layout(slots, s, g, cap, impl=impl))
+                row[f"pack_{impl}_us"] = graph_us(lambda: pack_rows(x, slots, w, lay, s, None, g * cap, impl=impl))
+                row[f"unpack_{impl}_us"] = graph_us(lambda: unpack_rows(buf, d, k, impl=impl))
+                row[f"combine_{impl}_us"] = graph_us(lambda: combine_rows(back, lay.pos, None, cap, impl=impl))
             sent = int((lay.pos >= 0).sum())
             row["pack_bytes"] = (sent + g * cap) * d * 2  # read the sent rows, write the whole buffer
             row["combine_bytes"] = (sent + t) * d * 2  # read the returned rows, write one row per token

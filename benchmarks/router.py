@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,30 +20,12 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 from epmoe.comm import Comm  # noqa: E402
 from epmoe.layer import MoELayer  # noqa: E402
 from epmoe.placement import ExpertPlacement  # noqa: E402
 from epmoe.spec import parse_moe_spec  # noqa: E402
-
-REPS = 8
-
-
-def graph_us(fn) -> float:
-    for _ in range(3):
-        fn()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(REPS):
-            fn()
-    samples = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3 / REPS)
-    return statistics.median(samples)
+from graph_timing import graph_us  # noqa: E402
 
 
 def main() -> int:
