@@ -131,7 +131,8 @@ class LocalDispatcher:
         """See ``Dispatcher.combine``: returns ``y``.
 
         Raises:
-            TypeError: ``handle`` is not a local dispatch's, or ``y`` has not one row per token.
+            TypeError: ``handle`` is not a local dispatch's.
+            ValueError: ``y`` is not ``[T, D]`` like the dispatched rows.
         """
         if type(handle) is not DispatchHandle or handle.send_pos is not None:
             raise TypeError("LocalDispatcher.combine needs the handle its dispatch returned")
