@@ -125,7 +125,7 @@ class LocalDispatcher:
         rng = slot_range(topk_slots) if not topk_slots.is_cuda else None
         if rng is not None:
             check_slot_range(*rng.tolist(), self.num_slots, "local dispatcher")
-        return DispatchHandle(x, topk_slots, topk_weights.float(), None, None, None, None, x.shape[0])
+        return DispatchHandle(x, topk_slots.to(torch.int64), topk_weights.float(), None, None, None, None, x.shape[0])
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """See ``Dispatcher.combine``: returns ``y``.
