@@ -619,7 +619,8 @@ def part_plan(ctx: Ctx) -> dict | None:
     if ctx.rank != 0:
         return None
     from epmoe.hardware import load_hardware
-    from epmoe.planner import PlanRequest, plan
+    from epmoe.plan_values import PlanRequest
+    from epmoe.planner import plan
 
     a, g = ctx.args, ctx.world
     calib = ctx.doc.get("calibrate") or {}

@@ -12,7 +12,8 @@ from epmoe.cli import main
 from epmoe.costs import MoEDims, expected_destination_ranks, expected_max_load, predict_moe_layer_time
 from epmoe.hardware import hardware_names, load_hardware
 from epmoe.plan_report import plan_to_dict, plot_plan, recommend
-from epmoe.planner import PlanRequest, plan
+from epmoe.plan_values import PlanRequest
+from epmoe.planner import plan
 from epmoe.spec import DenseModelError, load_moe_spec
 
 from .conftest import CONFIGS

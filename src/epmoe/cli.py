@@ -119,7 +119,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .hardware import load_hardware
     from .plan_report import report_plan
-    from .planner import PlanRequest
+    from .plan_values import PlanRequest
     from .spec import load_moe_spec
 
     try:

@@ -22,7 +22,8 @@ from epmoe.costs import WEIGHT_CHOICES, weights_hint
 from epmoe.draft import DraftModel, draft_bytes, read_draft
 from epmoe.hardware import HardwareProfile, load_hardware
 from epmoe.placement import ExpertPlacement
-from epmoe.planner import GIB, PlanRequest, StrategyPlan, plan
+from epmoe.plan_values import GIB, PlanRequest, StrategyPlan
+from epmoe.planner import plan
 from epmoe.spec import DenseModelError, MoESpec, load_moe_spec
 
 Severity = Literal["error", "warning", "ok"]

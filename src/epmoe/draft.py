@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from epmoe.costs import ACT_BYTES
-from epmoe.planner import StrategyPlan
+from epmoe.plan_values import StrategyPlan
 from epmoe.spec import DenseModelError, MoESpec, language_model_config, load_moe_spec, read_config
 
 

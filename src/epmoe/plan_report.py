@@ -11,7 +11,8 @@ from rich.table import Table
 
 from epmoe.costs import weights_hint
 from epmoe.outpath import check_output_path
-from epmoe.planner import GIB, Plan, PlanRequest, StepEstimate, StrategyPlan, plan
+from epmoe.plan_values import GIB, Plan, PlanRequest, StepEstimate, StrategyPlan
+from epmoe.planner import plan
 
 
 _KIND_SHORT = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "all_to_all": "A2A"}
