@@ -360,3 +360,15 @@ def test_batch_list_parsing(capsys):
         main([*base, "--batch", "1,,2"])
     assert exit_info.value.code == 2
     assert "--batch must be comma-separated integers, got '1,,2'" in capsys.readouterr().err
+
+
+def test_recommendation_names_the_family_that_does_not_fit():
+    # DeepSeek-V3 on 8 x H200 at batch 256: no all-reduce strategy fits; the reason says so and names
+    # the fastest of them with its overshoot, not one strategy as if it were the only alternative.
+    p = _plan("deepseek-v3", 8, batches=(256,))
+    line = recommend(p)
+    best = min((s for s in p.strategies if s.steps[0].memory.fits), key=lambda s: s.steps[0].total_ms)
+    assert best.strategy.mode != "all_reduce"
+    assert all(not s.steps[0].memory.fits for s in p.strategies if s.strategy.mode == "all_reduce")
+    assert line.startswith(f"{best.strategy.name} at every batch size: at batch 256 no all-reduce strategy fits "
+                           "(the fastest, ")

@@ -33,13 +33,18 @@ def describe_collectives(step: StepEstimate, short: bool = False) -> str:
     return " + ".join(f"{n} {_KIND_WORDS[k]}{'s' if n != 1 else ''}" for k, n in counts.items())
 
 
-def _reason(best: StrategyPlan, other: StrategyPlan | None, i: int) -> str:
+def _reason(best: StrategyPlan, other: StrategyPlan | None, i: int, family: str | None) -> str:
+    """Why ``best`` beats ``other`` at batch index ``i``; ``family`` names ``other``'s family when it was
+    picked as the fastest of the other family (the all-reduce or the all-to-all strategies)."""
     b = best.steps[i]
     name = best.strategy.name
     if other is None:
         return f"at batch {b.batch} it is the only strategy planned"
     o, oname = other.steps[i], other.strategy.name
     if not o.memory.fits:
+        if family:
+            return (f"at batch {b.batch} no {family} strategy fits (the fastest, {oname}, is over by "
+                    f"{o.memory.over / GIB:.1f} GiB)")
         return f"at batch {b.batch} {oname} does not fit (over by {o.memory.over / GIB:.1f} GiB)"
     deltas = {"comm": o.comm_ms - b.comm_ms, "expert": o.expert_ms - b.expert_ms,
               "attention": o.attention_ms - b.attention_ms}
@@ -81,7 +86,8 @@ def recommend(p: Plan) -> str:
             family = [s for s in ranked if s is not best and (s.strategy.mode == "all_reduce") != (best.strategy.mode == "all_reduce")]
             others = sorted(family, key=lambda s: (not s.steps[i].memory.fits, s.steps[i].total_ms)) or [
                 s for s in ranked if s is not best]
-            choice, why = best.strategy.name, _reason(best, others[0] if others else None, i)
+            label = ("all-to-all" if best.strategy.mode == "all_reduce" else "all-reduce") if family else None
+            choice, why = best.strategy.name, _reason(best, others[0] if others else None, i, label)
         if groups and groups[-1][0] == choice:
             groups[-1][1].append(batch)
         else:
