@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from epmoe.hardware import HARDWARE_FORMAT, LinkProfile, load_hardware, parse_hardware
 from epmoe.outpath import check_output_path
+from epmoe.runtime.launch import die_with_parent
 
 GPU_MAX_BYTES = 256 * 1024**2
 CPU_MAX_BYTES = 4 * 1024**2
@@ -353,6 +354,7 @@ def _measure_and_write(cfg: CalibrationConfig, backend: str) -> dict[str, Any] |
 
 
 def _spawned(rank: int, cfg: CalibrationConfig, backend: str, port: int) -> None:
+    die_with_parent()
     os.environ["LOCAL_WORLD_SIZE"] = str(cfg.nprocs)
     os.environ["LOCAL_RANK"] = str(rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cfg.nprocs)

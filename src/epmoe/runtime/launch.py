@@ -8,9 +8,12 @@ its rank facts explicitly; nothing is read from a global later.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
+import signal
 import socket
+import sys
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -84,7 +87,25 @@ def init_group(info: RankInfo, device: str, timeout_s: float = 300.0) -> dist.Pr
     return dist.new_group(list(range(info.world_size)))
 
 
+def die_with_parent() -> None:
+    """Have the kernel send this process SIGTERM when its parent exits (Linux ``PR_SET_PDEATHSIG``).
+
+    Spawned ranks call it first, so stopping ``epmoe run`` or ``epmoe calibrate`` with a signal leaves no
+    ranks behind. Elsewhere (or without ``prctl``) it does nothing.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent was gone before the request took effect
+        os._exit(1)
+
+
 def _spawned(local_rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue) -> None:
+    die_with_parent()
     info = RankInfo(local_rank, world_size, local_rank, f"tcp://127.0.0.1:{port}")
     # the ranks share this machine's cores: without this each would start one thread per core
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
