@@ -100,8 +100,13 @@ def test_not_json_and_missing_file(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         load_moe_spec(tmp_path)
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(FileNotFoundError, match=r"'.*nope.json' does not exist \(expected a model directory holding "
+                                                 r"config.json, or a config file\)"):
         load_moe_spec(tmp_path / "nope.json")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"config file '.*empty/config.json' does not exist"):
+        load_moe_spec(empty)
 
 
 def test_unknown_family_without_experts_is_named_as_unsupported():

@@ -309,8 +309,9 @@ def build_profile(rows: list[dict[str, float]], device_facts: dict[str, float], 
         flops["fp8"] = base.matmul_flops_per_s["fp8"]
     sources = {
         "links": f"measured by `epmoe calibrate` ({backend}, {n} ranks, sizes {rows[0]['bytes']}..{rows[-1]['bytes']} B, "
-                 f"median of {cfg.iters}, max over ranks); the *_ms_by_bytes curves are the measurements; latency = "
-                 f"fastest size up to {LATENCY_MAX_BYTES} B, bandwidth = largest (used beyond the curves)",
+                 f"median of {cfg.iters}, max over ranks); the *_ms_by_bytes curves are the non-decreasing envelope of the "
+                 f"measurements (each time the least at that size or a larger one); latency = fastest size up to "
+                 f"{LATENCY_MAX_BYTES} B, bandwidth = largest (used beyond the curves)",
         "hbm_bytes_per_s": "measured: best of 5 device-to-device copies, read + write bytes",
         "matmul_flops_per_s": "measured: best of 5 bf16 matmuls" + (f"; fp8 copied from {base.name}" if "fp8" in flops else ""),
     }

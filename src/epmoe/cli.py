@@ -169,7 +169,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 def _add_doctor(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "doctor", help="check backends, GPUs, placements (target and draft) and memory before launch",
-        description="One line per finding: what is wrong, why it matters, what to change. Exit code 1 on any error.",
+        description="One line per finding: what is wrong, why it matters, what to change. Exit code 1 when any "
+                    "finding is an error (a missing or unreadable model, config, placement or profile included), "
+                    "2 on a bad flag value.",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", metavar="DIR", help="target checkpoint directory")

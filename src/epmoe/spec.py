@@ -385,6 +385,9 @@ def read_config(path: str | Path) -> tuple[dict[str, Any], Path]:
         ValueError: the file is not JSON or not a JSON object.
     """
     p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{str(p)!r} does not exist (expected a model directory holding config.json, "
+                                f"or a config file)")
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
