@@ -177,13 +177,11 @@ class AllToAllDispatcher:
         send_info = torch.stack([layout.counts, (layout.invalid > 0).to(torch.int32).expand(g)], dim=1)  # [G, 2]
         recv_info = torch.empty_like(send_info)
         self.comm.all_to_all_single(recv_info, send_info)
-        rng = slot_range(topk_slots)
-        parts = [layout.counts.to(torch.int64), recv_info.to(torch.int64).reshape(-1)]
-        host = torch.cat(parts + ([rng] if rng is not None else [])).tolist()  # the one host read
+        host = torch.cat([layout.counts, recv_info.reshape(-1)]).tolist()  # the one host read
         send_splits, recv_splits, flags = host[:g], host[g : 3 * g : 2], host[g + 1 : 3 * g : 2]
-        if any(flags):
-            here = rng is not None and flags[self.comm.rank]
-            mine = f"; here ids from {host[3 * g]} to {host[3 * g + 1]}" if here else ""
+        if any(flags):  # the error path alone reads this rank's range, to name its ids
+            rng = slot_range(topk_slots) if flags[self.comm.rank] else None
+            mine = f"; here ids from {int(rng[0])} to {int(rng[1])}" if rng is not None else ""
             raise ValueError(f"all_to_all dispatcher: topk_slots must be global slot ids in [-1, {g * s}) (-1 = none); "
                              f"EP rank(s) {[r for r, f in enumerate(flags) if f]} sent ids outside it{mine}")
         payload = pack_rows(x, topk_slots, topk_weights, layout, s, layout.starts, sum(send_splits))
