@@ -25,6 +25,8 @@ median of 100):
     read_both        read_w13 then read_w2, plain launches
     read_both_pdl    the same, read_w2 a programmatic dependent launch that waits after its first tile
                      (the path's launch structure without its math)
+    read_one         both reads in one launch (every w13 and w2 tile of every pair, no dependency between
+                     them): the weight stream of a single launch, the most a one-launch design could reach
 
 Bytes are the live pairs' weight bytes a row reads (x, h, y, out are ignored); TB/s = bytes / time.
 Prints a table and writes JSON to ``--out`` (default ``$OUT/decode_breakdown.json`` when ``$OUT`` is set).
@@ -58,16 +60,9 @@ def _empty_kernel(p, PDL: tl.constexpr):
 
 
 @triton.jit
-def _read_w13_kernel(slots_ptr, w_ptr, out_ptr, D, F, stride_we, stride_wn,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pair = tl.program_id(1)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    slot = tl.load(slots_ptr + pair)
-    if slot < 0:
-        return
-    slot = slot.to(tl.int64)
+def _read_w13_tile(slot, pid_n, w_ptr, out_ptr, pair, D, F, stride_we, stride_wn,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Sum of gate/up tile ``pid_n`` of ``slot``'s ``w13`` into ``out[pair]`` (a pure read)."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < F
     offs_k = tl.arange(0, BLOCK_K)
@@ -90,28 +85,64 @@ def _read_w13_kernel(slots_ptr, w_ptr, out_ptr, D, F, stride_we, stride_wn,
 
 
 @triton.jit
+def _read_w2_tile(slot, pid_n, w_ptr, out_ptr, pair, D, F, stride_we, stride_wn,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Sum of down tile ``pid_n`` of ``slot``'s ``w2`` into ``out[pair]`` (a pure read); with ``PDL`` it
+    waits for the preceding launch after requesting its first tile."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < D
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + slot * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    w = tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k < F)[None, :], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, F, BLOCK_K):
+        w_next = tl.load(w_ptrs + BLOCK_K, mask=n_ok[:, None] & (offs_k < F - k0 - BLOCK_K)[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32), axis=1)
+        w = w_next
+        w_ptrs += BLOCK_K
+    tl.store(out_ptr + pair * D + offs_n, acc, mask=n_ok)
+
+
+@triton.jit
+def _read_w13_kernel(slots_ptr, w_ptr, out_ptr, D, F, stride_we, stride_wn,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pair = tl.program_id(1)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    slot = tl.load(slots_ptr + pair)
+    if slot >= 0:
+        _read_w13_tile(slot.to(tl.int64), pid_n, w_ptr, out_ptr, pair, D, F, stride_we, stride_wn, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
 def _read_w2_kernel(slots_ptr, w_ptr, out_ptr, D, F, stride_we, stride_wn,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < D
     slot = tl.load(slots_ptr + pair)
-    live = slot >= 0
-    slot = tl.maximum(slot, 0).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + slot * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    w = tl.load(w_ptrs, mask=live & n_ok[:, None] & (offs_k < F)[None, :], other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    if live:
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, F, BLOCK_K):
-            w_next = tl.load(w_ptrs + BLOCK_K, mask=n_ok[:, None] & (offs_k < F - k0 - BLOCK_K)[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32), axis=1)
-            w = w_next
-            w_ptrs += BLOCK_K
-        tl.store(out_ptr + pair * D + offs_n, acc, mask=n_ok)
+    if slot >= 0:
+        _read_w2_tile(slot.to(tl.int64), pid_n, w_ptr, out_ptr, pair, D, F, stride_we, stride_wn, BLOCK_N, BLOCK_K,
+                      PDL)
+
+
+@triton.jit
+def _read_one_kernel(slots_ptr, w13_ptr, w2_ptr, out13_ptr, out2_ptr, D, F, stride_w13e, stride_w13n, stride_w2e,
+                     stride_w2n, TILES13: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr,
+                     BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr):
+    """Program ``(j, pair)``: w13 tile ``j`` when ``j < TILES13``, else w2 tile ``j - TILES13``."""
+    j = tl.program_id(0)
+    pair = tl.program_id(1)
+    slot = tl.load(slots_ptr + pair)
+    if slot >= 0:
+        if j < TILES13:
+            _read_w13_tile(slot.to(tl.int64), j, w13_ptr, out13_ptr, pair, D, F, stride_w13e, stride_w13n,
+                           BLOCK_N1, BLOCK_K1)
+        else:
+            _read_w2_tile(slot.to(tl.int64), j - TILES13, w2_ptr, out2_ptr, pair, D, F, stride_w2e, stride_w2n,
+                          BLOCK_N2, BLOCK_K2, False)
 
 
 def buffers(x, slots, tw, w13, w2, cfg: DecodeConfig) -> SimpleNamespace:
@@ -167,6 +198,14 @@ def read_w2(b, pdl: bool) -> None:
                              BLOCK_N=c.block_n2, BLOCK_K=c.block_k2, PDL=pdl, num_warps=c.num_warps, launch_pdl=pdl)
 
 
+def read_one(b) -> None:
+    c = b.cfg
+    _read_one_kernel[(b.read1[0] + b.read2[0], b.n)](
+        b.slots, b.w13, b.w2, b.rh, b.ry, b.d, b.f, b.w13.stride(0), b.w13.stride(1), b.w2.stride(0),
+        b.w2.stride(1), TILES13=b.read1[0], BLOCK_N1=c.block_n1, BLOCK_K1=c.block_k1, BLOCK_N2=c.block_n2,
+        BLOCK_K2=c.block_k2, num_warps=c.num_warps)
+
+
 def empty(grid, pdl: bool, p: torch.Tensor, launch_pdl: bool = False) -> None:
     _empty_kernel[grid](p, PDL=pdl, launch_pdl=launch_pdl)
 
@@ -199,6 +238,11 @@ def run_case(x, slots, tw, w: ExpertWeights, timer, pdl: bool = True) -> dict:
     e2 = torch.stack([w.w2[ws[p]].float().sum(dim=1) for p in live_rows])
     check["read_w13_max_err"] = (b.rh[live_rows] - e13).abs().max().item()
     check["read_w2_max_err"] = (b.ry[live_rows] - e2).abs().max().item()
+    b.rh.zero_()
+    b.ry.zero_()
+    read_one(b)
+    check["read_one_max_err"] = max((b.rh[live_rows] - e13).abs().max().item(),
+                                    (b.ry[live_rows] - e2).abs().max().item())
 
     def down_reset():
         b.count.zero_()
@@ -225,6 +269,7 @@ def run_case(x, slots, tw, w: ExpertWeights, timer, pdl: bool = True) -> dict:
         ("read_w2", lambda: read_w2(b, False), b2),
         ("read_both", both(lambda: read_w13(b, False), lambda: read_w2(b, False)), b13 + b2),
         ("read_both_pdl", both(lambda: read_w13(b, pdl), lambda: read_w2(b, pdl)), b13 + b2),
+        ("read_one", lambda: read_one(b), b13 + b2),
     ]
     out = []
     for name, fn, nbytes in rows:
