@@ -141,9 +141,11 @@ def test_out_of_range_slots_refused_naming_range_and_ids(name, bad):
         disp.combine(torch.zeros(h.recv_x.shape), h)
 
 
-@pytest.mark.parametrize("name", ["all_to_all", "fixed_capacity"])
-def test_rows_of_other_dtypes_refused(name):
-    disp = make_dispatcher(name, Comm(None), 4, **({"capacity": 2} if name == "fixed_capacity" else {}))
+@pytest.mark.parametrize("name,capacity", [("all_to_all", None), ("fixed_capacity", 2), ("fixed_capacity", 3)])
+def test_rows_of_other_dtypes_refused(name, capacity):
+    """Also on one rank with ``T <= C`` (capacity 3), where the fixed-capacity path packs nothing: rows
+    that one rank accepts must work on any group size."""
+    disp = make_dispatcher(name, Comm(None), 4, **({"capacity": capacity} if capacity else {}))
     with pytest.raises(TypeError, match="float32, bfloat16 or float16 .* got torch.float64"):
         disp.dispatch(torch.randn(3, 8, dtype=torch.float64), torch.zeros(3, 2, dtype=torch.int64), torch.rand(3, 2))
 

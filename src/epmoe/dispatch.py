@@ -78,9 +78,11 @@ def _check_inputs(x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch
 
 
 def _check_row_dtype(x: torch.Tensor) -> None:
-    """The multi-rank dispatchers pack float32 metadata behind each row: rows must be 2- or 4-byte floats."""
+    """The multi-rank dispatchers pack float32 metadata behind each row: rows must be 2- or 4-byte floats
+    (checked on any group size, so that rows accepted on one rank work on several)."""
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"x must be float32, bfloat16 or float16 to be dispatched across ranks, got {x.dtype}")
+        raise TypeError(f"x must be float32, bfloat16 or float16 (the dtypes the multi-rank dispatchers pack), "
+                        f"got {x.dtype}")
 
 
 def slot_range(topk_slots: torch.Tensor) -> torch.Tensor | None:

@@ -128,9 +128,9 @@ class FixedCapacityDispatcher:
         t, k = topk_slots.shape
         capturing = topk_slots.is_cuda and torch.cuda.is_current_stream_capturing()
         rng = None if capturing or not self.check_overflow else slot_range(topk_slots)
+        _check_row_dtype(x)  # also on one rank, where nothing is packed: the same rows work on any group size
         if g == 1 and t <= c:
             return self._dispatch_one_rank(x, topk_slots, topk_weights, rng)
-        _check_row_dtype(x)
         layout = route_layout(topk_slots, s, g, c)
         payload = pack_rows(x, topk_slots, topk_weights, layout, s, None, g * c)
         recv = torch.empty_like(payload)
