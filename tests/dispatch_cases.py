@@ -16,7 +16,8 @@ def assert_triton_steps_equal_torch(t: int, k: int, g: int, s: int, cap: int, d:
                                     fixed: bool, device: str) -> None:
     """Every layout step, Triton against PyTorch, bit for bit (``cap`` is replaced by ``t`` when not fixed).
 
-    The slots include skipped choices and, from 2 and 3 tokens on, ids above ``P`` and below ``-1``.
+    The slots include skipped choices and, from 2, 3 and 4 tokens on, ids above ``P`` and below ``-1`` (the
+    last token's in the last position block, so that the count of such tokens sums over blocks).
     """
     gen = torch.Generator(device=device).manual_seed(t + g)
     slots = torch.randint(0, g * s, (t, k), generator=gen, device=device)
@@ -25,6 +26,8 @@ def assert_triton_steps_equal_torch(t: int, k: int, g: int, s: int, cap: int, d:
         slots[1, -1] = g * s
     if t > 2:
         slots[2, 0] = -3
+    if t > 3:
+        slots[t - 1, 1] = g * s + 5
     x = torch.randn(t, d, generator=gen, device=device).to(dtype)
     w = torch.rand(t, k, generator=gen, device=device)
     if not fixed:
@@ -32,7 +35,7 @@ def assert_triton_steps_equal_torch(t: int, k: int, g: int, s: int, cap: int, d:
     lays = {impl: route_layout(slots, s, g, cap, impl=impl) for impl in ("torch", "triton")}
     ref, tri = lays["torch"], lays["triton"]
     assert torch.equal(ref.pos, tri.pos) and torch.equal(ref.counts, tri.counts) and torch.equal(ref.starts, tri.starts)
-    assert ref.invalid.item() == tri.invalid.item() == int(t > 1) + int(t > 2)
+    assert ref.invalid.item() == tri.invalid.item() == int(t > 1) + int(t > 2) + int(t > 3)
     for rank in range(g):
         valid = min(int(ref.counts[rank]), cap)
         assert torch.equal(ref.row_token[rank, :valid], tri.row_token[rank, :valid])

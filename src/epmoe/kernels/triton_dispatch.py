@@ -28,24 +28,27 @@ import triton.language as tl
 
 @triton.jit
 def _goes(slots_ptr, b, T, K, S, G, BLOCK_T: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr):
-    """Tokens of block ``b`` and their ``[BLOCK_T, GP]`` int32 "has a slot on rank g" matrix; column ``G``
-    marks a slot id outside ``[-1, G * S)``."""
+    """Tokens of block ``b``, their ``[BLOCK_T, GP]`` int32 "has a slot on rank g" matrix, and how many of
+    them have a slot id outside ``[-1, G * S)``."""
     tok = b * BLOCK_T + tl.arange(0, BLOCK_T)
     kk = tl.arange(0, KP)
     sl = tl.load(slots_ptr + tok[:, None].to(tl.int64) * K + kk[None, :],
                  mask=(tok[:, None] < T) & (kk[None, :] < K), other=-1)
     inside = (sl >= 0) & (sl < G * S)
-    dest = tl.where(inside, sl // S, tl.where(sl == -1, -1, G)).to(tl.int32)
-    return tok, tl.max((dest[:, :, None] == tl.arange(0, GP)[None, None, :]).to(tl.int32), axis=1)
+    dest = tl.where(inside, sl // S, -1).to(tl.int32)
+    goes = tl.max((dest[:, :, None] == tl.arange(0, GP)[None, None, :]).to(tl.int32), axis=1)
+    bad = tl.sum(tl.max((~inside & (sl != -1)).to(tl.int32), axis=1), 0)
+    return tok, goes, bad
 
 
 @triton.jit
 def _route_count_kernel(slots_ptr, block_counts_ptr, T, K, S, G,
                         BLOCK_T: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr):
     b = tl.program_id(0)
-    _, goes = _goes(slots_ptr, b, T, K, S, G, BLOCK_T, KP, GP)
+    _, goes, bad = _goes(slots_ptr, b, T, K, S, G, BLOCK_T, KP, GP)
     ranks = tl.arange(0, GP)
-    tl.store(block_counts_ptr + b * (G + 1) + ranks, tl.sum(goes, 0), mask=ranks <= G)
+    tl.store(block_counts_ptr + b * (G + 1) + ranks, tl.sum(goes, 0), mask=ranks < G)
+    tl.store(block_counts_ptr + b * (G + 1) + G, bad)
 
 
 @triton.jit
@@ -53,17 +56,19 @@ def _route_kernel(slots_ptr, block_counts_ptr, pos_ptr, row_token_ptr, counts_pt
                   BLOCK_T: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr, CHUNK: tl.constexpr):
     b = tl.program_id(0)
     ranks = tl.arange(0, GP)
-    tok, goes = _goes(slots_ptr, b, T, K, S, G, BLOCK_T, KP, GP)
+    tok, goes, bad = _goes(slots_ptr, b, T, K, S, G, BLOCK_T, KP, GP)
     carry = tl.zeros([GP], dtype=tl.int32)  # tokens of earlier blocks per rank
     total = tl.sum(goes, 0)
     if NB > 1:
         total = tl.zeros([GP], dtype=tl.int32)
+        bad = bad * 0
         for c0 in range(0, NB, CHUNK):
             blk = c0 + tl.arange(0, CHUNK)
             bc = tl.load(block_counts_ptr + blk[:, None] * (G + 1) + ranks[None, :],
-                         mask=(blk[:, None] < NB) & (ranks[None, :] <= G), other=0)
+                         mask=(blk[:, None] < NB) & (ranks[None, :] < G), other=0)
             carry += tl.sum(tl.where(blk[:, None] < b, bc, 0), 0)
             total += tl.sum(bc, 0)
+            bad += tl.sum(tl.load(block_counts_ptr + blk * (G + 1) + G, mask=blk < NB, other=0), 0)
     pos = tl.cumsum(goes, 0) - 1 + carry[None, :]
     sent = goes > 0
     in_g = (tok[:, None] < T) & (ranks[None, :] < G)
@@ -71,9 +76,9 @@ def _route_kernel(slots_ptr, block_counts_ptr, pos_ptr, row_token_ptr, counts_pt
     tok_2d = tok[:, None] + tl.zeros([BLOCK_T, GP], dtype=tl.int32)
     tl.store(row_token_ptr + ranks[None, :].to(tl.int64) * C + pos, tok_2d, mask=in_g & sent & (pos < C))
     if b == 0:
-        tl.store(counts_ptr + ranks, total, mask=ranks <= G)  # counts[G]: tokens with an id out of range
-        real = tl.where(ranks < G, total, 0)
-        tl.store(starts_ptr + ranks, tl.cumsum(real, 0) - real, mask=ranks < G)
+        tl.store(counts_ptr + ranks, total, mask=ranks < G)
+        tl.store(counts_ptr + G, bad)  # counts[G]: tokens with an id out of range
+        tl.store(starts_ptr + ranks, tl.cumsum(total, 0) - total, mask=ranks < G)
 
 
 @triton.jit
@@ -152,7 +157,7 @@ def route_layout_triton(topk_slots: torch.Tensor, slots_per_rank: int, num_ranks
     counts = torch.empty(num_ranks + 1, dtype=torch.int32, device=dev)  # [G]: tokens with an id out of range
     starts = torch.empty(num_ranks, dtype=torch.int32, device=dev)
     row_token = torch.empty(num_ranks, capacity, dtype=torch.int32, device=dev)
-    gp, kp = triton.next_power_of_2(num_ranks + 1), triton.next_power_of_2(k)
+    gp, kp = triton.next_power_of_2(num_ranks), triton.next_power_of_2(k)
     limit = max(16, 16384 // (gp * kp))  # the [BLOCK_T, KP, GP] compare stays in registers
     # one block (one launch) up to 256 tokens; above, blocks of at most 128 in parallel (on an H200 one
     # 1024-token block took 16.8 µs, while 16 blocks of 256 took 11.4 µs at 4096 tokens)
