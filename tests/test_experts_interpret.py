@@ -86,6 +86,24 @@ def test_grouped_matches_reference(tma, half, act, bias, woi):
     assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-3
 
 
+@pytest.mark.parametrize("block_m,half", [(16, False), (64, True)])
+def test_grouped_fp8_matches_dequantized_reference(block_m, half):
+    """Block FP8 weights on the grouped path (each weight tile scaled by its block scale before the dot):
+    biases, skipped pairs, a half-size last block."""
+    from epmoe.kernels.fp8 import block_fp8_expert_weights
+    from epmoe.kernels.triton_moe import TileConfig, triton_experts
+
+    t, k, s, d, f = 40, 4, 5, 256, 128
+    q = block_fp8_expert_weights(_weights(4, s, d, f, True, torch.float32))
+    x = torch.randn(t, d).half()
+    slots = torch.randint(-1, s, (t, k))
+    tw = torch.rand(t, k)
+    act = Activation("silu", 7.0)
+    ref = reference_experts(x.double(), slots, tw.double(), _f64(q.dequantize(torch.float64)), act)
+    out = triton_experts(x, slots, tw, q, act, False, TileConfig(block_m, 32, 64, 128, 4, 2, False, half))
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-3
+
+
 @pytest.mark.parametrize("n_tokens", [7, 3000])
 def test_alignment_equals_reference(n_tokens):
     """Both alignment paths (one program; fill + count + offsets + scatter), with half-size last blocks."""
