@@ -166,7 +166,7 @@ def gate_up(b, act: Activation, pdl: bool) -> None:
     c = b.cfg
     _decode_gate_up_kernel[b.grid1](
         b.x, b.slots, b.tw, b.w13, b.tw, b.tw, b.h, b.count,
-        b.n, b.k, b.grid2[0], b.d, b.f, b.x.stride(0), b.w13.stride(0), b.w13.stride(1), 0, 0,
+        b.n, b.w13.shape[0], b.k, b.grid2[0], b.d, b.f, b.x.stride(0), b.w13.stride(0), b.w13.stride(1), 0, 0,
         float(act.swiglu_limit or 0.0), float(act.swiglu_alpha),
         BLOCK_N=c.block_n1, BLOCK_K=c.block_k1, N_PAD=b.n_pad, GROUPS=b.grid1[1],
         ONE_PAIR=b.grid1[1] == b.n, ACT=_act_code(act), FP8=False,
@@ -179,7 +179,7 @@ def down(b, pdl: bool, launch_pdl: bool) -> None:
     c = b.cfg
     _decode_down_kernel[b.grid2](
         b.h, b.slots, b.tw, b.w2, b.tw, b.tw, b.y, b.count, b.out,
-        b.t, b.k, b.n, b.d, b.f, b.w2.stride(0), b.w2.stride(1), 0, 0, b.out.stride(0),
+        b.t, b.k, b.n, b.w2.shape[0], b.d, b.f, b.w2.stride(0), b.w2.stride(1), 0, 0, b.out.stride(0),
         BLOCK_N=c.block_n2, BLOCK_K=c.block_k2, K_PAD=triton.next_power_of_2(b.k), N_PAD=b.n_pad,
         GROUPS=b.grid2[1], ONE_PAIR=b.grid2[1] == b.n, FP8=False,
         HAS_BIAS=False, WEIGHT_ON_INPUT=False, PDL=pdl, num_warps=c.num_warps, launch_pdl=launch_pdl,

@@ -148,6 +148,9 @@ def test_rows_of_other_dtypes_refused(name, capacity):
     disp = make_dispatcher(name, Comm(None), 4, **({"capacity": capacity} if capacity else {}))
     with pytest.raises(TypeError, match="float32, bfloat16 or float16 .* got torch.float64"):
         disp.dispatch(torch.randn(3, 8, dtype=torch.float64), torch.zeros(3, 2, dtype=torch.int64), torch.rand(3, 2))
+    h = disp.dispatch(torch.randn(3, 8), torch.zeros(3, 2, dtype=torch.int64), torch.rand(3, 2))
+    with pytest.raises(TypeError, match=r"y must be a float tensor \(the expert outputs\), got torch.int64"):
+        disp.combine(torch.ones(h.recv_x.shape, dtype=torch.int64), h)
 
 
 def _bad_slot_worker(rank: int, g: int, port: int, name: str, results) -> None:

@@ -1,5 +1,6 @@
 """The dispatch layout steps (``dispatch_layout``) against a loop over tokens, in both layouts, on CPU."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -108,6 +109,14 @@ def test_meta_columns_and_bad_impl():
         meta_columns(torch.float64, 8)
     with pytest.raises(ValueError, match="impl must be"):
         route_layout(torch.zeros(1, 1, dtype=torch.int64), 1, 1, 1, impl="cuda")
+    for dtype in (torch.float32, torch.bool, torch.uint8):
+        with pytest.raises(TypeError, match=f"topk_slots must be int32 or int64 slot ids, got {dtype}"):
+            route_layout(torch.zeros(1, 2, dtype=dtype), 4, 2, 1)
+    with pytest.raises(ValueError, match="num_ranks must be an integer >= 1, got 2.0"):
+        route_layout(torch.zeros(1, 2, dtype=torch.int64), 4, 2.0, 1)
+    # numpy integers are integers, as for the dispatchers
+    lay = route_layout(torch.tensor([[0, 5]]), np.int64(4), np.int32(2), np.int64(1))
+    assert lay.counts.tolist() == [1, 1] and lay.row_token.shape == (2, 1)
 
 
 def test_inconsistent_layout_arguments_refused():

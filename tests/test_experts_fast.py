@@ -38,6 +38,17 @@ def test_backend_on_cpu_equals_reference(name, act, woi):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["reference", "triton", "grouped_mm"])
+def test_backends_skip_slot_ids_outside_the_slots(name):
+    """An id outside ``[0, S)`` (a one-rank dispatcher passes them on; it reports them at combine) is
+    skipped like ``-1``, never read outside the weights."""
+    w, x, slots, tw = _problem(5)
+    bad = slots.clone()
+    bad[0, 0], bad[3, 1], bad[7, 2] = 6, 100, -5
+    want = reference_experts(x, torch.where((bad >= 0) & (bad < 6), bad, -1), tw, w, Activation())
+    torch.testing.assert_close(get_expert_backend(name)(x, bad, tw, w, Activation()), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("block_m,half", [(1, False), (4, False), (16, False), (4, True), (16, True)])
 def test_alignment_groups_pairs_by_slot(block_m, half):
     _, _, slots, _ = _problem(4, s=7, t=50, k=4)

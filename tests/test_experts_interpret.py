@@ -104,6 +104,28 @@ def test_grouped_fp8_matches_dequantized_reference(block_m, half):
     assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-3
 
 
+@pytest.mark.parametrize("t", [2, 30])
+def test_kernels_skip_slot_ids_outside_the_slots(t):
+    """Decode (2 tokens) and grouped (30 tokens) paths skip ids outside ``[0, S)`` like ``-1``."""
+    from epmoe.kernels.triton_decode import DecodeConfig, decode_experts
+    from epmoe.kernels.triton_moe import TileConfig, _act_code, triton_experts
+
+    k, s, d, f = 4, 5, 64, 32
+    w = _weights(6, s, d, f, True, torch.float16)
+    x = torch.randn(t, d).half()
+    bad = torch.randint(-1, s, (t, k))
+    bad[0, 0], bad[1, 1], bad[-1, 3] = s, 100, -7
+    tw = torch.rand(t, k)
+    ref = reference_experts(x.double(), torch.where((bad >= 0) & (bad < s), bad, -1), tw.double(), _f64(w),
+                            Activation())
+    if t * k <= 16:
+        out = decode_experts(x, bad, tw, w, _act_code(Activation()), Activation(), False,
+                             DecodeConfig(8, 64, 16, 32, 4, False, 1024))
+    else:
+        out = triton_experts(x, bad, tw, w, Activation(), False, TileConfig(16, 16, 32, 32, 4, 2))
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-3
+
+
 @pytest.mark.parametrize("n_tokens", [7, 3000])
 def test_alignment_equals_reference(n_tokens):
     """Both alignment paths (one program; fill + count + offsets + scatter), with half-size last blocks."""

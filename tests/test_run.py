@@ -114,6 +114,8 @@ def test_placement_with_expert_without_slot(kimi, tmp_path, capsys):
 def test_missing_model_dir(tmp_path, capsys):
     assert main(["run", "--model", str(tmp_path / "nope")]) == 2
     assert "is not a checkpoint directory" in capsys.readouterr().err
+    assert main(["run", "--model", ""]) == 2  # an empty path is not the built-in default
+    assert "--model '' is not a checkpoint directory" in capsys.readouterr().err
 
 
 def test_checkpoint_missing_one_expert(kimi, tmp_path):

@@ -85,6 +85,19 @@ def _check_row_dtype(x: torch.Tensor) -> None:
                         f"got {x.dtype}")
 
 
+def check_expert_output(y: torch.Tensor, shape: tuple[int, int], what: str) -> None:
+    """A combine's ``y``: the expert outputs of the received rows, ``shape`` (named ``what``), float.
+
+    Raises:
+        ValueError: another shape.
+        TypeError: not a float dtype.
+    """
+    if tuple(y.shape) != tuple(shape):
+        raise ValueError(f"y must be {what} = {tuple(shape)}, got {tuple(y.shape)}")
+    if not y.is_floating_point():
+        raise TypeError(f"y must be a float tensor (the expert outputs), got {y.dtype}")
+
+
 def slot_range(topk_slots: torch.Tensor) -> torch.Tensor | None:
     """``[2]`` int64 (smallest, largest) slot id on the device, for one host read later; ``None`` when empty."""
     if topk_slots.numel() == 0:
@@ -138,8 +151,7 @@ class LocalDispatcher:
         """
         if type(handle) is not DispatchHandle or handle.send_pos is not None:
             raise TypeError("LocalDispatcher.combine needs the handle its dispatch returned")
-        if tuple(y.shape) != tuple(handle.recv_x.shape):
-            raise ValueError(f"y must be [T, D] = {tuple(handle.recv_x.shape)}, got {tuple(y.shape)}")
+        check_expert_output(y, handle.recv_x.shape, "[T, D]")
         return y
 
 
@@ -209,9 +221,7 @@ class AllToAllDispatcher:
         """
         if handle.send_splits is None or handle.recv_splits is None or handle.send_pos is None:
             raise TypeError("AllToAllDispatcher.combine needs the handle its dispatch returned")
-        if tuple(y.shape) != (sum(handle.recv_splits), handle.recv_x.shape[1]):
-            raise ValueError(f"y must be [received rows, D] = {(sum(handle.recv_splits), handle.recv_x.shape[1])}, "
-                             f"got {tuple(y.shape)}")
+        check_expert_output(y, (sum(handle.recv_splits), handle.recv_x.shape[1]), "[received rows, D]")
         back = y.new_empty((sum(handle.send_splits), y.shape[1]))
         self.comm.all_to_all_single(back, y.contiguous(), handle.send_splits, handle.recv_splits)
         return combine_rows(back, handle.send_pos, handle.send_row_starts, handle.num_tokens)

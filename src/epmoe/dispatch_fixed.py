@@ -25,7 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from .comm import Comm
-from .dispatch import DispatchHandle, _check_inputs, _check_row_dtype, check_slot_range, slot_range
+from .dispatch import (
+    DispatchHandle, _check_inputs, _check_row_dtype, check_expert_output, check_slot_range, slot_range,
+)
 from .dispatch_layout import combine_rows, pack_rows, route_layout, unpack_rows
 
 
@@ -104,7 +106,9 @@ class FixedCapacityDispatcher:
         slots_per_rank: ``P / G``; rank ``g`` holds global slots ``[g*P/G, (g+1)*P/G)``.
         capacity: ``C``, the most tokens one rank may send to one rank per call. ``C >= T`` (tokens per
             rank) can never overflow.
-        check_overflow: let ``combine`` check the capacity when no CUDA graph is being captured.
+        check_overflow: let ``combine`` check the capacity and the slot-id range when no CUDA graph is
+            being captured (one host read). Without it nothing is checked: a token over the capacity gets
+            zeros from the ranks it overflowed, and a slot id outside ``[-1, P)`` goes nowhere.
 
     Raises:
         ValueError: ``slots_per_rank`` or ``capacity`` not a positive integer.
@@ -162,6 +166,7 @@ class FixedCapacityDispatcher:
         the exact count of tokens with a slot on this rank.
         """
         t, pad = x.shape[0], self.capacity - x.shape[0]
+        # ids outside [-1, S) pass as they are: every expert backend skips them, as ranks do (combine reports them)
         recv_x, recv_slots, recv_weights = x, topk_slots.to(torch.int64), topk_weights.float()
         if pad:
             recv_x = torch.nn.functional.pad(recv_x, (0, 0, 0, pad))
@@ -194,8 +199,7 @@ class FixedCapacityDispatcher:
         if not isinstance(handle, FixedCapacityHandle) or handle.capacity != self.capacity:
             raise TypeError("FixedCapacityDispatcher.combine needs the handle its dispatch returned")
         g, c = self.comm.size, self.capacity
-        if tuple(y.shape) != (g * c, handle.recv_x.shape[1]):
-            raise ValueError(f"y must be [received rows, D] = {(g * c, handle.recv_x.shape[1])}, got {tuple(y.shape)}")
+        check_expert_output(y, (g * c, handle.recv_x.shape[1]), "[received rows, D]")
         if g == 1 and handle.num_tokens <= c:
             out = y[: handle.num_tokens]  # one rank, no overflow possible: row t is token t's sum
         elif handle.send_pos is None:

@@ -5,7 +5,8 @@ A backend computes, for every row ``t`` of ``x``::
     out[t] = sum_k  w[t, k] * expert_{slot[t, k]}(x[t])          (weight on the output; default)
     out[t] = sum_k  expert_{slot[t, k]}(w[t, k] * x[t])          (weight on the input; Llama-4)
 
-over the ``k`` whose ``slot[t, k] >= 0`` (``-1`` = that choice is served elsewhere). Each expert is a
+over the ``k`` whose ``slot[t, k]`` is in ``[0, S)`` (``-1`` = that choice is served elsewhere; any
+other id is skipped too, never read outside the weights: the dispatchers report such ids themselves). Each expert is a
 gated MLP ``down(act(gate(x)) * up(x))``; gpt-oss uses the clamped SwiGLU
 ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=l)`` and projection biases.
 
@@ -109,7 +110,8 @@ class ExpertBackend(Protocol):
     ) -> torch.Tensor:
         """Args:
             x: ``[T, D]`` rows to compute (float32 / bfloat16 / float16).
-            topk_slots: ``[T, K]`` int64 local slot ids in ``[0, S)``, ``-1`` = skip.
+            topk_slots: ``[T, K]`` int64 local slot ids in ``[0, S)``; ``-1`` (or any id outside
+                ``[0, S)``, which every backend skips rather than reading outside the weights) = skip.
             topk_weights: ``[T, K]`` float routing weights.
             weights: the local slots' weights.
             activation: the gated activation.

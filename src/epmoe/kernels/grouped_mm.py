@@ -35,7 +35,7 @@ def grouped_mm_experts(
     """
     t, k = topk_slots.shape
     s = weights.num_slots
-    key = torch.where(topk_slots >= 0, topk_slots, s).reshape(-1)
+    key = torch.where((topk_slots >= 0) & (topk_slots < s), topk_slots, s).reshape(-1)
     order = torch.argsort(key, stable=True)
     sorted_key = key[order]
     valid = (sorted_key < s).unsqueeze(1)

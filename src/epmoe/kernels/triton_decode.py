@@ -5,8 +5,8 @@ For a handful of (token, k) pairs (``N = T * K <= DECODE_MAX_PAIRS``) the groupe
 for one row, a separate sum launch, and too few programs to keep 132 SMs reading one expert. Here each
 pair is its own matrix-vector product and the work is cut along the output columns only:
 
-The live pairs (slot not ``-1``) are numbered in order on the device; with ``G`` pair groups,
-program ``(j, g)`` of a launch computes column tile ``j`` of live pairs ``g, g + G, g + 2G, ...``.
+The live pairs (slot in ``[0, S)``; ``-1`` and any other id skip) are numbered in order on the device;
+with ``G`` pair groups, program ``(j, g)`` of a launch computes column tile ``j`` of live pairs ``g, g + G, g + 2G, ...``.
 ``G = min(N, max_programs // tiles)`` (``DecodeConfig.max_programs``): a layer with all pairs local
 (Qwen3-30B-A3B on one GPU, 8 pairs x 96 tiles) gets one group per pair as before, while an expert-parallel
 shard whose pairs are mostly served on other ranks (a DeepSeek-V3 EP8 shard: 8 pairs, about one local,
@@ -132,11 +132,11 @@ def _live_pair(idx, sl, live, rank, i):
 
 
 @triton.jit
-def _live_pairs(slots_ptr, num_pairs, N_PAD: tl.constexpr):
-    """The pairs' slots ``[N_PAD]``, which are live (slot not -1), their rank among the live, how many."""
+def _live_pairs(slots_ptr, num_pairs, num_slots, N_PAD: tl.constexpr):
+    """The pairs' slots ``[N_PAD]``, which are live (slot in ``[0, S)``), their rank among the live, how many."""
     idx = tl.arange(0, N_PAD)
     sl = tl.load(slots_ptr + idx, mask=idx < num_pairs, other=-1)
-    live = sl >= 0
+    live = (sl >= 0) & (sl < num_slots)
     return idx, sl, live, tl.cumsum(live.to(tl.int32), 0) - 1, tl.sum(live.to(tl.int32), 0)
 
 
@@ -196,7 +196,7 @@ def _gate_up_pair(
 @triton.jit
 def _decode_gate_up_kernel(
     x_ptr, slots_ptr, tw_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, count_ptr,
-    num_pairs, top_k, num_counters, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit,
+    num_pairs, num_slots, top_k, num_counters, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit,
     act_alpha, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_PAD: tl.constexpr, GROUPS: tl.constexpr,
     ONE_PAIR: tl.constexpr, ACT: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
     WEIGHT_ON_INPUT: tl.constexpr,
@@ -218,7 +218,7 @@ def _decode_gate_up_kernel(
     if ONE_PAIR:
         # one group per pair (all pairs usually live): program (j, p) computes pair p, straight-line code
         slot = tl.load(slots_ptr + group)
-        if slot < 0:
+        if (slot < 0) | (slot >= num_slots):
             return
         slot = slot.to(tl.int64)
         wg = tl.load(w_ptr + slot * stride_we + rows, mask=first, other=0.0)
@@ -229,7 +229,7 @@ def _decode_gate_up_kernel(
     else:
         # live pairs group, group + GROUPS, ...; the next pair's first tiles are requested before this
         # pair's epilogue
-        idx, sl, live, rank, n_live = _live_pairs(slots_ptr, num_pairs, N_PAD)
+        idx, sl, live, rank, n_live = _live_pairs(slots_ptr, num_pairs, num_slots, N_PAD)
         pair, slot = _live_pair(idx, sl, live, rank, group)
         wg = tl.load(w_ptr + slot * stride_we + rows, mask=first & (group < n_live), other=0.0)
         wu = tl.load(w_ptr + slot * stride_we + F * stride_wn + rows, mask=first & (group < n_live), other=0.0)
@@ -281,7 +281,7 @@ def _down_pair(
 @triton.jit
 def _decode_down_kernel(
     h_ptr, slots_ptr, tw_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, count_ptr, out_ptr,
-    num_tokens, top_k, num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn, stride_o,
+    num_tokens, top_k, num_pairs, num_slots, D, F, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr, GROUPS: tl.constexpr,
     ONE_PAIR: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
     PDL: tl.constexpr,
@@ -296,8 +296,8 @@ def _decode_down_kernel(
     # slots and weights were complete before the gate/up launch began: read them before the wait.
     if ONE_PAIR:
         slot = tl.load(slots_ptr + group)
-        live = slot >= 0
-        slot = tl.maximum(slot, 0).to(tl.int64)
+        live = (slot >= 0) & (slot < num_slots)
+        slot = tl.where(live, slot, 0).to(tl.int64)
         w = tl.load(w_ptr + slot * stride_we + rows, mask=first & live, other=0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
@@ -306,7 +306,7 @@ def _decode_down_kernel(
                        stride_we, stride_se, stride_sn, rows, offs_n, n_ok, offs_k, first, BLOCK_N, BLOCK_K, FP8,
                        HAS_BIAS, WEIGHT_ON_INPUT, False)
     else:
-        idx, sl, live, rank, n_live = _live_pairs(slots_ptr, num_pairs, N_PAD)
+        idx, sl, live, rank, n_live = _live_pairs(slots_ptr, num_pairs, num_slots, N_PAD)
         pair, slot = _live_pair(idx, sl, live, rank, group)
         w = tl.load(w_ptr + slot * stride_we + rows, mask=first & (group < n_live), other=0.0)
         if PDL:
@@ -326,7 +326,8 @@ def _decode_down_kernel(
         for t in range(0, num_tokens):
             slj = tl.load(slots_ptr + t * top_k + offs_j, mask=j_ok, other=-1)
             yrows = (t * top_k + offs_j).to(tl.int64)
-            v = tl.load(y_ptr + yrows[:, None] * D + offs_n[None, :], mask=(slj >= 0)[:, None] & n_ok[None, :],
+            v = tl.load(y_ptr + yrows[:, None] * D + offs_n[None, :],
+                        mask=((slj >= 0) & (slj < num_slots))[:, None] & n_ok[None, :],
                         other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + t * stride_o + offs_n, tl.sum(v, axis=0).to(out_ptr.dtype.element_ty), mask=n_ok)
 
@@ -350,7 +351,7 @@ def decode_experts(
 
     Args:
         x: ``[T, D]`` bf16/fp16 rows (contiguous along ``D``).
-        topk_slots: ``[T, K]`` int64 contiguous local slot ids, ``-1`` = skip.
+        topk_slots: ``[T, K]`` int64 contiguous local slot ids; an id outside ``[0, S)`` (``-1``) skips.
         topk_weights: ``[T, K]`` float32 contiguous routing weights.
         weights: ``ExpertWeights`` in ``x.dtype`` (contiguous) or ``BlockFP8ExpertWeights``.
         act_code: the kernels' activation code (``triton_moe._act_code``).
@@ -389,7 +390,7 @@ def decode_experts(
     limit = activation.swiglu_limit if activation.swiglu_limit is not None else 0.0
     _decode_gate_up_kernel[grid1](
         x, topk_slots, topk_weights, w13, ops.s13, ops.b13, h, count,
-        n, k, grid2[0], d, f, x.stride(0), w13.stride(0), w13.stride(1), *ops.strides13,
+        n, s, k, grid2[0], d, f, x.stride(0), w13.stride(0), w13.stride(1), *ops.strides13,
         float(limit), float(activation.swiglu_alpha),
         BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, N_PAD=n_pad, GROUPS=grid1[1], ONE_PAIR=grid1[1] == n,
         ACT=act_code, FP8=fp8, HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input,
@@ -397,7 +398,7 @@ def decode_experts(
     )
     _decode_down_kernel[grid2](
         h, topk_slots, topk_weights, w2, ops.s2, ops.b2, y, count, out,
-        t, k, n, d, f, w2.stride(0), w2.stride(1), *ops.strides2, out.stride(0),
+        t, k, n, s, d, f, w2.stride(0), w2.stride(1), *ops.strides2, out.stride(0),
         BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, K_PAD=triton.next_power_of_2(k), N_PAD=n_pad,
         GROUPS=grid2[1], ONE_PAIR=grid2[1] == n, FP8=fp8, HAS_BIAS=weights.b2 is not None,
         WEIGHT_ON_INPUT=weight_on_input, PDL=cfg.pdl, num_warps=cfg.num_warps,

@@ -17,7 +17,7 @@ size and no host synchronisation (CUDA-graph safe):
    accumulated side by side in float32, bias, the gated activation, stored as ``h [NB*BM, F]``.
 5. ``_down_kernel``: per (row block, D tile): ``h @ w2[slot].T``, bias, times the routing weight,
    stored at the pair's row of ``y [N, D]``.
-6. ``_sum_kernel``: ``out[t] = sum_k y[t*K + k]`` over the pairs whose slot is not ``-1``.
+6. ``_sum_kernel``: ``out[t] = sum_k y[t*K + k]`` over the pairs whose slot is in ``[0, S)``.
 
 In 4 and 5 a half-size block runs the same code with ``BM / 2`` rows (a second compiled branch), so the
 padding multiplied is under ``BM / 2`` rows per slot. With ``TileConfig.tma`` the weight tiles (and
@@ -353,13 +353,14 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_kernel(y_ptr, slots_ptr, out_ptr, D, top_k, BLOCK_D: tl.constexpr):
+def _sum_kernel(y_ptr, slots_ptr, out_ptr, D, top_k, num_slots, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs < D
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for k in range(0, top_k):
-        here = tl.load(slots_ptr + t * top_k + k) >= 0
+        sl = tl.load(slots_ptr + t * top_k + k)
+        here = (sl >= 0) & (sl < num_slots)
         acc += tl.load(y_ptr + (t * top_k + k) * D + offs, mask=d_ok & here, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * D + offs, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
 
@@ -499,5 +500,5 @@ def triton_experts(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     block_d = min(1024, triton.next_power_of_2(d))
-    _sum_kernel[(t, triton.cdiv(d, block_d))](y, slots, out, d, k, BLOCK_D=block_d)
+    _sum_kernel[(t, triton.cdiv(d, block_d))](y, slots, out, d, k, s, BLOCK_D=block_d)
     return out

@@ -102,7 +102,7 @@ class RunConfig:
             raise ValueError(
                 "--redundant and --layout shape the default placement; a --placement file fixes its own slots"
             )
-        if self.model is not None and not Path(self.model).is_dir():
+        if self.model is not None and (not str(self.model) or not Path(self.model).is_dir()):
             raise ValueError(f"--model {self.model!r} is not a checkpoint directory (config.json + *.safetensors)")
         if any(not p for p in self.prompts):
             raise ValueError("--prompt must not be empty")
@@ -380,7 +380,7 @@ def run_job(cfg: RunConfig) -> RunReport:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    model_dir = str(cfg.model) if cfg.model else str(ensure_default_checkpoint(cfg.cache_dir))
+    model_dir = str(cfg.model) if cfg.model is not None else str(ensure_default_checkpoint(cfg.cache_dir))
     spec = load_moe_spec(model_dir)
     prompts = list(cfg.prompts) or list(DEFAULT_PROMPTS)
     all_ids, pad_id, tok = _encode(model_dir, prompts)
