@@ -202,4 +202,4 @@ def test_measured_curve_loads_as_pairs(tmp_path):
     doc["links"]["intra_node"]["all_reduce_ms_by_bytes"] = [[8, 0.009], [1024, 0.0095]]
     hw = load_hardware(_write(tmp_path, doc))
     assert hw.intra_node.all_reduce_ms_by_bytes == ((8.0, 0.009), (1024.0, 0.0095))
-    assert hw.intra_node.all_to_all_ms_by_bytes == () and hw.dispatch_layout_fixed_us == 9.4
+    assert hw.intra_node.all_to_all_ms_by_bytes == () and hw.dispatch_layout_fixed_us == 3.5
