@@ -20,7 +20,7 @@ counts, the all-to-all dispatcher).
 from __future__ import annotations
 
 import importlib
-import operator
+import numbers
 from dataclasses import dataclass
 from typing import Literal
 
@@ -106,17 +106,11 @@ def route_layout(
         raise ValueError(f"topk_slots must be [T, K], got shape {tuple(topk_slots.shape)}")
     if topk_slots.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_slots must be int32 or int64 slot ids, got {topk_slots.dtype}")
-    sizes = []
     for name, value, least in (("slots_per_rank", slots_per_rank, 1), ("num_ranks", num_ranks, 1),
                                ("capacity", capacity, 0)):
-        try:
-            size = operator.index(value) if not isinstance(value, bool) else None
-        except TypeError:
-            size = None
-        if size is None or size < least:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
             raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-        sizes.append(size)
-    slots_per_rank, num_ranks, capacity = sizes
+    slots_per_rank, num_ranks, capacity = int(slots_per_rank), int(num_ranks), int(capacity)
     if _use_triton(topk_slots, impl):
         from .kernels.triton_dispatch import route_layout_triton
 

@@ -6,8 +6,8 @@ A backend computes, for every row ``t`` of ``x``::
     out[t] = sum_k  expert_{slot[t, k]}(w[t, k] * x[t])          (weight on the input; Llama-4)
 
 over the ``k`` whose ``slot[t, k]`` is in ``[0, S)`` (``-1`` = that choice is served elsewhere; any
-other id is skipped too, never read outside the weights: the dispatchers report such ids themselves). Each expert is a
-gated MLP ``down(act(gate(x)) * up(x))``; gpt-oss uses the clamped SwiGLU
+other id is skipped too, never read outside the weights: the dispatchers report such ids themselves).
+Each expert is a gated MLP ``down(act(gate(x)) * up(x))``; gpt-oss uses the clamped SwiGLU
 ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=l)`` and projection biases.
 
 Backends sit behind a registry (``get_expert_backend``); ``reference`` is the plain, exact one that

@@ -6,7 +6,8 @@ for one row, a separate sum launch, and too few programs to keep 132 SMs reading
 pair is its own matrix-vector product and the work is cut along the output columns only:
 
 The live pairs (slot in ``[0, S)``; ``-1`` and any other id skip) are numbered in order on the device;
-with ``G`` pair groups, program ``(j, g)`` of a launch computes column tile ``j`` of live pairs ``g, g + G, g + 2G, ...``.
+with ``G`` pair groups, program ``(j, g)`` of a launch computes column tile ``j`` of live pairs
+``g, g + G, g + 2G, ...``.
 ``G = min(N, max_programs // tiles)`` (``DecodeConfig.max_programs``): a layer with all pairs local
 (Qwen3-30B-A3B on one GPU, 8 pairs x 96 tiles) gets one group per pair as before, while an expert-parallel
 shard whose pairs are mostly served on other ranks (a DeepSeek-V3 EP8 shard: 8 pairs, about one local,
