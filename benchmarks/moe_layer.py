@@ -189,11 +189,18 @@ def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[i
     model_weights = [w] + [ExpertWeights(torch.randn_like(w.w13) / d**0.5, torch.randn_like(w.w2) / f**0.5)
                            for _ in range(MODEL_LAYERS - 1)] if any(t <= DECODE_MAX for t in sizes) else []
     expert_bytes = 3 * d * f * 2
+
+    def floors(slots: torch.Tensor) -> tuple[int, int, float, float]:
+        """Active slots, live pairs, and the weight-read and FLOP floors (us) of one routing."""
+        active = int(torch.unique(slots[slots >= 0]).numel())
+        pairs = int((slots >= 0).sum())
+        return (active, pairs, active * expert_bytes / ceil["copy_bytes_per_s"] * 1e6,
+                2 * pairs * 3 * d * f / ceil["bf16_flop_per_s"] * 1e6)
+
     rows = []
     for t in sizes:
         x, slots, tw = make_routing(case, t, gen)
-        active = int(torch.unique(slots[slots >= 0]).numel())
-        pairs = int((slots >= 0).sum())
+        active, pairs, floor_mem, floor_flop = floors(slots)
         flops = 2 * pairs * 3 * d * f
         decode = t <= DECODE_MAX
         ref = reference_experts(x.float(), slots, tw, w32, act)
@@ -204,9 +211,8 @@ def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[i
                "weight_bytes": active * expert_bytes, "flops": flops, "graph": True,
                "default_config": asdict(default_decode_config(d, f, 2) if t * case["k"] <= DECODE_MAX_PAIRS
                                          else default_config(t * case["k"], s, False))}
-        row["floor_mem_us"] = active * expert_bytes / ceil["copy_bytes_per_s"] * 1e6
-        row["floor_flop_us"] = flops / ceil["bf16_flop_per_s"] * 1e6
-        row["floor_us"] = max(row["floor_mem_us"], row["floor_flop_us"])
+        row["floor_mem_us"], row["floor_flop_us"] = floor_mem, floor_flop
+        row["floor_us"] = max(floor_mem, floor_flop)
         for key, fn in impls.items():
             row[f"{key}_err"] = rel_err(fn(), ref)
             try:
@@ -220,10 +226,7 @@ def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[i
             layers = [(lw, *make_routing(case, t, gen)) for lw in model_weights]
             # each layer has its own routing: in an expert-parallel shard the number of active slots
             # differs between layers, so the in-model floor is the layers' mean
-            row["floor_in_model_us"] = sum(
-                max(int(torch.unique(sl[sl >= 0]).numel()) * expert_bytes / ceil["copy_bytes_per_s"],
-                    2 * int((sl >= 0).sum()) * 3 * d * f / ceil["bf16_flop_per_s"])
-                for _, _, sl, _ in layers) / len(layers) * 1e6
+            row["floor_in_model_us"] = sum(max(floors(sl)[2:]) for _, _, sl, _ in layers) / len(layers)
             row["ours_in_model_us"] = time_in_model(
                 [lambda lw=lw, x=x, sl=sl, tw=tw: ours(x, sl, tw, lw, act) for lw, x, sl, tw in layers], flush) * 1e3
             row["torch_grouped_mm_in_model_us"] = time_in_model(
