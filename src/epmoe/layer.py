@@ -173,6 +173,21 @@ class MoELayer(_MoEBase):
         self.load_recorder = load_recorder
         self.experts = _ExpertParams(spec, placement.slots_per_rank, spec.moe_intermediate_size, dtype, device)
 
+    def set_dispatcher(self, dispatcher: Dispatcher) -> None:
+        """Use ``dispatcher`` from the next forward on (the engine swaps eager and graph dispatchers).
+
+        Raises:
+            ValueError: its group or slots per rank differ from the layer's (both named).
+        """
+        comm = getattr(dispatcher, "comm", None)
+        if comm is not None and comm is not self.comm:
+            raise ValueError(f"MoE layer {self.layer}: the dispatcher's group {comm} is not the layer's {self.comm}")
+        slots = getattr(dispatcher, "slots_per_rank", getattr(dispatcher, "num_slots", None))
+        if slots is not None and slots != self.placement.slots_per_rank:
+            raise ValueError(f"MoE layer {self.layer}: the dispatcher serves {slots} slots per rank, the placement "
+                             f"{self.placement.slots_per_rank}")
+        self.dispatcher = dispatcher
+
     @property
     def local_experts(self) -> torch.Tensor:
         """``[P/G]`` int64: the logical expert held in each local slot of this layer."""

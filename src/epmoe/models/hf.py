@@ -99,9 +99,15 @@ def hf_config(checkpoint_dir: str):
     return config
 
 
-def build_meta_model(checkpoint_dir: str, dtype: torch.dtype) -> nn.Module:
+def build_meta_model(checkpoint_dir: str, dtype: torch.dtype, attn_implementation: str | None = None) -> nn.Module:
     """Instantiate the transformers causal LM of ``checkpoint_dir`` on the ``meta`` device (no memory),
     unquantized (see ``hf_config``).
+
+    Args:
+        checkpoint_dir: the checkpoint (its ``config.json``).
+        dtype: parameter dtype.
+        attn_implementation: a registered transformers attention implementation (the engine's paged
+            attention); ``None`` = transformers' default.
 
     Raises:
         ValueError: transformers does not know the model type.
@@ -109,8 +115,9 @@ def build_meta_model(checkpoint_dir: str, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     config = hf_config(checkpoint_dir)
+    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
 
 
 def _check_weight_format(spec: MoESpec, checkpoint_dir: str) -> None:
@@ -174,6 +181,9 @@ def load_ep_model(
     load_recorder: LoadSink | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    load_format: str = "auto",
+    attn_implementation: str | None = None,
+    seed: int = 0,
 ) -> EPModel:
     """Load a local Hugging Face MoE checkpoint for one EP rank.
 
@@ -185,21 +195,30 @@ def load_ep_model(
             ``MoELayer``.
         dtype: compute dtype of the model.
         device: where this rank's weights live.
+        load_format: ``auto`` (read the safetensors) or ``dummy`` (vLLM's name: random weights at the
+            full size of ``config.json``, made on ``device``; the directory needs only ``config.json``).
+        attn_implementation: passed to ``build_meta_model``.
+        seed: seed of the dummy weights (the same on every rank, so replicated weights agree).
 
     Returns:
-        The ``EPModel``; every parameter is materialised from the checkpoint.
+        The ``EPModel``; every parameter is materialised from the checkpoint (or random).
 
     Raises:
         FileNotFoundError: no checkpoint there.
         ValueError: placement/model mismatch; a tensor with the wrong shape.
         KeyError: a tensor is missing from the checkpoint (named), or an unsupported family.
     """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     spec = load_moe_spec(checkpoint_dir)
-    _check_weight_format(spec, checkpoint_dir)
+    dummy = load_format == "dummy"
+    if not dummy:
+        _check_weight_format(spec, checkpoint_dir)
     layout = family_layout(spec.model_type)
-    reader = CheckpointReader(checkpoint_dir)
+    reader = None if dummy else CheckpointReader(checkpoint_dir)
     placement.check_model(spec.num_moe_layers, spec.num_experts, what=f"checkpoint {checkpoint_dir}")
-    model = build_meta_model(checkpoint_dir, dtype)
+    model = build_meta_model(checkpoint_dir, dtype, attn_implementation)
+    gen = torch.Generator(device=device).manual_seed(seed) if dummy else None
     layers = _decoder_layers(model)
     ep = EPModel(model=model, spec=spec, placement=placement, comm=comm)
     for moe_index, layer_index in enumerate(spec.moe_layers):
@@ -209,15 +228,58 @@ def load_ep_model(
             dtype=dtype, device=device,
         )
         block = f"model.layers.{layer_index}.{layout.ckpt_block}"
-        _load_moe_layer(moe, reader, layout, block)
+        if dummy:
+            _random_fill(moe, gen)
+        else:
+            _load_moe_layer(moe, reader, layout, block)
         setattr(layers[layer_index], layout.moe_attr, _TupleBlock(moe) if layout.returns_tuple else moe)
         ep.moe_layers.append(moe)
         ep.expert_bytes += sum(p.numel() * p.element_size() for p in moe.experts.parameters())
     per_expert = ep.expert_bytes // max(1, placement.slots_per_rank * spec.num_moe_layers)
     ep.full_expert_bytes = per_expert * spec.num_experts * spec.num_moe_layers
 
-    _materialise(model, reader, checkpoint_dir, device)
+    if dummy:
+        _materialise_dummy(model, device, gen)
+    else:
+        _materialise(model, reader, checkpoint_dir, device)
     return ep
+
+
+LOAD_FORMATS = ("auto", "dummy")
+_DUMMY_STD = 0.02
+
+
+def _fill_dummy(name: str, tensor: torch.Tensor, gen: torch.Generator) -> None:
+    """Dummy value of tensor ``name`` in place: norm weights 1, vectors (biases, sinks, correction
+    biases) 0, matrices normal(0, 0.02)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if "norm" in name and leaf == "weight" and tensor.dim() == 1:
+        tensor.fill_(1.0)
+    elif tensor.dim() < 2 or "bias" in leaf:
+        tensor.zero_()
+    else:
+        tensor.normal_(0.0, _DUMMY_STD, generator=gen)
+
+
+@torch.no_grad()
+def _random_fill(module: nn.Module, gen: torch.Generator) -> None:
+    """Every parameter and buffer of ``module`` gets its dummy value (``_fill_dummy``)."""
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        _fill_dummy(name, t, gen)
+
+
+@torch.no_grad()
+def _materialise_dummy(model: nn.Module, device: torch.device | str, gen: torch.Generator) -> None:
+    """Allocate every tensor still on ``meta`` on ``device`` with its dummy value, rebuild RoPE."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if not tensor.is_meta or name.endswith("inv_freq") or (tied and name == "lm_head.weight"):
+            continue
+        state[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        _fill_dummy(name, state[name], gen)
+    model.load_state_dict(state, strict=False, assign=True)
+    _finish(model, device, tied, "dummy weights")
 
 
 def _materialise(
@@ -255,6 +317,11 @@ def _materialise(
         else:
             raise KeyError(f"checkpoint {checkpoint_dir} is missing tensor {name!r}")
     model.load_state_dict(state, strict=False, assign=True)
+    _finish(model, device, tied, f"reading {checkpoint_dir}")
+
+
+def _finish(model: nn.Module, device: torch.device | str, tied: bool, what: str) -> None:
+    """Tie the embeddings, rebuild RoPE tables from the config, check nothing is left on ``meta``."""
     if tied:
         model.tie_weights()
     for parent in list(model.modules()):
@@ -263,7 +330,7 @@ def _materialise(
                 setattr(parent, child_name, type(child)(config=child.config).to(device))
     still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if still_meta:
-        raise ValueError(f"tensors left unloaded after reading {checkpoint_dir}: {still_meta[:5]}")
+        raise ValueError(f"tensors left unloaded after {what}: {still_meta[:5]}")
     model.eval()
 
 

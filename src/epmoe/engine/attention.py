@@ -1,0 +1,187 @@
+"""Attention over the paged KV cache, as a transformers attention function.
+
+The engine keeps transformers' attention modules (projections, q/k norms, rotary embeddings, MLA's
+low-rank projections) and replaces only the attention itself: the modules call the function registered
+here under ``ATTN_IMPLEMENTATION`` with the new tokens' queries, keys and values, and the step's
+``AttnBatch`` travels to it as the keyword ``epmoe_batch`` (transformers forwards unknown keywords from
+the model's ``forward`` to every attention call). The function writes the new keys and values into
+the pages, then attends: one kernel for the single-token rows (decode, ``paged_decode``), and per
+prefill chunk a dense attention over the sequence's cached prefix and the chunk itself.
+
+Masks follow the attention variants of the served families: causal; sliding window (gpt-oss, Mistral:
+keys within the last ``sliding_window`` positions, the current one included); chunked attention
+(Llama-4's ``chunked_attention`` layers: keys in the same ``attention_chunk_size`` chunk); attention
+sinks (gpt-oss: a per-head logit added to the softmax denominator with no value).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .kv_cache import KVCache
+from .paged_decode import paged_decode_attention
+
+ATTN_IMPLEMENTATION = "epmoe_paged"
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One sequence's rows of a step that are not single-token rows.
+
+    Attributes:
+        q_start: first row of the chunk in the step's packed tokens.
+        q_len: rows (tokens) in the chunk.
+        start_pos: position of its first token (tokens before it are in the cache).
+        block_ids: ``[ceil((start_pos + q_len) / block_size)]`` int64 blocks of the sequence.
+    """
+
+    q_start: int
+    q_len: int
+    start_pos: int
+    block_ids: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AttnBatch:
+    """Everything attention needs for one step, for every layer.
+
+    Rows ``[0, num_decode)`` of the packed tokens are single-token rows (decode, or a one-token
+    prompt): row ``b`` attends to ``context_lens[b]`` keys through ``block_tables[b]``; padding rows
+    of a graph replay have context length 0 and write into the padding block. The other rows are the
+    ``prefills`` chunks, in order.
+
+    Attributes:
+        kv: the cache pools.
+        slot_mapping: ``[T]`` int64 flat cache slot of every new token.
+        num_decode: single-token rows.
+        block_tables: ``[num_decode, max_blocks]`` int32.
+        context_lens: ``[num_decode]`` int32 keys of each row, its own included.
+        prefills: the multi-token chunks.
+    """
+
+    kv: KVCache
+    slot_mapping: torch.Tensor
+    num_decode: int
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    prefills: tuple[PrefillChunk, ...] = ()
+
+
+def _chunk_size(module) -> int | None:
+    """Llama-4's attention chunk for a ``chunked_attention`` layer, else ``None``."""
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None)
+    if types and types[module.layer_idx] == "chunked_attention":
+        return int(config.attention_chunk_size)
+    return None
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, scale: float, *,
+                    sliding_window: int | None = None, chunk_size: int | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of ``n`` consecutive query tokens over a sequence's first ``start_pos + n`` keys.
+
+    Args:
+        q: ``[n, H, Dk]`` queries at positions ``start_pos .. start_pos + n - 1``.
+        k: ``[start_pos + n, Hkv, Dk]`` keys at positions ``0 ..``; v: ``[start_pos + n, Hkv, Dv]``.
+        start_pos: position of the first query.
+        scale: multiplier of ``q . k``.
+        sliding_window, chunk_size, sinks: as in ``paged_decode.paged_decode_attention``.
+
+    Returns:
+        ``[n, H, Dv]`` in ``q.dtype``.
+    """
+    n, h, _ = q.shape
+    ctx, hkv = k.shape[0], k.shape[1]
+    qh = q.transpose(0, 1)  # [H, n, Dk]
+    kh = k.transpose(0, 1).repeat_interleave(h // hkv, dim=0)
+    vh = v.transpose(0, 1).repeat_interleave(h // hkv, dim=0)
+    qpos = torch.arange(start_pos, start_pos + n, device=q.device).unsqueeze(1)
+    kpos = torch.arange(ctx, device=q.device).unsqueeze(0)
+    allowed = kpos <= qpos
+    if sliding_window is not None:
+        allowed &= kpos > qpos - sliding_window
+    if chunk_size is not None:
+        allowed &= (kpos // chunk_size) == (qpos // chunk_size)
+    if sinks is None:
+        if start_pos == 0 and sliding_window is None and chunk_size is None:
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        else:
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale)
+        return out.transpose(0, 1)
+    logits = torch.matmul(qh.float(), kh.float().transpose(1, 2)) * scale
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    sink = sinks.float().reshape(h, 1, 1).expand(h, n, 1)
+    full = torch.cat([logits, sink], dim=-1)
+    probs = torch.softmax(full - full.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    return torch.matmul(probs, vh.float()).to(q.dtype).transpose(0, 1)
+
+
+def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask=None, scaling: float | None = None, dropout: float = 0.0,
+                            sliding_window: int | None = None, s_aux: torch.Tensor | None = None,
+                            epmoe_batch: AttnBatch | None = None, **kwargs):
+    """The attention function transformers calls (registered as ``ATTN_IMPLEMENTATION``).
+
+    Args:
+        module: the attention module (``layer_idx``, ``config``).
+        query: ``[1, H, T, Dk]``; key: ``[1, Hkv, T, Dk]``; value: ``[1, Hkv, T, Dv]`` for the ``T`` new
+            tokens of the step, packed (batch dimension 1).
+        attention_mask: ignored (the engine's masks come from positions).
+        scaling: softmax scale (``Dk ** -0.5`` when ``None``).
+        sliding_window: the layer's window, if any.
+        s_aux: ``[H]`` attention sinks (gpt-oss), if any.
+        epmoe_batch: the step's ``AttnBatch``.
+
+    Returns:
+        ``([1, T, H, Dv], None)`` as transformers' attention functions do.
+
+    Raises:
+        ValueError: called without ``epmoe_batch`` (the model was run outside the engine), or with a
+            batch dimension other than 1.
+    """
+    if epmoe_batch is None:
+        raise ValueError(f"attention implementation {ATTN_IMPLEMENTATION!r} needs the engine's epmoe_batch: "
+                         f"this model runs through epmoe.engine.Engine")
+    if query.shape[0] != 1:
+        raise ValueError(f"the engine packs tokens in one row: query batch dimension must be 1, got {query.shape[0]}")
+    batch = epmoe_batch
+    layer = module.layer_idx
+    q = query[0].transpose(0, 1)
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    batch.kv.write(layer, k, v, batch.slot_mapping)
+    scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
+    chunk = _chunk_size(module)
+    kc, vc = batch.kv.k[layer], batch.kv.v[layer]
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    nd = batch.num_decode
+    if nd:
+        paged_decode_attention(q[:nd], kc, vc, batch.block_tables, batch.context_lens, scale,
+                               sliding_window=sliding_window, chunk_size=chunk, sinks=s_aux, out=out[:nd])
+    bs = batch.kv.block_size
+    for p in batch.prefills:
+        ctx = p.start_pos + p.q_len
+        slots = (p.block_ids.unsqueeze(1) * bs + torch.arange(bs, device=p.block_ids.device)).reshape(-1)[:ctx]
+        keys = kc.view(-1, *kc.shape[2:]).index_select(0, slots)
+        values = vc.view(-1, *vc.shape[2:]).index_select(0, slots)
+        out[p.q_start:p.q_start + p.q_len] = dense_attention(
+            q[p.q_start:p.q_start + p.q_len], keys, values, p.start_pos, scale,
+            sliding_window=sliding_window, chunk_size=chunk, sinks=s_aux,
+        )
+    return out.unsqueeze(0), None
+
+
+def register_attention() -> str:
+    """Register ``paged_attention_forward`` with transformers' attention registry (idempotent).
+
+    Returns:
+        The implementation name to give a model's config (``ATTN_IMPLEMENTATION``).
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    return ATTN_IMPLEMENTATION

@@ -1,0 +1,137 @@
+"""``EngineConfig``: every option of the engine, validated once (the CLI parses into it)."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PARALLEL_MODES = ("ep",)
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Options of one engine (the same on every rank).
+
+    Attributes:
+        model: checkpoint directory (``config.json`` + safetensors; ``config.json`` alone with
+            ``load_format='dummy'``).
+        dtype: ``float32``, ``bfloat16`` or ``float16``.
+        device: ``cpu`` or ``cuda``.
+        parallel: ``ep``: attention data-parallel (each rank serves its own requests), experts
+            expert-parallel over the group.
+        placement: placement file; ``None`` = the trivial placement below.
+        redundant: redundant slots per layer of the trivial placement.
+        layout: trivial placement layout, ``contiguous`` or ``round_robin``.
+        dispatcher: dispatcher of eager steps; ``None`` = ``local`` on one rank, ``all_to_all`` on
+            several. Graph-replayed decode steps use ``fixed_capacity`` sized to the bucket on several
+            ranks (no token can overflow it) and ``local`` on one.
+        expert_backend: expert compute backend (``reference``, ``triton``, ``grouped_mm``).
+        load_format: ``auto`` or ``dummy`` (random weights at full size, vLLM's name).
+        max_num_seqs: most sequences running at once per rank.
+        max_num_batched_tokens: most tokens fed in one step per rank (longer prompts are chunked).
+        max_model_len: longest sequence (prompt + output); ``None`` = the model's
+            ``max_position_embeddings``.
+        block_size: tokens per KV block.
+        mem_fraction_static: on CUDA, the fraction of the GPU's memory for weights and KV cache
+            (SGLang's name); the KV pool gets what the weights leave of it.
+        num_kv_blocks: KV blocks per layer (padding block included), overriding the memory sizing.
+        cuda_graph_max_bs: largest decode batch replayed as a CUDA graph (SGLang's name).
+        enforce_eager: never capture graphs (vLLM's name); always true on CPU.
+        eplb_interval: rebalance experts every this many steps from the recorded loads (0 = never).
+        eplb_max_moves: most expert copies one rebalance moves (``None`` = as few as reach the target).
+        seed: seed of the dummy weights and of unseeded sampling.
+    """
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    parallel: str = "ep"
+    placement: str | None = None
+    redundant: int = 0
+    layout: str = "contiguous"
+    dispatcher: str | None = None
+    expert_backend: str = "reference"
+    load_format: str = "auto"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    block_size: int = 16
+    mem_fraction_static: float = 0.9
+    num_kv_blocks: int | None = None
+    cuda_graph_max_bs: int = 256
+    enforce_eager: bool = False
+    eplb_interval: int = 0
+    eplb_max_moves: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        """Raise ``ValueError`` naming the first bad option."""
+        if not str(self.model) or not Path(self.model).is_dir():
+            raise ValueError(f"model {self.model!r} is not a checkpoint directory (config.json + *.safetensors)")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' asked for, but CUDA is not available on this machine")
+        if self.parallel not in PARALLEL_MODES:
+            raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {self.parallel!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "cuda_graph_max_bs"):
+            _positive(name, getattr(self, name))
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if self.num_kv_blocks is not None and (isinstance(self.num_kv_blocks, bool) or
+                                               not isinstance(self.num_kv_blocks, numbers.Integral) or
+                                               self.num_kv_blocks < 2):
+            raise ValueError(f"num_kv_blocks must be an integer >= 2 (one is the padding block), "
+                             f"got {self.num_kv_blocks!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                             f"max_num_seqs ({self.max_num_seqs})")
+        if not isinstance(self.mem_fraction_static, numbers.Real) or not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static!r}")
+        if isinstance(self.redundant, bool) or not isinstance(self.redundant, numbers.Integral) or self.redundant < 0:
+            raise ValueError(f"redundant must be a non-negative integer, got {self.redundant!r}")
+        if self.layout not in ("contiguous", "round_robin"):
+            raise ValueError(f"layout must be 'contiguous' or 'round_robin', got {self.layout!r}")
+        if self.placement is not None and (self.redundant or self.layout != "contiguous"):
+            raise ValueError("redundant and layout shape the default placement; a placement file fixes its own slots")
+        if isinstance(self.eplb_interval, bool) or not isinstance(self.eplb_interval, numbers.Integral) \
+                or self.eplb_interval < 0:
+            raise ValueError(f"eplb_interval must be a non-negative integer, got {self.eplb_interval!r}")
+        if self.eplb_max_moves is not None and (not isinstance(self.eplb_max_moves, numbers.Integral)
+                                                or self.eplb_max_moves < 0):
+            raise ValueError(f"eplb_max_moves must be a non-negative integer, got {self.eplb_max_moves!r}")
+        if self.eplb_max_moves is not None and not self.eplb_interval:
+            raise ValueError("eplb_max_moves limits live rebalancing: give eplb_interval with it")
+        from ..dispatch import DISPATCHERS
+        from ..experts import EXPERT_BACKENDS
+
+        if self.dispatcher is not None and self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"dispatcher {self.dispatcher!r} is not one of {sorted(DISPATCHERS)}")
+        if self.dispatcher == "fixed_capacity":
+            raise ValueError("dispatcher 'fixed_capacity' is what graph-replayed decode steps use on several ranks; "
+                             "eager steps need 'all_to_all' (or 'local' on one rank)")
+        if self.expert_backend not in EXPERT_BACKENDS:
+            raise ValueError(f"expert_backend {self.expert_backend!r} is not one of {sorted(EXPERT_BACKENDS)}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The compute dtype."""
+        return DTYPES[self.dtype]
+
+    @property
+    def use_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs."""
+        return self.device == "cuda" and not self.enforce_eager

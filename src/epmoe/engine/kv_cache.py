@@ -1,0 +1,152 @@
+"""The paged KV cache: fixed-size blocks in one pool per attention layer, handed out per sequence.
+
+Block 0 of every pool is never given to a sequence: the padding rows of a CUDA-graph replay write
+their keys and values there, so a padded batch needs no branch.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one layer's cache entry.
+
+    Attributes:
+        num_layers: attention layers (every decoder layer).
+        num_kv_heads: ``Hkv`` key/value heads cached per token (MLA expanded: the query heads).
+        k_head_dim: ``Dk``.
+        v_head_dim: ``Dv`` (MLA: differs from ``Dk``).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    k_head_dim: int
+    v_head_dim: int
+
+    @classmethod
+    def from_config(cls, config) -> KVLayout:
+        """Read the layout from a transformers text config (MLA: ``kv_lora_rank`` present).
+
+        Raises:
+            ValueError: a field the layout needs is missing (named).
+        """
+        def need(name: str):
+            value = getattr(config, name, None)
+            if value is None:
+                raise ValueError(f"config {type(config).__name__} has no {name!r}: cannot size the KV cache")
+            return int(value)
+
+        heads = need("num_attention_heads")
+        if getattr(config, "kv_lora_rank", None) is not None:  # MLA, cached in its expanded form
+            dk = need("qk_nope_head_dim") + need("qk_rope_head_dim")
+            return cls(need("num_hidden_layers"), heads, dk, need("v_head_dim"))
+        head_dim = getattr(config, "head_dim", None) or need("hidden_size") // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(need("num_hidden_layers"), int(kv_heads), int(head_dim), int(head_dim))
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes one token's keys and values take over all layers."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        return self.num_layers * self.num_kv_heads * (self.k_head_dim + self.v_head_dim) * size
+
+
+class BlockAllocator:
+    """Free list of KV block ids ``1 .. num_blocks - 1`` (block 0 is the padding block).
+
+    Args:
+        num_blocks: blocks in each pool, padding block included (at least 2).
+
+    Raises:
+        ValueError: ``num_blocks`` not an integer >= 2.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, numbers.Integral) or num_blocks < 2:
+            raise ValueError(f"num_blocks must be an integer >= 2 (one is the padding block), got {num_blocks!r}")
+        self.num_blocks = int(num_blocks)
+        self._free: deque[int] = deque(range(1, self.num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        """Blocks free now."""
+        return len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        """Blocks a sequence can ever get (all but the padding block)."""
+        return self.num_blocks - 1
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` blocks.
+
+        Raises:
+            RuntimeError: fewer than ``n`` free (callers check ``num_free`` first).
+        """
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} KV blocks with {len(self._free)} free")
+        return [self._free.popleft() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        """Return ``blocks`` to the pool.
+
+        Raises:
+            ValueError: a block id outside ``[1, num_blocks)`` (the padding block is never handed out).
+        """
+        for b in blocks:
+            if not 1 <= b < self.num_blocks:
+                raise ValueError(f"block id {b} is not in [1, {self.num_blocks})")
+        self._free.extend(blocks)
+
+
+class KVCache:
+    """Key and value pools of every attention layer.
+
+    Attributes:
+        k: per layer ``[num_blocks, block_size, Hkv, Dk]``.
+        v: per layer ``[num_blocks, block_size, Hkv, Dv]``.
+
+    Args:
+        layout: the model's cache layout.
+        num_blocks: blocks per pool (padding block included).
+        block_size: tokens per block.
+        dtype, device: of the pools.
+    """
+
+    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        h, dk, dv = layout.num_kv_heads, layout.k_head_dim, layout.v_head_dim
+        self.k = [torch.zeros(num_blocks, block_size, h, dk, dtype=dtype, device=device)
+                  for _ in range(layout.num_layers)]
+        self.v = [torch.zeros(num_blocks, block_size, h, dv, dtype=dtype, device=device)
+                  for _ in range(layout.num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pools take."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store new tokens' keys and values (graph safe: no host sync).
+
+        Args:
+            layer: attention layer index.
+            k: ``[T, Hkv, Dk]``; v: ``[T, Hkv, Dv]`` (cast to the pool dtype).
+            slot_mapping: ``[T]`` int64 flat slot ``block * block_size + offset`` of each token.
+        """
+        kp, vp = self.k[layer], self.v[layer]
+        kp.view(-1, *kp.shape[2:]).index_copy_(0, slot_mapping, k.to(kp.dtype))
+        vp.view(-1, *vp.shape[2:]).index_copy_(0, slot_mapping, v.to(vp.dtype))
+
+
+def blocks_for_memory(free_bytes: int, layout: KVLayout, block_size: int, dtype: torch.dtype) -> int:
+    """How many blocks fit in ``free_bytes`` (for ``--mem-fraction-static``)."""
+    return free_bytes // (layout.bytes_per_token(dtype) * block_size)

@@ -1,0 +1,185 @@
+"""Runs one scheduled step through the model: packs the tokens, runs eager or replays a CUDA graph.
+
+A step's tokens are packed into one row (no padding between sequences): the single-token rows first
+(decodes), then the prefill chunks. Eager steps run the transformers model with the paged attention
+function; decode-only steps on CUDA replay the graph captured for the smallest batch bucket that holds
+them (padding rows write into the KV cache's padding block and are dropped). The logits are computed
+only for the rows that sample.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .attention import AttnBatch, PrefillChunk
+from .kv_cache import KVCache
+from .scheduler import StepPlan
+
+
+def graph_buckets(max_bs: int) -> list[int]:
+    """Batch sizes captured up to ``max_bs`` (SGLang's ``--cuda-graph-max-bs``): 1, 2, 4, 8, then
+    every multiple of 16 up to 256 and of 32 above, and ``max_bs`` itself.
+
+    Raises:
+        ValueError: ``max_bs`` < 1.
+    """
+    if max_bs < 1:
+        raise ValueError(f"cuda_graph_max_bs must be at least 1, got {max_bs}")
+    sizes = {b for b in (1, 2, 4, 8) if b <= max_bs}
+    sizes |= set(range(16, min(max_bs, 256) + 1, 16)) | set(range(288, max_bs + 1, 32))
+    sizes.add(max_bs)
+    return sorted(sizes)
+
+
+@dataclass
+class _Graph:
+    """One captured decode step: its graph and static tensors."""
+
+    graph: torch.cuda.CUDAGraph
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    logits: torch.Tensor
+
+
+class ModelRunner:
+    """Executes steps of one rank's model over its KV cache.
+
+    Args:
+        model: the transformers causal LM (paged attention implementation, ``MoELayer`` blocks).
+        kv: the KV cache.
+        max_blocks_per_seq: width of the block tables (``ceil(max_model_len / block_size)``).
+        device: where the model runs.
+    """
+
+    def __init__(self, model: nn.Module, kv: KVCache, max_blocks_per_seq: int, device: torch.device) -> None:
+        self.model = model
+        self.base = model.model
+        self.lm_head = model.lm_head
+        self.kv = kv
+        self.max_blocks = max_blocks_per_seq
+        self.device = device
+        self.graphs: dict[int, _Graph] = {}
+        self._pool = None
+
+    @property
+    def buckets(self) -> list[int]:
+        """Captured batch sizes, ascending."""
+        return sorted(self.graphs)
+
+    def bucket_for(self, num_decode: int) -> int | None:
+        """The smallest captured batch size holding ``num_decode`` rows, or ``None``."""
+        sizes = self.buckets
+        i = bisect.bisect_left(sizes, num_decode)
+        return sizes[i] if i < len(sizes) else None
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttnBatch,
+                 rows: torch.Tensor | None) -> torch.Tensor:
+        out = self.base(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
+                        epmoe_batch=batch)
+        hidden = out[0][0]
+        if rows is not None:
+            hidden = hidden.index_select(0, rows)
+        return self.lm_head(hidden)
+
+    def _host_tensors(self, plan: StepPlan) -> tuple[torch.Tensor, ...]:
+        bs = self.kv.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        for c in plan.chunks:
+            ids.extend(c.seq.tokens(c.start, c.start + c.num_tokens))
+            for p in range(c.start, c.start + c.num_tokens):
+                pos.append(p)
+                slots.append(c.seq.block_table[p // bs] * bs + p % bs)
+        nd = len(plan.decodes)
+        tables = torch.zeros(nd, self.max_blocks, dtype=torch.int32)
+        for i, c in enumerate(plan.decodes):
+            tables[i, :len(c.seq.block_table)] = torch.tensor(c.seq.block_table, dtype=torch.int32)
+        ctx = torch.tensor([c.start + 1 for c in plan.decodes], dtype=torch.int32)
+        return (torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64),
+                torch.tensor(slots, dtype=torch.int64), tables, ctx)
+
+    @torch.no_grad()
+    def run(self, plan: StepPlan, bucket: int | None = None) -> torch.Tensor:
+        """Run ``plan`` and return the logits of its sampling rows.
+
+        Args:
+            plan: the step (may be empty: a rank with nothing to do in a graph-replayed step).
+            bucket: replay the graph captured for this batch size (decode-only plans); ``None`` = eager.
+
+        Returns:
+            ``[len(plan.sampling), V]`` float32 logits, in ``plan.sampling`` order.
+
+        Raises:
+            ValueError: a bucket that was not captured or is smaller than the plan's rows, or a bucket
+                for a plan with prefill chunks.
+        """
+        ids, pos, slots, tables, ctx = self._host_tensors(plan)
+        if bucket is not None:
+            return self._replay(plan, bucket, ids, pos, slots, tables, ctx)
+        dev = self.device
+        prefills = []
+        row = len(plan.decodes)
+        for c in plan.prefills:
+            blocks = -(-(c.start + c.num_tokens) // self.kv.block_size)
+            block_ids = torch.tensor(c.seq.block_table[:blocks], dtype=torch.int64, device=dev)
+            prefills.append(PrefillChunk(row, c.num_tokens, c.start, block_ids))
+            row += c.num_tokens
+        batch = AttnBatch(self.kv, slots.to(dev), len(plan.decodes), tables.to(dev), ctx.to(dev), tuple(prefills))
+        rows = torch.tensor(plan.sampling_rows, dtype=torch.int64, device=dev)
+        return self._forward(ids.to(dev), pos.to(dev), batch, rows).float()
+
+    def _replay(self, plan: StepPlan, bucket: int, ids, pos, slots, tables, ctx) -> torch.Tensor:
+        g = self.graphs.get(bucket)
+        if g is None:
+            raise ValueError(f"no CUDA graph captured for batch size {bucket}; captured: {self.buckets}")
+        n = len(plan.decodes)
+        if plan.prefills or n > bucket:
+            raise ValueError(f"graph bucket {bucket} replays decode-only steps of at most {bucket} rows; "
+                             f"the plan has {n} decode rows and {len(plan.prefills)} prefill chunks")
+        for static, value in ((g.input_ids, ids), (g.positions, pos), (g.slot_mapping, slots),
+                              (g.block_tables, tables), (g.context_lens, ctx)):
+            static[:n].copy_(value, non_blocking=True)
+            static[n:].zero_()
+        g.graph.replay()
+        return g.logits[:n].float()
+
+    @torch.no_grad()
+    def capture(self, sizes: list[int], before_capture=None) -> None:
+        """Capture one decode-step graph per batch size (largest first, sharing one memory pool).
+
+        Args:
+            sizes: batch sizes to capture.
+            before_capture: called with the batch size before each capture (the engine switches the MoE
+                layers to a fixed-capacity dispatcher of that size there).
+        """
+        dev = self.device
+        for bs in sorted(sizes, reverse=True):
+            if before_capture is not None:
+                before_capture(bs)
+            input_ids = torch.zeros(bs, dtype=torch.int64, device=dev)
+            positions = torch.zeros(bs, dtype=torch.int64, device=dev)
+            slot_mapping = torch.zeros(bs, dtype=torch.int64, device=dev)
+            block_tables = torch.zeros(bs, self.max_blocks, dtype=torch.int32, device=dev)
+            context_lens = torch.zeros(bs, dtype=torch.int32, device=dev)
+            batch = AttnBatch(self.kv, slot_mapping, bs, block_tables, context_lens)
+            stream = torch.cuda.Stream(device=dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: Triton autotuning and lazy allocations happen outside capture
+                    self._forward(input_ids, positions, batch, None)
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = self._forward(input_ids, positions, batch, None)
+            self.graphs[bs] = _Graph(graph, input_ids, positions, slot_mapping, block_tables, context_lens, logits)
+        torch.cuda.synchronize(dev)

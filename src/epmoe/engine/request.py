@@ -1,0 +1,107 @@
+"""A request's state inside the engine (``Sequence``) and what the engine hands back (``RequestOutput``)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is: queued for (re)prefill, scheduled each step, or done."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One request as the scheduler sees it.
+
+    The tokens are the prompt followed by the generated tokens. ``num_computed`` of them have their
+    keys and values in the KV cache; the rest are fed at the next steps (a whole prompt, a chunk of it,
+    or the one newest token in decode). A preempted sequence loses its blocks and sets
+    ``num_computed`` to 0: it is recomputed from its tokens, generated ones included.
+
+    Attributes:
+        request_id: the caller's id.
+        prompt_token_ids: the prompt's token ids.
+        params: its sampling options.
+        arrival: order of arrival (the scheduler admits and keeps sequences in this order).
+        output_token_ids: generated token ids so far.
+        block_table: KV block ids holding positions ``[i * block_size, (i + 1) * block_size)``.
+        num_computed: leading tokens whose KV is in the cache.
+        status: waiting, running or finished.
+        finish_reason: ``stop`` (EOS, a stop token or string), ``length`` (``max_tokens`` or the
+            context), ``abort``; ``None`` while running.
+        stop_text_len: with a stop string, the length of the output text kept (the match cut off).
+        generator: this request's sampling generator (seeded requests), else ``None``.
+        num_preemptions: times it was preempted.
+        arrival_time, first_token_time: ``time.perf_counter()`` seconds.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    stop_text_len: int | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token(self, i: int) -> int:
+        """Token ``i`` of prompt + output."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of prompt + output."""
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def finished(self) -> bool:
+        """True once a finish reason is set."""
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What a step reports for one request (vLLM's name).
+
+    Attributes:
+        request_id: the caller's id.
+        prompt_token_ids: the prompt.
+        token_ids: every token generated so far.
+        new_token_ids: tokens generated at this step (empty for an abort).
+        text: the generated text (``None`` without a tokenizer), cut before a stop string.
+        finished: no more tokens will come.
+        finish_reason: ``stop``, ``length``, ``abort`` or ``None`` while running.
+        num_preemptions: times the request was preempted (recomputed).
+        ttft_s: seconds from arrival to its first token (``None`` before it).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    new_token_ids: list[int]
+    text: str | None
+    finished: bool
+    finish_reason: str | None
+    num_preemptions: int = 0
+    ttft_s: float | None = None

@@ -1,0 +1,147 @@
+"""Sampling options of a request and the sampler that turns logits into tokens.
+
+``SamplingParams`` follows vLLM's names (``temperature``, ``top_p``, ``top_k``, ``seed``, ``max_tokens``,
+``stop``, ``stop_token_ids``, ``ignore_eos``); ``temperature == 0`` is greedy. The sampler draws with
+the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which samples from ``p`` exactly; a request
+with a ``seed`` draws its ``q`` from its own generator, so the same seed gives the same tokens on rerun.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    Attributes:
+        temperature: softmax temperature, ``>= 0``; ``0`` = greedy (argmax).
+        top_p: keep the smallest set of tokens whose probability sums to at least ``top_p``, in ``(0, 1]``.
+        top_k: keep the ``top_k`` most likely tokens; ``-1`` or ``0`` = all.
+        seed: seed of this request's own generator (reproducible sampling); ``None`` = the engine's.
+        max_tokens: most tokens generated, ``>= 1``.
+        min_tokens: EOS and stop token ids are ignored before this many tokens, ``>= 0``.
+        stop: strings that end the generation (the text is cut before the match).
+        stop_token_ids: token ids that end the generation (kept in the output, like EOS).
+        ignore_eos: keep generating past the model's EOS token.
+
+    Raises:
+        ValueError: a value out of range or of the wrong type (the field and the value named).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= -1 (-1 or 0 = all tokens), got {self.top_k!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the argmax."""
+        return self.temperature == 0
+
+    @classmethod
+    def from_dict(cls, options: dict) -> SamplingParams:
+        """Build from a dict of options (the server's request fields, ``epmoe run``'s flags).
+
+        Raises:
+            ValueError: an unknown option (named, with the known ones) or a bad value.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling option(s) {unknown}; known: {sorted(known)}")
+        return cls(**options)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           default_generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``logits``.
+
+    Args:
+        logits: ``[N, V]`` float32 next-token logits.
+        params: the ``N`` rows' sampling options.
+        generators: per row, its request's generator (seeded requests) or ``None`` (the default one).
+        default_generator: generator of the unseeded rows (``None`` = torch's global one).
+
+    Returns:
+        ``[N]`` int64 token ids, on ``logits.device``.
+
+    Raises:
+        ValueError: ``params`` or ``generators`` not of length ``N``.
+    """
+    n = logits.shape[0]
+    if len(params) != n or len(generators) != n:
+        raise ValueError(f"sample: {n} logits rows, {len(params)} params, {len(generators)} generators")
+    out = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return out
+    idx = torch.tensor(rows, device=logits.device)
+    x = logits.index_select(0, idx).float()
+    temps = torch.tensor([params[i].temperature for i in rows], device=x.device, dtype=x.dtype)
+    x = x / temps.unsqueeze(1)
+    top_ks = [params[i].top_k for i in rows]
+    if any(k > 0 for k in top_ks):
+        v = x.shape[1]
+        ks = torch.tensor([k if 0 < k < v else v for k in top_ks], device=x.device)
+        kth = x.sort(dim=-1, descending=True).values.gather(1, (ks - 1).unsqueeze(1))
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    top_ps = [params[i].top_p for i in rows]
+    if any(p < 1 for p in top_ps):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of the more likely tokens
+        ps = torch.tensor(top_ps, device=x.device, dtype=probs.dtype).unsqueeze(1)
+        drop_sorted = before >= ps
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    q = torch.empty_like(probs)
+    for j, i in enumerate(rows):
+        q[j].exponential_(generator=generators[i] if generators[i] is not None else default_generator)
+    picked = (probs / q).argmax(dim=-1)
+    out[idx] = picked
+    return out

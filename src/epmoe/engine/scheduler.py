@@ -1,0 +1,199 @@
+"""Continuous batching: which sequences run at each step, with how many tokens, in which KV blocks.
+
+Each step the scheduler walks the running sequences in arrival order and gives each the tokens it has
+not computed yet (one for a decode, the rest of a prompt, or a chunk of it: chunked prefill), within a
+token budget (``max_num_batched_tokens``), then admits waiting sequences while the budget, the
+sequence limit (``max_num_seqs``) and the free KV blocks allow. When a running sequence needs a block
+and none is free, the most recently admitted running sequence is preempted: its blocks are freed and
+it goes back to the waiting queue, to be recomputed from its tokens later (vLLM's recompute
+preemption). Nothing is ever dropped: a sequence that cannot fit even alone in the whole pool is
+finished with reason ``length``.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections import deque
+from dataclasses import dataclass
+
+from .kv_cache import BlockAllocator
+from .request import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens ``[start, start + num_tokens)`` of ``seq`` fed at this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when the chunk reaches the sequence's last token: the step samples its next token."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step of one rank.
+
+    Attributes:
+        decodes: single-token chunks (packed first; they use the decode attention kernel).
+        prefills: multi-token chunks, in order after the decodes.
+        preempted: sequences preempted while planning this step.
+        finished: sequences finished by the scheduler (too long for the whole KV pool).
+    """
+
+    decodes: tuple[ScheduledChunk, ...] = ()
+    prefills: tuple[ScheduledChunk, ...] = ()
+    preempted: tuple[Sequence, ...] = ()
+    finished: tuple[Sequence, ...] = ()
+
+    @property
+    def chunks(self) -> tuple[ScheduledChunk, ...]:
+        """Every chunk in packing order."""
+        return self.decodes + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens fed at this step."""
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def sampling(self) -> list[ScheduledChunk]:
+        """Chunks whose sequence samples a token at this step, in packing order."""
+        return [c for c in self.chunks if c.samples]
+
+    @property
+    def sampling_rows(self) -> list[int]:
+        """Packed row of each sampling chunk's last token."""
+        rows, row = [], 0
+        for c in self.chunks:
+            row += c.num_tokens
+            if c.samples:
+                rows.append(row - 1)
+        return rows
+
+
+def _check_positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+class Scheduler:
+    """Continuous-batching scheduler of one rank.
+
+    Args:
+        allocator: the KV block free list.
+        block_size: tokens per KV block.
+        max_num_seqs: most sequences running at once.
+        max_num_batched_tokens: most tokens fed in one step.
+
+    Raises:
+        ValueError: a size that is not a positive integer, or ``max_num_batched_tokens < max_num_seqs``
+            (every running sequence must be able to decode in one step).
+    """
+
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+        self.allocator = allocator
+        self.block_size = _check_positive("block_size", block_size)
+        self.max_num_seqs = _check_positive("max_num_seqs", max_num_seqs)
+        self.max_num_batched_tokens = _check_positive("max_num_batched_tokens", max_num_batched_tokens)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
+                             f"({max_num_seqs}): every running sequence decodes one token per step")
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        """True while any sequence waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def _blocks_needed(self, seq: Sequence, end: int) -> int:
+        return max(0, -(-end // self.block_size) - len(seq.block_table))
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        # back in arrival order at the head of the queue
+        pos = 0
+        while pos < len(self.waiting) and self.waiting[pos].arrival < seq.arrival:
+            pos += 1
+        self.waiting.insert(pos, seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark ``seq`` finished with ``reason`` and free its blocks (it leaves every queue)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def schedule(self) -> StepPlan:
+        """Plan the next step (see the module docstring)."""
+        budget = self.max_num_batched_tokens
+        decodes: list[ScheduledChunk] = []
+        prefills: list[ScheduledChunk] = []
+        preempted: list[Sequence] = []
+        finished: list[Sequence] = []
+        queue = list(self.running)
+        kept: list[Sequence] = []
+        while queue:
+            seq = queue.pop(0)
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if n == 0:
+                kept.append(seq)
+                continue
+            need = self._blocks_needed(seq, seq.num_computed + n)
+            while self.allocator.num_free < need and queue:
+                victim = queue.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+            if self.allocator.num_free < need:
+                if kept:
+                    self._preempt(seq)
+                    preempted.append(seq)
+                else:  # alone and still too long for the whole pool
+                    self.finish(seq, "length")
+                    finished.append(seq)
+                continue
+            seq.block_table.extend(self.allocator.allocate(need))
+            chunk = ScheduledChunk(seq, seq.num_computed, n)
+            (decodes if n == 1 else prefills).append(chunk)
+            budget -= n
+            kept.append(seq)
+        self.running = kept
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            need = self._blocks_needed(seq, seq.num_computed + n)
+            if need > self.allocator.num_free:
+                if not self.running and need > self.allocator.capacity:
+                    self.waiting.popleft()
+                    self.finish(seq, "length")
+                    finished.append(seq)
+                    continue
+                break
+            self.waiting.popleft()
+            seq.block_table.extend(self.allocator.allocate(need))
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            (decodes if n == 1 else prefills).append(ScheduledChunk(seq, seq.num_computed, n))
+            budget -= n
+        return StepPlan(tuple(decodes), tuple(prefills), tuple(preempted), tuple(finished))
