@@ -1,0 +1,86 @@
+"""``paged_decode_reference`` (the CPU path of ``paged_decode_attention``) against a naive dense oracle,
+and the argument checks."""
+
+import pytest
+import torch
+
+from epmoe.engine.paged_decode import paged_decode_attention, paged_decode_reference
+
+from .paged_decode_cases import CASES, make_case, naive_dense, rel_err
+
+
+@pytest.mark.parametrize("i", range(len(CASES)))
+def test_reference_matches_dense(i):
+    ctx, h, hkv, dk, dv, bs, opts = CASES[i]
+    c = make_case(i, ctx, h, hkv, dk, dv, bs, **opts)
+    want = naive_dense(c)
+    got = paged_decode_reference(*c.args(), **c.options())
+    assert got.shape == (len(ctx), h, dv) and got.dtype == torch.float32
+    assert rel_err(got, want) < 1e-5
+    for j, n in enumerate(ctx):
+        if n == 0:
+            assert torch.equal(got[j], torch.zeros_like(got[j]))
+    # the public entry point serves CPU tensors with the reference, writing into out
+    out = torch.full_like(got, float("nan"))
+    res = paged_decode_attention(*c.args(), **c.options(), out=out)
+    assert res is out and torch.equal(out, got)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reference_low_precision(dtype):
+    c = make_case(11, [40, 3, 0], 8, 2, 32, 16, 16, window=16, sinks=True, dtype=dtype)
+    got = paged_decode_reference(*c.args(), **c.options())
+    assert got.dtype == dtype
+    assert rel_err(got, naive_dense(c)) < 1e-2
+
+
+def test_sinks_dtype_and_scale():
+    c = make_case(12, [20, 9], 4, 2, 16, 16, 16, sinks=True)
+    c.scale = 0.3
+    c.sinks = c.sinks.to(torch.bfloat16)      # any float dtype; used as given (widened to float32)
+    got = paged_decode_reference(*c.args(), **c.options())
+    assert rel_err(got, naive_dense(c)) < 1e-5
+
+
+def _bad(c, **changes):
+    args = dict(zip(["q", "k_cache", "v_cache", "block_tables", "context_lens", "scale"], c.args(), strict=True))
+    args.update(c.options())
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize("name,change,match", [
+    ("q", lambda c: c.q[0], r"q must be \[B, H, Dk\]"),
+    ("q", lambda c: c.q.double(), "q must be float32"),
+    ("q", lambda c: c.q.transpose(1, 2).contiguous().transpose(1, 2), "q must be contiguous along its last dim"),
+    ("q", lambda c: c.q[:, :3], "head count must be a positive multiple"),
+    ("k_cache", lambda c: c.k_cache[0], r"k_cache must be \[NB, BS, Hkv, D\]"),
+    ("k_cache", lambda c: c.k_cache.half(), "k_cache must have q's dtype"),
+    ("k_cache", lambda c: c.k_cache[..., :8], "k_cache"),
+    ("v_cache", lambda c: c.v_cache[:, :4], "v_cache must be"),
+    ("v_cache", lambda c: c.v_cache.transpose(0, 1), "v_cache must be"),
+    ("block_tables", lambda c: c.block_tables.long(), "block_tables must be int32"),
+    ("block_tables", lambda c: c.block_tables[:1], r"block_tables must be \[B, MB\]"),
+    ("block_tables", lambda c: c.block_tables[:, :0], r"block_tables must be \[B, MB\]"),
+    ("context_lens", lambda c: c.context_lens.long(), "context_lens must be int32"),
+    ("context_lens", lambda c: c.context_lens[:1], r"context_lens must be \[B\]"),
+    ("scale", lambda c: float("nan"), "scale must be a finite real"),
+    ("scale", lambda c: torch.tensor(1.0), "scale must be a finite real"),
+    ("sliding_window", lambda c: 0, "sliding_window must be None or a positive int"),
+    ("chunk_size", lambda c: 2.5, "chunk_size must be None or a positive int"),
+    ("sinks", lambda c: torch.zeros(3), r"sinks must be None or a \[H\]"),
+    ("sinks", lambda c: torch.zeros(4, dtype=torch.int32), "sinks must have a float dtype"),
+    ("out", lambda c: torch.empty(2, 4, 15), r"out must be None or a \[B, H, Dv\]"),
+    ("out", lambda c: torch.empty(2, 4, 16, dtype=torch.float16), "out must have q's dtype"),
+])
+@pytest.mark.parametrize("fn", [paged_decode_attention, paged_decode_reference])
+def test_bad_arguments(fn, name, change, match):
+    c = make_case(13, [20, 9], 4, 2, 16, 16, 16)
+    with pytest.raises(ValueError, match=match):
+        fn(**_bad(c, **{name: change(c)}))
+
+
+def test_non_tensor_argument():
+    c = make_case(14, [5], 4, 2, 16, 16, 16)
+    with pytest.raises(TypeError, match="block_tables must be a torch.Tensor"):
+        paged_decode_attention(c.q, c.k_cache, c.v_cache, [[0]], c.context_lens, c.scale)
