@@ -60,6 +60,8 @@ class AttnBatch:
         block_tables: ``[num_decode, max_blocks]`` int32.
         context_lens: ``[num_decode]`` int32 keys of each row, its own included.
         prefills: the multi-token chunks.
+        workspace: float32 scratch of the decode kernel's split-K inside a graph (``None`` in eager steps,
+            which let the kernel allocate its own).
     """
 
     kv: KVCache
@@ -68,6 +70,7 @@ class AttnBatch:
     block_tables: torch.Tensor
     context_lens: torch.Tensor
     prefills: tuple[PrefillChunk, ...] = ()
+    workspace: torch.Tensor | None = None
 
 
 def _chunk_size(module) -> int | None:
@@ -96,9 +99,9 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos
     """
     n, h, _ = q.shape
     ctx, hkv = k.shape[0], k.shape[1]
-    qh = q.transpose(0, 1)  # [H, n, Dk]
-    kh = k.transpose(0, 1).repeat_interleave(h // hkv, dim=0)
-    vh = v.transpose(0, 1).repeat_interleave(h // hkv, dim=0)
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, Dk]: 4-D, so SDPA can pick its fused kernels
+    kh = k.transpose(0, 1).unsqueeze(0)
+    vh = v.transpose(0, 1).unsqueeze(0)
     qpos = torch.arange(start_pos, start_pos + n, device=q.device).unsqueeze(1)
     kpos = torch.arange(ctx, device=q.device).unsqueeze(0)
     allowed = kpos <= qpos
@@ -107,11 +110,15 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos
     if chunk_size is not None:
         allowed &= (kpos // chunk_size) == (qpos // chunk_size)
     if sinks is None:
+        gqa = h != hkv
         if start_pos == 0 and sliding_window is None and chunk_size is None:
-            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale)
-        return out.transpose(0, 1)
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+        return out[0].transpose(0, 1)
+    kh = kh[0].repeat_interleave(h // hkv, dim=0)
+    vh = vh[0].repeat_interleave(h // hkv, dim=0)
+    qh = qh[0]
     logits = torch.matmul(qh.float(), kh.float().transpose(1, 2)) * scale
     logits = logits.masked_fill(~allowed, float("-inf"))
     sink = sinks.float().reshape(h, 1, 1).expand(h, n, 1)
@@ -160,8 +167,12 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     nd = batch.num_decode
     if nd:
-        paged_decode_attention(q[:nd], kc, vc, batch.block_tables, batch.context_lens, scale,
-                               sliding_window=sliding_window, chunk_size=chunk, sinks=s_aux, out=out[:nd])
+        opts = dict(sliding_window=sliding_window, chunk_size=chunk, sinks=s_aux)
+        if batch.workspace is not None:  # graph capture: write in place, split-K in the given scratch
+            paged_decode_attention(q[:nd], kc, vc, batch.block_tables, batch.context_lens, scale, **opts,
+                                   out=out[:nd], workspace=batch.workspace)
+        else:
+            out[:nd] = paged_decode_attention(q[:nd], kc, vc, batch.block_tables, batch.context_lens, scale, **opts)
     bs = batch.kv.block_size
     for p in batch.prefills:
         ctx = p.start_pos + p.q_len

@@ -10,6 +10,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PARALLEL_MODES = ("ep",)
+GRAPH_SAFE_BACKENDS = ("triton",)  # the reference backend reads the routing on the host
 
 
 def _positive(name: str, value: object) -> None:
@@ -125,6 +126,12 @@ class EngineConfig:
                              "eager steps need 'all_to_all' (or 'local' on one rank)")
         if self.expert_backend not in EXPERT_BACKENDS:
             raise ValueError(f"expert_backend {self.expert_backend!r} is not one of {sorted(EXPERT_BACKENDS)}")
+        if self.use_graphs and (self.expert_backend not in GRAPH_SAFE_BACKENDS or self.dtype == "float32"):
+            raise ValueError(
+                f"CUDA-graph decode needs a graph-safe expert backend {GRAPH_SAFE_BACKENDS} in bfloat16 or float16; "
+                f"got expert_backend {self.expert_backend!r} with dtype {self.dtype!r}: change them, or set "
+                f"enforce_eager to run every step eagerly"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

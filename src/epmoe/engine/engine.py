@@ -32,6 +32,7 @@ from ..placement import ExpertPlacement
 from ..spec import language_model_config, load_moe_spec, read_config
 from .attention import register_attention
 from .config import EngineConfig
+from .fused_norm import fuse_norms
 from .kv_cache import BlockAllocator, KVCache, KVLayout, blocks_for_memory
 from .model_runner import ModelRunner, graph_buckets
 from .request import RequestOutput, Sequence
@@ -126,6 +127,8 @@ class Engine:
             device=self.device, load_format=config.load_format, attn_implementation=register_attention(),
             seed=config.seed,
         )
+        if self.device.type == "cuda":
+            fuse_norms(self.ep_model.model)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_ids = _eos_ids(config.model, self.tokenizer)
         self.vocab_size = self.spec.vocab_size

@@ -17,6 +17,7 @@ from torch import nn
 
 from .attention import AttnBatch, PrefillChunk
 from .kv_cache import KVCache
+from .paged_decode import paged_decode_splits, paged_decode_workspace
 from .scheduler import StepPlan
 
 
@@ -151,6 +152,18 @@ class ModelRunner:
         g.graph.replay()
         return g.logits[:n].float()
 
+    def _workspace(self, sizes: list[int]) -> torch.Tensor:
+        """Split-K scratch of the decode kernel for the largest need over ``sizes``, shared by every
+        bucket's graph (graphs never run at once)."""
+        heads = self.model.config.num_attention_heads
+        k0, v0 = self.kv.k[0], self.kv.v[0]
+        need = 1
+        for bs in sizes:
+            q = torch.empty(bs, heads, k0.shape[-1], dtype=k0.dtype, device=self.device)
+            tables = torch.empty(bs, self.max_blocks, dtype=torch.int32, device=self.device)
+            need = max(need, paged_decode_workspace(q, v0, paged_decode_splits(q, k0, tables)).numel())
+        return torch.empty(need, dtype=torch.float32, device=self.device)
+
     @torch.no_grad()
     def capture(self, sizes: list[int], before_capture=None) -> None:
         """Capture one decode-step graph per batch size (largest first, sharing one memory pool).
@@ -161,6 +174,7 @@ class ModelRunner:
                 layers to a fixed-capacity dispatcher of that size there).
         """
         dev = self.device
+        workspace = self._workspace(sizes) if sizes else None
         for bs in sorted(sizes, reverse=True):
             if before_capture is not None:
                 before_capture(bs)
@@ -169,7 +183,7 @@ class ModelRunner:
             slot_mapping = torch.zeros(bs, dtype=torch.int64, device=dev)
             block_tables = torch.zeros(bs, self.max_blocks, dtype=torch.int32, device=dev)
             context_lens = torch.zeros(bs, dtype=torch.int32, device=dev)
-            batch = AttnBatch(self.kv, slot_mapping, bs, block_tables, context_lens)
+            batch = AttnBatch(self.kv, slot_mapping, bs, block_tables, context_lens, workspace=workspace)
             stream = torch.cuda.Stream(device=dev)
             stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream):

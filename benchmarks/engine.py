@@ -1,0 +1,252 @@
+"""The engine end to end on one GPU: decode step time (TPOT) and TTFT against the floor and against
+transformers' own ``generate`` on the same model, in the same run.
+
+    python benchmarks/engine.py [--models qwen3-30b-a3b,deepseek-v3] [--batches 1,8,64,256]
+                                [--peer static|eager|none] [--out DIR]
+
+Models are ``data/configs`` files at full width with dummy weights (``--load-format dummy``);
+DeepSeek-V3 keeps as many layers as fit (``--deepseek-layers``). Per batch size: every request gets a
+128-token prompt; once all are decoding, ``--steps`` engine steps are timed (wall clock, host work
+included). The floor of a step is max(bytes it must read / measured copy bandwidth, FLOPs / measured
+bf16 matmul rate): the weights of the non-expert layers, the experts its tokens touch (expected number
+under uniform routing, which random router weights give), and the KV cache it attends over. TTFT: one
+request of 1k and 4k tokens, against the FLOP floor of its prefill. Writes ``engine_<gpu>.json`` under
+``--out`` and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from epmoe.engine import Engine, EngineConfig, SamplingParams
+from epmoe.spec import load_moe_spec
+
+CONFIGS = Path(__file__).resolve().parents[1] / "data" / "configs"
+PROMPT = 128
+
+
+def ceilings() -> dict:
+    """Copy bandwidth (bytes read + written per s) and bf16 matmul rate (FLOP/s)."""
+    from triton.testing import do_bench
+
+    n = 1 << 30
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    bw = 2 * n * 2 / (ms * 1e-3)
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
+    return {"copy_bytes_per_s": bw, "bf16_flop_per_s": 2 * 8192**3 / (ms * 1e-3)}
+
+
+def checkpoint(name: str, layers: int | None, root: Path) -> Path:
+    """A directory holding only the model's config.json (optionally cut to ``layers`` decoder layers)."""
+    cfg = json.loads((CONFIGS / f"{name}.config.json").read_text())
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def weight_bytes(engine: Engine) -> dict:
+    """Bytes of the weights a decode step reads in full, and of one routed expert."""
+    model = engine.ep_model.model
+    expert_params = {id(p) for layer in engine.ep_model.moe_layers for p in layer.experts.parameters()}
+    embed = model.get_input_embeddings().weight
+    dense = sum(p.numel() * p.element_size() for p in model.parameters()
+                if id(p) not in expert_params and p is not embed)
+    if model.get_output_embeddings().weight is embed:
+        dense += embed.numel() * embed.element_size()
+    layer = engine.ep_model.moe_layers[0]
+    one = sum(p[0].numel() * p.element_size() for p in layer.experts.parameters())
+    return {"dense": dense, "expert": one, "embed_row": embed[0].numel() * embed.element_size()}
+
+
+def decode_floor(engine: Engine, wb: dict, bs: int, ctx: float, ceil: dict) -> dict:
+    spec = engine.spec
+    e, k = spec.num_experts, spec.top_k
+    touched = e * (1 - (1 - k / e) ** bs)
+    kv = bs * ctx * engine.kv.layout.bytes_per_token(engine.config.torch_dtype)
+    nbytes = wb["dense"] + spec.num_moe_layers * touched * wb["expert"] + kv + bs * wb["embed_row"]
+    active = wb["dense"] / 2 + spec.num_moe_layers * k * wb["expert"] / 2
+    flops = 2 * active * bs
+    return {"floor_bytes": nbytes, "floor_flops": flops, "experts_touched_per_layer": touched,
+            "floor_ms": max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["bf16_flop_per_s"]) * 1e3}
+
+
+def kernel_profile(engine: Engine, steps: int) -> list[dict]:
+    """CUDA kernels of ``steps`` engine steps, by total time (us per step), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        dev_us = getattr(ev, "device_time_total", 0.0)
+        if dev_us > 0:
+            rows.append({"kernel": ev.key[:90], "us_per_step": dev_us / steps, "calls_per_step": ev.count / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows
+
+
+def time_decode(engine: Engine, bs: int, steps: int, vocab: int, profile_steps: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(bs)
+    params = SamplingParams(temperature=0, max_tokens=steps + profile_steps + 8, ignore_eos=True)
+    for _ in range(bs):
+        engine.add_request(torch.randint(0, vocab, (PROMPT,), generator=gen).tolist(), params)
+    while any(s.num_computed < len(s.prompt_token_ids) or not s.output_token_ids for s in engine._seqs.values()):
+        engine.step()
+    before = dict(engine.stats)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) * 1e3 / steps
+    graph = engine.stats["graph_steps"] - before["graph_steps"]
+    kernels = kernel_profile(engine, profile_steps) if profile_steps else []
+    while engine.has_unfinished():
+        engine.step()
+    return {"tpot_ms": ms, "graph_steps": graph, "ctx": PROMPT + 4 + steps / 2, "kernels": kernels}
+
+
+def time_ttft(engine: Engine, tokens: int, vocab: int) -> float:
+    ids = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(tokens)).tolist()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.add_request(ids, SamplingParams(temperature=0, max_tokens=1))
+    while engine.has_unfinished():
+        engine.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def peer(model_dir: Path, batches: list[int], mode: str, steps: int) -> dict:
+    """transformers' generate on the same architecture (its own random init, same sizes): ms per new token
+    from two generation lengths (``mode`` static: static cache, which transformers compiles)."""
+    from transformers import AutoModelForCausalLM
+
+    from epmoe.models.hf import hf_config
+
+    config = hf_config(str(model_dir))
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    out = {}
+    for bs in batches:
+        ids = torch.randint(0, config.vocab_size, (bs, PROMPT), device="cuda")
+        kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+        if mode == "static":
+            kw["cache_implementation"] = "static"
+        try:
+            def run(n: int) -> float:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+                torch.cuda.synchronize()
+                return time.perf_counter() - t0
+            run(4)
+            run(4 + steps)
+            out[bs] = (run(4 + steps) - run(4)) * 1e3 / steps
+        except Exception as exc:  # noqa: BLE001 - report the peer's failure and go on
+            out[bs] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="qwen3-30b-a3b,deepseek-v3")
+    ap.add_argument("--batches", default="1,8,64,256")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--ttft", default="1024,4096")
+    ap.add_argument("--deepseek-layers", type=int, default=7)
+    ap.add_argument("--peer", choices=("static", "eager", "none"), default="static")
+    ap.add_argument("--peer-batches", default="1,8,64,256")
+    ap.add_argument("--profile", default="", help="batch sizes whose kernels are profiled, e.g. 1,64")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    ceil = ceilings()
+    print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s",
+          flush=True)
+    root = Path(tempfile.mkdtemp())
+    rows = []
+    result = {"gpu": torch.cuda.get_device_name(), "ceilings": ceil, "models": {}}
+    for name in args.models.split(","):
+        layers = args.deepseek_layers if name.startswith("deepseek") else None
+        d = checkpoint(name, layers, root)
+        spec = load_moe_spec(str(d))
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        engine = Engine(EngineConfig(model=str(d), dtype="bfloat16", device="cuda", expert_backend="triton",
+                                     load_format="dummy", max_num_seqs=max(batches), max_model_len=8192,
+                                     cuda_graph_max_bs=max(batches)))
+        start_s = time.perf_counter() - t0
+        wb = weight_bytes(engine)
+        kv = engine.kv_report(4096)
+        print(f"{name}: engine start {start_s:.1f} s, KV {kv}", flush=True)
+        m = {"layers": engine.ep_model.model.config.num_hidden_layers, "start_s": start_s, "kv": kv,
+             "weights": wb, "rows": {}}
+        for bs in batches:
+            prof = 5 if str(bs) in args.profile.split(",") else 0
+            r = time_decode(engine, bs, args.steps, spec.vocab_size, prof)
+            r.update(decode_floor(engine, wb, bs, r["ctx"], ceil))
+            r["ratio_to_floor"] = r["tpot_ms"] / r["floor_ms"]
+            m["rows"][bs] = r
+            print(f"  bs {bs}: TPOT {r['tpot_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms, "
+                  f"graph steps {r['graph_steps']}", flush=True)
+            for k in r["kernels"][:14]:
+                print(f"    {k['us_per_step']:9.1f} us {k['calls_per_step']:6.1f}x  {k['kernel']}")
+        m["ttft"] = {}
+        for n in [int(x) for x in args.ttft.split(",") if x]:
+            ms = time_ttft(engine, n, spec.vocab_size)
+            active = wb["dense"] / 2 + spec.num_moe_layers * spec.top_k * wb["expert"] / 2
+            cfg = engine.ep_model.model.config
+            heads = cfg.num_attention_heads
+            dk, dv = engine.kv.layout.k_head_dim, engine.kv.layout.v_head_dim
+            flops = 2 * active * n + 2 * cfg.num_hidden_layers * heads * (dk + dv) * n * n / 2
+            floor = flops / ceil["bf16_flop_per_s"] * 1e3
+            m["ttft"][n] = {"ms": ms, "floor_ms": floor, "ratio": ms / floor}
+            print(f"  ttft {n}: {ms:.1f} ms, floor {floor:.1f} ms", flush=True)
+        m["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+        if args.peer != "none":
+            pb = [int(b) for b in args.peer_batches.split(",")]
+            m["peer"] = {"mode": args.peer, "tpot_ms": peer(d, pb, args.peer, 16)}
+            print(f"  peer: {m['peer']}", flush=True)
+        result["models"][name] = m
+        for bs, r in m["rows"].items():
+            p = m.get("peer", {}).get("tpot_ms", {}).get(bs)
+            rows.append((name, bs, r["tpot_ms"], r["floor_ms"], r["ratio_to_floor"], p))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name().split()[-1].lower()
+    (out / f"engine_{gpu}.json").write_text(json.dumps(result, indent=2, default=str))
+    shutil.rmtree(root, ignore_errors=True)
+    print(f"\n{'model':16} {'bs':>4} {'TPOT ms':>9} {'floor ms':>9} {'ratio':>6} {'peer ms':>9} {'peer/ours':>9}")
+    for name, bs, t, f, ratio, p in rows:
+        ps = f"{p:9.2f}" if isinstance(p, float) else f"{str(p)[:9]:>9}"
+        speed = f"{p / t:9.2f}" if isinstance(p, float) else f"{'':>9}"
+        print(f"{name:16} {bs:4d} {t:9.2f} {f:9.2f} {ratio:6.2f} {ps} {speed}")
+
+
+if __name__ == "__main__":
+    main()
