@@ -14,6 +14,8 @@ from epmoe.models.tiny import TINY_FAMILIES
 from epmoe.placement import ExpertPlacement
 from epmoe.runtime.launch import RankInfo, init_group, spawn
 
+from .hf_greedy import hf_greedy
+
 FAMILIES = sorted(TINY_FAMILIES)
 # (layout, redundant slots per rank, replica policy)
 VARIANTS = [("contiguous", 0, "static"), ("round_robin", 0, "static"), ("round_robin", 1, "round_robin")]
@@ -23,7 +25,6 @@ def _check_family(directory: str, comm: Comm, layout: str, redundant_per_rank: i
     from transformers import AutoModelForCausalLM
 
     from epmoe.models.hf import load_ep_model
-    from epmoe.runtime.generate import greedy_generate
     from epmoe.spec import load_moe_spec
 
     spec = load_moe_spec(directory)
@@ -39,8 +40,8 @@ def _check_family(directory: str, comm: Comm, layout: str, redundant_per_rank: i
         ours = ep.model(ids).logits
         theirs = ref(ids).logits
     prompts = [ids[0].tolist(), ids[1, :4].tolist()]
-    got = greedy_generate(ep.model, prompts, 4, pad_id=258, idle_step=ep.idle_step).tokens
-    want = greedy_generate(ref, prompts, 4, pad_id=258).tokens
+    got = hf_greedy(ep.model, prompts, 4, 258)
+    want = hf_greedy(ref, prompts, 4, 258)
     held = ep.expert_bytes / ep.full_expert_bytes
     return {"rel_err": float((ours - theirs).norm() / theirs.norm()), "tokens_equal": got == want, "held": held}
 

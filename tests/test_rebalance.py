@@ -12,6 +12,8 @@ from epmoe.runtime import rebalance
 from epmoe.runtime.launch import RankInfo, init_group, spawn
 from epmoe.runtime.run import RunConfig, run_job
 
+from .hf_greedy import hf_greedy
+
 
 def test_rebalance_mid_generation_keeps_tokens(tiny_checkpoints):
     report = run_job(RunConfig(model=str(tiny_checkpoints("kimi-k2.5")), ep=2, redundant=2, max_new_tokens=7,
@@ -32,7 +34,6 @@ def _worker(info: RankInfo, directory: str, fail_rank: int, where: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from epmoe.models.hf import load_ep_model
-    from epmoe.runtime.generate import greedy_generate
 
     comm = Comm(init_group(info, "cpu"))
     old = ExpertPlacement.trivial(2, 16, 2, num_redundant=2)
@@ -49,12 +50,12 @@ def _worker(info: RankInfo, directory: str, fail_rank: int, where: str) -> dict:
     same_weights = all(torch.equal(a, b) for a, b in zip(before, _snapshot(ep)))
     prompts = [[72, 101, 108, 108, 111 + comm.rank]]
     ref = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    want = greedy_generate(ref, prompts, 5, pad_id=258).tokens
-    after_failure = greedy_generate(ep.model, prompts, 5, pad_id=258, idle_step=ep.idle_step).tokens
+    want = hf_greedy(ref, prompts, 5, 258)
+    after_failure = hf_greedy(ep.model, prompts, 5, 258)
     # the same move without the fault commits, and serving stays exact
     setattr(rebalance, where, original)
     ok = rebalance.migrate(ep, new, epoch=2, timeout_s=20)
-    after_commit = greedy_generate(ep.model, prompts, 5, pad_id=258, idle_step=ep.idle_step).tokens
+    after_commit = hf_greedy(ep.model, prompts, 5, 258)
     held = [layer.local_experts.tolist() for layer in ep.moe_layers]
     torch.distributed.destroy_process_group()
     return {"failed": failed, "kept": kept, "same_weights": same_weights, "want": want,

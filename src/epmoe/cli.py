@@ -11,9 +11,10 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "run",
         help="generate with an expert-parallel model across ranks and check it against transformers",
-        description="Start EP ranks (or join torchrun's), load each rank's experts from a Hugging Face "
-        "checkpoint, generate greedily and compare with the unsharded transformers model. With no "
-        "--model, a small checkpoint of the Kimi-K2.5 architecture is built once and cached.",
+        description="Start EP ranks (or join torchrun's), start the engine on each (its experts from a Hugging "
+        "Face checkpoint, a paged KV cache, CUDA graphs on GPUs), generate with continuous batching and compare "
+        "with the unsharded transformers model. With no --model, a small checkpoint of the Kimi-K2.5 "
+        "architecture is built once and cached.",
     )
     p.add_argument("--model", metavar="DIR", help="local Hugging Face MoE checkpoint (default: built-in small Kimi-K2.5)")
     p.add_argument("--ep", type=int, default=2, help="EP ranks to spawn (default 2; torchrun sets its own)")
@@ -23,15 +24,32 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layout", choices=("contiguous", "round_robin"), default="contiguous",
                    help="default placement layout")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable; default: built-in prompts)")
-    p.add_argument("--max-new-tokens", type=int, default=8, help="tokens to generate per prompt (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=8, help="most tokens to generate per prompt (default 8)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    p.add_argument("--dispatcher", default="all_to_all",
-                   help="all_to_all (default), fixed_capacity (static shapes, CUDA-graph safe) or local (EP 1)")
-    p.add_argument("--expert-backend", default="reference",
-                   help="reference (default), triton (CUDA; reference on CPU) or grouped_mm")
+    p.add_argument("--dispatcher", default=None,
+                   help="dispatcher of eager steps: all_to_all (default on several ranks) or local (EP 1); "
+                   "CUDA-graph decode steps use fixed_capacity on several ranks")
+    p.add_argument("--expert-backend", default=None,
+                   help="triton (default on CUDA), reference (default on CPU) or grouped_mm")
     p.add_argument("--no-reference", action="store_true", help="skip the unsharded transformers comparison")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once per rank")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="most tokens per step per rank; longer prompts are prefilled in chunks")
+    p.add_argument("--request-rate", type=float, default=None, metavar="R",
+                   help="prompts arrive at R per second on each rank (default: all at once)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (the same tokens on rerun)")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=256,
+                   help="largest decode batch replayed as one CUDA graph (default 256)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="dummy: random weights at the size of config.json (no reference check)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
+                   help="KV cache blocks per layer (default: sized from memory)")
     p.add_argument("--eplb-interval", type=int, default=0, metavar="STEPS",
-                   help="rebalance experts live every STEPS decode steps from the recorded loads (default 0: never)")
+                   help="rebalance experts live every STEPS engine steps from the recorded loads (default 0: never)")
     p.add_argument("--max-moves", type=int, default=None, metavar="M",
                    help="most expert copies one live rebalance may move")
     p.add_argument("--json", metavar="FILE", nargs="?", const="-", help="write the report as JSON (to stdout with no FILE)")
@@ -48,7 +66,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         model=args.model, ep=args.ep, device=args.device, placement=args.placement, redundant=args.redundant,
         layout=args.layout, prompts=tuple(args.prompt), max_new_tokens=args.max_new_tokens, dtype=args.dtype,
         dispatcher=args.dispatcher, expert_backend=args.expert_backend, reference=not args.no_reference,
-        eplb_interval=args.eplb_interval, eplb_max_moves=args.max_moves,
+        eplb_interval=args.eplb_interval, eplb_max_moves=args.max_moves, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, request_rate=args.request_rate,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        cuda_graph_max_bs=args.cuda_graph_max_bs, enforce_eager=args.enforce_eager, load_format=args.load_format,
+        num_kv_blocks=args.num_kv_blocks,
     ))
     if report is None:  # a non-zero torchrun rank: rank 0 prints
         return 0

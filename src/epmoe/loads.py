@@ -44,6 +44,17 @@ class ExpertLoadRecorder:
         # Column P collects the -1 (no slot) entries and is never read.
         self._counts = torch.zeros(window, num_layers, num_slots + 1, dtype=torch.int64, device=device)
         self._pos = torch.zeros(1, dtype=torch.int64, device=device)
+        self._row_mask: torch.Tensor | None = None
+
+    def mask_rows(self, row_mask: torch.Tensor | None) -> None:
+        """Count only the rows ``row_mask`` marks (the engine's CUDA-graph batches carry padding rows).
+
+        Args:
+            row_mask: ``[T]`` int64, 1 = a real token, 0 = padding; read by every later ``record`` of ``T``
+                rows (also inside a CUDA graph, which captures the tensor, not its values); ``None`` =
+                every row counts.
+        """
+        self._row_mask = row_mask
 
     def record(self, layer_index: int, topk_slots: torch.Tensor) -> None:
         """Add one forward's routing to the current step.
@@ -60,7 +71,12 @@ class ExpertLoadRecorder:
         flat = topk_slots.reshape(-1)
         idx = torch.where(flat >= 0, flat, self.num_slots)
         offset = (self._pos * self.num_layers + layer_index) * (self.num_slots + 1)
-        self._counts.view(-1).scatter_add_(0, idx + offset, torch.ones_like(idx))
+        mask = self._row_mask
+        if mask is not None and mask.shape[0] == topk_slots.shape[0]:
+            ones = mask.unsqueeze(1).expand(topk_slots.shape).reshape(-1)
+        else:
+            ones = torch.ones_like(idx)
+        self._counts.view(-1).scatter_add_(0, idx + offset, ones)
 
     def step(self) -> None:
         """Advance the window: the oldest step is cleared and receives the next records."""
@@ -70,6 +86,10 @@ class ExpertLoadRecorder:
     def reset(self) -> None:
         """Clear every step (e.g. after the placement changed)."""
         self._counts.zero_()
+
+    def current_counts(self) -> torch.Tensor:
+        """``[L, P]`` int64 tokens per physical slot recorded since the last ``step()``."""
+        return self._counts.index_select(0, self._pos)[0, :, : self.num_slots]
 
     def slot_counts(self) -> torch.Tensor:
         """``[L, P]`` int64 tokens per physical slot over the window, this process only."""

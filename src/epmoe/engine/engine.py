@@ -70,7 +70,9 @@ def load_tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def _eos_ids(model_dir: str, tokenizer) -> frozenset[int]:
+def eos_token_ids(model_dir: str, tokenizer) -> frozenset[int]:
+    """The end-of-sequence token ids of the checkpoint: its config's ``eos_token_id`` (one or a list) and the
+    tokenizer's."""
     raw = language_model_config(read_config(model_dir)[0])
     ids: set[int] = set()
     for source in (raw.get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)):
@@ -130,7 +132,7 @@ class Engine:
         if self.device.type == "cuda":
             fuse_norms(self.ep_model.model)
         self.tokenizer = load_tokenizer(config.model)
-        self.eos_ids = _eos_ids(config.model, self.tokenizer)
+        self.eos_ids = eos_token_ids(config.model, self.tokenizer)
         self.vocab_size = self.spec.vocab_size
         layout = KVLayout.from_config(self.ep_model.model.config)
         num_blocks = self._num_kv_blocks(layout)
@@ -145,6 +147,8 @@ class Engine:
         self._counter = itertools.count()
         self.num_steps = 0
         self.last_step_busy = False
+        self.slot_totals = torch.zeros(self.spec.num_moe_layers, self.placement.num_slots, dtype=torch.int64,
+                                       device=self.device)
         self.stats = {"eager_steps": 0, "graph_steps": 0, "idle_steps": 0, "preemptions": 0}
         self.eplb = None
         if config.eplb_interval:
@@ -181,7 +185,8 @@ class Engine:
         comm, slots = self.comm, self.placement.slots_per_rank
         from ..dispatch import make_dispatcher
 
-        def before(bs: int) -> None:
+        def before(bs: int, valid_rows: torch.Tensor) -> None:
+            self.recorder.mask_rows(valid_rows)
             for layer in self.ep_model.moe_layers:
                 layer.set_dispatcher(make_dispatcher("local", comm, slots) if comm.size == 1 else
                                      make_dispatcher("fixed_capacity", comm, slots, capacity=bs))
@@ -191,6 +196,7 @@ class Engine:
             raise ValueError(f"cuda_graph_max_bs {self.config.cuda_graph_max_bs}: capturing the decode graphs "
                              f"ran out of GPU memory; lower it or mem_fraction_static") from None
         finally:
+            self.recorder.mask_rows(None)
             for layer in self.ep_model.moe_layers:
                 layer.set_dispatcher(make_dispatcher(self.eager_dispatcher, comm, slots))
 
@@ -324,6 +330,7 @@ class Engine:
             self.stats["graph_steps" if bucket is not None else "eager_steps"] += 1
             outputs += self._advance(plan, logits)
         self.num_steps += 1
+        self.slot_totals += self.recorder.current_counts()
         self.recorder.step()
         if self.eplb is not None and self.num_steps % self.eplb.interval == 0:
             self.eplb.on_step(self.num_steps)
@@ -382,7 +389,7 @@ class Engine:
     # ---- offline ----------------------------------------------------------------------------------
 
     def generate(self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
-                 arrival_steps: Seq[int] | None = None,
+                 arrival_times: Seq[float] | None = None,
                  on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; returns the final outputs in prompt order.
 
@@ -392,27 +399,31 @@ class Engine:
         Args:
             prompts: texts or token-id lists.
             params: one ``SamplingParams`` for all, or one per prompt.
-            arrival_steps: per prompt, the step at which it is added (staggered arrivals); ``None`` = all
-                at once.
+            arrival_times: per prompt, seconds after the call at which it is added (staggered arrivals,
+                as with a request rate); ``None`` = all at once.
             on_output: called with every step output (progress bars, streaming).
 
         Raises:
-            ValueError: a bad prompt or option (before any request is queued), lengths that differ.
+            ValueError: a bad prompt, option or arrival time (before any request is queued), or lengths
+                that differ.
         """
         n = len(prompts)
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * n
-        arrivals = list(arrival_steps) if arrival_steps is not None else [0] * n
+        arrivals = [float(t) for t in arrival_times] if arrival_times is not None else [0.0] * n
         if len(plist) != n or len(arrivals) != n:
-            raise ValueError(f"{n} prompts need as many params ({len(plist)}) and arrival steps ({len(arrivals)})")
+            raise ValueError(f"{n} prompts need as many params ({len(plist)}) and arrival times ({len(arrivals)})")
+        if any(not t >= 0 for t in arrivals):
+            raise ValueError(f"arrival times must be non-negative seconds, got {arrivals}")
         for p in prompts:
             self.encode(p)
         order = sorted(range(n), key=lambda i: arrivals[i])
         ids: list[str | None] = [None] * n
         results: dict[str, RequestOutput] = {}
-        step = 0
+        start = time.perf_counter()
         nxt = 0
         while True:
-            while nxt < n and arrivals[order[nxt]] <= step:
+            now = time.perf_counter() - start
+            while nxt < n and arrivals[order[nxt]] <= now:
                 i = order[nxt]
                 ids[i] = self.add_request(prompts[i], plist[i])
                 nxt += 1
@@ -421,7 +432,6 @@ class Engine:
                     on_output(out)
                 if out.finished:
                     results[out.request_id] = out
-            step += 1
             if not self.last_step_busy:
                 break
         return [results[r] for r in ids]

@@ -46,6 +46,7 @@ class _Graph:
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     context_lens: torch.Tensor
+    valid_rows: torch.Tensor
     logits: torch.Tensor
 
 
@@ -149,6 +150,8 @@ class ModelRunner:
                               (g.block_tables, tables), (g.context_lens, ctx)):
             static[:n].copy_(value, non_blocking=True)
             static[n:].zero_()
+        g.valid_rows[:n].fill_(1)
+        g.valid_rows[n:].zero_()
         g.graph.replay()
         return g.logits[:n].float()
 
@@ -170,14 +173,16 @@ class ModelRunner:
 
         Args:
             sizes: batch sizes to capture.
-            before_capture: called with the batch size before each capture (the engine switches the MoE
-                layers to a fixed-capacity dispatcher of that size there).
+            before_capture: called with the batch size and the graph's ``[bs]`` int64 row mask (1 = real
+                row, 0 = padding; set before every replay) before each capture: the engine switches the MoE
+                layers to a fixed-capacity dispatcher of that size and masks the load recorder there.
         """
         dev = self.device
         workspace = self._workspace(sizes) if sizes else None
         for bs in sorted(sizes, reverse=True):
+            valid_rows = torch.zeros(bs, dtype=torch.int64, device=dev)
             if before_capture is not None:
-                before_capture(bs)
+                before_capture(bs, valid_rows)
             input_ids = torch.zeros(bs, dtype=torch.int64, device=dev)
             positions = torch.zeros(bs, dtype=torch.int64, device=dev)
             slot_mapping = torch.zeros(bs, dtype=torch.int64, device=dev)
@@ -195,5 +200,6 @@ class ModelRunner:
                 self._pool = torch.cuda.graph_pool_handle()
             with torch.cuda.graph(graph, pool=self._pool):
                 logits = self._forward(input_ids, positions, batch, None)
-            self.graphs[bs] = _Graph(graph, input_ids, positions, slot_mapping, block_tables, context_lens, logits)
+            self.graphs[bs] = _Graph(graph, input_ids, positions, slot_mapping, block_tables, context_lens,
+                                     valid_rows, logits)
         torch.cuda.synchronize(dev)

@@ -263,9 +263,11 @@ def _fill_dummy(name: str, tensor: torch.Tensor, gen: torch.Generator) -> None:
 
 @torch.no_grad()
 def _random_fill(module: nn.Module, gen: torch.Generator) -> None:
-    """Every parameter and buffer of ``module`` gets its dummy value (``_fill_dummy``)."""
+    """Every floating-point parameter and buffer of ``module`` gets its dummy value (``_fill_dummy``); integer
+    buffers (slot tables) are structure, not weights, and stay."""
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        _fill_dummy(name, t, gen)
+        if t.is_floating_point():
+            _fill_dummy(name, t, gen)
 
 
 @torch.no_grad()
@@ -276,8 +278,9 @@ def _materialise_dummy(model: nn.Module, device: torch.device | str, gen: torch.
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if not tensor.is_meta or name.endswith("inv_freq") or (tied and name == "lm_head.weight"):
             continue
-        state[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-        _fill_dummy(name, state[name], gen)
+        state[name] = torch.zeros(tensor.shape, dtype=tensor.dtype, device=device)
+        if tensor.is_floating_point():
+            _fill_dummy(name, state[name], gen)
     model.load_state_dict(state, strict=False, assign=True)
     _finish(model, device, tied, "dummy weights")
 

@@ -1,25 +1,29 @@
 """``epmoe run``: generate with an expert-parallel model across ranks and check it against transformers.
 
 ``run_job(RunConfig)`` is the whole main job: resolve the checkpoint (building the built-in small
-Kimi-K2.5-architecture one on first use), start the EP ranks (``spawn``) or join ``torchrun``'s, load
-each rank's share of the experts, generate greedily in lockstep, run the unsharded transformers model
-on the same prompts, and return a ``RunReport``.
+Kimi-K2.5-architecture one on first use), start the EP ranks (``spawn``) or join ``torchrun``'s, start
+an ``epmoe.engine.Engine`` on each (its share of the experts, a paged KV cache, CUDA graphs on GPUs),
+generate with continuous batching (prompt ``i`` on rank ``i mod N``, arriving at ``--request-rate``),
+run the unsharded transformers model on the same prompts (greedy runs), and return a ``RunReport``.
 """
 
 from __future__ import annotations
 
 import json
 import resource
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..comm import COLLECTIVE_KINDS, Comm
+from ..engine import Engine, EngineConfig, SamplingParams
+from ..engine.config import GRAPH_SAFE_BACKENDS
+from ..engine.engine import load_tokenizer, trivial_or_file_placement
 from ..models.tiny import ensure_default_checkpoint
 from ..placement import ExpertPlacement
 from ..spec import language_model_config, load_moe_spec, read_config
-from .generate import GenerationResult, greedy_generate
 from .launch import RankInfo, init_group, spawn, torchrun_rank_info, under_torchrun
 
 DEFAULT_PROMPTS = (
@@ -43,16 +47,24 @@ class RunConfig:
         redundant: redundant slots per layer for the trivial placement.
         layout: trivial placement layout, ``contiguous`` or ``round_robin``.
         prompts: prompt strings; empty = the built-in ones.
-        max_new_tokens: tokens generated per prompt.
+        max_new_tokens: most tokens generated per prompt (fewer when the model emits EOS).
         dtype: ``float32``, ``bfloat16`` or ``float16``.
-        dispatcher: dispatcher name (``all_to_all``, ``fixed_capacity``; ``local`` for EP 1). The
-            fixed-capacity dispatcher gets the capacity no step can exceed: the most tokens one rank
-            feeds in a step (its prefill batch).
-        expert_backend: expert compute backend name.
-        reference: run the unsharded transformers model and compare tokens.
-        eplb_interval: rebalance every this many decode steps from the recorded loads (0 = never).
+        dispatcher: dispatcher of eager steps (``all_to_all``; ``local`` for EP 1); ``None`` = the
+            engine's choice. Graph-replayed decode steps use ``fixed_capacity`` on several ranks.
+        expert_backend: expert compute backend name; ``None`` = ``triton`` on CUDA, ``reference`` on CPU.
+        reference: run the unsharded transformers model and compare tokens (greedy runs only).
+        eplb_interval: rebalance every this many engine steps from the recorded loads (0 = never).
         eplb_max_moves: most expert copies one rebalance may move (``None`` = as few as reach the target).
         cache_dir: where the built-in checkpoint is cached.
+        max_num_seqs: most sequences running at once per rank.
+        max_num_batched_tokens: most tokens per step per rank (longer prompts are chunked).
+        request_rate: prompts per second arriving on each rank (staggered arrival); ``None`` = all at once.
+        temperature, top_p, top_k, seed: sampling (``temperature`` 0 = greedy, the default).
+        cuda_graph_max_bs: largest decode batch replayed as a CUDA graph.
+        enforce_eager: no CUDA graphs (float32 runs on CUDA are always eager: the graph-safe expert
+            kernels compute in bf16/fp16).
+        load_format: ``auto`` or ``dummy`` (random weights; no reference check).
+        num_kv_blocks: KV blocks per layer (``None`` = sized from memory).
     """
 
     model: str | None = None
@@ -64,15 +76,26 @@ class RunConfig:
     prompts: tuple[str, ...] = ()
     max_new_tokens: int = 8
     dtype: str = "float32"
-    dispatcher: str = "all_to_all"
-    expert_backend: str = "reference"
+    dispatcher: str | None = None
+    expert_backend: str | None = None
     reference: bool = True
     eplb_interval: int = 0
     eplb_max_moves: int | None = None
     cache_dir: str | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    request_rate: float | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    cuda_graph_max_bs: int = 256
+    enforce_eager: bool = False
+    load_format: str = "auto"
+    num_kv_blocks: int | None = None
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad option."""
+        """Raise ``ValueError`` naming the first bad option (the engine checks the rest per rank)."""
         if self.ep < 1:
             raise ValueError(f"--ep must be at least 1, got {self.ep}")
         if self.device not in ("cpu", "cuda"):
@@ -91,12 +114,17 @@ class RunConfig:
             raise ValueError(f"--max-moves must be non-negative, got {self.eplb_max_moves}")
         if self.eplb_max_moves is not None and not self.eplb_interval:
             raise ValueError("--max-moves limits live rebalancing: give --eplb-interval STEPS with it")
+        if self.request_rate is not None and not self.request_rate > 0:
+            raise ValueError(f"--request-rate must be a positive number of requests per second, got {self.request_rate}")
         from ..dispatch import DISPATCHERS
         from ..experts import EXPERT_BACKENDS
 
-        if self.dispatcher not in DISPATCHERS:
+        if self.dispatcher is not None and self.dispatcher not in DISPATCHERS:
             raise ValueError(f"--dispatcher {self.dispatcher!r} is not one of {sorted(DISPATCHERS)}")
-        if self.expert_backend not in EXPERT_BACKENDS:
+        if self.dispatcher == "fixed_capacity":
+            raise ValueError("--dispatcher fixed_capacity is what the engine's CUDA-graph decode steps use on several "
+                             "ranks already; the eager steps need all_to_all (or local on one rank)")
+        if self.expert_backend is not None and self.expert_backend not in EXPERT_BACKENDS:
             raise ValueError(f"--expert-backend {self.expert_backend!r} is not one of {sorted(EXPERT_BACKENDS)}")
         if self.placement is not None and (self.redundant or self.layout != "contiguous"):
             raise ValueError(
@@ -106,6 +134,29 @@ class RunConfig:
             raise ValueError(f"--model {self.model!r} is not a checkpoint directory (config.json + *.safetensors)")
         if any(not p for p in self.prompts):
             raise ValueError("--prompt must not be empty")
+        self.sampling()
+
+    def sampling(self) -> SamplingParams:
+        """The requests' sampling options.
+
+        Raises:
+            ValueError: a bad sampling value (named).
+        """
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                              max_tokens=self.max_new_tokens)
+
+    def engine_config(self, model_dir: str) -> EngineConfig:
+        """The engine's options for ``model_dir``."""
+        backend = self.expert_backend or ("triton" if self.device == "cuda" else "reference")
+        eager = self.enforce_eager or self.dtype == "float32" or backend not in GRAPH_SAFE_BACKENDS
+        return EngineConfig(
+            model=model_dir, dtype=self.dtype, device=self.device, placement=self.placement,
+            redundant=self.redundant, layout=self.layout, dispatcher=self.dispatcher, expert_backend=backend,
+            load_format=self.load_format, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, num_kv_blocks=self.num_kv_blocks,
+            cuda_graph_max_bs=self.cuda_graph_max_bs, enforce_eager=eager, eplb_interval=self.eplb_interval,
+            eplb_max_moves=self.eplb_max_moves, seed=self.seed or 0,
+        )
 
 
 @dataclass
@@ -116,25 +167,34 @@ class RankReport:
         rank: EP rank.
         prompts: indices of the prompts this rank served.
         tokens: generated token ids per served prompt.
-        decode_ms: wall time of the decode steps (all but the prefill), ms.
-        batch_tokens: tokens fed per step.
-        rank_counts: ``[L, G]`` (token, expert) pairs this rank routed to each EP rank over the decode
-            steps (summed across live rebalances).
+        finish_reasons: why each served prompt stopped (``stop``, ``length``).
+        gen_s: wall time of the generation on this rank, seconds.
+        steps: engine steps run (every rank runs the same number).
+        step_kinds: steps by kind: ``graph_steps`` (one CUDA-graph replay), ``eager_steps``, ``idle_steps``
+            (nothing of its own: joined the collectives with an empty batch); ``preemptions``.
+        tokens_per_step: mean tokens this rank fed per step in which it ran the model.
+        ttft_ms: time to first token of each served prompt, ms.
+        rank_counts: ``[L, G]`` (token, expert) pairs this rank routed to each EP rank (padding rows of
+            graph steps not counted).
         rebalances: the EPLB events (dicts of ``RebalanceEvent``), empty without ``--eplb-interval``.
-        collectives: kind -> calls per decode step.
-        bytes_per_step: kind -> bytes sent per decode step by this rank.
+        collectives: kind -> calls per step.
+        bytes_per_step: kind -> bytes sent per step by this rank.
         peak_rss_mb: peak resident memory of the process, MiB.
         peak_cuda_mb: peak CUDA memory allocated, MiB (0 on CPU).
         expert_mb: routed-expert weights held by this rank, MiB.
         full_expert_mb: what all routed experts would take, MiB.
-        last_logits: final-step logits ``[B, V]`` float32 (for the logits check).
+        kv: the KV pool report (blocks, tokens, bytes, max concurrency at the model's context).
     """
 
     rank: int
     prompts: list[int]
     tokens: list[list[int]]
-    decode_ms: float
-    batch_tokens: list[int]
+    finish_reasons: list[str]
+    gen_s: float
+    steps: int
+    step_kinds: dict[str, int]
+    tokens_per_step: float
+    ttft_ms: list[float]
     rank_counts: list[list[int]]
     rebalances: list[dict]
     collectives: dict[str, float]
@@ -143,7 +203,7 @@ class RankReport:
     peak_cuda_mb: float
     expert_mb: float
     full_expert_mb: float
-    last_logits: torch.Tensor | None = None
+    kv: dict
 
 
 @dataclass
@@ -158,16 +218,16 @@ class RunReport:
         prompts: the prompt strings.
         outputs: generated text per prompt.
         ranks: per-rank reports.
-        tokens_per_s: generated tokens over all ranks per second of decode wall time.
-        balancedness: mean over ranks / max over ranks of routed tokens per rank in decode, averaged over layers.
-        routed_tokens_per_step: per EP rank, (token, expert) pairs its slots computed per decode step and MoE layer.
-        matches_reference: generated tokens equal the unsharded transformers model's (``None`` if skipped).
-            Promised exactly in float32; in bf16/fp16 the sharded sums run in another order, so a near-tie
-            between two tokens (or two experts) can flip.
+        tokens_per_s: generated tokens over all ranks per second of generation wall time (prefill included).
+        balancedness: mean over ranks / max over ranks of routed tokens per rank, averaged over layers.
+        routed_tokens_per_step: per EP rank, (token, expert) pairs its slots computed per step and MoE layer.
+        matches_reference: generated tokens equal the unsharded transformers model's (``None`` if skipped:
+            ``--no-reference``, sampling, or dummy weights). Promised exactly in float32; in bf16/fp16 the
+            sharded sums run in another order, so a near-tie between two tokens (or two experts) can flip.
         mismatches: prompt indices whose tokens differ from the reference.
         reference_outputs: token ids the reference generated per prompt (empty if skipped).
         first_mismatch: ``(prompt, step, ours, reference)`` of the first differing token, or ``None``.
-        max_logits_rel_err: ``|ours - ref| / |ref|`` of the last-step logits (``None`` if skipped).
+        graphs: whether decode steps replayed CUDA graphs.
     """
 
     model: str
@@ -184,28 +244,20 @@ class RunReport:
     mismatches: list[int] = field(default_factory=list)
     reference_outputs: list[list[int]] = field(default_factory=list)
     first_mismatch: tuple[int, int, int, int] | None = None
-    max_logits_rel_err: float | None = None
+    graphs: bool = False
 
     def to_json(self) -> dict:
-        """A JSON-ready dict (logits dropped)."""
-        d = asdict(self)
-        for r in d["ranks"]:
-            r.pop("last_logits", None)
-        return d
+        """A JSON-ready dict."""
+        return asdict(self)
 
 
-def _encode(model_dir: str, prompts: list[str]) -> tuple[list[list[int]], int, object | None]:
-    """Token ids of the prompts, the pad id, and the tokenizer (``None``: raw UTF-8 bytes)."""
+def _encode(model_dir: str, prompts: list[str]) -> tuple[list[list[int]], object | None]:
+    """Token ids of the prompts and the tokenizer (``None``: raw UTF-8 bytes modulo the vocabulary)."""
     spec_vocab = load_moe_spec(model_dir).vocab_size
-    has_tok = any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
-    if has_tok:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        return ids, int(pad), tok
-    return [[b % spec_vocab for b in p.encode()] for p in prompts], 0, None
+    tok = load_tokenizer(model_dir)
+    if tok is not None:
+        return [tok(p, add_special_tokens=False)["input_ids"] for p in prompts], tok
+    return [[b % spec_vocab for b in p.encode()] for p in prompts], None
 
 
 def _check_context(model_dir: str, all_ids: list[list[int]], max_new_tokens: int) -> None:
@@ -232,84 +284,20 @@ def _peak_memory(device: str) -> tuple[float, float]:
 
 
 def _rank_worker(
-    info: RankInfo, cfg: RunConfig, model_dir: str, all_ids: list[list[int]], pad_id: int, gather: bool = False
+    info: RankInfo, cfg: RunConfig, model_dir: str, all_ids: list[list[int]], gather: bool = False,
+    progress: bool = False,
 ) -> RankReport | list[RankReport] | None:
-    """One EP rank: load its experts, generate its share, report. With ``gather`` (torchrun), rank 0
-    returns every rank's report (collected over the EP group) and the others return ``None``."""
-    from ..dispatch import make_dispatcher
-    from ..loads import ExpertLoadRecorder
-    from ..models.hf import load_ep_model
-    from .rebalance import EPLBController
-
+    """One EP rank: start its engine, generate its share of the prompts, report. With ``gather``
+    (torchrun), rank 0 returns every rank's report (collected over the EP group), the others ``None``.
+    With ``progress``, rank 0 draws progress bars (loading, then tokens generated)."""
     group = init_group(info, cfg.device)
     try:
         comm = Comm(group)
-        device = torch.device("cuda", info.local_rank) if cfg.device == "cuda" else torch.device("cpu")
-        spec = load_moe_spec(model_dir)
-        placement = _placement(cfg, spec, comm.size)
-        recorder = ExpertLoadRecorder(spec.num_moe_layers, placement.num_slots, window=cfg.max_new_tokens,
-                                      device=device)
-        mine = list(range(comm.rank, len(all_ids), comm.size))
-        options = {}
-        shares = [all_ids[r::comm.size] for r in range(comm.size)]
-        if cfg.dispatcher == "fixed_capacity":  # the prefill's capacity: every prompt token of the busiest rank
-            options["capacity"] = max(1, max(len(s) * max((len(p) for p in s), default=0) for s in shares))
-        ep_model = load_ep_model(
-            model_dir, placement, comm, dispatcher=cfg.dispatcher, dispatcher_options=options,
-            expert_backend=cfg.expert_backend, load_recorder=recorder, dtype=_DTYPES[cfg.dtype], device=device,
-        )
-        marks: list = []
-        carried = torch.zeros(spec.num_moe_layers, comm.size, dtype=torch.int64)
-
-        def per_rank() -> torch.Tensor:
-            return recorder.slot_counts().cpu().reshape(spec.num_moe_layers, comm.size, -1).sum(-1)
-        eplb = (
-            EPLBController(ep_model, recorder, cfg.eplb_interval, max_moves=cfg.eplb_max_moves)
-            if cfg.eplb_interval else None
-        )
-
-        def on_step(step: int) -> None:
-            if step == 0:  # measure decode steps only: drop the prefill's counts
-                recorder.reset()
-                marks.append(comm.stats.snapshot())
-                if cfg.dispatcher == "fixed_capacity":  # a decode step feeds one token per prompt
-                    decode_capacity = max(1, max(len(s) for s in shares))
-                    for layer in ep_model.moe_layers:
-                        layer.dispatcher = make_dispatcher("fixed_capacity", comm, placement.slots_per_rank,
-                                                           capacity=decode_capacity)
-                return
-            recorder.step()
-            if eplb is not None and step % eplb.interval == 0:
-                before = per_rank()
-                eplb.on_step(step)
-                if eplb.events[-1].committed:  # the recorder was reset for the new placement
-                    carried.add_(before)
-
-        gen: GenerationResult = greedy_generate(
-            ep_model.model, [all_ids[i] for i in mine], cfg.max_new_tokens, pad_id, device,
-            idle_step=ep_model.idle_step, on_step=on_step,
-        )
         if cfg.device == "cuda":
-            torch.cuda.synchronize()
-        decode_steps = max(1, cfg.max_new_tokens - 1)
-        delta = comm.stats.since(marks[0])
-        rss, cuda = _peak_memory(cfg.device)
-        report = RankReport(
-            rank=comm.rank,
-            prompts=mine,
-            tokens=gen.tokens,
-            decode_ms=sum(gen.step_ms[1:]),
-            batch_tokens=gen.batch_tokens,
-            rank_counts=(carried + per_rank()).tolist(),
-            rebalances=[asdict(e) for e in eplb.events] if eplb is not None else [],
-            collectives={k: delta.calls[k] / decode_steps for k in COLLECTIVE_KINDS},
-            bytes_per_step={k: delta.bytes_sent[k] / decode_steps for k in COLLECTIVE_KINDS},
-            peak_rss_mb=rss,
-            peak_cuda_mb=cuda,
-            expert_mb=ep_model.expert_bytes / 2**20,
-            full_expert_mb=ep_model.full_expert_bytes / 2**20,
-            last_logits=gen.last_logits,
-        )
+            torch.cuda.set_device(info.local_rank)
+        mine = list(range(comm.rank, len(all_ids), comm.size))
+        show = progress and comm.rank == 0
+        report = _serve_share(cfg, model_dir, all_ids, mine, comm, show)
         if not gather:
             return report
         gathered: list | None = [None] * comm.size if comm.rank == 0 else None
@@ -319,20 +307,51 @@ def _rank_worker(
         torch.distributed.destroy_process_group()
 
 
-def _placement(cfg: RunConfig, spec, ep: int) -> ExpertPlacement:
+def _serve_share(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], mine: list[int], comm: Comm,
+                 show: bool) -> RankReport:
+    from rich.progress import Progress
+
+    with Progress(transient=True, disable=not show) as bar:
+        task = bar.add_task("loading the model", total=None)
+        engine = Engine(cfg.engine_config(model_dir), comm, progress=lambda msg: bar.update(task, description=msg))
+        bar.update(task, description="generating (tokens, rank 0)", total=len(mine) * cfg.max_new_tokens,
+                   completed=0)
+        arrivals = [k / cfg.request_rate for k in range(len(mine))] if cfg.request_rate else None
+        mark = comm.stats.snapshot()
+        steps0 = engine.num_steps
+        t0 = time.perf_counter()
+        outs = engine.generate([all_ids[i] for i in mine], cfg.sampling(), arrivals,
+                               on_output=lambda o: bar.advance(task, len(o.new_token_ids)))
+        if cfg.device == "cuda":
+            torch.cuda.synchronize()
+        gen_s = time.perf_counter() - t0
+    steps = max(1, engine.num_steps - steps0)
+    delta = comm.stats.since(mark)
+    rss, cuda = _peak_memory(cfg.device)
+    per_rank = engine.slot_totals.cpu().reshape(engine.spec.num_moe_layers, comm.size, -1).sum(-1)
+    ran = engine.stats["graph_steps"] + engine.stats["eager_steps"]
+    fed = sum(len(all_ids[i]) + len(o.token_ids) - 1 for i, o in zip(mine, outs))
+    return RankReport(
+        rank=comm.rank, prompts=mine, tokens=[o.token_ids for o in outs],
+        finish_reasons=[o.finish_reason for o in outs], gen_s=gen_s, steps=steps, step_kinds=dict(engine.stats),
+        tokens_per_step=fed / max(1, ran), ttft_ms=[(o.ttft_s or 0.0) * 1e3 for o in outs],
+        rank_counts=per_rank.tolist(),
+        rebalances=[asdict(e) for e in engine.eplb.events] if engine.eplb is not None else [],
+        collectives={k: delta.calls[k] / steps for k in COLLECTIVE_KINDS},
+        bytes_per_step={k: delta.bytes_sent[k] / steps for k in COLLECTIVE_KINDS},
+        peak_rss_mb=rss, peak_cuda_mb=cuda, expert_mb=engine.ep_model.expert_bytes / 2**20,
+        full_expert_mb=engine.ep_model.full_expert_bytes / 2**20, kv=engine.kv_report(),
+    )
+
+
+def _placement(cfg: RunConfig, model_dir: str, ep: int) -> ExpertPlacement:
     if cfg.dispatcher == "local" and ep != 1:
-        raise ValueError(f"--dispatcher local serves EP size 1 only; EP size is {ep}: use all_to_all or fixed_capacity")
-    if cfg.placement:
-        placement = ExpertPlacement.load(cfg.placement, ep_size=ep)
-    else:
-        try:
-            placement = ExpertPlacement.trivial(
-                spec.num_moe_layers, spec.num_experts, ep, cfg.redundant, cfg.layout
-            )
-        except ValueError as exc:
-            raise ValueError(f"--ep {ep} with --redundant {cfg.redundant}: {exc}") from None
-    placement.check_model(spec.num_moe_layers, spec.num_experts, what=f"model {spec.source}")
-    return placement
+        raise ValueError(f"--dispatcher local serves EP size 1 only; EP size is {ep}: use all_to_all")
+    spec = load_moe_spec(model_dir)
+    try:
+        return trivial_or_file_placement(cfg.engine_config(model_dir), spec.num_moe_layers, spec.num_experts, ep)
+    except ValueError as exc:
+        raise ValueError(f"--ep {ep}: {exc}") from None
 
 
 def _balancedness(rank_counts: torch.Tensor) -> float:
@@ -343,10 +362,11 @@ def _balancedness(rank_counts: torch.Tensor) -> float:
     return float(ratio.mean())
 
 
-def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], pad_id: int, ep: int) -> list[GenerationResult]:
-    """The unsharded transformers model on every rank's share of the prompts (no ``MoELayer``): transformers'
-    own ``from_pretrained`` where it reads the checkpoint, else a full single-rank load of the dequantized
-    tensors into the same transformers model (block-FP8 weights, a ``language_model.`` wrapper)."""
+def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids: list[int]) -> list[list[int]]:
+    """Greedy tokens of the unsharded transformers model, prompt by prompt with its own ``generate`` (no
+    ``MoELayer``, no engine): transformers' ``from_pretrained`` where it reads the checkpoint, else a full
+    single-rank load of the dequantized tensors into the same transformers model (block-FP8 weights, a
+    ``language_model.`` wrapper)."""
     from transformers import AutoModelForCausalLM
 
     from ..models.hf import hf_config, load_full_model, needs_own_loader
@@ -359,9 +379,12 @@ def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], pad_id:
         model = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config(model_dir), dtype=dtype)
         model = model.to(device).eval()
     out = []
-    for rank in range(ep):
-        share = [all_ids[i] for i in range(rank, len(all_ids), ep)]
-        out.append(greedy_generate(model, share, cfg.max_new_tokens, pad_id, device) if share else None)
+    with torch.no_grad():
+        for ids in all_ids:
+            x = torch.tensor([ids], device=device)
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=cfg.max_new_tokens,
+                               do_sample=False, eos_token_id=eos_ids or None, pad_token_id=eos_ids[0] if eos_ids else 0)
+            out.append(y[0, len(ids):].tolist())
     return out
 
 
@@ -383,57 +406,49 @@ def run_job(cfg: RunConfig) -> RunReport:
     model_dir = str(cfg.model) if cfg.model is not None else str(ensure_default_checkpoint(cfg.cache_dir))
     spec = load_moe_spec(model_dir)
     prompts = list(cfg.prompts) or list(DEFAULT_PROMPTS)
-    all_ids, pad_id, tok = _encode(model_dir, prompts)
+    all_ids, tok = _encode(model_dir, prompts)
     _check_context(model_dir, all_ids, cfg.max_new_tokens)
     if under_torchrun():
         info = torchrun_rank_info()
-        _placement(cfg, spec, info.world_size)
-        ranks = _rank_worker(info, cfg, model_dir, all_ids, pad_id, gather=True)
+        _placement(cfg, model_dir, info.world_size)
+        ranks = _rank_worker(info, cfg, model_dir, all_ids, gather=True, progress=True)
         if ranks is None:
             return None  # type: ignore[return-value]
         ep = info.world_size
     else:
         ep = cfg.ep
-        _placement(cfg, spec, ep)  # fail here, before any process starts, on a bad placement
-        ranks = spawn(_rank_worker, ep, (cfg, model_dir, all_ids, pad_id))
+        _placement(cfg, model_dir, ep)  # fail here, before any process starts, on a bad placement
+        ranks = spawn(_rank_worker, ep, (cfg, model_dir, all_ids, False, True))
 
     tokens: list[list[int]] = [[] for _ in prompts]
     for r in ranks:
         for i, t in zip(r.prompts, r.tokens):
             tokens[i] = t
-    decode_s = max(r.decode_ms for r in ranks) / 1e3
-    new_tokens = len(prompts) * max(0, cfg.max_new_tokens - 1)
+    gen_s = max(r.gen_s for r in ranks)
     rank_counts = torch.tensor([r.rank_counts for r in ranks]).sum(0)  # [L, G]
-    decode_steps = max(1, cfg.max_new_tokens - 1)
+    steps = max(r.steps for r in ranks)
     report = RunReport(
         model=model_dir, model_type=spec.model_type, ep=ep, device=cfg.device, prompts=prompts,
         outputs=[_decode(tok, t) for t in tokens], ranks=ranks,
-        tokens_per_s=new_tokens / decode_s if decode_s > 0 else float("nan"),
+        tokens_per_s=sum(len(t) for t in tokens) / gen_s if gen_s > 0 else float("nan"),
         balancedness=_balancedness(rank_counts),
-        routed_tokens_per_step=(rank_counts.sum(0).double() / (decode_steps * spec.num_moe_layers)).tolist(),
-        matches_reference=None,
+        routed_tokens_per_step=(rank_counts.sum(0).double() / (steps * spec.num_moe_layers)).tolist(),
+        matches_reference=None, graphs=any(r.step_kinds.get("graph_steps", 0) for r in ranks),
     )
-    if cfg.reference:
-        ref = _reference(cfg, model_dir, all_ids, pad_id, ep)
-        ref_tokens: list[list[int]] = [[] for _ in prompts]
-        errs = []
-        for r in ranks:
-            if ref[r.rank] is None:
-                continue
-            for i, t_ref in zip(r.prompts, ref[r.rank].tokens):
-                ref_tokens[i] = t_ref
-                if tokens[i] != t_ref:
-                    report.mismatches.append(i)
-            a, b = r.last_logits, ref[r.rank].last_logits
-            errs.append(float((a - b).norm() / b.norm()))
-        report.mismatches.sort()
+    if cfg.reference and cfg.temperature == 0 and cfg.load_format != "dummy":
+        from ..engine.engine import eos_token_ids
+
+        ref_tokens = _reference(cfg, model_dir, all_ids, sorted(eos_token_ids(model_dir, tok)))
+        report.mismatches = [i for i in range(len(prompts)) if tokens[i] != ref_tokens[i]]
         report.matches_reference = not report.mismatches
         report.reference_outputs = ref_tokens
         if report.mismatches:
             i = report.mismatches[0]
-            step = next(k for k, (a, b) in enumerate(zip(tokens[i], ref_tokens[i])) if a != b)
-            report.first_mismatch = (i, step, tokens[i][step], ref_tokens[i][step])
-        report.max_logits_rel_err = max(errs) if errs else None
+            pairs = list(zip(tokens[i], ref_tokens[i]))
+            step = next((k for k, (a, b) in enumerate(pairs) if a != b), len(pairs))
+            ours = tokens[i][step] if step < len(tokens[i]) else -1
+            theirs = ref_tokens[i][step] if step < len(ref_tokens[i]) else -1
+            report.first_mismatch = (i, step, ours, theirs)
     return report
 
 
