@@ -144,6 +144,7 @@ class Engine:
         self.runner = ModelRunner(self.ep_model.model, self.kv, max_blocks, self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._seqs: dict[str, Sequence] = {}
+        self._aborted: list[RequestOutput] = []
         self._counter = itertools.count()
         self.num_steps = 0
         self.last_step_busy = False
@@ -274,7 +275,7 @@ class Engine:
         return rid
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its KV blocks.
+        """Stop a request now and free its KV blocks. The next ``step()`` reports it once more, finished.
 
         Returns:
             Its final output (``finish_reason='abort'``), or ``None`` if it is unknown or already done.
@@ -283,7 +284,9 @@ class Engine:
         if seq is None or seq.finished:
             return None
         self.scheduler.finish(seq, "abort")
-        return self._output(seq, [])
+        out = self._output(seq, [])
+        self._aborted.append(out)
+        return out
 
     def has_unfinished(self) -> bool:
         """True while any request of this rank waits or runs."""
@@ -310,11 +313,13 @@ class Engine:
                 others even with nothing queued.
 
         Returns:
-            One ``RequestOutput`` per request that got a token or finished at this step.
+            One ``RequestOutput`` per request that got a token or finished at this step (aborted ones
+            included, once).
         """
         plan = self.scheduler.schedule()
         self.stats["preemptions"] += len(plan.preempted)
-        outputs = [self._output(s, []) for s in plan.finished]
+        outputs = self._aborted + [self._output(s, []) for s in plan.finished]
+        self._aborted = []
         work, _, any_prefill, max_decodes = self._agree(plan, pending)
         self.last_step_busy = work
         if not work:

@@ -1,0 +1,90 @@
+"""Every served family through the engine, at EP 1, 2 and 4 in several gloo processes, against the
+transformers model itself (float32, greedy, token for token).
+
+Each rank serves its own prompts (at EP 4 one rank has none and only joins the collectives), more of
+them than ``max_num_seqs``, arriving staggered; prompts are prefilled in chunks (a small
+``max_num_batched_tokens``); rank 0's KV pool is small enough to force preemptions; one request is
+aborted mid-generation. Afterwards every KV block is back in its pool.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epmoe.comm import Comm
+from epmoe.models.tiny import TINY_FAMILIES
+from epmoe.runtime.launch import RankInfo, init_group, spawn
+
+from ..hf_greedy import hf_greedy
+
+FAMILIES = sorted(TINY_FAMILIES)
+NEW_TOKENS = 10
+
+
+def _prompts(rank: int, size: int) -> list[list[int]]:
+    if size == 4 and rank == 3:
+        return []
+    gen = torch.Generator().manual_seed(1000 + rank)
+    lengths = [23, 5, 1, 12][: 4 - rank % 2]
+    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _run_family(directory: str, comm: Comm) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from epmoe.engine import Engine, EngineConfig, SamplingParams
+
+    prompts = _prompts(comm.rank, comm.size)
+    blocks = 10 if comm.rank == 0 else 64  # rank 0: 36 tokens of KV, one request needs 33: preemptions
+    engine = Engine(EngineConfig(model=directory, max_num_seqs=2, max_num_batched_tokens=8, block_size=4,
+                                 num_kv_blocks=blocks), comm)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    aborted: list[str] = []
+
+    def on_output(out) -> None:  # abort rank 0's second request after its third token
+        if comm.rank == 0 and out.request_id.endswith("-1") and len(out.token_ids) == 3 and not aborted:
+            aborted.append(out.request_id)
+            engine.abort(out.request_id)
+
+    outs = engine.generate(prompts, params, arrival_times=[0.0, 0.0, 0.02, 0.05][: len(prompts)],
+                           on_output=on_output)
+    ref = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    want = [hf_greedy(ref, [p], NEW_TOKENS, 258)[0] for p in prompts]
+    return {
+        "got": [o.token_ids for o in outs], "want": want, "reasons": [o.finish_reason for o in outs],
+        "aborted": aborted, "free": engine.allocator.num_free, "capacity": engine.allocator.capacity,
+        "preemptions": engine.stats["preemptions"], "steps": engine.num_steps,
+    }
+
+
+def _worker(info: RankInfo, dirs: dict[str, str]) -> dict:
+    comm = Comm(init_group(info, "cpu"))
+    try:
+        return {fam: _run_family(dirs[fam], comm) for fam in FAMILIES}
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def dirs(tiny_checkpoints):
+    return {fam: str(tiny_checkpoints(fam)) for fam in FAMILIES}
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_engine_equals_transformers_every_family(dirs, ep):
+    results = spawn(_worker, ep, (dirs,))
+    for fam in FAMILIES:
+        steps = {r[fam]["steps"] for r in results}
+        assert len(steps) == 1, f"{fam}: ranks ran different step counts {steps}"
+        for rank, r in enumerate(results):
+            res = r[fam]
+            assert res["free"] == res["capacity"], f"{fam} rank {rank}: KV blocks not all returned"
+            for i, (got, want, reason) in enumerate(zip(res["got"], res["want"], res["reasons"])):
+                if reason == "abort":
+                    assert 3 <= len(got) < NEW_TOKENS and got == want[: len(got)], (fam, rank, i, got, want)
+                else:
+                    assert (got, reason) == (want, "length"), (fam, rank, i, got, want, reason)
+        r0 = results[0][fam]
+        assert r0["aborted"] and r0["reasons"][1] == "abort", fam
+        assert r0["preemptions"] > 0, f"{fam}: the small KV pool of rank 0 forced no preemption"
