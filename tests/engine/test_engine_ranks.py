@@ -1,5 +1,6 @@
 """Every served family through the engine, at EP 1, 2 and 4 in several gloo processes, against the
-transformers model itself (float32, greedy, token for token).
+transformers model itself (float32, greedy, token for token), eager and on the graph path's static
+decode buckets.
 
 Each rank serves its own prompts (at EP 4 one rank has none and only joins the collectives), more of
 them than ``max_num_seqs``, arriving staggered; prompts are prefilled in chunks (a small
@@ -30,15 +31,16 @@ def _prompts(rank: int, size: int) -> list[list[int]]:
     return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
 
 
-def _run_family(directory: str, comm: Comm) -> dict:
+def _run_family(directory: str, comm: Comm, static: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
     from epmoe.engine import Engine, EngineConfig, SamplingParams
 
     prompts = _prompts(comm.rank, comm.size)
     blocks = 10 if comm.rank == 0 else 64  # rank 0: 36 tokens of KV, one request needs 33: preemptions
-    engine = Engine(EngineConfig(model=directory, max_num_seqs=2, max_num_batched_tokens=8, block_size=4,
-                                 num_kv_blocks=blocks), comm)
+    engine = Engine(EngineConfig(model=directory, max_num_seqs=3 if static else 2, max_num_batched_tokens=8,
+                                 block_size=4, num_kv_blocks=blocks, static_decode_on_cpu=static,
+                                 cuda_graph_max_bs=2), comm)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     aborted: list[str] = []
 
@@ -55,13 +57,14 @@ def _run_family(directory: str, comm: Comm) -> dict:
         "got": [o.token_ids for o in outs], "want": want, "reasons": [o.finish_reason for o in outs],
         "aborted": aborted, "free": engine.allocator.num_free, "capacity": engine.allocator.capacity,
         "preemptions": engine.stats["preemptions"], "steps": engine.num_steps,
+        "static_steps": engine.stats["graph_steps"],
     }
 
 
-def _worker(info: RankInfo, dirs: dict[str, str]) -> dict:
+def _worker(info: RankInfo, dirs: dict[str, str], families: list[str], static: bool) -> dict:
     comm = Comm(init_group(info, "cpu"))
     try:
-        return {fam: _run_family(dirs[fam], comm) for fam in FAMILIES}
+        return {fam: _run_family(dirs[fam], comm, static) for fam in families}
     finally:
         torch.distributed.destroy_process_group()
 
@@ -71,10 +74,8 @@ def dirs(tiny_checkpoints):
     return {fam: str(tiny_checkpoints(fam)) for fam in FAMILIES}
 
 
-@pytest.mark.parametrize("ep", [1, 2, 4])
-def test_engine_equals_transformers_every_family(dirs, ep):
-    results = spawn(_worker, ep, (dirs,))
-    for fam in FAMILIES:
+def _check(results: list[dict], families: list[str]) -> None:
+    for fam in families:
         steps = {r[fam]["steps"] for r in results}
         assert len(steps) == 1, f"{fam}: ranks ran different step counts {steps}"
         for rank, r in enumerate(results):
@@ -88,3 +89,20 @@ def test_engine_equals_transformers_every_family(dirs, ep):
         r0 = results[0][fam]
         assert r0["aborted"] and r0["reasons"][1] == "abort", fam
         assert r0["preemptions"] > 0, f"{fam}: the small KV pool of rank 0 forced no preemption"
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_engine_equals_transformers_every_family(dirs, ep):
+    _check(spawn(_worker, ep, (dirs, FAMILIES, False)), FAMILIES)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_static_decode_path_equals_transformers(dirs, ep):
+    """The CUDA-graph path's padded buckets and fixed-capacity dispatch (run eagerly on CPU): a rank with
+    fewer decode rows than the bucket, or none, pads; steps with more rows than the largest bucket fall
+    back to eager steps."""
+    families = ["gpt-oss", "kimi-k2.5", "llama4", "qwen3-moe"]
+    results = spawn(_worker, ep, (dirs, families, True))
+    _check(results, families)
+    for fam in families:
+        assert all(r[fam]["static_steps"] > 0 for r in results), fam

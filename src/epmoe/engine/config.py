@@ -47,6 +47,8 @@ class EngineConfig:
         num_kv_blocks: KV blocks per layer (padding block included), overriding the memory sizing.
         cuda_graph_max_bs: largest decode batch replayed as a CUDA graph (SGLang's name).
         enforce_eager: never capture graphs (vLLM's name); always true on CPU.
+        static_decode_on_cpu: on CPU, run decode-only steps through the graph path's padded batch buckets
+            and fixed-capacity dispatch, eagerly (how the CUDA-graph path is tested without a GPU).
         eplb_interval: rebalance experts every this many steps from the recorded loads (0 = never).
         eplb_max_moves: most expert copies one rebalance moves (``None`` = as few as reach the target).
         seed: seed of the dummy weights and of unseeded sampling.
@@ -70,6 +72,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     cuda_graph_max_bs: int = 256
     enforce_eager: bool = False
+    static_decode_on_cpu: bool = False
     eplb_interval: int = 0
     eplb_max_moves: int | None = None
     seed: int = 0
@@ -111,9 +114,14 @@ class EngineConfig:
         if isinstance(self.eplb_interval, bool) or not isinstance(self.eplb_interval, numbers.Integral) \
                 or self.eplb_interval < 0:
             raise ValueError(f"eplb_interval must be a non-negative integer, got {self.eplb_interval!r}")
-        if self.eplb_max_moves is not None and (not isinstance(self.eplb_max_moves, numbers.Integral)
+        if self.eplb_max_moves is not None and (isinstance(self.eplb_max_moves, bool)
+                                                or not isinstance(self.eplb_max_moves, numbers.Integral)
                                                 or self.eplb_max_moves < 0):
             raise ValueError(f"eplb_max_moves must be a non-negative integer, got {self.eplb_max_moves!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if self.eplb_max_moves is not None and not self.eplb_interval:
             raise ValueError("eplb_max_moves limits live rebalancing: give eplb_interval with it")
         from ..dispatch import DISPATCHERS
@@ -142,3 +150,8 @@ class EngineConfig:
     def use_graphs(self) -> bool:
         """Decode steps replay CUDA graphs."""
         return self.device == "cuda" and not self.enforce_eager
+
+    @property
+    def static_decode(self) -> bool:
+        """Decode-only steps run on padded batch buckets (CUDA graphs, or their eager twin on CPU)."""
+        return self.use_graphs or (self.device == "cpu" and self.static_decode_on_cpu)

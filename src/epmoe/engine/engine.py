@@ -157,8 +157,8 @@ class Engine:
 
             self.eplb = EPLBController(self.ep_model, self.recorder, config.eplb_interval,
                                        max_moves=config.eplb_max_moves)
-        if config.use_graphs:
-            say("capturing CUDA graphs")
+        if config.static_decode:
+            say("capturing CUDA graphs" if config.use_graphs else "preparing static decode buckets")
             self._capture()
 
     # ---- set-up ---------------------------------------------------------------------------------
@@ -186,20 +186,22 @@ class Engine:
         comm, slots = self.comm, self.placement.slots_per_rank
         from ..dispatch import make_dispatcher
 
-        def before(bs: int, valid_rows: torch.Tensor) -> None:
+        def activate(bs: int, valid_rows: torch.Tensor) -> None:
             self.recorder.mask_rows(valid_rows)
-            for layer in self.ep_model.moe_layers:
+            for layer in self.ep_model.moe_layers:  # capacity bs: a token goes to a rank at most once
                 layer.set_dispatcher(make_dispatcher("local", comm, slots) if comm.size == 1 else
                                      make_dispatcher("fixed_capacity", comm, slots, capacity=bs))
-        try:
-            self.runner.capture(sizes, before)
-        except torch.cuda.OutOfMemoryError:
-            raise ValueError(f"cuda_graph_max_bs {self.config.cuda_graph_max_bs}: capturing the decode graphs "
-                             f"ran out of GPU memory; lower it or mem_fraction_static") from None
-        finally:
+
+        def deactivate() -> None:
             self.recorder.mask_rows(None)
             for layer in self.ep_model.moe_layers:
                 layer.set_dispatcher(make_dispatcher(self.eager_dispatcher, comm, slots))
+
+        try:
+            self.runner.capture(sizes, activate, deactivate, cuda_graphs=self.device.type == "cuda")
+        except torch.cuda.OutOfMemoryError:
+            raise ValueError(f"cuda_graph_max_bs {self.config.cuda_graph_max_bs}: capturing the decode graphs "
+                             f"ran out of GPU memory; lower it or mem_fraction_static") from None
 
     def kv_report(self, context: int | None = None) -> dict:
         """The KV pool: blocks, tokens, bytes, and how many sequences of ``context`` tokens fit at once
@@ -325,7 +327,7 @@ class Engine:
         if not work:
             return outputs
         bucket = None
-        if self.config.use_graphs and not any_prefill and max_decodes:
+        if self.config.static_decode and not any_prefill and max_decodes:
             bucket = self.runner.bucket_for(max_decodes)
         if bucket is None and not plan.chunks:
             self.ep_model.idle_step()
@@ -339,7 +341,7 @@ class Engine:
         self.recorder.step()
         if self.eplb is not None and self.num_steps % self.eplb.interval == 0:
             self.eplb.on_step(self.num_steps)
-            if self.eplb.events and self.eplb.events[-1].committed and self.config.use_graphs:
+            if self.eplb.events and self.eplb.events[-1].committed and self.config.static_decode:
                 self._capture()  # the committed weights and slot tables are new tensors
         return outputs
 

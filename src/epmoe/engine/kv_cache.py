@@ -71,6 +71,7 @@ class BlockAllocator:
             raise ValueError(f"num_blocks must be an integer >= 2 (one is the padding block), got {num_blocks!r}")
         self.num_blocks = int(num_blocks)
         self._free: deque[int] = deque(range(1, self.num_blocks))
+        self._used: set[int] = set()
 
     @property
     def num_free(self) -> int:
@@ -88,19 +89,30 @@ class BlockAllocator:
         Raises:
             RuntimeError: fewer than ``n`` free (callers check ``num_free`` first).
         """
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise ValueError(f"the number of KV blocks to allocate must be an integer >= 0, got {n!r}")
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} KV blocks with {len(self._free)} free")
-        return [self._free.popleft() for _ in range(n)]
+        blocks = [self._free.popleft() for _ in range(n)]
+        self._used.update(blocks)
+        return blocks
 
     def free(self, blocks: list[int]) -> None:
         """Return ``blocks`` to the pool.
 
         Raises:
-            ValueError: a block id outside ``[1, num_blocks)`` (the padding block is never handed out).
+            ValueError: a block id outside ``[1, num_blocks)`` (the padding block is never handed out), or
+                one that is not allocated now (a double free would hand it to two sequences). Nothing is
+                freed then.
         """
+        blocks = list(blocks)
         for b in blocks:
             if not 1 <= b < self.num_blocks:
                 raise ValueError(f"block id {b} is not in [1, {self.num_blocks})")
+        if len(set(blocks)) != len(blocks) or not self._used.issuperset(blocks):
+            bad = sorted({b for b in blocks if b not in self._used or blocks.count(b) > 1})
+            raise ValueError(f"block ids {bad} are not allocated (freed twice?)")
+        self._used.difference_update(blocks)
         self._free.extend(blocks)
 
 

@@ -38,16 +38,16 @@ def graph_buckets(max_bs: int) -> list[int]:
 
 @dataclass
 class _Graph:
-    """One captured decode step: its graph and static tensors."""
+    """One decode bucket: its captured graph (``None``: the static path runs eagerly) and static tensors."""
 
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | None
     input_ids: torch.Tensor
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     context_lens: torch.Tensor
     valid_rows: torch.Tensor
-    logits: torch.Tensor
+    logits: torch.Tensor | None
 
 
 class ModelRunner:
@@ -69,6 +69,7 @@ class ModelRunner:
         self.device = device
         self.graphs: dict[int, _Graph] = {}
         self._pool = None
+        self._activate = self._deactivate = None
 
     @property
     def buckets(self) -> list[int]:
@@ -152,8 +153,15 @@ class ModelRunner:
             static[n:].zero_()
         g.valid_rows[:n].fill_(1)
         g.valid_rows[n:].zero_()
-        g.graph.replay()
-        return g.logits[:n].float()
+        if g.graph is not None:
+            g.graph.replay()
+            return g.logits[:n].float()
+        self._activate(bucket, g.valid_rows)
+        try:
+            batch = AttnBatch(self.kv, g.slot_mapping, bucket, g.block_tables, g.context_lens)
+            return self._forward(g.input_ids, g.positions, batch, None)[:n].float()
+        finally:
+            self._deactivate()
 
     def _workspace(self, sizes: list[int]) -> torch.Tensor:
         """Split-K scratch of the decode kernel for the largest need over ``sizes``, shared by every
@@ -168,38 +176,55 @@ class ModelRunner:
         return torch.empty(need, dtype=torch.float32, device=self.device)
 
     @torch.no_grad()
-    def capture(self, sizes: list[int], before_capture=None) -> None:
-        """Capture one decode-step graph per batch size (largest first, sharing one memory pool).
+    def capture(self, sizes: list[int], activate, deactivate, cuda_graphs: bool = True) -> None:
+        """Prepare one static decode step per batch size: captured as a CUDA graph (largest first, sharing
+        one memory pool), or, without ``cuda_graphs``, kept to run eagerly on the same padded static
+        tensors (the graph path, testable on CPU).
 
         Args:
-            sizes: batch sizes to capture.
-            before_capture: called with the batch size and the graph's ``[bs]`` int64 row mask (1 = real
-                row, 0 = padding; set before every replay) before each capture: the engine switches the MoE
-                layers to a fixed-capacity dispatcher of that size and masks the load recorder there.
+            sizes: batch sizes.
+            activate: called with the batch size and its ``[bs]`` int64 row mask (1 = real row, 0 =
+                padding; set before every replay) before the static step runs or is captured: the engine
+                switches the MoE layers to a dispatcher of that size and masks the load recorder there.
+            deactivate: called after, to restore the eager set-up.
+            cuda_graphs: capture CUDA graphs (the device must be CUDA).
         """
+        self._activate, self._deactivate = activate, deactivate
         dev = self.device
-        workspace = self._workspace(sizes) if sizes else None
+        workspace = self._workspace(sizes) if sizes and cuda_graphs else None
         for bs in sorted(sizes, reverse=True):
             valid_rows = torch.zeros(bs, dtype=torch.int64, device=dev)
-            if before_capture is not None:
-                before_capture(bs, valid_rows)
             input_ids = torch.zeros(bs, dtype=torch.int64, device=dev)
             positions = torch.zeros(bs, dtype=torch.int64, device=dev)
             slot_mapping = torch.zeros(bs, dtype=torch.int64, device=dev)
             block_tables = torch.zeros(bs, self.max_blocks, dtype=torch.int32, device=dev)
             context_lens = torch.zeros(bs, dtype=torch.int32, device=dev)
-            batch = AttnBatch(self.kv, slot_mapping, bs, block_tables, context_lens, workspace=workspace)
-            stream = torch.cuda.Stream(device=dev)
-            stream.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: Triton autotuning and lazy allocations happen outside capture
-                    self._forward(input_ids, positions, batch, None)
-            torch.cuda.current_stream(dev).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self._pool):
-                logits = self._forward(input_ids, positions, batch, None)
+            graph, logits = None, None
+            if cuda_graphs:
+                activate(bs, valid_rows)
+                try:
+                    graph, logits = self._capture_one(input_ids, positions, slot_mapping, block_tables, context_lens,
+                                                      workspace)
+                finally:
+                    deactivate()
             self.graphs[bs] = _Graph(graph, input_ids, positions, slot_mapping, block_tables, context_lens,
                                      valid_rows, logits)
-        torch.cuda.synchronize(dev)
+        if cuda_graphs:
+            torch.cuda.synchronize(dev)
+
+    def _capture_one(self, input_ids, positions, slot_mapping, block_tables, context_lens, workspace):
+        dev = self.device
+        bs = input_ids.shape[0]
+        batch = AttnBatch(self.kv, slot_mapping, bs, block_tables, context_lens, workspace=workspace)
+        stream = torch.cuda.Stream(device=dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: Triton autotuning and lazy allocations happen outside capture
+                self._forward(input_ids, positions, batch, None)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._forward(input_ids, positions, batch, None)
+        return graph, logits

@@ -39,8 +39,10 @@ class StepPlan:
     """One step of one rank.
 
     Attributes:
-        decodes: single-token chunks (packed first; they use the decode attention kernel).
-        prefills: multi-token chunks, in order after the decodes.
+        decodes: single-token chunks that sample (packed first; they use the decode attention kernel and
+            may replay a CUDA graph, which returns the logits of every decode row).
+        prefills: the other chunks (several tokens, or one token of a prompt cut by the token budget that
+            does not sample), in order after the decodes.
         preempted: sequences preempted while planning this step.
         finished: sequences finished by the scheduler (too long for the whole KV pool).
     """
@@ -175,7 +177,7 @@ class Scheduler:
                 continue
             seq.block_table.extend(self.allocator.allocate(need))
             chunk = ScheduledChunk(seq, seq.num_computed, n)
-            (decodes if n == 1 else prefills).append(chunk)
+            (decodes if chunk.samples and n == 1 else prefills).append(chunk)
             budget -= n
             kept.append(seq)
         self.running = kept
@@ -194,6 +196,7 @@ class Scheduler:
             seq.block_table.extend(self.allocator.allocate(need))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            (decodes if n == 1 else prefills).append(ScheduledChunk(seq, seq.num_computed, n))
+            chunk = ScheduledChunk(seq, seq.num_computed, n)
+            (decodes if chunk.samples and n == 1 else prefills).append(chunk)
             budget -= n
         return StepPlan(tuple(decodes), tuple(prefills), tuple(preempted), tuple(finished))

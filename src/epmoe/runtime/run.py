@@ -65,6 +65,7 @@ class RunConfig:
             kernels compute in bf16/fp16).
         load_format: ``auto`` or ``dummy`` (random weights; no reference check).
         num_kv_blocks: KV blocks per layer (``None`` = sized from memory).
+        block_size: tokens per KV block.
     """
 
     model: str | None = None
@@ -93,6 +94,7 @@ class RunConfig:
     enforce_eager: bool = False
     load_format: str = "auto"
     num_kv_blocks: int | None = None
+    block_size: int = 16
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option (the engine checks the rest per rank)."""
@@ -154,6 +156,7 @@ class RunConfig:
             redundant=self.redundant, layout=self.layout, dispatcher=self.dispatcher, expert_backend=backend,
             load_format=self.load_format, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, num_kv_blocks=self.num_kv_blocks,
+            block_size=self.block_size,
             cuda_graph_max_bs=self.cuda_graph_max_bs, enforce_eager=eager, eplb_interval=self.eplb_interval,
             eplb_max_moves=self.eplb_max_moves, seed=self.seed or 0,
         )

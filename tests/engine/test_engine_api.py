@@ -1,0 +1,238 @@
+"""The engine's request API on a tiny real checkpoint (CPU, float32): validation, abort, stops, seeds, limits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from epmoe.engine import Engine, EngineConfig, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10)
+PROMPTS = ["Hello world", "The quick brown fox", "abc", "zzz top"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_checkpoints) -> str:
+    return str(tiny_checkpoints("qwen3-moe"))
+
+
+def config(model_dir: str, **kw) -> EngineConfig:
+    opts = dict(model=model_dir, max_num_seqs=4, num_kv_blocks=41, block_size=4, max_model_len=32)
+    opts.update(kw)
+    return EngineConfig(**opts)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir) -> Engine:
+    return Engine(config(model_dir))
+
+
+@pytest.fixture(scope="module")
+def reference(engine) -> dict[str, list[int]]:
+    """Greedy tokens of every prompt, served together."""
+    outs = engine.generate(PROMPTS, GREEDY)
+    for o in outs:  # 10 tokens, or EOS (kept) before
+        assert (o.finish_reason, len(o.token_ids)) == ("length", 10) or \
+            (o.finish_reason == "stop" and o.token_ids[-1] in engine.eos_ids), o
+        assert not engine.eos_ids & set(o.token_ids[:-1])
+    return {p: o.token_ids for p, o in zip(PROMPTS, outs)}
+
+
+def drain(engine: Engine, limit: int = 200) -> dict:
+    """Step until nothing is left; the last output of each request."""
+    last = {}
+    for _ in range(limit):
+        if not engine.has_unfinished():
+            return last
+        for out in engine.step():
+            last[out.request_id] = out
+    raise AssertionError("the engine did not drain")
+
+
+def assert_idle(engine: Engine) -> None:
+    assert not engine.has_unfinished()
+    assert engine.allocator.num_free == engine.allocator.capacity
+
+
+def test_bad_requests_rejected_before_queueing(engine, model_dir, reference):
+    ok = engine.add_request("abc", GREEDY, request_id="dup")
+    cases = [
+        (lambda: engine.add_request([5] * 32, GREEDY), "prompt of 32 tokens leaves no room in the context of "
+                                                       "max_model_len 32"),
+        (lambda: engine.add_request("", GREEDY), "prompt must not be empty"),
+        (lambda: engine.add_request([], GREEDY), "prompt must have at least one token"),
+        (lambda: engine.add_request([3, 259, 4], GREEDY), r"in \[0, 259\), got \[259\]"),
+        (lambda: engine.add_request([-1], GREEDY), r"got \[-1\]"),
+        (lambda: engine.add_request([True], GREEDY), r"got \[True\]"),
+        (lambda: engine.add_request("abc", GREEDY, request_id="dup"), "request id 'dup' is already in use"),
+        (lambda: engine.add_request("abc", SamplingParams(max_tokens=0)), "max_tokens must be an integer >= 1, got 0"),
+        (lambda: engine.add_request("abc", SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 3})),
+         r"unknown sampling option\(s\) \['max_new_tokens'\]"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+        assert [s.request_id for s in engine.scheduler.waiting] == ["dup"] and engine.scheduler.running == []
+    with pytest.raises(TypeError, match="params must be a SamplingParams, got dict"):
+        engine.add_request("abc", {"temperature": 0})
+    # the engine keeps serving: the queued request and new ones give the reference tokens
+    other = engine.add_request("Hello world", GREEDY)
+    last = drain(engine)
+    assert last[ok].token_ids == reference["abc"] and last[other].token_ids == reference["Hello world"]
+    assert_idle(engine)
+
+
+def test_prompt_longer_than_the_pool(model_dir):
+    small = Engine(config(model_dir, num_kv_blocks=5))  # 4 blocks of 4 = 16 tokens
+    with pytest.raises(ValueError, match=r"prompt of 16 tokens does not fit in the KV pool of 16 tokens \(4 blocks of 4\)"):
+        small.add_request([7] * 16, GREEDY)
+    assert not small.has_unfinished()
+    (out,) = small.generate([[7] * 12], SamplingParams(temperature=0, max_tokens=10))
+    assert out.finish_reason == "length" and len(out.token_ids) == 5  # 16 tokens in the pool + the last sampled
+    assert small.allocator.num_free == small.allocator.capacity
+
+
+def test_context_limit_finishes_with_length(engine):
+    (out,) = engine.generate([[7] * 28], SamplingParams(temperature=0, max_tokens=10))
+    assert out.finish_reason == "length" and len(out.token_ids) == 32 - 28
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("dtype", "float64", "dtype must be one of"),
+    ("device", "tpu", "device must be 'cpu' or 'cuda', got 'tpu'"),
+    ("max_num_seqs", 0, "max_num_seqs must be a positive integer, got 0"),
+    ("block_size", -4, "block_size must be a positive integer, got -4"),
+    ("max_num_batched_tokens", 2, r"max_num_batched_tokens \(2\) must be at least max_num_seqs \(4\)"),
+    ("max_model_len", 0, "max_model_len must be a positive integer, got 0"),
+    ("num_kv_blocks", 1, "num_kv_blocks must be an integer >= 2 .*got 1"),
+    ("num_kv_blocks", 8.0, "num_kv_blocks must be an integer >= 2 .*got 8.0"),
+    ("mem_fraction_static", 1.5, r"mem_fraction_static must be in \(0, 1\), got 1.5"),
+    ("redundant", -1, "redundant must be a non-negative integer, got -1"),
+    ("layout", "spiral", "layout must be 'contiguous' or 'round_robin', got 'spiral'"),
+    ("expert_backend", "magic", "expert_backend 'magic' is not one of"),
+    ("dispatcher", "fixed_capacity", "dispatcher 'fixed_capacity' is what graph-replayed"),
+    ("load_format", "pt", "load_format must be 'auto' or 'dummy', got 'pt'"),
+    ("seed", "7", "seed must be an integer, got '7'"),
+    ("enforce_eager", "yes", "enforce_eager must be true or false, got 'yes'"),
+    ("eplb_interval", -1, "eplb_interval must be a non-negative integer, got -1"),
+])
+def test_bad_engine_config_named(model_dir, field, value, message):
+    with pytest.raises(ValueError, match=message):
+        config(model_dir, **{field: value})
+
+
+def test_bad_engine_config_model_and_context(model_dir, tmp_path):
+    with pytest.raises(ValueError, match="is not a checkpoint directory"):
+        config(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match=r"eplb_max_moves must be a non-negative integer, got True"):
+        config(model_dir, eplb_interval=2, eplb_max_moves=True)
+    with pytest.raises(ValueError, match=r"max_model_len \(300\) is past the model's max_position_embeddings \(256\)"):
+        Engine(config(model_dir, max_model_len=300))
+    with pytest.raises(TypeError, match="Engine needs an EngineConfig, got dict"):
+        Engine(dataclasses.asdict(config(model_dir)))
+
+
+def test_abort_mid_generation(engine, reference):
+    ids = {p: engine.add_request(p, GREEDY) for p in PROMPTS}
+    victim = ids["The quick brown fox"]
+    last = {}
+    for _ in range(10):
+        for out in engine.step():
+            last[out.request_id] = out
+        if len(last[victim].token_ids) >= 3:
+            break
+    assert len(last[victim].token_ids) == 3 and not last[victim].finished
+    assert engine.scheduler.running[1].request_id == victim
+    held = len(engine.scheduler.running[1].block_table)
+    assert held > 0
+    free = engine.allocator.num_free
+    out = engine.abort(victim)
+    assert out.finished and out.finish_reason == "abort" and out.new_token_ids == []
+    assert out.token_ids == reference["The quick brown fox"][:3]
+    assert engine.allocator.num_free == free + held
+    assert victim not in [s.request_id for s in engine.scheduler.running]
+    assert engine.abort(victim) is None and engine.abort("nobody") is None
+    reported = engine.step()
+    assert [o.finish_reason for o in reported if o.request_id == victim] == ["abort"]
+    last.update({o.request_id: o for o in reported})
+    more = drain(engine)
+    assert victim not in more  # reported once
+    last.update(more)
+    for p in PROMPTS:
+        if ids[p] != victim:
+            assert last[ids[p]].finished and last[ids[p]].token_ids == reference[p], p
+    assert_idle(engine)
+
+
+def _first_new(tokens: list[int], printable: bool = False, recurs: bool = False) -> int:
+    """Index of the first token past the first that did not occur before it (a printable ASCII byte; one that
+    occurs again later)."""
+    for k in range(1, len(tokens)):
+        if tokens[k] not in tokens[:k] and (not printable or 33 <= tokens[k] < 127) and \
+                (not recurs or tokens[k] in tokens[k + 1:]):
+            return k
+    raise AssertionError(f"no usable token in {tokens}")
+
+
+def test_stop_token_ids_eos_and_min_tokens(engine, reference):
+    ref = reference["Hello world"]
+    k = _first_new(ref, recurs=True)
+    (out,) = engine.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[ref[k]]))
+    assert out.finish_reason == "stop" and out.token_ids == ref[: k + 1]  # the stop token is kept
+    # min_tokens: the stop token is ignored until min_tokens tokens are out
+    later = ref.index(ref[k], k + 1)
+    (out,) = engine.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=10, min_tokens=k + 2,
+                                                             stop_token_ids=[ref[k]]))
+    assert out.finish_reason == "stop" and out.token_ids == ref[: later + 1]
+    # EOS ends a request unless ignore_eos
+    eos = [p for p in PROMPTS if reference[p][-1] in engine.eos_ids]
+    assert eos, "no prompt reaches EOS greedily"
+    (out,) = engine.generate(eos[:1], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert out.finish_reason == "length" and len(out.token_ids) == 10
+    assert out.token_ids[: len(reference[eos[0]])] == reference[eos[0]]
+    assert_idle(engine)
+
+
+def test_stop_string(engine, reference):
+    for prompt in PROMPTS:
+        ref = reference[prompt]
+        try:
+            k = _first_new(ref, printable=True)
+            break
+        except AssertionError:
+            continue
+    else:
+        raise AssertionError(f"no printable byte in the greedy outputs {reference}")
+    stop = chr(ref[k])
+    ref_text = engine.tokenizer.decode(ref, skip_special_tokens=True)
+    assert stop in ref_text
+    (out,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=10, stop=[stop, "\x00never"]))
+    assert out.finish_reason == "stop"
+    assert out.token_ids == ref[: k + 1]
+    assert out.text == ref_text[: ref_text.index(stop)] and stop not in out.text
+    assert_idle(engine)
+
+
+def test_max_tokens(engine, reference):
+    outs = engine.generate(PROMPTS[:2], [SamplingParams(temperature=0, max_tokens=1),
+                                         SamplingParams(temperature=0, max_tokens=4)])
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    assert outs[0].token_ids == reference[PROMPTS[0]][:1] and outs[1].token_ids == reference[PROMPTS[1]][:4]
+    assert_idle(engine)
+
+
+def test_seeded_sampling_reproducible(engine, model_dir):
+    def params(seed: int) -> SamplingParams:
+        return SamplingParams(temperature=0.8, top_p=0.9, seed=seed, max_tokens=8)
+
+    first = [o.token_ids for o in engine.generate(PROMPTS, params(7))]
+    fresh = Engine(config(model_dir, seed=123))  # another engine, another default generator
+    assert [o.token_ids for o in fresh.generate(PROMPTS, params(7))] == first
+    assert [o.token_ids for o in fresh.generate(PROMPTS[::-1], params(7))] == first[::-1]
+    other = [o.token_ids for o in fresh.generate(PROMPTS, params(8))]
+    assert any(a != b for a, b in zip(first, other))
+    assert all(len(t) == 8 for t in first + other)
+    assert fresh.allocator.num_free == fresh.allocator.capacity
+    assert_idle(engine)

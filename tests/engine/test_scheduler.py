@@ -1,0 +1,228 @@
+"""The continuous-batching scheduler alone: hand-made sequences, steps simulated as ``Engine._advance`` does."""
+
+from __future__ import annotations
+
+import pytest
+
+from epmoe.engine.kv_cache import BlockAllocator
+from epmoe.engine.request import Sequence, SequenceStatus
+from epmoe.engine.sampling import SamplingParams
+from epmoe.engine.scheduler import Scheduler
+
+BS = 4
+
+
+def make(arrival: int, prompt_len: int, max_tokens: int = 4) -> Sequence:
+    return Sequence(f"r{arrival}", list(range(1, prompt_len + 1)), SamplingParams(temperature=0, max_tokens=max_tokens),
+                    arrival=arrival)
+
+
+def sched(num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 64) -> Scheduler:
+    return Scheduler(BlockAllocator(num_blocks), BS, max_num_seqs, max_num_batched_tokens)
+
+
+def advance(s: Scheduler, plan, token: int = 7) -> list[Sequence]:
+    """What the engine does after running ``plan``: computed counts, one token per sampling chunk, finishes."""
+    for c in plan.chunks:
+        c.seq.num_computed = c.start + c.num_tokens
+    done = []
+    for c in plan.sampling:
+        c.seq.output_token_ids.append(token)
+        if len(c.seq.output_token_ids) >= c.seq.params.max_tokens:
+            s.finish(c.seq, "length")
+            done.append(c.seq)
+    return done
+
+
+def check_blocks(s: Scheduler) -> None:
+    """Every running sequence holds exactly the blocks its computed tokens need, none shared; waiting ones none."""
+    held = [b for q in s.running for b in q.block_table]
+    assert len(held) == len(set(held)) and 0 not in held
+    assert s.allocator.num_free + len(held) == s.allocator.capacity
+    for q in s.waiting:
+        assert q.block_table == [] and q.status is SequenceStatus.WAITING
+
+
+def run_to_end(s: Scheduler, limit: int = 500) -> list:
+    plans = []
+    for _ in range(limit):
+        if not s.has_unfinished():
+            return plans
+        plan = s.schedule()
+        check_blocks(s)
+        plans.append(plan)
+        advance(s, plan)
+    raise AssertionError("the scheduler did not drain")
+
+
+def test_constructor_validation():
+    with pytest.raises(ValueError, match="block_size must be a positive integer, got 0"):
+        Scheduler(BlockAllocator(4), 0, 1, 1)
+    with pytest.raises(ValueError, match="max_num_seqs must be a positive integer, got True"):
+        Scheduler(BlockAllocator(4), 4, True, 8)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(3\) must be at least max_num_seqs \(4\)"):
+        Scheduler(BlockAllocator(4), 4, 4, 3)
+
+
+def test_chunked_prefill_under_token_budget():
+    s = sched(max_num_batched_tokens=8)
+    a, b = make(0, 13), make(1, 3)
+    s.add(a)
+    s.add(b)
+    p1 = s.schedule()
+    assert [(c.seq.request_id, c.start, c.num_tokens) for c in p1.chunks] == [("r0", 0, 8)]
+    assert p1.num_tokens == 8 and p1.sampling == [] and p1.sampling_rows == []
+    assert len(a.block_table) == 2 and b.status is SequenceStatus.WAITING  # budget spent: b not admitted
+    advance(s, p1)
+    p2 = s.schedule()  # a's last 5 prompt tokens, then b's whole prompt... but only 3 of budget left
+    assert [(c.seq.request_id, c.start, c.num_tokens) for c in p2.chunks] == [("r0", 8, 5), ("r1", 0, 3)]
+    assert p2.decodes == () and p2.sampling_rows == [4, 7]
+    assert len(a.block_table) == 4 and len(b.block_table) == 1
+    advance(s, p2)
+    assert a.output_token_ids == [7] and b.output_token_ids == [7]
+    p3 = s.schedule()  # both decode now
+    assert [(c.seq.request_id, c.start, c.num_tokens) for c in p3.decodes] == [("r0", 13, 1), ("r1", 3, 1)]
+    assert p3.prefills == () and p3.sampling_rows == [0, 1]
+    advance(s, p3)
+    run_to_end(s)
+    assert s.allocator.num_free == s.allocator.capacity
+
+
+def test_decodes_packed_first_and_sampling_rows():
+    s = sched(max_num_batched_tokens=64)
+    a = make(0, 5)
+    s.add(a)
+    advance(s, s.schedule())  # a prefilled, has one output token
+    b = make(1, 6)
+    s.add(b)
+    plan = s.schedule()
+    assert [c.seq.request_id for c in plan.decodes] == ["r0"]
+    assert [(c.seq.request_id, c.start, c.num_tokens) for c in plan.prefills] == [("r1", 0, 6)]
+    assert [c.seq.request_id for c in plan.chunks] == ["r0", "r1"]
+    assert plan.sampling_rows == [0, 6] and [c.seq for c in plan.sampling] == [a, b]
+    advance(s, plan)
+    run_to_end(s)
+    assert s.allocator.num_free == s.allocator.capacity
+
+
+def test_one_token_chunk_that_does_not_sample_is_not_a_decode():
+    # 3 decodes + 1 token of budget left: the new prompt gets a 1-token chunk that does not sample. It must
+    # not be a decode row (graph-replayed decode steps return one logits row per decode row).
+    s = sched(max_num_seqs=4, max_num_batched_tokens=4)
+    old = [make(i, 1) for i in range(3)]
+    for q in old:
+        s.add(q)
+    advance(s, s.schedule())
+    new = make(3, 5)
+    s.add(new)
+    plan = s.schedule()
+    assert [c.seq for c in plan.decodes] == old
+    assert [(c.seq, c.start, c.num_tokens) for c in plan.prefills] == [(new, 0, 1)]
+    assert plan.sampling_rows == [0, 1, 2] and len(plan.sampling) == len(plan.decodes)
+    advance(s, plan)
+    run_to_end(s)
+    assert s.allocator.num_free == s.allocator.capacity
+
+
+def test_max_num_seqs_and_arrival_order():
+    s = sched(max_num_seqs=2)
+    seqs = [make(i, 3, max_tokens=2 + i) for i in range(5)]
+    for q in seqs:
+        s.add(q)
+    admitted: list[str] = []
+    for plan in run_to_end(s):
+        assert len({c.seq.request_id for c in plan.chunks}) <= 2
+        admitted += [c.seq.request_id for c in plan.chunks if c.start == 0]
+        assert len(s.running) <= 2
+    assert admitted == [f"r{i}" for i in range(5)]
+    assert all(q.finish_reason == "length" and len(q.output_token_ids) == q.params.max_tokens for q in seqs)
+    assert s.allocator.num_free == s.allocator.capacity
+
+
+def test_recompute_preemption_of_latest_admitted():
+    # 6 usable blocks of 4 tokens; three 6-token prompts take 2 blocks each, then decoding needs more.
+    s = sched(num_blocks=7, max_num_batched_tokens=64)
+    a, b, c = make(0, 6, 8), make(1, 6, 8), make(2, 6, 8)
+    late = make(3, 2, 2)
+    for q in (a, b, c):
+        s.add(q)
+    p = s.schedule()
+    assert [q.request_id for q in s.running] == ["r0", "r1", "r2"] and s.allocator.num_free == 0
+    advance(s, p)  # each has 7 tokens, 6 computed: the decode of token 7 fits in block 2
+    s.add(late)
+    p = s.schedule()
+    assert [ch.seq for ch in p.decodes] == [a, b, c] and p.preempted == () and late.status is SequenceStatus.WAITING
+    advance(s, p)  # 8 tokens each, 7 computed
+    advance(s, s.schedule())  # token 8 still in block 2; now 9 tokens, 8 computed: block 3 needed
+    p = s.schedule()
+    assert p.preempted == (c,)
+    assert c.num_computed == 0 and c.block_table == [] and c.num_preemptions == 1
+    assert c.status is SequenceStatus.WAITING and list(s.waiting) == [c, late]  # arrival order
+    assert [ch.seq for ch in p.decodes] == [a, b] and p.prefills == ()  # c's 2 blocks went to a and b
+    assert len(a.block_table) == len(b.block_table) == 3 and s.allocator.num_free == 0
+    check_blocks(s)
+    advance(s, p)
+    plans = run_to_end(s)
+    assert all(q.finish_reason == "length" and len(q.output_token_ids) == 8 for q in (a, b, c))
+    assert late.output_token_ids == [7, 7]
+    # the preempted sequence is recomputed from all its tokens, generated ones included, in one chunk
+    recompute = [ch for pl in plans for ch in pl.chunks if ch.seq is c and ch.start == 0]
+    assert recompute and recompute[0].num_tokens == 6 + 3
+    assert s.allocator.num_free == s.allocator.capacity
+
+
+def test_preempting_itself_when_earlier_sequences_hold_the_pool():
+    # a (admitted first) holds 2 blocks; b holds 1 block and needs a second one with none free: b is the latest
+    # admitted, so b itself is preempted, not a.
+    s = sched(num_blocks=4, max_num_batched_tokens=64)
+    a, b = make(0, 8, 1), make(1, 4, 3)
+    s.add(a)
+    s.add(b)
+    p = s.schedule()
+    assert s.allocator.num_free == 0 and p.preempted == ()
+    a.num_computed, b.num_computed = 7, 4  # pretend a is still prefilling, b is decoding token 5
+    a.output_token_ids, b.output_token_ids = [], [9]
+    p = s.schedule()
+    assert p.preempted == (b,) and [ch.seq for ch in p.chunks] == [a]
+    assert b.num_computed == 0 and b.block_table == [] and list(s.waiting) == [b]
+    advance(s, p)
+    run_to_end(s)
+    assert s.allocator.num_free == s.allocator.capacity
+
+
+def test_sequence_too_long_for_the_pool_finishes_with_length():
+    s = sched(num_blocks=3, max_num_batched_tokens=64)  # 2 blocks = 8 tokens
+    big = make(0, 9)
+    small = make(1, 3, 2)
+    s.add(big)
+    s.add(small)
+    p = s.schedule()
+    assert p.finished == (big,) and big.finish_reason == "length" and big.block_table == []
+    assert [ch.seq for ch in p.chunks] == [small]
+    advance(s, p)
+    # a sequence that grows past the pool while alone is finished with length too
+    grow = make(2, 6, 10)
+    s.add(grow)
+    plans = run_to_end(s)
+    assert small.finish_reason == "length" and small.output_token_ids == [7, 7]
+    assert grow.finish_reason == "length" and grow.num_tokens == 9 and grow in [q for pl in plans for q in pl.finished]
+    assert s.allocator.num_free == s.allocator.capacity
+
+
+def test_finish_and_abort_free_blocks():
+    s = sched()
+    a, b, c = make(0, 9), make(1, 5), make(2, 3)
+    for q in (a, b):
+        s.add(q)
+    advance(s, s.schedule())
+    s.add(c)
+    assert s.allocator.num_free == s.allocator.capacity - 3 - 2
+    s.finish(a, "abort")
+    assert a.status is SequenceStatus.FINISHED and a.finish_reason == "abort" and a.block_table == []
+    assert a not in s.running and s.allocator.num_free == s.allocator.capacity - 2
+    s.finish(c, "abort")  # still waiting
+    assert c not in s.waiting and c.finished
+    p = s.schedule()
+    assert [ch.seq for ch in p.chunks] == [b]
+    s.finish(b, "abort")
+    assert not s.has_unfinished() and s.allocator.num_free == s.allocator.capacity
