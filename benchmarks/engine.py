@@ -103,9 +103,28 @@ def kernel_profile(engine: Engine, steps: int) -> list[dict]:
     return rows
 
 
+def host_profile(engine: Engine, steps: int) -> list[dict]:
+    """Host functions of ``steps`` engine steps by own time (ms per step); waits for the GPU show up in the
+    call that synchronises (``tolist``)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = [{"function": f"{Path(f).name}:{line}:{name}", "ms_per_step": tt * 1e3 / steps, "calls": nc / steps}
+            for (f, line, name), (_, nc, tt, _, _) in stats.items()]
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    return rows[:25]
+
+
 def time_decode(engine: Engine, bs: int, steps: int, vocab: int, profile_steps: int = 0) -> dict:
     gen = torch.Generator().manual_seed(bs)
-    params = SamplingParams(temperature=0, max_tokens=steps + profile_steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=steps + 2 * profile_steps + 8, ignore_eos=True)
     for _ in range(bs):
         engine.add_request(torch.randint(0, vocab, (PROMPT,), generator=gen).tolist(), params)
     while any(s.num_computed < len(s.prompt_token_ids) or not s.output_token_ids for s in engine._seqs.values()):
@@ -119,9 +138,10 @@ def time_decode(engine: Engine, bs: int, steps: int, vocab: int, profile_steps: 
     ms = (time.perf_counter() - t0) * 1e3 / steps
     graph = engine.stats["graph_steps"] - before["graph_steps"]
     kernels = kernel_profile(engine, profile_steps) if profile_steps else []
+    host = host_profile(engine, profile_steps) if profile_steps else []
     while engine.has_unfinished():
         engine.step()
-    return {"tpot_ms": ms, "graph_steps": graph, "ctx": PROMPT + 4 + steps / 2, "kernels": kernels}
+    return {"tpot_ms": ms, "graph_steps": graph, "ctx": PROMPT + 4 + steps / 2, "kernels": kernels, "host": host}
 
 
 def time_ttft(engine: Engine, tokens: int, vocab: int) -> float:
@@ -211,9 +231,15 @@ def main() -> None:
             m["rows"][bs] = r
             print(f"  bs {bs}: TPOT {r['tpot_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms, "
                   f"graph steps {r['graph_steps']}", flush=True)
-            for k in r["kernels"][:14]:
+            if r["kernels"]:
+                total = sum(k["us_per_step"] for k in r["kernels"]) / 1e3
+                print(f"    kernels: {total:.2f} ms per step on the GPU")
+            for k in r["kernels"][:10]:
                 print(f"    {k['us_per_step']:9.1f} us {k['calls_per_step']:6.1f}x  {k['kernel']}")
+            for h in r["host"][:8]:
+                print(f"    host {h['ms_per_step']:7.3f} ms {h['calls']:6.1f}x  {h['function']}")
         m["ttft"] = {}
+        time_ttft(engine, 256, spec.vocab_size)  # warm-up: first prefill-sized launches compile their kernels
         for n in [int(x) for x in args.ttft.split(",") if x]:
             ms = time_ttft(engine, n, spec.vocab_size)
             active = wb["dense"] / 2 + spec.num_moe_layers * spec.top_k * wb["expert"] / 2

@@ -383,7 +383,7 @@ class Engine:
 
     def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
         text = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and seq.finished:
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
             if seq.stop_text_len is not None:
                 text = text[: seq.stop_text_len]

@@ -89,7 +89,8 @@ class RequestOutput:
         prompt_token_ids: the prompt.
         token_ids: every token generated so far.
         new_token_ids: tokens generated at this step (empty for an abort).
-        text: the generated text (``None`` without a tokenizer), cut before a stop string.
+        text: the generated text, cut before a stop string, on the final output (``None`` before it and
+            without a tokenizer: decode ``token_ids`` for partial text).
         finished: no more tokens will come.
         finish_reason: ``stop``, ``length``, ``abort`` or ``None`` while running.
         num_preemptions: times the request was preempted (recomputed).
