@@ -85,7 +85,8 @@ def test_bad_requests_rejected_before_queueing(engine, model_dir, reference):
 
 def test_prompt_longer_than_the_pool(model_dir):
     small = Engine(config(model_dir, num_kv_blocks=5))  # 4 blocks of 4 = 16 tokens
-    with pytest.raises(ValueError, match=r"prompt of 16 tokens does not fit in the KV pool of 16 tokens \(4 blocks of 4\)"):
+    with pytest.raises(ValueError, match=r"prompt of 16 tokens does not fit in the KV pool of 16 tokens "
+                                         r"\(4 blocks of 4\)"):
         small.add_request([7] * 16, GREEDY)
     assert not small.has_unfinished()
     (out,) = small.generate([[7] * 12], SamplingParams(temperature=0, max_tokens=10))
