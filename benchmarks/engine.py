@@ -242,6 +242,17 @@ def main() -> None:
         time_ttft(engine, 256, spec.vocab_size)  # warm-up: first prefill-sized launches compile their kernels
         for n in [int(x) for x in args.ttft.split(",") if x]:
             ms = time_ttft(engine, n, spec.vocab_size)
+            if args.profile:
+                import cProfile
+                import pstats
+
+                prof = cProfile.Profile()
+                prof.enable()
+                time_ttft(engine, n, spec.vocab_size)
+                prof.disable()
+                top = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:12]
+                for (f, line, name), (_, nc, tt, _, _) in top:
+                    print(f"    ttft host {tt * 1e3:8.2f} ms {nc:6d}x  {Path(f).name}:{line}:{name}")
             active = wb["dense"] / 2 + spec.num_moe_layers * spec.top_k * wb["expert"] / 2
             cfg = engine.ep_model.model.config
             heads = cfg.num_attention_heads

@@ -236,6 +236,26 @@ class Engine:
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}")
         return ids
 
+    def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids, if the request can be served; nothing is queued.
+
+        Raises:
+            TypeError: ``params`` is not a ``SamplingParams``.
+            ValueError: an empty prompt, ids outside the vocabulary, a prompt as long as the context
+                (``max_model_len``) or longer than the whole KV pool.
+        """
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        ids = self.encode(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the context of max_model_len "
+                             f"{self.max_model_len} tokens")
+        pool = self.allocator.capacity * self.config.block_size
+        if len(ids) + 1 > pool:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit in the KV pool of {pool} tokens "
+                             f"({self.allocator.capacity} blocks of {self.config.block_size})")
+        return ids
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a request; it joins the running batch at a coming step.
@@ -254,20 +274,11 @@ class Engine:
             TypeError: ``params`` is not a ``SamplingParams``.
         """
         params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        ids = self.encode(prompt)
+        ids = self.check_request(prompt, params)
+        if request_id is not None and request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
         number = next(self._counter)
         rid = request_id if request_id is not None else f"req-{number}"
-        if rid in self._seqs:
-            raise ValueError(f"request id {rid!r} is already in use")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the context of max_model_len "
-                             f"{self.max_model_len} tokens")
-        pool = self.allocator.capacity * self.config.block_size
-        if len(ids) + 1 > pool:
-            raise ValueError(f"prompt of {len(ids)} tokens does not fit in the KV pool of {pool} tokens "
-                             f"({self.allocator.capacity} blocks of {self.config.block_size})")
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -390,7 +401,7 @@ class Engine:
         ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
         if seq.finished:
             self._seqs.pop(seq.request_id, None)
-        return RequestOutput(seq.request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), new, text,
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), new, text,
                              seq.finished, seq.finish_reason, seq.num_preemptions, ttft)
 
     # ---- offline ----------------------------------------------------------------------------------
@@ -421,8 +432,8 @@ class Engine:
             raise ValueError(f"{n} prompts need as many params ({len(plist)}) and arrival times ({len(arrivals)})")
         if any(not t >= 0 for t in arrivals):
             raise ValueError(f"arrival times must be non-negative seconds, got {arrivals}")
-        for p in prompts:
-            self.encode(p)
+        for p, sp in zip(prompts, plist):
+            self.check_request(p, sp)
         order = sorted(range(n), key=lambda i: arrivals[i])
         ids: list[str | None] = [None] * n
         results: dict[str, RequestOutput] = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -92,22 +93,26 @@ class ModelRunner:
         return self.lm_head(hidden)
 
     def _host_tensors(self, plan: StepPlan) -> tuple[torch.Tensor, ...]:
+        """Packed ``input_ids``, ``positions``, ``slot_mapping`` (int64) and the decode rows' ``block_tables``,
+        ``context_lens`` (int32), on the host."""
         bs = self.kv.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        for c in plan.chunks:
+        decodes = plan.decodes
+        nd = len(decodes)
+        ids = [c.seq.token(c.start) for c in decodes]
+        pos = [c.start for c in decodes]
+        slots = [c.seq.block_table[c.start // bs] * bs + c.start % bs for c in decodes]
+        tables = np.zeros((nd, self.max_blocks), dtype=np.int32)
+        for i, c in enumerate(decodes):
+            row = c.seq.block_table
+            tables[i, : len(row)] = row
+        ctx = np.asarray(pos, dtype=np.int32) + 1
+        for c in plan.prefills:
             ids.extend(c.seq.tokens(c.start, c.start + c.num_tokens))
-            for p in range(c.start, c.start + c.num_tokens):
-                pos.append(p)
-                slots.append(c.seq.block_table[p // bs] * bs + p % bs)
-        nd = len(plan.decodes)
-        tables = torch.zeros(nd, self.max_blocks, dtype=torch.int32)
-        for i, c in enumerate(plan.decodes):
-            tables[i, :len(c.seq.block_table)] = torch.tensor(c.seq.block_table, dtype=torch.int32)
-        ctx = torch.tensor([c.start + 1 for c in plan.decodes], dtype=torch.int32)
+            p = np.arange(c.start, c.start + c.num_tokens)
+            pos.extend(p.tolist())
+            slots.extend((np.asarray(c.seq.block_table)[p // bs] * bs + p % bs).tolist())
         return (torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64),
-                torch.tensor(slots, dtype=torch.int64), tables, ctx)
+                torch.tensor(slots, dtype=torch.int64), torch.from_numpy(tables), torch.from_numpy(ctx))
 
     @torch.no_grad()
     def run(self, plan: StepPlan, bucket: int | None = None) -> torch.Tensor:

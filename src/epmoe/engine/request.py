@@ -86,7 +86,7 @@ class RequestOutput:
 
     Attributes:
         request_id: the caller's id.
-        prompt_token_ids: the prompt.
+        prompt_token_ids: the prompt (the request's own list: do not modify it).
         token_ids: every token generated so far.
         new_token_ids: tokens generated at this step (empty for an abort).
         text: the generated text, cut before a stop string, on the final output (``None`` before it and

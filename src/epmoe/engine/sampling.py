@@ -67,8 +67,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= -1 (-1 or 0 = all tokens), got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:

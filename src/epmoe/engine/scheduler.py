@@ -15,14 +15,14 @@ from __future__ import annotations
 import numbers
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .kv_cache import BlockAllocator
 from .request import Sequence, SequenceStatus
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """Tokens ``[start, start + num_tokens)`` of ``seq`` fed at this step."""
+class ScheduledChunk(NamedTuple):
+    """Tokens ``[start, start + num_tokens)`` of ``seq`` fed at this step (a tuple: many are made per step)."""
 
     seq: Sequence
     start: int
