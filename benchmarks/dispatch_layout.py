@@ -1,4 +1,4 @@
-"""Time the dispatch layout steps (``epmoe.dispatch_layout``) on one GPU: Triton kernels vs the PyTorch ops.
+"""Time the dispatch layout steps (``epmoe.dispatch.layout``) on one GPU: Triton kernels vs the PyTorch ops.
 
     PYTHONPATH=src python3 benchmarks/dispatch_layout.py [--out results.json]
 
@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from epmoe.dispatch_layout import combine_rows, pack_rows, route_layout, unpack_rows  # noqa: E402
+from epmoe.dispatch.layout import combine_rows, pack_rows, route_layout, unpack_rows  # noqa: E402
 from graph_timing import graph_us  # noqa: E402
 
 

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from epmoe.balance import balance_deepseek, balance_epmoe, balancedness, max_load_lower_bound
-from epmoe.balance_exact import solve_exact
-from epmoe.balance_moves import align_placement, placement_moves, rebalance_with_moves
+from epmoe.balance.exact import solve_exact
+from epmoe.balance.moves import align_placement, placement_moves, rebalance_with_moves
 from epmoe.loads import read_csv_loads
 from epmoe.placement import ExpertPlacement
 

@@ -43,9 +43,9 @@ from triton.testing import do_bench
 from epmoe.comm import Comm
 from epmoe.dispatch import make_dispatcher
 from epmoe.experts import Activation, ExpertWeights, get_expert_backend, reference_experts
-from epmoe.kernels.fp8 import block_fp8_expert_weights
-from epmoe.kernels.triton_decode import DECODE_MAX_PAIRS, DecodeConfig, decode_experts, default_decode_config
-from epmoe.kernels.triton_moe import TileConfig, _act_code, default_config, triton_experts
+from epmoe.experts.fp8 import block_fp8_expert_weights
+from epmoe.experts.triton.decode import DECODE_MAX_PAIRS, DecodeConfig, decode_experts, default_decode_config
+from epmoe.experts.triton.grouped import TileConfig, act_code, default_config, triton_experts
 
 CASES = {
     "qwen3": dict(num_experts=128, slots=128, d=2048, f=768, k=8),
@@ -81,7 +81,7 @@ def measure_ceilings() -> dict:
     dst = torch.empty_like(src)
     ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
     bw = 2 * n * 2 / (ms * 1e-3)
-    del src, dst
+    src = dst = None  # free the buffers
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms = do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
@@ -237,7 +237,7 @@ def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[i
             few = t * case["k"] <= DECODE_MAX_PAIRS
             for cfg in DECODE_SWEEP if few else SWEEP:
                 if few:
-                    fn = lambda: decode_experts(x, slots, tw, w, _act_code(act), act, config=cfg)  # noqa: E731
+                    fn = lambda: decode_experts(x, slots, tw, w, act_code(act), act, config=cfg)  # noqa: E731
                 else:
                     fn = lambda: triton_experts(x, slots, tw, w, act, config=cfg)  # noqa: E731
                 us = time_fn(fn, True, flush) * 1e3

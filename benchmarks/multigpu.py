@@ -11,7 +11,7 @@ and on CPU with gloo to check the script itself (tiny sizes)::
 Parts (each in its own try block; a failure is reported with its rank and traceback and the next part runs):
 
 1. ``calibrate``: all-reduce and all-to-all time over the group from 8 B to 256 MiB with
-   ``epmoe.calibrate.measure_collectives`` (median, max over ranks), device copy/matmul rates, and the
+   ``epmoe.runtime.calibrate.measure_collectives`` (median, max over ranks), device copy/matmul rates, and the
    profile ``plan`` reads (``DIR/profile.json``, needs G >= 2). On CUDA also the small-message latency
    of a raw NCCL all-to-all and all-reduce timed with CUDA events, eager and as CUDA-graph replays (the
    peer of the graph-captured dispatch below).
@@ -31,7 +31,7 @@ Parts (each in its own try block; a failure is reported with its rank and traceb
    buffers are freed; the other ranks wait) on a Qwen3-30B-A3B checkpoint at full width with random
    weights and ``--run-layers`` decoder layers (default 4), written with transformers' ``save_pretrained``
    into a temp dir. The run job checks its tokens and logits against the unsharded transformers model.
-4. ``plan``: ``epmoe.planner.plan`` on the profile of part 1 (the shipped ``h200-sxm`` when G = 1), at
+4. ``plan``: ``epmoe.plan.planner.plan`` on the profile of part 1 (the shipped ``h200-sxm`` when G = 1), at
    the batch ``T * G`` of each measured size; its per-MoE-layer dispatch+combine, all-reduce and expert
    times beside the measurements (ratio measured / predicted).
 
@@ -68,12 +68,12 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from epmoe.calibrate import CalibrationConfig, build_profile, measure_collectives, measure_device, message_sizes  # noqa: E402
 from epmoe.comm import Comm  # noqa: E402
 from epmoe.dispatch import AllToAllDispatcher  # noqa: E402
-from epmoe.dispatch_fixed import FixedCapacityDispatcher  # noqa: E402
+from epmoe.dispatch.fixed_capacity import FixedCapacityDispatcher  # noqa: E402
 from epmoe.layer import MoELayer, TPMoELayer  # noqa: E402
 from epmoe.placement import ExpertPlacement  # noqa: E402
+from epmoe.runtime.calibrate import CalibrationConfig, build_profile, measure_collectives, measure_device, message_sizes  # noqa: E402
 from epmoe.spec import MoESpec, language_model_config, parse_moe_spec  # noqa: E402
 
 CONFIGS = REPO / "data" / "configs"
@@ -383,7 +383,7 @@ def part_layer(ctx: Ctx) -> dict:
         before = comm_a2a.stats.snapshot()
         out = ep(x)
         checks["ep_all_to_all"] = {"rel_err": all_max(ctx, rel_err(out, ref)), "calls": _calls(comm_a2a, before)}
-        ep.dispatcher = fixed(c)
+        ep.set_dispatcher(fixed(c))
         before = comm_fixed.stats.snapshot()
         out = ep(x)
         checks["ep_fixed_eager"] = {"rel_err": all_max(ctx, rel_err(out, ref)), "calls": _calls(comm_fixed, before)}
@@ -398,7 +398,7 @@ def part_layer(ctx: Ctx) -> dict:
                 errs.append(rel_err(static_out, full(xi)))
             checks["ep_fixed_graph"] = {"rel_err": all_max(ctx, max(errs))}
             del graph
-        ep.dispatcher = a2a_disp
+        ep.set_dispatcher(a2a_disp)
         before = comm_tp.stats.snapshot()
         out = tp(x_tp)
         checks["tp"] = {"rel_err": all_max(ctx, rel_err(out, ref_tp)), "calls": _calls(comm_tp, before)}
@@ -446,12 +446,12 @@ def part_layer(ctx: Ctx) -> dict:
                                             2 * (tp_idx.numel() * 3 * d * f + t * g * 3 * d * spec.shared_intermediate_size)
                                             / g / peak) * 1e6
 
-            ep.dispatcher = a2a_disp
+            ep.set_dispatcher(a2a_disp)
             row["ep_all_to_all_us"] = time_us(ctx, lambda: ep(x))
-            ep.dispatcher = fixed(t)
+            ep.set_dispatcher(fixed(t))
             static_x = x.clone()
             row["ep_fixed_us"], row["ep_fixed_graphed"] = time_graph_us(ctx, lambda: ep(static_x))
-            ep.dispatcher = a2a_disp
+            ep.set_dispatcher(a2a_disp)
             static_tp = x_tp.clone()
             row["tp_us"], row["tp_graphed"] = time_graph_us(ctx, lambda: tp(static_tp))
             row["tp_eager_us"] = time_us(ctx, lambda: tp(x_tp))
@@ -464,7 +464,7 @@ def part_layer(ctx: Ctx) -> dict:
             ctx.log(f"layer T={t}: EP a2a {row['ep_all_to_all_us']:.1f} us, EP fixed{'+graph' if row['ep_fixed_graphed'] else ''} "
                     f"{row['ep_fixed_us']:.1f} us, TP {row['tp_us']:.1f} us (eager {row['tp_eager_us']:.1f}), "
                     f"dispatch+combine a2a {row['disp_all_to_all_us']:.1f} / fixed {row['disp_fixed_us']:.1f} us")
-            del static_x, static_tp, ar_buf
+            static_x = static_tp = ar_buf = None  # free the buffers
             free_memory(ctx)
     res["rows"] = rows
 
@@ -480,7 +480,7 @@ def part_layer(ctx: Ctx) -> dict:
             drows.append(r)
             ctx.log(f"dispatch T={t}: a2a {r['disp_all_to_all_us']:.1f} us {r['disp_all_to_all_busbw_gbs']:.1f} GB/s, "
                     f"fixed {r['disp_fixed_us']:.1f} us {r['disp_fixed_busbw_gbs']:.1f} GB/s")
-            del x
+            x = None  # free the buffer
             free_memory(ctx)
     res["dispatch_rows"] = drows
     return res
@@ -618,9 +618,9 @@ def _run_on_rank0(ctx: Ctx) -> dict:
 def part_plan(ctx: Ctx) -> dict | None:
     if ctx.rank != 0:
         return None
-    from epmoe.hardware import load_hardware
-    from epmoe.plan_values import PlanRequest
-    from epmoe.planner import plan
+    from epmoe.plan.hardware import load_hardware
+    from epmoe.plan.planner import plan
+    from epmoe.plan.request import PlanRequest
 
     a, g = ctx.args, ctx.world
     calib = ctx.doc.get("calibrate") or {}

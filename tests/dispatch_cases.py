@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from epmoe.dispatch_layout import combine_rows, pack_rows, route_layout, unpack_rows
+from epmoe.dispatch.layout import combine_rows, pack_rows, route_layout, unpack_rows
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,8 @@ from epmoe.balance import (
     max_load_lower_bound,
     rank_loads,
 )
-from epmoe.balance_exact import solve_exact
-from epmoe.balance_moves import align_placement, placement_moves, rebalance_with_moves
+from epmoe.balance.exact import solve_exact
+from epmoe.balance.moves import align_placement, placement_moves, rebalance_with_moves
 from epmoe.loads import read_csv_loads
 from epmoe.placement import ExpertPlacement
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from epmoe.calibrate import CalibrationConfig, calibrate, message_sizes
 from epmoe.cli import main
-from epmoe.hardware import load_hardware
+from epmoe.plan.hardware import load_hardware
+from epmoe.runtime.calibrate import CalibrationConfig, calibrate, message_sizes
 
 from .conftest import CONFIGS
 
@@ -83,7 +83,7 @@ def test_bad_base_profile_refused_before_measuring(tmp_path, capsys, monkeypatch
     from importlib import resources
 
     _no_spawn(monkeypatch)
-    doc = json.loads(resources.files("epmoe.hardware").joinpath("h200-sxm.json").read_text())
+    doc = json.loads(resources.files("epmoe.plan.hardware").joinpath("h200-sxm.json").read_text())
     doc["moe_layer_fixed_us"] = float("nan")
     base = tmp_path / "base.json"
     base.write_text(json.dumps(doc))
@@ -150,14 +150,14 @@ def test_nccl_nprocs_bounded_by_visible_gpus(monkeypatch):
 
 
 def test_latency_is_the_fastest_small_size_and_bandwidth_the_largest():
-    from epmoe.calibrate import _fit
+    from epmoe.runtime.calibrate import fit_link
 
     rows = [{"bytes": 8, "t": 0.297}, {"bytes": 16, "t": 0.130}, {"bytes": 32, "t": 0.120},
             {"bytes": 4096, "t": 0.125}, {"bytes": 8192, "t": 0.050}, {"bytes": 1 << 20, "t": 1.120}]
-    lat_us, bw = _fit(rows, "t", 1.0)
+    lat_us, bw = fit_link(rows, "t", 1.0)
     assert lat_us == pytest.approx(120.0)  # not 297 (the first size) nor 50 (8 KiB is above 4 KiB)
     assert bw == pytest.approx((1 << 20) / 1.0e-3)
-    assert _fit([{"bytes": 8192, "t": 0.2}, {"bytes": 16384, "t": 0.3}], "t", 1.0)[0] == pytest.approx(200.0)
+    assert fit_link([{"bytes": 8192, "t": 0.2}, {"bytes": 16384, "t": 0.3}], "t", 1.0)[0] == pytest.approx(200.0)
 
 
 def test_collectives_warmed_up_before_timing(monkeypatch):
@@ -167,7 +167,7 @@ def test_collectives_warmed_up_before_timing(monkeypatch):
     import torch
     import torch.distributed as dist
 
-    from epmoe.calibrate import WARMUP_ROUNDS, measure_collectives
+    from epmoe.runtime.calibrate import WARMUP_ROUNDS, measure_collectives
 
     calls = {"all_reduce": 0, "all_to_all": 0}
 

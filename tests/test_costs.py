@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from epmoe.costs import (
+from epmoe.plan.costs import (
     ACT_BYTES,
     MoEDims,
     collective_ms,
@@ -26,7 +26,7 @@ from epmoe.costs import (
     expert_layer_ms,
     predict_moe_layer_time,
 )
-from epmoe.hardware import load_hardware, parse_hardware
+from epmoe.plan.hardware import load_hardware, parse_hardware
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "moe_layer_h200.json"
 # benchmarks/moe_layer.py's cases: Qwen3-30B-A3B layer (128 of 128 experts local), DeepSeek-V3 EP8 shard (32 of 256).
@@ -100,7 +100,7 @@ def test_expert_layer_ms_hand_worked_overlap_0_and_1():
 
 
 def _h200_doc() -> dict:
-    return json.loads(resources.files("epmoe.hardware").joinpath("h200-sxm.json").read_text())
+    return json.loads(resources.files("epmoe.plan.hardware").joinpath("h200-sxm.json").read_text())
 
 
 @pytest.mark.parametrize("value", [1.5, -0.1, "0.5", True, None, float("nan")])

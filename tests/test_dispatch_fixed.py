@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 
 from epmoe.comm import Comm
 from epmoe.dispatch import make_dispatcher
-from epmoe.dispatch_fixed import CapacityExceededError, FixedCapacityDispatcher
+from epmoe.dispatch.fixed_capacity import CapacityExceededError, FixedCapacityDispatcher
 from epmoe.experts import Activation, ExpertWeights, reference_experts
 
 

@@ -26,7 +26,7 @@ def test_triton_steps_equal_torch_bf16(t, k, g, s, cap, d, fixed):
 
 def test_triton_experts_read_rows_of_a_wider_buffer():
     from epmoe.experts import Activation, ExpertWeights
-    from epmoe.kernels.triton_moe import triton_experts
+    from epmoe.experts.triton.grouped import triton_experts
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     s, d, f, k = 8, 512, 256, 4

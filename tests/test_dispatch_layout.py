@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from epmoe.dispatch_layout import combine_rows, meta_columns, pack_rows, route_layout, unpack_rows
+from epmoe.dispatch.layout import combine_rows, meta_columns, pack_rows, route_layout, unpack_rows
 
 
 def _problem(seed, t, k, g, s, dtype=torch.float32, d=12):

@@ -139,7 +139,7 @@ def test_draft_for_another_target_is_an_error():
 def test_draft_weights_count_in_memory():
     import re
 
-    from epmoe.draft import read_draft
+    from epmoe.plan.draft import read_draft
 
     qwen = str(CONFIGS / "qwen3-30b-a3b.config.json")
     own = str(CONFIGS / "eagle3-draft-qwen3-30b-a3b-specforge.config.json")

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from epmoe.experts import EXPERT_BACKENDS, Activation, ExpertWeights, get_expert_backend, reference_experts
-from epmoe.kernels.align import align_reference, num_aligned_blocks
-from epmoe.kernels.fp8 import BlockFP8ExpertWeights, block_fp8_expert_weights, quantize_block_fp8
+from epmoe.experts.fp8 import BlockFP8ExpertWeights, block_fp8_expert_weights, quantize_block_fp8
+from epmoe.experts.triton.align import align_reference, num_aligned_blocks
 
 
 def _problem(seed, s=6, d=256, f=128, t=11, k=3, bias=False):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from epmoe.experts import Activation, ExpertWeights, get_expert_backend, reference_experts
-from epmoe.kernels.align import align_reference
+from epmoe.experts.triton.align import align_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -45,7 +45,7 @@ def test_triton_matches_reference(t, case):
 
 
 def test_triton_alignment_groups_equal_reference():
-    from epmoe.kernels.triton_moe import align_triton
+    from epmoe.experts.triton.grouped import align_triton
 
     for t, bm, half in ((777, 16, False), (777, 64, False), (3, 16, False), (50, 16, False), (777, 64, True),
                         (50, 32, True), (5000, 128, True)):
@@ -73,7 +73,7 @@ def _placed_slot(aln, slots):
 
 @pytest.mark.parametrize("t", [1, 2, 100])
 def test_triton_fp8_matches_dequantized_reference(t):
-    from epmoe.kernels.fp8 import block_fp8_expert_weights
+    from epmoe.experts.fp8 import block_fp8_expert_weights
 
     s, d, f, k = 8, 512, 256, 4
     w = block_fp8_expert_weights(_weights(s, d, f, bias=False, dtype=torch.float32))
@@ -109,8 +109,8 @@ def test_decode_path_is_reproducible_and_graph_safe():
 @pytest.mark.parametrize("t,k,d,f", [(1, 8, 512, 256), (3, 5, 600, 384), (2, 8, 7168, 2048)])
 def test_decode_configs_match_reference(pdl, t, k, d, f):
     """Decode kernels with and without the programmatic dependent launch, ragged ``D``/``F``, skipped pairs."""
-    from epmoe.kernels.triton_decode import DecodeConfig, decode_experts
-    from epmoe.kernels.triton_moe import _act_code
+    from epmoe.experts.triton.decode import DecodeConfig, decode_experts
+    from epmoe.experts.triton.grouped import act_code
 
     s = 4
     w = _weights(s, d, f, bias=True)
@@ -123,7 +123,7 @@ def test_decode_configs_match_reference(pdl, t, k, d, f):
         w.w13.double(), w.w2.double(), w.b13.double(), w.b2.double()), act)
     for cfg in (DecodeConfig(pdl=pdl), DecodeConfig(4, 1024, 16, 512, 8, pdl), DecodeConfig(pdl=pdl, max_programs=1),
                 DecodeConfig(pdl=pdl, max_programs=100)):
-        out = decode_experts(x, slots, tw, w, _act_code(act), act, config=cfg)
+        out = decode_experts(x, slots, tw, w, act_code(act), act, config=cfg)
         assert _rel(out, ref) < 2e-2
 
 
@@ -133,7 +133,7 @@ def test_decode_configs_match_reference(pdl, t, k, d, f):
 @pytest.mark.parametrize("t,d,f", [(700, 512, 256), (300, 520, 200)])
 def test_grouped_tile_configs_match_reference(half, tma, block_m, t, d, f):
     """Grouped path at prefill tile shapes, with and without TMA, ragged ``D``/``F``, bias, skipped pairs."""
-    from epmoe.kernels.triton_moe import TileConfig, triton_experts
+    from epmoe.experts.triton.grouped import TileConfig, triton_experts
 
     s, k = 8, 4
     w = _weights(s, d, f, bias=True)

@@ -34,8 +34,8 @@ def _f64(w):
     (1, 4, 130, 40, torch.float32, Activation("relu"), False, True),
 ])
 def test_decode_matches_reference(t, k, d, f, dtype, act, bias, woi):
-    from epmoe.kernels.triton_decode import DecodeConfig, decode_experts
-    from epmoe.kernels.triton_moe import _act_code
+    from epmoe.experts.triton.decode import DecodeConfig, decode_experts
+    from epmoe.experts.triton.grouped import act_code
 
     w = _weights(t + d, 6, d, f, bias, dtype)
     x = torch.randn(t, d).to(dtype)
@@ -46,15 +46,15 @@ def test_decode_matches_reference(t, k, d, f, dtype, act, bias, woi):
     # max_programs 1024: one pair group per pair; 40: 2-3 groups; 1: one group takes every live pair
     for max_programs in (1024, 40, 1):
         cfg = DecodeConfig(8, 64, 16, 32, 4, False, max_programs)
-        out = decode_experts(x, slots, tw, w, _act_code(act), act, woi, cfg)
+        out = decode_experts(x, slots, tw, w, act_code(act), act, woi, cfg)
         rel = ((out.double() - ref).norm() / ref.norm()).item()
         assert rel < (2e-3 if dtype == torch.float16 else 1e-5)
-        assert torch.equal(out, decode_experts(x, slots, tw, w, _act_code(act), act, woi, cfg))
+        assert torch.equal(out, decode_experts(x, slots, tw, w, act_code(act), act, woi, cfg))
 
 
 def test_decode_all_skipped_and_fp8():
-    from epmoe.kernels.fp8 import block_fp8_expert_weights
-    from epmoe.kernels.triton_decode import DecodeConfig, decode_experts
+    from epmoe.experts.fp8 import block_fp8_expert_weights
+    from epmoe.experts.triton.decode import DecodeConfig, decode_experts
 
     cfg = DecodeConfig(8, 64, 16, 64, 4, False, 50)
     w = _weights(7, 4, 384, 256, True, torch.float32)
@@ -73,7 +73,7 @@ def test_decode_all_skipped_and_fp8():
 @pytest.mark.parametrize("tma,half", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("act,bias,woi", [(Activation(), False, False), (Activation("silu", 7.0), True, True)])
 def test_grouped_matches_reference(tma, half, act, bias, woi):
-    from epmoe.kernels.triton_moe import TileConfig, triton_experts
+    from epmoe.experts.triton.grouped import TileConfig, triton_experts
 
     t, k, s, d, f = 21, 4, 6, 96, 40
     w = _weights(3, s, d, f, bias, torch.float16)
@@ -90,8 +90,8 @@ def test_grouped_matches_reference(tma, half, act, bias, woi):
 def test_grouped_fp8_matches_dequantized_reference(block_m, half):
     """Block FP8 weights on the grouped path (each weight tile scaled by its block scale before the dot):
     biases, skipped pairs, a half-size last block."""
-    from epmoe.kernels.fp8 import block_fp8_expert_weights
-    from epmoe.kernels.triton_moe import TileConfig, triton_experts
+    from epmoe.experts.fp8 import block_fp8_expert_weights
+    from epmoe.experts.triton.grouped import TileConfig, triton_experts
 
     t, k, s, d, f = 40, 4, 5, 256, 128
     q = block_fp8_expert_weights(_weights(4, s, d, f, True, torch.float32))
@@ -107,8 +107,8 @@ def test_grouped_fp8_matches_dequantized_reference(block_m, half):
 @pytest.mark.parametrize("t", [2, 30])
 def test_kernels_skip_slot_ids_outside_the_slots(t):
     """Decode (2 tokens) and grouped (30 tokens) paths skip ids outside ``[0, S)`` like ``-1``."""
-    from epmoe.kernels.triton_decode import DecodeConfig, decode_experts
-    from epmoe.kernels.triton_moe import TileConfig, _act_code, triton_experts
+    from epmoe.experts.triton.decode import DecodeConfig, decode_experts
+    from epmoe.experts.triton.grouped import TileConfig, act_code, triton_experts
 
     k, s, d, f = 4, 5, 64, 32
     w = _weights(6, s, d, f, True, torch.float16)
@@ -119,7 +119,7 @@ def test_kernels_skip_slot_ids_outside_the_slots(t):
     ref = reference_experts(x.double(), torch.where((bad >= 0) & (bad < s), bad, -1), tw.double(), _f64(w),
                             Activation())
     if t * k <= 16:
-        out = decode_experts(x, bad, tw, w, _act_code(Activation()), Activation(), False,
+        out = decode_experts(x, bad, tw, w, act_code(Activation()), Activation(), False,
                              DecodeConfig(8, 64, 16, 32, 4, False, 1024))
     else:
         out = triton_experts(x, bad, tw, w, Activation(), False, TileConfig(16, 16, 32, 32, 4, 2))
@@ -129,8 +129,8 @@ def test_kernels_skip_slot_ids_outside_the_slots(t):
 @pytest.mark.parametrize("n_tokens", [7, 3000])
 def test_alignment_equals_reference(n_tokens):
     """Both alignment paths (one program; fill + count + offsets + scatter), with half-size last blocks."""
-    from epmoe.kernels.align import align_reference
-    from epmoe.kernels.triton_moe import align_triton
+    from epmoe.experts.triton.align import align_reference
+    from epmoe.experts.triton.grouped import align_triton
 
     slots = torch.randint(-1, 40, (n_tokens, 8))
     a, b = align_triton(slots, 40, 32, True), align_reference(slots, 40, 32, True)

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from epmoe.cli import main
 from epmoe.comm import Comm
-from epmoe.kernels.fp8 import quantize_block_fp8
+from epmoe.experts.fp8 import quantize_block_fp8
 from epmoe.models.checkpoint import CheckpointReader
 from epmoe.models.hf import load_ep_model, load_full_model
 from epmoe.placement import ExpertPlacement

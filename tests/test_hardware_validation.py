@@ -9,11 +9,11 @@ from importlib import resources
 import pytest
 
 from epmoe.cli import main
-from epmoe.hardware import hardware_names, load_hardware, parse_hardware
+from epmoe.plan.hardware import hardware_names, load_hardware, parse_hardware
 
 
 def _doc(name: str = "h200-sxm") -> dict:
-    return json.loads(resources.files("epmoe.hardware").joinpath(f"{name}.json").read_text())
+    return json.loads(resources.files("epmoe.plan.hardware").joinpath(f"{name}.json").read_text())
 
 
 def _set(doc: dict, field: str, value) -> None:

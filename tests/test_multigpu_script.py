@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from epmoe.calibrate import LATENCY_MAX_BYTES, message_sizes
-from epmoe.hardware import load_hardware
+from epmoe.plan.hardware import load_hardware
+from epmoe.runtime.calibrate import LATENCY_MAX_BYTES, message_sizes
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "multigpu.py"

@@ -9,11 +9,11 @@ import math
 import pytest
 
 from epmoe.cli import main
-from epmoe.costs import MoEDims, expected_destination_ranks, expected_max_load, predict_moe_layer_time
-from epmoe.hardware import hardware_names, load_hardware
-from epmoe.plan_report import plan_to_dict, plot_plan, recommend
-from epmoe.plan_values import PlanRequest
-from epmoe.planner import plan
+from epmoe.plan.costs import MoEDims, expected_destination_ranks, expected_max_load, predict_moe_layer_time
+from epmoe.plan.hardware import hardware_names, load_hardware
+from epmoe.plan.planner import plan
+from epmoe.plan.report import plan_to_dict, plot_plan, recommend
+from epmoe.plan.request import PlanRequest
 from epmoe.spec import DenseModelError, load_moe_spec
 
 from .conftest import CONFIGS
@@ -268,7 +268,7 @@ def test_no_strategy_on_n_gpus_says_why(capsys, config, gpus, extra, reasons):
 
 
 def test_redundant_suggestion_counts_the_slots_given():
-    from epmoe.planner import strategies_for
+    from epmoe.plan.planner import strategies_for
 
     # Mixtral: 8 experts + 1 redundant = 9 slots over 4 GPUs: TP2xEP2 needs 10 slots, EP4 needs 12
     _, skipped = strategies_for(load_moe_spec(CONFIGS / "mixtral-8x7b.config.json"), 4, redundant=1)
@@ -295,7 +295,7 @@ def test_cli_messages_name_the_flags(capsys, args, msg):
 
 
 def test_weights_hint_only_smaller_formats(capsys):
-    from epmoe.costs import smaller_weight_choices, weights_hint
+    from epmoe.plan.costs import smaller_weight_choices, weights_hint
 
     assert smaller_weight_choices("bf16") == ["fp8", "int4"]
     assert weights_hint("fp8_block128") == "--weights int4"

@@ -28,10 +28,11 @@ CONFIGS = Path(__file__).resolve().parents[1] / "data" / "configs"
     ("mixtral-8x7b", torch.float32),         # softmax top-2
 ])
 def test_fused_router_matches_torch(name, dtype):
-    from epmoe.kernels.triton_router import route_triton, supports
+    from epmoe.routing.router import kernel_flags
+    from epmoe.routing.router_triton import route_triton, supports
 
     spec = parse_moe_spec(json.loads((CONFIGS / f"{name}.config.json").read_text()), name)
-    assert supports(spec)
+    assert supports(spec.router_kind)
     router = Router(spec, dtype=dtype, impl="torch")
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -42,7 +43,7 @@ def test_fused_router_matches_torch(name, dtype):
     idx, w = router(x)
     logits = torch.nn.functional.linear(x.float() if router.fp32_logits else x, router.weight.to(
         torch.float32 if router.fp32_logits else dtype), router.bias)
-    fidx, fw = route_triton(logits, spec, router.e_score_correction_bias)
+    fidx, fw = route_triton(logits, router.e_score_correction_bias, **kernel_flags(spec))
     assert fidx.dtype == torch.int64 and fw.dtype == torch.float32
     # the chosen logits are the same multiset for every token (an exact tie at the k-th place, common in
     # fp16 logits, may be broken either way: the fused kernel takes the lower expert id)

@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Sequence
 
+
 def _add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "run",
@@ -39,8 +40,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .outpath import check_output_path
-    from .runtime.run import RunConfig, run_job
+    from epmoe.files import check_output_path
+    from epmoe.runtime.run import RunConfig, run_job
 
     if args.json not in (None, "-"):
         check_output_path("--json", args.json, "a JSON file path")
@@ -57,11 +58,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
         print(json.dumps(report.to_json(), indent=2))
     else:
-        from .runtime.report import print_run_report
+        from epmoe.runtime.report import print_run_report
 
         print_run_report(report)
         if args.json:
-            from .runtime.run import write_json
+            from epmoe.runtime.run import write_json
 
             write_json(report, args.json)
     return 0 if report.matches_reference in (True, None) else 1
@@ -117,10 +118,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .hardware import load_hardware
-    from .plan_report import report_plan
-    from .plan_values import PlanRequest
-    from .spec import load_moe_spec
+    from epmoe.plan.hardware import load_hardware
+    from epmoe.plan.report import report_plan
+    from epmoe.plan.request import PlanRequest
+    from epmoe.spec import load_moe_spec
 
     try:
         req = PlanRequest(
@@ -150,7 +151,7 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from .calibrate import CalibrationConfig, calibrate
+    from epmoe.runtime.calibrate import CalibrationConfig, calibrate
 
     try:
         doc = calibrate(CalibrationConfig(out=args.out, nprocs=args.nprocs, backend=args.backend,
@@ -189,7 +190,7 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from .doctor import DoctorConfig, run_doctor
+    from epmoe.doctor import DoctorConfig, run_doctor
 
     try:
         return run_doctor(DoctorConfig(
@@ -226,7 +227,7 @@ def _cmd_balance(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from .balance_report import balance_file
+    from epmoe.balance.report import balance_file
 
     try:
         report = balance_file(

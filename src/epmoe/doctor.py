@@ -18,12 +18,12 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from epmoe.costs import WEIGHT_CHOICES, weights_hint
-from epmoe.draft import DraftModel, draft_bytes, read_draft
-from epmoe.hardware import HardwareProfile, load_hardware
 from epmoe.placement import ExpertPlacement
-from epmoe.plan_values import GIB, PlanRequest, StrategyPlan
-from epmoe.planner import plan
+from epmoe.plan.costs import WEIGHT_CHOICES, weights_hint
+from epmoe.plan.draft import DraftModel, draft_bytes, read_draft
+from epmoe.plan.hardware import HardwareProfile, load_hardware
+from epmoe.plan.planner import plan
+from epmoe.plan.request import GIB, PlanRequest, StrategyPlan
 from epmoe.spec import DenseModelError, MoESpec, load_moe_spec
 
 Severity = Literal["error", "warning", "ok"]

@@ -15,12 +15,49 @@ import csv
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from epmoe.placement import ExpertPlacement
 
 LOADS_FORMAT = "epmoe.loads/1"
+
+
+def as_load_array(load: torch.Tensor | np.ndarray, name: str = "load") -> np.ndarray:
+    """Validate a logical load table and return it as a float64 array.
+
+    Args:
+        load: ``[L, E]`` tokens routed to each logical expert, any real dtype.
+        name: the field name used in error messages.
+
+    Returns:
+        ``[L, E]`` float64 copy.
+
+    Raises:
+        ValueError: not 2-D, empty, NaN or infinite entries, negative entries (position named), or a
+            layer whose sum (times the expert count, the balancers' headroom) overflows float64.
+    """
+    arr = load.detach().cpu().double().numpy() if isinstance(load, torch.Tensor) else np.asarray(load, dtype=np.float64)
+    if arr.ndim != 2:
+        raise ValueError(f"{name} must be 2-D [num_layers, num_experts], got shape {tuple(arr.shape)}")
+    if arr.shape[0] == 0 or arr.shape[1] == 0:
+        raise ValueError(f"{name} must have at least one layer and one expert, got shape {tuple(arr.shape)}")
+    bad = ~np.isfinite(arr)
+    if bad.any():
+        layer, expert = (int(v) for v in np.argwhere(bad)[0])
+        raise ValueError(f"{name}[{layer}, {expert}] = {arr[layer, expert]} is not a finite number")
+    neg = arr < 0
+    if neg.any():
+        layer, expert = (int(v) for v in np.argwhere(neg)[0])
+        raise ValueError(f"{name}[{layer}, {expert}] = {arr[layer, expert]} is negative; loads count tokens")
+    with np.errstate(over="ignore"):
+        total = arr.sum(axis=1) * arr.shape[1]
+    if not np.isfinite(total).all():
+        layer = int(np.argwhere(~np.isfinite(total))[0][0])
+        raise ValueError(f"{name}[{layer}] is too large to balance: its entries (up to {arr[layer].max():g}) "
+                         "overflow float64 when summed; loads count tokens")
+    return arr.copy()
 
 
 class ExpertLoadRecorder:
@@ -177,8 +214,6 @@ def read_loads(path: str | Path) -> torch.Tensor:
         ValueError: a directory, unreadable file, missing field, ragged rows, or bad values (file and the
             JSON key used, ``load`` or ``weight``, named).
     """
-    from epmoe.balance import as_load_array
-
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"loads file {str(path)!r} is a directory, not a file")

@@ -131,6 +131,21 @@ class MoESpec:
         return "sigmoid" if self.router_kind in ("sigmoid_topk", "topk_sigmoid") else "softmax"
 
     @property
+    def router_fp32_logits(self) -> bool:
+        """The router computes its logits in float32 with a float32 weight (DeepSeek-V2/V3, Kimi-K2)."""
+        return self.model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2")
+
+    @property
+    def round_router_weights(self) -> bool:
+        """The softmax router's top-k weights are rounded to the logits' dtype (Qwen2/Qwen3-MoE, OLMoE)."""
+        return self.model_type in ("qwen2_moe", "qwen3_moe", "olmoe")
+
+    @property
+    def weight_on_input(self) -> bool:
+        """The routing weight scales an expert's input instead of its output (Llama-4's ``topk_sigmoid``)."""
+        return self.router_kind == "topk_sigmoid"
+
+    @property
     def dense_layers(self) -> tuple[int, ...]:
         """Decoder layers whose MLP is dense."""
         moe = set(self.moe_layers)

@@ -165,7 +165,7 @@ def dequantize_blockwise(
     Raises:
         ValueError: ``scale`` has the wrong shape (the tensor is named).
     """
-    from ..kernels.fp8 import FP8_BLOCK, dequantize_block_fp8
+    from epmoe.experts.fp8 import FP8_BLOCK, dequantize_block_fp8
 
     bn, bk = block
     n, k = q.shape[-2:]

@@ -161,7 +161,7 @@ def ensure_default_checkpoint(cache_dir: str | Path | None = None) -> Path:
         raise ValueError(f"cache directory {str(root)!r} (EPMOE_CACHE) is a file: point EPMOE_CACHE at a directory")
     target = root / f"{DEFAULT_FAMILY}-tiny"
     if (target / "epmoe_tiny.json").is_file():
-        from .checkpoint import CheckpointReader
+        from epmoe.models.checkpoint import CheckpointReader
 
         try:
             reader = CheckpointReader(target)

@@ -5,9 +5,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from ..comm import COLLECTIVE_KINDS
-from .run import RunReport
-
+from epmoe.comm import COLLECTIVE_KINDS
+from epmoe.runtime.run import RunReport
 
 _SHORT = {"all_to_all": "a2a", "all_reduce": "ar", "all_gather": "ag"}
 

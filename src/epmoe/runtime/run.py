@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from ..comm import COLLECTIVE_KINDS, Comm
-from ..models.tiny import ensure_default_checkpoint
-from ..placement import ExpertPlacement
-from ..spec import language_model_config, load_moe_spec, read_config
-from .generate import GenerationResult, greedy_generate
-from .launch import RankInfo, init_group, spawn, torchrun_rank_info, under_torchrun
+from epmoe.comm import COLLECTIVE_KINDS, Comm
+from epmoe.models.tiny import ensure_default_checkpoint
+from epmoe.placement import ExpertPlacement
+from epmoe.runtime.generate import GenerationResult, greedy_generate
+from epmoe.runtime.launch import RankInfo, init_group, spawn, torchrun_rank_info, under_torchrun
+from epmoe.spec import language_model_config, load_moe_spec, read_config
 
 DEFAULT_PROMPTS = (
     "Expert parallelism places whole experts on ranks",
@@ -91,8 +91,8 @@ class RunConfig:
             raise ValueError(f"--max-moves must be non-negative, got {self.eplb_max_moves}")
         if self.eplb_max_moves is not None and not self.eplb_interval:
             raise ValueError("--max-moves limits live rebalancing: give --eplb-interval STEPS with it")
-        from ..dispatch import DISPATCHERS
-        from ..experts import EXPERT_BACKENDS
+        from epmoe.dispatch import DISPATCHERS
+        from epmoe.experts import EXPERT_BACKENDS
 
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"--dispatcher {self.dispatcher!r} is not one of {sorted(DISPATCHERS)}")
@@ -236,10 +236,9 @@ def _rank_worker(
 ) -> RankReport | list[RankReport] | None:
     """One EP rank: load its experts, generate its share, report. With ``gather`` (torchrun), rank 0
     returns every rank's report (collected over the EP group) and the others return ``None``."""
-    from ..dispatch import make_dispatcher
-    from ..loads import ExpertLoadRecorder
-    from ..models.hf import load_ep_model
-    from .rebalance import EPLBController
+    from epmoe.loads import ExpertLoadRecorder
+    from epmoe.models.hf import load_ep_model
+    from epmoe.runtime.rebalance import EPLBController
 
     group = init_group(info, cfg.device)
     try:
@@ -274,9 +273,7 @@ def _rank_worker(
                 marks.append(comm.stats.snapshot())
                 if cfg.dispatcher == "fixed_capacity":  # a decode step feeds one token per prompt
                     decode_capacity = max(1, max(len(s) for s in shares))
-                    for layer in ep_model.moe_layers:
-                        layer.dispatcher = make_dispatcher("fixed_capacity", comm, placement.slots_per_rank,
-                                                           capacity=decode_capacity)
+                    ep_model.use_dispatcher("fixed_capacity", capacity=decode_capacity)
                 return
             recorder.step()
             if eplb is not None and step % eplb.interval == 0:
@@ -349,7 +346,7 @@ def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], pad_id:
     tensors into the same transformers model (block-FP8 weights, a ``language_model.`` wrapper)."""
     from transformers import AutoModelForCausalLM
 
-    from ..models.hf import hf_config, load_full_model, needs_own_loader
+    from epmoe.models.hf import hf_config, load_full_model, needs_own_loader
 
     device = "cuda" if cfg.device == "cuda" else "cpu"
     dtype = _DTYPES[cfg.dtype]
