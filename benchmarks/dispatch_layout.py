@@ -58,7 +58,8 @@ def main() -> int:
     print(f"{'G':>2} {'T':>5} | {'route':>13} {'pack':>15} {'unpack':>13} {'combine':>15} | pack/combine TB/s (triton)")
     print(f"{'':>8} | {'torch  triton':>13} {'torch  triton':>15} {'torch  triton':>13} {'torch  triton':>15} |")
     for r in rows:
-        cells = " ".join(f"{r[f'{st}_torch_us']:7.1f}{r[f'{st}_triton_us']:7.1f}" for st in ("route", "pack", "unpack", "combine"))
+        steps = ("route", "pack", "unpack", "combine")
+        cells = " ".join(f"{r[f'{st}_torch_us']:7.1f}{r[f'{st}_triton_us']:7.1f}" for st in steps)
         print(f"{r['ranks']:2d} {r['tokens']:5d} | {cells} | {r['pack_bytes'] / r['pack_triton_us'] / 1e6:.2f} / "
               f"{r['combine_bytes'] / r['combine_triton_us'] / 1e6:.2f}")
     return 0

@@ -325,7 +325,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)
-    print(f"\nceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s")
+    print(f"\nceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} "
+          "TFLOP/s")
     for key, gr in graph.items():
         print(f"full layer graph {key}: replay==eager {gr['equal']} errs {gr['replay_vs_eager_rel_err']} "
               f"replay {gr['replay_us']:.1f} us")
@@ -343,7 +344,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['torch_grouped_mm_us']:7.1f} {r['torch_grouped_mm_us'] / r['ours_us']:6.2f} "
               f"{r['hf_grouped_mm_us']:7.1f} {r['hf_grouped_mm_us'] / r['ours_us']:6.2f} {r.get('best_us', nan):7.1f} "
               f"{r.get('fp8_us', nan):7.1f} {r.get('fp8_floor_us', nan):6.1f} {r.get('ours_dirty_flush_us', nan):7.1f} "
-              f"{model:6.1f} {model / r.get('floor_in_model_us', nan):5.2f} {torch_m:7.1f} {torch_m / model:6.2f} {r['ours_err']:8.1e}")
+              f"{model:6.1f} {model / r.get('floor_in_model_us', nan):5.2f} {torch_m:7.1f} {torch_m / model:6.2f} "
+              f"{r['ours_err']:8.1e}")
     sys.stdout.flush()
 
 

@@ -357,7 +357,8 @@ def part_layer(ctx: Ctx) -> dict:
     fill_random(full, a.seed, dev)
     comm_a2a, comm_fixed, comm_tp = Comm(group), Comm(group), Comm(group)
     placement = ExpertPlacement.trivial(spec.num_moe_layers, e, g)
-    ep = MoELayer(spec, 0, placement, comm_a2a, dispatcher="all_to_all", expert_backend=backend, dtype=dtype, device=dev)
+    ep = MoELayer(spec, 0, placement, comm_a2a, dispatcher="all_to_all", expert_backend=backend, dtype=dtype,
+                  device=dev)
     with torch.no_grad():
         ep.gate.load_state_dict(full.gate.state_dict())
         if full.shared_experts is not None:
@@ -424,7 +425,8 @@ def part_layer(ctx: Ctx) -> dict:
     expert_bytes = 3 * d * f * torch.finfo(dtype).bits // 8
     shared_bytes = 3 * d * spec.shared_intermediate_size * torch.finfo(dtype).bits // 8
     res["floor"] = {"hbm_bytes_per_s": hbm, "flops_per_s": peak,
-                    "what": "max(bytes of the local experts hit + shared expert / HBM, FLOPs of the routed rows / peak)"}
+                    "what": "max(bytes of the local experts hit + shared expert / HBM, FLOPs of the routed rows / "
+                            "peak)"}
     calib_rows = (ctx.doc.get("calibrate") or {}).get("rows") or []
     rows = []
     with torch.no_grad():
@@ -443,7 +445,8 @@ def part_layer(ctx: Ctx) -> dict:
             tp_idx = tp.gate(x_tp)[0]
             tp_touched = int(torch.unique(tp_idx).numel())
             row["tp_expert_floor_us"] = max((tp_touched * expert_bytes + shared_bytes) / g / hbm,
-                                            2 * (tp_idx.numel() * 3 * d * f + t * g * 3 * d * spec.shared_intermediate_size)
+                                            2 * (tp_idx.numel() * 3 * d * f
+                                                 + t * g * 3 * d * spec.shared_intermediate_size)
                                             / g / peak) * 1e6
 
             ep.set_dispatcher(a2a_disp)
@@ -461,7 +464,8 @@ def part_layer(ctx: Ctx) -> dict:
             row["tp_all_reduce_bytes"] = t * g * d * ar_buf.element_size()
             row.update(_dispatch_row(ctx, x, slots, w, a2a_disp, fixed(t), comm_a2a, comm_fixed, calib_rows))
             rows.append(row)
-            ctx.log(f"layer T={t}: EP a2a {row['ep_all_to_all_us']:.1f} us, EP fixed{'+graph' if row['ep_fixed_graphed'] else ''} "
+            ctx.log(f"layer T={t}: EP a2a {row['ep_all_to_all_us']:.1f} us, EP "
+                    f"fixed{'+graph' if row['ep_fixed_graphed'] else ''} "
                     f"{row['ep_fixed_us']:.1f} us, TP {row['tp_us']:.1f} us (eager {row['tp_eager_us']:.1f}), "
                     f"dispatch+combine a2a {row['disp_all_to_all_us']:.1f} / fixed {row['disp_fixed_us']:.1f} us")
             static_x = static_tp = ar_buf = None  # free the buffers
@@ -581,7 +585,8 @@ def _run_on_rank0(ctx: Ctx) -> dict:
     cmd = [sys.executable, "-m", "epmoe.cli", "run", "--device", ctx.device.type, "--ep", str(ctx.world),
            "--model", str(ckpt), "--max-new-tokens", str(a.run_new_tokens), "--json", str(run_json)]
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src")] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src")] + paths)
     ctx.log("run: " + " ".join(cmd))
     t0 = time.perf_counter()
     try:
@@ -661,7 +666,8 @@ def part_plan(ctx: Ctx) -> dict | None:
                 return meas / pred if meas and pred else None
 
             row["ep_disp_fixed_meas_over_pred"] = ratio(m.get("disp_fixed_us"), row.get("ep_pred_dispatch_combine_us"))
-            row["ep_disp_a2a_meas_over_pred"] = ratio(m.get("disp_all_to_all_us"), row.get("ep_pred_dispatch_combine_us"))
+            row["ep_disp_a2a_meas_over_pred"] = ratio(m.get("disp_all_to_all_us"),
+                                                      row.get("ep_pred_dispatch_combine_us"))
             row["tp_all_reduce_meas_over_pred"] = ratio(m.get("tp_all_reduce_us"), row.get("tp_pred_all_reduce_us"))
             ep_expert = m["ep_fixed_us"] - m.get("disp_fixed_us", 0.0)
             row["ep_expert_meas_us"] = ep_expert
@@ -715,8 +721,10 @@ def summary(ctx: Ctx) -> tuple[str, bool]:
     if calib:
         rows = calib["rows"]
         a2a_lat = rows[0]["all_to_all_ms"] * 1e3
-        lines.append(f"calibrate ({g} ranks): all-reduce {rows[0]['all_reduce_ms'] * 1e3:.1f} us @{rows[0]['bytes']} B, "
-                     f"{rows[-1]['all_reduce_busbw_gbs']:.1f} GB/s bus @{rows[-1]['bytes'] / 2**20:.2f} MiB; all-to-all "
+        lines.append(f"calibrate ({g} ranks): all-reduce {rows[0]['all_reduce_ms'] * 1e3:.1f} us @{rows[0]['bytes']} "
+                     "B, "
+                     f"{rows[-1]['all_reduce_busbw_gbs']:.1f} GB/s bus @{rows[-1]['bytes'] / 2**20:.2f} MiB; "
+                     "all-to-all "
                      f"{a2a_lat:.1f} us, {rows[-1]['all_to_all_busbw_gbs']:.1f} GB/s bus")
         sm = calib.get("small_message_events")
         if sm:
@@ -729,23 +737,28 @@ def summary(ctx: Ctx) -> tuple[str, bool]:
     plan_rows = {r["tokens_per_rank"]: r for r in (doc.get("plan") or {}).get("rows", [])}
     if layer:
         lines.append(f"layer {layer['model']} E {layer['spec']['experts']} over {g}, {layer['dtype']}: checks "
-                     + ", ".join(f"{n} {v['rel_err']:.1e}{'' if v['ok'] else ' FAIL'}" for n, v in layer["checks"].items()))
+                     + ", ".join(f"{n} "
+                                 f"{v['rel_err']:.1e}{'' if v['ok'] else ' FAIL'}" for n, v in layer["checks"].items()))
         ok &= layer["checks_ok"]
-        hdr = (f"{'T/rank':>6} {'EP-a2a':>8} {'EP-fix(g)':>9} {'TP(g)':>8} {'TP-eag':>8} {'disp-a2a':>8} {'disp-fix':>8} "
+        hdr = (f"{'T/rank':>6} {'EP-a2a':>8} {'EP-fix(g)':>9} {'TP(g)':>8} {'TP-eag':>8} {'disp-a2a':>8} "
+               f"{'disp-fix':>8} "
                f"{'pred-d+c':>8} {'TP-AR':>7} {'pred-AR':>7} {'EPfloor':>7} {'TPfloor':>7}")
         lines.append(hdr + "   (us per MoE layer, max over ranks)")
         for r in layer["rows"]:
             pr = plan_rows.get(r["tokens_per_rank"], {})
-            lines.append(f"{r['tokens_per_rank']:6d} {r['ep_all_to_all_us']:8.1f} {r['ep_fixed_us']:9.1f} {r['tp_us']:8.1f} "
+            lines.append(f"{r['tokens_per_rank']:6d} {r['ep_all_to_all_us']:8.1f} {r['ep_fixed_us']:9.1f} "
+                         f"{r['tp_us']:8.1f} "
                          f"{r['tp_eager_us']:8.1f} {r['disp_all_to_all_us']:8.1f} {r['disp_fixed_us']:8.1f} "
                          f"{_fmt(pr.get('ep_pred_dispatch_combine_us')):>8} {r['tp_all_reduce_us']:7.1f} "
-                         f"{_fmt(pr.get('tp_pred_all_reduce_us')):>7} {r['expert_floor_us']:7.1f} {r['tp_expert_floor_us']:7.1f}")
+                         f"{_fmt(pr.get('tp_pred_all_reduce_us')):>7} {r['expert_floor_us']:7.1f} "
+                         f"{r['tp_expert_floor_us']:7.1f}")
         drows = layer.get("dispatch_rows") or []
         if drows:
             peak = None
             if calib and calib.get("profile"):
                 peak = calib["profile"]["intra_node"]["all_to_all_busbw_bytes_per_s"] / 1e9
-            lines.append(f"dispatch+combine alone: GB/s to other ranks (ratio to NCCL all-to-all bus bw {_fmt(peak)} GB/s "
+            lines.append(f"dispatch+combine alone: GB/s to other ranks (ratio to NCCL all-to-all bus bw {_fmt(peak)} "
+                         "GB/s "
                          f"at 256 MiB; same-size NCCL in brackets)")
             for r in drows:
                 def pct(name: str) -> str:
@@ -753,7 +766,8 @@ def summary(ctx: Ctx) -> tuple[str, bool]:
                     same = r.get(f"disp_{name}_nccl_same_size_busbw_gbs")
                     return (f"{bw:7.1f}" + (f" {bw / peak:5.0%}" if peak else "") +
                             (f" [{same:.1f}]" if same else ""))
-                lines.append(f"  T {r['tokens_per_rank']:5d}: a2a {r['disp_all_to_all_us']:8.1f} us {pct('all_to_all')}; "
+                lines.append(f"  T {r['tokens_per_rank']:5d}: a2a {r['disp_all_to_all_us']:8.1f} us "
+                             f"{pct('all_to_all')}; "
                              f"fixed {r['disp_fixed_us']:8.1f} us {pct('fixed')}")
             if g > 1 and a2a_lat and layer["rows"]:
                 first = layer["rows"][0]
@@ -761,25 +775,31 @@ def summary(ctx: Ctx) -> tuple[str, bool]:
                 sm = (calib or {}).get("small_message_events")
                 if sm:
                     lat.append(f"{sm[min(sm, key=int)]['all_to_all_graph_us']:.1f} us (graph replay)")
-                lines.append(f"  latency at T={first['tokens_per_rank']}: fixed dispatch+combine{' (graph)' if first['disp_fixed_graphed'] else ''} "
+                lines.append(f"  latency at T={first['tokens_per_rank']}: fixed "
+                             f"dispatch+combine{' (graph)' if first['disp_fixed_graphed'] else ''} "
                              f"{first['disp_fixed_us']:.1f} us = {first['disp_fixed_us'] / a2a_lat:.2f}x NCCL's small "
                              f"all-to-all {' / '.join(lat)}; target <= 2x")
             if peak and drows:
                 last = drows[-1]
-                lines.append(f"  bandwidth at T={last['tokens_per_rank']}: fixed {last['disp_fixed_busbw_gbs'] / peak:.0%}, "
-                             f"a2a {last['disp_all_to_all_busbw_gbs'] / peak:.0%} of NCCL all-to-all bus bw (target >= 80%)")
+                lines.append(f"  bandwidth at T={last['tokens_per_rank']}: fixed "
+                             f"{last['disp_fixed_busbw_gbs'] / peak:.0%}, "
+                             f"a2a {last['disp_all_to_all_busbw_gbs'] / peak:.0%} of NCCL all-to-all bus bw (target >= "
+                             "80%)")
     pl = doc.get("plan")
     if pl and plan_rows:
         rr = [r for r in pl["rows"] if r.get("ep_disp_fixed_meas_over_pred")]
         if rr:
             lines.append(f"plan ({pl['hardware']}): measured/predicted dispatch+combine "
                          + " ".join(f"T{r['tokens_per_rank']}:{r['ep_disp_fixed_meas_over_pred']:.2f}" for r in rr)
-                         + "; all-reduce " + " ".join(f"T{r['tokens_per_rank']}:{_fmt(r.get('tp_all_reduce_meas_over_pred'), '.2f')}" for r in rr)
+                         + "; all-reduce " + " ".join(
+                             f"T{r['tokens_per_rank']}:{_fmt(r.get('tp_all_reduce_meas_over_pred'), '.2f')}"
+                             for r in rr)
                          + f" (target 0.75-1.25; dispatch_layout_fixed_us {pl['dispatch_layout_fixed_us']:.1f}, "
                          f"best fit {_fmt(pl.get('fit_dispatch_layout_fixed_us'))})")
     run = doc.get("run")
     if run:
-        lines.append(f"run ({run['checkpoint']['family']}, {run['checkpoint']['layers']} layers, EP {g}): matches reference "
+        lines.append(f"run ({run['checkpoint']['family']}, {run['checkpoint']['layers']} layers, EP {g}): matches "
+                     "reference "
                      f"{run['matches_reference']}, logits rel err {_fmt(run['max_logits_rel_err'], '.1e')}, "
                      f"{run['tokens_per_s']:.1f} tok/s, collectives/step {run['collectives_per_step']}")
         ok &= bool(run["matches_reference"])

@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     outside = [e for e in entries if abs(e["ratio"] - 1) > TARGET]
     c = results.get("ceilings", {})
     doc = {
-        "results": str(path.resolve().relative_to(ROOT.parent)) if path.resolve().is_relative_to(ROOT.parent) else str(path),
+        "results": (str(path.resolve().relative_to(ROOT.parent)) if path.resolve().is_relative_to(ROOT.parent)
+                    else str(path)),
         "device": results.get("device"), "torch": results.get("torch"),
         "triton": results.get("triton"), "hardware": hw.name, "ceilings": args.ceilings,
         "hbm_bytes_per_s": hw.hbm_bytes_per_s, "bf16_flops_per_s": hw.flops_per_s("bf16"),
@@ -173,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{e['ratio_at_measured_hits']:6.2f}{flag}")
     print(f"worst: {worst['case']} T={worst['tokens']} ratio {worst['ratio']:.2f}; "
           f"{len(entries) - len(outside)}/{len(entries)} rows within {TARGET:.0%}")
-    print(f"least-squares fit for these rows: overlap {fitted_overlap:.3f} (profile: {hw.moe_stream_matrix_overlap:.3f}), "
+    print(f"least-squares fit for these rows: overlap {fitted_overlap:.3f} (profile: "
+          f"{hw.moe_stream_matrix_overlap:.3f}), "
           f"fixed per-layer cost {fitted:.1f} us (profile: {hw.moe_layer_fixed_us:.1f} us); "
           f"sum of squared relative errors {fitted_sse:.4f}")
     print(f"wrote {out}")

@@ -60,7 +60,8 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                                               "rows": rows}, indent=1))
-    print(f"{'model':14s} {'T':>4s} | {'layer torch':>11s} {'fused':>8s} | {'gate torch':>10s} {'fused':>7s} | out diff")
+    print(f"{'model':14s} {'T':>4s} | {'layer torch':>11s} {'fused':>8s} | {'gate torch':>10s} {'fused':>7s} | out "
+          "diff")
     for r in rows:
         print(f"{r['model']:14s} {r['tokens']:4d} | {r['layer_torch_us']:11.1f} {r['layer_auto_us']:8.1f} | "
               f"{r['gate_torch_us']:10.1f} {r['gate_auto_us']:7.1f} | {r['out_rel_diff']:.1e}")

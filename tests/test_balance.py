@@ -108,8 +108,10 @@ def test_registry():
         (torch.ones(4), 2, 0, {}, "must be 2-D"),
         (torch.ones(1, 4), 8, 0, {}, r"ep_size \(8\) is larger than the number of slots \(4"),
         (torch.ones(1, 4), 3, 0, {}, r"num_slots \(4 = 4 experts \+ 0 redundant\) must be divisible"),
-        (torch.ones(1, 8), 4, 0, {"num_nodes": 2, "num_groups": 3}, r"num_experts \(8\) must be divisible by num_groups \(3\)"),
-        (torch.ones(1, 12), 4, 0, {"num_nodes": 4, "num_groups": 6}, r"num_groups \(6\) must be divisible by num_nodes \(4\)"),
+        (torch.ones(1, 8), 4, 0, {"num_nodes": 2, "num_groups": 3}, r"num_experts \(8\) must be divisible by "
+                                                                    r"num_groups \(3\)"),
+        (torch.ones(1, 12), 4, 0, {"num_nodes": 4, "num_groups": 6}, r"num_groups \(6\) must be divisible by num_nodes "
+                                                                     r"\(4\)"),
         (torch.ones(1, 8), 2, -1, {}, "num_redundant must be an integer >= 0"),
     ],
 )
@@ -121,8 +123,8 @@ def test_bad_input(load, ep, red, kw, msg):
 
 def test_movement_aware_drift_between_domains(olmoe):
     load, names = olmoe
-    arxiv = load[[names.index(f"arxiv:{l}") for l in (0, 7, 15)]]
-    github = load[[names.index(f"github:{l}") for l in (0, 7, 15)]]
+    arxiv = load[[names.index(f"arxiv:{layer}") for layer in (0, 7, 15)]]
+    github = load[[names.index(f"github:{layer}") for layer in (0, 7, 15)]]
     current = balance_epmoe(arxiv, 8, 8)
     fresh = balance_epmoe(github, 8, 8)
     result = rebalance_with_moves(github, current)

@@ -14,7 +14,8 @@ CSV = str(DATA / "olmoe_expert_counts.csv")
 
 def test_balance_writes_placement_and_png(tmp_path, capsys):
     out, png = tmp_path / "p.json", tmp_path / "p.png"
-    assert main(["balance", "--loads", CSV, "--ep", "8", "--redundant", "8", "--out", str(out), "--plot", str(png), "--json"]) == 0
+    args = ["balance", "--loads", CSV, "--ep", "8", "--redundant", "8", "--out", str(out), "--plot", str(png), "--json"]
+    assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
     placement = ExpertPlacement.load(out)
     assert (placement.num_layers, placement.num_slots, placement.ep_size) == (15, 72, 8)
@@ -40,7 +41,8 @@ def test_deepseek_hierarchical_cli(tmp_path, capsys):
 @pytest.mark.parametrize(
     "args,msg",
     [
-        (["--ep", "7", "--redundant", "8"], "num_slots (72 = 64 experts + 8 redundant) must be divisible by the EP group size (7)"),
+        (["--ep", "7", "--redundant", "8"], "num_slots (72 = 64 experts + 8 redundant) must be divisible by the EP "
+                                            "group size (7)"),
         # the CLI names the flags the user typed, not the library's field names
         (["--ep", "128"], "error: --ep (128) is larger than the number of slots (64"),
         (["--ep", "8", "--nodes", "2", "--groups", "3"], "num_experts (64) must be divisible by --groups (3)"),
@@ -100,7 +102,8 @@ def test_out_that_is_a_directory_or_in_a_missing_one(tmp_path, capsys):
 
 def test_outputs_written_together_without_temporary_files(tmp_path, capsys):
     out, png = tmp_path / "p.safetensors", tmp_path / "loads.png"
-    assert main(["balance", "--loads", EPLB, "--ep", "8", "--redundant", "4", "--out", str(out), "--plot", str(png)]) == 0
+    args = ["balance", "--loads", EPLB, "--ep", "8", "--redundant", "4", "--out", str(out), "--plot", str(png)]
+    assert main(args) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loads.png", "p.safetensors"]
     assert ExpertPlacement.load(out).ep_size == 8 and png.read_bytes()[:4] == b"\x89PNG"
 

@@ -53,12 +53,12 @@ def test_two_gloo_processes_write_a_profile_plan_accepts(tmp_path, capsys):
     ],
 )
 def test_base_and_out_checked_before_measuring(tmp_path, capsys, monkeypatch, args, msg):
-    import torch.multiprocessing
+    import epmoe.runtime.calibrate
 
     def spawn(*a, **k):
         raise AssertionError("measured before the arguments were checked")
 
-    monkeypatch.setattr(torch.multiprocessing, "spawn", spawn)
+    monkeypatch.setattr(epmoe.runtime.calibrate, "spawn", spawn)
     argv = ["calibrate", "--nprocs", "2", "--backend", "gloo", "--out", str(tmp_path / "p.json"), *args]
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -70,12 +70,12 @@ def test_base_and_out_checked_before_measuring(tmp_path, capsys, monkeypatch, ar
 
 
 def _no_spawn(monkeypatch):
-    import torch.multiprocessing
+    import epmoe.runtime.calibrate
 
     def spawn(*a, **k):
         raise AssertionError("measured before the arguments were checked")
 
-    monkeypatch.setattr(torch.multiprocessing, "spawn", spawn)
+    monkeypatch.setattr(epmoe.runtime.calibrate, "spawn", spawn)
 
 
 def test_bad_base_profile_refused_before_measuring(tmp_path, capsys, monkeypatch):

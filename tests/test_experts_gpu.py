@@ -19,7 +19,9 @@ def _weights(s, d, f, bias, dtype=torch.bfloat16):
     w2 = torch.randn(s, d, f, device="cuda", generator=g) / f**0.5
     b13 = torch.randn(s, 2 * f, device="cuda", generator=g) * 0.1 if bias else None
     b2 = torch.randn(s, d, device="cuda", generator=g) * 0.1 if bias else None
-    cast = (lambda t: None if t is None else t.to(dtype))
+    def cast(t):
+        return None if t is None else t.to(dtype)
+
     return ExpertWeights(cast(w13), cast(w2), cast(b13), cast(b2))
 
 

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reaso
 def _weights(seed, s, d, f, bias, dtype):
     g = torch.Generator().manual_seed(seed)
     w = [torch.randn(s, 2 * f, d, generator=g) / d**0.5, torch.randn(s, d, f, generator=g) / f**0.5,
-         torch.randn(s, 2 * f, generator=g) * 0.1 if bias else None, torch.randn(s, d, generator=g) * 0.1 if bias else None]
+         torch.randn(s, 2 * f, generator=g) * 0.1 if bias else None,
+         torch.randn(s, d, generator=g) * 0.1 if bias else None]
     return ExpertWeights(*[None if v is None else v.to(dtype) for v in w])
 
 

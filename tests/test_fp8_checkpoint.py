@@ -63,7 +63,8 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
         if w.dim() == 2 and name.endswith(".weight") and not name.endswith(SKIP):
             q, s = quantize_block_fp8(w[None])
             quantized[name], quantized[name + "_scale_inv"] = q[0], s[0]
-            dequantized[name] = q[0].float() * s[0].repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]
+            scale = s[0].repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]
+            dequantized[name] = q[0].float() * scale
         else:
             quantized[name] = dequantized[name] = w
     assert any(t.dtype == torch.float8_e4m3fn and t.shape[0] % 128 and t.shape[0] > 128 for t in quantized.values())

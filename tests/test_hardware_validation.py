@@ -32,7 +32,8 @@ def _write(tmp_path, doc: dict, name: str = "p.json") -> str:
 POSITIVE = ["memory_bytes", "hbm_bytes_per_s", "matmul_flops_per_s.bf16", "matmul_flops_per_s.fp8",
             "links.intra_node.all_reduce_busbw_bytes_per_s", "links.intra_node.all_to_all_busbw_bytes_per_s",
             "links.inter_node.all_reduce_busbw_bytes_per_s", "links.inter_node.all_to_all_busbw_bytes_per_s"]
-NON_NEGATIVE = ["moe_layer_fixed_us", "dispatch_layout_fixed_us", "links.intra_node.all_reduce_latency_us", "links.intra_node.all_to_all_latency_us",
+NON_NEGATIVE = ["moe_layer_fixed_us", "dispatch_layout_fixed_us", "links.intra_node.all_reduce_latency_us",
+                "links.intra_node.all_to_all_latency_us",
                 "links.inter_node.all_reduce_latency_us", "links.inter_node.all_to_all_latency_us"]
 
 
@@ -103,7 +104,8 @@ def test_overlap_not_finite_refused(value):
 def test_gpus_per_node_must_be_a_positive_integer(value):
     doc = _doc()
     doc["gpus_per_node"] = value
-    with pytest.raises(ValueError, match=rf"^x\.json: field 'gpus_per_node' must be a positive integer, got {value!r}$"):
+    with pytest.raises(ValueError, match=r"^x\.json: field 'gpus_per_node' must be a positive integer, got "
+                                         rf"{value!r}$"):
         parse_hardware(doc, "x.json")
 
 
@@ -150,7 +152,8 @@ def test_free_form_sources_and_optional_fields_still_load():
     del doc["links"]["inter_node"]
     del doc["matmul_flops_per_s"]["fp8"]
     hw = parse_hardware(doc, "x.json")
-    assert hw.sources["anything at all"] == "text" and hw.inter_node is None and hw.flops_per_s("fp8") == hw.flops_per_s("bf16")
+    assert hw.sources["anything at "
+                      "all"] == "text" and hw.inter_node is None and hw.flops_per_s("fp8") == hw.flops_per_s("bf16")
 
 
 @pytest.mark.parametrize("name", hardware_names())

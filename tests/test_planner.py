@@ -214,7 +214,8 @@ def test_bad_inputs():
     # qwen1.5-MoE has 60 experts: EP8 is skipped with the redundancy that would make it work.
     p = _plan("qwen1.5-moe-a2.7b", 8, batches=(1,))
     assert any("--redundant 4" in why for why in p.skipped)
-    assert any(sp.strategy.name == "EP8+DPattn" for sp in _plan("qwen1.5-moe-a2.7b", 8, batches=(1,), redundant=4).strategies)
+    planned = _plan("qwen1.5-moe-a2.7b", 8, batches=(1,), redundant=4).strategies
+    assert any(sp.strategy.name == "EP8+DPattn" for sp in planned)
 
 
 def test_cli_plan_json_plot_and_errors(tmp_path, capsys):

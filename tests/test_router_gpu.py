@@ -13,7 +13,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 CONFIGS = Path(__file__).resolve().parents[1] / "data" / "configs"
 
 
-@pytest.mark.parametrize("name", ["deepseek-v3", "kimi-k2-instruct", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v2-lite"])
+@pytest.mark.parametrize("name", ["deepseek-v3", "kimi-k2-instruct", "qwen3-30b-a3b", "mixtral-8x7b",
+                                  "deepseek-v2-lite"])
 @pytest.mark.parametrize("t", [1, 8, 1000])
 def test_fused_router_matches_torch_on_gpu(name, t):
     spec = parse_moe_spec(json.loads((CONFIGS / f"{name}.config.json").read_text()), name)

@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from epmoe.checks import check_int
 from epmoe.placement import ExpertPlacement
 from epmoe.plan.costs import WEIGHT_CHOICES, weights_hint
 from epmoe.plan.draft import DraftModel, draft_bytes, read_draft
@@ -280,7 +281,8 @@ def check_memory(spec: MoESpec, cfg: DoctorConfig, ep: int, redundant: int, draf
                           context=cfg.context, weights=cfg.weights, mem_fraction=cfg.mem_fraction)
         result = plan(req)
     except ValueError as exc:
-        return [Finding("error", f"memory cannot be planned: {exc}", "the set-up is inconsistent", "fix the named value")]
+        return [Finding("error", "memory cannot be planned: "
+                                 f"{exc}", "the set-up is inconsistent", "fix the named value")]
     draft_plan: dict[str, StrategyPlan] = {}
     if draft is not None and draft.spec is not None:
         try:
@@ -313,22 +315,16 @@ def check_memory(spec: MoESpec, cfg: DoctorConfig, ep: int, redundant: int, draf
                     f"use more GPUs, {hint + ', ' if hint else ''}a smaller batch or a shorter context")]
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 def diagnose(cfg: DoctorConfig) -> list[Finding]:
     """All checks of ``cfg``, in order: backends, target model, checkpoint and placement, draft, memory.
 
     Raises:
         ValueError: a bad ``ep``, ``nodes``, ``batch``, ``context``, ``weights`` or ``mem_fraction`` (named).
     """
-    ep = _check_int("ep", 1 if cfg.ep is None else cfg.ep, 1)
-    nodes = _check_int("nodes", cfg.nodes, 1)
-    _check_int("batch", cfg.batch, 1)
-    _check_int("context", cfg.context, 1)
+    ep = check_int("ep", 1 if cfg.ep is None else cfg.ep, 1)
+    nodes = check_int("nodes", cfg.nodes, 1)
+    check_int("batch", cfg.batch, 1)
+    check_int("context", cfg.context, 1)
     if ep % nodes:
         raise ValueError(f"ep ({ep}) must be divisible by nodes ({nodes})")
     if cfg.weights is not None and cfg.weights not in WEIGHT_CHOICES:

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from epmoe.checks import check_positive_int
+from epmoe.files import atomic_path
 from epmoe.placement import ExpertPlacement
 
 LOADS_FORMAT = "epmoe.loads/1"
@@ -75,8 +77,7 @@ class ExpertLoadRecorder:
 
     def __init__(self, num_layers: int, num_slots: int, window: int = 1, device: torch.device | str = "cpu"):
         for name, v in (("num_layers", num_layers), ("num_slots", num_slots), ("window", window)):
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            check_positive_int(name, v)
         self.num_layers, self.num_slots, self.window = num_layers, num_slots, window
         # Column P collects the -1 (no slot) entries and is never read.
         self._counts = torch.zeros(window, num_layers, num_slots + 1, dtype=torch.int64, device=device)
@@ -154,14 +155,13 @@ def save_loads(path: str | Path, load: torch.Tensor) -> None:
     """
     load = _as_table(load)
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import save_file
+    with atomic_path(path) as tmp:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import save_file
 
-        save_file({"load": load.contiguous()}, str(tmp), metadata={"format": LOADS_FORMAT})
-    else:
-        tmp.write_text(json.dumps({"format": LOADS_FORMAT, "load": load.tolist()}))
-    tmp.replace(path)
+            save_file({"load": load.contiguous()}, str(tmp), metadata={"format": LOADS_FORMAT})
+        else:
+            tmp.write_text(json.dumps({"format": LOADS_FORMAT, "load": load.tolist()}))
 
 
 def read_csv_loads(path: str | Path) -> tuple[torch.Tensor, list[str]]:
@@ -194,7 +194,8 @@ def read_csv_loads(path: str | Path) -> tuple[torch.Tensor, list[str]]:
     num_experts = max(max(g) for g in groups.values()) + 1
     for name, g in groups.items():
         if sorted(g) != list(range(num_experts)):
-            raise ValueError(f"loads file {str(path)!r}: {name} has {len(g)} experts, expected ids 0..{num_experts - 1}")
+            raise ValueError(f"loads file {str(path)!r}: {name} has {len(g)} experts, expected ids "
+                             f"0..{num_experts - 1}")
     load = torch.tensor([[g[e] for e in range(num_experts)] for g in groups.values()], dtype=torch.float64)
     return load, list(groups)
 
@@ -233,13 +234,15 @@ def read_loads(path: str | Path) -> torch.Tensor:
         else:
             doc = json.loads(path.read_text())
             if not isinstance(doc, dict):
-                raise ValueError(f"expected a JSON object with field 'load' (or 'weight'), got a JSON {_json_type(doc)}")
+                raise ValueError("expected a JSON object with field 'load' (or 'weight'), got a JSON "
+                                 f"{_json_type(doc)}")
             name = "load" if "load" in doc else "weight"
             label = name
             rows = doc.get(name)
             if rows is None:
                 raise ValueError(f"field 'load' (or 'weight') is missing; the object has {sorted(doc)}")
-            if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows) or len({len(r) for r in rows}) > 1:
+            rectangular = isinstance(rows, list) and all(isinstance(r, list) for r in rows)
+            if not rectangular or len({len(r) for r in rows}) > 1:
                 raise ValueError(f"field {name!r} must be a list of equally long per-layer lists")
             for layer, row in enumerate(rows):
                 for expert, v in enumerate(row):

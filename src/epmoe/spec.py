@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from epmoe.checks import check_positive_int
+
 Scoring = Literal["softmax", "sigmoid"]
 # How the router turns logits into top-k weights:
 #   softmax_topk : softmax over all experts, then top-k (Qwen, OLMoE, Mixtral, DeepSeek-V2)
@@ -26,6 +28,7 @@ _DEEPSEEK = {"deepseek_v2", "deepseek_v3", "kimi_k2"}
 _QWEN = {"qwen2_moe", "qwen3_moe"}
 _SUPPORTED = _DEEPSEEK | _QWEN | {"mixtral", "olmoe", "gpt_oss", "llama4_text"}
 _DENSE = {"llama", "mistral", "qwen2", "qwen3"}
+
 
 
 @dataclass(frozen=True)
@@ -170,10 +173,7 @@ def _require(cfg: dict[str, Any], key: str, source: str, *alternatives: str) -> 
 
 
 def _positive_int(cfg: dict[str, Any], key: str, source: str, *alternatives: str) -> int:
-    value = _require(cfg, key, source, *alternatives)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
-    return value
+    return check_positive_int(f"{source}: field {key!r}", _require(cfg, key, source, *alternatives))
 
 
 def language_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -341,7 +341,8 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
         dense_inter = int(cfg.get("intermediate_size_mlp") or 0)
 
     top_k = _positive_int(cfg, "num_experts_per_tok", source, "experts_per_token")
-    if "experts_per_token" in cfg and "num_experts_per_tok" in cfg and cfg["experts_per_token"] != cfg["num_experts_per_tok"]:
+    both = "experts_per_token" in cfg and "num_experts_per_tok" in cfg
+    if both and cfg["experts_per_token"] != cfg["num_experts_per_tok"]:
         raise ValueError(
             f"{source}: num_experts_per_tok ({cfg['num_experts_per_tok']}) contradicts "
             f"experts_per_token ({cfg['experts_per_token']})"

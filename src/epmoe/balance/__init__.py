@@ -33,6 +33,7 @@ from epmoe.balance.problem import (
     check_problem,
     layer_balancedness,
     max_load_lower_bound,
+    rank_balancedness,
     rank_loads,
     rank_loads_array,
 )
@@ -40,6 +41,6 @@ from epmoe.balance.registry import BALANCERS, balance, get_balancer
 
 __all__ = [
     "BALANCERS", "Balancer", "align_placement", "balance", "balance_deepseek", "balance_epmoe", "balancedness",
-    "check_problem", "get_balancer", "layer_balancedness", "max_load_lower_bound", "placement_moves", "rank_loads",
-    "rank_loads_array", "rebalance_with_moves",
+    "check_problem", "get_balancer", "layer_balancedness", "max_load_lower_bound", "placement_moves",
+    "rank_balancedness", "rank_loads", "rank_loads_array", "rebalance_with_moves",
 ]

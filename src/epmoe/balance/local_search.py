@@ -179,7 +179,8 @@ def _hierarchical(w: np.ndarray, num_slots: int, ep_size: int, num_nodes: int, n
     num_layers, num_experts = w.shape
     group_size = num_experts // num_groups
     group_w = w.reshape(num_layers, num_groups, group_size).sum(-1)
-    node_w, node_g = _pack_lpt(group_w, np.broadcast_to(np.arange(num_groups), group_w.shape).copy(), num_nodes, num_groups)
+    group_ids = np.broadcast_to(np.arange(num_groups), group_w.shape).copy()
+    node_w, node_g = _pack_lpt(group_w, group_ids, num_nodes, num_groups)
     _swap_search(node_w, node_g, num_groups, 4 * num_groups)
     node_g = np.sort(node_g, axis=2)  # [L, N, K/N]
     experts = (node_g[..., None] * group_size + np.arange(group_size)).reshape(num_layers, num_nodes, -1)

@@ -15,8 +15,9 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from epmoe.balance.problem import rank_loads_array
+from epmoe.balance.problem import rank_balancedness, rank_loads_array
 from epmoe.balance.registry import get_balancer
+from epmoe.checks import check_int
 from epmoe.loads import as_load_array
 from epmoe.placement import ExpertPlacement
 
@@ -49,7 +50,7 @@ def placement_moves(current: ExpertPlacement, new: ExpertPlacement) -> list[Move
     """
     _check_same_shape(current, new)
     diff = (current.phy2log != new.phy2log).nonzero().tolist()
-    return [(l, s, int(current.phy2log[l, s]), int(new.phy2log[l, s])) for l, s in diff]
+    return [(layer, s, int(current.phy2log[layer, s]), int(new.phy2log[layer, s])) for layer, s in diff]
 
 
 def _check_same_shape(a: ExpertPlacement, b: ExpertPlacement) -> None:
@@ -94,7 +95,8 @@ def align_placement(current: ExpertPlacement, new: ExpertPlacement) -> ExpertPla
     """
     _check_same_shape(current, new)
     old, nw = current.phy2log.numpy(), new.phy2log.numpy()
-    phy = np.stack([_align_layer(old[l], nw[l], new.ep_size, new.num_experts) for l in range(new.num_layers)])
+    phy = np.stack([_align_layer(old[layer], nw[layer], new.ep_size, new.num_experts)
+                    for layer in range(new.num_layers)])
     return ExpertPlacement(torch.from_numpy(phy), num_experts=new.num_experts, ep_size=new.ep_size)
 
 
@@ -111,8 +113,7 @@ class _LayerSearch:
         return rank_loads_array(self.w[None], self.phy[None], self.ep_size)[0]
 
     def balancedness(self) -> float:
-        r = self.loads()
-        return float(r.mean() / r.max()) if r.max() > 0 else 1.0
+        return float(rank_balancedness(self.loads()))
 
     def done(self) -> bool:
         return self.balancedness() >= self.target
@@ -233,49 +234,50 @@ def rebalance_with_moves(
             f"load has shape {tuple(w.shape)} but the current placement covers "
             f"[{current.num_layers}, {current.num_experts}] (layers, experts)"
         )
-    if max_moves is not None and (isinstance(max_moves, bool) or not isinstance(max_moves, int) or max_moves < 0):
-        raise ValueError(f"max_moves must be a non-negative integer or None, got {max_moves!r}")
+    if max_moves is not None:
+        check_int("max_moves", max_moves, 0, wording="a non-negative integer or None")
     if not 0 <= tolerance < 1:
         raise ValueError(f"tolerance must lie in [0, 1), got {tolerance!r}")
     fresh = get_balancer(algorithm)(w, current.ep_size, current.num_redundant)
     fresh = align_placement(current, fresh)
     fresh_r = rank_loads_array(w, fresh.phy2log.numpy(), fresh.ep_size)
-    fresh_bal = np.where(fresh_r.max(1) > 0, fresh_r.mean(1) / np.maximum(fresh_r.max(1), 1e-300), 1.0)
+    fresh_bal = rank_balancedness(fresh_r).numpy()
     old = current.phy2log.numpy()
     searches = [
-        _LayerSearch(w[l], old[l], current.ep_size, (1 - tolerance) * fresh_bal[l]) for l in range(w.shape[0])
+        _LayerSearch(w[layer], old[layer], current.ep_size, (1 - tolerance) * fresh_bal[layer])
+        for layer in range(w.shape[0])
     ]
     budget = math.inf if max_moves is None else max_moves
     used = 0
-    heap = [(s.balancedness() / max(s.target, 1e-300), l) for l, s in enumerate(searches) if not s.done()]
+    heap = [(s.balancedness() / max(s.target, 1e-300), layer) for layer, s in enumerate(searches) if not s.done()]
     heapq.heapify(heap)
     stalled: list[int] = []
     while heap:
-        _, l = heapq.heappop(heap)
-        s = searches[l]
+        _, layer = heapq.heappop(heap)
+        s = searches[layer]
         best = s.best_step()
         if best is None:
-            stalled.append(l)
+            stalled.append(layer)
             continue
         step = best[1]
         cost = len({slot for slot, _ in step} - s.changed)
         if used + cost > budget:
-            stalled.append(l)
+            stalled.append(layer)
             continue
         s.apply(step)
         used += cost
         if not s.done():
-            heapq.heappush(heap, (s.balancedness() / max(s.target, 1e-300), l))
+            heapq.heappush(heap, (s.balancedness() / max(s.target, 1e-300), layer))
     for s in searches:
         if s.done():
             s.prune(old[searches.index(s)])
     phy = np.stack([s.phy for s in searches])
     fresh_phy = fresh.phy2log.numpy()
-    for l in stalled:
-        now = int((phy[l] != old[l]).sum())
-        swap_cost = int((fresh_phy[l] != old[l]).sum())
-        if searches[l].balancedness() < fresh_bal[l] * (1 - tolerance) and used - now + swap_cost <= budget:
-            phy[l] = fresh_phy[l]
+    for layer in stalled:
+        now = int((phy[layer] != old[layer]).sum())
+        swap_cost = int((fresh_phy[layer] != old[layer]).sum())
+        if searches[layer].balancedness() < fresh_bal[layer] * (1 - tolerance) and used - now + swap_cost <= budget:
+            phy[layer] = fresh_phy[layer]
             used += swap_cost - now
     placement = ExpertPlacement(torch.from_numpy(phy), num_experts=current.num_experts, ep_size=current.ep_size)
     return Rebalance(

@@ -97,11 +97,17 @@ def rank_loads(load: torch.Tensor | np.ndarray, placement: ExpertPlacement) -> t
     return torch.from_numpy(rank_loads_array(w, placement.phy2log.numpy(), placement.ep_size))
 
 
+def rank_balancedness(per_rank: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """The one definition of balancedness: ``per_rank [..., G]`` tokens per EP rank -> ``[...]`` float64
+    mean over ranks / max over ranks (1.0 where every rank is idle)."""
+    r = torch.as_tensor(per_rank).double()
+    mx = r.max(dim=-1).values
+    return torch.where(mx > 0, r.mean(dim=-1) / torch.where(mx > 0, mx, 1.0), torch.ones_like(mx))
+
+
 def layer_balancedness(load: torch.Tensor | np.ndarray, placement: ExpertPlacement) -> torch.Tensor:
     """``[L]`` float64: per layer, mean over ranks / max over ranks of the rank load (1.0 if all zero)."""
-    r = rank_loads(load, placement)
-    mx = r.max(dim=1).values
-    return torch.where(mx > 0, r.mean(dim=1) / torch.where(mx > 0, mx, 1.0), torch.ones_like(mx))
+    return rank_balancedness(rank_loads(load, placement))
 
 
 def balancedness(load: torch.Tensor | np.ndarray, placement: ExpertPlacement) -> float:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from epmoe.balance.moves import placement_moves, rebalance_with_moves
-from epmoe.balance.problem import check_problem, rank_loads
+from epmoe.balance.problem import check_problem, rank_balancedness, rank_loads
 from epmoe.balance.registry import balance, get_balancer
 from epmoe.files import check_output_path
 from epmoe.loads import read_csv_loads, read_loads
@@ -63,7 +63,8 @@ class BalanceReport:
                 r.layer, f"{r.balancedness_before:.4f}", f"{r.balancedness_after:.4f}",
                 f"{r.max_over_mean_before:.3f}", f"{r.max_over_mean_after:.3f}", str(r.moved),
             )
-        t.add_row("mean", f"{self.balancedness_before:.4f}", f"{self.balancedness_after:.4f}", "", "", str(len(self.moves)))
+        t.add_row("mean", f"{self.balancedness_before:.4f}", f"{self.balancedness_after:.4f}", "", "",
+                  str(len(self.moves)))
         return t
 
 
@@ -175,20 +176,21 @@ def balance_file(
         after, moves = result.placement, result.moves
     else:
         if max_moves is not None:
-            raise ValueError(f"max_moves ({max_moves}) needs from_placement (the current placement) to count moves from")
+            raise ValueError(f"max_moves ({max_moves}) needs from_placement (the current placement) to count moves "
+                             "from")
         before = ExpertPlacement.trivial(num_layers, num_experts, ep_size, num_redundant)
         after = balance(load, ep_size, num_redundant, algorithm=algorithm, num_nodes=num_nodes, num_groups=num_groups)
         moves = placement_moves(before, after)
     rb, ra = rank_loads(load, before), rank_loads(load, after)
     mean = rb.mean(1).clamp(min=1e-300)
-    bal_b = torch.where(rb.max(1).values > 0, rb.mean(1) / rb.max(1).values.clamp(min=1e-300), 1.0)
-    bal_a = torch.where(ra.max(1).values > 0, ra.mean(1) / ra.max(1).values.clamp(min=1e-300), 1.0)
+    bal_b, bal_a = rank_balancedness(rb), rank_balancedness(ra)
     moved = torch.zeros(num_layers, dtype=torch.int64)
     for m in moves:
         moved[m[0]] += 1
     rows = [
-        LayerRow(names[l], float(bal_b[l]), float(bal_a[l]), float(rb[l].max() / mean[l]), float(ra[l].max() / mean[l]), int(moved[l]))
-        for l in range(num_layers)
+        LayerRow(names[i], float(bal_b[i]), float(bal_a[i]), float(rb[i].max() / mean[i]), float(ra[i].max() / mean[i]),
+                 int(moved[i]))
+        for i in range(num_layers)
     ]
     png = _plot_png(names, rb, ra) if plot is not None else None
     _write_outputs(after, out_path, png, plot_path)

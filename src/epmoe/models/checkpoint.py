@@ -241,7 +241,8 @@ def family_layout(model_type: str) -> FamilyLayout:
     try:
         return FAMILY_LAYOUTS[model_type]
     except KeyError:
-        raise KeyError(f"no checkpoint layout for model_type {model_type!r}; supported: {sorted(FAMILY_LAYOUTS)}") from None
+        raise KeyError(f"no checkpoint layout for model_type {model_type!r}; supported: "
+                       f"{sorted(FAMILY_LAYOUTS)}") from None
 
 
 def read_expert(

@@ -267,10 +267,12 @@ def _materialise(
             try:
                 rows = [read_expert(reader, fused_experts, block, e)[key] for e in range(tensor.shape[0])]
             except KeyError as exc:
-                raise KeyError(f"checkpoint {checkpoint_dir} is missing an expert tensor of {block}: {exc.args[0]}") from None
+                raise KeyError(f"checkpoint {checkpoint_dir} is missing an expert tensor of {block}: "
+                               f"{exc.args[0]}") from None
             stacked = torch.stack(rows)
             if stacked.shape != tensor.shape:
-                raise ValueError(f"{name}: experts stack to {tuple(stacked.shape)}, the model expects {tuple(tensor.shape)}")
+                raise ValueError(f"{name}: experts stack to {tuple(stacked.shape)}, the model expects "
+                                 f"{tuple(tensor.shape)}")
             state[name] = stacked.to(device=device, dtype=tensor.dtype)
         else:
             raise KeyError(f"checkpoint {checkpoint_dir} is missing tensor {name!r}")

@@ -91,7 +91,7 @@ def _byte_tokenizer():
 
 def _byte_of(ch: str) -> int:
     """GPT-2's byte -> printable-char table, inverted."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     if ord(ch) in printable:
         return ord(ch)
     extra = [b for b in range(256) if b not in printable]

@@ -268,11 +268,13 @@ def collective_ms(kind: CollectiveKind, nbytes: float, num_ranks: int, link: Lin
     n = num_ranks
     if kind == "all_reduce":
         if link.all_reduce_ms_by_bytes:
-            return _interpolate_ms(link.all_reduce_ms_by_bytes, nbytes, link.all_reduce_busbw_bytes_per_s, 2 * (n - 1) / n)
+            return _interpolate_ms(link.all_reduce_ms_by_bytes, nbytes, link.all_reduce_busbw_bytes_per_s,
+                                   2 * (n - 1) / n)
         return link.all_reduce_latency_us * 1e-3 + 2 * (n - 1) / n * nbytes / link.all_reduce_busbw_bytes_per_s * 1e3
     if kind in ("reduce_scatter", "all_gather"):
         if link.all_reduce_ms_by_bytes:
-            return _interpolate_ms(link.all_reduce_ms_by_bytes, nbytes / 2, link.all_reduce_busbw_bytes_per_s, 2 * (n - 1) / n)
+            return _interpolate_ms(link.all_reduce_ms_by_bytes, nbytes / 2, link.all_reduce_busbw_bytes_per_s,
+                                   2 * (n - 1) / n)
         return link.all_reduce_latency_us * 1e-3 + (n - 1) / n * nbytes / link.all_reduce_busbw_bytes_per_s * 1e3
     if kind == "all_to_all":
         if link.all_to_all_ms_by_bytes:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from epmoe.checks import check_positive_int
 from epmoe.plan.costs import ACT_BYTES
 from epmoe.plan.request import StrategyPlan
 from epmoe.spec import DenseModelError, MoESpec, language_model_config, load_moe_spec, read_config
@@ -45,10 +46,7 @@ def _read_config(path: str) -> dict[str, Any]:
 
 
 def _field(cfg: dict[str, Any], key: str, source: str, default: int | None = None) -> int:
-    value = cfg.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
-    return value
+    return check_positive_int(f"{source}: field {key!r}", cfg.get(key, default))
 
 
 def read_draft(path: str) -> DraftModel:

@@ -170,7 +170,8 @@ def _step(req: PlanRequest, s: Strategy, batch: int) -> StepEstimate:
     shared_split, t_shared = (mlp_split, tokens) if s.mode == "all_reduce" else (1, t_moe)
     shared_p = 3 * d * spec.shared_intermediate_size / shared_split
     router_p = d * spec.num_experts
-    moe_side_ms = roofline_ms(shared_p * dense_b + router_p * bf16, 2 * (shared_p * t_shared + router_p * t_moe), bw, dense_flops)
+    moe_side_ms = roofline_ms(shared_p * dense_b + router_p * bf16, 2 * (shared_p * t_shared + router_p * t_moe), bw,
+                              dense_flops)
     lm_split = 1 if dp else s.attn_tp
     lm_ms = roofline_ms(v * d / lm_split * bf16, 2 * v * d / lm_split * t_attn, bw, hw.flops_per_s("bf16"))
     n_dense, n_moe = len(spec.dense_layers), spec.num_moe_layers

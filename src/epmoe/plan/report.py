@@ -78,11 +78,13 @@ def recommend(p: Plan) -> str:
             hint = weights_hint(p.request.expert_format)
             why = (f"at batch {batch} the smallest overshoot is {least.strategy.name} by "
                    f"{least.steps[i].memory.over / GIB:.1f} GiB per GPU; "
-                   + (f"add GPUs, use {hint} or a shorter --context" if hint else "add GPUs or use a shorter --context"))
+                   + (f"add GPUs, use {hint} or a shorter "
+                      "--context" if hint else "add GPUs or use a shorter --context"))
         else:
             best = fitting[0]
             # compare across the TP/EP divide (all-reduce vs all-to-all family) when there is one
-            family = [s for s in ranked if s is not best and (s.strategy.mode == "all_reduce") != (best.strategy.mode == "all_reduce")]
+            best_ar = best.strategy.mode == "all_reduce"
+            family = [s for s in ranked if s is not best and (s.strategy.mode == "all_reduce") != best_ar]
             others = sorted(family, key=lambda s: (not s.steps[i].memory.fits, s.steps[i].total_ms)) or [
                 s for s in ranked if s is not best]
             label = ("all-to-all" if best.strategy.mode == "all_reduce" else "all-reduce") if family else None
@@ -138,7 +140,8 @@ def plan_table(p: Plan) -> Table:
     t = Table(title=f"{Path(r.spec.source).name} on {r.gpus}x {r.hardware.gpu} ({r.hardware.name}, {r.nodes} node"
                     f"{'s' if r.nodes > 1 else ''}), {step_kind}, context {r.context}, experts {r.expert_format}, "
                     f"balancedness {r.balancedness}",
-              caption="times in ms on the busiest rank; AR all-reduce, RS reduce-scatter, AG all-gather, A2A all-to-all")
+              caption="times in ms on the busiest rank; AR all-reduce, RS reduce-scatter, AG all-gather, A2A "
+                      "all-to-all")
     for col in ("strategy", "batch", "step", "attn+dense", "experts", "comm", "collectives/step", "GiB/GPU", "fits"):
         t.add_column(col, justify="left" if col in ("strategy", "collectives/step", "fits") else "right",
                      no_wrap=col != "fits")

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from epmoe.checks import check_int
 from epmoe.placement import max_redundant_slots
 from epmoe.plan.costs import WEIGHT_CHOICES, CollectiveKind
 from epmoe.plan.hardware import HardwareProfile
@@ -60,8 +61,7 @@ class PlanRequest:
 
     def __post_init__(self) -> None:
         def pos_int(name: str, value: object, minimum: int = 1, maximum: int | None = None) -> None:
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+            check_int(name, value, minimum)
             if maximum is not None and value > maximum:
                 raise ValueError(f"{name} must be at most {maximum}, got {value!r}")
 
@@ -251,4 +251,5 @@ class Plan:
         for s in self.strategies:
             if s.strategy.name == name:
                 return s
-        raise KeyError(f"strategy {name!r} was not planned; planned: {', '.join(s.strategy.name for s in self.strategies)}")
+        raise KeyError(f"strategy {name!r} was not planned; planned: "
+                       f"{', '.join(s.strategy.name for s in self.strategies)}")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -25,9 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from epmoe.files import check_output_path
+from epmoe.checks import check_int
+from epmoe.files import atomic_path, check_output_path
 from epmoe.plan.hardware import HARDWARE_FORMAT, LinkProfile, load_hardware, parse_hardware
-from epmoe.runtime.launch import die_with_parent
+from epmoe.runtime.launch import RankInfo, spawn
 
 GPU_MAX_BYTES = 256 * 1024**2
 CPU_MAX_BYTES = 4 * 1024**2
@@ -75,21 +75,17 @@ class CalibrationConfig:
     base: str | None = None
 
     def __post_init__(self) -> None:
-        def integer(value: object) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        if self.nprocs is not None and (not integer(self.nprocs) or self.nprocs < 2):
-            raise ValueError(f"nprocs must be >= 2 (collectives need two ranks), got {self.nprocs!r}")
+        if self.nprocs is not None:
+            check_int("nprocs", self.nprocs, 2, wording=">= 2 (collectives need two ranks)")
         if self.backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
-        if self.max_bytes is not None and (not integer(self.max_bytes) or self.max_bytes < MIN_MAX_BYTES):
-            raise ValueError(f"max_bytes must be >= {MIN_MAX_BYTES} (1 MiB: the bus bandwidth is fitted on the largest "
-                             f"buffer, and smaller ones measure only latency), got {self.max_bytes!r}")
+        if self.max_bytes is not None:
+            check_int("max_bytes", self.max_bytes, MIN_MAX_BYTES, wording=f">= {MIN_MAX_BYTES} (1 MiB: the bus "
+                      "bandwidth is fitted on the largest buffer, and smaller ones measure only latency)")
         if self.max_bytes is not None and self.max_bytes > MAX_BYTES_LIMIT:
             raise ValueError(f"max_bytes must be <= {MAX_BYTES_LIMIT} (1 GiB, more than the planner's collectives "
                              f"need), got {self.max_bytes!r}")
-        if not integer(self.iters) or self.iters < 1:
-            raise ValueError(f"iters must be >= 1, got {self.iters!r}")
+        check_int("iters", self.iters, 1, wording=">= 1")
         if self.iters > MAX_ITERS:
             raise ValueError(f"iters must be at most {MAX_ITERS} (the median of that many is stable), got {self.iters}")
         if not isinstance(self.name, str) or not self.name.strip():
@@ -246,7 +242,8 @@ def measure_device(device: torch.device) -> dict[str, float]:
 
     copy_s = best_s(lambda: dst.copy_(src))
     mm_s = best_s(lambda: a @ b)
-    return {"memory_bytes": float(memory), "hbm_bytes_per_s": 2 * n_copy / copy_s, "bf16_flops_per_s": 2 * n_mm**3 / mm_s}
+    return {"memory_bytes": float(memory), "hbm_bytes_per_s": 2 * n_copy / copy_s,
+            "bf16_flops_per_s": 2 * n_mm**3 / mm_s}
 
 
 def fit_link(rows: list[dict[str, float]], key: str, factor: float) -> tuple[float, float]:
@@ -276,8 +273,10 @@ def _link_doc(link: LinkProfile) -> dict[str, Any]:
             "all_reduce_busbw_bytes_per_s": link.all_reduce_busbw_bytes_per_s,
             "all_to_all_latency_us": link.all_to_all_latency_us,
             "all_to_all_busbw_bytes_per_s": link.all_to_all_busbw_bytes_per_s,
-            **({"all_reduce_ms_by_bytes": [list(p) for p in link.all_reduce_ms_by_bytes]} if link.all_reduce_ms_by_bytes else {}),
-            **({"all_to_all_ms_by_bytes": [list(p) for p in link.all_to_all_ms_by_bytes]} if link.all_to_all_ms_by_bytes else {})}
+            **({"all_reduce_ms_by_bytes": [list(p) for p in link.all_reduce_ms_by_bytes]}
+               if link.all_reduce_ms_by_bytes else {}),
+            **({"all_to_all_ms_by_bytes": [list(p) for p in link.all_to_all_ms_by_bytes]}
+               if link.all_to_all_ms_by_bytes else {})}
 
 
 def build_profile(rows: list[dict[str, float]], device_facts: dict[str, float], world_size: int, nodes: int,
@@ -298,7 +297,8 @@ def build_profile(rows: list[dict[str, float]], device_facts: dict[str, float], 
     base = load_hardware(cfg.base) if cfg.base else None
     if nodes > 1:
         if base is None:
-            raise ValueError("calibrating across nodes measures the inter-node link only; pass --base NAME for the intra-node one")
+            raise ValueError("calibrating across nodes measures the inter-node link only; pass --base NAME for the "
+                             "intra-node one")
         links = {"intra_node": _link_doc(base.intra_node), "inter_node": link}
     else:
         links = {"intra_node": link}
@@ -308,12 +308,15 @@ def build_profile(rows: list[dict[str, float]], device_facts: dict[str, float], 
     if base is not None and "fp8" in base.matmul_flops_per_s:
         flops["fp8"] = base.matmul_flops_per_s["fp8"]
     sources = {
-        "links": f"measured by `epmoe calibrate` ({backend}, {n} ranks, sizes {rows[0]['bytes']}..{rows[-1]['bytes']} B, "
-                 f"median of {cfg.iters}, max over ranks); the *_ms_by_bytes curves are the non-decreasing envelope of the "
+        "links": f"measured by `epmoe calibrate` ({backend}, {n} ranks, sizes {rows[0]['bytes']}..{rows[-1]['bytes']} "
+                 "B, "
+                 f"median of {cfg.iters}, max over ranks); the *_ms_by_bytes curves are the non-decreasing envelope of "
+                 "the "
                  f"measurements (each time the least at that size or a larger one); latency = fastest size up to "
                  f"{LATENCY_MAX_BYTES} B, bandwidth = largest (used beyond the curves)",
         "hbm_bytes_per_s": "measured: best of 5 device-to-device copies, read + write bytes",
-        "matmul_flops_per_s": "measured: best of 5 bf16 matmuls" + (f"; fp8 copied from {base.name}" if "fp8" in flops else ""),
+        "matmul_flops_per_s": "measured: best of 5 bf16 "
+                              "matmuls" + (f"; fp8 copied from {base.name}" if "fp8" in flops else ""),
     }
     if base is not None:
         sources["base"] = (f"links not measured here, moe_layer_fixed_us, moe_stream_matrix_overlap and "
@@ -332,8 +335,8 @@ def build_profile(rows: list[dict[str, float]], device_facts: dict[str, float], 
     return doc
 
 
-def _measure_and_write(cfg: CalibrationConfig, backend: str) -> dict[str, Any] | None:
-    rank, world = dist.get_rank(), dist.get_world_size()
+def _measure_and_write(cfg: CalibrationConfig, backend: str, group: dist.ProcessGroup) -> dict[str, Any] | None:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
@@ -342,25 +345,23 @@ def _measure_and_write(cfg: CalibrationConfig, backend: str) -> dict[str, Any] |
     else:
         device, gpu = torch.device("cpu"), "CPU"
     max_bytes = cfg.max_bytes or (GPU_MAX_BYTES if device.type == "cuda" else CPU_MAX_BYTES)
-    rows = measure_collectives(message_sizes(max_bytes, world), cfg.iters, device)
+    rows = measure_collectives(message_sizes(max_bytes, world), cfg.iters, device, group)
     facts = measure_device(device)
     if rank != 0:
         return None
     doc = build_profile(rows, facts, world, max(1, world // local_world), backend, gpu, cfg)
-    path = Path(cfg.out)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2))
-    tmp.replace(path)
+    with atomic_path(cfg.out) as tmp:
+        tmp.write_text(json.dumps(doc, indent=2))
     return doc
 
 
-def _spawned(rank: int, cfg: CalibrationConfig, backend: str, port: int) -> None:
-    die_with_parent()
-    os.environ["LOCAL_WORLD_SIZE"] = str(cfg.nprocs)
-    os.environ["LOCAL_RANK"] = str(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cfg.nprocs)
+def _spawned_rank(info: RankInfo, cfg: CalibrationConfig, backend: str) -> None:
+    """One rank spawned by ``launch.spawn``: join the group, measure, and (rank 0) write the profile."""
+    os.environ["LOCAL_WORLD_SIZE"] = str(info.world_size)
+    os.environ["LOCAL_RANK"] = str(info.local_rank)
+    dist.init_process_group(backend, init_method=info.init_method, rank=info.rank, world_size=info.world_size)
     try:
-        _measure_and_write(cfg, backend)
+        _measure_and_write(cfg, backend, dist.group.WORLD)
     finally:
         dist.destroy_process_group()
 
@@ -399,15 +400,13 @@ def calibrate(cfg: CalibrationConfig) -> dict[str, Any] | None:
     backend = cfg.resolved_backend()
     if cfg.nprocs is not None:
         cfg.check_nprocs(backend)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        torch.multiprocessing.spawn(_spawned, args=(cfg, backend, port), nprocs=cfg.nprocs, join=True)
+        spawn(_spawned_rank, cfg.nprocs, (cfg, backend))
         return json.loads(Path(cfg.out).read_text())
     if not dist.is_initialized():
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise ValueError("no process group: run under torchrun, or pass --nprocs N to spawn N local processes")
         dist.init_process_group(backend)
-    if dist.get_world_size() < 2:
-        raise ValueError(f"the process group has {dist.get_world_size()} rank; collectives need at least 2")
-    return _measure_and_write(cfg, backend)
+    group = dist.group.WORLD
+    if dist.get_world_size(group) < 2:
+        raise ValueError(f"the process group has {dist.get_world_size(group)} rank; collectives need at least 2")
+    return _measure_and_write(cfg, backend, group)

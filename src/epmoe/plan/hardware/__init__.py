@@ -16,6 +16,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from epmoe.checks import check_positive_int
+
 HARDWARE_FORMAT = "epmoe.hardware/1"
 _LINK_FIELDS = (
     "all_reduce_latency_us",
@@ -35,6 +37,7 @@ _LINK_CURVES = ("all_reduce_ms_by_bytes", "all_to_all_ms_by_bytes")
 _LINK_KEYS = ("kind", *_LINK_FIELDS, *_LINK_CURVES)
 # The compute dtypes ``costs.compute_dtype`` asks for.
 _MATMUL_DTYPES = ("bf16", "fp8")
+
 
 
 @dataclass(frozen=True)
@@ -214,7 +217,8 @@ def parse_hardware(doc: dict[str, Any], source: str = "<dict>") -> HardwareProfi
     _check_keys(doc, _TOP_FIELDS, source)
     flops = doc.get("matmul_flops_per_s")
     if not isinstance(flops, dict) or "bf16" not in flops:
-        raise ValueError(f"{source}: field 'matmul_flops_per_s' must map dtypes to FLOP/s and hold 'bf16', got {flops!r}")
+        raise ValueError(f"{source}: field 'matmul_flops_per_s' must map dtypes to FLOP/s and hold 'bf16', got "
+                         f"{flops!r}")
     _check_keys(flops, _MATMUL_DTYPES, source, "matmul_flops_per_s")
     flops = {k: _number(flops, k, source, "matmul_flops_per_s") for k in flops}
     links = doc.get("links")
@@ -222,14 +226,14 @@ def parse_hardware(doc: dict[str, Any], source: str = "<dict>") -> HardwareProfi
         raise ValueError(f"{source}: field 'links' must hold 'intra_node', got {links!r}")
     _check_keys(links, _LINK_KINDS, source, "links")
     gpn = doc.get("gpus_per_node")
-    if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn <= 0:
-        raise ValueError(f"{source}: field 'gpus_per_node' must be a positive integer, got {gpn!r}")
+    check_positive_int(f"{source}: field 'gpus_per_node'", gpn)
     overlap = doc.get("moe_stream_matrix_overlap", 0.0)
     if isinstance(overlap, bool) or not isinstance(overlap, (int, float)) or not 0.0 <= overlap <= 1.0:
         raise ValueError(f"{source}: field 'moe_stream_matrix_overlap' must be a number in [0, 1], got {overlap!r}")
     sources = doc.get("sources") or {}
     if not isinstance(sources, dict) or not all(isinstance(v, str) for v in sources.values()):
-        raise ValueError(f"{source}: field 'sources' must be an object of strings (field name -> text), got {sources!r}")
+        raise ValueError(f"{source}: field 'sources' must be an object of strings (field name -> text), got "
+                         f"{sources!r}")
     measurements = doc.get("measurements", [])
     if not isinstance(measurements, list):
         raise ValueError(f"{source}: field 'measurements' must be a list, got {measurements!r}")
@@ -270,7 +274,8 @@ def load_hardware(name_or_path: str | Path) -> HardwareProfile:
     else:
         names = hardware_names()
         if text not in names:
-            raise ValueError(f"hardware {text!r} is not known; shipped profiles: {', '.join(names)} (or a profile JSON path)")
+            raise ValueError(f"hardware {text!r} is not known; shipped profiles: {', '.join(names)} (or a profile JSON "
+                             "path)")
         res = resources.files(__name__).joinpath(f"{text}.json")
         source, raw = f"epmoe/plan/hardware/{text}.json", res.read_text()
     try:
