@@ -19,6 +19,8 @@ import pytest
 from epmoe.plan.hardware import load_hardware
 from epmoe.runtime.calibrate import LATENCY_MAX_BYTES, message_sizes
 
+pytestmark = pytest.mark.multiprocess
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "multigpu.py"
 

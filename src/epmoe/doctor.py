@@ -162,7 +162,7 @@ def check_checkpoint(spec: MoESpec, directory: str, what: str = "the target mode
     Names only: the safetensors index (or the file headers) is read, no tensor. The names are those
     ``models.hf.load_ep_model`` reads (``models.checkpoint.family_layout``); the first missing one is named.
     """
-    from epmoe.models.checkpoint import CheckpointReader, family_layout
+    from epmoe.models.checkpoint import CheckpointReader, expert_tensor_names, family_layout
 
     try:
         layout = family_layout(spec.model_type)
@@ -192,17 +192,13 @@ def check_checkpoint(spec: MoESpec, directory: str, what: str = "the target mode
         block = f"model.layers.{layer_index}.{layout.ckpt_block}"
         if layout.experts == "per_expert":
             for e in range(spec.num_experts):
-                for pattern in layout.expert_names:
-                    name = f"{block}.{pattern.format(e=e)}"
+                for name in expert_tensor_names(layout, block, e):
                     if name not in reader:
                         if not missing:
                             first = f"logical expert {e} of MoE layer {moe_index} (decoder layer {layer_index})"
                         missing.append(name)
         else:
-            names = [f"{block}.experts.gate_up_proj", f"{block}.experts.down_proj"]
-            if layout.experts == "fused_interleaved":
-                names += [f"{block}.experts.gate_up_proj_bias", f"{block}.experts.down_proj_bias"]
-            for name in names:
+            for name in expert_tensor_names(layout, block, 0):
                 if name not in reader:
                     if not missing:
                         first = f"the fused experts of MoE layer {moe_index} (decoder layer {layer_index})"

@@ -245,6 +245,26 @@ def family_layout(model_type: str) -> FamilyLayout:
                        f"{sorted(FAMILY_LAYOUTS)}") from None
 
 
+def expert_tensor_names(layout: FamilyLayout, block: str, expert: int) -> list[str]:
+    """The checkpoint tensors holding logical expert ``expert`` of one MoE block (the one place they are spelled).
+
+    Args:
+        layout: the family layout.
+        block: checkpoint prefix of the MoE block, e.g. ``model.layers.3.mlp``.
+        expert: logical expert id (fused layouts hold every expert in the same tensors).
+
+    Returns:
+        ``per_expert``: gate, up, down; fused layouts: ``gate_up_proj``, ``down_proj`` (and for
+        ``fused_interleaved`` their biases), each ``[E, ...]``.
+    """
+    if layout.experts == "per_expert":
+        return [f"{block}.{n.format(e=expert)}" for n in layout.expert_names]
+    names = [f"{block}.experts.gate_up_proj", f"{block}.experts.down_proj"]
+    if layout.experts == "fused_interleaved":
+        names += [f"{block}.experts.gate_up_proj_bias", f"{block}.experts.down_proj_bias"]
+    return names
+
+
 def read_expert(
     reader: CheckpointReader, layout: FamilyLayout, block: str, expert: int
 ) -> dict[str, torch.Tensor]:
@@ -262,15 +282,16 @@ def read_expert(
     Raises:
         KeyError: a tensor of this expert is missing (its name is in the message).
     """
+    names = expert_tensor_names(layout, block, expert)
     if layout.experts == "per_expert":
-        gate, up, down = (reader.get(f"{block}.{n.format(e=expert)}") for n in layout.expert_names)
+        gate, up, down = (reader.get(n) for n in names)
         return {"w13": torch.cat([gate, up], dim=0), "w2": down}
-    gate_up = reader.get(f"{block}.experts.gate_up_proj", expert).t()  # [2F, D]
-    down = reader.get(f"{block}.experts.down_proj", expert).t()  # [D, F]
+    gate_up = reader.get(names[0], expert).t()  # [2F, D]
+    down = reader.get(names[1], expert).t()  # [D, F]
     if layout.experts == "fused_concat":
         return {"w13": gate_up.contiguous(), "w2": down.contiguous()}
     out = {"w13": torch.cat([gate_up[0::2], gate_up[1::2]], dim=0), "w2": down.contiguous()}
-    bias = reader.get(f"{block}.experts.gate_up_proj_bias", expert)
+    bias = reader.get(names[2], expert)
     out["b13"] = torch.cat([bias[0::2], bias[1::2]])
-    out["b2"] = reader.get(f"{block}.experts.down_proj_bias", expert)
+    out["b2"] = reader.get(names[3], expert)
     return out

@@ -8,7 +8,7 @@ import pytest
 from epmoe.cli import main
 from epmoe.placement import ExpertPlacement
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "loads"
+DATA = Path(__file__).resolve().parents[2] / "data" / "loads"
 CSV = str(DATA / "olmoe_expert_counts.csv")
 
 

@@ -165,7 +165,7 @@ def test_shipped_profiles_load(name, tmp_path):
 
 
 def test_plan_and_doctor_report_a_bad_profile(tmp_path, capsys):
-    from .conftest import CONFIGS
+    from ..conftest import CONFIGS
 
     doc = _doc()
     doc["hbm_bytes_per_s"] = math.inf

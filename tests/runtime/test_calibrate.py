@@ -8,7 +8,7 @@ from epmoe.cli import main
 from epmoe.plan.hardware import load_hardware
 from epmoe.runtime.calibrate import CalibrationConfig, calibrate, message_sizes
 
-from .conftest import CONFIGS
+from ..conftest import CONFIGS
 
 
 def test_message_sizes():
@@ -25,6 +25,7 @@ def test_bad_config():
         CalibrationConfig(out="x.json", backend="mpi")
 
 
+@pytest.mark.multiprocess
 def test_two_gloo_processes_write_a_profile_plan_accepts(tmp_path, capsys):
     out = tmp_path / "cpu.json"
     doc = calibrate(CalibrationConfig(out=str(out), nprocs=2, backend="gloo", max_bytes=2**20, iters=2, name="cpu2"))

@@ -118,12 +118,14 @@ def _run(model: Path, tmp_path: Path) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.multiprocess
 def test_run_fp8_two_ranks_matches_reference(ckpts, tmp_path):
     report = _run(ckpts["fp8"], tmp_path)
     assert report["matches_reference"] is True and report["mismatches"] == []
     assert report["max_logits_rel_err"] < 1e-5
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("source", ["fp8", "deq"])  # deq: the reference is transformers' from_pretrained(config=)
 def test_run_kimi_k2(ckpts, tmp_path, source):
     kimi = tmp_path / "kimi"

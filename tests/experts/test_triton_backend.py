@@ -1,4 +1,4 @@
-"""GPU-only checks of the Triton expert backend against the reference (skipped without CUDA + Triton)."""
+"""GPU-only checks of the Triton expert backend against the reference (marked ``gpu``: skipped without CUDA)."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch
 from epmoe.experts import Activation, ExpertWeights, get_expert_backend, reference_experts
 from epmoe.experts.triton.align import align_reference
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:

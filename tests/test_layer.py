@@ -59,6 +59,7 @@ def _worker(info: RankInfo, dirs: dict[str, str]) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_tp_and_ep_layers_equal_single_rank(tiny_checkpoints):
     dirs = {fam: str(tiny_checkpoints(fam)) for fam in FAMILIES}
     for res in spawn(_worker, 2, (dirs,)):

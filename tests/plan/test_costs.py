@@ -28,7 +28,7 @@ from epmoe.plan.costs import (
 )
 from epmoe.plan.hardware import load_hardware, parse_hardware
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "moe_layer_h200.json"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "moe_layer_h200.json"
 # benchmarks/moe_layer.py's cases: Qwen3-30B-A3B layer (128 of 128 experts local), DeepSeek-V3 EP8 shard (32 of 256).
 CASES = {"qwen3": (MoEDims(2048, 768, 128, 8), 128), "dsv3": (MoEDims(7168, 2048, 256, 8), 32)}
 

@@ -70,6 +70,7 @@ def test_ep1_matches_transformers(dirs, family, variant):
     assert r["tokens_equal"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("ep", [2, 4])
 def test_multi_rank_matches_transformers(dirs, ep):
     results = spawn(_worker, ep, (dirs,))

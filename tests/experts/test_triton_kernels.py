@@ -1,19 +1,17 @@
 """The decode kernels under the Triton interpreter (CPU; runs only with ``TRITON_INTERPRET=1``).
 
-    PYTHONPATH=/path/to/cpu/triton:src TRITON_INTERPRET=1 pytest -q tests/test_experts_interpret.py
+    PYTHONPATH=/path/to/cpu/triton:src TRITON_INTERPRET=1 pytest -q -m interpret tests/experts
 
 fp16 and float32 (the interpreter has no bf16), biases with the clamped SwiGLU, weight on input, ragged
 ``D``/``F``, skipped pairs, block FP8 weights; without the programmatic dependent launch (a Hopper feature).
 """
-
-import os
 
 import pytest
 import torch
 
 from epmoe.experts import Activation, ExpertWeights, reference_experts
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+pytestmark = pytest.mark.interpret
 
 
 def _weights(seed, s, d, f, bias, dtype):

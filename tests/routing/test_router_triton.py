@@ -1,13 +1,12 @@
-"""The fused Triton router (``kernels.triton_router``) against the PyTorch router, under the Triton interpreter.
+"""The fused Triton router (``routing.router_triton``) against the PyTorch router.
 
-    PYTHONPATH=/path/to/cpu/triton:src TRITON_INTERPRET=1 pytest -q tests/test_router_interpret.py
-
-Real configs of every routing flavour the kernel serves; float32 logits (DeepSeek's router runs in
-float32) and fp16 for the Qwen rounding (the interpreter has no bf16).
+``interpret``: under the Triton interpreter on CPU (``TRITON_INTERPRET=1`` with a CPU Triton on the path),
+real configs of every routing flavour the kernel serves; float32 logits (DeepSeek's router runs in float32)
+and fp16 for the Qwen rounding (the interpreter has no bf16). ``gpu``: on the GPU against the PyTorch router
+on the same GPU (bf16 and float32 logits).
 """
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -16,10 +15,10 @@ import torch
 from epmoe.routing import Router
 from epmoe.spec import parse_moe_spec
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
-CONFIGS = Path(__file__).resolve().parents[1] / "data" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "data" / "configs"
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("name,dtype", [
     ("deepseek-v3", torch.float32),          # sigmoid, correction bias, 8 groups by top-2 sum, top-8
     ("kimi-k2-instruct", torch.float32),     # sigmoid over 384 experts (not a power of two)
@@ -53,3 +52,29 @@ def test_fused_router_matches_torch(name, dtype):
     assert same.float().mean() > 0.9
     got, want = fw.gather(1, forder.indices)[same], w.gather(1, order.indices)[same]
     assert torch.allclose(got, want, rtol=2e-6 if dtype == torch.float32 else 1e-3, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["deepseek-v3", "kimi-k2-instruct", "qwen3-30b-a3b", "mixtral-8x7b",
+                                  "deepseek-v2-lite"])
+@pytest.mark.parametrize("t", [1, 8, 1000])
+def test_fused_router_matches_torch_on_gpu(name, t):
+    spec = parse_moe_spec(json.loads((CONFIGS / f"{name}.config.json").read_text()), name)
+    fused = Router(spec, dtype=torch.bfloat16, device="cuda")
+    plain = Router(spec, dtype=torch.bfloat16, device="cuda", impl="torch")
+    gen = torch.Generator(device="cuda").manual_seed(t)
+    with torch.no_grad():
+        fused.weight.normal_(0, 0.05, generator=gen)
+        if fused.e_score_correction_bias is not None:
+            fused.e_score_correction_bias.normal_(0, 0.1, generator=gen)
+    plain.load_state_dict(fused.state_dict())
+    x = torch.randn(t, spec.hidden_size, generator=gen, device="cuda").bfloat16()
+    (fi, fw), (pi, pw) = fused(x), plain(x)
+    logits = torch.nn.functional.linear(x.float(), fused.weight.float()) if fused.fp32_logits else \
+        torch.nn.functional.linear(x, fused.weight, fused.bias)
+    # the same chosen logits for every token (exact ties at the k-th place may be broken differently)
+    assert torch.equal(logits.gather(1, fi).sort(dim=1).values, logits.gather(1, pi).sort(dim=1).values)
+    fo, po = fi.sort(dim=1), pi.sort(dim=1)
+    same = (fo.values == po.values).all(dim=1)
+    assert same.float().mean() >= 0.95
+    assert torch.allclose(fw.gather(1, fo.indices)[same], pw.gather(1, po.indices)[same], rtol=1e-5, atol=1e-7)

@@ -13,6 +13,7 @@ from epmoe.runtime.launch import RankInfo, init_group, spawn
 from epmoe.runtime.run import RunConfig, run_job
 
 
+@pytest.mark.multiprocess
 def test_rebalance_mid_generation_keeps_tokens(tiny_checkpoints):
     report = run_job(RunConfig(model=str(tiny_checkpoints("kimi-k2.5")), ep=2, redundant=2, max_new_tokens=7,
                                eplb_interval=2))
@@ -62,6 +63,7 @@ def _worker(info: RankInfo, directory: str, fail_rank: int, where: str) -> dict:
             "expected_held": new.local_experts(comm.rank).tolist()}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("where", ["_unpack", "_stage_layer"])
 def test_failed_move_keeps_old_placement(tiny_checkpoints, where):
     results = spawn(_worker, 2, (str(tiny_checkpoints("kimi-k2.5")), 1, where))

@@ -22,7 +22,7 @@ from epmoe.balance.moves import align_placement, placement_moves, rebalance_with
 from epmoe.loads import read_csv_loads
 from epmoe.placement import ExpertPlacement
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "loads"
+DATA = Path(__file__).resolve().parents[2] / "data" / "loads"
 
 
 @pytest.fixture(scope="module")

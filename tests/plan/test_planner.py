@@ -16,7 +16,7 @@ from epmoe.plan.report import plan_to_dict, plot_plan, recommend
 from epmoe.plan.request import PlanRequest
 from epmoe.spec import DenseModelError, load_moe_spec
 
-from .conftest import CONFIGS
+from ..conftest import CONFIGS
 
 MOE_CONFIGS = sorted(p for p in CONFIGS.glob("*.json") if not p.name.startswith("eagle3"))
 H200 = "h200-sxm"

@@ -60,6 +60,7 @@ def _run(g: int, capacity: int, t: int) -> dict:
     return dict(results)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("g", [2, 4])
 def test_fixed_capacity_equals_local(g):
     t = 9
@@ -71,6 +72,7 @@ def test_fixed_capacity_equals_local(g):
         assert shape == (g * t, 32)
 
 
+@pytest.mark.multiprocess
 def test_overflow_detected_on_every_rank():
     results = _run(2, capacity=2, t=9)
     assert sorted(results) == [0, 1]
@@ -170,6 +172,7 @@ def _bad_slot_worker(rank: int, g: int, port: int, name: str, results) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["all_to_all", "fixed_capacity"])
 def test_out_of_range_slot_on_one_rank(name):
     results = mp.Manager().dict()

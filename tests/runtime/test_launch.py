@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
-REPO = Path(__file__).resolve().parents[1]
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only"),
+]
+REPO = Path(__file__).resolve().parents[2]
 
 PARENT = """
 import time
