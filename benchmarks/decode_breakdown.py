@@ -2,7 +2,7 @@
 
 Run on the device machine (needs CUDA and Triton):
 
-    PYTHONPATH=src python3 benchmarks/decode_breakdown.py [--out PATH] [--cases qwen3,dsv3]
+    python3 benchmarks/decode_breakdown.py [--out PATH] [--cases qwen3,dsv3]
 
 For each case of ``moe_layer.py`` at T=1 (same weights and routing: same generator sequence) every row
 is timed as a CUDA-graph replay with ``moe_layer.time_fn`` (read-only L2 sweep before each replay,
@@ -308,7 +308,8 @@ def print_table(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from moe_layer import CASES, make_routing, measure_ceilings, time_fn
+    from moe_layer import CASES, make_routing, measure_ceilings
+    from timing import time_fn
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     out = os.path.join(os.environ["OUT"], "decode_breakdown.json") if "OUT" in os.environ else None

@@ -1,6 +1,6 @@
 """Time the dispatch layout steps (``epmoe.dispatch.layout``) on one GPU: Triton kernels vs the PyTorch ops.
 
-    PYTHONPATH=src python3 benchmarks/dispatch_layout.py [--out results.json]
+    python3 benchmarks/dispatch_layout.py [--out results.json]
 
 DeepSeek-V3 sizes (hidden 7168, top-8, 256 experts) spread over ``G`` EP ranks, fixed-capacity layout with
 capacity ``T``; the rows are packed and combined locally (no collective: this is the local work around
@@ -17,10 +17,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from epmoe.dispatch.layout import combine_rows, pack_rows, route_layout, unpack_rows  # noqa: E402
-from graph_timing import graph_us  # noqa: E402
+from epmoe.dispatch.layout import combine_rows, pack_rows, route_layout, unpack_rows
+from timing import graph_us
 
 
 def main() -> int:

@@ -2,7 +2,7 @@
 
 Run on the device machine (needs CUDA, Triton, transformers):
 
-    PYTHONPATH=src python3 benchmarks/moe_layer.py [--out PATH] [--sizes 1,8,...] [--sweep [--sweep-sizes 1,4096]]
+    python3 benchmarks/moe_layer.py [--out PATH] [--sizes 1,8,...] [--sweep [--sweep-sizes 1,4096]]
 
 Cases:
     qwen3: the routed experts of one Qwen3-30B-A3B MoE layer on one GPU: 128 experts, D 2048, F 768,
@@ -46,6 +46,7 @@ from epmoe.experts import Activation, ExpertWeights, get_expert_backend, referen
 from epmoe.experts.fp8 import block_fp8_expert_weights
 from epmoe.experts.triton.decode import DECODE_MAX_PAIRS, DecodeConfig, decode_experts, default_decode_config
 from epmoe.experts.triton.grouped import TileConfig, act_code, default_config, triton_experts
+from timing import rel_err, time_fn, time_in_model
 
 CASES = {
     "qwen3": dict(num_experts=128, slots=128, d=2048, f=768, k=8),
@@ -118,57 +119,6 @@ def transformers_experts(weights: ExpertWeights, case: dict):
         return mod(x, torch.where(slots >= 0, slots, sentinel), torch.where(slots >= 0, tw, 0.0))
 
     return run, cfg._experts_implementation
-
-
-def time_fn(fn, graph: bool, flush: torch.Tensor, dirty: bool = False, reps: int = 100) -> float:
-    """Median ms of ``fn()`` over ``reps`` runs, each after ``flush`` evicted the L2 cache.
-
-    ``flush`` (a buffer several times the 50 MB L2) is read by a sum before each run, so the run starts
-    from a cold L2 holding clean lines, as in serving, where other layers' weights were read last.
-    ``dirty`` zeroes it instead, as ``triton.testing.do_bench`` does: the run then also pays the
-    write-back of up to 50 MB of dirty lines (12 us at 4.25 TB/s), which inflates decode sizes. With
-    ``graph`` the runs are CUDA-graph replays (device time without the host's launch overhead).
-    """
-    run = fn
-    if graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
-    for _ in range(5):
-        run()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        if dirty:
-            flush.zero_()
-        else:
-            flush.sum()
-        start.record()
-        run()
-        end.record()
-    torch.cuda.synchronize()
-    return sorted(start.elapsed_time(end) for start, end in events)[reps // 2]
-
-
-def time_in_model(fns: list, flush: torch.Tensor, reps: int = 50) -> float:
-    """Median ms per layer when ``len(fns)`` layers (each its own weights and routing) run in one CUDA graph.
-
-    A whole-model decode step is one graph replay, so its fixed replay cost (several us, also for an
-    empty graph) is paid once per step, not once per MoE layer; this is the per-layer time in that
-    setting. ``flush`` evicts L2 before each replay; each layer's weights are its own, so none of
-    them is in L2 when it runs.
-    """
-    return time_fn(lambda: [fn() for fn in fns], True, flush, reps=reps) / len(fns)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref).norm() / ref.norm()).item()
 
 
 def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[int], fp8: bool) -> list[dict]:

@@ -5,7 +5,7 @@ predicts every row with ``epmoe.plan.costs.predict_moe_layer_time`` (the functio
 ``expert_layer_ms``, prices the routed experts in ``epmoe plan``) and the shipped ``h200-sxm`` profile,
 and compares with the measured time of our Triton backend (``ours_us``). CPU only, no device:
 
-    PYTHONPATH=src python3 benchmarks/planner_vs_h200.py [--results PATH] [--hardware NAME|PATH]
+    python3 benchmarks/planner_vs_h200.py [--results PATH] [--hardware NAME|PATH]
         [--ceilings profile|run] [--out PATH] [--check]
 
 Columns: case, tokens, whether the row was timed as CUDA-graph replays, experts hit (measured in that

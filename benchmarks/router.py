@@ -1,6 +1,6 @@
 """One MoE layer on one GPU as CUDA-graph replays, with the PyTorch router and with the fused Triton router.
 
-    PYTHONPATH=src python3 benchmarks/router.py [--out results.json]
+    python3 benchmarks/router.py [--out results.json]
 
 DeepSeek-V3 (grouped sigmoid routing over 256 experts) and Qwen3-30B-A3B (softmax over 128) layers with
 random weights, all experts on the one GPU: router -> fixed_capacity dispatcher (one-rank path) ->
@@ -18,14 +18,13 @@ from pathlib import Path
 
 import torch
 
+from epmoe.comm import Comm
+from epmoe.layer import MoELayer
+from epmoe.placement import ExpertPlacement
+from epmoe.spec import parse_moe_spec
+from timing import graph_us
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO / "benchmarks"))
-from epmoe.comm import Comm  # noqa: E402
-from epmoe.layer import MoELayer  # noqa: E402
-from epmoe.placement import ExpertPlacement  # noqa: E402
-from epmoe.spec import parse_moe_spec  # noqa: E402
-from graph_timing import graph_us  # noqa: E402
 
 
 def main() -> int:
