@@ -99,3 +99,36 @@ def test_router_equals_transformers_gate(tiny_checkpoints, family):
     ours = torch.zeros(64, spec.num_experts).scatter(1, idx, w)
     theirs = torch.zeros(64, spec.num_experts).scatter(1, ref_idx, ref_w.float())
     assert torch.equal(ours, theirs)
+
+
+def test_set_dispatcher_checks_the_group_and_slots(tiny_checkpoints):
+    from epmoe.dispatch import FixedCapacityDispatcher, LocalDispatcher
+
+    spec = load_moe_spec(tiny_checkpoints("kimi-k2.5"))
+    layer = _full_layer(spec, seed=7)
+    x = torch.randn(5, spec.hidden_size, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        ref = layer(x)
+        layer.set_dispatcher(FixedCapacityDispatcher(Comm(None), spec.num_experts, capacity=8))
+        assert torch.allclose(layer(x), ref, rtol=1e-5, atol=1e-6)
+    want = f"MoE layer 0: the LocalDispatcher has slots_per_rank {spec.num_experts + 1}, the layer {spec.num_experts}"
+    with pytest.raises(ValueError, match=want):
+        layer.set_dispatcher(LocalDispatcher(spec.num_experts + 1))
+    with pytest.raises(ValueError, match=r"has slots_per_rank"):
+        MoELayer(spec, 0, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
+                 dispatcher=FixedCapacityDispatcher(Comm(None), spec.num_experts - 1, capacity=4))
+
+
+def test_each_dispatcher_accepts_only_its_own_handle():
+    from epmoe.dispatch import AllToAllDispatcher, FixedCapacityDispatcher, LocalDispatcher
+
+    x, slots, w = torch.randn(3, 4), torch.tensor([[0, 1], [2, -1], [3, 0]]), torch.rand(3, 2)
+    local, fixed = LocalDispatcher(4), FixedCapacityDispatcher(Comm(None), 4, capacity=4)
+    a2a = AllToAllDispatcher(Comm(None), 4)
+    handles = {"local": local.dispatch(x, slots, w), "fixed": fixed.dispatch(x, slots, w),
+               "a2a": a2a.dispatch(x, slots, w)}
+    for name, disp in (("local", local), ("fixed", fixed), ("a2a", a2a)):
+        for other, handle in handles.items():
+            if other != name:
+                with pytest.raises(TypeError, match="needs the handle its dispatch returned"):
+                    disp.combine(handle.recv_x, handle)

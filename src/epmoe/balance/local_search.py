@@ -1,4 +1,4 @@
-"""epmoe's own load balancer, the algorithm behind ``balance.balance_epmoe`` (pure numpy).
+"""epmoe's own load balancer, the algorithm behind ``balancers.balance_epmoe`` (pure numpy).
 
 Replicate by largest load per copy (which minimises the heaviest copy), pack the copies heaviest first
 onto the lightest rank with a free slot and without a copy of the same expert (LPT with cardinality),

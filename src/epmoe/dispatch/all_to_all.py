@@ -39,7 +39,7 @@ class AllToAllDispatcher:
 
     Per call: one all-to-all of the ``G`` row counts (host sync: the split sizes must be known), one
     all-to-all of the rows (hidden state with the slot ids and weights packed bit-exactly beside it, the
-    exact layout of ``dispatch_layout``), and one all-to-all back in ``combine``. Works with gloo on CPU
+    exact layout of ``layout``), and one all-to-all back in ``combine``. Works with gloo on CPU
     and NCCL on CUDA (the layout steps are Triton kernels there).
 
     Args:

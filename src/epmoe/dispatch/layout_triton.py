@@ -1,6 +1,6 @@
-"""The dispatch layout steps of ``dispatch_layout`` as Triton kernels: one launch each, no host sync.
+"""The dispatch layout steps of ``layout`` as Triton kernels: one launch each, no host sync.
 
-The PyTorch versions in ``dispatch_layout`` take one kernel per tensor op. At one token per rank that is
+The PyTorch versions in ``layout`` take one kernel per tensor op. At one token per rank that is
 about 25 launches around the two all-to-alls (about 33 µs of a 90 µs dispatch + combine measured on two
 H200s as a graph replay), and at 4096 tokens the outer-dimension ``cumsum`` of the position scan alone
 took 373 µs and the gathers, ``cat`` copies and index writes about 1 ms more, against 453 µs for the two
@@ -148,7 +148,7 @@ def _combine_kernel(back_ptr, pos_ptr, row_starts_ptr, out_ptr, D, G, C, stride_
 
 def route_layout_triton(topk_slots: torch.Tensor, slots_per_rank: int, num_ranks: int,
                         capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``dispatch_layout.route_layout`` in one or two launches: ``(pos [T, G], counts [G], starts [G],
+    """``layout.route_layout`` in one or two launches: ``(pos [T, G], counts [G], starts [G],
     row_token [G, C], invalid [])``, all int32."""
     t, k = topk_slots.shape
     dev = topk_slots.device
@@ -212,7 +212,7 @@ def unpack_meta_triton(meta: torch.Tensor, top_k: int) -> tuple[torch.Tensor, to
 
 def combine_rows_triton(back: torch.Tensor, pos: torch.Tensor, row_starts: torch.Tensor | None,
                         capacity: int) -> torch.Tensor:
-    """``dispatch_layout.combine_rows`` in one launch (``back`` of unit column stride)."""
+    """``layout.combine_rows`` in one launch (``back`` of unit column stride)."""
     t, g = pos.shape
     d = back.shape[1]
     out = torch.empty(t, d, dtype=back.dtype, device=back.device)

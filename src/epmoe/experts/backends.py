@@ -20,7 +20,7 @@ def _plain(weights: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
 
 
 def make_triton_backend() -> ExpertBackend:
-    """The ``triton`` expert backend: ``triton_moe.triton_experts`` on CUDA, the reference on CPU.
+    """The ``triton`` expert backend: ``grouped.triton_experts`` on CUDA, the reference on CPU.
 
     Triton is imported here, once per backend built; on a machine without it the backend still serves
     CPU tensors.

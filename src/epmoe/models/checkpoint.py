@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from types import MappingProxyType
+from typing import Literal, Mapping
 
 import torch
 from safetensors import safe_open
@@ -213,11 +214,14 @@ class FamilyLayout:
 
 
 _GATE = {"weight": "gate.weight"}
-FAMILY_LAYOUTS: dict[str, FamilyLayout] = {
+_DEEPSEEK_V3 = FamilyLayout(
+    "mlp", "mlp", {"weight": "gate.weight", "e_score_correction_bias": "gate.e_score_correction_bias"},
+    "per_expert", shared="shared_experts")
+# model_type -> its checkpoint layout (read-only)
+FAMILY_LAYOUTS: Mapping[str, FamilyLayout] = MappingProxyType({
     "deepseek_v2": FamilyLayout("mlp", "mlp", _GATE, "per_expert", shared="shared_experts"),
-    "deepseek_v3": FamilyLayout(
-        "mlp", "mlp", {"weight": "gate.weight", "e_score_correction_bias": "gate.e_score_correction_bias"},
-        "per_expert", shared="shared_experts"),
+    "deepseek_v3": _DEEPSEEK_V3,
+    "kimi_k2": _DEEPSEEK_V3,
     "qwen2_moe": FamilyLayout("mlp", "mlp", _GATE, "per_expert", shared="shared_expert",
                               shared_gate="shared_expert_gate.weight"),
     "qwen3_moe": FamilyLayout("mlp", "mlp", _GATE, "per_expert"),
@@ -228,8 +232,7 @@ FAMILY_LAYOUTS: dict[str, FamilyLayout] = {
                             "fused_interleaved", returns_tuple=True),
     "llama4_text": FamilyLayout("feed_forward", "feed_forward", {"weight": "router.weight"}, "fused_concat",
                                 shared="shared_expert", returns_tuple=True),
-}
-FAMILY_LAYOUTS["kimi_k2"] = FAMILY_LAYOUTS["deepseek_v3"]
+})
 
 
 def family_layout(model_type: str) -> FamilyLayout:

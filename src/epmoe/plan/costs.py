@@ -287,7 +287,7 @@ def collective_ms(kind: CollectiveKind, nbytes: float, num_ranks: int, link: Lin
 def dispatch_layout_ms(rows: float, tokens: float, hidden: int, hbm_bytes_per_s: float, fixed_us: float) -> float:
     """Local time of the send-buffer layout of one expert-parallel dispatch + combine on one rank, ms.
 
-    ``dispatch_layout``'s pack reads each sent row and writes it into the send buffer, and combine's sum
+    ``dispatch.layout``'s pack reads each sent row and writes it into the send buffer, and combine's sum
     reads each returned row and writes one row per token: ``(3 * rows + tokens) * hidden`` activations
     over HBM bandwidth, plus ``fixed_us`` for the four layout launches (route, pack, unpack, combine).
 

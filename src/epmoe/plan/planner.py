@@ -3,7 +3,7 @@
 For every batch size and every strategy it estimates one decode step (or one speculative-decoding
 verify step, ``S + 1`` positions per sequence) on the busiest rank, split into attention and dense
 compute, expert compute and communication, and the memory each GPU needs. Pure: numbers in, frozen
-values out (the request and result values are in ``plan_values``).
+values out (the request and result values are in ``request``).
 
 Strategies over ``G`` GPUs (``t x e = G``):
 
@@ -216,7 +216,7 @@ def _step(req: PlanRequest, s: Strategy, batch: int) -> StepEstimate:
         reach = expected_destination_ranks(spec.num_experts, k, g)
         send = t_moe * reach * (g - 1) / g * d * ACT_BYTES
         hot = rows / (tokens * k / g)  # the busiest rank receives this many times the mean
-        # each of the two calls also carries half the local send-buffer layout work (dispatch_layout)
+        # each of the two calls also carries half the local send-buffer layout work (dispatch.layout)
         layout = dispatch_layout_ms(t_moe * reach, t_moe, d, bw, hw.dispatch_layout_fixed_us)
         add("all_to_all", "dispatch and combine", 2 * n_moe, send, _a2a_ms(req, send * max(1.0, hot)) + layout / 2)
     memory = _memory(req, s, batch, t_attn, seqs_attn)

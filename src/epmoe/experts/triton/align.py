@@ -12,7 +12,7 @@ nothing reads the routing on the host: the alignment can be captured in a CUDA g
 
 The padded-block layout follows vLLM's ``moe_align_block_size`` (vllm/model_executor/layers/fused_moe)
 and SGLang's kernel of the same name; the half-size last block and this implementation are our own.
-The Triton version in ``triton_moe`` produces the same blocks (the order of pairs inside a slot may
+The Triton version in ``grouped`` produces the same blocks (the order of pairs inside a slot may
 differ: it uses atomics) and is checked against this one.
 """
 

@@ -1,7 +1,7 @@
 """Decode-size expert compute in Triton: two launches, no alignment, every SM streaming weights.
 
 For a handful of (token, k) pairs (``N = T * K <= DECODE_MAX_PAIRS``) the grouped GEMM of
-``triton_moe`` wastes most of its time outside the weight stream: an alignment launch, row blocks of 16
+``grouped`` wastes most of its time outside the weight stream: an alignment launch, row blocks of 16
 for one row, a separate sum launch, and too few programs to keep 132 SMs reading one expert. Here each
 pair is its own matrix-vector product and the work is cut along the output columns only:
 
@@ -355,7 +355,7 @@ def decode_experts(
         topk_slots: ``[T, K]`` int64 contiguous local slot ids; an id outside ``[0, S)`` (``-1``) skips.
         topk_weights: ``[T, K]`` float32 contiguous routing weights.
         weights: ``ExpertWeights`` in ``x.dtype`` (contiguous) or ``BlockFP8ExpertWeights``.
-        act_code: the kernels' activation code (``triton_moe.act_code``).
+        act_code: the kernels' activation code (``grouped.act_code``).
         activation: the gated activation (its clamp limit and slope).
         weight_on_input: scale the expert input by the weight instead of its output.
         config: tile shapes; ``default_decode_config`` when ``None``.

@@ -11,7 +11,7 @@ size and no host synchronisation (CUDA-graph safe):
 3. ``_scatter_kernel``: each pair takes a position in its slot's group (atomics; the order inside a
    group does not change any row's result).
    For few pairs x slots (``_SMALL_ALIGN``) ``_align_small_kernel`` does 1-3 in one program and one
-   launch. Up to ``triton_decode.DECODE_MAX_PAIRS`` pairs none of this runs: ``triton_decode`` computes
+   launch. Up to ``decode.DECODE_MAX_PAIRS`` pairs none of this runs: ``decode`` computes
    them in two launches without alignment.
 4. ``_gate_up_kernel``: per (row block, F tile): rows gathered from ``x`` by pair id, gate and up tiles
    accumulated side by side in float32, bias, the gated activation, stored as ``h [NB*BM, F]``.
@@ -433,7 +433,7 @@ def triton_experts(
         weights: ``ExpertWeights`` in ``x.dtype``, or ``BlockFP8ExpertWeights``.
         activation: the gated activation.
         weight_on_input: scale the expert input by the weight instead of its output.
-        config: tile shapes of the grouped path; ``None`` = ``triton_decode.decode_experts`` for up to
+        config: tile shapes of the grouped path; ``None`` = ``decode.decode_experts`` for up to
             ``DECODE_MAX_PAIRS`` pairs, else the grouped path with ``default_config``.
 
     Returns:
