@@ -2,7 +2,7 @@
 
 Run on the device machine (needs CUDA and Triton):
 
-    PYTHONPATH=src python3 benchmarks/decode_breakdown.py [--out PATH] [--cases qwen3,dsv3]
+    python3 benchmarks/decode_breakdown.py [--out PATH] [--cases qwen3,dsv3]
 
 For each case of ``moe_layer.py`` at T=1 (same weights and routing: same generator sequence) every row
 is timed as a CUDA-graph replay with ``moe_layer.time_fn`` (read-only L2 sweep before each replay,
@@ -45,11 +45,16 @@ import triton
 import triton.language as tl
 
 from epmoe.experts import Activation, ExpertWeights
-from epmoe.kernels.triton_decode import (
-    _ZERO_BLOCK, DecodeConfig, _decode_down_kernel, _decode_gate_up_kernel, _grid, decode_experts,
+from epmoe.experts.triton.decode import (
+    _ZERO_BLOCK,
+    DecodeConfig,
+    _decode_down_kernel,
+    _decode_gate_up_kernel,
+    _grid,
+    decode_experts,
     default_decode_config,
 )
-from epmoe.kernels.triton_moe import _act_code
+from epmoe.experts.triton.grouped import act_code
 
 
 @triton.jit
@@ -169,7 +174,7 @@ def gate_up(b, act: Activation, pdl: bool) -> None:
         b.n, b.w13.shape[0], b.k, b.grid2[0], b.d, b.f, b.x.stride(0), b.w13.stride(0), b.w13.stride(1), 0, 0,
         float(act.swiglu_limit or 0.0), float(act.swiglu_alpha),
         BLOCK_N=c.block_n1, BLOCK_K=c.block_k1, N_PAD=b.n_pad, GROUPS=b.grid1[1],
-        ONE_PAIR=b.grid1[1] == b.n, ACT=_act_code(act), FP8=False,
+        ONE_PAIR=b.grid1[1] == b.n, ACT=act_code(act), FP8=False,
         HAS_BIAS=False, WEIGHT_ON_INPUT=False, ZERO_BLOCK=_ZERO_BLOCK, PDL=pdl, num_warps=c.num_warps,
     )
 
@@ -224,7 +229,7 @@ def run_case(x, slots, tw, w: ExpertWeights, timer, pdl: bool = True) -> dict:
     esz = w.w13.element_size()
     b13, b2 = live * 2 * f * d * esz, live * d * f * esz
 
-    path = lambda: decode_experts(x, slots, tw, w, _act_code(act), act, config=cfg)  # noqa: E731
+    path = lambda: decode_experts(x, slots, tw, w, act_code(act), act, config=cfg)  # noqa: E731
     ref = path()
     gate_up(b, act, pdl)
     down(b, pdl, pdl)
@@ -256,7 +261,7 @@ def run_case(x, slots, tw, w: ExpertWeights, timer, pdl: bool = True) -> dict:
 
     rows = [
         ("path", path, b13 + b2),
-        ("path_pdl_off", lambda: decode_experts(x, slots, tw, w, _act_code(act), act, config=replace(cfg, pdl=False)),
+        ("path_pdl_off", lambda: decode_experts(x, slots, tw, w, act_code(act), act, config=replace(cfg, pdl=False)),
          b13 + b2),
         ("gate_up", lambda: gate_up(b, act, pdl), b13),
         ("down", lambda: down(b, pdl, False), b2),
@@ -303,7 +308,8 @@ def print_table(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from moe_layer import CASES, make_routing, measure_ceilings, time_fn
+    from moe_layer import CASES, make_routing, measure_ceilings
+    from timing import time_fn
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     out = os.path.join(os.environ["OUT"], "decode_breakdown.json") if "OUT" in os.environ else None

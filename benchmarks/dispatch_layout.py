@@ -1,6 +1,6 @@
-"""Time the dispatch layout steps (``epmoe.dispatch_layout``) on one GPU: Triton kernels vs the PyTorch ops.
+"""Time the dispatch layout steps (``epmoe.dispatch.layout``) on one GPU: Triton kernels vs the PyTorch ops.
 
-    PYTHONPATH=src python3 benchmarks/dispatch_layout.py [--out results.json]
+    python3 benchmarks/dispatch_layout.py [--out results.json]
 
 DeepSeek-V3 sizes (hidden 7168, top-8, 256 experts) spread over ``G`` EP ranks, fixed-capacity layout with
 capacity ``T``; the rows are packed and combined locally (no collective: this is the local work around
@@ -17,10 +17,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from epmoe.dispatch_layout import combine_rows, pack_rows, route_layout, unpack_rows  # noqa: E402
-from graph_timing import graph_us  # noqa: E402
+from epmoe.dispatch.layout import combine_rows, pack_rows, route_layout, unpack_rows
+from timing import graph_us
 
 
 def main() -> int:
@@ -58,7 +56,8 @@ def main() -> int:
     print(f"{'G':>2} {'T':>5} | {'route':>13} {'pack':>15} {'unpack':>13} {'combine':>15} | pack/combine TB/s (triton)")
     print(f"{'':>8} | {'torch  triton':>13} {'torch  triton':>15} {'torch  triton':>13} {'torch  triton':>15} |")
     for r in rows:
-        cells = " ".join(f"{r[f'{st}_torch_us']:7.1f}{r[f'{st}_triton_us']:7.1f}" for st in ("route", "pack", "unpack", "combine"))
+        steps = ("route", "pack", "unpack", "combine")
+        cells = " ".join(f"{r[f'{st}_torch_us']:7.1f}{r[f'{st}_triton_us']:7.1f}" for st in steps)
         print(f"{r['ranks']:2d} {r['tokens']:5d} | {cells} | {r['pack_bytes'] / r['pack_triton_us'] / 1e6:.2f} / "
               f"{r['combine_bytes'] / r['combine_triton_us'] / 1e6:.2f}")
     return 0

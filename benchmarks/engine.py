@@ -28,25 +28,10 @@ import torch
 
 from epmoe.engine import Engine, EngineConfig, SamplingParams
 from epmoe.spec import load_moe_spec
+from timing import measure_ceilings
 
 CONFIGS = Path(__file__).resolve().parents[1] / "data" / "configs"
 PROMPT = 128
-
-
-def ceilings() -> dict:
-    """Copy bandwidth (bytes read + written per s) and bf16 matmul rate (FLOP/s)."""
-    from triton.testing import do_bench
-
-    n = 1 << 30
-    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    bw = 2 * n * 2 / (ms * 1e-3)
-    del src, dst
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
-    return {"copy_bytes_per_s": bw, "bf16_flop_per_s": 2 * 8192**3 / (ms * 1e-3)}
 
 
 def checkpoint(name: str, layers: int | None, root: Path) -> Path:
@@ -171,13 +156,14 @@ def peer(model_dir: Path, batches: list[int], mode: str, steps: int) -> dict:
         kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
         if mode == "static":
             kw["cache_implementation"] = "static"
+        def run(n: int, ids=ids, kw=kw, model=model) -> float:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
         try:
-            def run(n: int) -> float:
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-                torch.cuda.synchronize()
-                return time.perf_counter() - t0
             run(4)
             run(4 + steps)
             out[bs] = (run(4 + steps) - run(4)) * 1e3 / steps
@@ -202,9 +188,9 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    ceil = ceilings()
-    print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s",
-          flush=True)
+    ceil = measure_ceilings()
+    print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+          f"bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
     root = Path(tempfile.mkdtemp())
     rows = []
     result = {"gpu": torch.cuda.get_device_name(), "ceilings": ceil, "models": {}}

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from epmoe.balance import balance_deepseek, balance_epmoe, balancedness, max_load_lower_bound
-from epmoe.balance_exact import solve_exact
-from epmoe.balance_moves import align_placement, placement_moves, rebalance_with_moves
+from epmoe.balance.exact import solve_exact
+from epmoe.balance.moves import align_placement, placement_moves, rebalance_with_moves
 from epmoe.loads import read_csv_loads
 from epmoe.placement import ExpertPlacement
 
@@ -38,7 +38,8 @@ REF_PATH = "sglang/srt/eplb/eplb_algorithms/deepseek.py"
 def load_reference(workdir: Path):
     """SGLang's DeepSeek EPLB module loaded by file path, or ``(None, reason)``."""
     try:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "sglang", "-d", str(workdir)],
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "sglang",
+                        "-d", str(workdir)],
                        check=True, capture_output=True, timeout=180)
         wheel = next(workdir.glob("sglang-*.whl"))
         with zipfile.ZipFile(wheel) as z:
@@ -91,7 +92,8 @@ def run_case(name, w, ep, red, ref, exact_time):
     bound = max_load_lower_bound(w, ep, red).numpy()
     row["bound"] = float((w.sum(1) / ep / bound).mean())
     if ref is not None:
-        out, row["reference_ms"] = timed(ref.rebalance_experts, torch.from_numpy(w).float(), w.shape[1] + red, 1, 1, ep, False)
+        out, row["reference_ms"] = timed(ref.rebalance_experts, torch.from_numpy(w).float(), w.shape[1] + red, 1, 1, ep,
+                                         False)
         row["reference"] = balancedness(w, ExpertPlacement(out[0], num_experts=w.shape[1], ep_size=ep))
     if exact_time > 0:
         sol = solve_exact(w, ep, red, time_limit_s=exact_time)
@@ -100,7 +102,9 @@ def run_case(name, w, ep, red, ref, exact_time):
         row["exact_ms"] = sol.solve_ms
         if solved.any():
             mean = w.sum(1) / ep
-            ours_max = (mean / np.array([balancedness(w[l:l + 1], ExpertPlacement(ours.phy2log[l:l + 1], w.shape[1], ep)) for l in range(len(w))]))
+            ours_max = mean / np.array([
+                balancedness(w[i:i + 1], ExpertPlacement(ours.phy2log[i:i + 1], w.shape[1], ep)) for i in range(len(w))
+            ])
             gap = ours_max[solved] / sol.max_load.numpy()[solved] - 1
             row["epmoe_gap_to_exact_max"] = float(gap.max())
     return row
@@ -129,8 +133,8 @@ def main() -> None:
     drift = []
     for a, b in (("arxiv", "github"), ("c4", "wikipedia"), ("book", "github")):
         for ep, red in ((8, 8), (16, 16)):
-            old = w[[names.index(f"{a}:{l}") for l in (0, 7, 15)]]
-            new = w[[names.index(f"{b}:{l}") for l in (0, 7, 15)]]
+            old = w[[names.index(f"{a}:{layer}") for layer in (0, 7, 15)]]
+            new = w[[names.index(f"{b}:{layer}") for layer in (0, 7, 15)]]
             cur = balance_epmoe(old, ep, red)
             fresh = balance_epmoe(new, ep, red)
             rb = rebalance_with_moves(new, cur)
@@ -143,7 +147,8 @@ def main() -> None:
     doc = {"reference": ref_note, "deepseek_v3_synthetic": v3_stats, "cases": rows, "drift": drift}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))
-    print(f"{'case':22} {'G':>3} {'R':>3} {'deepseek':>9} {'ref':>7} {'epmoe':>7} {'bound':>7} {'exact':>9} {'gap':>7} {'ds ms':>6} {'ours ms':>7}")
+    print(f"{'case':22} {'G':>3} {'R':>3} {'deepseek':>9} {'ref':>7} {'epmoe':>7} {'bound':>7} {'exact':>9} {'gap':>7} "
+          f"{'ds ms':>6} {'ours ms':>7}")
     for r in rows:
         ex = f"{r['exact_layers_solved']}/{r['layers']}" if "exact_layers_solved" in r else "-"
         gap = f"{r['epmoe_gap_to_exact_max'] * 100:.3f}%" if "epmoe_gap_to_exact_max" in r else "-"

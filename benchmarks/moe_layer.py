@@ -2,7 +2,7 @@
 
 Run on the device machine (needs CUDA, Triton, transformers):
 
-    PYTHONPATH=src python3 benchmarks/moe_layer.py [--out PATH] [--sizes 1,8,...] [--sweep [--sweep-sizes 1,4096]]
+    python3 benchmarks/moe_layer.py [--out PATH] [--sizes 1,8,...] [--sweep [--sweep-sizes 1,4096]]
 
 Cases:
     qwen3: the routed experts of one Qwen3-30B-A3B MoE layer on one GPU: 128 experts, D 2048, F 768,
@@ -38,14 +38,14 @@ from dataclasses import asdict
 
 import torch
 import triton
-from triton.testing import do_bench
 
 from epmoe.comm import Comm
 from epmoe.dispatch import make_dispatcher
 from epmoe.experts import Activation, ExpertWeights, get_expert_backend, reference_experts
-from epmoe.kernels.fp8 import block_fp8_expert_weights
-from epmoe.kernels.triton_decode import DECODE_MAX_PAIRS, DecodeConfig, decode_experts, default_decode_config
-from epmoe.kernels.triton_moe import TileConfig, _act_code, default_config, triton_experts
+from epmoe.experts.fp8 import block_fp8_expert_weights
+from epmoe.experts.triton.decode import DECODE_MAX_PAIRS, DecodeConfig, decode_experts, default_decode_config
+from epmoe.experts.triton.grouped import TileConfig, act_code, default_config, triton_experts
+from timing import measure_ceilings, rel_err, time_fn, time_in_model
 
 CASES = {
     "qwen3": dict(num_experts=128, slots=128, d=2048, f=768, k=8),
@@ -72,20 +72,6 @@ DECODE_SWEEP = [
     DecodeConfig(4, 512, 16, 256, 4, True, 4096), DecodeConfig(8, 512, 16, 256, 4, True, 1024),
     DecodeConfig(4, 1024, 16, 512, 4, True, 1024), DecodeConfig(4, 512, 16, 256, 8, True, 1024),
 ]
-
-
-def measure_ceilings() -> dict:
-    """Copy bandwidth (bytes read + written per s) and bf16 matmul rate (FLOP/s), on random data."""
-    n = 1 << 30
-    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    bw = 2 * n * 2 / (ms * 1e-3)
-    del src, dst
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
-    return {"copy_bytes_per_s": bw, "bf16_flop_per_s": 2 * 8192**3 / (ms * 1e-3)}
 
 
 def make_routing(case: dict, t: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -118,57 +104,6 @@ def transformers_experts(weights: ExpertWeights, case: dict):
         return mod(x, torch.where(slots >= 0, slots, sentinel), torch.where(slots >= 0, tw, 0.0))
 
     return run, cfg._experts_implementation
-
-
-def time_fn(fn, graph: bool, flush: torch.Tensor, dirty: bool = False, reps: int = 100) -> float:
-    """Median ms of ``fn()`` over ``reps`` runs, each after ``flush`` evicted the L2 cache.
-
-    ``flush`` (a buffer several times the 50 MB L2) is read by a sum before each run, so the run starts
-    from a cold L2 holding clean lines, as in serving, where other layers' weights were read last.
-    ``dirty`` zeroes it instead, as ``triton.testing.do_bench`` does: the run then also pays the
-    write-back of up to 50 MB of dirty lines (12 us at 4.25 TB/s), which inflates decode sizes. With
-    ``graph`` the runs are CUDA-graph replays (device time without the host's launch overhead).
-    """
-    run = fn
-    if graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
-    for _ in range(5):
-        run()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        if dirty:
-            flush.zero_()
-        else:
-            flush.sum()
-        start.record()
-        run()
-        end.record()
-    torch.cuda.synchronize()
-    return sorted(start.elapsed_time(end) for start, end in events)[reps // 2]
-
-
-def time_in_model(fns: list, flush: torch.Tensor, reps: int = 50) -> float:
-    """Median ms per layer when ``len(fns)`` layers (each its own weights and routing) run in one CUDA graph.
-
-    A whole-model decode step is one graph replay, so its fixed replay cost (several us, also for an
-    empty graph) is paid once per step, not once per MoE layer; this is the per-layer time in that
-    setting. ``flush`` evicts L2 before each replay; each layer's weights are its own, so none of
-    them is in L2 when it runs.
-    """
-    return time_fn(lambda: [fn() for fn in fns], True, flush, reps=reps) / len(fns)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref).norm() / ref.norm()).item()
 
 
 def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[int], fp8: bool) -> list[dict]:
@@ -237,7 +172,7 @@ def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[i
             few = t * case["k"] <= DECODE_MAX_PAIRS
             for cfg in DECODE_SWEEP if few else SWEEP:
                 if few:
-                    fn = lambda: decode_experts(x, slots, tw, w, _act_code(act), act, config=cfg)  # noqa: E731
+                    fn = lambda: decode_experts(x, slots, tw, w, act_code(act), act, config=cfg)  # noqa: E731
                 else:
                     fn = lambda: triton_experts(x, slots, tw, w, act, config=cfg)  # noqa: E731
                 us = time_fn(fn, True, flush) * 1e3
@@ -325,7 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)
-    print(f"\nceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s")
+    print(f"\nceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} "
+          "TFLOP/s")
     for key, gr in graph.items():
         print(f"full layer graph {key}: replay==eager {gr['equal']} errs {gr['replay_vs_eager_rel_err']} "
               f"replay {gr['replay_us']:.1f} us")
@@ -343,7 +279,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['torch_grouped_mm_us']:7.1f} {r['torch_grouped_mm_us'] / r['ours_us']:6.2f} "
               f"{r['hf_grouped_mm_us']:7.1f} {r['hf_grouped_mm_us'] / r['ours_us']:6.2f} {r.get('best_us', nan):7.1f} "
               f"{r.get('fp8_us', nan):7.1f} {r.get('fp8_floor_us', nan):6.1f} {r.get('ours_dirty_flush_us', nan):7.1f} "
-              f"{model:6.1f} {model / r.get('floor_in_model_us', nan):5.2f} {torch_m:7.1f} {torch_m / model:6.2f} {r['ours_err']:8.1e}")
+              f"{model:6.1f} {model / r.get('floor_in_model_us', nan):5.2f} {torch_m:7.1f} {torch_m / model:6.2f} "
+              f"{r['ours_err']:8.1e}")
     sys.stdout.flush()
 
 

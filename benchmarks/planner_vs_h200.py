@@ -1,11 +1,11 @@
 """The planner's expert-compute model against measured MoE layer times on the H200.
 
 Reads the results of ``benchmarks/moe_layer.py`` (default ``benchmarks/results/moe_layer_h200.json``),
-predicts every row with ``epmoe.costs.predict_moe_layer_time`` (the function whose formula, through
+predicts every row with ``epmoe.plan.costs.predict_moe_layer_time`` (the function whose formula, through
 ``expert_layer_ms``, prices the routed experts in ``epmoe plan``) and the shipped ``h200-sxm`` profile,
 and compares with the measured time of our Triton backend (``ours_us``). CPU only, no device:
 
-    PYTHONPATH=src python3 benchmarks/planner_vs_h200.py [--results PATH] [--hardware NAME|PATH]
+    python3 benchmarks/planner_vs_h200.py [--results PATH] [--hardware NAME|PATH]
         [--ceilings profile|run] [--out PATH] [--check]
 
 Columns: case, tokens, whether the row was timed as CUDA-graph replays, experts hit (measured in that
@@ -22,7 +22,7 @@ prediction is ``base_i + fixed``, so the best fixed cost has the closed form
 ``fixed = sum((m_i - base_i) / m_i^2) / sum(1 / m_i^2)`` (0 when that is negative: the objective is a
 parabola in ``fixed``); the pair with the least sum of squared relative errors is kept and printed next to
 the profile's values. After a new ``moe_layer.py`` run, copy them into ``moe_stream_matrix_overlap`` and
-``moe_layer_fixed_us`` of ``src/epmoe/hardware/h200-sxm.json`` with the run named in ``sources``.
+``moe_layer_fixed_us`` of ``src/epmoe/plan/hardware/h200-sxm.json`` with the run named in ``sources``.
 ``--ceilings run`` replaces the profile's bandwidth and bf16 rate by the ones measured in the same run
 (``ceilings`` in the results). Writes ``planner_vs_h200.json`` next to the results file (or ``--out``);
 ``--check`` exits 1 when a row is outside the 25% target.
@@ -36,14 +36,14 @@ import json
 import sys
 from pathlib import Path
 
-from epmoe.costs import (
+from epmoe.plan.costs import (
     MoEDims,
     expected_distinct_experts,
     expert_activation_bytes,
     expert_layer_ms,
     predict_moe_layer_time,
 )
-from epmoe.hardware import HardwareProfile, load_hardware
+from epmoe.plan.hardware import HardwareProfile, load_hardware
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_RESULTS = ROOT / "results" / "moe_layer_h200.json"
@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     outside = [e for e in entries if abs(e["ratio"] - 1) > TARGET]
     c = results.get("ceilings", {})
     doc = {
-        "results": str(path.resolve().relative_to(ROOT.parent)) if path.resolve().is_relative_to(ROOT.parent) else str(path),
+        "results": (str(path.resolve().relative_to(ROOT.parent)) if path.resolve().is_relative_to(ROOT.parent)
+                    else str(path)),
         "device": results.get("device"), "torch": results.get("torch"),
         "triton": results.get("triton"), "hardware": hw.name, "ceilings": args.ceilings,
         "hbm_bytes_per_s": hw.hbm_bytes_per_s, "bf16_flops_per_s": hw.flops_per_s("bf16"),
@@ -173,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{e['ratio_at_measured_hits']:6.2f}{flag}")
     print(f"worst: {worst['case']} T={worst['tokens']} ratio {worst['ratio']:.2f}; "
           f"{len(entries) - len(outside)}/{len(entries)} rows within {TARGET:.0%}")
-    print(f"least-squares fit for these rows: overlap {fitted_overlap:.3f} (profile: {hw.moe_stream_matrix_overlap:.3f}), "
+    print(f"least-squares fit for these rows: overlap {fitted_overlap:.3f} (profile: "
+          f"{hw.moe_stream_matrix_overlap:.3f}), "
           f"fixed per-layer cost {fitted:.1f} us (profile: {hw.moe_layer_fixed_us:.1f} us); "
           f"sum of squared relative errors {fitted_sse:.4f}")
     print(f"wrote {out}")

@@ -1,6 +1,6 @@
 """One MoE layer on one GPU as CUDA-graph replays, with the PyTorch router and with the fused Triton router.
 
-    PYTHONPATH=src python3 benchmarks/router.py [--out results.json]
+    python3 benchmarks/router.py [--out results.json]
 
 DeepSeek-V3 (grouped sigmoid routing over 256 experts) and Qwen3-30B-A3B (softmax over 128) layers with
 random weights, all experts on the one GPU: router -> fixed_capacity dispatcher (one-rank path) ->
@@ -18,14 +18,13 @@ from pathlib import Path
 
 import torch
 
+from epmoe.comm import Comm
+from epmoe.layer import MoELayer
+from epmoe.placement import ExpertPlacement
+from epmoe.spec import parse_moe_spec
+from timing import graph_us
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO / "benchmarks"))
-from epmoe.comm import Comm  # noqa: E402
-from epmoe.layer import MoELayer  # noqa: E402
-from epmoe.placement import ExpertPlacement  # noqa: E402
-from epmoe.spec import parse_moe_spec  # noqa: E402
-from graph_timing import graph_us  # noqa: E402
 
 
 def main() -> int:
@@ -60,7 +59,8 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                                               "rows": rows}, indent=1))
-    print(f"{'model':14s} {'T':>4s} | {'layer torch':>11s} {'fused':>8s} | {'gate torch':>10s} {'fused':>7s} | out diff")
+    print(f"{'model':14s} {'T':>4s} | {'layer torch':>11s} {'fused':>8s} | {'gate torch':>10s} {'fused':>7s} | out "
+          "diff")
     for r in rows:
         print(f"{r['model']:14s} {r['tokens']:4d} | {r['layer_torch_us']:11.1f} {r['layer_auto_us']:8.1f} | "
               f"{r['gate_torch_us']:10.1f} {r['gate_auto_us']:7.1f} | {r['out_rel_diff']:.1e}")

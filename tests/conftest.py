@@ -1,10 +1,15 @@
-"""Shared fixtures: paths of the real inputs and small real-format checkpoints built once per session."""
+"""Shared fixtures (paths of the real inputs, small real-format checkpoints built once per session) and the
+markers' skips: ``gpu`` tests need a CUDA device, ``interpret`` tests ``TRITON_INTERPRET=1`` (a CPU Triton
+on the path); ``multiprocess`` tests start several processes (``-m "not multiprocess"`` leaves them out).
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 # A verbatim copy of ../shared/data (the project's real inputs), so a clean checkout tests alone.
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -26,3 +31,16 @@ def tiny_checkpoints(tmp_path_factory):
         return built[family]
 
     return get
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip ``gpu`` tests without a CUDA device and ``interpret`` tests without ``TRITON_INTERPRET=1``."""
+    skips = {
+        "gpu": None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device"),
+        "interpret": None if os.environ.get("TRITON_INTERPRET") == "1"
+        else pytest.mark.skip(reason="needs TRITON_INTERPRET=1"),
+    }
+    for item in items:
+        for name, skip in skips.items():
+            if skip is not None and item.get_closest_marker(name) is not None:
+                item.add_marker(skip)

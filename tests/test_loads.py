@@ -61,6 +61,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.multiprocess
 def test_cross_rank_reduction_gloo(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

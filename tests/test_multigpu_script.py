@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from epmoe.calibrate import LATENCY_MAX_BYTES, message_sizes
-from epmoe.hardware import load_hardware
+from epmoe.plan.hardware import load_hardware
+from epmoe.runtime.calibrate import LATENCY_MAX_BYTES, message_sizes
+
+pytestmark = pytest.mark.multiprocess
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "multigpu.py"
@@ -27,7 +29,8 @@ SCRIPT = REPO / "benchmarks" / "multigpu.py"
 def result(tmp_path_factory) -> tuple[dict, subprocess.CompletedProcess, Path]:
     out = tmp_path_factory.mktemp("multigpu")
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src")] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src")] + paths)
     env["EPMOE_CACHE"] = str(out / "cache")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
            "--device", "cpu", "--small", "--out", str(out), "--tokens", "1,4", "--dispatch-tokens", "1,32",
@@ -41,7 +44,8 @@ def result(tmp_path_factory) -> tuple[dict, subprocess.CompletedProcess, Path]:
 def test_every_part_runs_and_the_table_is_printed(result):
     doc, proc, _ = result
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert {p: s["ok"] for p, s in doc["parts"].items()} == {"calibrate": True, "layer": True, "run": True, "plan": True}
+    ok = {p: s["ok"] for p, s in doc["parts"].items()}
+    assert ok == {"calibrate": True, "layer": True, "run": True, "plan": True}
     assert doc["ok"] is True and doc["world_size"] == 2
     assert "result: OK" in proc.stdout and "T/rank" in proc.stdout
 

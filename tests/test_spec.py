@@ -25,7 +25,8 @@ EXPECTED = {
     "mixtral-8x22b": ("mixtral", 56, 0, 8, 2, 1, 1, 0, 0, "softmax_topk", True, 1.0, 16384, "bf16"),
     "olmoe-1b-7b-0924": ("olmoe", 16, 0, 64, 8, 1, 1, 0, 0, "softmax_topk", False, 1.0, 1024, "bf16"),
     "gpt-oss-20b": ("gpt_oss", 24, 0, 32, 4, 1, 1, 0, 0, "topk_softmax", False, 1.0, 2880, "mxfp4"),
-    "llama-4-scout-17b-16e-instruct": ("llama4_text", 48, 0, 16, 1, 1, 1, 1, 8192, "topk_sigmoid", False, 1.0, 8192, "bf16"),
+    "llama-4-scout-17b-16e-instruct": ("llama4_text", 48, 0, 16, 1, 1, 1, 1, 8192, "topk_sigmoid", False, 1.0, 8192,
+                                       "bf16"),
 }
 
 
@@ -41,7 +42,8 @@ def test_every_shipped_moe_config(name):
 
 def test_family_specific_facts():
     v3 = load_moe_spec(CONFIGS / "deepseek-v3.config.json")
-    assert (v3.hidden_size, v3.correction_bias, v3.group_score, v3.attention.kv_lora_rank) == (7168, True, "top2_sum", 512)
+    got = (v3.hidden_size, v3.correction_bias, v3.group_score, v3.attention.kv_lora_rank)
+    assert got == (7168, True, "top2_sum", 512)
     assert v3.scoring == "sigmoid" and v3.dense_layers == (0, 1, 2)
     gpt = load_moe_spec(CONFIGS / "gpt-oss-20b.config.json")
     assert (gpt.swiglu_limit, gpt.swiglu_alpha, gpt.router_bias, gpt.expert_bias) == (7.0, 1.702, True, True)

@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Sequence
 
+
 def _add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "run",
@@ -16,7 +17,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         "with the unsharded transformers model. With no --model, a small checkpoint of the Kimi-K2.5 "
         "architecture is built once and cached.",
     )
-    p.add_argument("--model", metavar="DIR", help="local Hugging Face MoE checkpoint (default: built-in small Kimi-K2.5)")
+    p.add_argument("--model", metavar="DIR", help="local Hugging Face MoE checkpoint (default: built-in small "
+                                                  "Kimi-K2.5)")
     p.add_argument("--ep", type=int, default=2, help="EP ranks to spawn (default 2; torchrun sets its own)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
     p.add_argument("--placement", metavar="FILE", help="expert placement file (JSON or safetensors)")
@@ -53,13 +55,14 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    help="rebalance experts live every STEPS engine steps from the recorded loads (default 0: never)")
     p.add_argument("--max-moves", type=int, default=None, metavar="M",
                    help="most expert copies one live rebalance may move")
-    p.add_argument("--json", metavar="FILE", nargs="?", const="-", help="write the report as JSON (to stdout with no FILE)")
+    p.add_argument("--json", metavar="FILE", nargs="?", const="-", help="write the report as JSON (to stdout with no "
+                                                                        "FILE)")
     p.set_defaults(func=_cmd_run)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .outpath import check_output_path
-    from .runtime.run import RunConfig, run_job
+    from epmoe.files import check_output_path
+    from epmoe.runtime.run import RunConfig, run_job
 
     if args.json not in (None, "-"):
         check_output_path("--json", args.json, "a JSON file path")
@@ -80,11 +83,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
         print(json.dumps(report.to_json(), indent=2))
     else:
-        from .runtime.report import print_run_report
+        from epmoe.runtime.report import print_run_report
 
         print_run_report(report)
         if args.json:
-            from .runtime.run import write_json
+            from epmoe.runtime.run import write_json
 
             write_json(report, args.json)
     return 0 if report.matches_reference in (True, None) else 1
@@ -125,13 +128,16 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", required=True, metavar="CONFIG", help="Hugging Face config.json or checkpoint directory")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in total")
-    p.add_argument("--hardware", required=True, metavar="NAME", help="h200-sxm, h100-sxm, rtx-pro-6000, or a profile JSON path")
+    p.add_argument("--hardware", required=True, metavar="NAME", help="h200-sxm, h100-sxm, rtx-pro-6000, or a profile "
+                                                                     "JSON path")
     p.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (default 1)")
     p.add_argument("--batch", type=_batches, default=(1, 8, 64, 256), help="batch sizes, e.g. 1,8,64,256")
-    p.add_argument("--spec-tokens", type=int, default=0, help="draft tokens verified per step (default 0: plain decode)")
+    p.add_argument("--spec-tokens", type=int, default=0, help="draft tokens verified per step (default 0: plain "
+                                                              "decode)")
     p.add_argument("--redundant", type=int, default=0, help="redundant expert slots per MoE layer (default 0)")
     p.add_argument("--context", type=int, default=4096, help="KV-cache tokens per sequence (default 4096)")
-    p.add_argument("--weights", choices=("bf16", "fp8", "int4"), help="routed expert storage (default: the checkpoint's)")
+    p.add_argument("--weights", choices=("bf16", "fp8", "int4"), help="routed expert storage (default: the "
+                                                                      "checkpoint's)")
     p.add_argument("--mem-fraction", type=float, default=0.9, help="share of GPU memory usable (default 0.9)")
     p.add_argument("--balancedness", type=float, default=0.8, help="expected mean/max load per EP rank (default 0.8)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -140,10 +146,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .hardware import load_hardware
-    from .plan_report import report_plan
-    from .plan_values import PlanRequest
-    from .spec import load_moe_spec
+    from epmoe.plan.hardware import load_hardware
+    from epmoe.plan.report import report_plan
+    from epmoe.plan.request import PlanRequest
+    from epmoe.spec import load_moe_spec
 
     try:
         req = PlanRequest(
@@ -165,7 +171,8 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="JSON", help="profile file to write (pass it to plan --hardware)")
     p.add_argument("--nprocs", type=int, help="spawn this many local processes (default: join torchrun's group)")
     p.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
-    p.add_argument("--max-bytes", type=int, help="largest buffer (default 256 MiB on GPU, 4 MiB on CPU; 1 MiB to 1 GiB)")
+    p.add_argument("--max-bytes", type=int, help="largest buffer (default 256 MiB on GPU, 4 MiB on CPU; 1 MiB to 1 "
+                                                 "GiB)")
     p.add_argument("--iters", type=int, default=5, help="timed repetitions per size (default 5)")
     p.add_argument("--name", default="calibrated", help="profile name (default calibrated)")
     p.add_argument("--base", metavar="NAME", help="profile supplying the link not measured and the fp8 figure")
@@ -173,7 +180,7 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from .calibrate import CalibrationConfig, calibrate
+    from epmoe.runtime.calibrate import CalibrationConfig, calibrate
 
     try:
         doc = calibrate(CalibrationConfig(out=args.out, nprocs=args.nprocs, backend=args.backend,
@@ -184,7 +191,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if doc is not None:
         link = doc["links"]["intra_node" if "measured" in doc["links"]["intra_node"]["kind"] else "inter_node"]
         print(f"wrote {args.out}: all-reduce {link['all_reduce_latency_us']:.1f} us + "
-              f"{link['all_reduce_busbw_bytes_per_s'] / 1e9:.2f} GB/s bus, all-to-all {link['all_to_all_latency_us']:.1f} us + "
+              f"{link['all_reduce_busbw_bytes_per_s'] / 1e9:.2f} GB/s bus, all-to-all "
+              f"{link['all_to_all_latency_us']:.1f} us + "
               f"{link['all_to_all_busbw_bytes_per_s'] / 1e9:.2f} GB/s bus")
     return 0
 
@@ -207,12 +215,13 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hardware", metavar="NAME", help="hardware profile for the memory check")
     p.add_argument("--batch", type=int, default=64, help="sequences per step for the memory check (default 64)")
     p.add_argument("--context", type=int, default=4096, help="KV-cache tokens per sequence (default 4096)")
-    p.add_argument("--weights", choices=("bf16", "fp8", "int4"), help="routed expert storage (default: the checkpoint's)")
+    p.add_argument("--weights", choices=("bf16", "fp8", "int4"), help="routed expert storage (default: the "
+                                                                      "checkpoint's)")
     p.set_defaults(func=_cmd_doctor)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from .doctor import DoctorConfig, run_doctor
+    from epmoe.doctor import DoctorConfig, run_doctor
 
     try:
         return run_doctor(DoctorConfig(
@@ -228,7 +237,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 def _add_balance(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "balance", help="balance expert loads (EPLB): write a placement, a per-layer table and a PNG",
-        description="Reads loads (JSON, safetensors or the OLMoE CSV), writes the placement atomically; nothing on error.",
+        description="Reads loads (JSON, safetensors or the OLMoE CSV), writes the placement atomically; nothing on "
+                    "error.",
     )
     p.add_argument("--loads", required=True, metavar="FILE", help="loads file [L, E]")
     p.add_argument("--ep", type=int, required=True, help="EP size G")
@@ -249,7 +259,7 @@ def _cmd_balance(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from .balance_report import balance_file
+    from epmoe.balance.report import balance_file
 
     try:
         report = balance_file(

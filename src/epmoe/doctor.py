@@ -18,12 +18,13 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from epmoe.costs import WEIGHT_CHOICES, weights_hint
-from epmoe.draft import DraftModel, draft_bytes, read_draft
-from epmoe.hardware import HardwareProfile, load_hardware
+from epmoe.checks import check_int
 from epmoe.placement import ExpertPlacement
-from epmoe.plan_values import GIB, PlanRequest, StrategyPlan
-from epmoe.planner import plan
+from epmoe.plan.costs import WEIGHT_CHOICES, weights_hint
+from epmoe.plan.draft import DraftModel, draft_bytes, read_draft
+from epmoe.plan.hardware import HardwareProfile, load_hardware
+from epmoe.plan.planner import plan
+from epmoe.plan.request import GIB, PlanRequest, StrategyPlan
 from epmoe.spec import DenseModelError, MoESpec, load_moe_spec
 
 Severity = Literal["error", "warning", "ok"]
@@ -161,7 +162,7 @@ def check_checkpoint(spec: MoESpec, directory: str, what: str = "the target mode
     Names only: the safetensors index (or the file headers) is read, no tensor. The names are those
     ``models.hf.load_ep_model`` reads (``models.checkpoint.family_layout``); the first missing one is named.
     """
-    from epmoe.models.checkpoint import CheckpointReader, family_layout
+    from epmoe.models.checkpoint import CheckpointReader, expert_tensor_names, family_layout
 
     try:
         layout = family_layout(spec.model_type)
@@ -191,17 +192,13 @@ def check_checkpoint(spec: MoESpec, directory: str, what: str = "the target mode
         block = f"model.layers.{layer_index}.{layout.ckpt_block}"
         if layout.experts == "per_expert":
             for e in range(spec.num_experts):
-                for pattern in layout.expert_names:
-                    name = f"{block}.{pattern.format(e=e)}"
+                for name in expert_tensor_names(layout, block, e):
                     if name not in reader:
                         if not missing:
                             first = f"logical expert {e} of MoE layer {moe_index} (decoder layer {layer_index})"
                         missing.append(name)
         else:
-            names = [f"{block}.experts.gate_up_proj", f"{block}.experts.down_proj"]
-            if layout.experts == "fused_interleaved":
-                names += [f"{block}.experts.gate_up_proj_bias", f"{block}.experts.down_proj_bias"]
-            for name in names:
+            for name in expert_tensor_names(layout, block, 0):
                 if name not in reader:
                     if not missing:
                         first = f"the fused experts of MoE layer {moe_index} (decoder layer {layer_index})"
@@ -280,7 +277,8 @@ def check_memory(spec: MoESpec, cfg: DoctorConfig, ep: int, redundant: int, draf
                           context=cfg.context, weights=cfg.weights, mem_fraction=cfg.mem_fraction)
         result = plan(req)
     except ValueError as exc:
-        return [Finding("error", f"memory cannot be planned: {exc}", "the set-up is inconsistent", "fix the named value")]
+        return [Finding("error", "memory cannot be planned: "
+                                 f"{exc}", "the set-up is inconsistent", "fix the named value")]
     draft_plan: dict[str, StrategyPlan] = {}
     if draft is not None and draft.spec is not None:
         try:
@@ -313,22 +311,16 @@ def check_memory(spec: MoESpec, cfg: DoctorConfig, ep: int, redundant: int, draf
                     f"use more GPUs, {hint + ', ' if hint else ''}a smaller batch or a shorter context")]
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 def diagnose(cfg: DoctorConfig) -> list[Finding]:
     """All checks of ``cfg``, in order: backends, target model, checkpoint and placement, draft, memory.
 
     Raises:
         ValueError: a bad ``ep``, ``nodes``, ``batch``, ``context``, ``weights`` or ``mem_fraction`` (named).
     """
-    ep = _check_int("ep", 1 if cfg.ep is None else cfg.ep, 1)
-    nodes = _check_int("nodes", cfg.nodes, 1)
-    _check_int("batch", cfg.batch, 1)
-    _check_int("context", cfg.context, 1)
+    ep = check_int("ep", 1 if cfg.ep is None else cfg.ep, 1)
+    nodes = check_int("nodes", cfg.nodes, 1)
+    check_int("batch", cfg.batch, 1)
+    check_int("context", cfg.context, 1)
     if ep % nodes:
         raise ValueError(f"ep ({ep}) must be divisible by nodes ({nodes})")
     if cfg.weights is not None and cfg.weights not in WEIGHT_CHOICES:

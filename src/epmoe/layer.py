@@ -12,12 +12,12 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from .comm import Comm
-from .dispatch import Dispatcher, make_dispatcher
-from .experts import Activation, ExpertWeights, get_expert_backend
-from .placement import ExpertPlacement
-from .routing import ReplicaPolicy, Router, SlotMap
-from .spec import MoESpec
+from epmoe.comm import Comm
+from epmoe.dispatch import Dispatcher, make_dispatcher
+from epmoe.experts import Activation, ExpertWeights, get_expert_backend
+from epmoe.placement import ExpertPlacement
+from epmoe.routing import ReplicaPolicy, Router, SlotMap
+from epmoe.spec import MoESpec
 
 
 class LoadSink(Protocol):
@@ -89,7 +89,7 @@ class _MoEBase(nn.Module):
             raise TypeError(f"spec must be an MoESpec, got {type(spec).__name__}")
         self.spec = spec
         self.activation = activation_of(spec)
-        self.weight_on_input = spec.router_kind == "topk_sigmoid"
+        self.weight_on_input = spec.weight_on_input
         self.gate = Router(spec, dtype=dtype, device=device)
         self.shared_experts = (
             SharedExpert(spec.hidden_size, shared_inter, self.activation, dtype, device) if shared_inter else None
@@ -123,12 +123,16 @@ class MoELayer(_MoEBase):
         load_recorder: optional sink counting tokens per physical slot.
         dtype, device: of the parameters.
 
+    Attributes: ``moe_index`` (the ``layer`` argument), ``dispatcher`` (change it with ``set_dispatcher``),
+    ``expert_backend`` (the compute function), ``experts`` (the weights), ``placement``, ``comm``, ``slot_map``.
+
     Parameters: ``gate`` (router), ``experts.w13 [P/G, 2F, D]``, ``experts.w2 [P/G, D, F]`` (+ biases),
     ``shared_experts``, ``shared_expert_gate``; all filled by the checkpoint loader.
 
     Raises:
         TypeError: ``placement`` is missing or not an ``ExpertPlacement``; ``comm`` is not a ``Comm``.
-        ValueError: the placement does not match the model or the EP group (sizes named).
+        ValueError: the placement does not match the model or the EP group (sizes named), or a dispatcher
+            instance built for another group or slot count (see ``set_dispatcher``).
         KeyError: unknown dispatcher, expert backend.
     """
 
@@ -161,37 +165,45 @@ class MoELayer(_MoEBase):
                 f"placement is for EP size {placement.ep_size} but the EP group has {comm.size} ranks"
             )
         super().__init__(spec, spec.shared_intermediate_size, dtype, device)
-        self.layer = layer
+        self.moe_index = layer
         self.placement = placement
         self.comm = comm
         self.slot_map = SlotMap(placement, layer, comm.rank, replica_policy, device)
-        self.dispatcher = (
+        self.set_dispatcher(
             make_dispatcher(dispatcher, comm, placement.slots_per_rank, **(dispatcher_options or {}))
             if isinstance(dispatcher, str) else dispatcher
         )
-        self.experts_fn = get_expert_backend(expert_backend)
+        self.expert_backend = get_expert_backend(expert_backend)
         self.load_recorder = load_recorder
         self.experts = _ExpertParams(spec, placement.slots_per_rank, spec.moe_intermediate_size, dtype, device)
-
-    def set_dispatcher(self, dispatcher: Dispatcher) -> None:
-        """Use ``dispatcher`` from the next forward on (the engine swaps eager and graph dispatchers).
-
-        Raises:
-            ValueError: its group or slots per rank differ from the layer's (both named).
-        """
-        comm = getattr(dispatcher, "comm", None)
-        if comm is not None and comm is not self.comm:
-            raise ValueError(f"MoE layer {self.layer}: the dispatcher's group {comm} is not the layer's {self.comm}")
-        slots = getattr(dispatcher, "slots_per_rank", getattr(dispatcher, "num_slots", None))
-        if slots is not None and slots != self.placement.slots_per_rank:
-            raise ValueError(f"MoE layer {self.layer}: the dispatcher serves {slots} slots per rank, the placement "
-                             f"{self.placement.slots_per_rank}")
-        self.dispatcher = dispatcher
 
     @property
     def local_experts(self) -> torch.Tensor:
         """``[P/G]`` int64: the logical expert held in each local slot of this layer."""
-        return self.placement.local_experts(self.comm.rank)[self.layer]
+        return self.placement.local_experts(self.comm.rank)[self.moe_index]
+
+    def set_dispatcher(self, dispatcher: Dispatcher) -> None:
+        """Serve the next calls through ``dispatcher`` (for example a fixed-capacity one sized for decode).
+
+        Args:
+            dispatcher: built for this layer's EP group and slots (``epmoe.dispatch.make_dispatcher``).
+
+        Raises:
+            ValueError: the dispatcher's process group, group size, slots per rank or slot count is not the
+                layer's (both values named).
+        """
+        for what, got, want in (
+            ("EP group size", dispatcher.comm.size, self.comm.size),
+            ("slots_per_rank", dispatcher.slots_per_rank, self.placement.slots_per_rank),
+            ("num_slots", dispatcher.num_slots, self.placement.num_slots),
+        ):
+            if got != want:
+                raise ValueError(f"MoE layer {self.moe_index}: the {type(dispatcher).__name__} has {what} {got}, "
+                                 f"the layer {want}")
+        if dispatcher.comm.group is not self.comm.group:
+            raise ValueError(f"MoE layer {self.moe_index}: the {type(dispatcher).__name__} runs over another process "
+                             f"group than the layer's EP group")
+        self.dispatcher = dispatcher
 
     def commit_placement(self, placement: ExpertPlacement, weights: dict[str, torch.Tensor]) -> None:
         """Switch this layer to ``placement`` with its already-staged local expert weights.
@@ -208,9 +220,10 @@ class MoELayer(_MoEBase):
             ValueError: a shape or placement-size mismatch (checked before anything changes).
         """
         old = self.placement
-        if (placement.num_slots, placement.num_experts, placement.ep_size) != (old.num_slots, old.num_experts, old.ep_size):
+        new_sizes = (placement.num_slots, placement.num_experts, placement.ep_size)
+        if new_sizes != (old.num_slots, old.num_experts, old.ep_size):
             raise ValueError(
-                f"new placement has (P, E, G) = {(placement.num_slots, placement.num_experts, placement.ep_size)}, "
+                f"new placement has (P, E, G) = {new_sizes}, "
                 f"the layer serves {(old.num_slots, old.num_experts, old.ep_size)}"
             )
         params = {n: p for n, p in self.experts.named_parameters()}
@@ -218,7 +231,7 @@ class MoELayer(_MoEBase):
             if name not in weights or weights[name].shape != param.shape:
                 got = None if name not in weights else tuple(weights[name].shape)
                 raise ValueError(f"staged weight {name!r} has shape {got}, expected {tuple(param.shape)}")
-        slot_map = SlotMap(placement, self.layer, self.comm.rank, self.slot_map.policy, self.slot_map.table.device)
+        slot_map = SlotMap(placement, self.moe_index, self.comm.rank, self.slot_map.policy, self.slot_map.table.device)
         for name, param in params.items():
             param.data = weights[name]
         self.slot_map = slot_map
@@ -232,14 +245,16 @@ class MoELayer(_MoEBase):
         """
         shape = hidden.shape
         if shape[-1] != self.spec.hidden_size:
-            raise ValueError(f"MoE layer {self.layer}: hidden states have size {shape[-1]}, expected {self.spec.hidden_size}")
+            raise ValueError(
+                f"MoE layer {self.moe_index}: hidden states have size {shape[-1]}, expected {self.spec.hidden_size}"
+            )
         x = hidden.reshape(-1, shape[-1])
         topk_idx, topk_weights = self.gate(x)
         topk_slots = self.slot_map(topk_idx)
         if self.load_recorder is not None:
-            self.load_recorder.record(self.layer, topk_slots)
+            self.load_recorder.record(self.moe_index, topk_slots)
         handle = self.dispatcher.dispatch(x, topk_slots, topk_weights)
-        y = self.experts_fn(
+        y = self.expert_backend(
             handle.recv_x, handle.recv_slots, handle.recv_weights,
             self.experts.weights(), self.activation, self.weight_on_input,
         )
@@ -278,7 +293,7 @@ class TPMoELayer(_MoEBase):
                 raise ValueError(f"{name} ({size}) must be divisible by the TP group size ({comm.size})")
         super().__init__(spec, spec.shared_intermediate_size // comm.size, dtype, device)
         self.comm = comm
-        self.experts_fn = get_expert_backend(expert_backend)
+        self.expert_backend = get_expert_backend(expert_backend)
         self.experts = _ExpertParams(spec, spec.num_experts, spec.moe_intermediate_size // comm.size, dtype, device)
 
     @torch.no_grad()
@@ -314,7 +329,9 @@ class TPMoELayer(_MoEBase):
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
         topk_idx, topk_weights = self.gate(x)
-        out = self.experts_fn(x, topk_idx, topk_weights, self.experts.weights(), self.activation, self.weight_on_input)
+        out = self.expert_backend(
+            x, topk_idx, topk_weights, self.experts.weights(), self.activation, self.weight_on_input
+        )
         shared = self._shared(x)
         if shared is not None:
             out = out + shared

@@ -15,12 +15,51 @@ import csv
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from epmoe.checks import check_positive_int
+from epmoe.files import atomic_path
 from epmoe.placement import ExpertPlacement
 
 LOADS_FORMAT = "epmoe.loads/1"
+
+
+def as_load_array(load: torch.Tensor | np.ndarray, name: str = "load") -> np.ndarray:
+    """Validate a logical load table and return it as a float64 array.
+
+    Args:
+        load: ``[L, E]`` tokens routed to each logical expert, any real dtype.
+        name: the field name used in error messages.
+
+    Returns:
+        ``[L, E]`` float64 copy.
+
+    Raises:
+        ValueError: not 2-D, empty, NaN or infinite entries, negative entries (position named), or a
+            layer whose sum (times the expert count, the balancers' headroom) overflows float64.
+    """
+    arr = load.detach().cpu().double().numpy() if isinstance(load, torch.Tensor) else np.asarray(load, dtype=np.float64)
+    if arr.ndim != 2:
+        raise ValueError(f"{name} must be 2-D [num_layers, num_experts], got shape {tuple(arr.shape)}")
+    if arr.shape[0] == 0 or arr.shape[1] == 0:
+        raise ValueError(f"{name} must have at least one layer and one expert, got shape {tuple(arr.shape)}")
+    bad = ~np.isfinite(arr)
+    if bad.any():
+        layer, expert = (int(v) for v in np.argwhere(bad)[0])
+        raise ValueError(f"{name}[{layer}, {expert}] = {arr[layer, expert]} is not a finite number")
+    neg = arr < 0
+    if neg.any():
+        layer, expert = (int(v) for v in np.argwhere(neg)[0])
+        raise ValueError(f"{name}[{layer}, {expert}] = {arr[layer, expert]} is negative; loads count tokens")
+    with np.errstate(over="ignore"):
+        total = arr.sum(axis=1) * arr.shape[1]
+    if not np.isfinite(total).all():
+        layer = int(np.argwhere(~np.isfinite(total))[0][0])
+        raise ValueError(f"{name}[{layer}] is too large to balance: its entries (up to {arr[layer].max():g}) "
+                         "overflow float64 when summed; loads count tokens")
+    return arr.copy()
 
 
 class ExpertLoadRecorder:
@@ -38,8 +77,7 @@ class ExpertLoadRecorder:
 
     def __init__(self, num_layers: int, num_slots: int, window: int = 1, device: torch.device | str = "cpu"):
         for name, v in (("num_layers", num_layers), ("num_slots", num_slots), ("window", window)):
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            check_positive_int(name, v)
         self.num_layers, self.num_slots, self.window = num_layers, num_slots, window
         # Column P collects the -1 (no slot) entries and is never read.
         self._counts = torch.zeros(window, num_layers, num_slots + 1, dtype=torch.int64, device=device)
@@ -137,14 +175,13 @@ def save_loads(path: str | Path, load: torch.Tensor) -> None:
     """
     load = _as_table(load)
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import save_file
+    with atomic_path(path) as tmp:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import save_file
 
-        save_file({"load": load.contiguous()}, str(tmp), metadata={"format": LOADS_FORMAT})
-    else:
-        tmp.write_text(json.dumps({"format": LOADS_FORMAT, "load": load.tolist()}))
-    tmp.replace(path)
+            save_file({"load": load.contiguous()}, str(tmp), metadata={"format": LOADS_FORMAT})
+        else:
+            tmp.write_text(json.dumps({"format": LOADS_FORMAT, "load": load.tolist()}))
 
 
 def read_csv_loads(path: str | Path) -> tuple[torch.Tensor, list[str]]:
@@ -177,7 +214,8 @@ def read_csv_loads(path: str | Path) -> tuple[torch.Tensor, list[str]]:
     num_experts = max(max(g) for g in groups.values()) + 1
     for name, g in groups.items():
         if sorted(g) != list(range(num_experts)):
-            raise ValueError(f"loads file {str(path)!r}: {name} has {len(g)} experts, expected ids 0..{num_experts - 1}")
+            raise ValueError(f"loads file {str(path)!r}: {name} has {len(g)} experts, expected ids "
+                             f"0..{num_experts - 1}")
     load = torch.tensor([[g[e] for e in range(num_experts)] for g in groups.values()], dtype=torch.float64)
     return load, list(groups)
 
@@ -197,8 +235,6 @@ def read_loads(path: str | Path) -> torch.Tensor:
         ValueError: a directory, unreadable file, missing field, ragged rows, or bad values (file and the
             JSON key used, ``load`` or ``weight``, named).
     """
-    from epmoe.balance import as_load_array
-
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"loads file {str(path)!r} is a directory, not a file")
@@ -218,13 +254,15 @@ def read_loads(path: str | Path) -> torch.Tensor:
         else:
             doc = json.loads(path.read_text())
             if not isinstance(doc, dict):
-                raise ValueError(f"expected a JSON object with field 'load' (or 'weight'), got a JSON {_json_type(doc)}")
+                raise ValueError("expected a JSON object with field 'load' (or 'weight'), got a JSON "
+                                 f"{_json_type(doc)}")
             name = "load" if "load" in doc else "weight"
             label = name
             rows = doc.get(name)
             if rows is None:
                 raise ValueError(f"field 'load' (or 'weight') is missing; the object has {sorted(doc)}")
-            if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows) or len({len(r) for r in rows}) > 1:
+            rectangular = isinstance(rows, list) and all(isinstance(r, list) for r in rows)
+            if not rectangular or len({len(r) for r in rows}) > 1:
                 raise ValueError(f"field {name!r} must be a list of equally long per-layer lists")
             for layer, row in enumerate(rows):
                 for expert, v in enumerate(row):

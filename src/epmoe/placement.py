@@ -16,6 +16,9 @@ from typing import Literal
 
 import torch
 
+from epmoe.checks import check_int, check_positive_int
+from epmoe.files import atomic_path
+
 PLACEMENT_FORMAT = "epmoe.placement/1"
 
 
@@ -70,10 +73,8 @@ class ExpertPlacement:
             raise TypeError(f"phy2log must be an integer tensor, got dtype {p.dtype}")
         if p.dim() != 2:
             raise ValueError(f"phy2log must be 2-D [num_layers, num_slots], got shape {tuple(p.shape)}")
-        if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int) or self.num_experts <= 0:
-            raise ValueError(f"num_experts must be a positive integer, got {self.num_experts!r}")
-        if isinstance(self.ep_size, bool) or not isinstance(self.ep_size, int) or self.ep_size <= 0:
-            raise ValueError(f"ep_size must be a positive integer, got {self.ep_size!r}")
+        check_positive_int("num_experts", self.num_experts)
+        check_positive_int("ep_size", self.ep_size)
         num_layers, num_slots = p.shape
         if num_layers == 0:
             raise ValueError("phy2log has no layers (shape [0, P]); a placement needs one row per MoE layer")
@@ -92,7 +93,8 @@ class ExpertPlacement:
         if bad.any():
             layer, slot = (int(v) for v in bad.nonzero()[0])
             raise ValueError(
-                f"phy2log[{layer}, {slot}] = {int(p[layer, slot])} is not a logical expert id in [0, {self.num_experts})"
+                f"phy2log[{layer}, {slot}] = {int(p[layer, slot])} is not a logical expert id in [0, "
+                f"{self.num_experts})"
             )
         counts = self.logcnt
         missing = (counts == 0).nonzero()
@@ -241,15 +243,14 @@ class ExpertPlacement:
                 resulting placement is invalid (e.g. ``E + R`` not divisible by ``ep_size``).
         """
         for name, v in (("num_layers", num_layers), ("num_experts", num_experts), ("ep_size", ep_size)):
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if isinstance(num_redundant, bool) or not isinstance(num_redundant, int) or num_redundant < 0:
-            raise ValueError(f"num_redundant must be a non-negative integer, got {num_redundant!r}")
+            check_positive_int(name, v)
+        check_int("num_redundant", num_redundant, 0, wording="a non-negative integer")
         check_redundant(num_redundant, num_experts, ep_size)
         num_slots = num_experts + num_redundant
         if ep_size > num_slots:
             raise ValueError(
-                f"EP size ({ep_size}) is larger than the number of slots ({num_slots}): every rank needs at least one slot"
+                f"EP size ({ep_size}) is larger than the number of slots ({num_slots}): every rank needs at least one "
+                "slot"
             )
         if num_slots % ep_size:
             fix = num_redundant + (-num_slots) % ep_size
@@ -275,25 +276,24 @@ class ExpertPlacement:
         The file is written to a temporary name and renamed, so a failed write leaves no half file.
         """
         path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        if path.suffix == ".safetensors":
-            from safetensors.torch import save_file
+        with atomic_path(path) as tmp:
+            if path.suffix == ".safetensors":
+                from safetensors.torch import save_file
 
-            save_file(
-                {"phy2log": self.phy2log, "log2phy": self.log2phy, "logcnt": self.logcnt},
-                str(tmp),
-                metadata={"format": PLACEMENT_FORMAT, "num_experts": str(self.num_experts), "ep_size": str(self.ep_size)},
-            )
-        else:
-            doc = {
-                "format": PLACEMENT_FORMAT,
-                "num_experts": self.num_experts,
-                "ep_size": self.ep_size,
-                "phy2log": self.phy2log.tolist(),
-            }
-            tmp.write_text(json.dumps(doc))
-        tmp.chmod(0o644)  # the safetensors writer creates owner-only files; both formats read alike
-        tmp.replace(path)
+                save_file(
+                    {"phy2log": self.phy2log, "log2phy": self.log2phy, "logcnt": self.logcnt},
+                    str(tmp),
+                    metadata={"format": PLACEMENT_FORMAT, "num_experts": str(self.num_experts),
+                              "ep_size": str(self.ep_size)},
+                )
+            else:
+                doc = {
+                    "format": PLACEMENT_FORMAT,
+                    "num_experts": self.num_experts,
+                    "ep_size": self.ep_size,
+                    "phy2log": self.phy2log.tolist(),
+                }
+                tmp.write_text(json.dumps(doc))
 
     @classmethod
     def load(cls, path: str | Path, ep_size: int | None = None) -> "ExpertPlacement":

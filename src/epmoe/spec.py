@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from types import MappingProxyType
+from typing import Any, Callable, Literal, Mapping
+
+from epmoe.checks import check_positive_int
 
 Scoring = Literal["softmax", "sigmoid"]
 # How the router turns logits into top-k weights:
@@ -24,7 +27,6 @@ GroupScore = Literal["max", "top2_sum"]
 
 _DEEPSEEK = {"deepseek_v2", "deepseek_v3", "kimi_k2"}
 _QWEN = {"qwen2_moe", "qwen3_moe"}
-_SUPPORTED = _DEEPSEEK | _QWEN | {"mixtral", "olmoe", "gpt_oss", "llama4_text"}
 _DENSE = {"llama", "mistral", "qwen2", "qwen3"}
 
 
@@ -131,6 +133,21 @@ class MoESpec:
         return "sigmoid" if self.router_kind in ("sigmoid_topk", "topk_sigmoid") else "softmax"
 
     @property
+    def router_fp32_logits(self) -> bool:
+        """The router computes its logits in float32 with a float32 weight (DeepSeek-V2/V3, Kimi-K2)."""
+        return self.model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2")
+
+    @property
+    def round_router_weights(self) -> bool:
+        """The softmax router's top-k weights are rounded to the logits' dtype (Qwen2/Qwen3-MoE, OLMoE)."""
+        return self.model_type in ("qwen2_moe", "qwen3_moe", "olmoe")
+
+    @property
+    def weight_on_input(self) -> bool:
+        """The routing weight scales an expert's input instead of its output (Llama-4's ``topk_sigmoid``)."""
+        return self.router_kind == "topk_sigmoid"
+
+    @property
     def dense_layers(self) -> tuple[int, ...]:
         """Decoder layers whose MLP is dense."""
         moe = set(self.moe_layers)
@@ -155,10 +172,7 @@ def _require(cfg: dict[str, Any], key: str, source: str, *alternatives: str) -> 
 
 
 def _positive_int(cfg: dict[str, Any], key: str, source: str, *alternatives: str) -> int:
-    value = _require(cfg, key, source, *alternatives)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
-    return value
+    return check_positive_int(f"{source}: field {key!r}", _require(cfg, key, source, *alternatives))
 
 
 def language_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -214,6 +228,122 @@ def _weight_format(cfg: dict[str, Any]) -> str:
     return "bf16"
 
 
+@dataclass(frozen=True)
+class FamilyFacts:
+    """The routed-expert facts one family parser reads from a config (the rest is common to all families).
+
+    Attributes:
+        num_experts: ``E`` routed experts per MoE layer.
+        moe_inter: ``F``, a routed expert's intermediate size.
+        router_kind: see ``RouterKind``.
+        n_group, topk_group, group_score: grouped top-k (1, 1, ``max`` = none).
+        norm: renormalise the top-k weights.
+        scale: the routed scaling factor.
+        correction: DeepSeek-V3's score-correction bias.
+        router_bias, expert_bias: gpt-oss's router and expert projection biases.
+        n_shared, shared_inter, shared_gate: shared experts, their total intermediate size, Qwen2-MoE's gate.
+        swiglu_limit, swiglu_alpha: gpt-oss's clamped SwiGLU.
+        dense_inter: the dense MLP's intermediate size, ``None`` = the config's ``intermediate_size``.
+    """
+
+    num_experts: int
+    moe_inter: int
+    router_kind: RouterKind
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: GroupScore = "max"
+    norm: bool = False
+    scale: float = 1.0
+    correction: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    n_shared: int = 0
+    shared_inter: int = 0
+    shared_gate: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    dense_inter: int | None = None
+
+
+def _deepseek(cfg: dict[str, Any], mt: str, source: str) -> FamilyFacts:
+    """DeepSeek-V2 (softmax, optionally group-limited), DeepSeek-V3/R1 and Kimi-K2 (sigmoid, ``noaux_tc``)."""
+    num_experts = _positive_int(cfg, "n_routed_experts", source, "num_local_experts")
+    moe_inter = _positive_int(cfg, "moe_intermediate_size", source)
+    n_shared = int(cfg.get("n_shared_experts") or 0)
+    common = dict(
+        num_experts=num_experts, moe_inter=moe_inter,
+        n_shared=n_shared, shared_inter=n_shared * moe_inter, scale=float(cfg.get("routed_scaling_factor", 1.0)),
+    )
+    n_group, topk_group = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    if mt == "deepseek_v2":
+        scoring = cfg.get("scoring_func", "softmax")
+        if scoring != "softmax":
+            raise ValueError(f"{source}: deepseek_v2 scoring_func must be 'softmax', got {scoring!r}")
+        method = cfg.get("topk_method", "greedy")
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"{source}: topk_method {method!r} is not one of 'greedy', 'group_limited_greedy'")
+        if method == "greedy":
+            n_group, topk_group = 1, 1
+        return FamilyFacts(router_kind="softmax_topk", n_group=n_group, topk_group=topk_group, **common)
+    scoring = cfg.get("scoring_func", "sigmoid")
+    method = cfg.get("topk_method", "noaux_tc")
+    if scoring != "sigmoid" or method != "noaux_tc":
+        raise ValueError(
+            f"{source}: {mt} expects scoring_func 'sigmoid' with topk_method 'noaux_tc', "
+            f"got scoring_func={scoring!r}, topk_method={method!r}"
+        )
+    return FamilyFacts(router_kind="sigmoid_topk", n_group=n_group, topk_group=topk_group, group_score="top2_sum",
+                       norm=bool(cfg.get("norm_topk_prob", True)), correction=True, **common)
+
+
+def _qwen_olmoe(cfg: dict[str, Any], mt: str, source: str) -> FamilyFacts:
+    """Qwen1.5/Qwen2-MoE (a gated shared expert), Qwen3-MoE and OLMoE: softmax, then top-k."""
+    num_experts = _positive_int(cfg, "num_experts", source, "num_local_experts")
+    if mt == "olmoe":
+        moe_inter = _positive_int(cfg, "intermediate_size", source)
+    else:
+        moe_inter = _positive_int(cfg, "moe_intermediate_size", source, "intermediate_size")
+    shared_inter = int(cfg.get("shared_expert_intermediate_size") or 0) if mt == "qwen2_moe" else 0
+    return FamilyFacts(
+        num_experts=num_experts, moe_inter=moe_inter, router_kind="softmax_topk",
+        norm=bool(cfg.get("norm_topk_prob", False)),
+        n_shared=1 if shared_inter > 0 else 0, shared_inter=shared_inter, shared_gate=shared_inter > 0,
+    )
+
+
+def _mixtral(cfg: dict[str, Any], mt: str, source: str) -> FamilyFacts:
+    """Mixtral: softmax, top-k, renormalised; every layer is MoE."""
+    return FamilyFacts(num_experts=_positive_int(cfg, "num_local_experts", source),
+                       moe_inter=_positive_int(cfg, "intermediate_size", source), router_kind="softmax_topk",
+                       norm=True, dense_inter=0)
+
+
+def _gpt_oss(cfg: dict[str, Any], mt: str, source: str) -> FamilyFacts:
+    """gpt-oss: top-k logits with a router bias, softmax over them; biased experts with the clamped SwiGLU."""
+    return FamilyFacts(num_experts=_positive_int(cfg, "num_local_experts", source),
+                       moe_inter=_positive_int(cfg, "intermediate_size", source), router_kind="topk_softmax",
+                       router_bias=True, expert_bias=True, swiglu_limit=float(_require(cfg, "swiglu_limit", source)),
+                       swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), dense_inter=0)
+
+
+def _llama4(cfg: dict[str, Any], mt: str, source: str) -> FamilyFacts:
+    """Llama-4 (text): top-k logits, sigmoid weight on the expert input; one shared expert."""
+    num_experts = _positive_int(cfg, "num_local_experts", source)
+    moe_inter = _positive_int(cfg, "intermediate_size", source)
+    return FamilyFacts(num_experts=num_experts, moe_inter=moe_inter, router_kind="topk_sigmoid", n_shared=1,
+                       shared_inter=moe_inter, dense_inter=int(cfg.get("intermediate_size_mlp") or 0))
+
+
+# model_type -> the parser of its routed-expert facts (read-only, like ``models.checkpoint.FAMILY_LAYOUTS``)
+FAMILY_PARSERS: Mapping[str, Callable[[dict[str, Any], str, str], FamilyFacts]] = MappingProxyType({
+    **dict.fromkeys(sorted(_DEEPSEEK), _deepseek),
+    **dict.fromkeys(sorted(_QWEN | {"olmoe"}), _qwen_olmoe),
+    "mixtral": _mixtral,
+    "gpt_oss": _gpt_oss,
+    "llama4_text": _llama4,
+})
+
+
 def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
     """Parse the MoE facts from a Hugging Face config dict.
 
@@ -237,96 +367,29 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
             f"{source}: model_type {mt!r} ({arch}) is a dense model with no MoE layers "
             f"(EAGLE-3 drafts are one dense decoder layer); it has no experts to place"
         )
-    if mt not in _SUPPORTED and not any(k in cfg for k in expert_fields):
+    if mt not in FAMILY_PARSERS and not any(k in cfg for k in expert_fields):
         raise DenseModelError(
-            f"{source}: model_type {mt!r} is not a supported MoE family ({', '.join(sorted(_SUPPORTED))}) and "
+            f"{source}: model_type {mt!r} is not a supported MoE family ({', '.join(sorted(FAMILY_PARSERS))}) and "
             f"its config names no routed experts ({' / '.join(expert_fields)}): read as a dense model, "
             f"it has no experts to place"
         )
-    if mt not in _SUPPORTED:
-        raise ValueError(f"{source}: model_type {mt!r} is not supported; supported: {sorted(_SUPPORTED)}")
+    if mt not in FAMILY_PARSERS:
+        raise ValueError(f"{source}: model_type {mt!r} is not supported; supported: {sorted(FAMILY_PARSERS)}")
 
     num_layers = _positive_int(cfg, "num_hidden_layers", source)
     hidden = _positive_int(cfg, "hidden_size", source)
     vocab = _positive_int(cfg, "vocab_size", source)
     num_heads = _positive_int(cfg, "num_attention_heads", source)
     num_kv = int(cfg.get("num_key_value_heads") or num_heads)
-    dense_inter = int(cfg.get("intermediate_size") or 0)
     hidden_act = str(cfg.get("hidden_act", "silu"))
 
-    n_group, topk_group, group_score = 1, 1, "max"
-    norm, scale = False, 1.0
-    correction = router_bias = expert_bias = shared_gate = False
-    n_shared, shared_inter = 0, 0
-    swiglu_limit: float | None = None
-    swiglu_alpha = 1.702
-
-    if mt in _DEEPSEEK:
-        num_experts = _positive_int(cfg, "n_routed_experts", source, "num_local_experts")
-        moe_inter = _positive_int(cfg, "moe_intermediate_size", source)
-        n_shared = int(cfg.get("n_shared_experts") or 0)
-        shared_inter = n_shared * moe_inter
-        n_group = int(cfg.get("n_group") or 1)
-        topk_group = int(cfg.get("topk_group") or 1)
-        scale = float(cfg.get("routed_scaling_factor", 1.0))
-        if mt == "deepseek_v2":
-            scoring = cfg.get("scoring_func", "softmax")
-            if scoring != "softmax":
-                raise ValueError(f"{source}: deepseek_v2 scoring_func must be 'softmax', got {scoring!r}")
-            method = cfg.get("topk_method", "greedy")
-            if method not in ("greedy", "group_limited_greedy"):
-                raise ValueError(
-                    f"{source}: topk_method {method!r} is not one of 'greedy', 'group_limited_greedy'"
-                )
-            router_kind: RouterKind = "softmax_topk"
-            if method == "greedy":
-                n_group, topk_group = 1, 1
-            group_score = "max"
-            norm = False
-        else:
-            scoring = cfg.get("scoring_func", "sigmoid")
-            method = cfg.get("topk_method", "noaux_tc")
-            if scoring != "sigmoid" or method != "noaux_tc":
-                raise ValueError(
-                    f"{source}: {mt} expects scoring_func 'sigmoid' with topk_method 'noaux_tc', "
-                    f"got scoring_func={scoring!r}, topk_method={method!r}"
-                )
-            router_kind = "sigmoid_topk"
-            group_score = "top2_sum"
-            norm = bool(cfg.get("norm_topk_prob", True))
-            correction = True
-    elif mt in _QWEN or mt == "olmoe":
-        num_experts = _positive_int(cfg, "num_experts", source, "num_local_experts")
-        moe_inter = _positive_int(cfg, "moe_intermediate_size", source, "intermediate_size") if mt != "olmoe" \
-            else _positive_int(cfg, "intermediate_size", source)
-        router_kind = "softmax_topk"
-        norm = bool(cfg.get("norm_topk_prob", False))
-        if mt == "qwen2_moe":
-            shared_inter = int(cfg.get("shared_expert_intermediate_size") or 0)
-            n_shared = 1 if shared_inter > 0 else 0
-            shared_gate = n_shared > 0
-    elif mt == "mixtral":
-        num_experts = _positive_int(cfg, "num_local_experts", source)
-        moe_inter = _positive_int(cfg, "intermediate_size", source)
-        router_kind, norm = "softmax_topk", True
-        dense_inter = 0
-    elif mt == "gpt_oss":
-        num_experts = _positive_int(cfg, "num_local_experts", source)
-        moe_inter = _positive_int(cfg, "intermediate_size", source)
-        router_kind = "topk_softmax"
-        router_bias = expert_bias = True
-        swiglu_limit = float(_require(cfg, "swiglu_limit", source))
-        swiglu_alpha = float(cfg.get("swiglu_alpha", 1.702))
-        dense_inter = 0
-    else:  # llama4_text
-        num_experts = _positive_int(cfg, "num_local_experts", source)
-        moe_inter = _positive_int(cfg, "intermediate_size", source)
-        router_kind = "topk_sigmoid"
-        n_shared, shared_inter = 1, moe_inter
-        dense_inter = int(cfg.get("intermediate_size_mlp") or 0)
+    f = FAMILY_PARSERS[mt](cfg, mt, source)
+    num_experts, moe_inter, n_group, topk_group = f.num_experts, f.moe_inter, f.n_group, f.topk_group
+    dense_inter = f.dense_inter if f.dense_inter is not None else int(cfg.get("intermediate_size") or 0)
 
     top_k = _positive_int(cfg, "num_experts_per_tok", source, "experts_per_token")
-    if "experts_per_token" in cfg and "num_experts_per_tok" in cfg and cfg["experts_per_token"] != cfg["num_experts_per_tok"]:
+    both = "experts_per_token" in cfg and "num_experts_per_tok" in cfg
+    if both and cfg["experts_per_token"] != cfg["num_experts_per_tok"]:
         raise ValueError(
             f"{source}: num_experts_per_tok ({cfg['num_experts_per_tok']}) contradicts "
             f"experts_per_token ({cfg['experts_per_token']})"
@@ -365,11 +428,11 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
         model_type=mt, source=source, num_layers=num_layers, moe_layers=moe_layers,
         num_experts=num_experts, top_k=top_k, hidden_size=hidden, moe_intermediate_size=moe_inter,
         dense_intermediate_size=dense_inter if len(moe_layers) < num_layers or mt == "llama4_text" else 0,
-        num_shared_experts=n_shared, shared_intermediate_size=shared_inter, shared_expert_gate=shared_gate,
-        router_kind=router_kind, n_group=n_group, topk_group=topk_group, group_score=group_score,
-        norm_topk_prob=norm, routed_scaling_factor=scale, correction_bias=correction,
-        router_bias=router_bias, expert_bias=expert_bias, hidden_act=hidden_act,
-        swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha, vocab_size=vocab, attention=attention,
+        num_shared_experts=f.n_shared, shared_intermediate_size=f.shared_inter, shared_expert_gate=f.shared_gate,
+        router_kind=f.router_kind, n_group=n_group, topk_group=topk_group, group_score=f.group_score,
+        norm_topk_prob=f.norm, routed_scaling_factor=f.scale, correction_bias=f.correction,
+        router_bias=f.router_bias, expert_bias=f.expert_bias, hidden_act=hidden_act,
+        swiglu_limit=f.swiglu_limit, swiglu_alpha=f.swiglu_alpha, vocab_size=vocab, attention=attention,
         expert_weight_format=_weight_format(cfg),
     )
 

@@ -6,7 +6,7 @@ import torch
 
 from epmoe.engine import Engine, EngineConfig, SamplingParams
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
 
 PROMPTS = ["Expert parallelism places whole experts on ranks", "The quick brown fox", "def f(x):", "M"]
 

@@ -91,11 +91,13 @@ def _check(results: list[dict], families: list[str]) -> None:
         assert r0["preemptions"] > 0, f"{fam}: the small KV pool of rank 0 forced no preemption"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("ep", [1, 2, 4])
 def test_engine_equals_transformers_every_family(dirs, ep):
     _check(spawn(_worker, ep, (dirs, FAMILIES, False)), FAMILIES)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("ep", [2, 4])
 def test_static_decode_path_equals_transformers(dirs, ep):
     """The CUDA-graph path's padded buckets and fixed-capacity dispatch (run eagerly on CPU): a rank with

@@ -5,7 +5,7 @@ import torch
 
 from epmoe.engine.fused_norm import FusedRMSNorm, fuse_norms
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("cls_path", ["transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeRMSNorm",

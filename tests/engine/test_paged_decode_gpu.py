@@ -20,7 +20,7 @@ from epmoe.engine.paged_decode import (
 
 from .paged_decode_cases import CASES, make_case, naive_dense, rel_err
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu
 
 BF16_TOL = 2e-2    # the kernel rounds the softmax weights to bf16 for the P.V dot; output rounded to bf16
 

@@ -12,7 +12,6 @@ Triton 3.6's interpreter turns a loop bound computed in the kernel into an int w
     PYTHONPATH=/tmp/np23 TRITON_INTERPRET=1 python -m pytest -q tests/engine/test_paged_decode_interpret.py
 """
 
-import os
 
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ from epmoe.engine.paged_decode import paged_decode_reference, paged_decode_works
 
 from .paged_decode_cases import CASES, make_case, naive_dense, rel_err
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+pytestmark = pytest.mark.interpret
 
 
 @pytest.fixture(autouse=True)

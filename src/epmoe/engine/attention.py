@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .kv_cache import KVCache
-from .paged_decode import paged_decode_attention
+from epmoe.engine.kv_cache import KVCache
+from epmoe.engine.paged_decode import paged_decode_attention
 
 ATTN_IMPLEMENTATION = "epmoe_paged"
 

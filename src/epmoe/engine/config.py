@@ -124,8 +124,8 @@ class EngineConfig:
             raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if self.eplb_max_moves is not None and not self.eplb_interval:
             raise ValueError("eplb_max_moves limits live rebalancing: give eplb_interval with it")
-        from ..dispatch import DISPATCHERS
-        from ..experts import EXPERT_BACKENDS
+        from epmoe.dispatch import DISPATCHERS
+        from epmoe.experts import EXPERT_BACKENDS
 
         if self.dispatcher is not None and self.dispatcher not in DISPATCHERS:
             raise ValueError(f"dispatcher {self.dispatcher!r} is not one of {sorted(DISPATCHERS)}")

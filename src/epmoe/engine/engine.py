@@ -20,24 +20,25 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from pathlib import Path
 
 import torch
 
-from ..comm import Comm
-from ..loads import ExpertLoadRecorder
-from ..models.hf import EPModel, load_ep_model
-from ..placement import ExpertPlacement
-from ..spec import language_model_config, load_moe_spec, read_config
-from .attention import register_attention
-from .config import EngineConfig
-from .fused_norm import fuse_norms
-from .kv_cache import BlockAllocator, KVCache, KVLayout, blocks_for_memory
-from .model_runner import ModelRunner, graph_buckets
-from .request import RequestOutput, Sequence
-from .sampling import SamplingParams, sample
-from .scheduler import Scheduler, StepPlan
+from epmoe.comm import Comm
+from epmoe.engine.attention import register_attention
+from epmoe.engine.config import EngineConfig
+from epmoe.engine.fused_norm import fuse_norms
+from epmoe.engine.kv_cache import BlockAllocator, KVCache, KVLayout, blocks_for_memory
+from epmoe.engine.model_runner import ModelRunner, graph_buckets
+from epmoe.engine.request import RequestOutput, Sequence
+from epmoe.engine.sampling import SamplingParams, sample
+from epmoe.engine.scheduler import Scheduler, StepPlan
+from epmoe.loads import ExpertLoadRecorder
+from epmoe.models.hf import EPModel, load_ep_model
+from epmoe.placement import ExpertPlacement
+from epmoe.spec import language_model_config, load_moe_spec, read_config
 
 _CPU_KV_BYTES = 2 << 30  # KV budget on CPU (no memory query there)
 
@@ -153,7 +154,7 @@ class Engine:
         self.stats = {"eager_steps": 0, "graph_steps": 0, "idle_steps": 0, "preemptions": 0}
         self.eplb = None
         if config.eplb_interval:
-            from ..runtime.rebalance import EPLBController
+            from epmoe.runtime.rebalance import EPLBController
 
             self.eplb = EPLBController(self.ep_model, self.recorder, config.eplb_interval,
                                        max_moves=config.eplb_max_moves)
@@ -184,7 +185,7 @@ class Engine:
     def _capture(self) -> None:
         sizes = [b for b in graph_buckets(self.config.cuda_graph_max_bs) if b <= self.config.max_num_seqs]
         comm, slots = self.comm, self.placement.slots_per_rank
-        from ..dispatch import make_dispatcher
+        from epmoe.dispatch import make_dispatcher
 
         def activate(bs: int, valid_rows: torch.Tensor) -> None:
             self.recorder.mask_rows(valid_rows)

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from .attention import AttnBatch, PrefillChunk
-from .kv_cache import KVCache
-from .paged_decode import paged_decode_splits, paged_decode_workspace
-from .scheduler import StepPlan
+from epmoe.engine.attention import AttnBatch, PrefillChunk
+from epmoe.engine.kv_cache import KVCache
+from epmoe.engine.paged_decode import paged_decode_splits, paged_decode_workspace
+from epmoe.engine.scheduler import StepPlan
 
 
 def graph_buckets(max_bs: int) -> list[int]:

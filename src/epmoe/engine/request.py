@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import SamplingParams
+from epmoe.engine.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -17,8 +17,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .kv_cache import BlockAllocator
-from .request import Sequence, SequenceStatus
+from epmoe.engine.kv_cache import BlockAllocator
+from epmoe.engine.request import Sequence, SequenceStatus
 
 
 class ScheduledChunk(NamedTuple):

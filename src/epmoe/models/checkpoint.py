@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from types import MappingProxyType
+from typing import Literal, Mapping
 
 import torch
 from safetensors import safe_open
@@ -165,7 +166,7 @@ def dequantize_blockwise(
     Raises:
         ValueError: ``scale`` has the wrong shape (the tensor is named).
     """
-    from ..kernels.fp8 import FP8_BLOCK, dequantize_block_fp8
+    from epmoe.experts.fp8 import FP8_BLOCK, dequantize_block_fp8
 
     bn, bk = block
     n, k = q.shape[-2:]
@@ -213,11 +214,14 @@ class FamilyLayout:
 
 
 _GATE = {"weight": "gate.weight"}
-FAMILY_LAYOUTS: dict[str, FamilyLayout] = {
+_DEEPSEEK_V3 = FamilyLayout(
+    "mlp", "mlp", {"weight": "gate.weight", "e_score_correction_bias": "gate.e_score_correction_bias"},
+    "per_expert", shared="shared_experts")
+# model_type -> its checkpoint layout (read-only)
+FAMILY_LAYOUTS: Mapping[str, FamilyLayout] = MappingProxyType({
     "deepseek_v2": FamilyLayout("mlp", "mlp", _GATE, "per_expert", shared="shared_experts"),
-    "deepseek_v3": FamilyLayout(
-        "mlp", "mlp", {"weight": "gate.weight", "e_score_correction_bias": "gate.e_score_correction_bias"},
-        "per_expert", shared="shared_experts"),
+    "deepseek_v3": _DEEPSEEK_V3,
+    "kimi_k2": _DEEPSEEK_V3,
     "qwen2_moe": FamilyLayout("mlp", "mlp", _GATE, "per_expert", shared="shared_expert",
                               shared_gate="shared_expert_gate.weight"),
     "qwen3_moe": FamilyLayout("mlp", "mlp", _GATE, "per_expert"),
@@ -228,8 +232,7 @@ FAMILY_LAYOUTS: dict[str, FamilyLayout] = {
                             "fused_interleaved", returns_tuple=True),
     "llama4_text": FamilyLayout("feed_forward", "feed_forward", {"weight": "router.weight"}, "fused_concat",
                                 shared="shared_expert", returns_tuple=True),
-}
-FAMILY_LAYOUTS["kimi_k2"] = FAMILY_LAYOUTS["deepseek_v3"]
+})
 
 
 def family_layout(model_type: str) -> FamilyLayout:
@@ -241,7 +244,28 @@ def family_layout(model_type: str) -> FamilyLayout:
     try:
         return FAMILY_LAYOUTS[model_type]
     except KeyError:
-        raise KeyError(f"no checkpoint layout for model_type {model_type!r}; supported: {sorted(FAMILY_LAYOUTS)}") from None
+        raise KeyError(f"no checkpoint layout for model_type {model_type!r}; supported: "
+                       f"{sorted(FAMILY_LAYOUTS)}") from None
+
+
+def expert_tensor_names(layout: FamilyLayout, block: str, expert: int) -> list[str]:
+    """The checkpoint tensors holding logical expert ``expert`` of one MoE block (the one place they are spelled).
+
+    Args:
+        layout: the family layout.
+        block: checkpoint prefix of the MoE block, e.g. ``model.layers.3.mlp``.
+        expert: logical expert id (fused layouts hold every expert in the same tensors).
+
+    Returns:
+        ``per_expert``: gate, up, down; fused layouts: ``gate_up_proj``, ``down_proj`` (and for
+        ``fused_interleaved`` their biases), each ``[E, ...]``.
+    """
+    if layout.experts == "per_expert":
+        return [f"{block}.{n.format(e=expert)}" for n in layout.expert_names]
+    names = [f"{block}.experts.gate_up_proj", f"{block}.experts.down_proj"]
+    if layout.experts == "fused_interleaved":
+        names += [f"{block}.experts.gate_up_proj_bias", f"{block}.experts.down_proj_bias"]
+    return names
 
 
 def read_expert(
@@ -261,15 +285,16 @@ def read_expert(
     Raises:
         KeyError: a tensor of this expert is missing (its name is in the message).
     """
+    names = expert_tensor_names(layout, block, expert)
     if layout.experts == "per_expert":
-        gate, up, down = (reader.get(f"{block}.{n.format(e=expert)}") for n in layout.expert_names)
+        gate, up, down = (reader.get(n) for n in names)
         return {"w13": torch.cat([gate, up], dim=0), "w2": down}
-    gate_up = reader.get(f"{block}.experts.gate_up_proj", expert).t()  # [2F, D]
-    down = reader.get(f"{block}.experts.down_proj", expert).t()  # [D, F]
+    gate_up = reader.get(names[0], expert).t()  # [2F, D]
+    down = reader.get(names[1], expert).t()  # [D, F]
     if layout.experts == "fused_concat":
         return {"w13": gate_up.contiguous(), "w2": down.contiguous()}
     out = {"w13": torch.cat([gate_up[0::2], gate_up[1::2]], dim=0), "w2": down.contiguous()}
-    bias = reader.get(f"{block}.experts.gate_up_proj_bias", expert)
+    bias = reader.get(names[2], expert)
     out["b13"] = torch.cat([bias[0::2], bias[1::2]])
-    out["b2"] = reader.get(f"{block}.experts.down_proj_bias", expert)
+    out["b2"] = reader.get(names[3], expert)
     return out

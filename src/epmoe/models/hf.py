@@ -8,17 +8,18 @@ non-expert weights in full (attention runs data-parallel), the experts only for 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
 
-from ..comm import Comm
-from ..dispatch import Dispatcher
-from ..layer import LoadSink, MoELayer
-from ..placement import ExpertPlacement
-from ..routing import ReplicaPolicy
-from ..spec import MoESpec, language_model_config, load_moe_spec, read_config
-from .checkpoint import CheckpointReader, FamilyLayout, family_layout, read_expert
+from epmoe.comm import Comm
+from epmoe.dispatch import Dispatcher, make_dispatcher
+from epmoe.layer import LoadSink, MoELayer
+from epmoe.models.checkpoint import CheckpointReader, FamilyLayout, family_layout, read_expert
+from epmoe.placement import ExpertPlacement
+from epmoe.routing import ReplicaPolicy
+from epmoe.spec import MoESpec, language_model_config, load_moe_spec, read_config
 
 
 class _TupleBlock(nn.Module):
@@ -53,6 +54,25 @@ class EPModel:
     moe_layers: list[MoELayer] = field(default_factory=list)
     expert_bytes: int = 0
     full_expert_bytes: int = 0
+
+    def use_dispatcher(self, name_or_factory: str | Callable[..., Dispatcher], **options) -> None:
+        """Give every MoE layer a new dispatcher (``MoELayer.set_dispatcher``), built for its EP group and slots.
+
+        Args:
+            name_or_factory: a registered dispatcher name (``epmoe.dispatch.DISPATCHERS``), or a factory called
+                as ``factory(comm, slots_per_rank, **options)``.
+            options: the dispatcher's options (``fixed_capacity``: ``capacity``, ``check_overflow``).
+
+        Raises:
+            KeyError: an unknown name.
+            ValueError: a dispatcher that does not fit the layers (see ``MoELayer.set_dispatcher``).
+        """
+        for layer in self.moe_layers:
+            if isinstance(name_or_factory, str):
+                dispatcher = make_dispatcher(name_or_factory, self.comm, self.placement.slots_per_rank, **options)
+            else:
+                dispatcher = name_or_factory(self.comm, self.placement.slots_per_rank, **options)
+            layer.set_dispatcher(dispatcher)
 
     def idle_step(self) -> None:
         """Join every MoE layer's collectives with an empty batch (a rank with nothing to do this step)."""
@@ -312,10 +332,12 @@ def _materialise(
             try:
                 rows = [read_expert(reader, fused_experts, block, e)[key] for e in range(tensor.shape[0])]
             except KeyError as exc:
-                raise KeyError(f"checkpoint {checkpoint_dir} is missing an expert tensor of {block}: {exc.args[0]}") from None
+                raise KeyError(f"checkpoint {checkpoint_dir} is missing an expert tensor of {block}: "
+                               f"{exc.args[0]}") from None
             stacked = torch.stack(rows)
             if stacked.shape != tensor.shape:
-                raise ValueError(f"{name}: experts stack to {tuple(stacked.shape)}, the model expects {tuple(tensor.shape)}")
+                raise ValueError(f"{name}: experts stack to {tuple(stacked.shape)}, the model expects "
+                                 f"{tuple(tensor.shape)}")
             state[name] = stacked.to(device=device, dtype=tensor.dtype)
         else:
             raise KeyError(f"checkpoint {checkpoint_dir} is missing tensor {name!r}")

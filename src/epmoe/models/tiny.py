@@ -91,7 +91,7 @@ def _byte_tokenizer():
 
 def _byte_of(ch: str) -> int:
     """GPT-2's byte -> printable-char table, inverted."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     if ord(ch) in printable:
         return ord(ch)
     extra = [b for b in range(256) if b not in printable]
@@ -161,7 +161,7 @@ def ensure_default_checkpoint(cache_dir: str | Path | None = None) -> Path:
         raise ValueError(f"cache directory {str(root)!r} (EPMOE_CACHE) is a file: point EPMOE_CACHE at a directory")
     target = root / f"{DEFAULT_FAMILY}-tiny"
     if (target / "epmoe_tiny.json").is_file():
-        from .checkpoint import CheckpointReader
+        from epmoe.models.checkpoint import CheckpointReader
 
         try:
             reader = CheckpointReader(target)

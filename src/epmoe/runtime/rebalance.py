@@ -20,12 +20,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..balance import balancedness
-from ..balance_moves import rebalance_with_moves
-from ..layer import MoELayer
-from ..loads import ExpertLoadRecorder
-from ..models.hf import EPModel
-from ..placement import ExpertPlacement
+from epmoe.balance import balancedness
+from epmoe.balance.moves import rebalance_with_moves
+from epmoe.layer import MoELayer
+from epmoe.loads import ExpertLoadRecorder
+from epmoe.models.hf import EPModel
+from epmoe.placement import ExpertPlacement
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def _stage_layer(
     layer: MoELayer, old: ExpertPlacement, new: ExpertPlacement, tag_base: int
 ) -> tuple[dict[str, torch.Tensor], list[dist.P2POp], list[tuple[int, torch.Tensor]]]:
     """Staging buffers with the local copies filled in, and the P2P ops this rank must post."""
-    comm, index = layer.comm, layer.layer
+    comm, index = layer.comm, layer.moe_index
     rank, per_rank = comm.rank, new.slots_per_rank
     current = _weights_of(layer)
     names = list(current)
@@ -142,9 +142,9 @@ def migrate(ep_model: EPModel, new: ExpertPlacement, *, epoch: int = 0, timeout_
             staged, ops, recvs = _stage_layer(layer, old, new, tag_base)
             ok, why = True, None
         except Exception as exc:  # any local failure is reported to every rank below
-            ok, why = False, f"rank {comm.rank}, MoE layer {layer.layer}: {type(exc).__name__}: {exc}"
+            ok, why = False, f"rank {comm.rank}, MoE layer {layer.moe_index}: {type(exc).__name__}: {exc}"
         if not _agree(ok, layer):
-            error = why or f"another rank failed while staging MoE layer {layer.layer}"
+            error = why or f"another rank failed while staging MoE layer {layer.moe_index}"
             break
         try:
             if ops:
@@ -153,9 +153,9 @@ def migrate(ep_model: EPModel, new: ExpertPlacement, *, epoch: int = 0, timeout_
             _unpack(staged, recvs)
             ok, why = True, None
         except Exception as exc:
-            ok, why = False, f"rank {comm.rank}, MoE layer {layer.layer} transfer: {type(exc).__name__}: {exc}"
+            ok, why = False, f"rank {comm.rank}, MoE layer {layer.moe_index} transfer: {type(exc).__name__}: {exc}"
         if not _agree(ok, layer):
-            error = why or f"another rank failed during the transfer of MoE layer {layer.layer}"
+            error = why or f"another rank failed during the transfer of MoE layer {layer.moe_index}"
             break
         staged_all.append(staged)
         received += len(recvs)

@@ -5,9 +5,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from ..comm import COLLECTIVE_KINDS
-from .run import RunReport
-
+from epmoe.comm import COLLECTIVE_KINDS
+from epmoe.runtime.run import RunReport
 
 _SHORT = {"all_to_all": "a2a", "all_reduce": "ar", "all_gather": "ag"}
 
@@ -68,7 +67,8 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     summary.add_row("tokens/s (generated, all ranks)", f"{report.tokens_per_s:.1f}")
     preempted = sum(r.step_kinds.get("preemptions", 0) for r in report.ranks)
     kv = report.ranks[0].kv
-    summary.add_row("KV cache per rank", f"{kv['blocks']} blocks of {kv['block_size']} tokens ({_fmt_bytes(kv['bytes'])}), "
+    summary.add_row("KV cache per rank", f"{kv['blocks']} blocks of {kv['block_size']} tokens "
+                    f"({_fmt_bytes(kv['bytes'])}), "
                     f"{kv['max_concurrency']} sequences of {kv['context']} tokens at once")
     summary.add_row("CUDA graphs / preemptions", f"{'on' if report.graphs else 'off'} / {preempted}")
     summary.add_row("balancedness (mean/max routed tokens per rank)", f"{report.balancedness:.3f}")

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from ..comm import COLLECTIVE_KINDS, Comm
-from ..engine import Engine, EngineConfig, SamplingParams
-from ..engine.config import GRAPH_SAFE_BACKENDS
-from ..engine.engine import load_tokenizer, trivial_or_file_placement
-from ..models.tiny import ensure_default_checkpoint
-from ..placement import ExpertPlacement
-from ..spec import language_model_config, load_moe_spec, read_config
-from .launch import RankInfo, init_group, spawn, torchrun_rank_info, under_torchrun
+from epmoe.comm import COLLECTIVE_KINDS, Comm
+from epmoe.engine import Engine, EngineConfig, SamplingParams
+from epmoe.engine.config import GRAPH_SAFE_BACKENDS
+from epmoe.engine.engine import load_tokenizer, trivial_or_file_placement
+from epmoe.models.tiny import ensure_default_checkpoint
+from epmoe.placement import ExpertPlacement
+from epmoe.runtime.launch import RankInfo, init_group, spawn, torchrun_rank_info, under_torchrun
+from epmoe.spec import language_model_config, load_moe_spec, read_config
 
 DEFAULT_PROMPTS = (
     "Expert parallelism places whole experts on ranks",
@@ -117,9 +117,10 @@ class RunConfig:
         if self.eplb_max_moves is not None and not self.eplb_interval:
             raise ValueError("--max-moves limits live rebalancing: give --eplb-interval STEPS with it")
         if self.request_rate is not None and not self.request_rate > 0:
-            raise ValueError(f"--request-rate must be a positive number of requests per second, got {self.request_rate}")
-        from ..dispatch import DISPATCHERS
-        from ..experts import EXPERT_BACKENDS
+            raise ValueError(f"--request-rate must be a positive number of requests per second, "
+                             f"got {self.request_rate}")
+        from epmoe.dispatch import DISPATCHERS
+        from epmoe.experts import EXPERT_BACKENDS
 
         if self.dispatcher is not None and self.dispatcher not in DISPATCHERS:
             raise ValueError(f"--dispatcher {self.dispatcher!r} is not one of {sorted(DISPATCHERS)}")
@@ -372,7 +373,7 @@ def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids
     ``language_model.`` wrapper)."""
     from transformers import AutoModelForCausalLM
 
-    from ..models.hf import hf_config, load_full_model, needs_own_loader
+    from epmoe.models.hf import hf_config, load_full_model, needs_own_loader
 
     device = "cuda" if cfg.device == "cuda" else "cpu"
     dtype = _DTYPES[cfg.dtype]
@@ -439,7 +440,7 @@ def run_job(cfg: RunConfig) -> RunReport:
         matches_reference=None, graphs=any(r.step_kinds.get("graph_steps", 0) for r in ranks),
     )
     if cfg.reference and cfg.temperature == 0 and cfg.load_format != "dummy":
-        from ..engine.engine import eos_token_ids
+        from epmoe.engine.engine import eos_token_ids
 
         ref_tokens = _reference(cfg, model_dir, all_ids, sorted(eos_token_ids(model_dir, tok)))
         report.mismatches = [i for i in range(len(prompts)) if tokens[i] != ref_tokens[i]]

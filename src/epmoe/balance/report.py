@@ -1,0 +1,204 @@
+"""``epmoe balance``: read loads, balance, write the placement, report per layer and plot per-rank loads."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from epmoe.balance.moves import placement_moves, rebalance_with_moves
+from epmoe.balance.problem import check_problem, rank_balancedness, rank_loads
+from epmoe.balance.registry import balance, get_balancer
+from epmoe.files import check_output_path
+from epmoe.loads import read_csv_loads, read_loads
+from epmoe.placement import ExpertPlacement
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    """One layer of the report: balancedness and max/mean rank load before and after, copies moved."""
+
+    layer: str
+    balancedness_before: float
+    balancedness_after: float
+    max_over_mean_before: float
+    max_over_mean_after: float
+    moved: int
+
+
+@dataclass(frozen=True)
+class BalanceReport:
+    """What ``balance_file`` did.
+
+    Attributes:
+        rows: one ``LayerRow`` per layer.
+        balancedness_before: mean over layers, before (the ``--from`` placement, else the trivial one).
+        balancedness_after: mean over layers, after.
+        moves: ``(layer, slot, old_expert, new_expert)`` of every changed slot.
+        out: the placement file written; plot: the PNG written or None.
+    """
+
+    rows: list[LayerRow]
+    balancedness_before: float
+    balancedness_after: float
+    moves: list[tuple[int, int, int, int]]
+    out: str
+    plot: str | None
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict of the report."""
+        return asdict(self)
+
+    def table(self):
+        """A ``rich.table.Table`` of the per-layer rows and the average."""
+        from rich.table import Table
+
+        t = Table(title=f"epmoe balance -> {self.out}")
+        for col in ("layer", "bal. before", "bal. after", "max/mean before", "max/mean after", "copies moved"):
+            t.add_column(col, justify="right")
+        for r in self.rows:
+            t.add_row(
+                r.layer, f"{r.balancedness_before:.4f}", f"{r.balancedness_after:.4f}",
+                f"{r.max_over_mean_before:.3f}", f"{r.max_over_mean_after:.3f}", str(r.moved),
+            )
+        t.add_row("mean", f"{self.balancedness_before:.4f}", f"{self.balancedness_after:.4f}", "", "",
+                  str(len(self.moves)))
+        return t
+
+
+def _plot_png(names: list[str], before: torch.Tensor, after: torch.Tensor) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    vmax = float(max(before.max(), after.max(), 1e-12))
+    for ax, data, title in ((axes[0], before, "before"), (axes[1], after, "after")):
+        im = ax.imshow(data.numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=vmax, interpolation="nearest")
+        ax.set_title(f"tokens per EP rank, {title}")
+        ax.set_xlabel("EP rank")
+    axes[0].set_ylabel("layer")
+    if len(names) <= 40:
+        axes[0].set_yticks(range(len(names)), names, fontsize=7)
+    fig.colorbar(im, ax=axes, label="tokens")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _write_outputs(placement: ExpertPlacement, out: Path, png: bytes | None, plot: Path | None) -> None:
+    """Write the placement and the PNG: both prepared under temporary names next to their targets, then renamed;
+    on an error every temporary file is removed and the message names the path the user gave."""
+    staged: list[tuple[Path, Path, str]] = []  # (temporary, final, field)
+    try:
+        tmp_out = out.with_name(f".{out.name}.epmoe-partial{out.suffix}")
+        staged.append((tmp_out, out, "out"))
+        placement.save(tmp_out)  # writes ``tmp_out.tmp`` then renames it to ``tmp_out``
+        if png is not None and plot is not None:
+            tmp_png = plot.with_name(plot.name + ".tmp")
+            staged.append((tmp_png, plot, "plot"))
+            tmp_png.write_bytes(png)
+    except OSError as exc:
+        field, final = staged[-1][2], staged[-1][1]
+        for tmp, _, _ in staged:
+            for p in (tmp, tmp.with_name(tmp.name + ".tmp")):
+                p.unlink(missing_ok=True)
+        raise ValueError(f"{field} ({str(final)!r}) cannot be written: {exc.strerror or exc}") from exc
+    for tmp, final, _ in staged:
+        tmp.replace(final)
+
+
+def balance_file(
+    loads: str | Path,
+    ep_size: int,
+    num_redundant: int,
+    out: str | Path,
+    *,
+    num_nodes: int = 1,
+    num_groups: int = 1,
+    algorithm: str = "epmoe",
+    from_placement: str | Path | None = None,
+    max_moves: int | None = None,
+    plot: str | Path | None = None,
+) -> BalanceReport:
+    """Balance the loads in a file and write the placement (and a PNG of per-rank loads).
+
+    Without ``from_placement`` the balancer ``algorithm`` runs from scratch and "before" is the trivial
+    contiguous placement. With it, ``rebalance_with_moves`` starts from that placement (at most
+    ``max_moves`` slots change). Files are written only after everything was computed, each to a temporary
+    name and renamed; on any error nothing is written.
+
+    Args:
+        loads: loads file (JSON, safetensors or the OLMoE CSV; see ``loads.read_loads``).
+        ep_size: ``G`` EP ranks. num_redundant: ``R`` redundant slots per layer.
+        out: placement file to write (``.json`` or ``.safetensors``).
+        num_nodes, num_groups: hierarchical option (see ``balance``).
+        algorithm: balancer name. from_placement: current placement file. max_moves: slot budget.
+        plot: PNG path, or None.
+
+    Raises:
+        FileNotFoundError: a missing input file.
+        ValueError: bad loads, sizes, a placement that does not fit them, or an ``out`` / ``plot`` path that
+            cannot be written (checked before anything is computed; nothing is written then).
+        KeyError: unknown ``algorithm``.
+    """
+    out_path = check_output_path("out", out, "a placement file path (.json or .safetensors)")
+    if out_path.suffix not in (".json", ".safetensors"):
+        raise ValueError(f"out ({str(out)!r}) must end in .json or .safetensors (the placement file's format)")
+    plot_path = check_output_path("plot", plot, "a PNG file path") if plot is not None else None
+    if plot_path is not None and plot_path.resolve() == out_path.resolve():
+        raise ValueError(f"plot ({str(plot)!r}) and out ({str(out)!r}) name the same file")
+    path = Path(loads)
+    for field, target in (("out", out_path), ("plot", plot_path)):
+        if target is not None and target.resolve() == path.resolve():
+            raise ValueError(f"{field} ({str(target)!r}) names the loads file; write the placement elsewhere")
+    load = read_loads(path)
+    names = read_csv_loads(path)[1] if path.suffix == ".csv" else [str(i) for i in range(load.shape[0])]
+    check_problem(load, ep_size, num_redundant, num_nodes, num_groups)
+    get_balancer(algorithm)
+    num_layers, num_experts = load.shape
+    if from_placement is not None:
+        before = ExpertPlacement.load(from_placement)
+        before.check_model(num_layers, num_experts, what=f"loads file {str(path)!r}")
+        if (before.ep_size, before.num_redundant) != (ep_size, num_redundant):
+            raise ValueError(
+                f"from_placement ({str(from_placement)!r}) is for EP size {before.ep_size} with "
+                f"{before.num_redundant} redundant slots, but ep_size ({ep_size}) and num_redundant ({num_redundant}) "
+                "were asked for"
+            )
+        if num_nodes > 1:
+            raise ValueError(f"num_nodes ({num_nodes}) must be 1 with from_placement (movement-aware rebalancing)")
+        result = rebalance_with_moves(load, before, max_moves=max_moves, algorithm=algorithm)
+        after, moves = result.placement, result.moves
+    else:
+        if max_moves is not None:
+            raise ValueError(f"max_moves ({max_moves}) needs from_placement (the current placement) to count moves "
+                             "from")
+        before = ExpertPlacement.trivial(num_layers, num_experts, ep_size, num_redundant)
+        after = balance(load, ep_size, num_redundant, algorithm=algorithm, num_nodes=num_nodes, num_groups=num_groups)
+        moves = placement_moves(before, after)
+    rb, ra = rank_loads(load, before), rank_loads(load, after)
+    mean = rb.mean(1).clamp(min=1e-300)
+    bal_b, bal_a = rank_balancedness(rb), rank_balancedness(ra)
+    moved = torch.zeros(num_layers, dtype=torch.int64)
+    for m in moves:
+        moved[m[0]] += 1
+    rows = [
+        LayerRow(names[i], float(bal_b[i]), float(bal_a[i]), float(rb[i].max() / mean[i]), float(ra[i].max() / mean[i]),
+                 int(moved[i]))
+        for i in range(num_layers)
+    ]
+    png = _plot_png(names, rb, ra) if plot is not None else None
+    _write_outputs(after, out_path, png, plot_path)
+    return BalanceReport(
+        rows=rows,
+        balancedness_before=float(bal_b.mean()),
+        balancedness_after=float(bal_a.mean()),
+        moves=moves,
+        out=str(out),
+        plot=None if plot is None else str(plot),
+    )

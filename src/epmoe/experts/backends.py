@@ -1,0 +1,67 @@
+"""The registered fast backends and their device choice: Triton on CUDA, the reference elsewhere.
+
+Chosen behaviour on CPU (DESIGN.md rule 7): the ``triton`` backend computes CPU tensors with
+``experts.reference_experts`` (block FP8 weights dequantized first), so one backend name serves a model
+wherever it runs. CUDA tensors without an importable Triton raise ``RuntimeError`` naming the backend and
+the missing package; nothing falls back silently on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epmoe.experts.fp8 import BlockFP8ExpertWeights
+from epmoe.experts.reference import reference_experts
+from epmoe.experts.weights import Activation, ExpertBackend, ExpertWeights
+
+
+def _plain(weights: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
+    return weights.dequantize(dtype) if isinstance(weights, BlockFP8ExpertWeights) else weights
+
+
+def make_triton_backend() -> ExpertBackend:
+    """The ``triton`` expert backend: ``grouped.triton_experts`` on CUDA, the reference on CPU.
+
+    Triton is imported here, once per backend built; on a machine without it the backend still serves
+    CPU tensors.
+    """
+    try:
+        from epmoe.experts.triton import grouped
+    except ImportError as err:
+        missing: str | None = f"{err}"
+        grouped = None
+    else:
+        missing = None
+
+    def backend(
+        x: torch.Tensor,
+        topk_slots: torch.Tensor,
+        topk_weights: torch.Tensor,
+        weights: ExpertWeights,
+        activation: Activation,
+        weight_on_input: bool = False,
+    ) -> torch.Tensor:
+        if not x.is_cuda:
+            return reference_experts(x, topk_slots, topk_weights, _plain(weights, x.dtype), activation, weight_on_input)
+        if grouped is None:
+            raise RuntimeError(f"expert backend 'triton' needs the triton package for CUDA tensors: {missing}")
+        return grouped.triton_experts(x, topk_slots, topk_weights, weights, activation, weight_on_input)
+
+    return backend
+
+
+def make_grouped_mm_backend() -> ExpertBackend:
+    """The ``grouped_mm`` expert backend (``grouped_mm.grouped_mm_experts``; block FP8 dequantized per call)."""
+    from epmoe.experts.grouped_mm import grouped_mm_experts
+
+    def backend(
+        x: torch.Tensor,
+        topk_slots: torch.Tensor,
+        topk_weights: torch.Tensor,
+        weights: ExpertWeights,
+        activation: Activation,
+        weight_on_input: bool = False,
+    ) -> torch.Tensor:
+        return grouped_mm_experts(x, topk_slots, topk_weights, _plain(weights, x.dtype), activation, weight_on_input)
+
+    return backend

@@ -1,0 +1,504 @@
+"""Fused MoE expert compute in Triton: align pairs to slot blocks, gate/up GEMM + activation, down GEMM.
+
+Pipeline for ``x [T, D]`` and ``topk_slots [T, K]`` (``N = T * K`` pairs), all launches of static grid
+size and no host synchronisation (CUDA-graph safe):
+
+1. a sentinel fill of the sorted positions and ``_count_kernel``: per-slot pair counts with atomics.
+2. ``_offsets_kernel`` (one program per group of row blocks, each recomputing the small per-slot prefix
+   sums): each slot's first padded position, and every row block's slot, first position and rows
+   (``align``: full blocks of ``BM`` rows, with ``half_tail`` a half-size last block when at most
+   ``BM / 2`` rows are left).
+3. ``_scatter_kernel``: each pair takes a position in its slot's group (atomics; the order inside a
+   group does not change any row's result).
+   For few pairs x slots (``_SMALL_ALIGN``) ``_align_small_kernel`` does 1-3 in one program and one
+   launch. Up to ``decode.DECODE_MAX_PAIRS`` pairs none of this runs: ``decode`` computes
+   them in two launches without alignment.
+4. ``_gate_up_kernel``: per (row block, F tile): rows gathered from ``x`` by pair id, gate and up tiles
+   accumulated side by side in float32, bias, the gated activation, stored as ``h [NB*BM, F]``.
+5. ``_down_kernel``: per (row block, D tile): ``h @ w2[slot].T``, bias, times the routing weight,
+   stored at the pair's row of ``y [N, D]``.
+6. ``_sum_kernel``: ``out[t] = sum_k y[t*K + k]`` over the pairs whose slot is in ``[0, S)``.
+
+In 4 and 5 a half-size block runs the same code with ``BM / 2`` rows (a second compiled branch), so the
+padding multiplied is under ``BM / 2`` rows per slot. With ``TileConfig.tma`` the weight tiles (and
+the down kernel's ``h`` rows, which are contiguous per block) are read through Hopper's tensor memory
+accelerator from host-built descriptors; the token rows of step 4 are a gather, read with ordinary
+loads.
+
+Block-quantized FP8 weights (``BlockFP8ExpertWeights``) are read as float8_e4m3fn and widened in
+registers; ``BLOCK_K == 128``, so each K step sees one 128x128 block scale. Blocks of 64 rows or more
+multiply the widened weight tile by its scale (in float32, then rounded to bf16) and accumulate the dot
+in place; smaller blocks scale the tile product instead, which is cheaper for a 16-row product (on an
+H200, DeepSeek-V3 shard: 1.22x faster at 4096 tokens, 1.26x slower at 32). Activations stay bf16.
+
+Sources: the padded block alignment and the gathered-row grouped GEMM follow the design of vLLM's
+``fused_moe`` Triton kernel (vllm/model_executor/layers/fused_moe/fused_moe.py) and SGLang's
+``moe_align_block_size``; the block FP8 format is DeepSeek-V3's (arXiv:2412.19437, section 3.3). The
+code here is our own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from epmoe.experts.fp8 import FP8_BLOCK, BlockFP8ExpertWeights, kernel_operands
+from epmoe.experts.triton.align import Alignment, num_aligned_blocks
+from epmoe.experts.triton.decode import DECODE_MAX_PAIRS, decode_experts, gated_activation
+from epmoe.experts.weights import Activation, ExpertWeights
+
+_ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2}
+_CLAMPED_SWIGLU = 3
+_SMALL_ALIGN = 1 << 14
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile shapes of the two GEMM kernels.
+
+    Attributes:
+        block_m: rows per block (the alignment unit).
+        block_n1: F columns per gate/up program (gate and up each; the program computes ``2 * block_n1``).
+        block_n2: D columns per down program.
+        block_k: reduction step (must be 128 for FP8 weights).
+        num_warps: warps per program.
+        num_stages: software pipeline depth.
+        tma: read the weight tiles (and the down kernel's ``h`` rows) through Hopper's tensor memory
+            accelerator (host-built tensor descriptors); bf16/fp16 weights only. The gathered token rows
+            are always read with ordinary loads (Hopper's TMA has no row gather).
+        half_tail: a slot's last row block has ``block_m / 2`` rows when no more are left (see ``align``);
+            used when ``block_m >= 32``.
+    """
+
+    block_m: int
+    block_n1: int
+    block_n2: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    tma: bool = False
+    half_tail: bool = False
+
+
+def default_config(num_pairs: int, num_slots: int, fp8: bool) -> TileConfig:
+    """Tile shapes from the expected rows per slot ``N / S`` (static: no look at the routing).
+
+    Up to 16 rows per slot the layer is weight-read bound: 16-row blocks, narrow column tiles so that
+    several programs per expert keep every SM streaming weights. Above, TMA weight tiles and half-size
+    last blocks; up to 32 rows 64-row blocks, beyond 128-row blocks (Hopper wgmma tiles) with four
+    pipeline stages. Chosen from the H200 sweep of ``benchmarks/moe_layer.py --sweep`` (Qwen3-30B-A3B at
+    4096 tokens: TMA 8% and half-size last blocks another 6% faster in kernel time). Block FP8 weights
+    keep the ordinary loads (their scales are applied per 128-wide step), with 128-wide column tiles:
+    64-row blocks up to 256 estimated rows, 128-row blocks above (best of eight tile shapes on the H200
+    for the DeepSeek-V3 shard at 1024 and 4096 tokens). ``N`` counts the pairs of other ranks (slot
+    ``-1``) too, so under expert parallelism the estimate is high.
+    """
+    rows = num_pairs / max(num_slots, 1)
+    if rows <= 16:
+        return TileConfig(16, 32, 64, 128, 4, 3)
+    if fp8:
+        return TileConfig(64, 128, 128, 128, 4, 3) if rows <= 256 else TileConfig(128, 128, 128, 128, 8, 3)
+    if rows <= 32:
+        return TileConfig(64, 64, 128, 64, 4, 4, tma=True, half_tail=True)
+    return TileConfig(128, 128, 256, 64, 8, 4, tma=True, half_tail=True)
+
+
+@triton.jit
+def _count_kernel(slots_ptr, counts_ptr, num_pairs, num_slots, BLOCK: tl.constexpr):
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    key = tl.load(slots_ptr + idx, mask=idx < num_pairs, other=-1)
+    ok = (key >= 0) & (key < num_slots)
+    tl.atomic_add(counts_ptr + tl.where(ok, key, 0), tl.full([BLOCK], 1, tl.int32), mask=ok)
+
+
+@triton.jit
+def _slot_layout(counts, BLOCK_M: tl.constexpr, HALF_TAIL: tl.constexpr):
+    """From per-slot row counts ``[S_PAD]``: each slot's first padded position, blocks, first block and
+    rows of its last block (``align.align_reference`` computes the same)."""
+    nblk = (counts + BLOCK_M - 1) // BLOCK_M
+    if HALF_TAIL:
+        last_rows = tl.where(counts - (nblk - 1) * BLOCK_M <= BLOCK_M // 2, BLOCK_M // 2, BLOCK_M)
+    else:
+        last_rows = tl.full(counts.shape, BLOCK_M, tl.int32)
+    padded = tl.where(counts > 0, (nblk - 1) * BLOCK_M + last_rows, 0)
+    blk_end = tl.cumsum(nblk, 0)
+    return tl.cumsum(padded, 0) - padded, nblk, blk_end - nblk, last_rows
+
+
+@triton.jit
+def _block_layout(
+    b0, s, start, nblk, blk_begin, last_rows, num_blocks, block_slot_ptr, block_start_ptr, block_rows_ptr,
+    BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """Slot, first sorted position and rows of blocks ``[b0, b0 + BLOCK_B)``."""
+    b = b0 + tl.arange(0, BLOCK_B)
+    mine = (blk_begin[None, :] <= b[:, None]) & (b[:, None] < (blk_begin + nblk)[None, :])
+    used = tl.sum(mine.to(tl.int32), axis=1) > 0
+    j = b - tl.sum(tl.where(mine, blk_begin[None, :], 0), axis=1)
+    last = j == tl.sum(tl.where(mine, nblk[None, :], 0), axis=1) - 1
+    rows = tl.where(last, tl.sum(tl.where(mine, last_rows[None, :], 0), axis=1), BLOCK_M)
+    first = tl.sum(tl.where(mine, start[None, :], 0), axis=1) + j * BLOCK_M
+    ok = b < num_blocks
+    tl.store(block_slot_ptr + b, tl.where(used, tl.sum(tl.where(mine, s[None, :], 0), axis=1), -1), mask=ok)
+    tl.store(block_start_ptr + b, tl.where(used, first, 0), mask=ok)
+    tl.store(block_rows_ptr + b, tl.where(used, rows, 0), mask=ok)
+
+
+@triton.jit
+def _offsets_kernel(
+    counts_ptr, cursor_ptr, block_slot_ptr, block_start_ptr, block_rows_ptr, num_slots, num_blocks,
+    BLOCK_M: tl.constexpr, HALF_TAIL: tl.constexpr, S_PAD: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    # one program per BLOCK_B blocks; each recomputes the (small) per-slot prefix sums
+    s = tl.arange(0, S_PAD)
+    counts = tl.load(counts_ptr + s, mask=s < num_slots, other=0)
+    start, nblk, blk_begin, last_rows = _slot_layout(counts, BLOCK_M, HALF_TAIL)
+    if tl.program_id(0) == 0:
+        tl.store(cursor_ptr + s, start, mask=s < num_slots)
+    _block_layout(tl.program_id(0) * BLOCK_B, s, start, nblk, blk_begin, last_rows, num_blocks, block_slot_ptr,
+                  block_start_ptr, block_rows_ptr, BLOCK_M, BLOCK_B)
+
+
+@triton.jit
+def _align_small_kernel(
+    slots_ptr, cursor_ptr, block_slot_ptr, block_start_ptr, block_rows_ptr, sorted_ptr, num_pairs, num_slots,
+    num_blocks, BLOCK_M: tl.constexpr, HALF_TAIL: tl.constexpr, S_PAD: tl.constexpr, N_PAD: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
+):
+    idx = tl.arange(0, N_PAD)
+    key = tl.load(slots_ptr + idx, mask=idx < num_pairs, other=-1)
+    ok = (key >= 0) & (key < num_slots)
+    s = tl.arange(0, S_PAD)
+    counts = tl.sum(((key[:, None] == s[None, :]) & ok[:, None]).to(tl.int32), axis=0)
+    start, nblk, blk_begin, last_rows = _slot_layout(counts, BLOCK_M, HALF_TAIL)
+    tl.store(cursor_ptr + s, start, mask=s < num_slots)
+    for b0 in range(0, num_blocks, BLOCK_B):
+        _block_layout(b0, s, start, nblk, blk_begin, last_rows, num_blocks, block_slot_ptr, block_start_ptr,
+                      block_rows_ptr, BLOCK_M, BLOCK_B)
+    for i0 in range(0, num_blocks * BLOCK_M, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        tl.store(sorted_ptr + i, tl.full([BLOCK], 0, tl.int32) + num_pairs, mask=i < num_blocks * BLOCK_M)
+    tl.debug_barrier()
+    pos = tl.atomic_add(cursor_ptr + tl.where(ok, key, 0), tl.full([N_PAD], 1, tl.int32), mask=ok)
+    tl.store(sorted_ptr + pos, idx.to(tl.int32), mask=ok)
+
+
+@triton.jit
+def _scatter_kernel(slots_ptr, cursor_ptr, sorted_ptr, num_pairs, num_slots, BLOCK: tl.constexpr):
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    key = tl.load(slots_ptr + idx, mask=idx < num_pairs, other=-1)
+    ok = (key >= 0) & (key < num_slots)
+    pos = tl.atomic_add(cursor_ptr + tl.where(ok, key, 0), tl.full([BLOCK], 1, tl.int32), mask=ok)
+    tl.store(sorted_ptr + pos, idx.to(tl.int32), mask=ok)
+
+
+@triton.jit
+def _gate_up_rows(
+    x_ptr, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, slot, first, pid_n,
+    num_pairs, top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ACT: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, TMA: tl.constexpr,
+):
+    """``h`` for sorted positions ``[first, first + BLOCK_M)`` of ``slot`` and F columns of tile ``pid_n``."""
+    rows = first + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    tok = (pair // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < F
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
+    wg_ptrs = w_ptr + slot * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    wu_ptrs = wg_ptrs + F * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    row_g = (slot * 2 * F + pid_n * BLOCK_N).to(tl.int32)
+    for k0 in range(0, D, BLOCK_K):
+        k_ok = offs_k < D - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        if TMA:
+            acc_g = tl.dot(a, w_desc.load([row_g, k0]).T, acc_g)
+            acc_u = tl.dot(a, w_desc.load([row_g + F, k0]).T, acc_u)
+        elif FP8:
+            wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            kb = k0 // BLOCK_K
+            sg = tl.load(ws_ptr + slot * stride_se + (pid_n * BLOCK_N // 128) * stride_sn + kb)
+            su = tl.load(ws_ptr + slot * stride_se + ((F + pid_n * BLOCK_N) // 128) * stride_sn + kb)
+            if BLOCK_M >= 64:  # scale the weight tile: the dot accumulates in place
+                acc_g = tl.dot(a, (wg.to(tl.float32) * sg).to(a.dtype), acc_g)
+                acc_u = tl.dot(a, (wu.to(tl.float32) * su).to(a.dtype), acc_u)
+            else:  # few rows: scaling the small tile product is cheaper
+                acc_g += tl.dot(a, wg.to(a.dtype)) * sg
+                acc_u += tl.dot(a, wu.to(a.dtype)) * su
+        else:
+            wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc_g = tl.dot(a, wg, acc_g)
+            acc_u = tl.dot(a, wu, acc_u)
+        a_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K
+        wu_ptrs += BLOCK_K
+    if WEIGHT_ON_INPUT:
+        tw = tl.load(tw_ptr + pair, mask=valid, other=0.0)
+        acc_g *= tw[:, None]
+        acc_u *= tw[:, None]
+    if HAS_BIAS:
+        acc_g += tl.load(b_ptr + slot * 2 * F + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptr + slot * 2 * F + F + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    h = gated_activation(acc_g, acc_u, act_limit, act_alpha, ACT)
+    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * F + offs_n[None, :]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, block_slot_ptr, block_start_ptr, block_rows_ptr,
+    num_pairs, top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn,
+    act_limit, act_alpha,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ACT: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
+    TMA: tl.constexpr, HALF_TAIL: tl.constexpr,
+):
+    num_n = tl.cdiv(F, BLOCK_N)
+    pid_m = tl.program_id(0) // num_n
+    pid_n = tl.program_id(0) % num_n
+    slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
+    if slot < 0:
+        return
+    first = tl.load(block_start_ptr + pid_m)
+    if HALF_TAIL and tl.load(block_rows_ptr + pid_m) < BLOCK_M:
+        _gate_up_rows(x_ptr, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, slot, first, pid_n,
+                      num_pairs, top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit,
+                      act_alpha, BLOCK_M // 2, BLOCK_N, BLOCK_K, ACT, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA)
+    else:
+        _gate_up_rows(x_ptr, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, slot, first, pid_n,
+                      num_pairs, top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit,
+                      act_alpha, BLOCK_M, BLOCK_N, BLOCK_K, ACT, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA)
+
+
+@triton.jit
+def _down_rows(
+    h_ptr, h_desc, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, slot, first, pid_n,
+    num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, TMA: tl.constexpr,
+):
+    """``y`` rows of the pairs at sorted positions ``[first, first + BLOCK_M)``, D columns of tile ``pid_n``."""
+    rows = first + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < D
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if TMA:
+        # padding rows of h were never written: their products land in rows the store masks out.
+        row_w = (slot * D + pid_n * BLOCK_N).to(tl.int32)
+        for k0 in range(0, F, BLOCK_K):
+            acc = tl.dot(h_desc.load([first, k0]), w_desc.load([row_w, k0]).T, acc)
+    else:
+        a_ptrs = h_ptr + rows[:, None].to(tl.int64) * F + offs_k[None, :]
+        w_ptrs = w_ptr + slot * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+        for k0 in range(0, F, BLOCK_K):
+            k_ok = offs_k < F - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if FP8:
+                sc = tl.load(ws_ptr + slot * stride_se + (pid_n * BLOCK_N // 128) * stride_sn + k0 // BLOCK_K)
+                if BLOCK_M >= 64:
+                    acc = tl.dot(a, (w.to(tl.float32) * sc).to(a.dtype), acc)
+                else:
+                    acc += tl.dot(a, w.to(a.dtype)) * sc
+            else:
+                acc = tl.dot(a, w, acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + slot * D + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if not WEIGHT_ON_INPUT:
+        tw = tl.load(tw_ptr + pair, mask=valid, other=0.0)
+        acc *= tw[:, None]
+    y_ptrs = y_ptr + pair[:, None].to(tl.int64) * D + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, h_desc, h_half_desc, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, block_slot_ptr,
+    block_start_ptr, block_rows_ptr, num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, TMA: tl.constexpr,
+    HALF_TAIL: tl.constexpr,
+):
+    num_n = tl.cdiv(D, BLOCK_N)
+    pid_m = tl.program_id(0) // num_n
+    pid_n = tl.program_id(0) % num_n
+    slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
+    if slot < 0:
+        return
+    first = tl.load(block_start_ptr + pid_m)
+    if HALF_TAIL and tl.load(block_rows_ptr + pid_m) < BLOCK_M:
+        _down_rows(h_ptr, h_half_desc, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, slot, first, pid_n,
+                   num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn,
+                   BLOCK_M // 2, BLOCK_N, BLOCK_K, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA)
+    else:
+        _down_rows(h_ptr, h_desc, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, slot, first, pid_n,
+                   num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn,
+                   BLOCK_M, BLOCK_N, BLOCK_K, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA)
+
+
+@triton.jit
+def _sum_kernel(y_ptr, slots_ptr, out_ptr, D, top_k, num_slots, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for k in range(0, top_k):
+        sl = tl.load(slots_ptr + t * top_k + k)
+        here = (sl >= 0) & (sl < num_slots)
+        acc += tl.load(y_ptr + (t * top_k + k) * D + offs, mask=d_ok & here, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * D + offs, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def align_triton(topk_slots: torch.Tensor, num_slots: int, block_m: int, half_tail: bool = False) -> Alignment:
+    """Same blocks as ``align.align_reference`` (order inside a slot may differ: atomics).
+
+    Up to ``_SMALL_ALIGN`` (pairs x slots, both padded to powers of two) one program does it all in one
+    launch (decode: launches dominate); above, a sentinel fill, a count, an offsets and a scatter launch.
+    The one program's work grows with pairs x slots (H200, CUDA-graph replays, 16-row blocks: Qwen3's
+    128 slots at 8 / 16 / 128 tokens: 11.4 / 17.5 / 97.5 us against 13.9 / 14.1 / 22.8 us for the four
+    launches; the DeepSeek-V3 shard's 32 slots at 64 tokens: 9.5 against 15.1 us).
+
+    Args:
+        topk_slots: ``[T, K]`` int64 CUDA local slot ids, ``-1`` = skip.
+        num_slots: ``S``.
+        block_m: rows per full block.
+        half_tail: half-size last blocks (see ``align``).
+    """
+    device = topk_slots.device
+    n = topk_slots.numel()
+    nb = num_aligned_blocks(n, num_slots, block_m)
+    flat = topk_slots.reshape(-1)
+    cursor = torch.empty(num_slots, dtype=torch.int32, device=device)
+    layout = torch.empty(3, nb, dtype=torch.int32, device=device)
+    block_slot, block_start, block_rows = layout.unbind(0)
+    s_pad = triton.next_power_of_2(num_slots)
+    n_pad = triton.next_power_of_2(max(n, 16))
+    if n_pad * s_pad <= _SMALL_ALIGN:
+        sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=device)
+        _align_small_kernel[(1,)](
+            flat, cursor, block_slot, block_start, block_rows, sorted_ids, n, num_slots, nb,
+            BLOCK_M=block_m, HALF_TAIL=half_tail, S_PAD=s_pad, N_PAD=n_pad, BLOCK_B=max(16, 8192 // s_pad),
+            BLOCK=1024, num_warps=8,
+        )
+    else:
+        sorted_ids = torch.full((nb * block_m,), n, dtype=torch.int32, device=device)
+        counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        block = 1024
+        grid = (max(1, triton.cdiv(n, block)),)
+        _count_kernel[grid](flat, counts, n, num_slots, BLOCK=block)
+        block_b = max(8, 2048 // s_pad)
+        _offsets_kernel[(triton.cdiv(nb, block_b),)](
+            counts, cursor, block_slot, block_start, block_rows, num_slots, nb,
+            BLOCK_M=block_m, HALF_TAIL=half_tail, S_PAD=s_pad, BLOCK_B=block_b, num_warps=4,
+        )
+        _scatter_kernel[grid](flat, cursor, sorted_ids, n, num_slots, BLOCK=block)
+    return Alignment(sorted_ids, block_slot, block_start, block_rows, block_m)
+
+
+def act_code(activation: Activation) -> int:
+    return _CLAMPED_SWIGLU if activation.swiglu_limit is not None else _ACT_CODES[activation.act]
+
+
+def triton_experts(
+    x: torch.Tensor,
+    topk_slots: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: ExpertWeights,
+    activation: Activation,
+    weight_on_input: bool = False,
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """Fused expert compute on CUDA (contract of ``experts.ExpertBackend``); graph safe.
+
+    Args:
+        x: ``[T, D]`` bf16 or fp16 CUDA rows.
+        topk_slots: ``[T, K]`` int64 local slot ids, ``-1`` = skip.
+        topk_weights: ``[T, K]`` float routing weights.
+        weights: ``ExpertWeights`` in ``x.dtype``, or ``BlockFP8ExpertWeights``.
+        activation: the gated activation.
+        weight_on_input: scale the expert input by the weight instead of its output.
+        config: tile shapes of the grouped path; ``None`` = ``decode.decode_experts`` for up to
+            ``DECODE_MAX_PAIRS`` pairs, else the grouped path with ``default_config``.
+
+    Returns:
+        ``[T, D]`` in ``x.dtype``.
+
+    Raises:
+        TypeError: ``x`` not bf16/fp16, or weights of another dtype than ``x`` (unless block FP8).
+    """
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"the triton expert backend computes in bf16 or fp16, got x of dtype {x.dtype}")
+    fp8 = isinstance(weights, BlockFP8ExpertWeights)
+    if not fp8 and (weights.w13.dtype != x.dtype or weights.w2.dtype != x.dtype):
+        raise TypeError(
+            f"the triton expert backend needs weights in x's dtype {x.dtype} or block FP8, got "
+            f"{weights.w13.dtype} and {weights.w2.dtype}"
+        )
+    t, k = topk_slots.shape
+    s, two_f, d = weights.w13.shape
+    f = two_f // 2
+    n = t * k
+    out = torch.empty(t, d, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    if x.stride(1) != 1:  # rows may sit in a wider buffer (a dispatcher's receive buffer): only D must be dense
+        x = x.contiguous()
+    slots = topk_slots.contiguous()
+    tw = topk_weights.float().contiguous()
+    if config is None and n <= DECODE_MAX_PAIRS:
+        return decode_experts(x, slots, tw, weights, act_code(activation), activation, weight_on_input)
+    cfg = config if config is not None else default_config(n, s, fp8)
+    if fp8 and (cfg.block_k != FP8_BLOCK or FP8_BLOCK % cfg.block_n1 or FP8_BLOCK % cfg.block_n2):
+        raise ValueError(f"block FP8 weights need block_k == 128 and block_n dividing 128, got {cfg}")
+    # TMA rows must start 16-byte aligned: D and F multiples of 8 elements.
+    tma = cfg.tma and not fp8 and d % 8 == 0 and f % 8 == 0
+    w13, w2 = weights.w13.contiguous(), weights.w2.contiguous()
+    half = cfg.half_tail and cfg.block_m >= 32
+    aln = align_triton(slots, s, cfg.block_m, half)
+    nb = aln.block_slot.shape[0]
+    h = torch.empty(nb * cfg.block_m, f, dtype=x.dtype, device=x.device)
+    y = torch.empty(n, d, dtype=x.dtype, device=x.device)
+    ops = kernel_operands(weights, tw)
+    limit = activation.swiglu_limit if activation.swiglu_limit is not None else 0.0
+    if tma:
+        w13_desc = TensorDescriptor.from_tensor(w13.view(s * two_f, d), [cfg.block_n1, cfg.block_k])
+        w2_desc = TensorDescriptor.from_tensor(w2.view(s * d, f), [cfg.block_n2, cfg.block_k])
+        h_desc = TensorDescriptor.from_tensor(h, [cfg.block_m, cfg.block_k])
+        h_half_desc = TensorDescriptor.from_tensor(h, [max(cfg.block_m // 2, 16), cfg.block_k])
+    else:
+        w13_desc, w2_desc, h_desc, h_half_desc = w13, w2, h, h
+    _gate_up_kernel[(nb * triton.cdiv(f, cfg.block_n1),)](
+        x, w13, w13_desc, ops.s13, ops.b13, tw, h, aln.sorted_pair_ids, aln.block_slot, aln.block_start,
+        aln.block_rows, n, k, d, f, x.stride(0), w13.stride(0), w13.stride(1), *ops.strides13,
+        float(limit), float(activation.swiglu_alpha),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k,
+        ACT=act_code(activation), FP8=fp8, HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input,
+        TMA=tma, HALF_TAIL=half, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    _down_kernel[(nb * triton.cdiv(d, cfg.block_n2),)](
+        h, h_desc, h_half_desc, w2, w2_desc, ops.s2, ops.b2, tw, y, aln.sorted_pair_ids, aln.block_slot,
+        aln.block_start, aln.block_rows,
+        n, d, f, w2.stride(0), w2.stride(1), *ops.strides2,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k,
+        FP8=fp8, HAS_BIAS=weights.b2 is not None, WEIGHT_ON_INPUT=weight_on_input, TMA=tma, HALF_TAIL=half,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    block_d = min(1024, triton.next_power_of_2(d))
+    _sum_kernel[(t, triton.cdiv(d, block_d))](y, slots, out, d, k, s, BLOCK_D=block_d)
+    return out

@@ -1,0 +1,121 @@
+"""The values of expert compute: the gated ``Activation``, ``ExpertWeights`` of one rank's slots, and the
+``ExpertBackend`` contract every backend meets. They import nothing else of the package.
+
+A backend computes, for every row ``t`` of ``x``::
+
+    out[t] = sum_k  w[t, k] * expert_{slot[t, k]}(x[t])          (weight on the output; default)
+    out[t] = sum_k  expert_{slot[t, k]}(w[t, k] * x[t])          (weight on the input; Llama-4)
+
+over the ``k`` whose ``slot[t, k]`` is in ``[0, S)`` (``-1`` = that choice is served elsewhere; any
+other id is skipped too, never read outside the weights: the dispatchers report such ids themselves).
+Each expert is a gated MLP ``down(act(gate(x)) * up(x))``; gpt-oss uses the clamped SwiGLU
+``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=l)`` and projection biases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Activation:
+    """The expert activation.
+
+    Attributes:
+        act: name of the gate activation (``silu``, ``gelu``, ``relu``).
+        swiglu_limit: gpt-oss's clamp limit; ``None`` for the plain gated activation.
+        swiglu_alpha: gpt-oss's sigmoid slope (used only with ``swiglu_limit``).
+    """
+
+    act: str = "silu"
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+
+    def __post_init__(self) -> None:
+        if self.act not in _ACTS:
+            raise ValueError(f"activation {self.act!r} is not supported; supported: {sorted(_ACTS)}")
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """Apply the gated activation to ``gate`` and ``up`` (same shape) and return their product."""
+        if self.swiglu_limit is None:
+            return _ACTS[self.act](gate) * up
+        limit = self.swiglu_limit
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.swiglu_alpha))
+
+
+_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """The weights of the ``S`` expert slots of one rank, one MoE layer.
+
+    Attributes:
+        w13: ``[S, 2F, D]`` gate rows ``[:F]`` then up rows ``[F:]`` (the fused gate/up projection).
+        w2: ``[S, D, F]`` down projection.
+        b13: ``[S, 2F]`` gate/up bias or ``None``.
+        b2: ``[S, D]`` down bias or ``None``.
+    """
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.w13.dim() != 3 or self.w2.dim() != 3:
+            raise ValueError(
+                f"w13 must be [S, 2F, D] and w2 [S, D, F]; got {tuple(self.w13.shape)} and {tuple(self.w2.shape)}"
+            )
+        s, two_f, d = self.w13.shape
+        if two_f % 2 or tuple(self.w2.shape) != (s, d, two_f // 2):
+            raise ValueError(
+                f"w2 shape {tuple(self.w2.shape)} does not match w13 shape {tuple(self.w13.shape)}: "
+                f"expected {(s, d, two_f // 2)}"
+            )
+        if self.b13 is not None and tuple(self.b13.shape) != (s, two_f):
+            raise ValueError(f"b13 must be {(s, two_f)}, got {tuple(self.b13.shape)}")
+        if self.b2 is not None and tuple(self.b2.shape) != (s, d):
+            raise ValueError(f"b2 must be {(s, d)}, got {tuple(self.b2.shape)}")
+
+    @property
+    def num_slots(self) -> int:
+        """``S``: local expert slots."""
+        return self.w13.shape[0]
+
+
+class ExpertBackend(Protocol):
+    """A grouped expert compute function (see the module docstring for the contract)."""
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        topk_slots: torch.Tensor,
+        topk_weights: torch.Tensor,
+        weights: ExpertWeights,
+        activation: Activation,
+        weight_on_input: bool = False,
+    ) -> torch.Tensor:
+        """Args:
+            x: ``[T, D]`` rows to compute (float32 / bfloat16 / float16).
+            topk_slots: ``[T, K]`` int64 local slot ids in ``[0, S)``; ``-1`` (or any id outside
+                ``[0, S)``, which every backend skips rather than reading outside the weights) = skip.
+            topk_weights: ``[T, K]`` float routing weights.
+            weights: the local slots' weights.
+            activation: the gated activation.
+            weight_on_input: scale the expert input by the weight instead of its output (Llama-4).
+
+        Returns:
+            ``[T, D]`` in ``x.dtype``.
+        """
+        ...

@@ -1,0 +1,58 @@
+"""Files the commands write: output paths checked before any work (a command that will write a file says at
+once when it cannot), and the one atomic write (temporary file + rename) every writer uses."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+def check_output_path(field: str, value: str | Path, expected: str) -> Path:
+    """The path a command will write, checked up front: not a directory, in an existing writable directory.
+
+    Args:
+        field: the option or argument name for messages (e.g. ``--plot`` or ``out``).
+        value: the path given.
+        expected: what the path should name, for the message (e.g. ``a PNG file path``).
+
+    Returns:
+        ``value`` as a ``Path``.
+
+    Raises:
+        ValueError: the path is a directory, or its directory does not exist or is not writable.
+    """
+    path = Path(value)
+    if path.is_dir():
+        raise ValueError(f"{field} ({str(value)!r}) is a directory; expected {expected}")
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"{field} ({str(value)!r}) cannot be written: directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"{field} ({str(value)!r}) cannot be written: directory {str(parent)!r} is not writable")
+    return path
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Write ``path`` atomically: yield ``<path>.tmp`` to write, then rename it onto ``path``.
+
+    The file is made readable by all (``0o644``; the safetensors writer creates owner-only files). If the
+    body raises, the temporary file is removed and ``path`` is untouched, so a failed write leaves no half file.
+
+    Args:
+        path: the file to write.
+
+    Yields:
+        The temporary path beside ``path``.
+    """
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        yield tmp
+        tmp.chmod(0o644)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -1,0 +1,112 @@
+"""A speculative-decoding draft model's facts: its sizes, and the memory it adds on each GPU.
+
+An MoE draft is described by its ``MoESpec`` (the planner prices it like a target); a dense draft
+(EAGLE-3: one decoder layer reading the target's hidden states) by its weight bytes and KV-cache bytes
+per token, computed from its ``config.json``. Used by ``epmoe doctor``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from epmoe.checks import check_positive_int
+from epmoe.plan.costs import ACT_BYTES
+from epmoe.plan.request import StrategyPlan
+from epmoe.spec import DenseModelError, MoESpec, language_model_config, load_moe_spec, read_config
+
+
+@dataclass(frozen=True)
+class DraftModel:
+    """What doctor needs of a draft model.
+
+    Attributes:
+        name: file or directory name, for messages.
+        hidden_size: ``D`` of the draft.
+        vocab_size: vocabulary the draft reads tokens from (EAGLE-3: the target's).
+        spec: the MoE facts of an MoE draft, ``None`` for a dense one.
+        weight_bytes: weights of a dense draft, bytes (whole on every GPU); 0 for an MoE draft (planned).
+        kv_bytes_per_token: KV-cache bytes of a dense draft per token, all its layers, all heads; 0 for an MoE draft.
+        kv_heads: KV heads of a dense draft (split by attention TP, one per rank at least).
+    """
+
+    name: str
+    hidden_size: int
+    vocab_size: int
+    spec: MoESpec | None = None
+    weight_bytes: float = 0.0
+    kv_bytes_per_token: float = 0.0
+    kv_heads: int = 1
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    return language_model_config(read_config(path)[0])
+
+
+def _field(cfg: dict[str, Any], key: str, source: str, default: int | None = None) -> int:
+    return check_positive_int(f"{source}: field {key!r}", cfg.get(key, default))
+
+
+def read_draft(path: str) -> DraftModel:
+    """Read a draft model's config: an MoE draft's ``MoESpec``, or a dense (EAGLE-3) draft's sizes.
+
+    Dense draft weights: embedding ``[V, D]``, per layer attention (EAGLE-3: q/k/v read ``2 D``, the
+    embedding and the fused target hidden state) and a SwiGLU MLP ``3 D I``, EAGLE-3's ``fc [D, 3 D]``,
+    and the LM head ``[draft_vocab_size or V, D]``, in ``torch_dtype`` (float32: 4 B, else 2 B).
+
+    Raises:
+        FileNotFoundError: no config there.
+        ValueError: not JSON, or a size field missing (named).
+    """
+    name = Path(path).name
+    try:
+        spec = load_moe_spec(path)
+    except DenseModelError:
+        spec = None
+    if spec is not None:
+        return DraftModel(name, spec.hidden_size, spec.vocab_size, spec=spec)
+    cfg = _read_config(path)
+    d = _field(cfg, "hidden_size", name)
+    v = _field(cfg, "vocab_size", name)
+    layers = _field(cfg, "num_hidden_layers", name)
+    inter = _field(cfg, "intermediate_size", name)
+    heads = _field(cfg, "num_attention_heads", name)
+    kv_heads = _field(cfg, "num_key_value_heads", name, heads)
+    head_dim = _field(cfg, "head_dim", name, d // heads) if cfg.get("head_dim") is not None else d // heads
+    eagle3 = "eagle_config" in cfg or any("Eagle3" in str(a) for a in cfg.get("architectures") or [])
+    attn_in = 2 * d if eagle3 else d
+    attn = attn_in * (heads + 2 * kv_heads) * head_dim + heads * head_dim * d
+    head_vocab = cfg.get("draft_vocab_size") or v
+    params = v * d + layers * (attn + 3 * d * inter) + (3 * d * d if eagle3 else 0) + head_vocab * d
+    dtype_bytes = 4 if cfg.get("torch_dtype") == "float32" else 2
+    kv = layers * 2 * kv_heads * head_dim * ACT_BYTES
+    return DraftModel(name, d, v, weight_bytes=params * dtype_bytes, kv_bytes_per_token=kv, kv_heads=kv_heads)
+
+
+def draft_bytes(draft: DraftModel | None, draft_plan: dict[str, StrategyPlan], s: StrategyPlan, batch: int,
+                 ep: int) -> float:
+    """Bytes the draft adds on one GPU under target strategy ``s``: weights and KV cache.
+
+    Args:
+        draft: the draft (``None``: no draft, 0 bytes).
+        draft_plan: the planner's plans of an MoE draft by strategy name (its memory is taken from the
+            plan of the same strategy; 0 when that strategy was not planned for it).
+        s: the target's strategy.
+        batch: sequences in flight.
+        ep: GPUs of the EP group (data-parallel attention splits the sequences over them).
+    """
+    if draft is None:
+        return 0.0
+    if draft.spec is not None:
+        same = draft_plan.get(s.strategy.name)
+        if same is None:
+            return 0.0
+        m = same.steps[0].memory
+        return m.weights + m.kv_cache
+    dp = s.strategy.mode == "a2a_dp_attn"
+    seqs = math.ceil(batch / ep) if dp else batch
+    tp = 1 if dp else s.strategy.attn_tp
+    kv = draft.kv_bytes_per_token * max(1, draft.kv_heads // tp) / draft.kv_heads
+    return draft.weight_bytes + seqs * kv

@@ -1,0 +1,213 @@
+"""Explaining a ``Plan``: the one-line recommendation, the rich table, the PNG and the JSON document."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from epmoe.files import check_output_path
+from epmoe.plan.costs import weights_hint
+from epmoe.plan.planner import plan
+from epmoe.plan.request import GIB, Plan, PlanRequest, StepEstimate, StrategyPlan
+
+_KIND_SHORT = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "all_to_all": "A2A"}
+_KIND_WORDS = {"all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter", "all_gather": "all-gather",
+               "all_to_all": "all-to-all"}
+
+
+def describe_collectives(step: StepEstimate, short: bool = False) -> str:
+    """The collectives of a step in words, e.g. ``122 all-reduces + 1 all-gather`` (``no collectives``);
+    ``short``: ``122 AR + 1 AG``."""
+    counts: dict[str, int] = {}
+    for c in step.collectives:
+        counts[c.kind] = counts.get(c.kind, 0) + c.count
+    if not counts:
+        return "none" if short else "no collectives"
+    if short:
+        return " + ".join(f"{n} {_KIND_SHORT[k]}" for k, n in counts.items())
+    return " + ".join(f"{n} {_KIND_WORDS[k]}{'s' if n != 1 else ''}" for k, n in counts.items())
+
+
+def _reason(best: StrategyPlan, other: StrategyPlan | None, i: int, family: str | None) -> str:
+    """Why ``best`` beats ``other`` at batch index ``i``; ``family`` names ``other``'s family when it was
+    picked as the fastest of the other family (the all-reduce or the all-to-all strategies)."""
+    b = best.steps[i]
+    name = best.strategy.name
+    if other is None:
+        return f"at batch {b.batch} it is the only strategy planned"
+    o, oname = other.steps[i], other.strategy.name
+    if not o.memory.fits:
+        if family:
+            return (f"at batch {b.batch} no {family} strategy fits (the fastest, {oname}, is over by "
+                    f"{o.memory.over / GIB:.1f} GiB)")
+        return f"at batch {b.batch} {oname} does not fit (over by {o.memory.over / GIB:.1f} GiB)"
+    deltas = {"comm": o.comm_ms - b.comm_ms, "expert": o.expert_ms - b.expert_ms,
+              "attention": o.attention_ms - b.attention_ms}
+    part = max(deltas, key=lambda key: deltas[key])
+    if part == "comm":
+        return (f"at batch {b.batch} the {describe_collectives(o)} of {oname} cost {o.comm_ms:.2f} ms, more than "
+                f"the {describe_collectives(b)} of {name} ({b.comm_ms:.2f} ms)")
+    if part == "expert":
+        return (f"at batch {b.batch} its routed-expert compute on the busiest rank takes {b.expert_ms:.2f} ms "
+                f"against {o.expert_ms:.2f} ms for {oname}")
+    return (f"at batch {b.batch} its attention and dense compute takes {b.attention_ms:.2f} ms against "
+            f"{o.attention_ms:.2f} ms for {oname}")
+
+
+def recommend(p: Plan) -> str:
+    """One line: the fastest strategy that fits at each batch size, and why.
+
+    The reason compares the chosen strategy with the fastest one of the other family (all-reduce
+    strategies against all-to-all ones), or with the next fastest when there is no other family, and
+    names the part of the step (communication, expert compute, attention) that differs most.
+
+    Example: ``TP8: at batch 1 the 120 all-to-alls of EP8+DPattn cost 3.07 ms, more than the 122
+    all-reduces + 1 all-gather of TP8 (1.48 ms)``.
+    """
+    groups: list[tuple[str, list[int], str]] = []
+    for i, batch in enumerate(p.request.batches):
+        ranked = sorted(p.strategies, key=lambda s: s.steps[i].total_ms)
+        fitting = [s for s in ranked if s.steps[i].memory.fits]
+        if not fitting:
+            least = min(p.strategies, key=lambda s: s.steps[i].memory.over)
+            choice = "nothing fits"
+            hint = weights_hint(p.request.expert_format)
+            why = (f"at batch {batch} the smallest overshoot is {least.strategy.name} by "
+                   f"{least.steps[i].memory.over / GIB:.1f} GiB per GPU; "
+                   + (f"add GPUs, use {hint} or a shorter "
+                      "--context" if hint else "add GPUs or use a shorter --context"))
+        else:
+            best = fitting[0]
+            # compare across the TP/EP divide (all-reduce vs all-to-all family) when there is one
+            best_ar = best.strategy.mode == "all_reduce"
+            family = [s for s in ranked if s is not best and (s.strategy.mode == "all_reduce") != best_ar]
+            others = sorted(family, key=lambda s: (not s.steps[i].memory.fits, s.steps[i].total_ms)) or [
+                s for s in ranked if s is not best]
+            label = ("all-to-all" if best.strategy.mode == "all_reduce" else "all-reduce") if family else None
+            choice, why = best.strategy.name, _reason(best, others[0] if others else None, i, label)
+        if groups and groups[-1][0] == choice:
+            groups[-1][1].append(batch)
+        else:
+            groups.append((choice, [batch], why))
+    if len(groups) == 1:
+        choice, _, why = groups[0]
+        return f"{choice} at every batch size: {why}"
+    parts = []
+    for choice, batches, why in groups:
+        span = f"batch {batches[0]}" if len(batches) == 1 else f"batch {batches[0]}-{batches[-1]}"
+        parts.append(f"{choice} for {span} ({why})")
+    return "; ".join(parts)
+
+
+def plan_to_dict(p: Plan) -> dict[str, Any]:
+    """A JSON-ready document of the plan: request, every strategy's steps (ms, bytes) and the recommendation."""
+    r = p.request
+    strategies = []
+    for sp in p.strategies:
+        s = sp.strategy
+        steps = []
+        for st in sp.steps:
+            m = st.memory
+            steps.append({
+                "batch": st.batch, "tokens": st.tokens, "total_ms": st.total_ms, "attention_ms": st.attention_ms,
+                "expert_ms": st.expert_ms, "comm_ms": st.comm_ms,
+                "collectives": [{"kind": c.kind, "what": c.what, "count": c.count, "bytes_per_call": c.bytes_per_call,
+                                 "ms_each": c.ms_each, "ms_total": c.ms_total} for c in st.collectives],
+                "memory_bytes": {"weights": m.weights, "expert_weights": m.expert_weights, "kv_cache": m.kv_cache,
+                                 "comm_buffers": m.comm_buffers, "graph_pool": m.graph_pool, "total": m.total,
+                                 "capacity": m.capacity, "over": m.over},
+                "fits": m.fits,
+            })
+        strategies.append({"name": s.name, "description": s.description, "attn_tp": s.attn_tp, "moe_tp": s.moe_tp,
+                           "moe_ep": s.moe_ep, "mode": s.mode, "steps": steps})
+    return {
+        "model": r.spec.source, "model_type": r.spec.model_type, "hardware": r.hardware.name, "gpus": r.gpus,
+        "nodes": r.nodes, "batches": list(r.batches), "spec_tokens": r.spec_tokens, "redundant": r.redundant,
+        "context": r.context, "expert_format": r.expert_format, "dense_format": r.dense_format,
+        "mem_fraction": r.mem_fraction, "balancedness": r.balancedness,
+        "strategies": strategies, "skipped": list(p.skipped), "recommendation": recommend(p),
+    }
+
+
+def plan_table(p: Plan) -> Table:
+    """A rich table: one row per strategy and batch size with the step split and memory per GPU."""
+    r = p.request
+    step_kind = "decode" if r.spec_tokens == 0 else f"verify S={r.spec_tokens}"
+    t = Table(title=f"{Path(r.spec.source).name} on {r.gpus}x {r.hardware.gpu} ({r.hardware.name}, {r.nodes} node"
+                    f"{'s' if r.nodes > 1 else ''}), {step_kind}, context {r.context}, experts {r.expert_format}, "
+                    f"balancedness {r.balancedness}",
+              caption="times in ms on the busiest rank; AR all-reduce, RS reduce-scatter, AG all-gather, A2A "
+                      "all-to-all")
+    for col in ("strategy", "batch", "step", "attn+dense", "experts", "comm", "collectives/step", "GiB/GPU", "fits"):
+        t.add_column(col, justify="left" if col in ("strategy", "collectives/step", "fits") else "right",
+                     no_wrap=col != "fits")
+    for sp in p.strategies:
+        for st in sp.steps:
+            m = st.memory
+            fits = "yes" if m.fits else f"[red]over {m.over / GIB:.1f} GiB[/red]"
+            t.add_row(sp.strategy.name, str(st.batch), f"{st.total_ms:.2f}", f"{st.attention_ms:.2f}",
+                      f"{st.expert_ms:.2f}", f"{st.comm_ms:.2f}", describe_collectives(st, short=True),
+                      f"{m.total / GIB:.1f} / {m.capacity / GIB:.0f}", fits)
+        t.add_section()
+    return t
+
+
+def plot_plan(p: Plan, path: str | Path) -> None:
+    """Write a PNG of step time (ms) against batch size to ``path`` (exactly that name, whatever its
+    suffix), one line per strategy; steps that do not fit are drawn as open markers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for sp in p.strategies:
+        xs = [st.batch for st in sp.steps]
+        ys = [st.total_ms for st in sp.steps]
+        (line,) = ax.plot(xs, ys, "-", label=sp.strategy.name)
+        for st in sp.steps:
+            ax.plot(st.batch, st.total_ms, "o", color=line.get_color(),
+                    markerfacecolor=line.get_color() if st.memory.fits else "none")
+    r = p.request
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch (sequences per step)")
+    ax.set_ylabel("step time (ms)")
+    ax.set_title(f"{Path(r.spec.source).name}: {r.gpus}x {r.hardware.name} (open marker: does not fit)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(str(path), format="png", dpi=120)
+    plt.close(fig)
+
+
+def report_plan(req: PlanRequest, as_json: bool = False, plot_path: str | Path | None = None,
+                console: Console | None = None) -> Plan:
+    """Plan ``req`` and report it: the table (or the JSON document), the skipped strategies, the
+    recommendation and, when ``plot_path`` is given, the PNG.
+
+    Raises:
+        ValueError: as ``plan``, or a ``plot_path`` that cannot be written (checked before planning).
+    """
+    if plot_path is not None:
+        check_output_path("--plot", plot_path, "a PNG file path")
+    p = plan(req)
+    if console is None:
+        detected = Console()
+        console = Console(width=max(detected.width, 130))  # the plan table needs ~130 columns
+    if as_json:
+        console.print_json(json.dumps(plan_to_dict(p)))
+    else:
+        console.print(plan_table(p))
+        for why in p.skipped:
+            console.print(f"skipped {why}")
+        console.print(f"[bold]Recommendation:[/bold] {recommend(p)}", soft_wrap=True)
+    if plot_path is not None:
+        plot_plan(p, plot_path)
+        if not as_json:
+            console.print(f"plot written to {plot_path}")
+    return p

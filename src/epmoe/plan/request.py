@@ -1,0 +1,255 @@
+"""What the planner takes and returns: the request (checked when built) and its frozen results.
+
+``PlanRequest`` holds the ``epmoe plan`` flags with their bounds; ``Strategy`` names one way to spread a
+model over the GPUs; a ``Plan`` holds, per strategy and batch size, a ``StepEstimate`` (times, the
+collectives as ``CollectiveCost`` and the memory as ``MemoryEstimate``). The model that fills them in
+is ``planner``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from epmoe.checks import check_int
+from epmoe.placement import max_redundant_slots
+from epmoe.plan.costs import WEIGHT_CHOICES, CollectiveKind
+from epmoe.plan.hardware import HardwareProfile
+from epmoe.spec import MoESpec
+
+GIB = 1024**3
+# Sanity bounds of a plan request (far above any serving set-up; they keep nonsense from running for minutes):
+# sequences per decode step, draft tokens verified per step, KV-cache tokens per sequence, GPUs.
+MAX_BATCH = 1 << 20
+MAX_SPEC_TOKENS = 256
+MAX_CONTEXT = 1 << 24
+MAX_GPUS = 1 << 16
+
+Mode = Literal["all_reduce", "a2a_tp_attn", "a2a_dp_attn"]
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan (the ``epmoe plan`` flags).
+
+    Attributes:
+        spec: the model.
+        hardware: the machine.
+        gpus: ``G``, GPUs in total.
+        nodes: nodes the GPUs are spread over (``G / nodes`` per node).
+        batches: batch sizes (sequences per step) to evaluate.
+        spec_tokens: ``S`` draft tokens verified per step (0 = plain decode).
+        redundant: ``R`` redundant expert slots per MoE layer (EP strategies).
+        context: KV-cache length per sequence, tokens.
+        weights: routed expert storage: ``bf16``, ``fp8``, ``int4``, or ``None`` for the checkpoint's.
+        mem_fraction: share of GPU memory the server may use (the rest: CUDA context, NCCL, fragmentation).
+        balancedness: expected mean/max tokens per EP rank from routing skew (1.0 = perfect).
+    """
+
+    spec: MoESpec
+    hardware: HardwareProfile
+    gpus: int
+    nodes: int = 1
+    batches: tuple[int, ...] = (1, 8, 64, 256)
+    spec_tokens: int = 0
+    redundant: int = 0
+    context: int = 4096
+    weights: str | None = None
+    mem_fraction: float = 0.9
+    balancedness: float = 0.8
+
+    def __post_init__(self) -> None:
+        def pos_int(name: str, value: object, minimum: int = 1, maximum: int | None = None) -> None:
+            check_int(name, value, minimum)
+            if maximum is not None and value > maximum:
+                raise ValueError(f"{name} must be at most {maximum}, got {value!r}")
+
+        pos_int("gpus", self.gpus, 1, MAX_GPUS)
+        pos_int("nodes", self.nodes)
+        pos_int("spec_tokens", self.spec_tokens, 0, MAX_SPEC_TOKENS)
+        pos_int("redundant", self.redundant, 0, max_redundant_slots(self.spec.num_experts, self.gpus))
+        pos_int("context", self.context, 1, MAX_CONTEXT)
+        if not self.batches:
+            raise ValueError("batches must name at least one batch size")
+        for b in self.batches:
+            pos_int("batch", b, 1, MAX_BATCH)
+        if self.weights is not None and self.weights not in WEIGHT_CHOICES:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {self.weights!r}")
+        if not 0 < self.mem_fraction <= 1:
+            raise ValueError(f"mem_fraction must lie in (0, 1], got {self.mem_fraction}")
+        if not 0 < self.balancedness <= 1:
+            raise ValueError(f"balancedness must lie in (0, 1], got {self.balancedness}")
+        if self.gpus % self.nodes:
+            raise ValueError(f"gpus ({self.gpus}) must be divisible by nodes ({self.nodes})")
+        per_node = self.gpus // self.nodes
+        if per_node > self.hardware.gpus_per_node:
+            raise ValueError(
+                f"gpus ({self.gpus}) on {self.nodes} node(s) is {per_node} per node but {self.hardware.name} has "
+                f"{self.hardware.gpus_per_node}; pass --nodes {math.ceil(self.gpus / self.hardware.gpus_per_node)}"
+            )
+        if self.nodes > 1 and self.hardware.inter_node is None:
+            raise ValueError(f"nodes ({self.nodes}) > 1 but hardware {self.hardware.name} has no inter_node link")
+        slots = self.spec.num_experts + self.redundant
+        if self.gpus > slots:
+            raise ValueError(
+                f"gpus ({self.gpus}) exceeds the expert slots per layer ({self.spec.num_experts} experts + "
+                f"{self.redundant} redundant): EP needs a slot on every GPU; use --redundant "
+                f"{self.gpus - self.spec.num_experts} or fewer GPUs"
+            )
+
+    @property
+    def expert_format(self) -> str:
+        """Storage format of the routed experts."""
+        return WEIGHT_CHOICES[self.weights] if self.weights else self.spec.expert_weight_format
+
+    @property
+    def dense_format(self) -> str:
+        """Storage of the other linear weights: FP8 when the experts are FP8 (DeepSeek's checkpoints), else bf16."""
+        return "fp8_block128" if self.expert_format.startswith("fp8") else "bf16"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to spread the model over ``G`` GPUs.
+
+    Attributes:
+        name: short name (``TP8``, ``TP2xEP4``, ``EP8+DPattn``).
+        description: in words.
+        attn_tp: attention TP size (``G``, or 1 for DP attention).
+        moe_tp: slices of each expert.
+        moe_ep: groups the experts are spread over (``attn_tp`` x DP = ``moe_tp`` x ``moe_ep`` = ``G``).
+        mode: how MoE outputs are combined: ``all_reduce``, ``a2a_tp_attn``, ``a2a_dp_attn``.
+    """
+
+    name: str
+    description: str
+    attn_tp: int
+    moe_tp: int
+    moe_ep: int
+    mode: Mode
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """Collectives of one kind and purpose in a step: ``count`` calls of ``bytes_per_call`` bytes per rank.
+
+    Attributes:
+        kind: ``all_reduce``, ``reduce_scatter``, ``all_gather`` or ``all_to_all``.
+        what: the tensor it moves (``attention and MLP outputs``, ``logits``, ``dispatch and combine``).
+        count: calls per step.
+        bytes_per_call: buffer per rank (all-reduce, reduce-scatter input, all-gather output) or bytes
+            each rank sends to other ranks (all-to-all, mean rank), bytes.
+        ms_each: time of one call, ms (all-to-all: priced on the busiest receiver).
+    """
+
+    kind: CollectiveKind
+    what: str
+    count: int
+    bytes_per_call: float
+    ms_each: float
+
+    @property
+    def ms_total(self) -> float:
+        """``count * ms_each``, ms."""
+        return self.count * self.ms_each
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one GPU needs, by kind, against what it may use.
+
+    Attributes:
+        weights: all weights on the rank, bytes (``expert_weights`` included).
+        expert_weights: routed expert slots on the rank, redundant copies included, bytes.
+        kv_cache: KV cache of the rank's sequences at the planned context, bytes.
+        comm_buffers: dispatch/combine or all-reduce buffers, bytes.
+        graph_pool: CUDA-graph memory pool, bytes.
+        capacity: ``memory_bytes * mem_fraction``, bytes.
+    """
+
+    weights: float
+    expert_weights: float
+    kv_cache: float
+    comm_buffers: float
+    graph_pool: float
+    capacity: float
+
+    @property
+    def total(self) -> float:
+        """Bytes needed in total."""
+        return self.weights + self.kv_cache + self.comm_buffers + self.graph_pool
+
+    @property
+    def fits(self) -> bool:
+        """True when ``total <= capacity``."""
+        return self.total <= self.capacity
+
+    @property
+    def over(self) -> float:
+        """Bytes beyond capacity (0 when it fits)."""
+        return max(0.0, self.total - self.capacity)
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """One step of one strategy at one batch size, on the busiest rank.
+
+    Attributes:
+        batch: sequences in the step.
+        tokens: positions computed in the step, ``batch * (S + 1)``.
+        attention_ms: attention, dense MLPs, shared experts, router and LM head, ms.
+        expert_ms: routed expert compute, ms.
+        collectives: per kind, count and cost.
+        memory: per-GPU memory at this batch size.
+    """
+
+    batch: int
+    tokens: int
+    attention_ms: float
+    expert_ms: float
+    collectives: tuple[CollectiveCost, ...]
+    memory: MemoryEstimate
+
+    @property
+    def comm_ms(self) -> float:
+        """Communication time, ms."""
+        return sum(c.ms_total for c in self.collectives)
+
+    @property
+    def total_ms(self) -> float:
+        """Step time, ms (no overlap assumed)."""
+        return self.attention_ms + self.expert_ms + self.comm_ms
+
+    def count(self, kind: CollectiveKind) -> int:
+        """Calls of collective ``kind`` in the step."""
+        return sum(c.count for c in self.collectives if c.kind == kind)
+
+
+@dataclass(frozen=True)
+class StrategyPlan:
+    """A strategy and its estimate at every batch size."""
+
+    strategy: Strategy
+    steps: tuple[StepEstimate, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The answer of ``plan``: every strategy at every batch, and why some strategies were left out."""
+
+    request: PlanRequest
+    strategies: tuple[StrategyPlan, ...]
+    skipped: tuple[str, ...] = field(default=())
+
+    def strategy(self, name: str) -> StrategyPlan:
+        """The plan of strategy ``name``.
+
+        Raises:
+            KeyError: no such strategy (the planned ones are listed).
+        """
+        for s in self.strategies:
+            if s.strategy.name == name:
+                return s
+        raise KeyError(f"strategy {name!r} was not planned; planned: "
+                       f"{', '.join(s.strategy.name for s in self.strategies)}")

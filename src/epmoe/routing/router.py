@@ -1,0 +1,131 @@
+"""Routers of every served family: ``Router`` reproduces the Hugging Face transformers MoE gates exactly
+(transformers 5.x ``modeling_*.py``): softmax or sigmoid scoring, grouped top-k, DeepSeek-V3's
+score-correction bias (used for selection only), top-k normalisation, routed scaling, gpt-oss's router
+bias with a softmax over the chosen logits, and Llama-4's sigmoid of the chosen logits. Every family fact
+it uses is a field or property of ``MoESpec``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from epmoe.spec import MoESpec
+
+
+class Router(nn.Module):
+    """The gate of one MoE layer.
+
+    Parameters (names as in the checkpoints): ``weight [E, D]``; ``bias [E]`` (gpt-oss);
+    buffer ``e_score_correction_bias [E]`` float32 (DeepSeek-V3 / Kimi-K2).
+
+    Args:
+        spec: the model's MoE facts.
+        dtype: parameter dtype of ``weight``/``bias`` (the correction bias stays float32).
+        device: where the parameters live.
+        impl: how the top-k after the logits runs: ``auto`` (one Triton kernel, ``router_triton``,
+            for CUDA tensors when Triton imports and the router kind is supported; PyTorch otherwise),
+            ``torch`` (always PyTorch: the reference that matches transformers bit for bit).
+
+    Raises:
+        ValueError: an unknown ``impl``.
+    """
+
+    def __init__(self, spec: MoESpec, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 impl: str = "auto"):
+        super().__init__()
+        if impl not in ("auto", "torch"):
+            raise ValueError(f"router impl must be 'auto' or 'torch', got {impl!r}")
+        self.spec = spec
+        self.impl = impl
+        e, d = spec.num_experts, spec.hidden_size
+        self.fp32_logits = spec.router_fp32_logits
+        w_dtype = torch.float32 if self.fp32_logits else dtype
+        self.weight = nn.Parameter(torch.empty(e, d, dtype=w_dtype, device=device), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.zeros(e, dtype=dtype, device=device), requires_grad=False) if spec.router_bias else None
+        )
+        if spec.correction_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(e, dtype=torch.float32, device=device))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Route tokens.
+
+        Args:
+            x: ``[T, D]`` hidden states.
+
+        Returns:
+            ``topk_idx [T, K]`` int64 logical expert ids and ``topk_weights [T, K]`` float32 weights
+            (for Llama-4 the weight scales the expert input; for all others its output).
+        """
+        s = self.spec
+        if self.fp32_logits:
+            logits = F.linear(x.float(), self.weight.float())
+        else:
+            logits = F.linear(x, self.weight, self.bias)
+        kind = s.router_kind
+        fused = _fused_router(logits, kind) if self.impl == "auto" else None
+        if fused is not None:
+            return fused.route_triton(logits, self.e_score_correction_bias, **kernel_flags(s))
+        if kind == "softmax_topk":
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            if s.n_group > 1:
+                probs = _group_mask(probs, s, probs, fill=0.0)
+            weights, idx = torch.topk(probs, s.top_k, dim=-1)
+            if s.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            if s.round_router_weights:
+                weights = weights.to(logits.dtype)
+            weights = weights * s.routed_scaling_factor if s.routed_scaling_factor != 1.0 else weights
+        elif kind == "sigmoid_topk":
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias
+            if s.n_group > 1:
+                choice = _group_mask(choice, s, choice, fill=float("-inf"))
+            idx = torch.topk(choice, s.top_k, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, idx)
+            if s.norm_topk_prob:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights = weights * s.routed_scaling_factor
+        elif kind == "topk_softmax":
+            top, idx = torch.topk(logits, s.top_k, dim=-1)
+            weights = torch.softmax(top, dim=1, dtype=top.dtype)
+        else:  # topk_sigmoid (Llama-4)
+            top, idx = torch.topk(logits, s.top_k, dim=1)
+            weights = torch.sigmoid(top.float()).to(top.dtype)
+        return idx, weights.float()
+
+
+def kernel_flags(spec: MoESpec) -> dict[str, object]:
+    """The keyword flags of ``router_triton.route_triton`` for a model (the kernel never sees ``MoESpec``)."""
+    return dict(top_k=spec.top_k, sigmoid=spec.router_kind == "sigmoid_topk", n_group=spec.n_group,
+                topk_group=spec.topk_group, top2_sum=spec.group_score == "top2_sum", normalize=spec.norm_topk_prob,
+                round_weights=spec.round_router_weights, scale=spec.routed_scaling_factor)
+
+
+def _fused_router(logits: torch.Tensor, router_kind: str):
+    """The ``router_triton`` module when it can route these logits (CUDA, Triton importable, kind supported)."""
+    if not logits.is_cuda:
+        return None
+    try:
+        from epmoe.routing import router_triton
+    except ImportError:
+        return None
+    return router_triton if router_triton.supports(router_kind) else None
+
+
+def _group_mask(values: torch.Tensor, s: MoESpec, scores_for_groups: torch.Tensor, fill: float) -> torch.Tensor:
+    """Keep only experts of the ``topk_group`` best groups (DeepSeek grouped / device-limited routing)."""
+    t = values.shape[0]
+    grouped = scores_for_groups.view(t, s.n_group, s.num_experts // s.n_group)
+    if s.group_score == "top2_sum":
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+    else:
+        group_scores = grouped.max(dim=-1).values
+    group_idx = torch.topk(group_scores, k=s.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()
+    expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, s.num_experts // s.n_group).reshape(t, s.num_experts)
+    return values.masked_fill(~expert_mask, fill)

@@ -1,0 +1,148 @@
+"""``epmoe balance``: writes the placement and the PNG, reports per layer, writes nothing on bad input."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from epmoe.cli import main
+from epmoe.placement import ExpertPlacement
+
+DATA = Path(__file__).resolve().parents[2] / "data" / "loads"
+CSV = str(DATA / "olmoe_expert_counts.csv")
+
+
+def test_balance_writes_placement_and_png(tmp_path, capsys):
+    out, png = tmp_path / "p.json", tmp_path / "p.png"
+    args = ["balance", "--loads", CSV, "--ep", "8", "--redundant", "8", "--out", str(out), "--plot", str(png), "--json"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    placement = ExpertPlacement.load(out)
+    assert (placement.num_layers, placement.num_slots, placement.ep_size) == (15, 72, 8)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(report["rows"]) == 15 and report["rows"][0]["layer"] == "arxiv:0"
+    assert report["balancedness_after"] > 0.999 > report["balancedness_before"]
+    # rebalance from it with a budget
+    out2 = tmp_path / "p2.safetensors"
+    assert main(["balance", "--loads", CSV, "--ep", "8", "--redundant", "8", "--from", str(out), "--max-moves", "5",
+                 "--out", str(out2)]) == 0
+    assert "mean" in capsys.readouterr().out
+    assert ExpertPlacement.load(out2) == placement  # already balanced: nothing to move
+
+
+def test_deepseek_hierarchical_cli(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["balance", "--loads", str(DATA / "eplb_readme_example.json"), "--ep", "8", "--redundant", "4",
+                 "--nodes", "2", "--groups", "4", "--algorithm", "deepseek", "--out", str(out)]) == 0
+    golden = json.loads((DATA / "eplb_readme_example.json").read_text())["expected_phy2log_hierarchical"]
+    assert ExpertPlacement.load(out).phy2log.tolist() == golden
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--ep", "7", "--redundant", "8"], "num_slots (72 = 64 experts + 8 redundant) must be divisible by the EP "
+                                            "group size (7)"),
+        # the CLI names the flags the user typed, not the library's field names
+        (["--ep", "128"], "error: --ep (128) is larger than the number of slots (64"),
+        (["--ep", "8", "--nodes", "2", "--groups", "3"], "num_experts (64) must be divisible by --groups (3)"),
+        (["--ep", "8", "--nodes", "4", "--groups", "2"], "--groups (2) must be divisible by --nodes (4)"),
+        (["--ep", "8", "--redundant", "-1"], "--redundant must be an integer >= 0, got -1"),
+        (["--ep", "8", "--max-moves", "3"], "--max-moves (3) needs --from (the current placement)"),
+        # KeyError's str() would add quotes around the whole message
+        (["--ep", "8", "--algorithm", "magic"], "error: unknown balancer 'magic'; supported: deepseek, epmoe, exact\n"),
+    ],
+)
+def test_bad_input_writes_nothing(tmp_path, capsys, args, msg):
+    out, png = tmp_path / "p.json", tmp_path / "p.png"
+    assert main(["balance", "--loads", CSV, *args, "--out", str(out), "--plot", str(png)]) == 2
+    assert msg in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_loads_file_writes_nothing(tmp_path, capsys):
+    bad = tmp_path / "in" / "neg.json"
+    bad.parent.mkdir()
+    bad.write_text('{"load": [[1, 2, float], [1, 2, 3]]}'.replace("float", "-1"))
+    out = tmp_path / "p.json"
+    assert main(["balance", "--loads", str(bad), "--ep", "3", "--out", str(out)]) == 2
+    assert "load[0, 2] = -1.0 is negative" in capsys.readouterr().err
+    assert not out.exists()
+    bad.write_text('{"load": [[1, NaN, 2]]}')
+    assert main(["balance", "--loads", str(bad), "--ep", "3", "--out", str(out)]) == 2
+    assert "is not a finite number" in capsys.readouterr().err
+    assert not out.exists()
+
+
+EPLB = str(DATA / "eplb_readme_example.json")
+
+
+def test_bad_plot_path_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "ok.json"
+    assert main(["balance", "--loads", EPLB, "--ep", "8", "--redundant", "4", "--out", str(out),
+                 "--plot", "/nonexistent/x.png"]) == 2
+    assert ("epmoe balance: error: --plot ('/nonexistent/x.png') cannot be written: directory '/nonexistent' "
+            "does not exist") in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_out_that_is_a_directory_or_in_a_missing_one(tmp_path, capsys):
+    somedir = tmp_path / "somedir"
+    somedir.mkdir()
+    assert main(["balance", "--loads", EPLB, "--ep", "8", "--redundant", "4", "--out", str(somedir)]) == 2
+    err = capsys.readouterr().err
+    assert f"epmoe balance: error: --out ({str(somedir)!r}) is a directory; expected a placement file path" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["somedir"] and list(somedir.iterdir()) == []
+    missing = tmp_path / "missing" / "p.json"
+    assert main(["balance", "--loads", EPLB, "--ep", "8", "--redundant", "4", "--out", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out ({str(missing)!r}) cannot be written: directory {str(missing.parent)!r} does not exist" in err
+    assert ".tmp" not in err
+
+
+def test_outputs_written_together_without_temporary_files(tmp_path, capsys):
+    out, png = tmp_path / "p.safetensors", tmp_path / "loads.png"
+    args = ["balance", "--loads", EPLB, "--ep", "8", "--redundant", "4", "--out", str(out), "--plot", str(png)]
+    assert main(args) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loads.png", "p.safetensors"]
+    assert ExpertPlacement.load(out).ep_size == 8 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_loads_directory_and_weight_key_messages(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["balance", "--loads", str(tmp_path), "--ep", "2", "--out", str(out)]) == 2
+    assert f"error: loads file {str(tmp_path)!r} is a directory, not a file" in capsys.readouterr().err
+    bad = tmp_path / "w.json"
+    bad.write_text('{"weight": [[1, 2], [3]]}')
+    assert main(["balance", "--loads", str(bad), "--ep", "2", "--out", str(out)]) == 2
+    assert "field 'weight' must be a list of equally long per-layer lists" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.json"]
+
+
+def test_out_must_not_overwrite_the_loads(tmp_path, capsys):
+    loads = tmp_path / "loads.json"
+    loads.write_text((DATA / "eplb_readme_example.json").read_text())
+    before = loads.read_bytes()
+    assert main(["balance", "--loads", str(loads), "--ep", "8", "--redundant", "4", "--out", str(loads)]) == 2
+    assert "--out" in capsys.readouterr().err and loads.read_bytes() == before
+
+
+def test_absurd_redundant_and_overflowing_loads_are_refused(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["balance", "--loads", str(DATA / "eplb_readme_example.json"), "--ep", "8", "--redundant",
+                 "999999996", "--out", str(out)]) == 2
+    assert "exceeds 84 (12 experts x 7)" in capsys.readouterr().err and not out.exists()
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps({"weight": [[1e308, 1e308, 1, 1]]}))
+    assert main(["balance", "--loads", str(big), "--ep", "2", "--out", str(out)]) == 2
+    assert "overflow float64" in capsys.readouterr().err and not out.exists()
+
+
+def test_out_suffix_names_the_format(tmp_path, capsys):
+    out = tmp_path / "p.txt"
+    assert main(["balance", "--loads", str(DATA / "eplb_readme_example.json"), "--ep", "8", "--out", str(out)]) == 2
+    assert "must end in .json or .safetensors" in capsys.readouterr().err and not out.exists()
+    st = tmp_path / "p.safetensors"
+    assert main(["balance", "--loads", str(DATA / "eplb_readme_example.json"), "--ep", "8", "--redundant", "4",
+                 "--out", str(st)]) == 0
+    assert st.stat().st_mode & 0o777 == 0o644

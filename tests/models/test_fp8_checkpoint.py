@@ -1,0 +1,178 @@
+"""Block-FP8 checkpoints in DeepSeek-V3's published format (float8_e4m3fn + ``_scale_inv`` 128x128 block scales),
+Kimi-K2's ``model_type: kimi_k2`` and Kimi-K2.5's ``text_config`` wrapper with ``language_model.`` tensors.
+
+The FP8 checkpoint is written from a small DeepSeek-V3 one (hidden 192, expert F 160: two blocks per dimension,
+the last one ragged); a twin written with the dequantized float32 tensors is the comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from epmoe.cli import main
+from epmoe.comm import Comm
+from epmoe.experts.fp8 import quantize_block_fp8
+from epmoe.models.checkpoint import CheckpointReader
+from epmoe.models.hf import load_ep_model, load_full_model
+from epmoe.placement import ExpertPlacement
+
+SIZES = dict(hidden_size=192, moe_intermediate_size=160, intermediate_size=320)
+FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+SKIP = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight")
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _copy_meta(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, dst / f.name)
+
+
+def _edit_config(directory: Path, **fields) -> dict:
+    cfg = json.loads((directory / "config.json").read_text())
+    cfg.update(fields)
+    (directory / "config.json").write_text(json.dumps(cfg))
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, Path]:
+    """``fp8``: quantized, in DeepSeek's format; ``deq``: the same dequantized values written as float32."""
+    from epmoe.models.tiny import build_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("fp8")
+    base = build_tiny_checkpoint("deepseek-v3", root / "base", seed=3, overrides=SIZES)
+    fp8, deq = root / "fp8", root / "deq"
+    _copy_meta(base, fp8)
+    _copy_meta(base, deq)
+    quantized, dequantized = {}, {}
+    for name, w in _tensors(base).items():
+        if w.dim() == 2 and name.endswith(".weight") and not name.endswith(SKIP):
+            q, s = quantize_block_fp8(w[None])
+            quantized[name], quantized[name + "_scale_inv"] = q[0], s[0]
+            scale = s[0].repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]
+            dequantized[name] = q[0].float() * scale
+        else:
+            quantized[name] = dequantized[name] = w
+    assert any(t.dtype == torch.float8_e4m3fn and t.shape[0] % 128 and t.shape[0] > 128 for t in quantized.values())
+    save_file(quantized, fp8 / "model.safetensors", metadata={"format": "pt"})
+    save_file(dequantized, deq / "model.safetensors", metadata={"format": "pt"})
+    _edit_config(fp8, quantization_config=FP8_CONFIG)
+    return {"base": base, "fp8": fp8, "deq": deq}
+
+
+def _logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
+    placement = ExpertPlacement.trivial(2, 16, 1)
+    ep = load_ep_model(str(directory), placement, Comm(None), dispatcher="local")
+    with torch.no_grad():
+        return ep.model(ids).logits
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_reader_dequantizes_and_hides_scales(ckpts):
+    reader = CheckpointReader(ckpts["fp8"])
+    assert reader.has_fp8 and not any(k.endswith("_scale_inv") for k in reader.keys())
+    deq = _tensors(ckpts["deq"])
+    name = "model.layers.1.mlp.experts.7.gate_proj.weight"  # [160, 192]: ragged in both dimensions
+    assert torch.equal(reader.get(name), deq[name])
+    assert reader.get(name, dtype=torch.bfloat16).dtype == torch.bfloat16
+    assert torch.equal(reader.get(name, index=150), deq[name][150])  # one row, its block's scales
+
+
+def test_ep1_fp8_matches_dequantized_checkpoint(ckpts):
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    ours = _logits(ckpts["fp8"], ids)
+    assert _rel(ours, _logits(ckpts["deq"], ids)) < 1e-6
+    assert _rel(ours, _logits(ckpts["base"], ids)) > 1e-6  # the weights really went through FP8
+    ref = AutoModelForCausalLM.from_pretrained(ckpts["deq"], dtype=torch.float32).eval()
+    full = load_full_model(str(ckpts["fp8"]))  # the reference `epmoe run` uses for FP8 checkpoints
+    with torch.no_grad():
+        theirs = ref(ids).logits
+        assert _rel(full(ids).logits, theirs) < 1e-6
+    assert _rel(ours, theirs) < 1e-5
+
+
+def _run(model: Path, tmp_path: Path) -> dict:
+    out = tmp_path / "report.json"
+    code = main(["run", "--model", str(model), "--ep", "2", "--max-new-tokens", "4", "--prompt", "fp8 experts",
+                 "--prompt", "block scales", "--prompt", "abc", "--json", str(out)])
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.multiprocess
+def test_run_fp8_two_ranks_matches_reference(ckpts, tmp_path):
+    report = _run(ckpts["fp8"], tmp_path)
+    assert report["matches_reference"] is True and report["mismatches"] == []
+    assert report["max_logits_rel_err"] < 1e-5
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("source", ["fp8", "deq"])  # deq: the reference is transformers' from_pretrained(config=)
+def test_run_kimi_k2(ckpts, tmp_path, source):
+    kimi = tmp_path / "kimi"
+    shutil.copytree(ckpts[source], kimi)
+    _edit_config(kimi, model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"], auto_map={
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+    report = _run(kimi, tmp_path)
+    assert report["model_type"] == "kimi_k2"
+    assert report["matches_reference"] is True and report["max_logits_rel_err"] < 1e-5
+
+
+def test_kimi_k25_wrapper_with_language_model_prefix(ckpts, tmp_path):
+    wrapped = tmp_path / "k25"
+    _copy_meta(ckpts["fp8"], wrapped)
+    text = json.loads((ckpts["fp8"] / "config.json").read_text())
+    text["model_type"] = "kimi_k2"
+    (wrapped / "config.json").write_text(json.dumps({
+        "model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+        "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config"}, "text_config": text,
+        "vision_config": {"vt_hidden_size": 8},
+    }))
+    tensors = {f"language_model.{k}": v for k, v in _tensors(ckpts["fp8"]).items()}
+    tensors["vision_tower.patch_embed.weight"] = torch.randn(8, 8)
+    save_file(tensors, wrapped / "model.safetensors", metadata={"format": "pt"})
+    ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(2))
+    assert _rel(_logits(wrapped, ids), _logits(ckpts["deq"], ids)) < 1e-6
+    with torch.no_grad():
+        assert _rel(load_full_model(str(wrapped))(ids).logits, _logits(ckpts["deq"], ids)) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.q_a_proj.weight",
+                                  "model.layers.2.mlp.experts.9.down_proj.weight"])
+def test_float8_tensor_without_scale_is_named(ckpts, tmp_path, name):
+    broken = tmp_path / "broken"
+    _copy_meta(ckpts["fp8"], broken)
+    tensors = _tensors(ckpts["fp8"])
+    del tensors[name + "_scale_inv"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{name.replace('.', '[.]')}.*float8_e4m3fn.*no .*_scale_inv"):
+        load_ep_model(str(broken), ExpertPlacement.trivial(2, 16, 1), Comm(None), dispatcher="local")
+
+
+def test_int4_checkpoint_is_refused_clearly(ckpts, tmp_path):
+    int4 = tmp_path / "int4"
+    shutil.copytree(ckpts["deq"], int4)
+    _edit_config(int4, quantization_config={"quant_method": "compressed-tensors", "config_groups": {
+        "group_0": {"weights": {"num_bits": 4, "group_size": 32}}}})
+    with pytest.raises(ValueError, match="int4_group32.*not supported"):
+        load_ep_model(str(int4), ExpertPlacement.trivial(2, 16, 1), Comm(None), dispatcher="local")

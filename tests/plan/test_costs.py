@@ -1,0 +1,161 @@
+"""Cost-model formulas, and the expert-compute model against the stored H200 measurements.
+
+The measurement test is a regression test of the model against ``benchmarks/results/moe_layer_h200.json``
+(written by ``benchmarks/moe_layer.py`` on one H200); nothing is timed here. When that file is replaced by
+a new run, ``python benchmarks/planner_vs_h200.py`` prints the table and re-fits the stream/matrix overlap and
+the fixed per-layer cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from epmoe.plan.costs import (
+    ACT_BYTES,
+    MoEDims,
+    collective_ms,
+    dispatch_layout_ms,
+    expected_distinct_experts,
+    expert_activation_bytes,
+    expert_layer_ms,
+    predict_moe_layer_time,
+)
+from epmoe.plan.hardware import load_hardware, parse_hardware
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "moe_layer_h200.json"
+# benchmarks/moe_layer.py's cases: Qwen3-30B-A3B layer (128 of 128 experts local), DeepSeek-V3 EP8 shard (32 of 256).
+CASES = {"qwen3": (MoEDims(2048, 768, 128, 8), 128), "dsv3": (MoEDims(7168, 2048, 256, 8), 32)}
+
+
+def test_expected_distinct_experts_hand_worked():
+    # Qwen3 (E 128, K 8), 8 tokens: a given expert is missed by one token with probability 120/128 = 15/16,
+    # by all 8 with (15/16)^8 = 0.596719..., so 128 x (1 - 0.596719) = 51.620 experts are hit.
+    assert (15 / 16) ** 8 == pytest.approx(0.5967194, abs=1e-7)
+    assert expected_distinct_experts(8, 128, 8) == pytest.approx(51.620, abs=1e-3)
+    # One token hits exactly K; no tokens hit none; many tokens hit all.
+    assert expected_distinct_experts(1, 128, 8) == pytest.approx(8.0)
+    assert expected_distinct_experts(0, 128, 8) == 0.0
+    assert expected_distinct_experts(4096, 128, 8) == pytest.approx(128.0)
+    # DeepSeek-V3 EP8 shard, 32 of 256 experts: one token -> 32 x 8/256 = 1; 32 tokens -> 32 (1 - (31/32)^32)
+    # = 32 x (1 - 0.362055) = 20.414.
+    assert expected_distinct_experts(1, 256, 8, 32) == pytest.approx(1.0)
+    assert expected_distinct_experts(32, 256, 8, 32) == pytest.approx(20.414, abs=1e-3)
+    # K = E: every expert is hit by every token.
+    assert expected_distinct_experts(1, 8, 8) == 8.0
+
+
+def test_expected_distinct_experts_matches_sampling():
+    # 4000 draws of 8 tokens each choosing 8 distinct experts of 128 without replacement.
+    rng = np.random.default_rng(0)
+    hits = [len(np.unique(np.concatenate([rng.choice(128, 8, replace=False) for _ in range(8)])))
+            for _ in range(4000)]
+    assert np.mean(hits) == pytest.approx(expected_distinct_experts(8, 128, 8), abs=0.3)
+
+
+def test_expected_distinct_experts_bad_input():
+    with pytest.raises(ValueError, match="top_k"):
+        expected_distinct_experts(1, 8, 9)
+    with pytest.raises(ValueError, match="num_tokens"):
+        expected_distinct_experts(-1, 8, 2)
+    with pytest.raises(ValueError, match="num_local"):
+        expected_distinct_experts(1, 8, 2, 9)
+    with pytest.raises(ValueError, match="num_experts"):
+        expected_distinct_experts(1, 0, 1)
+
+
+def test_expert_activation_bytes_hand_worked():
+    # Qwen3 layer, 64 rows: 64 x (3 x 2048 + 2 x 768) x 2 B = 64 x 7680 x 2 = 983,040 B; TP4 slices F only.
+    assert expert_activation_bytes(MoEDims(2048, 768, 128, 8), 64) == 983_040
+    assert expert_activation_bytes(MoEDims(2048, 768, 128, 8), 64, tp=4) == 64 * (3 * 2048 + 2 * 192) * 2
+
+
+def test_expert_layer_ms_hand_worked_overlap_0_and_1():
+    # D 1024, F 512, 4 experts hit, 100 rows, expert TP 2, bf16 on 1 TB/s and 100 TFLOP/s, 10 us fixed.
+    # Weights 4 x 3 x 1024 x 512 x 2 B / 2 = 6,291,456 B; activations 100 x (3 x 1024 + 2 x 512 / 2) x 2 B
+    # = 716,800 B; stream 7,008,256 B / 1 TB/s = 7.008256 us. Matrix 100 x 2 x 1,572,864 / 2 = 157,286,400
+    # FLOPs / 100 TFLOP/s = 1.572864 us.
+    dims = MoEDims(1024, 512, 16, 2)
+    base = dataclasses.replace(load_hardware("h200-sxm"), hbm_bytes_per_s=1e12, matmul_flops_per_s={"bf16": 1e14},
+                               moe_layer_fixed_us=10.0)
+
+    def us(rows: float, overlap: float) -> float:
+        hw = dataclasses.replace(base, moe_stream_matrix_overlap=overlap)
+        return expert_layer_ms(dims, rows, 4, 2, hw, "bf16") * 1e3
+
+    # overlap 0: added, 7.008256 + 1.572864 + 10 = 18.58112 us; overlap 1: the longer only, 17.008256 us;
+    # overlap 0.25: 7.008256 + 0.75 x 1.572864 + 10 = 18.187904 us.
+    assert us(100, 0.0) == pytest.approx(18.58112, abs=1e-9)
+    assert us(100, 1.0) == pytest.approx(17.008256, abs=1e-9)
+    assert us(100, 0.25) == pytest.approx(18.187904, abs=1e-9)
+    # 2000 rows, matrix-bound: activations 2000 x 3584 x 2 B = 14,336,000 B -> stream 20.627456 us; matrix
+    # 3,145,728,000 FLOPs -> 31.45728 us. Overlap 0: 62.084736 us; overlap 1: 41.45728 us.
+    assert us(2000, 0.0) == pytest.approx(62.084736, abs=1e-9)
+    assert us(2000, 1.0) == pytest.approx(41.45728, abs=1e-9)
+
+
+def _h200_doc() -> dict:
+    return json.loads(resources.files("epmoe.plan.hardware").joinpath("h200-sxm.json").read_text())
+
+
+@pytest.mark.parametrize("value", [1.5, -0.1, "0.5", True, None, float("nan")])
+def test_profile_overlap_outside_0_1_or_not_a_number_refused(value):
+    doc = _h200_doc()
+    doc["moe_stream_matrix_overlap"] = value
+    with pytest.raises(ValueError, match=r"field 'moe_stream_matrix_overlap' must be a number in \[0, 1\], got "):
+        parse_hardware(doc, "bad.json")
+
+
+def test_profile_overlap_absent_means_0_and_bounds_accepted():
+    doc = _h200_doc()
+    del doc["moe_stream_matrix_overlap"]
+    assert parse_hardware(doc).moe_stream_matrix_overlap == 0.0
+    for value in (0, 1, 0.527):
+        doc["moe_stream_matrix_overlap"] = value
+        assert parse_hardware(doc).moe_stream_matrix_overlap == value
+
+
+def test_model_within_25_percent_of_h200_measurements():
+    results = json.loads(RESULTS.read_text())
+    hw = load_hardware("h200-sxm")
+    assert results["rows"], f"{RESULTS} holds no rows"
+    off = []
+    for row in results["rows"]:
+        dims, local = CASES[row["case"]]
+        predicted_us = predict_moe_layer_time(dims, row["tokens"], local, hw, "bf16") * 1e3
+        ratio = predicted_us / row["ours_us"]
+        if not 0.75 <= ratio <= 1.25:
+            off.append(f"{row['case']} T={row['tokens']}: measured {row['ours_us']:.1f} us, "
+                       f"predicted {predicted_us:.1f} us ({ratio:.2f}x)")
+    assert not off, ("expert-compute model off by more than 25% (re-fit with benchmarks/planner_vs_h200.py): "
+                     + "; ".join(off))
+
+
+def test_collective_ms_reads_a_measured_curve():
+    link = load_hardware("h200-sxm").intra_node
+    curved = dataclasses.replace(link, all_reduce_ms_by_bytes=((1024.0, 0.010), (4096.0, 0.040)),
+                                 all_to_all_ms_by_bytes=((2048.0, 0.020), (8192.0, 0.080)))
+    # all-reduce of a 2048 B buffer: halfway in log2 between 1024 and 4096 -> sqrt(0.010 * 0.040) = 0.020 ms
+    assert collective_ms("all_reduce", 2048, 2, curved) == pytest.approx(0.020)
+    assert collective_ms("all_reduce", 100, 2, curved) == pytest.approx(0.010)  # flat below the first point
+    # beyond the last point: the last time plus the extra bus bytes at the link's bandwidth
+    extra = 2 * (2 - 1) / 2 * (8192 - 4096) / link.all_reduce_busbw_bytes_per_s * 1e3
+    assert collective_ms("all_reduce", 8192, 2, curved) == pytest.approx(0.040 + extra)
+    # all-to-all: 2048 B sent to the other of 2 ranks is a 4096 B buffer -> sqrt(0.020 * 0.080) = 0.040 ms
+    assert collective_ms("all_to_all", 2048, 2, curved) == pytest.approx(0.040)
+    # reduce-scatter moves half an all-reduce's bytes: the all-reduce curve at half the buffer
+    assert collective_ms("reduce_scatter", 4096, 2, curved) == pytest.approx(0.020)
+    # without a curve: the latency + bandwidth line
+    assert collective_ms("all_to_all", 2048, 2, link) == pytest.approx(
+        link.all_to_all_latency_us * 1e-3 + 2048 / link.all_to_all_busbw_bytes_per_s * 1e3)
+
+
+def test_dispatch_layout_ms_hand_worked():
+    # 100 tokens reaching 1.5 ranks each: pack reads and writes 150 rows, combine reads 150 and writes 100
+    ms = dispatch_layout_ms(150, 100, 7168, 4e12, 9.4)
+    assert ms == pytest.approx(9.4e-3 + (3 * 150 + 100) * 7168 * ACT_BYTES / 4e12 * 1e3)

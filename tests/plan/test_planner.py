@@ -1,0 +1,375 @@
+"""Planner: every shipped MoE config plans; collective counts and memory against hand-worked values."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from epmoe.cli import main
+from epmoe.plan.costs import MoEDims, expected_destination_ranks, expected_max_load, predict_moe_layer_time
+from epmoe.plan.hardware import hardware_names, load_hardware
+from epmoe.plan.planner import plan
+from epmoe.plan.report import plan_to_dict, plot_plan, recommend
+from epmoe.plan.request import PlanRequest
+from epmoe.spec import DenseModelError, load_moe_spec
+
+from ..conftest import CONFIGS
+
+MOE_CONFIGS = sorted(p for p in CONFIGS.glob("*.json") if not p.name.startswith("eagle3"))
+H200 = "h200-sxm"
+
+
+def _plan(name: str, gpus: int, **kw):
+    spec = load_moe_spec(CONFIGS / f"{name}.config.json")
+    return plan(PlanRequest(spec=spec, hardware=load_hardware(kw.pop("hardware", H200)), gpus=gpus, **kw))
+
+
+def test_shipped_profiles_load():
+    assert {"h200-sxm", "h100-sxm", "rtx-pro-6000"} <= set(hardware_names())
+    for name in hardware_names():
+        hw = load_hardware(name)
+        assert hw.memory_bytes > 0 and hw.hbm_bytes_per_s > 0 and "bf16" in hw.matmul_flops_per_s
+        assert hw.sources, f"{name} names no sources"
+
+
+@pytest.mark.parametrize("path", MOE_CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("hardware", ["h200-sxm", "rtx-pro-6000"])
+def test_every_config_plans(path, hardware):
+    spec = load_moe_spec(path)
+    gpus = 8 if spec.num_experts >= 8 else spec.num_experts
+    p = plan(PlanRequest(spec=spec, hardware=load_hardware(hardware), gpus=gpus, spec_tokens=3))
+    assert p.strategies
+    for sp in p.strategies:
+        for st in sp.steps:
+            assert st.total_ms > 0 and math.isfinite(st.total_ms)
+            assert st.memory.total > st.memory.weights > 0
+    assert recommend(p)
+
+
+def test_kimi_k25_tp8_counts():
+    # Kimi-K2.5: 61 decoder layers (layer 0 dense, 60 MoE), D 7168.
+    p = _plan("kimi-k2.5", 8, batches=(1,))
+    tp = p.strategy("TP8").steps[0]
+    # TP: one all-reduce after attention and one after the MLP/MoE of every layer: 2 x 61 = 122.
+    assert tp.count("all_reduce") == 122
+    ar = next(c for c in tp.collectives if c.kind == "all_reduce")
+    assert ar.bytes_per_call == 1 * 7168 * 2  # 1 token x D x 2 B (bf16) = 14336 B
+    # EP with DP attention: dispatch + combine per MoE layer, 2 x 60 = 120 all-to-alls, nothing else.
+    dp = p.strategy("EP8+DPattn").steps[0]
+    assert dp.count("all_to_all") == 120 and dp.count("all_reduce") == 0
+    # EP with TP attention: the dense layer keeps 2 all-reduces; every MoE layer reduce-scatters,
+    # dispatches, combines and all-gathers (60 + 1 logits all-gather).
+    tpa = p.strategy("EP8+TPattn").steps[0]
+    assert (tpa.count("all_reduce"), tpa.count("reduce_scatter"), tpa.count("all_gather"), tpa.count("all_to_all")) == (
+        2, 60, 61, 120)
+    assert "TP8" in recommend(p).split(" ")[0]
+
+
+def test_kimi_k25_verify_step_bytes():
+    # S = 3 draft tokens: 4 positions per sequence; batch 2 -> 8 tokens x 7168 x 2 B = 114688 B per all-reduce.
+    st = _plan("kimi-k2.5", 8, batches=(2,), spec_tokens=3).strategy("TP8").steps[0]
+    assert st.tokens == 8
+    assert next(c for c in st.collectives if c.kind == "all_reduce").bytes_per_call == 8 * 7168 * 2
+
+
+def test_deepseek_v3_counts_and_memory():
+    p = _plan("deepseek-v3", 8, batches=(64,), context=4096)
+    # 61 layers (3 dense, 58 MoE): TP8 2 x 61 = 122 all-reduces; EP8+DPattn 2 x 58 = 116 all-to-alls.
+    assert p.strategy("TP8").steps[0].count("all_reduce") == 122
+    ep = p.strategy("EP8+DPattn").steps[0]
+    assert ep.count("all_to_all") == 116
+    # MLA cache: (kv_lora 512 + rope 64) x 2 B = 1152 B per token per layer, whole on every rank.
+    # DP attention: 64 / 8 = 8 sequences per rank: 8 x 4096 x 61 x 1152 = 2,302,672,896 B.
+    assert ep.memory.kv_cache == 8 * 4096 * 61 * 1152 == 2_302_672_896
+    # TP attention replicates the latent cache: all 64 sequences on every rank, 8x as much.
+    assert p.strategy("TP8").steps[0].memory.kv_cache == 64 * 4096 * 61 * 1152
+    # Routed experts per rank under EP8: 58 layers x 32 experts x 3*7168*2048 (= 44,040,192) params
+    # x (1 + 4/16384) B (FP8 with one fp32 scale per 128x128 block).
+    assert ep.memory.expert_weights == pytest.approx(58 * 32 * 44_040_192 * (1 + 4 / 16384))
+    # A token's 8 experts among 256 (32 per rank) land on 8 * (1 - prod_{i<8} (224-i)/(256-i)) = 5.25 ranks.
+    miss = math.prod((224 - i) / (256 - i) for i in range(8))
+    assert expected_destination_ranks(256, 8, 8) == pytest.approx(8 * (1 - miss))
+    assert 5.2 < 8 * (1 - miss) < 5.3
+
+
+def test_qwen3_30b_tp4_memory():
+    p = _plan("qwen3-30b-a3b", 4, batches=(8,), context=1000)
+    st = p.strategy("TP4").steps[0]
+    # 48 layers, all MoE, D 2048: 2 x 48 = 96 all-reduces.
+    assert st.count("all_reduce") == 96
+    # Per rank, bf16: attention q+o 2 x 2048 x 32 x 128 = 16,777,216 / 4 = 4,194,304; k+v 2048 x 4 x 256 =
+    # 2,097,152 split over 4 KV heads -> 1 head = 524,288; experts 128 x 3 x 2048 x 768 / 4 = 150,994,944;
+    # router 2048 x 128 = 262,144; per layer 155,975,680, x 48 = 7,486,832,640; embedding 151,936 x 2048 =
+    # 311,164,928 whole + LM head / 4 = 77,791,232 -> 7,875,788,800 params x 2 B = 15,751,577,600 B.
+    assert st.memory.weights == pytest.approx(15_751_577_600)
+    # KV: 1 KV head per rank x (128 + 128) x 2 B = 512 B per token per layer; 8 seqs x 1000 x 48 x 512.
+    assert st.memory.kv_cache == 8 * 1000 * 48 * 512
+    # Whole model (TP1) is the published 30.5B parameters: 48 x 623,116,288 + 2 x 311,164,928.
+    one = _plan("qwen3-30b-a3b", 1, batches=(1,)).strategy("TP1").steps[0]
+    assert one.memory.weights / 2 == pytest.approx(48 * 623_116_288 + 2 * 311_164_928)
+    assert one.collectives == ()
+
+
+def test_mixtral_8x7b():
+    p = _plan("mixtral-8x7b", 8, batches=(8,))
+    # 32 layers: TP8 64 all-reduces; EP8+DPattn 2 x 32 = 64 all-to-alls.
+    assert p.strategy("TP8").steps[0].count("all_reduce") == 64
+    ep = p.strategy("EP8+DPattn").steps[0]
+    assert ep.count("all_to_all") == 64
+    # 8 experts on 8 ranks: a token's 2 experts are on 2 ranks, 2 x 7/8 = 1.75 of them remote;
+    # batch 8 on DP8 -> 1 token per rank: 1 x 1.75 x 4096 x 2 B = 14336 B sent per all-to-all.
+    assert expected_destination_ranks(8, 2, 8) == pytest.approx(2.0)
+    assert next(c for c in ep.collectives if c.kind == "all_to_all").bytes_per_call == pytest.approx(14336)
+    # Whole model: 32 x (attention 41,943,040 + experts 8 x 176,160,768 + router 32,768) + 2 x 32000 x 4096
+    # = 46,702,526,464 params (Mixtral's published 46.7B), bf16 -> x 2 B; TP2 halves all but the
+    # replicated embedding (131,072,000) and router (32 x 32,768).
+    tp2 = _plan("mixtral-8x7b", 2, batches=(1,)).strategy("TP2").steps[0]
+    whole = 46_702_526_464
+    replicated = 131_072_000 + 32 * 32_768
+    assert tp2.memory.weights == pytest.approx(2 * ((whole - replicated) / 2 + replicated))
+
+
+def test_config_that_cannot_fit_is_reported():
+    # Kimi-K2 Instruct in FP8 is ~1.03 TB of weights: more than 8 x 141 GB x 0.9.
+    p = _plan("kimi-k2-instruct", 8, batches=(1,))
+    assert all(not sp.steps[0].memory.fits for sp in p.strategies)
+    assert all(sp.steps[0].memory.over > 0 for sp in p.strategies)
+    assert recommend(p).startswith("nothing fits")
+    # Kimi-K2.5 at batch 256: TP replicates the MLA cache (256 x 4096 x 61 x 1152 B = 68.6 GiB) and overflows.
+    big = _plan("kimi-k2.5", 8, batches=(256,)).strategy("TP8").steps[0]
+    assert not big.memory.fits and big.memory.over > 0
+
+
+def test_load_imbalance_model():
+    # One bin holds everything; perfect balance at large loads tends to the mean; skew to mean / B.
+    assert expected_max_load(100, 1) == 100
+    assert expected_max_load(80_000, 8, 1.0) == pytest.approx(10_000, rel=0.02)
+    assert expected_max_load(80_000, 8, 0.5) == pytest.approx(20_000, rel=0.02)
+    assert 2.0 < expected_max_load(8, 8, 1.0) < 2.6  # 8 picks over 8 ranks: about 2.2 on the busiest
+
+
+def test_predict_moe_layer_time_hand_worked():
+    spec = load_moe_spec(CONFIGS / "qwen3-30b-a3b.config.json")
+    # Fixed figures so the arithmetic below does not move with the shipped profile.
+    hw = dataclasses.replace(load_hardware(H200), hbm_bytes_per_s=4.25e12, matmul_flops_per_s={"bf16": 6.78e14},
+                             moe_layer_fixed_us=27.0, moe_stream_matrix_overlap=0.5)
+    # 4096 tokens x top-8 = 32768 rows over 128 experts; all hit (128 (1 - (15/16)^4096) = 128).
+    # Weights 128 x 3 x 2048 x 768 x 2 B = 1,207,959,552 B; activations 32768 rows x (3 x 2048 + 2 x 768)
+    # x 2 B = 503,316,480 B; together 1,711,276,032 B / 4.25 TB/s = 402.653 us. FLOPs 32768 x 2 x 4,718,592
+    # = 309,237,645,312 / 678 TFLOP/s = 456.103 us. Half of the shorter (streaming) hidden under the matrix work:
+    # 456.103 + 0.5 x 402.653 = 657.429 us, + 27 us fixed = 684.429 us.
+    stream_ms = (1_207_959_552 + 503_316_480) / 4.25e12 * 1e3
+    matrix_ms = 32768 * 2 * 4_718_592 / 6.78e14 * 1e3
+    assert (stream_ms, matrix_ms) == (pytest.approx(0.402653, abs=1e-6), pytest.approx(0.456103, abs=1e-6))
+    assert predict_moe_layer_time(spec, 4096, 128, hw, "bf16") == pytest.approx(0.684429, abs=1e-6)
+    # DeepSeek-V3 EP8 shard, 1 token: 8/256 of its choices are local -> 1 row, 1 expert hit (32 x 8/256).
+    # 3 x 7168 x 2048 x 2 B = 88,080,384 B + 1 x (3 x 7168 + 2 x 2048) x 2 B = 51,200 B -> 20.7368 us of
+    # streaming; 2 x 44,040,192 FLOPs -> 0.1299 us of matrix work, half of it hidden: 20.8018 us + 27 us.
+    shard = predict_moe_layer_time(MoEDims(7168, 2048, 256, 8), 1, 32, hw, "bf16")
+    assert shard == pytest.approx(((88_080_384 + 51_200) / 4.25e12 + 0.5 * 2 * 44_040_192 / 6.78e14) * 1e3 + 0.027)
+    assert shard == pytest.approx(0.0478018, abs=1e-7)
+    with pytest.raises(ValueError, match="num_local_experts"):
+        predict_moe_layer_time(spec, 1, 129, hw)
+
+
+def test_plan_expert_term_is_predict_moe_layer_time():
+    # epmoe plan prices routed experts with the function checked against the H200 measurements:
+    # on one GPU (TP1) the step's expert time is L MoE layers x predict_moe_layer_time(all E local).
+    spec = load_moe_spec(CONFIGS / "qwen3-30b-a3b.config.json")
+    hw = load_hardware(H200)
+    p = plan(PlanRequest(spec=spec, hardware=hw, gpus=1, batches=(1, 8, 64, 256)))
+    for st in p.strategy("TP1").steps:
+        per_layer = predict_moe_layer_time(spec, st.tokens, spec.num_experts, hw, "bf16")
+        assert st.expert_ms == pytest.approx(spec.num_moe_layers * per_layer, rel=1e-12)
+
+
+def test_ep_busiest_rank_reads_more_expert_weights_at_batch_1():
+    # DeepSeek-V3, batch 1: TP8 reads 1/8 of each of the token's 8 experts = 1 expert's bytes per rank.
+    # EP8: the busiest rank receives expected_max_load(8 rows, 8 ranks, balancedness 0.8) = 2.49 rows and is
+    # priced as 2.49 tokens over its 32 of 256 experts: 32 (1 - (1 - 8/256)^2.49) = 2.44 experts' bytes.
+    p = _plan("deepseek-v3", 8, batches=(1,))
+    hw = load_hardware(H200)
+    fixed_ms = 58 * hw.moe_layer_fixed_us * 1e-3
+    tp = p.strategy("TP8").steps[0].expert_ms - fixed_ms
+    ep = p.strategy("EP8+DPattn").steps[0].expert_ms - fixed_ms
+    assert ep / tp == pytest.approx(2.44, rel=0.03)
+
+
+def test_bad_inputs():
+    spec = load_moe_spec(CONFIGS / "mixtral-8x7b.config.json")
+    hw = load_hardware(H200)
+    with pytest.raises(ValueError, match="hardware 'b200' is not known"):
+        load_hardware("b200")
+    with pytest.raises(ValueError, match="batch must be an integer >= 1, got 0"):
+        PlanRequest(spec=spec, hardware=hw, gpus=8, batches=(1, 0))
+    with pytest.raises(ValueError, match=r"gpus \(16\) exceeds the expert slots.*--redundant 8"):
+        PlanRequest(spec=spec, hardware=hw, gpus=16, nodes=2)
+    with pytest.raises(ValueError, match="pass --nodes 2"):
+        PlanRequest(spec=load_moe_spec(CONFIGS / "deepseek-v3.config.json"), hardware=hw, gpus=16)
+    with pytest.raises(DenseModelError, match="no MoE layers"):
+        load_moe_spec(CONFIGS / "eagle3-draft-deepseek-v3-specforge.config.json")
+    # qwen1.5-MoE has 60 experts: EP8 is skipped with the redundancy that would make it work.
+    p = _plan("qwen1.5-moe-a2.7b", 8, batches=(1,))
+    assert any("--redundant 4" in why for why in p.skipped)
+    planned = _plan("qwen1.5-moe-a2.7b", 8, batches=(1,), redundant=4).strategies
+    assert any(sp.strategy.name == "EP8+DPattn" for sp in planned)
+
+
+def test_cli_plan_json_plot_and_errors(tmp_path, capsys):
+    cfg = str(CONFIGS / "kimi-k2.5.config.json")
+    png = tmp_path / "plan.png"
+    assert main(["plan", "--config", cfg, "--gpus", "8", "--hardware", H200, "--batch", "1,8,64,256", "--json",
+                 "--plot", str(png)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    tp8 = next(s for s in doc["strategies"] if s["name"] == "TP8")
+    assert sum(c["count"] for c in tp8["steps"][0]["collectives"] if c["kind"] == "all_reduce") == 122
+    assert doc["recommendation"] and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["plan", "--config", cfg, "--gpus", "8", "--hardware", "nope"]) == 2
+    assert "hardware 'nope' is not known" in capsys.readouterr().err
+    draft = str(CONFIGS / "eagle3-draft-kimi-k2-instruct-aq-medai.config.json")
+    assert main(["plan", "--config", draft, "--gpus", "8", "--hardware", H200]) == 2
+    assert "no MoE layers" in capsys.readouterr().err
+    assert main(["plan", "--config", cfg, "--gpus", "8", "--hardware", H200, "--batch", "1"]) == 0
+    assert "Recommendation" in capsys.readouterr().out
+
+
+def test_plan_dict_and_plot_roundtrip(tmp_path):
+    p = _plan("olmoe-1b-7b-0924", 4, batches=(1, 16))
+    doc = json.loads(json.dumps(plan_to_dict(p)))
+    assert doc["gpus"] == 4 and len(doc["strategies"]) == len(p.strategies)
+    plot_plan(p, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    "config,gpus,extra,reasons",
+    [
+        ("deepseek-v3", 3, [], ["128 attention heads are not divisible by 3",
+                                "256 expert slots are not divisible by 3; use --redundant 2"]),
+        ("mixtral-8x7b", 3, [], ["32 attention heads are not divisible by 3",
+                                 "8 expert slots are not divisible by 3; use --redundant 1"]),
+        ("olmoe-1b-7b-0924", 7, [], ["16 attention heads are not divisible by 7",
+                                     "64 expert slots are not divisible by 7; use --redundant 6"]),
+        # the suggestion is the total to pass, counting the redundant slots already asked for
+        ("deepseek-v3", 3, ["--redundant", "1"], ["257 expert slots are not divisible by 3; use --redundant 2"]),
+    ],
+)
+def test_no_strategy_on_n_gpus_says_why(capsys, config, gpus, extra, reasons):
+    cfg = str(CONFIGS / f"{config}.config.json")
+    assert main(["plan", "--config", cfg, "--gpus", str(gpus), "--hardware", "h200-sxm", *extra]) == 2
+    captured = capsys.readouterr()
+    assert f"epmoe plan: error: no strategy can run {config}.config.json on {gpus} GPUs: " in captured.err
+    assert "min()" not in captured.err and all(r in captured.err for r in reasons), captured.err
+    assert captured.out == ""  # nothing printed before the error (no empty table)
+    with pytest.raises(ValueError, match=f"no strategy can run {config}.config.json on {gpus} GPUs"):
+        plan(PlanRequest(spec=load_moe_spec(cfg), hardware=load_hardware("h200-sxm"), gpus=gpus, batches=(1,)))
+
+
+def test_redundant_suggestion_counts_the_slots_given():
+    from epmoe.plan.planner import strategies_for
+
+    # Mixtral: 8 experts + 1 redundant = 9 slots over 4 GPUs: TP2xEP2 needs 10 slots, EP4 needs 12
+    _, skipped = strategies_for(load_moe_spec(CONFIGS / "mixtral-8x7b.config.json"), 4, redundant=1)
+    assert "TP2xEP2: 9 expert slots are not divisible by EP 2; use --redundant 2" in skipped
+    assert "EP4 with all-to-all: 9 expert slots are not divisible by 4; use --redundant 4" in skipped
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--gpus", "8", "--mem-fraction", "2"], "error: --mem-fraction must lie in (0, 1], got 2.0"),
+        (["--gpus", "8", "--spec-tokens", "-1"], "error: --spec-tokens must be an integer >= 0, got -1"),
+        (["--gpus", "8", "--redundant", "-2"], "error: --redundant must be an integer >= 0, got -2"),
+        (["--gpus", "8", "--context", "0"], "error: --context must be an integer >= 1, got 0"),
+        (["--gpus", "0"], "error: --gpus must be an integer >= 1, got 0"),
+        (["--gpus", "16"], "error: --gpus (16) on 1 node(s) is 16 per node but h200-sxm has 8; pass --nodes 2"),
+        (["--gpus", "8", "--nodes", "3"], "error: --gpus (8) must be divisible by --nodes (3)"),
+    ],
+)
+def test_cli_messages_name_the_flags(capsys, args, msg):
+    cfg = str(CONFIGS / "deepseek-v3.config.json")
+    assert main(["plan", "--config", cfg, "--hardware", "h200-sxm", *args]) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_weights_hint_only_smaller_formats(capsys):
+    from epmoe.plan.costs import smaller_weight_choices, weights_hint
+
+    assert smaller_weight_choices("bf16") == ["fp8", "int4"]
+    assert weights_hint("fp8_block128") == "--weights int4"
+    assert weights_hint("int4_group32") == "" and weights_hint("mxfp4") == ""
+    # Kimi-K2-Instruct is stored in FP8 already: only int4 is smaller
+    k2 = str(CONFIGS / "kimi-k2-instruct.config.json")
+    assert main(["plan", "--config", k2, "--gpus", "2", "--hardware", "h200-sxm", "--batch", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "nothing fits" in out and "use --weights int4 or a shorter --context" in out and "fp8/int4" not in out
+    # Kimi-K2.5 (INT4 experts): no --weights advice at all
+    k25 = str(CONFIGS / "kimi-k2.5.config.json")
+    assert main(["plan", "--config", k25, "--gpus", "1", "--hardware", "h200-sxm", "--batch", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "add GPUs or use a shorter --context" in out and "--weights" not in out
+
+
+@pytest.mark.parametrize("flag,value,msg", [
+    ("--batch", "1000000000000", "--batch must be at most 1048576, got 1000000000000"),
+    ("--spec-tokens", "1000000000", "--spec-tokens must be at most 256, got 1000000000"),
+    ("--context", "999999999999", "--context must be at most 16777216, got 999999999999"),
+    ("--redundant", "100000", "--redundant must be at most 896, got 100000"),  # 128 experts x (8 - 1) GPUs
+])
+def test_plan_refuses_absurd_sizes_at_once(capsys, flag, value, msg):
+    cfg = str(CONFIGS / "qwen3-30b-a3b.config.json")
+    assert main(["plan", "--config", cfg, "--gpus", "8", "--hardware", "h200-sxm", flag, value]) == 2
+    captured = capsys.readouterr()
+    assert msg in captured.err and captured.out == ""
+
+
+def test_expected_max_load_sums_only_the_window():
+    # the window is exact for ordinary sizes: 8 picks over 8 ranks, by direct summation of P(max > k)
+    from scipy.stats import binom
+
+    direct = sum(1 - binom.cdf(k, 8, 1 / 8) ** 8 for k in range(8))
+    assert expected_max_load(8, 8) == pytest.approx(direct, rel=1e-12)
+    # billions of items: O(sqrt(n)) terms; the busiest of 8 bins sits a few standard deviations above the mean
+    n = 2e9
+    mean, sd = n / 8, math.sqrt(n / 8 * 7 / 8)
+    assert mean + sd < expected_max_load(n, 8) < mean + 4 * sd
+
+
+def test_plot_path_checked_before_planning_and_written_exactly(tmp_path, capsys):
+    cfg = str(CONFIGS / "qwen3-30b-a3b.config.json")
+    base = ["plan", "--config", cfg, "--gpus", "8", "--hardware", "h200-sxm", "--batch", "1"]
+    assert main([*base, "--plot", str(tmp_path / "nodir" / "x.png")]) == 2
+    captured = capsys.readouterr()
+    assert "--plot" in captured.err and "does not exist" in captured.err and captured.out == ""
+    assert main([*base, "--plot", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert main([*base, "--plot", str(tmp_path / "steps")]) == 0  # no suffix: written under exactly that name
+    assert (tmp_path / "steps").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "steps.png").exists()
+
+
+def test_batch_list_parsing(capsys):
+    cfg = str(CONFIGS / "qwen3-30b-a3b.config.json")
+    base = ["plan", "--config", cfg, "--gpus", "8", "--hardware", "h200-sxm", "--json"]
+    assert main([*base, "--batch", "8,1,8"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert sorted({st["batch"] for sp in doc["strategies"] for st in sp["steps"]}) == [1, 8]
+    assert all([st["batch"] for st in sp["steps"]] == [1, 8] for sp in doc["strategies"])
+    with pytest.raises(SystemExit) as exit_info:  # argparse's own usage error
+        main([*base, "--batch", "1,,2"])
+    assert exit_info.value.code == 2
+    assert "--batch must be comma-separated integers, got '1,,2'" in capsys.readouterr().err
+
+
+def test_recommendation_names_the_family_that_does_not_fit():
+    # DeepSeek-V3 on 8 x H200 at batch 256: no all-reduce strategy fits; the reason says so and names
+    # the fastest of them with its overshoot, not one strategy as if it were the only alternative.
+    p = _plan("deepseek-v3", 8, batches=(256,))
+    line = recommend(p)
+    best = min((s for s in p.strategies if s.steps[0].memory.fits), key=lambda s: s.steps[0].total_ms)
+    assert best.strategy.mode != "all_reduce"
+    assert all(not s.steps[0].memory.fits for s in p.strategies if s.strategy.mode == "all_reduce")
+    assert line.startswith(f"{best.strategy.name} at every batch size: at batch 256 no all-reduce strategy fits "
+                           "(the fastest, ")

@@ -1,0 +1,91 @@
+"""Live rebalancing: weights move between gloo ranks mid-generation with identical output; a rank that
+fails during the move leaves the old placement serving on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epmoe.comm import Comm
+from epmoe.placement import ExpertPlacement
+from epmoe.runtime import rebalance
+from epmoe.runtime.launch import RankInfo, init_group, spawn
+from epmoe.runtime.run import RunConfig, run_job
+
+from ..hf_greedy import hf_greedy
+
+
+@pytest.mark.multiprocess
+def test_rebalance_mid_generation_keeps_tokens(tiny_checkpoints):
+    report = run_job(RunConfig(model=str(tiny_checkpoints("kimi-k2.5")), ep=2, redundant=2, max_new_tokens=7,
+                               eplb_interval=2))
+    events = report.ranks[0].rebalances
+    assert [e["step"] for e in events] == [2, 4, 6]
+    assert any(e["committed"] and e["copies_moved"] > 0 for e in events)
+    assert all(e["balancedness_after"] >= e["balancedness_before"] - 0.02 for e in events)
+    assert report.ranks[1].rebalances == events  # every rank took the same decisions
+    assert report.matches_reference is True
+
+
+def _snapshot(ep) -> list[torch.Tensor]:
+    return [p.detach().clone() for layer in ep.moe_layers for p in layer.experts.parameters()]
+
+
+def _worker(info: RankInfo, directory: str, fail_rank: int, where: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from epmoe.models.hf import load_ep_model
+
+    comm = Comm(init_group(info, "cpu"))
+    old = ExpertPlacement.trivial(2, 16, 2, num_redundant=2)
+    ep = load_ep_model(directory, old, comm)
+    new = ExpertPlacement.trivial(2, 16, 2, num_redundant=2, layout="round_robin")
+    before = _snapshot(ep)
+    original = getattr(rebalance, where)
+    if comm.rank == fail_rank:
+        def boom(*args, **kwargs):
+            raise RuntimeError("simulated failure")
+        setattr(rebalance, where, boom)
+    failed = rebalance.migrate(ep, new, epoch=1, timeout_s=20)
+    kept = ep.placement is old and all(layer.placement is old for layer in ep.moe_layers)
+    same_weights = all(torch.equal(a, b) for a, b in zip(before, _snapshot(ep)))
+    prompts = [[72, 101, 108, 108, 111 + comm.rank]]
+    ref = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    want = hf_greedy(ref, prompts, 5, 258)
+    after_failure = hf_greedy(ep.model, prompts, 5, 258)
+    # the same move without the fault commits, and serving stays exact
+    setattr(rebalance, where, original)
+    ok = rebalance.migrate(ep, new, epoch=2, timeout_s=20)
+    after_commit = hf_greedy(ep.model, prompts, 5, 258)
+    held = [layer.local_experts.tolist() for layer in ep.moe_layers]
+    torch.distributed.destroy_process_group()
+    return {"failed": failed, "kept": kept, "same_weights": same_weights, "want": want,
+            "after_failure": after_failure, "ok": ok, "after_commit": after_commit, "held": held,
+            "expected_held": new.local_experts(comm.rank).tolist()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("where", ["_unpack", "_stage_layer"])
+def test_failed_move_keeps_old_placement(tiny_checkpoints, where):
+    results = spawn(_worker, 2, (str(tiny_checkpoints("kimi-k2.5")), 1, where))
+    for r in results:
+        assert r["failed"].committed is False
+        assert "the old placement keeps serving" in r["failed"].error
+        assert r["kept"] and r["same_weights"]
+        assert r["after_failure"] == r["want"]
+        assert r["ok"].committed and r["ok"].error is None
+        assert r["held"] == r["expected_held"]
+        assert r["after_commit"] == r["want"]
+    assert "rank 1" in results[1]["failed"].error and "simulated failure" in results[1]["failed"].error
+    assert "another rank failed" in results[0]["failed"].error
+    # contiguous -> round robin with 2 redundant: rank 0 keeps experts 0, 2, 4, 6 and receives the rest
+    assert results[0]["ok"].copies_received > 0 and results[0]["ok"].bytes_received > 0
+
+
+def test_migrate_rejects_wrong_shape_before_moving(tiny_checkpoints):
+    from epmoe.models.hf import load_ep_model
+
+    ep = load_ep_model(str(tiny_checkpoints("kimi-k2.5")), ExpertPlacement.trivial(2, 16, 1), Comm(None),
+                       dispatcher="local")
+    with pytest.raises(ValueError, match="new placement has num_slots 18, the model serves 16"):
+        rebalance.migrate(ep, ExpertPlacement.trivial(2, 16, 1, num_redundant=2))

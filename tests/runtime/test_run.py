@@ -1,0 +1,208 @@
+"""``epmoe run`` end to end (spawned ranks and torchrun), and its bad-input messages."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from epmoe.cli import main
+from epmoe.comm import Comm
+from epmoe.models.hf import load_ep_model
+from epmoe.placement import ExpertPlacement
+from epmoe.runtime.launch import free_port
+
+
+@pytest.fixture(scope="module")
+def kimi(tiny_checkpoints):
+    return tiny_checkpoints("kimi-k2.5")
+
+
+def test_run_two_ranks_matches_reference(kimi, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    code = main(["run", "--model", str(kimi), "--ep", "2", "--max-new-tokens", "4", "--redundant", "2",
+                 "--prompt", "hello", "--prompt", "expert parallel", "--prompt", "abc", "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["matches_reference"] is True and report["mismatches"] == []
+    assert [len(r["prompts"]) for r in report["ranks"]] == [2, 1]
+    # per step: 2 MoE layers x (counts + rows + results) all-to-alls, one all-gather agreeing on the batch
+    # (plus the final round that agrees there is no more work)
+    for r in report["ranks"]:
+        steps = r["steps"]
+        assert r["collectives"] == {"all_to_all": 6.0, "all_reduce": 0.0, "all_gather": (steps + 1) / steps}
+        assert r["expert_mb"] == pytest.approx(r["full_expert_mb"] * 9 / 16)  # (16 + 2) / 2 of 16 experts
+    assert 0 < report["balancedness"] <= 1
+    assert "YES, token for token" in capsys.readouterr().out
+
+
+def test_run_with_placement_file_and_idle_rank(kimi, tmp_path):
+    placement = tmp_path / "pl.safetensors"
+    ExpertPlacement.trivial(2, 16, 4, layout="round_robin").save(placement)
+    out = tmp_path / "r.json"
+    # 2 prompts over 4 ranks: ranks 2 and 3 have nothing to do and join with empty batches
+    code = main(["run", "--model", str(kimi), "--ep", "4", "--placement", str(placement), "--max-new-tokens", "3",
+                 "--prompt", "one", "--prompt", "two", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 0 and report["matches_reference"] is True
+    idle = [r for r in report["ranks"] if not r["prompts"]]
+    assert len(idle) == 2 and all(r["step_kinds"]["idle_steps"] == r["steps"] > 0 for r in idle)
+    assert all(r["step_kinds"]["eager_steps"] == 0 for r in idle)
+
+
+def test_run_under_torchrun_environment(kimi, tmp_path):
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "epmoe.cli", "run", "--model", str(kimi), "--max-new-tokens", "3",
+             "--json", str(tmp_path / f"r{rank}.json")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    report = json.loads((tmp_path / "r0.json").read_text())
+    assert report["ep"] == 2 and report["matches_reference"] is True
+    assert not (tmp_path / "r1.json").exists()  # only rank 0 reports
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--ep", "32"], r"EP size \(32\) is larger than the number of slots \(16\)"),
+        (["--ep", "2", "--redundant", "1"],
+         r"num_slots \(17 = 16 experts \+ 1 redundant\) must be divisible by the EP group size \(2\)"),
+        (["--ep", "0"], r"--ep must be at least 1, got 0"),
+        (["--max-new-tokens", "0"], r"--max-new-tokens must be at least 1, got 0"),
+        (["--ep", "2", "--dispatcher", "local"], r"--dispatcher local serves EP size 1 only; EP size is 2"),
+        (["--max-new-tokens", "300"], r"plus --max-new-tokens \(300\) is \d+ positions, past the model's "
+                                      r"max_position_embeddings \(256\)"),
+        (["--max-moves", "3"], r"--max-moves limits live rebalancing: give --eplb-interval STEPS with it"),
+        (["--dispatcher", "nccl_magic"], r"--dispatcher 'nccl_magic' is not one of \['all_to_all'"),
+        (["--dispatcher", "fixed_capacity"], r"--dispatcher fixed_capacity is what the engine's CUDA-graph decode"),
+        (["--request-rate", "0"], r"--request-rate must be a positive number"),
+        (["--temperature", "-1"], r"temperature must be a finite number >= 0, got -1.0"),
+        (["--max-num-seqs", "4", "--max-num-batched-tokens", "2"], r"max_num_batched_tokens \(2\) must be at least"),
+    ],
+)
+def test_bad_options(kimi, capsys, args, message):
+    assert main(["run", "--model", str(kimi), *args]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_placement_file_with_default_placement_options(kimi, tmp_path, capsys):
+    path = tmp_path / "pl.json"
+    ExpertPlacement.trivial(2, 16, 2).save(path)
+    assert main(["run", "--model", str(kimi), "--placement", str(path), "--redundant", "2"]) == 2
+    assert "--redundant and --layout shape the default placement" in capsys.readouterr().err
+
+
+def test_placement_missing_a_layer(kimi, tmp_path, capsys):
+    bad = tmp_path / "one_layer.json"
+    ExpertPlacement.trivial(1, 16, 2).save(bad)  # the model has 2 MoE layers
+    assert main(["run", "--model", str(kimi), "--placement", str(bad)]) == 2
+    assert "placement covers 1 MoE layers but model" in capsys.readouterr().err
+
+
+def test_placement_with_expert_without_slot(kimi, tmp_path, capsys):
+    bad = tmp_path / "hole.json"
+    rows = [list(range(16)), list(range(15)) + [0]]
+    bad.write_text(json.dumps({"ep_size": 2, "num_experts": 16, "phy2log": rows}))
+    assert main(["run", "--model", str(kimi), "--placement", str(bad)]) == 2
+    assert "layer 1: logical expert 15 has no physical slot" in capsys.readouterr().err
+
+
+def test_missing_model_dir(tmp_path, capsys):
+    assert main(["run", "--model", str(tmp_path / "nope")]) == 2
+    assert "is not a checkpoint directory" in capsys.readouterr().err
+    assert main(["run", "--model", ""]) == 2  # an empty path is not the built-in default
+    assert "--model '' is not a checkpoint directory" in capsys.readouterr().err
+
+
+def test_checkpoint_missing_one_expert(kimi, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in kimi.iterdir():
+        if f.suffix != ".safetensors":
+            (broken / f.name).write_bytes(f.read_bytes())
+    tensors = {}
+    for f in kimi.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    placement = ExpertPlacement.trivial(2, 16, 1)
+    with pytest.raises(KeyError, match=r"logical expert 5 of model\.layers\.2\.mlp.*experts\.5\.up_proj\.weight"):
+        load_ep_model(str(broken), placement, Comm(None), dispatcher="local")
+
+
+def test_moe_layer_without_placement_fails_at_construction(kimi):
+    from epmoe.layer import MoELayer
+    from epmoe.spec import load_moe_spec
+
+    spec = load_moe_spec(kimi)
+    with pytest.raises(TypeError, match="MoE layer 0 needs an ExpertPlacement, got NoneType"):
+        MoELayer(spec, 0, None, Comm(None))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="placement is for EP size 2 but the EP group has 1 ranks"):
+        MoELayer(spec, 0, ExpertPlacement.trivial(2, 16, 2), Comm(None))
+    with pytest.raises(KeyError, match=r"unknown dispatcher 'nccl_magic'; supported: \["):
+        MoELayer(spec, 0, ExpertPlacement.trivial(2, 16, 1), Comm(None), dispatcher="nccl_magic")
+    with pytest.raises(KeyError, match=r"unknown expert backend 'fast'"):
+        MoELayer(spec, 0, ExpertPlacement.trivial(2, 16, 1), Comm(None), dispatcher="local", expert_backend="fast")
+    layer = MoELayer(spec, 1, ExpertPlacement.trivial(2, 16, 1), Comm(None), dispatcher="local")
+    assert torch.equal(layer.local_experts,
+                       torch.arange(16))
+
+
+def test_run_staggered_arrivals_small_batches_and_kv_pool(kimi, tmp_path):
+    out = tmp_path / "cb.json"
+    prompts = ["hello there", "expert parallel", "abc", "mixture of experts", "x", "quick fox"]
+    code = main(["run", "--model", str(kimi), "--ep", "2", "--max-new-tokens", "6", "--max-num-seqs", "2",
+                 "--max-num-batched-tokens", "8", "--request-rate", "50", "--num-kv-blocks", "7", "--block-size", "4",
+                 "--json", str(out),
+                 *[a for p in prompts for a in ("--prompt", p)]])
+    report = json.loads(out.read_text())
+    assert code == 0 and report["matches_reference"] is True
+    assert sum(r["step_kinds"]["preemptions"] for r in report["ranks"]) > 0
+    assert all(len(t) == 6 for t in report["reference_outputs"])
+
+
+def test_run_seeded_sampling_repeats(kimi, tmp_path):
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / f"{name}.json"
+        assert main(["run", "--model", str(kimi), "--ep", "1", "--max-new-tokens", "6", "--temperature", "0.9",
+                     "--top-p", "0.9", "--seed", "3", "--json", str(out)]) == 0
+        runs.append(json.loads(out.read_text()))
+    assert runs[0]["outputs"] == runs[1]["outputs"]
+    assert runs[0]["matches_reference"] is None  # sampling: no greedy reference
+
+
+def test_corrupt_or_misplaced_cache(tmp_path, capsys):
+    from epmoe.models.tiny import ensure_default_checkpoint
+
+    built = ensure_default_checkpoint(tmp_path / "cache")
+    assert ensure_default_checkpoint(tmp_path / "cache") == built  # cached: built once
+    weights = next(built.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="is unreadable .* delete that directory and run again"):
+        ensure_default_checkpoint(tmp_path / "cache")
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    with pytest.raises(ValueError, match=r"\(EPMOE_CACHE\) is a file: point EPMOE_CACHE at a directory"):
+        ensure_default_checkpoint(not_a_dir)
+
+
+def test_json_target_checked_before_the_run(tmp_path, capsys):
+    # an existing directory as --json is refused before any model is read or built (the model path is bogus)
+    assert main(["run", "--model", str(tmp_path / "no-model"), "--json", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--json" in err and "is a directory" in err

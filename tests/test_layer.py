@@ -1,0 +1,134 @@
+"""MoELayer pieces against references: the TP baseline layer and the EP layer over gloo ranks against
+the single-rank layer, on random weights of several families; the Router against transformers' gates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epmoe.comm import Comm
+from epmoe.layer import MoELayer, TPMoELayer
+from epmoe.models.tiny import TINY_FAMILIES
+from epmoe.placement import ExpertPlacement
+from epmoe.runtime.launch import RankInfo, init_group, spawn
+from epmoe.spec import load_moe_spec
+
+FAMILIES = ["kimi-k2.5", "gpt-oss", "qwen2-moe", "llama4", "deepseek-v2"]
+
+
+def _full_layer(spec, seed: int) -> MoELayer:
+    torch.manual_seed(seed)
+    layer = MoELayer(spec, 0, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
+                     dispatcher="local")
+    with torch.no_grad():
+        for p in list(layer.parameters()) + list(layer.buffers()):
+            if p.dtype.is_floating_point:
+                    p.copy_(torch.randn_like(p) * 0.3)
+    return layer
+
+
+def _worker(info: RankInfo, dirs: dict[str, str]) -> dict:
+    comm = Comm(init_group(info, "cpu"))
+    out = {}
+    for i, fam in enumerate(FAMILIES):
+        spec = load_moe_spec(dirs[fam])
+        full = _full_layer(spec, seed=i)
+        x = torch.randn(11, spec.hidden_size, generator=torch.Generator().manual_seed(100 + comm.rank))
+        x_tp = torch.randn(11, spec.hidden_size, generator=torch.Generator().manual_seed(99))  # same on all ranks
+        with torch.no_grad():
+            ref = full(x)
+            ref_tp = full(x_tp)
+            tp = TPMoELayer(spec, comm)
+            tp.load_from(full)
+            out[(fam, "tp")] = float((tp(x_tp) - ref_tp).norm() / ref_tp.norm())
+            placement = ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, comm.size,
+                                                comm.size, "round_robin")
+            ep = MoELayer(spec, 0, placement, comm, dispatcher="all_to_all")
+            ep.gate.load_state_dict(full.gate.state_dict())
+            if full.shared_experts is not None:
+                ep.shared_experts.load_state_dict(full.shared_experts.state_dict())
+            if full.shared_expert_gate is not None:
+                ep.shared_expert_gate.load_state_dict(full.shared_expert_gate.state_dict())
+            held = ep.local_experts
+            for name in ("w13", "w2", "b13", "b2"):
+                if getattr(full.experts, name) is not None:
+                    getattr(ep.experts, name).copy_(getattr(full.experts, name)[held])
+            out[(fam, "ep")] = float((ep(x) - ref).norm() / ref.norm())
+            out[(fam, "calls")] = dict(comm.stats.calls)
+    torch.distributed.destroy_process_group()
+    return out
+
+
+@pytest.mark.multiprocess
+def test_tp_and_ep_layers_equal_single_rank(tiny_checkpoints):
+    dirs = {fam: str(tiny_checkpoints(fam)) for fam in FAMILIES}
+    for res in spawn(_worker, 2, (dirs,)):
+        for fam in FAMILIES:
+            assert res[(fam, "tp")] < 1e-6, fam
+            assert res[(fam, "ep")] < 1e-6, fam
+        # per family: one all-reduce for TP, three all-to-alls for EP
+        assert res[(FAMILIES[-1], "calls")] == {"all_to_all": 3 * len(FAMILIES), "all_reduce": len(FAMILIES),
+                                                "all_gather": 0}
+
+
+@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
+def test_router_equals_transformers_gate(tiny_checkpoints, family):
+    """Our Router picks the same experts with the same weights as the transformers block's gate."""
+    from transformers import AutoModelForCausalLM
+
+    from epmoe.models.checkpoint import family_layout
+    from epmoe.routing import Router
+
+    directory = tiny_checkpoints(family)
+    spec = load_moe_spec(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    layout = family_layout(spec.model_type)
+    block = getattr(model.model.layers[spec.moe_layers[-1]], layout.moe_attr)
+    hf_gate = getattr(block, "gate", None) or block.router
+    router = Router(spec)
+    router.load_state_dict(hf_gate.state_dict())
+    x = torch.randn(64, spec.hidden_size, generator=torch.Generator().manual_seed(3))
+    idx, w = router(x)
+    if spec.router_kind == "topk_sigmoid":  # Llama-4: dense scores, -inf outside the top-k before the sigmoid
+        scores, _ = hf_gate(x)
+        dense = torch.zeros_like(scores).scatter(1, idx, w.to(scores.dtype))
+        assert torch.equal(dense, scores)
+        return
+    out = hf_gate(x)
+    ref_w, ref_idx = (out[1], out[2]) if len(out) == 3 else (out[1], out[0])
+    ours = torch.zeros(64, spec.num_experts).scatter(1, idx, w)
+    theirs = torch.zeros(64, spec.num_experts).scatter(1, ref_idx, ref_w.float())
+    assert torch.equal(ours, theirs)
+
+
+def test_set_dispatcher_checks_the_group_and_slots(tiny_checkpoints):
+    from epmoe.dispatch import FixedCapacityDispatcher, LocalDispatcher
+
+    spec = load_moe_spec(tiny_checkpoints("kimi-k2.5"))
+    layer = _full_layer(spec, seed=7)
+    x = torch.randn(5, spec.hidden_size, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        ref = layer(x)
+        layer.set_dispatcher(FixedCapacityDispatcher(Comm(None), spec.num_experts, capacity=8))
+        assert torch.allclose(layer(x), ref, rtol=1e-5, atol=1e-6)
+    want = f"MoE layer 0: the LocalDispatcher has slots_per_rank {spec.num_experts + 1}, the layer {spec.num_experts}"
+    with pytest.raises(ValueError, match=want):
+        layer.set_dispatcher(LocalDispatcher(spec.num_experts + 1))
+    with pytest.raises(ValueError, match=r"has slots_per_rank"):
+        MoELayer(spec, 0, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
+                 dispatcher=FixedCapacityDispatcher(Comm(None), spec.num_experts - 1, capacity=4))
+
+
+def test_each_dispatcher_accepts_only_its_own_handle():
+    from epmoe.dispatch import AllToAllDispatcher, FixedCapacityDispatcher, LocalDispatcher
+
+    x, slots, w = torch.randn(3, 4), torch.tensor([[0, 1], [2, -1], [3, 0]]), torch.rand(3, 2)
+    local, fixed = LocalDispatcher(4), FixedCapacityDispatcher(Comm(None), 4, capacity=4)
+    a2a = AllToAllDispatcher(Comm(None), 4)
+    handles = {"local": local.dispatch(x, slots, w), "fixed": fixed.dispatch(x, slots, w),
+               "a2a": a2a.dispatch(x, slots, w)}
+    for name, disp in (("local", local), ("fixed", fixed), ("a2a", a2a)):
+        for other, handle in handles.items():
+            if other != name:
+                with pytest.raises(TypeError, match="needs the handle its dispatch returned"):
+                    disp.combine(handle.recv_x, handle)
