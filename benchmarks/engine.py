@@ -167,12 +167,74 @@ def peer(model_dir: Path, batches: list[int], mode: str, steps: int) -> dict:
             run(4)
             run(4 + steps)
             out[bs] = (run(4 + steps) - run(4)) * 1e3 / steps
+            print(f"    peer {mode} bs {bs}: {out[bs]:.2f} ms per token", flush=True)
         except Exception as exc:  # noqa: BLE001 - report the peer's failure and go on
             out[bs] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
     del model
     gc.collect()
     torch.cuda.empty_cache()
     return out
+
+
+def planned(d: Path, batches: list[int], ctx: float) -> dict[int, float]:
+    """What ``epmoe plan`` predicts for one H200 (the TP1 strategy: one GPU), ms per decode step."""
+    from epmoe.plan.hardware import load_hardware
+    from epmoe.plan.planner import plan
+    from epmoe.plan.request import PlanRequest
+
+    req = PlanRequest(load_moe_spec(str(d)), load_hardware("h200-sxm"), gpus=1, batches=tuple(batches),
+                      context=int(ctx))
+    return {b: st.total_ms for b, st in zip(batches, plan(req).strategies[0].steps)}
+
+
+def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> dict:
+    """Decode rows, TTFT rows, memory of the engine on model ``name``."""
+    spec = load_moe_spec(str(d))
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    engine = Engine(EngineConfig(model=str(d), dtype="bfloat16", device="cuda", expert_backend="triton",
+                                 load_format="dummy", max_num_seqs=max(batches), max_model_len=8192,
+                                 cuda_graph_max_bs=max(batches)))
+    start_s = time.perf_counter() - t0
+    wb = weight_bytes(engine)
+    kv = engine.kv_report(4096)
+    print(f"{name}: engine start {start_s:.1f} s, KV {kv}", flush=True)
+    m = {"layers": engine.ep_model.model.config.num_hidden_layers, "start_s": start_s, "kv": kv,
+         "weights": wb, "rows": {}, "ttft": {}}
+    for bs in batches:
+        prof = 5 if str(bs) in args.profile.split(",") else 0
+        r = time_decode(engine, bs, args.steps, spec.vocab_size, prof)
+        r.update(decode_floor(engine, wb, bs, r["ctx"], ceil))
+        r["ratio_to_floor"] = r["tpot_ms"] / r["floor_ms"]
+        m["rows"][bs] = r
+        print(f"  bs {bs}: TPOT {r['tpot_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms, "
+              f"graph steps {r['graph_steps']}", flush=True)
+        if r["kernels"]:
+            print(f"    kernels: {sum(k['us_per_step'] for k in r['kernels']) / 1e3:.2f} ms per step on the GPU")
+        for k in r["kernels"][:10]:
+            print(f"    {k['us_per_step']:9.1f} us {k['calls_per_step']:6.1f}x  {k['kernel']}")
+        for h in r["host"][:8]:
+            print(f"    host {h['ms_per_step']:7.3f} ms {h['calls']:6.1f}x  {h['function']}")
+    time_ttft(engine, 256, spec.vocab_size)  # warm-up: first prefill-sized launches compile their kernels
+    cfg = engine.ep_model.model.config
+    active = wb["dense"] / 2 + spec.num_moe_layers * spec.top_k * wb["expert"] / 2
+    for n in [int(x) for x in args.ttft.split(",") if x]:
+        ms = time_ttft(engine, n, spec.vocab_size)
+        dk, dv = engine.kv.layout.k_head_dim, engine.kv.layout.v_head_dim
+        flops = 2 * active * n + 2 * cfg.num_hidden_layers * cfg.num_attention_heads * (dk + dv) * n * n / 2
+        floor = flops / ceil["bf16_flop_per_s"] * 1e3
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            time_ttft(engine, n, spec.vocab_size)
+        gpu_ms = sum(getattr(ev, "device_time_total", 0.0) for ev in prof.key_averages()) / 1e3
+        m["ttft"][n] = {"ms": ms, "floor_ms": floor, "ratio": ms / floor, "gpu_kernels_ms": gpu_ms}
+        print(f"  ttft {n}: {ms:.1f} ms, floor {floor:.1f} ms, GPU kernels {gpu_ms:.1f} ms", flush=True)
+    m["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return m
 
 
 def main() -> None:
@@ -182,7 +244,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--ttft", default="1024,4096")
     ap.add_argument("--deepseek-layers", type=int, default=7)
-    ap.add_argument("--peer", choices=("static", "eager", "none"), default="static")
+    ap.add_argument("--peer", default="eager,static", help="transformers modes to time: eager, static, none")
     ap.add_argument("--peer-batches", default="1,8,64,256")
     ap.add_argument("--profile", default="", help="batch sizes whose kernels are profiled, e.g. 1,64")
     ap.add_argument("--out", default="benchmarks/results")
@@ -192,83 +254,35 @@ def main() -> None:
     print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
           f"bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
     root = Path(tempfile.mkdtemp())
-    rows = []
-    result = {"gpu": torch.cuda.get_device_name(), "ceilings": ceil, "models": {}}
-    for name in args.models.split(","):
-        layers = args.deepseek_layers if name.startswith("deepseek") else None
-        d = checkpoint(name, layers, root)
-        spec = load_moe_spec(str(d))
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        engine = Engine(EngineConfig(model=str(d), dtype="bfloat16", device="cuda", expert_backend="triton",
-                                     load_format="dummy", max_num_seqs=max(batches), max_model_len=8192,
-                                     cuda_graph_max_bs=max(batches)))
-        start_s = time.perf_counter() - t0
-        wb = weight_bytes(engine)
-        kv = engine.kv_report(4096)
-        print(f"{name}: engine start {start_s:.1f} s, KV {kv}", flush=True)
-        m = {"layers": engine.ep_model.model.config.num_hidden_layers, "start_s": start_s, "kv": kv,
-             "weights": wb, "rows": {}}
-        for bs in batches:
-            prof = 5 if str(bs) in args.profile.split(",") else 0
-            r = time_decode(engine, bs, args.steps, spec.vocab_size, prof)
-            r.update(decode_floor(engine, wb, bs, r["ctx"], ceil))
-            r["ratio_to_floor"] = r["tpot_ms"] / r["floor_ms"]
-            m["rows"][bs] = r
-            print(f"  bs {bs}: TPOT {r['tpot_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms, "
-                  f"graph steps {r['graph_steps']}", flush=True)
-            if r["kernels"]:
-                total = sum(k["us_per_step"] for k in r["kernels"]) / 1e3
-                print(f"    kernels: {total:.2f} ms per step on the GPU")
-            for k in r["kernels"][:10]:
-                print(f"    {k['us_per_step']:9.1f} us {k['calls_per_step']:6.1f}x  {k['kernel']}")
-            for h in r["host"][:8]:
-                print(f"    host {h['ms_per_step']:7.3f} ms {h['calls']:6.1f}x  {h['function']}")
-        m["ttft"] = {}
-        time_ttft(engine, 256, spec.vocab_size)  # warm-up: first prefill-sized launches compile their kernels
-        for n in [int(x) for x in args.ttft.split(",") if x]:
-            ms = time_ttft(engine, n, spec.vocab_size)
-            if args.profile:
-                import cProfile
-                import pstats
-
-                prof = cProfile.Profile()
-                prof.enable()
-                time_ttft(engine, n, spec.vocab_size)
-                prof.disable()
-                top = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:12]
-                for (f, line, name), (_, nc, tt, _, _) in top:
-                    print(f"    ttft host {tt * 1e3:8.2f} ms {nc:6d}x  {Path(f).name}:{line}:{name}")
-            active = wb["dense"] / 2 + spec.num_moe_layers * spec.top_k * wb["expert"] / 2
-            cfg = engine.ep_model.model.config
-            heads = cfg.num_attention_heads
-            dk, dv = engine.kv.layout.k_head_dim, engine.kv.layout.v_head_dim
-            flops = 2 * active * n + 2 * cfg.num_hidden_layers * heads * (dk + dv) * n * n / 2
-            floor = flops / ceil["bf16_flop_per_s"] * 1e3
-            m["ttft"][n] = {"ms": ms, "floor_ms": floor, "ratio": ms / floor}
-            print(f"  ttft {n}: {ms:.1f} ms, floor {floor:.1f} ms", flush=True)
-        m["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        del engine
-        gc.collect()
-        torch.cuda.empty_cache()
-        if args.peer != "none":
-            pb = [int(b) for b in args.peer_batches.split(",")]
-            m["peer"] = {"mode": args.peer, "tpot_ms": peer(d, pb, args.peer, 16)}
-            print(f"  peer: {m['peer']}", flush=True)
-        result["models"][name] = m
-        for bs, r in m["rows"].items():
-            p = m.get("peer", {}).get("tpot_ms", {}).get(bs)
-            rows.append((name, bs, r["tpot_ms"], r["floor_ms"], r["ratio_to_floor"], p))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name().split()[-1].lower()
-    (out / f"engine_{gpu}.json").write_text(json.dumps(result, indent=2, default=str))
+    result = {"gpu": torch.cuda.get_device_name(), "ceilings": ceil, "models": {}}
+    rows = []
+    for name in args.models.split(","):
+        d = checkpoint(name, args.deepseek_layers if name.startswith("deepseek") else None, root)
+        m = measure_engine(name, d, batches, args, ceil)
+        m["plan_ms"] = planned(d, batches, m["rows"][batches[0]]["ctx"])
+        m["peer"] = {}
+        result["models"][name] = m
+        (out / f"engine_{gpu}.json").write_text(json.dumps(result, indent=2, default=str))
+        for mode in [x for x in args.peer.split(",") if x != "none"]:
+            m["peer"][mode] = peer(d, [int(b) for b in args.peer_batches.split(",")], mode, 16)
+            print(f"  peer {mode}: {m['peer'][mode]}", flush=True)
+            (out / f"engine_{gpu}.json").write_text(json.dumps(result, indent=2, default=str))
+        for bs, r in m["rows"].items():
+            times = [v[bs] for v in m["peer"].values() if isinstance(v.get(bs), float)]
+            rows.append((name, bs, r["tpot_ms"], r["floor_ms"], min(times) if times else None, m["plan_ms"][bs]))
     shutil.rmtree(root, ignore_errors=True)
-    print(f"\n{'model':16} {'bs':>4} {'TPOT ms':>9} {'floor ms':>9} {'ratio':>6} {'peer ms':>9} {'peer/ours':>9}")
-    for name, bs, t, f, ratio, p in rows:
-        ps = f"{p:9.2f}" if isinstance(p, float) else f"{str(p)[:9]:>9}"
-        speed = f"{p / t:9.2f}" if isinstance(p, float) else f"{'':>9}"
-        print(f"{name:16} {bs:4d} {t:9.2f} {f:9.2f} {ratio:6.2f} {ps} {speed}")
+    print(f"\n{'model':14} {'bs':>4} {'TPOT ms':>8} {'floor':>7} {'/floor':>6} {'peer ms':>8} {'peer/us':>7} "
+          f"{'plan ms':>8} {'us/plan':>7}")
+    for model, bs, t, f, p, pl in rows:
+        ps = f"{p:8.2f} {p / t:7.2f}" if p else f"{'-':>8} {'-':>7}"
+        print(f"{model:14} {bs:4d} {t:8.2f} {f:7.2f} {t / f:6.2f} {ps} {pl:8.2f} {t / pl:7.2f}")
+    for model, m in result["models"].items():
+        for n, r in m["ttft"].items():
+            print(f"{model:14} TTFT {n}: {r['ms']:.1f} ms (GPU kernels {r['gpu_kernels_ms']:.1f} ms), "
+                  f"FLOP floor {r['floor_ms']:.1f} ms, ratio {r['ratio']:.2f}; peak {m['peak_gib']:.1f} GiB")
 
 
 if __name__ == "__main__":

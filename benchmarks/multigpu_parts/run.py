@@ -94,7 +94,7 @@ def _run_on_rank0(ctx: Ctx) -> dict:
     return {
         "command": " ".join(cmd[1:]), "checkpoint": info, "exit_code": code,
         "matches_reference": rep["matches_reference"], "mismatches": rep["mismatches"],
-        "max_logits_rel_err": rep["max_logits_rel_err"], "tokens_per_s": rep["tokens_per_s"],
+        "graphs": rep["graphs"], "tokens_per_s": rep["tokens_per_s"],
         "balancedness": rep["balancedness"], "collectives_per_step": r0["collectives"],
         "bytes_per_step": r0["bytes_per_step"], "peak_cuda_mb": [r["peak_cuda_mb"] for r in rep["ranks"]],
         "peak_rss_mb": [r["peak_rss_mb"] for r in rep["ranks"]], "expert_mb": [r["expert_mb"] for r in rep["ranks"]],

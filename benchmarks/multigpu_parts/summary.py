@@ -102,7 +102,7 @@ def summary(ctx: Ctx) -> tuple[str, bool]:
     if run:
         lines.append(f"run ({run['checkpoint']['family']}, {run['checkpoint']['layers']} layers, EP {g}): matches "
                      "reference "
-                     f"{run['matches_reference']}, logits rel err {_fmt(run['max_logits_rel_err'], '.1e')}, "
+                     f"{run['matches_reference']}, CUDA graphs {'on' if run['graphs'] else 'off'}, "
                      f"{run['tokens_per_s']:.1f} tok/s, collectives/step {run['collectives_per_step']}")
         ok &= bool(run["matches_reference"])
     return "\n".join(lines), ok
