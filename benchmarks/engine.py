@@ -177,13 +177,14 @@ def peer(model_dir: Path, batches: list[int], mode: str, steps: int) -> dict:
 
 
 def planned(d: Path, batches: list[int], ctx: float) -> dict[int, float]:
-    """What ``epmoe plan`` predicts for one H200 (the TP1 strategy: one GPU), ms per decode step."""
+    """What ``epmoe plan`` predicts for one H200 (the TP1 strategy: one GPU), ms per decode step, with the
+    engine's step costs of the profile (``engine_*``) and without them."""
     from epmoe.plan.hardware import load_hardware
     from epmoe.plan.planner import plan
     from epmoe.plan.request import PlanRequest
 
     req = PlanRequest(load_moe_spec(str(d)), load_hardware("h200-sxm"), gpus=1, batches=tuple(batches),
-                      context=int(ctx))
+                      context=int(ctx), weights="bf16")  # dummy weights are bf16 whatever the config says
     return {b: st.total_ms for b, st in zip(batches, plan(req).strategies[0].steps)}
 
 

@@ -373,3 +373,20 @@ def test_recommendation_names_the_family_that_does_not_fit():
     assert all(not s.steps[0].memory.fits for s in p.strategies if s.strategy.mode == "all_reduce")
     assert line.startswith(f"{best.strategy.name} at every batch size: at batch 256 no all-reduce strategy fits "
                            "(the fastest, ")
+
+
+def test_engine_step_costs_add_per_step_layer_and_sequence():
+    """The profile's engine_* terms add (step + layers x layer + sequences x seq) µs to every step, and the
+    shipped H200 fit prices Qwen3-30B-A3B's batch-1 step far above its roofline alone."""
+    spec = load_moe_spec(CONFIGS / "qwen3-30b-a3b.config.json")
+    hw = load_hardware(H200)
+    bare = dataclasses.replace(hw, engine_step_us=0.0, engine_layer_step_us=0.0, engine_seq_step_us=0.0)
+    costed = dataclasses.replace(bare, engine_step_us=100.0, engine_layer_step_us=10.0, engine_seq_step_us=2.0)
+    batches = (1, 64)
+    for b, s0, s1 in zip(batches, plan(PlanRequest(spec, bare, gpus=1, batches=batches)).strategies[0].steps,
+                         plan(PlanRequest(spec, costed, gpus=1, batches=batches)).strategies[0].steps):
+        want = (100.0 + spec.num_layers * 10.0 + b * 2.0) / 1e3
+        assert s0.engine_ms == 0.0 and s1.engine_ms == pytest.approx(want)
+        assert s1.total_ms - s0.total_ms == pytest.approx(want)
+    shipped = plan(PlanRequest(spec, hw, gpus=1, batches=(1,))).strategies[0].steps[0]
+    assert shipped.engine_ms > 2 * (shipped.attention_ms + shipped.expert_ms)

@@ -220,7 +220,9 @@ def _step(req: PlanRequest, s: Strategy, batch: int) -> StepEstimate:
         layout = dispatch_layout_ms(t_moe * reach, t_moe, d, bw, hw.dispatch_layout_fixed_us)
         add("all_to_all", "dispatch and combine", 2 * n_moe, send, _a2a_ms(req, send * max(1.0, hot)) + layout / 2)
     memory = _memory(req, s, batch, t_attn, seqs_attn)
-    return StepEstimate(batch, tokens, attention_ms, expert_ms, tuple(colls), memory)
+    engine_ms = (hw.engine_step_us + spec.num_layers * hw.engine_layer_step_us
+                 + seqs_attn * hw.engine_seq_step_us) / 1e3
+    return StepEstimate(batch, tokens, attention_ms, expert_ms, tuple(colls), memory, engine_ms)
 
 
 def plan(req: PlanRequest) -> Plan:

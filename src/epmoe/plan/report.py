@@ -114,7 +114,7 @@ def plan_to_dict(p: Plan) -> dict[str, Any]:
             m = st.memory
             steps.append({
                 "batch": st.batch, "tokens": st.tokens, "total_ms": st.total_ms, "attention_ms": st.attention_ms,
-                "expert_ms": st.expert_ms, "comm_ms": st.comm_ms,
+                "expert_ms": st.expert_ms, "comm_ms": st.comm_ms, "engine_ms": st.engine_ms,
                 "collectives": [{"kind": c.kind, "what": c.what, "count": c.count, "bytes_per_call": c.bytes_per_call,
                                  "ms_each": c.ms_each, "ms_total": c.ms_total} for c in st.collectives],
                 "memory_bytes": {"weights": m.weights, "expert_weights": m.expert_weights, "kv_cache": m.kv_cache,

@@ -202,6 +202,8 @@ class StepEstimate:
         expert_ms: routed expert compute, ms.
         collectives: per kind, count and cost.
         memory: per-GPU memory at this batch size.
+        engine_ms: the engine's step cost beyond the rooflines (launches, host work; the profile's
+            ``engine_*`` fields), ms.
     """
 
     batch: int
@@ -210,6 +212,7 @@ class StepEstimate:
     expert_ms: float
     collectives: tuple[CollectiveCost, ...]
     memory: MemoryEstimate
+    engine_ms: float = 0.0
 
     @property
     def comm_ms(self) -> float:
@@ -219,7 +222,7 @@ class StepEstimate:
     @property
     def total_ms(self) -> float:
         """Step time, ms (no overlap assumed)."""
-        return self.attention_ms + self.expert_ms + self.comm_ms
+        return self.attention_ms + self.expert_ms + self.comm_ms + self.engine_ms
 
     def count(self, kind: CollectiveKind) -> int:
         """Calls of collective ``kind`` in the step."""

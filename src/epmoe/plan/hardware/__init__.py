@@ -30,7 +30,7 @@ _LINK_FIELDS = (
 _TOP_FIELDS = (
     "format", "name", "description", "gpu", "gpus_per_node", "memory_bytes", "hbm_bytes_per_s",
     "matmul_flops_per_s", "moe_layer_fixed_us", "moe_stream_matrix_overlap", "dispatch_layout_fixed_us", "links",
-    "sources", "measurements",
+    "engine_step_us", "engine_layer_step_us", "engine_seq_step_us", "sources", "measurements",
 )
 _LINK_KINDS = ("intra_node", "inter_node")
 _LINK_CURVES = ("all_reduce_ms_by_bytes", "all_to_all_ms_by_bytes")
@@ -87,6 +87,10 @@ class HardwareProfile:
         moe_stream_matrix_overlap: the share, in ``[0, 1]``, of the shorter of an MoE layer's memory
             streaming and matrix work that the expert kernels hide under the longer one (0: the two add
             up; 1: a ``max`` roofline; ``costs.expert_layer_ms``). Absent from a file: 0.0.
+        engine_step_us, engine_layer_step_us, engine_seq_step_us: what one decode step of epmoe's engine
+            costs beyond the rooflines, µs: fixed per step (graph launch, sampling, scheduling), per decoder
+            layer (its small kernels inside the graph) and per sequence a rank serves (host work). Absent
+            from a file: 0.0 (a step at the rooflines).
         intra_node: collectives among GPUs of one node.
         inter_node: collectives across nodes; ``None`` when the profile describes a single node.
         sources: where each figure comes from (field name -> text).
@@ -107,6 +111,9 @@ class HardwareProfile:
     path: str
     moe_stream_matrix_overlap: float = 0.0
     dispatch_layout_fixed_us: float = 0.0
+    engine_step_us: float = 0.0
+    engine_layer_step_us: float = 0.0
+    engine_seq_step_us: float = 0.0
 
     def flops_per_s(self, dtype: str) -> float:
         """Achievable matrix throughput for compute dtype ``dtype`` (falls back to ``bf16``), FLOP/s."""
@@ -248,6 +255,9 @@ def parse_hardware(doc: dict[str, Any], source: str = "<dict>") -> HardwareProfi
         moe_layer_fixed_us=_number(doc, "moe_layer_fixed_us", source, strict=False, default=0.0),
         moe_stream_matrix_overlap=float(overlap),
         dispatch_layout_fixed_us=_number(doc, "dispatch_layout_fixed_us", source, strict=False, default=0.0),
+        engine_step_us=_number(doc, "engine_step_us", source, strict=False, default=0.0),
+        engine_layer_step_us=_number(doc, "engine_layer_step_us", source, strict=False, default=0.0),
+        engine_seq_step_us=_number(doc, "engine_seq_step_us", source, strict=False, default=0.0),
         intra_node=_link(links["intra_node"], source, "links.intra_node"),
         inter_node=_link(links["inter_node"], source, "links.inter_node") if links.get("inter_node") else None,
         sources=dict(sources),
