@@ -50,6 +50,17 @@ class AppContext:
     max_body_bytes: int
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
+
+
+def _field_of(loc: tuple) -> str | None:
+    """The request field of a pydantic error location, without the union members' type tags
+    (``("prompt", "str")`` -> ``prompt``, ``("messages", 0, "content", "list[ContentPart]")`` ->
+    ``messages.0.content``)."""
+    parts = [str(p) for p in loc if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS)]
+    return ".".join(parts) or None
+
+
 def _error(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body().model_dump(), status_code=exc.status)
 
@@ -116,11 +127,15 @@ def build_app(ctx: AppContext) -> FastAPI:
         try:
             return schema.model_validate(body, strict=True)
         except pydantic.ValidationError as exc:
-            first = exc.errors()[0]
-            field = ".".join(str(p) for p in first["loc"]) or None
-            value = repr(first.get("input"))
+            errors = exc.errors()
+            field = _field_of(errors[0]["loc"])
+            value = repr(errors[0].get("input"))
             value = value if len(value) <= 80 else value[:77] + "..."
-            raise ApiError(400, f"{field}: {first['msg']} (got {value})", field) from None
+            tried = [e for e in errors if _field_of(e["loc"]) == field]
+            if len(tried) > 1:  # a union: no member matched
+                kinds = " | ".join(str(e["loc"][-1]) for e in tried)
+                raise ApiError(400, f"{field}: must be {kinds} (got {value})", field) from None
+            raise ApiError(400, f"{field}: {errors[0]['msg']} (got {value})", field) from None
 
     def ready_info():
         if frontend.state != "ready" or frontend.info is None:
