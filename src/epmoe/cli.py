@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+from pathlib import Path
 from typing import Sequence
 
 
@@ -148,6 +150,55 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return serve(cfg)
     except (ValueError, TypeError) as exc:
         raise _flag_error(exc, _SERVE_FLAGS) from exc
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: 'bench serve' loads an OpenAI-compatible server")
+    kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    p = kinds.add_parser(
+        "serve", help="send N streamed requests to an OpenAI-compatible server; TTFT, TPOT, ITL, throughput",
+        description="vllm bench serve's counterpart: random token-id prompts (or a JSONL file of {\"prompt\"}) at a "
+        "Poisson request rate or a max concurrency; prints TTFT / TPOT / ITL mean, p50, p99 and throughputs.",
+    )
+    p.add_argument("--base-url", required=True, help="server URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", help="model id (default: the server's first)")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send (default 100)")
+    p.add_argument("--random-input-len", type=int, default=128, help="prompt tokens of random prompts (default 128)")
+    p.add_argument("--random-output-len", type=int, default=128, help="tokens asked per request (default 128)")
+    p.add_argument("--dataset", metavar="JSONL", help='prompts, one {"prompt": ..., "max_tokens": ...} per line')
+    p.add_argument("--request-rate", type=float, default=math.inf, help="requests per second (default inf)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
+    p.add_argument("--api-key", help="bearer token")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals")
+    p.add_argument("--json", metavar="FILE", nargs="?", const="-", help="write the report as JSON (stdout: no FILE)")
+    p.set_defaults(func=_cmd_bench_serve)
+
+
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+
+    from epmoe.server.bench import BenchConfig, run_bench
+
+    try:
+        cfg = BenchConfig(base_url=args.base_url, model=args.model, num_prompts=args.num_prompts,
+                          input_len=args.random_input_len, output_len=args.random_output_len, dataset=args.dataset,
+                          request_rate=args.request_rate, max_concurrency=args.max_concurrency, api_key=args.api_key,
+                          seed=args.seed)
+    except ValueError as exc:
+        raise _flag_error(exc, {"base_url": "--base-url", "num_prompts": "--num-prompts",
+                                "input_len": "--random-input-len", "output_len": "--random-output-len",
+                                "request_rate": "--request-rate", "max_concurrency": "--max-concurrency",
+                                "dataset": "--dataset"}) from exc
+    report = run_bench(cfg, progress=args.json != "-")
+    if args.json == "-":
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        Console().print(report.table())
+        if args.json:
+            Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
+    return 0 if report.failed == 0 else 1
 
 
 _SERVE_FLAGS = {name: "--" + name.replace("_", "-") for name in (
@@ -345,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epmoe", description="Expert-parallel MoE inference for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # each ``_add_<name>`` adds its parser and sets ``func``: namespace -> process exit code
-    for add in (_add_run, _add_serve, _add_balance, _add_plan, _add_doctor, _add_calibrate):
+    for add in (_add_run, _add_serve, _add_bench, _add_balance, _add_plan, _add_doctor, _add_calibrate):
         add(sub)
     return parser
 

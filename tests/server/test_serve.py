@@ -240,3 +240,18 @@ def test_eplb_loads_in_the_balance_format(server, tmp_path):
     path = tmp_path / "loads.json"
     path.write_text(json.dumps(doc))
     assert read_loads(path).shape == (2, 16)
+
+
+def test_bench_serve_against_the_server(server, capsys):
+    from epmoe.cli import main
+
+    code = main(["bench", "serve", "--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "12",
+                 "--random-input-len", "16", "--random-output-len", "5", "--max-concurrency", "4", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == MODEL and report["completed"] == 12 and report["failed"] == 0
+    assert report["total_input_tokens"] == 12 * 16 and report["total_output_tokens"] == 12 * 5
+    assert 0 < report["ttft_ms"]["p50"] <= report["ttft_ms"]["p99"]
+    assert report["tpot_ms"]["mean"] > 0 and report["itl_ms"]["mean"] > 0
+    assert report["output_throughput"] == pytest.approx(60 / report["duration_s"])
+    wait_kv_free(server)
