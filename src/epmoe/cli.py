@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+from pathlib import Path
 from typing import Sequence
 
 
@@ -91,6 +93,118 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
             write_json(report, args.json)
     return 0 if report.matches_reference in (True, None) else 1
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)",
+        description="Spawn --ep ranks (or join torchrun's), load the engine on each, and serve /v1/completions, "
+        "/v1/chat/completions, /v1/models, /health, /metrics and /eplb/loads on rank 0. SIGTERM drains: running "
+        "requests finish (up to --drain-timeout), then exit 0. With no --model, the built-in small checkpoint.",
+    )
+    p.add_argument("--model", metavar="DIR", help="local Hugging Face MoE checkpoint (default: built-in small "
+                                                  "Kimi-K2.5)")
+    p.add_argument("--served-model-name", metavar="NAME", help="model id clients send (default: the directory name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--api-key", metavar="KEY", help="bearer token every /v1 request must carry (default: none)")
+    p.add_argument("--ep", type=int, default=1, help="EP ranks to spawn (default 1; torchrun sets its own)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once per rank")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="most tokens per step per rank")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: the model's)")
+    p.add_argument("--mem-fraction-static", type=float, default=0.9,
+                   help="on CUDA, the fraction of GPU memory for weights and KV cache (default 0.9)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
+                   help="KV cache blocks per layer (default: sized from memory)")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=256, help="largest decode batch replayed as a CUDA graph")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="dummy: random weights at the size of config.json")
+    p.add_argument("--eplb-interval", type=int, default=0, metavar="STEPS",
+                   help="rebalance experts live every STEPS engine steps (default 0: never)")
+    p.add_argument("--placement", metavar="FILE", help="expert placement file (JSON or safetensors)")
+    p.add_argument("--redundant", type=int, default=0, help="redundant slots per layer for the default placement")
+    p.add_argument("--expert-backend", default=None,
+                   help="triton (default on CUDA), reference (default on CPU) or grouped_mm")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, seconds running requests get before they are aborted (default 30)")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from epmoe.server.config import ServeConfig
+    from epmoe.server.serve import serve
+
+    try:
+        cfg = ServeConfig(
+            model=args.model, ep=args.ep, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+            mem_fraction_static=args.mem_fraction_static, num_kv_blocks=args.num_kv_blocks,
+            cuda_graph_max_bs=args.cuda_graph_max_bs, enforce_eager=args.enforce_eager, load_format=args.load_format,
+            eplb_interval=args.eplb_interval, placement=args.placement, redundant=args.redundant,
+            expert_backend=args.expert_backend, host=args.host, port=args.port,
+            served_model_name=args.served_model_name, api_key=args.api_key, drain_timeout_s=args.drain_timeout,
+        )
+        return serve(cfg)
+    except (ValueError, TypeError) as exc:
+        raise _flag_error(exc, _SERVE_FLAGS) from exc
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: 'bench serve' loads an OpenAI-compatible server")
+    kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    p = kinds.add_parser(
+        "serve", help="send N streamed requests to an OpenAI-compatible server; TTFT, TPOT, ITL, throughput",
+        description="vllm bench serve's counterpart: random token-id prompts (or a JSONL file of {\"prompt\"}) at a "
+        "Poisson request rate or a max concurrency; prints TTFT / TPOT / ITL mean, p50, p99 and throughputs.",
+    )
+    p.add_argument("--base-url", required=True, help="server URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", help="model id (default: the server's first)")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send (default 100)")
+    p.add_argument("--random-input-len", type=int, default=128, help="prompt tokens of random prompts (default 128)")
+    p.add_argument("--random-output-len", type=int, default=128, help="tokens asked per request (default 128)")
+    p.add_argument("--dataset", metavar="JSONL", help='prompts, one {"prompt": ..., "max_tokens": ...} per line')
+    p.add_argument("--request-rate", type=float, default=math.inf, help="requests per second (default inf)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
+    p.add_argument("--api-key", help="bearer token")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals")
+    p.add_argument("--json", metavar="FILE", nargs="?", const="-", help="write the report as JSON (stdout: no FILE)")
+    p.set_defaults(func=_cmd_bench_serve)
+
+
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+
+    from epmoe.server.bench import BenchConfig, run_bench
+
+    try:
+        cfg = BenchConfig(base_url=args.base_url, model=args.model, num_prompts=args.num_prompts,
+                          input_len=args.random_input_len, output_len=args.random_output_len, dataset=args.dataset,
+                          request_rate=args.request_rate, max_concurrency=args.max_concurrency, api_key=args.api_key,
+                          seed=args.seed)
+    except ValueError as exc:
+        raise _flag_error(exc, {"base_url": "--base-url", "num_prompts": "--num-prompts",
+                                "input_len": "--random-input-len", "output_len": "--random-output-len",
+                                "request_rate": "--request-rate", "max_concurrency": "--max-concurrency",
+                                "dataset": "--dataset"}) from exc
+    report = run_bench(cfg, progress=args.json != "-")
+    if args.json == "-":
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        Console().print(report.table())
+        if args.json:
+            Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
+    return 0 if report.failed == 0 else 1
+
+
+_SERVE_FLAGS = {name: "--" + name.replace("_", "-") for name in (
+    "model", "ep", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "mem_fraction_static",
+    "num_kv_blocks", "cuda_graph_max_bs", "enforce_eager", "load_format", "eplb_interval", "placement", "redundant",
+    "expert_backend", "host", "port", "served_model_name", "api_key")} | {"drain_timeout_s": "--drain-timeout"}
 
 
 def _batches(text: str) -> tuple[int, ...]:
@@ -282,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epmoe", description="Expert-parallel MoE inference for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # each ``_add_<name>`` adds its parser and sets ``func``: namespace -> process exit code
-    for add in (_add_run, _add_balance, _add_plan, _add_doctor, _add_calibrate):
+    for add in (_add_run, _add_serve, _add_bench, _add_balance, _add_plan, _add_doctor, _add_calibrate):
         add(sub)
     return parser
 

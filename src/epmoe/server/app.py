@@ -1,0 +1,197 @@
+"""The FastAPI app: routes, API-key check, request bodies (size-limited, strictly validated), errors in
+OpenAI's JSON shape.
+
+Routes: ``GET /health`` (200 once ready, 503 while loading, draining or failed), ``GET /metrics``
+(Prometheus text), ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``GET /eplb/loads``. With an API key, every ``/v1`` and ``/eplb`` route needs ``Authorization: Bearer KEY``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from dataclasses import dataclass
+
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from epmoe.loads import LOADS_FORMAT
+from epmoe.server.errors import ApiError
+from epmoe.server.frontend import Frontend, Unavailable
+from epmoe.server.generate import build_job, collect, stream, submit
+from epmoe.server.metrics import CONTENT_TYPE
+from epmoe.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from epmoe.server.ranks import LOADS_COMMAND
+from epmoe.server.text import TextCodec
+
+
+@dataclass(frozen=True)
+class AppContext:
+    """What the routes serve with.
+
+    Attributes:
+        frontend: the engine loop.
+        codec: the HTTP side's tokenizer.
+        model_name: the model id clients send (``/v1/models``).
+        model_dir: the checkpoint directory.
+        api_key: the bearer token, or ``None``.
+        max_body_bytes: largest request body (413 past it).
+    """
+
+    frontend: Frontend
+    codec: TextCodec
+    model_name: str
+    model_dir: str
+    api_key: str | None
+    max_body_bytes: int
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
+
+
+def _field_of(loc: tuple) -> str | None:
+    """The request field of a pydantic error location, without the union members' type tags
+    (``("prompt", "str")`` -> ``prompt``, ``("messages", 0, "content", "list[ContentPart]")`` ->
+    ``messages.0.content``)."""
+    parts = [str(p) for p in loc if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS)]
+    return ".".join(parts) or None
+
+
+def _error(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body().model_dump(), status_code=exc.status)
+
+
+class _AbortingStream(StreamingResponse):
+    """A streamed response that aborts its unfinished choices however it ends (done, client gone, error)."""
+
+    def __init__(self, content, frontend: Frontend, pending: set[str]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._frontend = frontend
+        self._pending = pending
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for rid in list(self._pending):
+                self._frontend.abort(rid)
+            await self.body_iterator.aclose()
+
+
+def build_app(ctx: AppContext) -> FastAPI:
+    """The server's ASGI app."""
+    app = FastAPI(title="epmoe", docs_url=None, redoc_url=None, openapi_url=None)
+    frontend, codec = ctx.frontend, ctx.codec
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
+        return _error(ApiError(exc.status_code, message))
+
+    def check_key(request: Request) -> None:
+        if ctx.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), ctx.api_key.encode()):
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'" if token or header
+                           else "missing API key: send 'Authorization: Bearer <key>'")
+
+    async def read_body(request: Request, schema: type[pydantic.BaseModel]):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > ctx.max_body_bytes:
+            raise ApiError(413, f"request body of {int(length)} bytes is over the limit of {ctx.max_body_bytes} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > ctx.max_body_bytes:
+                raise ApiError(413, f"request body is over the limit of {ctx.max_body_bytes} bytes")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        if not raw.strip():
+            raise ApiError(400, "request body is empty: send a JSON object")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
+        try:
+            return schema.model_validate(body, strict=True)
+        except pydantic.ValidationError as exc:
+            errors = exc.errors()
+            field = _field_of(errors[0]["loc"])
+            value = repr(errors[0].get("input"))
+            value = value if len(value) <= 80 else value[:77] + "..."
+            tried = [e for e in errors if _field_of(e["loc"]) == field]
+            if len(tried) > 1:  # a union: no member matched
+                kinds = " | ".join(str(e["loc"][-1]) for e in tried)
+                raise ApiError(400, f"{field}: must be {kinds} (got {value})", field) from None
+            raise ApiError(400, f"{field}: {errors[0]['msg']} (got {value})", field) from None
+
+    def ready_info():
+        if frontend.state != "ready" or frontend.info is None:
+            raise ApiError(503, f"the server is {frontend.state}" + (f": {frontend.failure}" if frontend.failure
+                                                                     else ""))
+        return frontend.info
+
+    async def generate(request: Request, schema: type[pydantic.BaseModel]) -> Response:
+        check_key(request)
+        req = await read_body(request, schema)
+        if req.model != ctx.model_name:
+            raise ApiError(404, f"model {req.model!r} does not exist; this server serves {ctx.model_name!r}",
+                           "model")
+        job = build_job(req, ctx.model_name, codec, ready_info())
+        updates = submit(frontend, job)
+        if req.stream:
+            pending = set(job.choice_ids())
+            return _AbortingStream(stream(job, updates, codec, pending), frontend, pending)
+        return JSONResponse(await collect(frontend, job, updates, codec))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, CompletionRequest)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, ChatCompletionRequest)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        check_key(request)
+        info = ready_info()
+        card = ModelCard(id=ctx.model_name, created=int(time.time()), root=ctx.model_dir,
+                         max_model_len=info.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if frontend.state == "ready":
+            return JSONResponse({"status": "ready"})
+        return _error(ApiError(503, f"the server is {frontend.state}" + (f": {frontend.failure}" if frontend.failure
+                                                                         else "")))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(frontend.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/eplb/loads")
+    async def eplb_loads(request: Request) -> JSONResponse:
+        """Tokens routed per logical expert since start, summed over ranks, as ``epmoe balance --loads`` reads."""
+        check_key(request)
+        try:
+            per_rank = await asyncio.wrap_future(frontend.command(LOADS_COMMAND))
+        except Unavailable as exc:
+            raise ApiError(503, str(exc)) from None
+        load = [[sum(col) for col in zip(*rows)] for rows in zip(*per_rank)]
+        return JSONResponse({"format": LOADS_FORMAT, "load": load})
+
+    return app

@@ -1,0 +1,263 @@
+"""``epmoe bench serve``: load an OpenAI-compatible server and measure it (``vllm bench serve``'s counterpart).
+
+Sends ``num_prompts`` streamed ``/v1/completions`` requests (random token-id prompts of ``input_len``
+with ``output_len`` tokens and ``ignore_eos``, or the prompts of a JSONL file) arriving as a Poisson
+process at ``request_rate`` per second (``inf`` = all at once), at most ``max_concurrency`` in flight,
+and reports TTFT, TPOT (time per output token after the first) and ITL (gap between streamed chunks):
+mean, p50 and p99 in ms, with request and token throughput and the failures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Options of ``bench serve``.
+
+    Attributes:
+        base_url: the server, e.g. ``http://127.0.0.1:8000`` (``/v1`` is added).
+        model: model id; ``None`` = the first of ``GET /v1/models``.
+        num_prompts: requests to send.
+        input_len, output_len: random prompts' tokens and the tokens asked of each (``ignore_eos``).
+        dataset: JSONL file, one ``{"prompt": str, "max_tokens": int (optional)}`` per line; ``None`` = random.
+        request_rate: mean arrivals per second (Poisson); ``inf`` = all at once.
+        max_concurrency: most requests in flight; ``None`` = no limit.
+        api_key: bearer token.
+        seed: seed of the prompts and the arrival times.
+        timeout_s: per request.
+    """
+
+    base_url: str
+    model: str | None = None
+    num_prompts: int = 100
+    input_len: int = 128
+    output_len: int = 128
+    dataset: str | None = None
+    request_rate: float = math.inf
+    max_concurrency: int | None = None
+    api_key: str | None = None
+    seed: int = 0
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        """Raise ``ValueError`` naming the first bad option."""
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
+        for name in ("num_prompts", "input_len", "output_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not self.request_rate > 0:
+            raise ValueError(f"request_rate must be > 0 requests per second (inf = all at once), "
+                             f"got {self.request_rate!r}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency!r}")
+        if self.dataset is not None and not Path(self.dataset).is_file():
+            raise ValueError(f"dataset {self.dataset!r} is not a file")
+
+
+@dataclass
+class RequestResult:
+    """One request: ``ok``, its ``error``, output tokens, TTFT, inter-chunk gaps and latency (seconds)."""
+
+    ok: bool
+    error: str | None = None
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    latency_s: float = 0.0
+
+
+@dataclass
+class BenchReport:
+    """The result of ``run_bench``; latencies in ms, throughputs per second of the whole run.
+
+    Attributes:
+        completed, failed: requests that finished / failed; ``errors`` the first few failure messages.
+        duration_s: from the first request sent to the last done.
+        request_throughput, output_throughput, total_token_throughput: requests/s, output tokens/s,
+            (prompt + output) tokens/s.
+        ttft_ms, tpot_ms, itl_ms: ``{"mean", "p50", "p99"}``.
+    """
+
+    base_url: str
+    model: str
+    num_prompts: int
+    request_rate: float
+    max_concurrency: int | None
+    completed: int
+    failed: int
+    errors: list[str]
+    duration_s: float
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float
+    output_throughput: float
+    total_token_throughput: float
+    ttft_ms: dict[str, float]
+    tpot_ms: dict[str, float]
+    itl_ms: dict[str, float]
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict (``inf`` request rate as the string ``"inf"``)."""
+        doc = asdict(self)
+        doc["request_rate"] = "inf" if math.isinf(self.request_rate) else self.request_rate
+        return doc
+
+    def table(self):
+        """A rich table of the results."""
+        from rich.table import Table
+
+        t = Table(title=f"bench serve: {self.model} at {self.base_url}")
+        t.add_column("metric")
+        t.add_column("value", justify="right")
+        rows = [("completed / failed", f"{self.completed} / {self.failed}"), ("duration (s)", f"{self.duration_s:.2f}"),
+                ("request throughput (req/s)", f"{self.request_throughput:.2f}"),
+                ("output throughput (tok/s)", f"{self.output_throughput:.1f}"),
+                ("total token throughput (tok/s)", f"{self.total_token_throughput:.1f}")]
+        for name, stats in (("TTFT", self.ttft_ms), ("TPOT", self.tpot_ms), ("ITL", self.itl_ms)):
+            rows.append((f"{name} mean / p50 / p99 (ms)",
+                         f"{stats['mean']:.2f} / {stats['p50']:.2f} / {stats['p99']:.2f}"))
+        for row in rows:
+            t.add_row(*row)
+        return t
+
+
+def _stats_ms(values_s: list[float]) -> dict[str, float]:
+    if not values_s:
+        return {"mean": 0.0, "p50": 0.0, "p99": 0.0}
+    a = np.asarray(values_s) * 1e3
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
+
+
+def load_requests(cfg: BenchConfig) -> list[tuple[str | list[int], int, int]]:
+    """``(prompt, prompt tokens (estimated for text: its UTF-8 bytes), max_tokens)`` per request.
+
+    Random prompts are token ids below 256 (valid in any vocabulary of 256 or more).
+
+    Raises:
+        ValueError: a dataset line that is not JSON or has no string ``prompt`` (line named).
+    """
+    rng = random.Random(cfg.seed)
+    if cfg.dataset is None:
+        return [([rng.randrange(256) for _ in range(cfg.input_len)], cfg.input_len, cfg.output_len)
+                for _ in range(cfg.num_prompts)]
+    rows = []
+    for number, line in enumerate(Path(cfg.dataset).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"dataset {cfg.dataset!r} line {number}: not JSON ({exc})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ValueError(f"dataset {cfg.dataset!r} line {number}: needs a string 'prompt'")
+        rows.append((row["prompt"], len(row["prompt"].encode()), int(row.get("max_tokens", cfg.output_len))))
+    if not rows:
+        raise ValueError(f"dataset {cfg.dataset!r} has no prompts")
+    return [rows[i % len(rows)] for i in range(cfg.num_prompts)]
+
+
+async def _one(http: httpx.AsyncClient, url: str, model: str, prompt: str | list[int], max_tokens: int,
+               headers: dict) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    last = start
+    result = RequestResult(ok=False)
+    chunks = 0
+    try:
+        async with http.stream("POST", url, json=body, headers=headers) as r:
+            if r.status_code != 200:
+                result.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    result.error = event["error"].get("message", "error")
+                    return result
+                if event.get("usage"):
+                    result.output_tokens = event["usage"]["completion_tokens"]
+                if event.get("choices") and event["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        result.ttft_s = now - start
+                    else:
+                        result.itl_s.append(now - last)
+                    last, chunks = now, chunks + 1
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.latency_s = time.perf_counter() - start
+    result.output_tokens = result.output_tokens or chunks
+    result.ok = True
+    return result
+
+
+async def _run(cfg: BenchConfig, progress: bool) -> BenchReport:
+    from rich.progress import Progress
+
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    base = cfg.base_url.rstrip("/")
+    requests = load_requests(cfg)
+    rng = random.Random(cfg.seed + 1)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=cfg.timeout_s, limits=limits) as http:
+        model = cfg.model
+        if model is None:
+            r = await http.get(f"{base}/v1/models", headers=headers)
+            r.raise_for_status()
+            model = r.json()["data"][0]["id"]
+        gate = asyncio.Semaphore(cfg.max_concurrency or len(requests))
+        with Progress(disable=not progress, transient=True) as bar:
+            task = bar.add_task("requests", total=len(requests))
+
+            async def send(prompt, max_tokens: int, delay: float) -> RequestResult:
+                await asyncio.sleep(delay)
+                async with gate:
+                    out = await _one(http, f"{base}/v1/completions", model, prompt, max_tokens, headers)
+                bar.advance(task)
+                return out
+
+            delays, t = [], 0.0
+            for _ in requests:
+                delays.append(t)
+                t += 0.0 if math.isinf(cfg.request_rate) else rng.expovariate(cfg.request_rate)
+            start = time.perf_counter()
+            results = await asyncio.gather(*(send(p, m, d) for (p, _, m), d in zip(requests, delays)))
+            duration = time.perf_counter() - start
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(n for (_, n, _), r in zip(requests, results) if r.ok)
+    tpot = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return BenchReport(
+        base_url=cfg.base_url, model=model, num_prompts=len(requests), request_rate=cfg.request_rate,
+        max_concurrency=cfg.max_concurrency, completed=len(ok), failed=len(results) - len(ok),
+        errors=[r.error for r in results if not r.ok][:5], duration_s=duration, total_input_tokens=in_tokens,
+        total_output_tokens=out_tokens, request_throughput=len(ok) / duration,
+        output_throughput=out_tokens / duration, total_token_throughput=(in_tokens + out_tokens) / duration,
+        ttft_ms=_stats_ms([r.ttft_s for r in ok]), tpot_ms=_stats_ms(tpot),
+        itl_ms=_stats_ms([g for r in ok for g in r.itl_s]),
+    )
+
+
+def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchReport:
+    """Run the benchmark (see the module docstring).
+
+    Raises:
+        ValueError: a bad dataset line; httpx.HTTPError: ``/v1/models`` unreachable (with no ``model``).
+    """
+    return asyncio.run(_run(cfg, progress))

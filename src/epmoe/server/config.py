@@ -1,0 +1,102 @@
+"""``ServeConfig``: every option of ``epmoe serve`` (the CLI parses into it), checked once."""
+
+from __future__ import annotations
+
+import ipaddress
+import numbers
+from dataclasses import dataclass
+from pathlib import Path
+
+from epmoe.engine import EngineConfig
+from epmoe.engine.config import GRAPH_SAFE_BACKENDS
+
+MAX_N = 16  # most choices one request may ask for (``n``)
+MAX_BODY_BYTES = 8 << 20  # a request body past this is refused with 413
+
+
+def _int_at_least(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Options of the server; the engine's keep vLLM/SGLang names.
+
+    Attributes:
+        model: checkpoint directory; ``None`` = the built-in small Kimi-K2.5-architecture checkpoint.
+        ep: EP ranks to spawn (one process each; rank 0 also serves HTTP).
+        device, dtype, max_num_seqs, max_num_batched_tokens, mem_fraction_static, cuda_graph_max_bs,
+            enforce_eager, load_format, eplb_interval, placement, redundant, max_model_len, num_kv_blocks:
+            the engine's options (``EngineConfig``).
+        expert_backend: ``None`` = ``triton`` on CUDA, ``reference`` on CPU.
+        host: address to listen on.
+        port: TCP port (0 = any free one, logged).
+        served_model_name: the model id clients send; ``None`` = the checkpoint directory's name.
+        api_key: bearer token every ``/v1`` and ``/eplb`` request must carry; ``None`` = no check.
+        drain_timeout_s: on SIGTERM, seconds the running requests get to finish before they are aborted.
+        max_body_bytes: largest request body, bytes (413 past it).
+        cache_dir: where the built-in checkpoint is cached.
+    """
+
+    model: str | None = None
+    ep: int = 1
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    mem_fraction_static: float = 0.9
+    cuda_graph_max_bs: int = 256
+    enforce_eager: bool = False
+    load_format: str = "auto"
+    eplb_interval: int = 0
+    placement: str | None = None
+    redundant: int = 0
+    expert_backend: str | None = None
+    max_model_len: int | None = None
+    num_kv_blocks: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    drain_timeout_s: float = 30.0
+    max_body_bytes: int = MAX_BODY_BYTES
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        """Raise ``ValueError`` naming the first bad option (the engine checks its own on each rank)."""
+        _int_at_least("ep", self.ep, 1)
+        _int_at_least("port", self.port, 0)
+        if self.port > 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        try:
+            ipaddress.ip_address(self.host)
+        except ValueError:
+            if self.host != "localhost":
+                raise ValueError(f"host must be an IP address or 'localhost', got {self.host!r}") from None
+        if self.model is not None and not Path(self.model).is_dir():
+            raise ValueError(f"model {self.model!r} is not a checkpoint directory (config.json + *.safetensors)")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError(f"served_model_name must not be empty, got {self.served_model_name!r}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (leave it out to serve without one)")
+        if not isinstance(self.drain_timeout_s, numbers.Real) or not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s must be a number of seconds >= 0, got {self.drain_timeout_s!r}")
+        _int_at_least("max_body_bytes", self.max_body_bytes, 1024)
+
+    def engine_config(self, model_dir: str) -> EngineConfig:
+        """The engine's options for ``model_dir``.
+
+        Raises:
+            ValueError: a bad engine option (named).
+        """
+        backend = self.expert_backend or ("triton" if self.device == "cuda" else "reference")
+        eager = self.enforce_eager or self.dtype == "float32" or backend not in GRAPH_SAFE_BACKENDS
+        return EngineConfig(
+            model=model_dir, dtype=self.dtype, device=self.device, placement=self.placement,
+            redundant=self.redundant, expert_backend=backend, load_format=self.load_format,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len, mem_fraction_static=self.mem_fraction_static,
+            num_kv_blocks=self.num_kv_blocks, cuda_graph_max_bs=self.cuda_graph_max_bs, enforce_eager=eager,
+            eplb_interval=self.eplb_interval,
+        )

@@ -1,0 +1,243 @@
+"""Serving one OpenAI completion or chat request on the ``Frontend``: prompts to engine requests (one per
+choice), and the engine's updates back to a whole response or to server-sent events.
+
+A request with ``P`` prompts and ``n`` choices becomes ``P * n`` engine requests; choice ``i * n + j`` is
+prompt ``i``'s ``j``-th, sampled with ``seed + j`` when a seed is given (choice 0 reproduces ``n = 1``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from epmoe.engine import SamplingParams
+from epmoe.server.errors import ApiError
+from epmoe.server.frontend import EngineInfo, Failure, Frontend, Unavailable
+from epmoe.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    SamplingFields,
+    Usage,
+)
+from epmoe.server.ranks import Update
+from epmoe.server.text import StreamText, TextCodec
+
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+DONE = "data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class Job:
+    """The engine requests of one HTTP request.
+
+    Attributes:
+        kind: ``completion`` or ``chat``.
+        model: the model name answered.
+        request_id: the response id (``cmpl-...`` / ``chatcmpl-...``).
+        prompts: token ids of each prompt.
+        params: per choice, its sampling options.
+        n: choices per prompt.
+        include_usage: streams end with a usage chunk.
+    """
+
+    kind: str
+    model: str
+    request_id: str
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    n: int
+    include_usage: bool
+
+    def choice_ids(self) -> list[str]:
+        """The engine request id of each choice."""
+        return [f"{self.request_id}-{i}" for i in range(len(self.params))]
+
+    def prompt_of(self, choice: int) -> list[int]:
+        """The prompt of a choice."""
+        return self.prompts[choice // self.n]
+
+
+def _param_of(message: str) -> str | None:
+    """The field a ``SamplingParams`` message starts with (``"top_p must be ..."`` -> ``top_p``)."""
+    word = message.split(" ", 1)[0]
+    return word if word in _SAMPLING_FIELDS else None
+
+
+def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec: TextCodec,
+              info: EngineInfo) -> Job:
+    """Check a request against the model and turn it into engine requests.
+
+    Raises:
+        ApiError: 400 naming the field: an empty prompt, token ids outside the vocabulary, a prompt as
+            long as the context, ``max_tokens`` past the context, a bad sampling value.
+    """
+    if isinstance(req, ChatCompletionRequest):
+        kind, where = "chat", "messages"
+        text = codec.chat_prompt([{"role": m.role, "content": m.text()} for m in req.messages])
+        prompts = [codec.encode(text)]
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    else:
+        kind, where = "completion", "prompt"
+        raw = req.prompt
+        items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
+        if not items:
+            raise ApiError(400, "prompt must not be empty, got []", "prompt")
+        prompts = [codec.encode(p) if isinstance(p, str) else list(p) for p in items]
+        max_tokens = req.max_tokens if req.max_tokens is not None else 16
+    for ids in prompts:
+        if not ids:
+            raise ApiError(400, f"{where} must not be empty: it has no tokens", where)
+        bad = [t for t in ids if not 0 <= t < info.vocab_size]
+        if bad:
+            raise ApiError(400, f"{where} token ids must be in [0, {info.vocab_size}), got {bad[:5]}", where)
+        if len(ids) >= info.max_model_len:
+            raise ApiError(400, f"{where} has {len(ids)} tokens: no room left in the model's context of "
+                                f"{info.max_model_len} tokens", where)
+    longest = max(len(ids) for ids in prompts)
+    if max_tokens is None:  # chat: what the context leaves
+        max_tokens = info.max_model_len - longest
+    elif isinstance(max_tokens, int) and max_tokens >= 1 and longest + max_tokens > info.max_model_len:
+        raise ApiError(400, f"max_tokens ({max_tokens}) plus the prompt's {longest} tokens is past the model's "
+                            f"context of {info.max_model_len} tokens", "max_tokens")
+    params = [_sampling(req, max_tokens, j) for _ in prompts for j in range(req.n)]
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return Job(kind, model, f"{prefix}-{uuid.uuid4().hex}", prompts, params, req.n, include_usage)
+
+
+def _sampling(req: SamplingFields, max_tokens: int, choice: int) -> SamplingParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
+    try:
+        return SamplingParams(
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+            seed=None if req.seed is None else req.seed + choice, max_tokens=max_tokens, min_tokens=req.min_tokens,
+            stop=tuple(stop), stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+        )
+    except ValueError as exc:
+        raise ApiError(400, str(exc), _param_of(str(exc))) from None
+
+
+def submit(frontend: Frontend, job: Job) -> asyncio.Queue:
+    """Queue every choice of ``job``; their updates arrive on the one queue returned.
+
+    Raises:
+        ApiError: 503 when the server takes no requests (nothing is left queued).
+    """
+    out: asyncio.Queue = asyncio.Queue()
+    ids = job.choice_ids()
+    for i, rid in enumerate(ids):
+        try:
+            frontend.submit(rid, job.prompt_of(i), job.params[i], out)
+        except Unavailable as exc:
+            for done in ids[:i]:
+                frontend.abort(done)
+            raise ApiError(503, str(exc)) from None
+    return out
+
+
+def _final_text(codec: TextCodec, up: Update) -> str:
+    return up.text if up.text is not None else codec.decode(up.token_ids)
+
+
+def _usage(job: Job, completion_tokens: int) -> Usage:
+    prompt = sum(len(p) for p in job.prompts)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens)
+
+
+def _check(item: Update | Failure) -> Update:
+    if isinstance(item, Failure):
+        raise ApiError(503, f"the server failed while serving the request: {item.message}")
+    if item.error is not None:
+        raise ApiError(400, item.error, "prompt")
+    return item
+
+
+async def collect(frontend: Frontend, job: Job, updates: asyncio.Queue, codec: TextCodec) -> dict:
+    """Wait for every choice and return the whole response (a JSON-ready dict).
+
+    Raises:
+        ApiError: 400 the engine refused a prompt; 503 the server failed under it.
+    """
+    ids = job.choice_ids()
+    index = {rid: i for i, rid in enumerate(ids)}
+    finals: dict[int, Update] = {}
+    try:
+        while len(finals) < len(ids):
+            up = _check(await updates.get())
+            if up.finished:
+                finals[index[up.request_id]] = up
+    finally:
+        for rid in ids:
+            if index[rid] not in finals:
+                frontend.abort(rid)
+    usage = _usage(job, sum(len(u.token_ids) for u in finals.values()))
+    created = int(time.time())
+    if job.kind == "chat":
+        return ChatCompletionResponse(id=job.request_id, created=created, model=job.model, usage=usage, choices=[
+            ChatChoice(index=i, message=AssistantMessage(role="assistant", content=_final_text(codec, finals[i])),
+                       finish_reason=finals[i].finish_reason) for i in range(len(ids))]).model_dump()
+    return CompletionResponse(id=job.request_id, created=created, model=job.model, usage=usage, choices=[
+        CompletionChoice(index=i, text=_final_text(codec, finals[i]), finish_reason=finals[i].finish_reason)
+        for i in range(len(ids))]).model_dump()
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _chunk(job: Job, created: int, index: int, text: str | None, finish: str | None, role: bool = False) -> str:
+    if job.kind == "chat":
+        delta = AssistantMessage(role="assistant" if role else None, content=text)
+        return _event(ChatCompletionChunk(id=job.request_id, created=created, model=job.model, choices=[
+            ChatStreamChoice(index=index, delta=delta, finish_reason=finish)]).model_dump(exclude={"usage"}))
+    return _event(CompletionResponse(id=job.request_id, created=created, model=job.model, choices=[
+        CompletionChoice(index=index, text=text or "", finish_reason=finish)]).model_dump(exclude={"usage"}))
+
+
+async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: set[str]) -> AsyncIterator[str]:
+    """The server-sent events of a streamed response, ending with ``data: [DONE]``.
+
+    An error after the stream started is sent as one ``{"error": ...}`` event before ``[DONE]``.
+
+    Args:
+        pending: the choices' engine request ids; finished ones are removed (the caller aborts the rest
+            when the client goes away).
+    """
+    ids = job.choice_ids()
+    index = {rid: i for i, rid in enumerate(ids)}
+    texts = [StreamText(codec, p.stop) for p in job.params]
+    tokens = [0] * len(ids)
+    created = int(time.time())
+    if job.kind == "chat":
+        for i in range(len(ids)):
+            yield _chunk(job, created, i, "", None, role=True)
+    try:
+        while pending:
+            up = _check(await updates.get())
+            i = index[up.request_id]
+            tokens[i] = len(up.token_ids)
+            text = texts[i].delta(up.token_ids, _final_text(codec, up) if up.finished else None)
+            if up.finished:
+                pending.discard(up.request_id)
+            if text or up.finished:
+                yield _chunk(job, created, i, text, up.finish_reason if up.finished else None)
+    except ApiError as exc:
+        yield _event(exc.body().model_dump())
+    else:
+        if job.include_usage:
+            yield _event({"id": job.request_id, "object": "chat.completion.chunk" if job.kind == "chat"
+                          else "text_completion", "created": created, "model": job.model, "choices": [],
+                          "usage": _usage(job, sum(tokens)).model_dump()})
+    yield DONE

@@ -1,0 +1,55 @@
+"""The server's Prometheus metrics (``GET /metrics``), in a registry of their own (no global one).
+
+Names follow vLLM's (``vllm:num_requests_running`` -> ``epmoe:num_requests_running``), so dashboards
+built for it need only the prefix changed.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                      20.0, 40.0, 80.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """Every metric of one server.
+
+    Attributes:
+        running, waiting: sequences scheduled / queued, summed over ranks.
+        kv_blocks_used, kv_blocks_free: KV blocks in use / free, summed over ranks.
+        kv_usage: used over usable blocks, 0..1.
+        prompt_tokens, generation_tokens: tokens prefilled / generated (rates: ``rate()`` in PromQL).
+        requests: finished requests by ``finish_reason`` (``stop``, ``length``, ``abort``, ``error``).
+        preemptions: sequences preempted (recomputed) so far.
+        collectives_per_step: collectives of the engine's group per engine step, by kind (rank 0, mean since start).
+        ttft, tpot: time to first token and time per output token after it, seconds.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("epmoe:num_requests_running", "Sequences scheduled, all ranks", registry=r)
+        self.waiting = Gauge("epmoe:num_requests_waiting", "Sequences queued, all ranks", registry=r)
+        self.kv_blocks_used = Gauge("epmoe:kv_blocks_used", "KV blocks in use, all ranks", registry=r)
+        self.kv_blocks_free = Gauge("epmoe:kv_blocks_free", "KV blocks free, all ranks", registry=r)
+        self.kv_usage = Gauge("epmoe:kv_cache_usage_perc", "KV blocks used over usable (0..1)", registry=r)
+        self.prompt_tokens = Counter("epmoe:prompt_tokens", "Prompt tokens of accepted requests", registry=r)
+        self.generation_tokens = Counter("epmoe:generation_tokens", "Generated tokens", registry=r)
+        self.requests = Counter("epmoe:request_success", "Finished requests by finish reason", ["finished_reason"],
+                                registry=r)
+        self.preemptions = Counter("epmoe:num_preemptions", "Sequences preempted (recomputed)", registry=r)
+        self.collectives_per_step = Gauge("epmoe:collectives_per_step",
+                                          "Collectives of the engine's group per step (rank 0, mean)", ["kind"],
+                                          registry=r)
+        self.ttft = Histogram("epmoe:time_to_first_token_seconds", "Time to first token, s",
+                              buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.tpot = Histogram("epmoe:time_per_output_token_seconds", "Time per output token after the first, s",
+                              buckets=_LATENCY_BUCKETS_S, registry=r)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

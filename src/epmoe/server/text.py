@@ -1,0 +1,95 @@
+"""Text on the HTTP side: prompts to token ids, chat messages to a prompt, token ids back to streamed text.
+
+The HTTP side keeps its own tokenizer (the engine thread's is not shared across threads). Without a
+tokenizer in the checkpoint, prompts are UTF-8 bytes modulo the vocabulary, as ``Engine.encode`` does,
+and ids below 256 decode back to bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from epmoe.engine.engine import load_tokenizer
+
+# The plain template of a checkpoint without one: each message on its own, then the assistant's turn.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+class TextCodec:
+    """A checkpoint's tokenizer as the server uses it.
+
+    Args:
+        model_dir: the checkpoint directory.
+        vocab_size: the model's vocabulary size (prompts without a tokenizer are bytes modulo it).
+    """
+
+    def __init__(self, model_dir: str, vocab_size: int) -> None:
+        self.tokenizer = load_tokenizer(model_dir)
+        self.vocab_size = vocab_size
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.chat_template = template or DEFAULT_CHAT_TEMPLATE
+
+    def encode(self, prompt: str) -> list[int]:
+        """Token ids of a text prompt (no special tokens added)."""
+        if self.tokenizer is None:
+            return [b % self.vocab_size for b in prompt.encode()]
+        return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of token ids, special tokens skipped (an unfinished UTF-8 sequence ends in U+FFFD)."""
+        if self.tokenizer is None:
+            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        """The prompt of a conversation: the tokenizer's chat template, or ``DEFAULT_CHAT_TEMPLATE``.
+
+        Args:
+            messages: ``{"role", "content"}`` dicts.
+        """
+        if self.tokenizer is not None:
+            return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
+                                                      add_generation_prompt=True)
+        import jinja2
+
+        return jinja2.Environment().from_string(self.chat_template).render(messages=messages,
+                                                                           add_generation_prompt=True)
+
+
+class StreamText:
+    """The text deltas of one streamed choice.
+
+    Each call decodes all tokens so far and returns what was not sent yet, holding back an unfinished
+    UTF-8 character and, with stop strings, the last ``len(longest stop) - 1`` characters (a stop string
+    may be completing; the engine cuts it from the final text).
+
+    Args:
+        codec: the tokenizer.
+        stop: the request's stop strings.
+    """
+
+    def __init__(self, codec: TextCodec, stop: Sequence[str]) -> None:
+        self.codec = codec
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.sent = 0
+
+    def delta(self, token_ids: Sequence[int], final_text: str | None = None) -> str:
+        """Text not sent yet.
+
+        Args:
+            token_ids: every token generated so far.
+            final_text: on the last output, the whole text (cut before a stop string): all the rest is sent.
+        """
+        if final_text is not None:
+            text = final_text
+        else:
+            text = self.codec.decode(token_ids)
+            if text.endswith("\ufffd"):
+                text = text[:-1]
+            text = text[: max(self.sent, len(text) - self.holdback)]
+        out = text[self.sent:]
+        self.sent = max(self.sent, len(text))
+        return out

@@ -1,0 +1,100 @@
+"""A real ``epmoe serve`` process on a free 127.0.0.1 port (the built-in checkpoint, float32, CPU ranks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from epmoe.runtime.launch import free_port
+
+MODEL = "kimi-k2.5-tiny"  # the built-in checkpoint's directory name: the served model id
+API_KEY = "test-key"
+START_TIMEOUT_S = 120.0
+
+
+class ServerProcess:
+    """One server process: ``url`` (``http://127.0.0.1:PORT``), ``proc``, ``log`` (its stderr file)."""
+
+    def __init__(self, tmp: Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / f"serve-{self.port}.log"
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"))
+        cmd = [sys.executable, "-m", "epmoe.cli", "serve", "--port", str(self.port), "--api-key", API_KEY, *args]
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"server not ready within {START_TIMEOUT_S} s:\n{self.log.read_text()}")
+
+    def children(self) -> list[int]:
+        """Pids of the processes whose parent is the server (its ranks, the resource tracker)."""
+        kids = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text()
+                except OSError:
+                    continue
+                if int(stat.rsplit(")", 1)[1].split()[1]) == self.proc.pid:
+                    kids.append(int(entry.name))
+        return kids
+
+    def rank_pids(self) -> list[int]:
+        """Pids of the spawned rank processes."""
+        out = []
+        for pid in self.children():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"spawn_main" in cmd:
+                out.append(pid)
+        return out
+
+    def metric(self, name: str) -> float:
+        """The value of an unlabelled metric from ``/metrics``."""
+        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def start_server(tmp_path_factory):
+    """Start servers (``start_server(*args)``); every one is stopped at the end of the module."""
+    started: list[ServerProcess] = []
+
+    def start(*args: str) -> ServerProcess:
+        server = ServerProcess(tmp_path_factory.mktemp("serve"), *args)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

@@ -1,0 +1,257 @@
+"""``epmoe serve`` end to end: a real server process with 2 gloo ranks and the built-in checkpoint, driven
+by the official ``openai`` client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from epmoe.engine import Engine, EngineConfig, SamplingParams
+from epmoe.models.tiny import ensure_default_checkpoint
+from tests.server.conftest import API_KEY, MODEL
+
+pytestmark = pytest.mark.multiprocess
+
+PROMPTS = ["Expert parallelism places whole experts on ranks", "The quick brown fox", "def all_to_all(x):",
+           "Mixture of experts"]
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    return start_server("--ep", "2")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """Greedy outputs of the engine alone (one process, no server): prompt -> final RequestOutput."""
+    engine = Engine(EngineConfig(model=str(ensure_default_checkpoint())))
+    cache: dict[tuple[str, int], object] = {}
+
+    def run(prompts: list[str], max_tokens: int) -> list:
+        todo = [p for p in prompts if (p, max_tokens) not in cache]
+        if todo:
+            outs = engine.generate(todo, SamplingParams(temperature=0, max_tokens=max_tokens))
+            cache.update({(p, max_tokens): o for p, o in zip(todo, outs)})
+        return [cache[(p, max_tokens)] for p in prompts]
+
+    return run
+
+
+def wait_kv_free(server, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.metric("epmoe:kv_blocks_used") == 0 and server.metric("epmoe:num_requests_running") == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"KV blocks still used after {timeout_s} s: {server.metric('epmoe:kv_blocks_used')}")
+
+
+def test_models_and_health(server, client):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ready"}
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].max_model_len == 256
+
+
+def test_greedy_completions_equal_engine_offline(client, offline):
+    ref = offline(PROMPTS, 12)
+    for prompt, out in zip(PROMPTS, ref):
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        assert got.choices[0].text == out.text
+        assert got.choices[0].finish_reason == out.finish_reason
+        assert got.usage.completion_tokens == len(out.token_ids)
+        assert got.usage.prompt_tokens == len(prompt.encode())
+    # a list of prompts: one choice each, in order
+    got = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
+    assert [c.text for c in got.choices] == [o.text for o in ref]
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+
+
+def test_streaming_equals_whole(client, server, offline):
+    ref = offline(PROMPTS[:1], 12)[0]
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].usage.completion_tokens == 12
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 3, "stream": True}
+    raw = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}).text
+    events = [e for e in raw.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+
+
+def test_chat_whole_and_streamed(client):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Hello there"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 10
+    # the default template: "<|system|>\nbe brief\n<|user|>\nHello there\n<|assistant|>\n" in bytes
+    assert whole.usage.prompt_tokens == len("<|system|>\nbe brief\n<|user|>\nHello there\n<|assistant|>\n")
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_string_cuts_the_text(client, offline):
+    text = offline(PROMPTS[1:2], 12)[0].text
+    stop = text[4:6]
+    cut = text[: text.find(stop)]
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, stop=[stop])
+    assert got.choices[0].text == cut and got.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, stop=stop,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == cut
+
+
+def test_seeds_reproducible_and_n(client):
+    kw = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=10, temperature=1.0, top_p=0.9, extra_body={"top_k": 50})
+    a = client.completions.create(seed=7, **kw).choices[0].text
+    b = client.completions.create(seed=7, **kw).choices[0].text
+    assert a == b
+    several = client.completions.create(seed=7, n=3, **kw)
+    texts = [c.text for c in several.choices]
+    assert [c.index for c in several.choices] == [0, 1, 2]
+    assert texts[0] == a  # choice j samples with seed + j
+    assert len(set(texts)) == 3
+    assert several.usage.completion_tokens == 30
+    unseeded = {client.completions.create(**kw).choices[0].text for _ in range(3)}
+    assert len(unseeded) > 1
+
+
+def test_concurrent_streams_each_equal_alone(server, offline):
+    prompts = [f"request {i}: {PROMPTS[i % 4]}" for i in range(100)]
+    ref = offline(prompts, 8)
+    aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+    async def one(prompt: str) -> str:
+        stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def run_all() -> list[str]:
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    texts = asyncio.run(asyncio.wait_for(run_all(), 90))
+    assert texts == [o.text for o in ref]
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    for i in (0, 37, 99):  # the same request sent alone
+        alone = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=8, temperature=0)
+        assert alone.choices[0].text == texts[i]
+    wait_kv_free(server)
+    assert server.metric("epmoe:kv_blocks_free") == 2 * 4096
+    assert server.metric("epmoe:time_to_first_token_seconds_count") >= 100
+
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+BAD = [
+    ("malformed json", b'{"model": "x", "prompt": ', 400, None),
+    ("empty body", b"", 400, None),
+    ("not an object", b"[1, 2]", 400, None),
+    ("missing prompt", {"model": MODEL}, 400, "prompt"),
+    ("prompt wrong type", {"model": MODEL, "prompt": 5}, 400, "prompt"),
+    ("empty prompt", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("token id past the vocabulary", {"model": MODEL, "prompt": [1, 99999]}, 400, "prompt"),
+    ("prompt over the context", {"model": MODEL, "prompt": "x" * 300}, 400, "prompt"),
+    ("max_tokens 0", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens a million", {"model": MODEL, "prompt": "hi", "max_tokens": 1000000}, 400, "max_tokens"),
+    ("max_tokens a string", {"model": MODEL, "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ("temperature -1", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("top_p 2", {"model": MODEL, "prompt": "hi", "top_p": 2}, 400, "top_p"),
+    ("top_k -5", {"model": MODEL, "prompt": "hi", "top_k": -5}, 400, "top_k"),
+    ("n 1000", {"model": MODEL, "prompt": "hi", "n": 1000}, 400, "n"),
+    ("seed negative", {"model": MODEL, "prompt": "hi", "seed": -1}, 400, "seed"),
+    ("stop wrong type", {"model": MODEL, "prompt": "hi", "stop": 3}, 400, "stop"),
+    ("stream a string", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("unknown model", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+]
+BAD_CHAT = [
+    ("missing messages", {"model": MODEL}, 400, "messages"),
+    ("empty messages", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("bad role", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+    ("content a number", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
+]
+
+
+@pytest.mark.parametrize("route, case, body, status, param",
+                         [("/v1/completions", *c) for c in BAD] + [("/v1/chat/completions", *c) for c in BAD_CHAT],
+                         ids=[c[0] for c in BAD] + [f"chat {c[0]}" for c in BAD_CHAT])
+def test_bad_request_answered_and_server_still_serves(server, route, case, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{server.url}{route}", content=content, headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    assert error["param"] == param and error["message"]
+    if param is not None:
+        assert param.split(".")[0] in error["message"] or status == 404
+    ok = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                          "ignore_eos": True}, headers=AUTH)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_auth_routes_and_body_limit(server):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.get(f"{server.url}/v1/nothing", headers=AUTH)
+    assert r.status_code == 404 and "/v1/nothing" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/completions", content=b"x" * (50 << 20), headers=AUTH, timeout=60)
+    assert r.status_code == 413 and "8388608" in r.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH).status_code == 200
+
+
+def test_dropped_streams_free_their_blocks(server):
+    before = server.metric('epmoe:request_success_total{finished_reason="abort"}') if "abort" in httpx.get(
+        f"{server.url}/metrics").text else 0.0
+    body = {"model": MODEL, "prompt": "a long answer please", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=30) as http:
+        for _ in range(20):
+            with http.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH) as r:
+                first = next(r.iter_lines())
+                assert first.startswith("data: {")
+    wait_kv_free(server)
+    after = server.metric('epmoe:request_success_total{finished_reason="abort"}')
+    assert after - before == 20
+
+
+def test_eplb_loads_in_the_balance_format(server, tmp_path):
+    r = httpx.get(f"{server.url}/eplb/loads", headers=AUTH)
+    assert r.status_code == 200
+    doc = r.json()
+    assert doc["format"] == "epmoe.loads/1"
+    assert len(doc["load"]) == 2 and len(doc["load"][0]) == 16  # 2 MoE layers, 16 experts
+    assert sum(doc["load"][0]) > 0 and sum(doc["load"][0]) % 4 == 0  # top-4 routing
+    from epmoe.loads import read_loads
+
+    path = tmp_path / "loads.json"
+    path.write_text(json.dumps(doc))
+    assert read_loads(path).shape == (2, 16)
+
+
+def test_bench_serve_against_the_server(server, capsys):
+    from epmoe.cli import main
+
+    code = main(["bench", "serve", "--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "12",
+                 "--random-input-len", "16", "--random-output-len", "5", "--max-concurrency", "4", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == MODEL and report["completed"] == 12 and report["failed"] == 0
+    assert report["total_input_tokens"] == 12 * 16 and report["total_output_tokens"] == 12 * 5
+    assert 0 < report["ttft_ms"]["p50"] <= report["ttft_ms"]["p99"]
+    assert report["tpot_ms"]["mean"] > 0 and report["itl_ms"]["mean"] > 0
+    assert report["output_throughput"] == pytest.approx(60 / report["duration_s"])
+    wait_kv_free(server)

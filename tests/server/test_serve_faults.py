@@ -1,0 +1,89 @@
+"""``epmoe serve`` under faults: SIGTERM while requests run (drain, exit 0) and a rank killed with SIGKILL
+(every open request gets an error, exit non-zero within 30 s, no rank left behind)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import API_KEY, MODEL
+
+pytestmark = pytest.mark.multiprocess
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _stream_all(url: str, max_tokens: int, results: list, i: int) -> None:
+    body = {"model": MODEL, "prompt": f"drain {i}", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+            results[i] = (r.status_code, [line for line in r.iter_lines() if line])
+    except httpx.TransportError as exc:
+        results[i] = ("transport", str(exc))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_sigterm_drains_running_requests_and_exits_0(start_server):
+    server = start_server("--ep", "2", "--drain-timeout", "3")
+    ranks = server.rank_pids()
+    assert len(ranks) == 1
+    results: list = [None] * 8
+    threads = [threading.Thread(target=_stream_all, args=(server.url, 6 if i < 4 else 240, results, i))
+               for i in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    assert httpx.get(f"{server.url}/health").status_code == 503
+    refused = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "late"}, headers=AUTH)
+    assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]
+    assert server.proc.wait(30) == 0
+    for t in threads:
+        t.join(10)
+    reasons = []
+    for status, lines in results:
+        assert status == 200 and lines[-1] == "data: [DONE]"
+        chunks = [json.loads(line[6:]) for line in lines[:-1]]
+        reasons.append(next(c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]))
+    assert reasons[:4] == ["length"] * 4  # short ones finish
+    assert set(reasons[4:]) <= {"length", "abort"} and "abort" in reasons[4:]  # long ones end at the bound
+    assert not any(_alive(p) for p in ranks)
+
+
+def test_rank_killed_fails_requests_and_exits_nonzero(start_server):
+    server = start_server("--ep", "2")
+    ranks = server.rank_pids()
+    assert len(ranks) == 1
+    results: list = [None] * 4
+    threads = [threading.Thread(target=_stream_all, args=(server.url, 240, results, i)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    os.kill(ranks[0], signal.SIGKILL)
+    try:
+        code = server.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"server still running 30 s after a rank was killed:\n{server.log.read_text()}")
+    assert code != 0 and time.monotonic() - t0 < 30
+    for t in threads:
+        t.join(10)
+    for result in results:  # each stream ended with an error event (or the connection closed under it)
+        assert result[0] == "transport" or any('"error"' in line for line in result[1]), result
+    assert "fatal" in server.log.read_text()
+    assert not any(_alive(p) for p in ranks + server.children())
