@@ -49,7 +49,9 @@ def _run_family(directory: str, comm: Comm, static: bool) -> dict:
             aborted.append(out.request_id)
             engine.abort(out.request_id)
 
-    outs = engine.generate(prompts, params, arrival_times=[0.0, 0.0, 0.02, 0.05][: len(prompts)],
+    # requests 0, 1 and 3 arrive at once: 3 is admitted when 1 is aborted, while 0 still grows (a
+    # preemption whatever the timing); 2 arrives later
+    outs = engine.generate(prompts, params, arrival_times=[0.0, 0.0, 0.02, 0.0][: len(prompts)],
                            on_output=on_output)
     ref = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     want = [hf_greedy(ref, [p], NEW_TOKENS, 258)[0] for p in prompts]
