@@ -72,6 +72,7 @@ def main() -> None:
     args = ap.parse_args()
     d = Path(tempfile.mkdtemp()) / args.model_config
     d.mkdir()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text((CONFIGS / f"{args.model_config}.config.json").read_text())
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -91,15 +92,16 @@ def main() -> None:
             print(f"serve c={conc}: {rep.output_throughput:.0f} tok/s, TPOT p50 {rep.tpot_ms['p50']:.2f} ms, "
                   f"TTFT p50 {rep.ttft_ms['p50']:.1f} p99 {rep.ttft_ms['p99']:.1f} ms, failed {rep.failed}", flush=True)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+        (Path(args.out) / "serve.log").write_text(proc.stdout.read() if proc.stdout else "")
     result["server_exit_code"] = proc.returncode
     result["offline"] = {1: offline(d, 8, 1), 64: offline(d, 256, 64)}
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name().split()[-1].lower()
     (out / f"serve_{gpu}.json").write_text(json.dumps(result, indent=2, default=str))
     s1, o1 = result["server"][1], result["offline"][1]
