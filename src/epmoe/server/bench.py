@@ -191,7 +191,8 @@ async def _one(http: httpx.AsyncClient, url: str, model: str, prompt: str | list
                     return result
                 if event.get("usage"):
                     result.output_tokens = event["usage"]["completion_tokens"]
-                if event.get("choices") and event["choices"][0].get("text"):
+                # a chunk with a choice is a token, its text empty where the server has no tokenizer
+                if event.get("choices") and event["choices"][0].get("text") is not None:
                     now = time.perf_counter()
                     if chunks == 0:
                         result.ttft_s = now - start
