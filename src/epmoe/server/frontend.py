@@ -245,9 +245,17 @@ class Frontend:
     def _deliver(self, replies: list[RankReply]) -> None:
         now = time.perf_counter()
         m = self.metrics
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Open, Update]]] = {}
         for reply in replies:
             for up in reply.updates:
-                self._deliver_one(up, now)
+                item = self._deliver_one(up, now)
+                if item is not None:
+                    batches.setdefault(item.loop, []).append((item, up))
+        for loop, batch in batches.items():  # one wake-up of each event loop per step, not one per request
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the event loop is closed: nobody waits for it any more
+                pass
         m.running.set(sum(r.running for r in replies))
         m.waiting.set(sum(r.waiting for r in replies))
         free, cap = sum(r.kv_free for r in replies), sum(r.kv_capacity for r in replies)
@@ -261,12 +269,13 @@ class Frontend:
         for kind, calls in lead.collectives.items():
             m.collectives_per_step.labels(kind=kind).set(calls / lead.steps if lead.steps else 0.0)
 
-    def _deliver_one(self, up: Update, now: float) -> None:
+    def _deliver_one(self, up: Update, now: float) -> _Open | None:
+        """Metrics of one update; returns its request's entry (``None``: no longer open)."""
         m = self.metrics
         with self._lock:
             item = self._open.get(up.request_id)
             if item is None:
-                return
+                return None
             if up.finished:
                 del self._open[up.request_id]
         if up.new_token_ids:
@@ -280,7 +289,7 @@ class Frontend:
             n = len(up.token_ids)
             if n > 1 and item.first_token is not None:
                 m.tpot.observe((now - item.first_token) / (n - 1))
-        self._put(item, up)
+        return item
 
     @staticmethod
     def _put(item: _Open, value: Update | Failure) -> None:
@@ -288,3 +297,9 @@ class Frontend:
             item.loop.call_soon_threadsafe(item.queue.put_nowait, value)
         except RuntimeError:  # the event loop is closed: nobody waits for it any more
             pass
+
+
+def _put_all(batch: list[tuple[_Open, Update]]) -> None:
+    """On the event loop: hand each update to its request's queue."""
+    for item, up in batch:
+        item.queue.put_nowait(up)
