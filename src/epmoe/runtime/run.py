@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from epmoe.balance import rank_balancedness
 from epmoe.comm import COLLECTIVE_KINDS, Comm
 from epmoe.engine import Engine, EngineConfig, SamplingParams
 from epmoe.engine.config import GRAPH_SAFE_BACKENDS
@@ -358,14 +359,6 @@ def _placement(cfg: RunConfig, model_dir: str, ep: int) -> ExpertPlacement:
         raise ValueError(f"--ep {ep}: {exc}") from None
 
 
-def _balancedness(rank_counts: torch.Tensor) -> float:
-    """Per layer mean/max of ``rank_counts [L, G]`` (tokens per rank), averaged over layers."""
-    per_rank = rank_counts.double()
-    peak = per_rank.max(dim=1).values
-    ratio = torch.where(peak > 0, per_rank.mean(dim=1) / peak.clamp(min=1e-12), torch.ones_like(peak))
-    return float(ratio.mean())
-
-
 def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids: list[int]) -> list[list[int]]:
     """Greedy tokens of the unsharded transformers model, prompt by prompt with its own ``generate`` (no
     ``MoELayer``, no engine): transformers' ``from_pretrained`` where it reads the checkpoint, else a full
@@ -435,7 +428,7 @@ def run_job(cfg: RunConfig) -> RunReport:
         model=model_dir, model_type=spec.model_type, ep=ep, device=cfg.device, prompts=prompts,
         outputs=[_decode(tok, t) for t in tokens], ranks=ranks,
         tokens_per_s=sum(len(t) for t in tokens) / gen_s if gen_s > 0 else float("nan"),
-        balancedness=_balancedness(rank_counts),
+        balancedness=float(rank_balancedness(rank_counts).mean()),
         routed_tokens_per_step=(rank_counts.sum(0).double() / (steps * spec.num_moe_layers)).tolist(),
         matches_reference=None, graphs=any(r.step_kinds.get("graph_steps", 0) for r in ranks),
     )
