@@ -191,7 +191,16 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
                                 "input_len": "--random-input-len", "output_len": "--random-output-len",
                                 "request_rate": "--request-rate", "max_concurrency": "--max-concurrency",
                                 "dataset": "--dataset"}) from exc
-    report = run_bench(cfg, progress=args.json != "-")
+    if args.json not in (None, "-"):
+        from epmoe.files import check_output_path
+
+        check_output_path("--json", args.json, "a JSON file path")
+    import httpx
+
+    try:
+        report = run_bench(cfg, progress=args.json != "-")
+    except httpx.HTTPError as exc:
+        raise ValueError(f"--base-url {args.base_url}: {type(exc).__name__}: {exc}") from None
     if args.json == "-":
         print(json.dumps(report.to_json(), indent=2))
     else:

@@ -83,14 +83,18 @@ def test_bad_requests_rejected_before_queueing(engine, model_dir, reference):
     assert_idle(engine)
 
 
-def test_prompt_longer_than_the_pool(model_dir):
+def test_request_longer_than_the_pool(model_dir):
+    """A request whose prompt plus max_tokens cannot fit in the whole pool is refused, not cut short."""
     small = Engine(config(model_dir, num_kv_blocks=5))  # 4 blocks of 4 = 16 tokens
-    with pytest.raises(ValueError, match=r"prompt of 16 tokens does not fit in the KV pool of 16 tokens "
-                                         r"\(4 blocks of 4\)"):
+    with pytest.raises(ValueError, match=r"prompt of 16 tokens with max_tokens 10 needs 25 KV slots; the KV pool "
+                                         r"holds 16 tokens \(4 blocks of 4\)"):
         small.add_request([7] * 16, GREEDY)
+    with pytest.raises(ValueError, match=r"prompt of 12 tokens with max_tokens 10 needs 21 KV slots"):
+        small.generate([[7] * 12], SamplingParams(temperature=0, max_tokens=10))
     assert not small.has_unfinished()
-    (out,) = small.generate([[7] * 12], SamplingParams(temperature=0, max_tokens=10))
-    assert out.finish_reason == "length" and len(out.token_ids) == 5  # 16 tokens in the pool + the last sampled
+    # 12 + 5 - 1 = 16 slots: the last sampled token needs none, so it fits exactly
+    (out,) = small.generate([[7] * 12], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
     assert small.allocator.num_free == small.allocator.capacity
 
 
@@ -115,7 +119,7 @@ def test_context_limit_finishes_with_length(engine):
     ("expert_backend", "magic", "expert_backend 'magic' is not one of"),
     ("dispatcher", "fixed_capacity", "dispatcher 'fixed_capacity' is what graph-replayed"),
     ("load_format", "pt", "load_format must be 'auto' or 'dummy', got 'pt'"),
-    ("seed", "7", "seed must be an integer, got '7'"),
+    ("seed", "7", "seed must be an integer in \\[0, 2\\*\\*63\\), got '7'"),
     ("enforce_eager", "yes", "enforce_eager must be true or false, got 'yes'"),
     ("eplb_interval", -1, "eplb_interval must be a non-negative integer, got -1"),
 ])

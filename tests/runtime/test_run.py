@@ -88,8 +88,12 @@ def test_run_under_torchrun_environment(kimi, tmp_path):
         (["--dispatcher", "nccl_magic"], r"--dispatcher 'nccl_magic' is not one of \['all_to_all'"),
         (["--dispatcher", "fixed_capacity"], r"--dispatcher fixed_capacity is what the engine's CUDA-graph decode"),
         (["--request-rate", "0"], r"--request-rate must be a positive number"),
+        (["--max-num-seqs", "0"], r"^epmoe run: error: --max-num-seqs must be a positive integer, got 0"),
+        (["--num-kv-blocks", "3", "--block-size", "2", "--prompt", "x" * 40],
+         r"the longest prompt with --max-new-tokens 8 needs 47 KV slots; --num-kv-blocks 3 of --block-size 2 hold 4"),
         (["--temperature", "-1"], r"temperature must be a finite number >= 0, got -1.0"),
-        (["--max-num-seqs", "4", "--max-num-batched-tokens", "2"], r"max_num_batched_tokens \(2\) must be at least"),
+        (["--max-num-seqs", "4", "--max-num-batched-tokens", "2"],
+         r"--max-num-batched-tokens \(2\) must be at least --max-num-seqs \(4\)"),
     ],
 )
 def test_bad_options(kimi, capsys, args, message):

@@ -87,3 +87,18 @@ def test_rank_killed_fails_requests_and_exits_nonzero(start_server):
         assert result[0] == "transport" or any('"error"' in line for line in result[1]), result
     assert "fatal" in server.log.read_text()
     assert not any(_alive(p) for p in ranks + server.children())
+
+
+def test_port_in_use_is_refused_before_loading(capsys):
+    import socket
+
+    from epmoe.cli import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        assert main(["serve", "--ep", "1", "--port", str(port)]) == 2
+        assert time.monotonic() - t0 < 60
+    assert f"--host 127.0.0.1 --port {port}: cannot listen there" in capsys.readouterr().err

@@ -95,6 +95,12 @@ class EngineConfig:
             _positive(name, getattr(self, name))
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
+            from epmoe.spec import language_model_config, read_config
+
+            limit = language_model_config(read_config(self.model)[0]).get("max_position_embeddings")
+            if isinstance(limit, int) and self.max_model_len > limit:
+                raise ValueError(f"max_model_len ({self.max_model_len}) is past the model's max_position_embeddings "
+                                 f"({limit})")
         if self.num_kv_blocks is not None and (isinstance(self.num_kv_blocks, bool) or
                                                not isinstance(self.num_kv_blocks, numbers.Integral) or
                                                self.num_kv_blocks < 2):
@@ -118,8 +124,8 @@ class EngineConfig:
                                                 or not isinstance(self.eplb_max_moves, numbers.Integral)
                                                 or self.eplb_max_moves < 0):
             raise ValueError(f"eplb_max_moves must be a non-negative integer, got {self.eplb_max_moves!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if self.eplb_max_moves is not None and not self.eplb_interval:

@@ -19,6 +19,8 @@ Step API (the server's): ``add_request``, ``step() -> list[RequestOutput]``, ``a
 from __future__ import annotations
 
 import itertools
+import numbers
+import os
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -40,7 +42,7 @@ from epmoe.models.hf import EPModel, load_ep_model
 from epmoe.placement import ExpertPlacement
 from epmoe.spec import language_model_config, load_moe_spec, read_config
 
-_CPU_KV_BYTES = 2 << 30  # KV budget on CPU (no memory query there)
+_CPU_KV_BYTES = 1 << 30  # KV budget on CPU (no memory query there)
 
 
 def trivial_or_file_placement(config: EngineConfig, num_layers: int, num_experts: int,
@@ -111,11 +113,7 @@ class Engine:
             self.device = torch.device("cpu")
         self.spec = load_moe_spec(config.model)
         raw = language_model_config(read_config(config.model)[0])
-        limit = raw.get("max_position_embeddings")
-        self.max_model_len = int(config.max_model_len or limit or 4096)
-        if isinstance(limit, int) and config.max_model_len and config.max_model_len > limit:
-            raise ValueError(f"max_model_len ({config.max_model_len}) is past the model's max_position_embeddings "
-                             f"({limit})")
+        self.max_model_len = int(config.max_model_len or raw.get("max_position_embeddings") or 4096)
         self.placement = trivial_or_file_placement(config, self.spec.num_moe_layers, self.spec.num_experts,
                                                    self.comm.size)
         if config.dispatcher == "local" and self.comm.size > 1:
@@ -167,6 +165,12 @@ class Engine:
     def _num_kv_blocks(self, layout: KVLayout) -> int:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
+            want = cfg.num_kv_blocks * cfg.block_size * layout.bytes_per_token(cfg.torch_dtype)
+            have = (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda"
+                    else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+            if want > have:
+                raise ValueError(f"num_kv_blocks {cfg.num_kv_blocks} needs {want / 2**30:.1f} GiB of KV cache; "
+                                 f"{have / 2**30:.1f} GiB are free on {self.device}")
             return int(cfg.num_kv_blocks)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -220,6 +224,7 @@ class Engine:
         """Token ids of a prompt (a string through the tokenizer, or ids as given).
 
         Raises:
+            TypeError: a prompt that is neither a string nor a list/tuple of token ids.
             ValueError: an empty prompt, or ids outside the vocabulary.
         """
         if isinstance(prompt, str):
@@ -228,22 +233,26 @@ class Engine:
             if self.tokenizer is None:
                 return [b % self.vocab_size for b in prompt.encode()]
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        else:
+        elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
+        else:
+            raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("prompt must have at least one token")
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)
+               or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}")
-        return ids
+        return [int(t) for t in ids]
 
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids, if the request can be served; nothing is queued.
 
         Raises:
-            TypeError: ``params`` is not a ``SamplingParams``.
+            TypeError: ``params`` is not a ``SamplingParams``; a prompt of another type.
             ValueError: an empty prompt, ids outside the vocabulary, a prompt as long as the context
-                (``max_model_len``) or longer than the whole KV pool.
+                (``max_model_len``), or a prompt whose keys and values with ``max_tokens`` more would not
+                fit in the whole KV pool (it could only be cut short).
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -252,9 +261,12 @@ class Engine:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the context of max_model_len "
                              f"{self.max_model_len} tokens")
         pool = self.allocator.capacity * self.config.block_size
-        if len(ids) + 1 > pool:
-            raise ValueError(f"prompt of {len(ids)} tokens does not fit in the KV pool of {pool} tokens "
-                             f"({self.allocator.capacity} blocks of {self.config.block_size})")
+        # the last token sampled is never fed back: its KV is not needed
+        need = min(len(ids) + params.max_tokens - 1, self.max_model_len)
+        if need > pool:
+            raise ValueError(f"prompt of {len(ids)} tokens with max_tokens {params.max_tokens} needs {need} KV slots; "
+                             f"the KV pool holds {pool} tokens ({self.allocator.capacity} blocks of "
+                             f"{self.config.block_size}): lower max_tokens or give the cache more blocks")
         return ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -426,6 +438,8 @@ class Engine:
             ValueError: a bad prompt, option or arrival time (before any request is queued), or lengths
                 that differ.
         """
+        if isinstance(prompts, str):  # one prompt, not its characters
+            prompts = [prompts]
         n = len(prompts)
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * n
         arrivals = [float(t) for t in arrival_times] if arrival_times is not None else [0.0] * n

@@ -10,6 +10,7 @@ run the unsharded transformers model on the same prompts (greedy runs), and retu
 from __future__ import annotations
 
 import json
+import re
 import resource
 import time
 from dataclasses import asdict, dataclass, field
@@ -349,12 +350,46 @@ def _serve_share(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], mine:
     )
 
 
-def _placement(cfg: RunConfig, model_dir: str, ep: int) -> ExpertPlacement:
+# EngineConfig field -> the flag that sets it (its errors name the field)
+_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
+          "block_size": "--block-size", "cuda_graph_max_bs": "--cuda-graph-max-bs", "num_kv_blocks": "--num-kv-blocks",
+          "seed": "--seed", "max_model_len": "--max-model-len"}
+
+
+def _engine_config(cfg: RunConfig, model_dir: str) -> EngineConfig:
+    """The engine's options, its errors in the CLI's flag names."""
+    try:
+        return cfg.engine_config(model_dir)
+    except ValueError as exc:
+        msg = str(exc)
+        for field_name, flag in _FLAGS.items():
+            msg = re.sub(rf"\b{field_name}\b", flag, msg)
+        raise ValueError(msg) from None
+
+
+def _check_before_start(cfg: RunConfig, model_dir: str, ep: int, all_ids: list[list[int]]) -> ExpertPlacement:
+    """Everything that can be checked before any rank starts: the engine options, the weights, the KV pool
+    when its size is given, and the placement."""
     if cfg.dispatcher == "local" and ep != 1:
         raise ValueError(f"--dispatcher local serves EP size 1 only; EP size is {ep}: use all_to_all")
+    engine_cfg = _engine_config(cfg, model_dir)
+    if cfg.load_format == "auto":
+        from epmoe.models.checkpoint import CheckpointReader
+
+        try:
+            CheckpointReader(model_dir)
+        except FileNotFoundError as exc:
+            raise ValueError(f"--model: {exc} (--load-format dummy runs a config.json alone)") from None
+    if cfg.num_kv_blocks is not None:
+        pool = (cfg.num_kv_blocks - 1) * cfg.block_size
+        longest = max(len(ids) for ids in all_ids) + cfg.max_new_tokens - 1
+        if longest > pool:
+            raise ValueError(f"the longest prompt with --max-new-tokens {cfg.max_new_tokens} needs {longest} KV slots; "
+                             f"--num-kv-blocks {cfg.num_kv_blocks} of --block-size {cfg.block_size} hold {pool} "
+                             f"(one block is the padding block)")
     spec = load_moe_spec(model_dir)
     try:
-        return trivial_or_file_placement(cfg.engine_config(model_dir), spec.num_moe_layers, spec.num_experts, ep)
+        return trivial_or_file_placement(engine_cfg, spec.num_moe_layers, spec.num_experts, ep)
     except ValueError as exc:
         raise ValueError(f"--ep {ep}: {exc}") from None
 
@@ -407,14 +442,14 @@ def run_job(cfg: RunConfig) -> RunReport:
     _check_context(model_dir, all_ids, cfg.max_new_tokens)
     if under_torchrun():
         info = torchrun_rank_info()
-        _placement(cfg, model_dir, info.world_size)
+        _check_before_start(cfg, model_dir, info.world_size, all_ids)
         ranks = _rank_worker(info, cfg, model_dir, all_ids, gather=True, progress=True)
         if ranks is None:
             return None  # type: ignore[return-value]
         ep = info.world_size
     else:
         ep = cfg.ep
-        _placement(cfg, model_dir, ep)  # fail here, before any process starts, on a bad placement
+        _check_before_start(cfg, model_dir, ep, all_ids)  # fail here, before any process starts
         ranks = spawn(_rank_worker, ep, (cfg, model_dir, all_ids, False, True))
 
     tokens: list[list[int]] = [[] for _ in prompts]

@@ -57,6 +57,22 @@ def _follower(info: RankInfo, cfg: ServeConfig, model_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Raise before loading anything when ``host:port`` cannot be bound.
+
+    Raises:
+        ValueError: the address is in use or not ours (the OS error named).
+    """
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise ValueError(f"--host {host} --port {port}: cannot listen there: {exc.strerror}") from None
+
+
 def _spawned_follower(rank: int, world_size: int, port: int, cfg: ServeConfig, model_dir: str) -> None:
     die_with_parent()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -108,6 +124,7 @@ def serve(cfg: ServeConfig) -> int:
     hf_logging.set_verbosity_error()
     model_dir = str(cfg.model) if cfg.model is not None else str(ensure_default_checkpoint(cfg.cache_dir))
     cfg.engine_config(model_dir)  # a bad engine option fails here, before any process starts
+    _check_port_free(cfg.host, cfg.port)
     if under_torchrun():
         info = torchrun_rank_info()
         if info.rank != 0:
