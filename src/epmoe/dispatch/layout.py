@@ -11,11 +11,12 @@ receives the results in the same buffer positions and sums each token's rows in 
 
 Four steps, each one kernel on CUDA (``layout_triton``) and plain PyTorch elsewhere:
 ``route_layout`` (positions, counts and the row -> token table), ``pack_rows`` (the send buffer),
-``unpack_rows`` (slots and weights of the received rows), ``combine_rows`` (the per-token sum). None of
-them reads a count on the host, so a fixed-capacity layer can be captured in a CUDA graph. Two layouts
-(``blocks``), always passed explicitly: ``FixedBlocks(C)``, ``C`` rows per rank (rows past a rank's count are
-padding with slots ``-1`` and zero hidden state), and ``ExactBlocks(row_starts, num_rows)``, ``row_starts``
-the exclusive prefix sum of the counts (the all-to-all dispatcher).
+``unpack_rows`` (slots, weights and the decoded sender column of the received rows), ``combine_rows``
+(the per-token sum). None of them reads a count on the host, so a fixed-capacity layer can be captured
+in a CUDA graph. Two layouts (``blocks``), always passed explicitly: ``FixedBlocks(C)``, ``C`` rows per
+rank (rows past a rank's count are padding with slots ``-1`` and zero hidden state), and
+``ExactBlocks(row_starts, num_rows)``, ``row_starts`` the exclusive prefix sum of the counts (the
+all-to-all dispatcher).
 """
 
 from __future__ import annotations
