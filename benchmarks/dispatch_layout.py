@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from epmoe.dispatch.blocks import FixedBlocks
 from epmoe.dispatch.layout import combine_rows, pack_rows, route_layout, unpack_rows
 from timing import graph_us
 
@@ -40,12 +41,12 @@ def main() -> int:
             row = {"ranks": g, "tokens": t}
             for impl in ("torch", "triton"):
                 lay = route_layout(slots, s, g, cap, impl=impl)
-                buf = pack_rows(x, slots, w, lay, s, None, g * cap, impl=impl)
+                buf = pack_rows(x, slots, w, lay, s, FixedBlocks(cap), impl=impl)
                 back = buf[:, :d].contiguous()
                 row[f"route_{impl}_us"] = graph_us(lambda: route_layout(slots, s, g, cap, impl=impl))
-                row[f"pack_{impl}_us"] = graph_us(lambda: pack_rows(x, slots, w, lay, s, None, g * cap, impl=impl))
+                row[f"pack_{impl}_us"] = graph_us(lambda: pack_rows(x, slots, w, lay, s, FixedBlocks(cap), impl=impl))
                 row[f"unpack_{impl}_us"] = graph_us(lambda: unpack_rows(buf, d, k, impl=impl))
-                row[f"combine_{impl}_us"] = graph_us(lambda: combine_rows(back, lay.pos, None, cap, impl=impl))
+                row[f"combine_{impl}_us"] = graph_us(lambda: combine_rows(back, lay.pos, FixedBlocks(cap), impl=impl))
             sent = int((lay.pos >= 0).sum())
             row["pack_bytes"] = (sent + g * cap) * d * 2  # read the sent rows, write the whole buffer
             row["combine_bytes"] = (sent + t) * d * 2  # read the returned rows, write one row per token

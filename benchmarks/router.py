@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from epmoe.comm import Comm
-from epmoe.layer import MoELayer
+from epmoe.layer import MoELayer, MoELayerOptions
 from epmoe.placement import ExpertPlacement
 from epmoe.spec import parse_moe_spec
 from timing import graph_us
@@ -40,7 +40,8 @@ def main() -> int:
         spec = parse_moe_spec(json.loads((REPO / "data" / "configs" / f"{name}.config.json").read_text()), name)
         for t in (int(v) for v in args.tokens.split(",")):
             layer = MoELayer(spec, 0, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
-                             dispatcher="fixed_capacity", dispatcher_options={"capacity": t}, expert_backend="triton",
+                             MoELayerOptions(dispatcher="fixed_capacity", dispatcher_options={"capacity": t},
+                                             expert_backend="triton"),
                              dtype=torch.bfloat16, device="cuda")
             row = {"model": name, "tokens": t}
             with torch.no_grad():

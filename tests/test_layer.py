@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from epmoe.comm import Comm
-from epmoe.layer import MoELayer, TPMoELayer
+from epmoe.layer import MoELayer, MoELayerOptions, TPMoELayer
 from epmoe.models.tiny import TINY_FAMILIES
 from epmoe.placement import ExpertPlacement
 from epmoe.runtime.launch import RankInfo, init_group, spawn
@@ -19,7 +19,7 @@ FAMILIES = ["kimi-k2.5", "gpt-oss", "qwen2-moe", "llama4", "deepseek-v2"]
 def _full_layer(spec, seed: int) -> MoELayer:
     torch.manual_seed(seed)
     layer = MoELayer(spec, 0, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
-                     dispatcher="local")
+                     MoELayerOptions(dispatcher="local"))
     with torch.no_grad():
         for p in list(layer.parameters()) + list(layer.buffers()):
             if p.dtype.is_floating_point:
@@ -43,7 +43,7 @@ def _worker(info: RankInfo, dirs: dict[str, str]) -> dict:
             out[(fam, "tp")] = float((tp(x_tp) - ref_tp).norm() / ref_tp.norm())
             placement = ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, comm.size,
                                                 comm.size, "round_robin")
-            ep = MoELayer(spec, 0, placement, comm, dispatcher="all_to_all")
+            ep = MoELayer(spec, 0, placement, comm, MoELayerOptions(dispatcher="all_to_all"))
             ep.gate.load_state_dict(full.gate.state_dict())
             if full.shared_experts is not None:
                 ep.shared_experts.load_state_dict(full.shared_experts.state_dict())
@@ -116,7 +116,7 @@ def test_set_dispatcher_checks_the_group_and_slots(tiny_checkpoints):
         layer.set_dispatcher(LocalDispatcher(spec.num_experts + 1))
     with pytest.raises(ValueError, match=r"has slots_per_rank"):
         MoELayer(spec, 0, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
-                 dispatcher=FixedCapacityDispatcher(Comm(None), spec.num_experts - 1, capacity=4))
+                 MoELayerOptions(dispatcher=FixedCapacityDispatcher(Comm(None), spec.num_experts - 1, capacity=4)))
 
 
 def test_each_dispatcher_accepts_only_its_own_handle():
@@ -132,3 +132,41 @@ def test_each_dispatcher_accepts_only_its_own_handle():
             if other != name:
                 with pytest.raises(TypeError, match="needs the handle its dispatch returned"):
                     disp.combine(handle.recv_x, handle)
+
+
+def test_layer_options_are_one_frozen_checked_value():
+    import dataclasses
+
+    from epmoe.dispatch import LocalDispatcher
+
+    opts = MoELayerOptions(dispatcher="fixed_capacity", dispatcher_options={"capacity": 4})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.dispatcher = "local"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        opts.dispatcher_options["capacity"] = 8  # type: ignore[index]  # read-only, not the caller's dict
+    with pytest.raises(KeyError, match=r"MoELayerOptions.dispatcher: unknown dispatcher 'nope'; supported: \["):
+        MoELayerOptions(dispatcher="nope")
+    with pytest.raises(TypeError, match="MoELayerOptions.dispatcher must be a registered name or a Dispatcher.*int"):
+        MoELayerOptions(dispatcher=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"MoELayerOptions.dispatcher_options \{'capacity': 4\} apply to a named"):
+        MoELayerOptions(dispatcher=LocalDispatcher(4), dispatcher_options={"capacity": 4})
+    with pytest.raises(TypeError, match="MoELayerOptions.dispatcher_options must be a mapping"):
+        MoELayerOptions(dispatcher_options=[("capacity", 4)])  # type: ignore[arg-type]
+    with pytest.raises(KeyError, match=r"MoELayerOptions.expert_backend: unknown expert backend 'fast'"):
+        MoELayerOptions(expert_backend="fast")
+    with pytest.raises(ValueError, match=r"MoELayerOptions.replica_policy must be one of .*, got 'hottest'"):
+        MoELayerOptions(replica_policy="hottest")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="MoELayerOptions.load_recorder must have a record"):
+        MoELayerOptions(load_recorder=object())  # type: ignore[arg-type]
+
+
+def test_layer_refuses_options_of_another_type(tiny_checkpoints):
+    spec = load_moe_spec(tiny_checkpoints("kimi-k2.5"))
+    placement = ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1)
+    with pytest.raises(TypeError, match="MoELayer options must be an epmoe.layer.MoELayerOptions, got str"):
+        MoELayer(spec, 0, placement, Comm(None), "local")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="takes no options, got capacity"):
+        MoELayer(spec, 0, placement, Comm(None),
+                 MoELayerOptions(dispatcher="local", dispatcher_options={"capacity": 2}))
+    layer = MoELayer(spec, 1, placement, Comm(None), MoELayerOptions(dispatcher="local"), dtype=torch.float64)
+    assert layer.moe_index == 1 and layer.options.dispatcher == "local" and layer.experts.w13.dtype == torch.float64

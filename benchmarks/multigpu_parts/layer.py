@@ -14,7 +14,7 @@ import torch.distributed as dist
 from epmoe.comm import Comm
 from epmoe.dispatch import AllToAllDispatcher
 from epmoe.dispatch.fixed_capacity import FixedCapacityDispatcher
-from epmoe.layer import MoELayer, TPMoELayer
+from epmoe.layer import MoELayer, MoELayerOptions, TPMoELayer
 from epmoe.placement import ExpertPlacement
 from epmoe.spec import MoESpec, language_model_config, parse_moe_spec
 from timing import capture, rel_err
@@ -97,13 +97,13 @@ def part_layer(ctx: Ctx) -> dict:
     ctx.log(f"layer: {res['model']} D {d} F {f} E {e} top-{k} over {g} rank(s), {res['dtype']}, backend {backend}")
 
     # the single-rank reference holding all experts; the EP and TP layers take their share of it
-    full = MoELayer(spec, 0, ExpertPlacement.trivial(spec.num_moe_layers, e, 1), Comm(None), dispatcher="local",
-                    expert_backend="reference", dtype=dtype, device=dev)
+    full = MoELayer(spec, 0, ExpertPlacement.trivial(spec.num_moe_layers, e, 1), Comm(None),
+                    MoELayerOptions(dispatcher="local", expert_backend="reference"), dtype=dtype, device=dev)
     fill_random(full, a.seed, dev)
     comm_a2a, comm_fixed, comm_tp = Comm(group), Comm(group), Comm(group)
     placement = ExpertPlacement.trivial(spec.num_moe_layers, e, g)
-    ep = MoELayer(spec, 0, placement, comm_a2a, dispatcher="all_to_all", expert_backend=backend, dtype=dtype,
-                  device=dev)
+    ep = MoELayer(spec, 0, placement, comm_a2a, MoELayerOptions(dispatcher="all_to_all", expert_backend=backend),
+                  dtype=dtype, device=dev)
     with torch.no_grad():
         ep.gate.load_state_dict(full.gate.state_dict())
         if full.shared_experts is not None:

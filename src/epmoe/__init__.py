@@ -9,7 +9,7 @@ re-exported here.
 from epmoe.comm import Comm
 from epmoe.dispatch import DISPATCHERS, Dispatcher, make_dispatcher
 from epmoe.experts import EXPERT_BACKENDS, Activation, ExpertWeights, get_expert_backend
-from epmoe.layer import MoELayer, TPMoELayer
+from epmoe.layer import MoELayer, MoELayerOptions, TPMoELayer
 from epmoe.loads import ExpertLoadRecorder
 from epmoe.models.hf import EPModel, load_ep_model
 from epmoe.placement import ExpertPlacement
@@ -17,8 +17,8 @@ from epmoe.spec import MoESpec, load_moe_spec
 
 __all__ = [
     "DISPATCHERS", "EXPERT_BACKENDS", "Activation", "Comm", "Dispatcher", "EPModel", "ExpertLoadRecorder",
-    "ExpertPlacement", "ExpertWeights", "MoELayer", "MoESpec", "TPMoELayer", "get_expert_backend", "load_ep_model",
-    "load_moe_spec", "make_dispatcher",
+    "ExpertPlacement", "ExpertWeights", "MoELayer", "MoELayerOptions", "MoESpec", "TPMoELayer", "get_expert_backend",
+    "load_ep_model", "load_moe_spec", "make_dispatcher",
 ]
 
 __version__ = "0.1.0"

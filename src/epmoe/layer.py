@@ -2,21 +2,25 @@
 
 Data flow of ``MoELayer.forward`` (DESIGN.md): router -> placement map -> load recorder -> dispatch ->
 grouped experts -> combine (+ shared experts on every rank). Everything a layer needs is a
-constructor argument; a missing piece is an error at construction that names it.
+constructor argument; a missing piece is an error at construction that names it. The layer's choices
+(dispatcher, expert backend, replica policy, load recorder) travel as one frozen ``MoELayerOptions``.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from epmoe.comm import Comm
-from epmoe.dispatch import Dispatcher, make_dispatcher
-from epmoe.experts import Activation, ExpertWeights, get_expert_backend
+from epmoe.dispatch import DISPATCHERS, Dispatcher, make_dispatcher
+from epmoe.experts import EXPERT_BACKENDS, Activation, ExpertWeights, get_expert_backend
 from epmoe.placement import ExpertPlacement
-from epmoe.routing import ReplicaPolicy, Router, SlotMap
+from epmoe.routing import REPLICA_POLICIES, ReplicaPolicy, Router, SlotMap
 from epmoe.spec import MoESpec
 
 
@@ -26,6 +30,62 @@ class LoadSink(Protocol):
     def record(self, layer: int, topk_slots: torch.Tensor) -> None:
         """Count ``topk_slots [T, K]`` global physical slot ids (-1 = none) for MoE layer ``layer``."""
         ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoELayerOptions:
+    """How an ``MoELayer`` dispatches and computes: one value for every MoE layer of a model.
+
+    Attributes:
+        dispatcher: a registered dispatcher name (``local``, ``all_to_all``, ``fixed_capacity``; see
+            ``epmoe.dispatch.DISPATCHERS``) or a dispatcher instance (checked against each layer's group and
+            slots, see ``MoELayer.set_dispatcher``).
+        dispatcher_options: options of a named dispatcher (``fixed_capacity`` needs ``capacity``), kept as a
+            read-only mapping; the dispatcher's factory checks their names when a layer builds it.
+        expert_backend: a registered expert backend name (``reference``, ``grouped_mm``, ``triton``; see
+            ``epmoe.experts.EXPERT_BACKENDS``).
+        replica_policy: how a token picks among an expert's copies (``static``, ``round_robin``, ``random``).
+        load_recorder: optional sink counting tokens per physical slot (``epmoe.loads.ExpertLoadRecorder``).
+
+    Raises:
+        KeyError: an unregistered ``dispatcher`` or ``expert_backend`` name (the registered ones listed).
+        ValueError: an unknown ``replica_policy``; ``dispatcher_options`` given with a dispatcher instance.
+        TypeError: a field of the wrong type (named, with the type given).
+    """
+
+    dispatcher: str | Dispatcher = "all_to_all"
+    dispatcher_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    expert_backend: str = "reference"
+    replica_policy: ReplicaPolicy = "static"
+    load_recorder: LoadSink | None = None
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        if isinstance(self.dispatcher, str):
+            if self.dispatcher not in DISPATCHERS:
+                raise KeyError(f"{name}.dispatcher: unknown dispatcher {self.dispatcher!r}; "
+                               f"supported: {sorted(DISPATCHERS)}")
+        elif not all(callable(getattr(self.dispatcher, m, None)) for m in ("dispatch", "combine")):
+            raise TypeError(f"{name}.dispatcher must be a registered name or a Dispatcher (with dispatch and "
+                            f"combine), got {type(self.dispatcher).__name__}")
+        opts = self.dispatcher_options
+        if not isinstance(opts, Mapping) or not all(isinstance(k, str) for k in opts):
+            raise TypeError(f"{name}.dispatcher_options must be a mapping of option names to values, got {opts!r}")
+        if opts and not isinstance(self.dispatcher, str):
+            raise ValueError(f"{name}.dispatcher_options {dict(opts)} apply to a named dispatcher, but dispatcher is "
+                             f"a {type(self.dispatcher).__name__} instance (build it with its options instead)")
+        object.__setattr__(self, "dispatcher_options", MappingProxyType(dict(opts)))
+        if not isinstance(self.expert_backend, str):
+            raise TypeError(f"{name}.expert_backend must be a registered backend name, got "
+                            f"{type(self.expert_backend).__name__}")
+        if self.expert_backend not in EXPERT_BACKENDS:
+            raise KeyError(f"{name}.expert_backend: unknown expert backend {self.expert_backend!r}; "
+                           f"supported: {sorted(EXPERT_BACKENDS)}")
+        if self.replica_policy not in REPLICA_POLICIES:
+            raise ValueError(f"{name}.replica_policy must be one of {REPLICA_POLICIES}, got {self.replica_policy!r}")
+        if self.load_recorder is not None and not callable(getattr(self.load_recorder, "record", None)):
+            raise TypeError(f"{name}.load_recorder must have a record(layer, topk_slots) method, got "
+                            f"{type(self.load_recorder).__name__}")
 
 
 class SharedExpert(nn.Module):
@@ -113,68 +173,67 @@ class MoELayer(_MoEBase):
 
     Args:
         spec: the model's MoE facts.
-        layer: index of this layer among the model's MoE layers, ``[0, L)``.
+        moe_index: index of this layer among the model's MoE layers, ``[0, L)``.
         placement: the expert placement (required: there is no default and no global).
         comm: the EP group (``Comm(None)`` for a single process).
-        dispatcher: a registered dispatcher name (``local``, ``all_to_all``, ``fixed_capacity``) or an instance.
-        dispatcher_options: options of a named dispatcher (``fixed_capacity`` needs ``capacity``).
-        expert_backend: a registered expert backend name (``reference``, ...).
-        replica_policy: how a token picks among an expert's copies (``static``, ``round_robin``, ``random``).
-        load_recorder: optional sink counting tokens per physical slot.
-        dtype, device: of the parameters.
+        options: dispatcher, expert backend, replica policy and load recorder (``MoELayerOptions``; the
+            default is the all-to-all dispatcher, the reference backend, the static policy, no recorder).
+        dtype, device: of the parameters (keyword-only).
 
-    Attributes: ``moe_index`` (the ``layer`` argument), ``dispatcher`` (change it with ``set_dispatcher``),
-    ``expert_backend`` (the compute function), ``experts`` (the weights), ``placement``, ``comm``, ``slot_map``.
+    Attributes: ``moe_index``, ``options`` (as built), ``dispatcher`` (change it with ``set_dispatcher``),
+    ``expert_backend`` (the compute function), ``load_recorder``, ``experts`` (the weights), ``placement``,
+    ``comm``, ``slot_map``.
 
     Parameters: ``gate`` (router), ``experts.w13 [P/G, 2F, D]``, ``experts.w2 [P/G, D, F]`` (+ biases),
     ``shared_experts``, ``shared_expert_gate``; all filled by the checkpoint loader.
 
     Raises:
-        TypeError: ``placement`` is missing or not an ``ExpertPlacement``; ``comm`` is not a ``Comm``.
+        TypeError: ``placement`` is missing or not an ``ExpertPlacement``; ``comm`` is not a ``Comm``;
+            ``options`` is not an ``MoELayerOptions``; ``dispatcher_options`` the named dispatcher does not take.
         ValueError: the placement does not match the model or the EP group (sizes named), or a dispatcher
             instance built for another group or slot count (see ``set_dispatcher``).
-        KeyError: unknown dispatcher, expert backend.
     """
 
     def __init__(
         self,
         spec: MoESpec,
-        layer: int,
+        moe_index: int,
         placement: ExpertPlacement,
         comm: Comm,
-        dispatcher: str | Dispatcher = "all_to_all",
-        expert_backend: str = "reference",
-        replica_policy: ReplicaPolicy = "static",
-        load_recorder: LoadSink | None = None,
+        options: MoELayerOptions = MoELayerOptions(),
+        *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
-        dispatcher_options: dict | None = None,
     ) -> None:
         if not isinstance(spec, MoESpec):
             raise TypeError(f"MoELayer needs an MoESpec (epmoe.spec.load_moe_spec), got {type(spec).__name__}")
         if not isinstance(placement, ExpertPlacement):
             raise TypeError(
-                f"MoELayer for MoE layer {layer} needs an ExpertPlacement, got {type(placement).__name__}; "
+                f"MoELayer for MoE layer {moe_index} needs an ExpertPlacement, got {type(placement).__name__}; "
                 f"build one with ExpertPlacement.trivial(...) or ExpertPlacement.load(path) and pass it explicitly"
             )
         if not isinstance(comm, Comm):
             raise TypeError(f"MoELayer needs its EP group as an epmoe.comm.Comm, got {type(comm).__name__}")
+        if not isinstance(options, MoELayerOptions):
+            raise TypeError(f"MoELayer options must be an epmoe.layer.MoELayerOptions, got {type(options).__name__}")
         placement.check_model(spec.num_moe_layers, spec.num_experts, what=f"model {spec.source}")
         if placement.ep_size != comm.size:
             raise ValueError(
                 f"placement is for EP size {placement.ep_size} but the EP group has {comm.size} ranks"
             )
         super().__init__(spec, spec.shared_intermediate_size, dtype, device)
-        self.moe_index = layer
+        self.moe_index = moe_index
+        self.options = options
         self.placement = placement
         self.comm = comm
-        self.slot_map = SlotMap(placement, layer, comm.rank, replica_policy, device)
+        self.slot_map = SlotMap(placement, moe_index, comm.rank, options.replica_policy, device)
+        dispatcher = options.dispatcher
         self.set_dispatcher(
-            make_dispatcher(dispatcher, comm, placement.slots_per_rank, **(dispatcher_options or {}))
+            make_dispatcher(dispatcher, comm, placement.slots_per_rank, **options.dispatcher_options)
             if isinstance(dispatcher, str) else dispatcher
         )
-        self.expert_backend = get_expert_backend(expert_backend)
-        self.load_recorder = load_recorder
+        self.expert_backend = get_expert_backend(options.expert_backend)
+        self.load_recorder = options.load_recorder
         self.experts = _ExpertParams(spec, placement.slots_per_rank, spec.moe_intermediate_size, dtype, device)
 
     @property

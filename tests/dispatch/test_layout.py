@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from epmoe.dispatch.blocks import ExactBlocks, FixedBlocks
 from epmoe.dispatch.layout import combine_rows, meta_columns, pack_rows, route_layout, unpack_rows
 
 
@@ -45,11 +46,11 @@ def test_pack_unpack_combine_match_a_loop(dtype, fixed):
     cap = 5 if fixed else t
     lay = route_layout(slots, s, g, cap)
     blocks = _expected_blocks(slots, g, s)
-    starts = None if fixed else lay.starts
     n = g * cap if fixed else sum(len(b) for b in blocks)
-    buf = pack_rows(x, slots, w, lay, s, starts, n)
+    layout = FixedBlocks(cap) if fixed else ExactBlocks(lay.starts, n)
+    buf = pack_rows(x, slots, w, lay, s, layout)
     assert buf.shape == (n, d + meta_columns(dtype, k)) and buf.dtype == dtype
-    rx, rs, rw, smax = unpack_rows(buf, d, k)
+    rx, rs, rw, count, bad = unpack_rows(buf, d, k)
     row = 0
     for rank in range(g):
         first = rank * cap if fixed else row
@@ -63,13 +64,14 @@ def test_pack_unpack_combine_match_a_loop(dtype, fixed):
             for r in range(first + min(len(blocks[rank]), cap), first + cap):
                 assert not rx[r].any() and rs[r].tolist() == [-1] * k and not rw[r].any()
         row += len(blocks[rank])
-    assert smax.tolist() == [float(max(len(b) for b in blocks))] * n
+    assert count.tolist() == [max(len(b) for b in blocks)] * n and not bad.any()
     assert rs.dtype == torch.int64 and rw.dtype == torch.float32
+    assert count.dtype == torch.int32 and bad.dtype == torch.bool
 
     # combine: results = received rows times (rank + 1); each token sums over the ranks that took it
     scale = torch.cat([torch.full((cap if fixed else len(blocks[r]), 1), r + 1.0) for r in range(g)])
     back = (rx.float() * scale).to(dtype)
-    out = combine_rows(back, lay.pos, starts, cap)
+    out = combine_rows(back, lay.pos, layout)
     for tok in range(t):
         ranks = [r for r in range(g) if tok in blocks[r][:cap]]
         want = sum(((x[tok].float() * (r + 1)).to(dtype).float() for r in ranks), torch.zeros(d))
@@ -80,25 +82,25 @@ def test_overflowed_tokens_are_not_sent_and_not_summed():
     slots = torch.tensor([[0], [1], [2], [3]])  # 4 tokens to rank 0 of 2 (4 slots each), capacity 3
     x = torch.arange(4.0).repeat_interleave(4).view(4, 4) + 1
     lay = route_layout(slots, 4, 2, 3)
-    buf = pack_rows(x, slots, torch.ones(4, 1), lay, 4, None, 6)
-    rx, rs, _, smax = unpack_rows(buf, 4, 1)
+    buf = pack_rows(x, slots, torch.ones(4, 1), lay, 4, FixedBlocks(3))
+    rx, rs, _, count, _ = unpack_rows(buf, 4, 1)
     assert rx[:3, 0].tolist() == [1.0, 2.0, 3.0] and rs[:, 0].tolist() == [0, 1, 2, -1, -1, -1]
-    assert smax[0].item() == 4.0  # the count before the cut: the overflow signal
-    out = combine_rows(rx, lay.pos, None, 3)
+    assert count[0].item() == 4  # the count before the cut: the overflow signal
+    out = combine_rows(rx, lay.pos, FixedBlocks(3))
     assert out[:, 0].tolist() == [1.0, 2.0, 3.0, 0.0]
 
 
 def test_no_tokens_and_odd_hidden_size():
     x, slots, w = _problem(2, 0, 2, 2, 3, torch.bfloat16, d=7)
     lay = route_layout(slots, 3, 2, 2)
-    buf = pack_rows(x, slots, w, lay, 3, None, 4)
-    rx, rs, rw, smax = unpack_rows(buf, 7, 2)
+    buf = pack_rows(x, slots, w, lay, 3, FixedBlocks(2))
+    rx, rs, rw, count, bad = unpack_rows(buf, 7, 2)
     assert buf.shape == (4, 7 + meta_columns(torch.bfloat16, 2)) and not rx.any()
-    assert (rs == -1).all() and smax.tolist() == [0.0] * 4
-    assert combine_rows(rx, lay.pos, None, 2).shape == (0, 7)
+    assert (rs == -1).all() and count.tolist() == [0] * 4 and not bad.any()
+    assert combine_rows(rx, lay.pos, FixedBlocks(2)).shape == (0, 7)
     x, slots, w = _problem(3, 5, 2, 2, 3, torch.bfloat16, d=7)  # odd D: metadata not 4-byte aligned
     lay = route_layout(slots, 3, 2, 5)
-    rx, rs, rw, _ = unpack_rows(pack_rows(x, slots, w, lay, 3, None, 10), 7, 2)
+    rx, rs, rw, _, _ = unpack_rows(pack_rows(x, slots, w, lay, 3, FixedBlocks(5)), 7, 2)
     blocks = _expected_blocks(slots, 2, 3)
     assert torch.equal(rx[: len(blocks[0])], x[blocks[0]])
 
@@ -122,27 +124,37 @@ def test_meta_columns_and_bad_impl():
 def test_inconsistent_layout_arguments_refused():
     x, slots, w = _problem(4, 6, 3, 2, 4)
     lay = route_layout(slots, 4, 2, 6)
-    with pytest.raises(ValueError, match="fixed blocks of 6 rows for 2 ranks are 12 rows, got 9"):
-        pack_rows(x, slots, w, lay, 4, None, 9)
+    with pytest.raises(ValueError, match="fixed blocks of 4 rows, but the layout was routed with capacity 6"):
+        pack_rows(x, slots, w, lay, 4, FixedBlocks(4))
     with pytest.raises(ValueError, match=r"row_starts must be \[G=2\], got shape \(1,\)"):
-        pack_rows(x, slots, w, lay, 4, lay.starts[:1], int(lay.counts.sum()))
-    buf = pack_rows(x, slots, w, lay, 4, None, 12)
+        pack_rows(x, slots, w, lay, 4, ExactBlocks(lay.starts[:1], int(lay.counts.sum())))
+    with pytest.raises(ValueError, match=r"exact blocks need a layout that cannot overflow \(capacity >= T = 6\)"):
+        pack_rows(x, slots, w, route_layout(slots, 4, 2, 5), 4, ExactBlocks(lay.starts, int(lay.counts.sum())))
+    with pytest.raises(TypeError, match="blocks must be FixedBlocks or ExactBlocks, got NoneType"):
+        pack_rows(x, slots, w, lay, 4, None)
+    with pytest.raises(ValueError, match="FixedBlocks.capacity must be an integer >= 0, got -1"):
+        FixedBlocks(-1)
+    with pytest.raises(TypeError, match=r"ExactBlocks.row_starts must be a \[G\] int32/int64 tensor, got list"):
+        ExactBlocks([0, 3], 6)
+    buf = pack_rows(x, slots, w, lay, 4, FixedBlocks(6))
     with pytest.raises(ValueError, match=r"recv must be float rows \[R, D \+ meta columns\] = \[R, 12 \+ 5\] for K=2"):
         unpack_rows(buf, 12, 2)  # K one short: the row width says K=3
     with pytest.raises(ValueError, match="recv must be float rows"):
         unpack_rows(buf.to(torch.int32), 12, 3)
     with pytest.raises(ValueError, match="fixed blocks of 4 rows for 2 ranks are 8 rows, got 12"):
-        combine_rows(buf[:, :12], lay.pos, None, 4)  # a capacity other than the layout's
+        combine_rows(buf[:, :12], lay.pos, FixedBlocks(4))  # a capacity other than the layout's
     with pytest.raises(ValueError, match=r"row_starts must be \[G=2\]"):
-        combine_rows(buf[:, :12], lay.pos, lay.starts[:1], 6)
+        combine_rows(buf[:, :12], lay.pos, ExactBlocks(lay.starts[:1], 12))
+    with pytest.raises(ValueError, match="exact blocks of 11 rows, got 12"):
+        combine_rows(buf[:, :12], lay.pos, ExactBlocks(lay.starts, 11))
 
 
 @pytest.mark.parametrize("t", [0, 1, 2])
 def test_odd_hidden_size_in_half_precision_with_few_rows(t):
     x, slots, w = _problem(5, t, 2, 1, 4, torch.bfloat16, d=3)
     lay = route_layout(slots, 4, 1, max(t, 1))
-    buf = pack_rows(x, slots, w, lay, 4, None, max(t, 1))
-    rx, rs, rw, _ = unpack_rows(buf, 3, 2)
+    buf = pack_rows(x, slots, w, lay, 4, FixedBlocks(max(t, 1)))
+    rx, rs, rw, _, _ = unpack_rows(buf, 3, 2)
     assert torch.equal(rx[:t], x) and torch.equal(rs[:t], slots)
 
 
@@ -151,6 +163,6 @@ def test_out_of_range_ids_are_counted_and_flagged_in_every_row():
     slots[3, 1] = 8  # = G * S: outside
     lay = route_layout(slots, 4, 2, 5)
     assert lay.invalid.item() == 1
-    _, _, _, smax = unpack_rows(pack_rows(x, slots, w, lay, 4, None, 10), 12, 2)
+    _, _, _, count, bad = unpack_rows(pack_rows(x, slots, w, lay, 4, FixedBlocks(5)), 12, 2)
     own = int(lay.counts.max())
-    assert smax.tolist() == [-1.0 - own] * 10  # -1 - m in every row, padding rows too
+    assert count.tolist() == [own] * 10 and bad.all()  # flagged in every row, padding rows too

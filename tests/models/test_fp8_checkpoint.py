@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from epmoe.cli import main
 from epmoe.comm import Comm
 from epmoe.experts.fp8 import quantize_block_fp8
+from epmoe.layer import MoELayerOptions
 from epmoe.models.checkpoint import CheckpointReader
 from epmoe.models.hf import load_ep_model, load_full_model
 from epmoe.placement import ExpertPlacement
@@ -76,7 +77,7 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
 
 def _logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
     placement = ExpertPlacement.trivial(2, 16, 1)
-    ep = load_ep_model(str(directory), placement, Comm(None), dispatcher="local")
+    ep = load_ep_model(str(directory), placement, Comm(None), options=MoELayerOptions(dispatcher="local"))
     with torch.no_grad():
         return ep.model(ids).logits
 
@@ -165,7 +166,8 @@ def test_float8_tensor_without_scale_is_named(ckpts, tmp_path, name):
     del tensors[name + "_scale_inv"]
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"{name.replace('.', '[.]')}.*float8_e4m3fn.*no .*_scale_inv"):
-        load_ep_model(str(broken), ExpertPlacement.trivial(2, 16, 1), Comm(None), dispatcher="local")
+        load_ep_model(str(broken), ExpertPlacement.trivial(2, 16, 1), Comm(None),
+                      options=MoELayerOptions(dispatcher="local"))
 
 
 def test_int4_checkpoint_is_refused_clearly(ckpts, tmp_path):
@@ -174,4 +176,5 @@ def test_int4_checkpoint_is_refused_clearly(ckpts, tmp_path):
     _edit_config(int4, quantization_config={"quant_method": "compressed-tensors", "config_groups": {
         "group_0": {"weights": {"num_bits": 4, "group_size": 32}}}})
     with pytest.raises(ValueError, match="int4_group32.*not supported"):
-        load_ep_model(str(int4), ExpertPlacement.trivial(2, 16, 1), Comm(None), dispatcher="local")
+        load_ep_model(str(int4), ExpertPlacement.trivial(2, 16, 1), Comm(None),
+                      options=MoELayerOptions(dispatcher="local"))

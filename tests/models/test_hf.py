@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from epmoe.comm import Comm
+from epmoe.layer import MoELayerOptions
 from epmoe.models.tiny import TINY_FAMILIES
 from epmoe.placement import ExpertPlacement
 from epmoe.runtime.launch import RankInfo, init_group, spawn
@@ -32,7 +33,8 @@ def _check_family(directory: str, comm: Comm, layout: str, redundant_per_rank: i
         spec.num_moe_layers, spec.num_experts, comm.size, redundant_per_rank * comm.size, layout
     )
     dispatcher = "local" if comm.size == 1 else "all_to_all"
-    ep = load_ep_model(directory, placement, comm, dispatcher=dispatcher, replica_policy=policy)
+    options = MoELayerOptions(dispatcher=dispatcher, replica_policy=policy)
+    ep = load_ep_model(directory, placement, comm, options=options)
     ref = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(seed * 97 + comm.rank)
     ids = torch.randint(0, 256, (2, 7), generator=gen)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from epmoe.comm import Comm
+from epmoe.layer import MoELayerOptions
 from epmoe.placement import ExpertPlacement
 from epmoe.runtime import rebalance
 from epmoe.runtime.launch import RankInfo, init_group, spawn
@@ -86,6 +87,6 @@ def test_migrate_rejects_wrong_shape_before_moving(tiny_checkpoints):
     from epmoe.models.hf import load_ep_model
 
     ep = load_ep_model(str(tiny_checkpoints("kimi-k2.5")), ExpertPlacement.trivial(2, 16, 1), Comm(None),
-                       dispatcher="local")
+                       options=MoELayerOptions(dispatcher="local"))
     with pytest.raises(ValueError, match="new placement has num_slots 18, the model serves 16"):
         rebalance.migrate(ep, ExpertPlacement.trivial(2, 16, 1, num_redundant=2))

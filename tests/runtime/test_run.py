@@ -13,6 +13,7 @@ import torch
 
 from epmoe.cli import main
 from epmoe.comm import Comm
+from epmoe.layer import MoELayerOptions
 from epmoe.models.hf import load_ep_model
 from epmoe.placement import ExpertPlacement
 from epmoe.runtime.launch import free_port
@@ -145,7 +146,7 @@ def test_checkpoint_missing_one_expert(kimi, tmp_path):
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
     placement = ExpertPlacement.trivial(2, 16, 1)
     with pytest.raises(KeyError, match=r"logical expert 5 of model\.layers\.2\.mlp.*experts\.5\.up_proj\.weight"):
-        load_ep_model(str(broken), placement, Comm(None), dispatcher="local")
+        load_ep_model(str(broken), placement, Comm(None), options=MoELayerOptions(dispatcher="local"))
 
 
 def test_moe_layer_without_placement_fails_at_construction(kimi):
@@ -158,10 +159,11 @@ def test_moe_layer_without_placement_fails_at_construction(kimi):
     with pytest.raises(ValueError, match="placement is for EP size 2 but the EP group has 1 ranks"):
         MoELayer(spec, 0, ExpertPlacement.trivial(2, 16, 2), Comm(None))
     with pytest.raises(KeyError, match=r"unknown dispatcher 'nccl_magic'; supported: \["):
-        MoELayer(spec, 0, ExpertPlacement.trivial(2, 16, 1), Comm(None), dispatcher="nccl_magic")
+        MoELayer(spec, 0, ExpertPlacement.trivial(2, 16, 1), Comm(None), MoELayerOptions(dispatcher="nccl_magic"))
     with pytest.raises(KeyError, match=r"unknown expert backend 'fast'"):
-        MoELayer(spec, 0, ExpertPlacement.trivial(2, 16, 1), Comm(None), dispatcher="local", expert_backend="fast")
-    layer = MoELayer(spec, 1, ExpertPlacement.trivial(2, 16, 1), Comm(None), dispatcher="local")
+        MoELayer(spec, 0, ExpertPlacement.trivial(2, 16, 1), Comm(None),
+                 MoELayerOptions(dispatcher="local", expert_backend="fast"))
+    layer = MoELayer(spec, 1, ExpertPlacement.trivial(2, 16, 1), Comm(None), MoELayerOptions(dispatcher="local"))
     assert torch.equal(layer.local_experts,
                        torch.arange(16))
 

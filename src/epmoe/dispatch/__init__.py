@@ -3,7 +3,8 @@
 ``base`` holds the ``Dispatcher`` protocol, the handle base type and the shared checks; ``local`` (EP = 1,
 the reference), ``all_to_all`` (exact blocks after a count exchange) and ``fixed_capacity`` (static shapes,
 CUDA-graph safe) are the dispatchers, each with its own handle type; ``layout`` is the send-buffer layout
-both multi-rank dispatchers share (``layout_triton``: its kernels on CUDA). Dispatchers are built by name
+both multi-rank dispatchers share (``layout_triton``: its kernels on CUDA; ``blocks``: its two block layouts,
+``FixedBlocks`` and ``ExactBlocks``). Dispatchers are built by name
 through the read-only registry ``DISPATCHERS`` (``make_dispatcher``).
 """
 

@@ -13,6 +13,7 @@ import torch
 from epmoe.checks import check_positive_int
 from epmoe.comm import Comm
 from epmoe.dispatch.base import DispatchHandle, check_expert_output, check_inputs, check_row_dtype, slot_range
+from epmoe.dispatch.blocks import ExactBlocks
 from epmoe.dispatch.layout import combine_rows, pack_rows, route_layout, unpack_rows
 
 
@@ -23,13 +24,14 @@ class AllToAllHandle(DispatchHandle):
     Attributes:
         send_pos: ``[T, G]`` int32 row of token ``t`` within the block sent to rank ``g``, ``-1`` = not
             sent (``layout.SendLayout.pos``).
-        send_row_starts: ``[G]`` int32 first row of each rank's block in the send buffer.
+        send_blocks: the send buffer's exact blocks (``[G]`` int32 first row of each rank's block, and its
+            row count ``sum(send_splits)``), which the returned rows keep.
         send_splits: rows sent to each rank (host list of ``G`` ints).
         recv_splits: rows received from each rank (host list of ``G`` ints).
     """
 
     send_pos: torch.Tensor
-    send_row_starts: torch.Tensor
+    send_blocks: ExactBlocks
     send_splits: list[int]
     recv_splits: list[int]
 
@@ -79,16 +81,17 @@ class AllToAllDispatcher:
             mine = f"; here ids from {int(rng[0])} to {int(rng[1])}" if rng is not None else ""
             raise ValueError(f"all_to_all dispatcher: topk_slots must be global slot ids in [-1, {g * s}) (-1 = none); "
                              f"EP rank(s) {[r for r, f in enumerate(flags) if f]} sent ids outside it{mine}")
-        payload = pack_rows(x, topk_slots, topk_weights, layout, s, layout.starts, sum(send_splits))
+        blocks = ExactBlocks(layout.starts, sum(send_splits))
+        payload = pack_rows(x, topk_slots, topk_weights, layout, s, blocks)
         recv = payload.new_empty((sum(recv_splits), payload.shape[1]))
         self.comm.all_to_all_single(recv, payload, recv_splits, send_splits)
-        recv_x, recv_slots, recv_weights, _ = unpack_rows(recv, x.shape[1], k)
+        recv_x, recv_slots, recv_weights, _, _ = unpack_rows(recv, x.shape[1], k)  # flags came with the counts
         return AllToAllHandle(
             recv_x=recv_x,
             recv_slots=recv_slots,
             recv_weights=recv_weights,
             send_pos=layout.pos,
-            send_row_starts=layout.starts,
+            send_blocks=blocks,
             send_splits=send_splits,
             recv_splits=recv_splits,
             num_tokens=t,
@@ -105,4 +108,4 @@ class AllToAllDispatcher:
         check_expert_output(y, (sum(handle.recv_splits), handle.recv_x.shape[1]), "[received rows, D]")
         back = y.new_empty((sum(handle.send_splits), y.shape[1]))
         self.comm.all_to_all_single(back, y.contiguous(), handle.send_splits, handle.recv_splits)
-        return combine_rows(back, handle.send_pos, handle.send_row_starts, handle.num_tokens)
+        return combine_rows(back, handle.send_pos, handle.send_blocks)

@@ -9,8 +9,9 @@ On a one-rank group with ``T <= capacity`` nothing moves: ``dispatch`` pads the 
 rows and ``combine`` returns the first ``T`` rows (a handful of device ops, for graph-replayed decode).
 
 Overflow: a rank that routes more than ``capacity`` tokens to one rank sends only the first
-``capacity`` of them. The dispatcher never hides this: each row carries its sender's largest count, so
-every rank learns the group-wide largest count from the rows it receives (no extra collective), and
+``capacity`` of them. The dispatcher never hides this: each row carries its sender's largest count (and
+whether the sender had slot ids out of range, in the same wire column, decoded by ``layout.unpack_rows``),
+so every rank learns the group-wide largest count from the rows it receives (no extra collective), and
 ``FixedCapacityHandle.check_capacity()`` raises ``CapacityExceededError`` naming the capacity and the
 count. ``combine`` calls it itself unless a CUDA graph is being captured; after a graph replay the
 caller calls it on the handle returned at capture (its tensors are the graph's static buffers), at a
@@ -33,6 +34,7 @@ from epmoe.dispatch.base import (
     check_slot_range,
     slot_range,
 )
+from epmoe.dispatch.blocks import FixedBlocks
 from epmoe.dispatch.layout import combine_rows, pack_rows, route_layout, unpack_rows
 
 
@@ -47,9 +49,10 @@ class FixedCapacityHandle(DispatchHandle):
     Attributes:
         send_pos: ``[T, G]`` int32 row of token ``t`` within the block of ``C`` rows sent to rank ``g``, ``-1``
             = not sent; ``None`` on the one-rank path, where token ``t`` is row ``t`` and nothing moves.
-        sender_max: ``[G * C]`` float32, for each received row its sender's largest per-rank count ``m``, or
-            ``-1 - m`` when the sender had slot ids out of range (a view of the receive buffer); ``None`` on
-            a one-rank group, where ``recv_slots`` tells.
+        sender_count: ``[G * C]`` int32, for each received row its sender's largest per-rank count (before
+            the capacity cut); ``None`` on the one-rank path, where ``recv_slots`` tells.
+        sender_bad_slots: ``[G * C]`` bool, for each received row whether its sender had slot ids outside
+            ``[-1, P)``; ``None`` on the one-rank path, where this rank's ``slot_range`` tells.
         capacity: ``C`` rows per (source, destination) pair.
         slot_range: ``[2]`` int64 smallest and largest slot id of the caller's ``topk_slots``, checked with
             the capacity; ``None`` when dispatched inside a CUDA graph capture (not checked there) or empty.
@@ -57,7 +60,8 @@ class FixedCapacityHandle(DispatchHandle):
     """
 
     send_pos: torch.Tensor | None
-    sender_max: torch.Tensor | None
+    sender_count: torch.Tensor | None
+    sender_bad_slots: torch.Tensor | None
     capacity: int
     slot_range: torch.Tensor | None
     num_slots: int
@@ -66,19 +70,19 @@ class FixedCapacityHandle(DispatchHandle):
     def max_count(self) -> torch.Tensor:
         """``[]`` int64: the largest number of tokens any rank of the group routed to one rank.
 
-        Computed from the received rows when asked (one small reduction), so a graph-captured layer pays
-        nothing for it; after a replay it reads the graph's static receive buffer.
+        Reduced from the received rows' ``sender_count`` when asked (one small reduction), so a graph-captured
+        layer pays nothing for it; after a replay it reads the graph's static buffers.
         """
-        if self.sender_max is None:
+        if self.sender_count is None:
             return (self.recv_slots >= 0).any(dim=1).sum()
-        return torch.where(self.sender_max < 0, -1.0 - self.sender_max, self.sender_max).max().to(torch.int64)
+        return self.sender_count.max().to(torch.int64)
 
     @property
     def bad_senders(self) -> torch.Tensor:
         """``[]`` bool: some rank of the group sent with slot ids out of range (always False on one rank)."""
-        if self.sender_max is None:
+        if self.sender_bad_slots is None:
             return torch.zeros((), dtype=torch.bool, device=self.recv_slots.device)
-        return (self.sender_max < 0).any()
+        return self.sender_bad_slots.any()
 
     def check_capacity(self) -> None:
         """Raise if any rank routed more tokens to one rank than the capacity, or a slot id was out of range.
@@ -141,17 +145,18 @@ class FixedCapacityDispatcher:
         if g == 1 and t <= c:
             return self._dispatch_one_rank(x, topk_slots, topk_weights, rng)
         layout = route_layout(topk_slots, s, g, c)
-        payload = pack_rows(x, topk_slots, topk_weights, layout, s, None, g * c)
+        payload = pack_rows(x, topk_slots, topk_weights, layout, s, FixedBlocks(c))
         recv = torch.empty_like(payload)
         self.comm.all_to_all_single(recv, payload)
-        recv_x, recv_slots, recv_weights, sender_max = unpack_rows(recv, x.shape[1], k)
+        recv_x, recv_slots, recv_weights, sender_count, sender_bad_slots = unpack_rows(recv, x.shape[1], k)
         return FixedCapacityHandle(
             recv_x=recv_x,
             recv_slots=recv_slots,
             recv_weights=recv_weights,
             num_tokens=t,
             send_pos=layout.pos,
-            sender_max=sender_max,
+            sender_count=sender_count,
+            sender_bad_slots=sender_bad_slots,
             capacity=c,
             slot_range=rng,
             num_slots=g * s,
@@ -180,7 +185,8 @@ class FixedCapacityDispatcher:
             recv_weights=recv_weights,
             num_tokens=t,
             send_pos=None,
-            sender_max=None,
+            sender_count=None,
+            sender_bad_slots=None,
             capacity=self.capacity,
             slot_range=rng,
             num_slots=self.slots_per_rank,
@@ -207,7 +213,7 @@ class FixedCapacityDispatcher:
         else:
             back = torch.empty(y.shape, dtype=y.dtype, device=y.device)
             self.comm.all_to_all_single(back, y.contiguous())
-            out = combine_rows(back, handle.send_pos, None, c)
+            out = combine_rows(back, handle.send_pos, FixedBlocks(c))
         capturing = y.is_cuda and torch.cuda.is_current_stream_capturing()
         if self.check_overflow and not capturing:
             handle.check_capacity()

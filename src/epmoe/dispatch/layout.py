@@ -5,16 +5,18 @@ block ``g`` of the send buffer, in token order: token ``t`` is row ``row_starts[
 ``pos[t, g]`` counts the earlier tokens that also go to ``g``. Behind its hidden state each row carries,
 packed bit-exactly as ``2K + 1`` float32 values, the token's slots on ``g`` (local ids, ``-1`` = served
 elsewhere), their routing weights, and the sender's largest per-rank count ``m`` (the fixed-capacity
-dispatcher's overflow signal), written as ``-1 - m`` when the sender had slot ids out of range. Combine
+dispatcher's overflow signal), written as ``-1 - m`` when the sender had slot ids out of range (one wire
+column for two facts; ``unpack_rows`` alone decodes it, into ``sender_count`` and ``sender_bad_slots``). Combine
 receives the results in the same buffer positions and sums each token's rows in float32.
 
 Four steps, each one kernel on CUDA (``layout_triton``) and plain PyTorch elsewhere:
 ``route_layout`` (positions, counts and the row -> token table), ``pack_rows`` (the send buffer),
-``unpack_rows`` (slots and weights of the received rows), ``combine_rows`` (the per-token sum). None of
-them reads a count on the host, so a fixed-capacity layer can be captured in a CUDA graph. Two layouts:
-fixed blocks of ``C`` rows per rank (``row_starts=None``; rows past a rank's count are padding with
-slots ``-1`` and zero hidden state) and exact blocks (``row_starts`` the exclusive prefix sum of the
-counts, the all-to-all dispatcher).
+``unpack_rows`` (slots, weights and the decoded sender column of the received rows), ``combine_rows``
+(the per-token sum). None of them reads a count on the host, so a fixed-capacity layer can be captured
+in a CUDA graph. Two layouts (``blocks``), always passed explicitly: ``FixedBlocks(C)``, ``C`` rows per
+rank (rows past a rank's count are padding with slots ``-1`` and zero hidden state), and
+``ExactBlocks(row_starts, num_rows)``, ``row_starts`` the exclusive prefix sum of the counts (the
+all-to-all dispatcher).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Literal
 import torch
 
 from epmoe.checks import check_int
+from epmoe.dispatch.blocks import ExactBlocks, FixedBlocks, RowBlocks, block_rows
 
 Impl = Literal["auto", "torch", "triton"]
 
@@ -131,15 +134,16 @@ def route_layout(
     return SendLayout(pos, counts, starts, row_token[:-1].view(num_ranks, capacity), capacity, invalid)
 
 
-def _check_blocks(g: int, capacity: int, row_starts: torch.Tensor | None, num_rows: int, who: str) -> None:
-    """The block arguments agree with a layout of ``g`` ranks (the exact layout's row count is the sum of
-    the counts, which only the caller's host copy of them can confirm)."""
-    if row_starts is None:
-        if num_rows != g * capacity:
-            raise ValueError(f"{who}: fixed blocks of {capacity} rows for {g} ranks are {g * capacity} rows, "
-                             f"got {num_rows}")
-    elif tuple(row_starts.shape) != (g,):
-        raise ValueError(f"{who}: row_starts must be [G={g}], got shape {tuple(row_starts.shape)}")
+def _check_blocks(blocks: RowBlocks, g: int, num_rows: int, who: str) -> None:
+    """``blocks`` is a layout of ``g`` ranks over ``num_rows`` rows (the exact layout's row count is the sum
+    of the counts, which only the caller's host copy of them can confirm)."""
+    want = block_rows(blocks, g)  # raises TypeError for anything but the two layouts
+    if isinstance(blocks, ExactBlocks) and tuple(blocks.row_starts.shape) != (g,):
+        raise ValueError(f"{who}: row_starts must be [G={g}], got shape {tuple(blocks.row_starts.shape)}")
+    if num_rows != want:
+        what = (f"fixed blocks of {blocks.capacity} rows for {g} ranks are" if isinstance(blocks, FixedBlocks)
+                else "exact blocks of")
+        raise ValueError(f"{who}: {what} {want} rows, got {num_rows}")
 
 
 def pack_rows(
@@ -148,8 +152,7 @@ def pack_rows(
     topk_weights: torch.Tensor,
     layout: SendLayout,
     slots_per_rank: int,
-    row_starts: torch.Tensor | None,
-    num_rows: int,
+    blocks: RowBlocks,
     impl: Impl = "auto",
 ) -> torch.Tensor:
     """The send buffer: each sent token's hidden state with its metadata packed behind it.
@@ -160,26 +163,34 @@ def pack_rows(
         topk_weights: ``[T, K]`` routing weights (any float dtype; sent as float32).
         layout: ``route_layout`` of ``topk_slots``.
         slots_per_rank: ``S``.
-        row_starts: ``[G]`` int32/int64 first row of each rank's block (exact layout), or ``None`` for
-            fixed blocks starting at ``g * C`` (padding rows: slots ``-1``, weights 0, zero hidden state).
-        num_rows: ``N`` rows of the buffer: ``G * C`` for fixed blocks, the sum of the counts otherwise.
+        blocks: ``FixedBlocks(layout.capacity)``, blocks of ``C`` rows starting at ``g * C`` (padding rows:
+            slots ``-1``, weights 0, zero hidden state), or ``ExactBlocks(layout.starts, N)`` with ``N`` the sum
+            of the counts (the layout routed with ``capacity >= T``, so nothing overflows).
         impl: see ``route_layout``.
 
     Returns:
-        ``[N, D + meta_columns(x.dtype, K)]`` in ``x.dtype``.
+        ``[N, D + meta_columns(x.dtype, K)]`` in ``x.dtype``; ``N = G * C`` for fixed blocks.
 
     Raises:
         ValueError: ``x``, ``topk_slots``, ``topk_weights`` and ``layout`` disagree on ``T`` or ``K``; fixed
-            blocks with ``num_rows != G * C``; ``row_starts`` not ``[G]``; ``slots_per_rank`` not positive.
-            (In the exact layout ``num_rows`` must be the sum of the counts: not checked, it would read them.)
-        TypeError: ``x`` not a 2- or 4-byte float dtype.
+            blocks of another capacity than the layout's; exact blocks of a layout that can overflow
+            (``capacity < T``) or with ``row_starts`` not ``[G]``; ``slots_per_rank`` not positive. (In the exact
+            layout ``num_rows`` must be the sum of the counts: not checked, it would read them.)
+        TypeError: ``blocks`` neither ``FixedBlocks`` nor ``ExactBlocks``; ``x`` not a 2- or 4-byte float dtype.
     """
     g, c = layout.pos.shape[1], layout.capacity
     t, k = topk_slots.shape
     if x.dim() != 2 or x.shape[0] != t or topk_weights.shape != (t, k) or layout.pos.shape[0] != t:
         raise ValueError(f"x {tuple(x.shape)}, topk_slots {(t, k)}, topk_weights {tuple(topk_weights.shape)} and "
                          f"layout.pos {tuple(layout.pos.shape)} must agree on T (and K)")
-    _check_blocks(g, c, row_starts, num_rows, "pack_rows")
+    num_rows = block_rows(blocks, g)
+    if isinstance(blocks, FixedBlocks) and blocks.capacity != c:
+        raise ValueError(f"pack_rows: fixed blocks of {blocks.capacity} rows, but the layout was routed with "
+                         f"capacity {c}")
+    if isinstance(blocks, ExactBlocks) and c < t:
+        raise ValueError(f"pack_rows: exact blocks need a layout that cannot overflow (capacity >= T = {t}), "
+                         f"got capacity {c}")
+    _check_blocks(blocks, g, num_rows, "pack_rows")
     check_int("slots_per_rank", slots_per_rank, 1)
     if not x.is_floating_point():
         raise TypeError(f"x must be a float tensor, got {x.dtype}")
@@ -189,10 +200,10 @@ def pack_rows(
         from epmoe.dispatch.layout_triton import pack_rows_triton
 
         return pack_rows_triton(x, topk_slots, topk_weights, layout.counts, layout.invalid, layout.row_token,
-                                slots_per_rank, row_starts, num_rows, c, meta_cols)
+                                slots_per_rank, blocks, c, meta_cols)
     dev = x.device
     r = torch.arange(num_rows, device=dev)
-    starts = torch.arange(g, device=dev) * c if row_starts is None else row_starts.to(torch.int64)
+    starts = torch.arange(g, device=dev) * c if isinstance(blocks, FixedBlocks) else blocks.row_starts.to(torch.int64)
     rank = torch.searchsorted(starts, r, right=True) - 1
     p = r - starts[rank]
     real = p < torch.clamp(layout.counts.to(torch.int64), max=c)[rank]
@@ -212,8 +223,8 @@ def pack_rows(
 
 def unpack_rows(
     recv: torch.Tensor, d: int, top_k: int, impl: Impl = "auto"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split received rows into hidden states and metadata.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split received rows into hidden states and metadata, decoding the sender column (the one place that does).
 
     Args:
         recv: ``[R, D + meta_columns(dtype, K)]`` rows as ``pack_rows`` wrote them.
@@ -223,9 +234,9 @@ def unpack_rows(
 
     Returns:
         ``recv_x`` ``[R, D]`` (a view of ``recv``, row stride ``recv.shape[1]``), ``recv_slots`` ``[R, K]``
-        int64 local slot ids (``-1`` = none), ``recv_weights`` ``[R, K]`` float32, ``sender_max`` ``[R]``
-        float32 the sending rank's largest per-rank count ``m``, or ``-1 - m`` when that rank had slot ids
-        out of range (a view of ``recv`` when ``D`` is even).
+        int64 local slot ids (``-1`` = none), ``recv_weights`` ``[R, K]`` float32, ``sender_count`` ``[R]``
+        int32 the sending rank's largest per-rank count ``m`` (before any capacity cut), and
+        ``sender_bad_slots`` ``[R]`` bool whether the sending rank had slot ids outside ``[-1, G * S)``.
 
     Raises:
         ValueError: ``recv`` is not ``[R, D + meta_columns(dtype, K)]`` of a float dtype.
@@ -244,41 +255,45 @@ def unpack_rows(
     if _use_triton(recv, impl) and recv.shape[0] and meta.stride(1) == 1:
         from epmoe.dispatch.layout_triton import unpack_meta_triton
 
-        slots, weights = unpack_meta_triton(meta, k)
+        slots, weights, count, bad = unpack_meta_triton(meta, k)
     else:
         slots, weights = meta[:, :k].to(torch.int64), meta[:, k : 2 * k].contiguous()
-    return recv[:, :d], slots, weights, meta[:, 2 * k]
+        column = meta[:, 2 * k]  # m, or -1 - m when the sender had slot ids out of range (see pack_rows)
+        bad = column < 0
+        count = torch.where(bad, -1.0 - column, column).to(torch.int32)
+    return recv[:, :d], slots, weights, count, bad
 
 
-def combine_rows(
-    back: torch.Tensor, pos: torch.Tensor, row_starts: torch.Tensor | None, capacity: int, impl: Impl = "auto"
-) -> torch.Tensor:
+def combine_rows(back: torch.Tensor, pos: torch.Tensor, blocks: RowBlocks, impl: Impl = "auto") -> torch.Tensor:
     """Each token's sum of the rows it got back, accumulated in float32 (ranks in order).
 
     Args:
         back: ``[N, D]`` the results, in the send buffer's row order (row stride may exceed ``D``).
         pos: ``[T, G]`` int32 ``SendLayout.pos``.
-        row_starts: as for ``pack_rows`` (``None`` = fixed blocks of ``capacity`` rows).
-        capacity: ``C``; positions ``>= C`` were not sent and count as zero.
+        blocks: as for ``pack_rows``: ``FixedBlocks(C)`` (positions ``>= C`` were not sent and count as
+            zero) or ``ExactBlocks(row_starts, N)`` (every position was sent).
         impl: see ``route_layout``.
 
     Returns:
         ``[T, D]`` in ``back.dtype``.
 
     Raises:
-        ValueError: ``back`` or ``pos`` not 2-D, fixed blocks whose row count is not ``G * C``, or
-            ``row_starts`` not ``[G]``.
+        ValueError: ``back`` or ``pos`` not 2-D, ``back`` not of the blocks' row count (``G * C`` for fixed
+            blocks, ``N`` for exact ones), or ``row_starts`` not ``[G]``.
+        TypeError: ``blocks`` neither ``FixedBlocks`` nor ``ExactBlocks``.
     """
     if back.dim() != 2 or pos.dim() != 2:
         raise ValueError(f"back must be [N, D] and pos [T, G], got {tuple(back.shape)} and {tuple(pos.shape)}")
     t, g = pos.shape
-    _check_blocks(g, capacity, row_starts, back.shape[0], "combine_rows")
+    _check_blocks(blocks, g, back.shape[0], "combine_rows")
+    fixed = isinstance(blocks, FixedBlocks)
+    capacity = blocks.capacity if fixed else t  # exact blocks: every position (< T) was sent
     if _use_triton(back, impl) and back.stride(1) == 1:
         from epmoe.dispatch.layout_triton import combine_rows_triton
 
-        return combine_rows_triton(back, pos, row_starts, capacity)
+        return combine_rows_triton(back, pos, blocks, capacity)
     n, dev = back.shape[0], back.device
-    starts = torch.arange(g, device=dev) * capacity if row_starts is None else row_starts.to(torch.int64)
+    starts = torch.arange(g, device=dev) * capacity if fixed else blocks.row_starts.to(torch.int64)
     sent = (pos >= 0) & (pos < capacity)
     rows = torch.where(sent, starts.unsqueeze(0) + pos, n)
     padded = torch.cat([back, back.new_zeros(1, back.shape[1])])

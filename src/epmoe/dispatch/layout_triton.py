@@ -14,7 +14,8 @@ all-to-alls themselves. Here:
 2. ``_pack_kernel``, one program per send-buffer row: finds its rank block, copies the token's hidden
    state (or zeros, for a padding row) and writes the metadata floats. One read of each sent row and one
    write of the buffer.
-3. ``_unpack_kernel``: the received metadata into int64 slots and float32 weights.
+3. ``_unpack_kernel``: the received metadata into int64 slots, float32 weights and the decoded sender
+   column (count and bad-slot flag), so the decode costs no launch of its own.
 4. ``_combine_kernel``, grid ``(T, cdiv(D, BLOCK_D))``: each token's rows summed in float32, ranks in
    order (deterministic, no atomics). One read of the returned buffer and one write of the output.
 """
@@ -24,6 +25,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from epmoe.dispatch.blocks import ExactBlocks, FixedBlocks, RowBlocks, block_rows
 
 
 @triton.jit
@@ -117,7 +120,8 @@ def _pack_kernel(x_ptr, slots_ptr, w_ptr, counts_ptr, invalid_ptr, row_token_ptr
 
 
 @triton.jit
-def _unpack_kernel(meta_ptr, slots_ptr, w_ptr, R, K, stride_meta, BLOCK_R: tl.constexpr, KP: tl.constexpr):
+def _unpack_kernel(meta_ptr, slots_ptr, w_ptr, count_ptr, bad_ptr, R, K, stride_meta,
+                   BLOCK_R: tl.constexpr, KP: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     kk = tl.arange(0, KP)
     ok = (rows[:, None] < R) & (kk[None, :] < K)
@@ -125,6 +129,11 @@ def _unpack_kernel(meta_ptr, slots_ptr, w_ptr, R, K, stride_meta, BLOCK_R: tl.co
     dst = rows[:, None].to(tl.int64) * K + kk[None, :]
     tl.store(slots_ptr + dst, tl.load(src, mask=ok, other=-1.0).to(tl.int64), mask=ok)
     tl.store(w_ptr + dst, tl.load(src + K, mask=ok, other=0.0), mask=ok)
+    row_ok = rows < R
+    column = tl.load(meta_ptr + rows.to(tl.int64) * stride_meta + 2 * K, mask=row_ok, other=0.0)
+    bad = column < 0  # m, or -1 - m when the sender had slot ids out of range (layout.pack_rows)
+    tl.store(count_ptr + rows, tl.where(bad, -1.0 - column, column).to(tl.int32), mask=row_ok)
+    tl.store(bad_ptr + rows, bad, mask=row_ok)
 
 
 @triton.jit
@@ -174,13 +183,14 @@ def route_layout_triton(topk_slots: torch.Tensor, slots_per_rank: int, num_ranks
 
 
 def pack_rows_triton(x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, counts: torch.Tensor,
-                     invalid: torch.Tensor, row_token: torch.Tensor, slots_per_rank: int,
-                     row_starts: torch.Tensor | None, num_rows: int, capacity: int, meta_cols: int) -> torch.Tensor:
-    """``layout.pack_rows`` in one launch (``D`` times the element size a multiple of 4 bytes); ``meta_cols``
-    is ``layout.meta_columns(x.dtype, K)``."""
+                     invalid: torch.Tensor, row_token: torch.Tensor, slots_per_rank: int, blocks: RowBlocks,
+                     capacity: int, meta_cols: int) -> torch.Tensor:
+    """``layout.pack_rows`` in one launch (``D`` times the element size a multiple of 4 bytes); ``blocks`` as
+    checked there, ``capacity`` the layout's, ``meta_cols`` is ``layout.meta_columns(x.dtype, K)``."""
     t, k = topk_slots.shape
     d, esize = x.shape[1], x.element_size()
     g = counts.shape[0]
+    num_rows = block_rows(blocks, g)
     width = d + meta_cols
     out = torch.empty(num_rows, width, dtype=x.dtype, device=x.device)
     if num_rows == 0:
@@ -188,40 +198,50 @@ def pack_rows_triton(x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: to
     if x.stride(1) != 1:
         x = x.contiguous()
     meta = out.view(torch.float32) if esize != 4 else out
-    fixed = row_starts is None
+    fixed = isinstance(blocks, FixedBlocks)
     block_d = min(2048, triton.next_power_of_2(d))
     _pack_kernel[(num_rows,)](
         x, topk_slots.contiguous(), topk_weights.float().contiguous(), counts, invalid, row_token,
-        counts if fixed else row_starts, out, meta, d, k, slots_per_rank, g, capacity, x.stride(0), width,
+        _row_starts(blocks, counts), out, meta, d, k, slots_per_rank, g, capacity, x.stride(0), width,
         d * esize // 4, width * esize // 4,
         FIXED=fixed, GP=triton.next_power_of_2(g), KP=triton.next_power_of_2(k), BLOCK_D=block_d, num_warps=4,
     )
     return out
 
 
-def unpack_meta_triton(meta: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slots ``[R, K]`` int64 and weights ``[R, K]`` float32 from float32 metadata rows ``[R, >= 2K]`` (unit stride)."""
+def unpack_meta_triton(
+    meta: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Slots ``[R, K]`` int64, weights ``[R, K]`` float32, sender counts ``[R]`` int32 and sender bad-slot flags
+    ``[R]`` bool from float32 metadata rows ``[R, >= 2K + 1]`` (unit stride), as ``layout.unpack_rows``."""
     r = meta.shape[0]
     slots = torch.empty(r, top_k, dtype=torch.int64, device=meta.device)
     weights = torch.empty(r, top_k, dtype=torch.float32, device=meta.device)
+    count = torch.empty(r, dtype=torch.int32, device=meta.device)
+    bad = torch.empty(r, dtype=torch.bool, device=meta.device)
     block_r = 64
-    _unpack_kernel[(triton.cdiv(r, block_r),)](meta, slots, weights, r, top_k, meta.stride(0), BLOCK_R=block_r,
-                                                KP=triton.next_power_of_2(top_k), num_warps=4)
-    return slots, weights
+    _unpack_kernel[(triton.cdiv(r, block_r),)](meta, slots, weights, count, bad, r, top_k, meta.stride(0),
+                                                BLOCK_R=block_r, KP=triton.next_power_of_2(top_k), num_warps=4)
+    return slots, weights, count, bad
 
 
-def combine_rows_triton(back: torch.Tensor, pos: torch.Tensor, row_starts: torch.Tensor | None,
-                        capacity: int) -> torch.Tensor:
-    """``layout.combine_rows`` in one launch (``back`` of unit column stride)."""
+def _row_starts(blocks: RowBlocks, dummy: torch.Tensor) -> torch.Tensor:
+    """The kernels' row-starts pointer: ``ExactBlocks.row_starts``, or any tensor (not read) for fixed blocks."""
+    return blocks.row_starts if isinstance(blocks, ExactBlocks) else dummy
+
+
+def combine_rows_triton(back: torch.Tensor, pos: torch.Tensor, blocks: RowBlocks, capacity: int) -> torch.Tensor:
+    """``layout.combine_rows`` in one launch (``back`` of unit column stride; ``blocks`` as checked there,
+    ``capacity`` the positions sent per block: ``C`` for fixed blocks, ``T`` for exact ones)."""
     t, g = pos.shape
     d = back.shape[1]
     out = torch.empty(t, d, dtype=back.dtype, device=back.device)
     if t == 0:
         return out
     block_d = min(1024, triton.next_power_of_2(d))
-    fixed = row_starts is None
+    fixed = isinstance(blocks, FixedBlocks)
     _combine_kernel[(t, triton.cdiv(d, block_d))](
-        back, pos, pos if fixed else row_starts, out, d, g, capacity, back.stride(0),
+        back, pos, _row_starts(blocks, pos), out, d, g, capacity, back.stride(0),
         FIXED=fixed, BLOCK_D=block_d, num_warps=4,
     )
     return out

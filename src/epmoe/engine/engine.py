@@ -37,6 +37,7 @@ from epmoe.engine.model_runner import ModelRunner, graph_buckets
 from epmoe.engine.request import RequestOutput, Sequence
 from epmoe.engine.sampling import SamplingParams, sample
 from epmoe.engine.scheduler import Scheduler, StepPlan
+from epmoe.layer import MoELayerOptions
 from epmoe.loads import ExpertLoadRecorder
 from epmoe.models.hf import EPModel, load_ep_model
 from epmoe.placement import ExpertPlacement
@@ -123,10 +124,11 @@ class Engine:
                                            window=max(1, config.eplb_interval), device=self.device)
         say("loading weights")
         self.ep_model: EPModel = load_ep_model(
-            config.model, self.placement, self.comm, dispatcher=self.eager_dispatcher,
-            expert_backend=config.expert_backend, load_recorder=self.recorder, dtype=config.torch_dtype,
-            device=self.device, load_format=config.load_format, attn_implementation=register_attention(),
-            seed=config.seed,
+            config.model, self.placement, self.comm,
+            options=MoELayerOptions(dispatcher=self.eager_dispatcher, expert_backend=config.expert_backend,
+                                    load_recorder=self.recorder),
+            dtype=config.torch_dtype, device=self.device, load_format=config.load_format,
+            attn_implementation=register_attention(), seed=config.seed,
         )
         if self.device.type == "cuda":
             fuse_norms(self.ep_model.model)

@@ -15,10 +15,9 @@ from torch import nn
 
 from epmoe.comm import Comm
 from epmoe.dispatch import Dispatcher, make_dispatcher
-from epmoe.layer import LoadSink, MoELayer
+from epmoe.layer import MoELayer, MoELayerOptions
 from epmoe.models.checkpoint import CheckpointReader, FamilyLayout, family_layout, read_expert
 from epmoe.placement import ExpertPlacement
-from epmoe.routing import ReplicaPolicy
 from epmoe.spec import MoESpec, language_model_config, load_moe_spec, read_config
 
 
@@ -194,11 +193,7 @@ def load_ep_model(
     placement: ExpertPlacement,
     comm: Comm,
     *,
-    dispatcher: str | Dispatcher = "all_to_all",
-    dispatcher_options: dict | None = None,
-    expert_backend: str = "reference",
-    replica_policy: ReplicaPolicy = "static",
-    load_recorder: LoadSink | None = None,
+    options: MoELayerOptions = MoELayerOptions(),
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     load_format: str = "auto",
@@ -211,8 +206,8 @@ def load_ep_model(
         checkpoint_dir: directory with ``config.json`` and safetensors weights in the published layout.
         placement: the expert placement (checked against the model: layers and experts).
         comm: the EP group; its rank decides which slots are loaded.
-        dispatcher, dispatcher_options, expert_backend, replica_policy, load_recorder: passed to every
-            ``MoELayer``.
+        options: the options of every ``MoELayer`` (dispatcher, expert backend, replica policy, load
+            recorder; ``epmoe.layer.MoELayerOptions``).
         dtype: compute dtype of the model.
         device: where this rank's weights live.
         load_format: ``auto`` (read the safetensors) or ``dummy`` (vLLM's name: random weights at the
@@ -225,9 +220,12 @@ def load_ep_model(
 
     Raises:
         FileNotFoundError: no checkpoint there.
+        TypeError: ``options`` not an ``MoELayerOptions``.
         ValueError: placement/model mismatch; a tensor with the wrong shape.
         KeyError: a tensor is missing from the checkpoint (named), or an unsupported family.
     """
+    if not isinstance(options, MoELayerOptions):
+        raise TypeError(f"load_ep_model options must be an epmoe.layer.MoELayerOptions, got {type(options).__name__}")
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     spec = load_moe_spec(checkpoint_dir)
@@ -242,11 +240,7 @@ def load_ep_model(
     layers = _decoder_layers(model)
     ep = EPModel(model=model, spec=spec, placement=placement, comm=comm)
     for moe_index, layer_index in enumerate(spec.moe_layers):
-        moe = MoELayer(
-            spec, moe_index, placement, comm, dispatcher=dispatcher, dispatcher_options=dispatcher_options,
-            expert_backend=expert_backend, replica_policy=replica_policy, load_recorder=load_recorder,
-            dtype=dtype, device=device,
-        )
+        moe = MoELayer(spec, moe_index, placement, comm, options, dtype=dtype, device=device)
         block = f"model.layers.{layer_index}.{layout.ckpt_block}"
         if dummy:
             _random_fill(moe, gen)
