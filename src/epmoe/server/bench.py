@@ -129,6 +129,8 @@ class BenchReport:
         for name, stats in (("TTFT", self.ttft_ms), ("TPOT", self.tpot_ms), ("ITL", self.itl_ms)):
             rows.append((f"{name} mean / p50 / p99 (ms)",
                          f"{stats['mean']:.2f} / {stats['p50']:.2f} / {stats['p99']:.2f}"))
+        if self.errors:
+            rows.append(("first failure", self.errors[0]))
         for row in rows:
             t.add_row(*row)
         return t
