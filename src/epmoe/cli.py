@@ -22,6 +22,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", metavar="DIR", help="local Hugging Face MoE checkpoint (default: built-in small "
                                                   "Kimi-K2.5)")
     p.add_argument("--ep", type=int, default=2, help="EP ranks to spawn (default 2; torchrun sets its own)")
+    p.add_argument("--parallel", choices=("ep", "tp"), default="ep",
+                   help="experts expert-parallel (ep, default) or tensor-parallel over the --ep ranks (tp: the "
+                        "baseline; attention stays data-parallel)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
     p.add_argument("--placement", metavar="FILE", help="expert placement file (JSON or safetensors)")
     p.add_argument("--redundant", type=int, default=0, help="redundant slots per layer for the default placement")
@@ -69,8 +72,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.json not in (None, "-"):
         check_output_path("--json", args.json, "a JSON file path")
     report = run_job(RunConfig(
-        model=args.model, ep=args.ep, device=args.device, placement=args.placement, redundant=args.redundant,
-        layout=args.layout, prompts=tuple(args.prompt), max_new_tokens=args.max_new_tokens, dtype=args.dtype,
+        model=args.model, ep=args.ep, parallel=args.parallel, device=args.device, placement=args.placement,
+        redundant=args.redundant, layout=args.layout, prompts=tuple(args.prompt), max_new_tokens=args.max_new_tokens,
+        dtype=args.dtype,
         dispatcher=args.dispatcher, expert_backend=args.expert_backend, reference=not args.no_reference,
         eplb_interval=args.eplb_interval, eplb_max_moves=args.max_moves, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, request_rate=args.request_rate,

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-PARALLEL_MODES = ("ep",)
+PARALLEL_MODES = ("ep", "tp")
 GRAPH_SAFE_BACKENDS = ("triton",)  # the reference backend reads the routing on the host
 
 
@@ -28,7 +28,9 @@ class EngineConfig:
         dtype: ``float32``, ``bfloat16`` or ``float16``.
         device: ``cpu`` or ``cuda``.
         parallel: ``ep``: attention data-parallel (each rank serves its own requests), experts
-            expert-parallel over the group.
+            expert-parallel over the group. ``tp``: attention data-parallel as well, experts
+            tensor-parallel (every rank a ``1/G`` slice of every expert's intermediate dimension; the
+            baseline EP is compared with). The placement, dispatcher and EPLB options apply to ``ep`` only.
         placement: placement file; ``None`` = the trivial placement below.
         redundant: redundant slots per layer of the trivial placement.
         layout: trivial placement layout, ``contiguous`` or ``round_robin``.
@@ -128,6 +130,15 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        if self.parallel == "tp":
+            given = [name for name, value, default in (
+                ("placement", self.placement, None), ("redundant", self.redundant, 0),
+                ("layout", self.layout, "contiguous"), ("dispatcher", self.dispatcher, None),
+                ("eplb_interval", self.eplb_interval, 0), ("eplb_max_moves", self.eplb_max_moves, None),
+            ) if value != default]
+            if given:
+                raise ValueError(f"{', '.join(given)} place or move whole experts (parallel 'ep'); parallel 'tp' "
+                                 f"slices every expert over the ranks: leave them unset")
         if self.eplb_max_moves is not None and not self.eplb_interval:
             raise ValueError("eplb_max_moves limits live rebalancing: give eplb_interval with it")
         from epmoe.dispatch import DISPATCHERS

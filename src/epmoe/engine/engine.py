@@ -37,9 +37,9 @@ from epmoe.engine.model_runner import ModelRunner, graph_buckets
 from epmoe.engine.request import RequestOutput, Sequence
 from epmoe.engine.sampling import SamplingParams, sample
 from epmoe.engine.scheduler import Scheduler, StepPlan
-from epmoe.layer import MoELayerOptions
+from epmoe.layer import MoELayerOptions, check_tp_sizes
 from epmoe.loads import ExpertLoadRecorder
-from epmoe.models.hf import EPModel, load_ep_model
+from epmoe.models.hf import EPModel, load_ep_model, load_tp_model
 from epmoe.placement import ExpertPlacement
 from epmoe.spec import language_model_config, load_moe_spec, read_config
 
@@ -91,12 +91,13 @@ class Engine:
     """The inference engine of one rank.
 
     Args:
-        config: the options (``EngineConfig``).
-        comm: the EP group (``Comm(None)`` for one process, the default).
+        config: the options (``EngineConfig``); ``parallel='tp'`` runs the experts tensor-parallel
+            (``epmoe.layer.DPTPMoELayer``) with the same data-parallel attention and step protocol.
+        comm: the EP (or TP) group (``Comm(None)`` for one process, the default).
 
     Raises:
         ValueError: a bad option, a placement that does not fit, a graph bucket that does not fit in
-            memory (named).
+            memory, an expert intermediate size the TP group does not divide (named).
         FileNotFoundError: no checkpoint.
     """
 
@@ -115,21 +116,36 @@ class Engine:
         self.spec = load_moe_spec(config.model)
         raw = language_model_config(read_config(config.model)[0])
         self.max_model_len = int(config.max_model_len or raw.get("max_position_embeddings") or 4096)
-        self.placement = trivial_or_file_placement(config, self.spec.num_moe_layers, self.spec.num_experts,
-                                                   self.comm.size)
-        if config.dispatcher == "local" and self.comm.size > 1:
-            raise ValueError(f"dispatcher 'local' serves one rank; the EP group has {self.comm.size}")
-        self.eager_dispatcher = config.dispatcher or ("local" if self.comm.size == 1 else "all_to_all")
-        self.recorder = ExpertLoadRecorder(self.spec.num_moe_layers, self.placement.num_slots,
+        self.tp = config.parallel == "tp"
+        if self.tp:
+            check_tp_sizes(self.spec, self.comm.size)
+            self.placement = None
+            self.eager_dispatcher = None
+        else:
+            self.placement = trivial_or_file_placement(config, self.spec.num_moe_layers, self.spec.num_experts,
+                                                       self.comm.size)
+            if config.dispatcher == "local" and self.comm.size > 1:
+                raise ValueError(f"dispatcher 'local' serves one rank; the EP group has {self.comm.size}")
+            self.eager_dispatcher = config.dispatcher or ("local" if self.comm.size == 1 else "all_to_all")
+        # tp: no slots to count (the recorder stays empty, one column per expert)
+        num_slots = self.spec.num_experts if self.tp else self.placement.num_slots
+        self.recorder = ExpertLoadRecorder(self.spec.num_moe_layers, num_slots,
                                            window=max(1, config.eplb_interval), device=self.device)
         say("loading weights")
-        self.ep_model: EPModel = load_ep_model(
-            config.model, self.placement, self.comm,
-            options=MoELayerOptions(dispatcher=self.eager_dispatcher, expert_backend=config.expert_backend,
-                                    load_recorder=self.recorder),
-            dtype=config.torch_dtype, device=self.device, load_format=config.load_format,
-            attn_implementation=register_attention(), seed=config.seed,
-        )
+        if self.tp:
+            self.ep_model: EPModel = load_tp_model(
+                config.model, self.comm, expert_backend=config.expert_backend, dtype=config.torch_dtype,
+                device=self.device, load_format=config.load_format, attn_implementation=register_attention(),
+                seed=config.seed,
+            )
+        else:
+            self.ep_model = load_ep_model(
+                config.model, self.placement, self.comm,
+                options=MoELayerOptions(dispatcher=self.eager_dispatcher, expert_backend=config.expert_backend,
+                                        load_recorder=self.recorder),
+                dtype=config.torch_dtype, device=self.device, load_format=config.load_format,
+                attn_implementation=register_attention(), seed=config.seed,
+            )
         if self.device.type == "cuda":
             fuse_norms(self.ep_model.model)
         self.tokenizer = load_tokenizer(config.model)
@@ -149,7 +165,7 @@ class Engine:
         self._counter = itertools.count()
         self.num_steps = 0
         self.last_step_busy = False
-        self.slot_totals = torch.zeros(self.spec.num_moe_layers, self.placement.num_slots, dtype=torch.int64,
+        self.slot_totals = torch.zeros(self.spec.num_moe_layers, num_slots, dtype=torch.int64,
                                        device=self.device)
         self.stats = {"eager_steps": 0, "graph_steps": 0, "idle_steps": 0, "preemptions": 0}
         self.eplb = None
@@ -190,6 +206,24 @@ class Engine:
 
     def _capture(self) -> None:
         sizes = [b for b in graph_buckets(self.config.cuda_graph_max_bs) if b <= self.config.max_num_seqs]
+        if self.tp:
+            def activate(bs: int, valid_rows: torch.Tensor) -> None:  # every rank runs bucket bs: no size exchange
+                for layer in self.ep_model.moe_layers:
+                    layer.set_static_tokens(bs)
+
+            def deactivate() -> None:
+                for layer in self.ep_model.moe_layers:
+                    layer.set_static_tokens(None)
+        else:
+            activate, deactivate = self._ep_static_hooks()
+        try:
+            self.runner.capture(sizes, activate, deactivate, cuda_graphs=self.device.type == "cuda")
+        except torch.cuda.OutOfMemoryError:
+            raise ValueError(f"cuda_graph_max_bs {self.config.cuda_graph_max_bs}: capturing the decode graphs "
+                             f"ran out of GPU memory; lower it or mem_fraction_static") from None
+
+    def _ep_static_hooks(self):
+        """The static decode step's hooks in EP: fixed-capacity dispatchers of the bucket's size, masked loads."""
         comm, slots = self.comm, self.placement.slots_per_rank
         from epmoe.dispatch import make_dispatcher
 
@@ -204,11 +238,7 @@ class Engine:
             for layer in self.ep_model.moe_layers:
                 layer.set_dispatcher(make_dispatcher(self.eager_dispatcher, comm, slots))
 
-        try:
-            self.runner.capture(sizes, activate, deactivate, cuda_graphs=self.device.type == "cuda")
-        except torch.cuda.OutOfMemoryError:
-            raise ValueError(f"cuda_graph_max_bs {self.config.cuda_graph_max_bs}: capturing the decode graphs "
-                             f"ran out of GPU memory; lower it or mem_fraction_static") from None
+        return activate, deactivate
 
     def kv_report(self, context: int | None = None) -> dict:
         """The KV pool: blocks, tokens, bytes, and how many sequences of ``context`` tokens fit at once

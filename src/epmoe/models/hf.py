@@ -15,7 +15,7 @@ from torch import nn
 
 from epmoe.comm import Comm
 from epmoe.dispatch import Dispatcher, make_dispatcher
-from epmoe.layer import MoELayer, MoELayerOptions
+from epmoe.layer import DPTPMoELayer, MoELayer, MoELayerOptions, check_tp_sizes
 from epmoe.models.checkpoint import CheckpointReader, FamilyLayout, family_layout, read_expert
 from epmoe.placement import ExpertPlacement
 from epmoe.spec import MoESpec, language_model_config, load_moe_spec, read_config
@@ -34,23 +34,25 @@ class _TupleBlock(nn.Module):
 
 @dataclass
 class EPModel:
-    """A causal LM with expert-parallel MoE layers, ready to run on one EP rank.
+    """A causal LM with expert-parallel (or tensor-parallel) MoE layers, ready to run on one rank.
 
     Attributes:
         model: the transformers causal LM (its MoE blocks replaced).
         spec: the model's MoE facts.
-        placement: the expert placement the layers were built with.
-        comm: the EP group.
-        moe_layers: the ``MoELayer`` of every MoE layer, in model order.
+        placement: the expert placement the layers were built with (``None`` for tensor-parallel experts,
+            ``load_tp_model``).
+        comm: the EP (or TP) group.
+        moe_layers: the ``MoELayer`` (``DPTPMoELayer`` with ``load_tp_model``) of every MoE layer, in model
+            order.
         expert_bytes: bytes of routed-expert weights held on this rank.
         full_expert_bytes: bytes all routed experts would take if every rank held them all.
     """
 
     model: nn.Module
     spec: MoESpec
-    placement: ExpertPlacement
+    placement: ExpertPlacement | None
     comm: Comm
-    moe_layers: list[MoELayer] = field(default_factory=list)
+    moe_layers: list[MoELayer | DPTPMoELayer] = field(default_factory=list)
     expert_bytes: int = 0
     full_expert_bytes: int = 0
 
@@ -64,8 +66,11 @@ class EPModel:
 
         Raises:
             KeyError: an unknown name.
-            ValueError: a dispatcher that does not fit the layers (see ``MoELayer.set_dispatcher``).
+            ValueError: a dispatcher that does not fit the layers (see ``MoELayer.set_dispatcher``), or
+                tensor-parallel layers (they have no dispatcher).
         """
+        if self.placement is None:
+            raise ValueError("tensor-parallel MoE layers (load_tp_model) have no dispatcher")
         for layer in self.moe_layers:
             if isinstance(name_or_factory, str):
                 dispatcher = make_dispatcher(name_or_factory, self.comm, self.placement.slots_per_rank, **options)
@@ -378,3 +383,111 @@ def load_full_model(checkpoint_dir: str, dtype: torch.dtype = torch.float32,
     model = build_meta_model(checkpoint_dir, dtype)
     _materialise(model, reader, checkpoint_dir, device, fused_experts=family_layout(spec.model_type))
     return model
+
+
+@torch.no_grad()
+def _load_tp_layer(moe: DPTPMoELayer, reader: CheckpointReader, layout: FamilyLayout, block: str) -> None:
+    """Fill ``moe`` with this rank's slices, reading one expert at a time (rows/cols as ``TPMoELayer.load_from``)."""
+    g, r = moe.comm.size, moe.comm.rank
+    f = moe.spec.moe_intermediate_size
+    part = slice(r * f // g, (r + 1) * f // g)
+    for ours, suffix in layout.router.items():
+        _copy_checked(getattr(moe.gate, ours), reader, f"{block}.{suffix}")
+    if moe.shared_experts is not None:
+        fs = moe.spec.shared_intermediate_size
+        sp = slice(r * fs // g, (r + 1) * fs // g)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            name = f"{block}.{layout.shared}.{proj}.weight"
+            tensor = reader.get(name)
+            want = (fs, moe.spec.hidden_size) if proj != "down_proj" else (moe.spec.hidden_size, fs)
+            if tuple(tensor.shape) != want:
+                raise ValueError(f"checkpoint {reader.directory}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {want} from config.json")
+            getattr(moe.shared_experts, proj).weight.copy_(tensor[sp] if proj != "down_proj" else tensor[:, sp])
+    if moe.shared_expert_gate is not None:
+        _copy_checked(moe.shared_expert_gate.weight, reader, f"{block}.{layout.shared_gate}")
+    params = moe.experts
+    d = moe.spec.hidden_size
+    for expert in range(moe.spec.num_experts):
+        try:
+            full = read_expert(reader, layout, block, expert)
+        except KeyError as exc:
+            raise KeyError(f"checkpoint is missing a tensor of logical expert {expert} of {block}: "
+                           f"{exc.args[0]}") from None
+        want = {"w13": (2 * f, d), "w2": (d, f), "b13": (2 * f,), "b2": (d,)}
+        for name, tensor in full.items():
+            if getattr(params, name) is None:
+                continue
+            if tuple(tensor.shape) != want[name]:
+                raise ValueError(f"{block} expert {expert} tensor {name} has shape {tuple(tensor.shape)}, "
+                                 f"expected {want[name]} from config.json")
+        params.w13[expert].copy_(torch.cat([full["w13"][:f][part], full["w13"][f:][part]]))
+        params.w2[expert].copy_(full["w2"][:, part])
+        if params.b13 is not None:
+            params.b13[expert].copy_(torch.cat([full["b13"][:f][part], full["b13"][f:][part]]))
+            params.b2[expert].copy_(full["b2"] if r == 0 else torch.zeros_like(full["b2"]))
+
+
+def load_tp_model(
+    checkpoint_dir: str,
+    comm: Comm,
+    *,
+    expert_backend: str = "reference",
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    load_format: str = "auto",
+    attn_implementation: str | None = None,
+    seed: int = 0,
+) -> EPModel:
+    """Load a local Hugging Face MoE checkpoint for one rank of data-parallel attention + tensor-parallel experts.
+
+    Every MoE block becomes a ``DPTPMoELayer`` holding this rank's ``1/G`` slice of every expert's (and the
+    shared expert's) intermediate dimension, read one expert at a time; the non-expert weights are read in full.
+
+    Args:
+        checkpoint_dir: directory with ``config.json`` and safetensors weights in the published layout.
+        comm: the TP group; its rank decides which slice is loaded.
+        expert_backend: a registered expert backend name.
+        dtype, device, load_format, attn_implementation, seed: as ``load_ep_model``.
+
+    Returns:
+        An ``EPModel`` with ``placement=None``; ``expert_bytes`` is this rank's slice, ``full_expert_bytes``
+        all experts in full.
+
+    Raises:
+        FileNotFoundError: no checkpoint there.
+        ValueError: ``moe_intermediate_size`` or the shared size not divisible by the group size (named,
+            before anything is read); a tensor with the wrong shape; a bad ``load_format``.
+        KeyError: a tensor is missing from the checkpoint (named), or an unsupported family.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    spec = load_moe_spec(checkpoint_dir)
+    check_tp_sizes(spec, comm.size)
+    dummy = load_format == "dummy"
+    if not dummy:
+        _check_weight_format(spec, checkpoint_dir)
+    layout = family_layout(spec.model_type)
+    reader = None if dummy else CheckpointReader(checkpoint_dir)
+    model = build_meta_model(checkpoint_dir, dtype, attn_implementation)
+    gen = torch.Generator(device=device).manual_seed(seed) if dummy else None
+    layers = _decoder_layers(model)
+    tp = EPModel(model=model, spec=spec, placement=None, comm=comm)
+    for moe_index, layer_index in enumerate(spec.moe_layers):
+        moe = DPTPMoELayer(spec, moe_index, comm, expert_backend, dtype=dtype, device=device)
+        block = f"model.layers.{layer_index}.{layout.ckpt_block}"
+        if dummy:
+            _random_fill(moe, gen)
+            if moe.experts.b2 is not None and comm.rank:
+                moe.experts.b2.zero_()
+        else:
+            _load_tp_layer(moe, reader, layout, block)
+        setattr(layers[layer_index], layout.moe_attr, _TupleBlock(moe) if layout.returns_tuple else moe)
+        tp.moe_layers.append(moe)
+        tp.expert_bytes += sum(p.numel() * p.element_size() for p in moe.experts.parameters())
+    tp.full_expert_bytes = tp.expert_bytes * comm.size
+    if dummy:
+        _materialise_dummy(model, device, gen)
+    else:
+        _materialise(model, reader, checkpoint_dir, device)
+    return tp

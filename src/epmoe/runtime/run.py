@@ -21,8 +21,9 @@ import torch
 from epmoe.balance import rank_balancedness
 from epmoe.comm import COLLECTIVE_KINDS, Comm
 from epmoe.engine import Engine, EngineConfig, SamplingParams
-from epmoe.engine.config import GRAPH_SAFE_BACKENDS
+from epmoe.engine.config import GRAPH_SAFE_BACKENDS, PARALLEL_MODES
 from epmoe.engine.engine import load_tokenizer, trivial_or_file_placement
+from epmoe.layer import check_tp_sizes
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.placement import ExpertPlacement
 from epmoe.runtime.launch import RankInfo, init_group, spawn, torchrun_rank_info, under_torchrun
@@ -43,7 +44,10 @@ class RunConfig:
 
     Attributes:
         model: checkpoint directory; ``None`` = the built-in small Kimi-K2.5-architecture checkpoint.
-        ep: EP ranks to spawn (ignored under torchrun, which sets the world size).
+        ep: EP ranks to spawn (ignored under torchrun, which sets the world size); with ``parallel='tp'``, the
+            TP ranks.
+        parallel: ``ep`` (experts expert-parallel) or ``tp`` (experts tensor-parallel: the baseline; no
+            placement, dispatcher or EPLB options); attention is data-parallel in both.
         device: ``cpu`` (gloo) or ``cuda`` (NCCL).
         placement: placement file (JSON or safetensors); ``None`` = contiguous trivial placement.
         redundant: redundant slots per layer for the trivial placement.
@@ -72,6 +76,7 @@ class RunConfig:
 
     model: str | None = None
     ep: int = 2
+    parallel: str = "ep"
     device: str = "cpu"
     placement: str | None = None
     redundant: int = 0
@@ -102,6 +107,8 @@ class RunConfig:
         """Raise ``ValueError`` naming the first bad option (the engine checks the rest per rank)."""
         if self.ep < 1:
             raise ValueError(f"--ep must be at least 1, got {self.ep}")
+        if self.parallel not in PARALLEL_MODES:
+            raise ValueError(f"--parallel must be one of {PARALLEL_MODES}, got {self.parallel!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -155,7 +162,7 @@ class RunConfig:
         backend = self.expert_backend or ("triton" if self.device == "cuda" else "reference")
         eager = self.enforce_eager or self.dtype == "float32" or backend not in GRAPH_SAFE_BACKENDS
         return EngineConfig(
-            model=model_dir, dtype=self.dtype, device=self.device, placement=self.placement,
+            model=model_dir, dtype=self.dtype, device=self.device, parallel=self.parallel, placement=self.placement,
             redundant=self.redundant, layout=self.layout, dispatcher=self.dispatcher, expert_backend=backend,
             load_format=self.load_format, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, num_kv_blocks=self.num_kv_blocks,
@@ -334,7 +341,10 @@ def _serve_share(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], mine:
     steps = max(1, engine.num_steps - steps0)
     delta = comm.stats.since(mark)
     rss, cuda = _peak_memory(cfg.device)
-    per_rank = engine.slot_totals.cpu().reshape(engine.spec.num_moe_layers, comm.size, -1).sum(-1)
+    if engine.tp:  # no expert lives on one rank: nothing routed to ranks
+        per_rank = torch.zeros(engine.spec.num_moe_layers, comm.size, dtype=torch.int64)
+    else:
+        per_rank = engine.slot_totals.cpu().reshape(engine.spec.num_moe_layers, comm.size, -1).sum(-1)
     ran = engine.stats["graph_steps"] + engine.stats["eager_steps"]
     fed = sum(len(all_ids[i]) + len(o.token_ids) - 1 for i, o in zip(mine, outs))
     return RankReport(
@@ -367,9 +377,10 @@ def _engine_config(cfg: RunConfig, model_dir: str) -> EngineConfig:
         raise ValueError(msg) from None
 
 
-def _check_before_start(cfg: RunConfig, model_dir: str, ep: int, all_ids: list[list[int]]) -> ExpertPlacement:
+def _check_before_start(cfg: RunConfig, model_dir: str, ep: int,
+                        all_ids: list[list[int]]) -> ExpertPlacement | None:
     """Everything that can be checked before any rank starts: the engine options, the weights, the KV pool
-    when its size is given, and the placement."""
+    when its size is given, and the placement (``None`` in tp: the sizes the group must divide instead)."""
     if cfg.dispatcher == "local" and ep != 1:
         raise ValueError(f"--dispatcher local serves EP size 1 only; EP size is {ep}: use all_to_all")
     engine_cfg = _engine_config(cfg, model_dir)
@@ -388,6 +399,12 @@ def _check_before_start(cfg: RunConfig, model_dir: str, ep: int, all_ids: list[l
                              f"--num-kv-blocks {cfg.num_kv_blocks} of --block-size {cfg.block_size} hold {pool} "
                              f"(one block is the padding block)")
     spec = load_moe_spec(model_dir)
+    if cfg.parallel == "tp":
+        try:
+            check_tp_sizes(spec, ep)
+        except ValueError as exc:
+            raise ValueError(f"--ep {ep}: {exc}") from None
+        return None
     try:
         return trivial_or_file_placement(engine_cfg, spec.num_moe_layers, spec.num_experts, ep)
     except ValueError as exc:
