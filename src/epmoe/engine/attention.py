@@ -35,13 +35,14 @@ class PrefillChunk:
         q_start: first row of the chunk in the step's packed tokens.
         q_len: rows (tokens) in the chunk.
         start_pos: position of its first token (tokens before it are in the cache).
-        block_ids: ``[ceil((start_pos + q_len) / block_size)]`` int64 blocks of the sequence.
+        kv_slots: ``[start_pos + q_len]`` int64 flat cache slot of each of the sequence's keys so far
+            (computed once per step, read by every layer).
     """
 
     q_start: int
     q_len: int
     start_pos: int
-    block_ids: torch.Tensor
+    kv_slots: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -173,12 +174,8 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
                                    out=out[:nd], workspace=batch.workspace)
         else:
             out[:nd] = paged_decode_attention(q[:nd], kc, vc, batch.block_tables, batch.context_lens, scale, **opts)
-    bs = batch.kv.block_size
     for p in batch.prefills:
-        ctx = p.start_pos + p.q_len
-        slots = (p.block_ids.unsqueeze(1) * bs + torch.arange(bs, device=p.block_ids.device)).reshape(-1)[:ctx]
-        keys = kc.view(-1, *kc.shape[2:]).index_select(0, slots)
-        values = vc.view(-1, *vc.shape[2:]).index_select(0, slots)
+        keys, values = batch.kv.read(layer, p.kv_slots)
         out[p.q_start:p.q_start + p.q_len] = dense_attention(
             q[p.q_start:p.q_start + p.q_len], keys, values, p.start_pos, scale,
             sliding_window=sliding_window, chunk_size=chunk, sinks=s_aux,

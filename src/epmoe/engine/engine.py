@@ -74,6 +74,14 @@ def load_tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+def encode_text(tokenizer, vocab_size: int, text: str) -> list[int]:
+    """Token ids of ``text``: the tokenizer's (no special tokens added), or without one its UTF-8 bytes
+    modulo ``vocab_size``."""
+    if tokenizer is None:
+        return [b % vocab_size for b in text.encode()]
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def eos_token_ids(model_dir: str, tokenizer) -> frozenset[int]:
     """The end-of-sequence token ids of the checkpoint: its config's ``eos_token_id`` (one or a list) and the
     tokenizer's."""
@@ -262,9 +270,7 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            if self.tokenizer is None:
-                return [b % self.vocab_size for b in prompt.encode()]
-            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            ids = encode_text(self.tokenizer, self.vocab_size, prompt)
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
         else:
@@ -479,8 +485,7 @@ class Engine:
             raise ValueError(f"{n} prompts need as many params ({len(plist)}) and arrival times ({len(arrivals)})")
         if any(not t >= 0 for t in arrivals):
             raise ValueError(f"arrival times must be non-negative seconds, got {arrivals}")
-        for p, sp in zip(prompts, plist):
-            self.check_request(p, sp)
+        prompt_ids = [self.check_request(p, sp) for p, sp in zip(prompts, plist)]
         order = sorted(range(n), key=lambda i: arrivals[i])
         ids: list[str | None] = [None] * n
         results: dict[str, RequestOutput] = {}
@@ -490,7 +495,7 @@ class Engine:
             now = time.perf_counter() - start
             while nxt < n and arrivals[order[nxt]] <= now:
                 i = order[nxt]
-                ids[i] = self.add_request(prompts[i], plist[i])
+                ids[i] = self.add_request(prompt_ids[i], plist[i])
                 nxt += 1
             for out in self.step(pending=nxt < n):
                 if on_output is not None:

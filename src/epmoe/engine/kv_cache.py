@@ -159,6 +159,13 @@ class KVCache:
         vp.view(-1, *vp.shape[2:]).index_copy_(0, slot_mapping, v.to(vp.dtype))
 
 
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys ``[N, Hkv, Dk]`` and values ``[N, Hkv, Dv]`` at ``slots [N]`` int64 flat slots of ``layer``."""
+        kp, vp = self.k[layer], self.v[layer]
+        return (kp.view(-1, *kp.shape[2:]).index_select(0, slots),
+                vp.view(-1, *vp.shape[2:]).index_select(0, slots))
+
+
 def blocks_for_memory(free_bytes: int, layout: KVLayout, block_size: int, dtype: torch.dtype) -> int:
     """How many blocks fit in ``free_bytes`` (for ``--mem-fraction-static``)."""
     return free_bytes // (layout.bytes_per_token(dtype) * block_size)

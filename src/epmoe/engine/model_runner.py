@@ -18,7 +18,7 @@ from torch import nn
 
 from epmoe.engine.attention import AttnBatch, PrefillChunk
 from epmoe.engine.kv_cache import KVCache
-from epmoe.engine.paged_decode import paged_decode_splits, paged_decode_workspace
+from epmoe.engine.paged_decode import paged_decode_splits, paged_decode_workspace_numel
 from epmoe.engine.scheduler import StepPlan
 
 
@@ -133,12 +133,13 @@ class ModelRunner:
         if bucket is not None:
             return self._replay(plan, bucket, ids, pos, slots, tables, ctx)
         dev = self.device
+        bs = self.kv.block_size
         prefills = []
         row = len(plan.decodes)
         for c in plan.prefills:
-            blocks = -(-(c.start + c.num_tokens) // self.kv.block_size)
-            block_ids = torch.tensor(c.seq.block_table[:blocks], dtype=torch.int64, device=dev)
-            prefills.append(PrefillChunk(row, c.num_tokens, c.start, block_ids))
+            positions = np.arange(c.start + c.num_tokens)
+            kv_slots = np.asarray(c.seq.block_table)[positions // bs] * bs + positions % bs
+            prefills.append(PrefillChunk(row, c.num_tokens, c.start, torch.from_numpy(kv_slots).to(dev)))
             row += c.num_tokens
         batch = AttnBatch(self.kv, slots.to(dev), len(plan.decodes), tables.to(dev), ctx.to(dev), tuple(prefills))
         rows = torch.tensor(plan.sampling_rows, dtype=torch.int64, device=dev)
@@ -172,12 +173,12 @@ class ModelRunner:
         """Split-K scratch of the decode kernel for the largest need over ``sizes``, shared by every
         bucket's graph (graphs never run at once)."""
         heads = self.model.config.num_attention_heads
-        k0, v0 = self.kv.k[0], self.kv.v[0]
+        k0, dv = self.kv.k[0], self.kv.v[0].shape[-1]
         need = 1
-        for bs in sizes:
+        for bs in sizes:  # the split count depends on shapes only: empty tensors of the bucket's shapes
             q = torch.empty(bs, heads, k0.shape[-1], dtype=k0.dtype, device=self.device)
             tables = torch.empty(bs, self.max_blocks, dtype=torch.int32, device=self.device)
-            need = max(need, paged_decode_workspace(q, v0, paged_decode_splits(q, k0, tables)).numel())
+            need = max(need, paged_decode_workspace_numel(bs, heads, dv, paged_decode_splits(q, k0, tables)))
         return torch.empty(need, dtype=torch.float32, device=self.device)
 
     @torch.no_grad()

@@ -391,7 +391,14 @@ def paged_decode_workspace(q: torch.Tensor, v_cache: torch.Tensor, splits: int) 
         An uninitialised 1-D float32 tensor on ``q.device``.
     """
     b, h, _ = q.shape
-    return torch.empty(b * h * splits * (v_cache.shape[3] + 2), dtype=torch.float32, device=q.device)
+    return torch.empty(paged_decode_workspace_numel(b, h, v_cache.shape[3], splits), dtype=torch.float32,
+                       device=q.device)
+
+
+def paged_decode_workspace_numel(batch: int, heads: int, v_head_dim: int, splits: int) -> int:
+    """float32 elements of split-K's workspace: per row, head and split, ``Dv`` partial outputs plus the
+    running max and sum."""
+    return batch * heads * splits * (v_head_dim + 2)
 
 
 def paged_decode_triton(

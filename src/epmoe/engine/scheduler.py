@@ -154,10 +154,10 @@ class Scheduler:
         prefills: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
         finished: list[Sequence] = []
-        queue = list(self.running)
+        queue = deque(self.running)
         kept: list[Sequence] = []
         while queue:
-            seq = queue.pop(0)
+            seq = queue.popleft()
             n = min(seq.num_tokens - seq.num_computed, budget)
             if n == 0:
                 kept.append(seq)

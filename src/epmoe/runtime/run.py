@@ -22,7 +22,7 @@ from epmoe.balance import rank_balancedness
 from epmoe.comm import COLLECTIVE_KINDS, Comm
 from epmoe.engine import Engine, EngineConfig, SamplingParams
 from epmoe.engine.config import GRAPH_SAFE_BACKENDS, PARALLEL_MODES
-from epmoe.engine.engine import load_tokenizer, trivial_or_file_placement
+from epmoe.engine.engine import encode_text, load_tokenizer, trivial_or_file_placement
 from epmoe.layer import check_tp_sizes
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.placement import ExpertPlacement
@@ -266,11 +266,9 @@ class RunReport:
 
 def _encode(model_dir: str, prompts: list[str]) -> tuple[list[list[int]], object | None]:
     """Token ids of the prompts and the tokenizer (``None``: raw UTF-8 bytes modulo the vocabulary)."""
-    spec_vocab = load_moe_spec(model_dir).vocab_size
+    vocab = load_moe_spec(model_dir).vocab_size
     tok = load_tokenizer(model_dir)
-    if tok is not None:
-        return [tok(p, add_special_tokens=False)["input_ids"] for p in prompts], tok
-    return [[b % spec_vocab for b in p.encode()] for p in prompts], None
+    return [encode_text(tok, vocab, p) for p in prompts], tok
 
 
 def _check_context(model_dir: str, all_ids: list[list[int]], max_new_tokens: int) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from epmoe.engine.engine import load_tokenizer
+from epmoe.engine.engine import encode_text, load_tokenizer
 
 # The plain template of a checkpoint without one: each message on its own, then the assistant's turn.
 DEFAULT_CHAT_TEMPLATE = (
@@ -34,9 +34,7 @@ class TextCodec:
 
     def encode(self, prompt: str) -> list[int]:
         """Token ids of a text prompt (no special tokens added)."""
-        if self.tokenizer is None:
-            return [b % self.vocab_size for b in prompt.encode()]
-        return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return encode_text(self.tokenizer, self.vocab_size, prompt)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of token ids, special tokens skipped (an unfinished UTF-8 sequence ends in U+FFFD)."""
