@@ -231,37 +231,51 @@ def load_ep_model(
     """
     if not isinstance(options, MoELayerOptions):
         raise TypeError(f"load_ep_model options must be an epmoe.layer.MoELayerOptions, got {type(options).__name__}")
+    spec = load_moe_spec(checkpoint_dir)
+    placement.check_model(spec.num_moe_layers, spec.num_experts, what=f"checkpoint {checkpoint_dir}")
+    ep = _load_model(
+        checkpoint_dir, spec, comm, placement,
+        lambda moe_index: MoELayer(spec, moe_index, placement, comm, options, dtype=dtype, device=device),
+        _load_moe_layer, dtype=dtype, device=device, load_format=load_format,
+        attn_implementation=attn_implementation, seed=seed,
+    )
+    per_expert = ep.expert_bytes // max(1, placement.slots_per_rank * spec.num_moe_layers)
+    ep.full_expert_bytes = per_expert * spec.num_experts * spec.num_moe_layers
+    return ep
+
+
+def _load_model(checkpoint_dir: str, spec: MoESpec, comm: Comm, placement: ExpertPlacement | None,
+                make_layer, load_layer, *, dtype: torch.dtype, device: torch.device | str, load_format: str,
+                attn_implementation: str | None, seed: int) -> EPModel:
+    """The loaders' common skeleton: the model on ``meta``, each MoE block replaced by ``make_layer(moe_index)``
+    and filled by ``load_layer(layer, reader, layout, block)`` (or with dummy weights), then every other
+    tensor read (or made) on ``device``. ``expert_bytes`` counts this rank's expert parameters."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
-    spec = load_moe_spec(checkpoint_dir)
     dummy = load_format == "dummy"
     if not dummy:
         _check_weight_format(spec, checkpoint_dir)
     layout = family_layout(spec.model_type)
     reader = None if dummy else CheckpointReader(checkpoint_dir)
-    placement.check_model(spec.num_moe_layers, spec.num_experts, what=f"checkpoint {checkpoint_dir}")
     model = build_meta_model(checkpoint_dir, dtype, attn_implementation)
     gen = torch.Generator(device=device).manual_seed(seed) if dummy else None
     layers = _decoder_layers(model)
-    ep = EPModel(model=model, spec=spec, placement=placement, comm=comm)
+    loaded = EPModel(model=model, spec=spec, placement=placement, comm=comm)
     for moe_index, layer_index in enumerate(spec.moe_layers):
-        moe = MoELayer(spec, moe_index, placement, comm, options, dtype=dtype, device=device)
+        moe = make_layer(moe_index)
         block = f"model.layers.{layer_index}.{layout.ckpt_block}"
         if dummy:
             _random_fill(moe, gen)
         else:
-            _load_moe_layer(moe, reader, layout, block)
+            load_layer(moe, reader, layout, block)
         setattr(layers[layer_index], layout.moe_attr, _TupleBlock(moe) if layout.returns_tuple else moe)
-        ep.moe_layers.append(moe)
-        ep.expert_bytes += sum(p.numel() * p.element_size() for p in moe.experts.parameters())
-    per_expert = ep.expert_bytes // max(1, placement.slots_per_rank * spec.num_moe_layers)
-    ep.full_expert_bytes = per_expert * spec.num_experts * spec.num_moe_layers
-
+        loaded.moe_layers.append(moe)
+        loaded.expert_bytes += sum(p.numel() * p.element_size() for p in moe.experts.parameters())
     if dummy:
         _materialise_dummy(model, device, gen)
     else:
         _materialise(model, reader, checkpoint_dir, device)
-    return ep
+    return loaded
 
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -460,34 +474,15 @@ def load_tp_model(
             before anything is read); a tensor with the wrong shape; a bad ``load_format``.
         KeyError: a tensor is missing from the checkpoint (named), or an unsupported family.
     """
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     spec = load_moe_spec(checkpoint_dir)
     check_tp_sizes(spec, comm.size)
-    dummy = load_format == "dummy"
-    if not dummy:
-        _check_weight_format(spec, checkpoint_dir)
-    layout = family_layout(spec.model_type)
-    reader = None if dummy else CheckpointReader(checkpoint_dir)
-    model = build_meta_model(checkpoint_dir, dtype, attn_implementation)
-    gen = torch.Generator(device=device).manual_seed(seed) if dummy else None
-    layers = _decoder_layers(model)
-    tp = EPModel(model=model, spec=spec, placement=None, comm=comm)
-    for moe_index, layer_index in enumerate(spec.moe_layers):
-        moe = DPTPMoELayer(spec, moe_index, comm, expert_backend, dtype=dtype, device=device)
-        block = f"model.layers.{layer_index}.{layout.ckpt_block}"
-        if dummy:
-            _random_fill(moe, gen)
-            if moe.experts.b2 is not None and comm.rank:
+    tp = _load_model(checkpoint_dir, spec, comm, None,
+                     lambda moe_index: DPTPMoELayer(spec, moe_index, comm, expert_backend, dtype=dtype, device=device),
+                     _load_tp_layer, dtype=dtype, device=device,
+                     load_format=load_format, attn_implementation=attn_implementation, seed=seed)
+    if load_format == "dummy" and comm.rank:  # the second bias is added once, on rank 0
+        for moe in tp.moe_layers:
+            if moe.experts.b2 is not None:
                 moe.experts.b2.zero_()
-        else:
-            _load_tp_layer(moe, reader, layout, block)
-        setattr(layers[layer_index], layout.moe_attr, _TupleBlock(moe) if layout.returns_tuple else moe)
-        tp.moe_layers.append(moe)
-        tp.expert_bytes += sum(p.numel() * p.element_size() for p in moe.experts.parameters())
     tp.full_expert_bytes = tp.expert_bytes * comm.size
-    if dummy:
-        _materialise_dummy(model, device, gen)
-    else:
-        _materialise(model, reader, checkpoint_dir, device)
     return tp
