@@ -32,6 +32,19 @@ def _snapshot(ep) -> list[torch.Tensor]:
     return [p.detach().clone() for layer in ep.moe_layers for p in layer.experts.parameters()]
 
 
+def _failing_on_call(original, fail_call: int):
+    """``original`` that raises on its ``fail_call``-th call (0-based) of one ``migrate``, i.e. on that MoE layer."""
+    calls = []
+
+    def maybe_fail(*args, **kwargs):
+        calls.append(None)
+        if len(calls) - 1 == fail_call:
+            raise RuntimeError("simulated failure")
+        return original(*args, **kwargs)
+
+    return maybe_fail
+
+
 def _worker(info: RankInfo, directory: str, fail_rank: int, where: str) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -43,42 +56,54 @@ def _worker(info: RankInfo, directory: str, fail_rank: int, where: str) -> dict:
     new = ExpertPlacement.trivial(2, 16, 2, num_redundant=2, layout="round_robin")
     before = _snapshot(ep)
     original = getattr(rebalance, where)
-    if comm.rank == fail_rank:
-        def boom(*args, **kwargs):
-            raise RuntimeError("simulated failure")
-        setattr(rebalance, where, boom)
-    failed = rebalance.migrate(ep, new, epoch=1, timeout_s=20)
-    kept = ep.placement is old and all(layer.placement is old for layer in ep.moe_layers)
-    same_weights = all(torch.equal(a, b) for a, b in zip(before, _snapshot(ep)))
+    # fail on the first MoE layer, then on the second (the first layer is then fully staged and transferred)
+    failures = []
+    for fail_layer in range(len(ep.moe_layers)):
+        if comm.rank == fail_rank:
+            setattr(rebalance, where, _failing_on_call(original, fail_layer))
+        failed = rebalance.migrate(ep, new, epoch=1 + fail_layer, timeout_s=20)
+        setattr(rebalance, where, original)
+        failures.append({
+            "result": failed,
+            "kept": ep.placement is old and all(layer.placement is old for layer in ep.moe_layers),
+            "held": [layer.local_experts.tolist() for layer in ep.moe_layers],
+            "same_weights": all(torch.equal(a, b) for a, b in zip(before, _snapshot(ep))),
+        })
     prompts = [[72, 101, 108, 108, 111 + comm.rank]]
     ref = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     want = hf_greedy(ref, prompts, 5, 258)
     after_failure = hf_greedy(ep.model, prompts, 5, 258)
     # the same move without the fault commits, and serving stays exact
-    setattr(rebalance, where, original)
-    ok = rebalance.migrate(ep, new, epoch=2, timeout_s=20)
+    ok = rebalance.migrate(ep, new, epoch=len(failures) + 1, timeout_s=20)
     after_commit = hf_greedy(ep.model, prompts, 5, 258)
     held = [layer.local_experts.tolist() for layer in ep.moe_layers]
     torch.distributed.destroy_process_group()
-    return {"failed": failed, "kept": kept, "same_weights": same_weights, "want": want,
-            "after_failure": after_failure, "ok": ok, "after_commit": after_commit, "held": held,
+    return {"failures": failures, "want": want, "after_failure": after_failure, "ok": ok,
+            "after_commit": after_commit, "held": held, "old_held": old.local_experts(comm.rank).tolist(),
             "expected_held": new.local_experts(comm.rank).tolist()}
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("where", ["_unpack", "_stage_layer"])
 def test_failed_move_keeps_old_placement(tiny_checkpoints, where):
+    """A failure on MoE layer 0, then one on layer 1 (after layer 0 was staged): every layer keeps the old
+    placement and weights, on every rank."""
     results = spawn(_worker, 2, (str(tiny_checkpoints("kimi-k2.5")), 1, where))
     for r in results:
-        assert r["failed"].committed is False
-        assert "the old placement keeps serving" in r["failed"].error
-        assert r["kept"] and r["same_weights"]
+        assert len(r["failures"]) == 2
+        for fail_layer, f in enumerate(r["failures"]):
+            assert f["result"].committed is False
+            assert "the old placement keeps serving" in f["result"].error
+            assert f"MoE layer {fail_layer}" in f["result"].error
+            assert f["kept"] and f["same_weights"]
+            assert f["held"] == r["old_held"]
         assert r["after_failure"] == r["want"]
         assert r["ok"].committed and r["ok"].error is None
         assert r["held"] == r["expected_held"]
         assert r["after_commit"] == r["want"]
-    assert "rank 1" in results[1]["failed"].error and "simulated failure" in results[1]["failed"].error
-    assert "another rank failed" in results[0]["failed"].error
+    for f in results[1]["failures"]:
+        assert "rank 1" in f["result"].error and "simulated failure" in f["result"].error
+    assert all("another rank failed" in f["result"].error for f in results[0]["failures"])
     # contiguous -> round robin with 2 redundant: rank 0 keeps experts 0, 2, 4, 6 and receives the rest
     assert results[0]["ok"].copies_received > 0 and results[0]["ok"].bytes_received > 0
 
