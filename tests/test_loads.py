@@ -74,6 +74,45 @@ def test_cross_rank_reduction_gloo(tmp_path):
     assert load.tolist() == [[1, 1, 0, 2], [0, 3, 1, 2]]
 
 
+def test_recorder_in_a_model_counts_the_slots_the_router_chose(tiny_checkpoints):
+    """A real model under a permuted placement with redundant copies and round-robin replicas: the recorded slot
+    counts are the slots of the router's choices (copy ``(t + k) mod logcnt``), and the logical loads its
+    choices."""
+    from epmoe.comm import Comm
+    from epmoe.layer import MoELayerOptions
+    from epmoe.models.hf import load_ep_model
+
+    num_experts, hot = 16, torch.tensor([[3, 3, 11, 0], [5, 14, 14, 9]])
+    g = torch.Generator().manual_seed(0)
+    phy2log = torch.stack([torch.cat([torch.randperm(num_experts, generator=g), h]) for h in hot])
+    placement = ExpertPlacement.from_phy2log(phy2log, ep_size=1, num_experts=num_experts)
+    assert placement.logcnt.max() == 3
+    rec = ExpertLoadRecorder(placement.num_layers, placement.num_slots)
+    ep = load_ep_model(str(tiny_checkpoints("kimi-k2.5")), placement, Comm(None),
+                       options=MoELayerOptions(dispatcher="local", replica_policy="round_robin", load_recorder=rec))
+    chosen: dict[int, torch.Tensor] = {}
+
+    def keep(index: int):
+        def hook(module, args, out) -> None:
+            chosen[index] = out[0]
+        return hook
+
+    for layer in ep.moe_layers:
+        layer.gate.register_forward_hook(keep(layer.moe_index))
+    with torch.no_grad():
+        ep.model(torch.randint(0, 256, (1, 40), generator=g))
+    assert sorted(chosen) == [0, 1]
+    assert (rec.slot_counts()[:, num_experts:] > 0).all()  # the redundant copies served tokens
+    for layer, topk_idx in chosen.items():
+        t, k = topk_idx.shape
+        copy = (torch.arange(t).unsqueeze(1) + torch.arange(k)) % placement.logcnt[layer][topk_idx]
+        slots = placement.log2phy[layer][topk_idx, copy]
+        assert torch.equal(placement.phy2log[layer][slots], topk_idx)
+        assert torch.equal(rec.slot_counts()[layer], torch.bincount(slots.reshape(-1), minlength=placement.num_slots))
+        assert torch.equal(rec.logical_load(placement)[layer],
+                           torch.bincount(topk_idx.reshape(-1), minlength=num_experts))
+
+
 @pytest.mark.parametrize("suffix", [".json", ".safetensors"])
 def test_save_read_roundtrip(tmp_path, suffix):
     load = torch.tensor([[1.0, 2.0, 3.5], [0.0, 4.0, 1.0]], dtype=torch.float64)
