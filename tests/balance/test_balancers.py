@@ -92,6 +92,24 @@ def test_exact_matches_brute_force():
     assert float(max_load_lower_bound(w, 2, 2)[0]) <= float(sol.max_load[0])
 
 
+@pytest.mark.parametrize("ep", [2, 3])
+def test_lower_bound_without_redundancy_never_exceeds_the_optimum(ep):
+    """Skewed loads, one copy per expert: the bound lies at or under the brute-force optimum, and reaches it where
+    the heaviest expert's rank decides (``w_1`` + the lightest experts that must share its rank)."""
+    rng = np.random.default_rng(ep)
+    skewed = np.round(rng.pareto(1.0, size=(12, 6)) * 10 + 1)
+    w = np.concatenate([skewed, [[50.0, 20.0, 8.0, 4.0, 2.0, 1.0], [10.0, 9.0, 1.0, 1.0, 1.0, 1.0]]])
+    bound = max_load_lower_bound(w, ep)
+    optimum = np.array([_brute_force_max(layer, ep, 6) for layer in w])
+    assert np.all(bound.numpy() <= optimum + 1e-9), (bound.numpy(), optimum)
+    assert bound[-2] == optimum[-2] == {2: 53.0, 3: 51.0}[ep]
+
+
+def test_lower_bound_of_two_heavy_experts_on_two_ranks():
+    assert max_load_lower_bound(np.array([[10.0, 9.0, 1.0, 1.0]]), 2).tolist() == [11.0]  # {10, 1} and {9, 1}
+    assert _brute_force_max([10.0, 9.0, 1.0, 1.0], 2, 4) == 11.0
+
+
 def test_registry():
     assert get_balancer("deepseek") is balance_deepseek
     with pytest.raises(KeyError, match="supported: deepseek, epmoe, exact"):
