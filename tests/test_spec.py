@@ -115,3 +115,26 @@ def test_unknown_family_without_experts_is_named_as_unsupported():
     with pytest.raises(DenseModelError, match=r"model_type 'foo_moe' is not a supported MoE family \(deepseek_v2.*"
                                               r"names no routed experts \(n_routed_experts"):
         parse_moe_spec({"model_type": "foo_moe"}, "foo/config.json")
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("step, mlp_only", [(2, [3]), (3, [5]), (2, []), (1, [0, 4]), (4, [6])])
+def test_qwen_moe_layers_are_those_transformers_builds(model_type, step, mlp_only):
+    """``decoder_sparse_step`` and ``mlp_only_layers``: the MoE layers are exactly the layers transformers' own model
+    gives a sparse MoE block (``(i + 1) % step == 0`` and ``i`` not in ``mlp_only_layers``)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type, num_hidden_layers=8, hidden_size=16, intermediate_size=24, moe_intermediate_size=8,
+        shared_expert_intermediate_size=8, num_attention_heads=2, num_key_value_heads=1, num_experts=4,
+        num_experts_per_tok=2, vocab_size=32, decoder_sparse_step=step, mlp_only_layers=mlp_only,
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    layers = model.model.layers
+    built = tuple(i for i, layer in enumerate(layers) if type(layer.mlp).__name__.endswith("SparseMoeBlock"))
+    spec = parse_moe_spec(json.loads(config.to_json_string()), "qwen.json")
+    assert spec.moe_layers == built
+    assert built == tuple(i for i in range(8) if (i + 1) % step == 0 and i not in mlp_only)  # the rule, spelled out
+    assert spec.dense_intermediate_size == 24

@@ -85,3 +85,17 @@ def test_multi_rank_matches_transformers(dirs, ep):
             # each rank holds only its slots: (E/G + red) of E experts
             e = {"mixtral": 8, "qwen2-moe": 8, "gpt-oss": 8, "llama4": 8}.get(fam, 16)
             assert r["held"] == pytest.approx((e / ep + red) / e), key
+
+
+def test_qwen_sparse_step_and_mlp_only_layers_match_transformers(tmp_path):
+    """Qwen2-MoE with ``decoder_sparse_step`` 2 and ``mlp_only_layers`` [1] of 4 layers: only layer 3 is MoE, and the
+    model (dense MLPs elsewhere, loaded as they are) equals transformers'."""
+    from epmoe.models.tiny import build_tiny_checkpoint
+    from epmoe.spec import load_moe_spec
+
+    directory = str(build_tiny_checkpoint("qwen2-moe", tmp_path / "q", overrides=dict(
+        num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[1])))
+    assert load_moe_spec(directory).moe_layers == (3,)
+    r = _check_family(directory, Comm(None), "round_robin", 1, "round_robin", seed=3)
+    assert r["rel_err"] < 1e-5
+    assert r["tokens_equal"]
