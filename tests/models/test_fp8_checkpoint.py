@@ -178,3 +178,50 @@ def test_int4_checkpoint_is_refused_clearly(ckpts, tmp_path):
     with pytest.raises(ValueError, match="int4_group32.*not supported"):
         load_ep_model(str(int4), ExpertPlacement.trivial(2, 16, 1), Comm(None),
                       options=MoELayerOptions(dispatcher="local"))
+
+
+def _per_block_reference(q: torch.Tensor, scale: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """``q [..., N, K]`` times its block's scale, one block at a time."""
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for i in range(scale.shape[-2]):
+        for j in range(scale.shape[-1]):
+            rows, cols = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
+            out[..., rows, cols] = q[..., rows, cols].float() * scale[..., i, j, None, None]
+    return out
+
+
+def _random_fp8(*shape: int, seed: int) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 40).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("block", [(64, 128), (128, 64), (32, 96), (128, 128)])
+def test_dequantize_non_square_blocks_against_per_block_reference(block):
+    """Ragged ``[3, 150, 200]`` in ``bn x bk`` blocks: each block multiplied by its own scale."""
+    from epmoe.models.checkpoint import dequantize_blockwise
+
+    bn, bk = block
+    q = _random_fp8(3, 150, 200, seed=bn + bk)
+    scale = torch.rand(3, -(-150 // bn), -(-200 // bk), generator=torch.Generator().manual_seed(7)) + 0.1
+    got = dequantize_blockwise(q, scale, block)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, _per_block_reference(q, scale, bn, bk))
+    assert torch.equal(dequantize_blockwise(q[1], scale[1], block), got[1])
+
+
+def test_reader_dequantizes_64x128_blocks(tmp_path):
+    """A checkpoint with ``weight_block_size [64, 128]``: whole tensors, one expert of a fused tensor and one row
+    each read with their own blocks' scales."""
+    q2, s2 = _random_fp8(150, 200, seed=1), torch.rand(3, 2, generator=torch.Generator().manual_seed(2)) + 0.1
+    q3, s3 = _random_fp8(4, 150, 200, seed=3), torch.rand(4, 3, 2, generator=torch.Generator().manual_seed(4)) + 0.1
+    save_file({"w.weight": q2, "w.weight_scale_inv": s2, "e.gate_up_proj": q3, "e.gate_up_proj_scale_inv": s3},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {**FP8_CONFIG,
+                                                                              "weight_block_size": [64, 128]}}))
+    reader = CheckpointReader(tmp_path)
+    assert reader.block_size == (64, 128)
+    want2, want3 = _per_block_reference(q2, s2, 64, 128), _per_block_reference(q3, s3, 64, 128)
+    assert torch.equal(reader.get("w.weight"), want2)
+    assert torch.equal(reader.get("e.gate_up_proj"), want3)
+    assert torch.equal(reader.get("e.gate_up_proj", index=2), want3[2])
+    for row in (0, 63, 64, 100, 149):  # rows of the first, second and ragged third row block
+        assert torch.equal(reader.get("w.weight", index=row), want2[row]), row
