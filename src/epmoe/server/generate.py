@@ -16,8 +16,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from epmoe.engine import SamplingParams
+from epmoe.server.core import EngineInfo
 from epmoe.server.errors import ApiError
-from epmoe.server.frontend import EngineInfo, Failure, Frontend, Unavailable
+from epmoe.server.frontend import Failure, Frontend, Unavailable, Update
 from epmoe.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -31,7 +32,6 @@ from epmoe.server.protocol import (
     SamplingFields,
     Usage,
 )
-from epmoe.server.ranks import Update
 from epmoe.server.text import StreamText, TextCodec
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
