@@ -82,6 +82,14 @@ def encode_text(tokenizer, vocab_size: int, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def decode_text(tokenizer, ids: Seq[int]) -> str:
+    """Text of generated token ids: the tokenizer's (special tokens skipped), or without one the ids written in
+    decimal, one space between them (every token adds text, so a stream shows each as it comes)."""
+    if tokenizer is None:
+        return " ".join(str(i) for i in ids)
+    return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
 def eos_token_ids(model_dir: str, tokenizer) -> frozenset[int]:
     """The end-of-sequence token ids of the checkpoint: its config's ``eos_token_id`` (one or a list) and the
     tokenizer's."""

@@ -243,11 +243,12 @@ class EPLBController:
             load = self.recorder.logical_load(current, self.ep_model.comm.group)
         load = load.double()
         before = balancedness(load, current)
-        plan = rebalance_with_moves(load, current, max_moves=self.max_moves if max_moves is None else max_moves,
-                                    algorithm=self.algorithm)
+        cap = self.max_moves if max_moves is None else max_moves
+        plan = rebalance_with_moves(load, current, max_moves=cap, algorithm=self.algorithm)
         after = balancedness(load, plan.placement)
         if not plan.moves:
-            event = RebalanceEvent(step, before, before, 0, False, "already balanced: no copy to move")
+            why = "max_moves is 0: no copy may move" if cap == 0 else "already balanced: no copy to move"
+            event = RebalanceEvent(step, before, before, 0, False, why)
         else:
             result = migrate(self.ep_model, plan.placement, epoch=len(self.events) + 1, timeout_s=self.timeout_s)
             event = RebalanceEvent(step, before, after if result.committed else before, result.copies_moved,

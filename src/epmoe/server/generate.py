@@ -105,6 +105,9 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         if len(ids) >= info.max_model_len:
             raise ApiError(400, f"{where} has {len(ids)} tokens: no room left in the model's context of "
                                 f"{info.max_model_len} tokens", where)
+    if req.stop and codec.tokenizer is None:
+        raise ApiError(400, f"stop strings ({req.stop!r}) need the checkpoint's tokenizer and this checkpoint has "
+                            "none; use stop_token_ids", "stop")
     longest = max(len(ids) for ids in prompts)
     if max_tokens is None:  # chat: what the context leaves
         max_tokens = info.max_model_len - longest
