@@ -1,9 +1,11 @@
-"""``epmoe serve --parallel tp`` of a checkpoint without a tokenizer: tensor-parallel experts over 2 gloo ranks,
-token ids as text, one streamed chunk per token, no ``/eplb`` routes."""
+"""``epmoe serve --parallel tp`` of a checkpoint without a tokenizer, under the ``torchrun`` environment: two
+processes, rank 0 serving HTTP (its engine core in a process of its own), tensor-parallel experts over 2 gloo
+ranks, token ids as text, one streamed chunk per token, no ``/eplb`` routes, SIGTERM drains every rank."""
 
 from __future__ import annotations
 
 import shutil
+import signal
 
 import httpx
 import openai
@@ -31,7 +33,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(start_server, checkpoint):
-    return start_server("--ep", "2", "--parallel", "tp", "--model", str(checkpoint))
+    return start_server("--parallel", "tp", "--model", str(checkpoint), torchrun_world=2)
 
 
 def test_token_ids_stream_one_chunk_per_token(server, checkpoint):
@@ -58,3 +60,10 @@ def test_tp_has_no_eplb_routes_and_no_stop_strings_without_tokenizer(server):
     metrics = httpx.get(f"{server.url}/metrics").text
     assert "epmoe:eplb_balancedness{" not in metrics
     assert 'epmoe:collectives_per_step{kind="all_reduce"}' in metrics  # the TP experts' all-reduces
+
+
+def test_sigterm_under_torchrun_stops_every_rank_with_0(server):
+    assert len(server.rank_pids()) == 1  # rank 0's engine core; rank 1 is torchrun's own process
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(60) == 0
+    assert [p.wait(30) for p in server.followers] == [0]

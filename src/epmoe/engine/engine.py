@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +43,9 @@ from epmoe.loads import ExpertLoadRecorder
 from epmoe.models.hf import EPModel, load_ep_model, load_tp_model
 from epmoe.placement import ExpertPlacement
 from epmoe.spec import language_model_config, load_moe_spec, read_config
+
+if TYPE_CHECKING:
+    from epmoe.runtime.rebalance import RebalanceEvent
 
 _CPU_KV_BYTES = 1 << 30  # KV budget on CPU (no memory query there)
 
@@ -498,7 +502,7 @@ class Engine:
         since = self._slot_loads_as_logical(self.slot_totals - self._slot_totals_folded, self.ep_model.placement)
         return (since if since_rebalance else since + self._loads_folded).cpu()
 
-    def rebalance_now(self, max_moves: int | None = None):
+    def rebalance_now(self, max_moves: int | None = None) -> RebalanceEvent:
         """One live rebalance now, from the loads since the last committed one (``logical_loads(True)`` summed
         over the group); between steps, every rank together with the same arguments. On a commit the decode
         graphs are captured again (the weights and slot tables are new tensors).
@@ -508,8 +512,8 @@ class Engine:
                 as reach the balancer's target).
 
         Returns:
-            The ``epmoe.runtime.rebalance.RebalanceEvent``: balancedness before and after, copies moved,
-            committed, or why it did not commit.
+            The ``RebalanceEvent``: balancedness before and after, copies moved, committed, or why it did not
+            commit.
 
         Raises:
             ValueError: ``parallel='tp'``, or ``max_moves`` negative (before anything moves).

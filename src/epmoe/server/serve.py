@@ -103,14 +103,14 @@ def serve(cfg: ServeConfig) -> int:
     hf_logging.set_verbosity_error()
     model_dir = str(cfg.model) if cfg.model is not None else str(ensure_default_checkpoint(cfg.cache_dir))
     cfg.engine_config(model_dir)  # a bad engine option fails here, before any process starts
+    info = torchrun_rank_info() if under_torchrun() else None
+    if info is not None and info.rank != 0:
+        follow(info, cfg, model_dir)
+        return 0
     _check_port_free(cfg.host, cfg.port)
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe(duplex=True)
-    if under_torchrun():
-        info = torchrun_rank_info()
-        if info.rank != 0:
-            follow(info, cfg, model_dir)
-            return 0
+    if info is not None:
         procs = [ctx.Process(target=rank_process, args=(info, cfg, model_dir, there), name="epmoe-core")]
     else:
         port = free_port()
