@@ -174,6 +174,9 @@ def build_app(ctx: AppContext) -> FastAPI:
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # this handler is cancelled (shutdown): so is its work
+            work.cancel()
+            raise
         finally:
             gone.cancel()
         if not work.done():  # the client went away: cancelling collect aborts the unfinished choices
