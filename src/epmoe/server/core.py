@@ -13,8 +13,8 @@ batch of requests, or a whole step's news, travels as one message:
 Each round the core takes what arrived (waiting ``idle_round_s`` when nothing is open: the empty rounds
 keep the other ranks' control collectives from timing out), assigns each new request to the rank with
 the fewest open requests, runs the round (``RankStepper.lead``) and sends the round's ``StepReport``.
-Every ``loads_interval_s`` while busy it also gathers the expert loads, for the per-layer balancedness
-of the tokens routed since the previous sample.
+Every ``loads_interval_s`` while busy, and once when the last open request is done, it also gathers
+the expert loads, for the per-layer balancedness of the tokens routed since the previous sample.
 
 Rank processes ignore SIGINT and SIGTERM (the HTTP process drains and stops them with its last round)
 and are killed when the HTTP process dies.
@@ -67,8 +67,9 @@ class StepReport:
         running, waiting: sequences scheduled / queued, summed over ranks.
         kv_free, kv_capacity: KV blocks free now / usable in all, summed over ranks.
         preemptions: preemptions so far, summed over ranks.
-        collectives_per_step: collective calls of the engine's group per engine step since the previous
-            report that stepped, by kind (rank 0); ``None`` when no step ran.
+        collectives_per_step: collective calls of the engine's group in this round per engine step, by kind
+            (rank 0; a rebalance run in the same round adds its calls); ``None`` when no step ran (the calls of
+            such a round are not counted).
         layer_balancedness: per MoE layer, the balancedness of the tokens routed since the previous sample
             (``epmoe.balance.layer_balancedness``); ``None`` when not sampled this round.
     """
@@ -100,7 +101,8 @@ class EngineCore:
         stepper: rank 0's ``RankStepper`` (its engine loaded, the other ranks following).
         conn: this end of the pipe to the HTTP process.
         idle_round_s: seconds between empty rounds while nothing is open.
-        loads_interval_s: seconds between balancedness samples while busy (``parallel='ep'`` only).
+        loads_interval_s: seconds between balancedness samples while busy (``parallel='ep'`` only; one more
+            when the last open request is done).
     """
 
     def __init__(self, stepper: RankStepper, conn: Connection, idle_round_s: float = 1.0,
@@ -114,6 +116,7 @@ class EngineCore:
         self._sampler = _Sampler(loads_time=time.monotonic())
         self._ep = not stepper.engine.tp
         self._later: list[tuple[int, str, object]] = []  # commands for the next rounds
+        self._was_busy = False
 
     def run(self) -> None:
         """Report ready, run rounds until the HTTP side says stop, report stopped."""
@@ -135,8 +138,9 @@ class EngineCore:
             busy = bool(self._rank_of)
             abort_pairs = tuple((self._rank_of[r], r) for r in aborts if r in self._rank_of)
             command = commands[0] if commands else None  # one command per round; the rest wait for the next
-            sample = command is None and busy and self._ep and \
-                time.monotonic() - self._sampler.loads_time >= self.loads_interval_s
+            due = time.monotonic() - self._sampler.loads_time >= self.loads_interval_s
+            sample = command is None and self._ep and ((busy and due) or (self._was_busy and not busy))
+            self._was_busy = busy
             name = command[1] if command else (LOADS_COMMAND if sample else None)
             control = Control(tuple(adds), abort_pairs, step=busy, stop=stop, command=name,
                               command_arg=command[2] if command else None)
@@ -177,7 +181,7 @@ class EngineCore:
         per_step = None
         if lead.steps > s.steps:
             per_step = {k: (n - s.calls.get(k, 0)) / (lead.steps - s.steps) for k, n in lead.collectives.items()}
-            s.steps, s.calls = lead.steps, dict(lead.collectives)
+        s.steps, s.calls = lead.steps, dict(lead.collectives)  # a round without a step: its calls skipped
         balance = self._balancedness(replies) if loads_sampled and self._ep else None
         return StepReport(updates, sum(r.running for r in replies), sum(r.waiting for r in replies),
                           sum(r.kv_free for r in replies), sum(r.kv_capacity for r in replies),
