@@ -1,12 +1,14 @@
 """``epmoe serve`` under ``epmoe bench serve`` on one GPU, against the offline engine on the same work.
 
     python benchmarks/serve.py [--model-config qwen3-30b-a3b] [--out DIR]
+    python benchmarks/serve.py --device cpu   # the script's smoke test: the built-in small checkpoint on CPU
 
 Starts ``epmoe serve --load-format dummy`` (full-size model from ``data/configs``, bf16, CUDA graphs),
-benchmarks it at concurrency 1 and 64 (random 128-token prompts, 64 output tokens), stops it, then runs
-the same requests through ``Engine.generate`` offline: the server's TPOT at concurrency 1 against the
-offline TPOT, and its output throughput at concurrency 64 against the offline one. Writes
-``serve_<gpu>.json`` and prints a table last.
+benchmarks it at concurrency 1 and 64 (random 128-token prompts, 64 output tokens), stops it (SIGTERM:
+it drains and exits 0), then runs the same requests through ``Engine.generate`` offline: the server's
+TPOT at concurrency 1 against the offline TPOT, and its output throughput at concurrency 64 against the
+offline one (targets: within 1.2x, within 10%), with the TTFT p99 at concurrency 64. Writes
+``serve_<gpu>.json`` (``serve_cpu.json``) and prints a table last.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 
 from epmoe.engine import Engine, EngineConfig, SamplingParams
+from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.runtime.launch import free_port
 from epmoe.server.bench import BenchConfig, run_bench
 
@@ -46,72 +49,91 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> No
     raise RuntimeError(f"epmoe serve not ready after {timeout_s} s")
 
 
-def offline(d: Path, n: int, conc: int) -> dict:
+def offline(engine_config: dict, n: int, conc: int, in_len: int, out_len: int) -> dict:
     """``n`` random requests, at most ``conc`` at once, through the engine: output tokens/s and TPOT."""
-    engine = Engine(EngineConfig(model=str(d), dtype="bfloat16", device="cuda", expert_backend="triton",
-                                 load_format="dummy", max_num_seqs=conc, cuda_graph_max_bs=conc, max_model_len=4096))
+    engine = Engine(EngineConfig(**engine_config, max_num_seqs=conc, cuda_graph_max_bs=conc))
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, engine.vocab_size, (IN_LEN,), generator=gen).tolist() for _ in range(n)]
-    params = SamplingParams(temperature=0, max_tokens=OUT_LEN, ignore_eos=True)
+    prompts = [torch.randint(0, engine.vocab_size, (in_len,), generator=gen).tolist() for _ in range(n)]
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     engine.generate(prompts[:conc], params)  # warm-up
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
-    torch.cuda.synchronize()
+    sync()
     dt = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
     del engine
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return {"output_throughput": tokens / dt, "duration_s": dt, "tpot_ms": dt * 1e3 / (tokens / conc)}
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server alone (it drains and stops its ranks); its whole session killed if it hangs."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model-config", default="qwen3-30b-a3b")
+    ap.add_argument("--model-config", default="qwen3-30b-a3b", help="config of data/configs (CUDA)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: the built-in small checkpoint, float32, shorter requests (a smoke test)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    d = Path(tempfile.mkdtemp()) / args.model_config
-    d.mkdir()
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text((CONFIGS / f"{args.model_config}.config.json").read_text())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.device == "cuda":
+        d = Path(tempfile.mkdtemp()) / args.model_config
+        d.mkdir()
+        (d / "config.json").write_text((CONFIGS / f"{args.model_config}.config.json").read_text())
+        engine_config = dict(model=str(d), dtype="bfloat16", device="cuda", expert_backend="triton",
+                             load_format="dummy", max_model_len=4096)
+        flags = ["--device", "cuda", "--dtype", "bfloat16", "--load-format", "dummy", "--max-model-len", "4096"]
+        in_len, out_len, runs, gpu = IN_LEN, OUT_LEN, ((1, 8), (64, 256)), torch.cuda.get_device_name()
+    else:
+        d = ensure_default_checkpoint()
+        engine_config = dict(model=str(d))
+        flags = []
+        in_len, out_len, runs, gpu = 16, 16, ((1, 4), (64, 128)), "cpu"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "epmoe.cli", "serve", "--model", str(d), "--ep", "1", "--device", "cuda",
-           "--dtype", "bfloat16", "--load-format", "dummy", "--max-num-seqs", "64", "--cuda-graph-max-bs", "64",
-           "--max-model-len", "4096", "--port", str(port)]
+    cmd = [sys.executable, "-m", "epmoe.cli", "serve", "--model", str(d), "--ep", "1", *flags, "--max-num-seqs", "64",
+           "--cuda-graph-max-bs", "64", "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    result = {"gpu": torch.cuda.get_device_name(), "command": " ".join(cmd[1:]), "server": {}}
+    result = {"gpu": gpu, "command": " ".join(cmd[1:]), "input_len": in_len, "output_len": out_len, "server": {}}
     try:
         wait_ready(url, proc)
-        for conc, n in ((1, 8), (64, 256)):
-            run_bench(BenchConfig(base_url=url, num_prompts=4, input_len=IN_LEN, output_len=8,
+        for conc, n in runs:
+            run_bench(BenchConfig(base_url=url, num_prompts=4, input_len=in_len, output_len=8,
                                   max_concurrency=conc), progress=False)  # warm-up
-            rep = run_bench(BenchConfig(base_url=url, num_prompts=n, input_len=IN_LEN, output_len=OUT_LEN,
+            rep = run_bench(BenchConfig(base_url=url, num_prompts=n, input_len=in_len, output_len=out_len,
                                         max_concurrency=conc), progress=False)
             result["server"][conc] = rep.to_json()
             print(f"serve c={conc}: {rep.output_throughput:.0f} tok/s, TPOT p50 {rep.tpot_ms['p50']:.2f} ms, "
                   f"TTFT p50 {rep.ttft_ms['p50']:.1f} p99 {rep.ttft_ms['p99']:.1f} ms, failed {rep.failed}", flush=True)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        (Path(args.out) / "serve.log").write_text(proc.stdout.read() if proc.stdout else "")
+        stop_server(proc)
+        (out / "serve.log").write_text(proc.stdout.read() if proc.stdout else "")
     result["server_exit_code"] = proc.returncode
-    result["offline"] = {1: offline(d, 8, 1), 64: offline(d, 256, 64)}
-    out = Path(args.out)
-    gpu = torch.cuda.get_device_name().split()[-1].lower()
-    (out / f"serve_{gpu}.json").write_text(json.dumps(result, indent=2, default=str))
-    s1, o1 = result["server"][1], result["offline"][1]
-    s64, o64 = result["server"][64], result["offline"][64]
-    print(f"\nconcurrency 1: server TPOT p50 {s1['tpot_ms']['p50']:.2f} ms (mean {s1['tpot_ms']['mean']:.2f}), "
-          f"offline {o1['tpot_ms']:.2f} ms, ratio {s1['tpot_ms']['mean'] / o1['tpot_ms']:.2f}")
-    print(f"concurrency 64: server {s64['output_throughput']:.0f} output tok/s, "
-          f"offline {o64['output_throughput']:.0f}, "
-          f"ratio {s64['output_throughput'] / o64['output_throughput']:.2f}; TTFT p99 {s64['ttft_ms']['p99']:.1f} ms; "
-          f"failed {s1['failed'] + s64['failed']}; server exit code {result['server_exit_code']}")
+    result["offline"] = {conc: offline(engine_config, n, conc, in_len, out_len) for conc, n in runs}
+    name = gpu.split()[-1].lower()
+    (out / f"serve_{name}.json").write_text(json.dumps(result, indent=2, default=str))
+    (c1, _), (cn, _) = runs
+    s1, o1 = result["server"][c1], result["offline"][c1]
+    sn, on = result["server"][cn], result["offline"][cn]
+    print(f"\nconcurrency {c1}: server TPOT p50 {s1['tpot_ms']['p50']:.2f} ms (mean {s1['tpot_ms']['mean']:.2f}), "
+          f"offline {o1['tpot_ms']:.2f} ms, ratio {s1['tpot_ms']['mean'] / o1['tpot_ms']:.2f} (target <= 1.2)")
+    print(f"concurrency {cn}: server {sn['output_throughput']:.0f} output tok/s, "
+          f"offline {on['output_throughput']:.0f}, ratio {sn['output_throughput'] / on['output_throughput']:.2f} "
+          f"(target >= 0.9); TTFT p50 {sn['ttft_ms']['p50']:.1f} ms, p99 {sn['ttft_ms']['p99']:.1f} ms; "
+          f"failed {s1['failed'] + sn['failed']}; server exit code {result['server_exit_code']}")
 
 
 if __name__ == "__main__":

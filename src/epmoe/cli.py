@@ -103,7 +103,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)",
         description="Spawn --ep ranks (or join torchrun's), load the engine on each, and serve /v1/completions, "
-        "/v1/chat/completions, /v1/models, /health, /metrics and /eplb/loads on rank 0. SIGTERM drains: running "
+        "/v1/chat/completions, /v1/models, /health, /metrics, /eplb/loads and /eplb/rebalance. SIGTERM drains: running "
         "requests finish (up to --drain-timeout), then exit 0. With no --model, the built-in small checkpoint.",
     )
     p.add_argument("--model", metavar="DIR", help="local Hugging Face MoE checkpoint (default: built-in small "
@@ -113,6 +113,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--api-key", metavar="KEY", help="bearer token every /v1 request must carry (default: none)")
     p.add_argument("--ep", type=int, default=1, help="EP ranks to spawn (default 1; torchrun sets its own)")
+    p.add_argument("--parallel", choices=("ep", "tp"), default="ep",
+                   help="experts expert-parallel (ep, default) or tensor-parallel over the --ep ranks (tp: the "
+                        "baseline; attention stays data-parallel; no /eplb routes)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once per rank")
@@ -143,7 +146,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         cfg = ServeConfig(
-            model=args.model, ep=args.ep, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+            model=args.model, ep=args.ep, parallel=args.parallel, device=args.device, dtype=args.dtype,
+            max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
             mem_fraction_static=args.mem_fraction_static, num_kv_blocks=args.num_kv_blocks,
             cuda_graph_max_bs=args.cuda_graph_max_bs, enforce_eager=args.enforce_eager, load_format=args.load_format,
@@ -215,9 +219,10 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 _SERVE_FLAGS = {name: "--" + name.replace("_", "-") for name in (
-    "model", "ep", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "mem_fraction_static",
-    "num_kv_blocks", "cuda_graph_max_bs", "enforce_eager", "load_format", "eplb_interval", "placement", "redundant",
-    "expert_backend", "host", "port", "served_model_name", "api_key")} | {"drain_timeout_s": "--drain-timeout"}
+    "model", "ep", "parallel", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+    "mem_fraction_static", "num_kv_blocks", "cuda_graph_max_bs", "enforce_eager", "load_format", "eplb_interval",
+    "placement", "redundant", "expert_backend", "host", "port", "served_model_name", "api_key")} | {
+    "drain_timeout_s": "--drain-timeout"}
 
 
 def _batches(text: str) -> tuple[int, ...]:

@@ -20,14 +20,26 @@ START_TIMEOUT_S = 120.0
 
 
 class ServerProcess:
-    """One server process: ``url`` (``http://127.0.0.1:PORT``), ``proc``, ``log`` (its stderr file)."""
+    """One server process: ``url`` (``http://127.0.0.1:PORT``), ``proc``, ``log`` (its stderr file).
 
-    def __init__(self, tmp: Path, *args: str) -> None:
+    With ``torchrun_world`` N, ``proc`` is rank 0 of N processes started with the environment ``torchrun``
+    sets (``RANK``, ``WORLD_SIZE``, ...); ``followers`` are ranks 1..N-1.
+    """
+
+    def __init__(self, tmp: Path, *args: str, torchrun_world: int | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"serve-{self.port}.log"
         env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"))
         cmd = [sys.executable, "-m", "epmoe.cli", "serve", "--port", str(self.port), "--api-key", API_KEY, *args]
+        self.followers: list[subprocess.Popen] = []
+        if torchrun_world is not None:
+            env.update(WORLD_SIZE=str(torchrun_world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+            for rank in range(1, torchrun_world):
+                with (tmp / f"serve-{self.port}-rank{rank}.log").open("w") as out:
+                    self.followers.append(subprocess.Popen(
+                        cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank))))
+            env.update(RANK="0", LOCAL_RANK="0")
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -78,20 +90,22 @@ class ServerProcess:
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+        for proc in (self.proc, *self.followers):
             try:
-                self.proc.wait(30)
+                proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+                proc.kill()
+                proc.wait(10)
 
 
 @pytest.fixture(scope="module")
 def start_server(tmp_path_factory):
-    """Start servers (``start_server(*args)``); every one is stopped at the end of the module."""
+    """Start servers (``start_server(*args, torchrun_world=None)``); every one is stopped at the end of the
+    module."""
     started: list[ServerProcess] = []
 
-    def start(*args: str) -> ServerProcess:
-        server = ServerProcess(tmp_path_factory.mktemp("serve"), *args)
+    def start(*args: str, torchrun_world: int | None = None) -> ServerProcess:
+        server = ServerProcess(tmp_path_factory.mktemp("serve"), *args, torchrun_world=torchrun_world)
         started.append(server)
         return server
 

@@ -255,3 +255,63 @@ def test_bench_serve_against_the_server(server, capsys):
     assert report["tpot_ms"]["mean"] > 0 and report["itl_ms"]["mean"] > 0
     assert report["output_throughput"] == pytest.approx(60 / report["duration_s"])
     wait_kv_free(server)
+
+
+def test_non_streamed_request_aborted_when_client_leaves(server):
+    metrics = httpx.get(f"{server.url}/metrics").text
+    before = server.metric('epmoe:request_success_total{finished_reason="abort"}') if "abort" in metrics else 0.0
+    body = {"model": MODEL, "prompt": "a long answer please", "max_tokens": 200, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=httpx.Timeout(30, read=1.0))
+    wait_kv_free(server)
+    assert server.metric('epmoe:request_success_total{finished_reason="abort"}') - before == 1
+    assert server.metric("epmoe:generation_tokens_total") > 0
+
+
+def _labelled(text: str, name: str) -> dict[str, float]:
+    """``{label value: sample}`` of a metric with one label."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            label, value = line[len(name) + 1:].split("} ")
+            out[label.split('"')[1]] = float(value)
+    return out
+
+
+def test_metrics_balancedness_per_layer_and_collectives_per_step(server, client):
+    client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=4, temperature=0)
+    text = httpx.get(f"{server.url}/metrics").text
+    per_layer = _labelled(text, "epmoe:eplb_balancedness")
+    assert sorted(per_layer) == ["0", "1"]  # the 2 MoE layers of the built-in checkpoint
+    assert all(0 < v <= 1 for v in per_layer.values()), per_layer
+    calls = _labelled(text, "epmoe:collectives_per_step")
+    # an eager step on 2 ranks: one all_gather to agree on the batch, per MoE layer 3 all_to_alls (the counts,
+    # the tokens, their results)
+    assert calls["all_gather"] == 1 and calls["all_to_all"] == 3 * 2, calls
+
+
+def test_eplb_rebalance_moves_experts_and_keeps_outputs(server, client, offline):
+    assert httpx.post(f"{server.url}/eplb/rebalance").status_code == 401
+    bad = httpx.post(f"{server.url}/eplb/rebalance", json={"max_moves": -1}, headers=AUTH)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_moves"
+    client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)  # loads to balance
+    loads_before = httpx.get(f"{server.url}/eplb/loads", headers=AUTH).json()["load"]
+    r = httpx.post(f"{server.url}/eplb/rebalance", headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert doc["committed"] is True and doc["error"] is None, doc
+    assert doc["copies_moved"] == len(doc["moves"]) > 0
+    assert all(m["old_expert"] != m["new_expert"] and 0 <= m["layer"] < 2 and 0 <= m["slot"] < 16
+               for m in doc["moves"])
+    assert doc["balancedness_after"] > doc["balancedness_before"]
+    # the moved weights serve the same model: greedy outputs unchanged
+    ref = offline(PROMPTS, 12)
+    got = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
+    assert [c.text for c in got.choices] == [o.text for o in ref]
+    # loads since start carry over the move (kept per logical expert)
+    after = httpx.get(f"{server.url}/eplb/loads", headers=AUTH).json()["load"]
+    routed = 4 * sum(len(p.encode()) + 11 for p in PROMPTS)  # top-4, each prompt token and 11 fed-back tokens
+    assert [sum(row) for row in after] == [sum(row) + routed for row in loads_before]
+    assert all(a >= b for ra, rb in zip(after, loads_before) for a, b in zip(ra, rb))
+    again = httpx.post(f"{server.url}/eplb/rebalance", json={"max_moves": 0}, headers=AUTH, timeout=60).json()
+    assert again["committed"] is False and again["moves"] == [] and "max_moves is 0" in again["error"]

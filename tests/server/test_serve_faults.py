@@ -29,6 +29,14 @@ def _stream_all(url: str, max_tokens: int, results: list, i: int) -> None:
         results[i] = ("transport", str(exc))
 
 
+def _wait_submitted(server, prompt_tokens: int, timeout_s: float = 30.0) -> None:
+    """Wait until the server has taken requests with ``prompt_tokens`` prompt tokens in all."""
+    deadline = time.monotonic() + timeout_s
+    while server.metric("epmoe:prompt_tokens_total") < prompt_tokens:
+        assert time.monotonic() < deadline, f"requests not submitted within {timeout_s} s"
+        time.sleep(0.1)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -40,13 +48,13 @@ def _alive(pid: int) -> bool:
 def test_sigterm_drains_running_requests_and_exits_0(start_server):
     server = start_server("--ep", "2", "--drain-timeout", "3")
     ranks = server.rank_pids()
-    assert len(ranks) == 1
+    assert len(ranks) == 2  # the engine core (rank 0) and rank 1; this process serves HTTP only
     results: list = [None] * 8
     threads = [threading.Thread(target=_stream_all, args=(server.url, 6 if i < 4 else 240, results, i))
                for i in range(8)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    _wait_submitted(server, sum(len(f"drain {i}") for i in range(8)))
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     assert httpx.get(f"{server.url}/health").status_code == 503
@@ -65,17 +73,18 @@ def test_sigterm_drains_running_requests_and_exits_0(start_server):
     assert not any(_alive(p) for p in ranks)
 
 
-def test_rank_killed_fails_requests_and_exits_nonzero(start_server):
+@pytest.mark.parametrize("victim", [0, 1], ids=["rank 0, the engine core", "rank 1"])
+def test_rank_killed_fails_requests_and_exits_nonzero(start_server, victim):
     server = start_server("--ep", "2")
-    ranks = server.rank_pids()
-    assert len(ranks) == 1
+    ranks = sorted(server.rank_pids())  # spawned in rank order
+    assert len(ranks) == 2
     results: list = [None] * 4
     threads = [threading.Thread(target=_stream_all, args=(server.url, 240, results, i)) for i in range(4)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    _wait_submitted(server, sum(len(f"drain {i}") for i in range(4)))
     t0 = time.monotonic()
-    os.kill(ranks[0], signal.SIGKILL)
+    os.kill(ranks[victim], signal.SIGKILL)
     try:
         code = server.proc.wait(30)
     except subprocess.TimeoutExpired:

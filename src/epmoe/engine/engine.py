@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +43,9 @@ from epmoe.loads import ExpertLoadRecorder
 from epmoe.models.hf import EPModel, load_ep_model, load_tp_model
 from epmoe.placement import ExpertPlacement
 from epmoe.spec import language_model_config, load_moe_spec, read_config
+
+if TYPE_CHECKING:
+    from epmoe.runtime.rebalance import RebalanceEvent
 
 _CPU_KV_BYTES = 1 << 30  # KV budget on CPU (no memory query there)
 
@@ -80,6 +84,14 @@ def encode_text(tokenizer, vocab_size: int, text: str) -> list[int]:
     if tokenizer is None:
         return [b % vocab_size for b in text.encode()]
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def decode_text(tokenizer, ids: Seq[int]) -> str:
+    """Text of generated token ids: the tokenizer's (special tokens skipped), or without one the ids written in
+    decimal, one space between them (every token adds text, so a stream shows each as it comes)."""
+    if tokenizer is None:
+        return " ".join(str(i) for i in ids)
+    return tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
 def eos_token_ids(model_dir: str, tokenizer) -> frozenset[int]:
@@ -176,12 +188,17 @@ class Engine:
         self.slot_totals = torch.zeros(self.spec.num_moe_layers, num_slots, dtype=torch.int64,
                                        device=self.device)
         self.stats = {"eager_steps": 0, "graph_steps": 0, "idle_steps": 0, "preemptions": 0}
+        # logical loads folded at each committed rebalance, and slot_totals at that moment (see logical_loads)
+        self._loads_folded = torch.zeros(self.spec.num_moe_layers, self.spec.num_experts, dtype=torch.int64,
+                                         device=self.device)
+        self._slot_totals_folded = torch.zeros_like(self.slot_totals)
         self.eplb = None
+        self._eplb_on_demand = None
         if config.eplb_interval:
             from epmoe.runtime.rebalance import EPLBController
 
             self.eplb = EPLBController(self.ep_model, self.recorder, config.eplb_interval,
-                                       max_moves=config.eplb_max_moves)
+                                       max_moves=config.eplb_max_moves, on_commit=self._fold_loads)
         if config.static_decode:
             say("capturing CUDA graphs" if config.use_graphs else "preparing static decode buckets")
             self._capture()
@@ -454,6 +471,70 @@ class Engine:
             self._seqs.pop(seq.request_id, None)
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), new, text,
                              seq.finished, seq.finish_reason, seq.num_preemptions, ttft)
+
+    # ---- expert loads and live rebalancing ---------------------------------------------------------
+
+    def _fold_loads(self, old: ExpertPlacement) -> None:
+        """A new placement committed: keep the counts recorded under ``old`` as logical loads."""
+        self._loads_folded += self._slot_loads_as_logical(self.slot_totals - self._slot_totals_folded, old)
+        self._slot_totals_folded = self.slot_totals.clone()
+
+    @staticmethod
+    def _slot_loads_as_logical(per_slot: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
+        load = torch.zeros(placement.num_layers, placement.num_experts, dtype=torch.int64, device=per_slot.device)
+        return load.scatter_add_(1, placement.phy2log.to(per_slot.device).long(), per_slot)
+
+    def logical_loads(self, since_rebalance: bool = False) -> torch.Tensor:
+        """Tokens this rank routed to each logical expert (the format ``epmoe balance --loads`` reads).
+
+        Args:
+            since_rebalance: count only the steps since the last committed rebalance (or start), under the
+                placement serving now; ``False`` = since start, across rebalances.
+
+        Returns:
+            ``[L, E]`` int64 on the CPU, this rank only.
+
+        Raises:
+            ValueError: ``parallel='tp'`` (no placement, nothing is recorded).
+        """
+        if self.tp:
+            raise ValueError("parallel 'tp' records no expert loads: every rank computes a slice of every expert")
+        since = self._slot_loads_as_logical(self.slot_totals - self._slot_totals_folded, self.ep_model.placement)
+        return (since if since_rebalance else since + self._loads_folded).cpu()
+
+    def rebalance_now(self, max_moves: int | None = None) -> RebalanceEvent:
+        """One live rebalance now, from the loads since the last committed one (``logical_loads(True)`` summed
+        over the group); between steps, every rank together with the same arguments. On a commit the decode
+        graphs are captured again (the weights and slot tables are new tensors).
+
+        Args:
+            max_moves: most expert copies to move (``None`` = the configured ``eplb_max_moves``, else as few
+                as reach the balancer's target).
+
+        Returns:
+            The ``RebalanceEvent``: balancedness before and after, copies moved, committed, or why it did not
+            commit.
+
+        Raises:
+            ValueError: ``parallel='tp'``, or ``max_moves`` negative (before anything moves).
+        """
+        if max_moves is not None and (isinstance(max_moves, bool) or not isinstance(max_moves, numbers.Integral)
+                                      or max_moves < 0):
+            raise ValueError(f"max_moves must be a non-negative integer, got {max_moves!r}")
+        load = self.logical_loads(since_rebalance=True).to(self.device)
+        if self.comm.size > 1:
+            load = self.comm.all_reduce(load)
+        controller = self.eplb
+        if controller is None:
+            if self._eplb_on_demand is None:
+                from epmoe.runtime.rebalance import EPLBController
+
+                self._eplb_on_demand = EPLBController(self.ep_model, self.recorder, 0, on_commit=self._fold_loads)
+            controller = self._eplb_on_demand
+        event = controller.rebalance(self.num_steps, load.cpu(), max_moves)
+        if event.committed and self.config.static_decode:
+            self._capture()
+        return event
 
     # ---- offline ----------------------------------------------------------------------------------
 

@@ -87,17 +87,18 @@ def init_group(info: RankInfo, device: str, timeout_s: float = 300.0) -> dist.Pr
     return dist.new_group(list(range(info.world_size)))
 
 
-def die_with_parent() -> None:
-    """Have the kernel send this process SIGTERM when its parent exits (Linux ``PR_SET_PDEATHSIG``).
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Have the kernel send this process ``sig`` when its parent exits (Linux ``PR_SET_PDEATHSIG``).
 
     Spawned ranks call it first, so stopping ``epmoe run`` or ``epmoe calibrate`` with a signal leaves no
-    ranks behind. Elsewhere (or without ``prctl``) it does nothing.
+    ranks behind (a rank that ignores SIGTERM asks for SIGKILL). Elsewhere (or without ``prctl``) it does
+    nothing.
     """
     if not sys.platform.startswith("linux"):
         return
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+        libc.prctl(1, int(sig))  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
     if os.getppid() == 1:  # the parent was gone before the request took effect

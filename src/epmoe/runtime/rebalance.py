@@ -14,6 +14,7 @@ The EPLB loop (``EPLBController``) feeds the windowed loads to the movement-awar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -196,13 +197,15 @@ class EPLBController:
     Args:
         ep_model: the model serving on this rank.
         recorder: the load recorder its layers feed.
-        interval: steps between rebalances (> 0).
+        interval: steps between rebalances (0 = only when ``rebalance`` is called).
         max_moves: most expert copies one rebalance may move (``None`` = as few as reach the target).
         algorithm: balancer name for the from-scratch target.
         timeout_s: transfer timeout of one move, seconds.
+        on_commit: called with the old placement right after a new one commits (before the recorder is
+            reset), e.g. to fold counts kept per slot into logical loads.
 
     Raises:
-        ValueError: ``interval`` not positive.
+        ValueError: ``interval`` negative.
     """
 
     ep_model: EPModel
@@ -211,31 +214,48 @@ class EPLBController:
     max_moves: int | None = None
     algorithm: str = "epmoe"
     timeout_s: float = 60.0
+    on_commit: Callable[[ExpertPlacement], None] | None = None
     events: list[RebalanceEvent] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.interval <= 0:
-            raise ValueError(f"eplb interval must be a positive number of steps, got {self.interval}")
+        if self.interval < 0:
+            raise ValueError(f"eplb interval must be a non-negative number of steps, got {self.interval}")
 
     def on_step(self, step: int) -> None:
         """Call after every generation step; rebalances when ``step`` is a positive multiple of ``interval``."""
-        if step > 0 and step % self.interval == 0:
+        if self.interval and step > 0 and step % self.interval == 0:
             self.rebalance(step)
 
-    def rebalance(self, step: int) -> RebalanceEvent:
-        """Rebalance now from the recorder's window (all ranks must call together)."""
+    def rebalance(self, step: int, load: torch.Tensor | None = None, max_moves: int | None = None) -> RebalanceEvent:
+        """Rebalance now (all ranks must call together, with the same arguments).
+
+        Args:
+            step: the engine step it runs at (recorded in the event).
+            load: ``[L, E]`` tokens per logical expert summed over the EP group; ``None`` = the recorder's
+                window.
+            max_moves: most copies to move this time; ``None`` = the controller's ``max_moves``.
+
+        Raises:
+            ValueError: ``load`` does not match the placement (before anything moves).
+        """
         current = self.ep_model.placement
-        load = self.recorder.logical_load(current, self.ep_model.comm.group).double()
+        if load is None:
+            load = self.recorder.logical_load(current, self.ep_model.comm.group)
+        load = load.double()
         before = balancedness(load, current)
-        plan = rebalance_with_moves(load, current, max_moves=self.max_moves, algorithm=self.algorithm)
+        cap = self.max_moves if max_moves is None else max_moves
+        plan = rebalance_with_moves(load, current, max_moves=cap, algorithm=self.algorithm)
         after = balancedness(load, plan.placement)
         if not plan.moves:
-            event = RebalanceEvent(step, before, before, 0, False, "already balanced: no copy to move")
+            why = "max_moves is 0: no copy may move" if cap == 0 else "already balanced: no copy to move"
+            event = RebalanceEvent(step, before, before, 0, False, why)
         else:
             result = migrate(self.ep_model, plan.placement, epoch=len(self.events) + 1, timeout_s=self.timeout_s)
             event = RebalanceEvent(step, before, after if result.committed else before, result.copies_moved,
                                    result.committed, result.error)
             if result.committed:
+                if self.on_commit is not None:
+                    self.on_commit(current)
                 self.recorder.reset()
         self.events.append(event)
         return event

@@ -22,7 +22,7 @@ from epmoe.balance import rank_balancedness
 from epmoe.comm import COLLECTIVE_KINDS, Comm
 from epmoe.engine import Engine, EngineConfig, SamplingParams
 from epmoe.engine.config import GRAPH_SAFE_BACKENDS, PARALLEL_MODES
-from epmoe.engine.engine import encode_text, load_tokenizer, trivial_or_file_placement
+from epmoe.engine.engine import decode_text, encode_text, load_tokenizer, trivial_or_file_placement
 from epmoe.layer import check_tp_sizes
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.placement import ExpertPlacement
@@ -282,10 +282,6 @@ def _check_context(model_dir: str, all_ids: list[list[int]], max_new_tokens: int
         )
 
 
-def _decode(tok, ids: list[int]) -> str:
-    if tok is None:
-        return " ".join(str(i) for i in ids)
-    return tok.decode(ids, skip_special_tokens=True)
 
 
 def _peak_memory(device: str) -> tuple[float, float]:
@@ -476,7 +472,7 @@ def run_job(cfg: RunConfig) -> RunReport:
     steps = max(r.steps for r in ranks)
     report = RunReport(
         model=model_dir, model_type=spec.model_type, ep=ep, device=cfg.device, prompts=prompts,
-        outputs=[_decode(tok, t) for t in tokens], ranks=ranks,
+        outputs=[decode_text(tok, t) for t in tokens], ranks=ranks,
         tokens_per_s=sum(len(t) for t in tokens) / gen_s if gen_s > 0 else float("nan"),
         balancedness=float(rank_balancedness(rank_counts).mean()),
         routed_tokens_per_step=(rank_counts.sum(0).double() / (steps * spec.num_moe_layers)).tolist(),

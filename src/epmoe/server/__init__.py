@@ -3,7 +3,8 @@
 
 Modules: ``config`` (``ServeConfig``, the options), ``protocol`` (the OpenAI request and response schema,
 pydantic), ``text`` (chat template, streamed text deltas), ``ranks`` (the multi-rank step: rank 0 hands
-the other ranks their new requests and aborts, gathers their outputs), ``frontend`` (the engine loop's
-thread and the per-request output queues), ``metrics`` (Prometheus), ``app`` (FastAPI routes), ``serve``
-(start-up, drain on SIGTERM, rank-death handling), ``bench`` (``bench serve``).
+the other ranks their new requests and aborts, gathers their outputs), ``core`` (the rank processes: rank
+0's engine loop, apart from the HTTP process), ``frontend`` (the HTTP process's side of the core's pipe
+and the per-request output queues), ``metrics`` (Prometheus), ``app`` (FastAPI routes), ``serve``
+(processes, drain on SIGTERM, rank-death handling), ``bench`` (``bench serve``).
 """

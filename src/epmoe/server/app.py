@@ -3,12 +3,14 @@ OpenAI's JSON shape.
 
 Routes: ``GET /health`` (200 once ready, 503 while loading, draining or failed), ``GET /metrics``
 (Prometheus text), ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /eplb/loads``. With an API key, every ``/v1`` and ``/eplb`` route needs ``Authorization: Bearer KEY``.
+``GET /eplb/loads``, ``POST /eplb/rebalance``. With an API key, every ``/v1`` and ``/eplb`` route needs
+``Authorization: Bearer KEY``. A client that goes away aborts its request, streamed or not.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import time
@@ -24,8 +26,14 @@ from epmoe.server.errors import ApiError
 from epmoe.server.frontend import Frontend, Unavailable
 from epmoe.server.generate import build_job, collect, stream, submit
 from epmoe.server.metrics import CONTENT_TYPE
-from epmoe.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from epmoe.server.ranks import LOADS_COMMAND
+from epmoe.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    RebalanceRequest,
+)
+from epmoe.server.ranks import LOADS_COMMAND, REBALANCE_COMMAND
 from epmoe.server.text import TextCodec
 
 
@@ -82,6 +90,12 @@ class _AbortingStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone (its body was read: the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def build_app(ctx: AppContext) -> FastAPI:
     """The server's ASGI app."""
     app = FastAPI(title="epmoe", docs_url=None, redoc_url=None, openapi_url=None)
@@ -105,7 +119,7 @@ def build_app(ctx: AppContext) -> FastAPI:
             raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'" if token or header
                            else "missing API key: send 'Authorization: Bearer <key>'")
 
-    async def read_body(request: Request, schema: type[pydantic.BaseModel]):
+    async def read_body(request: Request, schema: type[pydantic.BaseModel], optional: bool = False):
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > ctx.max_body_bytes:
             raise ApiError(413, f"request body of {int(length)} bytes is over the limit of {ctx.max_body_bytes} bytes")
@@ -117,6 +131,8 @@ def build_app(ctx: AppContext) -> FastAPI:
             chunks.append(chunk)
         raw = b"".join(chunks)
         if not raw.strip():
+            if optional:
+                return schema()
             raise ApiError(400, "request body is empty: send a JSON object")
         try:
             body = json.loads(raw)
@@ -154,7 +170,21 @@ def build_app(ctx: AppContext) -> FastAPI:
         if req.stream:
             pending = set(job.choice_ids())
             return _AbortingStream(stream(job, updates, codec, pending), frontend, pending)
-        return JSONResponse(await collect(frontend, job, updates, codec))
+        work = asyncio.ensure_future(collect(frontend, job, updates, codec))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # this handler is cancelled (shutdown): so is its work
+            work.cancel()
+            raise
+        finally:
+            gone.cancel()
+        if not work.done():  # the client went away: cancelling collect aborts the unfinished choices
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        return JSONResponse(work.result())
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -183,15 +213,35 @@ def build_app(ctx: AppContext) -> FastAPI:
     async def metrics() -> Response:
         return Response(frontend.metrics.render(), media_type=CONTENT_TYPE)
 
+    def expert_parallel(route: str) -> None:
+        if frontend.info is not None and frontend.info.parallel != "ep":
+            raise ApiError(400, f"{route} needs expert parallelism; this server runs --parallel "
+                                f"{frontend.info.parallel} (no expert placement)")
+
+    async def run_command(name: str, arg: object = None) -> list:
+        try:
+            return await asyncio.wrap_future(frontend.command(name, arg))
+        except Unavailable as exc:
+            raise ApiError(503, str(exc)) from None
+
     @app.get("/eplb/loads")
     async def eplb_loads(request: Request) -> JSONResponse:
         """Tokens routed per logical expert since start, summed over ranks, as ``epmoe balance --loads`` reads."""
         check_key(request)
-        try:
-            per_rank = await asyncio.wrap_future(frontend.command(LOADS_COMMAND))
-        except Unavailable as exc:
-            raise ApiError(503, str(exc)) from None
+        expert_parallel("/eplb/loads")
+        per_rank = await run_command(LOADS_COMMAND)
         load = [[sum(col) for col in zip(*rows)] for rows in zip(*per_rank)]
         return JSONResponse({"format": LOADS_FORMAT, "load": load})
+
+    @app.post("/eplb/rebalance")
+    async def eplb_rebalance(request: Request) -> JSONResponse:
+        """One live rebalance now, between two steps, from the loads routed since the last committed one: its
+        moves and balancedness, or why it did not commit (``committed`` false, ``error``)."""
+        check_key(request)
+        body = await read_body(request, RebalanceRequest, optional=True)
+        ready_info()
+        expert_parallel("/eplb/rebalance")
+        per_rank = await run_command(REBALANCE_COMMAND, body.max_moves)
+        return JSONResponse(per_rank[0])  # every rank took part in the same move; rank 0 speaks for them
 
     return app

@@ -25,7 +25,9 @@ class ServeConfig:
 
     Attributes:
         model: checkpoint directory; ``None`` = the built-in small Kimi-K2.5-architecture checkpoint.
-        ep: EP ranks to spawn (one process each; rank 0 also serves HTTP).
+        ep: ranks to spawn (one process each; rank 0 is the engine core; HTTP is served by the parent process).
+        parallel: ``ep`` (experts expert-parallel) or ``tp`` (experts tensor-parallel over the same ranks; the
+            baseline); attention is data-parallel either way.
         device, dtype, max_num_seqs, max_num_batched_tokens, mem_fraction_static, cuda_graph_max_bs,
             enforce_eager, load_format, eplb_interval, placement, redundant, max_model_len, num_kv_blocks:
             the engine's options (``EngineConfig``).
@@ -41,6 +43,7 @@ class ServeConfig:
 
     model: str | None = None
     ep: int = 1
+    parallel: str = "ep"
     device: str = "cpu"
     dtype: str = "float32"
     max_num_seqs: int = 256
@@ -93,8 +96,8 @@ class ServeConfig:
         backend = self.expert_backend or ("triton" if self.device == "cuda" else "reference")
         eager = self.enforce_eager or self.dtype == "float32" or backend not in GRAPH_SAFE_BACKENDS
         return EngineConfig(
-            model=model_dir, dtype=self.dtype, device=self.device, placement=self.placement,
-            redundant=self.redundant, expert_backend=backend, load_format=self.load_format,
+            model=model_dir, dtype=self.dtype, device=self.device, parallel=self.parallel,
+            placement=self.placement, redundant=self.redundant, expert_backend=backend, load_format=self.load_format,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, mem_fraction_static=self.mem_fraction_static,
             num_kv_blocks=self.num_kv_blocks, cuda_graph_max_bs=self.cuda_graph_max_bs, enforce_eager=eager,

@@ -1,27 +1,30 @@
-"""The engine loop of rank 0: a background thread that owns the ``Engine`` and runs the control rounds.
+"""The HTTP process's side of the engine core (``epmoe.server.core``): request queues over one pipe.
 
-The HTTP side (the asyncio event loop) calls ``submit`` and ``abort``; they only put items on a
-thread-safe inbox. The engine thread takes the inbox each round, assigns each new request to the rank
-with the fewest open requests, runs the round (``RankStepper.lead``), and hands each request's
-``Update`` to its own ``asyncio.Queue`` through the event loop (``call_soon_threadsafe``). With nothing
-open it waits on the inbox, running an empty round every ``idle_round_s`` so the other ranks' control
-collectives never time out. Any failure of the loop (a rank gone, a collective error) fails every open
-request with ``Failure`` and calls ``on_fatal`` once.
+The HTTP side (the asyncio event loop) calls ``submit``, ``abort`` and ``command``; they only put items
+on an outbox, which a writer thread sends to the core, all that waits as one message (the event loop
+never blocks on the pipe). A reader thread receives the core's messages: one ``StepReport`` per round,
+whose updates it turns into ``Update``s (each request's tokens so far kept here), records in the metrics,
+and hands to the requests' ``asyncio.Queue``s with one wake-up of each event loop per round
+(``call_soon_threadsafe``). A pipe that closes before the core said ``stopped`` (the core died) or a
+``failed`` message fails every open request with ``Failure`` and calls ``on_fatal`` once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 
 from epmoe.engine import SamplingParams
+from epmoe.server.core import EngineInfo, StepReport
 from epmoe.server.metrics import ServerMetrics
-from epmoe.server.ranks import Control, NewRequest, RankReply, RankStepper, Update
+from epmoe.server.ranks import NewRequest, StepUpdate
 
 STATES = ("loading", "ready", "draining", "stopped", "failed")
 
@@ -42,65 +45,72 @@ class Failure:
 
 
 @dataclass(frozen=True)
-class EngineInfo:
-    """What the HTTP side needs of the loaded engine.
+class Update:
+    """One request's news, as its HTTP handler reads it.
 
     Attributes:
-        max_model_len: longest sequence, tokens.
-        vocab_size: the model's vocabulary.
-        ranks: EP ranks.
-        kv: rank 0's ``Engine.kv_report()``.
+        request_id: the server's id.
+        token_ids: every token generated so far.
+        new_token_ids: tokens of this step.
+        finished: no more will come.
+        finish_reason: ``stop``, ``length``, ``abort`` (or ``None``).
+        text: the final text, cut before a stop string (final update only; ``None`` without a tokenizer).
+        error: the engine refused the request (the message); it is finished.
     """
 
-    max_model_len: int
-    vocab_size: int
-    ranks: int
-    kv: dict
+    request_id: str
+    token_ids: list[int]
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    text: str | None = None
+    error: str | None = None
 
 
 @dataclass
 class _Open:
-    """One open request, as the engine thread tracks it."""
+    """One open request, as the reader thread tracks it."""
 
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
-    rank: int = -1
+    token_ids: list[int] = field(default_factory=list)
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
 
 
 class Frontend:
-    """Rank 0's engine loop and the request queues.
+    """The engine core as the HTTP routes see it.
 
     Args:
-        start: builds the engine on this thread: returns the rank's ``RankStepper`` (called once, on the
-            engine thread; the other ranks must be starting theirs).
-        metrics: where the loop reports.
-        on_fatal: called once, on any thread, with the reason, when the loop fails.
-        idle_round_s: seconds between empty rounds while nothing is open.
+        conn: this end of the pipe to the engine core (rank 0's process).
+        metrics: where the rounds are reported.
+        on_fatal: called once, on any thread, with the reason, when the core fails or its process ends.
     """
 
-    def __init__(self, start: Callable[[], RankStepper], metrics: ServerMetrics,
-                 on_fatal: Callable[[str], None], idle_round_s: float = 1.0) -> None:
-        self._start = start
+    def __init__(self, conn: Connection, metrics: ServerMetrics, on_fatal: Callable[[str], None]) -> None:
+        self._conn = conn
         self.metrics = metrics
         self._on_fatal = on_fatal
-        self.idle_round_s = idle_round_s
         self.state = "loading"
         self.info: EngineInfo | None = None
         self.failure: str | None = None
-        self._inbox: queue.Queue = queue.Queue()
+        self.stop_requested = False
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._open: dict[str, _Open] = {}
+        self._commands: dict[int, concurrent.futures.Future] = {}
+        self._command_ids = itertools.count()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="epmoe-engine", daemon=True)
-        self._rank_load: list[int] = []
+        self._stopped = threading.Event()
+        self._reader = threading.Thread(target=self._read, name="epmoe-core-reader", daemon=True)
+        self._writer = threading.Thread(target=self._write, name="epmoe-core-writer", daemon=True)
         self._preemptions = 0
 
     # ---- the HTTP side ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the engine thread (it loads the engine, then serves)."""
-        self._thread.start()
+        """Start the reader and writer threads (the core reports ``ready`` once its engine is loaded)."""
+        self._reader.start()
+        self._writer.start()
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, out: asyncio.Queue) -> None:
         """Queue a request; call on the event loop. Its ``Update``s (or a ``Failure``) arrive on ``out``; the
@@ -113,14 +123,15 @@ class Frontend:
             raise Unavailable(f"the server is {self.state}" + (f": {self.failure}" if self.failure else ""))
         with self._lock:
             self._open[request_id] = _Open(out, asyncio.get_running_loop())
-        self._inbox.put(("add", NewRequest(request_id, prompt_ids, params)))
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        self._outbox.put(("add", NewRequest(request_id, prompt_ids, params)))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (a client gone); its KV blocks are freed at the next round. Unknown ids are ignored."""
-        self._inbox.put(("abort", request_id))
+        self._outbox.put(("abort", request_id))
 
-    def command(self, name: str) -> concurrent.futures.Future:
-        """Run a ``RankStepper`` command at the next round; the future gets every rank's result, in rank order.
+    def command(self, name: str, arg: object = None) -> concurrent.futures.Future:
+        """Run a ``RankStepper`` command at a coming round; the future gets every rank's result, in rank order.
 
         Raises:
             Unavailable: not ready.
@@ -128,7 +139,10 @@ class Frontend:
         if self.state not in ("ready", "draining"):
             raise Unavailable(f"the server is {self.state}")
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("command", (name, future)))
+        with self._lock:
+            command_id = next(self._command_ids)
+            self._commands[command_id] = future
+        self._outbox.put(("command", (command_id, name, arg)))
         return future
 
     def num_open(self) -> int:
@@ -147,130 +161,108 @@ class Frontend:
             self.state = "draining"
 
     def stop(self, timeout_s: float) -> bool:
-        """Run the last round (every rank returns) and end the engine thread.
+        """Have the core run its last round (every rank returns) and wait for it to say so.
 
         Returns:
-            True when the thread ended within ``timeout_s``.
+            True when the core stopped within ``timeout_s``.
         """
-        self._inbox.put(("stop", None))
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
+        self.stop_requested = True
+        self._outbox.put(("stop", None))
+        return self._stopped.wait(timeout_s)
 
     def fail(self, reason: str) -> None:
-        """Fail every open request with ``reason``, refuse new ones, call ``on_fatal`` (first call only)."""
+        """Fail every open request and command with ``reason``, refuse new ones, call ``on_fatal`` (first call
+        only)."""
         with self._lock:
-            if self.state == "failed":
+            if self.state in ("failed", "stopped"):
                 return
             self.state = "failed"
             self.failure = reason
             opened, self._open = self._open, {}
+            commands, self._commands = self._commands, {}
         for item in opened.values():
-            self._put(item, Failure(reason))
-        while True:  # commands still queued get the failure too
             try:
-                kind, value = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "command":
-                value[1].set_exception(Unavailable(f"the server failed: {reason}"))
+                item.loop.call_soon_threadsafe(item.queue.put_nowait, Failure(reason))
+            except RuntimeError:  # the event loop is closed: nobody waits for it any more
+                pass
+        for future in commands.values():
+            future.set_exception(Unavailable(f"the server failed: {reason}"))
         self._on_fatal(reason)
 
-    # ---- the engine thread ------------------------------------------------------------------------
+    # ---- the pipe ---------------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        try:
-            stepper = self._start()
-            engine = stepper.engine
-            self.info = EngineInfo(engine.max_model_len, engine.vocab_size, stepper.size, engine.kv_report())
-            self._rank_load = [0] * stepper.size
-            if self.state == "loading":
-                self.state = "ready"
-            self._loop(stepper)
-            if self.state != "failed":
-                self.state = "stopped"
-        except BaseException as exc:  # a rank gone, a collective error: fail every request, exit
-            self.fail(f"engine loop failed: {type(exc).__name__}: {exc}")
-
-    def _take(self) -> list[tuple[str, object]]:
-        with self._lock:
-            idle = not self._open
-        items = []
-        try:
-            items.append(self._inbox.get(timeout=self.idle_round_s) if idle else self._inbox.get_nowait())
-        except queue.Empty:
-            return items
+    def _write(self) -> None:
         while True:
+            items = [self._outbox.get()]
+            while True:
+                try:
+                    items.append(self._outbox.get_nowait())
+                except queue.Empty:
+                    break
             try:
-                items.append(self._inbox.get_nowait())
-            except queue.Empty:
-                return items
-
-    def _loop(self, stepper: RankStepper) -> None:
-        while True:
-            adds, aborts, commands, stop = [], [], [], False
-            for kind, value in self._take():
-                if kind == "add":
-                    adds.append(self._assign(value))
-                elif kind == "abort":
-                    aborts.append(value)
-                elif kind == "command":
-                    commands.append(value)
-                else:
-                    stop = True
-            with self._lock:
-                abort_pairs = tuple((self._open[r].rank, r) for r in aborts if r in self._open)
-                busy = bool(self._open)
-            command = commands[0] if commands else None
-            for name, future in commands[1:]:  # one command per round; the rest wait for the next
-                self._inbox.put(("command", (name, future)))
-            control = Control(tuple(adds), abort_pairs, step=busy, stop=stop,
-                              command=command[0] if command else None)
-            replies = stepper.lead(control)
-            self._deliver(replies)
-            if command is not None:
-                command[1].set_result([r.result for r in replies])
-            if stop:
+                self._conn.send(items)
+            except (OSError, ValueError):  # the core is gone: the reader reports it
+                return
+            if any(kind == "stop" for kind, _ in items):
                 return
 
-    def _assign(self, req: NewRequest) -> tuple[int, NewRequest]:
-        rank = min(range(len(self._rank_load)), key=lambda r: (self._rank_load[r], r))
-        with self._lock:
-            item = self._open.get(req.request_id)
-            if item is not None:
-                item.rank = rank
-        self._rank_load[rank] += 1
-        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
-        return rank, req
+    def _read(self) -> None:
+        try:
+            while True:
+                for kind, value in self._conn.recv():
+                    if kind == "step":
+                        self._deliver(value)
+                    elif kind == "command":
+                        with self._lock:
+                            future = self._commands.pop(value[0], None)
+                        if future is not None:
+                            future.set_result(value[1])
+                    elif kind == "ready":
+                        self.info = value
+                        if self.state == "loading":
+                            self.state = "ready"
+                    elif kind == "failed":
+                        self.fail(value)
+                        return
+                    else:
+                        with self._lock:
+                            if self.state != "failed":
+                                self.state = "stopped"
+                        self._stopped.set()
+                        return
+        except (EOFError, OSError) as exc:
+            self.fail(f"the engine core's process ended ({type(exc).__name__}: the pipe closed)")
 
-    def _deliver(self, replies: list[RankReply]) -> None:
+    def _deliver(self, report: StepReport) -> None:
         now = time.perf_counter()
         m = self.metrics
         batches: dict[asyncio.AbstractEventLoop, list[tuple[_Open, Update]]] = {}
-        for reply in replies:
-            for up in reply.updates:
-                item = self._deliver_one(up, now)
-                if item is not None:
-                    batches.setdefault(item.loop, []).append((item, up))
-        for loop, batch in batches.items():  # one wake-up of each event loop per step, not one per request
+        for up in report.updates:
+            delivered = self._deliver_one(up, now)
+            if delivered is not None:
+                batches.setdefault(delivered[0].loop, []).append(delivered)
+        for loop, batch in batches.items():  # one wake-up of each event loop per round, not one per request
             try:
                 loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # the event loop is closed: nobody waits for it any more
                 pass
-        m.running.set(sum(r.running for r in replies))
-        m.waiting.set(sum(r.waiting for r in replies))
-        free, cap = sum(r.kv_free for r in replies), sum(r.kv_capacity for r in replies)
+        m.running.set(report.running)
+        m.waiting.set(report.waiting)
+        free, cap = report.kv_free, report.kv_capacity
         m.kv_blocks_free.set(free)
         m.kv_blocks_used.set(cap - free)
         m.kv_usage.set((cap - free) / cap if cap else 0.0)
-        preemptions = sum(r.preemptions for r in replies)
-        m.preemptions.inc(preemptions - self._preemptions)
-        self._preemptions = preemptions
-        lead = replies[0]
-        for kind, calls in lead.collectives.items():
-            m.collectives_per_step.labels(kind=kind).set(calls / lead.steps if lead.steps else 0.0)
+        m.preemptions.inc(report.preemptions - self._preemptions)
+        self._preemptions = report.preemptions
+        if report.collectives_per_step is not None:
+            for kind, calls in report.collectives_per_step.items():
+                m.collectives_per_step.labels(kind=kind).set(calls)
+        if report.layer_balancedness is not None:
+            for layer, value in enumerate(report.layer_balancedness):
+                m.layer_balancedness.labels(layer=str(layer)).set(value)
 
-    def _deliver_one(self, up: Update, now: float) -> _Open | None:
-        """Metrics of one update; returns its request's entry (``None``: no longer open)."""
+    def _deliver_one(self, up: StepUpdate, now: float) -> tuple[_Open, Update] | None:
+        """Metrics of one update and its ``Update``, with its request's entry (``None``: no longer open)."""
         m = self.metrics
         with self._lock:
             item = self._open.get(up.request_id)
@@ -278,25 +270,19 @@ class Frontend:
                 return None
             if up.finished:
                 del self._open[up.request_id]
+        item.token_ids.extend(up.new_token_ids)
         if up.new_token_ids:
             m.generation_tokens.inc(len(up.new_token_ids))
             if item.first_token is None:
                 item.first_token = now
                 m.ttft.observe(now - item.submitted)
         if up.finished:
-            self._rank_load[item.rank] -= 1
             m.requests.labels(finished_reason="error" if up.error else up.finish_reason).inc()
-            n = len(up.token_ids)
+            n = len(item.token_ids)
             if n > 1 and item.first_token is not None:
                 m.tpot.observe((now - item.first_token) / (n - 1))
-        return item
-
-    @staticmethod
-    def _put(item: _Open, value: Update | Failure) -> None:
-        try:
-            item.loop.call_soon_threadsafe(item.queue.put_nowait, value)
-        except RuntimeError:  # the event loop is closed: nobody waits for it any more
-            pass
+        return item, Update(up.request_id, list(item.token_ids), up.new_token_ids, up.finished, up.finish_reason,
+                            up.text, up.error)
 
 
 def _put_all(batch: list[tuple[_Open, Update]]) -> None:

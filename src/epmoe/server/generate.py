@@ -16,8 +16,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from epmoe.engine import SamplingParams
+from epmoe.server.core import EngineInfo
 from epmoe.server.errors import ApiError
-from epmoe.server.frontend import EngineInfo, Failure, Frontend, Unavailable
+from epmoe.server.frontend import Failure, Frontend, Unavailable, Update
 from epmoe.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -31,7 +32,6 @@ from epmoe.server.protocol import (
     SamplingFields,
     Usage,
 )
-from epmoe.server.ranks import Update
 from epmoe.server.text import StreamText, TextCodec
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -105,6 +105,9 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         if len(ids) >= info.max_model_len:
             raise ApiError(400, f"{where} has {len(ids)} tokens: no room left in the model's context of "
                                 f"{info.max_model_len} tokens", where)
+    if req.stop and codec.tokenizer is None:
+        raise ApiError(400, f"stop strings ({req.stop!r}) need the checkpoint's tokenizer and this checkpoint has "
+                            "none; use stop_token_ids", "stop")
     longest = max(len(ids) for ids in prompts)
     if max_tokens is None:  # chat: what the context leaves
         max_tokens = info.max_model_len - longest

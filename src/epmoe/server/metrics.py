@@ -25,8 +25,11 @@ class ServerMetrics:
         prompt_tokens, generation_tokens: tokens prefilled / generated (rates: ``rate()`` in PromQL).
         requests: finished requests by ``finish_reason`` (``stop``, ``length``, ``abort``, ``error``).
         preemptions: sequences preempted (recomputed) so far.
-        collectives_per_step: collectives of the engine's group per engine step, by kind (rank 0, mean since start).
+        collectives_per_step: collectives of the engine's group per engine step, by kind (rank 0, the latest
+            round that stepped).
         ttft, tpot: time to first token and time per output token after it, seconds.
+        layer_balancedness: per MoE layer (label ``layer``), mean over ranks / max over ranks of the tokens
+            routed to each rank's experts, over the last sample (about a second of traffic); EP only.
     """
 
     def __init__(self) -> None:
@@ -43,12 +46,15 @@ class ServerMetrics:
                                 registry=r)
         self.preemptions = Counter("epmoe:num_preemptions", "Sequences preempted (recomputed)", registry=r)
         self.collectives_per_step = Gauge("epmoe:collectives_per_step",
-                                          "Collectives of the engine's group per step (rank 0, mean)", ["kind"],
-                                          registry=r)
+                                          "Collectives of the engine's group per step (rank 0, latest step)",
+                                          ["kind"], registry=r)
         self.ttft = Histogram("epmoe:time_to_first_token_seconds", "Time to first token, s",
                               buckets=_LATENCY_BUCKETS_S, registry=r)
         self.tpot = Histogram("epmoe:time_per_output_token_seconds", "Time per output token after the first, s",
                               buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.layer_balancedness = Gauge("epmoe:eplb_balancedness",
+                                        "Per MoE layer: mean over ranks / max over ranks of the tokens routed to "
+                                        "each rank (1 = balanced), over the last sample", ["layer"], registry=r)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

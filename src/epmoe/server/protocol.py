@@ -82,6 +82,12 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
 
 
+class RebalanceRequest(_Request):
+    """``POST /eplb/rebalance`` (the body may be left out): ``max_moves`` caps the expert copies moved."""
+
+    max_moves: int | None = Field(None, ge=0)
+
+
 class Usage(BaseModel):
     """Token counts of one response."""
 

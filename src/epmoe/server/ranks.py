@@ -1,23 +1,24 @@
 """The multi-rank step of the server: one control round per engine step.
 
-Rank 0 (the HTTP process) leads. Each round it broadcasts a ``Control`` (the new requests, each with
-the rank it was assigned to, the aborts, whether to step, whether to stop, an optional command); every
-rank adds its requests, aborts its ones, steps its engine when told (all ranks together: the engine's
-first collective of a step agrees on the batch), and rank 0 gathers every rank's ``RankReply`` (its
-``Update`` per request, its queue and KV state, a command's result). The control traffic runs on its own
-gloo group, so it works the same when the engine's group is NCCL.
+Rank 0 (the engine core, ``epmoe.server.core``) leads. Each round it broadcasts a ``Control`` (the new
+requests, each with the rank it was assigned to, the aborts, whether to step, whether to stop, an
+optional command); every rank adds its requests, aborts its ones, steps its engine when told (all ranks
+together: the engine's first collective of a step agrees on the batch), runs the command, and rank 0
+gathers every rank's ``RankReply`` (its ``StepUpdate`` per request, its queue and KV state, the
+command's result). The control traffic runs on its own gloo group, so it works the same when the
+engine's group is NCCL.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 
 from epmoe.engine import Engine, RequestOutput, SamplingParams
 
-LOADS_COMMAND = "loads"  # each rank returns its cumulative logical loads [L, E]
+LOADS_COMMAND = "loads"  # each rank returns its logical loads since start, [L, E]
+REBALANCE_COMMAND = "rebalance"  # every rank rebalances together (argument: max_moves); each returns the outcome
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,8 @@ class Control:
         abort: ``(rank, request_id)`` pairs.
         step: every rank steps its engine this round.
         stop: the last round: every rank returns after it.
-        command: ``LOADS_COMMAND`` or ``None``.
+        command: ``LOADS_COMMAND``, ``REBALANCE_COMMAND`` or ``None``; run after the step.
+        command_arg: the command's argument (``REBALANCE_COMMAND``: ``max_moves`` or ``None``).
     """
 
     add: tuple[tuple[int, NewRequest], ...] = ()
@@ -52,25 +54,24 @@ class Control:
     step: bool = False
     stop: bool = False
     command: str | None = None
+    command_arg: object = None
 
 
 @dataclass(frozen=True)
-class Update:
-    """One request's news from one round.
+class StepUpdate:
+    """One request's news from one round (only this round's tokens: the HTTP side keeps the rest).
 
     Attributes:
         request_id: the server's id.
-        token_ids: every token generated so far.
         new_token_ids: tokens of this step.
         finished: no more will come.
         finish_reason: ``stop``, ``length``, ``abort`` (or ``None``).
-        text: the final text, cut before a stop string (final update only).
+        text: the final text, cut before a stop string (final update only; ``None`` without a tokenizer).
         error: the engine refused the request (the message); it is finished.
         num_preemptions: times the request was recomputed.
     """
 
     request_id: str
-    token_ids: list[int]
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
@@ -79,10 +80,10 @@ class Update:
     num_preemptions: int = 0
 
     @classmethod
-    def of(cls, out: RequestOutput) -> Update:
+    def of(cls, out: RequestOutput) -> StepUpdate:
         """The update of an engine output."""
-        return cls(out.request_id, out.token_ids, out.new_token_ids, out.finished, out.finish_reason,
-                   out.text, None, out.num_preemptions)
+        return cls(out.request_id, out.new_token_ids, out.finished, out.finish_reason, out.text, None,
+                   out.num_preemptions)
 
 
 @dataclass(frozen=True)
@@ -97,11 +98,12 @@ class RankReply:
         preemptions: preemptions so far.
         steps: engine steps so far.
         collectives: collective calls of the engine's group so far, by kind.
-        result: the command's result (``LOADS_COMMAND``: ``[L, E]`` int64 loads), else ``None``.
+        result: the command's result (``LOADS_COMMAND``: ``[L, E]`` loads as lists; ``REBALANCE_COMMAND``: a
+            dict, see ``RankStepper.rebalance``), else ``None``.
     """
 
     rank: int
-    updates: list[Update] = field(default_factory=list)
+    updates: list[StepUpdate] = field(default_factory=list)
     running: int = 0
     waiting: int = 0
     kv_free: int = 0
@@ -157,24 +159,40 @@ class RankStepper:
             try:
                 engine.add_request(req.prompt_ids, req.params, req.request_id)
             except (ValueError, TypeError) as exc:
-                updates.append(Update(req.request_id, [], [], True, None, error=str(exc)))
+                updates.append(StepUpdate(req.request_id, [], True, None, error=str(exc)))
         for rank, rid in control.abort:
             if rank == self.rank:
                 engine.abort(rid)
         if control.step:
-            updates += [Update.of(out) for out in engine.step()]
-        result = self._loads() if control.command == LOADS_COMMAND else None
+            updates += [StepUpdate.of(out) for out in engine.step()]
+        result = None
+        if control.command == LOADS_COMMAND:
+            result = engine.logical_loads().tolist()
+        elif control.command == REBALANCE_COMMAND:
+            result = self.rebalance(control.command_arg)
         sched = engine.scheduler
         return RankReply(self.rank, updates, len(sched.running), len(sched.waiting), engine.allocator.num_free,
                          engine.allocator.capacity, engine.stats["preemptions"], engine.num_steps,
-                         dict(engine.comm.stats.calls),
-                         result)
+                         dict(engine.comm.stats.calls), result)
 
-    def _loads(self) -> list[list[int]]:
-        """Tokens this rank routed per logical expert since start, ``[L, E]`` (slots mapped through the
-        current placement)."""
-        placement = self.engine.ep_model.placement
-        totals = self.engine.slot_totals.cpu()
-        load = torch.zeros(placement.num_layers, placement.num_experts, dtype=torch.int64)
-        load.scatter_add_(1, placement.phy2log.cpu().long(), totals)
-        return load.tolist()
+    def rebalance(self, max_moves: int | None) -> dict:
+        """One live rebalance of every rank (``Engine.rebalance_now``), as the HTTP answer.
+
+        Returns:
+            ``{"committed", "step", "balancedness_before", "balancedness_after", "copies_moved", "moves",
+            "error"}``; ``moves`` lists ``{"layer", "slot", "old_expert", "new_expert"}`` of the committed
+            placement (empty when nothing committed), ``error`` why it did not commit.
+        """
+        from epmoe.balance.moves import placement_moves
+
+        old = self.engine.ep_model.placement
+        try:
+            event = self.engine.rebalance_now(max_moves)
+        except ValueError as exc:  # raised on every rank alike, before any collective
+            return {"committed": False, "step": self.engine.num_steps, "balancedness_before": None,
+                    "balancedness_after": None, "copies_moved": 0, "moves": [], "error": str(exc)}
+        moves = placement_moves(old, self.engine.ep_model.placement) if event.committed else []
+        return {"committed": event.committed, "step": event.step, "balancedness_before": event.balancedness_before,
+                "balancedness_after": event.balancedness_after, "copies_moved": event.copies_moved,
+                "moves": [{"layer": m[0], "slot": m[1], "old_expert": m[2], "new_expert": m[3]} for m in moves],
+                "error": event.error}

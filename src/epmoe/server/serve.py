@@ -1,10 +1,12 @@
 """``serve(ServeConfig)``: the whole life of ``epmoe serve``.
 
-Start-up: resolve the checkpoint, spawn ranks ``1..N-1`` (each: join the group, load its engine, follow
-rank 0's rounds; ``die_with_parent`` so none outlives the server), start rank 0's engine thread, and
-serve HTTP on this process (``/health`` is 503 until the engine is loaded; the load is logged with the
-KV capacity and the graph buckets). Under ``torchrun`` this process is the rank ``RANK`` says: rank 0
-serves, the others follow.
+Processes (as vLLM's API server and engine core): this process serves HTTP only; the engine runs in rank
+processes (``epmoe.server.core``). Spawned (no ``torchrun``): ``--ep`` rank processes, rank 0 the engine
+core, joined to this process by one pipe. Under ``torchrun`` this process is the rank ``RANK`` says:
+rank 0 spawns one process, the engine core of rank 0 (it joins torchrun's group with this process's rank
+facts) and serves HTTP; the other ranks follow in their own process. Rank processes die with this one.
+``/health`` is 503 until the engine is loaded; the load is logged with the KV capacity and the graph
+buckets.
 
 Shutdown: SIGTERM or SIGINT drains: no new requests (503), the running ones get ``drain_timeout_s`` to
 finish, then the rest are aborted (``finish_reason`` ``abort``), the ranks stop together, exit code 0.
@@ -20,20 +22,16 @@ import sys
 import threading
 import time
 
-import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import uvicorn
 
-from epmoe.comm import Comm
-from epmoe.engine import Engine
 from epmoe.models.tiny import ensure_default_checkpoint
-from epmoe.runtime.launch import RankInfo, die_with_parent, free_port, init_group, torchrun_rank_info, under_torchrun
+from epmoe.runtime.launch import RankInfo, free_port, torchrun_rank_info, under_torchrun
 from epmoe.server.app import AppContext, build_app
 from epmoe.server.config import ServeConfig
+from epmoe.server.core import follow, rank_process
 from epmoe.server.frontend import Frontend
 from epmoe.server.metrics import ServerMetrics
-from epmoe.server.ranks import RankStepper
 from epmoe.server.text import TextCodec
 from epmoe.spec import load_moe_spec
 
@@ -41,20 +39,6 @@ FATAL_EXIT_S = 10.0  # after a fatal error, the process exits at the latest this
 _WATCH_S = 0.2  # how often the rank processes are checked
 
 log = logging.getLogger("epmoe.serve")
-
-
-def _start_rank(info: RankInfo, cfg: ServeConfig, model_dir: str) -> RankStepper:
-    """Join the EP group (and the gloo control group), load this rank's engine."""
-    group = init_group(info, cfg.device) if info.world_size > 1 else None
-    control = dist.new_group(backend="gloo") if group is not None else None
-    engine = Engine(cfg.engine_config(model_dir), Comm(group))
-    return RankStepper(engine, control)
-
-
-def _follower(info: RankInfo, cfg: ServeConfig, model_dir: str) -> None:
-    """Rank ``1..N-1``: load, follow rank 0's rounds until it says stop."""
-    _start_rank(info, cfg, model_dir).follow()
-    dist.destroy_process_group()
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -71,12 +55,6 @@ def _check_port_free(host: str, port: int) -> None:
             sock.bind((host, port))
         except OSError as exc:
             raise ValueError(f"--host {host} --port {port}: cannot listen there: {exc.strerror}") from None
-
-
-def _spawned_follower(rank: int, world_size: int, port: int, cfg: ServeConfig, model_dir: str) -> None:
-    die_with_parent()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    _follower(RankInfo(rank, world_size, rank, f"tcp://127.0.0.1:{port}"), cfg, model_dir)
 
 
 class _Server(uvicorn.Server):
@@ -98,8 +76,9 @@ class _Server(uvicorn.Server):
 def _startup_log(cfg: ServeConfig, model_dir: str, name: str, frontend: Frontend) -> None:
     info = frontend.info
     kv = info.kv
-    log.info("model %s (%s) served as %r: %d EP rank(s), %s, %s", model_dir, load_moe_spec(model_dir).model_type,
-             name, info.ranks, cfg.device, cfg.dtype)
+    log.info("model %s (%s) served as %r: %d rank(s), experts %s, %s, %s", model_dir,
+             load_moe_spec(model_dir).model_type, name, info.ranks,
+             "expert-parallel" if info.parallel == "ep" else "tensor-parallel", cfg.device, cfg.dtype)
     log.info("KV cache per rank: %d blocks of %d tokens (%d tokens, %.1f MiB), %d sequences of the full context "
              "(%d tokens) at once; graph buckets %s", kv["blocks"], kv["block_size"], kv["tokens"],
              kv["bytes"] / 2**20, kv["max_concurrency"], kv["context"], kv["graph_buckets"] or "none (eager)")
@@ -111,7 +90,7 @@ def serve(cfg: ServeConfig) -> int:
 
     Returns:
         0 after a drain. After a fatal error (a rank died, the engine failed) the process exits with code 1
-        at once (``os._exit``: the engine thread may be stuck in a collective with the dead rank).
+        at once (``os._exit``), its rank processes killed.
 
     Raises:
         ValueError: a bad option or checkpoint (before anything starts).
@@ -124,22 +103,24 @@ def serve(cfg: ServeConfig) -> int:
     hf_logging.set_verbosity_error()
     model_dir = str(cfg.model) if cfg.model is not None else str(ensure_default_checkpoint(cfg.cache_dir))
     cfg.engine_config(model_dir)  # a bad engine option fails here, before any process starts
+    info = torchrun_rank_info() if under_torchrun() else None
+    if info is not None and info.rank != 0:
+        follow(info, cfg, model_dir)
+        return 0
     _check_port_free(cfg.host, cfg.port)
-    if under_torchrun():
-        info = torchrun_rank_info()
-        if info.rank != 0:
-            _follower(info, cfg, model_dir)
-            return 0
-        world, procs = info.world_size, []
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe(duplex=True)
+    if info is not None:
+        procs = [ctx.Process(target=rank_process, args=(info, cfg, model_dir, there), name="epmoe-core")]
     else:
-        world, port = cfg.ep, free_port()
-        info = RankInfo(0, world, 0, f"tcp://127.0.0.1:{port}")
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_spawned_follower, args=(r, world, port, cfg, model_dir), name=f"epmoe-rank{r}")
-                 for r in range(1, world)]
-        for p in procs:
-            p.start()
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        port = free_port()
+        procs = [ctx.Process(target=rank_process, name=f"epmoe-rank{r}",
+                             args=(RankInfo(r, cfg.ep, r, f"tcp://127.0.0.1:{port}"), cfg, model_dir,
+                                   there if r == 0 else None))
+                 for r in range(cfg.ep)]
+    for p in procs:
+        p.start()
+    there.close()  # the core holds its end now: the pipe closes when the core's process ends
     name = cfg.served_model_name or os.path.basename(os.path.normpath(model_dir))
     fatal = threading.Event()
     server: _Server | None = None
@@ -153,7 +134,7 @@ def serve(cfg: ServeConfig) -> int:
         timer.daemon = True
         timer.start()
 
-    frontend = Frontend(lambda: _start_rank(info, cfg, model_dir), ServerMetrics(), on_fatal)
+    frontend = Frontend(here, ServerMetrics(), on_fatal)
     codec = TextCodec(model_dir, load_moe_spec(model_dir).vocab_size)
     app = build_app(AppContext(frontend, codec, name, model_dir, cfg.api_key, cfg.max_body_bytes))
 
@@ -176,8 +157,9 @@ def serve(cfg: ServeConfig) -> int:
     def watch() -> None:
         was_ready = False
         while not fatal.is_set():
-            for p in procs:
-                if p.exitcode is not None and frontend.state in ("loading", "ready", "draining"):
+            for p in procs:  # after the last round the ranks exit on their own
+                if p.exitcode is not None and not frontend.stop_requested and \
+                        frontend.state in ("loading", "ready", "draining"):
                     frontend.fail(f"rank process {p.name} (pid {p.pid}) exited with code {p.exitcode}")
                     return
             if frontend.state == "ready" and not was_ready:
@@ -203,11 +185,8 @@ def serve(cfg: ServeConfig) -> int:
             p.kill()
             p.join(timeout=5.0)
     if fatal.is_set() or frontend.state == "failed":
-        # the engine thread may be stuck in a collective with the dead rank: no clean interpreter exit
         logging.shutdown()
         sys.stderr.flush()
-        os._exit(1)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        os._exit(1)  # uvicorn's and the pipe's threads may still wait on the dead core
     log.info("drained; exiting")
     return 0

@@ -1,15 +1,16 @@
 """Text on the HTTP side: prompts to token ids, chat messages to a prompt, token ids back to streamed text.
 
-The HTTP side keeps its own tokenizer (the engine thread's is not shared across threads). Without a
-tokenizer in the checkpoint, prompts are UTF-8 bytes modulo the vocabulary, as ``Engine.encode`` does,
-and ids below 256 decode back to bytes.
+The HTTP process keeps its own tokenizer. Without a tokenizer in the checkpoint (``--load-format dummy``
+of a bare ``config.json``), prompts are UTF-8 bytes modulo the vocabulary, as ``Engine.encode`` does,
+and generated tokens are their ids in decimal, space-separated, as ``epmoe run`` prints them
+(``engine.decode_text``): every token adds text, so a stream sends one chunk per token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from epmoe.engine.engine import encode_text, load_tokenizer
+from epmoe.engine.engine import decode_text, encode_text, load_tokenizer
 
 # The plain template of a checkpoint without one: each message on its own, then the assistant's turn.
 DEFAULT_CHAT_TEMPLATE = (
@@ -37,10 +38,9 @@ class TextCodec:
         return encode_text(self.tokenizer, self.vocab_size, prompt)
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of token ids, special tokens skipped (an unfinished UTF-8 sequence ends in U+FFFD)."""
-        if self.tokenizer is None:
-            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        """Text of token ids, special tokens skipped (an unfinished UTF-8 sequence ends in U+FFFD); without a
+        tokenizer the ids in decimal, space-separated."""
+        return decode_text(self.tokenizer, ids)
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
         """The prompt of a conversation: the tokenizer's chat template, or ``DEFAULT_CHAT_TEMPLATE``.

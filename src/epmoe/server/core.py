@@ -1,0 +1,246 @@
+"""The engine core: the rank processes of ``epmoe serve``, rank 0's loop apart from the HTTP process.
+
+As vLLM's ``EngineCore``: the engine steps in a process of its own, so the engine's Python work and the
+HTTP event loop never wait on one interpreter lock. The HTTP process (``epmoe.server.frontend``) and the
+core talk over one ``multiprocessing`` pipe; every message is a list of ``(kind, value)`` items, so a
+batch of requests, or a whole step's news, travels as one message:
+
+- HTTP -> core: ``("add", NewRequest)``, ``("abort", request_id)``, ``("command", (command_id, name,
+  arg))``, ``("stop", None)``.
+- core -> HTTP: ``("ready", EngineInfo)`` once loaded, one ``("step", StepReport)`` per round,
+  ``("command", (command_id, results))``, ``("failed", reason)``, ``("stopped", None)`` last.
+
+Each round the core takes what arrived (waiting ``idle_round_s`` when nothing is open: the empty rounds
+keep the other ranks' control collectives from timing out), assigns each new request to the rank with
+the fewest open requests, runs the round (``RankStepper.lead``) and sends the round's ``StepReport``.
+Every ``loads_interval_s`` while busy, and once when the last open request is done, it also gathers
+the expert loads, for the per-layer balancedness of the tokens routed since the previous sample.
+
+Rank processes ignore SIGINT and SIGTERM (the HTTP process drains and stops them with its last round)
+and are killed when the HTTP process dies.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from epmoe.comm import Comm
+from epmoe.engine import Engine
+from epmoe.runtime.launch import RankInfo, die_with_parent, init_group
+from epmoe.server.config import ServeConfig
+from epmoe.server.ranks import LOADS_COMMAND, Control, NewRequest, RankReply, RankStepper, StepUpdate
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the HTTP side needs of the loaded engine.
+
+    Attributes:
+        max_model_len: longest sequence, tokens.
+        vocab_size: the model's vocabulary.
+        ranks: EP ranks.
+        parallel: ``ep`` or ``tp`` (no expert placement: no ``/eplb`` routes, no balancedness).
+        kv: rank 0's ``Engine.kv_report()``.
+    """
+
+    max_model_len: int
+    vocab_size: int
+    ranks: int
+    parallel: str
+    kv: dict
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One round, as the core reports it to the HTTP process.
+
+    Attributes:
+        updates: every rank's ``StepUpdate``s of the round.
+        running, waiting: sequences scheduled / queued, summed over ranks.
+        kv_free, kv_capacity: KV blocks free now / usable in all, summed over ranks.
+        preemptions: preemptions so far, summed over ranks.
+        collectives_per_step: collective calls of the engine's group in this round per engine step, by kind
+            (rank 0; a rebalance run in the same round adds its calls); ``None`` when no step ran (the calls of
+            such a round are not counted).
+        layer_balancedness: per MoE layer, the balancedness of the tokens routed since the previous sample
+            (``epmoe.balance.layer_balancedness``); ``None`` when not sampled this round.
+    """
+
+    updates: list[StepUpdate]
+    running: int
+    waiting: int
+    kv_free: int
+    kv_capacity: int
+    preemptions: int
+    collectives_per_step: dict[str, float] | None = None
+    layer_balancedness: list[float] | None = None
+
+
+@dataclass
+class _Sampler:
+    """What the core remembers between reports: the last step count and collective calls, the last loads."""
+
+    steps: int = 0
+    calls: dict[str, int] = field(default_factory=dict)
+    loads: torch.Tensor | None = None
+    loads_time: float = 0.0
+
+
+class EngineCore:
+    """Rank 0's loop.
+
+    Args:
+        stepper: rank 0's ``RankStepper`` (its engine loaded, the other ranks following).
+        conn: this end of the pipe to the HTTP process.
+        idle_round_s: seconds between empty rounds while nothing is open.
+        loads_interval_s: seconds between balancedness samples while busy (``parallel='ep'`` only; one more
+            when the last open request is done).
+    """
+
+    def __init__(self, stepper: RankStepper, conn: Connection, idle_round_s: float = 1.0,
+                 loads_interval_s: float = 1.0) -> None:
+        self.stepper = stepper
+        self.conn = conn
+        self.idle_round_s = idle_round_s
+        self.loads_interval_s = loads_interval_s
+        self._rank_of: dict[str, int] = {}
+        self._rank_load = [0] * stepper.size
+        self._sampler = _Sampler(loads_time=time.monotonic())
+        self._ep = not stepper.engine.tp
+        self._later: list[tuple[int, str, object]] = []  # commands for the next rounds
+        self._was_busy = False
+
+    def run(self) -> None:
+        """Report ready, run rounds until the HTTP side says stop, report stopped."""
+        engine = self.stepper.engine
+        info = EngineInfo(engine.max_model_len, engine.vocab_size, self.stepper.size, engine.config.parallel,
+                          engine.kv_report())
+        self.conn.send([("ready", info)])
+        while True:
+            adds, aborts, commands, stop = [], [], [], False
+            for kind, value in self._take():
+                if kind == "add":
+                    adds.append(self._assign(value))
+                elif kind == "abort":
+                    aborts.append(value)
+                elif kind == "command":
+                    commands.append(value)
+                else:
+                    stop = True
+            busy = bool(self._rank_of)
+            abort_pairs = tuple((self._rank_of[r], r) for r in aborts if r in self._rank_of)
+            command = commands[0] if commands else None  # one command per round; the rest wait for the next
+            due = time.monotonic() - self._sampler.loads_time >= self.loads_interval_s
+            sample = command is None and self._ep and ((busy and due) or (self._was_busy and not busy))
+            self._was_busy = busy
+            name = command[1] if command else (LOADS_COMMAND if sample else None)
+            control = Control(tuple(adds), abort_pairs, step=busy, stop=stop, command=name,
+                              command_arg=command[2] if command else None)
+            replies = self.stepper.lead(control)
+            out: list[tuple[str, object]] = [("step", self._report(replies, sample or name == LOADS_COMMAND))]
+            if command is not None:
+                out.append(("command", (command[0], [r.result for r in replies])))
+            self.conn.send(out)
+            if stop:
+                self.conn.send([("stopped", None)])
+                return
+            self._later = commands[1:]
+
+    def _take(self) -> list[tuple[str, object]]:
+        """The items that arrived (waiting up to ``idle_round_s`` for the first when nothing is open)."""
+        items: list[tuple[str, object]] = [("command", c) for c in self._later]
+        self._later = []
+        wait = 0.0 if (self._rank_of or items) else self.idle_round_s
+        while self.conn.poll(wait):
+            items += self.conn.recv()
+            wait = 0.0
+        return items
+
+    def _assign(self, req: NewRequest) -> tuple[int, NewRequest]:
+        rank = min(range(len(self._rank_load)), key=lambda r: (self._rank_load[r], r))
+        self._rank_of[req.request_id] = rank
+        self._rank_load[rank] += 1
+        return rank, req
+
+    def _report(self, replies: list[RankReply], loads_sampled: bool) -> StepReport:
+        updates = []
+        for reply in replies:
+            for up in reply.updates:
+                if up.finished and up.request_id in self._rank_of:
+                    self._rank_load[self._rank_of.pop(up.request_id)] -= 1
+                updates.append(up)
+        lead, s = replies[0], self._sampler
+        per_step = None
+        if lead.steps > s.steps:
+            per_step = {k: (n - s.calls.get(k, 0)) / (lead.steps - s.steps) for k, n in lead.collectives.items()}
+        s.steps, s.calls = lead.steps, dict(lead.collectives)  # a round without a step: its calls skipped
+        balance = self._balancedness(replies) if loads_sampled and self._ep else None
+        return StepReport(updates, sum(r.running for r in replies), sum(r.waiting for r in replies),
+                          sum(r.kv_free for r in replies), sum(r.kv_capacity for r in replies),
+                          sum(r.preemptions for r in replies), per_step, balance)
+
+    def _balancedness(self, replies: list[RankReply]) -> list[float] | None:
+        """Per layer, the balancedness of the tokens routed since the last sample (``None``: none routed)."""
+        from epmoe.balance import layer_balancedness
+
+        s = self._sampler
+        s.loads_time = time.monotonic()
+        total = torch.tensor([r.result for r in replies], dtype=torch.int64).sum(0)
+        delta = total if s.loads is None else total - s.loads
+        s.loads = total
+        if not int(delta.sum()):
+            return None
+        return layer_balancedness(delta, self.stepper.engine.ep_model.placement).tolist()
+
+
+def _ignore_signals() -> None:
+    """A rank follows the HTTP process: Ctrl-C (to the whole process group) and SIGTERM are its to handle."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def start_rank(info: RankInfo, cfg: ServeConfig, model_dir: str) -> RankStepper:
+    """Join the EP group (and the gloo control group), load this rank's engine."""
+    group = init_group(info, cfg.device) if info.world_size > 1 else None
+    control = dist.new_group(backend="gloo") if group is not None else None
+    engine = Engine(cfg.engine_config(model_dir), Comm(group))
+    return RankStepper(engine, control)
+
+
+def follow(info: RankInfo, cfg: ServeConfig, model_dir: str) -> None:
+    """Rank ``1..N-1``: load, follow rank 0's rounds until it says stop."""
+    start_rank(info, cfg, model_dir).follow()
+    dist.destroy_process_group()
+
+
+def rank_process(info: RankInfo, cfg: ServeConfig, model_dir: str, conn: Connection | None) -> None:
+    """The body of a spawned rank process: rank 0 (with ``conn``) runs the ``EngineCore``, others follow.
+
+    A failure of rank 0 is sent to the HTTP process as ``("failed", reason)``; the process then exits with
+    code 1 at once (a collective with a dead rank may never return).
+    """
+    die_with_parent(signal.SIGKILL)
+    _ignore_signals()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world_size))
+    if conn is None:
+        follow(info, cfg, model_dir)
+        return
+    try:
+        EngineCore(start_rank(info, cfg, model_dir), conn).run()
+    except BaseException as exc:  # a rank gone, a collective error, a bad checkpoint
+        try:
+            conn.send([("failed", f"engine core failed: {type(exc).__name__}: {exc}")])
+        except OSError:
+            pass
+        traceback.print_exc()
+        os._exit(1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
