@@ -24,7 +24,7 @@ Two implementations with the same semantics:
   ``q_rope . k_rope^T``) and the output (``P . c_kv``), with an online softmax in float32 (base 2).
   With ``S > 1`` splits (flash-decoding) each program takes one contiguous ``S``-th of the context and
   writes its running max, sum and unnormalised accumulator to a float32 workspace in the layout of
-  ``paged_decode``'s split-K, whose reduce kernel merges them.
+  ``paged_decode``'s split-K, whose reduce kernel merges them (``paged_decode_merge_splits``).
 
 Grids and split counts depend on shapes only (never on device values): CUDA-graph safe with ``out``
 and a ``workspace`` (``paged_decode_workspace_numel`` elements) given.
@@ -38,8 +38,7 @@ import numbers
 
 import torch
 
-from epmoe.engine.paged_decode import _triton_kernels as _paged_decode_kernels
-from epmoe.engine.paged_decode import paged_decode_workspace_numel
+from epmoe.engine.paged_decode import paged_decode_merge_splits, paged_decode_workspace_numel
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
@@ -321,11 +320,7 @@ def mla_decode_triton(
         num_warps=4, num_stages=2,
     )
     if splits > 1:
-        _, _, reduce_kernel = _paged_decode_kernels()
-        reduce_kernel[(b, h)](
-            workspace, context_lens, context_lens, out, b, h, dv, ml_off, out.stride(0), out.stride(1),
-            DV_PAD=dv_pad, SPLITS=splits, HAS_SINKS=False, num_warps=4,
-        )
+        paged_decode_merge_splits(workspace, context_lens, out, splits)
     return out
 
 
