@@ -266,7 +266,8 @@ def main() -> None:
     ap.add_argument("--ttft", default="1024,4096")
     ap.add_argument("--deepseek-layers", type=int, default=7)
     ap.add_argument("--kimi-layers", type=int, default=4,
-                    help="Kimi-K2.5 decoder layers (4: the dense one and 3 MoE layers, ~108 GB in bf16)")
+                    help="Kimi-K2.5 decoder layers (4: the dense one and 3 MoE layers, 100.6 GiB in bf16; 5 take "
+                         "132.4 GiB, over the engine's mem_fraction_static 0.9 of an H200)")
     ap.add_argument("--expert-format", choices=["bf16", "int4"], default="bf16",
                     help="Kimi-K2.5's routed experts: bf16 dummy weights, or INT4 as its config says")
     ap.add_argument("--peer", default="eager,static", help="transformers modes to time: eager, static, none")
