@@ -6,7 +6,9 @@ latent cache on CUDA.
 Full-width shapes (Kimi-K2.5: 64 heads, DeepSeek-V3: 128 heads, both a 512-value latent and a 64-value rotary
 key) with long contexts, single pass and split-K, bf16 and float32 (IEEE dots); a CUDA graph captured with
 ``out`` and a workspace given, replayed with other context lengths (padding rows included); the engine on the
-tiny DeepSeek-V2 checkpoint in float32 against transformers (Kimi-K2.5's is in ``test_engine_gpu``).
+tiny DeepSeek-V2 and Kimi-K2.5 checkpoints in float32 against transformers (Kimi's with split-K), and with CUDA
+graphs and split-K against its eager steps in bf16 (``test_engine_gpu`` covers Kimi-K2.5 at the default
+context).
 """
 
 import pytest
@@ -88,13 +90,37 @@ def test_cuda_graph_replay_with_new_context_lens(model):
                 assert torch.equal(out[j], torch.zeros_like(out[j]))
 
 
-def test_cuda_engine_deepseek_v2_latent_matches_transformers(tiny_checkpoints):
+@pytest.mark.parametrize("family, max_model_len", [("deepseek-v2", None), ("kimi-k2.5", 4096)])
+def test_cuda_engine_latent_matches_transformers(tiny_checkpoints, family, max_model_len):
+    """float32, eager; with block tables 4096 positions wide the decode kernel runs split-K."""
     from epmoe.engine import Engine, EngineConfig, SamplingParams
 
     from .test_engine_gpu import PROMPTS, _reference
 
-    d = tiny_checkpoints("deepseek-v2")
-    engine = Engine(EngineConfig(model=str(d), device="cuda", max_num_seqs=8, enforce_eager=True))
+    d = tiny_checkpoints(family)
+    engine = Engine(EngineConfig(model=str(d), device="cuda", max_num_seqs=8, enforce_eager=True,
+                                 max_model_len=max_model_len))
     assert engine.kv_report()["kind"] == "latent"
+    if max_model_len:
+        assert mla_decode_splits(len(PROMPTS), 4, max_model_len, "cuda") > 1
     outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert [o.token_ids for o in outs] == _reference(d, [engine.encode(p) for p in PROMPTS], 12)
+
+
+def test_cuda_graphs_with_split_k_agree_with_eager_bf16(tiny_checkpoints):
+    """Graph-replayed decode over the latent cache with split-K in the runner's shared workspace gives the
+    eager steps' tokens."""
+    from epmoe.engine import Engine, EngineConfig, SamplingParams
+
+    from .test_engine_gpu import PROMPTS
+
+    d = tiny_checkpoints("kimi-k2.5")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens = []
+    for eager in (False, True):
+        engine = Engine(EngineConfig(model=str(d), device="cuda", dtype="bfloat16", expert_backend="triton",
+                                     max_num_seqs=8, cuda_graph_max_bs=8, enforce_eager=eager, max_model_len=4096))
+        tokens.append([o.token_ids for o in engine.generate(PROMPTS, params)])
+        assert (engine.stats["graph_steps"] > 0) != eager
+    assert mla_decode_splits(4, 4, 4096, "cuda") > 1
+    assert tokens[0] == tokens[1]
