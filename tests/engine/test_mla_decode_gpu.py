@@ -90,14 +90,21 @@ def test_cuda_graph_replay_with_new_context_lens(model):
                 assert torch.equal(out[j], torch.zeros_like(out[j]))
 
 
+def _long_kimi(tmp_path):
+    """The tiny Kimi-K2.5 checkpoint with a 4096-token context (block tables wide enough for split-K)."""
+    from epmoe.models.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint("kimi-k2.5", tmp_path / "kimi-4k", overrides={"max_position_embeddings": 4096})
+
+
 @pytest.mark.parametrize("family, max_model_len", [("deepseek-v2", None), ("kimi-k2.5", 4096)])
-def test_cuda_engine_latent_matches_transformers(tiny_checkpoints, family, max_model_len):
+def test_cuda_engine_latent_matches_transformers(tiny_checkpoints, tmp_path, family, max_model_len):
     """float32, eager; with block tables 4096 positions wide the decode kernel runs split-K."""
     from epmoe.engine import Engine, EngineConfig, SamplingParams
 
     from .test_engine_gpu import PROMPTS, _reference
 
-    d = tiny_checkpoints(family)
+    d = _long_kimi(tmp_path) if max_model_len else tiny_checkpoints(family)
     engine = Engine(EngineConfig(model=str(d), device="cuda", max_num_seqs=8, enforce_eager=True,
                                  max_model_len=max_model_len))
     assert engine.kv_report()["kind"] == "latent"
@@ -107,14 +114,14 @@ def test_cuda_engine_latent_matches_transformers(tiny_checkpoints, family, max_m
     assert [o.token_ids for o in outs] == _reference(d, [engine.encode(p) for p in PROMPTS], 12)
 
 
-def test_cuda_graphs_with_split_k_agree_with_eager_bf16(tiny_checkpoints):
+def test_cuda_graphs_with_split_k_agree_with_eager_bf16(tmp_path):
     """Graph-replayed decode over the latent cache with split-K in the runner's shared workspace gives the
     eager steps' tokens."""
     from epmoe.engine import Engine, EngineConfig, SamplingParams
 
     from .test_engine_gpu import PROMPTS
 
-    d = tiny_checkpoints("kimi-k2.5")
+    d = _long_kimi(tmp_path)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     tokens = []
     for eager in (False, True):
