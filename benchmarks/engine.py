@@ -1,11 +1,15 @@
 """The engine end to end on one GPU: decode step time (TPOT) and TTFT against the floor and against
 transformers' own ``generate`` on the same model, in the same run.
 
-    python benchmarks/engine.py [--models qwen3-30b-a3b,deepseek-v3] [--batches 1,8,64,256]
-                                [--peer static|eager|none] [--out DIR]
+    python benchmarks/engine.py [--models qwen3-30b-a3b,deepseek-v3,kimi-k2.5] [--batches 1,8,64,256]
+                                [--peer static|eager|none] [--expert-format bf16|int4] [--out DIR]
 
 Models are ``data/configs`` files at full width with dummy weights (``--load-format dummy``);
-DeepSeek-V3 keeps as many layers as fit (``--deepseek-layers``). Per batch size: every request gets a
+DeepSeek-V3 and Kimi-K2.5 keep as many layers as fit one H200 (``--deepseek-layers``, ``--kimi-layers``).
+Kimi-K2.5's routed experts are bf16 (``--expert-format bf16``: the config's ``quantization_config`` is
+dropped) or, with ``int4``, as its config says (INT4 pack-quantized; needs the INT4 expert loader). MLA models
+(DeepSeek, Kimi) report their KV bytes per token and layer: the latent the engine caches, beside the
+expanded per-head keys and values. Per batch size: every request gets a
 128-token prompt; once all are decoding, ``--steps`` engine steps are timed (wall clock, host work
 included). The floor of a step is max(bytes it must read / measured copy bandwidth, FLOPs / measured
 bf16 matmul rate): the weights of the non-expert layers, the experts its tokens touch (expected number
@@ -34,11 +38,17 @@ CONFIGS = Path(__file__).resolve().parents[1] / "data" / "configs"
 PROMPT = 128
 
 
-def checkpoint(name: str, layers: int | None, root: Path) -> Path:
-    """A directory holding only the model's config.json (optionally cut to ``layers`` decoder layers)."""
+def checkpoint(name: str, layers: int | None, root: Path, expert_format: str = "bf16") -> Path:
+    """A directory holding only the model's config.json (optionally cut to ``layers`` decoder layers; the
+    language model's config where it sits under ``text_config``). ``expert_format`` ``bf16`` drops a
+    ``quantization_config`` (dummy weights in bf16), ``int4`` keeps it."""
     cfg = json.loads((CONFIGS / f"{name}.config.json").read_text())
+    text = cfg.get("text_config", cfg)
     if layers:
-        cfg["num_hidden_layers"] = layers
+        text["num_hidden_layers"] = layers
+    if expert_format == "bf16":
+        for c in (cfg, text):
+            c.pop("quantization_config", None)
     d = root / name
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(cfg))
@@ -176,7 +186,16 @@ def peer(model_dir: Path, batches: list[int], mode: str, steps: int) -> dict:
     return out
 
 
-def planned(d: Path, batches: list[int], ctx: float) -> dict[int, float]:
+def attention_dims(config) -> tuple[int, int, int]:
+    """Heads, key and value head dims of the attention as prefill computes it (MLA: expanded)."""
+    h = config.num_attention_heads
+    if getattr(config, "kv_lora_rank", None) is not None:
+        return h, config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+    d = getattr(config, "head_dim", None) or config.hidden_size // h
+    return h, d, d
+
+
+def planned(d: Path, batches: list[int], ctx: float, weights: str = "bf16") -> dict[int, float]:
     """What ``epmoe plan`` predicts for one H200 (the TP1 strategy: one GPU), ms per decode step, with the
     engine's step costs of the profile (``engine_*``) and without them."""
     from epmoe.plan.hardware import load_hardware
@@ -184,7 +203,7 @@ def planned(d: Path, batches: list[int], ctx: float) -> dict[int, float]:
     from epmoe.plan.request import PlanRequest
 
     req = PlanRequest(load_moe_spec(str(d)), load_hardware("h200-sxm"), gpus=1, batches=tuple(batches),
-                      context=int(ctx), weights="bf16")  # dummy weights are bf16 whatever the config says
+                      context=int(ctx), weights=weights)  # dummy weights: bf16 unless int4 experts are kept
     return {b: st.total_ms for b, st in zip(batches, plan(req).strategies[0].steps)}
 
 
@@ -199,6 +218,9 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
     start_s = time.perf_counter() - t0
     wb = weight_bytes(engine)
     kv = engine.kv_report(4096)
+    cfg = engine.ep_model.model.config
+    heads, dk, dv = attention_dims(cfg)
+    kv["expanded_bytes_per_token_layer"] = heads * (dk + dv) * torch.empty(0, dtype=torch.bfloat16).element_size()
     print(f"{name}: engine start {start_s:.1f} s, KV {kv}", flush=True)
     m = {"layers": engine.ep_model.model.config.num_hidden_layers, "start_s": start_s, "kv": kv,
          "weights": wb, "rows": {}, "ttft": {}}
@@ -217,12 +239,10 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
         for h in r["host"][:8]:
             print(f"    host {h['ms_per_step']:7.3f} ms {h['calls']:6.1f}x  {h['function']}")
     time_ttft(engine, 256, spec.vocab_size)  # warm-up: first prefill-sized launches compile their kernels
-    cfg = engine.ep_model.model.config
     active = wb["dense"] / 2 + spec.num_moe_layers * spec.top_k * wb["expert"] / 2
     for n in [int(x) for x in args.ttft.split(",") if x]:
         ms = time_ttft(engine, n, spec.vocab_size)
-        dk, dv = engine.kv.layout.k_head_dim, engine.kv.layout.v_head_dim
-        flops = 2 * active * n + 2 * cfg.num_hidden_layers * cfg.num_attention_heads * (dk + dv) * n * n / 2
+        flops = 2 * active * n + 2 * cfg.num_hidden_layers * heads * (dk + dv) * n * n / 2
         floor = flops / ceil["bf16_flop_per_s"] * 1e3
         from torch.profiler import ProfilerActivity, profile
 
@@ -245,6 +265,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--ttft", default="1024,4096")
     ap.add_argument("--deepseek-layers", type=int, default=7)
+    ap.add_argument("--kimi-layers", type=int, default=4,
+                    help="Kimi-K2.5 decoder layers (4: the dense one and 3 MoE layers, 100.6 GiB in bf16; 5 take "
+                         "132.4 GiB, over the engine's mem_fraction_static 0.9 of an H200)")
+    ap.add_argument("--expert-format", choices=["bf16", "int4"], default="bf16",
+                    help="Kimi-K2.5's routed experts: bf16 dummy weights, or INT4 as its config says")
     ap.add_argument("--peer", default="eager,static", help="transformers modes to time: eager, static, none")
     ap.add_argument("--peer-batches", default="1,8,64,256")
     ap.add_argument("--profile", default="", help="batch sizes whose kernels are profiled, e.g. 1,64")
@@ -261,9 +286,11 @@ def main() -> None:
     result = {"gpu": torch.cuda.get_device_name(), "ceilings": ceil, "models": {}}
     rows = []
     for name in args.models.split(","):
-        d = checkpoint(name, args.deepseek_layers if name.startswith("deepseek") else None, root)
+        layers = {"deepseek": args.deepseek_layers, "kimi": args.kimi_layers}.get(name.split("-")[0])
+        d = checkpoint(name, layers, root, args.expert_format)
         m = measure_engine(name, d, batches, args, ceil)
-        m["plan_ms"] = planned(d, batches, m["rows"][batches[0]]["ctx"])
+        weights = "int4" if args.expert_format == "int4" and name.startswith("kimi") else "bf16"
+        m["plan_ms"] = planned(d, batches, m["rows"][batches[0]]["ctx"], weights)
         m["peer"] = {}
         result["models"][name] = m
         (out / f"engine_{gpu}.json").write_text(json.dumps(result, indent=2, default=str))
@@ -281,6 +308,9 @@ def main() -> None:
         ps = f"{p:8.2f} {p / t:7.2f}" if p else f"{'-':>8} {'-':>7}"
         print(f"{model:14} {bs:4d} {t:8.2f} {f:7.2f} {t / f:6.2f} {ps} {pl:8.2f} {t / pl:7.2f}")
     for model, m in result["models"].items():
+        kv = m["kv"]
+        print(f"{model:14} KV per token and layer: {kv['bytes_per_token_layer']} B ({kv['kind']}; expanded per-head "
+              f"keys and values: {kv['expanded_bytes_per_token_layer']} B)")
         for n, r in m["ttft"].items():
             print(f"{model:14} TTFT {n}: {r['ms']:.1f} ms (GPU kernels {r['gpu_kernels_ms']:.1f} ms), "
                   f"FLOP floor {r['floor_ms']:.1f} ms, ratio {r['ratio']:.2f}; peak {m['peak_gib']:.1f} GiB")

@@ -5,7 +5,8 @@ decode buckets.
 Each rank serves its own prompts (at EP 4 one rank has none and only joins the collectives), more of
 them than ``max_num_seqs``, arriving staggered; prompts are prefilled in chunks (a small
 ``max_num_batched_tokens``); rank 0's KV pool is small enough to force preemptions; one request is
-aborted mid-generation. Afterwards every KV block is back in its pool.
+aborted mid-generation. Afterwards every KV block is back in its pool. The MLA families (DeepSeek, Kimi)
+cache the latent (``engine.mla``).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _run_family(directory: str, comm: Comm, static: bool) -> dict:
         "got": [o.token_ids for o in outs], "want": want, "reasons": [o.finish_reason for o in outs],
         "aborted": aborted, "free": engine.allocator.num_free, "capacity": engine.allocator.capacity,
         "preemptions": engine.stats["preemptions"], "steps": engine.num_steps,
-        "static_steps": engine.stats["graph_steps"],
+        "static_steps": engine.stats["graph_steps"], "kv_kind": engine.kv_report()["kind"],
     }
 
 
@@ -83,6 +84,7 @@ def _check(results: list[dict], families: list[str]) -> None:
         for rank, r in enumerate(results):
             res = r[fam]
             assert res["free"] == res["capacity"], f"{fam} rank {rank}: KV blocks not all returned"
+            assert res["kv_kind"] == ("latent" if fam.startswith(("deepseek", "kimi")) else "expanded"), fam
             for i, (got, want, reason) in enumerate(zip(res["got"], res["want"], res["reasons"])):
                 if reason == "abort":
                     assert 3 <= len(got) < NEW_TOKENS and got == want[: len(got)], (fam, rank, i, got, want)

@@ -79,9 +79,37 @@ def test_layout_mla():
     cfg = DeepseekV3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=5,
                            q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
                            vocab_size=100, n_routed_experts=4, num_experts_per_tok=2, rope_scaling=None)
-    layout = KVLayout.from_config(cfg)
-    assert layout == KVLayout(num_layers=5, num_kv_heads=4, k_head_dim=12, v_head_dim=6)
-    assert layout.bytes_per_token(torch.float16) == 5 * 4 * (12 + 6) * 2
+    layout = KVLayout.from_config(cfg)  # the latent: kv_lora_rank + qk_rope_head_dim values, all heads shared
+    assert layout == KVLayout(num_layers=5, num_kv_heads=1, k_head_dim=16 + 4, v_head_dim=16, latent=True)
+    assert layout.bytes_per_token_layer(torch.float16) == (16 + 4) * 2
+    assert layout.bytes_per_token(torch.float16) == 5 * (16 + 4) * 2
+    # Kimi-K2.5 at full width: 576 bf16 values per token and layer (expanded: 64 heads x (192 + 128))
+    kimi = DeepseekV3Config(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, num_hidden_layers=61,
+                            q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                            v_head_dim=128, n_routed_experts=384, num_experts_per_tok=8, rope_scaling=None)
+    assert KVLayout.from_config(kimi).bytes_per_token_layer(torch.bfloat16) == 1152
+
+
+def test_latent_write_read_and_kind_checks():
+    layout = KVLayout(num_layers=2, num_kv_heads=1, k_head_dim=6, v_head_dim=4, latent=True)
+    cache = KVCache(layout, num_blocks=3, block_size=2, dtype=torch.float32, device="cpu")
+    assert cache.k[0].shape == (3, 2, 6) and cache.v == []
+    assert cache.nbytes == 2 * 3 * 2 * 6 * 4
+    c = torch.randn(2, 4, dtype=torch.float64)
+    r = torch.randn(2, 2, dtype=torch.float64)
+    slots = torch.tensor([3, 4])  # block 1 offset 1, block 2 offset 0
+    cache.write_latent(1, c, r, slots)
+    assert torch.equal(cache.k[1][1, 1], torch.cat([c[0], r[0]]).float())
+    assert torch.equal(cache.k[1][2, 0], torch.cat([c[1], r[1]]).float())
+    assert (cache.k[0] == 0).all() and int((cache.k[1] != 0).any(-1).sum()) == 2
+    assert torch.equal(cache.read_latent(1, torch.tensor([4, 3])), cache.k[1].view(-1, 6)[[4, 3]])
+    with pytest.raises(ValueError, match="holds MLA latent entries: use write_latent/read_latent"):
+        cache.write(0, c, c, slots)
+    with pytest.raises(ValueError, match="holds MLA latent entries"):
+        cache.read(0, slots)
+    expanded = KVCache(KVLayout(1, 1, 2, 2), num_blocks=2, block_size=2, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="holds expanded keys and values: use write/read"):
+        expanded.write_latent(0, c, r, slots)
 
 
 def test_layout_missing_field_named():

@@ -34,6 +34,7 @@ from epmoe.engine.attention import register_attention
 from epmoe.engine.config import EngineConfig
 from epmoe.engine.fused_norm import fuse_norms
 from epmoe.engine.kv_cache import BlockAllocator, KVCache, KVLayout, blocks_for_memory
+from epmoe.engine.mla import install_mla
 from epmoe.engine.model_runner import ModelRunner, graph_buckets
 from epmoe.engine.request import RequestOutput, Sequence
 from epmoe.engine.sampling import SamplingParams, sample
@@ -166,12 +167,16 @@ class Engine:
                 dtype=config.torch_dtype, device=self.device, load_format=config.load_format,
                 attn_implementation=register_attention(), seed=config.seed,
             )
+        mla_layers = install_mla(self.ep_model.model)  # DeepSeek/Kimi: attention over the latent KV cache
         if self.device.type == "cuda":
             fuse_norms(self.ep_model.model)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_ids = eos_token_ids(config.model, self.tokenizer)
         self.vocab_size = self.spec.vocab_size
         layout = KVLayout.from_config(self.ep_model.model.config)
+        if layout.latent and mla_layers != layout.num_layers:
+            raise ValueError(f"the config asks for MLA's latent KV cache (kv_lora_rank) but {mla_layers} of "
+                             f"{layout.num_layers} attention modules are MLA")
         num_blocks = self._num_kv_blocks(layout)
         self.kv = KVCache(layout, num_blocks, config.block_size, config.torch_dtype, self.device)
         self.allocator = BlockAllocator(num_blocks)
@@ -266,12 +271,15 @@ class Engine:
         return activate, deactivate
 
     def kv_report(self, context: int | None = None) -> dict:
-        """The KV pool: blocks, tokens, bytes, and how many sequences of ``context`` tokens fit at once
+        """The KV pool: blocks, tokens, bytes, the bytes of one token's entry in one layer and its kind
+        (``latent`` for MLA, else ``expanded``), and how many sequences of ``context`` tokens fit at once
         (``None`` = ``max_model_len``)."""
         ctx = context or self.max_model_len
         tokens = self.allocator.capacity * self.config.block_size
+        layout = self.kv.layout
         return {"blocks": self.allocator.capacity, "block_size": self.config.block_size, "tokens": tokens,
-                "bytes": self.kv.nbytes, "context": ctx,
+                "bytes": self.kv.nbytes, "kind": "latent" if layout.latent else "expanded",
+                "bytes_per_token_layer": layout.bytes_per_token_layer(self.config.torch_dtype), "context": ctx,
                 "max_concurrency": self.allocator.capacity // -(-ctx // self.config.block_size),
                 "graph_buckets": self.runner.buckets}
 

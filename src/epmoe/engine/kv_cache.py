@@ -1,5 +1,10 @@
 """The paged KV cache: fixed-size blocks in one pool per attention layer, handed out per sequence.
 
+Two kinds of entry: expanded keys and values per kv head (every family but MLA), or MLA's latent
+(DeepSeek-V2/V3/R1, Kimi-K2/K2.5): per token and layer one vector of ``kv_lora_rank +
+qk_rope_head_dim`` values, the normalised compressed KV ``c_kv`` followed by the rotary key ``k_rope``,
+shared by every head (``engine.mla`` expands or absorbs it).
+
 Block 0 of every pool is never given to a sequence: the padding rows of a CUDA-graph replay write
 their keys and values there, so a padded batch needs no branch.
 """
@@ -19,19 +24,21 @@ class KVLayout:
 
     Attributes:
         num_layers: attention layers (every decoder layer).
-        num_kv_heads: ``Hkv`` key/value heads cached per token (MLA expanded: the query heads).
-        k_head_dim: ``Dk``.
-        v_head_dim: ``Dv`` (MLA: differs from ``Dk``).
+        num_kv_heads: ``Hkv`` key/value heads cached per token (1 for the latent kind).
+        k_head_dim: ``Dk`` (latent: the entry, ``kv_lora_rank + qk_rope_head_dim``).
+        v_head_dim: ``Dv`` (latent: ``kv_lora_rank``, the values being the entry's first ``Dv``).
+        latent: MLA's latent kind: one pool of entries per layer, no separate values.
     """
 
     num_layers: int
     num_kv_heads: int
     k_head_dim: int
     v_head_dim: int
+    latent: bool = False
 
     @classmethod
     def from_config(cls, config) -> KVLayout:
-        """Read the layout from a transformers text config (MLA: ``kv_lora_rank`` present).
+        """Read the layout from a transformers text config (MLA, ``kv_lora_rank`` present: the latent kind).
 
         Raises:
             ValueError: a field the layout needs is missing (named).
@@ -43,17 +50,22 @@ class KVLayout:
             return int(value)
 
         heads = need("num_attention_heads")
-        if getattr(config, "kv_lora_rank", None) is not None:  # MLA, cached in its expanded form
-            dk = need("qk_nope_head_dim") + need("qk_rope_head_dim")
-            return cls(need("num_hidden_layers"), heads, dk, need("v_head_dim"))
+        if getattr(config, "kv_lora_rank", None) is not None:  # MLA: the latent c_kv and the rotary key
+            rank = need("kv_lora_rank")
+            return cls(need("num_hidden_layers"), 1, rank + need("qk_rope_head_dim"), rank, latent=True)
         head_dim = getattr(config, "head_dim", None) or need("hidden_size") // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         return cls(need("num_hidden_layers"), int(kv_heads), int(head_dim), int(head_dim))
 
+    def bytes_per_token_layer(self, dtype: torch.dtype) -> int:
+        """Bytes one token's cache entry takes in one layer (latent: ``Dk`` values; else ``Hkv (Dk + Dv)``)."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        values = self.k_head_dim if self.latent else self.k_head_dim + self.v_head_dim
+        return self.num_kv_heads * values * size
+
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes one token's keys and values take over all layers."""
-        size = torch.empty(0, dtype=dtype).element_size()
-        return self.num_layers * self.num_kv_heads * (self.k_head_dim + self.v_head_dim) * size
+        return self.num_layers * self.bytes_per_token_layer(dtype)
 
 
 class BlockAllocator:
@@ -120,8 +132,8 @@ class KVCache:
     """Key and value pools of every attention layer.
 
     Attributes:
-        k: per layer ``[num_blocks, block_size, Hkv, Dk]``.
-        v: per layer ``[num_blocks, block_size, Hkv, Dv]``.
+        k: per layer ``[num_blocks, block_size, Hkv, Dk]``; the latent kind: ``[num_blocks, block_size, Dk]``.
+        v: per layer ``[num_blocks, block_size, Hkv, Dv]``; empty for the latent kind.
 
     Args:
         layout: the model's cache layout.
@@ -136,10 +148,11 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         h, dk, dv = layout.num_kv_heads, layout.k_head_dim, layout.v_head_dim
-        self.k = [torch.zeros(num_blocks, block_size, h, dk, dtype=dtype, device=device)
+        entry = (dk,) if layout.latent else (h, dk)
+        self.k = [torch.zeros(num_blocks, block_size, *entry, dtype=dtype, device=device)
                   for _ in range(layout.num_layers)]
-        self.v = [torch.zeros(num_blocks, block_size, h, dv, dtype=dtype, device=device)
-                  for _ in range(layout.num_layers)]
+        self.v = [] if layout.latent else [torch.zeros(num_blocks, block_size, h, dv, dtype=dtype, device=device)
+                                           for _ in range(layout.num_layers)]
 
     @property
     def nbytes(self) -> int:
@@ -153,17 +166,58 @@ class KVCache:
             layer: attention layer index.
             k: ``[T, Hkv, Dk]``; v: ``[T, Hkv, Dv]`` (cast to the pool dtype).
             slot_mapping: ``[T]`` int64 flat slot ``block * block_size + offset`` of each token.
+
+        Raises:
+            ValueError: the cache is of the latent kind (``write_latent``).
         """
+        self._need_kind(latent=False)
         kp, vp = self.k[layer], self.v[layer]
         kp.view(-1, *kp.shape[2:]).index_copy_(0, slot_mapping, k.to(kp.dtype))
         vp.view(-1, *vp.shape[2:]).index_copy_(0, slot_mapping, v.to(vp.dtype))
 
-
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys ``[N, Hkv, Dk]`` and values ``[N, Hkv, Dv]`` at ``slots [N]`` int64 flat slots of ``layer``."""
+        """Keys ``[N, Hkv, Dk]`` and values ``[N, Hkv, Dv]`` at ``slots [N]`` int64 flat slots of ``layer``.
+
+        Raises:
+            ValueError: the cache is of the latent kind (``read_latent``).
+        """
+        self._need_kind(latent=False)
         kp, vp = self.k[layer], self.v[layer]
         return (kp.view(-1, *kp.shape[2:]).index_select(0, slots),
                 vp.view(-1, *vp.shape[2:]).index_select(0, slots))
+
+    def write_latent(self, layer: int, c_kv: torch.Tensor, k_rope: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store new tokens' MLA latent entries ``[c_kv, k_rope]`` (graph safe: no host sync).
+
+        Args:
+            layer: attention layer index.
+            c_kv: ``[T, kv_lora_rank]`` the normalised compressed KV; k_rope: ``[T, qk_rope_head_dim]`` the
+                rotary key (rotation applied); cast to the pool dtype.
+            slot_mapping: ``[T]`` int64 flat slot of each token.
+
+        Raises:
+            ValueError: the cache is not of the latent kind.
+        """
+        self._need_kind(latent=True)
+        pool = self.k[layer]
+        entry = torch.cat([c_kv.to(pool.dtype), k_rope.to(pool.dtype)], dim=-1)
+        pool.view(-1, pool.shape[-1]).index_copy_(0, slot_mapping, entry)
+
+    def read_latent(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """MLA latent entries ``[N, kv_lora_rank + qk_rope_head_dim]`` at ``slots [N]`` int64 flat slots.
+
+        Raises:
+            ValueError: the cache is not of the latent kind.
+        """
+        self._need_kind(latent=True)
+        pool = self.k[layer]
+        return pool.view(-1, pool.shape[-1]).index_select(0, slots)
+
+    def _need_kind(self, latent: bool) -> None:
+        if self.layout.latent != latent:
+            have, use = (("MLA latent entries", "write_latent/read_latent") if self.layout.latent
+                         else ("expanded keys and values", "write/read"))
+            raise ValueError(f"this KV cache holds {have}: use {use}")
 
 
 def blocks_for_memory(free_bytes: int, layout: KVLayout, block_size: int, dtype: torch.dtype) -> int:

@@ -18,6 +18,7 @@ from torch import nn
 
 from epmoe.engine.attention import AttnBatch, PrefillChunk
 from epmoe.engine.kv_cache import KVCache
+from epmoe.engine.mla_decode import mla_decode_splits
 from epmoe.engine.paged_decode import paged_decode_splits, paged_decode_workspace_numel
 from epmoe.engine.scheduler import StepPlan
 
@@ -173,6 +174,12 @@ class ModelRunner:
         """Split-K scratch of the decode kernel for the largest need over ``sizes``, shared by every
         bucket's graph (graphs never run at once)."""
         heads = self.model.config.num_attention_heads
+        layout = self.kv.layout
+        if layout.latent:  # MLA: the latent decode kernel, same workspace layout
+            positions = self.max_blocks * self.kv.block_size
+            return torch.empty(max(paged_decode_workspace_numel(bs, heads, layout.v_head_dim,
+                                                                mla_decode_splits(bs, heads, positions, self.device))
+                                   for bs in sizes), dtype=torch.float32, device=self.device)
         k0, dv = self.kv.k[0], self.kv.v[0].shape[-1]
         need = 1
         for bs in sizes:  # the split count depends on shapes only: empty tensors of the bucket's shapes

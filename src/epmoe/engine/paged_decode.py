@@ -446,7 +446,7 @@ def paged_decode_triton(
         ImportError: Triton is not importable.
     """
     _check_inputs(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, chunk_size, sinks, out)
-    _, kernel, reduce_kernel = _triton_kernels()
+    _, kernel, _ = _triton_kernels()
     b, h, dk = q.shape
     _, bs, hkv, dv = v_cache.shape
     if splits is None:
@@ -483,10 +483,33 @@ def paged_decode_triton(
         num_warps=4, num_stages=2,
     )
     if splits > 1:
-        reduce_kernel[(b, h)](
-            workspace, context_lens, sink_arg, out, b, h, dv, ml_off, out.stride(0), out.stride(1),
-            DV_PAD=dv_pad, SPLITS=splits, HAS_SINKS=sinks is not None, num_warps=4,
-        )
+        paged_decode_merge_splits(workspace, context_lens, out, splits, sinks)
+    return out
+
+
+def paged_decode_merge_splits(workspace: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor, splits: int,
+                              sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Merge split-K partial results into ``out`` (the reduce kernel; also used by ``mla_decode``).
+
+    Args:
+        workspace: float32, the layout ``paged_decode_workspace_numel`` sizes: per row ``b``, head ``h`` and split
+            ``s`` (``r = (b * H + h) * S + s``) the unnormalised accumulator at ``r * Dv``, then the running max
+            (base 2) at ``B * H * S * Dv + r`` and the running sum at ``B * H * S * (Dv + 1) + r``.
+        context_lens: ``[B]`` int32; rows with 0 get zeros.
+        out: ``[B, H, Dv]``, contiguous along ``Dv``, written and returned.
+        splits: ``S``, a power of two.
+        sinks: ``[H]`` sink logits added to the denominator, or None.
+
+    Returns:
+        ``out``.
+    """
+    _, _, reduce_kernel = _triton_kernels()
+    b, h, dv = out.shape
+    reduce_kernel[(b, h)](
+        workspace, context_lens, sinks if sinks is not None else context_lens, out, b, h, dv, b * h * splits * dv,
+        out.stride(0), out.stride(1), DV_PAD=max(_MIN_ROWS, _next_pow2(dv)), SPLITS=splits,
+        HAS_SINKS=sinks is not None, num_warps=4,
+    )
     return out
 
 

@@ -68,7 +68,8 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     preempted = sum(r.step_kinds.get("preemptions", 0) for r in report.ranks)
     kv = report.ranks[0].kv
     summary.add_row("KV cache per rank", f"{kv['blocks']} blocks of {kv['block_size']} tokens "
-                    f"({_fmt_bytes(kv['bytes'])}), "
+                    f"({_fmt_bytes(kv['bytes'])}; {kv['bytes_per_token_layer']} B per token and layer, "
+                    f"{kv['kind']}), "
                     f"{kv['max_concurrency']} sequences of {kv['context']} tokens at once")
     summary.add_row("CUDA graphs / preemptions", f"{'on' if report.graphs else 'off'} / {preempted}")
     summary.add_row("balancedness (mean/max routed tokens per rank)", f"{report.balancedness:.3f}")

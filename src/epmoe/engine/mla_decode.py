@@ -1,0 +1,375 @@
+"""Paged MLA decode attention: one latent-space query token per sequence against its latent KV entries.
+
+Multi-head latent attention (DeepSeek-V2 paper, section 2.1; DeepSeek-V3) caches per token one entry of
+``Dk = kv_lora_rank + qk_rope_head_dim`` values, the compressed KV ``c_kv`` followed by the rotary key
+``k_rope``, shared by every head. With the up-projections absorbed (``engine.mla``) decode is
+multi-query attention over these entries: head ``h``'s query is ``[q_nope_h W_UK_h, q_rope_h]`` (``Dk``
+values), its logit over position ``p`` is ``scale * q_h . entry_p``, and its output is the softmax
+average of the entries' first ``Dv = kv_lora_rank`` values (``c_kv``), which ``W_UV`` then maps to
+the head's value space.
+
+The cache holds ``NB`` blocks of ``BS`` entries; sequence ``b`` owns the blocks of row ``b`` of
+``block_tables`` in order (position ``p`` in block ``block_tables[b, p // BS]``, slot ``p % BS``). Its
+query is the token at position ``ctx_b - 1`` (``ctx_b = context_lens[b]``, already written) and it
+attends to positions ``0 .. ctx_b - 1``. ``ctx_b == 0`` marks a padding row: zeros out, nothing read.
+
+Two implementations with the same semantics:
+
+* ``mla_decode_reference``: PyTorch, float32 math, for CPU tensors and as the tests' oracle; it gathers
+  all ``MB`` blocks of every row and masks (no host synchronisation).
+* ``mla_decode_triton``: the Triton kernel for CUDA tensors (and the Triton interpreter). Program
+  ``(b, hb, s)`` serves ``BLOCK_H`` heads of sequence ``b`` (every entry row it reads serves all of
+  them), walking its positions in tiles of ``BLOCK_N`` gathered through the block table: the
+  ``c_kv`` part of a tile is loaded once and used for both the logits (``q_latent . c_kv^T`` plus
+  ``q_rope . k_rope^T``) and the output (``P . c_kv``), with an online softmax in float32 (base 2).
+  With ``S > 1`` splits (flash-decoding) each program takes one contiguous ``S``-th of the context and
+  writes its running max, sum and unnormalised accumulator to a float32 workspace in the layout of
+  ``paged_decode``'s split-K, whose reduce kernel merges them (``paged_decode_merge_splits``).
+
+Grids and split counts depend on shapes only (never on device values): CUDA-graph safe with ``out``
+and a ``workspace`` (``paged_decode_workspace_numel`` elements) given.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import torch
+
+from epmoe.engine.paged_decode import paged_decode_merge_splits, paged_decode_workspace_numel
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LOG2E = 1.4426950408889634
+_MIN_DIM = 16            # tl.dot needs at least 16 rows / columns
+_BLOCK_H = 16            # query heads per program
+_SPLIT_MIN_KEYS = 512    # positions a split should have at least
+_MAX_SPLITS = 32
+
+
+def _check_inputs(q, cache, block_tables, context_lens, scale, v_head_dim, out) -> None:
+    """Host-side checks of shapes, dtypes, devices and layouts (never reads device values)."""
+    for name, t in (("q", q), ("cache", cache), ("block_tables", block_tables), ("context_lens", context_lens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, H, Dk], got shape {tuple(q.shape)}")
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}")
+    if q.shape[2] > 0 and q.stride(2) != 1:
+        raise ValueError(f"q must be contiguous along its last dim, got strides {q.stride()}")
+    b, h, dk = q.shape
+    if cache.dim() != 3 or cache.shape[2] != dk:
+        raise ValueError(f"cache must be [NB, BS, Dk] with q's Dk {dk}, got shape {tuple(cache.shape)}")
+    if cache.dtype != q.dtype or cache.device != q.device:
+        raise ValueError(f"cache must have q's dtype {q.dtype} and device {q.device}, got {cache.dtype} on "
+                         f"{cache.device}")
+    if not cache.is_contiguous() or cache.shape[0] < 1 or cache.shape[1] < 1:
+        raise ValueError(f"cache must be contiguous with at least one block of one slot, got shape "
+                         f"{tuple(cache.shape)} and strides {cache.stride()}")
+    if isinstance(v_head_dim, bool) or not isinstance(v_head_dim, numbers.Integral) or not 0 < v_head_dim < dk:
+        raise ValueError(f"v_head_dim (kv_lora_rank) must be an int in [1, Dk = {dk}), got {v_head_dim!r}")
+    if h < 1:
+        raise ValueError(f"q must have at least one head, got shape {tuple(q.shape)}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != b or block_tables.shape[1] < 1:
+        raise ValueError(f"block_tables must be [B, MB] with B = {b} and MB >= 1, got shape "
+                         f"{tuple(block_tables.shape)}")
+    if block_tables.dtype != torch.int32 or block_tables.device != q.device or block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be int32 on {q.device}, contiguous along its last dim, got "
+                         f"{block_tables.dtype} on {block_tables.device} with strides {block_tables.stride()}")
+    if context_lens.dim() != 1 or context_lens.shape[0] != b:
+        raise ValueError(f"context_lens must be [B] with B = {b}, got shape {tuple(context_lens.shape)}")
+    if context_lens.dtype != torch.int32 or context_lens.device != q.device:
+        raise ValueError(f"context_lens must be int32 on {q.device}, got {context_lens.dtype} on "
+                         f"{context_lens.device}")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite real number, got {scale!r}")
+    if out is not None:
+        want = (b, h, v_head_dim)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"out must be None or a [B, H, Dv] = {list(want)} tensor, got {shape}")
+        if out.dtype != q.dtype or out.device != q.device or out.stride(2) != 1:
+            raise ValueError(f"out must have q's dtype {q.dtype} and device {q.device}, contiguous along its "
+                             f"last dim, got {out.dtype} on {out.device} with strides {out.stride()}")
+
+
+def mla_decode_reference(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    v_head_dim: int,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Paged MLA decode in PyTorch (float32 math); the semantics of ``mla_decode_attention``.
+
+    Gathers all ``MB`` blocks of every block table row (entries past a context are read but masked, so
+    they must be valid block ids). No host synchronisation.
+
+    Args:
+        q: see ``mla_decode_attention``.
+        cache: see ``mla_decode_attention``.
+        block_tables: see ``mla_decode_attention``.
+        context_lens: see ``mla_decode_attention``.
+        scale: see ``mla_decode_attention``.
+        v_head_dim: see ``mla_decode_attention``.
+        out: see ``mla_decode_attention``.
+
+    Returns:
+        ``[B, H, v_head_dim]`` in ``q.dtype`` (``out`` when given).
+
+    Raises:
+        ValueError, TypeError: as ``mla_decode_attention``.
+    """
+    _check_inputs(q, cache, block_tables, context_lens, scale, v_head_dim, out)
+    b, _, dk = q.shape
+    mb, bs = block_tables.shape[1], cache.shape[1]
+    entries = cache[block_tables.long()].reshape(b, mb * bs, dk).float()      # [B, L, Dk]
+    logits = torch.einsum("bhd,bld->bhl", q.float(), entries) * float(scale)  # [B, H, L]
+    keep = torch.arange(mb * bs, device=q.device)[None, :] < context_lens.long()[:, None]
+    probs = torch.softmax(logits.masked_fill(~keep[:, None, :], float("-inf")), dim=-1)
+    res = torch.einsum("bhl,bld->bhd", probs, entries[..., :v_head_dim])
+    res = torch.where((context_lens > 0)[:, None, None], res, torch.zeros((), device=q.device)).to(q.dtype)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
+
+
+@functools.cache
+def _triton_kernel():
+    """Import Triton and define the kernel (once); raises ImportError without Triton."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _mla_decode_kernel(
+        q_ptr, c_ptr, bt_ptr, ctx_ptr, out_ptr, ws_ptr,
+        B, H, DV, DR, ml_off, stride_qb, stride_qh, stride_cb, stride_cs, stride_btb, stride_ob, stride_oh,
+        qk_scale,
+        BLOCK_H: tl.constexpr, DV_PAD: tl.constexpr, DR_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        split = tl.program_id(2)
+        h_ok = heads < H
+        offs_v = tl.arange(0, DV_PAD)
+        offs_r = tl.arange(0, DR_PAD)
+        v_ok = offs_v < DV
+        r_ok = offs_r < DR
+        ctx = tl.load(ctx_ptr + b)
+        lo = ctx * 0
+        hi = ctx
+        if SPLITS > 1:
+            per = tl.cdiv(tl.cdiv(hi, SPLITS), BLOCK_N) * BLOCK_N
+            lo = split * per
+            hi = tl.minimum(hi, lo + per)
+        q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+        q_lat = tl.load(q_rows + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)
+        q_rope = tl.load(q_rows + DV + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, DV_PAD], tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+        bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+        for start in range(lo, hi, BLOCK_N):
+            pos = start + offs_n
+            ok = pos < hi
+            blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+            rows = c_ptr + blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs
+            c = tl.load(rows[:, None] + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
+            kr = tl.load(rows[:, None] + DV + offs_r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
+            if IEEE:
+                s = tl.dot(q_lat, tl.trans(c), input_precision="ieee")
+                s += tl.dot(q_rope, tl.trans(kr), input_precision="ieee")
+            else:
+                s = tl.dot(q_lat, tl.trans(c))
+                s += tl.dot(q_rope, tl.trans(kr))
+            s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, c, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+            m_i = m_new
+        if SPLITS == 1:
+            res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            res = tl.where(ctx > 0, res, 0.0)
+            tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_v[None, :],
+                     res.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & v_ok[None, :])
+        else:
+            # paged_decode's workspace layout: acc [B, H, S, DV], then m [B, H, S], then l [B, H, S]
+            r = (b.to(tl.int64) * H + heads) * SPLITS + split
+            tl.store(ws_ptr + r[:, None] * DV + offs_v[None, :], acc, mask=h_ok[:, None] & v_ok[None, :])
+            tl.store(ws_ptr + ml_off + r, m_i, mask=h_ok)
+            tl.store(ws_ptr + ml_off + B * H * SPLITS + r, l_i, mask=h_ok)
+
+    return _mla_decode_kernel
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def mla_decode_splits(batch: int, heads: int, max_positions: int, device: torch.device | str) -> int:
+    """Number of context splits (a power of two) the Triton path uses for these shapes.
+
+    One split when the ``batch * ceil(heads / BLOCK_H)`` programs fill the GPU or the longest context
+    (``max_positions = MB * BS``) is short; otherwise enough splits to reach about two programs per SM,
+    each with at least ``_SPLIT_MIN_KEYS`` positions, at most ``_MAX_SPLITS``. Shapes only, so a CUDA
+    graph captured for a batch shape keeps its split count.
+
+    Args:
+        batch: ``B`` query rows.
+        heads: ``H`` query heads.
+        max_positions: ``MB * BS``, the positions a block table row covers.
+        device: the tensors' device (its SM count; CPU counts 132 SMs).
+
+    Returns:
+        The split count ``S >= 1``.
+    """
+    device = torch.device(device)
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 132
+    programs = max(1, batch * -(-heads // _BLOCK_H))
+    want = min(_MAX_SPLITS, (2 * sms) // programs, max_positions // _SPLIT_MIN_KEYS)
+    return 1 if want < 2 else 1 << (want.bit_length() - 1)
+
+
+def mla_decode_triton(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    v_head_dim: int,
+    *,
+    out: torch.Tensor | None = None,
+    splits: int | None = None,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Paged MLA decode with the Triton kernel (see the module docstring), whatever the device.
+
+    CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. Arguments as ``mla_decode_attention``, plus:
+
+    Args:
+        q: see ``mla_decode_attention``.
+        cache: see ``mla_decode_attention``.
+        block_tables: see ``mla_decode_attention``.
+        context_lens: see ``mla_decode_attention``.
+        scale: see ``mla_decode_attention``.
+        v_head_dim: see ``mla_decode_attention``.
+        out: see ``mla_decode_attention``.
+        splits: context splits (a power of two); ``mla_decode_splits`` when None.
+        workspace: float32 1-D tensor of at least ``paged_decode_workspace_numel(B, H, v_head_dim, splits)``
+            elements for split-K. When ``splits > 1`` and it is None, one is allocated if ``out`` is None;
+            with ``out`` given the single-pass kernel runs instead (nothing is allocated).
+
+    Returns:
+        ``[B, H, v_head_dim]`` in ``q.dtype`` (``out`` when given).
+
+    Raises:
+        ValueError: as ``mla_decode_attention``; ``splits`` not a power of two; a workspace too small, not
+            float32 or on another device.
+        ImportError: Triton is not importable.
+    """
+    _check_inputs(q, cache, block_tables, context_lens, scale, v_head_dim, out)
+    kernel = _triton_kernel()
+    b, h, dk = q.shape
+    bs = cache.shape[1]
+    dv, dr = int(v_head_dim), dk - int(v_head_dim)
+    if splits is None:
+        splits = mla_decode_splits(b, h, block_tables.shape[1] * bs, q.device)
+    if isinstance(splits, bool) or not isinstance(splits, numbers.Integral) or splits < 1 or splits & (splits - 1):
+        raise ValueError(f"splits must be a power of two >= 1, got {splits!r}")
+    if splits > 1:
+        need = paged_decode_workspace_numel(b, h, dv, splits)
+        if workspace is None:
+            workspace = None if out is not None else torch.empty(need, dtype=torch.float32, device=q.device)
+        elif (workspace.dtype != torch.float32 or workspace.device != q.device or workspace.dim() != 1
+              or workspace.numel() < need):
+            raise ValueError(f"workspace must be a 1-D float32 tensor on {q.device} with at least {need} elements, "
+                             f"got {workspace.dtype} {tuple(workspace.shape)} on {workspace.device}")
+        if workspace is None:
+            splits = 1
+    if out is None:
+        out = torch.empty((b, h, dv), dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    dv_pad, dr_pad = max(_MIN_DIM, _next_pow2(dv)), max(_MIN_DIM, _next_pow2(dr))
+    ml_off = b * h * splits * dv
+    kernel[(b, -(-h // _BLOCK_H), splits)](
+        q, cache, block_tables, context_lens, out, workspace if splits > 1 else out,
+        b, h, dv, dr, ml_off, q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1), float(scale) * _LOG2E,
+        BLOCK_H=_BLOCK_H, DV_PAD=dv_pad, DR_PAD=dr_pad, BLOCK_SIZE=bs,
+        BLOCK_N=16 if q.dtype == torch.float32 else 32, SPLITS=splits, IEEE=q.dtype == torch.float32,
+        num_warps=4, num_stages=2,
+    )
+    if splits > 1:
+        paged_decode_merge_splits(workspace, context_lens, out, splits)
+    return out
+
+
+def mla_decode_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    v_head_dim: int,
+    *,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """MLA decode attention of one latent-space query per sequence over a block-paged latent cache.
+
+    CUDA tensors run the Triton kernel (``mla_decode_triton``); CPU tensors run
+    ``mla_decode_reference``. Softmax and accumulation are float32. No host synchronisation and, with
+    ``out`` given, no allocation (CUDA-graph capture safe); shapes are checked on the host only.
+
+    Args:
+        q: ``[B, H, Dk]`` float32/bfloat16/float16: per head the absorbed query ``q_nope W_UK``
+            (``v_head_dim`` values) followed by the rotary query (``Dk - v_head_dim``), contiguous along
+            ``Dk`` (other strides free).
+        cache: ``[NB, BS, Dk]`` latent entries ``[c_kv, k_rope]`` in ``q.dtype``, contiguous.
+        block_tables: ``[B, MB]`` int32, contiguous along ``MB``: the blocks of sequence ``b`` in order;
+            entries past the context must still be valid block ids (the reference gathers them).
+        context_lens: ``[B]`` int32 context lengths, at most ``MB * BS``; ``0`` marks a padding row.
+        scale: multiplier of ``q . entry`` (the model's softmax scale, yarn's mscale included).
+        v_head_dim: ``kv_lora_rank``: the entries' leading values that are averaged (``c_kv``).
+        out: ``[B, H, v_head_dim]`` in ``q.dtype``, contiguous along its last dim, written and returned;
+            or None.
+        workspace: CUDA only: float32 split-K workspace so that split-K also runs when ``out`` is given;
+            ignored on CPU.
+
+    Returns:
+        ``[B, H, v_head_dim]`` in ``q.dtype``: the attention-weighted ``c_kv`` per head (``out`` when given).
+
+    Raises:
+        ValueError: a wrong rank, shape, dtype, device or layout of an argument, a ``v_head_dim`` outside
+            ``[1, Dk)``, a non-finite ``scale``; the message names the argument.
+        TypeError: ``q``, ``cache``, ``block_tables`` or ``context_lens`` is not a tensor.
+        RuntimeError: CUDA tensors without an importable Triton.
+    """
+    if isinstance(q, torch.Tensor) and q.is_cuda:
+        try:
+            _triton_kernel()
+        except ImportError as err:
+            raise RuntimeError(f"mla_decode_attention needs the triton package for CUDA tensors: {err}") from err
+        return mla_decode_triton(q, cache, block_tables, context_lens, scale, v_head_dim, out=out,
+                                 workspace=workspace)
+    return mla_decode_reference(q, cache, block_tables, context_lens, scale, v_head_dim, out=out)

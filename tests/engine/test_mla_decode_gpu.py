@@ -1,0 +1,133 @@
+"""The paged MLA decode Triton kernel on CUDA against ``mla_decode_reference`` on the same GPU, and the engine's
+latent cache on CUDA.
+
+    PYTHONPATH=src python -m pytest -q tests/engine/test_mla_decode_gpu.py
+
+Full-width shapes (Kimi-K2.5: 64 heads, DeepSeek-V3: 128 heads, both a 512-value latent and a 64-value rotary
+key) with long contexts, single pass and split-K, bf16 and float32 (IEEE dots); a CUDA graph captured with
+``out`` and a workspace given, replayed with other context lengths (padding rows included); the engine on the
+tiny DeepSeek-V2 and Kimi-K2.5 checkpoints in float32 against transformers (Kimi's with split-K), and with CUDA
+graphs and split-K against its eager steps in bf16 (``test_engine_gpu`` covers Kimi-K2.5 at the default
+context).
+"""
+
+import pytest
+import torch
+
+from epmoe.engine.mla_decode import mla_decode_attention, mla_decode_reference, mla_decode_splits
+from epmoe.engine.paged_decode import paged_decode_workspace_numel
+
+from .test_mla import _case, _naive
+
+pytestmark = pytest.mark.gpu
+
+BF16_TOL = 2e-2    # the kernel rounds the softmax weights to bf16 for the P.c_kv dot; output rounded to bf16
+MODELS = {"kimi-k2.5": (64, 512, 64), "deepseek-v3": (128, 512, 64), "tiny": (4, 16, 8)}  # H, R, rope
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("splits", [None, 1, 4])
+@pytest.mark.parametrize("ctx", [[4096], [1, 4096, 0, 2000, 17], [300] * 16])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_model_shapes(model, ctx, splits, dtype):
+    from epmoe.engine.mla_decode import mla_decode_triton
+
+    h, r, dr = MODELS[model]
+    q, cache, tables, lens = _case(len(ctx) + h, ctx, h, r, dr, 16, dtype=dtype, device="cuda")
+    scale = 192 ** -0.5
+    got = mla_decode_triton(q, cache, tables, lens, scale, r, splits=splits)
+    assert got.shape == (len(ctx), h, r) and got.dtype == dtype
+    if dtype == torch.float32:
+        assert _rel(got, _naive(q.cpu(), cache.cpu(), tables.cpu(), lens.cpu(), scale, r)) < 2e-5
+    else:
+        assert _rel(got, mla_decode_reference(q, cache, tables, lens, scale, r)) < BF16_TOL
+    for j, n in enumerate(ctx):
+        if n == 0:
+            assert torch.equal(got[j], torch.zeros_like(got[j]))
+
+
+def test_auto_splits():
+    assert mla_decode_splits(1, 64, 8192, "cuda") > 1   # one long sequence: split-K
+    assert mla_decode_splits(128, 64, 8192, "cuda") == 1  # 512 programs fill the GPU
+    assert mla_decode_splits(1, 64, 256, "cuda") == 1   # short context
+
+
+@pytest.mark.parametrize("model", ["kimi-k2.5", "deepseek-v3"])
+def test_cuda_graph_replay_with_new_context_lens(model):
+    h, r, dr = MODELS[model]
+    bs, mb = 16, 64
+    q, cache, tables, lens = _case(7, [mb * bs, 5, 0, 700], h, r, dr, bs, dtype=torch.bfloat16, device="cuda")
+    b = q.shape[0]
+    out = torch.empty(b, h, r, dtype=torch.bfloat16, device="cuda")
+    splits = mla_decode_splits(b, h, mb * bs, q.device)
+    assert splits > 1
+    ws = torch.empty(paged_decode_workspace_numel(b, h, r, splits), dtype=torch.float32, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):       # warm-up: compile outside the capture
+            mla_decode_attention(q, cache, tables, lens, 0.1, r, out=out, workspace=ws)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mla_decode_attention(q, cache, tables, lens, 0.1, r, out=out, workspace=ws)
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    for new in ([1, 0, 1024, 333], [0, 0, 0, 0], [17, 900, 16, 1]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        q.copy_(torch.randn(q.shape, generator=gen, device="cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        if max(new) == 0:
+            assert torch.equal(out, torch.zeros_like(out))
+            continue
+        assert _rel(out, mla_decode_reference(q, cache, tables, lens, 0.1, r)) < BF16_TOL
+        for j, n in enumerate(new):
+            if n == 0:
+                assert torch.equal(out[j], torch.zeros_like(out[j]))
+
+
+def _long_kimi(tmp_path):
+    """The tiny Kimi-K2.5 checkpoint with a 4096-token context (block tables wide enough for split-K)."""
+    from epmoe.models.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint("kimi-k2.5", tmp_path / "kimi-4k", overrides={"max_position_embeddings": 4096})
+
+
+@pytest.mark.parametrize("family, max_model_len", [("deepseek-v2", None), ("kimi-k2.5", 4096)])
+def test_cuda_engine_latent_matches_transformers(tiny_checkpoints, tmp_path, family, max_model_len):
+    """float32, eager; with block tables 4096 positions wide the decode kernel runs split-K."""
+    from epmoe.engine import Engine, EngineConfig, SamplingParams
+
+    from .test_engine_gpu import PROMPTS, _reference
+
+    d = _long_kimi(tmp_path) if max_model_len else tiny_checkpoints(family)
+    engine = Engine(EngineConfig(model=str(d), device="cuda", max_num_seqs=8, enforce_eager=True,
+                                 max_model_len=max_model_len))
+    assert engine.kv_report()["kind"] == "latent"
+    if max_model_len:
+        assert mla_decode_splits(len(PROMPTS), 4, max_model_len, "cuda") > 1
+    outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in outs] == _reference(d, [engine.encode(p) for p in PROMPTS], 12)
+
+
+def test_cuda_graphs_with_split_k_agree_with_eager_bf16(tmp_path):
+    """Graph-replayed decode over the latent cache with split-K in the runner's shared workspace gives the
+    eager steps' tokens."""
+    from epmoe.engine import Engine, EngineConfig, SamplingParams
+
+    from .test_engine_gpu import PROMPTS
+
+    d = _long_kimi(tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens = []
+    for eager in (False, True):
+        engine = Engine(EngineConfig(model=str(d), device="cuda", dtype="bfloat16", expert_backend="triton",
+                                     max_num_seqs=8, cuda_graph_max_bs=8, enforce_eager=eager, max_model_len=4096))
+        tokens.append([o.token_ids for o in engine.generate(PROMPTS, params)])
+        assert (engine.stats["graph_steps"] > 0) != eager
+    assert mla_decode_splits(4, 4, 4096, "cuda") > 1
+    assert tokens[0] == tokens[1]

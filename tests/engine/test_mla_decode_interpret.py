@@ -1,0 +1,74 @@
+"""The paged MLA decode Triton kernel under the Triton interpreter (CPU; runs only with ``TRITON_INTERPRET=1``).
+
+    PYTHONPATH=src:/tmp/np23 TRITON_INTERPRET=1 python -m pytest -q tests/engine/test_mla_decode_interpret.py
+
+``mla_decode_triton`` against ``mla_decode_reference`` (and the naive float64 computation), float32 and fp16
+(the interpreter has no bf16), single pass and split-K, head counts that do and do not fill the kernel's head
+block, latent and rope sizes below the 16-wide ``tl.dot`` minimum, padding rows, and with ``out`` and a
+workspace given. See ``test_paged_decode_interpret`` for the NumPy pin.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from epmoe.engine.mla_decode import mla_decode_reference
+from epmoe.engine.paged_decode import paged_decode_workspace_numel
+
+from .test_mla import _case, _naive
+
+pytestmark = pytest.mark.interpret
+
+# name: (context lengths, H, kv_lora_rank, qk_rope_head_dim, block size)
+CASES = {
+    "tiny": ([9, 0, 1, 40], 4, 16, 8, 4),
+    "heads-over-block": ([70, 3], 20, 32, 16, 16),
+    "odd-block": ([33, 17, 0], 16, 24, 8, 5),
+}
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_numpy():
+    if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 4):
+        pytest.fail(f"the Triton interpreter's dynamic loop bounds fail with NumPy {np.__version__}; run with "
+                    "numpy<2.4 first on PYTHONPATH (see test_paged_decode_interpret's docstring)")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_reference(name, dtype, splits):
+    from epmoe.engine.mla_decode import mla_decode_triton
+
+    ctx, h, dv, dr, bs = CASES[name]
+    q, cache, tables, ctx_t = _case(len(name), ctx, h, dv, dr, bs, dtype=dtype)
+    scale = (dv + dr) ** -0.5
+    got = mla_decode_triton(q, cache, tables, ctx_t, scale, dv, splits=splits)
+    assert got.shape == (len(ctx), h, dv) and got.dtype == dtype
+    if dtype == torch.float32:
+        assert _rel(got, _naive(q, cache, tables, ctx_t, scale, dv)) < 1e-5
+    else:
+        assert _rel(got, mla_decode_reference(q, cache, tables, ctx_t, scale, dv)) < 5e-3
+    for j, n in enumerate(ctx):
+        if n == 0:
+            assert torch.equal(got[j], torch.zeros_like(got[j]))
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_kernel_writes_out_and_uses_workspace(splits):
+    from epmoe.engine.mla_decode import mla_decode_triton
+
+    q, cache, tables, ctx = _case(7, [80, 0, 33, 1], 18, 32, 16, 16)
+    want = _naive(q, cache, tables, ctx, 0.2, 32)
+    out = torch.full((4, 18, 32), float("nan"))
+    ws = torch.full((paged_decode_workspace_numel(4, 18, 32, splits),), float("nan"))
+    got = mla_decode_triton(q, cache, tables, ctx, 0.2, 32, out=out, splits=splits, workspace=ws)
+    assert got is out and _rel(out, want) < 1e-5
+    with pytest.raises(ValueError, match="workspace must be a 1-D float32 tensor"):
+        mla_decode_triton(q, cache, tables, ctx, 0.2, 32, out=out, splits=2, workspace=ws[:10])
+    with pytest.raises(ValueError, match="splits must be a power of two"):
+        mla_decode_triton(q, cache, tables, ctx, 0.2, 32, splits=3)
