@@ -42,7 +42,7 @@ def test_model_shapes(model, ctx, splits, dtype):
     got = mla_decode_triton(q, cache, tables, lens, scale, r, splits=splits)
     assert got.shape == (len(ctx), h, r) and got.dtype == dtype
     if dtype == torch.float32:
-        assert _rel(got, _naive(q.cpu(), cache.cpu(), tables.cpu(), lens.cpu(), scale, r)) < 2e-5
+        assert _rel(got.cpu(), _naive(q.cpu(), cache.cpu(), tables.cpu(), lens.cpu(), scale, r)) < 2e-5
     else:
         assert _rel(got, mla_decode_reference(q, cache, tables, lens, scale, r)) < BF16_TOL
     for j, n in enumerate(ctx):
