@@ -131,7 +131,8 @@ def save_placement_as(lp: LayeredPlacement, path: str | Path, fmt: str | None = 
     doc = {"num_slots": p.num_slots, "layer_updates_per_iter": 0,
            "initial_global_assignments": {int(layer): p.phy2log[i].tolist() for i, layer in enumerate(lp.layers)}}
     with atomic_path(path) as tmp:
-        tmp.write_text(yaml.safe_dump(doc, default_flow_style=None, width=1 << 20, sort_keys=False))
+        dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)  # libyaml where PyYAML was built with it
+        tmp.write_text(yaml.dump(doc, Dumper=dumper, default_flow_style=None, width=1 << 20, sort_keys=False))
 
 
 def _read_doc(path: Path) -> tuple[str, Any]:
@@ -142,7 +143,7 @@ def _read_doc(path: Path) -> tuple[str, Any]:
         import yaml
 
         try:
-            return "trtllm", yaml.safe_load(path.read_text())
+            return "trtllm", yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
         except yaml.YAMLError as exc:
             raise ValueError(f"placement file {str(path)!r} is not YAML: {exc}") from exc
     if path.suffix in (".pt", ".pth"):
