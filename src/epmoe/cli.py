@@ -377,8 +377,8 @@ def _iters(text: str) -> tuple[int, int]:
 def _add_balance(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "balance", help="balance expert loads (EPLB): write a placement, a per-layer table and a PNG",
-        description="Reads loads (epmoe JSON/safetensors, the OLMoE CSV, SGLang's stat and per-pass dumps, TensorRT-LLM "
-                    "statistic folders), writes the placement (epmoe, SGLang or TensorRT-LLM format) atomically; "
+        description="Reads loads (epmoe JSON/safetensors, the OLMoE CSV, SGLang's stat and per-pass dumps, "
+                    "TensorRT-LLM statistic folders), writes the placement (epmoe, SGLang or TensorRT-LLM format) atomically; "
                     "nothing on error.",
     )
     p.add_argument("--loads", required=True, metavar="PATH", help="loads file or folder (format found by content)")

@@ -191,7 +191,7 @@ def test_bad_input_names_file_and_field_and_writes_nothing(tmp_path, capsys):
     full = (torch.arange(256) % 256).expand(61, -1)
     rejected.write_text(json.dumps({"physical_to_logical_map": full.tolist(), "ep_size": 8}))
     err = refused("--loads", str(dump), "--config", str(V3), "--from", str(rejected))
-    assert f"placement file {str(rejected)!r}: field 'ep_size' is not accepted by SGLang's --init-expert-location" in err
+    assert f"placement file {str(rejected)!r}: field 'ep_size' is not accepted by SGLang's --init-expert" in err
 
     short = tmp_path / "short.json"  # a map without the dense rows: SGLang needs every decoder layer
     short.write_text(json.dumps({"physical_to_logical_map": full[3:].tolist()}))
