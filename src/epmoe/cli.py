@@ -378,8 +378,8 @@ def _add_balance(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "balance", help="balance expert loads (EPLB): write a placement, a per-layer table and a PNG",
         description="Reads loads (epmoe JSON/safetensors, the OLMoE CSV, SGLang's stat and per-pass dumps, "
-                    "TensorRT-LLM statistic folders), writes the placement (epmoe, SGLang or TensorRT-LLM format) atomically; "
-                    "nothing on error.",
+                    "TensorRT-LLM statistic folders), writes the placement (epmoe, SGLang or TensorRT-LLM format) "
+                    "atomically; nothing on error.",
     )
     p.add_argument("--loads", required=True, metavar="PATH", help="loads file or folder (format found by content)")
     p.add_argument("--loads-format", default="auto", choices=LOAD_FORMAT_CHOICES,
