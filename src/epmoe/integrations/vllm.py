@@ -116,8 +116,8 @@ class VllmEplb:
             want = (weight.shape[0], num_replicas, weight.shape[1])
             if (fixed.num_layers, fixed.num_slots, fixed.num_experts) != want:
                 raise ValueError(f"EPMOE_EPLB_PLACEMENT ({str(self.placement_file)!r}) covers {fixed.num_layers} "
-                                 f"layers x {fixed.num_slots} slots of {fixed.num_experts} experts, but vLLM rearranges "
-                                 f"{want[0]} MoE layers x {want[1]} slots of {want[2]} experts")
+                                 f"layers x {fixed.num_slots} slots of {fixed.num_experts} experts, but vLLM "
+                                 f"rearranges {want[0]} MoE layers x {want[1]} slots of {want[2]} experts")
             return fixed
         return rebalance_placement(weight, num_replicas, num_groups, num_nodes, num_ranks, current)
 
