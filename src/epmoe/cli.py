@@ -244,7 +244,7 @@ def _flag_error(exc: Exception, flags: dict[str, str]) -> Exception:
 
 _PLAN_FLAGS = {"gpus": "--gpus", "nodes": "--nodes", "spec_tokens": "--spec-tokens", "redundant": "--redundant",
                "context": "--context", "batch": "--batch", "weights": "--weights", "mem_fraction": "--mem-fraction",
-               "balancedness": "--balancedness"}
+               "balancedness": "--balancedness", "accept_length": "--accept-length"}
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
@@ -267,12 +267,20 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                                                                       "checkpoint's)")
     p.add_argument("--mem-fraction", type=float, default=0.9, help="share of GPU memory usable (default 0.9)")
     p.add_argument("--balancedness", type=float, default=0.8, help="expected mean/max load per EP rank (default 0.8)")
+    p.add_argument("--accept-length", type=float, metavar="A",
+                   help="with --spec-tokens: expected tokens per sequence per round (1 to S+1) for tokens/s; "
+                        "default: only the break-even length")
+    p.add_argument("--draft", metavar="DIR_OR_CONFIG", help="with --spec-tokens: the draft model (default: an "
+                                                            "EAGLE-3 head of the target's sizes)")
+    p.add_argument("--engine", choices=("sglang", "vllm"), help="also print the command that runs the recommended "
+                                                                "strategy on this server")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", metavar="PNG", help="write step time vs batch per strategy to this PNG")
     p.set_defaults(func=_cmd_plan)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from epmoe.plan.draft import read_draft
     from epmoe.plan.hardware import load_hardware
     from epmoe.plan.report import report_plan
     from epmoe.plan.request import PlanRequest
@@ -284,9 +292,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             batches=args.batch, spec_tokens=args.spec_tokens, redundant=args.redundant, context=args.context,
             weights=args.weights, mem_fraction=args.mem_fraction, balancedness=args.balancedness,
         )
+        draft = read_draft(args.draft) if args.draft else None
+        if (args.draft or args.accept_length is not None) and not args.spec_tokens:
+            raise ValueError("--draft and --accept-length price speculative decoding: they need --spec-tokens")
+        report_plan(req, as_json=args.json, plot_path=args.plot, draft=draft, accept_length=args.accept_length,
+                    engine=args.engine, model=str(Path(args.config)) if Path(args.config).is_dir() else None,
+                    draft_path=args.draft)
     except (ValueError, TypeError) as exc:
         raise _flag_error(exc, _PLAN_FLAGS) from exc
-    report_plan(req, as_json=args.json, plot_path=args.plot)
     return 0
 
 
