@@ -347,7 +347,8 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", metavar="DIR", help="target checkpoint directory")
     src.add_argument("--config", metavar="FILE", help="target config.json")
-    p.add_argument("--placement", metavar="FILE", help="placement of the target (JSON or safetensors)")
+    p.add_argument("--placement", metavar="FILE", help="placement of the target: epmoe (JSON, safetensors), SGLang "
+                                                       "(.json, .pt) or TensorRT-LLM (.yaml)")
     p.add_argument("--draft", metavar="DIR_OR_CONFIG", help="draft model for speculative decoding")
     p.add_argument("--draft-placement", metavar="FILE", help="placement of an MoE draft")
     p.add_argument("--ep", type=int, help="EP size (default 1)")

@@ -210,3 +210,17 @@ def test_load_format_choices_match_the_readers():
     with pytest.raises(ValueError, match="iters applies to TensorRT-LLM statistic folders"):
         read_load_dump(Path(__file__).resolve().parents[2] / "data" / "loads" / "eplb_readme_example.json",
                        iters=(0, 1))
+
+
+def test_doctor_reads_the_three_formats(tmp_path, capsys):
+    spec = load_moe_spec(V3)
+    lp = LayeredPlacement(ExpertPlacement.trivial(58, 256, 8, 32), spec.moe_layers, 61, "epmoe")
+    for name in ("p.json", "s.pt", "t.yaml"):
+        save_placement_as(lp, tmp_path / name)
+        assert main(["doctor", "--config", str(V3), "--placement", str(tmp_path / name), "--ep", "8"]) == 0
+        assert f"placement {name} covers all 58 MoE layers (288 slots, 32 redundant)" in capsys.readouterr().out
+    doc = _yaml_load((tmp_path / "t.yaml").read_text())
+    doc["initial_global_assignments"][30] = doc["initial_global_assignments"][30][:-1]
+    (tmp_path / "t.yaml").write_text(yaml.dump(doc, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper)))
+    assert main(["doctor", "--config", str(V3), "--placement", str(tmp_path / "t.yaml"), "--ep", "8"]) == 1
+    assert "field 'initial_global_assignments.30' has 287 entries, but num_slots is 288" in capsys.readouterr().out
