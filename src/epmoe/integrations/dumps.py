@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from epmoe.loads import as_load_array, read_loads
+from epmoe.loads import as_load_array, read_csv_loads, read_loads
 from epmoe.spec import MoESpec
 
 LOAD_FORMATS = ("auto", "epmoe", "olmoe-csv", "sglang-stat", "sglang-per-pass", "trtllm")
@@ -292,13 +292,11 @@ def read_load_dump(path: str | Path, fmt: str = "auto", *, spec: MoESpec | None 
     if kind in ("epmoe", "olmoe-csv"):
         if p.is_dir():
             raise ValueError(f"loads {str(p)!r} is a folder; {kind} loads are one file")
+        if (kind == "olmoe-csv") != (p.suffix == ".csv"):
+            raise ValueError(f"loads {str(p)!r}: loads_format {kind} needs " + (
+                "a .csv file" if kind == "olmoe-csv" else "a .json or .safetensors file"))
         load = read_loads(p)
-        if kind == "olmoe-csv":
-            from epmoe.loads import read_csv_loads
-
-            names = tuple(read_csv_loads(p)[1])
-        else:
-            names = tuple(str(i) for i in range(load.shape[0]))
+        names = tuple(read_csv_loads(p)[1]) if kind == "olmoe-csv" else tuple(str(i) for i in range(load.shape[0]))
         if spec is not None and load.shape != (spec.num_moe_layers, spec.num_experts):
             raise ValueError(f"loads {str(p)!r}: field 'load' covers {load.shape[0]} MoE layers x {load.shape[1]} "
                              f"experts, but config {config!r} has {spec.num_moe_layers} MoE layers x "

@@ -72,17 +72,17 @@ def check_placement_path(path: str | Path, fmt: str | None = None) -> str:
     return fmt
 
 
-def _check_layers(lp: LayeredPlacement, fmt: str, out: str) -> None:
+def _check_layers(lp: LayeredPlacement, fmt: str, what: str) -> None:
     p = lp.placement
     if len(lp.layers) != p.num_layers or list(lp.layers) != sorted(set(lp.layers)):
-        raise ValueError(f"out ({out!r}): the placement has {p.num_layers} rows but {len(lp.layers)} distinct "
+        raise ValueError(f"{what}: the placement has {p.num_layers} rows but {len(lp.layers)} distinct "
                          "ascending decoder layer indices were given")
     if fmt == "sglang":
         if lp.num_decoder_layers is None:
-            raise ValueError(f"out ({out!r}): SGLang's physical_to_logical_map covers every decoder layer; the "
+            raise ValueError(f"{what}: SGLang's physical_to_logical_map covers every decoder layer; the "
                              "model's decoder layer count is unknown (pass --config)")
         if lp.layers[-1] >= lp.num_decoder_layers:
-            raise ValueError(f"out ({out!r}): MoE layer {lp.layers[-1]} is past the model's "
+            raise ValueError(f"{what}: MoE layer {lp.layers[-1]} is past the model's "
                              f"{lp.num_decoder_layers} decoder layers")
 
 
@@ -92,7 +92,7 @@ def sglang_map(lp: LayeredPlacement) -> torch.Tensor:
     Raises:
         ValueError: the decoder layer count is unknown or a layer index is past it.
     """
-    _check_layers(lp, "sglang", "physical_to_logical_map")
+    _check_layers(lp, "sglang", "SGLang's physical_to_logical_map")
     p = lp.placement
     full = (torch.arange(p.num_slots) % p.num_experts).expand(lp.num_decoder_layers, -1).clone()
     full[list(lp.layers)] = p.phy2log
@@ -113,7 +113,7 @@ def save_placement_as(lp: LayeredPlacement, path: str | Path, fmt: str | None = 
     """
     path = Path(path)
     fmt = check_placement_path(path, fmt)
-    _check_layers(lp, fmt, str(path))
+    _check_layers(lp, fmt, f"out ({str(path)!r})")
     p = lp.placement
     if fmt == "epmoe":
         p.save(path)
