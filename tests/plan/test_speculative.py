@@ -63,6 +63,10 @@ def test_verify_step_grows_less_than_linearly_and_collectives_are_counted_per_st
         assert st.pays == (2.5 > st.break_even)
     # the DP-attention draft runs whole on each GPU, the TP one sliced over 8: the whole one reads 8x the weights
     assert dp.draft_ms > 4 * tp.draft_ms
+    head = sp.draft  # its memory beside the target: weights (sliced under TP) and the KV cache of the context
+    assert tp.draft_bytes == pytest.approx(head.weight_bytes / 8 + 4096 * head.kv_bytes_per_token / 8)
+    assert dp.draft_bytes == pytest.approx(head.weight_bytes + 4096 * head.kv_bytes_per_token)
+    assert tp.fits and not dp.fits and dp.over == pytest.approx(dp.verify.memory.over + dp.draft_bytes)
 
 
 def test_moe_draft_is_priced_as_its_own_decode_step():

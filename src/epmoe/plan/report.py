@@ -122,7 +122,8 @@ def speculation_verdict(sp: Speculation, strategy: str, i: int) -> str:
     st = sp.strategy(strategy).steps[i]
     head = f"under {strategy} at batch {st.batch}: "
     why = _why_speculation(st)
-    fits = "" if st.verify.memory.fits else f" (does not fit: over by {st.verify.memory.over / GIB:.1f} GiB per GPU)"
+    fits = "" if st.fits else (f" (target and draft do not fit: over by {st.over / GIB:.2f} GiB per GPU with the "
+                               f"draft's {st.draft_bytes / GIB:.1f} GiB)")
     if st.accept_length is None:
         return (f"{head}pays when more than {st.break_even:.2f} tokens are accepted per round; {why}{fits}")
     verdict = "pays" if st.pays else "does not pay"
@@ -131,15 +132,14 @@ def speculation_verdict(sp: Speculation, strategy: str, i: int) -> str:
 
 
 def speculation_summary(sp: Speculation, i: int) -> str:
-    """One sentence: at batch index ``i``, the fastest way to decode among the strategies that fit, with or without
-    speculation (tokens/s at the given accepted length, or the break-even length without one)."""
+    """One sentence: at batch index ``i``, the fastest way to decode among what fits in GPU memory (plain decoding:
+    the target; speculation: target and draft), with or without speculation."""
     options = []
     for plan_s in sp.strategies:
         st = plan_s.steps[i]
-        if not st.verify.memory.fits:
-            continue
-        options.append((st.plain_tokens_per_s, f"{plan_s.strategy.name} without speculation"))
-        if st.tokens_per_s is not None:
+        if st.decode.memory.fits:
+            options.append((st.plain_tokens_per_s, f"{plan_s.strategy.name} without speculation"))
+        if st.tokens_per_s is not None and st.fits:
             options.append((st.tokens_per_s, f"{plan_s.strategy.name} with speculation"))
     batch = sp.strategies[0].steps[i].batch
     if not options:
@@ -155,18 +155,20 @@ def speculation_table(sp: Speculation) -> Table:
     a = f", accepted length {sp.accept_length:g}" if sp.accept_length is not None else ""
     t = Table(title=f"speculative decoding: {sp.spec_tokens} draft tokens per round ({sp.draft.name}){a}",
               caption="ms on the busiest rank (verify collectives: the plan above, same counts); break-even: "
-                      "accepted tokens per round at which speculation matches plain decoding")
+                      "accepted tokens per round at which speculation matches plain decoding; fits: target at verify "
+                      "size and draft together")
     for col in ("strategy", "batch", "decode", "verify", "drafts", "draft collectives", "break-even", "tok/s plain",
-                "tok/s spec", "pays"):
-        t.add_column(col, justify="left" if col in ("strategy", "draft collectives", "pays") else "right",
+                "tok/s spec", "pays", "fits"):
+        t.add_column(col, justify="left" if col in ("strategy", "draft collectives", "pays", "fits") else "right",
                      no_wrap=True)
     for plan_s in sp.strategies:
         for st in plan_s.steps:
             spec_tps = "" if st.tokens_per_s is None else f"{st.tokens_per_s:.1f}"
             pays = "" if st.pays is None else ("yes" if st.pays else "[red]no[/red]")
+            fits = "yes" if st.fits else f"[red]over {st.over / GIB:.2f} GiB[/red]"
             t.add_row(plan_s.strategy.name, str(st.batch), f"{st.decode.total_ms:.2f}", f"{st.verify.total_ms:.2f}",
                       f"{st.draft_ms:.2f}", describe_collectives(st.draft_collectives, short=True),
-                      f"{st.break_even:.2f}", f"{st.plain_tokens_per_s:.1f}", spec_tps, pays)
+                      f"{st.break_even:.2f}", f"{st.plain_tokens_per_s:.1f}", spec_tps, pays, fits)
         t.add_section()
     return t
 
@@ -179,6 +181,7 @@ def speculation_to_dict(sp: Speculation) -> dict[str, Any]:
             "batch": st.batch, "decode_ms": st.decode.total_ms, "verify_ms": st.verify.total_ms,
             "draft_ms": st.draft_ms, "round_ms": st.round_ms, "break_even_accept_length": st.break_even,
             "plain_tokens_per_s": st.plain_tokens_per_s, "tokens_per_s": st.tokens_per_s, "pays": st.pays,
+            "draft_bytes_per_gpu": st.draft_bytes, "fits": st.fits,
             "verify_collectives": [{"kind": c.kind, "what": c.what, "count": c.count, "ms_total": c.ms_total}
                                    for c in st.verify.collectives],
             "draft_collectives": [{"kind": c.kind, "what": c.what, "count": c.count, "ms_total": c.ms_total}

@@ -14,7 +14,7 @@ roofline of its weights (embedding excluded), KV reads and FLOPs, plus the profi
 attention it is sliced over the GPUs with 2 all-reduces per layer and an all-gather of its logits per forward
 (SGLang and vLLM run the draft with the target's TP); under DP attention each GPU runs it whole on its own
 sequences, with no collectives. An MoE draft is priced as the planner's decode step of its own model under the
-same strategy.
+same strategy. The draft's weights and KV cache count against the GPU memory of the verify step.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from epmoe.plan.costs import ACT_BYTES, collective_ms, roofline_ms
 from epmoe.plan.draft import DraftModel, default_eagle3_draft
 from epmoe.plan.planner import collective_link, plan
-from epmoe.plan.request import CollectiveCost, PlanRequest, StepEstimate, Strategy
+from epmoe.plan.request import CollectiveCost, PlanRequest, StepEstimate, Strategy, StrategyPlan
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class SpeculativeStep:
         draft_ms: the ``S`` draft forwards of the round, ms.
         draft_collectives: the collectives of those forwards (counts over the round).
         accept_length: expected tokens per sequence per round (``A``), or None when not given.
+        draft_bytes: memory the draft adds on one GPU (its weights and KV cache at the planned context), bytes.
     """
 
     batch: int
@@ -47,6 +48,18 @@ class SpeculativeStep:
     draft_ms: float
     draft_collectives: tuple[CollectiveCost, ...]
     accept_length: float | None
+    draft_bytes: float = 0.0
+
+    @property
+    def over(self) -> float:
+        """Bytes per GPU beyond capacity with the draft loaded beside the target at verify size (0 when it fits)."""
+        m = self.verify.memory
+        return max(0.0, m.total + self.draft_bytes - m.capacity)
+
+    @property
+    def fits(self) -> bool:
+        """True when target (at verify size) and draft fit in GPU memory together."""
+        return self.over == 0.0
 
     @property
     def round_ms(self) -> float:
@@ -135,6 +148,15 @@ def _dense_draft_forward(req: PlanRequest, s: Strategy, batch: int, draft: Draft
     return ms, colls
 
 
+def _dense_draft_bytes(req: PlanRequest, s: Strategy, batch: int, draft: DraftModel) -> float:
+    """Weights and KV cache of a dense draft on one GPU: sliced over attention TP, whole under DP attention."""
+    dp = s.mode == "a2a_dp_attn"
+    tp = 1 if dp else s.attn_tp
+    seqs = math.ceil(batch / req.gpus) if dp else batch
+    kv = draft.kv_bytes_per_token * max(1, draft.kv_heads // tp) / draft.kv_heads
+    return draft.weight_bytes / tp + seqs * req.context * kv
+
+
 def price_speculation(req: PlanRequest, draft: DraftModel | None = None, accept_length: float | None = None
                       ) -> Speculation:
     """Price speculative decoding with ``req.spec_tokens`` draft tokens for every strategy and batch of ``req``.
@@ -161,23 +183,28 @@ def price_speculation(req: PlanRequest, draft: DraftModel | None = None, accept_
     draft = draft or default_eagle3_draft(req.spec)
     verify = plan(req)
     decode = plan(replace(req, spec_tokens=0))
-    draft_steps: dict[str, tuple[StepEstimate, ...]] = {}
+    draft_plans: dict[str, StrategyPlan] = {}
     if draft.spec is not None:
         moe = plan(replace(req, spec=draft.spec, spec_tokens=0, redundant=0))
-        draft_steps = {sp.strategy.name: sp.steps for sp in moe.strategies}
+        draft_plans = {sp.strategy.name: sp for sp in moe.strategies}
     out = []
     for vp, dp in zip(verify.strategies, decode.strategies):
         s = vp.strategy
-        if draft.spec is not None and s.name not in draft_steps:
+        if draft.spec is not None and s.name not in draft_plans:
             continue
         steps = []
         for i, (v, d) in enumerate(zip(vp.steps, dp.steps)):
             if draft.spec is not None:
-                one = draft_steps[s.name][i]
+                one = draft_plans[s.name].steps[i]
                 ms, colls = one.total_ms, list(one.collectives)
             else:
                 ms, colls = _dense_draft_forward(req, s, v.batch, draft)
             round_colls = tuple(replace(c, count=c.count * s_tokens) for c in colls)
-            steps.append(SpeculativeStep(v.batch, d, v, ms * s_tokens, round_colls, accept_length))
+            if draft.spec is not None:
+                m = draft_plans[s.name].steps[i].memory
+                extra = m.weights + m.kv_cache
+            else:
+                extra = _dense_draft_bytes(req, s, v.batch, draft)
+            steps.append(SpeculativeStep(v.batch, d, v, ms * s_tokens, round_colls, accept_length, extra))
         out.append(SpeculativePlan(s, tuple(steps)))
     return Speculation(s_tokens, accept_length, draft, tuple(out))
