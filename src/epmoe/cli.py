@@ -249,7 +249,7 @@ def _flag_error(exc: Exception, flags: dict[str, str]) -> Exception:
 
 _PLAN_FLAGS = {"gpus": "--gpus", "nodes": "--nodes", "spec_tokens": "--spec-tokens", "redundant": "--redundant",
                "context": "--context", "batch": "--batch", "weights": "--weights", "mem_fraction": "--mem-fraction",
-               "balancedness": "--balancedness"}
+               "balancedness": "--balancedness", "accept_length": "--accept-length"}
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
@@ -272,12 +272,20 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                                                                       "checkpoint's)")
     p.add_argument("--mem-fraction", type=float, default=0.9, help="share of GPU memory usable (default 0.9)")
     p.add_argument("--balancedness", type=float, default=0.8, help="expected mean/max load per EP rank (default 0.8)")
+    p.add_argument("--accept-length", type=float, metavar="A",
+                   help="with --spec-tokens: expected tokens per sequence per round (1 to S+1) for tokens/s; "
+                        "default: only the break-even length")
+    p.add_argument("--draft", metavar="DIR_OR_CONFIG", help="with --spec-tokens: the draft model (default: an "
+                                                            "EAGLE-3 head of the target's sizes)")
+    p.add_argument("--engine", choices=("sglang", "vllm"), help="also print the command that runs the recommended "
+                                                                "strategy on this server")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", metavar="PNG", help="write step time vs batch per strategy to this PNG")
     p.set_defaults(func=_cmd_plan)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from epmoe.plan.draft import read_draft
     from epmoe.plan.hardware import load_hardware
     from epmoe.plan.report import report_plan
     from epmoe.plan.request import PlanRequest
@@ -289,9 +297,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             batches=args.batch, spec_tokens=args.spec_tokens, redundant=args.redundant, context=args.context,
             weights=args.weights, mem_fraction=args.mem_fraction, balancedness=args.balancedness,
         )
+        draft = read_draft(args.draft) if args.draft else None
+        if (args.draft or args.accept_length is not None) and not args.spec_tokens:
+            raise ValueError("--draft and --accept-length price speculative decoding: they need --spec-tokens")
+        report_plan(req, as_json=args.json, plot_path=args.plot, draft=draft, accept_length=args.accept_length,
+                    engine=args.engine, model=str(Path(args.config)) if Path(args.config).is_dir() else None,
+                    draft_path=args.draft)
     except (ValueError, TypeError) as exc:
         raise _flag_error(exc, _PLAN_FLAGS) from exc
-    report_plan(req, as_json=args.json, plot_path=args.plot)
     return 0
 
 
@@ -339,7 +352,8 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", metavar="DIR", help="target checkpoint directory")
     src.add_argument("--config", metavar="FILE", help="target config.json")
-    p.add_argument("--placement", metavar="FILE", help="placement of the target (JSON or safetensors)")
+    p.add_argument("--placement", metavar="FILE", help="placement of the target: epmoe (JSON, safetensors), SGLang "
+                                                       "(.json, .pt) or TensorRT-LLM (.yaml)")
     p.add_argument("--draft", metavar="DIR_OR_CONFIG", help="draft model for speculative decoding")
     p.add_argument("--draft-placement", metavar="FILE", help="placement of an MoE draft")
     p.add_argument("--ep", type=int, help="EP size (default 1)")
@@ -366,13 +380,34 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
                                 "weights": "--weights"}) from exc
 
 
+LOAD_FORMAT_CHOICES = ("auto", "epmoe", "olmoe-csv", "sglang-stat", "sglang-per-pass", "trtllm")
+
+
+def _iters(text: str) -> tuple[int, int]:
+    """``--iters A-B``: TensorRT-LLM's iteration range, ``A <= i < B``."""
+    from epmoe.integrations.dumps import parse_iters
+
+    try:
+        return parse_iters(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("iters", "--iters", 1)) from None
+
+
 def _add_balance(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "balance", help="balance expert loads (EPLB): write a placement, a per-layer table and a PNG",
-        description="Reads loads (JSON, safetensors or the OLMoE CSV), writes the placement atomically; nothing on "
-                    "error.",
+        description="Reads loads (epmoe JSON/safetensors, the OLMoE CSV, SGLang's stat and per-pass dumps, "
+                    "TensorRT-LLM statistic folders), writes the placement (epmoe, SGLang or TensorRT-LLM format) "
+                    "atomically; nothing on error.",
     )
-    p.add_argument("--loads", required=True, metavar="FILE", help="loads file [L, E]")
+    p.add_argument("--loads", required=True, metavar="PATH", help="loads file or folder (format found by content)")
+    p.add_argument("--loads-format", default="auto", choices=LOAD_FORMAT_CHOICES,
+                   help="force the loads format (default auto)")
+    p.add_argument("--config", metavar="CONFIG", help="the model's config.json or checkpoint directory: dense-layer "
+                                                      "rows dropped, layer and expert counts checked")
+    p.add_argument("--iters", type=_iters, metavar="A-B", help="TensorRT-LLM iterations A <= i < B (default all)")
+    p.add_argument("--out-format", choices=("epmoe", "sglang", "trtllm"),
+                   help="placement format (default from --out: .pt sglang, .yaml trtllm, else epmoe)")
     p.add_argument("--ep", type=int, required=True, help="EP size G")
     p.add_argument("--redundant", type=int, default=0, help="redundant slots per layer R (default 0)")
     p.add_argument("--nodes", type=int, default=1, help="nodes (> 1: hierarchical, groups kept on one node)")
@@ -380,7 +415,8 @@ def _add_balance(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--algorithm", default="epmoe", help="balancer: epmoe (default), deepseek, exact")
     p.add_argument("--from", dest="from_placement", metavar="PLACEMENT", help="current placement: move few copies")
     p.add_argument("--max-moves", type=int, help="most slots that may change (with --from)")
-    p.add_argument("--out", required=True, metavar="PLACEMENT", help="placement file to write (.json or .safetensors)")
+    p.add_argument("--out", required=True, metavar="PLACEMENT", help="placement file to write (.json, .safetensors, "
+                                                                     ".pt or .yaml)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="PNG", help="write per-rank loads before/after as a PNG")
     p.set_defaults(func=_cmd_balance)
@@ -397,11 +433,13 @@ def _cmd_balance(args: argparse.Namespace) -> int:
         report = balance_file(
             args.loads, args.ep, args.redundant, args.out, num_nodes=args.nodes, num_groups=args.groups,
             algorithm=args.algorithm, from_placement=args.from_placement, max_moves=args.max_moves, plot=args.plot,
+            loads_format=args.loads_format, config=args.config, iters=args.iters, out_format=args.out_format,
         )
     except (ValueError, TypeError, KeyError) as exc:
         raise _flag_error(exc, {"ep_size": "--ep", "num_redundant": "--redundant", "num_nodes": "--nodes",
                                 "num_groups": "--groups", "max_moves": "--max-moves", "from_placement": "--from",
-                                "out": "--out", "plot": "--plot", "algorithm": "--algorithm"}) from exc
+                                "out": "--out", "plot": "--plot", "algorithm": "--algorithm", "iters": "--iters",
+                                "out_format": "--out-format", "loads_format": "--loads-format"}) from exc
     if args.json:
         print(json.dumps(report.to_json()))
     else:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from epmoe.checks import check_int
-from epmoe.placement import ExpertPlacement
+from epmoe.integrations.placements import load_placement_as
 from epmoe.plan.costs import WEIGHT_CHOICES, weights_hint
 from epmoe.plan.draft import DraftModel, draft_bytes, read_draft
 from epmoe.plan.hardware import HardwareProfile, load_hardware
@@ -57,7 +57,8 @@ class DoctorConfig:
 
     Attributes:
         model: target checkpoint directory or ``config.json`` path.
-        placement: placement file of the target (JSON or safetensors), or ``None`` for the trivial one.
+        placement: placement file of the target (epmoe JSON or safetensors, SGLang .json/.pt, TensorRT-LLM .yaml;
+            ``integrations.placements``), or ``None`` for the trivial one.
         draft: draft model directory or ``config.json`` for speculative decoding, or ``None``.
         draft_placement: placement file of an MoE draft.
         ep: EP size ``G`` (``None``: 1).
@@ -146,8 +147,7 @@ def check_placement(spec: MoESpec, placement: str | None, ep: int, what: str) ->
         return 0, [Finding("ok", f"{what}: no placement given; the trivial placement ({spec.num_experts // ep} "
                                  f"experts per rank on {spec.num_moe_layers} MoE layers) will be used")]
     try:
-        p = ExpertPlacement.load(placement, ep_size=ep)
-        p.check_model(spec.num_moe_layers, spec.num_experts, what)
+        p = load_placement_as(placement, ep_size=ep, spec=spec).placement  # epmoe, SGLang or TensorRT-LLM file
     except (ValueError, FileNotFoundError) as exc:
         return 0, [Finding("error", f"{what}: {exc}", "a layer without a matching placement cannot route its tokens",
                            f"build a placement for {spec.num_moe_layers} MoE layers x {spec.num_experts} experts at "

@@ -111,7 +111,8 @@ def test_outputs_written_together_without_temporary_files(tmp_path, capsys):
 def test_loads_directory_and_weight_key_messages(tmp_path, capsys):
     out = tmp_path / "p.json"
     assert main(["balance", "--loads", str(tmp_path), "--ep", "2", "--out", str(out)]) == 2
-    assert f"error: loads file {str(tmp_path)!r} is a directory, not a file" in capsys.readouterr().err
+    assert (f"error: loads folder {str(tmp_path)!r} holds neither TensorRT-LLM's meta_info.json nor SGLang's "
+            "per-pass .pt files") in capsys.readouterr().err
     bad = tmp_path / "w.json"
     bad.write_text('{"weight": [[1, 2], [3]]}')
     assert main(["balance", "--loads", str(bad), "--ep", "2", "--out", str(out)]) == 2

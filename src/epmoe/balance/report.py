@@ -12,8 +12,16 @@ from epmoe.balance.moves import placement_moves, rebalance_with_moves
 from epmoe.balance.problem import check_problem, rank_balancedness, rank_loads
 from epmoe.balance.registry import balance, get_balancer
 from epmoe.files import check_output_path
-from epmoe.loads import read_csv_loads, read_loads
+from epmoe.integrations.dumps import read_load_dump
+from epmoe.integrations.placements import (
+    LayeredPlacement,
+    check_placement_path,
+    load_placement_as,
+    save_placement_as,
+    sglang_map,
+)
 from epmoe.placement import ExpertPlacement
+from epmoe.spec import load_moe_spec
 
 
 @dataclass(frozen=True)
@@ -90,14 +98,14 @@ def _plot_png(names: list[str], before: torch.Tensor, after: torch.Tensor) -> by
     return buf.getvalue()
 
 
-def _write_outputs(placement: ExpertPlacement, out: Path, png: bytes | None, plot: Path | None) -> None:
+def _write_outputs(placement: LayeredPlacement, out: Path, png: bytes | None, plot: Path | None) -> None:
     """Write the placement and the PNG: both prepared under temporary names next to their targets, then renamed;
     on an error every temporary file is removed and the message names the path the user gave."""
     staged: list[tuple[Path, Path, str]] = []  # (temporary, final, field)
     try:
         tmp_out = out.with_name(f".{out.name}.epmoe-partial{out.suffix}")
         staged.append((tmp_out, out, "out"))
-        placement.save(tmp_out)  # writes ``tmp_out.tmp`` then renames it to ``tmp_out``
+        save_placement_as(placement, tmp_out, placement.format)  # writes ``tmp_out.tmp``, renames it to ``tmp_out``
         if png is not None and plot is not None:
             tmp_png = plot.with_name(plot.name + ".tmp")
             staged.append((tmp_png, plot, "plot"))
@@ -124,6 +132,10 @@ def balance_file(
     from_placement: str | Path | None = None,
     max_moves: int | None = None,
     plot: str | Path | None = None,
+    loads_format: str = "auto",
+    config: str | Path | None = None,
+    iters: tuple[int, int] | None = None,
+    out_format: str | None = None,
 ) -> BalanceReport:
     """Balance the loads in a file and write the placement (and a PNG of per-rank loads).
 
@@ -133,22 +145,31 @@ def balance_file(
     name and renamed; on any error nothing is written.
 
     Args:
-        loads: loads file (JSON, safetensors or the OLMoE CSV; see ``loads.read_loads``).
+        loads: loads file or folder, any format of ``integrations.dumps`` (epmoe JSON/safetensors, the OLMoE CSV,
+            SGLang stat and per-pass dumps, TensorRT-LLM statistic folders).
         ep_size: ``G`` EP ranks. num_redundant: ``R`` redundant slots per layer.
-        out: placement file to write (``.json`` or ``.safetensors``).
+        out: placement file to write (epmoe ``.json``/``.safetensors``, SGLang ``.json``/``.pt``, TensorRT-LLM
+            ``.yaml``).
         num_nodes, num_groups: hierarchical option (see ``balance``).
-        algorithm: balancer name. from_placement: current placement file. max_moves: slot budget.
+        algorithm: balancer name. from_placement: current placement file (any format of
+            ``integrations.placements``). max_moves: slot budget.
         plot: PNG path, or None.
+        loads_format: one of ``integrations.dumps.LOAD_FORMATS`` (default ``auto``: by content).
+        config: the model's ``config.json`` (or checkpoint directory): dense-layer rows are dropped with it and
+            the layer and expert counts of the loads and ``from_placement`` checked against it.
+        iters: TensorRT-LLM iterations ``(a, b)``, ``a <= i < b``.
+        out_format: ``epmoe``, ``sglang`` or ``trtllm``; default from ``out``'s suffix (``.pt`` SGLang, ``.yaml``
+            TensorRT-LLM, else epmoe).
 
     Raises:
         FileNotFoundError: a missing input file.
-        ValueError: bad loads, sizes, a placement that does not fit them, or an ``out`` / ``plot`` path that
-            cannot be written (checked before anything is computed; nothing is written then).
+        ValueError: bad loads, sizes, a placement that does not fit them or that the target server would reject,
+            or an ``out`` / ``plot`` path that cannot be written (checked before anything is computed; nothing is
+            written then).
         KeyError: unknown ``algorithm``.
     """
-    out_path = check_output_path("out", out, "a placement file path (.json or .safetensors)")
-    if out_path.suffix not in (".json", ".safetensors"):
-        raise ValueError(f"out ({str(out)!r}) must end in .json or .safetensors (the placement file's format)")
+    out_path = check_output_path("out", out, "a placement file path (.json, .safetensors, .pt or .yaml)")
+    fmt = check_placement_path(out_path, out_format)
     plot_path = check_output_path("plot", plot, "a PNG file path") if plot is not None else None
     if plot_path is not None and plot_path.resolve() == out_path.resolve():
         raise ValueError(f"plot ({str(plot)!r}) and out ({str(out)!r}) name the same file")
@@ -156,14 +177,23 @@ def balance_file(
     for field, target in (("out", out_path), ("plot", plot_path)):
         if target is not None and target.resolve() == path.resolve():
             raise ValueError(f"{field} ({str(target)!r}) names the loads file; write the placement elsewhere")
-    load = read_loads(path)
-    names = read_csv_loads(path)[1] if path.suffix == ".csv" else [str(i) for i in range(load.shape[0])]
+    spec = load_moe_spec(config) if config is not None else None
+    dump = read_load_dump(path, loads_format, spec=spec, iters=iters)
+    load, names = dump.load, list(dump.names)
     check_problem(load, ep_size, num_redundant, num_nodes, num_groups)
     get_balancer(algorithm)
     num_layers, num_experts = load.shape
+    num_decoder = spec.num_layers if spec is not None else dump.num_decoder_layers
     if from_placement is not None:
-        before = ExpertPlacement.load(from_placement)
-        before.check_model(num_layers, num_experts, what=f"loads file {str(path)!r}")
+        current = load_placement_as(from_placement, ep_size=ep_size, spec=spec)
+        before = current.placement
+        if spec is None and current.num_decoder_layers is not None:  # an SGLang map: every decoder layer
+            if current.num_decoder_layers != dump.num_decoder_layers:
+                raise ValueError(f"from_placement ({str(from_placement)!r}) is an SGLang map over "
+                                 f"{current.num_decoder_layers} decoder layers; pass --config to pick its MoE layers")
+            before = ExpertPlacement(before.phy2log[list(dump.layers)], before.num_experts, before.ep_size)
+        before.check_model(num_layers, num_experts, what=f"loads {str(path)!r}")
+        num_decoder = num_decoder if num_decoder is not None else current.num_decoder_layers
         if (before.ep_size, before.num_redundant) != (ep_size, num_redundant):
             raise ValueError(
                 f"from_placement ({str(from_placement)!r}) is for EP size {before.ep_size} with "
@@ -172,15 +202,21 @@ def balance_file(
             )
         if num_nodes > 1:
             raise ValueError(f"num_nodes ({num_nodes}) must be 1 with from_placement (movement-aware rebalancing)")
+    elif max_moves is not None:
+        raise ValueError(f"max_moves ({max_moves}) needs from_placement (the current placement) to count moves from")
+    if fmt == "sglang" and num_decoder is None:
+        raise ValueError(f"out ({str(out)!r}): SGLang's physical_to_logical_map covers every decoder layer, dense ones "
+                         f"included; {str(path)!r} does not say how many the model has: pass --config")
+    if from_placement is not None:
         result = rebalance_with_moves(load, before, max_moves=max_moves, algorithm=algorithm)
         after, moves = result.placement, result.moves
     else:
-        if max_moves is not None:
-            raise ValueError(f"max_moves ({max_moves}) needs from_placement (the current placement) to count moves "
-                             "from")
         before = ExpertPlacement.trivial(num_layers, num_experts, ep_size, num_redundant)
         after = balance(load, ep_size, num_redundant, algorithm=algorithm, num_nodes=num_nodes, num_groups=num_groups)
         moves = placement_moves(before, after)
+    written = LayeredPlacement(after, dump.layers, num_decoder, fmt)
+    if fmt == "sglang":
+        sglang_map(written)  # the layer indices fit the decoder layers: checked before anything is written
     rb, ra = rank_loads(load, before), rank_loads(load, after)
     mean = rb.mean(1).clamp(min=1e-300)
     bal_b, bal_a = rank_balancedness(rb), rank_balancedness(ra)
@@ -193,7 +229,7 @@ def balance_file(
         for i in range(num_layers)
     ]
     png = _plot_png(names, rb, ra) if plot is not None else None
-    _write_outputs(after, out_path, png, plot_path)
+    _write_outputs(written, out_path, png, plot_path)
     return BalanceReport(
         rows=rows,
         balancedness_before=float(bal_b.mean()),

@@ -3,7 +3,8 @@ it never runs anything).
 
 ``request`` holds the request and result values, ``costs`` the cost and memory model, ``hardware/`` the
 hardware profiles (JSON files with their sources) and their parser, ``planner`` the strategies priced,
-``report`` the ``epmoe plan`` table, plot and JSON, ``draft`` a speculative-decoding draft's sizes.
+``report`` the ``epmoe plan`` table, plot and JSON, ``draft`` a speculative-decoding draft's sizes,
+``speculative`` whether speculative decoding pays per strategy (verify step, drafts, break-even, tokens/s).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from epmoe.spec import DenseModelError, MoESpec, language_model_config, load_moe
 
 @dataclass(frozen=True)
 class DraftModel:
-    """What doctor needs of a draft model.
+    """What doctor and the planner need of a draft model.
 
     Attributes:
         name: file or directory name, for messages.
@@ -30,6 +30,11 @@ class DraftModel:
         weight_bytes: weights of a dense draft, bytes (whole on every GPU); 0 for an MoE draft (planned).
         kv_bytes_per_token: KV-cache bytes of a dense draft per token, all its layers, all heads; 0 for an MoE draft.
         kv_heads: KV heads of a dense draft (split by attention TP, one per rank at least).
+        num_layers: decoder layers of a dense draft.
+        step_params: parameters a dense draft's forward reads (all but the embedding, which is a row gather):
+            its decoder layers, EAGLE-3's ``fc`` and the LM head.
+        head_vocab: rows of the LM head (EAGLE-3: ``draft_vocab_size``).
+        dtype_bytes: bytes per weight (``torch_dtype`` float32: 4, else 2).
     """
 
     name: str
@@ -39,6 +44,10 @@ class DraftModel:
     weight_bytes: float = 0.0
     kv_bytes_per_token: float = 0.0
     kv_heads: int = 1
+    num_layers: int = 0
+    step_params: float = 0.0
+    head_vocab: int = 0
+    dtype_bytes: int = 2
 
 
 def _read_config(path: str) -> dict[str, Any]:
@@ -49,12 +58,55 @@ def _field(cfg: dict[str, Any], key: str, source: str, default: int | None = Non
     return check_positive_int(f"{source}: field {key!r}", cfg.get(key, default))
 
 
-def read_draft(path: str) -> DraftModel:
-    """Read a draft model's config: an MoE draft's ``MoESpec``, or a dense (EAGLE-3) draft's sizes.
+def dense_draft(cfg: dict[str, Any], name: str) -> DraftModel:
+    """A dense draft's sizes from its ``config.json`` object.
 
-    Dense draft weights: embedding ``[V, D]``, per layer attention (EAGLE-3: q/k/v read ``2 D``, the
-    embedding and the fused target hidden state) and a SwiGLU MLP ``3 D I``, EAGLE-3's ``fc [D, 3 D]``,
-    and the LM head ``[draft_vocab_size or V, D]``, in ``torch_dtype`` (float32: 4 B, else 2 B).
+    Weights: embedding ``[V, D]``, per layer attention (EAGLE-3: q/k/v read ``2 D``, the embedding and the fused
+    target hidden state) and a SwiGLU MLP ``3 D I``, EAGLE-3's ``fc [D, 3 D]``, and the LM head
+    ``[draft_vocab_size or V, D]``, in ``torch_dtype`` (float32: 4 B, else 2 B).
+
+    Raises:
+        ValueError: a size field missing or not a positive integer (named).
+    """
+    d = _field(cfg, "hidden_size", name)
+    v = _field(cfg, "vocab_size", name)
+    layers = _field(cfg, "num_hidden_layers", name)
+    inter = _field(cfg, "intermediate_size", name)
+    heads = _field(cfg, "num_attention_heads", name)
+    kv_heads = _field(cfg, "num_key_value_heads", name, heads)
+    head_dim = _field(cfg, "head_dim", name, d // heads) if cfg.get("head_dim") is not None else d // heads
+    eagle3 = "eagle_config" in cfg or any("Eagle3" in str(a) for a in cfg.get("architectures") or [])
+    attn_in = 2 * d if eagle3 else d
+    attn = attn_in * (heads + 2 * kv_heads) * head_dim + heads * head_dim * d
+    head_vocab = cfg.get("draft_vocab_size") or v
+    step = layers * (attn + 3 * d * inter) + (3 * d * d if eagle3 else 0) + head_vocab * d
+    dtype_bytes = 4 if (cfg.get("torch_dtype") or cfg.get("dtype")) == "float32" else 2
+    kv = layers * 2 * kv_heads * head_dim * ACT_BYTES
+    return DraftModel(name, d, v, weight_bytes=(v * d + step) * dtype_bytes, kv_bytes_per_token=kv, kv_heads=kv_heads,
+                      num_layers=layers, step_params=step, head_vocab=head_vocab, dtype_bytes=dtype_bytes)
+
+
+# EAGLE-3 heads as SpecForge and others train them: Llama head size 128 and a 32000-token draft vocabulary
+# (data/configs/eagle3-draft-*.config.json all use draft_vocab_size 32000; the Kimi-K2 head uses head_dim 128).
+EAGLE3_HEAD_DIM = 128
+EAGLE3_DRAFT_VOCAB = 32000
+
+
+def default_eagle3_draft(spec: MoESpec) -> DraftModel:
+    """The EAGLE-3 head of ``spec``'s sizes, for pricing speculation when no draft is given: one Llama decoder layer
+    of the target's hidden size, attention and KV heads and dense intermediate size, head size 128, a 32000-token
+    draft vocabulary, bf16 (the published Kimi-K2 EAGLE-3 head, data/configs/eagle3-draft-kimi-k2-instruct-aq-
+    medai.config.json, has exactly these sizes for Kimi-K2/K2.5)."""
+    a = spec.attention
+    cfg = {"hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size, "num_hidden_layers": 1,
+           "intermediate_size": spec.dense_intermediate_size or spec.moe_intermediate_size,
+           "num_attention_heads": a.num_heads, "num_key_value_heads": a.num_kv_heads, "head_dim": EAGLE3_HEAD_DIM,
+           "draft_vocab_size": EAGLE3_DRAFT_VOCAB, "architectures": ["LlamaForCausalLMEagle3"]}
+    return dense_draft(cfg, f"EAGLE-3 head of {Path(spec.source).name}")
+
+
+def read_draft(path: str) -> DraftModel:
+    """Read a draft model's config: an MoE draft's ``MoESpec``, or a dense (EAGLE-3) draft's sizes (``dense_draft``).
 
     Raises:
         FileNotFoundError: no config there.
@@ -67,22 +119,7 @@ def read_draft(path: str) -> DraftModel:
         spec = None
     if spec is not None:
         return DraftModel(name, spec.hidden_size, spec.vocab_size, spec=spec)
-    cfg = _read_config(path)
-    d = _field(cfg, "hidden_size", name)
-    v = _field(cfg, "vocab_size", name)
-    layers = _field(cfg, "num_hidden_layers", name)
-    inter = _field(cfg, "intermediate_size", name)
-    heads = _field(cfg, "num_attention_heads", name)
-    kv_heads = _field(cfg, "num_key_value_heads", name, heads)
-    head_dim = _field(cfg, "head_dim", name, d // heads) if cfg.get("head_dim") is not None else d // heads
-    eagle3 = "eagle_config" in cfg or any("Eagle3" in str(a) for a in cfg.get("architectures") or [])
-    attn_in = 2 * d if eagle3 else d
-    attn = attn_in * (heads + 2 * kv_heads) * head_dim + heads * head_dim * d
-    head_vocab = cfg.get("draft_vocab_size") or v
-    params = v * d + layers * (attn + 3 * d * inter) + (3 * d * d if eagle3 else 0) + head_vocab * d
-    dtype_bytes = 4 if cfg.get("torch_dtype") == "float32" else 2
-    kv = layers * 2 * kv_heads * head_dim * ACT_BYTES
-    return DraftModel(name, d, v, weight_bytes=params * dtype_bytes, kv_bytes_per_token=kv, kv_heads=kv_heads)
+    return dense_draft(_read_config(path), name)
 
 
 def draft_bytes(draft: DraftModel | None, draft_plan: dict[str, StrategyPlan], s: StrategyPlan, batch: int,

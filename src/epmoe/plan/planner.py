@@ -102,7 +102,7 @@ def strategies_for(spec: MoESpec, gpus: int, redundant: int = 0) -> tuple[list[S
     return out, skipped
 
 
-def _link(req: PlanRequest) -> LinkProfile:
+def collective_link(req: PlanRequest) -> LinkProfile:
     """The link a collective over all ``G`` GPUs is priced on: inter-node when it spans nodes."""
     return req.hardware.inter_node if req.nodes > 1 else req.hardware.intra_node
 
@@ -195,7 +195,7 @@ def _step(req: PlanRequest, s: Strategy, batch: int) -> StepEstimate:
     expert_ms = n_moe * expert_layer_ms(dims, rows, touched, s.moe_tp, hw, req.expert_format)
 
     # communication
-    link = _link(req)
+    link = collective_link(req)
     colls: list[CollectiveCost] = []
 
     def add(kind: CollectiveKind, what: str, count: int, nbytes: float, ms: float | None = None) -> None:

@@ -11,19 +11,21 @@ from rich.table import Table
 
 from epmoe.files import check_output_path
 from epmoe.plan.costs import weights_hint
+from epmoe.plan.draft import DraftModel
 from epmoe.plan.planner import plan
 from epmoe.plan.request import GIB, Plan, PlanRequest, StepEstimate, StrategyPlan
+from epmoe.plan.speculative import Speculation, SpeculativeStep, price_speculation
 
 _KIND_SHORT = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "all_to_all": "A2A"}
 _KIND_WORDS = {"all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter", "all_gather": "all-gather",
                "all_to_all": "all-to-all"}
 
 
-def describe_collectives(step: StepEstimate, short: bool = False) -> str:
-    """The collectives of a step in words, e.g. ``122 all-reduces + 1 all-gather`` (``no collectives``);
-    ``short``: ``122 AR + 1 AG``."""
+def describe_collectives(step: StepEstimate | tuple, short: bool = False) -> str:
+    """The collectives of a step (or a tuple of ``CollectiveCost``) in words, e.g. ``122 all-reduces + 1
+    all-gather`` (``no collectives``); ``short``: ``122 AR + 1 AG``."""
     counts: dict[str, int] = {}
-    for c in step.collectives:
+    for c in step.collectives if isinstance(step, StepEstimate) else step:
         counts[c.kind] = counts.get(c.kind, 0) + c.count
     if not counts:
         return "none" if short else "no collectives"
@@ -101,6 +103,97 @@ def recommend(p: Plan) -> str:
         span = f"batch {batches[0]}" if len(batches) == 1 else f"batch {batches[0]}-{batches[-1]}"
         parts.append(f"{choice} for {span} ({why})")
     return "; ".join(parts)
+
+
+def _why_speculation(st: SpeculativeStep) -> str:
+    """What makes a round cost what it does, against a plain decode step."""
+    v, d = st.verify, st.decode
+    parts = {"experts": v.expert_ms - d.expert_ms, "collectives": v.comm_ms - d.comm_ms,
+             "attention and dense": v.attention_ms - d.attention_ms}
+    grow = ", ".join(f"{k} {ms:+.2f} ms" for k, ms in sorted(parts.items(), key=lambda kv: -kv[1]))
+    drafts = describe_collectives(st.draft_collectives)
+    return (f"verify {v.total_ms:.2f} ms ({describe_collectives(v)}, {v.comm_ms:.2f} ms of them) = "
+            f"{v.total_ms / d.total_ms:.2f}x the {d.total_ms:.2f} ms decode step ({grow}), plus drafts "
+            f"{st.draft_ms:.2f} ms ({drafts})")
+
+
+def speculation_verdict(sp: Speculation, strategy: str, i: int) -> str:
+    """One sentence: whether speculation pays under ``strategy`` at batch index ``i``, and why."""
+    st = sp.strategy(strategy).steps[i]
+    head = f"under {strategy} at batch {st.batch}: "
+    why = _why_speculation(st)
+    fits = "" if st.fits else (f" (target and draft do not fit: over by {st.over / GIB:.2f} GiB per GPU with the "
+                               f"draft's {st.draft_bytes / GIB:.1f} GiB)")
+    if st.accept_length is None:
+        return (f"{head}pays when more than {st.break_even:.2f} tokens are accepted per round; {why}{fits}")
+    verdict = "pays" if st.pays else "does not pay"
+    return (f"{head}{verdict} at accepted length {st.accept_length:g}: {st.tokens_per_s:.1f} against "
+            f"{st.plain_tokens_per_s:.1f} tokens/s (break-even {st.break_even:.2f}); {why}{fits}")
+
+
+def speculation_summary(sp: Speculation, i: int) -> str:
+    """One sentence: at batch index ``i``, the fastest way to decode among what fits in GPU memory (plain decoding:
+    the target; speculation: target and draft), with or without speculation."""
+    options = []
+    for plan_s in sp.strategies:
+        st = plan_s.steps[i]
+        if st.decode.memory.fits:
+            options.append((st.plain_tokens_per_s, f"{plan_s.strategy.name} without speculation"))
+        if st.tokens_per_s is not None and st.fits:
+            options.append((st.tokens_per_s, f"{plan_s.strategy.name} with speculation"))
+    batch = sp.strategies[0].steps[i].batch
+    if not options:
+        return f"at batch {batch} no strategy fits in GPU memory"
+    ranked = sorted(options, reverse=True)
+    best = f"at batch {batch} the fastest is {ranked[0][1]} ({ranked[0][0]:.1f} tokens/s)"
+    return best + (f", then {ranked[1][1]} ({ranked[1][0]:.1f})" if len(ranked) > 1 else "")
+
+
+def speculation_table(sp: Speculation) -> Table:
+    """A rich table: per strategy and batch, decode step, verify step, drafts and their collectives, break-even and
+    tokens/s."""
+    a = f", accepted length {sp.accept_length:g}" if sp.accept_length is not None else ""
+    t = Table(title=f"speculative decoding: {sp.spec_tokens} draft tokens per round ({sp.draft.name}){a}",
+              caption="ms on the busiest rank (verify collectives: the plan above, same counts); break-even: "
+                      "accepted tokens per round at which speculation matches plain decoding; fits: target at verify "
+                      "size and draft together")
+    for col in ("strategy", "batch", "decode", "verify", "drafts", "draft collectives", "break-even", "tok/s plain",
+                "tok/s spec", "pays", "fits"):
+        t.add_column(col, justify="left" if col in ("strategy", "draft collectives", "pays", "fits") else "right",
+                     no_wrap=True)
+    for plan_s in sp.strategies:
+        for st in plan_s.steps:
+            spec_tps = "" if st.tokens_per_s is None else f"{st.tokens_per_s:.1f}"
+            pays = "" if st.pays is None else ("yes" if st.pays else "[red]no[/red]")
+            fits = "yes" if st.fits else f"[red]over {st.over / GIB:.2f} GiB[/red]"
+            t.add_row(plan_s.strategy.name, str(st.batch), f"{st.decode.total_ms:.2f}", f"{st.verify.total_ms:.2f}",
+                      f"{st.draft_ms:.2f}", describe_collectives(st.draft_collectives, short=True),
+                      f"{st.break_even:.2f}", f"{st.plain_tokens_per_s:.1f}", spec_tps, pays, fits)
+        t.add_section()
+    return t
+
+
+def speculation_to_dict(sp: Speculation) -> dict[str, Any]:
+    """A JSON-ready document of the speculation pricing."""
+    return {
+        "spec_tokens": sp.spec_tokens, "accept_length": sp.accept_length, "draft": sp.draft.name,
+        "strategies": [{"name": s.strategy.name, "steps": [{
+            "batch": st.batch, "decode_ms": st.decode.total_ms, "verify_ms": st.verify.total_ms,
+            "draft_ms": st.draft_ms, "round_ms": st.round_ms, "break_even_accept_length": st.break_even,
+            "plain_tokens_per_s": st.plain_tokens_per_s, "tokens_per_s": st.tokens_per_s, "pays": st.pays,
+            "draft_bytes_per_gpu": st.draft_bytes, "fits": st.fits,
+            "verify_collectives": [{"kind": c.kind, "what": c.what, "count": c.count, "ms_total": c.ms_total}
+                                   for c in st.verify.collectives],
+            "draft_collectives": [{"kind": c.kind, "what": c.what, "count": c.count, "ms_total": c.ms_total}
+                                  for c in st.draft_collectives],
+        } for st in s.steps]} for s in sp.strategies],
+    }
+
+
+def _verdict_strategies(sp: Speculation, gpus: int) -> list[str]:
+    """The strategies the verdict lines cover: TP over all GPUs and every EP-over-all-GPUs strategy planned."""
+    names = [s.strategy.name for s in sp.strategies]
+    return [n for n in names if n == f"TP{gpus}" or n.startswith(f"EP{gpus}")]
 
 
 def plan_to_dict(p: Plan) -> dict[str, Any]:
@@ -186,26 +279,54 @@ def plot_plan(p: Plan, path: str | Path) -> None:
 
 
 def report_plan(req: PlanRequest, as_json: bool = False, plot_path: str | Path | None = None,
-                console: Console | None = None) -> Plan:
+                console: Console | None = None, *, draft: DraftModel | None = None,
+                accept_length: float | None = None, engine: str | None = None, model: str | None = None,
+                draft_path: str | None = None) -> Plan:
     """Plan ``req`` and report it: the table (or the JSON document), the skipped strategies, the
-    recommendation and, when ``plot_path`` is given, the PNG.
+    recommendation and, when ``plot_path`` is given, the PNG. With ``req.spec_tokens >= 1`` also the price of
+    speculative decoding (``speculative.price_speculation`` with ``draft`` and ``accept_length``) and whether it
+    pays under TP and EP over all GPUs; with ``engine`` (``sglang`` or ``vllm``) the server command line that
+    realises the recommendation (``integrations.commands``) for ``model`` (and ``draft_path``).
 
     Raises:
-        ValueError: as ``plan``, or a ``plot_path`` that cannot be written (checked before planning).
+        ValueError: as ``plan`` or ``price_speculation``, or a ``plot_path`` that cannot be written (checked before
+            planning).
     """
+    from epmoe.integrations.commands import server_command
+
     if plot_path is not None:
         check_output_path("--plot", plot_path, "a PNG file path")
     p = plan(req)
+    sp = price_speculation(req, draft, accept_length) if req.spec_tokens else None
+    command = server_command(engine, p, model=model, draft_path=draft_path) if engine else None
     if console is None:
         detected = Console()
         console = Console(width=max(detected.width, 130))  # the plan table needs ~130 columns
     if as_json:
-        console.print_json(json.dumps(plan_to_dict(p)))
+        doc = plan_to_dict(p)
+        if sp is not None:
+            doc["speculation"] = speculation_to_dict(sp)
+        if command is not None:
+            doc["command"] = {"engine": engine, "strategy": command.strategy, "argv": command.argv,
+                              "notes": command.notes}
+        console.print_json(json.dumps(doc))
     else:
         console.print(plan_table(p))
         for why in p.skipped:
             console.print(f"skipped {why}")
         console.print(f"[bold]Recommendation:[/bold] {recommend(p)}", soft_wrap=True)
+        if sp is not None:
+            console.print(speculation_table(sp))
+            for name in _verdict_strategies(sp, req.gpus):
+                for i in range(len(req.batches)):
+                    console.print(f"[bold]Speculation[/bold] {speculation_verdict(sp, name, i)}", soft_wrap=True)
+            for i in range(len(req.batches)):
+                console.print(f"[bold]Speculation, overall:[/bold] {speculation_summary(sp, i)}", soft_wrap=True)
+        if command is not None:
+            console.print(f"[bold]{engine}[/bold] ({command.strategy}):", soft_wrap=True)
+            console.print(command.text(), soft_wrap=True, markup=False, highlight=False)
+            for note in command.notes:
+                console.print(f"  note: {note}", soft_wrap=True)
     if plot_path is not None:
         plot_plan(p, plot_path)
         if not as_json:

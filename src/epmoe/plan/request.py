@@ -245,6 +245,11 @@ class Plan:
     strategies: tuple[StrategyPlan, ...]
     skipped: tuple[str, ...] = field(default=())
 
+    def fastest_fitting(self, i: int) -> StrategyPlan | None:
+        """The fastest strategy whose memory fits at batch index ``i`` (None when none fits)."""
+        fitting = [s for s in self.strategies if s.steps[i].memory.fits]
+        return min(fitting, key=lambda s: s.steps[i].total_ms) if fitting else None
+
     def strategy(self, name: str) -> StrategyPlan:
         """The plan of strategy ``name``.
 
