@@ -159,6 +159,16 @@ class MoESpec:
         moe = set(self.moe_layers)
         return tuple(i for i in range(self.num_layers) if i not in moe)
 
+    def describe_defaults(self) -> str:
+        """The fields taken from transformers' defaults, in words (``""`` when none was), e.g.
+        ``config.json has no n_group, topk_group: took transformers' Glm4MoeConfig defaults n_group=1,
+        topk_group=1``."""
+        if not self.defaults:
+            return ""
+        names = ", ".join(k for k, _ in self.defaults)
+        values = ", ".join(f"{k}={v!r}" for k, v in self.defaults)
+        return f"config.json has no {names}: took transformers' {self.defaults_class} defaults {values}"
+
     def expert_params(self) -> int:
         """Parameters of one routed expert (gate, up, down; plus biases where the model has them)."""
         d, f = self.hidden_size, self.moe_intermediate_size

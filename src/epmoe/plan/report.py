@@ -129,6 +129,7 @@ def plan_to_dict(p: Plan) -> dict[str, Any]:
         "nodes": r.nodes, "batches": list(r.batches), "spec_tokens": r.spec_tokens, "redundant": r.redundant,
         "context": r.context, "expert_format": r.expert_format, "dense_format": r.dense_format,
         "mem_fraction": r.mem_fraction, "balancedness": r.balancedness,
+        "config_defaults": {"class": r.spec.defaults_class, "fields": dict(r.spec.defaults)},
         "strategies": strategies, "skipped": list(p.skipped), "recommendation": recommend(p),
     }
 
@@ -187,8 +188,8 @@ def plot_plan(p: Plan, path: str | Path) -> None:
 
 def report_plan(req: PlanRequest, as_json: bool = False, plot_path: str | Path | None = None,
                 console: Console | None = None) -> Plan:
-    """Plan ``req`` and report it: the table (or the JSON document), the skipped strategies, the
-    recommendation and, when ``plot_path`` is given, the PNG.
+    """Plan ``req`` and report it: the table (or the JSON document), the config fields that took transformers'
+    defaults, the skipped strategies, the recommendation and, when ``plot_path`` is given, the PNG.
 
     Raises:
         ValueError: as ``plan``, or a ``plot_path`` that cannot be written (checked before planning).
@@ -203,6 +204,8 @@ def report_plan(req: PlanRequest, as_json: bool = False, plot_path: str | Path |
         console.print_json(json.dumps(plan_to_dict(p)))
     else:
         console.print(plan_table(p))
+        if req.spec.defaults:
+            console.print(req.spec.describe_defaults(), soft_wrap=True)
         for why in p.skipped:
             console.print(f"skipped {why}")
         console.print(f"[bold]Recommendation:[/bold] {recommend(p)}", soft_wrap=True)
