@@ -192,8 +192,8 @@ def test_doctor_says_which_values_came_from_transformers_defaults(tmp_path):
     findings = diagnose(DoctorConfig(model=str(path), ep=4))
     assert not _errors(findings), [f.line() for f in findings]
     warned = [f.line() for f in findings if "defaults" in f.what]
-    assert warned == [f"warning: the target model: config.json has no vocab_size: took transformers' Qwen2MoeConfig "
-                      f"defaults vocab_size=151936; transformers builds the model with the same values, but a "
-                      f"config.json that lost fields may not describe these weights; check them against the model's "
-                      f"own config"]
+    assert warned == ["warning: the target model: config.json has no vocab_size: took transformers' Qwen2MoeConfig "
+                      "defaults vocab_size=151936; transformers builds the model with the same values, but a "
+                      "config.json that lost fields may not describe these weights; check them against the model's "
+                      "own config"]
     assert not [f for f in diagnose(DoctorConfig(model=KIMI, ep=8)) if "defaults" in f.what]
