@@ -209,3 +209,30 @@ def test_unknown_family_without_experts_is_named_as_unsupported():
     with pytest.raises(DenseModelError, match=r"model_type 'foo_moe' is not a supported MoE family \(deepseek_v2.*"
                                               r"names no routed experts \(n_routed_experts"):
         parse_moe_spec({"model_type": "foo_moe"}, "foo/config.json")
+
+
+def test_defaults_of_a_config_class_that_is_not_a_dataclass(monkeypatch):
+    """Older transformers configs declare their defaults as ``__init__`` keywords: they are read the same way."""
+    import transformers
+
+    from epmoe.config_fields import ConfigFields, transformers_defaults
+
+    class OldStyleConfig:
+        attribute_map = {"num_local_experts": "num_experts"}
+
+        def __init__(self, vocab_size=32000, num_experts=8, head_dim=None, **kwargs):
+            self.vocab_size = vocab_size
+
+    monkeypatch.setattr(transformers, "CONFIG_MAPPING", {"old_moe": OldStyleConfig})
+    transformers_defaults.cache_clear()
+    try:
+        assert transformers_defaults("old_moe") == ("OldStyleConfig", {"vocab_size": 32000, "num_experts": 8},
+                                                    {"num_local_experts": "num_experts"})
+        f = ConfigFields({"hidden_size": 64}, "old.json", "old_moe")
+        assert (f.int("vocab_size"), f.int("num_local_experts"), f.int("head_dim", fallback=16)) == (32000, 8, 16)
+        assert f.defaulted == {"vocab_size": 32000, "num_local_experts": 8} and f.defaults_class == "OldStyleConfig"
+        with pytest.raises(ValueError, match=r"old\.json: missing field 'rope_theta' in config\.json \(and "
+                                             r"transformers' old_moe config declares no default\)"):
+            f.float("rope_theta")
+    finally:
+        transformers_defaults.cache_clear()
