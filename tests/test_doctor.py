@@ -182,3 +182,18 @@ def test_config_that_does_not_describe_the_weights(tiny_checkpoints, tmp_path, c
     assert main(["run", "--model", str(bad), "--ep", "1", "--no-reference", "--max-new-tokens", "1"]) == 2
     err = capsys.readouterr().err
     assert "tensor 'model.layers.1.mlp.gate.weight' has shape (16, 64), expected (8, 64) from config.json" in err
+
+
+def test_doctor_says_which_values_came_from_transformers_defaults(tmp_path):
+    cfg = json.loads((CONFIGS / "qwen1.5-moe-a2.7b.config.json").read_text())
+    del cfg["vocab_size"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    findings = diagnose(DoctorConfig(model=str(path), ep=4))
+    assert not _errors(findings), [f.line() for f in findings]
+    warned = [f.line() for f in findings if "defaults" in f.what]
+    assert warned == ["warning: the target model: config.json has no vocab_size: took transformers' Qwen2MoeConfig "
+                      "defaults vocab_size=151936; transformers builds the model with the same values, but a "
+                      "config.json that lost fields may not describe these weights; check them against the model's "
+                      "own config"]
+    assert not [f for f in diagnose(DoctorConfig(model=KIMI, ep=8)) if "defaults" in f.what]

@@ -100,6 +100,31 @@ def test_bad_files_name_the_problem(tmp_path, doc, message):
     assert "bad.json" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "doc, message",
+    [
+        # an id outside the 8 experts: named with its position, before the counts it breaks
+        ({"ep_size": 2, "num_experts": 8, "phy2log": [[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6, 9]]},
+         r"/p\.json': phy2log\[1, 7\] = 9 is not a logical expert id in \[0, 8\)$"),
+        ({"ep_size": 3, "num_experts": 8, "phy2log": [[0, 1, -1, 3, 4, 5, 6, 7]]},
+         r"/p\.json': phy2log\[0, 2\] = -1 is not a logical expert id in \[0, 8\)$"),
+        # no num_experts: 8 is the largest id, so 9 experts are assumed and expert 7 lacks a slot; the id comes first
+        ({"ep_size": 2, "phy2log": [[0, 1, 2, 3, 4, 5, 6, 8]]},
+         r"/p\.json': phy2log\[0, 7\] = 8 is the largest id and num_experts is not given, so 9 experts were "
+         r"assumed; is 8 out of range\? Then layer 0: logical expert 7 has no physical slot"),
+        # keys that are not ours are refused by name, not ignored
+        ({"ep_size": 2, "num_experts": 8, "num_ranks": 2, "phy2log": [[0, 1, 2, 3, 4, 5, 6, 7]]},
+         r"/p\.json': unknown field\(s\) 'num_ranks'; a placement file holds 'format', 'num_experts', 'ep_size', "
+         r"'phy2log', 'physical_to_logical_map'$"),
+    ],
+)
+def test_placement_file_ids_and_keys(tmp_path, doc, message):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=message):
+        ExpertPlacement.load(path)
+
+
 def test_file_ep_disagreement(tmp_path):
     path = tmp_path / "p.json"
     ExpertPlacement.trivial(1, 4, 2).save(path)

@@ -18,6 +18,9 @@ EXPECTED = {
     "deepseek-v2-lite": ("deepseek_v2", 26, 1, 64, 6, 1, 1, 2, 2816, "softmax_topk", False, 1.0, 1408, "bf16"),
     "kimi-k2-instruct": ("kimi_k2", 60, 1, 384, 8, 1, 1, 1, 2048, "sigmoid_topk", True, 2.827, 2048, "fp8_block128"),
     "kimi-k2.5": ("kimi_k2", 60, 1, 384, 8, 1, 1, 1, 2048, "sigmoid_topk", True, 2.827, 2048, "int4_group32"),
+    "glm-4.5": ("glm4_moe", 89, 3, 160, 8, 1, 1, 1, 1536, "sigmoid_topk", True, 2.5, 1536, "bf16"),
+    "glm-4.5-air": ("glm4_moe", 45, 1, 128, 8, 1, 1, 1, 1408, "sigmoid_topk", True, 1.0, 1408, "bf16"),
+    "glm-4.7-fp8": ("glm4_moe", 89, 3, 160, 8, 1, 1, 1, 1536, "sigmoid_topk", True, 2.5, 1536, "bf16"),
     "qwen1.5-moe-a2.7b": ("qwen2_moe", 24, 0, 60, 4, 1, 1, 1, 5632, "softmax_topk", False, 1.0, 1408, "bf16"),
     "qwen3-30b-a3b": ("qwen3_moe", 48, 0, 128, 8, 1, 1, 0, 0, "softmax_topk", True, 1.0, 768, "bf16"),
     "qwen3-235b-a22b": ("qwen3_moe", 94, 0, 128, 8, 1, 1, 0, 0, "softmax_topk", True, 1.0, 1536, "bf16"),
@@ -53,6 +56,14 @@ def test_family_specific_facts():
     assert llama4.scoring == "sigmoid" and llama4.hidden_size == 5120
     k25 = load_moe_spec(CONFIGS / "kimi-k2.5.config.json")  # language model under text_config
     assert (k25.hidden_size, k25.num_layers, k25.vocab_size) == (7168, 61, 163840)
+    glm = load_moe_spec(CONFIGS / "glm-4.5.config.json")  # DeepSeek-V3's router on GQA attention (no MLA)
+    got = (glm.correction_bias, glm.group_score, glm.router_fp32_logits, glm.attention.is_mla,
+           glm.attention.num_kv_heads, glm.attention.head_dim, glm.dense_intermediate_size, glm.vocab_size)
+    assert got == (True, "top2_sum", True, False, 8, 128, 12288, 151552)
+    # the trimmed GLM-4.7 copy leaves the routing fields to transformers' Glm4MoeConfig defaults, and says so
+    glm47 = load_moe_spec(CONFIGS / "glm-4.7-fp8.config.json")
+    assert glm47.defaults_class == "Glm4MoeConfig"
+    assert dict(glm47.defaults) == {"hidden_act": "silu", "n_group": 1, "topk_group": 1, "norm_topk_prob": True}
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("eagle3-draft-*.json")), ids=lambda p: p.name)
@@ -67,9 +78,92 @@ def _v3() -> dict:
 
 def test_missing_field_names_field_and_file():
     cfg = _v3()
-    del cfg["n_routed_experts"]
-    with pytest.raises(ValueError, match=r"myfile\.json: missing field 'n_routed_experts'"):
+    del cfg["model_type"]
+    with pytest.raises(ValueError, match=r"myfile\.json: missing field 'model_type' in config\.json"):
         parse_moe_spec(cfg, "myfile.json")
+
+
+def _qwen2() -> dict:
+    return json.loads((CONFIGS / "qwen1.5-moe-a2.7b.config.json").read_text())
+
+
+@pytest.mark.parametrize("name, field", [("qwen1.5-moe-a2.7b", "vocab_size"), ("deepseek-v3", "n_routed_experts"),
+                                         ("deepseek-v3", "first_k_dense_replace"), ("glm-4.5-air", "n_shared_experts"),
+                                         ("mixtral-8x7b", "num_key_value_heads")])
+def test_absent_field_takes_transformers_default(name, field):
+    """An absent field gets the value transformers' own config class gives it, and the spec says so."""
+    from transformers import AutoConfig
+
+    cfg = json.loads((CONFIGS / f"{name}.config.json").read_text())
+    del cfg[field]
+    want = getattr(AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"}),
+                   field)
+    s = parse_moe_spec(cfg, "c.json")
+    assert dict(s.defaults) == {**dict(load_moe_spec(CONFIGS / f"{name}.config.json").defaults), field: want}
+    assert s.defaults_class == type(AutoConfig.for_model(cfg["model_type"])).__name__
+    got = {"vocab_size": s.vocab_size, "n_routed_experts": s.num_experts, "n_shared_experts": s.num_shared_experts,
+           "first_k_dense_replace": s.moe_layers[0], "num_key_value_heads": s.attention.num_kv_heads}[field]
+    assert got == want
+
+
+def test_qwen2_moe_without_vocab_size_loads_with_the_default(tmp_path):
+    cfg = _qwen2()
+    del cfg["vocab_size"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    s = load_moe_spec(tmp_path)
+    assert s.vocab_size == 151936 and s.defaults == (("vocab_size", 151936),)
+    assert s.defaults_class == "Qwen2MoeConfig"
+    assert load_moe_spec(CONFIGS / "qwen1.5-moe-a2.7b.config.json").defaults == ()
+
+
+def test_explicit_null_is_what_transformers_derives():
+    lite = load_moe_spec(CONFIGS / "deepseek-v2-lite.config.json")  # "q_lora_rank": null: no query LoRA
+    assert lite.attention.q_lora_rank == 0 and lite.defaults == ()
+    cfg = {**_v3(), "n_group": None, "topk_group": None}
+    s = parse_moe_spec(cfg, "v3.json")
+    assert (s.n_group, s.topk_group) == (1, 1)
+
+
+# Values that were accepted silently (and changed what ``plan`` printed): each refused naming file, field, value.
+@pytest.mark.parametrize(
+    "name, edit, message",
+    [
+        ("deepseek-v3", {"n_shared_experts": -1},
+         r"v3\.json: field 'n_shared_experts' must be an integer >= 0, got -1$"),
+        ("qwen3-30b-a3b", {"decoder_sparse_step": -2},
+         r"v3\.json: field 'decoder_sparse_step' must be a positive integer, got -2$"),
+        ("qwen3-30b-a3b", {"decoder_sparse_step": 0},
+         r"v3\.json: field 'decoder_sparse_step' must be a positive integer, got 0$"),
+        ("deepseek-v3", {"moe_layer_freq": 0}, r"v3\.json: field 'moe_layer_freq' must be a positive integer, got 0$"),
+        ("deepseek-v3", {"first_k_dense_replace": "3"},
+         r"v3\.json: field 'first_k_dense_replace' must be an integer in \[0, 61\], got '3' \(a string\)$"),
+        ("deepseek-v3", {"routed_scaling_factor": "2.5"},
+         r"v3\.json: field 'routed_scaling_factor' must be a positive number, got '2\.5' \(a string\)$"),
+        ("qwen3-30b-a3b", {"num_key_value_heads": "4"},
+         r"v3\.json: field 'num_key_value_heads' must be an integer in \[1, 32\], got '4' \(a string\)$"),
+        ("qwen3-30b-a3b", {"num_experts": "128"}, r"v3\.json: field 'num_experts' must be a positive integer, got "
+                                                  r"'128' \(a string\)$"),
+        ("deepseek-v3", {"n_routed_experts": True}, r"field 'n_routed_experts' must be a positive integer, got True$"),
+        ("deepseek-v3", {"norm_topk_prob": "yes"}, r"field 'norm_topk_prob' must be true or false, got 'yes'"),
+        ("deepseek-v3", {"routed_scaling_factor": 0},
+         r"field 'routed_scaling_factor' must be a positive number, got 0"),
+        ("qwen3-30b-a3b", {"mlp_only_layers": [3, "4"]},
+         r"field 'mlp_only_layers'\[1\] must be an integer in \[0, 47\], got '4' \(a string\)"),
+        ("qwen3-30b-a3b", {"mlp_only_layers": [48]}, r"field 'mlp_only_layers'\[0\] must be an integer in \[0, 47\]"),
+        ("glm-4.5", {"n_group": 0}, r"field 'n_group' must be a positive integer, got 0"),
+        ("gpt-oss-20b", {"swiglu_limit": float("inf")}, r"field 'swiglu_limit' must be a positive number, got inf"),
+    ],
+)
+def test_bad_values_are_refused_with_field_value_and_file(name, edit, message):
+    cfg = {**json.loads((CONFIGS / f"{name}.config.json").read_text()), **edit}
+    with pytest.raises(ValueError, match=message):
+        parse_moe_spec(cfg, "v3.json")
+
+
+def test_moe_layer_freq_other_than_one_is_refused():
+    with pytest.raises(ValueError, match=r"field 'moe_layer_freq' is 2; only 1 is supported: transformers' deepseek_v3 "
+                                         r"model puts an MoE block in every layer from first_k_dense_replace \(3\) on"):
+        parse_moe_spec({**_v3(), "moe_layer_freq": 2}, "v3.json")
 
 
 @pytest.mark.parametrize(
@@ -78,8 +172,8 @@ def test_missing_field_names_field_and_file():
         ({"n_group": 7}, r"n_group \(7\) must divide the number of routed experts \(256\)"),
         ({"topk_group": 9}, r"topk_group \(9\) must lie in \[1, n_group=8\]"),
         ({"num_experts_per_tok": 300}, r"num_experts_per_tok \(300\) exceeds the number of experts \(256\)"),
-        ({"scoring_func": "softmax"}, r"expects scoring_func 'sigmoid'"),
-        ({"first_k_dense_replace": 70}, r"first_k_dense_replace \(70\)"),
+        ({"scoring_func": "softmax"}, r"field 'scoring_func' must be one of 'sigmoid', got 'softmax'"),
+        ({"first_k_dense_replace": 70}, r"field 'first_k_dense_replace' must be an integer in \[0, 61\], got 70"),
         ({"hidden_size": -1}, r"'hidden_size' must be a positive integer, got -1"),
         ({"first_k_dense_replace": 61}, r"has no MoE layers"),
     ],
@@ -138,3 +232,30 @@ def test_qwen_moe_layers_are_those_transformers_builds(model_type, step, mlp_onl
     assert spec.moe_layers == built
     assert built == tuple(i for i in range(8) if (i + 1) % step == 0 and i not in mlp_only)  # the rule, spelled out
     assert spec.dense_intermediate_size == 24
+
+
+def test_defaults_of_a_config_class_that_is_not_a_dataclass(monkeypatch):
+    """Older transformers configs declare their defaults as ``__init__`` keywords: they are read the same way."""
+    import transformers
+
+    from epmoe.config_fields import ConfigFields, transformers_defaults
+
+    class OldStyleConfig:
+        attribute_map = {"num_local_experts": "num_experts"}
+
+        def __init__(self, vocab_size=32000, num_experts=8, head_dim=None, **kwargs):
+            self.vocab_size = vocab_size
+
+    monkeypatch.setattr(transformers, "CONFIG_MAPPING", {"old_moe": OldStyleConfig})
+    transformers_defaults.cache_clear()
+    try:
+        assert transformers_defaults("old_moe") == ("OldStyleConfig", {"vocab_size": 32000, "num_experts": 8},
+                                                    {"num_local_experts": "num_experts"})
+        f = ConfigFields({"hidden_size": 64}, "old.json", "old_moe")
+        assert (f.int("vocab_size"), f.int("num_local_experts"), f.int("head_dim", fallback=16)) == (32000, 8, 16)
+        assert f.defaulted == {"vocab_size": 32000, "num_local_experts": 8} and f.defaults_class == "OldStyleConfig"
+        with pytest.raises(ValueError, match=r"old\.json: missing field 'rope_theta' in config\.json \(and "
+                                             r"transformers' old_moe config declares no default\)"):
+            f.float("rope_theta")
+    finally:
+        transformers_defaults.cache_clear()

@@ -123,13 +123,18 @@ def check_backends(ep: int, nodes: int = 1) -> list[Finding]:
 
 def _load_spec(path: str, what: str) -> tuple[MoESpec | None, list[Finding]]:
     try:
-        return load_moe_spec(path), []
+        spec = load_moe_spec(path)
     except DenseModelError as exc:
         return None, [Finding("error", f"{what} is not an MoE model: {exc}", "EP spreads routed experts over ranks",
                               "run it without EP, or point --model at the MoE checkpoint")]
     except (ValueError, FileNotFoundError) as exc:
         return None, [Finding("error", f"{what} cannot be read: {exc}", "nothing can be checked or launched",
                               "pass a checkpoint directory or its config.json")]
+    if spec.defaults:
+        return spec, [Finding("warning", f"{what}: {spec.describe_defaults()}",
+                              "transformers builds the model with the same values, but a config.json that lost "
+                              "fields may not describe these weights", "check them against the model's own config")]
+    return spec, []
 
 
 def check_placement(spec: MoESpec, placement: str | None, ep: int, what: str) -> tuple[int, list[Finding]]:

@@ -20,6 +20,8 @@ from epmoe.checks import check_int, check_positive_int
 from epmoe.files import atomic_path
 
 PLACEMENT_FORMAT = "epmoe.placement/1"
+# the keys of a JSON placement file (``physical_to_logical_map``: SGLang's name of ``phy2log``)
+PLACEMENT_KEYS = ("format", "num_experts", "ep_size", "phy2log", "physical_to_logical_map")
 
 
 def max_redundant_slots(num_experts: int, ep_size: int) -> int:
@@ -78,6 +80,15 @@ class ExpertPlacement:
         num_layers, num_slots = p.shape
         if num_layers == 0:
             raise ValueError("phy2log has no layers (shape [0, P]); a placement needs one row per MoE layer")
+        p = p.detach().to(device="cpu", dtype=torch.int64, copy=True).contiguous()  # our own copy: immutable
+        object.__setattr__(self, "phy2log", p)
+        bad = (p < 0) | (p >= self.num_experts)
+        if bad.any():  # a wrong id first: it explains the counts below
+            layer, slot = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(
+                f"phy2log[{layer}, {slot}] = {int(p[layer, slot])} is not a logical expert id in [0, "
+                f"{self.num_experts})"
+            )
         if self.ep_size > num_slots:
             raise ValueError(
                 f"EP size ({self.ep_size}) is larger than the number of slots ({num_slots}): "
@@ -86,15 +97,6 @@ class ExpertPlacement:
         if num_slots % self.ep_size:
             raise ValueError(
                 f"num_slots ({num_slots}) must be divisible by the EP group size ({self.ep_size})"
-            )
-        p = p.detach().to(device="cpu", dtype=torch.int64, copy=True).contiguous()  # our own copy: immutable
-        object.__setattr__(self, "phy2log", p)
-        bad = (p < 0) | (p >= self.num_experts)
-        if bad.any():
-            layer, slot = (int(v) for v in bad.nonzero()[0])
-            raise ValueError(
-                f"phy2log[{layer}, {slot}] = {int(p[layer, slot])} is not a logical expert id in [0, "
-                f"{self.num_experts})"
             )
         counts = self.logcnt
         missing = (counts == 0).nonzero()
@@ -216,12 +218,28 @@ class ExpertPlacement:
     # ---- constructors ------------------------------------------------------------------------
     @classmethod
     def from_phy2log(cls, phy2log: torch.Tensor, ep_size: int, num_experts: int | None = None) -> "ExpertPlacement":
-        """Build from a ``[L, P]`` integer map; ``num_experts`` defaults to ``max(phy2log) + 1``."""
-        if num_experts is None:
-            if not isinstance(phy2log, torch.Tensor) or phy2log.numel() == 0:
-                raise ValueError("num_experts must be given when phy2log is empty or not a tensor")
-            num_experts = int(phy2log.max()) + 1
-        return cls(phy2log=phy2log, num_experts=num_experts, ep_size=ep_size)
+        """Build from a ``[L, P]`` integer map; ``num_experts`` defaults to ``max(phy2log) + 1``.
+
+        Raises:
+            ValueError: as the constructor; with ``num_experts`` inferred, a map whose largest id leaves some
+                smaller id without a slot names that largest id and its position first (it is the likely
+                out-of-range id).
+        """
+        if num_experts is not None:
+            return cls(phy2log=phy2log, num_experts=num_experts, ep_size=ep_size)
+        if not isinstance(phy2log, torch.Tensor) or phy2log.numel() == 0:
+            raise ValueError("num_experts must be given when phy2log is empty or not a tensor")
+        inferred = int(phy2log.max()) + 1
+        try:
+            return cls(phy2log=phy2log, num_experts=inferred, ep_size=ep_size)
+        except ValueError as exc:
+            if "has no physical slot" not in str(exc):
+                raise
+            layer, slot = (int(v) for v in (phy2log == inferred - 1).nonzero()[0])
+            raise ValueError(
+                f"phy2log[{layer}, {slot}] = {inferred - 1} is the largest id and num_experts is not given, so "
+                f"{inferred} experts were assumed; is {inferred - 1} out of range? Then {exc}"
+            ) from None
 
     @classmethod
     def trivial(
@@ -299,7 +317,8 @@ class ExpertPlacement:
     def load(cls, path: str | Path, ep_size: int | None = None) -> "ExpertPlacement":
         """Read a placement written by ``save`` (JSON or safetensors).
 
-        JSON files may also use SGLang's key ``physical_to_logical_map`` for ``phy2log``.
+        JSON files may also use SGLang's key ``physical_to_logical_map`` for ``phy2log``; any other key is
+        refused by name (``PLACEMENT_KEYS`` lists the known ones).
 
         Args:
             path: the file.
@@ -307,8 +326,9 @@ class ExpertPlacement:
 
         Raises:
             FileNotFoundError: no such file.
-            ValueError: unreadable file, a missing field, ragged layers, an ``ep_size`` disagreeing with
-                the file, or any validation error of the constructor (the file's name is in the message).
+            ValueError: unreadable file, a missing or unknown field, ragged layers, an ``ep_size`` disagreeing
+                with the file, or any validation error of the constructor, an out-of-range id named with its
+                position before anything else (the file's name is in the message).
         """
         path = Path(path)
         if not path.is_file():
@@ -328,6 +348,10 @@ class ExpertPlacement:
                 doc = json.loads(path.read_text())
                 if not isinstance(doc, dict):
                     raise ValueError(f"expected a JSON object, got {type(doc).__name__}")
+                unknown = sorted(k for k in doc if k not in PLACEMENT_KEYS)
+                if unknown:
+                    raise ValueError(f"unknown field(s) {', '.join(map(repr, unknown))}; a placement file holds "
+                                     f"{', '.join(map(repr, PLACEMENT_KEYS))}")
                 rows = doc.get("phy2log", doc.get("physical_to_logical_map"))
                 if rows is None:
                     raise ValueError("field 'phy2log' is missing")

@@ -2,8 +2,9 @@
 
 Every family the project serves is read here and nowhere else: DeepSeek-V2/V3/R1, Kimi-K2 and
 Kimi-K2.5 (``kimi_k2`` is the DeepSeek-V3 architecture; K2.5 keeps its language model under
-``text_config``), Qwen1.5/Qwen2/Qwen3-MoE, Mixtral, OLMoE, gpt-oss and Llama-4 (text part).
-The routing rules follow the Hugging Face transformers MoE blocks of each family.
+``text_config``), GLM-4.5/4.6/4.7 (``glm4_moe``), Qwen1.5/Qwen2/Qwen3-MoE, Mixtral, OLMoE, gpt-oss and
+Llama-4 (text part). The routing rules follow the Hugging Face transformers MoE blocks of each family; every
+field is read through ``epmoe.config_fields.ConfigFields`` (typed, range-checked, transformers' defaults).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Literal, Mapping
 
-from epmoe.checks import check_positive_int
+from epmoe.config_fields import ConfigFields
 
 Scoring = Literal["softmax", "sigmoid"]
 # How the router turns logits into top-k weights:
@@ -25,7 +26,7 @@ Scoring = Literal["softmax", "sigmoid"]
 RouterKind = Literal["softmax_topk", "topk_softmax", "sigmoid_topk", "topk_sigmoid"]
 GroupScore = Literal["max", "top2_sum"]
 
-_DEEPSEEK = {"deepseek_v2", "deepseek_v3", "kimi_k2"}
+_DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe"}
 _QWEN = {"qwen2_moe", "qwen3_moe"}
 _DENSE = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -92,6 +93,9 @@ class MoESpec:
         expert_weight_format: routed expert storage in the published checkpoint:
             ``bf16``, ``fp8_block128`` (DeepSeek FP8, 128x128 scales), ``int4_group32`` (Kimi-K2.5),
             ``mxfp4`` (gpt-oss).
+        defaults: ``(field, value)`` of the config fields that were absent and took the default of
+            transformers' config class (``defaults_class``), in reading order; empty when none was.
+        defaults_class: the transformers config class those defaults came from (``""`` when none).
     """
 
     model_type: str
@@ -121,6 +125,8 @@ class MoESpec:
     vocab_size: int
     attention: AttentionSpec
     expert_weight_format: str
+    defaults: tuple[tuple[str, Any], ...] = ()
+    defaults_class: str = ""
 
     @property
     def num_moe_layers(self) -> int:
@@ -134,8 +140,8 @@ class MoESpec:
 
     @property
     def router_fp32_logits(self) -> bool:
-        """The router computes its logits in float32 with a float32 weight (DeepSeek-V2/V3, Kimi-K2)."""
-        return self.model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2")
+        """The router computes its logits in float32 with a float32 weight (DeepSeek-V2/V3, Kimi-K2, GLM-4.x)."""
+        return self.model_type in _DEEPSEEK_LIKE
 
     @property
     def round_router_weights(self) -> bool:
@@ -153,6 +159,16 @@ class MoESpec:
         moe = set(self.moe_layers)
         return tuple(i for i in range(self.num_layers) if i not in moe)
 
+    def describe_defaults(self) -> str:
+        """The fields taken from transformers' defaults, in words (``""`` when none was), e.g.
+        ``config.json has no n_group, topk_group: took transformers' Glm4MoeConfig defaults n_group=1,
+        topk_group=1``."""
+        if not self.defaults:
+            return ""
+        names = ", ".join(k for k, _ in self.defaults)
+        values = ", ".join(f"{k}={v!r}" for k, v in self.defaults)
+        return f"config.json has no {names}: took transformers' {self.defaults_class} defaults {values}"
+
     def expert_params(self) -> int:
         """Parameters of one routed expert (gate, up, down; plus biases where the model has them)."""
         d, f = self.hidden_size, self.moe_intermediate_size
@@ -161,18 +177,6 @@ class MoESpec:
 
 class DenseModelError(ValueError):
     """Raised when MoE facts are asked of a dense model (for example an EAGLE-3 draft)."""
-
-
-def _require(cfg: dict[str, Any], key: str, source: str, *alternatives: str) -> Any:
-    for k in (key, *alternatives):
-        if k in cfg and cfg[k] is not None:
-            return cfg[k]
-    names = " or ".join(repr(k) for k in (key, *alternatives))
-    raise ValueError(f"{source}: missing field {names} in config.json")
-
-
-def _positive_int(cfg: dict[str, Any], key: str, source: str, *alternatives: str) -> int:
-    return check_positive_int(f"{source}: field {key!r}", _require(cfg, key, source, *alternatives))
 
 
 def language_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -188,27 +192,25 @@ def language_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def _moe_layer_indices(cfg: dict[str, Any], mt: str, num_layers: int, source: str) -> tuple[int, ...]:
-    if mt in _DEEPSEEK:
-        first_dense = int(cfg.get("first_k_dense_replace", 0) or 0)
-        freq = int(cfg.get("moe_layer_freq", 1) or 1)
-        if first_dense < 0 or first_dense > num_layers:
+def _moe_layer_indices(f: ConfigFields, mt: str, num_layers: int) -> tuple[int, ...]:
+    """The MoE layers by transformers' rule of each family (its decoder layer's choice of MLP)."""
+    if mt in _DEEPSEEK_LIKE:
+        first_dense = f.int("first_k_dense_replace", minimum=0, maximum=num_layers, fallback=0)
+        freq = f.int("moe_layer_freq", fallback=1)
+        if freq != 1:
             raise ValueError(
-                f"{source}: first_k_dense_replace ({first_dense}) must lie in [0, num_hidden_layers={num_layers}]"
+                f"{f.source}: field 'moe_layer_freq' is {freq}; only 1 is supported: transformers' {mt} model puts an "
+                f"MoE block in every layer from first_k_dense_replace ({first_dense}) on"
             )
-        return tuple(i for i in range(first_dense, num_layers) if i % freq == 0)
+        return tuple(range(first_dense, num_layers))
     if mt in _QWEN:
-        step = int(cfg.get("decoder_sparse_step", 1) or 1)
-        mlp_only = set(cfg.get("mlp_only_layers") or [])
-        bad = sorted(i for i in mlp_only if not 0 <= i < num_layers)
-        if bad:
-            raise ValueError(f"{source}: mlp_only_layers holds {bad}, outside [0, {num_layers})")
+        step = f.int("decoder_sparse_step")
+        mlp_only = set(f.int_list("mlp_only_layers", maximum=num_layers - 1, fallback=[]))
         return tuple(i for i in range(num_layers) if i not in mlp_only and (i + 1) % step == 0)
     if mt == "llama4_text":
-        explicit = cfg.get("moe_layers")
-        if explicit is not None:
-            return tuple(sorted(int(i) for i in explicit))
-        step = int(cfg.get("interleave_moe_layer_step", 1) or 1)
+        if f.has("moe_layers"):
+            return tuple(sorted(set(f.int_list("moe_layers", maximum=num_layers - 1))))
+        step = f.int("interleave_moe_layer_step")
         return tuple(range(step - 1, num_layers, step))
     return tuple(range(num_layers))
 
@@ -265,78 +267,70 @@ class FamilyFacts:
     dense_inter: int | None = None
 
 
-def _deepseek(cfg: dict[str, Any], mt: str, source: str) -> FamilyFacts:
-    """DeepSeek-V2 (softmax, optionally group-limited), DeepSeek-V3/R1 and Kimi-K2 (sigmoid, ``noaux_tc``)."""
-    num_experts = _positive_int(cfg, "n_routed_experts", source, "num_local_experts")
-    moe_inter = _positive_int(cfg, "moe_intermediate_size", source)
-    n_shared = int(cfg.get("n_shared_experts") or 0)
+def _deepseek(f: ConfigFields, mt: str) -> FamilyFacts:
+    """DeepSeek-V2 (softmax, optionally group-limited), DeepSeek-V3/R1 and Kimi-K2 (sigmoid, ``noaux_tc``), and
+    GLM-4.5/4.6/4.7 (``glm4_moe``: the DeepSeek-V3 router and shared experts, with GQA attention instead of MLA)."""
+    num_experts = f.int("n_routed_experts", "num_local_experts")
+    moe_inter = f.int("moe_intermediate_size")
+    n_shared = f.int("n_shared_experts", minimum=0, fallback=0)
     common = dict(
-        num_experts=num_experts, moe_inter=moe_inter,
-        n_shared=n_shared, shared_inter=n_shared * moe_inter, scale=float(cfg.get("routed_scaling_factor", 1.0)),
+        num_experts=num_experts, moe_inter=moe_inter, n_shared=n_shared, shared_inter=n_shared * moe_inter,
+        scale=f.float("routed_scaling_factor", positive=True, fallback=1.0),
     )
-    n_group, topk_group = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    n_group, topk_group = f.int("n_group", fallback=1), f.int("topk_group", fallback=1)
     if mt == "deepseek_v2":
-        scoring = cfg.get("scoring_func", "softmax")
-        if scoring != "softmax":
-            raise ValueError(f"{source}: deepseek_v2 scoring_func must be 'softmax', got {scoring!r}")
-        method = cfg.get("topk_method", "greedy")
-        if method not in ("greedy", "group_limited_greedy"):
-            raise ValueError(f"{source}: topk_method {method!r} is not one of 'greedy', 'group_limited_greedy'")
+        f.str("scoring_func", choices=("softmax",), fallback="softmax")
+        method = f.str("topk_method", choices=("greedy", "group_limited_greedy"), fallback="greedy")
         if method == "greedy":
             n_group, topk_group = 1, 1
         return FamilyFacts(router_kind="softmax_topk", n_group=n_group, topk_group=topk_group, **common)
-    scoring = cfg.get("scoring_func", "sigmoid")
-    method = cfg.get("topk_method", "noaux_tc")
-    if scoring != "sigmoid" or method != "noaux_tc":
-        raise ValueError(
-            f"{source}: {mt} expects scoring_func 'sigmoid' with topk_method 'noaux_tc', "
-            f"got scoring_func={scoring!r}, topk_method={method!r}"
-        )
+    if mt != "glm4_moe":  # GLM configs do not spell out the (only) router they have
+        f.str("scoring_func", choices=("sigmoid",), fallback="sigmoid")
+        f.str("topk_method", choices=("noaux_tc",), fallback="noaux_tc")
     return FamilyFacts(router_kind="sigmoid_topk", n_group=n_group, topk_group=topk_group, group_score="top2_sum",
-                       norm=bool(cfg.get("norm_topk_prob", True)), correction=True, **common)
+                       norm=f.bool("norm_topk_prob", fallback=True), correction=True, **common)
 
 
-def _qwen_olmoe(cfg: dict[str, Any], mt: str, source: str) -> FamilyFacts:
+def _qwen_olmoe(f: ConfigFields, mt: str) -> FamilyFacts:
     """Qwen1.5/Qwen2-MoE (a gated shared expert), Qwen3-MoE and OLMoE: softmax, then top-k."""
-    num_experts = _positive_int(cfg, "num_experts", source, "num_local_experts")
+    num_experts = f.int("num_experts", "num_local_experts")
     if mt == "olmoe":
-        moe_inter = _positive_int(cfg, "intermediate_size", source)
+        moe_inter = f.int("intermediate_size")
     else:
-        moe_inter = _positive_int(cfg, "moe_intermediate_size", source, "intermediate_size")
-    shared_inter = int(cfg.get("shared_expert_intermediate_size") or 0) if mt == "qwen2_moe" else 0
+        moe_inter = f.int("moe_intermediate_size", "intermediate_size")
+    shared_inter = f.int("shared_expert_intermediate_size", minimum=0, fallback=0) if mt == "qwen2_moe" else 0
     return FamilyFacts(
         num_experts=num_experts, moe_inter=moe_inter, router_kind="softmax_topk",
-        norm=bool(cfg.get("norm_topk_prob", False)),
+        norm=f.bool("norm_topk_prob", fallback=False),
         n_shared=1 if shared_inter > 0 else 0, shared_inter=shared_inter, shared_gate=shared_inter > 0,
     )
 
 
-def _mixtral(cfg: dict[str, Any], mt: str, source: str) -> FamilyFacts:
+def _mixtral(f: ConfigFields, mt: str) -> FamilyFacts:
     """Mixtral: softmax, top-k, renormalised; every layer is MoE."""
-    return FamilyFacts(num_experts=_positive_int(cfg, "num_local_experts", source),
-                       moe_inter=_positive_int(cfg, "intermediate_size", source), router_kind="softmax_topk",
-                       norm=True, dense_inter=0)
+    return FamilyFacts(num_experts=f.int("num_local_experts"), moe_inter=f.int("intermediate_size"),
+                       router_kind="softmax_topk", norm=True, dense_inter=0)
 
 
-def _gpt_oss(cfg: dict[str, Any], mt: str, source: str) -> FamilyFacts:
+def _gpt_oss(f: ConfigFields, mt: str) -> FamilyFacts:
     """gpt-oss: top-k logits with a router bias, softmax over them; biased experts with the clamped SwiGLU."""
-    return FamilyFacts(num_experts=_positive_int(cfg, "num_local_experts", source),
-                       moe_inter=_positive_int(cfg, "intermediate_size", source), router_kind="topk_softmax",
-                       router_bias=True, expert_bias=True, swiglu_limit=float(_require(cfg, "swiglu_limit", source)),
-                       swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), dense_inter=0)
+    return FamilyFacts(num_experts=f.int("num_local_experts"), moe_inter=f.int("intermediate_size"),
+                       router_kind="topk_softmax", router_bias=True, expert_bias=True,
+                       swiglu_limit=f.float("swiglu_limit", positive=True),
+                       swiglu_alpha=f.float("swiglu_alpha", positive=True, fallback=1.702), dense_inter=0)
 
 
-def _llama4(cfg: dict[str, Any], mt: str, source: str) -> FamilyFacts:
+def _llama4(f: ConfigFields, mt: str) -> FamilyFacts:
     """Llama-4 (text): top-k logits, sigmoid weight on the expert input; one shared expert."""
-    num_experts = _positive_int(cfg, "num_local_experts", source)
-    moe_inter = _positive_int(cfg, "intermediate_size", source)
+    num_experts = f.int("num_local_experts")
+    moe_inter = f.int("intermediate_size")
     return FamilyFacts(num_experts=num_experts, moe_inter=moe_inter, router_kind="topk_sigmoid", n_shared=1,
-                       shared_inter=moe_inter, dense_inter=int(cfg.get("intermediate_size_mlp") or 0))
+                       shared_inter=moe_inter, dense_inter=f.int("intermediate_size_mlp", minimum=0, fallback=0))
 
 
 # model_type -> the parser of its routed-expert facts (read-only, like ``models.checkpoint.FAMILY_LAYOUTS``)
-FAMILY_PARSERS: Mapping[str, Callable[[dict[str, Any], str, str], FamilyFacts]] = MappingProxyType({
-    **dict.fromkeys(sorted(_DEEPSEEK), _deepseek),
+FAMILY_PARSERS: Mapping[str, Callable[[ConfigFields, str], FamilyFacts]] = MappingProxyType({
+    **dict.fromkeys(sorted(_DEEPSEEK_LIKE), _deepseek),
     **dict.fromkeys(sorted(_QWEN | {"olmoe"}), _qwen_olmoe),
     "mixtral": _mixtral,
     "gpt_oss": _gpt_oss,
@@ -347,6 +341,9 @@ FAMILY_PARSERS: Mapping[str, Callable[[dict[str, Any], str, str], FamilyFacts]] 
 def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
     """Parse the MoE facts from a Hugging Face config dict.
 
+    Every field goes through ``ConfigFields`` (type and range checked; an absent field takes the default
+    transformers' config class of the model type declares, listed in ``MoESpec.defaults``).
+
     Args:
         cfg: the JSON object of a ``config.json`` (multimodal wrappers are unwrapped via ``text_config``).
         source: name used in error messages (usually the file path).
@@ -356,10 +353,11 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
 
     Raises:
         DenseModelError: the config describes a dense model (no routed experts), e.g. an EAGLE-3 draft.
-        ValueError: a field is missing, of the wrong type, or contradicts another (named in the message).
+        ValueError: a field is missing, of the wrong type or range, or contradicts another (file, field and
+            value named).
     """
     cfg = language_model_config(cfg)
-    mt = _require(cfg, "model_type", source)
+    mt = ConfigFields(cfg, source).str("model_type")
     expert_fields = ("n_routed_experts", "num_experts", "num_local_experts")
     if mt in _DENSE:
         arch = ", ".join(cfg.get("architectures") or []) or mt
@@ -376,19 +374,20 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
     if mt not in FAMILY_PARSERS:
         raise ValueError(f"{source}: model_type {mt!r} is not supported; supported: {sorted(FAMILY_PARSERS)}")
 
-    num_layers = _positive_int(cfg, "num_hidden_layers", source)
-    hidden = _positive_int(cfg, "hidden_size", source)
-    vocab = _positive_int(cfg, "vocab_size", source)
-    num_heads = _positive_int(cfg, "num_attention_heads", source)
-    num_kv = int(cfg.get("num_key_value_heads") or num_heads)
-    hidden_act = str(cfg.get("hidden_act", "silu"))
+    f = ConfigFields(cfg, source, mt)
+    num_layers = f.int("num_hidden_layers")
+    hidden = f.int("hidden_size")
+    vocab = f.int("vocab_size")
+    num_heads = f.int("num_attention_heads")
+    hidden_act = f.str("hidden_act", fallback="silu")
 
-    f = FAMILY_PARSERS[mt](cfg, mt, source)
-    num_experts, moe_inter, n_group, topk_group = f.num_experts, f.moe_inter, f.n_group, f.topk_group
-    dense_inter = f.dense_inter if f.dense_inter is not None else int(cfg.get("intermediate_size") or 0)
+    facts = FAMILY_PARSERS[mt](f, mt)
+    num_experts, moe_inter, n_group, topk_group = facts.num_experts, facts.moe_inter, facts.n_group, facts.topk_group
+    dense_inter = (facts.dense_inter if facts.dense_inter is not None
+                   else f.int("intermediate_size", minimum=0, fallback=0))
 
-    top_k = _positive_int(cfg, "num_experts_per_tok", source, "experts_per_token")
-    both = "experts_per_token" in cfg and "num_experts_per_tok" in cfg
+    top_k = f.int("num_experts_per_tok", "experts_per_token")
+    both = f.has("experts_per_token") and f.has("num_experts_per_tok")
     if both and cfg["experts_per_token"] != cfg["num_experts_per_tok"]:
         raise ValueError(
             f"{source}: num_experts_per_tok ({cfg['num_experts_per_tok']}) contradicts "
@@ -396,44 +395,45 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
         )
     if top_k > num_experts:
         raise ValueError(f"{source}: num_experts_per_tok ({top_k}) exceeds the number of experts ({num_experts})")
-    if n_group < 1 or num_experts % n_group:
+    if num_experts % n_group:
         raise ValueError(f"{source}: n_group ({n_group}) must divide the number of routed experts ({num_experts})")
-    if not 1 <= topk_group <= n_group:
+    if topk_group > n_group:
         raise ValueError(f"{source}: topk_group ({topk_group}) must lie in [1, n_group={n_group}]")
     if n_group > 1 and topk_group * (num_experts // n_group) < top_k:
         raise ValueError(
             f"{source}: topk_group ({topk_group}) groups of {num_experts // n_group} experts cannot hold "
             f"num_experts_per_tok ({top_k}) experts"
         )
-    moe_layers = _moe_layer_indices(cfg, mt, num_layers, source)
+    moe_layers = _moe_layer_indices(f, mt, num_layers)
     if not moe_layers:
         raise DenseModelError(f"{source}: {mt} config has no MoE layers (all {num_layers} layers are dense)")
-    if any(not 0 <= i < num_layers for i in moe_layers):
-        raise ValueError(f"{source}: moe_layers {list(moe_layers)} fall outside [0, {num_layers})")
 
-    if cfg.get("kv_lora_rank"):
-        nope = _positive_int(cfg, "qk_nope_head_dim", source)
-        rope = _positive_int(cfg, "qk_rope_head_dim", source)
+    kv_lora = f.int("kv_lora_rank", minimum=0, fallback=0)
+    if kv_lora:
+        nope = f.int("qk_nope_head_dim")
+        rope = f.int("qk_rope_head_dim")
         attention = AttentionSpec(
-            num_heads=num_heads, num_kv_heads=num_heads, head_dim=nope + rope,
-            v_head_dim=_positive_int(cfg, "v_head_dim", source),
-            kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=int(cfg.get("q_lora_rank") or 0),
-            qk_rope_head_dim=rope,
+            num_heads=num_heads, num_kv_heads=num_heads, head_dim=nope + rope, v_head_dim=f.int("v_head_dim"),
+            kv_lora_rank=kv_lora, q_lora_rank=f.int("q_lora_rank", minimum=0, fallback=0), qk_rope_head_dim=rope,
         )
     else:
-        head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+        num_kv = f.int("num_key_value_heads", maximum=num_heads, fallback=num_heads)
+        if num_heads % num_kv:
+            raise ValueError(f"{source}: num_key_value_heads ({num_kv}) must divide num_attention_heads ({num_heads})")
+        head_dim = f.int("head_dim", fallback=max(1, hidden // num_heads))
         attention = AttentionSpec(num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dim, v_head_dim=head_dim)
 
     return MoESpec(
         model_type=mt, source=source, num_layers=num_layers, moe_layers=moe_layers,
         num_experts=num_experts, top_k=top_k, hidden_size=hidden, moe_intermediate_size=moe_inter,
         dense_intermediate_size=dense_inter if len(moe_layers) < num_layers or mt == "llama4_text" else 0,
-        num_shared_experts=f.n_shared, shared_intermediate_size=f.shared_inter, shared_expert_gate=f.shared_gate,
-        router_kind=f.router_kind, n_group=n_group, topk_group=topk_group, group_score=f.group_score,
-        norm_topk_prob=f.norm, routed_scaling_factor=f.scale, correction_bias=f.correction,
-        router_bias=f.router_bias, expert_bias=f.expert_bias, hidden_act=hidden_act,
-        swiglu_limit=f.swiglu_limit, swiglu_alpha=f.swiglu_alpha, vocab_size=vocab, attention=attention,
-        expert_weight_format=_weight_format(cfg),
+        num_shared_experts=facts.n_shared, shared_intermediate_size=facts.shared_inter,
+        shared_expert_gate=facts.shared_gate, router_kind=facts.router_kind, n_group=n_group, topk_group=topk_group,
+        group_score=facts.group_score, norm_topk_prob=facts.norm, routed_scaling_factor=facts.scale,
+        correction_bias=facts.correction, router_bias=facts.router_bias, expert_bias=facts.expert_bias,
+        hidden_act=hidden_act, swiglu_limit=facts.swiglu_limit, swiglu_alpha=facts.swiglu_alpha, vocab_size=vocab,
+        attention=attention, expert_weight_format=_weight_format(cfg),
+        defaults=tuple(f.defaulted.items()), defaults_class=f.defaults_class,
     )
 
 

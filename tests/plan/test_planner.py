@@ -390,3 +390,20 @@ def test_engine_step_costs_add_per_step_layer_and_sequence():
         assert s1.total_ms - s0.total_ms == pytest.approx(want)
     shipped = plan(PlanRequest(spec, hw, gpus=1, batches=(1,))).strategies[0].steps[0]
     assert shipped.engine_ms > 2 * (shipped.attention_ms + shipped.expert_ms)
+
+
+def test_plan_says_which_values_came_from_transformers_defaults(capsys):
+    """The trimmed GLM-4.7 config has no routing group fields: plan prints the values transformers filled in."""
+    glm = str(CONFIGS / "glm-4.7-fp8.config.json")
+    assert main(["plan", "--config", glm, "--gpus", "8", "--hardware", H200, "--batch", "1"]) == 0
+    out = capsys.readouterr().out
+    assert ("config.json has no hidden_act, n_group, topk_group, norm_topk_prob: took transformers' Glm4MoeConfig "
+            "defaults hidden_act='silu', n_group=1, topk_group=1, norm_topk_prob=True") in " ".join(out.split())
+    assert main(["plan", "--config", glm, "--gpus", "8", "--hardware", H200, "--batch", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["config_defaults"] == {"class": "Glm4MoeConfig", "fields": {"hidden_act": "silu", "n_group": 1,
+                                                                          "topk_group": 1, "norm_topk_prob": True}}
+    assert main(["plan", "--config", str(CONFIGS / "glm-4.5.config.json"), "--gpus", "8", "--hardware", H200,
+                 "--batch", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["config_defaults"]["fields"] == {"n_group": 1, "topk_group": 1,
+                                                                                "norm_topk_prob": True}

@@ -56,7 +56,7 @@ def test_fused_router_matches_torch(name, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["deepseek-v3", "kimi-k2-instruct", "qwen3-30b-a3b", "mixtral-8x7b",
-                                  "deepseek-v2-lite"])
+                                  "deepseek-v2-lite", "glm-4.5"])
 @pytest.mark.parametrize("t", [1, 8, 1000])
 def test_fused_router_matches_torch_on_gpu(name, t):
     spec = parse_moe_spec(json.loads((CONFIGS / f"{name}.config.json").read_text()), name)

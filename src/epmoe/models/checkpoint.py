@@ -222,6 +222,7 @@ FAMILY_LAYOUTS: Mapping[str, FamilyLayout] = MappingProxyType({
     "deepseek_v2": FamilyLayout("mlp", "mlp", _GATE, "per_expert", shared="shared_experts"),
     "deepseek_v3": _DEEPSEEK_V3,
     "kimi_k2": _DEEPSEEK_V3,
+    "glm4_moe": _DEEPSEEK_V3,
     "qwen2_moe": FamilyLayout("mlp", "mlp", _GATE, "per_expert", shared="shared_expert",
                               shared_gate="shared_expert_gate.weight"),
     "qwen3_moe": FamilyLayout("mlp", "mlp", _GATE, "per_expert"),

@@ -47,6 +47,16 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
         num_experts_per_tok=4, n_group=4, topk_group=2, topk_method="group_limited_greedy", n_shared_experts=2,
         moe_intermediate_size=32, intermediate_size=128, routed_scaling_factor=1.0, **_MLA,
     ),
+    # GLM-4.5 (glm4_moe): the DeepSeek-V3 router (sigmoid, correction bias, grouped top-k by top-2 sums,
+    # routed_scaling_factor 2.5, normalised) with 1 shared expert and the first 3 of 92 layers dense, on GQA
+    # attention with q/k/v biases, QK norm and rotary on half of each head. 160 experts top-8 scaled to 16
+    # experts top-4 in 4 groups (2 kept), so the grouping is exercised; the first of 3 layers dense.
+    "glm4.5": dict(
+        model_type="glm4_moe", num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=16,
+        num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=32,
+        intermediate_size=128, routed_scaling_factor=2.5, norm_topk_prob=True, head_dim=16, attention_bias=True,
+        use_qk_norm=True, partial_rotary_factor=0.5,
+    ),
     "qwen2-moe": dict(
         model_type="qwen2_moe", num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, shared_expert_intermediate_size=48, intermediate_size=96, norm_topk_prob=False,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from epmoe.checks import check_positive_int
+from epmoe.config_fields import ConfigFields
 from epmoe.plan.costs import ACT_BYTES
 from epmoe.plan.request import StrategyPlan
 from epmoe.spec import DenseModelError, MoESpec, language_model_config, load_moe_spec, read_config
@@ -54,10 +54,6 @@ def _read_config(path: str) -> dict[str, Any]:
     return language_model_config(read_config(path)[0])
 
 
-def _field(cfg: dict[str, Any], key: str, source: str, default: int | None = None) -> int:
-    return check_positive_int(f"{source}: field {key!r}", cfg.get(key, default))
-
-
 def dense_draft(cfg: dict[str, Any], name: str) -> DraftModel:
     """A dense draft's sizes from its ``config.json`` object.
 
@@ -68,17 +64,19 @@ def dense_draft(cfg: dict[str, Any], name: str) -> DraftModel:
     Raises:
         ValueError: a size field missing or not a positive integer (named).
     """
-    d = _field(cfg, "hidden_size", name)
-    v = _field(cfg, "vocab_size", name)
-    layers = _field(cfg, "num_hidden_layers", name)
-    inter = _field(cfg, "intermediate_size", name)
-    heads = _field(cfg, "num_attention_heads", name)
-    kv_heads = _field(cfg, "num_key_value_heads", name, heads)
-    head_dim = _field(cfg, "head_dim", name, d // heads) if cfg.get("head_dim") is not None else d // heads
+    mt = cfg.get("model_type")
+    f = ConfigFields(cfg, name, mt if isinstance(mt, str) else None)
+    d = f.int("hidden_size")
+    v = f.int("vocab_size")
+    layers = f.int("num_hidden_layers")
+    inter = f.int("intermediate_size")
+    heads = f.int("num_attention_heads")
+    kv_heads = f.int("num_key_value_heads", maximum=heads, fallback=heads)
+    head_dim = f.int("head_dim", fallback=max(1, d // heads))
     eagle3 = "eagle_config" in cfg or any("Eagle3" in str(a) for a in cfg.get("architectures") or [])
     attn_in = 2 * d if eagle3 else d
     attn = attn_in * (heads + 2 * kv_heads) * head_dim + heads * head_dim * d
-    head_vocab = cfg.get("draft_vocab_size") or v
+    head_vocab = f.int("draft_vocab_size", fallback=v)
     step = layers * (attn + 3 * d * inter) + (3 * d * d if eagle3 else 0) + head_vocab * d
     dtype_bytes = 4 if (cfg.get("torch_dtype") or cfg.get("dtype")) == "float32" else 2
     kv = layers * 2 * kv_heads * head_dim * ACT_BYTES
@@ -110,7 +108,8 @@ def read_draft(path: str) -> DraftModel:
 
     Raises:
         FileNotFoundError: no config there.
-        ValueError: not JSON, or a size field missing (named).
+        ValueError: not JSON, or a size field missing, of the wrong type or out of range (file, field and value
+            named; an absent field takes the default of transformers' config class of its ``model_type``).
     """
     name = Path(path).name
     try:

@@ -222,6 +222,7 @@ def plan_to_dict(p: Plan) -> dict[str, Any]:
         "nodes": r.nodes, "batches": list(r.batches), "spec_tokens": r.spec_tokens, "redundant": r.redundant,
         "context": r.context, "expert_format": r.expert_format, "dense_format": r.dense_format,
         "mem_fraction": r.mem_fraction, "balancedness": r.balancedness,
+        "config_defaults": {"class": r.spec.defaults_class, "fields": dict(r.spec.defaults)},
         "strategies": strategies, "skipped": list(p.skipped), "recommendation": recommend(p),
     }
 
@@ -282,11 +283,12 @@ def report_plan(req: PlanRequest, as_json: bool = False, plot_path: str | Path |
                 console: Console | None = None, *, draft: DraftModel | None = None,
                 accept_length: float | None = None, engine: str | None = None, model: str | None = None,
                 draft_path: str | None = None) -> Plan:
-    """Plan ``req`` and report it: the table (or the JSON document), the skipped strategies, the
-    recommendation and, when ``plot_path`` is given, the PNG. With ``req.spec_tokens >= 1`` also the price of
-    speculative decoding (``speculative.price_speculation`` with ``draft`` and ``accept_length``) and whether it
-    pays under TP and EP over all GPUs; with ``engine`` (``sglang`` or ``vllm``) the server command line that
-    realises the recommendation (``integrations.commands``) for ``model`` (and ``draft_path``).
+    """Plan ``req`` and report it: the table (or the JSON document), the config fields that took transformers'
+    defaults, the skipped strategies, the recommendation and, when ``plot_path`` is given, the PNG. With
+    ``req.spec_tokens >= 1`` also the price of speculative decoding (``speculative.price_speculation`` with
+    ``draft`` and ``accept_length``) and whether it pays under TP and EP over all GPUs; with ``engine``
+    (``sglang`` or ``vllm``) the server command line that realises the recommendation
+    (``integrations.commands``) for ``model`` (and ``draft_path``).
 
     Raises:
         ValueError: as ``plan`` or ``price_speculation``, or a ``plot_path`` that cannot be written (checked before
@@ -312,6 +314,8 @@ def report_plan(req: PlanRequest, as_json: bool = False, plot_path: str | Path |
         console.print_json(json.dumps(doc))
     else:
         console.print(plan_table(p))
+        if req.spec.defaults:
+            console.print(req.spec.describe_defaults(), soft_wrap=True)
         for why in p.skipped:
             console.print(f"skipped {why}")
         console.print(f"[bold]Recommendation:[/bold] {recommend(p)}", soft_wrap=True)

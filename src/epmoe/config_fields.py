@@ -1,0 +1,183 @@
+"""The one checker of ``config.json`` fields: every field a model config is read for goes through ``ConfigFields``.
+
+A field is looked up under its name and its aliases; a field that is absent takes the default that transformers'
+own config class of the model type declares (read from the class, never copied by hand), and the fields so
+filled are remembered (``ConfigFields.defaulted``) so ``plan`` and ``doctor`` can say which values came from
+defaults. An explicit ``null`` means what transformers makes of it: the value derived from other fields where
+the reader gives that rule (``q_lora_rank: null`` is no query LoRA), else the default. A value of the wrong
+type (a string for a number, ``true`` for a count) or outside its range raises ``ValueError`` naming the file,
+the field and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from functools import lru_cache
+from typing import Any, Iterable
+
+from epmoe.checks import is_int
+
+# model types transformers does not register, built as the architecture they are (as ``models.hf.hf_config``)
+_CONFIG_CLASS_OF = {"kimi_k2": "deepseek_v3"}
+
+
+@lru_cache(maxsize=None)
+def transformers_defaults(model_type: str) -> tuple[str, dict[str, Any], dict[str, str]]:
+    """The field defaults transformers declares for ``model_type``'s config class.
+
+    Read from the class itself: the dataclass fields of transformers 5.x configs, or the keyword defaults of
+    ``__init__`` for a class that is not a dataclass. ``None`` defaults (fields transformers derives from others,
+    such as ``head_dim``) are left out.
+
+    Returns:
+        The class name (``""`` when transformers has no config class for the type), ``{field: default}``, and
+        the class's ``attribute_map`` (alias -> field).
+    """
+    from transformers import CONFIG_MAPPING
+
+    name = _CONFIG_CLASS_OF.get(model_type, model_type)
+    if name not in CONFIG_MAPPING:
+        return "", {}, {}
+    cls = CONFIG_MAPPING[name]
+    if dataclasses.is_dataclass(cls):
+        declared = {f.name: f.default for f in dataclasses.fields(cls)}
+    else:
+        declared = {p.name: p.default for p in inspect.signature(cls.__init__).parameters.values()}
+    defaults = {k: v for k, v in declared.items()
+                if v is not None and v is not dataclasses.MISSING and v is not inspect.Parameter.empty}
+    return cls.__name__, defaults, dict(getattr(cls, "attribute_map", {}) or {})
+
+
+_MISSING = object()
+
+
+class ConfigFields:
+    """Typed, range-checked reads of one config dict, with transformers' defaults for absent fields.
+
+    Args:
+        cfg: the JSON object of a ``config.json`` (the language-model part).
+        source: the file it came from, named in every message.
+        model_type: selects transformers' config class whose defaults fill absent fields; ``None`` = no
+            defaults (every absent field without a fallback is missing).
+
+    Attributes:
+        defaulted: ``{field: value}`` of the fields taken from transformers' defaults, in reading order.
+        defaults_class: the name of the transformers config class the defaults came from (``""`` if none).
+    """
+
+    def __init__(self, cfg: dict[str, Any], source: str, model_type: str | None = None) -> None:
+        self.cfg = cfg
+        self.source = source
+        self.model_type = model_type
+        self.defaulted: dict[str, Any] = {}
+        self.defaults_class = ""
+
+    def _lookup(self, key: str, alternatives: Iterable[str], fallback: Any) -> tuple[str, Any]:
+        names = (key, *alternatives)
+        for k in names:
+            if self.cfg.get(k) is not None:
+                return k, self.cfg[k]
+        if fallback is not _MISSING and any(k in self.cfg for k in names):
+            return key, fallback  # an explicit null: transformers derives the value (``q_lora_rank: null``: none)
+        if self.model_type is not None:
+            cls, defaults, aliases = transformers_defaults(self.model_type)
+            for k in names:
+                field = aliases.get(k, k)
+                if field in defaults:
+                    self.defaults_class = cls
+                    self.defaulted[key] = defaults[field]
+                    return key, defaults[field]
+        if fallback is not _MISSING:
+            return key, fallback
+        wanted = " or ".join(repr(k) for k in names)
+        where = f" (and transformers' {self.model_type} config declares no default)" if self.model_type else ""
+        raise ValueError(f"{self.source}: missing field {wanted} in config.json{where}")
+
+    def _fail(self, key: str, value: Any, expected: str) -> ValueError:
+        kind = " (a string)" if isinstance(value, str) else ""
+        return ValueError(f"{self.source}: field {key!r} must be {expected}, got {value!r}{kind}")
+
+    def has(self, key: str) -> bool:
+        """True when the config itself holds a non-null ``key``."""
+        return self.cfg.get(key) is not None
+
+    def int(self, key: str, *alternatives: str, minimum: int = 1, maximum: int | None = None,
+            fallback: Any = _MISSING) -> int:
+        """An integer field in ``[minimum, maximum]`` (``true``/``false``, floats and strings refused).
+
+        Args:
+            key: the field; ``alternatives``: other names it goes by (the first present wins).
+            minimum, maximum: the accepted range (``maximum`` ``None`` = unbounded).
+            fallback: the value when the field is absent and transformers declares no default (a rule
+                transformers derives, such as ``head_dim = hidden_size // num_attention_heads``).
+
+        Raises:
+            ValueError: missing, of the wrong type, or out of range (file, field and value named).
+        """
+        k, v = self._lookup(key, alternatives, fallback)
+        if maximum is not None and minimum > maximum:
+            raise ValueError(f"{self.source}: field {k!r} must lie in [{minimum}, {maximum}], an empty range")
+        if not is_int(v) or v < minimum or (maximum is not None and v > maximum):
+            expected = ("a positive integer" if minimum == 1 else f"an integer >= {minimum}") if maximum is None \
+                else f"an integer in [{minimum}, {maximum}]"
+            raise self._fail(k, v, expected)
+        return int(v)
+
+    def float(self, key: str, *alternatives: str, minimum: float | None = None, positive: bool = False,
+              fallback: Any = _MISSING) -> float:
+        """A finite number field (an integer is accepted), ``> 0`` with ``positive``, ``>= minimum`` with
+        ``minimum``.
+
+        Raises:
+            ValueError: missing, not a number, not finite, or out of range (file, field and value named).
+        """
+        k, v = self._lookup(key, alternatives, fallback)
+        number = (is_int(v) or isinstance(v, float)) and math.isfinite(v)
+        if not number or (positive and v <= 0) or (minimum is not None and v < minimum):
+            expected = "a positive number" if positive else (
+                f"a number >= {minimum:g}" if minimum is not None else "a finite number")
+            raise self._fail(k, v, expected)
+        return float(v)
+
+    def bool(self, key: str, *alternatives: str, fallback: Any = _MISSING) -> bool:
+        """A ``true``/``false`` field.
+
+        Raises:
+            ValueError: missing or not a boolean (file, field and value named).
+        """
+        k, v = self._lookup(key, alternatives, fallback)
+        if not isinstance(v, bool):
+            raise self._fail(k, v, "true or false")
+        return v
+
+    def str(self, key: str, *alternatives: str, choices: Iterable[str] | None = None,
+            fallback: Any = _MISSING) -> str:
+        """A string field, one of ``choices`` when given.
+
+        Raises:
+            ValueError: missing, not a string, or not one of ``choices`` (file, field and value named).
+        """
+        k, v = self._lookup(key, alternatives, fallback)
+        allowed = None if choices is None else tuple(choices)
+        if not isinstance(v, str) or (allowed is not None and v not in allowed):
+            raise self._fail(k, v, "a string" if allowed is None else "one of " + ", ".join(map(repr, allowed)))
+        return v
+
+    def int_list(self, key: str, *alternatives: str, minimum: int = 0, maximum: int | None = None,
+                 fallback: Any = _MISSING) -> list[int]:
+        """A list of integers, each in ``[minimum, maximum]``.
+
+        Raises:
+            ValueError: missing, not a list, or an element of the wrong type or range (its position named).
+        """
+        k, v = self._lookup(key, alternatives, fallback)
+        if not isinstance(v, list):
+            raise self._fail(k, v, "a list of integers")
+        for i, item in enumerate(v):
+            if not is_int(item) or item < minimum or (maximum is not None and item > maximum):
+                rng = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+                kind = " (a string)" if isinstance(item, str) else ""
+                raise ValueError(f"{self.source}: field {k!r}[{i}] must be an integer {rng}, got {item!r}{kind}")
+        return [int(i) for i in v]
