@@ -101,6 +101,29 @@ def eos_token_ids(model_dir: str, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+def ep_static_hooks(ep_model: EPModel, eager_dispatcher: str, recorder: ExpertLoadRecorder | None = None):
+    """``ModelRunner.capture``'s hooks for an expert-parallel model: during a static step of ``bs`` rows every
+    MoE layer dispatches with ``fixed_capacity`` of capacity ``bs`` (``local`` on one rank) and ``recorder``
+    counts only the real rows; after it, ``eager_dispatcher`` again."""
+    comm, slots = ep_model.comm, ep_model.placement.slots_per_rank
+    from epmoe.dispatch import make_dispatcher
+
+    def activate(bs: int, valid_rows: torch.Tensor) -> None:
+        if recorder is not None:
+            recorder.mask_rows(valid_rows)
+        for layer in ep_model.moe_layers:  # capacity bs: a token goes to a rank at most once
+            layer.set_dispatcher(make_dispatcher("local", comm, slots) if comm.size == 1 else
+                                 make_dispatcher("fixed_capacity", comm, slots, capacity=bs))
+
+    def deactivate() -> None:
+        if recorder is not None:
+            recorder.mask_rows(None)
+        for layer in ep_model.moe_layers:
+            layer.set_dispatcher(make_dispatcher(eager_dispatcher, comm, slots))
+
+    return activate, deactivate
+
+
 def _rows(aux: torch.Tensor | None, start: int, n: int) -> torch.Tensor | None:
     return None if aux is None else aux[start:start + n]
 
@@ -274,21 +297,7 @@ class Engine:
 
     def _ep_static_hooks(self):
         """The static decode step's hooks in EP: fixed-capacity dispatchers of the bucket's size, masked loads."""
-        comm, slots = self.comm, self.placement.slots_per_rank
-        from epmoe.dispatch import make_dispatcher
-
-        def activate(bs: int, valid_rows: torch.Tensor) -> None:
-            self.recorder.mask_rows(valid_rows)
-            for layer in self.ep_model.moe_layers:  # capacity bs: a token goes to a rank at most once
-                layer.set_dispatcher(make_dispatcher("local", comm, slots) if comm.size == 1 else
-                                     make_dispatcher("fixed_capacity", comm, slots, capacity=bs))
-
-        def deactivate() -> None:
-            self.recorder.mask_rows(None)
-            for layer in self.ep_model.moe_layers:
-                layer.set_dispatcher(make_dispatcher(self.eager_dispatcher, comm, slots))
-
-        return activate, deactivate
+        return ep_static_hooks(self.ep_model, self.eager_dispatcher, self.recorder)
 
     def kv_report(self, context: int | None = None) -> dict:
         """The KV pool: blocks, tokens, bytes, and how many sequences of ``context`` tokens fit at once

@@ -182,3 +182,31 @@ def make_proposer(engine) -> Proposer:
     from epmoe.engine.eagle3 import Eagle3Proposer
 
     return Eagle3Proposer(engine)
+
+
+def propose_token(logits: torch.Tensor, params: SamplingParams,
+                  generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+    """A model proposer's token from its logits ``[V]`` (float32, the target's vocabulary): the argmax for a
+    greedy request; for a sampled one a draw from the request's own distribution over the draft's logits (its
+    temperature, top-k and top-p), returned with it as ``q`` ``[V]`` for verification."""
+    if params.greedy:
+        return int(logits.argmax()), None
+    q = probabilities(logits.unsqueeze(0), [params])[0]
+    q = q / q.sum()
+    return draw(q, generator), q
+
+
+def last_rows(feeds: list) -> list[int]:
+    """Per feed (``model_runner.Feed``, each sampling), the index of its last row's logits in a step's output:
+    the row-wise feeds' rows come first in packed order, then one row per chunk."""
+    rowwise = [i for i, f in enumerate(feeds) if f.rowwise]
+    chunked = [i for i, f in enumerate(feeds) if not f.rowwise]
+    out = [0] * len(feeds)
+    row = 0
+    for i in rowwise:
+        row += len(feeds[i].token_ids)
+        out[i] = row - 1
+    for i in chunked:
+        out[i] = row
+        row += 1
+    return out
