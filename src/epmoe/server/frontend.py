@@ -50,12 +50,14 @@ class EngineInfo:
         vocab_size: the model's vocabulary.
         ranks: EP ranks.
         kv: rank 0's ``Engine.kv_report()``.
+        speculative: the speculative decoding proposer's description (``None`` without).
     """
 
     max_model_len: int
     vocab_size: int
     ranks: int
     kv: dict
+    speculative: str | None = None
 
 
 @dataclass
@@ -95,6 +97,7 @@ class Frontend:
         self._thread = threading.Thread(target=self._run, name="epmoe-engine", daemon=True)
         self._rank_load: list[int] = []
         self._preemptions = 0
+        self._spec = (0, 0, 0)  # verify steps, proposed, accepted tokens already counted
 
     # ---- the HTTP side ----------------------------------------------------------------------------
 
@@ -181,7 +184,8 @@ class Frontend:
         try:
             stepper = self._start()
             engine = stepper.engine
-            self.info = EngineInfo(engine.max_model_len, engine.vocab_size, stepper.size, engine.kv_report())
+            self.info = EngineInfo(engine.max_model_len, engine.vocab_size, stepper.size, engine.kv_report(),
+                                   engine.proposer.describe() if engine.proposer is not None else None)
             self._rank_load = [0] * stepper.size
             if self.state == "loading":
                 self.state = "ready"
@@ -265,6 +269,14 @@ class Frontend:
         preemptions = sum(r.preemptions for r in replies)
         m.preemptions.inc(preemptions - self._preemptions)
         self._preemptions = preemptions
+        steps, drafts, accepted = (sum(r.spec[i] for r in replies) for i in range(3))
+        if steps:
+            m.spec_verify_steps.inc(steps - self._spec[0])
+            m.spec_draft_tokens.inc(drafts - self._spec[1])
+            m.spec_accepted_tokens.inc(accepted - self._spec[2])
+            self._spec = (steps, drafts, accepted)
+            m.spec_accepted_length.set((accepted + steps) / steps)
+            m.spec_acceptance_rate.set(accepted / drafts if drafts else 0.0)
         lead = replies[0]
         for kind, calls in lead.collectives.items():
             m.collectives_per_step.labels(kind=kind).set(calls / lead.steps if lead.steps else 0.0)
@@ -289,6 +301,9 @@ class Frontend:
             n = len(up.token_ids)
             if n > 1 and item.first_token is not None:
                 m.tpot.observe((now - item.first_token) / (n - 1))
+            if up.num_verify_steps:
+                m.spec_request_accepted_length.observe((up.num_accepted_tokens + up.num_verify_steps)
+                                                       / up.num_verify_steps)
         return item
 
     @staticmethod

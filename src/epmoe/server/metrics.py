@@ -27,6 +27,12 @@ class ServerMetrics:
         preemptions: sequences preempted (recomputed) so far.
         collectives_per_step: collectives of the engine's group per engine step, by kind (rank 0, mean since start).
         ttft, tpot: time to first token and time per output token after it, seconds.
+        spec_verify_steps, spec_draft_tokens, spec_accepted_tokens: speculative decoding: verify steps, proposed
+            tokens verified, proposed tokens accepted (vLLM's ``spec_decode_num_drafts``, ``_num_draft_tokens``,
+            ``_num_accepted_tokens``), all ranks.
+        spec_accepted_length, spec_acceptance_rate: mean tokens per verify step and accepted over proposed
+            tokens since start, all ranks.
+        spec_request_accepted_length: per finished request, its mean tokens per verify step.
     """
 
     def __init__(self) -> None:
@@ -49,6 +55,20 @@ class ServerMetrics:
                               buckets=_LATENCY_BUCKETS_S, registry=r)
         self.tpot = Histogram("epmoe:time_per_output_token_seconds", "Time per output token after the first, s",
                               buckets=_LATENCY_BUCKETS_S, registry=r)
+
+        self.spec_verify_steps = Counter("epmoe:spec_decode_num_drafts", "Speculative verify steps, all ranks",
+                                         registry=r)
+        self.spec_draft_tokens = Counter("epmoe:spec_decode_num_draft_tokens", "Proposed tokens verified",
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("epmoe:spec_decode_num_accepted_tokens", "Proposed tokens accepted",
+                                            registry=r)
+        self.spec_accepted_length = Gauge("epmoe:spec_decode_mean_accepted_length",
+                                          "Mean tokens per verify step since start (accepted + 1)", registry=r)
+        self.spec_acceptance_rate = Gauge("epmoe:spec_decode_acceptance_rate",
+                                          "Accepted over proposed tokens since start", registry=r)
+        self.spec_request_accepted_length = Histogram(
+            "epmoe:spec_decode_request_accepted_length", "Mean tokens per verify step of each finished request",
+            buckets=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 12.0, 17.0), registry=r)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -67,6 +67,7 @@ class Update:
         text: the final text, cut before a stop string (final update only).
         error: the engine refused the request (the message); it is finished.
         num_preemptions: times the request was recomputed.
+        num_verify_steps, num_accepted_tokens: speculative verify steps for it and proposed tokens accepted.
     """
 
     request_id: str
@@ -77,12 +78,14 @@ class Update:
     text: str | None = None
     error: str | None = None
     num_preemptions: int = 0
+    num_verify_steps: int = 0
+    num_accepted_tokens: int = 0
 
     @classmethod
     def of(cls, out: RequestOutput) -> Update:
         """The update of an engine output."""
         return cls(out.request_id, out.token_ids, out.new_token_ids, out.finished, out.finish_reason,
-                   out.text, None, out.num_preemptions)
+                   out.text, None, out.num_preemptions, out.num_verify_steps, out.num_accepted_tokens)
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ class RankReply:
         preemptions: preemptions so far.
         steps: engine steps so far.
         collectives: collective calls of the engine's group so far, by kind.
+        spec: speculative decoding so far: verify steps, proposed tokens, accepted tokens.
         result: the command's result (``LOADS_COMMAND``: ``[L, E]`` int64 loads), else ``None``.
     """
 
@@ -110,6 +114,7 @@ class RankReply:
     steps: int = 0
     collectives: dict[str, int] = field(default_factory=dict)
     result: object = None
+    spec: tuple[int, int, int] = (0, 0, 0)
 
 
 class RankStepper:
@@ -168,7 +173,8 @@ class RankStepper:
         return RankReply(self.rank, updates, len(sched.running), len(sched.waiting), engine.allocator.num_free,
                          engine.allocator.capacity, engine.stats["preemptions"], engine.num_steps,
                          dict(engine.comm.stats.calls),
-                         result)
+                         result, (engine.spec_stats.verify_steps, engine.spec_stats.draft_tokens,
+                                  engine.spec_stats.accepted_tokens))
 
     def _loads(self) -> list[list[int]]:
         """Tokens this rank routed per logical expert since start, ``[L, E]`` (slots mapped through the
