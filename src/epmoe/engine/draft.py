@@ -21,7 +21,7 @@ from epmoe.comm import Comm
 from epmoe.engine.attention import register_attention
 from epmoe.engine.kv_cache import KVCache, KVLayout
 from epmoe.engine.model_runner import Feed, ModelRunner, StepOutput
-from epmoe.engine.speculative import Proposal, Proposer, last_rows, propose_token
+from epmoe.engine.speculative import Proposal, Proposer, last_rows, propose_tokens
 from epmoe.layer import MoELayerOptions
 from epmoe.placement import ExpertPlacement
 from epmoe.spec import DenseModelError, language_model_config, load_moe_spec, read_config
@@ -193,11 +193,11 @@ class DraftModelProposer(Proposer):
             if out is None:
                 feeds = []
                 continue
-            rows = last_rows(feeds)
-            for i, r in zip(live, rows):
-                seq = chunks[i].seq
-                gen = seq.generator if seq.generator is not None else step.generator
-                tok, q = propose_token(out.logits[r, : self.vocab], seq.params, gen)
+            rows = torch.tensor(last_rows(feeds), dtype=torch.int64, device=out.logits.device)
+            seqs = [chunks[i].seq for i in live]
+            picked = propose_tokens(out.logits.index_select(0, rows)[:, : self.vocab], [s.params for s in seqs],
+                                    [s.generator if s.generator is not None else step.generator for s in seqs])
+            for i, (tok, q) in zip(live, picked):
                 tokens[i].append(tok)
                 if q is not None:
                     probs[i].append(q)

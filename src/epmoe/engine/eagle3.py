@@ -28,7 +28,7 @@ from torch import nn
 from epmoe.engine.attention import register_attention
 from epmoe.engine.kv_cache import KVCache, KVLayout
 from epmoe.engine.model_runner import Feed, pack
-from epmoe.engine.speculative import Proposal, Proposer, propose_token
+from epmoe.engine.speculative import Proposal, Proposer, propose_tokens
 
 _STD = 0.02
 
@@ -247,10 +247,10 @@ class Eagle3Proposer(Proposer):
         return self.head(packed.input_ids.to(self.device), h, packed.positions.to(self.device), batch, last)
 
     def _to_target(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[Vd]`` draft logits as ``[V]`` target logits (``-inf`` off the draft vocabulary)."""
-        full = torch.full((self.vocab,), float("-inf"), device=logits.device)
-        ids = torch.arange(logits.shape[0], device=logits.device) + self.head.d2t
-        return full.index_copy(0, ids, logits.float())
+        """``[N, Vd]`` draft logits as ``[N, V]`` target logits (``-inf`` off the draft vocabulary)."""
+        full = torch.full((logits.shape[0], self.vocab), float("-inf"), device=logits.device)
+        ids = torch.arange(logits.shape[1], device=logits.device) + self.head.d2t
+        return full.index_copy(1, ids, logits.float())
 
     @torch.no_grad()
     def propose(self, chunks: list, limits: list[int], step) -> list[Proposal]:
@@ -269,10 +269,11 @@ class Eagle3Proposer(Proposer):
         while feeds:
             logits, out = self._step(feeds, hidden)
             nxt_feeds, nxt_hidden, nxt_live = [], [], []
-            for f_i, i in enumerate(live):
+            seqs = [chunks[i].seq for i in live]
+            picked = propose_tokens(self._to_target(logits), [s.params for s in seqs],
+                                    [s.generator if s.generator is not None else step.generator for s in seqs])
+            for f_i, (i, (tok, q)) in enumerate(zip(live, picked)):
                 seq = chunks[i].seq
-                gen = seq.generator if seq.generator is not None else step.generator
-                tok, q = propose_token(self._to_target(logits[f_i]), seq.params, gen)
                 tokens[i].append(tok)
                 if q is not None:
                     probs[i].append(q)

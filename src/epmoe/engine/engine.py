@@ -42,7 +42,7 @@ from epmoe.engine.model_runner import ModelRunner, StepOutput, graph_buckets
 from epmoe.engine.request import RequestOutput, Sequence
 from epmoe.engine.sampling import SamplingParams, sample
 from epmoe.engine.scheduler import Scheduler, StepPlan
-from epmoe.engine.speculative import Proposal, SpecStats, verify
+from epmoe.engine.speculative import Proposal, SpecStats, verify, verify_greedy
 from epmoe.layer import MoELayerOptions, check_tp_sizes
 from epmoe.loads import ExpertLoadRecorder
 from epmoe.models.hf import EPModel, load_ep_model, load_tp_model
@@ -520,13 +520,17 @@ class Engine:
                           [c.seq.generator for c, _ in plain], self.generator).tolist()
             for (c, _), t in zip(plain, toks):
                 emitted[id(c)] = ([t], 0)
-        for c, r, p in sampled:
-            if p is not None and p.token_ids:
-                k = len(p.token_ids)
+        spec = [(c, r, p) for c, r, p in sampled if p is not None and p.token_ids]
+        top = logits.argmax(dim=-1).tolist() if any(c.seq.params.greedy for c, _, _ in spec) else []
+        for c, r, p in spec:
+            k = len(p.token_ids)
+            if c.seq.params.greedy:
+                emitted[id(c)] = verify_greedy(top[r:r + k + 1], p.token_ids)
+            else:
                 gen = c.seq.generator if c.seq.generator is not None else self.generator
                 emitted[id(c)] = verify(logits[r:r + k + 1], p, c.seq.params, gen)
-                c.seq.spec.add(k, emitted[id(c)][1])
-                self.spec_stats.add(k, emitted[id(c)][1])
+            c.seq.spec.add(k, emitted[id(c)][1])
+            self.spec_stats.add(k, emitted[id(c)][1])
         now = time.perf_counter()
         outputs = []
         for c, row in zip(plan.chunks, first_row):

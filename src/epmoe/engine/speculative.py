@@ -140,11 +140,7 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams,
     if logits.shape[0] != k + 1:
         raise ValueError(f"verify: {k} proposed tokens need {k + 1} rows of logits, got {logits.shape[0]}")
     if params.greedy:
-        target = logits.argmax(dim=-1).tolist()
-        m = 0
-        while m < k and draft[m] == target[m]:
-            m += 1
-        return draft[:m] + [target[m]], m
+        return verify_greedy(logits.argmax(dim=-1).tolist(), draft)
     p = probabilities(logits, [params] * (k + 1))
     p = p / p.sum(dim=-1, keepdim=True)
     for i, d in enumerate(draft):
@@ -162,6 +158,15 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams,
             residual = p[i]
         return draft[:i] + [draw(residual, generator)], i
     return draft + [draw(p[k], generator)], k
+
+
+def verify_greedy(target: list[int], draft: list[int] | tuple[int, ...]) -> tuple[list[int], int]:
+    """``verify`` for a greedy request from the target's argmax tokens ``target`` (``k + 1`` of them): the
+    proposals that equal them, then the target's next token."""
+    m = 0
+    while m < len(draft) and draft[m] == target[m]:
+        m += 1
+    return list(draft[:m]) + [target[m]], m
 
 
 def make_proposer(engine) -> Proposer:
@@ -184,16 +189,22 @@ def make_proposer(engine) -> Proposer:
     return Eagle3Proposer(engine)
 
 
-def propose_token(logits: torch.Tensor, params: SamplingParams,
-                  generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
-    """A model proposer's token from its logits ``[V]`` (float32, the target's vocabulary): the argmax for a
-    greedy request; for a sampled one a draw from the request's own distribution over the draft's logits (its
-    temperature, top-k and top-p), returned with it as ``q`` ``[V]`` for verification."""
-    if params.greedy:
-        return int(logits.argmax()), None
-    q = probabilities(logits.unsqueeze(0), [params])[0]
-    q = q / q.sum()
-    return draw(q, generator), q
+def propose_tokens(logits: torch.Tensor, params: list[SamplingParams],
+                   generators: list[torch.Generator | None]) -> list[tuple[int, torch.Tensor | None]]:
+    """A model proposer's tokens from its logits ``[N, V]`` (float32, the target's vocabulary), one per row: the
+    argmax for a greedy request (one host transfer for all of them); for a sampled one a draw from the
+    request's own distribution over the draft's logits (its temperature, top-k and top-p), returned with it as
+    ``q`` ``[V]`` for verification."""
+    greedy = logits.argmax(dim=-1).tolist() if any(p.greedy for p in params) else []
+    out: list[tuple[int, torch.Tensor | None]] = []
+    for i, (p, gen) in enumerate(zip(params, generators)):
+        if p.greedy:
+            out.append((greedy[i], None))
+            continue
+        q = probabilities(logits[i:i + 1], [p])[0]
+        q = q / q.sum()
+        out.append((draw(q, gen), q))
+    return out
 
 
 def last_rows(feeds: list) -> list[int]:
