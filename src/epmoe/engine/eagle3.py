@@ -225,7 +225,7 @@ class Eagle3Proposer(Proposer):
         if aux is None or num_valid == 0:
             return
         rid = seq.request_id
-        rows = aux[:num_valid].detach()
+        rows = aux[:num_valid].detach().clone()  # a graph replay's output buffer is overwritten by the next one
         if rid in self.pending:
             first, old = self.pending[rid]
             self.pending[rid] = (first, torch.cat([old, rows]))
