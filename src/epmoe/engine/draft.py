@@ -175,7 +175,7 @@ class DraftModelProposer(Proposer):
             return None
         return self.runner.execute(feeds, bucket)
 
-    def propose(self, chunks: list, limits: list[int], step) -> list[Proposal]:
+    def propose(self, chunks: list, limits: list[int], engine) -> list[Proposal]:
         """Catch up, then propose up to ``limits[i]`` tokens for chunk ``i`` (``K`` forwards on every rank when
         the draft is collective)."""
         tokens: list[list[int]] = [[] for _ in chunks]
@@ -189,14 +189,14 @@ class DraftModelProposer(Proposer):
         rounds = self.k if self.collective else max(limits, default=0)
         live = list(range(len(chunks)))
         for j in range(rounds):
-            out = self._step(feeds, step)
+            out = self._step(feeds, engine)
             if out is None:
                 feeds = []
                 continue
             rows = torch.tensor(last_rows(feeds), dtype=torch.int64, device=out.logits.device)
             seqs = [chunks[i].seq for i in live]
             picked = propose_tokens(out.logits.index_select(0, rows)[:, : self.vocab], [s.params for s in seqs],
-                                    [s.generator if s.generator is not None else step.generator for s in seqs])
+                                    [s.generator if s.generator is not None else engine.generator for s in seqs])
             for i, (tok, q) in zip(live, picked):
                 tokens[i].append(tok)
                 if q is not None:

@@ -253,7 +253,7 @@ class Eagle3Proposer(Proposer):
         return full.index_copy(1, ids, logits.float())
 
     @torch.no_grad()
-    def propose(self, chunks: list, limits: list[int], step) -> list[Proposal]:
+    def propose(self, chunks: list, limits: list[int], engine) -> list[Proposal]:
         """Feed each request's queued target features, then run the head ``limits[i]`` steps."""
         live = [i for i, c in enumerate(chunks) if c.seq.request_id in self.pending]
         tokens: list[list[int]] = [[] for _ in chunks]
@@ -271,7 +271,7 @@ class Eagle3Proposer(Proposer):
             nxt_feeds, nxt_hidden, nxt_live = [], [], []
             seqs = [chunks[i].seq for i in live]
             picked = propose_tokens(self._to_target(logits), [s.params for s in seqs],
-                                    [s.generator if s.generator is not None else step.generator for s in seqs])
+                                    [s.generator if s.generator is not None else engine.generator for s in seqs])
             for f_i, (i, (tok, q)) in enumerate(zip(live, picked)):
                 seq = chunks[i].seq
                 tokens[i].append(tok)

@@ -54,7 +54,7 @@ class NgramProposer(Proposer):
         """The n-gram range."""
         return f"ngram: prompt lookup, n-grams of {self.min_n} to {self.max_n} tokens (no draft weights)"
 
-    def propose(self, chunks: list, limits: list[int], step) -> list[Proposal]:
+    def propose(self, chunks: list, limits: list[int], engine) -> list[Proposal]:
         """Each chunk's sequence's continuation of its longest earlier n-gram match (``ngram_propose``)."""
         out = []
         for c, limit in zip(chunks, limits):

@@ -62,9 +62,9 @@ class Proposer:
         """One line for the start of a run: what proposes and how its weights are placed."""
         return self.name
 
-    def propose(self, chunks: list, limits: list[int], step) -> list[Proposal]:
+    def propose(self, chunks: list, limits: list[int], engine) -> list[Proposal]:
         """Proposals for the decoding ``chunks`` (``ScheduledChunk``, one token each), ``limits[i]`` tokens at
-        most for chunk ``i``; ``step`` is the engine (sampling generator, agreement over the ranks)."""
+        most for chunk ``i``; ``engine`` is the target's (its sampling generator, its agreement over the ranks)."""
         raise NotImplementedError
 
     def observe(self, seq, start: int, num_valid: int, aux: torch.Tensor | None) -> None:
