@@ -37,7 +37,7 @@ from epmoe.comm import Comm
 from epmoe.engine.attention import register_attention
 from epmoe.engine.config import EngineConfig
 from epmoe.engine.fused_norm import fuse_norms
-from epmoe.engine.kv_cache import BlockAllocator, KVCache, KVLayout
+from epmoe.engine.kv_cache import BlockAllocator, KVCache, KVLayout, blocks_for_memory
 from epmoe.engine.model_runner import ModelRunner, StepOutput, graph_buckets
 from epmoe.engine.request import RequestOutput, Sequence
 from epmoe.engine.sampling import SamplingParams, sample
@@ -257,7 +257,7 @@ class Engine:
         else:
             budget = _CPU_KV_BYTES
             what = f"the CPU KV budget of {_CPU_KV_BYTES >> 20} MiB"
-        blocks = max(0, budget) // (per_token * cfg.block_size)
+        blocks = blocks_for_memory(max(0, budget), layout, cfg.block_size, cfg.torch_dtype, extra_bytes_per_token)
         blocks = min(blocks, cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1)
         if blocks < 2:
             raise ValueError(f"no room for a KV cache: {what}")
