@@ -348,6 +348,8 @@ def _serve_share(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], mine:
     with Progress(transient=True, disable=not show) as bar:
         task = bar.add_task("loading the model", total=None)
         engine = Engine(cfg.engine_config(model_dir), comm, progress=lambda msg: bar.update(task, description=msg))
+        if show and engine.proposer is not None:
+            bar.console.print(f"speculative decoding, K = {engine.num_spec_tokens}: {engine.proposer.describe()}")
         bar.update(task, description="generating (tokens, rank 0)", total=len(mine) * cfg.max_new_tokens,
                    completed=0)
         arrivals = [k / cfg.request_rate for k in range(len(mine))] if cfg.request_rate else None
