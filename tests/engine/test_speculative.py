@@ -137,6 +137,18 @@ def test_speculative_greedy_equals_plain_greedy(tiny_checkpoints, drafts, plain,
     assert engine.allocator.num_free == engine.allocator.capacity
 
 
+@pytest.mark.parametrize("family", ["gpt-oss", "llama4", "deepseek-v2"])
+def test_verify_rows_on_other_attention_variants(tiny_checkpoints, family):
+    """Sliding windows and sinks (gpt-oss), chunked attention (Llama-4), MLA with device-limited routing
+    (DeepSeek-V2): each verify row attends within its own window, greedy output equals plain decoding."""
+    model = str(tiny_checkpoints(family))
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    want = [o.token_ids for o in Engine(EngineConfig(model=model)).generate(PROMPTS[:3], params)]
+    engine = Engine(EngineConfig(model=model, speculative_algorithm="ngram", speculative_num_tokens=4))
+    assert [o.token_ids for o in engine.generate(PROMPTS[:3], params)] == want
+    assert engine.spec_stats.verify_steps > 0
+
+
 def test_a_draft_equal_to_the_target_is_always_accepted(tiny_checkpoints):
     """The draft's KV cache follows the sequences exactly: the target as its own draft proposes what the
     target then picks, every time (greedy), and K + 1 tokens come per verify step."""
