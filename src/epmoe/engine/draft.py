@@ -20,8 +20,9 @@ import torch
 from epmoe.comm import Comm
 from epmoe.engine.attention import register_attention
 from epmoe.engine.kv_cache import KVCache, KVLayout
-from epmoe.engine.model_runner import Feed, ModelRunner, StepOutput
+from epmoe.engine.model_runner import Feed, ModelRunner, StepOutput, ep_static_hooks
 from epmoe.engine.speculative import Proposal, Proposer, last_rows, propose_tokens
+from epmoe.engine.tokenizer import load_tokenizer
 from epmoe.layer import MoELayerOptions
 from epmoe.placement import ExpertPlacement
 from epmoe.spec import DenseModelError, language_model_config, load_moe_spec, read_config
@@ -41,8 +42,6 @@ def check_draft_vocab(draft: str, target: str, target_vocab: int, target_tokeniz
     if vocab != target_vocab:
         raise ValueError(f"draft model {draft} has vocab_size {vocab!r} but the target model {target} has "
                          f"{target_vocab}: the draft must share the target's tokenizer")
-    from epmoe.engine.engine import load_tokenizer
-
     tok = load_tokenizer(draft)
     if tok is not None and target_tokenizer is not None and tok.get_vocab() != target_tokenizer.get_vocab():
         raise ValueError(f"draft model {draft} has another tokenizer than the target model {target} (their "
@@ -150,8 +149,6 @@ class DraftModelProposer(Proposer):
         """Static steps of the draft for these row counts (CUDA graphs on a GPU), with fixed-capacity dispatch
         for an expert-parallel MoE draft."""
         if self.ep_model is not None:
-            from epmoe.engine.engine import ep_static_hooks
-
             activate, deactivate = ep_static_hooks(self.ep_model, self.eager_dispatcher)
         else:
             def activate(bs: int, valid_rows: torch.Tensor) -> None:

@@ -29,7 +29,6 @@ import os
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from pathlib import Path
 
 import torch
 
@@ -38,11 +37,13 @@ from epmoe.engine.attention import register_attention
 from epmoe.engine.config import EngineConfig
 from epmoe.engine.fused_norm import fuse_norms
 from epmoe.engine.kv_cache import BlockAllocator, KVCache, KVLayout, blocks_for_memory
-from epmoe.engine.model_runner import ModelRunner, StepOutput, graph_buckets
+from epmoe.engine.model_runner import ModelRunner, StepOutput, ep_static_hooks, graph_buckets
+from epmoe.engine.proposers import make_proposer
 from epmoe.engine.request import RequestOutput, Sequence
 from epmoe.engine.sampling import SamplingParams, sample
 from epmoe.engine.scheduler import Scheduler, StepPlan
 from epmoe.engine.speculative import Proposal, SpecStats, verify, verify_greedy
+from epmoe.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
 from epmoe.layer import MoELayerOptions, check_tp_sizes
 from epmoe.loads import ExpertLoadRecorder
 from epmoe.models.hf import EPModel, load_ep_model, load_tp_model
@@ -68,60 +69,6 @@ def trivial_or_file_placement(config: EngineConfig, num_layers: int, num_experts
             raise ValueError(f"EP size {ep_size} with redundant {config.redundant}: {exc}") from None
     placement.check_model(num_layers, num_experts, what=f"model {config.model}")
     return placement
-
-
-def load_tokenizer(model_dir: str):
-    """The checkpoint's tokenizer, or ``None`` when it has none (prompts are then UTF-8 bytes)."""
-    names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-    if not any((Path(model_dir) / f).is_file() for f in names):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-def encode_text(tokenizer, vocab_size: int, text: str) -> list[int]:
-    """Token ids of ``text``: the tokenizer's (no special tokens added), or without one its UTF-8 bytes
-    modulo ``vocab_size``."""
-    if tokenizer is None:
-        return [b % vocab_size for b in text.encode()]
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def eos_token_ids(model_dir: str, tokenizer) -> frozenset[int]:
-    """The end-of-sequence token ids of the checkpoint: its config's ``eos_token_id`` (one or a list) and the
-    tokenizer's."""
-    raw = language_model_config(read_config(model_dir)[0])
-    ids: set[int] = set()
-    for source in (raw.get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, list):
-            ids.update(i for i in source if isinstance(i, int))
-    return frozenset(ids)
-
-
-def ep_static_hooks(ep_model: EPModel, eager_dispatcher: str, recorder: ExpertLoadRecorder | None = None):
-    """``ModelRunner.capture``'s hooks for an expert-parallel model: during a static step of ``bs`` rows every
-    MoE layer dispatches with ``fixed_capacity`` of capacity ``bs`` (``local`` on one rank) and ``recorder``
-    counts only the real rows; after it, ``eager_dispatcher`` again."""
-    comm, slots = ep_model.comm, ep_model.placement.slots_per_rank
-    from epmoe.dispatch import make_dispatcher
-
-    def activate(bs: int, valid_rows: torch.Tensor) -> None:
-        if recorder is not None:
-            recorder.mask_rows(valid_rows)
-        for layer in ep_model.moe_layers:  # capacity bs: a token goes to a rank at most once
-            layer.set_dispatcher(make_dispatcher("local", comm, slots) if comm.size == 1 else
-                                 make_dispatcher("fixed_capacity", comm, slots, capacity=bs))
-
-    def deactivate() -> None:
-        if recorder is not None:
-            recorder.mask_rows(None)
-        for layer in ep_model.moe_layers:
-            layer.set_dispatcher(make_dispatcher(eager_dispatcher, comm, slots))
-
-    return activate, deactivate
 
 
 def _rows(aux: torch.Tensor | None, start: int, n: int) -> torch.Tensor | None:
@@ -196,8 +143,6 @@ class Engine:
         self.spec_stats = SpecStats()
         self.proposer = None
         if config.speculative_algorithm is not None:
-            from epmoe.engine.speculative import make_proposer
-
             say(f"loading the {config.speculative_algorithm} proposer")
             self.proposer = make_proposer(self)
         layout = KVLayout.from_config(self.ep_model.model.config)

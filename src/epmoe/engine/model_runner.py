@@ -23,6 +23,8 @@ from epmoe.engine.attention import AttnBatch, PrefillChunk
 from epmoe.engine.kv_cache import KVCache
 from epmoe.engine.paged_decode import paged_decode_splits, paged_decode_workspace_numel
 from epmoe.engine.scheduler import StepPlan
+from epmoe.loads import ExpertLoadRecorder
+from epmoe.models.hf import EPModel
 
 
 def graph_buckets(max_bs: int) -> list[int]:
@@ -160,6 +162,29 @@ def plan_feeds(plan: StepPlan, drafts: Sequence[Sequence[int]] | None = None) ->
         feeds.append(Feed(c.seq.tokens(c.start, c.start + c.num_tokens), c.start, c.seq.block_table, False,
                           c.samples))
     return feeds
+
+
+def ep_static_hooks(ep_model: EPModel, eager_dispatcher: str, recorder: ExpertLoadRecorder | None = None):
+    """``ModelRunner.capture``'s hooks for an expert-parallel model: during a static step of ``bs`` rows every
+    MoE layer dispatches with ``fixed_capacity`` of capacity ``bs`` (``local`` on one rank) and ``recorder``
+    counts only the real rows; after it, ``eager_dispatcher`` again."""
+    comm, slots = ep_model.comm, ep_model.placement.slots_per_rank
+    from epmoe.dispatch import make_dispatcher
+
+    def activate(bs: int, valid_rows: torch.Tensor) -> None:
+        if recorder is not None:
+            recorder.mask_rows(valid_rows)
+        for layer in ep_model.moe_layers:  # capacity bs: a token goes to a rank at most once
+            layer.set_dispatcher(make_dispatcher("local", comm, slots) if comm.size == 1 else
+                                 make_dispatcher("fixed_capacity", comm, slots, capacity=bs))
+
+    def deactivate() -> None:
+        if recorder is not None:
+            recorder.mask_rows(None)
+        for layer in ep_model.moe_layers:
+            layer.set_dispatcher(make_dispatcher(eager_dispatcher, comm, slots))
+
+    return activate, deactivate
 
 
 @dataclass

@@ -169,26 +169,6 @@ def verify_greedy(target: list[int], draft: list[int] | tuple[int, ...]) -> tupl
     return list(draft[:m]) + [target[m]], m
 
 
-def make_proposer(engine) -> Proposer:
-    """The proposer of ``engine.config.speculative_algorithm`` for ``engine`` (its target model loaded).
-
-    Raises:
-        ValueError: a draft that does not fit the target or its own placement (the draft named).
-    """
-    cfg = engine.config
-    if cfg.speculative_algorithm == "ngram":
-        from epmoe.engine.ngram import NgramProposer
-
-        return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-    if cfg.speculative_algorithm == "draft":
-        from epmoe.engine.draft import DraftModelProposer
-
-        return DraftModelProposer(engine)
-    from epmoe.engine.eagle3 import Eagle3Proposer
-
-    return Eagle3Proposer(engine)
-
-
 def propose_tokens(logits: torch.Tensor, params: list[SamplingParams],
                    generators: list[torch.Generator | None]) -> list[tuple[int, torch.Tensor | None]]:
     """A model proposer's tokens from its logits ``[N, V]`` (float32, the target's vocabulary), one per row: the
