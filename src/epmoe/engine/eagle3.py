@@ -198,7 +198,9 @@ class Eagle3Proposer(Proposer):
         self.vocab = engine.vocab_size
         head = Eagle3Head(config, len(self.aux_layers), target.model.embed_tokens)
         head.to(device=self.device, dtype=self.dtype)
-        head.d2t = head.d2t.to(device=self.device, dtype=torch.int64)
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        head.rotary_emb = LlamaRotaryEmbedding(config).to(self.device)  # its tables in float32, as built
         self.weights = _load_weights(head, self.path, self.device, self.dtype, cfg.seed)
         self.head = head.eval()
         self.layout = KVLayout(1, config.num_key_value_heads, head.midlayer.self_attn.head_dim,
