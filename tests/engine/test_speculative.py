@@ -162,6 +162,32 @@ def test_a_draft_equal_to_the_target_is_always_accepted(tiny_checkpoints):
     assert stats.accepted_length == 4.0  # 12 tokens after the first: 3 verify steps of 4 per request
 
 
+def test_eagle3_reads_the_outputs_of_the_configured_target_layers(tiny_checkpoints, drafts):
+    """After a prefill the head holds the target's hidden states of every prompt position: the outputs of
+    the decoder layers its config names, equal to transformers' own ``hidden_states`` (layers 0 and 1;
+    transformers' last entry is after the final norm)."""
+    from transformers import AutoModelForCausalLM
+
+    from epmoe.models.hf import hf_config
+
+    model = str(tiny_checkpoints("kimi-k2.5"))
+    engine = Engine(EngineConfig(model=model, speculative_algorithm="eagle3", speculative_draft_model=drafts["eagle3"],
+                                 speculative_num_tokens=2))
+    assert engine.proposer.aux_layers == (0, 1, 2)
+    ids = engine.encode(PROMPTS[1])
+    engine.add_request(ids, SamplingParams(temperature=0, max_tokens=4), request_id="r")
+    engine.step()  # the whole prompt in one chunk
+    first, feats = engine.proposer.pending["r"]
+    ref = AutoModelForCausalLM.from_pretrained(model, config=hf_config(model)).eval()
+    with torch.no_grad():
+        hidden = ref(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    d = ref.config.hidden_size
+    assert first == 0 and feats.shape == (len(ids), 3 * d)
+    for j in (0, 1):
+        want = hidden[j + 1][0]
+        assert float((feats[:, j * d:(j + 1) * d] - want).norm() / want.norm()) < 1e-5, j
+
+
 @pytest.mark.parametrize("algo", ["ngram", "draft", "eagle3"])
 def test_seeded_sampling_with_speculation_repeats(tiny_checkpoints, drafts, algo):
     family = "kimi-k2.5" if algo == "eagle3" else "qwen3-moe"
