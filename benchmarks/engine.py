@@ -16,6 +16,17 @@ bf16 matmul rate): the weights of the non-expert layers, the experts its tokens 
 under uniform routing, which random router weights give), and the KV cache it attends over. TTFT: one
 request of 1k and 4k tokens, against the FLOP floor of its prefill. Writes ``engine_<gpu>.json`` under
 ``--out`` and prints a table last.
+
+Speculation rows (``--spec``: only these, a few minutes): Qwen3-30B-A3B (``--spec-model``), ``ngram`` on
+repetitive prompts (code, lists) and ``eagle3`` with random weights (``--eagle3-config``, the SpecForge
+config for that target), at ``--spec-batches`` (1, 16) and K in ``--spec-k`` (1, 3). Per row: the mean
+accepted length (tokens per verify step), the verify step's time (the target's forward over B x (K + 1)
+rows, timed alone) against its floor (the same bytes and FLOPs model as a decode step, for B (K + 1)
+tokens and B sequences' KV) and against a plain decode step of B rows in the same run, and tokens/s per
+stream (whole engine steps: proposals, verification and sampling included) against plain decoding.
+Targets: speculation not slower than plain at batch 1 when the accepted length is at least 2; the verify
+step within 1.3x of a plain step for K <= 3 at batch 1. ``--device cpu --spec-model DIR`` runs the same rows
+on a small checkpoint (no floors), to try the script without a GPU.
 """
 
 from __future__ import annotations
@@ -258,6 +269,147 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
     return m
 
 
+SPEC_PROMPTS = (
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n",
+    "- apples\n- pears\n- plums\n- apples\n- pears\n- plums\n- apples\n- pears\n- plums\n- apples\n",
+    "for i in range(10):\n    print(i)\nfor j in range(10):\n    print(j)\nfor k in range(10):\n    print(k)\n",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28,",
+)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def spec_window(engine: Engine, bs: int, steps: int, device: str) -> dict:
+    """``bs`` repetitive prompts decoding; ``steps`` engine steps timed: ms per step, tokens per stream per
+    second, the verify forward alone (ms), accepted length over the window."""
+    params = SamplingParams(temperature=0, max_tokens=4 * steps + 16, ignore_eos=True)
+    for i in range(bs):
+        engine.add_request(SPEC_PROMPTS[i % len(SPEC_PROMPTS)], params)
+    while any(s.num_computed < len(s.prompt_token_ids) or not s.output_token_ids for s in engine._seqs.values()):
+        engine.step()
+    forward_ms: list[float] = []
+    run = engine.runner.run
+
+    def timed_run(*a, **kw):
+        _sync(device)
+        t = time.perf_counter()
+        out = run(*a, **kw)
+        _sync(device)
+        forward_ms.append((time.perf_counter() - t) * 1e3)
+        return out
+
+    engine.runner.run = timed_run
+    for _ in range(3):  # warm-up of the verify buckets and the draft's steps
+        engine.step()
+    forward_ms.clear()
+    stats0 = (engine.spec_stats.verify_steps, engine.spec_stats.draft_tokens, engine.spec_stats.accepted_tokens)
+    graphs0 = engine.stats["graph_steps"]
+    tokens = 0
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+    _sync(device)
+    wall = time.perf_counter() - t0
+    engine.runner.run = run
+    verify_steps = engine.spec_stats.verify_steps - stats0[0]
+    accepted = engine.spec_stats.accepted_tokens - stats0[2]
+    for rid in list(engine._seqs):
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    engine.step()
+    return {"step_ms": wall * 1e3 / steps, "forward_ms": sorted(forward_ms)[len(forward_ms) // 2],
+            "tokens_per_s_per_stream": tokens / wall / bs, "graph_steps": engine.stats["graph_steps"] - graphs0,
+            "accepted_length": (accepted + verify_steps) / verify_steps if verify_steps else 1.0,
+            "verify_steps": verify_steps}
+
+
+def verify_floor(engine: Engine, wb: dict, bs: int, k: int, ctx: float, ceil: dict) -> float:
+    """Floor of a verify step, ms: the experts ``bs (k + 1)`` tokens touch, the dense weights, ``bs`` sequences'
+    KV read once; or its FLOPs."""
+    spec = engine.spec
+    e, top = spec.num_experts, spec.top_k
+    tokens = bs * (k + 1)
+    touched = e * (1 - (1 - top / e) ** tokens)
+    kv = bs * ctx * engine.kv.layout.bytes_per_token(engine.config.torch_dtype)
+    nbytes = wb["dense"] + spec.num_moe_layers * touched * wb["expert"] + kv + tokens * wb["embed_row"]
+    flops = 2 * (wb["dense"] / 2 + spec.num_moe_layers * top * wb["expert"] / 2) * tokens
+    return max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["bf16_flop_per_s"]) * 1e3
+
+
+def spec_rows(args, ceil: dict | None) -> list[dict]:
+    """The speculation rows (see the module docstring)."""
+    root = Path(tempfile.mkdtemp())
+    if args.spec_model:
+        d = Path(args.spec_model)
+        load = "auto"
+    else:
+        d = checkpoint("qwen3-30b-a3b", None, root)
+        load = "dummy"
+    eagle = root / "eagle3"
+    eagle.mkdir()
+    shutil.copy(args.eagle3_config, eagle / "config.json")
+    batches = [int(b) for b in args.spec_batches.split(",")]
+    cuda = args.device == "cuda"
+    base = dict(model=str(d), device=args.device, dtype="bfloat16" if cuda else "float32",
+                expert_backend="triton" if cuda else "reference", load_format=load, max_num_seqs=max(batches),
+                max_model_len=2048 if cuda else None, cuda_graph_max_bs=max(batches), enforce_eager=not cuda)
+    runs = [("plain", None, 0)] + [(algo, eagle if algo == "eagle3" else None, k)
+                                   for algo in ("ngram", "eagle3") for k in [int(x) for x in args.spec_k.split(",")]]
+    out = []
+    plain: dict[int, dict] = {}
+    for algo, draft, k in runs:
+        spec = {} if algo == "plain" else dict(speculative_algorithm=algo, speculative_num_tokens=k,
+                                               speculative_draft_model=str(draft) if draft else None)
+        engine = Engine(EngineConfig(**base, **spec))
+        wb = weight_bytes(engine)
+        for bs in batches:
+            r = spec_window(engine, bs, args.spec_steps, args.device)
+            r.update(algo=algo, k=k, bs=bs)
+            ctx = PROMPT + 2 * args.spec_steps
+            if ceil is not None:
+                r["floor_ms"] = verify_floor(engine, wb, bs, k, ctx, ceil)
+            if algo == "plain":
+                plain[bs] = r
+            else:
+                r["verify_over_plain_step"] = r["forward_ms"] / plain[bs]["forward_ms"]
+                r["speedup_per_stream"] = r["tokens_per_s_per_stream"] / plain[bs]["tokens_per_s_per_stream"]
+            out.append(r)
+            print(f"  {algo:6} K {k} bs {bs:3d}: accepted length {r['accepted_length']:.2f}, step {r['step_ms']:.2f} "
+                  f"ms, forward {r['forward_ms']:.2f} ms, {r['tokens_per_s_per_stream']:.1f} tok/s per stream",
+                  flush=True)
+        del engine
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def print_spec_rows(rows: list[dict]) -> None:
+    print(f"\n{'spec':7} {'K':>2} {'bs':>4} {'acc len':>7} {'fwd ms':>7} {'floor':>7} {'/floor':>6} {'/plain':>6} "
+          f"{'tok/s/str':>9} {'x plain':>7}  target")
+    for r in rows:
+        floor = r.get("floor_ms")
+        fl = f"{floor:7.2f} {r['forward_ms'] / floor:6.2f}" if floor else f"{'-':>7} {'-':>6}"
+        if r["algo"] == "plain":
+            print(f"{'plain':7} {'-':>2} {r['bs']:4d} {'-':>7} {r['forward_ms']:7.2f} {fl} {'-':>6} "
+                  f"{r['tokens_per_s_per_stream']:9.1f} {'-':>7}")
+            continue
+        checks = []
+        if r["bs"] == 1 and r["k"] <= 3:
+            checks.append("verify <= 1.3x plain: " + ("yes" if r["verify_over_plain_step"] <= 1.3 else "NO"))
+        if r["bs"] == 1 and r["accepted_length"] >= 2:
+            checks.append("not slower: " + ("yes" if r["speedup_per_stream"] >= 1 else "NO"))
+        print(f"{r['algo']:7} {r['k']:2d} {r['bs']:4d} {r['accepted_length']:7.2f} {r['forward_ms']:7.2f} {fl} "
+              f"{r['verify_over_plain_step']:6.2f} {r['tokens_per_s_per_stream']:9.1f} {r['speedup_per_stream']:7.2f}  "
+              f"{'; '.join(checks)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="qwen3-30b-a3b,deepseek-v3")
@@ -274,7 +426,24 @@ def main() -> None:
     ap.add_argument("--peer-batches", default="1,8,64,256")
     ap.add_argument("--profile", default="", help="batch sizes whose kernels are profiled, e.g. 1,64")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--spec", action="store_true", help="only the speculation rows")
+    ap.add_argument("--spec-model", default=None, help="checkpoint of the speculation rows (default: Qwen3-30B-A3B, "
+                                                      "dummy weights)")
+    ap.add_argument("--eagle3-config", default=str(CONFIGS / "eagle3-draft-qwen3-30b-a3b-specforge.config.json"))
+    ap.add_argument("--spec-batches", default="1,16")
+    ap.add_argument("--spec-k", default="1,3")
+    ap.add_argument("--spec-steps", type=int, default=24)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the speculation rows only")
     args = ap.parse_args()
+    if args.spec or args.device == "cpu":
+        ceil = measure_ceilings() if args.device == "cuda" else None
+        rows = spec_rows(args, ceil)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        name = torch.cuda.get_device_name().split()[-1].lower() if args.device == "cuda" else "cpu"
+        (out / f"engine_spec_{name}.json").write_text(json.dumps({"ceilings": ceil, "rows": rows}, indent=2))
+        print_spec_rows(rows)
+        return
     batches = [int(b) for b in args.batches.split(",")]
     ceil = measure_ceilings()
     print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, "

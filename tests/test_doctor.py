@@ -42,15 +42,52 @@ def test_placement_for_other_model_is_an_error(tmp_path):
     assert "58 MoE layers" in line and "has 60" in line and "build a placement for 60 MoE layers x 384" in line
 
 
-def test_moe_draft_without_placement_is_a_finding(tmp_path):
-    # an MoE draft with the target's hidden size (2048) and vocabulary (151936): Qwen1.5-MoE for Qwen3-30B-A3B
+def test_moe_draft_without_placement_gets_its_own(tmp_path):
+    # an MoE draft with the target's vocabulary (151936): Qwen1.5-MoE (60 experts) for Qwen3-30B-A3B (128)
     target = str(CONFIGS / "qwen3-30b-a3b.config.json")
     draft = str(CONFIGS / "qwen1.5-moe-a2.7b.config.json")
-    errors = _errors(diagnose(DoctorConfig(model=target, draft=draft, ep=4)))
-    assert any("no placement of its own" in e.what and "--draft-placement" in e.fix for e in errors)
+    findings = diagnose(DoctorConfig(model=target, draft=draft, ep=4))
+    assert not _errors(findings), [f.line() for f in findings]
+    assert any("the draft model qwen1.5-moe-a2.7b.config.json: no placement given; the trivial placement (15 experts "
+               "per rank on 24 MoE layers)" in f.what for f in findings)
+    assert any("gets a placement of its own, not the target's" in f.what for f in findings)
+    errors = _errors(diagnose(DoctorConfig(model=target, draft=draft, ep=8)))  # 60 experts on 8 ranks
+    assert [e.what for e in errors] == ["the draft model qwen1.5-moe-a2.7b.config.json: 60 experts are not divisible "
+                                        "by EP size 8"]
     good = tmp_path / "draft.json"
     ExpertPlacement.trivial(24, 60, 4).save(good)
     assert not _errors(diagnose(DoctorConfig(model=target, draft=draft, draft_placement=str(good), ep=4)))
+    wrong = tmp_path / "target.json"
+    ExpertPlacement.trivial(48, 128, 4).save(wrong)  # the target's placement is refused for the draft
+    (error,) = _errors(diagnose(DoctorConfig(model=target, draft=draft, draft_placement=str(wrong), ep=4)))
+    assert "the draft model qwen1.5-moe-a2.7b.config.json" in error.what and "48 MoE layers" in error.what
+
+
+def test_draft_identical_to_its_target_is_fine():
+    """A DeepSeek-V3 draft with the target's own shape is placed on its own: no claim that shapes differ."""
+    dsv3 = str(CONFIGS / "deepseek-v3.config.json")
+    findings = diagnose(DoctorConfig(model=dsv3, draft=dsv3, ep=8))
+    lines = [f.line() for f in findings]
+    assert not _errors(findings), lines
+    assert not any("differ" in line for line in lines)
+    assert any("gets a placement of its own, not the target's (the same shape as the target's" in line
+               for line in lines)
+
+
+def test_standalone_draft_of_another_hidden_size_is_fine(tmp_path):
+    """Only EAGLE-style heads read the target's hidden states: a Qwen3-0.6B-shaped dense draft serves
+    Qwen3-235B-A22B (hidden 1024 against 4096); a vocabulary of its own is still refused."""
+    target = str(CONFIGS / "qwen3-235b-a22b.config.json")
+    small = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=1024, intermediate_size=3072,
+                 num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                 vocab_size=151936, max_position_embeddings=40960, torch_dtype="bfloat16")
+    (tmp_path / "config.json").write_text(json.dumps(small))
+    findings = diagnose(DoctorConfig(model=target, draft=str(tmp_path / "config.json"), ep=8))
+    assert not _errors(findings), [f.line() for f in findings]
+    assert any("a standalone dense draft" in f.what and "needs no placement" in f.what for f in findings)
+    (tmp_path / "config.json").write_text(json.dumps({**small, "vocab_size": 32000}))
+    (error,) = _errors(diagnose(DoctorConfig(model=target, draft=str(tmp_path / "config.json"), ep=8)))
+    assert "has vocab size 32000 but the target model" in error.what and "tokenizer" in error.fix
 
 
 def test_indivisible_ep_dense_target_and_memory(capsys):

@@ -62,7 +62,36 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    help="most expert copies one live rebalance may move")
     p.add_argument("--json", metavar="FILE", nargs="?", const="-", help="write the report as JSON (to stdout with no "
                                                                         "FILE)")
+    _add_speculative(p)
     p.set_defaults(func=_cmd_run)
+
+
+def _add_speculative(p: argparse.ArgumentParser) -> None:
+    """The speculative decoding flags of ``run`` and ``serve`` (vLLM/SGLang names)."""
+    p.add_argument("--speculative-algorithm", choices=("ngram", "draft", "eagle3"), default=None,
+                   help="speculative decoding: ngram (prompt lookup), draft (a small model of any family), eagle3 "
+                        "(an EAGLE-3 head reading the target's hidden states); default off")
+    p.add_argument("--speculative-draft-model", metavar="DIR",
+                   help="the draft model (draft) or the EAGLE-3 head's directory (eagle3: config.json, weights "
+                        "optional: random without)")
+    p.add_argument("--speculative-num-tokens", type=int, default=None, metavar="K",
+                   help="draft tokens verified per step, 1..16 (default 3)")
+    p.add_argument("--speculative-draft-placement", metavar="FILE",
+                   help="placement file of an MoE draft (its own; default: the trivial one of its experts)")
+    p.add_argument("--speculative-draft-parallel", choices=("ep", "replicated"), default="ep",
+                   help="an MoE draft's experts expert-parallel over the ranks (ep, default) or all on every rank "
+                        "(replicated: no collectives)")
+    p.add_argument("--prompt-lookup-min", type=int, default=1, help="ngram: shortest n-gram matched (default 1)")
+    p.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest n-gram matched (default 4)")
+
+
+def _speculative_options(args: argparse.Namespace) -> dict:
+    return {"speculative_algorithm": args.speculative_algorithm,
+            "speculative_draft_model": args.speculative_draft_model,
+            "speculative_num_tokens": args.speculative_num_tokens,
+            "speculative_draft_placement": args.speculative_draft_placement,
+            "speculative_draft_parallel": args.speculative_draft_parallel,
+            "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -80,7 +109,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, request_rate=args.request_rate,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         cuda_graph_max_bs=args.cuda_graph_max_bs, enforce_eager=args.enforce_eager, load_format=args.load_format,
-        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, **_speculative_options(args),
     ))
     if report is None:  # a non-zero torchrun rank: rank 0 prints
         return 0
@@ -137,6 +166,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="triton (default on CUDA), reference (default on CPU) or grouped_mm")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, seconds running requests get before they are aborted (default 30)")
+    _add_speculative(p)
     p.set_defaults(func=_cmd_serve)
 
 
@@ -154,6 +184,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             eplb_interval=args.eplb_interval, placement=args.placement, redundant=args.redundant,
             expert_backend=args.expert_backend, host=args.host, port=args.port,
             served_model_name=args.served_model_name, api_key=args.api_key, drain_timeout_s=args.drain_timeout,
+            **_speculative_options(args),
         )
         return serve(cfg)
     except (ValueError, TypeError) as exc:
@@ -221,8 +252,9 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 _SERVE_FLAGS = {name: "--" + name.replace("_", "-") for name in (
     "model", "ep", "parallel", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "mem_fraction_static", "num_kv_blocks", "cuda_graph_max_bs", "enforce_eager", "load_format", "eplb_interval",
-    "placement", "redundant", "expert_backend", "host", "port", "served_model_name", "api_key")} | {
-    "drain_timeout_s": "--drain-timeout"}
+    "placement", "redundant", "expert_backend", "host", "port", "served_model_name", "api_key",
+    "speculative_algorithm", "speculative_draft_model", "speculative_num_tokens", "speculative_draft_placement",
+    "speculative_draft_parallel", "prompt_lookup_min", "prompt_lookup_max")} | {"drain_timeout_s": "--drain-timeout"}
 
 
 def _batches(text: str) -> tuple[int, ...]:

@@ -217,41 +217,55 @@ def check_checkpoint(spec: MoESpec, directory: str, what: str = "the target mode
                           f"{spec.num_moe_layers} MoE layers")]
 
 
+def _is_eagle_head(path: str) -> bool:
+    """The draft is an EAGLE-style head (it reads the target's hidden states): its config has ``eagle_config`` or
+    an ``*Eagle*`` architecture."""
+    from epmoe.spec import language_model_config, read_config
+
+    cfg = language_model_config(read_config(path)[0])
+    return "eagle_config" in cfg or any("eagle" in str(a).lower() for a in cfg.get("architectures") or [])
+
+
 def check_draft(draft: str, draft_placement: str | None, ep: int,
                 target: MoESpec | None = None) -> tuple[DraftModel | None, int, list[Finding]]:
-    """A dense (EAGLE-3) draft needs no placement; an MoE draft needs its own. Either must share the
-    target's hidden size (EAGLE-3 reads the target's hidden states) and vocabulary.
+    """A dense draft needs no placement; an MoE draft has its own (the file given, else the trivial placement of
+    its own experts: never the target's). Every draft must share the target's vocabulary; an EAGLE-style head
+    also its hidden size (it reads the target's hidden states), a standalone draft model need not.
 
     Returns:
         The draft (``None`` when unreadable), the redundant slots of an MoE draft's placement, the findings.
     """
     try:
         model = read_draft(draft)
+        eagle = _is_eagle_head(draft)
     except (ValueError, FileNotFoundError) as exc:
         return None, 0, [Finding("error", f"draft cannot be read: {exc}", "speculative decoding cannot start",
                                  "pass the draft checkpoint directory or its config.json")]
     out: list[Finding] = []
     if target is not None:
-        for label, dv, tv in (("hidden size", model.hidden_size, target.hidden_size),
-                              ("vocab size", model.vocab_size, target.vocab_size)):
+        checks = [("vocab size", model.vocab_size, target.vocab_size)]
+        if eagle:
+            checks.insert(0, ("hidden size", model.hidden_size, target.hidden_size))
+        for label, dv, tv in checks:
             if dv != tv:
+                why = ("the EAGLE head reads the target's hidden states and token ids: it was trained for another "
+                       "target" if eagle else "the draft's token ids must mean the target's tokens")
                 out.append(Finding("error", f"draft {model.name} has {label} {dv} but the target model "
-                                            f"{Path(target.source).name} has {label} {tv}",
-                                   "the draft reads the target's hidden states and token ids: it was trained "
-                                   "for another target",
-                                   "pass the draft trained for this target model"))
+                                            f"{Path(target.source).name} has {label} {tv}", why,
+                                   "pass a draft trained for this target model" if eagle else
+                                   "pass a draft with the target's tokenizer"))
     spec = model.spec
     if spec is None:
-        out.append(Finding("ok", f"draft {model.name} is a dense model (an EAGLE-3 draft has one dense decoder "
-                                 "layer): it needs no placement"))
+        kind = "an EAGLE-style head" if eagle else "a standalone dense draft"
+        out.append(Finding("ok", f"draft {model.name} is a dense model ({kind}): it needs no placement"))
         return model, 0, out
-    if draft_placement is None:
-        out.append(Finding("error", f"draft is an MoE model ({spec.num_moe_layers} MoE layers x {spec.num_experts} "
-                                    "experts) with no placement of its own",
-                           "it must not reuse the target's placement: layer counts and experts differ",
-                           "pass --draft-placement FILE built for the draft"))
-        return model, 0, out
-    redundant, found = check_placement(spec, draft_placement, ep, "the draft model")
+    redundant, found = check_placement(spec, draft_placement, ep, f"the draft model {model.name}")
+    if draft_placement is None and target is not None and all(f.severity == "ok" for f in found):
+        same = (spec.num_moe_layers, spec.num_experts) == (target.num_moe_layers, target.num_experts)
+        found.append(Finding("ok", f"draft {model.name} ({spec.num_moe_layers} MoE layers x {spec.num_experts} "
+                                   f"experts) gets a placement of its own, not the target's"
+                                   + (" (the same shape as the target's: a rebalance of either never moves the "
+                                      "other's experts)" if same else "")))
     return model, redundant, out + found
 
 

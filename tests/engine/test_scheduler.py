@@ -226,3 +226,28 @@ def test_finish_and_abort_free_blocks():
     assert [ch.seq for ch in p.chunks] == [b]
     s.finish(b, "abort")
     assert not s.has_unfinished() and s.allocator.num_free == s.allocator.capacity
+
+
+def test_lookahead_reserves_room_for_proposals_within_limits():
+    """Speculative decoding: a decoding sequence gets budget and blocks for K proposed tokens, capped by its
+    max_tokens and the context, and none (rather than a preemption) when the blocks are short."""
+    s = Scheduler(BlockAllocator(64), BS, 8, 64, lookahead=3, max_model_len=12)
+    a, b, c = make(0, 5, max_tokens=10), make(1, 5, max_tokens=2), make(2, 8, max_tokens=10)
+    for q in (a, b, c):
+        s.add(q)
+    plan = s.schedule()
+    assert all(ch.lookahead == 0 for ch in plan.chunks)  # prefills propose nothing
+    advance(s, plan)
+    plan = s.schedule()
+    ahead = {ch.seq.request_id: ch.lookahead for ch in plan.decodes}
+    # a: 3; b: one more token at most (max_tokens 2, one out): no proposal; c: 9 tokens, context 12: 3
+    assert ahead == {"r0": 3, "r1": 0, "r2": 3}
+    assert len(a.block_table) == 3  # positions 0..8 (5 prompt + 1 + 3 proposals): 3 blocks of 4
+    advance(s, plan)  # c: 10 tokens; the context (12) leaves room for 2 proposals
+    assert {ch.seq.request_id: ch.lookahead for ch in s.schedule().decodes} == {"r0": 3, "r2": 2}
+    tight = Scheduler(BlockAllocator(3), BS, 8, 64, lookahead=3, max_model_len=64)  # 2 usable blocks
+    d = make(3, 7, max_tokens=10)
+    tight.add(d)
+    advance(tight, tight.schedule())  # 8 tokens in the 2 blocks: proposals would need a third
+    plan = tight.schedule()
+    assert [(ch.seq, ch.lookahead) for ch in plan.decodes] == [(d, 0)] and not plan.preempted

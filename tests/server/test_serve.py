@@ -315,3 +315,21 @@ def test_eplb_rebalance_moves_experts_and_keeps_outputs(server, client, offline)
     assert all(a >= b for ra, rb in zip(after, loads_before) for a, b in zip(ra, rb))
     again = httpx.post(f"{server.url}/eplb/rebalance", json={"max_moves": 0}, headers=AUTH, timeout=60).json()
     assert again["committed"] is False and again["moves"] == [] and "max_moves is 0" in again["error"]
+
+
+def test_speculative_server_equals_offline_and_reports_acceptance(start_server, offline):
+    """``--speculative-algorithm ngram`` on one rank: the same greedy text as plain decoding offline, the
+    proposer in the start-up log, and the acceptance counts in ``/metrics``."""
+    spec = start_server("--ep", "1", "--speculative-algorithm", "ngram", "--speculative-num-tokens", "3")
+    client = openai.OpenAI(base_url=f"{spec.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    prompts = ["abcabcabcabcabcabc", *PROMPTS[:2]]
+    for prompt, out in zip(prompts, offline(prompts, 16)):
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+        assert got.choices[0].text == out.text
+    steps = spec.metric("epmoe:spec_decode_num_drafts_total")
+    proposed = spec.metric("epmoe:spec_decode_num_draft_tokens_total")
+    accepted = spec.metric("epmoe:spec_decode_num_accepted_tokens_total")
+    assert steps > 0 and proposed >= steps and 0 < accepted <= proposed
+    assert spec.metric("epmoe:spec_decode_mean_accepted_length") == pytest.approx((accepted + steps) / steps)
+    assert spec.metric("epmoe:spec_decode_request_accepted_length_count") == 3
+    assert "speculative decoding, K = 3: ngram: prompt lookup" in spec.log.read_text()

@@ -10,6 +10,9 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PARALLEL_MODES = ("ep", "tp")
+SPECULATIVE_ALGORITHMS = ("ngram", "draft", "eagle3")
+DRAFT_PARALLEL_MODES = ("ep", "replicated")
+DEFAULT_SPECULATIVE_TOKENS = 3
 GRAPH_SAFE_BACKENDS = ("triton",)  # the reference backend reads the routing on the host
 
 
@@ -54,6 +57,17 @@ class EngineConfig:
         eplb_interval: rebalance experts every this many steps from the recorded loads (0 = never).
         eplb_max_moves: most expert copies one rebalance moves (``None`` = as few as reach the target).
         seed: seed of the dummy weights and of unseeded sampling.
+        speculative_algorithm: speculative decoding (``ngram``, ``draft``, ``eagle3``; ``None`` = off): each step
+            verifies up to ``speculative_num_tokens`` proposed tokens per request after its last token.
+        speculative_draft_model: the draft's directory (``draft``: a model of any served family, MoE or dense;
+            ``eagle3``: an EAGLE-3 head's ``config.json``, its safetensors optional: random weights without).
+        speculative_num_tokens: ``K``, draft tokens verified per step (``None`` = 3 with an algorithm).
+        speculative_draft_placement: placement file of an MoE draft (its own; ``None`` = the trivial placement of
+            the draft's experts over the group).
+        speculative_draft_parallel: an MoE draft's experts ``ep`` (expert-parallel over the same ranks, with its
+            own placement and dispatchers; the default) or ``replicated`` (every rank holds all of them, no
+            collectives).
+        prompt_lookup_min, prompt_lookup_max: ``ngram``'s shortest and longest n-gram matched (vLLM's names).
     """
 
     model: str
@@ -78,6 +92,13 @@ class EngineConfig:
     eplb_interval: int = 0
     eplb_max_moves: int | None = None
     seed: int = 0
+    speculative_algorithm: str | None = None
+    speculative_draft_model: str | None = None
+    speculative_num_tokens: int | None = None
+    speculative_draft_placement: str | None = None
+    speculative_draft_parallel: str = "ep"
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the first bad option."""
@@ -139,6 +160,7 @@ class EngineConfig:
             if given:
                 raise ValueError(f"{', '.join(given)} place or move whole experts (parallel 'ep'); parallel 'tp' "
                                  f"slices every expert over the ranks: leave them unset")
+        self._check_speculative()
         if self.eplb_max_moves is not None and not self.eplb_interval:
             raise ValueError("eplb_max_moves limits live rebalancing: give eplb_interval with it")
         from epmoe.dispatch import DISPATCHERS
@@ -157,6 +179,55 @@ class EngineConfig:
                 f"got expert_backend {self.expert_backend!r} with dtype {self.dtype!r}: change them, or set "
                 f"enforce_eager to run every step eagerly"
             )
+
+    def _check_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if algo is None:
+            given = [name for name, value, default in (
+                ("speculative_draft_model", self.speculative_draft_model, None),
+                ("speculative_num_tokens", self.speculative_num_tokens, None),
+                ("speculative_draft_placement", self.speculative_draft_placement, None),
+                ("speculative_draft_parallel", self.speculative_draft_parallel, "ep"),
+            ) if value != default]
+            if given:
+                raise ValueError(f"{', '.join(given)} configure speculative decoding: give speculative_algorithm "
+                                 f"({' | '.join(SPECULATIVE_ALGORITHMS)}) with them")
+            return
+        if algo not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {algo!r}")
+        if self.speculative_num_tokens is not None:
+            k = self.speculative_num_tokens
+            if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= 16:
+                raise ValueError(f"speculative_num_tokens must be an integer in [1, 16], got {k!r}")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            _positive(name, getattr(self, name))
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        if self.speculative_draft_parallel not in DRAFT_PARALLEL_MODES:
+            raise ValueError(f"speculative_draft_parallel must be one of {DRAFT_PARALLEL_MODES}, "
+                             f"got {self.speculative_draft_parallel!r}")
+        draft = self.speculative_draft_model
+        if algo == "ngram":
+            if draft is not None or self.speculative_draft_placement is not None:
+                raise ValueError("speculative_algorithm 'ngram' looks up the prompt and needs no draft model: leave "
+                                 "speculative_draft_model and speculative_draft_placement unset")
+            return
+        if draft is None or not str(draft) or not (Path(draft) / "config.json").is_file():
+            raise ValueError(f"speculative_draft_model {draft!r} is not a directory with a config.json (speculative "
+                             f"algorithm {algo!r} needs its draft)")
+        if algo == "eagle3" and self.speculative_draft_placement is not None:
+            raise ValueError("speculative_draft_placement places an MoE draft's experts; an EAGLE-3 head is dense")
+        if self.speculative_draft_placement is not None and self.speculative_draft_parallel == "replicated":
+            raise ValueError("speculative_draft_placement spreads an MoE draft's experts over the ranks; "
+                             "speculative_draft_parallel 'replicated' holds all of them on every rank")
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """``K`` draft tokens per verify step (0 without speculative decoding)."""
+        if self.speculative_algorithm is None:
+            return 0
+        return int(self.speculative_num_tokens or DEFAULT_SPECULATIVE_TOKENS)
 
     @property
     def torch_dtype(self) -> torch.dtype:

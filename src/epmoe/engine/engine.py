@@ -14,6 +14,11 @@ Usage (one process)::
 
 Step API (the server's): ``add_request``, ``step() -> list[RequestOutput]``, ``abort``,
 ``has_unfinished``.
+
+With speculative decoding (``EngineConfig.speculative_algorithm``), a proposer (``epmoe.engine.ngram``,
+``draft``, ``eagle3``) proposes up to K tokens per decoding request before the model runs; the step then
+verifies them (``epmoe.engine.speculative``): a decode step of ``B (K + 1)`` rows, replayed from its own
+CUDA-graph buckets, after which each request advances by the proposals that stand plus one token.
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ import os
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,10 +39,13 @@ from epmoe.engine.config import EngineConfig
 from epmoe.engine.fused_norm import fuse_norms
 from epmoe.engine.kv_cache import BlockAllocator, KVCache, KVLayout, blocks_for_memory
 from epmoe.engine.mla import install_mla
-from epmoe.engine.model_runner import ModelRunner, graph_buckets
+from epmoe.engine.model_runner import ModelRunner, StepOutput, ep_static_hooks, graph_buckets
+from epmoe.engine.proposers import make_proposer
 from epmoe.engine.request import RequestOutput, Sequence
 from epmoe.engine.sampling import SamplingParams, sample
 from epmoe.engine.scheduler import Scheduler, StepPlan
+from epmoe.engine.speculative import Proposal, SpecStats, verify, verify_greedy
+from epmoe.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
 from epmoe.layer import MoELayerOptions, check_tp_sizes
 from epmoe.loads import ExpertLoadRecorder
 from epmoe.models.hf import EPModel, load_ep_model, load_tp_model
@@ -69,43 +76,8 @@ def trivial_or_file_placement(config: EngineConfig, num_layers: int, num_experts
     return placement
 
 
-def load_tokenizer(model_dir: str):
-    """The checkpoint's tokenizer, or ``None`` when it has none (prompts are then UTF-8 bytes)."""
-    names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-    if not any((Path(model_dir) / f).is_file() for f in names):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-def encode_text(tokenizer, vocab_size: int, text: str) -> list[int]:
-    """Token ids of ``text``: the tokenizer's (no special tokens added), or without one its UTF-8 bytes
-    modulo ``vocab_size``."""
-    if tokenizer is None:
-        return [b % vocab_size for b in text.encode()]
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def decode_text(tokenizer, ids: Seq[int]) -> str:
-    """Text of generated token ids: the tokenizer's (special tokens skipped), or without one the ids written in
-    decimal, one space between them (every token adds text, so a stream shows each as it comes)."""
-    if tokenizer is None:
-        return " ".join(str(i) for i in ids)
-    return tokenizer.decode(list(ids), skip_special_tokens=True)
-
-
-def eos_token_ids(model_dir: str, tokenizer) -> frozenset[int]:
-    """The end-of-sequence token ids of the checkpoint: its config's ``eos_token_id`` (one or a list) and the
-    tokenizer's."""
-    raw = language_model_config(read_config(model_dir)[0])
-    ids: set[int] = set()
-    for source in (raw.get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, list):
-            ids.update(i for i in source if isinstance(i, int))
-    return frozenset(ids)
+def _rows(aux: torch.Tensor | None, start: int, n: int) -> torch.Tensor | None:
+    return None if aux is None else aux[start:start + n]
 
 
 class Engine:
@@ -173,17 +145,28 @@ class Engine:
         self.tokenizer = load_tokenizer(config.model)
         self.eos_ids = eos_token_ids(config.model, self.tokenizer)
         self.vocab_size = self.spec.vocab_size
+        self.num_spec_tokens = config.num_speculative_tokens
+        self.spec_stats = SpecStats()
+        self.proposer = None
+        if config.speculative_algorithm is not None:
+            say(f"loading the {config.speculative_algorithm} proposer")
+            self.proposer = make_proposer(self)
         layout = KVLayout.from_config(self.ep_model.model.config)
         if layout.latent and mla_layers != layout.num_layers:
             raise ValueError(f"the config asks for MLA's latent KV cache (kv_lora_rank) but {mla_layers} of "
                              f"{layout.num_layers} attention modules are MLA")
-        num_blocks = self._num_kv_blocks(layout)
+        extra = self.proposer.kv_bytes_per_token if self.proposer is not None else 0
+        num_blocks = self._num_kv_blocks(layout, extra)
         self.kv = KVCache(layout, num_blocks, config.block_size, config.torch_dtype, self.device)
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
-        max_blocks = -(-self.max_model_len // config.block_size)
-        self.runner = ModelRunner(self.ep_model.model, self.kv, max_blocks, self.device)
+                                   config.max_num_batched_tokens, lookahead=self.num_spec_tokens,
+                                   max_model_len=self.max_model_len)
+        self.max_blocks = -(-self.max_model_len // config.block_size)
+        aux = self.proposer.aux_layers if self.proposer is not None else ()
+        self.runner = ModelRunner(self.ep_model.model, self.kv, self.max_blocks, self.device, aux_layers=aux)
+        if self.proposer is not None:
+            self.proposer.allocate(num_blocks, config.block_size)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []
@@ -207,13 +190,18 @@ class Engine:
         if config.static_decode:
             say("capturing CUDA graphs" if config.use_graphs else "preparing static decode buckets")
             self._capture()
+            if self.proposer is not None:
+                self.proposer.capture(self._draft_sizes())
 
     # ---- set-up ---------------------------------------------------------------------------------
 
-    def _num_kv_blocks(self, layout: KVLayout) -> int:
+    def _num_kv_blocks(self, layout: KVLayout, extra_bytes_per_token: int = 0) -> int:
+        """KV blocks of the pool; ``extra_bytes_per_token``: the proposer's own cache per token (its pool has
+        as many blocks)."""
         cfg = self.config
+        per_token = layout.bytes_per_token(cfg.torch_dtype) + extra_bytes_per_token
         if cfg.num_kv_blocks is not None:
-            want = cfg.num_kv_blocks * cfg.block_size * layout.bytes_per_token(cfg.torch_dtype)
+            want = cfg.num_kv_blocks * cfg.block_size * per_token
             have = (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda"
                     else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
             if want > have:
@@ -228,14 +216,28 @@ class Engine:
         else:
             budget = _CPU_KV_BYTES
             what = f"the CPU KV budget of {_CPU_KV_BYTES >> 20} MiB"
-        blocks = blocks_for_memory(max(0, budget), layout, cfg.block_size, cfg.torch_dtype)
+        blocks = blocks_for_memory(max(0, budget), layout, cfg.block_size, cfg.torch_dtype, extra_bytes_per_token)
         blocks = min(blocks, cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1)
         if blocks < 2:
             raise ValueError(f"no room for a KV cache: {what}")
         return blocks
 
+    def _decode_sizes(self) -> list[int]:
+        return [b for b in graph_buckets(self.config.cuda_graph_max_bs) if b <= self.config.max_num_seqs]
+
+    def _graph_sizes(self) -> list[int]:
+        """Row counts of the static steps: the decode batches, and with K proposed tokens the verify steps'
+        ``batch x (K + 1)`` rows."""
+        plain = self._decode_sizes()
+        return sorted(set(plain) | {b * (self.num_spec_tokens + 1) for b in plain})
+
+    def _draft_sizes(self) -> list[int]:
+        """Row counts of a draft model's static steps: up to two catch-up rows per request, then one."""
+        plain = self._decode_sizes()
+        return sorted(set(plain) | {2 * b for b in plain})
+
     def _capture(self) -> None:
-        sizes = [b for b in graph_buckets(self.config.cuda_graph_max_bs) if b <= self.config.max_num_seqs]
+        sizes = self._graph_sizes()
         if self.tp:
             def activate(bs: int, valid_rows: torch.Tensor) -> None:  # every rank runs bucket bs: no size exchange
                 for layer in self.ep_model.moe_layers:
@@ -254,21 +256,7 @@ class Engine:
 
     def _ep_static_hooks(self):
         """The static decode step's hooks in EP: fixed-capacity dispatchers of the bucket's size, masked loads."""
-        comm, slots = self.comm, self.placement.slots_per_rank
-        from epmoe.dispatch import make_dispatcher
-
-        def activate(bs: int, valid_rows: torch.Tensor) -> None:
-            self.recorder.mask_rows(valid_rows)
-            for layer in self.ep_model.moe_layers:  # capacity bs: a token goes to a rank at most once
-                layer.set_dispatcher(make_dispatcher("local", comm, slots) if comm.size == 1 else
-                                     make_dispatcher("fixed_capacity", comm, slots, capacity=bs))
-
-        def deactivate() -> None:
-            self.recorder.mask_rows(None)
-            for layer in self.ep_model.moe_layers:
-                layer.set_dispatcher(make_dispatcher(self.eager_dispatcher, comm, slots))
-
-        return activate, deactivate
+        return ep_static_hooks(self.ep_model, self.eager_dispatcher, self.recorder)
 
     def kv_report(self, context: int | None = None) -> dict:
         """The KV pool: blocks, tokens, bytes, the bytes of one token's entry in one layer and its kind
@@ -372,7 +360,7 @@ class Engine:
         seq = self._seqs.get(request_id)
         if seq is None or seq.finished:
             return None
-        self.scheduler.finish(seq, "abort")
+        self._finish(seq, "abort")
         out = self._output(seq, [])
         self._aborted.append(out)
         return out
@@ -383,9 +371,9 @@ class Engine:
 
     # ---- the step -------------------------------------------------------------------------------
 
-    def _agree(self, plan: StepPlan, pending: bool) -> tuple[bool, int, bool, int]:
+    def _agree(self, plan: StepPlan, pending: bool, rows: int) -> tuple[bool, int, bool, int]:
         local = torch.tensor([int(pending or self.has_unfinished() or bool(plan.chunks)), plan.num_tokens,
-                              int(bool(plan.prefills)), len(plan.decodes)], dtype=torch.int64)
+                              int(bool(plan.prefills)), rows], dtype=torch.int64)
         if self.comm.size == 1:
             glob = local
         else:
@@ -394,35 +382,69 @@ class Engine:
         work, tokens, prefill, decodes = glob.tolist()
         return bool(work), tokens, bool(prefill), decodes
 
+    def agree_max(self, values: list[int]) -> list[int]:
+        """The element-wise maximum of ``values`` over the ranks (one ``all_gather``; the values themselves on
+        one rank). Every rank calls it at the same point (a collective proposer's steps)."""
+        local = torch.tensor(values, dtype=torch.int64)
+        if self.comm.size == 1:
+            return values
+        dev = self.device if self.device.type == "cuda" else torch.device("cpu")
+        return self.comm.all_gather(local.to(dev)).amax(dim=0).cpu().tolist()
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        if self.proposer is not None:
+            self.proposer.release(seq)
+
+    def _propose(self, plan: StepPlan) -> list[Proposal]:
+        """One ``Proposal`` per decode chunk (empty where it has no lookahead)."""
+        chunks = [c for c in plan.decodes if c.lookahead]
+        got = iter(self.proposer.propose(chunks, [c.lookahead for c in chunks], self))
+        return [next(got) if c.lookahead else Proposal() for c in plan.decodes]
+
     def step(self, pending: bool = False) -> list[RequestOutput]:
-        """Run one step: schedule, run the model (every rank together), sample, update the requests.
+        """Run one step: schedule, propose (speculative decoding), run the model (every rank together), sample
+        or verify, update the requests.
 
         Args:
             pending: this rank expects more requests (staggered arrivals): it keeps stepping with the
                 others even with nothing queued.
 
         Returns:
-            One ``RequestOutput`` per request that got a token or finished at this step (aborted ones
+            One ``RequestOutput`` per request that got tokens or finished at this step (aborted ones
             included, once).
         """
         plan = self.scheduler.schedule()
         self.stats["preemptions"] += len(plan.preempted)
+        if self.proposer is not None:
+            for seq in plan.preempted + plan.finished:
+                self.proposer.release(seq)
         outputs = self._aborted + [self._output(s, []) for s in plan.finished]
         self._aborted = []
-        work, _, any_prefill, max_decodes = self._agree(plan, pending)
+        proposals = None
+        collective = self.proposer is not None and self.proposer.collective
+        if self.proposer is not None and not collective:
+            proposals = self._propose(plan)
+            rows = sum(1 + len(p.token_ids) for p in proposals)
+        else:
+            rows = sum(1 + c.lookahead for c in plan.decodes)
+        work, _, any_prefill, max_rows = self._agree(plan, pending, rows)
         self.last_step_busy = work
         if not work:
             return outputs
+        if collective and max_rows:
+            proposals = self._propose(plan)
         bucket = None
-        if self.config.static_decode and not any_prefill and max_decodes:
-            bucket = self.runner.bucket_for(max_decodes)
+        if self.config.static_decode and not any_prefill and max_rows:
+            bucket = self.runner.bucket_for(max_rows)
         if bucket is None and not plan.chunks:
             self.ep_model.idle_step()
             self.stats["idle_steps"] += 1
         else:
-            logits = self.runner.run(plan, bucket)
+            drafts = [p.token_ids for p in proposals] if proposals is not None else None
+            out = self.runner.run(plan, bucket, drafts)
             self.stats["graph_steps" if bucket is not None else "eager_steps"] += 1
-            outputs += self._advance(plan, logits)
+            outputs += self._advance(plan, out, proposals)
         self.num_steps += 1
         self.slot_totals += self.recorder.current_counts()
         self.recorder.step()
@@ -432,25 +454,70 @@ class Engine:
                 self._capture()  # the committed weights and slot tables are new tensors
         return outputs
 
-    def _advance(self, plan: StepPlan, logits: torch.Tensor) -> list[RequestOutput]:
+    def _advance(self, plan: StepPlan, out: StepOutput, proposals: list[Proposal] | None) -> list[RequestOutput]:
         for c in plan.chunks:
             c.seq.num_computed = c.start + c.num_tokens
-        sampling = plan.sampling
-        if not sampling:
-            return []
-        seqs = [c.seq for c in sampling]
-        tokens = sample(logits[:, : self.vocab_size], [s.params for s in seqs], [s.generator for s in seqs],
-                        self.generator).tolist()
+        logits = out.logits[:, : self.vocab_size]
+        # rows of the packed step: each decode chunk 1 + k (all sampled), then each prefill chunk's tokens
+        sampled: list[tuple] = []  # (chunk, first logits row, proposal or None)
+        first_row: list[int] = []  # packed row of each chunk's first token (aux hidden states)
+        logit_row = packed_row = 0
+        for i, c in enumerate(plan.decodes):
+            prop = proposals[i] if proposals is not None else Proposal()
+            sampled.append((c, logit_row, prop))
+            first_row.append(packed_row)
+            logit_row += 1 + len(prop.token_ids)
+            packed_row += 1 + len(prop.token_ids)
+        for c in plan.prefills:
+            first_row.append(packed_row)
+            packed_row += c.num_tokens
+            if c.samples:
+                sampled.append((c, logit_row, None))
+                logit_row += 1
+        emitted: dict[int, tuple[list[int], int]] = {}
+        plain = [(c, r) for c, r, p in sampled if p is None or not p.token_ids]
+        if plain:
+            rows = torch.tensor([r for _, r in plain], device=logits.device)
+            toks = sample(logits.index_select(0, rows), [c.seq.params for c, _ in plain],
+                          [c.seq.generator for c, _ in plain], self.generator).tolist()
+            for (c, _), t in zip(plain, toks):
+                emitted[id(c)] = ([t], 0)
+        spec = [(c, r, p) for c, r, p in sampled if p is not None and p.token_ids]
+        top = logits.argmax(dim=-1).tolist() if any(c.seq.params.greedy for c, _, _ in spec) else []
+        for c, r, p in spec:
+            k = len(p.token_ids)
+            if c.seq.params.greedy:
+                emitted[id(c)] = verify_greedy(top[r:r + k + 1], p.token_ids)
+            else:
+                gen = c.seq.generator if c.seq.generator is not None else self.generator
+                emitted[id(c)] = verify(logits[r:r + k + 1], p, c.seq.params, gen)
+            c.seq.spec.add(k, emitted[id(c)][1])
+            self.spec_stats.add(k, emitted[id(c)][1])
         now = time.perf_counter()
         outputs = []
-        for seq, tok in zip(seqs, tokens):
-            seq.output_token_ids.append(tok)
+        for c, row in zip(plan.chunks, first_row):
+            seq = c.seq
+            if id(c) not in emitted:
+                if self.proposer is not None:
+                    self.proposer.observe(seq, c.start, c.num_tokens, _rows(out.aux, row, c.num_tokens))
+                continue
+            tokens, accepted = emitted[id(c)]
+            new = []
+            for tok in tokens:
+                seq.output_token_ids.append(tok)
+                new.append(tok)
+                reason = self._finish_reason(seq, tok)
+                if reason is not None:
+                    self._finish(seq, reason)
+                    break
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = self._finish_reason(seq, tok)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-            outputs.append(self._output(seq, [tok]))
+            if not seq.finished:
+                seq.num_computed += accepted  # the accepted proposals' keys are in the cache; the rest are past it
+                if self.proposer is not None:
+                    valid = c.num_tokens + accepted
+                    self.proposer.observe(seq, c.start, valid, _rows(out.aux, row, valid))
+            outputs.append(self._output(seq, new))
         return outputs
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
@@ -478,7 +545,8 @@ class Engine:
         if seq.finished:
             self._seqs.pop(seq.request_id, None)
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), new, text,
-                             seq.finished, seq.finish_reason, seq.num_preemptions, ttft)
+                             seq.finished, seq.finish_reason, seq.num_preemptions, ttft, seq.spec.verify_steps,
+                             seq.spec.draft_tokens, seq.spec.accepted_tokens)
 
     # ---- expert loads and live rebalancing ---------------------------------------------------------
 

@@ -220,6 +220,8 @@ class KVCache:
             raise ValueError(f"this KV cache holds {have}: use {use}")
 
 
-def blocks_for_memory(free_bytes: int, layout: KVLayout, block_size: int, dtype: torch.dtype) -> int:
-    """How many blocks fit in ``free_bytes`` (for ``--mem-fraction-static``)."""
-    return free_bytes // (layout.bytes_per_token(dtype) * block_size)
+def blocks_for_memory(free_bytes: int, layout: KVLayout, block_size: int, dtype: torch.dtype,
+                      extra_bytes_per_token: int = 0) -> int:
+    """How many blocks fit in ``free_bytes`` (for ``--mem-fraction-static``); ``extra_bytes_per_token``: a
+    speculative decoding draft's own cache per token (its pool has as many blocks)."""
+    return free_bytes // ((layout.bytes_per_token(dtype) + extra_bytes_per_token) * block_size)

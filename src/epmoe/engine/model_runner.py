@@ -1,15 +1,18 @@
 """Runs one scheduled step through the model: packs the tokens, runs eager or replays a CUDA graph.
 
 A step's tokens are packed into one row (no padding between sequences): the single-token rows first
-(decodes), then the prefill chunks. Eager steps run the transformers model with the paged attention
-function; decode-only steps on CUDA replay the graph captured for the smallest batch bucket that holds
-them (padding rows write into the KV cache's padding block and are dropped). The logits are computed
-only for the rows that sample.
+(decodes, and the rows of a speculative verify step: a request's last token and each proposed token is a
+decode row of its own), then the prefill chunks. Eager steps run the transformers model with the paged
+attention function; decode-only steps on CUDA replay the graph captured for the smallest bucket of rows
+that holds them (padding rows write into the KV cache's padding block and are dropped). The logits are
+computed only for the rows that sample. A runner built with ``aux_layers`` also returns those decoder
+layers' outputs for every row (EAGLE-3 reads them).
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +24,8 @@ from epmoe.engine.kv_cache import KVCache
 from epmoe.engine.mla_decode import mla_decode_splits
 from epmoe.engine.paged_decode import paged_decode_splits, paged_decode_workspace_numel
 from epmoe.engine.scheduler import StepPlan
+from epmoe.loads import ExpertLoadRecorder
+from epmoe.models.hf import EPModel
 
 
 def graph_buckets(max_bs: int) -> list[int]:
@@ -38,6 +43,151 @@ def graph_buckets(max_bs: int) -> list[int]:
     return sorted(sizes)
 
 
+@dataclass(frozen=True)
+class Feed:
+    """Tokens of one sequence fed at one step.
+
+    Attributes:
+        token_ids: the tokens, at positions ``start, start + 1, ...``.
+        start: position of the first (the tokens before it have their keys in the cache).
+        block_table: the sequence's KV block ids (covering every position fed).
+        rowwise: each token is a decode row of its own (decodes, verify rows); else one prefill chunk.
+        sample: return logits: of every row (``rowwise``) or of the chunk's last row.
+    """
+
+    token_ids: Sequence[int]
+    start: int
+    block_table: Sequence[int]
+    rowwise: bool
+    sample: bool
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What a step returns.
+
+    Attributes:
+        logits: ``[S, V]`` float32 logits of the sampling rows, in packed order.
+        aux: ``[T, n D]`` the ``aux_layers`` outputs of every fed row, concatenated, in packed order (``None``
+            without ``aux_layers``).
+    """
+
+    logits: torch.Tensor
+    aux: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A step's host tensors: ``input_ids``, ``positions``, ``slot_mapping`` ``[T]`` int64, the decode rows'
+    ``block_tables [num_decode, max_blocks]`` and ``context_lens [num_decode]`` int32, the prefill chunks as
+    ``(row, num_tokens, start, kv_slots)`` and the sampling rows."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    num_decode: int
+    chunks: tuple[tuple[int, int, int, np.ndarray], ...]
+    sample_rows: list[int]
+
+    def attn_batch(self, kv: KVCache, device: torch.device) -> AttnBatch:
+        """The eager step's ``AttnBatch`` on ``device``."""
+        prefills = tuple(PrefillChunk(row, n, start, torch.from_numpy(slots).to(device))
+                         for row, n, start, slots in self.chunks)
+        return AttnBatch(kv, self.slot_mapping.to(device), self.num_decode, self.block_tables.to(device),
+                         self.context_lens.to(device), prefills)
+
+
+def _cat(parts: list[np.ndarray]) -> torch.Tensor:
+    return torch.from_numpy(np.concatenate(parts)).long() if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def pack(feeds: Sequence[Feed], block_size: int, max_blocks: int) -> Packed:
+    """Pack ``feeds`` into one row of tokens: the row-wise feeds first, in order, then the chunks.
+
+    Raises:
+        ValueError: a feed past its block table (``max_blocks`` wide).
+    """
+    bs = block_size
+    rowwise = [f for f in feeds if f.rowwise]
+    chunked = [f for f in feeds if not f.rowwise]
+    nd = sum(len(f.token_ids) for f in rowwise)
+    ids: list[int] = []
+    pos_parts: list[np.ndarray] = []
+    slot_parts: list[np.ndarray] = []
+    tables = np.zeros((nd, max_blocks), dtype=np.int32)
+    sample_rows: list[int] = []
+    row = 0
+    for f in rowwise:
+        n = len(f.token_ids)
+        table = np.asarray(f.block_table, dtype=np.int64)
+        p = np.arange(f.start, f.start + n)
+        if len(table) > max_blocks or (n and p[-1] // bs >= len(table)):
+            raise ValueError(f"feed at positions {f.start}..{f.start + n - 1} runs past its {len(table)} KV blocks")
+        ids.extend(f.token_ids)
+        pos_parts.append(p)
+        slot_parts.append(table[p // bs] * bs + p % bs)
+        tables[row:row + n, : len(table)] = table
+        if f.sample:
+            sample_rows.extend(range(row, row + n))
+        row += n
+    ctx = np.concatenate(pos_parts).astype(np.int32) + 1 if pos_parts else np.zeros(0, dtype=np.int32)
+    chunks = []
+    for f in chunked:
+        n = len(f.token_ids)
+        table = np.asarray(f.block_table, dtype=np.int64)
+        p = np.arange(f.start + n)
+        if (p[-1] // bs) >= len(table):
+            raise ValueError(f"feed at positions {f.start}..{f.start + n - 1} runs past its {len(table)} KV blocks")
+        kv_slots = table[p // bs] * bs + p % bs
+        ids.extend(f.token_ids)
+        pos_parts.append(p[f.start:])
+        slot_parts.append(kv_slots[f.start:])
+        chunks.append((row, n, f.start, kv_slots))
+        if f.sample:
+            sample_rows.append(row + n - 1)
+        row += n
+    return Packed(torch.tensor(ids, dtype=torch.int64), _cat(pos_parts), _cat(slot_parts), torch.from_numpy(tables),
+                  torch.from_numpy(ctx), nd, tuple(chunks), sample_rows)
+
+
+def plan_feeds(plan: StepPlan, drafts: Sequence[Sequence[int]] | None = None) -> list[Feed]:
+    """The feeds of a scheduled step: each decode chunk's token followed by its proposed tokens
+    (``drafts[i]`` for ``plan.decodes[i]``), row-wise; then the prefill chunks."""
+    feeds = []
+    for i, c in enumerate(plan.decodes):
+        extra = list(drafts[i]) if drafts is not None else []
+        feeds.append(Feed([c.seq.token(c.start)] + extra, c.start, c.seq.block_table, True, True))
+    for c in plan.prefills:
+        feeds.append(Feed(c.seq.tokens(c.start, c.start + c.num_tokens), c.start, c.seq.block_table, False,
+                          c.samples))
+    return feeds
+
+
+def ep_static_hooks(ep_model: EPModel, eager_dispatcher: str, recorder: ExpertLoadRecorder | None = None):
+    """``ModelRunner.capture``'s hooks for an expert-parallel model: during a static step of ``bs`` rows every
+    MoE layer dispatches with ``fixed_capacity`` of capacity ``bs`` (``local`` on one rank) and ``recorder``
+    counts only the real rows; after it, ``eager_dispatcher`` again."""
+    comm, slots = ep_model.comm, ep_model.placement.slots_per_rank
+    from epmoe.dispatch import make_dispatcher
+
+    def activate(bs: int, valid_rows: torch.Tensor) -> None:
+        if recorder is not None:
+            recorder.mask_rows(valid_rows)
+        for layer in ep_model.moe_layers:  # capacity bs: a token goes to a rank at most once
+            layer.set_dispatcher(make_dispatcher("local", comm, slots) if comm.size == 1 else
+                                 make_dispatcher("fixed_capacity", comm, slots, capacity=bs))
+
+    def deactivate() -> None:
+        if recorder is not None:
+            recorder.mask_rows(None)
+        for layer in ep_model.moe_layers:
+            layer.set_dispatcher(make_dispatcher(eager_dispatcher, comm, slots))
+
+    return activate, deactivate
+
+
 @dataclass
 class _Graph:
     """One decode bucket: its captured graph (``None``: the static path runs eagerly) and static tensors."""
@@ -50,6 +200,7 @@ class _Graph:
     context_lens: torch.Tensor
     valid_rows: torch.Tensor
     logits: torch.Tensor | None
+    aux: torch.Tensor | None
 
 
 class ModelRunner:
@@ -60,9 +211,14 @@ class ModelRunner:
         kv: the KV cache.
         max_blocks_per_seq: width of the block tables (``ceil(max_model_len / block_size)``).
         device: where the model runs.
+        aux_layers: decoder layers whose outputs every step also returns (``StepOutput.aux``).
+
+    Raises:
+        ValueError: an ``aux_layers`` index outside the model's decoder layers.
     """
 
-    def __init__(self, model: nn.Module, kv: KVCache, max_blocks_per_seq: int, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, kv: KVCache, max_blocks_per_seq: int, device: torch.device,
+                 aux_layers: Sequence[int] = ()) -> None:
         self.model = model
         self.base = model.model
         self.lm_head = model.lm_head
@@ -72,101 +228,95 @@ class ModelRunner:
         self.graphs: dict[int, _Graph] = {}
         self._pool = None
         self._activate = self._deactivate = None
+        self.aux_layers = tuple(aux_layers)
+        self._aux: list[torch.Tensor] = []
+        layers = self.base.layers
+        for i in self.aux_layers:
+            if not 0 <= i < len(layers):
+                raise ValueError(f"aux layer {i} is not a decoder layer of the {len(layers)}-layer model")
+            layers[i].register_forward_hook(self._keep_aux)
+
+    def _keep_aux(self, _module, _inputs, output) -> None:
+        self._aux.append(output[0] if isinstance(output, tuple) else output)
 
     @property
     def buckets(self) -> list[int]:
-        """Captured batch sizes, ascending."""
+        """Captured row counts, ascending."""
         return sorted(self.graphs)
 
     def bucket_for(self, num_decode: int) -> int | None:
-        """The smallest captured batch size holding ``num_decode`` rows, or ``None``."""
+        """The smallest captured row count holding ``num_decode`` rows, or ``None``."""
         sizes = self.buckets
         i = bisect.bisect_left(sizes, num_decode)
         return sizes[i] if i < len(sizes) else None
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttnBatch,
-                 rows: torch.Tensor | None) -> torch.Tensor:
+                 rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self._aux = []
         out = self.base(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
                         epmoe_batch=batch)
+        aux = torch.cat([a[0] for a in self._aux], dim=-1) if self.aux_layers else None
+        self._aux = []
         hidden = out[0][0]
         if rows is not None:
             hidden = hidden.index_select(0, rows)
-        return self.lm_head(hidden)
-
-    def _host_tensors(self, plan: StepPlan) -> tuple[torch.Tensor, ...]:
-        """Packed ``input_ids``, ``positions``, ``slot_mapping`` (int64) and the decode rows' ``block_tables``,
-        ``context_lens`` (int32), on the host."""
-        bs = self.kv.block_size
-        decodes = plan.decodes
-        nd = len(decodes)
-        ids = [c.seq.token(c.start) for c in decodes]
-        pos = [c.start for c in decodes]
-        slots = [c.seq.block_table[c.start // bs] * bs + c.start % bs for c in decodes]
-        tables = np.zeros((nd, self.max_blocks), dtype=np.int32)
-        for i, c in enumerate(decodes):
-            row = c.seq.block_table
-            tables[i, : len(row)] = row
-        ctx = np.asarray(pos, dtype=np.int32) + 1
-        for c in plan.prefills:
-            ids.extend(c.seq.tokens(c.start, c.start + c.num_tokens))
-            p = np.arange(c.start, c.start + c.num_tokens)
-            pos.extend(p.tolist())
-            slots.extend((np.asarray(c.seq.block_table)[p // bs] * bs + p % bs).tolist())
-        return (torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64),
-                torch.tensor(slots, dtype=torch.int64), torch.from_numpy(tables), torch.from_numpy(ctx))
+        return self.lm_head(hidden), aux
 
     @torch.no_grad()
-    def run(self, plan: StepPlan, bucket: int | None = None) -> torch.Tensor:
-        """Run ``plan`` and return the logits of its sampling rows.
+    def run(self, plan: StepPlan, bucket: int | None = None,
+            drafts: Sequence[Sequence[int]] | None = None) -> StepOutput:
+        """Run ``plan`` (with ``drafts[i]`` proposed tokens after decode chunk ``i``: a verify step).
 
         Args:
             plan: the step (may be empty: a rank with nothing to do in a graph-replayed step).
-            bucket: replay the graph captured for this batch size (decode-only plans); ``None`` = eager.
+            bucket: replay the graph captured for this many rows (decode-only plans); ``None`` = eager.
+            drafts: per decode chunk, the proposed tokens verified after its token (``None``: none).
 
         Returns:
-            ``[len(plan.sampling), V]`` float32 logits, in ``plan.sampling`` order.
+            The logits of the sampling rows (every row of a decode chunk, then each sampling prefill chunk's
+            last row) and the aux layers' outputs of every row.
 
         Raises:
             ValueError: a bucket that was not captured or is smaller than the plan's rows, or a bucket
                 for a plan with prefill chunks.
         """
-        ids, pos, slots, tables, ctx = self._host_tensors(plan)
-        if bucket is not None:
-            return self._replay(plan, bucket, ids, pos, slots, tables, ctx)
-        dev = self.device
-        bs = self.kv.block_size
-        prefills = []
-        row = len(plan.decodes)
-        for c in plan.prefills:
-            positions = np.arange(c.start + c.num_tokens)
-            kv_slots = np.asarray(c.seq.block_table)[positions // bs] * bs + positions % bs
-            prefills.append(PrefillChunk(row, c.num_tokens, c.start, torch.from_numpy(kv_slots).to(dev)))
-            row += c.num_tokens
-        batch = AttnBatch(self.kv, slots.to(dev), len(plan.decodes), tables.to(dev), ctx.to(dev), tuple(prefills))
-        rows = torch.tensor(plan.sampling_rows, dtype=torch.int64, device=dev)
-        return self._forward(ids.to(dev), pos.to(dev), batch, rows).float()
+        return self.execute(plan_feeds(plan, drafts), bucket)
 
-    def _replay(self, plan: StepPlan, bucket: int, ids, pos, slots, tables, ctx) -> torch.Tensor:
+    @torch.no_grad()
+    def execute(self, feeds: Sequence[Feed], bucket: int | None = None) -> StepOutput:
+        """Run ``feeds`` (see ``run``); the row-wise feeds first in the packed order, then the chunks."""
+        packed = pack(feeds, self.kv.block_size, self.max_blocks)
+        if bucket is not None:
+            return self._replay(packed, bucket)
+        dev = self.device
+        batch = packed.attn_batch(self.kv, dev)
+        rows = torch.tensor(packed.sample_rows, dtype=torch.int64, device=dev)
+        logits, aux = self._forward(packed.input_ids.to(dev), packed.positions.to(dev), batch, rows)
+        return StepOutput(logits.float(), aux)
+
+    def _replay(self, packed: Packed, bucket: int) -> StepOutput:
         g = self.graphs.get(bucket)
         if g is None:
-            raise ValueError(f"no CUDA graph captured for batch size {bucket}; captured: {self.buckets}")
-        n = len(plan.decodes)
-        if plan.prefills or n > bucket:
+            raise ValueError(f"no CUDA graph captured for {bucket} rows; captured: {self.buckets}")
+        n = packed.num_decode
+        if packed.chunks or n > bucket:
             raise ValueError(f"graph bucket {bucket} replays decode-only steps of at most {bucket} rows; "
-                             f"the plan has {n} decode rows and {len(plan.prefills)} prefill chunks")
-        for static, value in ((g.input_ids, ids), (g.positions, pos), (g.slot_mapping, slots),
-                              (g.block_tables, tables), (g.context_lens, ctx)):
+                             f"the plan has {n} decode rows and {len(packed.chunks)} prefill chunks")
+        for static, value in ((g.input_ids, packed.input_ids), (g.positions, packed.positions),
+                              (g.slot_mapping, packed.slot_mapping), (g.block_tables, packed.block_tables),
+                              (g.context_lens, packed.context_lens)):
             static[:n].copy_(value, non_blocking=True)
             static[n:].zero_()
         g.valid_rows[:n].fill_(1)
         g.valid_rows[n:].zero_()
         if g.graph is not None:
             g.graph.replay()
-            return g.logits[:n].float()
+            return StepOutput(g.logits[:n].float(), None if g.aux is None else g.aux[:n])
         self._activate(bucket, g.valid_rows)
         try:
             batch = AttnBatch(self.kv, g.slot_mapping, bucket, g.block_tables, g.context_lens)
-            return self._forward(g.input_ids, g.positions, batch, None)[:n].float()
+            logits, aux = self._forward(g.input_ids, g.positions, batch, None)
+            return StepOutput(logits[:n].float(), None if aux is None else aux[:n])
         finally:
             self._deactivate()
 
@@ -190,13 +340,13 @@ class ModelRunner:
 
     @torch.no_grad()
     def capture(self, sizes: list[int], activate, deactivate, cuda_graphs: bool = True) -> None:
-        """Prepare one static decode step per batch size: captured as a CUDA graph (largest first, sharing
+        """Prepare one static decode step per row count: captured as a CUDA graph (largest first, sharing
         one memory pool), or, without ``cuda_graphs``, kept to run eagerly on the same padded static
         tensors (the graph path, testable on CPU).
 
         Args:
-            sizes: batch sizes.
-            activate: called with the batch size and its ``[bs]`` int64 row mask (1 = real row, 0 =
+            sizes: row counts (decode batch sizes; with speculation also ``batch x (K + 1)``).
+            activate: called with the row count and its ``[bs]`` int64 row mask (1 = real row, 0 =
                 padding; set before every replay) before the static step runs or is captured: the engine
                 switches the MoE layers to a dispatcher of that size and masks the load recorder there.
             deactivate: called after, to restore the eager set-up.
@@ -212,16 +362,16 @@ class ModelRunner:
             slot_mapping = torch.zeros(bs, dtype=torch.int64, device=dev)
             block_tables = torch.zeros(bs, self.max_blocks, dtype=torch.int32, device=dev)
             context_lens = torch.zeros(bs, dtype=torch.int32, device=dev)
-            graph, logits = None, None
+            graph, logits, aux = None, None, None
             if cuda_graphs:
                 activate(bs, valid_rows)
                 try:
-                    graph, logits = self._capture_one(input_ids, positions, slot_mapping, block_tables, context_lens,
-                                                      workspace)
+                    graph, logits, aux = self._capture_one(input_ids, positions, slot_mapping, block_tables,
+                                                           context_lens, workspace)
                 finally:
                     deactivate()
             self.graphs[bs] = _Graph(graph, input_ids, positions, slot_mapping, block_tables, context_lens,
-                                     valid_rows, logits)
+                                     valid_rows, logits, aux)
         if cuda_graphs:
             torch.cuda.synchronize(dev)
 
@@ -239,5 +389,5 @@ class ModelRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._forward(input_ids, positions, batch, None)
-        return graph, logits
+            logits, aux = self._forward(input_ids, positions, batch, None)
+        return graph, logits, aux

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from epmoe.engine.sampling import SamplingParams
+from epmoe.engine.speculative import SpecStats
 
 
 class SequenceStatus(enum.Enum):
@@ -43,6 +44,7 @@ class Sequence:
         generator: this request's sampling generator (seeded requests), else ``None``.
         num_preemptions: times it was preempted.
         arrival_time, first_token_time: ``time.perf_counter()`` seconds.
+        spec: its speculative decoding counts (verify steps, proposed and accepted tokens).
     """
 
     request_id: str
@@ -59,6 +61,7 @@ class Sequence:
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
+    spec: SpecStats = field(default_factory=SpecStats)
 
     @property
     def num_tokens(self) -> int:
@@ -95,6 +98,10 @@ class RequestOutput:
         finish_reason: ``stop``, ``length``, ``abort`` or ``None`` while running.
         num_preemptions: times the request was preempted (recomputed).
         ttft_s: seconds from arrival to its first token (``None`` before it).
+        num_verify_steps: speculative steps that verified proposed tokens for it.
+        num_draft_tokens: proposed tokens verified for it.
+        num_accepted_tokens: proposed tokens accepted (its mean accepted length per verify step is
+            ``(num_accepted_tokens + num_verify_steps) / num_verify_steps``).
     """
 
     request_id: str
@@ -106,3 +113,6 @@ class RequestOutput:
     finish_reason: str | None
     num_preemptions: int = 0
     ttft_s: float | None = None
+    num_verify_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

@@ -100,6 +100,45 @@ class SamplingParams:
         return cls(**options)
 
 
+def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: softmax of ``logits / temperature``, cut to ``top_k`` tokens and
+    to the ``top_p`` nucleus (not renormalised: the kept probabilities sum to at most 1).
+
+    Args:
+        logits: ``[N, V]`` next-token logits of ``N`` rows that do not sample greedily.
+        params: the rows' sampling options (``temperature > 0``).
+
+    Returns:
+        ``[N, V]`` float32 probabilities, 0 for cut tokens.
+    """
+    x = logits.float()
+    temps = torch.tensor([p.temperature for p in params], device=x.device, dtype=x.dtype)
+    x = x / temps.unsqueeze(1)
+    top_ks = [p.top_k for p in params]
+    if any(k > 0 for k in top_ks):
+        v = x.shape[1]
+        ks = torch.tensor([k if 0 < k < v else v for k in top_ks], device=x.device)
+        kth = x.sort(dim=-1, descending=True).values.gather(1, (ks - 1).unsqueeze(1))
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    top_ps = [p.top_p for p in params]
+    if any(p < 1 for p in top_ps):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of the more likely tokens
+        ps = torch.tensor(top_ps, device=x.device, dtype=probs.dtype).unsqueeze(1)
+        drop_sorted = before >= ps
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    return probs
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from the (unnormalised) distribution ``probs [V]`` with the exponential race
+    (``argmax(p / q)``, ``q ~ Exp(1)`` drawn from ``generator``; ``None`` = torch's global one)."""
+    q = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / q).argmax())
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            default_generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row of ``logits``.
@@ -124,24 +163,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     if not rows:
         return out
     idx = torch.tensor(rows, device=logits.device)
-    x = logits.index_select(0, idx).float()
-    temps = torch.tensor([params[i].temperature for i in rows], device=x.device, dtype=x.dtype)
-    x = x / temps.unsqueeze(1)
-    top_ks = [params[i].top_k for i in rows]
-    if any(k > 0 for k in top_ks):
-        v = x.shape[1]
-        ks = torch.tensor([k if 0 < k < v else v for k in top_ks], device=x.device)
-        kth = x.sort(dim=-1, descending=True).values.gather(1, (ks - 1).unsqueeze(1))
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    top_ps = [params[i].top_p for i in rows]
-    if any(p < 1 for p in top_ps):
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of the more likely tokens
-        ps = torch.tensor(top_ps, device=x.device, dtype=probs.dtype).unsqueeze(1)
-        drop_sorted = before >= ps
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
+    probs = probabilities(logits.index_select(0, idx), [params[i] for i in rows])
     q = torch.empty_like(probs)
     for j, i in enumerate(rows):
         q[j].exponential_(generator=generators[i] if generators[i] is not None else default_generator)

@@ -8,6 +8,10 @@ and none is free, the most recently admitted running sequence is preempted: its 
 it goes back to the waiting queue, to be recomputed from its tokens later (vLLM's recompute
 preemption). Nothing is ever dropped: a sequence that cannot fit even alone in the whole pool is
 finished with reason ``length``.
+
+With speculative decoding (``lookahead`` K > 0), a decoding sequence also gets the budget and the KV blocks
+of up to K proposed tokens after its last one (vLLM's lookahead slots), as far as its ``max_tokens`` and
+the context allow; when the blocks are short it decodes without them rather than preempt anyone.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ from epmoe.engine.request import Sequence, SequenceStatus
 
 
 class ScheduledChunk(NamedTuple):
-    """Tokens ``[start, start + num_tokens)`` of ``seq`` fed at this step (a tuple: many are made per step)."""
+    """Tokens ``[start, start + num_tokens)`` of ``seq`` fed at this step (a tuple: many are made per step),
+    and room (budget and KV blocks) for ``lookahead`` proposed tokens after them (decodes only)."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    lookahead: int = 0
 
     @property
     def samples(self) -> bool:
@@ -92,6 +98,8 @@ class Scheduler:
         block_size: tokens per KV block.
         max_num_seqs: most sequences running at once.
         max_num_batched_tokens: most tokens fed in one step.
+        lookahead: ``K`` proposed tokens a decoding sequence may verify per step (0 = no speculation).
+        max_model_len: the context (proposals never run past it); needed with ``lookahead``.
 
     Raises:
         ValueError: a size that is not a positive integer, or ``max_num_batched_tokens < max_num_seqs``
@@ -99,7 +107,7 @@ class Scheduler:
     """
 
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, lookahead: int = 0, max_model_len: int | None = None) -> None:
         self.allocator = allocator
         self.block_size = _check_positive("block_size", block_size)
         self.max_num_seqs = _check_positive("max_num_seqs", max_num_seqs)
@@ -107,6 +115,10 @@ class Scheduler:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
                              f"({max_num_seqs}): every running sequence decodes one token per step")
+        if lookahead and max_model_len is None:
+            raise ValueError("a scheduler with lookahead needs max_model_len")
+        self.lookahead = int(lookahead)
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -121,6 +133,16 @@ class Scheduler:
 
     def _blocks_needed(self, seq: Sequence, end: int) -> int:
         return max(0, -(-end // self.block_size) - len(seq.block_table))
+
+    def _lookahead(self, seq: Sequence, n: int, budget: int) -> int:
+        """Proposed tokens ``seq`` may verify after its ``n`` tokens of this step."""
+        if not self.lookahead or n != 1 or seq.num_computed + 1 != seq.num_tokens:
+            return 0
+        left = seq.params.max_tokens - len(seq.output_token_ids) - 1
+        k = min(self.lookahead, left, self.max_model_len - seq.num_tokens, budget - 1)
+        if k > 0 and self._blocks_needed(seq, seq.num_tokens + k) > self.allocator.num_free:
+            return 0
+        return max(0, k)
 
     def _release(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)
@@ -162,7 +184,8 @@ class Scheduler:
             if n == 0:
                 kept.append(seq)
                 continue
-            need = self._blocks_needed(seq, seq.num_computed + n)
+            ahead = self._lookahead(seq, n, budget)
+            need = self._blocks_needed(seq, seq.num_computed + n + ahead)
             while self.allocator.num_free < need and queue:
                 victim = queue.pop()
                 self._preempt(victim)
@@ -176,9 +199,9 @@ class Scheduler:
                     finished.append(seq)
                 continue
             seq.block_table.extend(self.allocator.allocate(need))
-            chunk = ScheduledChunk(seq, seq.num_computed, n)
+            chunk = ScheduledChunk(seq, seq.num_computed, n, ahead)
             (decodes if chunk.samples and n == 1 else prefills).append(chunk)
-            budget -= n
+            budget -= n + ahead
             kept.append(seq)
         self.running = kept
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:

@@ -232,6 +232,10 @@ def load_ep_model(
     if not isinstance(options, MoELayerOptions):
         raise TypeError(f"load_ep_model options must be an epmoe.layer.MoELayerOptions, got {type(options).__name__}")
     spec = load_moe_spec(checkpoint_dir)
+    if not isinstance(placement, ExpertPlacement):
+        raise TypeError(f"checkpoint {checkpoint_dir}: its MoE layers need an ExpertPlacement of their own "
+                        f"({spec.num_moe_layers} layers x {spec.num_experts} experts, e.g. ExpertPlacement.trivial); "
+                        f"got {type(placement).__name__}")
     placement.check_model(spec.num_moe_layers, spec.num_experts, what=f"checkpoint {checkpoint_dir}")
     ep = _load_model(
         checkpoint_dir, spec, comm, placement,
@@ -370,6 +374,26 @@ def _finish(model: nn.Module, device: torch.device | str, tied: bool, what: str)
     if still_meta:
         raise ValueError(f"tensors left unloaded after {what}: {still_meta[:5]}")
     model.eval()
+
+
+def load_dense_model(checkpoint_dir: str, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                     load_format: str = "auto", attn_implementation: str | None = None, seed: int = 0) -> nn.Module:
+    """A dense (no routed experts) transformers causal LM of any family, whole on this rank: a speculative
+    decoding draft. Built on ``meta``, then every tensor read from the checkpoint (or random with ``dummy``).
+
+    Raises:
+        ValueError: an unknown ``load_format`` or model type.
+        KeyError: a tensor missing from the checkpoint (named).
+        FileNotFoundError: no safetensors there (``auto``).
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    model = build_meta_model(checkpoint_dir, dtype, attn_implementation)
+    if load_format == "dummy":
+        _materialise_dummy(model, device, torch.Generator(device=device).manual_seed(seed))
+    else:
+        _materialise(model, CheckpointReader(checkpoint_dir), checkpoint_dir, device)
+    return model
 
 
 def needs_own_loader(checkpoint_dir: str) -> bool:

@@ -155,6 +155,72 @@ def build_tiny_checkpoint(
     return out
 
 
+def build_tiny_dense_checkpoint(directory: str | Path, model_type: str = "qwen3", seed: int = 0,
+                                dtype: torch.dtype = torch.float32, num_hidden_layers: int = 1) -> Path:
+    """A small dense checkpoint (a speculative decoding draft) with the tiny families' vocabulary and tokenizer,
+    written by transformers' ``save_pretrained``.
+
+    Args:
+        directory: output directory (created).
+        model_type: a transformers dense causal LM type (``qwen3``, ``llama``, ...).
+        seed: RNG seed of the weights.
+        dtype: dtype the tensors are saved in.
+        num_hidden_layers: decoder layers.
+
+    Returns:
+        The directory.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = {**_COMMON, "num_hidden_layers": num_hidden_layers, "intermediate_size": 96, "head_dim": 16}
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    _byte_tokenizer().save_pretrained(out)
+    return out
+
+
+def build_tiny_eagle3_config(directory: str | Path, template: str | Path, target: str | Path,
+                             draft_vocab_size: int = 200, aux_layer_ids: list[int] | None = None) -> Path:
+    """An EAGLE-3 head's ``config.json`` for a small target: a published draft config (``template``, e.g.
+    ``data/configs/eagle3-draft-kimi-k2-instruct-aq-medai.config.json``) with its sizes scaled to the
+    target's hidden size and vocabulary (no weights: the engine makes random ones).
+
+    Args:
+        directory: output directory (created).
+        template: the draft config it follows.
+        target: the target checkpoint directory.
+        draft_vocab_size: the head's vocabulary (mapped to the target's by ``d2t``).
+        aux_layer_ids: ``eagle_aux_hidden_state_layer_ids`` (``None`` = the template's, dropped when past the
+            target's layers: the default layers then).
+
+    Returns:
+        The directory.
+    """
+    cfg = json.loads(Path(template).read_text())
+    target_cfg = json.loads((Path(target) / "config.json").read_text())
+    heads = target_cfg["num_attention_heads"]
+    cfg.update(hidden_size=target_cfg["hidden_size"], num_attention_heads=heads, num_key_value_heads=2,
+               head_dim=target_cfg["hidden_size"] // heads, intermediate_size=2 * target_cfg["hidden_size"],
+               vocab_size=target_cfg["vocab_size"], draft_vocab_size=draft_vocab_size,
+               max_position_embeddings=target_cfg["max_position_embeddings"], bos_token_id=_COMMON["bos_token_id"],
+               eos_token_id=_COMMON["eos_token_id"])
+    eagle = dict(cfg.get("eagle_config") or {})
+    ids = aux_layer_ids if aux_layer_ids is not None else eagle.get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None and all(i < target_cfg["num_hidden_layers"] for i in ids):
+        eagle["eagle_aux_hidden_state_layer_ids"] = list(ids)
+    else:
+        eagle.pop("eagle_aux_hidden_state_layer_ids", None)
+    cfg["eagle_config"] = eagle
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
 def default_cache_dir() -> Path:
     """``$EPMOE_CACHE`` or ``~/.cache/epmoe``."""
     return Path(os.environ.get("EPMOE_CACHE", Path.home() / ".cache" / "epmoe"))

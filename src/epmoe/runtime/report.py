@@ -19,6 +19,11 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def _accepted(stats: dict) -> str:
+    """Mean tokens per verify step, or '-' when nothing was verified."""
+    return f"{stats['accepted_length']:.2f}" if stats.get("verify_steps") else "-"
+
+
 def print_run_report(report: RunReport, console: Console | None = None) -> None:
     """Print the outputs, the per-rank table and the summary of a run."""
     if console is None:
@@ -29,9 +34,13 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     outputs.add_column("prompt")
     outputs.add_column("continuation")
     outputs.add_column("matches reference")
+    spec = report.speculative
+    if spec is not None:
+        outputs.add_column("accepted length", justify="right")
     for i, (p, o) in enumerate(zip(report.prompts, report.outputs)):
         match = "-" if report.matches_reference is None else ("no" if i in report.mismatches else "yes")
-        outputs.add_row(str(i), p, repr(o), match)
+        extra = [_accepted(spec["requests"][i])] if spec is not None else []
+        outputs.add_row(str(i), p, repr(o), match, *extra)
     console.print(outputs)
 
     per_rank = Table(title=f"EP ranks ({report.model_type}, EP {report.ep}, {report.device})")
@@ -83,6 +92,11 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
             f"{last['step']}: {last['balancedness_before']:.3f} -> {last['balancedness_after']:.3f}"
             + ("" if last["committed"] else f" ({last['error']})"),
         )
+    if spec is not None:
+        summary.add_row(f"speculative decoding ({spec['algorithm']}, K = {spec['num_tokens']})", spec["proposer"])
+        summary.add_row("accepted length (tokens per verify step) / acceptance rate",
+                        f"{_accepted(spec)} / {spec['acceptance_rate']:.2f} ({spec['accepted_tokens']} of "
+                        f"{spec['draft_tokens']} proposed tokens, {spec['verify_steps']} verify steps)")
     if report.matches_reference is None:
         summary.add_row("matches transformers reference", "not checked (--no-reference, sampling or dummy weights)")
     else:

@@ -22,7 +22,8 @@ from epmoe.balance import rank_balancedness
 from epmoe.comm import COLLECTIVE_KINDS, Comm
 from epmoe.engine import Engine, EngineConfig, SamplingParams
 from epmoe.engine.config import GRAPH_SAFE_BACKENDS, PARALLEL_MODES
-from epmoe.engine.engine import decode_text, encode_text, load_tokenizer, trivial_or_file_placement
+from epmoe.engine.engine import trivial_or_file_placement
+from epmoe.engine.tokenizer import decode_text, encode_text, load_tokenizer
 from epmoe.layer import check_tp_sizes
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.placement import ExpertPlacement
@@ -72,6 +73,9 @@ class RunConfig:
         load_format: ``auto`` or ``dummy`` (random weights; no reference check).
         num_kv_blocks: KV blocks per layer (``None`` = sized from memory).
         block_size: tokens per KV block.
+        speculative_algorithm, speculative_draft_model, speculative_num_tokens, speculative_draft_placement,
+            speculative_draft_parallel, prompt_lookup_min, prompt_lookup_max: speculative decoding
+            (``EngineConfig``'s fields of the same names).
     """
 
     model: str | None = None
@@ -102,6 +106,13 @@ class RunConfig:
     load_format: str = "auto"
     num_kv_blocks: int | None = None
     block_size: int = 16
+    speculative_algorithm: str | None = None
+    speculative_draft_model: str | None = None
+    speculative_num_tokens: int | None = None
+    speculative_draft_placement: str | None = None
+    speculative_draft_parallel: str = "ep"
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option (the engine checks the rest per rank)."""
@@ -169,6 +180,11 @@ class RunConfig:
             block_size=self.block_size,
             cuda_graph_max_bs=self.cuda_graph_max_bs, enforce_eager=eager, eplb_interval=self.eplb_interval,
             eplb_max_moves=self.eplb_max_moves, seed=self.seed or 0,
+            speculative_algorithm=self.speculative_algorithm, speculative_draft_model=self.speculative_draft_model,
+            speculative_num_tokens=self.speculative_num_tokens,
+            speculative_draft_placement=self.speculative_draft_placement,
+            speculative_draft_parallel=self.speculative_draft_parallel, prompt_lookup_min=self.prompt_lookup_min,
+            prompt_lookup_max=self.prompt_lookup_max,
         )
 
 
@@ -197,6 +213,9 @@ class RankReport:
         expert_mb: routed-expert weights held by this rank, MiB.
         full_expert_mb: what all routed experts would take, MiB.
         kv: the KV pool report (blocks, tokens, bytes, max concurrency at the model's context).
+        speculative: with speculative decoding, this rank's counts (``SpecStats.to_json``: verify steps,
+            proposed and accepted tokens, mean accepted length per verify step, acceptance rate), the proposer's
+            description and, under ``requests``, the same counts per served prompt; ``None`` without.
     """
 
     rank: int
@@ -217,6 +236,7 @@ class RankReport:
     expert_mb: float
     full_expert_mb: float
     kv: dict
+    speculative: dict | None = None
 
 
 @dataclass
@@ -241,6 +261,9 @@ class RunReport:
         reference_outputs: token ids the reference generated per prompt (empty if skipped).
         first_mismatch: ``(prompt, step, ours, reference)`` of the first differing token, or ``None``.
         graphs: whether decode steps replayed CUDA graphs.
+        speculative: with speculative decoding, the counts over every rank (``SpecStats.to_json``), the
+            algorithm, ``K``, the proposer's description and, under ``requests``, each prompt's counts in prompt
+            order; ``None`` without.
     """
 
     model: str
@@ -258,6 +281,7 @@ class RunReport:
     reference_outputs: list[list[int]] = field(default_factory=list)
     first_mismatch: tuple[int, int, int, int] | None = None
     graphs: bool = False
+    speculative: dict | None = None
 
     def to_json(self) -> dict:
         """A JSON-ready dict."""
@@ -321,6 +345,8 @@ def _serve_share(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], mine:
     with Progress(transient=True, disable=not show) as bar:
         task = bar.add_task("loading the model", total=None)
         engine = Engine(cfg.engine_config(model_dir), comm, progress=lambda msg: bar.update(task, description=msg))
+        if show and engine.proposer is not None:
+            bar.console.print(f"speculative decoding, K = {engine.num_spec_tokens}: {engine.proposer.describe()}")
         bar.update(task, description="generating (tokens, rank 0)", total=len(mine) * cfg.max_new_tokens,
                    completed=0)
         arrivals = [k / cfg.request_rate for k in range(len(mine))] if cfg.request_rate else None
@@ -351,13 +377,28 @@ def _serve_share(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], mine:
         bytes_per_step={k: delta.bytes_sent[k] / steps for k in COLLECTIVE_KINDS},
         peak_rss_mb=rss, peak_cuda_mb=cuda, expert_mb=engine.ep_model.expert_bytes / 2**20,
         full_expert_mb=engine.ep_model.full_expert_bytes / 2**20, kv=engine.kv_report(),
+        speculative=_spec_report(engine, outs),
     )
+
+
+def _spec_report(engine: Engine, outs) -> dict | None:
+    if engine.proposer is None:
+        return None
+    from epmoe.engine.speculative import SpecStats
+
+    per_request = [SpecStats(o.num_verify_steps, o.num_draft_tokens, o.num_accepted_tokens).to_json() for o in outs]
+    return {**engine.spec_stats.to_json(), "proposer": engine.proposer.describe(), "requests": per_request}
 
 
 # EngineConfig field -> the flag that sets it (its errors name the field)
 _FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
           "block_size": "--block-size", "cuda_graph_max_bs": "--cuda-graph-max-bs", "num_kv_blocks": "--num-kv-blocks",
-          "seed": "--seed", "max_model_len": "--max-model-len"}
+          "seed": "--seed", "max_model_len": "--max-model-len",
+          "speculative_algorithm": "--speculative-algorithm", "speculative_draft_model": "--speculative-draft-model",
+          "speculative_num_tokens": "--speculative-num-tokens",
+          "speculative_draft_placement": "--speculative-draft-placement",
+          "speculative_draft_parallel": "--speculative-draft-parallel", "prompt_lookup_min": "--prompt-lookup-min",
+          "prompt_lookup_max": "--prompt-lookup-max"}
 
 
 def _engine_config(cfg: RunConfig, model_dir: str) -> EngineConfig:
@@ -478,6 +519,21 @@ def run_job(cfg: RunConfig) -> RunReport:
         routed_tokens_per_step=(rank_counts.sum(0).double() / (steps * spec.num_moe_layers)).tolist(),
         matches_reference=None, graphs=any(r.step_kinds.get("graph_steps", 0) for r in ranks),
     )
+    if cfg.speculative_algorithm is not None:
+        from epmoe.engine.speculative import SpecStats
+
+        total = SpecStats()
+        for r in ranks:
+            total.verify_steps += r.speculative["verify_steps"]
+            total.draft_tokens += r.speculative["draft_tokens"]
+            total.accepted_tokens += r.speculative["accepted_tokens"]
+        requests: list[dict] = [{} for _ in prompts]
+        for r in ranks:
+            for i, stats in zip(r.prompts, r.speculative["requests"]):
+                requests[i] = stats
+        report.speculative = {**total.to_json(), "algorithm": cfg.speculative_algorithm,
+                              "num_tokens": _engine_config(cfg, model_dir).num_speculative_tokens,
+                              "proposer": ranks[0].speculative["proposer"], "requests": requests}
     if cfg.reference and cfg.temperature == 0 and cfg.load_format != "dummy":
         from epmoe.engine.engine import eos_token_ids
 

@@ -39,6 +39,9 @@ class ServeConfig:
         drain_timeout_s: on SIGTERM, seconds the running requests get to finish before they are aborted.
         max_body_bytes: largest request body, bytes (413 past it).
         cache_dir: where the built-in checkpoint is cached.
+        speculative_algorithm, speculative_draft_model, speculative_num_tokens, speculative_draft_placement,
+            speculative_draft_parallel, prompt_lookup_min, prompt_lookup_max: speculative decoding
+            (``EngineConfig``'s fields).
     """
 
     model: str | None = None
@@ -65,6 +68,13 @@ class ServeConfig:
     drain_timeout_s: float = 30.0
     max_body_bytes: int = MAX_BODY_BYTES
     cache_dir: str | None = None
+    speculative_algorithm: str | None = None
+    speculative_draft_model: str | None = None
+    speculative_num_tokens: int | None = None
+    speculative_draft_placement: str | None = None
+    speculative_draft_parallel: str = "ep"
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the first bad option (the engine checks its own on each rank)."""
@@ -101,5 +111,9 @@ class ServeConfig:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, mem_fraction_static=self.mem_fraction_static,
             num_kv_blocks=self.num_kv_blocks, cuda_graph_max_bs=self.cuda_graph_max_bs, enforce_eager=eager,
-            eplb_interval=self.eplb_interval,
+            eplb_interval=self.eplb_interval, speculative_algorithm=self.speculative_algorithm,
+            speculative_draft_model=self.speculative_draft_model, speculative_num_tokens=self.speculative_num_tokens,
+            speculative_draft_placement=self.speculative_draft_placement,
+            speculative_draft_parallel=self.speculative_draft_parallel, prompt_lookup_min=self.prompt_lookup_min,
+            prompt_lookup_max=self.prompt_lookup_max,
         )

@@ -49,6 +49,7 @@ class EngineInfo:
         ranks: EP ranks.
         parallel: ``ep`` or ``tp`` (no expert placement: no ``/eplb`` routes, no balancedness).
         kv: rank 0's ``Engine.kv_report()``.
+        speculative: the speculative decoding proposer's description (``None`` without).
     """
 
     max_model_len: int
@@ -56,6 +57,7 @@ class EngineInfo:
     ranks: int
     parallel: str
     kv: dict
+    speculative: str | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class StepReport:
             such a round are not counted).
         layer_balancedness: per MoE layer, the balancedness of the tokens routed since the previous sample
             (``epmoe.balance.layer_balancedness``); ``None`` when not sampled this round.
+        spec: speculative decoding so far, summed over ranks: verify steps, proposed tokens, accepted tokens.
     """
 
     updates: list[StepUpdate]
@@ -82,6 +85,7 @@ class StepReport:
     preemptions: int
     collectives_per_step: dict[str, float] | None = None
     layer_balancedness: list[float] | None = None
+    spec: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass
@@ -122,7 +126,7 @@ class EngineCore:
         """Report ready, run rounds until the HTTP side says stop, report stopped."""
         engine = self.stepper.engine
         info = EngineInfo(engine.max_model_len, engine.vocab_size, self.stepper.size, engine.config.parallel,
-                          engine.kv_report())
+                          engine.kv_report(), engine.proposer.describe() if engine.proposer is not None else None)
         self.conn.send([("ready", info)])
         while True:
             adds, aborts, commands, stop = [], [], [], False
@@ -185,7 +189,8 @@ class EngineCore:
         balance = self._balancedness(replies) if loads_sampled and self._ep else None
         return StepReport(updates, sum(r.running for r in replies), sum(r.waiting for r in replies),
                           sum(r.kv_free for r in replies), sum(r.kv_capacity for r in replies),
-                          sum(r.preemptions for r in replies), per_step, balance)
+                          sum(r.preemptions for r in replies), per_step, balance,
+                          tuple(sum(r.spec[i] for r in replies) for i in range(3)))
 
     def _balancedness(self, replies: list[RankReply]) -> list[float] | None:
         """Per layer, the balancedness of the tokens routed since the last sample (``None``: none routed)."""

@@ -104,6 +104,7 @@ class Frontend:
         self._reader = threading.Thread(target=self._read, name="epmoe-core-reader", daemon=True)
         self._writer = threading.Thread(target=self._write, name="epmoe-core-writer", daemon=True)
         self._preemptions = 0
+        self._spec = (0, 0, 0)  # verify steps, proposed, accepted tokens already counted
 
     # ---- the HTTP side ----------------------------------------------------------------------------
 
@@ -260,6 +261,14 @@ class Frontend:
         if report.layer_balancedness is not None:
             for layer, value in enumerate(report.layer_balancedness):
                 m.layer_balancedness.labels(layer=str(layer)).set(value)
+        if report.spec[0]:
+            steps, drafts, accepted = report.spec
+            m.spec_verify_steps.inc(steps - self._spec[0])
+            m.spec_draft_tokens.inc(drafts - self._spec[1])
+            m.spec_accepted_tokens.inc(accepted - self._spec[2])
+            self._spec = report.spec
+            m.spec_accepted_length.set((accepted + steps) / steps)
+            m.spec_acceptance_rate.set(accepted / drafts if drafts else 0.0)
 
     def _deliver_one(self, up: StepUpdate, now: float) -> tuple[_Open, Update] | None:
         """Metrics of one update and its ``Update``, with its request's entry (``None``: no longer open)."""
@@ -281,6 +290,9 @@ class Frontend:
             n = len(item.token_ids)
             if n > 1 and item.first_token is not None:
                 m.tpot.observe((now - item.first_token) / (n - 1))
+            if up.num_verify_steps:
+                m.spec_request_accepted_length.observe((up.num_accepted_tokens + up.num_verify_steps)
+                                                       / up.num_verify_steps)
         return item, Update(up.request_id, list(item.token_ids), up.new_token_ids, up.finished, up.finish_reason,
                             up.text, up.error)
 

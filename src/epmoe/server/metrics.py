@@ -30,6 +30,12 @@ class ServerMetrics:
         ttft, tpot: time to first token and time per output token after it, seconds.
         layer_balancedness: per MoE layer (label ``layer``), mean over ranks / max over ranks of the tokens
             routed to each rank's experts, over the last sample (about a second of traffic); EP only.
+        spec_verify_steps, spec_draft_tokens, spec_accepted_tokens: speculative decoding: verify steps, proposed
+            tokens verified, proposed tokens accepted (vLLM's ``spec_decode_num_drafts``, ``_num_draft_tokens``,
+            ``_num_accepted_tokens``), all ranks.
+        spec_accepted_length, spec_acceptance_rate: mean tokens per verify step and accepted over proposed
+            tokens since start, all ranks.
+        spec_request_accepted_length: per finished request, its mean tokens per verify step.
     """
 
     def __init__(self) -> None:
@@ -55,6 +61,20 @@ class ServerMetrics:
         self.layer_balancedness = Gauge("epmoe:eplb_balancedness",
                                         "Per MoE layer: mean over ranks / max over ranks of the tokens routed to "
                                         "each rank (1 = balanced), over the last sample", ["layer"], registry=r)
+
+        self.spec_verify_steps = Counter("epmoe:spec_decode_num_drafts", "Speculative verify steps, all ranks",
+                                         registry=r)
+        self.spec_draft_tokens = Counter("epmoe:spec_decode_num_draft_tokens", "Proposed tokens verified",
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("epmoe:spec_decode_num_accepted_tokens", "Proposed tokens accepted",
+                                            registry=r)
+        self.spec_accepted_length = Gauge("epmoe:spec_decode_mean_accepted_length",
+                                          "Mean tokens per verify step since start (accepted + 1)", registry=r)
+        self.spec_acceptance_rate = Gauge("epmoe:spec_decode_acceptance_rate",
+                                          "Accepted over proposed tokens since start", registry=r)
+        self.spec_request_accepted_length = Histogram(
+            "epmoe:spec_decode_request_accepted_length", "Mean tokens per verify step of each finished request",
+            buckets=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 12.0, 17.0), registry=r)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -69,6 +69,7 @@ class StepUpdate:
         text: the final text, cut before a stop string (final update only; ``None`` without a tokenizer).
         error: the engine refused the request (the message); it is finished.
         num_preemptions: times the request was recomputed.
+        num_verify_steps, num_accepted_tokens: speculative verify steps for it and proposed tokens accepted.
     """
 
     request_id: str
@@ -78,12 +79,14 @@ class StepUpdate:
     text: str | None = None
     error: str | None = None
     num_preemptions: int = 0
+    num_verify_steps: int = 0
+    num_accepted_tokens: int = 0
 
     @classmethod
     def of(cls, out: RequestOutput) -> StepUpdate:
         """The update of an engine output."""
         return cls(out.request_id, out.new_token_ids, out.finished, out.finish_reason, out.text, None,
-                   out.num_preemptions)
+                   out.num_preemptions, out.num_verify_steps, out.num_accepted_tokens)
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ class RankReply:
         collectives: collective calls of the engine's group so far, by kind.
         result: the command's result (``LOADS_COMMAND``: ``[L, E]`` loads as lists; ``REBALANCE_COMMAND``: a
             dict, see ``RankStepper.rebalance``), else ``None``.
+        spec: speculative decoding so far: verify steps, proposed tokens, accepted tokens.
     """
 
     rank: int
@@ -112,6 +116,7 @@ class RankReply:
     steps: int = 0
     collectives: dict[str, int] = field(default_factory=dict)
     result: object = None
+    spec: tuple[int, int, int] = (0, 0, 0)
 
 
 class RankStepper:
@@ -173,7 +178,9 @@ class RankStepper:
         sched = engine.scheduler
         return RankReply(self.rank, updates, len(sched.running), len(sched.waiting), engine.allocator.num_free,
                          engine.allocator.capacity, engine.stats["preemptions"], engine.num_steps,
-                         dict(engine.comm.stats.calls), result)
+                         dict(engine.comm.stats.calls), result,
+                         (engine.spec_stats.verify_steps, engine.spec_stats.draft_tokens,
+                          engine.spec_stats.accepted_tokens))
 
     def rebalance(self, max_moves: int | None) -> dict:
         """One live rebalance of every rank (``Engine.rebalance_now``), as the HTTP answer.

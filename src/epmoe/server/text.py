@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from epmoe.engine.engine import decode_text, encode_text, load_tokenizer
+from epmoe.engine.tokenizer import decode_text, encode_text, load_tokenizer
 
 # The plain template of a checkpoint without one: each message on its own, then the assistant's turn.
 DEFAULT_CHAT_TEMPLATE = (

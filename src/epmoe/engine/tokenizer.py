@@ -1,0 +1,47 @@
+"""A checkpoint's tokenizer, text to token ids and back without one, and its end-of-sequence ids."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from epmoe.spec import language_model_config, read_config
+
+
+def load_tokenizer(model_dir: str):
+    """The checkpoint's tokenizer, or ``None`` when it has none (prompts are then UTF-8 bytes)."""
+    names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    if not any((Path(model_dir) / f).is_file() for f in names):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def encode_text(tokenizer, vocab_size: int, text: str) -> list[int]:
+    """Token ids of ``text``: the tokenizer's (no special tokens added), or without one its UTF-8 bytes
+    modulo ``vocab_size``."""
+    if tokenizer is None:
+        return [b % vocab_size for b in text.encode()]
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def decode_text(tokenizer, ids: Sequence[int]) -> str:
+    """Text of generated token ids: the tokenizer's (special tokens skipped), or without one the ids written in
+    decimal, one space between them (every token adds text, so a stream shows each as it comes)."""
+    if tokenizer is None:
+        return " ".join(str(i) for i in ids)
+    return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def eos_token_ids(model_dir: str, tokenizer) -> frozenset[int]:
+    """The end-of-sequence token ids of the checkpoint: its config's ``eos_token_id`` (one or a list) and the
+    tokenizer's."""
+    raw = language_model_config(read_config(model_dir)[0])
+    ids: set[int] = set()
+    for source in (raw.get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list):
+            ids.update(i for i in source if isinstance(i, int))
+    return frozenset(ids)
