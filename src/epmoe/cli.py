@@ -416,14 +416,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``epmoe`` console script."""
+    from epmoe.runtime.launch import EXIT_BAD_INPUT, EXIT_RANK_ERROR, RankError, RankFailure
+
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except RankFailure as exc:  # spawned ranks: every rank's first error, named by rank, the cause first
+        print(f"epmoe {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     except (ValueError, KeyError, TypeError, RuntimeError, OSError) as exc:
-        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc  # KeyError's str() adds quotes
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike; rank 0 says so
-            print(f"epmoe {args.command}: error: {message}", file=sys.stderr)
-        return 2
+        error = RankError.of(int(os.environ.get("RANK", "0")), exc)
+        # under torchrun every rank says what stopped it, named by rank (torchrun shows every rank's stderr)
+        torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+        message = error.line() if torchrun else (exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)
+        print(f"epmoe {args.command}: error: {message}", file=sys.stderr)
+        return EXIT_BAD_INPUT if error.bad_input else EXIT_RANK_ERROR
 
 
 if __name__ == "__main__":

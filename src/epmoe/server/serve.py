@@ -8,8 +8,10 @@ serves, the others follow.
 
 Shutdown: SIGTERM or SIGINT drains: no new requests (503), the running ones get ``drain_timeout_s`` to
 finish, then the rest are aborted (``finish_reason`` ``abort``), the ranks stop together, exit code 0.
-A rank that dies (or a failed collective) fails every open request, turns ``/health`` 503, and the
-server exits with code 1 within ``FATAL_EXIT_S``, killing what is left of its ranks.
+A rank that fails (or a failed collective) fails every open request, turns ``/health`` 503, logs every rank's
+first error named by rank (``epmoe.runtime.launch.RankFailure``, as ``epmoe run`` reports them), and the server
+exits within ``FATAL_EXIT_S``, killing what is left of its ranks, with the failure's exit code (1 when rank 0's
+engine failed alone).
 """
 
 from __future__ import annotations
@@ -22,13 +24,20 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import uvicorn
 
 from epmoe.comm import Comm
 from epmoe.engine import Engine
 from epmoe.models.tiny import ensure_default_checkpoint
-from epmoe.runtime.launch import RankInfo, die_with_parent, free_port, init_group, torchrun_rank_info, under_torchrun
+from epmoe.runtime.launch import (
+    GRACE_S,
+    RankFailure,
+    RankInfo,
+    SpawnedRanks,
+    init_group,
+    torchrun_rank_info,
+    under_torchrun,
+)
 from epmoe.server.app import AppContext, build_app
 from epmoe.server.config import ServeConfig
 from epmoe.server.frontend import Frontend
@@ -73,12 +82,6 @@ def _check_port_free(host: str, port: int) -> None:
             raise ValueError(f"--host {host} --port {port}: cannot listen there: {exc.strerror}") from None
 
 
-def _spawned_follower(rank: int, world_size: int, port: int, cfg: ServeConfig, model_dir: str) -> None:
-    die_with_parent()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    _follower(RankInfo(rank, world_size, rank, f"tcp://127.0.0.1:{port}"), cfg, model_dir)
-
-
 class _Server(uvicorn.Server):
     """uvicorn, with SIGTERM/SIGINT starting a drain instead of closing at once (a second signal forces exit)."""
 
@@ -110,8 +113,9 @@ def serve(cfg: ServeConfig) -> int:
     """Run the server until SIGTERM (see the module docstring).
 
     Returns:
-        0 after a drain. After a fatal error (a rank died, the engine failed) the process exits with code 1
-        at once (``os._exit``: the engine thread may be stuck in a collective with the dead rank).
+        0 after a drain. After a fatal error (a rank failed or died, the engine failed) the process exits at
+        once with the ``RankFailure``'s exit code (1 when rank 0's engine failed alone), through ``os._exit``:
+        the engine thread may be stuck in a collective with the dead rank.
 
     Raises:
         ValueError: a bad option or checkpoint (before anything starts).
@@ -130,18 +134,16 @@ def serve(cfg: ServeConfig) -> int:
         if info.rank != 0:
             _follower(info, cfg, model_dir)
             return 0
-        world, procs = info.world_size, []
+        world, followers = info.world_size, None
     else:
-        world, port = cfg.ep, free_port()
-        info = RankInfo(0, world, 0, f"tcp://127.0.0.1:{port}")
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_spawned_follower, args=(r, world, port, cfg, model_dir), name=f"epmoe-rank{r}")
-                 for r in range(1, world)]
-        for p in procs:
-            p.start()
+        world = cfg.ep
+        followers = SpawnedRanks(_follower, world, (cfg, model_dir), ranks=range(1, world))
+        info = RankInfo(0, world, 0, f"tcp://127.0.0.1:{followers.port}")
+        followers.start()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     name = cfg.served_model_name or os.path.basename(os.path.normpath(model_dir))
     fatal = threading.Event()
+    exit_code = [1]  # of a fatal error: the rank failure's, once the ranks have reported
     server: _Server | None = None
 
     def on_fatal(reason: str) -> None:
@@ -149,7 +151,7 @@ def serve(cfg: ServeConfig) -> int:
         fatal.set()
         if server is not None:
             server.should_exit = True
-        timer = threading.Timer(FATAL_EXIT_S, os._exit, args=(1,))
+        timer = threading.Timer(FATAL_EXIT_S, lambda: os._exit(exit_code[0]))
         timer.daemon = True
         timer.start()
 
@@ -173,17 +175,34 @@ def serve(cfg: ServeConfig) -> int:
                 time.sleep(0.05)
         server.should_exit = True
 
+    def rank_failure(grace_s: float) -> RankFailure | None:
+        """The followers' failure (every rank's first error), waiting up to ``grace_s`` for one to show."""
+        deadline = time.monotonic() + grace_s
+        while followers is not None:
+            failure = followers.failure()
+            if failure is not None or time.monotonic() >= deadline:
+                return failure
+            time.sleep(0.05)
+        return None
+
     def watch() -> None:
         was_ready = False
         while not fatal.is_set():
-            for p in procs:
-                if p.exitcode is not None and frontend.state in ("loading", "ready", "draining"):
-                    frontend.fail(f"rank process {p.name} (pid {p.pid}) exited with code {p.exitcode}")
-                    return
+            failure = rank_failure(0.0)
+            if failure is not None and frontend.state in ("loading", "ready", "draining"):
+                exit_code[0] = failure.exit_code
+                frontend.fail(str(failure))
+                return
             if frontend.state == "ready" and not was_ready:
                 was_ready = True
                 _startup_log(cfg, model_dir, name, frontend)
-            if frontend.state in ("stopped", "failed"):
+            if frontend.state == "stopped":
+                return
+            if frontend.state == "failed":  # rank 0's engine failed: name the followers' own errors too
+                failure = rank_failure(GRACE_S)
+                if failure is not None:
+                    exit_code[0] = failure.exit_code
+                    log.error("%s", failure)
                 return
             time.sleep(_WATCH_S)
 
@@ -193,6 +212,7 @@ def serve(cfg: ServeConfig) -> int:
     frontend.start()
     threading.Thread(target=watch, name="epmoe-watch", daemon=True).start()
     server.run()
+    procs = list(followers.procs.values()) if followers is not None else []
     if not fatal.is_set():
         stopped = frontend.stop(timeout_s=30.0)
         if stopped and not fatal.is_set():
@@ -206,7 +226,7 @@ def serve(cfg: ServeConfig) -> int:
         # the engine thread may be stuck in a collective with the dead rank: no clean interpreter exit
         logging.shutdown()
         sys.stderr.flush()
-        os._exit(1)
+        os._exit(exit_code[0])
     if dist.is_initialized():
         dist.destroy_process_group()
     log.info("drained; exiting")
