@@ -187,7 +187,13 @@ def serve(cfg: ServeConfig) -> int:
 
     def watch() -> None:
         was_ready = False
-        while not fatal.is_set():
+        while True:
+            if frontend.state == "failed":  # rank 0's engine failed first: name the followers' own errors too
+                failure = rank_failure(GRACE_S)
+                if failure is not None:
+                    exit_code[0] = failure.exit_code
+                    log.error("%s", failure)
+                return
             failure = rank_failure(0.0)
             if failure is not None and frontend.state in ("loading", "ready", "draining"):
                 exit_code[0] = failure.exit_code
@@ -198,19 +204,14 @@ def serve(cfg: ServeConfig) -> int:
                 _startup_log(cfg, model_dir, name, frontend)
             if frontend.state == "stopped":
                 return
-            if frontend.state == "failed":  # rank 0's engine failed: name the followers' own errors too
-                failure = rank_failure(GRACE_S)
-                if failure is not None:
-                    exit_code[0] = failure.exit_code
-                    log.error("%s", failure)
-                return
             time.sleep(_WATCH_S)
 
     server = _Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
                                     timeout_graceful_shutdown=5),
                      drain)
     frontend.start()
-    threading.Thread(target=watch, name="epmoe-watch", daemon=True).start()
+    watcher = threading.Thread(target=watch, name="epmoe-watch", daemon=True)
+    watcher.start()
     server.run()
     procs = list(followers.procs.values()) if followers is not None else []
     if not fatal.is_set():
@@ -223,6 +224,7 @@ def serve(cfg: ServeConfig) -> int:
             p.kill()
             p.join(timeout=5.0)
     if fatal.is_set() or frontend.state == "failed":
+        watcher.join(GRACE_S + 1.0)  # it names the ranks' own errors and sets the exit code
         # the engine thread may be stuck in a collective with the dead rank: no clean interpreter exit
         logging.shutdown()
         sys.stderr.flush()
