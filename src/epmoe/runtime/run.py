@@ -146,6 +146,13 @@ class RunConfig:
             raise ValueError(f"--model {self.model!r} is not a checkpoint directory (config.json + *.safetensors)")
         if any(not p for p in self.prompts):
             raise ValueError("--prompt must not be empty")
+        for p in self.prompts:
+            try:
+                p.encode()
+            except UnicodeEncodeError as exc:  # command-line bytes that are not UTF-8 arrive as lone surrogates
+                raw, at = p.encode(errors="surrogateescape"), len(p[:exc.start].encode(errors="surrogateescape"))
+                raise ValueError(f"--prompt {raw!r} is not valid UTF-8 text (byte {raw[at]:#04x} at position {at}); "
+                                 f"pass prompts in UTF-8") from None
         self.sampling()
 
     def sampling(self) -> SamplingParams:
