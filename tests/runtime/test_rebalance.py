@@ -78,7 +78,7 @@ def test_failed_move_keeps_old_placement(tiny_checkpoints, where):
         assert r["held"] == r["expected_held"]
         assert r["after_commit"] == r["want"]
     assert "rank 1" in results[1]["failed"].error and "simulated failure" in results[1]["failed"].error
-    assert "another rank failed" in results[0]["failed"].error
+    assert results[0]["failed"].error == results[1]["failed"].error  # rank 0 gives rank 1's own reason
     # contiguous -> round robin with 2 redundant: rank 0 keeps experts 0, 2, 4, 6 and receives the rest
     assert results[0]["ok"].copies_received > 0 and results[0]["ok"].bytes_received > 0
 

@@ -19,6 +19,23 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def _rebalances(events: list[dict]) -> str:
+    """The EPLB events of a run in one cell: counts by outcome, copies moved, the last commit, why some were
+    skipped."""
+    done = [e for e in events if e["committed"]]
+    skipped = [e for e in events if e.get("skipped")]
+    failed = len(events) - len(done) - len(skipped)
+    text = f"{len(done)} / {len(skipped)} / {failed}, {sum(e['copies_moved'] for e in done)} copies moved"
+    if done:
+        last = done[-1]
+        text += (f"; last commit at step {last['step']}: balancedness {last['balancedness_before']:.3f} -> "
+                 f"{last['balancedness_after']:.3f}")
+    for reason in sorted({e["skipped"] for e in skipped}):
+        steps = [e["step"] for e in skipped if e["skipped"] == reason]
+        text += f"; skipped at step(s) {', '.join(map(str, steps))}: {reason}"
+    return text
+
+
 def print_run_report(report: RunReport, console: Console | None = None) -> None:
     """Print the outputs, the per-rank table and the summary of a run."""
     if console is None:
@@ -74,14 +91,10 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     summary.add_row("balancedness (mean/max routed tokens per rank)", f"{report.balancedness:.3f}")
     events = report.ranks[0].rebalances
     if events:
-        done = [e for e in events if e["committed"]]
-        last = events[-1]
-        summary.add_row(
-            "live rebalances (committed / tried)",
-            f"{len(done)} / {len(events)}, {sum(e['copies_moved'] for e in done)} copies moved; last at step "
-            f"{last['step']}: {last['balancedness_before']:.3f} -> {last['balancedness_after']:.3f}"
-            + ("" if last["committed"] else f" ({last['error']})"),
-        )
+        summary.add_row("live rebalances (committed / skipped / failed)", _rebalances(events))
+        failed = [e for e in events if not e["committed"] and not e.get("skipped")]
+        if failed:
+            summary.add_row(f"first failed rebalance (step {failed[0]['step']})", failed[0]["error"])
     if report.matches_reference is None:
         summary.add_row("matches transformers reference", "not checked (--no-reference, sampling or dummy weights)")
     else:
