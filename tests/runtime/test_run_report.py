@@ -4,6 +4,7 @@ judge of half-precision runs."""
 from __future__ import annotations
 
 import io
+import re
 
 from rich.console import Console
 
@@ -46,3 +47,29 @@ def test_rebalances_are_counted_by_outcome_with_reasons():
     assert ("live rebalances (committed / skipped / failed) │ 1 / 2 / 1, 3 copies moved; last commit at step 2: "
             "balancedness 0.800 -> 0.950; skipped at step(s) 4, 6: already balanced: no copy to move") in text
     assert f"first failed rebalance (step 8)                │ {reason}" in text
+
+
+def test_half_precision_mismatches_are_judged_by_the_float32_reference():
+    from epmoe.runtime.run import judge_mismatches
+
+    ours = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    same_dtype = [[1, 2, 3], [4, 5, 7], [7, 8, 1]]
+    # prompt 1: ours equal float32, transformers' bf16 run flipped; prompt 2: ours differ from float32 too
+    failing, judged = judge_mismatches(ours, same_dtype, {1: [4, 5, 6], 2: [7, 8, 1]})
+    assert failing == [2]
+    assert judged == [{"prompt": 1, "epmoe_equals_float32": True, "reference_equals_float32": False},
+                      {"prompt": 2, "epmoe_equals_float32": False, "reference_equals_float32": True}]
+    assert judge_mismatches(ours, same_dtype, {}) == ([1, 2], [])  # float32 runs: no second judge
+
+
+def test_a_bf16_run_equal_to_float32_passes_and_says_so():
+    judged = [{"prompt": 0, "epmoe_equals_float32": True, "reference_equals_float32": False}]
+    text = _printed(_report([], dtype="bfloat16", matches_reference=True, float32_judged=judged))
+    assert ("│ YES: prompts [0] differ from transformers' bfloat16 run, but equal its "
+            "float32 run (its bfloat16 run rounded a near-tie the other way); the others token for token") in text
+    assert re.search(r"│ 0 │ p\s+│ 'xy'\s+│ yes \(float32\)", text)
+    failed = [{"prompt": 0, "epmoe_equals_float32": False, "reference_equals_float32": True}]
+    text = _printed(_report([], dtype="bfloat16", matches_reference=False, float32_judged=failed, mismatches=[0],
+                            first_mismatch=(0, 1, 6, 9)))
+    assert ("NO: prompts [0] differ; first at prompt 0, step 1: token 6 here, 9 in the reference; the float32 "
+            "reference equals transformers' bfloat16 there") in text

@@ -36,6 +36,26 @@ def _rebalances(events: list[dict]) -> str:
     return text
 
 
+def _verdict(report: RunReport) -> str:
+    """The reference check in one cell; in bf16/fp16, which side of a differing prompt equals float32."""
+    saved = [j["prompt"] for j in report.float32_judged if j["epmoe_equals_float32"]]
+    if report.matches_reference:
+        if not saved:
+            return "YES, token for token"
+        return (f"YES: prompts {saved} differ from transformers' {report.dtype} run, but equal its float32 run "
+                f"(its {report.dtype} run rounded a near-tie the other way); the others token for token")
+    i, step, ours, theirs = report.first_mismatch
+    verdict = (f"NO: prompts {report.mismatches} differ; first at prompt {i}, step {step}: token {ours} here, "
+               f"{theirs} in the reference")
+    judged = {j["prompt"]: j for j in report.float32_judged}
+    if i in judged:
+        side = "transformers' " + report.dtype if judged[i]["reference_equals_float32"] else "neither run"
+        verdict += f"; the float32 reference equals {side} there"
+    if saved:
+        verdict += f"; prompts {saved} equal the float32 reference"
+    return verdict
+
+
 def print_run_report(report: RunReport, console: Console | None = None) -> None:
     """Print the outputs, the per-rank table and the summary of a run."""
     if console is None:
@@ -46,8 +66,11 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     outputs.add_column("prompt")
     outputs.add_column("continuation")
     outputs.add_column("matches reference")
+    by_float32 = {j["prompt"] for j in report.float32_judged if j["epmoe_equals_float32"]}
     for i, (p, o) in enumerate(zip(report.prompts, report.outputs)):
         match = "-" if report.matches_reference is None else ("no" if i in report.mismatches else "yes")
+        if i in by_float32:
+            match = "yes (float32)"
         outputs.add_row(str(i), p, repr(o), match)
     console.print(outputs)
 
@@ -98,11 +121,6 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     if report.matches_reference is None:
         summary.add_row("matches transformers reference", "not checked (--no-reference, sampling or dummy weights)")
     else:
-        if report.matches_reference:
-            verdict = "YES, token for token"
-        else:
-            i, step, ours, theirs = report.first_mismatch
-            verdict = (f"NO: prompts {report.mismatches} differ; first at prompt {i}, step {step}: "
-                       f"token {ours} here, {theirs} in the reference")
+        verdict = _verdict(report)
         summary.add_row("matches transformers reference", verdict)
     console.print(summary)

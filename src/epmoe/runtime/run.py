@@ -243,11 +243,17 @@ class RunReport:
         routed_tokens_per_step: per EP rank, (token, expert) pairs its slots computed per step and MoE layer.
         matches_reference: generated tokens equal the unsharded transformers model's (``None`` if skipped:
             ``--no-reference``, sampling, or dummy weights). Promised exactly in float32; in bf16/fp16 the
-            sharded sums run in another order, so a near-tie between two tokens (or two experts) can flip.
-        mismatches: prompt indices whose tokens differ from the reference.
+            sharded sums run in another order, so a near-tie between two tokens (or two experts) can flip: a
+            prompt whose tokens differ from transformers' run in the same dtype is judged by a float32 reference
+            (``float32_judged``), and matches when ours equal the float32 tokens.
+        mismatches: prompt indices whose tokens differ from the reference (and, in bf16/fp16, from the float32
+            reference).
         reference_outputs: token ids the reference generated per prompt (empty if skipped).
         first_mismatch: ``(prompt, step, ours, reference)`` of the first differing token, or ``None``.
+        float32_judged: per prompt that differed from the same-dtype reference in a bf16/fp16 run, which side
+            equals the float32 reference: ``{"prompt", "epmoe_equals_float32", "reference_equals_float32"}``.
         graphs: whether decode steps replayed CUDA graphs.
+        dtype: the compute dtype of the run (and of the reference).
     """
 
     model: str
@@ -264,7 +270,9 @@ class RunReport:
     mismatches: list[int] = field(default_factory=list)
     reference_outputs: list[list[int]] = field(default_factory=list)
     first_mismatch: tuple[int, int, int, int] | None = None
+    float32_judged: list[dict] = field(default_factory=list)
     graphs: bool = False
+    dtype: str = "float32"
 
     def to_json(self) -> dict:
         """A JSON-ready dict."""
@@ -416,7 +424,8 @@ def _check_before_start(cfg: RunConfig, model_dir: str, ep: int,
         raise ValueError(f"--ep {ep}: {exc}") from None
 
 
-def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids: list[int]) -> list[list[int]]:
+def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids: list[int],
+               dtype_name: str) -> list[list[int]]:
     """Greedy tokens of the unsharded transformers model, prompt by prompt with its own ``generate`` (no
     ``MoELayer``, no engine): transformers' ``from_pretrained`` where it reads the checkpoint, else a full
     single-rank load of the dequantized tensors into the same transformers model (block-FP8 weights, a
@@ -426,7 +435,7 @@ def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids
     from epmoe.models.hf import hf_config, load_full_model, needs_own_loader
 
     device = "cuda" if cfg.device == "cuda" else "cpu"
-    dtype = _DTYPES[cfg.dtype]
+    dtype = _DTYPES[dtype_name]
     if needs_own_loader(model_dir):
         model = load_full_model(model_dir, dtype, device)
     else:
@@ -487,15 +496,20 @@ def run_job(cfg: RunConfig) -> RunReport:
         tokens_per_s=sum(len(t) for t in tokens) / gen_s if gen_s > 0 else float("nan"),
         balancedness=float(rank_balancedness(rank_counts).mean()),
         routed_tokens_per_step=(rank_counts.sum(0).double() / (steps * spec.num_moe_layers)).tolist(),
-        matches_reference=None, graphs=any(r.step_kinds.get("graph_steps", 0) for r in ranks),
+        matches_reference=None, dtype=cfg.dtype, graphs=any(r.step_kinds.get("graph_steps", 0) for r in ranks),
     )
     if cfg.reference and cfg.temperature == 0 and cfg.load_format != "dummy":
         from epmoe.engine.engine import eos_token_ids
 
-        ref_tokens = _reference(cfg, model_dir, all_ids, sorted(eos_token_ids(model_dir, tok)))
-        report.mismatches = [i for i in range(len(prompts)) if tokens[i] != ref_tokens[i]]
-        report.matches_reference = not report.mismatches
+        eos = sorted(eos_token_ids(model_dir, tok))
+        ref_tokens = _reference(cfg, model_dir, all_ids, eos, cfg.dtype)
+        differ = [i for i in range(len(prompts)) if tokens[i] != ref_tokens[i]]
+        ref32: dict[int, list[int]] = {}
+        if differ and cfg.dtype != "float32":
+            ref32 = dict(zip(differ, _reference(cfg, model_dir, [all_ids[i] for i in differ], eos, "float32")))
         report.reference_outputs = ref_tokens
+        report.mismatches, report.float32_judged = judge_mismatches(tokens, ref_tokens, ref32)
+        report.matches_reference = not report.mismatches
         if report.mismatches:
             i = report.mismatches[0]
             pairs = list(zip(tokens[i], ref_tokens[i]))
@@ -504,6 +518,36 @@ def run_job(cfg: RunConfig) -> RunReport:
             theirs = ref_tokens[i][step] if step < len(ref_tokens[i]) else -1
             report.first_mismatch = (i, step, ours, theirs)
     return report
+
+
+def judge_mismatches(tokens: list[list[int]], reference: list[list[int]],
+                     float32: dict[int, list[int]]) -> tuple[list[int], list[dict]]:
+    """Which prompts fail the reference check.
+
+    A prompt fails when its tokens differ from the reference run in the same dtype, unless a float32 reference
+    of it is given (bf16/fp16 runs) and our tokens equal that: then transformers' own half-precision run is the
+    one that flipped a near-tie.
+
+    Args:
+        tokens: our token ids per prompt.
+        reference: transformers' token ids per prompt, same dtype as ours.
+        float32: prompt index -> transformers' float32 token ids, for prompts that differed (empty in float32).
+
+    Returns:
+        The failing prompt indices, and per judged prompt ``{"prompt", "epmoe_equals_float32",
+        "reference_equals_float32"}``.
+    """
+    failing, judged = [], []
+    for i, (ours, theirs) in enumerate(zip(tokens, reference)):
+        if ours == theirs:
+            continue
+        if i in float32:
+            judged.append({"prompt": i, "epmoe_equals_float32": ours == float32[i],
+                           "reference_equals_float32": theirs == float32[i]})
+            if ours == float32[i]:
+                continue
+        failing.append(i)
+    return failing, judged
 
 
 def write_json(report: RunReport, path: str | Path) -> None:
