@@ -71,7 +71,7 @@ class EPModel:
         Args:
             name_or_factory: a registered dispatcher name (``epmoe.dispatch.DISPATCHERS``), or a factory called
                 as ``factory(comm, slots_per_rank, **options)``.
-            options: the dispatcher's options (``fixed_capacity``: ``capacity``, ``check_overflow``).
+            options: the dispatcher's options (``fixed_capacity``: ``capacity``).
 
         Raises:
             KeyError: an unknown name.
