@@ -39,3 +39,43 @@ def test_a_corrupt_tokenizer_file_is_named(kimi, tmp_path, capsys):
     err = capsys.readouterr().err
     assert (f"epmoe run: error: tokenizer file '{broken}/tokenizer.json' cannot be read: Expecting value: line 1 "
             "column 1 (char 0)") in err
+
+
+@pytest.mark.multiprocess
+def test_saved_loads_feed_balance_and_survive_live_rebalancing(kimi, tmp_path):
+    import json
+
+    import torch
+
+    from epmoe.loads import read_loads
+
+    prompts = ["hello there", "expert parallel", "abc"]
+    common = ["run", "--model", str(kimi), "--ep", "2", "--redundant", "2", "--max-new-tokens", "5",
+              "--no-reference", *[a for p in prompts for a in ("--prompt", p)]]
+    # the same tokens with the experts moving every 2 steps: the loads per logical expert are the same
+    assert main([*common, "--save-loads", str(tmp_path / "still.json")]) == 0
+    assert main([*common, "--eplb-interval", "2", "--save-loads", str(tmp_path / "moved.safetensors"),
+                 "--json", str(tmp_path / "moved.json")]) == 0
+    still, moved = read_loads(tmp_path / "still.json"), read_loads(tmp_path / "moved.safetensors")
+    report = json.loads((tmp_path / "moved.json").read_text())
+    assert any(e["committed"] for e in report["ranks"][0]["rebalances"])
+    assert torch.equal(still, moved) and still.shape == (2, 16)
+    # every token fed (prompt, then all but the last generated one) routes to top-4 experts in both MoE layers
+    generated = {i: len(t) for r in report["ranks"] for i, t in zip(r["prompts"], r["tokens"])}
+    fed = sum(len(p.encode()) + generated[i] - 1 for i, p in enumerate(prompts))  # byte-level tokenizer
+    assert still.sum(1).tolist() == [4.0 * fed] * 2
+    per_rank = torch.tensor([r["rank_counts"] for r in report["ranks"]]).sum((0, 2))
+    assert per_rank.tolist() == [4 * fed] * 2
+    assert main(["balance", "--loads", str(tmp_path / "still.json"), "--ep", "2", "--redundant", "2",
+                 "--out", str(tmp_path / "placement.json")]) == 0
+
+
+def test_save_loads_refusals(kimi, tmp_path, capsys):
+    assert main(["run", "--model", str(kimi), "--parallel", "tp", "--save-loads", str(tmp_path / "l.json")]) == 2
+    assert "--save-loads records expert loads of --parallel ep" in capsys.readouterr().err
+    assert main(["run", "--model", str(kimi), "--save-loads", str(tmp_path / "l.csv")]) == 2
+    assert "loads are written as .json or .safetensors" in capsys.readouterr().err
+    assert main(["run", "--model", str(kimi), "--save-loads", str(tmp_path / "no" / "l.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"--save-loads ('{tmp_path / 'no' / 'l.json'}') cannot be written: directory" in err
+    assert "does not exist" in err

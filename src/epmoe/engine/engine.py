@@ -38,7 +38,7 @@ from epmoe.engine.request import RequestOutput, Sequence
 from epmoe.engine.sampling import SamplingParams, sample
 from epmoe.engine.scheduler import Scheduler, StepPlan
 from epmoe.layer import MoELayerOptions, check_tp_sizes
-from epmoe.loads import ExpertLoadRecorder
+from epmoe.loads import ExpertLoadRecorder, slots_to_logical
 from epmoe.models.hf import EPModel, load_ep_model, load_tp_model
 from epmoe.placement import ExpertPlacement
 from epmoe.spec import language_model_config, load_moe_spec, read_config
@@ -174,7 +174,7 @@ class Engine:
             self.ep_model = load_ep_model(
                 config.model, self.placement, self.comm,
                 options=MoELayerOptions(dispatcher=self.eager_dispatcher, expert_backend=config.expert_backend,
-                                        load_recorder=self.recorder),
+                                        load_recorder=self.recorder, replica_policy=config.replica_policy),
                 dtype=config.torch_dtype, device=self.device, load_format=config.load_format,
                 attn_implementation=register_attention(), seed=config.seed,
             )
@@ -199,6 +199,10 @@ class Engine:
         self.last_step_busy = False
         self.slot_totals = torch.zeros(self.spec.num_moe_layers, num_slots, dtype=torch.int64,
                                        device=self.device)
+        # logical loads of the placements served before the last live rebalance, and the slot totals then
+        self._loads_before = torch.zeros(self.spec.num_moe_layers, self.spec.num_experts, dtype=torch.int64,
+                                         device=self.device)
+        self._slots_before = torch.zeros_like(self.slot_totals)
         self.stats = {"eager_steps": 0, "graph_steps": 0, "idle_steps": 0, "preemptions": 0}
         self.eplb = None
         if config.eplb_interval:
@@ -271,6 +275,20 @@ class Engine:
                 layer.set_dispatcher(make_dispatcher(self.eager_dispatcher, comm, slots))
 
         return activate, deactivate
+
+    def logical_loads(self) -> torch.Tensor:
+        """Tokens this rank routed to each logical expert since start, through every placement it served.
+
+        Returns:
+            ``[L, E]`` int64 on the CPU (padding rows of graph steps not counted).
+
+        Raises:
+            ValueError: tensor-parallel experts (``parallel='tp'``) record no loads.
+        """
+        if self.tp:
+            raise ValueError("parallel 'tp' records no expert loads: every rank computes a slice of every expert")
+        since = slots_to_logical(self.slot_totals - self._slots_before, self.ep_model.placement)
+        return (self._loads_before + since).cpu()
 
     def kv_report(self, context: int | None = None) -> dict:
         """The KV pool: blocks, tokens, bytes, and how many sequences of ``context`` tokens fit at once
@@ -426,9 +444,13 @@ class Engine:
         self.slot_totals += self.recorder.current_counts()
         self.recorder.step()
         if self.eplb is not None and self.num_steps % self.eplb.interval == 0:
+            serving = self.ep_model.placement
             self.eplb.on_step(self.num_steps)
-            if self.eplb.events and self.eplb.events[-1].committed and self.config.static_decode:
-                self._capture()  # the committed weights and slot tables are new tensors
+            if self.eplb.events and self.eplb.events[-1].committed:
+                self._loads_before += slots_to_logical(self.slot_totals - self._slots_before, serving)
+                self._slots_before = self.slot_totals.clone()
+                if self.config.static_decode:
+                    self._capture()  # the committed weights and slot tables are new tensors
         return outputs
 
     def _advance(self, plan: StepPlan, logits: torch.Tensor) -> list[RequestOutput]:

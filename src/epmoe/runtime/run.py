@@ -61,6 +61,9 @@ class RunConfig:
         reference: run the unsharded transformers model and compare tokens (greedy runs only).
         eplb_interval: rebalance every this many engine steps from the recorded loads (0 = never).
         eplb_max_moves: most expert copies one rebalance may move (``None`` = as few as reach the target).
+        replica_policy: how a token picks among an expert's copies (``static``, ``round_robin``, ``random``).
+        save_loads: write the tokens routed per logical expert ``[L, E]`` (all ranks, the whole run) to this
+            file, in the format ``epmoe balance --loads`` reads (``None``: not written).
         cache_dir: where the built-in checkpoint is cached.
         max_num_seqs: most sequences running at once per rank.
         max_num_batched_tokens: most tokens per step per rank (longer prompts are chunked).
@@ -89,6 +92,8 @@ class RunConfig:
     reference: bool = True
     eplb_interval: int = 0
     eplb_max_moves: int | None = None
+    replica_policy: str = "static"
+    save_loads: str | None = None
     cache_dir: str | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -146,6 +151,16 @@ class RunConfig:
             raise ValueError(f"--model {self.model!r} is not a checkpoint directory (config.json + *.safetensors)")
         if any(not p for p in self.prompts):
             raise ValueError("--prompt must not be empty")
+        if self.save_loads is not None:
+            from epmoe.files import check_output_path
+
+            if self.parallel == "tp":
+                raise ValueError("--save-loads records expert loads of --parallel ep; tp computes every expert on "
+                                 "every rank")
+            if Path(self.save_loads).suffix == ".csv":
+                raise ValueError(f"--save-loads {self.save_loads!r}: loads are written as .json or .safetensors "
+                                 "(the CSV form is the OLMoE routing counts)")
+            check_output_path("--save-loads", self.save_loads, "a loads file path (.json or .safetensors)")
         for p in self.prompts:
             try:
                 p.encode()
@@ -175,7 +190,7 @@ class RunConfig:
             max_num_batched_tokens=self.max_num_batched_tokens, num_kv_blocks=self.num_kv_blocks,
             block_size=self.block_size,
             cuda_graph_max_bs=self.cuda_graph_max_bs, enforce_eager=eager, eplb_interval=self.eplb_interval,
-            eplb_max_moves=self.eplb_max_moves, seed=self.seed or 0,
+            eplb_max_moves=self.eplb_max_moves, replica_policy=self.replica_policy, seed=self.seed or 0,
         )
 
 
@@ -204,6 +219,8 @@ class RankReport:
         expert_mb: routed-expert weights held by this rank, MiB.
         full_expert_mb: what all routed experts would take, MiB.
         kv: the KV pool report (blocks, tokens, bytes, max concurrency at the model's context).
+        logical_loads: ``[L, E]`` tokens this rank routed per logical expert (``Engine.logical_loads``); empty
+            unless ``--save-loads`` asked for them.
     """
 
     rank: int
@@ -224,6 +241,7 @@ class RankReport:
     expert_mb: float
     full_expert_mb: float
     kv: dict
+    logical_loads: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -370,13 +388,14 @@ def _serve_share(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], mine:
         bytes_per_step={k: delta.bytes_sent[k] / steps for k in COLLECTIVE_KINDS},
         peak_rss_mb=rss, peak_cuda_mb=cuda, expert_mb=engine.ep_model.expert_bytes / 2**20,
         full_expert_mb=engine.ep_model.full_expert_bytes / 2**20, kv=engine.kv_report(),
+        logical_loads=engine.logical_loads().tolist() if cfg.save_loads else [],
     )
 
 
 # EngineConfig field -> the flag that sets it (its errors name the field)
 _FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
           "block_size": "--block-size", "cuda_graph_max_bs": "--cuda-graph-max-bs", "num_kv_blocks": "--num-kv-blocks",
-          "seed": "--seed", "max_model_len": "--max-model-len"}
+          "seed": "--seed", "max_model_len": "--max-model-len", "replica_policy": "--replica-policy"}
 
 
 def _engine_config(cfg: RunConfig, model_dir: str) -> EngineConfig:
@@ -454,12 +473,13 @@ def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids
 def run_job(cfg: RunConfig) -> RunReport:
     """Run the main job (see the module docstring).
 
-    Under torchrun only rank 0 returns a report (it gathers the other ranks' reports); other ranks
-    return ``None``.
+    Under torchrun only rank 0 returns a report (it gathers the other ranks' reports) and writes
+    ``save_loads``; other ranks return ``None``.
 
     Raises:
         ValueError: a bad option or placement (named); FileNotFoundError: no such checkpoint.
-        RuntimeError: a rank failed (its error in the message).
+        epmoe.runtime.launch.RankFailure: a spawned rank failed (every rank's first error, named by rank).
+        RuntimeError: under torchrun, this rank's collective failed (a peer went away).
     """
     cfg.validate()
     from transformers.utils import logging as hf_logging
@@ -498,6 +518,10 @@ def run_job(cfg: RunConfig) -> RunReport:
         routed_tokens_per_step=(rank_counts.sum(0).double() / (steps * spec.num_moe_layers)).tolist(),
         matches_reference=None, dtype=cfg.dtype, graphs=any(r.step_kinds.get("graph_steps", 0) for r in ranks),
     )
+    if cfg.save_loads is not None:
+        from epmoe.loads import save_loads
+
+        save_loads(cfg.save_loads, torch.tensor([r.logical_loads for r in ranks]).sum(0))
     if cfg.reference and cfg.temperature == 0 and cfg.load_format != "dummy":
         from epmoe.engine.engine import eos_token_ids
 

@@ -27,7 +27,8 @@ class ServeConfig:
         model: checkpoint directory; ``None`` = the built-in small Kimi-K2.5-architecture checkpoint.
         ep: EP ranks to spawn (one process each; rank 0 also serves HTTP).
         device, dtype, max_num_seqs, max_num_batched_tokens, mem_fraction_static, cuda_graph_max_bs,
-            enforce_eager, load_format, eplb_interval, placement, redundant, max_model_len, num_kv_blocks:
+            enforce_eager, load_format, eplb_interval, placement, redundant, replica_policy, max_model_len,
+            num_kv_blocks:
             the engine's options (``EngineConfig``).
         expert_backend: ``None`` = ``triton`` on CUDA, ``reference`` on CPU.
         host: address to listen on.
@@ -52,6 +53,7 @@ class ServeConfig:
     eplb_interval: int = 0
     placement: str | None = None
     redundant: int = 0
+    replica_policy: str = "static"
     expert_backend: str | None = None
     max_model_len: int | None = None
     num_kv_blocks: int | None = None
@@ -98,5 +100,5 @@ class ServeConfig:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, mem_fraction_static=self.mem_fraction_static,
             num_kv_blocks=self.num_kv_blocks, cuda_graph_max_bs=self.cuda_graph_max_bs, enforce_eager=eager,
-            eplb_interval=self.eplb_interval,
+            eplb_interval=self.eplb_interval, replica_policy=self.replica_policy,
         )

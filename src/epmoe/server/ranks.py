@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 
 from epmoe.engine import Engine, RequestOutput, SamplingParams
@@ -171,10 +170,5 @@ class RankStepper:
                          result)
 
     def _loads(self) -> list[list[int]]:
-        """Tokens this rank routed per logical expert since start, ``[L, E]`` (slots mapped through the
-        current placement)."""
-        placement = self.engine.ep_model.placement
-        totals = self.engine.slot_totals.cpu()
-        load = torch.zeros(placement.num_layers, placement.num_experts, dtype=torch.int64)
-        load.scatter_add_(1, placement.phy2log.cpu().long(), totals)
-        return load.tolist()
+        """Tokens this rank routed per logical expert since start, ``[L, E]`` (``Engine.logical_loads``)."""
+        return self.engine.logical_loads().tolist()
