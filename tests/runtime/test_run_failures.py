@@ -77,7 +77,8 @@ def test_a_rank_killed_mid_generation_is_named_with_its_signal(kimi):
     prompts = [a for i in range(8) for a in ("--prompt", f"p{i}")]
     proc = subprocess.Popen([sys.executable, "-m", "epmoe.cli", "run", "--model", str(kimi), "--ep", "2",
                              "--max-new-tokens", "4", "--request-rate", "0.25", "--no-reference", *prompts],
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env={**_env(), "TTY_COMPATIBLE": "1"},  # rich draws rank 0's progress as on a tty
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         ranks: list[int] = []
@@ -94,6 +95,7 @@ def test_a_rank_killed_mid_generation_is_named_with_its_signal(kimi):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 4, err
+    assert "loading the model" in out or "generating (tokens, rank 0)" in out, out
     lines = err.strip().splitlines()
     assert lines[0] == "epmoe run: error: rank 1 was killed by SIGKILL (signal 9)", err
     # rank 0 failed in its next collective, or was stopped while it waited for the next arrival

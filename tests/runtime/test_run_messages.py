@@ -79,3 +79,38 @@ def test_save_loads_refusals(kimi, tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"--save-loads ('{tmp_path / 'no' / 'l.json'}') cannot be written: directory" in err
     assert "does not exist" in err
+
+
+def test_replica_policy_reaches_the_layers(kimi, capsys):
+    """``--replica-policy``: with two copies of experts 0 and 1 (slots 16 and 17), static keeps to one copy,
+    round_robin uses both; the same tokens either way."""
+    import torch
+
+    from epmoe.engine import Engine, EngineConfig, SamplingParams
+
+    prompt = "Expert parallelism places whole experts on ranks; copies share the load."
+    slots, tokens = {}, {}
+    for policy in ("static", "round_robin"):
+        engine = Engine(EngineConfig(model=str(kimi), redundant=2, replica_policy=policy))
+        tokens[policy] = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=2))[0].token_ids
+        slots[policy] = engine.slot_totals.cpu()
+    assert tokens["static"] == tokens["round_robin"]
+    static, rr = slots["static"], slots["round_robin"]
+    assert static[:, 16:].sum() == 0 and static[:, :2].sum() > 0
+    assert torch.equal(static[:, :2], rr[:, :2] + rr[:, 16:])  # the same tokens per expert, split over its copies
+    used = [(layer, e) for layer in range(2) for e in range(2) if static[layer, e] >= 4]
+    assert used and all(rr[layer, e] > 0 and rr[layer, 16 + e] > 0 for layer, e in used)
+    assert main(["run", "--model", str(kimi), "--parallel", "tp", "--replica-policy", "random"]) == 2
+    assert "replica-policy place or move whole experts" in capsys.readouterr().err
+
+
+
+def test_the_reference_run_shows_progress(kimi, monkeypatch, capsys):
+    from epmoe.runtime.run import RunConfig, _reference
+
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich draws its live progress as on a terminal
+    out = _reference(RunConfig(model=str(kimi), max_new_tokens=2), str(kimi), [[72, 105], [66]], [], "float32")
+    assert [len(t) for t in out] == [2, 2]
+    err = capsys.readouterr().err
+    assert "loading the unsharded transformers reference (float32)" in err
+    assert "transformers reference (float32, prompts)" in err

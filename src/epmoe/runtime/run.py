@@ -449,24 +449,32 @@ def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids
     ``MoELayer``, no engine): transformers' ``from_pretrained`` where it reads the checkpoint, else a full
     single-rank load of the dequantized tensors into the same transformers model (block-FP8 weights, a
     ``language_model.`` wrapper)."""
+    from rich.console import Console
+    from rich.progress import Progress
     from transformers import AutoModelForCausalLM
 
     from epmoe.models.hf import hf_config, load_full_model, needs_own_loader
 
     device = "cuda" if cfg.device == "cuda" else "cpu"
     dtype = _DTYPES[dtype_name]
-    if needs_own_loader(model_dir):
-        model = load_full_model(model_dir, dtype, device)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config(model_dir), dtype=dtype)
-        model = model.to(device).eval()
     out = []
-    with torch.no_grad():
-        for ids in all_ids:
-            x = torch.tensor([ids], device=device)
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=cfg.max_new_tokens,
-                               do_sample=False, eos_token_id=eos_ids or None, pad_token_id=eos_ids[0] if eos_ids else 0)
-            out.append(y[0, len(ids):].tolist())
+    with Progress(transient=True, console=Console(stderr=True)) as bar:
+        task = bar.add_task(f"loading the unsharded transformers reference ({dtype_name})", total=None)
+        if needs_own_loader(model_dir):
+            model = load_full_model(model_dir, dtype, device)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config(model_dir), dtype=dtype)
+            model = model.to(device).eval()
+        bar.update(task, description=f"transformers reference ({dtype_name}, prompts)", total=len(all_ids),
+                   completed=0)
+        with torch.no_grad():
+            for ids in all_ids:
+                x = torch.tensor([ids], device=device)
+                y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=cfg.max_new_tokens,
+                                   do_sample=False, eos_token_id=eos_ids or None,
+                                   pad_token_id=eos_ids[0] if eos_ids else 0)
+                out.append(y[0, len(ids):].tolist())
+                bar.advance(task)
     return out
 
 
