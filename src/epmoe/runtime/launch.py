@@ -216,6 +216,8 @@ def _run_rank(rank: int, world_size: int, port: int, fn: Callable[..., Any], arg
         queue.put((rank, True, pickle.dumps(fn(info, *args))))
     except BaseException as exc:  # the launcher reports it, named by rank
         queue.put((rank, False, RankError.of(rank, exc)))
+        sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(1)
 
 
