@@ -151,15 +151,17 @@ def _drop_tensor(src, dst, name):
 def test_checkpoint_missing_expert_tensor_is_named(tiny_checkpoints, tmp_path):
     good = tiny_checkpoints("olmoe")  # 16 experts, 2 MoE layers, per-expert tensors
     lines = [f.line() for f in diagnose(DoctorConfig(model=str(good), ep=2))]
-    assert "ok: the target model: checkpoint holds the tensors of all 16 routed experts of the 2 MoE layers" in lines
+    assert ("ok: the target model: checkpoint holds every tensor the loader reads, with the shapes config.json "
+            "predicts (16 routed experts x 2 MoE layers, bf16 weights)") in lines
     bad = _drop_tensor(good, tmp_path / "olmoe", "model.layers.1.mlp.experts.5.up_proj.weight")
     (error,) = _errors(diagnose(DoctorConfig(model=str(bad), ep=2)))
-    assert "has no tensor 'model.layers.1.mlp.experts.5.up_proj.weight'" in error.what
-    assert "logical expert 5 of MoE layer 1" in error.what and "1 routed-expert tensor(s) missing" in error.what
+    assert error.what == ("the target model: checkpoint is missing a tensor of logical expert 5 of model.layers.1.mlp: "
+                          f"checkpoint {bad} has no tensor 'model.layers.1.mlp.experts.5.up_proj.weight'")
     # fused experts (gpt-oss: gate_up_proj [E, D, 2F] per layer)
     fused = _drop_tensor(tiny_checkpoints("gpt-oss"), tmp_path / "gptoss", "model.layers.0.mlp.experts.down_proj")
     (error,) = _errors(diagnose(DoctorConfig(model=str(fused), ep=2)))
-    assert "has no tensor 'model.layers.0.mlp.experts.down_proj' (the fused experts of MoE layer 0" in error.what
+    assert ("checkpoint is missing a tensor of the fused experts of model.layers.0.mlp: checkpoint "
+            f"{fused} has no tensor 'model.layers.0.mlp.experts.down_proj'") in error.what
 
 
 def test_draft_for_another_target_is_an_error():
@@ -214,8 +216,8 @@ def test_config_that_does_not_describe_the_weights(tiny_checkpoints, tmp_path, c
     doc.get("text_config", doc)["n_routed_experts"] = 8
     (bad / "config.json").write_text(json.dumps(doc))
     (error,) = _errors(diagnose(DoctorConfig(model=str(bad), ep=2)))
-    assert error.what == ("the target model: router tensor 'model.layers.1.mlp.gate.weight' scores 16 experts but "
-                          "config.json says 8")
+    assert error.what == (f"the target model: checkpoint {bad}: tensor 'model.layers.1.mlp.gate.weight' has shape "
+                          "(16, 64), expected (8, 64) from config.json (does config.json belong to these weights?)")
     assert main(["run", "--model", str(bad), "--ep", "1", "--no-reference", "--max-new-tokens", "1"]) == 2
     err = capsys.readouterr().err
     assert "tensor 'model.layers.1.mlp.gate.weight' has shape (16, 64), expected (8, 64) from config.json" in err
@@ -234,3 +236,54 @@ def test_doctor_says_which_values_came_from_transformers_defaults(tmp_path):
                       "config.json that lost fields may not describe these weights; check them against the model's "
                       "own config"]
     assert not [f for f in diagnose(DoctorConfig(model=KIMI, ep=8)) if "defaults" in f.what]
+
+
+def _edited_copy(src, dst, config_edit):
+    """A copy of checkpoint ``src`` with its config.json edited by ``config_edit(doc)``."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    doc = json.loads((dst / "config.json").read_text())
+    config_edit(doc)
+    (dst / "config.json").write_text(json.dumps(doc))
+    return dst
+
+
+def _loader_refusal(directory) -> str:
+    from epmoe.comm import Comm
+    from epmoe.layer import MoELayerOptions
+    from epmoe.models.hf import load_ep_model
+    from epmoe.spec import load_moe_spec
+
+    spec = load_moe_spec(directory)
+    try:
+        load_ep_model(str(directory), ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
+                      options=MoELayerOptions(dispatcher="local"))
+    except (ValueError, KeyError) as exc:
+        return exc.args[0] if isinstance(exc, KeyError) else str(exc)
+    raise AssertionError(f"the loader accepted {directory}")
+
+
+def test_doctor_refuses_what_the_loader_refuses(tiny_checkpoints, tmp_path, capsys):
+    """An MXFP4 gpt-oss, a checkpoint missing q_proj, and an intermediate_size that disagrees with the tensors: the
+    loader refuses each before reading weights, and doctor reports the loader's own message (exit code 1)."""
+    cases = {
+        "mxfp4": _edited_copy(tiny_checkpoints("gpt-oss"), tmp_path / "mxfp4",
+                              lambda d: d.update(quantization_config={"quant_method": "mxfp4"})),
+        "q_proj": _drop_tensor(tiny_checkpoints("qwen3-moe"), tmp_path / "noq",
+                               "model.layers.0.self_attn.q_proj.weight"),
+        "intermediate": _edited_copy(tiny_checkpoints("kimi-k2.5"), tmp_path / "inter",
+                                     lambda d: d.get("text_config", d).update(intermediate_size=96)),
+    }
+    expected = {
+        "q_proj": "checkpoint {} is missing tensor 'model.layers.0.self_attn.q_proj.weight'",
+        "intermediate": "tensor 'model.layers.0.mlp.gate_proj.weight' has shape",
+    }
+    for name, directory in cases.items():
+        refusal = _loader_refusal(directory)
+        if name in expected:
+            assert expected[name].format(directory) in refusal
+        (error,) = _errors(diagnose(DoctorConfig(model=str(directory), ep=1)))
+        assert error.what == f"the target model: {refusal}", name
+        assert main(["doctor", "--model", str(directory)]) == 1
+        assert refusal in capsys.readouterr().out

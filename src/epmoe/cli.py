@@ -60,6 +60,10 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    help="rebalance experts live every STEPS engine steps from the recorded loads (default 0: never)")
     p.add_argument("--max-moves", type=int, default=None, metavar="M",
                    help="most expert copies one live rebalance may move")
+    _add_replica_policy(p)
+    p.add_argument("--save-loads", metavar="FILE",
+                   help="write the tokens routed per logical expert (all ranks, whole run) to FILE (.json or "
+                        ".safetensors), the format 'epmoe balance --loads' reads")
     p.add_argument("--json", metavar="FILE", nargs="?", const="-", help="write the report as JSON (to stdout with no "
                                                                         "FILE)")
     _add_speculative(p)
@@ -94,12 +98,20 @@ def _speculative_options(args: argparse.Namespace) -> dict:
             "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
 
 
+def _add_replica_policy(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replica-policy", choices=("static", "round_robin", "random"), default="static",
+                   help="how a token picks among an expert's copies: static (one fixed copy per rank, default), "
+                        "round_robin or random")
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from epmoe.files import check_output_path
     from epmoe.runtime.run import RunConfig, run_job
 
     if args.json not in (None, "-"):
         check_output_path("--json", args.json, "a JSON file path")
+    if args.save_loads is not None:
+        check_output_path("--save-loads", args.save_loads, "a loads file path (.json or .safetensors)")
     report = run_job(RunConfig(
         model=args.model, ep=args.ep, parallel=args.parallel, device=args.device, placement=args.placement,
         redundant=args.redundant, layout=args.layout, prompts=tuple(args.prompt), max_new_tokens=args.max_new_tokens,
@@ -109,7 +121,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, request_rate=args.request_rate,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         cuda_graph_max_bs=args.cuda_graph_max_bs, enforce_eager=args.enforce_eager, load_format=args.load_format,
-        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, **_speculative_options(args),
+        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, replica_policy=args.replica_policy,
+        save_loads=args.save_loads, **_speculative_options(args),
     ))
     if report is None:  # a non-zero torchrun rank: rank 0 prints
         return 0
@@ -162,6 +175,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="rebalance experts live every STEPS engine steps (default 0: never)")
     p.add_argument("--placement", metavar="FILE", help="expert placement file (JSON or safetensors)")
     p.add_argument("--redundant", type=int, default=0, help="redundant slots per layer for the default placement")
+    _add_replica_policy(p)
     p.add_argument("--expert-backend", default=None,
                    help="triton (default on CUDA), reference (default on CPU) or grouped_mm")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
@@ -182,7 +196,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             mem_fraction_static=args.mem_fraction_static, num_kv_blocks=args.num_kv_blocks,
             cuda_graph_max_bs=args.cuda_graph_max_bs, enforce_eager=args.enforce_eager, load_format=args.load_format,
             eplb_interval=args.eplb_interval, placement=args.placement, redundant=args.redundant,
-            expert_backend=args.expert_backend, host=args.host, port=args.port,
+            replica_policy=args.replica_policy, expert_backend=args.expert_backend, host=args.host, port=args.port,
             served_model_name=args.served_model_name, api_key=args.api_key, drain_timeout_s=args.drain_timeout,
             **_speculative_options(args),
         )
@@ -252,7 +266,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 _SERVE_FLAGS = {name: "--" + name.replace("_", "-") for name in (
     "model", "ep", "parallel", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "mem_fraction_static", "num_kv_blocks", "cuda_graph_max_bs", "enforce_eager", "load_format", "eplb_interval",
-    "placement", "redundant", "expert_backend", "host", "port", "served_model_name", "api_key",
+    "placement", "redundant", "replica_policy", "expert_backend", "host", "port", "served_model_name", "api_key",
     "speculative_algorithm", "speculative_draft_model", "speculative_num_tokens", "speculative_draft_placement",
     "speculative_draft_parallel", "prompt_lookup_min", "prompt_lookup_max")} | {"drain_timeout_s": "--drain-timeout"}
 
@@ -491,14 +505,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``epmoe`` console script."""
+    from epmoe.runtime.launch import EXIT_BAD_INPUT, EXIT_RANK_ERROR, RankError, RankFailure
+
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except RankFailure as exc:  # spawned ranks: every rank's first error, named by rank, the cause first
+        print(f"epmoe {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     except (ValueError, KeyError, TypeError, RuntimeError, OSError) as exc:
-        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc  # KeyError's str() adds quotes
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike; rank 0 says so
-            print(f"epmoe {args.command}: error: {message}", file=sys.stderr)
-        return 2
+        error = RankError.of(int(os.environ.get("RANK", "0")), exc)
+        # under torchrun every rank says what stopped it, named by rank (torchrun shows every rank's stderr)
+        torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+        message = error.line() if torchrun else (exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)
+        print(f"epmoe {args.command}: error: {message}", file=sys.stderr)
+        return EXIT_BAD_INPUT if error.bad_input else EXIT_RANK_ERROR
 
 
 if __name__ == "__main__":

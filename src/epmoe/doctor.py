@@ -1,8 +1,9 @@
 """``epmoe doctor``: check a set-up before launch, one line per finding: what, why it matters, what to change.
 
 Checks that the communication backends are there (gloo, NCCL, CUDA, peer access between GPUs), that
-the visible GPUs cover the EP size, that a checkpoint directory holds the tensors of every routed
-expert of every MoE layer (names only, from the safetensors index or headers), that the placement
+the visible GPUs cover the EP size, that a checkpoint directory passes the loader's own checks (a
+supported weight format, every tensor present with its shape, from the safetensors headers; the same
+function ``epmoe run`` calls before reading weights), that the placement
 covers every MoE layer of the target model and, for speculative decoding, of the draft model (a
 dense EAGLE-3 draft needs none), that the draft's hidden and vocabulary sizes match the target's, and
 that weights and caches (the draft's included) fit in memory (through the planner's memory model).
@@ -162,59 +163,24 @@ def check_placement(spec: MoESpec, placement: str | None, ep: int, what: str) ->
 
 
 def check_checkpoint(spec: MoESpec, directory: str, what: str = "the target model") -> list[Finding]:
-    """Check that a checkpoint directory holds the tensors of every routed expert of every MoE layer.
-
-    Names only: the safetensors index (or the file headers) is read, no tensor. The names are those
-    ``models.hf.load_ep_model`` reads (``models.checkpoint.family_layout``); the first missing one is named.
+    """Run the loader's own checks on a checkpoint directory, without reading any weight
+    (``models.hf.check_checkpoint``): a weight format the loader supports, and every tensor it reads present
+    with the shape ``config.json`` predicts. The loader's message is the finding.
     """
-    from epmoe.models.checkpoint import CheckpointReader, expert_tensor_names, family_layout
+    from epmoe.models.hf import check_checkpoint as loader_check
 
     try:
-        layout = family_layout(spec.model_type)
-    except KeyError as exc:
-        return [Finding("error", f"{what}: {exc.args[0]}", "epmoe run cannot load the experts of this family",
-                        "use a supported model family")]
-    try:
-        reader = CheckpointReader(directory)
+        loader_check(directory)
     except (FileNotFoundError, ValueError, KeyError, OSError) as exc:
-        msg = exc.args[0] if isinstance(exc, KeyError) else str(exc)
-        return [Finding("error", f"{what}: {msg}", "epmoe run cannot read the weights",
-                        "point --model at a complete Hugging Face checkpoint directory")]
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+        return [Finding("error", f"{what}: {msg}", "epmoe run refuses this checkpoint with the same message",
+                        "point --model at the complete checkpoint whose config.json came with these weights")]
     except Exception as exc:  # safetensors header / JSON parser errors of other types
-        return [Finding("error", f"{what}: checkpoint {directory} cannot be read ({exc})",
+        return [Finding("error", f"{what}: checkpoint {directory} cannot be read ({type(exc).__name__}: {exc})",
                         "epmoe run cannot read the weights", "re-download the checkpoint")]
-    router = f"model.layers.{spec.moe_layers[0]}.{layout.ckpt_block}.{layout.router['weight']}"
-    if router in reader:
-        rows = reader.shape(router)[0]
-        if rows != spec.num_experts:
-            return [Finding("error", f"{what}: router tensor {router!r} scores {rows} experts but config.json says "
-                                     f"{spec.num_experts}",
-                            "epmoe run stops loading that tensor: config.json does not describe these weights",
-                            "use the config.json that came with the checkpoint")]
-    missing: list[str] = []
-    first = ""
-    for moe_index, layer_index in enumerate(spec.moe_layers):
-        block = f"model.layers.{layer_index}.{layout.ckpt_block}"
-        if layout.experts == "per_expert":
-            for e in range(spec.num_experts):
-                for name in expert_tensor_names(layout, block, e):
-                    if name not in reader:
-                        if not missing:
-                            first = f"logical expert {e} of MoE layer {moe_index} (decoder layer {layer_index})"
-                        missing.append(name)
-        else:
-            for name in expert_tensor_names(layout, block, 0):
-                if name not in reader:
-                    if not missing:
-                        first = f"the fused experts of MoE layer {moe_index} (decoder layer {layer_index})"
-                    missing.append(name)
-    if missing:
-        return [Finding("error", f"{what}: checkpoint {directory} has no tensor {missing[0]!r} ({first}); "
-                                 f"{len(missing)} routed-expert tensor(s) missing in all",
-                        "epmoe run stops with a KeyError when the rank holding that expert loads it",
-                        "re-download the missing shards or point --model at the complete checkpoint")]
-    return [Finding("ok", f"{what}: checkpoint holds the tensors of all {spec.num_experts} routed experts of the "
-                          f"{spec.num_moe_layers} MoE layers")]
+    return [Finding("ok", f"{what}: checkpoint holds every tensor the loader reads, with the shapes config.json "
+                          f"predicts ({spec.num_experts} routed experts x {spec.num_moe_layers} MoE layers, "
+                          f"{spec.expert_weight_format} weights)")]
 
 
 def _is_eagle_head(path: str) -> bool:

@@ -151,12 +151,24 @@ class ExpertLoadRecorder:
                 f"placement covers [{placement.num_layers}, {placement.num_slots}] (layers, slots) but the recorder "
                 f"counts [{self.num_layers}, {self.num_slots}]"
             )
-        per_slot = self.slot_counts()
-        load = torch.zeros(self.num_layers, placement.num_experts, dtype=torch.int64, device=per_slot.device)
-        load.scatter_add_(1, placement.phy2log.to(per_slot.device), per_slot)
+        load = slots_to_logical(self.slot_counts(), placement)
         if group is not None:
             dist.all_reduce(load, op=dist.ReduceOp.SUM, group=group)
         return load
+
+
+def slots_to_logical(slot_counts: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
+    """Tokens per logical expert from tokens per physical slot: every copy's count added to its expert.
+
+    Args:
+        slot_counts: ``[L, P]`` int64 tokens per slot, recorded while ``placement`` served.
+        placement: the placement the slot ids referred to.
+
+    Returns:
+        ``[L, E]`` int64 on ``slot_counts``' device.
+    """
+    load = torch.zeros(placement.num_layers, placement.num_experts, dtype=torch.int64, device=slot_counts.device)
+    return load.scatter_add_(1, placement.phy2log.to(slot_counts.device), slot_counts)
 
 
 def _as_table(load: torch.Tensor) -> torch.Tensor:

@@ -184,3 +184,12 @@ def test_out_of_range_slot_on_one_rank(name):
     else:  # checked with the capacity after the layer's collectives: flagged in every row rank 1 sent
         assert "another EP rank sent ids outside it" in results[0]
         assert "in [-1, 8) (-1 = none), got ids from 0 to 16" in results[1]
+
+
+def test_overflow_check_has_no_opt_out():
+    """An unchecked overflow gives tokens zeros: the old ``check_overflow=False`` is gone, from the registry too."""
+    w, x, slots, tw = _problem(2, 1, 7)
+    with pytest.raises(TypeError, match="check_overflow"):
+        FixedCapacityDispatcher(Comm(None), w.num_slots, capacity=3, check_overflow=False)
+    with pytest.raises(TypeError, match="check_overflow"):
+        make_dispatcher("fixed_capacity", Comm(None), w.num_slots, capacity=3, check_overflow=False)

@@ -1,6 +1,7 @@
 """Stopping the parent of spawned ranks with a signal takes the ranks down too (no orphans)."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -8,6 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from epmoe.runtime.launch import spawn
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -71,3 +74,51 @@ def test_spawned_ranks_exit_when_the_parent_is_terminated(tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def _fail_on_rank_1(info, how: str):
+    """Rank 1 fails as ``how`` says while rank 0 waits for it in a collective; rank 2 (if any) just waits."""
+    import torch
+    import torch.distributed as dist
+
+    from epmoe.runtime.launch import init_group
+
+    group = init_group(info, "cpu", timeout_s=60)
+    if info.rank == 1:
+        if how == "keyerror":
+            raise KeyError("checkpoint /x has no tensor 'model.layers.1.mlp.experts.9.up_proj.weight'")
+        os.kill(os.getpid(), signal.SIGKILL)
+    if info.rank == 2:
+        time.sleep(120)
+    dist.all_reduce(torch.ones(2), group=group)
+
+
+def test_every_rank_error_is_reported_by_rank_with_the_cause_first():
+    from epmoe.runtime.launch import EXIT_BAD_INPUT, RankFailure
+
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as caught:
+        spawn(_fail_on_rank_1, 3, ("keyerror",))
+    assert time.monotonic() - start < 60
+    failure = caught.value
+    lines = str(failure).splitlines()
+    assert lines[0] == ("rank 1 failed: KeyError: checkpoint /x has no tensor "
+                        "'model.layers.1.mlp.experts.9.up_proj.weight'")
+    assert lines[1].startswith("rank 0 stopped: a peer went away during a collective (RuntimeError: ")
+    assert re.search("Connection (closed|reset) by peer", lines[1])
+    assert lines[2] == "rank 2 was stopped after rank 1 failed"  # it was sleeping, not in the collective
+    assert [e.rank for e in failure.errors] == [1, 0, 2]
+    assert failure.exit_code == EXIT_BAD_INPUT
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_the_signal():
+    from epmoe.runtime.launch import EXIT_RANK_KILLED, RankFailure
+
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as caught:
+        spawn(_fail_on_rank_1, 2, ("sigkill",))
+    assert time.monotonic() - start < 60
+    lines = str(caught.value).splitlines()
+    assert lines[0] == "rank 1 was killed by SIGKILL (signal 9)"
+    assert lines[1].startswith("rank 0 stopped: a peer went away during a collective")
+    assert caught.value.exit_code == EXIT_RANK_KILLED == 4

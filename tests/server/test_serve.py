@@ -314,7 +314,8 @@ def test_eplb_rebalance_moves_experts_and_keeps_outputs(server, client, offline)
     assert [sum(row) for row in after] == [sum(row) + routed for row in loads_before]
     assert all(a >= b for ra, rb in zip(after, loads_before) for a, b in zip(ra, rb))
     again = httpx.post(f"{server.url}/eplb/rebalance", json={"max_moves": 0}, headers=AUTH, timeout=60).json()
-    assert again["committed"] is False and again["moves"] == [] and "max_moves is 0" in again["error"]
+    assert again["committed"] is False and again["moves"] == [] and again["error"] is None
+    assert "max_moves is 0" in again["skipped"]
 
 
 def test_speculative_server_equals_offline_and_reports_acceptance(start_server, offline):

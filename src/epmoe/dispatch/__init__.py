@@ -58,7 +58,7 @@ def make_dispatcher(name: str, comm: Comm, slots_per_rank: int, **options) -> Di
         name: ``local`` (EP = 1 only), ``all_to_all`` or ``fixed_capacity``.
         comm: the EP group.
         slots_per_rank: ``P / G``.
-        options: backend-specific options (``fixed_capacity``: ``capacity``, ``check_overflow``).
+        options: backend-specific options (``fixed_capacity``: ``capacity``).
 
     Raises:
         KeyError: unknown name (the message lists the registered ones).

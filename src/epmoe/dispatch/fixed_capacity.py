@@ -118,20 +118,21 @@ class FixedCapacityDispatcher:
         slots_per_rank: ``P / G``; rank ``g`` holds global slots ``[g*P/G, (g+1)*P/G)``.
         capacity: ``C``, the most tokens one rank may send to one rank per call. ``C >= T`` (tokens per
             rank) can never overflow.
-        check_overflow: let ``combine`` check the capacity and the slot-id range when no CUDA graph is
-            being captured (one host read). Without it nothing is checked: a token over the capacity gets
-            zeros from the ranks it overflowed, and a slot id outside ``[-1, P)`` goes nowhere.
+
+    ``combine`` checks the capacity and the slot-id range (one host read) whenever no CUDA graph is being captured;
+    there is no opt-out, since an unchecked overflow gives a token zeros from the ranks it overflowed. Inside a
+    captured graph nothing can be read back: the engine sizes the capacity to the batch bucket, so no graph step
+    can overflow.
 
     Raises:
         ValueError: ``slots_per_rank`` or ``capacity`` not a positive integer.
     """
 
-    def __init__(self, comm: Comm, slots_per_rank: int, capacity: int, check_overflow: bool = True) -> None:
+    def __init__(self, comm: Comm, slots_per_rank: int, capacity: int) -> None:
         self.comm = comm
         self.slots_per_rank = check_positive_int("slots_per_rank", slots_per_rank)
         self.capacity = check_positive_int("capacity", capacity)
         self.num_slots = self.slots_per_rank * comm.size
-        self.check_overflow = check_overflow
 
     def dispatch(self, x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor) -> FixedCapacityHandle:
         """See ``Dispatcher.dispatch``; ``recv_x`` is ``[G * C, D]`` (a view of the receive buffer), padding rows
@@ -140,7 +141,7 @@ class FixedCapacityDispatcher:
         g, s, c = self.comm.size, self.slots_per_rank, self.capacity
         t, k = topk_slots.shape
         capturing = topk_slots.is_cuda and torch.cuda.is_current_stream_capturing()
-        rng = None if capturing or not self.check_overflow else slot_range(topk_slots)
+        rng = None if capturing else slot_range(topk_slots)
         check_row_dtype(x)  # also on one rank, where nothing is packed: the same rows work on any group size
         if g == 1 and t <= c:
             return self._dispatch_one_rank(x, topk_slots, topk_weights, rng)
@@ -197,10 +198,8 @@ class FixedCapacityDispatcher:
 
         Raises:
             TypeError: ``handle`` is not this dispatcher's.
-            ValueError: ``y`` is not ``[G * C, D]``; or ``check_overflow`` is set, no CUDA graph is being
-                captured, and a slot id was out of range.
-            CapacityExceededError: ``check_overflow`` is set, no CUDA graph is being captured, and the
-                capacity was exceeded.
+            ValueError: ``y`` is not ``[G * C, D]``; or, no CUDA graph being captured, a slot id was out of range.
+            CapacityExceededError: no CUDA graph being captured, the capacity was exceeded.
         """
         if type(handle) is not FixedCapacityHandle or handle.capacity != self.capacity:
             raise TypeError("FixedCapacityDispatcher.combine needs the handle its dispatch returned")
@@ -215,6 +214,6 @@ class FixedCapacityDispatcher:
             self.comm.all_to_all_single(back, y.contiguous())
             out = combine_rows(back, handle.send_pos, FixedBlocks(c))
         capturing = y.is_cuda and torch.cuda.is_current_stream_capturing()
-        if self.check_overflow and not capturing:
+        if not capturing:
             handle.check_capacity()
         return out

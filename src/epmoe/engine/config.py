@@ -56,6 +56,8 @@ class EngineConfig:
             and fixed-capacity dispatch, eagerly (how the CUDA-graph path is tested without a GPU).
         eplb_interval: rebalance experts every this many steps from the recorded loads (0 = never).
         eplb_max_moves: most expert copies one rebalance moves (``None`` = as few as reach the target).
+        replica_policy: how a token picks among an expert's copies: ``static`` (one fixed copy per rank),
+            ``round_robin`` or ``random`` (``epmoe.routing.SlotMap``).
         seed: seed of the dummy weights and of unseeded sampling.
         speculative_algorithm: speculative decoding (``ngram``, ``draft``, ``eagle3``; ``None`` = off): each step
             verifies up to ``speculative_num_tokens`` proposed tokens per request after its last token.
@@ -91,6 +93,7 @@ class EngineConfig:
     static_decode_on_cpu: bool = False
     eplb_interval: int = 0
     eplb_max_moves: int | None = None
+    replica_policy: str = "static"
     seed: int = 0
     speculative_algorithm: str | None = None
     speculative_draft_model: str | None = None
@@ -156,6 +159,7 @@ class EngineConfig:
                 ("placement", self.placement, None), ("redundant", self.redundant, 0),
                 ("layout", self.layout, "contiguous"), ("dispatcher", self.dispatcher, None),
                 ("eplb_interval", self.eplb_interval, 0), ("eplb_max_moves", self.eplb_max_moves, None),
+                ("replica_policy", self.replica_policy, "static"),
             ) if value != default]
             if given:
                 raise ValueError(f"{', '.join(given)} place or move whole experts (parallel 'ep'); parallel 'tp' "
@@ -165,6 +169,10 @@ class EngineConfig:
             raise ValueError("eplb_max_moves limits live rebalancing: give eplb_interval with it")
         from epmoe.dispatch import DISPATCHERS
         from epmoe.experts import EXPERT_BACKENDS
+        from epmoe.routing import REPLICA_POLICIES
+
+        if self.replica_policy not in REPLICA_POLICIES:
+            raise ValueError(f"replica_policy must be one of {REPLICA_POLICIES}, got {self.replica_policy!r}")
 
         if self.dispatcher is not None and self.dispatcher not in DISPATCHERS:
             raise ValueError(f"dispatcher {self.dispatcher!r} is not one of {sorted(DISPATCHERS)}")

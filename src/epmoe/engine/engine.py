@@ -47,7 +47,7 @@ from epmoe.engine.scheduler import Scheduler, StepPlan
 from epmoe.engine.speculative import Proposal, SpecStats, verify, verify_greedy
 from epmoe.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
 from epmoe.layer import MoELayerOptions, check_tp_sizes
-from epmoe.loads import ExpertLoadRecorder
+from epmoe.loads import ExpertLoadRecorder, slots_to_logical
 from epmoe.models.hf import EPModel, load_ep_model, load_tp_model
 from epmoe.placement import ExpertPlacement
 from epmoe.spec import language_model_config, load_moe_spec, read_config
@@ -135,7 +135,7 @@ class Engine:
             self.ep_model = load_ep_model(
                 config.model, self.placement, self.comm,
                 options=MoELayerOptions(dispatcher=self.eager_dispatcher, expert_backend=config.expert_backend,
-                                        load_recorder=self.recorder),
+                                        load_recorder=self.recorder, replica_policy=config.replica_policy),
                 dtype=config.torch_dtype, device=self.device, load_format=config.load_format,
                 attn_implementation=register_attention(), seed=config.seed,
             )
@@ -552,13 +552,8 @@ class Engine:
 
     def _fold_loads(self, old: ExpertPlacement) -> None:
         """A new placement committed: keep the counts recorded under ``old`` as logical loads."""
-        self._loads_folded += self._slot_loads_as_logical(self.slot_totals - self._slot_totals_folded, old)
+        self._loads_folded += slots_to_logical(self.slot_totals - self._slot_totals_folded, old)
         self._slot_totals_folded = self.slot_totals.clone()
-
-    @staticmethod
-    def _slot_loads_as_logical(per_slot: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
-        load = torch.zeros(placement.num_layers, placement.num_experts, dtype=torch.int64, device=per_slot.device)
-        return load.scatter_add_(1, placement.phy2log.to(per_slot.device).long(), per_slot)
 
     def logical_loads(self, since_rebalance: bool = False) -> torch.Tensor:
         """Tokens this rank routed to each logical expert (the format ``epmoe balance --loads`` reads).
@@ -575,7 +570,7 @@ class Engine:
         """
         if self.tp:
             raise ValueError("parallel 'tp' records no expert loads: every rank computes a slice of every expert")
-        since = self._slot_loads_as_logical(self.slot_totals - self._slot_totals_folded, self.ep_model.placement)
+        since = slots_to_logical(self.slot_totals - self._slot_totals_folded, self.ep_model.placement)
         return (since if since_rebalance else since + self._loads_folded).cpu()
 
     def rebalance_now(self, max_moves: int | None = None) -> RebalanceEvent:

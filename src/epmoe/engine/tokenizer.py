@@ -9,18 +9,42 @@ from epmoe.spec import language_model_config, read_config
 
 
 def load_tokenizer(model_dir: str):
-    """The checkpoint's tokenizer, or ``None`` when it has none (prompts are then UTF-8 bytes)."""
+    """The checkpoint's tokenizer, or ``None`` when it has none (prompts are then UTF-8 bytes).
+
+    Raises:
+        ValueError: the tokenizer files cannot be read (the broken JSON file named, with the parser's reason).
+    """
     names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
     if not any((Path(model_dir) / f).is_file() for f in names):
         return None
+    import json
+
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as exc:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            path = Path(model_dir) / name
+            try:
+                if path.is_file():
+                    json.loads(path.read_text())
+            except (ValueError, OSError) as bad:
+                raise ValueError(f"tokenizer file {str(path)!r} cannot be read: {bad}") from None
+        raise ValueError(f"the tokenizer of {model_dir!r} cannot be loaded: {type(exc).__name__}: {exc}") from None
 
 
 def encode_text(tokenizer, vocab_size: int, text: str) -> list[int]:
     """Token ids of ``text``: the tokenizer's (no special tokens added), or without one its UTF-8 bytes
-    modulo ``vocab_size``."""
+    modulo ``vocab_size``.
+
+    Raises:
+        ValueError: ``text`` is not valid Unicode (a lone surrogate: bytes that were not UTF-8), its position named.
+    """
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"prompt {text!r} is not valid UTF-8 text (position {exc.start})") from None
     if tokenizer is None:
         return [b % vocab_size for b in text.encode()]
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -269,6 +269,28 @@ def expert_tensor_names(layout: FamilyLayout, block: str, expert: int) -> list[s
     return names
 
 
+def expert_tensor_shapes(layout: FamilyLayout, num_experts: int, hidden: int, inter: int) -> list[tuple[int, ...]]:
+    """The shapes of the tensors ``expert_tensor_names`` lists, in its order, as the published layout stores them
+    (unquantized or block-FP8: the float8 tensor has the weight's shape).
+
+    Args:
+        layout: the family layout.
+        num_experts: ``E`` (fused layouts hold every expert in one tensor).
+        hidden: ``D``.
+        inter: ``F``, one routed expert's intermediate size.
+
+    Returns:
+        ``per_expert``: gate ``[F, D]``, up ``[F, D]``, down ``[D, F]``; fused: ``gate_up_proj [E, D, 2F]``,
+        ``down_proj [E, F, D]`` (and ``fused_interleaved``'s biases ``[E, 2F]``, ``[E, D]``).
+    """
+    if layout.experts == "per_expert":
+        return [(inter, hidden), (inter, hidden), (hidden, inter)]
+    shapes = [(num_experts, hidden, 2 * inter), (num_experts, inter, hidden)]
+    if layout.experts == "fused_interleaved":
+        shapes += [(num_experts, 2 * inter), (num_experts, hidden)]
+    return shapes
+
+
 def read_expert(
     reader: CheckpointReader, layout: FamilyLayout, block: str, expert: int
 ) -> dict[str, torch.Tensor]:

@@ -7,7 +7,9 @@ non-expert weights in full (attention runs data-parallel), the experts only for 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Callable
 
 import torch
@@ -16,7 +18,14 @@ from torch import nn
 from epmoe.comm import Comm
 from epmoe.dispatch import Dispatcher, make_dispatcher
 from epmoe.layer import DPTPMoELayer, MoELayer, MoELayerOptions, check_tp_sizes
-from epmoe.models.checkpoint import CheckpointReader, FamilyLayout, family_layout, read_expert
+from epmoe.models.checkpoint import (
+    CheckpointReader,
+    FamilyLayout,
+    expert_tensor_names,
+    expert_tensor_shapes,
+    family_layout,
+    read_expert,
+)
 from epmoe.placement import ExpertPlacement
 from epmoe.spec import MoESpec, language_model_config, load_moe_spec, read_config
 
@@ -62,7 +71,7 @@ class EPModel:
         Args:
             name_or_factory: a registered dispatcher name (``epmoe.dispatch.DISPATCHERS``), or a factory called
                 as ``factory(comm, slots_per_rank, **options)``.
-            options: the dispatcher's options (``fixed_capacity``: ``capacity``, ``check_overflow``).
+            options: the dispatcher's options (``fixed_capacity``: ``capacity``).
 
         Raises:
             KeyError: an unknown name.
@@ -257,11 +266,12 @@ def _load_model(checkpoint_dir: str, spec: MoESpec, comm: Comm, placement: Exper
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     dummy = load_format == "dummy"
-    if not dummy:
-        _check_weight_format(spec, checkpoint_dir)
     layout = family_layout(spec.model_type)
-    reader = None if dummy else CheckpointReader(checkpoint_dir)
     model = build_meta_model(checkpoint_dir, dtype, attn_implementation)
+    reader = None
+    if not dummy:
+        local = None if placement is None else (lambda i: placement.local_experts(comm.rank)[i].tolist())
+        reader = check_checkpoint(checkpoint_dir, local, model)  # before any weight is read
     gen = torch.Generator(device=device).manual_seed(seed) if dummy else None
     layers = _decoder_layers(model)
     loaded = EPModel(model=model, spec=spec, placement=placement, comm=comm)
@@ -416,9 +426,8 @@ def load_full_model(checkpoint_dir: str, dtype: torch.dtype = torch.float32,
         KeyError: a tensor missing from the checkpoint (named).
     """
     spec = load_moe_spec(checkpoint_dir)
-    _check_weight_format(spec, checkpoint_dir)
-    reader = CheckpointReader(checkpoint_dir)
     model = build_meta_model(checkpoint_dir, dtype)
+    reader = check_checkpoint(checkpoint_dir, model=model)
     _materialise(model, reader, checkpoint_dir, device, fused_experts=family_layout(spec.model_type))
     return model
 
@@ -510,3 +519,76 @@ def load_tp_model(
                 moe.experts.b2.zero_()
     tp.full_expert_bytes = tp.expert_bytes * comm.size
     return tp
+
+
+def check_checkpoint(checkpoint_dir: str, experts: Callable[[int], Iterable[int]] | None = None,
+                     model: nn.Module | None = None) -> CheckpointReader:
+    """Check, before any weight is read, that a checkpoint holds what the loaders read: a weight format they
+    support, and every tensor with the shape ``config.json`` predicts (names and shapes from the safetensors
+    headers). The loaders call it first and ``epmoe doctor`` calls it alone, so both refuse the same checkpoints
+    with the same message.
+
+    Args:
+        checkpoint_dir: the checkpoint directory.
+        experts: MoE layer index -> the logical experts to check (a rank's own); ``None`` = every expert.
+        model: the model ``build_meta_model`` built for it (built here when ``None``), MoE blocks not replaced yet.
+
+    Returns:
+        The checkpoint's reader.
+
+    Raises:
+        FileNotFoundError: no checkpoint there.
+        ValueError: a weight format the loader does not support; a tensor whose shape is not the one
+            ``config.json`` predicts (name and both shapes); a model type transformers does not know.
+        KeyError: a missing tensor (named; for routed experts, which expert of which MoE block); an unsupported
+            family.
+    """
+    spec = load_moe_spec(checkpoint_dir)
+    _check_weight_format(spec, checkpoint_dir)
+    layout = family_layout(spec.model_type)
+    reader = CheckpointReader(checkpoint_dir)
+    if model is None:
+        model = build_meta_model(checkpoint_dir, torch.float32)
+    for name, (shape, owner) in _expected_tensors(model, spec, layout, experts).items():
+        if name not in reader:
+            if owner:
+                raise KeyError(f"checkpoint is missing a tensor of {owner}: checkpoint {reader.directory} has no "
+                               f"tensor {name!r}")
+            raise KeyError(f"checkpoint {checkpoint_dir} is missing tensor {name!r}")
+        found = reader.shape(name)
+        if found != shape:
+            raise ValueError(f"checkpoint {reader.directory}: tensor {name!r} has shape {found}, expected {shape} "
+                             f"from config.json (does config.json belong to these weights?)")
+    return reader
+
+
+def _expected_tensors(model: nn.Module, spec: MoESpec, layout: FamilyLayout,
+                      experts: Callable[[int], Iterable[int]] | None) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Checkpoint tensor name -> (shape, the routed experts it belongs to or ``""``) of everything the loaders
+    read: the model's own tensors outside the MoE blocks (RoPE tables and a tied LM head are rebuilt, not read),
+    then per MoE block its router, shared expert and routed experts in the checkpoint's layout."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    blocks = tuple(f"model.layers.{i}.{layout.moe_attr}." for i in spec.moe_layers)
+    out = {name: (tuple(t.shape), "") for name, t in chain(model.named_parameters(), model.named_buffers())
+           if not name.endswith("inv_freq") and not (tied and name == "lm_head.weight")
+           and not name.startswith(blocks)}
+    d, e = spec.hidden_size, spec.num_experts
+    shapes = expert_tensor_shapes(layout, e, d, spec.moe_intermediate_size)
+    for moe_index, layer_index in enumerate(spec.moe_layers):
+        block = f"model.layers.{layer_index}.{layout.ckpt_block}"
+        for ours, suffix in layout.router.items():
+            out[f"{block}.{suffix}"] = ((e, d) if ours == "weight" else (e,), "")
+        if spec.shared_intermediate_size:
+            fs = spec.shared_intermediate_size
+            for proj, shape in (("gate_proj", (fs, d)), ("up_proj", (fs, d)), ("down_proj", (d, fs))):
+                out[f"{block}.{layout.shared}.{proj}.weight"] = (shape, "")
+        if spec.shared_expert_gate:
+            out[f"{block}.{layout.shared_gate}"] = ((1, d), "")
+        if layout.experts != "per_expert":
+            for name, shape in zip(expert_tensor_names(layout, block, 0), shapes):
+                out[name] = (shape, f"the fused experts of {block}")
+            continue
+        for expert in sorted(set(range(e) if experts is None else experts(moe_index))):
+            for name, shape in zip(expert_tensor_names(layout, block, expert), shapes):
+                out[name] = (shape, f"logical expert {expert} of {block}")
+    return out

@@ -14,10 +14,11 @@ import pickle
 import signal
 import socket
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
@@ -105,71 +106,240 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         os._exit(1)
 
 
-def _spawned(local_rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue) -> None:
+# exit codes of ``epmoe`` when something failed (0: success, 1: output differs from the reference)
+EXIT_BAD_INPUT = 2  # a bad flag, file or checkpoint, on any rank (ValueError, KeyError, TypeError, OSError)
+EXIT_RANK_ERROR = 3  # a rank raised another error while running (a failed collective, out of memory, a bug)
+EXIT_RANK_KILLED = 4  # a rank was killed by a signal, or exited without saying why
+
+_BAD_INPUT = (ValueError, KeyError, TypeError, OSError)
+# what gloo and NCCL say when the process at the other end of a collective went away
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
+              "NCCL communicator was aborted", "Socket Timeout")
+GRACE_S = 1.0  # after a rank fails, how long the others get to report their own first error before they are stopped
+
+
+@dataclass(frozen=True)
+class RankError:
+    """How one rank ended without a result.
+
+    Attributes:
+        rank: the rank.
+        kind: ``error`` (it raised ``message``), ``peer_lost`` (it raised because a peer went away during a
+            collective), ``signal`` (killed by signal number ``code``), ``exit`` (exited with code ``code`` without
+            reporting anything), ``stopped`` (stopped by the launcher after another rank failed).
+        message: one line: ``Type: text`` of the exception, or what happened to the process.
+        bad_input: the error is of a kind bad input raises (``ValueError``, ``KeyError``, ``TypeError``, ``OSError``).
+        code: the signal number or exit code (0 for raised errors).
+        trace: the rank's traceback (empty unless it raised).
+    """
+
+    rank: int
+    kind: Literal["error", "peer_lost", "signal", "exit", "stopped"]
+    message: str
+    bad_input: bool = False
+    code: int = 0
+    trace: str = ""
+
+    @classmethod
+    def of(cls, rank: int, exc: BaseException) -> RankError:
+        """The error of ``exc`` raised on ``rank`` (a ``KeyError``'s message without the quotes ``str()`` adds)."""
+        text = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        message = f"{type(exc).__name__}: {text}"
+        kind = "peer_lost" if any(s in message for s in _PEER_LOST) else "error"
+        return cls(rank, kind, message, isinstance(exc, _BAD_INPUT), 0, traceback.format_exc())
+
+    @classmethod
+    def of_exit(cls, rank: int, exitcode: int) -> RankError:
+        """A rank process that ended with ``exitcode`` (negative: the signal that killed it) without reporting."""
+        if exitcode < 0:
+            try:
+                name = signal.Signals(-exitcode).name
+            except ValueError:
+                name = f"signal {-exitcode}"
+            return cls(rank, "signal", f"killed by {name} (signal {-exitcode})", code=-exitcode)
+        return cls(rank, "exit", f"exited with code {exitcode} without reporting an error", code=exitcode)
+
+    def line(self) -> str:
+        """One line naming the rank: ``rank 1 failed: KeyError: ...``, ``rank 1 was killed by SIGKILL (signal 9)``."""
+        if self.kind == "signal":
+            return f"rank {self.rank} was {self.message}"
+        if self.kind == "exit":
+            return f"rank {self.rank} {self.message}"
+        if self.kind == "peer_lost":
+            return f"rank {self.rank} stopped: a peer went away during a collective ({self.message})"
+        if self.kind == "stopped":
+            return f"rank {self.rank} {self.message}"
+        return f"rank {self.rank} failed: {self.message}"
+
+
+_ORDER = {"signal": 0, "error": 1, "exit": 2, "peer_lost": 3, "stopped": 4}
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks failed; every rank's first error, the cause first.
+
+    The cause is a rank killed by a signal if there is one, else the first error reported that is not a
+    consequence of a peer going away; the other ranks' errors follow, one line each.
+
+    Attributes:
+        errors: the ``RankError`` of every rank that ended without a result, the cause first.
+        exit_code: ``EXIT_RANK_KILLED`` when the cause is a signal or a silent exit, ``EXIT_BAD_INPUT`` when it
+            is a bad-input error, else ``EXIT_RANK_ERROR``.
+    """
+
+    def __init__(self, errors: list[RankError]) -> None:
+        ordered = sorted(errors, key=lambda e: _ORDER[e.kind])  # stable: report order kept within a kind
+        self.errors = tuple(ordered)
+        cause = ordered[0]
+        if cause.kind in ("signal", "exit"):
+            self.exit_code = EXIT_RANK_KILLED
+        else:
+            self.exit_code = EXIT_BAD_INPUT if cause.bad_input else EXIT_RANK_ERROR
+        super().__init__("\n".join(e.line() for e in ordered))
+        if cause.trace:
+            self.add_note(cause.trace)
+
+    @property
+    def cause(self) -> RankError:
+        """The error reported first (the one the others follow from)."""
+        return self.errors[0]
+
+
+def _run_rank(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue) -> None:
+    """A spawned rank: run ``fn(RankInfo, *args)`` and put ``(rank, True, result)`` or ``(rank, False, RankError)``
+    on ``queue``."""
     die_with_parent()
-    info = RankInfo(local_rank, world_size, local_rank, f"tcp://127.0.0.1:{port}")
+    info = RankInfo(rank, world_size, rank, f"tcp://127.0.0.1:{port}")
     # the ranks share this machine's cores: without this each would start one thread per core
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         # plain pickle copies tensors by value: torch's shared-memory handles would die with this process
-        queue.put((local_rank, True, pickle.dumps(fn(info, *args))))
-    except BaseException as exc:  # report the failure to the parent; it raises one clear error
-        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        queue.put((local_rank, False, (f"{type(exc).__name__}: {message}", traceback.format_exc())))
+        queue.put((rank, True, pickle.dumps(fn(info, *args))))
+    except BaseException as exc:  # the launcher reports it, named by rank
+        queue.put((rank, False, RankError.of(rank, exc)))
+        sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(1)
+
+
+class SpawnedRanks:
+    """Ranks started as local processes (``spawn``), watched for results and failures.
+
+    Each rank runs ``fn(RankInfo, *args)``; its return value (picklable) or its first error comes back to this
+    process. A rank that dies without a word (a signal, ``os._exit``) is seen by its exit code.
+
+    Args:
+        fn: an importable (module-level) function.
+        world_size: ranks in the group.
+        args: extra arguments of ``fn``.
+        ranks: the ranks to start here (default all; the server runs rank 0 in its own process).
+        port: the rendezvous port on 127.0.0.1 (default: a free one).
+
+    Raises:
+        ValueError: ``world_size`` is not positive.
+    """
+
+    def __init__(self, fn: Callable[..., Any], world_size: int, args: tuple = (), ranks: range | None = None,
+                 port: int | None = None) -> None:
+        if world_size <= 0:
+            raise ValueError(f"world_size must be positive, got {world_size}")
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.port = free_port() if port is None else port
+        self._queue = ctx.SimpleQueue()
+        self.procs = {r: ctx.Process(target=_run_rank, args=(r, world_size, self.port, fn, args, self._queue),
+                                     name=f"epmoe-rank{r}", daemon=False)
+                      for r in (range(world_size) if ranks is None else ranks)}
+        self.results: dict[int, Any] = {}
+        self.errors: dict[int, RankError] = {}
+        self._failed_at: float | None = None
+
+    def start(self) -> None:
+        """Start every rank process."""
+        for p in self.procs.values():
+            p.start()
+
+    def _drain(self) -> None:
+        while not self._queue.empty():
+            rank, ok, value = self._queue.get()
+            if ok:
+                self.results[rank] = pickle.loads(value)
+            else:
+                self.errors.setdefault(rank, value)
+
+    def poll(self) -> None:
+        """Collect what the ranks reported, and the exit codes of ranks that ended without reporting."""
+        self._drain()
+        for rank, p in self.procs.items():
+            if rank in self.results or rank in self.errors or p.exitcode is None:
+                continue
+            self._drain()  # a report put just before the process ended is in the pipe now
+            if rank not in self.results and rank not in self.errors:
+                self.errors[rank] = RankError.of_exit(rank, p.exitcode)
+        if self.errors and self._failed_at is None:
+            self._failed_at = time.monotonic()
+
+    @property
+    def done(self) -> bool:
+        """Every rank started here returned a result or failed."""
+        return len(self.results) + len(self.errors) == len(self.procs)
+
+    def failure(self, grace_s: float = GRACE_S) -> RankFailure | None:
+        """The failure to report, once a rank failed and the others reported or had ``grace_s`` seconds to; the
+        ranks still running then are stopped (and named as such). ``None`` while nothing failed, or during the
+        grace period."""
+        self.poll()
+        if not self.errors:
+            return None
+        if not self.done and time.monotonic() - self._failed_at < grace_s:
+            return None
+        self.stop()
+        return RankFailure(list(self.errors.values()))
+
+    def stop(self) -> None:
+        """Stop the ranks still running (SIGTERM, then SIGKILL after 5 s); each is recorded as ``stopped``."""
+        running = [r for r, p in self.procs.items() if p.is_alive() and r not in self.results and r not in self.errors]
+        cause = min(self.errors.values(), key=lambda e: _ORDER[e.kind], default=None)
+        for r in running:
+            self.procs[r].terminate()
+        for r in running:
+            self.procs[r].join(5.0)
+            if self.procs[r].is_alive():
+                self.procs[r].kill()
+                self.procs[r].join()
+        self._drain()
+        for r in running:
+            why = f"after rank {cause.rank} failed" if cause is not None else "by the launcher"
+            self.errors.setdefault(r, RankError(r, "stopped", f"was stopped {why}"))
+
+    def join(self) -> None:
+        """Wait for every rank process to end."""
+        for p in self.procs.values():
+            p.join()
 
 
 def spawn(fn: Callable[..., Any], world_size: int, args: tuple = ()) -> list[Any]:
     """Run ``fn(RankInfo, *args)`` in ``world_size`` fresh local processes and return their results.
 
-    ``fn`` must be importable (a module-level function); its return value must be picklable.
+    ``fn`` must be importable (a module-level function); its return value must be picklable. When a rank fails,
+    the others get ``GRACE_S`` seconds to report their own first error (they usually fail at once, in the
+    collective they shared with it), then those still running are stopped.
 
     Raises:
         ValueError: ``world_size`` is not positive.
-        RuntimeError: a rank failed: the first failure reported, ``rank N failed: <error>`` (the rank's
-            traceback is attached as an exception note).
+        RankFailure: a rank failed: every rank's first error, named by rank, the cause first (a rank killed by a
+            signal is named with the signal); the cause's traceback is attached as an exception note.
     """
-    if world_size <= 0:
-        raise ValueError(f"world_size must be positive, got {world_size}")
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_spawned, args=(r, world_size, port, fn, args, queue), daemon=False)
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors: dict[int, tuple[str, str]] = {}
-    while len(results) + len(errors) < world_size:
-        if queue.empty() and not any(p.is_alive() for p in procs):
+    ranks = SpawnedRanks(fn, world_size, args)
+    ranks.start()
+    while True:
+        failure = ranks.failure()
+        if failure is not None:
+            ranks.join()
+            raise failure
+        if ranks.done:
             break
-        if queue.empty():
-            for p in procs:
-                p.join(timeout=0.05)
-            continue
-        rank, ok, value = queue.get()
-        if ok:
-            results[rank] = pickle.loads(value)
-        else:
-            errors[rank] = value
-        if errors:
-            break
-    if errors:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-    for p in procs:
-        p.join()
-    if errors:
-        rank = next(iter(errors))  # the first failure reported; peers may fail after it as a consequence
-        message, trace = errors[rank]
-        error = RuntimeError(f"rank {rank} failed: {message}")
-        error.add_note(trace)
-        raise error
-    lost = [r for r in range(world_size) if r not in results]
-    if lost:
-        codes = {r: procs[r].exitcode for r in lost}
-        raise RuntimeError(f"ranks {lost} exited without a result (exit codes {codes})")
-    return [results[r] for r in range(world_size)]
+        for p in ranks.procs.values():
+            p.join(timeout=0.05 / world_size)
+    ranks.join()
+    return [ranks.results[r] for r in range(world_size)]

@@ -62,6 +62,17 @@ def _agree(ok: bool, layer: MoELayer) -> bool:
     return int(layer.comm.all_reduce(flag)) == layer.comm.size
 
 
+def _failing_reason(why: str | None, layer: MoELayer) -> str:
+    """After a failed ``_agree``: the failing ranks' own reasons, gathered on every rank (the failure path only),
+    the lowest failing rank's first."""
+    comm = layer.comm
+    if comm.size == 1:
+        return why or f"MoE layer {layer.moe_index} failed"
+    reasons: list[str | None] = [None] * comm.size
+    dist.all_gather_object(reasons, why, group=comm.group)
+    return "; ".join(r for r in reasons if r is not None)
+
+
 def _stage_layer(
     layer: MoELayer, old: ExpertPlacement, new: ExpertPlacement, tag_base: int
 ) -> tuple[dict[str, torch.Tensor], list[dist.P2POp], list[tuple[int, torch.Tensor]]]:
@@ -122,8 +133,8 @@ def migrate(ep_model: EPModel, new: ExpertPlacement, *, epoch: int = 0, timeout_
         timeout_s: how long a transfer may take before this rank gives up (seconds).
 
     Returns:
-        ``MigrationResult``; on failure ``committed`` is False, ``error`` says why, and the model still
-        serves the old placement with its old weights.
+        ``MigrationResult``; on failure ``committed`` is False, ``error`` gives every failing rank's own reason
+        (the same text on every rank), and the model still serves the old placement with its old weights.
 
     Raises:
         ValueError: ``new`` does not match the model's placement in shape (checked before anything moves).
@@ -145,7 +156,7 @@ def migrate(ep_model: EPModel, new: ExpertPlacement, *, epoch: int = 0, timeout_
         except Exception as exc:  # any local failure is reported to every rank below
             ok, why = False, f"rank {comm.rank}, MoE layer {layer.moe_index}: {type(exc).__name__}: {exc}"
         if not _agree(ok, layer):
-            error = why or f"another rank failed while staging MoE layer {layer.moe_index}"
+            error = _failing_reason(why, layer)
             break
         try:
             if ops:
@@ -156,7 +167,7 @@ def migrate(ep_model: EPModel, new: ExpertPlacement, *, epoch: int = 0, timeout_
         except Exception as exc:
             ok, why = False, f"rank {comm.rank}, MoE layer {layer.moe_index} transfer: {type(exc).__name__}: {exc}"
         if not _agree(ok, layer):
-            error = why or f"another rank failed during the transfer of MoE layer {layer.moe_index}"
+            error = _failing_reason(why, layer)
             break
         staged_all.append(staged)
         received += len(recvs)
@@ -179,7 +190,9 @@ class RebalanceEvent:
         balancedness_after: of the same loads under the new placement.
         copies_moved: slots whose expert changed.
         committed: the new placement serves.
-        error: why it was abandoned, if it was.
+        error: why it failed (the failing rank's own reason), if it did.
+        skipped: why nothing was tried (``already balanced: no copy to move``), if so; a skipped attempt is
+            neither committed nor failed.
     """
 
     step: int
@@ -188,6 +201,7 @@ class RebalanceEvent:
     copies_moved: int
     committed: bool
     error: str | None = None
+    skipped: str | None = None
 
 
 @dataclass
@@ -248,7 +262,7 @@ class EPLBController:
         after = balancedness(load, plan.placement)
         if not plan.moves:
             why = "max_moves is 0: no copy may move" if cap == 0 else "already balanced: no copy to move"
-            event = RebalanceEvent(step, before, before, 0, False, why)
+            event = RebalanceEvent(step, before, before, 0, False, skipped=why)
         else:
             result = migrate(self.ep_model, plan.placement, epoch=len(self.events) + 1, timeout_s=self.timeout_s)
             event = RebalanceEvent(step, before, after if result.committed else before, result.copies_moved,

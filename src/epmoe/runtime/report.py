@@ -24,6 +24,43 @@ def _accepted(stats: dict) -> str:
     return f"{stats['accepted_length']:.2f}" if stats.get("verify_steps") else "-"
 
 
+def _rebalances(events: list[dict]) -> str:
+    """The EPLB events of a run in one cell: counts by outcome, copies moved, the last commit, why some were
+    skipped."""
+    done = [e for e in events if e["committed"]]
+    skipped = [e for e in events if e.get("skipped")]
+    failed = len(events) - len(done) - len(skipped)
+    text = f"{len(done)} / {len(skipped)} / {failed}, {sum(e['copies_moved'] for e in done)} copies moved"
+    if done:
+        last = done[-1]
+        text += (f"; last commit at step {last['step']}: balancedness {last['balancedness_before']:.3f} -> "
+                 f"{last['balancedness_after']:.3f}")
+    for reason in sorted({e["skipped"] for e in skipped}):
+        steps = [e["step"] for e in skipped if e["skipped"] == reason]
+        text += f"; skipped at step(s) {', '.join(map(str, steps))}: {reason}"
+    return text
+
+
+def _verdict(report: RunReport) -> str:
+    """The reference check in one cell; in bf16/fp16, which side of a differing prompt equals float32."""
+    saved = [j["prompt"] for j in report.float32_judged if j["epmoe_equals_float32"]]
+    if report.matches_reference:
+        if not saved:
+            return "YES, token for token"
+        return (f"YES: prompts {saved} differ from transformers' {report.dtype} run, but equal its float32 run "
+                f"(its {report.dtype} run rounded a near-tie the other way); the others token for token")
+    i, step, ours, theirs = report.first_mismatch
+    verdict = (f"NO: prompts {report.mismatches} differ; first at prompt {i}, step {step}: token {ours} here, "
+               f"{theirs} in the reference")
+    judged = {j["prompt"]: j for j in report.float32_judged}
+    if i in judged:
+        side = "transformers' " + report.dtype if judged[i]["reference_equals_float32"] else "neither run"
+        verdict += f"; the float32 reference equals {side} there"
+    if saved:
+        verdict += f"; prompts {saved} equal the float32 reference"
+    return verdict
+
+
 def print_run_report(report: RunReport, console: Console | None = None) -> None:
     """Print the outputs, the per-rank table and the summary of a run."""
     if console is None:
@@ -37,8 +74,11 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     spec = report.speculative
     if spec is not None:
         outputs.add_column("accepted length", justify="right")
+    by_float32 = {j["prompt"] for j in report.float32_judged if j["epmoe_equals_float32"]}
     for i, (p, o) in enumerate(zip(report.prompts, report.outputs)):
         match = "-" if report.matches_reference is None else ("no" if i in report.mismatches else "yes")
+        if i in by_float32:
+            match = "yes (float32)"
         extra = [_accepted(spec["requests"][i])] if spec is not None else []
         outputs.add_row(str(i), p, repr(o), match, *extra)
     console.print(outputs)
@@ -84,14 +124,10 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     summary.add_row("balancedness (mean/max routed tokens per rank)", f"{report.balancedness:.3f}")
     events = report.ranks[0].rebalances
     if events:
-        done = [e for e in events if e["committed"]]
-        last = events[-1]
-        summary.add_row(
-            "live rebalances (committed / tried)",
-            f"{len(done)} / {len(events)}, {sum(e['copies_moved'] for e in done)} copies moved; last at step "
-            f"{last['step']}: {last['balancedness_before']:.3f} -> {last['balancedness_after']:.3f}"
-            + ("" if last["committed"] else f" ({last['error']})"),
-        )
+        summary.add_row("live rebalances (committed / skipped / failed)", _rebalances(events))
+        failed = [e for e in events if not e["committed"] and not e.get("skipped")]
+        if failed:
+            summary.add_row(f"first failed rebalance (step {failed[0]['step']})", failed[0]["error"])
     if spec is not None:
         summary.add_row(f"speculative decoding ({spec['algorithm']}, K = {spec['num_tokens']})", spec["proposer"])
         summary.add_row("accepted length (tokens per verify step) / acceptance rate",
@@ -100,11 +136,6 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     if report.matches_reference is None:
         summary.add_row("matches transformers reference", "not checked (--no-reference, sampling or dummy weights)")
     else:
-        if report.matches_reference:
-            verdict = "YES, token for token"
-        else:
-            i, step, ours, theirs = report.first_mismatch
-            verdict = (f"NO: prompts {report.mismatches} differ; first at prompt {i}, step {step}: "
-                       f"token {ours} here, {theirs} in the reference")
+        verdict = _verdict(report)
         summary.add_row("matches transformers reference", verdict)
     console.print(summary)

@@ -62,6 +62,9 @@ class RunConfig:
         reference: run the unsharded transformers model and compare tokens (greedy runs only).
         eplb_interval: rebalance every this many engine steps from the recorded loads (0 = never).
         eplb_max_moves: most expert copies one rebalance may move (``None`` = as few as reach the target).
+        replica_policy: how a token picks among an expert's copies (``static``, ``round_robin``, ``random``).
+        save_loads: write the tokens routed per logical expert ``[L, E]`` (all ranks, the whole run) to this
+            file, in the format ``epmoe balance --loads`` reads (``None``: not written).
         cache_dir: where the built-in checkpoint is cached.
         max_num_seqs: most sequences running at once per rank.
         max_num_batched_tokens: most tokens per step per rank (longer prompts are chunked).
@@ -93,6 +96,8 @@ class RunConfig:
     reference: bool = True
     eplb_interval: int = 0
     eplb_max_moves: int | None = None
+    replica_policy: str = "static"
+    save_loads: str | None = None
     cache_dir: str | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -157,6 +162,23 @@ class RunConfig:
             raise ValueError(f"--model {self.model!r} is not a checkpoint directory (config.json + *.safetensors)")
         if any(not p for p in self.prompts):
             raise ValueError("--prompt must not be empty")
+        if self.save_loads is not None:
+            from epmoe.files import check_output_path
+
+            if self.parallel == "tp":
+                raise ValueError("--save-loads records expert loads of --parallel ep; tp computes every expert on "
+                                 "every rank")
+            if Path(self.save_loads).suffix == ".csv":
+                raise ValueError(f"--save-loads {self.save_loads!r}: loads are written as .json or .safetensors "
+                                 "(the CSV form is the OLMoE routing counts)")
+            check_output_path("--save-loads", self.save_loads, "a loads file path (.json or .safetensors)")
+        for p in self.prompts:
+            try:
+                p.encode()
+            except UnicodeEncodeError as exc:  # command-line bytes that are not UTF-8 arrive as lone surrogates
+                raw, at = p.encode(errors="surrogateescape"), len(p[:exc.start].encode(errors="surrogateescape"))
+                raise ValueError(f"--prompt {raw!r} is not valid UTF-8 text (byte {raw[at]:#04x} at position {at}); "
+                                 f"pass prompts in UTF-8") from None
         self.sampling()
 
     def sampling(self) -> SamplingParams:
@@ -179,7 +201,7 @@ class RunConfig:
             max_num_batched_tokens=self.max_num_batched_tokens, num_kv_blocks=self.num_kv_blocks,
             block_size=self.block_size,
             cuda_graph_max_bs=self.cuda_graph_max_bs, enforce_eager=eager, eplb_interval=self.eplb_interval,
-            eplb_max_moves=self.eplb_max_moves, seed=self.seed or 0,
+            eplb_max_moves=self.eplb_max_moves, replica_policy=self.replica_policy, seed=self.seed or 0,
             speculative_algorithm=self.speculative_algorithm, speculative_draft_model=self.speculative_draft_model,
             speculative_num_tokens=self.speculative_num_tokens,
             speculative_draft_placement=self.speculative_draft_placement,
@@ -216,6 +238,8 @@ class RankReport:
         speculative: with speculative decoding, this rank's counts (``SpecStats.to_json``: verify steps,
             proposed and accepted tokens, mean accepted length per verify step, acceptance rate), the proposer's
             description and, under ``requests``, the same counts per served prompt; ``None`` without.
+        logical_loads: ``[L, E]`` tokens this rank routed per logical expert (``Engine.logical_loads``); empty
+            unless ``--save-loads`` asked for them.
     """
 
     rank: int
@@ -237,6 +261,7 @@ class RankReport:
     full_expert_mb: float
     kv: dict
     speculative: dict | None = None
+    logical_loads: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -256,14 +281,20 @@ class RunReport:
         routed_tokens_per_step: per EP rank, (token, expert) pairs its slots computed per step and MoE layer.
         matches_reference: generated tokens equal the unsharded transformers model's (``None`` if skipped:
             ``--no-reference``, sampling, or dummy weights). Promised exactly in float32; in bf16/fp16 the
-            sharded sums run in another order, so a near-tie between two tokens (or two experts) can flip.
-        mismatches: prompt indices whose tokens differ from the reference.
+            sharded sums run in another order, so a near-tie between two tokens (or two experts) can flip: a
+            prompt whose tokens differ from transformers' run in the same dtype is judged by a float32 reference
+            (``float32_judged``), and matches when ours equal the float32 tokens.
+        mismatches: prompt indices whose tokens differ from the reference (and, in bf16/fp16, from the float32
+            reference).
         reference_outputs: token ids the reference generated per prompt (empty if skipped).
         first_mismatch: ``(prompt, step, ours, reference)`` of the first differing token, or ``None``.
+        float32_judged: per prompt that differed from the same-dtype reference in a bf16/fp16 run, which side
+            equals the float32 reference: ``{"prompt", "epmoe_equals_float32", "reference_equals_float32"}``.
         graphs: whether decode steps replayed CUDA graphs.
         speculative: with speculative decoding, the counts over every rank (``SpecStats.to_json``), the
             algorithm, ``K``, the proposer's description and, under ``requests``, each prompt's counts in prompt
             order; ``None`` without.
+        dtype: the compute dtype of the run (and of the reference).
     """
 
     model: str
@@ -280,8 +311,10 @@ class RunReport:
     mismatches: list[int] = field(default_factory=list)
     reference_outputs: list[list[int]] = field(default_factory=list)
     first_mismatch: tuple[int, int, int, int] | None = None
+    float32_judged: list[dict] = field(default_factory=list)
     graphs: bool = False
     speculative: dict | None = None
+    dtype: str = "float32"
 
     def to_json(self) -> dict:
         """A JSON-ready dict."""
@@ -378,6 +411,7 @@ def _serve_share(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], mine:
         peak_rss_mb=rss, peak_cuda_mb=cuda, expert_mb=engine.ep_model.expert_bytes / 2**20,
         full_expert_mb=engine.ep_model.full_expert_bytes / 2**20, kv=engine.kv_report(),
         speculative=_spec_report(engine, outs),
+        logical_loads=engine.logical_loads().tolist() if cfg.save_loads else [],
     )
 
 
@@ -398,7 +432,8 @@ _FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num
           "speculative_num_tokens": "--speculative-num-tokens",
           "speculative_draft_placement": "--speculative-draft-placement",
           "speculative_draft_parallel": "--speculative-draft-parallel", "prompt_lookup_min": "--prompt-lookup-min",
-          "prompt_lookup_max": "--prompt-lookup-max"}
+          "prompt_lookup_max": "--prompt-lookup-max",
+          "replica_policy": "--replica-policy"}
 
 
 def _engine_config(cfg: RunConfig, model_dir: str) -> EngineConfig:
@@ -446,41 +481,51 @@ def _check_before_start(cfg: RunConfig, model_dir: str, ep: int,
         raise ValueError(f"--ep {ep}: {exc}") from None
 
 
-def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids: list[int]) -> list[list[int]]:
+def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids: list[int],
+               dtype_name: str) -> list[list[int]]:
     """Greedy tokens of the unsharded transformers model, prompt by prompt with its own ``generate`` (no
     ``MoELayer``, no engine): transformers' ``from_pretrained`` where it reads the checkpoint, else a full
     single-rank load of the dequantized tensors into the same transformers model (block-FP8 weights, a
     ``language_model.`` wrapper)."""
+    from rich.console import Console
+    from rich.progress import Progress
     from transformers import AutoModelForCausalLM
 
     from epmoe.models.hf import hf_config, load_full_model, needs_own_loader
 
     device = "cuda" if cfg.device == "cuda" else "cpu"
-    dtype = _DTYPES[cfg.dtype]
-    if needs_own_loader(model_dir):
-        model = load_full_model(model_dir, dtype, device)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config(model_dir), dtype=dtype)
-        model = model.to(device).eval()
+    dtype = _DTYPES[dtype_name]
     out = []
-    with torch.no_grad():
-        for ids in all_ids:
-            x = torch.tensor([ids], device=device)
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=cfg.max_new_tokens,
-                               do_sample=False, eos_token_id=eos_ids or None, pad_token_id=eos_ids[0] if eos_ids else 0)
-            out.append(y[0, len(ids):].tolist())
+    with Progress(transient=True, console=Console(stderr=True)) as bar:
+        task = bar.add_task(f"loading the unsharded transformers reference ({dtype_name})", total=None)
+        if needs_own_loader(model_dir):
+            model = load_full_model(model_dir, dtype, device)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config(model_dir), dtype=dtype)
+            model = model.to(device).eval()
+        bar.update(task, description=f"transformers reference ({dtype_name}, prompts)", total=len(all_ids),
+                   completed=0)
+        with torch.no_grad():
+            for ids in all_ids:
+                x = torch.tensor([ids], device=device)
+                y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=cfg.max_new_tokens,
+                                   do_sample=False, eos_token_id=eos_ids or None,
+                                   pad_token_id=eos_ids[0] if eos_ids else 0)
+                out.append(y[0, len(ids):].tolist())
+                bar.advance(task)
     return out
 
 
 def run_job(cfg: RunConfig) -> RunReport:
     """Run the main job (see the module docstring).
 
-    Under torchrun only rank 0 returns a report (it gathers the other ranks' reports); other ranks
-    return ``None``.
+    Under torchrun only rank 0 returns a report (it gathers the other ranks' reports) and writes
+    ``save_loads``; other ranks return ``None``.
 
     Raises:
         ValueError: a bad option or placement (named); FileNotFoundError: no such checkpoint.
-        RuntimeError: a rank failed (its error in the message).
+        epmoe.runtime.launch.RankFailure: a spawned rank failed (every rank's first error, named by rank).
+        RuntimeError: under torchrun, this rank's collective failed (a peer went away).
     """
     cfg.validate()
     from transformers.utils import logging as hf_logging
@@ -517,7 +562,7 @@ def run_job(cfg: RunConfig) -> RunReport:
         tokens_per_s=sum(len(t) for t in tokens) / gen_s if gen_s > 0 else float("nan"),
         balancedness=float(rank_balancedness(rank_counts).mean()),
         routed_tokens_per_step=(rank_counts.sum(0).double() / (steps * spec.num_moe_layers)).tolist(),
-        matches_reference=None, graphs=any(r.step_kinds.get("graph_steps", 0) for r in ranks),
+        matches_reference=None, dtype=cfg.dtype, graphs=any(r.step_kinds.get("graph_steps", 0) for r in ranks),
     )
     if cfg.speculative_algorithm is not None:
         from epmoe.engine.speculative import SpecStats
@@ -534,13 +579,22 @@ def run_job(cfg: RunConfig) -> RunReport:
         report.speculative = {**total.to_json(), "algorithm": cfg.speculative_algorithm,
                               "num_tokens": _engine_config(cfg, model_dir).num_speculative_tokens,
                               "proposer": ranks[0].speculative["proposer"], "requests": requests}
-    if cfg.reference and cfg.temperature == 0 and cfg.load_format != "dummy":
-        from epmoe.engine.engine import eos_token_ids
+    if cfg.save_loads is not None:
+        from epmoe.loads import save_loads
 
-        ref_tokens = _reference(cfg, model_dir, all_ids, sorted(eos_token_ids(model_dir, tok)))
-        report.mismatches = [i for i in range(len(prompts)) if tokens[i] != ref_tokens[i]]
-        report.matches_reference = not report.mismatches
+        save_loads(cfg.save_loads, torch.tensor([r.logical_loads for r in ranks]).sum(0))
+    if cfg.reference and cfg.temperature == 0 and cfg.load_format != "dummy":
+        from epmoe.engine.tokenizer import eos_token_ids
+
+        eos = sorted(eos_token_ids(model_dir, tok))
+        ref_tokens = _reference(cfg, model_dir, all_ids, eos, cfg.dtype)
+        differ = [i for i in range(len(prompts)) if tokens[i] != ref_tokens[i]]
+        ref32: dict[int, list[int]] = {}
+        if differ and cfg.dtype != "float32":
+            ref32 = dict(zip(differ, _reference(cfg, model_dir, [all_ids[i] for i in differ], eos, "float32")))
         report.reference_outputs = ref_tokens
+        report.mismatches, report.float32_judged = judge_mismatches(tokens, ref_tokens, ref32)
+        report.matches_reference = not report.mismatches
         if report.mismatches:
             i = report.mismatches[0]
             pairs = list(zip(tokens[i], ref_tokens[i]))
@@ -549,6 +603,36 @@ def run_job(cfg: RunConfig) -> RunReport:
             theirs = ref_tokens[i][step] if step < len(ref_tokens[i]) else -1
             report.first_mismatch = (i, step, ours, theirs)
     return report
+
+
+def judge_mismatches(tokens: list[list[int]], reference: list[list[int]],
+                     float32: dict[int, list[int]]) -> tuple[list[int], list[dict]]:
+    """Which prompts fail the reference check.
+
+    A prompt fails when its tokens differ from the reference run in the same dtype, unless a float32 reference
+    of it is given (bf16/fp16 runs) and our tokens equal that: then transformers' own half-precision run is the
+    one that flipped a near-tie.
+
+    Args:
+        tokens: our token ids per prompt.
+        reference: transformers' token ids per prompt, same dtype as ours.
+        float32: prompt index -> transformers' float32 token ids, for prompts that differed (empty in float32).
+
+    Returns:
+        The failing prompt indices, and per judged prompt ``{"prompt", "epmoe_equals_float32",
+        "reference_equals_float32"}``.
+    """
+    failing, judged = [], []
+    for i, (ours, theirs) in enumerate(zip(tokens, reference)):
+        if ours == theirs:
+            continue
+        if i in float32:
+            judged.append({"prompt": i, "epmoe_equals_float32": ours == float32[i],
+                           "reference_equals_float32": theirs == float32[i]})
+            if ours == float32[i]:
+                continue
+        failing.append(i)
+    return failing, judged
 
 
 def write_json(report: RunReport, path: str | Path) -> None:

@@ -29,7 +29,8 @@ class ServeConfig:
         parallel: ``ep`` (experts expert-parallel) or ``tp`` (experts tensor-parallel over the same ranks; the
             baseline); attention is data-parallel either way.
         device, dtype, max_num_seqs, max_num_batched_tokens, mem_fraction_static, cuda_graph_max_bs,
-            enforce_eager, load_format, eplb_interval, placement, redundant, max_model_len, num_kv_blocks:
+            enforce_eager, load_format, eplb_interval, placement, redundant, replica_policy, max_model_len,
+            num_kv_blocks:
             the engine's options (``EngineConfig``).
         expert_backend: ``None`` = ``triton`` on CUDA, ``reference`` on CPU.
         host: address to listen on.
@@ -58,6 +59,7 @@ class ServeConfig:
     eplb_interval: int = 0
     placement: str | None = None
     redundant: int = 0
+    replica_policy: str = "static"
     expert_backend: str | None = None
     max_model_len: int | None = None
     num_kv_blocks: int | None = None
@@ -116,4 +118,5 @@ class ServeConfig:
             speculative_draft_placement=self.speculative_draft_placement,
             speculative_draft_parallel=self.speculative_draft_parallel, prompt_lookup_min=self.prompt_lookup_min,
             prompt_lookup_max=self.prompt_lookup_max,
+            replica_policy=self.replica_policy,
         )

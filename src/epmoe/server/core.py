@@ -8,7 +8,7 @@ batch of requests, or a whole step's news, travels as one message:
 - HTTP -> core: ``("add", NewRequest)``, ``("abort", request_id)``, ``("command", (command_id, name,
   arg))``, ``("stop", None)``.
 - core -> HTTP: ``("ready", EngineInfo)`` once loaded, one ``("step", StepReport)`` per round,
-  ``("command", (command_id, results))``, ``("failed", reason)``, ``("stopped", None)`` last.
+  ``("command", (command_id, results))``, ``("failed", RankError)``, ``("stopped", None)`` last.
 
 Each round the core takes what arrived (waiting ``idle_round_s`` when nothing is open: the empty rounds
 keep the other ranks' control collectives from timing out), assigns each new request to the rank with
@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from epmoe.comm import Comm
 from epmoe.engine import Engine
-from epmoe.runtime.launch import RankInfo, die_with_parent, init_group
+from epmoe.runtime.launch import RankError, RankInfo, die_with_parent, init_group
 from epmoe.server.config import ServeConfig
 from epmoe.server.ranks import LOADS_COMMAND, Control, NewRequest, RankReply, RankStepper, StepUpdate
 
@@ -226,23 +226,27 @@ def follow(info: RankInfo, cfg: ServeConfig, model_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def rank_process(info: RankInfo, cfg: ServeConfig, model_dir: str, conn: Connection | None) -> None:
-    """The body of a spawned rank process: rank 0 (with ``conn``) runs the ``EngineCore``, others follow.
+def follower_process(info: RankInfo, cfg: ServeConfig, model_dir: str) -> None:
+    """The body of a follower rank's process (``SpawnedRanks`` reports its first error, named by rank): it
+    ignores SIGINT/SIGTERM (the server drains and stops it) and follows rank 0's rounds."""
+    _ignore_signals()
+    follow(info, cfg, model_dir)
 
-    A failure of rank 0 is sent to the HTTP process as ``("failed", reason)``; the process then exits with
-    code 1 at once (a collective with a dead rank may never return).
+
+def core_process(info: RankInfo, cfg: ServeConfig, model_dir: str, conn: Connection) -> None:
+    """The body of rank 0's process: the ``EngineCore``, talking to the HTTP process over ``conn``.
+
+    A failure is sent to the HTTP process as ``("failed", RankError)``; the process then exits with code 1 at
+    once (a collective with a dead rank may never return).
     """
     die_with_parent(signal.SIGKILL)
     _ignore_signals()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world_size))
-    if conn is None:
-        follow(info, cfg, model_dir)
-        return
     try:
         EngineCore(start_rank(info, cfg, model_dir), conn).run()
     except BaseException as exc:  # a rank gone, a collective error, a bad checkpoint
         try:
-            conn.send([("failed", f"engine core failed: {type(exc).__name__}: {exc}")])
+            conn.send([("failed", RankError.of(info.rank, exc))])
         except OSError:
             pass
         traceback.print_exc()

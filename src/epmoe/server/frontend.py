@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from epmoe.engine import SamplingParams
+from epmoe.runtime.launch import RankError
 from epmoe.server.core import EngineInfo, StepReport
 from epmoe.server.metrics import ServerMetrics
 from epmoe.server.ranks import NewRequest, StepUpdate
@@ -94,6 +95,7 @@ class Frontend:
         self.state = "loading"
         self.info: EngineInfo | None = None
         self.failure: str | None = None
+        self.core_error: RankError | None = None  # the engine core's own error, when it reported one
         self.stop_requested = False
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._open: dict[str, _Open] = {}
@@ -223,7 +225,8 @@ class Frontend:
                         if self.state == "loading":
                             self.state = "ready"
                     elif kind == "failed":
-                        self.fail(value)
+                        self.core_error = value
+                        self.fail(value.line())
                         return
                     else:
                         with self._lock:

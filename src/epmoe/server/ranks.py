@@ -187,8 +187,9 @@ class RankStepper:
 
         Returns:
             ``{"committed", "step", "balancedness_before", "balancedness_after", "copies_moved", "moves",
-            "error"}``; ``moves`` lists ``{"layer", "slot", "old_expert", "new_expert"}`` of the committed
-            placement (empty when nothing committed), ``error`` why it did not commit.
+            "error", "skipped"}``; ``moves`` lists ``{"layer", "slot", "old_expert", "new_expert"}`` of the
+            committed placement (empty when nothing committed); ``error`` why a tried rebalance did not commit
+            (the failing rank's reason), ``skipped`` why none was tried (already balanced, ``max_moves`` 0).
         """
         from epmoe.balance.moves import placement_moves
 
@@ -197,9 +198,9 @@ class RankStepper:
             event = self.engine.rebalance_now(max_moves)
         except ValueError as exc:  # raised on every rank alike, before any collective
             return {"committed": False, "step": self.engine.num_steps, "balancedness_before": None,
-                    "balancedness_after": None, "copies_moved": 0, "moves": [], "error": str(exc)}
+                    "balancedness_after": None, "copies_moved": 0, "moves": [], "error": str(exc), "skipped": None}
         moves = placement_moves(old, self.engine.ep_model.placement) if event.committed else []
         return {"committed": event.committed, "step": event.step, "balancedness_before": event.balancedness_before,
                 "balancedness_after": event.balancedness_after, "copies_moved": event.copies_moved,
                 "moves": [{"layer": m[0], "slot": m[1], "old_expert": m[2], "new_expert": m[3]} for m in moves],
-                "error": event.error}
+                "error": event.error, "skipped": event.skipped}

@@ -10,8 +10,10 @@ buckets.
 
 Shutdown: SIGTERM or SIGINT drains: no new requests (503), the running ones get ``drain_timeout_s`` to
 finish, then the rest are aborted (``finish_reason`` ``abort``), the ranks stop together, exit code 0.
-A rank that dies (or a failed collective) fails every open request, turns ``/health`` 503, and the
-server exits with code 1 within ``FATAL_EXIT_S``, killing what is left of its ranks.
+A rank that fails (or a failed collective) fails every open request, turns ``/health`` 503, logs every rank's
+first error named by rank (``epmoe.runtime.launch.RankFailure``, as ``epmoe run`` reports them), and the server
+exits within ``FATAL_EXIT_S``, killing what is left of its ranks, with the failure's exit code (1 when rank 0's
+engine failed alone).
 """
 
 from __future__ import annotations
@@ -26,10 +28,18 @@ import torch.multiprocessing as mp
 import uvicorn
 
 from epmoe.models.tiny import ensure_default_checkpoint
-from epmoe.runtime.launch import RankInfo, free_port, torchrun_rank_info, under_torchrun
+from epmoe.runtime.launch import (
+    GRACE_S,
+    RankError,
+    RankFailure,
+    RankInfo,
+    SpawnedRanks,
+    torchrun_rank_info,
+    under_torchrun,
+)
 from epmoe.server.app import AppContext, build_app
 from epmoe.server.config import ServeConfig
-from epmoe.server.core import follow, rank_process
+from epmoe.server.core import core_process, follow, follower_process
 from epmoe.server.frontend import Frontend
 from epmoe.server.metrics import ServerMetrics
 from epmoe.server.text import TextCodec
@@ -92,8 +102,9 @@ def serve(cfg: ServeConfig) -> int:
     """Run the server until SIGTERM (see the module docstring).
 
     Returns:
-        0 after a drain. After a fatal error (a rank died, the engine failed) the process exits with code 1
-        at once (``os._exit``), its rank processes killed.
+        0 after a drain. After a fatal error (a rank failed or died, the engine failed) the process exits at
+        once (``os._exit``, its rank processes killed) with the ``RankFailure``'s exit code (1 when rank 0's
+        engine failed alone and named no cause).
 
     Raises:
         ValueError: a bad option or checkpoint (before anything starts).
@@ -113,19 +124,18 @@ def serve(cfg: ServeConfig) -> int:
     _check_port_free(cfg.host, cfg.port)
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe(duplex=True)
-    if info is not None:
-        procs = [ctx.Process(target=rank_process, args=(info, cfg, model_dir, there), name="epmoe-core")]
-    else:
-        port = free_port()
-        procs = [ctx.Process(target=rank_process, name=f"epmoe-rank{r}",
-                             args=(RankInfo(r, cfg.ep, r, f"tcp://127.0.0.1:{port}"), cfg, model_dir,
-                                   there if r == 0 else None))
-                 for r in range(cfg.ep)]
-    for p in procs:
-        p.start()
+    followers: SpawnedRanks | None = None
+    if info is None:  # spawned: ranks 1.. follow, watched for their own errors
+        followers = SpawnedRanks(follower_process, cfg.ep, (cfg, model_dir), ranks=range(1, cfg.ep))
+        info = RankInfo(0, cfg.ep, 0, f"tcp://127.0.0.1:{followers.port}")
+    core = ctx.Process(target=core_process, args=(info, cfg, model_dir, there), name="epmoe-core")
+    core.start()
+    if followers is not None:
+        followers.start()
     there.close()  # the core holds its end now: the pipe closes when the core's process ends
     name = cfg.served_model_name or os.path.basename(os.path.normpath(model_dir))
     fatal = threading.Event()
+    exit_code = [1]  # of a fatal error: the rank failure's, once the ranks have reported
     server: _Server | None = None
 
     def on_fatal(reason: str) -> None:
@@ -133,7 +143,7 @@ def serve(cfg: ServeConfig) -> int:
         fatal.set()
         if server is not None:
             server.should_exit = True
-        timer = threading.Timer(FATAL_EXIT_S, os._exit, args=(1,))
+        timer = threading.Timer(FATAL_EXIT_S, lambda: os._exit(exit_code[0]))
         timer.daemon = True
         timer.start()
 
@@ -157,18 +167,40 @@ def serve(cfg: ServeConfig) -> int:
                 time.sleep(0.05)
         server.should_exit = True
 
+    def rank_failure(grace_s: float) -> RankFailure | None:
+        """The followers' failure (every rank's first error), waiting up to ``grace_s`` for one to show."""
+        deadline = time.monotonic() + grace_s
+        while followers is not None:
+            failure = followers.failure()
+            if failure is not None or time.monotonic() >= deadline:
+                return failure
+            time.sleep(0.05)
+        return None
+
     def watch() -> None:
         was_ready = False
-        while not fatal.is_set():
-            for p in procs:  # after the last round the ranks exit on their own
-                if p.exitcode is not None and not frontend.stop_requested and \
-                        frontend.state in ("loading", "ready", "draining"):
-                    frontend.fail(f"rank process {p.name} (pid {p.pid}) exited with code {p.exitcode}")
-                    return
+        while True:
+            if frontend.state == "failed":  # the engine core failed: name every rank's own error
+                errors = [] if frontend.core_error is None else [frontend.core_error]
+                core.join(timeout=1.0)
+                if frontend.core_error is None and core.exitcode not in (None, 0):
+                    errors.append(RankError.of_exit(0, core.exitcode))  # killed without a word
+                failure = rank_failure(GRACE_S)
+                errors += list(failure.errors) if failure is not None else []
+                if errors:
+                    report = RankFailure(errors)
+                    exit_code[0] = report.exit_code
+                    log.error("%s", report)
+                return
+            failure = rank_failure(0.0)
+            if failure is not None and frontend.state in ("loading", "ready", "draining"):
+                exit_code[0] = failure.exit_code
+                frontend.fail(str(failure))
+                return
             if frontend.state == "ready" and not was_ready:
                 was_ready = True
                 _startup_log(cfg, model_dir, name, frontend)
-            if frontend.state in ("stopped", "failed"):
+            if frontend.state == "stopped":
                 return
             time.sleep(_WATCH_S)
 
@@ -176,8 +208,10 @@ def serve(cfg: ServeConfig) -> int:
                                     timeout_graceful_shutdown=5),
                      drain)
     frontend.start()
-    threading.Thread(target=watch, name="epmoe-watch", daemon=True).start()
+    watcher = threading.Thread(target=watch, name="epmoe-watch", daemon=True)
+    watcher.start()
     server.run()
+    procs = [core, *(followers.procs.values() if followers is not None else ())]
     if not fatal.is_set():
         stopped = frontend.stop(timeout_s=30.0)
         if stopped and not fatal.is_set():
@@ -188,8 +222,9 @@ def serve(cfg: ServeConfig) -> int:
             p.kill()
             p.join(timeout=5.0)
     if fatal.is_set() or frontend.state == "failed":
+        watcher.join(GRACE_S + 2.0)  # it names the ranks' own errors and sets the exit code
         logging.shutdown()
         sys.stderr.flush()
-        os._exit(1)  # uvicorn's and the pipe's threads may still wait on the dead core
+        os._exit(exit_code[0])  # uvicorn's and the pipe's threads may still wait on the dead core
     log.info("drained; exiting")
     return 0

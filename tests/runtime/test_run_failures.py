@@ -1,0 +1,112 @@
+"""``epmoe run`` when a rank fails: every rank's first error reaches the user, named by rank, in spawned and
+torchrun launches alike; a rank killed by a signal is named with the signal and its own exit code."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+MISSING = "model.layers.1.mlp.experts.9.up_proj.weight"  # expert 9: only rank 1 of 2 holds it
+
+
+@pytest.fixture(scope="module")
+def kimi(tiny_checkpoints):
+    return tiny_checkpoints("kimi-k2.5")
+
+
+@pytest.fixture(scope="module")
+def missing_rank1_tensor(kimi, tmp_path_factory):
+    """The tiny Kimi checkpoint without one tensor of expert 9 of the first MoE layer."""
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path_factory.mktemp("broken")
+    for f in kimi.iterdir():
+        if f.suffix != ".safetensors":
+            (broken / f.name).write_bytes(f.read_bytes())
+    tensors = {}
+    for f in kimi.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    del tensors[MISSING]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    return broken
+
+
+def _env() -> dict[str, str]:
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    return {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def test_torchrun_shows_the_error_of_the_rank_that_failed(missing_rank1_tensor):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.run([*torchrun, "-m", "epmoe.cli", "run", "--model", str(missing_rank1_tensor),
+                           "--max-new-tokens", "2", "--no-reference"],
+                          env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert (f"epmoe run: error: rank 1 failed: KeyError: checkpoint is missing a tensor of logical expert 9 of "
+            f"model.layers.1.mlp: checkpoint {missing_rank1_tensor} has no tensor '{MISSING}'") in out, out
+
+
+def _rank_pids(parent: int) -> list[int]:
+    """The spawned rank processes of ``parent``, oldest first (started in rank order)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                cmd = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"spawn_main" in cmd \
+                    and b"resource_tracker" not in cmd:
+                pids.append((int(stat.rsplit(")", 1)[1].split()[19]), int(entry.name)))  # field 22: start time
+    return [pid for _, pid in sorted(pids)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_rank_killed_mid_generation_is_named_with_its_signal(kimi):
+    # 4 prompts per rank arriving every 4 s: generation lasts at least 12 s once the ranks are loaded
+    prompts = [a for i in range(8) for a in ("--prompt", f"p{i}")]
+    proc = subprocess.Popen([sys.executable, "-m", "epmoe.cli", "run", "--model", str(kimi), "--ep", "2",
+                             "--max-new-tokens", "4", "--request-rate", "0.25", "--no-reference", *prompts],
+                            env={**_env(), "TTY_COMPATIBLE": "1"},  # rich draws rank 0's progress as on a tty
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    shown = bytearray()
+
+    def read_stdout() -> None:  # rank 0's progress bars, as they are drawn
+        while chunk := os.read(proc.stdout.fileno(), 4096):
+            shown.extend(chunk)
+
+    reader = threading.Thread(target=read_stdout)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and b"generating (tokens, rank 0)" not in shown:
+            time.sleep(0.2)
+        assert b"generating (tokens, rank 0)" in shown, "rank 0's progress never showed generation"
+        ranks = _rank_pids(proc.pid)
+        assert len(ranks) == 2
+        os.kill(ranks[1], signal.SIGKILL)
+        killed = time.monotonic()
+        err = proc.stderr.read().decode()
+        proc.wait(60)
+        assert time.monotonic() - killed < 30
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        reader.join(10)
+    assert proc.returncode == 4, err
+    lines = err.strip().splitlines()
+    assert lines[0] == "epmoe run: error: rank 1 was killed by SIGKILL (signal 9)", err
+    # rank 0 failed in its next collective, or was stopped while it waited for the next arrival
+    assert re.match(r"rank 0 (stopped: a peer went away during a collective|was stopped after rank 1 failed)",
+                    lines[1]), err

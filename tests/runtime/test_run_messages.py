@@ -1,0 +1,116 @@
+"""``epmoe run``'s messages for bad prompts and tokenizers, the float32 judge of bf16 runs, and saved loads."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from epmoe.cli import main
+
+
+@pytest.fixture(scope="module")
+def kimi(tiny_checkpoints):
+    return tiny_checkpoints("kimi-k2.5")
+
+
+def test_a_prompt_that_is_not_utf8_is_named(kimi, capsys):
+    prompt = b"caf\xc3\xa9 \xe9t\xe9".decode("utf-8", "surrogateescape")  # how Python hands over non-UTF-8 argv
+    assert main(["run", "--model", str(kimi), "--prompt", "fine", "--prompt", prompt]) == 2
+    err = capsys.readouterr().err
+    assert ("epmoe run: error: --prompt b'caf\\xc3\\xa9 \\xe9t\\xe9' is not valid UTF-8 text (byte 0xe9 at "
+            "position 6); pass prompts in UTF-8") in err
+
+
+def test_encoding_text_that_is_not_unicode_names_it(kimi):
+    from epmoe.engine.engine import encode_text, load_tokenizer
+
+    with pytest.raises(ValueError, match=r"prompt 'ab\\udce9' is not valid UTF-8 text \(position 2\)"):
+        encode_text(load_tokenizer(str(kimi)), 512, "ab\udce9")
+    with pytest.raises(ValueError, match=r"prompt 'ab\\udce9' is not valid UTF-8 text \(position 2\)"):
+        encode_text(None, 512, "ab\udce9")
+
+
+def test_a_corrupt_tokenizer_file_is_named(kimi, tmp_path, capsys):
+    broken = tmp_path / "ckpt"
+    shutil.copytree(kimi, broken)
+    (broken / "tokenizer.json").write_text("")
+    assert main(["run", "--model", str(broken), "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert (f"epmoe run: error: tokenizer file '{broken}/tokenizer.json' cannot be read: Expecting value: line 1 "
+            "column 1 (char 0)") in err
+
+
+@pytest.mark.multiprocess
+def test_saved_loads_feed_balance_and_survive_live_rebalancing(kimi, tmp_path):
+    import json
+
+    import torch
+
+    from epmoe.loads import read_loads
+
+    prompts = ["hello there", "expert parallel", "abc"]
+    common = ["run", "--model", str(kimi), "--ep", "2", "--redundant", "2", "--max-new-tokens", "5",
+              "--no-reference", *[a for p in prompts for a in ("--prompt", p)]]
+    # the same tokens with the experts moving every 2 steps: the loads per logical expert are the same
+    assert main([*common, "--save-loads", str(tmp_path / "still.json")]) == 0
+    assert main([*common, "--eplb-interval", "2", "--save-loads", str(tmp_path / "moved.safetensors"),
+                 "--json", str(tmp_path / "moved.json")]) == 0
+    still, moved = read_loads(tmp_path / "still.json"), read_loads(tmp_path / "moved.safetensors")
+    report = json.loads((tmp_path / "moved.json").read_text())
+    assert any(e["committed"] for e in report["ranks"][0]["rebalances"])
+    assert torch.equal(still, moved) and still.shape == (2, 16)
+    # every token fed (prompt, then all but the last generated one) routes to top-4 experts in both MoE layers
+    generated = {i: len(t) for r in report["ranks"] for i, t in zip(r["prompts"], r["tokens"])}
+    fed = sum(len(p.encode()) + generated[i] - 1 for i, p in enumerate(prompts))  # byte-level tokenizer
+    assert still.sum(1).tolist() == [4.0 * fed] * 2
+    per_rank = torch.tensor([r["rank_counts"] for r in report["ranks"]]).sum((0, 2))
+    assert per_rank.tolist() == [4 * fed] * 2
+    assert main(["balance", "--loads", str(tmp_path / "still.json"), "--ep", "2", "--redundant", "2",
+                 "--out", str(tmp_path / "placement.json")]) == 0
+
+
+def test_save_loads_refusals(kimi, tmp_path, capsys):
+    assert main(["run", "--model", str(kimi), "--parallel", "tp", "--save-loads", str(tmp_path / "l.json")]) == 2
+    assert "--save-loads records expert loads of --parallel ep" in capsys.readouterr().err
+    assert main(["run", "--model", str(kimi), "--save-loads", str(tmp_path / "l.csv")]) == 2
+    assert "loads are written as .json or .safetensors" in capsys.readouterr().err
+    assert main(["run", "--model", str(kimi), "--save-loads", str(tmp_path / "no" / "l.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"--save-loads ('{tmp_path / 'no' / 'l.json'}') cannot be written: directory" in err
+    assert "does not exist" in err
+
+
+def test_replica_policy_reaches_the_layers(kimi, capsys):
+    """``--replica-policy``: with two copies of experts 0 and 1 (slots 16 and 17), static keeps to one copy,
+    round_robin uses both; the same tokens either way."""
+    import torch
+
+    from epmoe.engine import Engine, EngineConfig, SamplingParams
+
+    prompt = "Expert parallelism places whole experts on ranks; copies share the load."
+    slots, tokens = {}, {}
+    for policy in ("static", "round_robin"):
+        engine = Engine(EngineConfig(model=str(kimi), redundant=2, replica_policy=policy))
+        tokens[policy] = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=2))[0].token_ids
+        slots[policy] = engine.slot_totals.cpu()
+    assert tokens["static"] == tokens["round_robin"]
+    static, rr = slots["static"], slots["round_robin"]
+    assert static[:, 16:].sum() == 0 and static[:, :2].sum() > 0
+    assert torch.equal(static[:, :2], rr[:, :2] + rr[:, 16:])  # the same tokens per expert, split over its copies
+    used = [(layer, e) for layer in range(2) for e in range(2) if static[layer, e] >= 4]
+    assert used and all(rr[layer, e] > 0 and rr[layer, 16 + e] > 0 for layer, e in used)
+    assert main(["run", "--model", str(kimi), "--parallel", "tp", "--replica-policy", "random"]) == 2
+    assert "replica-policy place or move whole experts" in capsys.readouterr().err
+
+
+
+def test_the_reference_run_shows_progress(kimi, monkeypatch, capsys):
+    from epmoe.runtime.run import RunConfig, _reference
+
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich draws its live progress as on a terminal
+    out = _reference(RunConfig(model=str(kimi), max_new_tokens=2), str(kimi), [[72, 105], [66]], [], "float32")
+    assert [len(t) for t in out] == [2, 2]
+    err = capsys.readouterr().err
+    assert "loading the unsharded transformers reference (float32)" in err
+    assert "transformers reference (float32, prompts)" in err
