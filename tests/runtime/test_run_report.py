@@ -18,7 +18,8 @@ def _report(rebalances: list[dict], **fields) -> RunReport:
                       rebalances=rebalances, collectives={"all_to_all": 6.0, "all_reduce": 0.0, "all_gather": 1.0},
                       bytes_per_step={"all_to_all": 100.0, "all_reduce": 0.0, "all_gather": 8.0}, peak_rss_mb=500.0,
                       peak_cuda_mb=0.0, expert_mb=0.5, full_expert_mb=1.0,
-                      kv={"blocks": 8, "block_size": 16, "bytes": 1024, "max_concurrency": 2, "context": 64})
+                      kv={"blocks": 8, "block_size": 16, "bytes": 1024, "max_concurrency": 2, "context": 64,
+                          "bytes_per_token_layer": 96, "kind": "latent"})
     values = dict(model="ckpt", model_type="deepseek_v3", ep=1, device="cpu", prompts=["p"], outputs=["xy"],
                   ranks=[rank], tokens_per_s=2.0, balancedness=1.0, routed_tokens_per_step=[1.0],
                   matches_reference=True)

@@ -95,7 +95,7 @@ def test_rank_killed_fails_requests_and_exits_nonzero(start_server, victim):
     for result in results:  # each stream ended with an error event (or the connection closed under it)
         assert result[0] == "transport" or any('"error"' in line for line in result[1]), result
     log = server.log.read_text()
-    assert "fatal" in log and "rank 1 was killed by SIGKILL (signal 9)" in log, log
+    assert "fatal" in log and f"rank {victim} was killed by SIGKILL (signal 9)" in log, log
     assert not any(_alive(p) for p in ranks + server.children())
 
 
