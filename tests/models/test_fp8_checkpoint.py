@@ -168,13 +168,3 @@ def test_float8_tensor_without_scale_is_named(ckpts, tmp_path, name):
     with pytest.raises(ValueError, match=rf"{name.replace('.', '[.]')}.*float8_e4m3fn.*no .*_scale_inv"):
         load_ep_model(str(broken), ExpertPlacement.trivial(2, 16, 1), Comm(None),
                       options=MoELayerOptions(dispatcher="local"))
-
-
-def test_int4_checkpoint_is_refused_clearly(ckpts, tmp_path):
-    int4 = tmp_path / "int4"
-    shutil.copytree(ckpts["deq"], int4)
-    _edit_config(int4, quantization_config={"quant_method": "compressed-tensors", "config_groups": {
-        "group_0": {"weights": {"num_bits": 4, "group_size": 32}}}})
-    with pytest.raises(ValueError, match="int4_group32.*not supported"):
-        load_ep_model(str(int4), ExpertPlacement.trivial(2, 16, 1), Comm(None),
-                      options=MoELayerOptions(dispatcher="local"))
