@@ -245,7 +245,8 @@ def _drop_mxfp4_scales(t, cfg):
 
 
 @pytest.mark.parametrize("family,edit,error,match", [
-    ("kimi-k2.5-int4", _drop_scale, ValueError, rf"{EXPERT}.down_proj.weight_packed.*no '{EXPERT}.down_proj.weight_scale'"),
+    ("kimi-k2.5-int4", _drop_scale, ValueError,
+     rf"{EXPERT}.down_proj.weight_packed.*no '{EXPERT}.down_proj.weight_scale'"),
     ("kimi-k2.5-int4", _group16, ValueError, r"group_size.*16.*group sizes \(32, 64, 128\)"),
     ("kimi-k2.5-int4", _bad_shape, ValueError, rf"{EXPERT}.up_proj.weight_shape' holds \[32, 96\].*\[32, 64\]"),
     ("kimi-k2.5-int4", _scale_group16, ValueError, rf"{EXPERT}.gate_proj.weight_scale'.*per 16 inputs.*group_size 32"),
