@@ -417,3 +417,37 @@ def int4_experts(
     if t * k <= DECODE_MAX_PAIRS:
         return int4_decode_experts(x, slots, tw, weights, activation, weight_on_input)
     return int4_grouped_experts(x, slots, tw, weights, activation, weight_on_input)
+
+
+@triton.jit
+def _dequantize_kernel(p_ptr, s_ptr, out_ptr, KW, GROUP: tl.constexpr, BLOCK_W: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    ok = offs_w < KW
+    words = tl.load(p_ptr + row * KW + offs_w, mask=ok, other=0)
+    sc = tl.load(s_ptr + row * (KW * 8 // GROUP) + offs_w * 8 // GROUP, mask=ok, other=0.0).to(tl.float32)
+    nib = (words[:, None] >> (tl.arange(0, 8) * 4)[None, :]) & 0xF
+    vals = (nib - 8).to(tl.float32) * sc[:, None]
+    dest = out_ptr + row * KW * 8 + offs_w[:, None] * 8 + tl.arange(0, 8)[None, :]
+    tl.store(dest, vals.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+def dequantize_int4_triton(packed: torch.Tensor, scale: torch.Tensor, group_size: int,
+                           out: torch.Tensor) -> torch.Tensor:
+    """``experts.int4.dequantize_int4`` in one Triton launch, into ``out``: ``packed [..., N, K/8]`` int32 and
+    ``scale [..., N, K/G]`` (both contiguous) -> ``out [..., N, K]`` (contiguous, its dtype), returned. One read of
+    the packed weights and one write of the widened ones (the "dequantize, then a bf16 GEMM" peer of the INT4
+    kernels in ``benchmarks/moe_layer.py``).
+
+    Raises:
+        ValueError: shapes that do not fit each other.
+    """
+    kw = packed.shape[-1]
+    if (tuple(out.shape) != (*packed.shape[:-1], kw * INT4_PACK)
+            or tuple(scale.shape) != (*packed.shape[:-1], kw * INT4_PACK // group_size)):
+        raise ValueError(f"packed {tuple(packed.shape)}, scale {tuple(scale.shape)} and out {tuple(out.shape)} do not "
+                         f"fit group size {group_size}")
+    rows = packed.numel() // kw
+    block_w = min(256, triton.next_power_of_2(kw))
+    _dequantize_kernel[(rows, triton.cdiv(kw, block_w))](packed, scale, out, kw, GROUP=group_size, BLOCK_W=block_w)
+    return out
