@@ -59,11 +59,8 @@ from epmoe.experts.triton.decode import DECODE_MAX_PAIRS, DecodeConfig, decode_e
 from epmoe.experts.triton.grouped import TileConfig, act_code, default_config, triton_experts
 from epmoe.experts.triton.int4 import (
     Int4DecodeConfig,
-    Int4TileConfig,
-    default_int4_config,
     dequantize_int4_triton,
     int4_decode_experts,
-    int4_grouped_experts,
 )
 from timing import measure_ceilings, rel_err, time_fn, time_in_model
 
@@ -80,14 +77,6 @@ INT4_DECODE_SWEEP = [
     Int4DecodeConfig(8, 64, 16, 64, 4), Int4DecodeConfig(4, 64, 16, 64, 4), Int4DecodeConfig(4, 128, 8, 128, 4),
     Int4DecodeConfig(8, 128, 16, 128, 4), Int4DecodeConfig(2, 128, 8, 64, 4), Int4DecodeConfig(4, 32, 8, 32, 2),
     Int4DecodeConfig(8, 32, 16, 32, 2), Int4DecodeConfig(16, 64, 32, 64, 8),
-]
-INT4_SWEEP = [
-    Int4TileConfig(16, 64, 64, 64, 4, 3), Int4TileConfig(16, 128, 128, 64, 4, 3),
-    Int4TileConfig(16, 64, 64, 128, 4, 3), Int4TileConfig(16, 32, 32, 64, 4, 3),
-    Int4TileConfig(32, 64, 64, 64, 4, 3), Int4TileConfig(64, 128, 128, 64, 8, 3),
-    Int4TileConfig(64, 64, 64, 64, 4, 3), Int4TileConfig(128, 128, 128, 64, 8, 3),
-    Int4TileConfig(128, 128, 128, 64, 8, 4), Int4TileConfig(128, 64, 64, 64, 4, 3),
-    Int4TileConfig(128, 256, 256, 64, 8, 3),
 ]
 DECODE_MAX = 64
 SWEEP = [
@@ -284,21 +273,17 @@ def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: 
                "floor_flop_us": flop_us,
                "int4_floor_us": max(active * int4_bytes / ceil["copy_bytes_per_s"] * 1e6, flop_us),
                "bf16_floor_us": max(active * bf16_bytes / ceil["copy_bytes_per_s"] * 1e6, flop_us),
-               "int4_path": "decode" if t * k <= DECODE_MAX_PAIRS else "grouped",
-               "int4_default_config": asdict(Int4DecodeConfig() if t * k <= DECODE_MAX_PAIRS
-                                             else default_int4_config(t * k, s, g))}
+               "int4_path": "decode" if t * k <= max(DECODE_MAX_PAIRS, s) else "dequant"}
         ref = int4_reference(x, slots, tw, q, act)
         impls = {"int4": lambda: ours(x, slots, tw, q, act), "bf16": lambda: ours(x, slots, tw, w, act),
                  "deq_gmm": lambda: grouped_mm_experts(x, slots, tw, dequantize_all(), act)}
+        if t <= DECODE_MAX:  # the decode kernels at every decode size, whichever path the backend takes
+            impls["int4_decode"] = lambda: int4_decode_experts(x, slots, tw, q, act)
         for key, fn in impls.items():
             row[f"{key}_err"], row[f"{key}_us"] = _checked_time(fn, ref, flush)
         if t in sweep:
-            few = t * k <= DECODE_MAX_PAIRS
-            for cfg in INT4_DECODE_SWEEP if few else INT4_SWEEP:
-                if few:
-                    fn = lambda: int4_decode_experts(x, slots, tw, q, act, config=cfg)  # noqa: E731
-                else:
-                    fn = lambda: int4_grouped_experts(x, slots, tw, q, act, config=cfg)  # noqa: E731
+            for cfg in INT4_DECODE_SWEEP:
+                fn = lambda: int4_decode_experts(x, slots, tw, q, act, config=cfg)  # noqa: E731
                 err, us = _checked_time(fn, ref, flush)
                 row.setdefault("int4_sweep", []).append({**asdict(cfg), "err": err, "us": us})
             best = min(row["int4_sweep"], key=lambda e: e["us"] if e["us"] == e["us"] else float("inf"))
@@ -321,13 +306,16 @@ def _checked_time(fn, ref: torch.Tensor, flush: torch.Tensor) -> tuple[float, fl
 
 def print_int4_table(rows: list[dict]) -> None:
     nan = float("nan")
-    print(f"\n{'case':14} {'T':>5} {'act':>4} {'path':>7} {'i4floor':>7} {'int4':>7} {'x_fl':>5} {'best':>7} "
-          f"{'bf16':>7} {'bf16/i4':>7} {'deq_gmm':>8} {'dq/i4':>6} {'err_i4':>8} {'err_bf16':>8}")
+    print(f"\n{'case':14} {'T':>5} {'act':>4} {'path':>7} {'i4floor':>7} {'int4':>8} {'x_fl':>6} {'i4dec':>8} "
+          f"{'best':>7} {'bf16fl':>7} {'bf16':>7} {'bf16/i4':>7} {'deq_gmm':>8} {'dq/i4':>6} {'err_i4':>8} "
+          f"{'err_bf16':>8}")
     for r in rows:
+        floor = r["int4_floor_us"] or nan  # no local pair: no floor
         print(f"{r['case']:14} {r['tokens']:5d} {r['active_slots']:4d} {r['int4_path']:>7} {r['int4_floor_us']:7.1f} "
-              f"{r['int4_us']:7.1f} {r['int4_us'] / r['int4_floor_us']:5.2f} {r.get('int4_best_us', nan):7.1f} "
-              f"{r['bf16_us']:7.1f} {r['bf16_us'] / r['int4_us']:7.2f} {r['deq_gmm_us']:8.1f} "
-              f"{r['deq_gmm_us'] / r['int4_us']:6.2f} {r['int4_err']:8.1e} {r['bf16_err']:8.1e}")
+              f"{r['int4_us']:8.1f} {r['int4_us'] / floor:6.2f} {r.get('int4_decode_us', nan):8.1f} "
+              f"{r.get('int4_best_us', nan):7.1f} {r['bf16_floor_us']:7.1f} {r['bf16_us']:7.1f} "
+              f"{r['bf16_us'] / r['int4_us']:7.2f} {r['deq_gmm_us']:8.1f} {r['deq_gmm_us'] / r['int4_us']:6.2f} "
+              f"{r['int4_err']:8.1e} {r['bf16_err']:8.1e}")
 
 
 def full_layer_graph(tokens: int) -> dict:

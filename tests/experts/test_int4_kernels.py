@@ -31,52 +31,69 @@ def _rel(out, ref):
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
+def _int4(seed, s, d, f, bias, group, dtype, device="cpu"):
+    q = int4_expert_weights(_weights(seed, s, d, f, bias, device), group)
+    return type(q)(q.w13_packed, q.w13_scale.to(dtype), q.w2_packed, q.w2_scale.to(dtype),
+                   *[None if b is None else b.to(dtype) for b in (q.b13, q.b2)], group)
+
+
 @pytest.mark.interpret
 @pytest.mark.parametrize("dtype,group,act,bias,woi", [
     (torch.float32, 32, Activation(), False, False),
     (torch.float16, 64, Activation("silu", 7.0), True, False),
     (torch.float32, 32, Activation("gelu"), True, True),
 ])
-def test_int4_decode_and_grouped_match_reference(dtype, group, act, bias, woi):
-    from epmoe.experts.triton.int4 import Int4DecodeConfig, Int4TileConfig, int4_decode_experts, int4_grouped_experts
+def test_int4_decode_matches_reference(dtype, group, act, bias, woi):
+    from epmoe.experts.triton.int4 import Int4DecodeConfig, int4_decode_experts
 
     s, d, f = 5, 192, 64  # D: 24 words, a ragged last step of 16 words
-    q = int4_expert_weights(_weights(group + bias, s, d, f, bias), group)
-    q = type(q)(q.w13_packed, q.w13_scale.to(dtype), q.w2_packed, q.w2_scale.to(dtype),
-                *[None if b is None else b.to(dtype) for b in (q.b13, q.b2)], group)
+    q = _int4(group + bias, s, d, f, bias, group, dtype)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, d, generator=g).to(dtype)
     slots = torch.tensor([[0, -1, 4, 2], [1, 1, 7, 0], [-1, -1, -1, 3]])  # 7: outside [0, S), skipped
     tw = torch.rand(3, 4, generator=g)
     ref = _ref(x, slots, tw, q, act, woi)
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
     out = int4_decode_experts(x, slots, tw, q, act, woi, Int4DecodeConfig(8, 16, 16, 8, 4))
-    assert _rel(out, ref) < tol
-    for cfg in (Int4TileConfig(16, 32, 64, group, 4, 1), Int4TileConfig(32, 64, 32, 128, 4, 1)):
-        assert _rel(int4_grouped_experts(x, slots, tw, q, act, woi, cfg), ref) < tol
+    assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3)
     none = int4_decode_experts(x, torch.full((3, 4), -1), tw, q, act, woi, Int4DecodeConfig(8, 16, 16, 8, 4))
     assert not none.any()
 
 
+@pytest.mark.interpret
+def test_int4_dequantized_path_and_dequantize_kernel():
+    from epmoe.experts.int4 import dequantize_int4
+    from epmoe.experts.triton.int4 import dequantize_int4_triton, int4_dequantized_experts, int4_experts
+
+    q = _int4(3, 4, 128, 64, True, 32, torch.float16)
+    out = torch.full((4, 128, 128), 7.0)
+    counts = torch.tensor([2, 0, 1, 0, 9], dtype=torch.int32)  # slots 1 and 3 have no pairs: left as they were
+    dequantize_int4_triton(q.w13_packed, q.w13_scale, 32, out, counts)
+    want = dequantize_int4(q.w13_packed, q.w13_scale, 32, torch.float32)
+    assert torch.equal(out[[0, 2]], want[[0, 2]]) and bool((out[[1, 3]] == 7.0).all())
+    x = torch.randn(9, 128).half()
+    slots = torch.tensor([[0, 2], [2, -1], [0, 0], [-1, 2], [2, 0], [0, 2], [2, 2], [-1, -1], [0, 2]])
+    tw = torch.rand(9, 2)
+    act = Activation("silu", 7.0)
+    ref = _ref(x, slots, tw, q, act, False)
+    assert _rel(int4_dequantized_experts(x, slots, tw, q, act), ref) < 2e-3  # 18 pairs
+    assert _rel(int4_experts(x[:5], slots[:5], tw[:5], q, act), ref[:5]) < 2e-3  # 10 pairs: the decode kernels
+
+
 def test_int4_step_must_cover_whole_groups():
-    from epmoe.experts.triton.int4 import Int4DecodeConfig, Int4TileConfig, int4_decode_experts, int4_grouped_experts
+    from epmoe.experts.triton.int4 import Int4DecodeConfig, int4_decode_experts
 
     q = int4_expert_weights(_weights(0, 2, 128, 64, False), 64)
     x, slots, tw = torch.randn(1, 128), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)
     with pytest.raises(ValueError, match="multiples of the group size 64"):
         int4_decode_experts(x, slots, tw, q, Activation(), config=Int4DecodeConfig(8, 4, 16, 8, 4))
-    with pytest.raises(ValueError, match="block_k must be a multiple of the group size 64"):
-        int4_grouped_experts(x, slots, tw, q, Activation(), config=Int4TileConfig(16, 32, 32, 32, 4, 1))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 2, 16, 100, 1500])
+@pytest.mark.parametrize("t", [1, 2, 16, 100, 1500])  # 16 pairs and fewer: decode kernels; more: dequantized
 @pytest.mark.parametrize("case", ["silu", "swiglu_bias_woi", "skip"])
 def test_int4_backend_on_gpu(t, case):
     s, d, f, k = 12, 1024, 512, 8
-    q = int4_expert_weights(_weights(t, s, d, f, case != "silu", "cuda"), 32)
-    q = type(q)(q.w13_packed, q.w13_scale.bfloat16(), q.w2_packed, q.w2_scale.bfloat16(),
-                *[None if b is None else b.bfloat16() for b in (q.b13, q.b2)], 32)
+    q = _int4(t, s, d, f, case != "silu", 32, torch.bfloat16, "cuda")
     act = Activation("silu", 7.0) if case == "swiglu_bias_woi" else Activation()
     woi = case == "swiglu_bias_woi"
     x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)

@@ -1,30 +1,34 @@
-"""W4A16 expert compute in Triton: INT4 group-quantized weights (``experts.int4``) read packed, bf16 activations.
+"""W4A16 expert compute in Triton for INT4 group-quantized weights (``experts.int4``), bf16 activations.
 
-The weights stay packed in HBM (a quarter of the bf16 bytes plus one scale per ``G`` inputs) and are widened in
-registers. Two paths, both with static grids and no host synchronisation (CUDA-graph safe):
+The weights stay packed in HBM (a quarter of the bf16 bytes plus one scale per ``G`` inputs). Two paths, both
+with static grids and no host synchronisation (CUDA-graph safe); ``int4_experts`` picks one from static sizes:
 
-Decode (``N = T * K <= DECODE_MAX_PAIRS`` pairs), three launches, no alignment, matrix-vector products on the
-CUDA cores:
+Decode (``int4_decode_experts``; up to ``max(DECODE_MAX_PAIRS, S)`` pairs, ``S`` the local slots), three
+launches, no alignment, one matrix-vector product per (token, k) pair on the CUDA cores, reading the packed
+weights directly:
 
 1. ``_decode_gate_up_kernel``, grid ``(cdiv(F, BLOCK_N1), N)``: program ``(j, p)`` reads ``BLOCK_N1`` gate rows
    and ``BLOCK_N1`` up rows of pair ``p``'s expert, ``BLOCK_KW1`` int32 words (``8 * BLOCK_KW1`` inputs) a
    step, as ``[BLOCK_N, BLOCK_KW]`` words; each word is split into its eight 4-bit fields against the
    matching ``[BLOCK_KW, 8]`` inputs, the products summed per group of ``G`` inputs and multiplied by that
    group's scale. The offset ``-8`` of the stored values is applied once per word, as ``-8 * sum(x)``, not per
-   value. Bias, routing weight and activation follow; ``h [N, F]`` float32.
+   value. Bias, routing weight and activation follow; ``h [N, F]`` float32. Programs of pairs served on other
+   ranks (slot ``-1``) exit at once.
 2. ``_decode_down_kernel``, grid ``(cdiv(D, BLOCK_N2), N)``: the same over ``w2`` with ``h``; ``y [N, D]``.
 3. ``grouped.sum_pairs_kernel``: ``out[t] = sum_k y[t * K + k]``.
 
-Grouped (more pairs): ``grouped.align_triton`` groups the pairs by slot in blocks of ``BLOCK_M`` rows, then per
-(row block, column tile) a GEMM whose weight tile is widened in registers and fed to ``tl.dot`` as the left
-operand (swap-AB: the program computes ``acc^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, BLOCK_K] @ x^T``, so the
-register-resident widened weights are the operand Hopper's wgmma takes from registers and the gathered token
-rows the one it takes from shared memory). The weight tile's words are addressed per input
-(``word = k // 8``, the field ``k % 8``), as vLLM's GPTQ/AWQ MoE kernel does; repeated words are served by L1.
+Every pair re-reads its expert's weights, so the decode path's cost grows with the pairs; the other path's
+grows with the local slots:
 
-Source: the swap-AB weight-only scheme follows vLLM's ``fused_moe`` W4A16 Triton kernels
-(vllm/model_executor/layers/fused_moe/fused_moe.py, ``fused_moe_kernel_gptq_awq``) and Marlin's
-(arXiv:2408.11743) observation that decode-size W4A16 is weight-read bound; the code is our own.
+Dequantized (``int4_dequantized_experts``; more pairs): the slots that have at least one live pair are
+widened to the compute dtype in one launch (``_dequantize_kernel``: one read of their packed weights, one
+write of the widened ones, into a workspace the size of the bf16 experts; slots without pairs are skipped),
+then ``grouped.triton_experts`` runs the grouped bf16 GEMMs on them. The weights are stored in INT4; this
+path computes as the bf16 one does, plus the widening.
+
+Source: the packed format is compressed-tensors' ``pack-quantized`` (see ``experts.int4``); splitting the
+widening from the GEMM for large batches is what vLLM's compressed-tensors MoE does where no fused W4A16 GEMM
+applies. The code is our own.
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ import triton.language as tl
 
 from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
 from epmoe.experts.triton.decode import DECODE_MAX_PAIRS, gated_activation
-from epmoe.experts.triton.grouped import act_code, align_triton, sum_pairs_kernel
-from epmoe.experts.weights import Activation
+from epmoe.experts.triton.grouped import act_code, sum_pairs_kernel, triton_experts
+from epmoe.experts.weights import Activation, ExpertWeights
 
 
 @dataclass(frozen=True)
@@ -55,44 +59,10 @@ class Int4DecodeConfig:
     """
 
     block_n1: int = 8
-    block_kw1: int = 64
+    block_kw1: int = 128
     block_n2: int = 16
-    block_kw2: int = 64
+    block_kw2: int = 128
     num_warps: int = 4
-
-
-@dataclass(frozen=True)
-class Int4TileConfig:
-    """Tile shapes of the INT4 grouped kernels.
-
-    Attributes:
-        block_m: token rows per block (the alignment unit; the ``N`` side of the swapped product).
-        block_n1: ``F`` rows (gate and up each) per gate/up program.
-        block_n2: ``D`` rows per down program.
-        block_k: inputs per step, a multiple of the group size.
-        num_warps: warps per program.
-        num_stages: software pipeline depth.
-    """
-
-    block_m: int
-    block_n1: int
-    block_n2: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
-def default_int4_config(num_pairs: int, num_slots: int, group_size: int) -> Int4TileConfig:
-    """Grouped tile shapes from the expected rows per slot ``N / S`` (static: no look at the routing): 16-row
-    blocks up to 16 rows per slot (weight-read bound), 64-row blocks up to 96, 128-row blocks above; 128
-    weight rows a program, ``max(64, G)`` inputs a step."""
-    rows = num_pairs / max(num_slots, 1)
-    bk = max(64, group_size)
-    if rows <= 16:
-        return Int4TileConfig(16, 64, 64, bk, 4, 3)
-    if rows <= 96:
-        return Int4TileConfig(64, 128, 128, bk, 8, 3)
-    return Int4TileConfig(128, 128, 128, bk, 8, 3)
 
 
 @triton.jit
@@ -191,7 +161,7 @@ def int4_decode_experts(
     weight_on_input: bool = False,
     config: Int4DecodeConfig | None = None,
 ) -> torch.Tensor:
-    """INT4 expert compute for ``T * K <= DECODE_MAX_PAIRS`` pairs in three launches (see the module docstring).
+    """INT4 expert compute as one matrix-vector product per pair, in three launches (see the module docstring).
 
     Args:
         x: ``[T, D]`` bf16/fp16 (or float32) rows, contiguous along ``D``.
@@ -200,20 +170,18 @@ def int4_decode_experts(
         weights: the packed weights (contiguous).
         activation: the gated activation.
         weight_on_input: scale the expert input by the weight instead of its output.
-        config: tile shapes; ``Int4DecodeConfig()`` when ``None``.
+        config: tile shapes; ``Int4DecodeConfig()`` when ``None`` (the best of the H200 sweep of
+            ``benchmarks/moe_layer.py`` for the Kimi-K2.5 shard at one token).
 
     Returns:
         ``[T, D]`` in ``x.dtype``.
 
     Raises:
-        ValueError: more than ``DECODE_MAX_PAIRS`` pairs, or a step (``8 * block_kw``) that is not a multiple of
-            the group size.
+        ValueError: a step (``8 * block_kw``) that is not a multiple of the group size.
     """
     cfg = config if config is not None else Int4DecodeConfig()
     t, k = topk_slots.shape
     n = t * k
-    if n > DECODE_MAX_PAIRS:
-        raise ValueError(f"int4_decode_experts takes at most {DECODE_MAX_PAIRS} (token, k) pairs, got {n}")
     g = weights.group_size
     if (INT4_PACK * cfg.block_kw1) % g or (INT4_PACK * cfg.block_kw2) % g:
         raise ValueError(f"8 * block_kw1 and 8 * block_kw2 must be multiples of the group size {g}, got {cfg}")
@@ -245,150 +213,29 @@ def int4_decode_experts(
     return out
 
 
-@triton.jit
-def _int4_tile(w_ptr, s_ptr, slot, stride_we, stride_wn, stride_se, stride_sn, row0, k0, offs_n, n_ok, offs_k, K,
-               GROUP: tl.constexpr):
-    """Weight rows ``row0 + offs_n`` at inputs ``k0 + offs_k``, widened: ``[BLOCK_N, BLOCK_K]`` float32."""
-    k = k0 + offs_k
-    k_ok = k < K
-    rows = (row0 + offs_n)[:, None].to(tl.int64)
-    words = tl.load(w_ptr + slot * stride_we + rows * stride_wn + (k // 8)[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0)
-    sc = tl.load(s_ptr + slot * stride_se + rows * stride_sn + (k // GROUP)[None, :],
-                 mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-    nib = (words >> ((k % 8) * 4)[None, :]) & 0xF
-    return (nib - 8).to(tl.float32) * sc.to(tl.float32)
-
-
-@triton.jit
-def _grouped_gate_up_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, block_slot_ptr, block_start_ptr,
-    num_pairs, top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, ACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
-):
-    num_n = tl.cdiv(F, BLOCK_N)
-    pid_m = tl.program_id(0) // num_n
-    pid_n = tl.program_id(0) % num_n
-    slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
-    if slot < 0:
-        return
-    rows = tl.load(block_start_ptr + pid_m) + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
-    tok = (pair // top_k).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < F
-    offs_k = tl.arange(0, BLOCK_K)
-    xt_ptrs = x_ptr + tok[None, :] * stride_x + offs_k[:, None]  # x^T [BLOCK_K, BLOCK_M]
-    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        xt = tl.load(xt_ptrs, mask=(offs_k < D - k0)[:, None] & valid[None, :], other=0.0)
-        wg = _int4_tile(w_ptr, s_ptr, slot, stride_we, stride_wn, stride_se, stride_sn, pid_n * BLOCK_N, k0,
-                        tl.arange(0, BLOCK_N), n_ok, offs_k, D, GROUP)
-        wu = _int4_tile(w_ptr, s_ptr, slot, stride_we, stride_wn, stride_se, stride_sn, F + pid_n * BLOCK_N, k0,
-                        tl.arange(0, BLOCK_N), n_ok, offs_k, D, GROUP)
-        acc_g = tl.dot(wg.to(xt.dtype), xt, acc_g)
-        acc_u = tl.dot(wu.to(xt.dtype), xt, acc_u)
-        xt_ptrs += BLOCK_K
-    if WEIGHT_ON_INPUT:
-        tw = tl.load(tw_ptr + pair, mask=valid, other=0.0)
-        acc_g *= tw[None, :]
-        acc_u *= tw[None, :]
-    if HAS_BIAS:
-        acc_g += tl.load(b_ptr + slot * 2 * F + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        acc_u += tl.load(b_ptr + slot * 2 * F + F + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    h = gated_activation(acc_g, acc_u, act_limit, act_alpha, ACT)
-    h_ptrs = h_ptr + rows[None, :].to(tl.int64) * F + offs_n[:, None]
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=valid[None, :] & n_ok[:, None])
-
-
-@triton.jit
-def _grouped_down_kernel(
-    h_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, block_slot_ptr, block_start_ptr,
-    num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
-):
-    num_n = tl.cdiv(D, BLOCK_N)
-    pid_m = tl.program_id(0) // num_n
-    pid_n = tl.program_id(0) % num_n
-    slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
-    if slot < 0:
-        return
-    rows = tl.load(block_start_ptr + pid_m) + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < D
-    offs_k = tl.arange(0, BLOCK_K)
-    ht_ptrs = h_ptr + rows[None, :].to(tl.int64) * F + offs_k[:, None]  # h^T [BLOCK_K, BLOCK_M]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, F, BLOCK_K):
-        ht = tl.load(ht_ptrs, mask=(offs_k < F - k0)[:, None] & valid[None, :], other=0.0)
-        w = _int4_tile(w_ptr, s_ptr, slot, stride_we, stride_wn, stride_se, stride_sn, pid_n * BLOCK_N, k0,
-                       tl.arange(0, BLOCK_N), n_ok, offs_k, F, GROUP)
-        acc = tl.dot(w.to(ht.dtype), ht, acc)
-        ht_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + slot * D + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    if not WEIGHT_ON_INPUT:
-        acc *= tl.load(tw_ptr + pair, mask=valid, other=0.0)[None, :]
-    y_ptrs = y_ptr + pair[None, :].to(tl.int64) * D + offs_n[:, None]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[None, :] & n_ok[:, None])
-
-
-def int4_grouped_experts(
+def int4_dequantized_experts(
     x: torch.Tensor,
     topk_slots: torch.Tensor,
     topk_weights: torch.Tensor,
     weights: Int4ExpertWeights,
     activation: Activation,
     weight_on_input: bool = False,
-    config: Int4TileConfig | None = None,
 ) -> torch.Tensor:
-    """INT4 expert compute for any number of pairs: alignment, swap-AB grouped GEMMs, sum (module docstring).
-
-    Args: as ``int4_decode_experts``; ``config`` the tile shapes (``default_int4_config`` when ``None``).
-
-    Raises:
-        ValueError: ``block_k`` not a multiple of the group size.
-    """
-    t, k = topk_slots.shape
-    n = t * k
-    s, d, f = weights.num_slots, weights.hidden_size, weights.intermediate_size
-    g = weights.group_size
-    cfg = config if config is not None else default_int4_config(n, s, g)
-    if cfg.block_k % g:
-        raise ValueError(f"block_k must be a multiple of the group size {g}, got {cfg}")
-    aln = align_triton(topk_slots, s, cfg.block_m)
-    nb = aln.block_slot.shape[0]
-    w13, s13, w2, s2 = weights.w13_packed, weights.w13_scale, weights.w2_packed, weights.w2_scale
-    h = torch.empty(nb * cfg.block_m, f, dtype=x.dtype, device=x.device)
-    y = torch.empty(n, d, dtype=x.dtype, device=x.device)
-    out = torch.empty(t, d, dtype=x.dtype, device=x.device)
-    b13 = weights.b13 if weights.b13 is not None else topk_weights
-    b2 = weights.b2 if weights.b2 is not None else topk_weights
-    limit = activation.swiglu_limit if activation.swiglu_limit is not None else 0.0
-    _grouped_gate_up_kernel[(nb * triton.cdiv(f, cfg.block_n1),)](
-        x, w13, s13, b13, topk_weights, h, aln.sorted_pair_ids, aln.block_slot, aln.block_start,
-        n, k, d, f, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
-        float(limit), float(activation.swiglu_alpha),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k, GROUP=g, ACT=act_code(activation),
-        HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    _grouped_down_kernel[(nb * triton.cdiv(d, cfg.block_n2),)](
-        h, w2, s2, b2, topk_weights, y, aln.sorted_pair_ids, aln.block_slot, aln.block_start,
-        n, d, f, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k, GROUP=g,
-        HAS_BIAS=weights.b2 is not None, WEIGHT_ON_INPUT=weight_on_input,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    block_d = min(1024, triton.next_power_of_2(d))
-    sum_pairs_kernel[(t, triton.cdiv(d, block_d))](y, topk_slots, out, d, k, s, BLOCK_D=block_d)
-    return out
+    """INT4 expert compute for many pairs: the slots with live pairs widened to ``x.dtype`` in one launch, then
+    ``grouped.triton_experts`` (see the module docstring). Arguments and result as ``int4_decode_experts``
+    (``x`` bf16/fp16); needs a workspace of ``S * 3 * D * F`` elements of ``x.dtype``."""
+    s = weights.num_slots
+    key = torch.where((topk_slots >= 0) & (topk_slots < s), topk_slots, s).reshape(-1)
+    counts = torch.zeros(s + 1, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+    d, f, g = weights.hidden_size, weights.intermediate_size, weights.group_size
+    w13 = torch.empty(s, 2 * f, d, dtype=x.dtype, device=x.device)
+    w2 = torch.empty(s, d, f, dtype=x.dtype, device=x.device)
+    dequantize_int4_triton(weights.w13_packed, weights.w13_scale, g, w13, counts)
+    dequantize_int4_triton(weights.w2_packed, weights.w2_scale, g, w2, counts)
+    b13 = None if weights.b13 is None else weights.b13.to(x.dtype)
+    b2 = None if weights.b2 is None else weights.b2.to(x.dtype)
+    return triton_experts(x, topk_slots, topk_weights, ExpertWeights(w13, w2, b13, b2), activation, weight_on_input)
 
 
 def int4_experts(
@@ -399,8 +246,12 @@ def int4_experts(
     activation: Activation,
     weight_on_input: bool = False,
 ) -> torch.Tensor:
-    """INT4 expert compute on CUDA (contract of ``experts.ExpertBackend``): the decode kernels up to
-    ``DECODE_MAX_PAIRS`` pairs, the grouped ones above; graph safe.
+    """INT4 expert compute on CUDA (contract of ``experts.ExpertBackend``); graph safe.
+
+    ``N = T * K`` pairs up to ``max(DECODE_MAX_PAIRS, S)`` (``S`` local slots) take the decode kernels, more the
+    dequantized path: the decode path costs about one expert read per live pair, the dequantized one about one
+    widening per local slot (both read the packed bytes; the widening also writes four times as many), and ``N``
+    bounds the live pairs (static: no look at the routing).
 
     Raises:
         TypeError: ``x`` not bf16/fp16.
@@ -414,14 +265,18 @@ def int4_experts(
         x = x.contiguous()
     slots = topk_slots.contiguous()
     tw = topk_weights.float().contiguous()
-    if t * k <= DECODE_MAX_PAIRS:
+    if t * k <= max(DECODE_MAX_PAIRS, weights.num_slots):
         return int4_decode_experts(x, slots, tw, weights, activation, weight_on_input)
-    return int4_grouped_experts(x, slots, tw, weights, activation, weight_on_input)
+    return int4_dequantized_experts(x, slots, tw, weights, activation, weight_on_input)
 
 
 @triton.jit
-def _dequantize_kernel(p_ptr, s_ptr, out_ptr, KW, GROUP: tl.constexpr, BLOCK_W: tl.constexpr):
+def _dequantize_kernel(p_ptr, s_ptr, out_ptr, counts_ptr, KW, ROWS_PER_SLOT, GROUP: tl.constexpr,
+                       BLOCK_W: tl.constexpr, SKIP_EMPTY: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    if SKIP_EMPTY:
+        if tl.load(counts_ptr + row // ROWS_PER_SLOT) == 0:
+            return
     offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     ok = offs_w < KW
     words = tl.load(p_ptr + row * KW + offs_w, mask=ok, other=0)
@@ -432,12 +287,16 @@ def _dequantize_kernel(p_ptr, s_ptr, out_ptr, KW, GROUP: tl.constexpr, BLOCK_W: 
     tl.store(dest, vals.to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
 
-def dequantize_int4_triton(packed: torch.Tensor, scale: torch.Tensor, group_size: int,
-                           out: torch.Tensor) -> torch.Tensor:
+def dequantize_int4_triton(packed: torch.Tensor, scale: torch.Tensor, group_size: int, out: torch.Tensor,
+                           slot_counts: torch.Tensor | None = None) -> torch.Tensor:
     """``experts.int4.dequantize_int4`` in one Triton launch, into ``out``: ``packed [..., N, K/8]`` int32 and
     ``scale [..., N, K/G]`` (both contiguous) -> ``out [..., N, K]`` (contiguous, its dtype), returned. One read of
-    the packed weights and one write of the widened ones (the "dequantize, then a bf16 GEMM" peer of the INT4
-    kernels in ``benchmarks/moe_layer.py``).
+    the packed weights and one write of the widened ones.
+
+    Args:
+        packed, scale, group_size, out: as above.
+        slot_counts: ``[S (+ more)]`` int32 for ``[S, N, K/8]`` weights: slots whose count is 0 are skipped (their
+            rows of ``out`` are left as they were); ``None`` = widen everything.
 
     Raises:
         ValueError: shapes that do not fit each other.
@@ -448,6 +307,9 @@ def dequantize_int4_triton(packed: torch.Tensor, scale: torch.Tensor, group_size
         raise ValueError(f"packed {tuple(packed.shape)}, scale {tuple(scale.shape)} and out {tuple(out.shape)} do not "
                          f"fit group size {group_size}")
     rows = packed.numel() // kw
+    rows_per_slot = packed.shape[-2] if packed.dim() == 3 else rows
     block_w = min(256, triton.next_power_of_2(kw))
-    _dequantize_kernel[(rows, triton.cdiv(kw, block_w))](packed, scale, out, kw, GROUP=group_size, BLOCK_W=block_w)
+    _dequantize_kernel[(rows, triton.cdiv(kw, block_w))](
+        packed, scale, out, slot_counts if slot_counts is not None else packed, kw, rows_per_slot,
+        GROUP=group_size, BLOCK_W=block_w, SKIP_EMPTY=slot_counts is not None)
     return out
