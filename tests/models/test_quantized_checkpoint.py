@@ -261,3 +261,26 @@ def test_bad_quantized_checkpoint_is_named(ckpts, tmp_path, family, edit, error,
     with pytest.raises(error, match=match.replace(".", "[.]").replace("[.]*", ".*")):
         load_ep_model(directory, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
                       options=MoELayerOptions(dispatcher="local"))
+
+
+def test_doctor_and_plan_report_the_expert_format_and_bytes(ckpts, tmp_path):
+    from epmoe.doctor import DoctorConfig, check_expert_storage, diagnose
+    from epmoe.plan.costs import bytes_per_param
+    from epmoe.plan.hardware import load_hardware
+    from epmoe.plan.planner import plan
+    from epmoe.plan.request import PlanRequest
+    from epmoe.spec import load_moe_spec
+
+    lines = [f.line() for f in diagnose(DoctorConfig(model=ckpts["kimi-k2.5-int4"][0], ep=2))]
+    assert any("routed experts int4_group32, served packed: INT4 values + bf16 scales" in ln and "8 slots x 2 MoE" in ln
+               for ln in lines), lines
+    kimi = load_moe_spec("data/configs/kimi-k2.5.config.json")
+    (finding,) = check_expert_storage(kimi, 8, 0)
+    assert "23.6 MiB per expert, 66.4 GiB per rank (48 slots x 60 MoE layers)" in finding.what  # 24.8 MB, 71.3 GB
+    bad = load_moe_spec(_broken(ckpts["kimi-k2.5-int4"][0], tmp_path, _group16))
+    (err,) = check_expert_storage(bad, 2, 0)
+    assert err.severity == "error" and "group sizes (32, 64, 128)" in err.what
+    req = PlanRequest(spec=kimi, hardware=load_hardware("h200-sxm"), gpus=8, batches=(1,))
+    steps = [sp.steps[0] for sp in plan(req).strategies if sp.strategy.name.startswith("EP8")]
+    per_expert = 3 * 7168 * 2048 * bytes_per_param("int4_group32")
+    assert steps and all(st.memory.expert_weights == pytest.approx(60 * 48 * per_expert) for st in steps)
