@@ -284,3 +284,26 @@ def test_doctor_and_plan_report_the_expert_format_and_bytes(ckpts, tmp_path):
     steps = [sp.steps[0] for sp in plan(req).strategies if sp.strategy.name.startswith("EP8")]
     per_expert = 3 * 7168 * 2048 * bytes_per_param("int4_group32")
     assert steps and all(st.memory.expert_weights == pytest.approx(60 * 48 * per_expert) for st in steps)
+
+
+def test_dummy_weights_stay_packed(ckpts):
+    from epmoe.models.hf import load_ep_model
+
+    ep = load_ep_model(ckpts["kimi-k2.5-int4"][0], ExpertPlacement.trivial(2, 16, 1), Comm(None),
+                       options=MoELayerOptions(dispatcher="local"), load_format="dummy")
+    experts = ep.moe_layers[0].experts
+    assert experts.w13_packed.dtype == torch.int32 and experts.w13_packed.unique().numel() > 100  # random words
+    with torch.no_grad():
+        logits = ep.model(torch.tensor([[1, 2, 3]])).logits
+    assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+@pytest.mark.multiprocess
+def test_epmoe_run_on_the_int4_checkpoint(ckpts, tmp_path):
+    from epmoe.cli import main
+
+    out = tmp_path / "report.json"
+    assert main(["run", "--model", ckpts["kimi-k2.5-int4"][0], "--ep", "2", "--max-new-tokens", "4",
+                 "--prompt", "int4 experts", "--prompt", "packed", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["matches_reference"] is True and report["mismatches"] == []
