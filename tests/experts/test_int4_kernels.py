@@ -1,6 +1,6 @@
-"""The INT4 (W4A16) expert kernels against the reference on the dequantized weights: under the Triton interpreter
-(``interpret``: ``TRITON_INTERPRET=1``, fp16 and float32) and on a GPU (``gpu``: bf16, through the ``triton``
-backend, eagerly and replayed from a CUDA graph). MXFP4 weights through the same backend on the GPU.
+"""The INT4 (W4A16) expert kernels and the MXFP4 widening against the reference on the dequantized weights: under
+the Triton interpreter (``interpret``: ``TRITON_INTERPRET=1``, fp16 and float32) and on a GPU (``gpu``: bf16,
+through the ``triton`` backend, eagerly and replayed from a CUDA graph).
 
     PYTHONPATH=/path/to/numpy<2.4:src TRITON_INTERPRET=1 pytest -q -m interpret tests/experts/test_int4_kernels.py
 """
@@ -79,6 +79,28 @@ def test_int4_dequantized_path_and_dequantize_kernel():
     assert _rel(int4_experts(x[:5], slots[:5], tw[:5], q, act), ref[:5]) < 2e-3  # 10 pairs: the decode kernels
 
 
+@pytest.mark.interpret
+def test_mxfp4_widening_and_experts():
+    from epmoe.experts.mxfp4 import dequantize_mxfp4
+    from epmoe.experts.triton.mxfp4 import dequantize_mxfp4_triton, mxfp4_experts
+
+    q = mxfp4_expert_weights(_weights(5, 4, 96, 64, True))
+    blocks = q.w13_blocks.clone()
+    blocks[0, 0, 0] = torch.arange(16, dtype=torch.uint8) * 17  # every E2M1 code, in both nibbles
+    scales = q.w13_scales.clone()
+    scales[0, 1, 0] = 0  # 2 ** -127
+    out = torch.full((4, 128, 96), 7.0)
+    dequantize_mxfp4_triton(blocks, scales, out, torch.tensor([1, 0, 3, 0], dtype=torch.int32))
+    want = dequantize_mxfp4(blocks, scales, torch.float32)
+    assert torch.equal(out[[0, 2]], want[[0, 2]]) and bool((out[[1, 3]] == 7.0).all())
+    q = type(q)(q.w13_blocks, q.w13_scales, q.w2_blocks, q.w2_scales, q.b13.half(), q.b2.half())
+    x = torch.randn(9, 96).half()
+    slots = torch.tensor([[0, 2], [2, -1], [0, 0], [-1, 2], [2, 0], [0, 2], [2, 2], [-1, -1], [0, 2]])
+    tw = torch.rand(9, 2)
+    act = Activation("silu", 7.0)
+    assert _rel(mxfp4_experts(x, slots, tw, q, act), _ref(x, slots, tw, q, act, False)) < 2e-3  # 18 pairs
+
+
 def test_int4_step_must_cover_whole_groups():
     from epmoe.experts.triton.int4 import Int4DecodeConfig, int4_decode_experts
 
@@ -115,7 +137,7 @@ def test_int4_backend_on_gpu(t, case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 300])
+@pytest.mark.parametrize("t", [1, 300])  # the bf16 decode kernels and the grouped ones on the widened slots
 def test_mxfp4_backend_on_gpu(t):
     s, d, f, k = 8, 512, 256, 4
     q = mxfp4_expert_weights(_weights(t, s, d, f, True, "cuda"))

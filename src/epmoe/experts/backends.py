@@ -26,17 +26,17 @@ def plain_weights(weights: AnyExpertWeights, dtype: torch.dtype) -> ExpertWeight
 
 
 def make_triton_backend() -> ExpertBackend:
-    """The ``triton`` expert backend: ``grouped.triton_experts`` on CUDA (INT4 weights: ``int4.int4_experts``, read
-    packed; MXFP4 weights dequantized to the compute dtype per call), the reference on CPU.
+    """The ``triton`` expert backend: ``grouped.triton_experts`` on CUDA (INT4 weights: ``int4.int4_experts``; MXFP4
+    weights: ``mxfp4.mxfp4_experts``, the slots in use widened per call), the reference on CPU.
 
     Triton is imported here, once per backend built; on a machine without it the backend still serves
     CPU tensors.
     """
     try:
-        from epmoe.experts.triton import grouped, int4
+        from epmoe.experts.triton import grouped, int4, mxfp4
     except ImportError as err:
         missing: str | None = f"{err}"
-        grouped = int4 = None
+        grouped = int4 = mxfp4 = None
     else:
         missing = None
 
@@ -55,8 +55,8 @@ def make_triton_backend() -> ExpertBackend:
             raise RuntimeError(f"expert backend 'triton' needs the triton package for CUDA tensors: {missing}")
         if isinstance(weights, Int4ExpertWeights):
             return int4.int4_experts(x, topk_slots, topk_weights, weights, activation, weight_on_input)
-        if isinstance(weights, MXFP4ExpertWeights):  # no MXFP4 kernel yet: widened per call
-            weights = weights.dequantize(x.dtype)
+        if isinstance(weights, MXFP4ExpertWeights):
+            return mxfp4.mxfp4_experts(x, topk_slots, topk_weights, weights, activation, weight_on_input)
         return grouped.triton_experts(x, topk_slots, topk_weights, weights, activation, weight_on_input)
 
     return backend
