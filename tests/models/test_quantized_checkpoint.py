@@ -240,6 +240,10 @@ def _scale_group16(t, cfg):
     t[f"{EXPERT}.gate_proj.weight_scale"] = torch.ones(32, 4, dtype=torch.bfloat16)
 
 
+def _asymmetric(t, cfg):
+    cfg["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
+
+
 def _drop_mxfp4_scales(t, cfg):
     del t["model.layers.1.mlp.experts.down_proj_scales"]
 
@@ -250,6 +254,7 @@ def _drop_mxfp4_scales(t, cfg):
     ("kimi-k2.5-int4", _group16, ValueError, r"group_size.*16.*group sizes \(32, 64, 128\)"),
     ("kimi-k2.5-int4", _bad_shape, ValueError, rf"{EXPERT}.up_proj.weight_shape' holds \[32, 96\].*\[32, 64\]"),
     ("kimi-k2.5-int4", _scale_group16, ValueError, rf"{EXPERT}.gate_proj.weight_scale'.*per 16 inputs.*group_size 32"),
+    ("kimi-k2.5-int4", _asymmetric, ValueError, r"config_groups.group_0.weights.symmetric is False"),
     ("gpt-oss-mxfp4", _drop_mxfp4_scales, ValueError, r"no 'model.layers.1.mlp.experts.down_proj_scales'"),
 ])
 def test_bad_quantized_checkpoint_is_named(ckpts, tmp_path, family, edit, error, match):

@@ -65,7 +65,8 @@ class CheckpointReader:
 
     Raises:
         FileNotFoundError: no directory, no ``config.json``, or no safetensors weights in it.
-        ValueError: an index file naming a shard that does not exist.
+        ValueError: an index file naming a shard that does not exist; 4-bit compressed-tensors weights in a scheme
+            other than symmetric int groups, ``pack-quantized`` (the field named).
     """
 
     def __init__(self, directory: str | Path) -> None:
@@ -94,7 +95,7 @@ class CheckpointReader:
             self.prefix = _WRAPPER_PREFIX
         self.weight_map = weight_map
         self.block_size = _block_size(config, self.directory)
-        self.int4_group_size = _int4_group_size(config)
+        self.int4_group_size = _int4_group_size(config, self.directory)
         self._handles: dict[str, object] = {}
         # plain name -> its packed format, for tensors stored INT4 (``weight_packed``) or MXFP4 (``_blocks``)
         self._packed: dict[str, str] = {}
@@ -291,14 +292,32 @@ class CheckpointReader:
 _FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
 
 
-def _int4_group_size(config: dict) -> int | None:
-    """The ``group_size`` of the 4-bit integer weights of a compressed-tensors ``quantization_config`` (top level
-    or under ``text_config``), ``None`` when there is none."""
+# the compressed-tensors weight scheme the reader unpacks (Kimi-K2/K2.5's), field -> value
+_INT4_SCHEME = {"type": "int", "symmetric": True, "strategy": "group"}
+
+
+def _int4_group_size(config: dict, directory: Path) -> int | None:
+    """The ``group_size`` of the 4-bit weights of a compressed-tensors ``quantization_config`` (top level or under
+    ``text_config``), ``None`` when there is none.
+
+    Raises:
+        ValueError: 4-bit weights in another scheme than symmetric int groups in the ``pack-quantized`` format
+            (the field, its value and the file named).
+    """
     qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
-    for group in (qc.get("config_groups") or {}).values():
+    for name, group in (qc.get("config_groups") or {}).items():
         w = (group or {}).get("weights") or {}
-        if w.get("num_bits") == 4 and w.get("type", "int") == "int" and w.get("group_size"):
-            return int(w["group_size"])
+        if w.get("num_bits") != 4:
+            continue
+        where = f"{directory}/config.json: quantization_config"
+        if qc.get("format", "pack-quantized") != "pack-quantized":
+            raise ValueError(f"{where}.format is {qc.get('format')!r}; 4-bit weights are read in the "
+                             f"'pack-quantized' format only")
+        for field, want in _INT4_SCHEME.items():
+            if w.get(field, want) != want:
+                raise ValueError(f"{where}.config_groups.{name}.weights.{field} is {w.get(field)!r}; 4-bit weights "
+                                 f"are read with {field} {want!r} only")
+        return int(w["group_size"]) if w.get("group_size") else None
     return None
 
 
