@@ -13,6 +13,16 @@ Cases:
         T*8 choices (about T rows of work) are local. This is what the rank's expert backend sees after
         a dispatcher that sends every token to every rank (the fixed-capacity layout).
     dsv3_fp8: the same shard with DeepSeek's 128x128 block FP8 weights (our backend only).
+    kimi_int4 (``--cases kimi_int4``): one rank's shard of a Kimi-K2.5 MoE layer under 8-way expert parallelism,
+        48 of the 384 experts, D 7168, F 2048, top-8 of 384 (as dsv3: choices outside the shard enter as slot -1),
+        with Kimi-K2.5's INT4 weights (compressed-tensors pack-quantized, group 32, bf16 scales).
+    kimi_full_int4 (``--cases kimi_full_int4``): all 384 experts of that layer on one GPU.
+
+The INT4 cases time, in the same run and on the same (dequantized) weight values: the INT4 kernels (``int4``,
+reading the packed weights; floor = INT4 bytes + scales of the active slots over the copy bandwidth, or the
+FLOPs), our bf16 Triton path (``bf16``; its own floor, the bf16 bytes) and "dequantize, then grouped_mm"
+(``deq_gmm``: one Triton launch widening every local expert to bf16, then ``torch._grouped_mm``); with
+``--sweep`` also the INT4 tile configurations.
 
 Every row: the floor = max(weight bytes of the slots the routing touches / measured copy bandwidth,
 FLOPs of the routed rows / measured bf16 matmul rate), both ceilings measured in the same run; the time
@@ -43,14 +53,32 @@ from epmoe.comm import Comm
 from epmoe.dispatch import make_dispatcher
 from epmoe.experts import Activation, ExpertWeights, get_expert_backend, reference_experts
 from epmoe.experts.fp8 import block_fp8_expert_weights
+from epmoe.experts.grouped_mm import grouped_mm_experts
+from epmoe.experts.int4 import Int4ExpertWeights
 from epmoe.experts.triton.decode import DECODE_MAX_PAIRS, DecodeConfig, decode_experts, default_decode_config
 from epmoe.experts.triton.grouped import TileConfig, act_code, default_config, triton_experts
+from epmoe.experts.triton.int4 import (
+    Int4DecodeConfig,
+    dequantize_int4_triton,
+    int4_decode_experts,
+)
 from timing import measure_ceilings, rel_err, time_fn, time_in_model
 
 CASES = {
     "qwen3": dict(num_experts=128, slots=128, d=2048, f=768, k=8),
     "dsv3": dict(num_experts=256, slots=32, d=7168, f=2048, k=8),
 }
+INT4_CASES = {
+    "kimi_int4": dict(num_experts=384, slots=48, d=7168, f=2048, k=8),
+    "kimi_full_int4": dict(num_experts=384, slots=384, d=7168, f=2048, k=8),
+}
+INT4_GROUP = 32
+INT4_DECODE_SWEEP = [
+    Int4DecodeConfig(8, 64, 16, 64, 4), Int4DecodeConfig(4, 64, 16, 64, 4), Int4DecodeConfig(4, 128, 8, 128, 4),
+    Int4DecodeConfig(8, 128, 16, 128, 4), Int4DecodeConfig(2, 128, 8, 64, 4), Int4DecodeConfig(4, 32, 8, 32, 2),
+    Int4DecodeConfig(8, 32, 16, 32, 2), Int4DecodeConfig(16, 64, 32, 64, 8), Int4DecodeConfig(8, 256, 16, 256, 8),
+    Int4DecodeConfig(4, 256, 16, 256, 4), Int4DecodeConfig(16, 128, 32, 128, 8), Int4DecodeConfig(8, 512, 16, 256, 8),
+]
 DECODE_MAX = 64
 SWEEP = [
     TileConfig(16, 32, 64, 128, 4, 3), TileConfig(64, 64, 128, 64, 8, 3), TileConfig(128, 128, 256, 64, 8, 4),
@@ -193,6 +221,104 @@ def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[i
     return rows
 
 
+def int4_reference(x: torch.Tensor, slots: torch.Tensor, tw: torch.Tensor, q: Int4ExpertWeights,
+                   act: Activation) -> torch.Tensor:
+    """float32 reference on the dequantized weights, one active slot at a time (a whole float32 copy of the
+    384 experts would not fit beside the others)."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for slot in torch.unique(slots[slots >= 0]).tolist():
+        t, j = torch.nonzero(slots == slot, as_tuple=True)
+        w13 = dequantize_int4_triton(q.w13_packed[slot], q.w13_scale[slot], q.group_size,
+                                     torch.empty(2 * q.intermediate_size, q.hidden_size, device=x.device))
+        w2 = dequantize_int4_triton(q.w2_packed[slot], q.w2_scale[slot], q.group_size,
+                                    torch.empty(q.hidden_size, q.intermediate_size, device=x.device))
+        gate, up = (x[t].float() @ w13.t()).chunk(2, dim=-1)
+        out.index_add_(0, t, (act(gate, up) @ w2.t()) * tw[t, j, None])
+    return out
+
+
+def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[int]) -> list[dict]:
+    """INT4 kernels vs their floor, our bf16 path and dequantize-then-grouped_mm on the same weight values."""
+    flush = torch.empty(256 << 20, device="cuda", dtype=torch.float16)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    s, d, f, k, g = case["slots"], case["d"], case["f"], case["k"], INT4_GROUP
+
+    def words(*shape):
+        return torch.randint(-2**31, 2**31, shape, device="cuda", dtype=torch.int64, generator=gen).to(torch.int32)
+
+    def scales(n, kin):  # about the spread of a bf16 weight of std 1/sqrt(K)
+        return ((torch.rand(s, n, kin // g, device="cuda", generator=gen) + 0.5) / (4.6 * kin**0.5)).bfloat16()
+
+    q = Int4ExpertWeights(words(s, 2 * f, d // 8), scales(2 * f, d), words(s, d, f // 8), scales(d, f), group_size=g)
+    w = ExpertWeights(torch.empty(s, 2 * f, d, device="cuda", dtype=torch.bfloat16),
+                      torch.empty(s, d, f, device="cuda", dtype=torch.bfloat16))
+
+    def dequantize_all():
+        dequantize_int4_triton(q.w13_packed, q.w13_scale, g, w.w13)
+        dequantize_int4_triton(q.w2_packed, q.w2_scale, g, w.w2)
+        return w
+
+    dequantize_all()
+    act = Activation()
+    ours = get_expert_backend("triton")
+    int4_bytes = 3 * d * f // 2 + 3 * d * f // g * 2
+    bf16_bytes = 3 * d * f * 2
+    rows = []
+    for t in sizes:
+        x, slots, tw = make_routing(case, t, gen)
+        active = int(torch.unique(slots[slots >= 0]).numel())
+        pairs = int((slots >= 0).sum())
+        flop_us = 2 * pairs * 3 * d * f / ceil["bf16_flop_per_s"] * 1e6
+        row = {"case": name, "tokens": t, "active_slots": active, "pairs": pairs,
+               "int4_weight_bytes": active * int4_bytes, "bf16_weight_bytes": active * bf16_bytes,
+               "floor_flop_us": flop_us,
+               "int4_floor_us": max(active * int4_bytes / ceil["copy_bytes_per_s"] * 1e6, flop_us),
+               "bf16_floor_us": max(active * bf16_bytes / ceil["copy_bytes_per_s"] * 1e6, flop_us),
+               "int4_path": "decode" if t * k <= max(DECODE_MAX_PAIRS, s) else "dequant"}
+        ref = int4_reference(x, slots, tw, q, act)
+        impls = {"int4": lambda: ours(x, slots, tw, q, act), "bf16": lambda: ours(x, slots, tw, w, act),
+                 "deq_gmm": lambda: grouped_mm_experts(x, slots, tw, dequantize_all(), act)}
+        if t <= DECODE_MAX:  # the decode kernels at every decode size, whichever path the backend takes
+            impls["int4_decode"] = lambda: int4_decode_experts(x, slots, tw, q, act)
+        for key, fn in impls.items():
+            row[f"{key}_err"], row[f"{key}_us"] = _checked_time(fn, ref, flush)
+        if t in sweep:
+            for cfg in INT4_DECODE_SWEEP:
+                fn = lambda: int4_decode_experts(x, slots, tw, q, act, config=cfg)  # noqa: E731
+                err, us = _checked_time(fn, ref, flush)
+                row.setdefault("int4_sweep", []).append({**asdict(cfg), "err": err, "us": us})
+            best = min(row["int4_sweep"], key=lambda e: e["us"] if e["us"] == e["us"] else float("inf"))
+            row["int4_best_us"], row["int4_best_config"] = best["us"], {k_: v for k_, v in best.items()
+                                                                        if k_ not in ("us", "err")}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _checked_time(fn, ref: torch.Tensor, flush: torch.Tensor) -> tuple[float, float]:
+    """``(relative error, us as a CUDA-graph replay)``; NaN for both (and the error printed) when ``fn`` fails,
+    so that one failing variant does not end the run."""
+    try:
+        return rel_err(fn(), ref), time_fn(fn, True, flush) * 1e3
+    except Exception as exc:  # a compile or launch failure of one variant
+        print(f"failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+        return float("nan"), float("nan")
+
+
+def print_int4_table(rows: list[dict]) -> None:
+    nan = float("nan")
+    print(f"\n{'case':14} {'T':>5} {'act':>4} {'path':>7} {'i4floor':>7} {'int4':>8} {'x_fl':>6} {'i4dec':>8} "
+          f"{'best':>7} {'bf16fl':>7} {'bf16':>7} {'bf16/i4':>7} {'deq_gmm':>8} {'dq/i4':>6} {'err_i4':>8} "
+          f"{'err_bf16':>8}")
+    for r in rows:
+        floor = r["int4_floor_us"] or nan  # no local pair: no floor
+        print(f"{r['case']:14} {r['tokens']:5d} {r['active_slots']:4d} {r['int4_path']:>7} {r['int4_floor_us']:7.1f} "
+              f"{r['int4_us']:8.1f} {r['int4_us'] / floor:6.2f} {r.get('int4_decode_us', nan):8.1f} "
+              f"{r.get('int4_best_us', nan):7.1f} {r['bf16_floor_us']:7.1f} {r['bf16_us']:7.1f} "
+              f"{r['bf16_us'] / r['int4_us']:7.2f} {r['deq_gmm_us']:8.1f} {r['deq_gmm_us'] / r['int4_us']:6.2f} "
+              f"{r['int4_err']:8.1e} {r['bf16_err']:8.1e}")
+
+
 def full_layer_graph(tokens: int) -> dict:
     """Router + fixed-capacity dispatcher (one-rank group) + Triton experts + combine: graph vs eager."""
     case = CASES["qwen3"]
@@ -239,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.path.join(os.environ["OUT"], "moe_layer.json") if "OUT" in os.environ else None)
     p.add_argument("--sizes", default="1,8,32,64,128,256,1024,4096")
-    p.add_argument("--cases", default="qwen3,dsv3")
+    p.add_argument("--cases", default="qwen3,dsv3", help=f"of {sorted(CASES) + sorted(INT4_CASES)}")
     p.add_argument("--sweep", action="store_true",
                    help="also time the tile configs in DECODE_SWEEP (decode path) or SWEEP (grouped path)")
     p.add_argument("--sweep-sizes", default=None, help="sizes to sweep (default: all of --sizes)")
@@ -251,12 +377,16 @@ def main(argv: list[str] | None = None) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     ceil = measure_ceilings()
     print(json.dumps(ceil), flush=True)
-    rows = []
+    rows, int4_rows = [], []
     for name in args.cases.split(","):
-        rows += bench_case(name, CASES[name], sizes, ceil, sweep, fp8=name == "dsv3")
-    graph = {f"t{t}": full_layer_graph(t) for t in (1, 8, 64)}
+        if name in INT4_CASES:
+            # the tile sweep on the EP-8 shard only (the full layer's compiles and runs would not fit one call)
+            int4_rows += bench_int4_case(name, INT4_CASES[name], sizes, ceil, sweep if name == "kimi_int4" else set())
+        else:
+            rows += bench_case(name, CASES[name], sizes, ceil, sweep, fp8=name == "dsv3")
+    graph = {f"t{t}": full_layer_graph(t) for t in (1, 8, 64)} if rows else {}
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "ceilings": ceil, "rows": rows, "full_layer_graph": graph}
+              "ceilings": ceil, "rows": rows, "int4_rows": int4_rows, "full_layer_graph": graph}
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)
@@ -265,6 +395,10 @@ def main(argv: list[str] | None = None) -> None:
     for key, gr in graph.items():
         print(f"full layer graph {key}: replay==eager {gr['equal']} errs {gr['replay_vs_eager_rel_err']} "
               f"replay {gr['replay_us']:.1f} us")
+    if int4_rows:
+        print_int4_table(int4_rows)
+    if not rows:
+        return
     nan = float("nan")
     hdr = (f"{'case':6} {'T':>5} {'act':>4} {'floor':>7} {'lim':>4} {'ours':>7} {'x_fl':>5} {'%peak':>5} {'eager':>7} "
            f"{'torch':>7} {'x_ours':>6} {'hf':>7} {'x_ours':>6} {'best':>7} {'fp8':>7} {'fp8fl':>6} {'dirty':>7} "

@@ -3,7 +3,8 @@
 Checks that the communication backends are there (gloo, NCCL, CUDA, peer access between GPUs), that
 the visible GPUs cover the EP size, that a checkpoint directory passes the loader's own checks (a
 supported weight format, every tensor present with its shape, from the safetensors headers; the same
-function ``epmoe run`` calls before reading weights), that the placement
+function ``epmoe run`` calls before reading weights), the routed experts' weight format and their bytes per
+rank, that the placement
 covers every MoE layer of the target model and, for speculative decoding, of the draft model (a
 dense EAGLE-3 draft needs none), that the draft's hidden and vocabulary sizes match the target's, and
 that weights and caches (the draft's included) fit in memory (through the planner's memory model).
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from epmoe.checks import check_int
+from epmoe.experts.storage import ExpertStorage
 from epmoe.integrations.placements import load_placement_as
 from epmoe.plan.costs import WEIGHT_CHOICES, weights_hint
 from epmoe.plan.draft import DraftModel, draft_bytes, read_draft
@@ -235,6 +237,29 @@ def check_draft(draft: str, draft_placement: str | None, ep: int,
     return model, redundant, out + found
 
 
+_SERVED = {"plain": "in the compute dtype (bf16 bytes)", "int4": "packed: INT4 values + bf16 scales",
+           "mxfp4": "packed: MXFP4 values + E8M0 scales"}
+
+
+def check_expert_storage(spec: MoESpec, ep: int, redundant: int, weights: str | None = None,
+                         what: str = "the target model") -> list[Finding]:
+    """The routed experts' weight format, how ``epmoe run`` serves it (``experts.storage.ExpertStorage``) and their
+    bytes per rank (packed values and scales; bf16 for plain and FP8 checkpoints, which are dequantized on load)."""
+    fmt = WEIGHT_CHOICES[weights] if weights else spec.expert_weight_format
+    try:
+        storage = ExpertStorage.of(fmt)
+        per_expert = storage.bytes_per_expert(spec.hidden_size, spec.moe_intermediate_size)
+    except ValueError as exc:
+        return [Finding("error", f"{what}: routed experts: {exc}", "epmoe run refuses to load these experts",
+                        "use a checkpoint in a served format (README: supported weight formats)")]
+    slots = math.ceil((spec.num_experts + redundant) / ep)
+    per_rank = per_expert * slots * spec.num_moe_layers
+    dequantized = ", FP8 dequantized on load" if fmt.startswith("fp8") and storage.kind == "plain" else ""
+    return [Finding("ok", f"{what}: routed experts {fmt}, served {_SERVED[storage.kind]}{dequantized}: "
+                          f"{per_expert / 2**20:.1f} MiB per expert, {per_rank / GIB:.1f} GiB per rank "
+                          f"({slots} slots x {spec.num_moe_layers} MoE layers)")]
+
+
 def check_memory(spec: MoESpec, cfg: DoctorConfig, ep: int, redundant: int, draft: DraftModel | None = None,
                  draft_redundant: int = 0) -> list[Finding]:
     """Weights and caches (the draft's included) against GPU memory, through the planner, for the
@@ -321,6 +346,7 @@ def diagnose(cfg: DoctorConfig) -> list[Finding]:
             findings += check_checkpoint(spec, cfg.model)
         redundant, placed = check_placement(spec, cfg.placement, ep, "the target model")
         findings += placed
+        findings += check_expert_storage(spec, ep, redundant, cfg.weights)
     draft, draft_redundant = None, 0
     if cfg.draft is not None:
         draft, draft_redundant, found = check_draft(cfg.draft, cfg.draft_placement, ep, spec)

@@ -18,7 +18,8 @@ from torch import nn
 
 from epmoe.comm import Comm
 from epmoe.dispatch import DISPATCHERS, Dispatcher, make_dispatcher
-from epmoe.experts import EXPERT_BACKENDS, Activation, ExpertWeights, get_expert_backend
+from epmoe.experts import EXPERT_BACKENDS, Activation, AnyExpertWeights, get_expert_backend
+from epmoe.experts.storage import ExpertStorage
 from epmoe.placement import ExpertPlacement
 from epmoe.routing import REPLICA_POLICIES, ReplicaPolicy, Router, SlotMap
 from epmoe.spec import MoESpec
@@ -122,22 +123,21 @@ def activation_of(spec: MoESpec) -> Activation:
 
 
 class _ExpertParams(nn.Module):
-    """Expert weights of ``S`` slots: ``w13 [S, 2F, D]``, ``w2 [S, D, F]``, biases ``b13 [S, 2F]``, ``b2 [S, D]``."""
+    """Expert weights of ``S`` slots in ``storage`` (``experts.storage``): plain ``w13 [S, 2F, D]``, ``w2 [S, D, F]``,
+    or their INT4 / MXFP4 packed tensors; biases ``b13 [S, 2F]``, ``b2 [S, D]``."""
 
-    def __init__(self, spec: MoESpec, num_slots: int, inter: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, spec: MoESpec, num_slots: int, inter: int, dtype: torch.dtype, device,
+                 storage: ExpertStorage = ExpertStorage()) -> None:
         super().__init__()
-        d = spec.hidden_size
+        self.storage = storage
+        self.b13: nn.Parameter | None = None
+        self.b2: nn.Parameter | None = None
+        for name, (shape, dt) in storage.shapes(num_slots, spec.hidden_size, inter, spec.expert_bias).items():
+            t = torch.zeros(*shape, dtype=dt or dtype, device=device)
+            setattr(self, name, nn.Parameter(t, requires_grad=False))
 
-        def param(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
-
-        self.w13 = param(num_slots, 2 * inter, d)
-        self.w2 = param(num_slots, d, inter)
-        self.b13 = param(num_slots, 2 * inter) if spec.expert_bias else None
-        self.b2 = param(num_slots, d) if spec.expert_bias else None
-
-    def weights(self) -> ExpertWeights:
-        return ExpertWeights(self.w13, self.w2, self.b13, self.b2)
+    def weights(self) -> AnyExpertWeights:
+        return self.storage.weights(dict(self.named_parameters()))
 
 
 class _MoEBase(nn.Module):
@@ -184,14 +184,16 @@ class MoELayer(_MoEBase):
     ``expert_backend`` (the compute function), ``load_recorder``, ``experts`` (the weights), ``placement``,
     ``comm``, ``slot_map``.
 
-    Parameters: ``gate`` (router), ``experts.w13 [P/G, 2F, D]``, ``experts.w2 [P/G, D, F]`` (+ biases),
+    Parameters: ``gate`` (router), ``experts.w13 [P/G, 2F, D]``, ``experts.w2 [P/G, D, F]`` (+ biases) or, for INT4
+    and MXFP4 checkpoints (``spec.expert_weight_format``), their packed tensors (``epmoe.experts.storage``),
     ``shared_experts``, ``shared_expert_gate``; all filled by the checkpoint loader.
 
     Raises:
         TypeError: ``placement`` is missing or not an ``ExpertPlacement``; ``comm`` is not a ``Comm``;
             ``options`` is not an ``MoELayerOptions``; ``dispatcher_options`` the named dispatcher does not take.
-        ValueError: the placement does not match the model or the EP group (sizes named), or a dispatcher
-            instance built for another group or slot count (see ``set_dispatcher``).
+        ValueError: the placement does not match the model or the EP group (sizes named), a dispatcher
+            instance built for another group or slot count (see ``set_dispatcher``), or an expert weight format
+            that is not served (``ExpertStorage.of``).
     """
 
     def __init__(
@@ -234,7 +236,8 @@ class MoELayer(_MoEBase):
         )
         self.expert_backend = get_expert_backend(options.expert_backend)
         self.load_recorder = options.load_recorder
-        self.experts = _ExpertParams(spec, placement.slots_per_rank, spec.moe_intermediate_size, dtype, device)
+        self.experts = _ExpertParams(spec, placement.slots_per_rank, spec.moe_intermediate_size, dtype, device,
+                                     ExpertStorage.of(spec.expert_weight_format))
 
     @property
     def local_experts(self) -> torch.Tensor:
@@ -272,8 +275,8 @@ class MoELayer(_MoEBase):
 
         Args:
             placement: the new placement (same ``P``, ``E`` and EP size as the current one).
-            weights: ``w13``, ``w2`` (and ``b13``, ``b2`` where the model has biases) for the new local
-                slots, shaped like the current parameters.
+            weights: every expert parameter (``w13``, ``w2`` or their packed tensors and scales, and ``b13``,
+                ``b2`` where the model has biases) for the new local slots, shaped like the current parameters.
 
         Raises:
             ValueError: a shape or placement-size mismatch (checked before anything changes).
@@ -287,9 +290,9 @@ class MoELayer(_MoEBase):
             )
         params = {n: p for n, p in self.experts.named_parameters()}
         for name, param in params.items():
-            if name not in weights or weights[name].shape != param.shape:
-                got = None if name not in weights else tuple(weights[name].shape)
-                raise ValueError(f"staged weight {name!r} has shape {got}, expected {tuple(param.shape)}")
+            if name not in weights or weights[name].shape != param.shape or weights[name].dtype != param.dtype:
+                got = None if name not in weights else (tuple(weights[name].shape), weights[name].dtype)
+                raise ValueError(f"staged weight {name!r} is {got}, expected {(tuple(param.shape), param.dtype)}")
         slot_map = SlotMap(placement, self.moe_index, self.comm.rank, self.slot_map.policy, self.slot_map.table.device)
         for name, param in params.items():
             param.data = weights[name]

@@ -170,16 +170,6 @@ def test_float8_tensor_without_scale_is_named(ckpts, tmp_path, name):
                       options=MoELayerOptions(dispatcher="local"))
 
 
-def test_int4_checkpoint_is_refused_clearly(ckpts, tmp_path):
-    int4 = tmp_path / "int4"
-    shutil.copytree(ckpts["deq"], int4)
-    _edit_config(int4, quantization_config={"quant_method": "compressed-tensors", "config_groups": {
-        "group_0": {"weights": {"num_bits": 4, "group_size": 32}}}})
-    with pytest.raises(ValueError, match="int4_group32.*not supported"):
-        load_ep_model(str(int4), ExpertPlacement.trivial(2, 16, 1), Comm(None),
-                      options=MoELayerOptions(dispatcher="local"))
-
-
 def _per_block_reference(q: torch.Tensor, scale: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
     """``q [..., N, K]`` times its block's scale, one block at a time."""
     out = torch.empty(q.shape, dtype=torch.float32)

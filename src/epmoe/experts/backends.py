@@ -1,7 +1,7 @@
 """The registered fast backends and their device choice: Triton on CUDA, the reference elsewhere.
 
 Chosen behaviour on CPU (DESIGN.md rule 7): the ``triton`` backend computes CPU tensors with
-``experts.reference_experts`` (block FP8 weights dequantized first), so one backend name serves a model
+``experts.reference_experts`` (block FP8, INT4 and MXFP4 weights dequantized first), so one backend name serves a model
 wherever it runs. CUDA tensors without an importable Triton raise ``RuntimeError`` naming the backend and
 the missing package; nothing falls back silently on the GPU.
 """
@@ -11,25 +11,32 @@ from __future__ import annotations
 import torch
 
 from epmoe.experts.fp8 import BlockFP8ExpertWeights
+from epmoe.experts.int4 import Int4ExpertWeights
+from epmoe.experts.mxfp4 import MXFP4ExpertWeights
 from epmoe.experts.reference import reference_experts
-from epmoe.experts.weights import Activation, ExpertBackend, ExpertWeights
+from epmoe.experts.weights import Activation, AnyExpertWeights, ExpertBackend, ExpertWeights
 
 
-def _plain(weights: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
-    return weights.dequantize(dtype) if isinstance(weights, BlockFP8ExpertWeights) else weights
+def plain_weights(weights: AnyExpertWeights, dtype: torch.dtype) -> ExpertWeights:
+    """``weights`` as ``ExpertWeights`` in ``dtype``: quantized ones (block FP8, INT4, MXFP4) dequantized, plain
+    ones as they are."""
+    if isinstance(weights, (BlockFP8ExpertWeights, Int4ExpertWeights, MXFP4ExpertWeights)):
+        return weights.dequantize(dtype)
+    return weights
 
 
 def make_triton_backend() -> ExpertBackend:
-    """The ``triton`` expert backend: ``grouped.triton_experts`` on CUDA, the reference on CPU.
+    """The ``triton`` expert backend: ``grouped.triton_experts`` on CUDA (INT4 weights: ``int4.int4_experts``; MXFP4
+    weights: ``mxfp4.mxfp4_experts``, the slots in use widened per call), the reference on CPU.
 
     Triton is imported here, once per backend built; on a machine without it the backend still serves
     CPU tensors.
     """
     try:
-        from epmoe.experts.triton import grouped
+        from epmoe.experts.triton import grouped, int4, mxfp4
     except ImportError as err:
         missing: str | None = f"{err}"
-        grouped = None
+        grouped = int4 = mxfp4 = None
     else:
         missing = None
 
@@ -37,31 +44,38 @@ def make_triton_backend() -> ExpertBackend:
         x: torch.Tensor,
         topk_slots: torch.Tensor,
         topk_weights: torch.Tensor,
-        weights: ExpertWeights,
+        weights: AnyExpertWeights,
         activation: Activation,
         weight_on_input: bool = False,
     ) -> torch.Tensor:
         if not x.is_cuda:
-            return reference_experts(x, topk_slots, topk_weights, _plain(weights, x.dtype), activation, weight_on_input)
+            return reference_experts(x, topk_slots, topk_weights, plain_weights(weights, x.dtype), activation,
+                                     weight_on_input)
         if grouped is None:
             raise RuntimeError(f"expert backend 'triton' needs the triton package for CUDA tensors: {missing}")
+        if isinstance(weights, Int4ExpertWeights):
+            return int4.int4_experts(x, topk_slots, topk_weights, weights, activation, weight_on_input)
+        if isinstance(weights, MXFP4ExpertWeights):
+            return mxfp4.mxfp4_experts(x, topk_slots, topk_weights, weights, activation, weight_on_input)
         return grouped.triton_experts(x, topk_slots, topk_weights, weights, activation, weight_on_input)
 
     return backend
 
 
 def make_grouped_mm_backend() -> ExpertBackend:
-    """The ``grouped_mm`` expert backend (``grouped_mm.grouped_mm_experts``; block FP8 dequantized per call)."""
+    """The ``grouped_mm`` expert backend (``grouped_mm.grouped_mm_experts``; quantized weights dequantized per call:
+    the "dequantize, then grouped GEMM" peer of the INT4 kernels)."""
     from epmoe.experts.grouped_mm import grouped_mm_experts
 
     def backend(
         x: torch.Tensor,
         topk_slots: torch.Tensor,
         topk_weights: torch.Tensor,
-        weights: ExpertWeights,
+        weights: AnyExpertWeights,
         activation: Activation,
         weight_on_input: bool = False,
     ) -> torch.Tensor:
-        return grouped_mm_experts(x, topk_slots, topk_weights, _plain(weights, x.dtype), activation, weight_on_input)
+        return grouped_mm_experts(x, topk_slots, topk_weights, plain_weights(weights, x.dtype), activation,
+                                  weight_on_input)
 
     return backend

@@ -15,7 +15,7 @@ Each expert is a gated MLP ``down(act(gate(x)) * up(x))``; gpt-oss uses the clam
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Union
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +94,11 @@ class ExpertWeights:
         return self.w13.shape[0]
 
 
+# ExpertWeights (bf16/fp16/fp32, block FP8) or the INT4 / MXFP4 packed values (``int4``, ``mxfp4``), which
+# import this module; named by string so that this module imports nothing else of the package.
+AnyExpertWeights = Union["ExpertWeights", "Int4ExpertWeights", "MXFP4ExpertWeights"]  # noqa: F821
+
+
 class ExpertBackend(Protocol):
     """A grouped expert compute function (see the module docstring for the contract)."""
 
@@ -102,7 +107,7 @@ class ExpertBackend(Protocol):
         x: torch.Tensor,
         topk_slots: torch.Tensor,
         topk_weights: torch.Tensor,
-        weights: ExpertWeights,
+        weights: AnyExpertWeights,
         activation: Activation,
         weight_on_input: bool = False,
     ) -> torch.Tensor:
@@ -111,7 +116,7 @@ class ExpertBackend(Protocol):
             topk_slots: ``[T, K]`` int64 local slot ids in ``[0, S)``; ``-1`` (or any id outside
                 ``[0, S)``, which every backend skips rather than reading outside the weights) = skip.
             topk_weights: ``[T, K]`` float routing weights.
-            weights: the local slots' weights.
+            weights: the local slots' weights (plain, block FP8, INT4 or MXFP4).
             activation: the gated activation.
             weight_on_input: scale the expert input by the weight instead of its output (Llama-4).
 

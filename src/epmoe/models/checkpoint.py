@@ -7,6 +7,13 @@ Block-FP8 checkpoints (DeepSeek-V3/R1, Kimi-K2: ``quantization_config.quant_meth
 ``weight_block_size: [128, 128]``) store a linear weight as ``float8_e4m3fn`` with a companion
 ``<name>_scale_inv [ceil(N/128), ceil(K/128)]`` float32; the reader hands out the dequantized tensor
 (``weight[i, j] * scale_inv[i // 128, j // 128]``) and hides the companions from ``keys()``.
+INT4 checkpoints in compressed-tensors' ``pack-quantized`` format (Kimi-K2/K2.5 routed experts) store a linear
+``<module>.weight`` as ``<module>.weight_packed`` int32 ``[N, K/8]``, ``<module>.weight_scale`` ``[N, K/G]`` and
+``<module>.weight_shape`` ``[2]``; MXFP4 checkpoints (gpt-oss) store a fused expert tensor ``<name>`` as
+``<name>_blocks`` uint8 ``[E, N, K/32, 16]`` and ``<name>_scales`` uint8 ``[E, N, K/32]`` (``N`` the output
+dimension). ``get`` hands out such tensors dequantized under their plain name, in the plain layout
+(``<name>`` MXFP4 as ``[E, K, N]``, as transformers' modules hold it); ``get_int4`` and ``get_mxfp4`` hand them
+out packed, as the expert-parallel loader keeps them (``read_expert_packed``).
 Multimodal wrappers whose language model is under ``text_config`` (Kimi-K2.5) keep its tensors under
 ``language_model.``; the reader strips that prefix so names match the language model's own modules.
 """
@@ -22,8 +29,32 @@ from typing import Literal, Mapping
 import torch
 from safetensors import safe_open
 
+from epmoe.experts.storage import ExpertStorage
+
 SCALE_SUFFIX = "_scale_inv"
 _WRAPPER_PREFIX = "language_model."
+INT4_SUFFIXES = ("_packed", "_scale", "_shape")  # of "<module>.weight" in compressed-tensors' pack-quantized format
+MXFP4_SUFFIXES = ("_blocks", "_scales")
+
+
+@dataclass(frozen=True)
+class Int4Tensor:
+    """One INT4 pack-quantized weight as stored: ``packed [N, K/8]`` int32, ``scale [N, K/G]``, ``shape (N, K)``."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    shape: tuple[int, int]
+
+    @property
+    def group_size(self) -> int:
+        """``G``: inputs per scale."""
+        return self.shape[1] // self.scale.shape[-1]
+
+    def dequantize(self) -> torch.Tensor:
+        """``[N, K]`` float32."""
+        from epmoe.experts.int4 import dequantize_int4
+
+        return dequantize_int4(self.packed, self.scale, self.group_size, torch.float32)
 
 
 class CheckpointReader:
@@ -34,7 +65,8 @@ class CheckpointReader:
 
     Raises:
         FileNotFoundError: no directory, no ``config.json``, or no safetensors weights in it.
-        ValueError: an index file naming a shard that does not exist.
+        ValueError: an index file naming a shard that does not exist; 4-bit compressed-tensors weights in a scheme
+            other than symmetric int groups, ``pack-quantized`` (the field named).
     """
 
     def __init__(self, directory: str | Path) -> None:
@@ -63,7 +95,17 @@ class CheckpointReader:
             self.prefix = _WRAPPER_PREFIX
         self.weight_map = weight_map
         self.block_size = _block_size(config, self.directory)
+        self.int4_group_size = _int4_group_size(config, self.directory)
         self._handles: dict[str, object] = {}
+        # plain name -> its packed format, for tensors stored INT4 (``weight_packed``) or MXFP4 (``_blocks``)
+        self._packed: dict[str, str] = {}
+        for k in weight_map:
+            if k.endswith(".weight_packed") and k[: -len("_packed")] not in weight_map:
+                self._packed[k[: -len("_packed")]] = "int4"
+            elif k.endswith("_blocks") and k[: -len("_blocks")] not in weight_map:
+                self._packed[k[: -len("_blocks")]] = "mxfp4"
+        self._companions = {base + suffix for base, fmt in self._packed.items()
+                            for suffix in (INT4_SUFFIXES if fmt == "int4" else MXFP4_SUFFIXES)}
 
     def _handle(self, full_name: str):
         file = self.weight_map[full_name]
@@ -72,24 +114,37 @@ class CheckpointReader:
         return self._handles[file]
 
     def __contains__(self, name: str) -> bool:
-        return self.prefix + name in self.weight_map
+        return self.prefix + name in self.weight_map or self.prefix + name in self._packed
+
+    def packed_format(self, name: str) -> str | None:
+        """``int4`` or ``mxfp4`` when tensor ``name`` is stored packed in that format, else ``None``."""
+        return self._packed.get(self.prefix + name)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        """Shape of tensor ``name`` from its file header (no data read).
+        """Shape of tensor ``name`` from its file header (no data read); a packed tensor's stored shape is that of
+        its packed values (``_packed`` / ``_blocks``).
 
         Raises:
             KeyError: the checkpoint has no tensor of that name (the directory is named).
         """
         full = self.prefix + name
+        if full in self._packed:
+            full += "_packed" if self._packed[full] == "int4" else "_blocks"
         if full not in self.weight_map:
             raise KeyError(f"checkpoint {self.directory} has no tensor {name!r}")
         return tuple(self._handle(full).get_slice(full).get_shape())
 
     def keys(self) -> list[str]:
-        """Names of the model tensors in the checkpoint (wrapper prefix stripped, ``_scale_inv`` companions
-        and tensors outside the language model left out)."""
+        """Names of the model tensors in the checkpoint (wrapper prefix stripped, packed tensors under their plain
+        name, ``_scale_inv``, INT4 and MXFP4 companions and tensors outside the language model left out)."""
         n = len(self.prefix)
-        return [k[n:] for k in self.weight_map if k.startswith(self.prefix) and not k.endswith(SCALE_SUFFIX)]
+        names = [k for k in self.weight_map if not k.endswith(SCALE_SUFFIX) and k not in self._companions]
+        return [k[n:] for k in names + list(self._packed) if k.startswith(self.prefix)]
+
+    @property
+    def has_packed(self) -> bool:
+        """The checkpoint holds INT4 pack-quantized or MXFP4 tensors."""
+        return bool(self._packed)
 
     @property
     def has_fp8(self) -> bool:
@@ -108,12 +163,30 @@ class CheckpointReader:
             index: row of the first dimension to read, or ``None`` for the whole tensor.
             dtype: dtype of the result; ``None`` keeps the stored dtype (float32 for dequantized FP8).
 
+        An INT4 (``weight_packed``) or MXFP4 (``_blocks``) tensor comes back dequantized to float32 under its plain
+        name; MXFP4 fused expert tensors ``[E, N, K/32, 16]`` as ``[E, K, N]`` (transformers' layout; with ``index``
+        one expert's ``[K, N]``).
+
         Raises:
             KeyError: the checkpoint has no tensor of that name (the directory is named).
             ValueError: a float8 tensor without its ``_scale_inv`` companion, or a scale of the wrong
-                shape (the tensor is named).
+                shape; a packed tensor without its scales or with inconsistent shapes (the tensor is named).
         """
         full = self.prefix + name
+        fmt = self._packed.get(full)
+        if fmt == "int4":
+            if index is None:
+                tensor = self.get_int4(name).dequantize()
+            else:  # one row: its packed words and scales
+                one = self.get_int4(name, row=index)
+                tensor = one.dequantize()[0]
+            return tensor if dtype is None else tensor.to(dtype)
+        if fmt == "mxfp4":
+            from epmoe.experts.mxfp4 import dequantize_mxfp4
+
+            blocks, scales = self.get_mxfp4(name, index)
+            tensor = dequantize_mxfp4(blocks, scales, torch.float32).transpose(-1, -2).contiguous()
+            return tensor if dtype is None else tensor.to(dtype)
         if full not in self.weight_map:
             raise KeyError(f"checkpoint {self.directory} has no tensor {name!r}")
         h = self._handle(full)
@@ -135,8 +208,117 @@ class CheckpointReader:
                 tensor = dequantize_blockwise(tensor[None], row[None], self.block_size, what=f"{full}[{index}]")[0]
         return tensor if dtype is None else tensor.to(dtype)
 
+    def _companion(self, full: str, suffix: str, what: str) -> str:
+        name = full + suffix
+        if name not in self.weight_map:
+            raise ValueError(f"checkpoint {self.directory}: tensor {full + what!r} has no {name!r} companion; "
+                             f"cannot read the quantized weight {full!r} without it")
+        return name
+
+    def _read(self, full: str, index: int | None) -> torch.Tensor:
+        h = self._handle(full)
+        return h.get_tensor(full) if index is None else h.get_slice(full)[index]
+
+    def get_int4(self, name: str, row: int | None = None, expect: tuple[int, int] | None = None) -> Int4Tensor:
+        """Read the INT4 pack-quantized weight ``name`` (``<module>.weight``) as stored, not widened.
+
+        Args:
+            name: the plain name (``...gate_proj.weight``).
+            row: read only this output row (``[1, K/8]`` / ``[1, K/G]``), or ``None`` for all.
+            expect: ``(N, K)`` that config.json predicts, checked against ``weight_shape``.
+
+        Raises:
+            KeyError: no such tensor (the directory is named).
+            ValueError: ``weight_scale`` or ``weight_shape`` missing, ``weight_shape`` not the ``expect``-ed
+                shape, or packed values / scales whose shapes do not fit it (each names the tensor).
+        """
+        full = self.prefix + name
+        if self._packed.get(full) != "int4":
+            raise KeyError(f"checkpoint {self.directory} has no INT4 pack-quantized tensor {name!r} "
+                           f"({full}_packed)")
+        scale_name = self._companion(full, "_scale", "_packed")
+        shape_name = self._companion(full, "_shape", "_packed")
+        stored = [int(v) for v in self._read(shape_name, None).reshape(-1).tolist()]
+        if len(stored) != 2:
+            raise ValueError(f"checkpoint {self.directory}: tensor {shape_name!r} holds {stored}, expected [N, K]")
+        n, k = stored
+        if expect is not None and (n, k) != tuple(expect):
+            raise ValueError(f"checkpoint {self.directory}: tensor {shape_name!r} holds {[n, k]}, but config.json "
+                             f"gives this weight the shape {list(expect)} (does config.json belong to these weights?)")
+        packed_shape = tuple(self._handle(full + "_packed").get_slice(full + "_packed").get_shape())
+        scale_shape = tuple(self._handle(scale_name).get_slice(scale_name).get_shape())
+        if packed_shape != (n, -(-k // 8)):
+            raise ValueError(f"checkpoint {self.directory}: tensor {full + '_packed'!r} has shape {packed_shape}, "
+                             f"expected {(n, -(-k // 8))} for weight_shape {[n, k]}")
+        if len(scale_shape) != 2 or scale_shape[0] != n or not scale_shape[1] or k % scale_shape[1]:
+            raise ValueError(f"checkpoint {self.directory}: tensor {scale_name!r} has shape {scale_shape}, expected "
+                             f"[{n}, {k} / group_size] for weight_shape {[n, k]}")
+        group = k // scale_shape[1]
+        if self.int4_group_size is not None and group != self.int4_group_size:
+            raise ValueError(f"checkpoint {self.directory}: tensor {scale_name!r} has shape {scale_shape}: one scale "
+                             f"per {group} inputs, but config.json's quantization_config gives group_size "
+                             f"{self.int4_group_size}")
+        packed, scale = self._read(full + "_packed", row), self._read(scale_name, row)
+        if row is not None:
+            packed, scale = packed[None], scale[None]
+        if packed.dtype != torch.int32:
+            raise ValueError(f"checkpoint {self.directory}: tensor {full + '_packed'!r} is {packed.dtype}, "
+                             f"expected int32 (eight 4-bit values a word)")
+        return Int4Tensor(packed, scale, (n, k))
+
+    def get_mxfp4(self, name: str, index: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read the MXFP4 tensor ``name`` as stored: ``(<name>_blocks [..., N, K/32, 16] uint8, <name>_scales
+        [..., N, K/32] uint8)``; with ``index`` only that entry of the first dimension (one expert).
+
+        Raises:
+            KeyError: no such tensor (the directory is named).
+            ValueError: ``_scales`` missing, a dtype other than uint8, or shapes that do not fit (named).
+        """
+        full = self.prefix + name
+        if self._packed.get(full) != "mxfp4":
+            raise KeyError(f"checkpoint {self.directory} has no MXFP4 tensor {name!r} ({full}_blocks)")
+        scales_name = self._companion(full, "_scales", "_blocks")
+        blocks, scales = self._read(full + "_blocks", index), self._read(scales_name, index)
+        if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+            raise ValueError(f"checkpoint {self.directory}: {full}_blocks / {scales_name} are {blocks.dtype} / "
+                             f"{scales.dtype}, expected uint8 (MXFP4 values and E8M0 scales)")
+        if blocks.shape[-1] != 16 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+            raise ValueError(f"checkpoint {self.directory}: tensor {scales_name!r} has shape {tuple(scales.shape)}, "
+                             f"expected {tuple(blocks.shape[:-1])} for {full + '_blocks'!r} of shape "
+                             f"{tuple(blocks.shape)} (one scale per 32 values)")
+        return blocks, scales
+
 
 _FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
+
+
+# the compressed-tensors weight scheme the reader unpacks (Kimi-K2/K2.5's), field -> value
+_INT4_SCHEME = {"type": "int", "symmetric": True, "strategy": "group"}
+
+
+def _int4_group_size(config: dict, directory: Path) -> int | None:
+    """The ``group_size`` of the 4-bit weights of a compressed-tensors ``quantization_config`` (top level or under
+    ``text_config``), ``None`` when there is none.
+
+    Raises:
+        ValueError: 4-bit weights in another scheme than symmetric int groups in the ``pack-quantized`` format
+            (the field, its value and the file named).
+    """
+    qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
+    for name, group in (qc.get("config_groups") or {}).items():
+        w = (group or {}).get("weights") or {}
+        if w.get("num_bits") != 4:
+            continue
+        where = f"{directory}/config.json: quantization_config"
+        if qc.get("format", "pack-quantized") != "pack-quantized":
+            raise ValueError(f"{where}.format is {qc.get('format')!r}; 4-bit weights are read in the "
+                             f"'pack-quantized' format only")
+        for field, want in _INT4_SCHEME.items():
+            if w.get(field, want) != want:
+                raise ValueError(f"{where}.config_groups.{name}.weights.{field} is {w.get(field)!r}; 4-bit weights "
+                                 f"are read with {field} {want!r} only")
+        return int(w["group_size"]) if w.get("group_size") else None
+    return None
 
 
 def _block_size(config: dict, directory: Path) -> tuple[int, int]:
@@ -321,3 +503,51 @@ def read_expert(
     out["b13"] = torch.cat([bias[0::2], bias[1::2]])
     out["b2"] = reader.get(names[3], expert)
     return out
+
+
+def read_expert_packed(
+    reader: CheckpointReader, layout: FamilyLayout, block: str, expert: int, storage: ExpertStorage, d: int, f: int
+) -> dict[str, torch.Tensor]:
+    """Read one logical expert of one MoE block packed, as ``ExpertStorage`` keeps it (not widened).
+
+    Args:
+        reader: the checkpoint.
+        layout: the family layout (INT4: per-expert tensors, Kimi-K2/K2.5; MXFP4: gpt-oss's fused interleaved ones).
+        block: checkpoint prefix of the MoE block, e.g. ``model.layers.3.mlp``.
+        expert: logical expert id.
+        storage: ``int4`` or ``mxfp4`` storage.
+        d, f: hidden and expert intermediate size from config.json (checked against the stored shapes).
+
+    Returns:
+        INT4: ``w13_packed [2F, D/8]``, ``w13_scale [2F, D/G]``, ``w2_packed [D, F/8]``, ``w2_scale [D, F/G]``;
+        MXFP4: ``w13_blocks [2F, D/32, 16]``, ``w13_scales [2F, D/32]``, ``w2_blocks [D, F/32, 16]``, ``w2_scales
+        [D, F/32]``, ``b13 [2F]``, ``b2 [D]`` (gate rows first, then up rows: gpt-oss's interleaving undone).
+
+    Raises:
+        KeyError: a tensor of this expert is missing, or stored unquantized (its name is in the message).
+        ValueError: a missing scale or shape companion, a ``weight_shape`` that disagrees with config.json, a
+            layout the format is not published in (each names the tensor or the layout).
+    """
+    names = expert_tensor_names(layout, block, expert)
+    if storage.kind == "int4":
+        if layout.experts != "per_expert":
+            raise ValueError(f"INT4 pack-quantized experts are read from per-expert tensors; {block} uses the "
+                             f"{layout.experts} layout")
+        gate, up, down = (reader.get_int4(n, expect=want) for n, want in zip(names, ((f, d), (f, d), (d, f))))
+        return {"w13_packed": torch.cat([gate.packed, up.packed]), "w13_scale": torch.cat([gate.scale, up.scale]),
+                "w2_packed": down.packed, "w2_scale": down.scale}
+    if storage.kind != "mxfp4" or layout.experts != "fused_interleaved":
+        raise ValueError(f"{block}: {storage.format_name} experts in the {layout.experts} layout are not a published "
+                         f"format (MXFP4 is read from gpt-oss's fused interleaved tensors)")
+    gu_blocks, gu_scales = reader.get_mxfp4(names[0], expert)
+    down_blocks, down_scales = reader.get_mxfp4(names[1], expert)
+    for name, got, want in ((names[0], gu_blocks.shape, (2 * f, d // 32, 16)),
+                            (names[1], down_blocks.shape, (d, f // 32, 16))):
+        if tuple(got) != want:
+            raise ValueError(f"checkpoint {reader.directory}: tensor {reader.prefix + name + '_blocks'!r} holds "
+                             f"experts of shape {tuple(got)}, expected {want} from config.json")
+    bias = reader.get(names[2], expert)
+    return {"w13_blocks": torch.cat([gu_blocks[0::2], gu_blocks[1::2]]),
+            "w13_scales": torch.cat([gu_scales[0::2], gu_scales[1::2]]),
+            "w2_blocks": down_blocks, "w2_scales": down_scales,
+            "b13": torch.cat([bias[0::2], bias[1::2]]), "b2": reader.get(names[3], expert)}

@@ -17,6 +17,8 @@ from torch import nn
 
 from epmoe.comm import Comm
 from epmoe.dispatch import Dispatcher, make_dispatcher
+from epmoe.experts.mxfp4 import E8M0_BIAS
+from epmoe.experts.storage import ExpertStorage
 from epmoe.layer import DPTPMoELayer, MoELayer, MoELayerOptions, check_tp_sizes
 from epmoe.models.checkpoint import (
     CheckpointReader,
@@ -25,6 +27,7 @@ from epmoe.models.checkpoint import (
     expert_tensor_shapes,
     family_layout,
     read_expert,
+    read_expert_packed,
 )
 from epmoe.placement import ExpertPlacement
 from epmoe.spec import MoESpec, language_model_config, load_moe_spec, read_config
@@ -154,11 +157,10 @@ def build_meta_model(checkpoint_dir: str, dtype: torch.dtype, attn_implementatio
 
 
 def _check_weight_format(spec: MoESpec, checkpoint_dir: str) -> None:
-    if spec.expert_weight_format not in ("bf16", "fp8_block128", "fp8"):
-        raise ValueError(
-            f"checkpoint {checkpoint_dir}: weight format {spec.expert_weight_format!r} (quantization_config) is not "
-            f"supported by the loader; supported: unquantized and block-FP8 (float8_e4m3fn + _scale_inv)"
-        )
+    try:
+        ExpertStorage.of(spec.expert_weight_format)
+    except ValueError as exc:
+        raise ValueError(f"checkpoint {checkpoint_dir}: {exc}") from None
 
 
 def _copy_checked(dest: torch.Tensor, reader: CheckpointReader, name: str) -> None:
@@ -182,10 +184,15 @@ def _load_moe_layer(moe: MoELayer, reader: CheckpointReader, layout: FamilyLayou
             _copy_checked(moe.shared_expert_gate.weight, reader, f"{block}.{layout.shared_gate}")
         cache: dict[int, dict[str, torch.Tensor]] = {}
         params = moe.experts
+        storage = params.storage
         for slot, expert in enumerate(moe.local_experts.tolist()):
             if expert not in cache:
                 try:
-                    cache[expert] = read_expert(reader, layout, block, expert)
+                    if storage.kind == "plain":
+                        cache[expert] = read_expert(reader, layout, block, expert)
+                    else:  # kept packed, as stored
+                        cache[expert] = read_expert_packed(reader, layout, block, expert, storage,
+                                                           moe.spec.hidden_size, moe.spec.moe_intermediate_size)
                 except KeyError as exc:
                     raise KeyError(
                         f"checkpoint is missing a tensor of logical expert {expert} of {block}: {exc.args[0]}"
@@ -298,9 +305,21 @@ _DUMMY_STD = 0.02
 
 def _fill_dummy(name: str, tensor: torch.Tensor, gen: torch.Generator) -> None:
     """Dummy value of tensor ``name`` in place: norm weights 1, vectors (biases, sinks, correction
-    biases) 0, matrices normal(0, 0.02)."""
+    biases) 0, matrices normal(0, 0.02); packed INT4 / MXFP4 expert values random bits, with scales that give
+    them about the same spread (INT4 ``0.02 / 4.6``, MXFP4 ``2 ** -7``)."""
     leaf = name.rsplit(".", 1)[-1]
-    if "norm" in name and leaf == "weight" and tensor.dim() == 1:
+    if tensor.dtype == torch.int32:  # INT4 words: every bit pattern is eight valid values
+        tensor.copy_(torch.randint(-2**31, 2**31, tensor.shape, generator=gen, device=tensor.device,
+                                   dtype=torch.int64).to(torch.int32))
+    elif tensor.dtype == torch.uint8:  # MXFP4 values, or their E8M0 block scales
+        if leaf.endswith("_scales"):
+            tensor.fill_(E8M0_BIAS - 7)
+        else:
+            tensor.copy_(torch.randint(0, 256, tensor.shape, generator=gen, device=tensor.device,
+                                       dtype=torch.int32).to(torch.uint8))
+    elif leaf.endswith("_scale") and "experts" in name:
+        tensor.fill_(_DUMMY_STD / 4.6)
+    elif "norm" in name and leaf == "weight" and tensor.dim() == 1:
         tensor.fill_(1.0)
     elif tensor.dim() < 2 or "bias" in leaf:
         tensor.zero_()
@@ -310,9 +329,11 @@ def _fill_dummy(name: str, tensor: torch.Tensor, gen: torch.Generator) -> None:
 
 @torch.no_grad()
 def _random_fill(module: nn.Module, gen: torch.Generator) -> None:
-    """Every floating-point parameter and buffer of ``module`` gets its dummy value (``_fill_dummy``); integer
-    buffers (slot tables) are structure, not weights, and stay."""
-    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+    """Every floating-point parameter and buffer of ``module``, and its packed INT4 / MXFP4 expert parameters, get
+    their dummy value (``_fill_dummy``); integer buffers (slot tables) are structure, not weights, and stay."""
+    for name, t in module.named_parameters():
+        _fill_dummy(name, t, gen)
+    for name, t in module.named_buffers():
         if t.is_floating_point():
             _fill_dummy(name, t, gen)
 
@@ -408,9 +429,10 @@ def load_dense_model(checkpoint_dir: str, *, dtype: torch.dtype = torch.float32,
 
 def needs_own_loader(checkpoint_dir: str) -> bool:
     """True when transformers' ``from_pretrained`` cannot read ``checkpoint_dir`` as a plain model: block-FP8
-    weights (its FP8 path needs ``accelerate`` and a GPU, and computes in FP8) or a wrapper prefix."""
+    weights (its FP8 path needs ``accelerate`` and a GPU, and computes in FP8), INT4 pack-quantized or MXFP4
+    weights (its quantizers compute in their own kernels, not from the dequantized weights) or a wrapper prefix."""
     reader = CheckpointReader(checkpoint_dir)
-    return reader.has_fp8 or bool(reader.prefix)
+    return reader.has_fp8 or reader.has_packed or bool(reader.prefix)
 
 
 def load_full_model(checkpoint_dir: str, dtype: torch.dtype = torch.float32,

@@ -4,6 +4,19 @@ Each entry keeps the routing architecture of the real model (scoring, grouping, 
 dense-first layers, biases) and scales the sizes down so a whole model runs on two CPU cores in
 seconds. ``build_tiny_checkpoint`` calls ``save_pretrained``: the tensors have the published names and
 layout, and a byte-level tokenizer is saved beside them.
+
+The quantized families (``QUANTIZED_FAMILIES``) start from such a checkpoint and rewrite its routed experts in
+the published quantized layout, with the format's own package doing the quantization:
+
+- ``kimi-k2.5-int4``: Kimi-K2.5 as published: a ``kimi_k25`` config with the language model under
+  ``text_config`` (``model_type: kimi_k2``) and its ``quantization_config`` (compressed-tensors,
+  ``pack-quantized``, 4-bit symmetric int, group 32, the published ``ignore`` list), every tensor under
+  ``language_model.``, the routed experts as ``weight_packed`` int32 / ``weight_scale`` bf16 / ``weight_shape``
+  (quantized and packed by ``compressed-tensors``), everything else unquantized.
+- ``gpt-oss-mxfp4``: gpt-oss as published: ``quantization_config.quant_method: mxfp4``, the fused experts as
+  ``gate_up_proj_blocks`` / ``_scales`` and ``down_proj_blocks`` / ``_scales`` (values rounded to E2M1 and packed
+  by ``compressed-tensors``' FP4 helpers, E8M0 block scales by its MX rule), gate/up rows interleaved, biases
+  unquantized.
 """
 
 from __future__ import annotations
@@ -83,6 +96,29 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
 
 DEFAULT_FAMILY = "kimi-k2.5"
 
+# quantized family -> (the family its transformers checkpoint is built from, the routed-expert format)
+QUANTIZED_FAMILIES: dict[str, tuple[str, str]] = {
+    "kimi-k2.5-int4": ("kimi-k2.5", "int4"),
+    "gpt-oss-mxfp4": ("gpt-oss", "mxfp4"),
+}
+INT4_GROUP = 32
+# Kimi-K2.5's published quantization_config (under text_config)
+KIMI_K25_QUANTIZATION: dict[str, Any] = {
+    "config_groups": {"group_0": {
+        "input_activations": None, "output_activations": None, "targets": ["Linear"],
+        "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": INT4_GROUP,
+                    "num_bits": 4, "observer": "minmax", "observer_kwargs": {}, "strategy": "group",
+                    "symmetric": True, "type": "int"}}},
+    "format": "pack-quantized",
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+    "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
+}
+GPT_OSS_QUANTIZATION: dict[str, Any] = {
+    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                               "lm_head"],
+    "quant_method": "mxfp4",
+}
+
 
 def _byte_tokenizer():
     """A byte-level BPE tokenizer with no merges: token ``i < 256`` is byte ``i``."""
@@ -118,7 +154,8 @@ def build_tiny_checkpoint(
     spread over all experts; everything else keeps transformers' own initialisation.
 
     Args:
-        family: a key of ``TINY_FAMILIES``.
+        family: a key of ``TINY_FAMILIES`` or ``QUANTIZED_FAMILIES`` (the latter written in float32 with the
+            routed experts quantized; ``dtype`` does not apply).
         directory: output directory (created).
         seed: RNG seed of the weights.
         dtype: dtype the tensors are saved in.
@@ -132,8 +169,10 @@ def build_tiny_checkpoint(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if family in QUANTIZED_FAMILIES:
+        return _build_quantized(family, Path(directory), seed, overrides)
     if family not in TINY_FAMILIES:
-        raise KeyError(f"unknown tiny family {family!r}; known: {sorted(TINY_FAMILIES)}")
+        raise KeyError(f"unknown tiny family {family!r}; known: {sorted(TINY_FAMILIES) + sorted(QUANTIZED_FAMILIES)}")
     kwargs = {**_COMMON, **TINY_FAMILIES[family], **(overrides or {})}
     model_type = kwargs.pop("model_type")
     config = AutoConfig.for_model(model_type, **kwargs)
@@ -218,6 +257,87 @@ def build_tiny_eagle3_config(directory: str | Path, template: str | Path, target
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def _build_quantized(family: str, out: Path, seed: int, overrides: dict[str, Any] | None) -> Path:
+    """Write ``family`` of ``QUANTIZED_FAMILIES``: its base checkpoint by transformers, then the routed experts
+    rewritten in the published quantized layout (see the module docstring)."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    base_family, fmt = QUANTIZED_FAMILIES[family]
+    with tempfile.TemporaryDirectory(prefix=f"{family}-base-") as tmp:
+        base = build_tiny_checkpoint(base_family, tmp, seed=seed, overrides=overrides)
+        tensors: dict[str, torch.Tensor] = {}
+        for f in sorted(base.glob("*.safetensors")):
+            tensors.update(load_file(f))
+        config = json.loads((base / "config.json").read_text())
+        out.mkdir(parents=True, exist_ok=True)
+        for f in base.iterdir():
+            if f.suffix != ".safetensors" and f.name not in ("model.safetensors.index.json", "config.json"):
+                shutil.copy(f, out / f.name)
+    if fmt == "int4":
+        tensors = {f"language_model.{k}": v for k, v in _int4_experts(tensors).items()}
+        text = {**config, "model_type": "kimi_k2", "quantization_config": KIMI_K25_QUANTIZATION}
+        config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+                  "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config"}, "text_config": text,
+                  "bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id"),
+                  "pad_token_id": config.get("pad_token_id"), "tie_word_embeddings": False}
+    else:
+        tensors = _mxfp4_experts(tensors)
+        config = {**config, "quantization_config": GPT_OSS_QUANTIZATION}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    (out / "epmoe_tiny.json").write_text(json.dumps({"family": family, "seed": seed, "overrides": overrides or {}}))
+    return out
+
+
+def _int4_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Routed expert ``...mlp.experts.{e}.{gate,up,down}_proj.weight`` -> compressed-tensors' pack-quantized triple
+    (``quantize`` with min-max group scales, ``pack_to_int32``); scales in bf16 as Kimi-K2.5 stores them."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=INT4_GROUP, symmetric=True)
+    out: dict[str, torch.Tensor] = {}
+    for name, w in tensors.items():
+        if ".mlp.experts." not in name or not name.endswith("_proj.weight"):
+            out[name] = w
+            continue
+        groups = w.float().unflatten(-1, (-1, INT4_GROUP))
+        scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+        scale = scale.to(torch.bfloat16)
+        q = quantize(w.float(), scale.float(), zero_point, args, dtype=torch.int8)
+        out[name + "_packed"] = pack_to_int32(q, 4)
+        out[name + "_scale"] = scale
+        out[name + "_shape"] = torch.tensor(list(w.shape), dtype=torch.int64)
+    return out
+
+
+def _mxfp4_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """gpt-oss's fused ``...experts.gate_up_proj [E, D, 2F]`` and ``down_proj [E, F, D]`` -> ``_blocks
+    [E, N, K/32, 16]`` uint8 and ``_scales [E, N, K/32]`` uint8 (``N`` the output dimension: the transpose of
+    transformers' layout, gate/up rows still interleaved), by compressed-tensors' MX scale rule and FP4 packing."""
+    from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8
+    from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4
+    from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
+
+    out: dict[str, torch.Tensor] = {}
+    for name, w in tensors.items():
+        if not name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            out[name] = w
+            continue
+        rows = w.float().transpose(1, 2)  # [E, N, K]
+        groups = rows.unflatten(-1, (-1, 32))
+        exponent = generate_mx_scales(groups.abs().amax(-1))  # biased E8M0, as float
+        values = cast_to_fp4(groups / torch.exp2(exponent - 127).unsqueeze(-1))
+        packed = pack_fp4_to_uint8(values.reshape(-1, 32))
+        out[name + "_blocks"] = packed.reshape(*groups.shape[:-1], 16).contiguous()
+        out[name + "_scales"] = exponent.to(torch.uint8).contiguous()
     return out
 
 

@@ -42,8 +42,12 @@ def bytes_per_param(weight_format: str) -> float:
     Raises:
         ValueError: an unknown format (the known ones are listed).
     """
+    group = weight_format.removeprefix("int4_group")
+    if weight_format not in BYTES_PER_PARAM and group.isdigit() and int(group) > 0:
+        return 0.5 + 2.0 / int(group)  # compressed-tensors INT4 with another group size: one bf16 scale per group
     if weight_format not in BYTES_PER_PARAM:
-        raise ValueError(f"weight format {weight_format!r} is not known; known: {', '.join(BYTES_PER_PARAM)}")
+        raise ValueError(f"weight format {weight_format!r} is not known; known: {', '.join(BYTES_PER_PARAM)}, "
+                         f"int4_group<G>")
     return BYTES_PER_PARAM[weight_format]
 
 

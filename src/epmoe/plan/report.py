@@ -228,7 +228,8 @@ def plan_to_dict(p: Plan) -> dict[str, Any]:
 
 
 def plan_table(p: Plan) -> Table:
-    """A rich table: one row per strategy and batch size with the step split and memory per GPU."""
+    """A rich table: one row per strategy and batch size with the step split and memory per GPU (``expert GiB``:
+    the routed experts' share, in the expert format of the title, scales included)."""
     r = p.request
     step_kind = "decode" if r.spec_tokens == 0 else f"verify S={r.spec_tokens}"
     t = Table(title=f"{Path(r.spec.source).name} on {r.gpus}x {r.hardware.gpu} ({r.hardware.name}, {r.nodes} node"
@@ -236,7 +237,8 @@ def plan_table(p: Plan) -> Table:
                     f"balancedness {r.balancedness}",
               caption="times in ms on the busiest rank; AR all-reduce, RS reduce-scatter, AG all-gather, A2A "
                       "all-to-all")
-    for col in ("strategy", "batch", "step", "attn+dense", "experts", "comm", "collectives/step", "GiB/GPU", "fits"):
+    for col in ("strategy", "batch", "step", "attn+dense", "experts", "comm", "collectives/step", "GiB/GPU",
+                "expert GiB", "fits"):
         t.add_column(col, justify="left" if col in ("strategy", "collectives/step", "fits") else "right",
                      no_wrap=col != "fits")
     for sp in p.strategies:
@@ -245,7 +247,7 @@ def plan_table(p: Plan) -> Table:
             fits = "yes" if m.fits else f"[red]over {m.over / GIB:.1f} GiB[/red]"
             t.add_row(sp.strategy.name, str(st.batch), f"{st.total_ms:.2f}", f"{st.attention_ms:.2f}",
                       f"{st.expert_ms:.2f}", f"{st.comm_ms:.2f}", describe_collectives(st, short=True),
-                      f"{m.total / GIB:.1f} / {m.capacity / GIB:.0f}", fits)
+                      f"{m.total / GIB:.1f} / {m.capacity / GIB:.0f}", f"{m.expert_weights / GIB:.1f}", fits)
         t.add_section()
     return t
 

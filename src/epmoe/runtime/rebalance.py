@@ -58,7 +58,7 @@ def _source_rank(old: ExpertPlacement, layer: int, expert: int) -> int:
 
 def _agree(ok: bool, layer: MoELayer) -> bool:
     """True when every rank passes ``ok`` (one tiny all-reduce on the weights' device)."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=layer.experts.w13.device)
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=next(layer.experts.parameters()).device)
     return int(layer.comm.all_reduce(flag)) == layer.comm.size
 
 
@@ -83,10 +83,12 @@ def _stage_layer(
     names = list(current)
     staged = {n: torch.empty_like(t) for n, t in current.items()}
     old_local = old.local_experts(rank)[index].tolist()
-    row_numel = [current[n][0].numel() for n in names]
+    row_bytes = [current[n][0].numel() * current[n].element_size() for n in names]
+    device = current[names[0]].device
 
     def flat(slot: int) -> torch.Tensor:
-        return torch.cat([current[n][slot].reshape(-1) for n in names])
+        # one message per copy, as bytes: packed INT4/MXFP4 weights travel with their scales (and biases)
+        return torch.cat([_bytes(current[n][slot]) for n in names])
 
     ops: list[dist.P2POp] = []
     recvs: list[tuple[int, torch.Tensor]] = []
@@ -96,7 +98,7 @@ def _stage_layer(
             for n in names:
                 staged[n][j].copy_(current[n][src_slot])
         else:
-            buf = torch.empty(sum(row_numel), dtype=current[names[0]].dtype, device=current[names[0]].device)
+            buf = torch.empty(sum(row_bytes), dtype=torch.uint8, device=device)
             tag = tag_base + index * new.num_slots + rank * per_rank + j
             ops.append(dist.P2POp(dist.irecv, buf, _source_rank(old, index, expert), comm.group, tag))
             recvs.append((j, buf))
@@ -111,13 +113,18 @@ def _stage_layer(
     return staged, ops, recvs
 
 
+def _bytes(row: torch.Tensor) -> torch.Tensor:
+    """A contiguous slot row seen as its bytes (``[numel * element_size]`` uint8, no copy)."""
+    return row.reshape(-1).view(torch.uint8)
+
+
 def _unpack(staged: dict[str, torch.Tensor], recvs: list[tuple[int, torch.Tensor]]) -> None:
     for j, buf in recvs:
         offset = 0
-        for name, tensor in staged.items():
-            n = tensor[j].numel()
-            tensor[j].copy_(buf[offset:offset + n].view_as(tensor[j]))
-            offset += n
+        for tensor in staged.values():
+            dest = _bytes(tensor[j])
+            dest.copy_(buf[offset:offset + dest.numel()])
+            offset += dest.numel()
 
 
 def migrate(ep_model: EPModel, new: ExpertPlacement, *, epoch: int = 0, timeout_s: float = 60.0) -> MigrationResult:

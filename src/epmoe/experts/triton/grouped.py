@@ -17,7 +17,7 @@ size and no host synchronisation (CUDA-graph safe):
    accumulated side by side in float32, bias, the gated activation, stored as ``h [NB*BM, F]``.
 5. ``_down_kernel``: per (row block, D tile): ``h @ w2[slot].T``, bias, times the routing weight,
    stored at the pair's row of ``y [N, D]``.
-6. ``_sum_kernel``: ``out[t] = sum_k y[t*K + k]`` over the pairs whose slot is in ``[0, S)``.
+6. ``sum_pairs_kernel``: ``out[t] = sum_k y[t*K + k]`` over the pairs whose slot is in ``[0, S)``.
 
 In 4 and 5 a half-size block runs the same code with ``BM / 2`` rows (a second compiled branch), so the
 padding multiplied is under ``BM / 2`` rows per slot. With ``TileConfig.tma`` the weight tiles (and
@@ -353,7 +353,9 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_kernel(y_ptr, slots_ptr, out_ptr, D, top_k, num_slots, BLOCK_D: tl.constexpr):
+def sum_pairs_kernel(y_ptr, slots_ptr, out_ptr, D, top_k, num_slots, BLOCK_D: tl.constexpr):
+    """Grid ``(T, cdiv(D, BLOCK_D))``: ``out[t] = sum_k y[t * K + k]`` (``y [N, D]``, ``out [T, D]`` contiguous) over
+    the ``k`` whose slot is in ``[0, S)``, in a fixed order; shared with the INT4 kernels."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs < D
@@ -500,5 +502,5 @@ def triton_experts(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     block_d = min(1024, triton.next_power_of_2(d))
-    _sum_kernel[(t, triton.cdiv(d, block_d))](y, slots, out, d, k, s, BLOCK_D=block_d)
+    sum_pairs_kernel[(t, triton.cdiv(d, block_d))](y, slots, out, d, k, s, BLOCK_D=block_d)
     return out

@@ -1,0 +1,149 @@
+"""The INT4 (W4A16) expert kernels and the MXFP4 widening against the reference on the dequantized weights: under
+the Triton interpreter (``interpret``: ``TRITON_INTERPRET=1``, fp16 and float32) and on a GPU (``gpu``: bf16,
+through the ``triton`` backend, eagerly and replayed from a CUDA graph).
+
+    PYTHONPATH=/path/to/numpy<2.4:src TRITON_INTERPRET=1 pytest -q -m interpret tests/experts/test_int4_kernels.py
+"""
+
+import pytest
+import torch
+
+from epmoe.experts import Activation, ExpertWeights, get_expert_backend, reference_experts
+from epmoe.experts.int4 import int4_expert_weights
+from epmoe.experts.mxfp4 import mxfp4_expert_weights
+
+
+def _weights(seed, s, d, f, bias, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    w13, w2 = torch.randn(s, 2 * f, d, generator=g) / d**0.5, torch.randn(s, d, f, generator=g) / f**0.5
+    b13 = torch.randn(s, 2 * f, generator=g) * 0.1 if bias else None
+    b2 = torch.randn(s, d, generator=g) * 0.1 if bias else None
+    return ExpertWeights(*[None if v is None else v.to(device) for v in (w13, w2, b13, b2)])
+
+
+def _ref(x, slots, tw, q, act, woi):
+    deq = q.dequantize(torch.float64)
+    w = ExpertWeights(deq.w13, deq.w2, *[None if b is None else b.double() for b in (deq.b13, deq.b2)])
+    return reference_experts(x.double(), slots, tw.double(), w, act, woi)
+
+
+def _rel(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def _int4(seed, s, d, f, bias, group, dtype, device="cpu"):
+    q = int4_expert_weights(_weights(seed, s, d, f, bias, device), group)
+    return type(q)(q.w13_packed, q.w13_scale.to(dtype), q.w2_packed, q.w2_scale.to(dtype),
+                   *[None if b is None else b.to(dtype) for b in (q.b13, q.b2)], group)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype,group,act,bias,woi", [
+    (torch.float32, 32, Activation(), False, False),
+    (torch.float16, 64, Activation("silu", 7.0), True, False),
+    (torch.float32, 32, Activation("gelu"), True, True),
+])
+def test_int4_decode_matches_reference(dtype, group, act, bias, woi):
+    from epmoe.experts.triton.int4 import Int4DecodeConfig, int4_decode_experts
+
+    s, d, f = 5, 192, 64  # D: 24 words, a ragged last step of 16 words
+    q = _int4(group + bias, s, d, f, bias, group, dtype)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, d, generator=g).to(dtype)
+    slots = torch.tensor([[0, -1, 4, 2], [1, 1, 7, 0], [-1, -1, -1, 3]])  # 7: outside [0, S), skipped
+    tw = torch.rand(3, 4, generator=g)
+    ref = _ref(x, slots, tw, q, act, woi)
+    out = int4_decode_experts(x, slots, tw, q, act, woi, Int4DecodeConfig(8, 16, 16, 8, 4))
+    assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3)
+    none = int4_decode_experts(x, torch.full((3, 4), -1), tw, q, act, woi, Int4DecodeConfig(8, 16, 16, 8, 4))
+    assert not none.any()
+
+
+@pytest.mark.interpret
+def test_int4_dequantized_path_and_dequantize_kernel():
+    from epmoe.experts.int4 import dequantize_int4
+    from epmoe.experts.triton.int4 import dequantize_int4_triton, int4_dequantized_experts, int4_experts
+
+    q = _int4(3, 4, 128, 64, True, 32, torch.float16)
+    out = torch.full((4, 128, 128), 7.0)
+    counts = torch.tensor([2, 0, 1, 0, 9], dtype=torch.int32)  # slots 1 and 3 have no pairs: left as they were
+    dequantize_int4_triton(q.w13_packed, q.w13_scale, 32, out, counts)
+    want = dequantize_int4(q.w13_packed, q.w13_scale, 32, torch.float32)
+    assert torch.equal(out[[0, 2]], want[[0, 2]]) and bool((out[[1, 3]] == 7.0).all())
+    x = torch.randn(9, 128).half()
+    slots = torch.tensor([[0, 2], [2, -1], [0, 0], [-1, 2], [2, 0], [0, 2], [2, 2], [-1, -1], [0, 2]])
+    tw = torch.rand(9, 2)
+    act = Activation("silu", 7.0)
+    ref = _ref(x, slots, tw, q, act, False)
+    assert _rel(int4_dequantized_experts(x, slots, tw, q, act), ref) < 2e-3  # 18 pairs
+    assert _rel(int4_experts(x[:5], slots[:5], tw[:5], q, act), ref[:5]) < 2e-3  # 10 pairs: the decode kernels
+
+
+@pytest.mark.interpret
+def test_mxfp4_widening_and_experts():
+    from epmoe.experts.mxfp4 import dequantize_mxfp4
+    from epmoe.experts.triton.mxfp4 import dequantize_mxfp4_triton, mxfp4_experts
+
+    q = mxfp4_expert_weights(_weights(5, 4, 96, 64, True))
+    blocks = q.w13_blocks.clone()
+    blocks[0, 0, 0] = torch.arange(16, dtype=torch.uint8) * 17  # every E2M1 code, in both nibbles
+    scales = q.w13_scales.clone()
+    scales[0, 1, 0] = 0  # 2 ** -127
+    out = torch.full((4, 128, 96), 7.0)
+    dequantize_mxfp4_triton(blocks, scales, out, torch.tensor([1, 0, 3, 0], dtype=torch.int32))
+    want = dequantize_mxfp4(blocks, scales, torch.float32)
+    assert torch.equal(out[[0, 2]], want[[0, 2]]) and bool((out[[1, 3]] == 7.0).all())
+    q = type(q)(q.w13_blocks, q.w13_scales, q.w2_blocks, q.w2_scales, q.b13.half(), q.b2.half())
+    x = torch.randn(9, 96).half()
+    slots = torch.tensor([[0, 2], [2, -1], [0, 0], [-1, 2], [2, 0], [0, 2], [2, 2], [-1, -1], [0, 2]])
+    tw = torch.rand(9, 2)
+    act = Activation("silu", 7.0)
+    assert _rel(mxfp4_experts(x, slots, tw, q, act), _ref(x, slots, tw, q, act, False)) < 2e-3  # 18 pairs
+
+
+def test_int4_step_must_cover_whole_groups():
+    from epmoe.experts.triton.int4 import Int4DecodeConfig, int4_decode_experts
+
+    q = int4_expert_weights(_weights(0, 2, 128, 64, False), 64)
+    x, slots, tw = torch.randn(1, 128), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)
+    with pytest.raises(ValueError, match="multiples of the group size 64"):
+        int4_decode_experts(x, slots, tw, q, Activation(), config=Int4DecodeConfig(8, 4, 16, 8, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 2, 16, 100, 1500])  # 16 pairs and fewer: decode kernels; more: dequantized
+@pytest.mark.parametrize("case", ["silu", "swiglu_bias_woi", "skip"])
+def test_int4_backend_on_gpu(t, case):
+    s, d, f, k = 12, 1024, 512, 8
+    q = _int4(t, s, d, f, case != "silu", 32, torch.bfloat16, "cuda")
+    act = Activation("silu", 7.0) if case == "swiglu_bias_woi" else Activation()
+    woi = case == "swiglu_bias_woi"
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randint(0, s, (t, k), device="cuda")
+    if case == "skip":
+        slots = torch.where(torch.rand(t, k, device="cuda") < 0.8, -1, slots)
+        slots[0, 0] = 3
+    tw = torch.rand(t, k, device="cuda")
+    ref = _ref(x, slots, tw, q, act, woi)
+    backend = get_expert_backend("triton")
+    out = backend(x, slots, tw, q, act, woi)
+    assert _rel(out, ref) < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = backend(x, slots, tw, q, act, woi)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(captured, backend(x, slots, tw, q, act, woi))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 300])  # the bf16 decode kernels and the grouped ones on the widened slots
+def test_mxfp4_backend_on_gpu(t):
+    s, d, f, k = 8, 512, 256, 4
+    q = mxfp4_expert_weights(_weights(t, s, d, f, True, "cuda"))
+    q = type(q)(q.w13_blocks, q.w13_scales, q.w2_blocks, q.w2_scales, q.b13.bfloat16(), q.b2.bfloat16())
+    act = Activation("silu", 7.0)
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randint(0, s, (t, k), device="cuda")
+    tw = torch.rand(t, k, device="cuda")
+    assert _rel(get_expert_backend("triton")(x, slots, tw, q, act), _ref(x, slots, tw, q, act, False)) < 1e-2

@@ -1,0 +1,314 @@
+"""INT4 pack-quantized (Kimi-K2.5) and MXFP4 (gpt-oss) checkpoints served with their experts kept packed.
+
+The checkpoints are ``epmoe.models.tiny``'s ``kimi-k2.5-int4`` and ``gpt-oss-mxfp4`` (transformers' own model,
+routed experts quantized and packed by ``compressed-tensors``). The reference is transformers' model loaded with
+``from_pretrained`` from a twin checkpoint whose experts were dequantized by the formats' own code
+(compressed-tensors' ``unpack_from_int32`` + ``dequantize``; transformers' ``convert_moe_packed_tensors``), so
+nothing of ours takes part in it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from epmoe.comm import Comm
+from epmoe.experts import Int4ExpertWeights, MXFP4ExpertWeights
+from epmoe.layer import MoELayerOptions
+from epmoe.placement import ExpertPlacement
+from epmoe.runtime.launch import RankInfo, init_group, spawn
+
+from ..hf_greedy import hf_greedy
+
+FAMILIES = ("kimi-k2.5-int4", "gpt-oss-mxfp4")
+WEIGHT_TYPES = {"kimi-k2.5-int4": Int4ExpertWeights, "gpt-oss-mxfp4": MXFP4ExpertWeights}
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _dequantized_twin(src: Path, dst: Path) -> Path:
+    """The same model with every packed tensor dequantized by the format's own package, unwrapped and
+    unquantized, so that transformers' ``from_pretrained`` reads it."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, dst / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    if "text_config" in cfg:  # Kimi-K2.5: the language model alone, as DeepSeek-V3 (its architecture)
+        cfg = {**cfg["text_config"], "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}
+    cfg.pop("quantization_config")
+    (dst / "config.json").write_text(json.dumps(cfg))
+    tensors = _tensors(src)
+    args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=32, symmetric=True)
+    out = {}
+    for name, t in tensors.items():
+        plain = name.removeprefix("language_model.")
+        if name.endswith(".weight_packed"):
+            base = name[: -len("_packed")]
+            q = unpack_from_int32(t, 4, torch.Size(tensors[base + "_shape"].tolist()))
+            out[plain[: -len("_packed")]] = dequantize(q, tensors[base + "_scale"].float(), args=args)
+        elif name.endswith("_blocks"):
+            base = name[: -len("_blocks")]
+            out[plain[: -len("_blocks")]] = convert_moe_packed_tensors(t, tensors[base + "_scales"],
+                                                                        dtype=torch.float32).contiguous()
+        elif not name.endswith(("_scale", "_shape", "_scales")):
+            out[plain] = t
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def ckpts(tiny_checkpoints, tmp_path_factory) -> dict[str, tuple[str, str]]:
+    """family -> (the quantized checkpoint, its dequantized twin)."""
+    root = tmp_path_factory.mktemp("quantized")
+    out = {}
+    for fam in FAMILIES:
+        src = tiny_checkpoints(fam)
+        out[fam] = (str(src), str(_dequantized_twin(src, root / f"{fam}-deq")))
+    return out
+
+
+def _check(directory: str, twin: str, comm: Comm, layout: str, seed: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from epmoe.models.hf import load_ep_model
+    from epmoe.spec import load_moe_spec
+
+    spec = load_moe_spec(directory)
+    placement = ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, comm.size, comm.size, layout)
+    dispatcher = "local" if comm.size == 1 else "all_to_all"
+    ep = load_ep_model(directory, placement, comm, options=MoELayerOptions(dispatcher=dispatcher))
+    ref = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(seed * 31 + comm.rank))
+    with torch.no_grad():
+        ours, theirs = ep.model(ids).logits, ref(ids).logits
+    prompts = [ids[0].tolist(), ids[1, :4].tolist()]
+    weights = ep.moe_layers[0].experts.weights()
+    return {"rel_err": float((ours - theirs).norm() / theirs.norm()),
+            "tokens_equal": hf_greedy(ep.model, prompts, 4, 258) == hf_greedy(ref, prompts, 4, 258),
+            "weights": type(weights).__name__, "held": ep.expert_bytes / ep.full_expert_bytes,
+            "dtypes": sorted({str(p.dtype) for p in ep.moe_layers[0].experts.parameters()})}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ep1_matches_transformers_on_dequantized_weights(ckpts, family):
+    r = _check(*ckpts[family], Comm(None), "contiguous", seed=0)
+    assert r["rel_err"] < 1e-5 and r["tokens_equal"], r
+    assert r["weights"] == WEIGHT_TYPES[family].__name__
+    packed = "torch.int32" if family == "kimi-k2.5-int4" else "torch.uint8"
+    assert packed in r["dtypes"]  # the experts stay packed, not widened
+
+
+def _rebalanced_equal(directory: str, comm: Comm) -> dict:
+    """Load INT4 under one placement, move to another live, compare with a fresh load under the new one."""
+    from epmoe.models.hf import load_ep_model
+    from epmoe.runtime import rebalance
+
+    old = ExpertPlacement.trivial(2, 16, comm.size, num_redundant=comm.size)
+    new = ExpertPlacement.trivial(2, 16, comm.size, num_redundant=comm.size, layout="round_robin")
+    options = MoELayerOptions(dispatcher="all_to_all")
+    ep = load_ep_model(directory, old, comm, options=options)
+    ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(5 + comm.rank))
+    with torch.no_grad():
+        before = ep.model(ids).logits
+    result = rebalance.migrate(ep, new, epoch=1, timeout_s=20)
+    fresh = load_ep_model(directory, new, comm, options=options)
+    same = all(torch.equal(a, b) and a.dtype == b.dtype for la, lb in zip(ep.moe_layers, fresh.moe_layers)
+               for a, b in zip(la.experts.parameters(), lb.experts.parameters()))
+    with torch.no_grad():
+        after, fresh_logits = ep.model(ids).logits, fresh.model(ids).logits
+    return {"committed": result.committed, "received": result.copies_received, "bytes": result.bytes_received,
+            "same_weights": same, "after_equals_fresh": torch.equal(after, fresh_logits),
+            "rel_vs_before": float((after - before).norm() / before.norm())}
+
+
+def _worker(info: RankInfo, dirs: dict[str, tuple[str, str]]) -> dict:
+    comm = Comm(init_group(info, "cpu"))
+    layout = "contiguous" if comm.size == 2 else "round_robin"
+    out = {(fam, layout): _check(*dirs[fam], comm, layout, seed=i) for i, fam in enumerate(FAMILIES)}
+    if comm.size == 2:
+        out["rebalance"] = _rebalanced_equal(dirs["kimi-k2.5-int4"][0], comm)
+    torch.distributed.destroy_process_group()
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("ep", [2, 4])
+def test_multi_rank_matches_transformers_and_moves_int4_experts(ckpts, ep):
+    from epmoe.experts.storage import ExpertStorage
+
+    results = spawn(_worker, ep, (ckpts,))
+    for rank, res in enumerate(results):
+        for key, r in res.items():
+            if key == "rebalance":
+                continue
+            assert r["rel_err"] < 1e-5 and r["tokens_equal"], (rank, key, r)
+            assert r["weights"] == WEIGHT_TYPES[key[0]].__name__
+            e = 16 if key[0] == "kimi-k2.5-int4" else 8
+            assert r["held"] == pytest.approx((e / ep + 1) / e), key  # only this rank's slots were read
+    if ep == 2:
+        per_expert = ExpertStorage.of("int4_group32").bytes_per_expert(64, 32, dtype_bytes=4)
+        for r in (res["rebalance"] for res in results):
+            assert r["committed"] and r["received"] > 0
+            assert r["bytes"] == r["received"] * per_expert  # packed words + scales, one message per copy
+            assert r["same_weights"] and r["after_equals_fresh"], r
+            assert r["rel_vs_before"] < 1e-6
+
+
+def test_packing_matches_compressed_tensors():
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+    from epmoe.experts.int4 import dequantize_int4, pack_int4, quantize_int4, unpack_int4
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-8, 8, (3, 40, 96), generator=g, dtype=torch.int8)
+    packed = pack_int4(q)
+    assert packed.dtype == torch.int32 and packed.shape == (3, 40, 12)
+    assert torch.equal(packed, pack_to_int32(q, 4))
+    assert torch.equal(unpack_int4(pack_to_int32(q, 4)), q)
+    assert torch.equal(unpack_from_int32(packed, 4, q.shape), q)
+    w = torch.randn(2, 24, 128, generator=g)
+    p, s = quantize_int4(w, 32)
+    deq = dequantize_int4(p, s, 32, torch.float32)
+    assert torch.equal(deq, (unpack_from_int32(p, 4, w.shape).float().unflatten(-1, (-1, 32))
+                             * s.unsqueeze(-1)).flatten(-2))
+    assert 0.0 < float((deq - w).norm() / w.norm()) < 0.12  # really 4 bits, and close
+    with pytest.raises(ValueError, match=r"\[-8, 7\]"):
+        pack_int4(torch.full((1, 8), 8))
+
+
+def test_mxfp4_matches_transformers_and_compressed_tensors():
+    from compressed_tensors.compressors.mx_utils import decompress_mx_scale
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from epmoe.experts.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    w = torch.randn(3, 40, 96, generator=torch.Generator().manual_seed(1))
+    blocks, scales = quantize_mxfp4(w)
+    assert blocks.shape == (3, 40, 3, 16) and scales.shape == (3, 40, 3)
+    deq = dequantize_mxfp4(blocks, scales, torch.float32)
+    assert torch.equal(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2), deq)
+    values = unpack_fp4_from_uint8(blocks.reshape(-1, 16), blocks.numel() // 16, 32, torch.float32)
+    theirs = values.view(3, 40, 3, 32) * decompress_mx_scale(scales).float().unsqueeze(-1)
+    assert torch.equal(theirs.flatten(-2), deq)
+    assert 0.0 < float((deq - w).norm() / w.norm()) < 0.2
+
+
+def _broken(src: str, tmp: Path, edit) -> str:
+    dst = tmp / "broken"
+    shutil.copytree(src, dst)
+    tensors = _tensors(dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    edit(tensors, cfg)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
+EXPERT = "language_model.model.layers.2.mlp.experts.5"
+
+
+def _drop_scale(t, cfg):
+    del t[f"{EXPERT}.down_proj.weight_scale"]
+
+
+def _group16(t, cfg):
+    cfg["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 16
+
+
+def _bad_shape(t, cfg):
+    t[f"{EXPERT}.up_proj.weight_shape"] = torch.tensor([32, 96])
+
+
+def _scale_group16(t, cfg):
+    t[f"{EXPERT}.gate_proj.weight_scale"] = torch.ones(32, 4, dtype=torch.bfloat16)
+
+
+def _asymmetric(t, cfg):
+    cfg["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
+
+
+def _drop_mxfp4_scales(t, cfg):
+    del t["model.layers.1.mlp.experts.down_proj_scales"]
+
+
+@pytest.mark.parametrize("family,edit,error,match", [
+    ("kimi-k2.5-int4", _drop_scale, ValueError,
+     rf"{EXPERT}.down_proj.weight_packed.*no '{EXPERT}.down_proj.weight_scale'"),
+    ("kimi-k2.5-int4", _group16, ValueError, r"group_size.*16.*group sizes \(32, 64, 128\)"),
+    ("kimi-k2.5-int4", _bad_shape, ValueError, rf"{EXPERT}.up_proj.weight_shape' holds \[32, 96\].*\[32, 64\]"),
+    ("kimi-k2.5-int4", _scale_group16, ValueError, rf"{EXPERT}.gate_proj.weight_scale'.*per 16 inputs.*group_size 32"),
+    ("kimi-k2.5-int4", _asymmetric, ValueError, r"config_groups.group_0.weights.symmetric is False"),
+    ("gpt-oss-mxfp4", _drop_mxfp4_scales, ValueError, r"no 'model.layers.1.mlp.experts.down_proj_scales'"),
+])
+def test_bad_quantized_checkpoint_is_named(ckpts, tmp_path, family, edit, error, match):
+    from epmoe.models.hf import load_ep_model
+    from epmoe.spec import load_moe_spec
+
+    directory = _broken(ckpts[family][0], tmp_path, edit)
+    spec = load_moe_spec(directory)
+    with pytest.raises(error, match=match.replace(".", "[.]").replace("[.]*", ".*")):
+        load_ep_model(directory, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
+                      options=MoELayerOptions(dispatcher="local"))
+
+
+def test_doctor_and_plan_report_the_expert_format_and_bytes(ckpts, tmp_path):
+    from epmoe.doctor import DoctorConfig, check_expert_storage, diagnose
+    from epmoe.plan.costs import bytes_per_param
+    from epmoe.plan.hardware import load_hardware
+    from epmoe.plan.planner import plan
+    from epmoe.plan.request import PlanRequest
+    from epmoe.spec import load_moe_spec
+
+    lines = [f.line() for f in diagnose(DoctorConfig(model=ckpts["kimi-k2.5-int4"][0], ep=2))]
+    assert any("routed experts int4_group32, served packed: INT4 values + bf16 scales" in ln and "8 slots x 2 MoE" in ln
+               for ln in lines), lines
+    kimi = load_moe_spec("data/configs/kimi-k2.5.config.json")
+    (finding,) = check_expert_storage(kimi, 8, 0)
+    assert "23.6 MiB per expert, 66.4 GiB per rank (48 slots x 60 MoE layers)" in finding.what  # 24.8 MB, 71.3 GB
+    bad = load_moe_spec(_broken(ckpts["kimi-k2.5-int4"][0], tmp_path, _group16))
+    (err,) = check_expert_storage(bad, 2, 0)
+    assert err.severity == "error" and "group sizes (32, 64, 128)" in err.what
+    req = PlanRequest(spec=kimi, hardware=load_hardware("h200-sxm"), gpus=8, batches=(1,))
+    steps = [sp.steps[0] for sp in plan(req).strategies if sp.strategy.name.startswith("EP8")]
+    per_expert = 3 * 7168 * 2048 * bytes_per_param("int4_group32")
+    assert steps and all(st.memory.expert_weights == pytest.approx(60 * 48 * per_expert) for st in steps)
+
+
+def test_dummy_weights_stay_packed(ckpts):
+    from epmoe.models.hf import load_ep_model
+
+    ep = load_ep_model(ckpts["kimi-k2.5-int4"][0], ExpertPlacement.trivial(2, 16, 1), Comm(None),
+                       options=MoELayerOptions(dispatcher="local"), load_format="dummy")
+    experts = ep.moe_layers[0].experts
+    assert experts.w13_packed.dtype == torch.int32 and experts.w13_packed.unique().numel() > 100  # random words
+    with torch.no_grad():
+        logits = ep.model(torch.tensor([[1, 2, 3]])).logits
+    assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+@pytest.mark.multiprocess
+def test_epmoe_run_on_the_int4_checkpoint(ckpts, tmp_path):
+    from epmoe.cli import main
+
+    out = tmp_path / "report.json"
+    assert main(["run", "--model", ckpts["kimi-k2.5-int4"][0], "--ep", "2", "--max-new-tokens", "4",
+                 "--prompt", "int4 experts", "--prompt", "packed", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["matches_reference"] is True and report["mismatches"] == []
