@@ -121,15 +121,23 @@ class CheckpointReader:
         return self._packed.get(self.prefix + name)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        """Shape of tensor ``name`` from its file header (no data read); a packed tensor's stored shape is that of
-        its packed values (``_packed`` / ``_blocks``).
+        """Shape of tensor ``name`` as ``get`` returns it, from the file headers (no weight data read): a packed
+        tensor's dequantized shape (INT4: its ``weight_shape`` values, else ``[N, 8 * words]``; MXFP4 fused
+        expert tensors ``[..., N, K/32, 16]`` as ``[..., K, N]``).
 
         Raises:
             KeyError: the checkpoint has no tensor of that name (the directory is named).
         """
         full = self.prefix + name
-        if full in self._packed:
-            full += "_packed" if self._packed[full] == "int4" else "_blocks"
+        fmt = self._packed.get(full)
+        if fmt == "int4":
+            if full + "_shape" in self.weight_map:
+                return tuple(int(v) for v in self._read(full + "_shape", None).tolist())
+            n, words = self._handle(full + "_packed").get_slice(full + "_packed").get_shape()
+            return (n, 8 * words)
+        if fmt == "mxfp4":
+            *lead, n, kb, _ = self._handle(full + "_blocks").get_slice(full + "_blocks").get_shape()
+            return (*lead, 32 * kb, n)
         if full not in self.weight_map:
             raise KeyError(f"checkpoint {self.directory} has no tensor {name!r}")
         return tuple(self._handle(full).get_slice(full).get_shape())

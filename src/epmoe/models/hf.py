@@ -571,12 +571,19 @@ def check_checkpoint(checkpoint_dir: str, experts: Callable[[int], Iterable[int]
     reader = CheckpointReader(checkpoint_dir)
     if model is None:
         model = build_meta_model(checkpoint_dir, torch.float32)
+    fmt = spec.expert_weight_format
+    packed = "mxfp4" if fmt == "mxfp4" else "int4" if fmt.startswith("int4") else None  # how routed experts are stored
     for name, (shape, owner) in _expected_tensors(model, spec, layout, experts).items():
         if name not in reader:
             if owner:
                 raise KeyError(f"checkpoint is missing a tensor of {owner}: checkpoint {reader.directory} has no "
                                f"tensor {name!r}")
             raise KeyError(f"checkpoint {checkpoint_dir} is missing tensor {name!r}")
+        stored = reader.packed_format(name)
+        if owner and stored != packed and not name.endswith("bias"):  # expert biases stay unpacked
+            raise ValueError(f"checkpoint {reader.directory}: tensor {name!r} of {owner} is stored "
+                             f"{stored or 'unpacked'}, but config.json's quantization_config says the routed experts "
+                             f"are {spec.expert_weight_format}")
         found = reader.shape(name)
         if found != shape:
             raise ValueError(f"checkpoint {reader.directory}: tensor {name!r} has shape {found}, expected {shape} "
