@@ -86,6 +86,9 @@ from serve import stop_server, wait_ready  # noqa: E402
 MODES = ("plain", "ngram", "eagle3")
 PARALLEL = ("ep", "tp")
 KIMI_LAYERS = 61
+# share of a GPU the planner may fill when --layers 0 picks the layer count: below the engine's mem_fraction_static
+# (0.9), leaving room for the EAGLE-3 head, the graphs' pools and the allocator's slack
+FIT_FRACTION = 0.8
 # torch.profiler event names of one collective: NCCL kernels (CUDA) and gloo's record functions (CPU)
 COLLECTIVE_NAMES = {"allreduce": "all_reduce", "all_reduce": "all_reduce", "allgather": "all_gather",
                     "all_gather": "all_gather", "alltoall": "all_to_all", "all_to_all": "all_to_all",
@@ -153,7 +156,7 @@ def fitting_layers(args: argparse.Namespace, root: Path) -> int:
     for n in range(2, KIMI_LAYERS + 1):
         spec = load_moe_spec(str(checkpoint("kimi-k2.5", n, root / f"fit{n}", args.expert_format)))
         req = PlanRequest(spec=spec, hardware=hw, gpus=args.gpus, batches=(max(args.concurrency),),
-                          context=args.max_model_len, weights=args.expert_format, mem_fraction=0.85)
+                          context=args.max_model_len, weights=args.expert_format, mem_fraction=FIT_FRACTION)
         p = plan(req)
         names = [f"EP{args.gpus}+DPattn" if args.gpus > 1 else "TP1"]
         if not all(p.strategy(name).steps[0].memory.fits for name in names):
@@ -276,12 +279,15 @@ def collectives(r: Rank, engine: Engine, steps: int) -> dict:
     found: dict[str, dict] = {}
     for ev in prof.key_averages():
         name = ev.key.lower()
-        if not (("nccl" in name and r.cuda) or ("gloo" in name and not r.cuda)):
+        if r.cuda:  # the kernels only: the host-side "nccl:..." ranges would count their kernels twice
+            if "nccl" not in name or ev.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+        elif "gloo" not in name:
             continue
         kind = next((k for key, k in COLLECTIVE_NAMES.items() if key in name.replace("nccldevkernel_", "")), None)
         if kind is None:
             continue
-        us = getattr(ev, "device_time_total", 0.0) if r.cuda else ev.cpu_time_total
+        us = ev.device_time_total if r.cuda else ev.cpu_time_total
         e = found.setdefault(kind, {"calls": 0.0, "ms": 0.0})
         e["calls"] += ev.count / steps
         e["ms"] += us / 1e3 / steps
@@ -354,6 +360,18 @@ def peak_memory_gib(r: Rank) -> list[float]:
     return r.gather(mine)
 
 
+def check_expert_format(engine: Engine, expert_format: str) -> None:
+    """Raise ``ValueError`` when ``int4`` experts were asked for but the engine holds them in a float dtype (a tree
+    without the INT4 expert loader reads the config's ``quantization_config`` as bf16 dummy weights)."""
+    if expert_format != "int4":
+        return
+    experts = engine.ep_model.moe_layers[0].experts
+    dtypes = {t.dtype for t in [*experts.parameters(), *experts.buffers()]}
+    if all(d.is_floating_point for d in dtypes):
+        raise ValueError(f"--expert-format int4: the engine loaded the routed experts as {sorted(map(str, dtypes))}, "
+                         f"not packed INT4 (this tree has no INT4 expert loader); use --expert-format bf16")
+
+
 def rank_main(info: RankInfo, args: argparse.Namespace, model: dict) -> dict | None:
     """One rank: every parallel mode and decoding mode; rank 0 returns the rows and the greedy checks."""
     r = Rank(info, args)
@@ -368,6 +386,7 @@ def rank_main(info: RankInfo, args: argparse.Namespace, model: dict) -> dict | N
                 t0 = time.perf_counter()
                 engine = Engine(engine_config(args, model, parallel, mode), Comm(r.group))
                 start_s = r.max(time.perf_counter() - t0)
+                check_expert_format(engine, args.expert_format)
                 r.log(f"{parallel} {mode}: engine up in {start_s:.1f} s")
                 tokens[f"{parallel}/{mode}"] = check_tokens(r, engine, prompt_set)
                 for conc in args.concurrency:
@@ -458,8 +477,9 @@ def serve_part(args: argparse.Namespace, model: dict, out: Path) -> dict:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         wait_ready(url, proc, timeout_s=1200.0 if args.device == "cuda" else 300.0)
-        run_bench(BenchConfig(base_url=url, num_prompts=conc, input_len=in_len, output_len=8, max_concurrency=conc),
-                  progress=False)  # warm-up: the batched prefill and decode shapes
+        if args.device == "cuda":  # warm-up: the batched prefill and decode shapes compile before timing
+            run_bench(BenchConfig(base_url=url, num_prompts=conc, input_len=in_len, output_len=8,
+                                  max_concurrency=conc), progress=False)
         rep = run_bench(BenchConfig(base_url=url, num_prompts=args.serve_prompts or 4 * conc, input_len=in_len,
                                     output_len=out_len, max_concurrency=conc), progress=False)
     finally:
