@@ -5,10 +5,12 @@ On 8 H200s (``nvidia-h200-x8``; one spawned rank per GPU, NCCL)::
 
     PYTHONPATH=src python benchmarks/deployment.py --gpus 8 --out $OUT
 
-On 4 H200s (``nvidia-h200-x4``), the model cut to what fits (``--layers 0`` picks it from the planner's memory
-model; give a number to fix it)::
+(24 of Kimi-K2.5's 61 layers with bf16 experts; ``--expert-format int4`` fits all 61 once the INT4 expert loader is
+in the tree). On 4 H200s (``nvidia-h200-x4``), the model cut to what fits (13 layers in bf16, 40 in INT4)::
 
     PYTHONPATH=src python benchmarks/deployment.py --gpus 4 --out $OUT
+
+``--layers 0`` (the default) picks the layer count from the planner's memory model; give a number to fix it.
 
 On CPU with gloo (the script's check: the built-in small Kimi checkpoint of ``epmoe.models.tiny``, 2 ranks, few
 tokens)::
@@ -48,7 +50,10 @@ Ranks are spawned by ``epmoe.runtime.launch.spawn`` (gloo on CPU, NCCL on CUDA).
 After the ranks exit, ``epmoe serve --parallel ep --ep G`` (same model and expert format) under
 ``epmoe bench serve`` at ``--serve-concurrency`` (16): TTFT and TPOT percentiles, output throughput, failures.
 
-Writes ``deployment.json`` under ``--out`` (``$OUT`` by default) and prints the table last.
+Writes ``deployment.json`` under ``--out`` (``$OUT`` by default) and prints the table last. A machine call is
+limited to 10 minutes: where the whole script does not fit one, split it over calls with ``--parallel ep``,
+``--parallel tp`` (each with ``--skip-serve``) and ``--skip-engine`` (the server alone); ``--modes plain,ngram``
+drops a decoding mode.
 """
 
 from __future__ import annotations
@@ -122,6 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--serve-prompts", type=int, default=None, help="requests sent to the server (default 4x the "
                                                                    "concurrency)")
     p.add_argument("--skip-serve", action="store_true", help="no epmoe serve part")
+    p.add_argument("--skip-engine", action="store_true", help="only the epmoe serve part (a machine call of its own)")
     p.add_argument("--out", default=os.environ.get("OUT") or "deployment-out")
     a = p.parse_args(argv)
     cpu = a.device == "cpu"
@@ -515,6 +521,10 @@ def print_table(doc: dict) -> None:
               f"{_coll(row['collectives'])}")
     for c, v in doc["ep_over_tp"].items():
         print(f"C {c}: ep step / tp step = {v:.2f} (ep faster: {'yes' if v < 1 else 'NO'})")
+    print_serve(doc)
+
+
+def print_serve(doc: dict) -> None:
     s = doc.get("serve")
     if s:
         rep = s["report"]
@@ -532,6 +542,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         model = prepare(args, root)
         print(f"[deployment] {model['model_name']}, {args.gpus} ranks on {args.device}", flush=True)
+        if args.skip_engine:
+            doc = {"device": args.device, "gpus": args.gpus, "model": model, "args": vars(args),
+                   "serve": serve_part(args, model, out)}
+            (out / "deployment.json").write_text(json.dumps(doc, indent=1, default=str))
+            print_serve(doc)
+            return
         res = spawn(rank_main, args.gpus, (args, model))[0]
         rows = res["rows"]
         plain = {(r["parallel"], r["concurrency"]): r for r in rows if r["mode"] == "plain"}
@@ -542,7 +558,7 @@ def main(argv: list[str] | None = None) -> None:
         ref = next(iter(toks.values()))
         doc = {"device": args.device, "gpus": args.gpus,
                "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (gloo)",
-               "model": model, "args": {k: v for k, v in vars(args).items()},
+               "model": model, "args": vars(args),
                "checks": {"tokens": toks, "tokens_equal": all(t == ref for t in toks.values())},
                "rows": rows}
         doc["plan"] = add_plan(args, model, rows)
