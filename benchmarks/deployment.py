@@ -509,11 +509,12 @@ def print_table(doc: dict) -> None:
           f"ep/tp and modes: {doc['checks']['tokens_equal']}; planner's faster strategy: "
           f"{doc['plan']['planned_faster']}")
     print(f"{'par':3} {'mode':6} {'C':>3} {'step ms':>8} {'fwd ms':>7} {'tok/s':>8} {'tok/s/str':>9} {'x plain':>7} "
-          f"{'acc len':>7} {'plan ms':>8} {'/plan':>6} {'GiB/rank':>8}  collectives per step")
+          f"{'acc len':>7} {'plan ms':>8} {'/plan':>6} {'GiB/rank':>8}  collectives per step (no prop: nothing "
+          f"proposed in the window, plain steps)")
     for row in doc["rows"]:
         p = row["plan"]
         planned = p.get("step_ms", p.get("verify_ms"))
-        acc = "-" if row["mode"] == "plain" else f"{row['accepted_length']:7.2f}"
+        acc = "-" if row["mode"] == "plain" else f"{row['accepted_length']:7.2f}" if row["verify_steps"] else "no prop"
         speed = "-" if row["mode"] == "plain" else f"{row['speedup_per_stream']:7.2f}"
         print(f"{row['parallel']:3} {row['mode']:6} {row['concurrency']:3d} {row['step_ms']:8.2f} "
               f"{row['forward_ms']:7.2f} {row['output_tokens_per_s']:8.1f} {row['tokens_per_s_per_stream']:9.1f} "
