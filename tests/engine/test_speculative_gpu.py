@@ -17,15 +17,19 @@ def _engine(model: str, eager: bool, **spec) -> Engine:
                                cuda_graph_max_bs=8, enforce_eager=eager, **spec))
 
 
-@pytest.mark.parametrize("algo,family", [("ngram", "qwen3-moe"), ("draft", "qwen3-moe"), ("eagle3", "kimi-k2.5")])
+# Qwen3-MoE: its bf16 kernels give the same tokens for a sequence whatever rows share its step, so a verify step
+# must reproduce plain decoding exactly. (Kimi's MLA decode and sigmoid router in bf16 do not: there a verify step
+# and a plain step can round a near-tie apart; Kimi with an EAGLE-3 head is checked exactly in float32 on CPU, in
+# test_speculative.py.)
+@pytest.mark.parametrize("algo,family", [("ngram", "qwen3-moe"), ("draft", "qwen3-moe"), ("eagle3", "qwen3-moe")])
 @pytest.mark.parametrize("k", [1, 3])
 def test_verify_graphs_equal_eager_plain_decoding(tiny_checkpoints, tmp_path, algo, family, k):
     from epmoe.models.tiny import build_tiny_eagle3_config
 
     model = str(tiny_checkpoints(family))
     draft = {"ngram": None, "draft": str(tiny_checkpoints("mixtral")),
-             "eagle3": str(build_tiny_eagle3_config(tmp_path / "eagle3", CONFIGS / "eagle3-draft-kimi-k2-instruct-aq-"
-                                                    "medai.config.json", model))}[algo]
+             "eagle3": str(build_tiny_eagle3_config(tmp_path / "eagle3", CONFIGS / "eagle3-draft-qwen3-30b-a3b-"
+                                                    "specforge.config.json", model))}[algo]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     want = [o.token_ids for o in _engine(model, True).generate(PROMPTS, params)]
     engine = _engine(model, False, speculative_algorithm=algo, speculative_draft_model=draft,
