@@ -259,3 +259,10 @@ def test_defaults_of_a_config_class_that_is_not_a_dataclass(monkeypatch):
             f.float("rope_theta")
     finally:
         transformers_defaults.cache_clear()
+
+
+def test_a_config_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_bytes(b"\xff\xfe\x00\x01")
+    with pytest.raises(ValueError, match=r"config\.json: not UTF-8 text \(byte 0xff at position 0\)"):
+        load_moe_spec(tmp_path)

@@ -459,6 +459,8 @@ def read_config(path: str | Path) -> tuple[dict[str, Any], Path]:
         cfg = json.loads(p.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{p}: not valid JSON ({exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{p}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at position {exc.start})") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{p}: expected a JSON object, got {type(cfg).__name__}")
     return cfg, p

@@ -149,10 +149,11 @@ def test_verify_rows_on_other_attention_variants(tiny_checkpoints, family):
     assert engine.spec_stats.verify_steps > 0
 
 
-def test_a_draft_equal_to_the_target_is_always_accepted(tiny_checkpoints):
+@pytest.mark.parametrize("family", ["qwen3-moe", "kimi-k2.5"])  # kimi: the draft's own MLA latent cache
+def test_a_draft_equal_to_the_target_is_always_accepted(tiny_checkpoints, family):
     """The draft's KV cache follows the sequences exactly: the target as its own draft proposes what the
     target then picks, every time (greedy), and K + 1 tokens come per verify step."""
-    model = str(tiny_checkpoints("qwen3-moe"))
+    model = str(tiny_checkpoints(family))
     engine = Engine(EngineConfig(model=model, speculative_algorithm="draft", speculative_draft_model=model,
                                  speculative_num_tokens=3))
     params = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)

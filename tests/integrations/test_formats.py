@@ -174,7 +174,7 @@ def test_bad_input_names_file_and_field_and_writes_nothing(tmp_path, capsys):
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(dump.read_bytes()[:2000])
     err = refused("--loads", str(truncated), "--config", str(V3))
-    assert f"loads file {str(truncated)!r} could not be read by torch.load (truncated" in err
+    assert f"loads file {str(truncated)!r} could not be read by torch.load with weights_only=True (truncated" in err
 
     stats = tmp_path / "stats"
     _trtllm_statistic(stats, range(3, 61), 256, range(0, 2))

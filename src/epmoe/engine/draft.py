@@ -20,6 +20,7 @@ import torch
 from epmoe.comm import Comm
 from epmoe.engine.attention import register_attention
 from epmoe.engine.kv_cache import KVCache, KVLayout
+from epmoe.engine.mla import install_mla
 from epmoe.engine.model_runner import Feed, ModelRunner, StepOutput, ep_static_hooks
 from epmoe.engine.speculative import Proposal, Proposer, last_rows, propose_tokens
 from epmoe.engine.tokenizer import load_tokenizer
@@ -89,9 +90,13 @@ class DraftModelProposer(Proposer):
             self._describe = f"draft {self.path}: dense, whole on every rank (no placement, no collectives)"
         else:
             model = self._load_moe(engine, spec, attn)
+        mla_layers = install_mla(model)  # a DeepSeek/Kimi draft: attention over its own latent KV cache
         self.model = model
         self.collective = self.comm.size > 1
         self.layout = KVLayout.from_config(model.config)
+        if self.layout.latent and mla_layers != self.layout.num_layers:
+            raise ValueError(f"draft model {self.path}: its config asks for MLA's latent KV cache (kv_lora_rank) "
+                             f"but {mla_layers} of {self.layout.num_layers} attention modules are MLA")
         self.kv_bytes_per_token = self.layout.bytes_per_token(self.dtype)
         self.max_model_len = engine.max_model_len
         self.kv: KVCache | None = None

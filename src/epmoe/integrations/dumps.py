@@ -76,8 +76,12 @@ def _torch_load(path: Path, what: str) -> Any:
     try:
         return torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as exc:  # truncated zip, pickle errors, disallowed globals: all mean "not readable"
-        raise ValueError(f"{what} {str(path)!r} could not be read by torch.load (truncated, or not a torch.save "
-                         f"file): {exc}") from exc
+        text = str(exc).strip()
+        # torch's own advice (re-run with weights_only=False) would run arbitrary code: not passed on
+        reason = ("it holds something other than tensors and plain values" if "Weights only load failed" in text
+                  else text.splitlines()[0] if text else type(exc).__name__)
+        raise ValueError(f"{what} {str(path)!r} could not be read by torch.load with weights_only=True (truncated, "
+                         f"or not a torch.save file of tensors and plain values): {reason}") from None
 
 
 def _as_tensor(value: Any, path: Path, field: str) -> torch.Tensor:
