@@ -344,6 +344,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             weights=args.weights, mem_fraction=args.mem_fraction, balancedness=args.balancedness,
         )
         draft = read_draft(args.draft) if args.draft else None
+        if draft is not None:
+            from epmoe.doctor import draft_mismatches, is_eagle_head
+
+            eagle = is_eagle_head(args.draft)
+            bad = draft_mismatches(draft, eagle, req.spec)
+            if bad:
+                label, dv, tv = bad[0]
+                raise ValueError(f"--draft {args.draft}: the draft has {label} {dv} but the target "
+                                 f"{Path(args.config).name} has {label} {tv}"
+                                 + (" (an EAGLE head reads the target's hidden states: it was trained for another "
+                                    "target)" if eagle else ""))
         if (args.draft or args.accept_length is not None) and not args.spec_tokens:
             raise ValueError("--draft and --accept-length price speculative decoding: they need --spec-tokens")
         report_plan(req, as_json=args.json, plot_path=args.plot, draft=draft, accept_length=args.accept_length,

@@ -185,7 +185,17 @@ def check_checkpoint(spec: MoESpec, directory: str, what: str = "the target mode
                           f"{spec.expert_weight_format} weights)")]
 
 
-def _is_eagle_head(path: str) -> bool:
+def draft_mismatches(model: DraftModel, eagle: bool, target: MoESpec) -> list[tuple[str, int, int]]:
+    """What a draft must share with its target and does not: ``(label, draft's value, target's value)`` for the
+    vocabulary size (every draft) and the hidden size (an EAGLE-style head, ``eagle``: it reads the target's hidden
+    states); empty when the pair fits."""
+    checks = [("vocab size", model.vocab_size, target.vocab_size)]
+    if eagle:
+        checks.insert(0, ("hidden size", model.hidden_size, target.hidden_size))
+    return [(label, dv, tv) for label, dv, tv in checks if dv != tv]
+
+
+def is_eagle_head(path: str) -> bool:
     """The draft is an EAGLE-style head (it reads the target's hidden states): its config has ``eagle_config`` or
     an ``*Eagle*`` architecture."""
     from epmoe.spec import language_model_config, read_config
@@ -205,16 +215,13 @@ def check_draft(draft: str, draft_placement: str | None, ep: int,
     """
     try:
         model = read_draft(draft)
-        eagle = _is_eagle_head(draft)
+        eagle = is_eagle_head(draft)
     except (ValueError, FileNotFoundError) as exc:
         return None, 0, [Finding("error", f"draft cannot be read: {exc}", "speculative decoding cannot start",
                                  "pass the draft checkpoint directory or its config.json")]
     out: list[Finding] = []
     if target is not None:
-        checks = [("vocab size", model.vocab_size, target.vocab_size)]
-        if eagle:
-            checks.insert(0, ("hidden size", model.hidden_size, target.hidden_size))
-        for label, dv, tv in checks:
+        for label, dv, tv in draft_mismatches(model, eagle, target):
             if dv != tv:
                 why = ("the EAGLE head reads the target's hidden states and token ids: it was trained for another "
                        "target" if eagle else "the draft's token ids must mean the target's tokens")

@@ -121,3 +121,14 @@ def test_server_commands_for_expert_parallel_with_redundant_experts():
                          "'{\"num_redundant_experts\": 32}'")
     with pytest.raises(ValueError, match="engine must be one of sglang, vllm"):
         server_command("trtllm", p)
+
+
+def test_plan_refuses_an_eagle_head_trained_for_another_target(capsys):
+    """As doctor does: an EAGLE-3 head reads the target's hidden states, so Qwen3-30B's head cannot draft for
+    Kimi-K2.5 (hidden 2048 against 7168); Kimi's own head is priced."""
+    args = ["plan", "--config", str(CONFIGS / "kimi-k2.5.config.json"), "--gpus", "8", "--hardware", "h200-sxm",
+            "--spec-tokens", "3", "--batch", "1"]
+    assert main(args + ["--draft", str(CONFIGS / "eagle3-draft-qwen3-30b-a3b-specforge.config.json")]) == 2
+    err = capsys.readouterr().err
+    assert "the draft has hidden size 2048 but the target kimi-k2.5.config.json has hidden size 7168" in err
+    assert main(args + ["--draft", str(CONFIGS / "eagle3-draft-kimi-k2-instruct-aq-medai.config.json")]) == 0
