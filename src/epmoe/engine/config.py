@@ -221,7 +221,10 @@ class EngineConfig:
                 raise ValueError("speculative_algorithm 'ngram' looks up the prompt and needs no draft model: leave "
                                  "speculative_draft_model and speculative_draft_placement unset")
             return
-        if draft is None or not str(draft) or not (Path(draft) / "config.json").is_file():
+        if draft is None:
+            raise ValueError(f"speculative_algorithm {algo!r} needs its draft: set speculative_draft_model to the "
+                             f"draft's directory")
+        if not str(draft) or not (Path(draft) / "config.json").is_file():
             raise ValueError(f"speculative_draft_model {draft!r} is not a directory with a config.json (speculative "
                              f"algorithm {algo!r} needs its draft)")
         if algo == "eagle3" and self.speculative_draft_placement is not None:
