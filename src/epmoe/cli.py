@@ -89,15 +89,6 @@ def _add_speculative(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest n-gram matched (default 4)")
 
 
-def _speculative_options(args: argparse.Namespace) -> dict:
-    return {"speculative_algorithm": args.speculative_algorithm,
-            "speculative_draft_model": args.speculative_draft_model,
-            "speculative_num_tokens": args.speculative_num_tokens,
-            "speculative_draft_placement": args.speculative_draft_placement,
-            "speculative_draft_parallel": args.speculative_draft_parallel,
-            "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
-
-
 def _add_replica_policy(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica-policy", choices=("static", "round_robin", "random"), default="static",
                    help="how a token picks among an expert's copies: static (one fixed copy per rank, default), "
@@ -105,6 +96,7 @@ def _add_replica_policy(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from epmoe.engine.config import speculative_options
     from epmoe.files import check_output_path
     from epmoe.runtime.run import RunConfig, run_job
 
@@ -122,7 +114,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         cuda_graph_max_bs=args.cuda_graph_max_bs, enforce_eager=args.enforce_eager, load_format=args.load_format,
         num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, replica_policy=args.replica_policy,
-        save_loads=args.save_loads, **_speculative_options(args),
+        save_loads=args.save_loads, **speculative_options(args),
     ))
     if report is None:  # a non-zero torchrun rank: rank 0 prints
         return 0
@@ -185,6 +177,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from epmoe.engine.config import speculative_options
     from epmoe.server.config import ServeConfig
     from epmoe.server.serve import serve
 
@@ -198,7 +191,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             eplb_interval=args.eplb_interval, placement=args.placement, redundant=args.redundant,
             replica_policy=args.replica_policy, expert_backend=args.expert_backend, host=args.host, port=args.port,
             served_model_name=args.served_model_name, api_key=args.api_key, drain_timeout_s=args.drain_timeout,
-            **_speculative_options(args),
+            **speculative_options(args),
         )
         return serve(cfg)
     except (ValueError, TypeError) as exc:

@@ -12,6 +12,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 PARALLEL_MODES = ("ep", "tp")
 SPECULATIVE_ALGORITHMS = ("ngram", "draft", "eagle3")
 DRAFT_PARALLEL_MODES = ("ep", "replicated")
+# the EngineConfig fields of speculative decoding, carried unchanged by RunConfig, ServeConfig and the CLI
+SPECULATIVE_FIELDS = ("speculative_algorithm", "speculative_draft_model", "speculative_num_tokens",
+                      "speculative_draft_placement", "speculative_draft_parallel", "prompt_lookup_min",
+                      "prompt_lookup_max")
+
+
+def speculative_options(source: object) -> dict:
+    """``{field: value}`` of ``SPECULATIVE_FIELDS`` read from ``source`` (a RunConfig, a ServeConfig or the CLI's
+    parsed arguments), for ``EngineConfig(**...)``."""
+    return {name: getattr(source, name) for name in SPECULATIVE_FIELDS}
 DEFAULT_SPECULATIVE_TOKENS = 3
 GRAPH_SAFE_BACKENDS = ("triton",)  # the reference backend reads the routing on the host
 

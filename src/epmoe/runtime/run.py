@@ -21,7 +21,7 @@ import torch
 from epmoe.balance import rank_balancedness
 from epmoe.comm import COLLECTIVE_KINDS, Comm
 from epmoe.engine import Engine, EngineConfig, SamplingParams
-from epmoe.engine.config import GRAPH_SAFE_BACKENDS, PARALLEL_MODES
+from epmoe.engine.config import GRAPH_SAFE_BACKENDS, PARALLEL_MODES, speculative_options
 from epmoe.engine.engine import trivial_or_file_placement
 from epmoe.engine.tokenizer import decode_text, encode_text, load_tokenizer
 from epmoe.layer import check_tp_sizes
@@ -202,11 +202,7 @@ class RunConfig:
             block_size=self.block_size,
             cuda_graph_max_bs=self.cuda_graph_max_bs, enforce_eager=eager, eplb_interval=self.eplb_interval,
             eplb_max_moves=self.eplb_max_moves, replica_policy=self.replica_policy, seed=self.seed or 0,
-            speculative_algorithm=self.speculative_algorithm, speculative_draft_model=self.speculative_draft_model,
-            speculative_num_tokens=self.speculative_num_tokens,
-            speculative_draft_placement=self.speculative_draft_placement,
-            speculative_draft_parallel=self.speculative_draft_parallel, prompt_lookup_min=self.prompt_lookup_min,
-            prompt_lookup_max=self.prompt_lookup_max,
+            **speculative_options(self),
         )
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from epmoe.engine import EngineConfig
-from epmoe.engine.config import GRAPH_SAFE_BACKENDS
+from epmoe.engine.config import GRAPH_SAFE_BACKENDS, speculative_options
 
 MAX_N = 16  # most choices one request may ask for (``n``)
 MAX_BODY_BYTES = 8 << 20  # a request body past this is refused with 413
@@ -113,10 +113,5 @@ class ServeConfig:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, mem_fraction_static=self.mem_fraction_static,
             num_kv_blocks=self.num_kv_blocks, cuda_graph_max_bs=self.cuda_graph_max_bs, enforce_eager=eager,
-            eplb_interval=self.eplb_interval, speculative_algorithm=self.speculative_algorithm,
-            speculative_draft_model=self.speculative_draft_model, speculative_num_tokens=self.speculative_num_tokens,
-            speculative_draft_placement=self.speculative_draft_placement,
-            speculative_draft_parallel=self.speculative_draft_parallel, prompt_lookup_min=self.prompt_lookup_min,
-            prompt_lookup_max=self.prompt_lookup_max,
-            replica_policy=self.replica_policy,
+            eplb_interval=self.eplb_interval, replica_policy=self.replica_policy, **speculative_options(self),
         )
