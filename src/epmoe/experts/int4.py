@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epmoe.experts.weights import ExpertWeights
+from epmoe.experts.weights import ExpertWeights, check_expert_biases
 
 INT4_PACK = 8
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -79,10 +79,7 @@ class Int4ExpertWeights:
             if tuple(getattr(self, name).shape) != shape:
                 raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, expected {shape} for "
                                  f"w13_packed {tuple(self.w13_packed.shape)} and group size {g}")
-        if self.b13 is not None and tuple(self.b13.shape) != (s, two_f):
-            raise ValueError(f"b13 must be {(s, two_f)}, got {tuple(self.b13.shape)}")
-        if self.b2 is not None and tuple(self.b2.shape) != (s, d):
-            raise ValueError(f"b2 must be {(s, d)}, got {tuple(self.b2.shape)}")
+        check_expert_biases(self.b13, self.b2, s, two_f, d)
 
     @property
     def num_slots(self) -> int:

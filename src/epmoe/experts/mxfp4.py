@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epmoe.experts.weights import ExpertWeights
+from epmoe.experts.weights import ExpertWeights, check_expert_biases
 
 MXFP4_BLOCK = 32
 MXFP4_BYTES = MXFP4_BLOCK // 2
@@ -64,10 +64,7 @@ class MXFP4ExpertWeights:
             if tuple(getattr(self, name).shape) != shape:
                 raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, expected {shape} for "
                                  f"w13_blocks {tuple(self.w13_blocks.shape)}")
-        if self.b13 is not None and tuple(self.b13.shape) != (s, two_f):
-            raise ValueError(f"b13 must be {(s, two_f)}, got {tuple(self.b13.shape)}")
-        if self.b2 is not None and tuple(self.b2.shape) != (s, d):
-            raise ValueError(f"b2 must be {(s, d)}, got {tuple(self.b2.shape)}")
+        check_expert_biases(self.b13, self.b2, s, two_f, d)
 
     @property
     def num_slots(self) -> int:

@@ -83,10 +83,7 @@ class ExpertWeights:
                 f"w2 shape {tuple(self.w2.shape)} does not match w13 shape {tuple(self.w13.shape)}: "
                 f"expected {(s, d, two_f // 2)}"
             )
-        if self.b13 is not None and tuple(self.b13.shape) != (s, two_f):
-            raise ValueError(f"b13 must be {(s, two_f)}, got {tuple(self.b13.shape)}")
-        if self.b2 is not None and tuple(self.b2.shape) != (s, d):
-            raise ValueError(f"b2 must be {(s, d)}, got {tuple(self.b2.shape)}")
+        check_expert_biases(self.b13, self.b2, s, two_f, d)
 
     @property
     def num_slots(self) -> int:
@@ -124,3 +121,15 @@ class ExpertBackend(Protocol):
             ``[T, D]`` in ``x.dtype``.
         """
         ...
+
+
+def check_expert_biases(b13: torch.Tensor | None, b2: torch.Tensor | None, slots: int, two_f: int, d: int) -> None:
+    """Check optional expert biases against their weights: ``b13 [S, 2F]`` and ``b2 [S, D]``.
+
+    Raises:
+        ValueError: a bias of another shape (named, with the shape expected).
+    """
+    if b13 is not None and tuple(b13.shape) != (slots, two_f):
+        raise ValueError(f"b13 must be {(slots, two_f)}, got {tuple(b13.shape)}")
+    if b2 is not None and tuple(b2.shape) != (slots, d):
+        raise ValueError(f"b2 must be {(slots, d)}, got {tuple(b2.shape)}")
