@@ -250,6 +250,8 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
         for h in r["host"][:8]:
             print(f"    host {h['ms_per_step']:7.3f} ms {h['calls']:6.1f}x  {h['function']}")
     time_ttft(engine, 256, spec.vocab_size)  # warm-up: first prefill-sized launches compile their kernels
+    time_ttft(engine, 1024, spec.vocab_size)
+    prefills = engine.stats["graph_prefill_steps"]
     active = wb["dense"] / 2 + spec.num_moe_layers * spec.top_k * wb["expert"] / 2
     for n in [int(x) for x in args.ttft.split(",") if x]:
         ms = time_ttft(engine, n, spec.vocab_size)
@@ -260,8 +262,24 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             time_ttft(engine, n, spec.vocab_size)
         gpu_ms = sum(getattr(ev, "device_time_total", 0.0) for ev in prof.key_averages()) / 1e3
-        m["ttft"][n] = {"ms": ms, "floor_ms": floor, "ratio": ms / floor, "gpu_kernels_ms": gpu_ms}
-        print(f"  ttft {n}: {ms:.1f} ms, floor {floor:.1f} ms, GPU kernels {gpu_ms:.1f} ms", flush=True)
+        m["ttft"][n] = {"ms": ms, "floor_ms": floor, "ratio": ms / floor, "gpu_kernels_ms": gpu_ms,
+                        "graph_prefill": engine.stats["graph_prefill_steps"] > prefills}
+        print(f"  ttft {n}: {ms:.1f} ms, floor {floor:.1f} ms, GPU kernels {gpu_ms:.1f} ms, "
+              f"{'graph' if m['ttft'][n]['graph_prefill'] else 'eager'}", flush=True)
+        if args.profile:
+            import cProfile
+            import pstats
+
+            host = cProfile.Profile()
+            host.enable()
+            time_ttft(engine, n, spec.vocab_size)
+            host.disable()
+            rows = [{"function": f"{Path(f).name}:{line}:{fn}", "ms": tt * 1e3, "calls": nc}
+                    for (f, line, fn), (_, nc, tt, _, _) in pstats.Stats(host).stats.items()]
+            m["ttft"][n]["host"] = sorted(rows, key=lambda r: -r["ms"])[:25]
+            for h in m["ttft"][n]["host"][:8]:
+                print(f"    host {h['ms']:7.2f} ms {h['calls']:6d}x  {h['function']}")
+        prefills = engine.stats["graph_prefill_steps"]
     m["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     del engine
     gc.collect()

@@ -50,6 +50,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (the same tokens on rerun)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=256,
                    help="largest decode batch replayed as one CUDA graph (default 256)")
+    p.add_argument("--cuda-graph-max-tokens", type=int, default=512, metavar="N",
+                   help="prompts too replayed in CUDA graphs, one row per token next to the decodes, when each prompt "
+                        "chunk ends within N tokens; graphs are captured up to N rows (default 512; 0: decode only)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: random weights at the size of config.json (no reference check)")
@@ -112,7 +115,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         eplb_interval=args.eplb_interval, eplb_max_moves=args.max_moves, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, request_rate=args.request_rate,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-        cuda_graph_max_bs=args.cuda_graph_max_bs, enforce_eager=args.enforce_eager, load_format=args.load_format,
+        cuda_graph_max_bs=args.cuda_graph_max_bs, cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+        enforce_eager=args.enforce_eager, load_format=args.load_format,
         num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, replica_policy=args.replica_policy,
         save_loads=args.save_loads, **speculative_options(args),
     ))
@@ -160,6 +164,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
                    help="KV cache blocks per layer (default: sized from memory)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=256, help="largest decode batch replayed as a CUDA graph")
+    p.add_argument("--cuda-graph-max-tokens", type=int, default=512, metavar="N",
+                   help="prompts too replayed in CUDA graphs, one row per token next to the decodes, when each prompt "
+                        "chunk ends within N tokens; graphs are captured up to N rows (default 512; 0: decode only)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: random weights at the size of config.json")
@@ -187,7 +194,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
             mem_fraction_static=args.mem_fraction_static, num_kv_blocks=args.num_kv_blocks,
-            cuda_graph_max_bs=args.cuda_graph_max_bs, enforce_eager=args.enforce_eager, load_format=args.load_format,
+            cuda_graph_max_bs=args.cuda_graph_max_bs, cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+        enforce_eager=args.enforce_eager, load_format=args.load_format,
             eplb_interval=args.eplb_interval, placement=args.placement, redundant=args.redundant,
             replica_policy=args.replica_policy, expert_backend=args.expert_backend, host=args.host, port=args.port,
             served_model_name=args.served_model_name, api_key=args.api_key, drain_timeout_s=args.drain_timeout,
@@ -258,7 +266,8 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
 _SERVE_FLAGS = {name: "--" + name.replace("_", "-") for name in (
     "model", "ep", "parallel", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-    "mem_fraction_static", "num_kv_blocks", "cuda_graph_max_bs", "enforce_eager", "load_format", "eplb_interval",
+    "mem_fraction_static", "num_kv_blocks", "cuda_graph_max_bs", "cuda_graph_max_tokens", "enforce_eager",
+    "load_format", "eplb_interval",
     "placement", "redundant", "replica_policy", "expert_backend", "host", "port", "served_model_name", "api_key",
     "speculative_algorithm", "speculative_draft_model", "speculative_num_tokens", "speculative_draft_placement",
     "speculative_draft_parallel", "prompt_lookup_min", "prompt_lookup_max")} | {"drain_timeout_s": "--drain-timeout"}

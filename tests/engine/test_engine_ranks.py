@@ -60,7 +60,8 @@ def _run_family(directory: str, comm: Comm, static: bool) -> dict:
         "got": [o.token_ids for o in outs], "want": want, "reasons": [o.finish_reason for o in outs],
         "aborted": aborted, "free": engine.allocator.num_free, "capacity": engine.allocator.capacity,
         "preemptions": engine.stats["preemptions"], "steps": engine.num_steps,
-        "static_steps": engine.stats["graph_steps"], "kv_kind": engine.kv_report()["kind"],
+        "static_steps": engine.stats["graph_steps"], "prefill_static_steps": engine.stats["graph_prefill_steps"],
+        "kv_kind": engine.kv_report()["kind"],
     }
 
 
@@ -105,10 +106,11 @@ def test_engine_equals_transformers_every_family(dirs, ep):
 @pytest.mark.parametrize("ep", [2, 4])
 def test_static_decode_path_equals_transformers(dirs, ep):
     """The CUDA-graph path's padded buckets and fixed-capacity dispatch (run eagerly on CPU): a rank with
-    fewer decode rows than the bucket, or none, pads; steps with more rows than the largest bucket fall
-    back to eager steps."""
+    fewer rows than the bucket, or none, pads; prompt chunks (at most 8 tokens: the token budget) run as
+    single-token rows in those steps; steps with more rows than the largest bucket fall back to eager."""
     families = ["gpt-oss", "kimi-k2.5", "llama4", "qwen3-moe"]
     results = spawn(_worker, ep, (dirs, families, True))
     _check(results, families)
     for fam in families:
         assert all(r[fam]["static_steps"] > 0 for r in results), fam
+        assert results[0][fam]["prefill_static_steps"] > 0, fam

@@ -251,3 +251,47 @@ def test_lookahead_reserves_room_for_proposals_within_limits():
     advance(tight, tight.schedule())  # 8 tokens in the 2 blocks: proposals would need a third
     plan = tight.schedule()
     assert [(ch.seq, ch.lookahead) for ch in plan.decodes] == [(d, 0)] and not plan.preempted
+
+
+def _rows(plan) -> int:
+    return sum(c.num_tokens + c.lookahead for c in plan.chunks)
+
+
+def test_short_prompts_are_cut_to_fill_the_largest_graph_step():
+    """Four decodes running; three 10-token prompts arrive. Graph steps hold 16 rows and prompts ending
+    within 16 tokens: the first prompt fits whole, the second is cut to the 2 rows left, the third waits;
+    the next step finishes the second (8 rows) and starts the third as far as the 16 rows go."""
+    s = Scheduler(BlockAllocator(64), BS, 8, 64, graph_tokens=16, graph_rows=16)
+    running = [make(i, 3, max_tokens=10) for i in range(4)]
+    for q in running:
+        s.add(q)
+    advance(s, s.schedule())  # the four prompts: 12 rows
+    for i in range(4, 7):
+        s.add(make(i, 10))
+    plan = s.schedule()
+    assert [c.num_tokens for c in plan.decodes] == [1, 1, 1, 1]
+    assert [(c.seq.request_id, c.start, c.num_tokens) for c in plan.prefills] == [("r4", 0, 10), ("r5", 0, 2)]
+    assert _rows(plan) == 16 and [q.request_id for q in s.waiting] == ["r6"]
+    check_blocks(s)
+    advance(s, plan)
+    plan = s.schedule()
+    assert [(c.seq.request_id, c.start, c.num_tokens) for c in plan.prefills] == [("r5", 2, 8), ("r6", 0, 3)]
+    assert _rows(plan) == 16
+    assert len(run_to_end(s)) > 0 and not s.has_unfinished()
+
+
+def test_a_prompt_too_long_for_a_graph_step_makes_it_eager_and_nothing_is_cut():
+    s = Scheduler(BlockAllocator(64), BS, 8, 64, graph_tokens=16, graph_rows=16)
+    s.add(make(0, 3, max_tokens=10))
+    advance(s, s.schedule())
+    for i, n in ((1, 20), (2, 10), (3, 10)):  # 20 > graph_tokens: this step runs eagerly anyway
+        s.add(make(i, n))
+    plan = s.schedule()
+    assert [(c.seq.request_id, c.num_tokens) for c in plan.prefills] == [("r1", 20), ("r2", 10), ("r3", 10)]
+
+
+def test_without_graph_steps_prompts_are_not_cut():
+    s = Scheduler(BlockAllocator(64), BS, 8, 64)
+    for i in range(3):
+        s.add(make(i, 10))
+    assert [c.num_tokens for c in s.schedule().prefills] == [10, 10, 10]

@@ -61,6 +61,11 @@ class EngineConfig:
             (SGLang's name); the KV pool gets what the weights leave of it.
         num_kv_blocks: KV blocks per layer (padding block included), overriding the memory sizing.
         cuda_graph_max_bs: largest decode batch replayed as a CUDA graph (SGLang's name).
+        cuda_graph_max_tokens: prompts too run in the replayed steps, one row per token next to the decodes,
+            when each prompt chunk ends within this many tokens (its rows attend through the decode kernel, each
+            over the keys before it, so the chunk's cost grows with its length times its end) and the step's rows
+            fit in a bucket; buckets are captured up to this many rows (vLLM sizes its graphs in tokens too).
+            0 = only decode steps replay graphs; steps with longer prompts run eagerly.
         enforce_eager: never capture graphs (vLLM's name); always true on CPU.
         static_decode_on_cpu: on CPU, run decode-only steps through the graph path's padded batch buckets
             and fixed-capacity dispatch, eagerly (how the CUDA-graph path is tested without a GPU).
@@ -99,6 +104,7 @@ class EngineConfig:
     mem_fraction_static: float = 0.9
     num_kv_blocks: int | None = None
     cuda_graph_max_bs: int = 256
+    cuda_graph_max_tokens: int = 512
     enforce_eager: bool = False
     static_decode_on_cpu: bool = False
     eplb_interval: int = 0
@@ -137,6 +143,9 @@ class EngineConfig:
             if isinstance(limit, int) and self.max_model_len > limit:
                 raise ValueError(f"max_model_len ({self.max_model_len}) is past the model's max_position_embeddings "
                                  f"({limit})")
+        n = self.cuda_graph_max_tokens
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise ValueError(f"cuda_graph_max_tokens must be a non-negative integer, got {n!r}")
         if self.num_kv_blocks is not None and (isinstance(self.num_kv_blocks, bool) or
                                                not isinstance(self.num_kv_blocks, numbers.Integral) or
                                                self.num_kv_blocks < 2):

@@ -187,7 +187,8 @@ class DraftModelProposer(Proposer):
             seq = c.seq
             done = self.done.get(seq.request_id, 0)
             ids = seq.tokens(done, seq.num_tokens)
-            feeds.append(Feed(ids, done, seq.block_table, len(ids) <= _CATCH_UP_ROWS, True))
+            rowwise = len(ids) <= _CATCH_UP_ROWS
+            feeds.append(Feed(ids, done, seq.block_table, rowwise, len(ids) if rowwise else 1))
         rounds = self.k if self.collective else max(limits, default=0)
         live = list(range(len(chunks)))
         for j in range(rounds):
@@ -204,7 +205,7 @@ class DraftModelProposer(Proposer):
                 if q is not None:
                     probs[i].append(q)
             live = [i for i in live if limits[i] > j + 1]
-            feeds = [Feed([tokens[i][-1]], chunks[i].seq.num_tokens + j, chunks[i].seq.block_table, True, True)
+            feeds = [Feed([tokens[i][-1]], chunks[i].seq.num_tokens + j, chunks[i].seq.block_table, True, 1)
                      for i in live]
         for i, c in enumerate(chunks):
             self.done[c.seq.request_id] = c.seq.num_tokens

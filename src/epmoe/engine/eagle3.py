@@ -265,7 +265,8 @@ class Eagle3Proposer(Proposer):
             seq = chunks[i].seq
             first, rows = self.pending.pop(seq.request_id)
             ids = seq.tokens(first + 1, first + 1 + rows.shape[0])
-            feeds.append(Feed(ids, first, seq.block_table, rows.shape[0] <= self.k + 1, True))
+            rowwise = rows.shape[0] <= self.k + 1
+            feeds.append(Feed(ids, first, seq.block_table, rowwise, len(ids) if rowwise else 1))
             hidden.append(self.head.fc(rows.to(self.dtype)))
         j = 0
         while feeds:
@@ -281,7 +282,7 @@ class Eagle3Proposer(Proposer):
                     probs[i].append(q)
                 if limits[i] > j + 1:
                     pos = feeds[f_i].start + len(feeds[f_i].token_ids)
-                    nxt_feeds.append(Feed([tok], pos, seq.block_table, True, True))
+                    nxt_feeds.append(Feed([tok], pos, seq.block_table, True, 1))
                     nxt_hidden.append(out[f_i].unsqueeze(0))
                     nxt_live.append(i)
             feeds, hidden, live = nxt_feeds, nxt_hidden, nxt_live

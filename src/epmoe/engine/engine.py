@@ -2,10 +2,13 @@
 
 One ``Engine`` runs on each EP rank. Attention is data-parallel: a rank owns the requests added to it
 and schedules them alone. The experts are expert-parallel, so every rank runs every step: at the
-start of a step the ranks exchange four numbers (one ``all_gather``): whether any rank has work, and
-the largest step's tokens, prefill chunks and decode rows. If some rank prefills, every rank runs an
-eager step (a rank with no tokens joins the MoE collectives with an empty batch); if all ranks only
-decode, every rank replays the CUDA graph of the same batch bucket (a rank with fewer rows pads).
+start of a step the ranks exchange four numbers (one ``all_gather``): whether any rank has work, the
+largest step's tokens, whether some rank has a prompt chunk too long for a graph step, and the most
+single-token rows. A prompt chunk that ends within ``cuda_graph_max_tokens`` runs as single-token rows
+(each attending over the keys before it) next to the decodes. If some rank has a longer chunk, or more
+rows than the largest bucket, every rank runs an eager step (a rank with no tokens joins the MoE
+collectives with an empty batch); else every rank replays the CUDA graph of the same bucket of rows (a
+rank with fewer rows pads).
 
 Usage (one process)::
 
@@ -159,9 +162,11 @@ class Engine:
         num_blocks = self._num_kv_blocks(layout, extra)
         self.kv = KVCache(layout, num_blocks, config.block_size, config.torch_dtype, self.device)
         self.allocator = BlockAllocator(num_blocks)
+        graph_rows = max(self._graph_sizes()) if config.static_decode else 0
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, lookahead=self.num_spec_tokens,
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len, graph_tokens=config.cuda_graph_max_tokens,
+                                   graph_rows=graph_rows)
         self.max_blocks = -(-self.max_model_len // config.block_size)
         aux = self.proposer.aux_layers if self.proposer is not None else ()
         self.runner = ModelRunner(self.ep_model.model, self.kv, self.max_blocks, self.device, aux_layers=aux)
@@ -175,7 +180,7 @@ class Engine:
         self.last_step_busy = False
         self.slot_totals = torch.zeros(self.spec.num_moe_layers, num_slots, dtype=torch.int64,
                                        device=self.device)
-        self.stats = {"eager_steps": 0, "graph_steps": 0, "idle_steps": 0, "preemptions": 0}
+        self.stats = {"eager_steps": 0, "graph_steps": 0, "graph_prefill_steps": 0, "idle_steps": 0, "preemptions": 0}
         # logical loads folded at each committed rebalance, and slot_totals at that moment (see logical_loads)
         self._loads_folded = torch.zeros(self.spec.num_moe_layers, self.spec.num_experts, dtype=torch.int64,
                                          device=self.device)
@@ -226,10 +231,17 @@ class Engine:
         return [b for b in graph_buckets(self.config.cuda_graph_max_bs) if b <= self.config.max_num_seqs]
 
     def _graph_sizes(self) -> list[int]:
-        """Row counts of the static steps: the decode batches, and with K proposed tokens the verify steps'
-        ``batch x (K + 1)`` rows."""
+        """Row counts of the static steps: the decode batches, with K proposed tokens the verify steps'
+        ``batch x (K + 1)`` rows, and the steps with prompts fed row-wise, up to ``cuda_graph_max_tokens``."""
         plain = self._decode_sizes()
-        return sorted(set(plain) | {b * (self.num_spec_tokens + 1) for b in plain})
+        tokens = min(self.config.cuda_graph_max_tokens, self.config.max_num_batched_tokens)
+        rowwise = graph_buckets(tokens) if tokens else []
+        return sorted(set(plain) | {b * (self.num_spec_tokens + 1) for b in plain} | set(rowwise))
+
+    def _rowwise_prefill(self, plan: StepPlan) -> bool:
+        """The plan's prompt chunks may run row-wise in a graph step: each ends within ``cuda_graph_max_tokens``."""
+        limit = self.config.cuda_graph_max_tokens
+        return self.config.static_decode and all(c.start + c.num_tokens <= limit for c in plan.prefills)
 
     def _draft_sizes(self) -> list[int]:
         """Row counts of a draft model's static steps: up to two catch-up rows per request, then one."""
@@ -371,9 +383,9 @@ class Engine:
 
     # ---- the step -------------------------------------------------------------------------------
 
-    def _agree(self, plan: StepPlan, pending: bool, rows: int) -> tuple[bool, int, bool, int]:
+    def _agree(self, plan: StepPlan, pending: bool, eager: bool, rows: int) -> tuple[bool, int, bool, int]:
         local = torch.tensor([int(pending or self.has_unfinished() or bool(plan.chunks)), plan.num_tokens,
-                              int(bool(plan.prefills)), rows], dtype=torch.int64)
+                              int(eager), rows], dtype=torch.int64)
         if self.comm.size == 1:
             glob = local
         else:
@@ -428,14 +440,17 @@ class Engine:
             rows = sum(1 + len(p.token_ids) for p in proposals)
         else:
             rows = sum(1 + c.lookahead for c in plan.decodes)
-        work, _, any_prefill, max_rows = self._agree(plan, pending, rows)
+        rowwise = bool(plan.prefills) and self._rowwise_prefill(plan)
+        if rowwise:
+            rows += sum(c.num_tokens for c in plan.prefills)
+        work, _, any_eager, max_rows = self._agree(plan, pending, bool(plan.prefills) and not rowwise, rows)
         self.last_step_busy = work
         if not work:
             return outputs
         if collective and max_rows:
             proposals = self._propose(plan)
         bucket = None
-        if self.config.static_decode and not any_prefill and max_rows:
+        if self.config.static_decode and not any_eager and max_rows:
             bucket = self.runner.bucket_for(max_rows)
         if bucket is None and not plan.chunks:
             self.ep_model.idle_step()
@@ -444,6 +459,7 @@ class Engine:
             drafts = [p.token_ids for p in proposals] if proposals is not None else None
             out = self.runner.run(plan, bucket, drafts)
             self.stats["graph_steps" if bucket is not None else "eager_steps"] += 1
+            self.stats["graph_prefill_steps"] += int(bucket is not None and bool(plan.prefills))
             outputs += self._advance(plan, out, proposals)
         self.num_steps += 1
         self.slot_totals += self.recorder.current_counts()

@@ -51,15 +51,17 @@ class Feed:
         token_ids: the tokens, at positions ``start, start + 1, ...``.
         start: position of the first (the tokens before it have their keys in the cache).
         block_table: the sequence's KV block ids (covering every position fed).
-        rowwise: each token is a decode row of its own (decodes, verify rows); else one prefill chunk.
-        sample: return logits: of every row (``rowwise``) or of the chunk's last row.
+        rowwise: each token is a decode row of its own (decodes, verify rows, prompts in graph steps); else one
+            prefill chunk.
+        sample: how many of the last rows return logits: every row of a decode or verify feed, 1 for the last
+            token of a prompt, 0 for a chunk that does not sample (a chunked feed: 0 or 1).
     """
 
     token_ids: Sequence[int]
     start: int
     block_table: Sequence[int]
     rowwise: bool
-    sample: bool
+    sample: int
 
 
 @dataclass(frozen=True)
@@ -129,13 +131,14 @@ def pack(feeds: Sequence[Feed], block_size: int, max_blocks: int) -> Packed:
         pos_parts.append(p)
         slot_parts.append(table[p // bs] * bs + p % bs)
         tables[row:row + n, : len(table)] = table
-        if f.sample:
-            sample_rows.extend(range(row, row + n))
+        sample_rows.extend(range(row + n - f.sample, row + n))
         row += n
     ctx = np.concatenate(pos_parts).astype(np.int32) + 1 if pos_parts else np.zeros(0, dtype=np.int32)
     chunks = []
     for f in chunked:
         n = len(f.token_ids)
+        if f.sample not in (0, 1):
+            raise ValueError(f"a prefill chunk samples its last row or none, not {f.sample} rows")
         table = np.asarray(f.block_table, dtype=np.int64)
         p = np.arange(f.start + n)
         if (p[-1] // bs) >= len(table):
@@ -152,16 +155,18 @@ def pack(feeds: Sequence[Feed], block_size: int, max_blocks: int) -> Packed:
                   torch.from_numpy(ctx), nd, tuple(chunks), sample_rows)
 
 
-def plan_feeds(plan: StepPlan, drafts: Sequence[Sequence[int]] | None = None) -> list[Feed]:
+def plan_feeds(plan: StepPlan, drafts: Sequence[Sequence[int]] | None = None,
+               rowwise_prefill: bool = False) -> list[Feed]:
     """The feeds of a scheduled step: each decode chunk's token followed by its proposed tokens
-    (``drafts[i]`` for ``plan.decodes[i]``), row-wise; then the prefill chunks."""
+    (``drafts[i]`` for ``plan.decodes[i]``), row-wise; then the prefill chunks (row-wise too with
+    ``rowwise_prefill``: a graph step), each sampling its last row if it reaches its sequence's end."""
     feeds = []
     for i, c in enumerate(plan.decodes):
         extra = list(drafts[i]) if drafts is not None else []
-        feeds.append(Feed([c.seq.token(c.start)] + extra, c.start, c.seq.block_table, True, True))
+        feeds.append(Feed([c.seq.token(c.start)] + extra, c.start, c.seq.block_table, True, 1 + len(extra)))
     for c in plan.prefills:
-        feeds.append(Feed(c.seq.tokens(c.start, c.start + c.num_tokens), c.start, c.seq.block_table, False,
-                          c.samples))
+        feeds.append(Feed(c.seq.tokens(c.start, c.start + c.num_tokens), c.start, c.seq.block_table, rowwise_prefill,
+                          int(c.samples)))
     return feeds
 
 
@@ -269,7 +274,8 @@ class ModelRunner:
 
         Args:
             plan: the step (may be empty: a rank with nothing to do in a graph-replayed step).
-            bucket: replay the graph captured for this many rows (decode-only plans); ``None`` = eager.
+            bucket: replay the graph captured for this many rows, the prefill chunks fed one row per token;
+                ``None`` = eager.
             drafts: per decode chunk, the proposed tokens verified after its token (``None``: none).
 
         Returns:
@@ -277,10 +283,9 @@ class ModelRunner:
             last row) and the aux layers' outputs of every row.
 
         Raises:
-            ValueError: a bucket that was not captured or is smaller than the plan's rows, or a bucket
-                for a plan with prefill chunks.
+            ValueError: a bucket that was not captured or is smaller than the plan's rows.
         """
-        return self.execute(plan_feeds(plan, drafts), bucket)
+        return self.execute(plan_feeds(plan, drafts, rowwise_prefill=bucket is not None), bucket)
 
     @torch.no_grad()
     def execute(self, feeds: Sequence[Feed], bucket: int | None = None) -> StepOutput:
@@ -300,8 +305,10 @@ class ModelRunner:
             raise ValueError(f"no CUDA graph captured for {bucket} rows; captured: {self.buckets}")
         n = packed.num_decode
         if packed.chunks or n > bucket:
-            raise ValueError(f"graph bucket {bucket} replays decode-only steps of at most {bucket} rows; "
-                             f"the plan has {n} decode rows and {len(packed.chunks)} prefill chunks")
+            raise ValueError(f"graph bucket {bucket} replays steps of at most {bucket} single-token rows; "
+                             f"the step has {n} such rows and {len(packed.chunks)} prefill chunks")
+        rows = None if packed.sample_rows == list(range(n)) else torch.tensor(packed.sample_rows, dtype=torch.int64,
+                                                                                  device=self.device)
         for static, value in ((g.input_ids, packed.input_ids), (g.positions, packed.positions),
                               (g.slot_mapping, packed.slot_mapping), (g.block_tables, packed.block_tables),
                               (g.context_lens, packed.context_lens)):
@@ -311,14 +318,16 @@ class ModelRunner:
         g.valid_rows[n:].zero_()
         if g.graph is not None:
             g.graph.replay()
-            return StepOutput(g.logits[:n].float(), None if g.aux is None else g.aux[:n])
-        self._activate(bucket, g.valid_rows)
-        try:
-            batch = AttnBatch(self.kv, g.slot_mapping, bucket, g.block_tables, g.context_lens)
-            logits, aux = self._forward(g.input_ids, g.positions, batch, None)
-            return StepOutput(logits[:n].float(), None if aux is None else aux[:n])
-        finally:
-            self._deactivate()
+            logits, aux = g.logits, g.aux
+        else:
+            self._activate(bucket, g.valid_rows)
+            try:
+                batch = AttnBatch(self.kv, g.slot_mapping, bucket, g.block_tables, g.context_lens)
+                logits, aux = self._forward(g.input_ids, g.positions, batch, None)
+            finally:
+                self._deactivate()
+        logits = logits[:n] if rows is None else logits.index_select(0, rows)
+        return StepOutput(logits.float(), None if aux is None else aux[:n])
 
     def _workspace(self, sizes: list[int]) -> torch.Tensor:
         """Split-K scratch of the decode kernel for the largest need over ``sizes``, shared by every

@@ -9,6 +9,12 @@ it goes back to the waiting queue, to be recomputed from its tokens later (vLLM'
 preemption). Nothing is ever dropped: a sequence that cannot fit even alone in the whole pool is
 finished with reason ``length``.
 
+With graph steps (``graph_rows`` > 0), a prompt chunk that ends within ``graph_tokens`` runs as single-token
+rows next to the decodes in a replayed CUDA graph of at most ``graph_rows`` rows; such chunks are cut (or
+wait) so that the step's rows stay within ``graph_rows`` as long as no longer chunk makes the step eager
+anyway: a burst of short prompts joins the running decodes a bucket at a time, rather than turning one
+step into an eager one (bound by the host's launches) that every running sequence waits for.
+
 With speculative decoding (``lookahead`` K > 0), a decoding sequence also gets the budget and the KV blocks
 of up to K proposed tokens after its last one (vLLM's lookahead slots), as far as its ``max_tokens`` and
 the context allow; when the blocks are short it decodes without them rather than preempt anyone.
@@ -100,6 +106,8 @@ class Scheduler:
         max_num_batched_tokens: most tokens fed in one step.
         lookahead: ``K`` proposed tokens a decoding sequence may verify per step (0 = no speculation).
         max_model_len: the context (proposals never run past it); needed with ``lookahead``.
+        graph_tokens: prompt chunks ending within this many tokens run row-wise in graph steps.
+        graph_rows: rows of the largest graph step (0 = no graph steps: prompt chunks are not cut for them).
 
     Raises:
         ValueError: a size that is not a positive integer, or ``max_num_batched_tokens < max_num_seqs``
@@ -107,7 +115,8 @@ class Scheduler:
     """
 
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, lookahead: int = 0, max_model_len: int | None = None) -> None:
+                 max_num_batched_tokens: int, lookahead: int = 0, max_model_len: int | None = None,
+                 graph_tokens: int = 0, graph_rows: int = 0) -> None:
         self.allocator = allocator
         self.block_size = _check_positive("block_size", block_size)
         self.max_num_seqs = _check_positive("max_num_seqs", max_num_seqs)
@@ -119,6 +128,8 @@ class Scheduler:
             raise ValueError("a scheduler with lookahead needs max_model_len")
         self.lookahead = int(lookahead)
         self.max_model_len = max_model_len
+        self.graph_tokens = int(graph_tokens)
+        self.graph_rows = int(graph_rows)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -169,6 +180,18 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
+    def _graph_cut(self, seq: Sequence, n: int, rows: int, eager: bool) -> tuple[int, int, bool]:
+        """``(n', rows', eager')``: the tokens of ``seq``'s next prompt chunk of up to ``n`` in this step (0 = it
+        waits), the step's single-token rows and whether a chunk already makes the step eager, after it."""
+        if n == 1 and seq.num_computed + 1 == seq.num_tokens:  # a decode: one row, never cut
+            return n, rows + 1, eager
+        if not self.graph_rows or eager:
+            return n, rows, eager
+        if seq.num_computed + n > self.graph_tokens:  # too long for a graph step: this step runs eagerly
+            return n, rows, True
+        n = min(n, self.graph_rows - rows) if rows else n
+        return max(n, 0), rows + max(n, 0), eager
+
     def schedule(self) -> StepPlan:
         """Plan the next step (see the module docstring)."""
         budget = self.max_num_batched_tokens
@@ -178,13 +201,16 @@ class Scheduler:
         finished: list[Sequence] = []
         queue = deque(self.running)
         kept: list[Sequence] = []
+        rows, eager = 0, False
         while queue:
             seq = queue.popleft()
             n = min(seq.num_tokens - seq.num_computed, budget)
+            n, rows, eager = self._graph_cut(seq, n, rows, eager)
             if n == 0:
                 kept.append(seq)
                 continue
             ahead = self._lookahead(seq, n, budget)
+            rows += ahead
             need = self._blocks_needed(seq, seq.num_computed + n + ahead)
             while self.allocator.num_free < need and queue:
                 victim = queue.pop()
@@ -206,7 +232,10 @@ class Scheduler:
         self.running = kept
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n, rows_after, eager_after = self._graph_cut(seq, min(seq.num_tokens - seq.num_computed, budget), rows,
+                                                         eager)
+            if n == 0:
+                break
             need = self._blocks_needed(seq, seq.num_computed + n)
             if need > self.allocator.num_free:
                 if not self.running and need > self.allocator.capacity:
@@ -216,6 +245,7 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
+            rows, eager = rows_after, eager_after
             seq.block_table.extend(self.allocator.allocate(need))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -189,15 +189,11 @@ def propose_tokens(logits: torch.Tensor, params: list[SamplingParams],
 
 def last_rows(feeds: list) -> list[int]:
     """Per feed (``model_runner.Feed``, each sampling), the index of its last row's logits in a step's output:
-    the row-wise feeds' rows come first in packed order, then one row per chunk."""
-    rowwise = [i for i, f in enumerate(feeds) if f.rowwise]
-    chunked = [i for i, f in enumerate(feeds) if not f.rowwise]
+    the row-wise feeds come first in packed order, then the chunks, each with ``feed.sample`` rows of logits."""
+    order = [i for i, f in enumerate(feeds) if f.rowwise] + [i for i, f in enumerate(feeds) if not f.rowwise]
     out = [0] * len(feeds)
     row = 0
-    for i in rowwise:
-        row += len(feeds[i].token_ids)
+    for i in order:
+        row += feeds[i].sample
         out[i] = row - 1
-    for i in chunked:
-        out[i] = row
-        row += 1
     return out

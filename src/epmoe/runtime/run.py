@@ -71,6 +71,8 @@ class RunConfig:
         request_rate: prompts per second arriving on each rank (staggered arrival); ``None`` = all at once.
         temperature, top_p, top_k, seed: sampling (``temperature`` 0 = greedy, the default).
         cuda_graph_max_bs: largest decode batch replayed as a CUDA graph.
+        cuda_graph_max_tokens: prompt chunks ending within this many tokens run in the replayed steps too
+            (``EngineConfig``).
         enforce_eager: no CUDA graphs (float32 runs on CUDA are always eager: the graph-safe expert
             kernels compute in bf16/fp16).
         load_format: ``auto`` or ``dummy`` (random weights; no reference check).
@@ -107,6 +109,7 @@ class RunConfig:
     top_k: int = -1
     seed: int | None = None
     cuda_graph_max_bs: int = 256
+    cuda_graph_max_tokens: int = 512
     enforce_eager: bool = False
     load_format: str = "auto"
     num_kv_blocks: int | None = None
@@ -200,7 +203,8 @@ class RunConfig:
             load_format=self.load_format, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, num_kv_blocks=self.num_kv_blocks,
             block_size=self.block_size,
-            cuda_graph_max_bs=self.cuda_graph_max_bs, enforce_eager=eager, eplb_interval=self.eplb_interval,
+            cuda_graph_max_bs=self.cuda_graph_max_bs, cuda_graph_max_tokens=self.cuda_graph_max_tokens,
+            enforce_eager=eager, eplb_interval=self.eplb_interval,
             eplb_max_moves=self.eplb_max_moves, replica_policy=self.replica_policy, seed=self.seed or 0,
             **speculative_options(self),
         )
@@ -422,7 +426,8 @@ def _spec_report(engine: Engine, outs) -> dict | None:
 
 # EngineConfig field -> the flag that sets it (its errors name the field)
 _FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
-          "block_size": "--block-size", "cuda_graph_max_bs": "--cuda-graph-max-bs", "num_kv_blocks": "--num-kv-blocks",
+          "block_size": "--block-size", "cuda_graph_max_bs": "--cuda-graph-max-bs",
+          "cuda_graph_max_tokens": "--cuda-graph-max-tokens", "num_kv_blocks": "--num-kv-blocks",
           "seed": "--seed", "max_model_len": "--max-model-len",
           "speculative_algorithm": "--speculative-algorithm", "speculative_draft_model": "--speculative-draft-model",
           "speculative_num_tokens": "--speculative-num-tokens",
