@@ -156,19 +156,33 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
                          f"this model runs through epmoe.engine.Engine")
     if query.shape[0] != 1:
         raise ValueError(f"the engine packs tokens in one row: query batch dimension must be 1, got {query.shape[0]}")
-    batch = epmoe_batch
-    layer = module.layer_idx
     q = query[0].transpose(0, 1)
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
-    batch.kv.write(layer, k, v, batch.slot_mapping)
+    epmoe_batch.kv.write(module.layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1), epmoe_batch.slot_mapping)
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
+    return attend(module, q, epmoe_batch, scale, sliding_window, s_aux).unsqueeze(0), None
+
+
+def attend(module, q: torch.Tensor, batch: AttnBatch, scale: float, sliding_window: int | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of a step's queries over the cache, the step's own keys and values already written.
+
+    Args:
+        module: the attention module (``layer_idx``, ``config``: Llama-4's chunked layers).
+        q: ``[T, H, Dk]`` the step's queries, packed as ``batch`` says.
+        batch: the step's ``AttnBatch``.
+        scale: multiplier of ``q . k``.
+        sliding_window: the layer's window, if any; sinks: ``[H]`` attention sinks (gpt-oss), if any.
+
+    Returns:
+        ``[T, H, Dv]`` in ``q.dtype``.
+    """
+    layer = module.layer_idx
     chunk = _chunk_size(module)
     kc, vc = batch.kv.k[layer], batch.kv.v[layer]
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    out = q.new_empty(q.shape[0], q.shape[1], vc.shape[-1])
     nd = batch.num_decode
     if nd:
-        opts = dict(sliding_window=sliding_window, chunk_size=chunk, sinks=s_aux)
+        opts = dict(sliding_window=sliding_window, chunk_size=chunk, sinks=sinks)
         if batch.workspace is not None:  # graph capture: write in place, split-K in the given scratch
             paged_decode_attention(q[:nd], kc, vc, batch.block_tables, batch.context_lens, scale, **opts,
                                    out=out[:nd], workspace=batch.workspace)
@@ -178,9 +192,9 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         keys, values = batch.kv.read(layer, p.kv_slots)
         out[p.q_start:p.q_start + p.q_len] = dense_attention(
             q[p.q_start:p.q_start + p.q_len], keys, values, p.start_pos, scale,
-            sliding_window=sliding_window, chunk_size=chunk, sinks=s_aux,
+            sliding_window=sliding_window, chunk_size=chunk, sinks=sinks,
         )
-    return out.unsqueeze(0), None
+    return out
 
 
 def register_attention() -> str:

@@ -45,6 +45,7 @@ from epmoe.engine.mla import install_mla
 from epmoe.engine.model_runner import ModelRunner, StepOutput, ep_static_hooks, graph_buckets
 from epmoe.engine.proposers import make_proposer
 from epmoe.engine.request import RequestOutput, Sequence
+from epmoe.engine.rope_attention import install_rope_attention
 from epmoe.engine.sampling import SamplingParams, sample
 from epmoe.engine.scheduler import Scheduler, StepPlan
 from epmoe.engine.speculative import Proposal, SpecStats, verify, verify_greedy
@@ -143,6 +144,7 @@ class Engine:
                 attn_implementation=register_attention(), seed=config.seed,
             )
         mla_layers = install_mla(self.ep_model.model)  # DeepSeek/Kimi: attention over the latent KV cache
+        install_rope_attention(self.ep_model.model)  # Qwen, Mixtral, GLM, gpt-oss: fused projection and rotary
         if self.device.type == "cuda":
             fuse_norms(self.ep_model.model)
         self.tokenizer = load_tokenizer(config.model)
