@@ -9,6 +9,12 @@ it drains and exits 0), then runs the same requests through ``Engine.generate`` 
 TPOT at concurrency 1 against the offline TPOT, and its output throughput at concurrency 64 against the
 offline one (targets: within 1.2x, within 10%), with the TTFT p99 at concurrency 64. Writes
 ``serve_<gpu>.json`` (``serve_cpu.json``) and prints a table last.
+
+Around each measured run it scrapes the server's ``/metrics`` and reports what the engine core did in it
+(``core`` in the JSON): engine steps by kind, the core's busy seconds (inside rounds that stepped) against
+the run's wall duration, its idle seconds, tokens fed per step and the mean round time. Busy near the
+duration: the engine is the bottleneck; well below it: the core waits on the HTTP side. The idle seconds
+also hold the core's wait for the run's first request (at most the server's idle round, 1 s).
 """
 
 from __future__ import annotations
@@ -25,11 +31,13 @@ import urllib.request
 from pathlib import Path
 
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from epmoe.engine import Engine, EngineConfig, SamplingParams
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.runtime.launch import free_port
 from epmoe.server.bench import BenchConfig, run_bench
+from epmoe.server.ranks import STEP_KINDS
 
 CONFIGS = Path(__file__).resolve().parents[1] / "data" / "configs"
 IN_LEN, OUT_LEN = 128, 64
@@ -47,6 +55,39 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> No
             pass
         time.sleep(1)
     raise RuntimeError(f"epmoe serve not ready after {timeout_s} s")
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the server's ``/metrics``: ``(name, sorted labels) -> value``."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def core_deltas(before: dict, after: dict, duration_s: float) -> dict:
+    """What the engine core did between two scrapes, against the run's wall duration (seconds)."""
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    kinds = {kind: int(delta("epmoe:engine_steps_total", kind=kind)) for kind in STEP_KINDS}
+    busy, idle = delta("epmoe:engine_core_busy_seconds_total"), delta("epmoe:engine_core_idle_seconds_total")
+    fed_steps = delta("epmoe:iteration_tokens_total_count")
+    rounds = delta("epmoe:engine_round_seconds_count")
+    return {"engine_steps": kinds["graph"] + kinds["eager"] + kinds["idle"], "steps_by_kind": kinds,
+            "busy_s": busy, "idle_s": idle, "bench_duration_s": duration_s,
+            "busy_fraction_of_bench": busy / duration_s,
+            "tokens_per_step": delta("epmoe:iteration_tokens_total_sum") / fed_steps if fed_steps else 0.0,
+            "stepping_rounds": int(rounds),
+            "round_ms_mean": delta("epmoe:engine_round_seconds_sum") * 1e3 / rounds if rounds else 0.0}
+
+
+def core_line(conc: int, c: dict) -> str:
+    k = c["steps_by_kind"]
+    return (f"core c={conc}: busy {c['busy_s']:.2f} s of the run's {c['bench_duration_s']:.2f} s "
+            f"({c['busy_fraction_of_bench']:.2f}), idle {c['idle_s']:.2f} s; {c['engine_steps']} steps (graph "
+            f"{k['graph']}, of them with prompt tokens {k['graph_prefill']}; eager {k['eager']}; idle {k['idle']}), "
+            f"{c['tokens_per_step']:.1f} tokens/step, round {c['round_ms_mean']:.2f} ms")
 
 
 def offline(engine_config: dict, n: int, conc: int, in_len: int, out_len: int) -> dict:
@@ -115,9 +156,10 @@ def main() -> None:
             # does: the batched prefill and decode shapes are compiled before either is timed
             run_bench(BenchConfig(base_url=url, num_prompts=conc, input_len=in_len, output_len=8,
                                   max_concurrency=conc), progress=False)
+            before = scrape(url)
             rep = run_bench(BenchConfig(base_url=url, num_prompts=n, input_len=in_len, output_len=out_len,
                                         max_concurrency=conc), progress=False)
-            result["server"][conc] = rep.to_json()
+            result["server"][conc] = dict(rep.to_json(), core=core_deltas(before, scrape(url), rep.duration_s))
             print(f"serve c={conc}: {rep.output_throughput:.0f} tok/s, TPOT p50 {rep.tpot_ms['p50']:.2f} ms, "
                   f"TTFT p50 {rep.ttft_ms['p50']:.1f} p99 {rep.ttft_ms['p99']:.1f} ms, failed {rep.failed}", flush=True)
     finally:
@@ -136,6 +178,8 @@ def main() -> None:
           f"offline {on['output_throughput']:.0f}, ratio {sn['output_throughput'] / on['output_throughput']:.2f} "
           f"(target >= 0.9); TTFT p50 {sn['ttft_ms']['p50']:.1f} ms, p99 {sn['ttft_ms']['p99']:.1f} ms; "
           f"failed {s1['failed'] + sn['failed']}; server exit code {result['server_exit_code']}")
+    for conc, _ in runs:
+        print(core_line(conc, result["server"][conc]["core"]))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ START_TIMEOUT_S = 120.0
 
 
 class ServerProcess:
-    """One server process: ``url`` (``http://127.0.0.1:PORT``), ``proc``, ``log`` (its stderr file).
+    """One server process: ``url`` (``http://127.0.0.1:PORT``), ``proc``, ``log`` (its stderr file), ``started``
+    and ``ready`` (``time.monotonic()`` before the start and once ``/health`` answered 200).
 
     With ``torchrun_world`` N, ``proc`` is rank 0 of N processes started with the environment ``torchrun``
     sets (``RANK``, ``WORLD_SIZE``, ...); ``followers`` are ranks 1..N-1.
@@ -33,6 +34,7 @@ class ServerProcess:
         env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"))
         cmd = [sys.executable, "-m", "epmoe.cli", "serve", "--port", str(self.port), "--api-key", API_KEY, *args]
         self.followers: list[subprocess.Popen] = []
+        self.started = time.monotonic()
         if torchrun_world is not None:
             env.update(WORLD_SIZE=str(torchrun_world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
             for rank in range(1, torchrun_world):
@@ -48,6 +50,7 @@ class ServerProcess:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self.ready = time.monotonic()
                     return
             except httpx.TransportError:
                 pass

@@ -13,6 +13,7 @@ import pytest
 
 from epmoe.engine import Engine, EngineConfig, SamplingParams
 from epmoe.models.tiny import ensure_default_checkpoint
+from epmoe.server.ranks import STEP_KINDS
 from tests.server.conftest import API_KEY, MODEL
 
 pytestmark = pytest.mark.multiprocess
@@ -290,6 +291,51 @@ def test_metrics_balancedness_per_layer_and_collectives_per_step(server, client)
     assert calls["all_gather"] == 1 and calls["all_to_all"] == 3 * 2, calls
 
 
+def _core_metrics(server) -> dict[str, float]:
+    """The engine core's counters from ``/metrics``: steps by kind (``steps.KIND``), busy and idle seconds,
+    tokens-per-step and round-time histogram counts and sums."""
+    text = httpx.get(f"{server.url}/metrics").text
+    out = {f"steps.{kind}": v for kind, v in _labelled(text, "epmoe:engine_steps_total").items()}
+    for name in ("engine_core_busy_seconds_total", "engine_core_idle_seconds_total", "iteration_tokens_total_count",
+                 "iteration_tokens_total_sum", "engine_round_seconds_count", "engine_round_seconds_sum"):
+        out[name] = server.metric(f"epmoe:{name}")
+    return out
+
+
+def test_metrics_engine_steps_core_time_and_tokens_per_step(server, client):
+    """A runs on rank 0; B, sent while A runs, goes to rank 1 and outlives it. Rank 0's steps (eager on CPU:
+    no graphs) are A's, then idle ones while only B runs; its tokens per step are A's alone."""
+    wait_kv_free(server)
+    before = _core_metrics(server)
+    a = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0, stream=True,
+                                  stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = iter(a)
+    next(chunks)  # A is running: B goes to rank 1
+    b = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=48, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    usage_a = [c.usage for c in chunks if c.usage is not None][-1]
+    assert usage_a.completion_tokens == 16 and b.usage.completion_tokens == 48
+    wait_kv_free(server)
+    after = _core_metrics(server)
+    d = {k: after[k] - before[k] for k in after}
+    assert sorted(k for k in d if k.startswith("steps.")) == [f"steps.{k}" for k in sorted(STEP_KINDS)]
+    assert d["steps.graph"] == d["steps.graph_prefill"] == 0
+    assert d["steps.eager"] == 16  # A's prefill step, then its 15 decode steps
+    steps = d["steps.eager"] + d["steps.idle"]
+    # B's 48 steps ran alongside 1..15 of A's (B came after A's first token): rank 0 idled in the rest
+    assert 48 - 15 <= d["steps.idle"] <= 48 - 1, d
+    assert d["iteration_tokens_total_count"] == d["steps.graph"] + d["steps.eager"]
+    assert d["iteration_tokens_total_sum"] == usage_a.prompt_tokens + 16 - 1  # the last token is never fed
+    assert d["engine_round_seconds_count"] == steps  # every round that stepped ran one engine step
+    assert d["engine_core_busy_seconds_total"] == pytest.approx(d["engine_round_seconds_sum"])
+    assert d["engine_core_busy_seconds_total"] > 0 and d["engine_core_idle_seconds_total"] > 0
+    # the core's clock runs from its ready message: busy + idle is its time so far but the last wait (up to
+    # the 1 s idle round, reported at its end)
+    total = after["engine_core_busy_seconds_total"] + after["engine_core_idle_seconds_total"]
+    now = time.monotonic()
+    assert now - server.ready - 5.0 <= total <= now - server.started, (total, now - server.ready)
+
+
 def test_eplb_rebalance_moves_experts_and_keeps_outputs(server, client, offline):
     assert httpx.post(f"{server.url}/eplb/rebalance").status_code == 401
     bad = httpx.post(f"{server.url}/eplb/rebalance", json={"max_moves": -1}, headers=AUTH)
@@ -333,4 +379,9 @@ def test_speculative_server_equals_offline_and_reports_acceptance(start_server, 
     assert steps > 0 and proposed >= steps and 0 < accepted <= proposed
     assert spec.metric("epmoe:spec_decode_mean_accepted_length") == pytest.approx((accepted + steps) / steps)
     assert spec.metric("epmoe:spec_decode_request_accepted_length_count") == 3
+    # one rank, one request at a time: each a prefill step, then decode steps of one row plus its drafts
+    eager = spec.metric('epmoe:engine_steps_total{kind="eager"}')
+    assert spec.metric("epmoe:iteration_tokens_total_count") == eager
+    assert spec.metric("epmoe:iteration_tokens_total_sum") == (spec.metric("epmoe:prompt_tokens_total") + eager - 3
+                                                               + proposed)
     assert "speculative decoding, K = 3: ngram: prompt lookup" in spec.log.read_text()

@@ -180,6 +180,9 @@ class Engine:
         self._counter = itertools.count()
         self.num_steps = 0
         self.last_step_busy = False
+        # tokens this rank fed to the model at the last step: decode rows (each with its draft tokens) plus
+        # prompt tokens; None when the last step ran no model pass (no work on any rank, or an idle step)
+        self.last_step_tokens: int | None = None
         self.slot_totals = torch.zeros(self.spec.num_moe_layers, num_slots, dtype=torch.int64,
                                        device=self.device)
         self.stats = {"eager_steps": 0, "graph_steps": 0, "graph_prefill_steps": 0, "idle_steps": 0, "preemptions": 0}
@@ -429,6 +432,7 @@ class Engine:
             included, once).
         """
         plan = self.scheduler.schedule()
+        self.last_step_tokens = None
         self.stats["preemptions"] += len(plan.preempted)
         if self.proposer is not None:
             for seq in plan.preempted + plan.finished:
@@ -462,6 +466,9 @@ class Engine:
             out = self.runner.run(plan, bucket, drafts)
             self.stats["graph_steps" if bucket is not None else "eager_steps"] += 1
             self.stats["graph_prefill_steps"] += int(bucket is not None and bool(plan.prefills))
+            decode_rows = (sum(1 + len(p.token_ids) for p in proposals) if proposals is not None
+                           else len(plan.decodes))
+            self.last_step_tokens = decode_rows + sum(c.num_tokens for c in plan.prefills)
             outputs += self._advance(plan, out, proposals)
         self.num_steps += 1
         self.slot_totals += self.recorder.current_counts()

@@ -14,7 +14,10 @@ Each round the core takes what arrived (waiting ``idle_round_s`` when nothing is
 keep the other ranks' control collectives from timing out), assigns each new request to the rank with
 the fewest open requests, runs the round (``RankStepper.lead``) and sends the round's ``StepReport``.
 Every ``loads_interval_s`` while busy, and once when the last open request is done, it also gathers
-the expert loads, for the per-layer balancedness of the tokens routed since the previous sample.
+the expert loads, for the per-layer balancedness of the tokens routed since the previous sample. The
+core times itself (``time.monotonic``): the wall time of each round that steps is busy, the rest (waiting
+for and reading requests, sending reports, rounds that do not step) idle; each report carries both, so
+``/metrics`` tells an engine-bound server (busy nearly all the time) from one that waits on its HTTP side.
 
 Rank processes ignore SIGINT and SIGTERM (the HTTP process drains and stops them with its last round)
 and are killed when the HTTP process dies.
@@ -36,7 +39,7 @@ from epmoe.comm import Comm
 from epmoe.engine import Engine
 from epmoe.runtime.launch import RankError, RankInfo, die_with_parent, init_group
 from epmoe.server.config import ServeConfig
-from epmoe.server.ranks import LOADS_COMMAND, Control, NewRequest, RankReply, RankStepper, StepUpdate
+from epmoe.server.ranks import LOADS_COMMAND, STEP_KINDS, Control, NewRequest, RankReply, RankStepper, StepUpdate
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,12 @@ class StepReport:
         layer_balancedness: per MoE layer, the balancedness of the tokens routed since the previous sample
             (``epmoe.balance.layer_balancedness``); ``None`` when not sampled this round.
         spec: speculative decoding so far, summed over ranks: verify steps, proposed tokens, accepted tokens.
+        engine_steps: rank 0's engine steps so far by kind, in the order of ``ranks.STEP_KINDS`` (every rank
+            steps together).
+        step_tokens: tokens rank 0 fed to the model at this round's step; ``None`` when it ran no model pass.
+        round_s: wall seconds of this round in the core (broadcast, step, gather) when it stepped, else ``None``.
+        idle_s: the core's other wall seconds since the previous report: waiting for and reading requests,
+            sending reports, rounds that did not step.
     """
 
     updates: list[StepUpdate]
@@ -86,6 +95,10 @@ class StepReport:
     collectives_per_step: dict[str, float] | None = None
     layer_balancedness: list[float] | None = None
     spec: tuple[int, int, int] = (0, 0, 0)
+    engine_steps: tuple[int, ...] = (0,) * len(STEP_KINDS)
+    step_tokens: int | None = None
+    round_s: float | None = None
+    idle_s: float = 0.0
 
 
 @dataclass
@@ -128,6 +141,7 @@ class EngineCore:
         info = EngineInfo(engine.max_model_len, engine.vocab_size, self.stepper.size, engine.config.parallel,
                           engine.kv_report(), engine.proposer.describe() if engine.proposer is not None else None)
         self.conn.send([("ready", info)])
+        mark = time.monotonic()  # the end of the previous round
         while True:
             adds, aborts, commands, stop = [], [], [], False
             for kind, value in self._take():
@@ -148,8 +162,14 @@ class EngineCore:
             name = command[1] if command else (LOADS_COMMAND if sample else None)
             control = Control(tuple(adds), abort_pairs, step=busy, stop=stop, command=name,
                               command_arg=command[2] if command else None)
+            start = time.monotonic()
             replies = self.stepper.lead(control)
-            out: list[tuple[str, object]] = [("step", self._report(replies, sample or name == LOADS_COMMAND))]
+            end = time.monotonic()
+            round_s = end - start if control.step else None
+            idle_s = end - mark - (round_s or 0.0)
+            mark = end
+            report = self._report(replies, sample or name == LOADS_COMMAND, round_s, idle_s)
+            out: list[tuple[str, object]] = [("step", report)]
             if command is not None:
                 out.append(("command", (command[0], [r.result for r in replies])))
             self.conn.send(out)
@@ -174,7 +194,8 @@ class EngineCore:
         self._rank_load[rank] += 1
         return rank, req
 
-    def _report(self, replies: list[RankReply], loads_sampled: bool) -> StepReport:
+    def _report(self, replies: list[RankReply], loads_sampled: bool, round_s: float | None,
+                idle_s: float) -> StepReport:
         updates = []
         for reply in replies:
             for up in reply.updates:
@@ -190,7 +211,8 @@ class EngineCore:
         return StepReport(updates, sum(r.running for r in replies), sum(r.waiting for r in replies),
                           sum(r.kv_free for r in replies), sum(r.kv_capacity for r in replies),
                           sum(r.preemptions for r in replies), per_step, balance,
-                          tuple(sum(r.spec[i] for r in replies) for i in range(3)))
+                          tuple(sum(r.spec[i] for r in replies) for i in range(3)), lead.engine_steps,
+                          lead.step_tokens, round_s, idle_s)
 
     def _balancedness(self, replies: list[RankReply]) -> list[float] | None:
         """Per layer, the balancedness of the tokens routed since the last sample (``None``: none routed)."""

@@ -25,7 +25,7 @@ from epmoe.engine import SamplingParams
 from epmoe.runtime.launch import RankError
 from epmoe.server.core import EngineInfo, StepReport
 from epmoe.server.metrics import ServerMetrics
-from epmoe.server.ranks import NewRequest, StepUpdate
+from epmoe.server.ranks import STEP_KINDS, NewRequest, StepUpdate
 
 STATES = ("loading", "ready", "draining", "stopped", "failed")
 
@@ -107,6 +107,7 @@ class Frontend:
         self._writer = threading.Thread(target=self._write, name="epmoe-core-writer", daemon=True)
         self._preemptions = 0
         self._spec = (0, 0, 0)  # verify steps, proposed, accepted tokens already counted
+        self._engine_steps = (0,) * len(STEP_KINDS)  # rank 0's engine steps by kind already counted
 
     # ---- the HTTP side ----------------------------------------------------------------------------
 
@@ -264,6 +265,16 @@ class Frontend:
         if report.layer_balancedness is not None:
             for layer, value in enumerate(report.layer_balancedness):
                 m.layer_balancedness.labels(layer=str(layer)).set(value)
+        for kind, now_n, before in zip(STEP_KINDS, report.engine_steps, self._engine_steps):
+            if now_n > before:
+                m.engine_steps.labels(kind=kind).inc(now_n - before)
+        self._engine_steps = report.engine_steps
+        if report.step_tokens is not None:
+            m.iteration_tokens.observe(report.step_tokens)
+        if report.round_s is not None:
+            m.core_busy_seconds.inc(report.round_s)
+            m.round_seconds.observe(report.round_s)
+        m.core_idle_seconds.inc(report.idle_s)
         if report.spec[0]:
             steps, drafts, accepted = report.spec
             m.spec_verify_steps.inc(steps - self._spec[0])

@@ -9,8 +9,13 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from epmoe.server.ranks import STEP_KINDS
+
 _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                       20.0, 40.0, 80.0)
+_ROUND_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                    0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)  # vLLM's
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -36,6 +41,17 @@ class ServerMetrics:
         spec_accepted_length, spec_acceptance_rate: mean tokens per verify step and accepted over proposed
             tokens since start, all ranks.
         spec_request_accepted_length: per finished request, its mean tokens per verify step.
+        engine_steps: engine steps of rank 0 (every rank steps together) by ``kind``: ``graph`` (one CUDA-graph
+            replay), ``graph_prefill`` (the graph steps that also carried prompt tokens as single-token rows: a
+            subset of ``graph``, not counted again in the total), ``eager``, ``idle`` (an eager step in which
+            rank 0 had no rows while another rank had: a padded empty pass; in a graph step it replays the
+            graph). Engine steps = graph + eager + idle.
+        core_busy_seconds, core_idle_seconds: wall seconds of the engine core's process inside rounds that
+            stepped / everything else (waiting for and reading requests, sending reports, rounds without a
+            step). Busy over busy + idle near 1 under load: engine-bound; well below: the HTTP side is late.
+        iteration_tokens: per graph or eager step, the tokens rank 0 fed to the model (decode rows with their
+            draft tokens, prompt tokens; 0 when only other ranks had rows), vLLM's ``iteration_tokens_total``.
+        round_seconds: wall seconds of each engine-core round that stepped (broadcast, step, gather).
     """
 
     def __init__(self) -> None:
@@ -75,6 +91,24 @@ class ServerMetrics:
         self.spec_request_accepted_length = Histogram(
             "epmoe:spec_decode_request_accepted_length", "Mean tokens per verify step of each finished request",
             buckets=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 12.0, 17.0), registry=r)
+
+        self.engine_steps = Counter("epmoe:engine_steps",
+                                    "Engine steps of rank 0 by kind; graph_prefill steps are graph steps that "
+                                    "carried prompt tokens (a subset of graph): steps = graph + eager + idle",
+                                    ["kind"], registry=r)
+        for kind in STEP_KINDS:
+            self.engine_steps.labels(kind=kind)
+        self.core_busy_seconds = Counter("epmoe:engine_core_busy_seconds",
+                                         "Wall seconds of the engine core inside rounds that stepped", registry=r)
+        self.core_idle_seconds = Counter("epmoe:engine_core_idle_seconds",
+                                         "Wall seconds of the engine core outside rounds that stepped (waiting "
+                                         "for requests, reading them, sending reports)", registry=r)
+        self.iteration_tokens = Histogram("epmoe:iteration_tokens_total",
+                                          "Tokens rank 0 fed to the model per graph or eager step",
+                                          buckets=_ITERATION_TOKEN_BUCKETS, registry=r)
+        self.round_seconds = Histogram("epmoe:engine_round_seconds",
+                                       "Wall seconds of each engine-core round that stepped",
+                                       buckets=_ROUND_BUCKETS_S, registry=r)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -19,6 +19,9 @@ from epmoe.engine import Engine, RequestOutput, SamplingParams
 
 LOADS_COMMAND = "loads"  # each rank returns its logical loads since start, [L, E]
 REBALANCE_COMMAND = "rebalance"  # every rank rebalances together (argument: max_moves); each returns the outcome
+# the engine's step kinds (``Engine.stats[f"{kind}_steps"]``), in the order of ``RankReply.engine_steps``;
+# ``graph_prefill`` steps are graph steps too (a graph step that carried prompt tokens as single-token rows)
+STEP_KINDS = ("graph", "graph_prefill", "eager", "idle")
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,9 @@ class RankReply:
         result: the command's result (``LOADS_COMMAND``: ``[L, E]`` loads as lists; ``REBALANCE_COMMAND``: a
             dict, see ``RankStepper.rebalance``), else ``None``.
         spec: speculative decoding so far: verify steps, proposed tokens, accepted tokens.
+        engine_steps: engine steps so far by kind, in the order of ``STEP_KINDS``.
+        step_tokens: tokens this rank fed to the model at this round's step (``Engine.last_step_tokens``);
+            ``None`` when the round ran no model pass (no step, nothing to do on any rank, an idle step).
     """
 
     rank: int
@@ -117,6 +123,8 @@ class RankReply:
     collectives: dict[str, int] = field(default_factory=dict)
     result: object = None
     spec: tuple[int, int, int] = (0, 0, 0)
+    engine_steps: tuple[int, ...] = (0,) * len(STEP_KINDS)
+    step_tokens: int | None = None
 
 
 class RankStepper:
@@ -168,8 +176,10 @@ class RankStepper:
         for rank, rid in control.abort:
             if rank == self.rank:
                 engine.abort(rid)
+        step_tokens = None
         if control.step:
             updates += [StepUpdate.of(out) for out in engine.step()]
+            step_tokens = engine.last_step_tokens
         result = None
         if control.command == LOADS_COMMAND:
             result = engine.logical_loads().tolist()
@@ -180,7 +190,8 @@ class RankStepper:
                          engine.allocator.capacity, engine.stats["preemptions"], engine.num_steps,
                          dict(engine.comm.stats.calls), result,
                          (engine.spec_stats.verify_steps, engine.spec_stats.draft_tokens,
-                          engine.spec_stats.accepted_tokens))
+                          engine.spec_stats.accepted_tokens),
+                         tuple(engine.stats[f"{kind}_steps"] for kind in STEP_KINDS), step_tokens)
 
     def rebalance(self, max_moves: int | None) -> dict:
         """One live rebalance of every rank (``Engine.rebalance_now``), as the HTTP answer.
