@@ -1,8 +1,9 @@
 """Expert load recording and load files.
 
-``ExpertLoadRecorder`` counts the tokens sent to every physical slot on each MoE forward with device-side
-``scatter_add_`` only (no host sync, CUDA-graph safe: the window position is a device tensor), keeps the
-last ``window`` steps, and reduces them to logical loads ``[L, E]`` summed over the EP group on demand.
+``ExpertLoadRecorder`` counts the tokens sent to every physical slot on each MoE forward on the device only
+(``scatter_add_``, or one Triton kernel on CUDA: ``loads_triton``; no host sync, CUDA-graph safe: the window
+position is a device tensor), keeps the last ``window`` steps, and reduces them to logical loads ``[L, E]``
+summed over the EP group on demand.
 
 Load files: JSON (``{"format": "epmoe.loads/1", "load": [[...]]}``; the key ``weight`` of DeepSeek's
 EPLB example is read too), safetensors (tensor ``load``), and the CSV of allenai/OLMoE routing counts
@@ -106,11 +107,18 @@ class ExpertLoadRecorder:
         """
         if not 0 <= layer_index < self.num_layers:
             raise ValueError(f"layer_index ({layer_index}) must lie in [0, {self.num_layers})")
+        mask = self._row_mask
+        if mask is not None and mask.shape[0] != topk_slots.shape[0]:
+            mask = None
+        if self._counts.device.type == "cuda":
+            from epmoe.loads_triton import record_triton
+
+            record_triton(self._counts, self._pos, layer_index, topk_slots.contiguous(), mask)
+            return
         flat = topk_slots.reshape(-1)
         idx = torch.where(flat >= 0, flat, self.num_slots)
         offset = (self._pos * self.num_layers + layer_index) * (self.num_slots + 1)
-        mask = self._row_mask
-        if mask is not None and mask.shape[0] == topk_slots.shape[0]:
+        if mask is not None:
             ones = mask.unsqueeze(1).expand(topk_slots.shape).reshape(-1)
         else:
             ones = torch.ones_like(idx)
