@@ -377,7 +377,7 @@ def test_recommendation_names_the_family_that_does_not_fit():
 
 def test_engine_step_costs_add_per_step_layer_and_sequence():
     """The profile's engine_* terms add (step + layers x layer + sequences x seq) µs to every step, and the
-    shipped H200 fit prices Qwen3-30B-A3B's batch-1 step far above its roofline alone."""
+    shipped H200 fit prices Qwen3-30B-A3B's batch-1 step above its roofline alone (launch-bound)."""
     spec = load_moe_spec(CONFIGS / "qwen3-30b-a3b.config.json")
     hw = load_hardware(H200)
     bare = dataclasses.replace(hw, engine_step_us=0.0, engine_layer_step_us=0.0, engine_seq_step_us=0.0)
@@ -389,7 +389,7 @@ def test_engine_step_costs_add_per_step_layer_and_sequence():
         assert s0.engine_ms == 0.0 and s1.engine_ms == pytest.approx(want)
         assert s1.total_ms - s0.total_ms == pytest.approx(want)
     shipped = plan(PlanRequest(spec, hw, gpus=1, batches=(1,))).strategies[0].steps[0]
-    assert shipped.engine_ms > 2 * (shipped.attention_ms + shipped.expert_ms)
+    assert shipped.engine_ms > shipped.attention_ms + shipped.expert_ms
 
 
 def test_plan_says_which_values_came_from_transformers_defaults(capsys):
