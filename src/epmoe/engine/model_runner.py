@@ -195,9 +195,10 @@ def ep_static_hooks(ep_model: EPModel, eager_dispatcher: str, recorder: ExpertLo
 
 @dataclass
 class _Graph:
-    """One decode bucket: its captured graph (``None``: the static path runs eagerly) and static tensors."""
+    """One bucket: its captured graphs, one per segment of decoder layers, replayed in order (``None``: the
+    static path runs eagerly), and static tensors."""
 
-    graph: torch.cuda.CUDAGraph | None
+    graph: tuple[torch.cuda.CUDAGraph, ...] | None
     input_ids: torch.Tensor
     positions: torch.Tensor
     slot_mapping: torch.Tensor
@@ -217,13 +218,16 @@ class ModelRunner:
         max_blocks_per_seq: width of the block tables (``ceil(max_model_len / block_size)``).
         device: where the model runs.
         aux_layers: decoder layers whose outputs every step also returns (``StepOutput.aux``).
+        graph_segments: graphs a captured step is split into along its decoder layers (``None``: one per 8
+            layers, 1 to 4): one launch of a whole step's kernels keeps the host busy for a while before the GPU
+            starts; segments overlap the next segment's launch with the previous one's execution.
 
     Raises:
         ValueError: an ``aux_layers`` index outside the model's decoder layers.
     """
 
     def __init__(self, model: nn.Module, kv: KVCache, max_blocks_per_seq: int, device: torch.device,
-                 aux_layers: Sequence[int] = ()) -> None:
+                 aux_layers: Sequence[int] = (), graph_segments: int | None = None) -> None:
         self.model = model
         self.base = model.model
         self.lm_head = model.lm_head
@@ -236,6 +240,7 @@ class ModelRunner:
         self.aux_layers = tuple(aux_layers)
         self._aux: list[torch.Tensor] = []
         layers = self.base.layers
+        self.graph_segments = graph_segments if graph_segments is not None else max(1, min(4, len(layers) // 8))
         for i in self.aux_layers:
             if not 0 <= i < len(layers):
                 raise ValueError(f"aux layer {i} is not a decoder layer of the {len(layers)}-layer model")
@@ -317,7 +322,8 @@ class ModelRunner:
         g.valid_rows[:n].fill_(1)
         g.valid_rows[n:].zero_()
         if g.graph is not None:
-            g.graph.replay()
+            for segment in g.graph:  # segment i runs on the GPU while segment i + 1 is launched
+                segment.replay()
             logits, aux = g.logits, g.aux
         else:
             self._activate(bucket, g.valid_rows)
@@ -384,7 +390,17 @@ class ModelRunner:
         if cuda_graphs:
             torch.cuda.synchronize(dev)
 
+    def _segment_starts(self) -> list[int]:
+        """Decoder layers that begin a new graph segment: the layers split into ``graph_segments`` runs."""
+        n = len(self.base.layers)
+        parts = max(1, min(self.graph_segments, n))
+        return [round(i * n / parts) for i in range(1, parts)]
+
     def _capture_one(self, input_ids, positions, slot_mapping, block_tables, context_lens, workspace):
+        """Capture one bucket's step as consecutive graphs, a new one at each ``_segment_starts`` layer (a forward
+        pre-hook ends the running capture and begins the next, all in one memory pool): replaying them in order
+        lets the GPU run a segment while the host launches the next, instead of waiting for one launch of the
+        whole step's kernels."""
         dev = self.device
         bs = input_ids.shape[0]
         batch = AttnBatch(self.kv, slot_mapping, bs, block_tables, context_lens, workspace=workspace)
@@ -394,9 +410,28 @@ class ModelRunner:
             for _ in range(2):  # warm-up: Triton autotuning and lazy allocations happen outside capture
                 self._forward(input_ids, positions, batch, None)
         torch.cuda.current_stream(dev).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits, aux = self._forward(input_ids, positions, batch, None)
-        return graph, logits, aux
+        starts = self._segment_starts()
+        graphs = [torch.cuda.CUDAGraph() for _ in range(len(starts) + 1)]
+        current = [0]
+
+        def next_segment(_module, _args) -> None:
+            graphs[current[0]].capture_end()
+            current[0] += 1
+            graphs[current[0]].capture_begin(pool=self._pool)
+
+        hooks = [self.base.layers[i].register_forward_pre_hook(next_segment) for i in starts]
+        torch.cuda.synchronize(dev)
+        try:
+            with torch.cuda.stream(stream):
+                graphs[0].capture_begin(pool=self._pool)
+                try:
+                    logits, aux = self._forward(input_ids, positions, batch, None)
+                finally:
+                    graphs[current[0]].capture_end()
+        finally:
+            for hook in hooks:
+                hook.remove()
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        return tuple(graphs), logits, aux
