@@ -1,7 +1,7 @@
 """Expert load recording and load files.
 
 ``ExpertLoadRecorder`` counts the tokens sent to every physical slot on each MoE forward on the device only
-(``scatter_add_``, or one Triton kernel on CUDA: ``loads_triton``; no host sync, CUDA-graph safe: the window
+(``scatter_add_``, or one Triton kernel on CUDA: ``routing.count_triton``; no host sync, CUDA-graph safe: the window
 position is a device tensor), keeps the last ``window`` steps, and reduces them to logical loads ``[L, E]``
 summed over the EP group on demand.
 
@@ -111,9 +111,9 @@ class ExpertLoadRecorder:
         if mask is not None and mask.shape[0] != topk_slots.shape[0]:
             mask = None
         if self._counts.device.type == "cuda":
-            from epmoe.loads_triton import record_triton
+            from epmoe.routing.count_triton import count_slots_triton
 
-            record_triton(self._counts, self._pos, layer_index, topk_slots.contiguous(), mask)
+            count_slots_triton(self._counts, self._pos, layer_index, topk_slots.contiguous(), mask)
             return
         flat = topk_slots.reshape(-1)
         idx = torch.where(flat >= 0, flat, self.num_slots)

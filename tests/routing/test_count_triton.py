@@ -1,5 +1,6 @@
-"""``loads_triton.record_triton`` against the recorder's PyTorch path (CUDA, or CPU under the Triton interpreter:
-``PYTHONPATH=/tmp/np23 TRITON_INTERPRET=1 python -m pytest -q tests/test_loads_triton.py``, numpy<2.4 first)."""
+"""``routing.count_triton.count_slots_triton`` against the recorder's PyTorch path (CUDA, or CPU under the Triton
+interpreter, numpy<2.4 first:
+``PYTHONPATH=/tmp/np23 TRITON_INTERPRET=1 python -m pytest -q tests/routing/test_count_triton.py``)."""
 
 import os
 
@@ -10,7 +11,7 @@ from epmoe.loads import ExpertLoadRecorder
 
 
 def _both(device: str) -> None:
-    from epmoe.loads_triton import record_triton
+    from epmoe.routing.count_triton import count_slots_triton
 
     g = torch.Generator().manual_seed(0)
     ref = ExpertLoadRecorder(num_layers=3, num_slots=10, window=4)
@@ -22,7 +23,7 @@ def _both(device: str) -> None:
             for rec, m in ((ref, mask), (got, mask.to(device))):
                 rec.mask_rows(m if layer != 1 else None)  # layer 1: every row counts
             ref.record(layer, slots)
-            record_triton(got._counts, got._pos, layer, slots.to(device), None if layer == 1 else mask.to(device))
+            count_slots_triton(got._counts, got._pos, layer, slots.to(device), None if layer == 1 else mask.to(device))
         assert torch.equal(got._counts.cpu(), ref._counts), step
         ref.step()
         got.step()

@@ -1,4 +1,4 @@
-"""``ExpertLoadRecorder.record`` as one Triton kernel (CUDA).
+"""Counting routed (token, k) pairs per physical slot as one Triton kernel (CUDA): ``loads.ExpertLoadRecorder.record``.
 
 The PyTorch composition launches about seven kernels per MoE layer and step (the ``-1`` test and
 replacement, the window offset's integer arithmetic, the row mask's expansion, the index sum, the
@@ -32,9 +32,10 @@ def _record_kernel(slots_ptr, mask_ptr, pos_ptr, counts_ptr, n, layer, num_layer
     tl.atomic_add(counts_ptr + row + col, m, mask=ok & (m != 0))
 
 
-def record_triton(counts: torch.Tensor, pos: torch.Tensor, layer: int, topk_slots: torch.Tensor,
+def count_slots_triton(counts: torch.Tensor, pos: torch.Tensor, layer: int, topk_slots: torch.Tensor,
                   row_mask: torch.Tensor | None) -> None:
-    """Add one forward's routing to ``counts`` (the recorder's arguments, checked there).
+    """Add one forward's routing to ``counts`` (the recorder's arguments, checked there; imports nothing else of
+    the package).
 
     Args:
         counts: ``[W, L, P + 1]`` int64 contiguous window of counts (column ``P`` takes the ``-1`` entries).
