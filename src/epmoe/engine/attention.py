@@ -74,6 +74,24 @@ class AttnBatch:
     workspace: torch.Tensor | None = None
 
 
+def engine_batch(module: str, rows: torch.Tensor, epmoe_batch: AttnBatch | None) -> AttnBatch:
+    """The step's ``AttnBatch`` an engine attention module was called with, checked.
+
+    Args:
+        module: the calling module's name, for the error.
+        rows: the module's input, batch dimension first (the engine packs a step's tokens in one row).
+        epmoe_batch: the keyword the engine passes through the model's ``forward``.
+
+    Raises:
+        ValueError: no ``epmoe_batch`` (the model runs outside the engine), or a batch dimension other than 1.
+    """
+    if epmoe_batch is None:
+        raise ValueError(f"{module} needs the engine's epmoe_batch: this model runs through epmoe.engine.Engine")
+    if rows.shape[0] != 1:
+        raise ValueError(f"the engine packs tokens in one row: batch dimension must be 1, got {rows.shape[0]}")
+    return epmoe_batch
+
+
 def _chunk_size(module) -> int | None:
     """Llama-4's attention chunk for a ``chunked_attention`` layer, else ``None``."""
     config = getattr(module, "config", None)
@@ -151,11 +169,7 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         ValueError: called without ``epmoe_batch`` (the model was run outside the engine), or with a
             batch dimension other than 1.
     """
-    if epmoe_batch is None:
-        raise ValueError(f"attention implementation {ATTN_IMPLEMENTATION!r} needs the engine's epmoe_batch: "
-                         f"this model runs through epmoe.engine.Engine")
-    if query.shape[0] != 1:
-        raise ValueError(f"the engine packs tokens in one row: query batch dimension must be 1, got {query.shape[0]}")
+    epmoe_batch = engine_batch(f"attention implementation {ATTN_IMPLEMENTATION!r}", query, epmoe_batch)
     q = query[0].transpose(0, 1)
     epmoe_batch.kv.write(module.layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1), epmoe_batch.slot_mapping)
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5

@@ -29,7 +29,7 @@ import sys
 import torch
 from torch import nn
 
-from epmoe.engine.attention import AttnBatch, dense_attention
+from epmoe.engine.attention import AttnBatch, dense_attention, engine_batch
 from epmoe.engine.mla_decode import mla_decode_attention
 
 _ROTARY = {"deepseek_v2": "apply_rotary_emb", "deepseek_v3": "apply_rotary_pos_emb"}
@@ -110,13 +110,7 @@ class MLAAttention(nn.Module):
         Raises:
             ValueError: no ``epmoe_batch`` (the model runs outside the engine), a batch dimension other than 1.
         """
-        if epmoe_batch is None:
-            raise ValueError("MLAAttention needs the engine's epmoe_batch: this model runs through "
-                             "epmoe.engine.Engine")
-        if hidden_states.shape[0] != 1:
-            raise ValueError(f"the engine packs tokens in one row: batch dimension must be 1, got "
-                             f"{hidden_states.shape[0]}")
-        batch = epmoe_batch
+        batch = engine_batch("MLAAttention", hidden_states, epmoe_batch)
         t = hidden_states.shape[1]
         h, dn, dr, dv, rank = (self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim,
                                self.kv_lora_rank)

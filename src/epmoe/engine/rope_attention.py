@@ -33,7 +33,7 @@ import functools
 import torch
 from torch import nn
 
-from epmoe.engine.attention import AttnBatch, attend
+from epmoe.engine.attention import AttnBatch, attend, engine_batch
 
 # model types whose attention is q/k/v projections, optional per-head RMSNorm, rotate-by-halves rotary,
 # attention (causal, sliding window, sinks) and o_proj. Value: (the cosine is given for half the rotated dims,
@@ -275,13 +275,7 @@ class RopeAttention(nn.Module):
         Raises:
             ValueError: no ``epmoe_batch`` (the model runs outside the engine), a batch dimension other than 1.
         """
-        if epmoe_batch is None:
-            raise ValueError("RopeAttention needs the engine's epmoe_batch: this model runs through "
-                             "epmoe.engine.Engine")
-        if hidden_states.shape[0] != 1:
-            raise ValueError(f"the engine packs tokens in one row: batch dimension must be 1, got "
-                             f"{hidden_states.shape[0]}")
-        batch = epmoe_batch
+        batch = engine_batch("RopeAttention", hidden_states, epmoe_batch)
         t = hidden_states.shape[1]
         cos, sin = self._cos_sin(position_embeddings)
         qkv = self.qkv_proj(hidden_states[0])
