@@ -19,7 +19,7 @@ pytestmark = pytest.mark.multiprocess
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "deployment.py"
-CONCURRENCY = (1, 4)
+CONCURRENCY = (4,)
 CHECK_TOKENS = 4
 
 
