@@ -196,17 +196,78 @@ def ep_static_hooks(ep_model: EPModel, eager_dispatcher: str, recorder: ExpertLo
 @dataclass
 class _Graph:
     """One bucket: its captured graphs, one per segment of decoder layers, replayed in order (``None``: the
-    static path runs eagerly), and static tensors."""
+    static path runs eagerly), and its static inputs.
+
+    The inputs live in two device buffers, filled from two host buffers of the same layout (pinned on CUDA) by
+    one copy each: ``ints [4, bs]`` int64, rows ``input_ids``, ``positions``, ``slot_mapping``, ``valid_rows``;
+    ``tables [bs * max_blocks + bs]`` int32, the block tables row after row, then ``context_lens``. ``copied``
+    (CUDA) marks when the last copies out of the host buffers were done, before they are written again.
+    """
 
     graph: tuple[torch.cuda.CUDAGraph, ...] | None
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    context_lens: torch.Tensor
-    valid_rows: torch.Tensor
-    logits: torch.Tensor | None
-    aux: torch.Tensor | None
+    ints: torch.Tensor
+    tables: torch.Tensor
+    host_ints: torch.Tensor
+    host_tables: torch.Tensor
+    max_blocks: int
+    logits: torch.Tensor | None = None
+    aux: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None
+    used: int = 0
+
+    @property
+    def bs(self) -> int:
+        return self.ints.shape[1]
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.ints[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.ints[1]
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.ints[2]
+
+    @property
+    def valid_rows(self) -> torch.Tensor:
+        return self.ints[3]
+
+    @property
+    def block_tables(self) -> torch.Tensor:
+        return self.tables[: self.bs * self.max_blocks].view(self.bs, self.max_blocks)
+
+    @property
+    def context_lens(self) -> torch.Tensor:
+        return self.tables[self.bs * self.max_blocks:]
+
+    def load(self, packed: Packed) -> None:
+        """Write ``packed``'s ``n`` rows (and zero padding rows after them) into the static inputs: the host
+        buffers are filled, then copied to the device in two copies."""
+        n, mb, bs = packed.num_decode, self.max_blocks, self.bs
+        if self.copied is not None:
+            self.copied.synchronize()
+        hi, ht = self.host_ints, self.host_tables
+        tail = max(self.used, n)
+        hi[:, n:tail].zero_()
+        ht[n * mb: tail * mb].zero_()
+        ht[bs * mb + n: bs * mb + tail].zero_()
+        hi[0, :n] = packed.input_ids
+        hi[1, :n] = packed.positions
+        hi[2, :n] = packed.slot_mapping
+        hi[3, :n] = 1
+        ht[: n * mb].view(n, mb).copy_(packed.block_tables)
+        ht[bs * mb: bs * mb + n] = packed.context_lens
+        self.used = n
+        cuda = self.ints.is_cuda
+        self.ints.copy_(hi, non_blocking=cuda)
+        self.tables.copy_(ht, non_blocking=cuda)
+        if cuda:
+            if self.copied is None:
+                self.copied = torch.cuda.Event()
+            self.copied.record()
 
 
 class ModelRunner:
@@ -314,13 +375,7 @@ class ModelRunner:
                              f"the step has {n} such rows and {len(packed.chunks)} prefill chunks")
         rows = None if packed.sample_rows == list(range(n)) else torch.tensor(packed.sample_rows, dtype=torch.int64,
                                                                                   device=self.device)
-        for static, value in ((g.input_ids, packed.input_ids), (g.positions, packed.positions),
-                              (g.slot_mapping, packed.slot_mapping), (g.block_tables, packed.block_tables),
-                              (g.context_lens, packed.context_lens)):
-            static[:n].copy_(value, non_blocking=True)
-            static[n:].zero_()
-        g.valid_rows[:n].fill_(1)
-        g.valid_rows[n:].zero_()
+        g.load(packed)
         if g.graph is not None:
             for segment in g.graph:  # segment i runs on the GPU while segment i + 1 is launched
                 segment.replay()
@@ -370,23 +425,21 @@ class ModelRunner:
         self._activate, self._deactivate = activate, deactivate
         dev = self.device
         workspace = self._workspace(sizes) if sizes and cuda_graphs else None
+        pin = dev.type == "cuda"
         for bs in sorted(sizes, reverse=True):
-            valid_rows = torch.zeros(bs, dtype=torch.int64, device=dev)
-            input_ids = torch.zeros(bs, dtype=torch.int64, device=dev)
-            positions = torch.zeros(bs, dtype=torch.int64, device=dev)
-            slot_mapping = torch.zeros(bs, dtype=torch.int64, device=dev)
-            block_tables = torch.zeros(bs, self.max_blocks, dtype=torch.int32, device=dev)
-            context_lens = torch.zeros(bs, dtype=torch.int32, device=dev)
-            graph, logits, aux = None, None, None
+            mb = self.max_blocks
+            g = _Graph(None, torch.zeros(4, bs, dtype=torch.int64, device=dev),
+                       torch.zeros(bs * mb + bs, dtype=torch.int32, device=dev),
+                       torch.zeros(4, bs, dtype=torch.int64, pin_memory=pin),
+                       torch.zeros(bs * mb + bs, dtype=torch.int32, pin_memory=pin), mb)
             if cuda_graphs:
-                activate(bs, valid_rows)
+                activate(bs, g.valid_rows)
                 try:
-                    graph, logits, aux = self._capture_one(input_ids, positions, slot_mapping, block_tables,
-                                                           context_lens, workspace)
+                    g.graph, g.logits, g.aux = self._capture_one(g.input_ids, g.positions, g.slot_mapping,
+                                                                 g.block_tables, g.context_lens, workspace)
                 finally:
                     deactivate()
-            self.graphs[bs] = _Graph(graph, input_ids, positions, slot_mapping, block_tables, context_lens,
-                                     valid_rows, logits, aux)
+            self.graphs[bs] = g
         if cuda_graphs:
             torch.cuda.synchronize(dev)
 
