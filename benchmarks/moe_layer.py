@@ -74,10 +74,11 @@ INT4_CASES = {
 }
 INT4_GROUP = 32
 INT4_DECODE_SWEEP = [
-    Int4DecodeConfig(8, 64, 16, 64, 4), Int4DecodeConfig(4, 64, 16, 64, 4), Int4DecodeConfig(4, 128, 8, 128, 4),
-    Int4DecodeConfig(8, 128, 16, 128, 4), Int4DecodeConfig(2, 128, 8, 64, 4), Int4DecodeConfig(4, 32, 8, 32, 2),
-    Int4DecodeConfig(8, 32, 16, 32, 2), Int4DecodeConfig(16, 64, 32, 64, 8), Int4DecodeConfig(8, 256, 16, 256, 8),
-    Int4DecodeConfig(4, 256, 16, 256, 4), Int4DecodeConfig(16, 128, 32, 128, 8), Int4DecodeConfig(8, 512, 16, 256, 8),
+    Int4DecodeConfig(4, 128, 16, 64, 4), Int4DecodeConfig(4, 256, 16, 128, 4), Int4DecodeConfig(8, 128, 16, 64, 4),
+    Int4DecodeConfig(2, 256, 8, 128, 2), Int4DecodeConfig(4, 128, 8, 128, 2), Int4DecodeConfig(8, 64, 32, 64, 4),
+    Int4DecodeConfig(8, 128, 32, 64, 8), Int4DecodeConfig(4, 128, 16, 64, 4, True, 2048),
+    Int4DecodeConfig(4, 128, 16, 64, 4, False), Int4DecodeConfig(2, 128, 8, 64, 2), Int4DecodeConfig(4, 64, 16, 32, 2),
+    Int4DecodeConfig(16, 64, 32, 32, 4), Int4DecodeConfig(4, 256, 32, 64, 4), Int4DecodeConfig(8, 256, 16, 256, 8),
 ]
 DECODE_MAX = 64
 SWEEP = [

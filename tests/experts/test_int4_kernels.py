@@ -53,12 +53,12 @@ def test_int4_decode_matches_reference(dtype, group, act, bias, woi):
     slots = torch.tensor([[0, -1, 4, 2], [1, 1, 7, 0], [-1, -1, -1, 3]])  # 7: outside [0, S), skipped
     tw = torch.rand(3, 4, generator=g)
     ref = _ref(x, slots, tw, q, act, woi)
-    # one pair group per pair; then pairs shared among fewer groups (1 for gate/up, 3 for down: a program
-    # computes several pairs, requesting the next pair's first words before its epilogue)
-    for cfg in (Int4DecodeConfig(8, 16, 16, 8, 4), Int4DecodeConfig(4, 8, 32, 8, 2, True, 20)):
+    # one pair group per pair (ragged last row tile of the down kernel); then the pairs shared among 2 groups
+    # per column tile (a program computes several pairs, requesting the next pair's first words before its epilogue)
+    for cfg in (Int4DecodeConfig(32, 16, 128, 8, 4), Int4DecodeConfig(16, 8, 64, 8, 2, True, 8)):
         out = int4_decode_experts(x, slots, tw, q, act, woi, cfg)
         assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3)
-    none = int4_decode_experts(x, torch.full((3, 4), -1), tw, q, act, woi, Int4DecodeConfig(8, 16, 16, 8, 4))
+    none = int4_decode_experts(x, torch.full((3, 4), -1), tw, q, act, woi, Int4DecodeConfig(32, 16, 128, 8, 4))
     assert not none.any()
 
 

@@ -114,19 +114,28 @@ def _nib(words, MASK: tl.constexpr, BIAS: tl.constexpr, vj):
 
 
 @triton.jit
-def _group_dots(w, v_ptrs, v_ok, STRIDE_J):
+def _load_inputs(v_ptrs, v_ok, STRIDE_J):
+    """The eight pre-scaled input tiles ``vt[j] [NG, GW]`` float32 of a step, ``v_ptrs`` at ``vt[0]``, ``vt[j]`` at
+    ``+ j * STRIDE_J``."""
+    return (tl.load(v_ptrs, mask=v_ok, other=0.0), tl.load(v_ptrs + STRIDE_J, mask=v_ok, other=0.0),
+            tl.load(v_ptrs + 2 * STRIDE_J, mask=v_ok, other=0.0), tl.load(v_ptrs + 3 * STRIDE_J, mask=v_ok, other=0.0),
+            tl.load(v_ptrs + 4 * STRIDE_J, mask=v_ok, other=0.0), tl.load(v_ptrs + 5 * STRIDE_J, mask=v_ok, other=0.0),
+            tl.load(v_ptrs + 6 * STRIDE_J, mask=v_ok, other=0.0), tl.load(v_ptrs + 7 * STRIDE_J, mask=v_ok, other=0.0))
+
+
+@triton.jit
+def _group_dots(w, v):
     """Per row and group, ``sum`` over the group's inputs of ``(nib - 8) * v``: ``w [BLOCK_N, NG, GW]`` int32
-    words, ``v_ptrs [NG, GW]`` at ``vt[0]`` of their words (``vt[j]`` at ``+ j * STRIDE_J``); ``[BLOCK_N, NG]``
-    float32."""
+    words, ``v`` their eight input tiles (``_load_inputs``); ``[BLOCK_N, NG]`` float32."""
     hi = w >> 12
-    acc = _nib(w, 0xF, 1.00000095367431640625, tl.load(v_ptrs, mask=v_ok, other=0.0))
-    acc += _nib(w, 0xF0, 1.0000152587890625, tl.load(v_ptrs + STRIDE_J, mask=v_ok, other=0.0))
-    acc += _nib(w, 0xF00, 1.000244140625, tl.load(v_ptrs + 2 * STRIDE_J, mask=v_ok, other=0.0))
-    acc += _nib(w, 0xF000, 1.00390625, tl.load(v_ptrs + 3 * STRIDE_J, mask=v_ok, other=0.0))
-    acc += _nib(w, 0xF0000, 1.0625, tl.load(v_ptrs + 4 * STRIDE_J, mask=v_ok, other=0.0))
-    acc += _nib(hi, 0xF00, 1.000244140625, tl.load(v_ptrs + 5 * STRIDE_J, mask=v_ok, other=0.0))
-    acc += _nib(hi, 0xF000, 1.00390625, tl.load(v_ptrs + 6 * STRIDE_J, mask=v_ok, other=0.0))
-    acc += _nib(hi, 0xF0000, 1.0625, tl.load(v_ptrs + 7 * STRIDE_J, mask=v_ok, other=0.0))
+    acc = _nib(w, 0xF, 1.00000095367431640625, v[0])
+    acc += _nib(w, 0xF0, 1.0000152587890625, v[1])
+    acc += _nib(w, 0xF00, 1.000244140625, v[2])
+    acc += _nib(w, 0xF000, 1.00390625, v[3])
+    acc += _nib(w, 0xF0000, 1.0625, v[4])
+    acc += _nib(hi, 0xF00, 1.000244140625, v[5])
+    acc += _nib(hi, 0xF000, 1.00390625, v[6])
+    acc += _nib(hi, 0xF0000, 1.0625, v[7])
     return tl.sum(acc, axis=2)
 
 
@@ -168,9 +177,9 @@ def _gate_up_pair(
         s_ok = n_ok[:, None] & (offs_g < (DW - kw0) // GW)[None, :]
         sg = tl.load(sg_ptrs, mask=s_ok, other=0.0).to(tl.float32)
         su = tl.load(su_ptrs, mask=s_ok, other=0.0).to(tl.float32)
-        v_ok = offs_kw < DW - kw0
-        g += _group_dots(wg, v_ptrs, v_ok, DW) * sg
-        u += _group_dots(wu, v_ptrs, v_ok, DW) * su
+        v = _load_inputs(v_ptrs, offs_kw < DW - kw0, DW)
+        g += _group_dots(wg, v) * sg
+        u += _group_dots(wu, v) * su
         wg = wg_next
         wu = wu_next
         wg_ptrs += BLOCK_KW
@@ -271,7 +280,7 @@ def _down_pair(
         w_next = tl.load(w_ptrs + BLOCK_KW, mask=n_ok[:, None, None] & (offs_kw < FW - kw0 - BLOCK_KW)[None, :, :],
                          other=0)
         sc = tl.load(s_ptrs, mask=n_ok[:, None] & (offs_g < (FW - kw0) // GW)[None, :], other=0.0).to(tl.float32)
-        acc += _group_dots(w, v_ptrs, offs_kw < FW - kw0, FW) * sc
+        acc += _group_dots(w, _load_inputs(v_ptrs, offs_kw < FW - kw0, FW)) * sc
         w = w_next
         w_ptrs += BLOCK_KW
         s_ptrs += NG
