@@ -91,7 +91,7 @@ class Int4DecodeConfig:
 
     block_n1: int = 4
     block_kw1: int = 128
-    block_n2: int = 16
+    block_n2: int = 8
     block_kw2: int = 64
     num_warps: int = 4
     pdl: bool = True
@@ -108,26 +108,47 @@ def _nibble_scale(j):
 @triton.jit
 def _nib(words, MASK: tl.constexpr, BIAS: tl.constexpr, vj):
     """``(nib - 8) * v`` for the nibble under ``MASK`` (``BIAS = 1 + 8 * 2 ** (p - 23)``) of ``words
-    [BLOCK_N, NG, GW]`` int32 and the pre-scaled inputs ``vj [NG, GW]`` float32."""
-    f = ((words & MASK) | 0x3F800000).to(tl.float32, bitcast=True)
-    return (f - BIAS) * vj[None, :, :]
+    [NG, BLOCK_N, GW]`` int32 whose exponent bits are already set (``| bits(1.0)``), and the pre-scaled inputs
+    ``vj [NG, BLOCK_N, GW]`` float32 (equal along the rows): one AND a nibble (``(w | E) & (M | E) == (w & M) | E``)."""
+    f = (words & (MASK | 0x3F800000)).to(tl.float32, bitcast=True)
+    return (f - BIAS) * vj
 
 
 @triton.jit
-def _load_inputs(v_ptrs, v_ok, STRIDE_J):
-    """The eight pre-scaled input tiles ``vt[j] [NG, GW]`` float32 of a step, ``v_ptrs`` at ``vt[0]``, ``vt[j]`` at
-    ``+ j * STRIDE_J``."""
-    return (tl.load(v_ptrs, mask=v_ok, other=0.0), tl.load(v_ptrs + STRIDE_J, mask=v_ok, other=0.0),
-            tl.load(v_ptrs + 2 * STRIDE_J, mask=v_ok, other=0.0), tl.load(v_ptrs + 3 * STRIDE_J, mask=v_ok, other=0.0),
-            tl.load(v_ptrs + 4 * STRIDE_J, mask=v_ok, other=0.0), tl.load(v_ptrs + 5 * STRIDE_J, mask=v_ok, other=0.0),
-            tl.load(v_ptrs + 6 * STRIDE_J, mask=v_ok, other=0.0), tl.load(v_ptrs + 7 * STRIDE_J, mask=v_ok, other=0.0))
+def _load_inputs(v_ptrs, v_ok, GW: tl.constexpr, EVEN: tl.constexpr):
+    """The eight pre-scaled input tiles ``[NG, BLOCK_N, GW]`` float32 of a step, ``v_ptrs`` at input 0 of each
+    group's words, input ``j`` at ``+ j * GW`` (see ``_input_offsets``); unmasked when ``EVEN``."""
+    if EVEN:
+        return (tl.load(v_ptrs), tl.load(v_ptrs + GW), tl.load(v_ptrs + 2 * GW), tl.load(v_ptrs + 3 * GW),
+                tl.load(v_ptrs + 4 * GW), tl.load(v_ptrs + 5 * GW), tl.load(v_ptrs + 6 * GW), tl.load(v_ptrs + 7 * GW))
+    else:
+        return (tl.load(v_ptrs, mask=v_ok, other=0.0), tl.load(v_ptrs + GW, mask=v_ok, other=0.0),
+                tl.load(v_ptrs + 2 * GW, mask=v_ok, other=0.0), tl.load(v_ptrs + 3 * GW, mask=v_ok, other=0.0),
+                tl.load(v_ptrs + 4 * GW, mask=v_ok, other=0.0), tl.load(v_ptrs + 5 * GW, mask=v_ok, other=0.0),
+                tl.load(v_ptrs + 6 * GW, mask=v_ok, other=0.0), tl.load(v_ptrs + 7 * GW, mask=v_ok, other=0.0))
+
+
+@triton.jit
+def _input_tile(offs_g, offs_n, GW: tl.constexpr):
+    """``[NG, BLOCK_N, GW]`` offsets of input 0 of the words of a step's groups in the de-interleaved vector, equal
+    along the rows: loaded in the words' own layout (a ``[NG, GW]`` tile would be loaded in another layout and
+    moved between threads), each thread reads the inputs of its own words."""
+    return offs_g[:, None, None] * (8 * GW) + (offs_n * 0)[None, :, None] + tl.arange(0, GW)[None, None, :]
+
+
+@triton.jit
+def _input_offsets(n, GW: tl.constexpr):
+    """Where input ``n`` (int32 tensor) of a vector goes in its de-interleaved copy: per group of ``G = 8 GW``
+    inputs, input ``j`` of the group's ``GW`` words contiguous at ``j * GW``."""
+    return (n // (8 * GW)) * (8 * GW) + (n % 8) * GW + (n // 8) % GW
 
 
 @triton.jit
 def _group_dots(w, v):
-    """Per row and group, ``sum`` over the group's inputs of ``(nib - 8) * v``: ``w [BLOCK_N, NG, GW]`` int32
-    words, ``v`` their eight input tiles (``_load_inputs``); ``[BLOCK_N, NG]`` float32."""
-    hi = w >> 12
+    """Per group and row, ``sum`` over the group's inputs of ``(nib - 8) * v``: ``w [NG, BLOCK_N, GW]`` int32
+    words, ``v`` their eight input tiles (``_load_inputs``); ``[NG, BLOCK_N]`` float32."""
+    hi = (w >> 12) | 0x3F800000
+    w = w | 0x3F800000
     acc = _nib(w, 0xF, 1.00000095367431640625, v[0])
     acc += _nib(w, 0xF0, 1.0000152587890625, v[1])
     acc += _nib(w, 0xF00, 1.000244140625, v[2])
@@ -140,7 +161,7 @@ def _group_dots(w, v):
 
 
 @triton.jit
-def _deinterleave_kernel(x_ptr, xt_ptr, DW, stride_x, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+def _deinterleave_kernel(x_ptr, xt_ptr, DW, stride_x, GW: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
@@ -148,16 +169,16 @@ def _deinterleave_kernel(x_ptr, xt_ptr, DW, stride_x, BLOCK_W: tl.constexpr, PDL
     offs_j = tl.arange(0, 8)
     ok = (offs_w < DW)[:, None]
     v = tl.load(x_ptr + t * stride_x + offs_w[:, None] * 8 + offs_j[None, :], mask=ok, other=0.0).to(tl.float32)
-    tl.store(xt_ptr + t * 8 * DW + offs_j[None, :] * DW + offs_w[:, None], v * _nibble_scale(offs_j)[None, :],
-             mask=ok)
+    dest = _input_offsets(offs_w[:, None] * 8 + offs_j[None, :], GW)
+    tl.store(xt_ptr + t * 8 * DW + dest, v * _nibble_scale(offs_j)[None, :], mask=ok)
 
 
 @triton.jit
 def _gate_up_pair(
-    xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, pair, slot, wg, wu, next_slot, more, top_k, F, DW, FW,
+    xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, pair, slot, wg, wu, next_slot, more, top_k, F, DW,
     stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha, w_rows, s_rows, offs_n, n_ok, offs_kw, offs_g,
     first, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr, ACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr,
 ):
     """``h`` of one pair for this program's rows, from its first word tiles ``wg``/``wu`` already requested;
     with ``PREFETCH`` returns the first tiles of ``next_slot`` (requested before this pair's epilogue)."""
@@ -166,18 +187,22 @@ def _gate_up_pair(
     wu_ptrs = wg_ptrs + F * stride_wn
     sg_ptrs = s_ptr + slot * stride_se + s_rows
     su_ptrs = sg_ptrs + F * stride_sn
-    v_ptrs = xt_ptr + (pair // top_k).to(tl.int64) * 8 * DW + offs_kw
-    g = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
-    u = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
+    v_ptrs = xt_ptr + (pair // top_k).to(tl.int64) * 8 * DW + _input_tile(offs_g, offs_n, GW)
+    g = tl.zeros((NG, BLOCK_N), dtype=tl.float32)
+    u = tl.zeros((NG, BLOCK_N), dtype=tl.float32)
     for kw0 in range(0, DW, BLOCK_KW):
         # register double buffering: the next step's words are requested before this step's are widened
-        nxt = n_ok[:, None, None] & (offs_kw < DW - kw0 - BLOCK_KW)[None, :, :]
+        nxt = (offs_kw < DW - kw0 - BLOCK_KW)[:, None, :] & n_ok[None, :, None]
         wg_next = tl.load(wg_ptrs + BLOCK_KW, mask=nxt, other=0)
         wu_next = tl.load(wu_ptrs + BLOCK_KW, mask=nxt, other=0)
-        s_ok = n_ok[:, None] & (offs_g < (DW - kw0) // GW)[None, :]
-        sg = tl.load(sg_ptrs, mask=s_ok, other=0.0).to(tl.float32)
-        su = tl.load(su_ptrs, mask=s_ok, other=0.0).to(tl.float32)
-        v = _load_inputs(v_ptrs, offs_kw < DW - kw0, DW)
+        if EVEN:
+            sg = tl.load(sg_ptrs).to(tl.float32)
+            su = tl.load(su_ptrs).to(tl.float32)
+        else:
+            s_ok = (offs_g < (DW - kw0) // GW)[:, None] & n_ok[None, :]
+            sg = tl.load(sg_ptrs, mask=s_ok, other=0.0).to(tl.float32)
+            su = tl.load(su_ptrs, mask=s_ok, other=0.0).to(tl.float32)
+        v = _load_inputs(v_ptrs, (offs_kw < DW - kw0)[:, None, :], GW, EVEN)
         g += _group_dots(wg, v) * sg
         u += _group_dots(wu, v) * su
         wg = wg_next
@@ -186,12 +211,12 @@ def _gate_up_pair(
         wu_ptrs += BLOCK_KW
         sg_ptrs += NG
         su_ptrs += NG
-        v_ptrs += BLOCK_KW
+        v_ptrs += 8 * BLOCK_KW
     if PREFETCH:
         wg = tl.load(w_ptr + next_slot * stride_we + w_rows, mask=first & more, other=0)
         wu = tl.load(w_ptr + next_slot * stride_we + F * stride_wn + w_rows, mask=first & more, other=0)
-    gs = tl.sum(g, axis=1)
-    us = tl.sum(u, axis=1)
+    gs = tl.sum(g, axis=0)
+    us = tl.sum(u, axis=0)
     tw = tl.load(tw_ptr + pair)
     if WEIGHT_ON_INPUT:
         gs *= tw
@@ -202,8 +227,7 @@ def _gate_up_pair(
     h = gated_activation(gs, us, act_limit, act_alpha, ACT)
     if not WEIGHT_ON_INPUT:
         h *= tw
-    j = offs_n % 8
-    tl.store(h_ptr + pair * F + j * FW + offs_n // 8, h * _nibble_scale(j), mask=n_ok)
+    tl.store(h_ptr + pair * F + _input_offsets(offs_n, GW), h * _nibble_scale(offs_n % 8), mask=n_ok)
     return wg, wu
 
 
@@ -213,7 +237,7 @@ def _decode_gate_up_kernel(
     F, DW, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha,
     BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr, N_PAD: tl.constexpr, GROUPS: tl.constexpr,
     ONE_PAIR: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
-    ZERO_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    ZERO_BLOCK: tl.constexpr, PDL: tl.constexpr, EVEN: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     group = tl.program_id(1)
@@ -223,15 +247,14 @@ def _decode_gate_up_kernel(
         for i in range(0, num_counters, ZERO_BLOCK):
             zi = i + tl.arange(0, ZERO_BLOCK)
             tl.store(count_ptr + zi, tl.zeros([ZERO_BLOCK], dtype=tl.int32), mask=zi < num_counters)
-    FW = F // 8
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < F
     offs_g = tl.arange(0, BLOCK_KW // GW)
     offs_kw = offs_g[:, None] * GW + tl.arange(0, GW)[None, :]
     rows = offs_n.to(tl.int64)
-    w_rows = rows[:, None, None] * stride_wn + offs_kw[None, :, :]
-    s_rows = rows[:, None] * stride_sn + offs_g[None, :]
-    first = n_ok[:, None, None] & (offs_kw < DW)[None, :, :]
+    w_rows = offs_kw[:, None, :] + rows[None, :, None] * stride_wn
+    s_rows = offs_g[:, None] + rows[None, :] * stride_sn
+    first = (offs_kw < DW)[:, None, :] & n_ok[None, :, None]
     # slots and weights were complete before the launch chain began: request the first words before the wait
     if ONE_PAIR:
         slot = tl.load(slots_ptr + group)
@@ -243,8 +266,8 @@ def _decode_gate_up_kernel(
         if PDL:
             tl.extra.cuda.gdc_wait()
         _gate_up_pair(xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, group, slot, wg, wu, slot, False, top_k, F, DW,
-                      FW, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha, w_rows, s_rows, offs_n,
-                      n_ok, offs_kw, offs_g, first, BLOCK_N, BLOCK_KW, GW, ACT, HAS_BIAS, WEIGHT_ON_INPUT, False)
+                      stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha, w_rows, s_rows, offs_n,
+                      n_ok, offs_kw, offs_g, first, BLOCK_N, BLOCK_KW, GW, ACT, HAS_BIAS, WEIGHT_ON_INPUT, False, EVEN)
     else:
         idx, sl, live, rank, n_live = _live_pairs(slots_ptr, num_pairs, num_slots, N_PAD)
         pair, slot = _live_pair(idx, sl, live, rank, group)
@@ -255,9 +278,9 @@ def _decode_gate_up_kernel(
         for i in range(group, n_live, GROUPS):
             next_pair, next_slot = _live_pair(idx, sl, live, rank, i + GROUPS)
             wg, wu = _gate_up_pair(xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, pair, slot, wg, wu, next_slot,
-                                   i + GROUPS < n_live, top_k, F, DW, FW, stride_we, stride_wn, stride_se, stride_sn,
+                                   i + GROUPS < n_live, top_k, F, DW, stride_we, stride_wn, stride_se, stride_sn,
                                    act_limit, act_alpha, w_rows, s_rows, offs_n, n_ok, offs_kw, offs_g, first,
-                                   BLOCK_N, BLOCK_KW, GW, ACT, HAS_BIAS, WEIGHT_ON_INPUT, True)
+                                   BLOCK_N, BLOCK_KW, GW, ACT, HAS_BIAS, WEIGHT_ON_INPUT, True, EVEN)
             pair = next_pair
             slot = next_slot
 
@@ -267,27 +290,30 @@ def _down_pair(
     h_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, pair, slot, w, next_slot, more, D, F, FW, stride_we, stride_se,
     w_rows, s_rows, offs_n, n_ok, offs_kw, offs_g, first,
     BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr, HAS_BIAS: tl.constexpr,
-    WEIGHT_ON_INPUT: tl.constexpr, PREFETCH: tl.constexpr,
+    WEIGHT_ON_INPUT: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr,
 ):
     """``y`` of one pair for this program's columns from its first word tile ``w`` already requested; with
     ``PREFETCH`` returns the first tile of ``next_slot``."""
     NG: tl.constexpr = BLOCK_KW // GW
     w_ptrs = w_ptr + slot * stride_we + w_rows
     s_ptrs = s_ptr + slot * stride_se + s_rows
-    v_ptrs = h_ptr + pair * F + offs_kw
-    acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
+    v_ptrs = h_ptr + pair * F + _input_tile(offs_g, offs_n, GW)
+    acc = tl.zeros((NG, BLOCK_N), dtype=tl.float32)
     for kw0 in range(0, FW, BLOCK_KW):
-        w_next = tl.load(w_ptrs + BLOCK_KW, mask=n_ok[:, None, None] & (offs_kw < FW - kw0 - BLOCK_KW)[None, :, :],
+        w_next = tl.load(w_ptrs + BLOCK_KW, mask=(offs_kw < FW - kw0 - BLOCK_KW)[:, None, :] & n_ok[None, :, None],
                          other=0)
-        sc = tl.load(s_ptrs, mask=n_ok[:, None] & (offs_g < (FW - kw0) // GW)[None, :], other=0.0).to(tl.float32)
-        acc += _group_dots(w, _load_inputs(v_ptrs, offs_kw < FW - kw0, FW)) * sc
+        if EVEN:
+            sc = tl.load(s_ptrs).to(tl.float32)
+        else:
+            sc = tl.load(s_ptrs, mask=(offs_g < (FW - kw0) // GW)[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        acc += _group_dots(w, _load_inputs(v_ptrs, (offs_kw < FW - kw0)[:, None, :], GW, EVEN)) * sc
         w = w_next
         w_ptrs += BLOCK_KW
         s_ptrs += NG
-        v_ptrs += BLOCK_KW
+        v_ptrs += 8 * BLOCK_KW
     if PREFETCH:
         w = tl.load(w_ptr + next_slot * stride_we + w_rows, mask=first & more, other=0)
-    y = tl.sum(acc, axis=1)
+    y = tl.sum(acc, axis=0)
     if HAS_BIAS:
         b = tl.load(b_ptr + slot * D + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         if not WEIGHT_ON_INPUT:
@@ -303,7 +329,7 @@ def _decode_down_kernel(
     num_tokens, top_k, num_pairs, num_slots, D, F, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
     GROUPS: tl.constexpr, ONE_PAIR: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, EVEN: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     group = tl.program_id(1)
@@ -313,9 +339,9 @@ def _decode_down_kernel(
     offs_g = tl.arange(0, BLOCK_KW // GW)
     offs_kw = offs_g[:, None] * GW + tl.arange(0, GW)[None, :]
     rows = offs_n.to(tl.int64)
-    w_rows = rows[:, None, None] * stride_wn + offs_kw[None, :, :]
-    s_rows = rows[:, None] * stride_sn + offs_g[None, :]
-    first = n_ok[:, None, None] & (offs_kw < FW)[None, :, :]
+    w_rows = offs_kw[:, None, :] + rows[None, :, None] * stride_wn
+    s_rows = offs_g[:, None] + rows[None, :] * stride_sn
+    first = (offs_kw < FW)[:, None, :] & n_ok[None, :, None]
     if ONE_PAIR:
         slot = tl.load(slots_ptr + group)
         live = (slot >= 0) & (slot < num_slots)
@@ -326,7 +352,7 @@ def _decode_down_kernel(
         if live:
             _down_pair(h_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, group, slot, w, slot, False, D, F, FW, stride_we,
                        stride_se, w_rows, s_rows, offs_n, n_ok, offs_kw, offs_g, first, BLOCK_N, BLOCK_KW, GW,
-                       HAS_BIAS, WEIGHT_ON_INPUT, False)
+                       HAS_BIAS, WEIGHT_ON_INPUT, False, EVEN)
     else:
         idx, sl, live, rank, n_live = _live_pairs(slots_ptr, num_pairs, num_slots, N_PAD)
         pair, slot = _live_pair(idx, sl, live, rank, group)
@@ -337,7 +363,7 @@ def _decode_down_kernel(
             next_pair, next_slot = _live_pair(idx, sl, live, rank, i + GROUPS)
             w = _down_pair(h_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, pair, slot, w, next_slot, i + GROUPS < n_live,
                            D, F, FW, stride_we, stride_se, w_rows, s_rows, offs_n, n_ok, offs_kw, offs_g, first,
-                           BLOCK_N, BLOCK_KW, GW, HAS_BIAS, WEIGHT_ON_INPUT, True)
+                           BLOCK_N, BLOCK_KW, GW, HAS_BIAS, WEIGHT_ON_INPUT, True, EVEN)
             pair = next_pair
             slot = next_slot
     tl.debug_barrier()
@@ -410,22 +436,26 @@ def int4_decode_experts(
     b13 = weights.b13 if weights.b13 is not None else placeholder
     b2 = weights.b2 if weights.b2 is not None else placeholder
     limit = activation.swiglu_limit if activation.swiglu_limit is not None else 0.0
+    gw = g // INT4_PACK
     pdl = cfg.pdl and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
     block_w = min(512, triton.next_power_of_2(dw))
-    _deinterleave_kernel[(t, triton.cdiv(dw, block_w))](x, xt, dw, x.stride(0), BLOCK_W=block_w, PDL=pdl)
+    _deinterleave_kernel[(t, triton.cdiv(dw, block_w))](x, xt, dw, x.stride(0), GW=gw, BLOCK_W=block_w,
+                                                          PDL=pdl)
     _decode_gate_up_kernel[grid1](
         xt, topk_slots, topk_weights, w13, s13, b13, h, count, n, s, k, grid2[0], f, dw,
         w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), float(limit), float(activation.swiglu_alpha),
-        BLOCK_N=cfg.block_n1, BLOCK_KW=cfg.block_kw1, GW=g // INT4_PACK, N_PAD=n_pad, GROUPS=grid1[1],
+        BLOCK_N=cfg.block_n1, BLOCK_KW=cfg.block_kw1, GW=gw, N_PAD=n_pad, GROUPS=grid1[1],
         ONE_PAIR=grid1[1] == n, ACT=act_code(activation), HAS_BIAS=weights.b13 is not None,
-        WEIGHT_ON_INPUT=weight_on_input, ZERO_BLOCK=_ZERO_BLOCK, PDL=pdl, num_warps=cfg.num_warps, launch_pdl=pdl,
+        WEIGHT_ON_INPUT=weight_on_input, ZERO_BLOCK=_ZERO_BLOCK, PDL=pdl,
+        EVEN=dw % cfg.block_kw1 == 0 and f % cfg.block_n1 == 0, num_warps=cfg.num_warps, launch_pdl=pdl,
     )
     _decode_down_kernel[grid2](
         h, topk_slots, topk_weights, w2, s2, b2, y, count, out, t, k, n, s, d, f,
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
-        BLOCK_N=cfg.block_n2, BLOCK_KW=cfg.block_kw2, GW=g // INT4_PACK, K_PAD=triton.next_power_of_2(k),
+        BLOCK_N=cfg.block_n2, BLOCK_KW=cfg.block_kw2, GW=gw, K_PAD=triton.next_power_of_2(k),
         N_PAD=n_pad, GROUPS=grid2[1], ONE_PAIR=grid2[1] == n, HAS_BIAS=weights.b2 is not None,
-        WEIGHT_ON_INPUT=weight_on_input, PDL=pdl, num_warps=cfg.num_warps, launch_pdl=pdl,
+        WEIGHT_ON_INPUT=weight_on_input, PDL=pdl, EVEN=f // INT4_PACK % cfg.block_kw2 == 0 and d % cfg.block_n2 == 0,
+        num_warps=cfg.num_warps, launch_pdl=pdl,
     )
     return out
 
