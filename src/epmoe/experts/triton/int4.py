@@ -11,26 +11,31 @@ tiles, programmatic dependent launches on Hopper, the sum over ``K`` fused into 
 counters).
 
 Layout. Every thread owns whole int32 words, never a part of one: a program's weight tile is
-``[BLOCK_N, BLOCK_KW / GW, GW]`` words (rows, groups of ``G`` inputs, the ``GW = G / 8`` words of a group),
-four consecutive words a thread (one 16-byte load). The inputs are read in the matching layout: the vector
-``v`` (``x`` or ``h``) is stored de-interleaved, ``vt[j, w] = v[8 w + j] * 2 ** (23 - p_j)``, so that the
-``j``-th input of every word is the ``[BLOCK_KW / GW, GW]`` tile at ``vt[j]``, loaded as contiguous vectors
-and shared by all rows a thread holds. Nibble ``j`` is widened without a shift or an integer-to-float
-conversion: ``(word & (0xF << p_j)) | bits(1.0)`` read as float32 is ``1 + nib * 2 ** (p_j - 23)``;
-subtracting ``1 + 8 * 2 ** (p_j - 23)`` is exact (Sterbenz) and leaves ``(nib - 8) * 2 ** (p_j - 23)``,
-whose product with the pre-scaled input is ``(nib - 8) * v[8 w + j]``. ``p_j = 4 j`` for ``j <= 4``; the top
-three nibbles are taken from ``word >> 12`` (one shift a word) at ``p_j = 4 j - 12``. So a nibble costs one
-logic operation, one subtraction and one multiply-add, all in the thread's registers. The eight products of
-a word are summed, the ``GW`` words of a group summed (in the thread), multiplied by the group's scale and
-accumulated per ``[row, group]``; the rows are reduced across threads once per pair, after the last step.
+``[BLOCK_KW / GW, BLOCK_N, GW]`` words (groups of ``G`` inputs, rows, the ``GW = G / 8`` words of a group), the
+``GW`` words of a group in one thread (one 16-byte load for ``G = 32``). The vector ``v`` (``x`` or ``h``) is
+read from a de-interleaved, pre-scaled float32 copy ``vt``: within each group of ``G`` inputs, input ``j`` of
+the group's ``GW`` words is stored contiguously (``vt[(n // G) * G + (n % 8) * GW + (n // 8) % GW] = v[n] *
+2 ** (23 - p_j)``, ``j = n % 8``), so a thread reads the eight inputs of its words as eight 16-byte loads at
+constant offsets from one address. Those loads have the weight tile's shape (equal along the rows), so they land
+in the weight tile's own layout and nothing moves between threads inside the loop.
 
-1. ``_deinterleave_kernel``, grid ``(T, cdiv(D / 8, BLOCK_W))``: ``x [T, D]`` -> ``xt [T, 8, D / 8]`` float32
-   as above.
+Nibble ``j`` is widened without a shift or an integer-to-float conversion: with the exponent bits of 1.0 set in
+the word once (``w | E``, ``E = 0x3F800000``), ``(w | E) & ((0xF << p_j) | E)`` read as float32 is ``1 + nib *
+2 ** (p_j - 23)``; subtracting ``1 + 8 * 2 ** (p_j - 23)`` is exact (Sterbenz) and leaves ``(nib - 8) *
+2 ** (p_j - 23)``, whose product with the pre-scaled input is ``(nib - 8) * v[n]``, exact up to the product's
+rounding. ``p_j = 4 j`` for ``j <= 4``; the top three nibbles are taken from ``w >> 12`` (one shift a word) at
+``p_j = 4 j - 12``. So a nibble costs one AND, one subtraction and one multiply-add, all in the thread's
+registers. The products of a group's words are summed in the thread, multiplied by the group's scale and
+accumulated per ``[group, row]``; the groups are reduced across threads once per pair, after the last step.
+With ``(BLOCK_KW / GW) * BLOCK_N = 32 * num_warps`` (one group of one row a thread) the scale tile also lands in
+that layout, so a step has no shared-memory traffic or barrier.
+
+1. ``_deinterleave_kernel``, grid ``(T, cdiv(D / 8, BLOCK_W))``: ``x [T, D]`` -> ``xt [T, D]`` float32 as above.
 2. ``_decode_gate_up_kernel``, grid ``(cdiv(F, BLOCK_N1), groups)``: for each of its live pairs, program
    ``(j, g)`` reads ``BLOCK_N1`` gate and ``BLOCK_N1`` up rows of the pair's expert, ``BLOCK_KW1`` words a step
-   (the next step's tiles requested before this one is reduced), applies bias, routing weight and the gated
-   activation and writes ``h`` float32, de-interleaved and pre-scaled as ``xt`` (``[N, 8, F / 8]``), for the
-   down kernel. Program ``(0, 0)`` zeroes the down kernel's arrival counters.
+   (the next step's words requested before this step's are widened; the input tiles shared by gate and up),
+   applies bias, routing weight and the gated activation and writes ``h [N, F]`` float32 in the layout of
+   ``xt``, for the down kernel. Program ``(0, 0)`` zeroes the down kernel's arrival counters.
 3. ``_decode_down_kernel``, grid ``(cdiv(D, BLOCK_N2), groups)``: the same over ``w2`` and ``h``, ``y [N, D]``
    float32; the last program to arrive for column tile ``j`` sums it over each token's ``K`` pairs in a fixed
    order into ``out`` (bitwise reproducible).
@@ -73,7 +78,9 @@ _ZERO_BLOCK = 1024
 
 @dataclass(frozen=True)
 class Int4DecodeConfig:
-    """Tile shapes of the INT4 decode kernels (all sizes powers of two).
+    """Tile shapes of the INT4 decode kernels (all sizes powers of two). A kernel whose tile holds one group of one
+    row a thread (``(block_kw / (G / 8)) * block_n = 32 * num_warps``) moves nothing between threads inside its loop
+    (see the module docstring); the defaults do for ``G = 32``.
 
     Attributes:
         block_n1: gate (and up) rows per gate/up program.
@@ -326,14 +333,13 @@ def _down_pair(
 @triton.jit
 def _decode_down_kernel(
     h_ptr, slots_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, count_ptr, out_ptr,
-    num_tokens, top_k, num_pairs, num_slots, D, F, stride_we, stride_wn, stride_se, stride_sn, stride_o,
+    num_tokens, top_k, num_pairs, num_slots, D, F, FW, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
     GROUPS: tl.constexpr, ONE_PAIR: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
     PDL: tl.constexpr, EVEN: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     group = tl.program_id(1)
-    FW = F // 8
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < D
     offs_g = tl.arange(0, BLOCK_KW // GW)
@@ -402,8 +408,9 @@ def int4_decode_experts(
         weights: the packed weights (contiguous).
         activation: the gated activation.
         weight_on_input: scale the expert input by the weight instead of its output.
-        config: tile shapes; ``Int4DecodeConfig()`` when ``None`` (the best of the H200 sweep of
-            ``benchmarks/moe_layer.py`` for the Kimi-K2.5 shard at one token).
+        config: tile shapes; ``Int4DecodeConfig()`` when ``None`` (one group of one row a thread in both kernels
+            at group size 32, the most programs for one active expert; ``benchmarks/moe_layer.py --sweep`` times
+            the alternatives in ``INT4_DECODE_SWEEP``).
 
     Returns:
         ``[T, D]`` in ``x.dtype``.
@@ -424,7 +431,7 @@ def int4_decode_experts(
     w13, s13, w2, s2 = weights.w13_packed, weights.w13_scale, weights.w2_packed, weights.w2_scale
     dev = x.device
     dw = d // INT4_PACK
-    xt = torch.empty(t, INT4_PACK, dw, dtype=torch.float32, device=dev)
+    xt = torch.empty(t, d, dtype=torch.float32, device=dev)
     h = torch.empty(n, f, dtype=torch.float32, device=dev)
     y = torch.empty(n, d, dtype=torch.float32, device=dev)
     out = torch.empty(t, d, dtype=x.dtype, device=dev)
@@ -450,7 +457,7 @@ def int4_decode_experts(
         EVEN=dw % cfg.block_kw1 == 0 and f % cfg.block_n1 == 0, num_warps=cfg.num_warps, launch_pdl=pdl,
     )
     _decode_down_kernel[grid2](
-        h, topk_slots, topk_weights, w2, s2, b2, y, count, out, t, k, n, s, d, f,
+        h, topk_slots, topk_weights, w2, s2, b2, y, count, out, t, k, n, s, d, f, f // INT4_PACK,
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
         BLOCK_N=cfg.block_n2, BLOCK_KW=cfg.block_kw2, GW=gw, K_PAD=triton.next_power_of_2(k),
         N_PAD=n_pad, GROUPS=grid2[1], ONE_PAIR=grid2[1] == n, HAS_BIAS=weights.b2 is not None,
