@@ -82,6 +82,8 @@ INT4_DECODE_SWEEP = [
     Int4DecodeConfig(2, 128, 4, 64, 2), Int4DecodeConfig(4, 64, 8, 32, 2), Int4DecodeConfig(4, 128, 8, 64, 4, False),
     Int4DecodeConfig(4, 128, 8, 64, 4, True, 2048), Int4DecodeConfig(4, 128, 8, 64, 4, True, 512),
     Int4DecodeConfig(8, 128, 16, 64, 4), Int4DecodeConfig(4, 256, 8, 128, 4),
+    Int4DecodeConfig(4, 128, 8, 64, 4, stages=2), Int4DecodeConfig(2, 256, 8, 64, 4, stages=2),
+    Int4DecodeConfig(8, 128, 16, 64, 8, stages=2),
 ]
 DECODE_MAX = 64
 SWEEP = [

@@ -94,6 +94,8 @@ class Int4DecodeConfig:
             CUDA device of compute capability 9.0 or more (and so under the Triton interpreter).
         max_programs: programs per launch, at most (and at least one pair group), as
             ``decode.DecodeConfig.max_programs``.
+        stages: word tiles of a program in registers, 2 or 3: the words of step ``k + stages - 1`` are requested
+            before step ``k``'s are widened (3: twice the bytes in flight, for one active expert spread thin).
     """
 
     block_n1: int = 4
@@ -103,6 +105,7 @@ class Int4DecodeConfig:
     num_warps: int = 4
     pdl: bool = True
     max_programs: int = 1024
+    stages: int = 3
 
 
 @triton.jit
@@ -168,6 +171,17 @@ def _group_dots(w, v):
 
 
 @triton.jit
+def _first_tiles(ptrs, first, second, BLOCK_KW: tl.constexpr, STAGES: tl.constexpr):
+    """Word tiles 0 and 1 of a row tile (``ptrs`` at its first words), masked by ``first`` and ``second``; with
+    ``STAGES == 2`` tile 0 twice (tile 1 is requested in the first step)."""
+    t0 = tl.load(ptrs, mask=first, other=0)
+    if STAGES == 3:
+        return t0, tl.load(ptrs + BLOCK_KW, mask=second, other=0)
+    else:
+        return t0, t0
+
+
+@triton.jit
 def _deinterleave_kernel(x_ptr, xt_ptr, DW, stride_x, GW: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -182,13 +196,15 @@ def _deinterleave_kernel(x_ptr, xt_ptr, DW, stride_x, GW: tl.constexpr, BLOCK_W:
 
 @triton.jit
 def _gate_up_pair(
-    xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, pair, slot, wg, wu, next_slot, more, top_k, F, DW,
+    xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, pair, slot, wg, wu, wg1, wu1, next_slot, more, top_k, F, DW,
     stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha, w_rows, s_rows, offs_n, n_ok, offs_kw, offs_g,
-    first, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr, ACT: tl.constexpr,
+    first, second, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr, ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    """``h`` of one pair for this program's rows, from its first word tiles ``wg``/``wu`` already requested;
-    with ``PREFETCH`` returns the first tiles of ``next_slot`` (requested before this pair's epilogue)."""
+    """``h`` of one pair for this program's rows, from its first two word tiles (``wg``/``wu``, ``wg1``/``wu1``)
+    already requested; with ``PREFETCH`` returns the first two tiles of ``next_slot`` (requested before this pair's
+    epilogue)."""
     NG: tl.constexpr = BLOCK_KW // GW
     wg_ptrs = w_ptr + slot * stride_we + w_rows
     wu_ptrs = wg_ptrs + F * stride_wn
@@ -198,10 +214,11 @@ def _gate_up_pair(
     g = tl.zeros((NG, BLOCK_N), dtype=tl.float32)
     u = tl.zeros((NG, BLOCK_N), dtype=tl.float32)
     for kw0 in range(0, DW, BLOCK_KW):
-        # register double buffering: the next step's words are requested before this step's are widened
-        nxt = (offs_kw < DW - kw0 - BLOCK_KW)[:, None, :] & n_ok[None, :, None]
-        wg_next = tl.load(wg_ptrs + BLOCK_KW, mask=nxt, other=0)
-        wu_next = tl.load(wu_ptrs + BLOCK_KW, mask=nxt, other=0)
+        # register buffering, STAGES - 1 steps ahead: the words of step k + STAGES - 1 are requested before step
+        # k's are widened (Triton software-pipelines only loads that feed tl.dot)
+        nxt = (offs_kw < DW - kw0 - (STAGES - 1) * BLOCK_KW)[:, None, :] & n_ok[None, :, None]
+        wg2 = tl.load(wg_ptrs + (STAGES - 1) * BLOCK_KW, mask=nxt, other=0)
+        wu2 = tl.load(wu_ptrs + (STAGES - 1) * BLOCK_KW, mask=nxt, other=0)
         if EVEN:
             sg = tl.load(sg_ptrs).to(tl.float32)
             su = tl.load(su_ptrs).to(tl.float32)
@@ -212,16 +229,23 @@ def _gate_up_pair(
         v = _load_inputs(v_ptrs, (offs_kw < DW - kw0)[:, None, :], GW, EVEN)
         g += _group_dots(wg, v) * sg
         u += _group_dots(wu, v) * su
-        wg = wg_next
-        wu = wu_next
+        if STAGES == 3:
+            wg = wg1
+            wu = wu1
+            wg1 = wg2
+            wu1 = wu2
+        else:
+            wg = wg2
+            wu = wu2
         wg_ptrs += BLOCK_KW
         wu_ptrs += BLOCK_KW
         sg_ptrs += NG
         su_ptrs += NG
         v_ptrs += 8 * BLOCK_KW
     if PREFETCH:
-        wg = tl.load(w_ptr + next_slot * stride_we + w_rows, mask=first & more, other=0)
-        wu = tl.load(w_ptr + next_slot * stride_we + F * stride_wn + w_rows, mask=first & more, other=0)
+        nxt_ptrs = w_ptr + next_slot * stride_we + w_rows
+        wg, wg1 = _first_tiles(nxt_ptrs, first & more, second & more, BLOCK_KW, STAGES)
+        wu, wu1 = _first_tiles(nxt_ptrs + F * stride_wn, first & more, second & more, BLOCK_KW, STAGES)
     gs = tl.sum(g, axis=0)
     us = tl.sum(u, axis=0)
     tw = tl.load(tw_ptr + pair)
@@ -235,7 +259,7 @@ def _gate_up_pair(
     if not WEIGHT_ON_INPUT:
         h *= tw
     tl.store(h_ptr + pair * F + _input_offsets(offs_n, GW), h * _nibble_scale(offs_n % 8), mask=n_ok)
-    return wg, wu
+    return wg, wu, wg1, wu1
 
 
 @triton.jit
@@ -244,7 +268,7 @@ def _decode_gate_up_kernel(
     F, DW, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha,
     BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr, N_PAD: tl.constexpr, GROUPS: tl.constexpr,
     ONE_PAIR: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
-    ZERO_BLOCK: tl.constexpr, PDL: tl.constexpr, EVEN: tl.constexpr,
+    ZERO_BLOCK: tl.constexpr, PDL: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     group = tl.program_id(1)
@@ -262,64 +286,73 @@ def _decode_gate_up_kernel(
     w_rows = offs_kw[:, None, :] + rows[None, :, None] * stride_wn
     s_rows = offs_g[:, None] + rows[None, :] * stride_sn
     first = (offs_kw < DW)[:, None, :] & n_ok[None, :, None]
+    second = (offs_kw < DW - BLOCK_KW)[:, None, :] & n_ok[None, :, None]
     # slots and weights were complete before the launch chain began: request the first words before the wait
     if ONE_PAIR:
         slot = tl.load(slots_ptr + group)
         if (slot < 0) | (slot >= num_slots):
             return
         slot = slot.to(tl.int64)
-        wg = tl.load(w_ptr + slot * stride_we + w_rows, mask=first, other=0)
-        wu = tl.load(w_ptr + slot * stride_we + F * stride_wn + w_rows, mask=first, other=0)
+        wg, wg1 = _first_tiles(w_ptr + slot * stride_we + w_rows, first, second, BLOCK_KW, STAGES)
+        wu, wu1 = _first_tiles(w_ptr + slot * stride_we + w_rows + F * stride_wn, first, second, BLOCK_KW, STAGES)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        _gate_up_pair(xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, group, slot, wg, wu, slot, False, top_k, F, DW,
-                      stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha, w_rows, s_rows, offs_n,
-                      n_ok, offs_kw, offs_g, first, BLOCK_N, BLOCK_KW, GW, ACT, HAS_BIAS, WEIGHT_ON_INPUT, False, EVEN)
+        _gate_up_pair(xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, group, slot, wg, wu, wg1, wu1, slot, False, top_k,
+                      F, DW, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha, w_rows, s_rows, offs_n,
+                      n_ok, offs_kw, offs_g, first, second, BLOCK_N, BLOCK_KW, GW, ACT, HAS_BIAS, WEIGHT_ON_INPUT,
+                      False, EVEN, STAGES)
     else:
         idx, sl, live, rank, n_live = _live_pairs(slots_ptr, num_pairs, num_slots, N_PAD)
         pair, slot = _live_pair(idx, sl, live, rank, group)
-        wg = tl.load(w_ptr + slot * stride_we + w_rows, mask=first & (group < n_live), other=0)
-        wu = tl.load(w_ptr + slot * stride_we + F * stride_wn + w_rows, mask=first & (group < n_live), other=0)
+        any_pair = group < n_live
+        first_ptrs = w_ptr + slot * stride_we + w_rows
+        wg, wg1 = _first_tiles(first_ptrs, first & any_pair, second & any_pair, BLOCK_KW, STAGES)
+        wu, wu1 = _first_tiles(first_ptrs + F * stride_wn, first & any_pair, second & any_pair, BLOCK_KW, STAGES)
         if PDL:
             tl.extra.cuda.gdc_wait()
         for i in range(group, n_live, GROUPS):
             next_pair, next_slot = _live_pair(idx, sl, live, rank, i + GROUPS)
-            wg, wu = _gate_up_pair(xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, pair, slot, wg, wu, next_slot,
-                                   i + GROUPS < n_live, top_k, F, DW, stride_we, stride_wn, stride_se, stride_sn,
-                                   act_limit, act_alpha, w_rows, s_rows, offs_n, n_ok, offs_kw, offs_g, first,
-                                   BLOCK_N, BLOCK_KW, GW, ACT, HAS_BIAS, WEIGHT_ON_INPUT, True, EVEN)
+            wg, wu, wg1, wu1 = _gate_up_pair(
+                xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, pair, slot, wg, wu, wg1, wu1, next_slot,
+                i + GROUPS < n_live, top_k, F, DW, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha,
+                w_rows, s_rows, offs_n, n_ok, offs_kw, offs_g, first, second, BLOCK_N, BLOCK_KW, GW, ACT, HAS_BIAS,
+                WEIGHT_ON_INPUT, True, EVEN, STAGES)
             pair = next_pair
             slot = next_slot
 
 
 @triton.jit
 def _down_pair(
-    h_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, pair, slot, w, next_slot, more, D, F, FW, stride_we, stride_se,
-    w_rows, s_rows, offs_n, n_ok, offs_kw, offs_g, first,
+    h_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, pair, slot, w, w1, next_slot, more, D, F, FW, stride_we, stride_se,
+    w_rows, s_rows, offs_n, n_ok, offs_kw, offs_g, first, second,
     BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr, HAS_BIAS: tl.constexpr,
-    WEIGHT_ON_INPUT: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr,
+    WEIGHT_ON_INPUT: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """``y`` of one pair for this program's columns from its first word tile ``w`` already requested; with
-    ``PREFETCH`` returns the first tile of ``next_slot``."""
+    """``y`` of one pair for this program's columns from its first two word tiles ``w``, ``w1`` already requested;
+    with ``PREFETCH`` returns the first two tiles of ``next_slot``."""
     NG: tl.constexpr = BLOCK_KW // GW
     w_ptrs = w_ptr + slot * stride_we + w_rows
     s_ptrs = s_ptr + slot * stride_se + s_rows
     v_ptrs = h_ptr + pair * F + _input_tile(offs_g, offs_n, GW)
     acc = tl.zeros((NG, BLOCK_N), dtype=tl.float32)
     for kw0 in range(0, FW, BLOCK_KW):
-        w_next = tl.load(w_ptrs + BLOCK_KW, mask=(offs_kw < FW - kw0 - BLOCK_KW)[:, None, :] & n_ok[None, :, None],
-                         other=0)
+        w2 = tl.load(w_ptrs + (STAGES - 1) * BLOCK_KW,
+                     mask=(offs_kw < FW - kw0 - (STAGES - 1) * BLOCK_KW)[:, None, :] & n_ok[None, :, None], other=0)
         if EVEN:
             sc = tl.load(s_ptrs).to(tl.float32)
         else:
             sc = tl.load(s_ptrs, mask=(offs_g < (FW - kw0) // GW)[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
         acc += _group_dots(w, _load_inputs(v_ptrs, (offs_kw < FW - kw0)[:, None, :], GW, EVEN)) * sc
-        w = w_next
+        if STAGES == 3:
+            w = w1
+            w1 = w2
+        else:
+            w = w2
         w_ptrs += BLOCK_KW
         s_ptrs += NG
         v_ptrs += 8 * BLOCK_KW
     if PREFETCH:
-        w = tl.load(w_ptr + next_slot * stride_we + w_rows, mask=first & more, other=0)
+        w, w1 = _first_tiles(w_ptr + next_slot * stride_we + w_rows, first & more, second & more, BLOCK_KW, STAGES)
     y = tl.sum(acc, axis=0)
     if HAS_BIAS:
         b = tl.load(b_ptr + slot * D + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -327,7 +360,7 @@ def _down_pair(
             b *= tl.load(tw_ptr + pair)
         y += b
     tl.store(y_ptr + pair * D + offs_n, y, mask=n_ok)
-    return w
+    return w, w1
 
 
 @triton.jit
@@ -336,7 +369,7 @@ def _decode_down_kernel(
     num_tokens, top_k, num_pairs, num_slots, D, F, FW, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
     GROUPS: tl.constexpr, ONE_PAIR: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
-    PDL: tl.constexpr, EVEN: tl.constexpr,
+    PDL: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     group = tl.program_id(1)
@@ -348,28 +381,31 @@ def _decode_down_kernel(
     w_rows = offs_kw[:, None, :] + rows[None, :, None] * stride_wn
     s_rows = offs_g[:, None] + rows[None, :] * stride_sn
     first = (offs_kw < FW)[:, None, :] & n_ok[None, :, None]
+    second = (offs_kw < FW - BLOCK_KW)[:, None, :] & n_ok[None, :, None]
     if ONE_PAIR:
         slot = tl.load(slots_ptr + group)
         live = (slot >= 0) & (slot < num_slots)
         slot = tl.where(live, slot, 0).to(tl.int64)
-        w = tl.load(w_ptr + slot * stride_we + w_rows, mask=first & live, other=0)
+        w, w1 = _first_tiles(w_ptr + slot * stride_we + w_rows, first & live, second & live, BLOCK_KW, STAGES)
         if PDL:
             tl.extra.cuda.gdc_wait()
         if live:
-            _down_pair(h_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, group, slot, w, slot, False, D, F, FW, stride_we,
-                       stride_se, w_rows, s_rows, offs_n, n_ok, offs_kw, offs_g, first, BLOCK_N, BLOCK_KW, GW,
-                       HAS_BIAS, WEIGHT_ON_INPUT, False, EVEN)
+            _down_pair(h_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, group, slot, w, w1, slot, False, D, F, FW, stride_we,
+                       stride_se, w_rows, s_rows, offs_n, n_ok, offs_kw, offs_g, first, second, BLOCK_N, BLOCK_KW, GW,
+                       HAS_BIAS, WEIGHT_ON_INPUT, False, EVEN, STAGES)
     else:
         idx, sl, live, rank, n_live = _live_pairs(slots_ptr, num_pairs, num_slots, N_PAD)
         pair, slot = _live_pair(idx, sl, live, rank, group)
-        w = tl.load(w_ptr + slot * stride_we + w_rows, mask=first & (group < n_live), other=0)
+        any_pair = group < n_live
+        w, w1 = _first_tiles(w_ptr + slot * stride_we + w_rows, first & any_pair, second & any_pair, BLOCK_KW, STAGES)
         if PDL:
             tl.extra.cuda.gdc_wait()
         for i in range(group, n_live, GROUPS):
             next_pair, next_slot = _live_pair(idx, sl, live, rank, i + GROUPS)
-            w = _down_pair(h_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, pair, slot, w, next_slot, i + GROUPS < n_live,
-                           D, F, FW, stride_we, stride_se, w_rows, s_rows, offs_n, n_ok, offs_kw, offs_g, first,
-                           BLOCK_N, BLOCK_KW, GW, HAS_BIAS, WEIGHT_ON_INPUT, True, EVEN)
+            w, w1 = _down_pair(h_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, pair, slot, w, w1, next_slot,
+                               i + GROUPS < n_live, D, F, FW, stride_we, stride_se, w_rows, s_rows, offs_n, n_ok,
+                               offs_kw, offs_g, first, second, BLOCK_N, BLOCK_KW, GW, HAS_BIAS, WEIGHT_ON_INPUT, True,
+                               EVEN, STAGES)
             pair = next_pair
             slot = next_slot
     tl.debug_barrier()
@@ -416,8 +452,8 @@ def int4_decode_experts(
         ``[T, D]`` in ``x.dtype``.
 
     Raises:
-        ValueError: a step (``8 * block_kw``) that is not a multiple of the group size, or a tile size that is
-            not a power of two.
+        ValueError: a step (``8 * block_kw``) that is not a multiple of the group size, a tile size that is not
+            a power of two, or ``stages`` not 2 or 3.
     """
     cfg = config if config is not None else Int4DecodeConfig()
     t, k = topk_slots.shape
@@ -427,6 +463,8 @@ def int4_decode_experts(
         raise ValueError(f"8 * block_kw1 and 8 * block_kw2 must be multiples of the group size {g}, got {cfg}")
     if not all(_is_pow2(v) for v in (cfg.block_n1, cfg.block_kw1, cfg.block_n2, cfg.block_kw2)):
         raise ValueError(f"block_n1, block_kw1, block_n2 and block_kw2 must be powers of two, got {cfg}")
+    if cfg.stages not in (2, 3):
+        raise ValueError(f"stages must be 2 or 3, got {cfg.stages}")
     s, d, f = weights.num_slots, weights.hidden_size, weights.intermediate_size
     w13, s13, w2, s2 = weights.w13_packed, weights.w13_scale, weights.w2_packed, weights.w2_scale
     dev = x.device
@@ -454,7 +492,8 @@ def int4_decode_experts(
         BLOCK_N=cfg.block_n1, BLOCK_KW=cfg.block_kw1, GW=gw, N_PAD=n_pad, GROUPS=grid1[1],
         ONE_PAIR=grid1[1] == n, ACT=act_code(activation), HAS_BIAS=weights.b13 is not None,
         WEIGHT_ON_INPUT=weight_on_input, ZERO_BLOCK=_ZERO_BLOCK, PDL=pdl,
-        EVEN=dw % cfg.block_kw1 == 0 and f % cfg.block_n1 == 0, num_warps=cfg.num_warps, launch_pdl=pdl,
+        EVEN=dw % cfg.block_kw1 == 0 and f % cfg.block_n1 == 0, STAGES=cfg.stages, num_warps=cfg.num_warps,
+        launch_pdl=pdl,
     )
     _decode_down_kernel[grid2](
         h, topk_slots, topk_weights, w2, s2, b2, y, count, out, t, k, n, s, d, f, f // INT4_PACK,
@@ -462,7 +501,7 @@ def int4_decode_experts(
         BLOCK_N=cfg.block_n2, BLOCK_KW=cfg.block_kw2, GW=gw, K_PAD=triton.next_power_of_2(k),
         N_PAD=n_pad, GROUPS=grid2[1], ONE_PAIR=grid2[1] == n, HAS_BIAS=weights.b2 is not None,
         WEIGHT_ON_INPUT=weight_on_input, PDL=pdl, EVEN=f // INT4_PACK % cfg.block_kw2 == 0 and d % cfg.block_n2 == 0,
-        num_warps=cfg.num_warps, launch_pdl=pdl,
+        STAGES=cfg.stages, num_warps=cfg.num_warps, launch_pdl=pdl,
     )
     return out
 
