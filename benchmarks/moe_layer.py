@@ -73,11 +73,17 @@ INT4_CASES = {
     "kimi_full_int4": dict(num_experts=384, slots=384, d=7168, f=2048, k=8),
 }
 INT4_GROUP = 32
+# (block_kw / (G / 8)) * block_n = 32 * num_warps in each kernel keeps every layout conversion inside a thread (one
+# row tile of four words a thread, see experts/triton/int4.py); the others are there to check that.
 INT4_DECODE_SWEEP = [
-    Int4DecodeConfig(8, 64, 16, 64, 4), Int4DecodeConfig(4, 64, 16, 64, 4), Int4DecodeConfig(4, 128, 8, 128, 4),
-    Int4DecodeConfig(8, 128, 16, 128, 4), Int4DecodeConfig(2, 128, 8, 64, 4), Int4DecodeConfig(4, 32, 8, 32, 2),
-    Int4DecodeConfig(8, 32, 16, 32, 2), Int4DecodeConfig(16, 64, 32, 64, 8), Int4DecodeConfig(8, 256, 16, 256, 8),
-    Int4DecodeConfig(4, 256, 16, 256, 4), Int4DecodeConfig(16, 128, 32, 128, 8), Int4DecodeConfig(8, 512, 16, 256, 8),
+    Int4DecodeConfig(4, 128, 8, 64, 4), Int4DecodeConfig(4, 128, 16, 32, 4), Int4DecodeConfig(4, 128, 4, 128, 4),
+    Int4DecodeConfig(8, 64, 8, 64, 4), Int4DecodeConfig(2, 256, 8, 64, 4), Int4DecodeConfig(4, 128, 32, 16, 4),
+    Int4DecodeConfig(8, 128, 16, 64, 8), Int4DecodeConfig(4, 256, 8, 128, 8), Int4DecodeConfig(16, 64, 32, 32, 8),
+    Int4DecodeConfig(2, 128, 4, 64, 2), Int4DecodeConfig(4, 64, 8, 32, 2), Int4DecodeConfig(4, 128, 8, 64, 4, False),
+    Int4DecodeConfig(4, 128, 8, 64, 4, True, 2048), Int4DecodeConfig(4, 128, 8, 64, 4, True, 512),
+    Int4DecodeConfig(8, 128, 16, 64, 4), Int4DecodeConfig(4, 256, 8, 128, 4),
+    Int4DecodeConfig(4, 128, 8, 64, 4, stages=2), Int4DecodeConfig(2, 256, 8, 64, 4, stages=2),
+    Int4DecodeConfig(8, 128, 16, 64, 8, stages=2),
 ]
 DECODE_MAX = 64
 SWEEP = [

@@ -53,9 +53,13 @@ def test_int4_decode_matches_reference(dtype, group, act, bias, woi):
     slots = torch.tensor([[0, -1, 4, 2], [1, 1, 7, 0], [-1, -1, -1, 3]])  # 7: outside [0, S), skipped
     tw = torch.rand(3, 4, generator=g)
     ref = _ref(x, slots, tw, q, act, woi)
-    out = int4_decode_experts(x, slots, tw, q, act, woi, Int4DecodeConfig(8, 16, 16, 8, 4))
-    assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3)
-    none = int4_decode_experts(x, torch.full((3, 4), -1), tw, q, act, woi, Int4DecodeConfig(8, 16, 16, 8, 4))
+    # one pair group per pair (ragged last row tile of the down kernel, words three steps in flight); then the pairs
+    # shared among 2 groups per column tile (a program computes several pairs, requesting the next pair's first
+    # words before its epilogue), two steps in flight
+    for cfg in (Int4DecodeConfig(32, 16, 128, 8, 4), Int4DecodeConfig(16, 8, 64, 8, 2, True, 8, stages=2)):
+        out = int4_decode_experts(x, slots, tw, q, act, woi, cfg)
+        assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3)
+    none = int4_decode_experts(x, torch.full((3, 4), -1), tw, q, act, woi, Int4DecodeConfig(32, 16, 128, 8, 4))
     assert not none.any()
 
 
@@ -109,6 +113,8 @@ def test_int4_step_must_cover_whole_groups():
     x, slots, tw = torch.randn(1, 128), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)
     with pytest.raises(ValueError, match="multiples of the group size 64"):
         int4_decode_experts(x, slots, tw, q, Activation(), config=Int4DecodeConfig(8, 4, 16, 8, 4))
+    with pytest.raises(ValueError, match="stages must be 2 or 3, got 4"):
+        int4_decode_experts(x, slots, tw, q, Activation(), config=Int4DecodeConfig(8, 8, 16, 8, 4, stages=4))
 
 
 @pytest.mark.gpu

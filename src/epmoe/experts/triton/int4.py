@@ -3,19 +3,45 @@
 The weights stay packed in HBM (a quarter of the bf16 bytes plus one scale per ``G`` inputs). Two paths, both
 with static grids and no host synchronisation (CUDA-graph safe); ``int4_experts`` picks one from static sizes:
 
-Decode (``int4_decode_experts``; up to ``max(DECODE_MAX_PAIRS, S)`` pairs, ``S`` the local slots), three
-launches, no alignment, one matrix-vector product per (token, k) pair on the CUDA cores, reading the packed
-weights directly:
+Decode (``int4_decode_experts``; up to ``max(DECODE_MAX_PAIRS, S)`` pairs, ``S`` the local slots): one
+matrix-vector product per (token, k) pair on the CUDA cores, reading the packed weights directly, in three
+launches with the structure of the bf16 decode kernels (``decode``: live pairs numbered on the device and shared
+among ``Int4DecodeConfig.max_programs // column tiles`` pair groups, register double buffering of the weight
+tiles, programmatic dependent launches on Hopper, the sum over ``K`` fused into the down kernel by arrival
+counters).
 
-1. ``_decode_gate_up_kernel``, grid ``(cdiv(F, BLOCK_N1), N)``: program ``(j, p)`` reads ``BLOCK_N1`` gate rows
-   and ``BLOCK_N1`` up rows of pair ``p``'s expert, ``BLOCK_KW1`` int32 words (``8 * BLOCK_KW1`` inputs) a
-   step, as ``[BLOCK_N, BLOCK_KW]`` words; each word is split into its eight 4-bit fields against the
-   matching ``[BLOCK_KW, 8]`` inputs, the products summed per group of ``G`` inputs and multiplied by that
-   group's scale. The offset ``-8`` of the stored values is applied once per word, as ``-8 * sum(x)``, not per
-   value. Bias, routing weight and activation follow; ``h [N, F]`` float32. Programs of pairs served on other
-   ranks (slot ``-1``) exit at once.
-2. ``_decode_down_kernel``, grid ``(cdiv(D, BLOCK_N2), N)``: the same over ``w2`` with ``h``; ``y [N, D]``.
-3. ``grouped.sum_pairs_kernel``: ``out[t] = sum_k y[t * K + k]``.
+Layout. Every thread owns whole int32 words, never a part of one: a program's weight tile is
+``[BLOCK_KW / GW, BLOCK_N, GW]`` words (groups of ``G`` inputs, rows, the ``GW = G / 8`` words of a group), the
+``GW`` words of a group in one thread (one 16-byte load for ``G = 32``). The vector ``v`` (``x`` or ``h``) is
+read from a de-interleaved, pre-scaled float32 copy ``vt``: within each group of ``G`` inputs, input ``j`` of
+the group's ``GW`` words is stored contiguously (``vt[(n // G) * G + (n % 8) * GW + (n // 8) % GW] = v[n] *
+2 ** (23 - p_j)``, ``j = n % 8``), so a thread reads the eight inputs of its words as eight 16-byte loads at
+constant offsets from one address. Those loads have the weight tile's shape (equal along the rows), so they land
+in the weight tile's own layout and nothing moves between threads inside the loop.
+
+Nibble ``j`` is widened without a shift or an integer-to-float conversion: with the exponent bits of 1.0 set in
+the word once (``w | E``, ``E = 0x3F800000``), ``(w | E) & ((0xF << p_j) | E)`` read as float32 is ``1 + nib *
+2 ** (p_j - 23)``; subtracting ``1 + 8 * 2 ** (p_j - 23)`` is exact (Sterbenz) and leaves ``(nib - 8) *
+2 ** (p_j - 23)``, whose product with the pre-scaled input is ``(nib - 8) * v[n]``, exact up to the product's
+rounding. ``p_j = 4 j`` for ``j <= 4``; the top three nibbles are taken from ``w >> 12`` (one shift a word) at
+``p_j = 4 j - 12``. So a nibble costs one AND, one subtraction and one multiply-add, all in the thread's
+registers. The products of a group's words are summed in the thread, multiplied by the group's scale and
+accumulated per ``[group, row]``; the groups are reduced across threads once per pair, after the last step.
+With ``(BLOCK_KW / GW) * BLOCK_N = 32 * num_warps`` (one group of one row a thread) the scale tile also lands in
+that layout, so a step has no shared-memory traffic or barrier.
+
+1. ``_deinterleave_kernel``, grid ``(T, cdiv(D / 8, BLOCK_W))``: ``x [T, D]`` -> ``xt [T, D]`` float32 as above.
+2. ``_decode_gate_up_kernel``, grid ``(cdiv(F, BLOCK_N1), groups)``: for each of its live pairs, program
+   ``(j, g)`` reads ``BLOCK_N1`` gate and ``BLOCK_N1`` up rows of the pair's expert, ``BLOCK_KW1`` words a step
+   (the next step's words requested before this step's are widened; the input tiles shared by gate and up),
+   applies bias, routing weight and the gated activation and writes ``h [N, F]`` float32 in the layout of
+   ``xt``, for the down kernel. Program ``(0, 0)`` zeroes the down kernel's arrival counters.
+3. ``_decode_down_kernel``, grid ``(cdiv(D, BLOCK_N2), groups)``: the same over ``w2`` and ``h``, ``y [N, D]``
+   float32; the last program to arrive for column tile ``j`` sums it over each token's ``K`` pairs in a fixed
+   order into ``out`` (bitwise reproducible).
+
+On Hopper (``Int4DecodeConfig.pdl``) steps 2 and 3 are programmatic dependent launches: each requests its
+first weight tiles before waiting (``griddepcontrol.wait``) for the previous launch's output.
 
 Every pair re-reads its expert's weights, so the decode path's cost grows with the pairs; the other path's
 grows with the local slots:
@@ -28,7 +54,10 @@ path computes as the bf16 one does, plus the widening.
 
 Source: the packed format is compressed-tensors' ``pack-quantized`` (see ``experts.int4``); splitting the
 widening from the GEMM for large batches is what vLLM's compressed-tensors MoE does where no fused W4A16 GEMM
-applies. The code is our own.
+applies; widening a nibble by OR-ing it into the mantissa of a float constant and subtracting that constant
+is the trick of the W4A16 GPU kernels (FasterTransformer, Marlin: Frantar et al., "MARLIN: Mixed-Precision
+Auto-Regressive Parallel Inference on Large Language Models", 2024), here in float32 with the nibble left in
+place. The code is our own.
 """
 
 from __future__ import annotations
@@ -40,116 +69,361 @@ import triton
 import triton.language as tl
 
 from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
-from epmoe.experts.triton.decode import DECODE_MAX_PAIRS, gated_activation
-from epmoe.experts.triton.grouped import act_code, sum_pairs_kernel, triton_experts
+from epmoe.experts.triton.decode import DECODE_MAX_PAIRS, _grid, _live_pair, _live_pairs, gated_activation
+from epmoe.experts.triton.grouped import act_code, triton_experts
 from epmoe.experts.weights import Activation, ExpertWeights
+
+_ZERO_BLOCK = 1024
 
 
 @dataclass(frozen=True)
 class Int4DecodeConfig:
-    """Tile shapes of the INT4 decode kernels.
+    """Tile shapes of the INT4 decode kernels (all sizes powers of two). A kernel whose tile holds one group of one
+    row a thread (``(block_kw / (G / 8)) * block_n = 32 * num_warps``) moves nothing between threads inside its loop
+    (see the module docstring); the defaults do for ``G = 32``.
 
     Attributes:
         block_n1: gate (and up) rows per gate/up program.
         block_kw1: int32 words (8 inputs each) of ``D`` per step of the gate/up program; ``8 * block_kw1`` a
             multiple of the group size.
         block_n2: ``w2`` rows (output columns) per down program.
-        block_kw2: words of ``F`` per step of the down program.
+        block_kw2: words of ``F`` per step of the down program; ``8 * block_kw2`` a multiple of the group size.
         num_warps: warps per program.
+        pdl: launch the gate/up and down kernels as programmatic dependent launches (Hopper): each requests
+            its first weight tiles before waiting for the previous launch's output. Off for tensors not on a
+            CUDA device of compute capability 9.0 or more (and so under the Triton interpreter).
+        max_programs: programs per launch, at most (and at least one pair group), as
+            ``decode.DecodeConfig.max_programs``.
+        stages: word tiles of a program in registers, 2 or 3: the words of step ``k + stages - 1`` are requested
+            before step ``k``'s are widened (3: twice the bytes in flight, for one active expert spread thin).
     """
 
-    block_n1: int = 8
+    block_n1: int = 4
     block_kw1: int = 128
-    block_n2: int = 16
-    block_kw2: int = 128
+    block_n2: int = 8
+    block_kw2: int = 64
     num_warps: int = 4
+    pdl: bool = True
+    max_programs: int = 1024
+    stages: int = 3
 
 
 @triton.jit
-def _matvec_int4(w_ptrs, s_ptrs, x_ptrs, n_ok, KW, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-                 GROUP: tl.constexpr):
-    """``sum_k W[n, k] * x[k]`` for ``BLOCK_N`` rows: ``w_ptrs [BLOCK_N, BLOCK_KW]`` at the rows' first words,
-    ``s_ptrs [BLOCK_N, BLOCK_KW * 8 / GROUP]`` at their first scales, ``x_ptrs [BLOCK_KW, 8]`` at the inputs;
-    ``KW`` words a row."""
-    GW: tl.constexpr = GROUP // 8  # words per group
-    NG: tl.constexpr = BLOCK_KW // GW  # groups per step
-    offs_w = tl.arange(0, BLOCK_KW)
-    offs_g = tl.arange(0, NG)
-    shifts = (tl.arange(0, 8) * 4)[None, None, :]
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for kw0 in range(0, KW, BLOCK_KW):
-        w_ok = offs_w < KW - kw0
-        words = tl.load(w_ptrs + kw0, mask=n_ok[:, None] & w_ok[None, :], other=0)
-        x = tl.load(x_ptrs + kw0 * 8, mask=w_ok[:, None], other=0.0).to(tl.float32)
-        sc = tl.load(s_ptrs + kw0 // GW, mask=n_ok[:, None] & (offs_g < (KW - kw0) // GW)[None, :], other=0.0)
-        nib = ((words[:, :, None] >> shifts) & 0xF).to(tl.float32)
-        part = tl.sum(nib * x[None, :, :], axis=2) - 8.0 * tl.sum(x, axis=1)[None, :]  # [BLOCK_N, BLOCK_KW]
-        per_group = tl.sum(tl.reshape(part, (BLOCK_N, NG, GW)), axis=2)
-        acc += tl.sum(per_group * sc.to(tl.float32), axis=1)
-    return acc
+def _nibble_scale(j):
+    """``2 ** (23 - p_j)`` float32 for input ``j`` (int32 tensor, 0..7) of a word (see the module docstring)."""
+    pos = tl.where(j < 5, 4 * j, 4 * j - 12)
+    return ((150 - pos) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nib(words, MASK: tl.constexpr, BIAS: tl.constexpr, vj):
+    """``(nib - 8) * v`` for the nibble under ``MASK`` (``BIAS = 1 + 8 * 2 ** (p - 23)``) of ``words
+    [NG, BLOCK_N, GW]`` int32 whose exponent bits are already set (``| bits(1.0)``), and the pre-scaled inputs
+    ``vj [NG, BLOCK_N, GW]`` float32 (equal along the rows): one AND a nibble (``(w | E) & (M | E) == (w & M) | E``)."""
+    f = (words & (MASK | 0x3F800000)).to(tl.float32, bitcast=True)
+    return (f - BIAS) * vj
+
+
+@triton.jit
+def _load_inputs(v_ptrs, v_ok, GW: tl.constexpr, EVEN: tl.constexpr):
+    """The eight pre-scaled input tiles ``[NG, BLOCK_N, GW]`` float32 of a step, ``v_ptrs`` at input 0 of each
+    group's words, input ``j`` at ``+ j * GW`` (see ``_input_offsets``); unmasked when ``EVEN``."""
+    if EVEN:
+        return (tl.load(v_ptrs), tl.load(v_ptrs + GW), tl.load(v_ptrs + 2 * GW), tl.load(v_ptrs + 3 * GW),
+                tl.load(v_ptrs + 4 * GW), tl.load(v_ptrs + 5 * GW), tl.load(v_ptrs + 6 * GW), tl.load(v_ptrs + 7 * GW))
+    else:
+        return (tl.load(v_ptrs, mask=v_ok, other=0.0), tl.load(v_ptrs + GW, mask=v_ok, other=0.0),
+                tl.load(v_ptrs + 2 * GW, mask=v_ok, other=0.0), tl.load(v_ptrs + 3 * GW, mask=v_ok, other=0.0),
+                tl.load(v_ptrs + 4 * GW, mask=v_ok, other=0.0), tl.load(v_ptrs + 5 * GW, mask=v_ok, other=0.0),
+                tl.load(v_ptrs + 6 * GW, mask=v_ok, other=0.0), tl.load(v_ptrs + 7 * GW, mask=v_ok, other=0.0))
+
+
+@triton.jit
+def _input_tile(offs_g, offs_n, GW: tl.constexpr):
+    """``[NG, BLOCK_N, GW]`` offsets of input 0 of the words of a step's groups in the de-interleaved vector, equal
+    along the rows: loaded in the words' own layout (a ``[NG, GW]`` tile would be loaded in another layout and
+    moved between threads), each thread reads the inputs of its own words."""
+    return offs_g[:, None, None] * (8 * GW) + (offs_n * 0)[None, :, None] + tl.arange(0, GW)[None, None, :]
+
+
+@triton.jit
+def _input_offsets(n, GW: tl.constexpr):
+    """Where input ``n`` (int32 tensor) of a vector goes in its de-interleaved copy: per group of ``G = 8 GW``
+    inputs, input ``j`` of the group's ``GW`` words contiguous at ``j * GW``."""
+    return (n // (8 * GW)) * (8 * GW) + (n % 8) * GW + (n // 8) % GW
+
+
+@triton.jit
+def _group_dots(w, v):
+    """Per group and row, ``sum`` over the group's inputs of ``(nib - 8) * v``: ``w [NG, BLOCK_N, GW]`` int32
+    words, ``v`` their eight input tiles (``_load_inputs``); ``[NG, BLOCK_N]`` float32."""
+    hi = (w >> 12) | 0x3F800000
+    w = w | 0x3F800000
+    acc = _nib(w, 0xF, 1.00000095367431640625, v[0])
+    acc += _nib(w, 0xF0, 1.0000152587890625, v[1])
+    acc += _nib(w, 0xF00, 1.000244140625, v[2])
+    acc += _nib(w, 0xF000, 1.00390625, v[3])
+    acc += _nib(w, 0xF0000, 1.0625, v[4])
+    acc += _nib(hi, 0xF00, 1.000244140625, v[5])
+    acc += _nib(hi, 0xF000, 1.00390625, v[6])
+    acc += _nib(hi, 0xF0000, 1.0625, v[7])
+    return tl.sum(acc, axis=2)
+
+
+@triton.jit
+def _first_tiles(ptrs, first, second, BLOCK_KW: tl.constexpr, STAGES: tl.constexpr):
+    """Word tiles 0 and 1 of a row tile (``ptrs`` at its first words), masked by ``first`` and ``second``; with
+    ``STAGES == 2`` tile 0 twice (tile 1 is requested in the first step)."""
+    t0 = tl.load(ptrs, mask=first, other=0)
+    if STAGES == 3:
+        return t0, tl.load(ptrs + BLOCK_KW, mask=second, other=0)
+    else:
+        return t0, t0
+
+
+@triton.jit
+def _deinterleave_kernel(x_ptr, xt_ptr, DW, stride_x, GW: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    t = tl.program_id(0).to(tl.int64)
+    offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_j = tl.arange(0, 8)
+    ok = (offs_w < DW)[:, None]
+    v = tl.load(x_ptr + t * stride_x + offs_w[:, None] * 8 + offs_j[None, :], mask=ok, other=0.0).to(tl.float32)
+    dest = _input_offsets(offs_w[:, None] * 8 + offs_j[None, :], GW)
+    tl.store(xt_ptr + t * 8 * DW + dest, v * _nibble_scale(offs_j)[None, :], mask=ok)
+
+
+@triton.jit
+def _gate_up_pair(
+    xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, pair, slot, wg, wu, wg1, wu1, next_slot, more, top_k, F, DW,
+    stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha, w_rows, s_rows, offs_n, n_ok, offs_kw, offs_g,
+    first, second, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr, ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """``h`` of one pair for this program's rows, from its first two word tiles (``wg``/``wu``, ``wg1``/``wu1``)
+    already requested; with ``PREFETCH`` returns the first two tiles of ``next_slot`` (requested before this pair's
+    epilogue)."""
+    NG: tl.constexpr = BLOCK_KW // GW
+    wg_ptrs = w_ptr + slot * stride_we + w_rows
+    wu_ptrs = wg_ptrs + F * stride_wn
+    sg_ptrs = s_ptr + slot * stride_se + s_rows
+    su_ptrs = sg_ptrs + F * stride_sn
+    v_ptrs = xt_ptr + (pair // top_k).to(tl.int64) * 8 * DW + _input_tile(offs_g, offs_n, GW)
+    g = tl.zeros((NG, BLOCK_N), dtype=tl.float32)
+    u = tl.zeros((NG, BLOCK_N), dtype=tl.float32)
+    for kw0 in range(0, DW, BLOCK_KW):
+        # register buffering, STAGES - 1 steps ahead: the words of step k + STAGES - 1 are requested before step
+        # k's are widened (Triton software-pipelines only loads that feed tl.dot)
+        nxt = (offs_kw < DW - kw0 - (STAGES - 1) * BLOCK_KW)[:, None, :] & n_ok[None, :, None]
+        wg2 = tl.load(wg_ptrs + (STAGES - 1) * BLOCK_KW, mask=nxt, other=0)
+        wu2 = tl.load(wu_ptrs + (STAGES - 1) * BLOCK_KW, mask=nxt, other=0)
+        if EVEN:
+            sg = tl.load(sg_ptrs).to(tl.float32)
+            su = tl.load(su_ptrs).to(tl.float32)
+        else:
+            s_ok = (offs_g < (DW - kw0) // GW)[:, None] & n_ok[None, :]
+            sg = tl.load(sg_ptrs, mask=s_ok, other=0.0).to(tl.float32)
+            su = tl.load(su_ptrs, mask=s_ok, other=0.0).to(tl.float32)
+        v = _load_inputs(v_ptrs, (offs_kw < DW - kw0)[:, None, :], GW, EVEN)
+        g += _group_dots(wg, v) * sg
+        u += _group_dots(wu, v) * su
+        if STAGES == 3:
+            wg = wg1
+            wu = wu1
+            wg1 = wg2
+            wu1 = wu2
+        else:
+            wg = wg2
+            wu = wu2
+        wg_ptrs += BLOCK_KW
+        wu_ptrs += BLOCK_KW
+        sg_ptrs += NG
+        su_ptrs += NG
+        v_ptrs += 8 * BLOCK_KW
+    if PREFETCH:
+        nxt_ptrs = w_ptr + next_slot * stride_we + w_rows
+        wg, wg1 = _first_tiles(nxt_ptrs, first & more, second & more, BLOCK_KW, STAGES)
+        wu, wu1 = _first_tiles(nxt_ptrs + F * stride_wn, first & more, second & more, BLOCK_KW, STAGES)
+    gs = tl.sum(g, axis=0)
+    us = tl.sum(u, axis=0)
+    tw = tl.load(tw_ptr + pair)
+    if WEIGHT_ON_INPUT:
+        gs *= tw
+        us *= tw
+    if HAS_BIAS:
+        gs += tl.load(b_ptr + slot * 2 * F + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        us += tl.load(b_ptr + slot * 2 * F + F + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    h = gated_activation(gs, us, act_limit, act_alpha, ACT)
+    if not WEIGHT_ON_INPUT:
+        h *= tw
+    tl.store(h_ptr + pair * F + _input_offsets(offs_n, GW), h * _nibble_scale(offs_n % 8), mask=n_ok)
+    return wg, wu, wg1, wu1
 
 
 @triton.jit
 def _decode_gate_up_kernel(
-    x_ptr, slots_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, num_slots, top_k, F, DW,
-    stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha,
-    BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GROUP: tl.constexpr, ACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
+    xt_ptr, slots_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, count_ptr, num_pairs, num_slots, top_k, num_counters,
+    F, DW, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha,
+    BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr, N_PAD: tl.constexpr, GROUPS: tl.constexpr,
+    ONE_PAIR: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
+    ZERO_BLOCK: tl.constexpr, PDL: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    pair = tl.program_id(1)
-    slot = tl.load(slots_ptr + pair)
-    if (slot < 0) | (slot >= num_slots):
-        return
-    slot = slot.to(tl.int64)
+    group = tl.program_id(1)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if (pid_n == 0) & (group == 0):
+        for i in range(0, num_counters, ZERO_BLOCK):
+            zi = i + tl.arange(0, ZERO_BLOCK)
+            tl.store(count_ptr + zi, tl.zeros([ZERO_BLOCK], dtype=tl.int32), mask=zi < num_counters)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < F
-    rows = offs_n[:, None].to(tl.int64)
-    w_ptrs = w_ptr + slot * stride_we + rows * stride_wn + tl.arange(0, BLOCK_KW)[None, :]
-    s_ptrs = s_ptr + slot * stride_se + rows * stride_sn + tl.arange(0, BLOCK_KW // (GROUP // 8))[None, :]
-    x_ptrs = (x_ptr + (pair // top_k).to(tl.int64) * stride_x + tl.arange(0, BLOCK_KW)[:, None] * 8
-              + tl.arange(0, 8)[None, :])
-    g = _matvec_int4(w_ptrs, s_ptrs, x_ptrs, n_ok, DW, BLOCK_N, BLOCK_KW, GROUP)
-    u = _matvec_int4(w_ptrs + F * stride_wn, s_ptrs + F * stride_sn, x_ptrs, n_ok, DW, BLOCK_N, BLOCK_KW, GROUP)
-    tw = tl.load(tw_ptr + pair)
-    if WEIGHT_ON_INPUT:
-        g *= tw
-        u *= tw
-    if HAS_BIAS:
-        g += tl.load(b_ptr + slot * 2 * F + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        u += tl.load(b_ptr + slot * 2 * F + F + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    h = gated_activation(g, u, act_limit, act_alpha, ACT)
-    if not WEIGHT_ON_INPUT:
-        h *= tw
-    tl.store(h_ptr + pair * F + offs_n, h, mask=n_ok)
+    offs_g = tl.arange(0, BLOCK_KW // GW)
+    offs_kw = offs_g[:, None] * GW + tl.arange(0, GW)[None, :]
+    rows = offs_n.to(tl.int64)
+    w_rows = offs_kw[:, None, :] + rows[None, :, None] * stride_wn
+    s_rows = offs_g[:, None] + rows[None, :] * stride_sn
+    first = (offs_kw < DW)[:, None, :] & n_ok[None, :, None]
+    second = (offs_kw < DW - BLOCK_KW)[:, None, :] & n_ok[None, :, None]
+    # slots and weights were complete before the launch chain began: request the first words before the wait
+    if ONE_PAIR:
+        slot = tl.load(slots_ptr + group)
+        if (slot < 0) | (slot >= num_slots):
+            return
+        slot = slot.to(tl.int64)
+        wg, wg1 = _first_tiles(w_ptr + slot * stride_we + w_rows, first, second, BLOCK_KW, STAGES)
+        wu, wu1 = _first_tiles(w_ptr + slot * stride_we + w_rows + F * stride_wn, first, second, BLOCK_KW, STAGES)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        _gate_up_pair(xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, group, slot, wg, wu, wg1, wu1, slot, False, top_k,
+                      F, DW, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha, w_rows, s_rows, offs_n,
+                      n_ok, offs_kw, offs_g, first, second, BLOCK_N, BLOCK_KW, GW, ACT, HAS_BIAS, WEIGHT_ON_INPUT,
+                      False, EVEN, STAGES)
+    else:
+        idx, sl, live, rank, n_live = _live_pairs(slots_ptr, num_pairs, num_slots, N_PAD)
+        pair, slot = _live_pair(idx, sl, live, rank, group)
+        any_pair = group < n_live
+        first_ptrs = w_ptr + slot * stride_we + w_rows
+        wg, wg1 = _first_tiles(first_ptrs, first & any_pair, second & any_pair, BLOCK_KW, STAGES)
+        wu, wu1 = _first_tiles(first_ptrs + F * stride_wn, first & any_pair, second & any_pair, BLOCK_KW, STAGES)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        for i in range(group, n_live, GROUPS):
+            next_pair, next_slot = _live_pair(idx, sl, live, rank, i + GROUPS)
+            wg, wu, wg1, wu1 = _gate_up_pair(
+                xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, pair, slot, wg, wu, wg1, wu1, next_slot,
+                i + GROUPS < n_live, top_k, F, DW, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha,
+                w_rows, s_rows, offs_n, n_ok, offs_kw, offs_g, first, second, BLOCK_N, BLOCK_KW, GW, ACT, HAS_BIAS,
+                WEIGHT_ON_INPUT, True, EVEN, STAGES)
+            pair = next_pair
+            slot = next_slot
 
 
 @triton.jit
-def _decode_down_kernel(
-    h_ptr, slots_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, num_slots, D, F, FW,
-    stride_we, stride_wn, stride_se, stride_sn,
-    BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    WEIGHT_ON_INPUT: tl.constexpr,
+def _down_pair(
+    h_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, pair, slot, w, w1, next_slot, more, D, F, FW, stride_we, stride_se,
+    w_rows, s_rows, offs_n, n_ok, offs_kw, offs_g, first, second,
+    BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr, HAS_BIAS: tl.constexpr,
+    WEIGHT_ON_INPUT: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pair = tl.program_id(1)
-    slot = tl.load(slots_ptr + pair)
-    if (slot < 0) | (slot >= num_slots):
-        return
-    slot = slot.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < D
-    rows = offs_n[:, None].to(tl.int64)
-    w_ptrs = w_ptr + slot * stride_we + rows * stride_wn + tl.arange(0, BLOCK_KW)[None, :]
-    s_ptrs = s_ptr + slot * stride_se + rows * stride_sn + tl.arange(0, BLOCK_KW // (GROUP // 8))[None, :]
-    h_ptrs = h_ptr + pair.to(tl.int64) * F + tl.arange(0, BLOCK_KW)[:, None] * 8 + tl.arange(0, 8)[None, :]
-    acc = _matvec_int4(w_ptrs, s_ptrs, h_ptrs, n_ok, FW, BLOCK_N, BLOCK_KW, GROUP)
+    """``y`` of one pair for this program's columns from its first two word tiles ``w``, ``w1`` already requested;
+    with ``PREFETCH`` returns the first two tiles of ``next_slot``."""
+    NG: tl.constexpr = BLOCK_KW // GW
+    w_ptrs = w_ptr + slot * stride_we + w_rows
+    s_ptrs = s_ptr + slot * stride_se + s_rows
+    v_ptrs = h_ptr + pair * F + _input_tile(offs_g, offs_n, GW)
+    acc = tl.zeros((NG, BLOCK_N), dtype=tl.float32)
+    for kw0 in range(0, FW, BLOCK_KW):
+        w2 = tl.load(w_ptrs + (STAGES - 1) * BLOCK_KW,
+                     mask=(offs_kw < FW - kw0 - (STAGES - 1) * BLOCK_KW)[:, None, :] & n_ok[None, :, None], other=0)
+        if EVEN:
+            sc = tl.load(s_ptrs).to(tl.float32)
+        else:
+            sc = tl.load(s_ptrs, mask=(offs_g < (FW - kw0) // GW)[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        acc += _group_dots(w, _load_inputs(v_ptrs, (offs_kw < FW - kw0)[:, None, :], GW, EVEN)) * sc
+        if STAGES == 3:
+            w = w1
+            w1 = w2
+        else:
+            w = w2
+        w_ptrs += BLOCK_KW
+        s_ptrs += NG
+        v_ptrs += 8 * BLOCK_KW
+    if PREFETCH:
+        w, w1 = _first_tiles(w_ptr + next_slot * stride_we + w_rows, first & more, second & more, BLOCK_KW, STAGES)
+    y = tl.sum(acc, axis=0)
     if HAS_BIAS:
         b = tl.load(b_ptr + slot * D + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         if not WEIGHT_ON_INPUT:
             b *= tl.load(tw_ptr + pair)
-        acc += b
-    tl.store(y_ptr + pair * D + offs_n, acc, mask=n_ok)
+        y += b
+    tl.store(y_ptr + pair * D + offs_n, y, mask=n_ok)
+    return w, w1
+
+
+@triton.jit
+def _decode_down_kernel(
+    h_ptr, slots_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, count_ptr, out_ptr,
+    num_tokens, top_k, num_pairs, num_slots, D, F, FW, stride_we, stride_wn, stride_se, stride_sn, stride_o,
+    BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
+    GROUPS: tl.constexpr, ONE_PAIR: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
+    PDL: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    group = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < D
+    offs_g = tl.arange(0, BLOCK_KW // GW)
+    offs_kw = offs_g[:, None] * GW + tl.arange(0, GW)[None, :]
+    rows = offs_n.to(tl.int64)
+    w_rows = offs_kw[:, None, :] + rows[None, :, None] * stride_wn
+    s_rows = offs_g[:, None] + rows[None, :] * stride_sn
+    first = (offs_kw < FW)[:, None, :] & n_ok[None, :, None]
+    second = (offs_kw < FW - BLOCK_KW)[:, None, :] & n_ok[None, :, None]
+    if ONE_PAIR:
+        slot = tl.load(slots_ptr + group)
+        live = (slot >= 0) & (slot < num_slots)
+        slot = tl.where(live, slot, 0).to(tl.int64)
+        w, w1 = _first_tiles(w_ptr + slot * stride_we + w_rows, first & live, second & live, BLOCK_KW, STAGES)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        if live:
+            _down_pair(h_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, group, slot, w, w1, slot, False, D, F, FW, stride_we,
+                       stride_se, w_rows, s_rows, offs_n, n_ok, offs_kw, offs_g, first, second, BLOCK_N, BLOCK_KW, GW,
+                       HAS_BIAS, WEIGHT_ON_INPUT, False, EVEN, STAGES)
+    else:
+        idx, sl, live, rank, n_live = _live_pairs(slots_ptr, num_pairs, num_slots, N_PAD)
+        pair, slot = _live_pair(idx, sl, live, rank, group)
+        any_pair = group < n_live
+        w, w1 = _first_tiles(w_ptr + slot * stride_we + w_rows, first & any_pair, second & any_pair, BLOCK_KW, STAGES)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        for i in range(group, n_live, GROUPS):
+            next_pair, next_slot = _live_pair(idx, sl, live, rank, i + GROUPS)
+            w, w1 = _down_pair(h_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, pair, slot, w, w1, next_slot,
+                               i + GROUPS < n_live, D, F, FW, stride_we, stride_se, w_rows, s_rows, offs_n, n_ok,
+                               offs_kw, offs_g, first, second, BLOCK_N, BLOCK_KW, GW, HAS_BIAS, WEIGHT_ON_INPUT, True,
+                               EVEN, STAGES)
+            pair = next_pair
+            slot = next_slot
+    tl.debug_barrier()
+    ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+    if ticket == GROUPS - 1:
+        offs_j = tl.arange(0, K_PAD)
+        j_ok = offs_j < top_k
+        for t in range(0, num_tokens):
+            slj = tl.load(slots_ptr + t * top_k + offs_j, mask=j_ok, other=-1)
+            yrows = (t * top_k + offs_j).to(tl.int64)
+            v = tl.load(y_ptr + yrows[:, None] * D + offs_n[None, :],
+                        mask=((slj >= 0) & (slj < num_slots))[:, None] & n_ok[None, :],
+                        other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + t * stride_o + offs_n, tl.sum(v, axis=0).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def _is_pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
 
 
 def int4_decode_experts(
@@ -170,14 +444,16 @@ def int4_decode_experts(
         weights: the packed weights (contiguous).
         activation: the gated activation.
         weight_on_input: scale the expert input by the weight instead of its output.
-        config: tile shapes; ``Int4DecodeConfig()`` when ``None`` (the best of the H200 sweep of
-            ``benchmarks/moe_layer.py`` for the Kimi-K2.5 shard at one token).
+        config: tile shapes; ``Int4DecodeConfig()`` when ``None`` (one group of one row a thread in both kernels
+            at group size 32, the most programs for one active expert; ``benchmarks/moe_layer.py --sweep`` times
+            the alternatives in ``INT4_DECODE_SWEEP``).
 
     Returns:
         ``[T, D]`` in ``x.dtype``.
 
     Raises:
-        ValueError: a step (``8 * block_kw``) that is not a multiple of the group size.
+        ValueError: a step (``8 * block_kw``) that is not a multiple of the group size, a tile size that is not
+            a power of two, or ``stages`` not 2 or 3.
     """
     cfg = config if config is not None else Int4DecodeConfig()
     t, k = topk_slots.shape
@@ -185,31 +461,48 @@ def int4_decode_experts(
     g = weights.group_size
     if (INT4_PACK * cfg.block_kw1) % g or (INT4_PACK * cfg.block_kw2) % g:
         raise ValueError(f"8 * block_kw1 and 8 * block_kw2 must be multiples of the group size {g}, got {cfg}")
+    if not all(_is_pow2(v) for v in (cfg.block_n1, cfg.block_kw1, cfg.block_n2, cfg.block_kw2)):
+        raise ValueError(f"block_n1, block_kw1, block_n2 and block_kw2 must be powers of two, got {cfg}")
+    if cfg.stages not in (2, 3):
+        raise ValueError(f"stages must be 2 or 3, got {cfg.stages}")
     s, d, f = weights.num_slots, weights.hidden_size, weights.intermediate_size
     w13, s13, w2, s2 = weights.w13_packed, weights.w13_scale, weights.w2_packed, weights.w2_scale
     dev = x.device
+    dw = d // INT4_PACK
+    xt = torch.empty(t, d, dtype=torch.float32, device=dev)
     h = torch.empty(n, f, dtype=torch.float32, device=dev)
     y = torch.empty(n, d, dtype=torch.float32, device=dev)
     out = torch.empty(t, d, dtype=x.dtype, device=dev)
+    grid1 = _grid(triton.cdiv(f, cfg.block_n1), n, cfg.max_programs)
+    grid2 = _grid(triton.cdiv(d, cfg.block_n2), n, cfg.max_programs)
+    count = torch.empty(grid2[0], dtype=torch.int32, device=dev)
+    n_pad = triton.next_power_of_2(max(n, 1))
     placeholder = topk_weights
     b13 = weights.b13 if weights.b13 is not None else placeholder
     b2 = weights.b2 if weights.b2 is not None else placeholder
     limit = activation.swiglu_limit if activation.swiglu_limit is not None else 0.0
-    _decode_gate_up_kernel[(triton.cdiv(f, cfg.block_n1), n)](
-        x, topk_slots, topk_weights, w13, s13, b13, h, s, k, f, d // INT4_PACK,
-        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), float(limit),
-        float(activation.swiglu_alpha), BLOCK_N=cfg.block_n1, BLOCK_KW=cfg.block_kw1, GROUP=g,
-        ACT=act_code(activation), HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input,
-        num_warps=cfg.num_warps,
+    gw = g // INT4_PACK
+    pdl = cfg.pdl and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    block_w = min(512, triton.next_power_of_2(dw))
+    _deinterleave_kernel[(t, triton.cdiv(dw, block_w))](x, xt, dw, x.stride(0), GW=gw, BLOCK_W=block_w,
+                                                          PDL=pdl)
+    _decode_gate_up_kernel[grid1](
+        xt, topk_slots, topk_weights, w13, s13, b13, h, count, n, s, k, grid2[0], f, dw,
+        w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), float(limit), float(activation.swiglu_alpha),
+        BLOCK_N=cfg.block_n1, BLOCK_KW=cfg.block_kw1, GW=gw, N_PAD=n_pad, GROUPS=grid1[1],
+        ONE_PAIR=grid1[1] == n, ACT=act_code(activation), HAS_BIAS=weights.b13 is not None,
+        WEIGHT_ON_INPUT=weight_on_input, ZERO_BLOCK=_ZERO_BLOCK, PDL=pdl,
+        EVEN=dw % cfg.block_kw1 == 0 and f % cfg.block_n1 == 0, STAGES=cfg.stages, num_warps=cfg.num_warps,
+        launch_pdl=pdl,
     )
-    _decode_down_kernel[(triton.cdiv(d, cfg.block_n2), n)](
-        h, topk_slots, topk_weights, w2, s2, b2, y, s, d, f, f // INT4_PACK,
-        w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        BLOCK_N=cfg.block_n2, BLOCK_KW=cfg.block_kw2, GROUP=g, HAS_BIAS=weights.b2 is not None,
-        WEIGHT_ON_INPUT=weight_on_input, num_warps=cfg.num_warps,
+    _decode_down_kernel[grid2](
+        h, topk_slots, topk_weights, w2, s2, b2, y, count, out, t, k, n, s, d, f, f // INT4_PACK,
+        w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
+        BLOCK_N=cfg.block_n2, BLOCK_KW=cfg.block_kw2, GW=gw, K_PAD=triton.next_power_of_2(k),
+        N_PAD=n_pad, GROUPS=grid2[1], ONE_PAIR=grid2[1] == n, HAS_BIAS=weights.b2 is not None,
+        WEIGHT_ON_INPUT=weight_on_input, PDL=pdl, EVEN=f // INT4_PACK % cfg.block_kw2 == 0 and d % cfg.block_n2 == 0,
+        STAGES=cfg.stages, num_warps=cfg.num_warps, launch_pdl=pdl,
     )
-    block_d = min(1024, triton.next_power_of_2(d))
-    sum_pairs_kernel[(t, triton.cdiv(d, block_d))](y, topk_slots, out, d, k, s, BLOCK_D=block_d)
     return out
 
 
