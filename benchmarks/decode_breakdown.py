@@ -50,9 +50,9 @@ from epmoe.experts.triton.decode import (
     DecodeConfig,
     _decode_down_kernel,
     _decode_gate_up_kernel,
-    _grid,
     decode_experts,
     default_decode_config,
+    pair_grid,
 )
 from epmoe.experts.triton.grouped import act_code
 
@@ -154,8 +154,8 @@ def buffers(x, slots, tw, w13, w2, cfg: DecodeConfig) -> SimpleNamespace:
     """The decode path's launch arguments and scratch (as ``decode_experts`` makes them), plus read outputs."""
     t, k = slots.shape
     n, f, d = t * k, w2.shape[2], w2.shape[1]
-    grid1 = _grid(triton.cdiv(f, cfg.block_n1), n, cfg.max_programs)
-    grid2 = _grid(triton.cdiv(d, cfg.block_n2), n, cfg.max_programs)
+    grid1 = pair_grid(triton.cdiv(f, cfg.block_n1), n, cfg.max_programs)
+    grid2 = pair_grid(triton.cdiv(d, cfg.block_n2), n, cfg.max_programs)
     read1, read2 = (grid1[0], n), (grid2[0], n)
     z = dict(dtype=torch.float32, device=x.device)
     return SimpleNamespace(

@@ -126,14 +126,14 @@ def gated_activation(g, u, act_limit, act_alpha, ACT: tl.constexpr):
 
 
 @triton.jit
-def _live_pair(idx, sl, live, rank, i):
+def live_pair(idx, sl, live, rank, i):
     """Pair index and slot of the ``i``-th live pair (0 and 0 when there is none)."""
     sel = live & (rank == i)
     return tl.sum(tl.where(sel, idx, 0), 0), tl.sum(tl.where(sel, sl, 0), 0).to(tl.int64)
 
 
 @triton.jit
-def _live_pairs(slots_ptr, num_pairs, num_slots, N_PAD: tl.constexpr):
+def live_pairs(slots_ptr, num_pairs, num_slots, N_PAD: tl.constexpr):
     """The pairs' slots ``[N_PAD]``, which are live (slot in ``[0, S)``), their rank among the live, how many."""
     idx = tl.arange(0, N_PAD)
     sl = tl.load(slots_ptr + idx, mask=idx < num_pairs, other=-1)
@@ -230,12 +230,12 @@ def _decode_gate_up_kernel(
     else:
         # live pairs group, group + GROUPS, ...; the next pair's first tiles are requested before this
         # pair's epilogue
-        idx, sl, live, rank, n_live = _live_pairs(slots_ptr, num_pairs, num_slots, N_PAD)
-        pair, slot = _live_pair(idx, sl, live, rank, group)
+        idx, sl, live, rank, n_live = live_pairs(slots_ptr, num_pairs, num_slots, N_PAD)
+        pair, slot = live_pair(idx, sl, live, rank, group)
         wg = tl.load(w_ptr + slot * stride_we + rows, mask=first & (group < n_live), other=0.0)
         wu = tl.load(w_ptr + slot * stride_we + F * stride_wn + rows, mask=first & (group < n_live), other=0.0)
         for i in range(group, n_live, GROUPS):
-            next_pair, next_slot = _live_pair(idx, sl, live, rank, i + GROUPS)
+            next_pair, next_slot = live_pair(idx, sl, live, rank, i + GROUPS)
             wg, wu = _gate_up_pair(x_ptr, tw_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, pair, slot, wg, wu, next_slot,
                                    i + GROUPS < n_live, pid_n, top_k, D, F, stride_x, stride_we, stride_wn, stride_se,
                                    stride_sn, act_limit, act_alpha, rows, offs_n, n_ok, offs_k, first, BLOCK_N,
@@ -307,13 +307,13 @@ def _decode_down_kernel(
                        stride_we, stride_se, stride_sn, rows, offs_n, n_ok, offs_k, first, BLOCK_N, BLOCK_K, FP8,
                        HAS_BIAS, WEIGHT_ON_INPUT, False)
     else:
-        idx, sl, live, rank, n_live = _live_pairs(slots_ptr, num_pairs, num_slots, N_PAD)
-        pair, slot = _live_pair(idx, sl, live, rank, group)
+        idx, sl, live, rank, n_live = live_pairs(slots_ptr, num_pairs, num_slots, N_PAD)
+        pair, slot = live_pair(idx, sl, live, rank, group)
         w = tl.load(w_ptr + slot * stride_we + rows, mask=first & (group < n_live), other=0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
         for i in range(group, n_live, GROUPS):
-            next_pair, next_slot = _live_pair(idx, sl, live, rank, i + GROUPS)
+            next_pair, next_slot = live_pair(idx, sl, live, rank, i + GROUPS)
             w = _down_pair(h_ptr, tw_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, pair, slot, w, next_slot, i + GROUPS < n_live,
                            pid_n, D, F, stride_we, stride_se, stride_sn, rows, offs_n, n_ok, offs_k, first, BLOCK_N,
                            BLOCK_K, FP8, HAS_BIAS, WEIGHT_ON_INPUT, True)
@@ -333,7 +333,7 @@ def _decode_down_kernel(
             tl.store(out_ptr + t * stride_o + offs_n, tl.sum(v, axis=0).to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def _grid(tiles: int, num_pairs: int, max_programs: int) -> tuple[int, int]:
+def pair_grid(tiles: int, num_pairs: int, max_programs: int) -> tuple[int, int]:
     """``(tiles, groups)``: as many pair groups as fit in ``max_programs`` programs, 1 to ``num_pairs``."""
     return tiles, max(1, min(num_pairs, max_programs // tiles))
 
@@ -382,8 +382,8 @@ def decode_experts(
     dev = x.device
     h = torch.empty(n, f, dtype=torch.float32, device=dev)
     y = torch.empty(n, d, dtype=torch.float32, device=dev)
-    grid1 = _grid(triton.cdiv(f, cfg.block_n1), n, cfg.max_programs)
-    grid2 = _grid(triton.cdiv(d, cfg.block_n2), n, cfg.max_programs)
+    grid1 = pair_grid(triton.cdiv(f, cfg.block_n1), n, cfg.max_programs)
+    grid2 = pair_grid(triton.cdiv(d, cfg.block_n2), n, cfg.max_programs)
     n_pad = triton.next_power_of_2(n)
     count = torch.empty(grid2[0], dtype=torch.int32, device=dev)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

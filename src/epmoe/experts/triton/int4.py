@@ -69,7 +69,7 @@ import triton
 import triton.language as tl
 
 from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
-from epmoe.experts.triton.decode import DECODE_MAX_PAIRS, _grid, _live_pair, _live_pairs, gated_activation
+from epmoe.experts.triton.decode import DECODE_MAX_PAIRS, gated_activation, live_pair, live_pairs, pair_grid
 from epmoe.experts.triton.grouped import act_code, triton_experts
 from epmoe.experts.weights import Activation, ExpertWeights
 
@@ -302,8 +302,8 @@ def _decode_gate_up_kernel(
                       n_ok, offs_kw, offs_g, first, second, BLOCK_N, BLOCK_KW, GW, ACT, HAS_BIAS, WEIGHT_ON_INPUT,
                       False, EVEN, STAGES)
     else:
-        idx, sl, live, rank, n_live = _live_pairs(slots_ptr, num_pairs, num_slots, N_PAD)
-        pair, slot = _live_pair(idx, sl, live, rank, group)
+        idx, sl, live, rank, n_live = live_pairs(slots_ptr, num_pairs, num_slots, N_PAD)
+        pair, slot = live_pair(idx, sl, live, rank, group)
         any_pair = group < n_live
         first_ptrs = w_ptr + slot * stride_we + w_rows
         wg, wg1 = _first_tiles(first_ptrs, first & any_pair, second & any_pair, BLOCK_KW, STAGES)
@@ -311,7 +311,7 @@ def _decode_gate_up_kernel(
         if PDL:
             tl.extra.cuda.gdc_wait()
         for i in range(group, n_live, GROUPS):
-            next_pair, next_slot = _live_pair(idx, sl, live, rank, i + GROUPS)
+            next_pair, next_slot = live_pair(idx, sl, live, rank, i + GROUPS)
             wg, wu, wg1, wu1 = _gate_up_pair(
                 xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, pair, slot, wg, wu, wg1, wu1, next_slot,
                 i + GROUPS < n_live, top_k, F, DW, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha,
@@ -394,14 +394,14 @@ def _decode_down_kernel(
                        stride_se, w_rows, s_rows, offs_n, n_ok, offs_kw, offs_g, first, second, BLOCK_N, BLOCK_KW, GW,
                        HAS_BIAS, WEIGHT_ON_INPUT, False, EVEN, STAGES)
     else:
-        idx, sl, live, rank, n_live = _live_pairs(slots_ptr, num_pairs, num_slots, N_PAD)
-        pair, slot = _live_pair(idx, sl, live, rank, group)
+        idx, sl, live, rank, n_live = live_pairs(slots_ptr, num_pairs, num_slots, N_PAD)
+        pair, slot = live_pair(idx, sl, live, rank, group)
         any_pair = group < n_live
         w, w1 = _first_tiles(w_ptr + slot * stride_we + w_rows, first & any_pair, second & any_pair, BLOCK_KW, STAGES)
         if PDL:
             tl.extra.cuda.gdc_wait()
         for i in range(group, n_live, GROUPS):
-            next_pair, next_slot = _live_pair(idx, sl, live, rank, i + GROUPS)
+            next_pair, next_slot = live_pair(idx, sl, live, rank, i + GROUPS)
             w, w1 = _down_pair(h_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, pair, slot, w, w1, next_slot,
                                i + GROUPS < n_live, D, F, FW, stride_we, stride_se, w_rows, s_rows, offs_n, n_ok,
                                offs_kw, offs_g, first, second, BLOCK_N, BLOCK_KW, GW, HAS_BIAS, WEIGHT_ON_INPUT, True,
@@ -473,8 +473,8 @@ def int4_decode_experts(
     h = torch.empty(n, f, dtype=torch.float32, device=dev)
     y = torch.empty(n, d, dtype=torch.float32, device=dev)
     out = torch.empty(t, d, dtype=x.dtype, device=dev)
-    grid1 = _grid(triton.cdiv(f, cfg.block_n1), n, cfg.max_programs)
-    grid2 = _grid(triton.cdiv(d, cfg.block_n2), n, cfg.max_programs)
+    grid1 = pair_grid(triton.cdiv(f, cfg.block_n1), n, cfg.max_programs)
+    grid2 = pair_grid(triton.cdiv(d, cfg.block_n2), n, cfg.max_programs)
     count = torch.empty(grid2[0], dtype=torch.int32, device=dev)
     n_pad = triton.next_power_of_2(max(n, 1))
     placeholder = topk_weights
