@@ -98,9 +98,9 @@ class Int4DecodeConfig:
             before step ``k``'s are widened (3: twice the bytes in flight, for one active expert spread thin).
     """
 
-    block_n1: int = 4
+    block_n1: int = 8
     block_kw1: int = 128
-    block_n2: int = 8
+    block_n2: int = 16
     block_kw2: int = 64
     num_warps: int = 4
     pdl: bool = True
