@@ -268,8 +268,9 @@ class Engine:
         try:
             self.runner.capture(sizes, activate, deactivate, cuda_graphs=self.device.type == "cuda")
         except torch.cuda.OutOfMemoryError:
-            raise ValueError(f"cuda_graph_max_bs {self.config.cuda_graph_max_bs}: capturing the decode graphs "
-                             f"ran out of GPU memory; lower it or mem_fraction_static") from None
+            raise ValueError(f"cuda_graph_max_bs {self.config.cuda_graph_max_bs}, cuda_graph_max_tokens "
+                             f"{self.config.cuda_graph_max_tokens}: capturing graphs of up to {max(sizes)} rows ran "
+                             f"out of GPU memory; lower them or mem_fraction_static") from None
 
     def _ep_static_hooks(self):
         """The static decode step's hooks in EP: fixed-capacity dispatchers of the bucket's size, masked loads."""
