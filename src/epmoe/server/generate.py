@@ -2,7 +2,7 @@
 choice), and the engine's updates back to a whole response or to server-sent events.
 
 A request with ``P`` prompts and ``n`` choices becomes ``P * n`` engine requests; choice ``i * n + j`` is
-prompt ``i``'s ``j``-th, sampled with ``seed + j`` when a seed is given (choice 0 reproduces ``n = 1``).
+prompt ``i``'s ``j``-th, sampled with ``(seed + j) mod 2**63`` when a seed is given (choice 0 reproduces ``n = 1``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+
+import jinja2
 
 from epmoe.engine import SamplingParams
 from epmoe.server.core import EngineInfo
@@ -85,7 +87,12 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
     """
     if isinstance(req, ChatCompletionRequest):
         kind, where = "chat", "messages"
-        text = codec.chat_prompt([{"role": m.role, "content": m.text()} for m in req.messages])
+        messages = [{"role": m.role, "content": _utf8(m.text(), f"messages.{i}.content")}
+                    for i, m in enumerate(req.messages)]
+        try:
+            text = codec.chat_prompt(messages)
+        except jinja2.TemplateError as exc:  # the template refused the conversation (e.g. roles not alternating)
+            raise ApiError(400, f"messages: the chat template refused them: {exc}", "messages") from None
         prompts = [codec.encode(text)]
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     else:
@@ -94,7 +101,7 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
         if not items:
             raise ApiError(400, "prompt must not be empty, got []", "prompt")
-        prompts = [codec.encode(p) if isinstance(p, str) else list(p) for p in items]
+        prompts = [codec.encode(_utf8(p, "prompt")) if isinstance(p, str) else list(p) for p in items]
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
     for ids in prompts:
         if not ids:
@@ -120,12 +127,31 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
     return Job(kind, model, f"{prefix}-{uuid.uuid4().hex}", prompts, params, req.n, include_usage)
 
 
+def _utf8(text: str, field: str) -> str:
+    """``text`` if it can be sent as UTF-8.
+
+    Raises:
+        ApiError: 400 naming ``field``: ``text`` holds a lone surrogate (JSON's ``\\ud800`` escapes), which no
+            tokenizer takes.
+    """
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        shown = repr(text) if len(text) <= 80 else repr(text[:77]) + "..."
+        raise ApiError(400, f"{field} {shown} is not valid Unicode text: a lone surrogate "
+                            f"{text[exc.start]!r} at position {exc.start}", field) from None
+    return text
+
+
 def _sampling(req: SamplingFields, max_tokens: int, choice: int) -> SamplingParams:
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
+    stop = [_utf8(s, "stop") for s in ([req.stop] if isinstance(req.stop, str) else req.stop or ())]
+    seed = req.seed  # a seed out of range is refused as sent; choice j of a good one samples with seed + j, wrapped
+    if seed is not None and 0 <= seed < 2**63:
+        seed = (seed + choice) % 2**63
     try:
         return SamplingParams(
-            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-            seed=None if req.seed is None else req.seed + choice, max_tokens=max_tokens, min_tokens=req.min_tokens,
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=seed, max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
             stop=tuple(stop), stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
         )
     except ValueError as exc:

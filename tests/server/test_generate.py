@@ -1,0 +1,80 @@
+"""``build_job``: requests to engine requests, and the 400s it answers (no server process: the built-in
+checkpoint's tokenizer and a model of its context)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from epmoe.models.tiny import ensure_default_checkpoint
+from epmoe.server.core import EngineInfo
+from epmoe.server.errors import ApiError
+from epmoe.server.generate import build_job
+from epmoe.server.protocol import ChatCompletionRequest, CompletionRequest
+from epmoe.server.text import TextCodec
+
+MODEL = "kimi-k2.5-tiny"
+INFO = EngineInfo(max_model_len=256, vocab_size=259, ranks=1, parallel="ep", kv={})
+
+
+@pytest.fixture(scope="module")
+def codec() -> TextCodec:
+    return TextCodec(str(ensure_default_checkpoint()), INFO.vocab_size)
+
+
+def _completion(**fields) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": MODEL, **fields}, strict=True)
+
+
+def _chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": MODEL, **fields}, strict=True)
+
+
+def _refused(req, codec) -> ApiError:
+    with pytest.raises(ApiError) as err:
+        build_job(req, MODEL, codec, INFO)
+    return err.value
+
+
+@pytest.mark.parametrize("req, param, position", [
+    (lambda: _completion(prompt="ok \ud800"), "prompt", 3),
+    (lambda: _completion(prompt=["fine", "\udc80 bad"]), "prompt", 0),
+    (lambda: _completion(prompt="hi", stop=["x", "\udfff"]), "stop", 0),
+    (lambda: _chat(messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\ud83d"}]),
+     "messages.1.content", 1),
+], ids=["prompt", "second prompt", "stop", "chat content"])
+def test_lone_surrogate_refused_naming_the_field(codec, req, param, position):
+    # JSON's "\ud800" escapes decode to lone surrogates, which no tokenizer can take: a 400, not a 500
+    error = _refused(req(), codec)
+    assert error.status == 400 and error.param == param
+    assert error.message.startswith(f"{param} ") and f"at position {position}" in error.message
+
+
+def test_seed_near_the_top_wraps_per_choice(codec):
+    job = build_job(_completion(prompt="hi", seed=2**63 - 1, n=3, max_tokens=2), MODEL, codec, INFO)
+    assert [p.seed for p in job.params] == [2**63 - 1, 0, 1]
+    job = build_job(_completion(prompt="hi", seed=7, n=2, max_tokens=2), MODEL, codec, INFO)
+    assert [p.seed for p in job.params] == [7, 8]
+    for bad in (-1, 2**63):  # refused as sent, never wrapped into range
+        error = _refused(_completion(prompt="hi", seed=bad, n=2, max_tokens=2), codec)
+        assert error.status == 400 and error.param == "seed" and f"got {bad}" in error.message
+
+
+def test_chat_template_refusing_the_conversation_is_a_400(tmp_path):
+    ckpt = ensure_default_checkpoint()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ckpt / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = (  # as Mixtral's: roles must alternate
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "[{{ m['role'] }}] {{ m['content'] }}{% endfor %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    codec = TextCodec(str(tmp_path), INFO.vocab_size)
+    good = build_job(_chat(messages=[{"role": "user", "content": "hi"}], max_tokens=2), MODEL, codec, INFO)
+    assert good.prompts == [codec.encode("[user] hi")]
+    error = _refused(_chat(messages=[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]), codec)
+    assert error.status == 400 and error.param == "messages"
+    assert "Conversation roles must alternate" in error.message
