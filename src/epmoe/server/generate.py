@@ -83,7 +83,8 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
 
     Raises:
         ApiError: 400 naming the field: an empty prompt, token ids outside the vocabulary, a prompt as
-            long as the context, ``max_tokens`` past the context, a bad sampling value.
+            long as the context, ``max_tokens`` past the context, a prompt and ``max_tokens`` past a rank's whole KV
+            pool (``info.kv``), a bad sampling value.
     """
     if isinstance(req, ChatCompletionRequest):
         kind, where = "chat", "messages"
@@ -116,11 +117,20 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         raise ApiError(400, f"stop strings ({req.stop!r}) need the checkpoint's tokenizer and this checkpoint has "
                             "none; use stop_token_ids", "stop")
     longest = max(len(ids) for ids in prompts)
-    if max_tokens is None:  # chat: what the context leaves
-        max_tokens = info.max_model_len - longest
+    blocks, block_size = info.kv["blocks"], info.kv["block_size"]
+    pool = blocks * block_size  # a rank's whole KV pool, tokens (the engine refuses what could never fit it)
+    if max_tokens is None:  # chat: what the context and the KV pool leave (the last token sampled needs no KV)
+        max_tokens = max(1, min(info.max_model_len - longest, pool + 1 - longest))
     elif isinstance(max_tokens, int) and max_tokens >= 1 and longest + max_tokens > info.max_model_len:
         raise ApiError(400, f"max_tokens ({max_tokens}) plus the prompt's {longest} tokens is past the model's "
                             f"context of {info.max_model_len} tokens", "max_tokens")
+    for ids in prompts if isinstance(max_tokens, int) and max_tokens >= 1 else ():
+        need = min(len(ids) + max_tokens - 1, info.max_model_len)
+        if need > pool:  # refused here, so that a stream too gets its 400 before it starts
+            field = "max_tokens" if len(ids) <= pool else where
+            raise ApiError(400, f"{where} of {len(ids)} tokens with max_tokens {max_tokens} needs {need} KV slots; the "
+                                f"KV pool holds {pool} tokens per rank ({blocks} blocks of {block_size}): lower "
+                                f"max_tokens or give the cache more blocks", field)
     params = [_sampling(req, max_tokens, j) for _ in prompts for j in range(req.n)]
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
