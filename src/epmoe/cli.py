@@ -107,19 +107,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
         check_output_path("--json", args.json, "a JSON file path")
     if args.save_loads is not None:
         check_output_path("--save-loads", args.save_loads, "a loads file path (.json or .safetensors)")
-    report = run_job(RunConfig(
-        model=args.model, ep=args.ep, parallel=args.parallel, device=args.device, placement=args.placement,
-        redundant=args.redundant, layout=args.layout, prompts=tuple(args.prompt), max_new_tokens=args.max_new_tokens,
-        dtype=args.dtype,
-        dispatcher=args.dispatcher, expert_backend=args.expert_backend, reference=not args.no_reference,
-        eplb_interval=args.eplb_interval, eplb_max_moves=args.max_moves, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, request_rate=args.request_rate,
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-        cuda_graph_max_bs=args.cuda_graph_max_bs, cuda_graph_max_tokens=args.cuda_graph_max_tokens,
-        enforce_eager=args.enforce_eager, load_format=args.load_format,
-        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, replica_policy=args.replica_policy,
-        save_loads=args.save_loads, **speculative_options(args),
-    ))
+    try:
+        report = run_job(RunConfig(
+            model=args.model, ep=args.ep, parallel=args.parallel, device=args.device, placement=args.placement,
+            redundant=args.redundant, layout=args.layout, prompts=tuple(args.prompt),
+            max_new_tokens=args.max_new_tokens, dtype=args.dtype,
+            dispatcher=args.dispatcher, expert_backend=args.expert_backend, reference=not args.no_reference,
+            eplb_interval=args.eplb_interval, eplb_max_moves=args.max_moves, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, request_rate=args.request_rate,
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+            cuda_graph_max_bs=args.cuda_graph_max_bs, cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+            enforce_eager=args.enforce_eager, load_format=args.load_format,
+            num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, replica_policy=args.replica_policy,
+            save_loads=args.save_loads, **speculative_options(args),
+        ))
+    except (ValueError, TypeError) as exc:  # the engine's and the sampler's field names as the flags typed
+        raise _flag_error(exc, _RUN_FLAGS) from exc
     if report is None:  # a non-zero torchrun rank: rank 0 prints
         return 0
     if args.json == "-":
@@ -271,6 +274,13 @@ _SERVE_FLAGS = {name: "--" + name.replace("_", "-") for name in (
     "placement", "redundant", "replica_policy", "expert_backend", "host", "port", "served_model_name", "api_key",
     "speculative_algorithm", "speculative_draft_model", "speculative_num_tokens", "speculative_draft_placement",
     "speculative_draft_parallel", "prompt_lookup_min", "prompt_lookup_max")} | {"drain_timeout_s": "--drain-timeout"}
+_RUN_FLAGS = {name: "--" + name.replace("_", "-") for name in (
+    "model", "ep", "parallel", "device", "dtype", "placement", "redundant", "layout", "dispatcher", "expert_backend",
+    "max_num_seqs", "max_num_batched_tokens", "request_rate", "temperature", "top_p", "top_k", "seed",
+    "cuda_graph_max_bs", "cuda_graph_max_tokens", "enforce_eager", "load_format", "num_kv_blocks", "block_size",
+    "eplb_interval", "replica_policy", "speculative_algorithm", "speculative_draft_model", "speculative_num_tokens",
+    "speculative_draft_placement", "speculative_draft_parallel", "prompt_lookup_min", "prompt_lookup_max")} | {
+    "eplb_max_moves": "--max-moves", "max_new_tokens": "--max-new-tokens"}
 
 
 def _batches(text: str) -> tuple[int, ...]:
@@ -285,13 +295,20 @@ def _batches(text: str) -> tuple[int, ...]:
 
 
 def _flag_error(exc: Exception, flags: dict[str, str]) -> Exception:
-    """``exc`` as the CLI reports it: the library's field names (``ep_size (7)``, ``gpus must``) replaced by the
-    flags the user typed (``--ep (7)``); a ``KeyError``'s message without the quotes its ``str()`` adds."""
+    """``exc`` as the CLI reports it: the library's field names (``ep_size (7)``, ``gpus must``,
+    ``speculative_draft_model to``, ``parallel 'tp'``) replaced by the flags the user typed (``--ep (7)``); a
+    ``KeyError``'s message without the quotes its ``str()`` adds.
+
+    A name with an underscore is an option wherever it stands; a plain word (``model``, ``parallel``) only where
+    an option's sentence goes on (its value in parentheses or quotes, ``must``, ``is``, ... or a list of options
+    that ``place or move``), so prose (``the model's``, ``expert-parallel``) stays as it is."""
     import re
 
     msg = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    plain = r"(?=\s\(|\smust\b|\sneeds\b|\sis\b|\sexceeds\b|\s'|,\s|\splace or move\b)"
     for name, flag in flags.items():
-        msg = re.sub(rf"(?<![\w'\"./-]){re.escape(name)}(?=\s\(|\smust\b|\sneeds\b|\sis\b|\sexceeds\b)", flag, msg)
+        ahead = r"(?![\w-])" if "_" in name else plain
+        msg = re.sub(rf"(?<![\w'\"./-]){re.escape(name)}{ahead}", flag, msg)
     return (TypeError if isinstance(exc, TypeError) else ValueError)(msg)
 
 

@@ -91,6 +91,20 @@ def test_install_replaces_the_rope_families_only(tmp_path):
         RopeAttention(llama.model.layers[0].self_attn)
 
 
+def test_install_reads_the_rotary_fraction_where_transformers_does(tmp_path):
+    """GLM's partial rotary comes in ``rope_parameters``: 16-dim heads rotating 12 dims have a half of 6, which is
+    no tile of the kernel, so transformers' module stays; rotating 8 (the tiny GLM's 0.5) the layers are fused."""
+    from transformers import AutoModelForCausalLM
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    d = build_tiny_checkpoint("glm4.5", tmp_path / "glm-075", overrides={"rope_parameters": rope})
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    assert model.model.rotary_emb.inv_freq.numel() == 6  # transformers rotates 12 of the 16 dims
+    assert install_rope_attention(model) == 0
+    glm = _model("glm4.5", tmp_path)
+    assert install_rope_attention(glm) == glm.config.num_hidden_layers == 3
+
+
 def test_forward_outside_the_engine_is_refused(tmp_path):
     attn = RopeAttention(_model("mixtral", tmp_path).model.layers[0].self_attn)
     with pytest.raises(ValueError, match="needs the engine's epmoe_batch"):

@@ -280,6 +280,31 @@ def test_short_prompts_are_cut_to_fill_the_largest_graph_step():
     assert len(run_to_end(s)) > 0 and not s.has_unfinished()
 
 
+def test_decodes_filling_the_largest_graph_step_do_not_hold_prompts_back():
+    """Graph steps hold 8 rows, up to 32 sequences may run. Eight 3-token prompts join a bucket at a time and
+    become 8 decodes that fill it; four more short prompts then go in at once (an eager step) instead of waiting
+    for a decode to finish, and all twelve run together."""
+    s = Scheduler(BlockAllocator(256), BS, 32, 64, graph_tokens=8, graph_rows=8)
+    for i in range(8):
+        s.add(make(i, 3, max_tokens=20))
+    plan = s.schedule()
+    while plan.prefills:
+        assert _rows(plan) == 8  # the burst fills graph steps
+        advance(s, plan)
+        plan = s.schedule()
+    assert len(s.running) == 8 and not s.waiting
+    assert _rows(plan) == 8 and len(plan.decodes) == 8  # decodes alone fill the bucket
+    advance(s, plan)
+    for i in range(8, 12):
+        s.add(make(i, 3, max_tokens=20))
+    plan = s.schedule()
+    assert len(plan.decodes) == 8 and [(c.seq.request_id, c.num_tokens) for c in plan.prefills] == [
+        ("r8", 3), ("r9", 3), ("r10", 3), ("r11", 3)]
+    assert len(s.running) == 12 and not s.waiting
+    check_blocks(s)
+    assert len(run_to_end(s)) > 0 and not s.has_unfinished()
+
+
 def test_a_prompt_too_long_for_a_graph_step_makes_it_eager_and_nothing_is_cut():
     s = Scheduler(BlockAllocator(64), BS, 8, 64, graph_tokens=16, graph_rows=16)
     s.add(make(0, 3, max_tokens=10))

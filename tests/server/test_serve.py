@@ -176,12 +176,17 @@ BAD = [
     ("stop wrong type", {"model": MODEL, "prompt": "hi", "stop": 3}, 400, "stop"),
     ("stream a string", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("unknown model", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    ("JSON nested too deeply", b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None),
+    ("a number of 5000 digits", b'{"prompt": "hi", "seed": ' + b"9" * 5000 + b"}", 400, None),
+    ("prompt a lone surrogate", b'{"model": "%s", "prompt": "ok \\ud800"}' % MODEL.encode(), 400, "prompt"),
 ]
 BAD_CHAT = [
     ("missing messages", {"model": MODEL}, 400, "messages"),
     ("empty messages", {"model": MODEL, "messages": []}, 400, "messages"),
     ("bad role", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
     ("content a number", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
+    ("content a lone surrogate", b'{"model": "%s", "messages": [{"role": "user", "content": "\\udc80"}]}'
+     % MODEL.encode(), 400, "messages.0.content"),
 ]
 
 

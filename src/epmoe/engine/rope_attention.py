@@ -288,9 +288,15 @@ class RopeAttention(nn.Module):
 
 
 def _rotary_half_ok(attn: nn.Module) -> bool:
-    """The rotated half of a head is a power of two (the kernel's tile), from the config's rotary fraction."""
+    """The rotated half of a head is a power of two (the kernel's tile), from the config's rotary fraction: its
+    ``rope_parameters["partial_rotary_factor"]``, where transformers' rotary modules read it, else a top-level
+    ``partial_rotary_factor``."""
     d = int(attn.head_dim)
-    rotated = int(d * float(getattr(attn.config, "partial_rotary_factor", 1.0) or 1.0))
+    rope = getattr(attn.config, "rope_parameters", None)
+    factor = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    if factor is None:
+        factor = getattr(attn.config, "partial_rotary_factor", None)
+    rotated = int(d * float(factor or 1.0))
     half = rotated // 2
     return half > 0 and half & (half - 1) == 0
 

@@ -13,7 +13,10 @@ With graph steps (``graph_rows`` > 0), a prompt chunk that ends within ``graph_t
 rows next to the decodes in a replayed CUDA graph of at most ``graph_rows`` rows; such chunks are cut (or
 wait) so that the step's rows stay within ``graph_rows`` as long as no longer chunk makes the step eager
 anyway: a burst of short prompts joins the running decodes a bucket at a time, rather than turning one
-step into an eager one (bound by the host's launches) that every running sequence waits for.
+step into an eager one (bound by the host's launches) that every running sequence waits for. Where the
+decodes alone fill ``graph_rows``, no graph step could take a prompt before one of them finishes: the
+prompts go in and the step runs eagerly, so graph steps never hold the running sequences below
+``max_num_seqs``.
 
 With speculative decoding (``lookahead`` K > 0), a decoding sequence also gets the budget and the KV blocks
 of up to K proposed tokens after its last one (vLLM's lookahead slots), as far as its ``max_tokens`` and
@@ -180,14 +183,20 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
-    def _graph_cut(self, seq: Sequence, n: int, rows: int, eager: bool) -> tuple[int, int, bool]:
+    def _graph_cut(self, seq: Sequence, n: int, rows: int, eager: bool, prompt_rows: int) -> tuple[int, int, bool]:
         """``(n', rows', eager')``: the tokens of ``seq``'s next prompt chunk of up to ``n`` in this step (0 = it
-        waits), the step's single-token rows and whether a chunk already makes the step eager, after it."""
+        waits), the step's single-token rows and whether a chunk already makes the step eager, after it.
+        ``prompt_rows``: the step's rows of prompt chunks so far. A chunk waits for room only behind other prompt
+        rows: where decodes alone fill the largest graph step, none could take it before one of them finishes, so
+        it goes in and the step runs eagerly (graph steps never hold the running sequences below
+        ``max_num_seqs``)."""
         if n == 1 and seq.num_computed + 1 == seq.num_tokens:  # a decode: one row, never cut
             return n, rows + 1, eager
         if not self.graph_rows or eager:
             return n, rows, eager
         if seq.num_computed + n > self.graph_tokens:  # too long for a graph step: this step runs eagerly
+            return n, rows, True
+        if rows >= self.graph_rows and not prompt_rows:  # decodes fill the largest graph step: this one runs eagerly
             return n, rows, True
         n = min(n, self.graph_rows - rows) if rows else n
         return max(n, 0), rows + max(n, 0), eager
@@ -201,11 +210,13 @@ class Scheduler:
         finished: list[Sequence] = []
         queue = deque(self.running)
         kept: list[Sequence] = []
-        rows, eager = 0, False
+        rows, eager, prompt_rows = 0, False, 0
         while queue:
             seq = queue.popleft()
             n = min(seq.num_tokens - seq.num_computed, budget)
-            n, rows, eager = self._graph_cut(seq, n, rows, eager)
+            decode = seq.num_computed + 1 == seq.num_tokens
+            n, rows, eager = self._graph_cut(seq, n, rows, eager, prompt_rows)
+            prompt_rows += 0 if decode else n
             if n == 0:
                 kept.append(seq)
                 continue
@@ -233,7 +244,7 @@ class Scheduler:
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n, rows_after, eager_after = self._graph_cut(seq, min(seq.num_tokens - seq.num_computed, budget), rows,
-                                                         eager)
+                                                         eager, prompt_rows)
             if n == 0:
                 break
             need = self._blocks_needed(seq, seq.num_computed + n)
@@ -246,6 +257,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             rows, eager = rows_after, eager_after
+            prompt_rows += 0 if seq.num_computed + 1 == seq.num_tokens else n
             seq.block_table.extend(self.allocator.allocate(need))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -136,7 +136,10 @@ def build_app(ctx: AppContext) -> FastAPI:
             raise ApiError(400, "request body is empty: send a JSON object")
         try:
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except RecursionError:
+            raise ApiError(400, "request body is nested too deeply to parse: send a JSON object of the request's "
+                                "fields") from None
+        except ValueError as exc:  # not JSON, not UTF-8, or an integer past Python's 4300-digit conversion limit
             raise ApiError(400, f"request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")

@@ -2,7 +2,7 @@
 choice), and the engine's updates back to a whole response or to server-sent events.
 
 A request with ``P`` prompts and ``n`` choices becomes ``P * n`` engine requests; choice ``i * n + j`` is
-prompt ``i``'s ``j``-th, sampled with ``seed + j`` when a seed is given (choice 0 reproduces ``n = 1``).
+prompt ``i``'s ``j``-th, sampled with ``(seed + j) mod 2**63`` when a seed is given (choice 0 reproduces ``n = 1``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+
+import jinja2
 
 from epmoe.engine import SamplingParams
 from epmoe.server.core import EngineInfo
@@ -81,11 +83,17 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
 
     Raises:
         ApiError: 400 naming the field: an empty prompt, token ids outside the vocabulary, a prompt as
-            long as the context, ``max_tokens`` past the context, a bad sampling value.
+            long as the context, ``max_tokens`` past the context, a prompt and ``max_tokens`` past a rank's whole KV
+            pool (``info.kv``), a bad sampling value.
     """
     if isinstance(req, ChatCompletionRequest):
         kind, where = "chat", "messages"
-        text = codec.chat_prompt([{"role": m.role, "content": m.text()} for m in req.messages])
+        messages = [{"role": m.role, "content": _utf8(m.text(), f"messages.{i}.content")}
+                    for i, m in enumerate(req.messages)]
+        try:
+            text = codec.chat_prompt(messages)
+        except jinja2.TemplateError as exc:  # the template refused the conversation (e.g. roles not alternating)
+            raise ApiError(400, f"messages: the chat template refused them: {exc}", "messages") from None
         prompts = [codec.encode(text)]
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     else:
@@ -94,7 +102,7 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
         if not items:
             raise ApiError(400, "prompt must not be empty, got []", "prompt")
-        prompts = [codec.encode(p) if isinstance(p, str) else list(p) for p in items]
+        prompts = [codec.encode(_utf8(p, "prompt")) if isinstance(p, str) else list(p) for p in items]
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
     for ids in prompts:
         if not ids:
@@ -109,23 +117,51 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         raise ApiError(400, f"stop strings ({req.stop!r}) need the checkpoint's tokenizer and this checkpoint has "
                             "none; use stop_token_ids", "stop")
     longest = max(len(ids) for ids in prompts)
-    if max_tokens is None:  # chat: what the context leaves
-        max_tokens = info.max_model_len - longest
+    blocks, block_size = info.kv["blocks"], info.kv["block_size"]
+    pool = blocks * block_size  # a rank's whole KV pool, tokens (the engine refuses what could never fit it)
+    if max_tokens is None:  # chat: what the context and the KV pool leave (the last token sampled needs no KV)
+        max_tokens = max(1, min(info.max_model_len - longest, pool + 1 - longest))
     elif isinstance(max_tokens, int) and max_tokens >= 1 and longest + max_tokens > info.max_model_len:
         raise ApiError(400, f"max_tokens ({max_tokens}) plus the prompt's {longest} tokens is past the model's "
                             f"context of {info.max_model_len} tokens", "max_tokens")
+    for ids in prompts if isinstance(max_tokens, int) and max_tokens >= 1 else ():
+        need = min(len(ids) + max_tokens - 1, info.max_model_len)
+        if need > pool:  # refused here, so that a stream too gets its 400 before it starts
+            field = "max_tokens" if len(ids) <= pool else where
+            raise ApiError(400, f"{where} of {len(ids)} tokens with max_tokens {max_tokens} needs {need} KV slots; the "
+                                f"KV pool holds {pool} tokens per rank ({blocks} blocks of {block_size}): lower "
+                                f"max_tokens or give the cache more blocks", field)
     params = [_sampling(req, max_tokens, j) for _ in prompts for j in range(req.n)]
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return Job(kind, model, f"{prefix}-{uuid.uuid4().hex}", prompts, params, req.n, include_usage)
 
 
+def _utf8(text: str, field: str) -> str:
+    """``text`` if it can be sent as UTF-8.
+
+    Raises:
+        ApiError: 400 naming ``field``: ``text`` holds a lone surrogate (JSON's ``\\ud800`` escapes), which no
+            tokenizer takes.
+    """
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        shown = repr(text) if len(text) <= 80 else repr(text[:77]) + "..."
+        raise ApiError(400, f"{field} {shown} is not valid Unicode text: a lone surrogate "
+                            f"{text[exc.start]!r} at position {exc.start}", field) from None
+    return text
+
+
 def _sampling(req: SamplingFields, max_tokens: int, choice: int) -> SamplingParams:
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
+    stop = [_utf8(s, "stop") for s in ([req.stop] if isinstance(req.stop, str) else req.stop or ())]
+    seed = req.seed  # a seed out of range is refused as sent; choice j of a good one samples with seed + j, wrapped
+    if seed is not None and 0 <= seed < 2**63:
+        seed = (seed + choice) % 2**63
     try:
         return SamplingParams(
-            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-            seed=None if req.seed is None else req.seed + choice, max_tokens=max_tokens, min_tokens=req.min_tokens,
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=seed, max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
             stop=tuple(stop), stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
         )
     except ValueError as exc:

@@ -1,0 +1,102 @@
+"""``build_job``: requests to engine requests, and the 400s it answers (no server process: the built-in
+checkpoint's tokenizer and a model of its context)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from epmoe.models.tiny import ensure_default_checkpoint
+from epmoe.server.core import EngineInfo
+from epmoe.server.errors import ApiError
+from epmoe.server.generate import build_job
+from epmoe.server.protocol import ChatCompletionRequest, CompletionRequest
+from epmoe.server.text import TextCodec
+
+MODEL = "kimi-k2.5-tiny"
+INFO = EngineInfo(max_model_len=256, vocab_size=259, ranks=1, parallel="ep", kv={"blocks": 4096, "block_size": 16})
+SMALL_POOL = EngineInfo(max_model_len=256, vocab_size=259, ranks=2, parallel="ep", kv={"blocks": 11, "block_size": 16})
+
+
+@pytest.fixture(scope="module")
+def codec() -> TextCodec:
+    return TextCodec(str(ensure_default_checkpoint()), INFO.vocab_size)
+
+
+def _completion(**fields) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": MODEL, **fields}, strict=True)
+
+
+def _chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": MODEL, **fields}, strict=True)
+
+
+def _refused(req, codec) -> ApiError:
+    with pytest.raises(ApiError) as err:
+        build_job(req, MODEL, codec, INFO)
+    return err.value
+
+
+@pytest.mark.parametrize("req, param, position", [
+    (lambda: _completion(prompt="ok \ud800"), "prompt", 3),
+    (lambda: _completion(prompt=["fine", "\udc80 bad"]), "prompt", 0),
+    (lambda: _completion(prompt="hi", stop=["x", "\udfff"]), "stop", 0),
+    (lambda: _chat(messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\ud83d"}]),
+     "messages.1.content", 1),
+], ids=["prompt", "second prompt", "stop", "chat content"])
+def test_lone_surrogate_refused_naming_the_field(codec, req, param, position):
+    # JSON's "\ud800" escapes decode to lone surrogates, which no tokenizer can take: a 400, not a 500
+    error = _refused(req(), codec)
+    assert error.status == 400 and error.param == param
+    assert error.message.startswith(f"{param} ") and f"at position {position}" in error.message
+
+
+def test_seed_near_the_top_wraps_per_choice(codec):
+    job = build_job(_completion(prompt="hi", seed=2**63 - 1, n=3, max_tokens=2), MODEL, codec, INFO)
+    assert [p.seed for p in job.params] == [2**63 - 1, 0, 1]
+    job = build_job(_completion(prompt="hi", seed=7, n=2, max_tokens=2), MODEL, codec, INFO)
+    assert [p.seed for p in job.params] == [7, 8]
+    for bad in (-1, 2**63):  # refused as sent, never wrapped into range
+        error = _refused(_completion(prompt="hi", seed=bad, n=2, max_tokens=2), codec)
+        assert error.status == 400 and error.param == "seed" and f"got {bad}" in error.message
+
+
+def test_chat_template_refusing_the_conversation_is_a_400(tmp_path):
+    ckpt = ensure_default_checkpoint()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ckpt / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = (  # as Mixtral's: roles must alternate
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "[{{ m['role'] }}] {{ m['content'] }}{% endfor %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    codec = TextCodec(str(tmp_path), INFO.vocab_size)
+    good = build_job(_chat(messages=[{"role": "user", "content": "hi"}], max_tokens=2), MODEL, codec, INFO)
+    assert good.prompts == [codec.encode("[user] hi")]
+    error = _refused(_chat(messages=[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]), codec)
+    assert error.status == 400 and error.param == "messages"
+    assert "Conversation roles must alternate" in error.message
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_past_the_kv_pool_refused_before_anything_is_queued(codec, stream):
+    # 11 blocks of 16 = 176 KV slots per rank, a context of 256: refused here, so a stream gets its 400 (not a 200
+    # whose only event is the engine's error)
+    fits = build_job(_completion(prompt=[5] * 150, max_tokens=27, stream=stream), MODEL, codec, SMALL_POOL)
+    assert fits.params[0].max_tokens == 27  # 150 + 27 - 1 = 176 slots: the last token sampled needs none
+    for prompt, max_tokens, param, need in (([5] * 150, 28, "max_tokens", 177), ([5] * 200, 2, "prompt", 201)):
+        with pytest.raises(ApiError) as err:
+            build_job(_completion(prompt=prompt, max_tokens=max_tokens, stream=stream), MODEL, codec, SMALL_POOL)
+        assert err.value.status == 400 and err.value.param == param
+        assert (f"prompt of {len(prompt)} tokens with max_tokens {max_tokens} needs {need} KV slots; the KV pool "
+                f"holds 176 tokens per rank (11 blocks of 16)") in err.value.message
+
+
+def test_chat_without_max_tokens_gets_what_the_context_and_the_pool_leave(codec):
+    req = _chat(messages=[{"role": "user", "content": "hello there"}])
+    prompt = len(build_job(req, MODEL, codec, INFO).prompts[0])
+    assert build_job(req, MODEL, codec, INFO).params[0].max_tokens == 256 - prompt
+    assert build_job(req, MODEL, codec, SMALL_POOL).params[0].max_tokens == 176 + 1 - prompt

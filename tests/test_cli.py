@@ -1,0 +1,58 @@
+"""The ``epmoe`` command line: engine and sampling errors name the flags typed, and the README lists every flag
+of ``run`` and ``serve``."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+
+from epmoe.cli import build_parser, main
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.fixture(scope="module")
+def kimi(tiny_checkpoints):
+    return tiny_checkpoints("kimi-k2.5")
+
+
+@pytest.mark.parametrize("command, args, message", [
+    ("run", ["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
+    ("run", ["--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
+    ("run", ["--top-k", "-5"], "--top-k must be an integer >= -1"),
+    ("run", ["--parallel", "tp", "--redundant", "2"],
+     "--redundant place or move whole experts (--parallel 'ep'); --parallel 'tp' slices"),
+    ("serve", ["--parallel", "tp", "--eplb-interval", "3"],
+     "--eplb-interval place or move whole experts (--parallel 'ep'); --parallel 'tp' slices"),
+    ("serve", ["--parallel", "tp", "--replica-policy", "random"], "--replica-policy place or move whole experts"),
+    ("serve", ["--speculative-algorithm", "draft"],
+     "--speculative-algorithm 'draft' needs its draft: set --speculative-draft-model to the draft's directory"),
+    ("serve", ["--speculative-num-tokens", "3"], "--speculative-num-tokens configure speculative decoding"),
+    ("serve", ["--cuda-graph-max-tokens", "-1"], "--cuda-graph-max-tokens must be a non-negative integer, got -1"),
+])
+def test_refused_options_name_their_flags(kimi, capsys, command, args, message):
+    assert main([command, "--model", str(kimi), *args]) == 2
+    err = capsys.readouterr().err
+    assert f"epmoe {command}: error: {message}" in err
+
+
+def test_a_missing_model_directory_is_named_by_its_flag(tmp_path, capsys):
+    missing = tmp_path / "nowhere"
+    for command in ("run", "serve"):
+        assert main([command, "--model", str(missing)]) == 2
+        assert f"epmoe {command}: error: --model '{missing}' is not a checkpoint directory" in capsys.readouterr().err
+
+
+def test_readme_lists_every_run_and_serve_flag():
+    readme = README.read_text()
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    missing = []
+    for command in ("run", "serve"):
+        for action in commands[command]._actions:
+            for flag in action.option_strings:
+                if flag.startswith("--") and flag != "--help" and not re.search(rf"{re.escape(flag)}(?![\w-])", readme):
+                    missing.append(f"{command} {flag}")
+    assert missing == []
