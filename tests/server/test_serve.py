@@ -345,6 +345,9 @@ def test_eplb_rebalance_moves_experts_and_keeps_outputs(server, client, offline)
     assert httpx.post(f"{server.url}/eplb/rebalance").status_code == 401
     bad = httpx.post(f"{server.url}/eplb/rebalance", json={"max_moves": -1}, headers=AUTH)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_moves"
+    unknown = httpx.post(f"{server.url}/eplb/rebalance", json={"max_move": 2}, headers=AUTH)
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "max_move"
+    assert "Extra inputs are not permitted (got 2)" in unknown.json()["error"]["message"]
     client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)  # loads to balance
     loads_before = httpx.get(f"{server.url}/eplb/loads", headers=AUTH).json()["load"]
     r = httpx.post(f"{server.url}/eplb/rebalance", headers=AUTH, timeout=60)

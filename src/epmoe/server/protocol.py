@@ -83,7 +83,10 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class RebalanceRequest(_Request):
-    """``POST /eplb/rebalance`` (the body may be left out): ``max_moves`` caps the expert copies moved."""
+    """``POST /eplb/rebalance`` (the body may be left out): ``max_moves`` caps the expert copies moved. Unlike the
+    OpenAI routes (whose clients send fields this server does not use), epmoe's own route refuses unknown fields."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     max_moves: int | None = Field(None, ge=0)
 
