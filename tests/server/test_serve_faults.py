@@ -92,8 +92,10 @@ def test_rank_killed_fails_requests_and_exits_nonzero(start_server, victim):
     assert code == 4 and time.monotonic() - t0 < 30, server.log.read_text()  # 4: a rank killed by a signal
     for t in threads:
         t.join(10)
-    for result in results:  # each stream ended with an error event (or the connection closed under it)
-        assert result[0] == "transport" or any('"error"' in line for line in result[1]), result
+    killed = f"rank {victim} was killed by SIGKILL (signal 9)"
+    for result in results:  # each stream ended with an error event naming the cause first (or the connection closed)
+        errors = [line for line in result[1] if '"error"' in line] if result[0] != "transport" else []
+        assert result[0] == "transport" or (errors and killed in errors[-1]), result
     log = server.log.read_text()
     assert "fatal" in log and f"rank {victim} was killed by SIGKILL (signal 9)" in log, log
     assert not any(_alive(p) for p in ranks + server.children())

@@ -6,7 +6,9 @@ never blocks on the pipe). A reader thread receives the core's messages: one ``S
 whose updates it turns into ``Update``s (each request's tokens so far kept here), records in the metrics,
 and hands to the requests' ``asyncio.Queue``s with one wake-up of each event loop per round
 (``call_soon_threadsafe``). A pipe that closes before the core said ``stopped`` (the core died) or a
-``failed`` message fails every open request with ``Failure`` and calls ``on_fatal`` once.
+``failed`` message sets ``core_down`` (and ``core_error``): the server's watcher then gathers the other ranks'
+errors, so that the message every open request fails with (``fail``: ``Failure``, then ``on_fatal`` once)
+names the cause first, e.g. the rank a signal killed, not the core's "a peer went away".
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ class Frontend:
         self.info: EngineInfo | None = None
         self.failure: str | None = None
         self.core_error: RankError | None = None  # the engine core's own error, when it reported one
+        self.core_down = threading.Event()  # the core failed or its pipe closed: the watcher fails the requests
         self.stop_requested = False
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._open: dict[str, _Open] = {}
@@ -227,7 +230,7 @@ class Frontend:
                             self.state = "ready"
                     elif kind == "failed":
                         self.core_error = value
-                        self.fail(value.line())
+                        self.core_down.set()
                         return
                     else:
                         with self._lock:
@@ -235,8 +238,8 @@ class Frontend:
                                 self.state = "stopped"
                         self._stopped.set()
                         return
-        except (EOFError, OSError) as exc:
-            self.fail(f"the engine core's process ended ({type(exc).__name__}: the pipe closed)")
+        except (EOFError, OSError):
+            self.core_down.set()
 
     def _deliver(self, report: StepReport) -> None:
         now = time.perf_counter()

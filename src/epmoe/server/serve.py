@@ -180,7 +180,7 @@ def serve(cfg: ServeConfig) -> int:
     def watch() -> None:
         was_ready = False
         while True:
-            if frontend.state == "failed":  # the engine core failed: name every rank's own error
+            if frontend.core_down.is_set():  # the engine core failed or died: every rank's own error, cause first
                 errors = [] if frontend.core_error is None else [frontend.core_error]
                 core.join(timeout=1.0)
                 if frontend.core_error is None and core.exitcode not in (None, 0):
@@ -191,6 +191,9 @@ def serve(cfg: ServeConfig) -> int:
                     report = RankFailure(errors)
                     exit_code[0] = report.exit_code
                     log.error("%s", report)
+                    frontend.fail(str(report))
+                else:
+                    frontend.fail("the engine core's process ended (its pipe closed)")
                 return
             failure = rank_failure(0.0)
             if failure is not None and frontend.state in ("loading", "ready", "draining"):
