@@ -29,8 +29,9 @@ from epmoe.models.hf import EPModel
 
 
 def graph_buckets(max_bs: int) -> list[int]:
-    """Batch sizes captured up to ``max_bs`` (SGLang's ``--cuda-graph-max-bs``): 1, 2, 4, 8, then
-    every multiple of 16 up to 256 and of 32 above, and ``max_bs`` itself.
+    """Row counts captured up to ``max_bs`` (SGLang's ``--cuda-graph-max-bs``): 1, 2, 4, 8, then every multiple
+    of 16 up to 256, of 32 up to 512, of 64 up to 1024 and of 128 above (a padded step wastes at most an eighth of
+    its rows there), and ``max_bs`` itself.
 
     Raises:
         ValueError: ``max_bs`` < 1.
@@ -38,7 +39,8 @@ def graph_buckets(max_bs: int) -> list[int]:
     if max_bs < 1:
         raise ValueError(f"cuda_graph_max_bs must be at least 1, got {max_bs}")
     sizes = {b for b in (1, 2, 4, 8) if b <= max_bs}
-    sizes |= set(range(16, min(max_bs, 256) + 1, 16)) | set(range(288, max_bs + 1, 32))
+    for start, stop, step in ((16, 256, 16), (288, 512, 32), (576, 1024, 64), (1152, max_bs, 128)):
+        sizes |= set(range(start, min(max_bs, stop) + 1, step))
     sizes.add(max_bs)
     return sorted(sizes)
 
