@@ -132,3 +132,22 @@ def test_plan_refuses_an_eagle_head_trained_for_another_target(capsys):
     err = capsys.readouterr().err
     assert "the draft has hidden size 2048 but the target kimi-k2.5.config.json has hidden size 7168" in err
     assert main(args + ["--draft", str(CONFIGS / "eagle3-draft-kimi-k2-instruct-aq-medai.config.json")]) == 0
+
+
+def test_engine_command_leaves_speculation_off_where_it_does_not_pay(capsys):
+    """At accepted length 1 (every draft token rejected) speculation pays nowhere: the server command has no
+    speculation flags and says why; at 2 (as above) it keeps them."""
+    args = ["plan", "--config", str(KIMI), "--gpus", "8", "--hardware", "rtx-pro-6000", "--batch", "1",
+            "--spec-tokens", "3", "--json"]
+    for engine, flag in (("sglang", "--speculative-algorithm"), ("vllm", "--speculative-config")):
+        assert main([*args, "--accept-length", "1", "--engine", engine]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        chosen = doc["command"]["strategy"]
+        steps = next(s for s in doc["speculation"]["strategies"] if s["name"] == chosen)["steps"]
+        assert not any(st["pays"] for st in steps)
+        assert flag not in doc["command"]["argv"]
+        assert any(n.startswith(f"speculation left off: at accepted length 1 it pays at no planned batch under "
+                                f"{chosen}") for n in doc["command"]["notes"])
+        assert not any(n.startswith("DRAFT") for n in doc["command"]["notes"])
+        assert main([*args, "--accept-length", "2", "--engine", engine]) == 0
+        assert flag in json.loads(capsys.readouterr().out)["command"]["argv"]

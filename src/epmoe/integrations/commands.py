@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from epmoe.plan.request import Plan, Strategy
+from epmoe.plan.speculative import Speculation
 
 ENGINES = ("sglang", "vllm")
 
@@ -54,15 +55,18 @@ def chosen_strategy(p: Plan) -> tuple[Strategy, str | None]:
     return p.strategy(name).strategy, None
 
 
-def server_command(engine: str, p: Plan, *, model: str | None = None, draft_path: str | None = None
-                   ) -> ServerCommand:
-    """The ``engine`` command line for ``chosen_strategy(p)``, with speculation when ``p`` plans it.
+def server_command(engine: str, p: Plan, *, model: str | None = None, draft_path: str | None = None,
+                   speculation: Speculation | None = None) -> ServerCommand:
+    """The ``engine`` command line for ``chosen_strategy(p)``, with speculation when ``p`` plans it and it pays.
 
     Args:
         engine: ``sglang`` or ``vllm``.
         p: the plan.
         model: the checkpoint directory to launch (default: the placeholder ``MODEL``, with a note).
         draft_path: the draft's checkpoint for the server (default: the placeholder ``DRAFT``, with a note).
+        speculation: the plan's price of speculation (``plan.speculative.price_speculation``): with an accepted
+            length, the speculation flags are left out, with a note, where it pays at none of the planned batch
+            sizes under the chosen strategy.
 
     Raises:
         ValueError: an unknown engine.
@@ -76,7 +80,15 @@ def server_command(engine: str, p: Plan, *, model: str | None = None, draft_path
     if model is None:
         notes.append(f"MODEL: the checkpoint directory of {Path(req.spec.source).name}")
     path = model or "MODEL"
-    if req.spec_tokens and not draft_path:
+    speculate = bool(req.spec_tokens)
+    if speculate and speculation is not None and speculation.accept_length is not None:
+        steps = speculation.strategy(s.name).steps
+        if not any(st.pays for st in steps):
+            speculate = False
+            even = ", ".join(f"{st.break_even:.2f} at batch {st.batch}" for st in steps)
+            notes.append(f"speculation left off: at accepted length {speculation.accept_length:g} it pays at no "
+                         f"planned batch under {s.name} (break-even {even})")
+    if speculate and not draft_path:
         notes.append("DRAFT: the EAGLE-3 draft checkpoint directory")
     placement = "placement.pt"
     if engine == "sglang":
@@ -95,7 +107,7 @@ def server_command(engine: str, p: Plan, *, model: str | None = None, draft_path
             argv += ["--ep-num-redundant-experts", str(r), "--init-expert-location", placement]
             notes.append(f"{placement}: epmoe balance --loads DUMP --config CONFIG --ep {s.moe_ep} --redundant {r} "
                          f"--out {placement} (DUMP: SGLang's expert distribution recorder)")
-        if req.spec_tokens:
+        if speculate:
             argv += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
                      draft_path or "DRAFT", "--speculative-num-steps",
                      str(req.spec_tokens), "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens",
@@ -115,7 +127,7 @@ def server_command(engine: str, p: Plan, *, model: str | None = None, draft_path
         if r and s.moe_ep > 1:
             argv += ["--enable-eplb", "--eplb-config", json.dumps({"num_redundant_experts": r})]
             notes.append("EPMOE_EPLB=1 makes vLLM's rearrangement use epmoe's balancer (the epmoe plug-in)")
-        if req.spec_tokens:
+        if speculate:
             argv += ["--speculative-config", json.dumps({"method": "eagle3", "model": draft_path or "DRAFT",
                                                          "num_speculative_tokens": req.spec_tokens})]
     return ServerCommand(s.name, tuple(argv), tuple(notes))

@@ -302,7 +302,7 @@ def report_plan(req: PlanRequest, as_json: bool = False, plot_path: str | Path |
         check_output_path("--plot", plot_path, "a PNG file path")
     p = plan(req)
     sp = price_speculation(req, draft, accept_length) if req.spec_tokens else None
-    command = server_command(engine, p, model=model, draft_path=draft_path) if engine else None
+    command = server_command(engine, p, model=model, draft_path=draft_path, speculation=sp) if engine else None
     if console is None:
         detected = Console()
         console = Console(width=max(detected.width, 130))  # the plan table needs ~130 columns
