@@ -133,6 +133,26 @@ def live_pair(idx, sl, live, rank, i):
 
 
 @triton.jit
+def sum_pairs_on_arrival(slots_ptr, y_ptr, count_ptr, out_ptr, pid_n, num_tokens, top_k, num_slots, D, stride_o,
+                         offs_n, n_ok, K_PAD: tl.constexpr, GROUPS: tl.constexpr):
+    """A down program's last act: take a ticket from column tile ``pid_n``'s arrival counter; the program that
+    arrives last (of ``GROUPS``) sums the tile's ``y [N, D]`` float32 rows over each token's ``K`` live pairs, in
+    a fixed order, into ``out`` (the threadfence-reduction pattern: no float atomics, bitwise reproducible)."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+    if ticket == GROUPS - 1:
+        offs_j = tl.arange(0, K_PAD)
+        j_ok = offs_j < top_k
+        for t in range(0, num_tokens):
+            slj = tl.load(slots_ptr + t * top_k + offs_j, mask=j_ok, other=-1)
+            yrows = (t * top_k + offs_j).to(tl.int64)
+            v = tl.load(y_ptr + yrows[:, None] * D + offs_n[None, :],
+                        mask=((slj >= 0) & (slj < num_slots))[:, None] & n_ok[None, :],
+                        other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + t * stride_o + offs_n, tl.sum(v, axis=0).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def live_pairs(slots_ptr, num_pairs, num_slots, N_PAD: tl.constexpr):
     """The pairs' slots ``[N_PAD]``, which are live (slot in ``[0, S)``), their rank among the live, how many."""
     idx = tl.arange(0, N_PAD)
@@ -319,18 +339,8 @@ def _decode_down_kernel(
                            BLOCK_K, FP8, HAS_BIAS, WEIGHT_ON_INPUT, True)
             pair = next_pair
             slot = next_slot
-    tl.debug_barrier()
-    ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-    if ticket == GROUPS - 1:
-        offs_j = tl.arange(0, K_PAD)
-        j_ok = offs_j < top_k
-        for t in range(0, num_tokens):
-            slj = tl.load(slots_ptr + t * top_k + offs_j, mask=j_ok, other=-1)
-            yrows = (t * top_k + offs_j).to(tl.int64)
-            v = tl.load(y_ptr + yrows[:, None] * D + offs_n[None, :],
-                        mask=((slj >= 0) & (slj < num_slots))[:, None] & n_ok[None, :],
-                        other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + t * stride_o + offs_n, tl.sum(v, axis=0).to(out_ptr.dtype.element_ty), mask=n_ok)
+    sum_pairs_on_arrival(slots_ptr, y_ptr, count_ptr, out_ptr, pid_n, num_tokens, top_k, num_slots, D, stride_o,
+                         offs_n, n_ok, K_PAD, GROUPS)
 
 
 def pair_grid(tiles: int, num_pairs: int, max_programs: int) -> tuple[int, int]:

@@ -69,7 +69,14 @@ import triton
 import triton.language as tl
 
 from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
-from epmoe.experts.triton.decode import DECODE_MAX_PAIRS, gated_activation, live_pair, live_pairs, pair_grid
+from epmoe.experts.triton.decode import (
+    DECODE_MAX_PAIRS,
+    gated_activation,
+    live_pair,
+    live_pairs,
+    pair_grid,
+    sum_pairs_on_arrival,
+)
 from epmoe.experts.triton.grouped import act_code, triton_experts
 from epmoe.experts.weights import Activation, ExpertWeights
 
@@ -408,18 +415,8 @@ def _decode_down_kernel(
                                EVEN, STAGES)
             pair = next_pair
             slot = next_slot
-    tl.debug_barrier()
-    ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-    if ticket == GROUPS - 1:
-        offs_j = tl.arange(0, K_PAD)
-        j_ok = offs_j < top_k
-        for t in range(0, num_tokens):
-            slj = tl.load(slots_ptr + t * top_k + offs_j, mask=j_ok, other=-1)
-            yrows = (t * top_k + offs_j).to(tl.int64)
-            v = tl.load(y_ptr + yrows[:, None] * D + offs_n[None, :],
-                        mask=((slj >= 0) & (slj < num_slots))[:, None] & n_ok[None, :],
-                        other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + t * stride_o + offs_n, tl.sum(v, axis=0).to(out_ptr.dtype.element_ty), mask=n_ok)
+    sum_pairs_on_arrival(slots_ptr, y_ptr, count_ptr, out_ptr, pid_n, num_tokens, top_k, num_slots, D, stride_o,
+                         offs_n, n_ok, K_PAD, GROUPS)
 
 
 def _is_pow2(v: int) -> bool:
