@@ -243,11 +243,6 @@ class Engine:
         rowwise = graph_buckets(tokens) if tokens else []
         return sorted(set(plain) | {b * (self.num_spec_tokens + 1) for b in plain} | set(rowwise))
 
-    def _rowwise_prefill(self, plan: StepPlan) -> bool:
-        """The plan's prompt chunks may run row-wise in a graph step: each ends within ``cuda_graph_max_tokens``."""
-        limit = self.config.cuda_graph_max_tokens
-        return self.config.static_decode and all(c.start + c.num_tokens <= limit for c in plan.prefills)
-
     def _draft_sizes(self) -> list[int]:
         """Row counts of a draft model's static steps: up to two catch-up rows per request, then one."""
         plain = self._decode_sizes()
@@ -447,7 +442,7 @@ class Engine:
             rows = sum(1 + len(p.token_ids) for p in proposals)
         else:
             rows = sum(1 + c.lookahead for c in plan.decodes)
-        rowwise = bool(plan.prefills) and self._rowwise_prefill(plan)
+        rowwise = bool(plan.prefills) and plan.rowwise_prefills
         if rowwise:
             rows += sum(c.num_tokens for c in plan.prefills)
         work, _, any_eager, max_rows = self._agree(plan, pending, bool(plan.prefills) and not rowwise, rows)

@@ -60,12 +60,15 @@ class StepPlan:
             does not sample), in order after the decodes.
         preempted: sequences preempted while planning this step.
         finished: sequences finished by the scheduler (too long for the whole KV pool).
+        rowwise_prefills: the scheduler has graph steps (``graph_rows`` > 0) and every prefill chunk ends within
+            ``graph_tokens``: the prompts may run as single-token rows in a graph step.
     """
 
     decodes: tuple[ScheduledChunk, ...] = ()
     prefills: tuple[ScheduledChunk, ...] = ()
     preempted: tuple[Sequence, ...] = ()
     finished: tuple[Sequence, ...] = ()
+    rowwise_prefills: bool = False
 
     @property
     def chunks(self) -> tuple[ScheduledChunk, ...]:
@@ -264,4 +267,5 @@ class Scheduler:
             chunk = ScheduledChunk(seq, seq.num_computed, n)
             (decodes if chunk.samples and n == 1 else prefills).append(chunk)
             budget -= n
-        return StepPlan(tuple(decodes), tuple(prefills), tuple(preempted), tuple(finished))
+        rowwise = self.graph_rows > 0 and all(c.start + c.num_tokens <= self.graph_tokens for c in prefills)
+        return StepPlan(tuple(decodes), tuple(prefills), tuple(preempted), tuple(finished), rowwise)
