@@ -146,7 +146,7 @@ def test_abort_mid_generation(engine, reference):
     for _ in range(10):
         for out in engine.step():
             last[out.request_id] = out
-        if len(last[victim].token_ids) >= 3:
+        if victim in last and len(last[victim].token_ids) >= 3:  # tokens come back a step late (overlap)
             break
     assert len(last[victim].token_ids) == 3 and not last[victim].finished
     assert engine.scheduler.running[1].request_id == victim

@@ -67,6 +67,9 @@ class EngineConfig:
             fit in a bucket; buckets are captured up to this many rows (vLLM sizes its graphs in tokens too).
             0 = only decode steps replay graphs; steps with longer prompts run eagerly.
         enforce_eager: never capture graphs (vLLM's name); always true on CPU.
+        disable_overlap_schedule: read each step's sampled tokens back before the next step is planned, instead
+            of planning and launching the next step first (SGLang's name; see ``engine``'s overlap schedule).
+            Speculative decoding always reads them back at once.
         static_decode_on_cpu: on CPU, run decode-only steps through the graph path's padded batch buckets
             and fixed-capacity dispatch, eagerly (how the CUDA-graph path is tested without a GPU).
         eplb_interval: rebalance experts every this many steps from the recorded loads (0 = never).
@@ -106,6 +109,7 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256
     cuda_graph_max_tokens: int = 512
     enforce_eager: bool = False
+    disable_overlap_schedule: bool = False
     static_decode_on_cpu: bool = False
     eplb_interval: int = 0
     eplb_max_moves: int | None = None
@@ -173,6 +177,8 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        if not isinstance(self.disable_overlap_schedule, bool):
+            raise ValueError(f"disable_overlap_schedule must be true or false, got {self.disable_overlap_schedule!r}")
         if self.parallel == "tp":
             given = [name for name, value, default in (
                 ("placement", self.placement, None), ("redundant", self.redundant, 0),

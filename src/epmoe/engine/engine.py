@@ -18,6 +18,14 @@ Usage (one process)::
 Step API (the server's): ``add_request``, ``step() -> list[RequestOutput]``, ``abort``,
 ``has_unfinished``.
 
+Overlap schedule (SGLang's, vLLM's async scheduling; on unless ``EngineConfig.disable_overlap_schedule`` or
+speculative decoding): a step's tokens are sampled on the device and copied back without waiting; the host
+plans and launches the next step first (the sequences grow by a placeholder token, which that step reads
+from the device token buffer, ``ModelRunner.keep_sampled``) and only then reads them back, checks stop
+conditions and reports them. So ``step()`` returns a step's tokens one call later, the GPU is not left idle
+while the host samples, schedules and launches, and a sequence that stops (EOS, a stop string) may be fed
+once more, its extra token dropped. A sequence is never fed past ``max_tokens`` or the context.
+
 With speculative decoding (``EngineConfig.speculative_algorithm``), a proposer (``epmoe.engine.ngram``,
 ``draft``, ``eagle3``) proposes up to K tokens per decoding request before the model runs; the step then
 verifies them (``epmoe.engine.speculative``): a decode step of ``B (K + 1)`` rows, replayed from its own
@@ -32,7 +40,7 @@ import os
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -44,7 +52,7 @@ from epmoe.engine.kv_cache import BlockAllocator, KVCache, KVLayout, blocks_for_
 from epmoe.engine.mla import install_mla
 from epmoe.engine.model_runner import ModelRunner, StepOutput, ep_static_hooks, graph_buckets
 from epmoe.engine.proposers import make_proposer
-from epmoe.engine.request import RequestOutput, Sequence
+from epmoe.engine.request import PENDING_TOKEN, RequestOutput, Sequence
 from epmoe.engine.rope_attention import install_rope_attention
 from epmoe.engine.sampling import SamplingParams, sample
 from epmoe.engine.scheduler import Scheduler, StepPlan
@@ -82,6 +90,16 @@ def trivial_or_file_placement(config: EngineConfig, num_layers: int, num_experts
 
 def _rows(aux: torch.Tensor | None, start: int, n: int) -> torch.Tensor | None:
     return None if aux is None else aux[start:start + n]
+
+
+class _Launch(NamedTuple):
+    """A step whose sampled tokens are on their way to the host: per sampling sequence, where its placeholder
+    is in ``output_token_ids``; the host buffer they are copied into, in the same order, and the event after
+    the copy (``None`` on CPU)."""
+
+    rows: list[tuple[Sequence, int]]
+    host: torch.Tensor | None
+    event: torch.cuda.Event | None
 
 
 class Engine:
@@ -171,7 +189,15 @@ class Engine:
                                    graph_rows=graph_rows)
         self.max_blocks = -(-self.max_model_len // config.block_size)
         aux = self.proposer.aux_layers if self.proposer is not None else ()
-        self.runner = ModelRunner(self.ep_model.model, self.kv, self.max_blocks, self.device, aux_layers=aux)
+        # the overlap schedule reads each step's sampled tokens one step late (the proposers need them at once)
+        self.overlap = not config.disable_overlap_schedule and self.proposer is None
+        self.runner = ModelRunner(self.ep_model.model, self.kv, self.max_blocks, self.device, aux_layers=aux,
+                                  token_rows=config.max_num_seqs if self.overlap else 0)
+        pin = self.device.type == "cuda"
+        self._host_tokens = [torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._inflight: _Launch | None = None
+        self._launches = 0
+        self._ready: list[RequestOutput] = []  # read back outside step() (before a rebalance), reported by it
         if self.proposer is not None:
             self.proposer.allocate(num_blocks, config.block_size)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -379,8 +405,8 @@ class Engine:
         return out
 
     def has_unfinished(self) -> bool:
-        """True while any request of this rank waits or runs."""
-        return self.scheduler.has_unfinished()
+        """True while any request of this rank waits or runs, or a step's tokens are still to be read back."""
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._ready)
 
     # ---- the step -------------------------------------------------------------------------------
 
@@ -405,6 +431,7 @@ class Engine:
         return self.comm.all_gather(local.to(dev)).amax(dim=0).cpu().tolist()
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.drop_pending()
         self.scheduler.finish(seq, reason)
         if self.proposer is not None:
             self.proposer.release(seq)
@@ -433,8 +460,10 @@ class Engine:
         if self.proposer is not None:
             for seq in plan.preempted + plan.finished:
                 self.proposer.release(seq)
-        outputs = self._aborted + [self._output(s, []) for s in plan.finished]
-        self._aborted = []
+        outputs = self._ready + self._aborted + [self._output(s, []) for s in plan.finished]
+        self._ready, self._aborted = [], []
+        if not plan.chunks:  # no step of this rank to overlap with: read the last one back now
+            outputs += self._resolve()
         proposals = None
         collective = self.proposer is not None and self.proposer.collective
         if self.proposer is not None and not collective:
@@ -465,14 +494,76 @@ class Engine:
             decode_rows = (sum(1 + len(p.token_ids) for p in proposals) if proposals is not None
                            else len(plan.decodes))
             self.last_step_tokens = decode_rows + sum(c.num_tokens for c in plan.prefills)
-            outputs += self._advance(plan, out, proposals)
+            if self.proposer is not None:
+                outputs += self._advance(plan, out, proposals)
+            else:
+                launched = self._launch(plan, out)
+                outputs += self._resolve()  # the previous step, while this one runs
+                self._inflight = launched
+                if not self.overlap:
+                    outputs += self._resolve()
         self.num_steps += 1
         self.slot_totals += self.recorder.current_counts()
         self.recorder.step()
         if self.eplb is not None and self.num_steps % self.eplb.interval == 0:
+            outputs += self._resolve()  # nothing in flight while weights move and graphs are captured again
             self.eplb.on_step(self.num_steps)
             if self.eplb.events and self.eplb.events[-1].committed and self.config.static_decode:
                 self._capture()  # the committed weights and slot tables are new tensors
+        return outputs
+
+    def _launch(self, plan: StepPlan, out: StepOutput) -> _Launch:
+        """Sample the step's tokens on the device, keep them in the runner's token buffer and start their copy to
+        the host; each sampling sequence grows by a placeholder (``PENDING_TOKEN``) until ``_resolve``."""
+        sampling = [c for c in plan.chunks if c.samples]  # logits rows: the decodes, then sampling prefills
+        for c in plan.chunks:
+            c.seq.num_computed = c.start + c.num_tokens
+        if not sampling:
+            return _Launch([], None, None)
+        toks = sample(out.logits[:, : self.vocab_size], [c.seq.params for c in sampling],
+                      [c.seq.generator for c in sampling], self.generator)
+        host = self._host_tokens[self._launches % 2][: len(sampling)]
+        self._launches += 1
+        event = None
+        if self.overlap:
+            self.runner.keep_sampled(toks)
+        if toks.is_cuda:
+            host.copy_(toks, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host.copy_(toks)
+        rows = []
+        for i, c in enumerate(sampling):
+            seq = c.seq
+            seq.output_token_ids.append(PENDING_TOKEN)
+            seq.num_pending += 1
+            seq.device_row = i
+            rows.append((seq, len(seq.output_token_ids) - 1))
+        return _Launch(rows, host, event)
+
+    def _resolve(self) -> list[RequestOutput]:
+        """Read back the tokens of the step in flight (waiting for its copy), put them in place of their
+        placeholders, finish the sequences they stop and report them; a sequence finished or aborted since
+        drops its token."""
+        launch, self._inflight = self._inflight, None
+        if launch is None or not launch.rows:
+            return []
+        if launch.event is not None:
+            launch.event.synchronize()
+        now = time.perf_counter()
+        outputs = []
+        for (seq, at), tok in zip(launch.rows, launch.host.tolist()):
+            if seq.finished:
+                continue
+            seq.output_token_ids[at] = tok
+            seq.num_pending -= 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._finish_reason(seq, tok)
+            if reason is not None:
+                self._finish(seq, reason)
+            outputs.append(self._output(seq, [tok]))
         return outputs
 
     def _advance(self, plan: StepPlan, out: StepOutput, proposals: list[Proposal] | None) -> list[RequestOutput]:
@@ -542,17 +633,19 @@ class Engine:
         return outputs
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
+        """Why ``seq`` stops after its newest read-back token ``tok`` (``None``: it goes on)."""
         p = seq.params
-        n = len(seq.output_token_ids)
+        done = seq.resolved_output
+        n = len(done)
         if n >= p.min_tokens and ((tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
             return "stop"
         if p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(done, skip_special_tokens=True)
             hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
             if hits:
                 seq.stop_text_len = min(hits)
                 return "stop"
-        if n >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if n >= p.max_tokens or len(seq.prompt_token_ids) + n >= self.max_model_len:
             return "length"
         return None
 
@@ -565,7 +658,7 @@ class Engine:
         ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
         if seq.finished:
             self._seqs.pop(seq.request_id, None)
-        return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), new, text,
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.resolved_output, new, text,
                              seq.finished, seq.finish_reason, seq.num_preemptions, ttft, seq.spec.verify_steps,
                              seq.spec.draft_tokens, seq.spec.accepted_tokens)
 
@@ -613,6 +706,7 @@ class Engine:
         if max_moves is not None and (isinstance(max_moves, bool) or not isinstance(max_moves, numbers.Integral)
                                       or max_moves < 0):
             raise ValueError(f"max_moves must be a non-negative integer, got {max_moves!r}")
+        self._ready += self._resolve()  # nothing in flight while weights move; the next step() reports them
         load = self.logical_loads(since_rebalance=True).to(self.device)
         if self.comm.size > 1:
             load = self.comm.all_reduce(load)

@@ -23,7 +23,7 @@ from epmoe.engine.attention import AttnBatch, PrefillChunk
 from epmoe.engine.kv_cache import KVCache
 from epmoe.engine.mla_decode import mla_decode_splits
 from epmoe.engine.paged_decode import paged_decode_splits, paged_decode_workspace_numel
-from epmoe.engine.scheduler import StepPlan
+from epmoe.engine.scheduler import ScheduledChunk, StepPlan
 from epmoe.loads import ExpertLoadRecorder
 from epmoe.models.hf import EPModel
 
@@ -57,6 +57,8 @@ class Feed:
             prefill chunk.
         sample: how many of the last rows return logits: every row of a decode or verify feed, 1 for the last
             token of a prompt, 0 for a chunk that does not sample (a chunked feed: 0 or 1).
+        sources: ``(i, r)`` pairs: ``token_ids[i]`` is a placeholder for a token still on the device, in row ``r``
+            of the runner's token buffer (``ModelRunner.keep_sampled``; the overlap schedule).
     """
 
     token_ids: Sequence[int]
@@ -64,6 +66,7 @@ class Feed:
     block_table: Sequence[int]
     rowwise: bool
     sample: int
+    sources: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,8 @@ class StepOutput:
 class Packed:
     """A step's host tensors: ``input_ids``, ``positions``, ``slot_mapping`` ``[T]`` int64, the decode rows'
     ``block_tables [num_decode, max_blocks]`` and ``context_lens [num_decode]`` int32, the prefill chunks as
-    ``(row, num_tokens, start, kv_slots)`` and the sampling rows."""
+    ``(row, num_tokens, start, kv_slots)``, the sampling rows, and ``sources [T]`` int64 (the token-buffer row
+    each input id is read from on the device, -1 = the id given; ``None`` when no id is read there)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -94,6 +98,7 @@ class Packed:
     num_decode: int
     chunks: tuple[tuple[int, int, int, np.ndarray], ...]
     sample_rows: list[int]
+    sources: torch.Tensor | None = None
 
     def attn_batch(self, kv: KVCache, device: torch.device) -> AttnBatch:
         """The eager step's ``AttnBatch`` on ``device``."""
@@ -122,6 +127,7 @@ def pack(feeds: Sequence[Feed], block_size: int, max_blocks: int) -> Packed:
     slot_parts: list[np.ndarray] = []
     tables = np.zeros((nd, max_blocks), dtype=np.int32)
     sample_rows: list[int] = []
+    sources: list[tuple[int, int]] = []  # (packed row, token-buffer row)
     row = 0
     for f in rowwise:
         n = len(f.token_ids)
@@ -134,6 +140,7 @@ def pack(feeds: Sequence[Feed], block_size: int, max_blocks: int) -> Packed:
         slot_parts.append(table[p // bs] * bs + p % bs)
         tables[row:row + n, : len(table)] = table
         sample_rows.extend(range(row + n - f.sample, row + n))
+        sources.extend((row + i, r) for i, r in f.sources)
         row += n
     ctx = np.concatenate(pos_parts).astype(np.int32) + 1 if pos_parts else np.zeros(0, dtype=np.int32)
     chunks = []
@@ -152,23 +159,48 @@ def pack(feeds: Sequence[Feed], block_size: int, max_blocks: int) -> Packed:
         chunks.append((row, n, f.start, kv_slots))
         if f.sample:
             sample_rows.append(row + n - 1)
+        sources.extend((row + i, r) for i, r in f.sources)
         row += n
+    src = None
+    if sources:
+        src = torch.full((row,), -1, dtype=torch.int64)
+        at, buf = zip(*sources)
+        src[list(at)] = torch.tensor(buf, dtype=torch.int64)
     return Packed(torch.tensor(ids, dtype=torch.int64), _cat(pos_parts), _cat(slot_parts), torch.from_numpy(tables),
-                  torch.from_numpy(ctx), nd, tuple(chunks), sample_rows)
+                  torch.from_numpy(ctx), nd, tuple(chunks), sample_rows, src)
+
+
+def _sources(c: ScheduledChunk) -> tuple[tuple[int, int], ...]:
+    """Where chunk ``c`` feeds its sequence's token still on the device (at most its newest one is, when a step
+    is planned): ``((index in the chunk, token-buffer row),)``, else ``()``."""
+    seq = c.seq
+    if not seq.num_pending:
+        return ()
+    if seq.num_pending > 1:
+        raise ValueError(f"request {seq.request_id!r} has {seq.num_pending} tokens on the device; a step is planned "
+                         f"with at most its newest one there")
+    last = seq.num_tokens - 1
+    return ((last - c.start, seq.device_row),) if c.start <= last < c.start + c.num_tokens else ()
 
 
 def plan_feeds(plan: StepPlan, drafts: Sequence[Sequence[int]] | None = None,
                rowwise_prefill: bool = False) -> list[Feed]:
     """The feeds of a scheduled step: each decode chunk's token followed by its proposed tokens
     (``drafts[i]`` for ``plan.decodes[i]``), row-wise; then the prefill chunks (row-wise too with
-    ``rowwise_prefill``: a graph step), each sampling its last row if it reaches its sequence's end."""
+    ``rowwise_prefill``: a graph step), each sampling its last row if it reaches its sequence's end. A token
+    still on the device (the overlap schedule) is fed from the runner's token buffer.
+
+    Raises:
+        ValueError: a sequence with more than one token on the device.
+    """
     feeds = []
     for i, c in enumerate(plan.decodes):
         extra = list(drafts[i]) if drafts is not None else []
-        feeds.append(Feed([c.seq.token(c.start)] + extra, c.start, c.seq.block_table, True, 1 + len(extra)))
+        feeds.append(Feed([c.seq.token(c.start)] + extra, c.start, c.seq.block_table, True, 1 + len(extra),
+                          _sources(c)))
     for c in plan.prefills:
         feeds.append(Feed(c.seq.tokens(c.start, c.start + c.num_tokens), c.start, c.seq.block_table, rowwise_prefill,
-                          int(c.samples)))
+                          int(c.samples), _sources(c)))
     return feeds
 
 
@@ -201,7 +233,8 @@ class _Graph:
     static path runs eagerly), and its static inputs.
 
     The inputs live in two device buffers, filled from two host buffers of the same layout (pinned on CUDA) by
-    one copy each: ``ints [4, bs]`` int64, rows ``input_ids``, ``positions``, ``slot_mapping``, ``valid_rows``;
+    one copy each: ``ints [5, bs]`` int64, rows ``input_ids``, ``positions``, ``slot_mapping``, ``valid_rows``,
+    ``sources`` (the token-buffer row of an id still on the device, -1 = the id given);
     ``tables [bs * max_blocks + bs]`` int32, the block tables row after row, then ``context_lens``. ``copied``
     (CUDA) marks when the last copies out of the host buffers were done, before they are written again.
     """
@@ -238,6 +271,10 @@ class _Graph:
         return self.ints[3]
 
     @property
+    def sources(self) -> torch.Tensor:
+        return self.ints[4]
+
+    @property
     def block_tables(self) -> torch.Tensor:
         return self.tables[: self.bs * self.max_blocks].view(self.bs, self.max_blocks)
 
@@ -254,12 +291,17 @@ class _Graph:
         hi, ht = self.host_ints, self.host_tables
         tail = max(self.used, n)
         hi[:, n:tail].zero_()
+        hi[4, n:tail] = -1
         ht[n * mb: tail * mb].zero_()
         ht[bs * mb + n: bs * mb + tail].zero_()
         hi[0, :n] = packed.input_ids
         hi[1, :n] = packed.positions
         hi[2, :n] = packed.slot_mapping
         hi[3, :n] = 1
+        if packed.sources is None:
+            hi[4, :n] = -1
+        else:
+            hi[4, :n] = packed.sources
         ht[: n * mb].view(n, mb).copy_(packed.block_tables)
         ht[bs * mb: bs * mb + n] = packed.context_lens
         self.used = n
@@ -284,13 +326,15 @@ class ModelRunner:
         graph_segments: graphs a captured step is split into along its decoder layers (``None``: one per 8
             layers, 1 to 4): one launch of a whole step's kernels keeps the host busy for a while before the GPU
             starts; segments overlap the next segment's launch with the previous one's execution.
+        token_rows: rows of the device token buffer (``keep_sampled``), the most tokens a step samples; 0 = none
+            (every fed token id is known on the host).
 
     Raises:
         ValueError: an ``aux_layers`` index outside the model's decoder layers.
     """
 
     def __init__(self, model: nn.Module, kv: KVCache, max_blocks_per_seq: int, device: torch.device,
-                 aux_layers: Sequence[int] = (), graph_segments: int | None = None) -> None:
+                 aux_layers: Sequence[int] = (), graph_segments: int | None = None, token_rows: int = 0) -> None:
         self.model = model
         self.base = model.model
         self.lm_head = model.lm_head
@@ -302,6 +346,8 @@ class ModelRunner:
         self._activate = self._deactivate = None
         self.aux_layers = tuple(aux_layers)
         self._aux: list[torch.Tensor] = []
+        # a step's sampled tokens, read by the next step's forward on the device (never reallocated: graphs hold it)
+        self.tokens = torch.zeros(token_rows, dtype=torch.int64, device=device) if token_rows else None
         layers = self.base.layers
         self.graph_segments = graph_segments if graph_segments is not None else max(1, min(4, len(layers) // 8))
         for i in self.aux_layers:
@@ -323,8 +369,23 @@ class ModelRunner:
         i = bisect.bisect_left(sizes, num_decode)
         return sizes[i] if i < len(sizes) else None
 
+    def keep_sampled(self, tokens: torch.Tensor) -> None:
+        """Keep a step's sampled ``tokens [N]`` int64 (on the device) in rows ``[0, N)`` of the token buffer, where
+        the next step's forward reads the ones it feeds (``Feed.sources``); stream-ordered, no host sync.
+
+        Raises:
+            ValueError: no token buffer, or more tokens than its rows.
+        """
+        if self.tokens is None or tokens.numel() > self.tokens.numel():
+            have = 0 if self.tokens is None else self.tokens.numel()
+            raise ValueError(f"{tokens.numel()} sampled tokens do not fit the token buffer of {have} rows")
+        self.tokens[: tokens.numel()].copy_(tokens)
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttnBatch,
-                 rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 rows: torch.Tensor | None, sources: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if sources is not None and self.tokens is not None:
+            input_ids = torch.where(sources >= 0, self.tokens[sources.clamp(min=0)], input_ids)
         self._aux = []
         out = self.base(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
                         epmoe_batch=batch)
@@ -364,7 +425,10 @@ class ModelRunner:
         dev = self.device
         batch = packed.attn_batch(self.kv, dev)
         rows = torch.tensor(packed.sample_rows, dtype=torch.int64, device=dev)
-        logits, aux = self._forward(packed.input_ids.to(dev), packed.positions.to(dev), batch, rows)
+        if packed.sources is not None and self.tokens is None:
+            raise ValueError("a feed reads a token on the device, but the runner has no token buffer")
+        sources = None if packed.sources is None else packed.sources.to(dev)
+        logits, aux = self._forward(packed.input_ids.to(dev), packed.positions.to(dev), batch, rows, sources)
         return StepOutput(logits.float(), aux)
 
     def _replay(self, packed: Packed, bucket: int) -> StepOutput:
@@ -386,7 +450,7 @@ class ModelRunner:
             self._activate(bucket, g.valid_rows)
             try:
                 batch = AttnBatch(self.kv, g.slot_mapping, bucket, g.block_tables, g.context_lens)
-                logits, aux = self._forward(g.input_ids, g.positions, batch, None)
+                logits, aux = self._forward(g.input_ids, g.positions, batch, None, g.sources)
             finally:
                 self._deactivate()
         logits = logits[:n] if rows is None else logits.index_select(0, rows)
@@ -430,15 +494,14 @@ class ModelRunner:
         pin = dev.type == "cuda"
         for bs in sorted(sizes, reverse=True):
             mb = self.max_blocks
-            g = _Graph(None, torch.zeros(4, bs, dtype=torch.int64, device=dev),
+            g = _Graph(None, torch.zeros(5, bs, dtype=torch.int64, device=dev),
                        torch.zeros(bs * mb + bs, dtype=torch.int32, device=dev),
-                       torch.zeros(4, bs, dtype=torch.int64, pin_memory=pin),
+                       torch.zeros(5, bs, dtype=torch.int64, pin_memory=pin),
                        torch.zeros(bs * mb + bs, dtype=torch.int32, pin_memory=pin), mb)
             if cuda_graphs:
                 activate(bs, g.valid_rows)
                 try:
-                    g.graph, g.logits, g.aux = self._capture_one(g.input_ids, g.positions, g.slot_mapping,
-                                                                 g.block_tables, g.context_lens, workspace)
+                    g.graph, g.logits, g.aux = self._capture_one(g, workspace)
                 finally:
                     deactivate()
             self.graphs[bs] = g
@@ -451,19 +514,19 @@ class ModelRunner:
         parts = max(1, min(self.graph_segments, n))
         return [round(i * n / parts) for i in range(1, parts)]
 
-    def _capture_one(self, input_ids, positions, slot_mapping, block_tables, context_lens, workspace):
+    def _capture_one(self, g: _Graph, workspace: torch.Tensor | None):
         """Capture one bucket's step as consecutive graphs, a new one at each ``_segment_starts`` layer (a forward
         pre-hook ends the running capture and begins the next, all in one memory pool): replaying them in order
         lets the GPU run a segment while the host launches the next, instead of waiting for one launch of the
         whole step's kernels."""
         dev = self.device
-        bs = input_ids.shape[0]
-        batch = AttnBatch(self.kv, slot_mapping, bs, block_tables, context_lens, workspace=workspace)
+        batch = AttnBatch(self.kv, g.slot_mapping, g.bs, g.block_tables, g.context_lens, workspace=workspace)
+        g.sources.fill_(-1)
         stream = torch.cuda.Stream(device=dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up: Triton autotuning and lazy allocations happen outside capture
-                self._forward(input_ids, positions, batch, None)
+                self._forward(g.input_ids, g.positions, batch, None, g.sources)
         torch.cuda.current_stream(dev).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -482,7 +545,7 @@ class ModelRunner:
             with torch.cuda.stream(stream):
                 graphs[0].capture_begin(pool=self._pool)
                 try:
-                    logits, aux = self._forward(input_ids, positions, batch, None)
+                    logits, aux = self._forward(g.input_ids, g.positions, batch, None, g.sources)
                 finally:
                     graphs[current[0]].capture_end()
         finally:

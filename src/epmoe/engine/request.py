@@ -11,6 +11,9 @@ import torch
 from epmoe.engine.sampling import SamplingParams
 from epmoe.engine.speculative import SpecStats
 
+PENDING_TOKEN = -1
+"""The id a generated token has on the host while it is still on the device (sampled by a step in flight)."""
+
 
 class SequenceStatus(enum.Enum):
     """Where a sequence is: queued for (re)prefill, scheduled each step, or done."""
@@ -29,6 +32,11 @@ class Sequence:
     or the one newest token in decode). A preempted sequence loses its blocks and sets
     ``num_computed`` to 0: it is recomputed from its tokens, generated ones included.
 
+    With the overlap schedule, a step's sampled tokens stay on the device until the engine reads them back
+    during the next step: meanwhile each is in ``output_token_ids`` as ``PENDING_TOKEN`` (the last
+    ``num_pending`` entries), so the scheduler plans with the right lengths, and the next step reads the
+    token itself from row ``device_row`` of the engine's device token buffer.
+
     Attributes:
         request_id: the caller's id.
         prompt_token_ids: the prompt's token ids.
@@ -45,6 +53,9 @@ class Sequence:
         num_preemptions: times it was preempted.
         arrival_time, first_token_time: ``time.perf_counter()`` seconds.
         spec: its speculative decoding counts (verify steps, proposed and accepted tokens).
+        num_pending: trailing entries of ``output_token_ids`` still on the device (``PENDING_TOKEN``).
+        device_row: row of the engine's device token buffer holding the newest pending token (valid while
+            ``num_pending > 0``).
     """
 
     request_id: str
@@ -62,6 +73,8 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     spec: SpecStats = field(default_factory=SpecStats)
+    num_pending: int = 0
+    device_row: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +89,16 @@ class Sequence:
     def tokens(self, start: int, end: int) -> list[int]:
         """Tokens ``[start, end)`` of prompt + output."""
         return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def resolved_output(self) -> list[int]:
+        """The generated tokens whose ids are on the host (``output_token_ids`` without the pending ones)."""
+        return self.output_token_ids[: len(self.output_token_ids) - self.num_pending]
+
+    def drop_pending(self) -> None:
+        """Forget the pending tokens (the sequence finished before they were read back)."""
+        del self.output_token_ids[len(self.output_token_ids) - self.num_pending:]
+        self.num_pending = 0
 
     @property
     def finished(self) -> bool:

@@ -18,6 +18,10 @@ decodes alone fill ``graph_rows``, no graph step could take a prompt before one 
 prompts go in and the step runs eagerly, so graph steps never hold the running sequences below
 ``max_num_seqs``.
 
+With the engine's overlap schedule, a sequence's newest token may still be on the device when the next step
+is planned (``Sequence.num_pending``): it is planned as known (the step reads it on the device), except where
+that token is the sequence's last by length (``max_tokens`` or the context), which is not fed again.
+
 With speculative decoding (``lookahead`` K > 0), a decoding sequence also gets the budget and the KV blocks
 of up to K proposed tokens after its last one (vLLM's lookahead slots), as far as its ``max_tokens`` and
 the context allow; when the blocks are short it decodes without them rather than preempt anyone.
@@ -111,7 +115,8 @@ class Scheduler:
         max_num_seqs: most sequences running at once.
         max_num_batched_tokens: most tokens fed in one step.
         lookahead: ``K`` proposed tokens a decoding sequence may verify per step (0 = no speculation).
-        max_model_len: the context (proposals never run past it); needed with ``lookahead``.
+        max_model_len: the context (proposals never run past it, pending tokens at it are not fed again);
+            needed with ``lookahead``.
         graph_tokens: prompt chunks ending within this many tokens run row-wise in graph steps.
         graph_rows: rows of the largest graph step (0 = no graph steps: prompt chunks are not cut for them).
 
@@ -160,6 +165,14 @@ class Scheduler:
         if k > 0 and self._blocks_needed(seq, seq.num_tokens + k) > self.allocator.num_free:
             return 0
         return max(0, k)
+
+    def _ends_pending(self, seq: Sequence) -> bool:
+        """True when ``seq``'s pending token (still on the device) is its last by length (``max_tokens`` or the
+        context): it is not fed again, and the engine finishes it once the token is read back."""
+        if not seq.num_pending:
+            return False
+        full = self.max_model_len is not None and seq.num_tokens >= self.max_model_len
+        return full or len(seq.output_token_ids) >= seq.params.max_tokens
 
     def _release(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)
@@ -216,6 +229,9 @@ class Scheduler:
         rows, eager, prompt_rows = 0, False, 0
         while queue:
             seq = queue.popleft()
+            if self._ends_pending(seq):
+                kept.append(seq)
+                continue
             n = min(seq.num_tokens - seq.num_computed, budget)
             decode = seq.num_computed + 1 == seq.num_tokens
             n, rows, eager = self._graph_cut(seq, n, rows, eager, prompt_rows)

@@ -75,6 +75,7 @@ class RunConfig:
             (``EngineConfig``).
         enforce_eager: no CUDA graphs (float32 runs on CUDA are always eager: the graph-safe expert
             kernels compute in bf16/fp16).
+        disable_overlap_schedule: read each step's tokens back before planning the next (``EngineConfig``).
         load_format: ``auto`` or ``dummy`` (random weights; no reference check).
         num_kv_blocks: KV blocks per layer (``None`` = sized from memory).
         block_size: tokens per KV block.
@@ -111,6 +112,7 @@ class RunConfig:
     cuda_graph_max_bs: int = 256
     cuda_graph_max_tokens: int = 512
     enforce_eager: bool = False
+    disable_overlap_schedule: bool = False
     load_format: str = "auto"
     num_kv_blocks: int | None = None
     block_size: int = 16
@@ -204,8 +206,9 @@ class RunConfig:
             max_num_batched_tokens=self.max_num_batched_tokens, num_kv_blocks=self.num_kv_blocks,
             block_size=self.block_size,
             cuda_graph_max_bs=self.cuda_graph_max_bs, cuda_graph_max_tokens=self.cuda_graph_max_tokens,
-            enforce_eager=eager, eplb_interval=self.eplb_interval,
-            eplb_max_moves=self.eplb_max_moves, replica_policy=self.replica_policy, seed=self.seed or 0,
+            enforce_eager=eager, disable_overlap_schedule=self.disable_overlap_schedule,
+            eplb_interval=self.eplb_interval, eplb_max_moves=self.eplb_max_moves, replica_policy=self.replica_policy,
+            seed=self.seed or 0,
             **speculative_options(self),
         )
 
