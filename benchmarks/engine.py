@@ -243,6 +243,11 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
         m["rows"][bs] = r
         print(f"  bs {bs}: TPOT {r['tpot_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms, "
               f"graph steps {r['graph_steps']}", flush=True)
+        if str(bs) in args.sequential_batches.split(",") and engine.overlap:
+            engine.overlap = False  # the same engine, each step's tokens read back before the next is planned
+            r["tpot_sequential_ms"] = time_decode(engine, bs, args.steps, spec.vocab_size)["tpot_ms"]
+            engine.overlap = True
+            print(f"  bs {bs}: TPOT {r['tpot_sequential_ms']:.2f} ms without the overlap schedule", flush=True)
         if r["kernels"]:
             print(f"    kernels: {sum(k['us_per_step'] for k in r['kernels']) / 1e3:.2f} ms per step on the GPU")
         for k in r["kernels"][:10]:
@@ -442,6 +447,8 @@ def main() -> None:
                     help="Kimi-K2.5's routed experts: bf16 dummy weights, or INT4 as its config says")
     ap.add_argument("--peer", default="eager,static", help="transformers modes to time: eager, static, none")
     ap.add_argument("--peer-batches", default="1,8,64,256")
+    ap.add_argument("--sequential-batches", default="",
+                    help="batch sizes also timed without the overlap schedule, e.g. 1,64")
     ap.add_argument("--profile", default="", help="batch sizes whose kernels are profiled, e.g. 1,64")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--spec", action="store_true", help="only the speculation rows")

@@ -110,6 +110,10 @@ class Engine:
             (``epmoe.layer.DPTPMoELayer``) with the same data-parallel attention and step protocol.
         comm: the EP (or TP) group (``Comm(None)`` for one process, the default).
 
+    Attributes:
+        overlap: the overlap schedule is on (see the module docstring); may be turned off between steps (the
+            next step's tokens are then read back at once), not on.
+
     Raises:
         ValueError: a bad option, a placement that does not fit, a graph bucket that does not fit in
             memory, an expert intermediate size the TP group does not divide (named).
