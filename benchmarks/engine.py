@@ -206,16 +206,34 @@ def attention_dims(config) -> tuple[int, int, int]:
     return h, d, d
 
 
-def planned(d: Path, batches: list[int], ctx: float, weights: str = "bf16") -> dict[int, float]:
-    """What ``epmoe plan`` predicts for one H200 (the TP1 strategy: one GPU), ms per decode step, with the
-    engine's step costs of the profile (``engine_*``) and without them."""
+def planned(d: Path, batches: list[int], ctx: float, weights: str = "bf16") -> dict[int, tuple[float, float]]:
+    """What ``epmoe plan`` predicts for one H200 (the TP1 strategy: one GPU): per batch, ms per decode step and
+    the part of it that is the profile's engine step costs (``engine_*``)."""
     from epmoe.plan.hardware import load_hardware
     from epmoe.plan.planner import plan
     from epmoe.plan.request import PlanRequest
 
     req = PlanRequest(load_moe_spec(str(d)), load_hardware("h200-sxm"), gpus=1, batches=tuple(batches),
                       context=int(ctx), weights=weights)  # dummy weights: bf16 unless int4 experts are kept
-    return {b: st.total_ms for b, st in zip(batches, plan(req).strategies[0].steps)}
+    return {b: (st.total_ms, st.engine_ms) for b, st in zip(batches, plan(req).strategies[0].steps)}
+
+
+def fit_engine_terms(rows: list[dict]) -> dict:
+    """The profile's ``engine_step_us``, ``engine_layer_step_us`` and ``engine_seq_step_us`` fitted to the measured
+    steps: non-negative least squares on the relative error of ``roofline + step + layers x layer + batch x seq``
+    (``rows``: ``tpot_ms``, ``roofline_ms`` = the plan without its engine terms, ``layers``, ``bs``), with the
+    ratios measured / planned after the fit."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    m = np.array([r["tpot_ms"] for r in rows])
+    a = np.array([[1.0, r["layers"], r["bs"]] for r in rows]) / m[:, None]
+    y = 1.0 - np.array([r["roofline_ms"] for r in rows]) / m
+    x, _ = nnls(a, y)
+    x = x.tolist()
+    after = [r["roofline_ms"] + x[0] + r["layers"] * x[1] + r["bs"] * x[2] for r in rows]
+    return {"engine_step_us": x[0] * 1e3, "engine_layer_step_us": x[1] * 1e3, "engine_seq_step_us": x[2] * 1e3,
+            "ratios_after": [t / p for t, p in zip(m.tolist(), after)]}
 
 
 def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> dict:
@@ -479,12 +497,17 @@ def main() -> None:
     gpu = torch.cuda.get_device_name().split()[-1].lower()
     result = {"gpu": torch.cuda.get_device_name(), "ceilings": ceil, "models": {}}
     rows = []
+    fit_rows: list[dict] = []
     for name in args.models.split(","):
         layers = {"deepseek": args.deepseek_layers, "kimi": args.kimi_layers}.get(name.split("-")[0])
         d = checkpoint(name, layers, root, args.expert_format)
         m = measure_engine(name, d, batches, args, ceil)
         weights = "int4" if args.expert_format == "int4" and name.startswith("kimi") else "bf16"
-        m["plan_ms"] = planned(d, batches, m["rows"][batches[0]]["ctx"], weights)
+        plan_ms = planned(d, batches, m["rows"][batches[0]]["ctx"], weights)
+        m["plan_ms"] = {b: v[0] for b, v in plan_ms.items()}
+        m["plan_engine_ms"] = {b: v[1] for b, v in plan_ms.items()}
+        fit_rows += [{"tpot_ms": m["rows"][b]["tpot_ms"], "roofline_ms": v[0] - v[1], "layers": m["layers"], "bs": b}
+                     for b, v in plan_ms.items()]
         m["peer"] = {}
         result["models"][name] = m
         (out / f"engine_{gpu}.json").write_text(json.dumps(result, indent=2, default=str))
@@ -496,6 +519,9 @@ def main() -> None:
             times = [v[bs] for v in m["peer"].values() if isinstance(v.get(bs), float)]
             rows.append((name, bs, r["tpot_ms"], r["floor_ms"], min(times) if times else None, m["plan_ms"][bs]))
     shutil.rmtree(root, ignore_errors=True)
+    if len(fit_rows) >= 3:
+        result["engine_fit"] = fit_engine_terms(fit_rows)
+        (out / f"engine_{gpu}.json").write_text(json.dumps(result, indent=2, default=str))
     print(f"\n{'model':14} {'bs':>4} {'TPOT ms':>8} {'floor':>7} {'/floor':>6} {'peer ms':>8} {'peer/us':>7} "
           f"{'plan ms':>8} {'us/plan':>7}")
     for model, bs, t, f, p, pl in rows:
@@ -508,6 +534,11 @@ def main() -> None:
         for n, r in m["ttft"].items():
             print(f"{model:14} TTFT {n}: {r['ms']:.1f} ms (GPU kernels {r['gpu_kernels_ms']:.1f} ms), "
                   f"FLOP floor {r['floor_ms']:.1f} ms, ratio {r['ratio']:.2f}; peak {m['peak_gib']:.1f} GiB")
+    if "engine_fit" in result:
+        fit = result["engine_fit"]
+        print(f"engine terms fitted to these rows: step {fit['engine_step_us']:.0f} us, layer "
+              f"{fit['engine_layer_step_us']:.1f} us, sequence {fit['engine_seq_step_us']:.1f} us; measured / "
+              f"planned after: {min(fit['ratios_after']):.2f}-{max(fit['ratios_after']):.2f}")
 
 
 if __name__ == "__main__":
