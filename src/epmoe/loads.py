@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -61,6 +62,22 @@ def as_load_array(load: torch.Tensor | np.ndarray, name: str = "load") -> np.nda
         raise ValueError(f"{name}[{layer}] is too large to balance: its entries (up to {arr[layer].max():g}) "
                          "overflow float64 when summed; loads count tokens")
     return arr.copy()
+
+
+class LoadRecord(NamedTuple):
+    """Where the fused kernel adds a forward's routed pairs (``ExpertLoadRecorder.load_record``).
+
+    Attributes:
+        counts: ``[W, L, P + 1]`` int64 contiguous window of counts.
+        pos: ``[1]`` int64 window position of the current step.
+        layer: MoE layer index.
+        row_mask: ``[T]`` int64 (1 = count the row), or ``None`` = every row.
+    """
+
+    counts: torch.Tensor
+    pos: torch.Tensor
+    layer: int
+    row_mask: torch.Tensor | None
 
 
 class ExpertLoadRecorder:
@@ -123,6 +140,22 @@ class ExpertLoadRecorder:
         else:
             ones = torch.ones_like(idx)
         self._counts.view(-1).scatter_add_(0, idx + offset, ones)
+
+    def load_record(self, layer_index: int, num_tokens: int) -> LoadRecord | None:
+        """Where a fused CUDA kernel adds a forward's routing of ``num_tokens`` rows to layer ``layer_index``, with
+        the same row mask as ``record``; ``None`` on CPU (``record`` counts there).
+
+        Raises:
+            ValueError: ``layer_index`` out of range.
+        """
+        if not 0 <= layer_index < self.num_layers:
+            raise ValueError(f"layer_index ({layer_index}) must lie in [0, {self.num_layers})")
+        if self._counts.device.type != "cuda":
+            return None
+        mask = self._row_mask
+        if mask is not None and mask.shape[0] != num_tokens:
+            mask = None
+        return LoadRecord(self._counts, self._pos, layer_index, mask)
 
     def step(self) -> None:
         """Advance the window: the oldest step is cleared and receives the next records."""

@@ -78,3 +78,42 @@ def test_fused_router_matches_torch_on_gpu(name, t):
     same = (fo.values == po.values).all(dim=1)
     assert same.float().mean() >= 0.95
     assert torch.allclose(fw.gather(1, fo.indices)[same], pw.gather(1, po.indices)[same], rtol=1e-5, atol=1e-7)
+
+
+def _slots_and_record(device: str) -> None:
+    """``route_to_slots``: the same slots as ``SlotMap`` on the routed ids and the same counts as the recorder's
+    ``record`` (with and without a row mask), in the fused launch."""
+    from epmoe.loads import ExpertLoadRecorder, LoadRecord
+    from epmoe.routing.router import kernel_flags
+    from epmoe.routing.router_triton import route_triton
+
+    spec = parse_moe_spec(json.loads((CONFIGS / "deepseek-v3.config.json").read_text()), "deepseek-v3")
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(23, spec.num_experts, generator=gen).to(device)
+    bias = (torch.randn(spec.num_experts, generator=gen) * 0.1).to(device)
+    table = torch.randperm(spec.num_experts + 40, generator=gen)[: spec.num_experts].to(device)  # 40 spare slots
+    ref = ExpertLoadRecorder(num_layers=3, num_slots=spec.num_experts + 40, window=2)
+    got = ExpertLoadRecorder(num_layers=3, num_slots=spec.num_experts + 40, window=2, device=device)
+    mask = (torch.rand(23, generator=gen) > 0.4).long()
+    for layer, m in ((0, None), (2, mask)):
+        ref.mask_rows(m)
+        got.mask_rows(None if m is None else m.to(device))
+        record = got.load_record(layer, 23) if device == "cuda" else LoadRecord(got._counts, got._pos, layer,
+                                                                                 got._row_mask)
+        idx, w, slots = route_triton(logits, bias, **kernel_flags(spec), slot_table=table, record=record)
+        plain_idx, plain_w = route_triton(logits, bias, **kernel_flags(spec))
+        assert torch.equal(idx, plain_idx) and torch.equal(w, plain_w)
+        assert torch.equal(slots, table[idx])
+        ref.record(layer, slots.cpu())
+        assert torch.equal(got._counts.cpu(), ref._counts), layer
+    assert ref._counts.sum() == 23 * spec.top_k + int(mask.sum()) * spec.top_k
+
+
+@pytest.mark.interpret
+def test_fused_slots_and_load_record_interpreter():
+    _slots_and_record("cpu")
+
+
+@pytest.mark.gpu
+def test_fused_slots_and_load_record_gpu():
+    _slots_and_record("cuda")

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epmoe.loads import LoadRecord
 from epmoe.spec import MoESpec
 
 
@@ -62,10 +63,7 @@ class Router(nn.Module):
             (for Llama-4 the weight scales the expert input; for all others its output).
         """
         s = self.spec
-        if self.fp32_logits:
-            logits = F.linear(x.float(), self.weight.float())
-        else:
-            logits = F.linear(x, self.weight, self.bias)
+        logits = self._logits(x)
         kind = s.router_kind
         fused = _fused_router(logits, kind) if self.impl == "auto" else None
         if fused is not None:
@@ -97,6 +95,35 @@ class Router(nn.Module):
             top, idx = torch.topk(logits, s.top_k, dim=1)
             weights = torch.sigmoid(top.float()).to(top.dtype)
         return idx, weights.float()
+
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp32_logits:
+            return F.linear(x.float(), self.weight.float())
+        return F.linear(x, self.weight, self.bias)
+
+    def route_to_slots(self, x: torch.Tensor, slot_table: torch.Tensor,
+                       record: LoadRecord | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Route tokens and look their experts up in ``slot_table`` (and add them to ``record``) in the fused
+        kernel's one launch; ``None`` where the fused kernel does not serve these logits (``impl='torch'``, CPU,
+        another router kind): the caller routes with ``forward`` and maps the ids itself.
+
+        Args:
+            x: ``[T, D]`` hidden states.
+            slot_table: ``[E]`` int64 physical slot of each expert (``SlotMap.static_table``).
+            record: the load recorder's counts (``ExpertLoadRecorder.load_record``), or ``None``.
+
+        Returns:
+            ``topk_idx``, ``topk_weights`` as ``forward`` and ``topk_slots [T, K]`` int64, or ``None``.
+        """
+        if self.impl != "auto" or not x.is_cuda:
+            return None
+        logits = self._logits(x)
+        fused = _fused_router(logits, self.spec.router_kind)
+        if fused is None:
+            return None
+        return fused.route_triton(logits, self.e_score_correction_bias, **kernel_flags(self.spec),
+                                  slot_table=slot_table, record=record)
 
 
 def kernel_flags(spec: MoESpec) -> dict[str, object]:

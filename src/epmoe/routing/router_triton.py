@@ -14,6 +14,11 @@ logits in registers and does all of it:
   groups the best ``topk_group`` groups by the sum of their two best choices (or the best one); top-k
   of the choice; weights are the scores of the chosen experts, renormalised (+1e-20) and scaled.
 
+With a slot table (``route_triton(..., slot_table=...)``, an expert-parallel layer's static replica choice) the
+program also writes each chosen expert's physical slot, and with a load record (``loads.LoadRecord``) it adds the
+row's pairs to the recorder's counts with integer atomics, as ``count_triton`` does: one launch for what took
+three (router, slot lookup, recorder) per MoE layer and step.
+
 Top-k is ``K`` rounds of ``argmax`` and masking, so experts come out by descending choice (ties go to the
 lower expert id). The weights equal the PyTorch path's up to float32 summation order.
 """
@@ -24,13 +29,16 @@ import torch
 import triton
 import triton.language as tl
 
+from epmoe.loads import LoadRecord
+
 
 @triton.jit
-def _router_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, E, stride_l, scale,
+def _router_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, counts_ptr, pos_ptr, mask_ptr,
+                   E, stride_l, scale, layer, num_layers, width,
                    K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr,
                    HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, GP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                    TOP2_SUM: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr, ROUND: tl.constexpr,
-                   SCALE: tl.constexpr):
+                   SCALE: tl.constexpr, TABLE: tl.constexpr, RECORD: tl.constexpr, HAS_MASK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     ok = e < E
@@ -82,6 +90,17 @@ def _router_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, E, stride_l, scale,
         top_w = top_w * scale
     tl.store(idx_ptr + t * K + ki, top_idx, mask=ki < K)
     tl.store(w_ptr + t * K + ki, top_w, mask=ki < K)
+    if TABLE:
+        slot = tl.load(table_ptr + top_idx, mask=ki < K, other=-1)
+        tl.store(slots_ptr + t * K + ki, slot, mask=ki < K)
+        if RECORD:
+            if HAS_MASK:
+                m = tl.load(mask_ptr + t).to(tl.int64)
+            else:
+                m = 1
+            col = tl.where((slot >= 0) & (slot < width - 1), slot, width - 1)
+            row = (tl.load(pos_ptr) * num_layers + layer) * width
+            tl.atomic_add(counts_ptr + row + col, tl.zeros([KP], tl.int64) + m, mask=(ki < K) & (m != 0))
 
 
 def supports(router_kind: str) -> bool:
@@ -91,8 +110,10 @@ def supports(router_kind: str) -> bool:
 
 def route_triton(logits: torch.Tensor, correction_bias: torch.Tensor | None, *, top_k: int, sigmoid: bool,
                  n_group: int, topk_group: int, top2_sum: bool, normalize: bool, round_weights: bool,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``router.Router``'s top-k after the logits, in one launch (flags: ``router.kernel_flags(spec)``).
+                 scale: float, slot_table: torch.Tensor | None = None, record: LoadRecord | None = None,
+                 ) -> tuple[torch.Tensor, ...]:
+    """``router.Router``'s top-k after the logits, in one launch (flags: ``router.kernel_flags(spec)``); with
+    ``slot_table`` also the chosen experts' slots, and with ``record`` their count.
 
     Args:
         logits: ``[T, E]`` router logits (float32 for DeepSeek, the model dtype otherwise).
@@ -105,24 +126,39 @@ def route_triton(logits: torch.Tensor, correction_bias: torch.Tensor | None, *, 
         normalize: renormalise the chosen weights.
         round_weights: round the softmax weights to the logits' dtype (Qwen, OLMoE; ignored for float32).
         scale: the routed scaling factor.
+        slot_table: ``[E]`` int64 contiguous physical slot of each expert (``SlotMap.static_table``), or ``None``.
+        record: the load recorder's counts to add the slots to (needs ``slot_table``), or ``None``.
 
     Returns:
-        ``topk_idx [T, K]`` int64 and ``topk_weights [T, K]`` float32, experts by descending choice.
+        ``topk_idx [T, K]`` int64 and ``topk_weights [T, K]`` float32, experts by descending choice; with
+        ``slot_table`` also ``topk_slots [T, K]`` int64.
+
+    Raises:
+        ValueError: a ``record`` without a ``slot_table``.
     """
+    if record is not None and slot_table is None:
+        raise ValueError("route_triton records slot loads only with a slot_table")
     t, e = logits.shape
     k = top_k
     idx = torch.empty(t, k, dtype=torch.int64, device=logits.device)
     w = torch.empty(t, k, dtype=torch.float32, device=logits.device)
+    slots = torch.empty(t, k, dtype=torch.int64, device=logits.device) if slot_table is not None else None
+    out = (idx, w) if slots is None else (idx, w, slots)
     if t == 0:
-        return idx, w
+        return out
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     rounds = not sigmoid and round_weights and logits.dtype != torch.float32
+    rec = record if record is not None else LoadRecord(idx, idx, 0, None)  # placeholders when not recording
+    table = slot_table if slot_table is not None else idx
     _router_kernel[(t,)](
-        logits, correction_bias if correction_bias is not None else logits, idx, w, e, logits.stride(0), float(scale),
+        logits, correction_bias if correction_bias is not None else logits, idx, w, table,
+        slots if slots is not None else idx, rec.counts, rec.pos, rec.row_mask if rec.row_mask is not None else idx,
+        e, logits.stride(0), float(scale), rec.layer, rec.counts.shape[1] if record is not None else 1,
+        rec.counts.shape[2] if record is not None else 1,
         K=k, KP=triton.next_power_of_2(k), BLOCK_E=triton.next_power_of_2(e), SIGMOID=sigmoid,
         HAS_BIAS=sigmoid and correction_bias is not None, N_GROUP=n_group,
         GP=triton.next_power_of_2(n_group), TOPK_GROUP=topk_group, TOP2_SUM=top2_sum,
         NORM=normalize, EPS=1e-20 if sigmoid else 0.0, ROUND=rounds, SCALE=sigmoid or scale != 1.0,
-        num_warps=4,
+        TABLE=slot_table is not None, RECORD=record is not None, HAS_MASK=rec.row_mask is not None, num_warps=4,
     )
-    return idx, w
+    return out

@@ -48,6 +48,12 @@ class SlotMap(nn.Module):
         self.register_buffer("log2phy", placement.log2phy[layer].to(device), persistent=False)
         self.register_buffer("logcnt", placement.logcnt[layer].to(device), persistent=False)
 
+    @property
+    def static_table(self) -> torch.Tensor | None:
+        """``table`` when every token takes it (the ``static`` policy, or one copy of every expert), else
+        ``None`` (the copy depends on the token)."""
+        return self.table if self.policy == "static" or self.log2phy.shape[1] == 1 else None
+
     def forward(self, topk_idx: torch.Tensor) -> torch.Tensor:
         """``topk_idx [T, K]`` int64 logical ids -> ``[T, K]`` int64 global physical slot ids."""
         if self.policy == "static" or self.log2phy.shape[1] == 1:
