@@ -84,6 +84,34 @@ def test_int4_dequantized_path_and_dequantize_kernel():
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("dtype,group,act,bias,woi", [
+    (torch.float32, 32, Activation(), False, False),
+    (torch.float16, 64, Activation("silu", 7.0), True, True),
+])
+def test_int4_grouped_matches_reference(dtype, group, act, bias, woi):
+    from epmoe.experts.triton.grouped import TileConfig
+    from epmoe.experts.triton.int4 import int4_grouped_experts
+
+    s, d, f = 4, 192, 64  # D: 24 words, a ragged last step of 16; F: 8 words, half a step
+    q = _int4(group + bias + 7, s, d, f, bias, group, dtype)
+    g = torch.Generator().manual_seed(2)
+    t, k = 11, 3
+    x = torch.randn(t, d, generator=g).to(dtype)
+    slots = torch.randint(-1, s, (t, k), generator=g)
+    slots[:6, 0] = 1  # slot 1: 6 or more rows, a full 16-row block and a half-size 8-row tail at block_m 16 / 32
+    slots[0, 1] = 7  # outside [0, S): skipped
+    tw = torch.rand(t, k, generator=g)
+    ref = _ref(x, slots, tw, q, act, woi)
+    # 16-row blocks, weights on the right; transposed products; 32-row blocks with half-size last blocks
+    for cfg in (TileConfig(16, 16, 16, 128, 4, 1), TileConfig(16, 32, 16, 128, 4, 1, swap_ab=True),
+                TileConfig(32, 16, 32, 128, 4, 1, half_tail=True, swap_ab=True)):
+        out = int4_grouped_experts(x, slots, tw, q, act, woi, cfg)
+        assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3), cfg
+    with pytest.raises(ValueError, match="block_k a power of two of at least 128"):
+        int4_grouped_experts(x, slots, tw, q, act, woi, TileConfig(16, 16, 16, 64, 4, 1))
+
+
+@pytest.mark.interpret
 def test_mxfp4_widening_and_experts():
     from epmoe.experts.mxfp4 import dequantize_mxfp4
     from epmoe.experts.triton.mxfp4 import dequantize_mxfp4_triton, mxfp4_experts

@@ -1,0 +1,157 @@
+"""INT4 weight tiles of the grouped kernels (``grouped``), widened in registers: the nibble-split W4A16 product.
+
+A weight row of ``K`` inputs is stored as ``K / 8`` int32 words, input ``8 w + j`` in bits ``4j .. 4j+3`` of word
+``w`` as ``q + 8`` (``experts.int4``). Regrouping a ``[BLOCK_KW, BLOCK_N]`` word tile into ``[8 * BLOCK_KW,
+BLOCK_N]`` inputs in registers costs layout moves, but a dot over ``K`` is a sum, so the inputs may be taken in any
+order: a step of ``BLOCK_KW`` words is eight products, one per nibble ``j``, of the activation tile ``A_j [BLOCK_M,
+BLOCK_KW]`` (inputs ``8 (kw0 + w) + j``) and the weight tile ``W_j [BLOCK_KW, BLOCK_N]`` widened from the word tile
+loaded once per step. The activations are read from a nibble-major copy (``nibble_major``: input ``8 w + j`` of
+a row at ``j * K / 8 + w``), so ``A_j`` is a contiguous load of each row, software-pipelined by Triton as a
+``tl.dot`` operand; the gate/up kernel writes ``h`` in that order for the down kernel.
+
+Widening without an integer-to-float conversion (quarter rate on the CUDA cores): the nibble OR-ed into the
+mantissa of ``2 ** 23`` reads as the float32 ``2 ** 23 + nib``; subtracting ``2 ** 23 + 8`` is exact and leaves
+``nib - 8``, times the group's scale (exact in float32: 4 by 8 significant bits), rounded once to the activation
+dtype, as ``experts.int4.dequantize_int4`` rounds. The scale tile (word ``w``'s group is ``(kw0 + w) // (G / 8)``,
+one load with repeated addresses) is read once per step and serves the eight nibbles.
+
+``SWAP_AB`` computes the transposed product ``acc^T [BLOCK_N, BLOCK_M] = W_j^T @ A_j^T``: the widened weights are
+then the left operand, which Hopper's wgmma may take from registers, and a block of 16 token rows is the product's
+``N`` side (``tl.dot`` needs ``M >= 64`` for wgmma).
+
+Source: the mantissa-OR widening is the trick of the W4A16 GPU kernels (FasterTransformer; Marlin: Frantar et al.,
+"MARLIN: Mixed-Precision Auto-Regressive Parallel Inference on Large Language Models", arXiv:2408.11743), the
+swapped operands for few rows the arrangement of vLLM's W4A16 MoE Triton kernel; the nibble-split order is our own.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from epmoe.experts.int4 import INT4_PACK
+
+
+def nibble_major(x: torch.Tensor) -> torch.Tensor:
+    """``x [T, K]`` (``K`` a multiple of 8, any row stride) -> ``[T, K]`` contiguous with input ``8 w + j`` of each
+    row at ``j * K / 8 + w`` (one copy)."""
+    t, k = x.shape
+    return x.unflatten(1, (k // INT4_PACK, INT4_PACK)).transpose(1, 2).reshape(t, k)
+
+
+@triton.jit
+def nibble_major_cols(offs, K):
+    """Where input ``offs`` (int tensor) of a row of ``K`` inputs goes in its nibble-major copy."""
+    return (offs % 8) * (K // 8) + offs // 8
+
+
+@triton.jit
+def _nibble_dot(a, words, scale, acc, J: tl.constexpr, SWAP_AB: tl.constexpr):
+    """``acc + A_j @ W_j`` (or ``+ W_j^T @ A_j^T`` with ``SWAP_AB``), ``W_j`` nibble ``J`` of ``words`` (int32)
+    widened to ``a.dtype`` with ``scale`` (float32, the word tile's shape)."""
+    f = (((words >> (4 * J)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    w = ((f - 8388616.0) * scale).to(a.dtype)  # 2 ** 23 + 8
+    if SWAP_AB:
+        return tl.dot(w, a, acc)
+    else:
+        return tl.dot(a, w, acc)
+
+
+@triton.jit
+def _tile_offsets(offs_kw, rows, stride_r, SWAP_AB: tl.constexpr):
+    """Offsets of a tile of words ``offs_kw`` of rows ``rows``: ``[BLOCK_KW, R]``, or ``[R, BLOCK_KW]`` with
+    ``SWAP_AB``."""
+    if SWAP_AB:
+        return rows[:, None] * stride_r + offs_kw[None, :]
+    else:
+        return offs_kw[:, None] + rows[None, :] * stride_r
+
+
+@triton.jit
+def _tile_mask(k_ok, r_ok, SWAP_AB: tl.constexpr):
+    if SWAP_AB:
+        return r_ok[:, None] & k_ok[None, :]
+    else:
+        return k_ok[:, None] & r_ok[None, :]
+
+
+@triton.jit
+def int4_gate_up_acc(
+    xp_ptr, w_ptr, s_ptr, slot, tok, valid, offs_n, n_ok, D, F, stride_x, stride_we, stride_wn, stride_se,
+    stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+):
+    """Gate and up accumulators ``[BLOCK_M, BLOCK_N]`` float32 of token rows ``tok`` (``valid`` of them) read from the
+    nibble-major ``xp`` and gate rows ``offs_n`` (up rows ``F + offs_n``) of ``slot``'s packed ``w13 [S, 2F, D/8]``
+    with scales ``[S, 2F, D/G]`` (``GW = G / 8`` words a group)."""
+    DW = D // 8
+    offs_kw = tl.arange(0, BLOCK_KW)
+    rows_n = offs_n.to(tl.int64)
+    wg_ptrs = w_ptr + slot * stride_we + _tile_offsets(offs_kw, rows_n, stride_wn, SWAP_AB)
+    wu_ptrs = wg_ptrs + F * stride_wn
+    sg_ptrs = s_ptr + slot * stride_se + _tile_offsets(offs_kw // GW, rows_n, stride_sn, SWAP_AB)
+    su_ptrs = sg_ptrs + F * stride_sn
+    a_ptrs = xp_ptr + _tile_offsets(offs_kw, tok, stride_x, not SWAP_AB)
+    if SWAP_AB:
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kw0 in range(0, DW, BLOCK_KW):
+        k_ok = offs_kw < DW - kw0
+        w_ok = _tile_mask(k_ok, n_ok, SWAP_AB)
+        a_ok = _tile_mask(k_ok, valid, not SWAP_AB)
+        wg = tl.load(wg_ptrs, mask=w_ok, other=0)
+        wu = tl.load(wu_ptrs, mask=w_ok, other=0)
+        sg = tl.load(sg_ptrs, mask=w_ok, other=0.0).to(tl.float32)
+        su = tl.load(su_ptrs, mask=w_ok, other=0.0).to(tl.float32)
+        for j in tl.static_range(8):
+            a = tl.load(a_ptrs + j * DW, mask=a_ok, other=0.0)
+            acc_g = _nibble_dot(a, wg, sg, acc_g, j, SWAP_AB)
+            acc_u = _nibble_dot(a, wu, su, acc_u, j, SWAP_AB)
+        wg_ptrs += BLOCK_KW
+        wu_ptrs += BLOCK_KW
+        sg_ptrs += BLOCK_KW // GW
+        su_ptrs += BLOCK_KW // GW
+        a_ptrs += BLOCK_KW
+    if SWAP_AB:
+        return tl.trans(acc_g), tl.trans(acc_u)
+    else:
+        return acc_g, acc_u
+
+
+@triton.jit
+def int4_down_acc(
+    hp_ptr, w_ptr, s_ptr, slot, rows, valid, offs_n, n_ok, F, stride_we, stride_wn, stride_se, stride_sn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr, SWAP_AB: tl.constexpr,
+):
+    """Down accumulator ``[BLOCK_M, BLOCK_N]`` float32 of rows ``rows`` (``valid`` of them) of the nibble-major
+    ``h [NB * BLOCK_M, F]`` and output columns ``offs_n`` of ``slot``'s packed ``w2 [S, D, F/8]`` with scales
+    ``[S, D, F/G]``."""
+    FW = F // 8
+    offs_kw = tl.arange(0, BLOCK_KW)
+    rows_n = offs_n.to(tl.int64)
+    w_ptrs = w_ptr + slot * stride_we + _tile_offsets(offs_kw, rows_n, stride_wn, SWAP_AB)
+    s_ptrs = s_ptr + slot * stride_se + _tile_offsets(offs_kw // GW, rows_n, stride_sn, SWAP_AB)
+    a_ptrs = hp_ptr + _tile_offsets(offs_kw, rows.to(tl.int64), F, not SWAP_AB)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kw0 in range(0, FW, BLOCK_KW):
+        k_ok = offs_kw < FW - kw0
+        w_ok = _tile_mask(k_ok, n_ok, SWAP_AB)
+        a_ok = _tile_mask(k_ok, valid, not SWAP_AB)
+        w = tl.load(w_ptrs, mask=w_ok, other=0)
+        sc = tl.load(s_ptrs, mask=w_ok, other=0.0).to(tl.float32)
+        for j in tl.static_range(8):
+            acc = _nibble_dot(tl.load(a_ptrs + j * FW, mask=a_ok, other=0.0), w, sc, acc, j, SWAP_AB)
+        w_ptrs += BLOCK_KW
+        s_ptrs += BLOCK_KW // GW
+        a_ptrs += BLOCK_KW
+    if SWAP_AB:
+        return tl.trans(acc)
+    else:
+        return acc
