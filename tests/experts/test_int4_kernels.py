@@ -1,6 +1,7 @@
-"""The INT4 (W4A16) expert kernels and the MXFP4 widening against the reference on the dequantized weights: under
-the Triton interpreter (``interpret``: ``TRITON_INTERPRET=1``, fp16 and float32) and on a GPU (``gpu``: bf16,
-through the ``triton`` backend, eagerly and replayed from a CUDA graph).
+"""The INT4 (W4A16) expert kernels (decode, fused grouped, widening) and the MXFP4 widening against the reference on
+the dequantized weights: under the Triton interpreter (``interpret``: ``TRITON_INTERPRET=1``, fp16 and float32) and
+on a GPU (``gpu``: bf16, through the ``triton`` backend and each path directly, eagerly and replayed from a CUDA
+graph).
 
     PYTHONPATH=/path/to/numpy<2.4:src TRITON_INTERPRET=1 pytest -q -m interpret tests/experts/test_int4_kernels.py
 """
@@ -146,7 +147,7 @@ def test_int4_step_must_cover_whole_groups():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 2, 16, 100, 1500])  # 16 pairs and fewer: decode kernels; more: dequantized
+@pytest.mark.parametrize("t", [1, 2, 16, 100, 1500])  # 16 pairs and fewer: decode kernels; more: fused grouped
 @pytest.mark.parametrize("case", ["silu", "swiglu_bias_woi", "skip"])
 def test_int4_backend_on_gpu(t, case):
     s, d, f, k = 12, 1024, 512, 8
@@ -169,6 +170,37 @@ def test_int4_backend_on_gpu(t, case):
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(captured, backend(x, slots, tw, q, act, woi))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16, 100, 1500])
+@pytest.mark.parametrize("case", ["silu", "swiglu_bias_woi", "skip_g64"])
+def test_int4_grouped_and_dequant_paths_on_gpu(t, case):
+    from epmoe.experts.triton.grouped import TileConfig
+    from epmoe.experts.triton.int4 import int4_dequantized_experts, int4_grouped_experts
+
+    s, d, f, k = 12, 1024, 512, 8
+    q = _int4(t + 1, s, d, f, case != "silu", 64 if case == "skip_g64" else 32, torch.bfloat16, "cuda")
+    act = Activation("silu", 7.0) if case == "swiglu_bias_woi" else Activation()
+    woi = case == "swiglu_bias_woi"
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randint(0, s, (t, k), device="cuda")
+    if case == "skip_g64":
+        slots = torch.where(torch.rand(t, k, device="cuda") < 0.8, -1, slots)
+        slots[0, 0] = 3
+    tw = torch.rand(t, k, device="cuda")
+    ref = _ref(x, slots, tw, q, act, woi)
+    # the default tiles; transposed products; 64-row blocks with half-size last blocks; a 32-word step
+    for cfg in (None, TileConfig(16, 64, 64, 128, 4, 3, swap_ab=True),
+                TileConfig(64, 64, 128, 128, 4, 3, half_tail=True), TileConfig(16, 32, 64, 256, 4, 3)):
+        assert _rel(int4_grouped_experts(x, slots, tw, q, act, woi, cfg), ref) < 1e-2, cfg
+    assert _rel(int4_dequantized_experts(x, slots, tw, q, act, woi), ref) < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = int4_grouped_experts(x, slots, tw, q, act, woi)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(captured, int4_grouped_experts(x, slots, tw, q, act, woi))
 
 
 @pytest.mark.gpu

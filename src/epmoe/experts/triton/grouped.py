@@ -25,6 +25,11 @@ the down kernel's ``h`` rows, which are contiguous per block) are read through H
 accelerator from host-built descriptors; the token rows of step 4 are a gather, read with ordinary
 loads.
 
+INT4 group-quantized weights (``Int4ExpertWeights``, through ``grouped_experts``: ``int4.int4_grouped_experts``)
+are read packed and widened in registers, eight ``tl.dot`` a step, one per 4-bit field of the step's words, on
+activations (``x``, and ``h``, which the gate/up kernel then writes) in a nibble-major order (``w4a16``); ordinary
+loads, no TMA.
+
 Block-quantized FP8 weights (``BlockFP8ExpertWeights``) are read as float8_e4m3fn and widened in
 registers; ``BLOCK_K == 128``, so each K step sees one 128x128 block scale. Blocks of 64 rows or more
 multiply the widened weight tile by its scale (in float32, then rounded to bf16) and accumulate the dot
@@ -50,7 +55,14 @@ from epmoe.experts.fp8 import FP8_BLOCK, BlockFP8ExpertWeights, KernelOperands, 
 from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
 from epmoe.experts.triton.align import Alignment, num_aligned_blocks
 from epmoe.experts.triton.decode import DECODE_MAX_PAIRS, decode_experts, gated_activation
-from epmoe.experts.triton.w4a16 import int4_down_acc, int4_gate_up_acc, nibble_major, nibble_major_cols
+from epmoe.experts.triton.w4a16 import (
+    int4_down_acc,
+    int4_gate_up_acc,
+    nibble_major,
+    nibble_major_cols,
+    nibble_segment,
+    nibble_segment_of,
+)
 from epmoe.experts.weights import Activation, ExpertWeights
 
 _ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2}
@@ -279,10 +291,9 @@ def _gate_up_rows(
         acc_u += tl.load(b_ptr + slot * 2 * F + F + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     h = gated_activation(acc_g, acc_u, act_limit, act_alpha, ACT)
     if GW > 0:  # nibble-major h for the INT4 down kernel
-        cols = nibble_major_cols(offs_n, F)
+        h_ptrs = h_ptr + rows[:, None].to(tl.int64) * (8 * nibble_segment_of(F)) + nibble_major_cols(offs_n, F)[None, :]
     else:
-        cols = offs_n
-    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * F + cols[None, :]
+        h_ptrs = h_ptr + rows[:, None].to(tl.int64) * F + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
@@ -560,7 +571,7 @@ def grouped_experts(
     half = cfg.half_tail and cfg.block_m >= 32
     aln = align_triton(topk_slots, s, cfg.block_m, half)
     nb = aln.block_slot.shape[0]
-    h = torch.empty(nb * cfg.block_m, f, dtype=x.dtype, device=x.device)
+    h = torch.empty(nb * cfg.block_m, INT4_PACK * nibble_segment(f) if int4 else f, dtype=x.dtype, device=x.device)
     y = torch.empty(n, d, dtype=x.dtype, device=x.device)
     limit = activation.swiglu_limit if activation.swiglu_limit is not None else 0.0
     if tma:

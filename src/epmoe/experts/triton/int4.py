@@ -1,14 +1,15 @@
 """W4A16 expert compute in Triton for INT4 group-quantized weights (``experts.int4``), bf16 activations.
 
-The weights stay packed in HBM (a quarter of the bf16 bytes plus one scale per ``G`` inputs). Two paths, both
-with static grids and no host synchronisation (CUDA-graph safe); ``int4_experts`` picks one from static sizes:
+The weights stay packed in HBM (a quarter of the bf16 bytes plus one scale per ``G`` inputs). Three paths, all
+with static grids and no host synchronisation (CUDA-graph safe); ``int4_experts`` picks one from the number of
+pairs ``N = T * K`` (``int4_path``: decode up to ``INT4_DECODE_MAX_PAIRS``, fused grouped above, widening from
+``INT4_DEQUANT_MIN_PAIRS`` where that is set; both switch points are set from the H200 benchmark):
 
-Decode (``int4_decode_experts``; up to ``max(DECODE_MAX_PAIRS, S)`` pairs, ``S`` the local slots): one
-matrix-vector product per (token, k) pair on the CUDA cores, reading the packed weights directly, in three
-launches with the structure of the bf16 decode kernels (``decode``: live pairs numbered on the device and shared
-among ``Int4DecodeConfig.max_programs // column tiles`` pair groups, register double buffering of the weight
-tiles, programmatic dependent launches on Hopper, the sum over ``K`` fused into the down kernel by arrival
-counters).
+Decode (``int4_decode_experts``): one matrix-vector product per (token, k) pair on the CUDA cores, reading the
+packed weights directly, in three launches with the structure of the bf16 decode kernels (``decode``: live pairs
+numbered on the device and shared among ``Int4DecodeConfig.max_programs // column tiles`` pair groups, register
+double buffering of the weight tiles, programmatic dependent launches on Hopper, the sum over ``K`` fused into the
+down kernel by arrival counters).
 
 Layout. Every thread owns whole int32 words, never a part of one: a program's weight tile is
 ``[BLOCK_KW / GW, BLOCK_N, GW]`` words (groups of ``G`` inputs, rows, the ``GW = G / 8`` words of a group), the
@@ -43,14 +44,20 @@ that layout, so a step has no shared-memory traffic or barrier.
 On Hopper (``Int4DecodeConfig.pdl``) steps 2 and 3 are programmatic dependent launches: each requests its
 first weight tiles before waiting (``griddepcontrol.wait``) for the previous launch's output.
 
-Every pair re-reads its expert's weights, so the decode path's cost grows with the pairs; the other path's
-grows with the local slots:
+Every pair re-reads its expert's weights, so the decode path's cost grows with the pairs; the other paths' grow
+with the local slots in use:
 
-Dequantized (``int4_dequantized_experts``; more pairs): the slots that have at least one live pair are
-widened to the compute dtype in one launch (``_dequantize_kernel``: one read of their packed weights, one
+Fused grouped (``int4_grouped_experts``): the grouped kernels of ``grouped`` (alignment of the pairs to row blocks
+of one slot, gate/up and down GEMMs on the tensor cores, ``sum_pairs_kernel``) with the INT4 word tiles widened in
+registers, one ``tl.dot`` per nibble of a step (the nibble-split product of ``w4a16``), the activations read from a
+nibble-major copy; a slot's packed weights are read once per row block. Tile shapes from
+``grouped.default_int4_config``.
+
+Dequantized (``int4_dequantized_experts``): the slots that have at least one live pair are widened to the
+compute dtype in one launch (``_dequantize_kernel``: one read of their packed weights, one
 write of the widened ones, into a workspace the size of the bf16 experts; slots without pairs are skipped),
 then ``grouped.triton_experts`` runs the grouped bf16 GEMMs on them. The weights are stored in INT4; this
-path computes as the bf16 one does, plus the widening.
+path computes as the bf16 one does, plus the widening (kept beside the fused path for the benchmark's comparison).
 
 Source: the packed format is compressed-tensors' ``pack-quantized`` (see ``experts.int4``); splitting the
 widening from the GEMM for large batches is what vLLM's compressed-tensors MoE does where no fused W4A16 GEMM

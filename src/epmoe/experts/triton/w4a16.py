@@ -6,14 +6,16 @@ BLOCK_N]`` inputs in registers costs layout moves, but a dot over ``K`` is a sum
 order: a step of ``BLOCK_KW`` words is eight products, one per nibble ``j``, of the activation tile ``A_j [BLOCK_M,
 BLOCK_KW]`` (inputs ``8 (kw0 + w) + j``) and the weight tile ``W_j [BLOCK_KW, BLOCK_N]`` widened from the word tile
 loaded once per step. The activations are read from a nibble-major copy (``nibble_major``: input ``8 w + j`` of
-a row at ``j * K / 8 + w``), so ``A_j`` is a contiguous load of each row, software-pipelined by Triton as a
-``tl.dot`` operand; the gate/up kernel writes ``h`` in that order for the down kernel.
+a row at ``j * nibble_segment(K) + w``, 32-byte aligned segments), so ``A_j`` is a contiguous load of each row,
+software-pipelined by Triton as a ``tl.dot`` operand; the gate/up kernel writes ``h`` in that order for the down
+kernel.
 
 Widening without an integer-to-float conversion (quarter rate on the CUDA cores): the nibble OR-ed into the
 mantissa of ``2 ** 23`` reads as the float32 ``2 ** 23 + nib``; subtracting ``2 ** 23 + 8`` is exact and leaves
 ``nib - 8``, times the group's scale (exact in float32: 4 by 8 significant bits), rounded once to the activation
 dtype, as ``experts.int4.dequantize_int4`` rounds. The scale tile (word ``w``'s group is ``(kw0 + w) // (G / 8)``,
-one load with repeated addresses) is read once per step and serves the eight nibbles.
+one load with repeated addresses) is read once per step and serves the eight nibbles; it is requested a step ahead
+in registers (a load of 16 bits a thread, which Triton's software pipelining leaves out).
 
 ``SWAP_AB`` computes the transposed product ``acc^T [BLOCK_N, BLOCK_M] = W_j^T @ A_j^T``: the widened weights are
 then the left operand, which Hopper's wgmma may take from registers, and a block of 16 token rows is the product's
@@ -33,22 +35,37 @@ import triton.language as tl
 from epmoe.experts.int4 import INT4_PACK
 
 
+def nibble_segment(k: int) -> int:
+    """Elements per nibble segment of a nibble-major row of ``k`` inputs: ``k / 8`` rounded up to a multiple of 16
+    (32-byte aligned segments: the activation tiles load as 16-byte vectors, which Triton pipelines)."""
+    return -(-k // (INT4_PACK * 16)) * 16
+
+
 def nibble_major(x: torch.Tensor) -> torch.Tensor:
-    """``x [T, K]`` (``K`` a multiple of 8, any row stride) -> ``[T, K]`` contiguous with input ``8 w + j`` of each
-    row at ``j * K / 8 + w`` (one copy)."""
+    """``x [T, K]`` (``K`` a multiple of 8, any row stride) -> its nibble-major copy ``[T, 8 * nibble_segment(K)]``,
+    input ``8 w + j`` of a row at ``j * nibble_segment(K) + w`` (the segments' padding is never read)."""
     t, k = x.shape
-    return x.unflatten(1, (k // INT4_PACK, INT4_PACK)).transpose(1, 2).reshape(t, k)
+    seg = nibble_segment(k)
+    out = torch.empty(t, INT4_PACK, seg, dtype=x.dtype, device=x.device)
+    out[:, :, :k // INT4_PACK] = x.unflatten(1, (k // INT4_PACK, INT4_PACK)).transpose(1, 2)
+    return out.view(t, INT4_PACK * seg)
+
+
+@triton.jit
+def nibble_segment_of(K):
+    """``nibble_segment(K)`` in a kernel, known to the compiler as a multiple of 16."""
+    return tl.multiple_of((K + 127) // 128 * 16, 16)
 
 
 @triton.jit
 def nibble_major_cols(offs, K):
     """Where input ``offs`` (int tensor) of a row of ``K`` inputs goes in its nibble-major copy."""
-    return (offs % 8) * (K // 8) + offs // 8
+    return (offs % 8) * nibble_segment_of(K) + offs // 8
 
 
 @triton.jit
 def _nibble_dot(a, words, scale, acc, J: tl.constexpr, SWAP_AB: tl.constexpr):
-    """``acc + A_j @ W_j`` (or ``+ W_j^T @ A_j^T`` with ``SWAP_AB``), ``W_j`` nibble ``J`` of ``words`` (int32)
+    """``acc + A_j @ W_j`` (or ``+ W_j^T @ A_j^T`` with ``SWAP_AB``), ``W_j`` nibble ``J`` of ``words`` (uint32)
     widened to ``a.dtype`` with ``scale`` (float32, the word tile's shape)."""
     f = (((words >> (4 * J)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
     w = ((f - 8388616.0) * scale).to(a.dtype)  # 2 ** 23 + 8
@@ -83,9 +100,10 @@ def int4_gate_up_acc(
     SWAP_AB: tl.constexpr,
 ):
     """Gate and up accumulators ``[BLOCK_M, BLOCK_N]`` float32 of token rows ``tok`` (``valid`` of them) read from the
-    nibble-major ``xp`` and gate rows ``offs_n`` (up rows ``F + offs_n``) of ``slot``'s packed ``w13 [S, 2F, D/8]``
-    with scales ``[S, 2F, D/G]`` (``GW = G / 8`` words a group)."""
-    DW = D // 8
+    nibble-major ``xp`` (row stride ``stride_x``) and gate rows ``offs_n`` (up rows ``F + offs_n``) of ``slot``'s
+    packed ``w13 [S, 2F, D/8]`` with scales ``[S, 2F, D/G]`` (``GW = G / 8`` words a group)."""
+    DW = tl.multiple_of(D // 8, GW)  # D is a multiple of the group size
+    SEG = nibble_segment_of(D)
     offs_kw = tl.arange(0, BLOCK_KW)
     rows_n = offs_n.to(tl.int64)
     wg_ptrs = w_ptr + slot * stride_we + _tile_offsets(offs_kw, rows_n, stride_wn, SWAP_AB)
@@ -99,22 +117,31 @@ def int4_gate_up_acc(
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    s_ok = _tile_mask(offs_kw < DW, n_ok, SWAP_AB)
+    sg = tl.load(sg_ptrs, mask=s_ok, other=0.0)
+    su = tl.load(su_ptrs, mask=s_ok, other=0.0)
     for kw0 in range(0, DW, BLOCK_KW):
         k_ok = offs_kw < DW - kw0
         w_ok = _tile_mask(k_ok, n_ok, SWAP_AB)
         a_ok = _tile_mask(k_ok, valid, not SWAP_AB)
-        wg = tl.load(wg_ptrs, mask=w_ok, other=0)
-        wu = tl.load(wu_ptrs, mask=w_ok, other=0)
-        sg = tl.load(sg_ptrs, mask=w_ok, other=0.0).to(tl.float32)
-        su = tl.load(su_ptrs, mask=w_ok, other=0.0).to(tl.float32)
-        for j in tl.static_range(8):
-            a = tl.load(a_ptrs + j * DW, mask=a_ok, other=0.0)
-            acc_g = _nibble_dot(a, wg, sg, acc_g, j, SWAP_AB)
-            acc_u = _nibble_dot(a, wu, su, acc_u, j, SWAP_AB)
-        wg_ptrs += BLOCK_KW
-        wu_ptrs += BLOCK_KW
+        wg = tl.load(wg_ptrs, mask=w_ok, other=0).to(tl.uint32, bitcast=True)
+        wu = tl.load(wu_ptrs, mask=w_ok, other=0).to(tl.uint32, bitcast=True)
+        # the next step's scales requested now (Triton pipelines only loads of 32 bits or more a thread)
+        s_ok = _tile_mask(offs_kw < DW - kw0 - BLOCK_KW, n_ok, SWAP_AB)
         sg_ptrs += BLOCK_KW // GW
         su_ptrs += BLOCK_KW // GW
+        sg_next = tl.load(sg_ptrs, mask=s_ok, other=0.0)
+        su_next = tl.load(su_ptrs, mask=s_ok, other=0.0)
+        sgf = sg.to(tl.float32)
+        suf = su.to(tl.float32)
+        for j in tl.static_range(8):
+            a = tl.load(a_ptrs + j * SEG, mask=a_ok, other=0.0)
+            acc_g = _nibble_dot(a, wg, sgf, acc_g, j, SWAP_AB)
+            acc_u = _nibble_dot(a, wu, suf, acc_u, j, SWAP_AB)
+        sg = sg_next
+        su = su_next
+        wg_ptrs += BLOCK_KW
+        wu_ptrs += BLOCK_KW
         a_ptrs += BLOCK_KW
     if SWAP_AB:
         return tl.trans(acc_g), tl.trans(acc_u)
@@ -128,28 +155,32 @@ def int4_down_acc(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     """Down accumulator ``[BLOCK_M, BLOCK_N]`` float32 of rows ``rows`` (``valid`` of them) of the nibble-major
-    ``h [NB * BLOCK_M, F]`` and output columns ``offs_n`` of ``slot``'s packed ``w2 [S, D, F/8]`` with scales
-    ``[S, D, F/G]``."""
-    FW = F // 8
+    ``h [NB * BLOCK_M, 8 * nibble_segment(F)]`` and output columns ``offs_n`` of ``slot``'s packed ``w2 [S, D, F/8]``
+    with scales ``[S, D, F/G]``."""
+    FW = tl.multiple_of(F // 8, GW)
+    SEG = nibble_segment_of(F)
     offs_kw = tl.arange(0, BLOCK_KW)
     rows_n = offs_n.to(tl.int64)
     w_ptrs = w_ptr + slot * stride_we + _tile_offsets(offs_kw, rows_n, stride_wn, SWAP_AB)
     s_ptrs = s_ptr + slot * stride_se + _tile_offsets(offs_kw // GW, rows_n, stride_sn, SWAP_AB)
-    a_ptrs = hp_ptr + _tile_offsets(offs_kw, rows.to(tl.int64), F, not SWAP_AB)
+    a_ptrs = hp_ptr + _tile_offsets(offs_kw, rows.to(tl.int64), 8 * SEG, not SWAP_AB)
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    sc = tl.load(s_ptrs, mask=_tile_mask(offs_kw < FW, n_ok, SWAP_AB), other=0.0)
     for kw0 in range(0, FW, BLOCK_KW):
         k_ok = offs_kw < FW - kw0
         w_ok = _tile_mask(k_ok, n_ok, SWAP_AB)
         a_ok = _tile_mask(k_ok, valid, not SWAP_AB)
-        w = tl.load(w_ptrs, mask=w_ok, other=0)
-        sc = tl.load(s_ptrs, mask=w_ok, other=0.0).to(tl.float32)
-        for j in tl.static_range(8):
-            acc = _nibble_dot(tl.load(a_ptrs + j * FW, mask=a_ok, other=0.0), w, sc, acc, j, SWAP_AB)
-        w_ptrs += BLOCK_KW
+        w = tl.load(w_ptrs, mask=w_ok, other=0).to(tl.uint32, bitcast=True)
         s_ptrs += BLOCK_KW // GW
+        sc_next = tl.load(s_ptrs, mask=_tile_mask(offs_kw < FW - kw0 - BLOCK_KW, n_ok, SWAP_AB), other=0.0)
+        scf = sc.to(tl.float32)
+        for j in tl.static_range(8):
+            acc = _nibble_dot(tl.load(a_ptrs + j * SEG, mask=a_ok, other=0.0), w, scf, acc, j, SWAP_AB)
+        sc = sc_next
+        w_ptrs += BLOCK_KW
         a_ptrs += BLOCK_KW
     if SWAP_AB:
         return tl.trans(acc)
