@@ -174,16 +174,18 @@ def test_int4_backend_on_gpu(t, case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 16, 100, 1500])
-@pytest.mark.parametrize("case", ["silu", "swiglu_bias_woi", "skip_g64"])
+@pytest.mark.parametrize("case", ["silu", "swiglu_bias_woi", "skip_g64", "fp16"])
 def test_int4_grouped_and_dequant_paths_on_gpu(t, case):
     from epmoe.experts.triton.grouped import TileConfig
     from epmoe.experts.triton.int4 import int4_dequantized_experts, int4_grouped_experts
 
     s, d, f, k = 12, 1024, 512, 8
-    q = _int4(t + 1, s, d, f, case != "silu", 64 if case == "skip_g64" else 32, torch.bfloat16, "cuda")
+    dtype = torch.float16 if case == "fp16" else torch.bfloat16  # the two widenings in PTX (w4a16._widen_pairs)
+    q = _int4(t + 1, s, d, f, case in ("swiglu_bias_woi", "skip_g64"), 64 if case == "skip_g64" else 32, dtype,
+              "cuda")
     act = Activation("silu", 7.0) if case == "swiglu_bias_woi" else Activation()
     woi = case == "swiglu_bias_woi"
-    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(t, d, device="cuda", dtype=dtype)
     slots = torch.randint(0, s, (t, k), device="cuda")
     if case == "skip_g64":
         slots = torch.where(torch.rand(t, k, device="cuda") < 0.8, -1, slots)

@@ -235,7 +235,7 @@ def _gate_up_rows(
     num_pairs, top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ACT: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, TMA: tl.constexpr,
-    GW: tl.constexpr, SWAP_AB: tl.constexpr,
+    GW: tl.constexpr, SWAP_AB: tl.constexpr, PTX: tl.constexpr,
 ):
     """``h`` for sorted positions ``[first, first + BLOCK_M)`` of ``slot`` and F columns of tile ``pid_n``."""
     rows = first + tl.arange(0, BLOCK_M)
@@ -247,7 +247,7 @@ def _gate_up_rows(
     if GW > 0:
         acc_g, acc_u = int4_gate_up_acc(x_ptr, w_ptr, ws_ptr, slot, tok, valid, offs_n, n_ok, D, F, stride_x,
                                         stride_we, stride_wn, stride_se, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K // 8,
-                                        GW, SWAP_AB)
+                                        GW, SWAP_AB, PTX)
     else:
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
@@ -304,7 +304,7 @@ def _gate_up_kernel(
     act_limit, act_alpha,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ACT: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
-    TMA: tl.constexpr, HALF_TAIL: tl.constexpr, GW: tl.constexpr, SWAP_AB: tl.constexpr,
+    TMA: tl.constexpr, HALF_TAIL: tl.constexpr, GW: tl.constexpr, SWAP_AB: tl.constexpr, PTX: tl.constexpr,
 ):
     num_n = tl.cdiv(F, BLOCK_N)
     pid_m = tl.program_id(0) // num_n
@@ -317,11 +317,11 @@ def _gate_up_kernel(
         _gate_up_rows(x_ptr, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, slot, first, pid_n,
                       num_pairs, top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit,
                       act_alpha, BLOCK_M // 2, BLOCK_N, BLOCK_K, ACT, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA, GW,
-                      SWAP_AB)
+                      SWAP_AB, PTX)
     else:
         _gate_up_rows(x_ptr, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, slot, first, pid_n,
                       num_pairs, top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit,
-                      act_alpha, BLOCK_M, BLOCK_N, BLOCK_K, ACT, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA, GW, SWAP_AB)
+                      act_alpha, BLOCK_M, BLOCK_N, BLOCK_K, ACT, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA, GW, SWAP_AB, PTX)
 
 
 @triton.jit
@@ -330,7 +330,7 @@ def _down_rows(
     num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, TMA: tl.constexpr,
-    GW: tl.constexpr, SWAP_AB: tl.constexpr,
+    GW: tl.constexpr, SWAP_AB: tl.constexpr, PTX: tl.constexpr,
 ):
     """``y`` rows of the pairs at sorted positions ``[first, first + BLOCK_M)``, D columns of tile ``pid_n``."""
     rows = first + tl.arange(0, BLOCK_M)
@@ -340,7 +340,7 @@ def _down_rows(
     n_ok = offs_n < D
     if GW > 0:
         acc = int4_down_acc(h_ptr, w_ptr, ws_ptr, slot, rows, valid, offs_n, n_ok, F, stride_we, stride_wn, stride_se,
-                            stride_sn, BLOCK_M, BLOCK_N, BLOCK_K // 8, GW, SWAP_AB)
+                            stride_sn, BLOCK_M, BLOCK_N, BLOCK_K // 8, GW, SWAP_AB, PTX)
     elif TMA:
         # padding rows of h were never written: their products land in rows the store masks out.
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -381,7 +381,7 @@ def _down_kernel(
     block_start_ptr, block_rows_ptr, num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, TMA: tl.constexpr,
-    HALF_TAIL: tl.constexpr, GW: tl.constexpr, SWAP_AB: tl.constexpr,
+    HALF_TAIL: tl.constexpr, GW: tl.constexpr, SWAP_AB: tl.constexpr, PTX: tl.constexpr,
 ):
     num_n = tl.cdiv(D, BLOCK_N)
     pid_m = tl.program_id(0) // num_n
@@ -393,11 +393,11 @@ def _down_kernel(
     if HALF_TAIL and tl.load(block_rows_ptr + pid_m) < BLOCK_M:
         _down_rows(h_ptr, h_half_desc, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, slot, first, pid_n,
                    num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn,
-                   BLOCK_M // 2, BLOCK_N, BLOCK_K, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA, GW, SWAP_AB)
+                   BLOCK_M // 2, BLOCK_N, BLOCK_K, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA, GW, SWAP_AB, PTX)
     else:
         _down_rows(h_ptr, h_desc, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, slot, first, pid_n,
                    num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn,
-                   BLOCK_M, BLOCK_N, BLOCK_K, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA, GW, SWAP_AB)
+                   BLOCK_M, BLOCK_N, BLOCK_K, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA, GW, SWAP_AB, PTX)
 
 
 @triton.jit
@@ -569,6 +569,9 @@ def grouped_experts(
     # TMA rows must start 16-byte aligned: D and F multiples of 8 elements.
     tma = cfg.tma and not fp8 and not int4 and d % 8 == 0 and f % 8 == 0
     half = cfg.half_tail and cfg.block_m >= 32
+    # INT4 tiles widened by inline PTX (w4a16._widen_pairs) for bf16/fp16 on a GPU; in float32 otherwise (and so
+    # under the Triton interpreter, which runs no PTX)
+    ptx = int4 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
     aln = align_triton(topk_slots, s, cfg.block_m, half)
     nb = aln.block_slot.shape[0]
     h = torch.empty(nb * cfg.block_m, INT4_PACK * nibble_segment(f) if int4 else f, dtype=x.dtype, device=x.device)
@@ -587,7 +590,8 @@ def grouped_experts(
         float(limit), float(activation.swiglu_alpha),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k,
         ACT=act_code(activation), FP8=fp8, HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input,
-        TMA=tma, HALF_TAIL=half, GW=gw, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TMA=tma, HALF_TAIL=half, GW=gw, SWAP_AB=cfg.swap_ab, PTX=ptx,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _down_kernel[(nb * triton.cdiv(d, cfg.block_n2),)](
         h, h_desc, h_half_desc, w2, w2_desc, ops.s2, ops.b2, topk_weights, y, aln.sorted_pair_ids, aln.block_slot,
@@ -595,7 +599,7 @@ def grouped_experts(
         n, d, f, w2.stride(0), w2.stride(1), *ops.strides2,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k,
         FP8=fp8, HAS_BIAS=weights.b2 is not None, WEIGHT_ON_INPUT=weight_on_input, TMA=tma, HALF_TAIL=half, GW=gw,
-        SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SWAP_AB=cfg.swap_ab, PTX=ptx, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     block_d = min(1024, triton.next_power_of_2(d))
     sum_pairs_kernel[(t, triton.cdiv(d, block_d))](y, topk_slots, out, d, k, s, BLOCK_D=block_d)
