@@ -92,12 +92,12 @@ INT4_DECODE_SWEEP = [
     Int4DecodeConfig(8, 128, 16, 64, 8, stages=2),
 ]
 # the fused INT4 grouped path (block_k in inputs: 16 or 32 words a step): the defaults of default_int4_config,
-# transposed products, longer steps, 32-row blocks (none of these spills registers for sm_90 in Triton 3.6)
+# 16-word steps, transposed products, 32-row blocks, 8 warps (none spills registers compiled for sm_90 by Triton 3.6)
 INT4_GROUPED_SWEEP = [
-    TileConfig(16, 32, 64, 128, 4, 3), TileConfig(16, 64, 64, 128, 4, 3, swap_ab=True),
-    TileConfig(16, 32, 64, 256, 4, 3), TileConfig(32, 32, 64, 128, 4, 3, half_tail=True),
-    TileConfig(32, 64, 64, 128, 4, 3, half_tail=True, swap_ab=True), TileConfig(64, 64, 128, 128, 4, 3, half_tail=True),
-    TileConfig(128, 64, 128, 128, 8, 3, half_tail=True), TileConfig(128, 64, 128, 256, 8, 2, half_tail=True),
+    TileConfig(16, 32, 64, 256, 4, 3), TileConfig(16, 32, 64, 128, 4, 3), TileConfig(16, 64, 64, 256, 8, 3),
+    TileConfig(16, 64, 64, 128, 4, 3, swap_ab=True), TileConfig(32, 32, 64, 256, 4, 3, half_tail=True),
+    TileConfig(64, 64, 128, 256, 8, 3, half_tail=True), TileConfig(128, 64, 128, 128, 8, 3, half_tail=True),
+    TileConfig(128, 64, 128, 256, 8, 2, half_tail=True),
 ]
 DECODE_MAX = 64
 SWEEP = [

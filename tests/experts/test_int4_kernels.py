@@ -103,9 +103,11 @@ def test_int4_grouped_matches_reference(dtype, group, act, bias, woi):
     slots[0, 1] = 7  # outside [0, S): skipped
     tw = torch.rand(t, k, generator=g)
     ref = _ref(x, slots, tw, q, act, woi)
-    # 16-row blocks, weights on the right; transposed products; 32-row blocks with half-size last blocks
-    for cfg in (TileConfig(16, 16, 16, 128, 4, 1), TileConfig(16, 32, 16, 128, 4, 1, swap_ab=True),
-                TileConfig(32, 16, 32, 128, 4, 1, half_tail=True, swap_ab=True)):
+    # 16-row blocks, weights on the right, 16 and 32 words a step; transposed products; 32-row blocks with half-size
+    # last blocks
+    for cfg in (TileConfig(16, 16, 16, 128, 4, 1), TileConfig(16, 16, 16, 256, 4, 1),
+                TileConfig(16, 32, 16, 128, 4, 1, swap_ab=True), TileConfig(32, 16, 32, 128, 4, 1, half_tail=True,
+                                                                            swap_ab=True)):
         out = int4_grouped_experts(x, slots, tw, q, act, woi, cfg)
         assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3), cfg
     with pytest.raises(ValueError, match="block_k a power of two of at least 128"):

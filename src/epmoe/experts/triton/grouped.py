@@ -129,15 +129,18 @@ def default_int4_config(num_pairs: int, num_slots: int) -> TileConfig:
     """Tile shapes of the grouped path for INT4 weights from the expected rows per slot ``N / S`` (static, as
     ``default_config``; ``N`` counts the pairs of other ranks too). Every row block widens its slot's weights again,
     so the blocks are as tall as the rows allow: 16 rows up to 16 rows per slot (weight-read bound: narrow column
-    tiles, many programs), 64-row blocks with half-size last blocks up to 64, 128 above. 128 inputs (16 words) a
-    step. A first choice for ``benchmarks/moe_layer.py --sweep`` (``INT4_GROUPED_SWEEP``) to confirm or move.
+    tiles, many programs), 64-row blocks with half-size last blocks up to 64, 128 above. 256 inputs (32 words) a
+    step: compiled for sm_90 (Triton 3.6) a 16-row step then moves its widened tiles to the dot operand's layout
+    through shared memory (``ldmatrix``) instead of warp shuffles, fewer instructions a weight than with 16 words.
+    A first choice from the compiled code, not from timings: ``benchmarks/moe_layer.py --sweep``
+    (``INT4_GROUPED_SWEEP``) is there to confirm or move it.
     """
     rows = num_pairs / max(num_slots, 1)
     if rows <= 16:
-        return TileConfig(16, 32, 64, 128, 4, 3)
+        return TileConfig(16, 32, 64, 256, 4, 3)
     if rows <= 64:
-        return TileConfig(64, 64, 128, 128, 4, 3, half_tail=True)
-    return TileConfig(128, 64, 128, 128, 8, 3, half_tail=True)
+        return TileConfig(64, 64, 128, 256, 8, 3, half_tail=True)
+    return TileConfig(128, 64, 128, 256, 8, 2, half_tail=True)
 
 
 @triton.jit
