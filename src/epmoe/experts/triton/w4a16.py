@@ -77,7 +77,8 @@ def _widen_pairs(words, scale, J: tl.constexpr):
     """Nibble ``J`` of ``words`` (int32) times ``scale`` (bf16 or fp16: the result's dtype), two words a PTX block,
     in the 16-bit lanes: the two words' halves holding nibble ``J`` side by side (``prmt``), the nibbles OR-ed into
     the mantissas of 128 (bf16) or 1024 (fp16) (``lop3``), 136 or 1032 subtracted (exact) and the pair multiplied by
-    its two scales (one rounding, as ``experts.int4.dequantize_int4`` rounds its float32 product)."""
+    its two scales (one rounding, as ``experts.int4.dequantize_int4`` rounds its float32 product, for scales stored
+    in this dtype; others are rounded to it first)."""
     HALF: tl.constexpr = "0x7632" if J >= 4 else "0x5410"
     SHIFT: tl.constexpr = f"shr.b32 t, t, {4 * (J % 4)};" if J % 4 else ""
     if scale.dtype == tl.bfloat16:
