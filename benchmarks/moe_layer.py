@@ -18,11 +18,14 @@ Cases:
         with Kimi-K2.5's INT4 weights (compressed-tensors pack-quantized, group 32, bf16 scales).
     kimi_full_int4 (``--cases kimi_full_int4``): all 384 experts of that layer on one GPU.
 
-The INT4 cases time, in the same run and on the same (dequantized) weight values: the INT4 kernels (``int4``,
-reading the packed weights; floor = INT4 bytes + scales of the active slots over the copy bandwidth, or the
-FLOPs), our bf16 Triton path (``bf16``; its own floor, the bf16 bytes) and "dequantize, then grouped_mm"
-(``deq_gmm``: one Triton launch widening every local expert to bf16, then ``torch._grouped_mm``); with
-``--sweep`` also the INT4 tile configurations.
+The INT4 cases time, in the same run and on the same (dequantized) weight values: the ``triton`` backend on the
+packed weights (``int4``, the path ``int4_path`` picks; floor = INT4 bytes + scales of the active slots over the copy
+bandwidth, or the FLOPs), each INT4 path at every size whichever the backend takes (``int4_grouped``: the fused
+grouped kernels; ``int4_dequant``: the used slots widened, then the bf16 grouped kernels; ``int4_decode``: the decode
+kernels, up to 64 tokens), our bf16 Triton path (``bf16``; its own floor, the bf16 bytes) and "dequantize, then
+grouped_mm" (``deq_gmm``: one Triton launch widening every local expert to bf16, then ``torch._grouped_mm``); with
+``--sweep`` (EP-8 shard only) also the decode tile configurations ``INT4_DECODE_SWEEP`` (sizes up to 64 tokens) and
+the grouped ones ``INT4_GROUPED_SWEEP`` (every sweep size), each sweep's best recorded.
 
 Every row: the floor = max(weight bytes of the slots the routing touches / measured copy bandwidth,
 FLOPs of the routed rows / measured bf16 matmul rate), both ceilings measured in the same run; the time
@@ -56,11 +59,14 @@ from epmoe.experts.fp8 import block_fp8_expert_weights
 from epmoe.experts.grouped_mm import grouped_mm_experts
 from epmoe.experts.int4 import Int4ExpertWeights
 from epmoe.experts.triton.decode import DECODE_MAX_PAIRS, DecodeConfig, decode_experts, default_decode_config
-from epmoe.experts.triton.grouped import TileConfig, act_code, default_config, triton_experts
+from epmoe.experts.triton.grouped import TileConfig, act_code, default_config, default_int4_config, triton_experts
 from epmoe.experts.triton.int4 import (
     Int4DecodeConfig,
     dequantize_int4_triton,
     int4_decode_experts,
+    int4_dequantized_experts,
+    int4_grouped_experts,
+    int4_path,
 )
 from timing import measure_ceilings, rel_err, time_fn, time_in_model
 
@@ -84,6 +90,14 @@ INT4_DECODE_SWEEP = [
     Int4DecodeConfig(8, 128, 16, 64, 4), Int4DecodeConfig(4, 256, 8, 128, 4),
     Int4DecodeConfig(4, 128, 8, 64, 4, stages=2), Int4DecodeConfig(2, 256, 8, 64, 4, stages=2),
     Int4DecodeConfig(8, 128, 16, 64, 8, stages=2),
+]
+# the fused INT4 grouped path (block_k in inputs: 16 or 32 words a step): the defaults of default_int4_config,
+# 16-word steps, transposed products, 32-row blocks, 8 warps (none spills registers compiled for sm_90 by Triton 3.6)
+INT4_GROUPED_SWEEP = [
+    TileConfig(16, 32, 64, 256, 4, 3), TileConfig(16, 32, 64, 128, 4, 3), TileConfig(16, 64, 64, 256, 8, 3),
+    TileConfig(16, 64, 64, 128, 4, 3, swap_ab=True), TileConfig(32, 32, 64, 256, 4, 3, half_tail=True),
+    TileConfig(64, 64, 128, 256, 8, 3, half_tail=True), TileConfig(128, 64, 128, 128, 8, 3, half_tail=True),
+    TileConfig(128, 64, 128, 256, 8, 2, half_tail=True),
 ]
 DECODE_MAX = 64
 SWEEP = [
@@ -280,25 +294,38 @@ def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: 
                "floor_flop_us": flop_us,
                "int4_floor_us": max(active * int4_bytes / ceil["copy_bytes_per_s"] * 1e6, flop_us),
                "bf16_floor_us": max(active * bf16_bytes / ceil["copy_bytes_per_s"] * 1e6, flop_us),
-               "int4_path": "decode" if t * k <= max(DECODE_MAX_PAIRS, s) else "dequant"}
+               "int4_path": int4_path(t * k),
+               "int4_grouped_config": asdict(default_int4_config(t * k, s))}
         ref = int4_reference(x, slots, tw, q, act)
         impls = {"int4": lambda: ours(x, slots, tw, q, act), "bf16": lambda: ours(x, slots, tw, w, act),
-                 "deq_gmm": lambda: grouped_mm_experts(x, slots, tw, dequantize_all(), act)}
-        if t <= DECODE_MAX:  # the decode kernels at every decode size, whichever path the backend takes
+                 "deq_gmm": lambda: grouped_mm_experts(x, slots, tw, dequantize_all(), act),
+                 # each path at every size, whichever the backend takes
+                 "int4_grouped": lambda: int4_grouped_experts(x, slots, tw, q, act),
+                 "int4_dequant": lambda: int4_dequantized_experts(x, slots, tw, q, act)}
+        if t <= DECODE_MAX:
             impls["int4_decode"] = lambda: int4_decode_experts(x, slots, tw, q, act)
         for key, fn in impls.items():
             row[f"{key}_err"], row[f"{key}_us"] = _checked_time(fn, ref, flush)
+        if t in sweep and t <= DECODE_MAX:  # the decode kernels' cost grows with the pairs: decode sizes only
+            _sweep(row, "int4", INT4_DECODE_SWEEP, lambda cfg: int4_decode_experts(x, slots, tw, q, act, config=cfg),
+                   ref, flush)
         if t in sweep:
-            for cfg in INT4_DECODE_SWEEP:
-                fn = lambda: int4_decode_experts(x, slots, tw, q, act, config=cfg)  # noqa: E731
-                err, us = _checked_time(fn, ref, flush)
-                row.setdefault("int4_sweep", []).append({**asdict(cfg), "err": err, "us": us})
-            best = min(row["int4_sweep"], key=lambda e: e["us"] if e["us"] == e["us"] else float("inf"))
-            row["int4_best_us"], row["int4_best_config"] = best["us"], {k_: v for k_, v in best.items()
-                                                                        if k_ not in ("us", "err")}
+            _sweep(row, "int4_grouped", INT4_GROUPED_SWEEP,
+                   lambda cfg: int4_grouped_experts(x, slots, tw, q, act, config=cfg), ref, flush)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def _sweep(row: dict, key: str, configs: list, run, ref: torch.Tensor, flush: torch.Tensor) -> None:
+    """Time ``run(cfg)`` for each config into ``row[key + "_sweep"]``, the fastest as ``row[key + "_best_us"]`` and
+    ``row[key + "_best_config"]``."""
+    for cfg in configs:
+        err, us = _checked_time(lambda: run(cfg), ref, flush)
+        row.setdefault(f"{key}_sweep", []).append({**asdict(cfg), "err": err, "us": us})
+    best = min(row[f"{key}_sweep"], key=lambda e: e["us"] if e["us"] == e["us"] else float("inf"))
+    row[f"{key}_best_us"], row[f"{key}_best_config"] = best["us"], {k: v for k, v in best.items()
+                                                                    if k not in ("us", "err")}
 
 
 def _checked_time(fn, ref: torch.Tensor, flush: torch.Tensor) -> tuple[float, float]:
@@ -312,17 +339,21 @@ def _checked_time(fn, ref: torch.Tensor, flush: torch.Tensor) -> tuple[float, fl
 
 
 def print_int4_table(rows: list[dict]) -> None:
+    """One line a row: the backend's path and time against the INT4 floor, each path's time (``dbest``/``gbest``: the
+    decode/grouped sweeps' best), bf16 and dequantize-then-grouped_mm, errors of the backend and the grouped path."""
     nan = float("nan")
     print(f"\n{'case':14} {'T':>5} {'act':>4} {'path':>7} {'i4floor':>7} {'int4':>8} {'x_fl':>6} {'i4dec':>8} "
-          f"{'best':>7} {'bf16fl':>7} {'bf16':>7} {'bf16/i4':>7} {'deq_gmm':>8} {'dq/i4':>6} {'err_i4':>8} "
-          f"{'err_bf16':>8}")
+          f"{'dbest':>7} {'i4grp':>8} {'gbest':>7} {'gb_x_fl':>7} {'i4deq':>8} {'bf16':>7} {'bf16/i4':>7} "
+          f"{'deq_gmm':>8} {'err_i4':>8} {'err_grp':>8}")
     for r in rows:
         floor = r["int4_floor_us"] or nan  # no local pair: no floor
         print(f"{r['case']:14} {r['tokens']:5d} {r['active_slots']:4d} {r['int4_path']:>7} {r['int4_floor_us']:7.1f} "
               f"{r['int4_us']:8.1f} {r['int4_us'] / floor:6.2f} {r.get('int4_decode_us', nan):8.1f} "
-              f"{r.get('int4_best_us', nan):7.1f} {r['bf16_floor_us']:7.1f} {r['bf16_us']:7.1f} "
-              f"{r['bf16_us'] / r['int4_us']:7.2f} {r['deq_gmm_us']:8.1f} {r['deq_gmm_us'] / r['int4_us']:6.2f} "
-              f"{r['int4_err']:8.1e} {r['bf16_err']:8.1e}")
+              f"{r.get('int4_best_us', nan):7.1f} {r['int4_grouped_us']:8.1f} "
+              f"{r.get('int4_grouped_best_us', nan):7.1f} {r.get('int4_grouped_best_us', nan) / floor:7.2f} "
+              f"{r['int4_dequant_us']:8.1f} {r['bf16_us']:7.1f} "
+              f"{r['bf16_us'] / r['int4_us']:7.2f} {r['deq_gmm_us']:8.1f} {r['int4_err']:8.1e} "
+              f"{r['int4_grouped_err']:8.1e}")
 
 
 def full_layer_graph(tokens: int) -> dict:

@@ -1,6 +1,7 @@
-"""The INT4 (W4A16) expert kernels and the MXFP4 widening against the reference on the dequantized weights: under
-the Triton interpreter (``interpret``: ``TRITON_INTERPRET=1``, fp16 and float32) and on a GPU (``gpu``: bf16,
-through the ``triton`` backend, eagerly and replayed from a CUDA graph).
+"""The INT4 (W4A16) expert kernels (decode, fused grouped, widening) and the MXFP4 widening against the reference on
+the dequantized weights: under the Triton interpreter (``interpret``: ``TRITON_INTERPRET=1``, fp16 and float32) and
+on a GPU (``gpu``: bf16, through the ``triton`` backend and each path directly, eagerly and replayed from a CUDA
+graph).
 
     PYTHONPATH=/path/to/numpy<2.4:src TRITON_INTERPRET=1 pytest -q -m interpret tests/experts/test_int4_kernels.py
 """
@@ -84,6 +85,36 @@ def test_int4_dequantized_path_and_dequantize_kernel():
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("dtype,group,act,bias,woi", [
+    (torch.float32, 32, Activation(), False, False),
+    (torch.float16, 64, Activation("silu", 7.0), True, True),
+])
+def test_int4_grouped_matches_reference(dtype, group, act, bias, woi):
+    from epmoe.experts.triton.grouped import TileConfig
+    from epmoe.experts.triton.int4 import int4_grouped_experts
+
+    s, d, f = 4, 192, 64  # D: 24 words, a ragged last step of 16; F: 8 words, half a step
+    q = _int4(group + bias + 7, s, d, f, bias, group, dtype)
+    g = torch.Generator().manual_seed(2)
+    t, k = 11, 3
+    x = torch.randn(t, d, generator=g).to(dtype)
+    slots = torch.randint(-1, s, (t, k), generator=g)
+    slots[:6, 0] = 1  # slot 1: 6 or more rows, a full 16-row block and a half-size 8-row tail at block_m 16 / 32
+    slots[0, 1] = 7  # outside [0, S): skipped
+    tw = torch.rand(t, k, generator=g)
+    ref = _ref(x, slots, tw, q, act, woi)
+    # 16-row blocks, weights on the right, 16 and 32 words a step; transposed products; 32-row blocks with half-size
+    # last blocks
+    for cfg in (TileConfig(16, 16, 16, 128, 4, 1), TileConfig(16, 16, 16, 256, 4, 1),
+                TileConfig(16, 32, 16, 128, 4, 1, swap_ab=True), TileConfig(32, 16, 32, 128, 4, 1, half_tail=True,
+                                                                            swap_ab=True)):
+        out = int4_grouped_experts(x, slots, tw, q, act, woi, cfg)
+        assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3), cfg
+    with pytest.raises(ValueError, match="block_k a power of two of at least 128"):
+        int4_grouped_experts(x, slots, tw, q, act, woi, TileConfig(16, 16, 16, 64, 4, 1))
+
+
+@pytest.mark.interpret
 def test_mxfp4_widening_and_experts():
     from epmoe.experts.mxfp4 import dequantize_mxfp4
     from epmoe.experts.triton.mxfp4 import dequantize_mxfp4_triton, mxfp4_experts
@@ -118,7 +149,7 @@ def test_int4_step_must_cover_whole_groups():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 2, 16, 100, 1500])  # 16 pairs and fewer: decode kernels; more: dequantized
+@pytest.mark.parametrize("t", [1, 2, 16, 100, 1500])  # 16 pairs and fewer: decode kernels; more: fused grouped
 @pytest.mark.parametrize("case", ["silu", "swiglu_bias_woi", "skip"])
 def test_int4_backend_on_gpu(t, case):
     s, d, f, k = 12, 1024, 512, 8
@@ -141,6 +172,39 @@ def test_int4_backend_on_gpu(t, case):
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(captured, backend(x, slots, tw, q, act, woi))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16, 100, 1500])
+@pytest.mark.parametrize("case", ["silu", "swiglu_bias_woi", "skip_g64", "fp16"])
+def test_int4_grouped_and_dequant_paths_on_gpu(t, case):
+    from epmoe.experts.triton.grouped import TileConfig
+    from epmoe.experts.triton.int4 import int4_dequantized_experts, int4_grouped_experts
+
+    s, d, f, k = 12, 1024, 512, 8
+    dtype = torch.float16 if case == "fp16" else torch.bfloat16  # the two widenings in PTX (w4a16._widen_pairs)
+    q = _int4(t + 1, s, d, f, case in ("swiglu_bias_woi", "skip_g64"), 64 if case == "skip_g64" else 32, dtype,
+              "cuda")
+    act = Activation("silu", 7.0) if case == "swiglu_bias_woi" else Activation()
+    woi = case == "swiglu_bias_woi"
+    x = torch.randn(t, d, device="cuda", dtype=dtype)
+    slots = torch.randint(0, s, (t, k), device="cuda")
+    if case == "skip_g64":
+        slots = torch.where(torch.rand(t, k, device="cuda") < 0.8, -1, slots)
+        slots[0, 0] = 3
+    tw = torch.rand(t, k, device="cuda")
+    ref = _ref(x, slots, tw, q, act, woi)
+    # the default tiles; transposed products; 64-row blocks with half-size last blocks; a 32-word step
+    for cfg in (None, TileConfig(16, 64, 64, 128, 4, 3, swap_ab=True),
+                TileConfig(64, 64, 128, 128, 4, 3, half_tail=True), TileConfig(16, 32, 64, 256, 4, 3)):
+        assert _rel(int4_grouped_experts(x, slots, tw, q, act, woi, cfg), ref) < 1e-2, cfg
+    assert _rel(int4_dequantized_experts(x, slots, tw, q, act, woi), ref) < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = int4_grouped_experts(x, slots, tw, q, act, woi)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(captured, int4_grouped_experts(x, slots, tw, q, act, woi))
 
 
 @pytest.mark.gpu

@@ -25,6 +25,11 @@ the down kernel's ``h`` rows, which are contiguous per block) are read through H
 accelerator from host-built descriptors; the token rows of step 4 are a gather, read with ordinary
 loads.
 
+INT4 group-quantized weights (``Int4ExpertWeights``, through ``grouped_experts``: ``int4.int4_grouped_experts``)
+are read packed and widened in registers, eight ``tl.dot`` a step, one per 4-bit field of the step's words, on
+activations (``x``, and ``h``, which the gate/up kernel then writes) in a nibble-major order (``w4a16``); ordinary
+loads, no TMA.
+
 Block-quantized FP8 weights (``BlockFP8ExpertWeights``) are read as float8_e4m3fn and widened in
 registers; ``BLOCK_K == 128``, so each K step sees one 128x128 block scale. Blocks of 64 rows or more
 multiply the widened weight tile by its scale (in float32, then rounded to bf16) and accumulate the dot
@@ -46,9 +51,18 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from epmoe.experts.fp8 import FP8_BLOCK, BlockFP8ExpertWeights, kernel_operands
+from epmoe.experts.fp8 import FP8_BLOCK, BlockFP8ExpertWeights, KernelOperands, kernel_operands
+from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
 from epmoe.experts.triton.align import Alignment, num_aligned_blocks
 from epmoe.experts.triton.decode import DECODE_MAX_PAIRS, decode_experts, gated_activation
+from epmoe.experts.triton.w4a16 import (
+    int4_down_acc,
+    int4_gate_up_acc,
+    nibble_major,
+    nibble_major_cols,
+    nibble_segment,
+    nibble_segment_of,
+)
 from epmoe.experts.weights import Activation, ExpertWeights
 
 _ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2}
@@ -72,6 +86,9 @@ class TileConfig:
             are always read with ordinary loads (Hopper's TMA has no row gather).
         half_tail: a slot's last row block has ``block_m / 2`` rows when no more are left (see ``align``);
             used when ``block_m >= 32``.
+        swap_ab: INT4 weights only: each step computes the transposed products ``W_j^T @ A_j^T`` (the widened
+            weight tile as ``tl.dot``'s left operand; see ``w4a16``). For INT4 weights ``block_k`` counts inputs
+            (``block_k / 8`` words a step) and ``tma`` is ignored.
     """
 
     block_m: int
@@ -82,6 +99,7 @@ class TileConfig:
     num_stages: int
     tma: bool = False
     half_tail: bool = False
+    swap_ab: bool = False
 
 
 def default_config(num_pairs: int, num_slots: int, fp8: bool) -> TileConfig:
@@ -105,6 +123,24 @@ def default_config(num_pairs: int, num_slots: int, fp8: bool) -> TileConfig:
     if rows <= 32:
         return TileConfig(64, 64, 128, 64, 4, 4, tma=True, half_tail=True)
     return TileConfig(128, 128, 256, 64, 8, 4, tma=True, half_tail=True)
+
+
+def default_int4_config(num_pairs: int, num_slots: int) -> TileConfig:
+    """Tile shapes of the grouped path for INT4 weights from the expected rows per slot ``N / S`` (static, as
+    ``default_config``; ``N`` counts the pairs of other ranks too). Every row block widens its slot's weights again,
+    so the blocks are as tall as the rows allow: 16 rows up to 16 rows per slot (weight-read bound: narrow column
+    tiles, many programs), 64-row blocks with half-size last blocks up to 64, 128 above. 256 inputs (32 words) a
+    step: compiled for sm_90 (Triton 3.6) a 16-row step then moves its widened tiles to the dot operand's layout
+    through shared memory (``ldmatrix``) instead of warp shuffles, fewer instructions a weight than with 16 words.
+    A first choice from the compiled code, not from timings: ``benchmarks/moe_layer.py --sweep``
+    (``INT4_GROUPED_SWEEP``) is there to confirm or move it.
+    """
+    rows = num_pairs / max(num_slots, 1)
+    if rows <= 16:
+        return TileConfig(16, 32, 64, 256, 4, 3)
+    if rows <= 64:
+        return TileConfig(64, 64, 128, 256, 8, 3, half_tail=True)
+    return TileConfig(128, 64, 128, 256, 8, 2, half_tail=True)
 
 
 @triton.jit
@@ -202,6 +238,7 @@ def _gate_up_rows(
     num_pairs, top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ACT: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, TMA: tl.constexpr,
+    GW: tl.constexpr, SWAP_AB: tl.constexpr, PTX: tl.constexpr,
 ):
     """``h`` for sorted positions ``[first, first + BLOCK_M)`` of ``slot`` and F columns of tile ``pid_n``."""
     rows = first + tl.arange(0, BLOCK_M)
@@ -210,39 +247,44 @@ def _gate_up_rows(
     tok = (pair // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < F
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
-    wg_ptrs = w_ptr + slot * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    wu_ptrs = wg_ptrs + F * stride_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    row_g = (slot * 2 * F + pid_n * BLOCK_N).to(tl.int32)
-    for k0 in range(0, D, BLOCK_K):
-        k_ok = offs_k < D - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        if TMA:
-            acc_g = tl.dot(a, w_desc.load([row_g, k0]).T, acc_g)
-            acc_u = tl.dot(a, w_desc.load([row_g + F, k0]).T, acc_u)
-        elif FP8:
-            wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            kb = k0 // BLOCK_K
-            sg = tl.load(ws_ptr + slot * stride_se + (pid_n * BLOCK_N // 128) * stride_sn + kb)
-            su = tl.load(ws_ptr + slot * stride_se + ((F + pid_n * BLOCK_N) // 128) * stride_sn + kb)
-            if BLOCK_M >= 64:  # scale the weight tile: the dot accumulates in place
-                acc_g = tl.dot(a, (wg.to(tl.float32) * sg).to(a.dtype), acc_g)
-                acc_u = tl.dot(a, (wu.to(tl.float32) * su).to(a.dtype), acc_u)
-            else:  # few rows: scaling the small tile product is cheaper
-                acc_g += tl.dot(a, wg.to(a.dtype)) * sg
-                acc_u += tl.dot(a, wu.to(a.dtype)) * su
-        else:
-            wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc_g = tl.dot(a, wg, acc_g)
-            acc_u = tl.dot(a, wu, acc_u)
-        a_ptrs += BLOCK_K
-        wg_ptrs += BLOCK_K
-        wu_ptrs += BLOCK_K
+    if GW > 0:
+        acc_g, acc_u = int4_gate_up_acc(x_ptr, w_ptr, ws_ptr, slot, tok, valid, offs_n, n_ok, D, F, stride_x,
+                                        stride_we, stride_wn, stride_se, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K // 8,
+                                        GW, SWAP_AB, PTX)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
+        wg_ptrs = w_ptr + slot * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+        wu_ptrs = wg_ptrs + F * stride_wn
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        row_g = (slot * 2 * F + pid_n * BLOCK_N).to(tl.int32)
+        for k0 in range(0, D, BLOCK_K):
+            k_ok = offs_k < D - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            if TMA:
+                acc_g = tl.dot(a, w_desc.load([row_g, k0]).T, acc_g)
+                acc_u = tl.dot(a, w_desc.load([row_g + F, k0]).T, acc_u)
+            elif FP8:
+                wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                kb = k0 // BLOCK_K
+                sg = tl.load(ws_ptr + slot * stride_se + (pid_n * BLOCK_N // 128) * stride_sn + kb)
+                su = tl.load(ws_ptr + slot * stride_se + ((F + pid_n * BLOCK_N) // 128) * stride_sn + kb)
+                if BLOCK_M >= 64:  # scale the weight tile: the dot accumulates in place
+                    acc_g = tl.dot(a, (wg.to(tl.float32) * sg).to(a.dtype), acc_g)
+                    acc_u = tl.dot(a, (wu.to(tl.float32) * su).to(a.dtype), acc_u)
+                else:  # few rows: scaling the small tile product is cheaper
+                    acc_g += tl.dot(a, wg.to(a.dtype)) * sg
+                    acc_u += tl.dot(a, wu.to(a.dtype)) * su
+            else:
+                wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                acc_g = tl.dot(a, wg, acc_g)
+                acc_u = tl.dot(a, wu, acc_u)
+            a_ptrs += BLOCK_K
+            wg_ptrs += BLOCK_K
+            wu_ptrs += BLOCK_K
     if WEIGHT_ON_INPUT:
         tw = tl.load(tw_ptr + pair, mask=valid, other=0.0)
         acc_g *= tw[:, None]
@@ -251,7 +293,10 @@ def _gate_up_rows(
         acc_g += tl.load(b_ptr + slot * 2 * F + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b_ptr + slot * 2 * F + F + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     h = gated_activation(acc_g, acc_u, act_limit, act_alpha, ACT)
-    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * F + offs_n[None, :]
+    if GW > 0:  # nibble-major h for the INT4 down kernel
+        h_ptrs = h_ptr + rows[:, None].to(tl.int64) * (8 * nibble_segment_of(F)) + nibble_major_cols(offs_n, F)[None, :]
+    else:
+        h_ptrs = h_ptr + rows[:, None].to(tl.int64) * F + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
@@ -262,7 +307,7 @@ def _gate_up_kernel(
     act_limit, act_alpha,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ACT: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
-    TMA: tl.constexpr, HALF_TAIL: tl.constexpr,
+    TMA: tl.constexpr, HALF_TAIL: tl.constexpr, GW: tl.constexpr, SWAP_AB: tl.constexpr, PTX: tl.constexpr,
 ):
     num_n = tl.cdiv(F, BLOCK_N)
     pid_m = tl.program_id(0) // num_n
@@ -274,11 +319,12 @@ def _gate_up_kernel(
     if HALF_TAIL and tl.load(block_rows_ptr + pid_m) < BLOCK_M:
         _gate_up_rows(x_ptr, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, slot, first, pid_n,
                       num_pairs, top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit,
-                      act_alpha, BLOCK_M // 2, BLOCK_N, BLOCK_K, ACT, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA)
+                      act_alpha, BLOCK_M // 2, BLOCK_N, BLOCK_K, ACT, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA, GW,
+                      SWAP_AB, PTX)
     else:
         _gate_up_rows(x_ptr, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, slot, first, pid_n,
                       num_pairs, top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit,
-                      act_alpha, BLOCK_M, BLOCK_N, BLOCK_K, ACT, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA)
+                      act_alpha, BLOCK_M, BLOCK_N, BLOCK_K, ACT, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA, GW, SWAP_AB, PTX)
 
 
 @triton.jit
@@ -287,6 +333,7 @@ def _down_rows(
     num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, TMA: tl.constexpr,
+    GW: tl.constexpr, SWAP_AB: tl.constexpr, PTX: tl.constexpr,
 ):
     """``y`` rows of the pairs at sorted positions ``[first, first + BLOCK_M)``, D columns of tile ``pid_n``."""
     rows = first + tl.arange(0, BLOCK_M)
@@ -294,14 +341,18 @@ def _down_rows(
     valid = pair < num_pairs
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < D
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if TMA:
+    if GW > 0:
+        acc = int4_down_acc(h_ptr, w_ptr, ws_ptr, slot, rows, valid, offs_n, n_ok, F, stride_we, stride_wn, stride_se,
+                            stride_sn, BLOCK_M, BLOCK_N, BLOCK_K // 8, GW, SWAP_AB, PTX)
+    elif TMA:
         # padding rows of h were never written: their products land in rows the store masks out.
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         row_w = (slot * D + pid_n * BLOCK_N).to(tl.int32)
         for k0 in range(0, F, BLOCK_K):
             acc = tl.dot(h_desc.load([first, k0]), w_desc.load([row_w, k0]).T, acc)
     else:
+        offs_k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         a_ptrs = h_ptr + rows[:, None].to(tl.int64) * F + offs_k[None, :]
         w_ptrs = w_ptr + slot * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
         for k0 in range(0, F, BLOCK_K):
@@ -333,7 +384,7 @@ def _down_kernel(
     block_start_ptr, block_rows_ptr, num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, TMA: tl.constexpr,
-    HALF_TAIL: tl.constexpr,
+    HALF_TAIL: tl.constexpr, GW: tl.constexpr, SWAP_AB: tl.constexpr, PTX: tl.constexpr,
 ):
     num_n = tl.cdiv(D, BLOCK_N)
     pid_m = tl.program_id(0) // num_n
@@ -345,11 +396,11 @@ def _down_kernel(
     if HALF_TAIL and tl.load(block_rows_ptr + pid_m) < BLOCK_M:
         _down_rows(h_ptr, h_half_desc, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, slot, first, pid_n,
                    num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn,
-                   BLOCK_M // 2, BLOCK_N, BLOCK_K, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA)
+                   BLOCK_M // 2, BLOCK_N, BLOCK_K, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA, GW, SWAP_AB, PTX)
     else:
         _down_rows(h_ptr, h_desc, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, slot, first, pid_n,
                    num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn,
-                   BLOCK_M, BLOCK_N, BLOCK_K, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA)
+                   BLOCK_M, BLOCK_N, BLOCK_K, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA, GW, SWAP_AB, PTX)
 
 
 @triton.jit
@@ -443,6 +494,7 @@ def triton_experts(
 
     Raises:
         TypeError: ``x`` not bf16/fp16, or weights of another dtype than ``x`` (unless block FP8).
+        ValueError: a ``config`` the weights cannot take (see ``grouped_experts``).
     """
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"the triton expert backend computes in bf16 or fp16, got x of dtype {x.dtype}")
@@ -453,54 +505,114 @@ def triton_experts(
             f"{weights.w13.dtype} and {weights.w2.dtype}"
         )
     t, k = topk_slots.shape
-    s, two_f, d = weights.w13.shape
-    f = two_f // 2
     n = t * k
-    out = torch.empty(t, d, dtype=x.dtype, device=x.device)
     if n == 0:
-        return out
+        return torch.empty(t, weights.w13.shape[2], dtype=x.dtype, device=x.device)
     if x.stride(1) != 1:  # rows may sit in a wider buffer (a dispatcher's receive buffer): only D must be dense
         x = x.contiguous()
     slots = topk_slots.contiguous()
     tw = topk_weights.float().contiguous()
     if config is None and n <= DECODE_MAX_PAIRS:
         return decode_experts(x, slots, tw, weights, act_code(activation), activation, weight_on_input)
-    cfg = config if config is not None else default_config(n, s, fp8)
+    cfg = config if config is not None else default_config(n, weights.w13.shape[0], fp8)
+    return grouped_experts(x, slots, tw, weights, activation, weight_on_input, cfg)
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    topk_slots: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: ExpertWeights | Int4ExpertWeights,
+    activation: Activation,
+    weight_on_input: bool,
+    config: TileConfig,
+) -> torch.Tensor:
+    """The grouped path (steps 1-6 of the module docstring) with tile shapes ``config``, whatever the batch size.
+
+    Args:
+        x: ``[T, D]`` CUDA rows, contiguous along ``D``: bf16/fp16 (float32 too for INT4 weights).
+        topk_slots: ``[T, K]`` int64 contiguous local slot ids, ``-1`` (or any id outside ``[0, S)``) = skip.
+        topk_weights: ``[T, K]`` float32 contiguous routing weights.
+        weights: ``ExpertWeights`` in ``x.dtype``, ``BlockFP8ExpertWeights`` or ``Int4ExpertWeights`` (contiguous
+            packed tensors and scales), as the callers (``triton_experts``, ``int4.int4_experts``) have checked.
+        activation, weight_on_input: as ``triton_experts``.
+        config: the tile shapes.
+
+    Returns:
+        ``[T, D]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: block FP8 weights without ``block_k == 128`` and ``block_n`` dividing 128; INT4 weights with a
+            step (``block_k``) that is not a power of two of at least 128 inputs (16 words: ``tl.dot``'s
+            smallest reduction); ``swap_ab`` with weights that are not INT4.
+    """
+    cfg = config
+    fp8 = isinstance(weights, BlockFP8ExpertWeights)
+    int4 = isinstance(weights, Int4ExpertWeights)
     if fp8 and (cfg.block_k != FP8_BLOCK or FP8_BLOCK % cfg.block_n1 or FP8_BLOCK % cfg.block_n2):
         raise ValueError(f"block FP8 weights need block_k == 128 and block_n dividing 128, got {cfg}")
+    if int4 and (cfg.block_k < 128 or cfg.block_k & (cfg.block_k - 1)):
+        raise ValueError(f"INT4 weights need block_k a power of two of at least 128 inputs, got {cfg}")
+    if cfg.swap_ab and not int4:
+        raise ValueError(f"swap_ab is for INT4 weights only, got {cfg} for {type(weights).__name__}")
+    t, k = topk_slots.shape
+    n = t * k
+    if int4:
+        s, d, f = weights.num_slots, weights.hidden_size, weights.intermediate_size
+        w13, w2 = weights.w13_packed, weights.w2_packed
+        ops = int4_kernel_operands(weights, topk_weights)
+        gw = weights.group_size // INT4_PACK
+        x = nibble_major(x)
+    else:
+        s, d, f = weights.w13.shape[0], weights.w13.shape[2], weights.w13.shape[1] // 2
+        w13, w2 = weights.w13.contiguous(), weights.w2.contiguous()
+        ops = kernel_operands(weights, topk_weights)
+        gw = 0
+    out = torch.empty(t, d, dtype=x.dtype, device=x.device)
     # TMA rows must start 16-byte aligned: D and F multiples of 8 elements.
-    tma = cfg.tma and not fp8 and d % 8 == 0 and f % 8 == 0
-    w13, w2 = weights.w13.contiguous(), weights.w2.contiguous()
+    tma = cfg.tma and not fp8 and not int4 and d % 8 == 0 and f % 8 == 0
     half = cfg.half_tail and cfg.block_m >= 32
-    aln = align_triton(slots, s, cfg.block_m, half)
+    # INT4 tiles widened by inline PTX (w4a16._widen_pairs) for bf16/fp16 on a GPU; in float32 otherwise (and so
+    # under the Triton interpreter, which runs no PTX)
+    ptx = int4 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    aln = align_triton(topk_slots, s, cfg.block_m, half)
     nb = aln.block_slot.shape[0]
-    h = torch.empty(nb * cfg.block_m, f, dtype=x.dtype, device=x.device)
+    h = torch.empty(nb * cfg.block_m, INT4_PACK * nibble_segment(f) if int4 else f, dtype=x.dtype, device=x.device)
     y = torch.empty(n, d, dtype=x.dtype, device=x.device)
-    ops = kernel_operands(weights, tw)
     limit = activation.swiglu_limit if activation.swiglu_limit is not None else 0.0
     if tma:
-        w13_desc = TensorDescriptor.from_tensor(w13.view(s * two_f, d), [cfg.block_n1, cfg.block_k])
+        w13_desc = TensorDescriptor.from_tensor(w13.view(s * 2 * f, d), [cfg.block_n1, cfg.block_k])
         w2_desc = TensorDescriptor.from_tensor(w2.view(s * d, f), [cfg.block_n2, cfg.block_k])
         h_desc = TensorDescriptor.from_tensor(h, [cfg.block_m, cfg.block_k])
         h_half_desc = TensorDescriptor.from_tensor(h, [max(cfg.block_m // 2, 16), cfg.block_k])
     else:
         w13_desc, w2_desc, h_desc, h_half_desc = w13, w2, h, h
     _gate_up_kernel[(nb * triton.cdiv(f, cfg.block_n1),)](
-        x, w13, w13_desc, ops.s13, ops.b13, tw, h, aln.sorted_pair_ids, aln.block_slot, aln.block_start,
+        x, w13, w13_desc, ops.s13, ops.b13, topk_weights, h, aln.sorted_pair_ids, aln.block_slot, aln.block_start,
         aln.block_rows, n, k, d, f, x.stride(0), w13.stride(0), w13.stride(1), *ops.strides13,
         float(limit), float(activation.swiglu_alpha),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k,
         ACT=act_code(activation), FP8=fp8, HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input,
-        TMA=tma, HALF_TAIL=half, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TMA=tma, HALF_TAIL=half, GW=gw, SWAP_AB=cfg.swap_ab, PTX=ptx,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _down_kernel[(nb * triton.cdiv(d, cfg.block_n2),)](
-        h, h_desc, h_half_desc, w2, w2_desc, ops.s2, ops.b2, tw, y, aln.sorted_pair_ids, aln.block_slot,
+        h, h_desc, h_half_desc, w2, w2_desc, ops.s2, ops.b2, topk_weights, y, aln.sorted_pair_ids, aln.block_slot,
         aln.block_start, aln.block_rows,
         n, d, f, w2.stride(0), w2.stride(1), *ops.strides2,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k,
-        FP8=fp8, HAS_BIAS=weights.b2 is not None, WEIGHT_ON_INPUT=weight_on_input, TMA=tma, HALF_TAIL=half,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FP8=fp8, HAS_BIAS=weights.b2 is not None, WEIGHT_ON_INPUT=weight_on_input, TMA=tma, HALF_TAIL=half, GW=gw,
+        SWAP_AB=cfg.swap_ab, PTX=ptx, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     block_d = min(1024, triton.next_power_of_2(d))
-    sum_pairs_kernel[(t, triton.cdiv(d, block_d))](y, slots, out, d, k, s, BLOCK_D=block_d)
+    sum_pairs_kernel[(t, triton.cdiv(d, block_d))](y, topk_slots, out, d, k, s, BLOCK_D=block_d)
     return out
+
+
+def int4_kernel_operands(weights: Int4ExpertWeights, placeholder: torch.Tensor) -> KernelOperands:
+    """The group scales (with their ``(slot, row)`` strides) and biases of INT4 ``weights`` as kernel arguments,
+    ``placeholder`` in the place of an absent bias (as ``fp8.kernel_operands``)."""
+    s13, s2 = weights.w13_scale, weights.w2_scale
+    return KernelOperands(s13, (s13.stride(0), s13.stride(1)), s2, (s2.stride(0), s2.stride(1)),
+                          weights.b13 if weights.b13 is not None else placeholder,
+                          weights.b2 if weights.b2 is not None else placeholder)

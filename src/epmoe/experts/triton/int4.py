@@ -1,14 +1,15 @@
 """W4A16 expert compute in Triton for INT4 group-quantized weights (``experts.int4``), bf16 activations.
 
-The weights stay packed in HBM (a quarter of the bf16 bytes plus one scale per ``G`` inputs). Two paths, both
-with static grids and no host synchronisation (CUDA-graph safe); ``int4_experts`` picks one from static sizes:
+The weights stay packed in HBM (a quarter of the bf16 bytes plus one scale per ``G`` inputs). Three paths, all
+with static grids and no host synchronisation (CUDA-graph safe); ``int4_experts`` picks one from the number of
+pairs ``N = T * K`` (``int4_path``: decode up to ``INT4_DECODE_MAX_PAIRS``, fused grouped above, widening from
+``INT4_DEQUANT_MIN_PAIRS`` where that is set; both switch points are set from the H200 benchmark):
 
-Decode (``int4_decode_experts``; up to ``max(DECODE_MAX_PAIRS, S)`` pairs, ``S`` the local slots): one
-matrix-vector product per (token, k) pair on the CUDA cores, reading the packed weights directly, in three
-launches with the structure of the bf16 decode kernels (``decode``: live pairs numbered on the device and shared
-among ``Int4DecodeConfig.max_programs // column tiles`` pair groups, register double buffering of the weight
-tiles, programmatic dependent launches on Hopper, the sum over ``K`` fused into the down kernel by arrival
-counters).
+Decode (``int4_decode_experts``): one matrix-vector product per (token, k) pair on the CUDA cores, reading the
+packed weights directly, in three launches with the structure of the bf16 decode kernels (``decode``: live pairs
+numbered on the device and shared among ``Int4DecodeConfig.max_programs // column tiles`` pair groups, register
+double buffering of the weight tiles, programmatic dependent launches on Hopper, the sum over ``K`` fused into the
+down kernel by arrival counters).
 
 Layout. Every thread owns whole int32 words, never a part of one: a program's weight tile is
 ``[BLOCK_KW / GW, BLOCK_N, GW]`` words (groups of ``G`` inputs, rows, the ``GW = G / 8`` words of a group), the
@@ -43,14 +44,20 @@ that layout, so a step has no shared-memory traffic or barrier.
 On Hopper (``Int4DecodeConfig.pdl``) steps 2 and 3 are programmatic dependent launches: each requests its
 first weight tiles before waiting (``griddepcontrol.wait``) for the previous launch's output.
 
-Every pair re-reads its expert's weights, so the decode path's cost grows with the pairs; the other path's
-grows with the local slots:
+Every pair re-reads its expert's weights, so the decode path's cost grows with the pairs; the other paths' grow
+with the local slots in use:
 
-Dequantized (``int4_dequantized_experts``; more pairs): the slots that have at least one live pair are
-widened to the compute dtype in one launch (``_dequantize_kernel``: one read of their packed weights, one
+Fused grouped (``int4_grouped_experts``): the grouped kernels of ``grouped`` (alignment of the pairs to row blocks
+of one slot, gate/up and down GEMMs on the tensor cores, ``sum_pairs_kernel``) with the INT4 word tiles widened in
+registers, one ``tl.dot`` per nibble of a step (the nibble-split product of ``w4a16``), the activations read from a
+nibble-major copy; a slot's packed weights are read once per row block. Tile shapes from
+``grouped.default_int4_config``.
+
+Dequantized (``int4_dequantized_experts``): the slots that have at least one live pair are widened to the
+compute dtype in one launch (``_dequantize_kernel``: one read of their packed weights, one
 write of the widened ones, into a workspace the size of the bf16 experts; slots without pairs are skipped),
 then ``grouped.triton_experts`` runs the grouped bf16 GEMMs on them. The weights are stored in INT4; this
-path computes as the bf16 one does, plus the widening.
+path computes as the bf16 one does, plus the widening (kept beside the fused path for the benchmark's comparison).
 
 Source: the packed format is compressed-tensors' ``pack-quantized`` (see ``experts.int4``); splitting the
 widening from the GEMM for large batches is what vLLM's compressed-tensors MoE does where no fused W4A16 GEMM
@@ -77,10 +84,20 @@ from epmoe.experts.triton.decode import (
     pair_grid,
     sum_pairs_on_arrival,
 )
-from epmoe.experts.triton.grouped import act_code, triton_experts
+from epmoe.experts.triton.grouped import TileConfig, act_code, default_int4_config, grouped_experts, triton_experts
 from epmoe.experts.weights import Activation, ExpertWeights
 
 _ZERO_BLOCK = 1024
+
+INT4_DECODE_MAX_PAIRS = DECODE_MAX_PAIRS
+"""``int4_experts`` takes the decode kernels for up to this many ``(token, k)`` pairs ``N = T * K`` (static: no look
+at the routing), the fused grouped path above. Set from the H200 run of ``benchmarks/moe_layer.py --cases
+kimi_int4,kimi_full_int4`` (columns ``int4_decode`` against ``int4_grouped``)."""
+
+INT4_DEQUANT_MIN_PAIRS: int | None = None
+"""``int4_experts`` takes the widening path (``int4_dequantized_experts``) from this many pairs on; ``None``: never
+(the fused grouped path for every batch above ``INT4_DECODE_MAX_PAIRS``). Set from the same H200 run (column
+``int4_dequant`` against ``int4_grouped``)."""
 
 
 @dataclass(frozen=True)
@@ -528,6 +545,52 @@ def int4_dequantized_experts(
     return triton_experts(x, topk_slots, topk_weights, ExpertWeights(w13, w2, b13, b2), activation, weight_on_input)
 
 
+def int4_path(num_pairs: int) -> str:
+    """The path ``int4_experts`` takes for ``num_pairs`` pairs: ``"decode"`` (up to ``INT4_DECODE_MAX_PAIRS``),
+    ``"dequant"`` (from ``INT4_DEQUANT_MIN_PAIRS`` on) or ``"grouped"``."""
+    if num_pairs <= INT4_DECODE_MAX_PAIRS:
+        return "decode"
+    if INT4_DEQUANT_MIN_PAIRS is not None and num_pairs >= INT4_DEQUANT_MIN_PAIRS:
+        return "dequant"
+    return "grouped"
+
+
+def int4_grouped_experts(
+    x: torch.Tensor,
+    topk_slots: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: Int4ExpertWeights,
+    activation: Activation,
+    weight_on_input: bool = False,
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """INT4 expert compute by the grouped kernels of ``grouped`` with the weights widened in registers (``w4a16``):
+    the pairs aligned to row blocks of one slot, each block's products on the tensor cores, reading the packed
+    weights once per row block (see the module docstring).
+
+    Args:
+        x: ``[T, D]`` bf16/fp16 (or float32) rows, contiguous along ``D``.
+        topk_slots: ``[T, K]`` int64 local slot ids; an id outside ``[0, S)`` (``-1``) skips.
+        topk_weights: ``[T, K]`` float routing weights.
+        weights: the packed weights (contiguous).
+        activation: the gated activation.
+        weight_on_input: scale the expert input by the weight instead of its output.
+        config: tile shapes (``block_k`` in inputs); ``grouped.default_int4_config`` when ``None``.
+
+    Returns:
+        ``[T, D]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: ``config.block_k`` not a power of two of at least 128.
+    """
+    t, k = topk_slots.shape
+    if t * k == 0:
+        return torch.empty(t, weights.hidden_size, dtype=x.dtype, device=x.device)
+    cfg = config if config is not None else default_int4_config(t * k, weights.num_slots)
+    return grouped_experts(x, topk_slots.contiguous(), topk_weights.float().contiguous(), weights, activation,
+                           weight_on_input, cfg)
+
+
 def int4_experts(
     x: torch.Tensor,
     topk_slots: torch.Tensor,
@@ -538,10 +601,10 @@ def int4_experts(
 ) -> torch.Tensor:
     """INT4 expert compute on CUDA (contract of ``experts.ExpertBackend``); graph safe.
 
-    ``N = T * K`` pairs up to ``max(DECODE_MAX_PAIRS, S)`` (``S`` local slots) take the decode kernels, more the
-    dequantized path: the decode path costs about one expert read per live pair, the dequantized one about one
-    widening per local slot (both read the packed bytes; the widening also writes four times as many), and ``N``
-    bounds the live pairs (static: no look at the routing).
+    The path is ``int4_path(T * K)``: the decode kernels up to ``INT4_DECODE_MAX_PAIRS`` pairs (each pair reads its
+    expert's weights: the cost grows with the pairs), the fused grouped kernels above (one read of a slot's weights
+    per row block: the cost grows with the slots in use), the widening path from ``INT4_DEQUANT_MIN_PAIRS`` on
+    where that is set. ``N = T * K`` bounds the live pairs (static: no look at the routing).
 
     Raises:
         TypeError: ``x`` not bf16/fp16.
@@ -555,9 +618,12 @@ def int4_experts(
         x = x.contiguous()
     slots = topk_slots.contiguous()
     tw = topk_weights.float().contiguous()
-    if t * k <= max(DECODE_MAX_PAIRS, weights.num_slots):
+    path = int4_path(t * k)
+    if path == "decode":
         return int4_decode_experts(x, slots, tw, weights, activation, weight_on_input)
-    return int4_dequantized_experts(x, slots, tw, weights, activation, weight_on_input)
+    if path == "dequant":
+        return int4_dequantized_experts(x, slots, tw, weights, activation, weight_on_input)
+    return int4_grouped_experts(x, slots, tw, weights, activation, weight_on_input)
 
 
 @triton.jit
