@@ -105,7 +105,52 @@ def test_pending_last_token_is_not_fed_again():
     at_max = running("at-max", 3, max_tokens=2)
     at_context = running("at-ctx", 6, max_tokens=5)  # 6 + 2 tokens: the context of 8 is full
     going = running("going", 3, max_tokens=3)
+    waiting = Sequence("new", [1, 2, 3], SamplingParams(max_tokens=4), arrival=9)
+    sched.max_num_seqs = 2  # the two ending sequences no longer count: the new one is admitted
+    sched.add(waiting)
+    free = alloc.num_free
     plan = sched.schedule()
-    assert [c.seq for c in plan.decodes] == [going] and not plan.prefills
+    assert [c.seq for c in plan.decodes] == [going] and [c.seq for c in plan.prefills] == [waiting]
     assert [c.start for c in plan.decodes] == [going.num_tokens - 1]
-    assert sched.running == [at_max, at_context, going]  # kept until the engine reads the token back
+    assert at_max.block_table == [] and at_context.block_table == []  # freed at once: never fed again
+    assert alloc.num_free == free + 1 + 2 - 1 - 1  # their 3 blocks back; one more for going, one for new
+    assert sched.running == [at_max, at_context, going, waiting]  # kept until the engine reads the token back
+    assert not plan.preempted
+
+
+def test_pending_token_waits_for_a_block_instead_of_preempting():
+    """A sequence whose token is still on the device (maybe a stop) needing a block none is free for skips the
+    step; the one after it decodes and nobody is preempted."""
+    alloc = BlockAllocator(4)  # 3 usable blocks
+    sched = Scheduler(alloc, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32)
+    first = Sequence("first", [1, 2, 3], SamplingParams(max_tokens=8), arrival=0)
+    first.output_token_ids, first.num_pending, first.device_row = [5, PENDING_TOKEN], 1, 0
+    first.num_computed = 4  # position 4 needs a second block
+    second = Sequence("second", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=8), arrival=1)
+    second.output_token_ids = [7]
+    second.num_computed = 6  # position 6: inside its second block
+    for seq, blocks in ((first, 1), (second, 2)):
+        seq.block_table = alloc.allocate(blocks)
+        seq.status = SequenceStatus.RUNNING
+        sched.running.append(seq)
+    assert alloc.num_free == 0
+    plan = sched.schedule()
+    assert [c.seq for c in plan.decodes] == [second] and not plan.preempted
+    assert sched.running == [first, second] and len(first.block_table) == 1
+    first.output_token_ids[-1], first.num_pending = 9, 0  # read back, not a stop: now it preempts as usual
+    plan = sched.schedule()
+    assert plan.preempted == (second,) and [c.seq for c in plan.decodes] == [first]
+
+
+def test_overlap_can_be_turned_off_and_back_on_only(model_dir):
+    on = _engine(model_dir, overlap=True, num_kv_blocks=9)
+    on.overlap = False
+    on.add_request("abc", SamplingParams(temperature=0, max_tokens=2), request_id="a")
+    assert [o.new_token_ids for o in on.step()] != []  # read back at once
+    on.overlap = True
+    while on.has_unfinished():
+        on.step()
+    off = _engine(model_dir, overlap=False, num_kv_blocks=9)
+    with pytest.raises(ValueError, match="only be turned back on"):
+        off.overlap = True
+    assert off.overlap is False

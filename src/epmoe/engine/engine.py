@@ -112,7 +112,7 @@ class Engine:
 
     Attributes:
         overlap: the overlap schedule is on (see the module docstring); may be turned off between steps (the
-            next step's tokens are then read back at once), not on.
+            next step's tokens are then read back at once), and on again only where it was on at start.
 
     Raises:
         ValueError: a bad option, a placement that does not fit, a graph bucket that does not fit in
@@ -194,9 +194,9 @@ class Engine:
         self.max_blocks = -(-self.max_model_len // config.block_size)
         aux = self.proposer.aux_layers if self.proposer is not None else ()
         # the overlap schedule reads each step's sampled tokens one step late (the proposers need them at once)
-        self.overlap = not config.disable_overlap_schedule and self.proposer is None
+        self._overlap = not config.disable_overlap_schedule and self.proposer is None
         self.runner = ModelRunner(self.ep_model.model, self.kv, self.max_blocks, self.device, aux_layers=aux,
-                                  token_rows=config.max_num_seqs if self.overlap else 0)
+                                  token_rows=config.max_num_seqs if self._overlap else 0)
         pin = self.device.type == "cuda"
         self._host_tokens = [torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._inflight: _Launch | None = None
@@ -408,9 +408,22 @@ class Engine:
         self._aborted.append(out)
         return out
 
+    @property
+    def overlap(self) -> bool:
+        return self._overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        if on and self.runner.tokens is None:
+            raise ValueError("the overlap schedule can only be turned back on: this engine started without it "
+                             "(disable_overlap_schedule, or speculative decoding)")
+        self._overlap = bool(on)
+
     def has_unfinished(self) -> bool:
-        """True while any request of this rank waits or runs, or a step's tokens are still to be read back."""
-        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._ready)
+        """True while any request of this rank waits or runs, or a step's tokens are still to be read back or an
+        abort to be reported."""
+        return (self.scheduler.has_unfinished() or self._inflight is not None or bool(self._ready)
+                or bool(self._aborted))
 
     # ---- the step -------------------------------------------------------------------------------
 
@@ -504,7 +517,7 @@ class Engine:
                 launched = self._launch(plan, out)
                 outputs += self._resolve()  # the previous step, while this one runs
                 self._inflight = launched
-                if not self.overlap:
+                if not self._overlap:
                     outputs += self._resolve()
         self.num_steps += 1
         self.slot_totals += self.recorder.current_counts()
@@ -529,7 +542,7 @@ class Engine:
         host = self._host_tokens[self._launches % 2][: len(sampling)]
         self._launches += 1
         event = None
-        if self.overlap:
+        if self._overlap:
             self.runner.keep_sampled(toks)
         if toks.is_cuda:
             host.copy_(toks, non_blocking=True)

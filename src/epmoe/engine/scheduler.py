@@ -20,7 +20,10 @@ prompts go in and the step runs eagerly, so graph steps never hold the running s
 
 With the engine's overlap schedule, a sequence's newest token may still be on the device when the next step
 is planned (``Sequence.num_pending``): it is planned as known (the step reads it on the device), except where
-that token is the sequence's last by length (``max_tokens`` or the context), which is not fed again.
+that token is the sequence's last by length (``max_tokens`` or the context): such a sequence is not fed again,
+its blocks are freed at once and it no longer counts against ``max_num_seqs`` (the engine finishes it when the
+token is read back). A sequence with a token on the device that needs a block none is free for waits a step
+instead of preempting anyone: that token may end it.
 
 With speculative decoding (``lookahead`` K > 0), a decoding sequence also gets the budget and the KV blocks
 of up to K proposed tokens after its last one (vLLM's lookahead slots), as far as its ``max_tokens`` and
@@ -224,14 +227,14 @@ class Scheduler:
         prefills: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
         finished: list[Sequence] = []
-        queue = deque(self.running)
+        ending = [s for s in self.running if self._ends_pending(s)]
+        for seq in ending:  # never fed again: the blocks go back now (steps run in order on the device)
+            self._release(seq)
+        queue = deque(s for s in self.running if not self._ends_pending(s))
         kept: list[Sequence] = []
         rows, eager, prompt_rows = 0, False, 0
         while queue:
             seq = queue.popleft()
-            if self._ends_pending(seq):
-                kept.append(seq)
-                continue
             n = min(seq.num_tokens - seq.num_computed, budget)
             decode = seq.num_computed + 1 == seq.num_tokens
             n, rows, eager = self._graph_cut(seq, n, rows, eager, prompt_rows)
@@ -242,6 +245,10 @@ class Scheduler:
             ahead = self._lookahead(seq, n, budget)
             rows += ahead
             need = self._blocks_needed(seq, seq.num_computed + n + ahead)
+            if seq.num_pending and self.allocator.num_free < need:
+                # its token on the device may be a stop: it waits for that rather than evict anyone
+                kept.append(seq)
+                continue
             while self.allocator.num_free < need and queue:
                 victim = queue.pop()
                 self._preempt(victim)
@@ -259,8 +266,9 @@ class Scheduler:
             (decodes if chunk.samples and n == 1 else prefills).append(chunk)
             budget -= n + ahead
             kept.append(seq)
-        self.running = kept
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+        stay = {id(s) for s in ending + kept}
+        self.running = [s for s in self.running if id(s) in stay]  # in arrival order
+        while self.waiting and not preempted and budget > 0 and len(self.running) - len(ending) < self.max_num_seqs:
             seq = self.waiting[0]
             n, rows_after, eager_after = self._graph_cut(seq, min(seq.num_tokens - seq.num_computed, budget), rows,
                                                          eager, prompt_rows)

@@ -120,7 +120,8 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
                     f"({_fmt_bytes(kv['bytes'])}; {kv['bytes_per_token_layer']} B per token and layer, "
                     f"{kv['kind']}), "
                     f"{kv['max_concurrency']} sequences of {kv['context']} tokens at once")
-    summary.add_row("CUDA graphs / preemptions", f"{'on' if report.graphs else 'off'} / {preempted}")
+    summary.add_row("CUDA graphs / overlap schedule / preemptions",
+                    f"{'on' if report.graphs else 'off'} / {'on' if report.overlap else 'off'} / {preempted}")
     summary.add_row("balancedness (mean/max routed tokens per rank)", f"{report.balancedness:.3f}")
     events = report.ranks[0].rebalances
     if events:

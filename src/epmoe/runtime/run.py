@@ -294,6 +294,7 @@ class RunReport:
         float32_judged: per prompt that differed from the same-dtype reference in a bf16/fp16 run, which side
             equals the float32 reference: ``{"prompt", "epmoe_equals_float32", "reference_equals_float32"}``.
         graphs: whether decode steps replayed CUDA graphs.
+        overlap: whether the engine ran the overlap schedule (``EngineConfig.disable_overlap_schedule``).
         speculative: with speculative decoding, the counts over every rank (``SpecStats.to_json``), the
             algorithm, ``K``, the proposer's description and, under ``requests``, each prompt's counts in prompt
             order; ``None`` without.
@@ -316,6 +317,7 @@ class RunReport:
     first_mismatch: tuple[int, int, int, int] | None = None
     float32_judged: list[dict] = field(default_factory=list)
     graphs: bool = False
+    overlap: bool = False
     speculative: dict | None = None
     dtype: str = "float32"
 
@@ -567,6 +569,7 @@ def run_job(cfg: RunConfig) -> RunReport:
         balancedness=float(rank_balancedness(rank_counts).mean()),
         routed_tokens_per_step=(rank_counts.sum(0).double() / (steps * spec.num_moe_layers)).tolist(),
         matches_reference=None, dtype=cfg.dtype, graphs=any(r.step_kinds.get("graph_steps", 0) for r in ranks),
+        overlap=not cfg.disable_overlap_schedule and cfg.speculative_algorithm is None,
     )
     if cfg.speculative_algorithm is not None:
         from epmoe.engine.speculative import SpecStats
