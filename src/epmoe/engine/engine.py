@@ -2,7 +2,8 @@
 
 One ``Engine`` runs on each EP rank. Attention is data-parallel: a rank owns the requests added to it
 and schedules them alone. The experts are expert-parallel, so every rank runs every step: at the
-start of a step the ranks exchange four numbers (one ``all_gather``): whether any rank has work, the
+start of a step the ranks exchange four numbers (one ``all_gather``, over a gloo group of the same ranks: host
+values, so it never waits for the device): whether any rank has work, the
 largest step's tokens, whether some rank has a prompt chunk too long for a graph step, and the most
 single-token rows. A prompt chunk that ends within ``cuda_graph_max_tokens`` runs as single-token rows
 (each attending over the keys before it) next to the decodes. If some rank has a longer chunk, or more
@@ -43,6 +44,7 @@ from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from epmoe.comm import Comm
 from epmoe.engine.attention import register_attention
@@ -202,6 +204,11 @@ class Engine:
         self._inflight: _Launch | None = None
         self._launches = 0
         self._ready: list[RequestOutput] = []  # read back outside step() (before a rebalance), reported by it
+        # the step's agreement over a gloo group of the same ranks: over the device group it would wait for the
+        # step in flight (a collective on the stream, then a copy to the host), which the overlap schedule hides
+        self._host_comm = None
+        if self.comm.size > 1 and dist.get_world_size() == self.comm.size:
+            self._host_comm = Comm(dist.new_group(list(range(self.comm.size)), backend="gloo"), self.comm.stats)
         if self.proposer is not None:
             self.proposer.allocate(num_blocks, config.block_size)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -432,6 +439,8 @@ class Engine:
                               int(eager), rows], dtype=torch.int64)
         if self.comm.size == 1:
             glob = local
+        elif self._host_comm is not None:  # host values over gloo: never waits for the step in flight
+            glob = self._host_comm.all_gather(local).amax(dim=0)
         else:
             dev = self.device if self.device.type == "cuda" else torch.device("cpu")
             glob = self.comm.all_gather(local.to(dev)).amax(dim=0).cpu()
