@@ -313,17 +313,15 @@ class MoELayer(_MoEBase):
         x = hidden.reshape(-1, shape[-1])
         table = self.slot_map.static_table
         rec = self.load_recorder
-        record = rec.load_record(self.moe_index, x.shape[0]) if rec is not None and x.is_cuda else None
+        record = rec.load_record(self.moe_index, x.shape[0]) if rec is not None else None
         fused = self.gate.route_to_slots(x, table, record) if table is not None else None
-        if fused is not None:  # routing, slot lookup and load count in one launch
-            _, topk_weights, topk_slots = fused
-            if rec is not None and record is None:
-                rec.record(self.moe_index, topk_slots)
-        else:
+        if fused is None:
             topk_idx, topk_weights = self.gate(x)
             topk_slots = self.slot_map(topk_idx)
-            if rec is not None:
-                rec.record(self.moe_index, topk_slots)
+        else:  # routing, slot lookup (and the load count, with a record) in one launch
+            _, topk_weights, topk_slots = fused
+        if rec is not None and (fused is None or record is None):
+            rec.record(self.moe_index, topk_slots)
         handle = self.dispatcher.dispatch(x, topk_slots, topk_weights)
         y = self.expert_backend(
             handle.recv_x, handle.recv_slots, handle.recv_weights,

@@ -124,9 +124,7 @@ class ExpertLoadRecorder:
         """
         if not 0 <= layer_index < self.num_layers:
             raise ValueError(f"layer_index ({layer_index}) must lie in [0, {self.num_layers})")
-        mask = self._row_mask
-        if mask is not None and mask.shape[0] != topk_slots.shape[0]:
-            mask = None
+        mask = self._mask_for(topk_slots.shape[0])
         if self._counts.device.type == "cuda":
             from epmoe.routing.count_triton import count_slots_triton
 
@@ -152,10 +150,12 @@ class ExpertLoadRecorder:
             raise ValueError(f"layer_index ({layer_index}) must lie in [0, {self.num_layers})")
         if self._counts.device.type != "cuda":
             return None
+        return LoadRecord(self._counts, self._pos, layer_index, self._mask_for(num_tokens))
+
+    def _mask_for(self, num_tokens: int) -> torch.Tensor | None:
+        """The row mask for a forward of ``num_tokens`` rows (a mask of another batch's size does not apply)."""
         mask = self._row_mask
-        if mask is not None and mask.shape[0] != num_tokens:
-            mask = None
-        return LoadRecord(self._counts, self._pos, layer_index, mask)
+        return mask if mask is not None and mask.shape[0] == num_tokens else None
 
     def step(self) -> None:
         """Advance the window: the oldest step is cleared and receives the next records."""

@@ -17,19 +17,25 @@ _BLOCK = 256
 
 
 @triton.jit
+def add_slot_counts(counts_ptr, pos_ptr, layer, num_layers, width, slots, m, ok):
+    """Add ``m`` (int64, 0 = not counted) to the current window step's count of each slot in ``slots`` of layer
+    ``layer`` (ids outside ``[0, width - 1)`` to column ``width - 1``) where ``ok``; shared with the fused router."""
+    col = tl.where((slots >= 0) & (slots < width - 1), slots, width - 1)
+    row = (tl.load(pos_ptr) * num_layers + layer) * width
+    tl.atomic_add(counts_ptr + row + col, m, mask=ok & (m != 0))
+
+
+@triton.jit
 def _record_kernel(slots_ptr, mask_ptr, pos_ptr, counts_ptr, n, layer, num_layers, width,
                    K: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
     s = tl.load(slots_ptr + i, mask=ok, other=-1)
-    col = tl.where((s >= 0) & (s < width - 1), s, width - 1)
     if HAS_MASK:
         m = tl.load(mask_ptr + i // K, mask=ok, other=0).to(tl.int64)
     else:
         m = tl.full([BLOCK], 1, tl.int64)
-    pos = tl.load(pos_ptr)
-    row = (pos * num_layers + layer) * width
-    tl.atomic_add(counts_ptr + row + col, m, mask=ok & (m != 0))
+    add_slot_counts(counts_ptr, pos_ptr, layer, num_layers, width, s, m, ok)
 
 
 def count_slots_triton(counts: torch.Tensor, pos: torch.Tensor, layer: int, topk_slots: torch.Tensor,

@@ -96,7 +96,6 @@ class Router(nn.Module):
             weights = torch.sigmoid(top.float()).to(top.dtype)
         return idx, weights.float()
 
-
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp32_logits:
             return F.linear(x.float(), self.weight.float())

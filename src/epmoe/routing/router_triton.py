@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from epmoe.loads import LoadRecord
+from epmoe.routing.count_triton import add_slot_counts
 
 
 @triton.jit
@@ -95,12 +96,10 @@ def _router_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, c
         tl.store(slots_ptr + t * K + ki, slot, mask=ki < K)
         if RECORD:
             if HAS_MASK:
-                m = tl.load(mask_ptr + t).to(tl.int64)
+                m = tl.zeros([KP], tl.int64) + tl.load(mask_ptr + t).to(tl.int64)
             else:
-                m = 1
-            col = tl.where((slot >= 0) & (slot < width - 1), slot, width - 1)
-            row = (tl.load(pos_ptr) * num_layers + layer) * width
-            tl.atomic_add(counts_ptr + row + col, tl.zeros([KP], tl.int64) + m, mask=(ki < K) & (m != 0))
+                m = tl.full([KP], 1, tl.int64)
+            add_slot_counts(counts_ptr, pos_ptr, layer, num_layers, width, slot, m, ki < K)
 
 
 def supports(router_kind: str) -> bool:
