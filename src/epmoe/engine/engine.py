@@ -661,12 +661,11 @@ class Engine:
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         """Why ``seq`` stops after its newest read-back token ``tok`` (``None``: it goes on)."""
         p = seq.params
-        done = seq.resolved_output
-        n = len(done)
+        n = len(seq.output_token_ids) - seq.num_pending
         if n >= p.min_tokens and ((tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
             return "stop"
         if p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(done, skip_special_tokens=True)
+            text = self.tokenizer.decode(seq.resolved_output, skip_special_tokens=True)
             hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
             if hits:
                 seq.stop_text_len = min(hits)

@@ -230,7 +230,8 @@ class Scheduler:
         ending = [s for s in self.running if self._ends_pending(s)]
         for seq in ending:  # never fed again: the blocks go back now (steps run in order on the device)
             self._release(seq)
-        queue = deque(s for s in self.running if not self._ends_pending(s))
+        ending_ids = {id(s) for s in ending}
+        queue = deque(s for s in self.running if id(s) not in ending_ids)
         kept: list[Sequence] = []
         rows, eager, prompt_rows = 0, False, 0
         while queue:
@@ -266,7 +267,7 @@ class Scheduler:
             (decodes if chunk.samples and n == 1 else prefills).append(chunk)
             budget -= n + ahead
             kept.append(seq)
-        stay = {id(s) for s in ending + kept}
+        stay = ending_ids | {id(s) for s in kept}
         self.running = [s for s in self.running if id(s) in stay]  # in arrival order
         while self.waiting and not preempted and budget > 0 and len(self.running) - len(ending) < self.max_num_seqs:
             seq = self.waiting[0]
