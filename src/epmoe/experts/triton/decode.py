@@ -133,6 +133,15 @@ def live_pair(idx, sl, live, rank, i):
 
 
 @triton.jit
+def zero_arrival_counters(count_ptr, num_counters, ZERO_BLOCK: tl.constexpr):
+    """Zero the down kernel's ``num_counters`` int32 arrival counters (``sum_pairs_on_arrival``); run by one program
+    of the gate/up launch, which the down launch follows."""
+    for i in range(0, num_counters, ZERO_BLOCK):
+        zi = i + tl.arange(0, ZERO_BLOCK)
+        tl.store(count_ptr + zi, tl.zeros([ZERO_BLOCK], dtype=tl.int32), mask=zi < num_counters)
+
+
+@triton.jit
 def sum_pairs_on_arrival(slots_ptr, y_ptr, count_ptr, out_ptr, pid_n, num_tokens, top_k, num_slots, D, stride_o,
                          offs_n, n_ok, K_PAD: tl.constexpr, GROUPS: tl.constexpr):
     """A down program's last act: take a ticket from column tile ``pid_n``'s arrival counter; the program that
@@ -228,9 +237,7 @@ def _decode_gate_up_kernel(
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if (pid_n == 0) & (group == 0):
-        for i in range(0, num_counters, ZERO_BLOCK):
-            zi = i + tl.arange(0, ZERO_BLOCK)
-            tl.store(count_ptr + zi, tl.zeros([ZERO_BLOCK], dtype=tl.int32), mask=zi < num_counters)
+        zero_arrival_counters(count_ptr, num_counters, ZERO_BLOCK)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < F
     offs_k = tl.arange(0, BLOCK_K)

@@ -83,6 +83,7 @@ from epmoe.experts.triton.decode import (
     live_pairs,
     pair_grid,
     sum_pairs_on_arrival,
+    zero_arrival_counters,
 )
 from epmoe.experts.triton.grouped import TileConfig, act_code, default_int4_config, grouped_experts, triton_experts
 from epmoe.experts.weights import Activation, ExpertWeights
@@ -195,6 +196,21 @@ def _group_dots(w, v):
 
 
 @triton.jit
+def _row_tile(offs_n, n_ok, KW, stride_wn, stride_sn, BLOCK_KW: tl.constexpr, GW: tl.constexpr):
+    """The word layout of a program's rows ``offs_n`` over ``KW`` words (see the module docstring): the group and
+    word offsets of a step, the ``[NG, BLOCK_N, GW]`` word and ``[NG, BLOCK_N]`` scale offsets of its rows, and the
+    masks of its first two word tiles."""
+    offs_g = tl.arange(0, BLOCK_KW // GW)
+    offs_kw = offs_g[:, None] * GW + tl.arange(0, GW)[None, :]
+    rows = offs_n.to(tl.int64)
+    w_rows = offs_kw[:, None, :] + rows[None, :, None] * stride_wn
+    s_rows = offs_g[:, None] + rows[None, :] * stride_sn
+    first = (offs_kw < KW)[:, None, :] & n_ok[None, :, None]
+    second = (offs_kw < KW - BLOCK_KW)[:, None, :] & n_ok[None, :, None]
+    return offs_g, offs_kw, w_rows, s_rows, first, second
+
+
+@triton.jit
 def _first_tiles(ptrs, first, second, BLOCK_KW: tl.constexpr, STAGES: tl.constexpr):
     """Word tiles 0 and 1 of a row tile (``ptrs`` at its first words), masked by ``first`` and ``second``; with
     ``STAGES == 2`` tile 0 twice (tile 1 is requested in the first step)."""
@@ -299,18 +315,10 @@ def _decode_gate_up_kernel(
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if (pid_n == 0) & (group == 0):
-        for i in range(0, num_counters, ZERO_BLOCK):
-            zi = i + tl.arange(0, ZERO_BLOCK)
-            tl.store(count_ptr + zi, tl.zeros([ZERO_BLOCK], dtype=tl.int32), mask=zi < num_counters)
+        zero_arrival_counters(count_ptr, num_counters, ZERO_BLOCK)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < F
-    offs_g = tl.arange(0, BLOCK_KW // GW)
-    offs_kw = offs_g[:, None] * GW + tl.arange(0, GW)[None, :]
-    rows = offs_n.to(tl.int64)
-    w_rows = offs_kw[:, None, :] + rows[None, :, None] * stride_wn
-    s_rows = offs_g[:, None] + rows[None, :] * stride_sn
-    first = (offs_kw < DW)[:, None, :] & n_ok[None, :, None]
-    second = (offs_kw < DW - BLOCK_KW)[:, None, :] & n_ok[None, :, None]
+    offs_g, offs_kw, w_rows, s_rows, first, second = _row_tile(offs_n, n_ok, DW, stride_wn, stride_sn, BLOCK_KW, GW)
     # slots and weights were complete before the launch chain began: request the first words before the wait
     if ONE_PAIR:
         slot = tl.load(slots_ptr + group)
@@ -399,13 +407,7 @@ def _decode_down_kernel(
     group = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < D
-    offs_g = tl.arange(0, BLOCK_KW // GW)
-    offs_kw = offs_g[:, None] * GW + tl.arange(0, GW)[None, :]
-    rows = offs_n.to(tl.int64)
-    w_rows = offs_kw[:, None, :] + rows[None, :, None] * stride_wn
-    s_rows = offs_g[:, None] + rows[None, :] * stride_sn
-    first = (offs_kw < FW)[:, None, :] & n_ok[None, :, None]
-    second = (offs_kw < FW - BLOCK_KW)[:, None, :] & n_ok[None, :, None]
+    offs_g, offs_kw, w_rows, s_rows, first, second = _row_tile(offs_n, n_ok, FW, stride_wn, stride_sn, BLOCK_KW, GW)
     if ONE_PAIR:
         slot = tl.load(slots_ptr + group)
         live = (slot >= 0) & (slot < num_slots)
