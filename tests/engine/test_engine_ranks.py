@@ -32,7 +32,7 @@ def _prompts(rank: int, size: int) -> list[list[int]]:
     return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
 
 
-def _run_family(directory: str, comm: Comm, static: bool) -> dict:
+def _run_family(directory: str, comm: Comm, static: bool, graph_tokens: int = 512) -> dict:
     from transformers import AutoModelForCausalLM
 
     from epmoe.engine import Engine, EngineConfig, SamplingParams
@@ -41,7 +41,7 @@ def _run_family(directory: str, comm: Comm, static: bool) -> dict:
     blocks = 10 if comm.rank == 0 else 64  # rank 0: 36 tokens of KV, one request needs 33: preemptions
     engine = Engine(EngineConfig(model=directory, max_num_seqs=3 if static else 2, max_num_batched_tokens=8,
                                  block_size=4, num_kv_blocks=blocks, static_decode_on_cpu=static,
-                                 cuda_graph_max_bs=2), comm)
+                                 cuda_graph_max_bs=2, cuda_graph_max_tokens=graph_tokens), comm)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     aborted: list[str] = []
 
@@ -61,14 +61,15 @@ def _run_family(directory: str, comm: Comm, static: bool) -> dict:
         "aborted": aborted, "free": engine.allocator.num_free, "capacity": engine.allocator.capacity,
         "preemptions": engine.stats["preemptions"], "steps": engine.num_steps,
         "static_steps": engine.stats["graph_steps"], "prefill_static_steps": engine.stats["graph_prefill_steps"],
+        "piecewise_steps": engine.stats["piecewise_steps"], "eager_steps": engine.stats["eager_steps"],
         "kv_kind": engine.kv_report()["kind"],
     }
 
 
-def _worker(info: RankInfo, dirs: dict[str, str], families: list[str], static: bool) -> dict:
+def _worker(info: RankInfo, dirs: dict[str, str], families: list[str], static: bool, graph_tokens: int = 512) -> dict:
     comm = Comm(init_group(info, "cpu"))
     try:
-        return {fam: _run_family(dirs[fam], comm, static) for fam in families}
+        return {fam: _run_family(dirs[fam], comm, static, graph_tokens) for fam in families}
     finally:
         torch.distributed.destroy_process_group()
 
@@ -114,3 +115,16 @@ def test_static_decode_path_equals_transformers(dirs, ep):
     for fam in families:
         assert all(r[fam]["static_steps"] > 0 for r in results), fam
         assert results[0][fam]["prefill_static_steps"] > 0, fam
+
+
+@pytest.mark.multiprocess
+def test_piecewise_path_equals_transformers(dirs):
+    """No prompt row-wise (``cuda_graph_max_tokens=0``): every step with a prompt chunk runs the piecewise path
+    (``engine.piecewise``: static padded rows and fixed-capacity dispatch, attention on the real batch between the
+    pieces), the rank without requests replaying it with no rows; decode steps replay their buckets."""
+    families = ["kimi-k2.5"]
+    results = spawn(_worker, 4, (dirs, families, True, 0))
+    _check(results, families)
+    for fam in families:
+        assert all(r[fam]["piecewise_steps"] > 0 and r[fam]["static_steps"] > 0 for r in results), fam
+        assert all(r[fam]["eager_steps"] == 0 and r[fam]["prefill_static_steps"] == 0 for r in results), fam

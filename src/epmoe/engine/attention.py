@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from epmoe.engine.kv_cache import KVCache
 from epmoe.engine.paged_decode import paged_decode_attention
+from epmoe.engine.piecewise import Pieces
 
 ATTN_IMPLEMENTATION = "epmoe_paged"
 
@@ -63,6 +64,8 @@ class AttnBatch:
         prefills: the multi-token chunks.
         workspace: float32 scratch of the decode kernel's split-K inside a graph (``None`` in eager steps,
             which let the kernel allocate its own).
+        pieces: a piecewise forward's cuts (``engine.piecewise``): attention goes through ``pieces.cut`` and runs on
+            the step's real batch there; the other fields then serve only the cache writes (``slot_mapping``).
     """
 
     kv: KVCache
@@ -72,6 +75,7 @@ class AttnBatch:
     context_lens: torch.Tensor
     prefills: tuple[PrefillChunk, ...] = ()
     workspace: torch.Tensor | None = None
+    pieces: Pieces | None = None
 
 
 def engine_batch(module: str, rows: torch.Tensor, epmoe_batch: AttnBatch | None) -> AttnBatch:
@@ -191,8 +195,11 @@ def attend(module, q: torch.Tensor, batch: AttnBatch, scale: float, sliding_wind
         ``[T, H, Dv]`` in ``q.dtype``.
     """
     layer = module.layer_idx
-    chunk = _chunk_size(module)
     kc, vc = batch.kv.k[layer], batch.kv.v[layer]
+    if batch.pieces is not None:  # a piecewise forward: the cut runs this again on the step's real batch
+        return batch.pieces.cut(lambda real, rows: attend(module, rows, real, scale, sliding_window, sinks),
+                                (q.shape[1], vc.shape[-1]), q.dtype, q)
+    chunk = _chunk_size(module)
     out = q.new_empty(q.shape[0], q.shape[1], vc.shape[-1])
     nd = batch.num_decode
     if nd:

@@ -66,6 +66,10 @@ class EngineConfig:
             over the keys before it, so the chunk's cost grows with its length times its end) and the step's rows
             fit in a bucket; buckets are captured up to this many rows (vLLM sizes its graphs in tokens too).
             0 = only decode steps replay graphs; steps with longer prompts run eagerly.
+        piecewise_cuda_graph_max_tokens: steps with longer prompt chunks (or more rows than the row-wise buckets)
+            of up to this many rows replay piecewise CUDA graphs: the forward is captured between the attention
+            calls, which run eagerly on the real batch (``engine.piecewise``; SGLang's name). Buckets are captured
+            up to the smaller of this and ``max_num_batched_tokens``; 0 = such steps run eagerly.
         enforce_eager: never capture graphs (vLLM's name); always true on CPU.
         disable_overlap_schedule: read each step's sampled tokens back before the next step is planned, instead
             of planning and launching the next step first (SGLang's name; see ``engine``'s overlap schedule).
@@ -108,6 +112,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     cuda_graph_max_bs: int = 256
     cuda_graph_max_tokens: int = 512
+    piecewise_cuda_graph_max_tokens: int = 8192
     enforce_eager: bool = False
     disable_overlap_schedule: bool = False
     static_decode_on_cpu: bool = False
@@ -147,9 +152,10 @@ class EngineConfig:
             if isinstance(limit, int) and self.max_model_len > limit:
                 raise ValueError(f"max_model_len ({self.max_model_len}) is past the model's max_position_embeddings "
                                  f"({limit})")
-        n = self.cuda_graph_max_tokens
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-            raise ValueError(f"cuda_graph_max_tokens must be a non-negative integer, got {n!r}")
+        for name in ("cuda_graph_max_tokens", "piecewise_cuda_graph_max_tokens"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {n!r}")
         if self.num_kv_blocks is not None and (isinstance(self.num_kv_blocks, bool) or
                                                not isinstance(self.num_kv_blocks, numbers.Integral) or
                                                self.num_kv_blocks < 2):

@@ -4,12 +4,13 @@ One ``Engine`` runs on each EP rank. Attention is data-parallel: a rank owns the
 and schedules them alone. The experts are expert-parallel, so every rank runs every step: at the
 start of a step the ranks exchange four numbers (one ``all_gather``, over a gloo group of the same ranks: host
 values, so it never waits for the device): whether any rank has work, the
-largest step's tokens, whether some rank has a prompt chunk too long for a graph step, and the most
+most rows of a step, whether some rank has a prompt chunk too long for a graph step, and the most
 single-token rows. A prompt chunk that ends within ``cuda_graph_max_tokens`` runs as single-token rows
-(each attending over the keys before it) next to the decodes. If some rank has a longer chunk, or more
-rows than the largest bucket, every rank runs an eager step (a rank with no tokens joins the MoE
-collectives with an empty batch); else every rank replays the CUDA graph of the same bucket of rows (a
-rank with fewer rows pads).
+(each attending over the keys before it) next to the decodes, and every rank replays the CUDA graph of the same
+bucket of rows (a rank with fewer rows pads). If some rank has a longer chunk, or more rows than the largest
+bucket, every rank replays the piecewise graphs of the same bucket of tokens (``engine.piecewise``: attention
+eager between the pieces), or, past the largest of those, runs an eager step (a rank with no tokens joins the
+MoE collectives with an empty batch).
 
 Usage (one process)::
 
@@ -53,6 +54,7 @@ from epmoe.engine.fused_norm import fuse_norms
 from epmoe.engine.kv_cache import BlockAllocator, KVCache, KVLayout, blocks_for_memory
 from epmoe.engine.mla import install_mla
 from epmoe.engine.model_runner import ModelRunner, StepOutput, ep_static_hooks, graph_buckets
+from epmoe.engine.piecewise import piece_buckets
 from epmoe.engine.proposers import make_proposer
 from epmoe.engine.request import PENDING_TOKEN, RequestOutput, Sequence
 from epmoe.engine.rope_attention import install_rope_attention
@@ -222,7 +224,8 @@ class Engine:
         self.last_step_tokens: int | None = None
         self.slot_totals = torch.zeros(self.spec.num_moe_layers, num_slots, dtype=torch.int64,
                                        device=self.device)
-        self.stats = {"eager_steps": 0, "graph_steps": 0, "graph_prefill_steps": 0, "idle_steps": 0, "preemptions": 0}
+        self.stats = {"eager_steps": 0, "graph_steps": 0, "graph_prefill_steps": 0, "piecewise_steps": 0,
+                      "idle_steps": 0, "preemptions": 0}
         # logical loads folded at each committed rebalance, and slot_totals at that moment (see logical_loads)
         self._loads_folded = torch.zeros(self.spec.num_moe_layers, self.spec.num_experts, dtype=torch.int64,
                                          device=self.device)
@@ -280,6 +283,13 @@ class Engine:
         rowwise = graph_buckets(tokens) if tokens else []
         return sorted(set(plain) | {b * (self.num_spec_tokens + 1) for b in plain} | set(rowwise))
 
+    def _piece_sizes(self) -> list[int]:
+        """Token counts of the piecewise graphs: up to ``piecewise_cuda_graph_max_tokens`` (and the step's
+        token budget with its verify rows)."""
+        cfg = self.config
+        rows = cfg.max_num_batched_tokens + cfg.max_num_seqs * self.num_spec_tokens
+        return piece_buckets(1, min(cfg.piecewise_cuda_graph_max_tokens, rows))
+
     def _draft_sizes(self) -> list[int]:
         """Row counts of a draft model's static steps: up to two catch-up rows per request, then one."""
         plain = self._decode_sizes()
@@ -297,12 +307,17 @@ class Engine:
                     layer.set_static_tokens(None)
         else:
             activate, deactivate = self._ep_static_hooks()
+        pieces = self._piece_sizes()
         try:
+            self.runner.capture_pieces(pieces, activate, deactivate, cuda_graphs=self.device.type == "cuda")
             self.runner.capture(sizes, activate, deactivate, cuda_graphs=self.device.type == "cuda")
         except torch.cuda.OutOfMemoryError:
-            raise ValueError(f"cuda_graph_max_bs {self.config.cuda_graph_max_bs}, cuda_graph_max_tokens "
-                             f"{self.config.cuda_graph_max_tokens}: capturing graphs of up to {max(sizes)} rows ran "
-                             f"out of GPU memory; lower them or mem_fraction_static") from None
+            cfg = self.config
+            raise ValueError(f"cuda_graph_max_bs {cfg.cuda_graph_max_bs}, cuda_graph_max_tokens "
+                             f"{cfg.cuda_graph_max_tokens}, piecewise_cuda_graph_max_tokens "
+                             f"{cfg.piecewise_cuda_graph_max_tokens}: capturing graphs of up to "
+                             f"{max(sizes + pieces)} rows ran out of GPU memory; lower them or "
+                             f"mem_fraction_static") from None
 
     def _ep_static_hooks(self):
         """The static decode step's hooks in EP: fixed-capacity dispatchers of the bucket's size, masked loads."""
@@ -319,7 +334,7 @@ class Engine:
                 "bytes": self.kv.nbytes, "kind": "latent" if layout.latent else "expanded",
                 "bytes_per_token_layer": layout.bytes_per_token_layer(self.config.torch_dtype), "context": ctx,
                 "max_concurrency": self.allocator.capacity // -(-ctx // self.config.block_size),
-                "graph_buckets": self.runner.buckets}
+                "graph_buckets": self.runner.buckets, "piecewise_buckets": self.runner.piece_buckets}
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -434,8 +449,11 @@ class Engine:
 
     # ---- the step -------------------------------------------------------------------------------
 
-    def _agree(self, plan: StepPlan, pending: bool, eager: bool, rows: int) -> tuple[bool, int, bool, int]:
-        local = torch.tensor([int(pending or self.has_unfinished() or bool(plan.chunks)), plan.num_tokens,
+    def _agree(self, plan: StepPlan, pending: bool, eager: bool, rows: int,
+               all_rows: int) -> tuple[bool, int, bool, int]:
+        """Over the ranks: whether any has work, the most rows of a step (every token fed, verify rows included),
+        whether any has a prompt chunk that is not fed row-wise, the most single-token rows."""
+        local = torch.tensor([int(pending or self.has_unfinished() or bool(plan.chunks)), all_rows,
                               int(eager), rows], dtype=torch.int64)
         if self.comm.size == 1:
             glob = local
@@ -498,24 +516,29 @@ class Engine:
         else:
             rows = sum(1 + c.lookahead for c in plan.decodes)
         rowwise = bool(plan.prefills) and plan.rowwise_prefills
+        prompt_rows = sum(c.num_tokens for c in plan.prefills)
         if rowwise:
-            rows += sum(c.num_tokens for c in plan.prefills)
-        work, _, any_eager, max_rows = self._agree(plan, pending, bool(plan.prefills) and not rowwise, rows)
+            rows += prompt_rows
+        work, all_rows, any_eager, max_rows = self._agree(plan, pending, bool(plan.prefills) and not rowwise, rows,
+                                                          rows if rowwise else rows + prompt_rows)
         self.last_step_busy = work
         if not work:
             return outputs
         if collective and max_rows:
             proposals = self._propose(plan)
-        bucket = None
+        bucket = piece = None
         if self.config.static_decode and not any_eager and max_rows:
             bucket = self.runner.bucket_for(max_rows)
-        if bucket is None and not plan.chunks:
+        if self.config.static_decode and bucket is None and all_rows:
+            piece = self.runner.piece_bucket_for(all_rows)
+        if bucket is None and piece is None and not plan.chunks:
             self.ep_model.idle_step()
             self.stats["idle_steps"] += 1
         else:
             drafts = [p.token_ids for p in proposals] if proposals is not None else None
-            out = self.runner.run(plan, bucket, drafts)
-            self.stats["graph_steps" if bucket is not None else "eager_steps"] += 1
+            out = self.runner.run(plan, bucket, drafts, piece)
+            kind = "graph_steps" if bucket is not None else "piecewise_steps" if piece is not None else "eager_steps"
+            self.stats[kind] += 1
             self.stats["graph_prefill_steps"] += int(bucket is not None and bool(plan.prefills))
             decode_rows = (sum(1 + len(p.token_ids) for p in proposals) if proposals is not None
                            else len(plan.decodes))

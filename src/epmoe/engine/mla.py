@@ -131,14 +131,23 @@ class MLAAttention(nn.Module):
             q_rope, k_rope = self.rotary(q_rope, k_rope, cos, sin)
         batch.kv.write_latent(self.layer_idx, c_kv, k_rope[0, 0], batch.slot_mapping)
         q_nope, q_rope = q_nope[0].transpose(0, 1), q_rope[0].transpose(0, 1)  # [T, H, dn], [T, H, dr]
-        out = q_nope.new_empty(t, h, dv)
+        if batch.pieces is not None:  # a piecewise forward: the cut runs the attention on the step's real batch
+            out = batch.pieces.cut(self._attend, (h, dv), q_nope.dtype, q_nope, q_rope)
+        else:
+            out = self._attend(batch, q_nope, q_rope)
+        return self.o_proj(out.reshape(1, t, h * dv)), None
+
+    def _attend(self, batch: AttnBatch, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
+        """Attention of the step's rows, their entries already in the cache: ``[T, H, dn]``, ``[T, H, dr]`` ->
+        ``[T, H, dv]``."""
+        out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_head_dim)
         nd = batch.num_decode
         if nd:
             out[:nd] = self._decode(q_nope[:nd], q_rope[:nd], batch)
         for p in batch.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
             out[rows] = self._prefill(q_nope[rows], q_rope[rows], p.kv_slots, p.start_pos, batch)
-        return self.o_proj(out.reshape(1, t, h * dv)), None
+        return out
 
     def _decode(self, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
         """Absorbed decode of ``nd`` single-token rows: ``[nd, H, dn]``, ``[nd, H, dr]`` -> ``[nd, H, dv]``."""

@@ -23,6 +23,7 @@ from epmoe.engine.attention import AttnBatch, PrefillChunk
 from epmoe.engine.kv_cache import KVCache
 from epmoe.engine.mla_decode import mla_decode_splits
 from epmoe.engine.paged_decode import paged_decode_splits, paged_decode_workspace_numel
+from epmoe.engine.piecewise import Cut, Pieces
 from epmoe.engine.scheduler import ScheduledChunk, StepPlan
 from epmoe.loads import ExpertLoadRecorder
 from epmoe.models.hf import EPModel
@@ -106,6 +107,12 @@ class Packed:
                          for row, n, start, slots in self.chunks)
         return AttnBatch(kv, self.slot_mapping.to(device), self.num_decode, self.block_tables.to(device),
                          self.context_lens.to(device), prefills)
+
+
+def _smallest_holding(sizes: list[int], n: int) -> int | None:
+    """The smallest of the ascending ``sizes`` that is at least ``n``, or ``None``."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
 
 
 def _cat(parts: list[np.ndarray]) -> torch.Tensor:
@@ -229,14 +236,16 @@ def ep_static_hooks(ep_model: EPModel, eager_dispatcher: str, recorder: ExpertLo
 
 @dataclass
 class _Graph:
-    """One bucket: its captured graphs, one per segment of decoder layers, replayed in order (``None``: the
-    static path runs eagerly), and its static inputs.
+    """One bucket: its captured graphs, replayed in order (``None``: the static path runs eagerly), and its static
+    inputs. A decode bucket's graphs are one per segment of decoder layers and end with the logits; a piecewise
+    bucket's (``engine.piecewise``) are the pieces between its ``cuts`` and end with the final hidden states.
 
     The inputs live in two device buffers, filled from two host buffers of the same layout (pinned on CUDA) by
     one copy each: ``ints [5, bs]`` int64, rows ``input_ids``, ``positions``, ``slot_mapping``, ``valid_rows``,
     ``sources`` (the token-buffer row of an id still on the device, -1 = the id given);
-    ``tables [bs * max_blocks + bs]`` int32, the block tables row after row, then ``context_lens``. ``copied``
-    (CUDA) marks when the last copies out of the host buffers were done, before they are written again.
+    ``tables [bs * max_blocks + bs]`` int32, the block tables row after row, then ``context_lens`` (empty in a
+    piecewise bucket, whose attention runs eagerly). ``copied`` (CUDA) marks when the last copies out of the host
+    buffers were done, before they are written again.
     """
 
     graph: tuple[torch.cuda.CUDAGraph, ...] | None
@@ -249,6 +258,17 @@ class _Graph:
     aux: torch.Tensor | None = None
     copied: torch.cuda.Event | None = None
     used: int = 0
+    cuts: tuple[Cut, ...] = ()
+
+    @classmethod
+    def empty(cls, bs: int, max_blocks: int, device: torch.device) -> _Graph:
+        """Zeroed static inputs for ``bs`` rows (no tables when ``max_blocks`` is 0), host buffers pinned on CUDA."""
+        pin = device.type == "cuda"
+        n_tables = bs * max_blocks + bs if max_blocks else 0
+        return cls(None, torch.zeros(5, bs, dtype=torch.int64, device=device),
+                   torch.zeros(n_tables, dtype=torch.int32, device=device),
+                   torch.zeros(5, bs, dtype=torch.int64, pin_memory=pin),
+                   torch.zeros(n_tables, dtype=torch.int32, pin_memory=pin), max_blocks)
 
     @property
     def bs(self) -> int:
@@ -284,16 +304,14 @@ class _Graph:
 
     def load(self, packed: Packed) -> None:
         """Write ``packed``'s ``n`` rows (and zero padding rows after them) into the static inputs: the host
-        buffers are filled, then copied to the device in two copies."""
-        n, mb, bs = packed.num_decode, self.max_blocks, self.bs
+        buffers are filled, then copied to the device in two copies (one without tables)."""
+        n, mb, bs = packed.input_ids.numel(), self.max_blocks, self.bs
         if self.copied is not None:
             self.copied.synchronize()
         hi, ht = self.host_ints, self.host_tables
         tail = max(self.used, n)
         hi[:, n:tail].zero_()
         hi[4, n:tail] = -1
-        ht[n * mb: tail * mb].zero_()
-        ht[bs * mb + n: bs * mb + tail].zero_()
         hi[0, :n] = packed.input_ids
         hi[1, :n] = packed.positions
         hi[2, :n] = packed.slot_mapping
@@ -302,12 +320,15 @@ class _Graph:
             hi[4, :n] = -1
         else:
             hi[4, :n] = packed.sources
-        ht[: n * mb].view(n, mb).copy_(packed.block_tables)
-        ht[bs * mb: bs * mb + n] = packed.context_lens
         self.used = n
         cuda = self.ints.is_cuda
         self.ints.copy_(hi, non_blocking=cuda)
-        self.tables.copy_(ht, non_blocking=cuda)
+        if mb:  # a decode bucket: every row is a single-token row
+            ht[n * mb: tail * mb].zero_()
+            ht[bs * mb + n: bs * mb + tail].zero_()
+            ht[: n * mb].view(n, mb).copy_(packed.block_tables)
+            ht[bs * mb: bs * mb + n] = packed.context_lens
+            self.tables.copy_(ht, non_blocking=cuda)
         if cuda:
             if self.copied is None:
                 self.copied = torch.cuda.Event()
@@ -342,6 +363,8 @@ class ModelRunner:
         self.max_blocks = max_blocks_per_seq
         self.device = device
         self.graphs: dict[int, _Graph] = {}
+        self.piece_graphs: dict[int, _Graph] = {}
+        self.pieces: Pieces | None = None
         self._pool = None
         self._activate = self._deactivate = None
         self.aux_layers = tuple(aux_layers)
@@ -365,9 +388,16 @@ class ModelRunner:
 
     def bucket_for(self, num_decode: int) -> int | None:
         """The smallest captured row count holding ``num_decode`` rows, or ``None``."""
-        sizes = self.buckets
-        i = bisect.bisect_left(sizes, num_decode)
-        return sizes[i] if i < len(sizes) else None
+        return _smallest_holding(self.buckets, num_decode)
+
+    @property
+    def piece_buckets(self) -> list[int]:
+        """Token counts of the piecewise graphs, ascending."""
+        return sorted(self.piece_graphs)
+
+    def piece_bucket_for(self, rows: int) -> int | None:
+        """The smallest piecewise bucket holding a step of ``rows`` rows, or ``None``."""
+        return _smallest_holding(self.piece_buckets, rows)
 
     def keep_sampled(self, tokens: torch.Tensor) -> None:
         """Keep a step's sampled ``tokens [N]`` int64 (on the device) in rows ``[0, N)`` of the token buffer, where
@@ -381,9 +411,9 @@ class ModelRunner:
             raise ValueError(f"{tokens.numel()} sampled tokens do not fit the token buffer of {have} rows")
         self.tokens[: tokens.numel()].copy_(tokens)
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttnBatch,
-                 rows: torch.Tensor | None, sources: torch.Tensor | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _body(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttnBatch,
+              sources: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder's final hidden states ``[T, D]`` and the aux layers' outputs."""
         if sources is not None and self.tokens is not None:
             input_ids = torch.where(sources >= 0, self.tokens[sources.clamp(min=0)], input_ids)
         self._aux = []
@@ -391,14 +421,19 @@ class ModelRunner:
                         epmoe_batch=batch)
         aux = torch.cat([a[0] for a in self._aux], dim=-1) if self.aux_layers else None
         self._aux = []
-        hidden = out[0][0]
+        return out[0][0], aux
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttnBatch,
+                 rows: torch.Tensor | None, sources: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden, aux = self._body(input_ids, positions, batch, sources)
         if rows is not None:
             hidden = hidden.index_select(0, rows)
         return self.lm_head(hidden), aux
 
     @torch.no_grad()
     def run(self, plan: StepPlan, bucket: int | None = None,
-            drafts: Sequence[Sequence[int]] | None = None) -> StepOutput:
+            drafts: Sequence[Sequence[int]] | None = None, piece: int | None = None) -> StepOutput:
         """Run ``plan`` (with ``drafts[i]`` proposed tokens after decode chunk ``i``: a verify step).
 
         Args:
@@ -406,6 +441,8 @@ class ModelRunner:
             bucket: replay the graph captured for this many rows, the prefill chunks fed one row per token;
                 ``None`` = eager.
             drafts: per decode chunk, the proposed tokens verified after its token (``None``: none).
+            piece: instead, replay the piecewise graphs of this many rows (prefill chunks as chunks, attention
+                eager between the pieces; ``engine.piecewise``).
 
         Returns:
             The logits of the sampling rows (every row of a decode chunk, then each sampling prefill chunk's
@@ -414,14 +451,16 @@ class ModelRunner:
         Raises:
             ValueError: a bucket that was not captured or is smaller than the plan's rows.
         """
-        return self.execute(plan_feeds(plan, drafts, rowwise_prefill=bucket is not None), bucket)
+        return self.execute(plan_feeds(plan, drafts, rowwise_prefill=bucket is not None), bucket, piece)
 
     @torch.no_grad()
-    def execute(self, feeds: Sequence[Feed], bucket: int | None = None) -> StepOutput:
+    def execute(self, feeds: Sequence[Feed], bucket: int | None = None, piece: int | None = None) -> StepOutput:
         """Run ``feeds`` (see ``run``); the row-wise feeds first in the packed order, then the chunks."""
         packed = pack(feeds, self.kv.block_size, self.max_blocks)
         if bucket is not None:
             return self._replay(packed, bucket)
+        if piece is not None:
+            return self._replay_pieces(packed, piece)
         dev = self.device
         batch = packed.attn_batch(self.kv, dev)
         rows = torch.tensor(packed.sample_rows, dtype=torch.int64, device=dev)
@@ -455,6 +494,39 @@ class ModelRunner:
                 self._deactivate()
         logits = logits[:n] if rows is None else logits.index_select(0, rows)
         return StepOutput(logits.float(), None if aux is None else aux[:n])
+
+    def _replay_pieces(self, packed: Packed, piece: int) -> StepOutput:
+        g = self.piece_graphs.get(piece)
+        n = packed.input_ids.numel()
+        if g is None or n > piece:
+            raise ValueError(f"no piecewise graphs of {piece} rows for a step of {n} rows; captured: "
+                             f"{self.piece_buckets}")
+        if packed.sources is not None and self.tokens is None:
+            raise ValueError("a feed reads a token on the device, but the runner has no token buffer")
+        dev = self.device
+        batch = packed.attn_batch(self.kv, dev)
+        g.load(packed)
+        if g.graph is not None:
+            for i, graph in enumerate(g.graph):  # attention i runs (eagerly) after piece i, before piece i + 1
+                graph.replay()
+                if i < len(g.cuts):
+                    g.cuts[i].run(batch, n)
+            hidden, aux = g.logits, g.aux
+        else:
+            self._activate(piece, g.valid_rows)
+            self.pieces.set_batch(batch, n)
+            try:
+                hidden, aux = self._body(g.input_ids, g.positions, self._piece_batch(g), g.sources)
+            finally:
+                self.pieces.set_batch(None, 0)
+                self._deactivate()
+        rows = torch.tensor(packed.sample_rows, dtype=torch.int64, device=dev)
+        return StepOutput(self.lm_head(hidden.index_select(0, rows)).float(), None if aux is None else aux[:n])
+
+    def _piece_batch(self, g: _Graph) -> AttnBatch:
+        """The ``AttnBatch`` a piecewise forward runs with: the static slot mapping (cache writes) and the cuts."""
+        none = torch.zeros(0, dtype=torch.int32, device=self.device)
+        return AttnBatch(self.kv, g.slot_mapping, 0, none.view(0, 0), none, pieces=self.pieces)
 
     def _workspace(self, sizes: list[int]) -> torch.Tensor:
         """Split-K scratch of the decode kernel for the largest need over ``sizes``, shared by every
@@ -491,13 +563,8 @@ class ModelRunner:
         self._activate, self._deactivate = activate, deactivate
         dev = self.device
         workspace = self._workspace(sizes) if sizes and cuda_graphs else None
-        pin = dev.type == "cuda"
         for bs in sorted(sizes, reverse=True):
-            mb = self.max_blocks
-            g = _Graph(None, torch.zeros(5, bs, dtype=torch.int64, device=dev),
-                       torch.zeros(bs * mb + bs, dtype=torch.int32, device=dev),
-                       torch.zeros(5, bs, dtype=torch.int64, pin_memory=pin),
-                       torch.zeros(bs * mb + bs, dtype=torch.int32, pin_memory=pin), mb)
+            g = _Graph.empty(bs, self.max_blocks, dev)
             if cuda_graphs:
                 activate(bs, g.valid_rows)
                 try:
@@ -507,6 +574,68 @@ class ModelRunner:
             self.graphs[bs] = g
         if cuda_graphs:
             torch.cuda.synchronize(dev)
+
+    @torch.no_grad()
+    def capture_pieces(self, sizes: list[int], activate, deactivate, cuda_graphs: bool = True) -> None:
+        """Prepare the piecewise forward of each token count in ``sizes`` (``engine.piecewise``): captured as
+        graphs between the attention calls (largest first, in the decode graphs' memory pool), or, without
+        ``cuda_graphs``, kept to run on the same padded static tensors with each attention run at once (the
+        piecewise path, testable on CPU). ``activate``/``deactivate`` as in ``capture``.
+        """
+        self._activate, self._deactivate = activate, deactivate
+        self.piece_graphs = {}
+        if not sizes:
+            self.pieces = None
+            return
+        self.pieces = Pieces(max(sizes))
+        for n in sorted(sizes, reverse=True):
+            g = _Graph.empty(n, 0, self.device)
+            if cuda_graphs:
+                activate(n, g.valid_rows)
+                try:
+                    g.graph, g.cuts, g.logits, g.aux = self._capture_pieces_one(g)
+                finally:
+                    deactivate()
+            self.piece_graphs[n] = g
+        if cuda_graphs:
+            torch.cuda.synchronize(self.device)
+
+    def _capture_pieces_one(self, g: _Graph):
+        """One piecewise bucket: warm-up forwards recording cuts without graphs (they allocate the staging buffers),
+        then the capture, a new graph begun at each cut."""
+        dev = self.device
+        batch = self._piece_batch(g)
+        g.sources.fill_(-1)
+        stream = torch.cuda.Stream(device=dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.pieces.record(None)
+                try:
+                    self._body(g.input_ids, g.positions, batch, g.sources)
+                finally:
+                    self.pieces.stop()
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graphs = [torch.cuda.CUDAGraph()]
+
+        def next_piece() -> None:
+            graphs[-1].capture_end()
+            graphs.append(torch.cuda.CUDAGraph())
+            graphs[-1].capture_begin(pool=self._pool)
+
+        torch.cuda.synchronize(dev)
+        with torch.cuda.stream(stream):
+            graphs[0].capture_begin(pool=self._pool)
+            self.pieces.record(next_piece)
+            try:
+                hidden, aux = self._body(g.input_ids, g.positions, batch, g.sources)
+            finally:
+                graphs[-1].capture_end()
+                cuts = self.pieces.stop()
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        return tuple(graphs), tuple(cuts), hidden, aux
 
     def _segment_starts(self) -> list[int]:
         """Decoder layers that begin a new graph segment: the layers split into ``graph_segments`` runs."""

@@ -1,0 +1,82 @@
+"""Piecewise graphs (``engine.piecewise``) on CPU: the bucket sizes, the cuts' staging, and the engine's piecewise
+path (static padded rows, attention run on the real batch between the pieces) against transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epmoe.engine import Engine, EngineConfig, SamplingParams
+from epmoe.engine.piecewise import Pieces, piece_buckets
+
+from ..hf_greedy import hf_greedy
+
+
+def test_piece_buckets():
+    assert piece_buckets(1, 8192) == [64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584,
+                                      4096, 5120, 6144, 7168, 8192]
+    assert piece_buckets(1, 3000) == [64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3000]
+    assert piece_buckets(1, 16) == [16]
+    assert piece_buckets(200, 600) == [256, 512, 600]
+    assert piece_buckets(1, 0) == []
+
+
+def test_cut_stages_inputs_and_runs_on_the_real_rows():
+    pieces = Pieces(max_rows=8)
+    calls = []
+
+    def attention(batch, q):
+        calls.append((batch, q.shape[0]))
+        return q.sum(dim=-1, keepdim=True).expand(q.shape[0], 3) * batch
+
+    q = torch.arange(24, dtype=torch.float32).view(6, 2, 2)
+    pieces.record(None)  # recording: staged, not run
+    out = pieces.cut(attention, (3,), torch.float32, q.view(6, 4))
+    cuts = pieces.stop()
+    assert calls == [] and len(cuts) == 1 and out.shape == (6, 3)
+    assert torch.equal(out, torch.zeros(6, 3))
+    assert torch.equal(cuts[0].inputs[0], q.view(6, 4))
+    cuts[0].run(10.0, 4)  # the real batch has 4 of the 6 rows: only those are computed and written
+    assert calls == [(10.0, 4)]
+    assert torch.equal(out[:4], q.view(6, 4)[:4].sum(-1, keepdim=True).expand(4, 3) * 10)
+    assert torch.equal(out[4:], torch.zeros(2, 3))
+    pieces.set_batch(2.0, 2)  # running: the cut runs at once, in the same shared buffers
+    again = pieces.cut(attention, (3,), torch.float32, q.view(6, 4)[:5] + 1)
+    assert again.data_ptr() == out.data_ptr() and calls[-1] == (2.0, 2)
+    assert torch.equal(again[:2], (q.view(6, 4)[:2] + 1).sum(-1, keepdim=True).expand(2, 3) * 2)
+    with pytest.raises(ValueError, match="a piecewise forward of 9 rows; the staging buffers hold 8"):
+        pieces.cut(attention, (3,), torch.float32, torch.zeros(9, 4))
+
+
+@pytest.mark.parametrize("family", ["gpt-oss", "llama4", "qwen3-moe"])
+def test_piecewise_engine_equals_transformers(tiny_checkpoints, family):
+    """Prompts of 1 to 23 tokens in chunks of up to 16 rows (with decodes beside them), none row-wise: every step
+    with a prompt chunk is piecewise; greedy tokens equal transformers' in float32."""
+    from transformers import AutoModelForCausalLM
+
+    d = str(tiny_checkpoints(family))
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (23, 5, 1, 12)]
+    engine = Engine(EngineConfig(model=d, max_num_seqs=3, max_num_batched_tokens=16, block_size=4, num_kv_blocks=64,
+                                 static_decode_on_cpu=True, cuda_graph_max_bs=2, cuda_graph_max_tokens=0))
+    assert engine.runner.piece_buckets == [16] and engine.kv_report()["piecewise_buckets"] == [16]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    assert [o.token_ids for o in outs] == [hf_greedy(ref, [p], 6, 258)[0] for p in prompts]
+    assert engine.stats["piecewise_steps"] > 0 and engine.stats["eager_steps"] == 0
+    assert engine.allocator.num_free == engine.allocator.capacity
+
+
+def test_piecewise_off_runs_prompts_eagerly(tiny_checkpoints):
+    d = str(tiny_checkpoints("qwen3-moe"))
+    engine = Engine(EngineConfig(model=d, max_num_seqs=2, max_num_batched_tokens=16, block_size=4, num_kv_blocks=32,
+                                 static_decode_on_cpu=True, cuda_graph_max_bs=2, cuda_graph_max_tokens=0,
+                                 piecewise_cuda_graph_max_tokens=0))
+    assert engine.runner.piece_buckets == []
+    engine.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert engine.stats["piecewise_steps"] == 0 and engine.stats["eager_steps"] > 0
+
+
+def test_bad_piecewise_option_named(tiny_checkpoints):
+    with pytest.raises(ValueError, match="piecewise_cuda_graph_max_tokens must be a non-negative integer, got -1"):
+        EngineConfig(model=str(tiny_checkpoints("qwen3-moe")), piecewise_cuda_graph_max_tokens=-1)
