@@ -53,6 +53,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cuda-graph-max-tokens", type=int, default=512, metavar="N",
                    help="prompts too replayed in CUDA graphs, one row per token next to the decodes, when each prompt "
                         "chunk ends within N tokens; graphs are captured up to N rows (default 512; 0: decode only)")
+    p.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=8192, metavar="N",
+                   help="steps with longer prompt chunks of up to N rows replay piecewise CUDA graphs: the forward "
+                        "captured between the attention calls, attention eager (default 8192; 0: such steps eager)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each step's tokens back before planning the next (default: the next step is "
@@ -120,6 +123,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, request_rate=args.request_rate,
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
             cuda_graph_max_bs=args.cuda_graph_max_bs, cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+            piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
             enforce_eager=args.enforce_eager, disable_overlap_schedule=args.disable_overlap_schedule,
             load_format=args.load_format, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
             replica_policy=args.replica_policy,
@@ -174,6 +178,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cuda-graph-max-tokens", type=int, default=512, metavar="N",
                    help="prompts too replayed in CUDA graphs, one row per token next to the decodes, when each prompt "
                         "chunk ends within N tokens; graphs are captured up to N rows (default 512; 0: decode only)")
+    p.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=8192, metavar="N",
+                   help="steps with longer prompt chunks of up to N rows replay piecewise CUDA graphs: the forward "
+                        "captured between the attention calls, attention eager (default 8192; 0: such steps eager)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each step's tokens back before planning the next (default: the next step is "
@@ -205,6 +212,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
             mem_fraction_static=args.mem_fraction_static, num_kv_blocks=args.num_kv_blocks,
             cuda_graph_max_bs=args.cuda_graph_max_bs, cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+            piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
             enforce_eager=args.enforce_eager, disable_overlap_schedule=args.disable_overlap_schedule,
             load_format=args.load_format, eplb_interval=args.eplb_interval, placement=args.placement,
             redundant=args.redundant,
@@ -277,16 +285,16 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
 _SERVE_FLAGS = {name: "--" + name.replace("_", "-") for name in (
     "model", "ep", "parallel", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-    "mem_fraction_static", "num_kv_blocks", "cuda_graph_max_bs", "cuda_graph_max_tokens", "enforce_eager",
-    "disable_overlap_schedule", "load_format", "eplb_interval",
+    "mem_fraction_static", "num_kv_blocks", "cuda_graph_max_bs", "cuda_graph_max_tokens",
+    "piecewise_cuda_graph_max_tokens", "enforce_eager", "disable_overlap_schedule", "load_format", "eplb_interval",
     "placement", "redundant", "replica_policy", "expert_backend", "host", "port", "served_model_name", "api_key",
     "speculative_algorithm", "speculative_draft_model", "speculative_num_tokens", "speculative_draft_placement",
     "speculative_draft_parallel", "prompt_lookup_min", "prompt_lookup_max")} | {"drain_timeout_s": "--drain-timeout"}
 _RUN_FLAGS = {name: "--" + name.replace("_", "-") for name in (
     "model", "ep", "parallel", "device", "dtype", "placement", "redundant", "layout", "dispatcher", "expert_backend",
     "max_num_seqs", "max_num_batched_tokens", "request_rate", "temperature", "top_p", "top_k", "seed",
-    "cuda_graph_max_bs", "cuda_graph_max_tokens", "enforce_eager", "disable_overlap_schedule", "load_format",
-    "num_kv_blocks", "block_size",
+    "cuda_graph_max_bs", "cuda_graph_max_tokens", "piecewise_cuda_graph_max_tokens", "enforce_eager",
+    "disable_overlap_schedule", "load_format", "num_kv_blocks", "block_size",
     "eplb_interval", "replica_policy", "speculative_algorithm", "speculative_draft_model", "speculative_num_tokens",
     "speculative_draft_placement", "speculative_draft_parallel", "prompt_lookup_min", "prompt_lookup_max")} | {
     "eplb_max_moves": "--max-moves", "max_new_tokens": "--max-new-tokens"}

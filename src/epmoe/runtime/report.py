@@ -84,7 +84,7 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     console.print(outputs)
 
     per_rank = Table(title=f"EP ranks ({report.model_type}, EP {report.ep}, {report.device})")
-    for col in ("rank", "prompts", "steps g/e/i", "batch", "routed", *[_SHORT[k] for k in COLLECTIVE_KINDS],
+    for col in ("rank", "prompts", "steps g/p/e/i", "batch", "routed", *[_SHORT[k] for k in COLLECTIVE_KINDS],
                 "bytes out", "TTFT ms", "experts MiB", "peak MiB"):
         per_rank.add_column(col, justify="right")
     for r in report.ranks:
@@ -94,7 +94,7 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
         ttft = f"{sum(r.ttft_ms) / len(r.ttft_ms):.0f}" if r.ttft_ms else "-"
         per_rank.add_row(
             str(r.rank), str(len(r.prompts)),
-            f"{kinds.get('graph_steps', 0)}/{kinds.get('eager_steps', 0)}/{kinds.get('idle_steps', 0)}",
+            "/".join(str(kinds.get(f"{k}_steps", 0)) for k in ("graph", "piecewise", "eager", "idle")),
             f"{r.tokens_per_step:.1f}", f"{routed:.1f}",
             *[f"{r.collectives[k]:.0f}" for k in COLLECTIVE_KINDS],
             _fmt_bytes(sum(r.bytes_per_step.values())), ttft,
@@ -102,10 +102,10 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
         )
     console.print(per_rank)
     console.print(
-        "per rank: steps g/e/i = CUDA-graph / eager / idle engine steps; per step: batch = tokens fed, routed = "
-        "(token, expert) pairs computed per MoE layer, a2a/ar/ag = all-to-all/all-reduce/all-gather calls (one "
-        "all-gather per step agrees on the batch), bytes out = bytes sent; TTFT = mean time to first token; "
-        "experts MiB = routed-expert weights held / all of them; peak MiB = "
+        "per rank: steps g/p/e/i = CUDA-graph / piecewise-graph / eager / idle engine steps; per step: batch = "
+        "tokens fed, routed = (token, expert) pairs computed per MoE layer, a2a/ar/ag = all-to-all/all-reduce/"
+        "all-gather calls (one all-gather per step agrees on the batch), bytes out = bytes sent; TTFT = mean time to "
+        "first token; experts MiB = routed-expert weights held / all of them; peak MiB = "
         + ("CUDA memory allocated" if report.device == "cuda" else "process RSS")
     )
 

@@ -73,6 +73,8 @@ class RunConfig:
         cuda_graph_max_bs: largest decode batch replayed as a CUDA graph.
         cuda_graph_max_tokens: prompt chunks ending within this many tokens run in the replayed steps too
             (``EngineConfig``).
+        piecewise_cuda_graph_max_tokens: steps of up to this many rows with longer chunks replay piecewise graphs
+            (``EngineConfig``).
         enforce_eager: no CUDA graphs (float32 runs on CUDA are always eager: the graph-safe expert
             kernels compute in bf16/fp16).
         disable_overlap_schedule: read each step's tokens back before planning the next (``EngineConfig``).
@@ -111,6 +113,7 @@ class RunConfig:
     seed: int | None = None
     cuda_graph_max_bs: int = 256
     cuda_graph_max_tokens: int = 512
+    piecewise_cuda_graph_max_tokens: int = 8192
     enforce_eager: bool = False
     disable_overlap_schedule: bool = False
     load_format: str = "auto"
@@ -206,7 +209,8 @@ class RunConfig:
             max_num_batched_tokens=self.max_num_batched_tokens, num_kv_blocks=self.num_kv_blocks,
             block_size=self.block_size,
             cuda_graph_max_bs=self.cuda_graph_max_bs, cuda_graph_max_tokens=self.cuda_graph_max_tokens,
-            enforce_eager=eager, disable_overlap_schedule=self.disable_overlap_schedule,
+            piecewise_cuda_graph_max_tokens=self.piecewise_cuda_graph_max_tokens, enforce_eager=eager,
+            disable_overlap_schedule=self.disable_overlap_schedule,
             eplb_interval=self.eplb_interval, eplb_max_moves=self.eplb_max_moves, replica_policy=self.replica_policy,
             seed=self.seed or 0,
             **speculative_options(self),
@@ -224,7 +228,8 @@ class RankReport:
         finish_reasons: why each served prompt stopped (``stop``, ``length``).
         gen_s: wall time of the generation on this rank, seconds.
         steps: engine steps run (every rank runs the same number).
-        step_kinds: steps by kind: ``graph_steps`` (one CUDA-graph replay), ``eager_steps``, ``idle_steps``
+        step_kinds: steps by kind: ``graph_steps`` (one CUDA-graph replay), ``piecewise_steps`` (piecewise graphs,
+            attention eager), ``eager_steps``, ``idle_steps``
             (nothing of its own: joined the collectives with an empty batch); ``preemptions``.
         tokens_per_step: mean tokens this rank fed per step in which it ran the model.
         ttft_ms: time to first token of each served prompt, ms.
@@ -403,7 +408,7 @@ def _serve_share(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], mine:
         per_rank = torch.zeros(engine.spec.num_moe_layers, comm.size, dtype=torch.int64)
     else:
         per_rank = engine.slot_totals.cpu().reshape(engine.spec.num_moe_layers, comm.size, -1).sum(-1)
-    ran = engine.stats["graph_steps"] + engine.stats["eager_steps"]
+    ran = engine.stats["graph_steps"] + engine.stats["piecewise_steps"] + engine.stats["eager_steps"]
     fed = sum(len(all_ids[i]) + len(o.token_ids) - 1 for i, o in zip(mine, outs))
     return RankReport(
         rank=comm.rank, prompts=mine, tokens=[o.token_ids for o in outs],
@@ -433,6 +438,7 @@ def _spec_report(engine: Engine, outs) -> dict | None:
 _FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
           "block_size": "--block-size", "cuda_graph_max_bs": "--cuda-graph-max-bs",
           "cuda_graph_max_tokens": "--cuda-graph-max-tokens", "num_kv_blocks": "--num-kv-blocks",
+          "piecewise_cuda_graph_max_tokens": "--piecewise-cuda-graph-max-tokens",
           "seed": "--seed", "max_model_len": "--max-model-len",
           "speculative_algorithm": "--speculative-algorithm", "speculative_draft_model": "--speculative-draft-model",
           "speculative_num_tokens": "--speculative-num-tokens",

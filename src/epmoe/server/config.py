@@ -29,8 +29,8 @@ class ServeConfig:
         parallel: ``ep`` (experts expert-parallel) or ``tp`` (experts tensor-parallel over the same ranks; the
             baseline); attention is data-parallel either way.
         device, dtype, max_num_seqs, max_num_batched_tokens, mem_fraction_static, cuda_graph_max_bs,
-            cuda_graph_max_tokens, enforce_eager, disable_overlap_schedule, load_format, eplb_interval, placement,
-            redundant, replica_policy, max_model_len, num_kv_blocks:
+            cuda_graph_max_tokens, piecewise_cuda_graph_max_tokens, enforce_eager, disable_overlap_schedule,
+            load_format, eplb_interval, placement, redundant, replica_policy, max_model_len, num_kv_blocks:
             the engine's options (``EngineConfig``).
         expert_backend: ``None`` = ``triton`` on CUDA, ``reference`` on CPU.
         host: address to listen on.
@@ -55,6 +55,7 @@ class ServeConfig:
     mem_fraction_static: float = 0.9
     cuda_graph_max_bs: int = 256
     cuda_graph_max_tokens: int = 512
+    piecewise_cuda_graph_max_tokens: int = 8192
     enforce_eager: bool = False
     disable_overlap_schedule: bool = False
     load_format: str = "auto"
@@ -115,7 +116,8 @@ class ServeConfig:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, mem_fraction_static=self.mem_fraction_static,
             num_kv_blocks=self.num_kv_blocks, cuda_graph_max_bs=self.cuda_graph_max_bs,
-            cuda_graph_max_tokens=self.cuda_graph_max_tokens, enforce_eager=eager,
+            cuda_graph_max_tokens=self.cuda_graph_max_tokens,
+            piecewise_cuda_graph_max_tokens=self.piecewise_cuda_graph_max_tokens, enforce_eager=eager,
             disable_overlap_schedule=self.disable_overlap_schedule, eplb_interval=self.eplb_interval,
             replica_policy=self.replica_policy, **speculative_options(self),
         )

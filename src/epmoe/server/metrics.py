@@ -43,9 +43,10 @@ class ServerMetrics:
         spec_request_accepted_length: per finished request, its mean tokens per verify step.
         engine_steps: engine steps of rank 0 (every rank steps together) by ``kind``: ``graph`` (one CUDA-graph
             replay), ``graph_prefill`` (the graph steps that also carried prompt tokens as single-token rows: a
-            subset of ``graph``, not counted again in the total), ``eager``, ``idle`` (an eager step in which
-            rank 0 had no rows while another rank had: a padded empty pass; in a graph step it replays the
-            graph). Engine steps = graph + eager + idle.
+            subset of ``graph``, not counted again in the total), ``piecewise`` (a step with longer prompt chunks
+            through the piecewise graphs, attention eager), ``eager``, ``idle`` (an eager step in which rank 0 had
+            no rows while another rank had: a padded empty pass; in a graph step it replays the graph). Engine
+            steps = graph + piecewise + eager + idle.
         core_busy_seconds, core_idle_seconds: wall seconds of the engine core's process inside rounds that
             stepped / everything else (waiting for and reading requests, sending reports, rounds without a
             step). Busy over busy + idle near 1 under load: engine-bound; well below: the HTTP side is late.
@@ -94,7 +95,8 @@ class ServerMetrics:
 
         self.engine_steps = Counter("epmoe:engine_steps",
                                     "Engine steps of rank 0 by kind; graph_prefill steps are graph steps that "
-                                    "carried prompt tokens (a subset of graph): steps = graph + eager + idle",
+                                    "carried prompt tokens (a subset of graph): steps = graph + piecewise + eager + "
+                                    "idle", 
                                     ["kind"], registry=r)
         for kind in STEP_KINDS:
             self.engine_steps.labels(kind=kind)

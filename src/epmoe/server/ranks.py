@@ -21,7 +21,7 @@ LOADS_COMMAND = "loads"  # each rank returns its logical loads since start, [L, 
 REBALANCE_COMMAND = "rebalance"  # every rank rebalances together (argument: max_moves); each returns the outcome
 # the engine's step kinds (``Engine.stats[f"{kind}_steps"]``), in the order of ``RankReply.engine_steps``;
 # ``graph_prefill`` steps are graph steps too (a graph step that carried prompt tokens as single-token rows)
-STEP_KINDS = ("graph", "graph_prefill", "eager", "idle")
+STEP_KINDS = ("graph", "graph_prefill", "piecewise", "eager", "idle")
 
 
 @dataclass(frozen=True)
