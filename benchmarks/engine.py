@@ -273,7 +273,6 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
         for h in r["host"][:8]:
             print(f"    host {h['ms_per_step']:7.3f} ms {h['calls']:6.1f}x  {h['function']}")
     time_ttft(engine, 256, spec.vocab_size)  # warm-up: first prefill-sized launches compile their kernels
-    prefills = engine.stats["graph_prefill_steps"]
     active = wb["dense"] / 2 + spec.num_moe_layers * spec.top_k * wb["expert"] / 2
     for n in [int(x) for x in args.ttft.split(",") if x]:
         time_ttft(engine, n, spec.vocab_size)  # warm-up at this length: kernels specialise and tune per shape
@@ -285,10 +284,21 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             time_ttft(engine, n, spec.vocab_size)
         gpu_ms = sum(getattr(ev, "device_time_total", 0.0) for ev in prof.key_averages()) / 1e3
-        m["ttft"][n] = {"ms": ms, "floor_ms": floor, "ratio": ms / floor, "gpu_kernels_ms": gpu_ms,
-                        "graph_prefill": engine.stats["graph_prefill_steps"] > prefills}
-        print(f"  ttft {n}: {ms:.1f} ms, floor {floor:.1f} ms, GPU kernels {gpu_ms:.1f} ms, "
-              f"{'graph' if m['ttft'][n]['graph_prefill'] else 'eager'}", flush=True)
+        before = dict(engine.stats)
+        time_ttft(engine, n, spec.vocab_size)
+        path = next((k for k in ("graph_prefill", "piecewise", "eager") if engine.stats[f"{k}_steps"] > before[
+            f"{k}_steps"]), "eager")
+        m["ttft"][n] = {"ms": ms, "floor_ms": floor, "ratio": ms / floor, "gpu_kernels_ms": gpu_ms, "path": path}
+        if path == "piecewise":  # the same prompt with the piecewise graphs set aside: the eager step it replaces
+            pieces, engine.runner.piece_graphs = engine.runner.piece_graphs, {}
+            try:
+                time_ttft(engine, n, spec.vocab_size)
+                m["ttft"][n]["eager_ms"] = min(time_ttft(engine, n, spec.vocab_size) for _ in range(2))
+            finally:
+                engine.runner.piece_graphs = pieces
+        eager = f", eager {m['ttft'][n]['eager_ms']:.1f} ms" if "eager_ms" in m["ttft"][n] else ""
+        print(f"  ttft {n}: {ms:.1f} ms, floor {floor:.1f} ms, GPU kernels {gpu_ms:.1f} ms, {path}{eager}",
+              flush=True)
         if args.profile:
             import cProfile
             import pstats
@@ -302,7 +312,6 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
             m["ttft"][n]["host"] = sorted(rows, key=lambda r: -r["ms"])[:25]
             for h in m["ttft"][n]["host"][:8]:
                 print(f"    host {h['ms']:7.2f} ms {h['calls']:6d}x  {h['function']}")
-        prefills = engine.stats["graph_prefill_steps"]
     m["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     del engine
     gc.collect()
@@ -532,8 +541,10 @@ def main() -> None:
         print(f"{model:14} KV per token and layer: {kv['bytes_per_token_layer']} B ({kv['kind']}; expanded per-head "
               f"keys and values: {kv['expanded_bytes_per_token_layer']} B)")
         for n, r in m["ttft"].items():
-            print(f"{model:14} TTFT {n}: {r['ms']:.1f} ms (GPU kernels {r['gpu_kernels_ms']:.1f} ms), "
-                  f"FLOP floor {r['floor_ms']:.1f} ms, ratio {r['ratio']:.2f}; peak {m['peak_gib']:.1f} GiB")
+            eager = f", eager step {r['eager_ms']:.1f} ms" if "eager_ms" in r else ""
+            print(f"{model:14} TTFT {n}: {r['ms']:.1f} ms {r.get('path', '')} (GPU kernels {r['gpu_kernels_ms']:.1f} "
+                  f"ms{eager}), FLOP floor {r['floor_ms']:.1f} ms, ratio {r['ratio']:.2f}; "
+                  f"peak {m['peak_gib']:.1f} GiB")
     if "engine_fit" in result:
         fit = result["engine_fit"]
         print(f"engine terms fitted to these rows: step {fit['engine_step_us']:.0f} us, layer "
