@@ -127,7 +127,7 @@ def test_cuda_graphs_with_split_k_agree_with_eager_bf16(tmp_path):
     for eager in (False, True):
         engine = Engine(EngineConfig(model=str(d), device="cuda", dtype="bfloat16", expert_backend="triton",
                                      max_num_seqs=8, cuda_graph_max_bs=8, cuda_graph_max_tokens=0,
-                                     enforce_eager=eager, max_model_len=4096))
+                                     piecewise_cuda_graph_max_tokens=0, enforce_eager=eager, max_model_len=4096))
         tokens.append([o.token_ids for o in engine.generate(PROMPTS, params)])
         assert (engine.stats["graph_steps"] > 0) != eager
     assert mla_decode_splits(4, 4, 4096, "cuda") > 1

@@ -13,10 +13,11 @@ PROMPTS = ["abcabcabcabcabc", "the cat sat, the cat sat, the", "def f(x):", "M"]
 
 
 def _engine(model: str, eager: bool, **spec) -> Engine:
-    """Prompts run eagerly on both sides (``cuda_graph_max_tokens=0``): the graph buckets are the decode and verify
-    ones, and the prompt's keys are computed by the same kernels as the eager reference's."""
+    """Prompts run eagerly on both sides (``cuda_graph_max_tokens=0``, no piecewise graphs): the graph buckets are
+    the decode and verify ones, and the prompt's keys are computed by the same kernels as the eager reference's."""
     return Engine(EngineConfig(model=model, device="cuda", dtype="bfloat16", expert_backend="triton", max_num_seqs=8,
-                               cuda_graph_max_bs=8, cuda_graph_max_tokens=0, enforce_eager=eager, **spec))
+                               cuda_graph_max_bs=8, cuda_graph_max_tokens=0, piecewise_cuda_graph_max_tokens=0,
+                               enforce_eager=eager, **spec))
 
 
 # Qwen3-MoE: its bf16 kernels give the same tokens for a sequence whatever rows share its step, so a verify step
