@@ -145,7 +145,7 @@ def _router_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, c
 @triton.jit
 def _gate_router_kernel(x_ptr, gw_ptr, gb_ptr, scratch_ptr, arrive_ptr,
                         bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, counts_ptr, pos_ptr, mask_ptr,
-                        E, D, stride_x, stride_gw, scale, layer, num_layers, width,
+                        E, stride_x, stride_gw, scale, layer, num_layers, width, D: tl.constexpr,
                         ROWS: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr, GATE_BIAS: tl.constexpr,
                         ROUND_LOGITS: tl.constexpr,
                         K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr,
