@@ -190,6 +190,7 @@ GATE_CASES = [
     ("qwen3-moe", torch.float32, torch.float32, {}),
     ("qwen3-moe", torch.float32, torch.float32, {"router_bias": True}),  # a gate bias (gpt-oss has one)
     ("deepseek-v3", torch.bfloat16, torch.bfloat16, {}),   # fp32 logits of bf16 x, sigmoid, groups, correction bias
+    ("deepseek-v3", torch.bfloat16, torch.bfloat16, {"router_bias": True}),  # a bf16 gate bias widened too
 ]
 
 

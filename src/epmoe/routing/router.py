@@ -115,8 +115,9 @@ class Router(nn.Module):
         return idx, weights.float()
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, E]`` gate logits: float32 with ``fp32_logits`` (``x``, weight and bias widened), else ``x``'s dtype."""
         if self.fp32_logits:
-            return F.linear(x.float(), self.weight.float())
+            return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
         return F.linear(x, self.weight, self.bias)
 
     def route_to_slots(self, x: torch.Tensor, slot_table: torch.Tensor,
