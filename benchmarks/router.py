@@ -1,12 +1,14 @@
 """One MoE layer on one GPU as CUDA-graph replays, with the PyTorch router and with the fused Triton router.
 
-    python3 benchmarks/router.py [--out results.json]
+    python3 benchmarks/router.py [--out results.json] [--tokens 1,8,64]
 
 DeepSeek-V3 (grouped sigmoid routing over 256 experts) and Qwen3-30B-A3B (softmax over 128) layers with
 random weights, all experts on the one GPU: router -> fixed_capacity dispatcher (one-rank path) ->
-triton experts -> combine -> shared experts. Per size: the layer and the gate alone, each timed as 8
-calls captured in one CUDA graph (per-call device time, median of 20 replays), and the relative
-difference of the two layers' outputs. Prints a table last.
+triton experts -> combine -> shared experts. Three routers: ``torch`` (PyTorch ops), ``two-launch``
+(cuBLAS gate, then the Triton routing kernel) and, up to ``FUSED_GATE_MAX_TOKENS`` tokens, ``fused gate``
+(the gate's logits in the routing kernel's launch). Per size and router: the layer and the gate alone, each
+timed as 8 calls captured in one CUDA graph (per-call device time, median of 20 replays), and the relative
+difference of the layer's output from the ``torch`` router's. Prints a table last.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ import torch
 from epmoe.comm import Comm
 from epmoe.layer import MoELayer, MoELayerOptions
 from epmoe.placement import ExpertPlacement
+from epmoe.routing.router import FUSED_GATE_MAX_TOKENS
 from epmoe.spec import parse_moe_spec
 from timing import graph_us
 
 REPO = Path(__file__).resolve().parents[1]
+# (name, Router.impl, Router.fused_gate_max_tokens): PyTorch; cuBLAS gate then the routing kernel; the gate in it
+ROUTERS = (("torch", "torch", 0), ("two-launch", "auto", 0), ("fused-gate", "auto", FUSED_GATE_MAX_TOKENS))
 
 
 def main() -> int:
@@ -49,23 +54,35 @@ def main() -> int:
                     param.normal_(0, 0.02)
                 x = torch.randn(t, spec.hidden_size, device="cuda").bfloat16()
                 outs = {}
-                for impl in ("torch", "auto"):
-                    layer.gate.impl = impl
-                    row[f"layer_{impl}_us"] = graph_us(lambda: layer(x))
-                    row[f"gate_{impl}_us"] = graph_us(lambda: layer.gate(x))
-                    outs[impl] = layer(x).float()
-                row["out_rel_diff"] = ((outs["auto"] - outs["torch"]).norm() / outs["torch"].norm()).item()
+                for router, impl, fused_gate in ROUTERS:
+                    if t > fused_gate > 0:  # the fused gate serves up to FUSED_GATE_MAX_TOKENS tokens
+                        continue
+                    layer.gate.impl, layer.gate.fused_gate_max_tokens = impl, fused_gate
+                    row[f"layer_{router}_us"] = graph_us(lambda: layer(x))
+                    row[f"gate_{router}_us"] = graph_us(lambda: layer.gate(x))
+                    outs[router] = layer(x).float()
+                for router in outs:
+                    if router != "torch":
+                        row[f"out_rel_diff_{router}"] = ((outs[router] - outs["torch"]).norm()
+                                                         / outs["torch"].norm()).item()
             rows.append(row)
             torch.cuda.empty_cache()
     if args.out:
         Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                                               "rows": rows}, indent=1))
-    print(f"{'model':14s} {'T':>4s} | {'layer torch':>11s} {'fused':>8s} | {'gate torch':>10s} {'fused':>7s} | out "
-          "diff")
+    names = [router for router, _, _ in ROUTERS]
+    columns = ([(f"layer {n}", f"layer_{n}_us", ".1f") for n in names] + [(f"gate {n}", f"gate_{n}_us", ".1f")
+               for n in names] + [(f"diff {n}", f"out_rel_diff_{n}", ".1e") for n in names[1:]])
+    print("us per call (CUDA-graph replays); diff: the layer's output against the torch router's")
+    print(f"{'model':14s} {'T':>4s} " + " ".join(f"{head:>16s}" for head, _, _ in columns))
     for r in rows:
-        print(f"{r['model']:14s} {r['tokens']:4d} | {r['layer_torch_us']:11.1f} {r['layer_auto_us']:8.1f} | "
-              f"{r['gate_torch_us']:10.1f} {r['gate_auto_us']:7.1f} | {r['out_rel_diff']:.1e}")
+        print(f"{r['model']:14s} {r['tokens']:4d} " + " ".join(f"{_cell(r, key, fmt):>16s}" for _, key, fmt in columns))
     return 0
+
+
+def _cell(row: dict, key: str, fmt: str) -> str:
+    """``row[key]`` formatted, or ``-`` where the router did not run at that size."""
+    return format(row[key], fmt) if key in row else "-"
 
 
 if __name__ == "__main__":

@@ -2,11 +2,17 @@
 
 ``interpret``: under the Triton interpreter on CPU (``TRITON_INTERPRET=1`` with a CPU Triton on the path),
 real configs of every routing flavour the kernel serves; float32 logits (DeepSeek's router runs in float32)
-and fp16 for the Qwen rounding (the interpreter has no bf16). ``gpu``: on the GPU against the PyTorch router
-on the same GPU (bf16 and float32 logits).
+and fp16 for the Qwen rounding. ``gpu``: on the GPU against the PyTorch router on the same GPU (bf16 and
+float32 logits).
+
+The gate in the router's launch (``route_gate_triton``) against ``F.linear`` then ``route_triton``: on inputs
+whose logits are exact in float32 in any summation order (``_grid_router``), so the two must agree bit for bit
+(experts, weights, slots, load counts), in the interpreter on the small configs and on the GPU on real widths,
+there also inside a replayed CUDA graph.
 """
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -60,7 +66,8 @@ def test_fused_router_matches_torch(name, dtype):
 @pytest.mark.parametrize("t", [1, 8, 1000])
 def test_fused_router_matches_torch_on_gpu(name, t):
     spec = parse_moe_spec(json.loads((CONFIGS / f"{name}.config.json").read_text()), name)
-    fused = Router(spec, dtype=torch.bfloat16, device="cuda")
+    # the top-k kernel on F.linear's logits (the gate in the kernel's launch: test_gate_fused_router_on_gpu)
+    fused = Router(spec, dtype=torch.bfloat16, device="cuda", fused_gate_max_tokens=0)
     plain = Router(spec, dtype=torch.bfloat16, device="cuda", impl="torch")
     gen = torch.Generator(device="cuda").manual_seed(t)
     with torch.no_grad():
@@ -117,3 +124,208 @@ def test_fused_slots_and_load_record_interpreter():
 @pytest.mark.gpu
 def test_fused_slots_and_load_record_gpu():
     _slots_and_record("cuda")
+
+
+def _tiny_spec(family: str, **overrides):
+    from epmoe.models.tiny import _COMMON, TINY_FAMILIES
+
+    return parse_moe_spec({**_COMMON, **TINY_FAMILIES[family], **overrides}, family)
+
+
+def _grid_router(spec, dtype, device, gen, bias: bool = False) -> Router:
+    """A router (``impl='torch'``) whose weight is multiples of ``1/(64 s)`` up to ``1/(4 s)`` (``s`` the power of two
+    nearest ``sqrt(D / 64)``, so the logits keep their spread at any width) and bias multiples of 1/8: with
+    ``_grid_x`` every product and partial sum of a logit is exact in float32 (under ``D * 2**7`` units of
+    ``2**-9 / s``), so any summation order gives the same logits."""
+    router = Router(spec, dtype=dtype, device=device, impl="torch")
+    s = 2.0 ** round(math.log2(math.sqrt(spec.hidden_size / 64)))
+    with torch.no_grad():
+        router.weight.copy_(torch.randint(-16, 17, router.weight.shape, generator=gen, device=device) / (64 * s))
+        if bias:
+            router.bias = torch.nn.Parameter(
+                (torch.randint(-16, 17, (spec.num_experts,), generator=gen, device=device) / 8).to(dtype),
+                requires_grad=False)
+        if router.e_score_correction_bias is not None:
+            router.e_score_correction_bias.normal_(0, 0.1, generator=gen)
+    return router
+
+
+def _grid_x(t: int, d: int, dtype, device, gen) -> torch.Tensor:
+    """``[t, d]`` hidden states, multiples of 1/8 up to 1 (see ``_grid_router``)."""
+    return (torch.randint(-8, 9, (t, d), generator=gen, device=device) / 8).to(dtype)
+
+
+def _gate_fused_vs_two_launch(router: Router, x: torch.Tensor, arrivals: torch.Tensor, row_mask) -> tuple:
+    """``route_gate_triton`` against ``F.linear`` + ``route_triton`` on the same tokens, both with a slot table and
+    a load record; asserts they agree exactly and the arrival counters are back at 0; returns the fused outputs and
+    counts."""
+    from epmoe.loads import LoadRecord
+    from epmoe.routing.router import kernel_flags
+    from epmoe.routing.router_triton import route_gate_triton, route_triton
+
+    spec, dev = router.spec, x.device
+    e, p = spec.num_experts, spec.num_experts + 5
+    table = torch.randperm(p, generator=torch.Generator().manual_seed(x.shape[0]))[:e].to(dev)
+    counts = [torch.zeros(2, 3, p + 1, dtype=torch.int64, device=dev) for _ in range(2)]
+    pos = torch.ones(1, dtype=torch.int64, device=dev)
+    flags = kernel_flags(spec)
+    two = route_triton(router._logits(x), router.e_score_correction_bias, **flags, slot_table=table,
+                       record=LoadRecord(counts[0], pos, 2, row_mask))
+    one = route_gate_triton(x, router.weight, router.bias, arrivals, router.e_score_correction_bias,
+                            fp32_logits=router.fp32_logits, **flags, slot_table=table,
+                            record=LoadRecord(counts[1], pos, 2, row_mask))
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+    assert torch.equal(one[2], table[one[0]])
+    assert torch.equal(counts[0], counts[1])
+    rows = torch.ones(x.shape[0], dtype=torch.int64, device=dev) if row_mask is None else row_mask
+    want = torch.bincount(one[2][rows.bool()].flatten(), minlength=p + 1)
+    assert torch.equal(counts[1][1, 2], want) and counts[1].sum() == want.sum() == int(rows.sum()) * spec.top_k
+    assert not arrivals.any()
+    return one, counts[1]
+
+
+GATE_CASES = [
+    ("qwen3-moe", torch.bfloat16, torch.bfloat16, {}),     # softmax, renormalised, logits and weights rounded
+    ("qwen3-moe", torch.float32, torch.float32, {}),
+    ("qwen3-moe", torch.float32, torch.float32, {"router_bias": True}),  # a gate bias (gpt-oss has one)
+    ("deepseek-v3", torch.bfloat16, torch.bfloat16, {}),   # fp32 logits of bf16 x, sigmoid, groups, correction bias
+    ("deepseek-v3", torch.bfloat16, torch.bfloat16, {"router_bias": True}),  # a bf16 gate bias widened too
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("family,dtype,x_dtype,overrides", GATE_CASES)
+def test_gate_fused_matches_two_launch_interpreter(family, dtype, x_dtype, overrides):
+    """The gate in the router's launch chooses, weighs, maps and counts exactly as ``F.linear`` then the router
+    kernel; two calls in a row (the counters were reset), 1 and 3 tokens, with and without a row mask."""
+    spec = _tiny_spec(family, **overrides)
+    gen = torch.Generator().manual_seed(11)
+    router = _grid_router(spec, dtype, "cpu", gen, bias=bool(overrides))
+    assert (router.bias is not None) == bool(overrides) and router.fp32_logits == (family == "deepseek-v3")
+    arrivals = torch.zeros(4, dtype=torch.int32)
+    for t, row_mask in ((1, None), (3, torch.tensor([1, 0, 1])), (3, None)):
+        x = _grid_x(t, spec.hidden_size, x_dtype, "cpu", gen)
+        _gate_fused_vs_two_launch(router, x, arrivals, row_mask)
+
+
+@pytest.mark.interpret
+def test_gate_fused_random_float32_interpreter():
+    """Unquantized float32 values (the logits then differ in the last bits with the summation order): the same
+    experts and slots, weights within float32 rounding."""
+    from epmoe.routing.router import kernel_flags
+    from epmoe.routing.router_triton import route_gate_triton, route_triton
+
+    spec = _tiny_spec("deepseek-v3")
+    router = Router(spec, impl="torch")
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.3, generator=gen)
+        router.e_score_correction_bias.normal_(0, 0.1, generator=gen)
+    x = torch.randn(3, spec.hidden_size, generator=gen)
+    flags = kernel_flags(spec)
+    idx, w = route_gate_triton(x, router.weight, None, torch.zeros(3, dtype=torch.int32),
+                               router.e_score_correction_bias, fp32_logits=True, **flags)
+    ref_idx, ref_w = route_triton(router._logits(x), router.e_score_correction_bias, **flags)
+    assert torch.equal(idx, ref_idx)
+    assert torch.allclose(w, ref_w, rtol=2e-6, atol=0)
+
+
+@pytest.mark.interpret
+def test_gate_fused_rejects_bad_input():
+    from epmoe.routing.router import kernel_flags
+    from epmoe.routing.router_triton import route_gate_triton
+
+    spec = _tiny_spec("qwen3-moe")
+    router = Router(spec, dtype=torch.bfloat16, impl="torch")
+    x = torch.zeros(3, spec.hidden_size, dtype=torch.bfloat16)
+    flags = kernel_flags(spec)
+    with pytest.raises(ValueError, match="3 tokens, arrivals \\(2,\\)"):
+        route_gate_triton(x, router.weight, None, torch.zeros(2, dtype=torch.int32), None, fp32_logits=False, **flags)
+    with pytest.raises(ValueError, match="torch.float32.*torch.bfloat16"):
+        route_gate_triton(x.float(), router.weight, None, torch.zeros(3, dtype=torch.int32), None,
+                          fp32_logits=False, **flags)
+    with pytest.raises(ValueError, match="do not fit x \\(3, 32\\)"):
+        route_gate_triton(x[:, :32], router.weight, None, torch.zeros(3, dtype=torch.int32), None,
+                          fp32_logits=False, **flags)
+
+
+def test_router_fused_gate_max_tokens_checked():
+    from epmoe.routing.router import FUSED_GATE_MAX_TOKENS
+
+    spec = _tiny_spec("qwen3-moe")
+    assert Router(spec).fused_gate_max_tokens == FUSED_GATE_MAX_TOKENS
+    assert Router(spec, fused_gate_max_tokens=0).fused_gate_max_tokens == 0
+    with pytest.raises(ValueError, match=f"fused_gate_max_tokens must be in \\[0, {FUSED_GATE_MAX_TOKENS}\\], got 17"):
+        Router(spec, fused_gate_max_tokens=FUSED_GATE_MAX_TOKENS + 1)
+
+
+@pytest.fixture
+def exact_bf16_matmul():
+    """cuBLAS without bf16 reductions of split-K partial sums (``F.linear``'s bf16 logits then are the float32 sums
+    rounded once, as the fused gate's)."""
+    old = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    yield
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = old
+
+
+def _two_launch(router: Router, x: torch.Tensor, table: torch.Tensor, recorder) -> tuple:
+    """``router.route_to_slots`` through ``F.linear`` then ``route_triton`` (and ``forward``'s result)."""
+    limit = router.fused_gate_max_tokens
+    router.fused_gate_max_tokens = 0
+    try:
+        return router.route_to_slots(x, table, recorder.load_record(1, x.shape[0])), router(x)
+    finally:
+        router.fused_gate_max_tokens = limit
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,dtype", [("qwen3-30b-a3b", torch.bfloat16), ("qwen3-30b-a3b", torch.float32),
+                                        ("deepseek-v3", torch.bfloat16), ("kimi-k2-instruct", torch.bfloat16)])
+def test_gate_fused_router_on_gpu(name, dtype, exact_bf16_matmul):
+    """``Router`` on CUDA at real widths, up to ``FUSED_GATE_MAX_TOKENS`` tokens: the gate in the router's launch
+    routes, maps and counts exactly as the two launches, eagerly and as a CUDA graph replayed with new inputs
+    (also for a router whose first call is the capture)."""
+    from epmoe.loads import ExpertLoadRecorder
+    from epmoe.routing.router import FUSED_GATE_MAX_TOKENS
+
+    spec = parse_moe_spec(json.loads((CONFIGS / f"{name}.config.json").read_text()), name)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    router = _grid_router(spec, dtype, "cuda", gen)
+    router.impl = "auto"
+    p = spec.num_experts + 8
+    table = torch.randperm(p, device="cuda", generator=gen)[: spec.num_experts]
+    recorders = [ExpertLoadRecorder(num_layers=2, num_slots=p, window=2, device="cuda") for _ in range(2)]
+    for t in (1, 3, FUSED_GATE_MAX_TOKENS):
+        x = _grid_x(t, spec.hidden_size, dtype, "cuda", gen)
+        one = router.route_to_slots(x, table, recorders[0].load_record(1, t)), router(x)
+        two = _two_launch(router, x, table, recorders[1])
+        for a, b in zip(one[0] + one[1], two[0] + two[1]):
+            assert torch.equal(a, b), t
+        assert torch.equal(one[0][2], table[one[0][0]])
+        assert torch.equal(recorders[0].current_counts(), recorders[1].current_counts()), t
+        assert not router._arrivals.any()
+
+    fresh = Router(spec, dtype=dtype, device="cuda")  # its first call is captured: counters zeroed in the graph
+    fresh.load_state_dict(router.state_dict())
+    for graphed in (router, fresh):
+        for rec in recorders:
+            rec.reset()
+        static_x = _grid_x(3, spec.hidden_size, dtype, "cuda", gen)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = graphed.route_to_slots(static_x, table, recorders[0].load_record(1, 3))
+        for _ in range(2):
+            static_x.copy_(_grid_x(3, spec.hidden_size, dtype, "cuda", gen))
+            graph.replay()
+            two = _two_launch(router, static_x, table, recorders[1])
+            for a, b in zip(out, two[0]):
+                assert torch.equal(a, b)
+        assert torch.equal(recorders[0].current_counts(), recorders[1].current_counts())
+        assert recorders[0].current_counts().sum() == 2 * 3 * spec.top_k
+        torch.cuda.synchronize()
+    assert fresh._arrivals is None  # the captured counters were not kept for eager calls
+    x = _grid_x(2, spec.hidden_size, dtype, "cuda", gen)
+    assert all(torch.equal(a, b) for a, b in zip(fresh(x), router(x)))
+    assert not fresh._arrivals.any()

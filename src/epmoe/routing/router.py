@@ -14,6 +14,13 @@ from torch import nn
 from epmoe.loads import LoadRecord
 from epmoe.spec import MoESpec
 
+FUSED_GATE_MAX_TOKENS = 16
+"""The most tokens ``Router`` routes through ``router_triton.route_gate_triton`` (the gate's logits computed in the
+routing kernel's launch) by default, and the arrival counters it keeps for it. Each token's programs there read the
+whole gate weight (all but the first token's reads hit L2), so that launch reads more with every token, while
+a matrix product reads the weight once: above a few tokens the router computes the logits with ``F.linear``
+and routes them with ``router_triton.route_triton``."""
+
 
 class Router(nn.Module):
     """The gate of one MoE layer.
@@ -28,18 +35,29 @@ class Router(nn.Module):
         impl: how the top-k after the logits runs: ``auto`` (one Triton kernel, ``router_triton``,
             for CUDA tensors when Triton imports and the router kind is supported; PyTorch otherwise),
             ``torch`` (always PyTorch: the reference that matches transformers bit for bit).
+        fused_gate_max_tokens: with ``impl='auto'``, up to this many tokens the gate's logits are computed in
+            the Triton kernel's launch too (``router_triton.route_gate_triton``); 0 = never (cuBLAS, then the
+            kernel). ``None``: ``FUSED_GATE_MAX_TOKENS``.
+
+    Attributes:
+        impl, fused_gate_max_tokens: as the arguments (settable; benchmarks compare the paths on one router).
 
     Raises:
-        ValueError: an unknown ``impl``.
+        ValueError: an unknown ``impl``, or ``fused_gate_max_tokens`` negative or above ``FUSED_GATE_MAX_TOKENS``.
     """
 
     def __init__(self, spec: MoESpec, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 impl: str = "auto"):
+                 impl: str = "auto", fused_gate_max_tokens: int | None = None):
         super().__init__()
         if impl not in ("auto", "torch"):
             raise ValueError(f"router impl must be 'auto' or 'torch', got {impl!r}")
+        if fused_gate_max_tokens is not None and not 0 <= fused_gate_max_tokens <= FUSED_GATE_MAX_TOKENS:
+            raise ValueError(f"fused_gate_max_tokens must be in [0, {FUSED_GATE_MAX_TOKENS}], "
+                             f"got {fused_gate_max_tokens}")
         self.spec = spec
         self.impl = impl
+        self.fused_gate_max_tokens = FUSED_GATE_MAX_TOKENS if fused_gate_max_tokens is None else fused_gate_max_tokens
+        self._arrivals: torch.Tensor | None = None  # route_gate_triton's counters on the device (_arrival_counters)
         e, d = spec.num_experts, spec.hidden_size
         self.fp32_logits = spec.router_fp32_logits
         w_dtype = torch.float32 if self.fp32_logits else dtype
@@ -63,11 +81,11 @@ class Router(nn.Module):
             (for Llama-4 the weight scales the expert input; for all others its output).
         """
         s = self.spec
-        logits = self._logits(x)
         kind = s.router_kind
-        fused = _fused_router(logits, kind) if self.impl == "auto" else None
+        fused = _fused_router(x, kind) if self.impl == "auto" else None
         if fused is not None:
-            return fused.route_triton(logits, self.e_score_correction_bias, **kernel_flags(s))
+            return self._route_fused(fused, x, None, None)
+        logits = self._logits(x)
         if kind == "softmax_topk":
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
             if s.n_group > 1:
@@ -97,8 +115,9 @@ class Router(nn.Module):
         return idx, weights.float()
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, E]`` gate logits: float32 with ``fp32_logits`` (``x``, weight and bias widened), else ``x``'s dtype."""
         if self.fp32_logits:
-            return F.linear(x.float(), self.weight.float())
+            return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
         return F.linear(x, self.weight, self.bias)
 
     def route_to_slots(self, x: torch.Tensor, slot_table: torch.Tensor,
@@ -115,14 +134,35 @@ class Router(nn.Module):
         Returns:
             ``topk_idx``, ``topk_weights`` as ``forward`` and ``topk_slots [T, K]`` int64, or ``None``.
         """
-        if self.impl != "auto" or not x.is_cuda:
-            return None
-        logits = self._logits(x)
-        fused = _fused_router(logits, self.spec.router_kind)
+        fused = _fused_router(x, self.spec.router_kind) if self.impl == "auto" else None
         if fused is None:
             return None
-        return fused.route_triton(logits, self.e_score_correction_bias, **kernel_flags(self.spec),
-                                  slot_table=slot_table, record=record)
+        return self._route_fused(fused, x, slot_table, record)
+
+    def _route_fused(self, fused, x: torch.Tensor, slot_table: torch.Tensor | None,
+                     record: LoadRecord | None) -> tuple[torch.Tensor, ...]:
+        """Route through ``router_triton``: the gate in the kernel's launch up to ``fused_gate_max_tokens`` tokens,
+        else ``F.linear`` then the kernel."""
+        flags = kernel_flags(self.spec)
+        if 0 < x.shape[0] <= self.fused_gate_max_tokens:
+            return fused.route_gate_triton(x, self.weight, self.bias, self._arrival_counters(x.device),
+                                           self.e_score_correction_bias, fp32_logits=self.fp32_logits, **flags,
+                                           slot_table=slot_table, record=record)
+        return fused.route_triton(self._logits(x), self.e_score_correction_bias, **flags, slot_table=slot_table,
+                                  record=record)
+
+    def _arrival_counters(self, device: torch.device) -> torch.Tensor:
+        """``route_gate_triton``'s ``[FUSED_GATE_MAX_TOKENS]`` int32 arrival counters on ``device``: zeroed once,
+        kept at 0 by the kernel, so a captured graph holds their address (one router's launches run one after
+        another on a stream). Made during a CUDA-graph capture (no eager call came first) they are zeroed inside
+        the graph and not kept: eager calls after the capture would otherwise find them unset."""
+        counters = self._arrivals
+        if counters is None or counters.device != device:
+            counters = torch.zeros(FUSED_GATE_MAX_TOKENS, dtype=torch.int32, device=device)
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return counters
+            self._arrivals = counters
+        return counters
 
 
 def kernel_flags(spec: MoESpec) -> dict[str, object]:
@@ -132,9 +172,9 @@ def kernel_flags(spec: MoESpec) -> dict[str, object]:
                 round_weights=spec.round_router_weights, scale=spec.routed_scaling_factor)
 
 
-def _fused_router(logits: torch.Tensor, router_kind: str):
-    """The ``router_triton`` module when it can route these logits (CUDA, Triton importable, kind supported)."""
-    if not logits.is_cuda:
+def _fused_router(x: torch.Tensor, router_kind: str):
+    """The ``router_triton`` module when it can route these tokens (CUDA, Triton importable, kind supported)."""
+    if not x.is_cuda:
         return None
     try:
         from epmoe.routing import router_triton

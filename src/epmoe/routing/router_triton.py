@@ -1,10 +1,10 @@
-"""The top-k routing of ``routing.Router`` after the logits, as one Triton kernel (one program per token).
+"""The routing of ``routing.Router`` as one Triton launch: the top-k after the logits (``route_triton``, one
+program per token) or, for a few tokens, the gate's logits and the top-k together (``route_gate_triton``).
 
 The PyTorch composition launches a kernel per op: for DeepSeek-V3's grouped sigmoid routing about 16
 (sigmoid, bias add, per-group top-2, group top-k, mask scatter and fill, top-k, gather, sum, divide,
-scale); in a CUDA-graph-replayed decode layer on an H200 those took about 35 µs of a 289 µs layer at
-one token, where the gate's reads are 7 MB (under 2 µs). Here one program per token holds its ``E``
-logits in registers and does all of it:
+scale), each a launch's latency at decode sizes, where the gate's weight takes far less to read. Here one
+program per token holds its ``E`` logits in registers and does all of it:
 
 * ``softmax_topk`` (Qwen, Mixtral, OLMoE, DeepSeek-V2): softmax in float32; with groups the experts of
   all but the ``topk_group`` best groups (group score: the largest probability) are zeroed; top-k;
@@ -19,6 +19,14 @@ program also writes each chosen expert's physical slot, and with a load record (
 row's pairs to the recorder's counts with integer atomics, as ``count_triton`` does: one launch for what took
 three (router, slot lookup, recorder) per MoE layer and step.
 
+At decode sizes the gate's matrix product before it is a launch of its own whose latency far exceeds the time
+its weight takes to read. ``route_gate_triton`` (for a few tokens: ``router.FUSED_GATE_MAX_TOKENS``) computes
+the logits in the same launch: several programs per token each compute a few of the token's logits (float32
+accumulation, rounded to the logits' dtype as ``F.linear`` returns them) into a scratch row, then take a ticket
+from the token's arrival counter (the threadfence reduction: a barrier, then an acquire-release atomic); the
+program that arrives last routes the token as above and sets the counter back to 0 for the next launch, so the
+launch needs no memset and replays in a CUDA graph.
+
 Top-k is ``K`` rounds of ``argmax`` and masking, so experts come out by descending choice (ties go to the
 lower expert id). The weights equal the PyTorch path's up to float32 summation order.
 """
@@ -32,18 +40,34 @@ import triton.language as tl
 from epmoe.loads import LoadRecord
 from epmoe.routing.count_triton import add_slot_counts
 
+_GATE_PROGRAMS = 128  # programs _gate_router_kernel aims at (about one per SM of a large GPU)
+_GATE_TILE = 4096  # gate weight elements a program reads per step of its D loop
+
 
 @triton.jit
-def _router_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, counts_ptr, pos_ptr, mask_ptr,
-                   E, stride_l, scale, layer, num_layers, width,
-                   K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, GP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                   TOP2_SUM: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr, ROUND: tl.constexpr,
-                   SCALE: tl.constexpr, TABLE: tl.constexpr, RECORD: tl.constexpr, HAS_MASK: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _round_to(v, TY: tl.constexpr):
+    """Round float32 ``v`` to ``TY`` (to nearest, ties to even) and widen it back to float32. bfloat16 by bit
+    arithmetic (torch's ``c10::round_to_nearest_even``; NaN kept): the same on the GPU and in the Triton
+    interpreter, whose float32 -> bfloat16 cast truncates."""
+    if TY == tl.bfloat16:
+        u = v.to(tl.uint32, bitcast=True)
+        r = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        return tl.where(v == v, r, v)
+    else:
+        return v.to(TY).to(tl.float32)
+
+
+@triton.jit
+def _route_token(lg, t, bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, counts_ptr, pos_ptr, mask_ptr,
+                 E, scale, layer, num_layers, width, LOGIT_TY: tl.constexpr,
+                 K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, GP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                 TOP2_SUM: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr, ROUND: tl.constexpr,
+                 SCALE: tl.constexpr, TABLE: tl.constexpr, RECORD: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Token ``t``'s routing from its logits ``lg [BLOCK_E]`` float32 (``-inf`` past ``E``; values of
+    ``LOGIT_TY``): scores, grouped top-k, weights, slots and load counts, stored at row ``t``."""
     e = tl.arange(0, BLOCK_E)
     ok = e < E
-    lg = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
     if SIGMOID:
         scores = 1.0 / (1.0 + tl.exp(-lg))
         choice = scores
@@ -86,7 +110,7 @@ def _router_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, c
     if NORM:
         top_w = top_w / (tl.sum(top_w, 0) + EPS)
     if ROUND:
-        top_w = top_w.to(logits_ptr.dtype.element_ty).to(tl.float32)
+        top_w = _round_to(top_w, LOGIT_TY)
     if SCALE:
         top_w = top_w * scale
     tl.store(idx_ptr + t * K + ki, top_idx, mask=ki < K)
@@ -100,6 +124,62 @@ def _router_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, c
             else:
                 m = tl.full([KP], 1, tl.int64)
             add_slot_counts(counts_ptr, pos_ptr, layer, num_layers, width, slot, m, ki < K)
+
+
+@triton.jit
+def _router_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, counts_ptr, pos_ptr, mask_ptr,
+                   E, stride_l, scale, layer, num_layers, width,
+                   K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, GP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                   TOP2_SUM: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr, ROUND: tl.constexpr,
+                   SCALE: tl.constexpr, TABLE: tl.constexpr, RECORD: tl.constexpr, HAS_MASK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    lg = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    _route_token(lg, t, bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, counts_ptr, pos_ptr, mask_ptr,
+                 E, scale, layer, num_layers, width, logits_ptr.dtype.element_ty,
+                 K, KP, BLOCK_E, SIGMOID, HAS_BIAS, N_GROUP, GP, TOPK_GROUP, TOP2_SUM, NORM, EPS, ROUND, SCALE,
+                 TABLE, RECORD, HAS_MASK)
+
+
+@triton.jit
+def _gate_router_kernel(x_ptr, gw_ptr, gb_ptr, scratch_ptr, arrive_ptr,
+                        bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, counts_ptr, pos_ptr, mask_ptr,
+                        E, stride_x, stride_gw, scale, layer, num_layers, width, D: tl.constexpr,
+                        ROWS: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr, GATE_BIAS: tl.constexpr,
+                        ROUND_LOGITS: tl.constexpr,
+                        K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, GP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                        TOP2_SUM: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr, ROUND: tl.constexpr,
+                        SCALE: tl.constexpr, TABLE: tl.constexpr, RECORD: tl.constexpr, HAS_MASK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    n_ok = n < E
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        xv = tl.load(x_ptr + t * stride_x + d, mask=d_ok, other=0.0).to(tl.float32)
+        wv = tl.load(gw_ptr + n.to(tl.int64)[:, None] * stride_gw + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                     other=0.0).to(tl.float32)
+        acc += wv * xv[None, :]
+    lg = tl.sum(acc, 1)
+    if GATE_BIAS:
+        lg += tl.load(gb_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    if ROUND_LOGITS:  # the logits F.linear returns in the model dtype
+        lg = _round_to(lg, x_ptr.dtype.element_ty)
+    tl.store(scratch_ptr + t * E + n, lg, mask=n_ok)
+    # the threadfence reduction: every tile's logits are visible to the program that takes the last ticket
+    tl.debug_barrier()
+    ticket = tl.atomic_add(arrive_ptr + t, 1, sem="acq_rel")
+    if ticket == TILES - 1:
+        tl.store(arrive_ptr + t, 0)  # ready for the next launch (stream order), no host memset
+        e = tl.arange(0, BLOCK_E)
+        row = tl.load(scratch_ptr + t * E + e, mask=e < E, other=float("-inf"), cache_modifier=".cg")
+        _route_token(row, t, bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, counts_ptr, pos_ptr, mask_ptr,
+                     E, scale, layer, num_layers, width, x_ptr.dtype.element_ty,
+                     K, KP, BLOCK_E, SIGMOID, HAS_BIAS, N_GROUP, GP, TOPK_GROUP, TOP2_SUM, NORM, EPS, ROUND, SCALE,
+                     TABLE, RECORD, HAS_MASK)
 
 
 def supports(router_kind: str) -> bool:
@@ -135,29 +215,113 @@ def route_triton(logits: torch.Tensor, correction_bias: torch.Tensor | None, *, 
     Raises:
         ValueError: a ``record`` without a ``slot_table``.
     """
-    if record is not None and slot_table is None:
-        raise ValueError("route_triton records slot loads only with a slot_table")
     t, e = logits.shape
-    k = top_k
-    idx = torch.empty(t, k, dtype=torch.int64, device=logits.device)
-    w = torch.empty(t, k, dtype=torch.float32, device=logits.device)
-    slots = torch.empty(t, k, dtype=torch.int64, device=logits.device) if slot_table is not None else None
-    out = (idx, w) if slots is None else (idx, w, slots)
+    out, args = _routing_args(t, e, logits.dtype, logits.device, correction_bias, top_k, sigmoid, n_group,
+                              topk_group, top2_sum, normalize, round_weights, scale, slot_table, record)
     if t == 0:
         return out
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
-    rounds = not sigmoid and round_weights and logits.dtype != torch.float32
-    rec = record if record is not None else LoadRecord(idx, idx, 0, None)  # placeholders when not recording
-    table = slot_table if slot_table is not None else idx
-    _router_kernel[(t,)](
-        logits, correction_bias if correction_bias is not None else logits, idx, w, table,
-        slots if slots is not None else idx, rec.counts, rec.pos, rec.row_mask if rec.row_mask is not None else idx,
-        e, logits.stride(0), float(scale), rec.layer, rec.counts.shape[1] if record is not None else 1,
-        rec.counts.shape[2] if record is not None else 1,
-        K=k, KP=triton.next_power_of_2(k), BLOCK_E=triton.next_power_of_2(e), SIGMOID=sigmoid,
-        HAS_BIAS=sigmoid and correction_bias is not None, N_GROUP=n_group,
-        GP=triton.next_power_of_2(n_group), TOPK_GROUP=topk_group, TOP2_SUM=top2_sum,
-        NORM=normalize, EPS=1e-20 if sigmoid else 0.0, ROUND=rounds, SCALE=sigmoid or scale != 1.0,
-        TABLE=slot_table is not None, RECORD=record is not None, HAS_MASK=rec.row_mask is not None, num_warps=4,
+    _router_kernel[(t,)](logits_ptr=logits, stride_l=logits.stride(0), **args, num_warps=4)
+    return out
+
+
+def route_gate_triton(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor | None,
+                      arrivals: torch.Tensor, correction_bias: torch.Tensor | None, *, fp32_logits: bool, top_k: int,
+                      sigmoid: bool, n_group: int, topk_group: int, top2_sum: bool, normalize: bool,
+                      round_weights: bool, scale: float, slot_table: torch.Tensor | None = None,
+                      record: LoadRecord | None = None) -> tuple[torch.Tensor, ...]:
+    """``route_triton`` of the gate's logits ``x @ gate_weight.T (+ gate_bias)``, computed in the same launch
+    (for a few tokens: every token's programs read the whole weight; ``router.FUSED_GATE_MAX_TOKENS``).
+
+    The logits are accumulated in float32 and, unless ``fp32_logits``, rounded to ``x``'s dtype as
+    ``F.linear`` returns them; with ``fp32_logits`` (DeepSeek) ``x`` and the weight are widened to float32.
+    Several programs per token each compute ``ROWS`` of the token's ``E`` logits into a float32 scratch and
+    take a ticket from the token's arrival counter; the last to arrive routes the token (``route_triton``'s
+    top-k) and sets the counter back to 0, so a CUDA graph may replay the launch.
+
+    Args:
+        x: ``[T, D]`` hidden states.
+        gate_weight: ``[E, D]`` the gate's weight (``x``'s dtype, or float32 with ``fp32_logits``).
+        gate_bias: ``[E]`` the gate's bias (gpt-oss), or ``None``.
+        arrivals: ``[>= T]`` int32 arrival counters, all 0 (they are 0 again after the launch; one
+            buffer must not serve two launches running at once).
+        correction_bias: as ``route_triton``.
+        fp32_logits: the router computes its logits in float32 (``MoESpec.router_fp32_logits``).
+        top_k, sigmoid, n_group, topk_group, top2_sum, normalize, round_weights, scale, slot_table, record: as
+            ``route_triton`` (the logits' dtype is float32 with ``fp32_logits``, else ``x``'s).
+
+    Returns:
+        As ``route_triton``.
+
+    Raises:
+        ValueError: more tokens than ``arrivals`` counters (or not int32 contiguous), shapes or dtypes
+            of ``x``, ``gate_weight``, ``gate_bias`` that ``F.linear`` would not take, or a ``record`` without a
+            ``slot_table``.
+    """
+    t, d = x.shape
+    e = gate_weight.shape[0]
+    if arrivals.dtype != torch.int32 or not arrivals.is_contiguous() or t > arrivals.numel():
+        raise ValueError(f"route_gate_triton needs an int32 contiguous arrival counter per token: {t} tokens, "
+                         f"arrivals {tuple(arrivals.shape)} {arrivals.dtype}")
+    if gate_weight.shape[1] != d or (gate_bias is not None and gate_bias.shape != (e,)):
+        raise ValueError(f"gate_weight {tuple(gate_weight.shape)} and gate_bias "
+                         f"{None if gate_bias is None else tuple(gate_bias.shape)} do not fit x {tuple(x.shape)}")
+    if not fp32_logits and not (x.dtype == gate_weight.dtype and (gate_bias is None or gate_bias.dtype == x.dtype)):
+        raise ValueError(f"x ({x.dtype}), gate_weight ({gate_weight.dtype}) and gate_bias "
+                         f"({None if gate_bias is None else gate_bias.dtype}) must share one dtype")
+    logit_dtype = torch.float32 if fp32_logits else x.dtype
+    out, args = _routing_args(t, e, logit_dtype, x.device, correction_bias, top_k, sigmoid, n_group,
+                              topk_group, top2_sum, normalize, round_weights, scale, slot_table, record)
+    if t == 0:
+        return out
+    x = x if x.stride(1) == 1 else x.contiguous()
+    gate_weight = gate_weight.contiguous()
+    rows = _gate_rows(t, e)
+    block_d = min(triton.next_power_of_2(d), max(128, _GATE_TILE // rows))
+    tiles = triton.cdiv(e, rows)
+    scratch = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    _gate_router_kernel[(t, tiles)](
+        x_ptr=x, gw_ptr=gate_weight, gb_ptr=gate_bias if gate_bias is not None else gate_weight,
+        scratch_ptr=scratch, arrive_ptr=arrivals, D=d, stride_x=x.stride(0), stride_gw=gate_weight.stride(0),
+        ROWS=rows, BLOCK_D=block_d, TILES=tiles, GATE_BIAS=gate_bias is not None,
+        ROUND_LOGITS=logit_dtype != torch.float32, **args, num_warps=4,
     )
     return out
+
+
+def _gate_rows(num_tokens: int, num_experts: int) -> int:
+    """Gate rows per program of ``_gate_router_kernel``: a power of two from 1 to 8 that makes about
+    ``_GATE_PROGRAMS`` programs in all (many programs read the weight at once: it is all the launch reads)."""
+    rows = 1
+    while rows < 8 and num_tokens * num_experts // (2 * rows) >= _GATE_PROGRAMS:
+        rows *= 2
+    return rows
+
+
+def _routing_args(t: int, e: int, logit_dtype: torch.dtype, device: torch.device,
+                  correction_bias: torch.Tensor | None, top_k: int, sigmoid: bool, n_group: int, topk_group: int,
+                  top2_sum: bool, normalize: bool, round_weights: bool, scale: float,
+                  slot_table: torch.Tensor | None, record: LoadRecord | None):
+    """The outputs and the keyword arguments both kernels pass to ``_route_token`` (pointers, scalars and
+    constexprs): ``(outputs, kwargs)``."""
+    if record is not None and slot_table is None:
+        raise ValueError("route_triton records slot loads only with a slot_table")
+    k = top_k
+    idx = torch.empty(t, k, dtype=torch.int64, device=device)
+    w = torch.empty(t, k, dtype=torch.float32, device=device)
+    slots = torch.empty(t, k, dtype=torch.int64, device=device) if slot_table is not None else None
+    out = (idx, w) if slots is None else (idx, w, slots)
+    rec = record if record is not None else LoadRecord(idx, idx, 0, None)  # placeholders when not recording
+    args = dict(
+        bias_ptr=correction_bias if correction_bias is not None else w, idx_ptr=idx, w_ptr=w,
+        table_ptr=slot_table if slot_table is not None else idx, slots_ptr=slots if slots is not None else idx,
+        counts_ptr=rec.counts, pos_ptr=rec.pos, mask_ptr=rec.row_mask if rec.row_mask is not None else idx,
+        E=e, scale=float(scale), layer=rec.layer, num_layers=rec.counts.shape[1] if record is not None else 1,
+        width=rec.counts.shape[2] if record is not None else 1,
+        K=k, KP=triton.next_power_of_2(k), BLOCK_E=triton.next_power_of_2(e), SIGMOID=sigmoid,
+        HAS_BIAS=sigmoid and correction_bias is not None, N_GROUP=n_group, GP=triton.next_power_of_2(n_group),
+        TOPK_GROUP=topk_group, TOP2_SUM=top2_sum, NORM=normalize, EPS=1e-20 if sigmoid else 0.0,
+        ROUND=not sigmoid and round_weights and logit_dtype != torch.float32, SCALE=sigmoid or scale != 1.0,
+        TABLE=slot_table is not None, RECORD=record is not None, HAS_MASK=rec.row_mask is not None,
+    )
+    return out, args
