@@ -29,10 +29,10 @@ shard whose pairs are mostly served on other ranks (a DeepSeek-V3 EP8 shard: 8 p
 Both kernels keep two weight tiles in flight per program by register double buffering (tile ``k + 1``
 is requested before tile ``k`` is reduced, and the next pair's first tile before the last tile of this
 pair; Triton software-pipelines only loads that feed ``tl.dot``).
-On Hopper both are programmatic dependent launches (``DecodeConfig.pdl``): step 1 is placed while the kernel
-before it (the router) still runs and waits (``griddepcontrol.wait``) at its start; it then allows step 2, whose
-programs are placed while step 1's last programs run, request their first ``w2`` tile (the slots and weights were
-complete before step 1 began) and only then wait for step 1's ``h``; this hides the launch gaps.
+On Hopper the down kernel is a programmatic dependent launch (``DecodeConfig.pdl``): step 1 allows it at
+its start, so its programs are placed while step 1's last programs run, request their first ``w2`` tile
+(the slots and weights were complete before step 1 began) and only then wait (``griddepcontrol.wait``)
+for step 1's ``h``; this hides the launch gap between the two.
 
 No host synchronisation and static grids: CUDA-graph safe. Block FP8 weights are read as
 float8_e4m3fn (half the bytes) and widened in registers; the 128x128 block scale is folded into the
@@ -68,10 +68,9 @@ class DecodeConfig:
         block_n2: ``w2`` rows (output columns) per down program; divides 128 for FP8 weights.
         block_k2: ``F`` elements per step of the down program.
         num_warps: warps per program.
-        pdl: launch both kernels as programmatic dependent launches (Hopper): the gate/up kernel's programs start
-            while the kernel before still runs and wait (``griddepcontrol.wait``) at once; the down kernel's start
-            while the gate/up launch's last programs run, read their first ``w2`` tile, and wait only before
-            reading ``h``.
+        pdl: launch the down kernel as a programmatic dependent launch (Hopper): its programs start
+            while the gate/up launch's last programs run, read their first ``w2`` tile, and wait
+            (``griddepcontrol.wait``) only before reading ``h``.
         max_programs: programs per launch, at most (and at least one pair group): the live pairs are
             shared among ``max_programs // column tiles`` pair groups per column tile (see the module
             docstring), so a layer whose pairs are mostly on other ranks does not launch idle programs.
@@ -235,8 +234,7 @@ def _decode_gate_up_kernel(
 ):
     pid_n = tl.program_id(0)
     group = tl.program_id(1)
-    if PDL:  # launched early: wait for the kernel before (its x and slots), then let step 2 launch
-        tl.extra.cuda.gdc_wait()
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if (pid_n == 0) & (group == 0):
         zero_arrival_counters(count_ptr, num_counters, ZERO_BLOCK)
@@ -414,7 +412,7 @@ def decode_experts(
         float(limit), float(activation.swiglu_alpha),
         BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, N_PAD=n_pad, GROUPS=grid1[1], ONE_PAIR=grid1[1] == n,
         ACT=act_code, FP8=fp8, HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input,
-        ZERO_BLOCK=_ZERO_BLOCK, PDL=cfg.pdl, num_warps=cfg.num_warps, launch_pdl=cfg.pdl,
+        ZERO_BLOCK=_ZERO_BLOCK, PDL=cfg.pdl, num_warps=cfg.num_warps,
     )
     _decode_down_kernel[grid2](
         h, topk_slots, topk_weights, w2, ops.s2, ops.b2, y, count, out,
