@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from epmoe.engine import Engine, EngineConfig, SamplingParams, pdl
+from epmoe.engine import Engine, EngineConfig, SamplingParams
 from epmoe.spec import load_moe_spec
 from timing import measure_ceilings
 
@@ -266,15 +266,6 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
             r["tpot_sequential_ms"] = time_decode(engine, bs, args.steps, spec.vocab_size)["tpot_ms"]
             engine.overlap = True
             print(f"  bs {bs}: TPOT {r['tpot_sequential_ms']:.2f} ms without the overlap schedule", flush=True)
-        if str(bs) in args.no_pdl_batches.split(","):
-            limit, pdl.PDL_MAX_PROGRAMS = pdl.PDL_MAX_PROGRAMS, 0  # the engine's small kernels launched plainly
-            try:
-                engine._capture()
-                r["tpot_no_pdl_ms"] = time_decode(engine, bs, args.steps, spec.vocab_size)["tpot_ms"]
-            finally:
-                pdl.PDL_MAX_PROGRAMS = limit
-                engine._capture()
-            print(f"  bs {bs}: TPOT {r['tpot_no_pdl_ms']:.2f} ms without programmatic dependent launches", flush=True)
         if r["kernels"]:
             print(f"    kernels: {sum(k['us_per_step'] for k in r['kernels']) / 1e3:.2f} ms per step on the GPU")
         for k in r["kernels"][:10]:
@@ -485,8 +476,6 @@ def main() -> None:
     ap.add_argument("--peer-batches", default="1,8,64,256")
     ap.add_argument("--sequential-batches", default="",
                     help="batch sizes also timed without the overlap schedule, e.g. 1,64")
-    ap.add_argument("--no-pdl-batches", default="",
-                    help="batch sizes also timed with the engine's small kernels launched without PDL (engine.pdl)")
     ap.add_argument("--profile", default="", help="batch sizes whose kernels are profiled, e.g. 1,64")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--spec", action="store_true", help="only the speculation rows")

@@ -4,8 +4,7 @@ Transformers' RMSNorm runs as about seven elementwise kernels (cast, square, mea
 weight); in a decode step those launches cost more than the reads. ``FusedRMSNorm`` does the same
 arithmetic in one pass per row: the mean of squares and the scale in float32, then either the
 weight times the normalised row cast back to the input dtype (Llama style, most families) or the
-cast of the float32 product (gpt-oss), as the module it replaces does. On Hopper a small launch is a
-programmatic dependent launch (``engine.pdl``).
+cast of the float32 product (gpt-oss), as the module it replaces does.
 """
 
 from __future__ import annotations
@@ -14,8 +13,6 @@ import functools
 
 import torch
 from torch import nn
-
-from epmoe.engine.pdl import use_pdl
 
 # transformers RMSNorm classes that multiply by the weight in float32 and cast afterwards
 _WEIGHT_THEN_CAST = frozenset({"GptOssRMSNorm"})
@@ -28,10 +25,7 @@ def _kernel():
 
     @triton.jit
     def rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps,
-                        BLOCK: tl.constexpr, WEIGHT_THEN_CAST: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # a programmatic dependent launch: wait for the kernel before, then let the next one launch
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+                        BLOCK: tl.constexpr, WEIGHT_THEN_CAST: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -74,10 +68,9 @@ class FusedRMSNorm(nn.Module):
         out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
         if rows.shape[0]:
             triton, kernel = _kernel()
-            pdl = use_pdl(rows, rows.shape[0])
             kernel[(rows.shape[0],)](rows, self.weight, out, rows.stride(0), out.stride(0), d, self.eps,
-                                     BLOCK=triton.next_power_of_2(d), WEIGHT_THEN_CAST=self.weight_then_cast, PDL=pdl,
-                                     num_warps=4 if d <= 4096 else 8, launch_pdl=pdl)
+                                     BLOCK=triton.next_power_of_2(d), WEIGHT_THEN_CAST=self.weight_then_cast,
+                                     num_warps=4 if d <= 4096 else 8)
         return out.reshape(x.shape)
 
 

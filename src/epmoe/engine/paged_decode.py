@@ -50,8 +50,6 @@ import numbers
 
 import torch
 
-from epmoe.engine.pdl import use_pdl
-
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
 _MIN_ROWS = 16           # tl.dot needs at least 16 rows / columns
@@ -223,11 +221,8 @@ def _triton_kernels():
         stride_btb, stride_ob, stride_oh, qk_scale, window, chunk,
         G: tl.constexpr, G_PAD: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        HAS_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+        HAS_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr,
     ):
-        if PDL:  # a programmatic dependent launch: wait for the kernel before, then let the next one launch
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -301,11 +296,8 @@ def _triton_kernels():
     @triton.jit
     def _paged_decode_reduce_kernel(
         ws_ptr, ctx_ptr, sink_ptr, out_ptr, B, H, DV, ml_off, stride_ob, stride_oh,
-        DV_PAD: tl.constexpr, SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
+        DV_PAD: tl.constexpr, SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):
-        if PDL:  # a programmatic dependent launch: wait for the kernel before, then let the next one launch
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0)
         h = tl.program_id(1)
         offs_s = tl.arange(0, SPLITS)
@@ -480,7 +472,6 @@ def paged_decode_triton(
     sink_arg = sinks if sinks is not None else context_lens
     ws_arg = workspace if splits > 1 else out
     ml_off = b * h * splits * dv
-    pdl = use_pdl(q, b * hkv * splits)
     kernel[(b, hkv, splits)](
         q, k_cache, v_cache, block_tables, context_lens, sink_arg, out, ws_arg,
         b, h, dk, dv, ml_off, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -488,8 +479,8 @@ def paged_decode_triton(
         out.stride(1), float(scale) * _LOG2E, sliding_window or 0, chunk_size or 1,
         G=g, G_PAD=max(_MIN_ROWS, _next_pow2(g)), DK_PAD=dk_pad, DV_PAD=dv_pad, BLOCK_SIZE=bs,
         BLOCK_N=_block_n(dk, dv, q.dtype), SPLITS=splits, HAS_WINDOW=sliding_window is not None,
-        HAS_CHUNK=chunk_size is not None, HAS_SINKS=sinks is not None, IEEE=q.dtype == torch.float32, PDL=pdl,
-        num_warps=4, num_stages=2, launch_pdl=pdl,
+        HAS_CHUNK=chunk_size is not None, HAS_SINKS=sinks is not None, IEEE=q.dtype == torch.float32,
+        num_warps=4, num_stages=2,
     )
     if splits > 1:
         paged_decode_merge_splits(workspace, context_lens, out, splits, sinks)
@@ -514,11 +505,10 @@ def paged_decode_merge_splits(workspace: torch.Tensor, context_lens: torch.Tenso
     """
     _, _, reduce_kernel = _triton_kernels()
     b, h, dv = out.shape
-    pdl = use_pdl(out, b * h)
     reduce_kernel[(b, h)](
         workspace, context_lens, sinks if sinks is not None else context_lens, out, b, h, dv, b * h * splits * dv,
         out.stride(0), out.stride(1), DV_PAD=max(_MIN_ROWS, _next_pow2(dv)), SPLITS=splits,
-        HAS_SINKS=sinks is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        HAS_SINKS=sinks is not None, num_warps=4,
     )
     return out
 

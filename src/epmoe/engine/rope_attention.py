@@ -20,8 +20,7 @@ every scaling variant it implements is kept) and ``x[R:]`` passed through (GLM's
 gives the cosine as ``[T, R]`` with both halves equal (``rotate_half`` families) or as ``[T, R/2]``
 (gpt-oss's ``_apply_rotary_emb``); both reduce to the half form here. Norm: the mean of squares in float32,
 the normalised head cast to the model dtype and multiplied by the weight, as transformers' RMSNorm does.
-CUDA runs the Triton kernel (on Hopper a programmatic dependent launch when small, ``engine.pdl``), CPU
-``rope_qkv_reference`` (the same arithmetic in PyTorch).
+CUDA runs the Triton kernel, CPU ``rope_qkv_reference`` (the same arithmetic in PyTorch).
 
 Llama-4 (complex interleaved rotary, layers without it, L2 query/key norm) and MLA (``engine.mla``) keep
 their own modules.
@@ -35,7 +34,6 @@ import torch
 from torch import nn
 
 from epmoe.engine.attention import AttnBatch, attend, engine_batch
-from epmoe.engine.pdl import use_pdl
 
 # model types whose attention is q/k/v projections, optional per-head RMSNorm, rotate-by-halves rotary,
 # attention (causal, sliding window, sinks) and o_proj. Value: (the cosine is given for half the rotated dims,
@@ -54,10 +52,7 @@ def _kernel():
     def rope_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr, slot_ptr,
                         stride_t, stride_c, stride_qt, eps,
                         H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                        PASS: tl.constexpr, PASS_PAD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # a programmatic dependent launch: wait for the kernel before, then let the next one launch
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+                        PASS: tl.constexpr, PASS_PAD: tl.constexpr, NORM: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         is_q = head < H
@@ -190,12 +185,11 @@ def rope_qkv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num
         triton, kernel = _kernel()
         norm = q_norm is not None
         rest = d - 2 * half
-        pdl = use_pdl(qkv, t * (num_heads + num_kv_heads))
         kernel[(t, num_heads + num_kv_heads)](
             qkv, cos, sin, q_norm if norm else qkv, k_norm if norm else qkv, q, k_cache, v_cache, slot_mapping,
             qkv.stride(0), cos.stride(0), q.stride(0), float(eps),
             H=num_heads, HKV=num_kv_heads, D=d, HALF=half, PASS=rest, PASS_PAD=max(1, triton.next_power_of_2(rest)),
-            NORM=norm, PDL=pdl, num_warps=1, launch_pdl=pdl,
+            NORM=norm, num_warps=1,
         )
     return q
 
