@@ -270,6 +270,15 @@ def exact_bf16_matmul():
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = old
 
 
+def _assert_same_routing(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Experts and slots equal; weights equal up to float32 summation order (the two kernels may run their
+    reductions over different warp counts)."""
+    if a.is_floating_point():
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+    else:
+        assert torch.equal(a, b)
+
+
 def _two_launch(router: Router, x: torch.Tensor, table: torch.Tensor, recorder) -> tuple:
     """``router.route_to_slots`` through ``F.linear`` then ``route_triton`` (and ``forward``'s result)."""
     limit = router.fused_gate_max_tokens
@@ -302,7 +311,7 @@ def test_gate_fused_router_on_gpu(name, dtype, exact_bf16_matmul):
         one = router.route_to_slots(x, table, recorders[0].load_record(1, t)), router(x)
         two = _two_launch(router, x, table, recorders[1])
         for a, b in zip(one[0] + one[1], two[0] + two[1]):
-            assert torch.equal(a, b), t
+            _assert_same_routing(a, b)
         assert torch.equal(one[0][2], table[one[0][0]])
         assert torch.equal(recorders[0].current_counts(), recorders[1].current_counts()), t
         assert not router._arrivals.any()
@@ -321,7 +330,7 @@ def test_gate_fused_router_on_gpu(name, dtype, exact_bf16_matmul):
             graph.replay()
             two = _two_launch(router, static_x, table, recorders[1])
             for a, b in zip(out, two[0]):
-                assert torch.equal(a, b)
+                _assert_same_routing(a, b)
         assert torch.equal(recorders[0].current_counts(), recorders[1].current_counts())
         assert recorders[0].current_counts().sum() == 2 * 3 * spec.top_k
         torch.cuda.synchronize()

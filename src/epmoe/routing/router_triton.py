@@ -221,7 +221,9 @@ def route_triton(logits: torch.Tensor, correction_bias: torch.Tensor | None, *, 
     if t == 0:
         return out
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
-    _router_kernel[(t,)](logits_ptr=logits, stride_l=logits.stride(0), **args, num_warps=4)
+    # one warp a token: the top-k's reductions stay within the warp (faster at every size benchmarks/router.py
+    # times on an H200 than four warps)
+    _router_kernel[(t,)](logits_ptr=logits, stride_l=logits.stride(0), **args, num_warps=1)
     return out
 
 
@@ -284,9 +286,18 @@ def route_gate_triton(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: tor
         x_ptr=x, gw_ptr=gate_weight, gb_ptr=gate_bias if gate_bias is not None else gate_weight,
         scratch_ptr=scratch, arrive_ptr=arrivals, D=d, stride_x=x.stride(0), stride_gw=gate_weight.stride(0),
         ROWS=rows, BLOCK_D=block_d, TILES=tiles, GATE_BIAS=gate_bias is not None,
-        ROUND_LOGITS=logit_dtype != torch.float32, **args, num_warps=4,
+        ROUND_LOGITS=logit_dtype != torch.float32, **args, num_warps=_gate_warps(t, fp32_logits),
     )
     return out
+
+
+def _gate_warps(num_tokens: int, fp32_logits: bool) -> int:
+    """Warps per program of ``_gate_router_kernel``. One token: one warp (the launch's time is the last program's
+    top-k, whose reductions then stay within a warp); more: four for a model-dtype gate, two for a float32 one
+    (DeepSeek's). Chosen from ``benchmarks/router.py`` on an H200 (1, 2 and 4 warps at 1, 8 and 16 tokens)."""
+    if num_tokens == 1:
+        return 1
+    return 2 if fp32_logits else 4
 
 
 def _gate_rows(num_tokens: int, num_experts: int) -> int:
