@@ -4,12 +4,13 @@ At one to a few tokens a projection ``y = x W^T (+ b)`` only streams ``W`` (``N 
 such a shape as a GEMM whose tile covers 64 columns, so a 2048-column output has only 32 column tiles to spread
 over the GPU's 132 SMs; it adds a split-K reduction kernel when it splits. Here every program reads one
 ``BLOCK_N x (K / SPLIT_K)`` block of ``W`` (the tokens' rows padded to 16 for the tensor cores), so a launch has
-``(N / BLOCK_N) x SPLIT_K`` programs, about two per SM, each with tiles in flight (Triton pipelines the loads
-that feed ``tl.dot``). With ``SPLIT_K > 1`` each program stores its float32 partial product and takes a ticket
-from its column tile's arrival counter; the program that arrives last sums the ``SPLIT_K`` partials in a fixed
-order, adds the bias and writes the tile (the threadfence-reduction pattern of the CUDA samples, as
-``experts.triton.decode``: no float atomics, bitwise reproducible), then sets the counter back to 0 for the next
-launch. No host synchronisation, static grid: CUDA-graph safe.
+``(N / BLOCK_N) x SPLIT_K`` programs, about two per SM, each with two weight tiles in flight (register double
+buffering: the next tile is requested before the current one's product; Triton does not software-pipeline
+these loads, which reach the 16-row ``mma`` through registers). With ``SPLIT_K > 1`` each program stores its
+float32 partial product and takes a ticket from its column tile's arrival counter; the program that arrives last
+sums the ``SPLIT_K`` partials in a fixed order, adds the bias and writes the tile (the threadfence-reduction
+pattern of the CUDA samples, as ``experts.triton.decode``: no float atomics, bitwise reproducible), then sets the
+counter back to 0 for the next launch. No host synchronisation, static grid: CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -46,12 +47,18 @@ def _kernel():
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
         acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-        for _ in range(0, k_len, BLOCK_K):
-            xt = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-            wt = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-            acc = tl.dot(xt, tl.trans(wt), acc)
+        steps: tl.constexpr = k_len // BLOCK_K
+        xt = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        wt = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        for i in range(steps):  # register double buffering: step i + 1's tiles are requested before step i's dot
+            more = i + 1 < steps
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+            x_next = tl.load(x_ptrs, mask=m_ok[:, None] & more, other=0.0)
+            w_next = tl.load(w_ptrs, mask=n_ok[:, None] & more, other=0.0)
+            acc = tl.dot(xt, tl.trans(wt), acc)
+            xt = x_next
+            wt = w_next
         mask = m_ok[:, None] & n_ok[None, :]
         out_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
         if SPLIT_K == 1:
@@ -127,7 +134,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _, kernel = _kernel()
     kernel[(tiles, s)](x, weight, bias if bias is not None else weight, y, ws, counters, m, n, x.stride(0),
                        weight.stride(0), y.stride(0), K=k, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, SPLIT_K=s,
-                       HAS_BIAS=bias is not None, num_warps=4, num_stages=4)
+                       HAS_BIAS=bias is not None, num_warps=4)
     return y
 
 
