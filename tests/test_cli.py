@@ -32,6 +32,10 @@ def kimi(tiny_checkpoints):
      "--speculative-algorithm 'draft' needs its draft: set --speculative-draft-model to the draft's directory"),
     ("serve", ["--speculative-num-tokens", "3"], "--speculative-num-tokens configure speculative decoding"),
     ("serve", ["--cuda-graph-max-tokens", "-1"], "--cuda-graph-max-tokens must be a non-negative integer, got -1"),
+    ("run", ["--piecewise-cuda-graph-max-tokens", "-1"],
+     "--piecewise-cuda-graph-max-tokens must be a non-negative integer, got -1"),
+    ("serve", ["--piecewise-cuda-graph-max-tokens", "-1"],
+     "--piecewise-cuda-graph-max-tokens must be a non-negative integer, got -1"),
 ])
 def test_refused_options_name_their_flags(kimi, capsys, command, args, message):
     assert main([command, "--model", str(kimi), *args]) == 2

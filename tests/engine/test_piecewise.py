@@ -80,3 +80,32 @@ def test_piecewise_off_runs_prompts_eagerly(tiny_checkpoints):
 def test_bad_piecewise_option_named(tiny_checkpoints):
     with pytest.raises(ValueError, match="piecewise_cuda_graph_max_tokens must be a non-negative integer, got -1"):
         EngineConfig(model=str(tiny_checkpoints("qwen3-moe")), piecewise_cuda_graph_max_tokens=-1)
+
+
+def test_piecewise_buckets_stop_at_the_token_budget_with_speculation(tiny_checkpoints):
+    """Proposed tokens take their share of the token budget (the scheduler's lookahead slots), so with speculative
+    decoding too the piecewise buckets stop at ``max_num_batched_tokens`` (no bucket of verify rows past it) and
+    every step holding verify rows and prompt chunks fits them; greedy tokens equal transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    d = str(tiny_checkpoints("qwen3-moe"))
+    gen = torch.Generator().manual_seed(8)
+    rep = torch.randint(0, 256, (3,), generator=gen).tolist()
+    prompts = [rep * 5, torch.randint(0, 256, (14,), generator=gen).tolist(), rep * 3, rep[:2] * 6]
+    engine = Engine(EngineConfig(model=d, max_num_seqs=3, max_num_batched_tokens=12, block_size=4, num_kv_blocks=64,
+                                 static_decode_on_cpu=True, cuda_graph_max_bs=2, cuda_graph_max_tokens=0,
+                                 speculative_algorithm="ngram", speculative_num_tokens=3))
+    assert engine.runner.piece_buckets == [12]
+    mixed = []
+    run = engine.runner.run
+
+    def spy(plan, bucket=None, drafts=None, piece=None):
+        mixed.append(piece is not None and bool(plan.prefills) and any(drafts or ()))
+        return run(plan, bucket, drafts, piece)
+
+    engine.runner.run = spy
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    assert [o.token_ids for o in outs] == [hf_greedy(ref, [p], 8, 258)[0] for p in prompts]
+    assert any(mixed), "no piecewise step carried verify rows next to a prompt chunk"
+    assert engine.stats["eager_steps"] == 0 and engine.spec_stats.accepted_tokens > 0

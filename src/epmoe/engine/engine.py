@@ -284,11 +284,10 @@ class Engine:
         return sorted(set(plain) | {b * (self.num_spec_tokens + 1) for b in plain} | set(rowwise))
 
     def _piece_sizes(self) -> list[int]:
-        """Token counts of the piecewise graphs: up to ``piecewise_cuda_graph_max_tokens`` (and the step's
-        token budget with its verify rows)."""
+        """Token counts of the piecewise graphs: up to ``piecewise_cuda_graph_max_tokens`` and the step's token
+        budget (a verify step's proposed tokens are fed within it: the scheduler's lookahead slots)."""
         cfg = self.config
-        rows = cfg.max_num_batched_tokens + cfg.max_num_seqs * self.num_spec_tokens
-        return piece_buckets(1, min(cfg.piecewise_cuda_graph_max_tokens, rows))
+        return piece_buckets(1, min(cfg.piecewise_cuda_graph_max_tokens, cfg.max_num_batched_tokens))
 
     def _draft_sizes(self) -> list[int]:
         """Row counts of a draft model's static steps: up to two catch-up rows per request, then one."""
