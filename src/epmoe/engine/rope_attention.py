@@ -8,8 +8,7 @@ engine writes keys and values into the paged cache (two scatters): some fifteen 
 attention reads anything, which at one decode token cost several times the layer's weight reads.
 ``RopeAttention`` replaces such a module (``install_rope_attention``) by:
 
-1. one matrix product with the concatenated ``q``/``k``/``v`` weights (and biases; at a few tokens on CUDA the
-   split-K kernel of ``engine.skinny``, as ``o_proj``);
+1. one matrix product with the concatenated ``q``/``k``/``v`` weights (and biases);
 2. one kernel (``rope_qkv``), a program per token and head: RMS-normalise the head (if the family does),
    rotate it, and store a query head into the query tensor, or a key head and its value head into the
    token's cache slot;
@@ -35,7 +34,6 @@ import torch
 from torch import nn
 
 from epmoe.engine.attention import AttnBatch, attend, engine_batch
-from epmoe.engine.skinny import SkinnyLinear
 
 # model types whose attention is q/k/v projections, optional per-head RMSNorm, rotate-by-halves rotary,
 # attention (causal, sliding window, sinks) and o_proj. Value: (the cosine is given for half the rotated dims,
@@ -201,8 +199,7 @@ class RopeAttention(nn.Module):
 
     Args:
         attn: the transformers attention module: ``q_proj``, ``k_proj``, ``v_proj`` (their weights and biases are
-            concatenated into ``qkv_proj``; the three modules are dropped), ``o_proj`` (its weights kept; both run
-            as ``engine.skinny.SkinnyLinear``), ``q_norm`` and
+            concatenated into ``qkv_proj``; the three modules are dropped), ``o_proj`` (kept), ``q_norm`` and
             ``k_norm`` when the family normalises, ``sinks`` (gpt-oss), ``sliding_window``, ``scaling``.
 
     Raises:
@@ -236,14 +233,13 @@ class RopeAttention(nn.Module):
             projs.append(proj)
         q, k, v = projs
         bias = q.bias is not None
-        qkv = nn.Linear(q.in_features, sum(p.out_features for p in projs), bias=bias, device=q.weight.device,
-                        dtype=q.weight.dtype)
+        self.qkv_proj = nn.Linear(q.in_features, sum(p.out_features for p in projs), bias=bias,
+                                  device=q.weight.device, dtype=q.weight.dtype)
         with torch.no_grad():
-            qkv.weight.copy_(torch.cat([p.weight for p in projs]))
+            self.qkv_proj.weight.copy_(torch.cat([p.weight for p in projs]))
             if bias:
-                qkv.bias.copy_(torch.cat([p.bias for p in projs]))
-        self.qkv_proj = SkinnyLinear(qkv)
-        self.o_proj = SkinnyLinear(attn.o_proj) if isinstance(attn.o_proj, nn.Linear) else attn.o_proj
+                self.qkv_proj.bias.copy_(torch.cat([p.bias for p in projs]))
+        self.o_proj = attn.o_proj
         norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
         if getattr(attn, "use_qk_norm", True) and all(isinstance(n, nn.Module) for n in norms):
             self.q_norm, self.k_norm = norms
