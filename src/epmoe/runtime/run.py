@@ -298,7 +298,7 @@ class RunReport:
         first_mismatch: ``(prompt, step, ours, reference)`` of the first differing token, or ``None``.
         float32_judged: per prompt that differed from the same-dtype reference in a bf16/fp16 run, which side
             equals the float32 reference: ``{"prompt", "epmoe_equals_float32", "reference_equals_float32"}``.
-        graphs: whether decode steps replayed CUDA graphs.
+        graphs: whether steps replayed CUDA graphs (decode buckets or piecewise graphs).
         overlap: whether the engine ran the overlap schedule (``EngineConfig.disable_overlap_schedule``).
         speculative: with speculative decoding, the counts over every rank (``SpecStats.to_json``), the
             algorithm, ``K``, the proposer's description and, under ``requests``, each prompt's counts in prompt
@@ -574,7 +574,8 @@ def run_job(cfg: RunConfig) -> RunReport:
         tokens_per_s=sum(len(t) for t in tokens) / gen_s if gen_s > 0 else float("nan"),
         balancedness=float(rank_balancedness(rank_counts).mean()),
         routed_tokens_per_step=(rank_counts.sum(0).double() / (steps * spec.num_moe_layers)).tolist(),
-        matches_reference=None, dtype=cfg.dtype, graphs=any(r.step_kinds.get("graph_steps", 0) for r in ranks),
+        matches_reference=None, dtype=cfg.dtype,
+        graphs=any(r.step_kinds.get("graph_steps", 0) + r.step_kinds.get("piecewise_steps", 0) for r in ranks),
         overlap=not cfg.disable_overlap_schedule and cfg.speculative_algorithm is None,
     )
     if cfg.speculative_algorithm is not None:

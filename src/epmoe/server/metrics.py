@@ -96,7 +96,7 @@ class ServerMetrics:
         self.engine_steps = Counter("epmoe:engine_steps",
                                     "Engine steps of rank 0 by kind; graph_prefill steps are graph steps that "
                                     "carried prompt tokens (a subset of graph): steps = graph + piecewise + eager + "
-                                    "idle", 
+                                    "idle",
                                     ["kind"], registry=r)
         for kind in STEP_KINDS:
             self.engine_steps.labels(kind=kind)

@@ -90,8 +90,9 @@ def _startup_log(cfg: ServeConfig, model_dir: str, name: str, frontend: Frontend
              load_moe_spec(model_dir).model_type, name, info.ranks,
              "expert-parallel" if info.parallel == "ep" else "tensor-parallel", cfg.device, cfg.dtype)
     log.info("KV cache per rank: %d blocks of %d tokens (%d tokens, %.1f MiB), %d sequences of the full context "
-             "(%d tokens) at once; graph buckets %s", kv["blocks"], kv["block_size"], kv["tokens"],
-             kv["bytes"] / 2**20, kv["max_concurrency"], kv["context"], kv["graph_buckets"] or "none (eager)")
+             "(%d tokens) at once; graph buckets %s; piecewise graph buckets %s", kv["blocks"], kv["block_size"],
+             kv["tokens"], kv["bytes"] / 2**20, kv["max_concurrency"], kv["context"],
+             kv["graph_buckets"] or "none (eager)", kv.get("piecewise_buckets") or "none (eager)")
     if info.speculative is not None:
         log.info("speculative decoding, K = %d: %s", cfg.engine_config(model_dir).num_speculative_tokens,
                  info.speculative)
