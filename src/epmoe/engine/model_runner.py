@@ -365,6 +365,7 @@ class ModelRunner:
         self.graphs: dict[int, _Graph] = {}
         self.piece_graphs: dict[int, _Graph] = {}
         self.pieces: Pieces | None = None
+        self._graph_workspace: torch.Tensor | None = None
         self._pool = None
         self._activate = self._deactivate = None
         self.aux_layers = tuple(aux_layers)
@@ -562,7 +563,9 @@ class ModelRunner:
         """
         self._activate, self._deactivate = activate, deactivate
         dev = self.device
-        workspace = self._workspace(sizes) if sizes and cuda_graphs else None
+        # the graphs write into this scratch at every replay: it lives as long as they do (freed, the caching
+        # allocator would hand its memory to other tensors or return it to the driver under memory pressure)
+        workspace = self._graph_workspace = self._workspace(sizes) if sizes and cuda_graphs else None
         for bs in sorted(sizes, reverse=True):
             g = _Graph.empty(bs, self.max_blocks, dev)
             if cuda_graphs:
