@@ -110,7 +110,7 @@ def test_graphs_survive_the_allocator_releasing_memory(tiny_checkpoints):
 
     d = tiny_checkpoints("qwen3-moe")
     engine = Engine(EngineConfig(model=str(d), device="cuda", dtype="bfloat16", expert_backend="triton",
-                                 max_num_seqs=8, cuda_graph_max_bs=8, max_model_len=4096))
+                                 max_num_seqs=8, cuda_graph_max_bs=8))
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     want = [o.token_ids for o in engine.generate(PROMPTS, params)]
     gc.collect()
