@@ -237,8 +237,9 @@ def ep_static_hooks(ep_model: EPModel, eager_dispatcher: str, recorder: ExpertLo
 @dataclass
 class _Graph:
     """One bucket: its captured graphs, replayed in order (``None``: the static path runs eagerly), and its static
-    inputs. A decode bucket's graphs are one per segment of decoder layers and end with the logits; a piecewise
-    bucket's (``engine.piecewise``) are the pieces between its ``cuts`` and end with the final hidden states.
+    inputs. A decode bucket's graphs are one per segment of decoder layers and their static output ``out`` is the
+    logits; a piecewise bucket's (``engine.piecewise``) are the pieces between its ``cuts`` and ``out`` is the final
+    hidden states (the sampling rows' logits are computed after the replay).
 
     The inputs live in two device buffers, filled from two host buffers of the same layout (pinned on CUDA) by
     one copy each: ``ints [5, bs]`` int64, rows ``input_ids``, ``positions``, ``slot_mapping``, ``valid_rows``,
@@ -254,7 +255,7 @@ class _Graph:
     host_ints: torch.Tensor
     host_tables: torch.Tensor
     max_blocks: int
-    logits: torch.Tensor | None = None
+    out: torch.Tensor | None = None
     aux: torch.Tensor | None = None
     copied: torch.cuda.Event | None = None
     used: int = 0
@@ -485,7 +486,7 @@ class ModelRunner:
         if g.graph is not None:
             for segment in g.graph:  # segment i runs on the GPU while segment i + 1 is launched
                 segment.replay()
-            logits, aux = g.logits, g.aux
+            logits, aux = g.out, g.aux
         else:
             self._activate(bucket, g.valid_rows)
             try:
@@ -512,7 +513,7 @@ class ModelRunner:
                 graph.replay()
                 if i < len(g.cuts):
                     g.cuts[i].run(batch, n)
-            hidden, aux = g.logits, g.aux
+            hidden, aux = g.out, g.aux
         else:
             self._activate(piece, g.valid_rows)
             self.pieces.set_batch(batch, n)
@@ -571,7 +572,7 @@ class ModelRunner:
             if cuda_graphs:
                 activate(bs, g.valid_rows)
                 try:
-                    g.graph, g.logits, g.aux = self._capture_one(g, workspace)
+                    g.graph, g.out, g.aux = self._capture_one(g, workspace)
                 finally:
                     deactivate()
             self.graphs[bs] = g
@@ -596,7 +597,7 @@ class ModelRunner:
             if cuda_graphs:
                 activate(n, g.valid_rows)
                 try:
-                    g.graph, g.cuts, g.logits, g.aux = self._capture_pieces_one(g)
+                    g.graph, g.cuts, g.out, g.aux = self._capture_pieces_one(g)
                 finally:
                     deactivate()
             self.piece_graphs[n] = g
