@@ -36,6 +36,13 @@ def kimi(tiny_checkpoints):
      "--piecewise-cuda-graph-max-tokens must be a non-negative integer, got -1"),
     ("serve", ["--piecewise-cuda-graph-max-tokens", "-1"],
      "--piecewise-cuda-graph-max-tokens must be a non-negative integer, got -1"),
+    ("run", ["--max-num-seqs", "99999999999999999999", "--max-num-batched-tokens", "99999999999999999999"],
+     "--max-num-seqs must be at most 65536, got 99999999999999999999"),
+    ("serve", ["--max-num-seqs", "99999999999999999999", "--max-num-batched-tokens", "99999999999999999999"],
+     "--max-num-seqs must be at most 65536, got 99999999999999999999"),
+    ("run", ["--max-num-batched-tokens", "100"],
+     "--max-num-batched-tokens (100) must be at least --max-num-seqs (256): raise --max-num-batched-tokens or "
+     "lower --max-num-seqs"),
 ])
 def test_refused_options_name_their_flags(kimi, capsys, command, args, message):
     assert main([command, "--model", str(kimi), *args]) == 2

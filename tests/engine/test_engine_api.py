@@ -121,6 +121,10 @@ def test_context_limit_finishes_with_length(engine):
     ("load_format", "pt", "load_format must be 'auto' or 'dummy', got 'pt'"),
     ("seed", "7", "seed must be an integer in \\[0, 2\\*\\*63\\), got '7'"),
     ("enforce_eager", "yes", "enforce_eager must be true or false, got 'yes'"),
+    ("static_decode_on_cpu", 1, "static_decode_on_cpu must be true or false, got 1"),
+    ("max_num_seqs", 10**20, "max_num_seqs must be at most 65536, got 100000000000000000000"),
+    ("cuda_graph_max_bs", 1 << 17, "cuda_graph_max_bs must be at most 65536, got 131072"),
+    ("max_num_batched_tokens", 1 << 21, "max_num_batched_tokens must be at most 1048576, got 2097152"),
     ("eplb_interval", -1, "eplb_interval must be a non-negative integer, got -1"),
 ])
 def test_bad_engine_config_named(model_dir, field, value, message):

@@ -26,6 +26,12 @@ DEFAULT_SPECULATIVE_TOKENS = 3
 GRAPH_SAFE_BACKENDS = ("triton",)  # the reference backend reads the routing on the host
 
 
+# the most sequences (and decode graph rows) and tokens per step an engine takes: its per-sequence and per-row
+# buffers are allocated up front, so a mistyped huge value is refused by name instead of failing an allocation
+MAX_NUM_SEQS = 1 << 16
+MAX_NUM_BATCHED_TOKENS = 1 << 20
+
+
 def _positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -52,15 +58,16 @@ class EngineConfig:
             ranks (no token can overflow it) and ``local`` on one.
         expert_backend: expert compute backend (``reference``, ``triton``, ``grouped_mm``).
         load_format: ``auto`` or ``dummy`` (random weights at full size, vLLM's name).
-        max_num_seqs: most sequences running at once per rank.
-        max_num_batched_tokens: most tokens fed in one step per rank (longer prompts are chunked).
+        max_num_seqs: most sequences running at once per rank (at most ``MAX_NUM_SEQS``).
+        max_num_batched_tokens: most tokens fed in one step per rank (longer prompts are chunked; at most
+            ``MAX_NUM_BATCHED_TOKENS``).
         max_model_len: longest sequence (prompt + output); ``None`` = the model's
             ``max_position_embeddings``.
         block_size: tokens per KV block.
         mem_fraction_static: on CUDA, the fraction of the GPU's memory for weights and KV cache
             (SGLang's name); the KV pool gets what the weights leave of it.
         num_kv_blocks: KV blocks per layer (padding block included), overriding the memory sizing.
-        cuda_graph_max_bs: largest decode batch replayed as a CUDA graph (SGLang's name).
+        cuda_graph_max_bs: largest decode batch replayed as a CUDA graph (SGLang's name; at most ``MAX_NUM_SEQS``).
         cuda_graph_max_tokens: prompts too run in the replayed steps, one row per token next to the decodes,
             when each prompt chunk ends within this many tokens (its rows attend through the decode kernel, each
             over the keys before it, so the chunk's cost grows with its length times its end) and the step's rows
@@ -161,9 +168,14 @@ class EngineConfig:
                                                self.num_kv_blocks < 2):
             raise ValueError(f"num_kv_blocks must be an integer >= 2 (one is the padding block), "
                              f"got {self.num_kv_blocks!r}")
+        for name, limit in (("max_num_seqs", MAX_NUM_SEQS), ("cuda_graph_max_bs", MAX_NUM_SEQS),
+                            ("max_num_batched_tokens", MAX_NUM_BATCHED_TOKENS)):
+            if getattr(self, name) > limit:
+                raise ValueError(f"{name} must be at most {limit}, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
-                             f"max_num_seqs ({self.max_num_seqs})")
+                             f"max_num_seqs ({self.max_num_seqs}): raise max_num_batched_tokens or lower "
+                             f"max_num_seqs")
         if not isinstance(self.mem_fraction_static, numbers.Real) or not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static!r}")
         if isinstance(self.redundant, bool) or not isinstance(self.redundant, numbers.Integral) or self.redundant < 0:
@@ -183,6 +195,8 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        if not isinstance(self.static_decode_on_cpu, bool):
+            raise ValueError(f"static_decode_on_cpu must be true or false, got {self.static_decode_on_cpu!r}")
         if not isinstance(self.disable_overlap_schedule, bool):
             raise ValueError(f"disable_overlap_schedule must be true or false, got {self.disable_overlap_schedule!r}")
         if self.parallel == "tp":
