@@ -47,7 +47,7 @@ def test_triton_matches_reference(t, case):
 
 
 def test_triton_alignment_groups_equal_reference():
-    from epmoe.experts.triton.align import align_triton
+    from epmoe.experts.triton.align_kernels import align_triton
 
     for t, bm, half in ((777, 16, False), (777, 64, False), (3, 16, False), (50, 16, False), (777, 64, True),
                         (50, 32, True), (5000, 128, True)):

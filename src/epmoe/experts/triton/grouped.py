@@ -3,7 +3,7 @@
 Pipeline for ``x [T, D]`` and ``topk_slots [T, K]`` (``N = T * K`` pairs), all launches of static grid
 size and no host synchronisation (CUDA-graph safe):
 
-1-3. ``align.align_triton``: the pairs sorted by slot into padded row blocks (full blocks of ``BM`` rows, with
+1-3. ``align_kernels.align_triton``: the pairs sorted by slot into padded row blocks (full blocks of ``BM`` rows, with
    ``half_tail`` a half-size last block when at most ``BM / 2`` rows are left), in one to four launches. Up to
    ``decode.DECODE_MAX_PAIRS`` pairs none of this runs: ``decode`` computes them in two launches without
    alignment.
@@ -47,7 +47,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from epmoe.experts.fp8 import FP8_BLOCK, BlockFP8ExpertWeights, KernelOperands, kernel_operands
 from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
-from epmoe.experts.triton.align import align_triton
+from epmoe.experts.triton.align_kernels import align_triton
 from epmoe.experts.triton.decode import DECODE_MAX_PAIRS, decode_experts, gated_activation
 from epmoe.experts.triton.w4a16 import (
     int4_down_acc,
