@@ -541,7 +541,9 @@ class Engine:
             self.stats["graph_prefill_steps"] += int(bucket is not None and bool(plan.prefills))
             decode_rows = (sum(1 + len(p.token_ids) for p in proposals) if proposals is not None
                            else len(plan.decodes))
-            self.last_step_tokens = decode_rows + sum(c.num_tokens for c in plan.prefills)
+            self.last_step_tokens = decode_rows + prompt_rows
+            for c in plan.chunks:
+                c.seq.num_computed = c.start + c.num_tokens
             if self.proposer is not None:
                 outputs += self._advance(plan, out, proposals)
             else:
@@ -564,8 +566,6 @@ class Engine:
         """Sample the step's tokens on the device, keep them in the runner's token buffer and start their copy to
         the host; each sampling sequence grows by a placeholder (``PENDING_TOKEN``) until ``_resolve``."""
         sampling = [c for c in plan.chunks if c.samples]  # logits rows: the decodes, then sampling prefills
-        for c in plan.chunks:
-            c.seq.num_computed = c.start + c.num_tokens
         if not sampling:
             return _Launch([], None, None)
         toks = sample(out.logits[:, : self.vocab_size], [c.seq.params for c in sampling],
@@ -615,8 +615,6 @@ class Engine:
         return outputs
 
     def _advance(self, plan: StepPlan, out: StepOutput, proposals: list[Proposal] | None) -> list[RequestOutput]:
-        for c in plan.chunks:
-            c.seq.num_computed = c.start + c.num_tokens
         logits = out.logits[:, : self.vocab_size]
         # rows of the packed step: each decode chunk 1 + k (all sampled), then each prefill chunk's tokens
         sampled: list[tuple] = []  # (chunk, first logits row, proposal or None)

@@ -459,6 +459,8 @@ class ModelRunner:
     def execute(self, feeds: Sequence[Feed], bucket: int | None = None, piece: int | None = None) -> StepOutput:
         """Run ``feeds`` (see ``run``); the row-wise feeds first in the packed order, then the chunks."""
         packed = pack(feeds, self.kv.block_size, self.max_blocks)
+        if packed.sources is not None and self.tokens is None:
+            raise ValueError("a feed reads a token on the device, but the runner has no token buffer")
         if bucket is not None:
             return self._replay(packed, bucket)
         if piece is not None:
@@ -466,8 +468,6 @@ class ModelRunner:
         dev = self.device
         batch = packed.attn_batch(self.kv, dev)
         rows = torch.tensor(packed.sample_rows, dtype=torch.int64, device=dev)
-        if packed.sources is not None and self.tokens is None:
-            raise ValueError("a feed reads a token on the device, but the runner has no token buffer")
         sources = None if packed.sources is None else packed.sources.to(dev)
         logits, aux = self._forward(packed.input_ids.to(dev), packed.positions.to(dev), batch, rows, sources)
         return StepOutput(logits.float(), aux)
@@ -503,8 +503,6 @@ class ModelRunner:
         if g is None or n > piece:
             raise ValueError(f"no piecewise graphs of {piece} rows for a step of {n} rows; captured: "
                              f"{self.piece_buckets}")
-        if packed.sources is not None and self.tokens is None:
-            raise ValueError("a feed reads a token on the device, but the runner has no token buffer")
         dev = self.device
         batch = packed.attn_batch(self.kv, dev)
         g.load(packed)

@@ -62,8 +62,8 @@ class Cut:
 class Pieces:
     """The cuts of the piecewise forward being recorded or run, and the staging buffers they share.
 
-    A model's attention calls ``cut(fn, out_tail, out_dtype, *inputs)`` (``attention.eager_attention``) when its
-    ``AttnBatch`` carries this object. Two modes:
+    A model's attention calls ``cut(fn, out_tail, out_dtype, *inputs)`` (``attention.attend``,
+    ``mla.MLAAttention.forward``) when its ``AttnBatch`` carries this object. Two modes:
 
     * recording (``record``): the inputs are staged, the output buffer view is returned unread and the cut is kept;
       ``on_cut`` (the runner's: end the running graph capture, begin the next) is called after the staging
@@ -98,7 +98,9 @@ class Pieces:
         """The step's real ``AttnBatch`` and row count, for cuts that run at once."""
         self.batch, self.rows = batch, rows
 
-    def _buffer(self, key: tuple, tail: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def _buffer(self, role: tuple, tail: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The shared ``[max_rows, *tail]`` buffer of ``role`` (an input's position, or the output) and dtype."""
+        key = (role, tail, dtype)
         buf = self._buffers.get(key)
         if buf is None:
             buf = self._buffers[key] = torch.zeros((self.max_rows, *tail), dtype=dtype, device=device)
@@ -125,10 +127,10 @@ class Pieces:
             raise ValueError(f"a piecewise forward of {rows} rows; the staging buffers hold {self.max_rows}")
         staged = []
         for j, x in enumerate(inputs):
-            buf = self._buffer(("in", j, tuple(x.shape[1:]), x.dtype), tuple(x.shape[1:]), x.dtype, x.device)[:rows]
+            buf = self._buffer(("in", j), tuple(x.shape[1:]), x.dtype, x.device)[:rows]
             buf.copy_(x)
             staged.append(buf)
-        out = self._buffer(("out", out_tail, out_dtype), out_tail, out_dtype, inputs[0].device)[:rows]
+        out = self._buffer(("out",), tuple(out_tail), out_dtype, inputs[0].device)[:rows]
         cut = Cut(fn, tuple(staged), out)
         if self._recording:
             self._cuts.append(cut)
