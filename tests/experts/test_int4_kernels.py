@@ -218,3 +218,35 @@ def test_mxfp4_backend_on_gpu(t):
     slots = torch.randint(0, s, (t, k), device="cuda")
     tw = torch.rand(t, k, device="cuda")
     assert _rel(get_expert_backend("triton")(x, slots, tw, q, act), _ref(x, slots, tw, q, act, False)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 5, 64])  # one row block per slot; several (9 and more pairs on a slot)
+@pytest.mark.parametrize("case", ["silu_g128", "swiglu_bias_woi_g64", "ragged_skip"])
+def test_int4_mma_path_on_gpu(t, case):
+    from epmoe.experts.triton.w4a16_mma import MmaConfig, int4_mma_experts
+
+    s, k = 6, 8
+    # ragged: D of 136 words and F of 68 words leave a part step in both kernels, and F a part row tile
+    d, f = (1088, 544) if case.startswith("ragged") else (1024, 512)
+    group = {"silu_g128": 128, "swiglu_bias_woi_g64": 64, "ragged_skip": 32}[case]
+    q = _int4(t + 7, s, d, f, "bias" in case, group, torch.bfloat16, "cuda")
+    act = Activation("silu", 7.0) if "swiglu" in case else Activation()
+    woi = "woi" in case
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randint(0, s, (t, k), device="cuda")
+    if "skip" in case:
+        slots = torch.where(torch.rand(t, k, device="cuda") < 0.5, -1, slots)
+        slots[0, 0] = 3
+    tw = torch.rand(t, k, device="cuda")
+    ref = _ref(x, slots, tw, q, act, woi)
+    # the default tiles; four warps and two 16-row tiles a warp in the down kernel; one warp
+    kw = max(16, group // 2)
+    for cfg in (None, MmaConfig(64, kw, 128, kw, 4), MmaConfig(16, kw, 16, 2 * kw, 1)):
+        assert _rel(int4_mma_experts(x, slots, tw, q, act, woi, cfg), ref) < 1e-2, cfg
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = int4_mma_experts(x, slots, tw, q, act, woi)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(captured, int4_mma_experts(x, slots, tw, q, act, woi))
