@@ -20,10 +20,11 @@ Cases:
 
 The INT4 cases time, in the same run and on the same (dequantized) weight values: the ``triton`` backend on the
 packed weights (``int4``, the path ``int4_path`` picks; floor = INT4 bytes + scales of the active slots over the copy
-bandwidth, or the FLOPs), each INT4 path at every size whichever the backend takes (``int4_grouped``: the fused
-grouped kernels; ``int4_dequant``: the used slots widened, then the bf16 grouped kernels; ``int4_decode``: the decode
-kernels, up to 64 tokens), our bf16 Triton path (``bf16``; its own floor, the bf16 bytes) and "dequantize, then
-grouped_mm" (``deq_gmm``: one Triton launch widening every local expert to bf16, then ``torch._grouped_mm``); with
+bandwidth, or the FLOPs), each INT4 path at every size whichever the backend takes (``int4_mma``: the tensor-core
+kernels with the words widened into the MMA registers; ``int4_grouped``: the fused grouped kernels;
+``int4_dequant``: the used slots widened, then the bf16 grouped kernels; ``int4_decode``: the decode kernels, up to
+64 tokens), our bf16 Triton path (``bf16``; its own floor, the bf16 bytes) and "dequantize, then grouped_mm"
+(``deq_gmm``: one Triton launch widening every local expert to bf16, then ``torch._grouped_mm``); with
 ``--sweep`` (EP-8 shard only) also the decode tile configurations ``INT4_DECODE_SWEEP`` (sizes up to 64 tokens) and
 the grouped ones ``INT4_GROUPED_SWEEP`` (every sweep size), each sweep's best recorded.
 
@@ -68,6 +69,7 @@ from epmoe.experts.triton.int4 import (
     int4_grouped_experts,
     int4_path,
 )
+from epmoe.experts.triton.w4a16_mma import int4_mma_experts
 from timing import measure_ceilings, rel_err, time_fn, time_in_model
 
 CASES = {
@@ -294,13 +296,14 @@ def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: 
                "floor_flop_us": flop_us,
                "int4_floor_us": max(active * int4_bytes / ceil["copy_bytes_per_s"] * 1e6, flop_us),
                "bf16_floor_us": max(active * bf16_bytes / ceil["copy_bytes_per_s"] * 1e6, flop_us),
-               "int4_path": int4_path(t * k),
+               "int4_path": int4_path(t * k, x.dtype, s),
                "int4_grouped_config": asdict(default_int4_config(t * k, s))}
         ref = int4_reference(x, slots, tw, q, act)
         impls = {"int4": lambda: ours(x, slots, tw, q, act), "bf16": lambda: ours(x, slots, tw, w, act),
                  "deq_gmm": lambda: grouped_mm_experts(x, slots, tw, dequantize_all(), act),
                  # each path at every size, whichever the backend takes
                  "int4_grouped": lambda: int4_grouped_experts(x, slots, tw, q, act),
+                 "int4_mma": lambda: int4_mma_experts(x, slots, tw, q, act),
                  "int4_dequant": lambda: int4_dequantized_experts(x, slots, tw, q, act)}
         if t <= DECODE_MAX:
             impls["int4_decode"] = lambda: int4_decode_experts(x, slots, tw, q, act)
@@ -342,13 +345,15 @@ def print_int4_table(rows: list[dict]) -> None:
     """One line a row: the backend's path and time against the INT4 floor, each path's time (``dbest``/``gbest``: the
     decode/grouped sweeps' best), bf16 and dequantize-then-grouped_mm, errors of the backend and the grouped path."""
     nan = float("nan")
-    print(f"\n{'case':14} {'T':>5} {'act':>4} {'path':>7} {'i4floor':>7} {'int4':>8} {'x_fl':>6} {'i4dec':>8} "
+    print(f"\n{'case':14} {'T':>5} {'act':>4} {'path':>7} {'i4floor':>7} {'int4':>8} {'x_fl':>6} {'i4mma':>8} "
+          f"{'i4dec':>8} "
           f"{'dbest':>7} {'i4grp':>8} {'gbest':>7} {'gb_x_fl':>7} {'i4deq':>8} {'bf16':>7} {'bf16/i4':>7} "
           f"{'deq_gmm':>8} {'err_i4':>8} {'err_grp':>8}")
     for r in rows:
         floor = r["int4_floor_us"] or nan  # no local pair: no floor
         print(f"{r['case']:14} {r['tokens']:5d} {r['active_slots']:4d} {r['int4_path']:>7} {r['int4_floor_us']:7.1f} "
-              f"{r['int4_us']:8.1f} {r['int4_us'] / floor:6.2f} {r.get('int4_decode_us', nan):8.1f} "
+              f"{r['int4_us']:8.1f} {r['int4_us'] / floor:6.2f} {r['int4_mma_us']:8.1f} "
+              f"{r.get('int4_decode_us', nan):8.1f} "
               f"{r.get('int4_best_us', nan):7.1f} {r['int4_grouped_us']:8.1f} "
               f"{r.get('int4_grouped_best_us', nan):7.1f} {r.get('int4_grouped_best_us', nan) / floor:7.2f} "
               f"{r['int4_dequant_us']:8.1f} {r['bf16_us']:7.1f} "

@@ -1,9 +1,10 @@
 """W4A16 expert compute in Triton for INT4 group-quantized weights (``experts.int4``), bf16 activations.
 
-The weights stay packed in HBM (a quarter of the bf16 bytes plus one scale per ``G`` inputs). Three paths, all
+The weights stay packed in HBM (a quarter of the bf16 bytes plus one scale per ``G`` inputs). Four paths, all
 with static grids and no host synchronisation (CUDA-graph safe); ``int4_experts`` picks one from the number of
-pairs ``N = T * K`` (``int4_path``: decode up to ``INT4_DECODE_MAX_PAIRS``, fused grouped above, widening from
-``INT4_DEQUANT_MIN_PAIRS`` where that is set; both switch points are set from the H200 benchmark):
+pairs ``N = T * K``, the activations' dtype and the local slots (``int4_path``; the switch points are set from the
+H200 benchmark): the tensor-core kernels of ``w4a16_mma`` for bf16 (the words widened into the MMA registers), and
+the three below:
 
 Decode (``int4_decode_experts``): one matrix-vector product per (token, k) pair on the CUDA cores, reading the
 packed weights directly, in three launches with the structure of the bf16 decode kernels (``decode``: live pairs
@@ -86,6 +87,7 @@ from epmoe.experts.triton.decode import (
     zero_arrival_counters,
 )
 from epmoe.experts.triton.grouped import TileConfig, act_code, default_int4_config, grouped_experts, triton_experts
+from epmoe.experts.triton.w4a16_mma import int4_mma_experts
 from epmoe.experts.weights import Activation, ExpertWeights
 
 _ZERO_BLOCK = 1024
@@ -94,6 +96,17 @@ INT4_DECODE_MAX_PAIRS = DECODE_MAX_PAIRS
 """``int4_experts`` takes the decode kernels for up to this many ``(token, k)`` pairs ``N = T * K`` (static: no look
 at the routing), the fused grouped path above. Set from the H200 run of ``benchmarks/moe_layer.py --cases
 kimi_int4,kimi_full_int4`` (columns ``int4_decode`` against ``int4_grouped``)."""
+
+INT4_MMA_MAX_PAIRS = 8192
+"""``int4_experts`` takes the tensor-core path with the words widened into the MMA registers (``w4a16_mma``) for bf16
+activations up to this many pairs (above, each 8-row block widens its slot's words again and the fused grouped path
+is faster), except for decode batches of an expert-parallel shard (``INT4_DECODE_MAX_SLOTS``). Set from the H200 run
+of ``benchmarks/moe_layer.py --cases kimi_int4,kimi_full_int4`` (column ``int4_mma`` against the others)."""
+
+INT4_DECODE_MAX_SLOTS = 64
+"""Up to ``INT4_DECODE_MAX_PAIRS`` pairs and with at most this many local slots (an expert-parallel shard, where most
+pairs are served elsewhere: a decode step has about one local pair) ``int4_experts`` takes the decode kernels, which
+cost per live pair without the MMA path's alignment launch; with more slots, the MMA path. From the same run."""
 
 INT4_DEQUANT_MIN_PAIRS: int | None = None
 """``int4_experts`` takes the widening path (``int4_dequantized_experts``) from this many pairs on; ``None``: never
@@ -547,10 +560,18 @@ def int4_dequantized_experts(
     return triton_experts(x, topk_slots, topk_weights, ExpertWeights(w13, w2, b13, b2), activation, weight_on_input)
 
 
-def int4_path(num_pairs: int) -> str:
-    """The path ``int4_experts`` takes for ``num_pairs`` pairs: ``"decode"`` (up to ``INT4_DECODE_MAX_PAIRS``),
-    ``"dequant"`` (from ``INT4_DEQUANT_MIN_PAIRS`` on) or ``"grouped"``."""
-    if num_pairs <= INT4_DECODE_MAX_PAIRS:
+def int4_path(num_pairs: int, dtype: torch.dtype, num_slots: int) -> str:
+    """The path ``int4_experts`` takes for ``num_pairs`` pairs of activations in ``dtype`` over ``num_slots`` local
+    slots: ``"decode"`` up to ``INT4_DECODE_MAX_PAIRS`` (bf16: and at most ``INT4_DECODE_MAX_SLOTS`` slots), else
+    ``"mma"`` (bf16 up to ``INT4_MMA_MAX_PAIRS``), ``"dequant"`` (from ``INT4_DEQUANT_MIN_PAIRS`` on) or
+    ``"grouped"``."""
+    small = num_pairs <= INT4_DECODE_MAX_PAIRS
+    if dtype == torch.bfloat16:
+        if small and num_slots <= INT4_DECODE_MAX_SLOTS:
+            return "decode"
+        if num_pairs <= INT4_MMA_MAX_PAIRS:
+            return "mma"
+    if small:
         return "decode"
     if INT4_DEQUANT_MIN_PAIRS is not None and num_pairs >= INT4_DEQUANT_MIN_PAIRS:
         return "dequant"
@@ -603,10 +624,11 @@ def int4_experts(
 ) -> torch.Tensor:
     """INT4 expert compute on CUDA (contract of ``experts.ExpertBackend``); graph safe.
 
-    The path is ``int4_path(T * K)``: the decode kernels up to ``INT4_DECODE_MAX_PAIRS`` pairs (each pair reads its
-    expert's weights: the cost grows with the pairs), the fused grouped kernels above (one read of a slot's weights
-    per row block: the cost grows with the slots in use), the widening path from ``INT4_DEQUANT_MIN_PAIRS`` on
-    where that is set. ``N = T * K`` bounds the live pairs (static: no look at the routing).
+    The path is ``int4_path(T * K, x.dtype, S)``: the decode kernels for a few pairs (each pair reads its expert's
+    weights: the cost grows with the live pairs), the tensor-core kernels of ``w4a16_mma`` for bf16 (the words
+    widened into the MMA registers, one read of a slot's words per 8-row block), the fused grouped kernels above
+    (``tl.dot`` on widened tiles), the widening path from ``INT4_DEQUANT_MIN_PAIRS`` on where that is set.
+    ``N = T * K`` bounds the live pairs (static: no look at the routing).
 
     Raises:
         TypeError: ``x`` not bf16/fp16.
@@ -620,7 +642,9 @@ def int4_experts(
         x = x.contiguous()
     slots = topk_slots.contiguous()
     tw = topk_weights.float().contiguous()
-    path = int4_path(t * k)
+    path = int4_path(t * k, x.dtype, weights.num_slots)
+    if path == "mma":
+        return int4_mma_experts(x, slots, tw, weights, activation, weight_on_input)
     if path == "decode":
         return int4_decode_experts(x, slots, tw, weights, activation, weight_on_input)
     if path == "dequant":

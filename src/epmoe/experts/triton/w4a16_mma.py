@@ -56,6 +56,10 @@ from epmoe.experts.weights import Activation
 MMA_BLOCK_M = 8
 """Token rows of a row block: the ``N`` side of ``mma.sync.m16n8k16``."""
 
+_WARPS_PER_SM = 16
+"""Warps an SM the split-K choice aims at (``MmaConfig.split_max``): a launch whose row blocks (at most, as
+``align.num_aligned_blocks`` bounds them) times column tiles give fewer programs may split each tile's reduction."""
+
 
 @dataclass(frozen=True)
 class MmaConfig:
@@ -68,13 +72,16 @@ class MmaConfig:
         block_n2: ``w2`` rows (output columns) per down program, a multiple of ``16 * num_warps``.
         block_kw2: words of ``F`` per step of the down program, as ``block_kw1``.
         num_warps: warps per program (each owns ``block_n / num_warps`` rows).
+        split_max: a (row block, column tile)'s reduction is split over up to this many programs (a power of two)
+            when the launch has few row blocks; the split in use is chosen on the device from the active blocks.
     """
 
     block_n1: int = 32
-    block_kw1: int = 16
-    block_n2: int = 32
-    block_kw2: int = 16
+    block_kw1: int = 32
+    block_n2: int = 64
+    block_kw2: int = 32
     num_warps: int = 2
+    split_max: int = 8
 
 
 @gluon.constexpr_function
@@ -92,9 +99,10 @@ def _word_layout(block_n, block_kw, num_warps, gw):
 
 
 @gluon.constexpr_function
-def _input_layout(block_kw, block_m, num_warps):
-    """Register layout of the ``[2 block_kw, block_m]`` activation tile of a step in memory order: thread ``(g, q)``
-    holds token row ``g``, inputs ``[4 q R, 4 (q + 1) R)`` (``R = block_kw / 8``); every warp holds it all."""
+def _plane_layout(block_kw, block_m, num_warps):
+    """Register layout of a step's tile ``[2 block_kw, block_m]`` of one nibble plane of the activations (memory
+    order): thread ``(g, q)`` holds token row ``g``, elements ``[4 q R, 4 (q + 1) R)`` (``R = block_kw / 8``); every
+    warp holds it all."""
     r4 = block_kw // 2
     regs = [[1 << i, 0] for i in range(r4.bit_length() - 1)]
     lanes = [[r4, 0], [2 * r4, 0], [0, 1], [0, 2], [0, 4]]
@@ -113,8 +121,8 @@ def _operand(words, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, LAYOUT: gl.co
 
 @gluon.jit
 def _b_operand(v, BLOCK_KW: gl.constexpr, BLOCK_M: gl.constexpr, LAYOUT: gl.constexpr):
-    """An activation tile in memory order (element ``2 c + e``) -> the B operand's order (``2 w + e`` with ``w`` the
-    operand word of memory word ``c``, as ``_operand``), in ``LAYOUT``."""
+    """A nibble plane's tile in memory order (element ``2 c + e``) -> the B operand's order (``2 w + e``, ``w`` the
+    operand word of memory word ``c`` as ``_operand``), in ``LAYOUT``; register relabelling only."""
     R: gl.constexpr = BLOCK_KW // 8
     t = gl.reshape(gl.permute(gl.reshape(v, [4, R, 2, 2, BLOCK_M]), [1, 2, 0, 3, 4]), [2 * BLOCK_KW, BLOCK_M])
     return gl.convert_layout(t, LAYOUT)
@@ -156,15 +164,6 @@ def _plane(words, scale, J: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_KW: gl.co
 
 
 @gluon.jit
-def _load(ptrs, mask, EVEN: gl.constexpr):
-    """``ptrs`` loaded, masked (zeros) unless ``EVEN`` (tiles that divide the tensor)."""
-    if EVEN:
-        return gl.load(ptrs)
-    else:
-        return gl.load(ptrs, mask=mask, other=0)
-
-
-@gluon.jit
 def _block_rows(sorted_ptr, first, num_pairs, BLOCK_M: gl.constexpr, LAYOUT: gl.constexpr):
     """The pair ids of a row block's ``BLOCK_M`` sorted positions and which are real (padding: ``num_pairs``)."""
     pair = gl.load(sorted_ptr + first + gl.arange(0, BLOCK_M, layout=LAYOUT))
@@ -172,163 +171,298 @@ def _block_rows(sorted_ptr, first, num_pairs, BLOCK_M: gl.constexpr, LAYOUT: gl.
 
 
 @gluon.jit
-def _weight_tiles(w_ptr, s_ptr, row0, R_ROWS, KW, stride_wn, stride_sn, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr,
-                  GW: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """Pointers of a program's first word tile (memory order) and its scale tile, and the masks' parts: rows
-    ``row0 + [0, BLOCK_N)`` of ``R_ROWS``, words of ``KW``."""
+def _program_ids(num_tiles, SPLIT_MAX: gl.constexpr):
+    """This program's row block, column tile and split: the grid is ``SPLIT_MAX`` rounds of (block, tile), split 0
+    first (the rounds past the split in use only leave)."""
+    pid = gl.program_id(0)
+    tiles = gl.num_programs(0) // SPLIT_MAX
+    rest = pid % tiles
+    return rest // num_tiles, rest % num_tiles, pid // tiles
+
+
+@gluon.jit
+def _split(block_slot_ptr, num_blocks, num_tiles, NB_PAD: gl.constexpr, SPLIT_MAX: gl.constexpr,
+           TARGET: gl.constexpr):
+    """The launch's split count: the largest power of two up to ``SPLIT_MAX`` that keeps the programs of the active
+    row blocks within ``TARGET`` (few active blocks: each tile's reduction split, so the SMs stay busy). Read by the
+    programs of active blocks only (an inactive block's programs have left)."""
+    split = 1
+    if SPLIT_MAX > 1:
+        bl = gl.arange(0, NB_PAD, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+        active = gl.sum((gl.load(block_slot_ptr + bl, mask=bl < num_blocks, other=-1) >= 0).to(gl.int32), 0)
+        ratio = TARGET // gl.maximum(active * num_tiles, 1)
+        for _ in gl.static_range(SPLIT_MAX.bit_length() - 1):
+            split = gl.where(ratio >= 2 * split, 2 * split, split)
+    return split
+
+
+@gluon.jit
+def _k_range(pid_s, split, KW, BLOCK_KW: gl.constexpr, EVEN: gl.constexpr):
+    """Words ``[begin, end)`` of split ``pid_s`` of ``split`` (whole steps; trailing splits may be empty)."""
+    chunk = gl.cdiv(gl.cdiv(KW, split), BLOCK_KW) * BLOCK_KW
+    begin = gl.minimum(pid_s * chunk, KW)
+    if EVEN:  # KW a multiple of BLOCK_KW: so is begin (the activation loads are 16-byte vectors)
+        begin = gl.multiple_of(begin, BLOCK_KW)
+    return begin, gl.minimum(begin + chunk, KW)
+
+
+@gluon.jit
+def _tile_ptrs(ws_ptr, p, tile, pid_s, NUM_ACC: gl.constexpr, SPLIT_MAX: gl.constexpr, BLOCK_N: gl.constexpr,
+               BLOCK_M: gl.constexpr, MMA: gl.constexpr):
+    """Pointers of accumulator ``p`` (of ``NUM_ACC``) of split ``pid_s`` of ``tile`` (row block x column tile) in the
+    partial workspace ``ws [tiles, SPLIT_MAX, NUM_ACC, BLOCK_N, BLOCK_M]`` float32."""
+    r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+    off = ((tile.to(gl.int64) * SPLIT_MAX + pid_s) * NUM_ACC + p) * (BLOCK_N * BLOCK_M)
+    return ws_ptr + off + r[:, None] * BLOCK_M + m[None, :]
+
+
+@gluon.jit
+def _arrive(ws_ptr, acc, p, tile, pid_s, NUM_ACC: gl.constexpr, SPLIT_MAX: gl.constexpr, BLOCK_N: gl.constexpr,
+            BLOCK_M: gl.constexpr, MMA: gl.constexpr):
+    """Store partial accumulator ``p`` of split ``pid_s`` of ``tile`` (see ``_tile_ptrs``)."""
+    gl.store(_tile_ptrs(ws_ptr, p, tile, pid_s, NUM_ACC, SPLIT_MAX, BLOCK_N, BLOCK_M, MMA), acc)
+
+
+@gluon.jit
+def _reduced(ws_ptr, p, tile, split, NUM_ACC: gl.constexpr, SPLIT_MAX: gl.constexpr, BLOCK_N: gl.constexpr,
+             BLOCK_M: gl.constexpr, MMA: gl.constexpr):
+    """Accumulator ``p`` of ``tile`` summed over its ``split`` partials, in split order (reproducible)."""
+    tot = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
+    for s in range(0, split):
+        tot += gl.load(_tile_ptrs(ws_ptr, p, tile, s, NUM_ACC, SPLIT_MAX, BLOCK_N, BLOCK_M, MMA),
+                       cache_modifier=".cg")
+    return tot
+
+
+@gluon.jit
+def _is_last(count_ptr, tile_id, split):
+    """After the partial stores: take a ticket from the tile's arrival counter; the last of ``split`` resets it (the
+    counters are zero between launches) and reduces (the threadfence-reduction pattern of the CUDA samples)."""
+    gl.thread_barrier()
+    ticket = gl.atomic_add(count_ptr + tile_id, 1, sem="acq_rel")
+    last = ticket == split - 1
+    if last:
+        gl.atomic_xchg(count_ptr + tile_id, 0)
+    return last
+
+
+@gluon.jit
+def _weight_ptrs(base, s_base, rows0, stride_wn, stride_sn, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr,
+                 GW: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """Pointers of a word tile (memory order) at word 0 of rows ``rows0 + [0, BLOCK_N)`` and of its scale tile, and
+    those rows (for masks) in both layouts."""
     W_MEM: gl.constexpr = _word_layout(BLOCK_N, BLOCK_KW, NUM_WARPS, 1)
     S_MEM: gl.constexpr = _word_layout(BLOCK_N, BLOCK_KW, NUM_WARPS, GW)
-    rows = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, W_MEM))
+    rows = rows0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, W_MEM))
     cols = gl.arange(0, BLOCK_KW, layout=gl.SliceLayout(0, W_MEM))
-    s_rows = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S_MEM))
+    s_rows = rows0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S_MEM))
     s_cols = gl.arange(0, BLOCK_KW // GW, layout=gl.SliceLayout(0, S_MEM))
-    w_ptrs = (w_ptr + rows.to(gl.int64)[:, None] * stride_wn) + cols[None, :]
-    s_ptrs = (s_ptr + s_rows.to(gl.int64)[:, None] * stride_sn) + s_cols[None, :]
-    return w_ptrs, s_ptrs, (rows < R_ROWS)[:, None], cols[None, :], (s_rows < R_ROWS)[:, None], s_cols[None, :]
+    w_ptrs = (base + rows.to(gl.int64)[:, None] * stride_wn) + cols[None, :]
+    s_ptrs = (s_base + s_rows.to(gl.int64)[:, None] * stride_sn) + s_cols[None, :]
+    return w_ptrs, s_ptrs, rows[:, None], cols[None, :], s_rows[:, None], (s_cols * GW)[None, :]
+
+
+@gluon.jit
+def _load_tile(ptrs, rows, R_ROWS, cols, k_left, EVEN: gl.constexpr):
+    """A word or scale tile (``ptrs``; ``cols`` in words), rows at or past ``R_ROWS`` and words at or past ``k_left``
+    zero unless ``EVEN``."""
+    if EVEN:
+        return gl.load(ptrs)
+    else:
+        return gl.load(ptrs, mask=(rows < R_ROWS) & (cols < k_left), other=0)
+
+
+@gluon.jit
+def _first_word(begin, KW, BLOCK_KW: gl.constexpr, EVEN: gl.constexpr):
+    """Where a split's first word tile is read: ``begin``, or for an empty split of ``EVEN`` tiles (unmasked loads)
+    the last whole step, valid words it never uses."""
+    if EVEN:
+        return gl.minimum(begin, KW - BLOCK_KW)
+    else:
+        return begin
+
+
+@gluon.jit
+def _load_inputs(ptrs, kk, k_left, EVEN: gl.constexpr):
+    """A step's activation tile (``ptrs``), inputs at or past ``k_left`` zero unless ``EVEN``."""
+    if EVEN:
+        return gl.load(ptrs)
+    else:
+        return gl.load(ptrs, mask=(kk < k_left)[:, None], other=0.0)
+
+
+@gluon.jit
+def _dot_step(words, scales, v_ptrs, kk, k_left, seg, acc, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr,
+              BLOCK_M: gl.constexpr, GW: gl.constexpr, MMA: gl.constexpr, EVEN: gl.constexpr):
+    """``acc`` plus one step's product: the word and scale tiles (memory order) widened plane by plane into the A
+    operand, against the four nibble planes of the activations at ``v_ptrs + j * seg``."""
+    W_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
+    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    a = _operand(words, BLOCK_N, BLOCK_KW, W_LAYOUT)
+    sw = _operand(_per_word(scales, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
+    for j in gl.static_range(4):
+        b = _b_operand(_load_inputs(v_ptrs + j * seg, kk, k_left, EVEN), BLOCK_KW, BLOCK_M, B_LAYOUT)
+        acc = mma_v2(_plane(a, sw, j, BLOCK_N, BLOCK_KW, A_LAYOUT), b, acc)
+    return acc
 
 
 @gluon.jit
 def _gate_up_kernel(
-    xq_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, block_slot_ptr, block_start_ptr,
-    num_pairs, top_k, D, F, seg_x, seg_h, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, act_limit,
-    act_alpha,
-    BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, BLOCK_M: gl.constexpr, GW: gl.constexpr, ACT: gl.constexpr,
-    HAS_BIAS: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr, NUM_WARPS: gl.constexpr, EVEN: gl.constexpr,
+    xq_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, block_slot_ptr, block_start_ptr, ws_ptr, count_ptr,
+    num_pairs, num_blocks, top_k, D, F, seg_x, seg_h, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
+    act_limit, act_alpha, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, BLOCK_M: gl.constexpr, GW: gl.constexpr,
+    ACT: gl.constexpr, HAS_BIAS: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr, NUM_WARPS: gl.constexpr,
+    EVEN: gl.constexpr, NB_PAD: gl.constexpr, SPLIT_MAX: gl.constexpr, TARGET: gl.constexpr,
 ):
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
-    W_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
-    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    B_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    X_MEM: gl.constexpr = _input_layout(BLOCK_KW, BLOCK_M, NUM_WARPS)
+    X_MEM: gl.constexpr = _plane_layout(BLOCK_KW, BLOCK_M, NUM_WARPS)
     num_n = gl.cdiv(F, BLOCK_N)
-    pid_m = gl.program_id(0) // num_n
-    pid_n = gl.program_id(0) % num_n
+    pid_m, pid_n, pid_s = _program_ids(num_n, SPLIT_MAX)
     slot = gl.load(block_slot_ptr + pid_m).to(gl.int64)
     if slot < 0:
         return
+    split = _split(block_slot_ptr, num_blocks, num_n, NB_PAD, SPLIT_MAX, TARGET)
+    if pid_s >= split:
+        return
     first = gl.load(block_start_ptr + pid_m)
     DW = D // 8
-    # B: the block's token rows of the nibble-plane copy of x (a padding row reads token 0: its column of the
-    # product is never stored)
+    begin, end = _k_range(pid_s, split, DW, BLOCK_KW, EVEN)
+    # B: the block's token rows of the nibble planes of x (a padding row reads token 0: its column of the product
+    # is never stored)
     pair_b, valid_b = _block_rows(sorted_ptr, first, num_pairs, BLOCK_M, gl.SliceLayout(0, X_MEM))
     tok_b = gl.where(valid_b, pair_b // top_k, 0).to(gl.int64)
     kk = gl.arange(0, 2 * BLOCK_KW, layout=gl.SliceLayout(1, X_MEM))
-    x_ptrs = (xq_ptr + tok_b[None, :] * stride_x) + kk[:, None]
+    x_ptrs = (xq_ptr + tok_b[None, :] * stride_x + 2 * begin) + kk[:, None]
     # A: gate rows and up rows (F + rows) of the slot
-    wg_ptrs, sg_ptrs, n_ok, cols, sn_ok, s_cols = _weight_tiles(
-        w_ptr + slot * stride_we, s_ptr + slot * stride_se, pid_n * BLOCK_N, F, DW, stride_wn, stride_sn, BLOCK_N,
-        BLOCK_KW, GW, NUM_WARPS)
+    w0 = _first_word(begin, DW, BLOCK_KW, EVEN)
+    wg_ptrs, sg_ptrs, rows, cols, s_rows, s_cols = _weight_ptrs(
+        w_ptr + slot * stride_we + w0, s_ptr + slot * stride_se + w0 // GW, pid_n * BLOCK_N, stride_wn, stride_sn,
+        BLOCK_N, BLOCK_KW, GW, NUM_WARPS)
     wu_ptrs = wg_ptrs + F * stride_wn
     su_ptrs = sg_ptrs + F * stride_sn
-    wg = _load(wg_ptrs, n_ok & (cols < DW), EVEN)
-    wu = _load(wu_ptrs, n_ok & (cols < DW), EVEN)
-    sg = _load(sg_ptrs, sn_ok & (s_cols < DW // GW), EVEN)
-    su = _load(su_ptrs, sn_ok & (s_cols < DW // GW), EVEN)
+    wg = _load_tile(wg_ptrs, rows, F, cols, end - begin, EVEN)
+    wu = _load_tile(wu_ptrs, rows, F, cols, end - begin, EVEN)
+    sg = _load_tile(sg_ptrs, s_rows, F, s_cols, end - begin, EVEN)
+    su = _load_tile(su_ptrs, s_rows, F, s_cols, end - begin, EVEN)
     acc_g = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
     acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
-    for kw0 in range(0, DW, BLOCK_KW):
-        # the next step's words and scales requested before this step's are widened
-        nxt = n_ok & (cols < DW - kw0 - BLOCK_KW)
-        s_nxt = sn_ok & (s_cols < (DW - kw0 - BLOCK_KW) // GW)
-        wg_ptrs += BLOCK_KW
-        wu_ptrs += BLOCK_KW
-        sg_ptrs += BLOCK_KW // GW
-        su_ptrs += BLOCK_KW // GW
-        wg_next = _load(wg_ptrs, nxt, EVEN)
-        wu_next = _load(wu_ptrs, nxt, EVEN)
-        sg_next = _load(sg_ptrs, s_nxt, EVEN)
-        su_next = _load(su_ptrs, s_nxt, EVEN)
-        b_ok = (kk < 2 * (DW - kw0))[:, None]
-        a_g = _operand(wg, BLOCK_N, BLOCK_KW, W_LAYOUT)
-        a_u = _operand(wu, BLOCK_N, BLOCK_KW, W_LAYOUT)
-        s_g = _operand(_per_word(sg, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
-        s_u = _operand(_per_word(su, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
-        for j in gl.static_range(4):
-            b = _b_operand(_load(x_ptrs + j * seg_x, b_ok, EVEN), BLOCK_KW, BLOCK_M, B_LAYOUT)
-            acc_g = mma_v2(_plane(a_g, s_g, j, BLOCK_N, BLOCK_KW, A_LAYOUT), b, acc_g)
-            acc_u = mma_v2(_plane(a_u, s_u, j, BLOCK_N, BLOCK_KW, A_LAYOUT), b, acc_u)
+    for kw0 in range(begin, end, BLOCK_KW):
+        # the next step's words and scales requested before this step's are widened (the last step's own again)
+        step = gl.where(kw0 + BLOCK_KW < end, BLOCK_KW, 0)
+        wg_ptrs += step
+        wu_ptrs += step
+        sg_ptrs += step // GW
+        su_ptrs += step // GW
+        left = end - kw0 - step
+        wg_next = _load_tile(wg_ptrs, rows, F, cols, left, EVEN)
+        wu_next = _load_tile(wu_ptrs, rows, F, cols, left, EVEN)
+        sg_next = _load_tile(sg_ptrs, s_rows, F, s_cols, left, EVEN)
+        su_next = _load_tile(su_ptrs, s_rows, F, s_cols, left, EVEN)
+        acc_g = _dot_step(wg, sg, x_ptrs, kk, 2 * (DW - kw0), seg_x, acc_g, BLOCK_N, BLOCK_KW, BLOCK_M, GW, MMA, EVEN)
+        acc_u = _dot_step(wu, su, x_ptrs, kk, 2 * (DW - kw0), seg_x, acc_u, BLOCK_N, BLOCK_KW, BLOCK_M, GW, MMA, EVEN)
         x_ptrs += 2 * BLOCK_KW
         wg = wg_next
         wu = wu_next
         sg = sg_next
         su = su_next
-    # epilogue in the accumulator layout: rows f of F, columns the block's token rows
-    pair_c, valid_c = _block_rows(sorted_ptr, first, num_pairs, BLOCK_M, gl.SliceLayout(0, MMA))
-    f = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-    f_ok = f < F
-    if WEIGHT_ON_INPUT:
-        tw = gl.load(tw_ptr + pair_c, mask=valid_c, other=0.0)
-        acc_g *= tw[None, :]
-        acc_u *= tw[None, :]
-    if HAS_BIAS:
-        acc_g += gl.load(b_ptr + slot * 2 * F + f, mask=f_ok, other=0.0).to(gl.float32)[:, None]
-        acc_u += gl.load(b_ptr + slot * 2 * F + F + f, mask=f_ok, other=0.0).to(gl.float32)[:, None]
-    h = gated_activation(acc_g, acc_u, act_limit, act_alpha, ACT)
-    h_ptrs = h_ptr + (first + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))).to(gl.int64)[None, :] * stride_h
-    gl.store(h_ptrs + _plane_position(f, seg_h)[:, None], h.to(h_ptr.dtype.element_ty),
-             mask=f_ok[:, None] & valid_c[None, :])
+    last = True
+    if SPLIT_MAX > 1:
+        if split > 1:
+            tile = pid_m * num_n + pid_n
+            _arrive(ws_ptr, acc_g, 0, tile, pid_s, 2, SPLIT_MAX, BLOCK_N, BLOCK_M, MMA)
+            _arrive(ws_ptr, acc_u, 1, tile, pid_s, 2, SPLIT_MAX, BLOCK_N, BLOCK_M, MMA)
+            last = _is_last(count_ptr, tile, split)
+            if last:
+                acc_g = _reduced(ws_ptr, 0, tile, split, 2, SPLIT_MAX, BLOCK_N, BLOCK_M, MMA)
+                acc_u = _reduced(ws_ptr, 1, tile, split, 2, SPLIT_MAX, BLOCK_N, BLOCK_M, MMA)
+    if last:
+        # epilogue in the accumulator layout: rows f of F, columns the block's token rows
+        pair_c, valid_c = _block_rows(sorted_ptr, first, num_pairs, BLOCK_M, gl.SliceLayout(0, MMA))
+        f = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+        f_ok = f < F
+        if WEIGHT_ON_INPUT:
+            tw = gl.load(tw_ptr + pair_c, mask=valid_c, other=0.0)
+            acc_g *= tw[None, :]
+            acc_u *= tw[None, :]
+        if HAS_BIAS:
+            acc_g += gl.load(b_ptr + slot * 2 * F + f, mask=f_ok, other=0.0).to(gl.float32)[:, None]
+            acc_u += gl.load(b_ptr + slot * 2 * F + F + f, mask=f_ok, other=0.0).to(gl.float32)[:, None]
+        h = gated_activation(acc_g, acc_u, act_limit, act_alpha, ACT)
+        m_c = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+        h_ptrs = h_ptr + (first + m_c).to(gl.int64)[None, :] * stride_h + _plane_position(f, seg_h)[:, None]
+        gl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=f_ok[:, None] & valid_c[None, :])
 
 
 @gluon.jit
 def _plane_position(n, seg):
-    """Where input ``n = 8 c + j + 4 e`` of a row goes in its nibble-plane copy: plane ``j`` (at ``j * seg``), at
-    ``2 c + e``."""
+    """Where input ``n = 8 c + j + 4 e`` of a row goes in its nibble-plane copy (``nibble_planes``): plane ``j`` (at
+    ``j * seg``), at ``2 c + e``."""
     return (n % 4) * seg + 2 * (n // 8) + (n // 4) % 2
 
 
 @gluon.jit
 def _down_kernel(
-    h_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, block_slot_ptr, block_start_ptr,
-    num_pairs, D, F, seg_h, stride_we, stride_wn, stride_se, stride_sn, stride_h,
+    h_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, block_slot_ptr, block_start_ptr, ws_ptr, count_ptr,
+    num_pairs, num_blocks, D, F, seg_h, stride_we, stride_wn, stride_se, stride_sn, stride_h,
     BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, BLOCK_M: gl.constexpr, GW: gl.constexpr,
     HAS_BIAS: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr, NUM_WARPS: gl.constexpr, EVEN: gl.constexpr,
+    NB_PAD: gl.constexpr, SPLIT_MAX: gl.constexpr, TARGET: gl.constexpr,
 ):
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
-    W_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
-    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    B_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    H_MEM: gl.constexpr = _input_layout(BLOCK_KW, BLOCK_M, NUM_WARPS)
+    H_MEM: gl.constexpr = _plane_layout(BLOCK_KW, BLOCK_M, NUM_WARPS)
     num_n = gl.cdiv(D, BLOCK_N)
-    pid_m = gl.program_id(0) // num_n
-    pid_n = gl.program_id(0) % num_n
+    pid_m, pid_n, pid_s = _program_ids(num_n, SPLIT_MAX)
     slot = gl.load(block_slot_ptr + pid_m).to(gl.int64)
     if slot < 0:
         return
+    split = _split(block_slot_ptr, num_blocks, num_n, NB_PAD, SPLIT_MAX, TARGET)
+    if pid_s >= split:
+        return
     first = gl.load(block_start_ptr + pid_m)
     FW = F // 8
+    begin, end = _k_range(pid_s, split, FW, BLOCK_KW, EVEN)
     # B: the block's h rows (a padding row was never written: its column of the product is never stored)
     kk = gl.arange(0, 2 * BLOCK_KW, layout=gl.SliceLayout(1, H_MEM))
     m_b = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, H_MEM))
-    h_ptrs = (h_ptr + (first + m_b).to(gl.int64)[None, :] * stride_h) + kk[:, None]
-    w_ptrs, s_ptrs, n_ok, cols, sn_ok, s_cols = _weight_tiles(
-        w_ptr + slot * stride_we, s_ptr + slot * stride_se, pid_n * BLOCK_N, D, FW, stride_wn, stride_sn, BLOCK_N,
-        BLOCK_KW, GW, NUM_WARPS)
-    w = _load(w_ptrs, n_ok & (cols < FW), EVEN)
-    sc = _load(s_ptrs, sn_ok & (s_cols < FW // GW), EVEN)
+    h_ptrs = (h_ptr + (first + m_b).to(gl.int64)[None, :] * stride_h + 2 * begin) + kk[:, None]
+    w0 = _first_word(begin, FW, BLOCK_KW, EVEN)
+    w_ptrs, s_ptrs, rows, cols, s_rows, s_cols = _weight_ptrs(
+        w_ptr + slot * stride_we + w0, s_ptr + slot * stride_se + w0 // GW, pid_n * BLOCK_N, stride_wn, stride_sn,
+        BLOCK_N, BLOCK_KW, GW, NUM_WARPS)
+    w = _load_tile(w_ptrs, rows, D, cols, end - begin, EVEN)
+    sc = _load_tile(s_ptrs, s_rows, D, s_cols, end - begin, EVEN)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
-    for kw0 in range(0, FW, BLOCK_KW):
-        w_ptrs += BLOCK_KW
-        s_ptrs += BLOCK_KW // GW
-        w_next = _load(w_ptrs, n_ok & (cols < FW - kw0 - BLOCK_KW), EVEN)
-        sc_next = _load(s_ptrs, sn_ok & (s_cols < (FW - kw0 - BLOCK_KW) // GW), EVEN)
-        b_ok = (kk < 2 * (FW - kw0))[:, None]
-        a = _operand(w, BLOCK_N, BLOCK_KW, W_LAYOUT)
-        s_w = _operand(_per_word(sc, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
-        for j in gl.static_range(4):
-            b = _b_operand(_load(h_ptrs + j * seg_h, b_ok, EVEN), BLOCK_KW, BLOCK_M, B_LAYOUT)
-            acc = mma_v2(_plane(a, s_w, j, BLOCK_N, BLOCK_KW, A_LAYOUT), b, acc)
+    for kw0 in range(begin, end, BLOCK_KW):
+        step = gl.where(kw0 + BLOCK_KW < end, BLOCK_KW, 0)
+        w_ptrs += step
+        s_ptrs += step // GW
+        left = end - kw0 - step
+        w_next = _load_tile(w_ptrs, rows, D, cols, left, EVEN)
+        sc_next = _load_tile(s_ptrs, s_rows, D, s_cols, left, EVEN)
+        acc = _dot_step(w, sc, h_ptrs, kk, 2 * (FW - kw0), seg_h, acc, BLOCK_N, BLOCK_KW, BLOCK_M, GW, MMA, EVEN)
         h_ptrs += 2 * BLOCK_KW
         w = w_next
         sc = sc_next
-    pair_c, valid_c = _block_rows(sorted_ptr, first, num_pairs, BLOCK_M, gl.SliceLayout(0, MMA))
-    d = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-    d_ok = d < D
-    if HAS_BIAS:
-        acc += gl.load(b_ptr + slot * D + d, mask=d_ok, other=0.0).to(gl.float32)[:, None]
-    if not WEIGHT_ON_INPUT:
-        acc *= gl.load(tw_ptr + pair_c, mask=valid_c, other=0.0)[None, :]
-    y_ptrs = y_ptr + pair_c.to(gl.int64)[None, :] * D + d[:, None]
-    gl.store(y_ptrs, acc, mask=d_ok[:, None] & valid_c[None, :])
+    last = True
+    if SPLIT_MAX > 1:
+        if split > 1:
+            tile = pid_m * num_n + pid_n
+            _arrive(ws_ptr, acc, 0, tile, pid_s, 1, SPLIT_MAX, BLOCK_N, BLOCK_M, MMA)
+            last = _is_last(count_ptr, tile, split)
+            if last:
+                acc = _reduced(ws_ptr, 0, tile, split, 1, SPLIT_MAX, BLOCK_N, BLOCK_M, MMA)
+    if last:
+        pair_c, valid_c = _block_rows(sorted_ptr, first, num_pairs, BLOCK_M, gl.SliceLayout(0, MMA))
+        d = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+        d_ok = d < D
+        if HAS_BIAS:
+            acc += gl.load(b_ptr + slot * D + d, mask=d_ok, other=0.0).to(gl.float32)[:, None]
+        if not WEIGHT_ON_INPUT:
+            acc *= gl.load(tw_ptr + pair_c, mask=valid_c, other=0.0)[None, :]
+        y_ptrs = y_ptr + pair_c.to(gl.int64)[None, :] * D + d[:, None]
+        gl.store(y_ptrs, acc, mask=d_ok[:, None] & valid_c[None, :])
 
 
 def default_mma_config(group_size: int) -> MmaConfig:
@@ -339,7 +473,7 @@ def default_mma_config(group_size: int) -> MmaConfig:
 
 def plane_segment(k: int) -> int:
     """Elements per nibble plane of a row of ``k`` inputs in the kernels' activation copies: ``k / 4`` rounded up to a
-    multiple of 16 (so the planes start 32-byte aligned and the loads are 16-byte vectors)."""
+    multiple of 16 (the planes start 32-byte aligned: the loads are 16-byte vectors)."""
     return -(-k // 64) * 16
 
 
@@ -358,6 +492,8 @@ def _check(cfg: MmaConfig, group_size: int) -> None:
         if v % (16 * cfg.num_warps) or v & (v - 1):
             raise ValueError(f"MmaConfig.{name} must be a power of two and a multiple of 16 * num_warps "
                              f"({16 * cfg.num_warps}), got {v}")
+    if cfg.split_max < 1 or cfg.split_max & (cfg.split_max - 1):
+        raise ValueError(f"MmaConfig.split_max must be a power of two, got {cfg.split_max}")
     for name in ("block_kw1", "block_kw2"):
         v = getattr(cfg, name)
         if v < 8 or v & (v - 1) or 2 * v < group_size:
@@ -413,21 +549,49 @@ def int4_mma_experts(
     placeholder = topk_weights
     limit = activation.swiglu_limit if activation.swiglu_limit is not None else 0.0
     gw = g // INT4_PACK
-    _gate_up_kernel[(nb * triton.cdiv(f, cfg.block_n1),)](
+    n1, n2 = triton.cdiv(f, cfg.block_n1), triton.cdiv(d, cfg.block_n2)
+    # few row blocks (decode): each tile's reduction may be split, up to split_max ways, so that the active blocks'
+    # programs fill the GPU (the split is chosen on the device from the blocks in use)
+    target = _programs_wanted(x.device, cfg.num_warps)
+    split1, ws1, count1 = _split_workspace(cfg.split_max, nb, n1, 2 * cfg.block_n1, target, placeholder)
+    split2, ws2, count2 = _split_workspace(cfg.split_max, nb, n2, cfg.block_n2, target, placeholder)
+    nb_pad = triton.next_power_of_2(nb)
+    _gate_up_kernel[(nb * n1 * split1,)](
         xq, w13, s13, weights.b13 if weights.b13 is not None else placeholder, topk_weights, h, aln.sorted_pair_ids,
-        aln.block_slot, aln.block_start, n, k, d, f, plane_segment(d), seg_h, xq.stride(0), w13.stride(0),
-        w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0), float(limit), float(activation.swiglu_alpha),
+        aln.block_slot, aln.block_start, ws1, count1, n, nb, k, d, f, plane_segment(d), seg_h, xq.stride(0),
+        w13.stride(0), w13.stride(1),
+        s13.stride(0), s13.stride(1), h.stride(0), float(limit), float(activation.swiglu_alpha),
         BLOCK_N=cfg.block_n1, BLOCK_KW=cfg.block_kw1, BLOCK_M=MMA_BLOCK_M, GW=gw, ACT=act_code(activation),
         HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input, NUM_WARPS=cfg.num_warps,
-        EVEN=(d // INT4_PACK) % cfg.block_kw1 == 0 and f % cfg.block_n1 == 0, num_warps=cfg.num_warps,
+        EVEN=(d // INT4_PACK) % cfg.block_kw1 == 0 and f % cfg.block_n1 == 0, NB_PAD=nb_pad, SPLIT_MAX=split1,
+        TARGET=target, num_warps=cfg.num_warps,
     )
-    _down_kernel[(nb * triton.cdiv(d, cfg.block_n2),)](
+    _down_kernel[(nb * n2 * split2,)](
         h, w2, s2, weights.b2 if weights.b2 is not None else placeholder, topk_weights, y, aln.sorted_pair_ids,
-        aln.block_slot, aln.block_start, n, d, f, seg_h, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        h.stride(0), BLOCK_N=cfg.block_n2, BLOCK_KW=cfg.block_kw2, BLOCK_M=MMA_BLOCK_M, GW=gw,
-        HAS_BIAS=weights.b2 is not None, WEIGHT_ON_INPUT=weight_on_input, NUM_WARPS=cfg.num_warps,
-        EVEN=(f // INT4_PACK) % cfg.block_kw2 == 0 and d % cfg.block_n2 == 0, num_warps=cfg.num_warps,
+        aln.block_slot, aln.block_start, ws2, count2, n, nb, d, f, seg_h,
+        w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), h.stride(0),
+        BLOCK_N=cfg.block_n2, BLOCK_KW=cfg.block_kw2, BLOCK_M=MMA_BLOCK_M, GW=gw, HAS_BIAS=weights.b2 is not None,
+        WEIGHT_ON_INPUT=weight_on_input, NUM_WARPS=cfg.num_warps,
+        EVEN=(f // INT4_PACK) % cfg.block_kw2 == 0 and d % cfg.block_n2 == 0, NB_PAD=nb_pad, SPLIT_MAX=split2,
+        TARGET=target, num_warps=cfg.num_warps,
     )
     block_d = min(1024, triton.next_power_of_2(d))
     sum_pairs_kernel[(t, triton.cdiv(d, block_d))](y, topk_slots, out, d, k, s, BLOCK_D=block_d)
     return out
+
+
+def _split_workspace(split_max: int, nb: int, tiles: int, rows: int, target: int,
+                     placeholder: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """A launch's ``SPLIT_MAX`` (``split_max`` when its row blocks (at most ``nb``) times ``tiles`` column tiles give
+    fewer than ``target`` programs, else 1), its partial workspace (``rows`` accumulator rows a tile) and its arrival
+    counters (zero; the kernels leave them zero)."""
+    if split_max == 1 or nb * tiles >= target:
+        return 1, placeholder, placeholder
+    dev = placeholder.device
+    ws = torch.empty(nb * tiles * split_max * rows * MMA_BLOCK_M, dtype=torch.float32, device=dev)
+    return split_max, ws, torch.zeros(nb * tiles, dtype=torch.int32, device=dev)
+
+
+def _programs_wanted(device: torch.device, num_warps: int) -> int:
+    """Programs that fill the GPU (``_WARPS_PER_SM`` warps an SM)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count * _WARPS_PER_SM // num_warps
