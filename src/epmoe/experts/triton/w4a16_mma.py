@@ -1,40 +1,48 @@
-"""W4A16 expert compute on the tensor cores with the INT4 weights widened straight into the MMA operand registers.
+"""W4A16 expert compute on the tensor cores with the INT4 words widened straight into the MMA operand registers.
 
-A Gluon kernel pair (Triton's layout-explicit dialect): the packed weight words are loaded in the register layout
-of the ``mma.sync`` A operand (``DotOperandLayout(0, k_width=1)`` over words), so widening is elementwise and the
-widened tile already sits where ``mma.sync.m16n8k16`` reads it: no shared memory, no layout conversion (checked at
-compile time: ``convert_layout(..., assert_trivial=True)``).
+A Gluon kernel pair (Triton's layout-explicit dialect). The product is taken transposed: weight rows are the ``M``
+side of ``mma.sync.m16n8k16`` (16 rows a warp tile), up to ``MMA_BLOCK_M = 8`` token rows of one slot its ``N``
+side, so a weight tile feeds one MMA per 16 inputs whatever the number of tokens.
 
-The product is taken transposed (weights as the ``M`` side, up to ``BLOCK_M = 8`` token rows of one slot as ``N``),
-so one 16-row weight tile feeds one ``m16n8k16`` per 16 inputs whatever the number of tokens.
-
-Nibble order. A word ``w`` of a weight row holds inputs ``8 w + j`` (``j = 0..7``, bits ``4 j``). For ``j = 0..3``
-the product over a step's words is one MMA over the plane ``A_j [BLOCK_N, 2 BLOCK_KW]`` whose element ``(n, 2 w +
-e)`` is nibble ``j + 4 e`` of word ``(n, w)``, against ``B_j [2 BLOCK_KW, BLOCK_M]`` whose element ``(2 w + e, m)``
-is input ``8 w + j + 4 e`` of token row ``m``: a dot over ``K`` is a sum, so any order of the inputs does, as long
-as both operands use it. The two nibbles ``j`` and ``j + 4`` are the two 16-bit lanes of ``(word >> 4 j) &
-0x000F000F``, which is the bf16x2 register the A operand holds for inputs ``(2 w, 2 w + 1)`` (``k_width = 2``).
+Input order. A word ``c`` of a weight row holds inputs ``8 c + j`` (``j = 0..7``, bits ``4 j``). A dot over ``K`` is
+a sum, so any order of the inputs does as long as both operands use it. A step of ``BLOCK_KW`` words is four MMAs,
+one per nibble plane ``j = 0..3``: plane ``A_j [BLOCK_N, 2 BLOCK_KW]`` holds at ``(n, 2 w + e)`` nibble ``j + 4 e``
+of operand word ``w`` of row ``n``, and ``B_j [2 BLOCK_KW, BLOCK_M]`` holds at ``(2 w + e, m)`` input ``8 c + j +
+4 e`` of token row ``m``. The nibbles ``j`` and ``j + 4`` are the two 16-bit lanes of ``(word >> 4 j) &
+0x000F000F``: exactly the bf16x2 register of the A operand for inputs ``(2 w, 2 w + 1)`` (``k_width = 2``). Operand
+word ``w = 8 r + 4 h + q`` is memory word ``c = 2 R q + 2 r + h`` (``R = BLOCK_KW / 8``): the words the A operand
+wants in lane ``q`` of a row are then ``2 R`` consecutive words of memory, one 16-byte load for ``BLOCK_KW = 16``.
+So each thread loads its own words in memory order (``_word_layout``) and the tile is relabelled into the operand's
+order by reshapes and a permutation (``_operand``): the same registers, no shared memory and no data movement.
 
 Widening a register (``_widen``, inline PTX): the two nibbles OR-ed into the mantissas of 128 (``lop3``), 136
 subtracted in bf16x2 (exact: ``nib - 8``) and the pair multiplied by the group scale (one rounding, as
 ``experts.int4.dequantize_int4`` rounds its float32 product): about two instructions a weight.
 
-1. ``_gate_up_kernel``, grid ``(NB * cdiv(F, BLOCK_N1),)`` over the row blocks of ``align_kernels.align_triton``
-   (pairs sorted by slot, ``BLOCK_M`` rows a block): gate and up rows of the block's slot against the block's token
-   rows gathered from ``x`` in the nibble order above (the next step's words and scales requested before this
-   step's are widened), bias, routing weight (on the input), the gated activation; ``h`` stored per sorted
-   position, already in the nibble order of the down kernel's ``B`` (``h_order``).
-2. ``_down_kernel``, grid ``(NB * cdiv(D, BLOCK_N2),)``: ``w2`` rows against the block's ``h`` rows, bias, routing
-   weight (on the output), ``y [N, D]`` float32 at each pair's row.
-3. ``grouped.sum_pairs_kernel``: ``out[t] = sum_k y[t K + k]``.
+Activations are read from nibble-plane copies (``nibble_planes``: input ``8 c + j + 4 e`` at ``j * seg + 2 c + e``),
+so a thread's part of ``B_j`` is also consecutive in memory (16-byte loads) and relabelled the same way
+(``_b_operand``); the gate/up kernel writes ``h`` in that form for the down kernel.
 
-Static grids, no host synchronisation: CUDA-graph safe. Compiles for NVIDIA GPUs of compute capability 8.0 and up
-(``mma.sync`` with bf16; the widening uses ``bf16x2`` arithmetic, sm_90 PTX).
+1. ``nibble_planes(x)`` and ``align_kernels.align_triton`` (pairs sorted by slot, ``MMA_BLOCK_M`` rows a block).
+2. ``_gate_up_kernel``, grid ``SPLIT_MAX * NB * cdiv(F, BLOCK_N1)``: gate and up rows of a block's slot against the
+   block's token rows (the next step's words and scales requested before this step's are widened), bias, routing
+   weight (on the input), the gated activation; ``h`` stored per sorted position.
+3. ``_down_kernel``, grid ``SPLIT_MAX * NB * cdiv(D, BLOCK_N2)``: ``w2`` rows against the block's ``h`` rows, bias,
+   routing weight (on the output), ``y [N, D]`` float32 at each pair's row.
+4. ``grouped.sum_pairs_kernel``: ``out[t] = sum_k y[t K + k]``.
+
+Split reduction. When a launch has few row blocks (decode; ``SPLIT_MAX > 1``), the programs of the active blocks
+count them and split each tile's reduction ``split`` ways so that the GPU is filled (``_split``); each split stores
+its partial accumulator and takes a ticket from the tile's arrival counter, and the last sums the partials in split
+order (bitwise reproducible) and finishes the tile (the threadfence-reduction pattern of the CUDA samples).
+
+Static grids, no host synchronisation: CUDA-graph safe. ``mma.sync`` with bf16 and ``bf16x2`` arithmetic: compute
+capability 9.0 PTX (Hopper); bf16 activations only.
 
 Source: the mantissa-OR widening is the trick of the W4A16 kernels (FasterTransformer; Marlin: Frantar et al.,
-"MARLIN: Mixed-Precision Auto-Regressive Parallel Inference on Large Language Models", arXiv:2408.11743), which
-also feed widened registers to ``mma.sync`` without shared memory (after an offline reorder of the weights; here the
-order of the inputs is chosen instead, so the checkpoint's layout is read as it is). The code is our own.
+"MARLIN: Mixed-Precision Auto-Regressive Parallel Inference on Large Language Models", arXiv:2408.11743), which also
+feed widened registers to ``mma.sync`` without shared memory, after an offline reorder of the weights; here the
+order of the inputs is chosen instead, so the checkpoint's packed layout is read as it is. The code is our own.
 """
 
 from __future__ import annotations
