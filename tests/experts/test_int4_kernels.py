@@ -148,6 +148,41 @@ def test_int4_step_must_cover_whole_groups():
         int4_decode_experts(x, slots, tw, q, Activation(), config=Int4DecodeConfig(8, 8, 16, 8, 4, stages=4))
 
 
+@pytest.mark.interpret  # the kernel module needs Triton (absent from CPU-only installs)
+def test_int4_path_choice():
+    from epmoe.experts.triton.int4 import int4_path
+
+    bf16, fp16 = torch.bfloat16, torch.float16
+    # an EP shard's decode step (few pairs, few local slots): the decode kernels; all experts local: the MMA path
+    assert int4_path(8, bf16, 48) == "decode"
+    assert int4_path(16, bf16, 64) == "decode"
+    assert int4_path(8, bf16, 384) == "mma"
+    assert int4_path(17, bf16, 48) == "mma"
+    assert int4_path(8192, bf16, 48) == "mma"
+    assert int4_path(8193, bf16, 48) == "grouped"
+    # fp16: no MMA path
+    assert int4_path(8, fp16, 384) == "decode"
+    assert int4_path(100, fp16, 384) == "grouped"
+
+
+@pytest.mark.interpret
+def test_int4_mma_refuses_bad_input():
+    from epmoe.experts.triton.w4a16_mma import MmaConfig, int4_mma_experts
+
+    q = int4_expert_weights(_weights(0, 2, 256, 128, False), 64)
+    x, slots, tw = torch.randn(1, 256), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)
+    with pytest.raises(TypeError, match="compute in bf16, got x of dtype torch.float32"):
+        int4_mma_experts(x, slots, tw, q, Activation())
+    x = x.bfloat16()
+    with pytest.raises(ValueError, match="block_kw1 must be a power of two of at least 8 words and of half the group "
+                                         "size 64"):
+        int4_mma_experts(x, slots, tw, q, Activation(), config=MmaConfig(block_kw1=16))
+    with pytest.raises(ValueError, match=r"block_n2 must be a power of two and a multiple of 16 \* num_warps \(64\)"):
+        int4_mma_experts(x, slots, tw, q, Activation(), config=MmaConfig(64, 32, 32, 32, 4))
+    with pytest.raises(ValueError, match="split_max must be a power of two, got 3"):
+        int4_mma_experts(x, slots, tw, q, Activation(), config=MmaConfig(split_max=3))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 2, 16, 100, 1500])  # 16 pairs and fewer: decode kernels; more: fused grouped
 @pytest.mark.parametrize("case", ["silu", "swiglu_bias_woi", "skip"])
