@@ -263,8 +263,16 @@ def check_expert_storage(spec: MoESpec, ep: int, redundant: int, weights: str | 
     per_rank = per_expert * slots * spec.num_moe_layers
     dequantized = ", FP8 dequantized on load" if fmt.startswith("fp8") and storage.kind == "plain" else ""
     return [Finding("ok", f"{what}: routed experts {fmt}, served {_SERVED[storage.kind]}{dequantized}: "
-                          f"{per_expert / 2**20:.1f} MiB per expert, {per_rank / GIB:.1f} GiB per rank "
+                          f"{_size(per_expert)} per expert, {_size(per_rank)} per rank "
                           f"({slots} slots x {spec.num_moe_layers} MoE layers)")]
+
+
+def _size(nbytes: float) -> str:
+    """``nbytes`` in the largest binary unit (KiB, MiB or GiB) that leaves at least 1, one decimal."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
 
 
 def check_memory(spec: MoESpec, cfg: DoctorConfig, ep: int, redundant: int, draft: DraftModel | None = None,
