@@ -27,7 +27,7 @@ from epmoe.plan.costs import WEIGHT_CHOICES, weights_hint
 from epmoe.plan.draft import DraftModel, draft_bytes, read_draft
 from epmoe.plan.hardware import HardwareProfile, load_hardware
 from epmoe.plan.planner import plan
-from epmoe.plan.request import GIB, PlanRequest, StrategyPlan
+from epmoe.plan.request import GIB, PlanRequest, StrategyPlan, format_bytes
 from epmoe.spec import DenseModelError, MoESpec, load_moe_spec
 
 Severity = Literal["error", "warning", "ok"]
@@ -263,16 +263,8 @@ def check_expert_storage(spec: MoESpec, ep: int, redundant: int, weights: str | 
     per_rank = per_expert * slots * spec.num_moe_layers
     dequantized = ", FP8 dequantized on load" if fmt.startswith("fp8") and storage.kind == "plain" else ""
     return [Finding("ok", f"{what}: routed experts {fmt}, served {_SERVED[storage.kind]}{dequantized}: "
-                          f"{_size(per_expert)} per expert, {_size(per_rank)} per rank "
+                          f"{format_bytes(per_expert)} per expert, {format_bytes(per_rank)} per rank "
                           f"({slots} slots x {spec.num_moe_layers} MoE layers)")]
-
-
-def _size(nbytes: float) -> str:
-    """``nbytes`` in the largest binary unit (KiB, MiB or GiB) that leaves at least 1, one decimal."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes / 2**10:.1f} KiB"
 
 
 def check_memory(spec: MoESpec, cfg: DoctorConfig, ep: int, redundant: int, draft: DraftModel | None = None,

@@ -19,6 +19,18 @@ from epmoe.plan.hardware import HardwareProfile
 from epmoe.spec import MoESpec
 
 GIB = 1024**3
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit that leaves at least 1 (``B``, ``KiB``, ``MiB``, ``GiB``): whole bytes,
+    else one decimal (``"12.0 KiB"``, ``"66.4 GiB"``)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
 # Sanity bounds of a plan request (far above any serving set-up; they keep nonsense from running for minutes):
 # sequences per decode step, draft tokens verified per step, KV-cache tokens per sequence, GPUs.
 MAX_BATCH = 1 << 20

@@ -6,17 +6,10 @@ from rich.console import Console
 from rich.table import Table
 
 from epmoe.comm import COLLECTIVE_KINDS
+from epmoe.plan.request import format_bytes
 from epmoe.runtime.run import RunReport
 
 _SHORT = {"all_to_all": "a2a", "all_reduce": "ar", "all_gather": "ag"}
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def _accepted(stats: dict) -> str:
@@ -97,7 +90,7 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
             "/".join(str(kinds.get(f"{k}_steps", 0)) for k in ("graph", "piecewise", "eager", "idle")),
             f"{r.tokens_per_step:.1f}", f"{routed:.1f}",
             *[f"{r.collectives[k]:.0f}" for k in COLLECTIVE_KINDS],
-            _fmt_bytes(sum(r.bytes_per_step.values())), ttft,
+            format_bytes(sum(r.bytes_per_step.values())), ttft,
             f"{r.expert_mb:.2f}/{r.full_expert_mb:.2f}", mem,
         )
     console.print(per_rank)
@@ -117,7 +110,7 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     preempted = sum(r.step_kinds.get("preemptions", 0) for r in report.ranks)
     kv = report.ranks[0].kv
     summary.add_row("KV cache per rank", f"{kv['blocks']} blocks of {kv['block_size']} tokens "
-                    f"({_fmt_bytes(kv['bytes'])}; {kv['bytes_per_token_layer']} B per token and layer, "
+                    f"({format_bytes(kv['bytes'])}; {kv['bytes_per_token_layer']} B per token and layer, "
                     f"{kv['kind']}), "
                     f"{kv['max_concurrency']} sequences of {kv['context']} tokens at once")
     summary.add_row("CUDA graphs / overlap schedule / preemptions",
