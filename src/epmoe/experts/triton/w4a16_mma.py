@@ -567,8 +567,8 @@ def int4_mma_experts(
     _gate_up_kernel[(nb * n1 * split1,)](
         xq, w13, s13, weights.b13 if weights.b13 is not None else placeholder, topk_weights, h, aln.sorted_pair_ids,
         aln.block_slot, aln.block_start, ws1, count1, n, nb, k, d, f, plane_segment(d), seg_h, xq.stride(0),
-        w13.stride(0), w13.stride(1),
-        s13.stride(0), s13.stride(1), h.stride(0), float(limit), float(activation.swiglu_alpha),
+        w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0), float(limit),
+        float(activation.swiglu_alpha),
         BLOCK_N=cfg.block_n1, BLOCK_KW=cfg.block_kw1, BLOCK_M=MMA_BLOCK_M, GW=gw, ACT=act_code(activation),
         HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input, NUM_WARPS=cfg.num_warps,
         EVEN=(d // INT4_PACK) % cfg.block_kw1 == 0 and f % cfg.block_n1 == 0, NB_PAD=nb_pad, SPLIT_MAX=split1,
