@@ -266,3 +266,24 @@ def test_a_config_that_is_not_utf8_is_named(tmp_path):
     path.write_bytes(b"\xff\xfe\x00\x01")
     with pytest.raises(ValueError, match=r"config\.json: not UTF-8 text \(byte 0xff at position 0\)"):
         load_moe_spec(tmp_path)
+
+
+@pytest.mark.parametrize("edit,fmt", [
+    (lambda qc: qc["config_groups"]["group_0"]["weights"].update(num_bits=3), "compressed-tensors-int3"),
+    (lambda qc: qc["config_groups"]["group_0"]["weights"].update(num_bits=8, type="float"),
+     "compressed-tensors-float8"),
+    (lambda qc: (qc.clear(), qc.update(quant_method="awq", bits=4)), "awq"),
+])
+def test_an_unserved_quantization_keeps_its_name(tmp_path, edit, fmt):
+    # a quantization epmoe does not serve is named as what it is, never taken for bf16 (whose sizes it would print)
+    from epmoe.doctor import check_expert_storage
+
+    cfg = json.loads((CONFIGS / "kimi-k2.5.config.json").read_text())
+    edit(cfg["text_config"]["quantization_config"])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    spec = load_moe_spec(path)
+    assert spec.expert_weight_format == fmt
+    (finding,) = check_expert_storage(spec, 8, 0)
+    assert finding.severity == "error"
+    assert f"routed expert weight format {fmt!r} is not served" in finding.what

@@ -92,7 +92,7 @@ class MoESpec:
         attention: attention facts for the planner.
         expert_weight_format: routed expert storage in the published checkpoint:
             ``bf16``, ``fp8_block128`` (DeepSeek FP8, 128x128 scales), ``int4_group32`` (Kimi-K2.5),
-            ``mxfp4`` (gpt-oss).
+            ``mxfp4`` (gpt-oss); another quantization keeps its own name (``compressed-tensors-int3``, ``awq``).
         defaults: ``(field, value)`` of the config fields that were absent and took the default of
             transformers' config class (``defaults_class``), in reading order; empty when none was.
         defaults_class: the transformers config class those defaults came from (``""`` when none).
@@ -216,6 +216,9 @@ def _moe_layer_indices(f: ConfigFields, mt: str, num_layers: int) -> tuple[int, 
 
 
 def _weight_format(cfg: dict[str, Any]) -> str:
+    """The routed experts' storage named from ``quantization_config`` (see ``MoESpec.expert_weight_format``): a
+    quantization epmoe does not serve keeps its own name (``compressed-tensors-int3``, ``awq``), so that whoever
+    reads it (``ExpertStorage.of``, the planner's sizes) refuses it by that name instead of taking it for bf16."""
     qc = cfg.get("quantization_config") or {}
     method = qc.get("quant_method")
     if method == "fp8":
@@ -225,9 +228,13 @@ def _weight_format(cfg: dict[str, Any]) -> str:
     if method == "compressed-tensors" or "config_groups" in qc:
         for group in (qc.get("config_groups") or {}).values():
             w = group.get("weights") or {}
-            if w.get("num_bits") == 4:
+            bits, kind = w.get("num_bits"), w.get("type", "int")
+            if bits == 4 and kind == "int":
                 return f"int4_group{w.get('group_size', 0)}"
-    return "bf16"
+            if bits is not None:
+                return f"compressed-tensors-{kind}{bits}"
+        return "bf16"
+    return str(method) if method else "bf16"
 
 
 @dataclass(frozen=True)
