@@ -10,6 +10,7 @@ nothing of ours takes part in it.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -267,6 +268,18 @@ def test_bad_quantized_checkpoint_is_named(ckpts, tmp_path, family, edit, error,
     with pytest.raises(error, match=match.replace(".", "[.]").replace("[.]*", ".*")):
         load_ep_model(directory, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
                       options=MoELayerOptions(dispatcher="local"))
+
+
+def test_doctor_refuses_the_scales_the_loader_refuses(ckpts, tmp_path):
+    # scales of one group size under a config of another: doctor's up-front check (headers only) names it, as the
+    # loader does
+    from epmoe.doctor import DoctorConfig, diagnose
+
+    bad = _broken(ckpts["kimi-k2.5-int4"][0], tmp_path, _scale_group16)
+    errors = [f for f in diagnose(DoctorConfig(model=bad, ep=2)) if f.severity == "error"]
+    assert len(errors) == 1 and re.search(r"experts[.]5[.]gate_proj[.]weight_scale' has shape \(32, 4\): one scale "
+                                          r"per 16 inputs, but config[.]json's quantization_config gives group_size "
+                                          r"32", errors[0].what), errors
 
 
 def test_doctor_and_plan_report_the_expert_format_and_bytes(ckpts, tmp_path):

@@ -240,6 +240,30 @@ class CheckpointReader:
             ValueError: ``weight_scale`` or ``weight_shape`` missing, ``weight_shape`` not the ``expect``-ed
                 shape, or packed values / scales whose shapes do not fit it (each names the tensor).
         """
+        n, k = self.check_int4(name, expect)
+        full = self.prefix + name
+        scale_name = self._companion(full, "_scale", "_packed")
+        packed, scale = self._read(full + "_packed", row), self._read(scale_name, row)
+        if row is not None:
+            packed, scale = packed[None], scale[None]
+        if packed.dtype != torch.int32:
+            raise ValueError(f"checkpoint {self.directory}: tensor {full + '_packed'!r} is {packed.dtype}, "
+                             f"expected int32 (eight 4-bit values a word)")
+        return Int4Tensor(packed, scale, (n, k))
+
+    def check_int4(self, name: str, expect: tuple[int, int] | None = None) -> tuple[int, int]:
+        """Check the INT4 pack-quantized weight ``name`` from the file headers and its small ``weight_shape`` tensor
+        (no weight data read): ``weight_shape`` is ``[N, K]`` (and ``expect`` when given), the packed values are
+        ``[N, K/8]``, the scales ``[N, K/G]`` with ``G`` the config's ``group_size``. ``get_int4`` reads after
+        these checks; ``models.hf.check_checkpoint`` makes them for every routed expert before anything is read.
+
+        Returns:
+            ``(N, K)``.
+
+        Raises:
+            KeyError: no such tensor (the directory is named).
+            ValueError: as ``get_int4``.
+        """
         full = self.prefix + name
         if self._packed.get(full) != "int4":
             raise KeyError(f"checkpoint {self.directory} has no INT4 pack-quantized tensor {name!r} "
@@ -266,13 +290,7 @@ class CheckpointReader:
             raise ValueError(f"checkpoint {self.directory}: tensor {scale_name!r} has shape {scale_shape}: one scale "
                              f"per {group} inputs, but config.json's quantization_config gives group_size "
                              f"{self.int4_group_size}")
-        packed, scale = self._read(full + "_packed", row), self._read(scale_name, row)
-        if row is not None:
-            packed, scale = packed[None], scale[None]
-        if packed.dtype != torch.int32:
-            raise ValueError(f"checkpoint {self.directory}: tensor {full + '_packed'!r} is {packed.dtype}, "
-                             f"expected int32 (eight 4-bit values a word)")
-        return Int4Tensor(packed, scale, (n, k))
+        return n, k
 
     def get_mxfp4(self, name: str, index: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Read the MXFP4 tensor ``name`` as stored: ``(<name>_blocks [..., N, K/32, 16] uint8, <name>_scales

@@ -588,6 +588,8 @@ def check_checkpoint(checkpoint_dir: str, experts: Callable[[int], Iterable[int]
         if found != shape:
             raise ValueError(f"checkpoint {reader.directory}: tensor {name!r} has shape {found}, expected {shape} "
                              f"from config.json (does config.json belong to these weights?)")
+        if stored == "int4":  # its packed values and scales against weight_shape and the config's group_size
+            reader.check_int4(name)
     return reader
 
 
