@@ -181,6 +181,8 @@ def test_int4_mma_refuses_bad_input():
         int4_mma_experts(x, slots, tw, q, Activation(), config=MmaConfig(64, 32, 32, 32, 4))
     with pytest.raises(ValueError, match="split_max must be a power of two, got 3"):
         int4_mma_experts(x, slots, tw, q, Activation(), config=MmaConfig(split_max=3))
+    with pytest.raises(ValueError, match="block_m must be 8, 16, 32 or 64, got 24"):
+        int4_mma_experts(x, slots, tw, q, Activation(), config=MmaConfig(block_m=24))
 
 
 @pytest.mark.gpu
@@ -275,9 +277,10 @@ def test_int4_mma_path_on_gpu(t, case):
         slots[0, 0] = 3
     tw = torch.rand(t, k, device="cuda")
     ref = _ref(x, slots, tw, q, act, woi)
-    # the default tiles; four warps and two 16-row tiles a warp in the down kernel; one warp
+    # the default tiles; four warps and two 16-row tiles a warp in the down kernel; one warp; 16- and 32-row blocks
     kw = max(16, group // 2)
-    for cfg in (None, MmaConfig(64, kw, 128, kw, 4), MmaConfig(16, kw, 16, 2 * kw, 1)):
+    for cfg in (None, MmaConfig(64, kw, 128, kw, 4), MmaConfig(16, kw, 16, 2 * kw, 1),
+                MmaConfig(32, kw, 32, kw, 2, block_m=16), MmaConfig(16, kw, 64, kw, 1, block_m=32)):
         assert _rel(int4_mma_experts(x, slots, tw, q, act, woi, cfg), ref) < 1e-2, cfg
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -1,8 +1,9 @@
 """W4A16 expert compute on the tensor cores with the INT4 words widened straight into the MMA operand registers.
 
 A Gluon kernel pair (Triton's layout-explicit dialect). The product is taken transposed: weight rows are the ``M``
-side of ``mma.sync.m16n8k16`` (16 rows a warp tile), up to ``MMA_BLOCK_M = 8`` token rows of one slot its ``N``
-side, so a weight tile feeds one MMA per 16 inputs whatever the number of tokens.
+side of ``mma.sync.m16n8k16`` (16 rows a warp tile), a block of ``MmaConfig.block_m`` token rows of one slot its
+``N`` side (``block_m / 8`` MMAs per widened weight register: at decode sizes 8 rows, one MMA whatever the number of
+tokens; at prefill sizes more rows share each widening).
 
 Input order. A word ``c`` of a weight row holds inputs ``8 c + j`` (``j = 0..7``, bits ``4 j``). A dot over ``K`` is
 a sum, so any order of the inputs does as long as both operands use it. A step of ``BLOCK_KW`` words is four MMAs,
@@ -23,7 +24,7 @@ Activations are read from nibble-plane copies (``nibble_planes``: input ``8 c + 
 so a thread's part of ``B_j`` is also consecutive in memory (16-byte loads) and relabelled the same way
 (``_b_operand``); the gate/up kernel writes ``h`` in that form for the down kernel.
 
-1. ``nibble_planes(x)`` and ``align_kernels.align_triton`` (pairs sorted by slot, ``MMA_BLOCK_M`` rows a block).
+1. ``nibble_planes(x)`` and ``align_kernels.align_triton`` (pairs sorted by slot, ``block_m`` rows a block).
 2. ``_gate_up_kernel``, grid ``SPLIT_MAX * NB * cdiv(F, BLOCK_N1)``: gate and up rows of a block's slot against the
    block's token rows (the next step's words and scales requested before this step's are widened), bias, routing
    weight (on the input), the gated activation; ``h`` stored per sorted position.
@@ -61,9 +62,6 @@ from epmoe.experts.triton.decode import gated_activation
 from epmoe.experts.triton.grouped import act_code, sum_pairs_kernel
 from epmoe.experts.weights import Activation
 
-MMA_BLOCK_M = 8
-"""Token rows of a row block: the ``N`` side of ``mma.sync.m16n8k16``."""
-
 _WARPS_PER_SM = 16
 """Warps an SM the split-K choice aims at (``MmaConfig.split_max``): a launch whose row blocks (at most, as
 ``align.num_aligned_blocks`` bounds them) times column tiles give fewer programs may split each tile's reduction."""
@@ -82,6 +80,7 @@ class MmaConfig:
         num_warps: warps per program (each owns ``block_n / num_warps`` rows).
         split_max: a (row block, column tile)'s reduction is split over up to this many programs (a power of two)
             when the launch has few row blocks; the split in use is chosen on the device from the active blocks.
+        block_m: token rows of a row block (8, 16, 32 or 64): ``block_m / 8`` MMAs share each widened register.
     """
 
     block_n1: int = 32
@@ -90,6 +89,7 @@ class MmaConfig:
     block_kw2: int = 32
     num_warps: int = 2
     split_max: int = 8
+    block_m: int = 8
 
 
 @gluon.constexpr_function
@@ -109,10 +109,11 @@ def _word_layout(block_n, block_kw, num_warps, gw):
 @gluon.constexpr_function
 def _plane_layout(block_kw, block_m, num_warps):
     """Register layout of a step's tile ``[2 block_kw, block_m]`` of one nibble plane of the activations (memory
-    order): thread ``(g, q)`` holds token row ``g``, elements ``[4 q R, 4 (q + 1) R)`` (``R = block_kw / 8``); every
-    warp holds it all."""
+    order): thread ``(g, q)`` holds token rows ``g + 8 i``, elements ``[4 q R, 4 (q + 1) R)`` (``R = block_kw / 8``);
+    every warp holds it all."""
     r4 = block_kw // 2
     regs = [[1 << i, 0] for i in range(r4.bit_length() - 1)]
+    regs += [[0, 8 << i] for i in range((block_m // 8).bit_length() - 1)]
     lanes = [[r4, 0], [2 * r4, 0], [0, 1], [0, 2], [0, 4]]
     warps = [[0, 0] for _ in range(num_warps.bit_length() - 1)]
     return gl.DistributedLinearLayout(regs, lanes, warps, [], [2 * block_kw, block_m])
@@ -500,6 +501,8 @@ def _check(cfg: MmaConfig, group_size: int) -> None:
         if v % (16 * cfg.num_warps) or v & (v - 1):
             raise ValueError(f"MmaConfig.{name} must be a power of two and a multiple of 16 * num_warps "
                              f"({16 * cfg.num_warps}), got {v}")
+    if cfg.block_m not in (8, 16, 32, 64):
+        raise ValueError(f"MmaConfig.block_m must be 8, 16, 32 or 64, got {cfg.block_m}")
     if cfg.split_max < 1 or cfg.split_max & (cfg.split_max - 1):
         raise ValueError(f"MmaConfig.split_max must be a power of two, got {cfg.split_max}")
     for name in ("block_kw1", "block_kw2"):
@@ -549,10 +552,11 @@ def int4_mma_experts(
         return out
     w13, s13, w2, s2 = weights.w13_packed, weights.w13_scale, weights.w2_packed, weights.w2_scale
     xq = nibble_planes(x)
-    aln = align_triton(topk_slots, s, MMA_BLOCK_M)
+    bm = cfg.block_m
+    aln = align_triton(topk_slots, s, bm)
     nb = aln.block_slot.shape[0]
     seg_h = plane_segment(f)
-    h = torch.empty(nb * MMA_BLOCK_M, 4 * seg_h, dtype=x.dtype, device=x.device)
+    h = torch.empty(nb * bm, 4 * seg_h, dtype=x.dtype, device=x.device)
     y = torch.empty(n, d, dtype=torch.float32, device=x.device)
     placeholder = topk_weights
     limit = activation.swiglu_limit if activation.swiglu_limit is not None else 0.0
@@ -561,15 +565,15 @@ def int4_mma_experts(
     # few row blocks (decode): each tile's reduction may be split, up to split_max ways, so that the active blocks'
     # programs fill the GPU (the split is chosen on the device from the blocks in use)
     target = _programs_wanted(x.device, cfg.num_warps)
-    split1, ws1, count1 = _split_workspace(cfg.split_max, nb, n1, 2 * cfg.block_n1, target, placeholder)
-    split2, ws2, count2 = _split_workspace(cfg.split_max, nb, n2, cfg.block_n2, target, placeholder)
+    split1, ws1, count1 = _split_workspace(cfg.split_max, nb, n1, 2 * cfg.block_n1 * bm, target, placeholder)
+    split2, ws2, count2 = _split_workspace(cfg.split_max, nb, n2, cfg.block_n2 * bm, target, placeholder)
     nb_pad = triton.next_power_of_2(nb)
     _gate_up_kernel[(nb * n1 * split1,)](
         xq, w13, s13, weights.b13 if weights.b13 is not None else placeholder, topk_weights, h, aln.sorted_pair_ids,
         aln.block_slot, aln.block_start, ws1, count1, n, nb, k, d, f, plane_segment(d), seg_h, xq.stride(0),
         w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0), float(limit),
         float(activation.swiglu_alpha),
-        BLOCK_N=cfg.block_n1, BLOCK_KW=cfg.block_kw1, BLOCK_M=MMA_BLOCK_M, GW=gw, ACT=act_code(activation),
+        BLOCK_N=cfg.block_n1, BLOCK_KW=cfg.block_kw1, BLOCK_M=bm, GW=gw, ACT=act_code(activation),
         HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input, NUM_WARPS=cfg.num_warps,
         EVEN=(d // INT4_PACK) % cfg.block_kw1 == 0 and f % cfg.block_n1 == 0, NB_PAD=nb_pad, SPLIT_MAX=split1,
         TARGET=target, num_warps=cfg.num_warps,
@@ -578,7 +582,7 @@ def int4_mma_experts(
         h, w2, s2, weights.b2 if weights.b2 is not None else placeholder, topk_weights, y, aln.sorted_pair_ids,
         aln.block_slot, aln.block_start, ws2, count2, n, nb, d, f, seg_h,
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), h.stride(0),
-        BLOCK_N=cfg.block_n2, BLOCK_KW=cfg.block_kw2, BLOCK_M=MMA_BLOCK_M, GW=gw, HAS_BIAS=weights.b2 is not None,
+        BLOCK_N=cfg.block_n2, BLOCK_KW=cfg.block_kw2, BLOCK_M=bm, GW=gw, HAS_BIAS=weights.b2 is not None,
         WEIGHT_ON_INPUT=weight_on_input, NUM_WARPS=cfg.num_warps,
         EVEN=(f // INT4_PACK) % cfg.block_kw2 == 0 and d % cfg.block_n2 == 0, NB_PAD=nb_pad, SPLIT_MAX=split2,
         TARGET=target, num_warps=cfg.num_warps,
@@ -588,15 +592,15 @@ def int4_mma_experts(
     return out
 
 
-def _split_workspace(split_max: int, nb: int, tiles: int, rows: int, target: int,
+def _split_workspace(split_max: int, nb: int, tiles: int, values: int, target: int,
                      placeholder: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
     """A launch's ``SPLIT_MAX`` (``split_max`` when its row blocks (at most ``nb``) times ``tiles`` column tiles give
-    fewer than ``target`` programs, else 1), its partial workspace (``rows`` accumulator rows a tile) and its arrival
-    counters (zero; the kernels leave them zero)."""
+    fewer than ``target`` programs, else 1), its partial workspace (``values`` accumulator values a tile) and its
+    arrival counters (zero; the kernels leave them zero)."""
     if split_max == 1 or nb * tiles >= target:
         return 1, placeholder, placeholder
     dev = placeholder.device
-    ws = torch.empty(nb * tiles * split_max * rows * MMA_BLOCK_M, dtype=torch.float32, device=dev)
+    ws = torch.empty(nb * tiles * split_max * values, dtype=torch.float32, device=dev)
     return split_max, ws, torch.zeros(nb * tiles, dtype=torch.int32, device=dev)
 
 
