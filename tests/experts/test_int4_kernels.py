@@ -158,11 +158,23 @@ def test_int4_path_choice():
     assert int4_path(16, bf16, 64) == "decode"
     assert int4_path(8, bf16, 384) == "mma"
     assert int4_path(17, bf16, 48) == "mma"
-    assert int4_path(8192, bf16, 48) == "mma"
-    assert int4_path(8193, bf16, 48) == "grouped"
+    assert int4_path(32768, bf16, 48) == "mma"
     # fp16: no MMA path
     assert int4_path(8, fp16, 384) == "decode"
     assert int4_path(100, fp16, 384) == "grouped"
+
+
+@pytest.mark.interpret
+def test_int4_mma_block_rows_choice():
+    from epmoe.experts.triton.w4a16_mma import default_mma_config
+
+    # 8-row blocks below 16 pairs a slot (decode, small batches over many experts), 16-row blocks from there on
+    assert default_mma_config(32, 8, 384).block_m == 8
+    assert default_mma_config(32, 2048, 384).block_m == 8
+    assert default_mma_config(32, 6144, 384).block_m == 16
+    assert default_mma_config(32, 768, 48).block_m == 16
+    # steps of at least half a group
+    assert default_mma_config(128, 8, 384).block_kw1 == 64
 
 
 @pytest.mark.interpret

@@ -97,12 +97,6 @@ INT4_DECODE_MAX_PAIRS = DECODE_MAX_PAIRS
 at the routing), the fused grouped path above. Set from the H200 run of ``benchmarks/moe_layer.py --cases
 kimi_int4,kimi_full_int4`` (columns ``int4_decode`` against ``int4_grouped``)."""
 
-INT4_MMA_MAX_PAIRS = 8192
-"""``int4_experts`` takes the tensor-core path with the words widened into the MMA registers (``w4a16_mma``) for bf16
-activations up to this many pairs (above, each 8-row block widens its slot's words again and the fused grouped path
-is faster), except for decode batches of an expert-parallel shard (``INT4_DECODE_MAX_SLOTS``). Set from the H200 run
-of ``benchmarks/moe_layer.py --cases kimi_int4,kimi_full_int4`` (column ``int4_mma`` against the others)."""
-
 INT4_DECODE_MAX_SLOTS = 64
 """Up to ``INT4_DECODE_MAX_PAIRS`` pairs and with at most this many local slots (an expert-parallel shard, where most
 pairs are served elsewhere: a decode step has about one local pair) ``int4_experts`` takes the decode kernels, which
@@ -562,15 +556,13 @@ def int4_dequantized_experts(
 
 def int4_path(num_pairs: int, dtype: torch.dtype, num_slots: int) -> str:
     """The path ``int4_experts`` takes for ``num_pairs`` pairs of activations in ``dtype`` over ``num_slots`` local
-    slots: ``"decode"`` up to ``INT4_DECODE_MAX_PAIRS`` (bf16: and at most ``INT4_DECODE_MAX_SLOTS`` slots), else
-    ``"mma"`` (bf16 up to ``INT4_MMA_MAX_PAIRS``), ``"dequant"`` (from ``INT4_DEQUANT_MIN_PAIRS`` on) or
-    ``"grouped"``."""
+    slots: bf16 takes ``"decode"`` up to ``INT4_DECODE_MAX_PAIRS`` pairs over at most ``INT4_DECODE_MAX_SLOTS`` slots,
+    else ``"mma"`` (at every size: the H200 run of ``benchmarks/moe_layer.py --cases kimi_int4,kimi_full_int4``, column
+    ``int4_mma`` against ``int4_grouped``); fp16 takes ``"decode"`` up to ``INT4_DECODE_MAX_PAIRS``, else
+    ``"dequant"`` (from ``INT4_DEQUANT_MIN_PAIRS`` on) or ``"grouped"``."""
     small = num_pairs <= INT4_DECODE_MAX_PAIRS
     if dtype == torch.bfloat16:
-        if small and num_slots <= INT4_DECODE_MAX_SLOTS:
-            return "decode"
-        if num_pairs <= INT4_MMA_MAX_PAIRS:
-            return "mma"
+        return "decode" if small and num_slots <= INT4_DECODE_MAX_SLOTS else "mma"
     if small:
         return "decode"
     if INT4_DEQUANT_MIN_PAIRS is not None and num_pairs >= INT4_DEQUANT_MIN_PAIRS:
@@ -626,8 +618,9 @@ def int4_experts(
 
     The path is ``int4_path(T * K, x.dtype, S)``: the decode kernels for a few pairs (each pair reads its expert's
     weights: the cost grows with the live pairs), the tensor-core kernels of ``w4a16_mma`` for bf16 (the words
-    widened into the MMA registers, one read of a slot's words per 8-row block), the fused grouped kernels above
-    (``tl.dot`` on widened tiles), the widening path from ``INT4_DEQUANT_MIN_PAIRS`` on where that is set.
+    widened into the MMA registers, one read of a slot's words per row block; ``default_mma_config`` picks the rows a
+    block from the pairs per slot), for fp16 the fused grouped kernels (``tl.dot`` on widened tiles), the widening
+    path from ``INT4_DEQUANT_MIN_PAIRS`` on where that is set.
     ``N = T * K`` bounds the live pairs (static: no look at the routing).
 
     Raises:

@@ -474,10 +474,19 @@ def _down_kernel(
         gl.store(y_ptrs, acc, mask=d_ok[:, None] & valid_c[None, :])
 
 
-def default_mma_config(group_size: int) -> MmaConfig:
-    """``MmaConfig()`` with steps of at least half a group (``block_kw >= G / 2``)."""
+MMA_BLOCK16_MIN_PAIRS_PER_SLOT = 16
+"""``default_mma_config`` takes 16-row blocks (each widened register feeding two MMAs) from this many ``(token, k)``
+pairs per local slot on average, 8-row blocks below (fewer padding rows). Set from the H200 run of
+``benchmarks/moe_layer.py --cases kimi_int4,kimi_full_int4`` (column ``int4_mma16`` against ``int4_mma``; 32-row
+blocks, ``int4_mma32``, were slower at every size)."""
+
+
+def default_mma_config(group_size: int, num_pairs: int = 0, num_slots: int = 1) -> MmaConfig:
+    """``MmaConfig()`` with steps of at least half a group (``block_kw >= G / 2``) and, for ``num_pairs`` pairs over
+    ``num_slots`` local slots, 16-row blocks from ``MMA_BLOCK16_MIN_PAIRS_PER_SLOT`` pairs a slot on."""
     kw = max(MmaConfig.block_kw1, group_size // 2)
-    return MmaConfig(block_kw1=kw, block_kw2=kw)
+    block_m = 16 if num_pairs >= MMA_BLOCK16_MIN_PAIRS_PER_SLOT * max(num_slots, 1) else 8
+    return MmaConfig(block_kw1=kw, block_kw2=kw, block_m=block_m)
 
 
 def plane_segment(k: int) -> int:
@@ -530,7 +539,7 @@ def int4_mma_experts(
         weights: the packed weights (contiguous).
         activation: the gated activation.
         weight_on_input: scale the expert input by the weight instead of its output.
-        config: tile shapes; ``default_mma_config(G)`` when ``None``.
+        config: tile shapes; ``default_mma_config(G, T * K, S)`` when ``None``.
 
     Returns:
         ``[T, D]`` bf16.
@@ -542,11 +551,11 @@ def int4_mma_experts(
     if x.dtype != torch.bfloat16:
         raise TypeError(f"the INT4 MMA kernels compute in bf16, got x of dtype {x.dtype}")
     g = weights.group_size
-    cfg = config if config is not None else default_mma_config(g)
-    _check(cfg, g)
     t, k = topk_slots.shape
     n = t * k
     s, d, f = weights.num_slots, weights.hidden_size, weights.intermediate_size
+    cfg = config if config is not None else default_mma_config(g, n, s)
+    _check(cfg, g)
     out = torch.empty(t, d, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
