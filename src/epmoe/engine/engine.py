@@ -250,6 +250,8 @@ class Engine:
         as many blocks)."""
         cfg = self.config
         per_token = layout.bytes_per_token(cfg.torch_dtype) + extra_bytes_per_token
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # blocks the load freed but the allocator keeps: free memory for the pool
         if cfg.num_kv_blocks is not None:
             want = cfg.num_kv_blocks * cfg.block_size * per_token
             have = (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda"
@@ -307,6 +309,10 @@ class Engine:
         else:
             activate, deactivate = self._ep_static_hooks()
         pieces = self._piece_sizes()
+        if self.device.type == "cuda":
+            # a capture cannot hand the allocator's cached blocks back to the driver (that would synchronise), so
+            # a graph pool needing memory held there would run out: hand them back first
+            torch.cuda.empty_cache()
         try:
             self.runner.capture_pieces(pieces, activate, deactivate, cuda_graphs=self.device.type == "cuda")
             self.runner.capture(sizes, activate, deactivate, cuda_graphs=self.device.type == "cuda")

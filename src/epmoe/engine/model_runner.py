@@ -368,6 +368,7 @@ class ModelRunner:
         self.pieces: Pieces | None = None
         self._graph_workspace: torch.Tensor | None = None
         self._pool = None
+        self._capture_stream: torch.cuda.Stream | None = None
         self._activate = self._deactivate = None
         self.aux_layers = tuple(aux_layers)
         self._aux: list[torch.Tensor] = []
@@ -602,13 +603,21 @@ class ModelRunner:
         if cuda_graphs:
             torch.cuda.synchronize(self.device)
 
+    def _side_stream(self) -> torch.cuda.Stream:
+        """The one stream every bucket's warm-up and capture runs on: the blocks a warm-up leaves in the caching
+        allocator belong to its stream, so with a stream per bucket no bucket could reuse another's, and the graph
+        pool, which cannot make the allocator hand cached blocks back during a capture, would run out of memory."""
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(device=self.device)
+        return self._capture_stream
+
     def _capture_pieces_one(self, g: _Graph):
         """One piecewise bucket: warm-up forwards recording cuts without graphs (they allocate the staging buffers),
         then the capture, a new graph begun at each cut."""
         dev = self.device
         batch = self._piece_batch(g)
         g.sources.fill_(-1)
-        stream = torch.cuda.Stream(device=dev)
+        stream = self._side_stream()
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for _ in range(2):
@@ -653,7 +662,7 @@ class ModelRunner:
         dev = self.device
         batch = AttnBatch(self.kv, g.slot_mapping, g.bs, g.block_tables, g.context_lens, workspace=workspace)
         g.sources.fill_(-1)
-        stream = torch.cuda.Stream(device=dev)
+        stream = self._side_stream()
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up: Triton autotuning and lazy allocations happen outside capture
