@@ -175,6 +175,11 @@ def test_int4_mma_block_rows_choice():
     assert default_mma_config(32, 768, 48).block_m == 16
     # steps of at least half a group
     assert default_mma_config(128, 8, 384).block_kw1 == 64
+    # registers capped for one-token steps and shards' 8-row blocks only
+    assert default_mma_config(32, 8, 384).maxnreg == 168
+    assert default_mma_config(32, 64, 384).maxnreg is None
+    assert default_mma_config(32, 512, 48).maxnreg == 168
+    assert default_mma_config(32, 768, 48).maxnreg is None
 
 
 @pytest.mark.interpret
@@ -289,10 +294,12 @@ def test_int4_mma_path_on_gpu(t, case):
         slots[0, 0] = 3
     tw = torch.rand(t, k, device="cuda")
     ref = _ref(x, slots, tw, q, act, woi)
-    # the default tiles; four warps and two 16-row tiles a warp in the down kernel; one warp; 16- and 32-row blocks
+    # the default tiles; capped registers; four warps and two 16-row tiles a warp in the down kernel; one warp; 16-
+    # and 32-row blocks
     kw = max(16, group // 2)
-    for cfg in (None, MmaConfig(64, kw, 128, kw, 4), MmaConfig(16, kw, 16, 2 * kw, 1),
-                MmaConfig(32, kw, 32, kw, 2, block_m=16), MmaConfig(16, kw, 64, kw, 1, block_m=32)):
+    for cfg in (None, MmaConfig(block_kw1=kw, block_kw2=kw, maxnreg=168), MmaConfig(64, kw, 128, kw, 4),
+                MmaConfig(16, kw, 16, 2 * kw, 1), MmaConfig(32, kw, 32, kw, 2, block_m=16),
+                MmaConfig(16, kw, 64, kw, 1, block_m=32)):
         assert _rel(int4_mma_experts(x, slots, tw, q, act, woi, cfg), ref) < 1e-2, cfg
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

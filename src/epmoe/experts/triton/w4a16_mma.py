@@ -81,6 +81,8 @@ class MmaConfig:
         split_max: a (row block, column tile)'s reduction is split over up to this many programs (a power of two)
             when the launch has few row blocks; the split in use is chosen on the device from the active blocks.
         block_m: token rows of a row block (8, 16, 32 or 64): ``block_m / 8`` MMAs share each widened register.
+        maxnreg: registers a thread may use at most (``None``: the compiler's choice); fewer registers let more
+            programs share an SM.
     """
 
     block_n1: int = 32
@@ -90,6 +92,7 @@ class MmaConfig:
     num_warps: int = 2
     split_max: int = 8
     block_m: int = 8
+    maxnreg: int | None = None
 
 
 @gluon.constexpr_function
@@ -481,12 +484,27 @@ pairs per local slot on average, 8-row blocks below (fewer padding rows). Set fr
 blocks, ``int4_mma32``, were slower at every size)."""
 
 
+MMA_FEW_REGS = 168
+"""Registers a thread of the 8-row-block kernels may use for one-token steps and expert-parallel shards (at most
+``MMA_FEW_REGS_MAX_SLOTS`` local slots): the compiler's 176-183 allow two warps per SM sub-partition, 168 three, so
+that more weight loads are in flight when few row blocks are active. Set from an H200 sweep (Kimi-K2.5 shapes): one
+token on 384 experts 113.8 against 122.7 us, the 48-expert shard at 1/8/64 tokens 3-14% faster, while 8 and 64
+tokens on 384 experts were 4-5% slower with it."""
+
+MMA_FEW_REGS_MAX_SLOTS = 64
+"""Local slots up to which ``default_mma_config`` caps the registers (``MMA_FEW_REGS``) at every 8-row size."""
+
+
 def default_mma_config(group_size: int, num_pairs: int = 0, num_slots: int = 1) -> MmaConfig:
     """``MmaConfig()`` with steps of at least half a group (``block_kw >= G / 2``) and, for ``num_pairs`` pairs over
-    ``num_slots`` local slots, 16-row blocks from ``MMA_BLOCK16_MIN_PAIRS_PER_SLOT`` pairs a slot on."""
+    ``num_slots`` local slots, 16-row blocks from ``MMA_BLOCK16_MIN_PAIRS_PER_SLOT`` pairs a slot on; 8-row blocks
+    of a one-token step (at most 8 pairs, ``num_pairs`` 0: unknown, not capped) or of a shard of up to
+    ``MMA_FEW_REGS_MAX_SLOTS`` slots capped at ``MMA_FEW_REGS`` registers."""
     kw = max(MmaConfig.block_kw1, group_size // 2)
-    block_m = 16 if num_pairs >= MMA_BLOCK16_MIN_PAIRS_PER_SLOT * max(num_slots, 1) else 8
-    return MmaConfig(block_kw1=kw, block_kw2=kw, block_m=block_m)
+    if num_pairs >= MMA_BLOCK16_MIN_PAIRS_PER_SLOT * max(num_slots, 1):
+        return MmaConfig(block_kw1=kw, block_kw2=kw, block_m=16)
+    few = 0 < num_pairs <= 8 or num_slots <= MMA_FEW_REGS_MAX_SLOTS
+    return MmaConfig(block_kw1=kw, block_kw2=kw, maxnreg=MMA_FEW_REGS if few else None)
 
 
 def plane_segment(k: int) -> int:
@@ -585,7 +603,7 @@ def int4_mma_experts(
         BLOCK_N=cfg.block_n1, BLOCK_KW=cfg.block_kw1, BLOCK_M=bm, GW=gw, ACT=act_code(activation),
         HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input, NUM_WARPS=cfg.num_warps,
         EVEN=(d // INT4_PACK) % cfg.block_kw1 == 0 and f % cfg.block_n1 == 0, NB_PAD=nb_pad, SPLIT_MAX=split1,
-        TARGET=target, num_warps=cfg.num_warps,
+        TARGET=target, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
     _down_kernel[(nb * n2 * split2,)](
         h, w2, s2, weights.b2 if weights.b2 is not None else placeholder, topk_weights, y, aln.sorted_pair_ids,
@@ -594,7 +612,7 @@ def int4_mma_experts(
         BLOCK_N=cfg.block_n2, BLOCK_KW=cfg.block_kw2, BLOCK_M=bm, GW=gw, HAS_BIAS=weights.b2 is not None,
         WEIGHT_ON_INPUT=weight_on_input, NUM_WARPS=cfg.num_warps,
         EVEN=(f // INT4_PACK) % cfg.block_kw2 == 0 and d % cfg.block_n2 == 0, NB_PAD=nb_pad, SPLIT_MAX=split2,
-        TARGET=target, num_warps=cfg.num_warps,
+        TARGET=target, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
     block_d = min(1024, triton.next_power_of_2(d))
     sum_pairs_kernel[(t, triton.cdiv(d, block_d))](y, topk_slots, out, d, k, s, BLOCK_D=block_d)
