@@ -7,6 +7,7 @@ and compares with the measured time of our Triton backend (``ours_us``). CPU onl
 
     python3 benchmarks/planner_vs_h200.py [--results PATH] [--hardware NAME|PATH]
         [--ceilings profile|run] [--out PATH] [--check]
+    python3 benchmarks/planner_vs_h200.py --int4-results PATH [--hardware NAME|PATH] [--out PATH] [--check]
 
 Columns: case, tokens, whether the row was timed as CUDA-graph replays, experts hit (measured in that
 run's routing / expected ``n_local (1 - (1 - K/E)^T)``), measured µs, predicted µs, predicted / measured,
@@ -26,6 +27,15 @@ the profile's values. After a new ``moe_layer.py`` run, copy them into ``moe_str
 ``--ceilings run`` replaces the profile's bandwidth and bf16 rate by the ones measured in the same run
 (``ceilings`` in the results). Writes ``planner_vs_h200.json`` next to the results file (or ``--out``);
 ``--check`` exits 1 when a row is outside the 25% target.
+
+``--int4-results`` does the same for INT4 (W4A16) experts from an INT4 run of ``moe_layer.py`` (``--cases
+kimi_int4,kimi_full_int4``): each row's measured time is that of the path the backend takes now for the row's
+size (``int4.int4_path`` and ``w4a16_mma.default_mma_config``, so this mode imports Triton), the prediction is
+``predict_moe_layer_time`` with ``int4_group32`` weights, and the fit is of the profile's three INT4 figures, the
+stream efficiency (grid of step 0.01 over [0.5, 1]), the ``w4a16`` matrix rate (grid of 2 TFLOP/s steps) and the
+fixed per-layer cost (closed form), at the profile's overlap; copy them into ``moe_w4a16_stream_efficiency``,
+``matmul_flops_per_s.w4a16`` and ``moe_w4a16_layer_fixed_us``. Writes ``planner_vs_h200_int4.json`` next to the
+results file (or ``--out``), which the CPU tests read.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ from pathlib import Path
 
 from epmoe.plan.costs import (
     MoEDims,
+    bytes_per_param,
     expected_distinct_experts,
     expert_activation_bytes,
     expert_layer_ms,
@@ -54,6 +65,14 @@ CASES = {
     "qwen3": (MoEDims(hidden_size=2048, moe_intermediate_size=768, num_experts=128, top_k=8), 128),
     "dsv3": (MoEDims(hidden_size=7168, moe_intermediate_size=2048, num_experts=256, top_k=8), 32),
 }
+
+
+KIMI = MoEDims(hidden_size=7168, moe_intermediate_size=2048, num_experts=384, top_k=8)
+# The shapes of benchmarks/moe_layer.py's INT4_CASES (group 32).
+INT4_CASES = {"kimi_int4": (KIMI, 48), "kimi_full_int4": (KIMI, 384)}
+INT4_FORMAT = "int4_group32"
+EFFICIENCY_GRID = [i / 100 for i in range(50, 101)]
+RATE_GRID = [r * 1e12 for r in range(50, 1001, 2)]
 
 
 def case_shape(row: dict) -> tuple[MoEDims, int]:
@@ -127,6 +146,99 @@ def fit_overlap_and_fixed(entries: list[dict]) -> tuple[float, float, float]:
     return best
 
 
+def int4_measured_us(row: dict, dims: MoEDims, local: int) -> float | None:
+    """The measured time of the INT4 path the backend takes now at the row's size (``None``: not timed in the
+    run, e.g. 16-row blocks before they existed)."""
+    import torch
+
+    from epmoe.experts.triton.int4 import int4_path
+    from epmoe.experts.triton.w4a16_mma import default_mma_config
+
+    pairs = row["tokens"] * dims.top_k
+    path = int4_path(pairs, torch.bfloat16, local)
+    if path == "decode":
+        return row.get("int4_decode_us")
+    if path != "mma":
+        return row.get(f"int4_{path}_us")
+    return row.get("int4_mma16_us" if default_mma_config(32, pairs, local).block_m == 16 else "int4_mma_us")
+
+
+def compare_int4(results: dict, hw: HardwareProfile) -> list[dict]:
+    """One entry per INT4 row: measured (the path taken now) and predicted µs, their ratio, the parts."""
+    out = []
+    bw = hw.hbm_bytes_per_s * hw.moe_w4a16_stream_efficiency
+    for row in results["int4_rows"]:
+        if row["case"] not in INT4_CASES:
+            raise ValueError(f"INT4 case {row['case']!r} is not known; known: {', '.join(INT4_CASES)}")
+        dims, local = INT4_CASES[row["case"]]
+        measured = int4_measured_us(row, dims, local)
+        if measured is None:
+            continue
+        t = row["tokens"]
+        rows = t * dims.top_k * local / dims.num_experts
+        touched = expected_distinct_experts(t, dims.num_experts, dims.top_k, local)
+        pred_us = predict_moe_layer_time(dims, t, local, hw, INT4_FORMAT) * 1e3
+        out.append({
+            "case": row["case"], "tokens": t, "active_measured": row.get("active_slots"),
+            "active_expected": touched, "measured_us": measured, "predicted_us": pred_us,
+            "ratio": pred_us / measured,
+            "stream_us": (touched * dims.expert_params() * bytes_per_param(INT4_FORMAT)
+                          + expert_activation_bytes(dims, rows)) / hw.hbm_bytes_per_s * 1e6,
+            "stream_at_efficiency_us": (touched * dims.expert_params() * bytes_per_param(INT4_FORMAT)
+                                        + expert_activation_bytes(dims, rows)) / bw * 1e6,
+            "flops": rows * 2 * dims.expert_params(),
+        })
+    return out
+
+
+def fit_int4(entries: list[dict], overlap: float) -> tuple[float, float, float, float]:
+    """Least-squares ``(stream efficiency, w4a16 FLOP/s, fixed µs, sum of squared relative errors)`` over the INT4
+    rows at ``overlap``: for each efficiency of ``EFFICIENCY_GRID`` and rate of ``RATE_GRID`` the prediction is
+    ``base_i + fixed``, the fixed cost in closed form as in ``fit_overlap_and_fixed``."""
+    best = None
+    for eff in EFFICIENCY_GRID:
+        for rate in RATE_GRID:
+            base = []
+            for e in entries:
+                s, x = e["stream_us"] / eff, e["flops"] / rate * 1e6
+                base.append((max(s, x) + (1 - overlap) * min(s, x), e["measured_us"]))
+            fixed = max(0.0, sum((m - b) / m**2 for b, m in base) / sum(1 / m**2 for _, m in base))
+            sse = sum(((b + fixed) / m - 1) ** 2 for b, m in base)
+            if best is None or sse < best[3]:
+                best = (eff, rate, fixed, sse)
+    return best
+
+
+def main_int4(args) -> int:
+    """``--int4-results``: the INT4 rows against the profile's INT4 figures, and their fit."""
+    path = Path(args.int4_results)
+    results = json.loads(path.read_text())
+    hw = load_hardware(args.hardware)
+    entries = compare_int4(results, hw)
+    eff, rate, fixed, sse = fit_int4(entries, hw.moe_stream_matrix_overlap)
+    outside = [e for e in entries if abs(e["ratio"] - 1) > TARGET]
+    out = Path(args.out) if args.out else path.with_name("planner_vs_h200_int4.json")
+    doc = {"results": path.name, "device": results.get("device"), "hardware": hw.name,
+           "moe_w4a16_stream_efficiency": hw.moe_w4a16_stream_efficiency,
+           "w4a16_flops_per_s": hw.flops_per_s("w4a16"), "moe_w4a16_layer_fixed_us": hw.moe_w4a16_layer_fixed_us,
+           "fitted_stream_efficiency": eff, "fitted_w4a16_flops_per_s": rate, "fitted_fixed_us": fixed,
+           "fitted_sum_sq_rel_err": sse, "target": TARGET, "all_within_target": not outside, "rows": entries}
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"INT4 results {path} ({results.get('device')}); model {hw.name}: stream efficiency "
+          f"{hw.moe_w4a16_stream_efficiency:.2f}, w4a16 {hw.flops_per_s('w4a16') / 1e12:.0f} TFLOP/s, fixed "
+          f"{hw.moe_w4a16_layer_fixed_us} us, overlap {hw.moe_stream_matrix_overlap:.3f}")
+    print(f"{'case':15} {'T':>5} {'hit':>4} {'E[hit]':>6} {'measured':>9} {'predicted':>9} {'ratio':>6}")
+    for e in entries:
+        flag = "" if abs(e["ratio"] - 1) <= TARGET else "  OUTSIDE"
+        print(f"{e['case']:15} {e['tokens']:5d} {e['active_measured'] or 0:4d} {e['active_expected']:6.1f} "
+              f"{e['measured_us']:9.1f} {e['predicted_us']:9.1f} {e['ratio']:6.2f}{flag}")
+    print(f"{len(entries) - len(outside)}/{len(entries)} rows within {TARGET:.0%}")
+    print(f"least-squares fit: stream efficiency {eff:.2f}, w4a16 {rate / 1e12:.0f} TFLOP/s, fixed {fixed:.1f} us; "
+          f"sum of squared relative errors {sse:.4f}")
+    print(f"wrote {out}")
+    return 1 if args.check and outside else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--results", default=str(DEFAULT_RESULTS), help="moe_layer.py results JSON")
@@ -135,7 +247,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="bandwidth and bf16 rate from the profile (as epmoe plan) or from the run's measurement")
     p.add_argument("--out", help="output JSON (default: planner_vs_h200.json next to --results)")
     p.add_argument("--check", action="store_true", help=f"exit 1 when a row is off by more than {TARGET:.0%}")
+    p.add_argument("--int4-results", help="an INT4 moe_layer.py results JSON: the INT4 rows and their fit instead")
     args = p.parse_args(argv)
+    if args.int4_results:
+        return main_int4(args)
     path = Path(args.results)
     results = json.loads(path.read_text())
     hw = hardware_for(results, args.hardware, args.ceilings)

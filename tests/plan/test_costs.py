@@ -20,6 +20,7 @@ from epmoe.plan.costs import (
     ACT_BYTES,
     MoEDims,
     collective_ms,
+    compute_dtype,
     dispatch_layout_ms,
     expected_distinct_experts,
     expert_activation_bytes,
@@ -29,6 +30,8 @@ from epmoe.plan.costs import (
 from epmoe.plan.hardware import load_hardware, parse_hardware
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "moe_layer_h200.json"
+# benchmarks/planner_vs_h200.py --int4-results: the INT4 rows' measured times (the path the backend takes).
+INT4_RESULTS = RESULTS.with_name("planner_vs_h200_int4.json")
 # benchmarks/moe_layer.py's cases: Qwen3-30B-A3B layer (128 of 128 experts local), DeepSeek-V3 EP8 shard (32 of 256).
 CASES = {"qwen3": (MoEDims(2048, 768, 128, 8), 128), "dsv3": (MoEDims(7168, 2048, 256, 8), 32)}
 
@@ -134,6 +137,50 @@ def test_model_within_25_percent_of_h200_measurements():
                        f"predicted {predicted_us:.1f} us ({ratio:.2f}x)")
     assert not off, ("expert-compute model off by more than 25% (re-fit with benchmarks/planner_vs_h200.py): "
                      + "; ".join(off))
+
+
+def test_expert_layer_ms_int4_figures_hand_worked():
+    # the same layer as above with INT4 group-32 weights (0.5625 B a parameter): weights 4 x 1,572,864 x 0.5625 / 2
+    # = 1,769,472 B + activations 716,800 B = 2,486,272 B at 0.5 x 1 TB/s = 4.972544 us; matrix 157,286,400 FLOPs
+    # at the w4a16 rate of 50 TFLOP/s = 3.145728 us; overlap 0 and the INT4 fixed cost 30 us: 38.118272 us
+    dims = MoEDims(1024, 512, 16, 2)
+    hw = dataclasses.replace(load_hardware("h200-sxm"), hbm_bytes_per_s=1e12, moe_layer_fixed_us=10.0,
+                             matmul_flops_per_s={"bf16": 1e14, "w4a16": 5e13}, moe_stream_matrix_overlap=0.0,
+                             moe_w4a16_layer_fixed_us=30.0, moe_w4a16_stream_efficiency=0.5)
+    assert compute_dtype("int4_group32") == "w4a16"
+    assert expert_layer_ms(dims, 100, 4, 2, hw, "int4_group32") * 1e3 == pytest.approx(38.118272, abs=1e-9)
+    # a profile without the INT4 figures: the bf16 rate, the full bandwidth and the bf16 fixed cost:
+    # 2,486,272 B / 1 TB/s = 2.486272 us + 1.572864 us + 10 us
+    plain = dataclasses.replace(hw, matmul_flops_per_s={"bf16": 1e14}, moe_w4a16_layer_fixed_us=None,
+                                moe_w4a16_stream_efficiency=1.0)
+    assert expert_layer_ms(dims, 100, 4, 2, plain, "int4_group32") * 1e3 == pytest.approx(14.059136, abs=1e-9)
+
+
+@pytest.mark.parametrize("value", [0, 1.5, -0.1, "0.5", True])
+def test_profile_int4_stream_efficiency_outside_0_1_refused(value):
+    doc = _h200_doc()
+    doc["moe_w4a16_stream_efficiency"] = value
+    with pytest.raises(ValueError, match=r"field 'moe_w4a16_stream_efficiency' must be a number in \(0, 1\], got "):
+        parse_hardware(doc, "bad.json")
+    del doc["moe_w4a16_stream_efficiency"], doc["moe_w4a16_layer_fixed_us"]
+    hw = parse_hardware(doc)
+    assert (hw.moe_w4a16_stream_efficiency, hw.moe_w4a16_layer_fixed_us) == (1.0, None)
+
+
+def test_int4_model_within_25_percent_of_h200_measurements():
+    doc = json.loads(INT4_RESULTS.read_text())
+    hw = load_hardware("h200-sxm")
+    assert len(doc["rows"]) == 14, f"{INT4_RESULTS} holds {len(doc['rows'])} rows"
+    kimi = MoEDims(7168, 2048, 384, 8)
+    off = []
+    for row in doc["rows"]:
+        local = {"kimi_int4": 48, "kimi_full_int4": 384}[row["case"]]
+        predicted_us = predict_moe_layer_time(kimi, row["tokens"], local, hw, "int4") * 1e3
+        if not 0.75 <= predicted_us / row["measured_us"] <= 1.25:
+            off.append(f"{row['case']} T={row['tokens']}: measured {row['measured_us']:.1f} us, predicted "
+                       f"{predicted_us:.1f} us")
+    assert not off, ("INT4 expert model off by more than 25% (re-fit with benchmarks/planner_vs_h200.py "
+                     "--int4-results): " + "; ".join(off))
 
 
 def test_collective_ms_reads_a_measured_curve():

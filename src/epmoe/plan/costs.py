@@ -70,9 +70,13 @@ def weights_hint(weight_format: str) -> str:
 
 
 def compute_dtype(weight_format: str) -> str:
-    """The matmul dtype used for weights stored as ``weight_format``: ``fp8`` for FP8, else ``bf16``
-    (INT4 and MXFP4 weights are dequantised into bf16 GEMMs on Hopper)."""
-    return "fp8" if weight_format.startswith("fp8") else "bf16"
+    """The matmul rate (a ``HardwareProfile.matmul_flops_per_s`` key) of weights stored as ``weight_format``:
+    ``fp8`` for FP8, ``w4a16`` for INT4 (the INT4 expert kernels' bf16 products of weights widened in registers;
+    a profile without that figure gives the bf16 rate), else ``bf16`` (MXFP4 weights are widened to bf16 on
+    load)."""
+    if weight_format.startswith("fp8"):
+        return "fp8"
+    return "w4a16" if weight_format.startswith("int4") else "bf16"
 
 
 @dataclass(frozen=True)
@@ -333,6 +337,10 @@ def expert_layer_ms(
       kernels hide under the longer (0: added; 1: a ``max`` roofline);
     - fixed: the profile's ``moe_layer_fixed_us`` (alignment, launches, pipeline fill and drain of the
       kernels of one layer).
+    INT4 experts (W4A16 kernels) have their own figures where the profile holds them: the ``w4a16`` matrix rate,
+    ``moe_w4a16_layer_fixed_us``, and the weights and activations streamed at ``moe_w4a16_stream_efficiency``
+    of the bandwidth (fitted to the INT4 kernels' H200 measurements by ``benchmarks/planner_vs_h200.py
+    --int4-results``).
     Overlap and fixed cost are fitted together to measurements (benchmarks/planner_vs_h200.py, the
     profile's sources). The H200 Triton kernels stream weight tiles while they multiply, but not
     completely (H200 run of benchmarks/results/moe_layer_h200.json, overlap 0.579, fixed 11.1 us):
@@ -355,11 +363,17 @@ def expert_layer_ms(
     """
     weight_bytes = touched * dims.expert_params() * bytes_per_param(weight_format) / tp
     flops = rows * 2 * dims.expert_params() / tp
-    peak = hardware.flops_per_s(compute_dtype(weight_format))
-    stream_s = (weight_bytes + expert_activation_bytes(dims, rows, tp)) / hardware.hbm_bytes_per_s
+    kind = compute_dtype(weight_format)
+    peak = hardware.flops_per_s(kind)
+    bandwidth, fixed_us = hardware.hbm_bytes_per_s, hardware.moe_layer_fixed_us
+    if kind == "w4a16":
+        bandwidth *= hardware.moe_w4a16_stream_efficiency
+        if hardware.moe_w4a16_layer_fixed_us is not None:
+            fixed_us = hardware.moe_w4a16_layer_fixed_us
+    stream_s = (weight_bytes + expert_activation_bytes(dims, rows, tp)) / bandwidth
     matrix_s = flops / peak
     overlapped_s = max(stream_s, matrix_s) + (1.0 - hardware.moe_stream_matrix_overlap) * min(stream_s, matrix_s)
-    return overlapped_s * 1e3 + hardware.moe_layer_fixed_us * 1e-3
+    return overlapped_s * 1e3 + fixed_us * 1e-3
 
 
 def predict_moe_layer_time(

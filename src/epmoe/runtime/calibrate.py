@@ -62,8 +62,8 @@ class CalibrationConfig:
         iters: timed repetitions per size (after 2 untimed warm-up calls).
         name: profile name written into the file (non-empty).
         base: a profile (name or path) supplying the link that was not measured (inter-node on one
-            node, intra-node across nodes), the fp8 matmul figure and the MoE-layer model's fitted
-            ``moe_layer_fixed_us`` and ``moe_stream_matrix_overlap`` (0 without a base).
+            node, intra-node across nodes), the fp8 and w4a16 matmul figures and the MoE-layer model's fitted
+            ``moe_layer_fixed_us``, ``moe_stream_matrix_overlap`` (0 without a base) and INT4 figures.
     """
 
     out: str
@@ -305,8 +305,9 @@ def build_profile(rows: list[dict[str, float]], device_facts: dict[str, float], 
         if base is not None and base.inter_node is not None:
             links["inter_node"] = _link_doc(base.inter_node)
     flops = {"bf16": device_facts["bf16_flops_per_s"]}
-    if base is not None and "fp8" in base.matmul_flops_per_s:
-        flops["fp8"] = base.matmul_flops_per_s["fp8"]
+    for kind in ("fp8", "w4a16"):
+        if base is not None and kind in base.matmul_flops_per_s:
+            flops[kind] = base.matmul_flops_per_s[kind]
     sources = {
         "links": f"measured by `epmoe calibrate` ({backend}, {n} ranks, sizes {rows[0]['bytes']}..{rows[-1]['bytes']} "
                  "B, "
@@ -316,11 +317,11 @@ def build_profile(rows: list[dict[str, float]], device_facts: dict[str, float], 
                  f"{LATENCY_MAX_BYTES} B, bandwidth = largest (used beyond the curves)",
         "hbm_bytes_per_s": "measured: best of 5 device-to-device copies, read + write bytes",
         "matmul_flops_per_s": "measured: best of 5 bf16 "
-                              "matmuls" + (f"; fp8 copied from {base.name}" if "fp8" in flops else ""),
+                              "matmuls" + ("".join(f"; {k} copied from {base.name}" for k in ("fp8", "w4a16") if k in flops)),
     }
     if base is not None:
-        sources["base"] = (f"links not measured here, moe_layer_fixed_us, moe_stream_matrix_overlap and "
-                           f"dispatch_layout_fixed_us copied from {base.path}")
+        sources["base"] = (f"links not measured here, moe_layer_fixed_us, moe_stream_matrix_overlap, "
+                           f"dispatch_layout_fixed_us and the moe_w4a16_* figures copied from {base.path}")
     doc = {
         "format": HARDWARE_FORMAT, "name": cfg.name,
         "description": f"calibrated on {nodes} node(s) x {world_size // nodes} {gpu}",
@@ -329,6 +330,9 @@ def build_profile(rows: list[dict[str, float]], device_facts: dict[str, float], 
         "moe_layer_fixed_us": base.moe_layer_fixed_us if base else 0.0,
         "moe_stream_matrix_overlap": base.moe_stream_matrix_overlap if base else 0.0,
         "dispatch_layout_fixed_us": base.dispatch_layout_fixed_us if base else 0.0,
+        **({"moe_w4a16_layer_fixed_us": base.moe_w4a16_layer_fixed_us}
+           if base is not None and base.moe_w4a16_layer_fixed_us is not None else {}),
+        "moe_w4a16_stream_efficiency": base.moe_w4a16_stream_efficiency if base else 1.0,
         "links": links, "sources": sources, "measurements": rows,
     }
     parse_hardware(doc, cfg.out)  # what we write must load

@@ -30,13 +30,14 @@ _LINK_FIELDS = (
 _TOP_FIELDS = (
     "format", "name", "description", "gpu", "gpus_per_node", "memory_bytes", "hbm_bytes_per_s",
     "matmul_flops_per_s", "moe_layer_fixed_us", "moe_stream_matrix_overlap", "dispatch_layout_fixed_us", "links",
-    "engine_step_us", "engine_layer_step_us", "engine_seq_step_us", "sources", "measurements",
+    "engine_step_us", "engine_layer_step_us", "engine_seq_step_us", "moe_w4a16_layer_fixed_us",
+    "moe_w4a16_stream_efficiency", "sources", "measurements",
 )
 _LINK_KINDS = ("intra_node", "inter_node")
 _LINK_CURVES = ("all_reduce_ms_by_bytes", "all_to_all_ms_by_bytes")
 _LINK_KEYS = ("kind", *_LINK_FIELDS, *_LINK_CURVES)
 # The compute dtypes ``costs.compute_dtype`` asks for.
-_MATMUL_DTYPES = ("bf16", "fp8")
+_MATMUL_DTYPES = ("bf16", "fp8", "w4a16")
 
 
 
@@ -79,7 +80,8 @@ class HardwareProfile:
         gpus_per_node: GPUs in one node.
         memory_bytes: device memory of one GPU, bytes.
         hbm_bytes_per_s: achievable device-memory bandwidth, bytes/s.
-        matmul_flops_per_s: achievable dense matrix throughput by compute dtype (``bf16``, ``fp8``), FLOP/s.
+        matmul_flops_per_s: achievable dense matrix throughput by compute dtype (``bf16``, ``fp8``; ``w4a16``: the
+            INT4 expert kernels' own rate, bf16 products of weights widened in registers), FLOP/s.
         moe_layer_fixed_us: fixed cost of one MoE layer's expert compute (routing, permutation, launch), µs.
         dispatch_layout_fixed_us: fixed cost of the send-buffer layout kernels of one expert-parallel
             dispatch + combine (route, pack, unpack, combine sum), µs; their memory traffic is priced on
@@ -91,6 +93,10 @@ class HardwareProfile:
             costs beyond the rooflines, µs: fixed per step (graph launch, sampling, scheduling), per decoder
             layer (its small kernels inside the graph) and per sequence a rank serves (host work). Absent
             from a file: 0.0 (a step at the rooflines).
+        moe_w4a16_layer_fixed_us: ``moe_layer_fixed_us`` of a layer of INT4 (W4A16) experts, µs; absent from a
+            file: ``None``, the bf16 figure.
+        moe_w4a16_stream_efficiency: the share, in ``(0, 1]``, of ``hbm_bytes_per_s`` at which the INT4 expert
+            kernels stream their weights; absent from a file: 1.0.
         intra_node: collectives among GPUs of one node.
         inter_node: collectives across nodes; ``None`` when the profile describes a single node.
         sources: where each figure comes from (field name -> text).
@@ -114,6 +120,8 @@ class HardwareProfile:
     engine_step_us: float = 0.0
     engine_layer_step_us: float = 0.0
     engine_seq_step_us: float = 0.0
+    moe_w4a16_layer_fixed_us: float | None = None
+    moe_w4a16_stream_efficiency: float = 1.0
 
     def flops_per_s(self, dtype: str) -> float:
         """Achievable matrix throughput for compute dtype ``dtype`` (falls back to ``bf16``), FLOP/s."""
@@ -237,6 +245,10 @@ def parse_hardware(doc: dict[str, Any], source: str = "<dict>") -> HardwareProfi
     overlap = doc.get("moe_stream_matrix_overlap", 0.0)
     if isinstance(overlap, bool) or not isinstance(overlap, (int, float)) or not 0.0 <= overlap <= 1.0:
         raise ValueError(f"{source}: field 'moe_stream_matrix_overlap' must be a number in [0, 1], got {overlap!r}")
+    efficiency = doc.get("moe_w4a16_stream_efficiency", 1.0)
+    if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) or not 0.0 < efficiency <= 1.0:
+        raise ValueError(f"{source}: field 'moe_w4a16_stream_efficiency' must be a number in (0, 1], got "
+                         f"{efficiency!r}")
     sources = doc.get("sources") or {}
     if not isinstance(sources, dict) or not all(isinstance(v, str) for v in sources.values()):
         raise ValueError(f"{source}: field 'sources' must be an object of strings (field name -> text), got "
@@ -258,6 +270,9 @@ def parse_hardware(doc: dict[str, Any], source: str = "<dict>") -> HardwareProfi
         engine_step_us=_number(doc, "engine_step_us", source, strict=False, default=0.0),
         engine_layer_step_us=_number(doc, "engine_layer_step_us", source, strict=False, default=0.0),
         engine_seq_step_us=_number(doc, "engine_seq_step_us", source, strict=False, default=0.0),
+        moe_w4a16_layer_fixed_us=(_number(doc, "moe_w4a16_layer_fixed_us", source, strict=False)
+                                  if "moe_w4a16_layer_fixed_us" in doc else None),
+        moe_w4a16_stream_efficiency=efficiency,
         intra_node=_link(links["intra_node"], source, "links.intra_node"),
         inter_node=_link(links["inter_node"], source, "links.inter_node") if links.get("inter_node") else None,
         sources=dict(sources),
