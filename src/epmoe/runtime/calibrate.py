@@ -316,8 +316,8 @@ def build_profile(rows: list[dict[str, float]], device_facts: dict[str, float], 
                  f"measurements (each time the least at that size or a larger one); latency = fastest size up to "
                  f"{LATENCY_MAX_BYTES} B, bandwidth = largest (used beyond the curves)",
         "hbm_bytes_per_s": "measured: best of 5 device-to-device copies, read + write bytes",
-        "matmul_flops_per_s": "measured: best of 5 bf16 "
-                              "matmuls" + ("".join(f"; {k} copied from {base.name}" for k in ("fp8", "w4a16") if k in flops)),
+        "matmul_flops_per_s": "measured: best of 5 bf16 matmuls"
+                              + "".join(f"; {k} copied from {base.name}" for k in ("fp8", "w4a16") if k in flops),
     }
     if base is not None:
         sources["base"] = (f"links not measured here, moe_layer_fixed_us, moe_stream_matrix_overlap, "
