@@ -103,6 +103,40 @@ def test_piecewise_graphs_match_the_eager_step_bf16(tiny_checkpoints, family):
     assert all(len(o.token_ids) == 4 for o in outs) and engine.stats["eager_steps"] == 0
 
 
+def test_piecewise_buckets_reuse_the_warm_up_memory(tiny_checkpoints):
+    """Every bucket's warm-up and capture runs on one side stream, so the blocks the largest bucket's warm-up left
+    cached serve the smaller buckets: capturing all ten buckets up to 2048 tokens reserves less than one more
+    2 MiB segment per bucket over capturing the largest alone (a stream per bucket reserved new segments for each,
+    and a capture cannot hand cached blocks back: a large model ran out of memory that way)."""
+    import gc
+
+    d = tiny_checkpoints("qwen3-moe")
+    engine = Engine(EngineConfig(model=str(d), device="cuda", dtype="bfloat16", expert_backend="triton",
+                                 max_num_seqs=4, cuda_graph_max_bs=4, max_num_batched_tokens=2048,
+                                 cuda_graph_max_tokens=0, piecewise_cuda_graph_max_tokens=0))
+    activate, deactivate = engine._ep_static_hooks()
+    runner = engine.runner
+    sizes = [64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
+
+    def reserved_after(buckets: list[int]) -> int:
+        runner.piece_graphs, runner.pieces = {}, None
+        runner._pool = None
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_reserved()
+        runner.capture_pieces(buckets, activate, deactivate)
+        return torch.cuda.memory_reserved() - base
+
+    largest = reserved_after([2048])
+    every = reserved_after(sizes)
+    assert every - largest < (len(sizes) - 1) * 2 * 2**20, (largest, every)
+    # the buckets replay: a 100-token prompt runs as a piecewise step
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    assert len(engine.generate([list(range(3, 103))], params)[0].token_ids) == 2
+    assert engine.stats["piecewise_steps"] == 1
+
+
 def test_graphs_survive_the_allocator_releasing_memory(tiny_checkpoints):
     """The decode graphs' split-K scratch lives as long as the graphs: after the caching allocator returns every
     free block to the driver (as it does under memory pressure), replays still give the same tokens."""
