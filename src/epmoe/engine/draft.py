@@ -24,6 +24,7 @@ from epmoe.engine.mla import install_mla
 from epmoe.engine.model_runner import Feed, ModelRunner, StepOutput, ep_static_hooks
 from epmoe.engine.speculative import Proposal, Proposer, last_rows, propose_tokens
 from epmoe.engine.tokenizer import load_tokenizer
+from epmoe.engine.transfer import to_device
 from epmoe.layer import MoELayerOptions
 from epmoe.placement import ExpertPlacement
 from epmoe.spec import DenseModelError, language_model_config, load_moe_spec, read_config
@@ -196,7 +197,7 @@ class DraftModelProposer(Proposer):
             if out is None:
                 feeds = []
                 continue
-            rows = torch.tensor(last_rows(feeds), dtype=torch.int64, device=out.logits.device)
+            rows = to_device(last_rows(feeds), out.logits.device, torch.int64)
             seqs = [chunks[i].seq for i in live]
             picked = propose_tokens(out.logits.index_select(0, rows)[:, : self.vocab], [s.params for s in seqs],
                                     [s.generator if s.generator is not None else engine.generator for s in seqs])

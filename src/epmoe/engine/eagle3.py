@@ -29,6 +29,7 @@ from epmoe.engine.attention import register_attention
 from epmoe.engine.kv_cache import KVCache, KVLayout
 from epmoe.engine.model_runner import Feed, pack
 from epmoe.engine.speculative import Proposal, Proposer, propose_tokens
+from epmoe.engine.transfer import to_device
 
 _STD = 0.02
 
@@ -245,8 +246,9 @@ class Eagle3Proposer(Proposer):
         order = [i for i, f in enumerate(feeds) if f.rowwise] + [i for i, f in enumerate(feeds) if not f.rowwise]
         h = torch.cat([hidden[i] for i in order])
         batch = packed.attn_batch(self.kv, self.device)
-        last = torch.tensor(_last_packed_rows(feeds), dtype=torch.int64, device=self.device)
-        return self.head(packed.input_ids.to(self.device), h, packed.positions.to(self.device), batch, last)
+        last = to_device(_last_packed_rows(feeds), self.device, torch.int64)
+        return self.head(to_device(packed.input_ids, self.device), h, to_device(packed.positions, self.device), batch,
+                         last)
 
     def _to_target(self, logits: torch.Tensor) -> torch.Tensor:
         """``[N, Vd]`` draft logits as ``[N, V]`` target logits (``-inf`` off the draft vocabulary)."""

@@ -62,6 +62,7 @@ from epmoe.engine.sampling import SamplingParams, sample
 from epmoe.engine.scheduler import Scheduler, StepPlan
 from epmoe.engine.speculative import Proposal, SpecStats, verify, verify_greedy
 from epmoe.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
+from epmoe.engine.transfer import to_device
 from epmoe.layer import MoELayerOptions, check_tp_sizes
 from epmoe.loads import ExpertLoadRecorder, slots_to_logical
 from epmoe.models.hf import EPModel, load_ep_model, load_tp_model
@@ -641,7 +642,7 @@ class Engine:
         emitted: dict[int, tuple[list[int], int]] = {}
         plain = [(c, r) for c, r, p in sampled if p is None or not p.token_ids]
         if plain:
-            rows = torch.tensor([r for _, r in plain], device=logits.device)
+            rows = to_device([r for _, r in plain], logits.device, torch.int64)
             toks = sample(logits.index_select(0, rows), [c.seq.params for c, _ in plain],
                           [c.seq.generator for c, _ in plain], self.generator).tolist()
             for (c, _), t in zip(plain, toks):

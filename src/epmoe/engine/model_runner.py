@@ -25,6 +25,7 @@ from epmoe.engine.mla_decode import mla_decode_splits
 from epmoe.engine.paged_decode import paged_decode_splits, paged_decode_workspace_numel
 from epmoe.engine.piecewise import Cut, Pieces
 from epmoe.engine.scheduler import ScheduledChunk, StepPlan
+from epmoe.engine.transfer import to_device
 from epmoe.loads import ExpertLoadRecorder
 from epmoe.models.hf import EPModel
 
@@ -102,11 +103,12 @@ class Packed:
     sources: torch.Tensor | None = None
 
     def attn_batch(self, kv: KVCache, device: torch.device) -> AttnBatch:
-        """The eager step's ``AttnBatch`` on ``device``."""
-        prefills = tuple(PrefillChunk(row, n, start, torch.from_numpy(slots).to(device))
+        """The eager step's ``AttnBatch`` on ``device`` (copied without a host synchronisation:
+        ``transfer.to_device``)."""
+        prefills = tuple(PrefillChunk(row, n, start, to_device(slots, device))
                          for row, n, start, slots in self.chunks)
-        return AttnBatch(kv, self.slot_mapping.to(device), self.num_decode, self.block_tables.to(device),
-                         self.context_lens.to(device), prefills)
+        return AttnBatch(kv, to_device(self.slot_mapping, device), self.num_decode,
+                         to_device(self.block_tables, device), to_device(self.context_lens, device), prefills)
 
 
 def _smallest_holding(sizes: list[int], n: int) -> int | None:
@@ -468,9 +470,10 @@ class ModelRunner:
             return self._replay_pieces(packed, piece)
         dev = self.device
         batch = packed.attn_batch(self.kv, dev)
-        rows = torch.tensor(packed.sample_rows, dtype=torch.int64, device=dev)
-        sources = None if packed.sources is None else packed.sources.to(dev)
-        logits, aux = self._forward(packed.input_ids.to(dev), packed.positions.to(dev), batch, rows, sources)
+        rows = to_device(packed.sample_rows, dev, torch.int64)
+        sources = None if packed.sources is None else to_device(packed.sources, dev)
+        logits, aux = self._forward(to_device(packed.input_ids, dev), to_device(packed.positions, dev), batch, rows,
+                                    sources)
         return StepOutput(logits.float(), aux)
 
     def _replay(self, packed: Packed, bucket: int) -> StepOutput:
@@ -481,8 +484,8 @@ class ModelRunner:
         if packed.chunks or n > bucket:
             raise ValueError(f"graph bucket {bucket} replays steps of at most {bucket} single-token rows; "
                              f"the step has {n} such rows and {len(packed.chunks)} prefill chunks")
-        rows = None if packed.sample_rows == list(range(n)) else torch.tensor(packed.sample_rows, dtype=torch.int64,
-                                                                                  device=self.device)
+        rows = None if packed.sample_rows == list(range(n)) else to_device(packed.sample_rows, self.device,
+                                                                               torch.int64)
         g.load(packed)
         if g.graph is not None:
             for segment in g.graph:  # segment i runs on the GPU while segment i + 1 is launched
@@ -521,7 +524,7 @@ class ModelRunner:
             finally:
                 self.pieces.set_batch(None, 0)
                 self._deactivate()
-        rows = torch.tensor(packed.sample_rows, dtype=torch.int64, device=dev)
+        rows = to_device(packed.sample_rows, dev, torch.int64)
         return StepOutput(self.lm_head(hidden.index_select(0, rows)).float(), None if aux is None else aux[:n])
 
     def _piece_batch(self, g: _Graph) -> AttnBatch:

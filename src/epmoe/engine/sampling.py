@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from epmoe.engine.transfer import to_device
+
 
 def _is_int(v: object) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
@@ -112,12 +114,12 @@ def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         ``[N, V]`` float32 probabilities, 0 for cut tokens.
     """
     x = logits.float()
-    temps = torch.tensor([p.temperature for p in params], device=x.device, dtype=x.dtype)
+    temps = to_device([p.temperature for p in params], x.device, x.dtype)
     x = x / temps.unsqueeze(1)
     top_ks = [p.top_k for p in params]
     if any(k > 0 for k in top_ks):
         v = x.shape[1]
-        ks = torch.tensor([k if 0 < k < v else v for k in top_ks], device=x.device)
+        ks = to_device([k if 0 < k < v else v for k in top_ks], x.device, torch.int64)
         kth = x.sort(dim=-1, descending=True).values.gather(1, (ks - 1).unsqueeze(1))
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
@@ -125,7 +127,7 @@ def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     if any(p < 1 for p in top_ps):
         sorted_p, order = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of the more likely tokens
-        ps = torch.tensor(top_ps, device=x.device, dtype=probs.dtype).unsqueeze(1)
+        ps = to_device(top_ps, x.device, probs.dtype).unsqueeze(1)
         drop_sorted = before >= ps
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
@@ -162,7 +164,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out
-    idx = torch.tensor(rows, device=logits.device)
+    idx = to_device(rows, logits.device, torch.int64)
     probs = probabilities(logits.index_select(0, idx), [params[i] for i in rows])
     q = torch.empty_like(probs)
     for j, i in enumerate(rows):
