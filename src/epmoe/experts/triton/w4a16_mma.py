@@ -486,10 +486,10 @@ blocks, ``int4_mma32``, were slower at every size)."""
 
 MMA_FEW_REGS = 168
 """Registers a thread of the 8-row-block kernels may use for one-token steps and expert-parallel shards (at most
-``MMA_FEW_REGS_MAX_SLOTS`` local slots): the compiler's 176-183 allow two warps per SM sub-partition, 168 three, so
-that more weight loads are in flight when few row blocks are active. Set from an H200 sweep (Kimi-K2.5 shapes): one
-token on 384 experts 113.8 against 122.7 us, the 48-expert shard at 1/8/64 tokens 3-14% faster, while 8 and 64
-tokens on 384 experts were 4-5% slower with it."""
+``MMA_FEW_REGS_MAX_SLOTS`` local slots): the compiler's own choice allows two warps per SM sub-partition, 168 three,
+so that more weight loads are in flight when few row blocks are active. Set from an H200 sweep of Kimi-K2.5 shapes
+(``benchmarks/int4_mma_configs.py``, ``benchmarks/results/int4_mma_configs_h200.txt``): faster with the cap in those
+cases, slower for 8 and 64 tokens over 384 local experts, which keep the compiler's choice."""
 
 MMA_FEW_REGS_MAX_SLOTS = 64
 """Local slots up to which ``default_mma_config`` caps the registers (``MMA_FEW_REGS``) at every 8-row size."""
