@@ -353,7 +353,8 @@ def diagnose(cfg: DoctorConfig) -> list[Finding]:
             findings += check_checkpoint(spec, cfg.model)
         redundant, placed = check_placement(spec, cfg.placement, ep, "the target model")
         findings += placed
-        findings += check_expert_storage(spec, ep, redundant, cfg.weights)
+        storage = check_expert_storage(spec, ep, redundant, cfg.weights)
+        findings += storage
     draft, draft_redundant = None, 0
     if cfg.draft is not None:
         draft, draft_redundant, found = check_draft(cfg.draft, cfg.draft_placement, ep, spec)
@@ -361,7 +362,11 @@ def diagnose(cfg: DoctorConfig) -> list[Finding]:
     elif cfg.draft_placement is not None:
         findings.append(Finding("warning", "--draft-placement given without --draft", "it is not checked",
                                 "pass --draft DIR as well"))
-    if spec is not None:
+    if spec is not None and any(f.severity == "error" for f in storage):
+        findings.append(Finding("warning", "memory not checked: the routed experts' format is refused",
+                                "the planner prices only what epmoe run serves",
+                                "fix the weight format first (see the error above)"))
+    elif spec is not None:
         findings += check_memory(spec, cfg, ep, redundant, draft, draft_redundant)
     return findings
 
