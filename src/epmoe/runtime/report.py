@@ -113,6 +113,7 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
                     f"({format_bytes(kv['bytes'])}; {kv['bytes_per_token_layer']} B per token and layer, "
                     f"{kv['kind']}), "
                     f"{kv['max_concurrency']} sequences of {kv['context']} tokens at once")
+    summary.add_row("expert backend", report.expert_backend)
     summary.add_row("CUDA graphs / overlap schedule / preemptions",
                     f"{'on' if report.graphs else 'off'} / {'on' if report.overlap else 'off'} / {preempted}")
     summary.add_row("balancedness (mean/max routed tokens per rank)", f"{report.balancedness:.3f}")

@@ -24,6 +24,7 @@ from epmoe.engine import Engine, EngineConfig, SamplingParams
 from epmoe.engine.config import GRAPH_SAFE_BACKENDS, PARALLEL_MODES, speculative_options
 from epmoe.engine.engine import trivial_or_file_placement
 from epmoe.engine.tokenizer import decode_text, encode_text, load_tokenizer
+from epmoe.experts import describe_expert_backend
 from epmoe.layer import check_tp_sizes
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.placement import ExpertPlacement
@@ -304,6 +305,8 @@ class RunReport:
             algorithm, ``K``, the proposer's description and, under ``requests``, each prompt's counts in prompt
             order; ``None`` without.
         dtype: the compute dtype of the run (and of the reference).
+        expert_backend: what computed the routed experts (``experts.describe_expert_backend``): the backend's
+            name, or for ``triton`` on the CPU that the reference ran.
     """
 
     model: str
@@ -325,6 +328,7 @@ class RunReport:
     overlap: bool = False
     speculative: dict | None = None
     dtype: str = "float32"
+    expert_backend: str = "reference"
 
     def to_json(self) -> dict:
         """A JSON-ready dict."""
@@ -575,6 +579,7 @@ def run_job(cfg: RunConfig) -> RunReport:
         balancedness=float(rank_balancedness(rank_counts).mean()),
         routed_tokens_per_step=(rank_counts.sum(0).double() / (steps * spec.num_moe_layers)).tolist(),
         matches_reference=None, dtype=cfg.dtype,
+        expert_backend=describe_expert_backend(_engine_config(cfg, model_dir).expert_backend, cfg.device),
         graphs=any(r.step_kinds.get("graph_steps", 0) + r.step_kinds.get("piecewise_steps", 0) for r in ranks),
         overlap=not cfg.disable_overlap_schedule and cfg.speculative_algorithm is None,
     )
