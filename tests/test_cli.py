@@ -57,6 +57,26 @@ def test_a_missing_model_directory_is_named_by_its_flag(tmp_path, capsys):
         assert f"epmoe {command}: error: --model '{missing}' is not a checkpoint directory" in capsys.readouterr().err
 
 
+def test_dispatcher_choices_are_the_ones_accepted(capsys):
+    """``run --help`` offers exactly the dispatchers eager steps take; argparse refuses the others naming the flag
+    and the value, and ``RunConfig`` (the library's path) refuses them with the same list."""
+    from epmoe.engine.config import EAGER_DISPATCHERS
+    from epmoe.runtime.run import RunConfig
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    (action,) = [a for a in commands["run"]._actions if "--dispatcher" in a.option_strings]
+    assert tuple(action.choices) == EAGER_DISPATCHERS == ("all_to_all", "local")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--dispatcher", "fixed_capacity"])
+    assert exit_info.value.code == 2
+    assert ("epmoe run: error: argument --dispatcher: invalid choice: 'fixed_capacity' (choose from 'all_to_all', "
+            "'local')") in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"^--dispatcher 'nccl_magic' is not one of \['all_to_all', 'local'\]$"):
+        RunConfig(dispatcher="nccl_magic").validate()
+    with pytest.raises(ValueError, match="^--dispatcher fixed_capacity is what the engine's CUDA-graph decode steps"):
+        RunConfig(dispatcher="fixed_capacity").validate()
+
+
 def test_readme_lists_every_run_and_serve_flag():
     readme = README.read_text()
     commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices

@@ -86,8 +86,6 @@ def test_run_under_torchrun_environment(kimi, tmp_path):
         (["--max-new-tokens", "300"], r"plus --max-new-tokens \(300\) is \d+ positions, past the model's "
                                       r"max_position_embeddings \(256\)"),
         (["--max-moves", "3"], r"--max-moves limits live rebalancing: give --eplb-interval STEPS with it"),
-        (["--dispatcher", "nccl_magic"], r"--dispatcher 'nccl_magic' is not one of \['all_to_all'"),
-        (["--dispatcher", "fixed_capacity"], r"--dispatcher fixed_capacity is what the engine's CUDA-graph decode"),
         (["--request-rate", "0"], r"--request-rate must be a positive number"),
         (["--max-num-seqs", "0"], r"^epmoe run: error: --max-num-seqs must be a positive integer, got 0"),
         (["--num-kv-blocks", "3", "--block-size", "2", "--prompt", "x" * 40],

@@ -21,7 +21,7 @@ import torch
 from epmoe.balance import rank_balancedness
 from epmoe.comm import COLLECTIVE_KINDS, Comm
 from epmoe.engine import Engine, EngineConfig, SamplingParams
-from epmoe.engine.config import GRAPH_SAFE_BACKENDS, PARALLEL_MODES, speculative_options
+from epmoe.engine.config import EAGER_DISPATCHERS, GRAPH_SAFE_BACKENDS, PARALLEL_MODES, speculative_options
 from epmoe.engine.engine import trivial_or_file_placement
 from epmoe.engine.tokenizer import decode_text, encode_text, load_tokenizer
 from epmoe.experts import describe_expert_backend
@@ -153,14 +153,13 @@ class RunConfig:
         if self.request_rate is not None and not self.request_rate > 0:
             raise ValueError(f"--request-rate must be a positive number of requests per second, "
                              f"got {self.request_rate}")
-        from epmoe.dispatch import DISPATCHERS
         from epmoe.experts import EXPERT_BACKENDS
 
-        if self.dispatcher is not None and self.dispatcher not in DISPATCHERS:
-            raise ValueError(f"--dispatcher {self.dispatcher!r} is not one of {sorted(DISPATCHERS)}")
         if self.dispatcher == "fixed_capacity":
             raise ValueError("--dispatcher fixed_capacity is what the engine's CUDA-graph decode steps use on several "
                              "ranks already; the eager steps need all_to_all (or local on one rank)")
+        if self.dispatcher is not None and self.dispatcher not in EAGER_DISPATCHERS:
+            raise ValueError(f"--dispatcher {self.dispatcher!r} is not one of {list(EAGER_DISPATCHERS)}")
         if self.expert_backend is not None and self.expert_backend not in EXPERT_BACKENDS:
             raise ValueError(f"--expert-backend {self.expert_backend!r} is not one of {sorted(EXPERT_BACKENDS)}")
         if self.placement is not None and (self.redundant or self.layout != "contiguous"):
