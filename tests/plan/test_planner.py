@@ -259,6 +259,14 @@ def test_plan_refuses_an_int4_group_size_the_loader_refuses(tmp_path, capsys):
                       "(README: supported weight formats)"]
 
 
+def test_plan_counts_of_one_are_singular(capsys):
+    """One node, one draft token per round: the titles say so in the singular."""
+    cfg = str(CONFIGS / "kimi-k2.5.config.json")
+    assert main(["plan", "--config", cfg, "--gpus", "8", "--hardware", H200, "--batch", "1", "--spec-tokens", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(h200-sxm, 1 node), verify S=1" in out and "speculative decoding: 1 draft token per round" in out
+
+
 def test_plan_dict_and_plot_roundtrip(tmp_path):
     p = _plan("olmoe-1b-7b-0924", 4, batches=(1, 16))
     doc = json.loads(json.dumps(plan_to_dict(p)))

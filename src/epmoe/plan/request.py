@@ -32,6 +32,12 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def counted(n: int, noun: str, plural: str = "") -> str:
+    """``n`` and ``noun`` in the number ``n`` takes, for messages and reports: ``counted(1, "slot")`` is
+    ``"1 slot"``, ``counted(2, "slot")`` ``"2 slots"``, ``counted(3, "copy", "copies")`` ``"3 copies"``."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 # Sanity bounds of a plan request (far above any serving set-up; they keep nonsense from running for minutes):
 # sequences per decode step, draft tokens verified per step, KV-cache tokens per sequence, GPUs.
 MAX_BATCH = 1 << 20

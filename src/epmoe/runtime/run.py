@@ -28,6 +28,7 @@ from epmoe.experts import describe_expert_backend
 from epmoe.layer import check_tp_sizes
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.placement import ExpertPlacement
+from epmoe.plan.request import counted
 from epmoe.runtime.launch import RankInfo, init_group, spawn, torchrun_rank_info, under_torchrun
 from epmoe.spec import language_model_config, load_moe_spec, read_config
 
@@ -347,8 +348,8 @@ def _check_context(model_dir: str, all_ids: list[list[int]], max_new_tokens: int
     longest = max(len(ids) for ids in all_ids) + max_new_tokens
     if isinstance(limit, int) and longest > limit:
         raise ValueError(
-            f"the longest prompt ({longest - max_new_tokens} tokens) plus --max-new-tokens ({max_new_tokens}) "
-            f"is {longest} positions, past the model's max_position_embeddings ({limit})"
+            f"the longest prompt ({counted(longest - max_new_tokens, 'token')}) plus --max-new-tokens "
+            f"({max_new_tokens}) is {longest} positions, past the model's max_position_embeddings ({limit})"
         )
 
 
