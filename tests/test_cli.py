@@ -87,3 +87,16 @@ def test_readme_lists_every_run_and_serve_flag():
                 if flag.startswith("--") and flag != "--help" and not re.search(rf"{re.escape(flag)}(?![\w-])", readme):
                     missing.append(f"{command} {flag}")
     assert missing == []
+
+
+def test_readme_builds_and_runs_the_quantized_tiny_checkpoints():
+    """The README shows how to build every quantized tiny checkpoint (by a name ``build_tiny_checkpoint`` takes) and
+    runs ``epmoe run --model`` on the directory it built."""
+    from epmoe.models.tiny import QUANTIZED_FAMILIES
+
+    readme = README.read_text()
+    built = dict(re.findall(r"build_tiny_checkpoint\('([\w.-]+)', '([\w./-]+)'\)", readme))
+    assert set(built) == set(QUANTIZED_FAMILIES) == {"kimi-k2.5-int4", "gpt-oss-mxfp4"}
+    for directory in built.values():
+        assert f"\n  epmoe run --model {directory}\n" in readme
+        assert f"\n  $ epmoe run --model {directory}\n" in readme  # and what it printed
