@@ -57,6 +57,26 @@ def test_a_missing_model_directory_is_named_by_its_flag(tmp_path, capsys):
         assert f"epmoe {command}: error: --model '{missing}' is not a checkpoint directory" in capsys.readouterr().err
 
 
+def test_dispatcher_choices_are_the_ones_accepted(capsys):
+    """``run --help`` offers exactly the dispatchers eager steps take; argparse refuses the others naming the flag
+    and the value, and ``RunConfig`` (the library's path) refuses them with the same list."""
+    from epmoe.engine.config import EAGER_DISPATCHERS
+    from epmoe.runtime.run import RunConfig
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    (action,) = [a for a in commands["run"]._actions if "--dispatcher" in a.option_strings]
+    assert tuple(action.choices) == EAGER_DISPATCHERS == ("all_to_all", "local")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--dispatcher", "fixed_capacity"])
+    assert exit_info.value.code == 2
+    assert ("epmoe run: error: argument --dispatcher: invalid choice: 'fixed_capacity' (choose from 'all_to_all', "
+            "'local')") in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"^--dispatcher 'nccl_magic' is not one of \['all_to_all', 'local'\]$"):
+        RunConfig(dispatcher="nccl_magic").validate()
+    with pytest.raises(ValueError, match="^--dispatcher fixed_capacity is what the engine's CUDA-graph decode steps"):
+        RunConfig(dispatcher="fixed_capacity").validate()
+
+
 def test_readme_lists_every_run_and_serve_flag():
     readme = README.read_text()
     commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
@@ -67,3 +87,16 @@ def test_readme_lists_every_run_and_serve_flag():
                 if flag.startswith("--") and flag != "--help" and not re.search(rf"{re.escape(flag)}(?![\w-])", readme):
                     missing.append(f"{command} {flag}")
     assert missing == []
+
+
+def test_readme_builds_and_runs_the_quantized_tiny_checkpoints():
+    """The README shows how to build every quantized tiny checkpoint (by a name ``build_tiny_checkpoint`` takes) and
+    runs ``epmoe run --model`` on the directory it built."""
+    from epmoe.models.tiny import QUANTIZED_FAMILIES
+
+    readme = README.read_text()
+    built = dict(re.findall(r"build_tiny_checkpoint\('([\w.-]+)', '([\w./-]+)'\)", readme))
+    assert set(built) == set(QUANTIZED_FAMILIES) == {"kimi-k2.5-int4", "gpt-oss-mxfp4"}
+    for directory in built.values():
+        assert f"\n  epmoe run --model {directory}\n" in readme
+        assert f"\n  $ epmoe run --model {directory}\n" in readme  # and what it printed

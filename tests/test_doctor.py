@@ -202,6 +202,14 @@ def test_draft_weights_count_in_memory():
     assert "draft eagle3-draft-qwen3-30b-a3b-specforge.config.json" in line
 
 
+def test_counts_of_one_are_singular():
+    """Mixtral-8x7B at EP 8: one expert, one slot per rank (no "1 slots")."""
+    lines = [f.line() for f in diagnose(DoctorConfig(model=str(CONFIGS / "mixtral-8x7b.config.json"), ep=8))]
+    assert ("ok: the target model: no placement given; the trivial placement (1 expert per rank on 32 MoE layers) "
+            "will be used") in lines
+    assert any(line.endswith("per rank (1 slot x 32 MoE layers)") for line in lines), lines
+
+
 def test_weights_advice_only_smaller_formats(capsys):
     k2 = str(CONFIGS / "kimi-k2-instruct.config.json")  # FP8 experts already
     assert main(["doctor", "--config", k2, "--ep", "8", "--hardware", "h200-sxm"]) == 1

@@ -33,9 +33,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable; default: built-in prompts)")
     p.add_argument("--max-new-tokens", type=int, default=8, help="most tokens to generate per prompt (default 8)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    p.add_argument("--dispatcher", default=None,
+    p.add_argument("--dispatcher", choices=("all_to_all", "local"), default=None,
                    help="dispatcher of eager steps: all_to_all (default on several ranks) or local (EP 1); "
-                   "CUDA-graph decode steps use fixed_capacity on several ranks")
+                   "CUDA-graph decode steps choose their own (fixed_capacity on several ranks)")
     p.add_argument("--expert-backend", default=None,
                    help="triton (default on CUDA), reference (default on CPU) or grouped_mm")
     p.add_argument("--no-reference", action="store_true", help="skip the unsharded transformers comparison")

@@ -27,7 +27,7 @@ from epmoe.plan.costs import WEIGHT_CHOICES, weights_hint
 from epmoe.plan.draft import DraftModel, draft_bytes, read_draft
 from epmoe.plan.hardware import HardwareProfile, load_hardware
 from epmoe.plan.planner import plan
-from epmoe.plan.request import GIB, PlanRequest, StrategyPlan, format_bytes
+from epmoe.plan.request import GIB, PlanRequest, StrategyPlan, counted, format_bytes
 from epmoe.spec import DenseModelError, MoESpec, load_moe_spec
 
 Severity = Literal["error", "warning", "ok"]
@@ -104,8 +104,8 @@ def check_backends(ep: int, nodes: int = 1) -> list[Finding]:
     n = torch.cuda.device_count()
     per_node = ep // nodes
     if per_node > n:
-        out.append(Finding("error", f"EP size {ep} on {nodes} node(s) needs {per_node} GPUs per node but {n} GPU(s) "
-                                    "are visible on this node",
+        out.append(Finding("error", f"EP size {ep} on {nodes} node(s) needs {counted(per_node, 'GPU')} per node but "
+                                    f"{n} GPU(s) are visible on this node",
                            "each EP rank needs its own GPU", f"use --ep {n * nodes} or fewer, --nodes "
                            f"{math.ceil(ep / max(n, 1))} (launched across nodes with torchrun), or check "
                            "CUDA_VISIBLE_DEVICES"))
@@ -152,16 +152,18 @@ def check_placement(spec: MoESpec, placement: str | None, ep: int, what: str) ->
                                "the default (trivial) placement needs the same number of slots on every rank",
                                f"pass a placement with {-spec.num_experts % ep} redundant slot(s) per layer, or "
                                f"an EP size dividing {spec.num_experts}")]
-        return 0, [Finding("ok", f"{what}: no placement given; the trivial placement ({spec.num_experts // ep} "
-                                 f"experts per rank on {spec.num_moe_layers} MoE layers) will be used")]
+        return 0, [Finding("ok", f"{what}: no placement given; the trivial placement "
+                                 f"({counted(spec.num_experts // ep, 'expert')} per rank on "
+                                 f"{counted(spec.num_moe_layers, 'MoE layer')}) will be used")]
     try:
         p = load_placement_as(placement, ep_size=ep, spec=spec).placement  # epmoe, SGLang or TensorRT-LLM file
     except (ValueError, FileNotFoundError) as exc:
         return 0, [Finding("error", f"{what}: {exc}", "a layer without a matching placement cannot route its tokens",
-                           f"build a placement for {spec.num_moe_layers} MoE layers x {spec.num_experts} experts at "
-                           f"EP {ep} (epmoe's balancer or ExpertPlacement.trivial)")]
-    return p.num_redundant, [Finding("ok", f"{what}: placement {Path(placement).name} covers all {spec.num_moe_layers} "
-                                           f"MoE layers ({p.num_slots} slots, {p.num_redundant} redundant)")]
+                           f"build a placement for {counted(spec.num_moe_layers, 'MoE layer')} x {spec.num_experts} "
+                           f"experts at EP {ep} (epmoe's balancer or ExpertPlacement.trivial)")]
+    layers = f"{'all ' if spec.num_moe_layers > 1 else ''}{counted(spec.num_moe_layers, 'MoE layer')}"
+    return p.num_redundant, [Finding("ok", f"{what}: placement {Path(placement).name} covers {layers} "
+                                           f"({counted(p.num_slots, 'slot')}, {p.num_redundant} redundant)")]
 
 
 def check_checkpoint(spec: MoESpec, directory: str, what: str = "the target model") -> list[Finding]:
@@ -181,7 +183,7 @@ def check_checkpoint(spec: MoESpec, directory: str, what: str = "the target mode
         return [Finding("error", f"{what}: checkpoint {directory} cannot be read ({type(exc).__name__}: {exc})",
                         "epmoe run cannot read the weights", "re-download the checkpoint")]
     return [Finding("ok", f"{what}: checkpoint holds every tensor the loader reads, with the shapes config.json "
-                          f"predicts ({spec.num_experts} routed experts x {spec.num_moe_layers} MoE layers, "
+                          f"predicts ({spec.num_experts} routed experts x {counted(spec.num_moe_layers, 'MoE layer')}, "
                           f"{spec.expert_weight_format} weights)")]
 
 
@@ -237,8 +239,8 @@ def check_draft(draft: str, draft_placement: str | None, ep: int,
     redundant, found = check_placement(spec, draft_placement, ep, f"the draft model {model.name}")
     if draft_placement is None and target is not None and all(f.severity == "ok" for f in found):
         same = (spec.num_moe_layers, spec.num_experts) == (target.num_moe_layers, target.num_experts)
-        found.append(Finding("ok", f"draft {model.name} ({spec.num_moe_layers} MoE layers x {spec.num_experts} "
-                                   f"experts) gets a placement of its own, not the target's"
+        found.append(Finding("ok", f"draft {model.name} ({counted(spec.num_moe_layers, 'MoE layer')} x "
+                                   f"{spec.num_experts} experts) gets a placement of its own, not the target's"
                                    + (" (the same shape as the target's: a rebalance of either never moves the "
                                       "other's experts)" if same else "")))
     return model, redundant, out + found
@@ -264,7 +266,7 @@ def check_expert_storage(spec: MoESpec, ep: int, redundant: int, weights: str | 
     dequantized = ", FP8 dequantized on load" if fmt.startswith("fp8") and storage.kind == "plain" else ""
     return [Finding("ok", f"{what}: routed experts {fmt}, served {_SERVED[storage.kind]}{dequantized}: "
                           f"{format_bytes(per_expert)} per expert, {format_bytes(per_rank)} per rank "
-                          f"({slots} slots x {spec.num_moe_layers} MoE layers)")]
+                          f"({counted(slots, 'slot')} x {counted(spec.num_moe_layers, 'MoE layer')})")]
 
 
 def check_memory(spec: MoESpec, cfg: DoctorConfig, ep: int, redundant: int, draft: DraftModel | None = None,
@@ -308,7 +310,7 @@ def check_memory(spec: MoESpec, cfg: DoctorConfig, ep: int, redundant: int, draf
     # epmoe's EP runtime dispatches and combines by all-to-all; EP 1 is the single-GPU plan
     candidates = [s for s in result.strategies if s.strategy.mode != "all_reduce" or ep == 1]
     if not candidates:
-        return [Finding("warning", f"memory not checked: no all-to-all EP strategy on {ep} GPUs "
+        return [Finding("warning", f"memory not checked: no all-to-all EP strategy on {counted(ep, 'GPU')} "
                                    f"({'; '.join(result.skipped)})", "no EP strategy can be planned",
                         "choose an EP size the model's slots divide")]
     extra = {id(s): draft_bytes(draft, draft_plan, s, cfg.batch, ep) for s in candidates}
@@ -353,7 +355,8 @@ def diagnose(cfg: DoctorConfig) -> list[Finding]:
             findings += check_checkpoint(spec, cfg.model)
         redundant, placed = check_placement(spec, cfg.placement, ep, "the target model")
         findings += placed
-        findings += check_expert_storage(spec, ep, redundant, cfg.weights)
+        storage = check_expert_storage(spec, ep, redundant, cfg.weights)
+        findings += storage
     draft, draft_redundant = None, 0
     if cfg.draft is not None:
         draft, draft_redundant, found = check_draft(cfg.draft, cfg.draft_placement, ep, spec)
@@ -361,7 +364,11 @@ def diagnose(cfg: DoctorConfig) -> list[Finding]:
     elif cfg.draft_placement is not None:
         findings.append(Finding("warning", "--draft-placement given without --draft", "it is not checked",
                                 "pass --draft DIR as well"))
-    if spec is not None:
+    if spec is not None and any(f.severity == "error" for f in storage):
+        findings.append(Finding("warning", "memory not checked: the routed experts' format is refused",
+                                "the planner prices only what epmoe run serves",
+                                "fix the weight format first (see the error above)"))
+    elif spec is not None:
         findings += check_memory(spec, cfg, ep, redundant, draft, draft_redundant)
     return findings
 

@@ -118,6 +118,7 @@ def test_context_limit_finishes_with_length(engine):
     ("layout", "spiral", "layout must be 'contiguous' or 'round_robin', got 'spiral'"),
     ("expert_backend", "magic", "expert_backend 'magic' is not one of"),
     ("dispatcher", "fixed_capacity", "dispatcher 'fixed_capacity' is what graph-replayed"),
+    ("dispatcher", "nccl_magic", r"dispatcher 'nccl_magic' is not one of \['all_to_all', 'local'\]"),
     ("load_format", "pt", "load_format must be 'auto' or 'dummy', got 'pt'"),
     ("seed", "7", "seed must be an integer in \\[0, 2\\*\\*63\\), got '7'"),
     ("enforce_eager", "yes", "enforce_eager must be true or false, got 'yes'"),

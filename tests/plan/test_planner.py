@@ -238,6 +238,35 @@ def test_cli_plan_json_plot_and_errors(tmp_path, capsys):
     assert "Recommendation" in capsys.readouterr().out
 
 
+def test_plan_refuses_an_int4_group_size_the_loader_refuses(tmp_path, capsys):
+    """Kimi-K2.5's config with INT4 groups of 48: plan refuses it with the message doctor (and the loader) give,
+    and still prices it converted (``--weights int4``); doctor names the error once, not again as memory."""
+    doc = json.loads((CONFIGS / "kimi-k2.5.config.json").read_text())
+    doc["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 48
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(doc))
+    refused = ("quantization_config weights.group_size (format 'int4_group48') is 48; the INT4 expert kernels take "
+               "group sizes (32, 64, 128); epmoe run refuses to load these experts")
+    assert main(["plan", "--config", str(cfg), "--gpus", "8", "--hardware", H200, "--batch", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and f"epmoe plan: error: {cfg}: routed experts: {refused}" in captured.err
+    assert main(["plan", "--config", str(cfg), "--gpus", "8", "--hardware", H200, "--batch", "1",
+                 "--weights", "int4"]) == 0
+    assert "experts int4_group32" in capsys.readouterr().out
+    assert main(["doctor", "--config", str(cfg), "--ep", "8", "--hardware", H200]) == 1
+    errors = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: the target model: routed experts: {refused}; use a checkpoint in a served format "
+                      "(README: supported weight formats)"]
+
+
+def test_plan_counts_of_one_are_singular(capsys):
+    """One node, one draft token per round: the titles say so in the singular."""
+    cfg = str(CONFIGS / "kimi-k2.5.config.json")
+    assert main(["plan", "--config", cfg, "--gpus", "8", "--hardware", H200, "--batch", "1", "--spec-tokens", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(h200-sxm, 1 node), verify S=1" in out and "speculative decoding: 1 draft token per round" in out
+
+
 def test_plan_dict_and_plot_roundtrip(tmp_path):
     p = _plan("olmoe-1b-7b-0924", 4, batches=(1, 16))
     doc = json.loads(json.dumps(plan_to_dict(p)))

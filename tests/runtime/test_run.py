@@ -86,8 +86,6 @@ def test_run_under_torchrun_environment(kimi, tmp_path):
         (["--max-new-tokens", "300"], r"plus --max-new-tokens \(300\) is \d+ positions, past the model's "
                                       r"max_position_embeddings \(256\)"),
         (["--max-moves", "3"], r"--max-moves limits live rebalancing: give --eplb-interval STEPS with it"),
-        (["--dispatcher", "nccl_magic"], r"--dispatcher 'nccl_magic' is not one of \['all_to_all'"),
-        (["--dispatcher", "fixed_capacity"], r"--dispatcher fixed_capacity is what the engine's CUDA-graph decode"),
         (["--request-rate", "0"], r"--request-rate must be a positive number"),
         (["--max-num-seqs", "0"], r"^epmoe run: error: --max-num-seqs must be a positive integer, got 0"),
         (["--num-kv-blocks", "3", "--block-size", "2", "--prompt", "x" * 40],
@@ -181,15 +179,21 @@ def test_run_staggered_arrivals_small_batches_and_kv_pool(kimi, tmp_path):
     assert all(len(t) == 6 for t in report["reference_outputs"])
 
 
-def test_run_seeded_sampling_repeats(kimi, tmp_path):
+def test_run_seeded_sampling_repeats(kimi, tmp_path, capsys):
+    """A seeded rerun repeats; the rerun asks for the triton backend on the CPU, which runs the reference (the same
+    tokens), and the report says so once."""
     runs = []
-    for name in ("a", "b"):
+    for name, backend in (("a", []), ("b", ["--expert-backend", "triton"])):
         out = tmp_path / f"{name}.json"
         assert main(["run", "--model", str(kimi), "--ep", "1", "--max-new-tokens", "6", "--temperature", "0.9",
-                     "--top-p", "0.9", "--seed", "3", "--json", str(out)]) == 0
+                     "--top-p", "0.9", "--seed", "3", "--json", str(out), *backend]) == 0
         runs.append(json.loads(out.read_text()))
     assert runs[0]["outputs"] == runs[1]["outputs"]
     assert runs[0]["matches_reference"] is None  # sampling: no greedy reference
+    said = "triton: the reference on cpu (the Triton kernels take CUDA tensors only)"
+    assert [r["expert_backend"] for r in runs] == ["reference", said]
+    text = " ".join(capsys.readouterr().out.replace("│", " ").split())  # table cells wrap: compare words only
+    assert text.count("expert backend reference ") == 1 and text.count(f"expert backend {said} ") == 1
 
 
 def test_corrupt_or_misplaced_cache(tmp_path, capsys):

@@ -74,3 +74,18 @@ def test_a_bf16_run_equal_to_float32_passes_and_says_so():
                             first_mismatch=(0, 1, 6, 9)))
     assert ("NO: prompts [0] differ; first at prompt 0, step 1: token 6 here, 9 in the reference; the float32 "
             "reference equals transformers' bfloat16 there") in text
+
+
+def test_counts_of_one_are_singular():
+    """One block of one token, one sequence, one copy moved, one proposed token in one verify step: no "1 blocks"."""
+    report = _report([_event(2, True, moved=1, before=0.8, after=0.9)])
+    report.ranks[0].kv.update(blocks=1, block_size=1, max_concurrency=1, context=1)
+    report.speculative = {"algorithm": "ngram", "num_tokens": 1, "proposer": "prompt lookup", "verify_steps": 1,
+                          "draft_tokens": 1, "accepted_tokens": 1, "accepted_length": 2.0, "acceptance_rate": 1.0,
+                          "requests": [{"verify_steps": 1, "accepted_length": 2.0}]}
+    text = _printed(report)
+    assert "│ 1 / 0 / 0, 1 copy moved; last commit at step 2" in text
+    assert "│ 1 block of 1 token (1.0 KiB; 96 B per token and layer, latent), 1 sequence of 1 token at once" in text
+    assert "│ 2.00 / 1.00 (1 of 1 proposed token, 1 verify step)" in text
+    text = _printed(_report([_event(2, True, moved=2)]))
+    assert "2 copies moved" in text and "8 blocks of 16 tokens" in text and "2 sequences of 64 tokens" in text

@@ -24,6 +24,8 @@ def speculative_options(source: object) -> dict:
     return {name: getattr(source, name) for name in SPECULATIVE_FIELDS}
 DEFAULT_SPECULATIVE_TOKENS = 3
 GRAPH_SAFE_BACKENDS = ("triton",)  # the reference backend reads the routing on the host
+# the dispatchers of eager steps (``dispatcher``); graph-replayed steps use ``fixed_capacity`` on several ranks
+EAGER_DISPATCHERS = ("all_to_all", "local")
 
 
 # the most sequences (and decode graph rows) and tokens per step an engine takes: its per-sequence and per-row
@@ -212,18 +214,17 @@ class EngineConfig:
         self._check_speculative()
         if self.eplb_max_moves is not None and not self.eplb_interval:
             raise ValueError("eplb_max_moves limits live rebalancing: give eplb_interval with it")
-        from epmoe.dispatch import DISPATCHERS
         from epmoe.experts import EXPERT_BACKENDS
         from epmoe.routing import REPLICA_POLICIES
 
         if self.replica_policy not in REPLICA_POLICIES:
             raise ValueError(f"replica_policy must be one of {REPLICA_POLICIES}, got {self.replica_policy!r}")
 
-        if self.dispatcher is not None and self.dispatcher not in DISPATCHERS:
-            raise ValueError(f"dispatcher {self.dispatcher!r} is not one of {sorted(DISPATCHERS)}")
         if self.dispatcher == "fixed_capacity":
             raise ValueError("dispatcher 'fixed_capacity' is what graph-replayed decode steps use on several ranks; "
                              "eager steps need 'all_to_all' (or 'local' on one rank)")
+        if self.dispatcher is not None and self.dispatcher not in EAGER_DISPATCHERS:
+            raise ValueError(f"dispatcher {self.dispatcher!r} is not one of {list(EAGER_DISPATCHERS)}")
         if self.expert_backend not in EXPERT_BACKENDS:
             raise ValueError(f"expert_backend {self.expert_backend!r} is not one of {sorted(EXPERT_BACKENDS)}")
         if self.use_graphs and (self.expert_backend not in GRAPH_SAFE_BACKENDS or self.dtype == "float32"):

@@ -16,7 +16,12 @@ from typing import Callable, Mapping
 
 import torch
 
-from epmoe.experts.backends import make_grouped_mm_backend, make_triton_backend, plain_weights
+from epmoe.experts.backends import (
+    describe_expert_backend,
+    make_grouped_mm_backend,
+    make_triton_backend,
+    plain_weights,
+)
 from epmoe.experts.fp8 import BlockFP8ExpertWeights
 from epmoe.experts.int4 import Int4ExpertWeights
 from epmoe.experts.mxfp4 import MXFP4ExpertWeights
@@ -25,7 +30,8 @@ from epmoe.experts.weights import Activation, AnyExpertWeights, ExpertBackend, E
 
 __all__ = [
     "EXPERT_BACKENDS", "Activation", "AnyExpertWeights", "BlockFP8ExpertWeights", "ExpertBackend", "ExpertWeights",
-    "Int4ExpertWeights", "MXFP4ExpertWeights", "get_expert_backend", "plain_weights", "reference_experts",
+    "Int4ExpertWeights", "MXFP4ExpertWeights", "describe_expert_backend", "get_expert_backend", "plain_weights",
+    "reference_experts",
 ]
 
 

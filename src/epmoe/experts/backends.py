@@ -25,6 +25,15 @@ def plain_weights(weights: AnyExpertWeights, dtype: torch.dtype) -> ExpertWeight
     return weights
 
 
+def describe_expert_backend(name: str, device: str) -> str:
+    """What the expert backend ``name`` computes with on ``device`` (``cpu`` or ``cuda``), for reports: ``name``
+    itself, except ``triton`` on the CPU, which runs the reference (the chosen behaviour above), said in words.
+    """
+    if name == "triton" and device != "cuda":
+        return f"triton: the reference on {device} (the Triton kernels take CUDA tensors only)"
+    return name
+
+
 def make_triton_backend() -> ExpertBackend:
     """The ``triton`` expert backend: ``grouped.triton_experts`` on CUDA (INT4 weights: ``int4.int4_experts``; MXFP4
     weights: ``mxfp4.mxfp4_experts``, the slots in use widened per call), the reference on CPU.

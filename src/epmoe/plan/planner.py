@@ -57,6 +57,7 @@ from epmoe.plan.request import (
     StepEstimate,
     Strategy,
     StrategyPlan,
+    counted,
 )
 from epmoe.spec import MoESpec
 
@@ -238,7 +239,8 @@ def plan(req: PlanRequest) -> Plan:
     """
     strategies, skipped = strategies_for(req.spec, req.gpus, req.redundant)
     if not strategies:
-        raise ValueError(f"no strategy can run {Path(req.spec.source).name} on {req.gpus} GPUs: " + "; ".join(skipped))
+        raise ValueError(f"no strategy can run {Path(req.spec.source).name} on {counted(req.gpus, 'GPU')}: "
+                         + "; ".join(skipped))
     plans = tuple(StrategyPlan(s, tuple(_step(req, s, b) for b in req.batches)) for s in strategies)
     return Plan(req, plans, tuple(skipped))
 

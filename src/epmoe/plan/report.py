@@ -13,7 +13,7 @@ from epmoe.files import check_output_path
 from epmoe.plan.costs import weights_hint
 from epmoe.plan.draft import DraftModel
 from epmoe.plan.planner import plan
-from epmoe.plan.request import GIB, Plan, PlanRequest, StepEstimate, StrategyPlan
+from epmoe.plan.request import GIB, Plan, PlanRequest, StepEstimate, StrategyPlan, counted
 from epmoe.plan.speculative import Speculation, SpeculativeStep, price_speculation
 
 _KIND_SHORT = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "all_to_all": "A2A"}
@@ -31,7 +31,7 @@ def describe_collectives(step: StepEstimate | tuple, short: bool = False) -> str
         return "none" if short else "no collectives"
     if short:
         return " + ".join(f"{n} {_KIND_SHORT[k]}" for k, n in counts.items())
-    return " + ".join(f"{n} {_KIND_WORDS[k]}{'s' if n != 1 else ''}" for k, n in counts.items())
+    return " + ".join(counted(n, _KIND_WORDS[k]) for k, n in counts.items())
 
 
 def _reason(best: StrategyPlan, other: StrategyPlan | None, i: int, family: str | None) -> str:
@@ -153,7 +153,7 @@ def speculation_table(sp: Speculation) -> Table:
     """A rich table: per strategy and batch, decode step, verify step, drafts and their collectives, break-even and
     tokens/s."""
     a = f", accepted length {sp.accept_length:g}" if sp.accept_length is not None else ""
-    t = Table(title=f"speculative decoding: {sp.spec_tokens} draft tokens per round ({sp.draft.name}){a}",
+    t = Table(title=f"speculative decoding: {counted(sp.spec_tokens, 'draft token')} per round ({sp.draft.name}){a}",
               caption="ms on the busiest rank (verify collectives: the plan above, same counts); break-even: "
                       "accepted tokens per round at which speculation matches plain decoding; fits: target at verify "
                       "size and draft together")
@@ -232,8 +232,8 @@ def plan_table(p: Plan) -> Table:
     the routed experts' share, in the expert format of the title, scales included)."""
     r = p.request
     step_kind = "decode" if r.spec_tokens == 0 else f"verify S={r.spec_tokens}"
-    t = Table(title=f"{Path(r.spec.source).name} on {r.gpus}x {r.hardware.gpu} ({r.hardware.name}, {r.nodes} node"
-                    f"{'s' if r.nodes > 1 else ''}), {step_kind}, context {r.context}, experts {r.expert_format}, "
+    t = Table(title=f"{Path(r.spec.source).name} on {r.gpus}x {r.hardware.gpu} ({r.hardware.name}, "
+                    f"{counted(r.nodes, 'node')}), {step_kind}, context {r.context}, experts {r.expert_format}, "
                     f"balancedness {r.balancedness}",
               caption="times in ms on the busiest rank; AR all-reduce, RS reduce-scatter, AG all-gather, A2A "
                       "all-to-all")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from epmoe.checks import check_int
+from epmoe.experts.storage import ExpertStorage
 from epmoe.placement import max_redundant_slots
 from epmoe.plan.costs import WEIGHT_CHOICES, CollectiveKind
 from epmoe.plan.hardware import HardwareProfile
@@ -29,6 +30,12 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+def counted(n: int, noun: str, plural: str = "") -> str:
+    """``n`` and ``noun`` in the number ``n`` takes, for messages and reports: ``counted(1, "slot")`` is
+    ``"1 slot"``, ``counted(2, "slot")`` ``"2 slots"``, ``counted(3, "copy", "copies")`` ``"3 copies"``."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 # Sanity bounds of a plan request (far above any serving set-up; they keep nonsense from running for minutes):
@@ -57,6 +64,11 @@ class PlanRequest:
         weights: routed expert storage: ``bf16``, ``fp8``, ``int4``, or ``None`` for the checkpoint's.
         mem_fraction: share of GPU memory the server may use (the rest: CUDA context, NCCL, fragmentation).
         balancedness: expected mean/max tokens per EP rank from routing skew (1.0 = perfect).
+
+    Raises:
+        ValueError: a value out of its bounds (named with the value), or routed experts in a format ``epmoe run``
+            does not serve, e.g. an INT4 ``group_size`` its kernels do not take (``experts.storage.ExpertStorage.of``,
+            the check the loader and ``epmoe doctor`` make; the config file and the value named).
     """
 
     spec: MoESpec
@@ -88,6 +100,11 @@ class PlanRequest:
             pos_int("batch", b, 1, MAX_BATCH)
         if self.weights is not None and self.weights not in WEIGHT_CHOICES:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {self.weights!r}")
+        try:
+            ExpertStorage.of(self.expert_format)
+        except ValueError as exc:
+            raise ValueError(f"{self.spec.source}: routed experts: {exc}; epmoe run refuses to load these experts "
+                             f"(--weights prices them converted to another format)") from None
         if not 0 < self.mem_fraction <= 1:
             raise ValueError(f"mem_fraction must lie in (0, 1], got {self.mem_fraction}")
         if not 0 < self.balancedness <= 1:

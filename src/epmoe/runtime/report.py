@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from epmoe.comm import COLLECTIVE_KINDS
-from epmoe.plan.request import format_bytes
+from epmoe.plan.request import counted, format_bytes
 from epmoe.runtime.run import RunReport
 
 _SHORT = {"all_to_all": "a2a", "all_reduce": "ar", "all_gather": "ag"}
@@ -23,7 +23,8 @@ def _rebalances(events: list[dict]) -> str:
     done = [e for e in events if e["committed"]]
     skipped = [e for e in events if e.get("skipped")]
     failed = len(events) - len(done) - len(skipped)
-    text = f"{len(done)} / {len(skipped)} / {failed}, {sum(e['copies_moved'] for e in done)} copies moved"
+    moved = counted(sum(e["copies_moved"] for e in done), "copy", "copies")
+    text = f"{len(done)} / {len(skipped)} / {failed}, {moved} moved"
     if done:
         last = done[-1]
         text += (f"; last commit at step {last['step']}: balancedness {last['balancedness_before']:.3f} -> "
@@ -109,10 +110,11 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     summary.add_row("tokens/s (generated, all ranks)", f"{report.tokens_per_s:.1f}")
     preempted = sum(r.step_kinds.get("preemptions", 0) for r in report.ranks)
     kv = report.ranks[0].kv
-    summary.add_row("KV cache per rank", f"{kv['blocks']} blocks of {kv['block_size']} tokens "
+    summary.add_row("KV cache per rank", f"{counted(kv['blocks'], 'block')} of {counted(kv['block_size'], 'token')} "
                     f"({format_bytes(kv['bytes'])}; {kv['bytes_per_token_layer']} B per token and layer, "
                     f"{kv['kind']}), "
-                    f"{kv['max_concurrency']} sequences of {kv['context']} tokens at once")
+                    f"{counted(kv['max_concurrency'], 'sequence')} of {counted(kv['context'], 'token')} at once")
+    summary.add_row("expert backend", report.expert_backend)
     summary.add_row("CUDA graphs / overlap schedule / preemptions",
                     f"{'on' if report.graphs else 'off'} / {'on' if report.overlap else 'off'} / {preempted}")
     summary.add_row("balancedness (mean/max routed tokens per rank)", f"{report.balancedness:.3f}")
@@ -126,7 +128,8 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
         summary.add_row(f"speculative decoding ({spec['algorithm']}, K = {spec['num_tokens']})", spec["proposer"])
         summary.add_row("accepted length (tokens per verify step) / acceptance rate",
                         f"{_accepted(spec)} / {spec['acceptance_rate']:.2f} ({spec['accepted_tokens']} of "
-                        f"{spec['draft_tokens']} proposed tokens, {spec['verify_steps']} verify steps)")
+                        f"{counted(spec['draft_tokens'], 'proposed token')}, "
+                        f"{counted(spec['verify_steps'], 'verify step')})")
     if report.matches_reference is None:
         summary.add_row("matches transformers reference", "not checked (--no-reference, sampling or dummy weights)")
     else:

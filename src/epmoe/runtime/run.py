@@ -21,12 +21,14 @@ import torch
 from epmoe.balance import rank_balancedness
 from epmoe.comm import COLLECTIVE_KINDS, Comm
 from epmoe.engine import Engine, EngineConfig, SamplingParams
-from epmoe.engine.config import GRAPH_SAFE_BACKENDS, PARALLEL_MODES, speculative_options
+from epmoe.engine.config import EAGER_DISPATCHERS, GRAPH_SAFE_BACKENDS, PARALLEL_MODES, speculative_options
 from epmoe.engine.engine import trivial_or_file_placement
 from epmoe.engine.tokenizer import decode_text, encode_text, load_tokenizer
+from epmoe.experts import describe_expert_backend
 from epmoe.layer import check_tp_sizes
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.placement import ExpertPlacement
+from epmoe.plan.request import counted
 from epmoe.runtime.launch import RankInfo, init_group, spawn, torchrun_rank_info, under_torchrun
 from epmoe.spec import language_model_config, load_moe_spec, read_config
 
@@ -152,14 +154,13 @@ class RunConfig:
         if self.request_rate is not None and not self.request_rate > 0:
             raise ValueError(f"--request-rate must be a positive number of requests per second, "
                              f"got {self.request_rate}")
-        from epmoe.dispatch import DISPATCHERS
         from epmoe.experts import EXPERT_BACKENDS
 
-        if self.dispatcher is not None and self.dispatcher not in DISPATCHERS:
-            raise ValueError(f"--dispatcher {self.dispatcher!r} is not one of {sorted(DISPATCHERS)}")
         if self.dispatcher == "fixed_capacity":
             raise ValueError("--dispatcher fixed_capacity is what the engine's CUDA-graph decode steps use on several "
                              "ranks already; the eager steps need all_to_all (or local on one rank)")
+        if self.dispatcher is not None and self.dispatcher not in EAGER_DISPATCHERS:
+            raise ValueError(f"--dispatcher {self.dispatcher!r} is not one of {list(EAGER_DISPATCHERS)}")
         if self.expert_backend is not None and self.expert_backend not in EXPERT_BACKENDS:
             raise ValueError(f"--expert-backend {self.expert_backend!r} is not one of {sorted(EXPERT_BACKENDS)}")
         if self.placement is not None and (self.redundant or self.layout != "contiguous"):
@@ -304,6 +305,8 @@ class RunReport:
             algorithm, ``K``, the proposer's description and, under ``requests``, each prompt's counts in prompt
             order; ``None`` without.
         dtype: the compute dtype of the run (and of the reference).
+        expert_backend: what computed the routed experts (``experts.describe_expert_backend``): the backend's
+            name, or for ``triton`` on the CPU that the reference ran.
     """
 
     model: str
@@ -325,6 +328,7 @@ class RunReport:
     overlap: bool = False
     speculative: dict | None = None
     dtype: str = "float32"
+    expert_backend: str = "reference"
 
     def to_json(self) -> dict:
         """A JSON-ready dict."""
@@ -344,8 +348,8 @@ def _check_context(model_dir: str, all_ids: list[list[int]], max_new_tokens: int
     longest = max(len(ids) for ids in all_ids) + max_new_tokens
     if isinstance(limit, int) and longest > limit:
         raise ValueError(
-            f"the longest prompt ({longest - max_new_tokens} tokens) plus --max-new-tokens ({max_new_tokens}) "
-            f"is {longest} positions, past the model's max_position_embeddings ({limit})"
+            f"the longest prompt ({counted(longest - max_new_tokens, 'token')}) plus --max-new-tokens "
+            f"({max_new_tokens}) is {longest} positions, past the model's max_position_embeddings ({limit})"
         )
 
 
@@ -575,6 +579,7 @@ def run_job(cfg: RunConfig) -> RunReport:
         balancedness=float(rank_balancedness(rank_counts).mean()),
         routed_tokens_per_step=(rank_counts.sum(0).double() / (steps * spec.num_moe_layers)).tolist(),
         matches_reference=None, dtype=cfg.dtype,
+        expert_backend=describe_expert_backend(_engine_config(cfg, model_dir).expert_backend, cfg.device),
         graphs=any(r.step_kinds.get("graph_steps", 0) + r.step_kinds.get("piecewise_steps", 0) for r in ranks),
         overlap=not cfg.disable_overlap_schedule and cfg.speculative_algorithm is None,
     )

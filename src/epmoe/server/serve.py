@@ -27,6 +27,7 @@ import time
 import torch.multiprocessing as mp
 import uvicorn
 
+from epmoe.experts import describe_expert_backend
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.runtime.launch import (
     GRACE_S,
@@ -86,9 +87,10 @@ class _Server(uvicorn.Server):
 def _startup_log(cfg: ServeConfig, model_dir: str, name: str, frontend: Frontend) -> None:
     info = frontend.info
     kv = info.kv
-    log.info("model %s (%s) served as %r: %d rank(s), experts %s, %s, %s", model_dir,
+    log.info("model %s (%s) served as %r: %d rank(s), experts %s, %s, %s, expert backend %s", model_dir,
              load_moe_spec(model_dir).model_type, name, info.ranks,
-             "expert-parallel" if info.parallel == "ep" else "tensor-parallel", cfg.device, cfg.dtype)
+             "expert-parallel" if info.parallel == "ep" else "tensor-parallel", cfg.device, cfg.dtype,
+             describe_expert_backend(cfg.engine_config(model_dir).expert_backend, cfg.device))
     log.info("KV cache per rank: %d blocks of %d tokens (%d tokens, %.1f MiB), %d sequences of the full context "
              "(%d tokens) at once; graph buckets %s; piecewise graph buckets %s", kv["blocks"], kv["block_size"],
              kv["tokens"], kv["bytes"] / 2**20, kv["max_concurrency"], kv["context"],
