@@ -22,6 +22,7 @@ The INT4 cases time, in the same run and on the same (dequantized) weight values
 packed weights (``int4``, the path ``int4_path`` picks; floor = INT4 bytes + scales of the active slots over the copy
 bandwidth, or the FLOPs), each INT4 path at every size whichever the backend takes (``int4_mma``: the tensor-core
 kernels with the words widened into the MMA registers, ``int4_mma16``/``int4_mma32`` with 16/32-row blocks;
+``int4_wgmma``: the prefill kernels on Hopper's warpgroup MMA, ``w4a16_wgmma``, with their default tiles;
 ``int4_grouped``: the fused grouped kernels; ``int4_dequant``: the used slots widened, then the bf16 grouped
 kernels; ``int4_decode``: the decode kernels, up to 64 tokens), our bf16 Triton path (``bf16``; its own floor, the
 bf16 bytes) and "dequantize, then grouped_mm" (``deq_gmm``: one Triton launch widening every local expert to bf16,
@@ -71,6 +72,7 @@ from epmoe.experts.triton.int4 import (
     int4_path,
 )
 from epmoe.experts.triton.w4a16_mma import MmaConfig, int4_mma_experts
+from epmoe.experts.triton.w4a16_wgmma import int4_wgmma_experts
 from timing import measure_ceilings, rel_err, time_fn, time_in_model
 
 CASES = {
@@ -310,6 +312,8 @@ def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: 
                  # more token rows a block: each widened register feeds 2 or 4 MMAs (prefill sizes)
                  "int4_mma16": lambda: int4_mma_experts(x, slots, tw, q, act, config=MMA_BLOCK16),
                  "int4_mma32": lambda: int4_mma_experts(x, slots, tw, q, act, config=MMA_BLOCK32),
+                 # 64-128 token rows a block on the warpgroup MMA (prefill sizes)
+                 "int4_wgmma": lambda: int4_wgmma_experts(x, slots, tw, q, act),
                  "int4_dequant": lambda: int4_dequantized_experts(x, slots, tw, q, act)}
         if t <= DECODE_MAX:
             impls["int4_decode"] = lambda: int4_decode_experts(x, slots, tw, q, act)
@@ -352,14 +356,14 @@ def print_int4_table(rows: list[dict]) -> None:
     decode/grouped sweeps' best), bf16 and dequantize-then-grouped_mm, errors of the backend and the grouped path."""
     nan = float("nan")
     print(f"\n{'case':14} {'T':>5} {'act':>4} {'path':>7} {'i4floor':>7} {'int4':>8} {'x_fl':>6} {'i4mma':>8} "
-          f"{'mma16':>8} {'mma32':>8} {'i4dec':>8} "
+          f"{'mma16':>8} {'mma32':>8} {'wgmma':>8} {'i4dec':>8} "
           f"{'dbest':>7} {'i4grp':>8} {'gbest':>7} {'gb_x_fl':>7} {'i4deq':>8} {'bf16':>7} {'bf16/i4':>7} "
           f"{'deq_gmm':>8} {'err_i4':>8} {'err_grp':>8}")
     for r in rows:
         floor = r["int4_floor_us"] or nan  # no local pair: no floor
         print(f"{r['case']:14} {r['tokens']:5d} {r['active_slots']:4d} {r['int4_path']:>7} {r['int4_floor_us']:7.1f} "
               f"{r['int4_us']:8.1f} {r['int4_us'] / floor:6.2f} {r['int4_mma_us']:8.1f} {r['int4_mma16_us']:8.1f} "
-              f"{r['int4_mma32_us']:8.1f} "
+              f"{r['int4_mma32_us']:8.1f} {r['int4_wgmma_us']:8.1f} "
               f"{r.get('int4_decode_us', nan):8.1f} "
               f"{r.get('int4_best_us', nan):7.1f} {r['int4_grouped_us']:8.1f} "
               f"{r.get('int4_grouped_best_us', nan):7.1f} {r.get('int4_grouped_best_us', nan) / floor:7.2f} "

@@ -86,10 +86,11 @@ class WgmmaConfig:
 
 
 def default_wgmma_config(group_size: int) -> WgmmaConfig:
-    """``WgmmaConfig()`` with steps of at least half a group (``block_kw >= G / 2``); 64-row blocks for groups of 128
-    (a step's activations, ``block_m x 8 block_kw`` bf16 a buffer, then stay within shared memory)."""
+    """``WgmmaConfig()`` with steps of at least half a group (``block_kw >= G / 2``); 64-row blocks for the longer
+    steps of groups of 64 and 128 (128-row blocks of 32-word steps spill registers in the gate/up kernel and take
+    192 KiB of shared memory, compiled for sm_90a)."""
     kw = max(WgmmaConfig.block_kw1, group_size // 2)
-    return WgmmaConfig(block_m=64 if kw > 32 else 128, block_kw1=kw, block_kw2=kw)
+    return WgmmaConfig(block_m=128 if kw == WgmmaConfig.block_kw1 else 64, block_kw1=kw, block_kw2=kw)
 
 
 def _operand_segment(k: int, block_kw: int) -> int:
@@ -138,8 +139,8 @@ def _b_smem_layout(block_kw):
 
 @gluon.jit
 def _request(smem, ptrs, step, nsteps, stage, BLOCK_KW: gl.constexpr):
-    """Copy the four plane tiles of step ``min(step, nsteps - 1)`` (``ptrs``: ``_plane_ptrs``) into buffer ``stage``
-    (``cp.async``; one commit group)."""
+    """Copy the four plane tiles of step ``min(step, nsteps - 1)`` (``ptrs``: ``_step_ptrs``) into buffer ``stage``
+    ``[4 BLOCK_M, 2 BLOCK_KW]`` (``cp.async``; one commit group)."""
     buf = smem.index(stage).reshape([4, ptrs.shape[1], 2 * BLOCK_KW])
     async_copy.async_copy_global_to_shared(buf, ptrs + gl.minimum(step, nsteps - 1) * (8 * BLOCK_KW))
     async_copy.commit_group()
@@ -147,7 +148,9 @@ def _request(smem, ptrs, step, nsteps, stage, BLOCK_KW: gl.constexpr):
 
 @gluon.jit
 def _step_ptrs(row_ptrs, BLOCK_M: gl.constexpr, BLOCK_KW: gl.constexpr):
-    """Pointers of step 0's planes ``[4, BLOCK_M, 2 BLOCK_KW]`` (the buffer's rows ``j BLOCK_M + m``) from the token rows' addresses in the operand-order copy (``row_ptrs [BLOCK_M]`` in ``_row_layout``)."""
+    """Pointers of step 0's planes ``[4, BLOCK_M, 2 BLOCK_KW]`` (plane ``j`` of token row ``m`` goes to row ``j
+    BLOCK_M + m`` of a buffer) from the token rows' addresses in the operand-order copy (``row_ptrs [BLOCK_M]`` in
+    ``_row_layout``)."""
     COPY: gl.constexpr = _copy_layout(BLOCK_KW)
     j = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, COPY)))
     kk = gl.arange(0, 2 * BLOCK_KW, layout=gl.SliceLayout(0, gl.SliceLayout(1, COPY)))
