@@ -313,9 +313,9 @@ def test_int4_mma_path_on_gpu(t, case):
 def test_int4_wgmma_refuses_bad_input():
     from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, default_wgmma_config, int4_wgmma_experts
 
-    assert default_wgmma_config(32) == WgmmaConfig(128, 16, 16, 3)
-    assert default_wgmma_config(64) == WgmmaConfig(64, 32, 32, 3)
-    assert default_wgmma_config(128) == WgmmaConfig(64, 64, 64, 3)
+    assert default_wgmma_config(32) == WgmmaConfig(128, 16, 16, 3, 8, 128, 128)
+    assert default_wgmma_config(64) == WgmmaConfig(64, 32, 32, 3, 8, 128, 128)
+    assert default_wgmma_config(128) == WgmmaConfig(64, 64, 64, 3, 8, 128, 128)
     q = int4_expert_weights(_weights(0, 2, 256, 128, False), 64)
     x, slots, tw = torch.randn(1, 256), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)
     with pytest.raises(TypeError, match="compute in bf16, got x of dtype torch.float32"):
@@ -329,6 +329,10 @@ def test_int4_wgmma_refuses_bad_input():
         int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_m=32, block_kw1=32, block_kw2=32))
     with pytest.raises(ValueError, match="stages must be 3 or 4, got 2"):
         int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_kw1=32, block_kw2=32, stages=2))
+    with pytest.raises(ValueError, match=r"num_warps must be 4 or 8 \(whole warpgroups\), got 2"):
+        int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 32, 32, num_warps=2))
+    with pytest.raises(ValueError, match=r"block_n2 must be 16 or 32 times num_warps \(4\), got 256"):
+        int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 32, 32, 3, 4, 64, 256))
 
 
 @pytest.mark.interpret
@@ -374,10 +378,12 @@ def test_int4_wgmma_path_on_gpu(t, case):
         slots[0, 0] = 3
     tw = torch.rand(t, k, device="cuda")
     ref = _ref(x, slots, tw, q, act, woi)
-    # the default tiles; 64-row blocks; four buffers; 32-word steps in one kernel (64 for groups of 128)
+    # the default tiles (two warpgroups); 64-row blocks; four buffers; 32-word steps in one kernel (64 for groups of
+    # 128); one warpgroup of 64 rows; one warpgroup issuing its wgmma twice (128 rows) in the down kernel
     kw = max(16, group // 2)
-    for cfg in (None, WgmmaConfig(64, kw, kw), WgmmaConfig(128 if kw == 16 else 64, kw, kw, 4),
-                WgmmaConfig(64, max(32, kw), kw)):
+    bm = 128 if kw == 16 else 64
+    for cfg in (None, WgmmaConfig(64, kw, kw), WgmmaConfig(bm, kw, kw, 4), WgmmaConfig(64, max(32, kw), kw),
+                WgmmaConfig(bm, kw, kw, 3, 4, 64, 64), WgmmaConfig(bm, kw, kw, 3, 4, 64, 128)):
         assert _rel(int4_wgmma_experts(x, slots, tw, q, act, woi, cfg), ref) < 1e-2, cfg
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

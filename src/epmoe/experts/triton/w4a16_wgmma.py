@@ -1,15 +1,17 @@
 """W4A16 expert compute at prefill sizes on Hopper's warpgroup MMA, the INT4 words widened straight into the A operand.
 
 A Gluon kernel pair, the prefill variant of ``w4a16_mma`` (read its module docstring first: the input order, the
-widening and the helpers are shared). The product is taken transposed as there: ``BLOCK_N = 64`` weight rows of a
-warpgroup (four warps, 16 rows each) are the ``M`` side of ``wgmma.mma_async.m64nNk16``, a row block of
-``WgmmaConfig.block_m`` (64 or 128) token rows of one slot its ``N`` side, so each widened weight register feeds
-``block_m / 8`` tensor-core products (``w4a16_mma``: one or two ``mma.sync`` of 8 tokens).
+widening and the helpers are shared). The product is taken transposed as there: 64 weight rows of a warpgroup (four
+warps, 16 rows each) are the ``M`` side of ``wgmma.mma_async.m64nNk16``, a row block of ``WgmmaConfig.block_m`` (64
+or 128) token rows of one slot its ``N`` side, so each widened weight register feeds ``block_m / 8`` tensor-core
+products (``w4a16_mma``: one or two ``mma.sync`` of 8 tokens). A program of ``block_n`` weight rows has one or two
+warpgroups (``num_warps`` 4 or 8), each issuing its ``wgmma`` once or twice (``block_n = 16 num_warps`` or twice
+that), all on the same activations in shared memory.
 
 A (weights), in registers. Each thread loads its words and group scales in memory order (``w4a16_mma._word_layout``),
 relabels them into the operand order (``_operand``) and widens them plane by plane (``_plane``) into
-``DotOperandLayout(0, <v3 layout>, k_width=2)``: a warp's part of the v3 A operand (16 rows of the warpgroup's 64, warps
-stacked along ``M``) is the ``mma.sync.m16n8k16`` A fragment, so the relabelling is the same and
+``DotOperandLayout(0, <v3 layout>, k_width=2)``: a warp's part of the v3 A operand (16 rows of its warpgroup's 64,
+warps stacked along ``M``) is the ``mma.sync.m16n8k16`` A fragment, so the relabelling is the same and
 ``convert_layout(..., assert_trivial=True)`` proves at compile time that no data moves.
 
 B (activations), in shared memory. A step of ``BLOCK_KW`` words is four products of ``K = 2 BLOCK_KW``, one per
@@ -24,10 +26,10 @@ this step's are widened. ``warpgroup_mma(..., is_async=True)`` with at most one 
 plane is widened.
 
 1. ``wgmma_planes(x)`` and ``align_kernels.align_triton`` (pairs sorted by slot, ``block_m`` rows a block).
-2. ``_gate_up_kernel``, grid ``NB * cdiv(F, 64)``: gate and up rows of a block's slot against the block's gathered
+2. ``_gate_up_kernel``, grid ``NB * cdiv(F, block_n1)``: gate and up rows of a block's slot against the block's gathered
    token rows (pair id ``// K``), bias, routing weight (on the input), the gated activation; ``h`` stored per sorted
    position in the operand order of the down kernel's steps (zero-padded to whole steps).
-3. ``_down_kernel``, grid ``NB * cdiv(D, 64)``: ``w2`` rows against the block's ``h`` rows (consecutive sorted
+3. ``_down_kernel``, grid ``NB * cdiv(D, block_n2)``: ``w2`` rows against the block's ``h`` rows (consecutive sorted
    positions), bias, routing weight (on the output), ``y [N, D]`` float32 at each pair's row.
 4. ``grouped.sum_pairs_kernel``: ``out[t] = sum_k y[t K + k]``.
 
@@ -60,12 +62,6 @@ from epmoe.experts.triton.grouped import act_code, sum_pairs_kernel
 from epmoe.experts.triton.w4a16_mma import _block_rows, _load_tile, _operand, _per_word, _plane, _weight_ptrs
 from epmoe.experts.weights import Activation
 
-BLOCK_N = gl.constexpr(64)
-"""Weight rows of a program: the ``M`` of one warpgroup's ``wgmma`` (four warps of 16 rows)."""
-
-NUM_WARPS = gl.constexpr(4)
-"""Warps of a program: one warpgroup."""
-
 
 @dataclass(frozen=True)
 class WgmmaConfig:
@@ -77,18 +73,28 @@ class WgmmaConfig:
             ``G / 2`` (a thread's words of a row, ``block_kw / 4``, cover whole groups).
         block_kw2: words of ``F`` per step of the down program, as ``block_kw1``.
         stages: activation buffers in shared memory (3 or 4): the copies run ``stages - 2`` steps ahead.
+        num_warps: warps of a program, 4 or 8 (one or two warpgroups, each ``64`` weight rows of a ``wgmma``).
+        block_n1: gate (and up) rows of a gate/up program: ``16 num_warps`` or twice that (each warpgroup then
+            issues its ``wgmma`` twice, for rows ``r`` and ``r + 16 num_warps``, on the same shared activations).
+        block_n2: ``w2`` rows (output columns) of a down program, as ``block_n1``.
     """
 
     block_m: int = 128
     block_kw1: int = 16
     block_kw2: int = 16
     stages: int = 3
+    num_warps: int = 8
+    block_n1: int = 128
+    block_n2: int = 128
 
 
 def default_wgmma_config(group_size: int) -> WgmmaConfig:
     """``WgmmaConfig()`` with steps of at least half a group (``block_kw >= G / 2``); 64-row blocks for the longer
     steps of groups of 64 and 128 (128-row blocks of 32-word steps spill registers in the gate/up kernel and take
-    192 KiB of shared memory, compiled for sm_90a)."""
+    192 KiB of shared memory, compiled for sm_90a).
+
+    The defaults are chosen on paper, not yet measured: two warpgroups a program share each step's activations in
+    shared memory, which halves the activation bytes read per product against one warpgroup of 64 rows."""
     kw = max(WgmmaConfig.block_kw1, group_size // 2)
     return WgmmaConfig(block_m=128 if kw == WgmmaConfig.block_kw1 else 64, block_kw1=kw, block_kw2=kw)
 
@@ -124,11 +130,11 @@ def _operand_position(n, BLOCK_KW: gl.constexpr):
 
 
 @gluon.constexpr_function
-def _copy_layout(block_kw):
+def _copy_layout(block_kw, num_warps):
     """Register layout of a step's activation pointers ``[4, block_m, 2 block_kw]`` (plane, token row, value): 8
     values (16 bytes) a thread, the four planes of a token row in the same thread (one row address a token row)."""
     tk = block_kw // 4
-    return gl.BlockedLayout([4, 1, 8], [1, 32 // tk, tk], [1, NUM_WARPS, 1], [2, 1, 0])
+    return gl.BlockedLayout([4, 1, 8], [1, 32 // tk, tk], [1, num_warps, 1], [2, 1, 0])
 
 
 @gluon.constexpr_function
@@ -147,20 +153,20 @@ def _request(smem, ptrs, step, nsteps, stage, BLOCK_KW: gl.constexpr):
 
 
 @gluon.jit
-def _step_ptrs(row_ptrs, BLOCK_M: gl.constexpr, BLOCK_KW: gl.constexpr):
+def _step_ptrs(row_ptrs, BLOCK_M: gl.constexpr, BLOCK_KW: gl.constexpr, NUM_WARPS: gl.constexpr):
     """Pointers of step 0's planes ``[4, BLOCK_M, 2 BLOCK_KW]`` (plane ``j`` of token row ``m`` goes to row ``j
     BLOCK_M + m`` of a buffer) from the token rows' addresses in the operand-order copy (``row_ptrs [BLOCK_M]`` in
     ``_row_layout``)."""
-    COPY: gl.constexpr = _copy_layout(BLOCK_KW)
+    COPY: gl.constexpr = _copy_layout(BLOCK_KW, NUM_WARPS)
     j = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, COPY)))
     kk = gl.arange(0, 2 * BLOCK_KW, layout=gl.SliceLayout(0, gl.SliceLayout(1, COPY)))
     return row_ptrs[None, :, None] + ((j * (2 * BLOCK_KW))[:, None, None] + kk[None, None, :])
 
 
 @gluon.constexpr_function
-def _row_layout(block_kw):
+def _row_layout(block_kw, num_warps):
     """Layout of a block's token rows ``[block_m]`` for ``_step_ptrs``."""
-    return gl.SliceLayout(0, gl.SliceLayout(2, _copy_layout(block_kw)))
+    return gl.SliceLayout(0, gl.SliceLayout(2, _copy_layout(block_kw, num_warps)))
 
 
 @gluon.jit
@@ -177,8 +183,9 @@ def _wait_step(smem, s, STAGES: gl.constexpr):
 def _gate_up_kernel(
     xw_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, block_slot_ptr, block_start_ptr,
     num_pairs, top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, act_limit, act_alpha,
-    BLOCK_KW: gl.constexpr, BLOCK_KW2: gl.constexpr, BLOCK_M: gl.constexpr, GW: gl.constexpr, STAGES: gl.constexpr,
-    ACT: gl.constexpr, HAS_BIAS: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr, EVEN: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, BLOCK_KW2: gl.constexpr, BLOCK_M: gl.constexpr, GW: gl.constexpr,
+    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
+    WEIGHT_ON_INPUT: gl.constexpr, EVEN: gl.constexpr,
 ):
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
@@ -195,9 +202,9 @@ def _gate_up_kernel(
     nsteps = gl.cdiv(DW, BLOCK_KW)
     # B: the block's token rows of the operand-order copy of x (a padding row reads token 0: its column of the
     # product is never stored)
-    pair_b, valid_b = _block_rows(sorted_ptr, first, num_pairs, BLOCK_M, _row_layout(BLOCK_KW))
+    pair_b, valid_b = _block_rows(sorted_ptr, first, num_pairs, BLOCK_M, _row_layout(BLOCK_KW, NUM_WARPS))
     tok_b = gl.where(valid_b, pair_b // top_k, 0).to(gl.int64)
-    x_ptrs = _step_ptrs(xw_ptr + tok_b * stride_x, BLOCK_M, BLOCK_KW)
+    x_ptrs = _step_ptrs(xw_ptr + tok_b * stride_x, BLOCK_M, BLOCK_KW, NUM_WARPS)
     smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4 * BLOCK_M, 2 * BLOCK_KW], _b_smem_layout(BLOCK_KW))
     for i in gl.static_range(STAGES - 2):
         _request(smem, x_ptrs, i, nsteps, i, BLOCK_KW)
@@ -258,8 +265,8 @@ def _gate_up_kernel(
 def _down_kernel(
     h_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, block_slot_ptr, block_start_ptr,
     num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn, stride_h,
-    BLOCK_KW: gl.constexpr, BLOCK_M: gl.constexpr, GW: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-    WEIGHT_ON_INPUT: gl.constexpr, EVEN: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, BLOCK_M: gl.constexpr, GW: gl.constexpr, STAGES: gl.constexpr,
+    NUM_WARPS: gl.constexpr, HAS_BIAS: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr, EVEN: gl.constexpr,
 ):
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
@@ -275,8 +282,8 @@ def _down_kernel(
     FW = F // 8
     nsteps = gl.cdiv(FW, BLOCK_KW)
     # B: the block's h rows (a padding row was never written: its column of the product is never stored)
-    m_b = gl.arange(0, BLOCK_M, layout=_row_layout(BLOCK_KW))
-    h_ptrs = _step_ptrs(h_ptr + (first + m_b).to(gl.int64) * stride_h, BLOCK_M, BLOCK_KW)
+    m_b = gl.arange(0, BLOCK_M, layout=_row_layout(BLOCK_KW, NUM_WARPS))
+    h_ptrs = _step_ptrs(h_ptr + (first + m_b).to(gl.int64) * stride_h, BLOCK_M, BLOCK_KW, NUM_WARPS)
     smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4 * BLOCK_M, 2 * BLOCK_KW], _b_smem_layout(BLOCK_KW))
     for i in gl.static_range(STAGES - 2):
         _request(smem, h_ptrs, i, nsteps, i, BLOCK_KW)
@@ -318,6 +325,12 @@ def _check(cfg: WgmmaConfig, group_size: int) -> None:
         raise ValueError(f"WgmmaConfig.block_m must be 64 or 128, got {cfg.block_m}")
     if cfg.stages not in (3, 4):
         raise ValueError(f"WgmmaConfig.stages must be 3 or 4, got {cfg.stages}")
+    if cfg.num_warps not in (4, 8):
+        raise ValueError(f"WgmmaConfig.num_warps must be 4 or 8 (whole warpgroups), got {cfg.num_warps}")
+    for name in ("block_n1", "block_n2"):
+        v = getattr(cfg, name)
+        if v not in (16 * cfg.num_warps, 32 * cfg.num_warps):
+            raise ValueError(f"WgmmaConfig.{name} must be 16 or 32 times num_warps ({cfg.num_warps}), got {v}")
     for name in ("block_kw1", "block_kw2"):
         v = getattr(cfg, name)
         if v not in (16, 32, 64) or 2 * v < group_size:
@@ -376,20 +389,21 @@ def int4_wgmma_experts(
     placeholder = topk_weights
     limit = activation.swiglu_limit if activation.swiglu_limit is not None else 0.0
     gw = g // INT4_PACK
-    _gate_up_kernel[(nb * triton.cdiv(f, BLOCK_N),)](
+    n1, n2, nw = cfg.block_n1, cfg.block_n2, cfg.num_warps
+    _gate_up_kernel[(nb * triton.cdiv(f, n1),)](
         xw, w13, s13, weights.b13 if weights.b13 is not None else placeholder, topk_weights, h, aln.sorted_pair_ids,
         aln.block_slot, aln.block_start, n, k, d, f, xw.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1), h.stride(0), float(limit), float(activation.swiglu_alpha),
-        BLOCK_KW=cfg.block_kw1, BLOCK_KW2=cfg.block_kw2, BLOCK_M=bm, GW=gw, STAGES=cfg.stages,
-        ACT=act_code(activation), HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input,
-        EVEN=(d // INT4_PACK) % cfg.block_kw1 == 0 and f % BLOCK_N == 0, num_warps=NUM_WARPS,
+        BLOCK_N=n1, BLOCK_KW=cfg.block_kw1, BLOCK_KW2=cfg.block_kw2, BLOCK_M=bm, GW=gw, STAGES=cfg.stages,
+        NUM_WARPS=nw, ACT=act_code(activation), HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input,
+        EVEN=(d // INT4_PACK) % cfg.block_kw1 == 0 and f % n1 == 0, num_warps=nw,
     )
-    _down_kernel[(nb * triton.cdiv(d, BLOCK_N),)](
+    _down_kernel[(nb * triton.cdiv(d, n2),)](
         h, w2, s2, weights.b2 if weights.b2 is not None else placeholder, topk_weights, y, aln.sorted_pair_ids,
         aln.block_slot, aln.block_start, n, d, f, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        h.stride(0), BLOCK_KW=cfg.block_kw2, BLOCK_M=bm, GW=gw, STAGES=cfg.stages, HAS_BIAS=weights.b2 is not None,
-        WEIGHT_ON_INPUT=weight_on_input, EVEN=(f // INT4_PACK) % cfg.block_kw2 == 0 and d % BLOCK_N == 0,
-        num_warps=NUM_WARPS,
+        h.stride(0), BLOCK_N=n2, BLOCK_KW=cfg.block_kw2, BLOCK_M=bm, GW=gw, STAGES=cfg.stages, NUM_WARPS=nw,
+        HAS_BIAS=weights.b2 is not None, WEIGHT_ON_INPUT=weight_on_input,
+        EVEN=(f // INT4_PACK) % cfg.block_kw2 == 0 and d % n2 == 0, num_warps=nw,
     )
     block_d = min(1024, triton.next_power_of_2(d))
     sum_pairs_kernel[(t, triton.cdiv(d, block_d))](y, topk_slots, out, d, k, s, BLOCK_D=block_d)
