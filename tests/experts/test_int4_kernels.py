@@ -329,6 +329,8 @@ def test_int4_wgmma_refuses_bad_input():
         int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_m=32, block_kw1=32, block_kw2=32))
     with pytest.raises(ValueError, match="stages must be 3 or 4, got 2"):
         int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_kw1=32, block_kw2=32, stages=2))
+    with pytest.raises(ValueError, match="stages 4 x block_m 64 x block_kw 64 takes 262144 bytes of shared memory"):
+        int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 64, 64, 4))
     with pytest.raises(ValueError, match=r"num_warps must be 4 or 8 \(whole warpgroups\), got 2"):
         int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 32, 32, num_warps=2))
     with pytest.raises(ValueError, match=r"block_n2 must be 16 or 32 times num_warps \(4\), got 256"):
@@ -378,11 +380,13 @@ def test_int4_wgmma_path_on_gpu(t, case):
         slots[0, 0] = 3
     tw = torch.rand(t, k, device="cuda")
     ref = _ref(x, slots, tw, q, act, woi)
-    # the default tiles (two warpgroups); 64-row blocks; four buffers; 32-word steps in one kernel (64 for groups of
-    # 128); one warpgroup of 64 rows; one warpgroup issuing its wgmma twice (128 rows) in the down kernel
+    # the default tiles (two warpgroups); 64-row blocks; four buffers (three of 64-word steps fill shared memory);
+    # 32-word steps in one kernel (64 for groups of 128); one warpgroup of 64 rows; one warpgroup issuing its wgmma
+    # twice (128 rows) in the down kernel
     kw = max(16, group // 2)
     bm = 128 if kw == 16 else 64
-    for cfg in (None, WgmmaConfig(64, kw, kw), WgmmaConfig(bm, kw, kw, 4), WgmmaConfig(64, max(32, kw), kw),
+    for cfg in (None, WgmmaConfig(64, kw, kw), WgmmaConfig(bm, kw, kw, 4 if kw < 64 else 3),
+                WgmmaConfig(64, max(32, kw), kw),
                 WgmmaConfig(bm, kw, kw, 3, 4, 64, 64), WgmmaConfig(bm, kw, kw, 3, 4, 64, 128)):
         assert _rel(int4_wgmma_experts(x, slots, tw, q, act, woi, cfg), ref) < 1e-2, cfg
     graph = torch.cuda.CUDAGraph()

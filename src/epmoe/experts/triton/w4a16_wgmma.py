@@ -170,7 +170,7 @@ def _row_layout(block_kw, num_warps):
 
 
 @gluon.jit
-def _wait_step(smem, s, STAGES: gl.constexpr):
+def _wait_step(s, STAGES: gl.constexpr):
     """Wait for step ``s``'s activations (this thread's copies; every thread's after the barrier, and every warp's
     products of step ``s - 2`` are done). Returns the step's buffer index."""
     async_copy.wait_group(STAGES - 3)
@@ -222,7 +222,7 @@ def _gate_up_kernel(
     acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
     for s in range(0, nsteps):
         # the next step's words and scales (the last step's own again)
-        stage = _wait_step(smem, s, STAGES)
+        stage = _wait_step(s, STAGES)
         _request(smem, x_ptrs, s + STAGES - 2, nsteps, (s + STAGES - 2) % STAGES, BLOCK_KW)
         kw = gl.minimum(s + 1, nsteps - 1) * BLOCK_KW
         wg_next = _load_tile(wg_ptrs + kw, rows, F, w_cols, DW - kw, EVEN)
@@ -294,7 +294,7 @@ def _down_kernel(
     sc = _load_tile(s_ptrs, s_rows, D, s_cols, FW, EVEN)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
     for s in range(0, nsteps):
-        stage = _wait_step(smem, s, STAGES)
+        stage = _wait_step(s, STAGES)
         _request(smem, h_ptrs, s + STAGES - 2, nsteps, (s + STAGES - 2) % STAGES, BLOCK_KW)
         kw = gl.minimum(s + 1, nsteps - 1) * BLOCK_KW
         w_next = _load_tile(w_ptrs + kw, rows, D, w_cols, FW - kw, EVEN)
@@ -320,11 +320,20 @@ def _down_kernel(
     gl.store(y_ptrs, acc, mask=d_ok[:, None] & valid_c[None, :])
 
 
+_SMEM_MAX = 232448
+"""Shared memory bytes a program may have on compute capability 9.0 (227 KiB)."""
+
+
 def _check(cfg: WgmmaConfig, group_size: int) -> None:
     if cfg.block_m not in (64, 128):
         raise ValueError(f"WgmmaConfig.block_m must be 64 or 128, got {cfg.block_m}")
     if cfg.stages not in (3, 4):
         raise ValueError(f"WgmmaConfig.stages must be 3 or 4, got {cfg.stages}")
+    smem = 16 * cfg.stages * cfg.block_m * max(cfg.block_kw1, cfg.block_kw2)
+    if smem > _SMEM_MAX:
+        raise ValueError(f"WgmmaConfig stages {cfg.stages} x block_m {cfg.block_m} x block_kw "
+                         f"{max(cfg.block_kw1, cfg.block_kw2)} takes {smem} bytes of shared memory, more than the "
+                         f"{_SMEM_MAX} a Hopper program may have")
     if cfg.num_warps not in (4, 8):
         raise ValueError(f"WgmmaConfig.num_warps must be 4 or 8 (whole warpgroups), got {cfg.num_warps}")
     for name in ("block_n1", "block_n2"):
