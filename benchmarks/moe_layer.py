@@ -28,8 +28,9 @@ warpgroups a program), ``int4_wgmma4`` with one warpgroup of 64 weight rows a pr
 kernels; ``int4_decode``: the decode kernels, up to 64 tokens), our bf16 Triton path (``bf16``; its own floor, the
 bf16 bytes) and "dequantize, then grouped_mm" (``deq_gmm``: one Triton launch widening every local expert to bf16,
 then ``torch._grouped_mm``); with
-``--sweep`` (EP-8 shard only) also the decode tile configurations ``INT4_DECODE_SWEEP`` (sizes up to 64 tokens) and
-the grouped ones ``INT4_GROUPED_SWEEP`` (every sweep size), each sweep's best recorded.
+``--sweep`` (EP-8 shard only) also the decode tile configurations ``INT4_DECODE_SWEEP`` (sizes up to 64 tokens), the
+grouped ones ``INT4_GROUPED_SWEEP`` and the wgmma ones ``INT4_WGMMA_SWEEP`` (every sweep size), each sweep's best
+recorded.
 
 Every row: the floor = max(weight bytes of the slots the routing touches / measured copy bandwidth,
 FLOPs of the routed rows / measured bf16 matmul rate), both ceilings measured in the same run; the time
@@ -109,6 +110,11 @@ DECODE_MAX = 64
 MMA_BLOCK16 = MmaConfig(32, 32, 64, 32, 2, block_m=16)
 MMA_BLOCK32 = MmaConfig(32, 16, 32, 16, 2, block_m=32)  # 16-word steps: 200 registers, none spilled (sm_90)
 WGMMA_ONE_WARPGROUP = WgmmaConfig(num_warps=4, block_n1=64, block_n2=64)
+# the default, four buffers, 64-row blocks, one warpgroup (down: issuing its wgmma twice), 32-word steps
+INT4_WGMMA_SWEEP = [
+    WgmmaConfig(), WgmmaConfig(stages=4), WgmmaConfig(64), WGMMA_ONE_WARPGROUP,
+    WgmmaConfig(num_warps=4, block_n1=64, block_n2=128), WgmmaConfig(64, 32, 32),
+]
 SWEEP = [
     TileConfig(16, 32, 64, 128, 4, 3), TileConfig(64, 64, 128, 64, 8, 3), TileConfig(128, 128, 256, 64, 8, 4),
     TileConfig(64, 128, 128, 64, 4, 4), TileConfig(64, 64, 128, 64, 4, 4, True),
@@ -328,6 +334,8 @@ def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: 
         if t in sweep:
             _sweep(row, "int4_grouped", INT4_GROUPED_SWEEP,
                    lambda cfg: int4_grouped_experts(x, slots, tw, q, act, config=cfg), ref, flush)
+            _sweep(row, "int4_wgmma", INT4_WGMMA_SWEEP,
+                   lambda cfg: int4_wgmma_experts(x, slots, tw, q, act, config=cfg), ref, flush)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -355,12 +363,12 @@ def _checked_time(fn, ref: torch.Tensor, flush: torch.Tensor) -> tuple[float, fl
 
 
 def print_int4_table(rows: list[dict]) -> None:
-    """One line a row: the backend's path and time against the INT4 floor, each path's time (``dbest``/``gbest``: the
-    decode/grouped sweeps' best), bf16 and dequantize-then-grouped_mm, errors of the backend, the grouped path and
-    the wgmma kernels."""
+    """One line a row: the backend's path and time against the INT4 floor, each path's time
+    (``dbest``/``gbest``/``wbest``: the decode/grouped/wgmma sweeps' best), bf16 and dequantize-then-grouped_mm, errors
+    of the backend, the grouped path and the wgmma kernels."""
     nan = float("nan")
     print(f"\n{'case':14} {'T':>5} {'act':>4} {'path':>7} {'i4floor':>7} {'int4':>8} {'x_fl':>6} {'i4mma':>8} "
-          f"{'mma16':>8} {'mma32':>8} {'wgmma':>8} {'wgmma4':>8} "
+          f"{'mma16':>8} {'mma32':>8} {'wgmma':>8} {'wgmma4':>8} {'wbest':>8} "
           f"{'i4dec':>8} "
           f"{'dbest':>7} {'i4grp':>8} {'gbest':>7} {'gb_x_fl':>7} {'i4deq':>8} {'bf16':>7} {'bf16/i4':>7} "
           f"{'deq_gmm':>8} {'err_i4':>8} {'err_grp':>8} {'err_wg':>8}")
@@ -369,6 +377,7 @@ def print_int4_table(rows: list[dict]) -> None:
         print(f"{r['case']:14} {r['tokens']:5d} {r['active_slots']:4d} {r['int4_path']:>7} {r['int4_floor_us']:7.1f} "
               f"{r['int4_us']:8.1f} {r['int4_us'] / floor:6.2f} {r['int4_mma_us']:8.1f} {r['int4_mma16_us']:8.1f} "
               f"{r['int4_mma32_us']:8.1f} {r['int4_wgmma_us']:8.1f} {r['int4_wgmma4_us']:8.1f} "
+              f"{r.get('int4_wgmma_best_us', nan):8.1f} "
               f"{r.get('int4_decode_us', nan):8.1f} "
               f"{r.get('int4_best_us', nan):7.1f} {r['int4_grouped_us']:8.1f} "
               f"{r.get('int4_grouped_best_us', nan):7.1f} {r.get('int4_grouped_best_us', nan) / floor:7.2f} "
