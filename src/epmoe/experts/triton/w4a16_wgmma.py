@@ -221,9 +221,10 @@ def _gate_up_kernel(
     acc_g = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
     acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
     for s in range(0, nsteps):
-        # the next step's words and scales (the last step's own again)
+        # step s's activations in, step s - 2's buffer free: request step s + STAGES - 2 into it
         stage = _wait_step(s, STAGES)
         _request(smem, x_ptrs, s + STAGES - 2, nsteps, (s + STAGES - 2) % STAGES, BLOCK_KW)
+        # the next step's words and scales (the last step's own again) while this step's are widened
         kw = gl.minimum(s + 1, nsteps - 1) * BLOCK_KW
         wg_next = _load_tile(wg_ptrs + kw, rows, F, w_cols, DW - kw, EVEN)
         wu_next = _load_tile(wu_ptrs + kw, rows, F, w_cols, DW - kw, EVEN)
