@@ -22,12 +22,15 @@ The INT4 cases time, in the same run and on the same (dequantized) weight values
 packed weights (``int4``, the path ``int4_path`` picks; floor = INT4 bytes + scales of the active slots over the copy
 bandwidth, or the FLOPs), each INT4 path at every size whichever the backend takes (``int4_mma``: the tensor-core
 kernels with the words widened into the MMA registers, ``int4_mma16``/``int4_mma32`` with 16/32-row blocks;
+``int4_wgmma``: the prefill kernels on Hopper's warpgroup MMA, ``w4a16_wgmma``, with their default tiles (two
+warpgroups a program), ``int4_wgmma4`` with one warpgroup of 64 weight rows a program;
 ``int4_grouped``: the fused grouped kernels; ``int4_dequant``: the used slots widened, then the bf16 grouped
 kernels; ``int4_decode``: the decode kernels, up to 64 tokens), our bf16 Triton path (``bf16``; its own floor, the
 bf16 bytes) and "dequantize, then grouped_mm" (``deq_gmm``: one Triton launch widening every local expert to bf16,
 then ``torch._grouped_mm``); with
-``--sweep`` (EP-8 shard only) also the decode tile configurations ``INT4_DECODE_SWEEP`` (sizes up to 64 tokens) and
-the grouped ones ``INT4_GROUPED_SWEEP`` (every sweep size), each sweep's best recorded.
+``--sweep`` (EP-8 shard only) also the decode tile configurations ``INT4_DECODE_SWEEP`` (sizes up to 64 tokens), the
+grouped ones ``INT4_GROUPED_SWEEP`` and the wgmma ones ``INT4_WGMMA_SWEEP`` (every sweep size), each sweep's best
+recorded.
 
 Every row: the floor = max(weight bytes of the slots the routing touches / measured copy bandwidth,
 FLOPs of the routed rows / measured bf16 matmul rate), both ceilings measured in the same run; the time
@@ -71,6 +74,7 @@ from epmoe.experts.triton.int4 import (
     int4_path,
 )
 from epmoe.experts.triton.w4a16_mma import MmaConfig, int4_mma_experts
+from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, int4_wgmma_experts
 from timing import measure_ceilings, rel_err, time_fn, time_in_model
 
 CASES = {
@@ -105,6 +109,12 @@ INT4_GROUPED_SWEEP = [
 DECODE_MAX = 64
 MMA_BLOCK16 = MmaConfig(32, 32, 64, 32, 2, block_m=16)
 MMA_BLOCK32 = MmaConfig(32, 16, 32, 16, 2, block_m=32)  # 16-word steps: 200 registers, none spilled (sm_90)
+WGMMA_ONE_WARPGROUP = WgmmaConfig(num_warps=4, block_n1=64, block_n2=64)
+# the default, four buffers, 64-row blocks, one warpgroup (down: issuing its wgmma twice), 32-word steps
+INT4_WGMMA_SWEEP = [
+    WgmmaConfig(), WgmmaConfig(stages=4), WgmmaConfig(64), WGMMA_ONE_WARPGROUP,
+    WgmmaConfig(num_warps=4, block_n1=64, block_n2=128), WgmmaConfig(64, 32, 32),
+]
 SWEEP = [
     TileConfig(16, 32, 64, 128, 4, 3), TileConfig(64, 64, 128, 64, 8, 3), TileConfig(128, 128, 256, 64, 8, 4),
     TileConfig(64, 128, 128, 64, 4, 4), TileConfig(64, 64, 128, 64, 4, 4, True),
@@ -310,6 +320,9 @@ def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: 
                  # more token rows a block: each widened register feeds 2 or 4 MMAs (prefill sizes)
                  "int4_mma16": lambda: int4_mma_experts(x, slots, tw, q, act, config=MMA_BLOCK16),
                  "int4_mma32": lambda: int4_mma_experts(x, slots, tw, q, act, config=MMA_BLOCK32),
+                 # 64-128 token rows a block on the warpgroup MMA (prefill sizes)
+                 "int4_wgmma": lambda: int4_wgmma_experts(x, slots, tw, q, act),
+                 "int4_wgmma4": lambda: int4_wgmma_experts(x, slots, tw, q, act, config=WGMMA_ONE_WARPGROUP),
                  "int4_dequant": lambda: int4_dequantized_experts(x, slots, tw, q, act)}
         if t <= DECODE_MAX:
             impls["int4_decode"] = lambda: int4_decode_experts(x, slots, tw, q, act)
@@ -321,6 +334,8 @@ def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: 
         if t in sweep:
             _sweep(row, "int4_grouped", INT4_GROUPED_SWEEP,
                    lambda cfg: int4_grouped_experts(x, slots, tw, q, act, config=cfg), ref, flush)
+            _sweep(row, "int4_wgmma", INT4_WGMMA_SWEEP,
+                   lambda cfg: int4_wgmma_experts(x, slots, tw, q, act, config=cfg), ref, flush)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -348,24 +363,27 @@ def _checked_time(fn, ref: torch.Tensor, flush: torch.Tensor) -> tuple[float, fl
 
 
 def print_int4_table(rows: list[dict]) -> None:
-    """One line a row: the backend's path and time against the INT4 floor, each path's time (``dbest``/``gbest``: the
-    decode/grouped sweeps' best), bf16 and dequantize-then-grouped_mm, errors of the backend and the grouped path."""
+    """One line a row: the backend's path and time against the INT4 floor, each path's time
+    (``dbest``/``gbest``/``wbest``: the decode/grouped/wgmma sweeps' best), bf16 and dequantize-then-grouped_mm, errors
+    of the backend, the grouped path and the wgmma kernels."""
     nan = float("nan")
     print(f"\n{'case':14} {'T':>5} {'act':>4} {'path':>7} {'i4floor':>7} {'int4':>8} {'x_fl':>6} {'i4mma':>8} "
-          f"{'mma16':>8} {'mma32':>8} {'i4dec':>8} "
+          f"{'mma16':>8} {'mma32':>8} {'wgmma':>8} {'wgmma4':>8} {'wbest':>8} "
+          f"{'i4dec':>8} "
           f"{'dbest':>7} {'i4grp':>8} {'gbest':>7} {'gb_x_fl':>7} {'i4deq':>8} {'bf16':>7} {'bf16/i4':>7} "
-          f"{'deq_gmm':>8} {'err_i4':>8} {'err_grp':>8}")
+          f"{'deq_gmm':>8} {'err_i4':>8} {'err_grp':>8} {'err_wg':>8}")
     for r in rows:
         floor = r["int4_floor_us"] or nan  # no local pair: no floor
         print(f"{r['case']:14} {r['tokens']:5d} {r['active_slots']:4d} {r['int4_path']:>7} {r['int4_floor_us']:7.1f} "
               f"{r['int4_us']:8.1f} {r['int4_us'] / floor:6.2f} {r['int4_mma_us']:8.1f} {r['int4_mma16_us']:8.1f} "
-              f"{r['int4_mma32_us']:8.1f} "
+              f"{r['int4_mma32_us']:8.1f} {r['int4_wgmma_us']:8.1f} {r['int4_wgmma4_us']:8.1f} "
+              f"{r.get('int4_wgmma_best_us', nan):8.1f} "
               f"{r.get('int4_decode_us', nan):8.1f} "
               f"{r.get('int4_best_us', nan):7.1f} {r['int4_grouped_us']:8.1f} "
               f"{r.get('int4_grouped_best_us', nan):7.1f} {r.get('int4_grouped_best_us', nan) / floor:7.2f} "
               f"{r['int4_dequant_us']:8.1f} {r['bf16_us']:7.1f} "
               f"{r['bf16_us'] / r['int4_us']:7.2f} {r['deq_gmm_us']:8.1f} {r['int4_err']:8.1e} "
-              f"{r['int4_grouped_err']:8.1e}")
+              f"{r['int4_grouped_err']:8.1e} {r['int4_wgmma_err']:8.1e}")
 
 
 def full_layer_graph(tokens: int) -> dict:

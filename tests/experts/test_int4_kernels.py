@@ -307,3 +307,91 @@ def test_int4_mma_path_on_gpu(t, case):
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(captured, int4_mma_experts(x, slots, tw, q, act, woi))
+
+
+@pytest.mark.interpret  # the kernel module needs Triton (absent from CPU-only installs)
+def test_int4_wgmma_refuses_bad_input():
+    from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, default_wgmma_config, int4_wgmma_experts
+
+    assert default_wgmma_config(32) == WgmmaConfig(128, 16, 16, 3, 8, 128, 128)
+    assert default_wgmma_config(64) == WgmmaConfig(64, 32, 32, 3, 8, 128, 128)
+    assert default_wgmma_config(128) == WgmmaConfig(64, 64, 64, 3, 8, 128, 128)
+    q = int4_expert_weights(_weights(0, 2, 256, 128, False), 64)
+    x, slots, tw = torch.randn(1, 256), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)
+    with pytest.raises(TypeError, match="compute in bf16, got x of dtype torch.float32"):
+        int4_wgmma_experts(x, slots, tw, q, Activation())
+    x = x.bfloat16()
+    with pytest.raises(ValueError, match="block_kw2 must be 16, 32 or 64 words and at least half the group size 64"):
+        int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_kw1=32, block_kw2=16))
+    with pytest.raises(ValueError, match="block_kw1 must be 16, 32 or 64 words .* got 8"):
+        int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_kw1=8))
+    with pytest.raises(ValueError, match="block_m must be 64 or 128, got 32"):
+        int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_m=32, block_kw1=32, block_kw2=32))
+    with pytest.raises(ValueError, match="stages must be 3 or 4, got 2"):
+        int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_kw1=32, block_kw2=32, stages=2))
+    with pytest.raises(ValueError, match="stages 4 x block_m 64 x block_kw 64 takes 262144 bytes of shared memory"):
+        int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 64, 64, 4))
+    with pytest.raises(ValueError, match=r"num_warps must be 4 or 8 \(whole warpgroups\), got 2"):
+        int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 32, 32, num_warps=2))
+    with pytest.raises(ValueError, match=r"block_n2 must be 16 or 32 times num_warps \(4\), got 256"):
+        int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 32, 32, 3, 4, 64, 256))
+
+
+@pytest.mark.interpret
+def test_int4_wgmma_operand_order():
+    # the activations' operand-order copy puts every input where the down kernel's h store (_operand_position) and
+    # the weights' relabelling (w4a16_mma._operand: memory word 2 R q + 2 r + h -> operand word 8 r + 4 h + q) put it
+    from epmoe.experts.triton.w4a16_wgmma import wgmma_planes
+
+    for bkw in (16, 32, 64):
+        r, k = bkw // 8, 8 * bkw + 40  # a whole step and a part step
+        nib = torch.randint(0, 16, (3, k), dtype=torch.float64)
+        x = torch.randn(2, k, dtype=torch.float64)
+        xw = wgmma_planes(x, bkw)
+        assert xw.shape == (2, 16 * bkw) and (xw == 0).sum().item() == 2 * (16 * bkw - k)  # zero padding
+        acc = torch.zeros(3, 2, dtype=torch.float64)
+        padded = torch.nn.functional.pad(nib, (0, 16 * bkw - k))
+        for s in range(2):
+            words = padded[:, 8 * bkw * s:8 * bkw * (s + 1)].view(3, 4, r, 2, 8).permute(0, 2, 3, 1, 4)
+            words = words.reshape(3, bkw, 8)
+            for j in range(4):
+                a = torch.stack([words[:, :, j], words[:, :, j + 4]], -1).reshape(3, 2 * bkw)
+                acc += a @ xw[:, 8 * bkw * s + 2 * bkw * j:8 * bkw * s + 2 * bkw * (j + 1)].T
+        assert torch.allclose(acc, nib @ x.T)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [40, 300])  # partly filled 64/128-row blocks; several blocks a slot
+@pytest.mark.parametrize("case", ["silu_g128", "swiglu_bias_woi_g64", "ragged_skip"])
+def test_int4_wgmma_path_on_gpu(t, case):
+    from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, int4_wgmma_experts
+
+    s, k = 6, 8
+    # ragged: D of 136 words and F of 68 words leave a part step in both kernels, and F a part row tile
+    d, f = (1088, 544) if case.startswith("ragged") else (1024, 512)
+    group = {"silu_g128": 128, "swiglu_bias_woi_g64": 64, "ragged_skip": 32}[case]
+    q = _int4(t + 11, s, d, f, "bias" in case, group, torch.bfloat16, "cuda")
+    act = Activation("silu", 7.0) if "swiglu" in case else Activation()
+    woi = "woi" in case
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randint(0, s, (t, k), device="cuda")
+    if "skip" in case:
+        slots = torch.where(torch.rand(t, k, device="cuda") < 0.5, -1, slots)
+        slots[0, 0] = 3
+    tw = torch.rand(t, k, device="cuda")
+    ref = _ref(x, slots, tw, q, act, woi)
+    # the default tiles (two warpgroups); 64-row blocks; four buffers (three of 64-word steps fill shared memory);
+    # 32-word steps in one kernel (64 for groups of 128); one warpgroup of 64 rows; one warpgroup issuing its wgmma
+    # twice (128 rows) in the down kernel
+    kw = max(16, group // 2)
+    bm = 128 if kw == 16 else 64
+    for cfg in (None, WgmmaConfig(64, kw, kw), WgmmaConfig(bm, kw, kw, 4 if kw < 64 else 3),
+                WgmmaConfig(64, max(32, kw), kw),
+                WgmmaConfig(bm, kw, kw, 3, 4, 64, 64), WgmmaConfig(bm, kw, kw, 3, 4, 64, 128)):
+        assert _rel(int4_wgmma_experts(x, slots, tw, q, act, woi, cfg), ref) < 1e-2, cfg
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = int4_wgmma_experts(x, slots, tw, q, act, woi)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(captured, int4_wgmma_experts(x, slots, tw, q, act, woi))

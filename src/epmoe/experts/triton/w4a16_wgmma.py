@@ -1,0 +1,420 @@
+"""W4A16 expert compute at prefill sizes on Hopper's warpgroup MMA, the INT4 words widened straight into the A operand.
+
+A Gluon kernel pair, the prefill variant of ``w4a16_mma`` (read its module docstring first: the input order, the
+widening and the helpers are shared). The product is taken transposed as there: 64 weight rows of a warpgroup (four
+warps, 16 rows each) are the ``M`` side of ``wgmma.mma_async.m64nNk16``, a row block of ``WgmmaConfig.block_m`` (64
+or 128) token rows of one slot its ``N`` side, so each widened weight register feeds ``block_m / 8`` tensor-core
+products (``w4a16_mma``: one or two ``mma.sync`` of 8 tokens). A program of ``block_n`` weight rows has one or two
+warpgroups (``num_warps`` 4 or 8), each issuing its ``wgmma`` once or twice (``block_n = 16 num_warps`` or twice
+that), all on the same activations in shared memory.
+
+A (weights), in registers. Each thread loads its words and group scales in memory order (``w4a16_mma._word_layout``),
+relabels them into the operand order (``_operand``) and widens them plane by plane (``_plane``) into
+``DotOperandLayout(0, <v3 layout>, k_width=2)``: a warp's part of the v3 A operand (16 rows of its warpgroup's 64,
+warps stacked along ``M``) is the ``mma.sync.m16n8k16`` A fragment, so the relabelling is the same and
+``convert_layout(..., assert_trivial=True)`` proves at compile time that no data moves.
+
+B (activations), in shared memory. A step of ``BLOCK_KW`` words is four products of ``K = 2 BLOCK_KW``, one per
+nibble plane ``j``; plane ``j``'s B holds at ``(2 w + e, m)`` input ``8 c + j + 4 e`` of token row ``m`` (``w`` the
+operand word of memory word ``c``). The activations are copied once into that operand order (``wgmma_planes``: a
+step's four planes, ``8 BLOCK_KW`` values, consecutive in a row, zero-padded to whole steps), so a row's part of a
+plane is ``4 BLOCK_KW`` consecutive bytes and goes to shared memory by ``cp.async`` 16-byte copies, no registers
+(``NVMMASharedLayout``, K-major). ``STAGES`` buffers: after step ``s``'s barrier every warp has waited for step
+``s - 1``'s products up to its last plane, so the buffer of step ``s - 2`` is free and step ``s + STAGES - 2`` is
+requested into it (``STAGES - 2`` steps ahead); the next step's words and scales are loaded into registers before
+this step's are widened. ``warpgroup_mma(..., is_async=True)`` with at most one plane in flight while the next
+plane is widened.
+
+1. ``wgmma_planes(x)`` and ``align_kernels.align_triton`` (pairs sorted by slot, ``block_m`` rows a block).
+2. ``_gate_up_kernel``, grid ``NB * cdiv(F, block_n1)``: gate and up rows of a block's slot against the block's gathered
+   token rows (pair id ``// K``), bias, routing weight (on the input), the gated activation; ``h`` stored per sorted
+   position in the operand order of the down kernel's steps (zero-padded to whole steps).
+3. ``_down_kernel``, grid ``NB * cdiv(D, block_n2)``: ``w2`` rows against the block's ``h`` rows (consecutive sorted
+   positions), bias, routing weight (on the output), ``y [N, D]`` float32 at each pair's row.
+4. ``grouped.sum_pairs_kernel``: ``out[t] = sum_k y[t K + k]``.
+
+Static grids, no host synchronisation: CUDA-graph safe. ``wgmma`` and ``cp.async``: compute capability 9.0 (Hopper);
+bf16 activations only. No split reduction: this is the prefill kernel (many row blocks); decode sizes take
+``w4a16_mma``.
+
+Source: a mixed-input GEMM with the narrow operand widened in registers as the wgmma A operand and the wide one in
+shared memory is the design of Machete (Neural Magic's Hopper W4A16 GEMM in vLLM) and of Marlin's Hopper successors
+(Frantar et al., "MARLIN: Mixed-Precision Auto-Regressive Parallel Inference on Large Language Models",
+arXiv:2408.11743, for the widening); they reorder the weights offline, here the checkpoint's packed layout is read as
+it is and the activations are reordered instead. The code is our own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
+from epmoe.experts.triton.align_kernels import align_triton
+from epmoe.experts.triton.decode import gated_activation
+from epmoe.experts.triton.grouped import act_code, sum_pairs_kernel
+from epmoe.experts.triton.w4a16_mma import _block_rows, _load_tile, _operand, _per_word, _plane, _weight_ptrs
+from epmoe.experts.weights import Activation
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """Tile shapes of the two kernels.
+
+    Attributes:
+        block_m: token rows of a row block, the ``N`` of the ``wgmma`` (64 or 128).
+        block_kw1: int32 words (8 inputs each) of ``D`` per step of the gate/up program (16, 32 or 64): at least
+            ``G / 2`` (a thread's words of a row, ``block_kw / 4``, cover whole groups).
+        block_kw2: words of ``F`` per step of the down program, as ``block_kw1``.
+        stages: activation buffers in shared memory (3 or 4): the copies run ``stages - 2`` steps ahead.
+        num_warps: warps of a program, 4 or 8 (one or two warpgroups, each ``64`` weight rows of a ``wgmma``).
+        block_n1: gate (and up) rows of a gate/up program: ``16 num_warps`` or twice that (each warpgroup then
+            issues its ``wgmma`` twice, for rows ``r`` and ``r + 16 num_warps``, on the same shared activations).
+        block_n2: ``w2`` rows (output columns) of a down program, as ``block_n1``.
+    """
+
+    block_m: int = 128
+    block_kw1: int = 16
+    block_kw2: int = 16
+    stages: int = 3
+    num_warps: int = 8
+    block_n1: int = 128
+    block_n2: int = 128
+
+
+def default_wgmma_config(group_size: int) -> WgmmaConfig:
+    """``WgmmaConfig()`` with steps of at least half a group (``block_kw >= G / 2``); 64-row blocks for the longer
+    steps of groups of 64 and 128 (128-row blocks of 32-word steps spill registers in the gate/up kernel and take
+    192 KiB of shared memory, compiled for sm_90a).
+
+    The defaults are chosen on paper, not yet measured: two warpgroups a program share each step's activations in
+    shared memory, which halves the activation bytes read per product against one warpgroup of 64 rows."""
+    kw = max(WgmmaConfig.block_kw1, group_size // 2)
+    return WgmmaConfig(block_m=128 if kw == WgmmaConfig.block_kw1 else 64, block_kw1=kw, block_kw2=kw)
+
+
+def _operand_segment(k: int, block_kw: int) -> int:
+    """Values a row of ``k`` inputs takes in the operand-order copies: ``k`` rounded up to whole steps."""
+    step = INT4_PACK * block_kw
+    return -(-k // step) * step
+
+
+def wgmma_planes(x: torch.Tensor, block_kw: int) -> torch.Tensor:
+    """``x [T, K]`` (``K`` a multiple of 8) -> its operand-order copy ``[T, KP]`` (``KP``: ``K`` rounded up to whole
+    steps of ``8 block_kw`` inputs, the padding zero): input ``8 c + j + 4 e`` of step ``s`` (memory word ``c = 2 R q
+    + 2 r + h`` of the step, ``R = block_kw / 8``) at ``8 block_kw s + 2 block_kw j + 2 (8 r + 4 h + q) + e``
+    (``_operand_position``)."""
+    t, k = x.shape
+    kp = _operand_segment(k, block_kw)
+    r = block_kw // 8
+    if kp != k:
+        x = torch.nn.functional.pad(x, (0, kp - k))
+    # a step's inputs as [q, r, h, e, j] -> [j, r, h, q, e]
+    return x.view(t, kp // (8 * block_kw), 4, r, 2, 2, 4).permute(0, 1, 6, 3, 4, 2, 5).reshape(t, kp)
+
+
+@gluon.jit
+def _operand_position(n, BLOCK_KW: gl.constexpr):
+    """Where input ``n`` of a row goes in its operand-order copy (``wgmma_planes``)."""
+    R: gl.constexpr = BLOCK_KW // 8
+    i = n % (8 * BLOCK_KW)
+    c = i // 8
+    w = 8 * ((c // 2) % R) + 4 * (c % 2) + c // (2 * R)
+    return (n - i) + (i % 4) * (2 * BLOCK_KW) + 2 * w + (i // 4) % 2
+
+
+@gluon.constexpr_function
+def _copy_layout(block_kw, num_warps):
+    """Register layout of a step's activation pointers ``[4, block_m, 2 block_kw]`` (plane, token row, value): 8
+    values (16 bytes) a thread, the four planes of a token row in the same thread (one row address a token row)."""
+    tk = block_kw // 4
+    return gl.BlockedLayout([4, 1, 8], [1, 32 // tk, tk], [1, num_warps, 1], [2, 1, 0])
+
+
+@gluon.constexpr_function
+def _b_smem_layout(block_kw):
+    """Shared layout of the activation buffers ``[STAGES, 4 block_m, 2 block_kw]`` bf16 (K-major B)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=min(128, 4 * block_kw), element_bitwidth=16, rank=2)
+
+
+@gluon.jit
+def _request(smem, ptrs, step, nsteps, stage, BLOCK_KW: gl.constexpr):
+    """Copy the four plane tiles of step ``min(step, nsteps - 1)`` (``ptrs``: ``_step_ptrs``) into buffer ``stage``
+    ``[4 BLOCK_M, 2 BLOCK_KW]`` (``cp.async``; one commit group)."""
+    buf = smem.index(stage).reshape([4, ptrs.shape[1], 2 * BLOCK_KW])
+    async_copy.async_copy_global_to_shared(buf, ptrs + gl.minimum(step, nsteps - 1) * (8 * BLOCK_KW))
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _step_ptrs(row_ptrs, BLOCK_M: gl.constexpr, BLOCK_KW: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """Pointers of step 0's planes ``[4, BLOCK_M, 2 BLOCK_KW]`` (plane ``j`` of token row ``m`` goes to row ``j
+    BLOCK_M + m`` of a buffer) from the token rows' addresses in the operand-order copy (``row_ptrs [BLOCK_M]`` in
+    ``_row_layout``)."""
+    COPY: gl.constexpr = _copy_layout(BLOCK_KW, NUM_WARPS)
+    j = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, COPY)))
+    kk = gl.arange(0, 2 * BLOCK_KW, layout=gl.SliceLayout(0, gl.SliceLayout(1, COPY)))
+    return row_ptrs[None, :, None] + ((j * (2 * BLOCK_KW))[:, None, None] + kk[None, None, :])
+
+
+@gluon.constexpr_function
+def _row_layout(block_kw, num_warps):
+    """Layout of a block's token rows ``[block_m]`` for ``_step_ptrs``."""
+    return gl.SliceLayout(0, gl.SliceLayout(2, _copy_layout(block_kw, num_warps)))
+
+
+@gluon.jit
+def _wait_step(s, STAGES: gl.constexpr):
+    """Wait for step ``s``'s activations (this thread's copies; every thread's after the barrier, and every warp's
+    products of step ``s - 2`` are done). Returns the step's buffer index."""
+    async_copy.wait_group(STAGES - 3)
+    fence_async_shared()
+    gl.thread_barrier()
+    return s % STAGES
+
+
+@gluon.jit
+def _gate_up_kernel(
+    xw_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, block_slot_ptr, block_start_ptr,
+    num_pairs, top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, act_limit, act_alpha,
+    BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, BLOCK_KW2: gl.constexpr, BLOCK_M: gl.constexpr, GW: gl.constexpr,
+    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
+    WEIGHT_ON_INPUT: gl.constexpr, EVEN: gl.constexpr,
+):
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    W_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
+    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    num_n = gl.cdiv(F, BLOCK_N)
+    pid_m = gl.program_id(0) // num_n
+    pid_n = gl.program_id(0) % num_n
+    slot = gl.load(block_slot_ptr + pid_m).to(gl.int64)
+    if slot < 0:
+        return
+    first = gl.load(block_start_ptr + pid_m)
+    DW = D // 8
+    nsteps = gl.cdiv(DW, BLOCK_KW)
+    # B: the block's token rows of the operand-order copy of x (a padding row reads token 0: its column of the
+    # product is never stored)
+    pair_b, valid_b = _block_rows(sorted_ptr, first, num_pairs, BLOCK_M, _row_layout(BLOCK_KW, NUM_WARPS))
+    tok_b = gl.where(valid_b, pair_b // top_k, 0).to(gl.int64)
+    x_ptrs = _step_ptrs(xw_ptr + tok_b * stride_x, BLOCK_M, BLOCK_KW, NUM_WARPS)
+    smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4 * BLOCK_M, 2 * BLOCK_KW], _b_smem_layout(BLOCK_KW))
+    for i in gl.static_range(STAGES - 2):
+        _request(smem, x_ptrs, i, nsteps, i, BLOCK_KW)
+    # A: gate rows and up rows (F + rows) of the slot
+    wg_ptrs, sg_ptrs, rows, w_cols, s_rows, s_cols = _weight_ptrs(
+        w_ptr + slot * stride_we, s_ptr + slot * stride_se, pid_n * BLOCK_N, stride_wn, stride_sn, BLOCK_N, BLOCK_KW,
+        GW, NUM_WARPS)
+    wu_ptrs = wg_ptrs + F * stride_wn
+    su_ptrs = sg_ptrs + F * stride_sn
+    wg = _load_tile(wg_ptrs, rows, F, w_cols, DW, EVEN)
+    wu = _load_tile(wu_ptrs, rows, F, w_cols, DW, EVEN)
+    sg = _load_tile(sg_ptrs, s_rows, F, s_cols, DW, EVEN)
+    su = _load_tile(su_ptrs, s_rows, F, s_cols, DW, EVEN)
+    acc_g = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
+    acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
+    for s in range(0, nsteps):
+        # step s's activations in, step s - 2's buffer free: request step s + STAGES - 2 into it
+        stage = _wait_step(s, STAGES)
+        _request(smem, x_ptrs, s + STAGES - 2, nsteps, (s + STAGES - 2) % STAGES, BLOCK_KW)
+        # the next step's words and scales (the last step's own again) while this step's are widened
+        kw = gl.minimum(s + 1, nsteps - 1) * BLOCK_KW
+        wg_next = _load_tile(wg_ptrs + kw, rows, F, w_cols, DW - kw, EVEN)
+        wu_next = _load_tile(wu_ptrs + kw, rows, F, w_cols, DW - kw, EVEN)
+        sg_next = _load_tile(sg_ptrs + kw // GW, s_rows, F, s_cols, DW - kw, EVEN)
+        su_next = _load_tile(su_ptrs + kw // GW, s_rows, F, s_cols, DW - kw, EVEN)
+        ag = _operand(wg, BLOCK_N, BLOCK_KW, W_LAYOUT)
+        au = _operand(wu, BLOCK_N, BLOCK_KW, W_LAYOUT)
+        cg = _operand(_per_word(sg, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
+        cu = _operand(_per_word(su, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
+        for j in gl.static_range(4):
+            b = smem.index(stage).slice(j * BLOCK_M, BLOCK_M).permute((1, 0))
+            acc_g = warpgroup_mma(_plane(ag, cg, j, BLOCK_N, BLOCK_KW, A_LAYOUT), b, acc_g, is_async=True)
+            acc_u = warpgroup_mma(_plane(au, cu, j, BLOCK_N, BLOCK_KW, A_LAYOUT), b, acc_u, is_async=True)
+            acc_g, acc_u = warpgroup_mma_wait(2, deps=[acc_g, acc_u])
+        wg = wg_next
+        wu = wu_next
+        sg = sg_next
+        su = su_next
+    acc_g, acc_u = warpgroup_mma_wait(0, deps=[acc_g, acc_u])
+    async_copy.wait_group(0)
+    # epilogue in the accumulator layout: rows f of F, columns the block's token rows
+    pair_c, valid_c = _block_rows(sorted_ptr, first, num_pairs, BLOCK_M, gl.SliceLayout(0, MMA))
+    f = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    f_ok = f < F
+    if WEIGHT_ON_INPUT:
+        tw = gl.load(tw_ptr + pair_c, mask=valid_c, other=0.0)
+        acc_g *= tw[None, :]
+        acc_u *= tw[None, :]
+    if HAS_BIAS:
+        acc_g += gl.load(b_ptr + slot * 2 * F + f, mask=f_ok, other=0.0).to(gl.float32)[:, None]
+        acc_u += gl.load(b_ptr + slot * 2 * F + F + f, mask=f_ok, other=0.0).to(gl.float32)[:, None]
+    h = gated_activation(acc_g, acc_u, act_limit, act_alpha, ACT)
+    m_c = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+    h_ptrs = h_ptr + (first + m_c).to(gl.int64)[None, :] * stride_h + _operand_position(f, BLOCK_KW2)[:, None]
+    gl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=f_ok[:, None] & valid_c[None, :])
+
+
+@gluon.jit
+def _down_kernel(
+    h_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, block_slot_ptr, block_start_ptr,
+    num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn, stride_h,
+    BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, BLOCK_M: gl.constexpr, GW: gl.constexpr, STAGES: gl.constexpr,
+    NUM_WARPS: gl.constexpr, HAS_BIAS: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr, EVEN: gl.constexpr,
+):
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    W_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
+    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    num_n = gl.cdiv(D, BLOCK_N)
+    pid_m = gl.program_id(0) // num_n
+    pid_n = gl.program_id(0) % num_n
+    slot = gl.load(block_slot_ptr + pid_m).to(gl.int64)
+    if slot < 0:
+        return
+    first = gl.load(block_start_ptr + pid_m)
+    FW = F // 8
+    nsteps = gl.cdiv(FW, BLOCK_KW)
+    # B: the block's h rows (a padding row was never written: its column of the product is never stored)
+    m_b = gl.arange(0, BLOCK_M, layout=_row_layout(BLOCK_KW, NUM_WARPS))
+    h_ptrs = _step_ptrs(h_ptr + (first + m_b).to(gl.int64) * stride_h, BLOCK_M, BLOCK_KW, NUM_WARPS)
+    smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4 * BLOCK_M, 2 * BLOCK_KW], _b_smem_layout(BLOCK_KW))
+    for i in gl.static_range(STAGES - 2):
+        _request(smem, h_ptrs, i, nsteps, i, BLOCK_KW)
+    w_ptrs, s_ptrs, rows, w_cols, s_rows, s_cols = _weight_ptrs(
+        w_ptr + slot * stride_we, s_ptr + slot * stride_se, pid_n * BLOCK_N, stride_wn, stride_sn, BLOCK_N, BLOCK_KW,
+        GW, NUM_WARPS)
+    w = _load_tile(w_ptrs, rows, D, w_cols, FW, EVEN)
+    sc = _load_tile(s_ptrs, s_rows, D, s_cols, FW, EVEN)
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
+    for s in range(0, nsteps):
+        stage = _wait_step(s, STAGES)
+        _request(smem, h_ptrs, s + STAGES - 2, nsteps, (s + STAGES - 2) % STAGES, BLOCK_KW)
+        kw = gl.minimum(s + 1, nsteps - 1) * BLOCK_KW
+        w_next = _load_tile(w_ptrs + kw, rows, D, w_cols, FW - kw, EVEN)
+        sc_next = _load_tile(s_ptrs + kw // GW, s_rows, D, s_cols, FW - kw, EVEN)
+        a = _operand(w, BLOCK_N, BLOCK_KW, W_LAYOUT)
+        c = _operand(_per_word(sc, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
+        for j in gl.static_range(4):
+            b = smem.index(stage).slice(j * BLOCK_M, BLOCK_M).permute((1, 0))
+            acc = warpgroup_mma(_plane(a, c, j, BLOCK_N, BLOCK_KW, A_LAYOUT), b, acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=[acc])
+        w = w_next
+        sc = sc_next
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    async_copy.wait_group(0)
+    pair_c, valid_c = _block_rows(sorted_ptr, first, num_pairs, BLOCK_M, gl.SliceLayout(0, MMA))
+    d = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    d_ok = d < D
+    if HAS_BIAS:
+        acc += gl.load(b_ptr + slot * D + d, mask=d_ok, other=0.0).to(gl.float32)[:, None]
+    if not WEIGHT_ON_INPUT:
+        acc *= gl.load(tw_ptr + pair_c, mask=valid_c, other=0.0)[None, :]
+    y_ptrs = y_ptr + pair_c.to(gl.int64)[None, :] * D + d[:, None]
+    gl.store(y_ptrs, acc, mask=d_ok[:, None] & valid_c[None, :])
+
+
+_SMEM_MAX = 232448
+"""Shared memory bytes a program may have on compute capability 9.0 (227 KiB)."""
+
+
+def _check(cfg: WgmmaConfig, group_size: int) -> None:
+    if cfg.block_m not in (64, 128):
+        raise ValueError(f"WgmmaConfig.block_m must be 64 or 128, got {cfg.block_m}")
+    if cfg.stages not in (3, 4):
+        raise ValueError(f"WgmmaConfig.stages must be 3 or 4, got {cfg.stages}")
+    smem = 16 * cfg.stages * cfg.block_m * max(cfg.block_kw1, cfg.block_kw2)
+    if smem > _SMEM_MAX:
+        raise ValueError(f"WgmmaConfig stages {cfg.stages} x block_m {cfg.block_m} x block_kw "
+                         f"{max(cfg.block_kw1, cfg.block_kw2)} takes {smem} bytes of shared memory, more than the "
+                         f"{_SMEM_MAX} a Hopper program may have")
+    if cfg.num_warps not in (4, 8):
+        raise ValueError(f"WgmmaConfig.num_warps must be 4 or 8 (whole warpgroups), got {cfg.num_warps}")
+    for name in ("block_n1", "block_n2"):
+        v = getattr(cfg, name)
+        if v not in (16 * cfg.num_warps, 32 * cfg.num_warps):
+            raise ValueError(f"WgmmaConfig.{name} must be 16 or 32 times num_warps ({cfg.num_warps}), got {v}")
+    for name in ("block_kw1", "block_kw2"):
+        v = getattr(cfg, name)
+        if v not in (16, 32, 64) or 2 * v < group_size:
+            raise ValueError(f"WgmmaConfig.{name} must be 16, 32 or 64 words and at least half the group size "
+                             f"{group_size} (a thread's words of a row cover whole groups), got {v}")
+
+
+def int4_wgmma_experts(
+    x: torch.Tensor,
+    topk_slots: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: Int4ExpertWeights,
+    activation: Activation,
+    weight_on_input: bool = False,
+    config: WgmmaConfig | None = None,
+) -> torch.Tensor:
+    """INT4 expert compute on Hopper's warpgroup MMA, weights widened into the A operand registers (see the module
+    docstring); for prefill sizes (many pairs a slot).
+
+    Args:
+        x: ``[T, D]`` bf16 CUDA rows, contiguous along ``D``.
+        topk_slots: ``[T, K]`` int64 contiguous local slot ids; an id outside ``[0, S)`` (``-1``) skips.
+        topk_weights: ``[T, K]`` float32 contiguous routing weights.
+        weights: the packed weights (contiguous).
+        activation: the gated activation.
+        weight_on_input: scale the expert input by the weight instead of its output.
+        config: tile shapes; ``default_wgmma_config(G)`` when ``None``.
+
+    Returns:
+        ``[T, D]`` bf16.
+
+    Raises:
+        TypeError: ``x`` not bf16.
+        ValueError: a ``config`` outside the constraints of ``WgmmaConfig``.
+    """
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"the INT4 wgmma kernels compute in bf16, got x of dtype {x.dtype}")
+    g = weights.group_size
+    cfg = config if config is not None else default_wgmma_config(g)
+    _check(cfg, g)
+    t, k = topk_slots.shape
+    n = t * k
+    s, d, f = weights.num_slots, weights.hidden_size, weights.intermediate_size
+    out = torch.empty(t, d, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    w13, s13, w2, s2 = weights.w13_packed, weights.w13_scale, weights.w2_packed, weights.w2_scale
+    xw = wgmma_planes(x, cfg.block_kw1)
+    bm = cfg.block_m
+    aln = align_triton(topk_slots, s, bm)
+    nb = aln.block_slot.shape[0]
+    fp = _operand_segment(f, cfg.block_kw2)
+    # the down kernel reads whole steps: the padding past F must be zero (the padded weights are)
+    h = (torch.zeros if fp != f else torch.empty)(nb * bm, fp, dtype=x.dtype, device=x.device)
+    y = torch.empty(n, d, dtype=torch.float32, device=x.device)
+    placeholder = topk_weights
+    limit = activation.swiglu_limit if activation.swiglu_limit is not None else 0.0
+    gw = g // INT4_PACK
+    n1, n2, nw = cfg.block_n1, cfg.block_n2, cfg.num_warps
+    _gate_up_kernel[(nb * triton.cdiv(f, n1),)](
+        xw, w13, s13, weights.b13 if weights.b13 is not None else placeholder, topk_weights, h, aln.sorted_pair_ids,
+        aln.block_slot, aln.block_start, n, k, d, f, xw.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
+        s13.stride(1), h.stride(0), float(limit), float(activation.swiglu_alpha),
+        BLOCK_N=n1, BLOCK_KW=cfg.block_kw1, BLOCK_KW2=cfg.block_kw2, BLOCK_M=bm, GW=gw, STAGES=cfg.stages,
+        NUM_WARPS=nw, ACT=act_code(activation), HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input,
+        EVEN=(d // INT4_PACK) % cfg.block_kw1 == 0 and f % n1 == 0, num_warps=nw,
+    )
+    _down_kernel[(nb * triton.cdiv(d, n2),)](
+        h, w2, s2, weights.b2 if weights.b2 is not None else placeholder, topk_weights, y, aln.sorted_pair_ids,
+        aln.block_slot, aln.block_start, n, d, f, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
+        h.stride(0), BLOCK_N=n2, BLOCK_KW=cfg.block_kw2, BLOCK_M=bm, GW=gw, STAGES=cfg.stages, NUM_WARPS=nw,
+        HAS_BIAS=weights.b2 is not None, WEIGHT_ON_INPUT=weight_on_input,
+        EVEN=(f // INT4_PACK) % cfg.block_kw2 == 0 and d % n2 == 0, num_warps=nw,
+    )
+    block_d = min(1024, triton.next_power_of_2(d))
+    sum_pairs_kernel[(t, triton.cdiv(d, block_d))](y, topk_slots, out, d, k, s, BLOCK_D=block_d)
+    return out
