@@ -44,7 +44,8 @@ def main() -> None:
                               group_size=g)
         for t in [int(v) for v in args.sizes.split(",")]:
             x, slots, tw = make_routing(case, t, gen)
-            err = rel_err(int4_wgmma_experts(x, slots, tw, q, act), int4_mma_experts(x, slots, tw, q, act, config=mma16))
+            ref = int4_mma_experts(x, slots, tw, q, act, config=mma16)
+            err = rel_err(int4_wgmma_experts(x, slots, tw, q, act), ref)
             wg_us = time_fn(lambda: int4_wgmma_experts(x, slots, tw, q, act), True, flush) * 1e3
             mma_us = time_fn(lambda: int4_mma_experts(x, slots, tw, q, act, config=mma16), True, flush) * 1e3
             print(f"{name:15} T={t:5d} wgmma {wg_us:9.1f} us  mma16 {mma_us:9.1f} us  "
