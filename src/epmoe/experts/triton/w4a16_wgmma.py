@@ -9,7 +9,7 @@ warpgroups (``num_warps`` 4 or 8), each issuing its ``wgmma`` once or twice (``b
 that), all on the same activations in shared memory.
 
 A (weights), in registers. Each thread loads its words and group scales in memory order (``w4a16_mma._word_layout``),
-relabels them into the operand order (``_operand``) and widens them plane by plane (``_plane``) into
+relabels them into the operand order (``operand_order``) and widens them plane by plane (``widened_plane``) into
 ``DotOperandLayout(0, <v3 layout>, k_width=2)``: a warp's part of the v3 A operand (16 rows of its warpgroup's 64,
 warps stacked along ``M``) is the ``mma.sync.m16n8k16`` A fragment, so the relabelling is the same and
 ``convert_layout(..., assert_trivial=True)`` proves at compile time that no data moves.
@@ -59,7 +59,14 @@ from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
 from epmoe.experts.triton.align_kernels import align_triton
 from epmoe.experts.triton.decode import gated_activation
 from epmoe.experts.triton.grouped import act_code, sum_pairs_kernel
-from epmoe.experts.triton.w4a16_mma import _block_rows, _load_tile, _operand, _per_word, _plane, _weight_ptrs
+from epmoe.experts.triton.w4a16_mma import (
+    block_rows,
+    load_tile,
+    operand_order,
+    scales_per_word,
+    weight_ptrs,
+    widened_plane,
+)
 from epmoe.experts.weights import Activation
 
 
@@ -202,22 +209,22 @@ def _gate_up_kernel(
     nsteps = gl.cdiv(DW, BLOCK_KW)
     # B: the block's token rows of the operand-order copy of x (a padding row reads token 0: its column of the
     # product is never stored)
-    pair_b, valid_b = _block_rows(sorted_ptr, first, num_pairs, BLOCK_M, _row_layout(BLOCK_KW, NUM_WARPS))
+    pair_b, valid_b = block_rows(sorted_ptr, first, num_pairs, BLOCK_M, _row_layout(BLOCK_KW, NUM_WARPS))
     tok_b = gl.where(valid_b, pair_b // top_k, 0).to(gl.int64)
     x_ptrs = _step_ptrs(xw_ptr + tok_b * stride_x, BLOCK_M, BLOCK_KW, NUM_WARPS)
     smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4 * BLOCK_M, 2 * BLOCK_KW], _b_smem_layout(BLOCK_KW))
     for i in gl.static_range(STAGES - 2):
         _request(smem, x_ptrs, i, nsteps, i, BLOCK_KW)
     # A: gate rows and up rows (F + rows) of the slot
-    wg_ptrs, sg_ptrs, rows, w_cols, s_rows, s_cols = _weight_ptrs(
+    wg_ptrs, sg_ptrs, rows, w_cols, s_rows, s_cols = weight_ptrs(
         w_ptr + slot * stride_we, s_ptr + slot * stride_se, pid_n * BLOCK_N, stride_wn, stride_sn, BLOCK_N, BLOCK_KW,
         GW, NUM_WARPS)
     wu_ptrs = wg_ptrs + F * stride_wn
     su_ptrs = sg_ptrs + F * stride_sn
-    wg = _load_tile(wg_ptrs, rows, F, w_cols, DW, EVEN)
-    wu = _load_tile(wu_ptrs, rows, F, w_cols, DW, EVEN)
-    sg = _load_tile(sg_ptrs, s_rows, F, s_cols, DW, EVEN)
-    su = _load_tile(su_ptrs, s_rows, F, s_cols, DW, EVEN)
+    wg = load_tile(wg_ptrs, rows, F, w_cols, DW, EVEN)
+    wu = load_tile(wu_ptrs, rows, F, w_cols, DW, EVEN)
+    sg = load_tile(sg_ptrs, s_rows, F, s_cols, DW, EVEN)
+    su = load_tile(su_ptrs, s_rows, F, s_cols, DW, EVEN)
     acc_g = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
     acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
     for s in range(0, nsteps):
@@ -226,18 +233,18 @@ def _gate_up_kernel(
         _request(smem, x_ptrs, s + STAGES - 2, nsteps, (s + STAGES - 2) % STAGES, BLOCK_KW)
         # the next step's words and scales (the last step's own again) while this step's are widened
         kw = gl.minimum(s + 1, nsteps - 1) * BLOCK_KW
-        wg_next = _load_tile(wg_ptrs + kw, rows, F, w_cols, DW - kw, EVEN)
-        wu_next = _load_tile(wu_ptrs + kw, rows, F, w_cols, DW - kw, EVEN)
-        sg_next = _load_tile(sg_ptrs + kw // GW, s_rows, F, s_cols, DW - kw, EVEN)
-        su_next = _load_tile(su_ptrs + kw // GW, s_rows, F, s_cols, DW - kw, EVEN)
-        ag = _operand(wg, BLOCK_N, BLOCK_KW, W_LAYOUT)
-        au = _operand(wu, BLOCK_N, BLOCK_KW, W_LAYOUT)
-        cg = _operand(_per_word(sg, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
-        cu = _operand(_per_word(su, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
+        wg_next = load_tile(wg_ptrs + kw, rows, F, w_cols, DW - kw, EVEN)
+        wu_next = load_tile(wu_ptrs + kw, rows, F, w_cols, DW - kw, EVEN)
+        sg_next = load_tile(sg_ptrs + kw // GW, s_rows, F, s_cols, DW - kw, EVEN)
+        su_next = load_tile(su_ptrs + kw // GW, s_rows, F, s_cols, DW - kw, EVEN)
+        ag = operand_order(wg, BLOCK_N, BLOCK_KW, W_LAYOUT)
+        au = operand_order(wu, BLOCK_N, BLOCK_KW, W_LAYOUT)
+        cg = operand_order(scales_per_word(sg, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
+        cu = operand_order(scales_per_word(su, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
         for j in gl.static_range(4):
             b = smem.index(stage).slice(j * BLOCK_M, BLOCK_M).permute((1, 0))
-            acc_g = warpgroup_mma(_plane(ag, cg, j, BLOCK_N, BLOCK_KW, A_LAYOUT), b, acc_g, is_async=True)
-            acc_u = warpgroup_mma(_plane(au, cu, j, BLOCK_N, BLOCK_KW, A_LAYOUT), b, acc_u, is_async=True)
+            acc_g = warpgroup_mma(widened_plane(ag, cg, j, BLOCK_N, BLOCK_KW, A_LAYOUT), b, acc_g, is_async=True)
+            acc_u = warpgroup_mma(widened_plane(au, cu, j, BLOCK_N, BLOCK_KW, A_LAYOUT), b, acc_u, is_async=True)
             acc_g, acc_u = warpgroup_mma_wait(2, deps=[acc_g, acc_u])
         wg = wg_next
         wu = wu_next
@@ -246,7 +253,7 @@ def _gate_up_kernel(
     acc_g, acc_u = warpgroup_mma_wait(0, deps=[acc_g, acc_u])
     async_copy.wait_group(0)
     # epilogue in the accumulator layout: rows f of F, columns the block's token rows
-    pair_c, valid_c = _block_rows(sorted_ptr, first, num_pairs, BLOCK_M, gl.SliceLayout(0, MMA))
+    pair_c, valid_c = block_rows(sorted_ptr, first, num_pairs, BLOCK_M, gl.SliceLayout(0, MMA))
     f = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     f_ok = f < F
     if WEIGHT_ON_INPUT:
@@ -288,29 +295,29 @@ def _down_kernel(
     smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4 * BLOCK_M, 2 * BLOCK_KW], _b_smem_layout(BLOCK_KW))
     for i in gl.static_range(STAGES - 2):
         _request(smem, h_ptrs, i, nsteps, i, BLOCK_KW)
-    w_ptrs, s_ptrs, rows, w_cols, s_rows, s_cols = _weight_ptrs(
+    w_ptrs, s_ptrs, rows, w_cols, s_rows, s_cols = weight_ptrs(
         w_ptr + slot * stride_we, s_ptr + slot * stride_se, pid_n * BLOCK_N, stride_wn, stride_sn, BLOCK_N, BLOCK_KW,
         GW, NUM_WARPS)
-    w = _load_tile(w_ptrs, rows, D, w_cols, FW, EVEN)
-    sc = _load_tile(s_ptrs, s_rows, D, s_cols, FW, EVEN)
+    w = load_tile(w_ptrs, rows, D, w_cols, FW, EVEN)
+    sc = load_tile(s_ptrs, s_rows, D, s_cols, FW, EVEN)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
     for s in range(0, nsteps):
         stage = _wait_step(s, STAGES)
         _request(smem, h_ptrs, s + STAGES - 2, nsteps, (s + STAGES - 2) % STAGES, BLOCK_KW)
         kw = gl.minimum(s + 1, nsteps - 1) * BLOCK_KW
-        w_next = _load_tile(w_ptrs + kw, rows, D, w_cols, FW - kw, EVEN)
-        sc_next = _load_tile(s_ptrs + kw // GW, s_rows, D, s_cols, FW - kw, EVEN)
-        a = _operand(w, BLOCK_N, BLOCK_KW, W_LAYOUT)
-        c = _operand(_per_word(sc, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
+        w_next = load_tile(w_ptrs + kw, rows, D, w_cols, FW - kw, EVEN)
+        sc_next = load_tile(s_ptrs + kw // GW, s_rows, D, s_cols, FW - kw, EVEN)
+        a = operand_order(w, BLOCK_N, BLOCK_KW, W_LAYOUT)
+        c = operand_order(scales_per_word(sc, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
         for j in gl.static_range(4):
             b = smem.index(stage).slice(j * BLOCK_M, BLOCK_M).permute((1, 0))
-            acc = warpgroup_mma(_plane(a, c, j, BLOCK_N, BLOCK_KW, A_LAYOUT), b, acc, is_async=True)
+            acc = warpgroup_mma(widened_plane(a, c, j, BLOCK_N, BLOCK_KW, A_LAYOUT), b, acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=[acc])
         w = w_next
         sc = sc_next
     acc = warpgroup_mma_wait(0, deps=[acc])
     async_copy.wait_group(0)
-    pair_c, valid_c = _block_rows(sorted_ptr, first, num_pairs, BLOCK_M, gl.SliceLayout(0, MMA))
+    pair_c, valid_c = block_rows(sorted_ptr, first, num_pairs, BLOCK_M, gl.SliceLayout(0, MMA))
     d = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     d_ok = d < D
     if HAS_BIAS:
