@@ -18,9 +18,8 @@ import json
 import torch
 
 import epmoe.experts.triton.w4a16_mma as mma
-from epmoe.experts.int4 import Int4ExpertWeights
 from epmoe.experts.weights import Activation
-from moe_layer import INT4_CASES, INT4_GROUP, make_routing
+from moe_layer import INT4_CASES, INT4_GROUP, make_routing, random_int4_weights
 from timing import measure_ceilings, rel_err, time_fn
 
 C = mma.MmaConfig
@@ -59,16 +58,8 @@ def main() -> None:
     g, act = INT4_GROUP, Activation()
     rows = []
     for case_name, case in INT4_CASES.items():
-        s, d, f = case["slots"], case["d"], case["f"]
-
-        def words(*shape):
-            return torch.randint(-2**31, 2**31, shape, device="cuda", dtype=torch.int64, generator=gen).to(torch.int32)
-
-        def scales(n, kin):
-            return ((torch.rand(s, n, kin // g, device="cuda", generator=gen) + 0.5) / (4.6 * kin**0.5)).bfloat16()
-
-        q = Int4ExpertWeights(words(s, 2 * f, d // 8), scales(2 * f, d), words(s, d, f // 8), scales(d, f),
-                              group_size=g)
+        d, f = case["d"], case["f"]
+        q = random_int4_weights(case, gen)
         expert_bytes = 3 * d * f // 2 + 3 * d * f // g * 2
         for t in [int(v) for v in args.sizes.split(",")]:
             x, slots, tw = make_routing(case, t, gen)

@@ -16,11 +16,10 @@ import argparse
 
 import torch
 
-from epmoe.experts.int4 import Int4ExpertWeights
 from epmoe.experts.triton.w4a16_mma import MmaConfig, int4_mma_experts
 from epmoe.experts.triton.w4a16_wgmma import int4_wgmma_experts
 from epmoe.experts.weights import Activation
-from moe_layer import INT4_CASES, INT4_GROUP, make_routing
+from moe_layer import INT4_CASES, make_routing, random_int4_weights
 from timing import rel_err, time_fn
 
 
@@ -30,18 +29,9 @@ def main() -> None:
     args = p.parse_args()
     flush = torch.empty(256 << 20, device="cuda", dtype=torch.float16)
     gen = torch.Generator(device="cuda").manual_seed(2)
-    g, act, mma16 = INT4_GROUP, Activation(), MmaConfig(block_m=16)
+    act, mma16 = Activation(), MmaConfig(block_m=16)
     for name, case in INT4_CASES.items():
-        s, d, f = case["slots"], case["d"], case["f"]
-
-        def words(*shape):
-            return torch.randint(-2**31, 2**31, shape, device="cuda", dtype=torch.int64, generator=gen).to(torch.int32)
-
-        def scales(n, kin):
-            return ((torch.rand(s, n, kin // g, device="cuda", generator=gen) + 0.5) / (4.6 * kin**0.5)).bfloat16()
-
-        q = Int4ExpertWeights(words(s, 2 * f, d // 8), scales(2 * f, d), words(s, d, f // 8), scales(d, f),
-                              group_size=g)
+        q = random_int4_weights(case, gen)
         for t in [int(v) for v in args.sizes.split(",")]:
             x, slots, tw = make_routing(case, t, gen)
             ref = int4_mma_experts(x, slots, tw, q, act, config=mma16)

@@ -272,19 +272,27 @@ def int4_reference(x: torch.Tensor, slots: torch.Tensor, tw: torch.Tensor, q: In
     return out
 
 
+def random_int4_weights(case: dict, gen: torch.Generator) -> Int4ExpertWeights:
+    """Packed INT4 weights (group ``INT4_GROUP``) of an ``INT4_CASES`` case on CUDA: random words, scales about the
+    spread of a bf16 weight of std ``1/sqrt(K)``."""
+    s, d, f, g = case["slots"], case["d"], case["f"], INT4_GROUP
+
+    def words(*shape):
+        return torch.randint(-2**31, 2**31, shape, device="cuda", dtype=torch.int64, generator=gen).to(torch.int32)
+
+    def scales(n, kin):
+        return ((torch.rand(s, n, kin // g, device="cuda", generator=gen) + 0.5) / (4.6 * kin**0.5)).bfloat16()
+
+    return Int4ExpertWeights(words(s, 2 * f, d // 8), scales(2 * f, d), words(s, d, f // 8), scales(d, f),
+                             group_size=g)
+
+
 def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[int]) -> list[dict]:
     """INT4 kernels vs their floor, our bf16 path and dequantize-then-grouped_mm on the same weight values."""
     flush = torch.empty(256 << 20, device="cuda", dtype=torch.float16)
     gen = torch.Generator(device="cuda").manual_seed(2)
     s, d, f, k, g = case["slots"], case["d"], case["f"], case["k"], INT4_GROUP
-
-    def words(*shape):
-        return torch.randint(-2**31, 2**31, shape, device="cuda", dtype=torch.int64, generator=gen).to(torch.int32)
-
-    def scales(n, kin):  # about the spread of a bf16 weight of std 1/sqrt(K)
-        return ((torch.rand(s, n, kin // g, device="cuda", generator=gen) + 0.5) / (4.6 * kin**0.5)).bfloat16()
-
-    q = Int4ExpertWeights(words(s, 2 * f, d // 8), scales(2 * f, d), words(s, d, f // 8), scales(d, f), group_size=g)
+    q = random_int4_weights(case, gen)
     w = ExpertWeights(torch.empty(s, 2 * f, d, device="cuda", dtype=torch.bfloat16),
                       torch.empty(s, d, f, device="cuda", dtype=torch.bfloat16))
 
