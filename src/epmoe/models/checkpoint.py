@@ -246,9 +246,6 @@ class CheckpointReader:
         packed, scale = self._read(full + "_packed", row), self._read(scale_name, row)
         if row is not None:
             packed, scale = packed[None], scale[None]
-        if packed.dtype != torch.int32:
-            raise ValueError(f"checkpoint {self.directory}: tensor {full + '_packed'!r} is {packed.dtype}, "
-                             f"expected int32 (eight 4-bit values a word)")
         return Int4Tensor(packed, scale, (n, k))
 
     def check_int4(self, name: str, expect: tuple[int, int] | None = None) -> tuple[int, int]:
@@ -262,7 +259,7 @@ class CheckpointReader:
 
         Raises:
             KeyError: no such tensor (the directory is named).
-            ValueError: as ``get_int4``.
+            ValueError: as ``get_int4``, and packed values that are not int32 or scales that are not a float dtype.
         """
         full = self.prefix + name
         if self._packed.get(full) != "int4":
@@ -277,8 +274,15 @@ class CheckpointReader:
         if expect is not None and (n, k) != tuple(expect):
             raise ValueError(f"checkpoint {self.directory}: tensor {shape_name!r} holds {[n, k]}, but config.json "
                              f"gives this weight the shape {list(expect)} (does config.json belong to these weights?)")
-        packed_shape = tuple(self._handle(full + "_packed").get_slice(full + "_packed").get_shape())
-        scale_shape = tuple(self._handle(scale_name).get_slice(scale_name).get_shape())
+        packed_slice = self._handle(full + "_packed").get_slice(full + "_packed")
+        scale_slice = self._handle(scale_name).get_slice(scale_name)
+        if packed_slice.get_dtype() != "I32":
+            raise ValueError(f"checkpoint {self.directory}: tensor {full + '_packed'!r} is {packed_slice.get_dtype()}, "
+                             f"expected I32 (int32: eight 4-bit values a word)")
+        if scale_slice.get_dtype() not in _FLOAT_HEADER_DTYPES:
+            raise ValueError(f"checkpoint {self.directory}: tensor {scale_name!r} is {scale_slice.get_dtype()}, "
+                             f"expected a float dtype ({', '.join(_FLOAT_HEADER_DTYPES)}) for the group scales")
+        packed_shape, scale_shape = tuple(packed_slice.get_shape()), tuple(scale_slice.get_shape())
         if packed_shape != (n, -(-k // 8)):
             raise ValueError(f"checkpoint {self.directory}: tensor {full + '_packed'!r} has shape {packed_shape}, "
                              f"expected {(n, -(-k // 8))} for weight_shape {[n, k]}")
@@ -292,9 +296,10 @@ class CheckpointReader:
                              f"{self.int4_group_size}")
         return n, k
 
-    def get_mxfp4(self, name: str, index: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read the MXFP4 tensor ``name`` as stored: ``(<name>_blocks [..., N, K/32, 16] uint8, <name>_scales
-        [..., N, K/32] uint8)``; with ``index`` only that entry of the first dimension (one expert).
+    def check_mxfp4(self, name: str) -> None:
+        """Check the MXFP4 tensor ``name`` from the file headers (no weight data read): its ``_scales`` companion is
+        there, both are uint8, the blocks ``[..., N, K/32, 16]`` and the scales ``[..., N, K/32]``. ``get_mxfp4`` reads
+        after these checks; ``models.hf.check_checkpoint`` makes them for every routed expert tensor first.
 
         Raises:
             KeyError: no such tensor (the directory is named).
@@ -304,18 +309,32 @@ class CheckpointReader:
         if self._packed.get(full) != "mxfp4":
             raise KeyError(f"checkpoint {self.directory} has no MXFP4 tensor {name!r} ({full}_blocks)")
         scales_name = self._companion(full, "_scales", "_blocks")
-        blocks, scales = self._read(full + "_blocks", index), self._read(scales_name, index)
-        if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-            raise ValueError(f"checkpoint {self.directory}: {full}_blocks / {scales_name} are {blocks.dtype} / "
-                             f"{scales.dtype}, expected uint8 (MXFP4 values and E8M0 scales)")
-        if blocks.shape[-1] != 16 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
-            raise ValueError(f"checkpoint {self.directory}: tensor {scales_name!r} has shape {tuple(scales.shape)}, "
-                             f"expected {tuple(blocks.shape[:-1])} for {full + '_blocks'!r} of shape "
-                             f"{tuple(blocks.shape)} (one scale per 32 values)")
-        return blocks, scales
+        blocks = self._handle(full + "_blocks").get_slice(full + "_blocks")
+        scales = self._handle(scales_name).get_slice(scales_name)
+        if blocks.get_dtype() != "U8" or scales.get_dtype() != "U8":
+            raise ValueError(f"checkpoint {self.directory}: {full}_blocks / {scales_name} are {blocks.get_dtype()} / "
+                             f"{scales.get_dtype()}, expected U8 / U8 (uint8: MXFP4 values and E8M0 scales)")
+        b_shape, s_shape = tuple(blocks.get_shape()), tuple(scales.get_shape())
+        if not b_shape or b_shape[-1] != 16 or s_shape != b_shape[:-1]:
+            raise ValueError(f"checkpoint {self.directory}: tensor {scales_name!r} has shape {s_shape}, expected "
+                             f"{b_shape[:-1]} for {full + '_blocks'!r} of shape {b_shape} (one scale per 32 values)")
+
+    def get_mxfp4(self, name: str, index: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read the MXFP4 tensor ``name`` as stored: ``(<name>_blocks [..., N, K/32, 16] uint8, <name>_scales
+        [..., N, K/32] uint8)``; with ``index`` only that entry of the first dimension (one expert).
+
+        Raises:
+            KeyError: no such tensor (the directory is named).
+            ValueError: as ``check_mxfp4``.
+        """
+        self.check_mxfp4(name)
+        full = self.prefix + name
+        scales_name = full + "_scales"
+        return self._read(full + "_blocks", index), self._read(scales_name, index)
 
 
 _FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
+_FLOAT_HEADER_DTYPES = ("BF16", "F16", "F32")  # safetensors header names of the scale dtypes the loaders take
 
 
 # the compressed-tensors weight scheme the reader unpacks (Kimi-K2/K2.5's), field -> value
@@ -343,7 +362,12 @@ def _int4_group_size(config: dict, directory: Path) -> int | None:
             if w.get(field, want) != want:
                 raise ValueError(f"{where}.config_groups.{name}.weights.{field} is {w.get(field)!r}; 4-bit weights "
                                  f"are read with {field} {want!r} only")
-        return int(w["group_size"]) if w.get("group_size") else None
+        group = w.get("group_size")
+        if group is None:
+            return None
+        if isinstance(group, bool) or not isinstance(group, int):
+            raise ValueError(f"{where}.config_groups.{name}.weights.group_size is {group!r}; expected an integer")
+        return group
     return None
 
 
