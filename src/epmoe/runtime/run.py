@@ -494,7 +494,8 @@ def _check_before_start(cfg: RunConfig, model_dir: str, ep: int,
     try:
         return trivial_or_file_placement(engine_cfg, spec.num_moe_layers, spec.num_experts, ep)
     except ValueError as exc:
-        raise ValueError(f"--ep {ep}: {exc}") from None
+        flag = f"--placement {cfg.placement} with --ep {ep}" if cfg.placement else f"--ep {ep}"
+        raise ValueError(f"{flag}: {exc}") from None
 
 
 def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids: list[int],
