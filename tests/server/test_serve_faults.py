@@ -101,6 +101,22 @@ def test_rank_killed_fails_requests_and_exits_nonzero(start_server, victim):
     assert not any(_alive(p) for p in ranks + server.children())
 
 
+def test_refused_checkpoint_is_one_line_without_a_traceback(start_server, tiny_checkpoints, tmp_path):
+    # config.json of another expert width than the weights: the rank's loader refuses it, the server exits 2 with
+    # that one error line (named tensor and shapes), no Python traceback
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_checkpoints("qwen3-moe"), bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["moe_intermediate_size"] *= 2
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(RuntimeError, match="server exited with 2") as err:
+        start_server("--model", str(bad), "--ep", "1")
+    log = str(err.value)
+    assert "fatal: rank 0 failed: ValueError: checkpoint" in log and "expected" in log and "Traceback" not in log, log
+
+
 def test_port_in_use_is_refused_before_loading(capsys):
     import socket
 

@@ -255,6 +255,11 @@ def follower_process(info: RankInfo, cfg: ServeConfig, model_dir: str) -> None:
     follow(info, cfg, model_dir)
 
 
+# errors whose message names the bad input (a checkpoint, config.json or option the loader refuses): reported in
+# one line by the HTTP process, without a traceback
+_NAMED_ERRORS = (ValueError, KeyError, FileNotFoundError)
+
+
 def core_process(info: RankInfo, cfg: ServeConfig, model_dir: str, conn: Connection) -> None:
     """The body of rank 0's process: the ``EngineCore``, talking to the HTTP process over ``conn``.
 
@@ -271,7 +276,8 @@ def core_process(info: RankInfo, cfg: ServeConfig, model_dir: str, conn: Connect
             conn.send([("failed", RankError.of(info.rank, exc))])
         except OSError:
             pass
-        traceback.print_exc()
+        if not isinstance(exc, _NAMED_ERRORS):  # the HTTP process logs the message; a traceback for the unexpected
+            traceback.print_exc()
         os._exit(1)
     if dist.is_initialized():
         dist.destroy_process_group()
