@@ -208,7 +208,8 @@ class ExpertPlacement:
         """
         if self.num_layers != num_moe_layers:
             raise ValueError(
-                f"placement covers {self.num_layers} MoE layers but {what} has {num_moe_layers}"
+                f"placement covers {self.num_layers} MoE layer{'' if self.num_layers == 1 else 's'} but {what} has "
+                f"{num_moe_layers}"
             )
         if self.num_experts != num_experts:
             raise ValueError(

@@ -112,7 +112,7 @@ def test_placement_missing_a_layer(kimi, tmp_path, capsys):
     ExpertPlacement.trivial(1, 16, 2).save(bad)  # the model has 2 MoE layers
     assert main(["run", "--model", str(kimi), "--placement", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert f"--placement {bad} with --ep 2: " in err and "placement covers 1 MoE layers but model" in err
+    assert f"--placement {bad} with --ep 2: " in err and "placement covers 1 MoE layer but model" in err
 
 
 def test_placement_with_expert_without_slot(kimi, tmp_path, capsys):
