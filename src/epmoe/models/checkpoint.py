@@ -272,8 +272,8 @@ class CheckpointReader:
             raise ValueError(f"checkpoint {self.directory}: tensor {shape_name!r} holds {stored}, expected [N, K]")
         n, k = stored
         if expect is not None and (n, k) != tuple(expect):
-            raise ValueError(f"checkpoint {self.directory}: tensor {shape_name!r} holds {[n, k]}, but config.json "
-                             f"gives this weight the shape {list(expect)} (does config.json belong to these weights?)")
+            raise ValueError(f"checkpoint {self.directory}: tensor {shape_name!r} holds {(n, k)}, expected "
+                             f"{tuple(expect)} from config.json (does config.json belong to these weights?)")
         packed_slice = self._handle(full + "_packed").get_slice(full + "_packed")
         scale_slice = self._handle(scale_name).get_slice(scale_name)
         if packed_slice.get_dtype() != "I32":

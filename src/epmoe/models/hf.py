@@ -584,14 +584,14 @@ def check_checkpoint(checkpoint_dir: str, experts: Callable[[int], Iterable[int]
             raise ValueError(f"checkpoint {reader.directory}: tensor {name!r} of {owner} is stored "
                              f"{stored or 'unpacked'}, but config.json's quantization_config says the routed experts "
                              f"are {spec.expert_weight_format}")
+        if stored == "int4":  # weight_shape against config.json, the packed values and scales against both
+            reader.check_int4(name, shape)
+            continue
         found = reader.shape(name)
         if found != shape:
-            held = f"{reader.prefix + name + '_shape'!r} holds" if stored == "int4" else f"{name!r} has shape"
-            raise ValueError(f"checkpoint {reader.directory}: tensor {held} {found}, expected {shape} "
+            raise ValueError(f"checkpoint {reader.directory}: tensor {name!r} has shape {found}, expected {shape} "
                              f"from config.json (does config.json belong to these weights?)")
-        if stored == "int4":  # its packed values and scales against weight_shape and the config's group_size
-            reader.check_int4(name)
-        elif stored == "mxfp4":  # its scales companion, dtypes and shapes
+        if stored == "mxfp4":  # its scales companion, dtypes and shapes
             reader.check_mxfp4(name)
     return reader
 
