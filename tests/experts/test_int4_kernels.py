@@ -274,26 +274,43 @@ def test_mxfp4_backend_on_gpu(t):
     assert _rel(get_expert_backend("triton")(x, slots, tw, q, act), _ref(x, slots, tw, q, act, False)) < 1e-2
 
 
+def _kernel_case(case: str, t: int, seed: int, device: str = "cuda"):
+    """The inputs of the INT4 tensor-core kernels' GPU tests: ``(group, q, act, woi, x, slots, tw, ref)`` for ``t``
+    tokens over 6 slots, top-8, in ``case`` (``silu_g128``, ``swiglu_bias_woi_g64``, or ``ragged_skip``: D of 136
+    words and F of 68 words leave a part step in both kernels and F a part row tile, and half the pairs skip)."""
+    s, k = 6, 8
+    d, f = (1088, 544) if case.startswith("ragged") else (1024, 512)
+    group = {"silu_g128": 128, "swiglu_bias_woi_g64": 64, "ragged_skip": 32}[case]
+    q = _int4(seed, s, d, f, "bias" in case, group, torch.bfloat16, device)
+    act = Activation("silu", 7.0) if "swiglu" in case else Activation()
+    woi = "woi" in case
+    x = torch.randn(t, d, device=device, dtype=torch.bfloat16)
+    slots = torch.randint(0, s, (t, k), device=device)
+    if "skip" in case:
+        slots = torch.where(torch.rand(t, k, device=device) < 0.5, -1, slots)
+        slots[0, 0] = 3
+    tw = torch.rand(t, k, device=device)
+    return group, q, act, woi, x, slots, tw, _ref(x, slots, tw, q, act, woi)
+
+
+def _assert_replay_equals_eager(run, x: torch.Tensor) -> None:
+    """``run()`` captured in a CUDA graph and replayed on new values of its input ``x`` equals it run eagerly
+    (bitwise)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(captured, run())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 5, 64])  # one row block per slot; several (9 and more pairs on a slot)
 @pytest.mark.parametrize("case", ["silu_g128", "swiglu_bias_woi_g64", "ragged_skip"])
 def test_int4_mma_path_on_gpu(t, case):
     from epmoe.experts.triton.w4a16_mma import MmaConfig, int4_mma_experts
 
-    s, k = 6, 8
-    # ragged: D of 136 words and F of 68 words leave a part step in both kernels, and F a part row tile
-    d, f = (1088, 544) if case.startswith("ragged") else (1024, 512)
-    group = {"silu_g128": 128, "swiglu_bias_woi_g64": 64, "ragged_skip": 32}[case]
-    q = _int4(t + 7, s, d, f, "bias" in case, group, torch.bfloat16, "cuda")
-    act = Activation("silu", 7.0) if "swiglu" in case else Activation()
-    woi = "woi" in case
-    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
-    slots = torch.randint(0, s, (t, k), device="cuda")
-    if "skip" in case:
-        slots = torch.where(torch.rand(t, k, device="cuda") < 0.5, -1, slots)
-        slots[0, 0] = 3
-    tw = torch.rand(t, k, device="cuda")
-    ref = _ref(x, slots, tw, q, act, woi)
+    group, q, act, woi, x, slots, tw, ref = _kernel_case(case, t, t + 7)
     # the default tiles; capped registers; four warps and two 16-row tiles a warp in the down kernel; one warp; 16-
     # and 32-row blocks
     kw = max(16, group // 2)
@@ -301,12 +318,7 @@ def test_int4_mma_path_on_gpu(t, case):
                 MmaConfig(16, kw, 16, 2 * kw, 1), MmaConfig(32, kw, 32, kw, 2, block_m=16),
                 MmaConfig(16, kw, 64, kw, 1, block_m=32)):
         assert _rel(int4_mma_experts(x, slots, tw, q, act, woi, cfg), ref) < 1e-2, cfg
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = int4_mma_experts(x, slots, tw, q, act, woi)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    assert torch.equal(captured, int4_mma_experts(x, slots, tw, q, act, woi))
+    _assert_replay_equals_eager(lambda: int4_mma_experts(x, slots, tw, q, act, woi), x)
 
 
 @pytest.mark.interpret  # the kernel module needs Triton (absent from CPU-only installs)
@@ -367,20 +379,7 @@ def test_int4_wgmma_operand_order():
 def test_int4_wgmma_path_on_gpu(t, case):
     from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, int4_wgmma_experts
 
-    s, k = 6, 8
-    # ragged: D of 136 words and F of 68 words leave a part step in both kernels, and F a part row tile
-    d, f = (1088, 544) if case.startswith("ragged") else (1024, 512)
-    group = {"silu_g128": 128, "swiglu_bias_woi_g64": 64, "ragged_skip": 32}[case]
-    q = _int4(t + 11, s, d, f, "bias" in case, group, torch.bfloat16, "cuda")
-    act = Activation("silu", 7.0) if "swiglu" in case else Activation()
-    woi = "woi" in case
-    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
-    slots = torch.randint(0, s, (t, k), device="cuda")
-    if "skip" in case:
-        slots = torch.where(torch.rand(t, k, device="cuda") < 0.5, -1, slots)
-        slots[0, 0] = 3
-    tw = torch.rand(t, k, device="cuda")
-    ref = _ref(x, slots, tw, q, act, woi)
+    group, q, act, woi, x, slots, tw, ref = _kernel_case(case, t, t + 11)
     # the default tiles (two warpgroups); 64-row blocks; four buffers (three of 64-word steps fill shared memory);
     # 32-word steps in one kernel (64 for groups of 128); one warpgroup of 64 rows; one warpgroup issuing its wgmma
     # twice (128 rows) in the down kernel
@@ -390,9 +389,4 @@ def test_int4_wgmma_path_on_gpu(t, case):
                 WgmmaConfig(64, max(32, kw), kw),
                 WgmmaConfig(bm, kw, kw, 3, 4, 64, 64), WgmmaConfig(bm, kw, kw, 3, 4, 64, 128)):
         assert _rel(int4_wgmma_experts(x, slots, tw, q, act, woi, cfg), ref) < 1e-2, cfg
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = int4_wgmma_experts(x, slots, tw, q, act, woi)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    assert torch.equal(captured, int4_wgmma_experts(x, slots, tw, q, act, woi))
+    _assert_replay_equals_eager(lambda: int4_wgmma_experts(x, slots, tw, q, act, woi), x)
