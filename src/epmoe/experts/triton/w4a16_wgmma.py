@@ -226,13 +226,12 @@ def _gate_up_kernel(
     if slot < 0:
         return
     first = gl.load(block_start_ptr + pid_m)
-    if TAIL < BLOCK_M:
-        rows = gl.load(block_rows_ptr + pid_m)
-    else:
-        rows = BLOCK_M
     # a slot's last block of fewer rows (a multiple of TAIL) runs the same code at its rows: BLOCK_M / 2, TAIL, or
     # BLOCK_M / 2 + TAIL rows as two parts on the same widened weights
-    if rows == BLOCK_M:
+    rows = BLOCK_M
+    if TAIL < BLOCK_M:
+        rows = gl.load(block_rows_ptr + pid_m)
+    if TAIL == BLOCK_M or rows == BLOCK_M:
         _gate_up_rows(xw_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, slot, first, pid_n, num_pairs, top_k, D,
                       F, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, act_limit, act_alpha,
                       BLOCK_N, BLOCK_KW, BLOCK_KW2, BLOCK_M, 0, GW, STAGES, NUM_WARPS, ACT, HAS_BIAS,
@@ -381,11 +380,10 @@ def _down_kernel(
     if slot < 0:
         return
     first = gl.load(block_start_ptr + pid_m)
+    rows = BLOCK_M
     if TAIL < BLOCK_M:
         rows = gl.load(block_rows_ptr + pid_m)
-    else:
-        rows = BLOCK_M
-    if rows == BLOCK_M:
+    if TAIL == BLOCK_M or rows == BLOCK_M:
         _down_rows(h_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, slot, first, pid_n, num_pairs, D, F,
                    stride_we, stride_wn, stride_se, stride_sn, stride_h, BLOCK_N, BLOCK_KW, BLOCK_M, 0, GW, STAGES,
                    NUM_WARPS, HAS_BIAS, WEIGHT_ON_INPUT, EVEN)
