@@ -25,7 +25,16 @@ requested into it (``STAGES - 2`` steps ahead); the next step's words and scales
 this step's are widened. ``warpgroup_mma(..., is_async=True)`` with at most one plane in flight while the next
 plane is widened.
 
-1. ``wgmma_planes(x)`` and ``align_kernels.align_triton`` (pairs sorted by slot, ``block_m`` rows a block).
+Tail blocks. A slot of ``c`` pairs padded to whole ``block_m``-row blocks computes up to ``block_m - 1`` padding rows
+(at 85 pairs a slot a third of the rows, at 21 four fifths, with 128-row blocks). With ``WgmmaConfig.tail_rows`` the
+alignment rounds a slot's last block up to a multiple of ``tail_rows`` instead (``align``), and a block of ``r <
+block_m`` rows runs the same code at ``r`` rows, a further compiled branch of each kernel chosen by the block's row
+count: 32 or 64 rows a ``wgmma`` of that ``N``; 96 rows (``block_m`` 128, ``tail_rows`` 32) two parts of 64 and 32
+rows, each widened plane feeding both parts' ``wgmma`` (the A operand does not depend on ``N``), so the slot's
+weights are read and widened once, as for a whole block.
+
+1. ``wgmma_planes(x)`` and ``align_kernels.align_triton`` (pairs sorted by slot, ``block_m`` rows a block, a slot's
+   last block rounded up to a multiple of ``tail_rows``).
 2. ``_gate_up_kernel``, grid ``NB * cdiv(F, block_n1)``: gate and up rows of a block's slot against the block's gathered
    token rows (pair id ``// K``), bias, routing weight (on the input), the gated activation; ``h`` stored per sorted
    position in the operand order of the down kernel's steps (zero-padded to whole steps).
