@@ -90,8 +90,8 @@ class WgmmaConfig:
             ``None``: ``block_m``, whole blocks): ``block_m / 2`` or, for ``block_m`` 128, ``block_m / 4`` (32), at
             least 32. A last block of ``r < block_m`` rows runs the same code with ``r`` rows a block (a second
             compiled branch; with 32-row tails a 96-row block is a 64-row and a 32-row ``wgmma`` on the same widened
-            weights, a third and a fourth branch), so a slot of ``c`` rows computes ``c`` rounded up to a multiple
-            of ``tail_rows`` (up to ``block_m``) instead of to a multiple of ``block_m``.
+            weights, a third and a fourth branch), so a slot computes its whole blocks and its last rows rounded up
+            to a multiple of ``tail_rows`` instead of to ``block_m``.
     """
 
     block_m: int = 128
