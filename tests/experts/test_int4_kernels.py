@@ -404,17 +404,16 @@ def test_int4_wgmma_path_on_gpu(t, case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("group", [32, 64, 128])
-def test_int4_wgmma_tail_blocks_on_gpu(group):
+def test_int4_wgmma_tail_blocks_on_gpu():
     # slots of 1, 33, 64, 65, 85 and 130 pairs and an empty one: with block_m 128 and 32-row tails, last blocks of
     # 32, 64, 96 (a 64-row and a 32-row wgmma on the same widened weights) and 128 rows; with 64-row tails or
-    # block_m 64, the block boundaries at 32/33 and 64/65 rows; six pairs skipped; bias (the routing weight on the
-    # input: test_int4_wgmma_path_on_gpu)
+    # block_m 64, the block boundaries at 32/33 and 64/65 rows; six pairs skipped; bias; Kimi-K2.5's groups of 32
+    # (other groups, the routing weight on the input and ragged shapes with tails: test_int4_wgmma_path_on_gpu)
     from epmoe.experts.triton.align_kernels import align_triton
     from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, int4_wgmma_experts
 
-    counts, s, k = [1, 33, 64, 65, 85, 130, 0], 7, 8
-    g = torch.Generator().manual_seed(group)
+    counts, s, k, group = [1, 33, 64, 65, 85, 130, 0], 7, 8, 32
+    g = torch.Generator().manual_seed(0)
     ids = torch.cat([torch.full((c,), i) for i, c in enumerate(counts)] + [torch.full((6,), -1)])
     slots = ids[torch.randperm(ids.numel(), generator=g)].view(-1, k).cuda()
     t, d, f = slots.shape[0], 1024, 512
@@ -424,19 +423,17 @@ def test_int4_wgmma_tail_blocks_on_gpu(group):
     act = Activation("silu", 7.0)
     x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
     tw = torch.rand(t, k, device="cuda")
-    kw = max(16, group // 2)
-    configs = [WgmmaConfig(64, kw, kw, tail_rows=32)]
-    if kw < 64:  # three buffers of 128 rows of 64-word steps do not fit shared memory
-        configs += [WgmmaConfig(128, kw, kw, tail_rows=32), WgmmaConfig(128, kw, kw, tail_rows=64),
-                    WgmmaConfig(128, kw, kw, 3, 4, 64, 128, tail_rows=32)]
+    configs = [WgmmaConfig(64, tail_rows=32), WgmmaConfig(tail_rows=64), WgmmaConfig(num_warps=4, block_n1=64,
+               block_n2=128, tail_rows=32), WgmmaConfig(tail_rows=32)]
     ref = _ref(x, slots, tw, q, act, False)
     for cfg in configs:
         assert _rel(int4_wgmma_experts(x, slots, tw, q, act, False, cfg), ref) < 1e-2, cfg
-    cfg = configs[-1]
+    # replayed from a CUDA graph on new inputs (the pairs' order inside a slot, so which part of a block a pair is
+    # computed in, may differ between runs: checked against the reference, not bitwise against an eager run)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = int4_wgmma_experts(x, slots, tw, q, act, False, cfg)
+        captured = int4_wgmma_experts(x, slots, tw, q, act, False, configs[-1])
     x.copy_(torch.randn_like(x))
     graph.replay()
-    assert torch.equal(captured, int4_wgmma_experts(x, slots, tw, q, act, False, cfg))
+    assert _rel(captured, _ref(x, slots, tw, q, act, False)) < 1e-2
 
