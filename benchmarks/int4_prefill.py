@@ -1,7 +1,9 @@
-"""INT4 prefill kernels at Kimi-K2.5 shapes: the wgmma kernels (``w4a16_wgmma``) with their default tiles and with tail
-row blocks, against the MMA path with 16-row blocks (``w4a16_mma``) and our bf16 path, on the same weights and routing.
+"""INT4 prefill at Kimi-K2.5 shapes: the wgmma kernels, default and with tail row blocks, against MMA16 and bf16.
 
-    python benchmarks/int4_prefill.py [--sizes 1024,4096] [--out PATH]
+The wgmma kernels (``w4a16_wgmma``) against the MMA path with 16-row blocks (``w4a16_mma``) and our bf16 path, on the
+same weights and routing.
+
+    python benchmarks/int4_prefill.py [--sizes 1024,4096] [--cases kimi_int4,kimi_full_int4] [--out PATH]
 
 The EP-8 shard (48 of 384 experts, other ranks' pairs skipped) and all 384 experts on one GPU (hidden 7168,
 intermediate 2048, top-8, group 32), random packed weights and routing. The wgmma variants (``WGMMA_PREFILL``):
@@ -80,13 +82,14 @@ def bench_case(name: str, case: dict, sizes: list[int], flush: torch.Tensor, gen
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="1024,4096")
+    p.add_argument("--cases", default=",".join(INT4_CASES), help=f"of {list(INT4_CASES)}")
     p.add_argument("--out", default=os.path.join(os.environ["OUT"], "int4_prefill.json") if "OUT" in os.environ
                    else None)
     args = p.parse_args()
     flush = torch.empty(256 << 20, device="cuda", dtype=torch.float16)
     gen = torch.Generator(device="cuda").manual_seed(2)
     sizes = [int(v) for v in args.sizes.split(",")]
-    rows = [r for name, case in INT4_CASES.items() for r in bench_case(name, case, sizes, flush, gen)]
+    rows = [r for name in args.cases.split(",") for r in bench_case(name, INT4_CASES[name], sizes, flush, gen)]
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
