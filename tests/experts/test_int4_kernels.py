@@ -344,7 +344,8 @@ def test_int4_wgmma_refuses_bad_input():
 @pytest.mark.interpret
 def test_int4_wgmma_operand_order():
     # the activations' operand-order copy puts every input where the down kernel's h store (_operand_position) and
-    # the weights' relabelling (w4a16_mma._operand: memory word 2 R q + 2 r + h -> operand word 8 r + 4 h + q) put it
+    # the weights' relabelling (w4a16_mma.operand_order: memory word 2 R q + 2 r + h -> operand word 8 r + 4 h + q)
+    # put it
     from epmoe.experts.triton.w4a16_wgmma import wgmma_planes
 
     for bkw in (16, 32, 64):

@@ -14,7 +14,7 @@ of operand word ``w`` of row ``n``, and ``B_j [2 BLOCK_KW, BLOCK_M]`` holds at `
 word ``w = 8 r + 4 h + q`` is memory word ``c = 2 R q + 2 r + h`` (``R = BLOCK_KW / 8``): the words the A operand
 wants in lane ``q`` of a row are then ``2 R`` consecutive words of memory, one 16-byte load for ``BLOCK_KW = 16``.
 So each thread loads its own words in memory order (``_word_layout``) and the tile is relabelled into the operand's
-order by reshapes and a permutation (``_operand``): the same registers, no shared memory and no data movement.
+order by reshapes and a permutation (``operand_order``): the same registers, no shared memory and no data movement.
 
 Widening a register (``_widen``, inline PTX): the two nibbles OR-ed into the mantissas of 128 (``lop3``), 136
 subtracted in bf16x2 (exact: ``nib - 8``) and the pair multiplied by the group scale (one rounding, as
@@ -100,7 +100,7 @@ def _word_layout(block_n, block_kw, num_warps, gw):
     """Register layout of a ``[block_n, block_kw // gw]`` tile in memory order (``gw = 1``: words; ``gw = G / 8``:
     their group scales): thread ``(g, q)`` of a warp holds rows ``g`` and ``g + 8`` of each of the warp's 16-row
     tiles and words ``[q R2, (q + 1) R2)`` (``R2 = block_kw / 4``, one 16-byte load for ``R2 = 4``), the words the
-    A operand wants in that thread once the inputs are reordered (``_operand``)."""
+    A operand wants in that thread once the inputs are reordered (``operand_order``)."""
     r2 = block_kw // 4
     regs = [[0, (1 << i) // gw] for i in range(r2.bit_length() - 1) if 1 << i >= gw] + [[8, 0]]
     regs += [[16 * num_warps << i, 0] for i in range((block_n // (16 * num_warps)).bit_length() - 1)]
@@ -123,7 +123,7 @@ def _plane_layout(block_kw, block_m, num_warps):
 
 
 @gluon.jit
-def _operand(words, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, LAYOUT: gl.constexpr):
+def operand_order(words, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, LAYOUT: gl.constexpr):
     """A word tile (or per-word tile) in memory order -> the order of the A operand: memory word ``c = 2 R q + 2 r +
     h`` is operand word ``8 r + 4 h + q`` (``R = BLOCK_KW / 8``), in ``LAYOUT`` (the same threads: no data moves)."""
     R: gl.constexpr = BLOCK_KW // 8
@@ -134,14 +134,14 @@ def _operand(words, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, LAYOUT: gl.co
 @gluon.jit
 def _b_operand(v, BLOCK_KW: gl.constexpr, BLOCK_M: gl.constexpr, LAYOUT: gl.constexpr):
     """A nibble plane's tile in memory order (element ``2 c + e``) -> the B operand's order (``2 w + e``, ``w`` the
-    operand word of memory word ``c`` as ``_operand``), in ``LAYOUT``; register relabelling only."""
+    operand word of memory word ``c`` as ``operand_order``), in ``LAYOUT``; register relabelling only."""
     R: gl.constexpr = BLOCK_KW // 8
     t = gl.reshape(gl.permute(gl.reshape(v, [4, R, 2, 2, BLOCK_M]), [1, 2, 0, 3, 4]), [2 * BLOCK_KW, BLOCK_M])
     return gl.convert_layout(t, LAYOUT)
 
 
 @gluon.jit
-def _per_word(scales, GW: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr):
+def scales_per_word(scales, GW: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr):
     """Group scales ``[BLOCK_N, BLOCK_KW / GW]`` -> one per word ``[BLOCK_N, BLOCK_KW]`` (copies in registers)."""
     if GW >= 2:
         scales = gl.join(scales, scales)
@@ -167,7 +167,7 @@ def _widen(words, scale, J: gl.constexpr):
 
 
 @gluon.jit
-def _plane(words, scale, J: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, A_LAYOUT: gl.constexpr):
+def widened_plane(words, scale, J: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, A_LAYOUT: gl.constexpr):
     """The A operand ``A_J [BLOCK_N, 2 BLOCK_KW]`` bf16 of operand-order words and scales ``[BLOCK_N, BLOCK_KW]``
     (module docstring)."""
     lo, hi = _widen(words, scale, J)
@@ -176,7 +176,7 @@ def _plane(words, scale, J: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_KW: gl.co
 
 
 @gluon.jit
-def _block_rows(sorted_ptr, first, num_pairs, BLOCK_M: gl.constexpr, LAYOUT: gl.constexpr):
+def block_rows(sorted_ptr, first, num_pairs, BLOCK_M: gl.constexpr, LAYOUT: gl.constexpr):
     """The pair ids of a row block's ``BLOCK_M`` sorted positions and which are real (padding: ``num_pairs``)."""
     pair = gl.load(sorted_ptr + first + gl.arange(0, BLOCK_M, layout=LAYOUT))
     return pair, pair < num_pairs
@@ -260,7 +260,7 @@ def _is_last(count_ptr, tile_id, split):
 
 
 @gluon.jit
-def _weight_ptrs(base, s_base, rows0, stride_wn, stride_sn, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr,
+def weight_ptrs(base, s_base, rows0, stride_wn, stride_sn, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr,
                  GW: gl.constexpr, NUM_WARPS: gl.constexpr):
     """Pointers of a word tile (memory order) at word 0 of rows ``rows0 + [0, BLOCK_N)`` and of its scale tile, and
     those rows (for masks) in both layouts."""
@@ -276,7 +276,7 @@ def _weight_ptrs(base, s_base, rows0, stride_wn, stride_sn, BLOCK_N: gl.constexp
 
 
 @gluon.jit
-def _load_tile(ptrs, rows, R_ROWS, cols, k_left, EVEN: gl.constexpr):
+def load_tile(ptrs, rows, R_ROWS, cols, k_left, EVEN: gl.constexpr):
     """A word or scale tile (``ptrs``; ``cols`` in words), rows at or past ``R_ROWS`` and words at or past ``k_left``
     zero unless ``EVEN``."""
     if EVEN:
@@ -312,11 +312,11 @@ def _dot_step(words, scales, v_ptrs, kk, k_left, seg, acc, BLOCK_N: gl.constexpr
     W_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
     A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    a = _operand(words, BLOCK_N, BLOCK_KW, W_LAYOUT)
-    sw = _operand(_per_word(scales, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
+    a = operand_order(words, BLOCK_N, BLOCK_KW, W_LAYOUT)
+    sw = operand_order(scales_per_word(scales, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
     for j in gl.static_range(4):
         b = _b_operand(_load_inputs(v_ptrs + j * seg, kk, k_left, EVEN), BLOCK_KW, BLOCK_M, B_LAYOUT)
-        acc = mma_v2(_plane(a, sw, j, BLOCK_N, BLOCK_KW, A_LAYOUT), b, acc)
+        acc = mma_v2(widened_plane(a, sw, j, BLOCK_N, BLOCK_KW, A_LAYOUT), b, acc)
     return acc
 
 
@@ -343,21 +343,21 @@ def _gate_up_kernel(
     begin, end = _k_range(pid_s, split, DW, BLOCK_KW, EVEN)
     # B: the block's token rows of the nibble planes of x (a padding row reads token 0: its column of the product
     # is never stored)
-    pair_b, valid_b = _block_rows(sorted_ptr, first, num_pairs, BLOCK_M, gl.SliceLayout(0, X_MEM))
+    pair_b, valid_b = block_rows(sorted_ptr, first, num_pairs, BLOCK_M, gl.SliceLayout(0, X_MEM))
     tok_b = gl.where(valid_b, pair_b // top_k, 0).to(gl.int64)
     kk = gl.arange(0, 2 * BLOCK_KW, layout=gl.SliceLayout(1, X_MEM))
     x_ptrs = (xq_ptr + tok_b[None, :] * stride_x + 2 * begin) + kk[:, None]
     # A: gate rows and up rows (F + rows) of the slot
     w0 = _first_word(begin, DW, BLOCK_KW, EVEN)
-    wg_ptrs, sg_ptrs, rows, cols, s_rows, s_cols = _weight_ptrs(
+    wg_ptrs, sg_ptrs, rows, cols, s_rows, s_cols = weight_ptrs(
         w_ptr + slot * stride_we + w0, s_ptr + slot * stride_se + w0 // GW, pid_n * BLOCK_N, stride_wn, stride_sn,
         BLOCK_N, BLOCK_KW, GW, NUM_WARPS)
     wu_ptrs = wg_ptrs + F * stride_wn
     su_ptrs = sg_ptrs + F * stride_sn
-    wg = _load_tile(wg_ptrs, rows, F, cols, end - begin, EVEN)
-    wu = _load_tile(wu_ptrs, rows, F, cols, end - begin, EVEN)
-    sg = _load_tile(sg_ptrs, s_rows, F, s_cols, end - begin, EVEN)
-    su = _load_tile(su_ptrs, s_rows, F, s_cols, end - begin, EVEN)
+    wg = load_tile(wg_ptrs, rows, F, cols, end - begin, EVEN)
+    wu = load_tile(wu_ptrs, rows, F, cols, end - begin, EVEN)
+    sg = load_tile(sg_ptrs, s_rows, F, s_cols, end - begin, EVEN)
+    su = load_tile(su_ptrs, s_rows, F, s_cols, end - begin, EVEN)
     acc_g = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
     acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
     for kw0 in range(begin, end, BLOCK_KW):
@@ -368,10 +368,10 @@ def _gate_up_kernel(
         sg_ptrs += step // GW
         su_ptrs += step // GW
         left = end - kw0 - step
-        wg_next = _load_tile(wg_ptrs, rows, F, cols, left, EVEN)
-        wu_next = _load_tile(wu_ptrs, rows, F, cols, left, EVEN)
-        sg_next = _load_tile(sg_ptrs, s_rows, F, s_cols, left, EVEN)
-        su_next = _load_tile(su_ptrs, s_rows, F, s_cols, left, EVEN)
+        wg_next = load_tile(wg_ptrs, rows, F, cols, left, EVEN)
+        wu_next = load_tile(wu_ptrs, rows, F, cols, left, EVEN)
+        sg_next = load_tile(sg_ptrs, s_rows, F, s_cols, left, EVEN)
+        su_next = load_tile(su_ptrs, s_rows, F, s_cols, left, EVEN)
         acc_g = _dot_step(wg, sg, x_ptrs, kk, 2 * (DW - kw0), seg_x, acc_g, BLOCK_N, BLOCK_KW, BLOCK_M, GW, MMA, EVEN)
         acc_u = _dot_step(wu, su, x_ptrs, kk, 2 * (DW - kw0), seg_x, acc_u, BLOCK_N, BLOCK_KW, BLOCK_M, GW, MMA, EVEN)
         x_ptrs += 2 * BLOCK_KW
@@ -391,7 +391,7 @@ def _gate_up_kernel(
                 acc_u = _reduced(ws_ptr, 1, tile, split, 2, SPLIT_MAX, BLOCK_N, BLOCK_M, MMA)
     if last:
         # epilogue in the accumulator layout: rows f of F, columns the block's token rows
-        pair_c, valid_c = _block_rows(sorted_ptr, first, num_pairs, BLOCK_M, gl.SliceLayout(0, MMA))
+        pair_c, valid_c = block_rows(sorted_ptr, first, num_pairs, BLOCK_M, gl.SliceLayout(0, MMA))
         f = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
         f_ok = f < F
         if WEIGHT_ON_INPUT:
@@ -440,19 +440,19 @@ def _down_kernel(
     m_b = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, H_MEM))
     h_ptrs = (h_ptr + (first + m_b).to(gl.int64)[None, :] * stride_h + 2 * begin) + kk[:, None]
     w0 = _first_word(begin, FW, BLOCK_KW, EVEN)
-    w_ptrs, s_ptrs, rows, cols, s_rows, s_cols = _weight_ptrs(
+    w_ptrs, s_ptrs, rows, cols, s_rows, s_cols = weight_ptrs(
         w_ptr + slot * stride_we + w0, s_ptr + slot * stride_se + w0 // GW, pid_n * BLOCK_N, stride_wn, stride_sn,
         BLOCK_N, BLOCK_KW, GW, NUM_WARPS)
-    w = _load_tile(w_ptrs, rows, D, cols, end - begin, EVEN)
-    sc = _load_tile(s_ptrs, s_rows, D, s_cols, end - begin, EVEN)
+    w = load_tile(w_ptrs, rows, D, cols, end - begin, EVEN)
+    sc = load_tile(s_ptrs, s_rows, D, s_cols, end - begin, EVEN)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
     for kw0 in range(begin, end, BLOCK_KW):
         step = gl.where(kw0 + BLOCK_KW < end, BLOCK_KW, 0)
         w_ptrs += step
         s_ptrs += step // GW
         left = end - kw0 - step
-        w_next = _load_tile(w_ptrs, rows, D, cols, left, EVEN)
-        sc_next = _load_tile(s_ptrs, s_rows, D, s_cols, left, EVEN)
+        w_next = load_tile(w_ptrs, rows, D, cols, left, EVEN)
+        sc_next = load_tile(s_ptrs, s_rows, D, s_cols, left, EVEN)
         acc = _dot_step(w, sc, h_ptrs, kk, 2 * (FW - kw0), seg_h, acc, BLOCK_N, BLOCK_KW, BLOCK_M, GW, MMA, EVEN)
         h_ptrs += 2 * BLOCK_KW
         w = w_next
@@ -466,7 +466,7 @@ def _down_kernel(
             if last:
                 acc = _reduced(ws_ptr, 0, tile, split, 1, SPLIT_MAX, BLOCK_N, BLOCK_M, MMA)
     if last:
-        pair_c, valid_c = _block_rows(sorted_ptr, first, num_pairs, BLOCK_M, gl.SliceLayout(0, MMA))
+        pair_c, valid_c = block_rows(sorted_ptr, first, num_pairs, BLOCK_M, gl.SliceLayout(0, MMA))
         d = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
         d_ok = d < D
         if HAS_BIAS:

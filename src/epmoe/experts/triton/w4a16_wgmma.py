@@ -9,7 +9,7 @@ warpgroups (``num_warps`` 4 or 8), each issuing its ``wgmma`` once or twice (``b
 that), all on the same activations in shared memory.
 
 A (weights), in registers. Each thread loads its words and group scales in memory order (``w4a16_mma._word_layout``),
-relabels them into the operand order (``_operand``) and widens them plane by plane (``_plane``) into
+relabels them into the operand order (``operand_order``) and widens them plane by plane (``widened_plane``) into
 ``DotOperandLayout(0, <v3 layout>, k_width=2)``: a warp's part of the v3 A operand (16 rows of its warpgroup's 64,
 warps stacked along ``M``) is the ``mma.sync.m16n8k16`` A fragment, so the relabelling is the same and
 ``convert_layout(..., assert_trivial=True)`` proves at compile time that no data moves.
@@ -68,7 +68,14 @@ from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
 from epmoe.experts.triton.align_kernels import align_triton
 from epmoe.experts.triton.decode import gated_activation
 from epmoe.experts.triton.grouped import act_code, sum_pairs_kernel
-from epmoe.experts.triton.w4a16_mma import _block_rows, _load_tile, _operand, _per_word, _plane, _weight_ptrs
+from epmoe.experts.triton.w4a16_mma import (
+    block_rows,
+    load_tile,
+    operand_order,
+    scales_per_word,
+    weight_ptrs,
+    widened_plane,
+)
 from epmoe.experts.weights import Activation
 
 
@@ -215,7 +222,7 @@ def _x_ptrs(xw_ptr, sorted_ptr, pos, num_pairs, top_k, stride_x, ROWS: gl.conste
             NUM_WARPS: gl.constexpr):
     """Step 0's plane pointers (``_step_ptrs``) of the token rows of sorted positions ``[pos, pos + ROWS)`` in the
     operand-order copy of ``x`` (a padding row reads token 0: its column of the product is never stored)."""
-    pair, valid = _block_rows(sorted_ptr, pos, num_pairs, ROWS, _row_layout(BLOCK_KW, NUM_WARPS))
+    pair, valid = block_rows(sorted_ptr, pos, num_pairs, ROWS, _row_layout(BLOCK_KW, NUM_WARPS))
     tok = gl.where(valid, pair // top_k, 0).to(gl.int64)
     return _step_ptrs(xw_ptr + tok * stride_x, ROWS, BLOCK_KW, NUM_WARPS)
 
@@ -292,15 +299,15 @@ def _gate_up_rows(
     for i in gl.static_range(STAGES - 2):
         _request(smem, x_ptrs, smem_hi, x_hi, i, nsteps, i, BLOCK_KW, HI)
     # A: gate rows and up rows (F + rows) of the slot
-    wg_ptrs, sg_ptrs, rows, w_cols, s_rows, s_cols = _weight_ptrs(
+    wg_ptrs, sg_ptrs, rows, w_cols, s_rows, s_cols = weight_ptrs(
         w_ptr + slot * stride_we, s_ptr + slot * stride_se, pid_n * BLOCK_N, stride_wn, stride_sn, BLOCK_N, BLOCK_KW,
         GW, NUM_WARPS)
     wu_ptrs = wg_ptrs + F * stride_wn
     su_ptrs = sg_ptrs + F * stride_sn
-    wg = _load_tile(wg_ptrs, rows, F, w_cols, DW, EVEN)
-    wu = _load_tile(wu_ptrs, rows, F, w_cols, DW, EVEN)
-    sg = _load_tile(sg_ptrs, s_rows, F, s_cols, DW, EVEN)
-    su = _load_tile(su_ptrs, s_rows, F, s_cols, DW, EVEN)
+    wg = load_tile(wg_ptrs, rows, F, w_cols, DW, EVEN)
+    wu = load_tile(wu_ptrs, rows, F, w_cols, DW, EVEN)
+    sg = load_tile(sg_ptrs, s_rows, F, s_cols, DW, EVEN)
+    su = load_tile(su_ptrs, s_rows, F, s_cols, DW, EVEN)
     acc_g = gl.zeros([BLOCK_N, LO], gl.float32, layout=MMA)
     acc_u = gl.zeros([BLOCK_N, LO], gl.float32, layout=MMA)
     if HI > 0:
@@ -312,17 +319,17 @@ def _gate_up_rows(
         _request(smem, x_ptrs, smem_hi, x_hi, s + STAGES - 2, nsteps, (s + STAGES - 2) % STAGES, BLOCK_KW, HI)
         # the next step's words and scales (the last step's own again) while this step's are widened
         kw = gl.minimum(s + 1, nsteps - 1) * BLOCK_KW
-        wg_next = _load_tile(wg_ptrs + kw, rows, F, w_cols, DW - kw, EVEN)
-        wu_next = _load_tile(wu_ptrs + kw, rows, F, w_cols, DW - kw, EVEN)
-        sg_next = _load_tile(sg_ptrs + kw // GW, s_rows, F, s_cols, DW - kw, EVEN)
-        su_next = _load_tile(su_ptrs + kw // GW, s_rows, F, s_cols, DW - kw, EVEN)
-        ag = _operand(wg, BLOCK_N, BLOCK_KW, W_LAYOUT)
-        au = _operand(wu, BLOCK_N, BLOCK_KW, W_LAYOUT)
-        cg = _operand(_per_word(sg, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
-        cu = _operand(_per_word(su, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
+        wg_next = load_tile(wg_ptrs + kw, rows, F, w_cols, DW - kw, EVEN)
+        wu_next = load_tile(wu_ptrs + kw, rows, F, w_cols, DW - kw, EVEN)
+        sg_next = load_tile(sg_ptrs + kw // GW, s_rows, F, s_cols, DW - kw, EVEN)
+        su_next = load_tile(su_ptrs + kw // GW, s_rows, F, s_cols, DW - kw, EVEN)
+        ag = operand_order(wg, BLOCK_N, BLOCK_KW, W_LAYOUT)
+        au = operand_order(wu, BLOCK_N, BLOCK_KW, W_LAYOUT)
+        cg = operand_order(scales_per_word(sg, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
+        cu = operand_order(scales_per_word(su, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
         for j in gl.static_range(4):
-            pg = _plane(ag, cg, j, BLOCK_N, BLOCK_KW, A_LAYOUT)
-            pu = _plane(au, cu, j, BLOCK_N, BLOCK_KW, A_LAYOUT)
+            pg = widened_plane(ag, cg, j, BLOCK_N, BLOCK_KW, A_LAYOUT)
+            pu = widened_plane(au, cu, j, BLOCK_N, BLOCK_KW, A_LAYOUT)
             b = smem.index(stage).slice(j * LO, LO).permute((1, 0))
             acc_g = warpgroup_mma(pg, b, acc_g, is_async=True)
             acc_u = warpgroup_mma(pu, b, acc_u, is_async=True)
@@ -358,7 +365,7 @@ def _gate_up_store(acc_g, acc_u, h_ptr, b_ptr, tw_ptr, sorted_ptr, slot, pos, pi
     the token rows): routing weight (on the input), bias, the gated activation, ``h`` stored in the down kernel's
     operand order."""
     MMA: gl.constexpr = _mma_layout(ROWS, NUM_WARPS)
-    pair_c, valid_c = _block_rows(sorted_ptr, pos, num_pairs, ROWS, gl.SliceLayout(0, MMA))
+    pair_c, valid_c = block_rows(sorted_ptr, pos, num_pairs, ROWS, gl.SliceLayout(0, MMA))
     f = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     f_ok = f < F
     if WEIGHT_ON_INPUT:
@@ -439,11 +446,11 @@ def _down_rows(
         smem_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4 * HI, 2 * BLOCK_KW], _b_smem_layout(BLOCK_KW))
     for i in gl.static_range(STAGES - 2):
         _request(smem, h_ptrs, smem_hi, h_hi, i, nsteps, i, BLOCK_KW, HI)
-    w_ptrs, s_ptrs, rows, w_cols, s_rows, s_cols = _weight_ptrs(
+    w_ptrs, s_ptrs, rows, w_cols, s_rows, s_cols = weight_ptrs(
         w_ptr + slot * stride_we, s_ptr + slot * stride_se, pid_n * BLOCK_N, stride_wn, stride_sn, BLOCK_N, BLOCK_KW,
         GW, NUM_WARPS)
-    w = _load_tile(w_ptrs, rows, D, w_cols, FW, EVEN)
-    sc = _load_tile(s_ptrs, s_rows, D, s_cols, FW, EVEN)
+    w = load_tile(w_ptrs, rows, D, w_cols, FW, EVEN)
+    sc = load_tile(s_ptrs, s_rows, D, s_cols, FW, EVEN)
     acc = gl.zeros([BLOCK_N, LO], gl.float32, layout=MMA)
     if HI > 0:
         acc2 = gl.zeros([BLOCK_N, HI], gl.float32, layout=MMA_HI)
@@ -451,12 +458,12 @@ def _down_rows(
         stage = _wait_step(s, STAGES)
         _request(smem, h_ptrs, smem_hi, h_hi, s + STAGES - 2, nsteps, (s + STAGES - 2) % STAGES, BLOCK_KW, HI)
         kw = gl.minimum(s + 1, nsteps - 1) * BLOCK_KW
-        w_next = _load_tile(w_ptrs + kw, rows, D, w_cols, FW - kw, EVEN)
-        sc_next = _load_tile(s_ptrs + kw // GW, s_rows, D, s_cols, FW - kw, EVEN)
-        a = _operand(w, BLOCK_N, BLOCK_KW, W_LAYOUT)
-        c = _operand(_per_word(sc, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
+        w_next = load_tile(w_ptrs + kw, rows, D, w_cols, FW - kw, EVEN)
+        sc_next = load_tile(s_ptrs + kw // GW, s_rows, D, s_cols, FW - kw, EVEN)
+        a = operand_order(w, BLOCK_N, BLOCK_KW, W_LAYOUT)
+        c = operand_order(scales_per_word(sc, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
         for j in gl.static_range(4):
-            p = _plane(a, c, j, BLOCK_N, BLOCK_KW, A_LAYOUT)
+            p = widened_plane(a, c, j, BLOCK_N, BLOCK_KW, A_LAYOUT)
             acc = warpgroup_mma(p, smem.index(stage).slice(j * LO, LO).permute((1, 0)), acc, is_async=True)
             if HI > 0:
                 b2 = smem_hi.index(stage).slice(j * HI, HI).permute((1, 0))
@@ -484,7 +491,7 @@ def _down_store(acc, y_ptr, b_ptr, tw_ptr, sorted_ptr, slot, pos, pid_n, num_pai
     """The epilogue of sorted positions ``[pos, pos + ROWS)``: bias, routing weight (on the output), ``y [N, D]``
     float32 at each pair's row."""
     MMA: gl.constexpr = _mma_layout(ROWS, NUM_WARPS)
-    pair_c, valid_c = _block_rows(sorted_ptr, pos, num_pairs, ROWS, gl.SliceLayout(0, MMA))
+    pair_c, valid_c = block_rows(sorted_ptr, pos, num_pairs, ROWS, gl.SliceLayout(0, MMA))
     d = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     d_ok = d < D
     if HAS_BIAS:
