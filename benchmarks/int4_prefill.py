@@ -1,46 +1,96 @@
-"""INT4 prefill kernels at Kimi-K2.5 shapes: the wgmma kernels (``w4a16_wgmma``) against the MMA path with 16-row
-blocks (``w4a16_mma``), on the same packed weights and routing.
+"""INT4 prefill at Kimi-K2.5 shapes: the wgmma kernels, default and with tail row blocks, against MMA16 and bf16.
 
-    python benchmarks/int4_prefill.py [--sizes 1024,4096]
+The wgmma kernels (``w4a16_wgmma``) against the MMA path with 16-row blocks (``w4a16_mma``) and our bf16 path, on the
+same weights and routing.
+
+    python benchmarks/int4_prefill.py [--sizes 1024,4096] [--cases kimi_int4,kimi_full_int4] [--out PATH]
 
 The EP-8 shard (48 of 384 experts, other ranks' pairs skipped) and all 384 experts on one GPU (hidden 7168,
-intermediate 2048, top-8, group 32), random packed weights and routing. Per case and size: each path's median time
-as CUDA-graph replays after an L2 flush (``timing.time_fn``) and the relative error of the wgmma output against the
-MMA path's (which the GPU tests check against the float64 reference). A quick check, without the bf16 weights that
-``moe_layer.py --cases kimi_int4,kimi_full_int4`` also builds (its columns ``int4_wgmma``, ``bf16``).
+intermediate 2048, top-8, group 32), random packed weights and routing. The wgmma variants (``WGMMA_PREFILL``):
+``wgmma`` the default (128-row blocks), ``wg_t32`` 128-row blocks whose last block per slot has 32, 64, 96 or 128 rows
+(``WgmmaConfig.tail_rows`` 32), ``wg_t64`` last blocks of 64 or 128 rows, ``wg64_t32`` 64-row blocks with last blocks
+of 32 or 64 rows. Per case, size and path: the median time as CUDA-graph replays after an L2 flush
+(``timing.time_fn``), for the wgmma variants the token rows they compute per routed pair (padding included, from the
+alignment) and the relative error of the output against the MMA path's (which the GPU tests check against the
+float64 reference); ``bf16``: the ``triton`` backend on the dequantized weights (the target: INT4 prefill no slower).
+Prints one line a path, then a table (time over bf16's); writes JSON to ``--out`` (default ``$OUT/int4_prefill.json``
+when ``$OUT`` is set).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 
 import torch
+import triton
 
+from epmoe.experts import ExpertWeights, get_expert_backend
+from epmoe.experts.triton.align_kernels import align_triton
+from epmoe.experts.triton.int4 import dequantize_int4_triton
 from epmoe.experts.triton.w4a16_mma import MmaConfig, int4_mma_experts
-from epmoe.experts.triton.w4a16_wgmma import int4_wgmma_experts
+from epmoe.experts.triton.w4a16_wgmma import default_wgmma_config, int4_wgmma_experts
 from epmoe.experts.weights import Activation
-from moe_layer import INT4_CASES, make_routing, random_int4_weights
+from moe_layer import INT4_CASES, INT4_GROUP, WGMMA_PREFILL, make_routing, random_int4_weights
 from timing import rel_err, time_fn
+
+
+def bench_case(name: str, case: dict, sizes: list[int], flush: torch.Tensor, gen: torch.Generator) -> list[dict]:
+    """One line a path and size (printed) and one row a size (returned); the case's weights are freed on return."""
+    s, d, f, g = case["slots"], case["d"], case["f"], INT4_GROUP
+    act, mma16 = Activation(), MmaConfig(block_m=16)
+    backend = get_expert_backend("triton")
+    q = random_int4_weights(case, gen)
+    w = ExpertWeights(
+        dequantize_int4_triton(q.w13_packed, q.w13_scale, g, torch.empty(s, 2 * f, d, device="cuda",
+                                                                         dtype=torch.bfloat16)),
+        dequantize_int4_triton(q.w2_packed, q.w2_scale, g, torch.empty(s, d, f, device="cuda", dtype=torch.bfloat16)))
+    rows = []
+    for t in sizes:
+        x, slots, tw = make_routing(case, t, gen)
+        pairs = int((slots >= 0).sum())
+        ref = int4_mma_experts(x, slots, tw, q, act, config=mma16)
+        row = {"case": name, "tokens": t, "pairs": pairs, "slots": s}
+        for key, cfg in WGMMA_PREFILL.items():
+            c = cfg if cfg is not None else default_wgmma_config(g)
+            aln = align_triton(slots, s, c.block_m, tail_rows=c.tail_rows)
+            row[f"{key}_rows_per_pair"] = int(aln.block_rows.sum()) / max(pairs, 1)
+            row[f"{key}_err"] = rel_err(int4_wgmma_experts(x, slots, tw, q, act, config=cfg), ref)
+            row[f"{key}_us"] = time_fn(lambda cfg=cfg: int4_wgmma_experts(x, slots, tw, q, act, config=cfg), True,
+                                       flush) * 1e3
+            print(f"{name:15} T={t:5d} {key:9} {row[f'{key}_us']:9.1f} us  rows/pair "
+                  f"{row[f'{key}_rows_per_pair']:5.2f}  rel_err(vs mma16) {row[f'{key}_err']:.2e}", flush=True)
+        row["mma16_us"] = time_fn(lambda: int4_mma_experts(x, slots, tw, q, act, config=mma16), True, flush) * 1e3
+        row["bf16_err"] = rel_err(backend(x, slots, tw, w, act), ref)
+        row["bf16_us"] = time_fn(lambda: backend(x, slots, tw, w, act), True, flush) * 1e3
+        print(f"{name:15} T={t:5d} {'mma16':9} {row['mma16_us']:9.1f} us", flush=True)
+        print(f"{name:15} T={t:5d} {'bf16':9} {row['bf16_us']:9.1f} us  rel_err(vs mma16) {row['bf16_err']:.2e}",
+              flush=True)
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="1024,4096")
+    p.add_argument("--cases", default=",".join(INT4_CASES), help=f"of {list(INT4_CASES)}")
+    p.add_argument("--out", default=os.path.join(os.environ["OUT"], "int4_prefill.json") if "OUT" in os.environ
+                   else None)
     args = p.parse_args()
     flush = torch.empty(256 << 20, device="cuda", dtype=torch.float16)
     gen = torch.Generator(device="cuda").manual_seed(2)
-    act, mma16 = Activation(), MmaConfig(block_m=16)
-    for name, case in INT4_CASES.items():
-        q = random_int4_weights(case, gen)
-        for t in [int(v) for v in args.sizes.split(",")]:
-            x, slots, tw = make_routing(case, t, gen)
-            ref = int4_mma_experts(x, slots, tw, q, act, config=mma16)
-            err = rel_err(int4_wgmma_experts(x, slots, tw, q, act), ref)
-            wg_us = time_fn(lambda: int4_wgmma_experts(x, slots, tw, q, act), True, flush) * 1e3
-            mma_us = time_fn(lambda: int4_mma_experts(x, slots, tw, q, act, config=mma16), True, flush) * 1e3
-            print(f"{name:15} T={t:5d} wgmma {wg_us:9.1f} us  mma16 {mma_us:9.1f} us  "
-                  f"rel_err(wgmma, mma16) {err:.2e}", flush=True)
-
+    sizes = [int(v) for v in args.sizes.split(",")]
+    rows = [r for name in args.cases.split(",") for r in bench_case(name, INT4_CASES[name], sizes, flush, gen)]
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": triton.__version__, "rows": rows}, fh, indent=1)
+    keys = list(WGMMA_PREFILL) + ["mma16", "bf16"]
+    print(f"\n{'case':15} {'T':>5} " + " ".join(f"{k:>9}" for k in keys) + "  (us; below: x bf16)")
+    for r in rows:
+        print(f"{r['case']:15} {r['tokens']:5d} " + " ".join(f"{r[k + '_us']:9.1f}" for k in keys))
+        print(f"{'':15} {'':5} " + " ".join(f"{r[k + '_us'] / r['bf16_us']:9.2f}" for k in keys))
 
 if __name__ == "__main__":
     main()

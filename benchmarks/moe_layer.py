@@ -23,7 +23,8 @@ packed weights (``int4``, the path ``int4_path`` picks; floor = INT4 bytes + sca
 bandwidth, or the FLOPs), each INT4 path at every size whichever the backend takes (``int4_mma``: the tensor-core
 kernels with the words widened into the MMA registers, ``int4_mma16``/``int4_mma32`` with 16/32-row blocks;
 ``int4_wgmma``: the prefill kernels on Hopper's warpgroup MMA, ``w4a16_wgmma``, with their default tiles (two
-warpgroups a program), ``int4_wgmma4`` with one warpgroup of 64 weight rows a program;
+warpgroups a program), ``int4_wgmma4`` with one warpgroup of 64 weight rows a program, ``int4_wgmma_t32`` with tail
+row blocks (a slot's last block of 32, 64, 96 or 128 rows), ``int4_wgmma64_t32`` with 64-row blocks and 32-row tails;
 ``int4_grouped``: the fused grouped kernels; ``int4_dequant``: the used slots widened, then the bf16 grouped
 kernels; ``int4_decode``: the decode kernels, up to 64 tokens), our bf16 Triton path (``bf16``; its own floor, the
 bf16 bytes) and "dequantize, then grouped_mm" (``deq_gmm``: one Triton launch widening every local expert to bf16,
@@ -110,10 +111,20 @@ DECODE_MAX = 64
 MMA_BLOCK16 = MmaConfig(32, 32, 64, 32, 2, block_m=16)
 MMA_BLOCK32 = MmaConfig(32, 16, 32, 16, 2, block_m=32)  # 16-word steps: 200 registers, none spilled (sm_90)
 WGMMA_ONE_WARPGROUP = WgmmaConfig(num_warps=4, block_n1=64, block_n2=64)
-# the default, four buffers, 64-row blocks, one warpgroup (down: issuing its wgmma twice), 32-word steps
+# tail row blocks (WgmmaConfig.tail_rows): 128-row blocks whose last block per slot has 32, 64, 96 or 128 rows; 64 or
+# 128 rows; 64-row blocks whose last block has 32 or 64 rows
+WGMMA_TAIL32 = WgmmaConfig(tail_rows=32)
+WGMMA_TAIL64 = WgmmaConfig(tail_rows=64)
+WGMMA_BLOCK64_TAIL32 = WgmmaConfig(64, tail_rows=32)
+# the wgmma variants int4_prefill.py times (None: the default)
+WGMMA_PREFILL = {"wgmma": None, "wg_t32": WGMMA_TAIL32, "wg_t64": WGMMA_TAIL64, "wg64_t32": WGMMA_BLOCK64_TAIL32}
+# the default, four buffers, 64-row blocks, one warpgroup (down: issuing its wgmma twice), 32-word steps; tail blocks
+# (also with four buffers and with one warpgroup)
 INT4_WGMMA_SWEEP = [
     WgmmaConfig(), WgmmaConfig(stages=4), WgmmaConfig(64), WGMMA_ONE_WARPGROUP,
     WgmmaConfig(num_warps=4, block_n1=64, block_n2=128), WgmmaConfig(64, 32, 32),
+    WGMMA_TAIL32, WGMMA_TAIL64, WGMMA_BLOCK64_TAIL32, WgmmaConfig(stages=4, tail_rows=32),
+    WgmmaConfig(num_warps=4, block_n1=64, block_n2=128, tail_rows=32),
 ]
 SWEEP = [
     TileConfig(16, 32, 64, 128, 4, 3), TileConfig(64, 64, 128, 64, 8, 3), TileConfig(128, 128, 256, 64, 8, 4),
@@ -331,6 +342,9 @@ def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: 
                  # 64-128 token rows a block on the warpgroup MMA (prefill sizes)
                  "int4_wgmma": lambda: int4_wgmma_experts(x, slots, tw, q, act),
                  "int4_wgmma4": lambda: int4_wgmma_experts(x, slots, tw, q, act, config=WGMMA_ONE_WARPGROUP),
+                 # tail row blocks: fewer padding rows computed
+                 "int4_wgmma_t32": lambda: int4_wgmma_experts(x, slots, tw, q, act, config=WGMMA_TAIL32),
+                 "int4_wgmma64_t32": lambda: int4_wgmma_experts(x, slots, tw, q, act, config=WGMMA_BLOCK64_TAIL32),
                  "int4_dequant": lambda: int4_dequantized_experts(x, slots, tw, q, act)}
         if t <= DECODE_MAX:
             impls["int4_decode"] = lambda: int4_decode_experts(x, slots, tw, q, act)
@@ -376,7 +390,7 @@ def print_int4_table(rows: list[dict]) -> None:
     of the backend, the grouped path and the wgmma kernels."""
     nan = float("nan")
     print(f"\n{'case':14} {'T':>5} {'act':>4} {'path':>7} {'i4floor':>7} {'int4':>8} {'x_fl':>6} {'i4mma':>8} "
-          f"{'mma16':>8} {'mma32':>8} {'wgmma':>8} {'wgmma4':>8} {'wbest':>8} "
+          f"{'mma16':>8} {'mma32':>8} {'wgmma':>8} {'wgmma4':>8} {'wg_t32':>8} {'wg64t32':>8} {'wbest':>8} "
           f"{'i4dec':>8} "
           f"{'dbest':>7} {'i4grp':>8} {'gbest':>7} {'gb_x_fl':>7} {'i4deq':>8} {'bf16':>7} {'bf16/i4':>7} "
           f"{'deq_gmm':>8} {'err_i4':>8} {'err_grp':>8} {'err_wg':>8}")
@@ -385,6 +399,7 @@ def print_int4_table(rows: list[dict]) -> None:
         print(f"{r['case']:14} {r['tokens']:5d} {r['active_slots']:4d} {r['int4_path']:>7} {r['int4_floor_us']:7.1f} "
               f"{r['int4_us']:8.1f} {r['int4_us'] / floor:6.2f} {r['int4_mma_us']:8.1f} {r['int4_mma16_us']:8.1f} "
               f"{r['int4_mma32_us']:8.1f} {r['int4_wgmma_us']:8.1f} {r['int4_wgmma4_us']:8.1f} "
+              f"{r['int4_wgmma_t32_us']:8.1f} {r['int4_wgmma64_t32_us']:8.1f} "
               f"{r.get('int4_wgmma_best_us', nan):8.1f} "
               f"{r.get('int4_decode_us', nan):8.1f} "
               f"{r.get('int4_best_us', nan):7.1f} {r['int4_grouped_us']:8.1f} "

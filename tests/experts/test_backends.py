@@ -49,11 +49,13 @@ def test_backends_skip_slot_ids_outside_the_slots(name):
     torch.testing.assert_close(get_expert_backend(name)(x, bad, tw, w, Activation()), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("block_m,half", [(1, False), (4, False), (16, False), (4, True), (16, True)])
-def test_alignment_groups_pairs_by_slot(block_m, half):
+@pytest.mark.parametrize("block_m,half,tail", [(1, False, None), (4, False, None), (16, False, None), (4, True, None),
+                                               (16, True, None), (16, False, 4), (16, True, 8)])
+def test_alignment_groups_pairs_by_slot(block_m, half, tail):
     _, _, slots, _ = _problem(4, s=7, t=50, k=4)
     n, s = slots.numel(), 7
-    a = align_reference(slots, s, block_m, half)
+    a = align_reference(slots, s, block_m, half, tail)
+    tail = tail or (block_m // 2 if half else block_m)
     nb = num_aligned_blocks(n, s, block_m)
     assert a.sorted_pair_ids.shape == (nb * block_m,) and a.block_slot.shape == (nb,)
     flat = slots.reshape(-1)
@@ -72,8 +74,8 @@ def test_alignment_groups_pairs_by_slot(block_m, half):
         seen += real.tolist()
         last = b + 1 == nb or int(a.block_slot[b + 1]) != int(a.block_slot[b])
         left = int(counts[a.block_slot[b]]) % block_m or block_m
-        # a half block only as a slot's last block, and only when at most half a block of rows is left
-        assert rows == (block_m // 2 if half and last and left <= block_m // 2 else block_m)
+        # a shorter block only as a slot's last block: its rows rounded up to a multiple of the tail rows
+        assert rows == (-(-left // tail) * tail if last else block_m)
     assert sorted(seen) == (flat >= 0).nonzero().flatten().tolist()
     used = a.block_slot[a.block_slot >= 0]
     assert bool((used[1:] >= used[:-1]).all())
@@ -88,6 +90,11 @@ def test_alignment_half_tail_pads_less():
     assert half.block_start[:5].tolist() == [0, 4, 6, 8, 12] and half.block_slot[:5].tolist() == [0, 0, 1, 2, 2]
     with pytest.raises(ValueError, match="block_m"):
         align_reference(slots, 3, 5, half_tail=True)
+    # quarter tails: slot 0 (5 rows) 4 + 1, slot 1 (1 row) 1, slot 2 (7 rows) 4 + 3
+    quarter = align_reference(slots, 3, 4, tail_rows=1)
+    assert quarter.block_rows[:5].tolist() == [4, 1, 1, 4, 3] and quarter.block_start[:5].tolist() == [0, 4, 5, 6, 10]
+    with pytest.raises(ValueError, match=r"tail_rows must be a positive divisor of block_m \(4\), got 3"):
+        align_reference(slots, 3, 4, tail_rows=3)
 
 
 def test_alignment_all_skipped():

@@ -339,6 +339,10 @@ def test_int4_wgmma_refuses_bad_input():
         int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_kw1=8))
     with pytest.raises(ValueError, match="block_m must be 64 or 128, got 32"):
         int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_m=32, block_kw1=32, block_kw2=32))
+    with pytest.raises(ValueError, match=r"tail_rows must be None, block_m / 2 or block_m / 4 \(block_m 128\).* 48"):
+        int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_kw1=32, block_kw2=32, tail_rows=48))
+    with pytest.raises(ValueError, match=r"tail_rows .* \(block_m 64\) and at least 32 .* got 16"):
+        int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 32, 32, tail_rows=16))
     with pytest.raises(ValueError, match="stages must be 3 or 4, got 2"):
         int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_kw1=32, block_kw2=32, stages=2))
     with pytest.raises(ValueError, match="stages 4 x block_m 64 x block_kw 64 takes 262144 bytes of shared memory"):
@@ -382,11 +386,49 @@ def test_int4_wgmma_path_on_gpu(t, case):
     group, q, act, woi, x, slots, tw, ref = _kernel_case(case, t, t + 11)
     # the default tiles (two warpgroups); 64-row blocks; four buffers (three of 64-word steps fill shared memory);
     # 32-word steps in one kernel (64 for groups of 128); one warpgroup of 64 rows; one warpgroup issuing its wgmma
-    # twice (128 rows) in the down kernel
+    # twice (128 rows) in the down kernel; 32-row tails (block_m 128: last blocks of 32, 64 or 96 rows; 64: of 32
+    # rows), with two warpgroups and with one
     kw = max(16, group // 2)
     bm = 128 if kw == 16 else 64
     for cfg in (None, WgmmaConfig(64, kw, kw), WgmmaConfig(bm, kw, kw, 4 if kw < 64 else 3),
                 WgmmaConfig(64, max(32, kw), kw),
-                WgmmaConfig(bm, kw, kw, 3, 4, 64, 64), WgmmaConfig(bm, kw, kw, 3, 4, 64, 128)):
+                WgmmaConfig(bm, kw, kw, 3, 4, 64, 64), WgmmaConfig(bm, kw, kw, 3, 4, 64, 128),
+                WgmmaConfig(bm, kw, kw, tail_rows=32), WgmmaConfig(bm, kw, kw, 3, 4, 64, 128, tail_rows=32)):
         assert _rel(int4_wgmma_experts(x, slots, tw, q, act, woi, cfg), ref) < 1e-2, cfg
     _assert_replay_equals_eager(lambda: int4_wgmma_experts(x, slots, tw, q, act, woi), x)
+
+
+@pytest.mark.gpu
+def test_int4_wgmma_tail_blocks_on_gpu():
+    # slots of 1, 33, 64, 65, 85 and 130 pairs and an empty one: with block_m 128 and 32-row tails, last blocks of
+    # 32, 64, 96 (a 64-row and a 32-row wgmma on the same widened weights) and 128 rows; with 64-row tails or
+    # block_m 64, the block boundaries at 32/33 and 64/65 rows; six pairs skipped; bias; Kimi-K2.5's groups of 32
+    # (other groups, the routing weight on the input and ragged shapes with tails: test_int4_wgmma_path_on_gpu)
+    from epmoe.experts.triton.align_kernels import align_triton
+    from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, int4_wgmma_experts
+
+    counts, s, k, group = [1, 33, 64, 65, 85, 130, 0], 7, 8, 32
+    g = torch.Generator().manual_seed(0)
+    ids = torch.cat([torch.full((c,), i) for i, c in enumerate(counts)] + [torch.full((6,), -1)])
+    slots = ids[torch.randperm(ids.numel(), generator=g)].view(-1, k).cuda()
+    t, d, f = slots.shape[0], 1024, 512
+    rows = align_triton(slots, s, 128, tail_rows=32).block_rows
+    assert sorted(set(rows[rows > 0].tolist())) == [32, 64, 96, 128]
+    q = _int4(group, s, d, f, True, group, torch.bfloat16, "cuda")
+    act = Activation("silu", 7.0)
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    tw = torch.rand(t, k, device="cuda")
+    configs = [WgmmaConfig(64, tail_rows=32), WgmmaConfig(tail_rows=64), WgmmaConfig(num_warps=4, block_n1=64,
+               block_n2=128, tail_rows=32), WgmmaConfig(tail_rows=32)]
+    ref = _ref(x, slots, tw, q, act, False)
+    for cfg in configs:
+        assert _rel(int4_wgmma_experts(x, slots, tw, q, act, False, cfg), ref) < 1e-2, cfg
+    # replayed from a CUDA graph on new inputs (the pairs' order inside a slot, so which part of a block a pair is
+    # computed in, may differ between runs: checked against the reference, not bitwise against an eager run)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = int4_wgmma_experts(x, slots, tw, q, act, False, configs[-1])
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert _rel(captured, _ref(x, slots, tw, q, act, False)) < 1e-2
+

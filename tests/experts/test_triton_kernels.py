@@ -125,14 +125,15 @@ def test_kernels_skip_slot_ids_outside_the_slots(t):
     assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-3
 
 
-@pytest.mark.parametrize("n_tokens", [7, 3000])
-def test_alignment_equals_reference(n_tokens):
-    """Both alignment paths (one program; fill + count + offsets + scatter), with half-size last blocks."""
+@pytest.mark.parametrize("n_tokens,tail", [(7, None), (3000, None), (7, 8), (3000, 8)])
+def test_alignment_equals_reference(n_tokens, tail):
+    """Both alignment paths (one program; fill + count + offsets + scatter), with half-size last blocks or last
+    blocks rounded up to a multiple of a quarter block."""
     from epmoe.experts.triton.align import align_reference
     from epmoe.experts.triton.align_kernels import align_triton
 
     slots = torch.randint(-1, 40, (n_tokens, 8))
-    a, b = align_triton(slots, 40, 32, True), align_reference(slots, 40, 32, True)
+    a, b = align_triton(slots, 40, 32, True, tail), align_reference(slots, 40, 32, True, tail)
     assert torch.equal(a.block_slot, b.block_slot) and torch.equal(a.block_start, b.block_start)
     assert torch.equal(a.block_rows, b.block_rows)
     for blk in range(a.block_slot.numel()):

@@ -5,7 +5,9 @@ alignment sorts the ``N = T * K`` (token, k) pairs by slot and pads each slot's 
 pair id ``N``: a slot of ``c`` rows gets ``ceil(c / block_m)`` blocks of ``block_m`` rows, and with
 ``half_tail`` its last block has ``block_m / 2`` rows when at most that many rows are left, so the
 padding computed is under ``block_m / 2`` rows per slot instead of under ``block_m`` (at 4096 tokens and
-about 256 rows per expert, a 1.25x padded GEMM becomes about 1.12x). Block ``b`` covers sorted positions
+about 256 rows per expert, a 1.25x padded GEMM becomes about 1.12x); more generally ``tail_rows`` rounds the
+rows of a slot's last block up to a multiple of ``tail_rows`` (``half_tail``: ``block_m / 2``; the INT4 wgmma
+kernels also take ``block_m / 4``: a last block of 32, 64, 96 or 128 rows). Block ``b`` covers sorted positions
 ``[block_start[b], block_start[b] + block_rows[b])`` of slot ``block_slot[b]``. Pairs whose slot is
 ``-1`` (served on another rank) are left out. All sizes are static functions of ``(N, S, block_m)``, so
 nothing reads the routing on the host: the alignment can be captured in a CUDA graph.
@@ -46,8 +48,8 @@ class Alignment:
             ``N`` = padding.
         block_slot: ``[NB]`` int32 slot of each block, ``-1`` = block unused.
         block_start: ``[NB]`` int32 first sorted position of each block (0 for unused blocks).
-        block_rows: ``[NB]`` int32 rows of each block: ``block_m``, ``block_m // 2`` (a half-size last
-            block) or 0 (unused).
+        block_rows: ``[NB]`` int32 rows of each block: ``block_m``, a multiple of the tail rows below it (a
+            slot's last block; ``block_m // 2`` with ``half_tail``) or 0 (unused).
         block_m: rows of a full block.
     """
 
@@ -58,7 +60,24 @@ class Alignment:
     block_m: int
 
 
-def align_reference(topk_slots: torch.Tensor, num_slots: int, block_m: int, half_tail: bool = False) -> Alignment:
+def tail_rows_of(block_m: int, half_tail: bool, tail_rows: int | None) -> int:
+    """The rows a slot's last block is rounded up to a multiple of: ``tail_rows``, else ``block_m / 2`` with
+    ``half_tail``, else ``block_m``.
+
+    Raises:
+        ValueError: ``block_m`` not positive, odd with ``half_tail``, or ``tail_rows`` not a positive divisor of it.
+    """
+    if block_m <= 0 or (half_tail and block_m % 2):
+        raise ValueError(f"block_m must be positive (and even with half_tail), got {block_m}")
+    if tail_rows is None:
+        return block_m // 2 if half_tail else block_m
+    if tail_rows <= 0 or block_m % tail_rows:
+        raise ValueError(f"tail_rows must be a positive divisor of block_m ({block_m}), got {tail_rows}")
+    return tail_rows
+
+
+def align_reference(topk_slots: torch.Tensor, num_slots: int, block_m: int, half_tail: bool = False,
+                    tail_rows: int | None = None) -> Alignment:
     """Align pairs to slot blocks with plain PyTorch ops (no host sync; stable order within a slot).
 
     Args:
@@ -66,15 +85,16 @@ def align_reference(topk_slots: torch.Tensor, num_slots: int, block_m: int, half
         num_slots: ``S``.
         block_m: rows per full block (positive; even when ``half_tail``).
         half_tail: give a slot's last block ``block_m // 2`` rows when at most that many are left.
+        tail_rows: give a slot's last block its rows rounded up to a multiple of ``tail_rows`` (a divisor of
+            ``block_m``; overrides ``half_tail``).
 
     Returns:
         The ``Alignment``; ``NB = num_aligned_blocks(T * K, S, block_m)``.
 
     Raises:
-        ValueError: ``block_m`` not positive, or odd with ``half_tail``.
+        ValueError: ``block_m`` not positive, odd with ``half_tail``, or ``tail_rows`` not a divisor of it.
     """
-    if block_m <= 0 or (half_tail and block_m % 2):
-        raise ValueError(f"block_m must be positive (and even with half_tail), got {block_m}")
+    tail = tail_rows_of(block_m, half_tail, tail_rows)
     device = topk_slots.device
     n = topk_slots.numel()
     nb = num_aligned_blocks(n, num_slots, block_m)
@@ -84,8 +104,7 @@ def align_reference(topk_slots: torch.Tensor, num_slots: int, block_m: int, half
     counts = counts[:num_slots]
     nblk = (counts + block_m - 1) // block_m
     last = counts - (nblk - 1) * block_m
-    half_rows = torch.where(last <= block_m // 2, block_m // 2, block_m)
-    last_rows = half_rows if half_tail else torch.full_like(last, block_m)
+    last_rows = (last + tail - 1) // tail * tail
     padded = torch.where(counts > 0, (nblk - 1) * block_m + last_rows, 0)
     padded_start = torch.cumsum(padded, 0) - padded
     group_start = torch.cumsum(counts, 0) - counts

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epmoe.experts.triton.align import Alignment, num_aligned_blocks
+from epmoe.experts.triton.align import Alignment, num_aligned_blocks, tail_rows_of
 
 _SMALL_ALIGN = 1 << 14  # pairs x slots (padded to powers of two) that _align_small_kernel takes in one program
 
@@ -29,12 +29,12 @@ def _count_kernel(slots_ptr, counts_ptr, num_pairs, num_slots, BLOCK: tl.constex
 
 
 @triton.jit
-def _slot_layout(counts, BLOCK_M: tl.constexpr, HALF_TAIL: tl.constexpr):
+def _slot_layout(counts, BLOCK_M: tl.constexpr, TAIL: tl.constexpr):
     """From per-slot row counts ``[S_PAD]``: each slot's first padded position, blocks, first block and
-    rows of its last block (``align.align_reference`` computes the same)."""
+    rows of its last block, rounded up to a multiple of ``TAIL`` (``align.align_reference`` computes the same)."""
     nblk = (counts + BLOCK_M - 1) // BLOCK_M
-    if HALF_TAIL:
-        last_rows = tl.where(counts - (nblk - 1) * BLOCK_M <= BLOCK_M // 2, BLOCK_M // 2, BLOCK_M)
+    if TAIL < BLOCK_M:
+        last_rows = (counts - (nblk - 1) * BLOCK_M + TAIL - 1) // TAIL * TAIL
     else:
         last_rows = tl.full(counts.shape, BLOCK_M, tl.int32)
     padded = tl.where(counts > 0, (nblk - 1) * BLOCK_M + last_rows, 0)
@@ -64,12 +64,12 @@ def _block_layout(
 @triton.jit
 def _offsets_kernel(
     counts_ptr, cursor_ptr, block_slot_ptr, block_start_ptr, block_rows_ptr, num_slots, num_blocks,
-    BLOCK_M: tl.constexpr, HALF_TAIL: tl.constexpr, S_PAD: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_M: tl.constexpr, TAIL: tl.constexpr, S_PAD: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     # one program per BLOCK_B blocks; each recomputes the (small) per-slot prefix sums
     s = tl.arange(0, S_PAD)
     counts = tl.load(counts_ptr + s, mask=s < num_slots, other=0)
-    start, nblk, blk_begin, last_rows = _slot_layout(counts, BLOCK_M, HALF_TAIL)
+    start, nblk, blk_begin, last_rows = _slot_layout(counts, BLOCK_M, TAIL)
     if tl.program_id(0) == 0:
         tl.store(cursor_ptr + s, start, mask=s < num_slots)
     _block_layout(tl.program_id(0) * BLOCK_B, s, start, nblk, blk_begin, last_rows, num_blocks, block_slot_ptr,
@@ -79,7 +79,7 @@ def _offsets_kernel(
 @triton.jit
 def _align_small_kernel(
     slots_ptr, cursor_ptr, block_slot_ptr, block_start_ptr, block_rows_ptr, sorted_ptr, num_pairs, num_slots,
-    num_blocks, BLOCK_M: tl.constexpr, HALF_TAIL: tl.constexpr, S_PAD: tl.constexpr, N_PAD: tl.constexpr,
+    num_blocks, BLOCK_M: tl.constexpr, TAIL: tl.constexpr, S_PAD: tl.constexpr, N_PAD: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
 ):
     idx = tl.arange(0, N_PAD)
@@ -87,7 +87,7 @@ def _align_small_kernel(
     ok = (key >= 0) & (key < num_slots)
     s = tl.arange(0, S_PAD)
     counts = tl.sum(((key[:, None] == s[None, :]) & ok[:, None]).to(tl.int32), axis=0)
-    start, nblk, blk_begin, last_rows = _slot_layout(counts, BLOCK_M, HALF_TAIL)
+    start, nblk, blk_begin, last_rows = _slot_layout(counts, BLOCK_M, TAIL)
     tl.store(cursor_ptr + s, start, mask=s < num_slots)
     for b0 in range(0, num_blocks, BLOCK_B):
         _block_layout(b0, s, start, nblk, blk_begin, last_rows, num_blocks, block_slot_ptr, block_start_ptr,
@@ -109,7 +109,8 @@ def _scatter_kernel(slots_ptr, cursor_ptr, sorted_ptr, num_pairs, num_slots, BLO
     tl.store(sorted_ptr + pos, idx.to(tl.int32), mask=ok)
 
 
-def align_triton(topk_slots: torch.Tensor, num_slots: int, block_m: int, half_tail: bool = False) -> Alignment:
+def align_triton(topk_slots: torch.Tensor, num_slots: int, block_m: int, half_tail: bool = False,
+                 tail_rows: int | None = None) -> Alignment:
     """Same blocks as ``align_reference`` (order inside a slot may differ: atomics); CUDA-graph safe.
 
     Up to ``_SMALL_ALIGN`` (pairs x slots, both padded to powers of two) one program does it all in one
@@ -122,7 +123,12 @@ def align_triton(topk_slots: torch.Tensor, num_slots: int, block_m: int, half_ta
         num_slots: ``S``.
         block_m: rows per full block.
         half_tail: half-size last blocks (see ``align``).
+        tail_rows: last blocks rounded up to a multiple of this many rows (see ``align``; overrides ``half_tail``).
+
+    Raises:
+        ValueError: as ``align.align_reference``.
     """
+    tail = tail_rows_of(block_m, half_tail, tail_rows)
     device = topk_slots.device
     n = topk_slots.numel()
     nb = num_aligned_blocks(n, num_slots, block_m)
@@ -136,7 +142,7 @@ def align_triton(topk_slots: torch.Tensor, num_slots: int, block_m: int, half_ta
         sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=device)
         _align_small_kernel[(1,)](
             flat, cursor, block_slot, block_start, block_rows, sorted_ids, n, num_slots, nb,
-            BLOCK_M=block_m, HALF_TAIL=half_tail, S_PAD=s_pad, N_PAD=n_pad, BLOCK_B=max(16, 8192 // s_pad),
+            BLOCK_M=block_m, TAIL=tail, S_PAD=s_pad, N_PAD=n_pad, BLOCK_B=max(16, 8192 // s_pad),
             BLOCK=1024, num_warps=8,
         )
     else:
@@ -148,7 +154,7 @@ def align_triton(topk_slots: torch.Tensor, num_slots: int, block_m: int, half_ta
         block_b = max(8, 2048 // s_pad)
         _offsets_kernel[(triton.cdiv(nb, block_b),)](
             counts, cursor, block_slot, block_start, block_rows, num_slots, nb,
-            BLOCK_M=block_m, HALF_TAIL=half_tail, S_PAD=s_pad, BLOCK_B=block_b, num_warps=4,
+            BLOCK_M=block_m, TAIL=tail, S_PAD=s_pad, BLOCK_B=block_b, num_warps=4,
         )
         _scatter_kernel[grid](flat, cursor, sorted_ids, n, num_slots, BLOCK=block)
     return Alignment(sorted_ids, block_slot, block_start, block_rows, block_m)

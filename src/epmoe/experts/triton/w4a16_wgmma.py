@@ -25,7 +25,16 @@ requested into it (``STAGES - 2`` steps ahead); the next step's words and scales
 this step's are widened. ``warpgroup_mma(..., is_async=True)`` with at most one plane in flight while the next
 plane is widened.
 
-1. ``wgmma_planes(x)`` and ``align_kernels.align_triton`` (pairs sorted by slot, ``block_m`` rows a block).
+Tail blocks. A slot of ``c`` pairs padded to whole ``block_m``-row blocks computes up to ``block_m - 1`` padding rows
+(at 85 pairs a slot a third of the rows, at 21 four fifths, with 128-row blocks). With ``WgmmaConfig.tail_rows`` the
+alignment rounds a slot's last block up to a multiple of ``tail_rows`` instead (``align``), and a block of ``r <
+block_m`` rows runs the same code at ``r`` rows, a further compiled branch of each kernel chosen by the block's row
+count: 32 or 64 rows a ``wgmma`` of that ``N``; 96 rows (``block_m`` 128, ``tail_rows`` 32) two parts of 64 and 32
+rows, each widened plane feeding both parts' ``wgmma`` (the A operand does not depend on ``N``), so the slot's
+weights are read and widened once, as for a whole block.
+
+1. ``wgmma_planes(x)`` and ``align_kernels.align_triton`` (pairs sorted by slot, ``block_m`` rows a block, a slot's
+   last block rounded up to a multiple of ``tail_rows``).
 2. ``_gate_up_kernel``, grid ``NB * cdiv(F, block_n1)``: gate and up rows of a block's slot against the block's gathered
    token rows (pair id ``// K``), bias, routing weight (on the input), the gated activation; ``h`` stored per sorted
    position in the operand order of the down kernel's steps (zero-padded to whole steps).
@@ -84,6 +93,12 @@ class WgmmaConfig:
         block_n1: gate (and up) rows of a gate/up program: ``16 num_warps`` or twice that (each warpgroup then
             issues its ``wgmma`` twice, for rows ``r`` and ``r + 16 num_warps``, on the same shared activations).
         block_n2: ``w2`` rows (output columns) of a down program, as ``block_n1``.
+        tail_rows: a slot's last row block has its rows rounded up to a multiple of ``tail_rows`` (``align``;
+            ``None``: ``block_m``, whole blocks): ``block_m / 2`` or, for ``block_m`` 128, ``block_m / 4`` (32), at
+            least 32. A last block of ``r < block_m`` rows runs the same code with ``r`` rows a block (a second
+            compiled branch; with 32-row tails a 96-row block is a 64-row and a 32-row ``wgmma`` on the same widened
+            weights, a third and a fourth branch), so a slot computes its whole blocks and its last rows rounded up
+            to a multiple of ``tail_rows`` instead of to ``block_m``.
     """
 
     block_m: int = 128
@@ -93,6 +108,7 @@ class WgmmaConfig:
     num_warps: int = 8
     block_n1: int = 128
     block_n2: int = 128
+    tail_rows: int | None = None
 
 
 def default_wgmma_config(group_size: int) -> WgmmaConfig:
@@ -150,12 +166,27 @@ def _b_smem_layout(block_kw):
     return gl.NVMMASharedLayout(swizzle_byte_width=min(128, 4 * block_kw), element_bitwidth=16, rank=2)
 
 
+@gluon.constexpr_function
+def _mma_layout(rows, num_warps):
+    """The ``wgmma`` accumulator layout of a part of ``rows`` token rows (``N``; warpgroups stacked along ``M``)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, rows, 16])
+
+
 @gluon.jit
-def _request(smem, ptrs, step, nsteps, stage, BLOCK_KW: gl.constexpr):
-    """Copy the four plane tiles of step ``min(step, nsteps - 1)`` (``ptrs``: ``_step_ptrs``) into buffer ``stage``
-    ``[4 BLOCK_M, 2 BLOCK_KW]`` (``cp.async``; one commit group)."""
+def _copy(smem, ptrs, step, nsteps, stage, BLOCK_KW: gl.constexpr):
+    """Copy the four plane tiles of step ``min(step, nsteps - 1)`` of one part of a block (``ptrs``: ``_step_ptrs``)
+    into buffer ``stage`` ``[4 rows, 2 BLOCK_KW]`` (``cp.async``)."""
     buf = smem.index(stage).reshape([4, ptrs.shape[1], 2 * BLOCK_KW])
     async_copy.async_copy_global_to_shared(buf, ptrs + gl.minimum(step, nsteps - 1) * (8 * BLOCK_KW))
+
+
+@gluon.jit
+def _request(smem, ptrs, smem_hi, ptrs_hi, step, nsteps, stage, BLOCK_KW: gl.constexpr, HI: gl.constexpr):
+    """Copy step ``step`` of the block's first part and, when ``HI``, of its second part (``_copy``): one commit
+    group."""
+    _copy(smem, ptrs, step, nsteps, stage, BLOCK_KW)
+    if HI > 0:
+        _copy(smem_hi, ptrs_hi, step, nsteps, stage, BLOCK_KW)
     async_copy.commit_group()
 
 
@@ -187,17 +218,23 @@ def _wait_step(s, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _x_ptrs(xw_ptr, sorted_ptr, pos, num_pairs, top_k, stride_x, ROWS: gl.constexpr, BLOCK_KW: gl.constexpr,
+            NUM_WARPS: gl.constexpr):
+    """Step 0's plane pointers (``_step_ptrs``) of the token rows of sorted positions ``[pos, pos + ROWS)`` in the
+    operand-order copy of ``x`` (a padding row reads token 0: its column of the product is never stored)."""
+    pair, valid = block_rows(sorted_ptr, pos, num_pairs, ROWS, _row_layout(BLOCK_KW, NUM_WARPS))
+    tok = gl.where(valid, pair // top_k, 0).to(gl.int64)
+    return _step_ptrs(xw_ptr + tok * stride_x, ROWS, BLOCK_KW, NUM_WARPS)
+
+
+@gluon.jit
 def _gate_up_kernel(
-    xw_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, block_slot_ptr, block_start_ptr,
+    xw_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, block_slot_ptr, block_start_ptr, block_rows_ptr,
     num_pairs, top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, act_limit, act_alpha,
     BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, BLOCK_KW2: gl.constexpr, BLOCK_M: gl.constexpr, GW: gl.constexpr,
     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
-    WEIGHT_ON_INPUT: gl.constexpr, EVEN: gl.constexpr,
+    WEIGHT_ON_INPUT: gl.constexpr, EVEN: gl.constexpr, TAIL: gl.constexpr,
 ):
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                  instr_shape=[16, BLOCK_M, 16])
-    W_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
-    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     num_n = gl.cdiv(F, BLOCK_N)
     pid_m = gl.program_id(0) // num_n
     pid_n = gl.program_id(0) % num_n
@@ -205,16 +242,62 @@ def _gate_up_kernel(
     if slot < 0:
         return
     first = gl.load(block_start_ptr + pid_m)
+    # a slot's last block of fewer rows (a multiple of TAIL) runs the same code at its rows: BLOCK_M / 2, TAIL, or
+    # BLOCK_M / 2 + TAIL rows as two parts on the same widened weights
+    rows = BLOCK_M
+    if TAIL < BLOCK_M:
+        rows = gl.load(block_rows_ptr + pid_m)
+    if TAIL == BLOCK_M or rows == BLOCK_M:
+        _gate_up_rows(xw_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, slot, first, pid_n, num_pairs, top_k, D,
+                      F, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, act_limit, act_alpha,
+                      BLOCK_N, BLOCK_KW, BLOCK_KW2, BLOCK_M, 0, GW, STAGES, NUM_WARPS, ACT, HAS_BIAS,
+                      WEIGHT_ON_INPUT, EVEN)
+    elif rows == BLOCK_M // 2:
+        _gate_up_rows(xw_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, slot, first, pid_n, num_pairs, top_k, D,
+                      F, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, act_limit, act_alpha,
+                      BLOCK_N, BLOCK_KW, BLOCK_KW2, BLOCK_M // 2, 0, GW, STAGES, NUM_WARPS, ACT, HAS_BIAS,
+                      WEIGHT_ON_INPUT, EVEN)
+    elif TAIL == BLOCK_M // 4:
+        if rows == TAIL:
+            _gate_up_rows(xw_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, slot, first, pid_n, num_pairs,
+                          top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, act_limit,
+                          act_alpha, BLOCK_N, BLOCK_KW, BLOCK_KW2, TAIL, 0, GW, STAGES, NUM_WARPS, ACT, HAS_BIAS,
+                          WEIGHT_ON_INPUT, EVEN)
+        else:
+            _gate_up_rows(xw_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, slot, first, pid_n, num_pairs,
+                          top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, act_limit,
+                          act_alpha, BLOCK_N, BLOCK_KW, BLOCK_KW2, BLOCK_M // 2, TAIL, GW, STAGES, NUM_WARPS, ACT,
+                          HAS_BIAS, WEIGHT_ON_INPUT, EVEN)
+
+
+@gluon.jit
+def _gate_up_rows(
+    xw_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, slot, first, pid_n, num_pairs, top_k, D, F, stride_x,
+    stride_we, stride_wn, stride_se, stride_sn, stride_h, act_limit, act_alpha,
+    BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, BLOCK_KW2: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr,
+    GW: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
+    WEIGHT_ON_INPUT: gl.constexpr, EVEN: gl.constexpr,
+):
+    """``h`` of the ``LO + HI`` sorted positions from ``first`` (slot ``slot``; ``HI`` 0: one part), gate and up rows
+    of column tile ``pid_n``: each widened plane feeds the ``wgmma`` of the first ``LO`` rows and of the next
+    ``HI``."""
+    MMA: gl.constexpr = _mma_layout(LO, NUM_WARPS)
+    W_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
+    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     DW = D // 8
     nsteps = gl.cdiv(DW, BLOCK_KW)
-    # B: the block's token rows of the operand-order copy of x (a padding row reads token 0: its column of the
-    # product is never stored)
-    pair_b, valid_b = block_rows(sorted_ptr, first, num_pairs, BLOCK_M, _row_layout(BLOCK_KW, NUM_WARPS))
-    tok_b = gl.where(valid_b, pair_b // top_k, 0).to(gl.int64)
-    x_ptrs = _step_ptrs(xw_ptr + tok_b * stride_x, BLOCK_M, BLOCK_KW, NUM_WARPS)
-    smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4 * BLOCK_M, 2 * BLOCK_KW], _b_smem_layout(BLOCK_KW))
+    # B: the parts' token rows of the operand-order copy of x
+    x_ptrs = _x_ptrs(xw_ptr, sorted_ptr, first, num_pairs, top_k, stride_x, LO, BLOCK_KW, NUM_WARPS)
+    smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4 * LO, 2 * BLOCK_KW], _b_smem_layout(BLOCK_KW))
+    x_hi = x_ptrs
+    smem_hi = smem
+    if HI > 0:
+        MMA_HI: gl.constexpr = _mma_layout(HI, NUM_WARPS)
+        A_HI: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_HI, k_width=2)
+        x_hi = _x_ptrs(xw_ptr, sorted_ptr, first + LO, num_pairs, top_k, stride_x, HI, BLOCK_KW, NUM_WARPS)
+        smem_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4 * HI, 2 * BLOCK_KW], _b_smem_layout(BLOCK_KW))
     for i in gl.static_range(STAGES - 2):
-        _request(smem, x_ptrs, i, nsteps, i, BLOCK_KW)
+        _request(smem, x_ptrs, smem_hi, x_hi, i, nsteps, i, BLOCK_KW, HI)
     # A: gate rows and up rows (F + rows) of the slot
     wg_ptrs, sg_ptrs, rows, w_cols, s_rows, s_cols = weight_ptrs(
         w_ptr + slot * stride_we, s_ptr + slot * stride_se, pid_n * BLOCK_N, stride_wn, stride_sn, BLOCK_N, BLOCK_KW,
@@ -225,12 +308,15 @@ def _gate_up_kernel(
     wu = load_tile(wu_ptrs, rows, F, w_cols, DW, EVEN)
     sg = load_tile(sg_ptrs, s_rows, F, s_cols, DW, EVEN)
     su = load_tile(su_ptrs, s_rows, F, s_cols, DW, EVEN)
-    acc_g = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
-    acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
+    acc_g = gl.zeros([BLOCK_N, LO], gl.float32, layout=MMA)
+    acc_u = gl.zeros([BLOCK_N, LO], gl.float32, layout=MMA)
+    if HI > 0:
+        acc_g2 = gl.zeros([BLOCK_N, HI], gl.float32, layout=MMA_HI)
+        acc_u2 = gl.zeros([BLOCK_N, HI], gl.float32, layout=MMA_HI)
     for s in range(0, nsteps):
         # step s's activations in, step s - 2's buffer free: request step s + STAGES - 2 into it
         stage = _wait_step(s, STAGES)
-        _request(smem, x_ptrs, s + STAGES - 2, nsteps, (s + STAGES - 2) % STAGES, BLOCK_KW)
+        _request(smem, x_ptrs, smem_hi, x_hi, s + STAGES - 2, nsteps, (s + STAGES - 2) % STAGES, BLOCK_KW, HI)
         # the next step's words and scales (the last step's own again) while this step's are widened
         kw = gl.minimum(s + 1, nsteps - 1) * BLOCK_KW
         wg_next = load_tile(wg_ptrs + kw, rows, F, w_cols, DW - kw, EVEN)
@@ -242,18 +328,44 @@ def _gate_up_kernel(
         cg = operand_order(scales_per_word(sg, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
         cu = operand_order(scales_per_word(su, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
         for j in gl.static_range(4):
-            b = smem.index(stage).slice(j * BLOCK_M, BLOCK_M).permute((1, 0))
-            acc_g = warpgroup_mma(widened_plane(ag, cg, j, BLOCK_N, BLOCK_KW, A_LAYOUT), b, acc_g, is_async=True)
-            acc_u = warpgroup_mma(widened_plane(au, cu, j, BLOCK_N, BLOCK_KW, A_LAYOUT), b, acc_u, is_async=True)
-            acc_g, acc_u = warpgroup_mma_wait(2, deps=[acc_g, acc_u])
+            pg = widened_plane(ag, cg, j, BLOCK_N, BLOCK_KW, A_LAYOUT)
+            pu = widened_plane(au, cu, j, BLOCK_N, BLOCK_KW, A_LAYOUT)
+            b = smem.index(stage).slice(j * LO, LO).permute((1, 0))
+            acc_g = warpgroup_mma(pg, b, acc_g, is_async=True)
+            acc_u = warpgroup_mma(pu, b, acc_u, is_async=True)
+            if HI > 0:
+                b2 = smem_hi.index(stage).slice(j * HI, HI).permute((1, 0))
+                acc_g2 = warpgroup_mma(gl.convert_layout(pg, A_HI, assert_trivial=True), b2, acc_g2, is_async=True)
+                acc_u2 = warpgroup_mma(gl.convert_layout(pu, A_HI, assert_trivial=True), b2, acc_u2, is_async=True)
+                acc_g, acc_u, acc_g2, acc_u2 = warpgroup_mma_wait(4, deps=[acc_g, acc_u, acc_g2, acc_u2])
+            else:
+                acc_g, acc_u = warpgroup_mma_wait(2, deps=[acc_g, acc_u])
         wg = wg_next
         wu = wu_next
         sg = sg_next
         su = su_next
-    acc_g, acc_u = warpgroup_mma_wait(0, deps=[acc_g, acc_u])
+    if HI > 0:
+        acc_g, acc_u, acc_g2, acc_u2 = warpgroup_mma_wait(0, deps=[acc_g, acc_u, acc_g2, acc_u2])
+    else:
+        acc_g, acc_u = warpgroup_mma_wait(0, deps=[acc_g, acc_u])
     async_copy.wait_group(0)
-    # epilogue in the accumulator layout: rows f of F, columns the block's token rows
-    pair_c, valid_c = block_rows(sorted_ptr, first, num_pairs, BLOCK_M, gl.SliceLayout(0, MMA))
+    _gate_up_store(acc_g, acc_u, h_ptr, b_ptr, tw_ptr, sorted_ptr, slot, first, pid_n, num_pairs, F, stride_h,
+                   act_limit, act_alpha, BLOCK_N, BLOCK_KW2, LO, NUM_WARPS, ACT, HAS_BIAS, WEIGHT_ON_INPUT)
+    if HI > 0:
+        _gate_up_store(acc_g2, acc_u2, h_ptr, b_ptr, tw_ptr, sorted_ptr, slot, first + LO, pid_n, num_pairs, F,
+                       stride_h, act_limit, act_alpha, BLOCK_N, BLOCK_KW2, HI, NUM_WARPS, ACT, HAS_BIAS,
+                       WEIGHT_ON_INPUT)
+
+
+@gluon.jit
+def _gate_up_store(acc_g, acc_u, h_ptr, b_ptr, tw_ptr, sorted_ptr, slot, pos, pid_n, num_pairs, F, stride_h,
+                   act_limit, act_alpha, BLOCK_N: gl.constexpr, BLOCK_KW2: gl.constexpr, ROWS: gl.constexpr,
+                   NUM_WARPS: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr):
+    """The epilogue of sorted positions ``[pos, pos + ROWS)`` in the accumulator layout (rows ``f`` of ``F``, columns
+    the token rows): routing weight (on the input), bias, the gated activation, ``h`` stored in the down kernel's
+    operand order."""
+    MMA: gl.constexpr = _mma_layout(ROWS, NUM_WARPS)
+    pair_c, valid_c = block_rows(sorted_ptr, pos, num_pairs, ROWS, gl.SliceLayout(0, MMA))
     f = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     f_ok = f < F
     if WEIGHT_ON_INPUT:
@@ -264,22 +376,19 @@ def _gate_up_kernel(
         acc_g += gl.load(b_ptr + slot * 2 * F + f, mask=f_ok, other=0.0).to(gl.float32)[:, None]
         acc_u += gl.load(b_ptr + slot * 2 * F + F + f, mask=f_ok, other=0.0).to(gl.float32)[:, None]
     h = gated_activation(acc_g, acc_u, act_limit, act_alpha, ACT)
-    m_c = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
-    h_ptrs = h_ptr + (first + m_c).to(gl.int64)[None, :] * stride_h + _operand_position(f, BLOCK_KW2)[:, None]
+    m_c = gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
+    h_ptrs = h_ptr + (pos + m_c).to(gl.int64)[None, :] * stride_h + _operand_position(f, BLOCK_KW2)[:, None]
     gl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=f_ok[:, None] & valid_c[None, :])
 
 
 @gluon.jit
 def _down_kernel(
-    h_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, block_slot_ptr, block_start_ptr,
+    h_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, block_slot_ptr, block_start_ptr, block_rows_ptr,
     num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn, stride_h,
     BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, BLOCK_M: gl.constexpr, GW: gl.constexpr, STAGES: gl.constexpr,
     NUM_WARPS: gl.constexpr, HAS_BIAS: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr, EVEN: gl.constexpr,
+    TAIL: gl.constexpr,
 ):
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                  instr_shape=[16, BLOCK_M, 16])
-    W_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
-    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     num_n = gl.cdiv(D, BLOCK_N)
     pid_m = gl.program_id(0) // num_n
     pid_n = gl.program_id(0) % num_n
@@ -287,37 +396,102 @@ def _down_kernel(
     if slot < 0:
         return
     first = gl.load(block_start_ptr + pid_m)
+    rows = BLOCK_M
+    if TAIL < BLOCK_M:
+        rows = gl.load(block_rows_ptr + pid_m)
+    if TAIL == BLOCK_M or rows == BLOCK_M:
+        _down_rows(h_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, slot, first, pid_n, num_pairs, D, F,
+                   stride_we, stride_wn, stride_se, stride_sn, stride_h, BLOCK_N, BLOCK_KW, BLOCK_M, 0, GW, STAGES,
+                   NUM_WARPS, HAS_BIAS, WEIGHT_ON_INPUT, EVEN)
+    elif rows == BLOCK_M // 2:
+        _down_rows(h_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, slot, first, pid_n, num_pairs, D, F,
+                   stride_we, stride_wn, stride_se, stride_sn, stride_h, BLOCK_N, BLOCK_KW, BLOCK_M // 2, 0, GW,
+                   STAGES, NUM_WARPS, HAS_BIAS, WEIGHT_ON_INPUT, EVEN)
+    elif TAIL == BLOCK_M // 4:
+        if rows == TAIL:
+            _down_rows(h_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, slot, first, pid_n, num_pairs, D, F,
+                       stride_we, stride_wn, stride_se, stride_sn, stride_h, BLOCK_N, BLOCK_KW, TAIL, 0, GW, STAGES,
+                       NUM_WARPS, HAS_BIAS, WEIGHT_ON_INPUT, EVEN)
+        else:
+            _down_rows(h_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, slot, first, pid_n, num_pairs, D, F,
+                       stride_we, stride_wn, stride_se, stride_sn, stride_h, BLOCK_N, BLOCK_KW, BLOCK_M // 2, TAIL, GW,
+                       STAGES, NUM_WARPS, HAS_BIAS, WEIGHT_ON_INPUT, EVEN)
+
+
+@gluon.jit
+def _down_rows(
+    h_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, slot, first, pid_n, num_pairs, D, F, stride_we, stride_wn,
+    stride_se, stride_sn, stride_h, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, LO: gl.constexpr,
+    HI: gl.constexpr, GW: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, HAS_BIAS: gl.constexpr,
+    WEIGHT_ON_INPUT: gl.constexpr, EVEN: gl.constexpr,
+):
+    """``y`` of the pairs at the ``LO + HI`` sorted positions from ``first`` (slot ``slot``; ``HI`` 0: one part),
+    columns of tile ``pid_n``, as ``_gate_up_rows``."""
+    MMA: gl.constexpr = _mma_layout(LO, NUM_WARPS)
+    W_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
+    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     FW = F // 8
     nsteps = gl.cdiv(FW, BLOCK_KW)
-    # B: the block's h rows (a padding row was never written: its column of the product is never stored)
-    m_b = gl.arange(0, BLOCK_M, layout=_row_layout(BLOCK_KW, NUM_WARPS))
-    h_ptrs = _step_ptrs(h_ptr + (first + m_b).to(gl.int64) * stride_h, BLOCK_M, BLOCK_KW, NUM_WARPS)
-    smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4 * BLOCK_M, 2 * BLOCK_KW], _b_smem_layout(BLOCK_KW))
+    # B: the parts' h rows (a padding row was never written: its column of the product is never stored)
+    m_b = gl.arange(0, LO, layout=_row_layout(BLOCK_KW, NUM_WARPS))
+    h_ptrs = _step_ptrs(h_ptr + (first + m_b).to(gl.int64) * stride_h, LO, BLOCK_KW, NUM_WARPS)
+    smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4 * LO, 2 * BLOCK_KW], _b_smem_layout(BLOCK_KW))
+    h_hi = h_ptrs
+    smem_hi = smem
+    if HI > 0:
+        MMA_HI: gl.constexpr = _mma_layout(HI, NUM_WARPS)
+        A_HI: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_HI, k_width=2)
+        m_hi = gl.arange(0, HI, layout=_row_layout(BLOCK_KW, NUM_WARPS))
+        h_hi = _step_ptrs(h_ptr + (first + LO + m_hi).to(gl.int64) * stride_h, HI, BLOCK_KW, NUM_WARPS)
+        smem_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4 * HI, 2 * BLOCK_KW], _b_smem_layout(BLOCK_KW))
     for i in gl.static_range(STAGES - 2):
-        _request(smem, h_ptrs, i, nsteps, i, BLOCK_KW)
+        _request(smem, h_ptrs, smem_hi, h_hi, i, nsteps, i, BLOCK_KW, HI)
     w_ptrs, s_ptrs, rows, w_cols, s_rows, s_cols = weight_ptrs(
         w_ptr + slot * stride_we, s_ptr + slot * stride_se, pid_n * BLOCK_N, stride_wn, stride_sn, BLOCK_N, BLOCK_KW,
         GW, NUM_WARPS)
     w = load_tile(w_ptrs, rows, D, w_cols, FW, EVEN)
     sc = load_tile(s_ptrs, s_rows, D, s_cols, FW, EVEN)
-    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
+    acc = gl.zeros([BLOCK_N, LO], gl.float32, layout=MMA)
+    if HI > 0:
+        acc2 = gl.zeros([BLOCK_N, HI], gl.float32, layout=MMA_HI)
     for s in range(0, nsteps):
         stage = _wait_step(s, STAGES)
-        _request(smem, h_ptrs, s + STAGES - 2, nsteps, (s + STAGES - 2) % STAGES, BLOCK_KW)
+        _request(smem, h_ptrs, smem_hi, h_hi, s + STAGES - 2, nsteps, (s + STAGES - 2) % STAGES, BLOCK_KW, HI)
         kw = gl.minimum(s + 1, nsteps - 1) * BLOCK_KW
         w_next = load_tile(w_ptrs + kw, rows, D, w_cols, FW - kw, EVEN)
         sc_next = load_tile(s_ptrs + kw // GW, s_rows, D, s_cols, FW - kw, EVEN)
         a = operand_order(w, BLOCK_N, BLOCK_KW, W_LAYOUT)
         c = operand_order(scales_per_word(sc, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
         for j in gl.static_range(4):
-            b = smem.index(stage).slice(j * BLOCK_M, BLOCK_M).permute((1, 0))
-            acc = warpgroup_mma(widened_plane(a, c, j, BLOCK_N, BLOCK_KW, A_LAYOUT), b, acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=[acc])
+            p = widened_plane(a, c, j, BLOCK_N, BLOCK_KW, A_LAYOUT)
+            acc = warpgroup_mma(p, smem.index(stage).slice(j * LO, LO).permute((1, 0)), acc, is_async=True)
+            if HI > 0:
+                b2 = smem_hi.index(stage).slice(j * HI, HI).permute((1, 0))
+                acc2 = warpgroup_mma(gl.convert_layout(p, A_HI, assert_trivial=True), b2, acc2, is_async=True)
+                acc, acc2 = warpgroup_mma_wait(2, deps=[acc, acc2])
+            else:
+                acc = warpgroup_mma_wait(1, deps=[acc])
         w = w_next
         sc = sc_next
-    acc = warpgroup_mma_wait(0, deps=[acc])
+    if HI > 0:
+        acc, acc2 = warpgroup_mma_wait(0, deps=[acc, acc2])
+    else:
+        acc = warpgroup_mma_wait(0, deps=[acc])
     async_copy.wait_group(0)
-    pair_c, valid_c = block_rows(sorted_ptr, first, num_pairs, BLOCK_M, gl.SliceLayout(0, MMA))
+    _down_store(acc, y_ptr, b_ptr, tw_ptr, sorted_ptr, slot, first, pid_n, num_pairs, D, BLOCK_N, LO, NUM_WARPS,
+                HAS_BIAS, WEIGHT_ON_INPUT)
+    if HI > 0:
+        _down_store(acc2, y_ptr, b_ptr, tw_ptr, sorted_ptr, slot, first + LO, pid_n, num_pairs, D, BLOCK_N, HI,
+                    NUM_WARPS, HAS_BIAS, WEIGHT_ON_INPUT)
+
+
+@gluon.jit
+def _down_store(acc, y_ptr, b_ptr, tw_ptr, sorted_ptr, slot, pos, pid_n, num_pairs, D, BLOCK_N: gl.constexpr,
+                ROWS: gl.constexpr, NUM_WARPS: gl.constexpr, HAS_BIAS: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr):
+    """The epilogue of sorted positions ``[pos, pos + ROWS)``: bias, routing weight (on the output), ``y [N, D]``
+    float32 at each pair's row."""
+    MMA: gl.constexpr = _mma_layout(ROWS, NUM_WARPS)
+    pair_c, valid_c = block_rows(sorted_ptr, pos, num_pairs, ROWS, gl.SliceLayout(0, MMA))
     d = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     d_ok = d < D
     if HAS_BIAS:
@@ -335,6 +509,10 @@ _SMEM_MAX = 232448
 def _check(cfg: WgmmaConfig, group_size: int) -> None:
     if cfg.block_m not in (64, 128):
         raise ValueError(f"WgmmaConfig.block_m must be 64 or 128, got {cfg.block_m}")
+    if cfg.tail_rows is not None and (cfg.tail_rows not in (cfg.block_m // 2, cfg.block_m // 4)
+                                      or cfg.tail_rows < 32):
+        raise ValueError(f"WgmmaConfig.tail_rows must be None, block_m / 2 or block_m / 4 (block_m {cfg.block_m}) "
+                         f"and at least 32 (the smallest wgmma N here), got {cfg.tail_rows}")
     if cfg.stages not in (3, 4):
         raise ValueError(f"WgmmaConfig.stages must be 3 or 4, got {cfg.stages}")
     smem = 16 * cfg.stages * cfg.block_m * max(cfg.block_kw1, cfg.block_kw2)
@@ -397,7 +575,8 @@ def int4_wgmma_experts(
     w13, s13, w2, s2 = weights.w13_packed, weights.w13_scale, weights.w2_packed, weights.w2_scale
     xw = wgmma_planes(x, cfg.block_kw1)
     bm = cfg.block_m
-    aln = align_triton(topk_slots, s, bm)
+    tail = cfg.tail_rows if cfg.tail_rows is not None else bm
+    aln = align_triton(topk_slots, s, bm, tail_rows=tail)
     nb = aln.block_slot.shape[0]
     fp = _operand_segment(f, cfg.block_kw2)
     # the down kernel reads whole steps: the padding past F must be zero (the padded weights are)
@@ -409,18 +588,18 @@ def int4_wgmma_experts(
     n1, n2, nw = cfg.block_n1, cfg.block_n2, cfg.num_warps
     _gate_up_kernel[(nb * triton.cdiv(f, n1),)](
         xw, w13, s13, weights.b13 if weights.b13 is not None else placeholder, topk_weights, h, aln.sorted_pair_ids,
-        aln.block_slot, aln.block_start, n, k, d, f, xw.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
-        s13.stride(1), h.stride(0), float(limit), float(activation.swiglu_alpha),
+        aln.block_slot, aln.block_start, aln.block_rows, n, k, d, f, xw.stride(0), w13.stride(0), w13.stride(1),
+        s13.stride(0), s13.stride(1), h.stride(0), float(limit), float(activation.swiglu_alpha),
         BLOCK_N=n1, BLOCK_KW=cfg.block_kw1, BLOCK_KW2=cfg.block_kw2, BLOCK_M=bm, GW=gw, STAGES=cfg.stages,
         NUM_WARPS=nw, ACT=act_code(activation), HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input,
-        EVEN=(d // INT4_PACK) % cfg.block_kw1 == 0 and f % n1 == 0, num_warps=nw,
+        EVEN=(d // INT4_PACK) % cfg.block_kw1 == 0 and f % n1 == 0, TAIL=tail, num_warps=nw,
     )
     _down_kernel[(nb * triton.cdiv(d, n2),)](
         h, w2, s2, weights.b2 if weights.b2 is not None else placeholder, topk_weights, y, aln.sorted_pair_ids,
-        aln.block_slot, aln.block_start, n, d, f, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        h.stride(0), BLOCK_N=n2, BLOCK_KW=cfg.block_kw2, BLOCK_M=bm, GW=gw, STAGES=cfg.stages, NUM_WARPS=nw,
-        HAS_BIAS=weights.b2 is not None, WEIGHT_ON_INPUT=weight_on_input,
-        EVEN=(f // INT4_PACK) % cfg.block_kw2 == 0 and d % n2 == 0, num_warps=nw,
+        aln.block_slot, aln.block_start, aln.block_rows, n, d, f, w2.stride(0), w2.stride(1), s2.stride(0),
+        s2.stride(1), h.stride(0), BLOCK_N=n2, BLOCK_KW=cfg.block_kw2, BLOCK_M=bm, GW=gw, STAGES=cfg.stages,
+        NUM_WARPS=nw, HAS_BIAS=weights.b2 is not None, WEIGHT_ON_INPUT=weight_on_input,
+        EVEN=(f // INT4_PACK) % cfg.block_kw2 == 0 and d % n2 == 0, TAIL=tail, num_warps=nw,
     )
     block_d = min(1024, triton.next_power_of_2(d))
     sum_pairs_kernel[(t, triton.cdiv(d, block_d))](y, topk_slots, out, d, k, s, BLOCK_D=block_d)
