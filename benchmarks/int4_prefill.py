@@ -5,16 +5,16 @@ same weights and routing.
 
     python benchmarks/int4_prefill.py [--sizes 1024,4096] [--cases kimi_int4,kimi_full_int4] [--out PATH]
 
-The EP-8 shard (48 of 384 experts, other ranks' pairs skipped) and all 384 experts on one GPU (hidden 7168,
-intermediate 2048, top-8, group 32), random packed weights and routing. The wgmma variants (``WGMMA_PREFILL``):
-``wgmma`` the default (128-row blocks), ``wg_t32`` 128-row blocks whose last block per slot has 32, 64, 96 or 128 rows
-(``WgmmaConfig.tail_rows`` 32), ``wg_t64`` last blocks of 64 or 128 rows, ``wg64_t32`` 64-row blocks with last blocks
-of 32 or 64 rows. Per case, size and path: the median time as CUDA-graph replays after an L2 flush
-(``timing.time_fn``), for the wgmma variants the token rows they compute per routed pair (padding included, from the
-alignment) and the relative error of the output against the MMA path's (which the GPU tests check against the
-float64 reference); ``bf16``: the ``triton`` backend on the dequantized weights (the target: INT4 prefill no slower).
-Prints one line a path, then a table (time over bf16's); writes JSON to ``--out`` (default ``$OUT/int4_prefill.json``
-when ``$OUT`` is set).
+The EP-8 shard (48 of 384 experts, other ranks' pairs skipped) and all 384 experts on one GPU (hidden 7168, intermediate
+2048, top-8, group 32), random packed weights and routing. The wgmma variants (``WGMMA_PREFILL``): ``wgmma`` the tiles
+the backend takes (``default_wgmma_config`` for the size: 64-row blocks below 64 pairs a slot, 128-row ones from there,
+32-row tails), ``wg_t32`` 128-row blocks whose last block per slot has 32, 64, 96 or 128 rows (``WgmmaConfig.tail_rows``
+32), ``wg_t64`` last blocks of 64 or 128 rows, ``wg64_t32`` 64-row blocks with last blocks of 32 or 64 rows. Per case,
+size and path: the median time as CUDA-graph replays after an L2 flush (``timing.time_fn``), for the wgmma variants the
+token rows they compute per routed pair (padding included, from the alignment) and the relative error of the output
+against the MMA path's (which the GPU tests check against the float64 reference); ``bf16``: the ``triton`` backend on
+the dequantized weights (the target: INT4 prefill no slower). Prints one line a path, then a table (time over bf16's);
+writes JSON to ``--out`` (default ``$OUT/int4_prefill.json`` when ``$OUT`` is set).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def bench_case(name: str, case: dict, sizes: list[int], flush: torch.Tensor, gen
         ref = int4_mma_experts(x, slots, tw, q, act, config=mma16)
         row = {"case": name, "tokens": t, "pairs": pairs, "slots": s}
         for key, cfg in WGMMA_PREFILL.items():
-            c = cfg if cfg is not None else default_wgmma_config(g)
+            c = cfg if cfg is not None else default_wgmma_config(g, t * case["k"], s)
             aln = align_triton(slots, s, c.block_m, tail_rows=c.tail_rows)
             row[f"{key}_rows_per_pair"] = int(aln.block_rows.sum()) / max(pairs, 1)
             row[f"{key}_err"] = rel_err(int4_wgmma_experts(x, slots, tw, q, act, config=cfg), ref)

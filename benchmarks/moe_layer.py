@@ -18,19 +18,19 @@ Cases:
         with Kimi-K2.5's INT4 weights (compressed-tensors pack-quantized, group 32, bf16 scales).
     kimi_full_int4 (``--cases kimi_full_int4``): all 384 experts of that layer on one GPU.
 
-The INT4 cases time, in the same run and on the same (dequantized) weight values: the ``triton`` backend on the
-packed weights (``int4``, the path ``int4_path`` picks; floor = INT4 bytes + scales of the active slots over the copy
+The INT4 cases time, in the same run and on the same (dequantized) weight values: the ``triton`` backend on the packed
+weights (``int4``, the path ``int4_path`` picks; floor = INT4 bytes + scales of the active slots over the copy
 bandwidth, or the FLOPs), each INT4 path at every size whichever the backend takes (``int4_mma``: the tensor-core
 kernels with the words widened into the MMA registers, ``int4_mma16``/``int4_mma32`` with 16/32-row blocks;
-``int4_wgmma``: the prefill kernels on Hopper's warpgroup MMA, ``w4a16_wgmma``, with their default tiles (two
-warpgroups a program), ``int4_wgmma4`` with one warpgroup of 64 weight rows a program, ``int4_wgmma_t32`` with tail
-row blocks (a slot's last block of 32, 64, 96 or 128 rows), ``int4_wgmma64_t32`` with 64-row blocks and 32-row tails;
-``int4_grouped``: the fused grouped kernels; ``int4_dequant``: the used slots widened, then the bf16 grouped
-kernels; ``int4_decode``: the decode kernels, up to 64 tokens), our bf16 Triton path (``bf16``; its own floor, the
-bf16 bytes) and "dequantize, then grouped_mm" (``deq_gmm``: one Triton launch widening every local expert to bf16,
-then ``torch._grouped_mm``); with
-``--sweep`` (EP-8 shard only) also the decode tile configurations ``INT4_DECODE_SWEEP`` (sizes up to 64 tokens), the
-grouped ones ``INT4_GROUPED_SWEEP`` and the wgmma ones ``INT4_WGMMA_SWEEP`` (every sweep size), each sweep's best
+``int4_wgmma``: the prefill kernels on Hopper's warpgroup MMA, ``w4a16_wgmma``, with the tiles the backend takes
+(``default_wgmma_config`` for the size), ``int4_wgmma4`` with one warpgroup of 64 weight rows a program,
+``int4_wgmma_t32`` with tail row blocks (a slot's last block of 32, 64, 96 or 128 rows), ``int4_wgmma64_t32`` with
+64-row blocks and 32-row tails; ``int4_grouped``: the fused grouped kernels; ``int4_dequant``: the used slots widened,
+then the bf16 grouped kernels; ``int4_decode``: the decode kernels, up to 64 tokens), our bf16 Triton path (``bf16``;
+its own floor, the bf16 bytes) and "dequantize, then grouped_mm" (``deq_gmm``: one Triton launch widening every local
+expert to bf16, then ``torch._grouped_mm``); with ``--sweep`` (EP-8 shard only) also the decode tile configurations
+``INT4_DECODE_SWEEP`` (sizes up to 64 tokens), the grouped ones ``INT4_GROUPED_SWEEP`` and the wgmma ones
+``INT4_WGMMA_SWEEP`` (every sweep size), each sweep's best
 recorded.
 
 Every row: the floor = max(weight bytes of the slots the routing touches / measured copy bandwidth,
@@ -328,7 +328,7 @@ def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: 
                "floor_flop_us": flop_us,
                "int4_floor_us": max(active * int4_bytes / ceil["copy_bytes_per_s"] * 1e6, flop_us),
                "bf16_floor_us": max(active * bf16_bytes / ceil["copy_bytes_per_s"] * 1e6, flop_us),
-               "int4_path": int4_path(t * k, x.dtype, s),
+               "int4_path": int4_path(t * k, x.dtype, s, torch.cuda.get_device_capability() == (9, 0)),
                "int4_grouped_config": asdict(default_int4_config(t * k, s))}
         ref = int4_reference(x, slots, tw, q, act)
         impls = {"int4": lambda: ours(x, slots, tw, q, act), "bf16": lambda: ours(x, slots, tw, w, act),

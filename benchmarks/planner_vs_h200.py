@@ -29,13 +29,13 @@ the profile's values. After a new ``moe_layer.py`` run, copy them into ``moe_str
 ``--check`` exits 1 when a row is outside the 25% target.
 
 ``--int4-results`` does the same for INT4 (W4A16) experts from an INT4 run of ``moe_layer.py`` (``--cases
-kimi_int4,kimi_full_int4``): each row's measured time is that of the path the backend takes now for the row's
-size (``int4.int4_path`` and ``w4a16_mma.default_mma_config``, so this mode imports Triton), the prediction is
-``predict_moe_layer_time`` with ``int4_group32`` weights, and the fit is of the profile's three INT4 figures, the
-stream efficiency (grid of step 0.01 over [0.5, 1]), the ``w4a16`` matrix rate (grid of 2 TFLOP/s steps) and the
-fixed per-layer cost (closed form), at the profile's overlap; copy them into ``moe_w4a16_stream_efficiency``,
-``matmul_flops_per_s.w4a16`` and ``moe_w4a16_layer_fixed_us``. Writes ``planner_vs_h200_int4.json`` next to the
-results file (or ``--out``), which the CPU tests read.
+kimi_int4,kimi_full_int4``): each row's measured time is that of the path the backend takes now for the row's size on an
+H200 (``int4.int4_path`` and ``w4a16_mma.default_mma_config``, so this mode imports Triton), the prediction is
+``predict_moe_layer_time`` with ``int4_group32`` weights, and the fit is of the profile's three INT4 figures, the stream
+efficiency (grid of step 0.01 over [0.5, 1]), the ``w4a16`` matrix rate (grid of 2 TFLOP/s steps) and the fixed
+per-layer cost (closed form), at the profile's overlap; copy them into ``moe_w4a16_stream_efficiency``,
+``matmul_flops_per_s.w4a16`` and ``moe_w4a16_layer_fixed_us``. Writes ``planner_vs_h200_int4.json`` next to the results
+file (or ``--out``), which the CPU tests read.
 """
 
 from __future__ import annotations
@@ -155,9 +155,9 @@ def int4_measured_us(row: dict, dims: MoEDims, local: int) -> float | None:
     from epmoe.experts.triton.w4a16_mma import default_mma_config
 
     pairs = row["tokens"] * dims.top_k
-    path = int4_path(pairs, torch.bfloat16, local)
-    if path == "decode":
-        return row.get("int4_decode_us")
+    path = int4_path(pairs, torch.bfloat16, local, hopper=True)
+    if path in ("decode", "wgmma"):
+        return row.get(f"int4_{path}_us")
     if path != "mma":
         return row.get(f"int4_{path}_us")
     return row.get("int4_mma16_us" if default_mma_config(32, pairs, local).block_m == 16 else "int4_mma_us")

@@ -159,6 +159,13 @@ def test_int4_path_choice():
     assert int4_path(8, bf16, 384) == "mma"
     assert int4_path(17, bf16, 48) == "mma"
     assert int4_path(32768, bf16, 48) == "mma"
+    # Hopper: the wgmma kernels from 16 pairs a local slot on (a 768-token prefill on a shard of 48 experts at top-8
+    # is 768 pairs), the MMA path below and for decode steps
+    assert int4_path(768, bf16, 48, hopper=True) == "wgmma"
+    assert int4_path(767, bf16, 48, hopper=True) == "mma"
+    assert int4_path(8, bf16, 384, hopper=True) == "mma"
+    assert int4_path(8, bf16, 48, hopper=True) == "decode"
+    assert int4_path(32768, fp16, 48, hopper=True) == "grouped"
     # fp16: no MMA path
     assert int4_path(8, fp16, 384) == "decode"
     assert int4_path(100, fp16, 384) == "grouped"
@@ -325,9 +332,13 @@ def test_int4_mma_path_on_gpu(t, case):
 def test_int4_wgmma_refuses_bad_input():
     from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, default_wgmma_config, int4_wgmma_experts
 
-    assert default_wgmma_config(32) == WgmmaConfig(128, 16, 16, 3, 8, 128, 128)
-    assert default_wgmma_config(64) == WgmmaConfig(64, 32, 32, 3, 8, 128, 128)
-    assert default_wgmma_config(128) == WgmmaConfig(64, 64, 64, 3, 8, 128, 128)
+    # 64-row blocks below 64 pairs a slot (and when the pairs are not known), 128-row blocks from there for groups
+    # of 32; 32-row tails always
+    assert default_wgmma_config(32) == WgmmaConfig(64, 16, 16, 3, 8, 128, 128, 32)
+    assert default_wgmma_config(32, 64 * 48 - 1, 48) == WgmmaConfig(64, 16, 16, 3, 8, 128, 128, 32)
+    assert default_wgmma_config(32, 64 * 48, 48) == WgmmaConfig(128, 16, 16, 3, 8, 128, 128, 32)
+    assert default_wgmma_config(64, 10**6, 48) == WgmmaConfig(64, 32, 32, 3, 8, 128, 128, 32)
+    assert default_wgmma_config(128, 10**6, 48) == WgmmaConfig(64, 64, 64, 3, 8, 128, 128, 32)
     q = int4_expert_weights(_weights(0, 2, 256, 128, False), 64)
     x, slots, tw = torch.randn(1, 256), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)
     with pytest.raises(TypeError, match="compute in bf16, got x of dtype torch.float32"):

@@ -3,8 +3,9 @@
 The weights stay packed in HBM (a quarter of the bf16 bytes plus one scale per ``G`` inputs). Four paths, all
 with static grids and no host synchronisation (CUDA-graph safe); ``int4_experts`` picks one from the number of
 pairs ``N = T * K``, the activations' dtype and the local slots (``int4_path``; the switch points are set from the
-H200 benchmark): the tensor-core kernels of ``w4a16_mma`` for bf16 (the words widened into the MMA registers), and
-the three below:
+H200 benchmark): for bf16 the tensor-core kernels of ``w4a16_mma`` (the words widened into the MMA registers) and
+on Hopper, at prefill sizes, those of ``w4a16_wgmma`` (widened into the A operand of the warpgroup MMA), and the three
+below:
 
 Decode (``int4_decode_experts``): one matrix-vector product per (token, k) pair on the CUDA cores, reading the
 packed weights directly, in three launches with the structure of the bf16 decode kernels (``decode``: live pairs
@@ -88,6 +89,7 @@ from epmoe.experts.triton.decode import (
 )
 from epmoe.experts.triton.grouped import TileConfig, act_code, default_int4_config, grouped_experts, triton_experts
 from epmoe.experts.triton.w4a16_mma import int4_mma_experts
+from epmoe.experts.triton.w4a16_wgmma import int4_wgmma_experts
 from epmoe.experts.weights import Activation, ExpertWeights
 
 _ZERO_BLOCK = 1024
@@ -554,15 +556,26 @@ def int4_dequantized_experts(
     return triton_experts(x, topk_slots, topk_weights, ExpertWeights(w13, w2, b13, b2), activation, weight_on_input)
 
 
-def int4_path(num_pairs: int, dtype: torch.dtype, num_slots: int) -> str:
+INT4_WGMMA_MIN_PAIRS_PER_SLOT = 16
+"""``int4_path`` takes the wgmma kernels (``w4a16_wgmma``, Hopper only) from this many ``(token, k)`` pairs per local
+slot on average, the MMA path below. Set from the H200 run of ``benchmarks/int4_prefill.py --sizes
+512,1024,2048,4096`` (Kimi-K2.5's shard and all 384 experts): the MMA path was 10-19% faster at 11 pairs a slot, the
+wgmma kernels with 64-row blocks and 32-row tails 25% faster at 21."""
+
+
+def int4_path(num_pairs: int, dtype: torch.dtype, num_slots: int, hopper: bool = False) -> str:
     """The path ``int4_experts`` takes for ``num_pairs`` pairs of activations in ``dtype`` over ``num_slots`` local
-    slots: bf16 takes ``"decode"`` up to ``INT4_DECODE_MAX_PAIRS`` pairs over at most ``INT4_DECODE_MAX_SLOTS`` slots,
-    else ``"mma"`` (at every size: the H200 run of ``benchmarks/moe_layer.py --cases kimi_int4,kimi_full_int4``, column
-    ``int4_mma`` against ``int4_grouped``); fp16 takes ``"decode"`` up to ``INT4_DECODE_MAX_PAIRS``, else
-    ``"dequant"`` (from ``INT4_DEQUANT_MIN_PAIRS`` on) or ``"grouped"``."""
+    slots on a GPU of compute capability 9.0 (``hopper``) or another: bf16 takes ``"decode"`` up to
+    ``INT4_DECODE_MAX_PAIRS`` pairs over at most ``INT4_DECODE_MAX_SLOTS`` slots, else on Hopper ``"wgmma"`` from
+    ``INT4_WGMMA_MIN_PAIRS_PER_SLOT`` pairs a slot on, else ``"mma"`` (at every size: the H200 run of
+    ``benchmarks/moe_layer.py --cases kimi_int4,kimi_full_int4``, column ``int4_mma`` against ``int4_grouped``); fp16
+    takes ``"decode"`` up to ``INT4_DECODE_MAX_PAIRS``, else ``"dequant"`` (from ``INT4_DEQUANT_MIN_PAIRS`` on) or
+    ``"grouped"``."""
     small = num_pairs <= INT4_DECODE_MAX_PAIRS
     if dtype == torch.bfloat16:
-        return "decode" if small and num_slots <= INT4_DECODE_MAX_SLOTS else "mma"
+        if small and num_slots <= INT4_DECODE_MAX_SLOTS:
+            return "decode"
+        return "wgmma" if hopper and num_pairs >= INT4_WGMMA_MIN_PAIRS_PER_SLOT * num_slots else "mma"
     if small:
         return "decode"
     if INT4_DEQUANT_MIN_PAIRS is not None and num_pairs >= INT4_DEQUANT_MIN_PAIRS:
@@ -616,11 +629,12 @@ def int4_experts(
 ) -> torch.Tensor:
     """INT4 expert compute on CUDA (contract of ``experts.ExpertBackend``); graph safe.
 
-    The path is ``int4_path(T * K, x.dtype, S)``: the decode kernels for a few pairs (each pair reads its expert's
-    weights: the cost grows with the live pairs), the tensor-core kernels of ``w4a16_mma`` for bf16 (the words
+    The path is ``int4_path(T * K, x.dtype, S, hopper)``: the decode kernels for a few pairs (each pair reads its
+    expert's weights: the cost grows with the live pairs), the tensor-core kernels of ``w4a16_mma`` for bf16 (the words
     widened into the MMA registers, one read of a slot's words per row block; ``default_mma_config`` picks the rows a
-    block from the pairs per slot), for fp16 the fused grouped kernels (``tl.dot`` on widened tiles), the widening
-    path from ``INT4_DEQUANT_MIN_PAIRS`` on where that is set.
+    block from the pairs per slot), on Hopper from ``INT4_WGMMA_MIN_PAIRS_PER_SLOT`` pairs a slot those of
+    ``w4a16_wgmma`` (``default_wgmma_config`` picks the rows a block), for fp16 the fused grouped kernels (``tl.dot`` on
+    widened tiles), the widening path from ``INT4_DEQUANT_MIN_PAIRS`` on where that is set.
     ``N = T * K`` bounds the live pairs (static: no look at the routing).
 
     Raises:
@@ -635,7 +649,9 @@ def int4_experts(
         x = x.contiguous()
     slots = topk_slots.contiguous()
     tw = topk_weights.float().contiguous()
-    path = int4_path(t * k, x.dtype, weights.num_slots)
+    path = int4_path(t * k, x.dtype, weights.num_slots, torch.cuda.get_device_capability(x.device) == (9, 0))
+    if path == "wgmma":
+        return int4_wgmma_experts(x, slots, tw, weights, activation, weight_on_input)
     if path == "mma":
         return int4_mma_experts(x, slots, tw, weights, activation, weight_on_input)
     if path == "decode":

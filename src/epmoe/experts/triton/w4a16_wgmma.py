@@ -111,15 +111,22 @@ class WgmmaConfig:
     tail_rows: int | None = None
 
 
-def default_wgmma_config(group_size: int) -> WgmmaConfig:
-    """``WgmmaConfig()`` with steps of at least half a group (``block_kw >= G / 2``); 64-row blocks for the longer
-    steps of groups of 64 and 128 (128-row blocks of 32-word steps spill registers in the gate/up kernel and take
-    192 KiB of shared memory, compiled for sm_90a).
+WGMMA_BLOCK128_MIN_PAIRS_PER_SLOT = 64
+"""``default_wgmma_config`` takes 128-row blocks (each widened register feeding 16 tensor-core products of 8 tokens)
+from this many ``(token, k)`` pairs per local slot on average, 64-row blocks below (fewer padding rows, the same
+32-row tails). Set from the H200 run of ``benchmarks/int4_prefill.py --sizes 512,1024,2048,4096`` (columns
+``wg_t32`` against ``wg64_t32``: 64-row blocks 1.5x faster at 43 pairs a slot, 128-row blocks 1-7% faster at 85)."""
 
-    The defaults are chosen on paper, not yet measured: two warpgroups a program share each step's activations in
-    shared memory, which halves the activation bytes read per product against one warpgroup of 64 rows."""
+
+def default_wgmma_config(group_size: int, num_pairs: int = 0, num_slots: int = 1) -> WgmmaConfig:
+    """The tiles ``int4_wgmma_experts`` takes for ``num_pairs`` pairs over ``num_slots`` local slots (``num_pairs``
+    0: unknown): steps of at least half a group (``block_kw >= G / 2``), 32-row tail blocks, 128-row blocks from
+    ``WGMMA_BLOCK128_MIN_PAIRS_PER_SLOT`` pairs a slot on for groups of 32, 64-row blocks otherwise (128-row blocks of
+    the 32-word steps of groups of 64 and 128 spill registers in the gate/up kernel and take 192 KiB of shared
+    memory, compiled for sm_90a). Two warpgroups a program share each step's activations in shared memory."""
     kw = max(WgmmaConfig.block_kw1, group_size // 2)
-    return WgmmaConfig(block_m=128 if kw == WgmmaConfig.block_kw1 else 64, block_kw1=kw, block_kw2=kw)
+    big = kw == WgmmaConfig.block_kw1 and num_pairs >= WGMMA_BLOCK128_MIN_PAIRS_PER_SLOT * max(num_slots, 1)
+    return WgmmaConfig(block_m=128 if big else 64, block_kw1=kw, block_kw2=kw, tail_rows=32)
 
 
 def _operand_segment(k: int, block_kw: int) -> int:
@@ -552,7 +559,7 @@ def int4_wgmma_experts(
         weights: the packed weights (contiguous).
         activation: the gated activation.
         weight_on_input: scale the expert input by the weight instead of its output.
-        config: tile shapes; ``default_wgmma_config(G)`` when ``None``.
+        config: tile shapes; ``default_wgmma_config(G, T * K, S)`` when ``None``.
 
     Returns:
         ``[T, D]`` bf16.
@@ -564,11 +571,11 @@ def int4_wgmma_experts(
     if x.dtype != torch.bfloat16:
         raise TypeError(f"the INT4 wgmma kernels compute in bf16, got x of dtype {x.dtype}")
     g = weights.group_size
-    cfg = config if config is not None else default_wgmma_config(g)
-    _check(cfg, g)
     t, k = topk_slots.shape
     n = t * k
     s, d, f = weights.num_slots, weights.hidden_size, weights.intermediate_size
+    cfg = config if config is not None else default_wgmma_config(g, n, s)
+    _check(cfg, g)
     out = torch.empty(t, d, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
