@@ -333,10 +333,10 @@ def test_int4_wgmma_refuses_bad_input():
     from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, default_wgmma_config, int4_wgmma_experts
 
     # 64-row blocks below 64 pairs a slot (and when the pairs are not known), 128-row blocks from there for groups
-    # of 32; 32-row tails always
-    assert default_wgmma_config(32) == WgmmaConfig(64, 16, 16, 3, 8, 128, 128, 32)
-    assert default_wgmma_config(32, 64 * 48 - 1, 48) == WgmmaConfig(64, 16, 16, 3, 8, 128, 128, 32)
-    assert default_wgmma_config(32, 64 * 48, 48) == WgmmaConfig(128, 16, 16, 3, 8, 128, 128, 32)
+    # of 32; down steps of at least 32 words; 32-row tails always
+    assert default_wgmma_config(32) == WgmmaConfig(64, 16, 32, 3, 8, 128, 128, 32)
+    assert default_wgmma_config(32, 64 * 48 - 1, 48) == WgmmaConfig(64, 16, 32, 3, 8, 128, 128, 32)
+    assert default_wgmma_config(32, 64 * 48, 48) == WgmmaConfig(128, 16, 32, 3, 8, 128, 128, 32)
     assert default_wgmma_config(64, 10**6, 48) == WgmmaConfig(64, 32, 32, 3, 8, 128, 128, 32)
     assert default_wgmma_config(128, 10**6, 48) == WgmmaConfig(64, 64, 64, 3, 8, 128, 128, 32)
     q = int4_expert_weights(_weights(0, 2, 256, 128, False), 64)
