@@ -50,20 +50,21 @@ def bench_case(name: str, case: dict, sizes: list[int], flush: torch.Tensor, gen
     for t in sizes:
         x, slots, tw = make_routing(case, t, gen)
         pairs = int((slots >= 0).sum())
+        ep_pairs = t * case["k"] * s // case["num_experts"]  # what an EP layer tells the backend it expects
         ref = int4_mma_experts(x, slots, tw, q, act, config=mma16)
         row = {"case": name, "tokens": t, "pairs": pairs, "slots": s}
         for key, cfg in WGMMA_PREFILL.items():
-            c = cfg if cfg is not None else default_wgmma_config(g, t * case["k"], s)
+            c = cfg if cfg is not None else default_wgmma_config(g, ep_pairs, s)
             aln = align_triton(slots, s, c.block_m, tail_rows=c.tail_rows)
             row[f"{key}_rows_per_pair"] = int(aln.block_rows.sum()) / max(pairs, 1)
-            row[f"{key}_err"] = rel_err(int4_wgmma_experts(x, slots, tw, q, act, config=cfg), ref)
-            row[f"{key}_us"] = time_fn(lambda cfg=cfg: int4_wgmma_experts(x, slots, tw, q, act, config=cfg), True,
+            row[f"{key}_err"] = rel_err(int4_wgmma_experts(x, slots, tw, q, act, config=c), ref)
+            row[f"{key}_us"] = time_fn(lambda c=c: int4_wgmma_experts(x, slots, tw, q, act, config=c), True,
                                        flush) * 1e3
             print(f"{name:15} T={t:5d} {key:9} {row[f'{key}_us']:9.1f} us  rows/pair "
                   f"{row[f'{key}_rows_per_pair']:5.2f}  rel_err(vs mma16) {row[f'{key}_err']:.2e}", flush=True)
         row["mma16_us"] = time_fn(lambda: int4_mma_experts(x, slots, tw, q, act, config=mma16), True, flush) * 1e3
-        row["bf16_err"] = rel_err(backend(x, slots, tw, w, act), ref)
-        row["bf16_us"] = time_fn(lambda: backend(x, slots, tw, w, act), True, flush) * 1e3
+        row["bf16_err"] = rel_err(backend(x, slots, tw, w, act, expected_pairs=ep_pairs), ref)
+        row["bf16_us"] = time_fn(lambda: backend(x, slots, tw, w, act, expected_pairs=ep_pairs), True, flush) * 1e3
         print(f"{name:15} T={t:5d} {'mma16':9} {row['mma16_us']:9.1f} us", flush=True)
         print(f"{name:15} T={t:5d} {'bf16':9} {row['bf16_us']:9.1f} us  rel_err(vs mma16) {row['bf16_err']:.2e}",
               flush=True)

@@ -30,8 +30,11 @@ then the bf16 grouped kernels; ``int4_decode``: the decode kernels, up to 64 tok
 its own floor, the bf16 bytes) and "dequantize, then grouped_mm" (``deq_gmm``: one Triton launch widening every local
 expert to bf16, then ``torch._grouped_mm``); with ``--sweep`` (EP-8 shard only) also the decode tile configurations
 ``INT4_DECODE_SWEEP`` (sizes up to 64 tokens), the grouped ones ``INT4_GROUPED_SWEEP`` and the wgmma ones
-``INT4_WGMMA_SWEEP`` (every sweep size), each sweep's best
-recorded.
+``INT4_WGMMA_SWEEP`` (every sweep size), each sweep's best recorded.
+
+A case's tokens are those of the whole EP group, its slots one rank's (``slots`` of ``num_experts``): the backend
+(``ours``, ``int4``, ``bf16``) and the default tiles are given the pairs one rank's own tokens route,
+``expected_pairs = T K slots / num_experts``, as ``layer.MoELayer`` does (exact for a case with every expert local).
 
 Every row: the floor = max(weight bytes of the slots the routing touches / measured copy bandwidth,
 FLOPs of the routed rows / measured bf16 matmul rate), both ceilings measured in the same run; the time
@@ -74,8 +77,8 @@ from epmoe.experts.triton.int4 import (
     int4_grouped_experts,
     int4_path,
 )
-from epmoe.experts.triton.w4a16_mma import MmaConfig, int4_mma_experts
-from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, int4_wgmma_experts
+from epmoe.experts.triton.w4a16_mma import MmaConfig, default_mma_config, int4_mma_experts
+from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, default_wgmma_config, int4_wgmma_experts
 from timing import measure_ceilings, rel_err, time_fn, time_in_model
 
 CASES = {
@@ -212,14 +215,15 @@ def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[i
         active, pairs, floor_mem, floor_flop = floors(slots)
         flops = 2 * pairs * 3 * d * f
         decode = t <= DECODE_MAX
+        ep_pairs = t * case["k"] * s // case["num_experts"]  # what an EP layer tells the backend it expects
         ref = reference_experts(x.float(), slots, tw, w32, act)
-        impls = {"ours": lambda: ours(x, slots, tw, w, act),
+        impls = {"ours": lambda: ours(x, slots, tw, w, act, expected_pairs=ep_pairs),
                  "torch_grouped_mm": lambda: torch_comp(x, slots, tw, w, act),
                  "hf_grouped_mm": lambda: hf(x, slots, tw)}
         row = {"case": name, "tokens": t, "active_slots": active, "pairs": pairs,
                "weight_bytes": active * expert_bytes, "flops": flops, "graph": True,
-               "default_config": asdict(default_decode_config(d, f, 2) if t * case["k"] <= DECODE_MAX_PAIRS
-                                         else default_config(t * case["k"], s, False))}
+               "default_config": asdict(default_decode_config(d, f, 2) if ep_pairs <= DECODE_MAX_PAIRS
+                                         else default_config(ep_pairs, s, False))}
         row["floor_mem_us"], row["floor_flop_us"] = floor_mem, floor_flop
         row["floor_us"] = max(floor_mem, floor_flop)
         for key, fn in impls.items():
@@ -237,13 +241,14 @@ def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[i
             # differs between layers, so the in-model floor is the layers' mean
             row["floor_in_model_us"] = sum(max(floors(sl)[2:]) for _, _, sl, _ in layers) / len(layers)
             row["ours_in_model_us"] = time_in_model(
-                [lambda lw=lw, x=x, sl=sl, tw=tw: ours(x, sl, tw, lw, act) for lw, x, sl, tw in layers], flush) * 1e3
+                [lambda lw=lw, x=x, sl=sl, tw=tw: ours(x, sl, tw, lw, act, expected_pairs=ep_pairs)
+                 for lw, x, sl, tw in layers], flush) * 1e3
             row["torch_grouped_mm_in_model_us"] = time_in_model(
                 [lambda lw=lw, x=x, sl=sl, tw=tw: torch_comp(x, sl, tw, lw, act) for lw, x, sl, tw in layers],
                 flush) * 1e3
         if t in sweep:
             best = None
-            few = t * case["k"] <= DECODE_MAX_PAIRS
+            few = ep_pairs <= DECODE_MAX_PAIRS
             for cfg in DECODE_SWEEP if few else SWEEP:
                 if few:
                     fn = lambda: decode_experts(x, slots, tw, w, act_code(act), act, config=cfg)  # noqa: E731
@@ -255,7 +260,7 @@ def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[i
             row["best_us"], row["best_config"] = best[0], asdict(best[1])
         if fp8:
             qref = reference_experts(x.float(), slots, tw, q32, act)
-            fn = lambda: ours(x, slots, tw, qw, act)  # noqa: E731
+            fn = lambda: ours(x, slots, tw, qw, act, expected_pairs=ep_pairs)  # noqa: E731
             row["fp8_err"] = rel_err(fn(), qref)
             row["fp8_us"] = time_fn(fn, True, flush) * 1e3
             fp8_bytes = active * 3 * d * f * (1 + 4 / 128**2)
@@ -323,24 +328,28 @@ def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: 
         active = int(torch.unique(slots[slots >= 0]).numel())
         pairs = int((slots >= 0).sum())
         flop_us = 2 * pairs * 3 * d * f / ceil["bf16_flop_per_s"] * 1e6
+        ep_pairs = t * k * s // case["num_experts"]  # what an EP layer tells the backend it expects
         row = {"case": name, "tokens": t, "active_slots": active, "pairs": pairs,
                "int4_weight_bytes": active * int4_bytes, "bf16_weight_bytes": active * bf16_bytes,
                "floor_flop_us": flop_us,
                "int4_floor_us": max(active * int4_bytes / ceil["copy_bytes_per_s"] * 1e6, flop_us),
                "bf16_floor_us": max(active * bf16_bytes / ceil["copy_bytes_per_s"] * 1e6, flop_us),
-               "int4_path": int4_path(t * k, x.dtype, s, torch.cuda.get_device_capability() == (9, 0)),
-               "int4_grouped_config": asdict(default_int4_config(t * k, s))}
+               "int4_path": int4_path(ep_pairs, x.dtype, s, torch.cuda.get_device_capability() == (9, 0)),
+               "int4_grouped_config": asdict(default_int4_config(ep_pairs, s))}
         ref = int4_reference(x, slots, tw, q, act)
-        impls = {"int4": lambda: ours(x, slots, tw, q, act), "bf16": lambda: ours(x, slots, tw, w, act),
+        impls = {"int4": lambda: ours(x, slots, tw, q, act, expected_pairs=ep_pairs),
+                 "bf16": lambda: ours(x, slots, tw, w, act, expected_pairs=ep_pairs),
                  "deq_gmm": lambda: grouped_mm_experts(x, slots, tw, dequantize_all(), act),
                  # each path at every size, whichever the backend takes
                  "int4_grouped": lambda: int4_grouped_experts(x, slots, tw, q, act),
-                 "int4_mma": lambda: int4_mma_experts(x, slots, tw, q, act),
+                 "int4_mma": lambda: int4_mma_experts(x, slots, tw, q, act,
+                                                      config=default_mma_config(g, ep_pairs, s)),
                  # more token rows a block: each widened register feeds 2 or 4 MMAs (prefill sizes)
                  "int4_mma16": lambda: int4_mma_experts(x, slots, tw, q, act, config=MMA_BLOCK16),
                  "int4_mma32": lambda: int4_mma_experts(x, slots, tw, q, act, config=MMA_BLOCK32),
                  # 64-128 token rows a block on the warpgroup MMA (prefill sizes)
-                 "int4_wgmma": lambda: int4_wgmma_experts(x, slots, tw, q, act),
+                 "int4_wgmma": lambda: int4_wgmma_experts(x, slots, tw, q, act,
+                                                          config=default_wgmma_config(g, ep_pairs, s)),
                  "int4_wgmma4": lambda: int4_wgmma_experts(x, slots, tw, q, act, config=WGMMA_ONE_WARPGROUP),
                  # tail row blocks: fewer padding rows computed
                  "int4_wgmma_t32": lambda: int4_wgmma_experts(x, slots, tw, q, act, config=WGMMA_TAIL32),

@@ -170,3 +170,24 @@ def test_layer_refuses_options_of_another_type(tiny_checkpoints):
                  MoELayerOptions(dispatcher="local", dispatcher_options={"capacity": 2}))
     layer = MoELayer(spec, 1, placement, Comm(None), MoELayerOptions(dispatcher="local"), dtype=torch.float64)
     assert layer.moe_index == 1 and layer.options.dispatcher == "local" and layer.experts.w13.dtype == torch.float64
+
+
+def test_layer_tells_the_backend_the_pairs_its_tokens_route(tiny_checkpoints):
+    # the fixed-capacity dispatcher hands the backend its padded receive buffer (16 rows here); the kernels are chosen
+    # for the pairs the layer's own 3 tokens route, not for 16 rows times K
+    spec = load_moe_spec(tiny_checkpoints("qwen2-moe"))
+    placement = ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1)
+    layer = MoELayer(spec, 0, placement, Comm(None),
+                     MoELayerOptions(dispatcher="fixed_capacity", dispatcher_options={"capacity": 16}))
+    inner, seen = layer.expert_backend, []
+
+    def recording(x, slots, *args, expected_pairs=None):
+        seen.append((x.shape[0], slots.shape[1], expected_pairs))
+        return inner(x, slots, *args, expected_pairs=expected_pairs)
+
+    layer.expert_backend = recording
+    x = torch.randn(3, spec.hidden_size)
+    out = layer(x)
+    assert seen == [(16, spec.top_k, 3 * spec.top_k)]
+    layer.expert_backend = inner
+    torch.testing.assert_close(out, layer(x))

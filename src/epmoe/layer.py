@@ -323,9 +323,11 @@ class MoELayer(_MoEBase):
         if rec is not None and (fused is None or record is None):
             rec.record(self.moe_index, topk_slots)
         handle = self.dispatcher.dispatch(x, topk_slots, topk_weights)
+        # the kernels are chosen for the pairs this rank's tokens route (what it receives on average under a balanced
+        # load), not for the receive buffer's rows times K (other ranks' pairs and padding rows too)
         y = self.expert_backend(
             handle.recv_x, handle.recv_slots, handle.recv_weights,
-            self.experts.weights(), self.activation, self.weight_on_input,
+            self.experts.weights(), self.activation, self.weight_on_input, expected_pairs=topk_slots.numel(),
         )
         out = self.dispatcher.combine(y, handle)
         shared = self._shared(x)

@@ -39,6 +39,16 @@ def test_backend_on_cpu_equals_reference(name, act, woi):
 
 
 @pytest.mark.parametrize("name", ["reference", "triton", "grouped_mm"])
+def test_expected_pairs_leave_the_result_unchanged(name):
+    # the pairs an expert-parallel layer expects only choose kernels and tiles (fewer or more than T * K here)
+    w, x, slots, tw = _problem(6)
+    want = reference_experts(x, slots, tw, w, Activation())
+    for expected in (1, slots.numel(), 10**6):
+        out = get_expert_backend(name)(x, slots, tw, w, Activation(), expected_pairs=expected)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["reference", "triton", "grouped_mm"])
 def test_backends_skip_slot_ids_outside_the_slots(name):
     """An id outside ``[0, S)`` (a one-rank dispatcher passes them on; it reports them at combine) is
     skipped like ``-1``, never read outside the weights."""

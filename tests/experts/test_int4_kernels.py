@@ -227,6 +227,9 @@ def test_int4_backend_on_gpu(t, case):
     backend = get_expert_backend("triton")
     out = backend(x, slots, tw, q, act, woi)
     assert _rel(out, ref) < 1e-2
+    # the pairs an expert-parallel layer expects choose other kernels and tiles, never another result
+    for expected in (1, 17, 16 * s, 64 * s):
+        assert _rel(backend(x, slots, tw, q, act, woi, expected_pairs=expected), ref) < 1e-2, expected
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = backend(x, slots, tw, q, act, woi)

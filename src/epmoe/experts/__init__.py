@@ -37,7 +37,8 @@ __all__ = [
 
 def _reference() -> ExpertBackend:
     def backend(x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, weights: AnyExpertWeights,
-                activation: Activation, weight_on_input: bool = False) -> torch.Tensor:
+                activation: Activation, weight_on_input: bool = False, *,
+                expected_pairs: int | None = None) -> torch.Tensor:
         return reference_experts(x, topk_slots, topk_weights, plain_weights(weights, x.dtype), activation,
                                  weight_on_input)
 

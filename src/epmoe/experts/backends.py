@@ -56,6 +56,8 @@ def make_triton_backend() -> ExpertBackend:
         weights: AnyExpertWeights,
         activation: Activation,
         weight_on_input: bool = False,
+        *,
+        expected_pairs: int | None = None,
     ) -> torch.Tensor:
         if not x.is_cuda:
             return reference_experts(x, topk_slots, topk_weights, plain_weights(weights, x.dtype), activation,
@@ -63,10 +65,13 @@ def make_triton_backend() -> ExpertBackend:
         if grouped is None:
             raise RuntimeError(f"expert backend 'triton' needs the triton package for CUDA tensors: {missing}")
         if isinstance(weights, Int4ExpertWeights):
-            return int4.int4_experts(x, topk_slots, topk_weights, weights, activation, weight_on_input)
+            return int4.int4_experts(x, topk_slots, topk_weights, weights, activation, weight_on_input,
+                                     expected_pairs=expected_pairs)
         if isinstance(weights, MXFP4ExpertWeights):
-            return mxfp4.mxfp4_experts(x, topk_slots, topk_weights, weights, activation, weight_on_input)
-        return grouped.triton_experts(x, topk_slots, topk_weights, weights, activation, weight_on_input)
+            return mxfp4.mxfp4_experts(x, topk_slots, topk_weights, weights, activation, weight_on_input,
+                                       expected_pairs=expected_pairs)
+        return grouped.triton_experts(x, topk_slots, topk_weights, weights, activation, weight_on_input,
+                                      expected_pairs=expected_pairs)
 
     return backend
 
@@ -83,6 +88,8 @@ def make_grouped_mm_backend() -> ExpertBackend:
         weights: AnyExpertWeights,
         activation: Activation,
         weight_on_input: bool = False,
+        *,
+        expected_pairs: int | None = None,
     ) -> torch.Tensor:
         return grouped_mm_experts(x, topk_slots, topk_weights, plain_weights(weights, x.dtype), activation,
                                   weight_on_input)

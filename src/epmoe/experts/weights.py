@@ -107,6 +107,8 @@ class ExpertBackend(Protocol):
         weights: AnyExpertWeights,
         activation: Activation,
         weight_on_input: bool = False,
+        *,
+        expected_pairs: int | None = None,
     ) -> torch.Tensor:
         """Args:
             x: ``[T, D]`` rows to compute (float32 / bfloat16 / float16).
@@ -116,6 +118,11 @@ class ExpertBackend(Protocol):
             weights: the local slots' weights (plain, block FP8, INT4 or MXFP4).
             activation: the gated activation.
             weight_on_input: scale the expert input by the weight instead of its output (Llama-4).
+            expected_pairs: the ``(row, k)`` pairs with a local slot this call is expected to compute, for
+                backends that choose kernels and tiles by size without looking at the routing (a host
+                synchronisation); never used for the result. ``None``: ``T * K``, exact when every slot is
+                local; ``layer.MoELayer`` passes the pairs its own tokens route (what a rank receives on
+                average under a balanced load), as its ``T * K`` also counts other ranks' pairs and padding rows.
 
         Returns:
             ``[T, D]`` in ``x.dtype``.

@@ -334,6 +334,8 @@ def triton_experts(
     activation: Activation,
     weight_on_input: bool = False,
     config: TileConfig | None = None,
+    *,
+    expected_pairs: int | None = None,
 ) -> torch.Tensor:
     """Fused expert compute on CUDA (contract of ``experts.ExpertBackend``); graph safe.
 
@@ -346,6 +348,7 @@ def triton_experts(
         weight_on_input: scale the expert input by the weight instead of its output.
         config: tile shapes of the grouped path; ``None`` = ``decode.decode_experts`` for up to
             ``DECODE_MAX_PAIRS`` pairs, else the grouped path with ``default_config``.
+        expected_pairs: the pairs that choice counts (``ExpertBackend``); ``None``: ``T * K``.
 
     Returns:
         ``[T, D]`` in ``x.dtype``.
@@ -370,9 +373,10 @@ def triton_experts(
         x = x.contiguous()
     slots = topk_slots.contiguous()
     tw = topk_weights.float().contiguous()
-    if config is None and n <= DECODE_MAX_PAIRS:
+    pairs = n if expected_pairs is None else expected_pairs
+    if config is None and pairs <= DECODE_MAX_PAIRS:
         return decode_experts(x, slots, tw, weights, act_code(activation), activation, weight_on_input)
-    cfg = config if config is not None else default_config(n, weights.w13.shape[0], fp8)
+    cfg = config if config is not None else default_config(pairs, weights.w13.shape[0], fp8)
     return grouped_experts(x, slots, tw, weights, activation, weight_on_input, cfg)
 
 

@@ -88,8 +88,8 @@ from epmoe.experts.triton.decode import (
     zero_arrival_counters,
 )
 from epmoe.experts.triton.grouped import TileConfig, act_code, default_int4_config, grouped_experts, triton_experts
-from epmoe.experts.triton.w4a16_mma import int4_mma_experts
-from epmoe.experts.triton.w4a16_wgmma import int4_wgmma_experts
+from epmoe.experts.triton.w4a16_mma import default_mma_config, int4_mma_experts
+from epmoe.experts.triton.w4a16_wgmma import default_wgmma_config, int4_wgmma_experts
 from epmoe.experts.weights import Activation, ExpertWeights
 
 _ZERO_BLOCK = 1024
@@ -538,10 +538,12 @@ def int4_dequantized_experts(
     weights: Int4ExpertWeights,
     activation: Activation,
     weight_on_input: bool = False,
+    *,
+    expected_pairs: int | None = None,
 ) -> torch.Tensor:
     """INT4 expert compute for many pairs: the slots with live pairs widened to ``x.dtype`` in one launch, then
-    ``grouped.triton_experts`` (see the module docstring). Arguments and result as ``int4_decode_experts``
-    (``x`` bf16/fp16); needs a workspace of ``S * 3 * D * F`` elements of ``x.dtype``."""
+    ``grouped.triton_experts`` (given ``expected_pairs``; see the module docstring). Arguments and result as
+    ``int4_decode_experts`` (``x`` bf16/fp16); needs a workspace of ``S * 3 * D * F`` elements of ``x.dtype``."""
     s = weights.num_slots
     key = torch.where((topk_slots >= 0) & (topk_slots < s), topk_slots, s).reshape(-1)
     counts = torch.zeros(s + 1, dtype=torch.int32, device=x.device)
@@ -553,7 +555,8 @@ def int4_dequantized_experts(
     dequantize_int4_triton(weights.w2_packed, weights.w2_scale, g, w2, counts)
     b13 = None if weights.b13 is None else weights.b13.to(x.dtype)
     b2 = None if weights.b2 is None else weights.b2.to(x.dtype)
-    return triton_experts(x, topk_slots, topk_weights, ExpertWeights(w13, w2, b13, b2), activation, weight_on_input)
+    return triton_experts(x, topk_slots, topk_weights, ExpertWeights(w13, w2, b13, b2), activation, weight_on_input,
+                          expected_pairs=expected_pairs)
 
 
 INT4_WGMMA_MIN_PAIRS_PER_SLOT = 16
@@ -628,6 +631,8 @@ def int4_experts(
     weights: Int4ExpertWeights,
     activation: Activation,
     weight_on_input: bool = False,
+    *,
+    expected_pairs: int | None = None,
 ) -> torch.Tensor:
     """INT4 expert compute on CUDA (contract of ``experts.ExpertBackend``); graph safe.
 
@@ -637,7 +642,7 @@ def int4_experts(
     block from the pairs per slot), on Hopper from ``INT4_WGMMA_MIN_PAIRS_PER_SLOT`` pairs a slot those of
     ``w4a16_wgmma`` (``default_wgmma_config`` picks the rows a block), for fp16 the fused grouped kernels (``tl.dot`` on
     widened tiles), the widening path from ``INT4_DEQUANT_MIN_PAIRS`` on where that is set.
-    ``N = T * K`` bounds the live pairs (static: no look at the routing).
+    ``N`` is ``expected_pairs`` (``ExpertBackend``), ``T * K`` when ``None`` (static: no look at the routing).
 
     Raises:
         TypeError: ``x`` not bf16/fp16.
@@ -651,16 +656,17 @@ def int4_experts(
         x = x.contiguous()
     slots = topk_slots.contiguous()
     tw = topk_weights.float().contiguous()
-    path = int4_path(t * k, x.dtype, weights.num_slots, torch.cuda.get_device_capability(x.device) == (9, 0))
+    n, s, g = t * k if expected_pairs is None else expected_pairs, weights.num_slots, weights.group_size
+    path = int4_path(n, x.dtype, s, x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0))
     if path == "wgmma":
-        return int4_wgmma_experts(x, slots, tw, weights, activation, weight_on_input)
+        return int4_wgmma_experts(x, slots, tw, weights, activation, weight_on_input, default_wgmma_config(g, n, s))
     if path == "mma":
-        return int4_mma_experts(x, slots, tw, weights, activation, weight_on_input)
+        return int4_mma_experts(x, slots, tw, weights, activation, weight_on_input, default_mma_config(g, n, s))
     if path == "decode":
         return int4_decode_experts(x, slots, tw, weights, activation, weight_on_input)
     if path == "dequant":
-        return int4_dequantized_experts(x, slots, tw, weights, activation, weight_on_input)
-    return int4_grouped_experts(x, slots, tw, weights, activation, weight_on_input)
+        return int4_dequantized_experts(x, slots, tw, weights, activation, weight_on_input, expected_pairs=n)
+    return int4_grouped_experts(x, slots, tw, weights, activation, weight_on_input, default_int4_config(n, s))
 
 
 @triton.jit

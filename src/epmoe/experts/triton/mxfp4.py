@@ -71,10 +71,12 @@ def mxfp4_experts(
     weights: MXFP4ExpertWeights,
     activation: Activation,
     weight_on_input: bool = False,
+    *,
+    expected_pairs: int | None = None,
 ) -> torch.Tensor:
     """MXFP4 expert compute on CUDA (contract of ``experts.ExpertBackend``; graph safe): the slots with live pairs
-    widened to ``x.dtype`` (bf16/fp16), then ``grouped.triton_experts``. Needs a workspace of ``S * 3 * D * F``
-    elements of ``x.dtype``.
+    widened to ``x.dtype`` (bf16/fp16), then ``grouped.triton_experts`` (given ``expected_pairs``). Needs a workspace
+    of ``S * 3 * D * F`` elements of ``x.dtype``.
 
     Raises:
         TypeError: ``x`` not bf16/fp16 (from ``triton_experts``).
@@ -90,4 +92,5 @@ def mxfp4_experts(
                                  torch.empty(s, d, f, dtype=x.dtype, device=x.device), counts)
     b13 = None if weights.b13 is None else weights.b13.to(x.dtype)
     b2 = None if weights.b2 is None else weights.b2.to(x.dtype)
-    return triton_experts(x, topk_slots, topk_weights, ExpertWeights(w13, w2, b13, b2), activation, weight_on_input)
+    return triton_experts(x, topk_slots, topk_weights, ExpertWeights(w13, w2, b13, b2), activation, weight_on_input,
+                          expected_pairs=expected_pairs)
