@@ -154,7 +154,7 @@ def int4_measured_us(row: dict, dims: MoEDims, local: int) -> float | None:
     from epmoe.experts.triton.int4 import int4_path
     from epmoe.experts.triton.w4a16_mma import default_mma_config
 
-    pairs = row["tokens"] * dims.top_k
+    pairs = row["tokens"] * dims.top_k * local // dims.num_experts  # the pairs an EP rank's tokens route
     path = int4_path(pairs, torch.bfloat16, local, hopper=True)
     if path in ("decode", "wgmma"):
         return row.get(f"int4_{path}_us")

@@ -573,9 +573,8 @@ def int4_path(num_pairs: int, dtype: torch.dtype, num_slots: int, hopper: bool =
     ``INT4_WGMMA_MIN_PAIRS_PER_SLOT`` pairs a slot on, else ``"mma"`` (at every size: the H200 run of
     ``benchmarks/moe_layer.py --cases kimi_int4,kimi_full_int4``, column ``int4_mma`` against ``int4_grouped``); fp16
     takes ``"decode"`` up to ``INT4_DECODE_MAX_PAIRS``, else ``"dequant"`` (from ``INT4_DEQUANT_MIN_PAIRS`` on) or
-    ``"grouped"``. The pairs a slot are ``num_pairs / num_slots``: exact when every expert is local (EP 1); under
-    expert parallelism ``num_pairs`` counts the rows' skipped pairs too, so the pairs a slot are over-estimated (up to
-    the EP size times with an all-gather, more with fixed-capacity padding)."""
+    ``"grouped"``. ``num_pairs`` is the pairs expected (``int4_experts``' ``expected_pairs``), so the pairs a slot
+    are ``num_pairs / num_slots``."""
     small = num_pairs <= INT4_DECODE_MAX_PAIRS
     if dtype == torch.bfloat16:
         if small and num_slots <= INT4_DECODE_MAX_SLOTS:
