@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from epmoe.engine.sampling import SamplingParams, sample
+from epmoe.engine.sampling import SamplingParams, probabilities, sample
 
 
 @pytest.mark.parametrize("field, value", [
@@ -114,6 +114,19 @@ def test_seeded_rows_reproducible():
     alone = sample(logits, params, [torch.Generator().manual_seed(7), torch.Generator().manual_seed(1),
                                     torch.Generator().manual_seed(9), torch.Generator().manual_seed(1)])
     assert mixed[0] == alone[0] and mixed[2] == alone[2]
+
+
+def test_unseeded_rows_share_one_draw_of_the_default_generator():
+    # one exponential draw for all the unseeded rows (one launch, not one a row), seeded rows from their own
+    logits = _logits(rows=5, vocab=40, seed=2)
+    params = [SamplingParams(temperature=0.7)] * 5
+    got = sample(logits, params, [None] * 5, torch.Generator().manual_seed(3))
+    q = torch.empty(5, 40).exponential_(generator=torch.Generator().manual_seed(3))
+    assert torch.equal(got, (probabilities(logits, params) / q).argmax(-1))
+    gens = [None, torch.Generator().manual_seed(8), None, None, None]
+    mixed = sample(logits, params, gens, torch.Generator().manual_seed(3))
+    q[1] = torch.empty(40).exponential_(generator=torch.Generator().manual_seed(8))
+    assert torch.equal(mixed, (probabilities(logits, params) / q).argmax(-1))
 
 
 def test_temperature_one_follows_softmax():

@@ -166,9 +166,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         return out
     idx = to_device(rows, logits.device, torch.int64)
     probs = probabilities(logits.index_select(0, idx), [params[i] for i in rows])
-    q = torch.empty_like(probs)
-    for j, i in enumerate(rows):
-        q[j].exponential_(generator=generators[i] if generators[i] is not None else default_generator)
+    # the unseeded rows' noise in one draw from the default generator; a seeded row's from its own, alone, so that
+    # its tokens do not depend on the rows beside it
+    seeded = [j for j, i in enumerate(rows) if generators[i] is not None]
+    q = torch.empty_like(probs).exponential_(generator=default_generator)
+    for j in seeded:
+        q[j].exponential_(generator=generators[rows[j]])
     picked = (probs / q).argmax(dim=-1)
     out[idx] = picked
     return out
