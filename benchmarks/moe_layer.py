@@ -121,13 +121,19 @@ WGMMA_TAIL64 = WgmmaConfig(tail_rows=64)
 WGMMA_BLOCK64_TAIL32 = WgmmaConfig(64, tail_rows=32)
 # the wgmma variants int4_prefill.py times (None: the default)
 WGMMA_PREFILL = {"wgmma": None, "wg_t32": WGMMA_TAIL32, "wg_t64": WGMMA_TAIL64, "wg64_t32": WGMMA_BLOCK64_TAIL32}
-# the default, four buffers, 64-row blocks, one warpgroup (down: issuing its wgmma twice), 32-word steps; tail blocks
-# (also with four buffers and with one warpgroup)
+# whole blocks: 128 rows, four buffers, 64-row blocks, one warpgroup (down: issuing its wgmma twice), 32-word steps;
+# tail blocks (also with four buffers and with one warpgroup); with 32-row tails (the configurations of
+# results/int4_wgmma_sweep_h200.txt): each warpgroup issuing its wgmma twice in either or both kernels, 32-word down
+# steps (the default's), also with 64-row blocks and with 64-word steps, 32-word steps in both kernels
 INT4_WGMMA_SWEEP = [
     WgmmaConfig(), WgmmaConfig(stages=4), WgmmaConfig(64), WGMMA_ONE_WARPGROUP,
     WgmmaConfig(num_warps=4, block_n1=64, block_n2=128), WgmmaConfig(64, 32, 32),
     WGMMA_TAIL32, WGMMA_TAIL64, WGMMA_BLOCK64_TAIL32, WgmmaConfig(stages=4, tail_rows=32),
     WgmmaConfig(num_warps=4, block_n1=64, block_n2=128, tail_rows=32),
+    WgmmaConfig(block_n1=256, block_n2=256, tail_rows=32), WgmmaConfig(block_n1=256, tail_rows=32),
+    WgmmaConfig(block_n2=256, tail_rows=32), WgmmaConfig(block_kw2=32, tail_rows=32),
+    WgmmaConfig(block_kw2=32, block_n2=256, tail_rows=32), WgmmaConfig(64, block_kw2=32, tail_rows=32),
+    WgmmaConfig(64, block_kw2=64, tail_rows=32), WgmmaConfig(block_kw1=32, block_kw2=32, tail_rows=32),
 ]
 SWEEP = [
     TileConfig(16, 32, 64, 128, 4, 3), TileConfig(64, 64, 128, 64, 8, 3), TileConfig(128, 128, 256, 64, 8, 4),
