@@ -8,8 +8,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# One thread for torch's CPU ops in this process and in the processes the tests start (they inherit the variable;
+# epmoe's ranks read it, runtime.launch.set_rank_threads): the tests' tensors are tiny, and threads of two processes
+# waiting on each other's cores cost more than they save (a one-rank engine test took twice as long with two).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # A verbatim copy of ../shared/data (the project's real inputs), so a clean checkout tests alone.
 DATA = Path(__file__).resolve().parents[1] / "data"

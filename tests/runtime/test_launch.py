@@ -122,3 +122,31 @@ def test_a_rank_killed_by_a_signal_is_named_with_the_signal():
     assert lines[0] == "rank 1 was killed by SIGKILL (signal 9)"
     assert lines[1].startswith("rank 0 stopped: a peer went away during a collective")
     assert caught.value.exit_code == EXIT_RANK_KILLED == 4
+
+
+def _threads(info):
+    import torch
+
+    return torch.get_num_threads()
+
+
+def test_rank_threads_follow_omp_num_threads_or_share_the_cores(monkeypatch):
+    import torch
+
+    from epmoe.runtime.launch import set_rank_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        assert set_rank_threads(2) == 3 and torch.get_num_threads() == 3
+        cores = os.cpu_count() or 1
+        for value in ("", "0", "two"):  # unset, zero or not a number: the cores shared by the ranks
+            monkeypatch.setenv("OMP_NUM_THREADS", value)
+            assert set_rank_threads(2) == max(1, cores // 2) == torch.get_num_threads(), value
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        assert set_rank_threads(4 * cores) == 1
+    finally:
+        torch.set_num_threads(before)
+    # spawned ranks set theirs before running the function
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert spawn(_threads, 2) == [1, 1]

@@ -88,6 +88,16 @@ def init_group(info: RankInfo, device: str, timeout_s: float = 300.0) -> dist.Pr
     return dist.new_group(list(range(info.world_size)))
 
 
+def set_rank_threads(world_size: int) -> int:
+    """Set and return the threads torch's CPU ops use in this rank process: ``OMP_NUM_THREADS`` when it is set to a
+    positive integer (the variable torch itself reads at start), else the machine's cores over ``world_size`` (at
+    least one), so that ranks sharing a machine do not each start one thread per core."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    threads = int(env) if env.isdigit() and int(env) > 0 else max(1, (os.cpu_count() or 1) // world_size)
+    torch.set_num_threads(threads)
+    return threads
+
+
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """Have the kernel send this process ``sig`` when its parent exits (Linux ``PR_SET_PDEATHSIG``).
 
@@ -210,8 +220,7 @@ def _run_rank(rank: int, world_size: int, port: int, fn: Callable[..., Any], arg
     on ``queue``."""
     die_with_parent()
     info = RankInfo(rank, world_size, rank, f"tcp://127.0.0.1:{port}")
-    # the ranks share this machine's cores: without this each would start one thread per core
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    set_rank_threads(world_size)
     try:
         # plain pickle copies tensors by value: torch's shared-memory handles would die with this process
         queue.put((rank, True, pickle.dumps(fn(info, *args))))

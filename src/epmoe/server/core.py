@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from epmoe.comm import Comm
 from epmoe.engine import Engine
-from epmoe.runtime.launch import RankError, RankInfo, die_with_parent, init_group
+from epmoe.runtime.launch import RankError, RankInfo, die_with_parent, init_group, set_rank_threads
 from epmoe.server.config import ServeConfig
 from epmoe.server.ranks import LOADS_COMMAND, STEP_KINDS, Control, NewRequest, RankReply, RankStepper, StepUpdate
 
@@ -268,7 +268,7 @@ def core_process(info: RankInfo, cfg: ServeConfig, model_dir: str, conn: Connect
     """
     die_with_parent(signal.SIGKILL)
     _ignore_signals()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world_size))
+    set_rank_threads(info.world_size)
     try:
         EngineCore(start_rank(info, cfg, model_dir), conn).run()
     except BaseException as exc:  # a rank gone, a collective error, a bad checkpoint
