@@ -67,6 +67,8 @@ def test_bad_requests_rejected_before_queueing(engine, model_dir, reference):
         (lambda: engine.add_request([True], GREEDY), r"got \[True\]"),
         (lambda: engine.add_request("abc", GREEDY, request_id="dup"), "request id 'dup' is already in use"),
         (lambda: engine.add_request("abc", SamplingParams(max_tokens=0)), "max_tokens must be an integer >= 1, got 0"),
+        (lambda: engine.add_request("abc", SamplingParams(stop_token_ids=(5, 259, 1000))),
+         r"stop_token_ids must be in \[0, 259\) \(the vocabulary\), got \[259, 1000\]"),
         (lambda: engine.add_request("abc", SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 3})),
          r"unknown sampling option\(s\) \['max_new_tokens'\]"),
     ]

@@ -100,3 +100,9 @@ def test_chat_without_max_tokens_gets_what_the_context_and_the_pool_leave(codec)
     prompt = len(build_job(req, MODEL, codec, INFO).prompts[0])
     assert build_job(req, MODEL, codec, INFO).params[0].max_tokens == 256 - prompt
     assert build_job(req, MODEL, codec, SMALL_POOL).params[0].max_tokens == 176 + 1 - prompt
+    # a conversation longer than the pool: the error names no max_tokens the client did not send
+    long = _chat(messages=[{"role": "user", "content": "x" * 200}])
+    with pytest.raises(ApiError) as err:
+        build_job(long, MODEL, codec, SMALL_POOL)
+    assert err.value.param == "messages" and "max_tokens" not in err.value.message
+    assert "tokens needs" in err.value.message and "shorten it or give the cache more blocks" in err.value.message

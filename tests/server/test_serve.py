@@ -132,6 +132,20 @@ def test_seeds_reproducible_and_n(client):
     assert len(unseeded) > 1
 
 
+def test_null_fields_mean_their_defaults_and_neutral_values_pass(client):
+    # the openai client sends None as null; null is the field's default, and the unserved fields at their neutral
+    # values change nothing
+    base = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, seed=3).choices[0].text
+    nulls = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, seed=3, temperature=None,
+                                      top_p=None, n=None, stream=None, frequency_penalty=0, logprobs=None,
+                                      extra_body={"top_k": None, "min_tokens": None, "ignore_eos": None,
+                                                  "repetition_penalty": 1.0})
+    assert nulls.choices[0].text == base and len(nulls.choices) == 1
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=None, logprobs=False, response_format={"type": "text"})
+    assert chat.usage.completion_tokens == 3
+
+
 def test_concurrent_streams_each_equal_alone(server, offline):
     prompts = [f"request {i}: {PROMPTS[i % 4]}" for i in range(100)]
     ref = offline(prompts, 8)
@@ -175,6 +189,13 @@ BAD = [
     ("seed negative", {"model": MODEL, "prompt": "hi", "seed": -1}, 400, "seed"),
     ("stop wrong type", {"model": MODEL, "prompt": "hi", "stop": 3}, 400, "stop"),
     ("stream a string", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("stream_options without stream", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}},
+     400, "stream_options"),
+    ("stop token id past the vocabulary", {"model": MODEL, "prompt": "hi", "stop_token_ids": [999999]}, 400,
+     "stop_token_ids"),
+    ("logprobs, not served", {"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("echo, not served", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
+    ("a penalty, not served", {"model": MODEL, "prompt": "hi", "frequency_penalty": 5}, 400, "frequency_penalty"),
     ("unknown model", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
     ("JSON nested too deeply", b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None),
     ("a number of 5000 digits", b'{"prompt": "hi", "seed": ' + b"9" * 5000 + b"}", 400, None),
@@ -185,6 +206,11 @@ BAD_CHAT = [
     ("empty messages", {"model": MODEL, "messages": []}, 400, "messages"),
     ("bad role", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
     ("content a number", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
+    ("user message without content", {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages.0.content"),
+    ("max_completion_tokens 0", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                 "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("structured output, not served", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                       "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("content a lone surrogate", b'{"model": "%s", "messages": [{"role": "user", "content": "\\udc80"}]}'
      % MODEL.encode(), 400, "messages.0.content"),
 ]

@@ -372,13 +372,16 @@ class Engine:
 
         Raises:
             TypeError: ``params`` is not a ``SamplingParams``; a prompt of another type.
-            ValueError: an empty prompt, ids outside the vocabulary, a prompt as long as the context
-                (``max_model_len``), or a prompt whose keys and values with ``max_tokens`` more would not
+            ValueError: an empty prompt, prompt or stop token ids outside the vocabulary, a prompt as long as the
+                context (``max_model_len``), or a prompt whose keys and values with ``max_tokens`` more would not
                 fit in the whole KV pool (it could only be cut short).
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         ids = self.encode(prompt)
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}) (the vocabulary), got {bad[:5]}")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the context of max_model_len "
                              f"{self.max_model_len} tokens")

@@ -147,6 +147,8 @@ def build_app(ctx: AppContext) -> FastAPI:
             return schema.model_validate(body, strict=True)
         except pydantic.ValidationError as exc:
             errors = exc.errors()
+            if errors[0]["type"] == "unserved":  # a field at a value this server does not serve (protocol.UNSERVED)
+                raise ApiError(400, errors[0]["msg"], errors[0]["ctx"]["field"]) from None
             field = _field_of(errors[0]["loc"])
             value = repr(errors[0].get("input"))
             value = value if len(value) <= 80 else value[:77] + "..."

@@ -88,6 +88,9 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
     """
     if isinstance(req, ChatCompletionRequest):
         kind, where = "chat", "messages"
+        for i, m in enumerate(req.messages):
+            if m.content is None and m.role != "assistant":
+                raise ApiError(400, f"messages.{i}.content: a {m.role} message needs content", f"messages.{i}.content")
         messages = [{"role": m.role, "content": _utf8(m.text(), f"messages.{i}.content")}
                     for i, m in enumerate(req.messages)]
         try:
@@ -95,6 +98,7 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         except jinja2.TemplateError as exc:  # the template refused the conversation (e.g. roles not alternating)
             raise ApiError(400, f"messages: the chat template refused them: {exc}", "messages") from None
         prompts = [codec.encode(text)]
+        sent = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     else:
         kind, where = "completion", "prompt"
@@ -103,7 +107,15 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         if not items:
             raise ApiError(400, "prompt must not be empty, got []", "prompt")
         prompts = [codec.encode(_utf8(p, "prompt")) if isinstance(p, str) else list(p) for p in items]
+        sent = "max_tokens"
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, f"{sent} must be an integer >= 1, got {max_tokens}", sent)
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
+    bad_stops = [t for t in req.stop_token_ids or () if not 0 <= t < info.vocab_size]
+    if bad_stops:
+        raise ApiError(400, f"stop_token_ids must be in [0, {info.vocab_size}), got {bad_stops[:5]}", "stop_token_ids")
     for ids in prompts:
         if not ids:
             raise ApiError(400, f"{where} must not be empty: it has no tokens", where)
@@ -119,18 +131,21 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
     longest = max(len(ids) for ids in prompts)
     blocks, block_size = info.kv["blocks"], info.kv["block_size"]
     pool = blocks * block_size  # a rank's whole KV pool, tokens (the engine refuses what could never fit it)
-    if max_tokens is None:  # chat: what the context and the KV pool leave (the last token sampled needs no KV)
+    asked = max_tokens is not None
+    if not asked:  # chat: what the context and the KV pool leave (the last token sampled needs no KV)
         max_tokens = max(1, min(info.max_model_len - longest, pool + 1 - longest))
-    elif isinstance(max_tokens, int) and max_tokens >= 1 and longest + max_tokens > info.max_model_len:
-        raise ApiError(400, f"max_tokens ({max_tokens}) plus the prompt's {longest} tokens is past the model's "
-                            f"context of {info.max_model_len} tokens", "max_tokens")
-    for ids in prompts if isinstance(max_tokens, int) and max_tokens >= 1 else ():
+    elif longest + max_tokens > info.max_model_len:
+        raise ApiError(400, f"{sent} ({max_tokens}) plus the prompt's {longest} tokens is past the model's "
+                            f"context of {info.max_model_len} tokens", sent)
+    for ids in prompts:
         need = min(len(ids) + max_tokens - 1, info.max_model_len)
         if need > pool:  # refused here, so that a stream too gets its 400 before it starts
-            field = "max_tokens" if len(ids) <= pool else where
-            raise ApiError(400, f"{where} of {len(ids)} tokens with max_tokens {max_tokens} needs {need} KV slots; the "
-                                f"KV pool holds {pool} tokens per rank ({blocks} blocks of {block_size}): lower "
-                                f"max_tokens or give the cache more blocks", field)
+            field = sent if asked and len(ids) <= pool else where
+            with_max = f" with {sent} {max_tokens}" if asked else ""
+            lower = f"lower {sent} or give" if asked else "shorten it or give"
+            raise ApiError(400, f"{where} of {len(ids)} tokens{with_max} needs {need} KV slots; the KV pool holds "
+                                f"{pool} tokens per rank ({blocks} blocks of {block_size}): {lower} the cache more "
+                                f"blocks", field)
     params = [_sampling(req, max_tokens, j) for _ in prompts for j in range(req.n)]
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -1,22 +1,45 @@
 """The OpenAI API schema the server speaks (pydantic): requests, responses, stream chunks, errors.
 
-Requests are validated strictly (a string where a number belongs is refused, not coerced); fields the
-schema does not name are ignored, as vLLM does (``logprobs``, ``presence_penalty``, ... have no effect).
+Requests are validated strictly (a string where a number belongs is refused, not coerced); ``null`` for a field
+with a default means the default (the OpenAI schema marks them nullable, and its clients send ``None`` through).
+Fields that would change the output but are not served (``UNSERVED``: log-probabilities, echo, penalties,
+``best_of``, structured output, tools, ...) are refused unless left at their neutral value, so that no client gets
+something other than it asked for; other fields the schema does not name are ignored (``user``-like metadata).
 Value ranges (``temperature >= 0``, ``0 < top_p <= 1``, ``max_tokens >= 1``) are checked by
 ``epmoe.engine.SamplingParams``; ``n`` is capped here at ``MAX_N``.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from epmoe.server.config import MAX_N
+
+UNSERVED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "prompt_logprobs": (None,), "echo": (None, False),
+    "suffix": (None, ""), "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1), "min_p": (None, 0), "logit_bias": (None, {}), "use_beam_search": (None, False),
+    "response_format": (None, {"type": "text"}), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "functions": (None, []), "function_call": (None, "none", "auto"),
+}
+"""OpenAI and vLLM request fields that change the output and that this server does not serve, with the values that
+leave the output as it is (a request with another value is refused, naming the field)."""
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
+    # bool is an int in Python: False must not pass for 0 of a penalty, nor 0 for False
+    return any(value is a if a is None or isinstance(a, bool) else
+               (type(value) is type(a) or isinstance(a, (int, float)) and type(value) in (int, float)) and value == a
+               for a in allowed)
 
 
 class StreamOptions(_Request):
@@ -43,6 +66,24 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_and_unserved(cls, data: Any) -> Any:
+        """``null`` for a field with a default: the default; an ``UNSERVED`` field at another value: refused."""
+        if not isinstance(data, dict):
+            return data
+        for name, allowed in UNSERVED.items():
+            if name in data and not _neutral(data[name], allowed):
+                shown = json.dumps(data[name], default=repr)
+                shown = shown if len(shown) <= 80 else shown[:77] + "..."
+                raise PydanticCustomError(
+                    "unserved", "{field}={shown} is not served by epmoe (the output would not be what was asked); "
+                    "leave {field} out or send {allowed}",
+                    {"field": name, "shown": shown, "allowed": " or ".join(json.dumps(a) for a in allowed)})
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
 
 
 class CompletionRequest(SamplingFields):
