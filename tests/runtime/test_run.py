@@ -130,6 +130,19 @@ def test_missing_model_dir(tmp_path, capsys):
     assert "--model '' is not a checkpoint directory" in capsys.readouterr().err
 
 
+def test_damaged_weights_file_refused_before_the_start(kimi, tmp_path, capsys):
+    # a weights file cut short (an interrupted download): named, exit 2, no rank started, no traceback
+    broken = tmp_path / "cut"
+    broken.mkdir()
+    for f in kimi.iterdir():
+        data = f.read_bytes()
+        (broken / f.name).write_bytes(data[: len(data) // 2] if f.suffix == ".safetensors" else data)
+    assert main(["run", "--model", str(broken), "--ep", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint file {broken / 'model.safetensors'} cannot be read as safetensors" in err
+    assert "damaged or incomplete" in err and "Traceback" not in err
+
+
 def test_checkpoint_missing_one_expert(kimi, tmp_path):
     from safetensors.torch import load_file, save_file
 

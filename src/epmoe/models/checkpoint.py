@@ -27,7 +27,7 @@ from types import MappingProxyType
 from typing import Literal, Mapping
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from epmoe.experts.storage import ExpertStorage
 
@@ -57,6 +57,19 @@ class Int4Tensor:
         return dequantize_int4(self.packed, self.scale, self.group_size, torch.float32)
 
 
+def _open(path: Path):
+    """``safe_open`` of one weights file (its header read and checked against the file's size).
+
+    Raises:
+        ValueError: the file cannot be read as safetensors (a damaged or truncated file), naming it.
+    """
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"checkpoint file {path} cannot be read as safetensors ({exc}): it is damaged or "
+                         f"incomplete; download it again") from None
+
+
 class CheckpointReader:
     """Random access to the tensors of a local checkpoint (``model.safetensors`` or a sharded index).
 
@@ -65,7 +78,8 @@ class CheckpointReader:
 
     Raises:
         FileNotFoundError: no directory, no ``config.json``, or no safetensors weights in it.
-        ValueError: an index file naming a shard that does not exist; 4-bit compressed-tensors weights in a scheme
+        ValueError: an index file naming a shard that does not exist; a weights file that cannot be read (damaged or
+            truncated: its header does not cover the file); 4-bit compressed-tensors weights in a scheme
             other than symmetric int groups, ``pack-quantized`` (the field named).
     """
 
@@ -78,17 +92,17 @@ class CheckpointReader:
         index = self.directory / "model.safetensors.index.json"
         if index.is_file():
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            missing = sorted({f for f in weight_map.values() if not (self.directory / f).is_file()})
+            if missing:
+                raise ValueError(f"checkpoint {self.directory}: index names missing shard files {missing}")
+            # every shard opened now (its header checked), so that a damaged one is named before anything runs
+            handles = {f: _open(self.directory / f) for f in sorted(set(weight_map.values()))}
         else:
             files = sorted(self.directory.glob("*.safetensors"))
             if not files:
                 raise FileNotFoundError(f"checkpoint directory {str(self.directory)!r} has no *.safetensors weights")
-            weight_map = {}
-            for f in files:
-                with safe_open(str(f), framework="pt") as h:
-                    weight_map.update({k: f.name for k in h.keys()})
-        missing = sorted({f for f in weight_map.values() if not (self.directory / f).is_file()})
-        if missing:
-            raise ValueError(f"checkpoint {self.directory}: index names missing shard files {missing}")
+            handles = {f.name: _open(f) for f in files}
+            weight_map = {k: name for name, h in handles.items() for k in h.keys()}
         config = json.loads((self.directory / "config.json").read_text())
         self.prefix = ""
         if isinstance(config.get("text_config"), dict) and any(k.startswith(_WRAPPER_PREFIX) for k in weight_map):
@@ -96,7 +110,7 @@ class CheckpointReader:
         self.weight_map = weight_map
         self.block_size = _block_size(config, self.directory)
         self.int4_group_size = _int4_group_size(config, self.directory)
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, object] = handles
         # plain name -> its packed format, for tensors stored INT4 (``weight_packed``) or MXFP4 (``_blocks``)
         self._packed: dict[str, str] = {}
         for k in weight_map:
@@ -108,10 +122,7 @@ class CheckpointReader:
                             for suffix in (INT4_SUFFIXES if fmt == "int4" else MXFP4_SUFFIXES)}
 
     def _handle(self, full_name: str):
-        file = self.weight_map[full_name]
-        if file not in self._handles:
-            self._handles[file] = safe_open(str(self.directory / file), framework="pt")
-        return self._handles[file]
+        return self._handles[self.weight_map[full_name]]
 
     def __contains__(self, name: str) -> bool:
         return self.prefix + name in self.weight_map or self.prefix + name in self._packed
