@@ -246,8 +246,8 @@ def check_draft(draft: str, draft_placement: str | None, ep: int,
     return model, redundant, out + found
 
 
-_SERVED = {"plain": "in the compute dtype (bf16 bytes)", "int4": "packed: INT4 values + bf16 scales",
-           "mxfp4": "packed: MXFP4 values + E8M0 scales"}
+_SERVED = {"plain": "in the compute dtype (counted in bf16; --dtype float32 doubles it)",
+           "int4": "packed: INT4 values + bf16 scales", "mxfp4": "packed: MXFP4 values + E8M0 scales"}
 
 
 def check_expert_storage(spec: MoESpec, ep: int, redundant: int, weights: str | None = None,
