@@ -240,6 +240,9 @@ def test_auth_routes_and_body_limit(server):
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     r = httpx.get(f"{server.url}/v1/nothing", headers=AUTH)
     assert r.status_code == 404 and "/v1/nothing" in r.json()["error"]["message"]
+    r = httpx.get(f"{server.url}/v1/completions", headers=AUTH)
+    assert r.status_code == 405 and r.json()["error"]["message"] == ("method GET is not allowed on /v1/completions "
+                                                                     "(use POST)")
     r = httpx.post(f"{server.url}/v1/completions", content=b"x" * (50 << 20), headers=AUTH, timeout=60)
     assert r.status_code == 413 and "8388608" in r.json()["error"]["message"]
     assert httpx.get(f"{server.url}/health").status_code == 200

@@ -107,7 +107,14 @@ def build_app(ctx: AppContext) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
+        if exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+            allowed = {k.lower(): v for k, v in (exc.headers or {}).items()}.get("allow")
+            message += f" (use {allowed})" if allowed else ""
+        elif exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        else:
+            message = str(exc.detail)
         return _error(ApiError(exc.status_code, message))
 
     def check_key(request: Request) -> None:
