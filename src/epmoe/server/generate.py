@@ -212,7 +212,7 @@ def _usage(job: Job, completion_tokens: int) -> Usage:
 
 def _check(item: Update | Failure) -> Update:
     if isinstance(item, Failure):
-        raise ApiError(503, f"the server failed while serving the request: {item.message}")
+        raise ApiError(500, f"the server failed while serving the request: {item.message}")
     if item.error is not None:
         raise ApiError(400, item.error, "prompt")
     return item
