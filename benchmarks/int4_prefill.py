@@ -32,7 +32,7 @@ from epmoe.experts.triton.int4 import dequantize_int4_triton
 from epmoe.experts.triton.w4a16_mma import MmaConfig, int4_mma_experts
 from epmoe.experts.triton.w4a16_wgmma import default_wgmma_config, int4_wgmma_experts
 from epmoe.experts.weights import Activation
-from moe_layer import INT4_CASES, INT4_GROUP, WGMMA_PREFILL, make_routing, random_int4_weights
+from moe_layer import INT4_CASES, INT4_GROUP, WGMMA_PREFILL, ep_pairs, make_routing, random_int4_weights
 from timing import rel_err, time_fn
 
 
@@ -50,11 +50,11 @@ def bench_case(name: str, case: dict, sizes: list[int], flush: torch.Tensor, gen
     for t in sizes:
         x, slots, tw = make_routing(case, t, gen)
         pairs = int((slots >= 0).sum())
-        ep_pairs = t * case["k"] * s // case["num_experts"]  # what an EP layer tells the backend it expects
+        expected = ep_pairs(case, t)
         ref = int4_mma_experts(x, slots, tw, q, act, config=mma16)
         row = {"case": name, "tokens": t, "pairs": pairs, "slots": s}
         for key, cfg in WGMMA_PREFILL.items():
-            c = cfg if cfg is not None else default_wgmma_config(g, ep_pairs, s)
+            c = cfg if cfg is not None else default_wgmma_config(g, expected, s)
             aln = align_triton(slots, s, c.block_m, tail_rows=c.tail_rows)
             row[f"{key}_rows_per_pair"] = int(aln.block_rows.sum()) / max(pairs, 1)
             row[f"{key}_err"] = rel_err(int4_wgmma_experts(x, slots, tw, q, act, config=c), ref)
@@ -63,8 +63,8 @@ def bench_case(name: str, case: dict, sizes: list[int], flush: torch.Tensor, gen
             print(f"{name:15} T={t:5d} {key:9} {row[f'{key}_us']:9.1f} us  rows/pair "
                   f"{row[f'{key}_rows_per_pair']:5.2f}  rel_err(vs mma16) {row[f'{key}_err']:.2e}", flush=True)
         row["mma16_us"] = time_fn(lambda: int4_mma_experts(x, slots, tw, q, act, config=mma16), True, flush) * 1e3
-        row["bf16_err"] = rel_err(backend(x, slots, tw, w, act, expected_pairs=ep_pairs), ref)
-        row["bf16_us"] = time_fn(lambda: backend(x, slots, tw, w, act, expected_pairs=ep_pairs), True, flush) * 1e3
+        row["bf16_err"] = rel_err(backend(x, slots, tw, w, act, expected_pairs=expected), ref)
+        row["bf16_us"] = time_fn(lambda: backend(x, slots, tw, w, act, expected_pairs=expected), True, flush) * 1e3
         print(f"{name:15} T={t:5d} {'mma16':9} {row['mma16_us']:9.1f} us", flush=True)
         print(f"{name:15} T={t:5d} {'bf16':9} {row['bf16_us']:9.1f} us  rel_err(vs mma16) {row['bf16_err']:.2e}",
               flush=True)

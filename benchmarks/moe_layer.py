@@ -157,6 +157,12 @@ DECODE_SWEEP = [
 ]
 
 
+def ep_pairs(case: dict, t: int) -> int:
+    """The pairs one rank of the case's EP group expects for ``t`` tokens of the whole group (``t K slots /
+    num_experts``): what ``layer.MoELayer`` passes the backend as ``expected_pairs``."""
+    return t * case["k"] * case["slots"] // case["num_experts"]
+
+
 def make_routing(case: dict, t: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Hidden states and top-k routing (local slot ids, -1 = another rank) for ``t`` tokens."""
     x = torch.randn(t, case["d"], device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -221,15 +227,15 @@ def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[i
         active, pairs, floor_mem, floor_flop = floors(slots)
         flops = 2 * pairs * 3 * d * f
         decode = t <= DECODE_MAX
-        ep_pairs = t * case["k"] * s // case["num_experts"]  # what an EP layer tells the backend it expects
+        expected = ep_pairs(case, t)
         ref = reference_experts(x.float(), slots, tw, w32, act)
-        impls = {"ours": lambda: ours(x, slots, tw, w, act, expected_pairs=ep_pairs),
+        impls = {"ours": lambda: ours(x, slots, tw, w, act, expected_pairs=expected),
                  "torch_grouped_mm": lambda: torch_comp(x, slots, tw, w, act),
                  "hf_grouped_mm": lambda: hf(x, slots, tw)}
         row = {"case": name, "tokens": t, "active_slots": active, "pairs": pairs,
                "weight_bytes": active * expert_bytes, "flops": flops, "graph": True,
-               "default_config": asdict(default_decode_config(d, f, 2) if ep_pairs <= DECODE_MAX_PAIRS
-                                         else default_config(ep_pairs, s, False))}
+               "default_config": asdict(default_decode_config(d, f, 2) if expected <= DECODE_MAX_PAIRS
+                                         else default_config(expected, s, False))}
         row["floor_mem_us"], row["floor_flop_us"] = floor_mem, floor_flop
         row["floor_us"] = max(floor_mem, floor_flop)
         for key, fn in impls.items():
@@ -247,14 +253,14 @@ def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[i
             # differs between layers, so the in-model floor is the layers' mean
             row["floor_in_model_us"] = sum(max(floors(sl)[2:]) for _, _, sl, _ in layers) / len(layers)
             row["ours_in_model_us"] = time_in_model(
-                [lambda lw=lw, x=x, sl=sl, tw=tw: ours(x, sl, tw, lw, act, expected_pairs=ep_pairs)
+                [lambda lw=lw, x=x, sl=sl, tw=tw: ours(x, sl, tw, lw, act, expected_pairs=expected)
                  for lw, x, sl, tw in layers], flush) * 1e3
             row["torch_grouped_mm_in_model_us"] = time_in_model(
                 [lambda lw=lw, x=x, sl=sl, tw=tw: torch_comp(x, sl, tw, lw, act) for lw, x, sl, tw in layers],
                 flush) * 1e3
         if t in sweep:
             best = None
-            few = ep_pairs <= DECODE_MAX_PAIRS
+            few = expected <= DECODE_MAX_PAIRS
             for cfg in DECODE_SWEEP if few else SWEEP:
                 if few:
                     fn = lambda: decode_experts(x, slots, tw, w, act_code(act), act, config=cfg)  # noqa: E731
@@ -266,7 +272,7 @@ def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[i
             row["best_us"], row["best_config"] = best[0], asdict(best[1])
         if fp8:
             qref = reference_experts(x.float(), slots, tw, q32, act)
-            fn = lambda: ours(x, slots, tw, qw, act, expected_pairs=ep_pairs)  # noqa: E731
+            fn = lambda: ours(x, slots, tw, qw, act, expected_pairs=expected)  # noqa: E731
             row["fp8_err"] = rel_err(fn(), qref)
             row["fp8_us"] = time_fn(fn, True, flush) * 1e3
             fp8_bytes = active * 3 * d * f * (1 + 4 / 128**2)
@@ -313,7 +319,7 @@ def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: 
     """INT4 kernels vs their floor, our bf16 path and dequantize-then-grouped_mm on the same weight values."""
     flush = torch.empty(256 << 20, device="cuda", dtype=torch.float16)
     gen = torch.Generator(device="cuda").manual_seed(2)
-    s, d, f, k, g = case["slots"], case["d"], case["f"], case["k"], INT4_GROUP
+    s, d, f, g = case["slots"], case["d"], case["f"], INT4_GROUP
     q = random_int4_weights(case, gen)
     w = ExpertWeights(torch.empty(s, 2 * f, d, device="cuda", dtype=torch.bfloat16),
                       torch.empty(s, d, f, device="cuda", dtype=torch.bfloat16))
@@ -334,28 +340,28 @@ def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: 
         active = int(torch.unique(slots[slots >= 0]).numel())
         pairs = int((slots >= 0).sum())
         flop_us = 2 * pairs * 3 * d * f / ceil["bf16_flop_per_s"] * 1e6
-        ep_pairs = t * k * s // case["num_experts"]  # what an EP layer tells the backend it expects
+        expected = ep_pairs(case, t)
         row = {"case": name, "tokens": t, "active_slots": active, "pairs": pairs,
                "int4_weight_bytes": active * int4_bytes, "bf16_weight_bytes": active * bf16_bytes,
                "floor_flop_us": flop_us,
                "int4_floor_us": max(active * int4_bytes / ceil["copy_bytes_per_s"] * 1e6, flop_us),
                "bf16_floor_us": max(active * bf16_bytes / ceil["copy_bytes_per_s"] * 1e6, flop_us),
-               "int4_path": int4_path(ep_pairs, x.dtype, s, torch.cuda.get_device_capability() == (9, 0)),
-               "int4_grouped_config": asdict(default_int4_config(ep_pairs, s))}
+               "int4_path": int4_path(expected, x.dtype, s, torch.cuda.get_device_capability() == (9, 0)),
+               "int4_grouped_config": asdict(default_int4_config(expected, s))}
         ref = int4_reference(x, slots, tw, q, act)
-        impls = {"int4": lambda: ours(x, slots, tw, q, act, expected_pairs=ep_pairs),
-                 "bf16": lambda: ours(x, slots, tw, w, act, expected_pairs=ep_pairs),
+        impls = {"int4": lambda: ours(x, slots, tw, q, act, expected_pairs=expected),
+                 "bf16": lambda: ours(x, slots, tw, w, act, expected_pairs=expected),
                  "deq_gmm": lambda: grouped_mm_experts(x, slots, tw, dequantize_all(), act),
                  # each path at every size, whichever the backend takes
                  "int4_grouped": lambda: int4_grouped_experts(x, slots, tw, q, act),
                  "int4_mma": lambda: int4_mma_experts(x, slots, tw, q, act,
-                                                      config=default_mma_config(g, ep_pairs, s)),
+                                                      config=default_mma_config(g, expected, s)),
                  # more token rows a block: each widened register feeds 2 or 4 MMAs (prefill sizes)
                  "int4_mma16": lambda: int4_mma_experts(x, slots, tw, q, act, config=MMA_BLOCK16),
                  "int4_mma32": lambda: int4_mma_experts(x, slots, tw, q, act, config=MMA_BLOCK32),
                  # 64-128 token rows a block on the warpgroup MMA (prefill sizes)
                  "int4_wgmma": lambda: int4_wgmma_experts(x, slots, tw, q, act,
-                                                          config=default_wgmma_config(g, ep_pairs, s)),
+                                                          config=default_wgmma_config(g, expected, s)),
                  "int4_wgmma4": lambda: int4_wgmma_experts(x, slots, tw, q, act, config=WGMMA_ONE_WARPGROUP),
                  # tail row blocks: fewer padding rows computed
                  "int4_wgmma_t32": lambda: int4_wgmma_experts(x, slots, tw, q, act, config=WGMMA_TAIL32),

@@ -36,10 +36,18 @@ class _Request(BaseModel):
 
 
 def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
-    # bool is an int in Python: False must not pass for 0 of a penalty, nor 0 for False
-    return any(value is a if a is None or isinstance(a, bool) else
-               (type(value) is type(a) or isinstance(a, (int, float)) and type(value) in (int, float)) and value == a
-               for a in allowed)
+    """``value`` equals one of ``allowed`` as JSON values: ``null`` and booleans only themselves (in Python ``False ==
+    0``), numbers any number of the same value (``0.0`` for ``0``), strings, lists and objects their equals."""
+    for a in allowed:
+        if a is None or isinstance(a, bool):
+            same = value is a
+        elif isinstance(a, (int, float)):
+            same = type(value) in (int, float) and value == a
+        else:
+            same = type(value) is type(a) and value == a
+        if same:
+            return True
+    return False
 
 
 class StreamOptions(_Request):
