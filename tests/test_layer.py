@@ -179,6 +179,9 @@ def test_layer_tells_the_backend_the_pairs_its_tokens_route(tiny_checkpoints):
     placement = ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1)
     layer = MoELayer(spec, 0, placement, Comm(None),
                      MoELayerOptions(dispatcher="fixed_capacity", dispatcher_options={"capacity": 16}))
+    torch.manual_seed(0)
+    for p in layer.parameters():  # the router's weight is made uninitialised (a checkpoint fills it)
+        p.normal_(std=0.1)
     inner, seen = layer.expert_backend, []
 
     def recording(x, slots, *args, expected_pairs=None):
@@ -190,4 +193,5 @@ def test_layer_tells_the_backend_the_pairs_its_tokens_route(tiny_checkpoints):
     out = layer(x)
     assert seen == [(16, spec.top_k, 3 * spec.top_k)]
     layer.expert_backend = inner
+    assert out.abs().sum() > 0
     torch.testing.assert_close(out, layer(x))
