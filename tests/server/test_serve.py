@@ -14,6 +14,7 @@ import pytest
 from epmoe.engine import Engine, EngineConfig, SamplingParams
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.server.ranks import STEP_KINDS
+from epmoe.server.text import TextCodec
 from tests.server.conftest import API_KEY, MODEL
 
 pytestmark = pytest.mark.multiprocess
@@ -36,14 +37,14 @@ def client(server):
 def offline():
     """Greedy outputs of the engine alone (one process, no server): prompt -> final RequestOutput."""
     engine = Engine(EngineConfig(model=str(ensure_default_checkpoint())))
-    cache: dict[tuple[str, int], object] = {}
+    cache: dict[tuple[str, int, int | None], object] = {}
 
-    def run(prompts: list[str], max_tokens: int) -> list:
-        todo = [p for p in prompts if (p, max_tokens) not in cache]
+    def run(prompts: list[str], max_tokens: int, logprobs: int | None = None) -> list:
+        todo = [p for p in prompts if (p, max_tokens, logprobs) not in cache]
         if todo:
-            outs = engine.generate(todo, SamplingParams(temperature=0, max_tokens=max_tokens))
-            cache.update({(p, max_tokens): o for p, o in zip(todo, outs)})
-        return [cache[(p, max_tokens)] for p in prompts]
+            outs = engine.generate(todo, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=logprobs))
+            cache.update({(p, max_tokens, logprobs): o for p, o in zip(todo, outs)})
+        return [cache[(p, max_tokens, logprobs)] for p in prompts]
 
     return run
 
@@ -104,6 +105,47 @@ def test_chat_whole_and_streamed(client):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_logprobs_of_completions_whole_and_streamed(client, offline):
+    ref = offline(PROMPTS[:1], 6, logprobs=2)[0]
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=2)
+    whole = client.completions.create(**kw).choices[0]
+    lp = whole.logprobs
+    text_of = TextCodec(str(ensure_default_checkpoint()), 259).token_text  # the checkpoint's tokenizer, one token
+    assert lp.tokens == [text_of(t) for t in ref.token_ids] and "".join(lp.tokens) == whole.text
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for token, top, e in zip(lp.tokens, lp.top_logprobs, ref.logprobs):
+        assert top == pytest.approx({text_of(i): v for i, v in e.top}, abs=1e-4)  # greedy: the token is the top one
+        assert max(top.values()) == top[token]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw)]
+    streamed = [c.logprobs for c in chunks if c.logprobs is not None]
+    assert sum(len(s.tokens) for s in streamed) == 6
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    assert [v for s in streamed for v in s.token_logprobs] == lp.token_logprobs
+    assert all(c.choices[0].logprobs is None
+               for c in client.completions.create(stream=True, **{**kw, "logprobs": None}))
+
+
+def test_logprobs_of_chat_whole_and_streamed(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=5, temperature=0,
+              logprobs=True, top_logprobs=3)
+    whole = client.chat.completions.create(**kw).choices[0]
+    content = whole.logprobs.content
+    assert "".join(c.token for c in content) == whole.message.content
+    for c in content:
+        assert len(c.top_logprobs) == 3 and c.bytes == list(c.token.encode())
+        assert (c.top_logprobs[0].token, c.top_logprobs[0].logprob) == (c.token, c.logprob) and c.logprob <= 0
+        assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
+    streamed = [e for ch in client.chat.completions.create(stream=True, **kw) if ch.choices[0].logprobs
+                for e in ch.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [c.model_dump() for c in content]
+    plain = client.chat.completions.create(**{**kw, "logprobs": True, "top_logprobs": None}).choices[0]
+    assert [(c.token, c.logprob, c.top_logprobs) for c in plain.logprobs.content] == \
+        [(c.token, c.logprob, []) for c in content]
+    assert client.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": 0}).choices[0].logprobs is None
 
 
 def test_stop_string_cuts_the_text(client, offline):
@@ -193,7 +235,8 @@ BAD = [
      400, "stream_options"),
     ("stop token id past the vocabulary", {"model": MODEL, "prompt": "hi", "stop_token_ids": [999999]}, 400,
      "stop_token_ids"),
-    ("logprobs, not served", {"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("logprobs 21", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("prompt_logprobs, not served", {"model": MODEL, "prompt": "hi", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
     ("echo, not served", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
     ("a penalty, not served", {"model": MODEL, "prompt": "hi", "frequency_penalty": 5}, 400, "frequency_penalty"),
     ("unknown model", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
@@ -209,6 +252,12 @@ BAD_CHAT = [
     ("user message without content", {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages.0.content"),
     ("max_completion_tokens 0", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                  "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("top_logprobs 21", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                         "top_logprobs": 21}, 400, "top_logprobs"),
+    ("top_logprobs without logprobs", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                       "top_logprobs": 2}, 400, "top_logprobs"),
+    ("logprobs a number", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": 2}, 400,
+     "logprobs"),
     ("structured output, not served", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                        "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("content a lone surrogate", b'{"model": "%s", "messages": [{"role": "user", "content": "\\udc80"}]}'

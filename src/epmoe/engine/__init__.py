@@ -4,6 +4,6 @@ model runner with whole-step CUDA graphs per batch bucket, and sampling (DESIGN.
 from epmoe.engine.config import EngineConfig
 from epmoe.engine.engine import Engine
 from epmoe.engine.request import RequestOutput
-from epmoe.engine.sampling import SamplingParams
+from epmoe.engine.sampling import SamplingParams, TokenLogprobs
 
-__all__ = ["Engine", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["Engine", "EngineConfig", "RequestOutput", "SamplingParams", "TokenLogprobs"]

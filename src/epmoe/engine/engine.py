@@ -58,7 +58,7 @@ from epmoe.engine.piecewise import piece_buckets
 from epmoe.engine.proposers import make_proposer
 from epmoe.engine.request import PENDING_TOKEN, RequestOutput, Sequence
 from epmoe.engine.rope_attention import install_rope_attention
-from epmoe.engine.sampling import SamplingParams, sample
+from epmoe.engine.sampling import SamplingParams, logprob_entries, sample, token_logprobs
 from epmoe.engine.scheduler import Scheduler, StepPlan
 from epmoe.engine.speculative import Proposal, SpecStats, verify, verify_greedy
 from epmoe.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
@@ -97,14 +97,36 @@ def _rows(aux: torch.Tensor | None, start: int, n: int) -> torch.Tensor | None:
     return None if aux is None else aux[start:start + n]
 
 
+class _Logprobs(NamedTuple):
+    """Log-probabilities of some rows of a launch on their way to the host (``sampling.token_logprobs``' three
+    tensors, copied into pinned host memory on CUDA): ``index`` the rows, ``ks`` their requests' alternatives."""
+
+    index: list[int]
+    ks: list[int]
+    chosen: torch.Tensor
+    top_values: torch.Tensor
+    top_ids: torch.Tensor
+
+
 class _Launch(NamedTuple):
     """A step whose sampled tokens are on their way to the host: per sampling sequence, where its placeholder
     is in ``output_token_ids``; the host buffer they are copied into, in the same order, and the event after
-    the copy (``None`` on CPU)."""
+    the copy (``None`` on CPU); the log-probabilities of the rows whose requests ask for them."""
 
     rows: list[tuple[Sequence, int]]
     host: torch.Tensor | None
     event: torch.cuda.Event | None
+    logprobs: _Logprobs | None = None
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host: a non-blocking copy into pinned memory for a CUDA tensor (valid once the stream passes
+    an event recorded after it), ``t`` itself on the CPU."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 class Engine:
@@ -578,13 +600,20 @@ class Engine:
         sampling = [c for c in plan.chunks if c.samples]  # logits rows: the decodes, then sampling prefills
         if not sampling:
             return _Launch([], None, None)
-        toks = sample(out.logits[:, : self.vocab_size], [c.seq.params for c in sampling],
-                      [c.seq.generator for c in sampling], self.generator)
+        logits = out.logits[:, : self.vocab_size]
+        toks = sample(logits, [c.seq.params for c in sampling], [c.seq.generator for c in sampling], self.generator)
         host = self._host_tokens[self._launches % 2][: len(sampling)]
         self._launches += 1
         event = None
         if self._overlap:
             self.runner.keep_sampled(toks)
+        want = [i for i, c in enumerate(sampling) if c.seq.params.logprobs is not None]
+        logprobs = None
+        if want:
+            ks = [sampling[i].seq.params.logprobs for i in want]
+            idx = to_device(want, logits.device, torch.int64)
+            chosen, values, ids = token_logprobs(logits.index_select(0, idx), toks.index_select(0, idx), max(ks))
+            logprobs = _Logprobs(want, ks, _host_copy(chosen), _host_copy(values), _host_copy(ids))
         if toks.is_cuda:
             host.copy_(toks, non_blocking=True)
             event = torch.cuda.Event()
@@ -598,7 +627,7 @@ class Engine:
             seq.num_pending += 1
             seq.device_row = i
             rows.append((seq, len(seq.output_token_ids) - 1))
-        return _Launch(rows, host, event)
+        return _Launch(rows, host, event, logprobs)
 
     def _resolve(self) -> list[RequestOutput]:
         """Read back the tokens of the step in flight (waiting for its copy), put them in place of their
@@ -610,12 +639,20 @@ class Engine:
         if launch.event is not None:
             launch.event.synchronize()
         now = time.perf_counter()
+        tokens = launch.host.tolist()
+        entries = {}
+        if launch.logprobs is not None:
+            lp = launch.logprobs
+            entries = dict(zip(lp.index, logprob_entries([tokens[i] for i in lp.index], lp.chosen, lp.top_values,
+                                                         lp.top_ids, lp.ks)))
         outputs = []
-        for (seq, at), tok in zip(launch.rows, launch.host.tolist()):
+        for i, ((seq, at), tok) in enumerate(zip(launch.rows, tokens)):
             if seq.finished:
                 continue
             seq.output_token_ids[at] = tok
             seq.num_pending -= 1
+            if i in entries:
+                seq.output_logprobs.append(entries[i])
             if seq.first_token_time is None:
                 seq.first_token_time = now
             reason = self._finish_reason(seq, tok)
@@ -661,6 +698,7 @@ class Engine:
                 emitted[id(c)] = verify(logits[r:r + k + 1], p, c.seq.params, gen)
             c.seq.spec.add(k, emitted[id(c)][1])
             self.spec_stats.add(k, emitted[id(c)][1])
+        entries = self._emitted_logprobs(logits, sampled, emitted)
         now = time.perf_counter()
         outputs = []
         for c, row in zip(plan.chunks, first_row):
@@ -671,9 +709,11 @@ class Engine:
                 continue
             tokens, accepted = emitted[id(c)]
             new = []
-            for tok in tokens:
+            for j, tok in enumerate(tokens):
                 seq.output_token_ids.append(tok)
                 new.append(tok)
+                if id(c) in entries:
+                    seq.output_logprobs.append(entries[id(c)][j])
                 reason = self._finish_reason(seq, tok)
                 if reason is not None:
                     self._finish(seq, reason)
@@ -687,6 +727,31 @@ class Engine:
                     self.proposer.observe(seq, c.start, valid, _rows(out.aux, row, valid))
             outputs.append(self._output(seq, new))
         return outputs
+
+    @staticmethod
+    def _emitted_logprobs(logits: torch.Tensor, sampled: list[tuple], emitted: dict[int, tuple[list[int], int]]
+                          ) -> dict[int, list]:
+        """Per chunk (by ``id``) whose request asks for them, the ``TokenLogprobs`` of the tokens a speculative step
+        emitted for it: token ``j`` of a chunk whose logits start at row ``r`` was chosen at row ``r + j``."""
+        rows, toks, ks, owners = [], [], [], []
+        for c, r, _ in sampled:
+            n = c.seq.params.logprobs
+            if n is None:
+                continue
+            for j, tok in enumerate(emitted[id(c)][0]):
+                rows.append(r + j)
+                toks.append(tok)
+                ks.append(n)
+                owners.append(id(c))
+        if not rows:
+            return {}
+        idx = to_device(rows, logits.device, torch.int64)
+        chosen, values, ids = token_logprobs(logits.index_select(0, idx), to_device(toks, logits.device, torch.int64),
+                                             max(ks))
+        out: dict[int, list] = {}
+        for owner, entry in zip(owners, logprob_entries(toks, chosen, values, ids, ks)):
+            out.setdefault(owner, []).append(entry)
+        return out
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         """Why ``seq`` stops after its newest read-back token ``tok`` (``None``: it goes on)."""
@@ -713,9 +778,10 @@ class Engine:
         ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
         if seq.finished:
             self._seqs.pop(seq.request_id, None)
+        logprobs = list(seq.output_logprobs) if seq.params.logprobs is not None else None
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.resolved_output, new, text,
                              seq.finished, seq.finish_reason, seq.num_preemptions, ttft, seq.spec.verify_steps,
-                             seq.spec.draft_tokens, seq.spec.accepted_tokens)
+                             seq.spec.draft_tokens, seq.spec.accepted_tokens, logprobs)
 
     # ---- expert loads and live rebalancing ---------------------------------------------------------
 

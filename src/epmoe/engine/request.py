@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from epmoe.engine.sampling import SamplingParams
+from epmoe.engine.sampling import SamplingParams, TokenLogprobs
 from epmoe.engine.speculative import SpecStats
 
 PENDING_TOKEN = -1
@@ -56,6 +56,8 @@ class Sequence:
         num_pending: trailing entries of ``output_token_ids`` still on the device (``PENDING_TOKEN``).
         device_row: row of the engine's device token buffer holding the newest pending token (valid while
             ``num_pending > 0``).
+        output_logprobs: with ``params.logprobs`` set, one entry per read-back generated token (the pending ones
+            get theirs when read back).
     """
 
     request_id: str
@@ -75,6 +77,7 @@ class Sequence:
     spec: SpecStats = field(default_factory=SpecStats)
     num_pending: int = 0
     device_row: int = -1
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -125,6 +128,7 @@ class RequestOutput:
         num_draft_tokens: proposed tokens verified for it.
         num_accepted_tokens: proposed tokens accepted (its mean accepted length per verify step is
             ``(num_accepted_tokens + num_verify_steps) / num_verify_steps``).
+        logprobs: with ``SamplingParams.logprobs`` set, one entry per token of ``token_ids``; else ``None``.
     """
 
     request_id: str
@@ -139,3 +143,4 @@ class RequestOutput:
     num_verify_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None

@@ -1,9 +1,13 @@
 """Sampling options of a request and the sampler that turns logits into tokens.
 
 ``SamplingParams`` follows vLLM's names (``temperature``, ``top_p``, ``top_k``, ``seed``, ``max_tokens``,
-``stop``, ``stop_token_ids``, ``ignore_eos``); ``temperature == 0`` is greedy. The sampler draws with
-the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which samples from ``p`` exactly; a request
+``stop``, ``stop_token_ids``, ``ignore_eos``, ``logprobs``); ``temperature == 0`` is greedy. The sampler draws
+with the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which samples from ``p`` exactly; a request
 with a ``seed`` draws its ``q`` from its own generator, so the same seed gives the same tokens on rerun.
+
+Log-probabilities (``token_logprobs``) are those of the model's own distribution, the log-softmax of the raw
+logits before temperature, top-k and top-p (vLLM's default ``raw_logprobs``), so they do not depend on how the
+token was chosen.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from epmoe.engine.transfer import to_device
+
+MAX_LOGPROBS = 20
+"""The most alternatives a request may ask log-probabilities of per token (vLLM's default ``max_logprobs``)."""
 
 
 def _is_int(v: object) -> bool:
@@ -40,6 +47,8 @@ class SamplingParams:
         stop: strings that end the generation (the text is cut before the match).
         stop_token_ids: token ids that end the generation (kept in the output, like EOS).
         ignore_eos: keep generating past the model's EOS token.
+        logprobs: report each generated token's log-probability and those of the ``logprobs`` most likely
+            tokens at its position, ``0 <= logprobs <= MAX_LOGPROBS``; ``None`` = none.
 
     Raises:
         ValueError: a value out of range or of the wrong type (the field and the value named).
@@ -54,6 +63,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,6 +92,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -100,6 +112,63 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling option(s) {unknown}; known: {sorted(known)}")
         return cls(**options)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probability and the most likely tokens at its position.
+
+    Attributes:
+        token_id: the token generated.
+        logprob: its natural-log probability under the model (float32 log-softmax of the raw logits).
+        top: the request's ``logprobs`` most likely ``(token id, logprob)`` at that position, most likely first
+            (ties in any order); may include ``token_id``.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                 torch.Tensor]:
+    """Log-probabilities of chosen tokens and the top ``k`` of their rows, on the logits' device.
+
+    Args:
+        logits: ``[N, V]`` raw next-token logits (any float dtype).
+        tokens: ``[N]`` int64 the tokens chosen at those rows.
+        k: alternatives per row, ``0 <= k <= V``.
+
+    Returns:
+        ``chosen [N]`` float32, ``top_values [N, k]`` float32 (descending) and ``top_ids [N, k]`` int64.
+
+    Raises:
+        ValueError: ``tokens`` not ``[N]`` or ``k`` out of range.
+    """
+    n, v = logits.shape
+    if tokens.shape != (n,):
+        raise ValueError(f"token_logprobs: {n} logits rows but tokens of shape {tuple(tokens.shape)}")
+    if not 0 <= k <= v:
+        raise ValueError(f"token_logprobs: k must be in [0, {v}], got {k}")
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    top_values, top_ids = lp.topk(k, dim=-1) if k else (lp.new_empty(n, 0), tokens.new_empty(n, 0))
+    return chosen, top_values, top_ids
+
+
+def logprob_entries(tokens: list[int], chosen: torch.Tensor, top_values: torch.Tensor, top_ids: torch.Tensor,
+                    ks: list[int]) -> list[TokenLogprobs]:
+    """``TokenLogprobs`` of rows from ``token_logprobs``' results (on the host), row ``i`` keeping its ``ks[i]``
+    most likely alternatives.
+
+    Args:
+        tokens: the ``N`` chosen token ids.
+        chosen, top_values, top_ids: ``[N]``, ``[N, k]``, ``[N, k]`` as ``token_logprobs`` returns them.
+        ks: per row, alternatives kept, ``<= k``.
+    """
+    values, ids = top_values.tolist(), top_ids.tolist()
+    return [TokenLogprobs(t, c, tuple(zip(i[:n], v[:n])))
+            for t, c, v, i, n in zip(tokens, chosen.tolist(), values, ids, ks)]
 
 
 def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

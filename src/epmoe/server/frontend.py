@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
-from epmoe.engine import SamplingParams
+from epmoe.engine import SamplingParams, TokenLogprobs
 from epmoe.runtime.launch import RankError
 from epmoe.server.core import EngineInfo, StepReport
 from epmoe.server.metrics import ServerMetrics
@@ -59,6 +59,8 @@ class Update:
         finish_reason: ``stop``, ``length``, ``abort`` (or ``None``).
         text: the final text, cut before a stop string (final update only; ``None`` without a tokenizer).
         error: the engine refused the request (the message); it is finished.
+        logprobs, new_logprobs: with ``SamplingParams.logprobs`` set, one entry per token of ``token_ids`` /
+            ``new_token_ids``; else ``None``.
     """
 
     request_id: str
@@ -68,6 +70,8 @@ class Update:
     finish_reason: str | None
     text: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -77,6 +81,7 @@ class _Open:
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
 
@@ -297,6 +302,8 @@ class Frontend:
             if up.finished:
                 del self._open[up.request_id]
         item.token_ids.extend(up.new_token_ids)
+        if up.new_logprobs is not None:
+            item.logprobs.extend(up.new_logprobs)
         if up.new_token_ids:
             m.generation_tokens.inc(len(up.new_token_ids))
             if item.first_token is None:
@@ -310,8 +317,9 @@ class Frontend:
             if up.num_verify_steps:
                 m.spec_request_accepted_length.observe((up.num_accepted_tokens + up.num_verify_steps)
                                                        / up.num_verify_steps)
+        logprobs = list(item.logprobs) if up.new_logprobs is not None else None
         return item, Update(up.request_id, list(item.token_ids), up.new_token_ids, up.finished, up.finish_reason,
-                            up.text, up.error)
+                            up.text, up.error, logprobs, up.new_logprobs)
 
 
 def _put_all(batch: list[tuple[_Open, Update]]) -> None:

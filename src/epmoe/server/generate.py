@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import jinja2
 
-from epmoe.engine import SamplingParams
+from epmoe.engine import SamplingParams, TokenLogprobs
+from epmoe.engine.sampling import MAX_LOGPROBS
 from epmoe.server.core import EngineInfo
 from epmoe.server.errors import ApiError
 from epmoe.server.frontend import Failure, Frontend, Unavailable, Update
@@ -27,17 +28,23 @@ from epmoe.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatStreamChoice,
+    ChatTokenLogprob,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     SamplingFields,
+    TopLogprob,
     Usage,
 )
 from epmoe.server.text import StreamText, TextCodec
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 DONE = "data: [DONE]\n\n"
+LOGPROB_FLOOR = -9999.0
+"""Log-probabilities below this (``-inf`` included, which JSON cannot carry) are sent as it, as vLLM does."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,12 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         prompts = [codec.encode(text)]
         sent = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        top = req.top_logprobs
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
+        if top and not req.logprobs:
+            raise ApiError(400, f"top_logprobs ({top}) needs logprobs: true", "top_logprobs")
+        logprobs = (top or 0) if req.logprobs else None
     else:
         kind, where = "completion", "prompt"
         raw = req.prompt
@@ -109,6 +122,7 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         prompts = [codec.encode(_utf8(p, "prompt")) if isinstance(p, str) else list(p) for p in items]
         sent = "max_tokens"
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        logprobs = req.logprobs
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(400, f"{sent} must be an integer >= 1, got {max_tokens}", sent)
     if req.stream_options is not None and not req.stream:
@@ -146,7 +160,7 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
             raise ApiError(400, f"{where} of {len(ids)} tokens{with_max} needs {need} KV slots; the KV pool holds "
                                 f"{pool} tokens per rank ({blocks} blocks of {block_size}): {lower} the cache more "
                                 f"blocks", field)
-    params = [_sampling(req, max_tokens, j) for _ in prompts for j in range(req.n)]
+    params = [_sampling(req, max_tokens, j, logprobs) for _ in prompts for j in range(req.n)]
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return Job(kind, model, f"{prefix}-{uuid.uuid4().hex}", prompts, params, req.n, include_usage)
@@ -168,7 +182,7 @@ def _utf8(text: str, field: str) -> str:
     return text
 
 
-def _sampling(req: SamplingFields, max_tokens: int, choice: int) -> SamplingParams:
+def _sampling(req: SamplingFields, max_tokens: int, choice: int, logprobs: int | None) -> SamplingParams:
     stop = [_utf8(s, "stop") for s in ([req.stop] if isinstance(req.stop, str) else req.stop or ())]
     seed = req.seed  # a seed out of range is refused as sent; choice j of a good one samples with seed + j, wrapped
     if seed is not None and 0 <= seed < 2**63:
@@ -178,6 +192,7 @@ def _sampling(req: SamplingFields, max_tokens: int, choice: int) -> SamplingPara
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=seed, max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             stop=tuple(stop), stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
         )
     except ValueError as exc:
         raise ApiError(400, str(exc), _param_of(str(exc))) from None
@@ -199,6 +214,45 @@ def submit(frontend: Frontend, job: Job) -> asyncio.Queue:
                 frontend.abort(done)
             raise ApiError(503, str(exc)) from None
     return out
+
+
+def _logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def _chat_logprobs(codec: TextCodec, entries: list[TokenLogprobs] | None) -> ChatLogprobs | None:
+    """The chat form of some tokens' log-probabilities (``None`` when the request asked for none)."""
+    if entries is None:
+        return None
+
+    def one(token_id: int, logprob: float) -> TopLogprob:
+        text = codec.token_text(token_id)
+        return TopLogprob(token=text, logprob=_logprob(logprob), bytes=list(text.encode()))
+
+    return ChatLogprobs(content=[
+        ChatTokenLogprob(**one(e.token_id, e.logprob).model_dump(), top_logprobs=[one(i, v) for i, v in e.top])
+        for e in entries])
+
+
+def _completion_logprobs(codec: TextCodec, entries: list[TokenLogprobs] | None,
+                         offset: int) -> CompletionLogprobs | None:
+    """The completion form of some tokens' log-probabilities, the first token's text at ``offset`` characters into
+    the choice's text and each next one past the texts before it (vLLM's offsets: a token's own text may differ
+    from its share of the decoded text where a character spans tokens); ``None`` when the request asked for none."""
+    if entries is None:
+        return None
+    tokens = [codec.token_text(e.token_id) for e in entries]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t) + len(codec.separator)
+    tops = []
+    for t, e in zip(tokens, entries):
+        top = {codec.token_text(i): _logprob(v) for i, v in e.top}
+        top.setdefault(t, _logprob(e.logprob))  # the generated token too, as vLLM sends it
+        tops.append(top)
+    return CompletionLogprobs(text_offset=offsets, token_logprobs=[_logprob(e.logprob) for e in entries],
+                              tokens=tokens, top_logprobs=tops)
 
 
 def _final_text(codec: TextCodec, up: Update) -> str:
@@ -241,9 +295,12 @@ async def collect(frontend: Frontend, job: Job, updates: asyncio.Queue, codec: T
     if job.kind == "chat":
         return ChatCompletionResponse(id=job.request_id, created=created, model=job.model, usage=usage, choices=[
             ChatChoice(index=i, message=AssistantMessage(role="assistant", content=_final_text(codec, finals[i])),
-                       finish_reason=finals[i].finish_reason) for i in range(len(ids))]).model_dump()
+                       logprobs=_chat_logprobs(codec, finals[i].logprobs), finish_reason=finals[i].finish_reason)
+            for i in range(len(ids))]).model_dump()
     return CompletionResponse(id=job.request_id, created=created, model=job.model, usage=usage, choices=[
-        CompletionChoice(index=i, text=_final_text(codec, finals[i]), finish_reason=finals[i].finish_reason)
+        CompletionChoice(index=i, text=_final_text(codec, finals[i]),
+                         logprobs=_completion_logprobs(codec, finals[i].logprobs, 0),
+                         finish_reason=finals[i].finish_reason)
         for i in range(len(ids))]).model_dump()
 
 
@@ -251,19 +308,24 @@ def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def _chunk(job: Job, created: int, index: int, text: str | None, finish: str | None, role: bool = False) -> str:
+def _chunk(job: Job, created: int, index: int, text: str | None, finish: str | None, role: bool = False,
+           logprobs: ChatLogprobs | CompletionLogprobs | None = None) -> str:
     if job.kind == "chat":
         delta = AssistantMessage(role="assistant" if role else None, content=text)
         return _event(ChatCompletionChunk(id=job.request_id, created=created, model=job.model, choices=[
-            ChatStreamChoice(index=index, delta=delta, finish_reason=finish)]).model_dump(exclude={"usage"}))
+            ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)]
+        ).model_dump(exclude={"usage"}))
     return _event(CompletionResponse(id=job.request_id, created=created, model=job.model, choices=[
-        CompletionChoice(index=index, text=text or "", finish_reason=finish)]).model_dump(exclude={"usage"}))
+        CompletionChoice(index=index, text=text or "", logprobs=logprobs, finish_reason=finish)]
+    ).model_dump(exclude={"usage"}))
 
 
 async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: set[str]) -> AsyncIterator[str]:
     """The server-sent events of a streamed response, ending with ``data: [DONE]``.
 
-    An error after the stream started is sent as one ``{"error": ...}`` event before ``[DONE]``.
+    A chunk carries the log-probabilities of the tokens that arrived since the last chunk of its choice (a token
+    whose text is held back sends them with the chunk that sends its text). An error after the stream started is
+    sent as one ``{"error": ...}`` event before ``[DONE]``.
 
     Args:
         pending: the choices' engine request ids; finished ones are removed (the caller aborts the rest
@@ -273,6 +335,8 @@ async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: se
     index = {rid: i for i, rid in enumerate(ids)}
     texts = [StreamText(codec, p.stop) for p in job.params]
     tokens = [0] * len(ids)
+    unsent: list[list[TokenLogprobs]] = [[] for _ in ids]  # per choice, log-probabilities not sent yet
+    offsets = [0] * len(ids)  # completions: characters of token text sent, the next token's text_offset
     created = int(time.time())
     if job.kind == "chat":
         for i in range(len(ids)):
@@ -285,8 +349,18 @@ async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: se
             text = texts[i].delta(up.token_ids, _final_text(codec, up) if up.finished else None)
             if up.finished:
                 pending.discard(up.request_id)
+            if up.new_logprobs is not None:
+                unsent[i] += up.new_logprobs
             if text or up.finished:
-                yield _chunk(job, created, i, text, up.finish_reason if up.finished else None)
+                logprobs = None
+                if job.params[i].logprobs is not None:
+                    if job.kind == "chat":
+                        logprobs = _chat_logprobs(codec, unsent[i])
+                    else:
+                        logprobs = _completion_logprobs(codec, unsent[i], offsets[i])
+                        offsets[i] += sum(len(t) + len(codec.separator) for t in logprobs.tokens)
+                    unsent[i] = []
+                yield _chunk(job, created, i, text, up.finish_reason if up.finished else None, logprobs=logprobs)
     except ApiError as exc:
         yield _event(exc.body().model_dump())
     else:

@@ -2,7 +2,7 @@
 
 Requests are validated strictly (a string where a number belongs is refused, not coerced); ``null`` for a field
 with a default means the default (the OpenAI schema marks them nullable, and its clients send ``None`` through).
-Fields that would change the output but are not served (``UNSERVED``: log-probabilities, echo, penalties,
+Fields that would change the output but are not served (``UNSERVED``: prompt log-probabilities, echo, penalties,
 ``best_of``, structured output, tools, ...) are refused unless left at their neutral value, so that no client gets
 something other than it asked for; other fields the schema does not name are ignored (``user``-like metadata).
 Value ranges (``temperature >= 0``, ``0 < top_p <= 1``, ``max_tokens >= 1``) are checked by
@@ -20,7 +20,7 @@ from pydantic_core import PydanticCustomError
 from epmoe.server.config import MAX_N
 
 UNSERVED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "prompt_logprobs": (None,), "echo": (None, False),
+    "prompt_logprobs": (None,), "echo": (None, False),
     "suffix": (None, ""), "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "repetition_penalty": (None, 1), "min_p": (None, 0), "logit_bias": (None, {}), "use_beam_search": (None, False),
     "response_format": (None, {"type": "text"}), "guided_json": (None,), "guided_regex": (None,),
@@ -96,9 +96,10 @@ class SamplingFields(_Request):
 
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: ``prompt`` is a string, token ids, or a list of either (one choice set
-    each)."""
+    each); ``logprobs`` asks for each token's log-probability and those of that many most likely tokens."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
 
 
 class ContentPart(_Request):
@@ -125,10 +126,13 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(SamplingFields):
-    """``POST /v1/chat/completions``; ``max_completion_tokens`` is the newer name of ``max_tokens``."""
+    """``POST /v1/chat/completions``; ``max_completion_tokens`` is the newer name of ``max_tokens``; ``logprobs``
+    asks for each token's log-probability, ``top_logprobs`` for those of that many most likely tokens too."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
 
 class RebalanceRequest(_Request):
@@ -148,12 +152,23 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """The log-probabilities of a completion's tokens (OpenAI's legacy form): per token its text, its offset in
+    the choice's text, its log-probability and a map of the most likely tokens' texts to theirs (the token itself
+    included)."""
+
+    text_offset: list[int]
+    token_logprobs: list[float]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float]]
+
+
 class CompletionChoice(BaseModel):
     """One choice of a completion (a whole one, or a stream chunk's delta text)."""
 
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -175,12 +190,32 @@ class AssistantMessage(BaseModel):
     content: str | None = None
 
 
+class TopLogprob(BaseModel):
+    """One token's text, its log-probability and its text's UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    """A generated token with the most likely tokens at its position."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """The log-probabilities of a chat choice's (or stream chunk's) tokens."""
+
+    content: list[ChatTokenLogprob]
+
+
 class ChatChoice(BaseModel):
     """One choice of a chat completion."""
 
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -189,7 +224,7 @@ class ChatStreamChoice(BaseModel):
 
     index: int
     delta: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

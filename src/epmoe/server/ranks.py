@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from epmoe.engine import Engine, RequestOutput, SamplingParams
+from epmoe.engine import Engine, RequestOutput, SamplingParams, TokenLogprobs
 
 LOADS_COMMAND = "loads"  # each rank returns its logical loads since start, [L, E]
 REBALANCE_COMMAND = "rebalance"  # every rank rebalances together (argument: max_moves); each returns the outcome
@@ -73,6 +73,7 @@ class StepUpdate:
         error: the engine refused the request (the message); it is finished.
         num_preemptions: times the request was recomputed.
         num_verify_steps, num_accepted_tokens: speculative verify steps for it and proposed tokens accepted.
+        new_logprobs: with ``SamplingParams.logprobs`` set, one entry per token of ``new_token_ids``; else ``None``.
     """
 
     request_id: str
@@ -84,12 +85,16 @@ class StepUpdate:
     num_preemptions: int = 0
     num_verify_steps: int = 0
     num_accepted_tokens: int = 0
+    new_logprobs: list[TokenLogprobs] | None = None
 
     @classmethod
     def of(cls, out: RequestOutput) -> StepUpdate:
         """The update of an engine output."""
+        new_logprobs = None
+        if out.logprobs is not None:
+            new_logprobs = out.logprobs[len(out.token_ids) - len(out.new_token_ids):]
         return cls(out.request_id, out.new_token_ids, out.finished, out.finish_reason, out.text, None,
-                   out.num_preemptions, out.num_verify_steps, out.num_accepted_tokens)
+                   out.num_preemptions, out.num_verify_steps, out.num_accepted_tokens, new_logprobs)
 
 
 @dataclass(frozen=True)

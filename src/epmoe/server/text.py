@@ -42,6 +42,18 @@ class TextCodec:
         tokenizer the ids in decimal, space-separated."""
         return decode_text(self.tokenizer, ids)
 
+    @property
+    def separator(self) -> str:
+        """What ``decode`` puts between two tokens' texts: nothing with a tokenizer, a space without one."""
+        return "" if self.tokenizer is not None else " "
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token as log-probabilities name it: the tokenizer's decoding of it alone, special tokens
+        kept (a token ending inside a UTF-8 character reads U+FFFD); without a tokenizer its id in decimal."""
+        if self.tokenizer is None:
+            return str(token_id)
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
         """The prompt of a conversation: the tokenizer's chat template, or ``DEFAULT_CHAT_TEMPLATE``.
 
