@@ -37,14 +37,15 @@ def client(server):
 def offline():
     """Greedy outputs of the engine alone (one process, no server): prompt -> final RequestOutput."""
     engine = Engine(EngineConfig(model=str(ensure_default_checkpoint())))
-    cache: dict[tuple[str, int, int | None], object] = {}
+    cache: dict[tuple[str, int, str], object] = {}
 
-    def run(prompts: list[str], max_tokens: int, logprobs: int | None = None) -> list:
-        todo = [p for p in prompts if (p, max_tokens, logprobs) not in cache]
+    def run(prompts: list[str], max_tokens: int, **options) -> list:
+        key = repr(sorted(options.items()))
+        todo = [p for p in prompts if (p, max_tokens, key) not in cache]
         if todo:
-            outs = engine.generate(todo, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=logprobs))
-            cache.update({(p, max_tokens, logprobs): o for p, o in zip(todo, outs)})
-        return [cache[(p, max_tokens, logprobs)] for p in prompts]
+            outs = engine.generate(todo, SamplingParams(temperature=0, max_tokens=max_tokens, **options))
+            cache.update({(p, max_tokens, key): o for p, o in zip(todo, outs)})
+        return [cache[(p, max_tokens, key)] for p in prompts]
 
     return run
 
@@ -148,6 +149,19 @@ def test_logprobs_of_chat_whole_and_streamed(client):
     assert client.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": 0}).choices[0].logprobs is None
 
 
+def test_penalties_min_p_and_logit_bias_equal_the_engine_offline(client, offline):
+    options = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3, min_p=0.05)
+    ref = offline(PROMPTS[3:4], 10, ignore_eos=True, **options)[0]
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=10, temperature=0,
+                                    extra_body={"ignore_eos": True, "repetition_penalty": 1.3, "min_p": 0.05},
+                                    presence_penalty=1.5, frequency_penalty=0.5)
+    assert got.choices[0].text == ref.text
+    assert ref.token_ids != offline(PROMPTS[3:4], 10, ignore_eos=True)[0].token_ids  # the penalties changed it
+    biased = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=5, temperature=0,
+                                       logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    assert biased.choices[0].text == "*" * 5  # token 42 is the byte "*"
+
+
 def test_stop_string_cuts_the_text(client, offline):
     text = offline(PROMPTS[1:2], 12)[0].text
     stop = text[4:6]
@@ -238,7 +252,13 @@ BAD = [
     ("logprobs 21", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("prompt_logprobs, not served", {"model": MODEL, "prompt": "hi", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
     ("echo, not served", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
-    ("a penalty, not served", {"model": MODEL, "prompt": "hi", "frequency_penalty": 5}, 400, "frequency_penalty"),
+    ("frequency_penalty 5", {"model": MODEL, "prompt": "hi", "frequency_penalty": 5}, 400, "frequency_penalty"),
+    ("repetition_penalty 0", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("min_p 2", {"model": MODEL, "prompt": "hi", "min_p": 2}, 400, "min_p"),
+    ("logit_bias key not a token id", {"model": MODEL, "prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("logit_bias key past the vocabulary", {"model": MODEL, "prompt": "hi", "logit_bias": {"999999": 1}}, 400,
+     "logit_bias"),
+    ("logit_bias value 200", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 200}}, 400, "logit_bias"),
     ("unknown model", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
     ("JSON nested too deeply", b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None),
     ("a number of 5000 digits", b'{"prompt": "hi", "seed": ' + b"9" * 5000 + b"}", 400, None),
@@ -472,3 +492,12 @@ def test_speculative_server_equals_offline_and_reports_acceptance(start_server, 
     assert spec.metric("epmoe:iteration_tokens_total_sum") == (spec.metric("epmoe:prompt_tokens_total") + eager - 3
                                                                + proposed)
     assert "speculative decoding, K = 3: ngram: prompt lookup" in spec.log.read_text()
+    for field, value in (("presence_penalty", 0.5), ("logit_bias", {"5": 1.0})):
+        with pytest.raises(openai.BadRequestError, match=f"{field} is not served with speculative decoding"):
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **{field: value})
+    # logprobs and min_p are served with it: the target's own log-probabilities at the emitted tokens
+    whole = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=16, temperature=0, logprobs=1,
+                                      extra_body={"min_p": 0.1})
+    ref = offline(prompts[:1], 16, logprobs=1)[0]
+    assert whole.choices[0].text == ref.text
+    assert whole.choices[0].logprobs.token_logprobs == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-4)

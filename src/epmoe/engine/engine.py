@@ -58,7 +58,7 @@ from epmoe.engine.piecewise import piece_buckets
 from epmoe.engine.proposers import make_proposer
 from epmoe.engine.request import PENDING_TOKEN, RequestOutput, Sequence
 from epmoe.engine.rope_attention import install_rope_attention
-from epmoe.engine.sampling import SamplingParams, logprob_entries, sample, token_logprobs
+from epmoe.engine.sampling import SamplingParams, TokenHistory, logprob_entries, sample, token_logprobs
 from epmoe.engine.scheduler import Scheduler, StepPlan
 from epmoe.engine.speculative import Proposal, SpecStats, verify, verify_greedy
 from epmoe.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
@@ -394,9 +394,10 @@ class Engine:
 
         Raises:
             TypeError: ``params`` is not a ``SamplingParams``; a prompt of another type.
-            ValueError: an empty prompt, prompt or stop token ids outside the vocabulary, a prompt as long as the
-                context (``max_model_len``), or a prompt whose keys and values with ``max_tokens`` more would not
-                fit in the whole KV pool (it could only be cut short).
+            ValueError: an empty prompt, prompt, stop or logit-bias token ids outside the vocabulary, a penalty or
+                logit bias with speculative decoding, a prompt as long as the context (``max_model_len``), or a
+                prompt whose keys and values with ``max_tokens`` more would not fit in the whole KV pool (it could
+                only be cut short).
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -404,6 +405,14 @@ class Engine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}) (the vocabulary), got {bad[:5]}")
+        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size}) (the vocabulary), got {bad[:5]}")
+        if params.adjusts_logits and self.proposer is not None:
+            name = next(n for n in ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+                        if getattr(params, n) != SamplingParams.__dataclass_fields__[n].default)
+            raise ValueError(f"{name} is not served with speculative decoding (speculative_algorithm "
+                             f"{self.config.speculative_algorithm!r}): its verification does not adjust the logits")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the context of max_model_len "
                              f"{self.max_model_len} tokens")
@@ -601,7 +610,11 @@ class Engine:
         if not sampling:
             return _Launch([], None, None)
         logits = out.logits[:, : self.vocab_size]
-        toks = sample(logits, [c.seq.params for c in sampling], [c.seq.generator for c in sampling], self.generator)
+        histories = [TokenHistory(c.seq.prompt_token_ids, c.seq.resolved_output,
+                                  c.seq.device_row if c.seq.num_pending else -1)
+                     if c.seq.params.penalized else None for c in sampling]
+        toks = sample(logits, [c.seq.params for c in sampling], [c.seq.generator for c in sampling], self.generator,
+                      histories, self.runner.tokens)
         host = self._host_tokens[self._launches % 2][: len(sampling)]
         self._launches += 1
         event = None

@@ -1,9 +1,17 @@
 """Sampling options of a request and the sampler that turns logits into tokens.
 
-``SamplingParams`` follows vLLM's names (``temperature``, ``top_p``, ``top_k``, ``seed``, ``max_tokens``,
-``stop``, ``stop_token_ids``, ``ignore_eos``, ``logprobs``); ``temperature == 0`` is greedy. The sampler draws
-with the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which samples from ``p`` exactly; a request
-with a ``seed`` draws its ``q`` from its own generator, so the same seed gives the same tokens on rerun.
+``SamplingParams`` follows vLLM's names (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
+``max_tokens``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``logprobs``, the penalties, ``logit_bias``);
+``temperature == 0`` is greedy. The sampler draws with the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``),
+which samples from ``p`` exactly; a request with a ``seed`` draws its ``q`` from its own generator, so the same
+seed gives the same tokens on rerun.
+
+Logits are adjusted before sampling (greedy rows too) in vLLM's order: the logit bias is added, then the
+penalties applied: the repetition penalty (Keskar et al. 2019, "CTRL": a logit of a token of the prompt or the
+output so far divided by it where positive, multiplied where negative), then OpenAI's frequency and presence
+penalties (the logit minus ``frequency_penalty`` times the token's count in the output, minus
+``presence_penalty`` once it occurs there). Only the rows that ask pay for it: their token counts are built on
+the device from their tokens each step.
 
 Log-probabilities (``token_logprobs``) are those of the model's own distribution, the log-softmax of the raw
 logits before temperature, top-k and top-p (vLLM's default ``raw_logprobs``), so they do not depend on how the
@@ -15,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +58,13 @@ class SamplingParams:
         ignore_eos: keep generating past the model's EOS token.
         logprobs: report each generated token's log-probability and those of the ``logprobs`` most likely
             tokens at its position, ``0 <= logprobs <= MAX_LOGPROBS``; ``None`` = none.
+        min_p: drop tokens less likely than ``min_p`` times the most likely one, in ``[0, 1]``; ``0`` = off.
+        presence_penalty: subtracted from the logit of every token the output holds, in ``[-2, 2]``.
+        frequency_penalty: subtracted from a token's logit once per time the output holds it, in ``[-2, 2]``.
+        repetition_penalty: ``> 0``; the logits of tokens in the prompt or output are divided by it where
+            positive and multiplied where negative; ``1`` = off.
+        logit_bias: ``{token id: bias}`` (any mapping, or pairs; kept as sorted pairs; ``None`` = none), each bias
+            in ``[-100, 100]`` added to the token's logit.
 
     Raises:
         ValueError: a value out of range or of the wrong type (the field and the value named).
@@ -64,8 +80,21 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            object.__setattr__(self, "logit_bias", ())
+        elif isinstance(bias, Mapping):
+            object.__setattr__(self, "logit_bias", tuple(sorted(bias.items())))
+        elif not isinstance(bias, (list, tuple)) or any(
+                not isinstance(pair, (list, tuple)) or len(pair) != 2 for pair in bias):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         for name in ("stop", "stop_token_ids"):
@@ -94,11 +123,34 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        for token, value in self.logit_bias:
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if not _is_real(value) or not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r} for token {token}")
 
     @property
     def greedy(self) -> bool:
         """True when the request takes the argmax."""
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """True when a penalty applies (its logits depend on the tokens so far)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when its logits are changed before sampling (a penalty or a logit bias)."""
+        return self.penalized or bool(self.logit_bias)
 
     @classmethod
     def from_dict(cls, options: dict) -> SamplingParams:
@@ -172,8 +224,9 @@ def logprob_entries(tokens: list[int], chosen: torch.Tensor, top_values: torch.T
 
 
 def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """The distribution each row samples from: softmax of ``logits / temperature``, cut to ``top_k`` tokens and
-    to the ``top_p`` nucleus (not renormalised: the kept probabilities sum to at most 1).
+    """The distribution each row samples from: softmax of ``logits / temperature``, cut to ``top_k`` tokens, to those
+    at least ``min_p`` times the most likely one and to the ``top_p`` nucleus (not renormalised: the kept
+    probabilities sum to at most 1).
 
     Args:
         logits: ``[N, V]`` next-token logits of ``N`` rows that do not sample greedily.
@@ -192,6 +245,10 @@ def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         kth = x.sort(dim=-1, descending=True).values.gather(1, (ks - 1).unsqueeze(1))
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
+    min_ps = [p.min_p for p in params]
+    if any(m > 0 for m in min_ps):
+        floor = to_device(min_ps, x.device, probs.dtype).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
     top_ps = [p.top_p for p in params]
     if any(p < 1 for p in top_ps):
         sorted_p, order = probs.sort(dim=-1, descending=True)
@@ -203,6 +260,84 @@ def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     return probs
 
 
+@dataclass(frozen=True)
+class TokenHistory:
+    """The tokens a penalized row has seen.
+
+    Attributes:
+        prompt: its prompt's token ids.
+        output: its generated token ids on the host.
+        pending_row: row of the device token buffer holding one more generated token not read back yet (the
+            overlap schedule), ``-1`` for none.
+    """
+
+    prompt: list[int]
+    output: list[int]
+    pending_row: int = -1
+
+
+def _counts(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[len(rows), vocab]`` int64 how often each token occurs in each row's list."""
+    flat = [j * vocab + t for j, ids in enumerate(rows) for t in ids]
+    return torch.bincount(to_device(flat, device, torch.int64), minlength=len(rows) * vocab).view(len(rows), vocab)
+
+
+def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories: list[TokenHistory | None] | None,
+                  pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits rows sample from: the logit bias added, then the penalties applied (see the module docstring).
+
+    Args:
+        logits: ``[N, V]`` raw logits (not modified).
+        params: the ``N`` rows' options.
+        histories: per row, its tokens (needed for the rows with ``params[i].penalized``).
+        pending_tokens: the device token buffer ``TokenHistory.pending_row`` indexes (int64).
+
+    Returns:
+        ``logits`` itself when no row adjusts its logits, else a float32 copy with the rows adjusted.
+
+    Raises:
+        ValueError: a penalized row without its history, a pending row without ``pending_tokens``, or a
+            logit-bias token id outside ``[0, V)``.
+    """
+    if not any(p.adjusts_logits for p in params):
+        return logits
+    x = logits.float().clone()
+    n, v = x.shape
+    dev = x.device
+    biased = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
+    if biased:
+        bad = sorted({t for _, t, _ in biased if t >= v})
+        if bad:
+            raise ValueError(f"logit_bias token ids must be in [0, {v}), got {bad[:5]}")
+        rows, ids, values = zip(*biased)
+        x.index_put_((to_device(list(rows), dev, torch.int64), to_device(list(ids), dev, torch.int64)),
+                     to_device(list(values), dev, x.dtype), accumulate=True)
+    hist = [i for i, p in enumerate(params) if p.penalized]
+    if not hist:
+        return x
+    if histories is None or any(histories[i] is None for i in hist):
+        raise ValueError("adjust_logits: a penalized row needs its TokenHistory")
+    seen = [histories[i] for i in hist]
+    counts = _counts([h.output for h in seen], v, dev)
+    pending = [(j, h.pending_row) for j, h in enumerate(seen) if h.pending_row >= 0]
+    if pending:
+        if pending_tokens is None:
+            raise ValueError("adjust_logits: a pending token needs the device token buffer")
+        j_idx = to_device([j for j, _ in pending], dev, torch.int64)
+        toks = pending_tokens.index_select(0, to_device([r for _, r in pending], dev, torch.int64)).to(torch.int64)
+        counts.index_put_((j_idx, toks), torch.ones_like(toks), accumulate=True)
+    in_prompt = _counts([h.prompt for h in seen], v, dev) > 0
+    idx = to_device(hist, dev, torch.int64)
+    rows = x.index_select(0, idx)
+    rep = to_device([params[i].repetition_penalty for i in hist], dev, x.dtype).unsqueeze(1)
+    rows = torch.where(in_prompt | (counts > 0), torch.where(rows > 0, rows / rep, rows * rep), rows)
+    freq = to_device([params[i].frequency_penalty for i in hist], dev, x.dtype).unsqueeze(1)
+    pres = to_device([params[i].presence_penalty for i in hist], dev, x.dtype).unsqueeze(1)
+    rows = rows - freq * counts.to(x.dtype) - pres * (counts > 0).to(x.dtype)
+    x.index_copy_(0, idx, rows)
+    return x
+
+
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token from the (unnormalised) distribution ``probs [V]`` with the exponential race
     (``argmax(p / q)``, ``q ~ Exp(1)`` drawn from ``generator``; ``None`` = torch's global one)."""
@@ -211,7 +346,8 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           default_generator: torch.Generator | None = None) -> torch.Tensor:
+           default_generator: torch.Generator | None = None, histories: list[TokenHistory | None] | None = None,
+           pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of ``logits``.
 
     Args:
@@ -219,16 +355,18 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         params: the ``N`` rows' sampling options.
         generators: per row, its request's generator (seeded requests) or ``None`` (the default one).
         default_generator: generator of the unseeded rows (``None`` = torch's global one).
+        histories, pending_tokens: see ``adjust_logits`` (only for rows with penalties).
 
     Returns:
         ``[N]`` int64 token ids, on ``logits.device``.
 
     Raises:
-        ValueError: ``params`` or ``generators`` not of length ``N``.
+        ValueError: ``params`` or ``generators`` not of length ``N``; see ``adjust_logits``.
     """
     n = logits.shape[0]
     if len(params) != n or len(generators) != n:
         raise ValueError(f"sample: {n} logits rows, {len(params)} params, {len(generators)} generators")
+    logits = adjust_logits(logits, params, histories, pending_tokens)
     out = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:

@@ -91,7 +91,8 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
     Raises:
         ApiError: 400 naming the field: an empty prompt, token ids outside the vocabulary, a prompt as
             long as the context, ``max_tokens`` past the context, a prompt and ``max_tokens`` past a rank's whole KV
-            pool (``info.kv``), a bad sampling value.
+            pool (``info.kv``), a bad sampling value, logit-bias keys that are not token ids, a penalty or logit bias
+            with speculative decoding.
     """
     if isinstance(req, ChatCompletionRequest):
         kind, where = "chat", "messages"
@@ -130,6 +131,14 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
     bad_stops = [t for t in req.stop_token_ids or () if not 0 <= t < info.vocab_size]
     if bad_stops:
         raise ApiError(400, f"stop_token_ids must be in [0, {info.vocab_size}), got {bad_stops[:5]}", "stop_token_ids")
+    bias = _logit_bias(req.logit_bias, info.vocab_size)
+    if info.speculative is not None:
+        for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
+            if getattr(req, name) != neutral:
+                raise ApiError(400, f"{name} is not served with speculative decoding ({info.speculative})", name)
+        if bias:
+            raise ApiError(400, f"logit_bias is not served with speculative decoding ({info.speculative})",
+                           "logit_bias")
     for ids in prompts:
         if not ids:
             raise ApiError(400, f"{where} must not be empty: it has no tokens", where)
@@ -160,7 +169,7 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
             raise ApiError(400, f"{where} of {len(ids)} tokens{with_max} needs {need} KV slots; the KV pool holds "
                                 f"{pool} tokens per rank ({blocks} blocks of {block_size}): {lower} the cache more "
                                 f"blocks", field)
-    params = [_sampling(req, max_tokens, j, logprobs) for _ in prompts for j in range(req.n)]
+    params = [_sampling(req, max_tokens, j, logprobs, bias) for _ in prompts for j in range(req.n)]
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return Job(kind, model, f"{prefix}-{uuid.uuid4().hex}", prompts, params, req.n, include_usage)
@@ -182,7 +191,23 @@ def _utf8(text: str, field: str) -> str:
     return text
 
 
-def _sampling(req: SamplingFields, max_tokens: int, choice: int, logprobs: int | None) -> SamplingParams:
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    """``logit_bias`` with its keys read as token ids.
+
+    Raises:
+        ApiError: 400 naming ``logit_bias``: a key that is not a token id of the vocabulary.
+    """
+    out = {}
+    for key, value in (bias or {}).items():
+        token = int(key) if key.isascii() and key.isdigit() else -1
+        if not 0 <= token < vocab_size:
+            raise ApiError(400, f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}", "logit_bias")
+        out[token] = value
+    return out
+
+
+def _sampling(req: SamplingFields, max_tokens: int, choice: int, logprobs: int | None,
+              logit_bias: dict[int, float]) -> SamplingParams:
     stop = [_utf8(s, "stop") for s in ([req.stop] if isinstance(req.stop, str) else req.stop or ())]
     seed = req.seed  # a seed out of range is refused as sent; choice j of a good one samples with seed + j, wrapped
     if seed is not None and 0 <= seed < 2**63:
@@ -192,7 +217,8 @@ def _sampling(req: SamplingFields, max_tokens: int, choice: int, logprobs: int |
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=seed, max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             stop=tuple(stop), stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-            logprobs=logprobs,
+            logprobs=logprobs, min_p=req.min_p, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty, logit_bias=logit_bias,
         )
     except ValueError as exc:
         raise ApiError(400, str(exc), _param_of(str(exc))) from None

@@ -2,7 +2,7 @@
 
 Requests are validated strictly (a string where a number belongs is refused, not coerced); ``null`` for a field
 with a default means the default (the OpenAI schema marks them nullable, and its clients send ``None`` through).
-Fields that would change the output but are not served (``UNSERVED``: prompt log-probabilities, echo, penalties,
+Fields that would change the output but are not served (``UNSERVED``: prompt log-probabilities, echo,
 ``best_of``, structured output, tools, ...) are refused unless left at their neutral value, so that no client gets
 something other than it asked for; other fields the schema does not name are ignored (``user``-like metadata).
 Value ranges (``temperature >= 0``, ``0 < top_p <= 1``, ``max_tokens >= 1``) are checked by
@@ -21,8 +21,7 @@ from epmoe.server.config import MAX_N
 
 UNSERVED: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (None,), "echo": (None, False),
-    "suffix": (None, ""), "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1), "min_p": (None, 0), "logit_bias": (None, {}), "use_beam_search": (None, False),
+    "suffix": (None, ""), "best_of": (None, 1), "use_beam_search": (None, False),
     "response_format": (None, {"type": "text"}), "guided_json": (None,), "guided_regex": (None,),
     "guided_choice": (None,), "guided_grammar": (None,), "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "functions": (None, []), "function_call": (None, "none", "auto"),
@@ -57,14 +56,20 @@ class StreamOptions(_Request):
 
 
 class SamplingFields(_Request):
-    """The sampling fields both endpoints share (OpenAI's names, plus vLLM's ``top_k``, ``min_tokens``,
-    ``ignore_eos``, ``stop_token_ids``)."""
+    """The sampling fields both endpoints share (OpenAI's names, plus vLLM's ``top_k``, ``min_p``,
+    ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``); ``logit_bias`` maps token ids
+    (as JSON object keys: strings) to biases."""
 
     model: str
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None

@@ -1,0 +1,114 @@
+"""Penalties, logit bias and min-p (CPU, float32): the adjustment against a plain per-token implementation, and
+greedy decoding through the engine (overlap and sequential schedules) against transformers' forward with the
+same adjustment applied step by step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from epmoe.engine import Engine, EngineConfig, SamplingParams
+from epmoe.engine.sampling import TokenHistory, adjust_logits, probabilities
+
+PROMPTS = [[11, 42, 7, 99, 3], [200, 5, 5, 17], [64, 65, 66, 67, 68, 69]]
+
+
+def _adjusted(row: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """One row adjusted token by token, as the module docstring states it."""
+    x = row.clone().float()
+    for t, b in p.logit_bias:
+        x[t] += b
+    for t in range(x.numel()):
+        n = output.count(t)
+        if n or t in prompt:
+            x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+        x[t] -= p.frequency_penalty * n + p.presence_penalty * (n > 0)
+    return x
+
+
+def test_adjust_logits_equals_the_per_token_rule():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 30, generator=gen)
+    params = [SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=-0.4),
+              SamplingParams(logit_bias={3: 5.0, 29: -100}),
+              SamplingParams(),
+              SamplingParams(repetition_penalty=0.8, presence_penalty=1.0, logit_bias=[(0, 2.5)])]
+    buffer = torch.tensor([9, 17, 4])  # the device token buffer: row 1 holds row 0's pending token
+    histories = [TokenHistory([1, 2, 2], [5, 5, 17], pending_row=1), None, None, TokenHistory([7], [], -1)]
+    out = adjust_logits(logits, params, histories, buffer)
+    assert out is not logits
+    want = [_adjusted(logits[0], params[0], [1, 2, 2], [5, 5, 17, 17]), _adjusted(logits[1], params[1], [], []),
+            logits[2], _adjusted(logits[3], params[3], [7], [])]
+    torch.testing.assert_close(out, torch.stack(want))
+    assert adjust_logits(logits, [SamplingParams()] * 4, None) is logits
+    with pytest.raises(ValueError, match="a penalized row needs its TokenHistory"):
+        adjust_logits(logits, params, None)
+    with pytest.raises(ValueError, match="a pending token needs the device token buffer"):
+        adjust_logits(logits, params, histories)
+    with pytest.raises(ValueError, match=r"logit_bias token ids must be in \[0, 30\), got \[30\]"):
+        adjust_logits(logits, [SamplingParams(logit_bias={30: 1.0})], None)
+
+
+def test_min_p_keeps_tokens_at_least_min_p_of_the_most_likely():
+    probs = torch.tensor([[0.5, 0.3, 0.12, 0.08]])
+    kept = probabilities(probs.log(), [SamplingParams(min_p=0.2)])
+    torch.testing.assert_close(kept, torch.tensor([[0.5, 0.3, 0.12, 0.0]]))
+    torch.testing.assert_close(probabilities(probs.log(), [SamplingParams(min_p=0.0)]), probs)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("min_p", 1.5, r"min_p must be in \[0, 1\], got 1.5"),
+    ("presence_penalty", 3, r"presence_penalty must be in \[-2, 2\], got 3"),
+    ("frequency_penalty", float("nan"), r"frequency_penalty must be in \[-2, 2\], got nan"),
+    ("repetition_penalty", 0, "repetition_penalty must be a finite number > 0, got 0"),
+    ("logit_bias", {-1: 1.0}, r"logit_bias keys must be token ids \(integers >= 0\), got -1"),
+    ("logit_bias", {5: 101}, r"logit_bias values must be in \[-100, 100\], got 101 for token 5"),
+    ("logit_bias", "5:1", "logit_bias must map token ids to numbers, got '5:1'"),
+])
+def test_bad_values_named(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_checkpoints) -> str:
+    return str(tiny_checkpoints("qwen3-moe"))
+
+
+def _reference_greedy(model, prompt: list[int], p: SamplingParams) -> list[int]:
+    ids = list(prompt)
+    for _ in range(p.max_tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        ids.append(int(_adjusted(logits, p, prompt, ids[len(prompt):]).argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_greedy_with_penalties_equals_transformers_with_the_same_rule(model_dir, overlap):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    engine = Engine(EngineConfig(model=model_dir, max_num_seqs=4, num_kv_blocks=40, block_size=4, max_model_len=32,
+                                 disable_overlap_schedule=not overlap))
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1.5,
+                             frequency_penalty=1.0),
+              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, presence_penalty=2.0,
+                             logit_bias={100: 3.0}),
+              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={42: 100})]
+    outs = engine.generate(PROMPTS, params)
+    for prompt, p, out in zip(PROMPTS, params, outs):
+        assert out.token_ids == _reference_greedy(model, prompt, p)
+    assert outs[2].token_ids == [42] * 8
+    plain = engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert plain.token_ids != outs[0].token_ids  # the penalties changed the output
+    assert engine.allocator.num_free == engine.allocator.capacity
+
+
+def test_penalties_with_speculative_decoding_refused_by_name(model_dir):
+    engine = Engine(EngineConfig(model=model_dir, max_num_seqs=2, num_kv_blocks=20, block_size=4, max_model_len=32,
+                                 speculative_algorithm="ngram"))
+    with pytest.raises(ValueError, match="frequency_penalty is not served with speculative decoding"):
+        engine.add_request([1, 2, 3], SamplingParams(frequency_penalty=0.5))
+    with pytest.raises(ValueError, match=r"logit_bias token ids must be in \[0, 259\)"):
+        engine.add_request([1, 2, 3], SamplingParams(logit_bias={259: 1.0}))
+    assert not engine.has_unfinished()
