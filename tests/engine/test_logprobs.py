@@ -89,3 +89,40 @@ def test_generated_tokens_carry_the_models_logprobs(model_dir, reference, mode):
     if mode == "ngram":  # a proposal was accepted: a verify step emitted two tokens from consecutive rows
         assert engine.spec_stats.accepted_tokens > 0
     assert engine.allocator.num_free == engine.allocator.capacity
+
+
+def _reference_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    """``[len(prompt) - 1, V]``: row ``j`` the model's log-softmax predicting prompt token ``j + 1``."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, :-1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+@pytest.mark.parametrize("mode", ["overlap", "sequential", "ngram"])
+def test_prompt_logprobs_through_chunked_prefill_and_preemption(model_dir, reference, mode):
+    kw = {"overlap": {}, "sequential": {"disable_overlap_schedule": True},
+          "ngram": {"speculative_algorithm": "ngram", "speculative_num_tokens": 2}}[mode]
+    # 5-token chunks cut every prompt; a 9-block pool holds two of these sequences, not three: one is preempted
+    engine = _engine(model_dir, max_num_batched_tokens=5, num_kv_blocks=9, **kw)
+    prompts = [PROMPTS[2] + [1, 2, 3, 4, 5, 6], PROMPTS[0] + PROMPTS[1], PROMPTS[1] * 3]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=2, logprobs=1),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
+    outs = engine.generate(prompts, params)
+    plain = _engine(model_dir).generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]  # the extra logits rows change nothing
+    assert outs[2].prompt_logprobs is None
+    for prompt, out, p in zip(prompts, outs, params):
+        if p.prompt_logprobs is None:
+            continue
+        entries = out.prompt_logprobs
+        assert len(entries) == len(prompt) and entries[0] is None
+        assert [e.token_id for e in entries[1:]] == prompt[1:]
+        want = _reference_prompt_logprobs(reference, prompt)
+        torch.testing.assert_close(torch.tensor([e.logprob for e in entries[1:]]),
+                                   want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])], atol=1e-4, rtol=0)
+        for e, row in zip(entries[1:], want):
+            assert [i for i, _ in e.top] == row.topk(p.prompt_logprobs).indices.tolist()
+    if mode != "ngram":
+        assert sum(o.num_preemptions for o in outs) > 0, "the pool was meant to force a preemption"
+    assert engine.allocator.num_free == engine.allocator.capacity

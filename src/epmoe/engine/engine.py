@@ -451,7 +451,8 @@ class Engine:
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
-        seq = Sequence(rid, ids, params, arrival=number, generator=gen)
+        seq = Sequence(rid, ids, params, arrival=number, generator=gen,
+                       prompt_logprobs=[None] if params.prompt_logprobs is not None else [])
         self._seqs[rid] = seq
         self.scheduler.add(seq)
         return rid
@@ -606,10 +607,19 @@ class Engine:
     def _launch(self, plan: StepPlan, out: StepOutput) -> _Launch:
         """Sample the step's tokens on the device, keep them in the runner's token buffer and start their copy to
         the host; each sampling sequence grows by a placeholder (``PENDING_TOKEN``) until ``_resolve``."""
-        sampling = [c for c in plan.chunks if c.samples]  # logits rows: the decodes, then sampling prefills
+        sampling = [c for c in plan.chunks if c.samples]
+        # logits rows: one per decode, then each prefill chunk's prefill_logit_rows (its last samples)
+        spans, row = [], 0
+        for c, n in [(c, 1) for c in plan.decodes] + [(c, c.prefill_logit_rows) for c in plan.prefills]:
+            spans.append((c, row, n))
+            row += n
+        logits = out.logits[:, : self.vocab_size]
+        if row != len(sampling):  # rows of prompts whose log-probabilities are asked for
+            self._record_prompt_logprobs(logits, spans)
+            logits = logits.index_select(0, to_device([r + n - 1 for c, r, n in spans if c.samples], logits.device,
+                                                      torch.int64))
         if not sampling:
             return _Launch([], None, None)
-        logits = out.logits[:, : self.vocab_size]
         histories = [TokenHistory(c.seq.prompt_token_ids, c.seq.resolved_output,
                                   c.seq.device_row if c.seq.num_pending else -1)
                      if c.seq.params.penalized else None for c in sampling]
@@ -686,12 +696,16 @@ class Engine:
             first_row.append(packed_row)
             logit_row += 1 + len(prop.token_ids)
             packed_row += 1 + len(prop.token_ids)
+        spans = []  # prefill chunks: (chunk, first logits row, rows)
         for c in plan.prefills:
             first_row.append(packed_row)
             packed_row += c.num_tokens
+            n = c.prefill_logit_rows
+            spans.append((c, logit_row, n))
             if c.samples:
-                sampled.append((c, logit_row, None))
-                logit_row += 1
+                sampled.append((c, logit_row + n - 1, None))
+            logit_row += n
+        self._record_prompt_logprobs(logits, spans)
         emitted: dict[int, tuple[list[int], int]] = {}
         plain = [(c, r) for c, r, p in sampled if p is None or not p.token_ids]
         if plain:
@@ -740,6 +754,36 @@ class Engine:
                     self.proposer.observe(seq, c.start, valid, _rows(out.aux, row, valid))
             outputs.append(self._output(seq, new))
         return outputs
+
+    @staticmethod
+    def _record_prompt_logprobs(logits: torch.Tensor, spans: list[tuple]) -> None:
+        """Append to each sequence asking for them the prompt log-probabilities its chunk's rows give.
+
+        Args:
+            logits: ``[R, V]`` the step's logits rows.
+            spans: per chunk ``(chunk, first row, rows)``; a prefill chunk returning every row (``rows ==
+                num_tokens``, see ``ScheduledChunk.prefill_logit_rows``) has row ``first + j`` at position
+                ``start + j``, which predicts prompt token ``start + j + 1``.
+        """
+        rows, toks, ks, owners = [], [], [], []
+        for c, first, n in spans:
+            seq = c.seq
+            prompt = seq.prompt_token_ids
+            if seq.params.prompt_logprobs is None or n != c.num_tokens:
+                continue
+            for t in range(max(len(seq.prompt_logprobs), c.start + 1), min(c.start + c.num_tokens, len(prompt) - 1)
+                           + 1):
+                rows.append(first + t - 1 - c.start)
+                toks.append(prompt[t])
+                ks.append(seq.params.prompt_logprobs)
+                owners.append(seq)
+        if not rows:
+            return
+        idx = to_device(rows, logits.device, torch.int64)
+        chosen, values, ids = token_logprobs(logits.index_select(0, idx), to_device(toks, logits.device, torch.int64),
+                                             max(ks))
+        for seq, entry in zip(owners, logprob_entries(toks, chosen, values, ids, ks)):
+            seq.prompt_logprobs.append(entry)
 
     @staticmethod
     def _emitted_logprobs(logits: torch.Tensor, sampled: list[tuple], emitted: dict[int, tuple[list[int], int]]
@@ -792,9 +836,10 @@ class Engine:
         if seq.finished:
             self._seqs.pop(seq.request_id, None)
         logprobs = list(seq.output_logprobs) if seq.params.logprobs is not None else None
+        prompt_logprobs = list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.resolved_output, new, text,
                              seq.finished, seq.finish_reason, seq.num_preemptions, ttft, seq.spec.verify_steps,
-                             seq.spec.draft_tokens, seq.spec.accepted_tokens, logprobs)
+                             seq.spec.draft_tokens, seq.spec.accepted_tokens, logprobs, prompt_logprobs)
 
     # ---- expert loads and live rebalancing ---------------------------------------------------------
 

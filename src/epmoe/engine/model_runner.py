@@ -5,8 +5,8 @@ A step's tokens are packed into one row (no padding between sequences): the sing
 decode row of its own), then the prefill chunks. Eager steps run the transformers model with the paged
 attention function; decode-only steps on CUDA replay the graph captured for the smallest bucket of rows
 that holds them (padding rows write into the KV cache's padding block and are dropped). The logits are
-computed only for the rows that sample. A runner built with ``aux_layers`` also returns those decoder
-layers' outputs for every row (EAGLE-3 reads them).
+computed only for the rows that sample (and a prompt's rows whose log-probabilities are asked for). A runner
+built with ``aux_layers`` also returns those decoder layers' outputs for every row (EAGLE-3 reads them).
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ class Feed:
         rowwise: each token is a decode row of its own (decodes, verify rows, prompts in graph steps); else one
             prefill chunk.
         sample: how many of the last rows return logits: every row of a decode or verify feed, 1 for the last
-            token of a prompt, 0 for a chunk that does not sample (a chunked feed: 0 or 1).
+            token of a prompt, 0 for a chunk that does not sample, every row of a chunk whose prompt
+            log-probabilities are asked for.
         sources: ``(i, r)`` pairs: ``token_ids[i]`` is a placeholder for a token still on the device, in row ``r``
             of the runner's token buffer (``ModelRunner.keep_sampled``; the overlap schedule).
     """
@@ -155,8 +156,8 @@ def pack(feeds: Sequence[Feed], block_size: int, max_blocks: int) -> Packed:
     chunks = []
     for f in chunked:
         n = len(f.token_ids)
-        if f.sample not in (0, 1):
-            raise ValueError(f"a prefill chunk samples its last row or none, not {f.sample} rows")
+        if not 0 <= f.sample <= n:
+            raise ValueError(f"a prefill chunk of {n} rows returns the logits of 0 to {n} last rows, not {f.sample}")
         table = np.asarray(f.block_table, dtype=np.int64)
         p = np.arange(f.start + n)
         if (p[-1] // bs) >= len(table):
@@ -166,8 +167,7 @@ def pack(feeds: Sequence[Feed], block_size: int, max_blocks: int) -> Packed:
         pos_parts.append(p[f.start:])
         slot_parts.append(kv_slots[f.start:])
         chunks.append((row, n, f.start, kv_slots))
-        if f.sample:
-            sample_rows.append(row + n - 1)
+        sample_rows.extend(range(row + n - f.sample, row + n))
         sources.extend((row + i, r) for i, r in f.sources)
         row += n
     src = None
@@ -196,8 +196,9 @@ def plan_feeds(plan: StepPlan, drafts: Sequence[Sequence[int]] | None = None,
                rowwise_prefill: bool = False) -> list[Feed]:
     """The feeds of a scheduled step: each decode chunk's token followed by its proposed tokens
     (``drafts[i]`` for ``plan.decodes[i]``), row-wise; then the prefill chunks (row-wise too with
-    ``rowwise_prefill``: a graph step), each sampling its last row if it reaches its sequence's end. A token
-    still on the device (the overlap schedule) is fed from the runner's token buffer.
+    ``rowwise_prefill``: a graph step), each returning the logits of its ``prefill_logit_rows`` last rows (its
+    last row if it reaches its sequence's end; every row for prompt log-probabilities). A token still on the
+    device (the overlap schedule) is fed from the runner's token buffer.
 
     Raises:
         ValueError: a sequence with more than one token on the device.
@@ -209,7 +210,7 @@ def plan_feeds(plan: StepPlan, drafts: Sequence[Sequence[int]] | None = None,
                           _sources(c)))
     for c in plan.prefills:
         feeds.append(Feed(c.seq.tokens(c.start, c.start + c.num_tokens), c.start, c.seq.block_table, rowwise_prefill,
-                          int(c.samples), _sources(c)))
+                          c.prefill_logit_rows, _sources(c)))
     return feeds
 
 

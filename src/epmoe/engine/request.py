@@ -58,6 +58,8 @@ class Sequence:
             ``num_pending > 0``).
         output_logprobs: with ``params.logprobs`` set, one entry per read-back generated token (the pending ones
             get theirs when read back).
+        prompt_logprobs: with ``params.prompt_logprobs`` set, one entry per prompt token computed so far (the
+            first ``None``); complete once it has as many entries as the prompt has tokens.
     """
 
     request_id: str
@@ -78,6 +80,7 @@ class Sequence:
     num_pending: int = 0
     device_row: int = -1
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -129,6 +132,8 @@ class RequestOutput:
         num_accepted_tokens: proposed tokens accepted (its mean accepted length per verify step is
             ``(num_accepted_tokens + num_verify_steps) / num_verify_steps``).
         logprobs: with ``SamplingParams.logprobs`` set, one entry per token of ``token_ids``; else ``None``.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs`` set, one entry per prompt token (the first
+            ``None``), from the first output on; else ``None``.
     """
 
     request_id: str
@@ -144,3 +149,4 @@ class RequestOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

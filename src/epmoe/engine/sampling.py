@@ -58,6 +58,10 @@ class SamplingParams:
         ignore_eos: keep generating past the model's EOS token.
         logprobs: report each generated token's log-probability and those of the ``logprobs`` most likely
             tokens at its position, ``0 <= logprobs <= MAX_LOGPROBS``; ``None`` = none.
+        prompt_logprobs: report each prompt token's log-probability (the first's is ``None``: nothing predicts it)
+            and those of the ``prompt_logprobs`` most likely tokens at its position, ``0 <= prompt_logprobs <=
+            MAX_LOGPROBS``; ``None`` = none. Every row of the prompt's chunks then returns its ``[V]`` float32
+            logits, and the step waits for them.
         min_p: drop tokens less likely than ``min_p`` times the most likely one, in ``[0, 1]``; ``0`` = off.
         presence_penalty: subtracted from the logit of every token the output holds, in ``[-2, 2]``.
         frequency_penalty: subtracted from a token's logit once per time the output holds it, in ``[-2, 2]``.
@@ -80,6 +84,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -121,8 +126,10 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
         if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):

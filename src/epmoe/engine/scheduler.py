@@ -55,6 +55,17 @@ class ScheduledChunk(NamedTuple):
         """True when the chunk reaches the sequence's last token: the step samples its next token."""
         return self.start + self.num_tokens == self.seq.num_tokens
 
+    @property
+    def prefill_logit_rows(self) -> int:
+        """How many of its last rows return logits when fed as a prefill chunk: every row while its request still
+        needs the log-probabilities of prompt tokens (``SamplingParams.prompt_logprobs``) and the chunk predicts
+        one (row ``p`` predicts token ``p + 1``), else its last row if it samples, else none."""
+        seq = self.seq
+        n = len(seq.prompt_token_ids)
+        if seq.params.prompt_logprobs is not None and len(seq.prompt_logprobs) < n and self.start + 1 < n:
+            return self.num_tokens
+        return int(self.samples)
+
 
 @dataclass(frozen=True)
 class StepPlan:
