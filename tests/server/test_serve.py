@@ -130,6 +130,32 @@ def test_logprobs_of_completions_whole_and_streamed(client, offline):
                for c in client.completions.create(stream=True, **{**kw, "logprobs": None}))
 
 
+def test_echo_with_logprobs_as_lm_eval_asks(client, offline):
+    # lm-eval's loglikelihood request: token ids, echo, logprobs 1, max_tokens 1, greedy
+    prompt = [ord(ch) for ch in PROMPTS[1]]
+    ref = offline(PROMPTS[1:2], 1, logprobs=1, prompt_logprobs=1)[0]
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    whole = client.completions.create(**kw).choices[0]
+    assert whole.text == PROMPTS[1] + ref.text
+    lp = whole.logprobs
+    n = len(prompt)
+    assert lp.tokens == [chr(t) for t in prompt] + [ref.text] and lp.text_offset == list(range(n + 1))
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in ref.prompt_logprobs[1:] + ref.logprobs],
+                                                  abs=1e-4)
+    for token, top, e in zip(lp.tokens[1:], lp.top_logprobs[1:], ref.prompt_logprobs[1:] + ref.logprobs):
+        assert len(top) in (1, 2) and top[token] == pytest.approx(e.logprob, abs=1e-4)  # the top one and the token
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw)]
+    assert chunks[0].text == PROMPTS[1] and "".join(c.text for c in chunks) == whole.text
+    streamed = [c.logprobs for c in chunks if c.logprobs is not None]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [v for s in streamed for v in s.token_logprobs] == lp.token_logprobs
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=3, temperature=0, echo=True)
+    assert plain.choices[0].text == PROMPTS[1] + offline(PROMPTS[1:2], 3)[0].text and plain.choices[0].logprobs is None
+    assert plain.usage.completion_tokens == 3
+
+
 def test_logprobs_of_chat_whole_and_streamed(client):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=5, temperature=0,
               logprobs=True, top_logprobs=3)
@@ -251,7 +277,7 @@ BAD = [
      "stop_token_ids"),
     ("logprobs 21", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("prompt_logprobs, not served", {"model": MODEL, "prompt": "hi", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
-    ("echo, not served", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
+    ("echo a string", {"model": MODEL, "prompt": "hi", "echo": "yes"}, 400, "echo"),
     ("frequency_penalty 5", {"model": MODEL, "prompt": "hi", "frequency_penalty": 5}, 400, "frequency_penalty"),
     ("repetition_penalty 0", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("min_p 2", {"model": MODEL, "prompt": "hi", "min_p": 2}, 400, "min_p"),
@@ -278,6 +304,8 @@ BAD_CHAT = [
                                        "top_logprobs": 2}, 400, "top_logprobs"),
     ("logprobs a number", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": 2}, 400,
      "logprobs"),
+    ("echo, not served on chat", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "echo": True},
+     400, "echo"),
     ("structured output, not served", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                        "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("content a lone surrogate", b'{"model": "%s", "messages": [{"role": "user", "content": "\\udc80"}]}'

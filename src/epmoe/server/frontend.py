@@ -61,6 +61,8 @@ class Update:
         error: the engine refused the request (the message); it is finished.
         logprobs, new_logprobs: with ``SamplingParams.logprobs`` set, one entry per token of ``token_ids`` /
             ``new_token_ids``; else ``None``.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs`` set, the prompt's, from the first update with
+            tokens on; else ``None``.
     """
 
     request_id: str
@@ -72,6 +74,7 @@ class Update:
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None
     new_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -82,6 +85,7 @@ class _Open:
     loop: asyncio.AbstractEventLoop
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
 
@@ -304,6 +308,8 @@ class Frontend:
         item.token_ids.extend(up.new_token_ids)
         if up.new_logprobs is not None:
             item.logprobs.extend(up.new_logprobs)
+        if up.prompt_logprobs is not None:
+            item.prompt_logprobs = up.prompt_logprobs
         if up.new_token_ids:
             m.generation_tokens.inc(len(up.new_token_ids))
             if item.first_token is None:
@@ -319,7 +325,7 @@ class Frontend:
                                                        / up.num_verify_steps)
         logprobs = list(item.logprobs) if up.new_logprobs is not None else None
         return item, Update(up.request_id, list(item.token_ids), up.new_token_ids, up.finished, up.finish_reason,
-                            up.text, up.error, logprobs, up.new_logprobs)
+                            up.text, up.error, logprobs, up.new_logprobs, item.prompt_logprobs)
 
 
 def _put_all(batch: list[tuple[_Open, Update]]) -> None:

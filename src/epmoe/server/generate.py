@@ -59,6 +59,7 @@ class Job:
         params: per choice, its sampling options.
         n: choices per prompt.
         include_usage: streams end with a usage chunk.
+        echo: completions with ``echo``: each prompt's text, put before its choices' text; else ``None``.
     """
 
     kind: str
@@ -68,6 +69,7 @@ class Job:
     params: list[SamplingParams]
     n: int
     include_usage: bool
+    echo: list[str] | None = None
 
     def choice_ids(self) -> list[str]:
         """The engine request id of each choice."""
@@ -114,6 +116,7 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         if top and not req.logprobs:
             raise ApiError(400, f"top_logprobs ({top}) needs logprobs: true", "top_logprobs")
         logprobs = (top or 0) if req.logprobs else None
+        prompt_logprobs = None
     else:
         kind, where = "completion", "prompt"
         raw = req.prompt
@@ -124,6 +127,7 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         sent = "max_tokens"
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         logprobs = req.logprobs
+        prompt_logprobs = logprobs if req.echo else None
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(400, f"{sent} must be an integer >= 1, got {max_tokens}", sent)
     if req.stream_options is not None and not req.stream:
@@ -169,10 +173,14 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
             raise ApiError(400, f"{where} of {len(ids)} tokens{with_max} needs {need} KV slots; the KV pool holds "
                                 f"{pool} tokens per rank ({blocks} blocks of {block_size}): {lower} the cache more "
                                 f"blocks", field)
-    params = [_sampling(req, max_tokens, j, logprobs, bias) for _ in prompts for j in range(req.n)]
+    params = [_sampling(req, max_tokens, j, bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+              for _ in prompts for j in range(req.n)]
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return Job(kind, model, f"{prefix}-{uuid.uuid4().hex}", prompts, params, req.n, include_usage)
+    echo = None
+    if kind == "completion" and req.echo:
+        echo = [p if isinstance(p, str) else codec.decode(ids) for p, ids in zip(items, prompts)]
+    return Job(kind, model, f"{prefix}-{uuid.uuid4().hex}", prompts, params, req.n, include_usage, echo)
 
 
 def _utf8(text: str, field: str) -> str:
@@ -206,8 +214,8 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
     return out
 
 
-def _sampling(req: SamplingFields, max_tokens: int, choice: int, logprobs: int | None,
-              logit_bias: dict[int, float]) -> SamplingParams:
+def _sampling(req: SamplingFields, max_tokens: int, choice: int, logit_bias: dict[int, float],
+              **logprobs: int | None) -> SamplingParams:
     stop = [_utf8(s, "stop") for s in ([req.stop] if isinstance(req.stop, str) else req.stop or ())]
     seed = req.seed  # a seed out of range is refused as sent; choice j of a good one samples with seed + j, wrapped
     if seed is not None and 0 <= seed < 2**63:
@@ -217,8 +225,9 @@ def _sampling(req: SamplingFields, max_tokens: int, choice: int, logprobs: int |
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=seed, max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             stop=tuple(stop), stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-            logprobs=logprobs, min_p=req.min_p, presence_penalty=req.presence_penalty,
+            min_p=req.min_p, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty, logit_bias=logit_bias,
+            **logprobs,
         )
     except ValueError as exc:
         raise ApiError(400, str(exc), _param_of(str(exc))) from None
@@ -260,25 +269,61 @@ def _chat_logprobs(codec: TextCodec, entries: list[TokenLogprobs] | None) -> Cha
         for e in entries])
 
 
-def _completion_logprobs(codec: TextCodec, entries: list[TokenLogprobs] | None,
-                         offset: int) -> CompletionLogprobs | None:
+def _completion_logprobs(codec: TextCodec, entries: list[TokenLogprobs | None] | None, offset: int,
+                         first_token: int | None = None) -> CompletionLogprobs | None:
     """The completion form of some tokens' log-probabilities, the first token's text at ``offset`` characters into
     the choice's text and each next one past the texts before it (vLLM's offsets: a token's own text may differ
-    from its share of the decoded text where a character spans tokens); ``None`` when the request asked for none."""
+    from its share of the decoded text where a character spans tokens); ``None`` when the request asked for none.
+
+    Args:
+        entries: per token its ``TokenLogprobs``; ``None`` for an echoed prompt's first token, ``first_token``.
+    """
     if entries is None:
         return None
-    tokens = [codec.token_text(e.token_id) for e in entries]
+    ids = [first_token if e is None else e.token_id for e in entries]
+    tokens = [codec.token_text(i) for i in ids]
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t) + len(codec.separator)
-    tops = []
+    tops: list[dict[str, float] | None] = []
     for t, e in zip(tokens, entries):
+        if e is None:
+            tops.append(None)
+            continue
         top = {codec.token_text(i): _logprob(v) for i, v in e.top}
         top.setdefault(t, _logprob(e.logprob))  # the generated token too, as vLLM sends it
         tops.append(top)
-    return CompletionLogprobs(text_offset=offsets, token_logprobs=[_logprob(e.logprob) for e in entries],
-                              tokens=tokens, top_logprobs=tops)
+    return CompletionLogprobs(text_offset=offsets, tokens=tokens, top_logprobs=tops,
+                              token_logprobs=[None if e is None else _logprob(e.logprob) for e in entries])
+
+
+def _echoed(codec: TextCodec, job: Job, choice: int, up: Update) -> tuple[str, CompletionLogprobs | None]:
+    """An echoing completion choice's prompt text and, with ``logprobs``, its prompt tokens' log-probabilities
+    (``up`` an update that carries them)."""
+    text = job.echo[choice // job.n]
+    prompt = job.prompt_of(choice)
+    return text, _completion_logprobs(codec, up.prompt_logprobs, 0, prompt[0])
+
+
+def _joined(a: CompletionLogprobs | None, b: CompletionLogprobs | None) -> CompletionLogprobs | None:
+    """``a``'s tokens followed by ``b``'s."""
+    if a is None or b is None:
+        return b if a is None else a
+    return CompletionLogprobs(text_offset=a.text_offset + b.text_offset, token_logprobs=a.token_logprobs
+                              + b.token_logprobs, tokens=a.tokens + b.tokens, top_logprobs=a.top_logprobs
+                              + b.top_logprobs)
+
+
+def _completion_choice(codec: TextCodec, job: Job, choice: int, up: Update) -> CompletionChoice:
+    """One whole completion choice from its final update (the prompt first with ``echo``)."""
+    text = _final_text(codec, up)
+    if job.echo is None:
+        return CompletionChoice(index=choice, text=text, logprobs=_completion_logprobs(codec, up.logprobs, 0),
+                                finish_reason=up.finish_reason)
+    prompt_text, prompt_lp = _echoed(codec, job, choice, up)
+    logprobs = _joined(prompt_lp, _completion_logprobs(codec, up.logprobs, len(prompt_text)))
+    return CompletionChoice(index=choice, text=prompt_text + text, logprobs=logprobs, finish_reason=up.finish_reason)
 
 
 def _final_text(codec: TextCodec, up: Update) -> str:
@@ -324,10 +369,7 @@ async def collect(frontend: Frontend, job: Job, updates: asyncio.Queue, codec: T
                        logprobs=_chat_logprobs(codec, finals[i].logprobs), finish_reason=finals[i].finish_reason)
             for i in range(len(ids))]).model_dump()
     return CompletionResponse(id=job.request_id, created=created, model=job.model, usage=usage, choices=[
-        CompletionChoice(index=i, text=_final_text(codec, finals[i]),
-                         logprobs=_completion_logprobs(codec, finals[i].logprobs, 0),
-                         finish_reason=finals[i].finish_reason)
-        for i in range(len(ids))]).model_dump()
+        _completion_choice(codec, job, i, finals[i]) for i in range(len(ids))]).model_dump()
 
 
 def _event(payload: dict) -> str:
@@ -363,6 +405,7 @@ async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: se
     tokens = [0] * len(ids)
     unsent: list[list[TokenLogprobs]] = [[] for _ in ids]  # per choice, log-probabilities not sent yet
     offsets = [0] * len(ids)  # completions: characters of token text sent, the next token's text_offset
+    echoed = [job.echo is None] * len(ids)  # the prompt was sent first (echo)
     created = int(time.time())
     if job.kind == "chat":
         for i in range(len(ids)):
@@ -371,6 +414,11 @@ async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: se
         while pending:
             up = _check(await updates.get())
             i = index[up.request_id]
+            if not echoed[i]:  # the first update: the prompt (with its log-probabilities) before any token
+                echoed[i] = True
+                prompt_text, prompt_lp = _echoed(codec, job, i, up)
+                offsets[i] = len(prompt_text)
+                yield _chunk(job, created, i, prompt_text, None, logprobs=prompt_lp)
             tokens[i] = len(up.token_ids)
             text = texts[i].delta(up.token_ids, _final_text(codec, up) if up.finished else None)
             if up.finished:

@@ -83,11 +83,12 @@ class SamplingFields(_Request):
     @model_validator(mode="before")
     @classmethod
     def _defaults_and_unserved(cls, data: Any) -> Any:
-        """``null`` for a field with a default: the default; an ``UNSERVED`` field at another value: refused."""
+        """``null`` for a field with a default: the default; an ``UNSERVED`` field that this request type does not
+        have at another value: refused."""
         if not isinstance(data, dict):
             return data
         for name, allowed in UNSERVED.items():
-            if name in data and not _neutral(data[name], allowed):
+            if name in data and name not in cls.model_fields and not _neutral(data[name], allowed):
                 shown = json.dumps(data[name], default=repr)
                 shown = shown if len(shown) <= 80 else shown[:77] + "..."
                 raise PydanticCustomError(
@@ -101,10 +102,12 @@ class SamplingFields(_Request):
 
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: ``prompt`` is a string, token ids, or a list of either (one choice set
-    each); ``logprobs`` asks for each token's log-probability and those of that many most likely tokens."""
+    each); ``logprobs`` asks for each token's log-probability and those of that many most likely tokens; ``echo``
+    puts the prompt before the completion, in the text and (with ``logprobs``) in the log-probabilities."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
+    echo: bool = False
 
 
 class ContentPart(_Request):
@@ -160,12 +163,12 @@ class Usage(BaseModel):
 class CompletionLogprobs(BaseModel):
     """The log-probabilities of a completion's tokens (OpenAI's legacy form): per token its text, its offset in
     the choice's text, its log-probability and a map of the most likely tokens' texts to theirs (the token itself
-    included)."""
+    included); ``null`` for an echoed prompt's first token (nothing predicts it)."""
 
     text_offset: list[int]
-    token_logprobs: list[float]
+    token_logprobs: list[float | None]
     tokens: list[str]
-    top_logprobs: list[dict[str, float]]
+    top_logprobs: list[dict[str, float] | None]
 
 
 class CompletionChoice(BaseModel):

@@ -74,6 +74,8 @@ class StepUpdate:
         num_preemptions: times the request was recomputed.
         num_verify_steps, num_accepted_tokens: speculative verify steps for it and proposed tokens accepted.
         new_logprobs: with ``SamplingParams.logprobs`` set, one entry per token of ``new_token_ids``; else ``None``.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs`` set, the prompt's (``RequestOutput``'s), on the
+            first update that brings tokens only; else ``None``.
     """
 
     request_id: str
@@ -86,6 +88,7 @@ class StepUpdate:
     num_verify_steps: int = 0
     num_accepted_tokens: int = 0
     new_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @classmethod
     def of(cls, out: RequestOutput) -> StepUpdate:
@@ -93,8 +96,10 @@ class StepUpdate:
         new_logprobs = None
         if out.logprobs is not None:
             new_logprobs = out.logprobs[len(out.token_ids) - len(out.new_token_ids):]
+        first = bool(out.new_token_ids) and len(out.new_token_ids) == len(out.token_ids)
         return cls(out.request_id, out.new_token_ids, out.finished, out.finish_reason, out.text, None,
-                   out.num_preemptions, out.num_verify_steps, out.num_accepted_tokens, new_logprobs)
+                   out.num_preemptions, out.num_verify_steps, out.num_accepted_tokens, new_logprobs,
+                   out.prompt_logprobs if first else None)
 
 
 @dataclass(frozen=True)
