@@ -65,6 +65,7 @@ def test_min_p_keeps_tokens_at_least_min_p_of_the_most_likely():
     ("logit_bias", {-1: 1.0}, r"logit_bias keys must be token ids \(integers >= 0\), got -1"),
     ("logit_bias", {5: 101}, r"logit_bias values must be in \[-100, 100\], got 101 for token 5"),
     ("logit_bias", "5:1", "logit_bias must map token ids to numbers, got '5:1'"),
+    ("logit_bias", {1: 2.0, "a": 1}, r"logit_bias keys must be token ids \(integers >= 0\), got 'a'"),
 ])
 def test_bad_values_named(field, value, message):
     with pytest.raises(ValueError, match=message):

@@ -96,10 +96,12 @@ class SamplingParams:
         if bias is None:
             object.__setattr__(self, "logit_bias", ())
         elif isinstance(bias, Mapping):
-            object.__setattr__(self, "logit_bias", tuple(sorted(bias.items())))
+            object.__setattr__(self, "logit_bias", tuple(bias.items()))
         elif not isinstance(bias, (list, tuple)) or any(
                 not isinstance(pair, (list, tuple)) or len(pair) != 2 for pair in bias):
             raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+        else:
+            object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in bias))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         for name in ("stop", "stop_token_ids"):
@@ -143,6 +145,7 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
             if not _is_real(value) or not -100 <= value <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r} for token {token}")
+        object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias)))
 
     @property
     def greedy(self) -> bool:
@@ -175,10 +178,10 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """One generated token's log-probability and the most likely tokens at its position.
+    """One token's log-probability and the most likely tokens at its position (a generated or a prompt token).
 
     Attributes:
-        token_id: the token generated.
+        token_id: the token.
         logprob: its natural-log probability under the model (float32 log-softmax of the raw logits).
         top: the request's ``logprobs`` most likely ``(token id, logprob)`` at that position, most likely first
             (ties in any order); may include ``token_id``.
