@@ -195,3 +195,30 @@ def test_layer_tells_the_backend_the_pairs_its_tokens_route(tiny_checkpoints):
     layer.expert_backend = inner
     assert out.abs().sum() > 0
     torch.testing.assert_close(out, layer(x))
+
+
+def test_padding_rows_route_to_no_expert(tiny_checkpoints):
+    # the engine's CUDA-graph steps mark their padding rows: those get slots -1 (no expert computes them), the real
+    # rows' outputs are unchanged, and a mask of another row count does not apply
+    spec = load_moe_spec(tiny_checkpoints("qwen2-moe"))
+    layer = _full_layer(spec, seed=2)
+    x = torch.randn(5, spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    full = layer(x)
+    inner, live = layer.expert_backend, []
+
+    def recording(x, slots, *args, **kw):
+        live.append(int((slots >= 0).sum()))
+        return inner(x, slots, *args, **kw)
+
+    layer.expert_backend = recording
+    layer.set_row_mask(torch.tensor([1, 1, 1, 0, 0]))
+    masked = layer(x)
+    assert live == [3 * spec.top_k]
+    torch.testing.assert_close(masked[:3], full[:3])
+    torch.testing.assert_close(masked[3:], layer._shared(x[3:]))  # the shared experts' output alone
+    layer(x[:4])  # a 4-row forward: the 5-row mask does not apply
+    assert live[-1] == 4 * spec.top_k
+    layer.set_row_mask(None)
+    torch.testing.assert_close(layer(x), full)
+    with pytest.raises(ValueError, match=r"row_mask must be a \[T\] int64 tensor, got \(5,\) torch.float32"):
+        layer.set_row_mask(torch.ones(5))

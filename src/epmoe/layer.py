@@ -182,7 +182,7 @@ class MoELayer(_MoEBase):
 
     Attributes: ``moe_index``, ``options`` (as built), ``dispatcher`` (change it with ``set_dispatcher``),
     ``expert_backend`` (the compute function), ``load_recorder``, ``experts`` (the weights), ``placement``,
-    ``comm``, ``slot_map``.
+    ``comm``, ``slot_map``; padding rows are set with ``set_row_mask``.
 
     Parameters: ``gate`` (router), ``experts.w13 [P/G, 2F, D]``, ``experts.w2 [P/G, D, F]`` (+ biases) or, for INT4
     and MXFP4 checkpoints (``spec.expert_weight_format``), their packed tensors (``epmoe.experts.storage``),
@@ -238,6 +238,27 @@ class MoELayer(_MoEBase):
         self.load_recorder = options.load_recorder
         self.experts = _ExpertParams(spec, placement.slots_per_rank, spec.moe_intermediate_size, dtype, device,
                                      ExpertStorage.of(spec.expert_weight_format))
+        self._row_mask: torch.Tensor | None = None
+
+    def set_row_mask(self, row_mask: torch.Tensor | None) -> None:
+        """Mark the padding rows of the next forwards (the engine's CUDA-graph steps run a bucket of rows, of which
+        the last may be padding): a forward of ``T`` rows with a ``[T]`` mask routes its rows marked 0 to no
+        expert (slots -1), so no expert computes them and no rank receives them; their output is the shared
+        experts' alone. The tensor is read at each forward (in a captured graph: at each replay); a mask of another
+        row count does not apply.
+
+        Args:
+            row_mask: ``[T]`` int64 on the layer's device, 1 = a real token, 0 = padding; ``None`` = no padding.
+
+        Raises:
+            ValueError: ``row_mask`` not a 1-D int64 tensor.
+        """
+        if row_mask is not None and (not isinstance(row_mask, torch.Tensor) or row_mask.dim() != 1
+                                     or row_mask.dtype != torch.int64):
+            shown = (f"{tuple(row_mask.shape)} {row_mask.dtype}" if isinstance(row_mask, torch.Tensor)
+                     else type(row_mask).__name__)
+            raise ValueError(f"MoE layer {self.moe_index}: row_mask must be a [T] int64 tensor, got {shown}")
+        self._row_mask = row_mask
 
     @property
     def local_experts(self) -> torch.Tensor:
@@ -314,11 +335,14 @@ class MoELayer(_MoEBase):
         table = self.slot_map.static_table
         rec = self.load_recorder
         record = rec.load_record(self.moe_index, x.shape[0]) if rec is not None else None
-        fused = self.gate.route_to_slots(x, table, record) if table is not None else None
+        mask = self._row_mask if self._row_mask is not None and self._row_mask.shape[0] == x.shape[0] else None
+        fused = self.gate.route_to_slots(x, table, record, mask) if table is not None else None
         if fused is None:
             topk_idx, topk_weights = self.gate(x)
             topk_slots = self.slot_map(topk_idx)
-        else:  # routing, slot lookup (and the load count, with a record) in one launch
+            if mask is not None:
+                topk_slots = topk_slots.masked_fill((mask == 0).unsqueeze(1), -1)
+        else:  # routing, slot lookup, padding rows' slots (and the load count, with a record) in one launch
             _, topk_weights, topk_slots = fused
         if rec is not None and (fused is None or record is None):
             rec.record(self.moe_index, topk_slots)

@@ -109,3 +109,26 @@ def test_piecewise_buckets_stop_at_the_token_budget_with_speculation(tiny_checkp
     assert [o.token_ids for o in outs] == [hf_greedy(ref, [p], 8, 258)[0] for p in prompts]
     assert any(mixed), "no piecewise step carried verify rows next to a prompt chunk"
     assert engine.stats["eager_steps"] == 0 and engine.spec_stats.accepted_tokens > 0
+
+
+def test_padding_rows_of_static_steps_reach_no_expert(tiny_checkpoints):
+    """Decode buckets of 1, 2 and 4 rows and a piecewise bucket of 16, most steps padded: the first MoE layer's
+    experts see
+    exactly the fed tokens' pairs (every prompt token and every generated token but the last, ``K`` pairs each)."""
+    d = str(tiny_checkpoints("qwen3-moe"))
+    engine = Engine(EngineConfig(model=d, max_num_seqs=4, max_num_batched_tokens=16, block_size=4, num_kv_blocks=64,
+                                 static_decode_on_cpu=True, cuda_graph_max_bs=4, cuda_graph_max_tokens=0))
+    layer = engine.ep_model.moe_layers[0]
+    inner, seen = layer.expert_backend, []
+
+    def recording(x, slots, *args, **kw):
+        seen.append((x.shape[0], int((slots >= 0).sum())))
+        return inner(x, slots, *args, **kw)
+
+    layer.expert_backend = recording
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42], [7]]
+    engine.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    k = engine.ep_model.spec.top_k
+    assert sum(live for _, live in seen) == k * (sum(len(p) for p in prompts) + 3 * 4)
+    assert any(rows * k > live for rows, live in seen)  # padded steps ran
+    assert engine.stats["piecewise_steps"] > 0 and engine.stats["graph_steps"] > 0

@@ -210,6 +210,44 @@ def test_gate_fused_matches_two_launch_interpreter(family, dtype, x_dtype, overr
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("family", ["qwen3-moe", "deepseek-v3"])
+def test_row_mask_routes_padding_rows_nowhere_interpreter(family):
+    """A routing row mask (the engine's padding rows): masked rows keep their experts and weights but get slots -1
+    and are not counted, in both kernels; the mask replaces the record's own."""
+    from epmoe.loads import LoadRecord
+    from epmoe.routing.router import kernel_flags
+    from epmoe.routing.router_triton import route_gate_triton, route_triton
+
+    spec = _tiny_spec(family)
+    gen = torch.Generator().manual_seed(3)
+    router = _grid_router(spec, torch.float32, "cpu", gen)
+    x = _grid_x(4, spec.hidden_size, torch.float32, "cpu", gen)
+    e, p = spec.num_experts, spec.num_experts + 5
+    table = torch.randperm(p, generator=gen)[:e]
+    flags = kernel_flags(spec)
+    mask = torch.tensor([1, 0, 1, 0])
+    arrivals = torch.zeros(4, dtype=torch.int32)
+    gate = (x, router.weight, None, arrivals, router.e_score_correction_bias)
+    idx, w, slots = route_gate_triton(*gate, fp32_logits=router.fp32_logits, **flags, slot_table=table)
+    for fused in (True, False):
+        counts = torch.zeros(2, 3, p + 1, dtype=torch.int64)
+        record = LoadRecord(counts, torch.ones(1, dtype=torch.int64), 2, torch.ones(4, dtype=torch.int64))
+        if fused:
+            got = route_gate_triton(*gate, fp32_logits=router.fp32_logits, **flags, slot_table=table, record=record,
+                                    row_mask=mask)
+        else:
+            got = route_triton(router._logits(x), router.e_score_correction_bias, **flags, slot_table=table,
+                               record=record, row_mask=mask)
+        assert torch.equal(got[0], idx) and torch.equal(got[1], w)
+        assert torch.equal(got[2], torch.where(mask.bool()[:, None], slots, -1))
+        assert torch.equal(counts[1, 2], torch.bincount(slots[mask.bool()].flatten(), minlength=p + 1))
+    with pytest.raises(ValueError, match=r"a \[T\] int64 row_mask: 4 tokens, row_mask \(4,\) torch.float32"):
+        route_triton(router._logits(x), None, **flags, slot_table=table, row_mask=mask.float())
+    with pytest.raises(ValueError, match="masks rows only with a slot_table"):
+        route_triton(router._logits(x), None, **flags, row_mask=mask)
+
+
+@pytest.mark.interpret
 def test_gate_fused_random_float32_interpreter():
     """Unquantized float32 values (the logits then differ in the last bits with the summation order): the same
     experts and slots, weights within float32 rounding."""

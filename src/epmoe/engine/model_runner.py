@@ -216,8 +216,9 @@ def plan_feeds(plan: StepPlan, drafts: Sequence[Sequence[int]] | None = None,
 
 def ep_static_hooks(ep_model: EPModel, eager_dispatcher: str, recorder: ExpertLoadRecorder | None = None):
     """``ModelRunner.capture``'s hooks for an expert-parallel model: during a static step of ``bs`` rows every
-    MoE layer dispatches with ``fixed_capacity`` of capacity ``bs`` (``local`` on one rank) and ``recorder``
-    counts only the real rows; after it, ``eager_dispatcher`` again."""
+    MoE layer dispatches with ``fixed_capacity`` of capacity ``bs`` (``local`` on one rank), routes its padding rows
+    to no expert (``MoELayer.set_row_mask``; a bucket of one row has none) and ``recorder`` counts only the real
+    rows; after it, ``eager_dispatcher`` again and no mask."""
     comm, slots = ep_model.comm, ep_model.placement.slots_per_rank
     from epmoe.dispatch import make_dispatcher
 
@@ -227,12 +228,14 @@ def ep_static_hooks(ep_model: EPModel, eager_dispatcher: str, recorder: ExpertLo
         for layer in ep_model.moe_layers:  # capacity bs: a token goes to a rank at most once
             layer.set_dispatcher(make_dispatcher("local", comm, slots) if comm.size == 1 else
                                  make_dispatcher("fixed_capacity", comm, slots, capacity=bs))
+            layer.set_row_mask(valid_rows if bs > 1 else None)
 
     def deactivate() -> None:
         if recorder is not None:
             recorder.mask_rows(None)
         for layer in ep_model.moe_layers:
             layer.set_dispatcher(make_dispatcher(eager_dispatcher, comm, slots))
+            layer.set_row_mask(None)
 
     return activate, deactivate
 

@@ -120,8 +120,9 @@ class Router(nn.Module):
             return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
         return F.linear(x, self.weight, self.bias)
 
-    def route_to_slots(self, x: torch.Tensor, slot_table: torch.Tensor,
-                       record: LoadRecord | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def route_to_slots(self, x: torch.Tensor, slot_table: torch.Tensor, record: LoadRecord | None = None,
+                       row_mask: torch.Tensor | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Route tokens and look their experts up in ``slot_table`` (and add them to ``record``) in the fused
         kernel's one launch; ``None`` where the fused kernel does not serve these logits (``impl='torch'``, CPU,
         another router kind): the caller routes with ``forward`` and maps the ids itself.
@@ -130,6 +131,7 @@ class Router(nn.Module):
             x: ``[T, D]`` hidden states.
             slot_table: ``[E]`` int64 physical slot of each expert (``SlotMap.static_table``).
             record: the load recorder's counts (``ExpertLoadRecorder.load_record``), or ``None``.
+            row_mask: ``[T]`` int64, 0 = a padding row (slots -1, not counted), or ``None``.
 
         Returns:
             ``topk_idx``, ``topk_weights`` as ``forward`` and ``topk_slots [T, K]`` int64, or ``None``.
@@ -137,19 +139,19 @@ class Router(nn.Module):
         fused = _fused_router(x, self.spec.router_kind) if self.impl == "auto" else None
         if fused is None:
             return None
-        return self._route_fused(fused, x, slot_table, record)
+        return self._route_fused(fused, x, slot_table, record, row_mask)
 
-    def _route_fused(self, fused, x: torch.Tensor, slot_table: torch.Tensor | None,
-                     record: LoadRecord | None) -> tuple[torch.Tensor, ...]:
+    def _route_fused(self, fused, x: torch.Tensor, slot_table: torch.Tensor | None, record: LoadRecord | None,
+                     row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """Route through ``router_triton``: the gate in the kernel's launch up to ``fused_gate_max_tokens`` tokens,
         else ``F.linear`` then the kernel."""
         flags = kernel_flags(self.spec)
         if 0 < x.shape[0] <= self.fused_gate_max_tokens:
             return fused.route_gate_triton(x, self.weight, self.bias, self._arrival_counters(x.device),
                                            self.e_score_correction_bias, fp32_logits=self.fp32_logits, **flags,
-                                           slot_table=slot_table, record=record)
+                                           slot_table=slot_table, record=record, row_mask=row_mask)
         return fused.route_triton(self._logits(x), self.e_score_correction_bias, **flags, slot_table=slot_table,
-                                  record=record)
+                                  record=record, row_mask=row_mask)
 
     def _arrival_counters(self, device: torch.device) -> torch.Tensor:
         """``route_gate_triton``'s ``[FUSED_GATE_MAX_TOKENS]`` int32 arrival counters on ``device``: zeroed once,

@@ -17,7 +17,8 @@ program per token holds its ``E`` logits in registers and does all of it:
 With a slot table (``route_triton(..., slot_table=...)``, an expert-parallel layer's static replica choice) the
 program also writes each chosen expert's physical slot, and with a load record (``loads.LoadRecord``) it adds the
 row's pairs to the recorder's counts with integer atomics, as ``count_triton`` does: one launch for what took
-three (router, slot lookup, recorder) per MoE layer and step.
+three (router, slot lookup, recorder) per MoE layer and step. With a row mask (``row_mask``: the padding rows of
+the engine's CUDA-graph steps) a masked row's slots are -1, so no expert computes it and no rank receives it.
 
 At decode sizes the gate's matrix product before it is a launch of its own whose latency far exceeds the time
 its weight takes to read. ``route_gate_triton`` (for a few tokens: ``router.FUSED_GATE_MAX_TOKENS``) computes
@@ -63,9 +64,11 @@ def _route_token(lg, t, bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, counts_p
                  K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr,
                  HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, GP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                  TOP2_SUM: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr, ROUND: tl.constexpr,
-                 SCALE: tl.constexpr, TABLE: tl.constexpr, RECORD: tl.constexpr, HAS_MASK: tl.constexpr):
+                 SCALE: tl.constexpr, TABLE: tl.constexpr, RECORD: tl.constexpr, HAS_MASK: tl.constexpr,
+                 MASK_SLOTS: tl.constexpr):
     """Token ``t``'s routing from its logits ``lg [BLOCK_E]`` float32 (``-inf`` past ``E``; values of
-    ``LOGIT_TY``): scores, grouped top-k, weights, slots and load counts, stored at row ``t``."""
+    ``LOGIT_TY``): scores, grouped top-k, weights, slots and load counts, stored at row ``t``; with
+    ``MASK_SLOTS`` a row the mask marks 0 gets slots -1 (and is not counted)."""
     e = tl.arange(0, BLOCK_E)
     ok = e < E
     if SIGMOID:
@@ -117,12 +120,14 @@ def _route_token(lg, t, bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, counts_p
     tl.store(w_ptr + t * K + ki, top_w, mask=ki < K)
     if TABLE:
         slot = tl.load(table_ptr + top_idx, mask=ki < K, other=-1)
+        if HAS_MASK:
+            m = (tl.zeros([KP], tl.int64) + tl.load(mask_ptr + t).to(tl.int64) != 0).to(tl.int64)
+            if MASK_SLOTS:  # a padding row routes nowhere
+                slot = tl.where(m != 0, slot, -1)
+        else:
+            m = tl.full([KP], 1, tl.int64)
         tl.store(slots_ptr + t * K + ki, slot, mask=ki < K)
         if RECORD:
-            if HAS_MASK:
-                m = tl.zeros([KP], tl.int64) + tl.load(mask_ptr + t).to(tl.int64)
-            else:
-                m = tl.full([KP], 1, tl.int64)
             add_slot_counts(counts_ptr, pos_ptr, layer, num_layers, width, slot, m, ki < K)
 
 
@@ -132,14 +137,15 @@ def _router_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, c
                    K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr,
                    HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, GP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                    TOP2_SUM: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr, ROUND: tl.constexpr,
-                   SCALE: tl.constexpr, TABLE: tl.constexpr, RECORD: tl.constexpr, HAS_MASK: tl.constexpr):
+                   SCALE: tl.constexpr, TABLE: tl.constexpr, RECORD: tl.constexpr, HAS_MASK: tl.constexpr,
+                 MASK_SLOTS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     lg = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
     _route_token(lg, t, bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, counts_ptr, pos_ptr, mask_ptr,
                  E, scale, layer, num_layers, width, logits_ptr.dtype.element_ty,
                  K, KP, BLOCK_E, SIGMOID, HAS_BIAS, N_GROUP, GP, TOPK_GROUP, TOP2_SUM, NORM, EPS, ROUND, SCALE,
-                 TABLE, RECORD, HAS_MASK)
+                 TABLE, RECORD, HAS_MASK, MASK_SLOTS)
 
 
 @triton.jit
@@ -151,7 +157,8 @@ def _gate_router_kernel(x_ptr, gw_ptr, gb_ptr, scratch_ptr, arrive_ptr,
                         K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr,
                         HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, GP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                         TOP2_SUM: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr, ROUND: tl.constexpr,
-                        SCALE: tl.constexpr, TABLE: tl.constexpr, RECORD: tl.constexpr, HAS_MASK: tl.constexpr):
+                        SCALE: tl.constexpr, TABLE: tl.constexpr, RECORD: tl.constexpr, HAS_MASK: tl.constexpr,
+                 MASK_SLOTS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     n_ok = n < E
@@ -179,7 +186,7 @@ def _gate_router_kernel(x_ptr, gw_ptr, gb_ptr, scratch_ptr, arrive_ptr,
         _route_token(row, t, bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, counts_ptr, pos_ptr, mask_ptr,
                      E, scale, layer, num_layers, width, x_ptr.dtype.element_ty,
                      K, KP, BLOCK_E, SIGMOID, HAS_BIAS, N_GROUP, GP, TOPK_GROUP, TOP2_SUM, NORM, EPS, ROUND, SCALE,
-                     TABLE, RECORD, HAS_MASK)
+                     TABLE, RECORD, HAS_MASK, MASK_SLOTS)
 
 
 def supports(router_kind: str) -> bool:
@@ -190,7 +197,7 @@ def supports(router_kind: str) -> bool:
 def route_triton(logits: torch.Tensor, correction_bias: torch.Tensor | None, *, top_k: int, sigmoid: bool,
                  n_group: int, topk_group: int, top2_sum: bool, normalize: bool, round_weights: bool,
                  scale: float, slot_table: torch.Tensor | None = None, record: LoadRecord | None = None,
-                 ) -> tuple[torch.Tensor, ...]:
+                 row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """``router.Router``'s top-k after the logits, in one launch (flags: ``router.kernel_flags(spec)``); with
     ``slot_table`` also the chosen experts' slots, and with ``record`` their count.
 
@@ -207,17 +214,19 @@ def route_triton(logits: torch.Tensor, correction_bias: torch.Tensor | None, *, 
         scale: the routed scaling factor.
         slot_table: ``[E]`` int64 contiguous physical slot of each expert (``SlotMap.static_table``), or ``None``.
         record: the load recorder's counts to add the slots to (needs ``slot_table``), or ``None``.
+        row_mask: ``[T]`` int64, 0 = a padding row: its slots are -1 (no expert computes it) and it is not
+            counted (needs ``slot_table``; it replaces ``record.row_mask``), or ``None``.
 
     Returns:
         ``topk_idx [T, K]`` int64 and ``topk_weights [T, K]`` float32, experts by descending choice; with
         ``slot_table`` also ``topk_slots [T, K]`` int64.
 
     Raises:
-        ValueError: a ``record`` without a ``slot_table``.
+        ValueError: a ``record`` or a ``row_mask`` without a ``slot_table``; a ``row_mask`` not ``[T]`` int64.
     """
     t, e = logits.shape
     out, args = _routing_args(t, e, logits.dtype, logits.device, correction_bias, top_k, sigmoid, n_group,
-                              topk_group, top2_sum, normalize, round_weights, scale, slot_table, record)
+                              topk_group, top2_sum, normalize, round_weights, scale, slot_table, record, row_mask)
     if t == 0:
         return out
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
@@ -231,7 +240,8 @@ def route_gate_triton(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: tor
                       arrivals: torch.Tensor, correction_bias: torch.Tensor | None, *, fp32_logits: bool, top_k: int,
                       sigmoid: bool, n_group: int, topk_group: int, top2_sum: bool, normalize: bool,
                       round_weights: bool, scale: float, slot_table: torch.Tensor | None = None,
-                      record: LoadRecord | None = None) -> tuple[torch.Tensor, ...]:
+                      record: LoadRecord | None = None, row_mask: torch.Tensor | None = None,
+                      ) -> tuple[torch.Tensor, ...]:
     """``route_triton`` of the gate's logits ``x @ gate_weight.T (+ gate_bias)``, computed in the same launch
     (for a few tokens: every token's programs read the whole weight; ``router.FUSED_GATE_MAX_TOKENS``).
 
@@ -249,16 +259,15 @@ def route_gate_triton(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: tor
             buffer must not serve two launches running at once).
         correction_bias: as ``route_triton``.
         fp32_logits: the router computes its logits in float32 (``MoESpec.router_fp32_logits``).
-        top_k, sigmoid, n_group, topk_group, top2_sum, normalize, round_weights, scale, slot_table, record: as
-            ``route_triton`` (the logits' dtype is float32 with ``fp32_logits``, else ``x``'s).
+        top_k, sigmoid, n_group, topk_group, top2_sum, normalize, round_weights, scale, slot_table, record,
+            row_mask: as ``route_triton`` (the logits' dtype is float32 with ``fp32_logits``, else ``x``'s).
 
     Returns:
         As ``route_triton``.
 
     Raises:
         ValueError: more tokens than ``arrivals`` counters (or not int32 contiguous), shapes or dtypes
-            of ``x``, ``gate_weight``, ``gate_bias`` that ``F.linear`` would not take, or a ``record`` without a
-            ``slot_table``.
+            of ``x``, ``gate_weight``, ``gate_bias`` that ``F.linear`` would not take, or as ``route_triton``.
     """
     t, d = x.shape
     e = gate_weight.shape[0]
@@ -273,7 +282,7 @@ def route_gate_triton(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: tor
                          f"({None if gate_bias is None else gate_bias.dtype}) must share one dtype")
     logit_dtype = torch.float32 if fp32_logits else x.dtype
     out, args = _routing_args(t, e, logit_dtype, x.device, correction_bias, top_k, sigmoid, n_group,
-                              topk_group, top2_sum, normalize, round_weights, scale, slot_table, record)
+                              topk_group, top2_sum, normalize, round_weights, scale, slot_table, record, row_mask)
     if t == 0:
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -312,27 +321,32 @@ def _gate_rows(num_tokens: int, num_experts: int) -> int:
 def _routing_args(t: int, e: int, logit_dtype: torch.dtype, device: torch.device,
                   correction_bias: torch.Tensor | None, top_k: int, sigmoid: bool, n_group: int, topk_group: int,
                   top2_sum: bool, normalize: bool, round_weights: bool, scale: float,
-                  slot_table: torch.Tensor | None, record: LoadRecord | None):
+                  slot_table: torch.Tensor | None, record: LoadRecord | None, row_mask: torch.Tensor | None):
     """The outputs and the keyword arguments both kernels pass to ``_route_token`` (pointers, scalars and
     constexprs): ``(outputs, kwargs)``."""
     if record is not None and slot_table is None:
         raise ValueError("route_triton records slot loads only with a slot_table")
+    if row_mask is not None and (slot_table is None or row_mask.shape != (t,) or row_mask.dtype != torch.int64):
+        raise ValueError(f"route_triton masks rows only with a slot_table and a [T] int64 row_mask: {t} tokens, "
+                         f"row_mask {tuple(row_mask.shape)} {row_mask.dtype}")
     k = top_k
     idx = torch.empty(t, k, dtype=torch.int64, device=device)
     w = torch.empty(t, k, dtype=torch.float32, device=device)
     slots = torch.empty(t, k, dtype=torch.int64, device=device) if slot_table is not None else None
     out = (idx, w) if slots is None else (idx, w, slots)
     rec = record if record is not None else LoadRecord(idx, idx, 0, None)  # placeholders when not recording
+    mask = row_mask if row_mask is not None else rec.row_mask
     args = dict(
         bias_ptr=correction_bias if correction_bias is not None else w, idx_ptr=idx, w_ptr=w,
         table_ptr=slot_table if slot_table is not None else idx, slots_ptr=slots if slots is not None else idx,
-        counts_ptr=rec.counts, pos_ptr=rec.pos, mask_ptr=rec.row_mask if rec.row_mask is not None else idx,
+        counts_ptr=rec.counts, pos_ptr=rec.pos, mask_ptr=mask if mask is not None else idx,
         E=e, scale=float(scale), layer=rec.layer, num_layers=rec.counts.shape[1] if record is not None else 1,
         width=rec.counts.shape[2] if record is not None else 1,
         K=k, KP=triton.next_power_of_2(k), BLOCK_E=triton.next_power_of_2(e), SIGMOID=sigmoid,
         HAS_BIAS=sigmoid and correction_bias is not None, N_GROUP=n_group, GP=triton.next_power_of_2(n_group),
         TOPK_GROUP=topk_group, TOP2_SUM=top2_sum, NORM=normalize, EPS=1e-20 if sigmoid else 0.0,
         ROUND=not sigmoid and round_weights and logit_dtype != torch.float32, SCALE=sigmoid or scale != 1.0,
-        TABLE=slot_table is not None, RECORD=record is not None, HAS_MASK=rec.row_mask is not None,
+        TABLE=slot_table is not None, RECORD=record is not None, HAS_MASK=mask is not None,
+        MASK_SLOTS=row_mask is not None,
     )
     return out, args
