@@ -13,8 +13,12 @@ the backend takes (``default_wgmma_config`` for the size: 64-row blocks below 64
 size and path: the median time as CUDA-graph replays after an L2 flush (``timing.time_fn``), for the wgmma variants the
 token rows they compute per routed pair (padding included, from the alignment) and the relative error of the output
 against the MMA path's (which the GPU tests check against the float64 reference); ``bf16``: the ``triton`` backend on
-the dequantized weights (the target: INT4 prefill no slower). Prints one line a path, then a table (time over bf16's);
-writes JSON to ``--out`` (default ``$OUT/int4_prefill.json`` when ``$OUT`` is set).
+the dequantized weights (the target: INT4 prefill no slower). Beside each row its floors, as ``moe_layer.py`` computes
+them from the ceilings measured first in the same run (``timing.measure_ceilings``): the FLOPs of the routed pairs
+(``2 pairs 3 D F``) over the bf16 matmul rate (``flop_fl``), the packed INT4 values and scales of the slots the routing
+touches over the copy bandwidth (``read_fl``), and the ``wgmma`` time over the larger of the two (``wg/fl``). Prints the
+ceilings, one line a path, then a table (times, and below them the time over bf16's); writes JSON to ``--out``
+(default ``$OUT/int4_prefill.json`` when ``$OUT`` is set).
 """
 
 from __future__ import annotations
@@ -32,12 +36,23 @@ from epmoe.experts.triton.int4 import dequantize_int4_triton
 from epmoe.experts.triton.w4a16_mma import MmaConfig, int4_mma_experts
 from epmoe.experts.triton.w4a16_wgmma import default_wgmma_config, int4_wgmma_experts
 from epmoe.experts.weights import Activation
-from moe_layer import INT4_CASES, INT4_GROUP, WGMMA_PREFILL, ep_pairs, make_routing, random_int4_weights
-from timing import rel_err, time_fn
+from moe_layer import (
+    INT4_CASES,
+    INT4_GROUP,
+    WGMMA_PREFILL,
+    ep_pairs,
+    flop_floor_us,
+    int4_read_floor_us,
+    make_routing,
+    random_int4_weights,
+)
+from timing import measure_ceilings, rel_err, time_fn
 
 
-def bench_case(name: str, case: dict, sizes: list[int], flush: torch.Tensor, gen: torch.Generator) -> list[dict]:
-    """One line a path and size (printed) and one row a size (returned); the case's weights are freed on return."""
+def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, flush: torch.Tensor,
+               gen: torch.Generator) -> list[dict]:
+    """One line a path and size (printed) and one row a size (returned), with its floors from the measured ceilings
+    ``ceil``; the case's weights are freed on return."""
     s, d, f, g = case["slots"], case["d"], case["f"], INT4_GROUP
     act, mma16 = Activation(), MmaConfig(block_m=16)
     backend = get_expert_backend("triton")
@@ -50,9 +65,15 @@ def bench_case(name: str, case: dict, sizes: list[int], flush: torch.Tensor, gen
     for t in sizes:
         x, slots, tw = make_routing(case, t, gen)
         pairs = int((slots >= 0).sum())
+        active = int(torch.unique(slots[slots >= 0]).numel())
         expected = ep_pairs(case, t)
         ref = int4_mma_experts(x, slots, tw, q, act, config=mma16)
-        row = {"case": name, "tokens": t, "pairs": pairs, "slots": s}
+        row = {"case": name, "tokens": t, "pairs": pairs, "slots": s, "active_slots": active,
+               "floor_flop_us": flop_floor_us(case, pairs, ceil),
+               "floor_int4_read_us": int4_read_floor_us(case, active, ceil)}
+        row["floor_us"] = max(row["floor_flop_us"], row["floor_int4_read_us"])
+        print(f"{name:15} T={t:5d} floors: FLOPs {row['floor_flop_us']:9.1f} us, INT4 weight read "
+              f"{row['floor_int4_read_us']:9.1f} us ({active} slots)", flush=True)
         for key, cfg in WGMMA_PREFILL.items():
             c = cfg if cfg is not None else default_wgmma_config(g, expected, s)
             aln = align_triton(slots, s, c.block_m, tail_rows=c.tail_rows)
@@ -68,6 +89,7 @@ def bench_case(name: str, case: dict, sizes: list[int], flush: torch.Tensor, gen
         print(f"{name:15} T={t:5d} {'mma16':9} {row['mma16_us']:9.1f} us", flush=True)
         print(f"{name:15} T={t:5d} {'bf16':9} {row['bf16_us']:9.1f} us  rel_err(vs mma16) {row['bf16_err']:.2e}",
               flush=True)
+        row["wgmma_x_floor"] = row["wgmma_us"] / row["floor_us"] if row["floor_us"] else float("nan")
         rows.append(row)
     return rows
 
@@ -79,19 +101,24 @@ def main() -> None:
     p.add_argument("--out", default=os.path.join(os.environ["OUT"], "int4_prefill.json") if "OUT" in os.environ
                    else None)
     args = p.parse_args()
+    ceil = measure_ceilings()
+    print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} "
+          "TFLOP/s", flush=True)
     flush = torch.empty(256 << 20, device="cuda", dtype=torch.float16)
     gen = torch.Generator(device="cuda").manual_seed(2)
     sizes = [int(v) for v in args.sizes.split(",")]
-    rows = [r for name in args.cases.split(",") for r in bench_case(name, INT4_CASES[name], sizes, flush, gen)]
+    rows = [r for name in args.cases.split(",") for r in bench_case(name, INT4_CASES[name], sizes, ceil, flush, gen)]
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "rows": rows}, fh, indent=1)
+                       "triton": triton.__version__, "ceilings": ceil, "rows": rows}, fh, indent=1)
     keys = list(WGMMA_PREFILL) + ["mma16", "bf16"]
-    print(f"\n{'case':15} {'T':>5} " + " ".join(f"{k:>9}" for k in keys) + "  (us; below: x bf16)")
+    print(f"\n{'case':15} {'T':>5} {'flop_fl':>8} {'read_fl':>8} " + " ".join(f"{k:>9}" for k in keys)
+          + f" {'wg/fl':>6}  (us; below: x bf16)")
     for r in rows:
-        print(f"{r['case']:15} {r['tokens']:5d} " + " ".join(f"{r[k + '_us']:9.1f}" for k in keys))
-        print(f"{'':15} {'':5} " + " ".join(f"{r[k + '_us'] / r['bf16_us']:9.2f}" for k in keys))
+        print(f"{r['case']:15} {r['tokens']:5d} {r['floor_flop_us']:8.1f} {r['floor_int4_read_us']:8.1f} "
+              + " ".join(f"{r[k + '_us']:9.1f}" for k in keys) + f" {r['wgmma_x_floor']:6.2f}")
+        print(f"{'':15} {'':5} {'':8} {'':8} " + " ".join(f"{r[k + '_us'] / r['bf16_us']:9.2f}" for k in keys))
 
 if __name__ == "__main__":
     main()

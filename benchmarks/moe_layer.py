@@ -163,6 +163,24 @@ def ep_pairs(case: dict, t: int) -> int:
     return t * case["k"] * case["slots"] // case["num_experts"]
 
 
+def flop_floor_us(case: dict, pairs: int, ceil: dict) -> float:
+    """The FLOP floor of one call of the case's experts, us: ``2 pairs 3 D F`` (the three projections of ``pairs``
+    routed rows) over the measured bf16 matmul rate ``ceil["bf16_flop_per_s"]`` (``timing.measure_ceilings``)."""
+    return 2 * pairs * 3 * case["d"] * case["f"] / ceil["bf16_flop_per_s"] * 1e6
+
+
+def int4_expert_bytes(case: dict) -> int:
+    """Bytes of one INT4 expert's ``w13`` and ``w2``: 4-bit values and a bf16 scale per ``INT4_GROUP`` inputs."""
+    d, f = case["d"], case["f"]
+    return 3 * d * f // 2 + 3 * d * f // INT4_GROUP * 2
+
+
+def int4_read_floor_us(case: dict, active: int, ceil: dict) -> float:
+    """The INT4 weight-read floor of one call, us: the packed values and scales of the ``active`` slots the routing
+    touches over the measured copy bandwidth ``ceil["copy_bytes_per_s"]`` (``timing.measure_ceilings``)."""
+    return active * int4_expert_bytes(case) / ceil["copy_bytes_per_s"] * 1e6
+
+
 def make_routing(case: dict, t: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Hidden states and top-k routing (local slot ids, -1 = another rank) for ``t`` tokens."""
     x = torch.randn(t, case["d"], device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -218,8 +236,7 @@ def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[i
         """Active slots, live pairs, and the weight-read and FLOP floors (us) of one routing."""
         active = int(torch.unique(slots[slots >= 0]).numel())
         pairs = int((slots >= 0).sum())
-        return (active, pairs, active * expert_bytes / ceil["copy_bytes_per_s"] * 1e6,
-                2 * pairs * 3 * d * f / ceil["bf16_flop_per_s"] * 1e6)
+        return active, pairs, active * expert_bytes / ceil["copy_bytes_per_s"] * 1e6, flop_floor_us(case, pairs, ceil)
 
     rows = []
     for t in sizes:
@@ -332,19 +349,19 @@ def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: 
     dequantize_all()
     act = Activation()
     ours = get_expert_backend("triton")
-    int4_bytes = 3 * d * f // 2 + 3 * d * f // g * 2
+    int4_bytes = int4_expert_bytes(case)
     bf16_bytes = 3 * d * f * 2
     rows = []
     for t in sizes:
         x, slots, tw = make_routing(case, t, gen)
         active = int(torch.unique(slots[slots >= 0]).numel())
         pairs = int((slots >= 0).sum())
-        flop_us = 2 * pairs * 3 * d * f / ceil["bf16_flop_per_s"] * 1e6
+        flop_us = flop_floor_us(case, pairs, ceil)
         expected = ep_pairs(case, t)
         row = {"case": name, "tokens": t, "active_slots": active, "pairs": pairs,
                "int4_weight_bytes": active * int4_bytes, "bf16_weight_bytes": active * bf16_bytes,
                "floor_flop_us": flop_us,
-               "int4_floor_us": max(active * int4_bytes / ceil["copy_bytes_per_s"] * 1e6, flop_us),
+               "int4_floor_us": max(int4_read_floor_us(case, active, ceil), flop_us),
                "bf16_floor_us": max(active * bf16_bytes / ceil["copy_bytes_per_s"] * 1e6, flop_us),
                "int4_path": int4_path(expected, x.dtype, s, torch.cuda.get_device_capability() == (9, 0)),
                "int4_grouped_config": asdict(default_int4_config(expected, s))}

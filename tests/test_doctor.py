@@ -152,10 +152,11 @@ def test_checkpoint_missing_expert_tensor_is_named(tiny_checkpoints, tmp_path):
     good = tiny_checkpoints("olmoe")  # 16 experts, 2 MoE layers, per-expert tensors
     lines = [f.line() for f in diagnose(DoctorConfig(model=str(good), ep=2))]
     assert ("ok: the target model: checkpoint holds every tensor the loader reads, with the shapes config.json "
-            "predicts (16 routed experts x 2 MoE layers, bf16 weights)") in lines
-    # sizes in the unit that fits (a tiny expert is KiB, not "0.0 MiB")
-    assert ("ok: the target model: routed experts bf16, served in the compute dtype (counted in bf16; --dtype float32 "
-            "doubles it): 12.0 KiB per expert, 192.0 KiB per rank (8 slots x 2 MoE layers)") in lines
+            "predicts (16 routed experts x 2 MoE layers, float32 weights)") in lines
+    # unquantized experts named by the checkpoint's dtype (float32 here); sizes in the unit that fits (a tiny expert
+    # is KiB, not "0.0 MiB")
+    assert ("ok: the target model: routed experts float32, served in the compute dtype (counted in bf16; --dtype "
+            "float32 doubles it): 12.0 KiB per expert, 192.0 KiB per rank (8 slots x 2 MoE layers)") in lines
     bad = _drop_tensor(good, tmp_path / "olmoe", "model.layers.1.mlp.experts.5.up_proj.weight")
     (error,) = _errors(diagnose(DoctorConfig(model=str(bad), ep=2)))
     assert error.what == ("the target model: checkpoint is missing a tensor of logical expert 5 of model.layers.1.mlp: "

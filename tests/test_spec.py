@@ -287,3 +287,25 @@ def test_an_unserved_quantization_keeps_its_name(tmp_path, edit, fmt):
     (finding,) = check_expert_storage(spec, 8, 0)
     assert finding.severity == "error"
     assert f"routed expert weight format {fmt!r} is not served" in finding.what
+
+
+def test_format_name_is_the_checkpoints_dtype_for_unquantized_experts():
+    # expert_weight_format keeps "bf16" for every unquantized checkpoint (storage and planner match on it); the name
+    # people read is the dtype config.json gives, under text_config first, "torch_dtype" before transformers 5
+    names = {n: load_moe_spec(CONFIGS / f"{n}.config.json") for n in
+             ("qwen3-30b-a3b", "kimi-k2.5", "deepseek-v3", "gpt-oss-20b")}
+    got = {n: (s.expert_weight_format, s.checkpoint_dtype, s.expert_format_name) for n, s in names.items()}
+    assert got == {"qwen3-30b-a3b": ("bf16", "bfloat16", "bfloat16"),
+                   "kimi-k2.5": ("int4_group32", "bfloat16", "int4_group32"),
+                   "deepseek-v3": ("fp8_block128", "bfloat16", "fp8_block128"),
+                   "gpt-oss-20b": ("mxfp4", None, "mxfp4")}  # its config.json names no dtype
+    cfg = json.loads((CONFIGS / "mixtral-8x7b.config.json").read_text())
+    cfg["torch_dtype"] = "float32"
+    assert parse_moe_spec(cfg).expert_format_name == "float32"
+    cfg["dtype"] = "float16"  # transformers 5's name wins
+    assert parse_moe_spec(cfg).expert_format_name == "float16"
+    del cfg["dtype"], cfg["torch_dtype"]
+    assert (parse_moe_spec(cfg).checkpoint_dtype, parse_moe_spec(cfg).expert_format_name) == (None, "unquantized")
+    cfg["dtype"] = 16
+    with pytest.raises(ValueError, match=r"<dict>: field 'dtype' must be a string, got 16"):
+        parse_moe_spec(cfg)

@@ -184,7 +184,7 @@ def check_checkpoint(spec: MoESpec, directory: str, what: str = "the target mode
                         "epmoe run cannot read the weights", "re-download the checkpoint")]
     return [Finding("ok", f"{what}: checkpoint holds every tensor the loader reads, with the shapes config.json "
                           f"predicts ({spec.num_experts} routed experts x {counted(spec.num_moe_layers, 'MoE layer')}, "
-                          f"{spec.expert_weight_format} weights)")]
+                          f"{spec.expert_format_name} weights)")]
 
 
 def draft_mismatches(model: DraftModel, eagle: bool, target: MoESpec) -> list[tuple[str, int, int]]:
@@ -252,8 +252,10 @@ _SERVED = {"plain": "in the compute dtype (counted in bf16; --dtype float32 doub
 
 def check_expert_storage(spec: MoESpec, ep: int, redundant: int, weights: str | None = None,
                          what: str = "the target model") -> list[Finding]:
-    """The routed experts' weight format, how ``epmoe run`` serves it (``experts.storage.ExpertStorage``) and their
-    bytes per rank (packed values and scales; bf16 for plain and FP8 checkpoints, which are dequantized on load)."""
+    """The routed experts' weight format (unquantized ones named by the checkpoint's dtype,
+    ``MoESpec.expert_format_name``; ``weights`` as planned), how ``epmoe run`` serves it
+    (``experts.storage.ExpertStorage``) and their bytes per rank (packed values and scales; bf16 for plain and FP8
+    checkpoints, which are dequantized on load)."""
     fmt = WEIGHT_CHOICES[weights] if weights else spec.expert_weight_format
     try:
         storage = ExpertStorage.of(fmt)
@@ -264,7 +266,8 @@ def check_expert_storage(spec: MoESpec, ep: int, redundant: int, weights: str | 
     slots = math.ceil((spec.num_experts + redundant) / ep)
     per_rank = per_expert * slots * spec.num_moe_layers
     dequantized = ", FP8 dequantized on load" if fmt.startswith("fp8") and storage.kind == "plain" else ""
-    return [Finding("ok", f"{what}: routed experts {fmt}, served {_SERVED[storage.kind]}{dequantized}: "
+    name = fmt if weights else spec.expert_format_name
+    return [Finding("ok", f"{what}: routed experts {name}, served {_SERVED[storage.kind]}{dequantized}: "
                           f"{format_bytes(per_expert)} per expert, {format_bytes(per_rank)} per rank "
                           f"({counted(slots, 'slot')} x {counted(spec.num_moe_layers, 'MoE layer')})")]
 

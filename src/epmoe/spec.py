@@ -93,6 +93,11 @@ class MoESpec:
         expert_weight_format: routed expert storage in the published checkpoint:
             ``bf16``, ``fp8_block128`` (DeepSeek FP8, 128x128 scales), ``int4_group32`` (Kimi-K2.5),
             ``mxfp4`` (gpt-oss); another quantization keeps its own name (``compressed-tensors-int3``, ``awq``).
+            ``bf16`` stands for every unquantized checkpoint, whatever its dtype (the code matches on it); people
+            read ``expert_format_name``.
+        checkpoint_dtype: the weights' dtype ``config.json`` names (``dtype``, ``torch_dtype`` before
+            transformers 5; the language model's under ``text_config`` first), e.g. ``bfloat16``, ``float32``;
+            ``None`` when it names none.
         defaults: ``(field, value)`` of the config fields that were absent and took the default of
             transformers' config class (``defaults_class``), in reading order; empty when none was.
         defaults_class: the transformers config class those defaults came from (``""`` when none).
@@ -127,6 +132,16 @@ class MoESpec:
     expert_weight_format: str
     defaults: tuple[tuple[str, Any], ...] = ()
     defaults_class: str = ""
+    checkpoint_dtype: str | None = None
+
+    @property
+    def expert_format_name(self) -> str:
+        """The routed experts' storage as messages name it: the checkpoint's dtype for unquantized weights
+        (``float32``, ``bfloat16``; ``unquantized`` when ``config.json`` names no dtype), else
+        ``expert_weight_format``."""
+        if self.expert_weight_format != "bf16":
+            return self.expert_weight_format
+        return self.checkpoint_dtype or "unquantized"
 
     @property
     def num_moe_layers(self) -> int:
@@ -190,6 +205,20 @@ def language_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
         merged.setdefault("quantization_config", cfg.get("quantization_config"))
         return merged
     return cfg
+
+
+def _checkpoint_dtype(lm: dict[str, Any], top: dict[str, Any], source: str) -> str | None:
+    """The weights' dtype ``config.json`` names (``dtype``; ``torch_dtype`` before transformers 5), the language
+    model's (``lm``) first, else the top level's; ``None`` when neither names one.
+
+    Raises:
+        ValueError: the field is not a string (file, field and value named).
+    """
+    for part in (lm, top):
+        for key in ("dtype", "torch_dtype"):
+            if part.get(key) is not None:
+                return ConfigFields(part, source).str(key)
+    return None
 
 
 def _moe_layer_indices(f: ConfigFields, mt: str, num_layers: int) -> tuple[int, ...]:
@@ -363,7 +392,7 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
         ValueError: a field is missing, of the wrong type or range, or contradicts another (file, field and
             value named).
     """
-    cfg = language_model_config(cfg)
+    top, cfg = cfg, language_model_config(cfg)
     mt = ConfigFields(cfg, source).str("model_type")
     expert_fields = ("n_routed_experts", "num_experts", "num_local_experts")
     if mt in _DENSE:
@@ -441,6 +470,7 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
         hidden_act=hidden_act, swiglu_limit=facts.swiglu_limit, swiglu_alpha=facts.swiglu_alpha, vocab_size=vocab,
         attention=attention, expert_weight_format=_weight_format(cfg),
         defaults=tuple(f.defaulted.items()), defaults_class=f.defaults_class,
+        checkpoint_dtype=_checkpoint_dtype(cfg, top, source),
     )
 
 

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
+from epmoe.runtime.launch import free_port
 from tests.server.conftest import API_KEY, MODEL
 
 pytestmark = pytest.mark.multiprocess
@@ -130,3 +134,22 @@ def test_port_in_use_is_refused_before_loading(capsys):
         assert main(["serve", "--ep", "1", "--port", str(port)]) == 2
         assert time.monotonic() - t0 < 60
     assert f"--host 127.0.0.1 --port {port}: cannot listen there" in capsys.readouterr().err
+
+
+def test_kv_pool_short_of_the_context_is_refused_at_start():
+    # 16 blocks of 16 tokens per rank, one the padding block: 240 tokens, short of the built-in model's context of
+    # 256; vLLM refuses to start then, and so does the server: exit 2 (bad input), every rank's error in one line
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"))
+    cmd = [sys.executable, "-m", "epmoe.cli", "serve", "--ep", "2", "--port", str(free_port()), "--num-kv-blocks", "16"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    err = done.stderr
+    assert done.returncode == 2, err
+    # the rank that reports first is the cause (the other one may be stopped before it reports the same)
+    assert re.search(r"fatal: rank [01] failed: ValueError: the model's max seq len \(256 tokens, the model's context; "
+                     r"--max-model-len not given\) is larger than the maximum number of tokens that can be stored in "
+                     r"the KV cache \(240: 15 blocks of 16 besides the padding block\); try increasing --num-kv-blocks "
+                     r"\(now 16\) to at least 17 or decreasing --max-model-len", err), err
+    assert "Traceback" not in err and "ready" not in err, err
+    # the ranks' report queue was closed before the exit: multiprocessing's resource tracker (whose output ends this
+    # stderr) found no semaphore left
+    assert "leaked semaphore" not in err, err

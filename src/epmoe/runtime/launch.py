@@ -269,7 +269,7 @@ class SpawnedRanks:
             p.start()
 
     def _drain(self) -> None:
-        while not self._queue.empty():
+        while self._queue is not None and not self._queue.empty():
             rank, ok, value = self._queue.get()
             if ok:
                 self.results[rank] = pickle.loads(value)
@@ -326,6 +326,23 @@ class SpawnedRanks:
         for p in self.procs.values():
             p.join()
 
+    def close(self) -> None:
+        """Release the ranks for good, on every way out (a result, a failure, a server's fatal exit): kill the rank
+        processes still running, join them all, and close the report queue. The queue's two locks are named POSIX
+        semaphores, registered with multiprocessing's resource tracker, which reports them as leaked when this
+        process ends without releasing them (as ``os._exit`` does); they are released here, with the queue's last
+        reference. Reports not read before are dropped (``poll`` or ``failure`` keep them). A second call does
+        nothing.
+        """
+        if self._queue is None:
+            return
+        for p in self.procs.values():
+            if p.is_alive():
+                p.kill()
+        self.join()
+        self._queue.close()
+        self._queue = None  # the locks' finalizers unlink the semaphores and tell the tracker now
+
 
 def spawn(fn: Callable[..., Any], world_size: int, args: tuple = ()) -> list[Any]:
     """Run ``fn(RankInfo, *args)`` in ``world_size`` fresh local processes and return their results.
@@ -341,14 +358,17 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = ()) -> list[Any
     """
     ranks = SpawnedRanks(fn, world_size, args)
     ranks.start()
-    while True:
-        failure = ranks.failure()
-        if failure is not None:
-            ranks.join()
-            raise failure
-        if ranks.done:
-            break
-        for p in ranks.procs.values():
-            p.join(timeout=0.05 / world_size)
-    ranks.join()
-    return [ranks.results[r] for r in range(world_size)]
+    try:
+        while True:
+            failure = ranks.failure()
+            if failure is not None:
+                ranks.join()
+                raise failure
+            if ranks.done:
+                break
+            for p in ranks.procs.values():
+                p.join(timeout=0.05 / world_size)
+        ranks.join()
+        return [ranks.results[r] for r in range(world_size)]
+    finally:
+        ranks.close()

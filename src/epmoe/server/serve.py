@@ -23,6 +23,7 @@ import os
 import sys
 import threading
 import time
+from multiprocessing.process import BaseProcess
 
 import torch.multiprocessing as mp
 import uvicorn
@@ -102,6 +103,16 @@ def _startup_log(cfg: ServeConfig, model_dir: str, name: str, frontend: Frontend
     log.info("ready: http://%s:%d/v1", cfg.host, cfg.port)
 
 
+def _release_ranks(core: BaseProcess, followers: SpawnedRanks | None) -> None:
+    """Kill what is left of the rank processes, join them and close the followers' report queue (whose locks are
+    named semaphores: the resource tracker reports them as leaked at ``os._exit`` unless released)."""
+    if core.is_alive():
+        core.kill()
+    core.join()
+    if followers is not None:
+        followers.close()
+
+
 def serve(cfg: ServeConfig) -> int:
     """Run the server until SIGTERM (see the module docstring).
 
@@ -151,9 +162,13 @@ def serve(cfg: ServeConfig) -> int:
         timer.daemon = True
         timer.start()
 
-    frontend = Frontend(here, ServerMetrics(), on_fatal)
-    codec = TextCodec(model_dir, load_moe_spec(model_dir).vocab_size)
-    app = build_app(AppContext(frontend, codec, name, model_dir, cfg.api_key, cfg.max_body_bytes))
+    try:
+        frontend = Frontend(here, ServerMetrics(), on_fatal)
+        codec = TextCodec(model_dir, load_moe_spec(model_dir).vocab_size)
+        app = build_app(AppContext(frontend, codec, name, model_dir, cfg.api_key, cfg.max_body_bytes))
+    except BaseException:  # a tokenizer the codec refuses, Ctrl-C: the ranks started go with it
+        _release_ranks(core, followers)
+        raise
 
     def drain() -> None:
         log.info("draining: %d open request(s), %.0f s to finish", frontend.num_open(), cfg.drain_timeout_s)
@@ -217,7 +232,11 @@ def serve(cfg: ServeConfig) -> int:
     frontend.start()
     watcher = threading.Thread(target=watch, name="epmoe-watch", daemon=True)
     watcher.start()
-    server.run()
+    try:
+        server.run()
+    except BaseException:  # uvicorn exits when it cannot bind after all (the port taken since the check)
+        _release_ranks(core, followers)
+        raise
     procs = [core, *(followers.procs.values() if followers is not None else ())]
     if not fatal.is_set():
         stopped = frontend.stop(timeout_s=30.0)
@@ -228,8 +247,11 @@ def serve(cfg: ServeConfig) -> int:
         if p.is_alive():
             p.kill()
             p.join(timeout=5.0)
-    if fatal.is_set() or frontend.state == "failed":
+    failed = fatal.is_set() or frontend.state == "failed"
+    if failed:
         watcher.join(GRACE_S + 2.0)  # it names the ranks' own errors and sets the exit code
+    _release_ranks(core, followers)  # its queue's semaphores: os._exit below would leave them to the tracker
+    if failed:
         logging.shutdown()
         sys.stderr.flush()
         os._exit(exit_code[0])  # uvicorn's and the pipe's threads may still wait on the dead core
