@@ -92,9 +92,8 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
 
     Raises:
         ApiError: 400 naming the field: an empty prompt, token ids outside the vocabulary, a prompt as
-            long as the context, ``max_tokens`` past the context, a prompt and ``max_tokens`` past a rank's whole KV
-            pool (``info.kv``), a bad sampling value, logit-bias keys that are not token ids, a penalty or logit bias
-            with speculative decoding.
+            long as the context, ``max_tokens`` past the context, a bad sampling value, logit-bias keys that are not
+            token ids, a penalty or logit bias with speculative decoding.
     """
     if isinstance(req, ChatCompletionRequest):
         kind, where = "chat", "messages"
@@ -156,23 +155,13 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         raise ApiError(400, f"stop strings ({req.stop!r}) need the checkpoint's tokenizer and this checkpoint has "
                             "none; use stop_token_ids", "stop")
     longest = max(len(ids) for ids in prompts)
-    blocks, block_size = info.kv["blocks"], info.kv["block_size"]
-    pool = blocks * block_size  # a rank's whole KV pool, tokens (the engine refuses what could never fit it)
-    asked = max_tokens is not None
-    if not asked:  # chat: what the context and the KV pool leave (the last token sampled needs no KV)
-        max_tokens = max(1, min(info.max_model_len - longest, pool + 1 - longest))
+    # a rank's KV pool holds the whole context (the server refuses to start otherwise: core.check_kv_holds_context),
+    # so the context is the only bound
+    if max_tokens is None:  # chat: what the context leaves (each prompt is shorter than it, checked above)
+        max_tokens = info.max_model_len - longest
     elif longest + max_tokens > info.max_model_len:
         raise ApiError(400, f"{sent} ({max_tokens}) plus the prompt's {longest} tokens is past the model's "
                             f"context of {info.max_model_len} tokens", sent)
-    for ids in prompts:
-        need = min(len(ids) + max_tokens - 1, info.max_model_len)
-        if need > pool:  # refused here, so that a stream too gets its 400 before it starts
-            field = sent if asked and len(ids) <= pool else where
-            with_max = f" with {sent} {max_tokens}" if asked else ""
-            lower = f"lower {sent} or give" if asked else "shorten it or give"
-            raise ApiError(400, f"{where} of {len(ids)} tokens{with_max} needs {need} KV slots; the KV pool holds "
-                                f"{pool} tokens per rank ({blocks} blocks of {block_size}): {lower} the cache more "
-                                f"blocks", field)
     params = [_sampling(req, max_tokens, j, bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
               for _ in prompts for j in range(req.n)]
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
