@@ -158,6 +158,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", metavar="DIR", help="local Hugging Face MoE checkpoint (default: built-in small "
                                                   "Kimi-K2.5)")
     p.add_argument("--served-model-name", metavar="NAME", help="model id clients send (default: the directory name)")
+    p.add_argument("--chat-template", metavar="TEMPLATE",
+                   help="Jinja chat template, or a file holding one, instead of the tokenizer's")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults of requests that leave them out: 'auto' the checkpoint's "
+                        "generation_config.json (default), 'vllm' the API's own, or a directory holding one")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--api-key", metavar="KEY",
@@ -219,7 +224,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             redundant=args.redundant,
             replica_policy=args.replica_policy, expert_backend=args.expert_backend, host=args.host, port=args.port,
             served_model_name=args.served_model_name, api_key=args.api_key, drain_timeout_s=args.drain_timeout,
-            **speculative_options(args),
+            chat_template=args.chat_template, generation_config=args.generation_config, **speculative_options(args),
         )
         return serve(cfg)
     except (ValueError, TypeError) as exc:
@@ -290,7 +295,8 @@ _SERVE_FLAGS = {name: "--" + name.replace("_", "-") for name in (
     "piecewise_cuda_graph_max_tokens", "enforce_eager", "disable_overlap_schedule", "load_format", "eplb_interval",
     "placement", "redundant", "replica_policy", "expert_backend", "host", "port", "served_model_name", "api_key",
     "speculative_algorithm", "speculative_draft_model", "speculative_num_tokens", "speculative_draft_placement",
-    "speculative_draft_parallel", "prompt_lookup_min", "prompt_lookup_max")} | {"drain_timeout_s": "--drain-timeout"}
+    "speculative_draft_parallel", "prompt_lookup_min", "prompt_lookup_max", "chat_template",
+    "generation_config")} | {"drain_timeout_s": "--drain-timeout"}
 _RUN_FLAGS = {name: "--" + name.replace("_", "-") for name in (
     "model", "ep", "parallel", "device", "dtype", "placement", "redundant", "layout", "dispatcher", "expert_backend",
     "max_num_seqs", "max_num_batched_tokens", "request_rate", "temperature", "top_p", "top_k", "seed",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
 
@@ -248,3 +249,18 @@ def test_seeded_sampling_reproducible(engine, model_dir):
     assert all(len(t) == 8 for t in first + other)
     assert fresh.allocator.num_free == fresh.allocator.capacity
     assert_idle(engine)
+
+
+def test_eos_ids_of_generation_config_stop_generation(model_dir, reference, tmp_path):
+    # Qwen3 lists <|endoftext|> beside <|im_end|> in generation_config.json only: the engine stops on both
+    tokens = reference[PROMPTS[1]]
+    d = tmp_path / "ckpt"
+    shutil.copytree(model_dir, d)
+    (d / "generation_config.json").write_text(f'{{"eos_token_id": [{tokens[2]}, 258]}}')
+    engine = Engine(config(str(d)))
+    assert {tokens[2], 258} <= engine.eos_ids
+    (out,) = engine.generate([PROMPTS[1]], GREEDY)
+    assert out.token_ids == tokens[: tokens.index(tokens[2]) + 1] and out.finish_reason == "stop"
+    (d / "generation_config.json").write_text("{")
+    with pytest.raises(ValueError, match="generation_config.json' cannot be read"):
+        Engine(config(str(d)))

@@ -90,3 +90,43 @@ def test_chat_without_max_tokens_gets_what_the_context_leaves(codec):
         build_job(long, MODEL, codec, INFO)
     assert err.value.param == "messages" and "max_tokens" not in err.value.message
     assert "no room left in the model's context of 256 tokens" in err.value.message
+
+
+def test_generation_config_defaults_fill_only_the_fields_left_out(codec, tmp_path):
+    from epmoe.server.generate import sampling_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True, "max_new_tokens": 7, "eos_token_id": 2}))
+    defaults = sampling_defaults(str(tmp_path))
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 7}
+    (p,) = build_job(_completion(prompt="hi", max_tokens=3), MODEL, codec, INFO, defaults).params
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (0.6, 0.95, 20, 0.0, 3)
+    sent = _completion(prompt="hi", max_tokens=3, temperature=0, top_k=None)  # null: left out
+    (p,) = build_job(sent, MODEL, codec, INFO, defaults).params
+    assert (p.temperature, p.top_p, p.top_k) == (0, 0.95, 20)
+    (p,) = build_job(_chat(messages=[{"role": "user", "content": "hi"}]), MODEL, codec, INFO, defaults).params
+    assert p.max_tokens == 7  # a chat without max_tokens: max_new_tokens caps what the context leaves
+    (p,) = build_job(_chat(messages=[{"role": "user", "content": "hi"}]), MODEL, codec, INFO).params
+    assert p.max_tokens > 7 and p.temperature == 1.0
+    assert sampling_defaults(str(tmp_path / "none")) == {}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))
+    with pytest.raises(ValueError, match=r"generation_config.json: top_p: top_p must be in \(0, 1\], got 1.5"):
+        sampling_defaults(str(tmp_path))
+    (tmp_path / "generation_config.json").write_text("[1, 2")
+    with pytest.raises(ValueError, match="generation_config.json' cannot be read"):
+        sampling_defaults(str(tmp_path))
+
+
+def test_chat_template_from_a_file_or_inline(codec, tmp_path):
+    from epmoe.server.text import load_chat_template
+
+    inline = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    assert load_chat_template(inline) == inline
+    (tmp_path / "t.jinja").write_text(inline)
+    assert load_chat_template(str(tmp_path / "t.jinja")) == inline
+    custom = TextCodec(str(ensure_default_checkpoint()), INFO.vocab_size, inline)
+    assert custom.chat_prompt([{"role": "user", "content": "hi"}]) == "[user] hi\n"
+    with pytest.raises(ValueError, match="'no-such-file' is neither a file nor a Jinja template"):
+        load_chat_template("no-such-file")
+    with pytest.raises(ValueError, match=r"chat_template does not parse: .* \(line 1\)"):
+        load_chat_template("{% for m in messages %}")

@@ -188,6 +188,23 @@ def test_penalties_min_p_and_logit_bias_equal_the_engine_offline(client, offline
     assert biased.choices[0].text == "*" * 5  # token 42 is the byte "*"
 
 
+def test_generation_config_defaults_and_chat_template_flags(start_server, offline, tmp_path, capsys):
+    # --generation-config DIR: requests without temperature take its 0 (greedy); --chat-template inline
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0, "max_new_tokens": 4}')
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    spec = start_server("--ep", "1", "--generation-config", str(tmp_path), "--chat-template", template)
+    client = openai.OpenAI(base_url=f"{spec.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8)
+    assert got.choices[0].text == offline(PROMPTS[:1], 8)[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hey"}])
+    assert chat.usage.prompt_tokens == len("<user>hey") and chat.usage.completion_tokens == 4
+    assert "sampling defaults of requests that leave them out" in spec.log.read_text()
+    from epmoe.cli import main  # a template that does not parse: refused before anything starts, exit 2
+
+    assert main(["serve", "--ep", "1", "--port", "0", "--chat-template", "{% if %}"]) == 2
+    assert "--chat-template" in capsys.readouterr().err
+
+
 def test_stop_string_cuts_the_text(client, offline):
     text = offline(PROMPTS[1:2], 12)[0].text
     stop = text[4:6]

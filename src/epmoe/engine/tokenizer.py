@@ -58,12 +58,38 @@ def decode_text(tokenizer, ids: Sequence[int]) -> str:
     return tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
+def generation_config(model_dir: str) -> dict:
+    """The checkpoint's ``generation_config.json`` (transformers' generation defaults), ``{}`` when it has none.
+
+    Raises:
+        ValueError: the file is not a JSON object (the file and the parser's reason named).
+    """
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    import json
+
+    try:
+        raw = json.loads(path.read_text())
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"{str(path)!r} cannot be read: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{str(path)!r} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
 def eos_token_ids(model_dir: str, tokenizer) -> frozenset[int]:
-    """The end-of-sequence token ids of the checkpoint: its config's ``eos_token_id`` (one or a list) and the
-    tokenizer's."""
+    """The end-of-sequence token ids of the checkpoint: its config's ``eos_token_id`` (one or a list), its
+    ``generation_config.json``'s (Qwen3 stops on ``<|im_end|>`` and ``<|endoftext|>`` there, as vLLM reads it)
+    and the tokenizer's.
+
+    Raises:
+        ValueError: an unreadable ``generation_config.json`` (``generation_config``).
+    """
     raw = language_model_config(read_config(model_dir)[0])
     ids: set[int] = set()
-    for source in (raw.get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)):
+    for source in (raw.get("eos_token_id"), generation_config(model_dir).get("eos_token_id"),
+                   getattr(tokenizer, "eos_token_id", None)):
         if isinstance(source, int):
             ids.add(source)
         elif isinstance(source, list):

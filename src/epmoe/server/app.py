@@ -14,7 +14,7 @@ import contextlib
 import hmac
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pydantic
 from fastapi import FastAPI, Request
@@ -48,6 +48,7 @@ class AppContext:
         model_dir: the checkpoint directory.
         api_key: the bearer token, or ``None``.
         max_body_bytes: largest request body (413 past it).
+        sampling_defaults: what requests' left-out sampling fields take (``generate.sampling_defaults``).
     """
 
     frontend: Frontend
@@ -56,6 +57,7 @@ class AppContext:
     model_dir: str
     api_key: str | None
     max_body_bytes: int
+    sampling_defaults: dict = field(default_factory=dict)
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
@@ -177,7 +179,7 @@ def build_app(ctx: AppContext) -> FastAPI:
         if req.model != ctx.model_name:
             raise ApiError(404, f"model {req.model!r} does not exist; this server serves {ctx.model_name!r}",
                            "model")
-        job = build_job(req, ctx.model_name, codec, ready_info())
+        job = build_job(req, ctx.model_name, codec, ready_info(), ctx.sampling_defaults)
         updates = submit(frontend, job)
         if req.stream:
             pending = set(job.choice_ids())

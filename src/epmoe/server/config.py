@@ -43,6 +43,12 @@ class ServeConfig:
         speculative_algorithm, speculative_draft_model, speculative_num_tokens, speculative_draft_placement,
             speculative_draft_parallel, prompt_lookup_min, prompt_lookup_max: speculative decoding
             (``EngineConfig``'s fields).
+        chat_template: a Jinja chat template, or the path of a file holding one, used instead of the tokenizer's
+            (vLLM's ``--chat-template``); ``None`` = the tokenizer's (or the plain default).
+        generation_config: where requests take the sampling fields they leave out (``temperature``, ``top_p``,
+            ``top_k``, ``min_p``, ``repetition_penalty``, and ``max_new_tokens`` as a chat's ``max_tokens`` cap):
+            ``auto`` = the checkpoint's ``generation_config.json``, ``vllm`` = the API's own defaults, or a
+            directory holding a ``generation_config.json`` (vLLM's ``--generation-config``).
     """
 
     model: str | None = None
@@ -80,6 +86,8 @@ class ServeConfig:
     speculative_draft_parallel: str = "ep"
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    chat_template: str | None = None
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the first bad option (the engine checks its own on each rank)."""
@@ -101,6 +109,11 @@ class ServeConfig:
         if not isinstance(self.drain_timeout_s, numbers.Real) or not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s must be a number of seconds >= 0, got {self.drain_timeout_s!r}")
         _int_at_least("max_body_bytes", self.max_body_bytes, 1024)
+        if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).is_dir():
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory holding a "
+                             f"generation_config.json, got {self.generation_config!r}")
+        if self.chat_template is not None and not self.chat_template.strip():
+            raise ValueError("chat_template must not be empty (leave it out for the tokenizer's)")
 
     def engine_config(self, model_dir: str) -> EngineConfig:
         """The engine's options for ``model_dir``.

@@ -12,13 +12,14 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 import jinja2
 
 from epmoe.engine import SamplingParams, TokenLogprobs
 from epmoe.engine.sampling import MAX_LOGPROBS
+from epmoe.engine.tokenizer import generation_config
 from epmoe.server.core import EngineInfo
 from epmoe.server.errors import ApiError
 from epmoe.server.frontend import Failure, Frontend, Unavailable, Update
@@ -43,6 +44,10 @@ from epmoe.server.text import StreamText, TextCodec
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 DONE = "data: [DONE]\n\n"
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+"""The ``generation_config.json`` keys a request's left-out fields default to, and the fields (vLLM's set)."""
+
 LOGPROB_FLOOR = -9999.0
 """Log-probabilities below this (``-inf`` included, which JSON cannot carry) are sent as it, as vLLM does."""
 
@@ -80,6 +85,26 @@ class Job:
         return self.prompts[choice // self.n]
 
 
+def sampling_defaults(directory: str) -> dict[str, float | int]:
+    """The sampling defaults of ``directory``'s ``generation_config.json`` (``GENERATION_DEFAULTS``' keys that it
+    sets, by field name); ``{}`` without the file.
+
+    Raises:
+        ValueError: the file cannot be read, or a value ``SamplingParams`` refuses (the file and key named).
+    """
+    raw = generation_config(directory)
+    out: dict[str, float | int] = {}
+    for key, name in GENERATION_DEFAULTS.items():
+        if raw.get(key) is None:
+            continue
+        try:
+            SamplingParams(**{name: raw[key]})
+        except ValueError as exc:
+            raise ValueError(f"{directory}/generation_config.json: {key}: {exc}") from None
+        out[name] = raw[key]
+    return out
+
+
 def _param_of(message: str) -> str | None:
     """The field a ``SamplingParams`` message starts with (``"top_p must be ..."`` -> ``top_p``)."""
     word = message.split(" ", 1)[0]
@@ -87,8 +112,9 @@ def _param_of(message: str) -> str | None:
 
 
 def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec: TextCodec,
-              info: EngineInfo) -> Job:
-    """Check a request against the model and turn it into engine requests.
+              info: EngineInfo, defaults: Mapping[str, float | int] | None = None) -> Job:
+    """Check a request against the model and turn it into engine requests; the sampling fields it leaves out take
+    ``defaults`` (``sampling_defaults``) where they set them.
 
     Raises:
         ApiError: 400 naming the field: an empty prompt, token ids outside the vocabulary, a prompt as
@@ -157,12 +183,13 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
     longest = max(len(ids) for ids in prompts)
     # a rank's KV pool holds the whole context (the server refuses to start otherwise: core.check_kv_holds_context),
     # so the context is the only bound
+    defaults = defaults or {}
     if max_tokens is None:  # chat: what the context leaves (each prompt is shorter than it, checked above)
-        max_tokens = info.max_model_len - longest
+        max_tokens = min(info.max_model_len - longest, defaults.get("max_tokens", info.max_model_len))
     elif longest + max_tokens > info.max_model_len:
         raise ApiError(400, f"{sent} ({max_tokens}) plus the prompt's {longest} tokens is past the model's "
                             f"context of {info.max_model_len} tokens", sent)
-    params = [_sampling(req, max_tokens, j, bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    params = [_sampling(req, max_tokens, j, bias, defaults, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
               for _ in prompts for j in range(req.n)]
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -204,19 +231,19 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
 
 
 def _sampling(req: SamplingFields, max_tokens: int, choice: int, logit_bias: dict[int, float],
-              **logprobs: int | None) -> SamplingParams:
+              defaults: Mapping[str, float | int], **logprobs: int | None) -> SamplingParams:
     stop = [_utf8(s, "stop") for s in ([req.stop] if isinstance(req.stop, str) else req.stop or ())]
     seed = req.seed  # a seed out of range is refused as sent; choice j of a good one samples with seed + j, wrapped
     if seed is not None and 0 <= seed < 2**63:
         seed = (seed + choice) % 2**63
+    sent = {name: getattr(req, name) if name in req.model_fields_set else defaults.get(name, getattr(req, name))
+            for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
     try:
         return SamplingParams(
-            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=seed, max_tokens=max_tokens,
-            min_tokens=req.min_tokens,
+            seed=seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
             stop=tuple(stop), stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-            min_p=req.min_p, presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty, logit_bias=logit_bias,
-            **logprobs,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=logit_bias,
+            **sent, **logprobs,
         )
     except ValueError as exc:
         raise ApiError(400, str(exc), _param_of(str(exc))) from None

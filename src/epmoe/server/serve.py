@@ -44,8 +44,9 @@ from epmoe.server.app import AppContext, build_app
 from epmoe.server.config import ServeConfig
 from epmoe.server.core import core_process, follow, follower_process
 from epmoe.server.frontend import Frontend
+from epmoe.server.generate import sampling_defaults
 from epmoe.server.metrics import ServerMetrics
-from epmoe.server.text import TextCodec
+from epmoe.server.text import TextCodec, load_chat_template
 from epmoe.spec import load_moe_spec
 
 FATAL_EXIT_S = 10.0  # after a fatal error, the process exits at the latest this many seconds later
@@ -103,6 +104,26 @@ def _startup_log(cfg: ServeConfig, model_dir: str, name: str, frontend: Frontend
     log.info("ready: http://%s:%d/v1", cfg.host, cfg.port)
 
 
+def _sampling_defaults(cfg: ServeConfig, model_dir: str) -> dict[str, float | int]:
+    """The sampling defaults of ``cfg.generation_config`` (logged); a repetition penalty is left out with speculative
+    decoding, which does not serve penalties.
+
+    Raises:
+        ValueError: an unreadable ``generation_config.json`` or a value out of range (the file and key named).
+    """
+    if cfg.generation_config == "vllm":
+        return {}
+    directory = model_dir if cfg.generation_config == "auto" else cfg.generation_config
+    defaults = sampling_defaults(directory)
+    if cfg.speculative_algorithm is not None and defaults.get("repetition_penalty", 1) != 1:
+        log.warning("generation_config.json's repetition_penalty %s is not applied: speculative decoding does not "
+                    "serve penalties", defaults.pop("repetition_penalty"))
+    if defaults:
+        log.info("sampling defaults of requests that leave them out, from %s/generation_config.json: %s", directory,
+                 ", ".join(f"{k}={v}" for k, v in defaults.items()))
+    return defaults
+
+
 def _release_ranks(core: BaseProcess, followers: SpawnedRanks | None) -> None:
     """Kill what is left of the rank processes, join them and close the followers' report queue (whose locks are
     named semaphores: the resource tracker reports them as leaked at ``os._exit`` unless released)."""
@@ -137,6 +158,8 @@ def serve(cfg: ServeConfig) -> int:
         follow(info, cfg, model_dir)
         return 0
     _check_port_free(cfg.host, cfg.port)
+    template = load_chat_template(cfg.chat_template) if cfg.chat_template is not None else None
+    defaults = _sampling_defaults(cfg, model_dir)
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe(duplex=True)
     followers: SpawnedRanks | None = None
@@ -164,8 +187,8 @@ def serve(cfg: ServeConfig) -> int:
 
     try:
         frontend = Frontend(here, ServerMetrics(), on_fatal)
-        codec = TextCodec(model_dir, load_moe_spec(model_dir).vocab_size)
-        app = build_app(AppContext(frontend, codec, name, model_dir, cfg.api_key, cfg.max_body_bytes))
+        codec = TextCodec(model_dir, load_moe_spec(model_dir).vocab_size, template)
+        app = build_app(AppContext(frontend, codec, name, model_dir, cfg.api_key, cfg.max_body_bytes, defaults))
     except BaseException:  # a tokenizer the codec refuses, Ctrl-C: the ranks started go with it
         _release_ranks(core, followers)
         raise

@@ -9,6 +9,7 @@ and generated tokens are their ids in decimal, space-separated, as ``epmoe run``
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from epmoe.engine.tokenizer import decode_text, encode_text, load_tokenizer
 
@@ -19,18 +20,46 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
+def load_chat_template(value: str) -> str:
+    """A chat template given as vLLM's ``--chat-template`` takes it: the text of the file ``value`` names, or
+    ``value`` itself when it holds Jinja (a brace) or a line break.
+
+    Raises:
+        ValueError: ``value`` is neither a readable file nor a template, or the template does not parse (the
+            parser's message and line named).
+    """
+    import jinja2
+
+    path = Path(value)
+    if path.is_file():
+        try:
+            template = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"chat_template file {value!r} cannot be read: {exc}") from None
+    elif any(ch in value for ch in "{}\n"):
+        template = value
+    else:
+        raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"chat_template does not parse: {exc.message} (line {exc.lineno})") from None
+    return template
+
+
 class TextCodec:
     """A checkpoint's tokenizer as the server uses it.
 
     Args:
         model_dir: the checkpoint directory.
         vocab_size: the model's vocabulary size (prompts without a tokenizer are bytes modulo it).
+        chat_template: a template to use instead of the tokenizer's (``load_chat_template``'s result), or ``None``.
     """
 
-    def __init__(self, model_dir: str, vocab_size: int) -> None:
+    def __init__(self, model_dir: str, vocab_size: int, chat_template: str | None = None) -> None:
         self.tokenizer = load_tokenizer(model_dir)
         self.vocab_size = vocab_size
-        template = getattr(self.tokenizer, "chat_template", None)
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
         self.chat_template = template or DEFAULT_CHAT_TEMPLATE
 
     def encode(self, prompt: str) -> list[int]:
