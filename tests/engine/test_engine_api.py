@@ -194,11 +194,15 @@ def test_stop_token_ids_eos_and_min_tokens(engine, reference):
     k = _first_new(ref, recurs=True)
     (out,) = engine.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[ref[k]]))
     assert out.finish_reason == "stop" and out.token_ids == ref[: k + 1]  # the stop token is kept
-    # min_tokens: the stop token is ignored until min_tokens tokens are out
-    later = ref.index(ref[k], k + 1)
+    # min_tokens (vLLM's): the stop token cannot be generated before min_tokens tokens are out, so position k takes
+    # the next most likely token
+    (plain,) = engine.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=k + 1, logprobs=2))
+    assert [t for t, _ in plain.logprobs[k].top][0] == ref[k]
+    second = plain.logprobs[k].top[1][0]
     (out,) = engine.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=10, min_tokens=k + 2,
                                                              stop_token_ids=[ref[k]]))
-    assert out.finish_reason == "stop" and out.token_ids == ref[: later + 1]
+    assert out.token_ids[: k + 1] == ref[:k] + [second] and ref[k] not in out.token_ids[: k + 2]
+    assert out.finish_reason == "length" or out.token_ids[-1] in {ref[k], *engine.eos_ids}
     # EOS ends a request unless ignore_eos
     eos = [p for p in PROMPTS if reference[p][-1] in engine.eos_ids]
     assert eos, "no prompt reaches EOS greedily"

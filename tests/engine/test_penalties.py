@@ -113,3 +113,33 @@ def test_penalties_with_speculative_decoding_refused_by_name(model_dir):
     with pytest.raises(ValueError, match=r"logit_bias token ids must be in \[0, 259\)"):
         engine.add_request([1, 2, 3], SamplingParams(logit_bias={259: 1.0}))
     assert not engine.has_unfinished()
+
+
+def test_banned_tokens_and_extreme_penalties_stay_finite():
+    logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(2))
+    out = adjust_logits(logits, [SamplingParams()] * 3, None, banned=[(4, 7), None, (0,)])
+    assert torch.isinf(out[0, [4, 7]]).all() and torch.isinf(out[2, 0]) and torch.equal(out[1], logits[1])
+    want = logits.clone()
+    want[0, [4, 7]] = want[2, 0] = float("-inf")
+    torch.testing.assert_close(out, want)
+    tiny = SamplingParams(repetition_penalty=1e-300)  # its quotient is past float32's range: clamped, never NaN
+    out = adjust_logits(logits[:1], [tiny], [TokenHistory([1, 2, 3], [])])
+    assert torch.isfinite(out).all() and out[0, [1, 2, 3]].abs().max() <= 1e30
+    with pytest.raises(ValueError, match=r"banned token ids must be in \[0, 30\), got \[30\]"):
+        adjust_logits(logits, [SamplingParams()] * 3, None, banned=[(30,), None, None])
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_min_tokens_bans_eos_until_reached(model_dir, speculative):
+    kw = {"speculative_algorithm": "ngram", "speculative_num_tokens": 2} if speculative else {}
+    engine = Engine(EngineConfig(model=model_dir, max_num_seqs=4, num_kv_blocks=40, block_size=4, max_model_len=32,
+                                 **kw))
+    greedy = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8))
+    stop = greedy[0].token_ids[0]  # a stop token the plain run emits first
+    outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, min_tokens=6, stop_token_ids=[stop]))
+    for out, plain in zip(outs, greedy):
+        assert len(out.token_ids) >= 6
+        assert not ({stop} | engine.eos_ids) & set(out.token_ids[:5])
+        if stop not in plain.token_ids[:6] and not engine.eos_ids & set(plain.token_ids[:6]):
+            assert out.token_ids[:6] == plain.token_ids[:6]  # nothing banned was in the way
+    assert outs[0].token_ids[0] != stop

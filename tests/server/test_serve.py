@@ -151,9 +151,39 @@ def test_echo_with_logprobs_as_lm_eval_asks(client, offline):
     assert [t for s in streamed for t in s.tokens] == lp.tokens
     assert [v for s in streamed for v in s.token_logprobs] == lp.token_logprobs
     assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    only = client.completions.create(**{**kw, "max_tokens": 0})  # vLLM's: the prompt alone
+    assert only.choices[0].text == PROMPTS[1] and only.usage.completion_tokens == 0
+    assert only.choices[0].logprobs.tokens == lp.tokens[:n] and only.choices[0].finish_reason == "length"
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **{**kw, "max_tokens": 0})]
+    assert "".join(c.text for c in chunks) == PROMPTS[1] and chunks[-1].finish_reason == "length"
     plain = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=3, temperature=0, echo=True)
     assert plain.choices[0].text == PROMPTS[1] + offline(PROMPTS[1:2], 3)[0].text and plain.choices[0].logprobs is None
     assert plain.usage.completion_tokens == 3
+
+
+def test_logprobs_name_tokens_by_id_and_offsets_point_into_the_text(client):
+    # bytes >= 128 all read "\ufffd" alone: their map keys collide, so the map keeps each text's most likely value;
+    # return_tokens_as_token_ids names every token apart (vLLM's)
+    kw = dict(model=MODEL, prompt="Expert parallelism", max_tokens=8, temperature=0, logprobs=3)
+    lp = client.completions.create(**kw).choices[0].logprobs
+    assert all(top[t] >= v for t, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
+    by_id = client.completions.create(**kw, extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+    assert all(t.startswith("token_id:") for t in by_id.tokens) and by_id.token_logprobs == lp.token_logprobs
+    assert all(len(top) in (3, 4) and top[t] == v for t, v, top in zip(by_id.tokens, by_id.token_logprobs,
+                                                                         by_id.top_logprobs))
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"return_tokens_as_token_ids": True})
+    assert all(c.token.startswith("token_id:") for c in chat.choices[0].logprobs.content)
+    # an echoed token-id prompt with a special token: decoded with it, every offset inside the text, in order
+    echo = client.completions.create(model=MODEL, prompt=[256, 72, 105, 32, 116, 104, 101, 114, 101], max_tokens=2,
+                                     temperature=0, logprobs=1, echo=True).choices[0]
+    assert echo.text.startswith("<s>Hi there")
+    offsets = echo.logprobs.text_offset
+    assert offsets == sorted(offsets) and offsets[-1] <= len(echo.text)
+    assert [echo.text[o:o + len(t)] for o, t in zip(offsets[:9], echo.logprobs.tokens[:9])] == \
+        echo.logprobs.tokens[:9]
 
 
 def test_logprobs_of_chat_whole_and_streamed(client):
@@ -295,6 +325,9 @@ BAD = [
     ("logprobs 21", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("prompt_logprobs, not served", {"model": MODEL, "prompt": "hi", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
     ("echo a string", {"model": MODEL, "prompt": "hi", "echo": "yes"}, 400, "echo"),
+    ("bad_words, not served", {"model": MODEL, "prompt": "hi", "bad_words": ["C"]}, 400, "bad_words"),
+    ("include_stop_str_in_output, not served", {"model": MODEL, "prompt": "hi", "stop": ["C"],
+                                                "include_stop_str_in_output": True}, 400, "include_stop_str_in_output"),
     ("frequency_penalty 5", {"model": MODEL, "prompt": "hi", "frequency_penalty": 5}, 400, "frequency_penalty"),
     ("repetition_penalty 0", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("min_p 2", {"model": MODEL, "prompt": "hi", "min_p": 2}, 400, "min_p"),
@@ -538,8 +571,13 @@ def test_speculative_server_equals_offline_and_reports_acceptance(start_server, 
                                                                + proposed)
     assert "speculative decoding, K = 3: ngram: prompt lookup" in spec.log.read_text()
     for field, value in (("presence_penalty", 0.5), ("logit_bias", {"5": 1.0})):
-        with pytest.raises(openai.BadRequestError, match=f"{field} is not served with speculative decoding"):
+        with pytest.raises(openai.BadRequestError, match=f"{field}=.* is not served with speculative decoding"):
             client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **{field: value})
+    with pytest.raises(openai.BadRequestError, match=r"presence_penalty must be in \[-2, 2\], got 3"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, presence_penalty=3)  # the range first
+    zero = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=16, temperature=0,
+                                     logit_bias={"5": 0}, presence_penalty=0)  # neutral values are served
+    assert zero.choices[0].text == offline(prompts[:1], 16)[0].text
     # logprobs and min_p are served with it: the target's own log-probabilities at the emitted tokens
     whole = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=16, temperature=0, logprobs=1,
                                       extra_body={"min_p": 0.1})

@@ -522,10 +522,23 @@ class Engine:
             self.proposer.release(seq)
 
     def _propose(self, plan: StepPlan) -> list[Proposal]:
-        """One ``Proposal`` per decode chunk (empty where it has no lookahead)."""
-        chunks = [c for c in plan.decodes if c.lookahead]
+        """One ``Proposal`` per decode chunk (empty where it has no lookahead, or while its request may not yet
+        end: a verified proposal could be a banned EOS)."""
+        wants = [bool(c.lookahead) and self._banned(c.seq) is None for c in plan.decodes]
+        chunks = [c for c, w in zip(plan.decodes, wants) if w]
         got = iter(self.proposer.propose(chunks, [c.lookahead for c in chunks], self))
-        return [next(got) if c.lookahead else Proposal() for c in plan.decodes]
+        return [next(got) if w else Proposal() for w in wants]
+
+    def _banned(self, seq: Sequence) -> tuple[int, ...] | None:
+        """The tokens ``seq`` may not generate next: its EOS (unless ``ignore_eos``) and stop token ids while it has
+        fewer than ``min_tokens`` (vLLM's ``min_tokens``); ``None`` when none."""
+        p = seq.params
+        if len(seq.output_token_ids) >= p.min_tokens:
+            return None
+        ids = tuple(t for t in p.stop_token_ids if t < self.vocab_size)
+        if not p.ignore_eos:
+            ids += tuple(t for t in self.eos_ids if t < self.vocab_size)
+        return ids or None
 
     def step(self, pending: bool = False) -> list[RequestOutput]:
         """Run one step: schedule, propose (speculative decoding), run the model (every rank together), sample
@@ -624,7 +637,7 @@ class Engine:
                                   c.seq.device_row if c.seq.num_pending else -1)
                      if c.seq.params.penalized else None for c in sampling]
         toks = sample(logits, [c.seq.params for c in sampling], [c.seq.generator for c in sampling], self.generator,
-                      histories, self.runner.tokens)
+                      histories, self.runner.tokens, [self._banned(c.seq) for c in sampling])
         host = self._host_tokens[self._launches % 2][: len(sampling)]
         self._launches += 1
         event = None
@@ -711,7 +724,8 @@ class Engine:
         if plain:
             rows = to_device([r for _, r in plain], logits.device, torch.int64)
             toks = sample(logits.index_select(0, rows), [c.seq.params for c, _ in plain],
-                          [c.seq.generator for c, _ in plain], self.generator).tolist()
+                          [c.seq.generator for c, _ in plain], self.generator,
+                          banned=[self._banned(c.seq) for c, _ in plain]).tolist()
             for (c, _), t in zip(plain, toks):
                 emitted[id(c)] = ([t], 0)
         spec = [(c, r, p) for c, r, p in sampled if p is not None and p.token_ids]

@@ -52,7 +52,7 @@ class SamplingParams:
         top_k: keep the ``top_k`` most likely tokens; ``-1`` or ``0`` = all.
         seed: seed of this request's own generator (reproducible sampling); ``None`` = the engine's.
         max_tokens: most tokens generated, ``>= 1``.
-        min_tokens: EOS and stop token ids are ignored before this many tokens, ``>= 0``.
+        min_tokens: EOS and stop token ids cannot be generated before this many tokens, ``>= 0`` (vLLM's).
         stop: strings that end the generation (the text is cut before the match).
         stop_token_ids: token ids that end the generation (kept in the output, like EOS).
         ignore_eos: keep generating past the model's EOS token.
@@ -67,8 +67,8 @@ class SamplingParams:
         frequency_penalty: subtracted from a token's logit once per time the output holds it, in ``[-2, 2]``.
         repetition_penalty: ``> 0``; the logits of tokens in the prompt or output are divided by it where
             positive and multiplied where negative; ``1`` = off.
-        logit_bias: ``{token id: bias}`` (any mapping, or pairs; kept as sorted pairs; ``None`` = none), each bias
-            in ``[-100, 100]`` added to the token's logit.
+        logit_bias: ``{token id: bias}`` (any mapping, or pairs; kept as sorted pairs, zero biases dropped;
+            ``None`` = none), each bias in ``[-100, 100]`` added to the token's logit.
 
     Raises:
         ValueError: a value out of range or of the wrong type (the field and the value named).
@@ -145,7 +145,7 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
             if not _is_real(value) or not -100 <= value <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r} for token {token}")
-        object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias)))
+        object.__setattr__(self, "logit_bias", tuple(sorted(pair for pair in self.logit_bias if pair[1] != 0)))
 
     @property
     def greedy(self) -> bool:
@@ -293,23 +293,28 @@ def _counts(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Te
 
 
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories: list[TokenHistory | None] | None,
-                  pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """The logits rows sample from: the logit bias added, then the penalties applied (see the module docstring).
+                  pending_tokens: torch.Tensor | None = None,
+                  banned: list[tuple[int, ...] | None] | None = None) -> torch.Tensor:
+    """The logits rows sample from: the logit bias added, the penalties applied (see the module docstring), then
+    the banned tokens set to ``-inf``.
 
     Args:
         logits: ``[N, V]`` raw logits (not modified).
         params: the ``N`` rows' options.
         histories: per row, its tokens (needed for the rows with ``params[i].penalized``).
         pending_tokens: the device token buffer ``TokenHistory.pending_row`` indexes (int64).
+        banned: per row, token ids it may not choose (EOS and stop token ids before ``min_tokens``), or ``None``.
 
     Returns:
-        ``logits`` itself when no row adjusts its logits, else a float32 copy with the rows adjusted.
+        ``logits`` itself when no row adjusts its logits, else a float32 copy with the rows adjusted (finite:
+        a penalty's extreme results are clamped to ``[-1e30, 1e30]``, banned tokens aside).
 
     Raises:
         ValueError: a penalized row without its history, a pending row without ``pending_tokens``, or a
-            logit-bias token id outside ``[0, V)``.
+            logit-bias or banned token id outside ``[0, V)``.
     """
-    if not any(p.adjusts_logits for p in params):
+    bans = [(i, t) for i, ids in enumerate(banned or ()) if ids for t in ids]
+    if not any(p.adjusts_logits for p in params) and not bans:
         return logits
     x = logits.float().clone()
     n, v = x.shape
@@ -323,8 +328,22 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories:
         x.index_put_((to_device(list(rows), dev, torch.int64), to_device(list(ids), dev, torch.int64)),
                      to_device(list(values), dev, x.dtype), accumulate=True)
     hist = [i for i, p in enumerate(params) if p.penalized]
-    if not hist:
-        return x
+    if hist:
+        _penalize(x, params, hist, histories, pending_tokens)
+    if bans:
+        bad = sorted({t for _, t in bans if not 0 <= t < v})
+        if bad:
+            raise ValueError(f"banned token ids must be in [0, {v}), got {bad[:5]}")
+        rows, ids = zip(*bans)
+        x.index_put_((to_device(list(rows), dev, torch.int64), to_device(list(ids), dev, torch.int64)),
+                     torch.tensor(float("-inf"), device=dev))
+    return x
+
+
+def _penalize(x: torch.Tensor, params: list[SamplingParams], hist: list[int],
+              histories: list[TokenHistory | None] | None, pending_tokens: torch.Tensor | None) -> None:
+    """Apply the penalties to rows ``hist`` of ``x [N, V]`` float32 in place (see ``adjust_logits``)."""
+    v, dev = x.shape[1], x.device
     if histories is None or any(histories[i] is None for i in hist):
         raise ValueError("adjust_logits: a penalized row needs its TokenHistory")
     seen = [histories[i] for i in hist]
@@ -338,14 +357,13 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories:
         counts.index_put_((j_idx, toks), torch.ones_like(toks), accumulate=True)
     in_prompt = _counts([h.prompt for h in seen], v, dev) > 0
     idx = to_device(hist, dev, torch.int64)
-    rows = x.index_select(0, idx)
-    rep = to_device([params[i].repetition_penalty for i in hist], dev, x.dtype).unsqueeze(1)
+    rows = x.index_select(0, idx).double()  # a penalty's quotient may be past float32's range: clamped below
+    rep = to_device([params[i].repetition_penalty for i in hist], dev, rows.dtype).unsqueeze(1)
     rows = torch.where(in_prompt | (counts > 0), torch.where(rows > 0, rows / rep, rows * rep), rows)
-    freq = to_device([params[i].frequency_penalty for i in hist], dev, x.dtype).unsqueeze(1)
-    pres = to_device([params[i].presence_penalty for i in hist], dev, x.dtype).unsqueeze(1)
-    rows = rows - freq * counts.to(x.dtype) - pres * (counts > 0).to(x.dtype)
-    x.index_copy_(0, idx, rows)
-    return x
+    freq = to_device([params[i].frequency_penalty for i in hist], dev, rows.dtype).unsqueeze(1)
+    pres = to_device([params[i].presence_penalty for i in hist], dev, rows.dtype).unsqueeze(1)
+    rows = rows - freq * counts.to(rows.dtype) - pres * (counts > 0).to(rows.dtype)
+    x.index_copy_(0, idx, rows.clamp(-1e30, 1e30).to(x.dtype))
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -357,7 +375,8 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            default_generator: torch.Generator | None = None, histories: list[TokenHistory | None] | None = None,
-           pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
+           pending_tokens: torch.Tensor | None = None,
+           banned: list[tuple[int, ...] | None] | None = None) -> torch.Tensor:
     """One token per row of ``logits``.
 
     Args:
@@ -365,7 +384,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         params: the ``N`` rows' sampling options.
         generators: per row, its request's generator (seeded requests) or ``None`` (the default one).
         default_generator: generator of the unseeded rows (``None`` = torch's global one).
-        histories, pending_tokens: see ``adjust_logits`` (only for rows with penalties).
+        histories, pending_tokens, banned: see ``adjust_logits`` (histories only for rows with penalties).
 
     Returns:
         ``[N]`` int64 token ids, on ``logits.device``.
@@ -376,7 +395,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     n = logits.shape[0]
     if len(params) != n or len(generators) != n:
         raise ValueError(f"sample: {n} logits rows, {len(params)} params, {len(generators)} generators")
-    logits = adjust_logits(logits, params, histories, pending_tokens)
+    logits = adjust_logits(logits, params, histories, pending_tokens, banned)
     out = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:

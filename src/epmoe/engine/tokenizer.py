@@ -50,12 +50,13 @@ def encode_text(tokenizer, vocab_size: int, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def decode_text(tokenizer, ids: Sequence[int]) -> str:
-    """Text of generated token ids: the tokenizer's (special tokens skipped), or without one the ids written in
-    decimal, one space between them (every token adds text, so a stream shows each as it comes)."""
+def decode_text(tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """Text of token ids: the tokenizer's (special tokens skipped unless ``skip_special_tokens`` is false), or
+    without one the ids written in decimal, one space between them (every token adds text, so a stream shows each
+    as it comes)."""
     if tokenizer is None:
         return " ".join(str(i) for i in ids)
-    return tokenizer.decode(list(ids), skip_special_tokens=True)
+    return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 def generation_config(model_dir: str) -> dict:

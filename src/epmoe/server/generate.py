@@ -64,7 +64,11 @@ class Job:
         params: per choice, its sampling options.
         n: choices per prompt.
         include_usage: streams end with a usage chunk.
-        echo: completions with ``echo``: each prompt's text, put before its choices' text; else ``None``.
+        echo: completions with ``echo``: each prompt's text (as sent, or its token ids decoded with their special
+            tokens), put before its choices' text; else ``None``.
+        as_ids: log-probabilities name tokens ``token_id:<id>`` (``return_tokens_as_token_ids``).
+        prompt_only: ``echo`` with ``max_tokens`` 0: each choice is its prompt alone (its text and log-probabilities;
+            no completion tokens counted), finished with ``length``.
     """
 
     kind: str
@@ -75,6 +79,8 @@ class Job:
     n: int
     include_usage: bool
     echo: list[str] | None = None
+    as_ids: bool = False
+    prompt_only: bool = False
 
     def choice_ids(self) -> list[str]:
         """The engine request id of each choice."""
@@ -153,21 +159,17 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         logprobs = req.logprobs
         prompt_logprobs = logprobs if req.echo else None
+    prompt_only = kind == "completion" and req.echo and max_tokens == 0  # vLLM's: the prompt alone comes back
+    if prompt_only:
+        max_tokens = 1  # the engine computes the prompt and one token, which is not sent
     if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"{sent} must be an integer >= 1, got {max_tokens}", sent)
+        raise ApiError(400, f"{sent} must be an integer >= 1 (0 only with echo), got {max_tokens}", sent)
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
     bad_stops = [t for t in req.stop_token_ids or () if not 0 <= t < info.vocab_size]
     if bad_stops:
         raise ApiError(400, f"stop_token_ids must be in [0, {info.vocab_size}), got {bad_stops[:5]}", "stop_token_ids")
     bias = _logit_bias(req.logit_bias, info.vocab_size)
-    if info.speculative is not None:
-        for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
-            if getattr(req, name) != neutral:
-                raise ApiError(400, f"{name} is not served with speculative decoding ({info.speculative})", name)
-        if bias:
-            raise ApiError(400, f"logit_bias is not served with speculative decoding ({info.speculative})",
-                           "logit_bias")
     for ids in prompts:
         if not ids:
             raise ApiError(400, f"{where} must not be empty: it has no tokens", where)
@@ -191,12 +193,24 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
                             f"context of {info.max_model_len} tokens", sent)
     params = [_sampling(req, max_tokens, j, bias, defaults, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
               for _ in prompts for j in range(req.n)]
+    if info.speculative is not None:  # refused here (a 400 naming the field), not by every rank's engine
+        p = params[0]
+        for name, value, off in (("presence_penalty", p.presence_penalty, 0), ("frequency_penalty",
+                                 p.frequency_penalty, 0), ("repetition_penalty", p.repetition_penalty, 1)):
+            if value != off:
+                raise ApiError(400, f"{name}={value} is not served with speculative decoding ({info.speculative})",
+                               name)
+        if p.logit_bias:
+            raise ApiError(400, f"logit_bias={req.logit_bias} is not served with speculative decoding "
+                                f"({info.speculative})", "logit_bias")
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     echo = None
-    if kind == "completion" and req.echo:
-        echo = [p if isinstance(p, str) else codec.decode(ids) for p, ids in zip(items, prompts)]
-    return Job(kind, model, f"{prefix}-{uuid.uuid4().hex}", prompts, params, req.n, include_usage, echo)
+    if kind == "completion" and req.echo:  # a text prompt as sent; token ids decoded with their special tokens
+        echo = [p if isinstance(p, str) and codec.tokenizer is not None else codec.decode(ids, False)
+                for p, ids in zip(items, prompts)]
+    return Job(kind, model, f"{prefix}-{uuid.uuid4().hex}", prompts, params, req.n, include_usage, echo,
+               req.return_tokens_as_token_ids, prompt_only)
 
 
 def _utf8(text: str, field: str) -> str:
@@ -271,13 +285,13 @@ def _logprob(value: float) -> float:
     return max(value, LOGPROB_FLOOR)
 
 
-def _chat_logprobs(codec: TextCodec, entries: list[TokenLogprobs] | None) -> ChatLogprobs | None:
+def _chat_logprobs(codec: TextCodec, entries: list[TokenLogprobs] | None, as_ids: bool) -> ChatLogprobs | None:
     """The chat form of some tokens' log-probabilities (``None`` when the request asked for none)."""
     if entries is None:
         return None
 
     def one(token_id: int, logprob: float) -> TopLogprob:
-        text = codec.token_text(token_id)
+        text = codec.token_text(token_id, as_ids)
         return TopLogprob(token=text, logprob=_logprob(logprob), bytes=list(text.encode()))
 
     return ChatLogprobs(content=[
@@ -285,41 +299,46 @@ def _chat_logprobs(codec: TextCodec, entries: list[TokenLogprobs] | None) -> Cha
         for e in entries])
 
 
-def _completion_logprobs(codec: TextCodec, entries: list[TokenLogprobs | None] | None, offset: int,
-                         first_token: int | None = None) -> CompletionLogprobs | None:
-    """The completion form of some tokens' log-probabilities, the first token's text at ``offset`` characters into
-    the choice's text and each next one past the texts before it (vLLM's offsets: a token's own text may differ
-    from its share of the decoded text where a character spans tokens); ``None`` when the request asked for none.
+def _completion_logprobs(codec: TextCodec, job: Job, entries: list[TokenLogprobs | None] | None, ids: list[int],
+                         start: int, base: int, prompt: bool = False) -> CompletionLogprobs | None:
+    """The completion form of the log-probabilities ``entries`` of tokens ``ids[start:]`` (``None`` when the
+    request asked for none).
+
+    A token's ``text_offset`` is ``base`` plus where its text begins in the decoded text of ``ids``
+    (``TextCodec.text_offsets``: special tokens kept in an echoed prompt, skipped in the completion, as the text
+    is); its ``top_logprobs`` map the most likely tokens' texts to their log-probabilities (tokens of one text:
+    the most likely one's), the token itself included.
 
     Args:
-        entries: per token its ``TokenLogprobs``; ``None`` for an echoed prompt's first token, ``first_token``.
+        entries: per token its ``TokenLogprobs``; ``None`` for an echoed prompt's first token.
+        ids: the prompt's tokens (``prompt``) or the completion's so far.
     """
     if entries is None:
         return None
-    ids = [first_token if e is None else e.token_id for e in entries]
-    tokens = [codec.token_text(i) for i in ids]
-    offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t) + len(codec.separator)
+    end = start + len(entries)
+    names = [codec.token_text(i, job.as_ids) for i in ids[start:end]]
+    offsets = [base + o for o in codec.text_offsets(ids, start, end, skip_special_tokens=not prompt)]
     tops: list[dict[str, float] | None] = []
-    for t, e in zip(tokens, entries):
+    for name, e in zip(names, entries):
         if e is None:
             tops.append(None)
             continue
-        top = {codec.token_text(i): _logprob(v) for i, v in e.top}
-        top.setdefault(t, _logprob(e.logprob))  # the generated token too, as vLLM sends it
+        top: dict[str, float] = {}
+        for i, v in e.top:
+            key = codec.token_text(i, job.as_ids)
+            top[key] = max(top.get(key, LOGPROB_FLOOR), _logprob(v))
+        top.setdefault(name, _logprob(e.logprob))  # the generated token too, as vLLM sends it
         tops.append(top)
-    return CompletionLogprobs(text_offset=offsets, tokens=tokens, top_logprobs=tops,
+    return CompletionLogprobs(text_offset=offsets, tokens=names, top_logprobs=tops,
                               token_logprobs=[None if e is None else _logprob(e.logprob) for e in entries])
 
 
 def _echoed(codec: TextCodec, job: Job, choice: int, up: Update) -> tuple[str, CompletionLogprobs | None]:
-    """An echoing completion choice's prompt text and, with ``logprobs``, its prompt tokens' log-probabilities
-    (``up`` an update that carries them)."""
-    text = job.echo[choice // job.n]
-    prompt = job.prompt_of(choice)
-    return text, _completion_logprobs(codec, up.prompt_logprobs, 0, prompt[0])
+    """An echoing completion choice's prompt text (with the separator of a checkpoint without a tokenizer when a
+    completion follows) and, with ``logprobs``, its prompt tokens' log-probabilities (``up`` an update that carries
+    them)."""
+    text = job.echo[choice // job.n] + ("" if job.prompt_only else codec.separator)
+    return text, _completion_logprobs(codec, job, up.prompt_logprobs, job.prompt_of(choice), 0, 0, prompt=True)
 
 
 def _joined(a: CompletionLogprobs | None, b: CompletionLogprobs | None) -> CompletionLogprobs | None:
@@ -335,10 +354,12 @@ def _completion_choice(codec: TextCodec, job: Job, choice: int, up: Update) -> C
     """One whole completion choice from its final update (the prompt first with ``echo``)."""
     text = _final_text(codec, up)
     if job.echo is None:
-        return CompletionChoice(index=choice, text=text, logprobs=_completion_logprobs(codec, up.logprobs, 0),
-                                finish_reason=up.finish_reason)
+        return CompletionChoice(index=choice, text=text, finish_reason=up.finish_reason,
+                                logprobs=_completion_logprobs(codec, job, up.logprobs, up.token_ids, 0, 0))
     prompt_text, prompt_lp = _echoed(codec, job, choice, up)
-    logprobs = _joined(prompt_lp, _completion_logprobs(codec, up.logprobs, len(prompt_text)))
+    if job.prompt_only:
+        return CompletionChoice(index=choice, text=prompt_text, logprobs=prompt_lp, finish_reason="length")
+    logprobs = _joined(prompt_lp, _completion_logprobs(codec, job, up.logprobs, up.token_ids, 0, len(prompt_text)))
     return CompletionChoice(index=choice, text=prompt_text + text, logprobs=logprobs, finish_reason=up.finish_reason)
 
 
@@ -377,12 +398,13 @@ async def collect(frontend: Frontend, job: Job, updates: asyncio.Queue, codec: T
         for rid in ids:
             if index[rid] not in finals:
                 frontend.abort(rid)
-    usage = _usage(job, sum(len(u.token_ids) for u in finals.values()))
+    usage = _usage(job, 0 if job.prompt_only else sum(len(u.token_ids) for u in finals.values()))
     created = int(time.time())
     if job.kind == "chat":
         return ChatCompletionResponse(id=job.request_id, created=created, model=job.model, usage=usage, choices=[
             ChatChoice(index=i, message=AssistantMessage(role="assistant", content=_final_text(codec, finals[i])),
-                       logprobs=_chat_logprobs(codec, finals[i].logprobs), finish_reason=finals[i].finish_reason)
+                       logprobs=_chat_logprobs(codec, finals[i].logprobs, job.as_ids),
+                       finish_reason=finals[i].finish_reason)
             for i in range(len(ids))]).model_dump()
     return CompletionResponse(id=job.request_id, created=created, model=job.model, usage=usage, choices=[
         _completion_choice(codec, job, i, finals[i]) for i in range(len(ids))]).model_dump()
@@ -420,7 +442,8 @@ async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: se
     texts = [StreamText(codec, p.stop) for p in job.params]
     tokens = [0] * len(ids)
     unsent: list[list[TokenLogprobs]] = [[] for _ in ids]  # per choice, log-probabilities not sent yet
-    offsets = [0] * len(ids)  # completions: characters of token text sent, the next token's text_offset
+    sent = [0] * len(ids)  # per choice, tokens whose log-probabilities were sent
+    base = [0] * len(ids)  # completions: where the completion's text begins (past an echoed prompt)
     echoed = [job.echo is None] * len(ids)  # the prompt was sent first (echo)
     created = int(time.time())
     if job.kind == "chat":
@@ -433,8 +456,13 @@ async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: se
             if not echoed[i]:  # the first update: the prompt (with its log-probabilities) before any token
                 echoed[i] = True
                 prompt_text, prompt_lp = _echoed(codec, job, i, up)
-                offsets[i] = len(prompt_text)
+                base[i] = len(prompt_text)
                 yield _chunk(job, created, i, prompt_text, None, logprobs=prompt_lp)
+            if job.prompt_only:  # the token computed beside the prompt is not sent
+                if up.finished:
+                    pending.discard(up.request_id)
+                    yield _chunk(job, created, i, "", "length")
+                continue
             tokens[i] = len(up.token_ids)
             text = texts[i].delta(up.token_ids, _final_text(codec, up) if up.finished else None)
             if up.finished:
@@ -445,10 +473,10 @@ async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: se
                 logprobs = None
                 if job.params[i].logprobs is not None:
                     if job.kind == "chat":
-                        logprobs = _chat_logprobs(codec, unsent[i])
+                        logprobs = _chat_logprobs(codec, unsent[i], job.as_ids)
                     else:
-                        logprobs = _completion_logprobs(codec, unsent[i], offsets[i])
-                        offsets[i] += sum(len(t) + len(codec.separator) for t in logprobs.tokens)
+                        logprobs = _completion_logprobs(codec, job, unsent[i], up.token_ids, sent[i], base[i])
+                    sent[i] += len(unsent[i])
                     unsent[i] = []
                 yield _chunk(job, created, i, text, up.finish_reason if up.finished else None, logprobs=logprobs)
     except ApiError as exc:

@@ -20,8 +20,11 @@ from pydantic_core import PydanticCustomError
 from epmoe.server.config import MAX_N
 
 UNSERVED: dict[str, tuple[Any, ...]] = {
-    "prompt_logprobs": (None,), "echo": (None, False),
+    "echo": (None, False),
     "suffix": (None, ""), "best_of": (None, 1), "use_beam_search": (None, False),
+    "allowed_token_ids": (None,), "bad_words": (None, []), "include_stop_str_in_output": (None, False),
+    "truncate_prompt_tokens": (None,), "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True), "length_penalty": (None, 1), "prompt_logprobs": (None,),
     "response_format": (None, {"type": "text"}), "guided_json": (None,), "guided_regex": (None,),
     "guided_choice": (None,), "guided_grammar": (None,), "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "functions": (None, []), "function_call": (None, "none", "auto"),
@@ -57,8 +60,8 @@ class StreamOptions(_Request):
 
 class SamplingFields(_Request):
     """The sampling fields both endpoints share (OpenAI's names, plus vLLM's ``top_k``, ``min_p``,
-    ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``); ``logit_bias`` maps token ids
-    (as JSON object keys: strings) to biases."""
+    ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``return_tokens_as_token_ids``);
+    ``logit_bias`` maps token ids (as JSON object keys: strings) to biases."""
 
     model: str
     max_tokens: int | None = None
@@ -79,6 +82,7 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    return_tokens_as_token_ids: bool = False
 
     @model_validator(mode="before")
     @classmethod

@@ -66,19 +66,45 @@ class TextCodec:
         """Token ids of a text prompt (no special tokens added)."""
         return encode_text(self.tokenizer, self.vocab_size, prompt)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of token ids, special tokens skipped (an unfinished UTF-8 sequence ends in U+FFFD); without a
-        tokenizer the ids in decimal, space-separated."""
-        return decode_text(self.tokenizer, ids)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of token ids, special tokens skipped unless ``skip_special_tokens`` is false (an unfinished UTF-8
+        sequence ends in U+FFFD); without a tokenizer the ids in decimal, space-separated."""
+        return decode_text(self.tokenizer, ids, skip_special_tokens)
+
+    def text_offsets(self, ids: Sequence[int], start: int, end: int, skip_special_tokens: bool = True) -> list[int]:
+        """Where the text of each of tokens ``start .. end - 1`` begins in ``decode(ids)``: the length of the text
+        of the tokens before it (past the separator without a tokenizer), never decreasing (a character split over
+        tokens is counted where it completes).
+
+        Raises:
+            ValueError: not ``0 <= start <= end <= len(ids)``.
+        """
+        if not 0 <= start <= end <= len(ids):
+            raise ValueError(f"text_offsets: tokens {start}..{end} of {len(ids)}")
+        if self.tokenizer is None:
+            before = sum(len(str(i)) + 1 for i in ids[:start])
+            out = []
+            for i in ids[start:end]:
+                out.append(before)
+                before += len(str(i)) + 1
+            return out
+        out, last = [], 0
+        for i in range(start, end):
+            last = max(last, len(self.decode(ids[:i], skip_special_tokens)))
+            out.append(last)
+        return out
 
     @property
     def separator(self) -> str:
         """What ``decode`` puts between two tokens' texts: nothing with a tokenizer, a space without one."""
         return "" if self.tokenizer is not None else " "
 
-    def token_text(self, token_id: int) -> str:
+    def token_text(self, token_id: int, as_id: bool = False) -> str:
         """The text of one token as log-probabilities name it: the tokenizer's decoding of it alone, special tokens
-        kept (a token ending inside a UTF-8 character reads U+FFFD); without a tokenizer its id in decimal."""
+        kept (a token ending inside a UTF-8 character reads U+FFFD); without a tokenizer its id in decimal; with
+        ``as_id`` ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``: distinct for every token)."""
+        if as_id:
+            return f"token_id:{token_id}"
         if self.tokenizer is None:
             return str(token_id)
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
