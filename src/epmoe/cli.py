@@ -60,6 +60,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each step's tokens back before planning the next (default: the next step is "
                         "planned and launched first)")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse the KV blocks of a prompt prefix computed before (vLLM's automatic prefix caching)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: random weights at the size of config.json (no reference check)")
     p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
@@ -125,6 +127,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             cuda_graph_max_bs=args.cuda_graph_max_bs, cuda_graph_max_tokens=args.cuda_graph_max_tokens,
             piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
             enforce_eager=args.enforce_eager, disable_overlap_schedule=args.disable_overlap_schedule,
+            enable_prefix_caching=args.enable_prefix_caching,
             load_format=args.load_format, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
             replica_policy=args.replica_policy,
             save_loads=args.save_loads, **speculative_options(args),
@@ -191,6 +194,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each step's tokens back before planning the next (default: the next step is "
                         "planned and launched first)")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse the KV blocks of a prompt prefix computed before (vLLM's automatic prefix caching)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: random weights at the size of config.json")
     p.add_argument("--eplb-interval", type=int, default=0, metavar="STEPS",
@@ -220,6 +225,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             cuda_graph_max_bs=args.cuda_graph_max_bs, cuda_graph_max_tokens=args.cuda_graph_max_tokens,
             piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
             enforce_eager=args.enforce_eager, disable_overlap_schedule=args.disable_overlap_schedule,
+            enable_prefix_caching=args.enable_prefix_caching,
             load_format=args.load_format, eplb_interval=args.eplb_interval, placement=args.placement,
             redundant=args.redundant,
             replica_policy=args.replica_policy, expert_backend=args.expert_backend, host=args.host, port=args.port,
@@ -292,7 +298,8 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 _SERVE_FLAGS = {name: "--" + name.replace("_", "-") for name in (
     "model", "ep", "parallel", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "mem_fraction_static", "num_kv_blocks", "cuda_graph_max_bs", "cuda_graph_max_tokens",
-    "piecewise_cuda_graph_max_tokens", "enforce_eager", "disable_overlap_schedule", "load_format", "eplb_interval",
+    "piecewise_cuda_graph_max_tokens", "enforce_eager", "disable_overlap_schedule", "enable_prefix_caching",
+    "load_format", "eplb_interval",
     "placement", "redundant", "replica_policy", "expert_backend", "host", "port", "served_model_name", "api_key",
     "speculative_algorithm", "speculative_draft_model", "speculative_num_tokens", "speculative_draft_placement",
     "speculative_draft_parallel", "prompt_lookup_min", "prompt_lookup_max", "chat_template",
@@ -301,7 +308,7 @@ _RUN_FLAGS = {name: "--" + name.replace("_", "-") for name in (
     "model", "ep", "parallel", "device", "dtype", "placement", "redundant", "layout", "dispatcher", "expert_backend",
     "max_num_seqs", "max_num_batched_tokens", "request_rate", "temperature", "top_p", "top_k", "seed",
     "cuda_graph_max_bs", "cuda_graph_max_tokens", "piecewise_cuda_graph_max_tokens", "enforce_eager",
-    "disable_overlap_schedule", "load_format", "num_kv_blocks", "block_size",
+    "disable_overlap_schedule", "enable_prefix_caching", "load_format", "num_kv_blocks", "block_size",
     "eplb_interval", "replica_policy", "speculative_algorithm", "speculative_draft_model", "speculative_num_tokens",
     "speculative_draft_placement", "speculative_draft_parallel", "prompt_lookup_min", "prompt_lookup_max")} | {
     "eplb_max_moves": "--max-moves", "max_new_tokens": "--max-new-tokens"}

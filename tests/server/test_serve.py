@@ -218,14 +218,20 @@ def test_penalties_min_p_and_logit_bias_equal_the_engine_offline(client, offline
     assert biased.choices[0].text == "*" * 5  # token 42 is the byte "*"
 
 
-def test_generation_config_defaults_and_chat_template_flags(start_server, offline, tmp_path, capsys):
-    # --generation-config DIR: requests without temperature take its 0 (greedy); --chat-template inline
+def test_generation_config_chat_template_and_prefix_caching_flags(start_server, offline, tmp_path, capsys):
+    # --generation-config DIR: requests without temperature take its 0 (greedy); --chat-template inline;
+    # --enable-prefix-caching: a repeated prompt's full blocks come from the cache
     (tmp_path / "generation_config.json").write_text('{"temperature": 0, "max_new_tokens": 4}')
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
-    spec = start_server("--ep", "1", "--generation-config", str(tmp_path), "--chat-template", template)
+    spec = start_server("--ep", "1", "--generation-config", str(tmp_path), "--chat-template", template,
+                        "--enable-prefix-caching")
     client = openai.OpenAI(base_url=f"{spec.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
-    got = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8)
-    assert got.choices[0].text == offline(PROMPTS[:1], 8)[0].text
+    for _ in range(2):  # the second time from the prefix cache (16-token blocks: the prompt's first 32 tokens)
+        got = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8)
+        assert got.choices[0].text == offline(PROMPTS[:1], 8)[0].text
+    assert spec.metric("epmoe:prefix_cache_hits_total") == 32
+    assert spec.metric("epmoe:prefix_cache_queries_total") == 2 * len(PROMPTS[0])
+    assert "prefix caching on" in spec.log.read_text()
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hey"}])
     assert chat.usage.prompt_tokens == len("<user>hey") and chat.usage.completion_tokens == 4
     assert "sampling defaults of requests that leave them out" in spec.log.read_text()

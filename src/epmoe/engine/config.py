@@ -83,6 +83,9 @@ class EngineConfig:
         disable_overlap_schedule: read each step's sampled tokens back before the next step is planned, instead
             of planning and launching the next step first (SGLang's name; see ``engine``'s overlap schedule).
             Speculative decoding always reads them back at once.
+        enable_prefix_caching: keep computed full KV blocks findable by their tokens after their sequence frees
+            them, and start a new (or preempted) sequence after the longest run of them matching its tokens
+            (vLLM's automatic prefix caching; ``scheduler``). Not with speculative decoding.
         static_decode_on_cpu: on CPU, run decode-only steps through the graph path's padded batch buckets
             and fixed-capacity dispatch, eagerly (how the CUDA-graph path is tested without a GPU).
         eplb_interval: rebalance experts every this many steps from the recorded loads (0 = never).
@@ -124,6 +127,7 @@ class EngineConfig:
     piecewise_cuda_graph_max_tokens: int = 8192
     enforce_eager: bool = False
     disable_overlap_schedule: bool = False
+    enable_prefix_caching: bool = False
     static_decode_on_cpu: bool = False
     eplb_interval: int = 0
     eplb_max_moves: int | None = None
@@ -201,6 +205,11 @@ class EngineConfig:
             raise ValueError(f"static_decode_on_cpu must be true or false, got {self.static_decode_on_cpu!r}")
         if not isinstance(self.disable_overlap_schedule, bool):
             raise ValueError(f"disable_overlap_schedule must be true or false, got {self.disable_overlap_schedule!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        if self.enable_prefix_caching and self.speculative_algorithm is not None:
+            raise ValueError(f"enable_prefix_caching does not combine with speculative decoding (speculative_algorithm "
+                             f"{self.speculative_algorithm!r}): a draft's cache would miss the cached blocks")
         if self.parallel == "tp":
             given = [name for name, value, default in (
                 ("placement", self.placement, None), ("redundant", self.redundant, 0),

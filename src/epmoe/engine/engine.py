@@ -217,7 +217,7 @@ class Engine:
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, lookahead=self.num_spec_tokens,
                                    max_model_len=self.max_model_len, graph_tokens=config.cuda_graph_max_tokens,
-                                   graph_rows=graph_rows)
+                                   graph_rows=graph_rows, prefix_caching=config.enable_prefix_caching)
         self.max_blocks = -(-self.max_model_len // config.block_size)
         aux = self.proposer.aux_layers if self.proposer is not None else ()
         # the overlap schedule reads each step's sampled tokens one step late (the proposers need them at once)
@@ -353,8 +353,8 @@ class Engine:
 
     def kv_report(self, context: int | None = None) -> dict:
         """The KV pool: blocks, tokens, bytes, the bytes of one token's entry in one layer and its kind
-        (``latent`` for MLA, else ``expanded``), and how many sequences of ``context`` tokens fit at once
-        (``None`` = ``max_model_len``)."""
+        (``latent`` for MLA, else ``expanded``), how many sequences of ``context`` tokens fit at once
+        (``None`` = ``max_model_len``), the graph buckets and whether prefix caching is on."""
         ctx = context or self.max_model_len
         tokens = self.allocator.capacity * self.config.block_size
         layout = self.kv.layout
@@ -362,7 +362,8 @@ class Engine:
                 "bytes": self.kv.nbytes, "kind": "latent" if layout.latent else "expanded",
                 "bytes_per_token_layer": layout.bytes_per_token_layer(self.config.torch_dtype), "context": ctx,
                 "max_concurrency": self.allocator.capacity // -(-ctx // self.config.block_size),
-                "graph_buckets": self.runner.buckets, "piecewise_buckets": self.runner.piece_buckets}
+                "graph_buckets": self.runner.buckets, "piecewise_buckets": self.runner.piece_buckets,
+                "prefix_caching": self.config.enable_prefix_caching}
 
     # ---- requests -------------------------------------------------------------------------------
 

@@ -12,7 +12,8 @@ their keys and values there, so a padded batch needs no branch.
 from __future__ import annotations
 
 import numbers
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,8 +69,28 @@ class KVLayout:
         return self.num_layers * self.bytes_per_token_layer(dtype)
 
 
+BlockKey = tuple[int, tuple[int, ...]]
+"""A full block's identity in the prefix cache: ``(hash of its parent block's key, 0 for the first block; its
+tokens)`` (``block_key``)."""
+
+
+def block_key(parent: BlockKey | None, tokens: Sequence[int]) -> BlockKey:
+    """The prefix-cache key of a full block of ``tokens`` following the block keyed ``parent`` (``None``: the
+    sequence's first block). Two blocks share a key when they hold the same tokens after parents of one hash: the
+    same prefix, up to a 64-bit hash collision of the parents' keys (and then their tokens must match too)."""
+    return (0 if parent is None else hash(parent), tuple(tokens))
+
+
 class BlockAllocator:
-    """Free list of KV block ids ``1 .. num_blocks - 1`` (block 0 is the padding block).
+    """KV block ids ``1 .. num_blocks - 1`` (block 0 is the padding block), reference-counted, with a prefix cache.
+
+    A block is free, held (by one or more sequences: ``acquire`` adds holders of cached blocks), or cached and free:
+    a full block whose key was ``register``ed stays findable (``cached``) after its last holder frees it, until
+    ``allocate`` needs it (the least recently freed first, after the never-cached free blocks). ``num_free`` counts
+    both kinds of free block. Without ``register`` calls this is a plain free list.
+
+    Source: vLLM's automatic prefix caching (hash-chained full blocks, reference counts, LRU eviction of free
+    cached blocks); SGLang's radix cache shares prefixes the same way at token granularity.
 
     Args:
         num_blocks: blocks in each pool, padding block included (at least 2).
@@ -83,12 +104,20 @@ class BlockAllocator:
             raise ValueError(f"num_blocks must be an integer >= 2 (one is the padding block), got {num_blocks!r}")
         self.num_blocks = int(num_blocks)
         self._free: deque[int] = deque(range(1, self.num_blocks))
-        self._used: set[int] = set()
+        self._refs: dict[int, int] = {}  # held block -> holders
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached free blocks, least recently freed first
+        self._key_of: dict[int, BlockKey] = {}
+        self._block_of: dict[BlockKey, int] = {}
 
     @property
     def num_free(self) -> int:
-        """Blocks free now."""
-        return len(self._free)
+        """Blocks free now (cached free blocks included: ``allocate`` may take them)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks findable in the prefix cache (held or free)."""
+        return len(self._key_of)
 
     @property
     def capacity(self) -> int:
@@ -96,36 +125,93 @@ class BlockAllocator:
         return self.num_blocks - 1
 
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` blocks.
+        """Take ``n`` blocks, each with one holder: never-cached free blocks first, then the least recently freed
+        cached ones (which leave the cache).
 
         Raises:
+            ValueError: ``n`` not an integer >= 0.
             RuntimeError: fewer than ``n`` free (callers check ``num_free`` first).
         """
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
             raise ValueError(f"the number of KV blocks to allocate must be an integer >= 0, got {n!r}")
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} KV blocks with {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        self._used.update(blocks)
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} KV blocks with {self.num_free} free")
+        blocks = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.popleft()
+            else:
+                b, _ = self._evictable.popitem(last=False)
+                del self._block_of[self._key_of.pop(b)]
+            self._refs[b] = 1
+            blocks.append(b)
         return blocks
 
     def free(self, blocks: list[int]) -> None:
-        """Return ``blocks`` to the pool.
+        """Drop one holder of each of ``blocks``; a block without holders becomes free (cached ones stay findable).
 
         Raises:
-            ValueError: a block id outside ``[1, num_blocks)`` (the padding block is never handed out), or
-                one that is not allocated now (a double free would hand it to two sequences). Nothing is
-                freed then.
+            ValueError: a block id outside ``[1, num_blocks)`` (the padding block is never handed out), one that
+                is not held now (a double free would hand it to two sequences) or listed twice. Nothing is freed
+                then.
         """
         blocks = list(blocks)
         for b in blocks:
             if not 1 <= b < self.num_blocks:
                 raise ValueError(f"block id {b} is not in [1, {self.num_blocks})")
-        if len(set(blocks)) != len(blocks) or not self._used.issuperset(blocks):
-            bad = sorted({b for b in blocks if b not in self._used or blocks.count(b) > 1})
+        if len(set(blocks)) != len(blocks) or any(b not in self._refs for b in blocks):
+            bad = sorted({b for b in blocks if b not in self._refs or blocks.count(b) > 1})
             raise ValueError(f"block ids {bad} are not allocated (freed twice?)")
-        self._used.difference_update(blocks)
-        self._free.extend(blocks)
+        for b in blocks:
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                del self._refs[b]
+                if b in self._key_of:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+
+    def cached(self, keys: Sequence[BlockKey]) -> list[int]:
+        """The blocks of the longest run of ``keys`` from the first that the cache holds (held or free)."""
+        out = []
+        for key in keys:
+            b = self._block_of.get(key)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def num_revived(self, blocks: Sequence[int]) -> int:
+        """How many of the cached ``blocks`` are free now: ``acquire`` takes them from ``num_free``."""
+        return sum(1 for b in blocks if b in self._evictable)
+
+    def acquire(self, blocks: Sequence[int]) -> None:
+        """Add a holder to each of the cached ``blocks`` (``cached``' result).
+
+        Raises:
+            ValueError: a block that is not in the cache. Nothing is acquired then.
+        """
+        bad = [b for b in blocks if b not in self._key_of]
+        if bad:
+            raise ValueError(f"block ids {bad[:5]} are not in the prefix cache")
+        for b in blocks:
+            self._evictable.pop(b, None)
+            self._refs[b] = self._refs.get(b, 0) + 1
+
+    def register(self, block: int, key: BlockKey) -> None:
+        """Make the held full ``block`` findable under ``key`` (its keys and values written, or being written by a
+        step that runs before any step that could read them); nothing when the key or the block is cached already
+        (the first block of a prefix stays its cached copy).
+
+        Raises:
+            ValueError: ``block`` is not held.
+        """
+        if block not in self._refs:
+            raise ValueError(f"block id {block} is not allocated: only a held block can be cached")
+        if key in self._block_of or block in self._key_of:
+            return
+        self._key_of[block] = key
+        self._block_of[key] = block
 
 
 class KVCache:

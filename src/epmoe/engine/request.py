@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from epmoe.engine.kv_cache import BlockKey
 from epmoe.engine.sampling import SamplingParams, TokenLogprobs
 from epmoe.engine.speculative import SpecStats
 
@@ -60,6 +61,9 @@ class Sequence:
             get theirs when read back).
         prompt_logprobs: with ``params.prompt_logprobs`` set, one entry per prompt token computed so far (the
             first ``None``); complete once it has as many entries as the prompt has tokens.
+        block_keys: prefix-cache keys of its first full blocks of tokens (``kv_cache.block_key``), computed as
+            needed.
+        num_registered: leading blocks of ``block_table`` put in the prefix cache (or taken from it).
     """
 
     request_id: str
@@ -81,6 +85,8 @@ class Sequence:
     device_row: int = -1
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    block_keys: list[BlockKey] = field(default_factory=list)
+    num_registered: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -93,8 +99,13 @@ class Sequence:
         return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
     def tokens(self, start: int, end: int) -> list[int]:
-        """Tokens ``[start, end)`` of prompt + output."""
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        """Tokens ``[start, end)`` of prompt + output (``0 <= start <= end``)."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
     @property
     def resolved_output(self) -> list[int]:

@@ -28,6 +28,14 @@ instead of preempting anyone: that token may end it.
 With speculative decoding (``lookahead`` K > 0), a decoding sequence also gets the budget and the KV blocks
 of up to K proposed tokens after its last one (vLLM's lookahead slots), as far as its ``max_tokens`` and
 the context allow; when the blocks are short it decodes without them rather than preempt anyone.
+
+With prefix caching (``prefix_caching``), every full block a sequence has computed (its tokens all known on the
+host) is put in the allocator's prefix cache under its key (``kv_cache.block_key``: the block's tokens after its
+parent's key), and stays there after the sequence frees it until the blocks are needed. A sequence admitted with
+nothing computed (new, or preempted) takes the longest run of cached blocks matching its tokens, as far as the
+block before its last token (the last token is always fed: its logits sample the next), and starts computing
+after them; a request asking for its prompt's log-probabilities takes none (they need every prompt row's logits).
+A preempted sequence so finds its own blocks again while no one has taken them.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from epmoe.engine.kv_cache import BlockAllocator
+from epmoe.engine.kv_cache import BlockAllocator, BlockKey, block_key
 from epmoe.engine.request import Sequence, SequenceStatus
 
 
@@ -133,6 +141,11 @@ class Scheduler:
             needed with ``lookahead``.
         graph_tokens: prompt chunks ending within this many tokens run row-wise in graph steps.
         graph_rows: rows of the largest graph step (0 = no graph steps: prompt chunks are not cut for them).
+        prefix_caching: share computed full blocks through the allocator's prefix cache (module docstring).
+
+    Attributes:
+        prefix_queries, prefix_hits: with prefix caching, tokens of the sequences admitted with nothing computed,
+            and of those the ones found in the cache (vLLM's prefix-cache queries and hits).
 
     Raises:
         ValueError: a size that is not a positive integer, or ``max_num_batched_tokens < max_num_seqs``
@@ -141,7 +154,7 @@ class Scheduler:
 
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, lookahead: int = 0, max_model_len: int | None = None,
-                 graph_tokens: int = 0, graph_rows: int = 0) -> None:
+                 graph_tokens: int = 0, graph_rows: int = 0, prefix_caching: bool = False) -> None:
         self.allocator = allocator
         self.block_size = _check_positive("block_size", block_size)
         self.max_num_seqs = _check_positive("max_num_seqs", max_num_seqs)
@@ -155,6 +168,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.graph_tokens = int(graph_tokens)
         self.graph_rows = int(graph_rows)
+        self.prefix_caching = bool(prefix_caching)
+        self.prefix_queries = 0
+        self.prefix_hits = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -189,8 +205,40 @@ class Scheduler:
         return full or len(seq.output_token_ids) >= seq.params.max_tokens
 
     def _release(self, seq: Sequence) -> None:
+        self._register(seq)
         self.allocator.free(seq.block_table)
         seq.block_table = []
+        seq.num_registered = 0
+
+    def _keys(self, seq: Sequence, n: int) -> list[BlockKey]:
+        """The prefix-cache keys of ``seq``'s first ``n`` full blocks (their tokens known on the host)."""
+        bs = self.block_size
+        keys = seq.block_keys
+        while len(keys) < n:
+            i = len(keys)
+            keys.append(block_key(keys[-1] if i else None, seq.tokens(i * bs, (i + 1) * bs)))
+        return keys[:n]
+
+    def _known(self, seq: Sequence) -> int:
+        """Leading tokens of ``seq`` whose ids are on the host (its pending tokens are not)."""
+        return seq.num_tokens - seq.num_pending
+
+    def _register(self, seq: Sequence) -> None:
+        """Put ``seq``'s computed full blocks whose tokens are known in the prefix cache (with prefix caching)."""
+        if not self.prefix_caching:
+            return
+        full = min(seq.num_computed, self._known(seq), len(seq.block_table) * self.block_size) // self.block_size
+        if full > seq.num_registered:
+            for i, key in enumerate(self._keys(seq, full)[seq.num_registered:], seq.num_registered):
+                self.allocator.register(seq.block_table[i], key)
+            seq.num_registered = full
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks a sequence admitted with nothing computed starts from (with prefix caching)."""
+        if not self.prefix_caching or seq.num_computed or seq.params.prompt_logprobs is not None:
+            return []
+        limit = min(seq.num_tokens - 1, self._known(seq)) // self.block_size
+        return self.allocator.cached(self._keys(seq, limit))
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
@@ -238,6 +286,8 @@ class Scheduler:
         prefills: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
         finished: list[Sequence] = []
+        for seq in self.running:
+            self._register(seq)
         ending = [s for s in self.running if self._ends_pending(s)]
         for seq in ending:  # never fed again: the blocks go back now (steps run in order on the device)
             self._release(seq)
@@ -282,19 +332,26 @@ class Scheduler:
         self.running = [s for s in self.running if id(s) in stay]  # in arrival order
         while self.waiting and not preempted and budget > 0 and len(self.running) - len(ending) < self.max_num_seqs:
             seq = self.waiting[0]
+            hits = self._cached_prefix(seq)
+            seq.num_computed = len(hits) * self.block_size  # what _graph_cut plans from (0 again if it waits)
             n, rows_after, eager_after = self._graph_cut(seq, min(seq.num_tokens - seq.num_computed, budget), rows,
                                                          eager, prompt_rows)
-            if n == 0:
-                break
-            need = self._blocks_needed(seq, seq.num_computed + n)
-            if need > self.allocator.num_free:
-                if not self.running and need > self.allocator.capacity:
+            need = -(-(seq.num_computed + n) // self.block_size) - len(hits) - len(seq.block_table)
+            if n == 0 or need + self.allocator.num_revived(hits) > self.allocator.num_free:
+                seq.num_computed = 0
+                if n and not self.running and need > self.allocator.capacity:
                     self.waiting.popleft()
                     self.finish(seq, "length")
                     finished.append(seq)
                     continue
                 break
             self.waiting.popleft()
+            if self.prefix_caching and not seq.block_table:
+                self.prefix_queries += seq.num_tokens
+                self.prefix_hits += seq.num_computed
+            self.allocator.acquire(hits)
+            seq.block_table.extend(hits)
+            seq.num_registered = len(hits)
             rows, eager = rows_after, eager_after
             prompt_rows += 0 if seq.num_computed + 1 == seq.num_tokens else n
             seq.block_table.extend(self.allocator.allocate(need))

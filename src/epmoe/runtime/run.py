@@ -80,6 +80,7 @@ class RunConfig:
         enforce_eager: no CUDA graphs (float32 runs on CUDA are always eager: the graph-safe expert
             kernels compute in bf16/fp16).
         disable_overlap_schedule: read each step's tokens back before planning the next (``EngineConfig``).
+        enable_prefix_caching: share computed KV blocks between prompts with a common prefix (``EngineConfig``).
         load_format: ``auto`` or ``dummy`` (random weights; no reference check).
         num_kv_blocks: KV blocks per layer (``None`` = sized from memory).
         block_size: tokens per KV block.
@@ -118,6 +119,7 @@ class RunConfig:
     piecewise_cuda_graph_max_tokens: int = 8192
     enforce_eager: bool = False
     disable_overlap_schedule: bool = False
+    enable_prefix_caching: bool = False
     load_format: str = "auto"
     num_kv_blocks: int | None = None
     block_size: int = 16
@@ -211,7 +213,7 @@ class RunConfig:
             block_size=self.block_size,
             cuda_graph_max_bs=self.cuda_graph_max_bs, cuda_graph_max_tokens=self.cuda_graph_max_tokens,
             piecewise_cuda_graph_max_tokens=self.piecewise_cuda_graph_max_tokens, enforce_eager=eager,
-            disable_overlap_schedule=self.disable_overlap_schedule,
+            disable_overlap_schedule=self.disable_overlap_schedule, enable_prefix_caching=self.enable_prefix_caching,
             eplb_interval=self.eplb_interval, eplb_max_moves=self.eplb_max_moves, replica_policy=self.replica_policy,
             seed=self.seed or 0,
             **speculative_options(self),
@@ -231,7 +233,8 @@ class RankReport:
         steps: engine steps run (every rank runs the same number).
         step_kinds: steps by kind: ``graph_steps`` (one CUDA-graph replay), ``piecewise_steps`` (piecewise graphs,
             attention eager), ``eager_steps``, ``idle_steps``
-            (nothing of its own: joined the collectives with an empty batch); ``preemptions``.
+            (nothing of its own: joined the collectives with an empty batch); ``preemptions``; with prefix
+            caching, ``prefix_cache_queries`` and ``prefix_cache_hits`` (tokens, ``Scheduler``'s).
         tokens_per_step: mean tokens this rank fed per step in which it ran the model.
         ttft_ms: time to first token of each served prompt, ms.
         rank_counts: ``[L, G]`` (token, expert) pairs this rank routed to each EP rank (padding rows of
@@ -416,7 +419,9 @@ def _serve_share(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], mine:
     fed = sum(len(all_ids[i]) + len(o.token_ids) - 1 for i, o in zip(mine, outs))
     return RankReport(
         rank=comm.rank, prompts=mine, tokens=[o.token_ids for o in outs],
-        finish_reasons=[o.finish_reason for o in outs], gen_s=gen_s, steps=steps, step_kinds=dict(engine.stats),
+        finish_reasons=[o.finish_reason for o in outs], gen_s=gen_s, steps=steps,
+        step_kinds=dict(engine.stats, prefix_cache_queries=engine.scheduler.prefix_queries,
+                        prefix_cache_hits=engine.scheduler.prefix_hits),
         tokens_per_step=fed / max(1, ran), ttft_ms=[(o.ttft_s or 0.0) * 1e3 for o in outs],
         rank_counts=per_rank.tolist(),
         rebalances=[asdict(e) for e in engine.eplb.events] if engine.eplb is not None else [],

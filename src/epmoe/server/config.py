@@ -30,6 +30,7 @@ class ServeConfig:
             baseline); attention is data-parallel either way.
         device, dtype, max_num_seqs, max_num_batched_tokens, mem_fraction_static, cuda_graph_max_bs,
             cuda_graph_max_tokens, piecewise_cuda_graph_max_tokens, enforce_eager, disable_overlap_schedule,
+            enable_prefix_caching,
             load_format, eplb_interval, placement, redundant, replica_policy, max_model_len, num_kv_blocks:
             the engine's options (``EngineConfig``).
         expert_backend: ``None`` = ``triton`` on CUDA, ``reference`` on CPU.
@@ -64,6 +65,7 @@ class ServeConfig:
     piecewise_cuda_graph_max_tokens: int = 8192
     enforce_eager: bool = False
     disable_overlap_schedule: bool = False
+    enable_prefix_caching: bool = False
     load_format: str = "auto"
     eplb_interval: int = 0
     placement: str | None = None
@@ -132,5 +134,6 @@ class ServeConfig:
             cuda_graph_max_tokens=self.cuda_graph_max_tokens,
             piecewise_cuda_graph_max_tokens=self.piecewise_cuda_graph_max_tokens, enforce_eager=eager,
             disable_overlap_schedule=self.disable_overlap_schedule, eplb_interval=self.eplb_interval,
+            enable_prefix_caching=self.enable_prefix_caching,
             replica_policy=self.replica_policy, **speculative_options(self),
         )

@@ -84,6 +84,7 @@ class StepReport:
         round_s: wall seconds of this round in the core (broadcast, step, gather) when it stepped, else ``None``.
         idle_s: the core's other wall seconds since the previous report: waiting for and reading requests,
             sending reports, rounds that did not step.
+        prefix_cache: prefix-cache queried and hit tokens so far, summed over ranks.
     """
 
     updates: list[StepUpdate]
@@ -99,6 +100,7 @@ class StepReport:
     step_tokens: int | None = None
     round_s: float | None = None
     idle_s: float = 0.0
+    prefix_cache: tuple[int, int] = (0, 0)
 
 
 @dataclass
@@ -212,7 +214,8 @@ class EngineCore:
                           sum(r.kv_free for r in replies), sum(r.kv_capacity for r in replies),
                           sum(r.preemptions for r in replies), per_step, balance,
                           tuple(sum(r.spec[i] for r in replies) for i in range(3)), lead.engine_steps,
-                          lead.step_tokens, round_s, idle_s)
+                          lead.step_tokens, round_s, idle_s,
+                          (sum(r.prefix_cache[0] for r in replies), sum(r.prefix_cache[1] for r in replies)))
 
     def _balancedness(self, replies: list[RankReply]) -> list[float] | None:
         """Per layer, the balancedness of the tokens routed since the last sample (``None``: none routed)."""

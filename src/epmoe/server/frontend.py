@@ -119,6 +119,7 @@ class Frontend:
         self._writer = threading.Thread(target=self._write, name="epmoe-core-writer", daemon=True)
         self._preemptions = 0
         self._spec = (0, 0, 0)  # verify steps, proposed, accepted tokens already counted
+        self._prefix_cache = (0, 0)  # prefix-cache queried and hit tokens already counted
         self._engine_steps = (0,) * len(STEP_KINDS)  # rank 0's engine steps by kind already counted
 
     # ---- the HTTP side ----------------------------------------------------------------------------
@@ -271,6 +272,9 @@ class Frontend:
         m.kv_usage.set((cap - free) / cap if cap else 0.0)
         m.preemptions.inc(report.preemptions - self._preemptions)
         self._preemptions = report.preemptions
+        m.prefix_cache_queries.inc(report.prefix_cache[0] - self._prefix_cache[0])
+        m.prefix_cache_hits.inc(report.prefix_cache[1] - self._prefix_cache[1])
+        self._prefix_cache = report.prefix_cache
         if report.collectives_per_step is not None:
             for kind, calls in report.collectives_per_step.items():
                 m.collectives_per_step.labels(kind=kind).set(calls)

@@ -30,6 +30,8 @@ class ServerMetrics:
         prompt_tokens, generation_tokens: tokens prefilled / generated (rates: ``rate()`` in PromQL).
         requests: finished requests by ``finish_reason`` (``stop``, ``length``, ``abort``, ``error``).
         preemptions: sequences preempted (recomputed) so far.
+        prefix_cache_queries, prefix_cache_hits: with ``--enable-prefix-caching``, tokens of the sequences admitted
+            with nothing computed, and of those the ones their cached blocks held (vLLM's prefix-cache counters).
         collectives_per_step: collectives of the engine's group per engine step, by kind (rank 0, the latest
             round that stepped).
         ttft, tpot: time to first token and time per output token after it, seconds.
@@ -68,6 +70,10 @@ class ServerMetrics:
         self.requests = Counter("epmoe:request_success", "Finished requests by finish reason", ["finished_reason"],
                                 registry=r)
         self.preemptions = Counter("epmoe:num_preemptions", "Sequences preempted (recomputed)", registry=r)
+        self.prefix_cache_queries = Counter("epmoe:prefix_cache_queries", "Tokens of the sequences admitted with "
+                                            "nothing computed (prefix caching), all ranks", registry=r)
+        self.prefix_cache_hits = Counter("epmoe:prefix_cache_hits", "Of those, the tokens found in the prefix "
+                                         "cache, all ranks", registry=r)
         self.collectives_per_step = Gauge("epmoe:collectives_per_step",
                                           "Collectives of the engine's group per step (rank 0, latest step)",
                                           ["kind"], registry=r)

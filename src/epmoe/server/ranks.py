@@ -120,6 +120,7 @@ class RankReply:
         engine_steps: engine steps so far by kind, in the order of ``STEP_KINDS``.
         step_tokens: tokens this rank fed to the model at this round's step (``Engine.last_step_tokens``);
             ``None`` when the round ran no model pass (no step, nothing to do on any rank, an idle step).
+        prefix_cache: prefix-cache queried and hit tokens so far (``Scheduler.prefix_queries``, ``prefix_hits``).
     """
 
     rank: int
@@ -135,6 +136,7 @@ class RankReply:
     spec: tuple[int, int, int] = (0, 0, 0)
     engine_steps: tuple[int, ...] = (0,) * len(STEP_KINDS)
     step_tokens: int | None = None
+    prefix_cache: tuple[int, int] = (0, 0)
 
 
 class RankStepper:
@@ -201,7 +203,8 @@ class RankStepper:
                          dict(engine.comm.stats.calls), result,
                          (engine.spec_stats.verify_steps, engine.spec_stats.draft_tokens,
                           engine.spec_stats.accepted_tokens),
-                         tuple(engine.stats[f"{kind}_steps"] for kind in STEP_KINDS), step_tokens)
+                         tuple(engine.stats[f"{kind}_steps"] for kind in STEP_KINDS), step_tokens,
+                         (sched.prefix_queries, sched.prefix_hits))
 
     def rebalance(self, max_moves: int | None) -> dict:
         """One live rebalance of every rank (``Engine.rebalance_now``), as the HTTP answer.

@@ -95,9 +95,10 @@ def _startup_log(cfg: ServeConfig, model_dir: str, name: str, frontend: Frontend
              "expert-parallel" if info.parallel == "ep" else "tensor-parallel", cfg.device, cfg.dtype,
              describe_expert_backend(cfg.engine_config(model_dir).expert_backend, cfg.device))
     log.info("KV cache per rank: %d blocks of %d tokens besides the padding block (%d tokens, %.1f MiB), %s of "
-             "the full context (%d tokens) at once; graph buckets %s; piecewise graph buckets %s", kv["blocks"],
-             kv["block_size"], kv["tokens"], kv["bytes"] / 2**20, counted(kv["max_concurrency"], "sequence"),
-             kv["context"], kv["graph_buckets"] or "none (eager)", kv.get("piecewise_buckets") or "none (eager)")
+             "the full context (%d tokens) at once; graph buckets %s; piecewise graph buckets %s; prefix caching %s",
+             kv["blocks"], kv["block_size"], kv["tokens"], kv["bytes"] / 2**20,
+             counted(kv["max_concurrency"], "sequence"), kv["context"], kv["graph_buckets"] or "none (eager)",
+             kv.get("piecewise_buckets") or "none (eager)", "on" if kv.get("prefix_caching") else "off")
     if info.speculative is not None:
         log.info("speculative decoding, K = %d: %s", cfg.engine_config(model_dir).num_speculative_tokens,
                  info.speculative)
