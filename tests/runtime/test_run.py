@@ -193,6 +193,18 @@ def test_run_staggered_arrivals_small_batches_and_kv_pool(kimi, tmp_path):
     assert all(len(t) == 6 for t in report["reference_outputs"])
 
 
+def test_run_prefix_caching_on_two_ranks(kimi, tmp_path):
+    # one prompt at a time per rank: each rank's later prompts start after the blocks its earlier ones computed
+    out = tmp_path / "pc.json"
+    prompts = ["mixture of experts", "mixture of experts!", "mixture of experts?", "mixture of experts."]
+    code = main(["run", "--model", str(kimi), "--ep", "2", "--max-new-tokens", "4", "--max-num-seqs", "1",
+                 "--block-size", "4", "--enable-prefix-caching", "--json", str(out),
+                 *[a for p in prompts for a in ("--prompt", p)]])
+    report = json.loads(out.read_text())
+    assert code == 0 and report["matches_reference"] is True
+    assert [r["step_kinds"]["prefix_cache_hits"] for r in report["ranks"]] == [16, 16]  # 4 blocks of 4, once each
+
+
 def test_run_seeded_sampling_repeats(kimi, tmp_path, capsys):
     """A seeded rerun repeats; the rerun asks for the triton backend on the CPU, which runs the reference (the same
     tokens), and the report says so once."""
