@@ -211,13 +211,14 @@ class Scheduler:
         seq.num_registered = 0
 
     def _keys(self, seq: Sequence, n: int) -> list[BlockKey]:
-        """The prefix-cache keys of ``seq``'s first ``n`` full blocks (their tokens known on the host)."""
+        """``seq.block_keys``, holding at least the prefix-cache keys of its first ``n`` full blocks (their tokens
+        known on the host)."""
         bs = self.block_size
         keys = seq.block_keys
         while len(keys) < n:
             i = len(keys)
             keys.append(block_key(keys[-1] if i else None, seq.tokens(i * bs, (i + 1) * bs)))
-        return keys[:n]
+        return keys
 
     def _known(self, seq: Sequence) -> int:
         """Leading tokens of ``seq`` whose ids are on the host (its pending tokens are not)."""
@@ -229,8 +230,9 @@ class Scheduler:
             return
         full = min(seq.num_computed, self._known(seq), len(seq.block_table) * self.block_size) // self.block_size
         if full > seq.num_registered:
-            for i, key in enumerate(self._keys(seq, full)[seq.num_registered:], seq.num_registered):
-                self.allocator.register(seq.block_table[i], key)
+            keys = self._keys(seq, full)
+            for i in range(seq.num_registered, full):
+                self.allocator.register(seq.block_table[i], keys[i])
             seq.num_registered = full
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
@@ -238,7 +240,7 @@ class Scheduler:
         if not self.prefix_caching or seq.num_computed or seq.params.prompt_logprobs is not None:
             return []
         limit = min(seq.num_tokens - 1, self._known(seq)) // self.block_size
-        return self.allocator.cached(self._keys(seq, limit))
+        return self.allocator.cached(self._keys(seq, limit)[:limit])
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
