@@ -130,3 +130,27 @@ def test_chat_template_from_a_file_or_inline(codec, tmp_path):
         load_chat_template("no-such-file")
     with pytest.raises(ValueError, match=r"chat_template does not parse: .* \(line 1\)"):
         load_chat_template("{% for m in messages %}")
+
+
+def test_completions_add_the_tokenizers_bos_and_chats_do_not(tmp_path):
+    # vLLM encodes a completion's text with the tokenizer's special tokens (add_special_tokens true) and a chat's
+    # rendered template without them: a tokenizer that adds a BOS gets it once
+    from tokenizers import Tokenizer, processors
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(ensure_default_checkpoint(), d)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 256)])
+    tok.save(str(d / "tokenizer.json"))
+    codec = TextCodec(str(d), INFO.vocab_size)
+    assert codec.encode("hi") == [256, 104, 105] and codec.encode("hi", False) == [104, 105]
+    assert build_job(_completion(prompt="hi", max_tokens=2), MODEL, codec, INFO).prompts == [[256, 104, 105]]
+    no_bos = _completion(prompt="hi", max_tokens=2, add_special_tokens=False)
+    assert build_job(no_bos, MODEL, codec, INFO).prompts == [[104, 105]]
+    chat = build_job(_chat(messages=[{"role": "user", "content": "hi"}], max_tokens=2), MODEL, codec, INFO)
+    assert chat.prompts[0][0] != 256 and chat.prompts == [codec.encode(codec.chat_prompt(
+        [{"role": "user", "content": "hi"}]), False)]
+    from epmoe.engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(model=str(d), max_num_seqs=2, num_kv_blocks=8, block_size=16))
+    assert engine.encode("hi") == [256, 104, 105]  # the offline API encodes as vLLM's LLM.generate

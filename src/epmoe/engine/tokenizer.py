@@ -34,9 +34,10 @@ def load_tokenizer(model_dir: str):
         raise ValueError(f"the tokenizer of {model_dir!r} cannot be loaded: {type(exc).__name__}: {exc}") from None
 
 
-def encode_text(tokenizer, vocab_size: int, text: str) -> list[int]:
-    """Token ids of ``text``: the tokenizer's (no special tokens added), or without one its UTF-8 bytes
-    modulo ``vocab_size``.
+def encode_text(tokenizer, vocab_size: int, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of ``text``: the tokenizer's, with the special tokens it adds to a text (a BOS, for tokenizers that
+    add one) unless ``add_special_tokens`` is false (a chat template's text holds them already), as vLLM encodes
+    prompts; without a tokenizer its UTF-8 bytes modulo ``vocab_size``.
 
     Raises:
         ValueError: ``text`` is not valid Unicode (a lone surrogate: bytes that were not UTF-8), its position named.
@@ -47,7 +48,7 @@ def encode_text(tokenizer, vocab_size: int, text: str) -> list[int]:
         raise ValueError(f"prompt {text!r} is not valid UTF-8 text (position {exc.start})") from None
     if tokenizer is None:
         return [b % vocab_size for b in text.encode()]
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
 
 def decode_text(tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -138,7 +138,7 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
             text = codec.chat_prompt(messages)
         except jinja2.TemplateError as exc:  # the template refused the conversation (e.g. roles not alternating)
             raise ApiError(400, f"messages: the chat template refused them: {exc}", "messages") from None
-        prompts = [codec.encode(text)]
+        prompts = [codec.encode(text, req.add_special_tokens)]
         sent = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = req.top_logprobs
@@ -154,7 +154,8 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
         if not items:
             raise ApiError(400, "prompt must not be empty, got []", "prompt")
-        prompts = [codec.encode(_utf8(p, "prompt")) if isinstance(p, str) else list(p) for p in items]
+        prompts = [codec.encode(_utf8(p, "prompt"), req.add_special_tokens) if isinstance(p, str) else list(p)
+                   for p in items]
         sent = "max_tokens"
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         logprobs = req.logprobs

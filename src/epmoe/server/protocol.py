@@ -107,11 +107,14 @@ class SamplingFields(_Request):
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: ``prompt`` is a string, token ids, or a list of either (one choice set
     each); ``logprobs`` asks for each token's log-probability and those of that many most likely tokens; ``echo``
-    puts the prompt before the completion, in the text and (with ``logprobs``) in the log-probabilities."""
+    puts the prompt before the completion, in the text and (with ``logprobs``) in the log-probabilities;
+    ``add_special_tokens`` (vLLM's; default true) lets the tokenizer add its special tokens (a BOS) to a text
+    prompt."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+    add_special_tokens: bool = True
 
 
 class ContentPart(_Request):
@@ -139,12 +142,14 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``; ``max_completion_tokens`` is the newer name of ``max_tokens``; ``logprobs``
-    asks for each token's log-probability, ``top_logprobs`` for those of that many most likely tokens too."""
+    asks for each token's log-probability, ``top_logprobs`` for those of that many most likely tokens too;
+    ``add_special_tokens`` (vLLM's; default false: the template's text holds them) lets the tokenizer add its own."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    add_special_tokens: bool = False
 
 
 class RebalanceRequest(_Request):

@@ -62,9 +62,10 @@ class TextCodec:
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
         self.chat_template = template or DEFAULT_CHAT_TEMPLATE
 
-    def encode(self, prompt: str) -> list[int]:
-        """Token ids of a text prompt (no special tokens added)."""
-        return encode_text(self.tokenizer, self.vocab_size, prompt)
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt, with the tokenizer's special tokens (a BOS) unless ``add_special_tokens`` is
+        false (``engine.tokenizer.encode_text``)."""
+        return encode_text(self.tokenizer, self.vocab_size, prompt, add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of token ids, special tokens skipped unless ``skip_special_tokens`` is false (an unfinished UTF-8
