@@ -93,8 +93,12 @@ def test_prompt_logprobs_requests_compute_their_whole_prompt(model_dir, plain):
     assert len(out.prompt_logprobs) == len(PROMPTS[1]) and out.prompt_logprobs[0] is None
 
 
-def test_prefix_caching_with_speculative_decoding_refused(model_dir):
-    with pytest.raises(ValueError, match="enable_prefix_caching does not combine with speculative decoding"):
-        EngineConfig(model=model_dir, enable_prefix_caching=True, speculative_algorithm="ngram")
+def test_prefix_caching_with_ngram_speculation_and_not_with_a_draft_model(model_dir, plain):
+    engine = _engine(model_dir, True, speculative_algorithm="ngram", speculative_num_tokens=2)
+    engine.generate(PROMPTS[:1], GREEDY)
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == plain and engine.scheduler.prefix_hits > 0
+    with pytest.raises(ValueError, match="enable_prefix_caching does not combine with a draft model"):
+        EngineConfig(model=model_dir, enable_prefix_caching=True, speculative_algorithm="draft",
+                     speculative_draft_model=model_dir)
     with pytest.raises(ValueError, match="enable_prefix_caching must be true or false, got 1"):
         EngineConfig(model=model_dir, enable_prefix_caching=1)

@@ -85,7 +85,7 @@ class EngineConfig:
             Speculative decoding always reads them back at once.
         enable_prefix_caching: keep computed full KV blocks findable by their tokens after their sequence frees
             them, and start a new (or preempted) sequence after the longest run of them matching its tokens
-            (vLLM's automatic prefix caching; ``scheduler``). Not with speculative decoding.
+            (vLLM's automatic prefix caching; ``scheduler``). Not with a draft model (``draft``, ``eagle3``).
         static_decode_on_cpu: on CPU, run decode-only steps through the graph path's padded batch buckets
             and fixed-capacity dispatch, eagerly (how the CUDA-graph path is tested without a GPU).
         eplb_interval: rebalance experts every this many steps from the recorded loads (0 = never).
@@ -207,9 +207,10 @@ class EngineConfig:
             raise ValueError(f"disable_overlap_schedule must be true or false, got {self.disable_overlap_schedule!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
-        if self.enable_prefix_caching and self.speculative_algorithm is not None:
-            raise ValueError(f"enable_prefix_caching does not combine with speculative decoding (speculative_algorithm "
-                             f"{self.speculative_algorithm!r}): a draft's cache would miss the cached blocks")
+        if self.enable_prefix_caching and self.speculative_algorithm not in (None, "ngram"):
+            raise ValueError(f"enable_prefix_caching does not combine with a draft model (speculative_algorithm "
+                             f"{self.speculative_algorithm!r}): the draft's own cache would miss the cached blocks; "
+                             f"ngram, which has no cache, combines")
         if self.parallel == "tp":
             given = [name for name, value, default in (
                 ("placement", self.placement, None), ("redundant", self.redundant, 0),
