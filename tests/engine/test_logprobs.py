@@ -40,17 +40,20 @@ def _reference_logprobs(model, prompt: list[int], output: list[int]) -> torch.Te
 def test_token_logprobs_are_the_log_softmax_and_its_top_k():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     tokens = torch.tensor([4, 0, 49])
-    chosen, values, ids = token_logprobs(logits, tokens, 5)
+    rows = token_logprobs(logits, tokens, 5)
+    chosen, values, ids = rows.chosen, rows.top_values, rows.top_ids
     want = torch.log_softmax(logits.float(), dim=-1)
     assert chosen.dtype == torch.float32 and values.shape == (3, 5) and ids.dtype == torch.int64
     torch.testing.assert_close(chosen, want[torch.arange(3), tokens])
     torch.testing.assert_close(values, want.sort(dim=-1, descending=True).values[:, :5])
     torch.testing.assert_close(want.gather(1, ids), values)
-    entries = logprob_entries(tokens.tolist(), chosen, values, ids, [2, 0, 5])
+    assert rows.rank.tolist() == [int((w > c).sum()) + 1 for w, c in zip(want, chosen)]
+    entries = logprob_entries(tokens.tolist(), rows, [2, 0, 5])
     assert [len(e.top) for e in entries] == [2, 0, 5] and [e.token_id for e in entries] == [4, 0, 49]
     assert entries[2].top[0] == (ids[2, 0].item(), values[2, 0].item())
-    _, none, none_ids = token_logprobs(logits, tokens, 0)
-    assert none.shape == (3, 0) and none_ids.shape == (3, 0)
+    assert [e.rank for e in entries] == rows.rank.tolist()
+    top = token_logprobs(logits, ids[:, 0], 0)
+    assert top.rank.tolist() == [1, 1, 1] and top.top_values.shape == (3, 0) and top.top_ids.shape == (3, 0)
     with pytest.raises(ValueError, match=r"k must be in \[0, 50\], got 51"):
         token_logprobs(logits, tokens, 51)
     with pytest.raises(ValueError, match=r"3 logits rows but tokens of shape \(2,\)"):
@@ -85,7 +88,7 @@ def test_generated_tokens_carry_the_models_logprobs(model_dir, reference, mode):
                 top = row.topk(p.logprobs)
                 assert [i for i, _ in e.top] == top.indices.tolist()
                 torch.testing.assert_close(torch.tensor([v for _, v in e.top]), top.values, atol=1e-4, rtol=0)
-                assert e.top[0] == (e.token_id, e.logprob)  # greedy: the chosen token is the most likely
+                assert e.top[0] == (e.token_id, e.logprob) and e.rank == 1  # greedy: the most likely
     if mode == "ngram":  # a proposal was accepted: a verify step emitted two tokens from consecutive rows
         assert engine.spec_stats.accepted_tokens > 0
     assert engine.allocator.num_free == engine.allocator.capacity
@@ -123,6 +126,7 @@ def test_prompt_logprobs_through_chunked_prefill_and_preemption(model_dir, refer
                                    want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])], atol=1e-4, rtol=0)
         for e, row in zip(entries[1:], want):
             assert [i for i, _ in e.top] == row.topk(p.prompt_logprobs).indices.tolist()
+            assert e.rank == int((row > row[e.token_id] + 1e-4).sum()) + 1  # no near-ties in these rows
     if mode != "ngram":
         assert sum(o.num_preemptions for o in outs) > 0, "the pool was meant to force a preemption"
     assert engine.allocator.num_free == engine.allocator.capacity

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.multiprocess
 
 PROMPTS = ["Expert parallelism places whole experts on ranks", "The quick brown fox", "def all_to_all(x):",
            "Mixture of experts"]
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +187,26 @@ def test_logprobs_name_tokens_by_id_and_offsets_point_into_the_text(client):
         echo.logprobs.tokens[:9]
 
 
+def test_prompt_logprobs_as_vllm_returns_them(server, offline):
+    ref = offline(PROMPTS[2:3], 2, prompt_logprobs=2)[0]
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
+    got = httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60).json()["choices"][0]
+    entries = got["prompt_logprobs"]
+    assert len(entries) == len(ref.prompt_token_ids) and entries[0] is None and got["logprobs"] is None
+    for entry, want, token in zip(entries[1:], ref.prompt_logprobs[1:], ref.prompt_token_ids[1:]):
+        mine = entry[str(token)]
+        assert mine["logprob"] == pytest.approx(want.logprob, abs=1e-4) and mine["rank"] == want.rank
+        assert mine["decoded_token"] == chr(token)  # the built-in tokenizer's tokens are bytes
+        ranked = sorted((v["rank"], int(k)) for k, v in entry.items() if v["rank"] <= 2)
+        assert [i for _, i in ranked] == [i for i, _ in want.top] and len(entry) in (2, 3)
+    streamed = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": True}, headers=AUTH, timeout=60)
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+    chat = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+
+
 def test_logprobs_of_chat_whole_and_streamed(client):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=5, temperature=0,
               logprobs=True, top_logprobs=3)
@@ -304,7 +325,6 @@ def test_concurrent_streams_each_equal_alone(server, offline):
     assert server.metric("epmoe:time_to_first_token_seconds_count") >= 100
 
 
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 BAD = [
     ("malformed json", b'{"model": "x", "prompt": ', 400, None),
     ("empty body", b"", 400, None),
@@ -329,7 +349,7 @@ BAD = [
     ("stop token id past the vocabulary", {"model": MODEL, "prompt": "hi", "stop_token_ids": [999999]}, 400,
      "stop_token_ids"),
     ("logprobs 21", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
-    ("prompt_logprobs, not served", {"model": MODEL, "prompt": "hi", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("prompt_logprobs 21", {"model": MODEL, "prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ("echo a string", {"model": MODEL, "prompt": "hi", "echo": "yes"}, 400, "echo"),
     ("bad_words, not served", {"model": MODEL, "prompt": "hi", "bad_words": ["C"]}, 400, "bad_words"),
     ("include_stop_str_in_output, not served", {"model": MODEL, "prompt": "hi", "stop": ["C"],

@@ -58,7 +58,14 @@ from epmoe.engine.piecewise import piece_buckets
 from epmoe.engine.proposers import make_proposer
 from epmoe.engine.request import PENDING_TOKEN, RequestOutput, Sequence
 from epmoe.engine.rope_attention import install_rope_attention
-from epmoe.engine.sampling import SamplingParams, TokenHistory, logprob_entries, sample, token_logprobs
+from epmoe.engine.sampling import (
+    RowLogprobs,
+    SamplingParams,
+    TokenHistory,
+    logprob_entries,
+    sample,
+    token_logprobs,
+)
 from epmoe.engine.scheduler import Scheduler, StepPlan
 from epmoe.engine.speculative import Proposal, SpecStats, verify, verify_greedy
 from epmoe.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
@@ -98,14 +105,12 @@ def _rows(aux: torch.Tensor | None, start: int, n: int) -> torch.Tensor | None:
 
 
 class _Logprobs(NamedTuple):
-    """Log-probabilities of some rows of a launch on their way to the host (``sampling.token_logprobs``' three
-    tensors, copied into pinned host memory on CUDA): ``index`` the rows, ``ks`` their requests' alternatives."""
+    """Log-probabilities of some rows of a launch on their way to the host (``sampling.token_logprobs``' tensors,
+    copied into pinned host memory on CUDA): ``index`` the rows, ``ks`` their requests' alternatives."""
 
     index: list[int]
     ks: list[int]
-    chosen: torch.Tensor
-    top_values: torch.Tensor
-    top_ids: torch.Tensor
+    rows: RowLogprobs
 
 
 class _Launch(NamedTuple):
@@ -649,8 +654,8 @@ class Engine:
         if want:
             ks = [sampling[i].seq.params.logprobs for i in want]
             idx = to_device(want, logits.device, torch.int64)
-            chosen, values, ids = token_logprobs(logits.index_select(0, idx), toks.index_select(0, idx), max(ks))
-            logprobs = _Logprobs(want, ks, _host_copy(chosen), _host_copy(values), _host_copy(ids))
+            rows = token_logprobs(logits.index_select(0, idx), toks.index_select(0, idx), max(ks))
+            logprobs = _Logprobs(want, ks, RowLogprobs(*(_host_copy(t) for t in rows)))
         if toks.is_cuda:
             host.copy_(toks, non_blocking=True)
             event = torch.cuda.Event()
@@ -680,8 +685,7 @@ class Engine:
         entries = {}
         if launch.logprobs is not None:
             lp = launch.logprobs
-            entries = dict(zip(lp.index, logprob_entries([tokens[i] for i in lp.index], lp.chosen, lp.top_values,
-                                                         lp.top_ids, lp.ks)))
+            entries = dict(zip(lp.index, logprob_entries([tokens[i] for i in lp.index], lp.rows, lp.ks)))
         outputs = []
         for i, ((seq, at), tok) in enumerate(zip(launch.rows, tokens)):
             if seq.finished:
@@ -795,9 +799,8 @@ class Engine:
         if not rows:
             return
         idx = to_device(rows, logits.device, torch.int64)
-        chosen, values, ids = token_logprobs(logits.index_select(0, idx), to_device(toks, logits.device, torch.int64),
-                                             max(ks))
-        for seq, entry in zip(owners, logprob_entries(toks, chosen, values, ids, ks)):
+        got = token_logprobs(logits.index_select(0, idx), to_device(toks, logits.device, torch.int64), max(ks))
+        for seq, entry in zip(owners, logprob_entries(toks, got, ks)):
             seq.prompt_logprobs.append(entry)
 
     @staticmethod
@@ -818,10 +821,9 @@ class Engine:
         if not rows:
             return {}
         idx = to_device(rows, logits.device, torch.int64)
-        chosen, values, ids = token_logprobs(logits.index_select(0, idx), to_device(toks, logits.device, torch.int64),
-                                             max(ks))
+        got = token_logprobs(logits.index_select(0, idx), to_device(toks, logits.device, torch.int64), max(ks))
         out: dict[int, list] = {}
-        for owner, entry in zip(owners, logprob_entries(toks, chosen, values, ids, ks)):
+        for owner, entry in zip(owners, logprob_entries(toks, got, ks)):
             out.setdefault(owner, []).append(entry)
         return out
 

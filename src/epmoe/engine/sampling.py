@@ -25,6 +25,7 @@ import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -185,24 +186,32 @@ class TokenLogprobs:
         logprob: its natural-log probability under the model (float32 log-softmax of the raw logits).
         top: the request's ``logprobs`` most likely ``(token id, logprob)`` at that position, most likely first
             (ties in any order); may include ``token_id``.
+        rank: 1 + the tokens more likely than it at that position (1 = the most likely; vLLM's rank).
     """
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int = 1
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                 torch.Tensor]:
-    """Log-probabilities of chosen tokens and the top ``k`` of their rows, on the logits' device.
+class RowLogprobs(NamedTuple):
+    """``token_logprobs``' result for ``N`` rows: ``chosen [N]`` float32, ``rank [N]`` int64, ``top_values [N, k]``
+    float32 (descending) and ``top_ids [N, k]`` int64, on one device."""
+
+    chosen: torch.Tensor
+    rank: torch.Tensor
+    top_values: torch.Tensor
+    top_ids: torch.Tensor
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> RowLogprobs:
+    """Log-probabilities and ranks of chosen tokens and the top ``k`` of their rows, on the logits' device.
 
     Args:
         logits: ``[N, V]`` raw next-token logits (any float dtype).
         tokens: ``[N]`` int64 the tokens chosen at those rows.
         k: alternatives per row, ``0 <= k <= V``.
-
-    Returns:
-        ``chosen [N]`` float32, ``top_values [N, k]`` float32 (descending) and ``top_ids [N, k]`` int64.
 
     Raises:
         ValueError: ``tokens`` not ``[N]`` or ``k`` out of range.
@@ -214,23 +223,23 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[
         raise ValueError(f"token_logprobs: k must be in [0, {v}], got {k}")
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    rank = (lp > chosen.unsqueeze(1)).sum(dim=-1) + 1
     top_values, top_ids = lp.topk(k, dim=-1) if k else (lp.new_empty(n, 0), tokens.new_empty(n, 0))
-    return chosen, top_values, top_ids
+    return RowLogprobs(chosen, rank, top_values, top_ids)
 
 
-def logprob_entries(tokens: list[int], chosen: torch.Tensor, top_values: torch.Tensor, top_ids: torch.Tensor,
-                    ks: list[int]) -> list[TokenLogprobs]:
-    """``TokenLogprobs`` of rows from ``token_logprobs``' results (on the host), row ``i`` keeping its ``ks[i]``
+def logprob_entries(tokens: list[int], rows: RowLogprobs, ks: list[int]) -> list[TokenLogprobs]:
+    """``TokenLogprobs`` of rows from ``token_logprobs``' result (on the host), row ``i`` keeping its ``ks[i]``
     most likely alternatives.
 
     Args:
         tokens: the ``N`` chosen token ids.
-        chosen, top_values, top_ids: ``[N]``, ``[N, k]``, ``[N, k]`` as ``token_logprobs`` returns them.
+        rows: ``token_logprobs``' result for them.
         ks: per row, alternatives kept, ``<= k``.
     """
-    values, ids = top_values.tolist(), top_ids.tolist()
-    return [TokenLogprobs(t, c, tuple(zip(i[:n], v[:n])))
-            for t, c, v, i, n in zip(tokens, chosen.tolist(), values, ids, ks)]
+    values, ids = rows.top_values.tolist(), rows.top_ids.tolist()
+    return [TokenLogprobs(t, c, tuple(zip(i[:n], v[:n])), r)
+            for t, c, r, v, i, n in zip(tokens, rows.chosen.tolist(), rows.rank.tolist(), values, ids, ks)]
 
 
 def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

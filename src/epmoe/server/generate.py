@@ -36,6 +36,8 @@ from epmoe.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprob,
+    PromptLogprobs,
     SamplingFields,
     TopLogprob,
     Usage,
@@ -69,6 +71,7 @@ class Job:
         as_ids: log-probabilities name tokens ``token_id:<id>`` (``return_tokens_as_token_ids``).
         prompt_only: ``echo`` with ``max_tokens`` 0: each choice is its prompt alone (its text and log-probabilities;
             no completion tokens counted), finished with ``length``.
+        sent_prompt_logprobs: vLLM's ``prompt_logprobs`` as the request sent it (the response carries them).
     """
 
     kind: str
@@ -81,6 +84,7 @@ class Job:
     echo: list[str] | None = None
     as_ids: bool = False
     prompt_only: bool = False
+    sent_prompt_logprobs: int | None = None
 
     def choice_ids(self) -> list[str]:
         """The engine request id of each choice."""
@@ -147,7 +151,7 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         if top and not req.logprobs:
             raise ApiError(400, f"top_logprobs ({top}) needs logprobs: true", "top_logprobs")
         logprobs = (top or 0) if req.logprobs else None
-        prompt_logprobs = None
+        prompt_logprobs = req.prompt_logprobs
     else:
         kind, where = "completion", "prompt"
         raw = req.prompt
@@ -159,7 +163,8 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         sent = "max_tokens"
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         logprobs = req.logprobs
-        prompt_logprobs = logprobs if req.echo else None
+        asked = [k for k in (req.prompt_logprobs, logprobs if req.echo else None) if k is not None]
+        prompt_logprobs = max(asked) if asked else None  # echo's legacy form and vLLM's field share one count
     prompt_only = kind == "completion" and req.echo and max_tokens == 0  # vLLM's: the prompt alone comes back
     if prompt_only:
         max_tokens = 1  # the engine computes the prompt and one token, which is not sent
@@ -167,6 +172,9 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         raise ApiError(400, f"{sent} must be an integer >= 1 (0 only with echo), got {max_tokens}", sent)
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
+    if req.prompt_logprobs is not None and req.stream:
+        raise ApiError(400, f"prompt_logprobs={req.prompt_logprobs} is not served with stream: true (as vLLM)",
+                       "prompt_logprobs")
     bad_stops = [t for t in req.stop_token_ids or () if not 0 <= t < info.vocab_size]
     if bad_stops:
         raise ApiError(400, f"stop_token_ids must be in [0, {info.vocab_size}), got {bad_stops[:5]}", "stop_token_ids")
@@ -211,7 +219,7 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         echo = [p if isinstance(p, str) and codec.tokenizer is not None else codec.decode(ids, False)
                 for p, ids in zip(items, prompts)]
     return Job(kind, model, f"{prefix}-{uuid.uuid4().hex}", prompts, params, req.n, include_usage, echo,
-               req.return_tokens_as_token_ids, prompt_only)
+               req.return_tokens_as_token_ids, prompt_only, req.prompt_logprobs)
 
 
 def _utf8(text: str, field: str) -> str:
@@ -339,7 +347,30 @@ def _echoed(codec: TextCodec, job: Job, choice: int, up: Update) -> tuple[str, C
     completion follows) and, with ``logprobs``, its prompt tokens' log-probabilities (``up`` an update that carries
     them)."""
     text = job.echo[choice // job.n] + ("" if job.prompt_only else codec.separator)
-    return text, _completion_logprobs(codec, job, up.prompt_logprobs, job.prompt_of(choice), 0, 0, prompt=True)
+    k, entries = job.params[choice].logprobs, up.prompt_logprobs
+    if k is None or entries is None:
+        return text, None
+    entries = [e if e is None else dataclasses.replace(e, top=e.top[:k]) for e in entries]
+    return text, _completion_logprobs(codec, job, entries, job.prompt_of(choice), 0, 0, prompt=True)
+
+
+def _prompt_logprobs(codec: TextCodec, job: Job, choice: int, up: Update) -> PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs`` of a choice (``None`` unless the request sent ``prompt_logprobs``): per prompt
+    token its own entry and its position's most likely tokens', ranked."""
+    if job.sent_prompt_logprobs is None or up.prompt_logprobs is None:
+        return None
+    k = job.sent_prompt_logprobs
+    out: PromptLogprobs = []
+    for e in up.prompt_logprobs:
+        if e is None:
+            out.append(None)
+            continue
+        entry = {str(i): PromptLogprob(logprob=_logprob(v), rank=r, decoded_token=codec.token_text(i, job.as_ids))
+                 for r, (i, v) in enumerate(e.top[:k], 1)}
+        entry.setdefault(str(e.token_id), PromptLogprob(logprob=_logprob(e.logprob), rank=e.rank,
+                                                        decoded_token=codec.token_text(e.token_id, job.as_ids)))
+        out.append(entry)
+    return out
 
 
 def _joined(a: CompletionLogprobs | None, b: CompletionLogprobs | None) -> CompletionLogprobs | None:
@@ -354,14 +385,17 @@ def _joined(a: CompletionLogprobs | None, b: CompletionLogprobs | None) -> Compl
 def _completion_choice(codec: TextCodec, job: Job, choice: int, up: Update) -> CompletionChoice:
     """One whole completion choice from its final update (the prompt first with ``echo``)."""
     text = _final_text(codec, up)
+    prompt = _prompt_logprobs(codec, job, choice, up)
     if job.echo is None:
-        return CompletionChoice(index=choice, text=text, finish_reason=up.finish_reason,
+        return CompletionChoice(index=choice, text=text, finish_reason=up.finish_reason, prompt_logprobs=prompt,
                                 logprobs=_completion_logprobs(codec, job, up.logprobs, up.token_ids, 0, 0))
     prompt_text, prompt_lp = _echoed(codec, job, choice, up)
     if job.prompt_only:
-        return CompletionChoice(index=choice, text=prompt_text, logprobs=prompt_lp, finish_reason="length")
+        return CompletionChoice(index=choice, text=prompt_text, logprobs=prompt_lp, finish_reason="length",
+                                prompt_logprobs=prompt)
     logprobs = _joined(prompt_lp, _completion_logprobs(codec, job, up.logprobs, up.token_ids, 0, len(prompt_text)))
-    return CompletionChoice(index=choice, text=prompt_text + text, logprobs=logprobs, finish_reason=up.finish_reason)
+    return CompletionChoice(index=choice, text=prompt_text + text, logprobs=logprobs, finish_reason=up.finish_reason,
+                            prompt_logprobs=prompt)
 
 
 def _final_text(codec: TextCodec, up: Update) -> str:
@@ -406,7 +440,7 @@ async def collect(frontend: Frontend, job: Job, updates: asyncio.Queue, codec: T
             ChatChoice(index=i, message=AssistantMessage(role="assistant", content=_final_text(codec, finals[i])),
                        logprobs=_chat_logprobs(codec, finals[i].logprobs, job.as_ids),
                        finish_reason=finals[i].finish_reason)
-            for i in range(len(ids))]).model_dump()
+            for i in range(len(ids))], prompt_logprobs=_prompt_logprobs(codec, job, 0, finals[0])).model_dump()
     return CompletionResponse(id=job.request_id, created=created, model=job.model, usage=usage, choices=[
         _completion_choice(codec, job, i, finals[i]) for i in range(len(ids))]).model_dump()
 

@@ -24,7 +24,7 @@ UNSERVED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""), "best_of": (None, 1), "use_beam_search": (None, False),
     "allowed_token_ids": (None,), "bad_words": (None, []), "include_stop_str_in_output": (None, False),
     "truncate_prompt_tokens": (None,), "skip_special_tokens": (None, True),
-    "spaces_between_special_tokens": (None, True), "length_penalty": (None, 1), "prompt_logprobs": (None,),
+    "spaces_between_special_tokens": (None, True), "length_penalty": (None, 1),
     "response_format": (None, {"type": "text"}), "guided_json": (None,), "guided_regex": (None,),
     "guided_choice": (None,), "guided_grammar": (None,), "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "functions": (None, []), "function_call": (None, "none", "auto"),
@@ -60,8 +60,8 @@ class StreamOptions(_Request):
 
 class SamplingFields(_Request):
     """The sampling fields both endpoints share (OpenAI's names, plus vLLM's ``top_k``, ``min_p``,
-    ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``return_tokens_as_token_ids``);
-    ``logit_bias`` maps token ids (as JSON object keys: strings) to biases."""
+    ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``return_tokens_as_token_ids``,
+    ``prompt_logprobs``); ``logit_bias`` maps token ids (as JSON object keys: strings) to biases."""
 
     model: str
     max_tokens: int | None = None
@@ -83,6 +83,7 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_tokens_as_token_ids: bool = False
+    prompt_logprobs: int | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -180,13 +181,28 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None]
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of a prompt token's log-probabilities: the value, the rank at its position (1 = most likely)
+    and the token's text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+"""vLLM's ``prompt_logprobs``: per prompt token (``null`` for the first), its entry and those of the most likely
+tokens at its position, keyed by token id (a JSON string)."""
+
+
 class CompletionChoice(BaseModel):
-    """One choice of a completion (a whole one, or a stream chunk's delta text)."""
+    """One choice of a completion (a whole one, or a stream chunk's delta text); ``prompt_logprobs`` is vLLM's."""
 
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -246,7 +262,7 @@ class ChatStreamChoice(BaseModel):
 
 
 class ChatCompletionResponse(BaseModel):
-    """A whole chat completion."""
+    """A whole chat completion; ``prompt_logprobs`` is vLLM's (the rendered conversation's tokens)."""
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -254,6 +270,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
