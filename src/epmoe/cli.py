@@ -60,8 +60,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each step's tokens back before planning the next (default: the next step is "
                         "planned and launched first)")
-    p.add_argument("--enable-prefix-caching", action="store_true",
-                   help="reuse the KV blocks of a prompt prefix computed before (vLLM's automatic prefix caching)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="reuse the KV blocks of a prompt prefix computed before (vLLM's automatic prefix caching; "
+                        "default off)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: random weights at the size of config.json (no reference check)")
     p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
@@ -194,8 +195,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each step's tokens back before planning the next (default: the next step is "
                         "planned and launched first)")
-    p.add_argument("--enable-prefix-caching", action="store_true",
-                   help="reuse the KV blocks of a prompt prefix computed before (vLLM's automatic prefix caching)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="reuse the KV blocks of a prompt prefix computed before (vLLM's automatic prefix caching; "
+                        "default off)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: random weights at the size of config.json")
     p.add_argument("--eplb-interval", type=int, default=0, metavar="STEPS",
@@ -338,7 +340,7 @@ def _flag_error(exc: Exception, flags: dict[str, str]) -> Exception:
     msg = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
     plain = r"(?=\s\(|\smust\b|\sneeds\b|\sis\b|\sexceeds\b|\s'|,\s|\splace or move\b)"
     for name, flag in flags.items():
-        ahead = r"(?![\w-])" if "_" in name else plain
+        ahead = r"(?![\w-]|\.\w)" if "_" in name else plain  # not a file's name (generation_config.json)
         msg = re.sub(rf"(?<![\w'\"./-]){re.escape(name)}{ahead}", flag, msg)
     return (TypeError if isinstance(exc, TypeError) else ValueError)(msg)
 

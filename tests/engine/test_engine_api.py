@@ -229,6 +229,13 @@ def test_stop_string(engine, reference):
     assert out.finish_reason == "stop"
     assert out.token_ids == ref[: k + 1]
     assert out.text == ref_text[: ref_text.index(stop)] and stop not in out.text
+    # vLLM's: a stop string ends nothing before min_tokens (k + 1 tokens here: the match is inside them)
+    (late,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=10, stop=[stop], min_tokens=k + 1))
+    assert late.token_ids[: k + 1] == ref[: k + 1] and len(late.token_ids) > k + 1 or late.finish_reason == "length"
+    # a stop token ends the generation and stays in the tokens, not in the text (vLLM's)
+    (tok,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[ref[k]]))
+    assert tok.token_ids == ref[: k + 1] and tok.finish_reason == "stop"
+    assert tok.text == engine.tokenizer.decode(ref[:k], skip_special_tokens=True) and stop not in tok.text
     assert_idle(engine)
 
 
@@ -268,3 +275,8 @@ def test_eos_ids_of_generation_config_stop_generation(model_dir, reference, tmp_
     (d / "generation_config.json").write_text("{")
     with pytest.raises(ValueError, match="generation_config.json' cannot be read"):
         Engine(config(str(d)))
+    for bad in ("-1", "[5, -1]", '"119"', "true"):
+        (d / "generation_config.json").write_text(f'{{"eos_token_id": {bad}}}')
+        with pytest.raises(ValueError, match=r"generation_config.json': eos_token_id must be a token id \(an integer "
+                                             r">= 0\) or a list of them, got"):
+            Engine(config(str(d)))

@@ -126,6 +126,10 @@ def test_chat_template_from_a_file_or_inline(codec, tmp_path):
     assert load_chat_template(str(tmp_path / "t.jinja")) == inline
     custom = TextCodec(str(ensure_default_checkpoint()), INFO.vocab_size, inline)
     assert custom.chat_prompt([{"role": "user", "content": "hi"}]) == "[user] hi\n"
+    hf = "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% break %}{% endfor %}"
+    assert load_chat_template(hf) == hf  # transformers' tags (loop controls, generation) parse
+    assert TextCodec(str(ensure_default_checkpoint()), INFO.vocab_size, hf).chat_prompt(
+        [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "a"
     with pytest.raises(ValueError, match="'no-such-file' is neither a file nor a Jinja template"):
         load_chat_template("no-such-file")
     with pytest.raises(ValueError, match=r"chat_template does not parse: .* \(line 1\)"):

@@ -541,9 +541,9 @@ class Engine:
         p = seq.params
         if len(seq.output_token_ids) >= p.min_tokens:
             return None
-        ids = tuple(t for t in p.stop_token_ids if t < self.vocab_size)
+        ids = tuple(t for t in p.stop_token_ids if 0 <= t < self.vocab_size)
         if not p.ignore_eos:
-            ids += tuple(t for t in self.eos_ids if t < self.vocab_size)
+            ids += tuple(t for t in self.eos_ids if 0 <= t < self.vocab_size)
         return ids or None
 
     def step(self, pending: bool = False) -> list[RequestOutput]:
@@ -833,7 +833,7 @@ class Engine:
         n = len(seq.output_token_ids) - seq.num_pending
         if n >= p.min_tokens and ((tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
             return "stop"
-        if p.stop and self.tokenizer is not None:
+        if p.stop and self.tokenizer is not None and n > p.min_tokens:  # vLLM: stop strings past min_tokens only
             text = self.tokenizer.decode(seq.resolved_output, skip_special_tokens=True)
             hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
             if hits:
@@ -846,7 +846,10 @@ class Engine:
     def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
         text = None
         if self.tokenizer is not None and seq.finished:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            ids = seq.output_token_ids
+            if seq.finish_reason == "stop" and seq.stop_text_len is None:
+                ids = ids[:-1]  # a stop or EOS token is kept in the tokens, not in the text (vLLM's)
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
             if seq.stop_text_len is not None:
                 text = text[: seq.stop_text_len]
         ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time

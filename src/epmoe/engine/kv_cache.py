@@ -11,7 +11,9 @@ their keys and values there, so a padded batch needs no branch.
 
 from __future__ import annotations
 
+import hashlib
 import numbers
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -69,16 +71,19 @@ class KVLayout:
         return self.num_layers * self.bytes_per_token_layer(dtype)
 
 
-BlockKey = tuple[int, tuple[int, ...]]
-"""A full block's identity in the prefix cache: ``(hash of its parent block's key, 0 for the first block; its
-tokens)`` (``block_key``)."""
+BlockKey = bytes
+"""A full block's identity in the prefix cache: the SHA-256 digest of its parent block's key and its tokens
+(``block_key``)."""
 
 
 def block_key(parent: BlockKey | None, tokens: Sequence[int]) -> BlockKey:
     """The prefix-cache key of a full block of ``tokens`` following the block keyed ``parent`` (``None``: the
-    sequence's first block). Two blocks share a key when they hold the same tokens after parents of one hash: the
-    same prefix, up to a 64-bit hash collision of the parents' keys (and then their tokens must match too)."""
-    return (0 if parent is None else hash(parent), tuple(tokens))
+    sequence's first block): SHA-256 over the parent's key and the tokens as 64-bit integers, so two blocks share a
+    key only when they hold the same tokens after the same prefix (a crafted collision, which a 64-bit hash would
+    allow, is out of reach: vLLM moved to SHA-256 for the same reason, CVE-2025-25183)."""
+    digest = hashlib.sha256(parent or b"")
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
 
 
 class BlockAllocator:

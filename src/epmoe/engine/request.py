@@ -132,8 +132,9 @@ class RequestOutput:
         prompt_token_ids: the prompt (the request's own list: do not modify it).
         token_ids: every token generated so far.
         new_token_ids: tokens generated at this step (empty for an abort).
-        text: the generated text, cut before a stop string, on the final output (``None`` before it and
-            without a tokenizer: decode ``token_ids`` for partial text).
+        text: the generated text, cut before a stop string and without the stop or EOS token that ended it (that
+            token stays in ``token_ids``, as vLLM's), on the final output (``None`` before it and without a
+            tokenizer: decode ``token_ids`` for partial text).
         finished: no more tokens will come.
         finish_reason: ``stop``, ``length``, ``abort`` or ``None`` while running.
         num_preemptions: times the request was preempted (recomputed).

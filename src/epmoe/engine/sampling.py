@@ -53,7 +53,8 @@ class SamplingParams:
         top_k: keep the ``top_k`` most likely tokens; ``-1`` or ``0`` = all.
         seed: seed of this request's own generator (reproducible sampling); ``None`` = the engine's.
         max_tokens: most tokens generated, ``>= 1``.
-        min_tokens: EOS and stop token ids cannot be generated before this many tokens, ``>= 0`` (vLLM's).
+        min_tokens: EOS and stop token ids cannot be generated, and stop strings do not end the generation,
+            before this many tokens, ``>= 0`` (vLLM's).
         stop: strings that end the generation (the text is cut before the match).
         stop_token_ids: token ids that end the generation (kept in the output, like EOS).
         ignore_eos: keep generating past the model's EOS token.

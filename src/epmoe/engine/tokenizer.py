@@ -86,14 +86,20 @@ def eos_token_ids(model_dir: str, tokenizer) -> frozenset[int]:
     and the tokenizer's.
 
     Raises:
-        ValueError: an unreadable ``generation_config.json`` (``generation_config``).
+        ValueError: an unreadable ``generation_config.json`` (``generation_config``), or an ``eos_token_id`` there
+            or in ``config.json`` that is not a token id or a list of them (the file and the value named).
     """
     raw = language_model_config(read_config(model_dir)[0])
     ids: set[int] = set()
-    for source in (raw.get("eos_token_id"), generation_config(model_dir).get("eos_token_id"),
-                   getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, list):
-            ids.update(i for i in source if isinstance(i, int))
+    for name, source in (("config.json", raw.get("eos_token_id")),
+                         ("generation_config.json", generation_config(model_dir).get("eos_token_id"))):
+        values = source if isinstance(source, list) else [] if source is None else [source]
+        bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+        if bad:
+            raise ValueError(f"{str(Path(model_dir) / name)!r}: eos_token_id must be a token id (an integer >= 0) "
+                             f"or a list of them, got {source!r}")
+        ids.update(values)
+    tok = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(tok, int) and tok >= 0:
+        ids.add(tok)
     return frozenset(ids)

@@ -161,7 +161,7 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         prompts = [codec.encode(_utf8(p, "prompt"), req.add_special_tokens) if isinstance(p, str) else list(p)
                    for p in items]
         sent = "max_tokens"
-        max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        max_tokens = req.max_tokens if req.max_tokens is not None else (defaults or {}).get("max_tokens", 16)
         logprobs = req.logprobs
         asked = [k for k in (req.prompt_logprobs, logprobs if req.echo else None) if k is not None]
         prompt_logprobs = max(asked) if asked else None  # echo's legacy form and vLLM's field share one count
@@ -181,7 +181,8 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
     bias = _logit_bias(req.logit_bias, info.vocab_size)
     for ids in prompts:
         if not ids:
-            raise ApiError(400, f"{where} must not be empty: it has no tokens", where)
+            what = "the chat template rendered no text for these messages" if kind == "chat" else "it has no tokens"
+            raise ApiError(400, f"{where} must not be empty: {what}", where)
         bad = [t for t in ids if not 0 <= t < info.vocab_size]
         if bad:
             raise ApiError(400, f"{where} token ids must be in [0, {info.vocab_size}), got {bad[:5]}", where)
@@ -195,8 +196,9 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
     # a rank's KV pool holds the whole context (the server refuses to start otherwise: core.check_kv_holds_context),
     # so the context is the only bound
     defaults = defaults or {}
-    if max_tokens is None:  # chat: what the context leaves (each prompt is shorter than it, checked above)
-        max_tokens = min(info.max_model_len - longest, defaults.get("max_tokens", info.max_model_len))
+    if max_tokens is None:  # a chat without one: what the context leaves, capped by generation_config's
+        left = info.max_model_len - longest  # each prompt is shorter than the context (checked above)
+        max_tokens = min(left, max(defaults.get("max_tokens", left), req.min_tokens))  # room for its min_tokens
     elif longest + max_tokens > info.max_model_len:
         raise ApiError(400, f"{sent} ({max_tokens}) plus the prompt's {longest} tokens is past the model's "
                             f"context of {info.max_model_len} tokens", sent)

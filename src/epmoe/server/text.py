@@ -29,6 +29,7 @@ def load_chat_template(value: str) -> str:
             parser's message and line named).
     """
     import jinja2
+    from transformers.utils.chat_template_utils import render_jinja_template
 
     path = Path(value)
     if path.is_file():
@@ -40,10 +41,12 @@ def load_chat_template(value: str) -> str:
         template = value
     else:
         raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
-    try:
-        jinja2.Environment().parse(template)
+    try:  # transformers' environment (loop controls, {% generation %}), as the tokenizer renders it
+        render_jinja_template([[{"role": "user", "content": "x"}]], chat_template=template, add_generation_prompt=True)
     except jinja2.TemplateSyntaxError as exc:
         raise ValueError(f"chat_template does not parse: {exc.message} (line {exc.lineno})") from None
+    except jinja2.TemplateError:  # it parses; a conversation it refuses is the request's 400
+        pass
     return template
 
 
@@ -119,10 +122,9 @@ class TextCodec:
         if self.tokenizer is not None:
             return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
                                                       add_generation_prompt=True)
-        import jinja2
+        from transformers.utils.chat_template_utils import render_jinja_template
 
-        return jinja2.Environment().from_string(self.chat_template).render(messages=messages,
-                                                                           add_generation_prompt=True)
+        return render_jinja_template([messages], chat_template=self.chat_template, add_generation_prompt=True)[0][0]
 
 
 class StreamText:
