@@ -275,6 +275,14 @@ def test_eos_ids_of_generation_config_stop_generation(model_dir, reference, tmp_
     (d / "generation_config.json").write_text("{")
     with pytest.raises(ValueError, match="generation_config.json' cannot be read"):
         Engine(config(str(d)))
+    other = tmp_path / "gen"  # --generation-config DIR: its EOS ids instead of the checkpoint's
+    other.mkdir()
+    (other / "generation_config.json").write_text('{"eos_token_id": [77]}')
+    (d / "generation_config.json").write_text('{"eos_token_id": [78]}')
+    eos = Engine(config(str(d), generation_config=str(other))).eos_ids
+    assert 77 in eos and 78 not in eos
+    with pytest.raises(ValueError, match="generation_config must be a directory holding a generation_config.json"):
+        config(str(d), generation_config=str(tmp_path / "none"))
     for bad in ("-1", "[5, -1]", '"119"', "true"):
         (d / "generation_config.json").write_text(f'{{"eos_token_id": {bad}}}')
         with pytest.raises(ValueError, match=r"generation_config.json': eos_token_id must be a token id \(an integer "

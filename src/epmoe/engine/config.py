@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +87,8 @@ class EngineConfig:
         enable_prefix_caching: keep computed full KV blocks findable by their tokens after their sequence frees
             them, and start a new (or preempted) sequence after the longest run of them matching its tokens
             (vLLM's automatic prefix caching; ``scheduler``). Not with a draft model (``draft``, ``eagle3``).
+        generation_config: a directory whose ``generation_config.json`` gives the extra EOS ids instead of the
+            checkpoint's (vLLM's ``--generation-config DIR``); ``None`` = the checkpoint's.
         static_decode_on_cpu: on CPU, run decode-only steps through the graph path's padded batch buckets
             and fixed-capacity dispatch, eagerly (how the CUDA-graph path is tested without a GPU).
         eplb_interval: rebalance experts every this many steps from the recorded loads (0 = never).
@@ -128,6 +131,7 @@ class EngineConfig:
     enforce_eager: bool = False
     disable_overlap_schedule: bool = False
     enable_prefix_caching: bool = False
+    generation_config: str | None = None
     static_decode_on_cpu: bool = False
     eplb_interval: int = 0
     eplb_max_moves: int | None = None
@@ -205,6 +209,9 @@ class EngineConfig:
             raise ValueError(f"static_decode_on_cpu must be true or false, got {self.static_decode_on_cpu!r}")
         if not isinstance(self.disable_overlap_schedule, bool):
             raise ValueError(f"disable_overlap_schedule must be true or false, got {self.disable_overlap_schedule!r}")
+        if self.generation_config is not None and not os.path.isdir(str(self.generation_config)):
+            raise ValueError(f"generation_config must be a directory holding a generation_config.json, got "
+                             f"{self.generation_config!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.enable_prefix_caching and self.speculative_algorithm not in (None, "ngram"):

@@ -80,10 +80,10 @@ def generation_config(model_dir: str) -> dict:
     return raw
 
 
-def eos_token_ids(model_dir: str, tokenizer) -> frozenset[int]:
+def eos_token_ids(model_dir: str, tokenizer, generation_dir: str | None = None) -> frozenset[int]:
     """The end-of-sequence token ids of the checkpoint: its config's ``eos_token_id`` (one or a list), its
-    ``generation_config.json``'s (Qwen3 stops on ``<|im_end|>`` and ``<|endoftext|>`` there, as vLLM reads it)
-    and the tokenizer's.
+    ``generation_config.json``'s (Qwen3 stops on ``<|im_end|>`` and ``<|endoftext|>`` there, as vLLM reads it; that
+    of ``generation_dir`` instead when given) and the tokenizer's.
 
     Raises:
         ValueError: an unreadable ``generation_config.json`` (``generation_config``), or an ``eos_token_id`` there
@@ -91,13 +91,14 @@ def eos_token_ids(model_dir: str, tokenizer) -> frozenset[int]:
     """
     raw = language_model_config(read_config(model_dir)[0])
     ids: set[int] = set()
-    for name, source in (("config.json", raw.get("eos_token_id")),
-                         ("generation_config.json", generation_config(model_dir).get("eos_token_id"))):
+    gen = generation_dir or model_dir
+    for path, source in ((Path(model_dir) / "config.json", raw.get("eos_token_id")),
+                         (Path(gen) / "generation_config.json", generation_config(gen).get("eos_token_id"))):
         values = source if isinstance(source, list) else [] if source is None else [source]
         bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 0]
         if bad:
-            raise ValueError(f"{str(Path(model_dir) / name)!r}: eos_token_id must be a token id (an integer >= 0) "
-                             f"or a list of them, got {source!r}")
+            raise ValueError(f"{str(path)!r}: eos_token_id must be a token id (an integer >= 0) or a list of them, "
+                             f"got {source!r}")
         ids.update(values)
     tok = getattr(tokenizer, "eos_token_id", None)
     if isinstance(tok, int) and tok >= 0:

@@ -135,5 +135,6 @@ class ServeConfig:
             piecewise_cuda_graph_max_tokens=self.piecewise_cuda_graph_max_tokens, enforce_eager=eager,
             disable_overlap_schedule=self.disable_overlap_schedule, eplb_interval=self.eplb_interval,
             enable_prefix_caching=self.enable_prefix_caching,
+            generation_config=None if self.generation_config in ("auto", "vllm") else self.generation_config,
             replica_policy=self.replica_policy, **speculative_options(self),
         )
