@@ -170,7 +170,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--api-key", metavar="KEY",
-                   help="bearer token every /v1 and /eplb request must carry (default: none)")
+                   help="bearer token every /v1, /tokenize, /detokenize and /eplb request must carry (default: none)")
     p.add_argument("--ep", type=int, default=1, help="EP ranks to spawn (default 1; torchrun sets its own)")
     p.add_argument("--parallel", choices=("ep", "tp"), default="ep",
                    help="experts expert-parallel (ep, default) or tensor-parallel over the --ep ranks (tp: the "

@@ -207,6 +207,28 @@ def test_prompt_logprobs_as_vllm_returns_them(server, offline):
     assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
 
 
+def test_tokenize_and_detokenize_as_vllm(server, client):
+    def post(route: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{server.url}{route}", json={"model": MODEL, **body}, headers=AUTH, timeout=30)
+
+    got = post("/tokenize", {"prompt": "hi!"}).json()
+    assert got == {"count": 3, "max_model_len": 256, "tokens": [104, 105, 33]}
+    messages = [{"role": "user", "content": "Hello there"}]
+    chat = post("/tokenize", {"messages": messages}).json()
+    usage = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage
+    assert chat["count"] == usage.prompt_tokens == len(chat["tokens"])  # what a chat request feeds
+    text = post("/detokenize", {"tokens": chat["tokens"]}).json()
+    assert text == {"prompt": "<|user|>\nHello there\n<|assistant|>\n"}
+    assert post("/detokenize", {"tokens": [256, 104]}).json() == {"prompt": "<s>h"}  # special tokens kept
+    bad = [("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+           ("/detokenize", {"tokens": [999]}, "tokens"), ("/detokenize", {"tokens": "a"}, "tokens")]
+    for route, body, param in bad:
+        r = post(route, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": "a"}).status_code == 401
+    assert post("/tokenize", {"model": "other", "prompt": "a"}).status_code == 404
+
+
 def test_logprobs_of_chat_whole_and_streamed(client):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=5, temperature=0,
               logprobs=True, top_logprobs=3)

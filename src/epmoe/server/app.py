@@ -3,8 +3,9 @@ OpenAI's JSON shape.
 
 Routes: ``GET /health`` (200 once ready, 503 while loading, draining or failed), ``GET /metrics``
 (Prometheus text), ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /eplb/loads``, ``POST /eplb/rebalance``. With an API key, every ``/v1`` and ``/eplb`` route needs
-``Authorization: Bearer KEY``. A client that goes away aborts its request, streamed or not.
+``POST /tokenize`` and ``POST /detokenize`` (vLLM's), ``GET /eplb/loads``, ``POST /eplb/rebalance``. With an API
+key, every route but ``/health`` and ``/metrics`` needs ``Authorization: Bearer KEY``. A client that goes away
+aborts its request, streamed or not.
 """
 
 from __future__ import annotations
@@ -24,14 +25,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from epmoe.loads import LOADS_FORMAT
 from epmoe.server.errors import ApiError
 from epmoe.server.frontend import Frontend, Unavailable
-from epmoe.server.generate import build_job, collect, stream, submit
+from epmoe.server.generate import build_job, collect, detokenize, stream, submit, tokenize
 from epmoe.server.metrics import CONTENT_TYPE
 from epmoe.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
     RebalanceRequest,
+    TokenizeRequest,
 )
 from epmoe.server.ranks import LOADS_COMMAND, REBALANCE_COMMAND
 from epmoe.server.text import TextCodec
@@ -173,12 +176,14 @@ def build_app(ctx: AppContext) -> FastAPI:
                                                                      else ""))
         return frontend.info
 
+    def check_model(name: str) -> None:
+        if name != ctx.model_name:
+            raise ApiError(404, f"model {name!r} does not exist; this server serves {ctx.model_name!r}", "model")
+
     async def generate(request: Request, schema: type[pydantic.BaseModel]) -> Response:
         check_key(request)
         req = await read_body(request, schema)
-        if req.model != ctx.model_name:
-            raise ApiError(404, f"model {req.model!r} does not exist; this server serves {ctx.model_name!r}",
-                           "model")
+        check_model(req.model)
         job = build_job(req, ctx.model_name, codec, ready_info(), ctx.sampling_defaults)
         updates = submit(frontend, job)
         if req.stream:
@@ -207,6 +212,22 @@ def build_app(ctx: AppContext) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await generate(request, ChatCompletionRequest)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> JSONResponse:
+        """vLLM's: the tokens a prompt or a conversation becomes."""
+        check_key(request)
+        req = await read_body(request, TokenizeRequest)
+        check_model(req.model)
+        return JSONResponse(tokenize(req, codec, ready_info()))
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> JSONResponse:
+        """vLLM's: the text of token ids."""
+        check_key(request)
+        req = await read_body(request, DetokenizeRequest)
+        check_model(req.model)
+        return JSONResponse(detokenize(req, codec, ready_info()))
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

@@ -37,7 +37,7 @@ class ServeConfig:
         host: address to listen on.
         port: TCP port (0 = any free one, logged).
         served_model_name: the model id clients send; ``None`` = the checkpoint directory's name.
-        api_key: bearer token every ``/v1`` and ``/eplb`` request must carry; ``None`` = no check.
+        api_key: bearer token every request but ``/health`` and ``/metrics`` must carry; ``None`` = no check.
         drain_timeout_s: on SIGTERM, seconds the running requests get to finish before they are aborted.
         max_body_bytes: largest request body, bytes (413 past it).
         cache_dir: where the built-in checkpoint is cached.

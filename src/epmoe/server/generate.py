@@ -30,15 +30,18 @@ from epmoe.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    ChatMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
     PromptLogprob,
     PromptLogprobs,
     SamplingFields,
+    TokenizeRequest,
     TopLogprob,
     Usage,
 )
@@ -133,16 +136,7 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
     """
     if isinstance(req, ChatCompletionRequest):
         kind, where = "chat", "messages"
-        for i, m in enumerate(req.messages):
-            if m.content is None and m.role != "assistant":
-                raise ApiError(400, f"messages.{i}.content: a {m.role} message needs content", f"messages.{i}.content")
-        messages = [{"role": m.role, "content": _utf8(m.text(), f"messages.{i}.content")}
-                    for i, m in enumerate(req.messages)]
-        try:
-            text = codec.chat_prompt(messages)
-        except jinja2.TemplateError as exc:  # the template refused the conversation (e.g. roles not alternating)
-            raise ApiError(400, f"messages: the chat template refused them: {exc}", "messages") from None
-        prompts = [codec.encode(text, req.add_special_tokens)]
+        prompts = [codec.encode(_chat_text(req.messages, codec), req.add_special_tokens)]
         sent = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = req.top_logprobs
@@ -222,6 +216,52 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
                 for p, ids in zip(items, prompts)]
     return Job(kind, model, f"{prefix}-{uuid.uuid4().hex}", prompts, params, req.n, include_usage, echo,
                req.return_tokens_as_token_ids, prompt_only, req.prompt_logprobs)
+
+
+def _chat_text(messages: list[ChatMessage], codec: TextCodec) -> str:
+    """The prompt text of a conversation (the chat template's rendering).
+
+    Raises:
+        ApiError: 400 naming the field: a message without content (but an assistant's), text that is not valid
+            Unicode, a conversation the template refuses.
+    """
+    for i, m in enumerate(messages):
+        if m.content is None and m.role != "assistant":
+            raise ApiError(400, f"messages.{i}.content: a {m.role} message needs content", f"messages.{i}.content")
+    plain = [{"role": m.role, "content": _utf8(m.text(), f"messages.{i}.content")} for i, m in enumerate(messages)]
+    try:
+        return codec.chat_prompt(plain)
+    except jinja2.TemplateError as exc:  # the template refused the conversation (e.g. roles not alternating)
+        raise ApiError(400, f"messages: the chat template refused them: {exc}", "messages") from None
+
+
+def tokenize(req: TokenizeRequest, codec: TextCodec, info: EngineInfo) -> dict:
+    """vLLM's ``/tokenize`` answer: the token ids a completion's ``prompt`` or a chat's ``messages`` become, their
+    count and the context.
+
+    Raises:
+        ApiError: 400 naming the field: neither or both of ``prompt`` and ``messages``, or as a request with them.
+    """
+    if (req.prompt is None) == (req.messages is None):
+        raise ApiError(400, "send one of prompt and messages", "prompt")
+    if req.prompt is not None:
+        ids = codec.encode(_utf8(req.prompt, "prompt"), True if req.add_special_tokens is None else
+                           req.add_special_tokens)
+    else:
+        ids = codec.encode(_chat_text(req.messages, codec), bool(req.add_special_tokens))
+    return {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids}
+
+
+def detokenize(req: DetokenizeRequest, codec: TextCodec, info: EngineInfo) -> dict:
+    """vLLM's ``/detokenize`` answer: the text of ``tokens``, special tokens kept.
+
+    Raises:
+        ApiError: 400 naming ``tokens``: an id outside the vocabulary.
+    """
+    bad = [t for t in req.tokens if not 0 <= t < info.vocab_size]
+    if bad:
+        raise ApiError(400, f"tokens must be in [0, {info.vocab_size}), got {bad[:5]}", "tokens")
+    return {"prompt": codec.decode(req.tokens, skip_special_tokens=False)}
 
 
 def _utf8(text: str, field: str) -> str:

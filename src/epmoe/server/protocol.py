@@ -153,6 +153,23 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool = False
 
 
+class TokenizeRequest(_Request):
+    """``POST /tokenize`` (vLLM's): a ``prompt`` as a completion encodes it, or ``messages`` as a chat renders and
+    encodes them; ``add_special_tokens`` defaults as there (true for a prompt, false for messages)."""
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+
+
+class DetokenizeRequest(_Request):
+    """``POST /detokenize`` (vLLM's): token ids to text, special tokens kept."""
+
+    model: str
+    tokens: list[int]
+
+
 class RebalanceRequest(_Request):
     """``POST /eplb/rebalance`` (the body may be left out): ``max_moves`` caps the expert copies moved. Unlike the
     OpenAI routes (whose clients send fields this server does not use), epmoe's own route refuses unknown fields."""
