@@ -213,21 +213,22 @@ def build_app(ctx: AppContext) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await generate(request, ChatCompletionRequest)
 
+    async def answer(request: Request, schema: type[pydantic.BaseModel], fn) -> JSONResponse:
+        """A request answered at once from the tokenizer: ``fn(request body, codec, engine info)``."""
+        check_key(request)
+        req = await read_body(request, schema)
+        check_model(req.model)
+        return JSONResponse(fn(req, codec, ready_info()))
+
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> JSONResponse:
         """vLLM's: the tokens a prompt or a conversation becomes."""
-        check_key(request)
-        req = await read_body(request, TokenizeRequest)
-        check_model(req.model)
-        return JSONResponse(tokenize(req, codec, ready_info()))
+        return await answer(request, TokenizeRequest, tokenize)
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> JSONResponse:
         """vLLM's: the text of token ids."""
-        check_key(request)
-        req = await read_body(request, DetokenizeRequest)
-        check_model(req.model)
-        return JSONResponse(detokenize(req, codec, ready_info()))
+        return await answer(request, DetokenizeRequest, detokenize)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
