@@ -252,6 +252,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prompts", type=int, default=100, help="requests to send (default 100)")
     p.add_argument("--random-input-len", type=int, default=128, help="prompt tokens of random prompts (default 128)")
     p.add_argument("--random-output-len", type=int, default=128, help="tokens asked per request (default 128)")
+    p.add_argument("--random-prefix-len", type=int, default=0,
+                   help="random tokens before every random prompt, shared by all (default 0)")
     p.add_argument("--dataset", metavar="JSONL", help='prompts, one {"prompt": ..., "max_tokens": ...} per line')
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests per second (default inf)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
@@ -270,12 +272,14 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
     try:
         cfg = BenchConfig(base_url=args.base_url, model=args.model, num_prompts=args.num_prompts,
-                          input_len=args.random_input_len, output_len=args.random_output_len, dataset=args.dataset,
+                          input_len=args.random_input_len, output_len=args.random_output_len,
+                          prefix_len=args.random_prefix_len, dataset=args.dataset,
                           request_rate=args.request_rate, max_concurrency=args.max_concurrency, api_key=args.api_key,
                           seed=args.seed)
     except ValueError as exc:
         raise _flag_error(exc, {"base_url": "--base-url", "num_prompts": "--num-prompts",
                                 "input_len": "--random-input-len", "output_len": "--random-output-len",
+                                "prefix_len": "--random-prefix-len",
                                 "request_rate": "--request-rate", "max_concurrency": "--max-concurrency",
                                 "dataset": "--dataset"}) from exc
     if args.json not in (None, "-"):

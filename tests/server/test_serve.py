@@ -487,6 +487,16 @@ def test_bench_serve_against_the_server(server, capsys):
     wait_kv_free(server)
 
 
+def test_bench_random_prompts_share_their_prefix():
+    from epmoe.server.bench import BenchConfig, load_requests
+
+    rows = load_requests(BenchConfig("http://x", num_prompts=3, input_len=4, output_len=2, prefix_len=5, seed=1))
+    assert [(len(p), n, m) for p, n, m in rows] == [(9, 9, 2)] * 3
+    assert rows[0][0][:5] == rows[1][0][:5] == rows[2][0][:5] and len({tuple(p[5:]) for p, _, _ in rows}) == 3
+    with pytest.raises(ValueError, match="prefix_len must be an integer >= 0, got -1"):
+        BenchConfig("http://x", prefix_len=-1)
+
+
 def test_non_streamed_request_aborted_when_client_leaves(server):
     metrics = httpx.get(f"{server.url}/metrics").text
     before = server.metric('epmoe:request_success_total{finished_reason="abort"}') if "abort" in metrics else 0.0

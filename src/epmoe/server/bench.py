@@ -1,7 +1,8 @@
 """``epmoe bench serve``: load an OpenAI-compatible server and measure it (``vllm bench serve``'s counterpart).
 
-Sends ``num_prompts`` streamed ``/v1/completions`` requests (random token-id prompts of ``input_len``
-with ``output_len`` tokens and ``ignore_eos``, or the prompts of a JSONL file) arriving as a Poisson
+Sends ``num_prompts`` streamed ``/v1/completions`` requests (random token-id prompts of ``input_len``, after a
+random prefix of ``prefix_len`` shared by all (a system prompt: what prefix caching serves), with ``output_len``
+tokens and ``ignore_eos``, or the prompts of a JSONL file) arriving as a Poisson
 process at ``request_rate`` per second (``inf`` = all at once), at most ``max_concurrency`` in flight,
 and reports TTFT, TPOT (time per output token after the first) and ITL (gap between streamed chunks):
 mean, p50 and p99 in ms, with request and token throughput and the failures.
@@ -30,6 +31,7 @@ class BenchConfig:
         model: model id; ``None`` = the first of ``GET /v1/models``.
         num_prompts: requests to send.
         input_len, output_len: random prompts' tokens and the tokens asked of each (``ignore_eos``).
+        prefix_len: random tokens before every random prompt, the same for all (vLLM's ``--random-prefix-len``).
         dataset: JSONL file, one ``{"prompt": str, "max_tokens": int (optional)}`` per line; ``None`` = random.
         request_rate: mean arrivals per second (Poisson); ``inf`` = all at once.
         max_concurrency: most requests in flight; ``None`` = no limit.
@@ -43,6 +45,7 @@ class BenchConfig:
     num_prompts: int = 100
     input_len: int = 128
     output_len: int = 128
+    prefix_len: int = 0
     dataset: str | None = None
     request_rate: float = math.inf
     max_concurrency: int | None = None
@@ -58,6 +61,8 @@ class BenchConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.prefix_len, bool) or not isinstance(self.prefix_len, int) or self.prefix_len < 0:
+            raise ValueError(f"prefix_len must be an integer >= 0, got {self.prefix_len!r}")
         if not self.request_rate > 0:
             raise ValueError(f"request_rate must be > 0 requests per second (inf = all at once), "
                              f"got {self.request_rate!r}")
@@ -153,7 +158,9 @@ def load_requests(cfg: BenchConfig) -> list[tuple[str | list[int], int, int]]:
     """
     rng = random.Random(cfg.seed)
     if cfg.dataset is None:
-        return [([rng.randrange(256) for _ in range(cfg.input_len)], cfg.input_len, cfg.output_len)
+        prefix = [rng.randrange(256) for _ in range(cfg.prefix_len)]
+        n = cfg.prefix_len + cfg.input_len
+        return [(prefix + [rng.randrange(256) for _ in range(cfg.input_len)], n, cfg.output_len)
                 for _ in range(cfg.num_prompts)]
     rows = []
     for number, line in enumerate(Path(cfg.dataset).read_text().splitlines(), start=1):
