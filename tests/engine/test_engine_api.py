@@ -288,3 +288,25 @@ def test_eos_ids_of_generation_config_stop_generation(model_dir, reference, tmp_
         with pytest.raises(ValueError, match=r"generation_config.json': eos_token_id must be a token id \(an integer "
                                              r">= 0\) or a list of them, got"):
             Engine(config(str(d)))
+
+
+def test_a_failed_step_leaves_the_engine_serving(model_dir, reference, monkeypatch):
+    # a step that raises (here the sampler, at the fourth call) ends generate with the error; its requests are
+    # aborted and their blocks freed, and the next call serves as if nothing had happened
+    import epmoe.engine.engine as engine_module
+
+    engine = Engine(config(model_dir))
+    real, calls = engine_module.sample, []
+
+    def failing(*args, **kw):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("sampler failed")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(engine_module, "sample", failing)
+    with pytest.raises(RuntimeError, match="sampler failed"):
+        engine.generate(PROMPTS, GREEDY)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [reference[p] for p in PROMPTS]
+    assert_idle(engine)

@@ -940,7 +940,8 @@ class Engine:
 
         Raises:
             ValueError: a bad prompt, option or arrival time (before any request is queued), or lengths
-                that differ.
+                that differ. An exception of a step propagates after this call's requests are aborted (their
+                KV blocks freed), so the engine serves later calls (one rank; a rank's failure ends a group).
         """
         if isinstance(prompts, str):  # one prompt, not its characters
             prompts = [prompts]
@@ -957,17 +958,23 @@ class Engine:
         results: dict[str, RequestOutput] = {}
         start = time.perf_counter()
         nxt = 0
-        while True:
-            now = time.perf_counter() - start
-            while nxt < n and arrivals[order[nxt]] <= now:
-                i = order[nxt]
-                ids[i] = self.add_request(prompt_ids[i], plist[i])
-                nxt += 1
-            for out in self.step(pending=nxt < n):
-                if on_output is not None:
-                    on_output(out)
-                if out.finished:
-                    results[out.request_id] = out
-            if not self.last_step_busy:
-                break
+        try:
+            while True:
+                now = time.perf_counter() - start
+                while nxt < n and arrivals[order[nxt]] <= now:
+                    i = order[nxt]
+                    ids[i] = self.add_request(prompt_ids[i], plist[i])
+                    nxt += 1
+                for out in self.step(pending=nxt < n):
+                    if on_output is not None:
+                        on_output(out)
+                    if out.finished:
+                        results[out.request_id] = out
+                if not self.last_step_busy:
+                    break
+        except BaseException:  # a step failed (or Ctrl-C): this call's requests go, their blocks with them
+            for rid in ids:
+                if rid is not None and self.abort(rid) is not None:
+                    self._aborted.pop()  # nobody will read that report
+            raise
         return [results[r] for r in ids]
