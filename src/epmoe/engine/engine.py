@@ -63,6 +63,7 @@ from epmoe.engine.sampling import (
     SamplingParams,
     TokenHistory,
     logprob_entries,
+    logprobs_at,
     sample,
     token_logprobs,
 )
@@ -796,11 +797,7 @@ class Engine:
                 toks.append(prompt[t])
                 ks.append(seq.params.prompt_logprobs)
                 owners.append(seq)
-        if not rows:
-            return
-        idx = to_device(rows, logits.device, torch.int64)
-        got = token_logprobs(logits.index_select(0, idx), to_device(toks, logits.device, torch.int64), max(ks))
-        for seq, entry in zip(owners, logprob_entries(toks, got, ks)):
+        for seq, entry in zip(owners, logprobs_at(logits, rows, toks, ks)):
             seq.prompt_logprobs.append(entry)
 
     @staticmethod
@@ -818,12 +815,8 @@ class Engine:
                 toks.append(tok)
                 ks.append(n)
                 owners.append(id(c))
-        if not rows:
-            return {}
-        idx = to_device(rows, logits.device, torch.int64)
-        got = token_logprobs(logits.index_select(0, idx), to_device(toks, logits.device, torch.int64), max(ks))
         out: dict[int, list] = {}
-        for owner, entry in zip(owners, logprob_entries(toks, got, ks)):
+        for owner, entry in zip(owners, logprobs_at(logits, rows, toks, ks)):
             out.setdefault(owner, []).append(entry)
         return out
 

@@ -243,6 +243,16 @@ def logprob_entries(tokens: list[int], rows: RowLogprobs, ks: list[int]) -> list
             for t, c, r, v, i, n in zip(tokens, rows.chosen.tolist(), rows.rank.tolist(), values, ids, ks)]
 
 
+def logprobs_at(logits: torch.Tensor, rows: list[int], tokens: list[int], ks: list[int]) -> list[TokenLogprobs]:
+    """``TokenLogprobs`` of ``tokens[i]`` chosen at row ``rows[i]`` of ``logits [R, V]``, with ``ks[i]``
+    alternatives (``token_logprobs`` then ``logprob_entries``; reads the result back to the host)."""
+    if not rows:
+        return []
+    idx = to_device(rows, logits.device, torch.int64)
+    got = token_logprobs(logits.index_select(0, idx), to_device(tokens, logits.device, torch.int64), max(ks))
+    return logprob_entries(tokens, got, ks)
+
+
 def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The distribution each row samples from: softmax of ``logits / temperature``, cut to ``top_k`` tokens, to those
     at least ``min_p`` times the most likely one and to the ``top_p`` nucleus (not renormalised: the kept

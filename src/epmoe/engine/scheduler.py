@@ -338,7 +338,7 @@ class Scheduler:
             seq.num_computed = len(hits) * self.block_size  # what _graph_cut plans from (0 again if it waits)
             n, rows_after, eager_after = self._graph_cut(seq, min(seq.num_tokens - seq.num_computed, budget), rows,
                                                          eager, prompt_rows)
-            need = -(-(seq.num_computed + n) // self.block_size) - len(hits) - len(seq.block_table)
+            need = self._blocks_needed(seq, seq.num_computed + n) - len(hits)
             if n == 0 or need + self.allocator.num_revived(hits) > self.allocator.num_free:
                 seq.num_computed = 0
                 if n and not self.running and need > self.allocator.capacity:
@@ -348,7 +348,7 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
-            if self.prefix_caching and not seq.block_table:
+            if self.prefix_caching:
                 self.prefix_queries += seq.num_tokens
                 self.prefix_hits += seq.num_computed
             self.allocator.acquire(hits)
