@@ -155,26 +155,29 @@ def test_graphs_survive_the_allocator_releasing_memory(tiny_checkpoints):
     assert engine.stats["graph_steps"] > steps
 
 
-def test_logprobs_and_penalties_through_graphs_equal_the_cpu_engine(tiny_checkpoints):
+def test_logprobs_and_penalties_through_graphs_equal_the_eager_steps(tiny_checkpoints):
     """Log-probabilities (copied to pinned host memory while the next step runs) and penalties (counting the
-    overlap schedule's pending token from the device buffer) on CUDA with graph-replayed decode, float32: the
-    CPU engine's tokens and values."""
+    overlap schedule's pending token from the device buffer) through graph-replayed decode in bfloat16: the
+    eager steps' tokens and values (the CPU tests check both against transformers in float32)."""
     d = str(tiny_checkpoints("qwen3-moe"))
     params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3),
               SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.4,
                              frequency_penalty=0.7, presence_penalty=0.3, logit_bias={7: 2.0}, logprobs=0),
               SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]
     outs = []
-    for device in ("cuda", "cpu"):
-        engine = Engine(EngineConfig(model=d, device=device, max_num_seqs=8, cuda_graph_max_bs=8))
+    for eager in (False, True):
+        engine = Engine(EngineConfig(model=d, device="cuda", dtype="bfloat16", expert_backend="triton",
+                                     max_num_seqs=8, cuda_graph_max_bs=8, cuda_graph_max_tokens=0,
+                                     piecewise_cuda_graph_max_tokens=0, enforce_eager=eager))
         outs.append(engine.generate(PROMPTS[:3], params))
-        assert device == "cpu" or engine.stats["graph_steps"] > 0
-    for gpu, cpu in zip(*outs):
-        assert gpu.token_ids == cpu.token_ids
-        if cpu.logprobs is None:
-            assert gpu.logprobs is None
+        assert (engine.stats["graph_steps"] > 0) != eager
+    for graph, eager in zip(*outs):
+        assert graph.token_ids == eager.token_ids
+        if eager.logprobs is None:
+            assert graph.logprobs is None
             continue
-        assert [e.token_id for e in gpu.logprobs] == gpu.token_ids
-        torch.testing.assert_close(torch.tensor([e.logprob for e in gpu.logprobs]),
-                                   torch.tensor([e.logprob for e in cpu.logprobs]), atol=1e-4, rtol=0)
-        assert [[i for i, _ in e.top] for e in gpu.logprobs] == [[i for i, _ in e.top] for e in cpu.logprobs]
+        assert [e.token_id for e in graph.logprobs] == graph.token_ids
+        # one bf16 rounding of a logit apart at most (the graph's and the eager step's kernels may differ)
+        torch.testing.assert_close(torch.tensor([e.logprob for e in graph.logprobs]),
+                                   torch.tensor([e.logprob for e in eager.logprobs]), atol=0.05, rtol=0)
+        assert [[i for i, _ in e.top] for e in graph.logprobs] == [[i for i, _ in e.top] for e in eager.logprobs]
