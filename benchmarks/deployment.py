@@ -201,7 +201,9 @@ def engine_config(args: argparse.Namespace, model: dict, parallel: str, mode: st
     return EngineConfig(model=model["model"], dtype="bfloat16" if cuda else "float32", device=args.device,
                         parallel=parallel, expert_backend="triton" if cuda else "reference",
                         load_format=model["load_format"], max_num_seqs=per_rank, cuda_graph_max_bs=per_rank,
-                        max_model_len=args.max_model_len if cuda else None, enforce_eager=not cuda, **spec)
+                        max_model_len=args.max_model_len if cuda else None, enforce_eager=not cuda,
+                        enable_prefix_caching=False,  # the repeated prompts are timed as computed, each time
+                        **spec)
 
 
 def prompts(n: int, vocab: int, text: bool) -> list:

@@ -241,9 +241,10 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
     spec = load_moe_spec(str(d))
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
+    # no prefix caching: the TTFT rows time one prompt again and again, each must compute it whole
     engine = Engine(EngineConfig(model=str(d), dtype="bfloat16", device="cuda", expert_backend="triton",
                                  load_format="dummy", max_num_seqs=max(batches), max_model_len=8192,
-                                 cuda_graph_max_bs=max(batches)))
+                                 cuda_graph_max_bs=max(batches), enable_prefix_caching=False))
     start_s = time.perf_counter() - t0
     wb = weight_bytes(engine)
     kv = engine.kv_report(4096)

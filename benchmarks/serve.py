@@ -143,6 +143,10 @@ def main() -> None:
         engine_config = dict(model=str(d))
         flags = []
         in_len, out_len, runs, gpu = 16, 16, ((1, 4), (64, 128)), "cpu"
+    # no prefix caching on either side: the warm-ups send the measured runs' first prompts, which would then come
+    # from the cache (random prompts share nothing otherwise)
+    engine_config["enable_prefix_caching"] = False
+    flags.append("--no-enable-prefix-caching")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "epmoe.cli", "serve", "--model", str(d), "--ep", "1", *flags, "--max-num-seqs", "64",

@@ -60,9 +60,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each step's tokens back before planning the next (default: the next step is "
                         "planned and launched first)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV blocks of a prompt prefix computed before (vLLM's automatic prefix caching; "
-                        "default off)")
+                        "default on, off with a draft model)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: random weights at the size of config.json (no reference check)")
     p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
@@ -195,9 +195,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each step's tokens back before planning the next (default: the next step is "
                         "planned and launched first)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV blocks of a prompt prefix computed before (vLLM's automatic prefix caching; "
-                        "default off)")
+                        "default on, off with a draft model)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: random weights at the size of config.json")
     p.add_argument("--eplb-interval", type=int, default=0, metavar="STEPS",

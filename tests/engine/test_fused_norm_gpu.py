@@ -31,3 +31,27 @@ def test_fused_equals_transformers(cls_path, dtype, shape):
     if x.numel():
         err = ((got.float() - want.float()).norm() / want.float().norm()).item()
         assert err < (1e-2 if dtype == torch.bfloat16 else 1e-6), err
+
+
+@pytest.mark.parametrize("cls_path", ["transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeRMSNorm",
+                                      "transformers.models.gpt_oss.modeling_gpt_oss.GptOssRMSNorm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_add_forward_equals_the_add_and_the_module(cls_path, dtype):
+    """The fused residual add: the sum bitwise equal to ``residual + x`` (rounded in the rows' dtype), the normalised
+    rows as the module's on that sum."""
+    import importlib
+
+    mod, _, name = cls_path.rpartition(".")
+    d = 2048
+    ref = getattr(importlib.import_module(mod), name)(d, eps=1e-6).to(device="cuda", dtype=dtype)
+    with torch.no_grad():
+        ref.weight.copy_(torch.rand(d, device="cuda") + 0.5)
+    fused = FusedRMSNorm(ref.weight, 1e-6, name == "GptOssRMSNorm")
+    x = torch.randn(1, 5, d, device="cuda", dtype=dtype) * 3
+    r = torch.randn(1, 5, d, device="cuda", dtype=dtype) * 5
+    got, summed = fused.add_forward(x, r)
+    assert torch.equal(summed, r + x)
+    want = ref(r + x)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < (1e-2 if dtype == torch.bfloat16
+                                                                                   else 1e-6)

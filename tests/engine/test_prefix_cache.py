@@ -100,5 +100,11 @@ def test_prefix_caching_with_ngram_speculation_and_not_with_a_draft_model(model_
     with pytest.raises(ValueError, match="enable_prefix_caching does not combine with a draft model"):
         EngineConfig(model=model_dir, enable_prefix_caching=True, speculative_algorithm="draft",
                      speculative_draft_model=model_dir)
-    with pytest.raises(ValueError, match="enable_prefix_caching must be true or false, got 1"):
+    with pytest.raises(ValueError, match="enable_prefix_caching must be true, false or None .*, got 1"):
         EngineConfig(model=model_dir, enable_prefix_caching=1)
+    # the default (None): on, as vLLM's, except with a draft model; an explicit false holds
+    assert EngineConfig(model=model_dir).prefix_caching is True
+    assert EngineConfig(model=model_dir, speculative_algorithm="ngram").prefix_caching is True
+    assert EngineConfig(model=model_dir, speculative_algorithm="draft", speculative_draft_model=model_dir,
+                        ).prefix_caching is False
+    assert EngineConfig(model=model_dir, enable_prefix_caching=False).prefix_caching is False

@@ -153,9 +153,13 @@ def test_int4_path_choice():
     from epmoe.experts.triton.int4 import int4_path
 
     bf16, fp16 = torch.bfloat16, torch.float16
-    # an EP shard's decode step (few pairs, few local slots): the decode kernels; all experts local: the MMA path
-    assert int4_path(8, bf16, 48) == "decode"
-    assert int4_path(16, bf16, 64) == "decode"
+    # an EP shard's decode step of one or two tokens (about a pair each, few local slots): the decode kernels; more
+    # pairs, or all experts local: the MMA path
+    assert int4_path(1, bf16, 48) == "decode"
+    assert int4_path(2, bf16, 64) == "decode"
+    assert int4_path(3, bf16, 48) == "mma"
+    assert int4_path(8, bf16, 48) == "mma"
+    assert int4_path(2, bf16, 65) == "mma"
     assert int4_path(8, bf16, 384) == "mma"
     assert int4_path(17, bf16, 48) == "mma"
     assert int4_path(32768, bf16, 48) == "mma"
@@ -164,7 +168,7 @@ def test_int4_path_choice():
     assert int4_path(768, bf16, 48, hopper=True) == "wgmma"
     assert int4_path(767, bf16, 48, hopper=True) == "mma"
     assert int4_path(8, bf16, 384, hopper=True) == "mma"
-    assert int4_path(8, bf16, 48, hopper=True) == "decode"
+    assert int4_path(1, bf16, 48, hopper=True) == "decode"
     assert int4_path(32768, fp16, 48, hopper=True) == "grouped"
     # fp16: no MMA path
     assert int4_path(8, fp16, 384) == "decode"

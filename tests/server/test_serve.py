@@ -263,11 +263,10 @@ def test_penalties_min_p_and_logit_bias_equal_the_engine_offline(client, offline
 
 def test_generation_config_chat_template_and_prefix_caching_flags(start_server, offline, tmp_path, capsys):
     # --generation-config DIR: requests without temperature take its 0 (greedy); --chat-template inline;
-    # --enable-prefix-caching: a repeated prompt's full blocks come from the cache
+    # prefix caching (on by default): a repeated prompt's full blocks come from the cache
     (tmp_path / "generation_config.json").write_text('{"temperature": 0, "max_new_tokens": 4}')
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
-    spec = start_server("--ep", "1", "--generation-config", str(tmp_path), "--chat-template", template,
-                        "--enable-prefix-caching")
+    spec = start_server("--ep", "1", "--generation-config", str(tmp_path), "--chat-template", template)
     client = openai.OpenAI(base_url=f"{spec.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
     for _ in range(2):  # the second time from the prefix cache (16-token blocks: the prompt's first 32 tokens)
         got = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8)
@@ -532,11 +531,12 @@ def test_metrics_balancedness_per_layer_and_collectives_per_step(server, client)
 
 def _core_metrics(server) -> dict[str, float]:
     """The engine core's counters from ``/metrics``: steps by kind (``steps.KIND``), busy and idle seconds,
-    tokens-per-step and round-time histogram counts and sums."""
+    tokens-per-step and round-time histogram counts and sums, prompt tokens served from the prefix cache."""
     text = httpx.get(f"{server.url}/metrics").text
     out = {f"steps.{kind}": v for kind, v in _labelled(text, "epmoe:engine_steps_total").items()}
     for name in ("engine_core_busy_seconds_total", "engine_core_idle_seconds_total", "iteration_tokens_total_count",
-                 "iteration_tokens_total_sum", "engine_round_seconds_count", "engine_round_seconds_sum"):
+                 "iteration_tokens_total_sum", "engine_round_seconds_count", "engine_round_seconds_sum",
+                 "prefix_cache_hits_total"):
         out[name] = server.metric(f"epmoe:{name}")
     return out
 
@@ -564,7 +564,9 @@ def test_metrics_engine_steps_core_time_and_tokens_per_step(server, client):
     # B's 48 steps ran alongside 1..15 of A's (B came after A's first token): rank 0 idled in the rest
     assert 48 - 15 <= d["steps.idle"] <= 48 - 1, d
     assert d["iteration_tokens_total_count"] == d["steps.graph"] + d["steps.eager"]
-    assert d["iteration_tokens_total_sum"] == usage_a.prompt_tokens + 16 - 1  # the last token is never fed
+    # the last token is never fed, nor the prompt's blocks found in the prefix cache (on by default; the other
+    # tests send the same prompts)
+    assert d["iteration_tokens_total_sum"] == usage_a.prompt_tokens - d["prefix_cache_hits_total"] + 16 - 1
     # every round that stepped ran one engine step, but the last: it read B's last token back (overlap schedule)
     assert d["engine_round_seconds_count"] == steps + 1
     assert d["engine_core_busy_seconds_total"] == pytest.approx(d["engine_round_seconds_sum"])
@@ -595,11 +597,13 @@ def test_eplb_rebalance_moves_experts_and_keeps_outputs(server, client, offline)
     assert doc["balancedness_after"] > doc["balancedness_before"]
     # the moved weights serve the same model: greedy outputs unchanged
     ref = offline(PROMPTS, 12)
+    hits = server.metric("epmoe:prefix_cache_hits_total")
     got = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
-    assert [c.text for c in got.choices] == [o.text for o in ref]
+    hits = server.metric("epmoe:prefix_cache_hits_total") - hits  # prompt tokens the prefix cache served
+    assert [c.text for c in got.choices] == [o.text for o in ref] and hits > 0
     # loads since start carry over the move (kept per logical expert)
     after = httpx.get(f"{server.url}/eplb/loads", headers=AUTH).json()["load"]
-    routed = 4 * sum(len(p.encode()) + 11 for p in PROMPTS)  # top-4, each prompt token and 11 fed-back tokens
+    routed = 4 * (sum(len(p.encode()) + 11 for p in PROMPTS) - hits)  # top-4, each fed prompt token, 11 fed back
     assert [sum(row) for row in after] == [sum(row) + routed for row in loads_before]
     assert all(a >= b for ra, rb in zip(after, loads_before) for a, b in zip(ra, rb))
     again = httpx.post(f"{server.url}/eplb/rebalance", json={"max_moves": 0}, headers=AUTH, timeout=60).json()

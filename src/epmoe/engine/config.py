@@ -86,7 +86,9 @@ class EngineConfig:
             Speculative decoding always reads them back at once.
         enable_prefix_caching: keep computed full KV blocks findable by their tokens after their sequence frees
             them, and start a new (or preempted) sequence after the longest run of them matching its tokens
-            (vLLM's automatic prefix caching; ``scheduler``). Not with a draft model (``draft``, ``eagle3``).
+            (vLLM's automatic prefix caching; ``scheduler``). ``None`` (the default, as vLLM's): on, except with a
+            draft model (``draft``, ``eagle3``), which it does not combine with; ``prefix_caching`` is the
+            resolved value.
         generation_config: a directory whose ``generation_config.json`` gives the extra EOS ids instead of the
             checkpoint's (vLLM's ``--generation-config DIR``); ``None`` = the checkpoint's.
         static_decode_on_cpu: on CPU, run decode-only steps through the graph path's padded batch buckets
@@ -130,7 +132,7 @@ class EngineConfig:
     piecewise_cuda_graph_max_tokens: int = 8192
     enforce_eager: bool = False
     disable_overlap_schedule: bool = False
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool | None = None
     generation_config: str | None = None
     static_decode_on_cpu: bool = False
     eplb_interval: int = 0
@@ -212,8 +214,9 @@ class EngineConfig:
         if self.generation_config is not None and not os.path.isdir(str(self.generation_config)):
             raise ValueError(f"generation_config must be a directory holding a generation_config.json, got "
                              f"{self.generation_config!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be true, false or None (on unless a draft model is "
+                             f"used), got {self.enable_prefix_caching!r}")
         if self.enable_prefix_caching and self.speculative_algorithm not in (None, "ngram"):
             raise ValueError(f"enable_prefix_caching does not combine with a draft model (speculative_algorithm "
                              f"{self.speculative_algorithm!r}): the draft's own cache would miss the cached blocks; "
@@ -302,6 +305,13 @@ class EngineConfig:
         if self.speculative_algorithm is None:
             return 0
         return int(self.speculative_num_tokens or DEFAULT_SPECULATIVE_TOKENS)
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Prefix caching on: ``enable_prefix_caching`` where given, else on unless a draft model proposes."""
+        if self.enable_prefix_caching is not None:
+            return self.enable_prefix_caching
+        return self.speculative_algorithm in (None, "ngram")
 
     @property
     def torch_dtype(self) -> torch.dtype:

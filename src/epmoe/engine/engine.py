@@ -223,7 +223,7 @@ class Engine:
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, lookahead=self.num_spec_tokens,
                                    max_model_len=self.max_model_len, graph_tokens=config.cuda_graph_max_tokens,
-                                   graph_rows=graph_rows, prefix_caching=config.enable_prefix_caching)
+                                   graph_rows=graph_rows, prefix_caching=config.prefix_caching)
         self.max_blocks = -(-self.max_model_len // config.block_size)
         aux = self.proposer.aux_layers if self.proposer is not None else ()
         # the overlap schedule reads each step's sampled tokens one step late (the proposers need them at once)
@@ -369,7 +369,7 @@ class Engine:
                 "bytes_per_token_layer": layout.bytes_per_token_layer(self.config.torch_dtype), "context": ctx,
                 "max_concurrency": self.allocator.capacity // -(-ctx // self.config.block_size),
                 "graph_buckets": self.runner.buckets, "piecewise_buckets": self.runner.piece_buckets,
-                "prefix_caching": self.config.enable_prefix_caching}
+                "prefix_caching": self.config.prefix_caching}
 
     # ---- requests -------------------------------------------------------------------------------
 

@@ -5,6 +5,10 @@ weight); in a decode step those launches cost more than the reads. ``FusedRMSNor
 arithmetic in one pass per row: the mean of squares and the scale in float32, then either the
 weight times the normalised row cast back to the input dtype (Llama style, most families) or the
 cast of the float32 product (gpt-oss), as the module it replaces does.
+
+``FusedRMSNorm.add_forward`` also takes the residual add that precedes every norm of a pre-norm decoder
+(``engine.decoder``) into the same pass: ``h = r + x`` rounded to the rows' dtype, as the separate add would
+round it, is written out as the next residual and normalised (vLLM's ``fused_add_rms_norm``).
 """
 
 from __future__ import annotations
@@ -24,12 +28,17 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps,
-                        BLOCK: tl.constexpr, WEIGHT_THEN_CAST: tl.constexpr):
+    def rms_norm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, sum_ptr, stride_x, stride_o, stride_r, stride_s, n_cols, eps,
+                        BLOCK: tl.constexpr, WEIGHT_THEN_CAST: tl.constexpr, ADD: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n_cols
         x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        if ADD:  # h = r + x in the rows' dtype (the add it replaces rounds there), the next residual
+            x = (x + tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32))
+            x = x.to(sum_ptr.dtype.element_ty)
+            tl.store(sum_ptr + row * stride_s + cols, x, mask=ok)
+            x = x.to(tl.float32)
         r = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0)
         y = x * r
@@ -60,18 +69,49 @@ class FusedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., D]`` -> ``[..., D]`` in the dtype transformers' module returns (the product's)."""
+        return self._run(x, None)[0]
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)`` in one kernel: what ``h = residual + x; norm(h)`` returns.
+
+        Args:
+            x: ``[..., D]`` the block's output (bf16/fp16/float32).
+            residual: ``[..., D]`` the residual stream, ``x``'s dtype and number of elements.
+
+        Returns:
+            The normalised rows (``forward``'s dtype) and the sum ``[..., D]`` in ``x``'s dtype, both of ``x``'s
+            shape.
+
+        Raises:
+            ValueError: ``residual`` of another dtype or size than ``x``.
+        """
+        if residual.dtype != x.dtype or residual.numel() != x.numel():
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match the rows "
+                             f"{tuple(x.shape)} {x.dtype}")
+        return self._run(x, residual)
+
+    def _run(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         d = x.shape[-1]
         rows = x.reshape(-1, d)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out_dtype = x.dtype if self.weight_then_cast else torch.promote_types(x.dtype, self.weight.dtype)
         out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+        res = summed = None
+        if residual is not None:
+            res = residual.reshape(-1, d)
+            if res.stride(-1) != 1:
+                res = res.contiguous()
+            summed = torch.empty_like(rows, memory_format=torch.contiguous_format)
         if rows.shape[0]:
             triton, kernel = _kernel()
-            kernel[(rows.shape[0],)](rows, self.weight, out, rows.stride(0), out.stride(0), d, self.eps,
+            add = residual is not None
+            kernel[(rows.shape[0],)](rows, self.weight, out, res if add else rows, summed if add else out,
+                                     rows.stride(0), out.stride(0), res.stride(0) if add else 0,
+                                     summed.stride(0) if add else 0, d, self.eps,
                                      BLOCK=triton.next_power_of_2(d), WEIGHT_THEN_CAST=self.weight_then_cast,
-                                     num_warps=4 if d <= 4096 else 8)
-        return out.reshape(x.shape)
+                                     ADD=add, num_warps=4 if d <= 4096 else 8)
+        return out.reshape(x.shape), summed.reshape(x.shape) if summed is not None else None
 
 
 def fuse_norms(model: nn.Module) -> int:

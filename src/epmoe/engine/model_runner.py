@@ -3,7 +3,8 @@
 A step's tokens are packed into one row (no padding between sequences): the single-token rows first
 (decodes, and the rows of a speculative verify step: a request's last token and each proposed token is a
 decode row of its own), then the prefill chunks. Eager steps run the transformers model with the paged
-attention function; decode-only steps on CUDA replay the graph captured for the smallest bucket of rows
+attention function (``decoder.decoder_forward``: the model's layers, residual adds fused into the norms);
+decode-only steps on CUDA replay the graph captured for the smallest bucket of rows
 that holds them (padding rows write into the KV cache's padding block and are dropped). The logits are
 computed only for the rows that sample (and a prompt's rows whose log-probabilities are asked for). A runner
 built with ``aux_layers`` also returns those decoder layers' outputs for every row (EAGLE-3 reads them).
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from epmoe.engine.attention import AttnBatch, PrefillChunk
+from epmoe.engine.decoder import check_decoder, decoder_forward
 from epmoe.engine.kv_cache import KVCache
 from epmoe.engine.mla_decode import mla_decode_splits
 from epmoe.engine.paged_decode import paged_decode_splits, paged_decode_workspace_numel
@@ -377,18 +379,15 @@ class ModelRunner:
         self._capture_stream: torch.cuda.Stream | None = None
         self._activate = self._deactivate = None
         self.aux_layers = tuple(aux_layers)
-        self._aux: list[torch.Tensor] = []
+        self._before_layer = None  # a graph capture's cut between segments (``_capture_one``)
         # a step's sampled tokens, read by the next step's forward on the device (never reallocated: graphs hold it)
         self.tokens = torch.zeros(token_rows, dtype=torch.int64, device=device) if token_rows else None
+        check_decoder(self.base)
         layers = self.base.layers
         self.graph_segments = graph_segments if graph_segments is not None else max(1, min(4, len(layers) // 8))
         for i in self.aux_layers:
             if not 0 <= i < len(layers):
                 raise ValueError(f"aux layer {i} is not a decoder layer of the {len(layers)}-layer model")
-            layers[i].register_forward_hook(self._keep_aux)
-
-    def _keep_aux(self, _module, _inputs, output) -> None:
-        self._aux.append(output[0] if isinstance(output, tuple) else output)
 
     @property
     def buckets(self) -> list[int]:
@@ -425,12 +424,8 @@ class ModelRunner:
         """The decoder's final hidden states ``[T, D]`` and the aux layers' outputs."""
         if sources is not None and self.tokens is not None:
             input_ids = torch.where(sources >= 0, self.tokens[sources.clamp(min=0)], input_ids)
-        self._aux = []
-        out = self.base(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
-                        epmoe_batch=batch)
-        aux = torch.cat([a[0] for a in self._aux], dim=-1) if self.aux_layers else None
-        self._aux = []
-        return out[0][0], aux
+        hidden, aux = decoder_forward(self.base, input_ids, positions, batch, self.aux_layers, self._before_layer)
+        return hidden, torch.cat(aux, dim=-1) if aux else None
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttnBatch,
                  rows: torch.Tensor | None, sources: torch.Tensor | None = None,
@@ -662,8 +657,9 @@ class ModelRunner:
         return [round(i * n / parts) for i in range(1, parts)]
 
     def _capture_one(self, g: _Graph, workspace: torch.Tensor | None):
-        """Capture one bucket's step as consecutive graphs, a new one at each ``_segment_starts`` layer (a forward
-        pre-hook ends the running capture and begins the next, all in one memory pool): replaying them in order
+        """Capture one bucket's step as consecutive graphs, a new one at each ``_segment_starts`` layer (called by
+        ``decoder_forward`` before the layer, it ends the running capture and begins the next, all in one memory
+        pool): replaying them in order
         lets the GPU run a segment while the host launches the next, instead of waiting for one launch of the
         whole step's kernels."""
         dev = self.device
@@ -681,12 +677,13 @@ class ModelRunner:
         graphs = [torch.cuda.CUDAGraph() for _ in range(len(starts) + 1)]
         current = [0]
 
-        def next_segment(_module, _args) -> None:
-            graphs[current[0]].capture_end()
-            current[0] += 1
-            graphs[current[0]].capture_begin(pool=self._pool)
+        def next_segment(layer: int) -> None:
+            if layer in starts:
+                graphs[current[0]].capture_end()
+                current[0] += 1
+                graphs[current[0]].capture_begin(pool=self._pool)
 
-        hooks = [self.base.layers[i].register_forward_pre_hook(next_segment) for i in starts]
+        self._before_layer = next_segment
         torch.cuda.synchronize(dev)
         try:
             with torch.cuda.stream(stream):
@@ -696,7 +693,6 @@ class ModelRunner:
                 finally:
                     graphs[current[0]].capture_end()
         finally:
-            for hook in hooks:
-                hook.remove()
+            self._before_layer = None
         torch.cuda.current_stream(dev).wait_stream(stream)
         return tuple(graphs), logits, aux

@@ -80,7 +80,8 @@ class RunConfig:
         enforce_eager: no CUDA graphs (float32 runs on CUDA are always eager: the graph-safe expert
             kernels compute in bf16/fp16).
         disable_overlap_schedule: read each step's tokens back before planning the next (``EngineConfig``).
-        enable_prefix_caching: share computed KV blocks between prompts with a common prefix (``EngineConfig``).
+        enable_prefix_caching: share computed KV blocks between prompts with a common prefix; ``None`` = on unless
+            a draft model proposes (``EngineConfig``).
         load_format: ``auto`` or ``dummy`` (random weights; no reference check).
         num_kv_blocks: KV blocks per layer (``None`` = sized from memory).
         block_size: tokens per KV block.
@@ -119,7 +120,7 @@ class RunConfig:
     piecewise_cuda_graph_max_tokens: int = 8192
     enforce_eager: bool = False
     disable_overlap_schedule: bool = False
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool | None = None
     load_format: str = "auto"
     num_kv_blocks: int | None = None
     block_size: int = 16

@@ -65,7 +65,7 @@ class ServeConfig:
     piecewise_cuda_graph_max_tokens: int = 8192
     enforce_eager: bool = False
     disable_overlap_schedule: bool = False
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool | None = None
     load_format: str = "auto"
     eplb_interval: int = 0
     placement: str | None = None

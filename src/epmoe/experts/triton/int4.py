@@ -100,9 +100,15 @@ at the routing), the fused grouped path above. Set from the H200 run of ``benchm
 kimi_int4,kimi_full_int4`` (columns ``int4_decode`` against ``int4_grouped``)."""
 
 INT4_DECODE_MAX_SLOTS = 64
-"""Up to ``INT4_DECODE_MAX_PAIRS`` pairs and with at most this many local slots (an expert-parallel shard, where most
-pairs are served elsewhere: a decode step has about one local pair) ``int4_experts`` takes the decode kernels, which
-cost per live pair without the MMA path's alignment launch; with more slots, the MMA path. From the same run."""
+"""With bf16 activations, at most this many local slots (an expert-parallel shard, where most pairs are served
+elsewhere) and at most ``INT4_DECODE_MAX_SHARD_PAIRS`` expected pairs, ``int4_experts`` takes the decode kernels,
+which cost per live pair without the MMA path's alignment launch; with more slots or pairs, the MMA path."""
+
+INT4_DECODE_MAX_SHARD_PAIRS = 2
+"""The most expected pairs for which a shard's bf16 decode takes the decode kernels (see ``INT4_DECODE_MAX_SLOTS``):
+each further live pair costs the decode kernels about three times what it costs the MMA path, which starts higher.
+Set from the H200 run of ``benchmarks/moe_layer.py --cases kimi_int4 --sizes 1,2,4,8`` (the EP-8 shard of
+Kimi-K2.5: one expected pair a token; columns ``int4_decode`` against ``int4_mma``)."""
 
 INT4_DEQUANT_MIN_PAIRS: int | None = None
 """``int4_experts`` takes the widening path (``int4_dequantized_experts``) from this many pairs on; ``None``: never
@@ -569,7 +575,7 @@ wgmma kernels with 64-row blocks and 32-row tails 25% faster at 21."""
 def int4_path(num_pairs: int, dtype: torch.dtype, num_slots: int, hopper: bool = False) -> str:
     """The path ``int4_experts`` takes for ``num_pairs`` pairs of activations in ``dtype`` over ``num_slots`` local
     slots on a GPU of compute capability 9.0 (``hopper``) or another: bf16 takes ``"decode"`` up to
-    ``INT4_DECODE_MAX_PAIRS`` pairs over at most ``INT4_DECODE_MAX_SLOTS`` slots, else on Hopper ``"wgmma"`` from
+    ``INT4_DECODE_MAX_SHARD_PAIRS`` pairs over at most ``INT4_DECODE_MAX_SLOTS`` slots, else on Hopper ``"wgmma"`` from
     ``INT4_WGMMA_MIN_PAIRS_PER_SLOT`` pairs a slot on, else ``"mma"`` (at every size: the H200 run of
     ``benchmarks/moe_layer.py --cases kimi_int4,kimi_full_int4``, column ``int4_mma`` against ``int4_grouped``); fp16
     takes ``"decode"`` up to ``INT4_DECODE_MAX_PAIRS``, else ``"dequant"`` (from ``INT4_DEQUANT_MIN_PAIRS`` on) or
@@ -577,7 +583,7 @@ def int4_path(num_pairs: int, dtype: torch.dtype, num_slots: int, hopper: bool =
     are ``num_pairs / num_slots``."""
     small = num_pairs <= INT4_DECODE_MAX_PAIRS
     if dtype == torch.bfloat16:
-        if small and num_slots <= INT4_DECODE_MAX_SLOTS:
+        if num_pairs <= INT4_DECODE_MAX_SHARD_PAIRS and num_slots <= INT4_DECODE_MAX_SLOTS:
             return "decode"
         return "wgmma" if hopper and num_pairs >= INT4_WGMMA_MIN_PAIRS_PER_SLOT * num_slots else "mma"
     if small:
