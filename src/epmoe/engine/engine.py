@@ -69,6 +69,7 @@ from epmoe.engine.sampling import (
 )
 from epmoe.engine.scheduler import Scheduler, StepPlan
 from epmoe.engine.speculative import Proposal, SpecStats, verify, verify_greedy
+from epmoe.engine.structured import Grammars, Matcher, apply_token_bitmask
 from epmoe.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
 from epmoe.engine.transfer import to_device
 from epmoe.layer import MoELayerOptions, check_tp_sizes
@@ -208,6 +209,7 @@ class Engine:
         self.num_spec_tokens = config.num_speculative_tokens
         self.spec_stats = SpecStats()
         self.proposer = None
+        self._grammars: Grammars | None = None  # structured outputs' compiler, built on the first such request
         if config.speculative_algorithm is not None:
             say(f"loading the {config.speculative_algorithm} proposer")
             self.proposer = make_proposer(self)
@@ -401,11 +403,16 @@ class Engine:
 
         Raises:
             TypeError: ``params`` is not a ``SamplingParams``; a prompt of another type.
-            ValueError: an empty prompt, prompt, stop or logit-bias token ids outside the vocabulary, a penalty or
-                logit bias with speculative decoding, a prompt as long as the context (``max_model_len``), or a
+            ValueError: an empty prompt, prompt, stop or logit-bias token ids outside the vocabulary, a penalty,
+                logit bias or structured output with speculative decoding, structured outputs without a tokenizer
+                or that do not compile, a prompt as long as the context (``max_model_len``), or a
                 prompt whose keys and values with ``max_tokens`` more would not fit in the whole KV pool (it could
                 only be cut short).
         """
+        return self._checked(prompt, params)[0]
+
+    def _checked(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], Matcher | None]:
+        """``check_request``'s checks; also the request's constraint matcher (``None`` without one)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         ids = self.encode(prompt)
@@ -430,7 +437,24 @@ class Engine:
             raise ValueError(f"prompt of {len(ids)} tokens with max_tokens {params.max_tokens} needs {need} KV slots; "
                              f"the KV pool holds {pool} tokens ({self.allocator.capacity} blocks of "
                              f"{self.config.block_size}): lower max_tokens or give the cache more blocks")
-        return ids
+        so = params.structured_outputs
+        return ids, self._grammars_for(params).matcher(so) if so is not None else None
+
+    def _grammars_for(self, params: SamplingParams) -> Grammars:
+        """The engine's constraint compiler (built on first use) for ``params``'s structured outputs.
+
+        Raises:
+            ValueError: speculative decoding (its verification does not constrain the proposals), no tokenizer.
+        """
+        if self.proposer is not None:
+            raise ValueError(f"structured_outputs are not served with speculative decoding (speculative_algorithm "
+                             f"{self.config.speculative_algorithm!r}): its verification does not constrain the "
+                             f"proposals")
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs need the checkpoint's tokenizer, and this checkpoint has none")
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+        return self._grammars
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -450,7 +474,7 @@ class Engine:
             TypeError: ``params`` is not a ``SamplingParams``.
         """
         params = params if params is not None else SamplingParams()
-        ids = self.check_request(prompt, params)
+        ids, matcher = self._checked(prompt, params)
         if request_id is not None and request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         number = next(self._counter)
@@ -459,7 +483,7 @@ class Engine:
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         seq = Sequence(rid, ids, params, arrival=number, generator=gen,
-                       prompt_logprobs=[None] if params.prompt_logprobs is not None else [])
+                       prompt_logprobs=[None] if params.prompt_logprobs is not None else [], matcher=matcher)
         self._seqs[rid] = seq
         self.scheduler.add(seq)
         return rid
@@ -609,6 +633,10 @@ class Engine:
             if self.proposer is not None:
                 outputs += self._advance(plan, out, proposals)
             else:
+                if any(c.samples and c.seq.matcher is not None and c.seq.num_pending for c in plan.chunks):
+                    # a constrained row's next tokens depend on its last one: read the last step back now (this
+                    # step's forward is queued already, so the device keeps working meanwhile)
+                    outputs += self._resolve()
                 launched = self._launch(plan, out)
                 outputs += self._resolve()  # the previous step, while this one runs
                 self._inflight = launched
@@ -640,6 +668,10 @@ class Engine:
                                                       torch.int64))
         if not sampling:
             return _Launch([], None, None)
+        constrained = [i for i, c in enumerate(sampling) if c.seq.matcher is not None and not c.seq.finished]
+        if constrained:  # before any other adjustment: the tokens the constraints allow (vLLM's order)
+            mask = self._grammars.bitmask([sampling[i].seq.matcher for i in constrained])
+            apply_token_bitmask(logits, constrained, mask)
         histories = [TokenHistory(c.seq.prompt_token_ids, c.seq.resolved_output,
                                   c.seq.device_row if c.seq.num_pending else -1)
                      if c.seq.params.penalized else None for c in sampling]
@@ -666,6 +698,9 @@ class Engine:
         rows = []
         for i, c in enumerate(sampling):
             seq = c.seq
+            if seq.finished:  # finished by the read-back just before (a constrained row): its token is dropped
+                rows.append((seq, -1))
+                continue
             seq.output_token_ids.append(PENDING_TOKEN)
             seq.num_pending += 1
             seq.device_row = i
@@ -697,6 +732,8 @@ class Engine:
                 seq.output_logprobs.append(entries[i])
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            if seq.matcher is not None:
+                seq.matcher.accept(tok)  # allowed by its mask (EOS where the constraint may end)
             reason = self._finish_reason(seq, tok)
             if reason is not None:
                 self._finish(seq, reason)
@@ -832,6 +869,9 @@ class Engine:
             if hits:
                 seq.stop_text_len = min(hits)
                 return "stop"
+        if seq.matcher is not None and seq.matcher.stopped:  # the constraint is complete: only EOS could follow
+            seq.constraint_done = tok not in self.eos_ids
+            return "stop"
         if n >= p.max_tokens or len(seq.prompt_token_ids) + n >= self.max_model_len:
             return "length"
         return None
@@ -840,7 +880,7 @@ class Engine:
         text = None
         if self.tokenizer is not None and seq.finished:
             ids = seq.output_token_ids
-            if seq.finish_reason == "stop" and seq.stop_text_len is None:
+            if seq.finish_reason == "stop" and seq.stop_text_len is None and not seq.constraint_done:
                 ids = ids[:-1]  # a stop or EOS token is kept in the tokens, not in the text (vLLM's)
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             if seq.stop_text_len is not None:

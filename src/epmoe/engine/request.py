@@ -11,6 +11,7 @@ import torch
 from epmoe.engine.kv_cache import BlockKey
 from epmoe.engine.sampling import SamplingParams, TokenLogprobs
 from epmoe.engine.speculative import SpecStats
+from epmoe.engine.structured import Matcher
 
 PENDING_TOKEN = -1
 """The id a generated token has on the host while it is still on the device (sampled by a step in flight)."""
@@ -64,6 +65,9 @@ class Sequence:
         block_keys: prefix-cache keys of its first full blocks of tokens (``kv_cache.block_key``), computed as
             needed.
         num_registered: leading blocks of ``block_table`` put in the prefix cache (or taken from it).
+        matcher: with ``params.structured_outputs``, its position in the constraint (``structured.Matcher``), past
+            every read-back token.
+        constraint_done: it stopped because its constraint was complete (its last token is kept in the text).
     """
 
     request_id: str
@@ -87,6 +91,8 @@ class Sequence:
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     block_keys: list[BlockKey] = field(default_factory=list)
     num_registered: int = 0
+    matcher: Matcher | None = None
+    constraint_done: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -1,7 +1,8 @@
 """Sampling options of a request and the sampler that turns logits into tokens.
 
 ``SamplingParams`` follows vLLM's names (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
-``max_tokens``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``logprobs``, the penalties, ``logit_bias``);
+``max_tokens``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``logprobs``, the penalties, ``logit_bias``,
+``structured_outputs``);
 ``temperature == 0`` is greedy. The sampler draws with the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``),
 which samples from ``p`` exactly; a request with a ``seed`` draws its ``q`` from its own generator, so the same
 seed gives the same tokens on rerun.
@@ -29,6 +30,7 @@ from typing import NamedTuple
 
 import torch
 
+from epmoe.engine.structured import KINDS, StructuredOutputs
 from epmoe.engine.transfer import to_device
 
 MAX_LOGPROBS = 20
@@ -71,6 +73,8 @@ class SamplingParams:
             positive and multiplied where negative; ``1`` = off.
         logit_bias: ``{token id: bias}`` (any mapping, or pairs; kept as sorted pairs, zero biases dropped;
             ``None`` = none), each bias in ``[-100, 100]`` added to the token's logit.
+        structured_outputs: a constraint on the output (``structured.StructuredOutputs``, or a dict of its
+            fields); ``None`` = none. Needs the checkpoint's tokenizer and the llguidance package.
 
     Raises:
         ValueError: a value out of range or of the wrong type (the field and the value named).
@@ -92,8 +96,18 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
+        so = self.structured_outputs
+        if isinstance(so, Mapping):
+            known = [*KINDS, "disable_any_whitespace"]
+            unknown = sorted(set(so) - set(known))
+            if unknown:
+                raise ValueError(f"structured_outputs has unknown field(s) {unknown}; known: {known}")
+            object.__setattr__(self, "structured_outputs", StructuredOutputs(**so))
+        elif so is not None and not isinstance(so, StructuredOutputs):
+            raise ValueError(f"structured_outputs must be a StructuredOutputs or a dict of its fields, got {so!r}")
         bias = self.logit_bias
         if bias is None:
             object.__setattr__(self, "logit_bias", ())

@@ -1,0 +1,204 @@
+"""Structured outputs: a request's tokens held to a JSON schema, a regular expression, a choice of strings or a Lark
+grammar (vLLM's ``structured_outputs``; OpenAI's ``response_format``), through llguidance.
+
+``StructuredOutputs`` names the constraint (exactly one of vLLM's ``json``, ``regex``, ``choice``, ``grammar``,
+``json_object``). ``Grammars`` (one per engine) wraps the checkpoint's tokenizer for llguidance once and compiles
+a request's constraint into a ``Matcher`` when the request is added, so a schema or expression that does not
+compile is refused before anything runs, naming the field and llguidance's reason. At each step the engine asks
+every constrained row's matcher for the tokens that may follow (``Matcher.fill``: a bitmask, one bit per token,
+computed on the host while the step's forward runs on the device), bans the others in the logits on the device
+(``apply_token_bitmask``) before any other adjustment or sampling, and gives the matcher the token sampled
+(``Matcher.accept``). A request whose matcher has stopped (the constraint complete, nothing may follow but EOS)
+finishes with ``stop``. EOS is allowed where the constraint may end.
+
+Source: llguidance (Microsoft, MIT), the Earley-parser-based constraint engine vLLM ships as its ``guidance``
+backend; the bitmask layout (int32 words, bit ``t % 32`` of word ``t // 32`` set for an allowed token) is its.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from epmoe.engine.transfer import to_device
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """One constraint on a request's generated text (exactly one field set, vLLM's names).
+
+    Attributes:
+        json: a JSON schema (a dict, or its JSON text): the output is a JSON value it validates.
+        regex: a regular expression (Rust ``regex`` syntax) the whole output matches.
+        choice: strings (a list or tuple; kept as a tuple): the output is one of them.
+        grammar: a Lark grammar (llguidance's dialect, rule ``start``) the output derives.
+        json_object: ``True``: the output is a JSON object (OpenAI's ``response_format: json_object``).
+        disable_any_whitespace: JSON outputs without whitespace between tokens (vLLM's option; by default
+            whitespace may go where JSON allows it).
+
+    Raises:
+        ValueError: none or more than one constraint, or a field of the wrong type, named.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [k for k in KINDS if (getattr(self, k) is not None and k != "json_object") or
+                 (k == "json_object" and self.json_object is not False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs takes exactly one of {', '.join(KINDS)}; got "
+                             f"{', '.join(given) if given else 'none'}")
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json" and not isinstance(value, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object or its text), got {value!r}")
+        if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+            raise ValueError(f"structured_outputs.{kind} must be a non-empty string, got {value!r}")
+        if kind == "choice" and (not isinstance(value, tuple) or not value
+                                 or not all(isinstance(c, str) and c for c in value)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got {value!r}")
+        if kind == "json_object" and value is not True:
+            raise ValueError(f"structured_outputs.json_object must be true when given, got {value!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(f"structured_outputs.disable_any_whitespace must be true or false, got "
+                             f"{self.disable_any_whitespace!r}")
+
+    @property
+    def kind(self) -> str:
+        """The constraint's field name."""
+        return next(k for k in KINDS if (getattr(self, k) is not None and k != "json_object")
+                    or (k == "json_object" and self.json_object))
+
+    def grammar_text(self) -> str:
+        """The constraint as an llguidance grammar (its JSON or Lark text).
+
+        Raises:
+            ValueError: ``json`` text that is not JSON, named.
+        """
+        from llguidance import LLMatcher
+
+        kind = self.kind
+        if kind in ("json", "json_object"):
+            schema = self.json if kind == "json" else {"type": "object"}
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as err:
+                    raise ValueError(f"structured_outputs.json is not JSON: {err}") from None
+            return LLMatcher.grammar_from_json_schema(
+                json.dumps(schema), defaults={"whitespace_flexible": not self.disable_any_whitespace})
+        if kind == "regex":
+            return LLMatcher.grammar_from_regex(self.regex)
+        if kind == "choice":  # Lark string literals take JSON's escapes
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+        return LLMatcher.grammar_from_lark(self.grammar)
+
+
+class Matcher:
+    """One request's position in its constraint (llguidance's ``LLMatcher``)."""
+
+    def __init__(self, matcher) -> None:
+        self._m = matcher
+
+    def fill(self, row: torch.Tensor) -> None:
+        """Write the allowed next tokens into ``row`` (``[W]`` int32, contiguous, on the CPU; ``W = ceil(V / 32)``):
+        bit ``t % 32`` of word ``t // 32`` set where token ``t`` may follow."""
+        self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+
+    def accept(self, token: int) -> bool:
+        """Advance past ``token``; ``False`` where the constraint does not allow it (the matcher keeps its state)."""
+        return bool(self._m.consume_token(int(token)))
+
+    @property
+    def stopped(self) -> bool:
+        """The constraint is complete and nothing but EOS may follow."""
+        return bool(self._m.is_stopped())
+
+
+class Grammars:
+    """Compiles requests' constraints against one tokenizer (llguidance's tokenizer built once, about a second).
+
+    Args:
+        tokenizer: the checkpoint's fast Hugging Face tokenizer.
+        vocab_size: the model's vocabulary size (its logits' width; may exceed the tokenizer's).
+        eos_ids: the token ids that end a generation (allowed where the constraint may end).
+
+    Raises:
+        ImportError: llguidance is not installed (named with the package to install).
+        ValueError: the tokenizer is not a fast one llguidance can read.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids) -> None:
+        try:
+            import llguidance.hf
+        except ImportError as err:
+            raise ImportError(f"structured outputs need the llguidance package (pip install llguidance): {err}") \
+                from None
+        try:
+            self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids))
+        except Exception as err:  # llguidance raises its own types for tokenizers it cannot read
+            raise ValueError(f"structured outputs cannot use this checkpoint's tokenizer ({type(tokenizer).__name__}):"
+                             f" {err}") from None
+        self.vocab_size = int(vocab_size)
+        self.words = -(-self.vocab_size // 32)
+
+    def matcher(self, spec: StructuredOutputs) -> Matcher:
+        """A new matcher at the start of ``spec``'s constraint.
+
+        Raises:
+            ValueError: the constraint does not compile (``structured_outputs.<kind>`` named, with llguidance's
+                reason).
+        """
+        from llguidance import LLMatcher
+
+        grammar = spec.grammar_text()
+        error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
+        if error:
+            raise ValueError(f"structured_outputs.{spec.kind} does not compile: {_one_line('; '.join(messages))}")
+        m = LLMatcher(self._tokenizer, grammar, log_level=0)
+        if m.is_error():
+            raise ValueError(f"structured_outputs.{spec.kind} does not compile: {_one_line(m.get_error())}")
+        return Matcher(m)
+
+    def bitmask(self, matchers: list[Matcher]) -> torch.Tensor:
+        """``[len(matchers), W]`` int32 on the CPU: each matcher's allowed next tokens (``Matcher.fill``)."""
+        mask = torch.empty(len(matchers), self.words, dtype=torch.int32)
+        for i, m in enumerate(matchers):
+            m.fill(mask[i])
+        return mask
+
+
+def _one_line(message: str) -> str:
+    """llguidance's multi-line diagnostics (the source excerpt, a caret) as one line."""
+    return " ".join(message.split())
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> None:
+    """Ban, in place, every token of ``logits`` rows ``rows`` whose bit in ``mask`` is clear (logit ``-inf``).
+
+    Args:
+        logits: ``[N, V]`` float, on any device.
+        rows: the rows constrained, one per row of ``mask``.
+        mask: ``[len(rows), ceil(V / 32)]`` int32 on the CPU (``Grammars.bitmask``).
+    """
+    if not rows:
+        return
+    dev = logits.device
+    words = to_device(mask, dev)
+    v = logits.shape[1]
+    t = torch.arange(v, device=dev)
+    allowed = (words[:, t // 32] >> (t % 32).to(torch.int32)) & 1
+    idx = to_device(rows, dev, torch.int64)
+    sub = logits.index_select(0, idx)
+    logits.index_copy_(0, idx, sub.masked_fill(allowed == 0, float("-inf")))

@@ -1,0 +1,110 @@
+"""Structured outputs through the engine (CPU, the built-in checkpoint with its byte-level tokenizer): outputs hold
+to their JSON schema, regular expression, choice or grammar under both schedules; the constraint picks the most
+likely allowed token (checked against the same request's raw log-probabilities without it); bad constraints are
+refused before anything is queued."""
+
+import json
+import math
+import re
+
+import pytest
+
+from epmoe.engine import Engine, EngineConfig, SamplingParams
+from epmoe.engine.structured import StructuredOutputs
+from epmoe.models.tiny import ensure_default_checkpoint
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "size"],
+          "properties": {"name": {"type": "string", "maxLength": 5}, "size": {"enum": ["S", "M", "L"]}}}
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return str(ensure_default_checkpoint())
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir) -> Engine:
+    return Engine(EngineConfig(model=model_dir, max_num_seqs=4))
+
+
+def _constrained(**kw) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": SCHEMA,
+                                                                             "disable_any_whitespace": True}),
+            SamplingParams(temperature=0.9, seed=5, max_tokens=40, structured_outputs={"regex": r"[a-z]{3}-\d{2}"}),
+            SamplingParams(temperature=0, max_tokens=40, structured_outputs={"choice": ["red", "green", "blue"]}),
+            SamplingParams(temperature=0, max_tokens=40, structured_outputs={"grammar": 'start: "<" ("a" | "b")+ ">"'}),
+            SamplingParams(temperature=0, max_tokens=6)]
+
+
+def test_outputs_hold_to_their_constraints_in_both_schedules(engine):
+    prompts = ["describe a shirt:", "a code:", "a colour:", "tags:", "free text"]
+    runs = []
+    for overlap in (True, False):
+        engine.overlap = overlap
+        runs.append(engine.generate(prompts, _constrained()))
+    engine.overlap = True
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    obj, code, colour, tags, free = runs[0]
+    value = json.loads(obj.text)
+    assert set(value) == {"name", "size"} and len(value["name"]) <= 5 and value["size"] in "SML"
+    assert re.fullmatch(r"[a-z]{3}-\d{2}", code.text) and colour.text in ("red", "green", "blue")
+    done = tags.finish_reason == "stop"
+    assert re.fullmatch(r"<[ab]+>" if done else r"<[ab]+", tags.text) and (done or len(tags.token_ids) == 40)
+    # complete constraints stop at once (their last token kept in the text); the plain request is untouched
+    assert [o.finish_reason for o in (obj, code, colour)] == ["stop"] * 3
+    assert len(colour.token_ids) == len(colour.text)  # one byte token a character, no EOS generated
+    assert free.finish_reason == "length" and len(free.token_ids) == 6
+
+
+def test_the_most_likely_allowed_token_wins(engine):
+    """Without a constraint, the first token's raw top-20; with a choice of two of those characters (the less likely
+    listed first), the output is the more likely one, at its probability among the two."""
+    free = engine.generate(["pick:"], SamplingParams(temperature=0, max_tokens=1, logprobs=20))[0]
+    top = [(tid, lp) for tid, lp in free.logprobs[0].top if engine.tokenizer.decode([tid]).isalpha()]
+    assert len(top) >= 2
+    (best, _), (worse, _) = top[0], top[-1]
+    a, b = engine.tokenizer.decode([best]), engine.tokenizer.decode([worse])
+    got = engine.generate(["pick:"], SamplingParams(temperature=0, max_tokens=4, logprobs=1,
+                                                    structured_outputs={"choice": [b, a]}))[0]
+    assert got.text == a and got.token_ids == [best] and got.finish_reason == "stop"
+    # its log-probability is the constrained distribution's (the mask comes before the log-softmax, as vLLM's)
+    la, lb = dict(free.logprobs[0].top)[best], dict(free.logprobs[0].top)[worse]
+    assert got.logprobs[0].logprob == pytest.approx(la - math.log(math.exp(la) + math.exp(lb)), abs=1e-5)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"regex": "([a"}, r"structured_outputs.regex does not compile: .*unclosed"),
+    ({"json": {"type": "objec"}}, r"structured_outputs.json does not compile: .*objec"),
+    ({"json": "{not json"}, r"structured_outputs.json is not JSON"),
+    ({"grammar": "start: nothing_defined"}, r"structured_outputs.grammar does not compile"),
+])
+def test_constraints_that_do_not_compile_are_refused_before_queueing(engine, spec, message):
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("x", SamplingParams(structured_outputs=spec))
+    assert not engine.has_unfinished()
+
+
+def test_bad_structured_outputs_named():
+    with pytest.raises(ValueError, match="exactly one of json, regex, choice, grammar, json_object; got regex, choice"):
+        StructuredOutputs(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="exactly one .* got none"):
+        StructuredOutputs()
+    with pytest.raises(ValueError, match="structured_outputs.choice must be a non-empty list"):
+        StructuredOutputs(choice=[])
+    with pytest.raises(ValueError, match=r"structured_outputs has unknown field\(s\) \['jsn'\]"):
+        SamplingParams(structured_outputs={"jsn": {}})
+    with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputs or a dict"):
+        SamplingParams(structured_outputs="json")
+    assert StructuredOutputs(choice=["a", "b"]).choice == ("a", "b")
+
+
+def test_not_served_with_speculative_decoding_or_without_a_tokenizer(model_dir, tmp_path):
+    spec = Engine(EngineConfig(model=model_dir, speculative_algorithm="ngram", speculative_num_tokens=2))
+    with pytest.raises(ValueError, match="structured_outputs are not served with speculative decoding"):
+        spec.add_request("x", SamplingParams(structured_outputs={"choice": ["a"]}))
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((ensure_default_checkpoint() / "config.json").read_text())
+    dummy = Engine(EngineConfig(model=str(bare), load_format="dummy", max_model_len=64))
+    with pytest.raises(ValueError, match="structured_outputs need the checkpoint's tokenizer"):
+        dummy.add_request("x", SamplingParams(structured_outputs={"choice": ["a"]}))
