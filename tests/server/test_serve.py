@@ -404,8 +404,20 @@ BAD_CHAT = [
      "logprobs"),
     ("echo, not served on chat", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "echo": True},
      400, "echo"),
-    ("structured output, not served", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                       "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("json_schema without its schema", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                        "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ("response_format type xml", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                  "response_format": {"type": "xml"}}, 400, "response_format.type"),
+    ("a schema that does not compile", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                        "response_format": {"type": "json_schema", "json_schema": {
+                                            "name": "x", "schema": {"type": "objec"}}}}, 400, "response_format"),
+    ("a regex that does not compile", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                       "structured_outputs": {"regex": "([a"}}, 400, "structured_outputs"),
+    ("two constraints", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                         "response_format": {"type": "json_object"}, "guided_regex": "a+"}, 400, "guided_regex"),
+    ("a structured_outputs key not served", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                             "structured_outputs": {"structural_tag": "x"}}, 400,
+     "structured_outputs.structural_tag"),
     ("content a lone surrogate", b'{"model": "%s", "messages": [{"role": "user", "content": "\\udc80"}]}'
      % MODEL.encode(), 400, "messages.0.content"),
 ]
@@ -426,6 +438,30 @@ def test_bad_request_answered_and_server_still_serves(server, route, case, body,
     ok = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
                                                           "ignore_eos": True}, headers=AUTH)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_structured_outputs_hold_on_both_endpoints(client, offline):
+    """OpenAI's response_format (a schema of an enum: a JSON string), vLLM's structured_outputs (a JSON object without
+    free whitespace, streamed too) and guided_choice: each output holds to its constraint, and a constrained request
+    gives the offline engine's text."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "size", "schema": {"enum": ["small", "large"]}}}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "size?"}], max_tokens=20,
+                                          temperature=0, response_format=fmt)
+    assert json.loads(chat.choices[0].message.content) in ("small", "large")
+    assert chat.choices[0].finish_reason == "stop"
+    schema = {"type": "object", "required": ["name"], "additionalProperties": False,
+              "properties": {"name": {"type": "string", "maxLength": 4}}}
+    so = {"structured_outputs": {"json": schema, "disable_any_whitespace": True}}
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0, extra_body=so)
+    text = got.choices[0].text
+    assert set(json.loads(text)) == {"name"} and len(json.loads(text)["name"]) <= 4
+    streamed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0,
+                                         extra_body=so, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == text
+    assert text == offline(PROMPTS[:1], 40, structured_outputs=so["structured_outputs"])[0].text
+    picks = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=10, temperature=1.0, n=3, seed=4,
+                                      extra_body={"guided_choice": ["ant", "bee", "cat"]})
+    assert all(c.text in ("ant", "bee", "cat") and c.finish_reason == "stop" for c in picks.choices)
 
 
 def test_auth_routes_and_body_limit(server):

@@ -132,7 +132,8 @@ class Grammars:
     Args:
         tokenizer: the checkpoint's fast Hugging Face tokenizer.
         vocab_size: the model's vocabulary size (its logits' width; may exceed the tokenizer's).
-        eos_ids: the token ids that end a generation (allowed where the constraint may end).
+        eos_ids: the token ids that end a generation (allowed where the constraint may end); empty: the
+            tokenizer's EOS.
 
     Raises:
         ImportError: llguidance is not installed (named with the package to install).
@@ -146,7 +147,8 @@ class Grammars:
             raise ImportError(f"structured outputs need the llguidance package (pip install llguidance): {err}") \
                 from None
         try:
-            self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids))
+            self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                           eos_token=sorted(eos_ids) or None)
         except Exception as err:  # llguidance raises its own types for tokenizers it cannot read
             raise ValueError(f"structured outputs cannot use this checkpoint's tokenizer ({type(tokenizer).__name__}):"
                              f" {err}") from None

@@ -19,6 +19,7 @@ import jinja2
 
 from epmoe.engine import SamplingParams, TokenLogprobs
 from epmoe.engine.sampling import MAX_LOGPROBS
+from epmoe.engine.structured import StructuredOutputs
 from epmoe.engine.tokenizer import generation_config
 from epmoe.server.core import EngineInfo
 from epmoe.server.errors import ApiError
@@ -132,7 +133,8 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
     Raises:
         ApiError: 400 naming the field: an empty prompt, token ids outside the vocabulary, a prompt as
             long as the context, ``max_tokens`` past the context, a bad sampling value, logit-bias keys that are not
-            token ids, a penalty or logit bias with speculative decoding.
+            token ids, a penalty, logit bias or constraint with speculative decoding, a constraint that does not
+            compile or that comes in more than one field.
     """
     if isinstance(req, ChatCompletionRequest):
         kind, where = "chat", "messages"
@@ -196,7 +198,9 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
     elif longest + max_tokens > info.max_model_len:
         raise ApiError(400, f"{sent} ({max_tokens}) plus the prompt's {longest} tokens is past the model's "
                             f"context of {info.max_model_len} tokens", sent)
-    params = [_sampling(req, max_tokens, j, bias, defaults, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    constraint = _constraint(req, codec, info)
+    params = [_sampling(req, max_tokens, j, bias, defaults, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                        structured_outputs=constraint)
               for _ in prompts for j in range(req.n)]
     if info.speculative is not None:  # refused here (a 400 naming the field), not by every rank's engine
         p = params[0]
@@ -295,8 +299,54 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
     return out
 
 
+def _constraint(req: SamplingFields, codec: TextCodec, info: EngineInfo) -> StructuredOutputs | None:
+    """The request's constraint on its output (``response_format``, ``structured_outputs`` or a ``guided_*`` field),
+    compiled once here so that one that does not compile is a 400 before anything is queued.
+
+    Raises:
+        ApiError: 400 naming the field: more than one given, ``json_schema`` without its schema, a constraint that
+            does not compile, no tokenizer, speculative decoding.
+    """
+    given = {}
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            given["response_format"] = {"json_object": True}
+        elif fmt.json_schema is None:
+            raise ApiError(400, "response_format of type json_schema needs its json_schema (with the schema)",
+                           "response_format")
+        else:
+            given["response_format"] = {"json": fmt.json_schema.json_schema}
+    if req.structured_outputs is not None:
+        fields = req.structured_outputs.model_dump(by_alias=True, exclude_defaults=True)
+        fields["disable_any_whitespace"] = req.structured_outputs.disable_any_whitespace
+        given["structured_outputs"] = fields
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        if getattr(req, name) is not None:
+            given[name] = {kind: getattr(req, name)}
+    if not given:
+        return None
+    if len(given) > 1:
+        names = list(given)
+        raise ApiError(400, f"{' and '.join(names)} both constrain the output: send one of them", names[1])
+    (field, spec), = given.items()
+    if info.speculative is not None:
+        raise ApiError(400, f"{field} is not served with speculative decoding ({info.speculative})", field)
+    try:
+        constraint = StructuredOutputs(**spec)
+        codec.constraints().matcher(constraint)
+    except ValueError as exc:
+        message = str(exc)
+        if field != "structured_outputs":  # the engine's message names its own field
+            message = message.replace("structured_outputs.", f"{field}: ", 1)
+        raise ApiError(400, message, field) from None
+    return constraint
+
+
 def _sampling(req: SamplingFields, max_tokens: int, choice: int, logit_bias: dict[int, float],
-              defaults: Mapping[str, float | int], **logprobs: int | None) -> SamplingParams:
+              defaults: Mapping[str, float | int], **extra) -> SamplingParams:
+    """Choice ``choice``'s ``SamplingParams``; ``extra`` (log-probability counts, the constraint) passed as given."""
     stop = [_utf8(s, "stop") for s in ([req.stop] if isinstance(req.stop, str) else req.stop or ())]
     seed = req.seed  # a seed out of range is refused as sent; choice j of a good one samples with seed + j, wrapped
     if seed is not None and 0 <= seed < 2**63:
@@ -308,7 +358,7 @@ def _sampling(req: SamplingFields, max_tokens: int, choice: int, logit_bias: dic
             seed=seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
             stop=tuple(stop), stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=logit_bias,
-            **sent, **logprobs,
+            **sent, **extra,
         )
     except ValueError as exc:
         raise ApiError(400, str(exc), _param_of(str(exc))) from None

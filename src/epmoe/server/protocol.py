@@ -2,8 +2,8 @@
 
 Requests are validated strictly (a string where a number belongs is refused, not coerced); ``null`` for a field
 with a default means the default (the OpenAI schema marks them nullable, and its clients send ``None`` through).
-Fields that would change the output but are not served (``UNSERVED``: prompt log-probabilities, echo,
-``best_of``, structured output, tools, ...) are refused unless left at their neutral value, so that no client gets
+Fields that would change the output but are not served (``UNSERVED``: ``suffix``, ``best_of``, beam search, tools,
+...) are refused unless left at their neutral value, so that no client gets
 something other than it asked for; other fields the schema does not name are ignored (``user``-like metadata).
 Value ranges (``temperature >= 0``, ``0 < top_p <= 1``, ``max_tokens >= 1``) are checked by
 ``epmoe.engine.SamplingParams``; ``n`` is capped here at ``MAX_N``.
@@ -25,8 +25,7 @@ UNSERVED: dict[str, tuple[Any, ...]] = {
     "allowed_token_ids": (None,), "bad_words": (None, []), "include_stop_str_in_output": (None, False),
     "truncate_prompt_tokens": (None,), "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True), "length_penalty": (None, 1),
-    "response_format": (None, {"type": "text"}), "guided_json": (None,), "guided_regex": (None,),
-    "guided_choice": (None,), "guided_grammar": (None,), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "functions": (None, []), "function_call": (None, "none", "auto"),
 }
 """OpenAI and vLLM request fields that change the output and that this server does not serve, with the values that
@@ -58,10 +57,47 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema``: the schema (under ``schema``), with OpenAI's ``name``, ``description``
+    and ``strict`` (the output always holds to the schema here)."""
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (a JSON object) or ``json_schema``
+    (a JSON value its ``json_schema.schema`` validates)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's ``structured_outputs``: one of ``json`` (a schema), ``regex``, ``choice``, ``grammar`` (Lark),
+    ``json_object``; ``disable_any_whitespace`` for JSON without free whitespace. Unknown keys are refused (vLLM's
+    other backends' options would change the output)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    json_: dict | str | None = Field(None, alias="json")  # ``json`` would shadow pydantic's method
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class SamplingFields(_Request):
     """The sampling fields both endpoints share (OpenAI's names, plus vLLM's ``top_k``, ``min_p``,
     ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``return_tokens_as_token_ids``,
-    ``prompt_logprobs``); ``logit_bias`` maps token ids (as JSON object keys: strings) to biases."""
+    ``prompt_logprobs``); ``logit_bias`` maps token ids (as JSON object keys: strings) to biases. A constraint on
+    the output comes as OpenAI's ``response_format``, vLLM's ``structured_outputs`` or vLLM's older ``guided_json``,
+    ``guided_regex``, ``guided_choice``, ``guided_grammar`` (at most one of them)."""
 
     model: str
     max_tokens: int | None = None
@@ -84,6 +120,12 @@ class SamplingFields(_Request):
     user: str | None = None
     return_tokens_as_token_ids: bool = False
     prompt_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from epmoe.engine.structured import Grammars
 from epmoe.engine.tokenizer import decode_text, encode_text, load_tokenizer
 
 # The plain template of a checkpoint without one: each message on its own, then the assistant's turn.
@@ -64,6 +65,19 @@ class TextCodec:
         self.vocab_size = vocab_size
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
         self.chat_template = template or DEFAULT_CHAT_TEMPLATE
+        self._constraints: Grammars | None = None
+
+    def constraints(self) -> Grammars:
+        """The structured-output compiler for this tokenizer (built on first use; ``engine.structured``).
+
+        Raises:
+            ValueError: the checkpoint has no tokenizer, or llguidance cannot read it.
+        """
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs need the checkpoint's tokenizer, and this checkpoint has none")
+        if self._constraints is None:
+            self._constraints = Grammars(self.tokenizer, self.vocab_size, ())
+        return self._constraints
 
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt, with the tokenizer's special tokens (a BOS) unless ``add_special_tokens`` is
