@@ -181,3 +181,31 @@ def test_logprobs_and_penalties_through_graphs_equal_the_eager_steps(tiny_checkp
         torch.testing.assert_close(torch.tensor([e.logprob for e in graph.logprobs]),
                                    torch.tensor([e.logprob for e in eager.logprobs]), atol=0.05, rtol=0)
         assert [[i for i, _ in e.top] for e in graph.logprobs] == [[i for i, _ in e.top] for e in eager.logprobs]
+
+
+def test_structured_outputs_through_graphs_equal_the_eager_steps():
+    """Constrained requests (the bitmask applied on the device to the graph's logits, the last step read back early
+    under the overlap schedule) beside a free one: the eager steps' tokens; each output holds to its constraint."""
+    import json
+    import re
+
+    from epmoe.models.tiny import ensure_default_checkpoint
+
+    d = str(ensure_default_checkpoint())  # the built-in checkpoint has a tokenizer (structured outputs need one)
+    schema = {"type": "object", "required": ["id"], "additionalProperties": False,
+              "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}}}
+    params = [SamplingParams(temperature=0, max_tokens=24, structured_outputs={"json": schema,
+                                                                               "disable_any_whitespace": True}),
+              SamplingParams(temperature=0.8, seed=2, max_tokens=24, structured_outputs={"regex": r"[a-f]{4}"}),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    outs = []
+    for eager in (False, True):
+        engine = Engine(EngineConfig(model=d, device="cuda", dtype="bfloat16", expert_backend="triton",
+                                     max_num_seqs=8, cuda_graph_max_bs=8, cuda_graph_max_tokens=0,
+                                     piecewise_cuda_graph_max_tokens=0, enforce_eager=eager))
+        outs.append(engine.generate(PROMPTS[:3], params))
+        assert (engine.stats["graph_steps"] > 0) != eager
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+    obj, code, free = outs[0]
+    assert 0 <= json.loads(obj.text)["id"] <= 999 and re.fullmatch(r"[a-f]{4}", code.text)
+    assert len(free.token_ids) == 12
