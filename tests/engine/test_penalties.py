@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from epmoe.engine import Engine, EngineConfig, SamplingParams
-from epmoe.engine.sampling import TokenHistory, adjust_logits, probabilities
+from epmoe.engine.sampling import TokenCounts, adjust_logits, probabilities
 
 PROMPTS = [[11, 42, 7, 99, 3], [200, 5, 5, 17], [64, 65, 66, 67, 68, 69]]
 
@@ -34,18 +34,22 @@ def test_adjust_logits_equals_the_per_token_rule():
               SamplingParams(logit_bias={3: 5.0, 29: -100}),
               SamplingParams(),
               SamplingParams(repetition_penalty=0.8, presence_penalty=1.0, logit_bias=[(0, 2.5)])]
-    buffer = torch.tensor([9, 17, 4])  # the device token buffer: row 1 holds row 0's pending token
-    histories = [TokenHistory([1, 2, 2], [5, 5, 17], pending_row=1), None, None, TokenHistory([7], [], -1)]
-    out = adjust_logits(logits, params, histories, buffer)
-    assert out is not logits
+    counts = TokenCounts(30, torch.device("cpu"), rows=1)  # grows on the second row
+    first, second = counts.open([1, 2, 2], [5, 5, 17]), counts.open([7], [])
+    counts.count([first], torch.tensor([17]))  # a token sampled since (the overlap schedule's, still on the device)
+    out = adjust_logits(logits, params, counts, [first, None, None, second])
+    assert out is not logits and counts.output.shape == (2, 30)
     want = [_adjusted(logits[0], params[0], [1, 2, 2], [5, 5, 17, 17]), _adjusted(logits[1], params[1], [], []),
             logits[2], _adjusted(logits[3], params[3], [7], [])]
     torch.testing.assert_close(out, torch.stack(want))
-    assert adjust_logits(logits, [SamplingParams()] * 4, None) is logits
-    with pytest.raises(ValueError, match="a penalized row needs its TokenHistory"):
-        adjust_logits(logits, params, None)
-    with pytest.raises(ValueError, match="a pending token needs the device token buffer"):
-        adjust_logits(logits, params, histories)
+    # a closed row is zeroed and reused
+    counts.close(first)
+    assert counts.open([], []) == first and not counts.in_prompt[first].any() and not counts.output[first].any()
+    assert adjust_logits(logits, [SamplingParams()] * 4) is logits
+    with pytest.raises(ValueError, match="a penalized row needs its row of TokenCounts"):
+        adjust_logits(logits, params)
+    with pytest.raises(ValueError, match="a penalized row needs its row of TokenCounts"):
+        adjust_logits(logits, params, counts, [None, None, None, second])
     with pytest.raises(ValueError, match=r"logit_bias token ids must be in \[0, 30\), got \[30\]"):
         adjust_logits(logits, [SamplingParams(logit_bias={30: 1.0})], None)
 
@@ -123,7 +127,8 @@ def test_banned_tokens_and_extreme_penalties_stay_finite():
     want[0, [4, 7]] = want[2, 0] = float("-inf")
     torch.testing.assert_close(out, want)
     tiny = SamplingParams(repetition_penalty=1e-300)  # its quotient is past float32's range: clamped, never NaN
-    out = adjust_logits(logits[:1], [tiny], [TokenHistory([1, 2, 3], [])])
+    counts = TokenCounts(30, torch.device("cpu"))
+    out = adjust_logits(logits[:1], [tiny], counts, [counts.open([1, 2, 3], [])])
     assert torch.isfinite(out).all() and out[0, [1, 2, 3]].abs().max() <= 1e30
     with pytest.raises(ValueError, match=r"banned token ids must be in \[0, 30\), got \[30\]"):
         adjust_logits(logits, [SamplingParams()] * 3, None, banned=[(30,), None, None])

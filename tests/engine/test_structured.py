@@ -31,7 +31,9 @@ def _constrained(**kw) -> list[SamplingParams]:
     return [SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": SCHEMA,
                                                                              "disable_any_whitespace": True}),
             SamplingParams(temperature=0.9, seed=5, max_tokens=40, structured_outputs={"regex": r"[a-z]{3}-\d{2}"}),
-            SamplingParams(temperature=0, max_tokens=40, structured_outputs={"choice": ["red", "green", "blue"]}),
+            # a penalty beside the constraint: its token counts live until the constraint ends the request
+            SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.3,
+                           structured_outputs={"choice": ["red", "green", "blue"]}),
             SamplingParams(temperature=0, max_tokens=40, structured_outputs={"grammar": 'start: "<" ("a" | "b")+ ">"'}),
             SamplingParams(temperature=0, max_tokens=6)]
 

@@ -36,6 +36,7 @@ CUDA-graph buckets, after which each request advances by the proposals that stan
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import numbers
 import os
@@ -61,7 +62,7 @@ from epmoe.engine.rope_attention import install_rope_attention
 from epmoe.engine.sampling import (
     RowLogprobs,
     SamplingParams,
-    TokenHistory,
+    TokenCounts,
     logprob_entries,
     logprobs_at,
     sample,
@@ -210,6 +211,7 @@ class Engine:
         self.spec_stats = SpecStats()
         self.proposer = None
         self._grammars: Grammars | None = None  # structured outputs' compiler, built on the first such request
+        self._token_counts: TokenCounts | None = None  # the penalized requests' tokens, made on the first one
         if config.speculative_algorithm is not None:
             say(f"loading the {config.speculative_algorithm} proposer")
             self.proposer = make_proposer(self)
@@ -548,6 +550,9 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.drop_pending()
+        if seq.count_row is not None:
+            self._token_counts.close(seq.count_row)
+            seq.count_row = None
         self.scheduler.finish(seq, reason)
         if self.proposer is not None:
             self.proposer.release(seq)
@@ -672,11 +677,24 @@ class Engine:
         if constrained:  # before any other adjustment: the tokens the constraints allow (vLLM's order)
             mask = self._grammars.bitmask([sampling[i].seq.matcher for i in constrained])
             apply_token_bitmask(logits, constrained, mask)
-        histories = [TokenHistory(c.seq.prompt_token_ids, c.seq.resolved_output,
-                                  c.seq.device_row if c.seq.num_pending else -1)
-                     if c.seq.params.penalized else None for c in sampling]
-        toks = sample(logits, [c.seq.params for c in sampling], [c.seq.generator for c in sampling], self.generator,
-                      histories, self.runner.tokens, [self._banned(c.seq) for c in sampling])
+        penalized = [i for i, c in enumerate(sampling) if c.seq.params.penalized and not c.seq.finished]
+        for i in penalized:
+            seq = sampling[i].seq
+            if seq.count_row is None:  # its first sample: every token it has is on the host
+                if self._token_counts is None:
+                    self._token_counts = TokenCounts(self.vocab_size, logits.device)
+                seq.count_row = self._token_counts.open(seq.prompt_token_ids, seq.resolved_output)
+        params = [c.seq.params for c in sampling]
+        for i, c in enumerate(sampling):
+            if c.seq.finished and c.seq.params.penalized:  # finished by the read-back just before: token dropped
+                params[i] = dataclasses.replace(params[i], repetition_penalty=1.0, presence_penalty=0.0,
+                                                frequency_penalty=0.0)
+        toks = sample(logits, params, [c.seq.generator for c in sampling], self.generator,
+                      self._token_counts, [c.seq.count_row for c in sampling],
+                      [self._banned(c.seq) for c in sampling])
+        if penalized:  # the penalties of the next steps count these tokens (still on the device)
+            self._token_counts.count([sampling[i].seq.count_row for i in penalized],
+                                     toks.index_select(0, to_device(penalized, toks.device, torch.int64)))
         host = self._host_tokens[self._launches % 2][: len(sampling)]
         self._launches += 1
         event = None

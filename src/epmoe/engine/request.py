@@ -68,6 +68,7 @@ class Sequence:
         matcher: with ``params.structured_outputs``, its position in the constraint (``structured.Matcher``), past
             every read-back token.
         constraint_done: it stopped because its constraint was complete (its last token is kept in the text).
+        count_row: with penalties, its row of the engine's ``sampling.TokenCounts`` (from its first sample on).
     """
 
     request_id: str
@@ -93,6 +94,7 @@ class Sequence:
     num_registered: int = 0
     matcher: Matcher | None = None
     constraint_done: bool = False
+    count_row: int | None = None
 
     @property
     def num_tokens(self) -> int:

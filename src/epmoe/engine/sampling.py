@@ -11,8 +11,8 @@ Logits are adjusted before sampling (greedy rows too) in vLLM's order: the logit
 penalties applied: the repetition penalty (Keskar et al. 2019, "CTRL": a logit of a token of the prompt or the
 output so far divided by it where positive, multiplied where negative), then OpenAI's frequency and presence
 penalties (the logit minus ``frequency_penalty`` times the token's count in the output, minus
-``presence_penalty`` once it occurs there). Only the rows that ask pay for it: their token counts are built on
-the device from their tokens each step.
+``presence_penalty`` once it occurs there). Only the rows that ask pay for it: their token counts live on the device
+(``TokenCounts``), filled once and counted step by step.
 
 Log-probabilities (``token_logprobs``) are those of the model's own distribution, the log-softmax of the raw
 logits before temperature, top-k and top-p (vLLM's default ``raw_logprobs``), so they do not depend on how the
@@ -304,30 +304,59 @@ def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     return probs
 
 
-@dataclass(frozen=True)
-class TokenHistory:
-    """The tokens a penalized row has seen.
+class TokenCounts:
+    """The tokens of the penalized sequences, on the device: one row a sequence, whether each token occurs in its
+    prompt (``in_prompt [R, V]`` bool) and how often in its output (``output [R, V]`` int32).
 
-    Attributes:
-        prompt: its prompt's token ids.
-        output: its generated token ids on the host.
-        pending_row: row of the device token buffer holding one more generated token not read back yet (the
-            overlap schedule), ``-1`` for none.
+    A row is filled once from the sequence's tokens when it first samples (``open``); from then on the engine counts
+    each token sampled for it on the device, right after sampling (``count``). So a step reads no token list from
+    the host (the penalties cost the same at the 10th and the 10,000th token), and the overlap schedule's token still
+    on the device is counted as soon as it is sampled. Rows are reused once closed; the tensors double when full.
+
+    Args:
+        vocab: ``V``, the logits' width.
+        device: where the counts live (the logits').
+        rows: rows allocated at first.
     """
 
-    prompt: list[int]
-    output: list[int]
-    pending_row: int = -1
+    def __init__(self, vocab: int, device: torch.device, rows: int = 8) -> None:
+        self.vocab = int(vocab)
+        self.device = device
+        self.in_prompt = torch.zeros(rows, self.vocab, dtype=torch.bool, device=device)
+        self.output = torch.zeros(rows, self.vocab, dtype=torch.int32, device=device)
+        self._free = list(range(rows - 1, -1, -1))
+
+    def open(self, prompt: list[int], output: list[int]) -> int:
+        """A row holding ``prompt``'s and ``output``'s tokens (ids in ``[0, V)``); returns its index."""
+        if not self._free:
+            n = self.output.shape[0]
+            self.in_prompt = torch.cat([self.in_prompt, torch.zeros_like(self.in_prompt)])
+            self.output = torch.cat([self.output, torch.zeros_like(self.output)])
+            self._free = list(range(2 * n - 1, n - 1, -1))
+        row = self._free.pop()
+        if prompt:
+            self.in_prompt[row].index_fill_(0, to_device(prompt, self.device, torch.int64), True)
+        if output:
+            self.output[row] = torch.bincount(to_device(output, self.device, torch.int64),
+                                              minlength=self.vocab).to(torch.int32)
+        return row
+
+    def close(self, row: int) -> None:
+        """Zero row ``row`` and give it back."""
+        self.in_prompt[row] = False
+        self.output[row] = 0
+        self._free.append(row)
+
+    def count(self, rows: list[int], tokens: torch.Tensor) -> None:
+        """Count one more output token for each of ``rows``: ``tokens [len(rows)]`` int64, on the device."""
+        if rows:
+            idx = to_device(rows, self.device, torch.int64)
+            self.output.index_put_((idx, tokens.to(torch.int64)), torch.ones(len(rows), dtype=torch.int32,
+                                                                            device=self.device), accumulate=True)
 
 
-def _counts(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """``[len(rows), vocab]`` int64 how often each token occurs in each row's list."""
-    flat = [j * vocab + t for j, ids in enumerate(rows) for t in ids]
-    return torch.bincount(to_device(flat, device, torch.int64), minlength=len(rows) * vocab).view(len(rows), vocab)
-
-
-def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories: list[TokenHistory | None] | None,
-                  pending_tokens: torch.Tensor | None = None,
+def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], counts: TokenCounts | None = None,
+                  count_rows: list[int | None] | None = None,
                   banned: list[tuple[int, ...] | None] | None = None) -> torch.Tensor:
     """The logits rows sample from: the logit bias added, the penalties applied (see the module docstring), then
     the banned tokens set to ``-inf``.
@@ -335,8 +364,8 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories:
     Args:
         logits: ``[N, V]`` raw logits (not modified).
         params: the ``N`` rows' options.
-        histories: per row, its tokens (needed for the rows with ``params[i].penalized``).
-        pending_tokens: the device token buffer ``TokenHistory.pending_row`` indexes (int64).
+        counts: the penalized sequences' tokens (needed when a row has ``params[i].penalized``).
+        count_rows: per row, its row of ``counts`` (``None`` for rows without penalties).
         banned: per row, token ids it may not choose (EOS and stop token ids before ``min_tokens``), or ``None``.
 
     Returns:
@@ -344,8 +373,8 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories:
         a penalty's extreme results are clamped to ``[-1e30, 1e30]``, banned tokens aside).
 
     Raises:
-        ValueError: a penalized row without its history, a pending row without ``pending_tokens``, or a
-            logit-bias or banned token id outside ``[0, V)``.
+        ValueError: a penalized row without its row of ``counts``, or a logit-bias or banned token id outside
+            ``[0, V)``.
     """
     bans = [(i, t) for i, ids in enumerate(banned or ()) if ids for t in ids]
     if not any(p.adjusts_logits for p in params) and not bans:
@@ -363,7 +392,7 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories:
                      to_device(list(values), dev, x.dtype), accumulate=True)
     hist = [i for i, p in enumerate(params) if p.penalized]
     if hist:
-        _penalize(x, params, hist, histories, pending_tokens)
+        _penalize(x, params, hist, counts, count_rows)
     if bans:
         bad = sorted({t for _, t in bans if not 0 <= t < v})
         if bad:
@@ -374,29 +403,22 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories:
     return x
 
 
-def _penalize(x: torch.Tensor, params: list[SamplingParams], hist: list[int],
-              histories: list[TokenHistory | None] | None, pending_tokens: torch.Tensor | None) -> None:
+def _penalize(x: torch.Tensor, params: list[SamplingParams], hist: list[int], counts: TokenCounts | None,
+              count_rows: list[int | None] | None) -> None:
     """Apply the penalties to rows ``hist`` of ``x [N, V]`` float32 in place (see ``adjust_logits``)."""
-    v, dev = x.shape[1], x.device
-    if histories is None or any(histories[i] is None for i in hist):
-        raise ValueError("adjust_logits: a penalized row needs its TokenHistory")
-    seen = [histories[i] for i in hist]
-    counts = _counts([h.output for h in seen], v, dev)
-    pending = [(j, h.pending_row) for j, h in enumerate(seen) if h.pending_row >= 0]
-    if pending:
-        if pending_tokens is None:
-            raise ValueError("adjust_logits: a pending token needs the device token buffer")
-        j_idx = to_device([j for j, _ in pending], dev, torch.int64)
-        toks = pending_tokens.index_select(0, to_device([r for _, r in pending], dev, torch.int64)).to(torch.int64)
-        counts.index_put_((j_idx, toks), torch.ones_like(toks), accumulate=True)
-    in_prompt = _counts([h.prompt for h in seen], v, dev) > 0
+    dev = x.device
+    if counts is None or count_rows is None or any(count_rows[i] is None for i in hist):
+        raise ValueError("adjust_logits: a penalized row needs its row of TokenCounts")
+    at = to_device([count_rows[i] for i in hist], dev, torch.int64)
+    in_prompt = counts.in_prompt.index_select(0, at)
+    seen = counts.output.index_select(0, at)
     idx = to_device(hist, dev, torch.int64)
     rows = x.index_select(0, idx).double()  # a penalty's quotient may be past float32's range: clamped below
     rep = to_device([params[i].repetition_penalty for i in hist], dev, rows.dtype).unsqueeze(1)
-    rows = torch.where(in_prompt | (counts > 0), torch.where(rows > 0, rows / rep, rows * rep), rows)
+    rows = torch.where(in_prompt | (seen > 0), torch.where(rows > 0, rows / rep, rows * rep), rows)
     freq = to_device([params[i].frequency_penalty for i in hist], dev, rows.dtype).unsqueeze(1)
     pres = to_device([params[i].presence_penalty for i in hist], dev, rows.dtype).unsqueeze(1)
-    rows = rows - freq * counts.to(rows.dtype) - pres * (counts > 0).to(rows.dtype)
+    rows = rows - freq * seen.to(rows.dtype) - pres * (seen > 0).to(rows.dtype)
     x.index_copy_(0, idx, rows.clamp(-1e30, 1e30).to(x.dtype))
 
 
@@ -408,8 +430,8 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           default_generator: torch.Generator | None = None, histories: list[TokenHistory | None] | None = None,
-           pending_tokens: torch.Tensor | None = None,
+           default_generator: torch.Generator | None = None, counts: TokenCounts | None = None,
+           count_rows: list[int | None] | None = None,
            banned: list[tuple[int, ...] | None] | None = None) -> torch.Tensor:
     """One token per row of ``logits``.
 
@@ -418,7 +440,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         params: the ``N`` rows' sampling options.
         generators: per row, its request's generator (seeded requests) or ``None`` (the default one).
         default_generator: generator of the unseeded rows (``None`` = torch's global one).
-        histories, pending_tokens, banned: see ``adjust_logits`` (histories only for rows with penalties).
+        counts, count_rows, banned: see ``adjust_logits`` (``counts`` only for rows with penalties; the caller
+            counts the sampled tokens, ``TokenCounts.count``).
 
     Returns:
         ``[N]`` int64 token ids, on ``logits.device``.
@@ -429,7 +452,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     n = logits.shape[0]
     if len(params) != n or len(generators) != n:
         raise ValueError(f"sample: {n} logits rows, {len(params)} params, {len(generators)} generators")
-    logits = adjust_logits(logits, params, histories, pending_tokens, banned)
+    logits = adjust_logits(logits, params, counts, count_rows, banned)
     out = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
