@@ -41,7 +41,8 @@ class StructuredOutputs:
             whitespace may go where JSON allows it).
 
     Raises:
-        ValueError: none or more than one constraint, or a field of the wrong type, named.
+        ValueError: none or more than one constraint, a field of the wrong type, or text that is not valid Unicode (a
+            lone surrogate, which llguidance cannot take), named with its value.
     """
 
     json: dict | str | None = None
@@ -70,6 +71,13 @@ class StructuredOutputs:
             raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got {value!r}")
         if kind == "json_object" and value is not True:
             raise ValueError(f"structured_outputs.json_object must be true when given, got {value!r}")
+        if kind == "json":
+            _unicode(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False), "json")
+        elif kind in ("regex", "grammar"):
+            _unicode(value, kind)
+        elif kind == "choice":
+            for i, c in enumerate(value):
+                _unicode(c, f"choice[{i}]")
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError(f"structured_outputs.disable_any_whitespace must be true or false, got "
                              f"{self.disable_any_whitespace!r}")
@@ -83,8 +91,12 @@ class StructuredOutputs:
     def grammar_text(self) -> str:
         """The constraint as an llguidance grammar (its JSON or Lark text).
 
+        A ``choice`` is one Lark terminal of the strings (one lexeme): as alternatives of the start rule, each string
+        is a lexeme of its own, which takes llguidance time growing faster than the number of strings and fails
+        past about 65,000 of them.
+
         Raises:
-            ValueError: ``json`` text that is not JSON, named.
+            ValueError: ``json`` text that is not JSON or not a JSON object, named with its value.
         """
         from llguidance import LLMatcher
 
@@ -96,12 +108,16 @@ class StructuredOutputs:
                     schema = json.loads(schema)
                 except ValueError as err:
                     raise ValueError(f"structured_outputs.json is not JSON: {err}") from None
+            if not isinstance(schema, dict):
+                shown = json.dumps(schema)
+                raise ValueError(f"structured_outputs.json must be a JSON schema object, got "
+                                 f"{shown if len(shown) <= 80 else shown[:77] + '...'}")
             return LLMatcher.grammar_from_json_schema(
                 json.dumps(schema), defaults={"whitespace_flexible": not self.disable_any_whitespace})
         if kind == "regex":
             return LLMatcher.grammar_from_regex(self.regex)
         if kind == "choice":  # Lark string literals take JSON's escapes
-            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+            return LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(map(json.dumps, self.choice)))
         return LLMatcher.grammar_from_lark(self.grammar)
 
 
@@ -164,11 +180,7 @@ class Grammars:
         """
         from llguidance import LLMatcher
 
-        grammar = spec.grammar_text()
-        error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
-        if error:
-            raise ValueError(f"structured_outputs.{spec.kind} does not compile: {_one_line('; '.join(messages))}")
-        m = LLMatcher(self._tokenizer, grammar, log_level=0)
+        m = LLMatcher(self._tokenizer, spec.grammar_text(), log_level=0)  # compiles; an error is kept, not raised
         if m.is_error():
             raise ValueError(f"structured_outputs.{spec.kind} does not compile: {_one_line(m.get_error())}")
         return Matcher(m)
@@ -179,6 +191,21 @@ class Grammars:
         for i, m in enumerate(matchers):
             m.fill(mask[i])
         return mask
+
+
+def _unicode(text: str, field: str) -> None:
+    """Refuse ``text`` (``structured_outputs.<field>``) if it cannot be sent as UTF-8.
+
+    Raises:
+        ValueError: ``text`` holds a lone surrogate (JSON's ``\\ud800`` escapes), named with the field, the text and
+            the position.
+    """
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        shown = repr(text) if len(text) <= 80 else repr(text[:77]) + "..."
+        raise ValueError(f"structured_outputs.{field} {shown} is not valid Unicode text: a lone surrogate "
+                         f"{text[exc.start]!r} at position {exc.start}") from None
 
 
 def _one_line(message: str) -> str:
