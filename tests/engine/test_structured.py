@@ -103,6 +103,17 @@ def test_a_choice_of_many_entries_or_of_prefixes(engine):
     assert (short.text, short.finish_reason) == ("a", "stop") and (long.text, long.finish_reason) == ("ab", "stop")
 
 
+def test_min_tokens_yields_where_its_bans_leave_the_constraint_no_token(engine):
+    """min_tokens bans the stop token ids before it; where the constraint allows only those ('b' after 'a' in
+    "ab"), the ban yields (as when a constraint completes before min_tokens) instead of the step sampling from no
+    token at all, which gave token 0, outside the constraint."""
+    for temperature in (0, 1.0):
+        (out,) = engine.generate(["x"], SamplingParams(temperature=temperature, seed=1, max_tokens=5, min_tokens=2,
+                                                       stop_token_ids=[ord("b")],
+                                                       structured_outputs={"choice": ["ab", "b"]}))
+        assert (out.token_ids, out.text, out.finish_reason) == ([ord("a"), ord("b")], "a", "stop")
+
+
 def test_bad_structured_outputs_named():
     with pytest.raises(ValueError, match="exactly one of json, regex, choice, grammar, json_object; got regex, choice"):
         StructuredOutputs(regex="a", choice=["a"])

@@ -69,7 +69,7 @@ from epmoe.engine.sampling import (
 )
 from epmoe.engine.scheduler import Scheduler, StepPlan
 from epmoe.engine.speculative import Proposal, SpecStats, verify, verify_greedy
-from epmoe.engine.structured import Grammars, Matcher, apply_token_bitmask
+from epmoe.engine.structured import Grammars, Matcher, allows_besides, apply_token_bitmask
 from epmoe.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
 from epmoe.engine.transfer import to_device
 from epmoe.layer import MoELayerOptions, check_tp_sizes
@@ -668,15 +668,19 @@ class Engine:
                                                       torch.int64))
         if not sampling:
             return _Launch([], None, None)
+        banned = [self._banned(c.seq) for c in sampling]
         constrained = [i for i, c in enumerate(sampling) if c.seq.matcher is not None and not c.seq.finished]
         if constrained:  # before any other adjustment: the tokens the constraints allow (vLLM's order)
             mask = self._grammars.bitmask([sampling[i].seq.matcher for i in constrained])
             apply_token_bitmask(logits, constrained, mask)
+            for row, i in zip(mask, constrained):  # min_tokens yields where its bans would leave no token allowed
+                if banned[i] is not None and not allows_besides(row, banned[i]):
+                    banned[i] = None
         histories = [TokenHistory(c.seq.prompt_token_ids, c.seq.resolved_output,
                                   c.seq.device_row if c.seq.num_pending else -1)
                      if c.seq.params.penalized else None for c in sampling]
         toks = sample(logits, [c.seq.params for c in sampling], [c.seq.generator for c in sampling], self.generator,
-                      histories, self.runner.tokens, [self._banned(c.seq) for c in sampling])
+                      histories, self.runner.tokens, banned)
         host = self._host_tokens[self._launches % 2][: len(sampling)]
         self._launches += 1
         event = None

@@ -213,6 +213,14 @@ def _one_line(message: str) -> str:
     return " ".join(message.split())
 
 
+def allows_besides(row: torch.Tensor, tokens) -> bool:
+    """Whether the bitmask ``row`` (``[W]`` int32 on the CPU, ``Matcher.fill``'s layout) allows a token not in
+    ``tokens`` (token ids in ``[0, 32 * W)``)."""
+    allowed = ((row.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()  # [32 * W], token order
+    allowed[list(tokens)] = 0
+    return bool(allowed.any())
+
+
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> None:
     """Ban, in place, every token of ``logits`` rows ``rows`` whose bit in ``mask`` is clear (logit ``-inf``).
 
