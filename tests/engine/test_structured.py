@@ -103,6 +103,17 @@ def test_a_choice_of_many_entries_or_of_prefixes(engine):
     assert (short.text, short.finish_reason) == ("a", "stop") and (long.text, long.finish_reason) == ("ab", "stop")
 
 
+def test_a_grammar_in_gbnf(engine):
+    """vLLM's users send llama.cpp's GBNF (rule ``root``; xgrammar's EBNF) as well as Lark: both are served, as by
+    vLLM's guidance backend; GBNF without its ``root`` rule is refused, named."""
+    (out,) = engine.generate(["x"], SamplingParams(temperature=0, max_tokens=8, structured_outputs={
+        "grammar": 'root ::= ("yes" | "no") "!"'}))
+    assert out.text in ("yes!", "no!") and out.finish_reason == "stop"
+    with pytest.raises(ValueError, match="structured_outputs.grammar does not compile: No 'root' rule found"):
+        engine.add_request("x", SamplingParams(structured_outputs={"grammar": 'answer ::= "yes"'}))
+    assert not engine.has_unfinished()
+
+
 def test_min_tokens_yields_where_its_bans_leave_the_constraint_no_token(engine):
     """min_tokens bans the stop token ids before it; where the constraint allows only those ('b' after 'a' in
     "ab"), the ban yields (as when a constraint completes before min_tokens) instead of the step sampling from no

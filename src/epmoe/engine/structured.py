@@ -1,5 +1,5 @@
-"""Structured outputs: a request's tokens held to a JSON schema, a regular expression, a choice of strings or a Lark
-grammar (vLLM's ``structured_outputs``; OpenAI's ``response_format``), through llguidance.
+"""Structured outputs: a request's tokens held to a JSON schema, a regular expression, a choice of strings or a
+grammar (Lark or GBNF) (vLLM's ``structured_outputs``; OpenAI's ``response_format``), through llguidance.
 
 ``StructuredOutputs`` names the constraint (exactly one of vLLM's ``json``, ``regex``, ``choice``, ``grammar``,
 ``json_object``). ``Grammars`` (one per engine) wraps the checkpoint's tokenizer for llguidance once and compiles
@@ -35,7 +35,8 @@ class StructuredOutputs:
         json: a JSON schema (a dict, or its JSON text): the output is a JSON value it validates.
         regex: a regular expression (Rust ``regex`` syntax) the whole output matches.
         choice: strings (a list or tuple; kept as a tuple): the output is one of them.
-        grammar: a Lark grammar (llguidance's dialect, rule ``start``) the output derives.
+        grammar: a grammar the output derives: Lark (llguidance's dialect, rule ``start``) or GBNF (llama.cpp's,
+            which xgrammar's EBNF follows; rule ``root``).
         json_object: ``True``: the output is a JSON object (OpenAI's ``response_format: json_object``).
         disable_any_whitespace: JSON outputs without whitespace between tokens (vLLM's option; by default
             whitespace may go where JSON allows it).
@@ -96,9 +97,11 @@ class StructuredOutputs:
         past about 65,000 of them.
 
         Raises:
-            ValueError: ``json`` text that is not JSON or not a JSON object, named with its value.
+            ValueError: ``json`` text that is not JSON or not a JSON object, named with its value; a ``grammar`` that
+                is neither Lark nor GBNF, named with the converter's reason.
         """
         from llguidance import LLMatcher
+        from llguidance.gbnf_to_lark import any_to_lark
 
         kind = self.kind
         if kind in ("json", "json_object"):
@@ -118,7 +121,11 @@ class StructuredOutputs:
             return LLMatcher.grammar_from_regex(self.regex)
         if kind == "choice":  # Lark string literals take JSON's escapes
             return LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(map(json.dumps, self.choice)))
-        return LLMatcher.grammar_from_lark(self.grammar)
+        try:  # Lark as it is, GBNF converted (llguidance's own reading, as vLLM's guidance backend)
+            lark = any_to_lark(self.grammar)
+        except Exception as err:  # the converter raises plain Exceptions too
+            raise ValueError(f"structured_outputs.grammar does not compile: {_one_line(str(err))}") from None
+        return LLMatcher.grammar_from_lark(lark)
 
 
 class Matcher:
