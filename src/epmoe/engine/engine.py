@@ -562,13 +562,16 @@ class Engine:
 
     def _banned(self, seq: Sequence) -> tuple[int, ...] | None:
         """The tokens ``seq`` may not generate next: its EOS (unless ``ignore_eos``) and stop token ids while it has
-        fewer than ``min_tokens`` (vLLM's ``min_tokens``); ``None`` when none."""
+        fewer than ``min_tokens`` (vLLM's ``min_tokens``); ``None`` when none, or when its constraint allows no other
+        token (the ban yields, as when a constraint completes before ``min_tokens``)."""
         p = seq.params
         if len(seq.output_token_ids) >= p.min_tokens:
             return None
         ids = tuple(t for t in p.stop_token_ids if 0 <= t < self.vocab_size)
         if not p.ignore_eos:
             ids += tuple(t for t in self.eos_ids if 0 <= t < self.vocab_size)
+        if ids and seq.matcher is not None and not allows_besides(self._grammars.bitmask([seq.matcher])[0], ids):
+            return None
         return ids or None
 
     def step(self, pending: bool = False) -> list[RequestOutput]:
@@ -668,19 +671,15 @@ class Engine:
                                                       torch.int64))
         if not sampling:
             return _Launch([], None, None)
-        banned = [self._banned(c.seq) for c in sampling]
         constrained = [i for i, c in enumerate(sampling) if c.seq.matcher is not None and not c.seq.finished]
         if constrained:  # before any other adjustment: the tokens the constraints allow (vLLM's order)
             mask = self._grammars.bitmask([sampling[i].seq.matcher for i in constrained])
             apply_token_bitmask(logits, constrained, mask)
-            for row, i in zip(mask, constrained):  # min_tokens yields where its bans would leave no token allowed
-                if banned[i] is not None and not allows_besides(row, banned[i]):
-                    banned[i] = None
         histories = [TokenHistory(c.seq.prompt_token_ids, c.seq.resolved_output,
                                   c.seq.device_row if c.seq.num_pending else -1)
                      if c.seq.params.penalized else None for c in sampling]
         toks = sample(logits, [c.seq.params for c in sampling], [c.seq.generator for c in sampling], self.generator,
-                      histories, self.runner.tokens, banned)
+                      histories, self.runner.tokens, [self._banned(c.seq) for c in sampling])
         host = self._host_tokens[self._launches % 2][: len(sampling)]
         self._launches += 1
         event = None
