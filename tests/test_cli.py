@@ -50,6 +50,15 @@ def test_refused_options_name_their_flags(kimi, capsys, command, args, message):
     assert f"epmoe {command}: error: {message}" in err
 
 
+def test_prefix_caching_asked_for_with_a_draft_model_is_refused_naming_both_flags(kimi, capsys):
+    for command in ("run", "serve"):
+        assert main([command, "--model", str(kimi), "--speculative-algorithm", "draft", "--speculative-draft-model",
+                     str(kimi), "--enable-prefix-caching"]) == 2
+        assert (f"epmoe {command}: error: --enable-prefix-caching does not combine with --speculative-algorithm "
+                "'draft': a draft model's own cache would miss the cached blocks; ngram, which has no cache, "
+                "combines") in capsys.readouterr().err
+
+
 def test_a_missing_model_directory_is_named_by_its_flag(tmp_path, capsys):
     missing = tmp_path / "nowhere"
     for command in ("run", "serve"):

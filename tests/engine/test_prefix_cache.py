@@ -97,7 +97,7 @@ def test_prefix_caching_with_ngram_speculation_and_not_with_a_draft_model(model_
     engine = _engine(model_dir, True, speculative_algorithm="ngram", speculative_num_tokens=2)
     engine.generate(PROMPTS[:1], GREEDY)
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == plain and engine.scheduler.prefix_hits > 0
-    with pytest.raises(ValueError, match="enable_prefix_caching does not combine with a draft model"):
+    with pytest.raises(ValueError, match="enable_prefix_caching does not combine with speculative_algorithm"):
         EngineConfig(model=model_dir, enable_prefix_caching=True, speculative_algorithm="draft",
                      speculative_draft_model=model_dir)
     with pytest.raises(ValueError, match="enable_prefix_caching must be true, false or None .*, got 1"):

@@ -79,11 +79,52 @@ def test_the_most_likely_allowed_token_wins(engine):
     ({"json": {"type": "objec"}}, r"structured_outputs.json does not compile: .*objec"),
     ({"json": "{not json"}, r"structured_outputs.json is not JSON"),
     ({"grammar": "start: nothing_defined"}, r"structured_outputs.grammar does not compile"),
+    ({"json": "5"}, r"structured_outputs.json must be a JSON schema object, got 5"),
+    ({"json": {"enum": ["\ud800"]}}, r"structured_outputs.json '\{\"enum\": \[\"\\ud800\"\]\}' is not valid Unicode "
+                                    r"text: a lone surrogate '\\ud800' at position 11"),
+    ({"regex": "a\ud800"}, r"structured_outputs.regex 'a\\ud800' is not valid Unicode text: a lone surrogate "
+                           r"'\\ud800' at position 1"),
+    ({"choice": ["ok", "\udc80"]}, r"structured_outputs.choice\[1\] '\\udc80' is not valid Unicode text"),
 ])
 def test_constraints_that_do_not_compile_are_refused_before_queueing(engine, spec, message):
     with pytest.raises(ValueError, match=message):
         engine.add_request("x", SamplingParams(structured_outputs=spec))
     assert not engine.has_unfinished()
+
+
+def test_a_choice_of_many_entries_or_of_prefixes(engine):
+    """70,000 choices (more than llguidance takes as alternatives of one rule) compile, and the output is one of
+    them; of two choices where one is the other's prefix, either can be the output (the logit bias picks)."""
+    many = [f"choice-{i}" for i in range(70_000)]
+    (out,) = engine.generate(["pick:"], SamplingParams(temperature=0, max_tokens=16,
+                                                       structured_outputs={"choice": many}))
+    assert out.text in set(many) and out.finish_reason == "stop"
+    short, long = (engine.generate(["pick:"], SamplingParams(temperature=0, max_tokens=4, logit_bias={tok: 100},
+                                                             structured_outputs={"choice": ["a", "ab"]}))[0]
+                   for tok in (sorted(engine.eos_ids)[0], ord("b")))
+    assert (short.text, short.finish_reason) == ("a", "stop") and (long.text, long.finish_reason) == ("ab", "stop")
+
+
+def test_a_grammar_in_gbnf(engine):
+    """vLLM's users send llama.cpp's GBNF (rule ``root``; xgrammar's EBNF) as well as Lark: both are served, as by
+    vLLM's guidance backend; GBNF without its ``root`` rule is refused, named."""
+    (out,) = engine.generate(["x"], SamplingParams(temperature=0, max_tokens=8, structured_outputs={
+        "grammar": 'root ::= ("yes" | "no") "!"'}))
+    assert out.text in ("yes!", "no!") and out.finish_reason == "stop"
+    with pytest.raises(ValueError, match="structured_outputs.grammar does not compile: No 'root' rule found"):
+        engine.add_request("x", SamplingParams(structured_outputs={"grammar": 'answer ::= "yes"'}))
+    assert not engine.has_unfinished()
+
+
+def test_min_tokens_yields_where_its_bans_leave_the_constraint_no_token(engine):
+    """min_tokens bans the stop token ids before it; where the constraint allows only those ('b' after 'a' in
+    "ab"), the ban yields (as when a constraint completes before min_tokens) instead of the step sampling from no
+    token at all, which gave token 0, outside the constraint."""
+    for temperature in (0, 1.0):
+        (out,) = engine.generate(["x"], SamplingParams(temperature=temperature, seed=1, max_tokens=5, min_tokens=2,
+                                                       stop_token_ids=[ord("b")],
+                                                       structured_outputs={"choice": ["ab", "b"]}))
+        assert (out.token_ids, out.text, out.finish_reason) == ([ord("a"), ord("b")], "a", "stop")
 
 
 def test_bad_structured_outputs_named():

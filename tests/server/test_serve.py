@@ -387,6 +387,12 @@ BAD = [
     ("JSON nested too deeply", b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None),
     ("a number of 5000 digits", b'{"prompt": "hi", "seed": ' + b"9" * 5000 + b"}", 400, None),
     ("prompt a lone surrogate", b'{"model": "%s", "prompt": "ok \\ud800"}' % MODEL.encode(), 400, "prompt"),
+    ("guided_json not an object", {"model": MODEL, "prompt": "hi", "guided_json": "5"}, 400, "guided_json"),
+    ("guided_regex a lone surrogate", b'{"model": "%s", "prompt": "hi", "guided_regex": "a\\ud800"}' % MODEL.encode(),
+     400, "guided_regex"),
+    ("guided_choice of 300,000 strings", {"model": MODEL, "prompt": "hi", "guided_choice": [f"choice-{i}" for i in
+                                                                                          range(300_000)]}, 400,
+     "guided_choice"),
 ]
 BAD_CHAT = [
     ("missing messages", {"model": MODEL}, 400, "messages"),

@@ -218,8 +218,8 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be true, false or None (on unless a draft model is "
                              f"used), got {self.enable_prefix_caching!r}")
         if self.enable_prefix_caching and self.speculative_algorithm not in (None, "ngram"):
-            raise ValueError(f"enable_prefix_caching does not combine with a draft model (speculative_algorithm "
-                             f"{self.speculative_algorithm!r}): the draft's own cache would miss the cached blocks; "
+            raise ValueError(f"enable_prefix_caching does not combine with speculative_algorithm "
+                             f"{self.speculative_algorithm!r}: a draft model's own cache would miss the cached blocks; "
                              f"ngram, which has no cache, combines")
         if self.parallel == "tp":
             given = [name for name, value, default in (

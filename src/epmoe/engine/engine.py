@@ -70,7 +70,7 @@ from epmoe.engine.sampling import (
 )
 from epmoe.engine.scheduler import Scheduler, StepPlan
 from epmoe.engine.speculative import Proposal, SpecStats, verify, verify_greedy
-from epmoe.engine.structured import Grammars, Matcher, apply_token_bitmask
+from epmoe.engine.structured import Grammars, Matcher, allows_besides, apply_token_bitmask
 from epmoe.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
 from epmoe.engine.transfer import to_device
 from epmoe.layer import MoELayerOptions, check_tp_sizes
@@ -567,13 +567,16 @@ class Engine:
 
     def _banned(self, seq: Sequence) -> tuple[int, ...] | None:
         """The tokens ``seq`` may not generate next: its EOS (unless ``ignore_eos``) and stop token ids while it has
-        fewer than ``min_tokens`` (vLLM's ``min_tokens``); ``None`` when none."""
+        fewer than ``min_tokens`` (vLLM's ``min_tokens``); ``None`` when none, or when its constraint allows no other
+        token (the ban yields, as when a constraint completes before ``min_tokens``)."""
         p = seq.params
         if len(seq.output_token_ids) >= p.min_tokens:
             return None
         ids = tuple(t for t in p.stop_token_ids if 0 <= t < self.vocab_size)
         if not p.ignore_eos:
             ids += tuple(t for t in self.eos_ids if 0 <= t < self.vocab_size)
+        if ids and seq.matcher is not None and not allows_besides(self._grammars.bitmask([seq.matcher])[0], ids):
+            return None
         return ids or None
 
     def step(self, pending: bool = False) -> list[RequestOutput]:

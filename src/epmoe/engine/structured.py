@@ -1,5 +1,5 @@
-"""Structured outputs: a request's tokens held to a JSON schema, a regular expression, a choice of strings or a Lark
-grammar (vLLM's ``structured_outputs``; OpenAI's ``response_format``), through llguidance.
+"""Structured outputs: a request's tokens held to a JSON schema, a regular expression, a choice of strings or a
+grammar (Lark or GBNF) (vLLM's ``structured_outputs``; OpenAI's ``response_format``), through llguidance.
 
 ``StructuredOutputs`` names the constraint (exactly one of vLLM's ``json``, ``regex``, ``choice``, ``grammar``,
 ``json_object``). ``Grammars`` (one per engine) wraps the checkpoint's tokenizer for llguidance once and compiles
@@ -35,13 +35,15 @@ class StructuredOutputs:
         json: a JSON schema (a dict, or its JSON text): the output is a JSON value it validates.
         regex: a regular expression (Rust ``regex`` syntax) the whole output matches.
         choice: strings (a list or tuple; kept as a tuple): the output is one of them.
-        grammar: a Lark grammar (llguidance's dialect, rule ``start``) the output derives.
+        grammar: a grammar the output derives: Lark (llguidance's dialect, rule ``start``) or GBNF (llama.cpp's,
+            which xgrammar's EBNF follows; rule ``root``).
         json_object: ``True``: the output is a JSON object (OpenAI's ``response_format: json_object``).
         disable_any_whitespace: JSON outputs without whitespace between tokens (vLLM's option; by default
             whitespace may go where JSON allows it).
 
     Raises:
-        ValueError: none or more than one constraint, or a field of the wrong type, named.
+        ValueError: none or more than one constraint, a field of the wrong type, or text that is not valid Unicode (a
+            lone surrogate, which llguidance cannot take), named with its value.
     """
 
     json: dict | str | None = None
@@ -70,6 +72,13 @@ class StructuredOutputs:
             raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got {value!r}")
         if kind == "json_object" and value is not True:
             raise ValueError(f"structured_outputs.json_object must be true when given, got {value!r}")
+        if kind == "json":
+            _unicode(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False), "json")
+        elif kind in ("regex", "grammar"):
+            _unicode(value, kind)
+        elif kind == "choice":
+            for i, c in enumerate(value):
+                _unicode(c, f"choice[{i}]")
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError(f"structured_outputs.disable_any_whitespace must be true or false, got "
                              f"{self.disable_any_whitespace!r}")
@@ -83,10 +92,16 @@ class StructuredOutputs:
     def grammar_text(self) -> str:
         """The constraint as an llguidance grammar (its JSON or Lark text).
 
+        A ``choice`` is one Lark terminal of the strings (one lexeme): as alternatives of the start rule, each string
+        is a lexeme of its own, which takes llguidance time growing faster than the number of strings and fails
+        past about 65,000 of them.
+
         Raises:
-            ValueError: ``json`` text that is not JSON, named.
+            ValueError: ``json`` text that is not JSON or not a JSON object, named with its value; a ``grammar`` that
+                is neither Lark nor GBNF, named with the converter's reason.
         """
         from llguidance import LLMatcher
+        from llguidance.gbnf_to_lark import any_to_lark
 
         kind = self.kind
         if kind in ("json", "json_object"):
@@ -96,13 +111,21 @@ class StructuredOutputs:
                     schema = json.loads(schema)
                 except ValueError as err:
                     raise ValueError(f"structured_outputs.json is not JSON: {err}") from None
+            if not isinstance(schema, dict):
+                shown = json.dumps(schema)
+                raise ValueError(f"structured_outputs.json must be a JSON schema object, got "
+                                 f"{shown if len(shown) <= 80 else shown[:77] + '...'}")
             return LLMatcher.grammar_from_json_schema(
                 json.dumps(schema), defaults={"whitespace_flexible": not self.disable_any_whitespace})
         if kind == "regex":
             return LLMatcher.grammar_from_regex(self.regex)
         if kind == "choice":  # Lark string literals take JSON's escapes
-            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
-        return LLMatcher.grammar_from_lark(self.grammar)
+            return LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(map(json.dumps, self.choice)))
+        try:  # Lark as it is, GBNF converted (llguidance's own reading, as vLLM's guidance backend)
+            lark = any_to_lark(self.grammar)
+        except Exception as err:  # the converter raises plain Exceptions too
+            raise ValueError(f"structured_outputs.grammar does not compile: {_one_line(str(err))}") from None
+        return LLMatcher.grammar_from_lark(lark)
 
 
 class Matcher:
@@ -164,11 +187,7 @@ class Grammars:
         """
         from llguidance import LLMatcher
 
-        grammar = spec.grammar_text()
-        error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
-        if error:
-            raise ValueError(f"structured_outputs.{spec.kind} does not compile: {_one_line('; '.join(messages))}")
-        m = LLMatcher(self._tokenizer, grammar, log_level=0)
+        m = LLMatcher(self._tokenizer, spec.grammar_text(), log_level=0)  # compiles; an error is kept, not raised
         if m.is_error():
             raise ValueError(f"structured_outputs.{spec.kind} does not compile: {_one_line(m.get_error())}")
         return Matcher(m)
@@ -181,9 +200,32 @@ class Grammars:
         return mask
 
 
+def _unicode(text: str, field: str) -> None:
+    """Refuse ``text`` (``structured_outputs.<field>``) if it cannot be sent as UTF-8.
+
+    Raises:
+        ValueError: ``text`` holds a lone surrogate (JSON's ``\\ud800`` escapes), named with the field, the text and
+            the position.
+    """
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        shown = repr(text) if len(text) <= 80 else repr(text[:77]) + "..."
+        raise ValueError(f"structured_outputs.{field} {shown} is not valid Unicode text: a lone surrogate "
+                         f"{text[exc.start]!r} at position {exc.start}") from None
+
+
 def _one_line(message: str) -> str:
     """llguidance's multi-line diagnostics (the source excerpt, a caret) as one line."""
     return " ".join(message.split())
+
+
+def allows_besides(row: torch.Tensor, tokens) -> bool:
+    """Whether the bitmask ``row`` (``[W]`` int32 on the CPU, ``Matcher.fill``'s layout) allows a token not in
+    ``tokens`` (token ids in ``[0, 32 * W)``)."""
+    allowed = ((row.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()  # [32 * W], token order
+    allowed[list(tokens)] = 0
+    return bool(allowed.any())
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> None:

@@ -78,7 +78,7 @@ class ResponseFormat(_Request):
 
 
 class StructuredOutputsField(_Request):
-    """vLLM's ``structured_outputs``: one of ``json`` (a schema), ``regex``, ``choice``, ``grammar`` (Lark),
+    """vLLM's ``structured_outputs``: one of ``json`` (a schema), ``regex``, ``choice``, ``grammar`` (Lark or GBNF),
     ``json_object``; ``disable_any_whitespace`` for JSON without free whitespace. Unknown keys are refused (vLLM's
     other backends' options would change the output)."""
 
