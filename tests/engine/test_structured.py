@@ -151,3 +151,14 @@ def test_not_served_with_speculative_decoding_or_without_a_tokenizer(model_dir, 
     dummy = Engine(EngineConfig(model=str(bare), load_format="dummy", max_model_len=64))
     with pytest.raises(ValueError, match="structured_outputs need the checkpoint's tokenizer"):
         dummy.add_request("x", SamplingParams(structured_outputs={"choice": ["a"]}))
+
+
+def test_a_grammar_compiles_once_and_each_request_gets_its_own_matcher(engine):
+    """A request's choices and a repeated schema share one compiled grammar; their matchers advance apart."""
+    grammars = engine._grammars_for(SamplingParams())
+    before = len(grammars._compiled)
+    spec = StructuredOutputs(regex="ab|ac")
+    a, b = grammars.matcher(spec), grammars.matcher(spec)
+    assert len(grammars._compiled) == before + 1
+    assert a.accept(ord("a")) and a.accept(ord("b")) and a.stopped and not b.stopped
+    assert b.accept(ord("a")) and b.accept(ord("c")) and b.stopped

@@ -18,6 +18,8 @@ backend; the bitmask layout (int32 words, bit ``t % 32`` of word ``t // 32`` set
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -152,6 +154,9 @@ class Matcher:
 class Grammars:
     """Compiles requests' constraints against one tokenizer (llguidance's tokenizer built once, about a second).
 
+    Attributes:
+        CACHED: compiled grammars kept for reuse (least recently used dropped first).
+
     Args:
         tokenizer: the checkpoint's fast Hugging Face tokenizer.
         vocab_size: the model's vocabulary size (its logits' width; may exceed the tokenizer's).
@@ -162,6 +167,8 @@ class Grammars:
         ImportError: llguidance is not installed (named with the package to install).
         ValueError: the tokenizer is not a fast one llguidance can read.
     """
+
+    CACHED = 64
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids) -> None:
         try:
@@ -177,9 +184,13 @@ class Grammars:
                              f" {err}") from None
         self.vocab_size = int(vocab_size)
         self.words = -(-self.vocab_size // 32)
+        self._compiled: OrderedDict[str, object] = OrderedDict()  # grammar text -> compiled LLMatcher, never advanced
+        self._lock = threading.Lock()
 
     def matcher(self, spec: StructuredOutputs) -> Matcher:
-        """A new matcher at the start of ``spec``'s constraint.
+        """A new matcher at the start of ``spec``'s constraint: a copy of the compiled one where the same grammar
+        was compiled lately (the ``CACHED`` most recent are kept; a request's ``n`` choices, or clients sending one
+        schema again and again, compile it once). Thread-safe.
 
         Raises:
             ValueError: the constraint does not compile (``structured_outputs.<kind>`` named, with llguidance's
@@ -187,10 +198,20 @@ class Grammars:
         """
         from llguidance import LLMatcher
 
-        m = LLMatcher(self._tokenizer, spec.grammar_text(), log_level=0)  # compiles; an error is kept, not raised
-        if m.is_error():
-            raise ValueError(f"structured_outputs.{spec.kind} does not compile: {_one_line(m.get_error())}")
-        return Matcher(m)
+        text = spec.grammar_text()
+        with self._lock:
+            compiled = self._compiled.get(text)
+            if compiled is not None:
+                self._compiled.move_to_end(text)
+        if compiled is None:
+            compiled = LLMatcher(self._tokenizer, text, log_level=0)  # compiles; an error is kept, not raised
+            if compiled.is_error():
+                raise ValueError(f"structured_outputs.{spec.kind} does not compile: {_one_line(compiled.get_error())}")
+            with self._lock:
+                self._compiled[text] = compiled
+                while len(self._compiled) > self.CACHED:
+                    self._compiled.popitem(last=False)
+        return Matcher(compiled.deep_copy())
 
     def bitmask(self, matchers: list[Matcher]) -> torch.Tensor:
         """``[len(matchers), W]`` int32 on the CPU: each matcher's allowed next tokens (``Matcher.fill``)."""

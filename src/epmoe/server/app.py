@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from epmoe.loads import LOADS_FORMAT
 from epmoe.server.errors import ApiError
 from epmoe.server.frontend import Frontend, Unavailable
-from epmoe.server.generate import build_job, collect, detokenize, stream, submit, tokenize
+from epmoe.server.generate import build_job, collect, compile_constraint, detokenize, stream, submit, tokenize
 from epmoe.server.metrics import CONTENT_TYPE
 from epmoe.server.protocol import (
     ChatCompletionRequest,
@@ -185,6 +185,7 @@ def build_app(ctx: AppContext) -> FastAPI:
         req = await read_body(request, schema)
         check_model(req.model)
         job = build_job(req, ctx.model_name, codec, ready_info(), ctx.sampling_defaults)
+        await compile_constraint(job, codec)
         updates = submit(frontend, job)
         if req.stream:
             pending = set(job.choice_ids())

@@ -76,6 +76,8 @@ class Job:
         prompt_only: ``echo`` with ``max_tokens`` 0: each choice is its prompt alone (its text and log-probabilities;
             no completion tokens counted), finished with ``length``.
         sent_prompt_logprobs: vLLM's ``prompt_logprobs`` as the request sent it (the response carries them).
+        constraint_field: the field the request's constraint came in (``response_format``, ``structured_outputs``,
+            ``guided_*``; every choice's ``SamplingParams.structured_outputs``), or ``None``.
     """
 
     kind: str
@@ -89,6 +91,7 @@ class Job:
     as_ids: bool = False
     prompt_only: bool = False
     sent_prompt_logprobs: int | None = None
+    constraint_field: str | None = None
 
     def choice_ids(self) -> list[str]:
         """The engine request id of each choice."""
@@ -133,8 +136,8 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
     Raises:
         ApiError: 400 naming the field: an empty prompt, token ids outside the vocabulary, a prompt as
             long as the context, ``max_tokens`` past the context, a bad sampling value, logit-bias keys that are not
-            token ids, a penalty, logit bias or constraint with speculative decoding, a constraint that does not
-            compile or that comes in more than one field.
+            token ids, a penalty, logit bias or constraint with speculative decoding, a constraint that comes in
+            more than one field (``compile_constraint`` compiles it).
     """
     if isinstance(req, ChatCompletionRequest):
         kind, where = "chat", "messages"
@@ -198,7 +201,7 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
     elif longest + max_tokens > info.max_model_len:
         raise ApiError(400, f"{sent} ({max_tokens}) plus the prompt's {longest} tokens is past the model's "
                             f"context of {info.max_model_len} tokens", sent)
-    constraint = _constraint(req, codec, info)
+    constraint_field, constraint = _constraint(req, info)
     params = [_sampling(req, max_tokens, j, bias, defaults, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                         structured_outputs=constraint)
               for _ in prompts for j in range(req.n)]
@@ -219,7 +222,7 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         echo = [p if isinstance(p, str) and codec.tokenizer is not None else codec.decode(ids, False)
                 for p, ids in zip(items, prompts)]
     return Job(kind, model, f"{prefix}-{uuid.uuid4().hex}", prompts, params, req.n, include_usage, echo,
-               req.return_tokens_as_token_ids, prompt_only, req.prompt_logprobs)
+               req.return_tokens_as_token_ids, prompt_only, req.prompt_logprobs, constraint_field)
 
 
 def _chat_text(messages: list[ChatMessage], codec: TextCodec) -> str:
@@ -299,13 +302,13 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
     return out
 
 
-def _constraint(req: SamplingFields, codec: TextCodec, info: EngineInfo) -> StructuredOutputs | None:
-    """The request's constraint on its output (``response_format``, ``structured_outputs`` or a ``guided_*`` field),
-    compiled once here so that one that does not compile is a 400 before anything is queued.
+def _constraint(req: SamplingFields, info: EngineInfo) -> tuple[str | None, StructuredOutputs | None]:
+    """The request's constraint on its output (``response_format``, ``structured_outputs`` or a ``guided_*`` field)
+    and the field it came in (``compile_constraint`` compiles it).
 
     Raises:
-        ApiError: 400 naming the field: more than one given, ``json_schema`` without its schema, a constraint that
-            does not compile, no tokenizer, speculative decoding.
+        ApiError: 400 naming the field: more than one given, ``json_schema`` without its schema, a bad value,
+            speculative decoding.
     """
     given = {}
     fmt = req.response_format
@@ -326,7 +329,7 @@ def _constraint(req: SamplingFields, codec: TextCodec, info: EngineInfo) -> Stru
         if getattr(req, name) is not None:
             given[name] = {kind: getattr(req, name)}
     if not given:
-        return None
+        return None, None
     if len(given) > 1:
         names = list(given)
         raise ApiError(400, f"{' and '.join(names)} both constrain the output: send one of them", names[1])
@@ -334,14 +337,35 @@ def _constraint(req: SamplingFields, codec: TextCodec, info: EngineInfo) -> Stru
     if info.speculative is not None:
         raise ApiError(400, f"{field} is not served with speculative decoding ({info.speculative})", field)
     try:
-        constraint = StructuredOutputs(**spec)
-        codec.constraints().matcher(constraint)
+        return field, StructuredOutputs(**spec)
     except ValueError as exc:
-        message = str(exc)
-        if field != "structured_outputs":  # the engine's message names its own field
-            message = message.replace("structured_outputs.", f"{field}: ", 1)
-        raise ApiError(400, message, field) from None
-    return constraint
+        raise _constraint_error(exc, field) from None
+
+
+def _constraint_error(exc: ValueError, field: str) -> ApiError:
+    """A 400 naming ``field`` for ``StructuredOutputs``' or the compiler's message (which names its own field)."""
+    message = str(exc)
+    if field != "structured_outputs":
+        message = message.replace("structured_outputs.", f"{field}: ", 1)
+    return ApiError(400, message, field)
+
+
+async def compile_constraint(job: Job, codec: TextCodec) -> None:
+    """Compile ``job``'s constraint (if it has one) in a worker thread before anything is queued, so that a large one
+    does not hold up the event loop (llguidance releases the GIL). Each process keeps its own compiled grammars
+    (``Grammars``): the engine's ranks compile a grammar once, when it first reaches them.
+
+    Raises:
+        ApiError: 400 naming the request's field: the constraint does not compile, or the checkpoint has no
+            tokenizer llguidance can read.
+    """
+    if job.constraint_field is None:
+        return
+    constraint = job.params[0].structured_outputs
+    try:
+        await asyncio.to_thread(lambda: codec.constraints().matcher(constraint))
+    except ValueError as exc:
+        raise _constraint_error(exc, job.constraint_field) from None
 
 
 def _sampling(req: SamplingFields, max_tokens: int, choice: int, logit_bias: dict[int, float],
