@@ -155,22 +155,28 @@ def test_graphs_survive_the_allocator_releasing_memory(tiny_checkpoints):
     assert engine.stats["graph_steps"] > steps
 
 
+def _graphs_then_eager(model_dir: str, params: list[SamplingParams]) -> list[list]:
+    """The first prompts' outputs in bfloat16 with graph-replayed decode, then with eager steps only."""
+    outs = []
+    for eager in (False, True):
+        engine = Engine(EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", expert_backend="triton",
+                                     max_num_seqs=8, cuda_graph_max_bs=8, cuda_graph_max_tokens=0,
+                                     piecewise_cuda_graph_max_tokens=0, enforce_eager=eager))
+        outs.append(engine.generate(PROMPTS[:len(params)], params))
+        assert (engine.stats["graph_steps"] > 0) != eager
+    return outs
+
+
 def test_logprobs_and_penalties_through_graphs_equal_the_eager_steps(tiny_checkpoints):
-    """Log-probabilities (copied to pinned host memory while the next step runs) and penalties (counting the
-    overlap schedule's pending token from the device buffer) through graph-replayed decode in bfloat16: the
-    eager steps' tokens and values (the CPU tests check both against transformers in float32)."""
+    """Log-probabilities (copied to pinned host memory while the next step runs) and penalties (their token counts
+    kept on the device, counted as each token is sampled) through graph-replayed decode in bfloat16: the eager
+    steps' tokens and values (the CPU tests check both against transformers in float32)."""
     d = str(tiny_checkpoints("qwen3-moe"))
     params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3),
               SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.4,
                              frequency_penalty=0.7, presence_penalty=0.3, logit_bias={7: 2.0}, logprobs=0),
               SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]
-    outs = []
-    for eager in (False, True):
-        engine = Engine(EngineConfig(model=d, device="cuda", dtype="bfloat16", expert_backend="triton",
-                                     max_num_seqs=8, cuda_graph_max_bs=8, cuda_graph_max_tokens=0,
-                                     piecewise_cuda_graph_max_tokens=0, enforce_eager=eager))
-        outs.append(engine.generate(PROMPTS[:3], params))
-        assert (engine.stats["graph_steps"] > 0) != eager
+    outs = _graphs_then_eager(d, params)
     for graph, eager in zip(*outs):
         assert graph.token_ids == eager.token_ids
         if eager.logprobs is None:
@@ -198,13 +204,7 @@ def test_structured_outputs_through_graphs_equal_the_eager_steps():
                                                                                "disable_any_whitespace": True}),
               SamplingParams(temperature=0.8, seed=2, max_tokens=24, structured_outputs={"regex": r"[a-f]{4}"}),
               SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
-    outs = []
-    for eager in (False, True):
-        engine = Engine(EngineConfig(model=d, device="cuda", dtype="bfloat16", expert_backend="triton",
-                                     max_num_seqs=8, cuda_graph_max_bs=8, cuda_graph_max_tokens=0,
-                                     piecewise_cuda_graph_max_tokens=0, enforce_eager=eager))
-        outs.append(engine.generate(PROMPTS[:3], params))
-        assert (engine.stats["graph_steps"] > 0) != eager
+    outs = _graphs_then_eager(d, params)
     assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
     obj, code, free = outs[0]
     assert 0 <= json.loads(obj.text)["id"] <= 999 and re.fullmatch(r"[a-f]{4}", code.text)
