@@ -36,7 +36,6 @@ CUDA-graph buckets, after which each request advances by the proposals that stan
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import numbers
 import os
@@ -567,16 +566,14 @@ class Engine:
 
     def _banned(self, seq: Sequence) -> tuple[int, ...] | None:
         """The tokens ``seq`` may not generate next: its EOS (unless ``ignore_eos``) and stop token ids while it has
-        fewer than ``min_tokens`` (vLLM's ``min_tokens``); ``None`` when none, or when its constraint allows no other
-        token (the ban yields, as when a constraint completes before ``min_tokens``)."""
+        fewer than ``min_tokens`` (vLLM's ``min_tokens``); ``None`` when none. ``_launch`` lifts the ban of a
+        constrained row whose constraint allows no other token (as when it completes before ``min_tokens``)."""
         p = seq.params
         if len(seq.output_token_ids) >= p.min_tokens:
             return None
         ids = tuple(t for t in p.stop_token_ids if 0 <= t < self.vocab_size)
         if not p.ignore_eos:
             ids += tuple(t for t in self.eos_ids if 0 <= t < self.vocab_size)
-        if ids and seq.matcher is not None and not allows_besides(self._grammars.bitmask([seq.matcher])[0], ids):
-            return None
         return ids or None
 
     def step(self, pending: bool = False) -> list[RequestOutput]:
@@ -663,38 +660,39 @@ class Engine:
     def _launch(self, plan: StepPlan, out: StepOutput) -> _Launch:
         """Sample the step's tokens on the device, keep them in the runner's token buffer and start their copy to
         the host; each sampling sequence grows by a placeholder (``PENDING_TOKEN``) until ``_resolve``."""
-        sampling = [c for c in plan.chunks if c.samples]
         # logits rows: one per decode, then each prefill chunk's prefill_logit_rows (its last samples)
         spans, row = [], 0
         for c, n in [(c, 1) for c in plan.decodes] + [(c, c.prefill_logit_rows) for c in plan.prefills]:
             spans.append((c, row, n))
             row += n
         logits = out.logits[:, : self.vocab_size]
-        if row != len(sampling):  # rows of prompts whose log-probabilities are asked for
+        if row != sum(c.samples for c, _, _ in spans):  # rows of prompts whose log-probabilities are asked for
             self._record_prompt_logprobs(logits, spans)
-            logits = logits.index_select(0, to_device([r + n - 1 for c, r, n in spans if c.samples], logits.device,
-                                                      torch.int64))
+        # the sampling rows, but those of a sequence finished since the plan (by a constrained row's read-back
+        # just before: ``step``)
+        sampling = [(c, r + n - 1) for c, r, n in spans if c.samples and not c.seq.finished]
+        if len(sampling) != row:
+            logits = logits.index_select(0, to_device([r for _, r in sampling], logits.device, torch.int64))
+        sampling = [c for c, _ in sampling]
         if not sampling:
             return _Launch([], None, None)
-        constrained = [i for i, c in enumerate(sampling) if c.seq.matcher is not None and not c.seq.finished]
+        banned = [self._banned(c.seq) for c in sampling]
+        constrained = [i for i, c in enumerate(sampling) if c.seq.matcher is not None]
         if constrained:  # before any other adjustment: the tokens the constraints allow (vLLM's order)
             mask = self._grammars.bitmask([sampling[i].seq.matcher for i in constrained])
             apply_token_bitmask(logits, constrained, mask)
-        penalized = [i for i, c in enumerate(sampling) if c.seq.params.penalized and not c.seq.finished]
+            for j, i in enumerate(constrained):  # min_tokens' bans yield where they would leave no allowed token
+                if banned[i] is not None and not allows_besides(mask[j], banned[i]):
+                    banned[i] = None
+        penalized = [i for i, c in enumerate(sampling) if c.seq.params.penalized]
         for i in penalized:
             seq = sampling[i].seq
             if seq.count_row is None:  # its first sample: every token it has is on the host
                 if self._token_counts is None:
                     self._token_counts = TokenCounts(self.vocab_size, logits.device)
                 seq.count_row = self._token_counts.open(seq.prompt_token_ids, seq.resolved_output)
-        params = [c.seq.params for c in sampling]
-        for i, c in enumerate(sampling):
-            if c.seq.finished and c.seq.params.penalized:  # finished by the read-back just before: token dropped
-                params[i] = dataclasses.replace(params[i], repetition_penalty=1.0, presence_penalty=0.0,
-                                                frequency_penalty=0.0)
-        toks = sample(logits, params, [c.seq.generator for c in sampling], self.generator,
-                      self._token_counts, [c.seq.count_row for c in sampling],
-                      [self._banned(c.seq) for c in sampling])
+        toks = sample(logits, [c.seq.params for c in sampling], [c.seq.generator for c in sampling], self.generator,
+                      self._token_counts, [c.seq.count_row for c in sampling], banned)
         if penalized:  # the penalties of the next steps count these tokens (still on the device)
             self._token_counts.count([sampling[i].seq.count_row for i in penalized],
                                      toks.index_select(0, to_device(penalized, toks.device, torch.int64)))
@@ -719,9 +717,6 @@ class Engine:
         rows = []
         for i, c in enumerate(sampling):
             seq = c.seq
-            if seq.finished:  # finished by the read-back just before (a constrained row): its token is dropped
-                rows.append((seq, -1))
-                continue
             seq.output_token_ids.append(PENDING_TOKEN)
             seq.num_pending += 1
             seq.device_row = i

@@ -241,11 +241,18 @@ def _one_line(message: str) -> str:
     return " ".join(message.split())
 
 
+def _allowed(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[N, vocab]`` bool from ``words [N, W]`` int32 (``Matcher.fill``'s layout): token ``t`` allowed where bit
+    ``t % 32`` of word ``t // 32`` is set."""
+    t = torch.arange(vocab, device=words.device)
+    return ((words[:, t // 32] >> (t % 32).to(torch.int32)) & 1).bool()
+
+
 def allows_besides(row: torch.Tensor, tokens) -> bool:
     """Whether the bitmask ``row`` (``[W]`` int32 on the CPU, ``Matcher.fill``'s layout) allows a token not in
     ``tokens`` (token ids in ``[0, 32 * W)``)."""
-    allowed = ((row.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()  # [32 * W], token order
-    allowed[list(tokens)] = 0
+    allowed = _allowed(row.unsqueeze(0), 32 * row.numel())[0]
+    allowed[list(tokens)] = False
     return bool(allowed.any())
 
 
@@ -260,10 +267,6 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], mask: torch.Tenso
     if not rows:
         return
     dev = logits.device
-    words = to_device(mask, dev)
-    v = logits.shape[1]
-    t = torch.arange(v, device=dev)
-    allowed = (words[:, t // 32] >> (t % 32).to(torch.int32)) & 1
+    allowed = _allowed(to_device(mask, dev), logits.shape[1])
     idx = to_device(rows, dev, torch.int64)
-    sub = logits.index_select(0, idx)
-    logits.index_copy_(0, idx, sub.masked_fill(allowed == 0, float("-inf")))
+    logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill(~allowed, float("-inf")))
