@@ -439,10 +439,10 @@ class Engine:
                              f"the KV pool holds {pool} tokens ({self.allocator.capacity} blocks of "
                              f"{self.config.block_size}): lower max_tokens or give the cache more blocks")
         so = params.structured_outputs
-        return ids, self._grammars_for(params).matcher(so) if so is not None else None
+        return ids, self._constraint_compiler().matcher(so) if so is not None else None
 
-    def _grammars_for(self, params: SamplingParams) -> Grammars:
-        """The engine's constraint compiler (built on first use) for ``params``'s structured outputs.
+    def _constraint_compiler(self) -> Grammars:
+        """The engine's compiler of structured outputs' constraints (built on first use).
 
         Raises:
             ValueError: speculative decoding (its verification does not constrain the proposals), no tokenizer.
@@ -451,8 +451,6 @@ class Engine:
             raise ValueError(f"structured_outputs are not served with speculative decoding (speculative_algorithm "
                              f"{self.config.speculative_algorithm!r}): its verification does not constrain the "
                              f"proposals")
-        if self.tokenizer is None:
-            raise ValueError("structured_outputs need the checkpoint's tokenizer, and this checkpoint has none")
         if self._grammars is None:
             self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
         return self._grammars

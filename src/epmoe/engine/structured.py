@@ -158,19 +158,21 @@ class Grammars:
         CACHED: compiled grammars kept for reuse (least recently used dropped first).
 
     Args:
-        tokenizer: the checkpoint's fast Hugging Face tokenizer.
+        tokenizer: the checkpoint's fast Hugging Face tokenizer (``None``: refused).
         vocab_size: the model's vocabulary size (its logits' width; may exceed the tokenizer's).
         eos_ids: the token ids that end a generation (allowed where the constraint may end); empty: the
             tokenizer's EOS.
 
     Raises:
         ImportError: llguidance is not installed (named with the package to install).
-        ValueError: the tokenizer is not a fast one llguidance can read.
+        ValueError: no tokenizer, or not a fast one llguidance can read.
     """
 
     CACHED = 64
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids) -> None:
+        if tokenizer is None:
+            raise ValueError("structured_outputs need the checkpoint's tokenizer, and this checkpoint has none")
         try:
             import llguidance.hf
         except ImportError as err:

@@ -73,8 +73,6 @@ class TextCodec:
         Raises:
             ValueError: the checkpoint has no tokenizer, or llguidance cannot read it.
         """
-        if self.tokenizer is None:
-            raise ValueError("structured_outputs need the checkpoint's tokenizer, and this checkpoint has none")
         if self._constraints is None:
             self._constraints = Grammars(self.tokenizer, self.vocab_size, ())
         return self._constraints
