@@ -92,8 +92,11 @@ def decode_floor(engine: Engine, wb: dict, bs: int, ctx: float, ceil: dict) -> d
             "floor_ms": max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["bf16_flop_per_s"]) * 1e3}
 
 
-def kernel_profile(engine: Engine, steps: int) -> list[dict]:
-    """CUDA kernels of ``steps`` engine steps, by total time (us per step), largest first."""
+def kernel_profile(engine: Engine, steps: int) -> tuple[list[dict], dict]:
+    """CUDA kernels of ``steps`` engine steps, by total time (us per step), largest first; and the timeline:
+    ``busy_us`` (union of the kernels' intervals per step), ``idle_us`` (the GPU idle between the first and last
+    kernel, per step) and ``idle_before`` (that idle by the kernel that waited for it, largest first)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -106,7 +109,21 @@ def kernel_profile(engine: Engine, steps: int) -> list[dict]:
         if dev_us > 0:
             rows.append({"kernel": ev.key[:90], "us_per_step": dev_us / steps, "calls_per_step": ev.count / steps})
     rows.sort(key=lambda r: -r["us_per_step"])
-    return rows
+    spans = sorted((ev.time_range.start, ev.time_range.end, ev.name[:60]) for ev in prof.events()
+                   if ev.device_type == DeviceType.CUDA and ev.time_range.end > ev.time_range.start)
+    busy = idle = 0.0
+    before: dict[str, float] = {}
+    end = spans[0][0] if spans else 0.0
+    for s, e, name in spans:
+        if s > end:
+            idle += s - end
+            before[name] = before.get(name, 0.0) + (s - end) / steps
+        busy += max(0.0, e - max(s, end))
+        end = max(end, e)
+    top = sorted(before.items(), key=lambda kv: -kv[1])[:12]
+    timeline = {"busy_us": busy / steps, "idle_us": idle / steps,
+                "idle_before": [{"kernel": k, "us_per_step": v} for k, v in top]}
+    return rows, timeline
 
 
 def host_profile(engine: Engine, steps: int) -> list[dict]:
@@ -143,11 +160,12 @@ def time_decode(engine: Engine, bs: int, steps: int, vocab: int, profile_steps: 
     torch.cuda.synchronize()
     ms = (time.perf_counter() - t0) * 1e3 / steps
     graph = engine.stats["graph_steps"] - before["graph_steps"]
-    kernels = kernel_profile(engine, profile_steps) if profile_steps else []
+    kernels, timeline = kernel_profile(engine, profile_steps) if profile_steps else ([], {})
     host = host_profile(engine, profile_steps) if profile_steps else []
     while engine.has_unfinished():
         engine.step()
-    return {"tpot_ms": ms, "graph_steps": graph, "ctx": PROMPT + 4 + steps / 2, "kernels": kernels, "host": host}
+    return {"tpot_ms": ms, "graph_steps": graph, "ctx": PROMPT + 4 + steps / 2, "kernels": kernels,
+            "timeline": timeline, "host": host}
 
 
 def time_ttft(engine: Engine, tokens: int, vocab: int) -> float:
@@ -271,6 +289,11 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
             print(f"    kernels: {sum(k['us_per_step'] for k in r['kernels']) / 1e3:.2f} ms per step on the GPU")
         for k in r["kernels"][:10]:
             print(f"    {k['us_per_step']:9.1f} us {k['calls_per_step']:6.1f}x  {k['kernel']}")
+        if r["timeline"]:
+            tl = r["timeline"]
+            print(f"    timeline: busy {tl['busy_us']:.1f} us, idle {tl['idle_us']:.1f} us per step; idle before:")
+            for k in tl["idle_before"][:8]:
+                print(f"    {k['us_per_step']:9.1f} us  {k['kernel']}")
         for h in r["host"][:8]:
             print(f"    host {h['ms_per_step']:7.3f} ms {h['calls']:6.1f}x  {h['function']}")
     time_ttft(engine, 256, spec.vocab_size)  # warm-up: first prefill-sized launches compile their kernels

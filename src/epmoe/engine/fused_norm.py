@@ -9,6 +9,9 @@ cast of the float32 product (gpt-oss), as the module it replaces does.
 ``FusedRMSNorm.add_forward`` also takes the residual add that precedes every norm of a pre-norm decoder
 (``engine.decoder``) into the same pass: ``h = r + x`` rounded to the rows' dtype, as the separate add would
 round it, is written out as the next residual and normalised (vLLM's ``fused_add_rms_norm``).
+
+On Hopper the kernel is a programmatic dependent launch (``experts.triton.pdl``): it reads its weight while the
+kernel before it finishes.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import functools
 
 import torch
 from torch import nn
+
+from epmoe.experts.triton.pdl import pdl_launch
 
 # transformers RMSNorm classes that multiply by the weight in float32 and cast afterwards
 _WEIGHT_THEN_CAST = frozenset({"GptOssRMSNorm"})
@@ -29,10 +34,15 @@ def _kernel():
 
     @triton.jit
     def rms_norm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, sum_ptr, stride_x, stride_o, stride_r, stride_s, n_cols, eps,
-                        BLOCK: tl.constexpr, WEIGHT_THEN_CAST: tl.constexpr, ADD: tl.constexpr):
+                        BLOCK: tl.constexpr, WEIGHT_THEN_CAST: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n_cols
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0)  # a weight: before the wait
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
         if ADD:  # h = r + x in the rows' dtype (the add it replaces rounds there), the next residual
             x = (x + tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32))
@@ -40,7 +50,6 @@ def _kernel():
             tl.store(sum_ptr + row * stride_s + cols, x, mask=ok)
             x = x.to(tl.float32)
         r = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
         y = x * r
         if WEIGHT_THEN_CAST:
             out = w.to(tl.float32) * y
@@ -106,11 +115,12 @@ class FusedRMSNorm(nn.Module):
         if rows.shape[0]:
             triton, kernel = _kernel()
             add = residual is not None
+            pdl = pdl_launch(rows)
             kernel[(rows.shape[0],)](rows, self.weight, out, res if add else rows, summed if add else out,
                                      rows.stride(0), out.stride(0), res.stride(0) if add else 0,
                                      summed.stride(0) if add else 0, d, self.eps,
                                      BLOCK=triton.next_power_of_2(d), WEIGHT_THEN_CAST=self.weight_then_cast,
-                                     ADD=add, num_warps=4 if d <= 4096 else 8)
+                                     ADD=add, PDL=pdl, num_warps=4 if d <= 4096 else 8, launch_pdl=pdl)
         return out.reshape(x.shape), summed.reshape(x.shape) if summed is not None else None
 
 

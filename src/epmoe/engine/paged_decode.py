@@ -36,7 +36,8 @@ Two implementations with the same semantics:
 Grids and the number of splits depend on shapes only (``B``, ``Hkv``, ``MB * BS``, the window and chunk
 sizes, the SM count), never on device values: no host synchronisation, CUDA-graph safe. With ``out``
 given nothing is allocated, so split-K then needs a ``workspace`` (``paged_decode_workspace``); without
-one the single-pass kernel runs.
+one the single-pass kernel runs. On Hopper both kernels are programmatic dependent launches
+(``experts.triton.pdl``): each is placed while the kernel before it finishes and waits for it before reading.
 
 Triton is imported on first use of the Triton path (``_triton_kernels``), so this module imports on
 machines without Triton and serves CPU tensors there.
@@ -49,6 +50,8 @@ import math
 import numbers
 
 import torch
+
+from epmoe.experts.triton.pdl import pdl_launch
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
@@ -221,8 +224,11 @@ def _triton_kernels():
         stride_btb, stride_ob, stride_oh, qk_scale, window, chunk,
         G: tl.constexpr, G_PAD: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        HAS_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr,
+        HAS_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # the cache and the queries come from the kernel before: wait at once
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -296,8 +302,11 @@ def _triton_kernels():
     @triton.jit
     def _paged_decode_reduce_kernel(
         ws_ptr, ctx_ptr, sink_ptr, out_ptr, B, H, DV, ml_off, stride_ob, stride_oh,
-        DV_PAD: tl.constexpr, SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
+        DV_PAD: tl.constexpr, SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         b = tl.program_id(0)
         h = tl.program_id(1)
         offs_s = tl.arange(0, SPLITS)
@@ -472,6 +481,7 @@ def paged_decode_triton(
     sink_arg = sinks if sinks is not None else context_lens
     ws_arg = workspace if splits > 1 else out
     ml_off = b * h * splits * dv
+    pdl = pdl_launch(q)
     kernel[(b, hkv, splits)](
         q, k_cache, v_cache, block_tables, context_lens, sink_arg, out, ws_arg,
         b, h, dk, dv, ml_off, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -480,7 +490,7 @@ def paged_decode_triton(
         G=g, G_PAD=max(_MIN_ROWS, _next_pow2(g)), DK_PAD=dk_pad, DV_PAD=dv_pad, BLOCK_SIZE=bs,
         BLOCK_N=_block_n(dk, dv, q.dtype), SPLITS=splits, HAS_WINDOW=sliding_window is not None,
         HAS_CHUNK=chunk_size is not None, HAS_SINKS=sinks is not None, IEEE=q.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        PDL=pdl, num_warps=4, num_stages=2, launch_pdl=pdl,
     )
     if splits > 1:
         paged_decode_merge_splits(workspace, context_lens, out, splits, sinks)
@@ -505,10 +515,11 @@ def paged_decode_merge_splits(workspace: torch.Tensor, context_lens: torch.Tenso
     """
     _, _, reduce_kernel = _triton_kernels()
     b, h, dv = out.shape
+    pdl = pdl_launch(out)
     reduce_kernel[(b, h)](
         workspace, context_lens, sinks if sinks is not None else context_lens, out, b, h, dv, b * h * splits * dv,
         out.stride(0), out.stride(1), DV_PAD=max(_MIN_ROWS, _next_pow2(dv)), SPLITS=splits,
-        HAS_SINKS=sinks is not None, num_warps=4,
+        HAS_SINKS=sinks is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
     return out
 

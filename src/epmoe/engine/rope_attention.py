@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from epmoe.engine.attention import AttnBatch, attend, engine_batch
+from epmoe.experts.triton.pdl import pdl_launch
 
 # model types whose attention is q/k/v projections, optional per-head RMSNorm, rotate-by-halves rotary,
 # attention (causal, sliding window, sinks) and o_proj. Value: (the cosine is given for half the rotated dims,
@@ -52,7 +53,10 @@ def _kernel():
     def rope_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr, slot_ptr,
                         stride_t, stride_c, stride_qt, eps,
                         H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                        PASS: tl.constexpr, PASS_PAD: tl.constexpr, NORM: tl.constexpr):
+                        PASS: tl.constexpr, PASS_PAD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # nothing it reads is constant but the norm weights: wait at once
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         t = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         is_q = head < H
@@ -185,11 +189,12 @@ def rope_qkv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num
         triton, kernel = _kernel()
         norm = q_norm is not None
         rest = d - 2 * half
+        pdl = pdl_launch(qkv)
         kernel[(t, num_heads + num_kv_heads)](
             qkv, cos, sin, q_norm if norm else qkv, k_norm if norm else qkv, q, k_cache, v_cache, slot_mapping,
             qkv.stride(0), cos.stride(0), q.stride(0), float(eps),
             H=num_heads, HKV=num_kv_heads, D=d, HALF=half, PASS=rest, PASS_PAD=max(1, triton.next_power_of_2(rest)),
-            NORM=norm, num_warps=1,
+            NORM=norm, PDL=pdl, num_warps=1, launch_pdl=pdl,
         )
     return q
 

@@ -26,7 +26,8 @@ the logits in the same launch: several programs per token each compute a few of 
 accumulation, rounded to the logits' dtype as ``F.linear`` returns them) into a scratch row, then take a ticket
 from the token's arrival counter (the threadfence reduction: a barrier, then an acquire-release atomic); the
 program that arrives last routes the token as above and sets the counter back to 0 for the next launch, so the
-launch needs no memset and replays in a CUDA graph.
+launch needs no memset and replays in a CUDA graph. On Hopper that launch is a programmatic dependent one
+(``experts.triton.pdl``): its programs request their gate rows while the kernel before it (the norm) finishes.
 
 Top-k is ``K`` rounds of ``argmax`` and masking, so experts come out by descending choice (ties go to the
 lower expert id). The weights equal the PyTorch path's up to float32 summation order.
@@ -38,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from epmoe.experts.triton.pdl import pdl_launch
 from epmoe.loads import LoadRecord
 from epmoe.routing.count_triton import add_slot_counts
 
@@ -158,18 +160,24 @@ def _gate_router_kernel(x_ptr, gw_ptr, gb_ptr, scratch_ptr, arrive_ptr,
                         HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, GP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                         TOP2_SUM: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr, ROUND: tl.constexpr,
                         SCALE: tl.constexpr, TABLE: tl.constexpr, RECORD: tl.constexpr, HAS_MASK: tl.constexpr,
-                 MASK_SLOTS: tl.constexpr):
+                        MASK_SLOTS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     n_ok = n < E
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    d = tl.arange(0, BLOCK_D)
+    w_rows = gw_ptr + n.to(tl.int64)[:, None] * stride_gw
+    wv = tl.load(w_rows + d[None, :], mask=n_ok[:, None] & (d < D)[None, :], other=0.0)  # a weight: before the wait
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         d_ok = d < D
         xv = tl.load(x_ptr + t * stride_x + d, mask=d_ok, other=0.0).to(tl.float32)
-        wv = tl.load(gw_ptr + n.to(tl.int64)[:, None] * stride_gw + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
-                     other=0.0).to(tl.float32)
-        acc += wv * xv[None, :]
+        acc += wv.to(tl.float32) * xv[None, :]
+        wv = tl.load(w_rows + BLOCK_D + d[None, :], mask=n_ok[:, None] & (d + BLOCK_D < D)[None, :], other=0.0)
     lg = tl.sum(acc, 1)
     if GATE_BIAS:
         lg += tl.load(gb_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
@@ -291,11 +299,13 @@ def route_gate_triton(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: tor
     block_d = min(triton.next_power_of_2(d), max(128, _GATE_TILE // rows))
     tiles = triton.cdiv(e, rows)
     scratch = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    pdl = pdl_launch(x)
     _gate_router_kernel[(t, tiles)](
         x_ptr=x, gw_ptr=gate_weight, gb_ptr=gate_bias if gate_bias is not None else gate_weight,
         scratch_ptr=scratch, arrive_ptr=arrivals, D=d, stride_x=x.stride(0), stride_gw=gate_weight.stride(0),
         ROWS=rows, BLOCK_D=block_d, TILES=tiles, GATE_BIAS=gate_bias is not None,
-        ROUND_LOGITS=logit_dtype != torch.float32, **args, num_warps=_gate_warps(t, fp32_logits),
+        ROUND_LOGITS=logit_dtype != torch.float32, **args, PDL=pdl, num_warps=_gate_warps(t, fp32_logits),
+        launch_pdl=pdl,
     )
     return out
 

@@ -32,7 +32,9 @@ pair; Triton software-pipelines only loads that feed ``tl.dot``).
 On Hopper the down kernel is a programmatic dependent launch (``DecodeConfig.pdl``): step 1 allows it at
 its start, so its programs are placed while step 1's last programs run, request their first ``w2`` tile
 (the slots and weights were complete before step 1 began) and only then wait (``griddepcontrol.wait``)
-for step 1's ``h``; this hides the launch gap between the two.
+for step 1's ``h``; this hides the launch gap between the two. The down launch lets the next kernel (the next
+layer's norm, itself a dependent launch) be placed at its start. The decode kernels read weights with the
+evict-first policy (each is read once a step).
 
 No host synchronisation and static grids: CUDA-graph safe. Block FP8 weights are read as
 float8_e4m3fn (half the bytes) and widened in registers; the 128x128 block scale is folded into the
@@ -189,8 +191,8 @@ def _gate_up_pair(
     for k0 in range(0, D, BLOCK_K):
         k_ok = offs_k < D - k0
         nxt = n_ok[:, None] & (offs_k < D - k0 - BLOCK_K)[None, :]
-        wg_next = tl.load(wg_ptrs + BLOCK_K, mask=nxt, other=0.0)
-        wu_next = tl.load(wu_ptrs + BLOCK_K, mask=nxt, other=0.0)
+        wg_next = tl.load(wg_ptrs + BLOCK_K, mask=nxt, other=0.0, eviction_policy="evict_first")
+        wu_next = tl.load(wu_ptrs + BLOCK_K, mask=nxt, other=0.0, eviction_policy="evict_first")
         xk = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
         if FP8:
             s_row = ws_ptr + slot * stride_se + (k0 + offs_k) // 128
@@ -207,8 +209,10 @@ def _gate_up_pair(
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K
     if PREFETCH:
-        wg = tl.load(w_ptr + next_slot * stride_we + rows, mask=first & more, other=0.0)
-        wu = tl.load(w_ptr + next_slot * stride_we + F * stride_wn + rows, mask=first & more, other=0.0)
+        wg = tl.load(w_ptr + next_slot * stride_we + rows, mask=first & more, other=0.0,
+                     eviction_policy="evict_first")
+        wu = tl.load(w_ptr + next_slot * stride_we + F * stride_wn + rows, mask=first & more, other=0.0,
+                     eviction_policy="evict_first")
     tw = tl.load(tw_ptr + pair)
     if WEIGHT_ON_INPUT:
         g *= tw
@@ -249,8 +253,10 @@ def _decode_gate_up_kernel(
         if (slot < 0) | (slot >= num_slots):
             return
         slot = slot.to(tl.int64)
-        wg = tl.load(w_ptr + slot * stride_we + rows, mask=first, other=0.0)
-        wu = tl.load(w_ptr + slot * stride_we + F * stride_wn + rows, mask=first, other=0.0)
+        wg = tl.load(w_ptr + slot * stride_we + rows, mask=first, other=0.0,
+                     eviction_policy="evict_first")
+        wu = tl.load(w_ptr + slot * stride_we + F * stride_wn + rows, mask=first, other=0.0,
+                     eviction_policy="evict_first")
         _gate_up_pair(x_ptr, tw_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, group, slot, wg, wu, slot, False, pid_n, top_k,
                       D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha, rows, offs_n,
                       n_ok, offs_k, first, BLOCK_N, BLOCK_K, ACT, FP8, HAS_BIAS, WEIGHT_ON_INPUT, False)
@@ -259,8 +265,10 @@ def _decode_gate_up_kernel(
         # pair's epilogue
         idx, sl, live, rank, n_live = live_pairs(slots_ptr, num_pairs, num_slots, N_PAD)
         pair, slot = live_pair(idx, sl, live, rank, group)
-        wg = tl.load(w_ptr + slot * stride_we + rows, mask=first & (group < n_live), other=0.0)
-        wu = tl.load(w_ptr + slot * stride_we + F * stride_wn + rows, mask=first & (group < n_live), other=0.0)
+        wg = tl.load(w_ptr + slot * stride_we + rows, mask=first & (group < n_live), other=0.0,
+                     eviction_policy="evict_first")
+        wu = tl.load(w_ptr + slot * stride_we + F * stride_wn + rows, mask=first & (group < n_live), other=0.0,
+                     eviction_policy="evict_first")
         for i in range(group, n_live, GROUPS):
             next_pair, next_slot = live_pair(idx, sl, live, rank, i + GROUPS)
             wg, wu = _gate_up_pair(x_ptr, tw_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, pair, slot, wg, wu, next_slot,
@@ -285,7 +293,8 @@ def _down_pair(
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, F, BLOCK_K):
         k_ok = offs_k < F - k0
-        w_next = tl.load(w_ptrs + BLOCK_K, mask=n_ok[:, None] & (offs_k < F - k0 - BLOCK_K)[None, :], other=0.0)
+        w_next = tl.load(w_ptrs + BLOCK_K, mask=n_ok[:, None] & (offs_k < F - k0 - BLOCK_K)[None, :], other=0.0,
+                         eviction_policy="evict_first")
         hk = tl.load(h_ptrs, mask=k_ok, other=0.0)
         if FP8:
             sc = tl.load(ws_ptr + slot * stride_se + (pid_n * BLOCK_N // 128) * stride_sn + (k0 + offs_k) // 128,
@@ -314,6 +323,8 @@ def _decode_down_kernel(
     ONE_PAIR: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    if PDL:  # the next layer's norm may be placed while this launch runs (it waits for it)
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     group = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -326,7 +337,7 @@ def _decode_down_kernel(
         slot = tl.load(slots_ptr + group)
         live = (slot >= 0) & (slot < num_slots)
         slot = tl.where(live, slot, 0).to(tl.int64)
-        w = tl.load(w_ptr + slot * stride_we + rows, mask=first & live, other=0.0)
+        w = tl.load(w_ptr + slot * stride_we + rows, mask=first & live, other=0.0, eviction_policy="evict_first")
         if PDL:
             tl.extra.cuda.gdc_wait()
         if live:
@@ -336,7 +347,8 @@ def _decode_down_kernel(
     else:
         idx, sl, live, rank, n_live = live_pairs(slots_ptr, num_pairs, num_slots, N_PAD)
         pair, slot = live_pair(idx, sl, live, rank, group)
-        w = tl.load(w_ptr + slot * stride_we + rows, mask=first & (group < n_live), other=0.0)
+        w = tl.load(w_ptr + slot * stride_we + rows, mask=first & (group < n_live), other=0.0,
+                    eviction_policy="evict_first")
         if PDL:
             tl.extra.cuda.gdc_wait()
         for i in range(group, n_live, GROUPS):
@@ -419,7 +431,6 @@ def decode_experts(
         t, k, n, s, d, f, w2.stride(0), w2.stride(1), *ops.strides2, out.stride(0),
         BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, K_PAD=triton.next_power_of_2(k), N_PAD=n_pad,
         GROUPS=grid2[1], ONE_PAIR=grid2[1] == n, FP8=fp8, HAS_BIAS=weights.b2 is not None,
-        WEIGHT_ON_INPUT=weight_on_input, PDL=cfg.pdl, num_warps=cfg.num_warps,
-        launch_pdl=cfg.pdl,
+        WEIGHT_ON_INPUT=weight_on_input, PDL=cfg.pdl, num_warps=cfg.num_warps, launch_pdl=cfg.pdl,
     )
     return out
