@@ -39,6 +39,7 @@ from __future__ import annotations
 import itertools
 import numbers
 import os
+import threading
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -69,7 +70,7 @@ from epmoe.engine.sampling import (
 )
 from epmoe.engine.scheduler import Scheduler, StepPlan
 from epmoe.engine.speculative import Proposal, SpecStats, verify, verify_greedy
-from epmoe.engine.structured import Grammars, Matcher, allows_besides, apply_token_bitmask
+from epmoe.engine.structured import Grammars, Matcher, StructuredOutputs, allows_besides, apply_token_bitmask
 from epmoe.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
 from epmoe.engine.transfer import to_device
 from epmoe.layer import MoELayerOptions, check_tp_sizes
@@ -210,6 +211,7 @@ class Engine:
         self.spec_stats = SpecStats()
         self.proposer = None
         self._grammars: Grammars | None = None  # structured outputs' compiler, built on the first such request
+        self._grammars_lock = threading.Lock()
         self._token_counts: TokenCounts | None = None  # the penalized requests' tokens, made on the first one
         if config.speculative_algorithm is not None:
             say(f"loading the {config.speculative_algorithm} proposer")
@@ -441,6 +443,23 @@ class Engine:
         so = params.structured_outputs
         return ids, self._constraint_compiler().matcher(so) if so is not None else None
 
+    def constraint_ready(self, spec: StructuredOutputs) -> bool:
+        """Whether ``add_request`` with ``spec`` would find its grammar compiled (and so not compile it in the
+        caller's thread)."""
+        return self._grammars is not None and self._grammars.is_compiled(spec)
+
+    def compile_constraint(self, spec: StructuredOutputs) -> None:
+        """Compile ``spec``'s grammar into the engine's cache of compiled grammars, so that an ``add_request`` with it
+        soon after copies it instead of compiling. Safe to run in another thread than the one that steps (the
+        server's ranks do, so that a large grammar does not hold up every running request's steps; llguidance
+        compiles without the interpreter lock).
+
+        Raises:
+            ValueError: as ``add_request`` for this constraint (it does not compile; speculative decoding; no
+                tokenizer).
+        """
+        self._constraint_compiler().matcher(spec)
+
     def _constraint_compiler(self) -> Grammars:
         """The engine's compiler of structured outputs' constraints (built on first use).
 
@@ -451,8 +470,9 @@ class Engine:
             raise ValueError(f"structured_outputs are not served with speculative decoding (speculative_algorithm "
                              f"{self.config.speculative_algorithm!r}): its verification does not constrain the "
                              f"proposals")
-        if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+        with self._grammars_lock:  # compile_constraint may build it in a worker thread
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
         return self._grammars
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -215,6 +215,12 @@ class Grammars:
                     self._compiled.popitem(last=False)
         return Matcher(compiled.deep_copy())
 
+    def is_compiled(self, spec: StructuredOutputs) -> bool:
+        """Whether ``matcher(spec)`` would copy a compiled grammar (no compile). Thread-safe."""
+        text = spec.grammar_text()
+        with self._lock:
+            return text in self._compiled
+
     def bitmask(self, matchers: list[Matcher]) -> torch.Tensor:
         """``[len(matchers), W]`` int32 on the CPU: each matcher's allowed next tokens (``Matcher.fill``)."""
         mask = torch.empty(len(matchers), self.words, dtype=torch.int32)

@@ -7,10 +7,16 @@ together: the engine's first collective of a step agrees on the batch), runs the
 gathers every rank's ``RankReply`` (its ``StepUpdate`` per request, its queue and KV state, the
 command's result). The control traffic runs on its own gloo group, so it works the same when the
 engine's group is NCCL.
+
+A request with structured outputs whose grammar the rank's engine has not compiled yet waits in a worker thread
+(``Engine.compile_constraint``) instead of compiling in the step loop, which would hold up every running request's
+steps for as long (a large JSON schema takes a second or more; vLLM compiles its grammars asynchronously too); it
+joins the engine at the first round after its grammar is ready. It counts as waiting meanwhile; an abort drops it.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -109,7 +115,8 @@ class RankReply:
     Attributes:
         rank: EP rank.
         updates: per request that got a token, finished or was refused.
-        running, waiting: sequences scheduled / queued on this rank.
+        running, waiting: sequences scheduled / queued on this rank (waiting: with the requests whose grammar
+            compiles).
         kv_free, kv_capacity: KV blocks free now / usable in all.
         preemptions: preemptions so far.
         steps: engine steps so far.
@@ -152,6 +159,8 @@ class RankStepper:
         self.group = control_group
         self.rank = engine.comm.rank
         self.size = engine.comm.size
+        self._compiler: ThreadPoolExecutor | None = None  # compiles new grammars off the step loop (made on first use)
+        self._compiling: dict[str, tuple[NewRequest, Future]] = {}  # by request id, in arrival order
 
     def lead(self, control: Control) -> list[RankReply]:
         """Rank 0: run one round; returns every rank's reply in rank order."""
@@ -177,17 +186,34 @@ class RankStepper:
 
     def _apply(self, control: Control) -> RankReply:
         engine = self.engine
-        updates = []
+        updates: list[StepUpdate] = []
         for rank, req in control.add:
             if rank != self.rank:
                 continue
-            try:
-                engine.add_request(req.prompt_ids, req.params, req.request_id)
-            except (ValueError, TypeError) as exc:
-                updates.append(StepUpdate(req.request_id, [], True, None, error=str(exc)))
+            spec = req.params.structured_outputs
+            if spec is not None and not engine.constraint_ready(spec):
+                if self._compiler is None:
+                    self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epmoe-grammars")
+                self._compiling[req.request_id] = (req, self._compiler.submit(engine.compile_constraint, spec))
+            else:
+                self._add(req, updates)
         for rank, rid in control.abort:
-            if rank == self.rank:
+            if rank != self.rank:
+                continue
+            if self._compiling.pop(rid, None) is not None:  # its compile finishes unused (the grammar stays cached)
+                updates.append(StepUpdate(rid, [], True, "abort"))
+            else:
                 engine.abort(rid)
+        for rid, (req, compiled) in list(self._compiling.items()):
+            if compiled.done():
+                del self._compiling[rid]
+                err = compiled.exception()
+                if err is None:
+                    self._add(req, updates)
+                else:
+                    updates.append(StepUpdate(rid, [], True, None, error=str(err)))
+        if control.stop and self._compiler is not None:
+            self._compiler.shutdown(wait=False, cancel_futures=True)
         step_tokens = None
         if control.step:
             updates += [StepUpdate.of(out) for out in engine.step()]
@@ -198,13 +224,21 @@ class RankStepper:
         elif control.command == REBALANCE_COMMAND:
             result = self.rebalance(control.command_arg)
         sched = engine.scheduler
-        return RankReply(self.rank, updates, len(sched.running), len(sched.waiting), engine.allocator.num_free,
-                         engine.allocator.capacity, engine.stats["preemptions"], engine.num_steps,
+        return RankReply(self.rank, updates, len(sched.running), len(sched.waiting) + len(self._compiling),
+                         engine.allocator.num_free, engine.allocator.capacity, engine.stats["preemptions"],
+                         engine.num_steps,
                          dict(engine.comm.stats.calls), result,
                          (engine.spec_stats.verify_steps, engine.spec_stats.draft_tokens,
                           engine.spec_stats.accepted_tokens),
                          tuple(engine.stats[f"{kind}_steps"] for kind in STEP_KINDS), step_tokens,
                          (sched.prefix_queries, sched.prefix_hits))
+
+    def _add(self, req: NewRequest, updates: list[StepUpdate]) -> None:
+        """Queue ``req`` in the engine; a refusal becomes its final update (the error named)."""
+        try:
+            self.engine.add_request(req.prompt_ids, req.params, req.request_id)
+        except (ValueError, TypeError) as exc:
+            updates.append(StepUpdate(req.request_id, [], True, None, error=str(exc)))
 
     def rebalance(self, max_moves: int | None) -> dict:
         """One live rebalance of every rank (``Engine.rebalance_now``), as the HTTP answer.
