@@ -48,9 +48,9 @@ def test_run_with_placement_file_and_idle_rank(kimi, tmp_path):
     out = tmp_path / "r.json"
     # 2 prompts over 4 ranks: ranks 2 and 3 have nothing to do and join with empty batches
     code = main(["run", "--model", str(kimi), "--ep", "4", "--placement", str(placement), "--max-new-tokens", "3",
-                 "--prompt", "one", "--prompt", "two", "--json", str(out)])
+                 "--no-enable-prefix-caching", "--prompt", "one", "--prompt", "two", "--json", str(out)])
     report = json.loads(out.read_text())
-    assert code == 0 and report["matches_reference"] is True
+    assert code == 0 and report["matches_reference"] is True and report["prefix_cache"] is None
     idle = [r for r in report["ranks"] if not r["prompts"]]
     assert len(idle) == 2 and all(r["step_kinds"]["idle_steps"] == r["steps"] > 0 for r in idle)
     assert all(r["step_kinds"]["eager_steps"] == 0 for r in idle)
@@ -203,6 +203,8 @@ def test_run_prefix_caching_on_two_ranks(kimi, tmp_path):
     report = json.loads(out.read_text())
     assert code == 0 and report["matches_reference"] is True
     assert [r["step_kinds"]["prefix_cache_hits"] for r in report["ranks"]] == [16, 16]  # 4 blocks of 4, once each
+    queried = sum(r["step_kinds"]["prefix_cache_queries"] for r in report["ranks"])
+    assert report["prefix_cache"] == {"queried_tokens": queried, "hit_tokens": 32} and queried >= 32
 
 
 def test_run_seeded_sampling_repeats(kimi, tmp_path, capsys):

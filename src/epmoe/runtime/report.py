@@ -117,10 +117,9 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     summary.add_row("expert backend", report.expert_backend)
     summary.add_row("CUDA graphs / overlap schedule / preemptions",
                     f"{'on' if report.graphs else 'off'} / {'on' if report.overlap else 'off'} / {preempted}")
-    if kv.get("prefix_caching"):
-        hits, queries = (sum(r.step_kinds.get(f"prefix_cache_{k}", 0) for r in report.ranks)
-                         for k in ("hits", "queries"))
-        summary.add_row("prefix cache (tokens found / asked for)", f"{hits} / {queries}")
+    if report.prefix_cache is not None:
+        summary.add_row("prefix cache (tokens found / asked for)",
+                        f"{report.prefix_cache['hit_tokens']} / {report.prefix_cache['queried_tokens']}")
     summary.add_row("balancedness (mean/max routed tokens per rank)", f"{report.balancedness:.3f}")
     events = report.ranks[0].rebalances
     if events:

@@ -311,6 +311,8 @@ class RunReport:
         dtype: the compute dtype of the run (and of the reference).
         expert_backend: what computed the routed experts (``experts.describe_expert_backend``): the backend's
             name, or for ``triton`` on the CPU that the reference ran.
+        prefix_cache: with prefix caching on, prompt tokens looked up in the cache and found there, summed over
+            the ranks: ``{"queried_tokens", "hit_tokens"}``; ``None`` with it off.
     """
 
     model: str
@@ -333,6 +335,7 @@ class RunReport:
     speculative: dict | None = None
     dtype: str = "float32"
     expert_backend: str = "reference"
+    prefix_cache: dict | None = None
 
     def to_json(self) -> dict:
         """A JSON-ready dict."""
@@ -590,6 +593,9 @@ def run_job(cfg: RunConfig) -> RunReport:
         graphs=any(r.step_kinds.get("graph_steps", 0) + r.step_kinds.get("piecewise_steps", 0) for r in ranks),
         overlap=not cfg.disable_overlap_schedule and cfg.speculative_algorithm is None,
     )
+    if ranks[0].kv.get("prefix_caching"):
+        report.prefix_cache = {"queried_tokens": sum(r.step_kinds.get("prefix_cache_queries", 0) for r in ranks),
+                               "hit_tokens": sum(r.step_kinds.get("prefix_cache_hits", 0) for r in ranks)}
     if cfg.speculative_algorithm is not None:
         from epmoe.engine.speculative import SpecStats
 
