@@ -154,6 +154,9 @@ DECODE_SWEEP = [
     DecodeConfig(4, 512, 16, 256, 4, True, 768), DecodeConfig(4, 512, 16, 256, 4, True, 1536),
     DecodeConfig(4, 512, 16, 256, 4, True, 4096), DecodeConfig(8, 512, 16, 256, 4, True, 1024),
     DecodeConfig(4, 1024, 16, 512, 4, True, 1024), DecodeConfig(4, 512, 16, 256, 8, True, 1024),
+    # a down program's whole w2 slice as its first tile (block_k2 >= F), requested before its wait for gate/up
+    DecodeConfig(8, 256, 8, 1024, 4, True), DecodeConfig(8, 256, 16, 1024, 8, True),
+    DecodeConfig(4, 512, 8, 2048, 8, True),
 ]
 
 
