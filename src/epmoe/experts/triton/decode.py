@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from epmoe.experts.fp8 import FP8_BLOCK, BlockFP8ExpertWeights, kernel_operands
+from epmoe.experts.triton.pdl import pdl_launch
 from epmoe.experts.weights import Activation, ExpertWeights
 
 DECODE_MAX_PAIRS = 16
@@ -72,7 +73,8 @@ class DecodeConfig:
         num_warps: warps per program.
         pdl: launch the down kernel as a programmatic dependent launch (Hopper): its programs start
             while the gate/up launch's last programs run, read their first ``w2`` tile, and wait
-            (``griddepcontrol.wait``) only before reading ``h``.
+            (``griddepcontrol.wait``) only before reading ``h``. Taken only where ``pdl.pdl_launch`` allows it
+            (compute capability 9.0 or later, ``EPMOE_PDL`` not 0).
         max_programs: programs per launch, at most (and at least one pair group): the live pairs are
             shared among ``max_programs // column tiles`` pair groups per column tile (see the module
             docstring), so a layer whose pairs are mostly on other ranks does not launch idle programs.
@@ -418,19 +420,20 @@ def decode_experts(
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     ops = kernel_operands(weights, topk_weights)
     limit = activation.swiglu_limit if activation.swiglu_limit is not None else 0.0
+    pdl = cfg.pdl and pdl_launch(x)  # griddepcontrol needs compute capability 9.0
     _decode_gate_up_kernel[grid1](
         x, topk_slots, topk_weights, w13, ops.s13, ops.b13, h, count,
         n, s, k, grid2[0], d, f, x.stride(0), w13.stride(0), w13.stride(1), *ops.strides13,
         float(limit), float(activation.swiglu_alpha),
         BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, N_PAD=n_pad, GROUPS=grid1[1], ONE_PAIR=grid1[1] == n,
         ACT=act_code, FP8=fp8, HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input,
-        ZERO_BLOCK=_ZERO_BLOCK, PDL=cfg.pdl, num_warps=cfg.num_warps,
+        ZERO_BLOCK=_ZERO_BLOCK, PDL=pdl, num_warps=cfg.num_warps,
     )
     _decode_down_kernel[grid2](
         h, topk_slots, topk_weights, w2, ops.s2, ops.b2, y, count, out,
         t, k, n, s, d, f, w2.stride(0), w2.stride(1), *ops.strides2, out.stride(0),
         BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, K_PAD=triton.next_power_of_2(k), N_PAD=n_pad,
         GROUPS=grid2[1], ONE_PAIR=grid2[1] == n, FP8=fp8, HAS_BIAS=weights.b2 is not None,
-        WEIGHT_ON_INPUT=weight_on_input, PDL=cfg.pdl, num_warps=cfg.num_warps, launch_pdl=cfg.pdl,
+        WEIGHT_ON_INPUT=weight_on_input, PDL=pdl, num_warps=cfg.num_warps, launch_pdl=pdl,
     )
     return out

@@ -88,6 +88,7 @@ from epmoe.experts.triton.decode import (
     zero_arrival_counters,
 )
 from epmoe.experts.triton.grouped import TileConfig, act_code, default_int4_config, grouped_experts, triton_experts
+from epmoe.experts.triton.pdl import pdl_launch
 from epmoe.experts.triton.w4a16_mma import default_mma_config, int4_mma_experts
 from epmoe.experts.triton.w4a16_wgmma import default_wgmma_config, int4_wgmma_experts
 from epmoe.experts.weights import Activation, ExpertWeights
@@ -131,7 +132,8 @@ class Int4DecodeConfig:
         num_warps: warps per program.
         pdl: launch the gate/up and down kernels as programmatic dependent launches (Hopper): each requests
             its first weight tiles before waiting for the previous launch's output. Off for tensors not on a
-            CUDA device of compute capability 9.0 or more (and so under the Triton interpreter).
+            CUDA device of compute capability 9.0 or more (and so under the Triton interpreter), or with
+            ``EPMOE_PDL=0`` (``pdl.pdl_launch``).
         max_programs: programs per launch, at most (and at least one pair group), as
             ``decode.DecodeConfig.max_programs``.
         stages: word tiles of a program in registers, 2 or 3: the words of step ``k + stages - 1`` are requested
@@ -513,7 +515,7 @@ def int4_decode_experts(
     b2 = weights.b2 if weights.b2 is not None else placeholder
     limit = activation.swiglu_limit if activation.swiglu_limit is not None else 0.0
     gw = g // INT4_PACK
-    pdl = cfg.pdl and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    pdl = cfg.pdl and pdl_launch(x)
     block_w = min(512, triton.next_power_of_2(dw))
     _deinterleave_kernel[(t, triton.cdiv(dw, block_w))](x, xt, dw, x.stride(0), GW=gw, BLOCK_W=block_w,
                                                           PDL=pdl)
