@@ -15,7 +15,8 @@ included). The floor of a step is max(bytes it must read / measured copy bandwid
 bf16 matmul rate): the weights of the non-expert layers, the experts its tokens touch (expected number
 under uniform routing, which random router weights give), and the KV cache it attends over. TTFT: one
 request of 1k and 4k tokens, against the FLOP floor of its prefill. Writes ``engine_<gpu>.json`` under
-``--out`` and prints a table last.
+``--out`` and prints a table last. ``--env-variants 'EPMOE_PDL=0;...'`` also times, per model, an engine built
+with each of those environment settings, in the same process after the main rows (an A/B in the same run).
 
 Speculation rows (``--spec``: only these, a few minutes): Qwen3-30B-A3B (``--spec-model``), ``ngram`` on
 repetitive prompts (code, lists) and ``eagle3`` with random weights (``--eagle3-config``, the SpecForge
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -254,15 +256,44 @@ def fit_engine_terms(rows: list[dict]) -> dict:
             "ratios_after": [t / p for t, p in zip(m.tolist(), after)]}
 
 
+def build_engine(d: Path, batches: list[int]) -> Engine:
+    """The benchmark's engine on checkpoint ``d`` (dummy weights, graphs up to the largest batch); no prefix caching:
+    the TTFT rows time one prompt again and again, each must compute it whole."""
+    return Engine(EngineConfig(model=str(d), dtype="bfloat16", device="cuda", expert_backend="triton",
+                               load_format="dummy", max_num_seqs=max(batches), max_model_len=8192,
+                               cuda_graph_max_bs=max(batches), enable_prefix_caching=False))
+
+
+def measure_variant(d: Path, batches: list[int], args, variant: str) -> dict[int, float]:
+    """TPOT ms per batch of an engine built and run with the environment assignments ``variant`` (``"NAME=VALUE
+    ..."``, e.g. ``EPMOE_PDL=0``) in force, in this process after the main rows: an A/B in the same run. The
+    environment is restored afterwards."""
+    assign = dict(a.split("=", 1) for a in variant.split())
+    saved = {k: os.environ.get(k) for k in assign}
+    os.environ.update(assign)
+    try:
+        engine = build_engine(d, batches)
+        vocab = load_moe_spec(str(d)).vocab_size
+        tpot = {bs: time_decode(engine, bs, args.steps, vocab)["tpot_ms"] for bs in batches}
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    print(f"  variant {variant}: " + ", ".join(f"bs {b} {t:.2f} ms" for b, t in tpot.items()), flush=True)
+    return tpot
+
+
 def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> dict:
     """Decode rows, TTFT rows, memory of the engine on model ``name``."""
     spec = load_moe_spec(str(d))
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    # no prefix caching: the TTFT rows time one prompt again and again, each must compute it whole
-    engine = Engine(EngineConfig(model=str(d), dtype="bfloat16", device="cuda", expert_backend="triton",
-                                 load_format="dummy", max_num_seqs=max(batches), max_model_len=8192,
-                                 cuda_graph_max_bs=max(batches), enable_prefix_caching=False))
+    engine = build_engine(d, batches)
     start_s = time.perf_counter() - t0
     wb = weight_bytes(engine)
     kv = engine.kv_report(4096)
@@ -501,6 +532,9 @@ def main() -> None:
     ap.add_argument("--sequential-batches", default="",
                     help="batch sizes also timed without the overlap schedule, e.g. 1,64")
     ap.add_argument("--profile", default="", help="batch sizes whose kernels are profiled, e.g. 1,64")
+    ap.add_argument("--env-variants", default="",
+                    help="';'-separated environment settings, each timed as a second engine in the same run after "
+                         "the main rows, e.g. 'EPMOE_PDL=0'")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--spec", action="store_true", help="only the speculation rows")
     ap.add_argument("--spec-model", default=None, help="checkpoint of the speculation rows (default: Qwen3-30B-A3B, "
@@ -545,6 +579,8 @@ def main() -> None:
                      for b, v in plan_ms.items() if m["rows"][b]["tpot_ms"] > v[0] - v[1]]
         m["peer"] = {}
         result["models"][name] = m
+        m["variants"] = {v.strip(): measure_variant(d, batches, args, v.strip())
+                         for v in args.env_variants.split(";") if v.strip()}
         (out / f"engine_{gpu}.json").write_text(json.dumps(result, indent=2, default=str))
         for mode in [x for x in args.peer.split(",") if x != "none"]:
             m["peer"][mode] = peer(d, [int(b) for b in args.peer_batches.split(",")], mode, 16)
@@ -563,6 +599,9 @@ def main() -> None:
         ps = f"{p:8.2f} {p / t:7.2f}" if p else f"{'-':>8} {'-':>7}"
         print(f"{model:14} {bs:4d} {t:8.2f} {f:7.2f} {t / f:6.2f} {ps} {pl:8.2f} {t / pl:7.2f}")
     for model, m in result["models"].items():
+        for variant, tpot in m.get("variants", {}).items():
+            print(f"{model:14} with {variant}: " + ", ".join(
+                f"bs {b} {t:.2f} ms ({t / m['rows'][b]['tpot_ms']:.2f}x the rows above)" for b, t in tpot.items()))
         kv = m["kv"]
         print(f"{model:14} KV per token and layer: {kv['bytes_per_token_layer']} B ({kv['kind']}; expanded per-head "
               f"keys and values: {kv['expanded_bytes_per_token_layer']} B)")
