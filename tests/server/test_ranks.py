@@ -5,6 +5,7 @@ compile is the request's error; a compiled one joins at once."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -92,3 +93,29 @@ def test_grammar_that_does_not_compile_is_the_requests_error_and_a_compiled_one_
     assert not stepper._compiling and reply.waiting == 1  # queued in the engine, not compiling
     seen = _until_finished(stepper, {"ready"})
     assert [u for u in seen["ready"] if u.finished][0].text in ("yes", "no")
+
+
+def test_a_gbnf_grammar_is_never_converted_in_the_step_loop(engine, monkeypatch):
+    """A large GBNF grammar's conversion to Lark is Python (over a second at 20,000 rules, holding the interpreter
+    lock): the stepping thread must neither convert it to see whether it is compiled nor again when it joins."""
+    from epmoe.engine.structured import StructuredOutputs
+
+    callers = []
+    real = StructuredOutputs.grammar_text
+
+    def recorded(self):
+        callers.append(threading.current_thread() is threading.main_thread())
+        return real(self)
+
+    monkeypatch.setattr(StructuredOutputs, "grammar_text", recorded)
+    stepper = RankStepper(engine, None)
+    gbnf = 'root ::= "gb" ("a" | "b") "nf"\n'
+    control, final, deadline = Control(add=((0, NewRequest("gbnf", [5, 6], _params(grammar=gbnf))),), step=True), None, \
+        time.monotonic() + 60
+    while final is None and time.monotonic() < deadline:  # rounds with nothing to step are fast: bounded by time
+        final = next((u for u in stepper.lead(control)[0].updates if u.request_id == "gbnf" and u.finished), None)
+        control = Control(step=True)
+    assert final is not None, "the constrained request did not finish within 60 s"
+    assert final.error is None and final.text in ("gbanf", "gbbnf")
+    assert callers and not any(callers), "the grammar was converted in the stepping thread"
+    assert StructuredOutputs(grammar=gbnf).as_lark().as_lark().grammar == StructuredOutputs(grammar=gbnf).as_lark().grammar

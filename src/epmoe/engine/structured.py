@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -90,6 +90,25 @@ class StructuredOutputs:
         """The constraint's field name."""
         return next(k for k in KINDS if (getattr(self, k) is not None and k != "json_object")
                     or (k == "json_object" and self.json_object))
+
+    def as_lark(self) -> StructuredOutputs:
+        """This constraint with a GBNF ``grammar`` converted to Lark (itself for any other): the same grammar, whose
+        ``grammar_text`` then converts nothing. The server's HTTP process sends the engine core this, so the
+        conversion (Python, a second or more for a large grammar, holding the interpreter lock) never runs beside the
+        core's steps.
+
+        Raises:
+            ValueError: a ``grammar`` that is neither Lark nor GBNF, as ``grammar_text``.
+        """
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        if self.kind != "grammar":
+            return self
+        try:
+            lark = any_to_lark(self.grammar)
+        except Exception as err:  # the converter raises plain Exceptions too
+            raise ValueError(f"structured_outputs.grammar does not compile: {_one_line(str(err))}") from None
+        return self if lark == self.grammar else replace(self, grammar=lark)
 
     def grammar_text(self) -> str:
         """The constraint as an llguidance grammar (its JSON or Lark text).
@@ -187,7 +206,25 @@ class Grammars:
         self.vocab_size = int(vocab_size)
         self.words = -(-self.vocab_size // 32)
         self._compiled: OrderedDict[str, object] = OrderedDict()  # grammar text -> compiled LLMatcher, never advanced
+        # the constraint as sent -> its grammar text: a GBNF grammar's conversion to Lark is Python (a large one takes
+        # a second or more, holding the interpreter lock), so it runs once per constraint, in the thread that compiles
+        self._texts: OrderedDict[tuple, str] = OrderedDict()
         self._lock = threading.Lock()
+
+    def _text(self, spec: StructuredOutputs) -> str:
+        """``spec.grammar_text()``, converted once per constraint (the ``CACHED`` most recent kept)."""
+        key = _key(spec)
+        with self._lock:
+            text = self._texts.get(key)
+            if text is not None:
+                self._texts.move_to_end(key)
+                return text
+        text = spec.grammar_text()
+        with self._lock:
+            self._texts[key] = text
+            while len(self._texts) > self.CACHED:
+                self._texts.popitem(last=False)
+        return text
 
     def matcher(self, spec: StructuredOutputs) -> Matcher:
         """A new matcher at the start of ``spec``'s constraint: a copy of the compiled one where the same grammar
@@ -200,7 +237,7 @@ class Grammars:
         """
         from llguidance import LLMatcher
 
-        text = spec.grammar_text()
+        text = self._text(spec)
         with self._lock:
             compiled = self._compiled.get(text)
             if compiled is not None:
@@ -216,10 +253,12 @@ class Grammars:
         return Matcher(compiled.deep_copy())
 
     def is_compiled(self, spec: StructuredOutputs) -> bool:
-        """Whether ``matcher(spec)`` would copy a compiled grammar (no compile). Thread-safe."""
-        text = spec.grammar_text()
+        """Whether ``matcher(spec)`` would copy a compiled grammar (no compile). Thread-safe, and cheap: a constraint
+        whose grammar text was not made yet is not compiled (nothing is converted here; the step loop asks this of
+        every new constrained request)."""
         with self._lock:
-            return text in self._compiled
+            text = self._texts.get(_key(spec))
+            return text is not None and text in self._compiled
 
     def bitmask(self, matchers: list[Matcher]) -> torch.Tensor:
         """``[len(matchers), W]`` int32 on the CPU: each matcher's allowed next tokens (``Matcher.fill``)."""
@@ -227,6 +266,15 @@ class Grammars:
         for i, m in enumerate(matchers):
             m.fill(mask[i])
         return mask
+
+
+def _key(spec: StructuredOutputs) -> tuple:
+    """``spec`` as a dictionary key (a JSON schema object as its JSON text, key order kept)."""
+    kind = spec.kind
+    value = getattr(spec, kind)
+    if isinstance(value, dict):
+        value = ("object", json.dumps(value, ensure_ascii=False))
+    return kind, value, spec.disable_any_whitespace
 
 
 def _unicode(text: str, field: str) -> None:

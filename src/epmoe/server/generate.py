@@ -362,10 +362,18 @@ async def compile_constraint(job: Job, codec: TextCodec) -> None:
     if job.constraint_field is None:
         return
     constraint = job.params[0].structured_outputs
+
+    def compile_here() -> StructuredOutputs:
+        lark = constraint.as_lark()  # a GBNF grammar converted here, not in the engine core beside its steps
+        codec.constraints().matcher(lark)
+        return lark
+
     try:
-        await asyncio.to_thread(lambda: codec.constraints().matcher(constraint))
+        lark = await asyncio.to_thread(compile_here)
     except ValueError as exc:
         raise _constraint_error(exc, job.constraint_field) from None
+    if lark is not constraint:
+        job.params[:] = [dataclasses.replace(p, structured_outputs=lark) for p in job.params]
 
 
 def _sampling(req: SamplingFields, max_tokens: int, choice: int, logit_bias: dict[int, float],
