@@ -162,3 +162,21 @@ def test_a_grammar_compiles_once_and_each_request_gets_its_own_matcher(engine):
     assert len(grammars._compiled) == before + 1
     assert a.accept(ord("a")) and a.accept(ord("b")) and a.stopped and not b.stopped
     assert b.accept(ord("a")) and b.accept(ord("c")) and b.stopped
+
+
+def test_a_constraint_engine_that_gives_up_mid_generation_ends_the_request_with_its_reason(engine):
+    """llguidance's parser has limits it meets only while matching (2,500 alternatives sharing a prefix exceed the
+    items of one parser row): its matcher then errs and reports itself stopped, which ended the request with
+    ``stop`` and text outside the constraint ('l'). Now the request ends ``abort`` with llguidance's reason, and
+    the engine serves on."""
+    n = 2500
+    grammar = ("start: " + " | ".join(f"r{i}" for i in range(n)) + "\n"
+               + "\n".join(f'r{i}: "l2x{i}" /[0-9]+/' for i in range(n)))
+    (out,) = engine.generate(["constrained 2"], SamplingParams(temperature=0.8, seed=2, max_tokens=40,
+                                                               structured_outputs={"grammar": grammar}))
+    assert out.finish_reason == "abort" and out.finished
+    assert out.error.startswith("structured_outputs: the constraint engine (llguidance) gave up at output token ")
+    (fine,) = engine.generate(["x"], SamplingParams(temperature=0, max_tokens=8,
+                                                    structured_outputs={"choice": ["yes", "no"]}))
+    assert fine.text in ("yes", "no") and fine.finish_reason == "stop" and fine.error is None
+    assert not engine.has_unfinished()

@@ -13,8 +13,8 @@ from epmoe.engine import Engine, EngineConfig, SamplingParams
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.server.ranks import Control, NewRequest, RankStepper
 
-MAX_ROUNDS = 200
-
+MAX_ROUNDS = 100_000  # a round with nothing to step (only compiles pending) takes microseconds: bounded by time too
+MAX_SECONDS = 60
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
@@ -26,16 +26,20 @@ def _params(**so) -> SamplingParams:
 
 
 def _until_finished(stepper: RankStepper, ids: set[str], first: Control | None = None) -> dict[str, list]:
-    """Rounds (``first``, then plain steps) until every request of ``ids`` reported finished; each's updates."""
+    """Rounds (``first``, then plain steps) until every request of ``ids`` reported finished (at most
+    ``MAX_ROUNDS`` rounds and ``MAX_SECONDS``); each's updates."""
     seen: dict[str, list] = {i: [] for i in ids}
     control = first or Control(step=True)
+    deadline = time.monotonic() + MAX_SECONDS
     for _ in range(MAX_ROUNDS):
         for u in stepper.lead(control)[0].updates:
             seen.setdefault(u.request_id, []).append(u)
         if all(any(u.finished for u in seen[i]) for i in ids):
             return seen
+        if time.monotonic() > deadline:
+            break
         control = Control(step=True)
-    raise AssertionError(f"not finished within {MAX_ROUNDS} rounds: {seen}")
+    raise AssertionError(f"not finished within {MAX_ROUNDS} rounds and {MAX_SECONDS} s: {seen}")
 
 
 def test_uncompiled_grammar_waits_off_the_step_loop_then_joins(engine, monkeypatch):
@@ -110,12 +114,57 @@ def test_a_gbnf_grammar_is_never_converted_in_the_step_loop(engine, monkeypatch)
     monkeypatch.setattr(StructuredOutputs, "grammar_text", recorded)
     stepper = RankStepper(engine, None)
     gbnf = 'root ::= "gb" ("a" | "b") "nf"\n'
-    control, final, deadline = Control(add=((0, NewRequest("gbnf", [5, 6], _params(grammar=gbnf))),), step=True), None, \
-        time.monotonic() + 60
-    while final is None and time.monotonic() < deadline:  # rounds with nothing to step are fast: bounded by time
-        final = next((u for u in stepper.lead(control)[0].updates if u.request_id == "gbnf" and u.finished), None)
-        control = Control(step=True)
-    assert final is not None, "the constrained request did not finish within 60 s"
+    seen = _until_finished(stepper, {"gbnf"}, Control(add=((0, NewRequest("gbnf", [5, 6], _params(grammar=gbnf))),),
+                                                     step=True))
+    final = [u for u in seen["gbnf"] if u.finished][0]
     assert final.error is None and final.text in ("gbanf", "gbbnf")
     assert callers and not any(callers), "the grammar was converted in the stepping thread"
-    assert StructuredOutputs(grammar=gbnf).as_lark().as_lark().grammar == StructuredOutputs(grammar=gbnf).as_lark().grammar
+    lark = StructuredOutputs(grammar=gbnf).as_lark()
+    assert lark.grammar != gbnf and lark.as_lark() is lark  # converted once; Lark stays as it is
+
+
+def test_an_engine_error_mid_generation_is_the_requests_error(engine):
+    """A constraint llguidance gives up on while matching (2,500 alternatives sharing a prefix) ends the request
+    with the engine's message as its error, which the HTTP side answers with (not a successful ``stop``)."""
+    n = 2500
+    grammar = ("start: " + " | ".join(f"r{i}" for i in range(n)) + "\n"
+               + "\n".join(f'r{i}: "l2x{i}" /[0-9]+/' for i in range(n)))
+    params = SamplingParams(temperature=0.8, seed=2, max_tokens=40, structured_outputs={"grammar": grammar})
+    seen = _until_finished(RankStepper(engine, None), {"big"},
+                           Control(add=((0, NewRequest("big", list(b"constrained 2"), params)),), step=True))
+    final = [u for u in seen["big"] if u.finished][0]
+    assert final.finish_reason == "abort" and "the constraint engine (llguidance) gave up" in final.error
+
+
+def test_core_waits_instead_of_stepping_while_only_grammars_compile(engine, monkeypatch):
+    """With every open request waiting for its grammar, the engine core polls every ``COMPILE_POLL_S`` without
+    stepping (it ran empty steps back to back, reporting each over the pipe); the request is served once its
+    grammar is ready."""
+    from multiprocessing import Pipe
+
+    from epmoe.server.core import COMPILE_POLL_S, EngineCore
+
+    release = threading.Event()
+    real = engine.compile_constraint
+    monkeypatch.setattr(engine, "compile_constraint", lambda spec: (release.wait(30), real(spec)))
+    here, there = Pipe()
+    core = EngineCore(RankStepper(engine, None), there, idle_round_s=0.05)
+    runner = threading.Thread(target=core.run, daemon=True)
+    runner.start()
+    assert here.poll(30) and here.recv()[0][0] == "ready"
+    here.send([("add", NewRequest("held", [5, 6], _params(choice=["on", "off"])))])
+    reports, start = [], time.monotonic()
+    while time.monotonic() - start < 0.5:  # half a second of compiling: rounds at most every COMPILE_POLL_S
+        if here.poll(0.01):
+            reports += [v for kind, v in here.recv() if kind == "step"]
+    assert 0 < len(reports) <= 0.5 / COMPILE_POLL_S + 5
+    assert all(r.round_s is None for r in reports[1:]) and reports[-1].waiting == 1 and reports[-1].running == 0
+    release.set()
+    final, deadline = None, time.monotonic() + 60
+    while final is None and time.monotonic() < deadline:
+        if here.poll(0.1):
+            final = next((u for kind, v in here.recv() if kind == "step" for u in v.updates if u.finished), None)
+    assert final is not None and final.request_id == "held" and final.text in ("on", "off")
+    here.send([("stop", None)])
+    runner.join(30)
+    assert not runner.is_alive()

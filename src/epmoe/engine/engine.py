@@ -895,6 +895,10 @@ class Engine:
         """Why ``seq`` stops after its newest read-back token ``tok`` (``None``: it goes on)."""
         p = seq.params
         n = len(seq.output_token_ids) - seq.num_pending
+        if seq.matcher is not None and seq.matcher.error is not None:  # its masks no longer held it: not a "stop"
+            seq.error = (f"structured_outputs: the constraint engine (llguidance) gave up at output token {n}: "
+                         f"{seq.matcher.error}")
+            return "abort"
         if n >= p.min_tokens and ((tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
             return "stop"
         if p.stop and self.tokenizer is not None and n > p.min_tokens:  # vLLM: stop strings past min_tokens only
@@ -926,7 +930,7 @@ class Engine:
         prompt_logprobs = list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.resolved_output, new, text,
                              seq.finished, seq.finish_reason, seq.num_preemptions, ttft, seq.spec.verify_steps,
-                             seq.spec.draft_tokens, seq.spec.accepted_tokens, logprobs, prompt_logprobs)
+                             seq.spec.draft_tokens, seq.spec.accepted_tokens, logprobs, prompt_logprobs, seq.error)
 
     # ---- expert loads and live rebalancing ---------------------------------------------------------
 

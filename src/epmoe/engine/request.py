@@ -68,6 +68,7 @@ class Sequence:
         matcher: with ``params.structured_outputs``, its position in the constraint (``structured.Matcher``), past
             every read-back token.
         constraint_done: it stopped because its constraint was complete (its last token is kept in the text).
+        error: why it ended with ``abort`` on its own (its constraint engine failed), else ``None``.
         count_row: with penalties, its row of the engine's ``sampling.TokenCounts`` (from its first sample on).
     """
 
@@ -94,6 +95,7 @@ class Sequence:
     num_registered: int = 0
     matcher: Matcher | None = None
     constraint_done: bool = False
+    error: str | None = None
     count_row: int | None = None
 
     @property
@@ -154,6 +156,8 @@ class RequestOutput:
         logprobs: with ``SamplingParams.logprobs`` set, one entry per token of ``token_ids``; else ``None``.
         prompt_logprobs: with ``SamplingParams.prompt_logprobs`` set, one entry per prompt token (the first
             ``None``), from the first output on; else ``None``.
+        error: set when the engine ended the request itself (``finish_reason`` ``abort``): what failed, named (a
+            structured output's constraint engine giving up mid-generation); else ``None``.
     """
 
     request_id: str
@@ -170,3 +174,4 @@ class RequestOutput:
     num_accepted_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    error: str | None = None

@@ -166,8 +166,14 @@ class Matcher:
 
     @property
     def stopped(self) -> bool:
-        """The constraint is complete and nothing but EOS may follow."""
+        """The constraint is complete and nothing but EOS may follow (or the matcher failed: see ``error``)."""
         return bool(self._m.is_stopped())
+
+    @property
+    def error(self) -> str | None:
+        """Why llguidance gave up matching (a limit of its parser reached mid-generation, for example "Current row
+        has 2001 items; max is 2000"), else ``None``."""
+        return _one_line(self._m.get_error()) if self._m.is_error() else None
 
 
 class Grammars:

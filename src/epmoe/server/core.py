@@ -11,7 +11,8 @@ batch of requests, or a whole step's news, travels as one message:
   ``("command", (command_id, results))``, ``("failed", RankError)``, ``("stopped", None)`` last.
 
 Each round the core takes what arrived (waiting ``idle_round_s`` when nothing is open: the empty rounds
-keep the other ranks' control collectives from timing out), assigns each new request to the rank with
+keep the other ranks' control collectives from timing out; ``COMPILE_POLL_S`` without stepping when the only open
+requests wait for their grammars to compile, instead of spinning empty steps), assigns each new request to the rank with
 the fewest open requests, runs the round (``RankStepper.lead``) and sends the round's ``StepReport``.
 Every ``loads_interval_s`` while busy, and once when the last open request is done, it also gathers
 the expert loads, for the per-layer balancedness of the tokens routed since the previous sample. The
@@ -113,6 +114,9 @@ class _Sampler:
     loads_time: float = 0.0
 
 
+COMPILE_POLL_S = 0.005  # the round period while every open request waits for its grammar (``RankStepper``)
+
+
 class EngineCore:
     """Rank 0's loop.
 
@@ -136,6 +140,7 @@ class EngineCore:
         self._ep = not stepper.engine.tp
         self._later: list[tuple[int, str, object]] = []  # commands for the next rounds
         self._was_busy = False
+        self._only_compiling = False  # the last round's open requests all wait for their grammars
 
     def run(self) -> None:
         """Report ready, run rounds until the HTTP side says stop, report stopped."""
@@ -162,10 +167,12 @@ class EngineCore:
             sample = command is None and self._ep and ((busy and due) or (self._was_busy and not busy))
             self._was_busy = busy
             name = command[1] if command else (LOADS_COMMAND if sample else None)
-            control = Control(tuple(adds), abort_pairs, step=busy, stop=stop, command=name,
-                              command_arg=command[2] if command else None)
+            control = Control(tuple(adds), abort_pairs, step=busy and not (self._only_compiling and not adds),
+                              stop=stop, command=name, command_arg=command[2] if command else None)
             start = time.monotonic()
             replies = self.stepper.lead(control)
+            compiling = sum(r.compiling for r in replies)
+            self._only_compiling = compiling > 0 and sum(r.running + r.waiting for r in replies) == compiling
             end = time.monotonic()
             round_s = end - start if control.step else None
             idle_s = end - mark - (round_s or 0.0)
@@ -181,10 +188,11 @@ class EngineCore:
             self._later = commands[1:]
 
     def _take(self) -> list[tuple[str, object]]:
-        """The items that arrived (waiting up to ``idle_round_s`` for the first when nothing is open)."""
+        """The items that arrived (waiting up to ``idle_round_s`` for the first when nothing is open, up to
+        ``COMPILE_POLL_S`` when only grammars compile)."""
         items: list[tuple[str, object]] = [("command", c) for c in self._later]
         self._later = []
-        wait = 0.0 if (self._rank_of or items) else self.idle_round_s
+        wait = 0.0 if items else COMPILE_POLL_S if self._only_compiling else 0.0 if self._rank_of else self.idle_round_s
         while self.conn.poll(wait):
             items += self.conn.recv()
             wait = 0.0

@@ -76,7 +76,7 @@ class StepUpdate:
         finished: no more will come.
         finish_reason: ``stop``, ``length``, ``abort`` (or ``None``).
         text: the final text, cut before a stop string (final update only; ``None`` without a tokenizer).
-        error: the engine refused the request (the message); it is finished.
+        error: the engine refused the request, or ended it itself (the message); it is finished.
         num_preemptions: times the request was recomputed.
         num_verify_steps, num_accepted_tokens: speculative verify steps for it and proposed tokens accepted.
         new_logprobs: with ``SamplingParams.logprobs`` set, one entry per token of ``new_token_ids``; else ``None``.
@@ -103,7 +103,7 @@ class StepUpdate:
         if out.logprobs is not None:
             new_logprobs = out.logprobs[len(out.token_ids) - len(out.new_token_ids):]
         first = bool(out.new_token_ids) and len(out.new_token_ids) == len(out.token_ids)
-        return cls(out.request_id, out.new_token_ids, out.finished, out.finish_reason, out.text, None,
+        return cls(out.request_id, out.new_token_ids, out.finished, out.finish_reason, out.text, out.error,
                    out.num_preemptions, out.num_verify_steps, out.num_accepted_tokens, new_logprobs,
                    out.prompt_logprobs if first else None)
 
@@ -128,6 +128,7 @@ class RankReply:
         step_tokens: tokens this rank fed to the model at this round's step (``Engine.last_step_tokens``);
             ``None`` when the round ran no model pass (no step, nothing to do on any rank, an idle step).
         prefix_cache: prefix-cache queried and hit tokens so far (``Scheduler.prefix_queries``, ``prefix_hits``).
+        compiling: requests of ``waiting`` whose grammar still compiles (not in the engine yet).
     """
 
     rank: int
@@ -144,6 +145,7 @@ class RankReply:
     engine_steps: tuple[int, ...] = (0,) * len(STEP_KINDS)
     step_tokens: int | None = None
     prefix_cache: tuple[int, int] = (0, 0)
+    compiling: int = 0
 
 
 class RankStepper:
@@ -231,7 +233,7 @@ class RankStepper:
                          (engine.spec_stats.verify_steps, engine.spec_stats.draft_tokens,
                           engine.spec_stats.accepted_tokens),
                          tuple(engine.stats[f"{kind}_steps"] for kind in STEP_KINDS), step_tokens,
-                         (sched.prefix_queries, sched.prefix_hits))
+                         (sched.prefix_queries, sched.prefix_hits), len(self._compiling))
 
     def _add(self, req: NewRequest, updates: list[StepUpdate]) -> None:
         """Queue ``req`` in the engine; a refusal becomes its final update (the error named)."""
