@@ -180,3 +180,16 @@ def test_a_constraint_engine_that_gives_up_mid_generation_ends_the_request_with_
                                                     structured_outputs={"choice": ["yes", "no"]}))
     assert fine.text in ("yes", "no") and fine.finish_reason == "stop" and fine.error is None
     assert not engine.has_unfinished()
+
+
+def test_a_grammar_over_llguidances_limits_is_refused_in_one_line(engine):
+    """40,000 rules exceed llguidance's symbol count: its panic is the refusal's reason, without the backtrace it
+    appends (a hundred frames of native addresses and build paths)."""
+    n = 40_000
+    grammar = ("start: " + " | ".join(f"r{i}" for i in range(n)) + "\n"
+               + "\n".join(f'r{i}: "x{i}" /[0-9]+/' for i in range(n)))
+    with pytest.raises(ValueError) as err:
+        engine.add_request("x", SamplingParams(structured_outputs={"grammar": grammar}))
+    message = str(err.value)
+    assert message.startswith("structured_outputs.grammar does not compile: ") and "backtrace" not in message
+    assert len(message) < 300 and not engine.has_unfinished()

@@ -299,8 +299,9 @@ def _unicode(text: str, field: str) -> None:
 
 
 def _one_line(message: str) -> str:
-    """llguidance's multi-line diagnostics (the source excerpt, a caret) as one line."""
-    return " ".join(message.split())
+    """llguidance's multi-line diagnostics (the source excerpt, a caret) as one line, without the backtrace it
+    appends to a panic (a limit of its grammar, for example more than 65,000 symbols)."""
+    return " ".join(message.split("<backtrace>", 1)[0].split())
 
 
 def _allowed(words: torch.Tensor, vocab: int) -> torch.Tensor:
