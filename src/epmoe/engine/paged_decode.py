@@ -48,6 +48,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+from dataclasses import dataclass
 
 import torch
 
@@ -58,6 +59,28 @@ _LOG2E = 1.4426950408889634
 _MIN_ROWS = 16           # tl.dot needs at least 16 rows / columns
 _SPLIT_MIN_KEYS = 512    # positions a split should have at least
 _MAX_SPLITS = 32
+
+
+@dataclass(frozen=True)
+class RopeInputs:
+    """What the decode kernel needs to do ``rope_attention.rope_qkv``'s work itself (``paged_decode_triton(...,
+    rope=...)``): normalise and rotate each row's queries, and write its key and value into the cache, before
+    attending (one launch where there were two). Shapes and dtypes as ``rope_qkv``'s (checked there).
+
+    Attributes:
+        qkv: ``[B, (H + 2 Hkv) D]`` the fused projection's output, contiguous along the last dimension.
+        cos, sin: ``[B, R/2]`` the rotary tables of each row's position (``R/2`` a power of two).
+        q_norm, k_norm: ``[D]`` per-head RMSNorm weights, or both ``None``; eps: the norm's epsilon.
+        slot_mapping: ``[B]`` int64 flat cache slot of each row's new key and value.
+    """
+
+    qkv: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    eps: float
+    slot_mapping: torch.Tensor
 
 
 def _check_int_option(name: str, value) -> None:
@@ -213,125 +236,10 @@ def paged_decode_reference(
 
 @functools.cache
 def _triton_kernels():
-    """Import Triton and define the kernels (once); raises ImportError without Triton."""
-    import triton
-    import triton.language as tl
+    """The Triton kernels (``paged_decode_kernels``, imported on first use); raises ImportError without Triton."""
+    from epmoe.engine import paged_decode_kernels as kernels
 
-    @triton.jit
-    def _paged_decode_kernel(
-        q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, sink_ptr, out_ptr, ws_ptr,
-        B, H, DK, DV, ml_off, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        stride_btb, stride_ob, stride_oh, qk_scale, window, chunk,
-        G: tl.constexpr, G_PAD: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        HAS_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    ):
-        if PDL:  # the cache and the queries come from the kernel before: wait at once
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
-        split = tl.program_id(2)
-        rows = tl.arange(0, G_PAD)
-        heads = kvh * G + rows
-        row_ok = rows < G
-        offs_dk = tl.arange(0, DK_PAD)
-        offs_dv = tl.arange(0, DV_PAD)
-        dk_ok = offs_dk < DK
-        dv_ok = offs_dv < DV
-        ctx = tl.load(ctx_ptr + b)
-        lo = ctx * 0
-        if HAS_WINDOW:
-            lo = tl.maximum(lo, ctx - window)
-        if HAS_CHUNK:
-            lo = tl.maximum(lo, ((tl.maximum(ctx, 1) - 1) // chunk) * chunk)
-        hi = ctx
-        if SPLITS > 1:
-            per = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_N) * BLOCK_N
-            lo = lo + split * per
-            hi = tl.minimum(hi, lo + per)
-        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_dk[None, :],
-                    mask=row_ok[:, None] & dk_ok[None, :], other=0.0)
-        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([G_PAD], tl.float32)
-        acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
-        offs_n = tl.arange(0, BLOCK_N)
-        bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-        for start in range(lo, hi, BLOCK_N):
-            pos = start + offs_n
-            ok = pos < hi
-            blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-            slot = pos % BLOCK_SIZE
-            k_rows = k_ptr + blk * stride_kb + slot * stride_ks + kvh * stride_kh
-            v_rows = v_ptr + blk * stride_vb + slot * stride_vs + kvh * stride_vh
-            k = tl.load(k_rows[:, None] + offs_dk[None, :], mask=ok[:, None] & dk_ok[None, :], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_rows[:, None] + offs_dv[None, :], mask=ok[:, None] & dv_ok[None, :], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        if SPLITS == 1:
-            if HAS_SINKS:
-                sink = tl.load(sink_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-                m_fin = tl.maximum(m_i, sink)
-                alpha = tl.exp2(m_i - m_fin)
-                l_i = l_i * alpha + tl.exp2(sink - m_fin)
-                acc = acc * alpha[:, None]
-            res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            res = tl.where(ctx > 0, res, 0.0)
-            tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
-                     res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
-        else:
-            # workspace: acc [B, H, S, DV], then m [B, H, S], then l [B, H, S]; an empty split leaves m = -inf,
-            # l = 0, acc = 0
-            r = (b.to(tl.int64) * H + heads) * SPLITS + split
-            tl.store(ws_ptr + r[:, None] * DV + offs_dv[None, :], acc, mask=row_ok[:, None] & dv_ok[None, :])
-            tl.store(ws_ptr + ml_off + r, m_i, mask=row_ok)
-            tl.store(ws_ptr + ml_off + B * H * SPLITS + r, l_i, mask=row_ok)
-
-    @triton.jit
-    def _paged_decode_reduce_kernel(
-        ws_ptr, ctx_ptr, sink_ptr, out_ptr, B, H, DV, ml_off, stride_ob, stride_oh,
-        DV_PAD: tl.constexpr, SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
-    ):
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        offs_s = tl.arange(0, SPLITS)
-        offs_dv = tl.arange(0, DV_PAD)
-        dv_ok = offs_dv < DV
-        r = (b.to(tl.int64) * H + h) * SPLITS + offs_s
-        m = tl.load(ws_ptr + ml_off + r)
-        lsum = tl.load(ws_ptr + ml_off + B * H * SPLITS + r)
-        m_fin = tl.max(m, 0)
-        if HAS_SINKS:
-            sink = tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634
-            m_fin = tl.maximum(m_fin, sink)
-        m_fin = tl.where(m_fin > float("-inf"), m_fin, 0.0)   # all splits empty, no sink: every weight 0
-        w = tl.exp2(m - m_fin)
-        denom = tl.sum(lsum * w, 0)
-        if HAS_SINKS:
-            denom += tl.exp2(sink - m_fin)
-        acc = tl.load(ws_ptr + r[:, None] * DV + offs_dv[None, :], mask=dv_ok[None, :], other=0.0)
-        res = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-        ctx = tl.load(ctx_ptr + b)
-        res = tl.where(ctx > 0, res, 0.0)
-        tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_dv,
-                 res.to(out_ptr.dtype.element_ty), mask=dv_ok)
-
-    return triton, _paged_decode_kernel, _paged_decode_reduce_kernel
+    return kernels.paged_decode_kernel, kernels.paged_decode_reduce_kernel
 
 
 def _next_pow2(n: int) -> int:
@@ -424,6 +332,7 @@ def paged_decode_triton(
     out: torch.Tensor | None = None,
     splits: int | None = None,
     workspace: torch.Tensor | None = None,
+    rope: RopeInputs | None = None,
 ) -> torch.Tensor:
     """Paged decode attention with the Triton kernels (see the module docstring), whatever the device.
 
@@ -445,6 +354,9 @@ def paged_decode_triton(
         workspace: float32 1-D tensor of at least ``paged_decode_workspace``'s size for split-K. When
             ``splits > 1`` and it is None, one is allocated if ``out`` is None; with ``out`` given the
             single-pass kernel runs instead (nothing is allocated).
+        rope: the queries are computed from ``rope.qkv`` in the kernel (``q`` then gives only their shape and
+            dtype, a view of ``rope.qkv``), and each row's new key and value are written into the cache by the
+            program whose split holds its position, before it reads the cache (``rope_attention.paged_decode_rope``).
 
     Returns:
         ``[B, H, Dv]`` in ``q.dtype`` (``out`` when given).
@@ -455,7 +367,7 @@ def paged_decode_triton(
         ImportError: Triton is not importable.
     """
     _check_inputs(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, chunk_size, sinks, out)
-    _, kernel, _ = _triton_kernels()
+    kernel, _ = _triton_kernels()
     b, h, dk = q.shape
     _, bs, hkv, dv = v_cache.shape
     if splits is None:
@@ -482,12 +394,20 @@ def paged_decode_triton(
     ws_arg = workspace if splits > 1 else out
     ml_off = b * h * splits * dv
     pdl = pdl_launch(q)
+    if rope is None:  # the rotary arguments unused: any pointers
+        rope_args, half, norm = (q, q, q, q, q, context_lens, 0, 0, 0.0), 1, False
+    else:
+        qn, kn = rope.q_norm, rope.k_norm
+        rope_args = (rope.qkv, rope.cos, rope.sin, qn if qn is not None else q, kn if kn is not None else q,
+                     rope.slot_mapping, rope.qkv.stride(0), rope.cos.stride(0), float(rope.eps))
+        half, norm = rope.cos.shape[1], qn is not None
     kernel[(b, hkv, splits)](
         q, k_cache, v_cache, block_tables, context_lens, sink_arg, out, ws_arg,
         b, h, dk, dv, ml_off, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0),
-        out.stride(1), float(scale) * _LOG2E, sliding_window or 0, chunk_size or 1,
-        G=g, G_PAD=max(_MIN_ROWS, _next_pow2(g)), DK_PAD=dk_pad, DV_PAD=dv_pad, BLOCK_SIZE=bs,
+        out.stride(1), float(scale) * _LOG2E, sliding_window or 0, chunk_size or 1, *rope_args,
+        ROPE=rope is not None, HALF=half, NORM=norm, G=g, G_PAD=max(_MIN_ROWS, _next_pow2(g)), DK_PAD=dk_pad,
+        DV_PAD=dv_pad, BLOCK_SIZE=bs,
         BLOCK_N=_block_n(dk, dv, q.dtype), SPLITS=splits, HAS_WINDOW=sliding_window is not None,
         HAS_CHUNK=chunk_size is not None, HAS_SINKS=sinks is not None, IEEE=q.dtype == torch.float32,
         PDL=pdl, num_warps=4, num_stages=2, launch_pdl=pdl,
@@ -513,7 +433,7 @@ def paged_decode_merge_splits(workspace: torch.Tensor, context_lens: torch.Tenso
     Returns:
         ``out``.
     """
-    _, _, reduce_kernel = _triton_kernels()
+    _, reduce_kernel = _triton_kernels()
     b, h, dv = out.shape
     pdl = pdl_launch(out)
     reduce_kernel[(b, h)](

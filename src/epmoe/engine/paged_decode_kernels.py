@@ -1,0 +1,170 @@
+"""The Triton kernels of ``engine.paged_decode`` (see its docstring for what they compute); this module imports
+Triton, so ``paged_decode`` imports it on the first use of the Triton path only (a machine without Triton imports
+``paged_decode`` and serves CPU tensors with the reference).
+
+* ``paged_decode_kernel``, grid ``(B, Hkv, S)``: one kv head's query group of one row over one split of its keys;
+  with ``ROPE`` it first does ``rope_attention.rope_qkv``'s work for the row (``rope_rows``) and writes the row's
+  key and value into the cache when its split holds the row's position.
+* ``paged_decode_reduce_kernel``, grid ``(B, H)``: merges the splits (and the sinks).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rope_rows(src, heads, row_ok, offs_d, D, cos_row, sin_row, w_ptr, eps, HALF: tl.constexpr, NORM: tl.constexpr):
+    """Heads ``heads`` of one projected token (``src``: its row of the fused q/k/v projection) RMS-normalised
+    (``NORM``, weight ``w_ptr``) and rotated by halves on their first ``2 HALF`` values, as ``rope_qkv``'s
+    kernel: ``[rows, D_PAD]`` float32 holding values of ``src``'s dtype."""
+    dt = src.dtype.element_ty
+    d_ok = offs_d < D
+    rot = offs_d < 2 * HALF
+    partner = tl.where(offs_d < HALF, offs_d + HALF, tl.where(rot, offs_d - HALF, offs_d))
+    rows = src + heads[:, None] * D
+    m = row_ok[:, None] & d_ok[None, :]
+    x = tl.load(rows + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+    xp = tl.load(rows + partner[None, :], mask=m, other=0.0).to(tl.float32)
+    if NORM:
+        r = tl.rsqrt(tl.sum(x * x, 1) / D + eps)
+        w = tl.load(w_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)
+        x = ((x * r[:, None]).to(dt).to(tl.float32) * w[None, :]).to(dt).to(tl.float32)
+        xp = ((xp * r[:, None]).to(dt).to(tl.float32) * wp[None, :]).to(dt).to(tl.float32)
+    idx = tl.where(rot, offs_d % HALF, 0)
+    c = tl.load(cos_row + idx, mask=rot, other=1.0).to(tl.float32)
+    sn = tl.load(sin_row + idx, mask=rot, other=0.0).to(tl.float32)
+    sign = tl.where(offs_d < HALF, -1.0, 1.0)
+    return tl.where(rot[None, :], x * c[None, :] + (sign * sn)[None, :] * xp, x)
+
+@triton.jit
+def paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, sink_ptr, out_ptr, ws_ptr,
+    B, H, DK, DV, ml_off, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_btb, stride_ob, stride_oh, qk_scale, window, chunk,
+    qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr, stride_qkv, stride_c, eps,
+    G: tl.constexpr, G_PAD: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    ROPE: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
+):
+    if PDL:  # the cache and the queries come from the kernel before: wait at once
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = tl.arange(0, G_PAD)
+    heads = kvh * G + rows
+    row_ok = rows < G
+    offs_dk = tl.arange(0, DK_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    dk_ok = offs_dk < DK
+    dv_ok = offs_dv < DV
+    ctx = tl.load(ctx_ptr + b)
+    lo = ctx * 0
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, ctx - window)
+    if HAS_CHUNK:
+        lo = tl.maximum(lo, ((tl.maximum(ctx, 1) - 1) // chunk) * chunk)
+    hi = ctx
+    if SPLITS > 1:
+        per = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_N) * BLOCK_N
+        lo = lo + split * per
+        hi = tl.minimum(hi, lo + per)
+    if ROPE:  # rope_qkv's work for this row: its queries normed and rotated, its key and value into the cache
+        src = qkv_ptr + b.to(tl.int64) * stride_qkv
+        cs, sn = cos_ptr + b.to(tl.int64) * stride_c, sin_ptr + b.to(tl.int64) * stride_c
+        q = rope_rows(src, heads, row_ok, offs_dk, DK, cs, sn, qw_ptr, eps, HALF, NORM).to(k_ptr.dtype.element_ty)
+        if (ctx > 0) & (lo <= ctx - 1) & (ctx - 1 < hi):  # the one split whose keys include the new position
+            one = tl.arange(0, 1)
+            key = rope_rows(src, H + kvh + one, one == 0, offs_dk, DK, cs, sn, kw_ptr, eps, HALF, NORM)
+            slot = tl.load(slot_ptr + b)
+            blk = slot // BLOCK_SIZE
+            off = slot % BLOCK_SIZE
+            tl.store(k_ptr + blk * stride_kb + off * stride_ks + kvh * stride_kh + offs_dk[None, :],
+                     key.to(k_ptr.dtype.element_ty), mask=dk_ok[None, :])
+            val = tl.load(src + (H + tl.num_programs(1) + kvh) * DK + offs_dv, mask=dv_ok)
+            tl.store(v_ptr + blk * stride_vb + off * stride_vs + kvh * stride_vh + offs_dv, val, mask=dv_ok)
+        tl.debug_barrier()  # the program's own loads below see the key and value it wrote
+    else:
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_dk[None, :],
+                    mask=row_ok[:, None] & dk_ok[None, :], other=0.0)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        ok = pos < hi
+        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        slot = pos % BLOCK_SIZE
+        k_rows = k_ptr + blk * stride_kb + slot * stride_ks + kvh * stride_kh
+        v_rows = v_ptr + blk * stride_vb + slot * stride_vs + kvh * stride_vh
+        k = tl.load(k_rows[:, None] + offs_dk[None, :], mask=ok[:, None] & dk_ok[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_rows[:, None] + offs_dv[None, :], mask=ok[:, None] & dv_ok[None, :], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    if SPLITS == 1:
+        if HAS_SINKS:
+            sink = tl.load(sink_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_fin = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_fin)
+            l_i = l_i * alpha + tl.exp2(sink - m_fin)
+            acc = acc * alpha[:, None]
+        res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        res = tl.where(ctx > 0, res, 0.0)
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
+                 res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+    else:
+        # workspace: acc [B, H, S, DV], then m [B, H, S], then l [B, H, S]; an empty split leaves m = -inf,
+        # l = 0, acc = 0
+        r = (b.to(tl.int64) * H + heads) * SPLITS + split
+        tl.store(ws_ptr + r[:, None] * DV + offs_dv[None, :], acc, mask=row_ok[:, None] & dv_ok[None, :])
+        tl.store(ws_ptr + ml_off + r, m_i, mask=row_ok)
+        tl.store(ws_ptr + ml_off + B * H * SPLITS + r, l_i, mask=row_ok)
+
+@triton.jit
+def paged_decode_reduce_kernel(
+    ws_ptr, ctx_ptr, sink_ptr, out_ptr, B, H, DV, ml_off, stride_ob, stride_oh,
+    DV_PAD: tl.constexpr, SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
+):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS)
+    offs_dv = tl.arange(0, DV_PAD)
+    dv_ok = offs_dv < DV
+    r = (b.to(tl.int64) * H + h) * SPLITS + offs_s
+    m = tl.load(ws_ptr + ml_off + r)
+    lsum = tl.load(ws_ptr + ml_off + B * H * SPLITS + r)
+    m_fin = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634
+        m_fin = tl.maximum(m_fin, sink)
+    m_fin = tl.where(m_fin > float("-inf"), m_fin, 0.0)   # all splits empty, no sink: every weight 0
+    w = tl.exp2(m - m_fin)
+    denom = tl.sum(lsum * w, 0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m_fin)
+    acc = tl.load(ws_ptr + r[:, None] * DV + offs_dv[None, :], mask=dv_ok[None, :], other=0.0)
+    res = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    ctx = tl.load(ctx_ptr + b)
+    res = tl.where(ctx > 0, res, 0.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_dv,
+             res.to(out_ptr.dtype.element_ty), mask=dv_ok)
