@@ -142,77 +142,11 @@ def mla_decode_reference(
 
 @functools.cache
 def _triton_kernel():
-    """Import Triton and define the kernel (once); raises ImportError without Triton."""
-    import triton
-    import triton.language as tl
+    """The Triton kernel (``paged_decode_kernels.mla_decode_kernel``, imported on first use); raises ImportError
+    without Triton."""
+    from epmoe.engine import paged_decode_kernels
 
-    @triton.jit
-    def _mla_decode_kernel(
-        q_ptr, c_ptr, bt_ptr, ctx_ptr, out_ptr, ws_ptr,
-        B, H, DV, DR, ml_off, stride_qb, stride_qh, stride_cb, stride_cs, stride_btb, stride_ob, stride_oh,
-        qk_scale,
-        BLOCK_H: tl.constexpr, DV_PAD: tl.constexpr, DR_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
-    ):
-        b = tl.program_id(0)
-        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        split = tl.program_id(2)
-        h_ok = heads < H
-        offs_v = tl.arange(0, DV_PAD)
-        offs_r = tl.arange(0, DR_PAD)
-        v_ok = offs_v < DV
-        r_ok = offs_r < DR
-        ctx = tl.load(ctx_ptr + b)
-        lo = ctx * 0
-        hi = ctx
-        if SPLITS > 1:
-            per = tl.cdiv(tl.cdiv(hi, SPLITS), BLOCK_N) * BLOCK_N
-            lo = split * per
-            hi = tl.minimum(hi, lo + per)
-        q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
-        q_lat = tl.load(q_rows + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)
-        q_rope = tl.load(q_rows + DV + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, DV_PAD], tl.float32)
-        offs_n = tl.arange(0, BLOCK_N)
-        bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-        for start in range(lo, hi, BLOCK_N):
-            pos = start + offs_n
-            ok = pos < hi
-            blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-            rows = c_ptr + blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs
-            c = tl.load(rows[:, None] + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
-            kr = tl.load(rows[:, None] + DV + offs_r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
-            if IEEE:
-                s = tl.dot(q_lat, tl.trans(c), input_precision="ieee")
-                s += tl.dot(q_rope, tl.trans(kr), input_precision="ieee")
-            else:
-                s = tl.dot(q_lat, tl.trans(c))
-                s += tl.dot(q_rope, tl.trans(kr))
-            s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, c, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
-            m_i = m_new
-        if SPLITS == 1:
-            res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            res = tl.where(ctx > 0, res, 0.0)
-            tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_v[None, :],
-                     res.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & v_ok[None, :])
-        else:
-            # paged_decode's workspace layout: acc [B, H, S, DV], then m [B, H, S], then l [B, H, S]
-            r = (b.to(tl.int64) * H + heads) * SPLITS + split
-            tl.store(ws_ptr + r[:, None] * DV + offs_v[None, :], acc, mask=h_ok[:, None] & v_ok[None, :])
-            tl.store(ws_ptr + ml_off + r, m_i, mask=h_ok)
-            tl.store(ws_ptr + ml_off + B * H * SPLITS + r, l_i, mask=h_ok)
-
-    return _mla_decode_kernel
+    return paged_decode_kernels.mla_decode_kernel
 
 
 def _next_pow2(n: int) -> int:

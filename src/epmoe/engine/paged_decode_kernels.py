@@ -1,11 +1,13 @@
-"""The Triton kernels of ``engine.paged_decode`` (see its docstring for what they compute); this module imports
-Triton, so ``paged_decode`` imports it on the first use of the Triton path only (a machine without Triton imports
-``paged_decode`` and serves CPU tensors with the reference).
+"""The Triton kernels of ``engine.paged_decode`` and ``engine.mla_decode`` (see their docstrings for what they
+compute); this module imports Triton, so those modules import it on the first use of their Triton paths only (a
+machine without Triton imports them and serves CPU tensors with the references).
 
 * ``paged_decode_kernel``, grid ``(B, Hkv, S)``: one kv head's query group of one row over one split of its keys;
   with ``ROPE`` it first does ``rope_attention.rope_qkv``'s work for the row (``rope_rows``) and writes the row's
   key and value into the cache when its split holds the row's position.
 * ``paged_decode_reduce_kernel``, grid ``(B, H)``: merges the splits (and the sinks).
+* ``mla_decode_kernel``, grid ``(B, cdiv(H, BLOCK_H), S)``: ``engine.mla_decode``'s attention over the latent cache
+  (its docstring says what it computes); its splits are merged by ``paged_decode_reduce_kernel`` too.
 """
 
 import triton
@@ -107,31 +109,48 @@ def paged_decode_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_rows[:, None] + offs_dv[None, :], mask=ok[:, None] & dv_ok[None, :], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = softmax_accumulate(s, ok, qk_scale, v, m_i, l_i, acc, IEEE)
+    if SPLITS == 1 and HAS_SINKS:
+        sink = tl.load(sink_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_fin = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_fin)
+        l_i = l_i * alpha + tl.exp2(sink - m_fin)
+        acc = acc * alpha[:, None]
+    store_split(acc, m_i, l_i, ctx, b, heads, row_ok, offs_dv, dv_ok, out_ptr, ws_ptr, stride_ob, stride_oh, B, H, DV,
+                ml_off, split, SPLITS)
+
+
+@triton.jit
+def softmax_accumulate(s, ok, qk_scale, v, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One tile of keys into a decode program's online softmax (base 2): scores ``s [rows, BLOCK_N]`` (before
+    ``qk_scale``; columns not ``ok`` dropped), values ``v [BLOCK_N, DV_PAD]``; returns the new running max, sum and
+    unnormalised accumulator. Shared with the MLA decode kernel (whose values are the latent rows)."""
+    s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def store_split(acc, m_i, l_i, ctx, b, heads, row_ok, offs_dv, dv_ok, out_ptr, ws_ptr, stride_ob, stride_oh, B, H, DV,
+                ml_off, split, SPLITS: tl.constexpr):
+    """A decode program's result for its heads ``heads`` of row ``b``: with one split the normalised output (zeros
+    for a padding row, ``ctx`` 0) into ``out``; with ``SPLITS`` splits its unnormalised accumulator, running max and
+    sum into the workspace, for ``paged_decode_reduce_kernel`` (layout: acc ``[B, H, S, DV]``, then m ``[B, H, S]``,
+    then l ``[B, H, S]``; an empty split leaves m = -inf, l = 0, acc = 0). Shared with the MLA decode kernel."""
     if SPLITS == 1:
-        if HAS_SINKS:
-            sink = tl.load(sink_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-            m_fin = tl.maximum(m_i, sink)
-            alpha = tl.exp2(m_i - m_fin)
-            l_i = l_i * alpha + tl.exp2(sink - m_fin)
-            acc = acc * alpha[:, None]
         res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         res = tl.where(ctx > 0, res, 0.0)
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
                  res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
     else:
-        # workspace: acc [B, H, S, DV], then m [B, H, S], then l [B, H, S]; an empty split leaves m = -inf,
-        # l = 0, acc = 0
         r = (b.to(tl.int64) * H + heads) * SPLITS + split
         tl.store(ws_ptr + r[:, None] * DV + offs_dv[None, :], acc, mask=row_ok[:, None] & dv_ok[None, :])
         tl.store(ws_ptr + ml_off + r, m_i, mask=row_ok)
@@ -168,3 +187,52 @@ def paged_decode_reduce_kernel(
     res = tl.where(ctx > 0, res, 0.0)
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_dv,
              res.to(out_ptr.dtype.element_ty), mask=dv_ok)
+
+
+@triton.jit
+def mla_decode_kernel(
+    q_ptr, c_ptr, bt_ptr, ctx_ptr, out_ptr, ws_ptr,
+    B, H, DV, DR, ml_off, stride_qb, stride_qh, stride_cb, stride_cs, stride_btb, stride_ob, stride_oh,
+    qk_scale,
+    BLOCK_H: tl.constexpr, DV_PAD: tl.constexpr, DR_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    h_ok = heads < H
+    offs_v = tl.arange(0, DV_PAD)
+    offs_r = tl.arange(0, DR_PAD)
+    v_ok = offs_v < DV
+    r_ok = offs_r < DR
+    ctx = tl.load(ctx_ptr + b)
+    lo = ctx * 0
+    hi = ctx
+    if SPLITS > 1:
+        per = tl.cdiv(tl.cdiv(hi, SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * per
+        hi = tl.minimum(hi, lo + per)
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+    q_lat = tl.load(q_rows + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)
+    q_rope = tl.load(q_rows + DV + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, DV_PAD], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        ok = pos < hi
+        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        rows = c_ptr + blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs
+        c = tl.load(rows[:, None] + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
+        kr = tl.load(rows[:, None] + DV + offs_r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q_lat, tl.trans(c), input_precision="ieee")
+            s += tl.dot(q_rope, tl.trans(kr), input_precision="ieee")
+        else:
+            s = tl.dot(q_lat, tl.trans(c))
+            s += tl.dot(q_rope, tl.trans(kr))
+        m_i, l_i, acc = softmax_accumulate(s, ok, qk_scale, c, m_i, l_i, acc, IEEE)
+    store_split(acc, m_i, l_i, ctx, b, heads, h_ok, offs_v, v_ok, out_ptr, ws_ptr, stride_ob, stride_oh, B, H, DV,
+                ml_off, split, SPLITS)
