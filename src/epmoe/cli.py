@@ -338,11 +338,11 @@ def _flag_error(exc: Exception, flags: dict[str, str]) -> Exception:
 
     A name with an underscore is an option wherever it stands; a plain word (``model``, ``parallel``) only where
     an option's sentence goes on (its value in parentheses or quotes, ``must``, ``is``, ... or a list of options
-    that ``place or move``), so prose (``the model's``, ``expert-parallel``) stays as it is."""
+    that ``place(s) or move(s)``), so prose (``the model's``, ``expert-parallel``) stays as it is."""
     import re
 
     msg = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
-    plain = r"(?=\s\(|\smust\b|\sneeds\b|\sis\b|\sexceeds\b|\s'|,\s|\splace or move\b)"
+    plain = r"(?=\s\(|\smust\b|\sneeds\b|\sis\b|\sexceeds\b|\s'|,\s|\splaces? or moves?\b)"
     for name, flag in flags.items():
         ahead = r"(?![\w-]|\.\w)" if "_" in name else plain  # not a file's name (generation_config.json)
         msg = re.sub(rf"(?<![\w'\"./-]){re.escape(name)}{ahead}", flag, msg)

@@ -101,7 +101,7 @@ def test_replica_policy_reaches_the_layers(kimi, capsys):
     used = [(layer, e) for layer in range(2) for e in range(2) if static[layer, e] >= 4]
     assert used and all(rr[layer, e] > 0 and rr[layer, 16 + e] > 0 for layer, e in used)
     assert main(["run", "--model", str(kimi), "--parallel", "tp", "--replica-policy", "random"]) == 2
-    assert "replica-policy place or move whole experts" in capsys.readouterr().err
+    assert "replica-policy places or moves whole experts" in capsys.readouterr().err
 
 
 

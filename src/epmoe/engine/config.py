@@ -229,8 +229,10 @@ class EngineConfig:
                 ("replica_policy", self.replica_policy, "static"),
             ) if value != default]
             if given:
-                raise ValueError(f"{', '.join(given)} place or move whole experts (parallel 'ep'); parallel 'tp' "
-                                 f"slices every expert over the ranks: leave them unset")
+                verb = "places or moves" if len(given) == 1 else "place or move"
+                raise ValueError(f"{', '.join(given)} {verb} whole experts (parallel 'ep'); parallel 'tp' "
+                                 f"slices every expert over the ranks: leave {'it' if len(given) == 1 else 'them'} "
+                                 f"unset")
         self._check_speculative()
         if self.eplb_max_moves is not None and not self.eplb_interval:
             raise ValueError("eplb_max_moves limits live rebalancing: give eplb_interval with it")
