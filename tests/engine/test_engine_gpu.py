@@ -53,25 +53,6 @@ def test_graph_and_eager_agree_bf16(tiny_checkpoints, family):
     assert tokens[0] == tokens[1]
 
 
-@pytest.mark.parametrize("family", ["qwen3-moe", "gpt-oss"])
-def test_rotary_in_the_decode_kernel_gives_the_same_tokens(tiny_checkpoints, family, monkeypatch):
-    """``EPMOE_ROPE_IN_DECODE=1`` (rotary, cache write and attention in one launch for decode steps) gives the two
-    launches' tokens, through graphs and eager decode steps (q/k norms: Qwen3; sinks and a window: gpt-oss)."""
-    from epmoe.engine.rope_attention import ROPE_IN_DECODE
-
-    d = tiny_checkpoints(family)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    tokens = {}
-    for fused in ("0", "1"):
-        monkeypatch.setenv(ROPE_IN_DECODE, fused)
-        for eager in (False, True):
-            engine = Engine(EngineConfig(model=str(d), device="cuda", dtype="bfloat16", expert_backend="triton",
-                                         max_num_seqs=8, cuda_graph_max_bs=8, enforce_eager=eager))
-            tokens[fused, eager] = [o.token_ids for o in engine.generate(PROMPTS, params)]
-            assert engine.allocator.num_free == engine.allocator.capacity
-    assert tokens["1", False] == tokens["0", False] and tokens["1", True] == tokens["0", True]
-
-
 def test_segmented_graphs_give_the_same_tokens(tiny_checkpoints):
     """A captured step split into two graphs along its decoder layers (replayed in order) gives the one-graph
     step's tokens."""

@@ -48,7 +48,6 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from dataclasses import dataclass
 
 import torch
 
@@ -59,28 +58,6 @@ _LOG2E = 1.4426950408889634
 _MIN_ROWS = 16           # tl.dot needs at least 16 rows / columns
 _SPLIT_MIN_KEYS = 512    # positions a split should have at least
 _MAX_SPLITS = 32
-
-
-@dataclass(frozen=True)
-class RopeInputs:
-    """What the decode kernel needs to do ``rope_attention.rope_qkv``'s work itself (``paged_decode_triton(...,
-    rope=...)``): normalise and rotate each row's queries, and write its key and value into the cache, before
-    attending (one launch where there were two). Shapes and dtypes as ``rope_qkv``'s (checked there).
-
-    Attributes:
-        qkv: ``[B, (H + 2 Hkv) D]`` the fused projection's output, contiguous along the last dimension.
-        cos, sin: ``[B, R/2]`` the rotary tables of each row's position (``R/2`` a power of two).
-        q_norm, k_norm: ``[D]`` per-head RMSNorm weights, or both ``None``; eps: the norm's epsilon.
-        slot_mapping: ``[B]`` int64 flat cache slot of each row's new key and value.
-    """
-
-    qkv: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    eps: float
-    slot_mapping: torch.Tensor
 
 
 def _check_int_option(name: str, value) -> None:
@@ -332,7 +309,6 @@ def paged_decode_triton(
     out: torch.Tensor | None = None,
     splits: int | None = None,
     workspace: torch.Tensor | None = None,
-    rope: RopeInputs | None = None,
 ) -> torch.Tensor:
     """Paged decode attention with the Triton kernels (see the module docstring), whatever the device.
 
@@ -354,9 +330,6 @@ def paged_decode_triton(
         workspace: float32 1-D tensor of at least ``paged_decode_workspace``'s size for split-K. When
             ``splits > 1`` and it is None, one is allocated if ``out`` is None; with ``out`` given the
             single-pass kernel runs instead (nothing is allocated).
-        rope: the queries are computed from ``rope.qkv`` in the kernel (``q`` then gives only their shape and
-            dtype, a view of ``rope.qkv``), and each row's new key and value are written into the cache by the
-            program whose split holds its position, before it reads the cache (``rope_attention.paged_decode_rope``).
 
     Returns:
         ``[B, H, Dv]`` in ``q.dtype`` (``out`` when given).
@@ -394,20 +367,12 @@ def paged_decode_triton(
     ws_arg = workspace if splits > 1 else out
     ml_off = b * h * splits * dv
     pdl = pdl_launch(q)
-    if rope is None:  # the rotary arguments unused: any pointers
-        rope_args, half, norm = (q, q, q, q, q, context_lens, 0, 0, 0.0), 1, False
-    else:
-        qn, kn = rope.q_norm, rope.k_norm
-        rope_args = (rope.qkv, rope.cos, rope.sin, qn if qn is not None else q, kn if kn is not None else q,
-                     rope.slot_mapping, rope.qkv.stride(0), rope.cos.stride(0), float(rope.eps))
-        half, norm = rope.cos.shape[1], qn is not None
     kernel[(b, hkv, splits)](
         q, k_cache, v_cache, block_tables, context_lens, sink_arg, out, ws_arg,
         b, h, dk, dv, ml_off, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0),
-        out.stride(1), float(scale) * _LOG2E, sliding_window or 0, chunk_size or 1, *rope_args,
-        ROPE=rope is not None, HALF=half, NORM=norm, G=g, G_PAD=max(_MIN_ROWS, _next_pow2(g)), DK_PAD=dk_pad,
-        DV_PAD=dv_pad, BLOCK_SIZE=bs,
+        out.stride(1), float(scale) * _LOG2E, sliding_window or 0, chunk_size or 1,
+        G=g, G_PAD=max(_MIN_ROWS, _next_pow2(g)), DK_PAD=dk_pad, DV_PAD=dv_pad, BLOCK_SIZE=bs,
         BLOCK_N=_block_n(dk, dv, q.dtype), SPLITS=splits, HAS_WINDOW=sliding_window is not None,
         HAS_CHUNK=chunk_size is not None, HAS_SINKS=sinks is not None, IEEE=q.dtype == torch.float32,
         PDL=pdl, num_warps=4, num_stages=2, launch_pdl=pdl,

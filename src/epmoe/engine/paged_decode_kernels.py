@@ -2,9 +2,7 @@
 compute); this module imports Triton, so those modules import it on the first use of their Triton paths only (a
 machine without Triton imports them and serves CPU tensors with the references).
 
-* ``paged_decode_kernel``, grid ``(B, Hkv, S)``: one kv head's query group of one row over one split of its keys;
-  with ``ROPE`` it first does ``rope_attention.rope_qkv``'s work for the row (``rope_rows``) and writes the row's
-  key and value into the cache when its split holds the row's position.
+* ``paged_decode_kernel``, grid ``(B, Hkv, S)``: one kv head's query group of one row over one split of its keys.
 * ``paged_decode_reduce_kernel``, grid ``(B, H)``: merges the splits (and the sinks).
 * ``mla_decode_kernel``, grid ``(B, cdiv(H, BLOCK_H), S)``: ``engine.mla_decode``'s attention over the latent cache
   (its docstring says what it computes); its splits are merged by ``paged_decode_reduce_kernel`` too.
@@ -15,40 +13,13 @@ import triton.language as tl
 
 
 @triton.jit
-def rope_rows(src, heads, row_ok, offs_d, D, cos_row, sin_row, w_ptr, eps, HALF: tl.constexpr, NORM: tl.constexpr):
-    """Heads ``heads`` of one projected token (``src``: its row of the fused q/k/v projection) RMS-normalised
-    (``NORM``, weight ``w_ptr``) and rotated by halves on their first ``2 HALF`` values, as ``rope_qkv``'s
-    kernel: ``[rows, D_PAD]`` float32 holding values of ``src``'s dtype."""
-    dt = src.dtype.element_ty
-    d_ok = offs_d < D
-    rot = offs_d < 2 * HALF
-    partner = tl.where(offs_d < HALF, offs_d + HALF, tl.where(rot, offs_d - HALF, offs_d))
-    rows = src + heads[:, None] * D
-    m = row_ok[:, None] & d_ok[None, :]
-    x = tl.load(rows + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
-    xp = tl.load(rows + partner[None, :], mask=m, other=0.0).to(tl.float32)
-    if NORM:
-        r = tl.rsqrt(tl.sum(x * x, 1) / D + eps)
-        w = tl.load(w_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        wp = tl.load(w_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)
-        x = ((x * r[:, None]).to(dt).to(tl.float32) * w[None, :]).to(dt).to(tl.float32)
-        xp = ((xp * r[:, None]).to(dt).to(tl.float32) * wp[None, :]).to(dt).to(tl.float32)
-    idx = tl.where(rot, offs_d % HALF, 0)
-    c = tl.load(cos_row + idx, mask=rot, other=1.0).to(tl.float32)
-    sn = tl.load(sin_row + idx, mask=rot, other=0.0).to(tl.float32)
-    sign = tl.where(offs_d < HALF, -1.0, 1.0)
-    return tl.where(rot[None, :], x * c[None, :] + (sign * sn)[None, :] * xp, x)
-
-@triton.jit
 def paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, sink_ptr, out_ptr, ws_ptr,
     B, H, DK, DV, ml_off, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_btb, stride_ob, stride_oh, qk_scale, window, chunk,
-    qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr, stride_qkv, stride_c, eps,
     G: tl.constexpr, G_PAD: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    ROPE: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
 ):
     if PDL:  # the cache and the queries come from the kernel before: wait at once
         tl.extra.cuda.gdc_launch_dependents()
@@ -74,24 +45,8 @@ def paged_decode_kernel(
         per = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_N) * BLOCK_N
         lo = lo + split * per
         hi = tl.minimum(hi, lo + per)
-    if ROPE:  # rope_qkv's work for this row: its queries normed and rotated, its key and value into the cache
-        src = qkv_ptr + b.to(tl.int64) * stride_qkv
-        cs, sn = cos_ptr + b.to(tl.int64) * stride_c, sin_ptr + b.to(tl.int64) * stride_c
-        q = rope_rows(src, heads, row_ok, offs_dk, DK, cs, sn, qw_ptr, eps, HALF, NORM).to(k_ptr.dtype.element_ty)
-        if (ctx > 0) & (lo <= ctx - 1) & (ctx - 1 < hi):  # the one split whose keys include the new position
-            one = tl.arange(0, 1)
-            key = rope_rows(src, H + kvh + one, one == 0, offs_dk, DK, cs, sn, kw_ptr, eps, HALF, NORM)
-            slot = tl.load(slot_ptr + b)
-            blk = slot // BLOCK_SIZE
-            off = slot % BLOCK_SIZE
-            tl.store(k_ptr + blk * stride_kb + off * stride_ks + kvh * stride_kh + offs_dk[None, :],
-                     key.to(k_ptr.dtype.element_ty), mask=dk_ok[None, :])
-            val = tl.load(src + (H + tl.num_programs(1) + kvh) * DK + offs_dv, mask=dv_ok)
-            tl.store(v_ptr + blk * stride_vb + off * stride_vs + kvh * stride_vh + offs_dv, val, mask=dv_ok)
-        tl.debug_barrier()  # the program's own loads below see the key and value it wrote
-    else:
-        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_dk[None, :],
-                    mask=row_ok[:, None] & dk_ok[None, :], other=0.0)
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_dk[None, :],
+                mask=row_ok[:, None] & dk_ok[None, :], other=0.0)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, DV_PAD], tl.float32)

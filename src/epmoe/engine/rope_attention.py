@@ -14,10 +14,6 @@ attention reads anything, which at one decode token cost several times the layer
    token's cache slot;
 3. the engine's attention over the cache (``attention.attend``), then ``o_proj``.
 
-With ``EPMOE_ROPE_IN_DECODE=1`` a step of decode rows only (graph steps) runs 2 and 3 as one launch
-(``paged_decode_rope``: the decode attention kernel normalises and rotates its queries itself and writes the row's
-key and value into the cache before reading it). Off by default: not yet measured on a GPU against the two launches.
-
 Rotary embedding: ``x[:R]`` of a head is rotated by halves, ``(x1, x2) -> (x1 c - x2 s, x2 c + x1 s)`` with
 ``c, s`` the cosine and sine of the token's position (``R/2`` values, from the model's own rotary module, so
 every scaling variant it implements is kept) and ``x[R:]`` passed through (GLM's partial rotary). transformers
@@ -33,17 +29,12 @@ their own modules.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import nn
 
 from epmoe.engine.attention import AttnBatch, attend, engine_batch
 from epmoe.experts.triton.pdl import pdl_launch
-
-# environment switch: ``1`` runs a decode-only step's rotary and attention as one launch (``paged_decode_rope``),
-# off until measured on a GPU against the two launches
-ROPE_IN_DECODE = "EPMOE_ROPE_IN_DECODE"
 
 # model types whose attention is q/k/v projections, optional per-head RMSNorm, rotate-by-halves rotary,
 # attention (causal, sliding window, sinks) and o_proj. Value: (the cosine is given for half the rotated dims,
@@ -170,15 +161,8 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads:
     Raises:
         ValueError: shapes that do not agree (named), or only one of the two norm weights.
     """
-    _check_rope(qkv, cos, sin, num_heads, num_kv_heads, q_norm, k_norm, k_cache.shape[-1])
-    run = rope_qkv_triton if qkv.device.type == "cuda" else rope_qkv_reference
-    return run(qkv, cos, sin, num_heads, num_kv_heads, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping)
-
-
-def _check_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-                q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, d: int) -> None:
-    """``rope_qkv``'s checks of its rotary arguments against head dim ``d`` (see there)."""
     t = qkv.shape[0]
+    d = k_cache.shape[-1]
     half = cos.shape[-1]
     if qkv.shape[-1] != (num_heads + 2 * num_kv_heads) * d:
         raise ValueError(f"qkv has {qkv.shape[-1]} columns; (H + 2 Hkv) D = {(num_heads + 2 * num_kv_heads) * d}")
@@ -190,43 +174,8 @@ def _check_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_hea
                          f"{cos.stride()} and {sin.stride()}")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm go together: give both weights or neither")
-
-
-def paged_decode_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-                      q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                      context_lens: torch.Tensor, scale: float, *, sliding_window: int | None = None,
-                      sinks: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                      workspace: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
-    """``rope_qkv`` then ``paged_decode.paged_decode_attention`` for a step of decode rows only, in one Triton
-    launch (plus split-K's reduction): each program normalises and rotates its rows' queries itself, and the program
-    whose split holds a row's position writes its key and value into the cache before reading the cache. Triton
-    only (CUDA, or CPU tensors under the Triton interpreter); the same arithmetic as the two calls.
-
-    Args:
-        qkv, cos, sin, num_heads, num_kv_heads, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping: as
-            ``rope_qkv``, for ``B`` decode rows.
-        block_tables, context_lens, scale, sliding_window, sinks, out, workspace: as
-            ``paged_decode.paged_decode_attention`` (a row's context includes its new token).
-        splits: as ``paged_decode.paged_decode_triton``.
-
-    Returns:
-        ``[B, H, D]`` in ``qkv.dtype`` (``out`` when given).
-
-    Raises:
-        ValueError: as ``rope_qkv`` and ``paged_decode_attention``; ``R/2`` not a power of two.
-    """
-    from epmoe.engine.paged_decode import RopeInputs, paged_decode_triton
-
-    d = k_cache.shape[-1]
-    _check_rope(qkv, cos, sin, num_heads, num_kv_heads, q_norm, k_norm, d)
-    half = cos.shape[-1]
-    if half & (half - 1):
-        raise ValueError(f"the rotated half of a head must be a power of two, got {half}")
-    q = qkv[:, : num_heads * d].view(qkv.shape[0], num_heads, d)  # shape and dtype only: the kernel reads qkv
-    rope = RopeInputs(qkv, cos, sin, q_norm, k_norm, eps, slot_mapping)
-    return paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=sliding_window,
-                               sinks=sinks, out=out, workspace=workspace, splits=splits, rope=rope)
+    run = rope_qkv_triton if qkv.device.type == "cuda" else rope_qkv_reference
+    return run(qkv, cos, sin, num_heads, num_kv_heads, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping)
 
 
 def rope_qkv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
@@ -336,15 +285,6 @@ class RopeAttention(nn.Module):
         cos, sin = self._cos_sin(position_embeddings)
         qkv = self.qkv_proj(hidden_states[0])
         norm = self.q_norm is not None
-        if (qkv.is_cuda and batch.num_decode == t and not batch.prefills and batch.pieces is None
-                and os.environ.get(ROPE_IN_DECODE) == "1"):  # one launch for rotary and attention (measured: not yet)
-            out = paged_decode_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads,
-                                    self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
-                                    self.eps, batch.kv.k[self.layer_idx], batch.kv.v[self.layer_idx],
-                                    batch.slot_mapping, batch.block_tables, batch.context_lens, self.scaling,
-                                    sliding_window=self.sliding_window, sinks=self.sinks,
-                                    workspace=batch.workspace)
-            return self.o_proj(out.reshape(1, t, -1)), None
         q = rope_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.q_norm.weight if norm else None,
                      self.k_norm.weight if norm else None, self.eps, batch.kv.k[self.layer_idx],
                      batch.kv.v[self.layer_idx], batch.slot_mapping)
