@@ -142,11 +142,11 @@ def mla_decode_reference(
 
 @functools.cache
 def _triton_kernel():
-    """The Triton kernel (``paged_decode_kernels.mla_decode_kernel``, imported on first use); raises ImportError
+    """The Triton kernel (``decode_kernels.mla_decode_kernel``, imported on first use); raises ImportError
     without Triton."""
-    from epmoe.engine import paged_decode_kernels
+    from epmoe.engine import decode_kernels
 
-    return paged_decode_kernels.mla_decode_kernel
+    return decode_kernels.mla_decode_kernel
 
 
 def _next_pow2(n: int) -> int:

@@ -21,7 +21,7 @@ Two implementations with the same semantics:
   gathers all ``MB`` blocks of every row (``MB * BS`` positions) and masks, so it has no host
   synchronisation either.
 * ``paged_decode_triton``: the Triton kernels for CUDA tensors (and the Triton interpreter). Program
-  ``(b, g, s)`` of ``_paged_decode_kernel`` serves the whole GQA group of kv head ``g`` (``H // Hkv``
+  ``(b, g, s)`` of ``decode_kernels.paged_decode_kernel`` serves the whole GQA group of kv head ``g`` (``H // Hkv``
   query heads, padded to at least 16 rows for ``tl.dot``), so every K/V row is read once per kv head.
   It walks its keys in tiles of ``BLOCK_N`` positions gathered through the block table (one block id
   per key, so any ``BS``, aligned or not), with an online softmax in float32 (base 2) and the
@@ -30,8 +30,8 @@ Two implementations with the same semantics:
   the sink and writes ``out``; with ``S > 1`` splits (flash-decoding, for few sequences times kv heads
   with long contexts) each program takes one contiguous ``S``-th of the sequence's visible positions
   (a multiple of ``BLOCK_N``, so the splits follow the actual context lengths on the device) and writes
-  its running max, sum and unnormalised accumulator to a float32 workspace; ``_paged_decode_reduce_kernel``
-  (grid ``(B, H)``) merges the splits and the sink.
+  its running max, sum and unnormalised accumulator to a float32 workspace;
+  ``decode_kernels.paged_decode_reduce_kernel`` (grid ``(B, H)``) merges the splits and the sink.
 
 Grids and the number of splits depend on shapes only (``B``, ``Hkv``, ``MB * BS``, the window and chunk
 sizes, the SM count), never on device values: no host synchronisation, CUDA-graph safe. With ``out``
@@ -213,8 +213,8 @@ def paged_decode_reference(
 
 @functools.cache
 def _triton_kernels():
-    """The Triton kernels (``paged_decode_kernels``, imported on first use); raises ImportError without Triton."""
-    from epmoe.engine import paged_decode_kernels as kernels
+    """The Triton kernels (``decode_kernels``, imported on first use); raises ImportError without Triton."""
+    from epmoe.engine import decode_kernels as kernels
 
     return kernels.paged_decode_kernel, kernels.paged_decode_reduce_kernel
 

@@ -122,7 +122,6 @@ class StructuredOutputs:
                 is neither Lark nor GBNF, named with the converter's reason.
         """
         from llguidance import LLMatcher
-        from llguidance.gbnf_to_lark import any_to_lark
 
         kind = self.kind
         if kind in ("json", "json_object"):
@@ -142,11 +141,8 @@ class StructuredOutputs:
             return LLMatcher.grammar_from_regex(self.regex)
         if kind == "choice":  # Lark string literals take JSON's escapes
             return LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(map(json.dumps, self.choice)))
-        try:  # Lark as it is, GBNF converted (llguidance's own reading, as vLLM's guidance backend)
-            lark = any_to_lark(self.grammar)
-        except Exception as err:  # the converter raises plain Exceptions too
-            raise ValueError(f"structured_outputs.grammar does not compile: {_one_line(str(err))}") from None
-        return LLMatcher.grammar_from_lark(lark)
+        # Lark as it is, GBNF converted (llguidance's own reading, as vLLM's guidance backend)
+        return LLMatcher.grammar_from_lark(self.as_lark().grammar)
 
 
 class Matcher:

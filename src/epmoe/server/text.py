@@ -8,6 +8,7 @@ and generated tokens are their ids in decimal, space-separated, as ``epmoe run``
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -66,6 +67,7 @@ class TextCodec:
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
         self.chat_template = template or DEFAULT_CHAT_TEMPLATE
         self._constraints: Grammars | None = None
+        self._constraints_lock = threading.Lock()  # requests compile in worker threads: one compiler, built once
 
     def constraints(self) -> Grammars:
         """The structured-output compiler for this tokenizer (built on first use; ``engine.structured``).
@@ -73,8 +75,9 @@ class TextCodec:
         Raises:
             ValueError: the checkpoint has no tokenizer, or llguidance cannot read it.
         """
-        if self._constraints is None:
-            self._constraints = Grammars(self.tokenizer, self.vocab_size, ())
+        with self._constraints_lock:
+            if self._constraints is None:
+                self._constraints = Grammars(self.tokenizer, self.vocab_size, ())
         return self._constraints
 
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:

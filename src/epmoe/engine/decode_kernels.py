@@ -1,6 +1,6 @@
-"""The Triton kernels of ``engine.paged_decode`` and ``engine.mla_decode`` (see their docstrings for what they
-compute); this module imports Triton, so those modules import it on the first use of their Triton paths only (a
-machine without Triton imports them and serves CPU tensors with the references).
+"""The Triton kernels of decode attention over the paged caches: ``engine.paged_decode``'s and ``engine.mla_decode``'s
+(see their docstrings for what they compute). This module imports Triton, so those modules import it on the first
+use of their Triton paths only (a machine without Triton imports them and serves CPU tensors with the references).
 
 * ``paged_decode_kernel``, grid ``(B, Hkv, S)``: one kv head's query group of one row over one split of its keys.
 * ``paged_decode_reduce_kernel``, grid ``(B, H)``: merges the splits (and the sinks).
