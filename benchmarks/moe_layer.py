@@ -90,17 +90,15 @@ INT4_CASES = {
     "kimi_full_int4": dict(num_experts=384, slots=384, d=7168, f=2048, k=8),
 }
 INT4_GROUP = 32
-# (block_kw / (G / 8)) * block_n = 32 * num_warps in each kernel keeps every layout conversion inside a thread (one
-# row tile of four words a thread, see experts/triton/int4.py); the others are there to check that.
+# the tiles of the 2026-12-02 H200 sweep (gate and up rows in one tile, the inputs read once a step for all rows): the
+# default (8, 64, 16, 64, 2 warps) was fastest at 1-64 tokens on the EP-8 shard; the others, and the earlier default
+# (8, 128, 16, 64, 4 warps), stay to check that
 INT4_DECODE_SWEEP = [
-    Int4DecodeConfig(4, 128, 8, 64, 4), Int4DecodeConfig(4, 128, 16, 32, 4), Int4DecodeConfig(4, 128, 4, 128, 4),
-    Int4DecodeConfig(8, 64, 8, 64, 4), Int4DecodeConfig(2, 256, 8, 64, 4), Int4DecodeConfig(4, 128, 32, 16, 4),
-    Int4DecodeConfig(8, 128, 16, 64, 8), Int4DecodeConfig(4, 256, 8, 128, 8), Int4DecodeConfig(16, 64, 32, 32, 8),
-    Int4DecodeConfig(2, 128, 4, 64, 2), Int4DecodeConfig(4, 64, 8, 32, 2), Int4DecodeConfig(4, 128, 8, 64, 4, False),
-    Int4DecodeConfig(4, 128, 8, 64, 4, True, 2048), Int4DecodeConfig(4, 128, 8, 64, 4, True, 512),
-    Int4DecodeConfig(8, 128, 16, 64, 4), Int4DecodeConfig(4, 256, 8, 128, 4),
-    Int4DecodeConfig(4, 128, 8, 64, 4, stages=2), Int4DecodeConfig(2, 256, 8, 64, 4, stages=2),
-    Int4DecodeConfig(8, 128, 16, 64, 8, stages=2),
+    Int4DecodeConfig(8, 128, 16, 64, 4), Int4DecodeConfig(16, 64, 16, 64, 4), Int4DecodeConfig(16, 64, 32, 64, 4),
+    Int4DecodeConfig(16, 64, 64, 32, 4), Int4DecodeConfig(16, 64, 64, 16, 4),
+    Int4DecodeConfig(16, 64, 32, 64, 4, stages=2), Int4DecodeConfig(32, 64, 64, 32, 4, stages=2),
+    Int4DecodeConfig(16, 64, 32, 64, 4, True, 2048), Int4DecodeConfig(8, 64, 16, 64, 2, stages=2),
+    Int4DecodeConfig(4, 64, 8, 64, 2), Int4DecodeConfig(8, 64, 16, 64, 2, False),
 ]
 # the fused INT4 grouped path (block_k in inputs: 16 or 32 words a step): the defaults of default_int4_config,
 # 16-word steps, transposed products, 32-row blocks, 8 warps (none spills registers compiled for sm_90 by Triton 3.6)

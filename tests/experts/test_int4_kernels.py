@@ -56,8 +56,9 @@ def test_int4_decode_matches_reference(dtype, group, act, bias, woi):
     ref = _ref(x, slots, tw, q, act, woi)
     # one pair group per pair (ragged last row tile of the down kernel, words three steps in flight); then the pairs
     # shared among 2 groups per column tile (a program computes several pairs, requesting the next pair's first
-    # words before its epilogue), two steps in flight
-    for cfg in (Int4DecodeConfig(32, 16, 128, 8, 4), Int4DecodeConfig(16, 8, 64, 8, 2, True, 8, stages=2)):
+    # words before its epilogue), two steps in flight; then gate/up rows past F (a ragged row tile)
+    for cfg in (Int4DecodeConfig(32, 16, 128, 8, 4), Int4DecodeConfig(16, 8, 64, 8, 2, True, 8, stages=2),
+                Int4DecodeConfig(128, 8, 32, 8, 4)):
         out = int4_decode_experts(x, slots, tw, q, act, woi, cfg)
         assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3)
     none = int4_decode_experts(x, torch.full((3, 4), -1), tw, q, act, woi, Int4DecodeConfig(32, 16, 128, 8, 4))

@@ -14,13 +14,16 @@ double buffering of the weight tiles, programmatic dependent launches on Hopper,
 down kernel by arrival counters).
 
 Layout. Every thread owns whole int32 words, never a part of one: a program's weight tile is
-``[BLOCK_KW / GW, BLOCK_N, GW]`` words (groups of ``G`` inputs, rows, the ``GW = G / 8`` words of a group), the
-``GW`` words of a group in one thread (one 16-byte load for ``G = 32``). The vector ``v`` (``x`` or ``h``) is
-read from a de-interleaved, pre-scaled float32 copy ``vt``: within each group of ``G`` inputs, input ``j`` of
-the group's ``GW`` words is stored contiguously (``vt[(n // G) * G + (n % 8) * GW + (n // 8) % GW] = v[n] *
-2 ** (23 - p_j)``, ``j = n % 8``), so a thread reads the eight inputs of its words as eight 16-byte loads at
-constant offsets from one address. Those loads have the weight tile's shape (equal along the rows), so they land
-in the weight tile's own layout and nothing moves between threads inside the loop.
+``[BLOCK_KW / GW, R, GW]`` words (groups of ``G`` inputs, ``R`` rows, the ``GW = G / 8`` words of a group), the
+``GW`` words of a group in one thread (one 16-byte load for ``G = 32``); the gate/up kernel's tile holds its
+``BLOCK_N`` gate rows and the same ``BLOCK_N`` up rows (``R = 2 BLOCK_N``), the down kernel's its ``BLOCK_N``
+rows. The vector ``v`` (``x`` or ``h``) is read from a de-interleaved, pre-scaled float32 copy ``vt``: within each
+group of ``G`` inputs, input ``j`` of the group's ``GW`` words is stored contiguously (``vt[(n // G) * G + (n % 8) *
+GW + (n // 8) % GW] = v[n] * 2 ** (23 - p_j)``, ``j = n % 8``), so a thread reads the eight inputs of its words as
+eight 16-byte loads at constant offsets from one address. The input tile is ``[BLOCK_KW / GW, 1, GW]``, broadcast
+over the rows, so a step reads its inputs once whatever the rows (an earlier tile of the rows' shape read them once
+per row); depending on the tile shape Triton loads it in the word tile's own layout or in another, moved to it once
+a step.
 
 Nibble ``j`` is widened without a shift or an integer-to-float conversion: with the exponent bits of 1.0 set in
 the word once (``w | E``, ``E = 0x3F800000``), ``(w | E) & ((0xF << p_j) | E)`` read as float32 is ``1 + nib *
@@ -30,8 +33,6 @@ rounding. ``p_j = 4 j`` for ``j <= 4``; the top three nibbles are taken from ``w
 ``p_j = 4 j - 12``. So a nibble costs one AND, one subtraction and one multiply-add, all in the thread's
 registers. The products of a group's words are summed in the thread, multiplied by the group's scale and
 accumulated per ``[group, row]``; the groups are reduced across threads once per pair, after the last step.
-With ``(BLOCK_KW / GW) * BLOCK_N = 32 * num_warps`` (one group of one row a thread) the scale tile also lands in
-that layout, so a step has no shared-memory traffic or barrier.
 
 1. ``_deinterleave_kernel``, grid ``(T, cdiv(D / 8, BLOCK_W))``: ``x [T, D]`` -> ``xt [T, D]`` float32 as above.
 2. ``_decode_gate_up_kernel``, grid ``(cdiv(F, BLOCK_N1), groups)``: for each of its live pairs, program
@@ -119,9 +120,9 @@ INT4_DEQUANT_MIN_PAIRS: int | None = None
 
 @dataclass(frozen=True)
 class Int4DecodeConfig:
-    """Tile shapes of the INT4 decode kernels (all sizes powers of two). A kernel whose tile holds one group of one
-    row a thread (``(block_kw / (G / 8)) * block_n = 32 * num_warps``) moves nothing between threads inside its loop
-    (see the module docstring); the defaults do for ``G = 32``.
+    """Tile shapes of the INT4 decode kernels (all sizes powers of two; see the module docstring's layout). The
+    defaults are the fastest of ``benchmarks/moe_layer.py``'s ``INT4_DECODE_SWEEP`` on the H200 for Kimi-K2.5's
+    experts (``G = 32``) at 1-64 tokens: each thread holds one group of several rows, so its inputs serve them all.
 
     Attributes:
         block_n1: gate (and up) rows per gate/up program.
@@ -141,10 +142,10 @@ class Int4DecodeConfig:
     """
 
     block_n1: int = 8
-    block_kw1: int = 128
+    block_kw1: int = 64
     block_n2: int = 16
     block_kw2: int = 64
-    num_warps: int = 4
+    num_warps: int = 2
     pdl: bool = True
     max_programs: int = 1024
     stages: int = 3
@@ -181,11 +182,10 @@ def _load_inputs(v_ptrs, v_ok, GW: tl.constexpr, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _input_tile(offs_g, offs_n, GW: tl.constexpr):
-    """``[NG, BLOCK_N, GW]`` offsets of input 0 of the words of a step's groups in the de-interleaved vector, equal
-    along the rows: loaded in the words' own layout (a ``[NG, GW]`` tile would be loaded in another layout and
-    moved between threads), each thread reads the inputs of its own words."""
-    return offs_g[:, None, None] * (8 * GW) + (offs_n * 0)[None, :, None] + tl.arange(0, GW)[None, None, :]
+def _input_tile(offs_g, GW: tl.constexpr):
+    """``[NG, 1, GW]`` offsets of input 0 of the words of a step's groups in the de-interleaved vector, broadcast
+    over the rows of the word tile ``[NG, R, GW]`` (see the module docstring's layout)."""
+    return offs_g[:, None, None] * (8 * GW) + tl.arange(0, GW)[None, None, :]
 
 
 @triton.jit
@@ -252,63 +252,57 @@ def _deinterleave_kernel(x_ptr, xt_ptr, DW, stride_x, GW: tl.constexpr, BLOCK_W:
 
 
 @triton.jit
+def _gate_up_rows(pid_n, F, BLOCK_N: tl.constexpr):
+    """The ``2 * BLOCK_N`` weight rows of gate/up program ``pid_n`` and which are in range: its ``BLOCK_N`` gate rows,
+    then the same ``BLOCK_N`` up rows (``F`` further); one tile, so that a thread's inputs serve the gate and up rows
+    it holds alike."""
+    r = tl.arange(0, 2 * BLOCK_N)
+    n = pid_n * BLOCK_N + r % BLOCK_N
+    return n + (r // BLOCK_N) * F, n < F
+
+
+@triton.jit
 def _gate_up_pair(
-    xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, pair, slot, wg, wu, wg1, wu1, next_slot, more, top_k, F, DW,
-    stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha, w_rows, s_rows, offs_n, n_ok, offs_kw, offs_g,
+    xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, pair, slot, w, w1, next_slot, more, top_k, F, DW,
+    stride_we, stride_se, act_limit, act_alpha, w_rows, s_rows, offs_n, n_ok, offs_kw, offs_g,
     first, second, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr, ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    """``h`` of one pair for this program's rows, from its first two word tiles (``wg``/``wu``, ``wg1``/``wu1``)
-    already requested; with ``PREFETCH`` returns the first two tiles of ``next_slot`` (requested before this pair's
-    epilogue)."""
+    """``h`` of one pair for this program's rows (``offs_n``), from its first two word tiles (``w``, ``w1``: gate rows,
+    then up rows; ``_gate_up_rows``) already requested; with ``PREFETCH`` returns the first two tiles of ``next_slot``
+    (requested before this pair's epilogue)."""
     NG: tl.constexpr = BLOCK_KW // GW
-    wg_ptrs = w_ptr + slot * stride_we + w_rows
-    wu_ptrs = wg_ptrs + F * stride_wn
-    sg_ptrs = s_ptr + slot * stride_se + s_rows
-    su_ptrs = sg_ptrs + F * stride_sn
-    v_ptrs = xt_ptr + (pair // top_k).to(tl.int64) * 8 * DW + _input_tile(offs_g, offs_n, GW)
-    g = tl.zeros((NG, BLOCK_N), dtype=tl.float32)
-    u = tl.zeros((NG, BLOCK_N), dtype=tl.float32)
+    w_ptrs = w_ptr + slot * stride_we + w_rows
+    s_ptrs = s_ptr + slot * stride_se + s_rows
+    v_ptrs = xt_ptr + (pair // top_k).to(tl.int64) * 8 * DW + _input_tile(offs_g, GW)
+    acc = tl.zeros((NG, 2 * BLOCK_N), dtype=tl.float32)
     for kw0 in range(0, DW, BLOCK_KW):
         # register buffering, STAGES - 1 steps ahead: the words of step k + STAGES - 1 are requested before step
         # k's are widened (Triton software-pipelines only loads that feed tl.dot)
         nxt = (offs_kw < DW - kw0 - (STAGES - 1) * BLOCK_KW)[:, None, :] & n_ok[None, :, None]
-        wg2 = tl.load(wg_ptrs + (STAGES - 1) * BLOCK_KW, mask=nxt, other=0)
-        wu2 = tl.load(wu_ptrs + (STAGES - 1) * BLOCK_KW, mask=nxt, other=0)
+        w2 = tl.load(w_ptrs + (STAGES - 1) * BLOCK_KW, mask=nxt, other=0)
         if EVEN:
-            sg = tl.load(sg_ptrs).to(tl.float32)
-            su = tl.load(su_ptrs).to(tl.float32)
+            sc = tl.load(s_ptrs).to(tl.float32)
         else:
-            s_ok = (offs_g < (DW - kw0) // GW)[:, None] & n_ok[None, :]
-            sg = tl.load(sg_ptrs, mask=s_ok, other=0.0).to(tl.float32)
-            su = tl.load(su_ptrs, mask=s_ok, other=0.0).to(tl.float32)
-        v = _load_inputs(v_ptrs, (offs_kw < DW - kw0)[:, None, :], GW, EVEN)
-        g += _group_dots(wg, v) * sg
-        u += _group_dots(wu, v) * su
+            sc = tl.load(s_ptrs, mask=(offs_g < (DW - kw0) // GW)[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        acc += _group_dots(w, _load_inputs(v_ptrs, (offs_kw < DW - kw0)[:, None, :], GW, EVEN)) * sc
         if STAGES == 3:
-            wg = wg1
-            wu = wu1
-            wg1 = wg2
-            wu1 = wu2
+            w = w1
+            w1 = w2
         else:
-            wg = wg2
-            wu = wu2
-        wg_ptrs += BLOCK_KW
-        wu_ptrs += BLOCK_KW
-        sg_ptrs += NG
-        su_ptrs += NG
+            w = w2
+        w_ptrs += BLOCK_KW
+        s_ptrs += NG
         v_ptrs += 8 * BLOCK_KW
     if PREFETCH:
-        nxt_ptrs = w_ptr + next_slot * stride_we + w_rows
-        wg, wg1 = _first_tiles(nxt_ptrs, first & more, second & more, BLOCK_KW, STAGES)
-        wu, wu1 = _first_tiles(nxt_ptrs + F * stride_wn, first & more, second & more, BLOCK_KW, STAGES)
-    gs = tl.sum(g, axis=0)
-    us = tl.sum(u, axis=0)
+        w, w1 = _first_tiles(w_ptr + next_slot * stride_we + w_rows, first & more, second & more, BLOCK_KW, STAGES)
+    gs, us = tl.split(tl.permute(tl.reshape(tl.sum(acc, axis=0), [2, BLOCK_N]), [1, 0]))
     tw = tl.load(tw_ptr + pair)
     if WEIGHT_ON_INPUT:
         gs *= tw
         us *= tw
+    n_ok = offs_n < F
     if HAS_BIAS:
         gs += tl.load(b_ptr + slot * 2 * F + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         us += tl.load(b_ptr + slot * 2 * F + F + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -316,7 +310,7 @@ def _gate_up_pair(
     if not WEIGHT_ON_INPUT:
         h *= tw
     tl.store(h_ptr + pair * F + _input_offsets(offs_n, GW), h * _nibble_scale(offs_n % 8), mask=n_ok)
-    return wg, wu, wg1, wu1
+    return w, w1
 
 
 @triton.jit
@@ -334,38 +328,33 @@ def _decode_gate_up_kernel(
     if (pid_n == 0) & (group == 0):
         zero_arrival_counters(count_ptr, num_counters, ZERO_BLOCK)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < F
-    offs_g, offs_kw, w_rows, s_rows, first, second = _row_tile(offs_n, n_ok, DW, stride_wn, stride_sn, BLOCK_KW, GW)
+    rows, rows_ok = _gate_up_rows(pid_n, F, BLOCK_N)
+    offs_g, offs_kw, w_rows, s_rows, first, second = _row_tile(rows, rows_ok, DW, stride_wn, stride_sn, BLOCK_KW, GW)
     # slots and weights were complete before the launch chain began: request the first words before the wait
     if ONE_PAIR:
         slot = tl.load(slots_ptr + group)
         if (slot < 0) | (slot >= num_slots):
             return
         slot = slot.to(tl.int64)
-        wg, wg1 = _first_tiles(w_ptr + slot * stride_we + w_rows, first, second, BLOCK_KW, STAGES)
-        wu, wu1 = _first_tiles(w_ptr + slot * stride_we + w_rows + F * stride_wn, first, second, BLOCK_KW, STAGES)
+        w, w1 = _first_tiles(w_ptr + slot * stride_we + w_rows, first, second, BLOCK_KW, STAGES)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        _gate_up_pair(xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, group, slot, wg, wu, wg1, wu1, slot, False, top_k,
-                      F, DW, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha, w_rows, s_rows, offs_n,
-                      n_ok, offs_kw, offs_g, first, second, BLOCK_N, BLOCK_KW, GW, ACT, HAS_BIAS, WEIGHT_ON_INPUT,
-                      False, EVEN, STAGES)
+        _gate_up_pair(xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, group, slot, w, w1, slot, False, top_k, F, DW,
+                      stride_we, stride_se, act_limit, act_alpha, w_rows, s_rows, offs_n, rows_ok, offs_kw, offs_g,
+                      first, second, BLOCK_N, BLOCK_KW, GW, ACT, HAS_BIAS, WEIGHT_ON_INPUT, False, EVEN, STAGES)
     else:
         idx, sl, live, rank, n_live = live_pairs(slots_ptr, num_pairs, num_slots, N_PAD)
         pair, slot = live_pair(idx, sl, live, rank, group)
         any_pair = group < n_live
-        first_ptrs = w_ptr + slot * stride_we + w_rows
-        wg, wg1 = _first_tiles(first_ptrs, first & any_pair, second & any_pair, BLOCK_KW, STAGES)
-        wu, wu1 = _first_tiles(first_ptrs + F * stride_wn, first & any_pair, second & any_pair, BLOCK_KW, STAGES)
+        w, w1 = _first_tiles(w_ptr + slot * stride_we + w_rows, first & any_pair, second & any_pair, BLOCK_KW, STAGES)
         if PDL:
             tl.extra.cuda.gdc_wait()
         for i in range(group, n_live, GROUPS):
             next_pair, next_slot = live_pair(idx, sl, live, rank, i + GROUPS)
-            wg, wu, wg1, wu1 = _gate_up_pair(
-                xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, pair, slot, wg, wu, wg1, wu1, next_slot,
-                i + GROUPS < n_live, top_k, F, DW, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha,
-                w_rows, s_rows, offs_n, n_ok, offs_kw, offs_g, first, second, BLOCK_N, BLOCK_KW, GW, ACT, HAS_BIAS,
-                WEIGHT_ON_INPUT, True, EVEN, STAGES)
+            w, w1 = _gate_up_pair(
+                xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, pair, slot, w, w1, next_slot, i + GROUPS < n_live, top_k,
+                F, DW, stride_we, stride_se, act_limit, act_alpha, w_rows, s_rows, offs_n, rows_ok, offs_kw, offs_g,
+                first, second, BLOCK_N, BLOCK_KW, GW, ACT, HAS_BIAS, WEIGHT_ON_INPUT, True, EVEN, STAGES)
             pair = next_pair
             slot = next_slot
 
@@ -382,7 +371,7 @@ def _down_pair(
     NG: tl.constexpr = BLOCK_KW // GW
     w_ptrs = w_ptr + slot * stride_we + w_rows
     s_ptrs = s_ptr + slot * stride_se + s_rows
-    v_ptrs = h_ptr + pair * F + _input_tile(offs_g, offs_n, GW)
+    v_ptrs = h_ptr + pair * F + _input_tile(offs_g, GW)
     acc = tl.zeros((NG, BLOCK_N), dtype=tl.float32)
     for kw0 in range(0, FW, BLOCK_KW):
         w2 = tl.load(w_ptrs + (STAGES - 1) * BLOCK_KW,
@@ -477,8 +466,7 @@ def int4_decode_experts(
         weights: the packed weights (contiguous).
         activation: the gated activation.
         weight_on_input: scale the expert input by the weight instead of its output.
-        config: tile shapes; ``Int4DecodeConfig()`` when ``None`` (one group of one row a thread in both kernels
-            at group size 32, the most programs for one active expert; ``benchmarks/moe_layer.py --sweep`` times
+        config: tile shapes; ``Int4DecodeConfig()`` when ``None`` (``benchmarks/moe_layer.py --sweep`` times
             the alternatives in ``INT4_DECODE_SWEEP``).
 
     Returns:
