@@ -124,8 +124,30 @@ def kernel_profile(engine: Engine, steps: int) -> tuple[list[dict], dict]:
         end = max(end, e)
     top = sorted(before.items(), key=lambda kv: -kv[1])[:12]
     timeline = {"busy_us": busy / steps, "idle_us": idle / steps,
-                "idle_before": [{"kernel": k, "us_per_step": v} for k, v in top]}
+                "idle_before": [{"kernel": k, "us_per_step": v} for k, v in top], "layer": one_layer(spans, steps)}
     return rows, timeline
+
+
+LAYER_ANCHORS = ("paged_decode_kernel", "mla_decode_kernel")
+"""Kernels launched once per attention layer of a decode step (``one_layer`` cuts the timeline at them)."""
+
+
+def one_layer(spans: list[tuple[float, float, str]], steps: int) -> list[dict]:
+    """The kernels of one decoder layer in the middle of the last profiled step, in launch order: from one decode
+    attention launch (``LAYER_ANCHORS``) to the next, each with its start after the layer's first (us), its
+    duration and the GPU's idle time before it (negative: it started before the previous kernel ended, as a
+    programmatic dependent launch does)."""
+    at = [i for i, (_, _, name) in enumerate(spans) if name.startswith(LAYER_ANCHORS)]
+    per_step = len(at) // max(1, steps)
+    if per_step < 2:
+        return []
+    first, last = at[len(at) - per_step // 2 - 1], at[len(at) - per_step // 2]
+    t0 = spans[first][0]
+    out, end = [], spans[first - 1][1]
+    for s, e, name in spans[first:last]:
+        out.append({"kernel": name, "start_us": s - t0, "us": e - s, "gap_us": s - end})
+        end = max(end, e)
+    return out
 
 
 def host_profile(engine: Engine, steps: int) -> list[dict]:
@@ -325,6 +347,11 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
             print(f"    timeline: busy {tl['busy_us']:.1f} us, idle {tl['idle_us']:.1f} us per step; idle before:")
             for k in tl["idle_before"][:8]:
                 print(f"    {k['us_per_step']:9.1f} us  {k['kernel']}")
+            if tl["layer"]:
+                print(f"    one layer ({tl['layer'][-1]['start_us'] + tl['layer'][-1]['us']:.1f} us): start, duration, "
+                      "gap before, us")
+                for k in tl["layer"]:
+                    print(f"    {k['start_us']:7.1f} {k['us']:6.1f} {k['gap_us']:6.1f}  {k['kernel']}")
         for h in r["host"][:8]:
             print(f"    host {h['ms_per_step']:7.3f} ms {h['calls']:6.1f}x  {h['function']}")
     time_ttft(engine, 256, spec.vocab_size)  # warm-up: first prefill-sized launches compile their kernels
