@@ -326,7 +326,7 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
     m = {"layers": engine.ep_model.model.config.num_hidden_layers, "start_s": start_s, "kv": kv,
          "weights": wb, "rows": {}, "ttft": {}}
     for bs in batches:
-        prof = 5 if str(bs) in args.profile.split(",") else 0
+        prof = args.profile_steps if str(bs) in args.profile.split(",") else 0
         r = time_decode(engine, bs, args.steps, spec.vocab_size, prof)
         r.update(decode_floor(engine, wb, bs, r["ctx"], ceil))
         r["ratio_to_floor"] = r["tpot_ms"] / r["floor_ms"]
@@ -559,6 +559,8 @@ def main() -> None:
     ap.add_argument("--sequential-batches", default="",
                     help="batch sizes also timed without the overlap schedule, e.g. 1,64")
     ap.add_argument("--profile", default="", help="batch sizes whose kernels are profiled, e.g. 1,64")
+    ap.add_argument("--profile-steps", type=int, default=5,
+                    help="decode steps each profile covers (its idle time includes the first step's launch)")
     ap.add_argument("--env-variants", default="",
                     help="';'-separated environment settings, each timed as a second engine in the same run after "
                          "the main rows, e.g. 'EPMOE_PDL=0'")
