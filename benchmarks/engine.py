@@ -143,7 +143,7 @@ def one_layer(spans: list[tuple[float, float, str]], steps: int) -> list[dict]:
         return []
     first, last = at[len(at) - per_step // 2 - 1], at[len(at) - per_step // 2]
     t0 = spans[first][0]
-    out, end = [], spans[first - 1][1]
+    out, end = [], spans[first - 1][1] if first else t0
     for s, e, name in spans[first:last]:
         out.append({"kernel": name, "start_us": s - t0, "us": e - s, "gap_us": s - end})
         end = max(end, e)

@@ -30,7 +30,7 @@ def kimi(tiny_checkpoints):
     ("serve", ["--parallel", "tp", "--replica-policy", "random"], "--replica-policy places or moves whole experts"),
     ("serve", ["--speculative-algorithm", "draft"],
      "--speculative-algorithm 'draft' needs its draft: set --speculative-draft-model to the draft's directory"),
-    ("serve", ["--speculative-num-tokens", "3"], "--speculative-num-tokens configure speculative decoding"),
+    ("serve", ["--speculative-num-tokens", "3"], "--speculative-num-tokens configures speculative decoding"),
     ("serve", ["--cuda-graph-max-tokens", "-1"], "--cuda-graph-max-tokens must be a non-negative integer, got -1"),
     ("run", ["--piecewise-cuda-graph-max-tokens", "-1"],
      "--piecewise-cuda-graph-max-tokens must be a non-negative integer, got -1"),

@@ -267,7 +267,7 @@ def test_drafts_that_cannot_serve_the_target_are_refused(tiny_checkpoints, draft
 @pytest.mark.parametrize("options,message", [
     (dict(speculative_algorithm="medusa"), "speculative_algorithm must be one of"),
     (dict(speculative_algorithm="ngram", speculative_num_tokens=0), "speculative_num_tokens must be an integer in"),
-    (dict(speculative_num_tokens=3), "speculative_num_tokens configure speculative decoding"),
+    (dict(speculative_num_tokens=3), "speculative_num_tokens configures speculative decoding"),
     (dict(speculative_algorithm="draft"), "speculative_algorithm 'draft' needs its draft: set speculative_draft_model"),
     (dict(speculative_algorithm="eagle3", speculative_draft_model="/nonexistent"),
      "speculative_draft_model '/nonexistent' is not a directory with a config.json"),

@@ -6,6 +6,7 @@ import torch
 from epmoe.experts import EXPERT_BACKENDS, Activation, ExpertWeights, get_expert_backend, reference_experts
 from epmoe.experts.fp8 import BlockFP8ExpertWeights, block_fp8_expert_weights, quantize_block_fp8
 from epmoe.experts.triton.align import align_reference, num_aligned_blocks
+from epmoe.experts.weights import check_expert_call
 
 
 def _problem(seed, s=6, d=256, f=128, t=11, k=3, bias=False):
@@ -54,9 +55,28 @@ def test_backends_skip_slot_ids_outside_the_slots(name):
     skipped like ``-1``, never read outside the weights."""
     w, x, slots, tw = _problem(5)
     bad = slots.clone()
-    bad[0, 0], bad[3, 1], bad[7, 2] = 6, 100, -5
+    bad[0, 0], bad[3, 1], bad[7, 2], bad[9, 0] = 6, 100, -5, 2**40  # 2**40: no buffer sized by the id
     want = reference_experts(x, torch.where((bad >= 0) & (bad < 6), bad, -1), tw, w, Activation())
     torch.testing.assert_close(get_expert_backend(name)(x, bad, tw, w, Activation()), want, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_call_operands_are_checked_by_name():
+    w, x, slots, tw = _problem(2)
+    check_expert_call(x, slots, tw, w.hidden_size)
+    check_expert_call(x[:, :256], slots.t().contiguous().t(), tw.double(), w.hidden_size, as_read=False)
+    bad = [
+        ((x[:, :128], slots, tw), "x must be \\[T, D\\] with D = 256"),
+        ((x, slots[:3], tw), "topk_slots must be \\[T, K\\] with T = 11"),
+        ((x, slots.float(), tw), "topk_slots must hold integer slot ids, got dtype torch.float32"),
+        ((x, slots, tw[:, :2]), "topk_weights must have topk_slots' shape \\(11, 3\\), got \\(11, 2\\)"),
+        ((torch.randn(256, 11).t(), slots, tw), "x must be contiguous along D"),
+        ((x, slots.t().contiguous().t(), tw), "topk_slots must be contiguous"),
+        ((x, slots, tw.t().contiguous().t()), "topk_weights must be contiguous"),
+        ((x, slots, tw.bfloat16()), "topk_weights must be float32, got torch.bfloat16"),
+    ]
+    for args, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            check_expert_call(*args, w.hidden_size)
 
 
 @pytest.mark.parametrize("block_m,half,tail", [(1, False, None), (4, False, None), (16, False, None), (4, True, None),

@@ -147,6 +147,10 @@ def test_int4_step_must_cover_whole_groups():
         int4_decode_experts(x, slots, tw, q, Activation(), config=Int4DecodeConfig(8, 4, 16, 8, 4))
     with pytest.raises(ValueError, match="stages must be 2 or 3, got 4"):
         int4_decode_experts(x, slots, tw, q, Activation(), config=Int4DecodeConfig(8, 8, 16, 8, 4, stages=4))
+    with pytest.raises(ValueError, match="Int4DecodeConfig.block_n2 must be a power of two, got 12"):
+        int4_decode_experts(x, slots, tw, q, Activation(), config=Int4DecodeConfig(8, 8, 12, 8, 4))
+    with pytest.raises(ValueError, match="x must be contiguous along D"):  # read by pointer: checked first
+        int4_decode_experts(torch.randn(256, 1)[::2].t(), slots, tw, q, Activation())
 
 
 @pytest.mark.interpret  # the kernel module needs Triton (absent from CPU-only installs)

@@ -266,8 +266,10 @@ class EngineConfig:
                 ("speculative_draft_parallel", self.speculative_draft_parallel, "ep"),
             ) if value != default]
             if given:
-                raise ValueError(f"{', '.join(given)} configure speculative decoding: give speculative_algorithm "
-                                 f"({' | '.join(SPECULATIVE_ALGORITHMS)}) with them")
+                one = len(given) == 1
+                raise ValueError(f"{', '.join(given)} {'configures' if one else 'configure'} speculative decoding: "
+                                 f"give speculative_algorithm ({' | '.join(SPECULATIVE_ALGORITHMS)}) with "
+                                 f"{'it' if one else 'them'}")
             return
         if algo not in SPECULATIVE_ALGORITHMS:
             raise ValueError(f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {algo!r}")

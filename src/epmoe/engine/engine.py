@@ -438,7 +438,8 @@ class Engine:
         need = min(len(ids) + params.max_tokens - 1, self.max_model_len)
         if need > pool:
             raise ValueError(f"prompt of {len(ids)} tokens with max_tokens {params.max_tokens} needs {need} KV slots; "
-                             f"the KV pool holds {pool} tokens ({self.allocator.capacity} blocks of "
+                             f"the KV pool holds {pool} tokens ({self.allocator.capacity} "
+                             f"block{'s' if self.allocator.capacity != 1 else ''} of "
                              f"{self.config.block_size}): lower max_tokens or give the cache more blocks")
         so = params.structured_outputs
         return ids, self._constraint_compiler().matcher(so) if so is not None else None

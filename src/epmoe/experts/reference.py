@@ -25,7 +25,7 @@ def reference_experts(
     out = torch.zeros_like(x)
     if x.shape[0] == 0:
         return out
-    valid = topk_slots >= 0
+    valid = (topk_slots >= 0) & (topk_slots < weights.num_slots)  # others skip (ExpertBackend)
     flat_slots = torch.where(valid, topk_slots, weights.num_slots).reshape(-1)
     order = torch.argsort(flat_slots, stable=True)
     counts = torch.bincount(flat_slots, minlength=weights.num_slots + 1)[: weights.num_slots].tolist()

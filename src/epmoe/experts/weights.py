@@ -90,6 +90,11 @@ class ExpertWeights:
         """``S``: local expert slots."""
         return self.w13.shape[0]
 
+    @property
+    def hidden_size(self) -> int:
+        """``D``: the model's hidden size (the experts' input and output width)."""
+        return self.w13.shape[2]
+
 
 # ExpertWeights (bf16/fp16/fp32, block FP8) or the INT4 / MXFP4 packed values (``int4``, ``mxfp4``), which
 # import this module; named by string so that this module imports nothing else of the package.
@@ -140,3 +145,37 @@ def check_expert_biases(b13: torch.Tensor | None, b2: torch.Tensor | None, slots
         raise ValueError(f"b13 must be {(slots, two_f)}, got {tuple(b13.shape)}")
     if b2 is not None and tuple(b2.shape) != (slots, d):
         raise ValueError(f"b2 must be {(slots, d)}, got {tuple(b2.shape)}")
+
+
+
+def check_expert_call(x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, hidden_size: int, *,
+                      as_read: bool = True) -> None:
+    """Check the operands of an expert compute call against each other and the weights' hidden size, before a kernel
+    reads them by pointer: ``x [T, D]``, ``topk_slots [T, K]`` integer and ``topk_weights [T, K]``.
+
+    Args:
+        as_read: also check the layout the kernels read: ``x``'s rows contiguous along ``D``, ``topk_slots`` and
+            ``topk_weights`` contiguous, ``topk_weights`` float32 (the entry points that first make them so, such as
+            ``triton.int4.int4_experts``, check the shapes only).
+
+    Raises:
+        ValueError: an operand of another shape, dtype or layout (named, with what it is).
+    """
+    if x.dim() != 2 or x.shape[1] != hidden_size:
+        raise ValueError(f"x must be [T, D] with D = {hidden_size} (the weights' hidden size), got {tuple(x.shape)}")
+    if topk_slots.dim() != 2 or topk_slots.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_slots must be [T, K] with T = {x.shape[0]} (x's rows), got {tuple(topk_slots.shape)}")
+    if topk_slots.dtype.is_floating_point or topk_slots.dtype.is_complex or topk_slots.dtype == torch.bool:
+        raise ValueError(f"topk_slots must hold integer slot ids, got dtype {topk_slots.dtype}")
+    if tuple(topk_weights.shape) != tuple(topk_slots.shape):
+        raise ValueError(f"topk_weights must have topk_slots' shape {tuple(topk_slots.shape)}, "
+                         f"got {tuple(topk_weights.shape)}")
+    if not as_read:
+        return
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(f"x must be contiguous along D, got strides {tuple(x.stride())}")
+    for name, t in (("topk_slots", topk_slots), ("topk_weights", topk_weights)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {tuple(t.stride())}")
+    if topk_weights.dtype != torch.float32:
+        raise ValueError(f"topk_weights must be float32, got {topk_weights.dtype}")

@@ -54,7 +54,7 @@ import triton.language as tl
 
 from epmoe.experts.fp8 import FP8_BLOCK, BlockFP8ExpertWeights, kernel_operands
 from epmoe.experts.triton.pdl import pdl_launch
-from epmoe.experts.weights import Activation, ExpertWeights
+from epmoe.experts.weights import Activation, ExpertWeights, check_expert_call
 
 DECODE_MAX_PAIRS = 16
 _ZERO_BLOCK = 1024
@@ -395,9 +395,11 @@ def decode_experts(
         ``[T, D]`` in ``x.dtype``.
 
     Raises:
+        ValueError: operands of other shapes or layouts than ``experts.weights.check_expert_call`` takes.
         ValueError: more than ``DECODE_MAX_PAIRS`` pairs, or FP8 weights with ``block_n1``/``block_n2``
             not dividing 128.
     """
+    check_expert_call(x, topk_slots, topk_weights, weights.hidden_size)
     t, k = topk_slots.shape
     cfg = config if config is not None else default_decode_config(
         x.shape[1], weights.w2.shape[2], weights.w13.element_size())

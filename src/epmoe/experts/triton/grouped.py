@@ -57,7 +57,7 @@ from epmoe.experts.triton.w4a16 import (
     nibble_segment,
     nibble_segment_of,
 )
-from epmoe.experts.weights import Activation, ExpertWeights
+from epmoe.experts.weights import Activation, ExpertWeights, check_expert_call
 
 _ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2}
 _CLAMPED_SWIGLU = 3
@@ -354,9 +354,11 @@ def triton_experts(
         ``[T, D]`` in ``x.dtype``.
 
     Raises:
+        ValueError: operands of other shapes than ``experts.weights.check_expert_call`` takes.
         TypeError: ``x`` not bf16/fp16, or weights of another dtype than ``x`` (unless block FP8).
         ValueError: a ``config`` the weights cannot take (see ``grouped_experts``).
     """
+    check_expert_call(x, topk_slots, topk_weights, weights.hidden_size, as_read=False)
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"the triton expert backend computes in bf16 or fp16, got x of dtype {x.dtype}")
     fp8 = isinstance(weights, BlockFP8ExpertWeights)
@@ -404,10 +406,12 @@ def grouped_experts(
         ``[T, D]`` in ``x.dtype``.
 
     Raises:
+        ValueError: operands of other shapes or layouts than ``experts.weights.check_expert_call`` takes.
         ValueError: block FP8 weights without ``block_k == 128`` and ``block_n`` dividing 128; INT4 weights with a
             step (``block_k``) that is not a power of two of at least 128 inputs (16 words: ``tl.dot``'s
             smallest reduction); ``swap_ab`` with weights that are not INT4.
     """
+    check_expert_call(x, topk_slots, topk_weights, weights.hidden_size)
     cfg = config
     fp8 = isinstance(weights, BlockFP8ExpertWeights)
     int4 = isinstance(weights, Int4ExpertWeights)

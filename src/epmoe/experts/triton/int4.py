@@ -92,7 +92,7 @@ from epmoe.experts.triton.grouped import TileConfig, act_code, default_int4_conf
 from epmoe.experts.triton.pdl import pdl_launch
 from epmoe.experts.triton.w4a16_mma import default_mma_config, int4_mma_experts
 from epmoe.experts.triton.w4a16_wgmma import default_wgmma_config, int4_wgmma_experts
-from epmoe.experts.weights import Activation, ExpertWeights
+from epmoe.experts.weights import Activation, ExpertWeights, check_expert_call
 
 _ZERO_BLOCK = 1024
 
@@ -473,17 +473,20 @@ def int4_decode_experts(
         ``[T, D]`` in ``x.dtype``.
 
     Raises:
+        ValueError: operands of other shapes or layouts than ``experts.weights.check_expert_call`` takes.
         ValueError: a step (``8 * block_kw``) that is not a multiple of the group size, a tile size that is not
             a power of two, or ``stages`` not 2 or 3.
     """
+    check_expert_call(x, topk_slots, topk_weights, weights.hidden_size)
     cfg = config if config is not None else Int4DecodeConfig()
     t, k = topk_slots.shape
     n = t * k
     g = weights.group_size
     if (INT4_PACK * cfg.block_kw1) % g or (INT4_PACK * cfg.block_kw2) % g:
         raise ValueError(f"8 * block_kw1 and 8 * block_kw2 must be multiples of the group size {g}, got {cfg}")
-    if not all(_is_pow2(v) for v in (cfg.block_n1, cfg.block_kw1, cfg.block_n2, cfg.block_kw2)):
-        raise ValueError(f"block_n1, block_kw1, block_n2 and block_kw2 must be powers of two, got {cfg}")
+    for name in ("block_n1", "block_kw1", "block_n2", "block_kw2"):
+        if not _is_pow2(getattr(cfg, name)):
+            raise ValueError(f"Int4DecodeConfig.{name} must be a power of two, got {getattr(cfg, name)!r}")
     if cfg.stages not in (2, 3):
         raise ValueError(f"stages must be 2 or 3, got {cfg.stages}")
     s, d, f = weights.num_slots, weights.hidden_size, weights.intermediate_size
@@ -539,7 +542,12 @@ def int4_dequantized_experts(
 ) -> torch.Tensor:
     """INT4 expert compute for many pairs: the slots with live pairs widened to ``x.dtype`` in one launch, then
     ``grouped.triton_experts`` (given ``expected_pairs``; see the module docstring). Arguments and result as
-    ``int4_decode_experts`` (``x`` bf16/fp16); needs a workspace of ``S * 3 * D * F`` elements of ``x.dtype``."""
+    ``int4_decode_experts`` (``x`` bf16/fp16); needs a workspace of ``S * 3 * D * F`` elements of ``x.dtype``.
+
+    Raises:
+        ValueError: operands of other shapes than ``experts.weights.check_expert_call`` takes.
+    """
+    check_expert_call(x, topk_slots, topk_weights, weights.hidden_size, as_read=False)
     s = weights.num_slots
     key = torch.where((topk_slots >= 0) & (topk_slots < s), topk_slots, s).reshape(-1)
     counts = torch.zeros(s + 1, dtype=torch.int32, device=x.device)
@@ -609,8 +617,10 @@ def int4_grouped_experts(
         ``[T, D]`` in ``x.dtype``.
 
     Raises:
+        ValueError: operands of other shapes than ``experts.weights.check_expert_call`` takes.
         ValueError: ``config.block_k`` not a power of two of at least 128.
     """
+    check_expert_call(x, topk_slots, topk_weights, weights.hidden_size, as_read=False)
     t, k = topk_slots.shape
     if t * k == 0:
         return torch.empty(t, weights.hidden_size, dtype=x.dtype, device=x.device)
@@ -640,8 +650,10 @@ def int4_experts(
     ``N`` is ``expected_pairs`` (``ExpertBackend``), ``T * K`` when ``None`` (static: no look at the routing).
 
     Raises:
+        ValueError: operands of other shapes than ``experts.weights.check_expert_call`` takes.
         TypeError: ``x`` not bf16/fp16.
     """
+    check_expert_call(x, topk_slots, topk_weights, weights.hidden_size, as_read=False)
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"the INT4 expert kernels compute in bf16 or fp16, got x of dtype {x.dtype}")
     t, k = topk_slots.shape

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from epmoe.experts.mxfp4 import MXFP4_BLOCK, MXFP4_BYTES, MXFP4ExpertWeights
 from epmoe.experts.triton.grouped import triton_experts
-from epmoe.experts.weights import Activation, ExpertWeights
+from epmoe.experts.weights import Activation, ExpertWeights, check_expert_call
 
 
 @triton.jit
@@ -79,8 +79,10 @@ def mxfp4_experts(
     of ``S * 3 * D * F`` elements of ``x.dtype``.
 
     Raises:
+        ValueError: operands of other shapes than ``experts.weights.check_expert_call`` takes.
         TypeError: ``x`` not bf16/fp16 (from ``triton_experts``).
     """
+    check_expert_call(x, topk_slots, topk_weights, weights.hidden_size, as_read=False)
     s = weights.num_slots
     key = torch.where((topk_slots >= 0) & (topk_slots < s), topk_slots, s).reshape(-1)
     counts = torch.zeros(s + 1, dtype=torch.int32, device=x.device)

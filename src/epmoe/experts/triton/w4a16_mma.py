@@ -60,7 +60,7 @@ from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
 from epmoe.experts.triton.align_kernels import align_triton
 from epmoe.experts.triton.decode import gated_activation
 from epmoe.experts.triton.grouped import act_code, sum_pairs_kernel
-from epmoe.experts.weights import Activation
+from epmoe.experts.weights import Activation, check_expert_call
 
 _WARPS_PER_SM = 16
 """Warps an SM the split-K choice aims at (``MmaConfig.split_max``): a launch whose row blocks (at most, as
@@ -563,9 +563,11 @@ def int4_mma_experts(
         ``[T, D]`` bf16.
 
     Raises:
+        ValueError: operands of other shapes or layouts than ``experts.weights.check_expert_call`` takes.
         TypeError: ``x`` not bf16.
         ValueError: a ``config`` outside the constraints of ``MmaConfig``.
     """
+    check_expert_call(x, topk_slots, topk_weights, weights.hidden_size)
     if x.dtype != torch.bfloat16:
         raise TypeError(f"the INT4 MMA kernels compute in bf16, got x of dtype {x.dtype}")
     g = weights.group_size

@@ -76,7 +76,7 @@ from epmoe.experts.triton.w4a16_mma import (
     weight_ptrs,
     widened_plane,
 )
-from epmoe.experts.weights import Activation
+from epmoe.experts.weights import Activation, check_expert_call
 
 
 @dataclass(frozen=True)
@@ -568,9 +568,11 @@ def int4_wgmma_experts(
         ``[T, D]`` bf16.
 
     Raises:
+        ValueError: operands of other shapes or layouts than ``experts.weights.check_expert_call`` takes.
         TypeError: ``x`` not bf16.
         ValueError: a ``config`` outside the constraints of ``WgmmaConfig``.
     """
+    check_expert_call(x, topk_slots, topk_weights, weights.hidden_size)
     if x.dtype != torch.bfloat16:
         raise TypeError(f"the INT4 wgmma kernels compute in bf16, got x of dtype {x.dtype}")
     g = weights.group_size
