@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ceilings", choices=("profile", "run"), default="profile",
                    help="bandwidth and bf16 rate from the profile (as epmoe plan) or from the run's measurement")
     p.add_argument("--out", help="output JSON (default: planner_vs_h200.json next to --results)")
-    p.add_argument("--check", action="store_true", help=f"exit 1 when a row is off by more than {TARGET:.0%}")
+    p.add_argument("--check", action="store_true", help=f"exit 1 when a row is off by more than {TARGET * 100:.0f}%%")
     p.add_argument("--int4-results", help="an INT4 moe_layer.py results JSON: the INT4 rows and their fit instead")
     args = p.parse_args(argv)
     if args.int4_results:

@@ -158,13 +158,13 @@ def test_int4_path_choice():
     from epmoe.experts.triton.int4 import int4_path
 
     bf16, fp16 = torch.bfloat16, torch.float16
-    # an EP shard's decode step of one or two tokens (about a pair each, few local slots): the decode kernels; more
+    # an EP shard's decode step of up to four tokens (about a pair each, few local slots): the decode kernels; more
     # pairs, or all experts local: the MMA path
     assert int4_path(1, bf16, 48) == "decode"
-    assert int4_path(2, bf16, 64) == "decode"
-    assert int4_path(3, bf16, 48) == "mma"
+    assert int4_path(4, bf16, 64) == "decode"
+    assert int4_path(5, bf16, 48) == "mma"
     assert int4_path(8, bf16, 48) == "mma"
-    assert int4_path(2, bf16, 65) == "mma"
+    assert int4_path(4, bf16, 65) == "mma"
     assert int4_path(8, bf16, 384) == "mma"
     assert int4_path(17, bf16, 48) == "mma"
     assert int4_path(32768, bf16, 48) == "mma"

@@ -85,6 +85,22 @@ def test_grouped_matches_reference(tma, half, act, bias, woi):
     assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-3
 
 
+def test_few_expected_pairs_among_many_take_the_grouped_path():
+    """An expert-parallel shard's call: 32 pairs, 4 expected local (``expected_pairs``): more pairs than the decode
+    kernels take, so the grouped kernels run (the result as the reference's)."""
+    from epmoe.experts.triton.grouped import triton_experts
+
+    t, k, s, d, f = 4, 8, 6, 64, 32
+    w = _weights(5, s, d, f, False, torch.float16)
+    x = torch.randn(t, d).half()
+    slots = torch.full((t, k), -1)
+    slots[torch.arange(t), torch.arange(t)] = torch.arange(t)
+    tw = torch.rand(t, k)
+    ref = reference_experts(x.double(), slots, tw.double(), _f64(w), Activation())
+    out = triton_experts(x, slots, tw, w, Activation(), expected_pairs=4)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-3
+
+
 @pytest.mark.parametrize("block_m,half", [(16, False), (64, True)])
 def test_grouped_fp8_matches_dequantized_reference(block_m, half):
     """Block FP8 weights on the grouped path (each weight tile scaled by its block scale before the dot):

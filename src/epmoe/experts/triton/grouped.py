@@ -376,7 +376,9 @@ def triton_experts(
     slots = topk_slots.contiguous()
     tw = topk_weights.float().contiguous()
     pairs = n if expected_pairs is None else expected_pairs
-    if config is None and pairs <= DECODE_MAX_PAIRS:
+    # the decode kernels take at most DECODE_MAX_PAIRS pairs in all (each is read, and summed per token, whether
+    # local or not), however few the expected local ones
+    if config is None and pairs <= DECODE_MAX_PAIRS and n <= DECODE_MAX_PAIRS:
         return decode_experts(x, slots, tw, weights, act_code(activation), activation, weight_on_input)
     cfg = config if config is not None else default_config(pairs, weights.w13.shape[0], fp8)
     return grouped_experts(x, slots, tw, weights, activation, weight_on_input, cfg)

@@ -106,11 +106,12 @@ INT4_DECODE_MAX_SLOTS = 64
 elsewhere) and at most ``INT4_DECODE_MAX_SHARD_PAIRS`` expected pairs, ``int4_experts`` takes the decode kernels,
 which cost per live pair without the MMA path's alignment launch; with more slots or pairs, the MMA path."""
 
-INT4_DECODE_MAX_SHARD_PAIRS = 2
+INT4_DECODE_MAX_SHARD_PAIRS = 4
 """The most expected pairs for which a shard's bf16 decode takes the decode kernels (see ``INT4_DECODE_MAX_SLOTS``):
-each further live pair costs the decode kernels about three times what it costs the MMA path, which starts higher.
-Set from the H200 run of ``benchmarks/moe_layer.py --cases kimi_int4 --sizes 1,2,4,8`` (the EP-8 shard of
-Kimi-K2.5: one expected pair a token; columns ``int4_decode`` against ``int4_mma``)."""
+each further live pair costs the decode kernels about twice what it costs the MMA path, which starts higher. Set from
+the H200 runs of ``benchmarks/moe_layer.py --cases kimi_int4`` (the EP-8 shard of Kimi-K2.5: one expected pair a
+token; columns ``int4_decode`` against ``int4_mma``): with the decode tiles of 2026-12-02 the decode kernels were
+faster at 1 and 5 live pairs and about even at 6."""
 
 INT4_DEQUANT_MIN_PAIRS: int | None = None
 """``int4_experts`` takes the widening path (``int4_dequantized_experts``) from this many pairs on; ``None``: never
