@@ -265,7 +265,7 @@ def _gate_up_rows(pid_n, F, BLOCK_N: tl.constexpr):
 @triton.jit
 def _gate_up_pair(
     xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, pair, slot, w, w1, next_slot, more, top_k, F, DW,
-    stride_we, stride_se, act_limit, act_alpha, w_rows, s_rows, offs_n, n_ok, offs_kw, offs_g,
+    stride_we, stride_se, act_limit, act_alpha, w_rows, s_rows, offs_n, rows_ok, offs_kw, offs_g,
     first, second, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr, ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr,
     STAGES: tl.constexpr,
@@ -281,12 +281,12 @@ def _gate_up_pair(
     for kw0 in range(0, DW, BLOCK_KW):
         # register buffering, STAGES - 1 steps ahead: the words of step k + STAGES - 1 are requested before step
         # k's are widened (Triton software-pipelines only loads that feed tl.dot)
-        nxt = (offs_kw < DW - kw0 - (STAGES - 1) * BLOCK_KW)[:, None, :] & n_ok[None, :, None]
+        nxt = (offs_kw < DW - kw0 - (STAGES - 1) * BLOCK_KW)[:, None, :] & rows_ok[None, :, None]
         w2 = tl.load(w_ptrs + (STAGES - 1) * BLOCK_KW, mask=nxt, other=0)
         if EVEN:
             sc = tl.load(s_ptrs).to(tl.float32)
         else:
-            sc = tl.load(s_ptrs, mask=(offs_g < (DW - kw0) // GW)[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+            sc = tl.load(s_ptrs, mask=(offs_g < (DW - kw0) // GW)[:, None] & rows_ok[None, :], other=0.0).to(tl.float32)
         acc += _group_dots(w, _load_inputs(v_ptrs, (offs_kw < DW - kw0)[:, None, :], GW, EVEN)) * sc
         if STAGES == 3:
             w = w1
