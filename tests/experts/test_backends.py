@@ -72,7 +72,7 @@ def test_expert_call_operands_are_checked_by_name():
         ((torch.randn(256, 11).t(), slots, tw), "x must be contiguous along D"),
         ((x, slots.t().contiguous().t(), tw), "topk_slots must be contiguous"),
         ((x, slots, tw.t().contiguous().t()), "topk_weights must be contiguous"),
-        ((x, slots, tw.bfloat16()), "topk_weights must be float32, got torch.bfloat16"),
+        ((x, slots, (tw * 4).int()), "topk_weights must be floating point, got torch.int32"),
     ]
     for args, msg in bad:
         with pytest.raises(ValueError, match=msg):

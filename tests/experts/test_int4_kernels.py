@@ -137,6 +137,25 @@ def test_mxfp4_widening_and_experts():
     assert _rel(mxfp4_experts(x, slots, tw, q, act), _ref(x, slots, tw, q, act, False)) < 2e-3  # 18 pairs
 
 
+@pytest.mark.interpret
+def test_int4_entry_takes_any_layout_and_no_pairs():
+    """``int4_experts`` (the backend's entry) and the grouped INT4 path take rows whose elements are not adjacent and
+    non-contiguous int32 slot ids (laid out for the kernels on the way); with no pairs (K = 0) every row is 0."""
+    from epmoe.experts.triton.int4 import int4_experts, int4_grouped_experts
+
+    s, d, f = 3, 128, 64
+    q = _int4(11, s, d, f, False, 32, torch.float16)
+    x = torch.randn(d, 4).half().t()  # [4, D], stride (1, 4)
+    slots = torch.randint(-1, s, (2, 4)).int().t()
+    tw = torch.rand(2, 4).t()
+    ref = _ref(x, slots.long(), tw, q, Activation(), False)
+    for out in (int4_experts(x, slots, tw, q, Activation()), int4_grouped_experts(x, slots, tw, q, Activation())):
+        assert _rel(out, ref) < 2e-3
+    for fn in (int4_experts, int4_grouped_experts):
+        none = fn(x, slots[:, :0], tw[:, :0], q, Activation())
+        assert none.shape == (4, d) and not none.any()
+
+
 @pytest.mark.interpret  # the kernel module needs Triton (absent from CPU-only installs)
 def test_int4_step_must_cover_whole_groups():
     from epmoe.experts.triton.int4 import Int4DecodeConfig, int4_decode_experts

@@ -101,6 +101,25 @@ def test_few_expected_pairs_among_many_take_the_grouped_path():
     assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-3
 
 
+def test_backend_entry_takes_any_layout_and_no_pairs():
+    """``triton_experts`` (the backend's entry) takes rows inside a wider buffer, non-contiguous int32 slot ids and
+    fp16 routing weights (it lays them out for the kernels), on both paths; with no pairs (K = 0) every row is 0."""
+    from epmoe.experts.triton.grouped import TileConfig, triton_experts
+
+    t, k, s, d, f = 5, 3, 4, 64, 32
+    w = _weights(9, s, d, f, False, torch.float16)
+    wide = torch.randn(t, d + 16).half()
+    x = wide[:, 8:8 + d]
+    slots = torch.randint(-1, s, (k, t)).int().t()
+    tw = torch.rand(k, t).half().t()
+    ref = reference_experts(x.double(), slots.long(), tw.double(), _f64(w), Activation())
+    for cfg in (None, TileConfig(16, 16, 32, 32, 4, 2)):  # the decode kernels (15 pairs), the grouped path
+        out = triton_experts(x, slots, tw, w, Activation(), config=cfg)
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-3
+    none = triton_experts(x, slots[:, :0], tw[:, :0], w, Activation())
+    assert none.shape == (t, d) and not none.any()
+
+
 @pytest.mark.parametrize("block_m,half", [(16, False), (64, True)])
 def test_grouped_fp8_matches_dequantized_reference(block_m, half):
     """Block FP8 weights on the grouped path (each weight tile scaled by its block scale before the dot):

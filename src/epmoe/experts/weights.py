@@ -147,16 +147,15 @@ def check_expert_biases(b13: torch.Tensor | None, b2: torch.Tensor | None, slots
         raise ValueError(f"b2 must be {(slots, d)}, got {tuple(b2.shape)}")
 
 
-
 def check_expert_call(x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, hidden_size: int, *,
                       as_read: bool = True) -> None:
     """Check the operands of an expert compute call against each other and the weights' hidden size, before a kernel
     reads them by pointer: ``x [T, D]``, ``topk_slots [T, K]`` integer and ``topk_weights [T, K]``.
 
     Args:
-        as_read: also check the layout the kernels read: ``x``'s rows contiguous along ``D``, ``topk_slots`` and
-            ``topk_weights`` contiguous, ``topk_weights`` float32 (the entry points that first make them so, such as
-            ``triton.int4.int4_experts``, check the shapes only).
+        as_read: also check what the kernels read by pointer: ``x``'s rows contiguous along ``D``, ``topk_slots``
+            and ``topk_weights`` contiguous, ``topk_weights`` floating point (the entry points that first make them
+            so, such as ``triton.int4.int4_experts``, check the shapes only).
 
     Raises:
         ValueError: an operand of another shape, dtype or layout (named, with what it is).
@@ -177,5 +176,5 @@ def check_expert_call(x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: t
     for name, t in (("topk_slots", topk_slots), ("topk_weights", topk_weights)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous, got strides {tuple(t.stride())}")
-    if topk_weights.dtype != torch.float32:
-        raise ValueError(f"topk_weights must be float32, got {topk_weights.dtype}")
+    if not topk_weights.dtype.is_floating_point:
+        raise ValueError(f"topk_weights must be floating point, got {topk_weights.dtype}")

@@ -346,9 +346,9 @@ def triton_experts(
         weights: ``ExpertWeights`` in ``x.dtype``, or ``BlockFP8ExpertWeights``.
         activation: the gated activation.
         weight_on_input: scale the expert input by the weight instead of its output.
-        config: tile shapes of the grouped path; ``None`` = ``decode.decode_experts`` for up to
-            ``DECODE_MAX_PAIRS`` pairs, else the grouped path with ``default_config``.
-        expected_pairs: the pairs that choice counts (``ExpertBackend``); ``None``: ``T * K``.
+        config: tile shapes of the grouped path; ``None`` = ``decode.decode_experts`` when both the expected
+            pairs and ``T * K`` are at most ``DECODE_MAX_PAIRS``, else the grouped path with ``default_config``.
+        expected_pairs: the pairs the tile choice counts (``ExpertBackend``); ``None``: ``T * K``.
 
     Returns:
         ``[T, D]`` in ``x.dtype``.
@@ -369,8 +369,8 @@ def triton_experts(
         )
     t, k = topk_slots.shape
     n = t * k
-    if n == 0:
-        return torch.empty(t, weights.w13.shape[2], dtype=x.dtype, device=x.device)
+    if n == 0:  # no pair: no expert adds to any row
+        return torch.zeros(t, weights.hidden_size, dtype=x.dtype, device=x.device)
     if x.stride(1) != 1:  # rows may sit in a wider buffer (a dispatcher's receive buffer): only D must be dense
         x = x.contiguous()
     slots = topk_slots.contiguous()

@@ -122,8 +122,8 @@ INT4_DEQUANT_MIN_PAIRS: int | None = None
 @dataclass(frozen=True)
 class Int4DecodeConfig:
     """Tile shapes of the INT4 decode kernels (all sizes powers of two; see the module docstring's layout). The
-    defaults are the fastest of ``benchmarks/moe_layer.py``'s ``INT4_DECODE_SWEEP`` on the H200 for Kimi-K2.5's
-    experts (``G = 32``) at 1-64 tokens: each thread holds one group of several rows, so its inputs serve them all.
+    defaults were the fastest at 1-64 tokens of ten tile shapes timed on the H200 for Kimi-K2.5's experts (``G = 32``;
+    ``benchmarks/moe_layer.py --sweep`` times them beside the default, ``INT4_DECODE_SWEEP``).
 
     Attributes:
         block_n1: gate (and up) rows per gate/up program.
@@ -161,16 +161,16 @@ def _nibble_scale(j):
 
 @triton.jit
 def _nib(words, MASK: tl.constexpr, BIAS: tl.constexpr, vj):
-    """``(nib - 8) * v`` for the nibble under ``MASK`` (``BIAS = 1 + 8 * 2 ** (p - 23)``) of ``words
-    [NG, BLOCK_N, GW]`` int32 whose exponent bits are already set (``| bits(1.0)``), and the pre-scaled inputs
-    ``vj [NG, BLOCK_N, GW]`` float32 (equal along the rows): one AND a nibble (``(w | E) & (M | E) == (w & M) | E``)."""
+    """``(nib - 8) * v`` for the nibble under ``MASK`` (``BIAS = 1 + 8 * 2 ** (p - 23)``) of ``words [NG, R, GW]``
+    int32 whose exponent bits are already set (``| bits(1.0)``), and the pre-scaled inputs ``vj [NG, 1, GW]`` float32
+    (broadcast over the rows): one AND a nibble (``(w | E) & (M | E) == (w & M) | E``)."""
     f = (words & (MASK | 0x3F800000)).to(tl.float32, bitcast=True)
     return (f - BIAS) * vj
 
 
 @triton.jit
 def _load_inputs(v_ptrs, v_ok, GW: tl.constexpr, EVEN: tl.constexpr):
-    """The eight pre-scaled input tiles ``[NG, BLOCK_N, GW]`` float32 of a step, ``v_ptrs`` at input 0 of each
+    """The eight pre-scaled input tiles ``[NG, 1, GW]`` float32 of a step, ``v_ptrs`` at input 0 of each
     group's words, input ``j`` at ``+ j * GW`` (see ``_input_offsets``); unmasked when ``EVEN``."""
     if EVEN:
         return (tl.load(v_ptrs), tl.load(v_ptrs + GW), tl.load(v_ptrs + 2 * GW), tl.load(v_ptrs + 3 * GW),
@@ -198,8 +198,8 @@ def _input_offsets(n, GW: tl.constexpr):
 
 @triton.jit
 def _group_dots(w, v):
-    """Per group and row, ``sum`` over the group's inputs of ``(nib - 8) * v``: ``w [NG, BLOCK_N, GW]`` int32
-    words, ``v`` their eight input tiles (``_load_inputs``); ``[NG, BLOCK_N]`` float32."""
+    """Per group and row, ``sum`` over the group's inputs of ``(nib - 8) * v``: ``w [NG, R, GW]`` int32 words, ``v``
+    their eight input tiles (``_load_inputs``); ``[NG, R]`` float32."""
     hi = (w >> 12) | 0x3F800000
     w = w | 0x3F800000
     acc = _nib(w, 0xF, 1.00000095367431640625, v[0])
@@ -215,9 +215,9 @@ def _group_dots(w, v):
 
 @triton.jit
 def _row_tile(offs_n, n_ok, KW, stride_wn, stride_sn, BLOCK_KW: tl.constexpr, GW: tl.constexpr):
-    """The word layout of a program's rows ``offs_n`` over ``KW`` words (see the module docstring): the group and
-    word offsets of a step, the ``[NG, BLOCK_N, GW]`` word and ``[NG, BLOCK_N]`` scale offsets of its rows, and the
-    masks of its first two word tiles."""
+    """The word layout of a program's ``R`` rows ``offs_n`` over ``KW`` words (see the module docstring): the group
+    and word offsets of a step, the ``[NG, R, GW]`` word and ``[NG, R]`` scale offsets of its rows, and the masks of
+    its first two word tiles."""
     offs_g = tl.arange(0, BLOCK_KW // GW)
     offs_kw = offs_g[:, None] * GW + tl.arange(0, GW)[None, :]
     rows = offs_n.to(tl.int64)
@@ -623,9 +623,11 @@ def int4_grouped_experts(
     """
     check_expert_call(x, topk_slots, topk_weights, weights.hidden_size, as_read=False)
     t, k = topk_slots.shape
-    if t * k == 0:
-        return torch.empty(t, weights.hidden_size, dtype=x.dtype, device=x.device)
+    if t * k == 0:  # no pair: no expert adds to any row
+        return torch.zeros(t, weights.hidden_size, dtype=x.dtype, device=x.device)
     cfg = config if config is not None else default_int4_config(t * k, weights.num_slots)
+    if x.stride(1) != 1:
+        x = x.contiguous()
     return grouped_experts(x, topk_slots.contiguous(), topk_weights.float().contiguous(), weights, activation,
                            weight_on_input, cfg)
 
@@ -658,8 +660,8 @@ def int4_experts(
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"the INT4 expert kernels compute in bf16 or fp16, got x of dtype {x.dtype}")
     t, k = topk_slots.shape
-    if t * k == 0:
-        return torch.empty(t, weights.hidden_size, dtype=x.dtype, device=x.device)
+    if t * k == 0:  # no pair: no expert adds to any row
+        return torch.zeros(t, weights.hidden_size, dtype=x.dtype, device=x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
     slots = topk_slots.contiguous()

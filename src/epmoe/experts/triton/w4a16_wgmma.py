@@ -581,9 +581,9 @@ def int4_wgmma_experts(
     s, d, f = weights.num_slots, weights.hidden_size, weights.intermediate_size
     cfg = config if config is not None else default_wgmma_config(g, n, s)
     _check(cfg, g)
+    if n == 0:  # no pair: no expert adds to any row
+        return torch.zeros(t, d, dtype=x.dtype, device=x.device)
     out = torch.empty(t, d, dtype=x.dtype, device=x.device)
-    if n == 0:
-        return out
     w13, s13, w2, s2 = weights.w13_packed, weights.w13_scale, weights.w2_packed, weights.w2_scale
     xw = wgmma_planes(x, cfg.block_kw1)
     bm = cfg.block_m
