@@ -40,11 +40,7 @@ def paged_decode_kernel(
         lo = tl.maximum(lo, ctx - window)
     if HAS_CHUNK:
         lo = tl.maximum(lo, ((tl.maximum(ctx, 1) - 1) // chunk) * chunk)
-    hi = ctx
-    if SPLITS > 1:
-        per = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_N) * BLOCK_N
-        lo = lo + split * per
-        hi = tl.minimum(hi, lo + per)
+    lo, hi = split_span(lo, ctx, split, SPLITS, BLOCK_N)
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_dk[None, :],
                 mask=row_ok[:, None] & dk_ok[None, :], other=0.0)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
@@ -53,10 +49,7 @@ def paged_decode_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     for start in range(lo, hi, BLOCK_N):
-        pos = start + offs_n
-        ok = pos < hi
-        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
+        ok, blk, slot = page_slots(bt_row, start + offs_n, hi, BLOCK_SIZE)
         k_rows = k_ptr + blk * stride_kb + slot * stride_ks + kvh * stride_kh
         v_rows = v_ptr + blk * stride_vb + slot * stride_vs + kvh * stride_vh
         k = tl.load(k_rows[:, None] + offs_dk[None, :], mask=ok[:, None] & dk_ok[None, :], other=0.0)
@@ -74,6 +67,26 @@ def paged_decode_kernel(
         acc = acc * alpha[:, None]
     store_split(acc, m_i, l_i, ctx, b, heads, row_ok, offs_dv, dv_ok, out_ptr, ws_ptr, stride_ob, stride_oh, B, H, DV,
                 ml_off, split, SPLITS)
+
+
+@triton.jit
+def split_span(lo, hi, split, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Positions ``[lo, hi)`` of context split ``split`` of ``SPLITS`` over the visible span ``[lo, hi)``: whole
+    ``BLOCK_N`` tiles each, so the splits follow the context's actual length (trailing splits may be empty). Shared
+    with the MLA decode kernel."""
+    if SPLITS > 1:
+        per = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_N) * BLOCK_N
+        lo = lo + split * per
+        hi = tl.minimum(hi, lo + per)
+    return lo, hi
+
+
+@triton.jit
+def page_slots(bt_row, pos, hi, BLOCK_SIZE: tl.constexpr):
+    """For positions ``pos`` of a sequence (its block-table row ``bt_row``): which are before ``hi``, their cache
+    block (int64; block 0 for the others) and their slot in it. Shared with the MLA decode kernel."""
+    ok = pos < hi
+    return ok, tl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64), pos % BLOCK_SIZE
 
 
 @triton.jit
@@ -161,12 +174,7 @@ def mla_decode_kernel(
     v_ok = offs_v < DV
     r_ok = offs_r < DR
     ctx = tl.load(ctx_ptr + b)
-    lo = ctx * 0
-    hi = ctx
-    if SPLITS > 1:
-        per = tl.cdiv(tl.cdiv(hi, SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * per
-        hi = tl.minimum(hi, lo + per)
+    lo, hi = split_span(ctx * 0, ctx, split, SPLITS, BLOCK_N)
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
     q_lat = tl.load(q_rows + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)
     q_rope = tl.load(q_rows + DV + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
@@ -176,10 +184,8 @@ def mla_decode_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     for start in range(lo, hi, BLOCK_N):
-        pos = start + offs_n
-        ok = pos < hi
-        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-        rows = c_ptr + blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs
+        ok, blk, slot = page_slots(bt_row, start + offs_n, hi, BLOCK_SIZE)
+        rows = c_ptr + blk * stride_cb + slot * stride_cs
         c = tl.load(rows[:, None] + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
         kr = tl.load(rows[:, None] + DV + offs_r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
         if IEEE:
