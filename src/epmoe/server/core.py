@@ -192,7 +192,12 @@ class EngineCore:
         ``COMPILE_POLL_S`` when only grammars compile)."""
         items: list[tuple[str, object]] = [("command", c) for c in self._later]
         self._later = []
-        wait = 0.0 if items else COMPILE_POLL_S if self._only_compiling else 0.0 if self._rank_of else self.idle_round_s
+        if items:
+            wait = 0.0
+        elif self._only_compiling:
+            wait = COMPILE_POLL_S
+        else:
+            wait = 0.0 if self._rank_of else self.idle_round_s
         while self.conn.poll(wait):
             items += self.conn.recv()
             wait = 0.0
