@@ -14,7 +14,8 @@ projections, norms and rotary function and caches only ``[c_kv, k_rope]`` per to
 * Decode rows absorb the up-projections (DeepSeek-V2 paper, appendix; SGLang and vLLM do the same):
   the query becomes ``[q_nope W_UK, q_rope]`` per head, attention runs over the latent entries
   (``mla_decode.mla_decode_attention``: Triton on CUDA, PyTorch on CPU), and the latent output is
-  mapped by ``W_UV`` before ``o_proj``. Same math as transformers up to rounding order.
+  mapped by ``W_UV`` before ``o_proj``. Same math as transformers up to rounding order. The projections run
+  through ``gemv.linear`` (its early-reading kernel at one or two rows on Hopper, for weights it holds).
 
 The softmax scale is the module's ``scaling`` (``qk_head_dim ** -0.5`` with yarn's ``mscale`` squared
 where the rope scaling asks for it, as transformers computes it); the rotary embedding is the model
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 from epmoe.engine.attention import AttnBatch, dense_attention, engine_batch
+from epmoe.engine.gemv import linear
 from epmoe.engine.mla_decode import mla_decode_attention
 
 _ROTARY = {"deepseek_v2": "apply_rotary_emb", "deepseek_v3": "apply_rotary_pos_emb"}
@@ -115,12 +117,12 @@ class MLAAttention(nn.Module):
         h, dn, dr, dv, rank = (self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim,
                                self.kv_lora_rank)
         if self.q_lora_rank is None:
-            q = self.q_proj(hidden_states)
+            q = linear(self.q_proj, hidden_states)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+            q = linear(self.q_b_proj, self.q_a_layernorm(linear(self.q_a_proj, hidden_states)))
         q = q.view(1, t, h, dn + dr).transpose(1, 2)                       # [1, H, T, dn + dr]
         q_nope, q_rope = torch.split(q, [dn, dr], dim=-1)
-        compressed = self.kv_a_proj_with_mqa(hidden_states)
+        compressed = linear(self.kv_a_proj_with_mqa, hidden_states)
         c_kv, k_rope = torch.split(compressed, [rank, dr], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)[0]                                # [T, R]
         k_rope = k_rope.view(1, 1, t, dr)
@@ -135,7 +137,7 @@ class MLAAttention(nn.Module):
             out = batch.pieces.cut(self._attend, (h, dv), q_nope.dtype, q_nope, q_rope)
         else:
             out = self._attend(batch, q_nope, q_rope)
-        return self.o_proj(out.reshape(1, t, h * dv)), None
+        return linear(self.o_proj, out.reshape(1, t, h * dv)), None
 
     def _attend(self, batch: AttnBatch, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
         """Attention of the step's rows, their entries already in the cache: ``[T, H, dn]``, ``[T, H, dr]`` ->

@@ -8,11 +8,12 @@ engine writes keys and values into the paged cache (two scatters): some fifteen 
 attention reads anything, which at one decode token cost several times the layer's weight reads.
 ``RopeAttention`` replaces such a module (``install_rope_attention``) by:
 
-1. one matrix product with the concatenated ``q``/``k``/``v`` weights (and biases);
+1. one matrix product with the concatenated ``q``/``k``/``v`` weights (and biases) (at one or two rows on
+   Hopper ``gemv.linear``'s kernel, which reads the weight while the norm before it runs; cuBLAS otherwise);
 2. one kernel (``rope_qkv``), a program per token and head: RMS-normalise the head (if the family does),
    rotate it, and store a query head into the query tensor, or a key head and its value head into the
    token's cache slot;
-3. the engine's attention over the cache (``attention.attend``), then ``o_proj``.
+3. the engine's attention over the cache (``attention.attend``), then ``o_proj`` (through ``gemv.linear``).
 
 Rotary embedding: ``x[:R]`` of a head is rotated by halves, ``(x1, x2) -> (x1 c - x2 s, x2 c + x1 s)`` with
 ``c, s`` the cosine and sine of the token's position (``R/2`` values, from the model's own rotary module, so
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from epmoe.engine.attention import AttnBatch, attend, engine_batch
+from epmoe.engine.gemv import linear
 from epmoe.experts.triton.pdl import pdl_launch
 
 # model types whose attention is q/k/v projections, optional per-head RMSNorm, rotate-by-halves rotary,
@@ -283,13 +285,13 @@ class RopeAttention(nn.Module):
         batch = engine_batch("RopeAttention", hidden_states, epmoe_batch)
         t = hidden_states.shape[1]
         cos, sin = self._cos_sin(position_embeddings)
-        qkv = self.qkv_proj(hidden_states[0])
+        qkv = linear(self.qkv_proj, hidden_states[0])
         norm = self.q_norm is not None
         q = rope_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.q_norm.weight if norm else None,
                      self.k_norm.weight if norm else None, self.eps, batch.kv.k[self.layer_idx],
                      batch.kv.v[self.layer_idx], batch.slot_mapping)
         out = attend(self, q, batch, self.scaling, self.sliding_window, self.sinks)
-        return self.o_proj(out.reshape(1, t, -1)), None
+        return linear(self.o_proj, out.reshape(1, t, -1)), None
 
 
 def _rotary_half_ok(attn: nn.Module) -> bool:
