@@ -39,6 +39,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -124,7 +125,8 @@ def kernel_profile(engine: Engine, steps: int) -> tuple[list[dict], dict]:
         end = max(end, e)
     top = sorted(before.items(), key=lambda kv: -kv[1])[:12]
     timeline = {"busy_us": busy / steps, "idle_us": idle / steps,
-                "idle_before": [{"kernel": k, "us_per_step": v} for k, v in top], "layer": one_layer(spans, steps)}
+                "idle_before": [{"kernel": k, "us_per_step": v} for k, v in top],
+                "layer": one_layer(spans, steps, engine.runner.segment_starts())}
     return rows, timeline
 
 
@@ -132,16 +134,21 @@ LAYER_ANCHORS = ("paged_decode_kernel", "mla_decode_kernel")
 """Kernels launched once per attention layer of a decode step (``one_layer`` cuts the timeline at them)."""
 
 
-def one_layer(spans: list[tuple[float, float, str]], steps: int) -> list[dict]:
+def one_layer(spans: list[tuple[float, float, str]], steps: int, cuts: Collection[int] = ()) -> list[dict]:
     """The kernels of one decoder layer in the middle of the last profiled step, in launch order: from one decode
     attention launch (``LAYER_ANCHORS``) to the next, each with its start after the layer's first (us), its
     duration and the GPU's idle time before it (negative: it started before the previous kernel ended, as a
-    programmatic dependent launch does)."""
+    programmatic dependent launch does). ``cuts``: the layers that begin a new graph of the step
+    (``ModelRunner.segment_starts``); a layer followed by one is not taken (the next graph's replay begins in it,
+    a gap no other layer has), the one before it is."""
     at = [i for i, (_, _, name) in enumerate(spans) if name.startswith(LAYER_ANCHORS)]
     per_step = len(at) // max(1, steps)
     if per_step < 2:
         return []
-    first, last = at[len(at) - per_step // 2 - 1], at[len(at) - per_step // 2]
+    layer = per_step - per_step // 2 - 1
+    while layer > 0 and layer + 1 in cuts:
+        layer -= 1
+    first, last = at[len(at) - per_step + layer], at[len(at) - per_step + layer + 1]
     t0 = spans[first][0]
     out, end = [], spans[first - 1][1] if first else t0
     for s, e, name in spans[first:last]:

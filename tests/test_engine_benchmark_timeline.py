@@ -36,3 +36,7 @@ def test_one_layer_is_the_middle_layer_of_the_last_step(monkeypatch):
     assert [k["gap_us"] for k in layer[1:]] == [0.5, -1.0, 0.5, 0.5]
     assert layer[1]["start_us"] == layer[0]["us"] + 0.5
     assert one_layer(spans[:5], steps=1) == []  # one attention launch: no whole layer
+    # a new graph begins at layer 2: layer 1 is followed by it, so the layer before (0) is taken
+    cut = one_layer(spans, steps=2, cuts=[2])
+    assert cut[0]["us"] == 3.0 + 1 + 0 and [k["kernel"] for k in cut] == [k["kernel"] for k in layer]
+    assert one_layer(spans, steps=2, cuts=[3]) == layer  # layer 2 begins no graph

@@ -21,7 +21,7 @@ from ..conftest import CONFIGS
 
 MOE_CONFIGS = sorted(p for p in CONFIGS.glob("*.json") if not p.name.startswith("eagle3"))
 H200 = "h200-sxm"
-ENGINE_ROWS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "engine_h200.json"
+ENGINE_ROWS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "engine_qwen3_gemv_peer_h200.json"
 
 
 def _plan(name: str, gpus: int, **kw):

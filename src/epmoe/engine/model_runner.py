@@ -650,14 +650,14 @@ class ModelRunner:
         torch.cuda.current_stream(dev).wait_stream(stream)
         return tuple(graphs), tuple(cuts), hidden, aux
 
-    def _segment_starts(self) -> list[int]:
+    def segment_starts(self) -> list[int]:
         """Decoder layers that begin a new graph segment: the layers split into ``graph_segments`` runs."""
         n = len(self.base.layers)
         parts = max(1, min(self.graph_segments, n))
         return [round(i * n / parts) for i in range(1, parts)]
 
     def _capture_one(self, g: _Graph, workspace: torch.Tensor | None):
-        """Capture one bucket's step as consecutive graphs, a new one at each ``_segment_starts`` layer (called by
+        """Capture one bucket's step as consecutive graphs, a new one at each ``segment_starts`` layer (called by
         ``decoder_forward`` before the layer, it ends the running capture and begins the next, all in one memory
         pool): replaying them in order
         lets the GPU run a segment while the host launches the next, instead of waiting for one launch of the
@@ -673,7 +673,7 @@ class ModelRunner:
         torch.cuda.current_stream(dev).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        starts = self._segment_starts()
+        starts = self.segment_starts()
         graphs = [torch.cuda.CUDAGraph() for _ in range(len(starts) + 1)]
         current = [0]
 
