@@ -192,6 +192,9 @@ def test_layer_tells_the_backend_the_pairs_its_tokens_route(tiny_checkpoints):
     x = torch.randn(3, spec.hidden_size)
     out = layer(x)
     assert seen == [(16, spec.top_k, 3 * spec.top_k)]
+    # no tokens of its own (an idle rank): no estimate, the backend counts its receive buffer
+    assert layer(x[:0]).shape == (0, spec.hidden_size)
+    assert seen[1] == (16, spec.top_k, None)
     layer.expert_backend = inner
     assert out.abs().sum() > 0
     torch.testing.assert_close(out, layer(x))

@@ -348,10 +348,12 @@ class MoELayer(_MoEBase):
             rec.record(self.moe_index, topk_slots)
         handle = self.dispatcher.dispatch(x, topk_slots, topk_weights)
         # the kernels are chosen for the pairs this rank's tokens route (what it receives on average under a balanced
-        # load), not for the receive buffer's rows times K (other ranks' pairs and padding rows too)
+        # load), not for the receive buffer's rows times K (other ranks' pairs and padding rows too); a rank with no
+        # tokens of its own (an idle rank's eager step) still receives other ranks' pairs, so it gives no estimate
+        # (None: the backend counts the buffer's rows times K)
         y = self.expert_backend(
             handle.recv_x, handle.recv_slots, handle.recv_weights,
-            self.experts.weights(), self.activation, self.weight_on_input, expected_pairs=topk_slots.numel(),
+            self.experts.weights(), self.activation, self.weight_on_input, expected_pairs=topk_slots.numel() or None,
         )
         out = self.dispatcher.combine(y, handle)
         shared = self._shared(x)

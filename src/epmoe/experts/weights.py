@@ -127,7 +127,8 @@ class ExpertBackend(Protocol):
                 backends that choose kernels and tiles by size without looking at the routing (a host
                 synchronisation); never used for the result. ``None``: ``T * K``, exact when every slot is
                 local; ``layer.MoELayer`` passes the pairs its own tokens route (what a rank receives on
-                average under a balanced load), as its ``T * K`` also counts other ranks' pairs and padding rows.
+                average under a balanced load), as its ``T * K`` also counts other ranks' pairs and padding rows
+                (``None`` on a rank with no tokens of its own, which still receives other ranks' pairs).
 
         Returns:
             ``[T, D]`` in ``x.dtype``.
