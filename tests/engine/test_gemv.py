@@ -6,26 +6,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epmoe.engine.gemv import GEMV_MAX_K, GEMV_MAX_ROWS, gemv, gemv_fits, linear
+import epmoe.engine.gemv as gemv_mod
+from epmoe.engine.gemv import GEMV_MAX_K, GEMV_MAX_ROWS, GEMV_MAX_WEIGHT_BYTES, gemv, gemv_fits, linear
 
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # the interpreter has no bf16
-@pytest.mark.parametrize("m,n,k", [(1, 37, 100), (2, 64, 128), (3, 9, 200), (1, 5, 16)])
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m,n,k", [(1, 37, 100), (2, 64, 128), (2, 9, 200), (1, 5, 16), (1, 3, 1)])
+@pytest.mark.parametrize("bias", [None, "contiguous", "strided"])
 def test_gemv_equals_linear(dtype, m, n, k, bias):
-    """Ragged ``N`` (a last program's masked rows), ``K`` not a power of two (masked columns), three rows (a
-    masked fourth), with and without a bias; rows with a stride (a view of wider rows)."""
+    """Ragged ``N`` (a last program's masked rows), ``K`` not a power of two (masked columns), ``K`` of 1, with
+    no bias, a bias and a strided bias (every other element of a longer one); rows with a stride (a view of wider
+    rows)."""
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     wide = torch.randn(m, k + 8, generator=gen).to(dtype)
     x = wide[:, 3:k + 3]  # row stride k + 8, contiguous along K
     w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
-    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    b = None if bias is None else torch.randn(2 * n, generator=gen).to(dtype)
+    b = b[:n] if bias == "contiguous" else b[::2] if bias == "strided" else None
     got = gemv(x, w, b, pdl=False)
-    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
     assert got.shape == (m, n) and got.dtype == dtype
-    torch.testing.assert_close(got.float(), want, rtol=2e-3 if dtype == torch.float16 else 1e-5,
-                               atol=2e-3 if dtype == torch.float16 else 1e-5)
+    tol = 2e-3 if dtype == torch.float16 else 1e-5
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
 
 
 def test_gemv_refuses_operands_by_name():
@@ -34,6 +37,10 @@ def test_gemv_refuses_operands_by_name():
         gemv(x, torch.randn(8, 32))
     with pytest.raises(ValueError, match=r"bias \(7,\) do not agree"):
         gemv(x, torch.randn(8, 64), torch.randn(7))
+    with pytest.raises(ValueError, match=r"x \(64,\), weight \(8, 64\)"):
+        gemv(torch.randn(64), torch.randn(8, 64))
+    with pytest.raises(ValueError, match=f"at most {GEMV_MAX_ROWS} rows.*: {GEMV_MAX_ROWS + 1} rows"):
+        gemv(torch.randn(GEMV_MAX_ROWS + 1, 64), torch.randn(8, 64))
     with pytest.raises(ValueError, match=f"K <= {GEMV_MAX_K}.*K {GEMV_MAX_K + 1}"):
         gemv(torch.randn(1, GEMV_MAX_K + 1), torch.randn(2, GEMV_MAX_K + 1))
     with pytest.raises(ValueError, match=r"weight strides \(1, 8\)"):
@@ -42,25 +49,100 @@ def test_gemv_refuses_operands_by_name():
         gemv(torch.randn(64, 2).t(), torch.randn(8, 64))
 
 
-def test_gemv_no_rows_or_outputs():
+def test_gemv_no_rows_outputs_or_inputs():
     assert gemv(torch.randn(0, 64), torch.randn(8, 64)).shape == (0, 8)
     assert gemv(torch.randn(2, 64), torch.randn(0, 64)).shape == (2, 0)
+    b = torch.randn(8)
+    assert torch.equal(gemv(torch.randn(2, 0), torch.randn(8, 0), b), b.expand(2, 8))  # K = 0: the bias alone
+    assert torch.equal(gemv(torch.randn(1, 0), torch.randn(3, 0)), torch.zeros(1, 3))
 
 
-def test_linear_is_the_module_where_the_kernel_does_not_apply():
-    """On the CPU (no dependent launches), for a subclass of ``nn.Linear`` and for more rows than
-    ``GEMV_MAX_ROWS``, ``linear`` returns what the module returns, with its leading dimensions."""
+@pytest.fixture
+def with_pdl(monkeypatch):
+    """The CPU as if it launched dependents (``pdl_launch`` true): ``gemv_fits``' other conditions decide."""
+    monkeypatch.setattr(gemv_mod, "pdl_launch", lambda t: True)
+
+
+def test_gemv_fits_each_condition(with_pdl, monkeypatch):
+    rows = torch.randn(1, 64, dtype=torch.bfloat16)
+    w = torch.randn(24, 64, dtype=torch.bfloat16)
+    assert gemv_fits(rows, w, None) and gemv_fits(rows, w, torch.randn(24, dtype=torch.bfloat16))
+    assert gemv_fits(torch.randn(GEMV_MAX_ROWS, 64, dtype=torch.float16), w.half(), None)
+    refused = {
+        "more rows": (torch.randn(GEMV_MAX_ROWS + 1, 64, dtype=torch.bfloat16), w, None),
+        "float32": (rows.float(), w.float(), None),
+        "weight dtype": (rows, w.half(), None),
+        "bias dtype": (rows, w, torch.randn(24)),
+        "weight not contiguous": (rows, torch.randn(64, 24, dtype=torch.bfloat16).t(), None),
+        "rows strided along K": (torch.randn(64, 2, dtype=torch.bfloat16).t()[:1], w, None),
+        "K = 0": (rows[:, :0], w[:, :0], None),
+        "K too wide": (torch.randn(1, GEMV_MAX_K + 1, dtype=torch.bfloat16),
+                       torch.randn(1, GEMV_MAX_K + 1, dtype=torch.bfloat16), None),
+        "weight too large": (torch.randn(1, 1024, dtype=torch.bfloat16),
+                             torch.empty(GEMV_MAX_WEIGHT_BYTES // 2048 + 1, 1024, dtype=torch.bfloat16), None),
+    }
+    for why, (r, ww, b) in refused.items():
+        assert not gemv_fits(r, ww, b), why
+    monkeypatch.setenv("EPMOE_GEMV", "0")
+    assert not gemv_fits(rows, w, None)
+
+
+@pytest.mark.interpret
+def test_linear_runs_the_kernel_for_a_plain_linear(with_pdl, monkeypatch):
+    """With ``gemv_fits`` true (the CPU made to look capable), ``linear`` runs the kernel (under the interpreter,
+    without the dependent launch it cannot run) on ``[1, T, K]`` rows and keeps their leading dimensions."""
+    calls = []
+
+    def no_pdl(x, weight, bias=None, *, pdl=None):
+        calls.append(tuple(x.shape))
+        return gemv(x, weight, bias, pdl=False)  # this module's name: the kernel's entry, not the stand-in
+
+    monkeypatch.setattr(gemv_mod, "gemv", no_pdl)
+    torch.manual_seed(0)
+    lin = nn.Linear(100, 24).half()
+    x = torch.randn(1, 2, 100).half()
+    with torch.no_grad():
+        got = linear(lin, x)
+        want = F.linear(x.double(), lin.weight.double(), lin.bias.double())
+    assert calls == [(2, 100)] and got.shape == (1, 2, 24)
+    torch.testing.assert_close(got.double(), want, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
+def test_linear_is_the_module_where_the_kernel_does_not_apply(with_pdl):
+    """Hooks, an instance ``forward``, a subclass, a gradient to record, more rows than ``GEMV_MAX_ROWS`` and
+    ``K`` of 0: ``linear`` calls the module (the kernel would fail on the CPU, so any other path raises)."""
     torch.manual_seed(0)
     lin = nn.Linear(64, 24).to(torch.bfloat16)
     x = torch.randn(1, 1, 64, dtype=torch.bfloat16)
-    assert not gemv_fits(x[0], lin.weight, lin.bias)  # CPU
-    assert torch.equal(linear(lin, x), lin(x))
+    out = linear(lin, x)  # grad enabled and the weight requires it: the module, recording the graph
+    assert out.grad_fn is not None and torch.equal(out, lin(x))
+    with torch.no_grad():
+        handle = lin.register_forward_hook(lambda mod, args, result: result * 0)
+        assert torch.equal(linear(lin, x), torch.zeros(1, 1, 24, dtype=torch.bfloat16))
+        handle.remove()
+        handle = lin.register_forward_pre_hook(lambda mod, args: (args[0] * 0,))
+        assert torch.equal(linear(lin, x), lin.bias.expand(1, 1, 24))
+        handle.remove()
+        lin.forward = lambda t: t[..., :24] * 2
+        assert torch.equal(linear(lin, x), x[..., :24] * 2)
+        del lin.forward
 
-    class Scaled(nn.Linear):
-        def forward(self, x):
-            return 2 * super().forward(x)
+        class Scaled(nn.Linear):
+            def forward(self, x):
+                return 2 * super().forward(x)
 
-    scaled = Scaled(64, 24)
-    xf = torch.randn(1, GEMV_MAX_ROWS + 1, 64)
-    assert torch.equal(linear(scaled, xf), 2 * F.linear(xf, scaled.weight, scaled.bias))
-    assert linear(lin, x).shape == (1, 1, 24)
+        scaled = Scaled(64, 24).to(torch.bfloat16)
+        assert torch.equal(linear(scaled, x), 2 * F.linear(x, scaled.weight, scaled.bias))
+        more = torch.randn(1, GEMV_MAX_ROWS + 1, 64, dtype=torch.bfloat16)
+        assert torch.equal(linear(lin, more), lin(more))
+        empty = nn.Linear(0, 4).to(torch.bfloat16)
+        assert torch.equal(linear(empty, x[..., :0]), empty(x[..., :0]))
+
+
+def test_linear_on_the_cpu_is_the_module():
+    lin = nn.Linear(64, 24).to(torch.bfloat16)
+    x = torch.randn(1, 1, 64, dtype=torch.bfloat16)
+    assert not gemv_fits(x[0], lin.weight, lin.bias)  # no dependent launches on the CPU
+    with torch.no_grad():
+        assert torch.equal(linear(lin, x), lin(x))

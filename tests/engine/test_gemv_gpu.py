@@ -1,5 +1,8 @@
 """``engine.gemv`` on CUDA: the kernel equals ``F.linear`` in bf16 at the decode projections' shapes, as a
-dependent launch inside a CUDA graph after the kernel whose output it reads."""
+dependent launch inside a CUDA graph after the kernel whose output it reads (a norm, and a kernel that lets its
+dependents start at once and writes the rows only after a long wait: the kernel must wait for it)."""
+
+import functools
 
 import pytest
 import torch
@@ -39,11 +42,11 @@ def test_linear_in_a_graph_after_the_norm_it_reads():
     assert gemv_fits(x, proj.weight, proj.bias)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream), torch.no_grad():
         linear(proj, norm(x))
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph), torch.no_grad():
         out = linear(proj, norm(x))
     for seed in (1, 2):
         torch.manual_seed(seed)
@@ -53,8 +56,61 @@ def test_linear_in_a_graph_after_the_norm_it_reads():
         assert ((out.float() - want).norm() / want.norm()).item() < 4e-3
 
 
+@functools.cache
+def _late_writer():
+    """A kernel that lets its dependents launch at once, spins ``ns`` nanoseconds, then copies ``src`` into ``dst``."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def late_copy_kernel(src_ptr, dst_ptr, n, ns, BLOCK: tl.constexpr):
+        tl.extra.cuda.gdc_launch_dependents()
+        t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                       pack=1)
+        t = t0
+        while t - t0 < ns:
+            t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                          pack=1)
+        offs = tl.arange(0, BLOCK)
+        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
+
+    return late_copy_kernel
+
+
+def test_linear_waits_for_a_late_writer_in_a_graph():
+    """The kernel before ``linear``'s lets it start at once and writes its rows 50 us later: the replayed
+    projection is of the rows written, not of what the buffer held before (the wait is where it must be)."""
+    torch.manual_seed(0)
+    d, n = 4096, 2048
+    proj = nn.Linear(d, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    src = torch.randn(1, d, device="cuda", dtype=torch.bfloat16)
+    x = torch.zeros(1, d, device="cuda", dtype=torch.bfloat16)
+    kernel = _late_writer()
+
+    def step():
+        kernel[(1,)](src, x, d, 50_000, BLOCK=d)
+        return linear(proj, x)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        out = step()
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        src.copy_(torch.randn(1, d, device="cuda", dtype=torch.bfloat16))
+        x.zero_()
+        graph.replay()
+        want = F.linear(src.float(), proj.weight.float())
+        assert ((out.float() - want).norm() / want.norm()).item() < 4e-3
+
+
 def test_linear_takes_cublas_beyond_the_rows():
     proj = nn.Linear(256, 64, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(GEMV_MAX_ROWS + 1, 256, device="cuda", dtype=torch.bfloat16)
     assert not gemv_fits(x, proj.weight, proj.bias)
-    assert torch.equal(linear(proj, x), proj(x))
+    with torch.no_grad():
+        assert torch.equal(linear(proj, x), proj(x))

@@ -7,14 +7,16 @@ while that kernel runs. cuBLAS cannot start before its predecessor ends, and at 
 product plus a reduction launch that stream the weight well below the copy bandwidth even from the L2. Here the
 kernel is launched as a programmatic dependent (``experts.triton.pdl``): each program loads its whole
 ``[BLOCK_N, K]`` slice of the weight into registers first, a tile small enough (``_TILE_ELEMS`` elements) that
-all programs of a projection of a few MB are resident at once, then waits for the kernel before it
+the programs of a projection of a few MB (Qwen3-30B-A3B's q/k/v and o) fit on an H200 at once, then waits for the
+kernel before it
 (``griddepcontrol.wait``), reads the rows and reduces: the weight read hides behind the previous kernel, and what
 is left after the wait is the multiply and the store. Float32 accumulation, the bias added before the single
 rounding to the output dtype (``F.linear``'s rounding up to summation order).
 
-``linear`` runs the kernel for a plain ``nn.Linear`` where ``gemv_fits`` (CUDA with dependent launches, bf16 or
-fp16, at most ``GEMV_MAX_ROWS`` rows, ``K`` at most ``GEMV_MAX_K``, a weight of at most ``GEMV_MAX_WEIGHT_BYTES``)
-and calls the module otherwise (CPU, more rows, quantized or wrapped linear modules): without the early weight
+``linear`` runs the kernel for a plain ``nn.Linear`` (no hooks, no gradient to record, a plain weight tensor)
+where ``gemv_fits`` (CUDA with dependent launches, bf16 or fp16, at most ``GEMV_MAX_ROWS`` rows, ``K`` at most
+``GEMV_MAX_K``, a weight of at most ``GEMV_MAX_WEIGHT_BYTES``) and calls the module otherwise (CPU, more rows,
+quantized, hooked or wrapped linear modules): without the early weight
 reads the kernel is no faster than cuBLAS beyond one row, so it is not taken without them. ``EPMOE_GEMV=0`` in
 the environment turns it off (for measuring what it gains).
 """
@@ -22,6 +24,7 @@ the environment turns it off (for measuring what it gains).
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -30,13 +33,13 @@ from torch import nn
 from epmoe.experts.triton.pdl import pdl_launch
 
 GEMV_MAX_ROWS = 2
-"""Rows up to which ``linear`` runs the kernel (beyond, the multiply after the wait outweighs what it hides)."""
+"""Most rows the kernel takes (beyond, the multiply after the wait outweighs what the early reads hide)."""
 GEMV_MAX_K = 16384
 """Largest input width: one program holds a whole row of the weight (``K`` rounded up to a power of two)."""
 GEMV_MAX_WEIGHT_BYTES = 24 * 2**20
-"""Largest weight: about what an H200's programs of the kernel hold at once (beyond, the later programs start only
-as the first ones end, and their reads no longer overlap the kernel before)."""
-_TILE_ELEMS = 16384  # weight elements a program holds at one row (halved per doubling of the rows)
+"""Largest weight ``linear`` gives the kernel: about what an H200 holds of its programs at once (beyond, the later
+programs start only as the first ones end, and their reads no longer overlap the kernel before)."""
+_TILE_ELEMS = 16384  # weight elements a program holds at one row (at two rows half, down to one weight row)
 
 
 @functools.cache
@@ -45,8 +48,8 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                    BLOCK_N: tl.constexpr, K_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+    def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_b, stride_ym,
+                    M: tl.constexpr, BLOCK_N: tl.constexpr, K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
                     PDL: tl.constexpr):
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
@@ -54,34 +57,33 @@ def _kernel():
         offs_k = tl.arange(0, K_PAD)
         n_ok = offs_n < N
         k_ok = offs_k < K
-        # the weight (no kernel writes it): all of this program's slice, before the wait
+        # the weight and bias (no kernel writes them): all of this program's slice, before the wait
         w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
                     mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
         if HAS_BIAS:
-            b = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + offs_n * stride_b, mask=n_ok, other=0.0).to(tl.float32)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        for m in tl.static_range(BLOCK_M):
-            if m < M:
-                x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                y = tl.sum(w.to(tl.float32) * x[None, :], 1)
-                if HAS_BIAS:
-                    y += b
-                tl.store(y_ptr + m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+        for m in tl.static_range(M):
+            x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            y = tl.sum(w.to(tl.float32) * x[None, :], 1)
+            if HAS_BIAS:
+                y += b
+            tl.store(y_ptr + m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
     return triton, gemv_kernel
 
 
 def gemv_fits(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether ``linear`` runs the kernel for ``rows [M, K]``: CUDA with dependent launches (``pdl_launch``),
-    ``M <= GEMV_MAX_ROWS``, bf16 or fp16 rows contiguous along ``K``, a contiguous ``[N, K]`` weight of at most
-    ``GEMV_MAX_WEIGHT_BYTES`` and a bias (or none) of the rows' dtype, ``K <= GEMV_MAX_K``; not with
-    ``EPMOE_GEMV=0``."""
+    ``M <= GEMV_MAX_ROWS``, bf16 or fp16 rows contiguous along ``K``, ``1 <= K <= GEMV_MAX_K``, a contiguous
+    ``[N, K]`` weight on the rows' device of at most ``GEMV_MAX_WEIGHT_BYTES``, a bias (or none) of the rows' dtype;
+    not with ``EPMOE_GEMV=0``."""
     return (os.environ.get("EPMOE_GEMV", "1") != "0" and rows.dim() == 2 and rows.shape[0] <= GEMV_MAX_ROWS
             and rows.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == rows.dtype and weight.dim() == 2 and weight.is_contiguous()
-            and weight.shape[1] == rows.shape[1] <= GEMV_MAX_K and rows.stride(-1) == 1
-            and weight.numel() * weight.element_size() <= GEMV_MAX_WEIGHT_BYTES
+            and weight.device == rows.device and 1 <= weight.shape[1] == rows.shape[1] <= GEMV_MAX_K
+            and rows.stride(-1) == 1 and weight.numel() * weight.element_size() <= GEMV_MAX_WEIGHT_BYTES
             and (bias is None or bias.dtype == rows.dtype) and pdl_launch(rows))
 
 
@@ -90,17 +92,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """``x @ weight.T + bias`` by the kernel (CUDA, or CPU tensors under the Triton interpreter).
 
     Args:
-        x: ``[M, K]`` with ``1 <= M``, contiguous along ``K`` (any float dtype the kernel loads).
+        x: ``[M, K]``, ``M <= GEMV_MAX_ROWS``, contiguous along ``K`` (any float dtype the kernel loads).
         weight: ``[N, K]`` contiguous, ``K <= GEMV_MAX_K``.
-        bias: ``[N]`` or ``None``.
+        bias: ``[N]`` (any stride) or ``None``.
         pdl: launch as a programmatic dependent (``None``: where ``pdl_launch(x)``).
 
     Returns:
-        ``[M, N]`` in ``x.dtype``.
+        ``[M, N]`` in ``x.dtype`` (the bias alone where ``K`` is 0).
 
     Raises:
-        ValueError: shapes that do not agree, a weight not contiguous, ``K`` above ``GEMV_MAX_K`` or rows not
-            contiguous along ``K`` (named).
+        ValueError: shapes that do not agree, more than ``GEMV_MAX_ROWS`` rows, a weight not contiguous, ``K``
+            above ``GEMV_MAX_K`` or rows not contiguous along ``K`` (named).
     """
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or (
             bias is not None and tuple(bias.shape) != (weight.shape[0],)):
@@ -109,29 +111,42 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          f"bias [N])")
     m, k = x.shape
     n = weight.shape[0]
-    if k > GEMV_MAX_K or not weight.is_contiguous() or x.stride(1) != 1:
-        raise ValueError(f"gemv takes K <= {GEMV_MAX_K}, a contiguous weight and rows contiguous along K: K {k}, "
-                         f"weight strides {weight.stride()}, x strides {x.stride()}")
+    if m > GEMV_MAX_ROWS or k > GEMV_MAX_K or not weight.is_contiguous() or (k > 1 and x.stride(1) != 1):
+        raise ValueError(f"gemv takes at most {GEMV_MAX_ROWS} rows, K <= {GEMV_MAX_K}, a contiguous weight and "
+                         f"rows contiguous along K: {m} rows, K {k}, weight strides {weight.stride()}, x strides "
+                         f"{x.stride()}")
+    if k == 0:
+        y = torch.zeros(m, n, dtype=x.dtype, device=x.device)
+        return y + bias.to(x.dtype) if bias is not None else y
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     triton, kernel = _kernel()
     k_pad = triton.next_power_of_2(k)
-    block_m = triton.next_power_of_2(m)
-    block_n = max(1, _TILE_ELEMS // block_m // k_pad)
+    block_n = max(1, _TILE_ELEMS // triton.next_power_of_2(m) // k_pad)
     pdl = pdl_launch(x) if pdl is None else pdl
     kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_N=block_n, K_PAD=k_pad, BLOCK_M=block_m, HAS_BIAS=bias is not None, PDL=pdl, num_warps=4,
-        launch_pdl=pdl)
+        x, weight, bias if bias is not None else weight, y, n, k, x.stride(0), weight.stride(0),
+        bias.stride(0) if bias is not None else 0, y.stride(0),
+        M=m, BLOCK_N=block_n, K_PAD=k_pad, HAS_BIAS=bias is not None, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return y
 
 
+def _plain_linear(module: nn.Module, x: torch.Tensor) -> bool:
+    """``module`` computes exactly ``F.linear(x, weight, bias)`` when called: an ``nn.Linear`` (not a subclass)
+    without hooks or an instance ``forward``, its weight a plain tensor, and no gradient to record."""
+    return (type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
+            and "forward" not in vars(module) and type(module.weight.data) is torch.Tensor
+            and not (torch.is_grad_enabled() and (module.weight.requires_grad or x.requires_grad)))
+
+
 def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)``, through ``gemv`` for a plain ``nn.Linear`` where ``gemv_fits`` (``x [..., K]`` flattened to
-    rows; the result keeps the leading dimensions)."""
-    if type(module) is nn.Linear:
+    """``module(x)``, through ``gemv`` for a plain ``nn.Linear`` (no hooks, no gradient to record, a plain weight
+    tensor) where ``gemv_fits`` (``x [..., K]`` flattened to rows; the result keeps the leading dimensions)."""
+    if (_plain_linear(module, x) and x.dim() >= 1 and x.shape[-1] > 0
+            and math.prod(x.shape[:-1]) <= GEMV_MAX_ROWS):
         rows = x.reshape(-1, x.shape[-1])
-        if gemv_fits(rows, module.weight, module.bias):
-            return gemv(rows, module.weight, module.bias, pdl=True).reshape(*x.shape[:-1], module.out_features)
+        weight = module.weight
+        if gemv_fits(rows, weight, module.bias):
+            return gemv(rows, weight, module.bias, pdl=True).reshape(*x.shape[:-1], weight.shape[0])
     return module(x)
