@@ -39,7 +39,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -210,9 +210,10 @@ def time_ttft(engine: Engine, tokens: int, vocab: int) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def peer(model_dir: Path, batches: list[int], mode: str, steps: int) -> dict:
+def peer(model_dir: Path, batches: list[int], mode: str, steps: int, out: dict, saved: Callable[[], None]) -> dict:
     """transformers' generate on the same architecture (its own random init, same sizes): ms per new token
-    from two generation lengths (``mode`` static: static cache, which transformers compiles)."""
+    from two generation lengths (``mode`` static: static cache, which transformers compiles), into ``out`` by
+    batch, ``saved`` called after each batch (a run cut short keeps the batches done)."""
     from transformers import AutoModelForCausalLM
 
     from epmoe.models.hf import hf_config
@@ -220,7 +221,6 @@ def peer(model_dir: Path, batches: list[int], mode: str, steps: int) -> dict:
     config = hf_config(str(model_dir))
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    out = {}
     for bs in batches:
         ids = torch.randint(0, config.vocab_size, (bs, PROMPT), device="cuda")
         kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -240,6 +240,7 @@ def peer(model_dir: Path, batches: list[int], mode: str, steps: int) -> dict:
             print(f"    peer {mode} bs {bs}: {out[bs]:.2f} ms per token", flush=True)
         except Exception as exc:  # noqa: BLE001 - report the peer's failure and go on
             out[bs] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+        saved()
     del model
     gc.collect()
     torch.cuda.empty_cache()
@@ -619,9 +620,10 @@ def main() -> None:
                          for v in args.env_variants.split(";") if v.strip()}
         (out / f"engine_{gpu}.json").write_text(json.dumps(result, indent=2, default=str))
         for mode in [x for x in args.peer.split(",") if x != "none"]:
-            m["peer"][mode] = peer(d, [int(b) for b in args.peer_batches.split(",")], mode, 16)
+            m["peer"][mode] = {}
+            peer(d, [int(b) for b in args.peer_batches.split(",")], mode, 16, m["peer"][mode],
+                 lambda: (out / f"engine_{gpu}.json").write_text(json.dumps(result, indent=2, default=str)))
             print(f"  peer {mode}: {m['peer'][mode]}", flush=True)
-            (out / f"engine_{gpu}.json").write_text(json.dumps(result, indent=2, default=str))
         for bs, r in m["rows"].items():
             times = [v[bs] for v in m["peer"].values() if isinstance(v.get(bs), float)]
             rows.append((name, bs, r["tpot_ms"], r["floor_ms"], min(times) if times else None, m["plan_ms"][bs]))
