@@ -551,7 +551,7 @@ def print_spec_rows(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--models", default="qwen3-30b-a3b,deepseek-v3")
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--steps", type=int, default=32)

@@ -47,6 +47,26 @@ def test_gemv_refuses_operands_by_name():
         gemv(x, torch.randn(64, 8).t())
     with pytest.raises(ValueError, match=r"x strides \(1, 2\)"):
         gemv(torch.randn(64, 2).t(), torch.randn(8, 64))
+    with pytest.raises(ValueError, match="x torch.float16, weight torch.float32, bias None"):
+        gemv(x.half(), torch.randn(8, 64))
+    with pytest.raises(ValueError, match="x torch.float32, weight torch.float32, bias torch.float64"):
+        gemv(x, torch.randn(8, 64), torch.randn(8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="x torch.int64"):
+        gemv(x.long(), torch.randn(8, 64).long())
+    with pytest.raises(ValueError, match="x on cpu, weight on meta and bias on None: one device"):
+        gemv(x, torch.randn(8, 64, device="meta"))
+
+
+def test_gemv_says_where_it_runs(monkeypatch):
+    """CPU rows run only under the interpreter, and there without the dependent launch (``griddepcontrol`` is
+    Hopper's)."""
+    x, w = torch.randn(1, 64), torch.randn(8, 64)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="x on cpu, pdl False, TRITON_INTERPRET None"):
+        gemv(x, w)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match="x on cpu, pdl True, TRITON_INTERPRET '1'"):
+        gemv(x, w, pdl=True)
 
 
 def test_gemv_no_rows_outputs_or_inputs():

@@ -394,6 +394,13 @@ def test_batch_list_parsing(capsys):
     assert "--batch must be comma-separated integers, got '1,,2'" in capsys.readouterr().err
 
 
+def test_recommendation_on_one_gpu_names_no_batch():
+    # one GPU plans one strategy: the reason holds at every batch size, so it names none
+    p = _plan("qwen3-30b-a3b", 1, batches=(1, 8))
+    assert len(p.strategies) == 1
+    assert recommend(p) == f"{p.strategies[0].strategy.name} at every batch size: it is the only strategy planned"
+
+
 def test_recommendation_names_the_family_that_does_not_fit():
     # DeepSeek-V3 on 8 x H200 at batch 256: no all-reduce strategy fits; the reason says so and names
     # the fastest of them with its overshoot, not one strategy as if it were the only alternative.

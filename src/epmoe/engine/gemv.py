@@ -92,23 +92,32 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """``x @ weight.T + bias`` by the kernel (CUDA, or CPU tensors under the Triton interpreter).
 
     Args:
-        x: ``[M, K]``, ``M <= GEMV_MAX_ROWS``, contiguous along ``K`` (any float dtype the kernel loads).
-        weight: ``[N, K]`` contiguous, ``K <= GEMV_MAX_K``.
-        bias: ``[N]`` (any stride) or ``None``.
+        x: ``[M, K]`` float16, bfloat16 or float32, ``M <= GEMV_MAX_ROWS``, contiguous along ``K``; on CUDA, or on
+            the CPU under ``TRITON_INTERPRET=1`` (without ``pdl``).
+        weight: ``[N, K]`` contiguous, ``K <= GEMV_MAX_K``, ``x``'s dtype and device.
+        bias: ``[N]`` (any stride), ``x``'s dtype and device, or ``None``.
         pdl: launch as a programmatic dependent (``None``: where ``pdl_launch(x)``).
 
     Returns:
         ``[M, N]`` in ``x.dtype`` (the bias alone where ``K`` is 0).
 
     Raises:
-        ValueError: shapes that do not agree, more than ``GEMV_MAX_ROWS`` rows, a weight not contiguous, ``K``
-            above ``GEMV_MAX_K`` or rows not contiguous along ``K`` (named).
+        ValueError: shapes that do not agree, other dtypes or devices, more than ``GEMV_MAX_ROWS`` rows, a weight
+            not contiguous, ``K`` above ``GEMV_MAX_K``, rows not contiguous along ``K`` (named); rows to compute on
+            the CPU outside the interpreter, or with ``pdl`` under it.
     """
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or (
             bias is not None and tuple(bias.shape) != (weight.shape[0],)):
         raise ValueError(f"gemv: x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias "
                          f"{None if bias is None else tuple(bias.shape)} do not agree (x [M, K], weight [N, K], "
                          f"bias [N])")
+    floats = (torch.float16, torch.bfloat16, torch.float32)
+    if x.dtype not in floats or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"gemv takes float16, bfloat16 or float32 rows and a weight and bias of their dtype: x "
+                         f"{x.dtype}, weight {weight.dtype}, bias {None if bias is None else bias.dtype}")
+    if weight.device != x.device or (bias is not None and bias.device != x.device):
+        raise ValueError(f"gemv: x on {x.device}, weight on {weight.device} and bias on "
+                         f"{None if bias is None else bias.device}: one device")
     m, k = x.shape
     n = weight.shape[0]
     if m > GEMV_MAX_ROWS or k > GEMV_MAX_K or not weight.is_contiguous() or (k > 1 and x.stride(1) != 1):
@@ -117,14 +126,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          f"{x.stride()}")
     if k == 0:
         y = torch.zeros(m, n, dtype=x.dtype, device=x.device)
-        return y + bias.to(x.dtype) if bias is not None else y
+        return y + bias if bias is not None else y
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
+    pdl = pdl_launch(x) if pdl is None else pdl
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if not ((x.is_cuda and not interpret) or (interpret and not pdl)):
+        raise ValueError(f"gemv runs on CUDA tensors, or under TRITON_INTERPRET=1 without pdl: x on {x.device}, "
+                         f"pdl {pdl}, TRITON_INTERPRET {os.environ.get('TRITON_INTERPRET')!r}")
     triton, kernel = _kernel()
     k_pad = triton.next_power_of_2(k)
     block_n = max(1, _TILE_ELEMS // triton.next_power_of_2(m) // k_pad)
-    pdl = pdl_launch(x) if pdl is None else pdl
     kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, x.stride(0), weight.stride(0),
         bias.stride(0) if bias is not None else 0, y.stride(0),

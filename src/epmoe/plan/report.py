@@ -40,7 +40,7 @@ def _reason(best: StrategyPlan, other: StrategyPlan | None, i: int, family: str 
     b = best.steps[i]
     name = best.strategy.name
     if other is None:
-        return f"at batch {b.batch} it is the only strategy planned"
+        return "it is the only strategy planned"  # at every batch: no batch to name
     o, oname = other.steps[i], other.strategy.name
     if not o.memory.fits:
         if family:
