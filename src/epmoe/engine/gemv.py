@@ -2,23 +2,24 @@
 kernel before it (Hopper's programmatic dependent launch).
 
 At one row a linear layer only streams its weight, and the kernel before it in a decode step (the attention's
-reduction before ``o_proj``, the norm before ``q/k/v``) reads next to nothing: the weight could be on its way
-while that kernel runs. cuBLAS cannot start before its predecessor ends, and at one row it runs a split-K
-product plus a reduction launch that stream the weight well below the copy bandwidth even from the L2. Here the
-kernel is launched as a programmatic dependent (``experts.triton.pdl``): each program loads its whole
-``[BLOCK_N, K]`` slice of the weight into registers first, a tile small enough (``_TILE_ELEMS`` elements) that
-the programs of a projection of a few MB (Qwen3-30B-A3B's q/k/v and o) fit on an H200 at once, then waits for the
-kernel before it
-(``griddepcontrol.wait``), reads the rows and reduces: the weight read hides behind the previous kernel, and what
-is left after the wait is the multiply and the store. Float32 accumulation, the bias added before the single
-rounding to the output dtype (``F.linear``'s rounding up to summation order).
+reduction before ``o_proj``, the norm before ``q/k/v``) reads next to nothing: the weight could be on its way while
+that kernel runs. cuBLAS cannot start before its predecessor ends, and at one row it runs a split-K product plus a
+reduction launch that stream the weight well below the copy bandwidth even from the L2. Here the kernel is launched
+as a programmatic dependent (``experts.triton.pdl``): each program loads its whole ``[BLOCK_N, K]`` slice of the
+weight into registers first, a tile small enough (``_TILE_ELEMS`` elements) that the programs of a projection of a
+few MB (Qwen3-30B-A3B's q/k/v and o) fit on an H200 at once, then waits for the kernel before it
+(``griddepcontrol.wait``), reads the rows and reduces: the weight read hides behind the previous kernel, and what is
+left after the wait is the multiply and the store. The early reads share the DRAM with the kernel before: its
+own reads queue behind them (in a decode step the attention before ``o_proj`` waits on part of that stream, which
+the benchmark's one-layer timeline shows). Float32 accumulation, the bias added before the single rounding
+to the output dtype (``F.linear``'s rounding up to summation order).
 
-``linear`` runs the kernel for a plain ``nn.Linear`` (no hooks, no gradient to record, a plain weight tensor)
-where ``gemv_fits`` (CUDA with dependent launches, bf16 or fp16, at most ``GEMV_MAX_ROWS`` rows, ``K`` at most
+``linear`` runs the kernel for a plain ``nn.Linear`` (no hooks, no gradient to record, a plain weight tensor) where
+``gemv_fits`` (CUDA with dependent launches, bf16 or fp16, at most ``GEMV_MAX_ROWS`` rows, ``K`` at most
 ``GEMV_MAX_K``, a weight of at most ``GEMV_MAX_WEIGHT_BYTES``) and calls the module otherwise (CPU, more rows,
-quantized, hooked or wrapped linear modules): without the early weight
-reads the kernel is no faster than cuBLAS beyond one row, so it is not taken without them. ``EPMOE_GEMV=0`` in
-the environment turns it off (for measuring what it gains).
+quantized, hooked or wrapped linear modules): without the early weight reads the kernel is no faster than cuBLAS
+beyond one row, so it is not taken without them. ``EPMOE_GEMV=0`` in the environment turns it off (for measuring
+what it gains).
 """
 
 from __future__ import annotations
