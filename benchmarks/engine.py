@@ -210,7 +210,7 @@ def time_ttft(engine: Engine, tokens: int, vocab: int) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def peer(model_dir: Path, batches: list[int], mode: str, steps: int, out: dict, saved: Callable[[], None]) -> dict:
+def peer(model_dir: Path, batches: list[int], mode: str, steps: int, out: dict, saved: Callable[[], None]) -> None:
     """transformers' generate on the same architecture (its own random init, same sizes): ms per new token
     from two generation lengths (``mode`` static: static cache, which transformers compiles), into ``out`` by
     batch, ``saved`` called after each batch (a run cut short keeps the batches done)."""
@@ -244,7 +244,6 @@ def peer(model_dir: Path, batches: list[int], mode: str, steps: int, out: dict, 
     del model
     gc.collect()
     torch.cuda.empty_cache()
-    return out
 
 
 def attention_dims(config) -> tuple[int, int, int]:
@@ -600,6 +599,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name().split()[-1].lower()
     result = {"gpu": torch.cuda.get_device_name(), "ceilings": ceil, "models": {}}
+
+    def save() -> None:
+        (out / f"engine_{gpu}.json").write_text(json.dumps(result, indent=2, default=str))
+
     rows = []
     fit_rows: list[dict] = []
     for name in args.models.split(","):
@@ -618,11 +621,10 @@ def main() -> None:
         result["models"][name] = m
         m["variants"] = {v.strip(): measure_variant(d, batches, args, v.strip())
                          for v in args.env_variants.split(";") if v.strip()}
-        (out / f"engine_{gpu}.json").write_text(json.dumps(result, indent=2, default=str))
+        save()
         for mode in [x for x in args.peer.split(",") if x != "none"]:
             m["peer"][mode] = {}
-            peer(d, [int(b) for b in args.peer_batches.split(",")], mode, 16, m["peer"][mode],
-                 lambda: (out / f"engine_{gpu}.json").write_text(json.dumps(result, indent=2, default=str)))
+            peer(d, [int(b) for b in args.peer_batches.split(",")], mode, 16, m["peer"][mode], save)
             print(f"  peer {mode}: {m['peer'][mode]}", flush=True)
         for bs, r in m["rows"].items():
             times = [v[bs] for v in m["peer"].values() if isinstance(v.get(bs), float)]
@@ -630,7 +632,7 @@ def main() -> None:
     shutil.rmtree(root, ignore_errors=True)
     if len(fit_rows) >= 3:
         result["engine_fit"] = fit_engine_terms(fit_rows)
-        (out / f"engine_{gpu}.json").write_text(json.dumps(result, indent=2, default=str))
+        save()
     print(f"\n{'model':14} {'bs':>4} {'TPOT ms':>8} {'floor':>7} {'/floor':>6} {'peer ms':>8} {'peer/us':>7} "
           f"{'plan ms':>8} {'us/plan':>7}")
     for model, bs, t, f, p, pl in rows:
