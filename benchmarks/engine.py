@@ -37,8 +37,10 @@ import gc
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Collection
 from pathlib import Path
 
@@ -124,37 +126,51 @@ def kernel_profile(engine: Engine, steps: int) -> tuple[list[dict], dict]:
         busy += max(0.0, e - max(s, end))
         end = max(end, e)
     top = sorted(before.items(), key=lambda kv: -kv[1])[:12]
+    layer, count = median_layer(layer_windows(spans, steps, engine.runner.segment_starts()))
     timeline = {"busy_us": busy / steps, "idle_us": idle / steps,
                 "idle_before": [{"kernel": k, "us_per_step": v} for k, v in top],
-                "layer": one_layer(spans, steps, engine.runner.segment_starts())}
+                "layer": layer, "layer_count": count}
     return rows, timeline
 
 
 LAYER_ANCHORS = ("paged_decode_kernel", "mla_decode_kernel")
-"""Kernels launched once per attention layer of a decode step (``one_layer`` cuts the timeline at them)."""
+"""Kernels launched once per attention layer of a decode step (``layer_windows`` cuts the timeline at them)."""
 
 
-def one_layer(spans: list[tuple[float, float, str]], steps: int, cuts: Collection[int] = ()) -> list[dict]:
-    """The kernels of one decoder layer in the middle of the last profiled step, in launch order: from one decode
-    attention launch (``LAYER_ANCHORS``) to the next, each with its start after the layer's first (us), its
-    duration and the GPU's idle time before it (negative: it started before the previous kernel ended, as a
-    programmatic dependent launch does). ``cuts``: the layers that begin a new graph of the step
-    (``ModelRunner.segment_starts``); a layer followed by one is not taken (the next graph's replay begins in it,
-    a gap no other layer has), the one before it is."""
+def layer_windows(spans: list[tuple[float, float, str]], steps: int, cuts: Collection[int] = ()) -> list[list[dict]]:
+    """The decoder layers of the last profiled step, each the kernels in launch order from one decode attention
+    launch (``LAYER_ANCHORS``) to the next: each kernel's start after the layer's first (us), its duration and the
+    GPU's idle time before it (negative: it started before the kernels ahead of it ended, as a programmatic
+    dependent launch does). ``cuts``: the layers that begin a new graph of the step
+    (``ModelRunner.segment_starts``); a layer followed by one is left out (the next graph's replay begins in it, a
+    gap no other layer has)."""
     at = [i for i, (_, _, name) in enumerate(spans) if name.startswith(LAYER_ANCHORS)]
     per_step = len(at) // max(1, steps)
-    if per_step < 2:
-        return []
-    layer = per_step - per_step // 2 - 1
-    while layer > 0 and layer + 1 in cuts:
-        layer -= 1
-    first, last = at[len(at) - per_step + layer], at[len(at) - per_step + layer + 1]
-    t0 = spans[first][0]
-    out, end = [], spans[first - 1][1] if first else t0
-    for s, e, name in spans[first:last]:
-        out.append({"kernel": name, "start_us": s - t0, "us": e - s, "gap_us": s - end})
-        end = max(end, e)
+    last = at[len(at) - per_step:]
+    out = []
+    for layer in range(per_step - 1):
+        if layer + 1 in cuts:
+            continue
+        first, stop = last[layer], last[layer + 1]
+        t0 = spans[first][0]
+        window, end = [], spans[first - 1][1] if first else t0
+        for s, e, name in spans[first:stop]:
+            window.append({"kernel": name, "start_us": s - t0, "us": e - s, "gap_us": s - end})
+            end = max(end, e)
+        out.append(window)
     return out
+
+
+def median_layer(windows: list[list[dict]]) -> tuple[list[dict], int]:
+    """One decoder layer as the median of ``layer_windows``'s layers that launch the most common sequence of
+    kernels: per kernel the median start, duration and gap (us). Returns ``(kernels, layers)``, the layers
+    the medians are over (``([], 0)`` with no whole layer)."""
+    if not windows:
+        return [], 0
+    names = Counter(tuple(k["kernel"] for k in w) for w in windows).most_common(1)[0][0]
+    same = [w for w in windows if tuple(k["kernel"] for k in w) == names]
+    return [{"kernel": name, **{f: statistics.median(w[i][f] for w in same) for f in ("start_us", "us", "gap_us")}}
+            for i, name in enumerate(names)], len(same)
 
 
 def host_profile(engine: Engine, steps: int) -> list[dict]:
@@ -355,8 +371,8 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
             for k in tl["idle_before"][:8]:
                 print(f"    {k['us_per_step']:9.1f} us  {k['kernel']}")
             if tl["layer"]:
-                print(f"    one layer ({tl['layer'][-1]['start_us'] + tl['layer'][-1]['us']:.1f} us): start, duration, "
-                      "gap before, us")
+                print(f"    one layer, median of {tl['layer_count']} ({tl['layer'][-1]['start_us'] + tl['layer'][-1]['us']:.1f}"
+                      " us): start, duration, gap before, us")
                 for k in tl["layer"]:
                     print(f"    {k['start_us']:7.1f} {k['us']:6.1f} {k['gap_us']:6.1f}  {k['kernel']}")
         for h in r["host"][:8]:
