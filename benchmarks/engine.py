@@ -371,8 +371,8 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
             for k in tl["idle_before"][:8]:
                 print(f"    {k['us_per_step']:9.1f} us  {k['kernel']}")
             if tl["layer"]:
-                print(f"    one layer, median of {tl['layer_count']} ({tl['layer'][-1]['start_us'] + tl['layer'][-1]['us']:.1f}"
-                      " us): start, duration, gap before, us")
+                span = tl["layer"][-1]["start_us"] + tl["layer"][-1]["us"]
+                print(f"    one layer, median of {tl['layer_count']} ({span:.1f} us): start, duration, gap before, us")
                 for k in tl["layer"]:
                     print(f"    {k['start_us']:7.1f} {k['us']:6.1f} {k['gap_us']:6.1f}  {k['kernel']}")
         for h in r["host"][:8]:

@@ -2,8 +2,6 @@
 dependent launch inside a CUDA graph after the kernel whose output it reads (a norm, and a kernel that lets its
 dependents start at once and writes the rows only after a long wait: the kernel must wait for it)."""
 
-import functools
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +9,8 @@ from torch import nn
 
 from epmoe.engine.fused_norm import FusedRMSNorm
 from epmoe.engine.gemv import GEMV_MAX_ROWS, gemv, gemv_fits, linear
+
+from ..late_writer import late_writer
 
 pytestmark = pytest.mark.gpu
 
@@ -31,12 +31,15 @@ def test_gemv_equals_linear(n, k, m, bias):
         assert err < 4e-3, (pdl, err)
 
 
-def test_linear_in_a_graph_after_the_norm_it_reads():
+@pytest.mark.parametrize("late", [False, True])
+def test_linear_in_a_graph_after_the_norm_it_reads(late):
     """norm -> ``linear`` (the kernel, a dependent launch) -> norm, captured and replayed on new rows: the replay
-    equals the same modules run eagerly in float32 up to bf16 rounding."""
+    equals the same modules run eagerly in float32 up to bf16 rounding (the norm allowing its dependents at its
+    start or after its wait, ``late_dependents``)."""
     torch.manual_seed(0)
     d, n = 2048, 5120
-    norm = FusedRMSNorm(nn.Parameter(torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5), 1e-6)
+    norm = FusedRMSNorm(nn.Parameter(torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5), 1e-6,
+                        late_dependents=late)
     proj = nn.Linear(d, n, bias=False, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(1, d, device="cuda", dtype=torch.bfloat16)
     assert gemv_fits(x, proj.weight, proj.bias)
@@ -56,27 +59,6 @@ def test_linear_in_a_graph_after_the_norm_it_reads():
         assert ((out.float() - want).norm() / want.norm()).item() < 4e-3
 
 
-@functools.cache
-def _late_writer():
-    """A kernel that lets its dependents launch at once, spins ``ns`` nanoseconds, then copies ``src`` into ``dst``."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def late_copy_kernel(src_ptr, dst_ptr, n, ns, BLOCK: tl.constexpr):
-        tl.extra.cuda.gdc_launch_dependents()
-        t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                       pack=1)
-        t = t0
-        while t - t0 < ns:
-            t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                          pack=1)
-        offs = tl.arange(0, BLOCK)
-        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
-
-    return late_copy_kernel
-
-
 def test_linear_waits_for_a_late_writer_in_a_graph():
     """The kernel before ``linear``'s lets it start at once and writes its rows 50 us later: the replayed
     projection is of the rows written, not of what the buffer held before (the wait is where it must be)."""
@@ -85,7 +67,7 @@ def test_linear_waits_for_a_late_writer_in_a_graph():
     proj = nn.Linear(d, n, bias=False, device="cuda", dtype=torch.bfloat16)
     src = torch.randn(1, d, device="cuda", dtype=torch.bfloat16)
     x = torch.zeros(1, d, device="cuda", dtype=torch.bfloat16)
-    kernel = _late_writer()
+    kernel = late_writer()
 
     def step():
         kernel[(1,)](src, x, d, 50_000, BLOCK=d)

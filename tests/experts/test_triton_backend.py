@@ -6,6 +6,8 @@ import torch
 from epmoe.experts import Activation, ExpertWeights, get_expert_backend, reference_experts
 from epmoe.experts.triton.align import align_reference
 
+from ..late_writer import late_writer
+
 pytestmark = pytest.mark.gpu
 
 
@@ -105,6 +107,40 @@ def test_decode_path_is_reproducible_and_graph_safe():
     for _ in range(3):
         graph.replay()
         assert torch.equal(static, eager)
+
+
+def test_decode_path_waits_for_a_late_router_in_a_graph():
+    """The kernel before the decode kernels (where the router is) lets them start at once and writes the slots
+    50 us later: the replay computes the slots written, not the -1s the buffer held (the gate/up launch lets the
+    down launch, which reads the slots before its own wait, start only after its wait)."""
+    from epmoe.experts.triton.decode import decode_experts
+    from epmoe.experts.triton.grouped import act_code
+
+    s, d, f, k = 16, 2048, 768, 8
+    w = _weights(s, d, f, bias=False)
+    act = Activation()
+    x = torch.randn(1, d, device="cuda", dtype=torch.bfloat16)
+    tw = torch.rand(1, k, device="cuda")
+    routed = torch.randperm(s, device="cuda")[:k].view(1, k)
+    slots = torch.full_like(routed, -1)
+
+    def step():
+        late_writer()[(1,)](routed, slots, k, 50_000, BLOCK=k)
+        return decode_experts(x, slots, tw, w, act_code(act), act)
+
+    want = decode_experts(x, routed, tw, w, act_code(act), act)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        slots.fill_(-1)
+        graph.replay()
+        assert torch.equal(out, want)
 
 
 @pytest.mark.parametrize("pdl", [True, False])

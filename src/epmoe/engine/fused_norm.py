@@ -11,7 +11,10 @@ cast of the float32 product (gpt-oss), as the module it replaces does.
 round it, is written out as the next residual and normalised (vLLM's ``fused_add_rms_norm``).
 
 On Hopper the kernel is a programmatic dependent launch (``experts.triton.pdl``): it reads its weight while the
-kernel before it finishes.
+kernel before it finishes. It lets the kernel after it be placed at its start, or, for a decoder layer's input norm
+(``FusedRMSNorm.late_dependents``), only once its input is complete: the q/k/v projection after that norm requests
+its whole weight when it is placed (``engine.gemv``), and those reads would otherwise compete with the expert
+down kernel's before it (measured on an H200: ``benchmarks/engine.py``, README).
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ def _kernel():
 
     @triton.jit
     def rms_norm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, sum_ptr, stride_x, stride_o, stride_r, stride_s, n_cols, eps,
-                        BLOCK: tl.constexpr, WEIGHT_THEN_CAST: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
+                        BLOCK: tl.constexpr, WEIGHT_THEN_CAST: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr,
+                        LATE: tl.constexpr):
+        if PDL and not LATE:
             tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -43,6 +47,8 @@ def _kernel():
         w = tl.load(w_ptr + cols, mask=ok, other=0.0)  # a weight: before the wait
         if PDL:
             tl.extra.cuda.gdc_wait()
+            if LATE:
+                tl.extra.cuda.gdc_launch_dependents()
         x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
         if ADD:  # h = r + x in the rows' dtype (the add it replaces rounds there), the next residual
             x = (x + tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32))
@@ -68,13 +74,17 @@ class FusedRMSNorm(nn.Module):
         eps: its epsilon.
         weight_then_cast: multiply by the weight in float32 and cast after (gpt-oss), instead of casting
             the normalised row first (Llama style).
+        late_dependents: on Hopper, let the next kernel be placed only after this one's wait for its input, not at
+            its start (see the module docstring).
     """
 
-    def __init__(self, weight: nn.Parameter, eps: float, weight_then_cast: bool = False) -> None:
+    def __init__(self, weight: nn.Parameter, eps: float, weight_then_cast: bool = False,
+                 late_dependents: bool = False) -> None:
         super().__init__()
         self.weight = weight
         self.eps = float(eps)
         self.weight_then_cast = weight_then_cast
+        self.late_dependents = late_dependents
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., D]`` -> ``[..., D]`` in the dtype transformers' module returns (the product's)."""
@@ -120,13 +130,15 @@ class FusedRMSNorm(nn.Module):
                                      rows.stride(0), out.stride(0), res.stride(0) if add else 0,
                                      summed.stride(0) if add else 0, d, self.eps,
                                      BLOCK=triton.next_power_of_2(d), WEIGHT_THEN_CAST=self.weight_then_cast,
-                                     ADD=add, PDL=pdl, num_warps=4 if d <= 4096 else 8, launch_pdl=pdl)
+                                     ADD=add, PDL=pdl, LATE=self.late_dependents, num_warps=4 if d <= 4096 else 8,
+                                     launch_pdl=pdl)
         return out.reshape(x.shape), summed.reshape(x.shape) if summed is not None else None
 
 
 def fuse_norms(model: nn.Module) -> int:
     """Replace every transformers ``*RMSNorm`` module of ``model`` (a 1-D weight and an epsilon) by a
-    ``FusedRMSNorm`` sharing its weight.
+    ``FusedRMSNorm`` sharing its weight (modules already fused are kept); those named ``input_layernorm`` (a
+    decoder layer's first, after the previous layer's MLP or experts) with ``late_dependents``.
 
     Returns:
         The number of modules replaced.
@@ -137,7 +149,8 @@ def fuse_norms(model: nn.Module) -> int:
             kind = type(child).__name__
             weight = getattr(child, "weight", None)
             eps = getattr(child, "variance_epsilon", getattr(child, "eps", None))
-            if kind.endswith("RMSNorm") and isinstance(weight, torch.Tensor) and weight.dim() == 1 and eps is not None:
-                setattr(parent, name, FusedRMSNorm(weight, eps, kind in _WEIGHT_THEN_CAST))
+            if (kind.endswith("RMSNorm") and not isinstance(child, FusedRMSNorm) and isinstance(weight, torch.Tensor)
+                    and weight.dim() == 1 and eps is not None):
+                setattr(parent, name, FusedRMSNorm(weight, eps, kind in _WEIGHT_THEN_CAST, name == "input_layernorm"))
                 count += 1
     return count

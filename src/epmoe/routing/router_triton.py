@@ -108,9 +108,11 @@ def _route_token(lg, t, bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, counts_p
     top_idx = tl.zeros([KP], dtype=tl.int64)
     top_w = tl.zeros([KP], dtype=tl.float32)
     for k in tl.static_range(K):
-        j = tl.argmax(choice, 0)
+        best, j = tl.max(choice, 0, return_indices=True, return_indices_tie_break_left=True)
         top_idx = tl.where(ki == k, j.to(tl.int64), top_idx)
-        top_w = tl.where(ki == k, tl.sum(tl.where(e == j, scores, 0.0), 0), top_w)
+        if HAS_BIAS or N_GROUP > 1:  # the choice is not the score: look the score up
+            best = tl.sum(tl.where(e == j, scores, 0.0), 0)
+        top_w = tl.where(ki == k, best, top_w)
         choice = tl.where(e == j, float("-inf"), choice)
     if NORM:
         top_w = top_w / (tl.sum(top_w, 0) + EPS)

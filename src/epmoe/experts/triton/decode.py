@@ -29,10 +29,11 @@ shard whose pairs are mostly served on other ranks (a DeepSeek-V3 EP8 shard: 8 p
 Both kernels keep two weight tiles in flight per program by register double buffering (tile ``k + 1``
 is requested before tile ``k`` is reduced, and the next pair's first tile before the last tile of this
 pair; Triton software-pipelines only loads that feed ``tl.dot``).
-On Hopper the down kernel is a programmatic dependent launch (``DecodeConfig.pdl``): step 1 allows it at
-its start, so its programs are placed while step 1's last programs run, request their first ``w2`` tile
-(the slots and weights were complete before step 1 began) and only then wait (``griddepcontrol.wait``)
-for step 1's ``h``; this hides the launch gap between the two. The down launch lets the next kernel (the next
+On Hopper both kernels are programmatic dependent launches (``DecodeConfig.pdl``). Step 1's programs are placed
+while the kernel before it (the router) runs and wait (``griddepcontrol.wait``) for it before reading anything;
+then they allow step 2, whose programs are placed while step 1's last programs run, request their first ``w2`` tile
+(the slots and weights are complete: step 1 allowed the launch only after its own wait) and only then wait for
+step 1's ``h``; this hides the launch gaps. The down launch lets the next kernel (the next
 layer's norm, itself a dependent launch) be placed at its start. The decode kernels read weights with the
 evict-first policy (each is read once a step).
 
@@ -71,9 +72,10 @@ class DecodeConfig:
         block_n2: ``w2`` rows (output columns) per down program; divides 128 for FP8 weights.
         block_k2: ``F`` elements per step of the down program.
         num_warps: warps per program.
-        pdl: launch the down kernel as a programmatic dependent launch (Hopper): its programs start
-            while the gate/up launch's last programs run, read their first ``w2`` tile, and wait
-            (``griddepcontrol.wait``) only before reading ``h``. Taken only where ``pdl.pdl_launch`` allows it
+        pdl: launch both kernels as programmatic dependent launches (Hopper): the gate/up programs are
+            placed while the kernel before runs and wait for it; the down programs start while the gate/up
+            launch's last programs run, read their first ``w2`` tile, and wait (``griddepcontrol.wait``) only
+            before reading ``h``. Taken only where ``pdl.pdl_launch`` allows it
             (compute capability 9.0 or later, ``EPMOE_PDL`` not 0).
         max_programs: programs per launch, at most (and at least one pair group): the live pairs are
             shared among ``max_programs // column tiles`` pair groups per column tile (see the module
@@ -240,7 +242,8 @@ def _decode_gate_up_kernel(
 ):
     pid_n = tl.program_id(0)
     group = tl.program_id(1)
-    if PDL:
+    if PDL:  # placed while the router runs; allows the down launch only once the router's slots are complete
+        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if (pid_n == 0) & (group == 0):
         zero_arrival_counters(count_ptr, num_counters, ZERO_BLOCK)
@@ -429,7 +432,7 @@ def decode_experts(
         float(limit), float(activation.swiglu_alpha),
         BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, N_PAD=n_pad, GROUPS=grid1[1], ONE_PAIR=grid1[1] == n,
         ACT=act_code, FP8=fp8, HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input,
-        ZERO_BLOCK=_ZERO_BLOCK, PDL=pdl, num_warps=cfg.num_warps,
+        ZERO_BLOCK=_ZERO_BLOCK, PDL=pdl, num_warps=cfg.num_warps, launch_pdl=pdl,
     )
     _decode_down_kernel[grid2](
         h, topk_slots, topk_weights, w2, ops.s2, ops.b2, y, count, out,
