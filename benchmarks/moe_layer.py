@@ -90,15 +90,13 @@ INT4_CASES = {
     "kimi_full_int4": dict(num_experts=384, slots=384, d=7168, f=2048, k=8),
 }
 INT4_GROUP = 32
-# the tiles of the 2026-12-02 H200 sweep (gate and up rows in one tile, the inputs read once a step for all rows): the
-# default (8, 64, 16, 64, 2 warps) was fastest at 1-64 tokens on the EP-8 shard; the others, and the earlier default
-# (8, 128, 16, 64, 4 warps), stay to check that
+# the decode tiles beside the default (4, 128, 8, 128, 1 warp, 2 stages: each thread one group of eight rows, the
+# step's inputs loaded in the word tile's layout): the default before it (8, 64, 16, 64, 2 warps, 3 stages: the
+# inputs moved between layouts through shared memory each step), the others of the 2026-12-03 H200 probe
 INT4_DECODE_SWEEP = [
-    Int4DecodeConfig(8, 128, 16, 64, 4), Int4DecodeConfig(16, 64, 16, 64, 4), Int4DecodeConfig(16, 64, 32, 64, 4),
-    Int4DecodeConfig(16, 64, 64, 32, 4), Int4DecodeConfig(16, 64, 64, 16, 4),
-    Int4DecodeConfig(16, 64, 32, 64, 4, stages=2), Int4DecodeConfig(32, 64, 64, 32, 4, stages=2),
-    Int4DecodeConfig(16, 64, 32, 64, 4, True, 2048), Int4DecodeConfig(8, 64, 16, 64, 2, stages=2),
-    Int4DecodeConfig(4, 64, 8, 64, 2), Int4DecodeConfig(8, 64, 16, 64, 2, False),
+    Int4DecodeConfig(8, 64, 16, 64, 2, stages=3), Int4DecodeConfig(4, 128, 8, 128, 1, stages=3),
+    Int4DecodeConfig(4, 128, 8, 128, 1, max_programs=4096), Int4DecodeConfig(2, 128, 4, 128, 1),
+    Int4DecodeConfig(4, 256, 8, 256, 2), Int4DecodeConfig(8, 128, 8, 128, 1), Int4DecodeConfig(4, 128, 4, 128, 1),
 ]
 # the fused INT4 grouped path (block_k in inputs: 16 or 32 words a step): the defaults of default_int4_config,
 # 16-word steps, transposed products, 32-row blocks, 8 warps (none spills registers compiled for sm_90 by Triton 3.6)

@@ -177,21 +177,22 @@ def test_int4_path_choice():
     from epmoe.experts.triton.int4 import int4_path
 
     bf16, fp16 = torch.bfloat16, torch.float16
-    # an EP shard's decode step of up to four tokens (about a pair each, few local slots): the decode kernels; more
-    # pairs, or all experts local: the MMA path
+    # up to eight expected pairs (an EP-8 shard's decode step of up to eight tokens, or one token over all 384 of
+    # Kimi-K2.5's experts): the decode kernels; more pairs: the MMA path
     assert int4_path(1, bf16, 48) == "decode"
     assert int4_path(4, bf16, 64) == "decode"
-    assert int4_path(5, bf16, 48) == "mma"
-    assert int4_path(8, bf16, 48) == "mma"
-    assert int4_path(4, bf16, 65) == "mma"
-    assert int4_path(8, bf16, 384) == "mma"
+    assert int4_path(8, bf16, 48) == "decode"
+    assert int4_path(8, bf16, 384) == "decode"
+    assert int4_path(9, bf16, 48) == "mma"
+    assert int4_path(9, bf16, 384) == "mma"
     assert int4_path(17, bf16, 48) == "mma"
     assert int4_path(32768, bf16, 48) == "mma"
     # Hopper: the wgmma kernels from 16 pairs a local slot on (a 768-token prefill on a shard of 48 experts at top-8
     # is 768 pairs), the MMA path below and for decode steps
     assert int4_path(768, bf16, 48, hopper=True) == "wgmma"
     assert int4_path(767, bf16, 48, hopper=True) == "mma"
-    assert int4_path(8, bf16, 384, hopper=True) == "mma"
+    assert int4_path(8, bf16, 384, hopper=True) == "decode"
+    assert int4_path(9, bf16, 384, hopper=True) == "mma"
     assert int4_path(1, bf16, 48, hopper=True) == "decode"
     assert int4_path(32768, fp16, 48, hopper=True) == "grouped"
     # fp16: no MMA path

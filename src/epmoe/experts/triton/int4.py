@@ -101,17 +101,13 @@ INT4_DECODE_MAX_PAIRS = DECODE_MAX_PAIRS
 at the routing), the fused grouped path above. Set from the H200 run of ``benchmarks/moe_layer.py --cases
 kimi_int4,kimi_full_int4`` (columns ``int4_decode`` against ``int4_grouped``)."""
 
-INT4_DECODE_MAX_SLOTS = 64
-"""With bf16 activations, at most this many local slots (an expert-parallel shard, where most pairs are served
-elsewhere) and at most ``INT4_DECODE_MAX_SHARD_PAIRS`` expected pairs, ``int4_experts`` takes the decode kernels,
-which cost per live pair without the MMA path's alignment launch; with more slots or pairs, the MMA path."""
-
-INT4_DECODE_MAX_SHARD_PAIRS = 4
-"""The most expected pairs for which a shard's bf16 decode takes the decode kernels (see ``INT4_DECODE_MAX_SLOTS``):
-each further live pair costs the decode kernels about twice what it costs the MMA path, which starts higher. Set from
-the H200 runs of ``benchmarks/moe_layer.py --cases kimi_int4`` (the EP-8 shard of Kimi-K2.5: one expected pair a
-token; columns ``int4_decode`` against ``int4_mma``): with the decode tiles of 2026-12-02 the decode kernels were
-faster at 1 and 5 live pairs and about even at 6."""
+INT4_DECODE_MAX_BF16_PAIRS = 8
+"""With bf16 activations, ``int4_experts`` takes the decode kernels up to this many expected pairs, the MMA path from
+there on: each live pair costs the decode kernels one read of its expert's weights, while the MMA path starts higher
+(its alignment launch and counters) and grows with the slots touched. Set from the H200 run of 2026-12-03
+(``benchmarks/moe_layer.py --cases kimi_int4,kimi_full_int4 --sizes 1,2,4,8,64``, columns ``int4_decode`` against
+``int4_mma``, ``benchmarks/results/moe_layer_int4_decode_1warp_h200.json``): faster at 1, 6 and 8 live pairs, slower
+at 9 and 16; 8 expected pairs were 8 live on all 384 experts (decode faster) and 9 on the EP-8 shard (slower)."""
 
 INT4_DEQUANT_MIN_PAIRS: int | None = None
 """``int4_experts`` takes the widening path (``int4_dequantized_experts``) from this many pairs on; ``None``: never
@@ -122,8 +118,10 @@ INT4_DEQUANT_MIN_PAIRS: int | None = None
 @dataclass(frozen=True)
 class Int4DecodeConfig:
     """Tile shapes of the INT4 decode kernels (all sizes powers of two; see the module docstring's layout). The
-    defaults were the fastest at 1-64 tokens of ten tile shapes timed on the H200 for Kimi-K2.5's experts (``G = 32``;
-    ``benchmarks/moe_layer.py --sweep`` times them beside the default, ``INT4_DECODE_SWEEP``).
+    defaults (one warp a program, 128 words a step, each thread one group of eight rows: the step's inputs are loaded
+    in the word tile's own layout and serve eight rows) were the fastest of twelve tile shapes timed on the H200 for
+    Kimi-K2.5's experts at one token (``G = 32``; ``benchmarks/moe_layer.py --sweep`` times the alternatives of
+    ``INT4_DECODE_SWEEP`` beside the default).
 
     Attributes:
         block_n1: gate (and up) rows per gate/up program.
@@ -142,14 +140,14 @@ class Int4DecodeConfig:
             before step ``k``'s are widened (3: twice the bytes in flight, for one active expert spread thin).
     """
 
-    block_n1: int = 8
-    block_kw1: int = 64
-    block_n2: int = 16
-    block_kw2: int = 64
-    num_warps: int = 2
+    block_n1: int = 4
+    block_kw1: int = 128
+    block_n2: int = 8
+    block_kw2: int = 128
+    num_warps: int = 1
     pdl: bool = True
     max_programs: int = 1024
-    stages: int = 3
+    stages: int = 2
 
 
 @triton.jit
@@ -574,7 +572,7 @@ wgmma kernels with 64-row blocks and 32-row tails 25% faster at 21."""
 def int4_path(num_pairs: int, dtype: torch.dtype, num_slots: int, hopper: bool = False) -> str:
     """The path ``int4_experts`` takes for ``num_pairs`` pairs of activations in ``dtype`` over ``num_slots`` local
     slots on a GPU of compute capability 9.0 (``hopper``) or another: bf16 takes ``"decode"`` up to
-    ``INT4_DECODE_MAX_SHARD_PAIRS`` pairs over at most ``INT4_DECODE_MAX_SLOTS`` slots, else on Hopper ``"wgmma"`` from
+    ``INT4_DECODE_MAX_BF16_PAIRS`` pairs, else on Hopper ``"wgmma"`` from
     ``INT4_WGMMA_MIN_PAIRS_PER_SLOT`` pairs a slot on, else ``"mma"`` (at every size: the H200 run of
     ``benchmarks/moe_layer.py --cases kimi_int4,kimi_full_int4``, column ``int4_mma`` against ``int4_grouped``); fp16
     takes ``"decode"`` up to ``INT4_DECODE_MAX_PAIRS``, else ``"dequant"`` (from ``INT4_DEQUANT_MIN_PAIRS`` on) or
@@ -582,7 +580,7 @@ def int4_path(num_pairs: int, dtype: torch.dtype, num_slots: int, hopper: bool =
     are ``num_pairs / num_slots``."""
     small = num_pairs <= INT4_DECODE_MAX_PAIRS
     if dtype == torch.bfloat16:
-        if num_pairs <= INT4_DECODE_MAX_SHARD_PAIRS and num_slots <= INT4_DECODE_MAX_SLOTS:
+        if num_pairs <= INT4_DECODE_MAX_BF16_PAIRS:
             return "decode"
         return "wgmma" if hopper and num_pairs >= INT4_WGMMA_MIN_PAIRS_PER_SLOT * num_slots else "mma"
     if small:
