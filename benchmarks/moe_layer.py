@@ -56,6 +56,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
@@ -212,7 +213,10 @@ def transformers_experts(weights: ExpertWeights, case: dict):
     return run, cfg._experts_implementation
 
 
-def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[int], fp8: bool) -> list[dict]:
+def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[int], fp8: bool, rows: list[dict],
+               save: Callable[[], None]) -> None:
+    """Our bf16 (and for ``fp8`` block-FP8) expert kernels vs their floor and PyTorch's and transformers' grouped_mm,
+    each size's row appended to ``rows`` and ``save()`` called after it (a run cut short keeps the rows it finished)."""
     flush = torch.empty(256 << 20, device="cuda", dtype=torch.float16)
     gen = torch.Generator(device="cuda").manual_seed(0)
     s, d, f = case["slots"], case["d"], case["f"]
@@ -237,7 +241,7 @@ def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[i
         pairs = int((slots >= 0).sum())
         return active, pairs, active * expert_bytes / ceil["copy_bytes_per_s"] * 1e6, flop_floor_us(case, pairs, ceil)
 
-    rows = []
+    first = len(rows)
     for t in sizes:
         x, slots, tw = make_routing(case, t, gen)
         active, pairs, floor_mem, floor_flop = floors(slots)
@@ -295,9 +299,10 @@ def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[i
             row["fp8_floor_us"] = max(fp8_bytes / ceil["copy_bytes_per_s"] * 1e6, row["floor_flop_us"])
         rows.append(row)
         print(json.dumps(row), flush=True)
-    row0 = rows[0]
-    row0["hf_experts_implementation"] = hf_impl
-    return rows
+        save()
+    if len(rows) > first:
+        rows[first]["hf_experts_implementation"] = hf_impl
+        save()
 
 
 def int4_reference(x: torch.Tensor, slots: torch.Tensor, tw: torch.Tensor, q: Int4ExpertWeights,
@@ -331,8 +336,10 @@ def random_int4_weights(case: dict, gen: torch.Generator) -> Int4ExpertWeights:
                              group_size=g)
 
 
-def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[int]) -> list[dict]:
-    """INT4 kernels vs their floor, our bf16 path and dequantize-then-grouped_mm on the same weight values."""
+def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[int], rows: list[dict],
+                    save: Callable[[], None]) -> None:
+    """INT4 kernels vs their floor, our bf16 path and dequantize-then-grouped_mm on the same weight values, each size's
+    row appended to ``rows`` and ``save()`` called after it (a run cut short keeps the rows it finished)."""
     flush = torch.empty(256 << 20, device="cuda", dtype=torch.float16)
     gen = torch.Generator(device="cuda").manual_seed(2)
     s, d, f, g = case["slots"], case["d"], case["f"], INT4_GROUP
@@ -350,7 +357,6 @@ def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: 
     ours = get_expert_backend("triton")
     int4_bytes = int4_expert_bytes(case)
     bf16_bytes = 3 * d * f * 2
-    rows = []
     for t in sizes:
         x, slots, tw = make_routing(case, t, gen)
         active = int(torch.unique(slots[slots >= 0]).numel())
@@ -397,7 +403,7 @@ def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: 
                    lambda cfg: int4_wgmma_experts(x, slots, tw, q, act, config=cfg), ref, flush)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    return rows
+        save()
 
 
 def _sweep(row: dict, key: str, configs: list, run, ref: torch.Tensor, flush: torch.Tensor) -> None:
@@ -504,19 +510,26 @@ def main(argv: list[str] | None = None) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     ceil = measure_ceilings()
     print(json.dumps(ceil), flush=True)
-    rows, int4_rows = [], []
+    rows, int4_rows, graph = [], [], {}
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "ceilings": ceil, "rows": rows, "int4_rows": int4_rows, "full_layer_graph": graph}
+
+    def save() -> None:
+        """Write the results so far (each finished row), so that a run cut short by a time limit keeps them."""
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(result, fh, indent=1)
+
     for name in args.cases.split(","):
         if name in INT4_CASES:
             # the tile sweep on the EP-8 shard only (the full layer's compiles and runs would not fit one call)
-            int4_rows += bench_int4_case(name, INT4_CASES[name], sizes, ceil, sweep if name == "kimi_int4" else set())
+            bench_int4_case(name, INT4_CASES[name], sizes, ceil, sweep if name == "kimi_int4" else set(), int4_rows,
+                            save)
         else:
-            rows += bench_case(name, CASES[name], sizes, ceil, sweep, fp8=name == "dsv3")
-    graph = {f"t{t}": full_layer_graph(t) for t in (1, 8, 64)} if rows else {}
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "ceilings": ceil, "rows": rows, "int4_rows": int4_rows, "full_layer_graph": graph}
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+            bench_case(name, CASES[name], sizes, ceil, sweep, name == "dsv3", rows, save)
+    if rows:
+        graph.update({f"t{t}": full_layer_graph(t) for t in (1, 8, 64)})
+        save()
     print(f"\nceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} "
           "TFLOP/s")
     for key, gr in graph.items():
