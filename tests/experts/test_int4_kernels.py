@@ -66,6 +66,27 @@ def test_int4_decode_matches_reference(dtype, group, act, bias, woi):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("d", [1024, 1536])
+def test_int4_decode_default_tiles_match_reference(d):
+    from dataclasses import replace
+
+    from epmoe.experts.triton.int4 import Int4DecodeConfig, int4_decode_experts
+
+    # the default tiles (128 words a step, one warp): D = 1024 is one whole step of gate/up (its unmasked loop),
+    # 1536 one and a half; the down kernel's 8 words of F = 64 a ragged step either way
+    s, f, act = 3, 64, Activation()
+    q = _int4(d, s, d, f, False, 32, torch.float32)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, d, generator=g)
+    slots = torch.tensor([[2, -1], [0, 2]])
+    tw = torch.rand(2, 2, generator=g)
+    ref = _ref(x, slots, tw, q, act, False)
+    # one program group per pair; then all pairs in one group (each program loops over the live pairs)
+    for cfg in (Int4DecodeConfig(), replace(Int4DecodeConfig(), max_programs=16)):
+        assert _rel(int4_decode_experts(x, slots, tw, q, act, False, cfg), ref) < 1e-5
+
+
+@pytest.mark.interpret
 def test_int4_dequantized_path_and_dequantize_kernel():
     from epmoe.experts.int4 import dequantize_int4
     from epmoe.experts.triton.int4 import dequantize_int4_triton, int4_dequantized_experts, int4_experts
