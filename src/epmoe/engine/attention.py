@@ -125,6 +125,11 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, Dk]: 4-D, so SDPA can pick its fused kernels
     kh = k.transpose(0, 1).unsqueeze(0)
     vh = v.transpose(0, 1).unsqueeze(0)
+    gqa = h != hkv
+    if sinks is None and start_pos == 0 and sliding_window is None and chunk_size is None:
+        # a whole prompt from its start: plain causal attention, no mask to build (a prefill runs this per layer)
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+        return out[0].transpose(0, 1)
     qpos = torch.arange(start_pos, start_pos + n, device=q.device).unsqueeze(1)
     kpos = torch.arange(ctx, device=q.device).unsqueeze(0)
     allowed = kpos <= qpos
@@ -133,11 +138,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos
     if chunk_size is not None:
         allowed &= (kpos // chunk_size) == (qpos // chunk_size)
     if sinks is None:
-        gqa = h != hkv
-        if start_pos == 0 and sliding_window is None and chunk_size is None:
-            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale, enable_gqa=gqa)
         return out[0].transpose(0, 1)
     kh = kh[0].repeat_interleave(h // hkv, dim=0)
     vh = vh[0].repeat_interleave(h // hkv, dim=0)
