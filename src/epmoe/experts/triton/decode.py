@@ -337,7 +337,8 @@ def _decode_down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     rows = offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     first = n_ok[:, None] & (offs_k < F)[None, :]
-    # slots and weights were complete before the gate/up launch began: read them before the wait.
+    # slots and weights are complete once the gate/up launch allows this one (it does so after its own wait for the
+    # router): read them before the wait.
     if ONE_PAIR:
         slot = tl.load(slots_ptr + group)
         live = (slot >= 0) & (slot < num_slots)

@@ -107,7 +107,9 @@ there on: each live pair costs the decode kernels one read of its expert's weigh
 (its alignment launch and counters) and grows with the slots touched. Set from the H200 run of 2026-12-03
 (``benchmarks/moe_layer.py --cases kimi_int4,kimi_full_int4 --sizes 1,2,4,8,64``, columns ``int4_decode`` against
 ``int4_mma``, ``benchmarks/results/moe_layer_int4_decode_1warp_h200.json``): faster at 1, 6 and 8 live pairs, slower
-at 9 and 16; 8 expected pairs were 8 live on all 384 experts (decode faster) and 9 on the EP-8 shard (slower)."""
+at 9 and 16; 8 expected pairs were 8 live on all 384 experts (decode 8% faster) and 9 on the EP-8 shard (5% slower):
+the threshold favours the one-token step of a model whose experts are all local. The expected pairs are an estimate:
+a step whose routing sends more pairs to this rank pays one weight read per live pair."""
 
 INT4_DEQUANT_MIN_PAIRS: int | None = None
 """``int4_experts`` takes the widening path (``int4_dequantized_experts``) from this many pairs on; ``None``: never
@@ -119,9 +121,10 @@ INT4_DEQUANT_MIN_PAIRS: int | None = None
 class Int4DecodeConfig:
     """Tile shapes of the INT4 decode kernels (all sizes powers of two; see the module docstring's layout). The
     defaults (one warp a program, 128 words a step, each thread one group of eight rows: the step's inputs are loaded
-    in the word tile's own layout and serve eight rows) were the fastest of twelve tile shapes timed on the H200 for
-    Kimi-K2.5's experts at one token (``G = 32``; ``benchmarks/moe_layer.py --sweep`` times the alternatives of
-    ``INT4_DECODE_SWEEP`` beside the default).
+    in the word tile's own layout and serve eight rows) were the fastest per layer inside a graph of several layers
+    of twelve tile shapes timed on the H200 for Kimi-K2.5's experts at one token (``G = 32``; a one-off probe), and
+    within 1% of the fastest alone (three stages) in ``benchmarks/moe_layer.py --sweep``, which times the
+    alternatives of ``INT4_DECODE_SWEEP`` beside the default.
 
     Attributes:
         block_n1: gate (and up) rows per gate/up program.
@@ -324,23 +327,23 @@ def _decode_gate_up_kernel(
     group = tl.program_id(1)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if (pid_n == 0) & (group == 0):
-        zero_arrival_counters(count_ptr, num_counters, ZERO_BLOCK)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows, rows_ok = _gate_up_rows(pid_n, F, BLOCK_N)
     offs_g, offs_kw, w_rows, s_rows, first, second = _row_tile(rows, rows_ok, DW, stride_wn, stride_sn, BLOCK_KW, GW)
-    # slots and weights were complete before the launch chain began: request the first words before the wait
+    # slots and weights were complete before the launch chain began (the de-interleave launch before this one is an
+    # ordinary launch): request the first words before the wait. Every program waits, also one without a pair, so
+    # that this launch ends only after the de-interleave launch has.
     if ONE_PAIR:
         slot = tl.load(slots_ptr + group)
-        if (slot < 0) | (slot >= num_slots):
-            return
-        slot = slot.to(tl.int64)
-        w, w1 = _first_tiles(w_ptr + slot * stride_we + w_rows, first, second, BLOCK_KW, STAGES)
+        live = (slot >= 0) & (slot < num_slots)
+        slot = tl.where(live, slot, 0).to(tl.int64)
+        w, w1 = _first_tiles(w_ptr + slot * stride_we + w_rows, first & live, second & live, BLOCK_KW, STAGES)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        _gate_up_pair(xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, group, slot, w, w1, slot, False, top_k, F, DW,
-                      stride_we, stride_se, act_limit, act_alpha, w_rows, s_rows, offs_n, rows_ok, offs_kw, offs_g,
-                      first, second, BLOCK_N, BLOCK_KW, GW, ACT, HAS_BIAS, WEIGHT_ON_INPUT, False, EVEN, STAGES)
+        if live:
+            _gate_up_pair(xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, group, slot, w, w1, slot, False, top_k, F, DW,
+                          stride_we, stride_se, act_limit, act_alpha, w_rows, s_rows, offs_n, rows_ok, offs_kw, offs_g,
+                          first, second, BLOCK_N, BLOCK_KW, GW, ACT, HAS_BIAS, WEIGHT_ON_INPUT, False, EVEN, STAGES)
     else:
         idx, sl, live, rank, n_live = live_pairs(slots_ptr, num_pairs, num_slots, N_PAD)
         pair, slot = live_pair(idx, sl, live, rank, group)
@@ -356,6 +359,8 @@ def _decode_gate_up_kernel(
                 first, second, BLOCK_N, BLOCK_KW, GW, ACT, HAS_BIAS, WEIGHT_ON_INPUT, True, EVEN, STAGES)
             pair = next_pair
             slot = next_slot
+    if (pid_n == 0) & (group == 0):  # after the wait: the down launch reads them once this launch has ended
+        zero_arrival_counters(count_ptr, num_counters, ZERO_BLOCK)
 
 
 @triton.jit
