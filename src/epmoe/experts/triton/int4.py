@@ -577,8 +577,8 @@ wgmma kernels with 64-row blocks and 32-row tails 25% faster at 21."""
 def int4_path(num_pairs: int, dtype: torch.dtype, num_slots: int, hopper: bool = False) -> str:
     """The path ``int4_experts`` takes for ``num_pairs`` pairs of activations in ``dtype`` over ``num_slots`` local
     slots on a GPU of compute capability 9.0 (``hopper``) or another: bf16 takes ``"decode"`` up to
-    ``INT4_DECODE_MAX_BF16_PAIRS`` pairs, else on Hopper ``"wgmma"`` from
-    ``INT4_WGMMA_MIN_PAIRS_PER_SLOT`` pairs a slot on, else ``"mma"`` (at every size: the H200 run of
+    ``INT4_DECODE_MAX_BF16_PAIRS`` pairs, else on Hopper ``"wgmma"`` from ``INT4_WGMMA_MIN_PAIRS_PER_SLOT`` pairs a
+    slot on, else ``"mma"`` (at every size: the H200 run of
     ``benchmarks/moe_layer.py --cases kimi_int4,kimi_full_int4``, column ``int4_mma`` against ``int4_grouped``); fp16
     takes ``"decode"`` up to ``INT4_DECODE_MAX_PAIRS``, else ``"dequant"`` (from ``INT4_DEQUANT_MIN_PAIRS`` on) or
     ``"grouped"``. ``num_pairs`` is the pairs expected (``int4_experts``' ``expected_pairs``), so the pairs a slot
