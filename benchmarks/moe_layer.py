@@ -98,6 +98,8 @@ INT4_DECODE_SWEEP = [
     Int4DecodeConfig(8, 64, 16, 64, 2, stages=3), Int4DecodeConfig(4, 128, 8, 128, 1, stages=3),
     Int4DecodeConfig(4, 128, 8, 128, 1, max_programs=4096), Int4DecodeConfig(2, 128, 4, 128, 1),
     Int4DecodeConfig(4, 256, 8, 256, 2), Int4DecodeConfig(8, 128, 8, 128, 1), Int4DecodeConfig(4, 128, 4, 128, 1),
+    # the gate/up reduction over D not split / split up to 4 ways when few pairs are live (the default: 2)
+    Int4DecodeConfig(split_max=1), Int4DecodeConfig(split_max=4),
 ]
 # the fused INT4 grouped path (block_k in inputs: 16 or 32 words a step): the defaults of default_int4_config,
 # 16-word steps, transposed products, 32-row blocks, 8 warps (none spills registers compiled for sm_90 by Triton 3.6)

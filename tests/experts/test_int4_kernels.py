@@ -87,6 +87,31 @@ def test_int4_decode_default_tiles_match_reference(d):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("d", [1024, 1536])
+def test_int4_decode_split_reduction_matches_reference(d):
+    from dataclasses import replace
+
+    from epmoe.experts.triton.int4 import Int4DecodeConfig, int4_decode_experts
+
+    # few live pairs: each gets several gate/up program groups, which split its reduction over D (128-word steps):
+    # D = 1024 in 4 splits of 32 words rounded up to a step (one whole step, three empty splits); D = 1536 a whole
+    # step and a ragged one. One live pair of four (split 4), two (split 2), three (no split: 3 * 2 > 4 groups)
+    s, f, act = 3, 64, Activation("silu", 7.0)
+    q = _int4(d + 1, s, d, f, True, 32, torch.float32)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, d, generator=g)
+    tw = torch.rand(2, 2, generator=g)
+    # 16 row tiles: one pair group, four groups for the splits
+    cfg = replace(Int4DecodeConfig(), max_programs=16, split_max=4)
+    for slots in (torch.tensor([[-1, 2], [-1, -1]]), torch.tensor([[1, -1], [-1, 1]]), torch.tensor([[0, 2], [1, -1]])):
+        ref = _ref(x, slots, tw, q, act, True)
+        out = int4_decode_experts(x, slots, tw, q, act, True, cfg)
+        assert _rel(out, ref) < 1e-5
+        assert torch.equal(out, int4_decode_experts(x, slots, tw, q, act, True, cfg))  # partials summed in order
+        assert _rel(int4_decode_experts(x, slots, tw, q, act, True, replace(cfg, split_max=1)), ref) < 1e-5
+
+
+@pytest.mark.interpret
 def test_int4_dequantized_path_and_dequantize_kernel():
     from epmoe.experts.int4 import dequantize_int4
     from epmoe.experts.triton.int4 import dequantize_int4_triton, int4_dequantized_experts, int4_experts
@@ -189,6 +214,8 @@ def test_int4_step_must_cover_whole_groups():
         int4_decode_experts(x, slots, tw, q, Activation(), config=Int4DecodeConfig(8, 8, 16, 8, 4, stages=4))
     with pytest.raises(ValueError, match="Int4DecodeConfig.block_n2 must be a power of two, got 12"):
         int4_decode_experts(x, slots, tw, q, Activation(), config=Int4DecodeConfig(8, 8, 12, 8, 4))
+    with pytest.raises(ValueError, match="Int4DecodeConfig.split_max must be a power of two, got 3"):
+        int4_decode_experts(x, slots, tw, q, Activation(), config=Int4DecodeConfig(8, 8, 16, 8, 4, split_max=3))
     with pytest.raises(ValueError, match="x must be contiguous along D"):  # read by pointer: checked first
         int4_decode_experts(torch.randn(256, 1)[::2].t(), slots, tw, q, Activation())
 

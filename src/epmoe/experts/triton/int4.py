@@ -34,12 +34,16 @@ rounding. ``p_j = 4 j`` for ``j <= 4``; the top three nibbles are taken from ``w
 registers. The products of a group's words are summed in the thread, multiplied by the group's scale and
 accumulated per ``[group, row]``; the groups are reduced across threads once per pair, after the last step.
 
-1. ``_deinterleave_kernel``, grid ``(T, cdiv(D / 8, BLOCK_W))``: ``x [T, D]`` -> ``xt [T, D]`` float32 as above.
+1. ``_deinterleave_kernel``, grid ``(T, cdiv(D / 8, BLOCK_W))``: ``x [T, D]`` -> ``xt [T, D]`` float32 as above;
+   program ``(0, 0)`` zeroes the gate/up launch's split counters.
 2. ``_decode_gate_up_kernel``, grid ``(cdiv(F, BLOCK_N1), groups)``: for each of its live pairs, program
    ``(j, g)`` reads ``BLOCK_N1`` gate and ``BLOCK_N1`` up rows of the pair's expert, ``BLOCK_KW1`` words a step
    (the next step's words requested before this step's are widened; the input tiles shared by gate and up),
    applies bias, routing weight and the gated activation and writes ``h [N, F]`` float32 in the layout of
-   ``xt``, for the down kernel. Program ``(0, 0)`` zeroes the down kernel's arrival counters.
+   ``xt``, for the down kernel. Program ``(0, 0)`` zeroes the down kernel's arrival counters. With few live
+   pairs (``Int4DecodeConfig.split_max``) the groups split each pair's reduction over ``D`` instead: each
+   split stores its partial sums and takes a ticket from its tile's counter, and the last sums the partials in
+   split order before the epilogue (the threadfence-reduction pattern of the CUDA samples).
 3. ``_decode_down_kernel``, grid ``(cdiv(D, BLOCK_N2), groups)``: the same over ``w2`` and ``h``, ``y [N, D]``
    float32; the last program to arrive for column tile ``j`` sums it over each token's ``K`` pairs in a fixed
    order into ``out`` (bitwise reproducible).
@@ -141,6 +145,14 @@ class Int4DecodeConfig:
             ``decode.DecodeConfig.max_programs``.
         stages: word tiles of a program in registers, 2 or 3: the words of step ``k + stages - 1`` are requested
             before step ``k``'s are widened (3: twice the bytes in flight, for one active expert spread thin).
+        split_max: a gate/up program's reduction over ``D`` may be split up to this many ways (a power of two) when
+            few pairs are live: the launch has at least ``split_max`` pair groups, and with ``L`` live pairs each
+            gets ``split`` of them, the largest power of two up to ``split_max`` with ``L * split`` within the
+            groups (chosen on the device), each computing a whole-step range of ``D``; the last of a tile's splits
+            to arrive sums the partials in split order (bitwise reproducible) and finishes the tile. 1: never.
+            The default 2 was the fastest of 1, 2, 4 and 8 for one live pair of Kimi-K2.5's experts on the H200
+            (a one-off probe): the kernels hold about 240 registers a thread, so an SM holds 8 one-warp programs,
+            and 4 splits of one pair's 512 row tiles already need two waves.
     """
 
     block_n1: int = 4
@@ -151,6 +163,7 @@ class Int4DecodeConfig:
     pdl: bool = True
     max_programs: int = 1024
     stages: int = 2
+    split_max: int = 2
 
 
 @triton.jit
@@ -224,9 +237,15 @@ def _row_tile(offs_n, n_ok, KW, stride_wn, stride_sn, BLOCK_KW: tl.constexpr, GW
     rows = offs_n.to(tl.int64)
     w_rows = offs_kw[:, None, :] + rows[None, :, None] * stride_wn
     s_rows = offs_g[:, None] + rows[None, :] * stride_sn
-    first = (offs_kw < KW)[:, None, :] & n_ok[None, :, None]
-    second = (offs_kw < KW - BLOCK_KW)[:, None, :] & n_ok[None, :, None]
+    first, second = _tile_masks(offs_kw, n_ok, KW, BLOCK_KW)
     return offs_g, offs_kw, w_rows, s_rows, first, second
+
+
+@triton.jit
+def _tile_masks(offs_kw, n_ok, KW, BLOCK_KW: tl.constexpr):
+    """The masks of the first two word tiles ``[NG, R, GW]`` of rows ``n_ok`` over ``KW`` words."""
+    return ((offs_kw < KW)[:, None, :] & n_ok[None, :, None],
+            (offs_kw < KW - BLOCK_KW)[:, None, :] & n_ok[None, :, None])
 
 
 @triton.jit
@@ -241,9 +260,12 @@ def _first_tiles(ptrs, first, second, BLOCK_KW: tl.constexpr, STAGES: tl.constex
 
 
 @triton.jit
-def _deinterleave_kernel(x_ptr, xt_ptr, DW, stride_x, GW: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+def _deinterleave_kernel(x_ptr, xt_ptr, count_ptr, num_counters, DW, stride_x, GW: tl.constexpr,
+                         BLOCK_W: tl.constexpr, ZERO_BLOCK: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):  # the gate/up launch's split counters (read after its wait)
+        zero_arrival_counters(count_ptr, num_counters, ZERO_BLOCK)
     t = tl.program_id(0).to(tl.int64)
     offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     offs_j = tl.arange(0, 8)
@@ -264,31 +286,29 @@ def _gate_up_rows(pid_n, F, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_pair(
-    xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, pair, slot, w, w1, next_slot, more, top_k, F, DW,
-    stride_we, stride_se, act_limit, act_alpha, w_rows, s_rows, offs_n, rows_ok, offs_kw, offs_g,
-    first, second, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr, ACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr,
+def _gate_up_sums(
+    xt_ptr, w_ptr, s_ptr, token, slot, w, w1, kw_begin, KW, DW, stride_we, stride_se, w_rows, s_rows, rows_ok,
+    offs_kw, offs_g, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr, EVEN: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    """``h`` of one pair for this program's rows (``offs_n``), from its first two word tiles (``w``, ``w1``: gate rows,
-    then up rows; ``_gate_up_rows``) already requested; with ``PREFETCH`` returns the first two tiles of ``next_slot``
-    (requested before this pair's epilogue)."""
+    """The gate and up dot products ``[BLOCK_N]`` float32 of this program's rows (``_gate_up_rows``) over the ``KW``
+    words from ``kw_begin`` (whole steps unless they end at ``DW``) for ``token``'s inputs, from the range's first two
+    word tiles ``w``, ``w1`` already requested."""
     NG: tl.constexpr = BLOCK_KW // GW
-    w_ptrs = w_ptr + slot * stride_we + w_rows
-    s_ptrs = s_ptr + slot * stride_se + s_rows
-    v_ptrs = xt_ptr + (pair // top_k).to(tl.int64) * 8 * DW + _input_tile(offs_g, GW)
+    w_ptrs = w_ptr + slot * stride_we + w_rows + kw_begin
+    s_ptrs = s_ptr + slot * stride_se + s_rows + kw_begin // GW
+    v_ptrs = xt_ptr + token.to(tl.int64) * 8 * DW + 8 * kw_begin + _input_tile(offs_g, GW)
     acc = tl.zeros((NG, 2 * BLOCK_N), dtype=tl.float32)
-    for kw0 in range(0, DW, BLOCK_KW):
+    for kw0 in range(0, KW, BLOCK_KW):
         # register buffering, STAGES - 1 steps ahead: the words of step k + STAGES - 1 are requested before step
         # k's are widened (Triton software-pipelines only loads that feed tl.dot)
-        nxt = (offs_kw < DW - kw0 - (STAGES - 1) * BLOCK_KW)[:, None, :] & rows_ok[None, :, None]
+        nxt = (offs_kw < KW - kw0 - (STAGES - 1) * BLOCK_KW)[:, None, :] & rows_ok[None, :, None]
         w2 = tl.load(w_ptrs + (STAGES - 1) * BLOCK_KW, mask=nxt, other=0)
         if EVEN:
             sc = tl.load(s_ptrs).to(tl.float32)
         else:
-            sc = tl.load(s_ptrs, mask=(offs_g < (DW - kw0) // GW)[:, None] & rows_ok[None, :], other=0.0).to(tl.float32)
-        acc += _group_dots(w, _load_inputs(v_ptrs, (offs_kw < DW - kw0)[:, None, :], GW, EVEN)) * sc
+            sc = tl.load(s_ptrs, mask=(offs_g < (KW - kw0) // GW)[:, None] & rows_ok[None, :], other=0.0).to(tl.float32)
+        acc += _group_dots(w, _load_inputs(v_ptrs, (offs_kw < KW - kw0)[:, None, :], GW, EVEN)) * sc
         if STAGES == 3:
             w = w1
             w1 = w2
@@ -297,9 +317,16 @@ def _gate_up_pair(
         w_ptrs += BLOCK_KW
         s_ptrs += NG
         v_ptrs += 8 * BLOCK_KW
-    if PREFETCH:
-        w, w1 = _first_tiles(w_ptr + next_slot * stride_we + w_rows, first & more, second & more, BLOCK_KW, STAGES)
-    gs, us = tl.split(tl.permute(tl.reshape(tl.sum(acc, axis=0), [2, BLOCK_N]), [1, 0]))
+    return tl.split(tl.permute(tl.reshape(tl.sum(acc, axis=0), [2, BLOCK_N]), [1, 0]))
+
+
+@triton.jit
+def _gate_up_finish(
+    tw_ptr, b_ptr, h_ptr, pair, slot, gs, us, F, act_limit, act_alpha, offs_n, GW: tl.constexpr, ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
+):
+    """A pair's ``h`` for this program's rows ``offs_n`` from their whole gate and up sums: bias, routing weight, the
+    gated activation, stored in the layout of ``xt`` (for the down kernel)."""
     tw = tl.load(tw_ptr + pair)
     if WEIGHT_ON_INPUT:
         gs *= tw
@@ -312,16 +339,25 @@ def _gate_up_pair(
     if not WEIGHT_ON_INPUT:
         h *= tw
     tl.store(h_ptr + pair * F + _input_offsets(offs_n, GW), h * _nibble_scale(offs_n % 8), mask=n_ok)
-    return w, w1
+
+
+@triton.jit
+def _split_of(n_live, GROUPS: tl.constexpr, SPLIT_LOG2: tl.constexpr):
+    """The largest power of two ``split`` up to ``2 ** SPLIT_LOG2`` with ``n_live * split <= GROUPS``, at least 1."""
+    split = 1
+    for _ in tl.static_range(SPLIT_LOG2):
+        split = tl.where(n_live * 2 * split <= GROUPS, 2 * split, split)
+    return split
 
 
 @triton.jit
 def _decode_gate_up_kernel(
-    xt_ptr, slots_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, count_ptr, num_pairs, num_slots, top_k, num_counters,
-    F, DW, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha,
+    xt_ptr, slots_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, count_ptr, ws_ptr, split_count_ptr, num_pairs, num_slots,
+    top_k, num_counters, F, DW, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha,
     BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr, N_PAD: tl.constexpr, GROUPS: tl.constexpr,
-    ONE_PAIR: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
-    ZERO_BLOCK: tl.constexpr, PDL: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
+    PAIR_GROUPS: tl.constexpr, SPLIT_LOG2: tl.constexpr, ONE_PAIR: tl.constexpr, ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, ZERO_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    EVEN: tl.constexpr, STAGES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     group = tl.program_id(1)
@@ -341,24 +377,68 @@ def _decode_gate_up_kernel(
         if PDL:
             tl.extra.cuda.gdc_wait()
         if live:
-            _gate_up_pair(xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, group, slot, w, w1, slot, False, top_k, F, DW,
-                          stride_we, stride_se, act_limit, act_alpha, w_rows, s_rows, offs_n, rows_ok, offs_kw, offs_g,
-                          first, second, BLOCK_N, BLOCK_KW, GW, ACT, HAS_BIAS, WEIGHT_ON_INPUT, False, EVEN, STAGES)
+            gs, us = _gate_up_sums(xt_ptr, w_ptr, s_ptr, group // top_k, slot, w, w1, 0, DW, DW, stride_we, stride_se,
+                                   w_rows, s_rows, rows_ok, offs_kw, offs_g, BLOCK_N, BLOCK_KW, GW, EVEN, STAGES)
+            _gate_up_finish(tw_ptr, b_ptr, h_ptr, group, slot, gs, us, F, act_limit, act_alpha, offs_n, GW, ACT,
+                            HAS_BIAS, WEIGHT_ON_INPUT)
     else:
         idx, sl, live, rank, n_live = live_pairs(slots_ptr, num_pairs, num_slots, N_PAD)
-        pair, slot = live_pair(idx, sl, live, rank, group)
-        any_pair = group < n_live
-        w, w1 = _first_tiles(w_ptr + slot * stride_we + w_rows, first & any_pair, second & any_pair, BLOCK_KW, STAGES)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        for i in range(group, n_live, GROUPS):
-            next_pair, next_slot = live_pair(idx, sl, live, rank, i + GROUPS)
-            w, w1 = _gate_up_pair(
-                xt_ptr, tw_ptr, w_ptr, s_ptr, b_ptr, h_ptr, pair, slot, w, w1, next_slot, i + GROUPS < n_live, top_k,
-                F, DW, stride_we, stride_se, act_limit, act_alpha, w_rows, s_rows, offs_n, rows_ok, offs_kw, offs_g,
-                first, second, BLOCK_N, BLOCK_KW, GW, ACT, HAS_BIAS, WEIGHT_ON_INPUT, True, EVEN, STAGES)
-            pair = next_pair
-            slot = next_slot
+        split = _split_of(n_live, GROUPS, SPLIT_LOG2)
+        if split > 1:
+            # few live pairs: group g computes split g % split of live pair g // split, over whole steps of D
+            i = group // split
+            part = group % split
+            pair, slot = live_pair(idx, sl, live, rank, i)
+            mine = i < n_live
+            chunk = tl.cdiv(tl.cdiv(DW, split), BLOCK_KW) * BLOCK_KW
+            kw_begin = tl.minimum(part * chunk, DW)
+            kw_len = tl.minimum(chunk, DW - kw_begin)
+            f1, f2 = _tile_masks(offs_kw, rows_ok & mine, kw_len, BLOCK_KW)
+            w, w1 = _first_tiles(w_ptr + slot * stride_we + w_rows + kw_begin, f1, f2, BLOCK_KW, STAGES)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+            if mine:
+                gs, us = _gate_up_sums(xt_ptr, w_ptr, s_ptr, pair // top_k, slot, w, w1, kw_begin, kw_len, DW,
+                                       stride_we, stride_se, w_rows, s_rows, rows_ok, offs_kw, offs_g, BLOCK_N,
+                                       BLOCK_KW, GW, EVEN, STAGES)
+                # the threadfence reduction: the partials are visible to the program that takes the last ticket
+                tile = i * tl.num_programs(0) + pid_n
+                r = tl.arange(0, BLOCK_N)
+                parts = ws_ptr + tile.to(tl.int64) * ((1 << SPLIT_LOG2) * 2 * BLOCK_N)
+                tl.store(parts + part * 2 * BLOCK_N + r, gs)
+                tl.store(parts + part * 2 * BLOCK_N + BLOCK_N + r, us)
+                tl.debug_barrier()
+                ticket = tl.atomic_add(split_count_ptr + tile, 1, sem="acq_rel")
+                if ticket == split - 1:
+                    gs = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                    us = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                    for j in range(0, split):
+                        gs += tl.load(parts + j * 2 * BLOCK_N + r, cache_modifier=".cg")
+                        us += tl.load(parts + j * 2 * BLOCK_N + BLOCK_N + r, cache_modifier=".cg")
+                    _gate_up_finish(tw_ptr, b_ptr, h_ptr, pair, slot, gs, us, F, act_limit, act_alpha, offs_n, GW,
+                                    ACT, HAS_BIAS, WEIGHT_ON_INPUT)
+        else:
+            # live pairs group, group + PAIR_GROUPS, ...; the next pair's first words are requested before this
+            # pair's epilogue (the groups from PAIR_GROUPS on, there for the splits, only wait)
+            pair, slot = live_pair(idx, sl, live, rank, group)
+            any_pair = (group < n_live) & (group < PAIR_GROUPS)
+            w, w1 = _first_tiles(w_ptr + slot * stride_we + w_rows, first & any_pair, second & any_pair, BLOCK_KW,
+                                 STAGES)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+            if group < PAIR_GROUPS:
+                for i in range(group, n_live, PAIR_GROUPS):
+                    next_pair, next_slot = live_pair(idx, sl, live, rank, i + PAIR_GROUPS)
+                    gs, us = _gate_up_sums(xt_ptr, w_ptr, s_ptr, pair // top_k, slot, w, w1, 0, DW, DW, stride_we,
+                                           stride_se, w_rows, s_rows, rows_ok, offs_kw, offs_g, BLOCK_N, BLOCK_KW, GW,
+                                           EVEN, STAGES)
+                    more = i + PAIR_GROUPS < n_live
+                    w, w1 = _first_tiles(w_ptr + next_slot * stride_we + w_rows, first & more, second & more,
+                                         BLOCK_KW, STAGES)
+                    _gate_up_finish(tw_ptr, b_ptr, h_ptr, pair, slot, gs, us, F, act_limit, act_alpha, offs_n, GW,
+                                    ACT, HAS_BIAS, WEIGHT_ON_INPUT)
+                    pair = next_pair
+                    slot = next_slot
     if (pid_n == 0) & (group == 0):  # after the wait: the down launch reads them once this launch has ended
         zero_arrival_counters(count_ptr, num_counters, ZERO_BLOCK)
 
@@ -493,6 +573,8 @@ def int4_decode_experts(
             raise ValueError(f"Int4DecodeConfig.{name} must be a power of two, got {getattr(cfg, name)!r}")
     if cfg.stages not in (2, 3):
         raise ValueError(f"stages must be 2 or 3, got {cfg.stages}")
+    if not _is_pow2(cfg.split_max):
+        raise ValueError(f"Int4DecodeConfig.split_max must be a power of two, got {cfg.split_max!r}")
     s, d, f = weights.num_slots, weights.hidden_size, weights.intermediate_size
     w13, s13, w2, s2 = weights.w13_packed, weights.w13_scale, weights.w2_packed, weights.w2_scale
     dev = x.device
@@ -501,25 +583,35 @@ def int4_decode_experts(
     h = torch.empty(n, f, dtype=torch.float32, device=dev)
     y = torch.empty(n, d, dtype=torch.float32, device=dev)
     out = torch.empty(t, d, dtype=x.dtype, device=dev)
-    grid1 = pair_grid(triton.cdiv(f, cfg.block_n1), n, cfg.max_programs)
+    tiles1, pair_groups = pair_grid(triton.cdiv(f, cfg.block_n1), n, cfg.max_programs)
+    # at least split_max groups: with few live pairs each gets several, which split its reduction over D
+    groups1 = max(pair_groups, cfg.split_max) if n > 0 else pair_groups
+    split_log2 = (cfg.split_max.bit_length() - 1) if groups1 > 1 else 0
     grid2 = pair_grid(triton.cdiv(d, cfg.block_n2), n, cfg.max_programs)
     count = torch.empty(grid2[0], dtype=torch.int32, device=dev)
     n_pad = triton.next_power_of_2(max(n, 1))
     placeholder = topk_weights
+    if split_log2:  # at most groups1 / 2 live pairs split, one counter and cfg.split_max partials a (pair, tile)
+        split_tiles = groups1 // 2 * tiles1
+        split_count = torch.empty(split_tiles, dtype=torch.int32, device=dev)
+        split_ws = torch.empty(split_tiles * cfg.split_max * 2 * cfg.block_n1, dtype=torch.float32, device=dev)
+    else:
+        split_count, split_ws = count, placeholder
     b13 = weights.b13 if weights.b13 is not None else placeholder
     b2 = weights.b2 if weights.b2 is not None else placeholder
     limit = activation.swiglu_limit if activation.swiglu_limit is not None else 0.0
     gw = g // INT4_PACK
     pdl = cfg.pdl and pdl_launch(x)
     block_w = min(512, triton.next_power_of_2(dw))
-    _deinterleave_kernel[(t, triton.cdiv(dw, block_w))](x, xt, dw, x.stride(0), GW=gw, BLOCK_W=block_w,
-                                                          PDL=pdl)
-    _decode_gate_up_kernel[grid1](
-        xt, topk_slots, topk_weights, w13, s13, b13, h, count, n, s, k, grid2[0], f, dw,
+    _deinterleave_kernel[(t, triton.cdiv(dw, block_w))](x, xt, split_count, split_count.numel() if split_log2 else 0,
+                                                          dw, x.stride(0), GW=gw, BLOCK_W=block_w,
+                                                          ZERO_BLOCK=_ZERO_BLOCK, PDL=pdl)
+    _decode_gate_up_kernel[(tiles1, groups1)](
+        xt, topk_slots, topk_weights, w13, s13, b13, h, count, split_ws, split_count, n, s, k, grid2[0], f, dw,
         w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), float(limit), float(activation.swiglu_alpha),
-        BLOCK_N=cfg.block_n1, BLOCK_KW=cfg.block_kw1, GW=gw, N_PAD=n_pad, GROUPS=grid1[1],
-        ONE_PAIR=grid1[1] == n, ACT=act_code(activation), HAS_BIAS=weights.b13 is not None,
-        WEIGHT_ON_INPUT=weight_on_input, ZERO_BLOCK=_ZERO_BLOCK, PDL=pdl,
+        BLOCK_N=cfg.block_n1, BLOCK_KW=cfg.block_kw1, GW=gw, N_PAD=n_pad, GROUPS=groups1, PAIR_GROUPS=pair_groups,
+        SPLIT_LOG2=split_log2, ONE_PAIR=groups1 == n and not split_log2, ACT=act_code(activation),
+        HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input, ZERO_BLOCK=_ZERO_BLOCK, PDL=pdl,
         EVEN=dw % cfg.block_kw1 == 0 and f % cfg.block_n1 == 0, STAGES=cfg.stages, num_warps=cfg.num_warps,
         launch_pdl=pdl,
     )
