@@ -109,3 +109,35 @@ def test_readme_builds_and_runs_the_quantized_tiny_checkpoints():
     for directory in built.values():
         assert f"\n  epmoe run --model {directory}\n" in readme
         assert f"\n  $ epmoe run --model {directory}\n" in readme  # and what it printed
+
+
+# every subcommand with its required arguments and one it does not take
+UNKNOWN_ARGUMENT = [
+    ["run", "--bogus-flag"],
+    ["serve", "--bogus-flag"],
+    ["bench", "serve", "--base-url", "http://127.0.0.1:1", "--bogus-flag"],
+    ["balance", "--loads", "loads.json", "--ep", "2", "--out", "placement.json", "--bogus-flag"],
+    ["plan", "--config", "config.json", "--gpus", "8", "--hardware", "h200-sxm", "--bogus-flag"],
+    ["doctor", "--model", "ckpt", "--bogus-flag"],
+    ["calibrate", "--out", "profile.json", "--bogus-flag"],
+]
+
+
+def test_every_subcommand_is_listed_for_the_unknown_argument_check():
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert sorted(argv[0] for argv in UNKNOWN_ARGUMENT) == sorted(commands)
+
+
+@pytest.mark.parametrize("argv", UNKNOWN_ARGUMENT, ids=lambda argv: argv[0])
+def test_an_unknown_argument_is_refused_by_its_subcommand_with_its_usage(argv, capsys):
+    """``epmoe run --bogus-flag``: ``run``'s usage and ``epmoe run: error:``, not the top-level parser's."""
+    prog = "epmoe " + " ".join(argv[:2] if argv[0] == "bench" else argv[:1])
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: {prog} [-h] ") and err.endswith(
+        f"\n{prog}: error: unrecognized arguments: --bogus-flag\n"), err
+    with pytest.raises(SystemExit):  # a stray positional as well
+        main([*argv[:-1], "extra"])
+    assert capsys.readouterr().err.endswith(f"\n{prog}: error: unrecognized arguments: extra\n")

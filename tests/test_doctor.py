@@ -135,17 +135,25 @@ def test_ep_zero_is_an_error_and_nodes_advice_is_a_doctor_flag(capsys):
     assert "ok: weights and caches fit" in capsys.readouterr().out
 
 
-def _drop_tensor(src, dst, name):
+def _edited_weights(src, dst, edit):
+    """A copy of checkpoint ``src`` with its tensors (a name -> tensor dict) edited in place by ``edit``."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, dst)
     tensors = load_file(str(dst / "model.safetensors"))
-    assert name in tensors, sorted(tensors)[:20]
-    del tensors[name]
+    edit(tensors)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
+
+
+def _drop_tensor(src, dst, name):
+    def drop(tensors):
+        assert name in tensors, sorted(tensors)[:20]
+        del tensors[name]
+
+    return _edited_weights(src, dst, drop)
 
 
 def test_checkpoint_missing_expert_tensor_is_named(tiny_checkpoints, tmp_path):
@@ -299,3 +307,65 @@ def test_doctor_refuses_what_the_loader_refuses(tiny_checkpoints, tmp_path, caps
         assert error.what == f"the target model: {refusal}", name
         assert main(["doctor", "--model", str(directory)]) == 1
         assert refusal in capsys.readouterr().out
+
+
+def test_a_weight_stored_as_integers_is_named(tiny_checkpoints, tmp_path):
+    """An int32 expert weight was copied into the float expert as numbers; now the loader and doctor refuse it with
+    the tensor and its dtype. INT4 checkpoints' int32 ``weight_packed`` tensors stay accepted."""
+    import torch
+
+    name = "model.layers.1.mlp.experts.5.down_proj.weight"
+    bad = _edited_weights(tiny_checkpoints("olmoe"), tmp_path / "olmoe",
+                          lambda tensors: tensors.update({name: tensors[name].to(torch.int32)}))
+    refusal = _loader_refusal(bad)
+    assert refusal == (f"checkpoint {bad}: tensor '{name}' of logical expert 5 of model.layers.1.mlp is I32, expected "
+                       "a float dtype (BF16, F16, F32, F64, F8_E4M3, F8_E5M2)")
+    (error,) = _errors(diagnose(DoctorConfig(model=str(bad), ep=2)))
+    assert error.what == f"the target model: {refusal}"
+    assert not _errors(diagnose(DoctorConfig(model=str(tiny_checkpoints("kimi-k2.5-int4")), ep=2)))
+
+
+def test_layers_past_num_hidden_layers_are_named(tiny_checkpoints, tmp_path):
+    """config.json says 2 layers, the weights hold 3: the third layer's tensors have no place in the model (they were
+    left unread); refused with their count and the first named. A multi-token-prediction layer past the decoder
+    layers (it holds an ``eh_proj``: DeepSeek-V3, GLM-4.5) is left unread, as transformers does."""
+    import torch
+    from safetensors import safe_open
+
+    good = tiny_checkpoints("kimi-k2.5")
+    with safe_open(str(good / "model.safetensors"), "pt") as f:
+        third = [k for k in f.keys() if k.startswith("model.layers.2.")]
+    bad = _edited_copy(good, tmp_path / "less", lambda d: d.get("text_config", d).update(num_hidden_layers=2))
+    refusal = _loader_refusal(bad)
+    assert refusal == (f"checkpoint {bad} holds {len(third)} tensors the model config.json describes has no place "
+                       "for (num_hidden_layers 2), the first 'model.layers.2.input_layernorm.weight' (does config.json "
+                       "belong to these weights?)")
+    (error,) = _errors(diagnose(DoctorConfig(model=str(bad), ep=2)))
+    assert error.what == f"the target model: {refusal}"
+
+    def add_layer_3(with_eh_proj):
+        def edit(tensors):
+            tensors.update({f"model.layers.3.{norm}.weight": torch.ones(64) for norm in ("enorm", "hnorm")})
+            if with_eh_proj:
+                tensors["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+
+        return edit
+
+    mtp = _edited_weights(good, tmp_path / "mtp", add_layer_3(True))
+    assert not _errors(diagnose(DoctorConfig(model=str(mtp), ep=2)))
+    stray = _edited_weights(good, tmp_path / "stray", add_layer_3(False))
+    (error,) = _errors(diagnose(DoctorConfig(model=str(stray), ep=2)))
+    assert "holds 2 tensors the model config.json describes has no place for (num_hidden_layers 3), the first " \
+           "'model.layers.3.enorm.weight'" in error.what
+
+
+def test_a_field_transformers_refuses_is_a_config_error(tiny_checkpoints, tmp_path):
+    """A field epmoe does not read but transformers' config class refuses: named with config.json and the value (it
+    was a safetensors-like 'cannot be read ... re-download the checkpoint')."""
+    bad = _edited_copy(tiny_checkpoints("kimi-k2.5"), tmp_path / "tie",
+                       lambda d: d.get("text_config", d).update(tie_word_embeddings="yes"))
+    (error,) = _errors(diagnose(DoctorConfig(model=str(bad), ep=2)))
+    assert error.what.startswith(f"the target model: {bad / 'config.json'}: transformers cannot build the model's "
+                                 "config from it: StrictDataclassFieldValidationError: Validation error for field "
+                                 "'tie_word_embeddings':")
+    assert "(value: 'yes')" in error.what and "re-download" not in error.line()

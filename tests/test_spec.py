@@ -89,7 +89,8 @@ def _qwen2() -> dict:
 
 @pytest.mark.parametrize("name, field", [("qwen1.5-moe-a2.7b", "vocab_size"), ("deepseek-v3", "n_routed_experts"),
                                          ("deepseek-v3", "first_k_dense_replace"), ("glm-4.5-air", "n_shared_experts"),
-                                         ("mixtral-8x7b", "num_key_value_heads")])
+                                         ("mixtral-8x7b", "num_key_value_heads"),
+                                         ("qwen3-30b-a3b", "max_position_embeddings")])
 def test_absent_field_takes_transformers_default(name, field):
     """An absent field gets the value transformers' own config class gives it, and the spec says so."""
     from transformers import AutoConfig
@@ -102,7 +103,8 @@ def test_absent_field_takes_transformers_default(name, field):
     assert dict(s.defaults) == {**dict(load_moe_spec(CONFIGS / f"{name}.config.json").defaults), field: want}
     assert s.defaults_class == type(AutoConfig.for_model(cfg["model_type"])).__name__
     got = {"vocab_size": s.vocab_size, "n_routed_experts": s.num_experts, "n_shared_experts": s.num_shared_experts,
-           "first_k_dense_replace": s.moe_layers[0], "num_key_value_heads": s.attention.num_kv_heads}[field]
+           "first_k_dense_replace": s.moe_layers[0], "num_key_value_heads": s.attention.num_kv_heads,
+           "max_position_embeddings": s.max_position_embeddings}[field]
     assert got == want
 
 
@@ -114,6 +116,21 @@ def test_qwen2_moe_without_vocab_size_loads_with_the_default(tmp_path):
     assert s.vocab_size == 151936 and s.defaults == (("vocab_size", 151936),)
     assert s.defaults_class == "Qwen2MoeConfig"
     assert load_moe_spec(CONFIGS / "qwen1.5-moe-a2.7b.config.json").defaults == ()
+
+
+@pytest.mark.parametrize("name, model_type, want", [("qwen3-30b-a3b", "qwen3_moe", 768),
+                                                     ("qwen1.5-moe-a2.7b", "qwen2_moe", 1408)])
+def test_qwen_without_moe_intermediate_size_takes_transformers_default_not_the_dense_size(name, model_type, want):
+    """Qwen's experts are ``moe_intermediate_size`` wide; absent, transformers' own default, never the dense MLP's
+    ``intermediate_size`` (Qwen3-30B-A3B: 6144, eight times the expert's 768), and the spec says so."""
+    from transformers import AutoConfig
+
+    cfg = json.loads((CONFIGS / f"{name}.config.json").read_text())
+    del cfg["moe_intermediate_size"]
+    assert want == AutoConfig.for_model(model_type).moe_intermediate_size != cfg["intermediate_size"]
+    s = parse_moe_spec(cfg, "q.json")
+    assert s.moe_intermediate_size == want
+    assert dict(s.defaults)["moe_intermediate_size"] == want
 
 
 def test_explicit_null_is_what_transformers_derives():
@@ -152,12 +169,50 @@ def test_explicit_null_is_what_transformers_derives():
         ("qwen3-30b-a3b", {"mlp_only_layers": [48]}, r"field 'mlp_only_layers'\[0\] must be an integer in \[0, 47\]"),
         ("glm-4.5", {"n_group": 0}, r"field 'n_group' must be a positive integer, got 0"),
         ("gpt-oss-20b", {"swiglu_limit": float("inf")}, r"field 'swiglu_limit' must be a positive number, got inf"),
+        # the context (was 4096 for 0, taken as is when negative)
+        ("qwen3-30b-a3b", {"max_position_embeddings": 0},
+         r"v3\.json: field 'max_position_embeddings' must be a positive integer, got 0$"),
+        ("qwen3-30b-a3b", {"max_position_embeddings": -4},
+         r"v3\.json: field 'max_position_embeddings' must be a positive integer, got -4$"),
+        ("qwen3-30b-a3b", {"max_position_embeddings": 256.7},
+         r"v3\.json: field 'max_position_embeddings' must be a positive integer, got 256\.7$"),
+        ("qwen3-30b-a3b", {"max_position_embeddings": "256"},
+         r"v3\.json: field 'max_position_embeddings' must be a positive integer, got '256' \(a string\)$"),
+        # norm and RoPE: top level, and in the RoPE object (rope_scaling, or transformers 5's rope_parameters)
+        ("qwen3-30b-a3b", {"rms_norm_eps": -1}, r"v3\.json: field 'rms_norm_eps' must be a positive number, got -1$"),
+        ("qwen3-30b-a3b", {"rms_norm_eps": 0.0},
+         r"v3\.json: field 'rms_norm_eps' must be a positive number, got 0\.0$"),
+        ("qwen3-30b-a3b", {"rope_theta": -5.0}, r"v3\.json: field 'rope_theta' must be a positive number, got -5\.0$"),
+        ("qwen3-30b-a3b", {"rope_parameters": {"rope_type": "default", "rope_theta": 0}},
+         r"v3\.json: field 'rope_parameters\.rope_theta' must be a positive number, got 0$"),
+        ("deepseek-v3", {"rope_scaling": {"type": "bogus", "factor": 40}},
+         r"v3\.json: field 'rope_scaling\.type' must be one of 'default', 'linear', 'dynamic', 'yarn', .*, got "
+         r"'bogus' \(a string\)$"),
+        ("qwen3-30b-a3b", {"rope_parameters": {"rope_type": "bogus", "rope_theta": 1e6}},
+         r"v3\.json: field 'rope_parameters\.rope_type' must be one of 'default', .*'llama3'.*, got 'bogus'"),
+        ("qwen3-30b-a3b", {"rope_scaling": "yarn"},
+         r"v3\.json: field 'rope_scaling' must be a JSON object, got 'yarn' \(a string\)$"),
+        # the experts' activation (was a bare KeyError: bogus when the model was built)
+        ("qwen3-30b-a3b", {"hidden_act": "bogus"},
+         r"v3\.json: field 'hidden_act' must be one of 'silu', 'gelu', 'relu', got 'bogus' \(a string\)$"),
     ],
 )
 def test_bad_values_are_refused_with_field_value_and_file(name, edit, message):
     cfg = {**json.loads((CONFIGS / f"{name}.config.json").read_text()), **edit}
     with pytest.raises(ValueError, match=message):
         parse_moe_spec(cfg, "v3.json")
+
+
+def test_rope_types_are_those_transformers_computes():
+    """Every ``rope_type`` transformers' rotary embeddings compute is accepted, the shipped configs' included
+    (DeepSeek's ``type: yarn``, Llama-4's ``llama3``), and a config without a RoPE object is fine."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for rope_type in ("default", *ROPE_INIT_FUNCTIONS):
+        cfg = {**json.loads((CONFIGS / "qwen3-30b-a3b.config.json").read_text()),
+               "rope_parameters": {"rope_type": rope_type, "rope_theta": 1e6}}
+        parse_moe_spec(cfg, "q.json")
+    assert load_moe_spec(CONFIGS / "qwen3-30b-a3b.config.json").max_position_embeddings == 40960
 
 
 def test_moe_layer_freq_other_than_one_is_refused():

@@ -560,10 +560,22 @@ def _cmd_balance(args: argparse.Namespace) -> int:
     return 0
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: an argument it does not take is its own error, printed with its usage (``epmoe run:
+    error: unrecognized arguments: --bogus``), not the top-level parser's. Its own subcommands' parsers are of this
+    class too (``add_subparsers`` makes them of the parent parser's class)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full ``epmoe`` argument parser."""
     parser = argparse.ArgumentParser(prog="epmoe", description="Expert-parallel MoE inference for PyTorch.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_CommandParser)
     # each ``_add_<name>`` adds its parser and sets ``func``: namespace -> process exit code
     for add in (_add_run, _add_serve, _add_bench, _add_balance, _add_plan, _add_doctor, _add_calibrate):
         add(sub)

@@ -6,7 +6,8 @@ filled are remembered (``ConfigFields.defaulted``) so ``plan`` and ``doctor`` ca
 defaults. An explicit ``null`` means what transformers makes of it: the value derived from other fields where
 the reader gives that rule (``q_lora_rank: null`` is no query LoRA), else the default. A value of the wrong
 type (a string for a number, ``true`` for a count) or outside its range raises ``ValueError`` naming the file,
-the field and the value.
+the field and the value. A nested object (``rope_parameters``) is read through ``ConfigFields.section``, its fields
+named by their path (``rope_parameters.rope_type``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,15 @@ def transformers_defaults(model_type: str) -> tuple[str, dict[str, Any], dict[st
     return cls.__name__, defaults, dict(getattr(cls, "attribute_map", {}) or {})
 
 
+@lru_cache(maxsize=None)
+def transformers_rope_types() -> tuple[str, ...]:
+    """The ``rope_type`` values transformers' rotary embeddings compute: ``default`` and the keys of its
+    ``ROPE_INIT_FUNCTIONS`` (read from transformers, never copied by hand)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ("default", *ROPE_INIT_FUNCTIONS)
+
+
 _MISSING = object()
 
 
@@ -61,26 +71,31 @@ class ConfigFields:
         source: the file it came from, named in every message.
         model_type: selects transformers' config class whose defaults fill absent fields; ``None`` = no
             defaults (every absent field without a fallback is missing).
+        prefix: put before every field name in messages: the path of a nested object (``rope_parameters.``), as
+            ``section`` sets it.
 
     Attributes:
         defaulted: ``{field: value}`` of the fields taken from transformers' defaults, in reading order.
         defaults_class: the name of the transformers config class the defaults came from (``""`` if none).
     """
 
-    def __init__(self, cfg: dict[str, Any], source: str, model_type: str | None = None) -> None:
+    def __init__(self, cfg: dict[str, Any], source: str, model_type: str | None = None, prefix: str = "") -> None:
         self.cfg = cfg
         self.source = source
         self.model_type = model_type
+        self.prefix = prefix
         self.defaulted: dict[str, Any] = {}
         self.defaults_class = ""
 
     def _lookup(self, key: str, alternatives: Iterable[str], fallback: Any) -> tuple[str, Any]:
+        """``(the field's name as messages give it, its value)``: the first name present, else the default."""
         names = (key, *alternatives)
         for k in names:
             if self.cfg.get(k) is not None:
-                return k, self.cfg[k]
+                return self.prefix + k, self.cfg[k]
         if fallback is not _MISSING and any(k in self.cfg for k in names):
-            return key, fallback  # an explicit null: transformers derives the value (``q_lora_rank: null``: none)
+            # an explicit null: transformers derives the value (``q_lora_rank: null``: none)
+            return self.prefix + key, fallback
         if self.model_type is not None:
             cls, defaults, aliases = transformers_defaults(self.model_type)
             for k in names:
@@ -88,10 +103,10 @@ class ConfigFields:
                 if field in defaults:
                     self.defaults_class = cls
                     self.defaulted[key] = defaults[field]
-                    return key, defaults[field]
+                    return self.prefix + key, defaults[field]
         if fallback is not _MISSING:
-            return key, fallback
-        wanted = " or ".join(repr(k) for k in names)
+            return self.prefix + key, fallback
+        wanted = " or ".join(repr(self.prefix + k) for k in names)
         where = f" (and transformers' {self.model_type} config declares no default)" if self.model_type else ""
         raise ValueError(f"{self.source}: missing field {wanted} in config.json{where}")
 
@@ -102,6 +117,21 @@ class ConfigFields:
     def has(self, key: str) -> bool:
         """True when the config itself holds a non-null ``key``."""
         return self.cfg.get(key) is not None
+
+    def section(self, key: str, *alternatives: str) -> ConfigFields | None:
+        """The JSON object under ``key`` (or the first of ``alternatives`` present) as fields of its own, named by
+        their path in messages (``rope_parameters.rope_type``); ``None`` when the config has none (absent or
+        ``null``). Its absent fields take only the reader's ``fallback``: transformers declares no defaults inside.
+
+        Raises:
+            ValueError: the value is not a JSON object (file, field and value named).
+        """
+        for k in (key, *alternatives):
+            if self.has(k):
+                if not isinstance(self.cfg[k], dict):
+                    raise self._fail(self.prefix + k, self.cfg[k], "a JSON object")
+                return ConfigFields(self.cfg[k], self.source, prefix=f"{self.prefix}{k}.")
+        return None
 
     def int(self, key: str, *alternatives: str, minimum: int = 1, maximum: int | None = None,
             fallback: Any = _MISSING) -> int:

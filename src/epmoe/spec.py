@@ -15,7 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Literal, Mapping
 
-from epmoe.config_fields import ConfigFields
+from epmoe.config_fields import ConfigFields, transformers_rope_types
 
 Scoring = Literal["softmax", "sigmoid"]
 # How the router turns logits into top-k weights:
@@ -85,10 +85,12 @@ class MoESpec:
         correction_bias: DeepSeek-V3's ``e_score_correction_bias`` (selection only).
         router_bias: gpt-oss's router linear bias.
         expert_bias: gpt-oss's expert projection biases.
-        hidden_act: activation of the experts (``silu``).
+        hidden_act: activation of the experts (``silu``; one of ``experts.weights.ACTIVATIONS``).
         swiglu_limit: gpt-oss's clamp of the clamped SwiGLU, ``None`` for plain SwiGLU.
         swiglu_alpha: gpt-oss's sigmoid slope of the clamped SwiGLU.
         vocab_size: vocabulary size.
+        max_position_embeddings: the longest sequence the model's positions cover (the engine's context unless
+            ``max_model_len`` is given).
         attention: attention facts for the planner.
         expert_weight_format: routed expert storage in the published checkpoint:
             ``bf16``, ``fp8_block128`` (DeepSeek FP8, 128x128 scales), ``int4_group32`` (Kimi-K2.5),
@@ -128,6 +130,7 @@ class MoESpec:
     swiglu_limit: float | None
     swiglu_alpha: float
     vocab_size: int
+    max_position_embeddings: int
     attention: AttentionSpec
     expert_weight_format: str
     defaults: tuple[tuple[str, Any], ...] = ()
@@ -219,6 +222,24 @@ def _checkpoint_dtype(lm: dict[str, Any], top: dict[str, Any], source: str) -> s
             if part.get(key) is not None:
                 return ConfigFields(part, source).str(key)
     return None
+
+
+def _check_rope(f: ConfigFields) -> None:
+    """The RoPE fields transformers' rotary embeddings read, where the config gives them: ``rope_theta`` a positive
+    number (at the top level, or in the RoPE object, where transformers 5 keeps it), and the object's ``rope_type``
+    (``type`` in older configs) one transformers computes (``transformers_rope_types``). The object is
+    ``rope_scaling`` (configs before transformers 5), else ``rope_parameters``, as transformers picks it.
+
+    Raises:
+        ValueError: a value of the wrong type or out of range (file, field and value named).
+    """
+    if f.has("rope_theta"):
+        f.float("rope_theta", positive=True)
+    rope = f.section("rope_scaling", "rope_parameters")
+    if rope is not None:
+        if rope.has("rope_theta"):
+            rope.float("rope_theta", positive=True)
+        rope.str("rope_type", "type", choices=transformers_rope_types(), fallback="default")
 
 
 def _moe_layer_indices(f: ConfigFields, mt: str, num_layers: int) -> tuple[int, ...]:
@@ -330,10 +351,9 @@ def _deepseek(f: ConfigFields, mt: str) -> FamilyFacts:
 def _qwen_olmoe(f: ConfigFields, mt: str) -> FamilyFacts:
     """Qwen1.5/Qwen2-MoE (a gated shared expert), Qwen3-MoE and OLMoE: softmax, then top-k."""
     num_experts = f.int("num_experts", "num_local_experts")
-    if mt == "olmoe":
-        moe_inter = f.int("intermediate_size")
-    else:
-        moe_inter = f.int("moe_intermediate_size", "intermediate_size")
+    # Qwen's experts are moe_intermediate_size wide (absent: transformers' default), never intermediate_size,
+    # which is its dense MLP's
+    moe_inter = f.int("intermediate_size" if mt == "olmoe" else "moe_intermediate_size")
     shared_inter = f.int("shared_expert_intermediate_size", minimum=0, fallback=0) if mt == "qwen2_moe" else 0
     return FamilyFacts(
         num_experts=num_experts, moe_inter=moe_inter, router_kind="softmax_topk",
@@ -410,12 +430,18 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
     if mt not in FAMILY_PARSERS:
         raise ValueError(f"{source}: model_type {mt!r} is not supported; supported: {sorted(FAMILY_PARSERS)}")
 
+    from epmoe.experts.weights import ACTIVATIONS
+
     f = ConfigFields(cfg, source, mt)
     num_layers = f.int("num_hidden_layers")
     hidden = f.int("hidden_size")
     vocab = f.int("vocab_size")
     num_heads = f.int("num_attention_heads")
-    hidden_act = f.str("hidden_act", fallback="silu")
+    hidden_act = f.str("hidden_act", choices=ACTIVATIONS, fallback="silu")
+    max_positions = f.int("max_position_embeddings")
+    if f.has("rms_norm_eps"):
+        f.float("rms_norm_eps", positive=True)
+    _check_rope(f)
 
     facts = FAMILY_PARSERS[mt](f, mt)
     num_experts, moe_inter, n_group, topk_group = facts.num_experts, facts.moe_inter, facts.n_group, facts.topk_group
@@ -468,7 +494,7 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
         group_score=facts.group_score, norm_topk_prob=facts.norm, routed_scaling_factor=facts.scale,
         correction_bias=facts.correction, router_bias=facts.router_bias, expert_bias=facts.expert_bias,
         hidden_act=hidden_act, swiglu_limit=facts.swiglu_limit, swiglu_alpha=facts.swiglu_alpha, vocab_size=vocab,
-        attention=attention, expert_weight_format=_weight_format(cfg),
+        max_position_embeddings=max_positions, attention=attention, expert_weight_format=_weight_format(cfg),
         defaults=tuple(f.defaulted.items()), defaults_class=f.defaults_class,
         checkpoint_dtype=_checkpoint_dtype(cfg, top, source),
     )

@@ -147,6 +147,33 @@ def test_bad_engine_config_model_and_context(model_dir, tmp_path):
         Engine(dataclasses.asdict(config(model_dir)))
 
 
+def test_the_context_is_max_position_embeddings_as_the_spec_reads_it(model_dir, tmp_path):
+    """Without max_model_len the context is config.json's max_position_embeddings, transformers' default when absent
+    (it was a hard-coded 4096, for 0 too), and a value that is no context is refused by name (a negative one was
+    taken)."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    def context(name, edit):
+        directory = tmp_path / name
+        directory.mkdir()
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        edit(cfg)
+        (directory / "config.json").write_text(json.dumps(cfg))
+        engine = Engine(EngineConfig(model=str(directory), load_format="dummy", num_kv_blocks=8, block_size=4))
+        return engine.max_model_len
+
+    assert context("given", lambda cfg: None) == 256
+    assert context("absent", lambda cfg: cfg.pop("max_position_embeddings")) == \
+        AutoConfig.for_model("qwen3_moe").max_position_embeddings
+    for value in (0, -4):
+        with pytest.raises(ValueError, match=rf"config\.json: field 'max_position_embeddings' must be a positive "
+                                             rf"integer, got {value}$"):
+            context(f"bad{value}", lambda cfg: cfg.update(max_position_embeddings=value))
+
+
 def test_abort_mid_generation(engine, reference):
     ids = {p: engine.add_request(p, GREEDY) for p in PROMPTS}
     victim = ids["The quick brown fox"]

@@ -157,6 +157,35 @@ def test_a_rank_killed_by_a_signal_is_named_with_the_signal():
     assert caught.value.exit_code == EXIT_RANK_KILLED == 4
 
 
+def _fail_on_rank_0_while_rank_1_joins_a_group(info):
+    """Rank 0 fails while rank 1 waits for it at the rendezvous store, making a new group."""
+    import torch.distributed as dist
+
+    from epmoe.runtime.launch import init_group
+
+    init_group(info, "cpu", timeout_s=60)
+    if info.rank == 0:
+        raise ValueError("checkpoint /x: no tensor 'model.layers.1.mlp.experts.0.up_proj.weight'")
+    dist.new_group(backend="gloo")
+
+
+def test_the_failed_rank_is_reported_once_and_its_peers_get_no_lost_store_error(capfd):
+    """The launcher serves the rendezvous store: rank 0 failing takes no store with it, so rank 1, waiting there,
+    does not fail on the lost store (a ``DistNetworkError``, a C++ stack trace on stderr); it is stopped."""
+    from epmoe.runtime.launch import EXIT_BAD_INPUT, RankFailure
+
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as caught:
+        spawn(_fail_on_rank_0_while_rank_1_joins_a_group, 2)
+    assert time.monotonic() - start < 60
+    assert str(caught.value).splitlines() == [
+        "rank 0 failed: ValueError: checkpoint /x: no tensor 'model.layers.1.mlp.experts.0.up_proj.weight'",
+        "rank 1 was stopped after rank 0 failed"]
+    assert caught.value.exit_code == EXIT_BAD_INPUT
+    err = capfd.readouterr().err  # the ranks' stderr too: they write to this process's descriptor
+    assert "DistNetworkError" not in err and "TCPStore" not in err and "frame #" not in err, err
+
+
 def _threads(info):
     import torch
 

@@ -16,6 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.multiprocess
 MISSING = "model.layers.1.mlp.experts.9.up_proj.weight"  # expert 9: only rank 1 of 2 holds it
+MISSING_RANK0 = "model.layers.1.mlp.experts.0.up_proj.weight"  # expert 0: only rank 0 of 2 holds it
 
 
 @pytest.fixture(scope="module")
@@ -23,21 +24,25 @@ def kimi(tiny_checkpoints):
     return tiny_checkpoints("kimi-k2.5")
 
 
-@pytest.fixture(scope="module")
-def missing_rank1_tensor(kimi, tmp_path_factory):
-    """The tiny Kimi checkpoint without one tensor of expert 9 of the first MoE layer."""
+def _without(kimi: Path, name: str, broken: Path) -> Path:
+    """A copy of the tiny Kimi checkpoint in ``broken`` without the tensor ``name``."""
     from safetensors.torch import load_file, save_file
 
-    broken = tmp_path_factory.mktemp("broken")
     for f in kimi.iterdir():
         if f.suffix != ".safetensors":
             (broken / f.name).write_bytes(f.read_bytes())
     tensors = {}
     for f in kimi.glob("*.safetensors"):
         tensors.update(load_file(f))
-    del tensors[MISSING]
+    del tensors[name]
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
     return broken
+
+
+@pytest.fixture(scope="module")
+def missing_rank1_tensor(kimi, tmp_path_factory):
+    """The tiny Kimi checkpoint without one tensor of expert 9 of the first MoE layer."""
+    return _without(kimi, MISSING, tmp_path_factory.mktemp("broken"))
 
 
 def _env() -> dict[str, str]:
@@ -54,6 +59,23 @@ def test_torchrun_shows_the_error_of_the_rank_that_failed(missing_rank1_tensor):
     out = proc.stdout + proc.stderr
     assert (f"epmoe run: error: rank 1 failed: KeyError: checkpoint is missing a tensor of logical expert 9 of "
             f"model.layers.1.mlp: checkpoint {missing_rank1_tensor} has no tensor '{MISSING}'") in out, out
+
+
+def test_spawned_run_shows_the_failed_ranks_error_once_and_no_lost_store_error(kimi, tmp_path):
+    # rank 0 fails loading while rank 1 has loaded and waits for it: rank 1 is stopped, with no error of its own
+    # about the rendezvous store (the launcher serves it, not rank 0)
+    broken = _without(kimi, MISSING_RANK0, tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "epmoe.cli", "run", "--model", str(broken), "--ep", "2",
+                           "--max-new-tokens", "2", "--no-reference"],
+                          env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2, proc.stderr  # 2: bad input
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0] == (
+        f"epmoe run: error: rank 0 failed: KeyError: checkpoint is missing a tensor of logical expert 0 of "
+        f"model.layers.1.mlp: checkpoint {broken} has no tensor '{MISSING_RANK0}'"), proc.stderr
+    # stopped while it loaded or waited at the store, or (had it reached a collective with rank 0) failed in it
+    assert re.fullmatch(r"rank 1 (was stopped after rank 0 failed|stopped: a peer went away during a collective "
+                        r"\(RuntimeError: .*\))", lines[1]), proc.stderr
 
 
 def _rank_pids(parent: int) -> list[int]:

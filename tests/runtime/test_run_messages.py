@@ -41,6 +41,48 @@ def test_a_corrupt_tokenizer_file_is_named(kimi, tmp_path, capsys):
             "column 1 (char 0)") in err
 
 
+def _copy_with(kimi, dst, config=None, generation=None):
+    """A copy of the checkpoint with ``config`` merged into its config.json and ``generation`` written as its
+    generation_config.json."""
+    import json
+
+    shutil.copytree(kimi, dst)
+    if config:
+        (dst / "config.json").write_text(json.dumps({**json.loads((dst / "config.json").read_text()), **config}))
+    if generation is not None:
+        (dst / "generation_config.json").write_text(json.dumps(generation))
+    return dst
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"rms_norm_eps": -1}, "config.json: field 'rms_norm_eps' must be a positive number, got -1"),
+    ({"max_position_embeddings": 0}, "config.json: field 'max_position_embeddings' must be a positive integer, got 0"),
+    ({"tie_word_embeddings": "yes"}, "config.json: transformers cannot build the model's config from it: "
+                                     "StrictDataclassFieldValidationError: Validation error for field "
+                                     "'tie_word_embeddings': TypeError: Field 'tie_word_embeddings' expected bool, got "
+                                     "str (value: 'yes')"),
+])
+def test_a_config_error_is_named_as_itself_not_as_the_tokenizers(kimi, tmp_path, capsys, edit, message):
+    """Fields transformers' config class refuses made the tokenizer fail first ("the tokenizer ... cannot be
+    loaded"): config.json is checked before, by epmoe and by transformers, and its error names the field."""
+    bad = _copy_with(kimi, tmp_path / "ckpt", config=edit)
+    assert main(["run", "--model", str(bad), "--ep", "1", "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"epmoe run: error: {bad}/{message}" in err
+    assert "tokenizer" not in err
+
+
+def test_a_bad_generation_config_is_named_with_its_file_not_taken_for_a_flag(kimi, tmp_path, capsys):
+    """transformers' reference reads generation_config.json: a field it refuses is named with the file before any rank
+    starts (it was reported as the --max-new-tokens flag, after the whole run)."""
+    bad = _copy_with(kimi, tmp_path / "ckpt", generation={"temperature": -3, "max_new_tokens": 0})
+    assert main(["run", "--model", str(bad), "--ep", "1", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert (f"epmoe run: error: {bad / 'generation_config.json'}: transformers' GenerationConfig refuses field "
+            "'max_new_tokens' (0): 'max_new_tokens' must be greater than 0, but is 0.") in err
+    assert "--max-new-tokens" not in err
+
+
 @pytest.mark.multiprocess
 def test_saved_loads_feed_balance_and_survive_live_rebalancing(kimi, tmp_path):
     import json

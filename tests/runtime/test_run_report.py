@@ -20,8 +20,8 @@ def _report(rebalances: list[dict], **fields) -> RunReport:
                       peak_cuda_mb=0.0, expert_mb=0.5, full_expert_mb=1.0,
                       kv={"blocks": 8, "block_size": 16, "bytes": 1024, "max_concurrency": 2, "context": 64,
                           "bytes_per_token_layer": 96, "kind": "latent"})
-    values = dict(model="ckpt", model_type="deepseek_v3", ep=1, device="cpu", prompts=["p"], outputs=["xy"],
-                  ranks=[rank], tokens_per_s=2.0, balancedness=1.0, routed_tokens_per_step=[1.0],
+    values = dict(model="ckpt", model_type="deepseek_v3", ep=1, parallel="ep", device="cpu", prompts=["p"],
+                  outputs=["xy"], ranks=[rank], tokens_per_s=2.0, balancedness=1.0, routed_tokens_per_step=[1.0],
                   matches_reference=True)
     values.update(fields)
     return RunReport(**values)
@@ -89,3 +89,17 @@ def test_counts_of_one_are_singular():
     assert "│ 2.00 / 1.00 (1 of 1 proposed token, 1 verify step)" in text
     text = _printed(_report([_event(2, True, moved=2)]))
     assert "2 copies moved" in text and "8 blocks of 16 tokens" in text and "2 sequences of 64 tokens" in text
+
+
+def test_tensor_parallel_runs_are_titled_tp_and_route_nothing_to_ranks():
+    """``--parallel tp``: the per-rank table names TP ranks and the TP size, its routed column and the balancedness
+    row (every rank computes a slice of every expert) are not shown as if experts were routed to ranks."""
+    ep = _printed(_report([], ep=2, routed_tokens_per_step=[2.5]))
+    assert "EP ranks (deepseek_v3, EP 2, cpu)" in ep and "TP" not in ep
+    assert "balancedness (mean/max routed tokens per rank)" in ep
+    assert re.search(r"│\s+0 │\s+1 │\s+0/0/8/0 │\s+1.0 │\s+2.5 │", ep)
+    tp = _printed(_report([], ep=2, parallel="tp"))
+    assert "TP ranks (deepseek_v3, TP 2, cpu)" in tp and "EP" not in tp
+    assert "balancedness" not in tp
+    assert re.search(r"│\s+0 │\s+1 │\s+0/0/8/0 │\s+1.0 │\s+- │", tp)
+    assert "routed = - (tensor-parallel experts: every rank computes its slice of every expert)" in tp

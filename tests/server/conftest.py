@@ -1,8 +1,10 @@
-"""A real ``epmoe serve`` process on a free 127.0.0.1 port (the built-in checkpoint, float32, CPU ranks)."""
+"""A real ``epmoe serve`` process on a free 127.0.0.1 port (``--port 0``: the port the server logs it bound; the
+built-in checkpoint, float32, CPU ranks)."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,25 +22,24 @@ START_TIMEOUT_S = 120.0
 
 
 class ServerProcess:
-    """One server process: ``url`` (``http://127.0.0.1:PORT``), ``proc``, ``log`` (its stderr file), ``started``
-    and ``ready`` (``time.monotonic()`` before the start and once ``/health`` answered 200).
+    """One server process: ``url`` (``http://127.0.0.1:PORT``, the port from its ``listening on`` log line),
+    ``port``, ``proc``, ``log`` (its stderr file), ``started`` and ``ready`` (``time.monotonic()`` before the start
+    and once ``/health`` answered 200).
 
     With ``torchrun_world`` N, ``proc`` is rank 0 of N processes started with the environment ``torchrun``
     sets (``RANK``, ``WORLD_SIZE``, ...); ``followers`` are ranks 1..N-1.
     """
 
     def __init__(self, tmp: Path, *args: str, torchrun_world: int | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tmp / f"serve-{self.port}.log"
+        self.log = tmp / "serve.log"
         env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"))
-        cmd = [sys.executable, "-m", "epmoe.cli", "serve", "--port", str(self.port), "--api-key", API_KEY, *args]
+        cmd = [sys.executable, "-m", "epmoe.cli", "serve", "--port", "0", "--api-key", API_KEY, *args]
         self.followers: list[subprocess.Popen] = []
         self.started = time.monotonic()
         if torchrun_world is not None:
             env.update(WORLD_SIZE=str(torchrun_world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
             for rank in range(1, torchrun_world):
-                with (tmp / f"serve-{self.port}-rank{rank}.log").open("w") as out:
+                with (tmp / f"serve-rank{rank}.log").open("w") as out:
                     self.followers.append(subprocess.Popen(
                         cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank))))
             env.update(RANK="0", LOCAL_RANK="0")
@@ -48,12 +49,15 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    self.ready = time.monotonic()
-                    return
-            except httpx.TransportError:
-                pass
+            listening = re.search(r"listening on (http://127\.0\.0\.1:(\d+)) ", self.log.read_text())
+            if listening is not None:
+                self.url, self.port = listening[1], int(listening[2])
+                try:
+                    if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                        self.ready = time.monotonic()
+                        return
+                except httpx.TransportError:
+                    pass
             time.sleep(0.25)
         self.stop()
         raise RuntimeError(f"server not ready within {START_TIMEOUT_S} s:\n{self.log.read_text()}")

@@ -62,6 +62,9 @@ def wait_kv_free(server, timeout_s: float = 20.0) -> None:
 
 
 def test_models_and_health(server, client):
+    # started with --port 0 (conftest): the log names the port bound, where the server answers
+    log = server.log.read_text()
+    assert server.port > 0 and f"listening on {server.url} " in log and f"ready: {server.url}/v1" in log, log
     assert httpx.get(f"{server.url}/health").json() == {"status": "ready"}
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
@@ -228,6 +231,18 @@ def test_tokenize_and_detokenize_as_vllm(server, client):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": "a"}).status_code == 401
     assert post("/tokenize", {"model": "other", "prompt": "a"}).status_code == 404
+    # as vLLM, ``model`` may be left out (or null); one sent must be the served one
+    cases = [("/tokenize", {"prompt": "hi!"}, got), ("/detokenize", {"tokens": [256, 104]}, {"prompt": "<s>h"})]
+    for route, body, want in cases:
+        for model in ({}, {"model": None}):
+            r = httpx.post(f"{server.url}{route}", json={**model, **body}, headers=AUTH, timeout=30)
+            assert r.status_code == 200 and r.json() == want, r.text
+        other = httpx.post(f"{server.url}{route}", json={"model": "other", **body}, headers=AUTH, timeout=30)
+        assert other.status_code == 404 and other.json()["error"]["param"] == "model", other.text
+        assert "'other'" in other.json()["error"]["message"]
+        wrong = httpx.post(f"{server.url}{route}", json={"model": 3, **body}, headers=AUTH, timeout=30)
+        assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "model", wrong.text
+        assert "(got 3)" in wrong.json()["error"]["message"]
 
 
 def test_logprobs_of_chat_whole_and_streamed(client):

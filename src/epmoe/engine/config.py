@@ -168,7 +168,8 @@ class EngineConfig:
             from epmoe.spec import language_model_config, read_config
 
             limit = language_model_config(read_config(self.model)[0]).get("max_position_embeddings")
-            if isinstance(limit, int) and self.max_model_len > limit:
+            # a limit that is not a positive integer is the config's error, named when the model's spec is read
+            if isinstance(limit, int) and 0 < limit < self.max_model_len:
                 raise ValueError(f"max_model_len ({self.max_model_len}) is past the model's max_position_embeddings "
                                  f"({limit})")
         for name in ("cuda_graph_max_tokens", "piecewise_cuda_graph_max_tokens"):

@@ -77,7 +77,7 @@ from epmoe.layer import MoELayerOptions, check_tp_sizes
 from epmoe.loads import ExpertLoadRecorder, slots_to_logical
 from epmoe.models.hf import EPModel, load_ep_model, load_tp_model
 from epmoe.placement import ExpertPlacement
-from epmoe.spec import language_model_config, load_moe_spec, read_config
+from epmoe.spec import load_moe_spec
 
 if TYPE_CHECKING:
     from epmoe.runtime.rebalance import RebalanceEvent
@@ -168,8 +168,7 @@ class Engine:
         else:
             self.device = torch.device("cpu")
         self.spec = load_moe_spec(config.model)
-        raw = language_model_config(read_config(config.model)[0])
-        self.max_model_len = int(config.max_model_len or raw.get("max_position_embeddings") or 4096)
+        self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
         self.tp = config.parallel == "tp"
         if self.tp:
             check_tp_sizes(self.spec, self.comm.size)

@@ -54,6 +54,8 @@ _ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "relu": F.relu,
 }
+ACTIVATIONS: tuple[str, ...] = tuple(_ACTS)
+"""The names ``Activation.act`` takes (``config.json``'s ``hidden_act`` of a served model)."""
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,18 @@ class CheckpointReader:
             raise KeyError(f"checkpoint {self.directory} has no tensor {name!r}")
         return tuple(self._handle(full).get_slice(full).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The dtype tensor ``name`` is stored in, as the file header names it (``BF16``, ``F32``, ``F8_E4M3``,
+        ``I32``; no weight data read). A packed tensor has no plain dtype: ask ``check_int4`` / ``check_mxfp4``.
+
+        Raises:
+            KeyError: the checkpoint has no plain tensor of that name (the directory is named).
+        """
+        full = self.prefix + name
+        if full not in self.weight_map:
+            raise KeyError(f"checkpoint {self.directory} has no tensor {name!r}")
+        return self._handle(full).get_slice(full).get_dtype()
+
     def keys(self) -> list[str]:
         """Names of the model tensors in the checkpoint (wrapper prefix stripped, packed tensors under their plain
         name, ``_scale_inv``, INT4 and MXFP4 companions and tensors outside the language model left out)."""
@@ -346,6 +358,8 @@ class CheckpointReader:
 
 _FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
 _FLOAT_HEADER_DTYPES = ("BF16", "F16", "F32")  # safetensors header names of the scale dtypes the loaders take
+# the header dtypes of the plain weights the loaders take: floats, and block FP8 (dequantized with its scales)
+WEIGHT_HEADER_DTYPES = (*_FLOAT_HEADER_DTYPES, "F64", "F8_E4M3", "F8_E5M2")
 
 
 # the compressed-tensors weight scheme the reader unpacks (Kimi-K2/K2.5's), field -> value

@@ -7,6 +7,7 @@ non-expert weights in full (attention runs data-parallel), the experts only for 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import chain
@@ -21,6 +22,7 @@ from epmoe.experts.mxfp4 import E8M0_BIAS
 from epmoe.experts.storage import ExpertStorage
 from epmoe.layer import DPTPMoELayer, MoELayer, MoELayerOptions, check_tp_sizes
 from epmoe.models.checkpoint import (
+    WEIGHT_HEADER_DTYPES,
     CheckpointReader,
     FamilyLayout,
     expert_tensor_names,
@@ -119,16 +121,23 @@ def hf_config(checkpoint_dir: str):
     removed, so transformers builds plain Linear layers; the checkpoint reader dequantizes the weights.
 
     Raises:
-        ValueError: transformers does not know the model type.
+        ValueError: transformers does not know the model type, or its config class refuses a field (the file named,
+            with transformers' message: the field and the value).
     """
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, DeepseekV3Config
 
     raw, path = read_config(checkpoint_dir)
     text = language_model_config(raw)
-    if raw.get("model_type") in _AS_DEEPSEEK_V3 or text.get("model_type") in _AS_DEEPSEEK_V3:
-        d = {k: v for k, v in text.items() if k not in _DROPPED_KEYS}
-        return DeepseekV3Config.from_dict(d)
-    config = AutoConfig.from_pretrained(checkpoint_dir)
+    try:
+        if raw.get("model_type") in _AS_DEEPSEEK_V3 or text.get("model_type") in _AS_DEEPSEEK_V3:
+            d = {k: v for k, v in text.items() if k not in _DROPPED_KEYS}
+            return DeepseekV3Config.from_dict(d)
+        config = AutoConfig.from_pretrained(checkpoint_dir)
+    except (StrictDataclassError, ValueError, TypeError, KeyError) as exc:  # transformers' own field checks
+        reason = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+        raise ValueError(f"{path}: transformers cannot build the model's config from it: {type(exc).__name__}: "
+                         f"{' '.join(str(reason).split())}") from None
     for cfg in (config, getattr(config, "text_config", None)):
         if cfg is not None and getattr(cfg, "quantization_config", None) is not None:
             del cfg.quantization_config
@@ -546,9 +555,10 @@ def load_tp_model(
 def check_checkpoint(checkpoint_dir: str, experts: Callable[[int], Iterable[int]] | None = None,
                      model: nn.Module | None = None) -> CheckpointReader:
     """Check, before any weight is read, that a checkpoint holds what the loaders read: a weight format they
-    support, and every tensor with the shape ``config.json`` predicts (names and shapes from the safetensors
-    headers). The loaders call it first and ``epmoe doctor`` calls it alone, so both refuse the same checkpoints
-    with the same message.
+    support, every tensor with the shape ``config.json`` predicts, stored as a float (or packed as the format says),
+    and no tensor the model ``config.json`` describes has no place for (names, shapes and dtypes from the
+    safetensors headers). The loaders call it first and ``epmoe doctor`` calls it alone, so both refuse the same
+    checkpoints with the same message.
 
     Args:
         checkpoint_dir: the checkpoint directory.
@@ -561,7 +571,9 @@ def check_checkpoint(checkpoint_dir: str, experts: Callable[[int], Iterable[int]
     Raises:
         FileNotFoundError: no checkpoint there.
         ValueError: a weight format the loader does not support; a tensor whose shape is not the one
-            ``config.json`` predicts (name and both shapes); a model type transformers does not know.
+            ``config.json`` predicts (name and both shapes), or stored in a dtype that is not a float's (name and
+            dtype); tensors no loader reads, such as the layers past ``num_hidden_layers`` (the count and the first
+            named); a model type transformers does not know.
         KeyError: a missing tensor (named; for routed experts, which expert of which MoE block); an unsupported
             family.
     """
@@ -573,7 +585,8 @@ def check_checkpoint(checkpoint_dir: str, experts: Callable[[int], Iterable[int]
         model = build_meta_model(checkpoint_dir, torch.float32)
     fmt = spec.expert_weight_format
     packed = "mxfp4" if fmt == "mxfp4" else "int4" if fmt.startswith("int4") else None  # how routed experts are stored
-    for name, (shape, owner) in _expected_tensors(model, spec, layout, experts).items():
+    every = _expected_tensors(model, spec, layout, None)
+    for name, (shape, owner) in (every if experts is None else _expected_tensors(model, spec, layout, experts)).items():
         if name not in reader:
             if owner:
                 raise KeyError(f"checkpoint is missing a tensor of {owner}: checkpoint {reader.directory} has no "
@@ -593,7 +606,32 @@ def check_checkpoint(checkpoint_dir: str, experts: Callable[[int], Iterable[int]
                              f"from config.json (does config.json belong to these weights?)")
         if stored == "mxfp4":  # its scales companion, dtypes and shapes
             reader.check_mxfp4(name)
+            continue
+        dtype = reader.dtype(name)
+        if dtype not in WEIGHT_HEADER_DTYPES:  # an integer tensor would be copied into the float weight as numbers
+            raise ValueError(f"checkpoint {reader.directory}: tensor {name!r}{' of ' + owner if owner else ''} is "
+                             f"{dtype}, expected a float dtype ({', '.join(WEIGHT_HEADER_DTYPES)})")
+    unread = _unread_tensors(reader, model, every, spec.num_layers)
+    if unread:
+        raise ValueError(f"checkpoint {reader.directory} holds {len(unread)} tensor{'s' if len(unread) > 1 else ''} "
+                         f"the model config.json describes has no place for (num_hidden_layers {spec.num_layers}), "
+                         f"the first {unread[0]!r} (does config.json belong to these weights?)")
     return reader
+
+
+def _unread_tensors(reader: CheckpointReader, model: nn.Module, expected: Iterable[str],
+                    num_layers: int) -> list[str]:
+    """The checkpoint's tensors that no loader reads, in the checkpoint's order: neither the model's own (RoPE
+    tables and a tied LM head included, though they are rebuilt), nor in ``expected`` (the MoE blocks' in the
+    checkpoint layout, every expert), nor a multi-token-prediction module's: a layer past the ``num_layers``
+    decoder layers that holds an ``eh_proj`` (DeepSeek-V3, GLM-4.5 store one; transformers loads it apart)."""
+    own = {name for name, _ in chain(model.named_parameters(remove_duplicate=False),
+                                     model.named_buffers(remove_duplicate=False))}
+    known = own.union(expected)
+    names = reader.keys()
+    marked = (re.fullmatch(r"model\.layers\.(\d+)\.eh_proj\.weight", name) for name in names)
+    mtp = tuple(f"model.layers.{m[1]}." for m in marked if m and int(m[1]) >= num_layers)
+    return [name for name in names if name not in known and not name.startswith(mtp)]
 
 
 def _expected_tensors(model: nn.Module, spec: MoESpec, layout: FamilyLayout,

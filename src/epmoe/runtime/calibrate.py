@@ -27,7 +27,7 @@ import torch.distributed as dist
 from epmoe.checks import check_int
 from epmoe.files import atomic_path, check_output_path
 from epmoe.plan.hardware import HARDWARE_FORMAT, LinkProfile, load_hardware, parse_hardware
-from epmoe.runtime.launch import RankInfo, spawn
+from epmoe.runtime.launch import RankInfo, init_default_group, spawn
 
 GPU_MAX_BYTES = 256 * 1024**2
 CPU_MAX_BYTES = 4 * 1024**2
@@ -363,7 +363,7 @@ def _spawned_rank(info: RankInfo, cfg: CalibrationConfig, backend: str) -> None:
     """One rank spawned by ``launch.spawn``: join the group, measure, and (rank 0) write the profile."""
     os.environ["LOCAL_WORLD_SIZE"] = str(info.world_size)
     os.environ["LOCAL_RANK"] = str(info.local_rank)
-    dist.init_process_group(backend, init_method=info.init_method, rank=info.rank, world_size=info.world_size)
+    init_default_group(info, backend)
     try:
         _measure_and_write(cfg, backend, dist.group.WORLD)
     finally:

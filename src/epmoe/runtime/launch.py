@@ -2,8 +2,10 @@
 
 Under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and ``LOCAL_RANK`` in the
 environment) the current process is one rank and the group may span several machines. Otherwise
-``spawn`` starts ``N`` processes on this machine with a free local port. Either way the worker gets
-its rank facts explicitly; nothing is read from a global later.
+``spawn`` starts ``N`` processes on this machine, and the launching process serves their rendezvous store (as
+torchrun's agent serves its workers'), so that a rank that fails takes no store with it: its peers are stopped
+by the launcher instead of each failing on the lost store (a ``DistNetworkError``, with a C++ stack trace on
+stderr). Either way the worker gets its rank facts explicitly; nothing is read from a global later.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Literal
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -36,12 +39,16 @@ class RankInfo:
         world_size: number of ranks.
         local_rank: rank on this machine (selects the CUDA device).
         init_method: ``tcp://host:port`` rendezvous address.
+        launcher_store: the rendezvous store at ``init_method`` is served by the process that launched the ranks
+            (``SpawnedRanks``), every rank a client; else ``tcp://`` finds it: rank 0 serves it, or under torchrun
+            its agent.
     """
 
     rank: int
     world_size: int
     local_rank: int
     init_method: str
+    launcher_store: bool = False
 
 
 def under_torchrun() -> bool:
@@ -73,6 +80,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def init_default_group(info: RankInfo, backend: str, timeout: timedelta | None = None) -> None:
+    """``torch.distributed.init_process_group`` for this rank at ``info.init_method``: a client of the launcher's
+    store when ``info.launcher_store``. ``timeout``: of the collectives and the store's waits (default: torch's)."""
+    limit = {} if timeout is None else {"timeout": timeout}
+    if info.launcher_store:
+        url = urlparse(info.init_method)
+        store = dist.TCPStore(url.hostname, url.port, info.world_size, is_master=False, **limit)
+        dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size, **limit)
+    else:
+        dist.init_process_group(backend, init_method=info.init_method, rank=info.rank, world_size=info.world_size,
+                                **limit)
+
+
 def init_group(info: RankInfo, device: str, timeout_s: float = 300.0) -> dist.ProcessGroup:
     """Initialise ``torch.distributed`` for this rank and return the EP group over all ranks.
 
@@ -81,10 +101,7 @@ def init_group(info: RankInfo, device: str, timeout_s: float = 300.0) -> dist.Pr
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(info.local_rank)
-    dist.init_process_group(
-        backend, init_method=info.init_method, rank=info.rank, world_size=info.world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    init_default_group(info, backend, timedelta(seconds=timeout_s))
     return dist.new_group(list(range(info.world_size)))
 
 
@@ -219,7 +236,7 @@ def _run_rank(rank: int, world_size: int, port: int, fn: Callable[..., Any], arg
     """A spawned rank: run ``fn(RankInfo, *args)`` and put ``(rank, True, result)`` or ``(rank, False, RankError)``
     on ``queue``."""
     die_with_parent()
-    info = RankInfo(rank, world_size, rank, f"tcp://127.0.0.1:{port}")
+    info = RankInfo(rank, world_size, rank, f"tcp://127.0.0.1:{port}", launcher_store=True)
     set_rank_threads(world_size)
     try:
         # plain pickle copies tensors by value: torch's shared-memory handles would die with this process
@@ -235,26 +252,27 @@ class SpawnedRanks:
     """Ranks started as local processes (``spawn``), watched for results and failures.
 
     Each rank runs ``fn(RankInfo, *args)``; its return value (picklable) or its first error comes back to this
-    process. A rank that dies without a word (a signal, ``os._exit``) is seen by its exit code.
+    process. A rank that dies without a word (a signal, ``os._exit``) is seen by its exit code. This process serves
+    the ranks' rendezvous store on 127.0.0.1 at ``port`` until ``close``; a rank started elsewhere (the server's
+    rank 0) joins it with ``RankInfo(..., f"tcp://127.0.0.1:{port}", launcher_store=True)``.
 
     Args:
         fn: an importable (module-level) function.
         world_size: ranks in the group.
         args: extra arguments of ``fn``.
         ranks: the ranks to start here (default all; the server runs rank 0 in its own process).
-        port: the rendezvous port on 127.0.0.1 (default: a free one).
 
     Raises:
         ValueError: ``world_size`` is not positive.
     """
 
-    def __init__(self, fn: Callable[..., Any], world_size: int, args: tuple = (), ranks: range | None = None,
-                 port: int | None = None) -> None:
+    def __init__(self, fn: Callable[..., Any], world_size: int, args: tuple = (), ranks: range | None = None) -> None:
         if world_size <= 0:
             raise ValueError(f"world_size must be positive, got {world_size}")
         ctx = mp.get_context("spawn")
         self.world_size = world_size
-        self.port = free_port() if port is None else port
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.port = self._store.port
         self._queue = ctx.SimpleQueue()
         self.procs = {r: ctx.Process(target=_run_rank, args=(r, world_size, self.port, fn, args, self._queue),
                                      name=f"epmoe-rank{r}", daemon=False)
@@ -328,11 +346,11 @@ class SpawnedRanks:
 
     def close(self) -> None:
         """Release the ranks for good, on every way out (a result, a failure, a server's fatal exit): kill the rank
-        processes still running, join them all, and close the report queue. The queue's two locks are named POSIX
-        semaphores, registered with multiprocessing's resource tracker, which reports them as leaked when this
-        process ends without releasing them (as ``os._exit`` does); they are released here, with the queue's last
-        reference. Reports not read before are dropped (``poll`` or ``failure`` keep them). A second call does
-        nothing.
+        processes still running, join them all, stop serving the rendezvous store and close the report queue. The
+        queue's two locks are named POSIX semaphores, registered with multiprocessing's resource tracker, which
+        reports them as leaked when this process ends without releasing them (as ``os._exit`` does); they are
+        released here, with the queue's last reference. Reports not read before are dropped (``poll`` or ``failure``
+        keep them). A second call does nothing.
         """
         if self._queue is None:
             return
@@ -340,6 +358,7 @@ class SpawnedRanks:
             if p.is_alive():
                 p.kill()
         self.join()
+        self._store = None  # its last reference: the store's server stops
         self._queue.close()
         self._queue = None  # the locks' finalizers unlink the semaphores and tell the tracker now
 

@@ -77,7 +77,9 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
         outputs.add_row(str(i), p, repr(o), match, *extra)
     console.print(outputs)
 
-    per_rank = Table(title=f"EP ranks ({report.model_type}, EP {report.ep}, {report.device})")
+    tp = report.parallel == "tp"  # every rank computes a slice of every expert: nothing is routed to ranks
+    size = "TP" if tp else "EP"
+    per_rank = Table(title=f"{size} ranks ({report.model_type}, {size} {report.ep}, {report.device})")
     for col in ("rank", "prompts", "steps g/p/e/i", "batch", "routed", *[_SHORT[k] for k in COLLECTIVE_KINDS],
                 "bytes out", "TTFT ms", "experts MiB", "peak MiB"):
         per_rank.add_column(col, justify="right")
@@ -89,7 +91,7 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
         per_rank.add_row(
             str(r.rank), str(len(r.prompts)),
             "/".join(str(kinds.get(f"{k}_steps", 0)) for k in ("graph", "piecewise", "eager", "idle")),
-            f"{r.tokens_per_step:.1f}", f"{routed:.1f}",
+            f"{r.tokens_per_step:.1f}", "-" if tp else f"{routed:.1f}",
             *[f"{r.collectives[k]:.0f}" for k in COLLECTIVE_KINDS],
             format_bytes(sum(r.bytes_per_step.values())), ttft,
             f"{r.expert_mb:.2f}/{r.full_expert_mb:.2f}", mem,
@@ -97,10 +99,12 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     console.print(per_rank)
     console.print(
         "per rank: steps g/p/e/i = CUDA-graph / piecewise-graph / eager / idle engine steps; per step: batch = "
-        "tokens fed, routed = (token, expert) pairs computed per MoE layer, a2a/ar/ag = all-to-all/all-reduce/"
-        "all-gather calls (one all-gather per step agrees on the batch), bytes out = bytes sent; TTFT = mean time to "
-        "first token; experts MiB = routed-expert weights held / all of them; peak MiB = "
-        + ("CUDA memory allocated" if report.device == "cuda" else "process RSS")
+        "tokens fed, routed = "
+        + ("- (tensor-parallel experts: every rank computes its slice of every expert)" if tp else
+           "(token, expert) pairs computed per MoE layer")
+        + ", a2a/ar/ag = all-to-all/all-reduce/all-gather calls (one all-gather per step agrees on the batch), bytes "
+        "out = bytes sent; TTFT = mean time to first token; experts MiB = routed-expert weights held / all of them; "
+        "peak MiB = " + ("CUDA memory allocated" if report.device == "cuda" else "process RSS")
     )
 
     summary = Table(title="Summary", show_header=False)
@@ -120,7 +124,8 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     if report.prefix_cache is not None:
         summary.add_row("prefix cache (tokens found / asked for)",
                         f"{report.prefix_cache['hit_tokens']} / {report.prefix_cache['queried_tokens']}")
-    summary.add_row("balancedness (mean/max routed tokens per rank)", f"{report.balancedness:.3f}")
+    if not tp:
+        summary.add_row("balancedness (mean/max routed tokens per rank)", f"{report.balancedness:.3f}")
     events = report.ranks[0].rebalances
     if events:
         summary.add_row("live rebalances (committed / skipped / failed)", _rebalances(events))

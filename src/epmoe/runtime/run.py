@@ -23,14 +23,15 @@ from epmoe.comm import COLLECTIVE_KINDS, Comm
 from epmoe.engine import Engine, EngineConfig, SamplingParams
 from epmoe.engine.config import EAGER_DISPATCHERS, GRAPH_SAFE_BACKENDS, PARALLEL_MODES, speculative_options
 from epmoe.engine.engine import trivial_or_file_placement
-from epmoe.engine.tokenizer import decode_text, encode_text, load_tokenizer
+from epmoe.engine.tokenizer import decode_text, encode_text, generation_config, load_tokenizer
 from epmoe.experts import describe_expert_backend
 from epmoe.layer import check_tp_sizes
+from epmoe.models.hf import hf_config
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.placement import ExpertPlacement
 from epmoe.plan.request import counted
 from epmoe.runtime.launch import RankInfo, init_group, spawn, torchrun_rank_info, under_torchrun
-from epmoe.spec import language_model_config, load_moe_spec, read_config
+from epmoe.spec import MoESpec, load_moe_spec
 
 DEFAULT_PROMPTS = (
     "Expert parallelism places whole experts on ranks",
@@ -284,7 +285,9 @@ class RunReport:
     Attributes:
         model: checkpoint directory used.
         model_type: its ``model_type``.
-        ep: EP size.
+        ep: ranks (the EP size; with ``parallel`` ``tp``, the TP size).
+        parallel: ``ep`` (experts expert-parallel) or ``tp`` (tensor-parallel: nothing is routed to ranks, so
+            ``routed_tokens_per_step`` is zeros and ``balancedness`` 1).
         device: ``cpu`` or ``cuda``.
         prompts: the prompt strings.
         outputs: generated text per prompt.
@@ -318,6 +321,7 @@ class RunReport:
     model: str
     model_type: str
     ep: int
+    parallel: str
     device: str
     prompts: list[str]
     outputs: list[str]
@@ -349,11 +353,11 @@ def _encode(model_dir: str, prompts: list[str]) -> tuple[list[list[int]], object
     return [encode_text(tok, vocab, p) for p in prompts], tok
 
 
-def _check_context(model_dir: str, all_ids: list[list[int]], max_new_tokens: int) -> None:
+def _check_context(spec: MoESpec, all_ids: list[list[int]], max_new_tokens: int) -> None:
     """Refuse prompts that would run past the model's ``max_position_embeddings``."""
-    limit = language_model_config(read_config(model_dir)[0]).get("max_position_embeddings")
+    limit = spec.max_position_embeddings
     longest = max(len(ids) for ids in all_ids) + max_new_tokens
-    if isinstance(limit, int) and longest > limit:
+    if longest > limit:
         raise ValueError(
             f"the longest prompt ({counted(longest - max_new_tokens, 'token')}) plus --max-new-tokens "
             f"({max_new_tokens}) is {longest} positions, past the model's max_position_embeddings ({limit})"
@@ -517,7 +521,7 @@ def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids
     from rich.progress import Progress
     from transformers import AutoModelForCausalLM
 
-    from epmoe.models.hf import hf_config, load_full_model, needs_own_loader
+    from epmoe.models.hf import load_full_model, needs_own_loader
 
     device = "cuda" if cfg.device == "cuda" else "cpu"
     dtype = _DTYPES[dtype_name]
@@ -542,6 +546,28 @@ def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids
     return out
 
 
+def _check_generation_config(model_dir: str) -> None:
+    """transformers' own checks of the checkpoint's ``generation_config.json``, which its ``from_pretrained`` makes
+    when the reference loads: made before any rank starts, a refusal named by the file and the field (not taken for
+    the ``--max-new-tokens`` or ``--temperature`` the run was given).
+
+    Raises:
+        ValueError: the file is not a JSON object, or transformers' ``GenerationConfig`` refuses a field (the file,
+            the field and its value named).
+    """
+    from transformers import GenerationConfig
+
+    raw = generation_config(model_dir)
+    try:
+        GenerationConfig.from_dict(raw)
+    except (ValueError, TypeError) as exc:
+        reason = str(exc).replace("`", "'")  # transformers writes `field`
+        named = next((k for k in raw if f"'{k}'" in reason), None)
+        what = "it" if named is None else f"field {named!r} ({raw[named]!r})"
+        raise ValueError(f"{Path(model_dir) / 'generation_config.json'}: transformers' GenerationConfig refuses "
+                         f"{what}: {reason}") from None
+
+
 def run_job(cfg: RunConfig) -> RunReport:
     """Run the main job (see the module docstring).
 
@@ -560,9 +586,13 @@ def run_job(cfg: RunConfig) -> RunReport:
     hf_logging.set_verbosity_error()
     model_dir = str(cfg.model) if cfg.model is not None else str(ensure_default_checkpoint(cfg.cache_dir))
     spec = load_moe_spec(model_dir)
+    hf_config(model_dir)  # transformers' own checks of config.json, before the tokenizer (which reads it too) fails
+    reference = cfg.reference and cfg.temperature == 0 and cfg.load_format != "dummy"
+    if reference:
+        _check_generation_config(model_dir)
     prompts = list(cfg.prompts) or list(DEFAULT_PROMPTS)
     all_ids, tok = _encode(model_dir, prompts)
-    _check_context(model_dir, all_ids, cfg.max_new_tokens)
+    _check_context(spec, all_ids, cfg.max_new_tokens)
     if under_torchrun():
         info = torchrun_rank_info()
         _check_before_start(cfg, model_dir, info.world_size, all_ids)
@@ -583,7 +613,7 @@ def run_job(cfg: RunConfig) -> RunReport:
     rank_counts = torch.tensor([r.rank_counts for r in ranks]).sum(0)  # [L, G]
     steps = max(r.steps for r in ranks)
     report = RunReport(
-        model=model_dir, model_type=spec.model_type, ep=ep, device=cfg.device, prompts=prompts,
+        model=model_dir, model_type=spec.model_type, ep=ep, parallel=cfg.parallel, device=cfg.device, prompts=prompts,
         outputs=[decode_text(tok, t) for t in tokens], ranks=ranks,
         tokens_per_s=sum(len(t) for t in tokens) / gen_s if gen_s > 0 else float("nan"),
         balancedness=float(rank_balancedness(rank_counts).mean()),
@@ -615,7 +645,7 @@ def run_job(cfg: RunConfig) -> RunReport:
         from epmoe.loads import save_loads
 
         save_loads(cfg.save_loads, torch.tensor([r.logical_loads for r in ranks]).sum(0))
-    if cfg.reference and cfg.temperature == 0 and cfg.load_format != "dummy":
+    if reference:
         from epmoe.engine.tokenizer import eos_token_ids
 
         eos = sorted(eos_token_ids(model_dir, tok))

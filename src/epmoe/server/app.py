@@ -218,7 +218,8 @@ def build_app(ctx: AppContext) -> FastAPI:
         """A request answered at once from the tokenizer: ``fn(request body, codec, engine info)``."""
         check_key(request)
         req = await read_body(request, schema)
-        check_model(req.model)
+        if req.model is not None:
+            check_model(req.model)
         return JSONResponse(fn(req, codec, ready_info()))
 
     @app.post("/tokenize")

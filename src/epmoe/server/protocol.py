@@ -197,18 +197,20 @@ class ChatCompletionRequest(SamplingFields):
 
 class TokenizeRequest(_Request):
     """``POST /tokenize`` (vLLM's): a ``prompt`` as a completion encodes it, or ``messages`` as a chat renders and
-    encodes them; ``add_special_tokens`` defaults as there (true for a prompt, false for messages)."""
+    encodes them; ``add_special_tokens`` defaults as there (true for a prompt, false for messages). ``model`` may be
+    left out, as vLLM allows (the served model)."""
 
-    model: str
+    model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
 
 
 class DetokenizeRequest(_Request):
-    """``POST /detokenize`` (vLLM's): token ids to text, special tokens kept."""
+    """``POST /detokenize`` (vLLM's): token ids to text, special tokens kept; ``model`` may be left out, as vLLM
+    allows (the served model)."""
 
-    model: str
+    model: str | None = None
     tokens: list[int]
 
 

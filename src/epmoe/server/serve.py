@@ -2,11 +2,12 @@
 
 Processes (as vLLM's API server and engine core): this process serves HTTP only; the engine runs in rank
 processes (``epmoe.server.core``). Spawned (no ``torchrun``): ``--ep`` rank processes, rank 0 the engine
-core, joined to this process by one pipe. Under ``torchrun`` this process is the rank ``RANK`` says:
-rank 0 spawns one process, the engine core of rank 0 (it joins torchrun's group with this process's rank
-facts) and serves HTTP; the other ranks follow in their own process. Rank processes die with this one.
-``/health`` is 503 until the engine is loaded; the load is logged with the KV capacity and the graph
-buckets.
+core, joined to this process by one pipe (this process serves the ranks' rendezvous store). Under ``torchrun``
+this process is the rank ``RANK`` says: rank 0 spawns one process, the engine core of rank 0 (it joins
+torchrun's group with this process's rank facts) and serves HTTP; the other ranks follow in their own process.
+Rank processes die with this one. The HTTP socket is bound before any rank process starts (``--port 0``: a free
+port), and its address is logged (``listening on http://HOST:PORT``) once uvicorn listens on it; ``/health`` is
+503 until the engine is loaded; the load is logged with the KV capacity and the graph buckets.
 
 Shutdown: SIGTERM or SIGINT drains: no new requests (503), the running ones get ``drain_timeout_s`` to
 finish, then the rest are aborted (``finish_reason`` ``abort``), the ranks stop together, exit code 0.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -55,29 +57,41 @@ _WATCH_S = 0.2  # how often the rank processes are checked
 log = logging.getLogger("epmoe.serve")
 
 
-def _check_port_free(host: str, port: int) -> None:
-    """Raise before loading anything when ``host:port`` cannot be bound.
+def _bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound to ``host:port`` (port 0: a free one) before anything loads; uvicorn listens on
+    it.
 
     Raises:
         ValueError: the address is in use or not ours (the OS error named).
     """
-    import socket
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"--host {host} --port {port}: cannot listen there: {exc.strerror}") from None
+    return sock
 
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            raise ValueError(f"--host {host} --port {port}: cannot listen there: {exc.strerror}") from None
+
+def _url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 address in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, with SIGTERM/SIGINT starting a drain instead of closing at once (a second signal forces exit)."""
+    """uvicorn on a bound socket, logging its address once it listens, with SIGTERM/SIGINT starting a drain
+    instead of closing at once (a second signal forces exit)."""
 
-    def __init__(self, config: uvicorn.Config, drain) -> None:
+    def __init__(self, config: uvicorn.Config, url: str, drain) -> None:
         super().__init__(config)
+        self._url = url
         self._drain = drain
         self._draining = False
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        log.info("listening on %s (/health answers 503 until the engine is loaded)", self._url)
 
     def handle_exit(self, sig, frame) -> None:
         if self._draining:
@@ -87,7 +101,7 @@ class _Server(uvicorn.Server):
         threading.Thread(target=self._drain, name="epmoe-drain", daemon=True).start()
 
 
-def _startup_log(cfg: ServeConfig, model_dir: str, name: str, frontend: Frontend) -> None:
+def _startup_log(cfg: ServeConfig, model_dir: str, name: str, frontend: Frontend, url: str) -> None:
     info = frontend.info
     kv = info.kv
     log.info("model %s (%s) served as %r: %d rank(s), experts %s, %s, %s, expert backend %s", model_dir,
@@ -102,7 +116,7 @@ def _startup_log(cfg: ServeConfig, model_dir: str, name: str, frontend: Frontend
     if info.speculative is not None:
         log.info("speculative decoding, K = %d: %s", cfg.engine_config(model_dir).num_speculative_tokens,
                  info.speculative)
-    log.info("ready: http://%s:%d/v1", cfg.host, cfg.port)
+    log.info("ready: %s/v1", url)
 
 
 def _sampling_defaults(cfg: ServeConfig, model_dir: str) -> dict[str, float | int]:
@@ -160,15 +174,16 @@ def serve(cfg: ServeConfig) -> int:
     if info is not None and info.rank != 0:
         follow(info, cfg, model_dir)
         return 0
-    _check_port_free(cfg.host, cfg.port)
     template = load_chat_template(cfg.chat_template) if cfg.chat_template is not None else None
     defaults = _sampling_defaults(cfg, model_dir)
+    sock = _bind(cfg.host, cfg.port)
+    url = _url(cfg.host, sock.getsockname()[1])
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe(duplex=True)
     followers: SpawnedRanks | None = None
     if info is None:  # spawned: ranks 1.. follow, watched for their own errors
         followers = SpawnedRanks(follower_process, cfg.ep, (cfg, model_dir), ranks=range(1, cfg.ep))
-        info = RankInfo(0, cfg.ep, 0, f"tcp://127.0.0.1:{followers.port}")
+        info = RankInfo(0, cfg.ep, 0, f"tcp://127.0.0.1:{followers.port}", launcher_store=True)
     core = ctx.Process(target=core_process, args=(info, cfg, model_dir, there), name="epmoe-core")
     core.start()
     if followers is not None:
@@ -192,7 +207,8 @@ def serve(cfg: ServeConfig) -> int:
         frontend = Frontend(here, ServerMetrics(), on_fatal)
         codec = TextCodec(model_dir, load_moe_spec(model_dir).vocab_size, template)
         app = build_app(AppContext(frontend, codec, name, model_dir, cfg.api_key, cfg.max_body_bytes, defaults))
-    except BaseException:  # a tokenizer the codec refuses, Ctrl-C: the ranks started go with it
+    except BaseException:  # a tokenizer the codec refuses, Ctrl-C: the ranks started and the socket go with it
+        sock.close()
         _release_ranks(core, followers)
         raise
 
@@ -235,8 +251,7 @@ def serve(cfg: ServeConfig) -> int:
                 if errors:
                     report = RankFailure(errors)
                     exit_code[0] = report.exit_code
-                    log.error("%s", report)
-                    frontend.fail(str(report))
+                    frontend.fail(str(report))  # logged once, by on_fatal
                 else:
                     frontend.fail("the engine core's process ended (its pipe closed)")
                 return
@@ -247,22 +262,23 @@ def serve(cfg: ServeConfig) -> int:
                 return
             if frontend.state == "ready" and not was_ready:
                 was_ready = True
-                _startup_log(cfg, model_dir, name, frontend)
+                _startup_log(cfg, model_dir, name, frontend, url)
             if frontend.state == "stopped":
                 return
             time.sleep(_WATCH_S)
 
-    server = _Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
-                                    timeout_graceful_shutdown=5),
+    server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5), url,
                      drain)
     frontend.start()
     watcher = threading.Thread(target=watch, name="epmoe-watch", daemon=True)
     watcher.start()
     try:
-        server.run()
-    except BaseException:  # uvicorn exits when it cannot bind after all (the port taken since the check)
+        server.run(sockets=[sock])
+    except BaseException:  # uvicorn exits when it cannot listen on the socket after all
         _release_ranks(core, followers)
         raise
+    finally:
+        sock.close()
     procs = [core, *(followers.procs.values() if followers is not None else ())]
     if not fatal.is_set():
         stopped = frontend.stop(timeout_s=30.0)
