@@ -101,8 +101,8 @@ def test_int4_decode_split_reduction_matches_reference(d):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, d, generator=g)
     tw = torch.rand(2, 2, generator=g)
-    # 16 row tiles: one pair group, four groups for the splits
-    cfg = replace(Int4DecodeConfig(), max_programs=16, split_max=4)
+    # 16 row tiles, 64 programs: four pair groups, which the splits share
+    cfg = replace(Int4DecodeConfig(), max_programs=64, split_max=4)
     for slots in (torch.tensor([[-1, 2], [-1, -1]]), torch.tensor([[1, -1], [-1, 1]]), torch.tensor([[0, 2], [1, -1]])):
         ref = _ref(x, slots, tw, q, act, True)
         out = int4_decode_experts(x, slots, tw, q, act, True, cfg)

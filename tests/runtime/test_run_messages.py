@@ -83,6 +83,15 @@ def test_a_bad_generation_config_is_named_with_its_file_not_taken_for_a_flag(kim
     assert "--max-new-tokens" not in err
 
 
+def test_a_generation_config_that_is_no_json_object_is_named_before_any_rank_starts(kimi, tmp_path, capsys):
+    """Without the reference too: the engine's ranks read the file (its EOS ids), so it is read once before them."""
+    bad = _copy_with(kimi, tmp_path / "ckpt")
+    (bad / "generation_config.json").write_text('{"eos_token_id": 257, ')
+    assert main(["run", "--model", str(bad), "--ep", "2", "--max-new-tokens", "2", "--no-reference"]) == 2
+    err = capsys.readouterr().err
+    assert f"'{bad / 'generation_config.json'}' cannot be read" in err and "rank" not in err, err
+
+
 @pytest.mark.multiprocess
 def test_saved_loads_feed_balance_and_survive_live_rebalancing(kimi, tmp_path):
     import json

@@ -62,7 +62,11 @@ def wait_kv_free(server, timeout_s: float = 20.0) -> None:
 
 
 def test_models_and_health(server, client):
-    # started with --port 0 (conftest): the log names the port bound, where the server answers
+    # started with --port 0 (conftest): the log names the port bound, where the server answers; the ready line is
+    # the watcher's, written within a poll after /health turned ready (bounded wait)
+    deadline = time.monotonic() + 30.0
+    while f"ready: {server.url}/v1" not in server.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
     log = server.log.read_text()
     assert server.port > 0 and f"listening on {server.url} " in log and f"ready: {server.url}/v1" in log, log
     assert httpx.get(f"{server.url}/health").json() == {"status": "ready"}

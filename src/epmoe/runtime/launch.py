@@ -340,9 +340,10 @@ class SpawnedRanks:
             self.errors.setdefault(r, RankError(r, "stopped", f"was stopped {why}"))
 
     def join(self) -> None:
-        """Wait for every rank process to end."""
+        """Wait for every rank process started to end."""
         for p in self.procs.values():
-            p.join()
+            if p.pid is not None:
+                p.join()
 
     def close(self) -> None:
         """Release the ranks for good, on every way out (a result, a failure, a server's fatal exit): kill the rank

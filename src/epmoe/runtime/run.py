@@ -26,7 +26,7 @@ from epmoe.engine.engine import trivial_or_file_placement
 from epmoe.engine.tokenizer import decode_text, encode_text, generation_config, load_tokenizer
 from epmoe.experts import describe_expert_backend
 from epmoe.layer import check_tp_sizes
-from epmoe.models.hf import hf_config
+from epmoe.models.hf import hf_config, needs_own_loader
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.placement import ExpertPlacement
 from epmoe.plan.request import counted
@@ -478,8 +478,9 @@ def _engine_config(cfg: RunConfig, model_dir: str) -> EngineConfig:
 
 def _check_before_start(cfg: RunConfig, model_dir: str, ep: int,
                         all_ids: list[list[int]]) -> ExpertPlacement | None:
-    """Everything that can be checked before any rank starts: the engine options, the weights, the KV pool
-    when its size is given, and the placement (``None`` in tp: the sizes the group must divide instead)."""
+    """Everything that can be checked before any rank starts: the engine options, the weights, whether
+    ``generation_config.json`` is a JSON object, the KV pool when its size is given, and the placement (``None`` in
+    tp: the sizes the group must divide instead)."""
     if cfg.dispatcher == "local" and ep != 1:
         raise ValueError(f"--dispatcher local serves EP size 1 only; EP size is {ep}: use all_to_all")
     engine_cfg = _engine_config(cfg, model_dir)
@@ -490,6 +491,7 @@ def _check_before_start(cfg: RunConfig, model_dir: str, ep: int,
             CheckpointReader(model_dir)
         except FileNotFoundError as exc:
             raise ValueError(f"--model: {exc} (--load-format dummy runs a config.json alone)") from None
+    generation_config(model_dir)  # not a JSON object: named here, whether or not the reference runs
     if cfg.num_kv_blocks is not None:
         pool = (cfg.num_kv_blocks - 1) * cfg.block_size
         longest = max(len(ids) for ids in all_ids) + cfg.max_new_tokens - 1
@@ -521,7 +523,7 @@ def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids
     from rich.progress import Progress
     from transformers import AutoModelForCausalLM
 
-    from epmoe.models.hf import load_full_model, needs_own_loader
+    from epmoe.models.hf import load_full_model
 
     device = "cuda" if cfg.device == "cuda" else "cpu"
     dtype = _DTYPES[dtype_name]
@@ -588,7 +590,7 @@ def run_job(cfg: RunConfig) -> RunReport:
     spec = load_moe_spec(model_dir)
     hf_config(model_dir)  # transformers' own checks of config.json, before the tokenizer (which reads it too) fails
     reference = cfg.reference and cfg.temperature == 0 and cfg.load_format != "dummy"
-    if reference:
+    if reference and not needs_own_loader(model_dir):  # from_pretrained reads the file; our own loader does not
         _check_generation_config(model_dir)
     prompts = list(cfg.prompts) or list(DEFAULT_PROMPTS)
     all_ids, tok = _encode(model_dir, prompts)

@@ -91,7 +91,8 @@ class _Server(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
-        log.info("listening on %s (/health answers 503 until the engine is loaded)", self._url)
+        if self.started:  # uvicorn returns without listening when the app's startup fails
+            log.info("listening on %s (/health answers 503 until the engine is loaded)", self._url)
 
     def handle_exit(self, sig, frame) -> None:
         if self._draining:
@@ -141,12 +142,14 @@ def _sampling_defaults(cfg: ServeConfig, model_dir: str) -> dict[str, float | in
     return defaults
 
 
-def _release_ranks(core: BaseProcess, followers: SpawnedRanks | None) -> None:
-    """Kill what is left of the rank processes, join them and close the followers' report queue (whose locks are
-    named semaphores: the resource tracker reports them as leaked at ``os._exit`` unless released)."""
-    if core.is_alive():
-        core.kill()
-    core.join()
+def _release_ranks(core: BaseProcess | None, followers: SpawnedRanks | None) -> None:
+    """Kill what is left of the rank processes (those started), join them and close the followers' report queue
+    (whose locks are named semaphores: the resource tracker reports them as leaked at ``os._exit`` unless
+    released) and their rendezvous store."""
+    if core is not None and core.pid is not None:
+        if core.is_alive():
+            core.kill()
+        core.join()
     if followers is not None:
         followers.close()
 
@@ -181,14 +184,7 @@ def serve(cfg: ServeConfig) -> int:
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe(duplex=True)
     followers: SpawnedRanks | None = None
-    if info is None:  # spawned: ranks 1.. follow, watched for their own errors
-        followers = SpawnedRanks(follower_process, cfg.ep, (cfg, model_dir), ranks=range(1, cfg.ep))
-        info = RankInfo(0, cfg.ep, 0, f"tcp://127.0.0.1:{followers.port}", launcher_store=True)
-    core = ctx.Process(target=core_process, args=(info, cfg, model_dir, there), name="epmoe-core")
-    core.start()
-    if followers is not None:
-        followers.start()
-    there.close()  # the core holds its end now: the pipe closes when the core's process ends
+    core: BaseProcess | None = None
     name = cfg.served_model_name or os.path.basename(os.path.normpath(model_dir))
     fatal = threading.Event()
     exit_code = [1]  # of a fatal error: the rank failure's, once the ranks have reported
@@ -204,6 +200,14 @@ def serve(cfg: ServeConfig) -> int:
         timer.start()
 
     try:
+        if info is None:  # spawned: ranks 1.. follow, watched for their own errors
+            followers = SpawnedRanks(follower_process, cfg.ep, (cfg, model_dir), ranks=range(1, cfg.ep))
+            info = RankInfo(0, cfg.ep, 0, f"tcp://127.0.0.1:{followers.port}", launcher_store=True)
+        core = ctx.Process(target=core_process, args=(info, cfg, model_dir, there), name="epmoe-core")
+        core.start()
+        if followers is not None:
+            followers.start()
+        there.close()  # the core holds its end now: the pipe closes when the core's process ends
         frontend = Frontend(here, ServerMetrics(), on_fatal)
         codec = TextCodec(model_dir, load_moe_spec(model_dir).vocab_size, template)
         app = build_app(AppContext(frontend, codec, name, model_dir, cfg.api_key, cfg.max_body_bytes, defaults))

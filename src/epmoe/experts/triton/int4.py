@@ -146,10 +146,12 @@ class Int4DecodeConfig:
         stages: word tiles of a program in registers, 2 or 3: the words of step ``k + stages - 1`` are requested
             before step ``k``'s are widened (3: twice the bytes in flight, for one active expert spread thin).
         split_max: a gate/up program's reduction over ``D`` may be split up to this many ways (a power of two) when
-            few pairs are live: the launch has at least ``split_max`` pair groups, and with ``L`` live pairs each
-            gets ``split`` of them, the largest power of two up to ``split_max`` with ``L * split`` within the
-            groups (chosen on the device), each computing a whole-step range of ``D``; the last of a tile's splits
-            to arrive sums the partials in split order (bitwise reproducible) and finishes the tile. 1: never.
+            few pairs are live: the launch has at least ``split_max`` pair groups (fewer where ``max_programs``
+            does not allow them), and with ``L`` live pairs each gets ``split`` of them, the largest power of two
+            up to ``split_max`` with ``L * split`` within the groups (chosen on the device), each computing a
+            whole-step range of ``D``; the last of a tile's splits to arrive sums the partials in split order and
+            finishes the tile. 1: never. The same routing gives the same bits; a pair's sums are split, and so
+            rounded, by how many pairs are live with it (as the MMA path's split reduction is).
             The default 2 was the fastest of 1, 2, 4 and 8 for one live pair of Kimi-K2.5's experts on the H200
             (a one-off probe): the kernels hold about 240 registers a thread, so an SM holds 8 one-warp programs,
             and 4 splits of one pair's 512 row tiles already need two waves.
@@ -584,17 +586,19 @@ def int4_decode_experts(
     y = torch.empty(n, d, dtype=torch.float32, device=dev)
     out = torch.empty(t, d, dtype=x.dtype, device=dev)
     tiles1, pair_groups = pair_grid(triton.cdiv(f, cfg.block_n1), n, cfg.max_programs)
-    # at least split_max groups: with few live pairs each gets several, which split its reduction over D
-    groups1 = max(pair_groups, cfg.split_max) if n > 0 else pair_groups
-    split_log2 = (cfg.split_max.bit_length() - 1) if groups1 > 1 else 0
+    # at least split groups (a power of two up to split_max, within max_programs): with few live pairs each gets
+    # several, which split its reduction over D
+    split_cap = 1 << (min(cfg.split_max, max(1, cfg.max_programs // tiles1)).bit_length() - 1)
+    groups1 = max(pair_groups, split_cap) if n > 0 else pair_groups
+    split_log2 = (split_cap.bit_length() - 1) if groups1 > 1 else 0
     grid2 = pair_grid(triton.cdiv(d, cfg.block_n2), n, cfg.max_programs)
     count = torch.empty(grid2[0], dtype=torch.int32, device=dev)
     n_pad = triton.next_power_of_2(max(n, 1))
     placeholder = topk_weights
-    if split_log2:  # at most groups1 / 2 live pairs split, one counter and cfg.split_max partials a (pair, tile)
+    if split_log2:  # at most groups1 / 2 live pairs split, one counter and split_cap partials a (pair, tile)
         split_tiles = groups1 // 2 * tiles1
         split_count = torch.empty(split_tiles, dtype=torch.int32, device=dev)
-        split_ws = torch.empty(split_tiles * cfg.split_max * 2 * cfg.block_n1, dtype=torch.float32, device=dev)
+        split_ws = torch.empty(split_tiles * split_cap * 2 * cfg.block_n1, dtype=torch.float32, device=dev)
     else:
         split_count, split_ws = count, placeholder
     b13 = weights.b13 if weights.b13 is not None else placeholder
