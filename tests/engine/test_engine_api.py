@@ -315,6 +315,10 @@ def test_eos_ids_of_generation_config_stop_generation(model_dir, reference, tmp_
         with pytest.raises(ValueError, match=r"generation_config.json': eos_token_id must be a token id \(an integer "
                                              r">= 0\) or a list of them, got"):
             Engine(config(str(d)))
+    (d / "generation_config.json").write_text('{"eos_token_id": [5, 259]}')  # the tiny vocabulary: 259 tokens
+    with pytest.raises(ValueError, match=r"generation_config.json': eos_token_id 259 is outside the model's "
+                                         r"vocabulary \[0, 259\) \(got \[5, 259\]\)"):
+        Engine(config(str(d)))
 
 
 def test_a_failed_step_leaves_the_engine_serving(model_dir, reference, monkeypatch):

@@ -204,7 +204,7 @@ class Engine:
         if self.device.type == "cuda":
             fuse_norms(self.ep_model.model)
         self.tokenizer = load_tokenizer(config.model)
-        self.eos_ids = eos_token_ids(config.model, self.tokenizer, config.generation_config)
+        self.eos_ids = eos_token_ids(config.model, self.tokenizer, config.generation_config, self.spec.vocab_size)
         self.vocab_size = self.spec.vocab_size
         self.num_spec_tokens = config.num_speculative_tokens
         self.spec_stats = SpecStats()

@@ -80,14 +80,16 @@ def generation_config(model_dir: str) -> dict:
     return raw
 
 
-def eos_token_ids(model_dir: str, tokenizer, generation_dir: str | None = None) -> frozenset[int]:
+def eos_token_ids(model_dir: str, tokenizer, generation_dir: str | None = None,
+                  vocab_size: int | None = None) -> frozenset[int]:
     """The end-of-sequence token ids of the checkpoint: its config's ``eos_token_id`` (one or a list), its
     ``generation_config.json``'s (Qwen3 stops on ``<|im_end|>`` and ``<|endoftext|>`` there, as vLLM reads it; that
     of ``generation_dir`` instead when given) and the tokenizer's.
 
     Raises:
         ValueError: an unreadable ``generation_config.json`` (``generation_config``), or an ``eos_token_id`` there
-            or in ``config.json`` that is not a token id or a list of them (the file and the value named).
+            or in ``config.json`` that is not a token id or a list of them, or (given ``vocab_size``) outside the
+            vocabulary (the file and the value named).
     """
     raw = language_model_config(read_config(model_dir)[0])
     ids: set[int] = set()
@@ -99,6 +101,10 @@ def eos_token_ids(model_dir: str, tokenizer, generation_dir: str | None = None) 
         if bad:
             raise ValueError(f"{str(path)!r}: eos_token_id must be a token id (an integer >= 0) or a list of them, "
                              f"got {source!r}")
+        outside = [v for v in values if vocab_size is not None and v >= vocab_size]
+        if outside:
+            raise ValueError(f"{str(path)!r}: eos_token_id {outside[0]} is outside the model's vocabulary "
+                             f"[0, {vocab_size}) (got {source!r})")
         ids.update(values)
     tok = getattr(tokenizer, "eos_token_id", None)
     if isinstance(tok, int) and tok >= 0:

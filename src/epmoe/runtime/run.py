@@ -650,7 +650,7 @@ def run_job(cfg: RunConfig) -> RunReport:
     if reference:
         from epmoe.engine.tokenizer import eos_token_ids
 
-        eos = sorted(eos_token_ids(model_dir, tok))
+        eos = sorted(eos_token_ids(model_dir, tok, vocab_size=spec.vocab_size))
         ref_tokens = _reference(cfg, model_dir, all_ids, eos, cfg.dtype)
         differ = [i for i in range(len(prompts)) if tokens[i] != ref_tokens[i]]
         ref32: dict[int, list[int]] = {}
