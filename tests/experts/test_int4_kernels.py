@@ -87,6 +87,24 @@ def test_int4_decode_default_tiles_match_reference(d):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("scale", [2.0**-20, 2.0**20])
+def test_int4_decode_keeps_precision_over_the_activation_range(scale):
+    from epmoe.experts.triton.int4 import int4_decode_experts
+
+    # the nibbles are read as float32 subnormals against inputs pre-scaled by 2 ** (69 - p): activations (and the
+    # intermediate h, about their square) far from 1 keep float32 precision, and the offset 8 comes off exactly
+    s, d, f, act = 3, 1024, 64, Activation()
+    q = _int4(5, s, d, f, False, 32, torch.float32)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, d, generator=g) * scale
+    slots = torch.tensor([[2, 0], [1, 2]])
+    tw = torch.rand(2, 2, generator=g)
+    out = int4_decode_experts(x, slots, tw, q, act, False)
+    assert out.abs().max() > 0 and torch.isfinite(out).all()
+    assert _rel(out, _ref(x, slots, tw, q, act, False)) < 1e-5
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("d", [1024, 1536])
 def test_int4_decode_split_reduction_matches_reference(d):
     from dataclasses import replace

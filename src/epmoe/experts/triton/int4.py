@@ -19,20 +19,23 @@ Layout. Every thread owns whole int32 words, never a part of one: a program's we
 ``BLOCK_N`` gate rows and the same ``BLOCK_N`` up rows (``R = 2 BLOCK_N``), the down kernel's its ``BLOCK_N``
 rows. The vector ``v`` (``x`` or ``h``) is read from a de-interleaved, pre-scaled float32 copy ``vt``: within each
 group of ``G`` inputs, input ``j`` of the group's ``GW`` words is stored contiguously (``vt[(n // G) * G + (n % 8) *
-GW + (n // 8) % GW] = v[n] * 2 ** (23 - p_j)``, ``j = n % 8``), so a thread reads the eight inputs of its words as
+GW + (n // 8) % GW] = v[n] * 2 ** (69 - p_j)``, ``j = n % 8``), so a thread reads the eight inputs of its words as
 eight 16-byte loads at constant offsets from one address. The input tile is ``[BLOCK_KW / GW, 1, GW]``, broadcast
 over the rows, so a step reads its inputs once whatever the rows (an earlier tile of the rows' shape read them once
 per row); depending on the tile shape Triton loads it in the word tile's own layout or in another, moved to it once
 a step.
 
-Nibble ``j`` is widened without a shift or an integer-to-float conversion: with the exponent bits of 1.0 set in
-the word once (``w | E``, ``E = 0x3F800000``), ``(w | E) & ((0xF << p_j) | E)`` read as float32 is ``1 + nib *
-2 ** (p_j - 23)``; subtracting ``1 + 8 * 2 ** (p_j - 23)`` is exact (Sterbenz) and leaves ``(nib - 8) *
-2 ** (p_j - 23)``, whose product with the pre-scaled input is ``(nib - 8) * v[n]``, exact up to the product's
-rounding. ``p_j = 4 j`` for ``j <= 4``; the top three nibbles are taken from ``w >> 12`` (one shift a word) at
-``p_j = 4 j - 12``. So a nibble costs one AND, one subtraction and one multiply-add, all in the thread's
-registers. The products of a group's words are summed in the thread, multiplied by the group's scale and
-accumulated per ``[group, row]``; the groups are reduced across threads once per pair, after the last step.
+Nibble ``j`` is widened without a shift or an integer-to-float conversion: the word masked to it, ``w & (0xF <<
+p_j)``, read as float32 is a subnormal number, ``nib * 2 ** (p_j - 149)`` exactly (the mantissa bits hold the
+nibble; the kernels' PTX keeps subnormals: no ``.ftz``), whose product with the pre-scaled input is ``nib * v[n] *
+2 ** -80``, exact up to the product's rounding. ``p_j = 4 j`` for ``j <= 4``; the top three nibbles are taken from
+``w >> 12`` (one shift a word) at ``p_j = 4 j - 12``, all within the 23 mantissa bits. So a nibble costs one AND and
+one multiply-add, in the thread's registers. The products of a group's words are summed in the thread; the
+nibbles' offset 8 is taken off once per group and row as ``8 * 2 ** -80 * sum(v)`` over the group's inputs (the
+same for every row, from the inputs the thread holds), then the group's scale multiplies and the sum accumulates
+per ``[group, row]``; the groups are reduced across threads once per pair, after the last step, and ``2 ** 80``
+undone. The scale ``2 ** (69 - p_j)`` keeps a pre-scaled input finite for ``|v| < 2 ** 59`` and a product normal
+(full precision) for ``|v| >= 2 ** -46``.
 
 1. ``_deinterleave_kernel``, grid ``(T, cdiv(D / 8, BLOCK_W))``: ``x [T, D]`` -> ``xt [T, D]`` float32 as above;
    program ``(0, 0)`` zeroes the gate/up launch's split counters.
@@ -68,10 +71,10 @@ path computes as the bf16 one does, plus the widening (kept beside the fused pat
 
 Source: the packed format is compressed-tensors' ``pack-quantized`` (see ``experts.int4``); splitting the
 widening from the GEMM for large batches is what vLLM's compressed-tensors MoE does where no fused W4A16 GEMM
-applies; widening a nibble by OR-ing it into the mantissa of a float constant and subtracting that constant
-is the trick of the W4A16 GPU kernels (FasterTransformer, Marlin: Frantar et al., "MARLIN: Mixed-Precision
-Auto-Regressive Parallel Inference on Large Language Models", 2024), here in float32 with the nibble left in
-place. The code is our own.
+applies; widening a nibble by reading its bits as a float's mantissa is the trick of the W4A16 GPU kernels
+(FasterTransformer, Marlin: Frantar et al., "MARLIN: Mixed-Precision Auto-Regressive Parallel Inference on Large
+Language Models", 2024; there OR-ed into the mantissa of a float constant that is then subtracted), here as a
+float32 subnormal with the nibble left in place. The code is our own.
 """
 
 from __future__ import annotations
@@ -170,18 +173,9 @@ class Int4DecodeConfig:
 
 @triton.jit
 def _nibble_scale(j):
-    """``2 ** (23 - p_j)`` float32 for input ``j`` (int32 tensor, 0..7) of a word (see the module docstring)."""
+    """``2 ** (69 - p_j)`` float32 for input ``j`` (int32 tensor, 0..7) of a word (see the module docstring)."""
     pos = tl.where(j < 5, 4 * j, 4 * j - 12)
-    return ((150 - pos) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _nib(words, MASK: tl.constexpr, BIAS: tl.constexpr, vj):
-    """``(nib - 8) * v`` for the nibble under ``MASK`` (``BIAS = 1 + 8 * 2 ** (p - 23)``) of ``words [NG, R, GW]``
-    int32 whose exponent bits are already set (``| bits(1.0)``), and the pre-scaled inputs ``vj [NG, 1, GW]`` float32
-    (broadcast over the rows): one AND a nibble (``(w | E) & (M | E) == (w & M) | E``)."""
-    f = (words & (MASK | 0x3F800000)).to(tl.float32, bitcast=True)
-    return (f - BIAS) * vj
+    return ((196 - pos) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -214,19 +208,22 @@ def _input_offsets(n, GW: tl.constexpr):
 
 @triton.jit
 def _group_dots(w, v):
-    """Per group and row, ``sum`` over the group's inputs of ``(nib - 8) * v``: ``w [NG, R, GW]`` int32 words, ``v``
-    their eight input tiles (``_load_inputs``); ``[NG, R]`` float32."""
-    hi = (w >> 12) | 0x3F800000
-    w = w | 0x3F800000
-    acc = _nib(w, 0xF, 1.00000095367431640625, v[0])
-    acc += _nib(w, 0xF0, 1.0000152587890625, v[1])
-    acc += _nib(w, 0xF00, 1.000244140625, v[2])
-    acc += _nib(w, 0xF000, 1.00390625, v[3])
-    acc += _nib(w, 0xF0000, 1.0625, v[4])
-    acc += _nib(hi, 0xF00, 1.000244140625, v[5])
-    acc += _nib(hi, 0xF000, 1.00390625, v[6])
-    acc += _nib(hi, 0xF0000, 1.0625, v[7])
-    return tl.sum(acc, axis=2)
+    """Per group and row, ``2 ** -80 * sum`` over the group's inputs of ``(nib - 8) * v``: ``w [NG, R, GW]`` int32
+    words, ``v`` their eight input tiles (``_load_inputs``); ``[NG, R]`` float32 (see the module docstring)."""
+    hi = w >> 12
+    acc = (w & 0xF).to(tl.float32, bitcast=True) * v[0]
+    acc += (w & 0xF0).to(tl.float32, bitcast=True) * v[1]
+    acc += (w & 0xF00).to(tl.float32, bitcast=True) * v[2]
+    acc += (w & 0xF000).to(tl.float32, bitcast=True) * v[3]
+    acc += (w & 0xF0000).to(tl.float32, bitcast=True) * v[4]
+    acc += (hi & 0xF00).to(tl.float32, bitcast=True) * v[5]
+    acc += (hi & 0xF000).to(tl.float32, bitcast=True) * v[6]
+    acc += (hi & 0xF0000).to(tl.float32, bitcast=True) * v[7]
+    # the nibbles' offset: 8 * 2 ** -80 * sum(v) = 2 ** -77 * sum_j 2 ** (p_j - 69) * v_j, the same for every row
+    s = (v[0] * 1.6940658945086007e-21 + v[1] * 2.710505431213761e-20 + v[2] * 4.336808689942018e-19
+         + v[3] * 6.938893903907228e-18 + v[4] * 1.1102230246251565e-16 + v[5] * 4.336808689942018e-19
+         + v[6] * 6.938893903907228e-18 + v[7] * 1.1102230246251565e-16)
+    return tl.sum(acc, axis=2) - tl.sum(s, axis=2) * 6.617444900424222e-24
 
 
 @triton.jit
@@ -319,7 +316,8 @@ def _gate_up_sums(
         w_ptrs += BLOCK_KW
         s_ptrs += NG
         v_ptrs += 8 * BLOCK_KW
-    return tl.split(tl.permute(tl.reshape(tl.sum(acc, axis=0), [2, BLOCK_N]), [1, 0]))
+    sums = tl.sum(acc, axis=0) * 1.2089258196146292e+24  # 2 ** 80: _group_dots' scale undone
+    return tl.split(tl.permute(tl.reshape(sums, [2, BLOCK_N]), [1, 0]))
 
 
 @triton.jit
@@ -477,7 +475,7 @@ def _down_pair(
         v_ptrs += 8 * BLOCK_KW
     if PREFETCH:
         w, w1 = _first_tiles(w_ptr + next_slot * stride_we + w_rows, first & more, second & more, BLOCK_KW, STAGES)
-    y = tl.sum(acc, axis=0)
+    y = tl.sum(acc, axis=0) * 1.2089258196146292e+24  # 2 ** 80: _group_dots' scale undone
     if HAS_BIAS:
         b = tl.load(b_ptr + slot * D + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         if not WEIGHT_ON_INPUT:
