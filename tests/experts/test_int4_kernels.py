@@ -105,6 +105,26 @@ def test_int4_decode_keeps_precision_over_the_activation_range(scale):
 
 
 @pytest.mark.interpret
+def test_int4_decode_bf16_inputs():
+    from dataclasses import replace
+
+    from epmoe.experts.triton.int4 import Int4DecodeConfig, int4_decode_experts
+
+    # bf16 rows: the de-interleaved inputs and h are kept in bf16 (h rounded as the model's MLP rounds it), or in
+    # float32 with bf16_inputs off; both within bf16's error of the float64 reference
+    s, d, f, act = 3, 1024, 64, Activation()
+    q = _int4(5, s, d, f, False, 32, torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, d, generator=g).bfloat16()
+    slots = torch.tensor([[2, 0], [1, 2]])
+    tw = torch.rand(2, 2, generator=g)
+    ref = _ref(x, slots, tw, q, act, False)
+    narrow = int4_decode_experts(x, slots, tw, q, act, False)
+    wide = int4_decode_experts(x, slots, tw, q, act, False, replace(Int4DecodeConfig(), bf16_inputs=False))
+    assert narrow.dtype == torch.bfloat16 and _rel(narrow, ref) < 1e-2 and _rel(wide, ref) < 1e-2
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("d", [1024, 1536])
 def test_int4_decode_split_reduction_matches_reference(d):
     from dataclasses import replace

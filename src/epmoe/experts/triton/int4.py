@@ -17,10 +17,11 @@ Layout. Every thread owns whole int32 words, never a part of one: a program's we
 ``[BLOCK_KW / GW, R, GW]`` words (groups of ``G`` inputs, ``R`` rows, the ``GW = G / 8`` words of a group), the
 ``GW`` words of a group in one thread (one 16-byte load for ``G = 32``); the gate/up kernel's tile holds its
 ``BLOCK_N`` gate rows and the same ``BLOCK_N`` up rows (``R = 2 BLOCK_N``), the down kernel's its ``BLOCK_N``
-rows. The vector ``v`` (``x`` or ``h``) is read from a de-interleaved, pre-scaled float32 copy ``vt``: within each
-group of ``G`` inputs, input ``j`` of the group's ``GW`` words is stored contiguously (``vt[(n // G) * G + (n % 8) *
-GW + (n // 8) % GW] = v[n] * 2 ** (69 - p_j)``, ``j = n % 8``), so a thread reads the eight inputs of its words as
-eight 16-byte loads at constant offsets from one address. The input tile is ``[BLOCK_KW / GW, 1, GW]``, broadcast
+rows. The vector ``v`` (``x`` or ``h``) is read from a de-interleaved, pre-scaled copy ``vt`` (bf16 for bf16 rows,
+``Int4DecodeConfig.bf16_inputs``; float32 otherwise): within each group of ``G`` inputs, input ``j`` of the
+group's ``GW`` words is stored contiguously (``vt[(n // G) * G + (n % 8) * GW + (n // 8) % GW] = v[n] * 2 ** (69 -
+p_j)``, ``j = n % 8``), so a thread reads the eight inputs of its words as eight vector loads at constant offsets
+from one address. The input tile is ``[BLOCK_KW / GW, 1, GW]``, broadcast
 over the rows, so a step reads its inputs once whatever the rows (an earlier tile of the rows' shape read them once
 per row); depending on the tile shape Triton loads it in the word tile's own layout or in another, moved to it once
 a step.
@@ -37,12 +38,12 @@ per ``[group, row]``; the groups are reduced across threads once per pair, after
 undone. The scale ``2 ** (69 - p_j)`` keeps a pre-scaled input finite for ``|v| < 2 ** 59`` and a product normal
 (full precision) for ``|v| >= 2 ** -46``.
 
-1. ``_deinterleave_kernel``, grid ``(T, cdiv(D / 8, BLOCK_W))``: ``x [T, D]`` -> ``xt [T, D]`` float32 as above;
+1. ``_deinterleave_kernel``, grid ``(T, cdiv(D / 8, BLOCK_W))``: ``x [T, D]`` -> ``xt [T, D]`` as above;
    program ``(0, 0)`` zeroes the gate/up launch's split counters.
 2. ``_decode_gate_up_kernel``, grid ``(cdiv(F, BLOCK_N1), groups)``: for each of its live pairs, program
    ``(j, g)`` reads ``BLOCK_N1`` gate and ``BLOCK_N1`` up rows of the pair's expert, ``BLOCK_KW1`` words a step
    (the next step's words requested before this step's are widened; the input tiles shared by gate and up),
-   applies bias, routing weight and the gated activation and writes ``h [N, F]`` float32 in the layout of
+   applies bias, routing weight and the gated activation and writes ``h [N, F]`` (``xt``'s dtype) in the layout of
    ``xt``, for the down kernel. Program ``(0, 0)`` zeroes the down kernel's arrival counters. With few live
    pairs (``Int4DecodeConfig.split_max``) the groups split each pair's reduction over ``D`` instead: each
    split stores its partial sums and takes a ticket from its tile's counter, and the last sums the partials in
@@ -158,6 +159,9 @@ class Int4DecodeConfig:
             The default 2 was the fastest of 1, 2, 4 and 8 for one live pair of Kimi-K2.5's experts on the H200
             (a one-off probe): the kernels hold about 240 registers a thread, so an SM holds 8 one-warp programs,
             and 4 splits of one pair's 512 row tiles already need two waves.
+        bf16_inputs: with bf16 rows, keep the de-interleaved inputs ``xt`` and the intermediate ``h`` in bf16 (the
+            pre-scaling by a power of two is exact; ``h`` is rounded to bf16 as the model's own MLP rounds it): a
+            thread then reads half as many input bytes beside its words. Other dtypes keep float32.
     """
 
     block_n1: int = 4
@@ -169,6 +173,7 @@ class Int4DecodeConfig:
     max_programs: int = 1024
     stages: int = 2
     split_max: int = 2
+    bf16_inputs: bool = True
 
 
 @triton.jit
@@ -183,13 +188,19 @@ def _load_inputs(v_ptrs, v_ok, GW: tl.constexpr, EVEN: tl.constexpr):
     """The eight pre-scaled input tiles ``[NG, 1, GW]`` float32 of a step, ``v_ptrs`` at input 0 of each
     group's words, input ``j`` at ``+ j * GW`` (see ``_input_offsets``); unmasked when ``EVEN``."""
     if EVEN:
-        return (tl.load(v_ptrs), tl.load(v_ptrs + GW), tl.load(v_ptrs + 2 * GW), tl.load(v_ptrs + 3 * GW),
-                tl.load(v_ptrs + 4 * GW), tl.load(v_ptrs + 5 * GW), tl.load(v_ptrs + 6 * GW), tl.load(v_ptrs + 7 * GW))
+        return (tl.load(v_ptrs).to(tl.float32), tl.load(v_ptrs + GW).to(tl.float32),
+                tl.load(v_ptrs + 2 * GW).to(tl.float32), tl.load(v_ptrs + 3 * GW).to(tl.float32),
+                tl.load(v_ptrs + 4 * GW).to(tl.float32), tl.load(v_ptrs + 5 * GW).to(tl.float32),
+                tl.load(v_ptrs + 6 * GW).to(tl.float32), tl.load(v_ptrs + 7 * GW).to(tl.float32))
     else:
-        return (tl.load(v_ptrs, mask=v_ok, other=0.0), tl.load(v_ptrs + GW, mask=v_ok, other=0.0),
-                tl.load(v_ptrs + 2 * GW, mask=v_ok, other=0.0), tl.load(v_ptrs + 3 * GW, mask=v_ok, other=0.0),
-                tl.load(v_ptrs + 4 * GW, mask=v_ok, other=0.0), tl.load(v_ptrs + 5 * GW, mask=v_ok, other=0.0),
-                tl.load(v_ptrs + 6 * GW, mask=v_ok, other=0.0), tl.load(v_ptrs + 7 * GW, mask=v_ok, other=0.0))
+        return (tl.load(v_ptrs, mask=v_ok, other=0.0).to(tl.float32),
+                tl.load(v_ptrs + GW, mask=v_ok, other=0.0).to(tl.float32),
+                tl.load(v_ptrs + 2 * GW, mask=v_ok, other=0.0).to(tl.float32),
+                tl.load(v_ptrs + 3 * GW, mask=v_ok, other=0.0).to(tl.float32),
+                tl.load(v_ptrs + 4 * GW, mask=v_ok, other=0.0).to(tl.float32),
+                tl.load(v_ptrs + 5 * GW, mask=v_ok, other=0.0).to(tl.float32),
+                tl.load(v_ptrs + 6 * GW, mask=v_ok, other=0.0).to(tl.float32),
+                tl.load(v_ptrs + 7 * GW, mask=v_ok, other=0.0).to(tl.float32))
 
 
 @triton.jit
@@ -271,7 +282,7 @@ def _deinterleave_kernel(x_ptr, xt_ptr, count_ptr, num_counters, DW, stride_x, G
     ok = (offs_w < DW)[:, None]
     v = tl.load(x_ptr + t * stride_x + offs_w[:, None] * 8 + offs_j[None, :], mask=ok, other=0.0).to(tl.float32)
     dest = _input_offsets(offs_w[:, None] * 8 + offs_j[None, :], GW)
-    tl.store(xt_ptr + t * 8 * DW + dest, v * _nibble_scale(offs_j)[None, :], mask=ok)
+    tl.store(xt_ptr + t * 8 * DW + dest, (v * _nibble_scale(offs_j)[None, :]).to(xt_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -338,7 +349,8 @@ def _gate_up_finish(
     h = gated_activation(gs, us, act_limit, act_alpha, ACT)
     if not WEIGHT_ON_INPUT:
         h *= tw
-    tl.store(h_ptr + pair * F + _input_offsets(offs_n, GW), h * _nibble_scale(offs_n % 8), mask=n_ok)
+    tl.store(h_ptr + pair * F + _input_offsets(offs_n, GW), (h * _nibble_scale(offs_n % 8)).to(h_ptr.dtype.element_ty),
+             mask=n_ok)
 
 
 @triton.jit
@@ -579,8 +591,9 @@ def int4_decode_experts(
     w13, s13, w2, s2 = weights.w13_packed, weights.w13_scale, weights.w2_packed, weights.w2_scale
     dev = x.device
     dw = d // INT4_PACK
-    xt = torch.empty(t, d, dtype=torch.float32, device=dev)
-    h = torch.empty(n, f, dtype=torch.float32, device=dev)
+    vdt = torch.bfloat16 if cfg.bf16_inputs and x.dtype == torch.bfloat16 else torch.float32
+    xt = torch.empty(t, d, dtype=vdt, device=dev)
+    h = torch.empty(n, f, dtype=vdt, device=dev)
     y = torch.empty(n, d, dtype=torch.float32, device=dev)
     out = torch.empty(t, d, dtype=x.dtype, device=dev)
     tiles1, pair_groups = pair_grid(triton.cdiv(f, cfg.block_n1), n, cfg.max_programs)
