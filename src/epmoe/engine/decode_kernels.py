@@ -41,8 +41,9 @@ def paged_decode_kernel(
     if HAS_CHUNK:
         lo = tl.maximum(lo, ((tl.maximum(ctx, 1) - 1) // chunk) * chunk)
     lo, hi = split_span(lo, ctx, split, SPLITS, BLOCK_N)
+    live = hi > lo  # an empty split (a context shorter than the splits cover) stores its max and sum only
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_dk[None, :],
-                mask=row_ok[:, None] & dk_ok[None, :], other=0.0)
+                mask=row_ok[:, None] & dk_ok[None, :] & live, other=0.0)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
@@ -65,8 +66,8 @@ def paged_decode_kernel(
         alpha = tl.exp2(m_i - m_fin)
         l_i = l_i * alpha + tl.exp2(sink - m_fin)
         acc = acc * alpha[:, None]
-    store_split(acc, m_i, l_i, ctx, b, heads, row_ok, offs_dv, dv_ok, out_ptr, ws_ptr, stride_ob, stride_oh, B, H, DV,
-                ml_off, split, SPLITS)
+    store_split(acc, m_i, l_i, ctx, live, b, heads, row_ok, offs_dv, dv_ok, out_ptr, ws_ptr, stride_ob, stride_oh, B,
+                H, DV, ml_off, split, SPLITS)
 
 
 @triton.jit
@@ -107,12 +108,14 @@ def softmax_accumulate(s, ok, qk_scale, v, m_i, l_i, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def store_split(acc, m_i, l_i, ctx, b, heads, row_ok, offs_dv, dv_ok, out_ptr, ws_ptr, stride_ob, stride_oh, B, H, DV,
-                ml_off, split, SPLITS: tl.constexpr):
+def store_split(acc, m_i, l_i, ctx, live, b, heads, row_ok, offs_dv, dv_ok, out_ptr, ws_ptr, stride_ob, stride_oh, B,
+                H, DV, ml_off, split, SPLITS: tl.constexpr):
     """A decode program's result for its heads ``heads`` of row ``b``: with one split the normalised output (zeros
     for a padding row, ``ctx`` 0) into ``out``; with ``SPLITS`` splits its unnormalised accumulator, running max and
     sum into the workspace, for ``paged_decode_reduce_kernel`` (layout: acc ``[B, H, S, DV]``, then m ``[B, H, S]``,
-    then l ``[B, H, S]``; an empty split leaves m = -inf, l = 0, acc = 0). Shared with the MLA decode kernel."""
+    then l ``[B, H, S]``). An empty split (``live`` false: no position in its span) stores m = -inf and l = 0 and
+    leaves its accumulator unwritten: the reduce reads the accumulators of splits with a finite m only. Shared with
+    the MLA decode kernel."""
     if SPLITS == 1:
         res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         res = tl.where(ctx > 0, res, 0.0)
@@ -120,7 +123,7 @@ def store_split(acc, m_i, l_i, ctx, b, heads, row_ok, offs_dv, dv_ok, out_ptr, w
                  res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
     else:
         r = (b.to(tl.int64) * H + heads) * SPLITS + split
-        tl.store(ws_ptr + r[:, None] * DV + offs_dv[None, :], acc, mask=row_ok[:, None] & dv_ok[None, :])
+        tl.store(ws_ptr + r[:, None] * DV + offs_dv[None, :], acc, mask=row_ok[:, None] & dv_ok[None, :] & live)
         tl.store(ws_ptr + ml_off + r, m_i, mask=row_ok)
         tl.store(ws_ptr + ml_off + B * H * SPLITS + r, l_i, mask=row_ok)
 
@@ -149,7 +152,9 @@ def paged_decode_reduce_kernel(
     denom = tl.sum(lsum * w, 0)
     if HAS_SINKS:
         denom += tl.exp2(sink - m_fin)
-    acc = tl.load(ws_ptr + r[:, None] * DV + offs_dv[None, :], mask=dv_ok[None, :], other=0.0)
+    # an empty split's accumulator was never written (``store_split``): its weight is 0, its rows are not read
+    acc = tl.load(ws_ptr + r[:, None] * DV + offs_dv[None, :], mask=dv_ok[None, :] & (m > float("-inf"))[:, None],
+                  other=0.0)
     res = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
     ctx = tl.load(ctx_ptr + b)
     res = tl.where(ctx > 0, res, 0.0)
@@ -176,8 +181,9 @@ def mla_decode_kernel(
     ctx = tl.load(ctx_ptr + b)
     lo, hi = split_span(ctx * 0, ctx, split, SPLITS, BLOCK_N)
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
-    q_lat = tl.load(q_rows + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)
-    q_rope = tl.load(q_rows + DV + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    live = hi > lo  # as in paged_decode_kernel
+    q_lat = tl.load(q_rows + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :] & live, other=0.0)
+    q_rope = tl.load(q_rows + DV + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :] & live, other=0.0)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, DV_PAD], tl.float32)
@@ -195,5 +201,5 @@ def mla_decode_kernel(
             s = tl.dot(q_lat, tl.trans(c))
             s += tl.dot(q_rope, tl.trans(kr))
         m_i, l_i, acc = softmax_accumulate(s, ok, qk_scale, c, m_i, l_i, acc, IEEE)
-    store_split(acc, m_i, l_i, ctx, b, heads, h_ok, offs_v, v_ok, out_ptr, ws_ptr, stride_ob, stride_oh, B, H, DV,
-                ml_off, split, SPLITS)
+    store_split(acc, m_i, l_i, ctx, live, b, heads, h_ok, offs_v, v_ok, out_ptr, ws_ptr, stride_ob, stride_oh, B, H,
+                DV, ml_off, split, SPLITS)

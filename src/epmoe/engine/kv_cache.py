@@ -294,6 +294,17 @@ class KVCache:
         entry = torch.cat([c_kv.to(pool.dtype), k_rope.to(pool.dtype)], dim=-1)
         pool.view(-1, pool.shape[-1]).index_copy_(0, slot_mapping, entry)
 
+    def latent_pool(self, layer: int) -> torch.Tensor:
+        """The layer's latent entries as ``[slots, kv_lora_rank + qk_rope_head_dim]`` (a view of its pool, flat
+        over its blocks), for kernels that write them in place (``engine.mla_rope``).
+
+        Raises:
+            ValueError: the cache is not of the latent kind.
+        """
+        self._need_kind(latent=True)
+        pool = self.k[layer]
+        return pool.view(-1, pool.shape[-1])
+
     def read_latent(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """MLA latent entries ``[N, kv_lora_rank + qk_rope_head_dim]`` at ``slots [N]`` int64 flat slots.
 

@@ -33,6 +33,7 @@ from torch import nn
 from epmoe.engine.attention import AttnBatch, dense_attention, engine_batch
 from epmoe.engine.gemv import linear
 from epmoe.engine.mla_decode import mla_decode_attention
+from epmoe.engine.mla_rope import mla_rope_write
 
 _ROTARY = {"deepseek_v2": "apply_rotary_emb", "deepseek_v3": "apply_rotary_pos_emb"}
 _PROJECTIONS = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
@@ -69,7 +70,8 @@ class MLAAttention(nn.Module):
             raise ValueError(f"MLA attention of model type {model_type!r}: known are {sorted(_ROTARY)}")
         self.complex_rope = model_type == "deepseek_v2"
         name = _ROTARY[model_type]
-        if model_type == "deepseek_v3" and getattr(attn.config, "rope_interleave", False):
+        self.interleave = model_type == "deepseek_v3" and bool(getattr(attn.config, "rope_interleave", False))
+        if self.interleave:
             name = "apply_rotary_pos_emb_interleave"
         self.rotary = getattr(modeling, name, None)
         if self.rotary is None:
@@ -87,6 +89,19 @@ class MLAAttention(nn.Module):
             if not isinstance(module, nn.Module):
                 raise ValueError(f"{type(attn).__name__} of layer {self.layer_idx} has no {name} module")
             self.add_module(name, module)
+
+    def _latent_norm(self) -> tuple[torch.Tensor, float] | None:
+        """``kv_a_layernorm``'s weight and epsilon where ``mla_rope_write`` computes what it does (an RMSNorm that
+        casts the normalised row before the weight, transformers' own or ``FusedRMSNorm``) and the rotary is by
+        pairs of real values; ``None`` otherwise (DeepSeek-V2's complex rotary, another norm)."""
+        norm = self.kv_a_layernorm
+        weight = getattr(norm, "weight", None)
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+        llama_style = type(norm).__name__.endswith("RMSNorm") and not getattr(norm, "weight_then_cast", False)
+        if (self.complex_rope or not llama_style or not isinstance(weight, torch.Tensor) or weight.dim() != 1
+                or eps is None):
+            return None
+        return weight, float(eps)
 
     def _up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_UK [H, qk_nope_head_dim, kv_lora_rank]`` and ``W_UV [H, v_head_dim, kv_lora_rank]``: views of
@@ -120,19 +135,27 @@ class MLAAttention(nn.Module):
             q = linear(self.q_proj, hidden_states)
         else:
             q = linear(self.q_b_proj, self.q_a_layernorm(linear(self.q_a_proj, hidden_states)))
-        q = q.view(1, t, h, dn + dr).transpose(1, 2)                       # [1, H, T, dn + dr]
-        q_nope, q_rope = torch.split(q, [dn, dr], dim=-1)
         compressed = linear(self.kv_a_proj_with_mqa, hidden_states)
-        c_kv, k_rope = torch.split(compressed, [rank, dr], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)[0]                                # [T, R]
-        k_rope = k_rope.view(1, 1, t, dr)
-        if self.complex_rope:
-            q_rope, k_rope = self.rotary(q_rope, k_rope, position_embeddings.to(q_rope.device))
-        else:
+        norm = self._latent_norm()
+        if hidden_states.is_cuda and norm is not None:  # one kernel: norm, rotary, cache write (engine.mla_rope)
+            q = q.view(t, h, dn + dr)
             cos, sin = position_embeddings
-            q_rope, k_rope = self.rotary(q_rope, k_rope, cos, sin)
-        batch.kv.write_latent(self.layer_idx, c_kv, k_rope[0, 0], batch.slot_mapping)
-        q_nope, q_rope = q_nope[0].transpose(0, 1), q_rope[0].transpose(0, 1)  # [T, H, dn], [T, H, dr]
+            mla_rope_write(q, compressed.view(t, rank + dr), cos.view(t, dr), sin.view(t, dr), norm[0], norm[1],
+                           batch.kv.latent_pool(self.layer_idx), batch.slot_mapping, dn, self.interleave)
+            q_nope, q_rope = q[..., :dn], q[..., dn:]                      # [T, H, dn], [T, H, dr]
+        else:
+            q = q.view(1, t, h, dn + dr).transpose(1, 2)                   # [1, H, T, dn + dr]
+            q_nope, q_rope = torch.split(q, [dn, dr], dim=-1)
+            c_kv, k_rope = torch.split(compressed, [rank, dr], dim=-1)
+            c_kv = self.kv_a_layernorm(c_kv)[0]                            # [T, R]
+            k_rope = k_rope.view(1, 1, t, dr)
+            if self.complex_rope:
+                q_rope, k_rope = self.rotary(q_rope, k_rope, position_embeddings.to(q_rope.device))
+            else:
+                cos, sin = position_embeddings
+                q_rope, k_rope = self.rotary(q_rope, k_rope, cos, sin)
+            batch.kv.write_latent(self.layer_idx, c_kv, k_rope[0, 0], batch.slot_mapping)
+            q_nope, q_rope = q_nope[0].transpose(0, 1), q_rope[0].transpose(0, 1)  # [T, H, dn], [T, H, dr]
         if batch.pieces is not None:  # a piecewise forward: the cut runs the attention on the step's real batch
             out = batch.pieces.cut(self._attend, (h, dv), q_nope.dtype, q_nope, q_rope)
         else:
