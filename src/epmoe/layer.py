@@ -89,11 +89,23 @@ class MoELayerOptions:
                             f"{type(self.load_recorder).__name__}")
 
 
+SHARED_DECODE_MAX_ROWS = 1
+"""Most rows ``SharedExpert`` computes with the decode expert kernels (``experts.triton.decode``) on CUDA: each row
+is its own matrix-vector product over the whole expert, so from two rows on the expert's weight would be streamed
+once per row, where cuBLAS streams it once."""
+
+
 class SharedExpert(nn.Module):
     """The shared-expert MLP ``down(act(gate(x)) * up(x))``, optionally gated by ``sigmoid(g(x))`` (Qwen2-MoE).
 
     Parameter names follow the checkpoints: ``gate_proj``, ``up_proj``, ``down_proj`` (and the gate,
-    ``shared_expert_gate``, held by the owning layer).
+    ``shared_expert_gate``, held by the owning layer). The gate and up weights are the two halves of one
+    ``[2, F, D]`` tensor, so that on CUDA a decode step's single row (``SHARED_DECODE_MAX_ROWS``, bf16 or fp16)
+    runs as a one-slot expert through the decode expert kernels (``experts.triton.decode.decode_experts``: two
+    launches streaming the weights at about the memory's rate, dependent launches on Hopper) instead of three
+    cuBLAS products and two elementwise kernels. ``h`` then stays in float32 between the two launches, where
+    ``nn.Linear`` rounds ``gate(x)``, ``up(x)`` and their product to the model dtype. Were the two halves ever
+    separated (weights replaced by tensors of their own), the module falls back to the three products.
 
     Args:
         hidden_size: ``D``.
@@ -109,11 +121,36 @@ class SharedExpert(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+        w13 = torch.empty(2, intermediate_size, hidden_size, dtype=dtype, device=device)
+        w13[0].copy_(self.gate_proj.weight)
+        w13[1].copy_(self.up_proj.weight)
+        self.gate_proj.weight = nn.Parameter(w13[0])
+        self.up_proj.weight = nn.Parameter(w13[1])
+        self._w13 = w13  # not a parameter: the checkpoint's names are the two halves'
         self.activation = activation
         self.requires_grad_(False)
+        # the decode kernels' one slot, weight 1, per row: constants made once (a graph replays their address)
+        self.register_buffer("_slots", torch.zeros(SHARED_DECODE_MAX_ROWS, 1, dtype=torch.int64, device=device),
+                             persistent=False)
+        self.register_buffer("_ones", torch.ones(SHARED_DECODE_MAX_ROWS, 1, dtype=torch.float32, device=device),
+                             persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, D]`` -> ``[T, D]``."""
+        w13 = self._w13
+        if (x.is_cuda and 0 < x.shape[0] <= SHARED_DECODE_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+                and w13.dtype == x.dtype and w13.device == x.device and x.stride(-1) == 1
+                and self.gate_proj.weight.data_ptr() == w13[0].data_ptr()
+                and self.up_proj.weight.data_ptr() == w13[1].data_ptr()
+                and self.down_proj.weight.is_contiguous() and self._slots.device == x.device):
+            from epmoe.experts.triton.decode import decode_experts
+            from epmoe.experts.triton.grouped import act_code
+            from epmoe.experts.weights import ExpertWeights
+
+            t = x.shape[0]
+            weights = ExpertWeights(w13=w13.view(1, -1, w13.shape[2]), w2=self.down_proj.weight[None])
+            return decode_experts(x, self._slots[:t], self._ones[:t], weights, act_code(self.activation),
+                                  self.activation)
         return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))
 
 
