@@ -27,7 +27,8 @@ accumulation, rounded to the logits' dtype as ``F.linear`` returns them) into a 
 from the token's arrival counter (the threadfence reduction: a barrier, then an acquire-release atomic); the
 program that arrives last routes the token as above and sets the counter back to 0 for the next launch, so the
 launch needs no memset and replays in a CUDA graph. On Hopper that launch is a programmatic dependent one
-(``experts.triton.pdl``): its programs request their gate rows while the kernel before it (the norm) finishes.
+(``experts.triton.pdl``): its programs request their gate rows (at one token a program per row, the whole row)
+while the kernel before it (the norm) finishes.
 
 Top-k is ``K`` rounds of ``argmax`` and masking, so experts come out by descending choice (ties go to the
 lower expert id). The weights equal the PyTorch path's up to float32 summation order.
@@ -44,7 +45,8 @@ from epmoe.loads import LoadRecord
 from epmoe.routing.count_triton import add_slot_counts
 
 _GATE_PROGRAMS = 128  # programs _gate_router_kernel aims at (about one per SM of a large GPU)
-_GATE_TILE = 4096  # gate weight elements a program reads per step of its D loop
+_GATE_TILE = 4096  # gate weight elements a program reads per step of its D loop (more than one token)
+_GATE_ROW_PER_WARP = 4096  # at one token, weight row values per warp (the row held whole in registers)
 
 
 @triton.jit
@@ -298,7 +300,8 @@ def route_gate_triton(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: tor
     x = x if x.stride(1) == 1 else x.contiguous()
     gate_weight = gate_weight.contiguous()
     rows = _gate_rows(t, e)
-    block_d = min(triton.next_power_of_2(d), max(128, _GATE_TILE // rows))
+    # one token: each program's whole weight row in one step, requested before the wait; more: steps of _GATE_TILE
+    block_d = triton.next_power_of_2(d) if t == 1 else min(triton.next_power_of_2(d), max(128, _GATE_TILE // rows))
     tiles = triton.cdiv(e, rows)
     scratch = torch.empty(t, e, dtype=torch.float32, device=x.device)
     pdl = pdl_launch(x)
@@ -306,26 +309,29 @@ def route_gate_triton(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: tor
         x_ptr=x, gw_ptr=gate_weight, gb_ptr=gate_bias if gate_bias is not None else gate_weight,
         scratch_ptr=scratch, arrive_ptr=arrivals, D=d, stride_x=x.stride(0), stride_gw=gate_weight.stride(0),
         ROWS=rows, BLOCK_D=block_d, TILES=tiles, GATE_BIAS=gate_bias is not None,
-        ROUND_LOGITS=logit_dtype != torch.float32, **args, PDL=pdl, num_warps=_gate_warps(t, fp32_logits),
+        ROUND_LOGITS=logit_dtype != torch.float32, **args, PDL=pdl, num_warps=_gate_warps(t, d, fp32_logits),
         launch_pdl=pdl,
     )
     return out
 
 
-def _gate_warps(num_tokens: int, fp32_logits: bool) -> int:
-    """Warps per program of ``_gate_router_kernel``. One token: one warp (the launch's time is the last program's
-    top-k, whose reductions then stay within a warp); more: four for a model-dtype gate, two for a float32 one
-    (DeepSeek's). Chosen from ``benchmarks/router.py`` on an H200 (1, 2 and 4 warps at 1, 8 and 16 tokens)."""
+def _gate_warps(num_tokens: int, hidden_size: int, fp32_logits: bool) -> int:
+    """Warps per program of ``_gate_router_kernel``. One token: one warp per ``_GATE_ROW_PER_WARP`` values of the
+    program's weight row (``D`` rounded up to a power of two), which it holds whole (the launch's time is the wait,
+    one read of ``x`` and the last program's top-k, whose reductions stay within a warp at one warp); more: four for
+    a model-dtype gate, two for a float32 one (DeepSeek's). Chosen from ``benchmarks/router.py`` and a one-token
+    sweep on an H200 (README: one-token gate of Kimi-K2.5 and DeepSeek-V3 with two warps)."""
     if num_tokens == 1:
-        return 1
+        return max(1, triton.next_power_of_2(hidden_size) // _GATE_ROW_PER_WARP)
     return 2 if fp32_logits else 4
 
 
 def _gate_rows(num_tokens: int, num_experts: int) -> int:
-    """Gate rows per program of ``_gate_router_kernel``: a power of two from 1 to 8 that makes about
-    ``_GATE_PROGRAMS`` programs in all (many programs read the weight at once: it is all the launch reads)."""
+    """Gate rows per program of ``_gate_router_kernel``: one for one token (a program per row, the row read whole
+    before the wait); else a power of two from 1 to 8 that makes about ``_GATE_PROGRAMS`` programs in all (many
+    programs read the weight at once: it is all the launch reads)."""
     rows = 1
-    while rows < 8 and num_tokens * num_experts // (2 * rows) >= _GATE_PROGRAMS:
+    while num_tokens > 1 and rows < 8 and num_tokens * num_experts // (2 * rows) >= _GATE_PROGRAMS:
         rows *= 2
     return rows
 
