@@ -168,26 +168,28 @@ class MLAAttention(nn.Module):
         out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_head_dim)
         nd = batch.num_decode
         if nd:
-            out[:nd] = self._decode(q_nope[:nd], q_rope[:nd], batch)
+            self._decode(q_nope[:nd], q_rope[:nd], batch, out[:nd])
         for p in batch.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
             out[rows] = self._prefill(q_nope[rows], q_rope[rows], p.kv_slots, p.start_pos, batch)
         return out
 
-    def _decode(self, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
-        """Absorbed decode of ``nd`` single-token rows: ``[nd, H, dn]``, ``[nd, H, dr]`` -> ``[nd, H, dv]``."""
+    def _decode(self, q_nope: torch.Tensor, q_rope: torch.Tensor, batch: AttnBatch, out: torch.Tensor) -> None:
+        """Absorbed decode of ``nd`` single-token rows: ``[nd, H, dn]``, ``[nd, H, dr]`` -> ``out [nd, H, dv]``
+        (both absorbed products write into their destinations' strided views: no copies after them)."""
         w_uk, w_uv = self._up_weights()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)   # [nd, H, R]
-        query = torch.cat([q_latent, q_rope], dim=-1)
+        nd, rank = q_nope.shape[0], self.kv_lora_rank
+        query = q_nope.new_empty(nd, self.num_heads, rank + self.qk_rope_head_dim)
+        torch.bmm(q_nope.transpose(0, 1), w_uk, out=query[:, :, :rank].transpose(0, 1))   # [H, nd, R] view
+        query[:, :, rank:] = q_rope
         cache = batch.kv.k[self.layer_idx]
         if batch.workspace is not None:  # graph capture: the kernel writes in place, split-K in the given scratch
-            o_latent = query.new_empty(query.shape[0], self.num_heads, self.kv_lora_rank)
-            mla_decode_attention(query, cache, batch.block_tables, batch.context_lens, self.scaling,
-                                 self.kv_lora_rank, out=o_latent, workspace=batch.workspace)
+            o_latent = query.new_empty(nd, self.num_heads, rank)
+            mla_decode_attention(query, cache, batch.block_tables, batch.context_lens, self.scaling, rank,
+                                 out=o_latent, workspace=batch.workspace)
         else:
-            o_latent = mla_decode_attention(query, cache, batch.block_tables, batch.context_lens, self.scaling,
-                                            self.kv_lora_rank)
-        return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+            o_latent = mla_decode_attention(query, cache, batch.block_tables, batch.context_lens, self.scaling, rank)
+        torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
 
     def _prefill(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_slots: torch.Tensor, start_pos: int,
                  batch: AttnBatch) -> torch.Tensor:
