@@ -88,6 +88,8 @@ def test_gemv_fits_each_condition(with_pdl, monkeypatch):
     w = torch.randn(24, 64, dtype=torch.bfloat16)
     assert gemv_fits(rows, w, None) and gemv_fits(rows, w, torch.randn(24, dtype=torch.bfloat16))
     assert gemv_fits(torch.randn(GEMV_MAX_ROWS, 64, dtype=torch.float16), w.half(), None)
+    big = torch.empty(GEMV_MAX_WEIGHT_BYTES // 2048 + 1, 1024, dtype=torch.bfloat16)
+    assert gemv_fits(torch.randn(1, 1024, dtype=torch.bfloat16), big, None)  # one row: any weight size
     refused = {
         "more rows": (torch.randn(GEMV_MAX_ROWS + 1, 64, dtype=torch.bfloat16), w, None),
         "float32": (rows.float(), w.float(), None),
@@ -98,8 +100,7 @@ def test_gemv_fits_each_condition(with_pdl, monkeypatch):
         "K = 0": (rows[:, :0], w[:, :0], None),
         "K too wide": (torch.randn(1, GEMV_MAX_K + 1, dtype=torch.bfloat16),
                        torch.randn(1, GEMV_MAX_K + 1, dtype=torch.bfloat16), None),
-        "weight too large": (torch.randn(1, 1024, dtype=torch.bfloat16),
-                             torch.empty(GEMV_MAX_WEIGHT_BYTES // 2048 + 1, 1024, dtype=torch.bfloat16), None),
+        "weight too large at two rows": (torch.randn(2, 1024, dtype=torch.bfloat16), big, None),
     }
     for why, (r, ww, b) in refused.items():
         assert not gemv_fits(r, ww, b), why

@@ -16,7 +16,7 @@ from ..late_writer import late_writer
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("n,k", [(2048, 4096), (5120, 2048), (1536, 7168), (37, 100)])
+@pytest.mark.parametrize("n,k", [(2048, 4096), (5120, 2048), (1536, 7168), (7168, 8192), (37, 100)])
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_equals_linear(n, k, m, bias):

@@ -16,7 +16,7 @@ to the output dtype (``F.linear``'s rounding up to summation order).
 
 ``linear`` runs the kernel for a plain ``nn.Linear`` (no hooks, no gradient to record, a plain weight tensor) where
 ``gemv_fits`` (CUDA with dependent launches, bf16 or fp16, at most ``GEMV_MAX_ROWS`` rows, ``K`` at most
-``GEMV_MAX_K``, a weight of at most ``GEMV_MAX_WEIGHT_BYTES``) and calls the module otherwise (CPU, more rows,
+``GEMV_MAX_K``, at two rows a weight of at most ``GEMV_MAX_WEIGHT_BYTES``) and calls the module otherwise (CPU, more rows,
 quantized, hooked or wrapped linear modules): without the early weight reads the kernel is no faster than cuBLAS
 beyond one row, so it is not taken without them. ``EPMOE_GEMV=0`` in the environment turns it off (for measuring
 what it gains).
@@ -38,8 +38,10 @@ GEMV_MAX_ROWS = 2
 GEMV_MAX_K = 16384
 """Largest input width: one program holds a whole row of the weight (``K`` rounded up to a power of two)."""
 GEMV_MAX_WEIGHT_BYTES = 24 * 2**20
-"""Largest weight ``linear`` gives the kernel: about what an H200 holds of its programs at once (beyond, the later
-programs start only as the first ones end, and their reads no longer overlap the kernel before)."""
+"""Largest weight ``linear`` gives the kernel at two rows: about what an H200 holds of its programs at once (beyond,
+the later programs start only as the first ones end, and their reads no longer overlap the kernel before). At one
+row the weight's size is not limited: past what the early reads hide, the kernel still streams the weight closer
+to the copy bandwidth than cuBLAS's split-K product and its reduction (``benchmarks/gemv.py``)."""
 _TILE_ELEMS = 16384  # weight elements a program holds at one row (at two rows half, down to one weight row)
 
 
@@ -78,13 +80,14 @@ def _kernel():
 def gemv_fits(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether ``linear`` runs the kernel for ``rows [M, K]``: CUDA with dependent launches (``pdl_launch``),
     ``M <= GEMV_MAX_ROWS``, bf16 or fp16 rows contiguous along ``K``, ``1 <= K <= GEMV_MAX_K``, a contiguous
-    ``[N, K]`` weight on the rows' device of at most ``GEMV_MAX_WEIGHT_BYTES``, a bias (or none) of the rows' dtype;
+    ``[N, K]`` weight on the rows' device (of at most ``GEMV_MAX_WEIGHT_BYTES`` where ``M > 1``), a bias (or none) of the rows' dtype;
     not with ``EPMOE_GEMV=0``."""
     return (os.environ.get("EPMOE_GEMV", "1") != "0" and rows.dim() == 2 and rows.shape[0] <= GEMV_MAX_ROWS
             and rows.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == rows.dtype and weight.dim() == 2 and weight.is_contiguous()
             and weight.device == rows.device and 1 <= weight.shape[1] == rows.shape[1] <= GEMV_MAX_K
-            and rows.stride(-1) == 1 and weight.numel() * weight.element_size() <= GEMV_MAX_WEIGHT_BYTES
+            and rows.stride(-1) == 1
+            and (rows.shape[0] == 1 or weight.numel() * weight.element_size() <= GEMV_MAX_WEIGHT_BYTES)
             and (bias is None or bias.dtype == rows.dtype) and pdl_launch(rows))
 
 
