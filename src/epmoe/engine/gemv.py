@@ -16,10 +16,10 @@ to the output dtype (``F.linear``'s rounding up to summation order).
 
 ``linear`` runs the kernel for a plain ``nn.Linear`` (no hooks, no gradient to record, a plain weight tensor) where
 ``gemv_fits`` (CUDA with dependent launches, bf16 or fp16, at most ``GEMV_MAX_ROWS`` rows, ``K`` at most
-``GEMV_MAX_K``, at two rows a weight of at most ``GEMV_MAX_WEIGHT_BYTES``) and calls the module otherwise (CPU, more rows,
-quantized, hooked or wrapped linear modules): without the early weight reads the kernel is no faster than cuBLAS
-beyond one row, so it is not taken without them. ``EPMOE_GEMV=0`` in the environment turns it off (for measuring
-what it gains).
+``GEMV_MAX_K``, at two rows a weight of at most ``GEMV_MAX_WEIGHT_BYTES``) and calls the module otherwise (CPU,
+more rows, quantized, hooked or wrapped linear modules): without the early weight reads the kernel is no faster
+than cuBLAS beyond one row, so it is not taken without them. ``EPMOE_GEMV=0`` in the environment turns it off (for
+measuring what it gains).
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ def _kernel():
 def gemv_fits(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether ``linear`` runs the kernel for ``rows [M, K]``: CUDA with dependent launches (``pdl_launch``),
     ``M <= GEMV_MAX_ROWS``, bf16 or fp16 rows contiguous along ``K``, ``1 <= K <= GEMV_MAX_K``, a contiguous
-    ``[N, K]`` weight on the rows' device (of at most ``GEMV_MAX_WEIGHT_BYTES`` where ``M > 1``), a bias (or none) of the rows' dtype;
-    not with ``EPMOE_GEMV=0``."""
+    ``[N, K]`` weight on the rows' device (of at most ``GEMV_MAX_WEIGHT_BYTES`` where ``M > 1``), a bias (or none)
+    of the rows' dtype; not with ``EPMOE_GEMV=0``."""
     return (os.environ.get("EPMOE_GEMV", "1") != "0" and rows.dim() == 2 and rows.shape[0] <= GEMV_MAX_ROWS
             and rows.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == rows.dtype and weight.dim() == 2 and weight.is_contiguous()
