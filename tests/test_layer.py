@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from epmoe.comm import Comm
-from epmoe.layer import MoELayer, MoELayerOptions, TPMoELayer
+from epmoe.layer import SHARED_OVERLAP_MAX_ROWS, MoELayer, MoELayerOptions, TPMoELayer
 from epmoe.models.tiny import TINY_FAMILIES
 from epmoe.placement import ExpertPlacement
 from epmoe.runtime.launch import RankInfo, init_group, spawn
@@ -225,3 +225,39 @@ def test_padding_rows_route_to_no_expert(tiny_checkpoints):
     torch.testing.assert_close(layer(x), full)
     with pytest.raises(ValueError, match=r"row_mask must be a \[T\] int64 tensor, got \(5,\) torch.float32"):
         layer.set_row_mask(torch.ones(5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["kimi-k2.5", "qwen2-moe"])
+def test_shared_experts_on_a_side_stream_equal_in_order(tiny_checkpoints, monkeypatch, family):
+    # on CUDA at a few rows the shared experts run on the layer's own stream beside the routed experts,
+    # joined before the sum: the same kernels in another order on the streams, so the same bits, eager and in a graph
+    spec = load_moe_spec(tiny_checkpoints(family))
+    torch.manual_seed(3)
+    layer = MoELayer(spec, 0, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
+                     MoELayerOptions(dispatcher="local", expert_backend="triton"), dtype=torch.bfloat16,
+                     device="cuda")  # what a one-rank engine's graphs run
+    for p in layer.parameters():
+        p.normal_(std=0.1)
+    x = torch.randn(SHARED_OVERLAP_MAX_ROWS, spec.hidden_size).to("cuda", torch.bfloat16)
+    monkeypatch.setenv("EPMOE_SHARED_OVERLAP", "0")
+    in_order = [layer(x[:t]) for t in (1, 3, SHARED_OVERLAP_MAX_ROWS)]
+    assert layer._shared_stream is None
+    monkeypatch.setenv("EPMOE_SHARED_OVERLAP", "1")
+    for t, want in zip((1, 3, SHARED_OVERLAP_MAX_ROWS), in_order, strict=True):
+        assert torch.equal(layer(x[:t]), want), t
+    side = layer._shared_stream
+    assert side is not None and side != torch.cuda.current_stream()
+    capture = torch.cuda.Stream()
+    capture.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(capture):
+        layer(x[:3])  # warm-up on the capture stream
+        with torch.cuda.graph(graph, stream=capture):
+            out = layer(x[:3])
+    torch.cuda.current_stream().wait_stream(capture)
+    x.copy_(torch.randn(x.shape))
+    graph.replay()
+    monkeypatch.setenv("EPMOE_SHARED_OVERLAP", "0")
+    assert torch.equal(out, layer(x[:3]))
+    assert layer._shared_stream is side

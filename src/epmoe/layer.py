@@ -1,13 +1,15 @@
 """``MoELayer`` (expert parallel, composition only) and ``TPMoELayer`` (the tensor-parallel baseline).
 
 Data flow of ``MoELayer.forward`` (DESIGN.md): router -> placement map -> load recorder -> dispatch ->
-grouped experts -> combine (+ shared experts on every rank). Everything a layer needs is a
+grouped experts -> combine (+ shared experts on every rank; on CUDA at a few rows on a stream of their own, beside
+the rest: ``SHARED_OVERLAP_MAX_ROWS``). Everything a layer needs is a
 constructor argument; a missing piece is an error at construction that names it. The layer's choices
 (dispatcher, expert backend, replica policy, load recorder) travel as one frozen ``MoELayerOptions``.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -93,6 +95,14 @@ SHARED_DECODE_MAX_ROWS = 1
 """Most rows ``SharedExpert`` computes with the decode expert kernels (``experts.triton.decode``) on CUDA: each row
 is its own matrix-vector product over the whole expert, so from two rows on the expert's weight would be streamed
 once per row, where cuBLAS streams it once."""
+
+SHARED_OVERLAP_MAX_ROWS = 64
+"""Most rows at which an MoE layer on CUDA computes its shared experts on a stream of its own, forked after the
+routing and joined before their sum with the routed experts' output, so that their weight stream runs beside the
+dispatch and the routed experts' (which at a decode step leave the memory partly idle). Also inside a CUDA graph
+(the fork and join are captured as the graph's edges). The EP and TP layers route first (their shared experts, forked
+before the routing, would slow the router's reads down to their pace).
+``EPMOE_SHARED_OVERLAP=0`` in the environment turns it off (for measuring what it gains)."""
 
 
 class SharedExpert(nn.Module):
@@ -195,6 +205,7 @@ class _MoEBase(nn.Module):
             nn.Linear(spec.hidden_size, 1, bias=False, dtype=dtype, device=device).requires_grad_(False)
             if spec.shared_expert_gate else None
         )
+        self._shared_stream: torch.cuda.Stream | None = None
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
         if self.shared_experts is None:
@@ -203,6 +214,44 @@ class _MoEBase(nn.Module):
         if self.shared_expert_gate is not None:
             y = torch.sigmoid(self.shared_expert_gate(x)) * y
         return y
+
+    def _side_stream(self, x: torch.Tensor) -> torch.cuda.Stream | None:
+        """The stream the shared experts of ``x [T, D]`` run on beside the routed ones, or ``None`` (in order, on the
+        current stream): CUDA rows, at most ``SHARED_OVERLAP_MAX_ROWS`` of them, a shared expert, not turned off. The
+        layer's stream is made at its first such forward (eager: the engine warms each bucket up before capturing it);
+        a forward captured before that, or one whose current stream is that stream, runs in order."""
+        if (self.shared_experts is None or not x.is_cuda or not 0 < x.shape[0] <= SHARED_OVERLAP_MAX_ROWS
+                or os.environ.get("EPMOE_SHARED_OVERLAP", "1") == "0"):
+            return None
+        side = self._shared_stream
+        if side is None or side.device != x.device:
+            if torch.cuda.is_current_stream_capturing():
+                return None
+            side = self._shared_stream = torch.cuda.Stream(device=x.device)
+        return None if side == torch.cuda.current_stream(x.device) else side
+
+    def _shared_begin(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.cuda.Stream | None]:
+        """Fork the shared experts of ``x [T, D]`` onto the side stream (``_side_stream``): ``(their [T, D] output,
+        the stream)``, or ``(None, None)`` when they run in order (``_shared_end`` computes them then)."""
+        side = self._side_stream(x)
+        if side is None:
+            return None, None
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):
+            return self._shared(x), side
+
+    def _shared_end(self, x: torch.Tensor, out: torch.Tensor,
+                    begun: tuple[torch.Tensor | None, torch.cuda.Stream | None]) -> torch.Tensor:
+        """``out [T, D]`` plus the shared experts' output of ``x`` (``begun`` from ``_shared_begin``: joined to the
+        current stream, or computed now)."""
+        shared, side = begun
+        if side is not None:
+            current = torch.cuda.current_stream(x.device)
+            current.wait_stream(side)
+            shared.record_stream(current)  # made on the side stream, read and freed on this one
+        else:
+            shared = self._shared(x)
+        return out if shared is None else out + shared
 
 
 class MoELayer(_MoEBase):
@@ -383,6 +432,8 @@ class MoELayer(_MoEBase):
             _, topk_weights, topk_slots = fused
         if rec is not None and (fused is None or record is None):
             rec.record(self.moe_index, topk_slots)
+        # forked after the routing: begun before it, their weight reads slow the router's down to their pace
+        begun = self._shared_begin(x)
         handle = self.dispatcher.dispatch(x, topk_slots, topk_weights)
         # the kernels are chosen for the pairs this rank's tokens route (what it receives on average under a balanced
         # load), not for the receive buffer's rows times K (other ranks' pairs and padding rows too); a rank with no
@@ -392,10 +443,7 @@ class MoELayer(_MoEBase):
             handle.recv_x, handle.recv_slots, handle.recv_weights,
             self.experts.weights(), self.activation, self.weight_on_input, expected_pairs=topk_slots.numel() or None,
         )
-        out = self.dispatcher.combine(y, handle)
-        shared = self._shared(x)
-        if shared is not None:
-            out = out + shared
+        out = self._shared_end(x, self.dispatcher.combine(y, handle), begun)
         return out.reshape(shape)
 
 
@@ -463,13 +511,11 @@ class TPMoELayer(_MoEBase):
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
         topk_idx, topk_weights = self.gate(x)
+        begun = self._shared_begin(x)
         out = self.expert_backend(
             x, topk_idx, topk_weights, self.experts.weights(), self.activation, self.weight_on_input
         )
-        shared = self._shared(x)
-        if shared is not None:
-            out = out + shared
-        return self.comm.all_reduce(out).reshape(shape)
+        return self.comm.all_reduce(self._shared_end(x, out, begun)).reshape(shape)
 
 
 def check_tp_sizes(spec: MoESpec, tp_size: int) -> None:
@@ -575,8 +621,8 @@ class DPTPMoELayer(TPMoELayer):
     def _compute(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum for ``x [N, D]``: routed-expert slices plus the shared-expert slice."""
         topk_idx, topk_weights = self.gate(x)
+        begun = self._shared_begin(x)
         out = self.expert_backend(
             x, topk_idx, topk_weights, self.experts.weights(), self.activation, self.weight_on_input
         )
-        shared = self._shared(x)
-        return out if shared is None else out + shared
+        return self._shared_end(x, out, begun)
