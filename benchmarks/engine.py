@@ -10,13 +10,14 @@ Kimi-K2.5's routed experts are bf16 (``--expert-format bf16``: the config's ``qu
 dropped) or, with ``int4``, as its config says (INT4 pack-quantized; needs the INT4 expert loader). MLA models
 (DeepSeek, Kimi) report their KV bytes per token and layer: the latent the engine caches, beside the
 expanded per-head keys and values. Per batch size: every request gets a
-128-token prompt; once all are decoding, ``--steps`` engine steps are timed (wall clock, host work
-included). The floor of a step is max(bytes it must read / measured copy bandwidth, FLOPs / measured
-bf16 matmul rate): the weights of the non-expert layers, the experts its tokens touch (expected number
-under uniform routing, which random router weights give), and the KV cache it attends over. TTFT: one
-request of 1k and 4k tokens, against the FLOP floor of its prefill. Writes ``engine_<gpu>.json`` under
-``--out`` and prints a table last. ``--env-variants 'EPMOE_PDL=0;...'`` also times, per model, an engine built
-with each of those environment settings, in the same process after the main rows (an A/B in the same run).
+128-token prompt (``--context N``: N tokens, for the decode step at a long context); once all are decoding,
+``--steps`` engine steps are timed (wall clock, host work included). The floor of a step is max(bytes it must
+read / measured copy bandwidth, FLOPs / measured bf16 matmul rate): the weights of the non-expert layers, the
+experts its tokens touch (expected number under uniform routing, which random router weights give), and the KV
+cache it attends over. TTFT: one request of 1k and 4k tokens, against the FLOP floor of its prefill. Writes
+``engine_<gpu>.json`` under ``--out`` and prints a table last. ``--env-variants 'EPMOE_PDL=0;...'`` also times,
+per model, an engine built with each of those environment settings, in the same process after the main rows (an
+A/B in the same run).
 
 Speculation rows (``--spec``: only these, a few minutes): Qwen3-30B-A3B (``--spec-model``), ``ngram`` on
 repetitive prompts (code, lists) and ``eagle3`` with random weights (``--eagle3-config``, the SpecForge
@@ -192,11 +193,12 @@ def host_profile(engine: Engine, steps: int) -> list[dict]:
     return rows[:25]
 
 
-def time_decode(engine: Engine, bs: int, steps: int, vocab: int, profile_steps: int = 0) -> dict:
+def time_decode(engine: Engine, bs: int, steps: int, vocab: int, profile_steps: int = 0,
+                prompt: int = PROMPT) -> dict:
     gen = torch.Generator().manual_seed(bs)
     params = SamplingParams(temperature=0, max_tokens=steps + 2 * profile_steps + 8, ignore_eos=True)
     for _ in range(bs):
-        engine.add_request(torch.randint(0, vocab, (PROMPT,), generator=gen).tolist(), params)
+        engine.add_request(torch.randint(0, vocab, (prompt,), generator=gen).tolist(), params)
     while any(s.num_computed < len(s.prompt_token_ids) or not s.output_token_ids for s in engine._seqs.values()):
         engine.step()
     before = dict(engine.stats)
@@ -211,7 +213,7 @@ def time_decode(engine: Engine, bs: int, steps: int, vocab: int, profile_steps: 
     host = host_profile(engine, profile_steps) if profile_steps else []
     while engine.has_unfinished():
         engine.step()
-    return {"tpot_ms": ms, "graph_steps": graph, "ctx": PROMPT + 4 + steps / 2, "kernels": kernels,
+    return {"tpot_ms": ms, "graph_steps": graph, "ctx": prompt + 4 + steps / 2, "kernels": kernels,
             "timeline": timeline, "host": host}
 
 
@@ -301,11 +303,13 @@ def fit_engine_terms(rows: list[dict]) -> dict:
             "ratios_after": [t / p for t, p in zip(m.tolist(), after)]}
 
 
-def build_engine(d: Path, batches: list[int]) -> Engine:
-    """The benchmark's engine on checkpoint ``d`` (dummy weights, graphs up to the largest batch); no prefix caching:
-    the TTFT rows time one prompt again and again, each must compute it whole."""
+def build_engine(d: Path, batches: list[int], context: int = PROMPT) -> Engine:
+    """The benchmark's engine on checkpoint ``d`` (dummy weights, graphs up to the largest batch, a context of 8192
+    tokens or room for a ``context``-token prompt and its decode steps); no prefix caching: the TTFT rows time one
+    prompt again and again, each must compute it whole."""
     return Engine(EngineConfig(model=str(d), dtype="bfloat16", device="cuda", expert_backend="triton",
-                               load_format="dummy", max_num_seqs=max(batches), max_model_len=8192,
+                               load_format="dummy", max_num_seqs=max(batches),
+                               max_model_len=max(8192, context + 512),
                                cuda_graph_max_bs=max(batches), enable_prefix_caching=False))
 
 
@@ -317,9 +321,9 @@ def measure_variant(d: Path, batches: list[int], args, variant: str) -> dict[int
     saved = {k: os.environ.get(k) for k in assign}
     os.environ.update(assign)
     try:
-        engine = build_engine(d, batches)
+        engine = build_engine(d, batches, args.context)
         vocab = load_moe_spec(str(d)).vocab_size
-        tpot = {bs: time_decode(engine, bs, args.steps, vocab)["tpot_ms"] for bs in batches}
+        tpot = {bs: time_decode(engine, bs, args.steps, vocab, prompt=args.context)["tpot_ms"] for bs in batches}
     finally:
         for k, v in saved.items():
             if v is None:
@@ -338,7 +342,7 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
     spec = load_moe_spec(str(d))
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    engine = build_engine(d, batches)
+    engine = build_engine(d, batches, args.context)
     start_s = time.perf_counter() - t0
     wb = weight_bytes(engine)
     kv = engine.kv_report(4096)
@@ -350,7 +354,7 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
          "weights": wb, "rows": {}, "ttft": {}}
     for bs in batches:
         prof = args.profile_steps if str(bs) in args.profile.split(",") else 0
-        r = time_decode(engine, bs, args.steps, spec.vocab_size, prof)
+        r = time_decode(engine, bs, args.steps, spec.vocab_size, prof, args.context)
         r.update(decode_floor(engine, wb, bs, r["ctx"], ceil))
         r["ratio_to_floor"] = r["tpot_ms"] / r["floor_ms"]
         m["rows"][bs] = r
@@ -358,7 +362,8 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
               f"graph steps {r['graph_steps']}", flush=True)
         if str(bs) in args.sequential_batches.split(",") and engine.overlap:
             engine.overlap = False  # the same engine, each step's tokens read back before the next is planned
-            r["tpot_sequential_ms"] = time_decode(engine, bs, args.steps, spec.vocab_size)["tpot_ms"]
+            r["tpot_sequential_ms"] = time_decode(engine, bs, args.steps, spec.vocab_size,
+                                                  prompt=args.context)["tpot_ms"]
             engine.overlap = True
             print(f"  bs {bs}: TPOT {r['tpot_sequential_ms']:.2f} ms without the overlap schedule", flush=True)
         if r["kernels"]:
@@ -570,6 +575,9 @@ def main() -> None:
     ap.add_argument("--models", default="qwen3-30b-a3b,deepseek-v3")
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--context", type=int, default=PROMPT,
+                    help="prompt tokens of every decode row's requests (the step's context is about this plus the "
+                         "steps)")
     ap.add_argument("--ttft", default="1024,4096")
     ap.add_argument("--deepseek-layers", type=int, default=7)
     ap.add_argument("--kimi-layers", type=int, default=4,

@@ -4,7 +4,8 @@ and the argument checks."""
 import pytest
 import torch
 
-from epmoe.engine.paged_decode import paged_decode_attention, paged_decode_reference
+from epmoe.engine.mla_decode import mla_decode_splits
+from epmoe.engine.paged_decode import paged_decode_attention, paged_decode_reference, paged_decode_splits
 
 from .paged_decode_cases import CASES, make_case, naive_dense, rel_err
 
@@ -84,3 +85,29 @@ def test_non_tensor_argument():
     c = make_case(14, [5], 4, 2, 16, 16, 16)
     with pytest.raises(TypeError, match="block_tables must be a torch.Tensor"):
         paged_decode_attention(c.q, c.k_cache, c.v_cache, [[0]], c.context_lens, c.scale)
+
+
+@pytest.mark.parametrize("rows, span, want", [
+    (1, 65536, 128),   # one long sequence: 4 programs a split, 128 splits (about 4 programs an SM of 132)
+    (4, 65536, 32),    # 16 programs a split
+    (1, 4096, 64),     # 64 positions a split at least
+    (64, 65536, 2),
+    (128, 65536, 1),   # 512 programs: the GPU is full without splits
+    (1, 64, 1),        # too short to split
+])
+def test_paged_decode_split_counts(rows, span, want):
+    # Qwen3-30B-A3B's heads (32 queries over 4 key-value heads), 16-position blocks; CPU tensors count 132 SMs
+    q = torch.zeros(rows, 32, 128)
+    k_cache = torch.zeros(1, 16, 4, 128)
+    assert paged_decode_splits(q, k_cache, torch.zeros(rows, span // 16, dtype=torch.int32)) == want
+
+
+@pytest.mark.parametrize("rows, span, want", [
+    (1, 65536, 64),    # Kimi-K2.5's 64 heads, 4 programs a split: at most 64 splits
+    (4, 65536, 16),    # 16 programs a split: about 2 programs an SM of 132
+    (1, 4096, 64),
+    (128, 65536, 1),
+    (1, 64, 1),
+])
+def test_mla_decode_split_counts(rows, span, want):
+    assert mla_decode_splits(rows, 64, span, "cpu") == want

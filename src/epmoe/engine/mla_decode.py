@@ -44,8 +44,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
 _MIN_DIM = 16            # tl.dot needs at least 16 rows / columns
 _BLOCK_H = 16            # query heads per program
-_SPLIT_MIN_KEYS = 512    # positions a split should have at least
-_MAX_SPLITS = 32
+_SPLIT_MIN_KEYS = 64     # positions a split should have at least
+_MAX_SPLITS = 64         # each split's partial output is Dv = kv_lora_rank floats a head: more cost more than they gain
 
 
 def _check_inputs(q, cache, block_tables, context_lens, scale, v_head_dim, out) -> None:

@@ -56,8 +56,9 @@ from epmoe.experts.triton.pdl import pdl_launch
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
 _MIN_ROWS = 16           # tl.dot needs at least 16 rows / columns
-_SPLIT_MIN_KEYS = 512    # positions a split should have at least
-_MAX_SPLITS = 32
+_SPLIT_MIN_KEYS = 64     # positions a split should have at least
+_MAX_SPLITS = 128
+_PROGRAMS_PER_SM = 4     # the split count aims at this many programs an SM
 
 
 def _check_int_option(name: str, value) -> None:
@@ -240,9 +241,11 @@ def paged_decode_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: to
     """Number of context splits (a power of two) the Triton path uses for these shapes.
 
     One split when the ``B * Hkv`` programs fill the GPU or the longest visible span (``MB * BS``, at most
-    the window or chunk size) is short; otherwise enough splits to reach about two programs per SM, each
-    with at least ``_SPLIT_MIN_KEYS`` positions of the longest span, at most ``_MAX_SPLITS``. Depends on
-    shapes and options only, so a CUDA graph captured for a batch shape keeps its split count.
+    the window or chunk size) is short; otherwise enough splits to reach about ``_PROGRAMS_PER_SM`` programs per SM,
+    each with at least ``_SPLIT_MIN_KEYS`` positions of the longest span, at most ``_MAX_SPLITS``: a program reads
+    its keys one tile after the other, so one long context needs many programs to approach the memory's rate
+    (measured on an H200, README). Depends on shapes and options only, so a CUDA graph captured for a batch shape
+    keeps its split count.
 
     Args:
         q: ``[B, H, Dk]`` query (its device picks the SM count; CPU counts 132 SMs).
@@ -264,7 +267,7 @@ def paged_decode_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: to
     sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
         if q.is_cuda else 132
     programs = max(1, b * hkv)
-    want = min(_MAX_SPLITS, (2 * sms) // programs, span // _SPLIT_MIN_KEYS)
+    want = min(_MAX_SPLITS, (_PROGRAMS_PER_SM * sms) // programs, span // _SPLIT_MIN_KEYS)
     if want < 2:
         return 1
     return 1 << (want.bit_length() - 1)
