@@ -228,10 +228,11 @@ def time_ttft(engine: Engine, tokens: int, vocab: int) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def peer(model_dir: Path, batches: list[int], mode: str, steps: int, out: dict, saved: Callable[[], None]) -> None:
-    """transformers' generate on the same architecture (its own random init, same sizes): ms per new token
-    from two generation lengths (``mode`` static: static cache, which transformers compiles), into ``out`` by
-    batch, ``saved`` called after each batch (a run cut short keeps the batches done)."""
+def peer(model_dir: Path, batches: list[int], mode: str, steps: int, out: dict, saved: Callable[[], None],
+         prompt: int = PROMPT) -> None:
+    """transformers' generate on the same architecture (its own random init, same sizes) from ``prompt``-token
+    prompts: ms per new token from two generation lengths (``mode`` static: static cache, which transformers
+    compiles), into ``out`` by batch, ``saved`` called after each batch (a run cut short keeps the batches done)."""
     from transformers import AutoModelForCausalLM
 
     from epmoe.models.hf import hf_config
@@ -240,7 +241,7 @@ def peer(model_dir: Path, batches: list[int], mode: str, steps: int, out: dict, 
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     for bs in batches:
-        ids = torch.randint(0, config.vocab_size, (bs, PROMPT), device="cuda")
+        ids = torch.randint(0, config.vocab_size, (bs, prompt), device="cuda")
         kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
         if mode == "static":
             kw["cache_implementation"] = "static"
@@ -648,7 +649,7 @@ def main() -> None:
         save()
         for mode in [x for x in args.peer.split(",") if x != "none"]:
             m["peer"][mode] = {}
-            peer(d, [int(b) for b in args.peer_batches.split(",")], mode, 16, m["peer"][mode], save)
+            peer(d, [int(b) for b in args.peer_batches.split(",")], mode, 16, m["peer"][mode], save, args.context)
             print(f"  peer {mode}: {m['peer'][mode]}", flush=True)
         for bs, r in m["rows"].items():
             times = [v[bs] for v in m["peer"].values() if isinstance(v.get(bs), float)]
