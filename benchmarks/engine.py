@@ -606,6 +606,8 @@ def main() -> None:
     ap.add_argument("--spec-steps", type=int, default=24)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the speculation rows only")
     args = ap.parse_args()
+    if args.context < 1:
+        ap.error(f"--context must be at least 1 prompt token, got {args.context}")
     if args.spec or args.device == "cpu":
         ceil = measure_ceilings() if args.device == "cuda" else None
         rows = spec_rows(args, ceil)
