@@ -364,3 +364,23 @@ def test_format_name_is_the_checkpoints_dtype_for_unquantized_experts():
     cfg["dtype"] = 16
     with pytest.raises(ValueError, match=r"<dict>: field 'dtype' must be a string, got 16"):
         parse_moe_spec(cfg)
+
+
+@pytest.mark.parametrize("name, model_type, field, alias, value", [
+    ("mixtral-8x7b", "mixtral", "num_local_experts", "num_experts", 16),
+    ("gpt-oss-20b", "gpt_oss", "num_local_experts", "num_experts", 8),
+])
+def test_a_field_named_by_its_transformers_alias_is_read(tmp_path, name, model_type, field, alias, value):
+    """A config naming a field by an alias of its config class's ``attribute_map`` gives that value, as
+    transformers reads it, never the class default."""
+    import transformers
+
+    cfg = json.loads((CONFIGS / f"{name}.config.json").read_text())
+    del cfg[field]
+    cfg[alias] = value
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert getattr(transformers.CONFIG_MAPPING[model_type].from_dict(cfg), field) == value
+    spec = load_moe_spec(path)
+    assert spec.num_experts == value
+    assert field not in dict(spec.defaults)

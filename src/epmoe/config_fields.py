@@ -88,8 +88,16 @@ class ConfigFields:
         self.defaults_class = ""
 
     def _lookup(self, key: str, alternatives: Iterable[str], fallback: Any) -> tuple[str, Any]:
-        """``(the field's name as messages give it, its value)``: the first name present, else the default."""
-        names = (key, *alternatives)
+        """``(the field's name as messages give it, its value)``: the first name present, else the default.
+
+        Besides ``key`` and ``alternatives``, the names transformers' config class maps to the same field
+        (its ``attribute_map``) are looked up, as transformers reads them (Mixtral's ``num_experts`` is its
+        ``num_local_experts``)."""
+        names = asked = (key, *alternatives)
+        if self.model_type is not None:
+            aliases = transformers_defaults(self.model_type)[2]
+            fields = {aliases.get(k, k) for k in names}
+            names = tuple(dict.fromkeys((*names, *fields, *(a for a, f in aliases.items() if f in fields))))
         for k in names:
             if self.cfg.get(k) is not None:
                 return self.prefix + k, self.cfg[k]
@@ -106,7 +114,7 @@ class ConfigFields:
                     return self.prefix + key, defaults[field]
         if fallback is not _MISSING:
             return self.prefix + key, fallback
-        wanted = " or ".join(repr(self.prefix + k) for k in names)
+        wanted = " or ".join(repr(self.prefix + k) for k in asked)
         where = f" (and transformers' {self.model_type} config declares no default)" if self.model_type else ""
         raise ValueError(f"{self.source}: missing field {wanted} in config.json{where}")
 
