@@ -174,6 +174,24 @@ def test_the_context_is_max_position_embeddings_as_the_spec_reads_it(model_dir, 
             context(f"bad{value}", lambda cfg: cfg.update(max_position_embeddings=value))
 
 
+def test_max_model_len_is_checked_against_the_parsed_context(model_dir, tmp_path):
+    """max_model_len is checked against the context the spec reads, transformers' default where config.json has no
+    max_position_embeddings (it was checked against the file's raw field only, so any length passed then)."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg.pop("max_position_embeddings")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    default = AutoConfig.for_model("qwen3_moe").max_position_embeddings
+    assert EngineConfig(model=str(tmp_path), load_format="dummy", max_model_len=default).max_model_len == default
+    with pytest.raises(ValueError, match=rf"max_model_len \({default + 1}\) is past the model's "
+                                         rf"max_position_embeddings \({default}\)"):
+        EngineConfig(model=str(tmp_path), load_format="dummy", max_model_len=default + 1)
+
+
 def test_abort_mid_generation(engine, reference):
     ids = {p: engine.add_request(p, GREEDY) for p in PROMPTS}
     victim = ids["The quick brown fox"]

@@ -165,11 +165,14 @@ class EngineConfig:
             _positive(name, getattr(self, name))
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
-            from epmoe.spec import language_model_config, read_config
+            from epmoe.spec import load_moe_spec
 
-            limit = language_model_config(read_config(self.model)[0]).get("max_position_embeddings")
-            # a limit that is not a positive integer is the config's error, named when the model's spec is read
-            if isinstance(limit, int) and 0 < limit < self.max_model_len:
+            # the parsed context (transformers' default where config.json has none), not the file's raw field
+            try:
+                limit = load_moe_spec(self.model).max_position_embeddings
+            except ValueError:  # the config's own error, named when the engine reads the model's spec
+                limit = None
+            if limit is not None and limit < self.max_model_len:
                 raise ValueError(f"max_model_len ({self.max_model_len}) is past the model's max_position_embeddings "
                                  f"({limit})")
         for name in ("cuda_graph_max_tokens", "piecewise_cuda_graph_max_tokens"):
