@@ -459,8 +459,8 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "doctor", help="check backends, GPUs, placements (target and draft) and memory before launch",
         description="One line per finding: what is wrong, why it matters, what to change. Exit code 1 when any "
-                    "finding is an error (a missing or unreadable model, config, placement or profile included), "
-                    "2 on a bad flag value.",
+                    "finding is an error (a missing or unreadable model, config or placement included), "
+                    "2 on a bad flag value (an unknown, unreadable or incomplete --hardware profile included).",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", metavar="DIR", help="target checkpoint directory")
@@ -490,7 +490,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         ))
     except (ValueError, TypeError) as exc:
         raise _flag_error(exc, {"ep": "--ep", "nodes": "--nodes", "batch": "--batch", "context": "--context",
-                                "weights": "--weights"}) from exc
+                                "weights": "--weights", "hardware": "--hardware"}) from exc
 
 
 LOAD_FORMAT_CHOICES = ("auto", "epmoe", "olmoe-csv", "sglang-stat", "sglang-per-pass", "trtllm")

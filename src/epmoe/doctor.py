@@ -337,7 +337,8 @@ def diagnose(cfg: DoctorConfig) -> list[Finding]:
     """All checks of ``cfg``, in order: backends, target model, checkpoint and placement, draft, memory.
 
     Raises:
-        ValueError: a bad ``ep``, ``nodes``, ``batch``, ``context``, ``weights`` or ``mem_fraction`` (named).
+        ValueError: a bad ``ep``, ``nodes``, ``batch``, ``context``, ``weights`` or ``mem_fraction``, or a
+            ``hardware`` profile that is unknown, unreadable or incomplete (named).
     """
     ep = check_int("ep", 1 if cfg.ep is None else cfg.ep, 1)
     nodes = check_int("nodes", cfg.nodes, 1)
@@ -349,6 +350,8 @@ def diagnose(cfg: DoctorConfig) -> list[Finding]:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {cfg.weights!r}")
     if not 0 < cfg.mem_fraction <= 1:
         raise ValueError(f"mem_fraction must lie in (0, 1], got {cfg.mem_fraction}")
+    if cfg.hardware is not None:
+        load_hardware(cfg.hardware)  # an unknown, unreadable or incomplete profile is a bad argument, named first
     findings = check_backends(ep, nodes)
     spec, problems = _load_spec(cfg.model, "the target model")
     findings += problems

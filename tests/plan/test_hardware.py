@@ -175,9 +175,31 @@ def test_plan_and_doctor_report_a_bad_profile(tmp_path, capsys):
     assert main(["plan", "--config", cfg, "--gpus", "8", "--hardware", path]) == 2
     err = capsys.readouterr().err
     assert want in err and err.count("\n") == 1 and "Traceback" not in err
-    assert main(["doctor", "--config", cfg, "--hardware", path]) == 1
+    assert main(["doctor", "--config", cfg, "--hardware", path]) == 2  # a bad argument, as plan: before any check
     out = capsys.readouterr()
-    assert want in out.out + out.err and "Traceback" not in out.err
+    assert want in out.err and out.out == "" and "Traceback" not in out.err
+
+
+def test_doctor_names_every_missing_field_of_an_incomplete_profile(tmp_path, capsys):
+    """An incomplete --hardware profile is a bad argument for doctor as for plan: exit 2, before any check, naming
+    every field it lacks (doctor exited 1 with the first one as a finding)."""
+    from ..conftest import CONFIGS
+
+    doc = _doc()
+    del doc["gpus_per_node"], doc["links"], doc["matmul_flops_per_s"]["bf16"]
+    path = _write(tmp_path, doc)
+    cfg = str(CONFIGS / "qwen3-30b-a3b.config.json")
+    for cmd in (["doctor", "--config", cfg], ["plan", "--config", cfg, "--gpus", "8"]):
+        assert main([*cmd, "--hardware", path]) == 2
+        out = capsys.readouterr()
+        assert out.out == ""
+        assert out.err == (f"epmoe {cmd[0]}: error: {path}: fields 'gpus_per_node', 'links', "
+                           f"'matmul_flops_per_s.bf16' are missing (an incomplete profile)\n")
+    doc = _doc()
+    del doc["links"]["intra_node"]["all_to_all_latency_us"], doc["links"]["inter_node"]["all_reduce_latency_us"]
+    with pytest.raises(ValueError, match=r"^x\.json: fields 'links\.intra_node\.all_to_all_latency_us', "
+                                         r"'links\.inter_node\.all_reduce_latency_us' are missing"):
+        parse_hardware(doc, "x.json")
 
 
 @pytest.mark.parametrize("curve,item", [

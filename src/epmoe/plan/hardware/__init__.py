@@ -210,6 +210,25 @@ def _curve(points: Any, source: str, field: str) -> tuple[tuple[float, float], .
     return tuple(out)
 
 
+_REQUIRED_FIELDS = ("format", "gpus_per_node", "memory_bytes", "hbm_bytes_per_s", "matmul_flops_per_s", "links")
+
+
+def _missing_fields(doc: dict[str, Any]) -> list[str]:
+    """The required fields ``doc`` lacks, by their path: all of them, so that one message names every gap of an
+    incomplete profile (a ``null`` is a bad value, named where the field is read)."""
+    missing = [k for k in _REQUIRED_FIELDS if k not in doc]
+    flops, links = doc.get("matmul_flops_per_s"), doc.get("links")
+    if isinstance(flops, dict) and "bf16" not in flops:
+        missing.append("matmul_flops_per_s.bf16")
+    if isinstance(links, dict):
+        if "intra_node" not in links:
+            missing.append("links.intra_node")
+        for kind in _LINK_KINDS:
+            if isinstance(links.get(kind), dict):
+                missing += [f"links.{kind}.{k}" for k in _LINK_FIELDS if k not in links[kind]]
+    return missing
+
+
 def parse_hardware(doc: dict[str, Any], source: str = "<dict>") -> HardwareProfile:
     """Validate a profile JSON object; every check of a profile is made here.
 
@@ -227,6 +246,11 @@ def parse_hardware(doc: dict[str, Any], source: str = "<dict>") -> HardwareProfi
     """
     if not isinstance(doc, dict):
         raise ValueError(f"{source}: expected a JSON object, got {type(doc).__name__}")
+    missing = _missing_fields(doc)
+    if missing:
+        names = ", ".join(map(repr, missing))
+        raise ValueError(f"{source}: field {names} is missing" if len(missing) == 1
+                         else f"{source}: fields {names} are missing (an incomplete profile)")
     if doc.get("format") != HARDWARE_FORMAT:
         raise ValueError(f"{source}: field 'format' must be {HARDWARE_FORMAT!r}, got {doc.get('format')!r}")
     _check_keys(doc, _TOP_FIELDS, source)
