@@ -89,7 +89,11 @@ def test_type_errors_and_model_check():
         ({"ep_size": 2}, r"field 'phy2log' is missing"),
         ({"ep_size": 2, "num_experts": 4, "phy2log": [[0, 1, 2, 2]]}, r"layer 0: logical expert 3 has no physical "
                                                                       r"slot"),
-        ({"ep_size": 2, "phy2log": [[0, 1.5]]}, r"integers only"),
+        ({"ep_size": 2, "phy2log": [[0, 1.5]]}, r"integers only, got phy2log\[0, 1\] = 1\.5$"),
+        ({"ep_size": 2, "phy2log": [[0, 1], [1, "a"]]}, r"integers only, got phy2log\[1, 1\] = 'a'$"),
+        # no slots at all: named as such (it was torch's 'cannot reshape tensor of 0 elements')
+        ({"ep_size": 2, "phy2log": []}, r"/bad\.json': field 'phy2log' holds no slots, got \[\]: it needs one list"),
+        ({"ep_size": 2, "phy2log": [[], []]}, r"/bad\.json': field 'phy2log' holds no slots, got \[\[\], \[\]\]"),
     ],
 )
 def test_bad_files_name_the_problem(tmp_path, doc, message):

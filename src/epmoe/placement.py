@@ -359,12 +359,17 @@ class ExpertPlacement:
                 if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows):
                     raise ValueError("field 'phy2log' must be a list of per-layer lists")
                 widths = {len(r) for r in rows}
+                if not rows or widths == {0}:
+                    raise ValueError(f"field 'phy2log' holds no slots, got {rows!r}: it needs one list of logical "
+                                     f"expert ids per MoE layer")
                 if len(widths) > 1:
                     lens = [len(r) for r in rows]
                     layer = next(i for i, n in enumerate(lens) if n != lens[0])
                     raise ValueError(f"phy2log layer {layer} has {lens[layer]} slots but layer 0 has {lens[0]}")
-                if not all(isinstance(v, int) and not isinstance(v, bool) for r in rows for v in r):
-                    raise ValueError("phy2log must hold integers only")
+                bad = next(((i, j, v) for i, r in enumerate(rows) for j, v in enumerate(r)
+                            if not isinstance(v, int) or isinstance(v, bool)), None)
+                if bad is not None:
+                    raise ValueError(f"phy2log must hold integers only, got phy2log[{bad[0]}, {bad[1]}] = {bad[2]!r}")
                 phy2log = torch.tensor(rows, dtype=torch.int64)
                 if phy2log.dim() != 2:
                     phy2log = phy2log.reshape(len(rows), -1)
