@@ -153,3 +153,22 @@ def test_kv_pool_short_of_the_context_is_refused_at_start():
     # the ranks' report queue was closed before the exit: multiprocessing's resource tracker (whose output ends this
     # stderr) found no semaphore left
     assert "leaked semaphore" not in err, err
+
+
+@pytest.mark.parametrize("flags, message", [
+    # more ranks than the built-in model's 16 experts: it spawned the 32 ranks first (a minute on two cores), each
+    # failing with this, while the server listened
+    (["--ep", "32"], r"--ep 32: EP size 32 with redundant 0: EP size \(32\) is larger than the number of slots \(16\)"),
+    (["--ep", "2", "--redundant", "1"], r"--ep 2: EP size 2 with redundant 1: num_slots \(17 = 16 experts \+ 1 "
+                                        r"redundant\) must be divisible by the EP group size \(2\)"),
+    (["--ep", "3", "--parallel", "tp"], r"--ep 3: moe_intermediate_size \(32\) of model .* must be divisible by the "
+                                        r"TP group size \(3\)"),
+])
+def test_experts_that_do_not_fit_the_ranks_are_refused_before_any_rank_starts(flags, message):
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"))
+    cmd = [sys.executable, "-m", "epmoe.cli", "serve", "--port", str(free_port()), *flags]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    err = done.stderr
+    assert done.returncode == 2, err
+    assert re.search(rf"^epmoe serve: error: {message}", err, re.M), err
+    assert "listening" not in err and "rank 0 failed" not in err and "Traceback" not in err, err
