@@ -465,6 +465,28 @@ def test_bad_request_answered_and_server_still_serves(server, route, case, body,
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.parametrize("route, body, param, message", [
+    # a content list that got past the str member: the part is named, not the str member's "a valid string"
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages.0.content.0.text", "messages.0.content.0.text: Input should be a valid string (got 5)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages.0.content.0.type", "messages.0.content.0.type: Input should be 'text' (got 'image_url')"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
+     "messages.0.content", "messages.0.content: must be str | list[ContentPart] (got 5)"),
+    # several members failed inside: every member named (it was "Input should be a valid string (got [1.5])")
+    ("/v1/completions", {"prompt": [1.5]},
+     "prompt", "prompt: must be str | list[int] | list[str] | list[list[int]] (got [1.5])"),
+])
+def test_a_union_field_error_names_what_failed(server, route, body, param, message):
+    r = httpx.post(f"{server.url}{route}", json={"model": MODEL, "max_tokens": 2, **body}, headers=AUTH)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["message"] == message
+    ok = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, json={
+        "model": MODEL, "max_tokens": 2, "ignore_eos": True,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
 def test_structured_outputs_hold_on_both_endpoints(client, offline):
     """OpenAI's response_format (a schema of an enum: a JSON string), vLLM's structured_outputs (a JSON object without
     free whitespace, streamed too) and guided_choice: each output holds to its constraint, and a constrained request

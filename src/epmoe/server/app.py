@@ -74,6 +74,26 @@ def _field_of(loc: tuple) -> str | None:
     return ".".join(parts) or None
 
 
+def _union_members(errors: list) -> tuple[dict | None, list[str]]:
+    """Where the first error is one member of a union failing (``("messages", 0, "content", "str")``): the error to
+    report when the input got past exactly one member's own type and failed inside it (a content list whose part
+    has no ``text``: ``messages.0.content.0.text``, not the ``str`` member's complaint about a list), else
+    ``None`` and the names of every member tried, when more than one failed inside (``prompt: [1.5]``)."""
+    loc = errors[0]["loc"]
+    tag = next((i for i, p in enumerate(loc) if isinstance(p, str) and (not p.isidentifier() or p in _TYPE_TAGS)),
+               None)
+    if tag is None:
+        return None, []
+    members: dict[str, list] = {}
+    for e in errors:
+        if e["loc"][:tag] == loc[:tag] and len(e["loc"]) > tag:
+            members.setdefault(str(e["loc"][tag]), []).append(e)
+    inside = [m for m, errs in members.items() if any(len(e["loc"]) > tag + 1 for e in errs)]
+    if len(inside) == 1:
+        return next(e for e in members[inside[0]] if len(e["loc"]) > tag + 1), []
+    return None, list(members) if len(inside) > 1 else []
+
+
 def _error(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body().model_dump(), status_code=exc.status)
 
@@ -161,14 +181,16 @@ def build_app(ctx: AppContext) -> FastAPI:
             errors = exc.errors()
             if errors[0]["type"] == "unserved":  # a field at a value this server does not serve (protocol.UNSERVED)
                 raise ApiError(400, errors[0]["msg"], errors[0]["ctx"]["field"]) from None
-            field = _field_of(errors[0]["loc"])
-            value = repr(errors[0].get("input"))
+            inner, kinds = _union_members(errors)
+            first = inner or errors[0]
+            field = _field_of(first["loc"])
+            value = repr(first.get("input"))
             value = value if len(value) <= 80 else value[:77] + "..."
             tried = [e for e in errors if _field_of(e["loc"]) == field]
-            if len(tried) > 1:  # a union: no member matched
-                kinds = " | ".join(str(e["loc"][-1]) for e in tried)
-                raise ApiError(400, f"{field}: must be {kinds} (got {value})", field) from None
-            raise ApiError(400, f"{field}: {errors[0]['msg']} (got {value})", field) from None
+            if inner is None and (kinds or len(tried) > 1):  # a union: no member matched
+                kinds = kinds or [str(e["loc"][-1]) for e in tried]
+                raise ApiError(400, f"{field}: must be {' | '.join(kinds)} (got {value})", field) from None
+            raise ApiError(400, f"{field}: {first['msg']} (got {value})", field) from None
 
     def ready_info():
         if frontend.state != "ready" or frontend.info is None:
