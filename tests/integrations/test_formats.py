@@ -224,3 +224,24 @@ def test_doctor_reads_the_three_formats(tmp_path, capsys):
     (tmp_path / "t.yaml").write_text(yaml.dump(doc, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper)))
     assert main(["doctor", "--config", str(V3), "--placement", str(tmp_path / "t.yaml"), "--ep", "8"]) == 1
     assert "field 'initial_global_assignments.30' has 287 entries, but num_slots is 288" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, fmt", [("p.pt", "sglang"), ("p.json", "sglang"), ("p.yaml", "trtllm")])
+def test_the_engine_takes_the_placement_files_doctor_takes(tiny_checkpoints, tmp_path, name, fmt):
+    """``epmoe run/serve --placement`` take SGLang's and TensorRT-LLM's files as doctor does (run read every file as
+    epmoe's JSON: a .pt failed on its bytes, a .yaml as 'Expecting value', while doctor said 'ok'); their decoder
+    layers are cut to the model's MoE layers (the first layer of the Kimi checkpoint is dense)."""
+    from epmoe.doctor import check_placement
+    from epmoe.engine import EngineConfig
+    from epmoe.engine.engine import trivial_or_file_placement
+    from epmoe.integrations.placements import LayeredPlacement, save_placement_as
+
+    model = str(tiny_checkpoints("kimi-k2.5"))
+    spec = load_moe_spec(model)
+    assert spec.moe_layers[0] > 0  # a dense layer first: the SGLang map has a row more than the placement
+    p = ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 2, 2, "round_robin")
+    save_placement_as(LayeredPlacement(p, spec.moe_layers, spec.num_layers, fmt), tmp_path / name, fmt)
+    assert check_placement(spec, str(tmp_path / name), 2, "the target model")[1][0].severity == "ok"
+    got = trivial_or_file_placement(EngineConfig(model=model, placement=str(tmp_path / name)), spec.num_moe_layers,
+                                    spec.num_experts, 2)
+    assert torch.equal(got.phy2log, p.phy2log) and got.ep_size == 2 and got.num_redundant == 2

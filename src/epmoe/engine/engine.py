@@ -73,6 +73,7 @@ from epmoe.engine.speculative import Proposal, SpecStats, verify, verify_greedy
 from epmoe.engine.structured import Grammars, Matcher, StructuredOutputs, allows_besides, apply_token_bitmask
 from epmoe.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
 from epmoe.engine.transfer import to_device
+from epmoe.integrations.placements import load_placement_as
 from epmoe.layer import MoELayerOptions, check_tp_sizes
 from epmoe.loads import ExpertLoadRecorder, slots_to_logical
 from epmoe.models.hf import EPModel, load_ep_model, load_tp_model
@@ -87,13 +88,18 @@ _CPU_KV_BYTES = 1 << 30  # KV budget on CPU (no memory query there)
 
 def trivial_or_file_placement(config: EngineConfig, num_layers: int, num_experts: int,
                               ep_size: int) -> ExpertPlacement:
-    """The placement the options ask for: the file, or the trivial one.
+    """The placement the options ask for: the file (epmoe's, SGLang's or TensorRT-LLM's), or the trivial one.
 
     Raises:
         ValueError: the placement does not fit the model or the group (named).
     """
     if config.placement:
-        placement = ExpertPlacement.load(config.placement, ep_size=ep_size)
+        # epmoe's file, or SGLang's or TensorRT-LLM's (as doctor and the plug-ins read them); theirs name decoder
+        # layers, cut to the model's MoE layers
+        layered = load_placement_as(config.placement, ep_size=ep_size)
+        if layered.format != "epmoe":
+            layered = load_placement_as(config.placement, ep_size=ep_size, spec=load_moe_spec(config.model))
+        placement = layered.placement
     else:
         try:
             placement = ExpertPlacement.trivial(num_layers, num_experts, ep_size, config.redundant, config.layout)
