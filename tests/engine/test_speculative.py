@@ -242,6 +242,24 @@ def test_draft_whose_experts_do_not_match_its_placement_is_refused(tiny_checkpoi
                             speculative_draft_placement=str(wrong)))
 
 
+@pytest.mark.parametrize("name, fmt", [("draft.pt", "sglang"), ("draft.yaml", "trtllm")])
+def test_draft_placement_of_sglang_or_tensorrt_llm_is_read(tiny_checkpoints, tmp_path, name, fmt):
+    """--speculative-draft-placement takes SGLang's and TensorRT-LLM's files, as doctor's --draft-placement does (it
+    read every file as epmoe's JSON)."""
+    from epmoe.integrations.placements import LayeredPlacement, save_placement_as
+    from epmoe.placement import ExpertPlacement
+    from epmoe.spec import load_moe_spec
+
+    target, draft = str(tiny_checkpoints("qwen3-moe")), str(tiny_checkpoints("mixtral"))
+    spec = load_moe_spec(draft)
+    p = ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1, 1)
+    save_placement_as(LayeredPlacement(p, spec.moe_layers, spec.num_layers, fmt), tmp_path / name, fmt)
+    engine = Engine(EngineConfig(model=target, speculative_algorithm="draft", speculative_draft_model=draft,
+                                 speculative_num_tokens=2, speculative_draft_placement=str(tmp_path / name)))
+    assert torch.equal(engine.proposer.placement.phy2log, p.phy2log)
+    assert engine.proposer.placement.num_redundant == 1
+
+
 def test_drafts_that_cannot_serve_the_target_are_refused(tiny_checkpoints, drafts, tmp_path):
     target = str(tiny_checkpoints("qwen3-moe"))
     with pytest.raises(ValueError, match=f"draft model {drafts['dense']} is dense: it has no experts to place"):
