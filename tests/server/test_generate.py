@@ -158,3 +158,16 @@ def test_completions_add_the_tokenizers_bos_and_chats_do_not(tmp_path):
 
     engine = Engine(EngineConfig(model=str(d), max_num_seqs=2, num_kv_blocks=8, block_size=16))
     assert engine.encode("hi") == [256, 104, 105]  # the offline API encodes as vLLM's LLM.generate
+
+
+def test_a_completion_without_max_tokens_is_capped_by_the_context(codec):
+    """A completion that sends no max_tokens takes 16 (or generation_config's), capped by what the context leaves,
+    as vLLM does (it was a 400 naming 'max_tokens (16)', a value the request never sent); one that sends it past the
+    context is still refused, naming it."""
+    prompt = list(range(250))  # 250 of the context's 256 tokens
+    assert build_job(_completion(prompt=prompt), MODEL, codec, INFO).params[0].max_tokens == 6
+    assert build_job(_completion(prompt=prompt), MODEL, codec, INFO, {"max_tokens": 100}).params[0].max_tokens == 6
+    assert build_job(_completion(prompt=[1, 2]), MODEL, codec, INFO).params[0].max_tokens == 16
+    error = _refused(_completion(prompt=prompt, max_tokens=16), codec)
+    assert (error.status, error.param) == (400, "max_tokens")
+    assert error.message == "max_tokens (16) plus the prompt's 250 tokens is past the model's context of 256 tokens"

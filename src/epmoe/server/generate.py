@@ -144,6 +144,7 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         prompts = [codec.encode(_chat_text(req.messages, codec), req.add_special_tokens)]
         sent = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        implied = False  # None: what the context leaves (below)
         top = req.top_logprobs
         if top is not None and not 0 <= top <= MAX_LOGPROBS:
             raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
@@ -161,6 +162,7 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
                    for p in items]
         sent = "max_tokens"
         max_tokens = req.max_tokens if req.max_tokens is not None else (defaults or {}).get("max_tokens", 16)
+        implied = req.max_tokens is None  # a default the request never sent: capped by the context, not refused
         logprobs = req.logprobs
         asked = [k for k in (req.prompt_logprobs, logprobs if req.echo else None) if k is not None]
         prompt_logprobs = max(asked) if asked else None  # echo's legacy form and vLLM's field share one count
@@ -198,6 +200,8 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
     if max_tokens is None:  # a chat without one: what the context leaves, capped by generation_config's
         left = info.max_model_len - longest  # each prompt is shorter than the context (checked above)
         max_tokens = min(left, max(defaults.get("max_tokens", left), req.min_tokens))  # room for its min_tokens
+    elif longest + max_tokens > info.max_model_len and kind == "completion" and implied and not prompt_only:
+        max_tokens = info.max_model_len - longest  # as vLLM: the default is capped by what the context leaves
     elif longest + max_tokens > info.max_model_len:
         raise ApiError(400, f"{sent} ({max_tokens}) plus the prompt's {longest} tokens is past the model's "
                             f"context of {info.max_model_len} tokens", sent)
