@@ -125,7 +125,9 @@ def test_save_loads_refusals(kimi, tmp_path, capsys):
     assert main(["run", "--model", str(kimi), "--parallel", "tp", "--save-loads", str(tmp_path / "l.json")]) == 2
     assert "--save-loads records expert loads of --parallel ep" in capsys.readouterr().err
     assert main(["run", "--model", str(kimi), "--save-loads", str(tmp_path / "l.csv")]) == 2
-    assert "loads are written as .json or .safetensors" in capsys.readouterr().err
+    assert "loads are written as .json or .safetensors, not '.csv'" in capsys.readouterr().err
+    assert main(["run", "--model", str(kimi), "--save-loads", str(tmp_path / "l.txt")]) == 2  # not written as JSON
+    assert "loads are written as .json or .safetensors, not '.txt'" in capsys.readouterr().err
     assert main(["run", "--model", str(kimi), "--save-loads", str(tmp_path / "no" / "l.json")]) == 2
     err = capsys.readouterr().err
     assert f"--save-loads ('{tmp_path / 'no' / 'l.json'}') cannot be written: directory" in err

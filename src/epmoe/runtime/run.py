@@ -181,9 +181,11 @@ class RunConfig:
             if self.parallel == "tp":
                 raise ValueError("--save-loads records expert loads of --parallel ep; tp computes every expert on "
                                  "every rank")
-            if Path(self.save_loads).suffix == ".csv":
-                raise ValueError(f"--save-loads {self.save_loads!r}: loads are written as .json or .safetensors "
-                                 "(the CSV form is the OLMoE routing counts)")
+            suffix = Path(self.save_loads).suffix
+            if suffix not in (".json", ".safetensors"):
+                raise ValueError(f"--save-loads {self.save_loads!r}: loads are written as .json or .safetensors, not "
+                                 f"{suffix or 'a file without a suffix'!r}"
+                                 + (" (the CSV form is the OLMoE routing counts)" if suffix == ".csv" else ""))
             check_output_path("--save-loads", self.save_loads, "a loads file path (.json or .safetensors)")
         for p in self.prompts:
             try:
