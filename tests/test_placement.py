@@ -129,6 +129,14 @@ def test_placement_file_ids_and_keys(tmp_path, doc, message):
         ExpertPlacement.load(path)
 
 
+def test_file_ep_size_0_is_an_invalid_field_even_when_an_ep_size_is_asked_for(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"phy2log": [[0, 1, 2, 3]], "ep_size": 0}))
+    with pytest.raises(ValueError, match=r"^placement file '.*p\.json': field 'ep_size' must be a positive "
+                                         r"integer, got 0$"):
+        ExpertPlacement.load(path, ep_size=2)
+
+
 def test_file_ep_disagreement(tmp_path):
     path = tmp_path / "p.json"
     ExpertPlacement.trivial(1, 4, 2).save(path)
@@ -141,6 +149,11 @@ def test_file_ep_disagreement(tmp_path):
     ({"ep_size": 2.0, "phy2log": [[0, 1, 2, 3]]}, "field 'ep_size' must be an integer, got 2.0"),
     ({"ep_size": 2, "num_experts": True, "phy2log": [[0, 1, 2, 3]]}, "field 'num_experts' must be an integer"),
     ({"format": "foo/9", "ep_size": 2, "phy2log": [[0, 1, 2, 3]]}, "field 'format' is 'foo/9'"),
+    # an invalid value is named as such, not as an EP size the file is "for"
+    ({"ep_size": 0, "phy2log": [[0, 1, 2, 3]]}, "field 'ep_size' must be a positive integer, got 0$"),
+    ({"ep_size": -2, "phy2log": [[0, 1, 2, 3]]}, "field 'ep_size' must be a positive integer, got -2$"),
+    ({"ep_size": 2, "num_experts": 0, "phy2log": [[0, 1, 2, 3]]},
+     "field 'num_experts' must be a positive integer, got 0$"),
 ])
 def test_placement_file_fields_are_typed(tmp_path, doc, msg):
     path = tmp_path / "p.json"

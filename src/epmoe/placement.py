@@ -380,6 +380,9 @@ class ExpertPlacement:
                         raise ValueError(f"field {key!r} must be an integer, got {value!r}")
                 if "format" in doc and doc["format"] != PLACEMENT_FORMAT:
                     raise ValueError(f"field 'format' is {doc['format']!r}; this reader knows {PLACEMENT_FORMAT!r}")
+            for key, value in (("ep_size", file_ep), ("num_experts", num_experts)):
+                if value is not None and value < 1:
+                    raise ValueError(f"field {key!r} must be a positive integer, got {value!r}")
             if file_ep is not None and ep_size is not None and int(file_ep) != ep_size:
                 raise ValueError(f"the file is for EP size {file_ep} but EP size {ep_size} was asked for")
             use_ep = int(file_ep) if file_ep is not None else ep_size
