@@ -41,8 +41,8 @@ def test_deepseek_hierarchical_cli(tmp_path, capsys):
 @pytest.mark.parametrize(
     "args,msg",
     [
-        (["--ep", "7", "--redundant", "8"], "num_slots (72 = 64 experts + 8 redundant) must be divisible by the EP "
-                                            "group size (7)"),
+        (["--ep", "7", "--redundant", "8"], "error: num_slots (72 = 64 experts + 8 redundant) must be divisible by "
+                                            "--ep (7)\n"),
         # the CLI names the flags the user typed, not the library's field names
         (["--ep", "128"], "error: --ep (128) is larger than the number of slots (64"),
         (["--ep", "8", "--nodes", "2", "--groups", "3"], "num_experts (64) must be divisible by --groups (3)"),
@@ -147,3 +147,13 @@ def test_out_suffix_names_the_format(tmp_path, capsys):
     assert main(["balance", "--loads", str(DATA / "eplb_readme_example.json"), "--ep", "8", "--redundant", "4",
                  "--out", str(st)]) == 0
     assert st.stat().st_mode & 0o777 == 0o644
+
+
+def test_a_from_placement_with_ep_size_0_names_the_field(tmp_path, capsys):
+    bad = tmp_path / "from.json"
+    bad.write_text(json.dumps({"phy2log": [[0, 1, 2, 3]], "ep_size": 0}))
+    out = tmp_path / "p.json"
+    assert main(["balance", "--loads", CSV, "--ep", "8", "--from", str(bad), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"placement file '{bad}': field 'ep_size' must be a positive integer, got 0\n" in err
+    assert "EP size 0" not in err and not out.exists()

@@ -48,7 +48,7 @@ def check_problem(
     if num_slots % ep_size:
         raise ValueError(
             f"num_slots ({num_slots} = {num_experts} experts + {num_redundant} redundant) must be divisible "
-            f"by the EP group size ({ep_size})"
+            f"by ep_size ({ep_size})"
         )
     if ep_size % num_nodes:
         raise ValueError(f"ep_size ({ep_size}) must be divisible by num_nodes ({num_nodes})")
