@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -237,6 +238,30 @@ def main_int4(args) -> int:
     return 1 if args.check and outside else 0
 
 
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A bad flag is an argparse error (exit 2) naming the flag, before any work: an unreadable or wrong results
+    file, an unknown or unreadable profile, an --out whose folder is missing, --int4-results without Triton."""
+    flag, name, rows = ("--int4-results", args.int4_results, "int4_rows") if args.int4_results else (
+        "--results", args.results, "rows")
+    try:
+        results = json.loads(Path(name).read_text())
+    except (OSError, ValueError) as exc:
+        p.error(f"{flag} {name!r} cannot be read as JSON: {exc}")
+    if not isinstance(results, dict) or not isinstance(results.get(rows), list):
+        p.error(f"{flag} {name!r} holds no {rows!r} list: not a results JSON of benchmarks/moe_layer.py")
+    if args.ceilings == "run" and not isinstance(results.get("ceilings"), dict):
+        p.error(f"--ceilings run needs the run's 'ceilings' in {flag} {name!r}, which has none")
+    try:
+        load_hardware(args.hardware)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        p.error(f"--hardware {args.hardware!r}: {exc.args[0] if isinstance(exc, KeyError) and exc.args else exc}")
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        p.error(f"--out {args.out!r}: folder '{Path(args.out).resolve().parent}' does not exist")
+    if args.int4_results and importlib.util.find_spec("triton") is None:
+        p.error("--int4-results takes each row's time from the INT4 path the backend picks, which imports Triton; "
+                "Triton is not installed here")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--results", default=str(DEFAULT_RESULTS), help="moe_layer.py results JSON")
@@ -247,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help=f"exit 1 when a row is off by more than {TARGET * 100:.0f}%%")
     p.add_argument("--int4-results", help="an INT4 moe_layer.py results JSON: the INT4 rows and their fit instead")
     args = p.parse_args(argv)
+    check_args(p, args)
     if args.int4_results:
         return main_int4(args)
     path = Path(args.results)

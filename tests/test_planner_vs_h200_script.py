@@ -1,0 +1,64 @@
+"""benchmarks/planner_vs_h200.py's flags: a bad one is an argparse error (exit 2) naming the flag and its value,
+before any work, not a traceback."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "planner_vs_h200.py"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("planner_vs_h200", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--results", "{tmp}/missing.json"], "--results '{tmp}/missing.json' cannot be read as JSON: [Errno 2]"),
+    (["--results", "{tmp}/text.json"], "--results '{tmp}/text.json' cannot be read as JSON: Expecting value"),
+    (["--results", "{tmp}/loads.json"],
+     "--results '{tmp}/loads.json' holds no 'rows' list: not a results JSON of benchmarks/moe_layer.py"),
+    (["--results", "{tmp}/rows.json", "--ceilings", "run"],
+     "--ceilings run needs the run's 'ceilings' in --results '{tmp}/rows.json', which has none"),
+    (["--hardware", "nope"], "--hardware 'nope': hardware 'nope' is not known; shipped profiles: h100-sxm, h200-sxm"),
+    (["--out", "{tmp}/missing/out.json"], "--out '{tmp}/missing/out.json': folder '{tmp}/missing' does not exist"),
+    (["--int4-results", "{tmp}/missing.json"], "--int4-results '{tmp}/missing.json' cannot be read as JSON"),
+])
+def test_bad_flags_are_named_with_exit_2(script, tmp_path, capsys, args, message):
+    (tmp_path / "text.json").write_text("not json")
+    (tmp_path / "loads.json").write_text(json.dumps({"load": [[1, 2]]}))
+    (tmp_path / "rows.json").write_text(json.dumps({"rows": []}))
+    out = ["--out", str(tmp_path / "out.json")] if "--out" not in args else []
+    with pytest.raises(SystemExit) as exc:
+        script.main([a.format(tmp=tmp_path) for a in args] + out)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f": error: {message.format(tmp=tmp_path)}" in err
+    assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is not None, reason="Triton installed: the INT4 mode runs")
+def test_int4_results_without_triton_says_so(script, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        script.main(["--int4-results", str(REPO / "benchmarks/results/moe_layer_int4_mma16_h200.json"),
+                     "--out", str(tmp_path / "out.json")])
+    assert exc.value.code == 2
+    assert (": error: --int4-results takes each row's time from the INT4 path the backend picks, "
+            "which imports Triton; Triton is not installed here") in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_the_default_run_still_writes_its_table(script, tmp_path, capsys):
+    out = tmp_path / "out.json"
+    assert script.main(["--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["hardware"] == "h200-sxm" and len(doc["rows"]) == 16
+    assert f"wrote {out}" in capsys.readouterr().out
