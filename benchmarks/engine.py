@@ -571,6 +571,28 @@ def print_spec_rows(rows: list[dict]) -> None:
               f"{'; '.join(checks)}")
 
 
+def check_spec_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The speculation rows' flags (``--spec`` or ``--device cpu``): a bad one is an argparse error naming it."""
+    if not (args.spec or args.device == "cpu"):
+        return
+    if args.device == "cpu" and not args.spec_model:
+        ap.error("--device cpu needs --spec-model DIR (a small checkpoint): the default target is the full-size "
+                 "Qwen3-30B-A3B")
+    if args.spec_model and not (Path(args.spec_model) / "config.json").is_file():
+        ap.error(f"--spec-model {args.spec_model!r} is not a checkpoint directory (no config.json)")
+    if not Path(args.eagle3_config).is_file():
+        ap.error(f"--eagle3-config {args.eagle3_config!r} is not a file")
+    for flag, text, high in (("--spec-batches", args.spec_batches, None), ("--spec-k", args.spec_k, 16)):
+        try:
+            values = [int(v) for v in text.split(",")]
+        except ValueError:
+            ap.error(f"{flag} must be comma-separated integers, got {text!r}")
+        if any(v < 1 or (high is not None and v > high) for v in values):
+            ap.error(f"{flag} values must be integers >= 1{f' and <= {high}' if high else ''}, got {text!r}")
+    if args.spec_steps < 1:
+        ap.error(f"--spec-steps must be at least 1, got {args.spec_steps}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--models", default="qwen3-30b-a3b,deepseek-v3")
@@ -608,6 +630,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.context < 1:
         ap.error(f"--context must be at least 1 prompt token, got {args.context}")
+    check_spec_args(ap, args)
     if args.spec or args.device == "cpu":
         ceil = measure_ceilings() if args.device == "cuda" else None
         rows = spec_rows(args, ceil)
