@@ -49,6 +49,8 @@ def test_deepseek_hierarchical_cli(tmp_path, capsys):
         (["--ep", "8", "--nodes", "4", "--groups", "2"], "--groups (2) must be divisible by --nodes (4)"),
         (["--ep", "8", "--redundant", "-1"], "--redundant must be an integer >= 0, got -1"),
         (["--ep", "8", "--max-moves", "3"], "--max-moves (3) needs --from (the current placement)"),
+        # the library's rebalance_with_moves also takes None; the flag cannot be given as None
+        (["--ep", "8", "--max-moves", "-1"], "error: --max-moves must be an integer >= 0, got -1\n"),
         # KeyError's str() would add quotes around the whole message
         (["--ep", "8", "--algorithm", "magic"], "error: unknown balancer 'magic'; supported: deepseek, epmoe, exact\n"),
     ],

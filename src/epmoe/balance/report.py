@@ -11,6 +11,7 @@ import torch
 from epmoe.balance.moves import placement_moves, rebalance_with_moves
 from epmoe.balance.problem import check_problem, rank_balancedness, rank_loads
 from epmoe.balance.registry import balance, get_balancer
+from epmoe.checks import check_int
 from epmoe.files import check_output_path
 from epmoe.integrations.dumps import read_load_dump
 from epmoe.integrations.placements import (
@@ -181,6 +182,8 @@ def balance_file(
     dump = read_load_dump(path, loads_format, spec=spec, iters=iters)
     load, names = dump.load, list(dump.names)
     check_problem(load, ep_size, num_redundant, num_nodes, num_groups)
+    if max_moves is not None:
+        check_int("max_moves", max_moves, 0)
     get_balancer(algorithm)
     num_layers, num_experts = load.shape
     num_decoder = spec.num_layers if spec is not None else dump.num_decoder_layers
