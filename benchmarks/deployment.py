@@ -131,19 +131,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=os.environ.get("OUT") or "deployment-out")
     a = p.parse_args(argv)
     cpu = a.device == "cpu"
-    a.gpus = a.gpus or (2 if cpu else torch.cuda.device_count())
+    # a value given is checked, never replaced by the default (0 was taken as "not given")
+    for flag in ("gpus", "steps", "profile_steps", "check_tokens", "spec_k", "max_model_len", "serve_concurrency",
+                 "serve_prompts"):
+        if getattr(a, flag) is not None and getattr(a, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(a, flag)}")
+    if a.layers < 0:
+        p.error(f"--layers must be at least 0 (0: as many as fit), got {a.layers}")
+    if not Path(a.eagle3_config).is_file():
+        p.error(f"--eagle3-config {a.eagle3_config!r} is not a file")
+    if a.concurrency is not None:
+        try:
+            values = _ints(a.concurrency)
+        except ValueError:
+            values = []
+        if not values or min(values) < 1:
+            p.error(f"--concurrency must be comma-separated integers >= 1, got {a.concurrency!r}")
+    a.gpus = a.gpus if a.gpus is not None else (2 if cpu else torch.cuda.device_count())
     a.concurrency = _ints(a.concurrency or ("1,4" if cpu else "1,16,64"))
-    a.steps = a.steps or (4 if cpu else 32)
-    a.profile_steps = a.profile_steps or (2 if cpu else 4)
-    a.check_tokens = a.check_tokens or (6 if cpu else 16)
+    a.steps = a.steps if a.steps is not None else (4 if cpu else 32)
+    a.profile_steps = a.profile_steps if a.profile_steps is not None else (2 if cpu else 4)
+    a.check_tokens = a.check_tokens if a.check_tokens is not None else (6 if cpu else 16)
     a.modes = [m for m in a.modes.split(",") if m]
     a.parallel = [m for m in a.parallel.split(",") if m]
     if a.modes[0] != "plain" or any(m not in MODES for m in a.modes):
         p.error(f"--modes must start with plain and name only {MODES}, got {a.modes}")
     if any(m not in PARALLEL for m in a.parallel):
         p.error(f"--parallel must name only {PARALLEL}, got {a.parallel}")
-    if a.gpus < 1 or a.layers < 0 or a.spec_k < 1:
-        p.error("--gpus and --spec-k must be positive, --layers non-negative")
+    if a.gpus < 1:
+        p.error(f"--gpus: no GPU found (got {a.gpus}); use --device cpu without one")
     return a
 
 
