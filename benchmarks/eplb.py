@@ -110,12 +110,14 @@ def run_case(name, w, ep, red, ref, exact_time):
     return row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "eplb.json"))
-    ap.add_argument("--exact-time", type=float, default=20.0, help="HiGHS budget per OLMoE case (s)")
+    ap.add_argument("--exact-time", type=float, default=20.0, help="HiGHS budget per OLMoE case (s; 0: none)")
     ap.add_argument("--no-reference", action="store_true", help="skip the published reference")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if not args.exact_time >= 0:  # NaN too
+        ap.error(f"--exact-time must be a number of seconds >= 0 (0: no exact solve), got {args.exact_time}")
     torch.set_num_threads(1)
     load, names = read_csv_loads(DATA / "olmoe_expert_counts.csv")
     w = load.numpy()
