@@ -98,6 +98,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [s for s in args.skip if s not in PARTS]
     if unknown:
         p.error(f"--skip: unknown parts {unknown}; parts: {PARTS}")
+    for flag in ("tokens", "dispatch_tokens"):
+        if getattr(args, flag) is not None and (not getattr(args, flag) or min(getattr(args, flag)) < 1):
+            p.error(f"--{flag.replace('_', '-')} must be comma-separated integers >= 1, got "
+                    f"{','.join(map(str, getattr(args, flag)))!r}")
+    for flag, low in (("check_tokens", 1), ("iters", 1), ("warmup", 0), ("calib_iters", 1), ("run_layers", 1),
+                      ("run_new_tokens", 1), ("run_timeout", 1), ("timeout", 1), ("max_bytes", 8)):
+        if getattr(args, flag) is not None and getattr(args, flag) < low:
+            p.error(f"--{flag.replace('_', '-')} must be at least {low}, got {getattr(args, flag)}")
     if args.tokens is None:
         args.tokens = [1, 2, 8] if args.small else [1, 2, 4, 8, 16, 32, 64, 128, 256]
     if args.dispatch_tokens is None:
