@@ -631,6 +631,8 @@ def main() -> None:
     if args.context < 1:
         ap.error(f"--context must be at least 1 prompt token, got {args.context}")
     check_spec_args(ap, args)
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        ap.error(f"--out {args.out!r} is a file; it names the folder the results are written to")
     if args.spec or args.device == "cpu":
         ceil = measure_ceilings() if args.device == "cuda" else None
         rows = spec_rows(args, ceil)

@@ -128,6 +128,11 @@ def main() -> None:
                     help="cpu: the built-in small checkpoint, float32, shorter requests (a smoke test)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        ap.error(f"--out {args.out!r} is a file; it names the folder the results are written to")
+    if args.device == "cuda" and not (CONFIGS / f"{args.model_config}.config.json").is_file():
+        known = ", ".join(sorted(p.name.removesuffix(".config.json") for p in CONFIGS.glob("*.config.json")))
+        ap.error(f"--model-config {args.model_config!r} is not in {CONFIGS}; known: {known}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.device == "cuda":

@@ -36,14 +36,18 @@ def script(monkeypatch):
      "--spec-k values must be integers >= 1 and <= 16, got '0'"),
     (["--spec", "--spec-k", "17"], "--spec-k values must be integers >= 1 and <= 16, got '17'"),
     (["--device", "cpu", "--spec-model", "{tmp}/ckpt", "--spec-steps", "0"], "--spec-steps must be at least 1, got 0"),
+    # the rows ran first, then the results folder failed with FileExistsError
+    (["--device", "cpu", "--spec-model", "{tmp}/ckpt", "--eagle3-config", "{tmp}/ckpt/config.json", "--out",
+      "{tmp}/ckpt/config.json"], "--out '{tmp}/ckpt/config.json' is a file; it names the folder the results are "
+                                 "written to"),
 ])
 def test_bad_speculation_flags_are_named_with_exit_2(script, tmp_path, monkeypatch, capsys, args, message):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text("{}")
     built = []
     monkeypatch.setattr(script, "spec_rows", lambda *a: built.append(a))  # nothing may be built
-    monkeypatch.setattr(sys, "argv", ["engine.py", "--out", str(tmp_path / "out"),
-                                      *[a.format(tmp=tmp_path) for a in args]])
+    out = [] if "--out" in args else ["--out", str(tmp_path / "out")]
+    monkeypatch.setattr(sys, "argv", ["engine.py", *out, *[a.format(tmp=tmp_path) for a in args]])
     with pytest.raises(SystemExit) as exc:
         script.main()
     assert exc.value.code == 2

@@ -1,0 +1,39 @@
+"""benchmarks/serve.py's flags: an --out that is a file and an unknown --model-config are argparse errors (exit 2)
+naming the flag, before the server or any checkpoint is started (they were FileExistsError / FileNotFoundError
+tracebacks)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serve.py"
+
+
+@pytest.fixture
+def script():
+    spec = importlib.util.spec_from_file_location("serve_benchmark", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "cpu", "--out", "{tmp}/file"],
+     "--out '{tmp}/file' is a file; it names the folder the results are written to"),
+    (["--device", "cuda", "--model-config", "bogus", "--out", "{tmp}/out"],
+     "--model-config 'bogus' is not in {configs}; known: deepseek-r1, deepseek-v2-lite, deepseek-v3, "),
+])
+def test_bad_flags_are_named_with_exit_2(script, tmp_path, monkeypatch, capsys, args, message):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(script, "ensure_default_checkpoint", lambda: pytest.fail("work started"))
+    monkeypatch.setattr(script, "free_port", lambda: pytest.fail("work started"))
+    monkeypatch.setattr(sys, "argv", ["serve.py", *[a.format(tmp=tmp_path) for a in args]])
+    with pytest.raises(SystemExit) as exc:
+        script.main()
+    assert exc.value.code == 2
+    assert f"serve.py: error: {message.format(tmp=tmp_path, configs=script.CONFIGS)}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
