@@ -141,3 +141,21 @@ def test_an_unknown_argument_is_refused_by_its_subcommand_with_its_usage(argv, c
     with pytest.raises(SystemExit):  # a stray positional as well
         main([*argv[:-1], "extra"])
     assert capsys.readouterr().err.endswith(f"\n{prog}: error: unrecognized arguments: extra\n")
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["plan", "--config", "{missing}", "--gpus", "8", "--hardware", "h200-sxm"], "--config"),
+    (["plan", "--config", "{qwen3}", "--gpus", "8", "--hardware", "h200-sxm", "--spec-tokens", "2", "--draft",
+      "{missing}"], "--draft"),
+    (["balance", "--loads", "{loads}", "--ep", "8", "--out", "{out}", "--config", "{missing}"], "--config"),
+])
+def test_a_missing_config_or_draft_is_named_by_its_flag(tmp_path, capsys, argv, flag):
+    root = Path(__file__).resolve().parents[1] / "data"
+    missing = tmp_path / "missing"
+    paths = dict(missing=missing, qwen3=root / "configs" / "qwen3-30b-a3b.config.json",
+                 loads=root / "loads" / "eplb_readme_example.json", out=tmp_path / "p.json")
+    assert main([a.format(**paths) for a in argv]) == 2
+    command = argv[0]
+    assert (f"epmoe {command}: error: {flag} '{missing}' does not exist (expected a model directory holding "
+            f"config.json, or a config file)\n") in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()

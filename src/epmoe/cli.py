@@ -331,6 +331,13 @@ def _batches(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(values)))
 
 
+def _check_exists(flag: str, path: str | None) -> None:
+    """A ``--config`` / ``--draft`` path that does not exist, named by its flag (the reader names only the path)."""
+    if path is not None and not Path(path).exists():
+        raise ValueError(f"{flag} {path!r} does not exist (expected a model directory holding config.json, or a "
+                         f"config file)")
+
+
 def _flag_error(exc: Exception, flags: dict[str, str]) -> Exception:
     """``exc`` as the CLI reports it: the library's field names (``ep_size (7)``, ``gpus must``,
     ``speculative_draft_model to``, ``parallel 'tp'``) replaced by the flags the user typed (``--ep (7)``); a
@@ -394,6 +401,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from epmoe.spec import load_moe_spec
 
     try:
+        _check_exists("--config", args.config)
+        _check_exists("--draft", args.draft)
         req = PlanRequest(
             spec=load_moe_spec(args.config), hardware=load_hardware(args.hardware), gpus=args.gpus, nodes=args.nodes,
             batches=args.batch, spec_tokens=args.spec_tokens, redundant=args.redundant, context=args.context,
@@ -543,6 +552,7 @@ def _cmd_balance(args: argparse.Namespace) -> int:
     from epmoe.balance.report import balance_file
 
     try:
+        _check_exists("--config", args.config)
         report = balance_file(
             args.loads, args.ep, args.redundant, args.out, num_nodes=args.nodes, num_groups=args.groups,
             algorithm=args.algorithm, from_placement=args.from_placement, max_moves=args.max_moves, plot=args.plot,
