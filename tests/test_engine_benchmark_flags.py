@@ -3,22 +3,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "engine.py"
+from .benchmark_scripts import load_benchmark
 
 
 @pytest.fixture
 def script(monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # the script imports its sibling ``timing``
-    spec = importlib.util.spec_from_file_location("engine_benchmark", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("engine", monkeypatch)
 
 
 @pytest.mark.parametrize("args, message", [

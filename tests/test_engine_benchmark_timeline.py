@@ -4,18 +4,7 @@ included) and their median."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "engine.py"
-
-
-def _script(monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # the script imports its sibling ``timing``
-    spec = importlib.util.spec_from_file_location("engine_benchmark", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from .benchmark_scripts import load_benchmark
 
 
 def _spans(steps: int = 2, layers: int = 4):
@@ -33,7 +22,7 @@ def _spans(steps: int = 2, layers: int = 4):
 
 
 def test_layer_windows_are_the_last_steps_whole_layers(monkeypatch):
-    mod = _script(monkeypatch)
+    mod = load_benchmark("engine", monkeypatch)
     windows = mod.layer_windows(_spans(), steps=2)
     # step 1 (the last): layers 0..2, each from its attention launch to the next one's
     assert len(windows) == 3
@@ -49,7 +38,7 @@ def test_layer_windows_are_the_last_steps_whole_layers(monkeypatch):
 
 
 def test_median_layer_takes_the_common_kernel_sequence(monkeypatch):
-    mod = _script(monkeypatch)
+    mod = load_benchmark("engine", monkeypatch)
     windows = mod.layer_windows(_spans(layers=5), steps=2)
     odd = [dict(k) for k in windows[0][:3]]  # a layer with fewer kernels is not in the median
     kernels, count = mod.median_layer(windows + [odd])

@@ -3,20 +3,14 @@ any work (it silently skipped the exact solve)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "eplb.py"
+from .benchmark_scripts import load_benchmark
 
 
 @pytest.fixture
-def script():
-    spec = importlib.util.spec_from_file_location("eplb_benchmark", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def script(monkeypatch):
+    return load_benchmark("eplb", monkeypatch)
 
 
 @pytest.mark.parametrize("value, shown", [("-1", "-1.0"), ("nan", "nan")])

@@ -4,25 +4,14 @@ data', a store timeout), and a 0 --max-bytes is not taken for "not given"."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "multigpu.py"
+from .benchmark_scripts import load_benchmark
 
 
 @pytest.fixture
 def script(monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # the script imports its package ``multigpu_parts``
-    # the script sets these at import when unset; monkeypatch puts the environment back afterwards
-    monkeypatch.setenv("NCCL_NVLS_ENABLE", os.environ.get("NCCL_NVLS_ENABLE", "0"))
-    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"))
-    spec = importlib.util.spec_from_file_location("multigpu_benchmark", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("multigpu", monkeypatch)
 
 
 @pytest.mark.parametrize("args, message", [

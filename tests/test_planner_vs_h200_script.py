@@ -9,16 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from .benchmark_scripts import load_benchmark
+
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "benchmarks" / "planner_vs_h200.py"
 
 
-@pytest.fixture(scope="module")
-def script():
-    spec = importlib.util.spec_from_file_location("planner_vs_h200", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture
+def script(monkeypatch):
+    return load_benchmark("planner_vs_h200", monkeypatch)
 
 
 @pytest.mark.parametrize("args, message", [

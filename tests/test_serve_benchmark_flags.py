@@ -4,21 +4,16 @@ tracebacks)."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serve.py"
+from .benchmark_scripts import load_benchmark
 
 
 @pytest.fixture
-def script():
-    spec = importlib.util.spec_from_file_location("serve_benchmark", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def script(monkeypatch):
+    return load_benchmark("serve", monkeypatch)
 
 
 @pytest.mark.parametrize("args, message", [
