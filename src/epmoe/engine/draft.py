@@ -25,7 +25,7 @@ from epmoe.engine.model_runner import Feed, ModelRunner, StepOutput, ep_static_h
 from epmoe.engine.speculative import Proposal, Proposer, last_rows, propose_tokens
 from epmoe.engine.tokenizer import load_tokenizer
 from epmoe.engine.transfer import to_device
-from epmoe.integrations.placements import load_placement_as
+from epmoe.integrations.placements import load_served_placement
 from epmoe.layer import MoELayerOptions
 from epmoe.placement import ExpertPlacement
 from epmoe.spec import DenseModelError, language_model_config, load_moe_spec, read_config
@@ -118,11 +118,7 @@ class DraftModelProposer(Proposer):
             ep_size = self.comm.size
         try:
             if cfg.speculative_draft_placement is not None:
-                # epmoe's file, or SGLang's or TensorRT-LLM's (as doctor reads them), cut to the draft's MoE layers
-                layered = load_placement_as(cfg.speculative_draft_placement, ep_size=ep_size)
-                if layered.format != "epmoe":
-                    layered = load_placement_as(cfg.speculative_draft_placement, ep_size=ep_size, spec=spec)
-                placement = layered.placement
+                placement = load_served_placement(cfg.speculative_draft_placement, ep_size=ep_size, spec=spec)
                 where = f"placement file {cfg.speculative_draft_placement}"
             else:
                 placement = ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, ep_size)

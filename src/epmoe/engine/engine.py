@@ -73,7 +73,7 @@ from epmoe.engine.speculative import Proposal, SpecStats, verify, verify_greedy
 from epmoe.engine.structured import Grammars, Matcher, StructuredOutputs, allows_besides, apply_token_bitmask
 from epmoe.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
 from epmoe.engine.transfer import to_device
-from epmoe.integrations.placements import load_placement_as
+from epmoe.integrations.placements import load_served_placement
 from epmoe.layer import MoELayerOptions, check_tp_sizes
 from epmoe.loads import ExpertLoadRecorder, slots_to_logical
 from epmoe.models.hf import EPModel, load_ep_model, load_tp_model
@@ -94,12 +94,7 @@ def trivial_or_file_placement(config: EngineConfig, num_layers: int, num_experts
         ValueError: the placement does not fit the model or the group (named).
     """
     if config.placement:
-        # epmoe's file, or SGLang's or TensorRT-LLM's (as doctor and the plug-ins read them); theirs name decoder
-        # layers, cut to the model's MoE layers
-        layered = load_placement_as(config.placement, ep_size=ep_size)
-        if layered.format != "epmoe":
-            layered = load_placement_as(config.placement, ep_size=ep_size, spec=load_moe_spec(config.model))
-        placement = layered.placement
+        placement = load_served_placement(config.placement, ep_size=ep_size, spec=load_moe_spec(config.model))
     else:
         try:
             placement = ExpertPlacement.trivial(num_layers, num_experts, ep_size, config.redundant, config.layout)

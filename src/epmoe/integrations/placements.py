@@ -272,3 +272,17 @@ def load_placement_as(path: str | Path, *, ep_size: int | None = None, spec: MoE
                              f"entries, but num_slots is {slots}")
     rows = _int_rows([table[layer] for layer in layers], path, "initial_global_assignments")
     return LayeredPlacement(_build(path, "initial_global_assignments", rows, ep_size, num_experts), layers, None, fmt)
+
+
+def load_served_placement(path: str | Path, *, ep_size: int, spec: MoESpec) -> ExpertPlacement:
+    """The placement of a served model's placement file (``--placement``, ``--speculative-draft-placement``):
+    epmoe's file as ``ExpertPlacement.load`` reads it (its user checks it against the model, naming its own
+    option), or SGLang's or TensorRT-LLM's, as doctor and the plug-ins read them, cut to ``spec``'s MoE layers.
+
+    Raises:
+        FileNotFoundError, ValueError: as ``load_placement_as``.
+    """
+    layered = load_placement_as(path, ep_size=ep_size)
+    if layered.format != "epmoe":
+        layered = load_placement_as(path, ep_size=ep_size, spec=spec)
+    return layered.placement
