@@ -27,6 +27,44 @@ from epmoe.routing import REPLICA_POLICIES, ReplicaPolicy, Router, SlotMap
 from epmoe.spec import MoESpec
 
 
+@dataclass(frozen=True)
+class FoldedNorm:
+    """``RMSNorm(residual + x)`` still to compute, and where its consumer writes the sum.
+
+    A pre-norm decoder layer computes ``h = residual + x; y = norm(h)`` and hands ``y`` to one module (the
+    attention's q/k/v projection after the input norm, the MoE block after the post-attention norm). At decode sizes
+    the norm is a launch of its own in the chain of dependent launches a layer is, and the module after it starts by
+    reading the whole row anyway. A module that folds the norm (its ``folds_norm(x, weight, weight_then_cast)`` is
+    true) is called with a ``FoldedNorm`` instead of ``y`` and computes the add and the norm within its own first
+    launch, each of that launch's programs for itself (``engine.gemv.gemv_add_norm``; ``MoELayer`` through
+    ``Router.route_folded``), writing the sum into ``summed``, the next residual. ``engine.decoder.fold_or_add_norm``
+    builds it; the arithmetic and roundings are ``engine.fused_norm.FusedRMSNorm``'s (vLLM's ``fused_add_rms_norm``).
+
+    Attributes:
+        x: ``[..., D]`` the block's output.
+        residual: ``[..., D]`` the residual stream (``x``'s shape and dtype).
+        weight: ``[D]`` the norm's weight.
+        eps: the norm's epsilon.
+        weight_then_cast: the norm multiplies by its weight in float32 and casts after (gpt-oss), instead of
+            casting the normalised row first (``FusedRMSNorm.weight_then_cast``).
+        summed: ``[..., D]`` (``x``'s shape and dtype) where the consumer writes ``residual + x``, rounded to
+            ``x``'s dtype.
+    """
+
+    x: torch.Tensor
+    residual: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    weight_then_cast: bool
+    summed: torch.Tensor
+
+    def rows(self) -> FoldedNorm:
+        """The same with ``x``, ``residual`` and ``summed`` viewed as ``[T, D]`` rows."""
+        d = self.x.shape[-1]
+        return FoldedNorm(self.x.reshape(-1, d), self.residual.reshape(-1, d), self.weight, self.eps,
+                          self.weight_then_cast, self.summed.view(-1, d))
+
+
 class LoadSink(Protocol):
     """Anything that records per-slot token counts (see ``epmoe.loads.ExpertLoadRecorder``)."""
 
@@ -406,12 +444,23 @@ class MoELayer(_MoEBase):
         self.slot_map = slot_map
         self.placement = placement
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [..., D]`` -> ``[..., D]``: routed experts (over the EP group) plus shared experts.
+    def folds_norm(self, x: torch.Tensor, weight: torch.Tensor, weight_then_cast: bool) -> bool:
+        """Whether ``forward`` takes a ``FoldedNorm`` of rows ``x [..., D]`` and an RMSNorm of ``weight``: one row
+        that the fused router routes with a static slot table (``Router.folds_norm``)."""
+        rows = x.reshape(-1, x.shape[-1])
+        return (self.slot_map.static_table is not None and x.shape[-1] == self.spec.hidden_size
+                and self.gate.folds_norm(rows, weight, weight_then_cast))
+
+    def forward(self, hidden: torch.Tensor | FoldedNorm) -> torch.Tensor:
+        """``hidden [..., D]`` -> ``[..., D]``: routed experts (over the EP group) plus shared experts. ``hidden``
+        may be a ``FoldedNorm`` that ``folds_norm`` accepted: the router adds and normalises the row in its launch.
 
         Raises:
             ValueError: the last dimension is not the model's hidden size.
         """
+        folded = hidden if isinstance(hidden, FoldedNorm) else None
+        if folded is not None:
+            hidden = folded.x
         shape = hidden.shape
         if shape[-1] != self.spec.hidden_size:
             raise ValueError(
@@ -422,7 +471,12 @@ class MoELayer(_MoEBase):
         rec = self.load_recorder
         record = rec.load_record(self.moe_index, x.shape[0]) if rec is not None else None
         mask = self._row_mask if self._row_mask is not None and self._row_mask.shape[0] == x.shape[0] else None
-        fused = self.gate.route_to_slots(x, table, record, mask) if table is not None else None
+        if folded is not None:  # routing with the norm before it; from here on the rows are the normalised ones
+            f = folded.rows()
+            *fused, x = self.gate.route_folded(f.x, f.residual, f.weight, f.eps, f.weight_then_cast, f.summed,
+                                               table, record, mask)
+        else:
+            fused = self.gate.route_to_slots(x, table, record, mask) if table is not None else None
         if fused is None:
             topk_idx, topk_weights = self.gate(x)
             topk_slots = self.slot_map(topk_idx)

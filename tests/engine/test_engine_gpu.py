@@ -209,3 +209,45 @@ def test_structured_outputs_through_graphs_equal_the_eager_steps():
     obj, code, free = outs[0]
     assert 0 <= json.loads(obj.text)["id"] <= 999 and re.fullmatch(r"[a-f]{4}", code.text)
     assert len(free.token_ids) == 12
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "kimi-k2.5"])
+def test_a_one_row_step_folds_its_norms(tiny_checkpoints, family, monkeypatch):
+    """A decode step of one row hands the input norms to the q/k/v projection (``RopeAttention``, Qwen3-MoE) and
+    the post-attention norms to the MoE layers' routers (both families): the step's logits equal those of the
+    same step with the folding off (``EPMOE_FOLD_NORM=0``) up to bf16 rounding, eagerly and replayed in its graph."""
+    from collections import Counter
+
+    import epmoe.engine.rope_attention as rope_attention
+    from epmoe.routing import Router
+
+    d = tiny_checkpoints(family)
+    engine = Engine(EngineConfig(model=str(d), device="cuda", dtype="bfloat16", expert_backend="triton",
+                                 max_num_seqs=8, cuda_graph_max_bs=8))
+    runner = engine.runner
+    calls = Counter()
+    route_folded, after_norm = Router.route_folded, rope_attention.linear_after_norm
+
+    def count(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(Router, "route_folded", count("router", route_folded))
+    monkeypatch.setattr(rope_attention, "linear_after_norm", count("qkv", after_norm))
+    a = torch.randint(0, 250, (21,), generator=torch.Generator().manual_seed(3)).tolist()
+    table = engine.allocator.allocate(-(-22 // engine.config.block_size))
+    runner.execute([Feed(a[:20], 0, table, False, 1)])
+    step = [Feed(a[20:21], 20, table, True, 1)]
+    folded = runner.execute(step).logits
+    layers = engine.ep_model.model.config.num_hidden_layers
+    assert calls["router"] == engine.ep_model.spec.num_moe_layers
+    assert calls["qkv"] == (layers - 1 if family == "qwen3-moe" else 0)
+    graphed = runner.execute(step, bucket=runner.bucket_for(1)).logits
+    monkeypatch.setenv("EPMOE_FOLD_NORM", "0")
+    plain = runner.execute(step).logits
+    assert calls["router"] == engine.ep_model.spec.num_moe_layers  # no more folds
+    for got in (folded, graphed):
+        assert ((got.float() - plain.float()).norm() / plain.float().norm()).item() < 0.01
+    engine.allocator.free(table)

@@ -5,9 +5,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 
 import epmoe.engine.gemv as gemv_mod
-from epmoe.engine.gemv import GEMV_MAX_K, GEMV_MAX_ROWS, GEMV_MAX_WEIGHT_BYTES, gemv, gemv_fits, linear
+from epmoe.engine.decoder import fold_or_add_norm
+from epmoe.engine.fused_norm import FusedRMSNorm
+from epmoe.engine.gemv import (
+    GEMV_MAX_K,
+    GEMV_MAX_ROWS,
+    GEMV_MAX_WEIGHT_BYTES,
+    gemv,
+    gemv_add_norm,
+    gemv_fits,
+    linear,
+    norm_folds,
+)
+from epmoe.layer import FoldedNorm
 
 
 @pytest.mark.interpret
@@ -167,3 +180,89 @@ def test_linear_on_the_cpu_is_the_module():
     assert not gemv_fits(x[0], lin.weight, lin.bias)  # no dependent launches on the CPU
     with torch.no_grad():
         assert torch.equal(linear(lin, x), lin(x))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # the interpreter has no bf16
+@pytest.mark.parametrize("m,n,k", [(1, 37, 96), (2, 64, 128)])
+@pytest.mark.parametrize("weight_then_cast", [False, True])
+def test_gemv_add_norm_equals_the_norm_then_the_projection(dtype, m, n, k, weight_then_cast):
+    """The folded launch gives what ``FusedRMSNorm.add_forward`` then ``gemv`` give, bit for bit (the same
+    arithmetic and roundings), and the same sum; into a given ``summed`` too."""
+    gen = torch.Generator().manual_seed(m * 100 + k)
+    norm = FusedRMSNorm(nn.Parameter((torch.rand(k, generator=gen) + 0.5).to(dtype)), 1e-6, weight_then_cast)
+    x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
+    r = (torch.randn(m, k, generator=gen) * 5).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    normed, want_sum = norm.add_forward(x, r)
+    want = gemv(normed, w, b, pdl=False)
+    got, summed = gemv_add_norm(x, r, norm.weight, norm.eps, w, b, weight_then_cast=weight_then_cast, pdl=False)
+    assert torch.equal(summed, want_sum) and torch.equal(summed, r + x)
+    assert torch.equal(got, want)
+    out = torch.full((m, k), 7.0, dtype=dtype)
+    got2, summed2 = gemv_add_norm(x, r, norm.weight, norm.eps, w, b, weight_then_cast=weight_then_cast, pdl=False,
+                                  summed=out)
+    assert summed2 is out and torch.equal(out, want_sum) and torch.equal(got2, want)
+
+
+def test_gemv_add_norm_refuses_operands_by_name():
+    x, r, nw, w = torch.randn(1, 64), torch.randn(1, 64), torch.rand(64), torch.randn(8, 64)
+    with pytest.raises(ValueError, match=r"residual \(1, 32\) torch.float32 on cpu .* must match x \(1, 64\)"):
+        gemv_add_norm(x, r[:, :32], nw, 1e-6, w)
+    with pytest.raises(ValueError, match=r"residual \(1, 64\) torch.float16"):
+        gemv_add_norm(x, r.half(), nw, 1e-6, w)
+    with pytest.raises(ValueError, match=r"norm_weight \(32,\) torch.float32 on cpu must be a contiguous \[64\]"):
+        gemv_add_norm(x, r, nw[:32], 1e-6, w)
+    with pytest.raises(ValueError, match=r"norm_weight \(64,\) torch.float16 .* of x's dtype torch.float32"):
+        gemv_add_norm(x, r, nw.half(), 1e-6, w)
+    with pytest.raises(ValueError, match=r"summed \(2, 64\) torch.float32 on cpu"):
+        gemv_add_norm(x, r, nw, 1e-6, w, summed=torch.empty(2, 64))
+    with pytest.raises(ValueError, match=r"x \(1, 64\), weight \(8, 32\) and bias None do not agree"):
+        gemv_add_norm(x, r, nw, 1e-6, torch.randn(8, 32))
+
+
+def test_norm_folds_each_condition(with_pdl, monkeypatch):
+    """``norm_folds``: where ``linear`` would run the kernel and the norm's weight is one the kernel takes."""
+    lin = nn.Linear(64, 24).to(torch.bfloat16).requires_grad_(False)
+    nw = torch.rand(64, dtype=torch.bfloat16)
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    assert norm_folds(lin, x, nw, False) and norm_folds(lin, x.expand(2, 64).contiguous(), nw, False)
+    assert norm_folds(lin, x, nw.float(), True)
+    hooked = nn.Linear(64, 24).to(torch.bfloat16).requires_grad_(False)
+    hooked.register_forward_hook(lambda *a: None)
+    refused = {
+        "a float32 weight cast first": (lin, x, nw.float(), False),
+        "a norm of another width": (lin, x, nw[:32], False),
+        "a strided norm weight": (lin, x, torch.rand(128, dtype=torch.bfloat16)[::2], False),
+        "more rows": (lin, torch.randn(GEMV_MAX_ROWS + 1, 64, dtype=torch.bfloat16), nw, False),
+        "a hooked linear": (hooked, x, nw, False),
+    }
+    for why, args in refused.items():
+        assert not norm_folds(*args), why
+    monkeypatch.setenv("EPMOE_GEMV", "0")
+    assert not norm_folds(lin, x, nw, False)
+
+
+def test_fold_or_add_norm_hands_the_norm_to_a_consumer_that_folds_it():
+    norm = FusedRMSNorm(nn.Parameter(torch.rand(64)), 1e-6)
+    x, r = torch.randn(1, 1, 64), torch.randn(1, 1, 64)
+
+    class Folds(nn.Module):
+        def folds_norm(self, rows, weight, weight_then_cast):
+            return weight is norm.weight and not weight_then_cast and rows.shape == (1, 1, 64)
+
+    folded, summed = fold_or_add_norm(norm, x[0], r, Folds())
+    assert isinstance(folded, FoldedNorm) and folded.weight is norm.weight and folded.eps == 1e-6
+    assert folded.summed is summed and summed.shape == r.shape
+    assert folded.x.shape == r.shape and torch.equal(folded.x, x) and folded.residual is r
+    rows = folded.rows()
+    assert rows.x.shape == rows.residual.shape == rows.summed.shape == (1, 64)
+    assert rows.summed.data_ptr() == summed.data_ptr()
+    ref = Qwen3MoeRMSNorm(64)
+    with torch.no_grad():
+        ref.weight.copy_(norm.weight)
+    out, summed = fold_or_add_norm(ref, x, r, Folds())  # not a FusedRMSNorm: computed here
+    assert torch.equal(summed, r + x) and torch.equal(out, ref(r + x))
+    out, summed = fold_or_add_norm(ref, x, r, nn.Identity())  # no folds_norm
+    assert torch.equal(summed, r + x) and torch.equal(out, ref(r + x))

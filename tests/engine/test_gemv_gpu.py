@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epmoe.engine.fused_norm import FusedRMSNorm
-from epmoe.engine.gemv import GEMV_MAX_ROWS, gemv, gemv_fits, linear
+from epmoe.engine.gemv import GEMV_MAX_ROWS, gemv, gemv_add_norm, gemv_fits, linear
 from epmoe.experts.triton.pdl import pdl_launch
 
 from ..late_writer import late_writer
@@ -99,3 +99,44 @@ def test_linear_takes_cublas_beyond_the_rows():
     assert not gemv_fits(x, proj.weight, proj.bias)
     with torch.no_grad():
         assert torch.equal(linear(proj, x), proj(x))
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_gemv_add_norm_waits_for_a_late_writer_in_a_graph(m):
+    """The folded add, norm and projection after a kernel that writes the block's output rows 50 us after letting
+    its dependents start: the replay's sum is the rows written plus the residual, exactly, and its projection is
+    ``FusedRMSNorm.add_forward`` then ``F.linear``'s, up to bf16 rounding (it reads the rows after its wait)."""
+    torch.manual_seed(0)
+    d, n = 2048, 5120
+    norm = FusedRMSNorm(nn.Parameter(torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5), 1e-6)
+    proj = nn.Linear(d, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    src = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+    x = torch.zeros(m, d, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+    kernel = late_writer()
+
+    def step():
+        kernel[(1,)](src, x, m * d, 50_000, BLOCK=triton_block(m * d))
+        return gemv_add_norm(x, r, norm.weight, norm.eps, proj.weight, pdl=pdl_launch(x))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        out, summed = step()
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        src.copy_(torch.randn(m, d, device="cuda", dtype=torch.bfloat16))
+        x.zero_()
+        graph.replay()
+        normed, want_sum = norm.add_forward(src, r)
+        assert torch.equal(summed, want_sum)
+        want = F.linear(normed.float(), proj.weight.float())
+        assert ((out.float() - want).norm() / want.norm()).item() < 4e-3
+
+
+def triton_block(n: int) -> int:
+    return 1 << (n - 1).bit_length()

@@ -376,3 +376,133 @@ def test_gate_fused_router_on_gpu(name, dtype, exact_bf16_matmul):
     x = _grid_x(2, spec.hidden_size, dtype, "cuda", gen)
     assert all(torch.equal(a, b) for a, b in zip(fresh(x), router(x)))
     assert not fresh._arrivals.any()
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("family,dtype", [("qwen3-moe", torch.float32), ("qwen3-moe", torch.float16),
+                                          ("deepseek-v3", torch.float16)])  # the interpreter has no bf16 norm
+@pytest.mark.parametrize("weight_then_cast", [False, True])
+def test_gate_fused_with_the_norm_before_it_interpreter(family, dtype, weight_then_cast):
+    """``route_gate_triton(..., norm=NormBefore(...))`` of a block's output row and the residual routes, weighs,
+    maps and counts as the fused norm (``FusedRMSNorm.add_forward``) then the router do, and writes the same sum
+    and normalised row, bit for bit; the arrival counters are back at 0."""
+    from epmoe.engine.fused_norm import FusedRMSNorm
+    from epmoe.loads import LoadRecord
+    from epmoe.routing.router import kernel_flags
+    from epmoe.routing.router_triton import NormBefore, route_gate_triton
+
+    spec = _tiny_spec(family)
+    gen = torch.Generator().manual_seed(5)
+    router = _grid_router(spec, dtype, "cpu", gen)
+    d, e, p = spec.hidden_size, spec.num_experts, spec.num_experts + 5
+    norm_weight = (torch.rand(d, generator=gen) + 0.5).to(torch.float32 if weight_then_cast else dtype)
+    norm = FusedRMSNorm(torch.nn.Parameter(norm_weight, requires_grad=False), 1e-6, weight_then_cast)
+    a = (torch.randn(1, d, generator=gen) * 3).to(dtype)
+    r = (torch.randn(1, d, generator=gen) * 5).to(dtype)
+    normed, summed = norm.add_forward(a, r)
+    if weight_then_cast:
+        normed = normed.to(dtype)
+    table = torch.randperm(p, generator=gen)[:e]
+    flags = kernel_flags(spec)
+    arrivals = torch.zeros(2, dtype=torch.int32)
+    counts = [torch.zeros(2, 3, p + 1, dtype=torch.int64) for _ in range(2)]
+    pos = torch.ones(1, dtype=torch.int64)
+    gate = (router.weight, router.bias, arrivals, router.e_score_correction_bias)
+    want = route_gate_triton(normed, *gate, fp32_logits=router.fp32_logits, **flags, slot_table=table,
+                             record=LoadRecord(counts[0], pos, 1, None))
+    before = NormBefore(r, norm.weight, 1e-6, weight_then_cast, torch.empty_like(a), torch.full_like(a, 7))
+    got = route_gate_triton(a, *gate, fp32_logits=router.fp32_logits, **flags, slot_table=table,
+                            record=LoadRecord(counts[1], pos, 1, None), norm=before)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert torch.equal(counts[0], counts[1]) and counts[1].sum() == spec.top_k
+    assert torch.equal(before.summed, summed) and torch.equal(before.normed, normed)
+    assert not arrivals.any()
+
+
+@pytest.mark.interpret  # router_triton imports Triton
+def test_norm_before_refuses_what_does_not_fit_by_name():
+    from epmoe.routing.router_triton import NormBefore
+
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    ok = dict(residual=x.clone(), weight=torch.ones(64, dtype=torch.bfloat16), eps=1e-6, weight_then_cast=False,
+              summed=x.clone(), normed=x.clone())
+    NormBefore(**ok).check(x)
+    NormBefore(**{**ok, "weight": torch.ones(64), "weight_then_cast": True}).check(x)
+    with pytest.raises(ValueError, match="normalises one token's row, got 2 tokens"):
+        NormBefore(**ok).check(torch.zeros(2, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"norm residual \(1, 64\) torch.float32 on cpu must be a contiguous "
+                                         r"\(1, 64\) torch.bfloat16"):
+        NormBefore(**{**ok, "residual": x.float()}).check(x)
+    with pytest.raises(ValueError, match=r"norm summed \(1, 32\)"):
+        NormBefore(**{**ok, "summed": x[:, :32]}).check(x)
+    with pytest.raises(ValueError, match=r"norm normed \(1, 64\) .* must be a contiguous"):
+        NormBefore(**{**ok, "normed": torch.zeros(64, 2, dtype=torch.bfloat16)[:, 0].view(1, 64)}).check(x)
+    with pytest.raises(ValueError, match=r"norm weight \(64,\) torch.float32 on cpu must be a contiguous \[64\]"):
+        NormBefore(**{**ok, "weight": torch.ones(64)}).check(x)
+
+
+def test_router_folds_norm_only_where_the_fused_gate_routes_one_row():
+    """On the CPU (no fused router) never; ``route_folded`` then refuses by name rather than computing another
+    way."""
+    spec = _tiny_spec("qwen3-moe")
+    router = Router(spec, dtype=torch.bfloat16)
+    x = torch.zeros(1, spec.hidden_size, dtype=torch.bfloat16)
+    w = torch.ones(spec.hidden_size, dtype=torch.bfloat16)
+    assert not router.folds_norm(x, w, False)
+    with pytest.raises(ValueError, match="the fused router does not fold this norm"):
+        router.route_folded(x, x, w, 1e-6, False, x.clone(), torch.arange(spec.num_experts))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])
+def test_route_folded_on_gpu(name):
+    """``Router.route_folded`` on CUDA at real widths (bf16 rows): the same experts, weights, slots and counts as
+    ``FusedRMSNorm.add_forward`` then ``route_to_slots``, the same sum and normalised row, eagerly and replayed in a
+    CUDA graph on new rows. The rows are multiples of 1/8 (their squares' sums exact in float32 in any order), so
+    the two launches' different reductions give the same norm."""
+    from epmoe.engine.fused_norm import FusedRMSNorm
+    from epmoe.loads import ExpertLoadRecorder
+
+    spec = parse_moe_spec(json.loads((CONFIGS / f"{name}.config.json").read_text()), name)
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    router = _grid_router(spec, torch.bfloat16, "cuda", gen)
+    router.impl = "auto"
+    d = spec.hidden_size
+    norm = FusedRMSNorm(torch.nn.Parameter(torch.rand(d, device="cuda", generator=gen).to(torch.bfloat16) + 0.5,
+                                           requires_grad=False), 1e-6)
+    p = spec.num_experts + 8
+    table = torch.randperm(p, device="cuda", generator=gen)[: spec.num_experts]
+    recorders = [ExpertLoadRecorder(num_layers=2, num_slots=p, window=2, device="cuda") for _ in range(2)]
+    a = _grid_x(1, d, torch.bfloat16, "cuda", gen)
+    r = _grid_x(1, d, torch.bfloat16, "cuda", gen)
+    assert router.folds_norm(a, norm.weight, False)
+    assert not router.folds_norm(torch.cat([a, a]), norm.weight, False)  # one row only
+
+    def folded():
+        summed = torch.empty_like(a)
+        return router.route_folded(a, r, norm.weight, norm.eps, False, summed, table,
+                                   recorders[0].load_record(1, 1)), summed
+
+    def unfolded():
+        normed, summed = norm.add_forward(a, r)
+        return router.route_to_slots(normed, table, recorders[1].load_record(1, 1)), normed, summed
+
+    (*got, got_normed), got_sum = folded()
+    want, want_normed, want_sum = unfolded()
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert torch.equal(got_normed, want_normed) and torch.equal(got_sum, want_sum)
+    assert torch.equal(recorders[0].current_counts(), recorders[1].current_counts())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        (*g_out, g_normed), g_sum = folded()
+    for _ in range(2):
+        a.copy_(_grid_x(1, d, torch.bfloat16, "cuda", gen))
+        r.copy_(_grid_x(1, d, torch.bfloat16, "cuda", gen))
+        graph.replay()
+        want, want_normed, want_sum = unfolded()
+        for g, w in zip(g_out, want):
+            assert torch.equal(g, w)
+        assert torch.equal(g_normed, want_normed) and torch.equal(g_sum, want_sum)
+    assert not router._arrivals.any()

@@ -8,7 +8,10 @@ Every served family's decoder layer is pre-norm (transformers' ``*DecoderLayer.f
 and the model ends with ``norm(h)``: two residual adds a layer, each its own elementwise kernel, between kernels
 that read the same rows again. ``decoder_forward`` runs the same modules in the same order but carries each sum to
 the norm after it, which computes it (``add_norm``): ``x, r = add_norm(post_attention_layernorm, a, r)`` is
-``r = r + a; x = post_attention_layernorm(r)``. On CUDA the norms are ``FusedRMSNorm`` and do the add in their own
+``r = r + a; x = post_attention_layernorm(r)``. Where the module after a norm folds it into its own first launch (a
+one-row decode step on Hopper: the q/k/v projection, ``gemv.linear_after_norm``, and the MoE layer's router,
+``layer.MoELayer.folds_norm``), ``fold_or_add_norm`` hands that module a ``layer.FoldedNorm`` instead and the norm's
+launch is gone. On CUDA the norms are ``FusedRMSNorm`` and do the add in their own
 pass (one kernel where there were two); elsewhere ``add_norm`` is the add and the module, the layer's own
 arithmetic. A layer's output ``h`` is so materialised by the next norm only: the aux layers' outputs (EAGLE-3's
 hidden states) are the sums that norm returns, and the final norm closes the last layer.
@@ -21,6 +24,7 @@ fused add and norm are vLLM's ``fused_add_rms_norm``; the loop is our own.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -28,6 +32,7 @@ from torch import nn
 
 from epmoe.engine.attention import AttnBatch
 from epmoe.engine.fused_norm import FusedRMSNorm
+from epmoe.layer import FoldedNorm
 
 _BASE_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm")
@@ -79,6 +84,32 @@ def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[
     return norm(h), h
 
 
+def fold_or_add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor, consumer: nn.Module
+                     ) -> tuple[torch.Tensor | FoldedNorm, torch.Tensor]:
+    """``add_norm(norm, x, residual)``, or, where ``norm`` is a ``FusedRMSNorm`` and ``consumer`` (the module the
+    normalised rows go to) folds it into its own launch (its ``folds_norm(x, weight, weight_then_cast)``), the
+    ``FoldedNorm`` to hand it and the tensor it writes the sum into: the same two results, one launch fewer.
+    ``EPMOE_FOLD_NORM=0`` in the environment turns the folding off (for measuring what it gains).
+
+    Args:
+        norm: the RMSNorm module after the add.
+        x: ``[..., D]`` the block's output.
+        residual: ``[..., D]`` the residual stream.
+        consumer: the module called next with the normalised rows.
+
+    Returns:
+        ``(normalised rows or FoldedNorm, residual + x)``; the sum is complete once the consumer has run.
+    """
+    x = x.view(residual.shape)
+    folds = getattr(consumer, "folds_norm", None)
+    if (folds is not None and isinstance(norm, FusedRMSNorm) and os.environ.get("EPMOE_FOLD_NORM", "1") != "0"
+            and x.dtype == residual.dtype
+            and residual.stride(-1) == 1 and x.stride(-1) == 1 and folds(x, norm.weight, norm.weight_then_cast)):
+        summed = torch.empty_like(residual, memory_format=torch.contiguous_format)
+        return FoldedNorm(x, residual, norm.weight, norm.eps, norm.weight_then_cast, summed), summed
+    return add_norm(norm, x, residual)
+
+
 def decoder_forward(base: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttnBatch,
                     aux_layers: Sequence[int] = (), before_layer: Callable[[int], None] | None = None,
                     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -108,13 +139,14 @@ def decoder_forward(base: nn.Module, input_ids: torch.Tensor, positions: torch.T
             residual = h
             x = layer.input_layernorm(h)
         else:
-            x, residual = add_norm(layer.input_layernorm, h, residual)
+            x, residual = fold_or_add_norm(layer.input_layernorm, h, residual, layer.self_attn)
             if i - 1 in want:
                 kept[i - 1] = residual[0]
         a = layer.self_attn(hidden_states=x, attention_mask=None, position_ids=pos, position_embeddings=rotary,
                             use_cache=False, epmoe_batch=batch)[0]
-        x, residual = add_norm(layer.post_attention_layernorm, a, residual)
-        h = _block(layer)(x)
+        block = _block(layer)
+        x, residual = fold_or_add_norm(layer.post_attention_layernorm, a, residual, block)
+        h = block(x)
         if isinstance(h, tuple):  # gpt-oss and Llama-4's MoE blocks also return their router scores
             h = h[0]
     if residual is None:  # no layers

@@ -20,6 +20,12 @@ to the output dtype (``F.linear``'s rounding up to summation order).
 more rows, quantized, hooked or wrapped linear modules): without the early weight reads the kernel is no faster
 than cuBLAS beyond one row, so it is not taken without them. ``EPMOE_GEMV=0`` in the environment turns it off (for
 measuring what it gains).
+
+``gemv_add_norm`` folds the residual add and RMSNorm before the projection into the same launch (a decoder layer's
+input norm before its q/k/v projection, ``layer.FoldedNorm``): after its wait each program reads the block's output
+and the residual, adds and normalises the whole row itself (``fused_norm``'s arithmetic and roundings) and
+multiplies; the first program also stores the sum, the next residual. A chain of dependent launches one link
+shorter; ``linear_after_norm`` runs it for a module and rows ``norm_folds`` accepts.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch
 from torch import nn
 
 from epmoe.experts.triton.pdl import pdl_launch
+from epmoe.layer import FoldedNorm
 
 GEMV_MAX_ROWS = 2
 """Most rows the kernel takes (beyond, the multiply after the wait outweighs what the early reads hide)."""
@@ -51,9 +58,10 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_b, stride_ym,
+    def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, s_ptr, N, K, stride_xm, stride_wn, stride_b,
+                    stride_ym, stride_rm, stride_sm, eps,
                     M: tl.constexpr, BLOCK_N: tl.constexpr, K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    PDL: tl.constexpr):
+                    PDL: tl.constexpr, NORM: tl.constexpr, WEIGHT_THEN_CAST: tl.constexpr):
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -65,10 +73,24 @@ def _kernel():
                     mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
         if HAS_BIAS:
             b = tl.load(b_ptr + offs_n * stride_b, mask=n_ok, other=0.0).to(tl.float32)
+        if NORM:
+            nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         if PDL:
             tl.extra.cuda.gdc_wait()
         for m in tl.static_range(M):
             x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            if NORM:  # fused_norm's add and RMSNorm, each program for itself; the first one stores the sum
+                x = (x + tl.load(r_ptr + m * stride_rm + offs_k, mask=k_ok, other=0.0).to(tl.float32))
+                x = x.to(s_ptr.dtype.element_ty)
+                if tl.program_id(0) == 0:
+                    tl.store(s_ptr + m * stride_sm + offs_k, x, mask=k_ok)
+                x = x.to(tl.float32)
+                x = x * tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+                if WEIGHT_THEN_CAST:
+                    x = nw * x
+                else:
+                    x = x.to(x_ptr.dtype.element_ty).to(tl.float32) * nw
+                x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
             y = tl.sum(w.to(tl.float32) * x[None, :], 1)
             if HAS_BIAS:
                 y += b
@@ -110,6 +132,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             not contiguous, ``K`` above ``GEMV_MAX_K``, rows not contiguous along ``K`` (named); rows to compute on
             the CPU outside the interpreter, or with ``pdl`` under it.
     """
+    _check_operands(x, weight, bias)
+    m, k = x.shape
+    n = weight.shape[0]
+    if k == 0:
+        y = torch.zeros(m, n, dtype=x.dtype, device=x.device)
+        return y + bias if bias is not None else y
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    _launch(x, weight, bias, y, pdl)
+    return y
+
+
+def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """``gemv``'s operand checks (its ValueErrors)."""
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or (
             bias is not None and tuple(bias.shape) != (weight.shape[0],)):
         raise ValueError(f"gemv: x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias "
@@ -123,17 +160,73 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv: x on {x.device}, weight on {weight.device} and bias on "
                          f"{None if bias is None else bias.device}: one device")
     m, k = x.shape
-    n = weight.shape[0]
     if m > GEMV_MAX_ROWS or k > GEMV_MAX_K or not weight.is_contiguous() or (k > 1 and x.stride(1) != 1):
         raise ValueError(f"gemv takes at most {GEMV_MAX_ROWS} rows, K <= {GEMV_MAX_K}, a contiguous weight and "
                          f"rows contiguous along K: {m} rows, K {k}, weight strides {weight.stride()}, x strides "
                          f"{x.stride()}")
-    if k == 0:
-        y = torch.zeros(m, n, dtype=x.dtype, device=x.device)
-        return y + bias if bias is not None else y
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return y
+
+
+def gemv_add_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                  weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_then_cast: bool = False,
+                  pdl: bool | None = None, summed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gemv(norm(residual + x), weight, bias)`` and ``residual + x`` in one launch: ``fused_norm``'s add and
+    RMSNorm (its arithmetic and roundings) folded into the projection after it, each program normalising the rows
+    itself after its wait (a decoder layer's input norm before its q/k/v projection: one launch fewer in the chain).
+
+    Args:
+        x: ``[M, K]`` the block's output rows, as ``gemv``'s ``x`` (float16, bfloat16 or float32, ``M <=
+            GEMV_MAX_ROWS``, contiguous along ``K``).
+        residual: ``[M, K]`` the residual stream, ``x``'s dtype and device, contiguous along ``K``.
+        norm_weight: ``[K]`` the RMSNorm's weight, contiguous, ``x``'s dtype unless ``weight_then_cast``.
+        eps: the norm's epsilon.
+        weight: ``[N, K]`` as ``gemv``'s.
+        bias: ``[N]`` or ``None``, as ``gemv``'s.
+        weight_then_cast: the norm multiplies by its weight in float32 and casts after (``FusedRMSNorm``'s flag).
+        pdl: as ``gemv``'s.
+        summed: ``[M, K]`` of ``x``'s dtype and device, contiguous along ``K``, to write the sum into; or ``None``
+            (a new tensor).
+
+    Returns:
+        ``y [M, N]`` in ``x.dtype`` and the sum ``residual + x`` ``[M, K]`` (rounded to ``x.dtype``; ``summed`` when
+        given).
+
+    Raises:
+        ValueError: as ``gemv``; ``residual``, ``norm_weight`` or ``summed`` of another shape, dtype or device, or
+            not contiguous along ``K`` (named).
+    """
+    _check_operands(x, weight, bias)
+    m, k = x.shape
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device or (
+            k > 1 and residual.stride(1) != 1):
+        raise ValueError(f"gemv_add_norm: residual {tuple(residual.shape)} {residual.dtype} on {residual.device} "
+                         f"strides {residual.stride()} must match x {tuple(x.shape)} {x.dtype} on {x.device}, "
+                         f"contiguous along K")
+    if norm_weight.shape != (k,) or norm_weight.device != x.device or not norm_weight.is_contiguous() or (
+            not weight_then_cast and norm_weight.dtype != x.dtype):
+        raise ValueError(f"gemv_add_norm: norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype} on "
+                         f"{norm_weight.device} must be a contiguous [{k}] on {x.device} of x's dtype {x.dtype} "
+                         f"(any float dtype with weight_then_cast)")
+    if summed is None:
+        summed = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    elif summed.shape != x.shape or summed.dtype != x.dtype or summed.device != x.device or (
+            k > 1 and summed.stride(1) != 1):
+        raise ValueError(f"gemv_add_norm: summed {tuple(summed.shape)} {summed.dtype} on {summed.device} strides "
+                         f"{summed.stride()} must match x {tuple(x.shape)} {x.dtype} on {x.device}, contiguous "
+                         f"along K")
+    y = torch.empty(m, weight.shape[0], dtype=x.dtype, device=x.device)
+    if m and k and weight.shape[0]:
+        _launch(x, weight, bias, y, pdl, (residual, norm_weight, float(eps), weight_then_cast, summed))
+    elif m and k:
+        summed.copy_(x + residual)
+    return y, summed
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, pdl: bool | None,
+            norm: tuple | None = None) -> None:
+    """One launch of the kernel into ``y`` (operands checked by the callers); ``norm``: ``(residual,
+    norm_weight, eps, weight_then_cast, summed)`` for ``gemv_add_norm``."""
+    m, k = x.shape
+    n = weight.shape[0]
     pdl = pdl_launch(x) if pdl is None else pdl
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if not ((x.is_cuda and not interpret) or (interpret and not pdl)):
@@ -142,11 +235,34 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     triton, kernel = _kernel()
     k_pad = triton.next_power_of_2(k)
     block_n = max(1, _TILE_ELEMS // triton.next_power_of_2(m) // k_pad)
+    residual, norm_weight, eps, weight_then_cast, summed = norm if norm is not None else (x, weight, 0.0, False, y)
     kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, y, n, k, x.stride(0), weight.stride(0),
-        bias.stride(0) if bias is not None else 0, y.stride(0),
-        M=m, BLOCK_N=block_n, K_PAD=k_pad, HAS_BIAS=bias is not None, PDL=pdl, num_warps=4, launch_pdl=pdl)
-    return y
+        x, weight, bias if bias is not None else weight, y, residual, norm_weight, summed, n, k, x.stride(0),
+        weight.stride(0), bias.stride(0) if bias is not None else 0, y.stride(0), residual.stride(0),
+        summed.stride(0), eps, M=m, BLOCK_N=block_n, K_PAD=k_pad, HAS_BIAS=bias is not None, PDL=pdl,
+        NORM=norm is not None, WEIGHT_THEN_CAST=weight_then_cast, num_warps=4, launch_pdl=pdl)
+
+
+def norm_folds(module: nn.Module, x: torch.Tensor, norm_weight: torch.Tensor, weight_then_cast: bool) -> bool:
+    """Whether ``linear_after_norm`` folds an RMSNorm of weight ``norm_weight`` into ``module``'s kernel for the
+    rows ``x [..., K]``: where ``linear`` would run the kernel, with a contiguous ``[K]`` norm weight on the rows'
+    device of their dtype (any float dtype with ``weight_then_cast``)."""
+    if not (_plain_linear(module, x) and x.dim() >= 1 and x.shape[-1] > 0
+            and math.prod(x.shape[:-1]) <= GEMV_MAX_ROWS):
+        return False
+    rows = x.reshape(-1, x.shape[-1])
+    return (gemv_fits(rows, module.weight, module.bias) and norm_weight.shape == (x.shape[-1],)
+            and norm_weight.is_contiguous() and norm_weight.device == x.device
+            and (weight_then_cast or norm_weight.dtype == x.dtype))
+
+
+def linear_after_norm(module: nn.Module, folded: FoldedNorm) -> torch.Tensor:
+    """``module(norm(residual + x))`` for a ``FoldedNorm`` that ``norm_folds`` accepted, in one launch
+    (``gemv_add_norm``), the sum written into ``folded.summed``; the result keeps ``x``'s leading dimensions."""
+    f = folded.rows()
+    y, _ = gemv_add_norm(f.x, f.residual, f.weight, f.eps, module.weight, module.bias,
+                         weight_then_cast=f.weight_then_cast, pdl=True, summed=f.summed)
+    return y.reshape(*folded.x.shape[:-1], module.weight.shape[0])
 
 
 def _plain_linear(module: nn.Module, x: torch.Tensor) -> bool:

@@ -35,8 +35,9 @@ import torch
 from torch import nn
 
 from epmoe.engine.attention import AttnBatch, attend, engine_batch
-from epmoe.engine.gemv import linear
+from epmoe.engine.gemv import linear, linear_after_norm, norm_folds
 from epmoe.experts.triton.pdl import pdl_launch
+from epmoe.layer import FoldedNorm
 
 # model types whose attention is q/k/v projections, optional per-head RMSNorm, rotate-by-halves rotary,
 # attention (causal, sliding window, sinks) and o_proj. Value: (the cosine is given for half the rotated dims,
@@ -265,12 +266,19 @@ class RopeAttention(nn.Module):
             cos, sin = cos.contiguous(), sin.contiguous()
         return cos, sin
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+    def folds_norm(self, x: torch.Tensor, weight: torch.Tensor, weight_then_cast: bool) -> bool:
+        """Whether ``forward`` takes a ``FoldedNorm`` of rows ``x [1, T, D_model]`` and an RMSNorm of ``weight``
+        (the q/k/v projection through ``gemv.linear_after_norm``: one or two rows on Hopper)."""
+        return norm_folds(self.qkv_proj, x[0] if x.dim() == 3 else x, weight, weight_then_cast)
+
+    def forward(self, hidden_states: torch.Tensor | FoldedNorm, position_embeddings=None, attention_mask=None,
                 epmoe_batch: AttnBatch | None = None, **kwargs) -> tuple[torch.Tensor, None]:
         """Attention of the step's packed tokens; writes their keys and values into the cache first.
 
         Args:
-            hidden_states: ``[1, T, D_model]`` the step's tokens, packed.
+            hidden_states: ``[1, T, D_model]`` the step's tokens, packed; or their input norm still to compute, a
+                ``FoldedNorm`` of ``[1, T, D_model]`` rows that ``folds_norm`` accepted (computed within the q/k/v
+                projection's launch, the sum written into its ``summed``).
             position_embeddings: ``(cos, sin)`` of the model's rotary module, ``[1, T, R]`` (or ``[1, T, R/2]``).
             attention_mask: ignored (the engine's masks come from positions).
             epmoe_batch: the step's ``AttnBatch``.
@@ -282,10 +290,15 @@ class RopeAttention(nn.Module):
         Raises:
             ValueError: no ``epmoe_batch`` (the model runs outside the engine), a batch dimension other than 1.
         """
-        batch = engine_batch("RopeAttention", hidden_states, epmoe_batch)
-        t = hidden_states.shape[1]
+        folded = hidden_states if isinstance(hidden_states, FoldedNorm) else None
+        rows = folded.x if folded is not None else hidden_states
+        batch = engine_batch("RopeAttention", rows, epmoe_batch)
+        t = rows.shape[1]
         cos, sin = self._cos_sin(position_embeddings)
-        qkv = linear(self.qkv_proj, hidden_states[0])
+        if folded is not None:
+            qkv = linear_after_norm(self.qkv_proj, folded.rows())
+        else:
+            qkv = linear(self.qkv_proj, rows[0])
         norm = self.q_norm is not None
         q = rope_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.q_norm.weight if norm else None,
                      self.k_norm.weight if norm else None, self.eps, batch.kv.k[self.layer_idx],

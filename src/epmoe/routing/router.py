@@ -141,6 +141,51 @@ class Router(nn.Module):
             return None
         return self._route_fused(fused, x, slot_table, record, row_mask)
 
+    def folds_norm(self, x: torch.Tensor, weight: torch.Tensor, weight_then_cast: bool) -> bool:
+        """Whether ``route_folded`` routes the row ``x [1, D]`` normalised by an RMSNorm of ``weight`` in the fused
+        gate's launch: one token through ``router_triton.route_gate_triton`` (``impl='auto'``, CUDA, a kernel for
+        this router kind, the gate in the launch), rows of the gate's dtype (or a float32 gate), a contiguous
+        ``[D]`` norm weight of the rows' dtype (any float dtype with ``weight_then_cast``) on their device."""
+        return (self.impl == "auto" and x.dim() == 2 and x.shape[0] == 1 and self.fused_gate_max_tokens >= 1
+                and _fused_router(x, self.spec.router_kind) is not None
+                and (self.fp32_logits or x.dtype == self.weight.dtype)
+                and (self.bias is None or self.fp32_logits or self.bias.dtype == x.dtype)
+                and weight.shape == (x.shape[1],) and weight.is_contiguous() and weight.device == x.device
+                and (weight_then_cast or weight.dtype == x.dtype))
+
+    def route_folded(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     weight_then_cast: bool, summed: torch.Tensor, slot_table: torch.Tensor,
+                     record: LoadRecord | None = None, row_mask: torch.Tensor | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``route_to_slots`` of ``RMSNorm(residual + x)`` (``layer.FoldedNorm``'s norm), the add and the norm
+        computed in the routing launch: for a row ``folds_norm`` accepted.
+
+        Args:
+            x: ``[1, D]`` the block's output row.
+            residual: ``[1, D]`` the residual stream (``x``'s dtype, contiguous).
+            weight: ``[D]`` the norm's weight; eps, weight_then_cast: the norm's (``FusedRMSNorm``'s).
+            summed: ``[1, D]`` written with ``residual + x``.
+            slot_table, record, row_mask: as ``route_to_slots``.
+
+        Returns:
+            ``topk_idx``, ``topk_weights``, ``topk_slots`` as ``route_to_slots`` and the normalised row ``[1, D]``.
+
+        Raises:
+            ValueError: a row ``folds_norm`` refuses, or tensors that do not fit it (named).
+        """
+        if not self.folds_norm(x, weight, weight_then_cast):
+            raise ValueError(f"Router.route_folded: rows {tuple(x.shape)} {x.dtype} on {x.device} with a norm weight "
+                             f"{tuple(weight.shape)} {weight.dtype}: the fused router does not fold this norm "
+                             f"(folds_norm is false)")
+        fused = _fused_router(x, self.spec.router_kind)
+        normed = torch.empty_like(x, memory_format=torch.contiguous_format)
+        norm = fused.NormBefore(residual, weight, float(eps), bool(weight_then_cast), summed, normed)
+        out = fused.route_gate_triton(x, self.weight, self.bias, self._arrival_counters(x.device),
+                                      self.e_score_correction_bias, fp32_logits=self.fp32_logits,
+                                      **kernel_flags(self.spec), slot_table=slot_table, record=record,
+                                      row_mask=row_mask, norm=norm)
+        return (*out, normed)
+
     def _route_fused(self, fused, x: torch.Tensor, slot_table: torch.Tensor | None, record: LoadRecord | None,
                      row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """Route through ``router_triton``: the gate in the kernel's launch up to ``fused_gate_max_tokens`` tokens,

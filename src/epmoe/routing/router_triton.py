@@ -28,13 +28,18 @@ from the token's arrival counter (the threadfence reduction: a barrier, then an 
 program that arrives last routes the token as above and sets the counter back to 0 for the next launch, so the
 launch needs no memset and replays in a CUDA graph. On Hopper that launch is a programmatic dependent one
 (``experts.triton.pdl``): its programs request their gate rows (at one token a program per row, the whole row)
-while the kernel before it (the norm) finishes.
+while the kernel before it (the norm) finishes. At one token the launch may also take the residual add and RMSNorm
+before it (``NormBefore``, ``layer.FoldedNorm``: the post-attention norm folded into the router): each program adds
+and normalises the row after its wait, and the token's first program stores the sum and the normalised row, which
+the experts read after the router; the kernel before it is then the attention's output projection.
 
 Top-k is ``K`` rounds of ``argmax`` and masking, so experts come out by descending choice (ties go to the
 lower expert id). The weights equal the PyTorch path's up to float32 summation order.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -157,6 +162,7 @@ def _router_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, c
 @triton.jit
 def _gate_router_kernel(x_ptr, gw_ptr, gb_ptr, scratch_ptr, arrive_ptr,
                         bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, counts_ptr, pos_ptr, mask_ptr,
+                        r_ptr, nw_ptr, sum_ptr, xn_ptr, eps,
                         E, stride_x, stride_gw, scale, layer, num_layers, width, D: tl.constexpr,
                         ROWS: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr, GATE_BIAS: tl.constexpr,
                         ROUND_LOGITS: tl.constexpr,
@@ -164,7 +170,8 @@ def _gate_router_kernel(x_ptr, gw_ptr, gb_ptr, scratch_ptr, arrive_ptr,
                         HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, GP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                         TOP2_SUM: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr, ROUND: tl.constexpr,
                         SCALE: tl.constexpr, TABLE: tl.constexpr, RECORD: tl.constexpr, HAS_MASK: tl.constexpr,
-                        MASK_SLOTS: tl.constexpr, PDL: tl.constexpr):
+                        MASK_SLOTS: tl.constexpr, PDL: tl.constexpr, ADD_NORM: tl.constexpr,
+                        WEIGHT_THEN_CAST: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
@@ -174,12 +181,28 @@ def _gate_router_kernel(x_ptr, gw_ptr, gb_ptr, scratch_ptr, arrive_ptr,
     d = tl.arange(0, BLOCK_D)
     w_rows = gw_ptr + n.to(tl.int64)[:, None] * stride_gw
     wv = tl.load(w_rows + d[None, :], mask=n_ok[:, None] & (d < D)[None, :], other=0.0)  # a weight: before the wait
+    if ADD_NORM:
+        nw = tl.load(nw_ptr + d, mask=d < D, other=0.0).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         d_ok = d < D
         xv = tl.load(x_ptr + t * stride_x + d, mask=d_ok, other=0.0).to(tl.float32)
+        if ADD_NORM:  # one token, its whole row in this one step: fused_norm's add and RMSNorm, in every program
+            xv = (xv + tl.load(r_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
+            if tl.program_id(1) == 0:
+                tl.store(sum_ptr + t * D + d, xv, mask=d_ok)
+            xv = xv.to(tl.float32)
+            xv = xv * tl.rsqrt(tl.sum(xv * xv, axis=0) / D + eps)
+            if WEIGHT_THEN_CAST:
+                xv = nw * xv
+            else:
+                xv = xv.to(x_ptr.dtype.element_ty).to(tl.float32) * nw
+            xv = xv.to(x_ptr.dtype.element_ty)
+            if tl.program_id(1) == 0:
+                tl.store(xn_ptr + t * D + d, xv, mask=d_ok)
+            xv = xv.to(tl.float32)
         acc += wv.to(tl.float32) * xv[None, :]
         wv = tl.load(w_rows + BLOCK_D + d[None, :], mask=n_ok[:, None] & (d + BLOCK_D < D)[None, :], other=0.0)
     lg = tl.sum(acc, 1)
@@ -253,7 +276,7 @@ def route_gate_triton(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: tor
                       sigmoid: bool, n_group: int, topk_group: int, top2_sum: bool, normalize: bool,
                       round_weights: bool, scale: float, slot_table: torch.Tensor | None = None,
                       record: LoadRecord | None = None, row_mask: torch.Tensor | None = None,
-                      ) -> tuple[torch.Tensor, ...]:
+                      norm: NormBefore | None = None) -> tuple[torch.Tensor, ...]:
     """``route_triton`` of the gate's logits ``x @ gate_weight.T (+ gate_bias)``, computed in the same launch
     (for a few tokens: every token's programs read the whole weight; ``router.FUSED_GATE_MAX_TOKENS``).
 
@@ -273,13 +296,17 @@ def route_gate_triton(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: tor
         fp32_logits: the router computes its logits in float32 (``MoESpec.router_fp32_logits``).
         top_k, sigmoid, n_group, topk_group, top2_sum, normalize, round_weights, scale, slot_table, record,
             row_mask: as ``route_triton`` (the logits' dtype is float32 with ``fp32_logits``, else ``x``'s).
+        norm: the rows are ``x`` plus a residual, still to normalise (``NormBefore``; one token): every program
+            adds and normalises the row itself, the first of the token's programs writes the sum and the
+            normalised row, which the logits are of.
 
     Returns:
         As ``route_triton``.
 
     Raises:
         ValueError: more tokens than ``arrivals`` counters (or not int32 contiguous), shapes or dtypes
-            of ``x``, ``gate_weight``, ``gate_bias`` that ``F.linear`` would not take, or as ``route_triton``.
+            of ``x``, ``gate_weight``, ``gate_bias`` that ``F.linear`` would not take, or as ``route_triton``;
+            with ``norm``, more than one token or its tensors not of ``x``'s shape, dtype and device (named).
     """
     t, d = x.shape
     e = gate_weight.shape[0]
@@ -292,6 +319,8 @@ def route_gate_triton(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: tor
     if not fp32_logits and not (x.dtype == gate_weight.dtype and (gate_bias is None or gate_bias.dtype == x.dtype)):
         raise ValueError(f"x ({x.dtype}), gate_weight ({gate_weight.dtype}) and gate_bias "
                          f"({None if gate_bias is None else gate_bias.dtype}) must share one dtype")
+    if norm is not None:
+        norm.check(x)
     logit_dtype = torch.float32 if fp32_logits else x.dtype
     out, args = _routing_args(t, e, logit_dtype, x.device, correction_bias, top_k, sigmoid, n_group,
                               topk_group, top2_sum, normalize, round_weights, scale, slot_table, record, row_mask)
@@ -299,6 +328,8 @@ def route_gate_triton(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: tor
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
     gate_weight = gate_weight.contiguous()
+    nargs = dict(r_ptr=x, nw_ptr=x, sum_ptr=x, xn_ptr=x, eps=0.0) if norm is None else dict(
+        r_ptr=norm.residual, nw_ptr=norm.weight, sum_ptr=norm.summed, xn_ptr=norm.normed, eps=norm.eps)
     rows = _gate_rows(t, e)
     # one token: each program's whole weight row in one step, requested before the wait; more: steps of _GATE_TILE
     block_d = triton.next_power_of_2(d) if t == 1 else min(triton.next_power_of_2(d), max(128, _GATE_TILE // rows))
@@ -309,10 +340,50 @@ def route_gate_triton(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: tor
         x_ptr=x, gw_ptr=gate_weight, gb_ptr=gate_bias if gate_bias is not None else gate_weight,
         scratch_ptr=scratch, arrive_ptr=arrivals, D=d, stride_x=x.stride(0), stride_gw=gate_weight.stride(0),
         ROWS=rows, BLOCK_D=block_d, TILES=tiles, GATE_BIAS=gate_bias is not None,
-        ROUND_LOGITS=logit_dtype != torch.float32, **args, PDL=pdl, num_warps=_gate_warps(t, d, fp32_logits),
+        ROUND_LOGITS=logit_dtype != torch.float32, **args, **nargs, PDL=pdl, ADD_NORM=norm is not None,
+        WEIGHT_THEN_CAST=norm is not None and norm.weight_then_cast, num_warps=_gate_warps(t, d, fp32_logits),
         launch_pdl=pdl,
     )
     return out
+
+
+@dataclass(frozen=True)
+class NormBefore:
+    """The RMSNorm ``route_gate_triton`` computes before the gate (``layer.FoldedNorm``'s tensors, as rows): the
+    rows to route are ``RMSNorm(residual + x)``.
+
+    Attributes:
+        residual: ``[1, D]`` the residual stream (``x``'s dtype, contiguous).
+        weight: ``[D]`` the norm's weight, contiguous (``x``'s dtype unless ``weight_then_cast``).
+        eps: the norm's epsilon.
+        weight_then_cast: multiply by the weight in float32 and cast after (``FusedRMSNorm.weight_then_cast``).
+        summed: ``[1, D]`` written with ``residual + x`` (``x``'s dtype, contiguous).
+        normed: ``[1, D]`` written with the normalised row (``x``'s dtype, contiguous).
+    """
+
+    residual: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    weight_then_cast: bool
+    summed: torch.Tensor
+    normed: torch.Tensor
+
+    def check(self, x: torch.Tensor) -> None:
+        """Raise ValueError (naming the tensor) unless these fit the rows ``x``: one token, each ``[1, D]`` tensor
+        of ``x``'s dtype and device and contiguous, the weight ``[D]`` contiguous on that device."""
+        if x.shape[0] != 1:
+            raise ValueError(f"route_gate_triton normalises one token's row, got {x.shape[0]} tokens")
+        for name in ("residual", "summed", "normed"):
+            t = getattr(self, name)
+            if t.shape != x.shape or t.dtype != x.dtype or t.device != x.device or not t.is_contiguous():
+                raise ValueError(f"route_gate_triton: norm {name} {tuple(t.shape)} {t.dtype} on {t.device} must be "
+                                 f"a contiguous {tuple(x.shape)} {x.dtype} on {x.device}, as the rows")
+        w = self.weight
+        if w.shape != (x.shape[1],) or w.device != x.device or not w.is_contiguous() or (
+                not self.weight_then_cast and w.dtype != x.dtype):
+            raise ValueError(f"route_gate_triton: norm weight {tuple(w.shape)} {w.dtype} on {w.device} must be a "
+                             f"contiguous [{x.shape[1]}] on {x.device} of the rows' dtype {x.dtype} (any float dtype "
+                             f"with weight_then_cast)")
 
 
 def _gate_warps(num_tokens: int, hidden_size: int, fp32_logits: bool) -> int:
