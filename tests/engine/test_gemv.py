@@ -8,7 +8,7 @@ from torch import nn
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 
 import epmoe.engine.gemv as gemv_mod
-from epmoe.engine.decoder import fold_or_add_norm
+from epmoe.engine.decoder import FOLD_NORM_MAX_WIDTH, fold_or_add_norm
 from epmoe.engine.fused_norm import FusedRMSNorm
 from epmoe.engine.gemv import (
     GEMV_MAX_K,
@@ -266,3 +266,24 @@ def test_fold_or_add_norm_hands_the_norm_to_a_consumer_that_folds_it():
     assert torch.equal(summed, r + x) and torch.equal(out, ref(r + x))
     out, summed = fold_or_add_norm(ref, x, r, nn.Identity())  # no folds_norm
     assert torch.equal(summed, r + x) and torch.equal(out, ref(r + x))
+
+
+def test_fold_or_add_norm_keeps_wide_rows_and_the_switch_off_to_the_norm(monkeypatch):
+    """Rows wider than ``FOLD_NORM_MAX_WIDTH``, or ``EPMOE_FOLD_NORM=0``: the norm's own launch (``add_norm``),
+    whatever the consumer says."""
+    import epmoe.engine.decoder as decoder_mod
+
+    monkeypatch.setattr(decoder_mod, "add_norm", lambda norm, x, r: ("added", r))
+
+    class FoldsAny(nn.Module):
+        def folds_norm(self, rows, weight, weight_then_cast):
+            return True
+
+    k = FOLD_NORM_MAX_WIDTH
+    narrow = FusedRMSNorm(nn.Parameter(torch.rand(k)), 1e-6)
+    wide = FusedRMSNorm(nn.Parameter(torch.rand(k + 64)), 1e-6)
+    x, r = torch.randn(1, 1, k + 64), torch.randn(1, 1, k + 64)
+    assert isinstance(fold_or_add_norm(narrow, x[..., :k], r[..., :k], FoldsAny())[0], FoldedNorm)
+    assert fold_or_add_norm(wide, x, r, FoldsAny())[0] == "added"
+    monkeypatch.setenv("EPMOE_FOLD_NORM", "0")
+    assert fold_or_add_norm(narrow, x[..., :k], r[..., :k], FoldsAny())[0] == "added"

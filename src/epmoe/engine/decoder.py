@@ -84,11 +84,19 @@ def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[
     return norm(h), h
 
 
+FOLD_NORM_MAX_WIDTH = 4096
+"""Widest rows ``fold_or_add_norm`` hands to a consumer: every program of the consumer's launch reads the whole row
+and the residual to normalise them itself, extra reads that grow with the width (for the q/k/v projection about
+``width / 8192`` of its weight's bytes, from the L2). Measured on an H200 (``benchmarks/engine.py``, README):
+Qwen3-30B-A3B (2048 wide) gains at one row, DeepSeek-V3 and Kimi-K2.5 (7168 wide) lose."""
+
+
 def fold_or_add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor, consumer: nn.Module
                      ) -> tuple[torch.Tensor | FoldedNorm, torch.Tensor]:
     """``add_norm(norm, x, residual)``, or, where ``norm`` is a ``FusedRMSNorm`` and ``consumer`` (the module the
-    normalised rows go to) folds it into its own launch (its ``folds_norm(x, weight, weight_then_cast)``), the
-    ``FoldedNorm`` to hand it and the tensor it writes the sum into: the same two results, one launch fewer.
+    normalised rows go to) folds it into its own launch (its ``folds_norm(x, weight, weight_then_cast)``) and the
+    rows are at most ``FOLD_NORM_MAX_WIDTH`` wide, the ``FoldedNorm`` to hand it and the tensor it writes the sum
+    into: the same two results, one launch fewer.
     ``EPMOE_FOLD_NORM=0`` in the environment turns the folding off (for measuring what it gains).
 
     Args:
@@ -103,7 +111,7 @@ def fold_or_add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor, c
     x = x.view(residual.shape)
     folds = getattr(consumer, "folds_norm", None)
     if (folds is not None and isinstance(norm, FusedRMSNorm) and os.environ.get("EPMOE_FOLD_NORM", "1") != "0"
-            and x.dtype == residual.dtype
+            and x.shape[-1] <= FOLD_NORM_MAX_WIDTH and x.dtype == residual.dtype
             and residual.stride(-1) == 1 and x.stride(-1) == 1 and folds(x, norm.weight, norm.weight_then_cast)):
         summed = torch.empty_like(residual, memory_format=torch.contiguous_format)
         return FoldedNorm(x, residual, norm.weight, norm.eps, norm.weight_then_cast, summed), summed
