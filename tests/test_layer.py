@@ -261,3 +261,45 @@ def test_shared_experts_on_a_side_stream_equal_in_order(tiny_checkpoints, monkey
     monkeypatch.setenv("EPMOE_SHARED_OVERLAP", "0")
     assert torch.equal(out, layer(x[:3]))
     assert layer._shared_stream is side
+
+
+def test_folded_norm_refuses_what_does_not_fit_by_name():
+    """``FoldedNorm`` checks its operands when it is made (``checks.check_add_norm``), and a layer that does not
+    fold the norm (here: on the CPU, no fused router) refuses one by name rather than computing something else."""
+    from epmoe.layer import FoldedNorm
+
+    x, r, w, s = torch.randn(1, 1, 64), torch.randn(1, 1, 64), torch.rand(64), torch.empty(1, 1, 64)
+    FoldedNorm(x, r, w, 1e-6, False, s)
+    bad = {
+        r"residual must be a torch.Tensor, got NoneType": dict(residual=None),
+        r"summed must be a torch.Tensor, got NoneType": dict(summed=None),
+        r"weight_then_cast must be a bool, got 'no'": dict(weight_then_cast="no"),
+        r"eps must be a finite real number >= 0, got nan": dict(eps=float("nan")),
+        r"eps must be a finite real number >= 0, got -1": dict(eps=-1),
+        r"eps must be a finite real number >= 0, got 'x'": dict(eps="x"),
+        r"residual \(1, 1, 32\) torch.float32 on cpu strides .* must match x \(1, 1, 64\)": dict(residual=r[..., :32]),
+        r"summed \(1, 1, 67\)": dict(summed=torch.empty(1, 1, 67)),
+        r"weight \(32,\) torch.float32 on cpu must be a contiguous \[64\] float tensor": dict(weight=w[:32]),
+        r"weight \(64,\) torch.int64 .* float tensor": dict(weight=torch.ones(64, dtype=torch.int64)),
+        r"summed shares memory with residual": dict(summed=r),
+        r"summed shares memory with x": dict(summed=x),
+    }
+    for message, change in bad.items():
+        args = dict(x=x, residual=r, weight=w, eps=1e-6, weight_then_cast=False, summed=s) | change
+        with pytest.raises((TypeError, ValueError), match=message):
+            FoldedNorm(**args)
+    spec = load_moe_spec_of("qwen3-moe")
+    layer = MoELayer(spec, 0, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
+                     MoELayerOptions(dispatcher="local"))
+    d = spec.hidden_size
+    folded = FoldedNorm(torch.randn(1, 1, d), torch.randn(1, 1, d), torch.rand(d), 1e-6, False, torch.empty(1, 1, d))
+    assert not layer.folds_norm(folded.x, folded.weight, False) and not layer.folds_norm(torch.tensor(1.0), w, False)
+    with pytest.raises(ValueError, match=r"MoE layer 0: handed a FoldedNorm of rows \(1, 1, \d+\) .* it does not fold"):
+        layer(folded)
+
+
+def load_moe_spec_of(family: str):
+    from epmoe.models.tiny import _COMMON
+    from epmoe.spec import parse_moe_spec
+
+    return parse_moe_spec({**_COMMON, **TINY_FAMILIES[family]}, family)

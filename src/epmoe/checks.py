@@ -30,3 +30,76 @@ def check_int(name: str, value: object, minimum: int, *, wording: str = "") -> i
 def check_positive_int(name: str, value: object) -> int:
     """``check_int(name, value, 1)`` with the message ``"{name} must be a positive integer, got {value!r}"``."""
     return check_int(name, value, 1, wording="a positive integer")
+
+
+def check_add_norm(where: str, x: object, residual: object, weight: object, eps: object, weight_then_cast: object,
+                   outputs: dict[str, object]) -> None:
+    """Check the operands of a residual add and RMSNorm that a kernel computes on its rows (``layer.FoldedNorm``,
+    ``engine.gemv.gemv_add_norm``, ``routing.router_triton.NormBefore``): every program of the launch reads the
+    rows and the residual while one of them writes the outputs, so no output may share memory with them.
+
+    Args:
+        where: the function or class named in the messages.
+        x: ``[..., D]`` the rows: a float tensor, contiguous along ``D``.
+        residual: ``[..., D]`` of ``x``'s shape, dtype and device, contiguous along ``D``.
+        weight: ``[D]`` the norm's weight: a contiguous float tensor on ``x``'s device, of ``x``'s dtype unless
+            ``weight_then_cast``.
+        eps: the norm's epsilon: a finite real number ``>= 0``.
+        weight_then_cast: a bool.
+        outputs: name -> tensor the kernel writes (``None`` entries are skipped): each of ``x``'s shape, dtype and
+            device, contiguous along ``D``, sharing no memory with ``x``, ``residual`` or another output.
+
+    Raises:
+        TypeError: an operand that is not a tensor, or ``weight_then_cast`` not a bool (named).
+        ValueError: a shape, dtype, device or layout that does not fit, an ``eps`` that is not a finite real ``>= 0``,
+            an output that overlaps an input or another output (named, with the value).
+    """
+    import math
+
+    import torch
+
+    given = [("x", x), ("residual", residual), ("weight", weight)]
+    given += [(n, t) for n, t in outputs.items() if t is not None]
+    for name, t in given:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if not isinstance(weight_then_cast, bool):
+        raise TypeError(f"{where}: weight_then_cast must be a bool, got {weight_then_cast!r}")
+    if (isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(float(eps))
+            or float(eps) < 0):
+        raise ValueError(f"{where}: eps must be a finite real number >= 0, got {eps!r}")
+    if x.dim() < 1 or not x.dtype.is_floating_point or (x.shape[-1] > 1 and x.stride(-1) != 1):
+        raise ValueError(f"{where}: x {tuple(x.shape)} {x.dtype} strides {x.stride()} must be float rows [..., D], "
+                         f"contiguous along D")
+    for name, t in (("residual", residual), *outputs.items()):
+        if t is None:
+            continue
+        if t.shape != x.shape or t.dtype != x.dtype or t.device != x.device or (t.shape[-1] > 1 and t.stride(-1) != 1):
+            raise ValueError(f"{where}: {name} {tuple(t.shape)} {t.dtype} on {t.device} strides {t.stride()} must "
+                             f"match x {tuple(x.shape)} {x.dtype} on {x.device}, contiguous along its last dimension")
+    d = x.shape[-1]
+    if (weight.shape != (d,) or weight.device != x.device or not weight.is_contiguous()
+            or not weight.dtype.is_floating_point or (not weight_then_cast and weight.dtype != x.dtype)):
+        raise ValueError(f"{where}: weight {tuple(weight.shape)} {weight.dtype} on {weight.device} must be a "
+                         f"contiguous [{d}] float tensor on {x.device} of x's dtype {x.dtype} (any float dtype with "
+                         f"weight_then_cast)")
+    spans = {name: _byte_span(t) for name, t in (("x", x), ("residual", residual), *outputs.items()) if t is not None}
+    names = list(spans)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if (a in outputs or b in outputs) and _overlap(spans[a], spans[b]):
+                raise ValueError(f"{where}: {b if b in outputs else a} shares memory with {a if b in outputs else b}: "
+                                 f"the kernel's programs read the rows and the residual while one writes the outputs")
+
+
+def _byte_span(t) -> tuple[int, int]:
+    """``[start, end)`` bytes of a tensor's elements in its storage's address space (empty for no elements)."""
+    start = t.data_ptr()
+    if t.numel() == 0:
+        return start, start
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * t.element_size()
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < a[1] and b[0] < b[1] and a[0] < b[1] and b[0] < a[1]

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from epmoe.checks import check_add_norm
 from epmoe.comm import Comm
 from epmoe.dispatch import DISPATCHERS, Dispatcher, make_dispatcher
 from epmoe.experts import EXPERT_BACKENDS, Activation, AnyExpertWeights, get_expert_backend
@@ -57,6 +58,16 @@ class FoldedNorm:
     eps: float
     weight_then_cast: bool
     summed: torch.Tensor
+
+    def __post_init__(self) -> None:
+        """Raises TypeError or ValueError (named) for operands that do not fit (``checks.check_add_norm``: ``x`` and
+        ``residual`` float tensors of one shape, dtype and device, contiguous along ``D``; ``weight`` a contiguous
+        ``[D]`` float tensor of ``x``'s dtype unless ``weight_then_cast``; ``eps`` finite ``>= 0``; ``summed`` like
+        ``x`` and sharing no memory with ``x`` or ``residual``)."""
+        if not isinstance(self.summed, torch.Tensor):
+            raise TypeError(f"FoldedNorm: summed must be a torch.Tensor, got {type(self.summed).__name__}")
+        check_add_norm("FoldedNorm", self.x, self.residual, self.weight, self.eps, self.weight_then_cast,
+                       {"summed": self.summed})
 
     def rows(self) -> FoldedNorm:
         """The same with ``x``, ``residual`` and ``summed`` viewed as ``[T, D]`` rows."""
@@ -447,19 +458,24 @@ class MoELayer(_MoEBase):
     def folds_norm(self, x: torch.Tensor, weight: torch.Tensor, weight_then_cast: bool) -> bool:
         """Whether ``forward`` takes a ``FoldedNorm`` of rows ``x [..., D]`` and an RMSNorm of ``weight``: one row
         that the fused router routes with a static slot table (``Router.folds_norm``)."""
-        rows = x.reshape(-1, x.shape[-1])
-        return (self.slot_map.static_table is not None and x.shape[-1] == self.spec.hidden_size
-                and self.gate.folds_norm(rows, weight, weight_then_cast))
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.spec.hidden_size:
+            return False
+        return self.slot_map.static_table is not None and self.gate.folds_norm(x.reshape(-1, x.shape[-1]), weight,
+                                                                                weight_then_cast)
 
     def forward(self, hidden: torch.Tensor | FoldedNorm) -> torch.Tensor:
         """``hidden [..., D]`` -> ``[..., D]``: routed experts (over the EP group) plus shared experts. ``hidden``
         may be a ``FoldedNorm`` that ``folds_norm`` accepted: the router adds and normalises the row in its launch.
 
         Raises:
-            ValueError: the last dimension is not the model's hidden size.
+            ValueError: the last dimension is not the model's hidden size; a ``FoldedNorm`` this layer does not
+                fold (``folds_norm`` false: more than one row, no static slot table, the fused router not there).
         """
         folded = hidden if isinstance(hidden, FoldedNorm) else None
         if folded is not None:
+            if not self.folds_norm(folded.x, folded.weight, folded.weight_then_cast):
+                raise ValueError(f"MoE layer {self.moe_index}: handed a FoldedNorm of rows {tuple(folded.x.shape)} "
+                                 f"{folded.x.dtype} on {folded.x.device} it does not fold (folds_norm is false)")
             hidden = folded.x
         shape = hidden.shape
         if shape[-1] != self.spec.hidden_size:

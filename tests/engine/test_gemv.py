@@ -208,18 +208,39 @@ def test_gemv_add_norm_equals_the_norm_then_the_projection(dtype, m, n, k, weigh
 
 def test_gemv_add_norm_refuses_operands_by_name():
     x, r, nw, w = torch.randn(1, 64), torch.randn(1, 64), torch.rand(64), torch.randn(8, 64)
-    with pytest.raises(ValueError, match=r"residual \(1, 32\) torch.float32 on cpu .* must match x \(1, 64\)"):
-        gemv_add_norm(x, r[:, :32], nw, 1e-6, w)
-    with pytest.raises(ValueError, match=r"residual \(1, 64\) torch.float16"):
-        gemv_add_norm(x, r.half(), nw, 1e-6, w)
-    with pytest.raises(ValueError, match=r"norm_weight \(32,\) torch.float32 on cpu must be a contiguous \[64\]"):
-        gemv_add_norm(x, r, nw[:32], 1e-6, w)
-    with pytest.raises(ValueError, match=r"norm_weight \(64,\) torch.float16 .* of x's dtype torch.float32"):
-        gemv_add_norm(x, r, nw.half(), 1e-6, w)
-    with pytest.raises(ValueError, match=r"summed \(2, 64\) torch.float32 on cpu"):
-        gemv_add_norm(x, r, nw, 1e-6, w, summed=torch.empty(2, 64))
-    with pytest.raises(ValueError, match=r"x \(1, 64\), weight \(8, 32\) and bias None do not agree"):
-        gemv_add_norm(x, r, nw, 1e-6, torch.randn(8, 32))
+    bad = {
+        r"residual \(1, 32\) torch.float32 on cpu strides .* must match x \(1, 64\)": dict(residual=r[:, :32]),
+        r"residual \(1, 64\) torch.float16": dict(residual=r.half()),
+        r"residual must be a torch.Tensor, got NoneType": dict(residual=None),
+        r"weight \(32,\) torch.float32 on cpu must be a contiguous \[64\] float tensor": dict(norm_weight=nw[:32]),
+        r"weight \(64,\) torch.float16 .* of x's dtype torch.float32": dict(norm_weight=nw.half()),
+        r"weight \(64,\) torch.int32 .* float tensor": dict(norm_weight=torch.ones(64, dtype=torch.int32)),
+        r"summed \(2, 64\) torch.float32 on cpu": dict(summed=torch.empty(2, 64)),
+        r"summed shares memory with residual": dict(summed=r),
+        r"summed shares memory with x": dict(summed=x),
+        r"eps must be a finite real number >= 0, got nan": dict(eps=float("nan")),
+        r"eps must be a finite real number >= 0, got None": dict(eps=None),
+        r"weight_then_cast must be a bool, got 'no'": dict(weight_then_cast="no"),
+        r"x \(1, 64\), weight \(8, 32\) and bias None do not agree": dict(weight=torch.randn(8, 32)),
+        r"gemv_add_norm: x must be a torch.Tensor, got NoneType": dict(x=None),
+    }
+    for message, change in bad.items():
+        args = dict(x=x, residual=r, norm_weight=nw, eps=1e-6, weight=w, weight_then_cast=False) | change
+        with pytest.raises((TypeError, ValueError), match=message):
+            gemv_add_norm(args.pop("x"), args.pop("residual"), args.pop("norm_weight"), args.pop("eps"),
+                          args.pop("weight"), **args)
+
+
+def test_gemv_add_norm_without_rows_or_inputs():
+    """No rows, ``K`` of 0 or no outputs: ``gemv``'s result (the bias where ``K`` is 0) and the sum, no launch."""
+    b = torch.arange(4.0)
+    y, summed = gemv_add_norm(torch.empty(1, 0), torch.empty(1, 0), torch.empty(0), 1e-6, torch.empty(4, 0), b)
+    assert torch.equal(y, b[None]) and summed.shape == (1, 0)
+    y, summed = gemv_add_norm(torch.empty(0, 8), torch.empty(0, 8), torch.rand(8), 1e-6, torch.randn(4, 8))
+    assert y.shape == (0, 4) and summed.shape == (0, 8)
+    x, r = torch.randn(2, 8), torch.randn(2, 8)
+    y, summed = gemv_add_norm(x, r, torch.rand(8), 1e-6, torch.randn(0, 8))
+    assert y.shape == (2, 0) and torch.equal(summed, x + r)
 
 
 def test_norm_folds_each_condition(with_pdl, monkeypatch):

@@ -431,15 +431,24 @@ def test_norm_before_refuses_what_does_not_fit_by_name():
     NormBefore(**{**ok, "weight": torch.ones(64), "weight_then_cast": True}).check(x)
     with pytest.raises(ValueError, match="normalises one token's row, got 2 tokens"):
         NormBefore(**ok).check(torch.zeros(2, 64, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match=r"norm residual \(1, 64\) torch.float32 on cpu must be a contiguous "
-                                         r"\(1, 64\) torch.bfloat16"):
-        NormBefore(**{**ok, "residual": x.float()}).check(x)
-    with pytest.raises(ValueError, match=r"norm summed \(1, 32\)"):
-        NormBefore(**{**ok, "summed": x[:, :32]}).check(x)
-    with pytest.raises(ValueError, match=r"norm normed \(1, 64\) .* must be a contiguous"):
-        NormBefore(**{**ok, "normed": torch.zeros(64, 2, dtype=torch.bfloat16)[:, 0].view(1, 64)}).check(x)
-    with pytest.raises(ValueError, match=r"norm weight \(64,\) torch.float32 on cpu must be a contiguous \[64\]"):
-        NormBefore(**{**ok, "weight": torch.ones(64)}).check(x)
+    shared = torch.zeros(1, 64, dtype=torch.bfloat16)
+    bad = {
+        r"norm: residual \(1, 64\) torch.float32 on cpu strides .* must match x \(1, 64\) torch.bfloat16":
+            dict(residual=x.float()),
+        r"norm: summed \(1, 32\)": dict(summed=x[:, :32]),
+        r"norm: normed \(1, 64\) .* contiguous":
+            dict(normed=torch.zeros(64, 2, dtype=torch.bfloat16)[:, 0].view(1, 64)),
+        r"norm: weight \(64,\) torch.float32 on cpu must be a contiguous \[64\] float tensor":
+            dict(weight=torch.ones(64)),
+        r"norm: normed shares memory with summed": dict(summed=shared, normed=shared),
+        r"norm: summed shares memory with x": dict(summed=x),
+        r"norm: eps must be a finite real number >= 0, got inf": dict(eps=float("inf")),
+        r"norm: summed must be a torch.Tensor, got NoneType": dict(summed=None),
+        r"norm: weight_then_cast must be a bool, got 1": dict(weight_then_cast=1),
+    }
+    for message, change in bad.items():
+        with pytest.raises((TypeError, ValueError), match=message):
+            NormBefore(**{**ok, **change}).check(x)
 
 
 def test_router_folds_norm_only_where_the_fused_gate_routes_one_row():
@@ -452,6 +461,10 @@ def test_router_folds_norm_only_where_the_fused_gate_routes_one_row():
     assert not router.folds_norm(x, w, False)
     with pytest.raises(ValueError, match="the fused router does not fold this norm"):
         router.route_folded(x, x, w, 1e-6, False, x.clone(), torch.arange(spec.num_experts))
+    with pytest.raises(ValueError, match="with a norm weight NoneType"):
+        router.route_folded(x, x, None, 1e-6, False, x.clone(), torch.arange(spec.num_experts))
+    with pytest.raises(ValueError, match="needs the layer's slot table, got NoneType"):
+        router.route_folded(x, x, w, 1e-6, False, x.clone(), None)
 
 
 @pytest.mark.gpu

@@ -8,11 +8,11 @@ Every served family's decoder layer is pre-norm (transformers' ``*DecoderLayer.f
 and the model ends with ``norm(h)``: two residual adds a layer, each its own elementwise kernel, between kernels
 that read the same rows again. ``decoder_forward`` runs the same modules in the same order but carries each sum to
 the norm after it, which computes it (``add_norm``): ``x, r = add_norm(post_attention_layernorm, a, r)`` is
-``r = r + a; x = post_attention_layernorm(r)``. Where the module after a norm folds it into its own first launch (a
-one-row decode step on Hopper: the q/k/v projection, ``gemv.linear_after_norm``, and the MoE layer's router,
-``layer.MoELayer.folds_norm``), ``fold_or_add_norm`` hands that module a ``layer.FoldedNorm`` instead and the norm's
-launch is gone. On CUDA the norms are ``FusedRMSNorm`` and do the add in their own
-pass (one kernel where there were two); elsewhere ``add_norm`` is the add and the module, the layer's own
+``r = r + a; x = post_attention_layernorm(r)``. Where the module after a norm folds it into its own first launch (on
+Hopper, rows up to ``FOLD_NORM_MAX_WIDTH`` wide: the q/k/v projection at one or two rows, ``gemv.linear_after_norm``,
+and the MoE layer's router at one row, ``layer.MoELayer.folds_norm``), ``fold_or_add_norm`` hands that module a
+``layer.FoldedNorm`` instead and the norm's launch is gone. On CUDA the norms are ``FusedRMSNorm`` and do the add
+in their own pass (one kernel where there were two); elsewhere ``add_norm`` is the add and the module, the layer's own
 arithmetic. A layer's output ``h`` is so materialised by the next norm only: the aux layers' outputs (EAGLE-3's
 hidden states) are the sums that norm returns, and the final norm closes the last layer.
 
@@ -65,6 +65,15 @@ def _block(layer: nn.Module) -> nn.Module | None:
     return block if block is not None else getattr(layer, "feed_forward", None)
 
 
+def _check_rows(x: object, residual: object) -> None:
+    for name, t in (("x", x), ("residual", residual)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.numel() != residual.numel():
+        raise ValueError(f"the block's output {tuple(x.shape)} and the residual {tuple(residual.shape)} must have as "
+                         f"many elements")
+
+
 def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm(residual + x), residual + x)``: one kernel where ``norm`` is a ``FusedRMSNorm`` of ``x``'s dtype,
     else the add and the module (the decoder layer's own arithmetic).
@@ -76,7 +85,12 @@ def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[
 
     Returns:
         Both in ``residual``'s shape.
+
+    Raises:
+        TypeError: ``x`` or ``residual`` is not a tensor.
+        ValueError: ``x`` has not as many elements as ``residual``.
     """
+    _check_rows(x, residual)
     x = x.view(residual.shape)
     if isinstance(norm, FusedRMSNorm) and x.dtype == residual.dtype and x.is_cuda:
         return norm.add_forward(x, residual)
@@ -86,9 +100,9 @@ def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[
 
 FOLD_NORM_MAX_WIDTH = 4096
 """Widest rows ``fold_or_add_norm`` hands to a consumer: every program of the consumer's launch reads the whole row
-and the residual to normalise them itself, extra reads that grow with the width (for the q/k/v projection about
-``width / 8192`` of its weight's bytes, from the L2). Measured on an H200 (``benchmarks/engine.py``, README):
-Qwen3-30B-A3B (2048 wide) gains at one row, DeepSeek-V3 and Kimi-K2.5 (7168 wide) lose."""
+and the residual to normalise them itself, extra reads that grow with the width (for ``gemv``'s q/k/v projection,
+whose programs hold 16384 weight elements each, ``width / 8192`` of its weight's bytes, from the L2).
+Chosen from the H200 measurements in README's engine section ("Norms folded into the kernels after them")."""
 
 
 def fold_or_add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor, consumer: nn.Module
@@ -107,7 +121,12 @@ def fold_or_add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor, c
 
     Returns:
         ``(normalised rows or FoldedNorm, residual + x)``; the sum is complete once the consumer has run.
+
+    Raises:
+        TypeError: ``x`` or ``residual`` is not a tensor.
+        ValueError: ``x`` has not as many elements as ``residual``.
     """
+    _check_rows(x, residual)
     x = x.view(residual.shape)
     folds = getattr(consumer, "folds_norm", None)
     if (folds is not None and isinstance(norm, FusedRMSNorm) and os.environ.get("EPMOE_FOLD_NORM", "1") != "0"

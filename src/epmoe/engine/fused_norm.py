@@ -14,8 +14,9 @@ On Hopper the kernel is a programmatic dependent launch (``experts.triton.pdl``)
 kernel before it finishes. It lets the kernel after it be placed at its start, or, for a decoder layer's input norm
 (``FusedRMSNorm.late_dependents``), only once its input is complete: the q/k/v projection after that norm requests
 its whole weight when it is placed (``engine.gemv``), and those reads would otherwise compete with the expert
-down kernel's before it (measured on an H200: ``benchmarks/engine.py``, README). At one or two rows on Hopper the
-decoder folds these norms into the kernels after them instead (``decoder.fold_or_add_norm``).
+down kernel's before it (measured on an H200: ``benchmarks/engine.py``, README). Where the kernel after a norm takes
+it into its own launch (``decoder.fold_or_add_norm``: on Hopper, rows up to ``decoder.FOLD_NORM_MAX_WIDTH`` wide, the
+q/k/v projection at one or two rows, the MoE router at one), the decoder launches no norm there.
 """
 
 from __future__ import annotations
@@ -155,4 +156,3 @@ def fuse_norms(model: nn.Module) -> int:
                 setattr(parent, name, FusedRMSNorm(weight, eps, kind in _WEIGHT_THEN_CAST, name == "input_layernorm"))
                 count += 1
     return count
-

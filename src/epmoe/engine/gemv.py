@@ -37,6 +37,7 @@ import os
 import torch
 from torch import nn
 
+from epmoe.checks import check_add_norm
 from epmoe.experts.triton.pdl import pdl_launch
 from epmoe.layer import FoldedNorm
 
@@ -172,6 +173,7 @@ def gemv_add_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
     """``gemv(norm(residual + x), weight, bias)`` and ``residual + x`` in one launch: ``fused_norm``'s add and
     RMSNorm (its arithmetic and roundings) folded into the projection after it, each program normalising the rows
     itself after its wait (a decoder layer's input norm before its q/k/v projection: one launch fewer in the chain).
+    With no rows, ``K`` of 0 or no outputs, ``gemv``'s result (the bias where ``K`` is 0) and the sum.
 
     Args:
         x: ``[M, K]`` the block's output rows, as ``gemv``'s ``x`` (float16, bfloat16 or float32, ``M <=
@@ -191,33 +193,24 @@ def gemv_add_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
         given).
 
     Raises:
+        TypeError: an operand that is not a tensor, ``weight_then_cast`` not a bool (named).
         ValueError: as ``gemv``; ``residual``, ``norm_weight`` or ``summed`` of another shape, dtype or device, or
-            not contiguous along ``K`` (named).
+            not contiguous along ``K``; ``eps`` not a finite real ``>= 0``; ``summed`` sharing memory with ``x`` or
+            ``residual`` (the programs read them while the first writes the sum; ``checks.check_add_norm``).
     """
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"gemv_add_norm: {name} must be a torch.Tensor, got {type(t).__name__}")
     _check_operands(x, weight, bias)
+    check_add_norm("gemv_add_norm", x, residual, norm_weight, eps, weight_then_cast, {"summed": summed})
     m, k = x.shape
-    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device or (
-            k > 1 and residual.stride(1) != 1):
-        raise ValueError(f"gemv_add_norm: residual {tuple(residual.shape)} {residual.dtype} on {residual.device} "
-                         f"strides {residual.stride()} must match x {tuple(x.shape)} {x.dtype} on {x.device}, "
-                         f"contiguous along K")
-    if norm_weight.shape != (k,) or norm_weight.device != x.device or not norm_weight.is_contiguous() or (
-            not weight_then_cast and norm_weight.dtype != x.dtype):
-        raise ValueError(f"gemv_add_norm: norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype} on "
-                         f"{norm_weight.device} must be a contiguous [{k}] on {x.device} of x's dtype {x.dtype} "
-                         f"(any float dtype with weight_then_cast)")
     if summed is None:
         summed = torch.empty(m, k, dtype=x.dtype, device=x.device)
-    elif summed.shape != x.shape or summed.dtype != x.dtype or summed.device != x.device or (
-            k > 1 and summed.stride(1) != 1):
-        raise ValueError(f"gemv_add_norm: summed {tuple(summed.shape)} {summed.dtype} on {summed.device} strides "
-                         f"{summed.stride()} must match x {tuple(x.shape)} {x.dtype} on {x.device}, contiguous "
-                         f"along K")
-    y = torch.empty(m, weight.shape[0], dtype=x.dtype, device=x.device)
-    if m and k and weight.shape[0]:
-        _launch(x, weight, bias, y, pdl, (residual, norm_weight, float(eps), weight_then_cast, summed))
-    elif m and k:
+    if m == 0 or k == 0 or weight.shape[0] == 0:  # nothing to normalise or no outputs: gemv's results, the sum
         summed.copy_(x + residual)
+        return gemv(x, weight, bias, pdl=False) if m == 0 or k == 0 else x.new_empty(m, 0), summed
+    y = torch.empty(m, weight.shape[0], dtype=x.dtype, device=x.device)
+    _launch(x, weight, bias, y, pdl, (residual, norm_weight, float(eps), weight_then_cast, summed))
     return y, summed
 
 
@@ -247,18 +240,28 @@ def norm_folds(module: nn.Module, x: torch.Tensor, norm_weight: torch.Tensor, we
     """Whether ``linear_after_norm`` folds an RMSNorm of weight ``norm_weight`` into ``module``'s kernel for the
     rows ``x [..., K]``: where ``linear`` would run the kernel, with a contiguous ``[K]`` norm weight on the rows'
     device of their dtype (any float dtype with ``weight_then_cast``)."""
-    if not (_plain_linear(module, x) and x.dim() >= 1 and x.shape[-1] > 0
-            and math.prod(x.shape[:-1]) <= GEMV_MAX_ROWS):
+    if not (isinstance(x, torch.Tensor) and isinstance(norm_weight, torch.Tensor) and x.dim() >= 1
+            and _plain_linear(module, x) and x.shape[-1] > 0 and math.prod(x.shape[:-1]) <= GEMV_MAX_ROWS):
         return False
     rows = x.reshape(-1, x.shape[-1])
     return (gemv_fits(rows, module.weight, module.bias) and norm_weight.shape == (x.shape[-1],)
             and norm_weight.is_contiguous() and norm_weight.device == x.device
-            and (weight_then_cast or norm_weight.dtype == x.dtype))
+            and norm_weight.dtype.is_floating_point and (weight_then_cast is True or norm_weight.dtype == x.dtype))
 
 
 def linear_after_norm(module: nn.Module, folded: FoldedNorm) -> torch.Tensor:
-    """``module(norm(residual + x))`` for a ``FoldedNorm`` that ``norm_folds`` accepted, in one launch
-    (``gemv_add_norm``), the sum written into ``folded.summed``; the result keeps ``x``'s leading dimensions."""
+    """``module(norm(residual + x))`` for a ``FoldedNorm``, in one launch (``gemv_add_norm``), the sum written into
+    ``folded.summed``; the result keeps ``x``'s leading dimensions.
+
+    Raises:
+        TypeError: ``folded`` is not a ``FoldedNorm``.
+        ValueError: ``norm_folds`` is false for ``module`` and these rows (the module and rows named).
+    """
+    if not isinstance(folded, FoldedNorm):
+        raise TypeError(f"linear_after_norm takes a FoldedNorm, got {type(folded).__name__}")
+    if not norm_folds(module, folded.x, folded.weight, folded.weight_then_cast):
+        raise ValueError(f"linear_after_norm: {type(module).__name__} does not fold a norm into its kernel for rows "
+                         f"{tuple(folded.x.shape)} {folded.x.dtype} on {folded.x.device} (norm_folds is false)")
     f = folded.rows()
     y, _ = gemv_add_norm(f.x, f.residual, f.weight, f.eps, module.weight, module.bias,
                          weight_then_cast=f.weight_then_cast, pdl=True, summed=f.summed)

@@ -146,12 +146,13 @@ class Router(nn.Module):
         gate's launch: one token through ``router_triton.route_gate_triton`` (``impl='auto'``, CUDA, a kernel for
         this router kind, the gate in the launch), rows of the gate's dtype (or a float32 gate), a contiguous
         ``[D]`` norm weight of the rows' dtype (any float dtype with ``weight_then_cast``) on their device."""
-        return (self.impl == "auto" and x.dim() == 2 and x.shape[0] == 1 and self.fused_gate_max_tokens >= 1
+        return (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and self.impl == "auto"
+                and x.dim() == 2 and x.shape[0] == 1 and self.fused_gate_max_tokens >= 1
                 and _fused_router(x, self.spec.router_kind) is not None
                 and (self.fp32_logits or x.dtype == self.weight.dtype)
                 and (self.bias is None or self.fp32_logits or self.bias.dtype == x.dtype)
                 and weight.shape == (x.shape[1],) and weight.is_contiguous() and weight.device == x.device
-                and (weight_then_cast or weight.dtype == x.dtype))
+                and weight.dtype.is_floating_point and (weight_then_cast is True or weight.dtype == x.dtype))
 
     def route_folded(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                      weight_then_cast: bool, summed: torch.Tensor, slot_table: torch.Tensor,
@@ -165,18 +166,25 @@ class Router(nn.Module):
             residual: ``[1, D]`` the residual stream (``x``'s dtype, contiguous).
             weight: ``[D]`` the norm's weight; eps, weight_then_cast: the norm's (``FusedRMSNorm``'s).
             summed: ``[1, D]`` written with ``residual + x``.
-            slot_table, record, row_mask: as ``route_to_slots``.
+            slot_table: ``[E]`` int64 physical slot of each expert (required here).
+            record, row_mask: as ``route_to_slots``.
 
         Returns:
             ``topk_idx``, ``topk_weights``, ``topk_slots`` as ``route_to_slots`` and the normalised row ``[1, D]``.
 
         Raises:
-            ValueError: a row ``folds_norm`` refuses, or tensors that do not fit it (named).
+            ValueError: a row ``folds_norm`` refuses, no slot table, or tensors that do not fit it (named).
+            TypeError: as ``router_triton.NormBefore.check``.
         """
+        if not isinstance(slot_table, torch.Tensor):
+            raise ValueError(f"Router.route_folded needs the layer's slot table, got {type(slot_table).__name__}")
         if not self.folds_norm(x, weight, weight_then_cast):
-            raise ValueError(f"Router.route_folded: rows {tuple(x.shape)} {x.dtype} on {x.device} with a norm weight "
-                             f"{tuple(weight.shape)} {weight.dtype}: the fused router does not fold this norm "
-                             f"(folds_norm is false)")
+            shown = (f"rows {tuple(x.shape)} {x.dtype} on {x.device}" if isinstance(x, torch.Tensor)
+                     else f"rows {type(x).__name__}")
+            wshown = (f"{tuple(weight.shape)} {weight.dtype}" if isinstance(weight, torch.Tensor)
+                      else type(weight).__name__)
+            raise ValueError(f"Router.route_folded: {shown} with a norm weight {wshown}: the fused router does not "
+                             f"fold this norm (folds_norm is false)")
         fused = _fused_router(x, self.spec.router_kind)
         normed = torch.empty_like(x, memory_format=torch.contiguous_format)
         norm = fused.NormBefore(residual, weight, float(eps), bool(weight_then_cast), summed, normed)

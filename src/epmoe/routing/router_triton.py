@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from epmoe.checks import check_add_norm
 from epmoe.experts.triton.pdl import pdl_launch
 from epmoe.loads import LoadRecord
 from epmoe.routing.count_triton import add_slot_counts
@@ -320,6 +321,8 @@ def route_gate_triton(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: tor
         raise ValueError(f"x ({x.dtype}), gate_weight ({gate_weight.dtype}) and gate_bias "
                          f"({None if gate_bias is None else gate_bias.dtype}) must share one dtype")
     if norm is not None:
+        if not isinstance(norm, NormBefore):
+            raise TypeError(f"route_gate_triton: norm must be a NormBefore, got {type(norm).__name__}")
         norm.check(x)
     logit_dtype = torch.float32 if fp32_logits else x.dtype
     out, args = _routing_args(t, e, logit_dtype, x.device, correction_bias, top_k, sigmoid, n_group,
@@ -369,21 +372,27 @@ class NormBefore:
     normed: torch.Tensor
 
     def check(self, x: torch.Tensor) -> None:
-        """Raise ValueError (naming the tensor) unless these fit the rows ``x``: one token, each ``[1, D]`` tensor
-        of ``x``'s dtype and device and contiguous, the weight ``[D]`` contiguous on that device."""
+        """Raise (naming the field) unless these fit the rows ``x``: one token; ``residual``, ``summed`` and
+        ``normed`` of ``x``'s shape, dtype and device, contiguous, ``summed`` and ``normed`` sharing no memory with
+        ``x``, ``residual`` or each other; the weight a contiguous ``[D]`` float tensor (``x``'s dtype unless
+        ``weight_then_cast``); ``eps`` finite ``>= 0`` (``checks.check_add_norm``).
+
+        Raises:
+            TypeError: a field that is not a tensor, ``weight_then_cast`` not a bool.
+            ValueError: anything else that does not fit.
+        """
         if x.shape[0] != 1:
             raise ValueError(f"route_gate_triton normalises one token's row, got {x.shape[0]} tokens")
+        for name in ("summed", "normed"):
+            if not isinstance(getattr(self, name), torch.Tensor):
+                raise TypeError(f"route_gate_triton norm: {name} must be a torch.Tensor, got "
+                                f"{type(getattr(self, name)).__name__}")
+        check_add_norm("route_gate_triton norm", x, self.residual, self.weight, self.eps, self.weight_then_cast,
+                       {"summed": self.summed, "normed": self.normed})
         for name in ("residual", "summed", "normed"):
-            t = getattr(self, name)
-            if t.shape != x.shape or t.dtype != x.dtype or t.device != x.device or not t.is_contiguous():
-                raise ValueError(f"route_gate_triton: norm {name} {tuple(t.shape)} {t.dtype} on {t.device} must be "
-                                 f"a contiguous {tuple(x.shape)} {x.dtype} on {x.device}, as the rows")
-        w = self.weight
-        if w.shape != (x.shape[1],) or w.device != x.device or not w.is_contiguous() or (
-                not self.weight_then_cast and w.dtype != x.dtype):
-            raise ValueError(f"route_gate_triton: norm weight {tuple(w.shape)} {w.dtype} on {w.device} must be a "
-                             f"contiguous [{x.shape[1]}] on {x.device} of the rows' dtype {x.dtype} (any float dtype "
-                             f"with weight_then_cast)")
+            if not getattr(self, name).is_contiguous():
+                raise ValueError(f"route_gate_triton norm: {name} strides {getattr(self, name).stride()} must be "
+                                 f"contiguous")
 
 
 def _gate_warps(num_tokens: int, hidden_size: int, fp32_logits: bool) -> int:
