@@ -41,15 +41,17 @@ class FoldedNorm:
     ``Router.route_folded``), writing the sum into ``summed``, the next residual. ``engine.decoder.fold_or_add_norm``
     builds it; the arithmetic and roundings are ``engine.fused_norm.FusedRMSNorm``'s (vLLM's ``fused_add_rms_norm``).
 
+    Its operands are checked when it is made (``__post_init__``).
+
     Attributes:
-        x: ``[..., D]`` the block's output.
-        residual: ``[..., D]`` the residual stream (``x``'s shape and dtype).
-        weight: ``[D]`` the norm's weight.
-        eps: the norm's epsilon.
+        x: ``[..., D]`` the block's output (a float tensor, contiguous along ``D``).
+        residual: ``[..., D]`` the residual stream (``x``'s shape, dtype and device).
+        weight: ``[D]`` the norm's weight, contiguous, of ``x``'s dtype (any float dtype with ``weight_then_cast``).
+        eps: the norm's epsilon, a finite real ``>= 0``.
         weight_then_cast: the norm multiplies by its weight in float32 and casts after (gpt-oss), instead of
             casting the normalised row first (``FusedRMSNorm.weight_then_cast``).
-        summed: ``[..., D]`` (``x``'s shape and dtype) where the consumer writes ``residual + x``, rounded to
-            ``x``'s dtype.
+        summed: ``[..., D]`` (``x``'s shape, dtype and device, sharing no memory with ``x`` or ``residual``)
+            where the consumer writes ``residual + x``, rounded to ``x``'s dtype.
     """
 
     x: torch.Tensor
