@@ -308,6 +308,7 @@ def route_gate_triton(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: tor
         ValueError: more tokens than ``arrivals`` counters (or not int32 contiguous), shapes or dtypes
             of ``x``, ``gate_weight``, ``gate_bias`` that ``F.linear`` would not take, or as ``route_triton``;
             with ``norm``, more than one token or its tensors not of ``x``'s shape, dtype and device (named).
+        TypeError: ``norm`` not a ``NormBefore``, or a field of it not a tensor (``NormBefore.check``).
     """
     t, d = x.shape
     e = gate_weight.shape[0]
