@@ -71,11 +71,10 @@ class FoldedNorm:
         check_add_norm("FoldedNorm", self.x, self.residual, self.weight, self.eps, self.weight_then_cast,
                        {"summed": self.summed})
 
-    def rows(self) -> FoldedNorm:
-        """The same with ``x``, ``residual`` and ``summed`` viewed as ``[T, D]`` rows."""
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x``, ``residual`` and ``summed`` viewed as ``[T, D]`` rows (checked already: no new ``FoldedNorm``)."""
         d = self.x.shape[-1]
-        return FoldedNorm(self.x.reshape(-1, d), self.residual.reshape(-1, d), self.weight, self.eps,
-                          self.weight_then_cast, self.summed.view(-1, d))
+        return self.x.reshape(-1, d), self.residual.reshape(-1, d), self.summed.view(-1, d)
 
 
 class LoadSink(Protocol):
@@ -490,9 +489,9 @@ class MoELayer(_MoEBase):
         record = rec.load_record(self.moe_index, x.shape[0]) if rec is not None else None
         mask = self._row_mask if self._row_mask is not None and self._row_mask.shape[0] == x.shape[0] else None
         if folded is not None:  # routing with the norm before it; from here on the rows are the normalised ones
-            f = folded.rows()
-            *fused, x = self.gate.route_folded(f.x, f.residual, f.weight, f.eps, f.weight_then_cast, f.summed,
-                                               table, record, mask)
+            rows, residual, summed = folded.rows()
+            *fused, x = self.gate.route_folded(rows, residual, folded.weight, folded.eps, folded.weight_then_cast,
+                                               summed, table, record, mask)
         else:
             fused = self.gate.route_to_slots(x, table, record, mask) if table is not None else None
         if fused is None:

@@ -277,9 +277,9 @@ def test_fold_or_add_norm_hands_the_norm_to_a_consumer_that_folds_it():
     assert isinstance(folded, FoldedNorm) and folded.weight is norm.weight and folded.eps == 1e-6
     assert folded.summed is summed and summed.shape == r.shape
     assert folded.x.shape == r.shape and torch.equal(folded.x, x) and folded.residual is r
-    rows = folded.rows()
-    assert rows.x.shape == rows.residual.shape == rows.summed.shape == (1, 64)
-    assert rows.summed.data_ptr() == summed.data_ptr()
+    rows, residual_rows, summed_rows = folded.rows()
+    assert rows.shape == residual_rows.shape == summed_rows.shape == (1, 64)
+    assert summed_rows.data_ptr() == summed.data_ptr()
     ref = Qwen3MoeRMSNorm(64)
     with torch.no_grad():
         ref.weight.copy_(norm.weight)

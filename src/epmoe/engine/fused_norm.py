@@ -34,36 +34,10 @@ _WEIGHT_THEN_CAST = frozenset({"GptOssRMSNorm"})
 
 @functools.cache
 def _kernel():
+    """``(triton, rms_norm_kernel)``, imported on first use."""
     import triton
-    import triton.language as tl
 
-    @triton.jit
-    def rms_norm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, sum_ptr, stride_x, stride_o, stride_r, stride_s, n_cols, eps,
-                        BLOCK: tl.constexpr, WEIGHT_THEN_CAST: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr,
-                        LATE: tl.constexpr):
-        if PDL and not LATE:
-            tl.extra.cuda.gdc_launch_dependents()
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        ok = cols < n_cols
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0)  # a weight: before the wait
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            if LATE:
-                tl.extra.cuda.gdc_launch_dependents()
-        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-        if ADD:  # h = r + x in the rows' dtype (the add it replaces rounds there), the next residual
-            x = (x + tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32))
-            x = x.to(sum_ptr.dtype.element_ty)
-            tl.store(sum_ptr + row * stride_s + cols, x, mask=ok)
-            x = x.to(tl.float32)
-        r = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-        y = x * r
-        if WEIGHT_THEN_CAST:
-            out = w.to(tl.float32) * y
-        else:
-            out = y.to(x_ptr.dtype.element_ty).to(tl.float32) * w.to(tl.float32)
-        tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+    from epmoe.engine.norm_kernels import rms_norm_kernel
 
     return triton, rms_norm_kernel
 

@@ -55,47 +55,10 @@ _TILE_ELEMS = 16384  # weight elements a program holds at one row (at two rows h
 
 @functools.cache
 def _kernel():
+    """``(triton, gemv_kernel)``, imported on first use."""
     import triton
-    import triton.language as tl
 
-    @triton.jit
-    def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, s_ptr, N, K, stride_xm, stride_wn, stride_b,
-                    stride_ym, stride_rm, stride_sm, eps,
-                    M: tl.constexpr, BLOCK_N: tl.constexpr, K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    PDL: tl.constexpr, NORM: tl.constexpr, WEIGHT_THEN_CAST: tl.constexpr):
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, K_PAD)
-        n_ok = offs_n < N
-        k_ok = offs_k < K
-        # the weight and bias (no kernel writes them): all of this program's slice, before the wait
-        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-        if HAS_BIAS:
-            b = tl.load(b_ptr + offs_n * stride_b, mask=n_ok, other=0.0).to(tl.float32)
-        if NORM:
-            nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        for m in tl.static_range(M):
-            x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            if NORM:  # fused_norm's add and RMSNorm, each program for itself; the first one stores the sum
-                x = (x + tl.load(r_ptr + m * stride_rm + offs_k, mask=k_ok, other=0.0).to(tl.float32))
-                x = x.to(s_ptr.dtype.element_ty)
-                if tl.program_id(0) == 0:
-                    tl.store(s_ptr + m * stride_sm + offs_k, x, mask=k_ok)
-                x = x.to(tl.float32)
-                x = x * tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
-                if WEIGHT_THEN_CAST:
-                    x = nw * x
-                else:
-                    x = x.to(x_ptr.dtype.element_ty).to(tl.float32) * nw
-                x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
-            y = tl.sum(w.to(tl.float32) * x[None, :], 1)
-            if HAS_BIAS:
-                y += b
-            tl.store(y_ptr + m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+    from epmoe.engine.norm_kernels import gemv_kernel
 
     return triton, gemv_kernel
 
@@ -262,9 +225,10 @@ def linear_after_norm(module: nn.Module, folded: FoldedNorm) -> torch.Tensor:
     if not norm_folds(module, folded.x, folded.weight, folded.weight_then_cast):
         raise ValueError(f"linear_after_norm: {type(module).__name__} does not fold a norm into its kernel for rows "
                          f"{tuple(folded.x.shape)} {folded.x.dtype} on {folded.x.device} (norm_folds is false)")
-    f = folded.rows()
-    y, _ = gemv_add_norm(f.x, f.residual, f.weight, f.eps, module.weight, module.bias,
-                         weight_then_cast=f.weight_then_cast, pdl=True, summed=f.summed)
+    x, residual, summed = folded.rows()  # operands checked when the FoldedNorm was made, the module's just now
+    y = torch.empty(x.shape[0], module.weight.shape[0], dtype=x.dtype, device=x.device)
+    _launch(x, module.weight, module.bias, y, True, (residual, folded.weight, float(folded.eps),
+                                                     folded.weight_then_cast, summed))
     return y.reshape(*folded.x.shape[:-1], module.weight.shape[0])
 
 

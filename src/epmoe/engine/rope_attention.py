@@ -296,7 +296,7 @@ class RopeAttention(nn.Module):
         t = rows.shape[1]
         cos, sin = self._cos_sin(position_embeddings)
         if folded is not None:
-            qkv = linear_after_norm(self.qkv_proj, folded.rows())
+            qkv = linear_after_norm(self.qkv_proj, folded)[0]
         else:
             qkv = linear(self.qkv_proj, rows[0])
         norm = self.q_norm is not None

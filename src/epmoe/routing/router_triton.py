@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from epmoe.checks import check_add_norm
+from epmoe.engine.norm_kernels import add_rms_norm
 from epmoe.experts.triton.pdl import pdl_launch
 from epmoe.loads import LoadRecord
 from epmoe.routing.count_triton import add_slot_counts
@@ -191,17 +192,11 @@ def _gate_router_kernel(x_ptr, gw_ptr, gb_ptr, scratch_ptr, arrive_ptr,
         d_ok = d < D
         xv = tl.load(x_ptr + t * stride_x + d, mask=d_ok, other=0.0).to(tl.float32)
         if ADD_NORM:  # one token, its whole row in this one step: fused_norm's add and RMSNorm, in every program
-            xv = (xv + tl.load(r_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
-            if tl.program_id(1) == 0:
-                tl.store(sum_ptr + t * D + d, xv, mask=d_ok)
-            xv = xv.to(tl.float32)
-            xv = xv * tl.rsqrt(tl.sum(xv * xv, axis=0) / D + eps)
-            if WEIGHT_THEN_CAST:
-                xv = nw * xv
-            else:
-                xv = xv.to(x_ptr.dtype.element_ty).to(tl.float32) * nw
+            r = tl.load(r_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)
+            h, xv = add_rms_norm(xv, r, nw, D, eps, x_ptr.dtype.element_ty, True, WEIGHT_THEN_CAST)
             xv = xv.to(x_ptr.dtype.element_ty)
             if tl.program_id(1) == 0:
+                tl.store(sum_ptr + t * D + d, h.to(x_ptr.dtype.element_ty), mask=d_ok)
                 tl.store(xn_ptr + t * D + d, xv, mask=d_ok)
             xv = xv.to(tl.float32)
         acc += wv.to(tl.float32) * xv[None, :]
