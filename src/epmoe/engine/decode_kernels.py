@@ -189,8 +189,11 @@ def mla_decode_kernel(
     acc = tl.zeros([BLOCK_H, DV_PAD], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    # the block-table entries of each tile are read a tile ahead, so a tile's rows are requested at its start
+    ok_n, blk_n, slot_n = page_slots(bt_row, lo + offs_n, hi, BLOCK_SIZE)
     for start in range(lo, hi, BLOCK_N):
-        ok, blk, slot = page_slots(bt_row, start + offs_n, hi, BLOCK_SIZE)
+        ok, blk, slot = ok_n, blk_n, slot_n
+        ok_n, blk_n, slot_n = page_slots(bt_row, start + BLOCK_N + offs_n, hi, BLOCK_SIZE)
         rows = c_ptr + blk * stride_cb + slot * stride_cs
         c = tl.load(rows[:, None] + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
         kr = tl.load(rows[:, None] + DV + offs_r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)

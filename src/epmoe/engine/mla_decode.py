@@ -19,7 +19,8 @@ Two implementations with the same semantics:
   all ``MB`` blocks of every row and masks (no host synchronisation).
 * ``mla_decode_triton``: the Triton kernel for CUDA tensors (and the Triton interpreter). Program
   ``(b, hb, s)`` serves ``BLOCK_H`` heads of sequence ``b`` (every entry row it reads serves all of
-  them), walking its positions in tiles of ``BLOCK_N`` gathered through the block table: the
+  them), walking its positions in tiles of ``BLOCK_N`` gathered through the block table (each tile's
+  block ids read while the tile before it is computed, so a tile's rows are requested at its start): the
   ``c_kv`` part of a tile is loaded once and used for both the logits (``q_latent . c_kv^T`` plus
   ``q_rope . k_rope^T``) and the output (``P . c_kv``), with an online softmax in float32 (base 2).
   With ``S > 1`` splits (flash-decoding) each program takes one contiguous ``S``-th of the context and
