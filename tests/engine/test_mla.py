@@ -10,7 +10,7 @@ import torch
 from epmoe.engine.attention import AttnBatch, PrefillChunk
 from epmoe.engine.kv_cache import KVCache, KVLayout
 from epmoe.engine.mla import MLAAttention, install_mla
-from epmoe.engine.mla_decode import mla_decode_attention, mla_decode_reference
+from epmoe.engine.mla_decode import mla_decode_attention, mla_decode_reference, mla_decode_splits, mla_decode_triton
 
 from ..hf_greedy import hf_greedy
 
@@ -179,6 +179,40 @@ def test_decode_bad_inputs_named(bad, match):
     out = torch.empty(bad["out_shape"]) if "out_shape" in bad else None
     with pytest.raises(ValueError, match=match):
         mla_decode_attention(q, cache, tables, ctx, bad.get("scale", 0.5), bad.get("v_head_dim", 16), out=out)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda t, c: (t, torch.stack([c, c], 1)[:, 0]), "context_lens must be contiguous, got stride 2"),
+    (lambda t, c: (t, torch.tensor([3, 9], dtype=torch.int32)), r"context_lens holds 9; .* 0\.\.8"),
+    (lambda t, c: (t, torch.tensor([-2, 5], dtype=torch.int32)), "context_lens holds -2"),
+    (lambda t, c: (torch.full_like(t, 5), c), r"block_tables holds block id 5; the cache has blocks 0\.\.4"),
+    (lambda t, c: (torch.full_like(t, -1), c), "block_tables holds block id -1"),
+])
+def test_decode_bad_tables_named(change, match):
+    q, cache, tables, ctx = _case(2, [3, 5], h=5, dv=16, dr=8, bs=4)
+    assert tables.shape == (2, 2) and cache.shape[0] == 5
+    tables, ctx = change(tables, ctx)
+    with pytest.raises(ValueError, match=match):
+        mla_decode_attention(q, cache, tables, ctx, 0.5, 16)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((-1, 64, 4096), "batch must be an int >= 0, got -1"),
+    ((True, 64, 4096), "batch must be an int >= 0, got True"),
+    ((2, 0, 4096), "heads must be an int >= 1, got 0"),
+    ((2, 64, 4096.0), "max_positions must be an int >= 1, got 4096.0"),
+])
+def test_decode_split_count_arguments_named(args, match):
+    with pytest.raises(ValueError, match=f"mla_decode_splits: {match}"):
+        mla_decode_splits(*args, "cpu")
+    assert mla_decode_splits(0, 64, 4096, "cpu") >= 1
+
+
+def test_decode_split_count_checked_before_triton_is_needed():
+    q, cache, tables, ctx = _case(3, [3, 5], h=5, dv=16, dr=8, bs=4)
+    for splits in (3, 0, True):
+        with pytest.raises(ValueError, match=f"splits must be a power of two >= 1, got {splits!r}"):
+            mla_decode_triton(q, cache, tables, ctx, 0.5, 16, splits=splits)
 
 
 def test_engine_latent_cache_equals_transformers(tiny_checkpoints, tmp_path):

@@ -65,6 +65,13 @@ def _bad(c, **changes):
     ("block_tables", lambda c: c.block_tables[:, :0], r"block_tables must be \[B, MB\]"),
     ("context_lens", lambda c: c.context_lens.long(), "context_lens must be int32"),
     ("context_lens", lambda c: c.context_lens[:1], r"context_lens must be \[B\]"),
+    ("context_lens", lambda c: torch.stack([c.context_lens, c.context_lens], 1)[:, 0],
+     "context_lens must be contiguous, got stride 2"),
+    ("context_lens", lambda c: torch.tensor([33, 9], dtype=torch.int32), r"context_lens holds 33; .* 0\.\.32"),
+    ("context_lens", lambda c: torch.tensor([20, -1], dtype=torch.int32), "context_lens holds -1"),
+    ("block_tables", lambda c: torch.full_like(c.block_tables, c.k_cache.shape[0]),
+     r"block_tables holds block id 6; the cache has blocks 0\.\.5"),
+    ("block_tables", lambda c: torch.full_like(c.block_tables, -1), "block_tables holds block id -1"),
     ("scale", lambda c: float("nan"), "scale must be a finite real"),
     ("scale", lambda c: torch.tensor(1.0), "scale must be a finite real"),
     ("sliding_window", lambda c: 0, "sliding_window must be None or a positive int"),
@@ -79,6 +86,15 @@ def test_bad_arguments(fn, name, change, match):
     c = make_case(13, [20, 9], 4, 2, 16, 16, 16)
     with pytest.raises(ValueError, match=match):
         fn(**_bad(c, **{name: change(c)}))
+
+
+def test_block_table_of_one_column_needs_no_unit_stride():
+    c = make_case(15, [12, 3], 4, 2, 16, 16, 16)
+    assert c.block_tables.shape[1] == 1
+    strided = c.block_tables.reshape(1, 2).t()  # [2, 1] with strides (1, 2)
+    assert strided.stride(1) != 1
+    got = paged_decode_attention(c.q, c.k_cache, c.v_cache, strided, c.context_lens, c.scale)
+    assert torch.equal(got, paged_decode_attention(*c.args()))
 
 
 def test_non_tensor_argument():

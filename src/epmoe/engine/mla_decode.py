@@ -39,7 +39,7 @@ import numbers
 
 import torch
 
-from epmoe.engine.paged_decode import paged_decode_merge_splits, paged_decode_workspace_numel
+from epmoe.engine.paged_decode import check_host_tables, paged_decode_merge_splits, paged_decode_workspace_numel
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
@@ -76,7 +76,8 @@ def _check_inputs(q, cache, block_tables, context_lens, scale, v_head_dim, out) 
     if block_tables.dim() != 2 or block_tables.shape[0] != b or block_tables.shape[1] < 1:
         raise ValueError(f"block_tables must be [B, MB] with B = {b} and MB >= 1, got shape "
                          f"{tuple(block_tables.shape)}")
-    if block_tables.dtype != torch.int32 or block_tables.device != q.device or block_tables.stride(1) != 1:
+    if (block_tables.dtype != torch.int32 or block_tables.device != q.device
+            or (block_tables.shape[1] > 1 and block_tables.stride(1) != 1)):
         raise ValueError(f"block_tables must be int32 on {q.device}, contiguous along its last dim, got "
                          f"{block_tables.dtype} on {block_tables.device} with strides {block_tables.stride()}")
     if context_lens.dim() != 1 or context_lens.shape[0] != b:
@@ -84,6 +85,8 @@ def _check_inputs(q, cache, block_tables, context_lens, scale, v_head_dim, out) 
     if context_lens.dtype != torch.int32 or context_lens.device != q.device:
         raise ValueError(f"context_lens must be int32 on {q.device}, got {context_lens.dtype} on "
                          f"{context_lens.device}")
+    if b > 1 and context_lens.stride(0) != 1:
+        raise ValueError(f"context_lens must be contiguous, got stride {context_lens.stride(0)}")
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite real number, got {scale!r}")
     if out is not None:
@@ -109,7 +112,7 @@ def mla_decode_reference(
     """Paged MLA decode in PyTorch (float32 math); the semantics of ``mla_decode_attention``.
 
     Gathers all ``MB`` blocks of every block table row (entries past a context are read but masked, so
-    they must be valid block ids). No host synchronisation.
+    they must be valid block ids). No host synchronisation; CPU tables are checked (``check_host_tables``).
 
     Args:
         q: see ``mla_decode_attention``.
@@ -124,9 +127,11 @@ def mla_decode_reference(
         ``[B, H, v_head_dim]`` in ``q.dtype`` (``out`` when given).
 
     Raises:
-        ValueError, TypeError: as ``mla_decode_attention``.
+        ValueError, TypeError: as ``mla_decode_attention``; on the CPU also a block id outside the cache or a
+            context length outside ``0 .. MB * BS`` (named).
     """
     _check_inputs(q, cache, block_tables, context_lens, scale, v_head_dim, out)
+    check_host_tables(block_tables, context_lens, cache.shape[0], cache.shape[1])
     b, _, dk = q.shape
     mb, bs = block_tables.shape[1], cache.shape[1]
     entries = cache[block_tables.long()].reshape(b, mb * bs, dk).float()      # [B, L, Dk]
@@ -175,7 +180,13 @@ def mla_decode_splits(batch: int, heads: int, max_positions: int, device: torch.
 
     Returns:
         The split count ``S >= 1``.
+
+    Raises:
+        ValueError: ``batch`` not an int >= 0, ``heads`` or ``max_positions`` not an int >= 1 (named).
     """
+    for name, v, least in (("batch", batch, 0), ("heads", heads, 1), ("max_positions", max_positions, 1)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < least:
+            raise ValueError(f"mla_decode_splits: {name} must be an int >= {least}, got {v!r}")
     device = torch.device(device)
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 132
@@ -222,7 +233,6 @@ def mla_decode_triton(
         ImportError: Triton is not importable.
     """
     _check_inputs(q, cache, block_tables, context_lens, scale, v_head_dim, out)
-    kernel = _triton_kernel()
     b, h, dk = q.shape
     bs = cache.shape[1]
     dv, dr = int(v_head_dim), dk - int(v_head_dim)
@@ -230,11 +240,13 @@ def mla_decode_triton(
         splits = mla_decode_splits(b, h, block_tables.shape[1] * bs, q.device)
     if isinstance(splits, bool) or not isinstance(splits, numbers.Integral) or splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits must be a power of two >= 1, got {splits!r}")
+    kernel = _triton_kernel()
     if splits > 1:
         need = paged_decode_workspace_numel(b, h, dv, splits)
         if workspace is None:
             workspace = None if out is not None else torch.empty(need, dtype=torch.float32, device=q.device)
-        elif (workspace.dtype != torch.float32 or workspace.device != q.device or workspace.dim() != 1
+        elif (not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.float32
+              or workspace.device != q.device or workspace.dim() != 1
               or workspace.numel() < need):
             raise ValueError(f"workspace must be a 1-D float32 tensor on {q.device} with at least {need} elements, "
                              f"got {workspace.dtype} {tuple(workspace.shape)} on {workspace.device}")

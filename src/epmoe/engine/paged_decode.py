@@ -109,7 +109,7 @@ def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, scale, slidin
         raise ValueError(f"block_tables must be int32, got {block_tables.dtype}")
     if block_tables.device != q.device:
         raise ValueError(f"block_tables must be on q's device {q.device}, got {block_tables.device}")
-    if block_tables.stride(1) != 1:
+    if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
         raise ValueError(f"block_tables must be contiguous along its last dim, got strides {block_tables.stride()}")
     if context_lens.dim() != 1 or context_lens.shape[0] != b:
         raise ValueError(f"context_lens must be [B] with B = {b}, got shape {tuple(context_lens.shape)}")
@@ -117,6 +117,8 @@ def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, scale, slidin
         raise ValueError(f"context_lens must be int32, got {context_lens.dtype}")
     if context_lens.device != q.device:
         raise ValueError(f"context_lens must be on q's device {q.device}, got {context_lens.device}")
+    if b > 1 and context_lens.stride(0) != 1:
+        raise ValueError(f"context_lens must be contiguous, got stride {context_lens.stride(0)}")
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite real number, got {scale!r}")
     _check_int_option("sliding_window", sliding_window)
@@ -140,6 +142,28 @@ def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, scale, slidin
             raise ValueError(f"out must be on q's device {q.device}, got {out.device}")
         if out.stride(2) != 1:
             raise ValueError(f"out must be contiguous along its last dim, got strides {out.stride()}")
+
+
+def check_host_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int,
+                      block_size: int) -> None:
+    """For CPU tensors only (reading them costs no device synchronisation): raise ``ValueError`` naming the
+    argument and the value unless every entry of ``block_tables [B, MB]`` is a block id in ``[0, num_blocks)`` and
+    every ``context_lens [B]`` is in ``[0, MB * block_size]``. CUDA tensors are not read (the kernels trust them).
+    Shared with ``engine.mla_decode``."""
+    if block_tables.is_cuda or context_lens.is_cuda:
+        return
+    if block_tables.numel():
+        lo, hi = int(block_tables.min()), int(block_tables.max())
+        if lo < 0 or hi >= num_blocks:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"block_tables holds block id {bad}; the cache has blocks 0..{num_blocks - 1}")
+    if context_lens.numel():
+        span = block_tables.shape[1] * block_size
+        lo, hi = int(context_lens.min()), int(context_lens.max())
+        if lo < 0 or hi > span:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"context_lens holds {bad}; a context must be in 0..{span} (MB * BS = "
+                             f"{block_tables.shape[1]} * {block_size})")
 
 
 def paged_decode_reference(
@@ -177,9 +201,11 @@ def paged_decode_reference(
         ``[B, H, Dv]`` in ``q.dtype`` (``out`` when given).
 
     Raises:
-        ValueError: as ``paged_decode_attention``.
+        ValueError: as ``paged_decode_attention``; on the CPU also a block id outside the cache or a context
+            length outside ``0 .. MB * BS`` (``check_host_tables``, named).
     """
     _check_inputs(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, chunk_size, sinks, out)
+    check_host_tables(block_tables, context_lens, k_cache.shape[0], k_cache.shape[1])
     b, h, dk = q.shape
     _, bs, hkv, dv = v_cache.shape
     g = h // hkv
@@ -343,18 +369,19 @@ def paged_decode_triton(
         ImportError: Triton is not importable.
     """
     _check_inputs(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, chunk_size, sinks, out)
-    kernel, _ = _triton_kernels()
     b, h, dk = q.shape
     _, bs, hkv, dv = v_cache.shape
     if splits is None:
         splits = paged_decode_splits(q, k_cache, block_tables, sliding_window, chunk_size)
     if isinstance(splits, bool) or not isinstance(splits, numbers.Integral) or splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits must be a power of two >= 1, got {splits!r}")
+    kernel, _ = _triton_kernels()
     if splits > 1:
         need = b * h * splits * (dv + 2)
         if workspace is None:
             workspace = paged_decode_workspace(q, v_cache, splits) if out is None else None
-        elif (workspace.dtype != torch.float32 or workspace.device != q.device or workspace.dim() != 1
+        elif (not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.float32
+              or workspace.device != q.device or workspace.dim() != 1
               or workspace.numel() < need):
             raise ValueError(f"workspace must be a 1-D float32 tensor on {q.device} with at least {need} elements, "
                              f"got {workspace.dtype} {tuple(workspace.shape)} on {workspace.device}")
