@@ -32,6 +32,15 @@ def check_positive_int(name: str, value: object) -> int:
     return check_int(name, value, 1, wording="a positive integer")
 
 
+def describe(value: object) -> str:
+    """For error messages: a tensor's dtype, shape and device, anything else's type name."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {tuple(value.shape)} on {value.device}"
+    return type(value).__name__
+
+
 def check_add_norm(where: str, x: object, residual: object, weight: object, eps: object, weight_then_cast: object,
                    outputs: dict[str, object]) -> None:
     """Check the operands of a residual add and RMSNorm that a kernel computes on its rows (``layer.FoldedNorm``,

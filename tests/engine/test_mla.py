@@ -197,10 +197,10 @@ def test_decode_bad_tables_named(change, match):
 
 
 @pytest.mark.parametrize("args, match", [
-    ((-1, 64, 4096), "batch must be an int >= 0, got -1"),
-    ((True, 64, 4096), "batch must be an int >= 0, got True"),
-    ((2, 0, 4096), "heads must be an int >= 1, got 0"),
-    ((2, 64, 4096.0), "max_positions must be an int >= 1, got 4096.0"),
+    ((-1, 64, 4096), "batch must be an integer >= 0, got -1"),
+    ((True, 64, 4096), "batch must be an integer >= 0, got True"),
+    ((2, 0, 4096), "heads must be an integer >= 1, got 0"),
+    ((2, 64, 4096.0), "max_positions must be an integer >= 1, got 4096.0"),
 ])
 def test_decode_split_count_arguments_named(args, match):
     with pytest.raises(ValueError, match=f"mla_decode_splits: {match}"):
@@ -208,11 +208,14 @@ def test_decode_split_count_arguments_named(args, match):
     assert mla_decode_splits(0, 64, 4096, "cpu") >= 1
 
 
-def test_decode_split_count_checked_before_triton_is_needed():
+def test_decode_split_count_and_workspace_checked_before_triton_is_needed():
     q, cache, tables, ctx = _case(3, [3, 5], h=5, dv=16, dr=8, bs=4)
     for splits in (3, 0, True):
         with pytest.raises(ValueError, match=f"splits must be a power of two >= 1, got {splits!r}"):
             mla_decode_triton(q, cache, tables, ctx, 0.5, 16, splits=splits)
+    for ws, got in (("junk", "str"), (torch.zeros(4), r"torch.float32 \(4,\) on cpu")):
+        with pytest.raises(ValueError, match=f"workspace must be a 1-D float32 tensor .* got {got}"):
+            mla_decode_triton(q, cache, tables, ctx, 0.5, 16, splits=2, workspace=ws)
 
 
 def test_engine_latent_cache_equals_transformers(tiny_checkpoints, tmp_path):

@@ -39,6 +39,7 @@ import numbers
 
 import torch
 
+from epmoe.checks import check_int, describe
 from epmoe.engine.paged_decode import check_host_tables, paged_decode_merge_splits, paged_decode_workspace_numel
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -182,11 +183,10 @@ def mla_decode_splits(batch: int, heads: int, max_positions: int, device: torch.
         The split count ``S >= 1``.
 
     Raises:
-        ValueError: ``batch`` not an int >= 0, ``heads`` or ``max_positions`` not an int >= 1 (named).
+        ValueError: ``batch`` not an integer >= 0, ``heads`` or ``max_positions`` not an integer >= 1 (named).
     """
     for name, v, least in (("batch", batch, 0), ("heads", heads, 1), ("max_positions", max_positions, 1)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < least:
-            raise ValueError(f"mla_decode_splits: {name} must be an int >= {least}, got {v!r}")
+        check_int(f"mla_decode_splits: {name}", v, least)
     device = torch.device(device)
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 132
@@ -240,7 +240,6 @@ def mla_decode_triton(
         splits = mla_decode_splits(b, h, block_tables.shape[1] * bs, q.device)
     if isinstance(splits, bool) or not isinstance(splits, numbers.Integral) or splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits must be a power of two >= 1, got {splits!r}")
-    kernel = _triton_kernel()
     if splits > 1:
         need = paged_decode_workspace_numel(b, h, dv, splits)
         if workspace is None:
@@ -249,13 +248,14 @@ def mla_decode_triton(
               or workspace.device != q.device or workspace.dim() != 1
               or workspace.numel() < need):
             raise ValueError(f"workspace must be a 1-D float32 tensor on {q.device} with at least {need} elements, "
-                             f"got {workspace.dtype} {tuple(workspace.shape)} on {workspace.device}")
+                             f"got {describe(workspace)}")
         if workspace is None:
             splits = 1
     if out is None:
         out = torch.empty((b, h, dv), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
+    kernel = _triton_kernel()
     dv_pad, dr_pad = max(_MIN_DIM, _next_pow2(dv)), max(_MIN_DIM, _next_pow2(dr))
     ml_off = b * h * splits * dv
     kernel[(b, -(-h // _BLOCK_H), splits)](

@@ -51,6 +51,7 @@ import numbers
 
 import torch
 
+from epmoe.checks import describe
 from epmoe.experts.triton.pdl import pdl_launch
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -375,7 +376,6 @@ def paged_decode_triton(
         splits = paged_decode_splits(q, k_cache, block_tables, sliding_window, chunk_size)
     if isinstance(splits, bool) or not isinstance(splits, numbers.Integral) or splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits must be a power of two >= 1, got {splits!r}")
-    kernel, _ = _triton_kernels()
     if splits > 1:
         need = b * h * splits * (dv + 2)
         if workspace is None:
@@ -384,13 +384,14 @@ def paged_decode_triton(
               or workspace.device != q.device or workspace.dim() != 1
               or workspace.numel() < need):
             raise ValueError(f"workspace must be a 1-D float32 tensor on {q.device} with at least {need} elements, "
-                             f"got {workspace.dtype} {tuple(workspace.shape)} on {workspace.device}")
+                             f"got {describe(workspace)}")
         if workspace is None:
             splits = 1
     if out is None:
         out = torch.empty((b, h, dv), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
+    kernel, _ = _triton_kernels()
     g = h // hkv
     dk_pad, dv_pad = max(_MIN_ROWS, _next_pow2(dk)), max(_MIN_ROWS, _next_pow2(dv))
     sink_arg = sinks if sinks is not None else context_lens
