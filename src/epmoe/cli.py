@@ -325,9 +325,9 @@ def _batches(text: str) -> tuple[int, ...]:
     try:
         values = [int(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--batch must be comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"comma-separated integers expected, got {text!r}") from None
     if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"--batch sizes must be >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"sizes must be >= 1, got {text!r}")
     return tuple(sorted(set(values)))
 
 
@@ -408,6 +408,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             batches=args.batch, spec_tokens=args.spec_tokens, redundant=args.redundant, context=args.context,
             weights=args.weights, mem_fraction=args.mem_fraction, balancedness=args.balancedness,
         )
+        if req.context > req.spec.max_position_embeddings:
+            print(f"epmoe plan: --context {req.context} is above the model's max_position_embeddings "
+                  f"{req.spec.max_position_embeddings}: priced as asked, but its positions do not reach it",
+                  file=sys.stderr)
         draft = read_draft(args.draft) if args.draft else None
         if draft is not None:
             from epmoe.doctor import draft_mismatches, is_eagle_head

@@ -391,7 +391,20 @@ def test_batch_list_parsing(capsys):
     with pytest.raises(SystemExit) as exit_info:  # argparse's own usage error
         main([*base, "--batch", "1,,2"])
     assert exit_info.value.code == 2
-    assert "--batch must be comma-separated integers, got '1,,2'" in capsys.readouterr().err
+    assert "argument --batch: comma-separated integers expected, got '1,,2'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*base, "--batch", "0,4"])
+    assert "argument --batch: sizes must be >= 1, got '0,4'" in capsys.readouterr().err
+
+
+def test_context_beyond_the_models_positions_is_said(capsys):
+    cfg = str(CONFIGS / "qwen3-30b-a3b.config.json")
+    base = ["plan", "--config", cfg, "--gpus", "1", "--hardware", "h200-sxm", "--batch", "1", "--json"]
+    assert main([*base, "--context", "40960"]) == 0
+    assert "max_position_embeddings" not in capsys.readouterr().err
+    assert main([*base, "--context", "40961"]) == 0
+    assert ("epmoe plan: --context 40961 is above the model's max_position_embeddings 40960"
+            in capsys.readouterr().err)
 
 
 def test_recommendation_on_one_gpu_names_no_batch():
