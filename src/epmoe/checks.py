@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 
 
@@ -41,6 +42,13 @@ def describe(value: object) -> str:
     return type(value).__name__
 
 
+def norm_weight_fits(x, weight, weight_then_cast: bool) -> bool:
+    """Whether ``weight`` can be the RMSNorm weight of the float rows ``x [..., D]`` in a kernel that folds the norm:
+    a contiguous ``[D]`` float tensor on ``x``'s device, of ``x``'s dtype unless ``weight_then_cast`` (``True``)."""
+    return (weight.shape == (x.shape[-1],) and weight.device == x.device and weight.is_contiguous()
+            and weight.dtype.is_floating_point and (weight_then_cast is True or weight.dtype == x.dtype))
+
+
 def check_add_norm(where: str, x: object, residual: object, weight: object, eps: object, weight_then_cast: object,
                    outputs: dict[str, object]) -> None:
     """Check the operands of a residual add and RMSNorm that a kernel computes on its rows (``layer.FoldedNorm``,
@@ -63,8 +71,6 @@ def check_add_norm(where: str, x: object, residual: object, weight: object, eps:
         ValueError: a shape, dtype, device or layout that does not fit, an ``eps`` that is not a finite real ``>= 0``,
             an output that overlaps an input or another output (named, with the value).
     """
-    import math
-
     import torch
 
     given = [("x", x), ("residual", residual), ("weight", weight)]
@@ -87,8 +93,7 @@ def check_add_norm(where: str, x: object, residual: object, weight: object, eps:
             raise ValueError(f"{where}: {name} {tuple(t.shape)} {t.dtype} on {t.device} strides {t.stride()} must "
                              f"match x {tuple(x.shape)} {x.dtype} on {x.device}, contiguous along its last dimension")
     d = x.shape[-1]
-    if (weight.shape != (d,) or weight.device != x.device or not weight.is_contiguous()
-            or not weight.dtype.is_floating_point or (not weight_then_cast and weight.dtype != x.dtype)):
+    if not norm_weight_fits(x, weight, weight_then_cast):
         raise ValueError(f"{where}: weight {tuple(weight.shape)} {weight.dtype} on {weight.device} must be a "
                          f"contiguous [{d}] float tensor on {x.device} of x's dtype {x.dtype} (any float dtype with "
                          f"weight_then_cast)")

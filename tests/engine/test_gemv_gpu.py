@@ -16,6 +16,19 @@ from ..late_writer import late_writer
 pytestmark = pytest.mark.gpu
 
 
+def _captured(step):
+    """``step`` run once on a side stream (compiling its kernels), then captured: ``(graph, its result)``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        out = step()
+    return graph, out
+
+
 @pytest.mark.parametrize("n,k", [(2048, 4096), (5120, 2048), (1536, 7168), (7168, 8192), (37, 100)])
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("bias", [False, True])
@@ -46,14 +59,7 @@ def test_linear_in_a_graph_after_the_norm_it_reads(late):
     assert gemv_fits(x, proj.weight, proj.bias)
     if late and not pdl_launch(x):
         pytest.skip("no programmatic dependent launch on this GPU or with EPMOE_PDL=0: late_dependents is moot")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.no_grad():
-        linear(proj, norm(x))
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
-        out = linear(proj, norm(x))
+    graph, out = _captured(lambda: linear(proj, norm(x)))
     for seed in (1, 2):
         torch.manual_seed(seed)
         x.copy_(torch.randn(1, d, device="cuda", dtype=torch.bfloat16))
@@ -76,14 +82,7 @@ def test_linear_waits_for_a_late_writer_in_a_graph():
         kernel[(1,)](src, x, d, 50_000, BLOCK=d)
         return linear(proj, x)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.no_grad():
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
-        out = step()
+    graph, out = _captured(step)
     for seed in (1, 2):
         torch.manual_seed(seed)
         src.copy_(torch.randn(1, d, device="cuda", dtype=torch.bfloat16))
@@ -119,14 +118,7 @@ def test_gemv_add_norm_waits_for_a_late_writer_in_a_graph(m):
         kernel[(1,)](src, x, m * d, 50_000, BLOCK=triton_block(m * d))
         return gemv_add_norm(x, r, norm.weight, norm.eps, proj.weight, pdl=pdl_launch(x))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.no_grad():
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
-        out, summed = step()
+    graph, (out, summed) = _captured(step)
     for seed in (1, 2):
         torch.manual_seed(seed)
         src.copy_(torch.randn(m, d, device="cuda", dtype=torch.bfloat16))

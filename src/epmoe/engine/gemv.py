@@ -37,7 +37,7 @@ import os
 import torch
 from torch import nn
 
-from epmoe.checks import check_add_norm
+from epmoe.checks import check_add_norm, norm_weight_fits
 from epmoe.experts.triton.pdl import pdl_launch
 from epmoe.layer import FoldedNorm
 
@@ -207,9 +207,7 @@ def norm_folds(module: nn.Module, x: torch.Tensor, norm_weight: torch.Tensor, we
             and _plain_linear(module, x) and x.shape[-1] > 0 and math.prod(x.shape[:-1]) <= GEMV_MAX_ROWS):
         return False
     rows = x.reshape(-1, x.shape[-1])
-    return (gemv_fits(rows, module.weight, module.bias) and norm_weight.shape == (x.shape[-1],)
-            and norm_weight.is_contiguous() and norm_weight.device == x.device
-            and norm_weight.dtype.is_floating_point and (weight_then_cast is True or norm_weight.dtype == x.dtype))
+    return gemv_fits(rows, module.weight, module.bias) and norm_weight_fits(x, norm_weight, weight_then_cast)
 
 
 def linear_after_norm(module: nn.Module, folded: FoldedNorm) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epmoe.checks import norm_weight_fits
 from epmoe.loads import LoadRecord
 from epmoe.spec import MoESpec
 
@@ -151,8 +152,7 @@ class Router(nn.Module):
                 and _fused_router(x, self.spec.router_kind) is not None
                 and (self.fp32_logits or x.dtype == self.weight.dtype)
                 and (self.bias is None or self.fp32_logits or self.bias.dtype == x.dtype)
-                and weight.shape == (x.shape[1],) and weight.is_contiguous() and weight.device == x.device
-                and weight.dtype.is_floating_point and (weight_then_cast is True or weight.dtype == x.dtype))
+                and norm_weight_fits(x, weight, weight_then_cast))
 
     def route_folded(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                      weight_then_cast: bool, summed: torch.Tensor, slot_table: torch.Tensor,
