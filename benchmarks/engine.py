@@ -13,7 +13,8 @@ expanded per-head keys and values. Per batch size: every request gets a
 128-token prompt (``--context N``: N tokens, for the decode step at a long context); once all are decoding,
 ``--steps`` engine steps are timed (wall clock, host work included). The floor of a step is max(bytes it must
 read / measured copy bandwidth, FLOPs / measured bf16 matmul rate): the weights of the non-expert layers, the
-experts its tokens touch (expected number under uniform routing, which random router weights give), and the KV
+experts its tokens touch (expected number under uniform routing, which random router weights give; each row also
+records the number its steps touched, read back from the engine's load counts after the timed steps), and the KV
 cache it attends over. TTFT: one request of 1k and 4k tokens, against the FLOP floor of its prefill. Writes
 ``engine_<gpu>.json`` under ``--out`` and prints a table last. ``--env-variants 'EPMOE_PDL=0;...'`` also times,
 per model, an engine built with each of those environment settings, in the same process after the main rows (an
@@ -196,7 +197,7 @@ def host_profile(engine: Engine, steps: int) -> list[dict]:
 def time_decode(engine: Engine, bs: int, steps: int, vocab: int, profile_steps: int = 0,
                 prompt: int = PROMPT) -> dict:
     gen = torch.Generator().manual_seed(bs)
-    params = SamplingParams(temperature=0, max_tokens=steps + 2 * profile_steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=steps + 2 * profile_steps + ROUTING_STEPS + 8, ignore_eos=True)
     for _ in range(bs):
         engine.add_request(torch.randint(0, vocab, (prompt,), generator=gen).tolist(), params)
     while any(s.num_computed < len(s.prompt_token_ids) or not s.output_token_ids for s in engine._seqs.values()):
@@ -211,10 +212,30 @@ def time_decode(engine: Engine, bs: int, steps: int, vocab: int, profile_steps: 
     graph = engine.stats["graph_steps"] - before["graph_steps"]
     kernels, timeline = kernel_profile(engine, profile_steps) if profile_steps else ([], {})
     host = host_profile(engine, profile_steps) if profile_steps else []
+    touched = experts_touched(engine, ROUTING_STEPS)
     while engine.has_unfinished():
         engine.step()
     return {"tpot_ms": ms, "graph_steps": graph, "ctx": prompt + 4 + steps / 2, "kernels": kernels,
-            "timeline": timeline, "host": host}
+            "timeline": timeline, "host": host, "experts_touched_measured": touched}
+
+
+ROUTING_STEPS = 4
+"""Steps after the timed ones whose routing ``experts_touched`` reads back (each step synchronised)."""
+
+
+def experts_touched(engine: Engine, steps: int) -> float | None:
+    """Mean number of physical slots given at least one token, per MoE layer and step, over the next ``steps``
+    engine steps (the engine's own load counts, read back after each step); ``None`` without MoE layers."""
+    if not engine.spec.num_moe_layers:
+        return None
+    counts = []
+    prev = engine.slot_totals.clone()
+    for _ in range(steps):
+        engine.step()
+        cur = engine.slot_totals.clone()
+        counts.append(((cur - prev) > 0).sum(1).double().mean().item())
+        prev = cur
+    return statistics.mean(counts)
 
 
 def time_ttft(engine: Engine, tokens: int, vocab: int) -> float:
@@ -360,7 +381,8 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
         r["ratio_to_floor"] = r["tpot_ms"] / r["floor_ms"]
         m["rows"][bs] = r
         print(f"  bs {bs}: TPOT {r['tpot_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms, "
-              f"graph steps {r['graph_steps']}", flush=True)
+              f"graph steps {r['graph_steps']}, experts touched per MoE layer {r['experts_touched_measured']} "
+              f"(uniform routing: {r['experts_touched_per_layer']:.1f})", flush=True)
         if str(bs) in args.sequential_batches.split(",") and engine.overlap:
             engine.overlap = False  # the same engine, each step's tokens read back before the next is planned
             r["tpot_sequential_ms"] = time_decode(engine, bs, args.steps, spec.vocab_size,

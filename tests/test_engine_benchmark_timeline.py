@@ -47,3 +47,22 @@ def test_median_layer_takes_the_common_kernel_sequence(monkeypatch):
     assert kernels[0]["us"] == (5.0 + 6.0) / 2  # attention of layers 0..3 of step 1: 4, 5, 6, 7 us
     assert kernels[2]["gap_us"] == -1.0
     assert mod.median_layer([]) == ([], 0)
+
+
+def test_experts_touched_counts_each_steps_distinct_slots(monkeypatch, tmp_path):
+    """``experts_touched`` reads the engine's own load counts: one request routes one token a step, so each MoE
+    layer gives exactly top-k distinct experts a step; four requests more than that and at most 4 top-k."""
+    from epmoe.engine import Engine, EngineConfig, SamplingParams
+    from epmoe.models.tiny import build_tiny_checkpoint
+
+    mod = load_benchmark("engine", monkeypatch)
+    engine = Engine(EngineConfig(model=str(build_tiny_checkpoint("qwen3-moe", tmp_path / "q")), device="cpu"))
+    k, e = engine.spec.top_k, engine.spec.num_experts
+    for n, low, high in ((1, k, k), (4, k + 0.25, min(e, 4 * k))):
+        for i in range(n):
+            engine.add_request(list(range(3 + i, 9 + i)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        engine.step()  # the prompts
+        touched = mod.experts_touched(engine, 3)
+        assert low <= touched <= high
+        while engine.has_unfinished():
+            engine.step()

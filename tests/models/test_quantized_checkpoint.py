@@ -333,6 +333,12 @@ def test_dummy_weights_stay_packed(ckpts):
                        options=MoELayerOptions(dispatcher="local"), load_format="dummy")
     experts = ep.moe_layers[0].experts
     assert experts.w13_packed.dtype == torch.int32 and experts.w13_packed.unique().numel() > 100  # random words
+    # the values q = nibble - 8 are symmetric about 0 (plain random bits would give -8..7, mean -1/2: every
+    # expert output would share an all-ones component and all tokens would drift to the same experts)
+    words = torch.cat([experts.w13_packed.flatten(), experts.w2_packed.flatten()])
+    q = torch.stack([(words >> (4 * j)) & 0xF for j in range(8)]).double() - 8
+    assert q.min() == -7 and q.max() == 7
+    assert abs(q.mean().item()) < 4 * q.std().item() / q.numel() ** 0.5
     with torch.no_grad():
         logits = ep.model(torch.tensor([[1, 2, 3]])).logits
     assert torch.isfinite(logits).all() and logits.std() > 0

@@ -312,14 +312,26 @@ LOAD_FORMATS = ("auto", "dummy")
 _DUMMY_STD = 0.02
 
 
+def _zero_mean_int4_words(shape: torch.Size, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Random INT4 words (int32, ``shape``) whose eight values ``q`` lie in -7..7 with mean 0: random bits, each
+    stored nibble 0 (``q = -8``) set to 8 (``q = 0``). Plain random bits would give ``q`` in -8..7 with mean -1/2:
+    every dummy expert's output then shares a component along the all-ones direction, which grows layer by layer
+    until every token routes to the same experts (a benchmark of such weights then reads fewer experts than
+    uniform routing, the floor's assumption, would)."""
+    words = torch.randint(-2**31, 2**31, shape, generator=gen, device=device, dtype=torch.int64).to(torch.int32)
+    for j in range(8):
+        words |= ((words >> (4 * j)) & 0xF == 0).to(torch.int32) << (4 * j + 3)
+    return words
+
+
 def _fill_dummy(name: str, tensor: torch.Tensor, gen: torch.Generator) -> None:
     """Dummy value of tensor ``name`` in place: norm weights 1, vectors (biases, sinks, correction
-    biases) 0, matrices normal(0, 0.02); packed INT4 / MXFP4 expert values random bits, with scales that give
-    them about the same spread (INT4 ``0.02 / 4.6``, MXFP4 ``2 ** -7``)."""
+    biases) 0, matrices normal(0, 0.02); packed INT4 expert values random with mean 0 (``_zero_mean_int4_words``),
+    MXFP4 ones random bits (symmetric already), with scales that give them about the same spread (INT4 ``0.02 /
+    4.2``, MXFP4 ``2 ** -7``)."""
     leaf = name.rsplit(".", 1)[-1]
-    if tensor.dtype == torch.int32:  # INT4 words: every bit pattern is eight valid values
-        tensor.copy_(torch.randint(-2**31, 2**31, tensor.shape, generator=gen, device=tensor.device,
-                                   dtype=torch.int64).to(torch.int32))
+    if tensor.dtype == torch.int32:  # INT4 words: eight stored values q + 8 each
+        tensor.copy_(_zero_mean_int4_words(tensor.shape, gen, tensor.device))
     elif tensor.dtype == torch.uint8:  # MXFP4 values, or their E8M0 block scales
         if leaf.endswith("_scales"):
             tensor.fill_(E8M0_BIAS - 7)
@@ -327,7 +339,7 @@ def _fill_dummy(name: str, tensor: torch.Tensor, gen: torch.Generator) -> None:
             tensor.copy_(torch.randint(0, 256, tensor.shape, generator=gen, device=tensor.device,
                                        dtype=torch.int32).to(torch.uint8))
     elif leaf.endswith("_scale") and "experts" in name:
-        tensor.fill_(_DUMMY_STD / 4.6)
+        tensor.fill_(_DUMMY_STD / 4.2)  # the std of q: sqrt(17.5)
     elif "norm" in name and leaf == "weight" and tensor.dim() == 1:
         tensor.fill_(1.0)
     elif tensor.dim() < 2 or "bias" in leaf:
