@@ -13,9 +13,10 @@ expanded per-head keys and values. Per batch size: every request gets a
 128-token prompt (``--context N``: N tokens, for the decode step at a long context); once all are decoding,
 ``--steps`` engine steps are timed (wall clock, host work included). The floor of a step is max(bytes it must
 read / measured copy bandwidth, FLOPs / measured bf16 matmul rate): the weights of the non-expert layers, the
-experts its tokens touch (expected number under uniform routing, which random router weights give; each row also
-records the number its steps touched, read back from the engine's load counts after the timed steps), and the KV
-cache it attends over. TTFT: one request of 1k and 4k tokens, against the FLOP floor of its prefill. Writes
+experts its tokens touch (the number read back from the engine's load counts over a few steps after the timed ones,
+the table's ``experts``), and the KV cache it attends over. ``uniform`` is the expected number under uniform
+routing, the planner's assumption: random weights' greedy tokens tend to agree across requests, so larger batches
+touch fewer (``--temperature 1`` samples instead). TTFT: one request of 1k and 4k tokens, against the FLOP floor of its prefill. Writes
 ``engine_<gpu>.json`` under ``--out`` and prints a table last. ``--env-variants 'EPMOE_PDL=0;...'`` also times,
 per model, an engine built with each of those environment settings, in the same process after the main rows (an
 A/B in the same run).
@@ -87,16 +88,25 @@ def weight_bytes(engine: Engine) -> dict:
     return {"dense": dense, "expert": one, "embed_row": embed[0].numel() * embed.element_size()}
 
 
-def decode_floor(engine: Engine, wb: dict, bs: int, ctx: float, ceil: dict) -> dict:
+def decode_floor(engine: Engine, wb: dict, bs: int, ctx: float, ceil: dict, touched: float | None = None) -> dict:
+    """The step's floor, ms: its bytes over the copy bandwidth or its FLOPs over the bf16 rate, whichever is larger.
+    The experts read are ``touched`` per MoE layer where measured (``floor_ms``), and the expected number under
+    uniform routing (``floor_uniform_ms``, the planner's assumption; the two differ where the dummy weights'
+    tokens route alike)."""
     spec = engine.spec
     e, k = spec.num_experts, spec.top_k
-    touched = e * (1 - (1 - k / e) ** bs)
+    uniform = e * (1 - (1 - k / e) ** bs)
     kv = bs * ctx * engine.kv.layout.bytes_per_token(engine.config.torch_dtype)
-    nbytes = wb["dense"] + spec.num_moe_layers * touched * wb["expert"] + kv + bs * wb["embed_row"]
     active = wb["dense"] / 2 + spec.num_moe_layers * k * wb["expert"] / 2
     flops = 2 * active * bs
-    return {"floor_bytes": nbytes, "floor_flops": flops, "experts_touched_per_layer": touched,
-            "floor_ms": max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["bf16_flop_per_s"]) * 1e3}
+
+    def floor_ms(experts: float) -> tuple[float, float]:
+        nbytes = wb["dense"] + spec.num_moe_layers * experts * wb["expert"] + kv + bs * wb["embed_row"]
+        return nbytes, max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["bf16_flop_per_s"]) * 1e3
+
+    nbytes, ms = floor_ms(uniform if touched is None else touched)
+    return {"floor_bytes": nbytes, "floor_flops": flops, "experts_touched_per_layer": uniform,
+            "floor_ms": ms, "floor_uniform_ms": floor_ms(uniform)[1]}
 
 
 def kernel_profile(engine: Engine, steps: int) -> tuple[list[dict], dict]:
@@ -195,9 +205,10 @@ def host_profile(engine: Engine, steps: int) -> list[dict]:
 
 
 def time_decode(engine: Engine, bs: int, steps: int, vocab: int, profile_steps: int = 0,
-                prompt: int = PROMPT) -> dict:
+                prompt: int = PROMPT, temperature: float = 0.0) -> dict:
     gen = torch.Generator().manual_seed(bs)
-    params = SamplingParams(temperature=0, max_tokens=steps + 2 * profile_steps + ROUTING_STEPS + 8, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=steps + 2 * profile_steps + ROUTING_STEPS + 8,
+                            ignore_eos=True)
     for _ in range(bs):
         engine.add_request(torch.randint(0, vocab, (prompt,), generator=gen).tolist(), params)
     while any(s.num_computed < len(s.prompt_token_ids) or not s.output_token_ids for s in engine._seqs.values()):
@@ -345,7 +356,8 @@ def measure_variant(d: Path, batches: list[int], args, variant: str) -> dict[int
     try:
         engine = build_engine(d, batches, args.context)
         vocab = load_moe_spec(str(d)).vocab_size
-        tpot = {bs: time_decode(engine, bs, args.steps, vocab, prompt=args.context)["tpot_ms"] for bs in batches}
+        tpot = {bs: time_decode(engine, bs, args.steps, vocab, prompt=args.context,
+                                temperature=args.temperature)["tpot_ms"] for bs in batches}
     finally:
         for k, v in saved.items():
             if v is None:
@@ -376,17 +388,19 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
          "weights": wb, "rows": {}, "ttft": {}}
     for bs in batches:
         prof = args.profile_steps if str(bs) in args.profile.split(",") else 0
-        r = time_decode(engine, bs, args.steps, spec.vocab_size, prof, args.context)
-        r.update(decode_floor(engine, wb, bs, r["ctx"], ceil))
+        r = time_decode(engine, bs, args.steps, spec.vocab_size, prof, args.context, args.temperature)
+        r.update(decode_floor(engine, wb, bs, r["ctx"], ceil, r["experts_touched_measured"]))
         r["ratio_to_floor"] = r["tpot_ms"] / r["floor_ms"]
         m["rows"][bs] = r
-        print(f"  bs {bs}: TPOT {r['tpot_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms, "
-              f"graph steps {r['graph_steps']}, experts touched per MoE layer {r['experts_touched_measured']} "
-              f"(uniform routing: {r['experts_touched_per_layer']:.1f})", flush=True)
+        touched = r["experts_touched_measured"]
+        print(f"  bs {bs}: TPOT {r['tpot_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms, graph steps {r['graph_steps']}"
+              + (f", experts touched per MoE layer {touched:.1f} (uniform routing: "
+                 f"{r['experts_touched_per_layer']:.1f}, floor {r['floor_uniform_ms']:.2f} ms)"
+                 if touched is not None else ""), flush=True)
         if str(bs) in args.sequential_batches.split(",") and engine.overlap:
             engine.overlap = False  # the same engine, each step's tokens read back before the next is planned
             r["tpot_sequential_ms"] = time_decode(engine, bs, args.steps, spec.vocab_size,
-                                                  prompt=args.context)["tpot_ms"]
+                                                  prompt=args.context, temperature=args.temperature)["tpot_ms"]
             engine.overlap = True
             print(f"  bs {bs}: TPOT {r['tpot_sequential_ms']:.2f} ms without the overlap schedule", flush=True)
         if r["kernels"]:
@@ -620,6 +634,9 @@ def main() -> None:
     ap.add_argument("--models", default="qwen3-30b-a3b,deepseek-v3")
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of the decode rows' requests (0: greedy; random weights' greedy tokens "
+                         "tend to agree across requests, so larger batches touch fewer experts than uniform routing)")
     ap.add_argument("--context", type=int, default=PROMPT,
                     help="prompt tokens of every decode row's requests (the step's context is about this plus the "
                          "steps)")
@@ -702,16 +719,18 @@ def main() -> None:
             print(f"  peer {mode}: {m['peer'][mode]}", flush=True)
         for bs, r in m["rows"].items():
             times = [v[bs] for v in m["peer"].values() if isinstance(v.get(bs), float)]
-            rows.append((name, bs, r["tpot_ms"], r["floor_ms"], min(times) if times else None, m["plan_ms"][bs]))
+            rows.append((name, bs, r["tpot_ms"], r["floor_ms"], min(times) if times else None, m["plan_ms"][bs],
+                         r["experts_touched_measured"], r["experts_touched_per_layer"]))
     shutil.rmtree(root, ignore_errors=True)
     if len(fit_rows) >= 3:
         result["engine_fit"] = fit_engine_terms(fit_rows)
         save()
     print(f"\n{'model':14} {'bs':>4} {'TPOT ms':>8} {'floor':>7} {'/floor':>6} {'peer ms':>8} {'peer/us':>7} "
-          f"{'plan ms':>8} {'us/plan':>7}")
-    for model, bs, t, f, p, pl in rows:
+          f"{'plan ms':>8} {'us/plan':>7} {'experts':>7} {'uniform':>7}")
+    for model, bs, t, f, p, pl, touched, uniform in rows:
         ps = f"{p:8.2f} {p / t:7.2f}" if p else f"{'-':>8} {'-':>7}"
-        print(f"{model:14} {bs:4d} {t:8.2f} {f:7.2f} {t / f:6.2f} {ps} {pl:8.2f} {t / pl:7.2f}")
+        ts = f"{touched:7.1f}" if touched is not None else f"{'-':>7}"
+        print(f"{model:14} {bs:4d} {t:8.2f} {f:7.2f} {t / f:6.2f} {ps} {pl:8.2f} {t / pl:7.2f} {ts} {uniform:7.1f}")
     for model, m in result["models"].items():
         for variant, tpot in m.get("variants", {}).items():
             print(f"{model:14} with {variant}: " + ", ".join(

@@ -66,3 +66,22 @@ def test_experts_touched_counts_each_steps_distinct_slots(monkeypatch, tmp_path)
         assert low <= touched <= high
         while engine.has_unfinished():
             engine.step()
+
+
+def test_decode_floor_reads_the_measured_experts(monkeypatch):
+    """The floor prices the experts the step touched where measured; ``floor_uniform_ms`` the uniform-routing count."""
+    from types import SimpleNamespace
+
+    import torch
+
+    mod = load_benchmark("engine", monkeypatch)
+    engine = SimpleNamespace(spec=SimpleNamespace(num_experts=128, top_k=8, num_moe_layers=2),
+                             kv=SimpleNamespace(layout=SimpleNamespace(bytes_per_token=lambda dtype: 0)),
+                             config=SimpleNamespace(torch_dtype=torch.bfloat16))
+    wb = {"dense": 0, "expert": 10**6, "embed_row": 0}
+    ceil = {"copy_bytes_per_s": 10**9, "bf16_flop_per_s": 10**18}
+    measured = mod.decode_floor(engine, wb, 64, 100.0, ceil, touched=50.0)
+    uniform = 128 * (1 - (1 - 8 / 128) ** 64)
+    assert measured["floor_ms"] == 2 * 50 * 10**6 / 10**9 * 1e3
+    assert measured["floor_uniform_ms"] == 2 * uniform * 10**6 / 10**9 * 1e3
+    assert mod.decode_floor(engine, wb, 64, 100.0, ceil)["floor_ms"] == measured["floor_uniform_ms"]
