@@ -15,11 +15,11 @@ expanded per-head keys and values. Per batch size: every request gets a
 read / measured copy bandwidth, FLOPs / measured bf16 matmul rate): the weights of the non-expert layers, the
 experts its tokens touch (the number read back from the engine's load counts over a few steps after the timed ones,
 the table's ``experts``), and the KV cache it attends over. ``uniform`` is the expected number under uniform
-routing, the planner's assumption: random weights' greedy tokens tend to agree across requests, so larger batches
-touch fewer (``--temperature 1`` samples instead). TTFT: one request of 1k and 4k tokens, against the FLOP floor of its prefill. Writes
-``engine_<gpu>.json`` under ``--out`` and prints a table last. ``--env-variants 'EPMOE_PDL=0;...'`` also times,
-per model, an engine built with each of those environment settings, in the same process after the main rows (an
-A/B in the same run).
+routing, the planner's assumption (random weights route unevenly: from 64 requests on, or at long contexts, the
+steps touch fewer, sampled tokens or greedy ones alike). TTFT: one request of 1k and 4k tokens, against the FLOP
+floor of its prefill. Writes ``engine_<gpu>.json`` under ``--out`` and prints a table last. ``--env-variants
+'EPMOE_PDL=0;...'`` also times, per model, an engine built with each of those environment settings, in the same
+process after the main rows (an A/B in the same run).
 
 Speculation rows (``--spec``: only these, a few minutes): Qwen3-30B-A3B (``--spec-model``), ``ngram`` on
 repetitive prompts (code, lists) and ``eagle3`` with random weights (``--eagle3-config``, the SpecForge
@@ -635,8 +635,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.0,
-                    help="sampling temperature of the decode rows' requests (0: greedy; random weights' greedy tokens "
-                         "tend to agree across requests, so larger batches touch fewer experts than uniform routing)")
+                    help="sampling temperature of the decode rows' requests (0: greedy)")
     ap.add_argument("--context", type=int, default=PROMPT,
                     help="prompt tokens of every decode row's requests (the step's context is about this plus the "
                          "steps)")

@@ -167,6 +167,18 @@ def test_profile_int4_stream_efficiency_outside_0_1_refused(value):
     assert (hw.moe_w4a16_stream_efficiency, hw.moe_w4a16_layer_fixed_us) == (1.0, None)
 
 
+@pytest.mark.parametrize("value", [0, 1.01, -0.1, "0.7", True, None])
+def test_profile_mla_read_efficiency_outside_0_1_refused(value):
+    doc = _h200_doc()
+    doc["mla_decode_read_efficiency"] = value
+    with pytest.raises(ValueError, match=r"bad.json: field 'mla_decode_read_efficiency' must be a number in \(0, 1\], "
+                                         r"got "):
+        parse_hardware(doc, "bad.json")
+    del doc["mla_decode_read_efficiency"]
+    assert parse_hardware(doc).mla_decode_read_efficiency == 1.0
+    assert load_hardware("h200-sxm").mla_decode_read_efficiency == 0.74
+
+
 def test_int4_model_within_25_percent_of_h200_measurements():
     doc = json.loads(INT4_RESULTS.read_text())
     hw = load_hardware("h200-sxm")

@@ -145,6 +145,21 @@ def kv_bytes_per_token(spec: MoESpec, tp: int) -> float:
     return max(1, a.num_kv_heads // tp) * (a.head_dim + a.v_head_dim) * ACT_BYTES
 
 
+MLA_DECODE_HEADS_PER_READ = 16
+"""Query heads the engine's MLA decode kernel serves per read of a latent row (``engine.mla_decode``'s head block)."""
+
+
+def kv_read_passes(spec: MoESpec, tp: int) -> int:
+    """How many times a decode step reads each cached token of one layer under attention TP ``tp``: once for
+    grouped-query attention (a kv head's rows serve its query heads in one program); for MLA once per block of
+    ``MLA_DECODE_HEADS_PER_READ`` of the rank's query heads (``ceil(H / tp / 16)``: DeepSeek-V3's 128 heads read
+    the latent eight times on one GPU, Kimi-K2.5's 64 four times)."""
+    a = spec.attention
+    if not a.is_mla:
+        return 1
+    return -(-max(1, a.num_heads // tp) // MLA_DECODE_HEADS_PER_READ)
+
+
 def attention_score_flops(spec: MoESpec) -> float:
     """FLOPs per query position per context position per layer for all heads (decode kernels).
 

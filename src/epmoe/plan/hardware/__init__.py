@@ -31,7 +31,7 @@ _TOP_FIELDS = (
     "format", "name", "description", "gpu", "gpus_per_node", "memory_bytes", "hbm_bytes_per_s",
     "matmul_flops_per_s", "moe_layer_fixed_us", "moe_stream_matrix_overlap", "dispatch_layout_fixed_us", "links",
     "engine_step_us", "engine_layer_step_us", "engine_seq_step_us", "moe_w4a16_layer_fixed_us",
-    "moe_w4a16_stream_efficiency", "sources", "measurements",
+    "moe_w4a16_stream_efficiency", "mla_decode_read_efficiency", "sources", "measurements",
 )
 _LINK_KINDS = ("intra_node", "inter_node")
 _LINK_CURVES = ("all_reduce_ms_by_bytes", "all_to_all_ms_by_bytes")
@@ -97,6 +97,9 @@ class HardwareProfile:
             file: ``None``, the bf16 figure.
         moe_w4a16_stream_efficiency: the share, in ``(0, 1]``, of ``hbm_bytes_per_s`` at which the INT4 expert
             kernels stream their weights; absent from a file: 1.0.
+        mla_decode_read_efficiency: the share, in ``(0, 1]``, of ``hbm_bytes_per_s`` at which the engine's MLA
+            decode kernel reads its latent cache, each row once per block of query heads
+            (``costs.kv_read_passes``); absent from a file: 1.0.
         intra_node: collectives among GPUs of one node.
         inter_node: collectives across nodes; ``None`` when the profile describes a single node.
         sources: where each figure comes from (field name -> text).
@@ -122,6 +125,7 @@ class HardwareProfile:
     engine_seq_step_us: float = 0.0
     moe_w4a16_layer_fixed_us: float | None = None
     moe_w4a16_stream_efficiency: float = 1.0
+    mla_decode_read_efficiency: float = 1.0
 
     def flops_per_s(self, dtype: str) -> float:
         """Achievable matrix throughput for compute dtype ``dtype`` (falls back to ``bf16``), FLOP/s."""
@@ -164,6 +168,14 @@ def _number(doc: dict[str, Any], key: str, source: str, where: str = "", *, stri
         bound = "> 0" if strict else ">= 0"
         raise ValueError(f"{source}: field {field!r} must be a finite number {bound}, got {value!r}")
     return number
+
+
+def _share(doc: dict[str, Any], key: str, source: str) -> float:
+    """Field ``key`` of ``doc``, a number in ``(0, 1]`` (1.0 when absent)."""
+    v = doc.get(key, 1.0)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
+        raise ValueError(f"{source}: field {key!r} must be a number in (0, 1], got {v!r}")
+    return float(v)
 
 
 def _text(doc: dict[str, Any], key: str, source: str, where: str = "") -> str:
@@ -269,10 +281,8 @@ def parse_hardware(doc: dict[str, Any], source: str = "<dict>") -> HardwareProfi
     overlap = doc.get("moe_stream_matrix_overlap", 0.0)
     if isinstance(overlap, bool) or not isinstance(overlap, (int, float)) or not 0.0 <= overlap <= 1.0:
         raise ValueError(f"{source}: field 'moe_stream_matrix_overlap' must be a number in [0, 1], got {overlap!r}")
-    efficiency = doc.get("moe_w4a16_stream_efficiency", 1.0)
-    if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) or not 0.0 < efficiency <= 1.0:
-        raise ValueError(f"{source}: field 'moe_w4a16_stream_efficiency' must be a number in (0, 1], got "
-                         f"{efficiency!r}")
+    efficiency, mla_efficiency = (_share(doc, f, source) for f in ("moe_w4a16_stream_efficiency",
+                                                                      "mla_decode_read_efficiency"))
     sources = doc.get("sources") or {}
     if not isinstance(sources, dict) or not all(isinstance(v, str) for v in sources.values()):
         raise ValueError(f"{source}: field 'sources' must be an object of strings (field name -> text), got "
@@ -297,6 +307,7 @@ def parse_hardware(doc: dict[str, Any], source: str = "<dict>") -> HardwareProfi
         moe_w4a16_layer_fixed_us=(_number(doc, "moe_w4a16_layer_fixed_us", source, strict=False)
                                   if "moe_w4a16_layer_fixed_us" in doc else None),
         moe_w4a16_stream_efficiency=efficiency,
+        mla_decode_read_efficiency=mla_efficiency,
         intra_node=_link(links["intra_node"], source, "links.intra_node"),
         inter_node=_link(links["inter_node"], source, "links.inter_node") if links.get("inter_node") else None,
         sources=dict(sources),
