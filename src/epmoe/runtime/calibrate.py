@@ -321,7 +321,8 @@ def build_profile(rows: list[dict[str, float]], device_facts: dict[str, float], 
     }
     if base is not None:
         sources["base"] = (f"links not measured here, moe_layer_fixed_us, moe_stream_matrix_overlap, "
-                           f"dispatch_layout_fixed_us and the moe_w4a16_* figures copied from {base.path}")
+                           f"dispatch_layout_fixed_us, the moe_w4a16_* figures and mla_decode_read_efficiency "
+                           f"copied from {base.path}")
     doc = {
         "format": HARDWARE_FORMAT, "name": cfg.name,
         "description": f"calibrated on {nodes} node(s) x {world_size // nodes} {gpu}",
@@ -333,6 +334,7 @@ def build_profile(rows: list[dict[str, float]], device_facts: dict[str, float], 
         **({"moe_w4a16_layer_fixed_us": base.moe_w4a16_layer_fixed_us}
            if base is not None and base.moe_w4a16_layer_fixed_us is not None else {}),
         "moe_w4a16_stream_efficiency": base.moe_w4a16_stream_efficiency if base else 1.0,
+        "mla_decode_read_efficiency": base.mla_decode_read_efficiency if base else 1.0,
         "links": links, "sources": sources, "measurements": rows,
     }
     parse_hardware(doc, cfg.out)  # what we write must load
