@@ -91,8 +91,8 @@ def weight_bytes(engine: Engine) -> dict:
 def decode_floor(engine: Engine, wb: dict, bs: int, ctx: float, ceil: dict, touched: float | None = None) -> dict:
     """The step's floor, ms: its bytes over the copy bandwidth or its FLOPs over the bf16 rate, whichever is larger.
     The experts read are ``touched`` per MoE layer where measured (``floor_ms``), and the expected number under
-    uniform routing (``floor_uniform_ms``, the planner's assumption; the two differ where the dummy weights'
-    tokens route alike)."""
+    uniform routing (``floor_uniform_ms``, the planner's assumption; the two differ where the dummy weights route
+    unevenly)."""
     spec = engine.spec
     e, k = spec.num_experts, spec.top_k
     uniform = e * (1 - (1 - k / e) ** bs)
