@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import shutil
 import statistics
@@ -92,7 +93,7 @@ def decode_floor(engine: Engine, wb: dict, bs: int, ctx: float, ceil: dict, touc
     """The step's floor, ms: its bytes over the copy bandwidth or its FLOPs over the bf16 rate, whichever is larger.
     The experts read are ``touched`` per MoE layer where measured (``floor_ms``), and the expected number under
     uniform routing (``floor_uniform_ms``, the planner's assumption; the two differ where the dummy weights route
-    unevenly)."""
+    unevenly). ``experts_touched_per_layer`` is the uniform count (its meaning in earlier results too)."""
     spec = engine.spec
     e, k = spec.num_experts, spec.top_k
     uniform = e * (1 - (1 - k / e) ** bs)
@@ -236,7 +237,12 @@ ROUTING_STEPS = 4
 
 def experts_touched(engine: Engine, steps: int) -> float | None:
     """Mean number of physical slots given at least one token, per MoE layer and step, over the next ``steps``
-    engine steps (the engine's own load counts, read back after each step); ``None`` without MoE layers."""
+    engine steps (the engine's own load counts, read back after each step); ``None`` without MoE layers.
+
+    Raises:
+        ValueError: ``steps`` below 1."""
+    if steps < 1:
+        raise ValueError(f"experts_touched: steps must be at least 1, got {steps}")
     if not engine.spec.num_moe_layers:
         return None
     counts = []
@@ -668,6 +674,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.context < 1:
         ap.error(f"--context must be at least 1 prompt token, got {args.context}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        ap.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
     check_spec_args(ap, args)
     if Path(args.out).exists() and not Path(args.out).is_dir():
         ap.error(f"--out {args.out!r} is a file; it names the folder the results are written to")

@@ -29,6 +29,8 @@ def script(monkeypatch):
     (["--device", "cpu", "--spec-model", "{tmp}/ckpt", "--spec-k", "0"],
      "--spec-k values must be integers >= 1 and <= 16, got '0'"),
     (["--spec", "--spec-k", "17"], "--spec-k values must be integers >= 1 and <= 16, got '17'"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
     (["--device", "cpu", "--spec-model", "{tmp}/ckpt", "--spec-steps", "0"], "--spec-steps must be at least 1, got 0"),
     # the rows ran first, then the results folder failed with FileExistsError
     (["--device", "cpu", "--spec-model", "{tmp}/ckpt", "--eagle3-config", "{tmp}/ckpt/config.json", "--out",

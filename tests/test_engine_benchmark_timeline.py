@@ -4,6 +4,8 @@ included) and their median."""
 
 from __future__ import annotations
 
+import pytest
+
 from .benchmark_scripts import load_benchmark
 
 
@@ -85,3 +87,9 @@ def test_decode_floor_reads_the_measured_experts(monkeypatch):
     assert measured["floor_ms"] == 2 * 50 * 10**6 / 10**9 * 1e3
     assert measured["floor_uniform_ms"] == 2 * uniform * 10**6 / 10**9 * 1e3
     assert mod.decode_floor(engine, wb, 64, 100.0, ceil)["floor_ms"] == measured["floor_uniform_ms"]
+
+
+def test_experts_touched_needs_a_step(monkeypatch):
+    mod = load_benchmark("engine", monkeypatch)
+    with pytest.raises(ValueError, match="experts_touched: steps must be at least 1, got 0"):
+        mod.experts_touched(object(), 0)

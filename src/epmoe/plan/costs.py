@@ -152,8 +152,8 @@ MLA_DECODE_HEADS_PER_READ = 16
 def kv_read_passes(spec: MoESpec, tp: int) -> int:
     """How many times a decode step reads each cached token of one layer under attention TP ``tp``: once for
     grouped-query attention (a kv head's rows serve its query heads in one program); for MLA once per block of
-    ``MLA_DECODE_HEADS_PER_READ`` of the rank's query heads (``ceil(H / tp / 16)``: DeepSeek-V3's 128 heads read
-    the latent eight times on one GPU, Kimi-K2.5's 64 four times)."""
+    ``MLA_DECODE_HEADS_PER_READ`` of the rank's ``max(1, H // tp)`` query heads, rounded up (DeepSeek-V3's 128
+    heads read the latent eight times on one GPU, Kimi-K2.5's 64 four times)."""
     a = spec.attention
     if not a.is_mla:
         return 1
