@@ -156,26 +156,22 @@ def test_expert_layer_ms_int4_figures_hand_worked():
     assert expert_layer_ms(dims, 100, 4, 2, plain, "int4_group32") * 1e3 == pytest.approx(14.059136, abs=1e-9)
 
 
-@pytest.mark.parametrize("value", [0, 1.5, -0.1, "0.5", True])
-def test_profile_int4_stream_efficiency_outside_0_1_refused(value):
+@pytest.mark.parametrize("field", ["moe_w4a16_stream_efficiency", "mla_decode_read_efficiency"])
+@pytest.mark.parametrize("value", [0, 1.01, 1.5, -0.1, "0.5", True, None])
+def test_profile_efficiency_outside_0_1_refused(field, value):
     doc = _h200_doc()
-    doc["moe_w4a16_stream_efficiency"] = value
-    with pytest.raises(ValueError, match=r"field 'moe_w4a16_stream_efficiency' must be a number in \(0, 1\], got "):
+    doc[field] = value
+    with pytest.raises(ValueError, match=rf"bad.json: field '{field}' must be a number in \(0, 1\], got "):
         parse_hardware(doc, "bad.json")
+    del doc[field]
+    assert getattr(parse_hardware(doc), field) == 1.0
+
+
+def test_profile_efficiency_defaults():
+    doc = _h200_doc()
     del doc["moe_w4a16_stream_efficiency"], doc["moe_w4a16_layer_fixed_us"]
     hw = parse_hardware(doc)
     assert (hw.moe_w4a16_stream_efficiency, hw.moe_w4a16_layer_fixed_us) == (1.0, None)
-
-
-@pytest.mark.parametrize("value", [0, 1.01, -0.1, "0.7", True, None])
-def test_profile_mla_read_efficiency_outside_0_1_refused(value):
-    doc = _h200_doc()
-    doc["mla_decode_read_efficiency"] = value
-    with pytest.raises(ValueError, match=r"bad.json: field 'mla_decode_read_efficiency' must be a number in \(0, 1\], "
-                                         r"got "):
-        parse_hardware(doc, "bad.json")
-    del doc["mla_decode_read_efficiency"]
-    assert parse_hardware(doc).mla_decode_read_efficiency == 1.0
     assert load_hardware("h200-sxm").mla_decode_read_efficiency == 0.74
 
 
