@@ -183,8 +183,11 @@ def test_moe_layer_without_placement_fails_at_construction(kimi):
 def test_run_staggered_arrivals_small_batches_and_kv_pool(kimi, tmp_path):
     out = tmp_path / "cb.json"
     prompts = ["hello there", "expert parallel", "abc", "mixture of experts", "x", "quick fox"]
+    # arrivals 1 ms apart: staggered, yet each arrives before the one ahead of it can finish (a step takes longer),
+    # so two sequences share the 7-block pool and one is preempted on any machine (at 50 a second a fast machine
+    # finished each request before the next arrived)
     code = main(["run", "--model", str(kimi), "--ep", "2", "--max-new-tokens", "6", "--max-num-seqs", "2",
-                 "--max-num-batched-tokens", "8", "--request-rate", "50", "--num-kv-blocks", "7", "--block-size", "4",
+                 "--max-num-batched-tokens", "8", "--request-rate", "1000", "--num-kv-blocks", "7", "--block-size", "4",
                  "--json", str(out),
                  *[a for p in prompts for a in ("--prompt", p)]])
     report = json.loads(out.read_text())

@@ -50,7 +50,9 @@ def _alive(pid: int) -> bool:
 
 
 def test_sigterm_drains_running_requests_and_exits_0(start_server):
-    server = start_server("--ep", "2", "--drain-timeout", "3")
+    # 0.5 s: the short requests (6 tokens) finish within it, the long ones (240) would need 480 steps a second
+    # (with 3 s a fast machine finished them too)
+    server = start_server("--ep", "2", "--drain-timeout", "0.5")
     ranks = server.rank_pids()
     assert len(ranks) == 2  # the engine core (rank 0) and rank 1; this process serves HTTP only
     results: list = [None] * 8
