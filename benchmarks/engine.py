@@ -207,11 +207,17 @@ def host_profile(engine: Engine, steps: int) -> list[dict]:
 
 def time_decode(engine: Engine, bs: int, steps: int, vocab: int, profile_steps: int = 0,
                 prompt: int = PROMPT, temperature: float = 0.0) -> dict:
+    """One decode row: ``bs`` requests prefilled, then ``steps`` timed steps, the profiles and ``ROUTING_STEPS``
+    routing steps, all on the whole batch (the requests' ``max_tokens`` leave ``DECODE_HEADROOM`` tokens past the
+    measured steps for those that start decoding while others are still prefilled; they are aborted at the end).
+
+    Raises:
+        RuntimeError: a request finished before the measured steps ended (the batch shrank)."""
     gen = torch.Generator().manual_seed(bs)
-    params = SamplingParams(temperature=temperature, max_tokens=steps + 2 * profile_steps + ROUTING_STEPS + 8,
-                            ignore_eos=True)
-    for _ in range(bs):
-        engine.add_request(torch.randint(0, vocab, (prompt,), generator=gen).tolist(), params)
+    params = SamplingParams(temperature=temperature, ignore_eos=True,
+                            max_tokens=steps + 2 * profile_steps + ROUTING_STEPS + DECODE_HEADROOM)
+    ids = [engine.add_request(torch.randint(0, vocab, (prompt,), generator=gen).tolist(), params)
+           for _ in range(bs)]
     while any(s.num_computed < len(s.prompt_token_ids) or not s.output_token_ids for s in engine._seqs.values()):
         engine.step()
     before = dict(engine.stats)
@@ -225,11 +231,21 @@ def time_decode(engine: Engine, bs: int, steps: int, vocab: int, profile_steps: 
     kernels, timeline = kernel_profile(engine, profile_steps) if profile_steps else ([], {})
     host = host_profile(engine, profile_steps) if profile_steps else []
     touched = experts_touched(engine, ROUTING_STEPS)
+    live = sum(rid in engine._seqs for rid in ids)
+    if live != bs:
+        raise RuntimeError(f"batch {bs}: {bs - live} requests finished before the measured steps ended; raise "
+                           f"DECODE_HEADROOM ({DECODE_HEADROOM})")
+    for rid in ids:
+        engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
     return {"tpot_ms": ms, "graph_steps": graph, "ctx": prompt + 4 + steps / 2, "kernels": kernels,
             "timeline": timeline, "host": host, "experts_touched_measured": touched}
 
+
+DECODE_HEADROOM = 256
+"""Tokens a decode row's requests may generate past the measured steps (``time_decode``): those that finish their
+prompts first decode while the others are still prefilled, so they are that many steps ahead."""
 
 ROUTING_STEPS = 4
 """Steps after the timed ones whose routing ``experts_touched`` reads back (each step synchronised)."""

@@ -93,3 +93,53 @@ def test_experts_touched_needs_a_step(monkeypatch):
     mod = load_benchmark("engine", monkeypatch)
     with pytest.raises(ValueError, match="experts_touched: steps must be at least 1, got 0"):
         mod.experts_touched(object(), 0)
+
+
+def _staggered_engine(tmp_path):
+    """A tiny engine whose prompts of 4 requests take several steps, so the first decode while the last prefill."""
+    from epmoe.engine import Engine, EngineConfig
+    from epmoe.models.tiny import build_tiny_checkpoint
+
+    return Engine(EngineConfig(model=str(build_tiny_checkpoint("qwen3-moe", tmp_path / "q")), device="cpu",
+                               max_num_seqs=4, max_num_batched_tokens=16))
+
+
+def test_time_decode_measures_the_whole_batch(monkeypatch, tmp_path):
+    """Every measured step of a decode row runs all ``bs`` requests, also those that started decoding while the
+    others were prefilled; the requests are aborted at the end and their KV blocks returned."""
+    import torch
+
+    mod = load_benchmark("engine", monkeypatch)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    engine = _staggered_engine(tmp_path)
+    seen = []
+    step = engine.step
+
+    def counted_step():
+        seen.append(sum(not s.finished for s in engine._seqs.values()))
+        return step()
+
+    monkeypatch.setattr(engine, "step", counted_step)
+    row = mod.time_decode(engine, 4, steps=3, vocab=engine.spec.vocab_size, prompt=12)
+    # the prompts took several steps (16 tokens a step), then the 3 timed and ROUTING_STEPS routing steps ran all 4
+    # requests; then the aborts were reported
+    while seen[-1] == 0:
+        seen.pop()
+    measured = 3 + mod.ROUTING_STEPS
+    assert len(seen) >= measured + 3 and seen[-measured:] == [4] * measured
+    assert row["experts_touched_measured"] > engine.spec.top_k
+    assert not engine.has_unfinished() and not engine._seqs
+    assert engine.allocator.num_free == engine.allocator.capacity
+
+
+def test_time_decode_refuses_a_shrinking_batch(monkeypatch, tmp_path):
+    """Without headroom the requests that decoded during the others' prompts finish during the measured steps:
+    the row is refused, not measured on fewer requests."""
+    import torch
+
+    mod = load_benchmark("engine", monkeypatch)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(mod, "DECODE_HEADROOM", 0)
+    with pytest.raises(RuntimeError, match=r"batch 4: [1-4] requests finished before the measured steps ended"):
+        engine = _staggered_engine(tmp_path)
+        mod.time_decode(engine, 4, steps=3, vocab=engine.spec.vocab_size, prompt=12)
