@@ -208,44 +208,50 @@ def host_profile(engine: Engine, steps: int) -> list[dict]:
 def time_decode(engine: Engine, bs: int, steps: int, vocab: int, profile_steps: int = 0,
                 prompt: int = PROMPT, temperature: float = 0.0) -> dict:
     """One decode row: ``bs`` requests prefilled, then ``steps`` timed steps, the profiles and ``ROUTING_STEPS``
-    routing steps, all on the whole batch (the requests' ``max_tokens`` leave ``DECODE_HEADROOM`` tokens past the
-    measured steps for those that start decoding while others are still prefilled; they are aborted at the end).
+    routing steps, all on the whole batch. The requests may generate up to the context limit (``max_model_len``), so
+    that those that start decoding while the others are still prefilled do not finish during the measured steps;
+    they are aborted at the end, also when the row is refused.
 
     Raises:
-        RuntimeError: a request finished before the measured steps ended (the batch shrank)."""
+        RuntimeError: a request finished or was preempted before the routing steps ended (the batch shrank)."""
     gen = torch.Generator().manual_seed(bs)
-    params = SamplingParams(temperature=temperature, ignore_eos=True,
-                            max_tokens=steps + 2 * profile_steps + ROUTING_STEPS + DECODE_HEADROOM)
+    room = engine.max_model_len - prompt
+    params = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=room)
     ids = [engine.add_request(torch.randint(0, vocab, (prompt,), generator=gen).tolist(), params)
            for _ in range(bs)]
-    while any(s.num_computed < len(s.prompt_token_ids) or not s.output_token_ids for s in engine._seqs.values()):
-        engine.step()
-    before = dict(engine.stats)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    ms = (time.perf_counter() - t0) * 1e3 / steps
-    graph = engine.stats["graph_steps"] - before["graph_steps"]
-    kernels, timeline = kernel_profile(engine, profile_steps) if profile_steps else ([], {})
-    host = host_profile(engine, profile_steps) if profile_steps else []
-    touched = experts_touched(engine, ROUTING_STEPS)
-    live = sum(rid in engine._seqs for rid in ids)
-    if live != bs:
-        raise RuntimeError(f"batch {bs}: {bs - live} requests finished before the measured steps ended; raise "
-                           f"DECODE_HEADROOM ({DECODE_HEADROOM})")
-    for rid in ids:
-        engine.abort(rid)
-    while engine.has_unfinished():
-        engine.step()
+    try:
+        while any(s.num_computed < len(s.prompt_token_ids) or not s.output_token_ids for s in engine._seqs.values()):
+            engine.step()
+        before = dict(engine.stats)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) * 1e3 / steps
+        graph = engine.stats["graph_steps"] - before["graph_steps"]
+        kernels, timeline = kernel_profile(engine, profile_steps) if profile_steps else ([], {})
+        host = host_profile(engine, profile_steps) if profile_steps else []
+        touched = experts_touched(engine, ROUTING_STEPS)
+        done = bs - sum(rid in engine._seqs for rid in ids)
+        preempted = engine.stats["preemptions"] - before["preemptions"]
+        if done or preempted:
+            raise RuntimeError(
+                f"batch {bs}: of {bs} requests {done} finished and {preempted} were preempted before the routing "
+                f"steps ended, so the steps ran fewer; each may generate {room} tokens (the context limit less the "
+                f"{prompt}-token prompt), and the KV pool must hold the whole batch")
+    finally:
+        for rid in ids:
+            engine.abort(rid)
+        while engine.has_unfinished():
+            engine.step()
     return {"tpot_ms": ms, "graph_steps": graph, "ctx": prompt + 4 + steps / 2, "kernels": kernels,
             "timeline": timeline, "host": host, "experts_touched_measured": touched}
 
 
-DECODE_HEADROOM = 256
-"""Tokens a decode row's requests may generate past the measured steps (``time_decode``): those that finish their
-prompts first decode while the others are still prefilled, so they are that many steps ahead."""
+CONTEXT_MARGIN = 512
+"""Tokens of the engine's context limit past a decode row's prompt (``build_engine``): the measured steps, and the
+tokens that the requests whose prompts are done first generate while the others are prefilled."""
 
 ROUTING_STEPS = 4
 """Steps after the timed ones whose routing ``experts_touched`` reads back (each step synchronised)."""
@@ -364,7 +370,7 @@ def build_engine(d: Path, batches: list[int], context: int = PROMPT) -> Engine:
     prompt again and again, each must compute it whole."""
     return Engine(EngineConfig(model=str(d), dtype="bfloat16", device="cuda", expert_backend="triton",
                                load_format="dummy", max_num_seqs=max(batches),
-                               max_model_len=max(8192, context + 512),
+                               max_model_len=max(8192, context + CONTEXT_MARGIN),
                                cuda_graph_max_bs=max(batches), enable_prefix_caching=False))
 
 
@@ -409,7 +415,7 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
     m = {"layers": engine.ep_model.model.config.num_hidden_layers, "start_s": start_s, "kv": kv,
          "weights": wb, "rows": {}, "ttft": {}}
     for bs in batches:
-        prof = args.profile_steps if str(bs) in args.profile.split(",") else 0
+        prof = args.profile_steps if bs in int_list(args.profile) else 0
         r = time_decode(engine, bs, args.steps, spec.vocab_size, prof, args.context, args.temperature)
         r.update(decode_floor(engine, wb, bs, r["ctx"], ceil, r["experts_touched_measured"]))
         r["ratio_to_floor"] = r["tpot_ms"] / r["floor_ms"]
@@ -419,7 +425,7 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
               + (f", experts touched per MoE layer {touched:.1f} (uniform routing: "
                  f"{r['experts_touched_per_layer']:.1f}, floor {r['floor_uniform_ms']:.2f} ms)"
                  if touched is not None else ""), flush=True)
-        if str(bs) in args.sequential_batches.split(",") and engine.overlap:
+        if bs in int_list(args.sequential_batches) and engine.overlap:
             engine.overlap = False  # the same engine, each step's tokens read back before the next is planned
             r["tpot_sequential_ms"] = time_decode(engine, bs, args.steps, spec.vocab_size,
                                                   prompt=args.context, temperature=args.temperature)["tpot_ms"]
@@ -651,6 +657,42 @@ def check_spec_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> No
         ap.error(f"--spec-steps must be at least 1, got {args.spec_steps}")
 
 
+def int_list(text: str) -> list[int]:
+    """``"1,8"`` -> ``[1, 8]``; ``""`` -> ``[]``.
+
+    Raises:
+        ValueError: an item that is not an integer."""
+    return [int(v) for v in text.split(",")] if text else []
+
+
+def check_decode_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The decode rows' flags: a bad one is an argparse error naming it."""
+    if args.steps < 1:
+        ap.error(f"--steps must be at least 1, got {args.steps}")
+    if args.profile_steps < 1:
+        ap.error(f"--profile-steps must be at least 1, got {args.profile_steps}")
+    measured = args.steps + 2 * args.profile_steps + ROUTING_STEPS
+    if measured > CONTEXT_MARGIN // 2:
+        ap.error(f"--steps {args.steps} and --profile-steps {args.profile_steps} measure {measured} steps a row; at "
+                 f"most {CONTEXT_MARGIN // 2} fit the context margin (the rest is for requests that decode while "
+                 f"others are prefilled)")
+    lists = {}
+    for flag, text in (("--batches", args.batches), ("--peer-batches", args.peer_batches),
+                       ("--profile", args.profile), ("--sequential-batches", args.sequential_batches)):
+        if not text and flag in ("--batches", "--peer-batches"):
+            ap.error(f"{flag} must name at least one batch size")
+        try:
+            lists[flag] = int_list(text)
+        except ValueError:
+            ap.error(f"{flag} must be comma-separated integers, got {text!r}")
+        if any(v < 1 for v in lists[flag]):
+            ap.error(f"{flag} values must be integers >= 1, got {text!r}")
+    for flag in ("--profile", "--sequential-batches"):
+        extra = sorted(set(lists[flag]) - set(lists["--batches"]))
+        if extra:
+            ap.error(f"{flag} {extra} are not among --batches {args.batches!r}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--models", default="qwen3-30b-a3b,deepseek-v3")
@@ -693,6 +735,7 @@ def main() -> None:
     if not math.isfinite(args.temperature) or args.temperature < 0:
         ap.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
     check_spec_args(ap, args)
+    check_decode_args(ap, args)
     if Path(args.out).exists() and not Path(args.out).is_dir():
         ap.error(f"--out {args.out!r} is a file; it names the folder the results are written to")
     if args.spec or args.device == "cpu":
@@ -704,7 +747,7 @@ def main() -> None:
         (out / f"engine_spec_{name}.json").write_text(json.dumps({"ceilings": ceil, "rows": rows}, indent=2))
         print_spec_rows(rows)
         return
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = int_list(args.batches)
     ceil = measure_ceilings()
     print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
           f"bf16 {ceil['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
@@ -738,7 +781,7 @@ def main() -> None:
         save()
         for mode in [x for x in args.peer.split(",") if x != "none"]:
             m["peer"][mode] = {}
-            peer(d, [int(b) for b in args.peer_batches.split(",")], mode, 16, m["peer"][mode], save, args.context)
+            peer(d, int_list(args.peer_batches), mode, 16, m["peer"][mode], save, args.context)
             print(f"  peer {mode}: {m['peer'][mode]}", flush=True)
         for bs, r in m["rows"].items():
             times = [v[bs] for v in m["peer"].values() if isinstance(v.get(bs), float)]

@@ -1,5 +1,6 @@
-"""benchmarks/engine.py's speculation-row flags (``--spec``, ``--device cpu``): a bad one is an argparse error (exit
-2) naming the flag and its value before any engine is built, not a traceback from deep inside the run."""
+"""benchmarks/engine.py's flags (the speculation rows' ``--spec``, ``--device cpu``, and the decode rows'): a bad one is
+an argparse error (exit 2) naming the flag and its value before any engine is built, not a traceback from deep inside
+the run."""
 
 from __future__ import annotations
 
@@ -49,3 +50,28 @@ def test_bad_speculation_flags_are_named_with_exit_2(script, tmp_path, monkeypat
     assert exc.value.code == 2
     assert f"engine.py: error: {message.format(tmp=tmp_path)}\n" in capsys.readouterr().err
     assert built == [] and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], "--steps must be at least 1, got 0"),
+    (["--profile-steps", "-3"], "--profile-steps must be at least 1, got -3"),
+    (["--steps", "300"], "--steps 300 and --profile-steps 5 measure 314 steps a row; at most 256 fit the context "
+                         "margin (the rest is for requests that decode while others are prefilled)"),
+    (["--batches", "abc"], "--batches must be comma-separated integers, got 'abc'"),
+    (["--batches", "1,,8"], "--batches must be comma-separated integers, got '1,,8'"),
+    (["--batches", "0"], "--batches values must be integers >= 1, got '0'"),
+    (["--batches", ""], "--batches must name at least one batch size"),
+    (["--peer-batches", "8,-1"], "--peer-batches values must be integers >= 1, got '8,-1'"),
+    (["--profile", "1, x"], "--profile must be comma-separated integers, got '1, x'"),
+    (["--batches", "1,8", "--profile", "128"], "--profile [128] are not among --batches '1,8'"),
+    (["--sequential-batches", "3"], "--sequential-batches [3] are not among --batches '1,8,64,256'"),
+])
+def test_bad_decode_flags_are_named_with_exit_2(script, tmp_path, monkeypatch, capsys, args, message):
+    measured = []
+    monkeypatch.setattr(script, "measure_ceilings", lambda: measured.append(1))  # nothing may be measured or built
+    monkeypatch.setattr(sys, "argv", ["engine.py", "--out", str(tmp_path / "out"), *args])
+    with pytest.raises(SystemExit) as exc:
+        script.main()
+    assert exc.value.code == 2
+    assert f"engine.py: error: {message}\n" in capsys.readouterr().err
+    assert measured == [] and not (tmp_path / "out").exists()

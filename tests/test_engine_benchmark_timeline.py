@@ -95,13 +95,13 @@ def test_experts_touched_needs_a_step(monkeypatch):
         mod.experts_touched(object(), 0)
 
 
-def _staggered_engine(tmp_path):
+def _staggered_engine(tmp_path, **config):
     """A tiny engine whose prompts of 4 requests take several steps, so the first decode while the last prefill."""
     from epmoe.engine import Engine, EngineConfig
     from epmoe.models.tiny import build_tiny_checkpoint
 
     return Engine(EngineConfig(model=str(build_tiny_checkpoint("qwen3-moe", tmp_path / "q")), device="cpu",
-                               max_num_seqs=4, max_num_batched_tokens=16))
+                               max_num_seqs=4, max_num_batched_tokens=16, **config))
 
 
 def test_time_decode_measures_the_whole_batch(monkeypatch, tmp_path):
@@ -132,14 +132,23 @@ def test_time_decode_measures_the_whole_batch(monkeypatch, tmp_path):
     assert engine.allocator.num_free == engine.allocator.capacity
 
 
-def test_time_decode_refuses_a_shrinking_batch(monkeypatch, tmp_path):
-    """Without headroom the requests that decoded during the others' prompts finish during the measured steps:
-    the row is refused, not measured on fewer requests."""
+@pytest.mark.parametrize("config, message", [
+    # the context limit leaves 8 tokens past the 12-token prompt: the first requests finish during the routing steps
+    ({"max_model_len": 20}, r"batch 4: of 4 requests [1-4] finished and 0 were preempted before the routing steps "
+                            r"ended, so the steps ran fewer; each may generate 8 tokens"),
+    # 12 blocks of 16 positions: 4 requests of 12 prompt tokens growing to 80 cannot all stay
+    ({"max_model_len": 80, "num_kv_blocks": 12}, r"batch 4: of 4 requests 0 finished and [1-9]\d* were preempted"),
+])
+def test_time_decode_refuses_a_shrinking_batch(monkeypatch, tmp_path, config, message):
+    """A row whose batch shrinks during the measured steps (requests finished at the context limit, or preempted
+    for KV blocks) is refused, not measured on fewer requests; its requests are aborted all the same."""
     import torch
 
     mod = load_benchmark("engine", monkeypatch)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(mod, "DECODE_HEADROOM", 0)
-    with pytest.raises(RuntimeError, match=r"batch 4: [1-4] requests finished before the measured steps ended"):
-        engine = _staggered_engine(tmp_path)
-        mod.time_decode(engine, 4, steps=3, vocab=engine.spec.vocab_size, prompt=12)
+    engine = _staggered_engine(tmp_path, **config)
+    steps = 60 if "num_kv_blocks" in config else 3
+    with pytest.raises(RuntimeError, match=message):
+        mod.time_decode(engine, 4, steps=steps, vocab=engine.spec.vocab_size, prompt=12)
+    assert not engine.has_unfinished() and not engine._seqs
+    assert engine.allocator.num_free == engine.allocator.capacity
