@@ -21,7 +21,8 @@ Cases:
 The INT4 cases time, in the same run and on the same (dequantized) weight values: the ``triton`` backend on the packed
 weights (``int4``, the path ``int4_path`` picks; floor = INT4 bytes + scales of the active slots over the copy
 bandwidth, or the FLOPs), each INT4 path at every size whichever the backend takes (``int4_mma``: the tensor-core
-kernels with the words widened into the MMA registers, ``int4_mma16``/``int4_mma32`` with 16/32-row blocks;
+kernels with the words widened into the MMA registers (16-row blocks), ``int4_mma8``/``int4_mma32`` with 8/32-row
+blocks;
 ``int4_wgmma``: the prefill kernels on Hopper's warpgroup MMA, ``w4a16_wgmma``, with the tiles the backend takes
 (``default_wgmma_config`` for the size), ``int4_wgmma4`` with one warpgroup of 64 weight rows a program,
 ``int4_wgmma_t32`` with tail row blocks (a slot's last block of 32, 64, 96 or 128 rows), ``int4_wgmma64_t32`` with
@@ -110,7 +111,7 @@ INT4_GROUPED_SWEEP = [
     TileConfig(128, 64, 128, 256, 8, 2, half_tail=True),
 ]
 DECODE_MAX = 64
-MMA_BLOCK16 = MmaConfig(32, 32, 64, 32, 2, block_m=16)
+MMA_BLOCK8 = MmaConfig(32, 32, 64, 32, 2, block_m=8)
 MMA_BLOCK32 = MmaConfig(32, 16, 32, 16, 2, block_m=32)  # 16-word steps: 200 registers, none spilled (sm_90)
 WGMMA_ONE_WARPGROUP = WgmmaConfig(num_warps=4, block_n1=64, block_n2=64)
 # tail row blocks (WgmmaConfig.tail_rows): 128-row blocks whose last block per slot has 32, 64, 96 or 128 rows; 64 or
@@ -380,8 +381,8 @@ def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: 
                  "int4_grouped": lambda: int4_grouped_experts(x, slots, tw, q, act),
                  "int4_mma": lambda: int4_mma_experts(x, slots, tw, q, act,
                                                       config=default_mma_config(g, expected, s)),
-                 # more token rows a block: each widened register feeds 2 or 4 MMAs (prefill sizes)
-                 "int4_mma16": lambda: int4_mma_experts(x, slots, tw, q, act, config=MMA_BLOCK16),
+                 # fewer or more token rows a block: each widened register feeds up to 1 or 4 MMAs
+                 "int4_mma8": lambda: int4_mma_experts(x, slots, tw, q, act, config=MMA_BLOCK8),
                  "int4_mma32": lambda: int4_mma_experts(x, slots, tw, q, act, config=MMA_BLOCK32),
                  # 64-128 token rows a block on the warpgroup MMA (prefill sizes)
                  "int4_wgmma": lambda: int4_wgmma_experts(x, slots, tw, q, act,
@@ -435,14 +436,15 @@ def print_int4_table(rows: list[dict]) -> None:
     of the backend, the grouped path and the wgmma kernels."""
     nan = float("nan")
     print(f"\n{'case':14} {'T':>5} {'act':>4} {'path':>7} {'i4floor':>7} {'int4':>8} {'x_fl':>6} {'i4mma':>8} "
-          f"{'mma16':>8} {'mma32':>8} {'wgmma':>8} {'wgmma4':>8} {'wg_t32':>8} {'wg64t32':>8} {'wbest':>8} "
+          f"{'mma8':>8} {'mma32':>8} {'wgmma':>8} {'wgmma4':>8} {'wg_t32':>8} {'wg64t32':>8} {'wbest':>8} "
           f"{'i4dec':>8} "
           f"{'dbest':>7} {'i4grp':>8} {'gbest':>7} {'gb_x_fl':>7} {'i4deq':>8} {'bf16':>7} {'bf16/i4':>7} "
           f"{'deq_gmm':>8} {'err_i4':>8} {'err_grp':>8} {'err_wg':>8}")
     for r in rows:
         floor = r["int4_floor_us"] or nan  # no local pair: no floor
         print(f"{r['case']:14} {r['tokens']:5d} {r['active_slots']:4d} {r['int4_path']:>7} {r['int4_floor_us']:7.1f} "
-              f"{r['int4_us']:8.1f} {r['int4_us'] / floor:6.2f} {r['int4_mma_us']:8.1f} {r['int4_mma16_us']:8.1f} "
+              f"{r['int4_us']:8.1f} {r['int4_us'] / floor:6.2f} {r['int4_mma_us']:8.1f} "
+              f"{r.get('int4_mma8_us', nan):8.1f} "
               f"{r['int4_mma32_us']:8.1f} {r['int4_wgmma_us']:8.1f} {r['int4_wgmma4_us']:8.1f} "
               f"{r['int4_wgmma_t32_us']:8.1f} {r['int4_wgmma64_t32_us']:8.1f} "
               f"{r.get('int4_wgmma_best_us', nan):8.1f} "

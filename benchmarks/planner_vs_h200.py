@@ -149,19 +149,13 @@ def fit_overlap_and_fixed(entries: list[dict]) -> tuple[float, float, float]:
 
 def int4_measured_us(row: dict, dims: MoEDims, local: int) -> float | None:
     """The measured time of the INT4 path the backend takes now at the row's size (``None``: not timed in the
-    run, e.g. 16-row blocks before they existed)."""
+    run). For the MMA path, ``int4_mma`` is the default tiles of the run that wrote the row (``moe_layer.py``)."""
     import torch
 
     from epmoe.experts.triton.int4 import int4_path
-    from epmoe.experts.triton.w4a16_mma import default_mma_config
 
     pairs = row["tokens"] * dims.top_k * local // dims.num_experts  # the pairs an EP rank's tokens route
-    path = int4_path(pairs, torch.bfloat16, local, hopper=True)
-    if path in ("decode", "wgmma"):
-        return row.get(f"int4_{path}_us")
-    if path != "mma":
-        return row.get(f"int4_{path}_us")
-    return row.get("int4_mma16_us" if default_mma_config(32, pairs, local).block_m == 16 else "int4_mma_us")
+    return row.get(f"int4_{int4_path(pairs, torch.bfloat16, local, hopper=True)}_us")
 
 
 def compare_int4(results: dict, hw: HardwareProfile) -> list[dict]:

@@ -290,18 +290,16 @@ def test_int4_path_choice():
 def test_int4_mma_block_rows_choice():
     from epmoe.experts.triton.w4a16_mma import default_mma_config
 
-    # 8-row blocks below 16 pairs a slot (decode, small batches over many experts), 16-row blocks from there on
-    assert default_mma_config(32, 8, 384).block_m == 8
-    assert default_mma_config(32, 2048, 384).block_m == 8
-    assert default_mma_config(32, 6144, 384).block_m == 16
-    assert default_mma_config(32, 768, 48).block_m == 16
+    # 16-row blocks at every size (8-row sub-blocks: a slot with at most 8 pairs issues one MMA a widened register)
+    for pairs, slots in ((8, 384), (2048, 384), (6144, 384), (768, 48)):
+        assert default_mma_config(32, pairs, slots).block_m == 16
     # steps of at least half a group
     assert default_mma_config(128, 8, 384).block_kw1 == 64
-    # registers capped for one-token steps and shards' 8-row blocks only
+    # registers capped for one-token steps and shards only
     assert default_mma_config(32, 8, 384).maxnreg == 168
     assert default_mma_config(32, 64, 384).maxnreg is None
     assert default_mma_config(32, 512, 48).maxnreg == 168
-    assert default_mma_config(32, 768, 48).maxnreg is None
+    assert default_mma_config(32, 768, 48).maxnreg == 168
 
 
 @pytest.mark.interpret
@@ -320,8 +318,9 @@ def test_int4_mma_refuses_bad_input():
         int4_mma_experts(x, slots, tw, q, Activation(), config=MmaConfig(64, 32, 32, 32, 4))
     with pytest.raises(ValueError, match="split_max must be a power of two, got 3"):
         int4_mma_experts(x, slots, tw, q, Activation(), config=MmaConfig(split_max=3))
-    with pytest.raises(ValueError, match="block_m must be 8, 16, 32 or 64, got 24"):
-        int4_mma_experts(x, slots, tw, q, Activation(), config=MmaConfig(block_m=24))
+    for bad in (24, 64):
+        with pytest.raises(ValueError, match=f"block_m must be 8, 16 or 32, got {bad}"):
+            int4_mma_experts(x, slots, tw, q, Activation(), config=MmaConfig(block_m=bad))
 
 
 @pytest.mark.gpu
@@ -436,11 +435,11 @@ def test_int4_mma_path_on_gpu(t, case):
     from epmoe.experts.triton.w4a16_mma import MmaConfig, int4_mma_experts
 
     group, q, act, woi, x, slots, tw, ref = _kernel_case(case, t, t + 7)
-    # the default tiles; capped registers; four warps and two 16-row tiles a warp in the down kernel; one warp; 16-
-    # and 32-row blocks
+    # the default tiles (16-row blocks); capped registers; four warps and two 16-row tiles a warp in the down kernel;
+    # one warp; 8- and 32-row blocks (at 64 tokens slots with 1-4 sub-blocks of rows)
     kw = max(16, group // 2)
     for cfg in (None, MmaConfig(block_kw1=kw, block_kw2=kw, maxnreg=168), MmaConfig(64, kw, 128, kw, 4),
-                MmaConfig(16, kw, 16, 2 * kw, 1), MmaConfig(32, kw, 32, kw, 2, block_m=16),
+                MmaConfig(16, kw, 16, 2 * kw, 1), MmaConfig(32, kw, 32, kw, 2, block_m=8),
                 MmaConfig(16, kw, 64, kw, 1, block_m=32)):
         assert _rel(int4_mma_experts(x, slots, tw, q, act, woi, cfg), ref) < 1e-2, cfg
     _assert_replay_equals_eager(lambda: int4_mma_experts(x, slots, tw, q, act, woi), x)

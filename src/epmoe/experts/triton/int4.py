@@ -756,8 +756,8 @@ def int4_experts(
 
     The path is ``int4_path(T * K, x.dtype, S, hopper)``: the decode kernels for a few pairs (each pair reads its
     expert's weights: the cost grows with the live pairs), the tensor-core kernels of ``w4a16_mma`` for bf16 (the words
-    widened into the MMA registers, one read of a slot's words per row block; ``default_mma_config`` picks the rows a
-    block from the pairs per slot), on Hopper from ``INT4_WGMMA_MIN_PAIRS_PER_SLOT`` pairs a slot those of
+    widened into the MMA registers, one read and widening of a slot's words per 16-row block, one MMA per 8 of its
+    rows), on Hopper from ``INT4_WGMMA_MIN_PAIRS_PER_SLOT`` pairs a slot those of
     ``w4a16_wgmma`` (``default_wgmma_config`` picks the rows a block), for fp16 the fused grouped kernels (``tl.dot`` on
     widened tiles), the widening path from ``INT4_DEQUANT_MIN_PAIRS`` on where that is set.
     ``N`` is ``expected_pairs`` (``ExpertBackend``), ``T * K`` when ``None`` (static: no look at the routing).

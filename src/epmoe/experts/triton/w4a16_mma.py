@@ -1,9 +1,15 @@
 """W4A16 expert compute on the tensor cores with the INT4 words widened straight into the MMA operand registers.
 
 A Gluon kernel pair (Triton's layout-explicit dialect). The product is taken transposed: weight rows are the ``M``
-side of ``mma.sync.m16n8k16`` (16 rows a warp tile), a block of ``MmaConfig.block_m`` token rows of one slot its
-``N`` side (``block_m / 8`` MMAs per widened weight register: at decode sizes 8 rows, one MMA whatever the number of
-tokens; at prefill sizes more rows share each widening).
+side of ``mma.sync.m16n8k16`` (16 rows a warp tile), the token rows of one slot its ``N`` side, 8 at a time.
+
+Row blocks and sub-blocks. The pairs are sorted by slot into blocks of ``MmaConfig.block_m`` rows (8, 16 or 32), a
+slot's last block rounded up to a multiple of 8 rows (``align`` with ``tail_rows = 8``). A program widens each word
+of its weight tile once and multiplies it with each 8-row sub-block of its block that holds rows (one MMA each); the
+MMAs and activation loads of the sub-blocks past the block's rows are not issued. So a slot with ``c`` pairs costs
+``ceil(c / block_m)`` widenings of its weights and ``ceil(c / 8)`` MMAs a widened register: a popular expert no
+longer pays one widening per 8 of its tokens. The kernels branch on the block's sub-block count once, before the
+loop over ``K`` (one straight-line loop per count).
 
 Input order. A word ``c`` of a weight row holds inputs ``8 c + j`` (``j = 0..7``, bits ``4 j``). A dot over ``K`` is
 a sum, so any order of the inputs does as long as both operands use it. A step of ``BLOCK_KW`` words is four MMAs,
@@ -24,7 +30,8 @@ Activations are read from nibble-plane copies (``nibble_planes``: input ``8 c + 
 so a thread's part of ``B_j`` is also consecutive in memory (16-byte loads) and relabelled the same way
 (``_b_operand``); the gate/up kernel writes ``h`` in that form for the down kernel.
 
-1. ``nibble_planes(x)`` and ``align_kernels.align_triton`` (pairs sorted by slot, ``block_m`` rows a block).
+1. ``nibble_planes(x)`` and ``align_kernels.align_triton`` (pairs sorted by slot, ``block_m`` rows a block, a slot's
+   last block rounded up to 8 rows).
 2. ``_gate_up_kernel``, grid ``SPLIT_MAX * NB * cdiv(F, BLOCK_N1)``: gate and up rows of a block's slot against the
    block's token rows (the next step's words and scales requested before this step's are widened), bias, routing
    weight (on the input), the gated activation; ``h`` stored per sorted position.
@@ -80,7 +87,8 @@ class MmaConfig:
         num_warps: warps per program (each owns ``block_n / num_warps`` rows).
         split_max: a (row block, column tile)'s reduction is split over up to this many programs (a power of two)
             when the launch has few row blocks; the split in use is chosen on the device from the active blocks.
-        block_m: token rows of a row block (8, 16, 32 or 64): ``block_m / 8`` MMAs share each widened register.
+        block_m: token rows of a row block (8, 16 or 32): up to ``block_m / 8`` sub-blocks of 8 rows share each
+            widened register (the module docstring).
         maxnreg: registers a thread may use at most (``None``: the compiler's choice); fewer registers let more
             programs share an SM.
     """
@@ -91,7 +99,7 @@ class MmaConfig:
     block_kw2: int = 32
     num_warps: int = 2
     split_max: int = 8
-    block_m: int = 8
+    block_m: int = 16
     maxnreg: int | None = None
 
 
@@ -220,29 +228,30 @@ def _k_range(pid_s, split, KW, BLOCK_KW: gl.constexpr, EVEN: gl.constexpr):
 
 @gluon.jit
 def _tile_ptrs(ws_ptr, p, tile, pid_s, NUM_ACC: gl.constexpr, SPLIT_MAX: gl.constexpr, BLOCK_N: gl.constexpr,
-               BLOCK_M: gl.constexpr, MMA: gl.constexpr):
-    """Pointers of accumulator ``p`` (of ``NUM_ACC``) of split ``pid_s`` of ``tile`` (row block x column tile) in the
-    partial workspace ``ws [tiles, SPLIT_MAX, NUM_ACC, BLOCK_N, BLOCK_M]`` float32."""
+               MMA: gl.constexpr):
+    """Pointers of accumulator ``p`` (of ``NUM_ACC``, each a sub-block's ``[BLOCK_N, 8]``) of split ``pid_s`` of
+    ``tile`` (row block x column tile) in the partial workspace ``ws [tiles, SPLIT_MAX, NUM_ACC, BLOCK_N, 8]``
+    float32."""
     r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-    m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
-    off = ((tile.to(gl.int64) * SPLIT_MAX + pid_s) * NUM_ACC + p) * (BLOCK_N * BLOCK_M)
-    return ws_ptr + off + r[:, None] * BLOCK_M + m[None, :]
+    m = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    off = ((tile.to(gl.int64) * SPLIT_MAX + pid_s) * NUM_ACC + p) * (BLOCK_N * 8)
+    return ws_ptr + off + r[:, None] * 8 + m[None, :]
 
 
 @gluon.jit
 def _arrive(ws_ptr, acc, p, tile, pid_s, NUM_ACC: gl.constexpr, SPLIT_MAX: gl.constexpr, BLOCK_N: gl.constexpr,
-            BLOCK_M: gl.constexpr, MMA: gl.constexpr):
+            MMA: gl.constexpr):
     """Store partial accumulator ``p`` of split ``pid_s`` of ``tile`` (see ``_tile_ptrs``)."""
-    gl.store(_tile_ptrs(ws_ptr, p, tile, pid_s, NUM_ACC, SPLIT_MAX, BLOCK_N, BLOCK_M, MMA), acc)
+    gl.store(_tile_ptrs(ws_ptr, p, tile, pid_s, NUM_ACC, SPLIT_MAX, BLOCK_N, MMA), acc)
 
 
 @gluon.jit
 def _reduced(ws_ptr, p, tile, split, NUM_ACC: gl.constexpr, SPLIT_MAX: gl.constexpr, BLOCK_N: gl.constexpr,
-             BLOCK_M: gl.constexpr, MMA: gl.constexpr):
+             MMA: gl.constexpr):
     """Accumulator ``p`` of ``tile`` summed over its ``split`` partials, in split order (reproducible)."""
-    tot = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
+    tot = gl.zeros([BLOCK_N, 8], gl.float32, layout=MMA)
     for s in range(0, split):
-        tot += gl.load(_tile_ptrs(ws_ptr, p, tile, s, NUM_ACC, SPLIT_MAX, BLOCK_N, BLOCK_M, MMA),
+        tot += gl.load(_tile_ptrs(ws_ptr, p, tile, s, NUM_ACC, SPLIT_MAX, BLOCK_N, MMA),
                        cache_modifier=".cg")
     return tot
 
@@ -305,61 +314,86 @@ def _load_inputs(ptrs, kk, k_left, EVEN: gl.constexpr):
 
 
 @gluon.jit
-def _dot_step(words, scales, v_ptrs, kk, k_left, seg, acc, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr,
-              BLOCK_M: gl.constexpr, GW: gl.constexpr, MMA: gl.constexpr, EVEN: gl.constexpr):
-    """``acc`` plus one step's product: the word and scale tiles (memory order) widened plane by plane into the A
-    operand, against the four nibble planes of the activations at ``v_ptrs + j * seg``."""
+def _b_tile(v_ptrs, kk, k_left, BLOCK_KW: gl.constexpr, EVEN: gl.constexpr, B_LAYOUT: gl.constexpr):
+    """One 8-row sub-block's B operand of a nibble plane (its activation tile at ``v_ptrs``)."""
+    return _b_operand(_load_inputs(v_ptrs, kk, k_left, EVEN), BLOCK_KW, 8, B_LAYOUT)
+
+
+@gluon.jit
+def _dot_step(words, scales, v0, v1, v2, v3, kk, k_left, seg, acc0, acc1, acc2, acc3, ACTIVE: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, GW: gl.constexpr, MMA: gl.constexpr, EVEN: gl.constexpr):
+    """The accumulators of ``ACTIVE`` 8-row sub-blocks plus one step's product: the word and scale tiles (memory order)
+    widened plane by plane into the A operand once, each plane multiplied with the nibble plane (at ``v_i + j *
+    seg``) of each sub-block. A plane's activation tiles are requested before it is widened, so that their loads
+    overlap the widening."""
     W_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
     A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     a = operand_order(words, BLOCK_N, BLOCK_KW, W_LAYOUT)
     sw = operand_order(scales_per_word(scales, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
     for j in gl.static_range(4):
-        b = _b_operand(_load_inputs(v_ptrs + j * seg, kk, k_left, EVEN), BLOCK_KW, BLOCK_M, B_LAYOUT)
-        acc = mma_v2(widened_plane(a, sw, j, BLOCK_N, BLOCK_KW, A_LAYOUT), b, acc)
-    return acc
+        b0 = _b_tile(v0 + j * seg, kk, k_left, BLOCK_KW, EVEN, B_LAYOUT)
+        if ACTIVE > 1:
+            b1 = _b_tile(v1 + j * seg, kk, k_left, BLOCK_KW, EVEN, B_LAYOUT)
+        if ACTIVE > 2:
+            b2 = _b_tile(v2 + j * seg, kk, k_left, BLOCK_KW, EVEN, B_LAYOUT)
+        if ACTIVE > 3:
+            b3 = _b_tile(v3 + j * seg, kk, k_left, BLOCK_KW, EVEN, B_LAYOUT)
+        aj = widened_plane(a, sw, j, BLOCK_N, BLOCK_KW, A_LAYOUT)
+        acc0 = mma_v2(aj, b0, acc0)
+        if ACTIVE > 1:
+            acc1 = mma_v2(aj, b1, acc1)
+        if ACTIVE > 2:
+            acc2 = mma_v2(aj, b2, acc2)
+        if ACTIVE > 3:
+            acc3 = mma_v2(aj, b3, acc3)
+    return acc0, acc1, acc2, acc3
 
 
 @gluon.jit
-def _gate_up_kernel(
-    xq_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, block_slot_ptr, block_start_ptr, ws_ptr, count_ptr,
-    num_pairs, num_blocks, top_k, D, F, seg_x, seg_h, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
-    act_limit, act_alpha, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, BLOCK_M: gl.constexpr, GW: gl.constexpr,
-    ACT: gl.constexpr, HAS_BIAS: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr, NUM_WARPS: gl.constexpr,
-    EVEN: gl.constexpr, NB_PAD: gl.constexpr, SPLIT_MAX: gl.constexpr, TARGET: gl.constexpr,
-):
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
-    X_MEM: gl.constexpr = _plane_layout(BLOCK_KW, BLOCK_M, NUM_WARPS)
-    num_n = gl.cdiv(F, BLOCK_N)
-    pid_m, pid_n, pid_s = _program_ids(num_n, SPLIT_MAX)
-    slot = gl.load(block_slot_ptr + pid_m).to(gl.int64)
-    if slot < 0:
-        return
-    split = _split(block_slot_ptr, num_blocks, num_n, NB_PAD, SPLIT_MAX, TARGET)
-    if pid_s >= split:
-        return
-    first = gl.load(block_start_ptr + pid_m)
-    DW = D // 8
-    begin, end = _k_range(pid_s, split, DW, BLOCK_KW, EVEN)
-    # B: the block's token rows of the nibble planes of x (a padding row reads token 0: its column of the product
-    # is never stored)
-    pair_b, valid_b = block_rows(sorted_ptr, first, num_pairs, BLOCK_M, gl.SliceLayout(0, X_MEM))
-    tok_b = gl.where(valid_b, pair_b // top_k, 0).to(gl.int64)
-    kk = gl.arange(0, 2 * BLOCK_KW, layout=gl.SliceLayout(1, X_MEM))
-    x_ptrs = (xq_ptr + tok_b[None, :] * stride_x + 2 * begin) + kk[:, None]
-    # A: gate rows and up rows (F + rows) of the slot
-    w0 = _first_word(begin, DW, BLOCK_KW, EVEN)
-    wg_ptrs, sg_ptrs, rows, cols, s_rows, s_cols = weight_ptrs(
-        w_ptr + slot * stride_we + w0, s_ptr + slot * stride_se + w0 // GW, pid_n * BLOCK_N, stride_wn, stride_sn,
-        BLOCK_N, BLOCK_KW, GW, NUM_WARPS)
+def _x_ptrs(xq_ptr, sorted_ptr, pos, num_pairs, top_k, stride_x, kk, begin, LAYOUT: gl.constexpr):
+    """Pointers ``[2 BLOCK_KW, 8]`` at word ``begin`` of the nibble planes of the token rows of sorted positions
+    ``[pos, pos + 8)`` (a padding row reads token 0: its column of the product is never stored)."""
+    pair, valid = block_rows(sorted_ptr, pos, num_pairs, 8, gl.SliceLayout(0, LAYOUT))
+    tok = gl.where(valid, pair // top_k, 0).to(gl.int64)
+    return (xq_ptr + tok[None, :] * stride_x + 2 * begin) + kk[:, None]
+
+
+@gluon.jit
+def _pick(a0, a1, a2, a3, i: gl.constexpr):
+    """Accumulator ``i`` of four."""
+    if i == 0:
+        return a0
+    elif i == 1:
+        return a1
+    elif i == 2:
+        return a2
+    else:
+        return a3
+
+
+@gluon.jit
+def _gate_up_loop(x0, x1, x2, x3, kk, seg_x, wg_ptrs, sg_ptrs, rows, cols, s_rows, s_cols, F, stride_wn, stride_sn,
+                  begin, end, DW, ACTIVE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr,
+                  GW: gl.constexpr, MMA: gl.constexpr, EVEN: gl.constexpr):
+    """The gate and up accumulators of ``ACTIVE`` sub-blocks (token rows at ``x_i``) over words ``[begin, end)`` of
+    the gate rows at ``wg_ptrs`` (the up rows ``F`` rows further). One loop per ``ACTIVE``, the kernel branching on
+    the count once: with a branch per plane, the compiler hoisted the planes' widening out of the branches and held
+    all four planes in registers."""
     wu_ptrs = wg_ptrs + F * stride_wn
     su_ptrs = sg_ptrs + F * stride_sn
     wg = load_tile(wg_ptrs, rows, F, cols, end - begin, EVEN)
     wu = load_tile(wu_ptrs, rows, F, cols, end - begin, EVEN)
     sg = load_tile(sg_ptrs, s_rows, F, s_cols, end - begin, EVEN)
     su = load_tile(su_ptrs, s_rows, F, s_cols, end - begin, EVEN)
-    acc_g = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
-    acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
+    g0 = gl.zeros([BLOCK_N, 8], gl.float32, layout=MMA)
+    g1 = g0
+    g2 = g0
+    g3 = g0
+    u0 = g0
+    u1 = g0
+    u2 = g0
+    u3 = g0
     for kw0 in range(begin, end, BLOCK_KW):
         # the next step's words and scales requested before this step's are widened (the last step's own again)
         step = gl.where(kw0 + BLOCK_KW < end, BLOCK_KW, 0)
@@ -372,39 +406,155 @@ def _gate_up_kernel(
         wu_next = load_tile(wu_ptrs, rows, F, cols, left, EVEN)
         sg_next = load_tile(sg_ptrs, s_rows, F, s_cols, left, EVEN)
         su_next = load_tile(su_ptrs, s_rows, F, s_cols, left, EVEN)
-        acc_g = _dot_step(wg, sg, x_ptrs, kk, 2 * (DW - kw0), seg_x, acc_g, BLOCK_N, BLOCK_KW, BLOCK_M, GW, MMA, EVEN)
-        acc_u = _dot_step(wu, su, x_ptrs, kk, 2 * (DW - kw0), seg_x, acc_u, BLOCK_N, BLOCK_KW, BLOCK_M, GW, MMA, EVEN)
-        x_ptrs += 2 * BLOCK_KW
+        k_left = 2 * (DW - kw0)
+        g0, g1, g2, g3 = _dot_step(wg, sg, x0, x1, x2, x3, kk, k_left, seg_x, g0, g1, g2, g3, ACTIVE, BLOCK_N,
+                                   BLOCK_KW, GW, MMA, EVEN)
+        u0, u1, u2, u3 = _dot_step(wu, su, x0, x1, x2, x3, kk, k_left, seg_x, u0, u1, u2, u3, ACTIVE, BLOCK_N,
+                                   BLOCK_KW, GW, MMA, EVEN)
+        x0 += 2 * BLOCK_KW
+        if ACTIVE > 1:
+            x1 += 2 * BLOCK_KW
+        if ACTIVE > 2:
+            x2 += 2 * BLOCK_KW
+        if ACTIVE > 3:
+            x3 += 2 * BLOCK_KW
         wg = wg_next
         wu = wu_next
         sg = sg_next
         su = su_next
+    return g0, g1, g2, g3, u0, u1, u2, u3
+
+
+@gluon.jit
+def _gate_up_kernel(
+    xq_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, block_slot_ptr, block_start_ptr, block_rows_ptr, ws_ptr,
+    count_ptr, num_pairs, num_blocks, top_k, D, F, seg_x, seg_h, stride_x, stride_we, stride_wn, stride_se, stride_sn,
+    stride_h, act_limit, act_alpha, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, NSUB: gl.constexpr,
+    GW: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr,
+    NUM_WARPS: gl.constexpr, EVEN: gl.constexpr, NB_PAD: gl.constexpr, SPLIT_MAX: gl.constexpr, TARGET: gl.constexpr,
+):
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
+    X_MEM: gl.constexpr = _plane_layout(BLOCK_KW, 8, NUM_WARPS)
+    num_n = gl.cdiv(F, BLOCK_N)
+    pid_m, pid_n, pid_s = _program_ids(num_n, SPLIT_MAX)
+    slot = gl.load(block_slot_ptr + pid_m).to(gl.int64)
+    if slot < 0:
+        return
+    split = _split(block_slot_ptr, num_blocks, num_n, NB_PAD, SPLIT_MAX, TARGET)
+    if pid_s >= split:
+        return
+    first = gl.load(block_start_ptr + pid_m)
+    nsub = gl.load(block_rows_ptr + pid_m) // 8  # the block's 8-row sub-blocks that hold rows
+    DW = D // 8
+    begin, end = _k_range(pid_s, split, DW, BLOCK_KW, EVEN)
+    # B: each sub-block's token rows of the nibble planes of x (a sub-block past the block's rows is never read)
+    kk = gl.arange(0, 2 * BLOCK_KW, layout=gl.SliceLayout(1, X_MEM))
+    x0 = _x_ptrs(xq_ptr, sorted_ptr, first, num_pairs, top_k, stride_x, kk, begin, X_MEM)
+    x1 = x0
+    x2 = x0
+    x3 = x0
+    if NSUB > 1:
+        x1 = _x_ptrs(xq_ptr, sorted_ptr, first + 8, num_pairs, top_k, stride_x, kk, begin, X_MEM)
+    if NSUB > 2:
+        x2 = _x_ptrs(xq_ptr, sorted_ptr, first + 16, num_pairs, top_k, stride_x, kk, begin, X_MEM)
+        x3 = _x_ptrs(xq_ptr, sorted_ptr, first + 24, num_pairs, top_k, stride_x, kk, begin, X_MEM)
+    # A: gate rows and up rows (F + rows) of the slot
+    w0 = _first_word(begin, DW, BLOCK_KW, EVEN)
+    wg_ptrs, sg_ptrs, rows, cols, s_rows, s_cols = weight_ptrs(
+        w_ptr + slot * stride_we + w0, s_ptr + slot * stride_se + w0 // GW, pid_n * BLOCK_N, stride_wn, stride_sn,
+        BLOCK_N, BLOCK_KW, GW, NUM_WARPS)
+    if NSUB == 1:
+        g0, g1, g2, g3, u0, u1, u2, u3 = _gate_up_loop(
+            x0, x1, x2, x3, kk, seg_x, wg_ptrs, sg_ptrs, rows, cols, s_rows, s_cols, F, stride_wn, stride_sn, begin,
+            end, DW, 1, BLOCK_N, BLOCK_KW, GW, MMA, EVEN)
+    elif NSUB == 2:
+        if nsub > 1:
+            g0, g1, g2, g3, u0, u1, u2, u3 = _gate_up_loop(
+                x0, x1, x2, x3, kk, seg_x, wg_ptrs, sg_ptrs, rows, cols, s_rows, s_cols, F, stride_wn, stride_sn,
+                begin, end, DW, 2, BLOCK_N, BLOCK_KW, GW, MMA, EVEN)
+        else:
+            g0, g1, g2, g3, u0, u1, u2, u3 = _gate_up_loop(
+                x0, x1, x2, x3, kk, seg_x, wg_ptrs, sg_ptrs, rows, cols, s_rows, s_cols, F, stride_wn, stride_sn,
+                begin, end, DW, 1, BLOCK_N, BLOCK_KW, GW, MMA, EVEN)
+    else:
+        if nsub > 3:
+            g0, g1, g2, g3, u0, u1, u2, u3 = _gate_up_loop(
+                x0, x1, x2, x3, kk, seg_x, wg_ptrs, sg_ptrs, rows, cols, s_rows, s_cols, F, stride_wn, stride_sn,
+                begin, end, DW, 4, BLOCK_N, BLOCK_KW, GW, MMA, EVEN)
+        elif nsub > 2:
+            g0, g1, g2, g3, u0, u1, u2, u3 = _gate_up_loop(
+                x0, x1, x2, x3, kk, seg_x, wg_ptrs, sg_ptrs, rows, cols, s_rows, s_cols, F, stride_wn, stride_sn,
+                begin, end, DW, 3, BLOCK_N, BLOCK_KW, GW, MMA, EVEN)
+        elif nsub > 1:
+            g0, g1, g2, g3, u0, u1, u2, u3 = _gate_up_loop(
+                x0, x1, x2, x3, kk, seg_x, wg_ptrs, sg_ptrs, rows, cols, s_rows, s_cols, F, stride_wn, stride_sn,
+                begin, end, DW, 2, BLOCK_N, BLOCK_KW, GW, MMA, EVEN)
+        else:
+            g0, g1, g2, g3, u0, u1, u2, u3 = _gate_up_loop(
+                x0, x1, x2, x3, kk, seg_x, wg_ptrs, sg_ptrs, rows, cols, s_rows, s_cols, F, stride_wn, stride_sn,
+                begin, end, DW, 1, BLOCK_N, BLOCK_KW, GW, MMA, EVEN)
     last = True
     if SPLIT_MAX > 1:
         if split > 1:
             tile = pid_m * num_n + pid_n
-            _arrive(ws_ptr, acc_g, 0, tile, pid_s, 2, SPLIT_MAX, BLOCK_N, BLOCK_M, MMA)
-            _arrive(ws_ptr, acc_u, 1, tile, pid_s, 2, SPLIT_MAX, BLOCK_N, BLOCK_M, MMA)
+            for i in gl.static_range(NSUB):
+                if i < nsub:
+                    _arrive(ws_ptr, _pick(g0, g1, g2, g3, i), 2 * i, tile, pid_s, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
+                    _arrive(ws_ptr, _pick(u0, u1, u2, u3, i), 2 * i + 1, tile, pid_s, 2 * NSUB, SPLIT_MAX, BLOCK_N,
+                            MMA)
             last = _is_last(count_ptr, tile, split)
             if last:
-                acc_g = _reduced(ws_ptr, 0, tile, split, 2, SPLIT_MAX, BLOCK_N, BLOCK_M, MMA)
-                acc_u = _reduced(ws_ptr, 1, tile, split, 2, SPLIT_MAX, BLOCK_N, BLOCK_M, MMA)
+                g0 = _reduced(ws_ptr, 0, tile, split, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
+                u0 = _reduced(ws_ptr, 1, tile, split, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
+                if NSUB > 1:
+                    if nsub > 1:
+                        g1 = _reduced(ws_ptr, 2, tile, split, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
+                        u1 = _reduced(ws_ptr, 3, tile, split, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
+                if NSUB > 2:
+                    if nsub > 2:
+                        g2 = _reduced(ws_ptr, 4, tile, split, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
+                        u2 = _reduced(ws_ptr, 5, tile, split, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
+                    if nsub > 3:
+                        g3 = _reduced(ws_ptr, 6, tile, split, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
+                        u3 = _reduced(ws_ptr, 7, tile, split, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
     if last:
-        # epilogue in the accumulator layout: rows f of F, columns the block's token rows
-        pair_c, valid_c = block_rows(sorted_ptr, first, num_pairs, BLOCK_M, gl.SliceLayout(0, MMA))
-        f = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-        f_ok = f < F
-        if WEIGHT_ON_INPUT:
-            tw = gl.load(tw_ptr + pair_c, mask=valid_c, other=0.0)
-            acc_g *= tw[None, :]
-            acc_u *= tw[None, :]
-        if HAS_BIAS:
-            acc_g += gl.load(b_ptr + slot * 2 * F + f, mask=f_ok, other=0.0).to(gl.float32)[:, None]
-            acc_u += gl.load(b_ptr + slot * 2 * F + F + f, mask=f_ok, other=0.0).to(gl.float32)[:, None]
-        h = gated_activation(acc_g, acc_u, act_limit, act_alpha, ACT)
-        m_c = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
-        h_ptrs = h_ptr + (first + m_c).to(gl.int64)[None, :] * stride_h + _plane_position(f, seg_h)[:, None]
-        gl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=f_ok[:, None] & valid_c[None, :])
+        for i in gl.static_range(NSUB):
+            if i < nsub:
+                _gate_up_epilogue(_pick(g0, g1, g2, g3, i), _pick(u0, u1, u2, u3, i), b_ptr, tw_ptr, h_ptr,
+                                  sorted_ptr, first + 8 * i, num_pairs, slot, pid_n, F, seg_h, stride_h, act_limit,
+                                  act_alpha, BLOCK_N, MMA, ACT, HAS_BIAS, WEIGHT_ON_INPUT)
+
+
+@gluon.jit
+def gated_rows(acc_g, acc_u, b_ptr, tw_ptr, sorted_ptr, slot, pos, pid_n, num_pairs, F, act_limit, act_alpha,
+               BLOCK_N: gl.constexpr, ROWS: gl.constexpr, MMA: gl.constexpr, ACT: gl.constexpr,
+               HAS_BIAS: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr):
+    """The gate/up epilogue of sorted positions ``[pos, pos + ROWS)`` (accumulators ``[BLOCK_N, ROWS]`` float32 in
+    ``MMA``: rows ``f`` of ``F`` by token rows): routing weight (on the input), bias and the gated activation. Returns
+    ``h`` float32, ``f`` and the mask of its real entries (``f < F``, real pairs)."""
+    pair_c, valid_c = block_rows(sorted_ptr, pos, num_pairs, ROWS, gl.SliceLayout(0, MMA))
+    f = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    f_ok = f < F
+    if WEIGHT_ON_INPUT:
+        tw = gl.load(tw_ptr + pair_c, mask=valid_c, other=0.0)
+        acc_g *= tw[None, :]
+        acc_u *= tw[None, :]
+    if HAS_BIAS:
+        acc_g += gl.load(b_ptr + slot * 2 * F + f, mask=f_ok, other=0.0).to(gl.float32)[:, None]
+        acc_u += gl.load(b_ptr + slot * 2 * F + F + f, mask=f_ok, other=0.0).to(gl.float32)[:, None]
+    return gated_activation(acc_g, acc_u, act_limit, act_alpha, ACT), f, f_ok[:, None] & valid_c[None, :]
+
+
+@gluon.jit
+def _gate_up_epilogue(acc_g, acc_u, b_ptr, tw_ptr, h_ptr, sorted_ptr, pos, num_pairs, slot, pid_n, F, seg_h,
+                      stride_h, act_limit, act_alpha, BLOCK_N: gl.constexpr, MMA: gl.constexpr, ACT: gl.constexpr,
+                      HAS_BIAS: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr):
+    """``gated_rows`` of the sub-block of sorted positions ``[pos, pos + 8)``, ``h`` stored in nibble-plane form."""
+    h, f, ok = gated_rows(acc_g, acc_u, b_ptr, tw_ptr, sorted_ptr, slot, pos, pid_n, num_pairs, F, act_limit,
+                          act_alpha, BLOCK_N, 8, MMA, ACT, HAS_BIAS, WEIGHT_ON_INPUT)
+    m_c = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    h_ptrs = h_ptr + (pos + m_c).to(gl.int64)[None, :] * stride_h + _plane_position(f, seg_h)[:, None]
+    gl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=ok)
 
 
 @gluon.jit
@@ -415,15 +565,42 @@ def _plane_position(n, seg):
 
 
 @gluon.jit
+def _down_loop(h0, stride_h, kk, seg_h, w_ptrs, s_ptrs, rows, cols, s_rows, s_cols, D, begin, end, FW,
+               ACTIVE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, GW: gl.constexpr,
+               MMA: gl.constexpr, EVEN: gl.constexpr):
+    """The accumulators of ``ACTIVE`` sub-blocks (``h`` rows at ``h0``, each next sub-block 8 rows further) over
+    words ``[begin, end)`` of the ``w2`` rows at ``w_ptrs`` (one loop per count, as ``_gate_up_loop``)."""
+    w = load_tile(w_ptrs, rows, D, cols, end - begin, EVEN)
+    sc = load_tile(s_ptrs, s_rows, D, s_cols, end - begin, EVEN)
+    a0 = gl.zeros([BLOCK_N, 8], gl.float32, layout=MMA)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    for kw0 in range(begin, end, BLOCK_KW):
+        step = gl.where(kw0 + BLOCK_KW < end, BLOCK_KW, 0)
+        w_ptrs += step
+        s_ptrs += step // GW
+        left = end - kw0 - step
+        w_next = load_tile(w_ptrs, rows, D, cols, left, EVEN)
+        sc_next = load_tile(s_ptrs, s_rows, D, s_cols, left, EVEN)
+        a0, a1, a2, a3 = _dot_step(w, sc, h0, h0 + 8 * stride_h, h0 + 16 * stride_h, h0 + 24 * stride_h, kk,
+                                   2 * (FW - kw0), seg_h, a0, a1, a2, a3, ACTIVE, BLOCK_N, BLOCK_KW, GW, MMA, EVEN)
+        h0 += 2 * BLOCK_KW
+        w = w_next
+        sc = sc_next
+    return a0, a1, a2, a3
+
+
+@gluon.jit
 def _down_kernel(
-    h_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, block_slot_ptr, block_start_ptr, ws_ptr, count_ptr,
-    num_pairs, num_blocks, D, F, seg_h, stride_we, stride_wn, stride_se, stride_sn, stride_h,
-    BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, BLOCK_M: gl.constexpr, GW: gl.constexpr,
-    HAS_BIAS: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr, NUM_WARPS: gl.constexpr, EVEN: gl.constexpr,
-    NB_PAD: gl.constexpr, SPLIT_MAX: gl.constexpr, TARGET: gl.constexpr,
+    h_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, block_slot_ptr, block_start_ptr, block_rows_ptr, ws_ptr,
+    count_ptr, num_pairs, num_blocks, D, F, seg_h, stride_we, stride_wn, stride_se, stride_sn, stride_h,
+    BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, NSUB: gl.constexpr, GW: gl.constexpr, HAS_BIAS: gl.constexpr,
+    WEIGHT_ON_INPUT: gl.constexpr, NUM_WARPS: gl.constexpr, EVEN: gl.constexpr, NB_PAD: gl.constexpr,
+    SPLIT_MAX: gl.constexpr, TARGET: gl.constexpr,
 ):
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
-    H_MEM: gl.constexpr = _plane_layout(BLOCK_KW, BLOCK_M, NUM_WARPS)
+    H_MEM: gl.constexpr = _plane_layout(BLOCK_KW, 8, NUM_WARPS)
     num_n = gl.cdiv(D, BLOCK_N)
     pid_m, pid_n, pid_s = _program_ids(num_n, SPLIT_MAX)
     slot = gl.load(block_slot_ptr + pid_m).to(gl.int64)
@@ -433,76 +610,98 @@ def _down_kernel(
     if pid_s >= split:
         return
     first = gl.load(block_start_ptr + pid_m)
+    nsub = gl.load(block_rows_ptr + pid_m) // 8
     FW = F // 8
     begin, end = _k_range(pid_s, split, FW, BLOCK_KW, EVEN)
-    # B: the block's h rows (a padding row was never written: its column of the product is never stored)
+    # B: each sub-block's h rows (a padding row was never written: its column of the product is never stored)
     kk = gl.arange(0, 2 * BLOCK_KW, layout=gl.SliceLayout(1, H_MEM))
-    m_b = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, H_MEM))
-    h_ptrs = (h_ptr + (first + m_b).to(gl.int64)[None, :] * stride_h + 2 * begin) + kk[:, None]
+    m_b = gl.arange(0, 8, layout=gl.SliceLayout(0, H_MEM))
+    h0 = (h_ptr + (first + m_b).to(gl.int64)[None, :] * stride_h + 2 * begin) + kk[:, None]
     w0 = _first_word(begin, FW, BLOCK_KW, EVEN)
     w_ptrs, s_ptrs, rows, cols, s_rows, s_cols = weight_ptrs(
         w_ptr + slot * stride_we + w0, s_ptr + slot * stride_se + w0 // GW, pid_n * BLOCK_N, stride_wn, stride_sn,
         BLOCK_N, BLOCK_KW, GW, NUM_WARPS)
-    w = load_tile(w_ptrs, rows, D, cols, end - begin, EVEN)
-    sc = load_tile(s_ptrs, s_rows, D, s_cols, end - begin, EVEN)
-    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
-    for kw0 in range(begin, end, BLOCK_KW):
-        step = gl.where(kw0 + BLOCK_KW < end, BLOCK_KW, 0)
-        w_ptrs += step
-        s_ptrs += step // GW
-        left = end - kw0 - step
-        w_next = load_tile(w_ptrs, rows, D, cols, left, EVEN)
-        sc_next = load_tile(s_ptrs, s_rows, D, s_cols, left, EVEN)
-        acc = _dot_step(w, sc, h_ptrs, kk, 2 * (FW - kw0), seg_h, acc, BLOCK_N, BLOCK_KW, BLOCK_M, GW, MMA, EVEN)
-        h_ptrs += 2 * BLOCK_KW
-        w = w_next
-        sc = sc_next
+    if NSUB == 1:
+        a0, a1, a2, a3 = _down_loop(h0, stride_h, kk, seg_h, w_ptrs, s_ptrs, rows, cols, s_rows, s_cols, D, begin,
+                                    end, FW, 1, BLOCK_N, BLOCK_KW, GW, MMA, EVEN)
+    elif NSUB == 2:
+        if nsub > 1:
+            a0, a1, a2, a3 = _down_loop(h0, stride_h, kk, seg_h, w_ptrs, s_ptrs, rows, cols, s_rows, s_cols, D,
+                                        begin, end, FW, 2, BLOCK_N, BLOCK_KW, GW, MMA, EVEN)
+        else:
+            a0, a1, a2, a3 = _down_loop(h0, stride_h, kk, seg_h, w_ptrs, s_ptrs, rows, cols, s_rows, s_cols, D,
+                                        begin, end, FW, 1, BLOCK_N, BLOCK_KW, GW, MMA, EVEN)
+    else:
+        if nsub > 3:
+            a0, a1, a2, a3 = _down_loop(h0, stride_h, kk, seg_h, w_ptrs, s_ptrs, rows, cols, s_rows, s_cols, D,
+                                        begin, end, FW, 4, BLOCK_N, BLOCK_KW, GW, MMA, EVEN)
+        elif nsub > 2:
+            a0, a1, a2, a3 = _down_loop(h0, stride_h, kk, seg_h, w_ptrs, s_ptrs, rows, cols, s_rows, s_cols, D,
+                                        begin, end, FW, 3, BLOCK_N, BLOCK_KW, GW, MMA, EVEN)
+        elif nsub > 1:
+            a0, a1, a2, a3 = _down_loop(h0, stride_h, kk, seg_h, w_ptrs, s_ptrs, rows, cols, s_rows, s_cols, D,
+                                        begin, end, FW, 2, BLOCK_N, BLOCK_KW, GW, MMA, EVEN)
+        else:
+            a0, a1, a2, a3 = _down_loop(h0, stride_h, kk, seg_h, w_ptrs, s_ptrs, rows, cols, s_rows, s_cols, D,
+                                        begin, end, FW, 1, BLOCK_N, BLOCK_KW, GW, MMA, EVEN)
     last = True
     if SPLIT_MAX > 1:
         if split > 1:
             tile = pid_m * num_n + pid_n
-            _arrive(ws_ptr, acc, 0, tile, pid_s, 1, SPLIT_MAX, BLOCK_N, BLOCK_M, MMA)
+            for i in gl.static_range(NSUB):
+                if i < nsub:
+                    _arrive(ws_ptr, _pick(a0, a1, a2, a3, i), i, tile, pid_s, NSUB, SPLIT_MAX, BLOCK_N, MMA)
             last = _is_last(count_ptr, tile, split)
             if last:
-                acc = _reduced(ws_ptr, 0, tile, split, 1, SPLIT_MAX, BLOCK_N, BLOCK_M, MMA)
+                a0 = _reduced(ws_ptr, 0, tile, split, NSUB, SPLIT_MAX, BLOCK_N, MMA)
+                if NSUB > 1:
+                    if nsub > 1:
+                        a1 = _reduced(ws_ptr, 1, tile, split, NSUB, SPLIT_MAX, BLOCK_N, MMA)
+                if NSUB > 2:
+                    if nsub > 2:
+                        a2 = _reduced(ws_ptr, 2, tile, split, NSUB, SPLIT_MAX, BLOCK_N, MMA)
+                    if nsub > 3:
+                        a3 = _reduced(ws_ptr, 3, tile, split, NSUB, SPLIT_MAX, BLOCK_N, MMA)
     if last:
-        pair_c, valid_c = block_rows(sorted_ptr, first, num_pairs, BLOCK_M, gl.SliceLayout(0, MMA))
-        d = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-        d_ok = d < D
-        if HAS_BIAS:
-            acc += gl.load(b_ptr + slot * D + d, mask=d_ok, other=0.0).to(gl.float32)[:, None]
-        if not WEIGHT_ON_INPUT:
-            acc *= gl.load(tw_ptr + pair_c, mask=valid_c, other=0.0)[None, :]
-        y_ptrs = y_ptr + pair_c.to(gl.int64)[None, :] * D + d[:, None]
-        gl.store(y_ptrs, acc, mask=d_ok[:, None] & valid_c[None, :])
+        for i in gl.static_range(NSUB):
+            if i < nsub:
+                _down_epilogue(_pick(a0, a1, a2, a3, i), b_ptr, tw_ptr, y_ptr, sorted_ptr, first + 8 * i, num_pairs,
+                               slot, pid_n, D, BLOCK_N, MMA, HAS_BIAS, WEIGHT_ON_INPUT)
 
 
-MMA_BLOCK16_MIN_PAIRS_PER_SLOT = 16
-"""``default_mma_config`` takes 16-row blocks (each widened register feeding two MMAs) from this many ``(token, k)``
-pairs per local slot on average, 8-row blocks below (fewer padding rows). Set from the H200 run of
-``benchmarks/moe_layer.py --cases kimi_int4,kimi_full_int4`` (column ``int4_mma16`` against ``int4_mma``; 32-row
-blocks, ``int4_mma32``, were slower at every size)."""
+@gluon.jit
+def _down_epilogue(acc, b_ptr, tw_ptr, y_ptr, sorted_ptr, pos, num_pairs, slot, pid_n, D, BLOCK_N: gl.constexpr,
+                   MMA: gl.constexpr, HAS_BIAS: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr):
+    """Bias, routing weight (on the output) and ``y [N, D]`` float32 at each pair's row, for the sub-block of sorted
+    positions ``[pos, pos + 8)``."""
+    pair_c, valid_c = block_rows(sorted_ptr, pos, num_pairs, 8, gl.SliceLayout(0, MMA))
+    d = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    d_ok = d < D
+    if HAS_BIAS:
+        acc += gl.load(b_ptr + slot * D + d, mask=d_ok, other=0.0).to(gl.float32)[:, None]
+    if not WEIGHT_ON_INPUT:
+        acc *= gl.load(tw_ptr + pair_c, mask=valid_c, other=0.0)[None, :]
+    y_ptrs = y_ptr + pair_c.to(gl.int64)[None, :] * D + d[:, None]
+    gl.store(y_ptrs, acc, mask=d_ok[:, None] & valid_c[None, :])
 
 
 MMA_FEW_REGS = 168
-"""Registers a thread of the 8-row-block kernels may use for one-token steps and expert-parallel shards (at most
+"""Registers a thread of the kernels may use for one-token steps and expert-parallel shards (at most
 ``MMA_FEW_REGS_MAX_SLOTS`` local slots): the compiler's own choice allows two warps per SM sub-partition, 168 three,
 so that more weight loads are in flight when few row blocks are active. Set from an H200 sweep of Kimi-K2.5 shapes
 (``benchmarks/int4_mma_configs.py``, ``benchmarks/results/int4_mma_configs_h200.txt``): faster with the cap in those
 cases, slower for 8 and 64 tokens over 384 local experts, which keep the compiler's choice."""
 
 MMA_FEW_REGS_MAX_SLOTS = 64
-"""Local slots up to which ``default_mma_config`` caps the registers (``MMA_FEW_REGS``) at every 8-row size."""
+"""Local slots up to which ``default_mma_config`` caps the registers (``MMA_FEW_REGS``) at every size."""
 
 
 def default_mma_config(group_size: int, num_pairs: int = 0, num_slots: int = 1) -> MmaConfig:
-    """``MmaConfig()`` with steps of at least half a group (``block_kw >= G / 2``) and, for ``num_pairs`` pairs over
-    ``num_slots`` local slots, 16-row blocks from ``MMA_BLOCK16_MIN_PAIRS_PER_SLOT`` pairs a slot on; 8-row blocks
-    of a one-token step (at most 8 pairs, ``num_pairs`` 0: unknown, not capped) or of a shard of up to
-    ``MMA_FEW_REGS_MAX_SLOTS`` slots capped at ``MMA_FEW_REGS`` registers."""
+    """``MmaConfig()`` (16-row blocks) with steps of at least half a group (``block_kw >= G / 2``) and, for
+    ``num_pairs`` pairs over ``num_slots`` local slots, the registers of a one-token step (at most 8 pairs;
+    ``num_pairs`` 0: unknown, not capped) or of a shard of up to ``MMA_FEW_REGS_MAX_SLOTS`` slots capped at
+    ``MMA_FEW_REGS``."""
     kw = max(MmaConfig.block_kw1, group_size // 2)
-    if num_pairs >= MMA_BLOCK16_MIN_PAIRS_PER_SLOT * max(num_slots, 1):
-        return MmaConfig(block_kw1=kw, block_kw2=kw, block_m=16)
     few = 0 < num_pairs <= 8 or num_slots <= MMA_FEW_REGS_MAX_SLOTS
     return MmaConfig(block_kw1=kw, block_kw2=kw, maxnreg=MMA_FEW_REGS if few else None)
 
@@ -528,8 +727,8 @@ def _check(cfg: MmaConfig, group_size: int) -> None:
         if v % (16 * cfg.num_warps) or v & (v - 1):
             raise ValueError(f"MmaConfig.{name} must be a power of two and a multiple of 16 * num_warps "
                              f"({16 * cfg.num_warps}), got {v}")
-    if cfg.block_m not in (8, 16, 32, 64):
-        raise ValueError(f"MmaConfig.block_m must be 8, 16, 32 or 64, got {cfg.block_m}")
+    if cfg.block_m not in (8, 16, 32):
+        raise ValueError(f"MmaConfig.block_m must be 8, 16 or 32, got {cfg.block_m}")
     if cfg.split_max < 1 or cfg.split_max & (cfg.split_max - 1):
         raise ValueError(f"MmaConfig.split_max must be a power of two, got {cfg.split_max}")
     for name in ("block_kw1", "block_kw2"):
@@ -582,7 +781,7 @@ def int4_mma_experts(
     w13, s13, w2, s2 = weights.w13_packed, weights.w13_scale, weights.w2_packed, weights.w2_scale
     xq = nibble_planes(x)
     bm = cfg.block_m
-    aln = align_triton(topk_slots, s, bm)
+    aln = align_triton(topk_slots, s, bm, tail_rows=8)
     nb = aln.block_slot.shape[0]
     seg_h = plane_segment(f)
     h = torch.empty(nb * bm, 4 * seg_h, dtype=x.dtype, device=x.device)
@@ -599,19 +798,19 @@ def int4_mma_experts(
     nb_pad = triton.next_power_of_2(nb)
     _gate_up_kernel[(nb * n1 * split1,)](
         xq, w13, s13, weights.b13 if weights.b13 is not None else placeholder, topk_weights, h, aln.sorted_pair_ids,
-        aln.block_slot, aln.block_start, ws1, count1, n, nb, k, d, f, plane_segment(d), seg_h, xq.stride(0),
-        w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0), float(limit),
+        aln.block_slot, aln.block_start, aln.block_rows, ws1, count1, n, nb, k, d, f, plane_segment(d), seg_h,
+        xq.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0), float(limit),
         float(activation.swiglu_alpha),
-        BLOCK_N=cfg.block_n1, BLOCK_KW=cfg.block_kw1, BLOCK_M=bm, GW=gw, ACT=act_code(activation),
+        BLOCK_N=cfg.block_n1, BLOCK_KW=cfg.block_kw1, NSUB=bm // 8, GW=gw, ACT=act_code(activation),
         HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input, NUM_WARPS=cfg.num_warps,
         EVEN=(d // INT4_PACK) % cfg.block_kw1 == 0 and f % cfg.block_n1 == 0, NB_PAD=nb_pad, SPLIT_MAX=split1,
         TARGET=target, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
     _down_kernel[(nb * n2 * split2,)](
         h, w2, s2, weights.b2 if weights.b2 is not None else placeholder, topk_weights, y, aln.sorted_pair_ids,
-        aln.block_slot, aln.block_start, ws2, count2, n, nb, d, f, seg_h,
+        aln.block_slot, aln.block_start, aln.block_rows, ws2, count2, n, nb, d, f, seg_h,
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), h.stride(0),
-        BLOCK_N=cfg.block_n2, BLOCK_KW=cfg.block_kw2, BLOCK_M=bm, GW=gw, HAS_BIAS=weights.b2 is not None,
+        BLOCK_N=cfg.block_n2, BLOCK_KW=cfg.block_kw2, NSUB=bm // 8, GW=gw, HAS_BIAS=weights.b2 is not None,
         WEIGHT_ON_INPUT=weight_on_input, NUM_WARPS=cfg.num_warps,
         EVEN=(f // INT4_PACK) % cfg.block_kw2 == 0 and d % cfg.block_n2 == 0, NB_PAD=nb_pad, SPLIT_MAX=split2,
         TARGET=target, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,

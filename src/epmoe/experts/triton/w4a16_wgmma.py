@@ -66,10 +66,10 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
 from epmoe.experts.triton.align_kernels import align_triton
-from epmoe.experts.triton.decode import gated_activation
 from epmoe.experts.triton.grouped import act_code, sum_pairs_kernel
 from epmoe.experts.triton.w4a16_mma import (
     block_rows,
+    gated_rows,
     load_tile,
     operand_order,
     scales_per_word,
@@ -375,20 +375,11 @@ def _gate_up_store(acc_g, acc_u, h_ptr, b_ptr, tw_ptr, sorted_ptr, slot, pos, pi
     the token rows): routing weight (on the input), bias, the gated activation, ``h`` stored in the down kernel's
     operand order."""
     MMA: gl.constexpr = _mma_layout(ROWS, NUM_WARPS)
-    pair_c, valid_c = block_rows(sorted_ptr, pos, num_pairs, ROWS, gl.SliceLayout(0, MMA))
-    f = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-    f_ok = f < F
-    if WEIGHT_ON_INPUT:
-        tw = gl.load(tw_ptr + pair_c, mask=valid_c, other=0.0)
-        acc_g *= tw[None, :]
-        acc_u *= tw[None, :]
-    if HAS_BIAS:
-        acc_g += gl.load(b_ptr + slot * 2 * F + f, mask=f_ok, other=0.0).to(gl.float32)[:, None]
-        acc_u += gl.load(b_ptr + slot * 2 * F + F + f, mask=f_ok, other=0.0).to(gl.float32)[:, None]
-    h = gated_activation(acc_g, acc_u, act_limit, act_alpha, ACT)
+    h, f, ok = gated_rows(acc_g, acc_u, b_ptr, tw_ptr, sorted_ptr, slot, pos, pid_n, num_pairs, F, act_limit,
+                          act_alpha, BLOCK_N, ROWS, MMA, ACT, HAS_BIAS, WEIGHT_ON_INPUT)
     m_c = gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
     h_ptrs = h_ptr + (pos + m_c).to(gl.int64)[None, :] * stride_h + _operand_position(f, BLOCK_KW2)[:, None]
-    gl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=f_ok[:, None] & valid_c[None, :])
+    gl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=ok)
 
 
 @gluon.jit
