@@ -665,16 +665,16 @@ def _down_kernel(
     if last:
         for i in gl.static_range(NSUB):
             if i < nsub:
-                _down_epilogue(_pick(a0, a1, a2, a3, i), b_ptr, tw_ptr, y_ptr, sorted_ptr, first + 8 * i, num_pairs,
-                               slot, pid_n, D, BLOCK_N, MMA, HAS_BIAS, WEIGHT_ON_INPUT)
+                store_down_rows(_pick(a0, a1, a2, a3, i), b_ptr, tw_ptr, y_ptr, sorted_ptr, first + 8 * i, num_pairs,
+                                slot, pid_n, D, BLOCK_N, 8, MMA, HAS_BIAS, WEIGHT_ON_INPUT)
 
 
 @gluon.jit
-def _down_epilogue(acc, b_ptr, tw_ptr, y_ptr, sorted_ptr, pos, num_pairs, slot, pid_n, D, BLOCK_N: gl.constexpr,
-                   MMA: gl.constexpr, HAS_BIAS: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr):
-    """Bias, routing weight (on the output) and ``y [N, D]`` float32 at each pair's row, for the sub-block of sorted
-    positions ``[pos, pos + 8)``."""
-    pair_c, valid_c = block_rows(sorted_ptr, pos, num_pairs, 8, gl.SliceLayout(0, MMA))
+def store_down_rows(acc, b_ptr, tw_ptr, y_ptr, sorted_ptr, pos, num_pairs, slot, pid_n, D, BLOCK_N: gl.constexpr,
+                    ROWS: gl.constexpr, MMA: gl.constexpr, HAS_BIAS: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr):
+    """The down epilogue of sorted positions ``[pos, pos + ROWS)`` (accumulator ``[BLOCK_N, ROWS]`` float32 in
+    ``MMA``): bias, routing weight (on the output) and ``y [N, D]`` float32 at each pair's row."""
+    pair_c, valid_c = block_rows(sorted_ptr, pos, num_pairs, ROWS, gl.SliceLayout(0, MMA))
     d = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     d_ok = d < D
     if HAS_BIAS:

@@ -73,6 +73,7 @@ from epmoe.experts.triton.w4a16_mma import (
     load_tile,
     operand_order,
     scales_per_word,
+    store_down_rows,
     weight_ptrs,
     widened_plane,
 )
@@ -491,16 +492,8 @@ def _down_store(acc, y_ptr, b_ptr, tw_ptr, sorted_ptr, slot, pos, pid_n, num_pai
                 ROWS: gl.constexpr, NUM_WARPS: gl.constexpr, HAS_BIAS: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr):
     """The epilogue of sorted positions ``[pos, pos + ROWS)``: bias, routing weight (on the output), ``y [N, D]``
     float32 at each pair's row."""
-    MMA: gl.constexpr = _mma_layout(ROWS, NUM_WARPS)
-    pair_c, valid_c = block_rows(sorted_ptr, pos, num_pairs, ROWS, gl.SliceLayout(0, MMA))
-    d = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-    d_ok = d < D
-    if HAS_BIAS:
-        acc += gl.load(b_ptr + slot * D + d, mask=d_ok, other=0.0).to(gl.float32)[:, None]
-    if not WEIGHT_ON_INPUT:
-        acc *= gl.load(tw_ptr + pair_c, mask=valid_c, other=0.0)[None, :]
-    y_ptrs = y_ptr + pair_c.to(gl.int64)[None, :] * D + d[:, None]
-    gl.store(y_ptrs, acc, mask=d_ok[:, None] & valid_c[None, :])
+    store_down_rows(acc, b_ptr, tw_ptr, y_ptr, sorted_ptr, pos, num_pairs, slot, pid_n, D, BLOCK_N, ROWS,
+                    _mma_layout(ROWS, NUM_WARPS), HAS_BIAS, WEIGHT_ON_INPUT)
 
 
 _SMEM_MAX = 232448
