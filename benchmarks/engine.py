@@ -449,7 +449,7 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
             print(f"    host {h['ms_per_step']:7.3f} ms {h['calls']:6.1f}x  {h['function']}")
     time_ttft(engine, 256, spec.vocab_size)  # warm-up: first prefill-sized launches compile their kernels
     active = wb["dense"] / 2 + spec.num_moe_layers * spec.top_k * wb["expert"] / 2
-    for n in [int(x) for x in args.ttft.split(",") if x]:
+    for n in int_list(args.ttft):
         time_ttft(engine, n, spec.vocab_size)  # warm-up at this length: kernels specialise and tune per shape
         ms = min(time_ttft(engine, n, spec.vocab_size) for _ in range(2))
         flops = 2 * active * n + 2 * cfg.num_hidden_layers * heads * (dk + dv) * n * n / 2
@@ -666,19 +666,17 @@ def int_list(text: str) -> list[int]:
 
 
 def check_decode_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The decode rows' flags: a bad one is an argparse error naming it."""
+    """The decode rows' flags (and the models, peers and TTFT sizes they run with): a bad one is an argparse error
+    naming it, before anything is measured."""
     if args.steps < 1:
         ap.error(f"--steps must be at least 1, got {args.steps}")
-    if args.profile_steps < 1:
-        ap.error(f"--profile-steps must be at least 1, got {args.profile_steps}")
-    measured = args.steps + 2 * args.profile_steps + ROUTING_STEPS
-    if measured > CONTEXT_MARGIN // 2:
-        ap.error(f"--steps {args.steps} and --profile-steps {args.profile_steps} measure {measured} steps a row; at "
-                 f"most {CONTEXT_MARGIN // 2} fit the context margin (the rest is for requests that decode while "
-                 f"others are prefilled)")
     lists = {}
-    for flag, text in (("--batches", args.batches), ("--peer-batches", args.peer_batches),
-                       ("--profile", args.profile), ("--sequential-batches", args.sequential_batches)):
+    for flag, text, used in (("--batches", args.batches, True), ("--peer-batches", args.peer_batches,
+                                                                   args.peer != "none"),
+                             ("--profile", args.profile, True), ("--sequential-batches", args.sequential_batches, True),
+                             ("--ttft", args.ttft, True)):
+        if not used:
+            continue
         if not text and flag in ("--batches", "--peer-batches"):
             ap.error(f"{flag} must name at least one batch size")
         try:
@@ -687,10 +685,30 @@ def check_decode_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
             ap.error(f"{flag} must be comma-separated integers, got {text!r}")
         if any(v < 1 for v in lists[flag]):
             ap.error(f"{flag} values must be integers >= 1, got {text!r}")
+        if len(set(lists[flag])) != len(lists[flag]):
+            ap.error(f"{flag} repeats a value, got {text!r}")
     for flag in ("--profile", "--sequential-batches"):
         extra = sorted(set(lists[flag]) - set(lists["--batches"]))
         if extra:
             ap.error(f"{flag} {extra} are not among --batches {args.batches!r}")
+    if lists["--profile"] and args.profile_steps < 1:
+        ap.error(f"--profile-steps must be at least 1, got {args.profile_steps}")
+    measured = args.steps + (2 * args.profile_steps if lists["--profile"] else 0) + ROUTING_STEPS
+    room = max(8192, args.context + CONTEXT_MARGIN) - args.context - CONTEXT_MARGIN // 2
+    if measured > room:
+        ap.error(f"--steps {args.steps} (with the profile and routing steps: {measured} a row) is more than fit the "
+                 f"context limit past a {args.context}-token prompt ({room}; the rest is for requests that decode "
+                 f"while others are prefilled)")
+    bad = [m for m in args.peer.split(",") if m not in ("eager", "static", "none")]
+    if bad:
+        ap.error(f"--peer takes eager, static or none, got {args.peer!r}")
+    missing = [m for m in args.models.split(",") if not (CONFIGS / f"{m}.config.json").is_file()]
+    if missing:
+        known = sorted(f.name.removesuffix(".config.json") for f in CONFIGS.glob("*.config.json"))
+        ap.error(f"--models {missing} have no config under {CONFIGS} (known: {', '.join(known)})")
+    for flag, value in (("--deepseek-layers", args.deepseek_layers), ("--kimi-layers", args.kimi_layers)):
+        if value < 1:
+            ap.error(f"{flag} must be at least 1, got {value}")
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ on the path); ``multiprocess`` tests start several processes (``-m "not multipro
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -39,11 +40,16 @@ def tiny_checkpoints(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip ``gpu`` tests without a CUDA device and ``interpret`` tests without ``TRITON_INTERPRET=1``."""
+    """Skip ``gpu`` tests without a CUDA device and ``interpret`` tests without ``TRITON_INTERPRET=1`` or without
+    Triton."""
+    interpret = None
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        interpret = pytest.mark.skip(reason="needs TRITON_INTERPRET=1")
+    elif importlib.util.find_spec("triton") is None:
+        interpret = pytest.mark.skip(reason="needs triton (TRITON_INTERPRET=1 is set, but triton is not installed)")
     skips = {
         "gpu": None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device"),
-        "interpret": None if os.environ.get("TRITON_INTERPRET") == "1"
-        else pytest.mark.skip(reason="needs TRITON_INTERPRET=1"),
+        "interpret": interpret,
     }
     for item in items:
         for name, skip in skips.items():

@@ -54,17 +54,22 @@ def test_bad_speculation_flags_are_named_with_exit_2(script, tmp_path, monkeypat
 
 @pytest.mark.parametrize("args, message", [
     (["--steps", "0"], "--steps must be at least 1, got 0"),
-    (["--profile-steps", "-3"], "--profile-steps must be at least 1, got -3"),
-    (["--steps", "300"], "--steps 300 and --profile-steps 5 measure 314 steps a row; at most 256 fit the context "
-                         "margin (the rest is for requests that decode while others are prefilled)"),
+    (["--profile", "8", "--profile-steps", "-3"], "--profile-steps must be at least 1, got -3"),
+    (["--context", "32768", "--steps", "300"],
+     "--steps 300 (with the profile and routing steps: 304 a row) is more than fit the context limit past a "
+     "32768-token prompt (256; the rest is for requests that decode while others are prefilled)"),
     (["--batches", "abc"], "--batches must be comma-separated integers, got 'abc'"),
     (["--batches", "1,,8"], "--batches must be comma-separated integers, got '1,,8'"),
     (["--batches", "0"], "--batches values must be integers >= 1, got '0'"),
     (["--batches", ""], "--batches must name at least one batch size"),
+    (["--batches", "8,8"], "--batches repeats a value, got '8,8'"),
     (["--peer-batches", "8,-1"], "--peer-batches values must be integers >= 1, got '8,-1'"),
     (["--profile", "1, x"], "--profile must be comma-separated integers, got '1, x'"),
     (["--batches", "1,8", "--profile", "128"], "--profile [128] are not among --batches '1,8'"),
     (["--sequential-batches", "3"], "--sequential-batches [3] are not among --batches '1,8,64,256'"),
+    (["--ttft", "abc"], "--ttft must be comma-separated integers, got 'abc'"),
+    (["--peer", "eagr"], "--peer takes eager, static or none, got 'eagr'"),
+    (["--kimi-layers", "0"], "--kimi-layers must be at least 1, got 0"),
 ])
 def test_bad_decode_flags_are_named_with_exit_2(script, tmp_path, monkeypatch, capsys, args, message):
     measured = []
@@ -75,3 +80,18 @@ def test_bad_decode_flags_are_named_with_exit_2(script, tmp_path, monkeypatch, c
     assert exc.value.code == 2
     assert f"engine.py: error: {message}\n" in capsys.readouterr().err
     assert measured == [] and not (tmp_path / "out").exists()
+
+
+def test_decode_flags_unused_are_not_checked_and_unknown_models_are_named(script, tmp_path, monkeypatch, capsys):
+    """``--profile-steps`` without ``--profile`` and ``--peer-batches`` with ``--peer none`` are not used, so not
+    refused; a model without a config is named with the known ones."""
+    monkeypatch.setattr(script, "measure_ceilings", lambda: (_ for _ in ()).throw(RuntimeError("measured")))
+    monkeypatch.setattr(sys, "argv", ["engine.py", "--out", str(tmp_path / "out"), "--profile-steps", "0", "--peer",
+                                      "none", "--peer-batches", "", "--steps", "1000"])
+    with pytest.raises(RuntimeError, match="measured"):  # past the checks: a 148-token prompt leaves 7788 steps
+        script.main()
+    monkeypatch.setattr(sys, "argv", ["engine.py", "--out", str(tmp_path / "out"), "--models", "qwen3-30b-a3b,nope"])
+    with pytest.raises(SystemExit):
+        script.main()
+    err = capsys.readouterr().err
+    assert "error: --models ['nope'] have no config under" in err and "qwen3-30b-a3b" in err.split("known:")[1]

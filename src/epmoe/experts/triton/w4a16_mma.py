@@ -690,7 +690,9 @@ MMA_FEW_REGS = 168
 ``MMA_FEW_REGS_MAX_SLOTS`` local slots): the compiler's own choice allows two warps per SM sub-partition, 168 three,
 so that more weight loads are in flight when few row blocks are active. Set from an H200 sweep of Kimi-K2.5 shapes
 (``benchmarks/int4_mma_configs.py``, ``benchmarks/results/int4_mma_configs_h200.txt``): faster with the cap in those
-cases, slower for 8 and 64 tokens over 384 local experts, which keep the compiler's choice."""
+cases, slower for 8 and 64 tokens over 384 local experts, which keep the compiler's choice. That sweep ran the 8-row
+kernels of before the sub-blocks; the sub-block kernels were timed with the same cap (``benchmarks/results/
+int4_mma_subblocks_probe_h200.json``, the EP-8 shard) but the cap was not swept again."""
 
 MMA_FEW_REGS_MAX_SLOTS = 64
 """Local slots up to which ``default_mma_config`` caps the registers (``MMA_FEW_REGS``) at every size."""
@@ -698,9 +700,9 @@ MMA_FEW_REGS_MAX_SLOTS = 64
 
 def default_mma_config(group_size: int, num_pairs: int = 0, num_slots: int = 1) -> MmaConfig:
     """``MmaConfig()`` (16-row blocks) with steps of at least half a group (``block_kw >= G / 2``) and, for
-    ``num_pairs`` pairs over ``num_slots`` local slots, the registers of a one-token step (at most 8 pairs;
-    ``num_pairs`` 0: unknown, not capped) or of a shard of up to ``MMA_FEW_REGS_MAX_SLOTS`` slots capped at
-    ``MMA_FEW_REGS``."""
+    ``num_pairs`` pairs over ``num_slots`` local slots, the registers capped at ``MMA_FEW_REGS`` for a one-token step
+    (at most 8 pairs; ``num_pairs`` 0, unknown, is not capped for that reason) or a shard of up to
+    ``MMA_FEW_REGS_MAX_SLOTS`` slots (whatever the pairs), uncapped otherwise."""
     kw = max(MmaConfig.block_kw1, group_size // 2)
     few = 0 < num_pairs <= 8 or num_slots <= MMA_FEW_REGS_MAX_SLOTS
     return MmaConfig(block_kw1=kw, block_kw2=kw, maxnreg=MMA_FEW_REGS if few else None)
