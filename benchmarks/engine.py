@@ -15,11 +15,11 @@ expanded per-head keys and values. Per batch size: every request gets a
 read / measured copy bandwidth, FLOPs / measured bf16 matmul rate): the weights of the non-expert layers, the
 experts its tokens touch (the number read back from the engine's load counts over a few steps after the timed ones,
 the table's ``experts``), and the KV cache it attends over. ``uniform`` is the expected number under uniform
-routing, the planner's assumption (random weights route unevenly: from 64 requests on, or at long contexts, the
-steps touch fewer, sampled tokens or greedy ones alike). TTFT: one request of 1k and 4k tokens, against the FLOP
-floor of its prefill. Writes ``engine_<gpu>.json`` under ``--out`` and prints a table last. ``--env-variants
-'EPMOE_PDL=0;...'`` also times, per model, an engine built with each of those environment settings, in the same
-process after the main rows (an A/B in the same run).
+routing, the planner's assumption (the dummy weights route as uniform routing does; a row whose count falls short
+of it read fewer experts than the plan prices). Every measured step runs the whole batch (``time_decode``). TTFT:
+one request of 1k and 4k tokens, against the FLOP floor of its prefill. Writes ``engine_<gpu>.json`` under ``--out``
+and prints a table last. ``--env-variants 'EPMOE_PDL=0;...'`` also times, per model, an engine built with each of
+those environment settings, in the same process after the main rows (an A/B in the same run).
 
 Speculation rows (``--spec``: only these, a few minutes): Qwen3-30B-A3B (``--spec-model``), ``ngram`` on
 repetitive prompts (code, lists) and ``eagle3`` with random weights (``--eagle3-config``, the SpecForge
@@ -92,8 +92,8 @@ def weight_bytes(engine: Engine) -> dict:
 def decode_floor(engine: Engine, wb: dict, bs: int, ctx: float, ceil: dict, touched: float | None = None) -> dict:
     """The step's floor, ms: its bytes over the copy bandwidth or its FLOPs over the bf16 rate, whichever is larger.
     The experts read are ``touched`` per MoE layer where measured (``floor_ms``), and the expected number under
-    uniform routing (``floor_uniform_ms``, the planner's assumption; the two differ where the dummy weights route
-    unevenly). ``experts_touched_per_layer`` is the uniform count (its meaning in earlier results too)."""
+    uniform routing (``floor_uniform_ms``, the planner's assumption; the two differ where the routing is not
+    uniform). ``experts_touched_per_layer`` is the uniform count (its meaning in earlier results too)."""
     spec = engine.spec
     e, k = spec.num_experts, spec.top_k
     uniform = e * (1 - (1 - k / e) ** bs)
@@ -253,6 +253,13 @@ CONTEXT_MARGIN = 512
 """Tokens of the engine's context limit past a decode row's prompt (``build_engine``): the measured steps, and the
 tokens that the requests whose prompts are done first generate while the others are prefilled."""
 
+
+def context_limit(context: int) -> int:
+    """The benchmark engine's ``max_model_len`` for ``context``-token prompts: 8192 tokens, or ``CONTEXT_MARGIN``
+    past the prompt where that is more."""
+    return max(8192, context + CONTEXT_MARGIN)
+
+
 ROUTING_STEPS = 4
 """Steps after the timed ones whose routing ``experts_touched`` reads back (each step synchronised)."""
 
@@ -370,7 +377,7 @@ def build_engine(d: Path, batches: list[int], context: int = PROMPT) -> Engine:
     prompt again and again, each must compute it whole."""
     return Engine(EngineConfig(model=str(d), dtype="bfloat16", device="cuda", expert_backend="triton",
                                load_format="dummy", max_num_seqs=max(batches),
-                               max_model_len=max(8192, context + CONTEXT_MARGIN),
+                               max_model_len=context_limit(context),
                                cuda_graph_max_bs=max(batches), enable_prefix_caching=False))
 
 
@@ -694,7 +701,7 @@ def check_decode_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if lists["--profile"] and args.profile_steps < 1:
         ap.error(f"--profile-steps must be at least 1, got {args.profile_steps}")
     measured = args.steps + (2 * args.profile_steps if lists["--profile"] else 0) + ROUTING_STEPS
-    room = max(8192, args.context + CONTEXT_MARGIN) - args.context - CONTEXT_MARGIN // 2
+    room = context_limit(args.context) - args.context - CONTEXT_MARGIN // 2
     if measured > room:
         ap.error(f"--steps {args.steps} (with the profile and routing steps: {measured} a row) is more than fit the "
                  f"context limit past a {args.context}-token prompt ({room}; the rest is for requests that decode "
@@ -788,8 +795,8 @@ def main() -> None:
         plan_ms = planned(d, batches, m["rows"][batches[0]]["ctx"], weights)
         m["plan_ms"] = {b: v[0] for b, v in plan_ms.items()}
         m["plan_engine_ms"] = {b: v[1] for b, v in plan_ms.items()}
-        # a step faster than the plan's roofline touched fewer experts than uniform routing would (dummy weights'
-        # routing): it says nothing of the engine's own costs, so it is left out of the fit
+        # a step faster than the plan's roofline read fewer bytes than the plan prices (fewer experts than uniform
+        # routing touches): it says nothing of the engine's own costs, so it is left out of the fit
         fit_rows += [{"tpot_ms": m["rows"][b]["tpot_ms"], "roofline_ms": v[0] - v[1], "layers": m["layers"], "bs": b}
                      for b, v in plan_ms.items() if m["rows"][b]["tpot_ms"] > v[0] - v[1]]
         m["peer"] = {}
