@@ -295,11 +295,16 @@ def test_int4_mma_block_rows_choice():
         assert default_mma_config(32, pairs, slots).block_m == 16
     # steps of at least half a group
     assert default_mma_config(128, 8, 384).block_kw1 == 64
-    # registers capped for one-token steps and shards only
-    assert default_mma_config(32, 8, 384).maxnreg == 168
-    assert default_mma_config(32, 64, 384).maxnreg is None
+    # registers capped to 128 for sparse pairs (at most 2 a slot), to 168 for other one-token steps and shards
+    assert default_mma_config(32, 8, 384).maxnreg == 128
+    assert default_mma_config(32, 64, 384).maxnreg == 128
+    assert default_mma_config(32, 768, 384).maxnreg == 128
+    assert default_mma_config(32, 769, 384).maxnreg is None
+    assert default_mma_config(32, 2048, 384).maxnreg is None
+    assert default_mma_config(32, 0, 384).maxnreg is None
+    assert default_mma_config(32, 96, 48).maxnreg == 128
     assert default_mma_config(32, 512, 48).maxnreg == 168
-    assert default_mma_config(32, 768, 48).maxnreg == 168
+    assert default_mma_config(32, 8, 2).maxnreg == 168
 
 
 @pytest.mark.interpret

@@ -297,9 +297,11 @@ def load_tile(ptrs, rows, R_ROWS, cols, k_left, EVEN: gl.constexpr):
 @gluon.jit
 def _first_word(begin, KW, BLOCK_KW: gl.constexpr, EVEN: gl.constexpr):
     """Where a split's first word tile is read: ``begin``, or for an empty split of ``EVEN`` tiles (unmasked loads)
-    the last whole step, valid words it never uses."""
+    the last whole step, valid words it never uses. Either is a multiple of ``BLOCK_KW`` when ``EVEN``, which the
+    compiler is told: the tiles' rows are then 16-byte aligned and load as 16-byte vectors (from the minimum alone it
+    proves the two-word alignment of ``KW`` and loads 8-byte pieces)."""
     if EVEN:
-        return gl.minimum(begin, KW - BLOCK_KW)
+        return gl.multiple_of(gl.minimum(begin, KW - BLOCK_KW), BLOCK_KW)
     else:
         return begin
 
@@ -685,14 +687,25 @@ def store_down_rows(acc, b_ptr, tw_ptr, y_ptr, sorted_ptr, pos, num_pairs, slot,
     gl.store(y_ptrs, acc, mask=d_ok[:, None] & valid_c[None, :])
 
 
+MMA_SPARSE_REGS = 128
+"""Registers a thread of the kernels may use when the pairs are sparse over the local slots (at most
+``MMA_SPARSE_MAX_PAIRS_PER_SLOT`` a slot: most row blocks hold one or two rows, so little work hides each weight
+load): four warps per SM sub-partition instead of the compiler's two or three, at the price of a few spilled
+registers (sm_90 build). Chosen from an H200 probe of the sub-block kernels on Kimi-K2.5 shapes
+(``benchmarks/results/int4_mma_regs_probe_h200.json``: 128, 168 and the compiler's choice, interleaved): the cap of
+128 was the fastest up to about 1.5 pairs a slot on 384 experts and on an EP-8 shard, and slower at 5.3 pairs a slot
+on 384 experts."""
+
+MMA_SPARSE_MAX_PAIRS_PER_SLOT = 2
+"""Pairs per local slot up to which ``default_mma_config`` caps the registers at ``MMA_SPARSE_REGS``."""
+
 MMA_FEW_REGS = 168
-"""Registers a thread of the kernels may use for one-token steps and expert-parallel shards (at most
+"""Registers a thread of the kernels may use for the other one-token steps and expert-parallel shards (at most
 ``MMA_FEW_REGS_MAX_SLOTS`` local slots): the compiler's own choice allows two warps per SM sub-partition, 168 three,
 so that more weight loads are in flight when few row blocks are active. Set from an H200 sweep of Kimi-K2.5 shapes
-(``benchmarks/int4_mma_configs.py``, ``benchmarks/results/int4_mma_configs_h200.txt``): faster with the cap in those
-cases, slower for 8 and 64 tokens over 384 local experts, which keep the compiler's choice. That sweep ran the 8-row
-kernels of before the sub-blocks; the sub-block kernels were timed with the same cap (``benchmarks/results/
-int4_mma_subblocks_probe_h200.json``, the EP-8 shard) but the cap was not swept again."""
+(``benchmarks/int4_mma_configs.py``, ``benchmarks/results/int4_mma_configs_h200.txt``) with the 8-row kernels of
+before the sub-blocks; on the sub-block kernels it was as fast as the compiler's choice at 4.9 pairs a slot on an
+EP-8 shard (``int4_mma_regs_probe_h200.json``)."""
 
 MMA_FEW_REGS_MAX_SLOTS = 64
 """Local slots up to which ``default_mma_config`` caps the registers (``MMA_FEW_REGS``) at every size."""
@@ -700,10 +713,13 @@ MMA_FEW_REGS_MAX_SLOTS = 64
 
 def default_mma_config(group_size: int, num_pairs: int = 0, num_slots: int = 1) -> MmaConfig:
     """``MmaConfig()`` (16-row blocks) with steps of at least half a group (``block_kw >= G / 2``) and, for
-    ``num_pairs`` pairs over ``num_slots`` local slots, the registers capped at ``MMA_FEW_REGS`` for a one-token step
-    (at most 8 pairs; ``num_pairs`` 0, unknown, is not capped for that reason) or a shard of up to
-    ``MMA_FEW_REGS_MAX_SLOTS`` slots (whatever the pairs), uncapped otherwise."""
+    ``num_pairs`` pairs over ``num_slots`` local slots, the registers capped at ``MMA_SPARSE_REGS`` for sparse pairs
+    (at most ``MMA_SPARSE_MAX_PAIRS_PER_SLOT`` a slot), else at ``MMA_FEW_REGS`` for a one-token step (at most 8
+    pairs) or a shard of up to ``MMA_FEW_REGS_MAX_SLOTS`` slots, uncapped otherwise (``num_pairs`` 0, unknown, is
+    not sparse and not a one-token step)."""
     kw = max(MmaConfig.block_kw1, group_size // 2)
+    if 0 < num_pairs <= MMA_SPARSE_MAX_PAIRS_PER_SLOT * num_slots:
+        return MmaConfig(block_kw1=kw, block_kw2=kw, maxnreg=MMA_SPARSE_REGS)
     few = 0 < num_pairs <= 8 or num_slots <= MMA_FEW_REGS_MAX_SLOTS
     return MmaConfig(block_kw1=kw, block_kw2=kw, maxnreg=MMA_FEW_REGS if few else None)
 
