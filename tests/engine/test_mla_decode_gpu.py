@@ -50,6 +50,21 @@ def test_model_shapes(model, ctx, splits, dtype):
             assert torch.equal(got[j], torch.zeros_like(got[j]))
 
 
+@pytest.mark.parametrize("model", ["kimi-k2.5", "deepseek-v3"])
+def test_wide_programs_at_large_batches(model):
+    """A batch whose 64-head programs outnumber the SMs takes the wide tile (``mla_decode_tiles``) and agrees with
+    the reference, padding rows included."""
+    from epmoe.engine.mla_decode import mla_decode_tiles, mla_decode_triton
+
+    h, r, dr = MODELS[model]
+    ctx = [(37 * i) % 700 for i in range(300)]
+    assert mla_decode_tiles(len(ctx), h, "cuda") == (64, 8)
+    q, cache, tables, lens = _case(5, ctx, h, r, dr, 16, dtype=torch.bfloat16, device="cuda")
+    got = mla_decode_triton(q, cache, tables, lens, 192 ** -0.5, r)
+    assert _rel(got, mla_decode_reference(q, cache, tables, lens, 192 ** -0.5, r)) < BF16_TOL
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
+
+
 def test_auto_splits():
     assert mla_decode_splits(1, 64, 8192, "cuda") > 1   # one long sequence: split-K
     assert mla_decode_splits(128, 64, 8192, "cuda") == 1  # 512 programs fill the GPU

@@ -72,3 +72,20 @@ def test_kernel_writes_out_and_uses_workspace(splits):
         mla_decode_triton(q, cache, tables, ctx, 0.2, 32, out=out, splits=2, workspace=ws[:10])
     with pytest.raises(ValueError, match="splits must be a power of two"):
         mla_decode_triton(q, cache, tables, ctx, 0.2, 32, splits=3)
+
+
+@pytest.mark.parametrize("heads", [64, 72])
+def test_wide_programs_match_reference(heads):
+    """Batches whose 64-head programs outnumber the SMs take the wide tile (``mla_decode_tiles``; CPU tensors count
+    132 SMs): 133 rows of 64 heads (one wide program a row) and of 72 (a second, partly filled head block)."""
+    from epmoe.engine.mla_decode import mla_decode_tiles, mla_decode_triton
+
+    ctx = [(7 * i) % 41 for i in range(133)]   # 0 (padding rows) to 40 positions
+    assert mla_decode_tiles(len(ctx), heads, "cpu") == (64, 8)
+    q, cache, tables, ctx_t = _case(11, ctx, heads, 16, 16, 8)
+    got = mla_decode_triton(q, cache, tables, ctx_t, 0.25, 16)
+    assert got.shape == (133, heads, 16)
+    assert _rel(got, _naive(q, cache, tables, ctx_t, 0.25, 16)) < 1e-5
+    for j, n in enumerate(ctx):
+        if n == 0:
+            assert torch.equal(got[j], torch.zeros_like(got[j]))

@@ -127,3 +127,19 @@ def test_paged_decode_split_counts(rows, span, want):
 ])
 def test_mla_decode_split_counts(rows, span, want):
     assert mla_decode_splits(rows, 64, span, "cpu") == want
+
+
+@pytest.mark.parametrize("rows, heads, want", [
+    (132, 64, (16, 4)),     # 132 programs of 64 heads: no more than the 132 SMs CPU tensors count
+    (133, 64, (64, 8)),
+    (256, 64, (64, 8)),     # Kimi-K2.5 at batch 256
+    (66, 128, (16, 4)),
+    (67, 128, (64, 8)),     # DeepSeek-V3: two wide programs a row
+    (1000, 32, (16, 4)),    # fewer heads than a wide program
+])
+def test_mla_decode_tiles(rows, heads, want):
+    from epmoe.engine.mla_decode import mla_decode_tiles
+
+    assert mla_decode_tiles(rows, heads, "cpu") == want
+    if want[0] == 64:   # the wide programs alone outnumber the SMs: no split
+        assert mla_decode_splits(rows, heads, 65536, "cpu") == 1

@@ -26,6 +26,8 @@ Two implementations with the same semantics:
   With ``S > 1`` splits (flash-decoding) each program takes one contiguous ``S``-th of the context and
   writes its running max, sum and unnormalised accumulator to a float32 workspace in the layout of
   ``paged_decode``'s split-K, whose reduce kernel merges them (``paged_decode_merge_splits``).
+  ``BLOCK_H`` is 16 (4 warps), or 64 (8 warps) when the batch's programs of 64 heads alone outnumber the
+  SMs (``mla_decode_tiles``): each entry row is then read once for 64 heads instead of once per 16.
 
 Grids and split counts depend on shapes only (never on device values): CUDA-graph safe with ``out``
 and a ``workspace`` (``paged_decode_workspace_numel`` elements) given.
@@ -46,6 +48,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
 _MIN_DIM = 16            # tl.dot needs at least 16 rows / columns
 _BLOCK_H = 16            # query heads per program
+_WIDE_BLOCK_H = 64       # query heads per program when the batch fills the GPU (``mla_decode_tiles``)
 _SPLIT_MIN_KEYS = 64     # positions a split should have at least
 _MAX_SPLITS = 64         # each split's partial output is Dv = kv_lora_rank floats a head: more cost more than they gain
 
@@ -165,13 +168,46 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _device_sms(device: torch.device | str) -> int:
+    """SMs of ``device`` (CPU counts 132, an H100's or H200's)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 132
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def mla_decode_tiles(batch: int, heads: int, device: torch.device | str) -> tuple[int, int]:
+    """``(BLOCK_H, num_warps)`` of the Triton kernel for ``batch`` rows of ``heads`` query heads.
+
+    64 heads a program on 8 warps where there are at least 64 heads and ``batch * ceil(heads / 64)`` programs
+    outnumber the SMs (no split needed with either tile), else 16 heads on 4 warps. A wide program reads each
+    entry row once for its 64 heads, where 16-head programs read it once each from the L2, and it holds the
+    whole SM (registers and shared memory). Chosen from an H200 probe of the two tiles at Kimi-K2.5's and
+    DeepSeek-V3's shapes (``benchmarks/results/mla_decode_tiles_probe_h200.json``): the wide tile was faster at
+    256 rows of 148 positions for both; with fewer programs than SMs it needs splits, and was slower at short
+    contexts and at one row (it was faster with splits at long contexts, 4096 positions and more at 8 rows or
+    more, which shapes alone cannot tell from short ones: the grid is fixed when a graph is captured).
+
+    Args:
+        batch: ``B`` query rows.
+        heads: ``H`` query heads.
+        device: the tensors' device (its SM count; CPU counts 132).
+
+    Returns:
+        ``(BLOCK_H, num_warps)``.
+    """
+    if heads >= _WIDE_BLOCK_H and batch * -(-heads // _WIDE_BLOCK_H) > _device_sms(device):
+        return _WIDE_BLOCK_H, 8
+    return _BLOCK_H, 4
+
+
 def mla_decode_splits(batch: int, heads: int, max_positions: int, device: torch.device | str) -> int:
     """Number of context splits (a power of two) the Triton path uses for these shapes.
 
-    One split when the ``batch * ceil(heads / BLOCK_H)`` programs fill the GPU or the longest context
-    (``max_positions = MB * BS``) is short; otherwise enough splits to reach about two programs per SM,
-    each with at least ``_SPLIT_MIN_KEYS`` positions, at most ``_MAX_SPLITS``. Shapes only, so a CUDA
-    graph captured for a batch shape keeps its split count.
+    One split when the ``batch * ceil(heads / BLOCK_H)`` programs (``BLOCK_H`` of ``mla_decode_tiles``) fill the
+    GPU or the longest context (``max_positions = MB * BS``) is short; otherwise enough splits to reach about two
+    programs per SM, each with at least ``_SPLIT_MIN_KEYS`` positions, at most ``_MAX_SPLITS``. Shapes only, so a
+    CUDA graph captured for a batch shape keeps its split count.
 
     Args:
         batch: ``B`` query rows.
@@ -187,10 +223,8 @@ def mla_decode_splits(batch: int, heads: int, max_positions: int, device: torch.
     """
     for name, v, least in (("batch", batch, 0), ("heads", heads, 1), ("max_positions", max_positions, 1)):
         check_int(f"mla_decode_splits: {name}", v, least)
-    device = torch.device(device)
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 132
-    programs = max(1, batch * -(-heads // _BLOCK_H))
+    sms = _device_sms(device)
+    programs = max(1, batch * -(-heads // mla_decode_tiles(batch, heads, device)[0]))
     want = min(_MAX_SPLITS, (2 * sms) // programs, max_positions // _SPLIT_MIN_KEYS)
     return 1 if want < 2 else 1 << (want.bit_length() - 1)
 
@@ -258,13 +292,14 @@ def mla_decode_triton(
     kernel = _triton_kernel()
     dv_pad, dr_pad = max(_MIN_DIM, _next_pow2(dv)), max(_MIN_DIM, _next_pow2(dr))
     ml_off = b * h * splits * dv
-    kernel[(b, -(-h // _BLOCK_H), splits)](
+    block_h, warps = mla_decode_tiles(b, h, q.device)
+    kernel[(b, -(-h // block_h), splits)](
         q, cache, block_tables, context_lens, out, workspace if splits > 1 else out,
         b, h, dv, dr, ml_off, q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), float(scale) * _LOG2E,
-        BLOCK_H=_BLOCK_H, DV_PAD=dv_pad, DR_PAD=dr_pad, BLOCK_SIZE=bs,
+        BLOCK_H=block_h, DV_PAD=dv_pad, DR_PAD=dr_pad, BLOCK_SIZE=bs,
         BLOCK_N=16 if q.dtype == torch.float32 else 32, SPLITS=splits, IEEE=q.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        num_warps=warps, num_stages=2,
     )
     if splits > 1:
         paged_decode_merge_splits(workspace, context_lens, out, splits)
