@@ -80,7 +80,7 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 import torch  # noqa: E402 - after the NCCL environment above
 import torch.distributed as dist  # noqa: E402
 
-from engine import CONFIGS, SPEC_PROMPTS, checkpoint  # noqa: E402
+from engine import CONFIGS, SPEC_PROMPTS, batch_losses, checkpoint, decode_room  # noqa: E402
 from epmoe.comm import Comm  # noqa: E402
 from epmoe.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from epmoe.runtime.launch import RankInfo, free_port, init_group, spawn  # noqa: E402
@@ -321,13 +321,19 @@ def collectives(r: Rank, engine: Engine, steps: int) -> dict:
 
 
 def window(r: Rank, engine: Engine, prompt_set: list, conc: int) -> dict:
-    """``conc`` requests over the machine (request ``i`` on rank ``i mod G``) decoding; ``--steps`` steps timed."""
+    """``conc`` requests over the machine (request ``i`` on rank ``i mod G``) decoding; ``--steps`` steps timed, then
+    ``--profile-steps`` under the profiler. The requests may generate up to the context limit (``decode_room``), so
+    that those that start decoding while others are prefilled do not finish inside the window; they are aborted at
+    the end.
+
+    Raises:
+        RuntimeError: on every rank, when a request of any rank finished or was preempted before the window ended
+            (the batch shrank)."""
     a = r.args
-    params = SamplingParams(temperature=0, max_tokens=(a.spec_k + 1) * (a.steps + a.profile_steps + 8) + 16,
-                            ignore_eos=True)
-    mine = [i for i in range(conc) if i % r.world == r.rank]
-    for i in mine:
-        engine.add_request(prompt_set[i % len(prompt_set)], params)
+    mine = [prompt_set[i % len(prompt_set)] for i in range(conc) if i % r.world == r.rank]
+    room = int(-r.max(-min((decode_room(engine, p) for p in mine), default=2**31)))  # the least over the ranks
+    params = SamplingParams(temperature=0, max_tokens=room, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in mine]
     while r.any(_decoding(engine)):
         engine.step()
     forward_ms: list[float] = []
@@ -342,6 +348,7 @@ def window(r: Rank, engine: Engine, prompt_set: list, conc: int) -> dict:
         return out
 
     engine.runner.run = timed_run
+    preemptions0 = engine.stats["preemptions"]
     for _ in range(3):  # warm-up: the verify buckets and the draft's steps
         engine.step()
     forward_ms.clear()
@@ -362,7 +369,14 @@ def window(r: Rank, engine: Engine, prompt_set: list, conc: int) -> dict:
     fwd = r.max(statistics.median(forward_ms) if forward_ms else 0.0)  # a rank without requests may not run
     graph_steps = r.max(engine.stats["graph_steps"] - graphs0)
     coll = collectives(r, engine, a.profile_steps)
+    done, preempted = batch_losses(engine, ids, preemptions0)
+    shrank = r.any(bool(done or preempted))
+    done, preempted = int(r.sum(done)), int(r.sum(preempted))
     drain(r, engine)
+    if shrank:
+        raise RuntimeError(f"concurrency {conc}: of {conc} requests {done} finished and {preempted} were preempted "
+                           f"before the window ended, so its steps ran fewer; each may generate {room} tokens (the "
+                           f"context limit or the KV pool less its prompt), and the KV pools must hold the batch")
     return {"step_ms": wall * 1e3 / a.steps, "forward_ms": fwd, "output_tokens_per_s": total / wall,
             "tokens_per_s_per_stream": total / wall / conc, "graph_steps": graph_steps,
             "accepted_length": (accepted + verify) / verify if verify else 1.0, "verify_steps": verify,

@@ -233,8 +233,7 @@ def time_decode(engine: Engine, bs: int, steps: int, vocab: int, profile_steps: 
         kernels, timeline = kernel_profile(engine, profile_steps) if profile_steps else ([], {})
         host = host_profile(engine, profile_steps) if profile_steps else []
         touched = experts_touched(engine, ROUTING_STEPS)
-        done = bs - sum(rid in engine._seqs for rid in ids)
-        preempted = engine.stats["preemptions"] - before["preemptions"]
+        done, preempted = batch_losses(engine, ids, before["preemptions"])
         if done or preempted:
             raise RuntimeError(
                 f"batch {bs}: of {bs} requests {done} finished and {preempted} were preempted before the routing "
@@ -247,6 +246,21 @@ def time_decode(engine: Engine, bs: int, steps: int, vocab: int, profile_steps: 
             engine.step()
     return {"tpot_ms": ms, "graph_steps": graph, "ctx": prompt + 4 + steps / 2, "kernels": kernels,
             "timeline": timeline, "host": host, "experts_touched_measured": touched}
+
+
+def batch_losses(engine: Engine, ids: Collection[int], preemptions_before: int) -> tuple[int, int]:
+    """``(finished, preempted)``: how many of the requests ``ids`` have left ``engine`` (finished, at ``max_tokens``
+    or the context limit), and how many preemptions it counted since it counted ``preemptions_before``. A measured
+    window with either ran fewer requests than it says."""
+    return len(ids) - sum(rid in engine._seqs for rid in ids), engine.stats["preemptions"] - preemptions_before
+
+
+def decode_room(engine: Engine, prompt: str | list[int]) -> int:
+    """The most tokens a request of ``prompt`` may be asked for so that it stops only at ``engine``'s context limit
+    and its KV still fits the whole pool (``Engine.check_request``): a window's requests then decode through it,
+    however far ahead of the others they started."""
+    n = len(engine.encode(prompt))
+    return max(1, min(engine.max_model_len - n, engine.allocator.capacity * engine.config.block_size - n + 1))
 
 
 CONTEXT_MARGIN = 512
@@ -516,12 +530,14 @@ def _sync(device: str) -> None:
 
 def spec_window(engine: Engine, bs: int, steps: int, device: str) -> dict:
     """``bs`` repetitive prompts decoding; ``steps`` engine steps timed: ms per step, tokens per stream per
-    second, the verify forward alone (ms), accepted length over the window."""
-    params = SamplingParams(temperature=0, max_tokens=4 * steps + 16, ignore_eos=True)
-    for i in range(bs):
-        engine.add_request(SPEC_PROMPTS[i % len(SPEC_PROMPTS)], params)
-    while any(s.num_computed < len(s.prompt_token_ids) or not s.output_token_ids for s in engine._seqs.values()):
-        engine.step()
+    second, the verify forward alone (ms), accepted length over the window. The requests may generate up to the
+    context limit (``decode_room``) and are aborted at the end, also when the window is refused.
+
+    Raises:
+        RuntimeError: a request finished or was preempted before the timed steps ended (the batch shrank)."""
+    prompts = [SPEC_PROMPTS[i % len(SPEC_PROMPTS)] for i in range(bs)]
+    room = min(decode_room(engine, p) for p in prompts)
+    params = SamplingParams(temperature=0, max_tokens=room, ignore_eos=True)
     forward_ms: list[float] = []
     run = engine.runner.run
 
@@ -533,27 +549,39 @@ def spec_window(engine: Engine, bs: int, steps: int, device: str) -> dict:
         forward_ms.append((time.perf_counter() - t) * 1e3)
         return out
 
-    engine.runner.run = timed_run
-    for _ in range(3):  # warm-up of the verify buckets and the draft's steps
+    ids = [engine.add_request(p, params) for p in prompts]
+    try:
+        while any(s.num_computed < len(s.prompt_token_ids) or not s.output_token_ids for s in engine._seqs.values()):
+            engine.step()
+        engine.runner.run = timed_run
+        preemptions0 = engine.stats["preemptions"]
+        for _ in range(3):  # warm-up of the verify buckets and the draft's steps
+            engine.step()
+        forward_ms.clear()
+        stats0 = (engine.spec_stats.verify_steps, engine.spec_stats.draft_tokens, engine.spec_stats.accepted_tokens)
+        graphs0 = engine.stats["graph_steps"]
+        tokens = 0
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            tokens += sum(len(o.new_token_ids) for o in engine.step())
+        _sync(device)
+        wall = time.perf_counter() - t0
+        verify_steps = engine.spec_stats.verify_steps - stats0[0]
+        accepted = engine.spec_stats.accepted_tokens - stats0[2]
+        done, preempted = batch_losses(engine, ids, preemptions0)
+        if done or preempted:
+            raise RuntimeError(
+                f"speculative window, batch {bs}: of {bs} requests {done} finished and {preempted} were preempted "
+                f"before the timed steps ended, so the steps ran fewer; each may generate {room} tokens (the context "
+                f"limit or the KV pool less its prompt), and the KV pool must hold the whole batch")
+    finally:
+        engine.runner.run = run
+        for rid in ids:
+            engine.abort(rid)
+        while engine.has_unfinished():
+            engine.step()
         engine.step()
-    forward_ms.clear()
-    stats0 = (engine.spec_stats.verify_steps, engine.spec_stats.draft_tokens, engine.spec_stats.accepted_tokens)
-    graphs0 = engine.stats["graph_steps"]
-    tokens = 0
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        tokens += sum(len(o.new_token_ids) for o in engine.step())
-    _sync(device)
-    wall = time.perf_counter() - t0
-    engine.runner.run = run
-    verify_steps = engine.spec_stats.verify_steps - stats0[0]
-    accepted = engine.spec_stats.accepted_tokens - stats0[2]
-    for rid in list(engine._seqs):
-        engine.abort(rid)
-    while engine.has_unfinished():
-        engine.step()
-    engine.step()
     return {"step_ms": wall * 1e3 / steps, "forward_ms": sorted(forward_ms)[len(forward_ms) // 2],
             "tokens_per_s_per_stream": tokens / wall / bs, "graph_steps": engine.stats["graph_steps"] - graphs0,
             "accepted_length": (accepted + verify_steps) / verify_steps if verify_steps else 1.0,

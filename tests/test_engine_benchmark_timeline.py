@@ -152,3 +152,61 @@ def test_time_decode_refuses_a_shrinking_batch(monkeypatch, tmp_path, config, me
         mod.time_decode(engine, 4, steps=steps, vocab=engine.spec.vocab_size, prompt=12)
     assert not engine.has_unfinished() and not engine._seqs
     assert engine.allocator.num_free == engine.allocator.capacity
+
+
+def _spec_engine(tmp_path, **config):
+    """A tiny engine with n-gram speculation (3 tokens) whose four prompts take several steps (16 tokens a step)."""
+    return _staggered_engine(tmp_path, speculative_algorithm="ngram", speculative_num_tokens=3, **config)
+
+
+def test_spec_window_measures_the_whole_batch(monkeypatch, tmp_path):
+    """Every timed step of a speculation window runs all ``bs`` requests, though the first decode (up to 4 tokens a
+    step) while the last are prefilled; the requests are aborted at the end and their KV blocks returned."""
+    mod = load_benchmark("engine", monkeypatch)
+    engine = _spec_engine(tmp_path)
+    assert mod.decode_room(engine, mod.SPEC_PROMPTS[0]) == engine.max_model_len - len(
+        engine.encode(mod.SPEC_PROMPTS[0]))
+    seen = []
+    step = engine.step
+
+    def counted_step():
+        seen.append(sum(not s.finished for s in engine._seqs.values()))
+        return step()
+
+    monkeypatch.setattr(engine, "step", counted_step)
+    row = mod.spec_window(engine, 4, steps=5, device="cpu")
+    while seen[-1] == 0:
+        seen.pop()
+    assert seen[-(5 + 3):] == [4] * (5 + 3)   # the 3 warm-up and 5 timed steps
+    assert row["verify_steps"] == 4 * 5 and row["accepted_length"] >= 1.0   # one verification a request a step
+    assert not engine.has_unfinished() and not engine._seqs
+    assert engine.allocator.num_free == engine.allocator.capacity
+
+
+def test_spec_window_refuses_a_shrinking_batch(monkeypatch, tmp_path):
+    """With the context limit a few tokens past the longest prompt, the first requests finish inside the window: it
+    is refused, not measured on fewer requests, and its requests are aborted all the same."""
+    mod = load_benchmark("engine", monkeypatch)
+    longest = max(len(p.encode()) for p in mod.SPEC_PROMPTS)   # the tiny tokenizer is byte-level
+    engine = _spec_engine(tmp_path, max_model_len=longest + 24)
+    with pytest.raises(RuntimeError, match=r"speculative window, batch 4: of 4 requests [1-4] finished and 0 were "
+                                           r"preempted before the timed steps ended"):
+        mod.spec_window(engine, 4, steps=20, device="cpu")
+    assert not engine.has_unfinished() and not engine._seqs
+    assert engine.allocator.num_free == engine.allocator.capacity
+
+
+def test_decode_room_stays_within_the_kv_pool(monkeypatch, tmp_path):
+    """Where the KV pool is smaller than the context limit, the room is what the pool holds past the prompt, and a
+    request asking for it is accepted."""
+    from epmoe.engine import SamplingParams
+
+    mod = load_benchmark("engine", monkeypatch)
+    engine = _staggered_engine(tmp_path, max_model_len=256, num_kv_blocks=8)
+    pool = engine.allocator.capacity * engine.config.block_size
+    assert pool < 256
+    room = mod.decode_room(engine, [1] * 12)
+    assert room == pool - 12 + 1
+    engine.check_request([1] * 12, SamplingParams(max_tokens=room))
+    with pytest.raises(ValueError, match="KV pool"):
+        engine.check_request([1] * 12, SamplingParams(max_tokens=room + 1))
