@@ -143,3 +143,12 @@ def test_mla_decode_tiles(rows, heads, want):
     assert mla_decode_tiles(rows, heads, "cpu") == want
     if want[0] == 64:   # the wide programs alone outnumber the SMs: no split
         assert mla_decode_splits(rows, heads, 65536, "cpu") == 1
+
+
+@pytest.mark.parametrize("args, match", [((-1, 64), "batch"), ((4, 0), "heads"), ((2.5, 64), "batch"),
+                                         ((4, True), "heads")])
+def test_mla_decode_tiles_arguments_named(args, match):
+    from epmoe.engine.mla_decode import mla_decode_tiles
+
+    with pytest.raises(ValueError, match=f"mla_decode_tiles: {match}"):
+        mla_decode_tiles(*args, "cpu")

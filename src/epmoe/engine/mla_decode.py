@@ -195,7 +195,12 @@ def mla_decode_tiles(batch: int, heads: int, device: torch.device | str) -> tupl
 
     Returns:
         ``(BLOCK_H, num_warps)``.
+
+    Raises:
+        ValueError: ``batch`` not an integer >= 0 or ``heads`` not an integer >= 1 (named).
     """
+    check_int("mla_decode_tiles: batch", batch, 0)
+    check_int("mla_decode_tiles: heads", heads, 1)
     if heads >= _WIDE_BLOCK_H and batch * -(-heads // _WIDE_BLOCK_H) > _device_sms(device):
         return _WIDE_BLOCK_H, 8
     return _BLOCK_H, 4
