@@ -76,16 +76,18 @@ def test_kernel_writes_out_and_uses_workspace(splits):
 
 @pytest.mark.parametrize("heads", [64, 72])
 def test_wide_programs_match_reference(heads):
-    """Batches whose 64-head programs outnumber the SMs take the wide tile (``mla_decode_tiles``; CPU tensors count
-    132 SMs): 133 rows of 64 heads (one wide program a row) and of 72 (a second, partly filled head block)."""
+    """Batches of 16-bit rows whose 64-head programs outnumber the SMs take the wide tile (``mla_decode_tiles``; CPU
+    tensors count 132 SMs): 133 rows of 64 heads (one wide program a row) and of 72 (a second, partly filled head
+    block); float32 rows keep the 16-head tile."""
     from epmoe.engine.mla_decode import mla_decode_tiles, mla_decode_triton
 
     ctx = [(7 * i) % 41 for i in range(133)]   # 0 (padding rows) to 40 positions
-    assert mla_decode_tiles(len(ctx), heads, "cpu") == (64, 8)
-    q, cache, tables, ctx_t = _case(11, ctx, heads, 16, 16, 8)
+    assert mla_decode_tiles(len(ctx), heads, "cpu", torch.float16) == (64, 8)
+    assert mla_decode_tiles(len(ctx), heads, "cpu", torch.float32) == (16, 4)
+    q, cache, tables, ctx_t = _case(11, ctx, heads, 16, 16, 8, dtype=torch.float16)
     got = mla_decode_triton(q, cache, tables, ctx_t, 0.25, 16)
-    assert got.shape == (133, heads, 16)
-    assert _rel(got, _naive(q, cache, tables, ctx_t, 0.25, 16)) < 1e-5
+    assert got.shape == (133, heads, 16) and got.dtype == torch.float16
+    assert _rel(got, mla_decode_reference(q, cache, tables, ctx_t, 0.25, 16)) < 5e-3
     for j, n in enumerate(ctx):
         if n == 0:
             assert torch.equal(got[j], torch.zeros_like(got[j]))

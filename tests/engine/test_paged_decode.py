@@ -141,6 +141,7 @@ def test_mla_decode_tiles(rows, heads, want):
     from epmoe.engine.mla_decode import mla_decode_tiles
 
     assert mla_decode_tiles(rows, heads, "cpu") == want
+    assert mla_decode_tiles(rows, heads, "cpu", torch.float32) == (16, 4)   # float32 rows: always 16 heads
     if want[0] == 64:   # the wide programs alone outnumber the SMs: no split
         assert mla_decode_splits(rows, heads, 65536, "cpu") == 1
 

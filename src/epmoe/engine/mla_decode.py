@@ -176,11 +176,13 @@ def _device_sms(device: torch.device | str) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def mla_decode_tiles(batch: int, heads: int, device: torch.device | str) -> tuple[int, int]:
-    """``(BLOCK_H, num_warps)`` of the Triton kernel for ``batch`` rows of ``heads`` query heads.
+def mla_decode_tiles(batch: int, heads: int, device: torch.device | str,
+                     dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
+    """``(BLOCK_H, num_warps)`` of the Triton kernel for ``batch`` rows of ``heads`` query heads in ``dtype``.
 
-    64 heads a program on 8 warps where there are at least 64 heads and ``batch * ceil(heads / 64)`` programs
-    outnumber the SMs (no split needed with either tile), else 16 heads on 4 warps. A wide program reads each
+    64 heads a program on 8 warps where the rows are 16-bit, there are at least 64 heads and ``batch * ceil(heads /
+    64)`` programs outnumber the SMs (no split needed with either tile), else 16 heads on 4 warps (float32 rows
+    always: the wide tile was timed with bf16 rows only). A wide program reads each
     entry row once for its 64 heads, where 16-head programs read it once each from the L2, and it holds the
     whole SM (registers and shared memory). Chosen from an H200 probe of the two tiles at Kimi-K2.5's and
     DeepSeek-V3's shapes (``benchmarks/results/mla_decode_tiles_probe_h200.json``): the wide tile was faster at
@@ -192,6 +194,7 @@ def mla_decode_tiles(batch: int, heads: int, device: torch.device | str) -> tupl
         batch: ``B`` query rows.
         heads: ``H`` query heads.
         device: the tensors' device (its SM count; CPU counts 132).
+        dtype: the query's and cache's dtype.
 
     Returns:
         ``(BLOCK_H, num_warps)``.
@@ -201,7 +204,8 @@ def mla_decode_tiles(batch: int, heads: int, device: torch.device | str) -> tupl
     """
     check_int("mla_decode_tiles: batch", batch, 0)
     check_int("mla_decode_tiles: heads", heads, 1)
-    if heads >= _WIDE_BLOCK_H and batch * -(-heads // _WIDE_BLOCK_H) > _device_sms(device):
+    if (dtype != torch.float32 and heads >= _WIDE_BLOCK_H
+            and batch * -(-heads // _WIDE_BLOCK_H) > _device_sms(device)):
         return _WIDE_BLOCK_H, 8
     return _BLOCK_H, 4
 
@@ -209,10 +213,11 @@ def mla_decode_tiles(batch: int, heads: int, device: torch.device | str) -> tupl
 def mla_decode_splits(batch: int, heads: int, max_positions: int, device: torch.device | str) -> int:
     """Number of context splits (a power of two) the Triton path uses for these shapes.
 
-    One split when the ``batch * ceil(heads / BLOCK_H)`` programs (``BLOCK_H`` of ``mla_decode_tiles``) fill the
-    GPU or the longest context (``max_positions = MB * BS``) is short; otherwise enough splits to reach about two
-    programs per SM, each with at least ``_SPLIT_MIN_KEYS`` positions, at most ``_MAX_SPLITS``. Shapes only, so a
-    CUDA graph captured for a batch shape keeps its split count.
+    One split when the ``batch * ceil(heads / BLOCK_H)`` programs (``BLOCK_H`` of ``mla_decode_tiles``; where it
+    takes the wide tile for 16-bit rows, float32 rows' 16-head programs fill the GPU all the more) fill the GPU or
+    the longest context (``max_positions = MB * BS``) is short; otherwise enough splits to reach about two programs
+    per SM, each with at least ``_SPLIT_MIN_KEYS`` positions, at most ``_MAX_SPLITS``. Shapes only, so a CUDA graph
+    captured for a batch shape keeps its split count.
 
     Args:
         batch: ``B`` query rows.
@@ -297,7 +302,7 @@ def mla_decode_triton(
     kernel = _triton_kernel()
     dv_pad, dr_pad = max(_MIN_DIM, _next_pow2(dv)), max(_MIN_DIM, _next_pow2(dr))
     ml_off = b * h * splits * dv
-    block_h, warps = mla_decode_tiles(b, h, q.device)
+    block_h, warps = mla_decode_tiles(b, h, q.device, q.dtype)
     kernel[(b, -(-h // block_h), splits)](
         q, cache, block_tables, context_lens, out, workspace if splits > 1 else out,
         b, h, dv, dr, ml_off, q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_tables.stride(0),
