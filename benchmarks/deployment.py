@@ -1,12 +1,15 @@
-"""The deployment on one multi-GPU machine: Kimi-K2.5 through the engine, ``--parallel ep`` against ``--parallel tp``,
-plain and speculative decoding, the planner beside every row, and ``epmoe serve`` under ``epmoe bench serve``.
+"""The deployment on one multi-GPU machine: Kimi-K2.5 through the engine, EP against TP, plain and speculative decoding.
+
+``--parallel ep`` against ``--parallel tp``, plain and speculative decoding, the planner beside every row, and
+``epmoe serve`` under ``epmoe bench serve``.
 
 On 8 H200s (``nvidia-h200-x8``; one spawned rank per GPU, NCCL)::
 
     PYTHONPATH=src python benchmarks/deployment.py --gpus 8 --out $OUT
 
-(24 of Kimi-K2.5's 61 layers with bf16 experts; ``--expert-format int4`` fits all 61 once the INT4 expert loader is
-in the tree). On 4 H200s (``nvidia-h200-x4``), the model cut to what fits (13 layers in bf16, 40 in INT4)::
+(24 of Kimi-K2.5's 61 layers with bf16 experts; ``--expert-format int4`` keeps the config's INT4 routed experts, a
+quarter of the bytes, so more layers fit). On 4 H200s (``nvidia-h200-x4``), the model cut to what fits (13 layers
+in bf16, 40 in INT4)::
 
     PYTHONPATH=src python benchmarks/deployment.py --gpus 4 --out $OUT
 
@@ -21,7 +24,7 @@ The model is ``data/configs/kimi-k2.5.config.json`` at full width with dummy wei
 cut to ``--layers`` decoder layers (0 = as many as the planner's memory estimate fits beside the KV cache at the
 largest concurrency; the table says how many). ``--expert-format bf16`` drops the config's
 ``quantization_config`` (bf16 routed experts); ``int4`` keeps it (INT4 pack-quantized routed experts, as the
-checkpoint says): that needs the engine's INT4 expert loader, which this script only passes the format to.
+checkpoint says, served by the engine's INT4 kernels).
 
 Ranks are spawned by ``epmoe.runtime.launch.spawn`` (gloo on CPU, NCCL on CUDA). For each of ``--parallel ep``
 (attention data-parallel, experts EP over all ranks, fixed-capacity dispatch in the decode CUDA graphs) and
@@ -100,17 +103,25 @@ COLLECTIVE_NAMES = {"allreduce": "all_reduce", "all_reduce": "all_reduce", "allg
                     "sendrecv": "all_to_all"}
 
 
+MAX_SPEC_K = 16
+"""The engine's largest ``speculative_num_tokens`` (``EngineConfig``)."""
+
+PROMPT_ROOM = 128
+"""Context tokens ``parse_args`` leaves for a window's prompt (96 tokens on CUDA, ``prompts``) and for the tokens
+decoded while the others are prefilled."""
+
+
 def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
+    return [int(v) for v in text.split(",")]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (NCCL) or cpu (gloo, small model)")
     p.add_argument("--gpus", type=int, default=None, help="ranks to spawn (default: every GPU; 2 on CPU)")
     p.add_argument("--layers", type=int, default=0, help="Kimi-K2.5 decoder layers (0: as many as fit)")
     p.add_argument("--expert-format", choices=("bf16", "int4"), default="bf16",
-                   help="routed experts: bf16 dummy weights, or INT4 as the config says (needs the INT4 loader)")
+                   help="routed experts: bf16 dummy weights, or INT4 as the config says")
     p.add_argument("--concurrency", default=None, help="concurrent requests over the machine (default 1,16,64; "
                                                        "1,4 on CPU)")
     p.add_argument("--steps", type=int, default=None, help="engine steps timed per row (default 32; 4 on CPU)")
@@ -122,7 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES), help="decoding modes (plain first)")
     p.add_argument("--parallel", default=",".join(PARALLEL), help="parallel modes to measure")
     p.add_argument("--eagle3-config", default=str(CONFIGS / "eagle3-draft-kimi-k2-instruct-aq-medai.config.json"))
-    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=2048,
+                   help="the engines' context limit on CUDA (on CPU the small model's own)")
     p.add_argument("--serve-concurrency", type=int, default=16)
     p.add_argument("--serve-prompts", type=int, default=None, help="requests sent to the server (default 4x the "
                                                                    "concurrency)")
@@ -140,26 +152,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--layers must be at least 0 (0: as many as fit), got {a.layers}")
     if not Path(a.eagle3_config).is_file():
         p.error(f"--eagle3-config {a.eagle3_config!r} is not a file")
+    if a.spec_k > MAX_SPEC_K:
+        p.error(f"--spec-k must be at most {MAX_SPEC_K} (the engine's speculative_num_tokens), got {a.spec_k}")
+    if a.skip_serve and a.skip_engine:
+        p.error("--skip-serve and --skip-engine together leave nothing to run")
     if a.concurrency is not None:
         try:
-            values = _ints(a.concurrency)
+            values = [int(v) for v in a.concurrency.split(",")]
         except ValueError:
             values = []
         if not values or min(values) < 1:
             p.error(f"--concurrency must be comma-separated integers >= 1, got {a.concurrency!r}")
+        if len(set(values)) != len(values):
+            p.error(f"--concurrency repeats a value, got {a.concurrency!r}")
     a.gpus = a.gpus if a.gpus is not None else (2 if cpu else torch.cuda.device_count())
     a.concurrency = _ints(a.concurrency or ("1,4" if cpu else "1,16,64"))
     a.steps = a.steps if a.steps is not None else (4 if cpu else 32)
     a.profile_steps = a.profile_steps if a.profile_steps is not None else (2 if cpu else 4)
     a.check_tokens = a.check_tokens if a.check_tokens is not None else (6 if cpu else 16)
-    a.modes = [m for m in a.modes.split(",") if m]
-    a.parallel = [m for m in a.parallel.split(",") if m]
-    if a.modes[0] != "plain" or any(m not in MODES for m in a.modes):
-        p.error(f"--modes must start with plain and name only {MODES}, got {a.modes}")
-    if any(m not in PARALLEL for m in a.parallel):
-        p.error(f"--parallel must name only {PARALLEL}, got {a.parallel}")
+    modes, parallel = a.modes, a.parallel
+    a.modes = [m for m in modes.split(",") if m]
+    a.parallel = [m for m in parallel.split(",") if m]
+    if not a.modes or a.modes[0] != "plain" or any(m not in MODES for m in a.modes) or len(set(a.modes)) != len(
+            a.modes):
+        p.error(f"--modes must start with plain and name each of {MODES} at most once, got {modes!r}")
+    if not a.parallel or any(m not in PARALLEL for m in a.parallel) or len(set(a.parallel)) != len(a.parallel):
+        p.error(f"--parallel must name each of {PARALLEL} at most once (at least one), got {parallel!r}")
+    if not cpu and not torch.cuda.is_available():
+        p.error("--device cuda (the default): no CUDA device here; use --device cpu without one")
     if a.gpus < 1:
         p.error(f"--gpus: no GPU found (got {a.gpus}); use --device cpu without one")
+    if not cpu and a.gpus > torch.cuda.device_count():
+        p.error(f"--gpus {a.gpus}: this machine has {torch.cuda.device_count()} GPU(s)")
+    # a window's requests decode from a prompt of up to 96 tokens through the warm-up, timed and profiled steps
+    tokens = (a.spec_k + 1) * (a.steps + a.profile_steps + 3) + PROMPT_ROOM
+    if not cpu and tokens > a.max_model_len:
+        p.error(f"--steps {a.steps} and --profile-steps {a.profile_steps} (with --spec-k {a.spec_k}: up to {tokens} "
+                f"tokens of context a request, a {PROMPT_ROOM}-token allowance for the prompt included) do not fit "
+                f"--max-model-len {a.max_model_len}")
     return a
 
 

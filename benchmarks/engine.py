@@ -528,6 +528,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+SPEC_CONTEXT = 2048
+"""The speculation rows' context limit on CUDA (``spec_rows``' ``max_model_len``)."""
+
+SPEC_PROMPT_ROOM = 128
+"""Tokens ``check_spec_args`` leaves for a speculation prompt (``SPEC_PROMPTS``: about 100 characters) and the tokens
+its request decodes while the others are prefilled."""
+
+
 def spec_window(engine: Engine, bs: int, steps: int, device: str) -> dict:
     """``bs`` repetitive prompts decoding; ``steps`` engine steps timed: ms per step, tokens per stream per
     second, the verify forward alone (ms), accepted length over the window. The requests may generate up to the
@@ -617,7 +625,7 @@ def spec_rows(args, ceil: dict | None) -> list[dict]:
     cuda = args.device == "cuda"
     base = dict(model=str(d), device=args.device, dtype="bfloat16" if cuda else "float32",
                 expert_backend="triton" if cuda else "reference", load_format=load, max_num_seqs=max(batches),
-                max_model_len=2048 if cuda else None, cuda_graph_max_bs=max(batches), enforce_eager=not cuda)
+                max_model_len=SPEC_CONTEXT if cuda else None, cuda_graph_max_bs=max(batches), enforce_eager=not cuda)
     runs = [("plain", None, 0)] + [(algo, eagle if algo == "eagle3" else None, k)
                                    for algo in ("ngram", "eagle3") for k in [int(x) for x in args.spec_k.split(",")]]
     out = []
@@ -690,6 +698,32 @@ def check_spec_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> No
             ap.error(f"{flag} values must be integers >= 1{f' and <= {high}' if high else ''}, got {text!r}")
     if args.spec_steps < 1:
         ap.error(f"--spec-steps must be at least 1, got {args.spec_steps}")
+    context = SPEC_CONTEXT if args.device == "cuda" else json.loads(
+        (Path(args.spec_model) / "config.json").read_text()).get("max_position_embeddings", SPEC_CONTEXT)
+    k = max(int(v) for v in args.spec_k.split(","))
+    tokens = (k + 1) * (args.spec_steps + 3)
+    if tokens + SPEC_PROMPT_ROOM > context:
+        ap.error(f"--spec-steps {args.spec_steps} with --spec-k up to {k} may generate {tokens} tokens a request in a "
+                 f"window (its 3 warm-up steps included), more than fit the speculation rows' context of {context} "
+                 f"tokens past a prompt of up to {SPEC_PROMPT_ROOM}")
+    if args.spec_model:  # the EAGLE-3 head reads the target's hidden states and token ids (engine.eagle3)
+        draft = json.loads(Path(args.eagle3_config).read_text())
+        target = json.loads((Path(args.spec_model) / "config.json").read_text())
+        target = target.get("text_config", target)
+        for field in ("hidden_size", "vocab_size"):
+            if draft.get(field) != target.get(field):
+                ap.error(f"--eagle3-config {args.eagle3_config!r} has {field} {draft.get(field)!r}, --spec-model "
+                         f"{args.spec_model!r} {target.get(field)!r}: the EAGLE-3 head must be one for that model")
+
+
+def check_env_variants(ap: argparse.ArgumentParser, text: str) -> None:
+    """``--env-variants``: ';'-separated variants, each space-separated ``NAME=VALUE`` settings (an argparse error
+    naming the first bad one, before anything is measured)."""
+    for variant in (v for v in text.split(";") if v.strip()):
+        for setting in variant.split():
+            name, eq, _ = setting.partition("=")
+            if not eq or not name.isidentifier():
+                ap.error(f"--env-variants: {setting!r} in {variant!r} is not NAME=VALUE")
 
 
 def int_list(text: str) -> list[int]:
@@ -789,8 +823,12 @@ def main() -> None:
         ap.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
     check_spec_args(ap, args)
     check_decode_args(ap, args)
+    check_env_variants(ap, args.env_variants)
     if Path(args.out).exists() and not Path(args.out).is_dir():
         ap.error(f"--out {args.out!r} is a file; it names the folder the results are written to")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda (the default): no CUDA device here; the decode, TTFT, peer and speculation rows on "
+                 "CUDA need one (on CPU the speculation rows run: --device cpu --spec-model DIR)")
     if args.spec or args.device == "cpu":
         ceil = measure_ceilings() if args.device == "cuda" else None
         rows = spec_rows(args, ceil)

@@ -33,6 +33,14 @@ def script(monkeypatch):
     (["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
     (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
     (["--device", "cpu", "--spec-model", "{tmp}/ckpt", "--spec-steps", "0"], "--spec-steps must be at least 1, got 0"),
+    # the window's requests would run past the context: it was refused only after the plain rows
+    (["--device", "cpu", "--spec-model", "{tmp}/ckpt", "--spec-steps", "100000"],
+     "--spec-steps 100000 with --spec-k up to 3 may generate 400012 tokens a request in a window (its 3 warm-up "
+     "steps included), more than fit the speculation rows' context of 2048 tokens past a prompt of up to 128"),
+    # a head for another model: it failed after the plain and n-gram rows
+    (["--device", "cpu", "--spec-model", "{tmp}/small"],
+     "--eagle3-config '{eagle}' has hidden_size 2048, --spec-model '{tmp}/small' 64: the EAGLE-3 head must be one "
+     "for that model"),
     # the rows ran first, then the results folder failed with FileExistsError
     (["--device", "cpu", "--spec-model", "{tmp}/ckpt", "--eagle3-config", "{tmp}/ckpt/config.json", "--out",
       "{tmp}/ckpt/config.json"], "--out '{tmp}/ckpt/config.json' is a file; it names the folder the results are "
@@ -41,14 +49,17 @@ def script(monkeypatch):
 def test_bad_speculation_flags_are_named_with_exit_2(script, tmp_path, monkeypatch, capsys, args, message):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text("{}")
+    (tmp_path / "small").mkdir()
+    (tmp_path / "small" / "config.json").write_text('{"hidden_size": 64, "vocab_size": 259}')
+    eagle = str(script.CONFIGS / "eagle3-draft-qwen3-30b-a3b-specforge.config.json")
     built = []
     monkeypatch.setattr(script, "spec_rows", lambda *a: built.append(a))  # nothing may be built
     out = [] if "--out" in args else ["--out", str(tmp_path / "out")]
-    monkeypatch.setattr(sys, "argv", ["engine.py", *out, *[a.format(tmp=tmp_path) for a in args]])
+    monkeypatch.setattr(sys, "argv", ["engine.py", *out, *[a.format(tmp=tmp_path, eagle=eagle) for a in args]])
     with pytest.raises(SystemExit) as exc:
         script.main()
     assert exc.value.code == 2
-    assert f"engine.py: error: {message.format(tmp=tmp_path)}\n" in capsys.readouterr().err
+    assert f"engine.py: error: {message.format(tmp=tmp_path, eagle=eagle)}\n" in capsys.readouterr().err
     assert built == [] and not (tmp_path / "out").exists()
 
 
@@ -70,8 +81,14 @@ def test_bad_speculation_flags_are_named_with_exit_2(script, tmp_path, monkeypat
     (["--ttft", "abc"], "--ttft must be comma-separated integers, got 'abc'"),
     (["--peer", "eagr"], "--peer takes eager, static or none, got 'eagr'"),
     (["--kimi-layers", "0"], "--kimi-layers must be at least 1, got 0"),
+    (["--env-variants", "EPMOE_PDL=0;FOO"], "--env-variants: 'FOO' in 'FOO' is not NAME=VALUE"),
+    (["--env-variants", "=1"], "--env-variants: '=1' in '=1' is not NAME=VALUE"),
+    # valid flags, no GPU: refused before anything is measured (it failed importing Triton for the ceilings)
+    ([], "--device cuda (the default): no CUDA device here; the decode, TTFT, peer and speculation rows on CUDA "
+         "need one (on CPU the speculation rows run: --device cpu --spec-model DIR)"),
 ])
 def test_bad_decode_flags_are_named_with_exit_2(script, tmp_path, monkeypatch, capsys, args, message):
+    monkeypatch.setattr(script.torch.cuda, "is_available", lambda: False)
     measured = []
     monkeypatch.setattr(script, "measure_ceilings", lambda: measured.append(1))  # nothing may be measured or built
     monkeypatch.setattr(sys, "argv", ["engine.py", "--out", str(tmp_path / "out"), *args])
@@ -86,6 +103,7 @@ def test_decode_flags_unused_are_not_checked_and_unknown_models_are_named(script
     """``--profile-steps`` without ``--profile`` and ``--peer-batches`` with ``--peer none`` are not used, so not
     refused; a model without a config is named with the known ones."""
     monkeypatch.setattr(script, "measure_ceilings", lambda: (_ for _ in ()).throw(RuntimeError("measured")))
+    monkeypatch.setattr(script.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(sys, "argv", ["engine.py", "--out", str(tmp_path / "out"), "--profile-steps", "0", "--peer",
                                       "none", "--peer-batches", "", "--steps", "1000"])
     with pytest.raises(RuntimeError, match="measured"):  # past the checks: a 148-token prompt leaves 7788 steps

@@ -146,10 +146,22 @@ def test_mla_decode_tiles(rows, heads, want):
         assert mla_decode_splits(rows, heads, 65536, "cpu") == 1
 
 
-@pytest.mark.parametrize("args, match", [((-1, 64), "batch"), ((4, 0), "heads"), ((2.5, 64), "batch"),
-                                         ((4, True), "heads")])
+@pytest.mark.parametrize("args, match", [
+    ((-1, 64, "cpu"), "batch"), ((4, 0, "cpu"), "heads"), ((2.5, 64, "cpu"), "batch"), ((4, True, "cpu"), "heads"),
+    ((256, 64, "cpu", "float32"), "dtype must be one of"), ((256, 64, "cpu", torch.int8), "dtype must be one of"),
+    ((256, 64, None), "device must be a torch.device or its name, got None"),
+    ((256, 64, "nonsense"), "device must be a torch.device or its name, got 'nonsense'"),
+])
 def test_mla_decode_tiles_arguments_named(args, match):
     from epmoe.engine.mla_decode import mla_decode_tiles
 
     with pytest.raises(ValueError, match=f"mla_decode_tiles: {match}"):
-        mla_decode_tiles(*args, "cpu")
+        mla_decode_tiles(*args)
+
+
+def test_mla_decode_tiles_names_cuda_without_a_gpu(monkeypatch):
+    from epmoe.engine.mla_decode import mla_decode_tiles
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="mla_decode_tiles: device 'cuda', but CUDA is not available"):
+        mla_decode_tiles(256, 64, "cuda")

@@ -168,11 +168,19 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _device_sms(device: torch.device | str) -> int:
-    """SMs of ``device`` (CPU counts 132, an H100's or H200's)."""
-    device = torch.device(device)
+def _device_sms(what: str, device: torch.device | str) -> int:
+    """SMs of ``device`` (CPU counts 132, an H100's or H200's).
+
+    Raises:
+        ValueError: ``device`` is not a device, or CUDA without a GPU (named, with ``what``)."""
+    try:
+        device = torch.device(device)
+    except (TypeError, RuntimeError) as err:
+        raise ValueError(f"{what}: device must be a torch.device or its name, got {device!r}") from err
     if device.type != "cuda":
         return 132
+    if not torch.cuda.is_available():
+        raise ValueError(f"{what}: device {str(device)!r}, but CUDA is not available on this machine")
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
@@ -200,12 +208,15 @@ def mla_decode_tiles(batch: int, heads: int, device: torch.device | str,
         ``(BLOCK_H, num_warps)``.
 
     Raises:
-        ValueError: ``batch`` not an integer >= 0 or ``heads`` not an integer >= 1 (named).
+        ValueError: ``batch`` not an integer >= 0, ``heads`` not an integer >= 1, ``dtype`` not one of the kernel's
+            (float32, bfloat16, float16), ``device`` not a device or CUDA without a GPU (named).
     """
     check_int("mla_decode_tiles: batch", batch, 0)
     check_int("mla_decode_tiles: heads", heads, 1)
-    if (dtype != torch.float32 and heads >= _WIDE_BLOCK_H
-            and batch * -(-heads // _WIDE_BLOCK_H) > _device_sms(device)):
+    if dtype not in _DTYPES:
+        raise ValueError(f"mla_decode_tiles: dtype must be one of {_DTYPES}, got {dtype!r}")
+    sms = _device_sms("mla_decode_tiles", device)
+    if dtype != torch.float32 and heads >= _WIDE_BLOCK_H and batch * -(-heads // _WIDE_BLOCK_H) > sms:
         return _WIDE_BLOCK_H, 8
     return _BLOCK_H, 4
 
@@ -233,7 +244,7 @@ def mla_decode_splits(batch: int, heads: int, max_positions: int, device: torch.
     """
     for name, v, least in (("batch", batch, 0), ("heads", heads, 1), ("max_positions", max_positions, 1)):
         check_int(f"mla_decode_splits: {name}", v, least)
-    sms = _device_sms(device)
+    sms = _device_sms("mla_decode_splits", device)
     programs = max(1, batch * -(-heads // mla_decode_tiles(batch, heads, device)[0]))
     want = min(_MAX_SPLITS, (2 * sms) // programs, max_positions // _SPLIT_MIN_KEYS)
     return 1 if want < 2 else 1 << (want.bit_length() - 1)
