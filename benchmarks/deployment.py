@@ -1,7 +1,7 @@
 """The deployment on one multi-GPU machine: Kimi-K2.5 through the engine, EP against TP, plain and speculative decoding.
 
-``--parallel ep`` against ``--parallel tp``, plain and speculative decoding, the planner beside every row, and
-``epmoe serve`` under ``epmoe bench serve``.
+``--parallel ep`` against ``--parallel tp``, each with plain and speculative decoding, the planner beside every row,
+then ``epmoe serve`` under ``epmoe bench serve``.
 
 On 8 H200s (``nvidia-h200-x8``; one spawned rank per GPU, NCCL)::
 
