@@ -158,7 +158,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--skip-serve and --skip-engine together leave nothing to run")
     if a.concurrency is not None:
         try:
-            values = [int(v) for v in a.concurrency.split(",")]
+            values = _ints(a.concurrency)
         except ValueError:
             values = []
         if not values or min(values) < 1:

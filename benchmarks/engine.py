@@ -208,17 +208,17 @@ def host_profile(engine: Engine, steps: int) -> list[dict]:
 def time_decode(engine: Engine, bs: int, steps: int, vocab: int, profile_steps: int = 0,
                 prompt: int = PROMPT, temperature: float = 0.0) -> dict:
     """One decode row: ``bs`` requests prefilled, then ``steps`` timed steps, the profiles and ``ROUTING_STEPS``
-    routing steps, all on the whole batch. The requests may generate up to the context limit (``max_model_len``), so
+    routing steps, all on the whole batch. The requests may generate up to the context limit (``decode_room``), so
     that those that start decoding while the others are still prefilled do not finish during the measured steps;
     they are aborted at the end, also when the row is refused.
 
     Raises:
         RuntimeError: a request finished or was preempted before the routing steps ended (the batch shrank)."""
     gen = torch.Generator().manual_seed(bs)
-    room = engine.max_model_len - prompt
+    prompts = [torch.randint(0, vocab, (prompt,), generator=gen).tolist() for _ in range(bs)]
+    room = decode_room(engine, prompts[0])
     params = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=room)
-    ids = [engine.add_request(torch.randint(0, vocab, (prompt,), generator=gen).tolist(), params)
-           for _ in range(bs)]
+    ids = [engine.add_request(p, params) for p in prompts]
     try:
         while any(s.num_computed < len(s.prompt_token_ids) or not s.output_token_ids for s in engine._seqs.values()):
             engine.step()
@@ -237,8 +237,8 @@ def time_decode(engine: Engine, bs: int, steps: int, vocab: int, profile_steps: 
         if done or preempted:
             raise RuntimeError(
                 f"batch {bs}: of {bs} requests {done} finished and {preempted} were preempted before the routing "
-                f"steps ended, so the steps ran fewer; each may generate {room} tokens (the context limit less the "
-                f"{prompt}-token prompt), and the KV pool must hold the whole batch")
+                f"steps ended, so the steps ran fewer; each may generate {room} tokens (the context limit or the KV "
+                f"pool less the {prompt}-token prompt), and the KV pool must hold the whole batch")
     finally:
         for rid in ids:
             engine.abort(rid)

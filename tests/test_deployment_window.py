@@ -1,5 +1,6 @@
-"""benchmarks/deployment.py's measured window on one gloo rank and a tiny engine: every timed step runs the whole
-batch, and a window whose batch shrinks (requests finished at the context limit) is refused, its requests aborted."""
+"""benchmarks/deployment.py's measured window on one gloo rank and a tiny engine (``staggered_engine``): every timed
+step runs the whole batch, and a window whose batch shrinks (requests finished at the context limit) is refused, its
+requests aborted."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from .benchmark_scripts import load_benchmark
+from .benchmark_scripts import before_the_aborts, count_live_requests, load_benchmark, staggered_engine
 
 
 class _OneRank:
@@ -48,32 +49,15 @@ def gloo():
     dist.destroy_process_group()
 
 
-def _engine(tmp_path, **config):
-    """A tiny engine whose four 12-token prompts take several steps (16 tokens a step)."""
-    from epmoe.engine import Engine, EngineConfig
-    from epmoe.models.tiny import build_tiny_checkpoint
-
-    return Engine(EngineConfig(model=str(build_tiny_checkpoint("qwen3-moe", tmp_path / "q")), device="cpu",
-                               max_num_seqs=4, max_num_batched_tokens=16, **config))
-
-
 PROMPTS = [[7 + i] * 12 for i in range(4)]
 
 
 def test_window_measures_the_whole_batch(monkeypatch, tmp_path, gloo):
     mod = load_benchmark("deployment", monkeypatch)
-    engine = _engine(tmp_path)
-    seen = []
-    step = engine.step
-
-    def counted_step():
-        seen.append(sum(not s.finished for s in engine._seqs.values()))
-        return step()
-
-    monkeypatch.setattr(engine, "step", counted_step)
+    engine = staggered_engine(tmp_path)
+    seen = count_live_requests(monkeypatch, engine)
     row = mod.window(_OneRank(steps=5), engine, PROMPTS, 4)
-    while seen[-1] == 0:
-        seen.pop()
+    seen = before_the_aborts(seen)
     assert seen[-(3 + 5 + 1):] == [4] * (3 + 5 + 1)   # warm-up, timed and profiled steps
     assert row["output_tokens_per_s"] > 0 and row["accepted_length"] == 1.0
     assert not engine.has_unfinished() and not engine._seqs
@@ -82,7 +66,7 @@ def test_window_measures_the_whole_batch(monkeypatch, tmp_path, gloo):
 
 def test_window_refuses_a_shrinking_batch(monkeypatch, tmp_path, gloo):
     mod = load_benchmark("deployment", monkeypatch)
-    engine = _engine(tmp_path, max_model_len=24)   # 12 tokens past the prompts: the first finish inside the window
+    engine = staggered_engine(tmp_path, max_model_len=24)   # 12 past the prompts: the first finish in the window
     with pytest.raises(RuntimeError, match=r"concurrency 4: of 4 requests [1-4] finished and 0 were preempted before "
                                            r"the window ended, so its steps ran fewer; each may generate 12 tokens"):
         mod.window(_OneRank(steps=20), engine, PROMPTS, 4)

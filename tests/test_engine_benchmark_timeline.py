@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from .benchmark_scripts import load_benchmark
+from .benchmark_scripts import before_the_aborts, count_live_requests, load_benchmark, staggered_engine
 
 
 def _spans(steps: int = 2, layers: int = 4):
@@ -95,15 +95,6 @@ def test_experts_touched_needs_a_step(monkeypatch):
         mod.experts_touched(object(), 0)
 
 
-def _staggered_engine(tmp_path, **config):
-    """A tiny engine whose prompts of 4 requests take several steps, so the first decode while the last prefill."""
-    from epmoe.engine import Engine, EngineConfig
-    from epmoe.models.tiny import build_tiny_checkpoint
-
-    return Engine(EngineConfig(model=str(build_tiny_checkpoint("qwen3-moe", tmp_path / "q")), device="cpu",
-                               max_num_seqs=4, max_num_batched_tokens=16, **config))
-
-
 def test_time_decode_measures_the_whole_batch(monkeypatch, tmp_path):
     """Every measured step of a decode row runs all ``bs`` requests, also those that started decoding while the
     others were prefilled; the requests are aborted at the end and their KV blocks returned."""
@@ -111,20 +102,12 @@ def test_time_decode_measures_the_whole_batch(monkeypatch, tmp_path):
 
     mod = load_benchmark("engine", monkeypatch)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    engine = _staggered_engine(tmp_path)
-    seen = []
-    step = engine.step
-
-    def counted_step():
-        seen.append(sum(not s.finished for s in engine._seqs.values()))
-        return step()
-
-    monkeypatch.setattr(engine, "step", counted_step)
+    engine = staggered_engine(tmp_path)
+    seen = count_live_requests(monkeypatch, engine)
     row = mod.time_decode(engine, 4, steps=3, vocab=engine.spec.vocab_size, prompt=12)
     # the prompts took several steps (16 tokens a step), then the 3 timed and ROUTING_STEPS routing steps ran all 4
     # requests; then the aborts were reported
-    while seen[-1] == 0:
-        seen.pop()
+    seen = before_the_aborts(seen)
     measured = 3 + mod.ROUTING_STEPS
     assert len(seen) >= measured + 3 and seen[-measured:] == [4] * measured
     assert row["experts_touched_measured"] > engine.spec.top_k
@@ -146,7 +129,7 @@ def test_time_decode_refuses_a_shrinking_batch(monkeypatch, tmp_path, config, me
 
     mod = load_benchmark("engine", monkeypatch)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    engine = _staggered_engine(tmp_path, **config)
+    engine = staggered_engine(tmp_path, **config)
     steps = 60 if "num_kv_blocks" in config else 3
     with pytest.raises(RuntimeError, match=message):
         mod.time_decode(engine, 4, steps=steps, vocab=engine.spec.vocab_size, prompt=12)
@@ -156,7 +139,7 @@ def test_time_decode_refuses_a_shrinking_batch(monkeypatch, tmp_path, config, me
 
 def _spec_engine(tmp_path, **config):
     """A tiny engine with n-gram speculation (3 tokens) whose four prompts take several steps (16 tokens a step)."""
-    return _staggered_engine(tmp_path, speculative_algorithm="ngram", speculative_num_tokens=3, **config)
+    return staggered_engine(tmp_path, speculative_algorithm="ngram", speculative_num_tokens=3, **config)
 
 
 def test_spec_window_measures_the_whole_batch(monkeypatch, tmp_path):
@@ -166,17 +149,9 @@ def test_spec_window_measures_the_whole_batch(monkeypatch, tmp_path):
     engine = _spec_engine(tmp_path)
     assert mod.decode_room(engine, mod.SPEC_PROMPTS[0]) == engine.max_model_len - len(
         engine.encode(mod.SPEC_PROMPTS[0]))
-    seen = []
-    step = engine.step
-
-    def counted_step():
-        seen.append(sum(not s.finished for s in engine._seqs.values()))
-        return step()
-
-    monkeypatch.setattr(engine, "step", counted_step)
+    seen = count_live_requests(monkeypatch, engine)
     row = mod.spec_window(engine, 4, steps=5, device="cpu")
-    while seen[-1] == 0:
-        seen.pop()
+    seen = before_the_aborts(seen)
     assert seen[-(5 + 3):] == [4] * (5 + 3)   # the 3 warm-up and 5 timed steps
     assert row["verify_steps"] == 4 * 5 and row["accepted_length"] >= 1.0   # one verification a request a step
     assert not engine.has_unfinished() and not engine._seqs
@@ -202,7 +177,7 @@ def test_decode_room_stays_within_the_kv_pool(monkeypatch, tmp_path):
     from epmoe.engine import SamplingParams
 
     mod = load_benchmark("engine", monkeypatch)
-    engine = _staggered_engine(tmp_path, max_model_len=256, num_kv_blocks=8)
+    engine = staggered_engine(tmp_path, max_model_len=256, num_kv_blocks=8)
     pool = engine.allocator.capacity * engine.config.block_size
     assert pool < 256
     room = mod.decode_room(engine, [1] * 12)
