@@ -479,12 +479,16 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             time_ttft(engine, n, spec.vocab_size)
-        gpu_ms = sum(getattr(ev, "device_time_total", 0.0) for ev in prof.key_averages()) / 1e3
+        gpu = sorted(({"kernel": ev.key[:90], "us": ev.device_time_total, "calls": ev.count}
+                      for ev in prof.key_averages() if getattr(ev, "device_time_total", 0.0) > 0),
+                     key=lambda r: -r["us"])
+        gpu_ms = sum(r["us"] for r in gpu) / 1e3
         before = dict(engine.stats)
         time_ttft(engine, n, spec.vocab_size)
         path = next((k for k in ("graph_prefill", "piecewise", "eager") if engine.stats[f"{k}_steps"] > before[
             f"{k}_steps"]), "eager")
-        m["ttft"][n] = {"ms": ms, "floor_ms": floor, "ratio": ms / floor, "gpu_kernels_ms": gpu_ms, "path": path}
+        m["ttft"][n] = {"ms": ms, "floor_ms": floor, "ratio": ms / floor, "gpu_kernels_ms": gpu_ms, "path": path,
+                        "kernels": gpu[:25]}
         if path == "piecewise":  # the same prompt with the piecewise graphs set aside: the eager step it replaces
             pieces, engine.runner.piece_graphs = engine.runner.piece_graphs, {}
             try:
@@ -496,6 +500,8 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
         print(f"  ttft {n}: {ms:.1f} ms, floor {floor:.1f} ms, GPU kernels {gpu_ms:.1f} ms, {path}{eager}",
               flush=True)
         if args.profile:
+            for k in gpu[:10]:
+                print(f"    {k['us'] / 1e3:9.2f} ms {k['calls']:6d}x  {k['kernel']}")
             import cProfile
             import pstats
 

@@ -1,6 +1,6 @@
 """``layer.SharedExpert``: the gate and up weights as the halves of one tensor (what the checkpoint loader's copies
 fill), the three-product path on CPU, and on CUDA a decode row through the decode expert kernels against the three
-products (bf16), including inside a CUDA graph."""
+products (bf16), including inside a CUDA graph; more rows through one joined gate/up product."""
 
 import pytest
 import torch
@@ -56,3 +56,18 @@ def test_separated_halves_fall_back():
     x = torch.randn(1, 64, device="cuda", dtype=torch.bfloat16)
     want = m.down_proj(m.activation(m.gate_proj(x), m.up_proj(x)))
     assert torch.equal(m(x), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [SHARED_DECODE_MAX_ROWS + 1, 256])
+def test_more_rows_join_gate_and_up(rows):
+    """Above the decode rows the gate and up halves run as one product of twice the width: the three products'
+    result up to the order of their sums (bf16 rounding of each value either way)."""
+    m = _expert(7168, 2048, "cuda", torch.bfloat16)
+    for p in m.parameters():
+        p.normal_(0, 0.02)
+    x = torch.randn(rows, 7168, device="cuda", dtype=torch.bfloat16)
+    want = m.down_proj(m.activation(m.gate_proj(x), m.up_proj(x)))
+    got = m(x)
+    assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2
+    assert not torch.equal(got, torch.zeros_like(got))

@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from epmoe.checks import check_add_norm
@@ -164,8 +165,10 @@ class SharedExpert(nn.Module):
     runs as a one-slot expert through the decode expert kernels (``experts.triton.decode.decode_experts``: two
     launches streaming the weights at about the memory's rate, dependent launches on Hopper) instead of three
     cuBLAS products and two elementwise kernels. ``h`` then stays in float32 between the two launches, where
-    ``nn.Linear`` rounds ``gate(x)``, ``up(x)`` and their product to the model dtype. Were the two halves ever
-    separated (weights replaced by tensors of their own), the module falls back to the three products.
+    ``nn.Linear`` rounds ``gate(x)``, ``up(x)`` and their product to the model dtype. More CUDA rows take the gate and
+    up halves in one product of twice the width (``[T, 2F]``: one launch with more tiles to spread over the SMs,
+    each value rounded as ``nn.Linear``'s), then the activation and ``down_proj``. Were the two halves ever separated
+    (weights replaced by tensors of their own), or on CPU, the module runs the three products of the checkpoint.
 
     Args:
         hidden_size: ``D``.
@@ -198,11 +201,13 @@ class SharedExpert(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, D]`` -> ``[T, D]``."""
         w13 = self._w13
-        if (x.is_cuda and 0 < x.shape[0] <= SHARED_DECODE_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
-                and w13.dtype == x.dtype and w13.device == x.device and x.stride(-1) == 1
-                and self.gate_proj.weight.data_ptr() == w13[0].data_ptr()
-                and self.up_proj.weight.data_ptr() == w13[1].data_ptr()
-                and self.down_proj.weight.is_contiguous() and self._slots.device == x.device):
+        joined = (x.is_cuda and w13.dtype == x.dtype and w13.device == x.device
+                  and self.gate_proj.weight.data_ptr() == w13[0].data_ptr()
+                  and self.up_proj.weight.data_ptr() == w13[1].data_ptr())
+        if not joined:
+            return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))
+        if (0 < x.shape[0] <= SHARED_DECODE_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+                and x.stride(-1) == 1 and self.down_proj.weight.is_contiguous() and self._slots.device == x.device):
             from epmoe.experts.triton.decode import decode_experts
             from epmoe.experts.triton.grouped import act_code
             from epmoe.experts.weights import ExpertWeights
@@ -211,7 +216,9 @@ class SharedExpert(nn.Module):
             weights = ExpertWeights(w13=w13.view(1, -1, w13.shape[2]), w2=self.down_proj.weight[None])
             return decode_experts(x, self._slots[:t], self._ones[:t], weights, act_code(self.activation),
                                   self.activation)
-        return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))
+        f = w13.shape[1]
+        h = F.linear(x, w13.view(2 * f, w13.shape[2]))
+        return self.down_proj(self.activation(h[..., :f], h[..., f:]))
 
 
 def activation_of(spec: MoESpec) -> Activation:

@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epmoe.engine.mla_rope import mla_rope_write
+from epmoe.engine.mla_rope import (
+    WIDE_HEADS,
+    WIDE_MIN_ROWS,
+    mla_rope_write,
+    mla_rope_write_triton,
+    rope_heads_per_program,
+)
 
 from .mla_rope_cases import CASES, make_mla_rope_case
 
@@ -77,3 +83,19 @@ def test_which_modules_take_the_kernel(variant, fused):
         fuse_norms(attn)
         assert type(attn.kv_a_layernorm).__name__ == "FusedRMSNorm"
         assert attn._latent_norm()[0] is attn.kv_a_layernorm.weight
+
+
+def test_heads_per_program():
+    """One head a program below ``WIDE_MIN_ROWS`` head rows, ``WIDE_HEADS`` from there (a power of two no wider than
+    the model's heads); bad counts named."""
+    assert rope_heads_per_program(1, 64) == rope_heads_per_program(63, 64) == 1
+    assert rope_heads_per_program(WIDE_MIN_ROWS // 64, 64) == rope_heads_per_program(4096, 128) == WIDE_HEADS
+    assert rope_heads_per_program(WIDE_MIN_ROWS, 3) == 4 and rope_heads_per_program(WIDE_MIN_ROWS, 1) == 1
+    assert rope_heads_per_program(0, 64) == 1
+    for tokens, heads in ((-1, 64), (8, 0)):
+        with pytest.raises(ValueError, match=f"tokens={tokens}, heads={heads}"):
+            rope_heads_per_program(tokens, heads)
+    q, compressed, cos, sin, weight, pool, slots = make_mla_rope_case(*CASES[0][:5], torch.float32)
+    for bad in (3, 0, 2.0):
+        with pytest.raises(ValueError, match=f"heads_per_program must be a positive power of two, got {bad}"):
+            mla_rope_write_triton(q, compressed, cos, sin, weight, 1e-6, pool, slots, CASES[0][2], True, bad)

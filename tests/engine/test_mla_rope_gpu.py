@@ -15,10 +15,12 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("case", CASES + [(7, 64, 128, 64, 512, True), (2, 128, 128, 64, 512, False)])
+@pytest.mark.parametrize("case", CASES + [(7, 64, 128, 64, 512, True), (2, 128, 128, 64, 512, False),
+                                          (256, 64, 128, 64, 512, True), (33, 128, 128, 64, 512, False)])
 def test_kernel_matches_reference(case, dtype):
+    """The last two cases take 16 heads a program (``rope_heads_per_program``), the others one."""
     t, h, dn, dr, rank, interleave = case
-    args = [x.cuda() for x in make_mla_rope_case(t, h, dn, dr, rank, dtype)]
+    args = [x.cuda() for x in make_mla_rope_case(t, h, dn, dr, rank, dtype, slots=max(40, 2 * t))]
     q, compressed, cos, sin, weight, pool, slots = args
     want_q, want_pool = q.clone(), pool.clone()
     mla_rope_write_reference(want_q, compressed, cos, sin, weight, 1e-6, want_pool, slots, dn, interleave)

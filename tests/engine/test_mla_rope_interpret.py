@@ -17,15 +17,18 @@ from .mla_rope_cases import CASES, make_mla_rope_case
 pytestmark = pytest.mark.interpret
 
 
+@pytest.mark.parametrize("heads_per_program", [None, 2, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", CASES)
-def test_kernel_matches_reference(case, dtype):
+def test_kernel_matches_reference(case, dtype, heads_per_program):
+    """Every case with one head a program (the small batches' choice), two (a model whose heads do not fill the
+    last program: 3 heads) and sixteen (more than most cases have)."""
     t, h, dn, dr, rank, interleave = case
     q, compressed, cos, sin, weight, pool, slots = make_mla_rope_case(t, h, dn, dr, rank, dtype)
     want_q, want_pool = q.clone(), pool.clone()
     mla_rope_write_reference(want_q, compressed, cos, sin, weight, 1e-6, want_pool, slots, dn, interleave)
     nope = q[..., :dn].clone()
-    mla_rope_write_triton(q, compressed, cos, sin, weight, 1e-6, pool, slots, dn, interleave)
+    mla_rope_write_triton(q, compressed, cos, sin, weight, 1e-6, pool, slots, dn, interleave, heads_per_program)
     tol = 1e-6 if dtype == torch.float32 else 1e-3
     torch.testing.assert_close(q, want_q, rtol=tol, atol=tol)
     assert torch.equal(q[..., :dn], nope)

@@ -67,15 +67,21 @@ def test_fused_router_matches_torch(name, dtype):
 def test_fused_router_matches_torch_on_gpu(name, t):
     spec = parse_moe_spec(json.loads((CONFIGS / f"{name}.config.json").read_text()), name)
     # the top-k kernel on F.linear's logits (the gate in the kernel's launch: test_gate_fused_router_on_gpu)
+    # float32 logits on the grid (their float32 product through bfloat16 pieces differs from F.linear's in the last
+    # bits on random values, and may then choose another expert at a near tie: test_gate_logits_bf16_pieces_on_gpu)
     fused = Router(spec, dtype=torch.bfloat16, device="cuda", fused_gate_max_tokens=0)
     plain = Router(spec, dtype=torch.bfloat16, device="cuda", impl="torch")
     gen = torch.Generator(device="cuda").manual_seed(t)
-    with torch.no_grad():
-        fused.weight.normal_(0, 0.05, generator=gen)
-        if fused.e_score_correction_bias is not None:
-            fused.e_score_correction_bias.normal_(0, 0.1, generator=gen)
+    if fused.fp32_logits:
+        fused.load_state_dict(_grid_router(spec, torch.bfloat16, "cuda", gen).state_dict())
+    else:
+        with torch.no_grad():
+            fused.weight.normal_(0, 0.05, generator=gen)
+            if fused.e_score_correction_bias is not None:
+                fused.e_score_correction_bias.normal_(0, 0.1, generator=gen)
     plain.load_state_dict(fused.state_dict())
-    x = torch.randn(t, spec.hidden_size, generator=gen, device="cuda").bfloat16()
+    x = (_grid_x(t, spec.hidden_size, torch.bfloat16, "cuda", gen) if fused.fp32_logits
+         else torch.randn(t, spec.hidden_size, generator=gen, device="cuda").bfloat16())
     (fi, fw), (pi, pw) = fused(x), plain(x)
     logits = torch.nn.functional.linear(x.float(), fused.weight.float()) if fused.fp32_logits else \
         torch.nn.functional.linear(x, fused.weight, fused.bias)
@@ -85,6 +91,45 @@ def test_fused_router_matches_torch_on_gpu(name, t):
     same = (fo.values == po.values).all(dim=1)
     assert same.float().mean() >= 0.95
     assert torch.allclose(fw.gather(1, fo.indices)[same], pw.gather(1, po.indices)[same], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["deepseek-v3", "kimi-k2-instruct"])
+def test_gate_logits_bf16_pieces_on_gpu(name):
+    """Above the fused gate's tokens a float32-logit router multiplies bf16 rows by its weight's bfloat16 pieces:
+    three for random float32 values, one for a bf16 checkpoint's gate, each within float32 accumulation of the
+    exact product; a router whose first call is a CUDA-graph capture keeps the float32 product there."""
+    import torch.nn.functional as F
+
+    spec = parse_moe_spec(json.loads((CONFIGS / f"{name}.config.json").read_text()), name)
+    router = Router(spec, dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.05, generator=gen)
+    x = torch.randn(64, spec.hidden_size, generator=gen, device="cuda").bfloat16()
+
+    def check(pieces: int) -> None:
+        got = router._gate_logits(x).double()
+        w = router.weight.double()
+        exact = F.linear(x.double(), w)
+        bound = 2e-6 * F.linear(x.double().abs(), w.abs())  # float32 sums; two pieces would be ~4x over
+        assert router._pieces[1].shape[0] == pieces
+        assert ((got - exact).abs() <= bound).all(), (got - exact).abs().max()
+
+    check(3)
+    with torch.no_grad():
+        router.weight.copy_(router.weight.bfloat16().float())  # a new version of the weight: pieces made again
+    check(1)
+
+    fresh = Router(spec, dtype=torch.bfloat16, device="cuda")
+    fresh.load_state_dict(router.state_dict())
+    out = torch.empty(64, spec.num_experts, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(fresh._gate_logits(x))
+    graph.replay()
+    assert fresh._pieces is None
+    assert torch.equal(out, F.linear(x.float(), fresh.weight))
 
 
 def _slots_and_record(device: str) -> None:
@@ -519,3 +564,25 @@ def test_route_folded_on_gpu(name):
             assert torch.equal(g, w)
         assert torch.equal(g_normed, want_normed) and torch.equal(g_sum, want_sum)
     assert not router._arrivals.any()
+
+
+def test_bfloat16_pieces_sum_exactly():
+    """The fewest bfloat16 pieces summing to a float32 weight exactly: one for bf16 values, three for random float32
+    values; none where three leave a residual (a value below bfloat16's normal range, a non-finite one); a weight
+    that is not 2-D float32 is refused by name."""
+    from epmoe.routing.router import MAX_BF16_PIECES, bfloat16_pieces
+
+    w = torch.randn(24, 40, generator=torch.Generator().manual_seed(0)) * 0.05
+    pieces = bfloat16_pieces(w)
+    assert pieces.dtype == torch.bfloat16 and pieces.shape == (MAX_BF16_PIECES, 24, 40)
+    assert torch.equal(pieces.float().sum(0), w)
+    assert not torch.equal(pieces[:2].float().sum(0), w)
+    one = bfloat16_pieces(w.bfloat16().float())
+    assert one.shape == (1, 24, 40) and torch.equal(one[0], w.bfloat16())
+    two = w.bfloat16().float() + (w - w.bfloat16().float()).bfloat16().float()
+    assert bfloat16_pieces(two).shape[0] == 2
+    assert bfloat16_pieces(torch.full((2, 2), 1.0 + 2.0 ** -23) * 2.0 ** -120) is None
+    assert bfloat16_pieces(torch.tensor([[1.0, float("inf")]])) is None
+    for bad, shown in ((w.double(), "torch.float64"), (w[0], r"\(40,\)"), ([1.0], "list")):
+        with pytest.raises(ValueError, match=f"bfloat16_pieces needs a 2-D float32 weight, got .*{shown}"):
+            bfloat16_pieces(bad)

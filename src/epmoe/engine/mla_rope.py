@@ -6,9 +6,12 @@ normalises the compressed latent (``kv_a_layernorm``), rotates the last ``qk_rop
 query head and the rotary key (``apply_rotary_pos_emb`` or, with ``rope_interleave``,
 ``apply_rotary_pos_emb_interleave``: some ten elementwise launches, slices, products, sums and concatenations), and
 the engine then writes ``[c_kv, k_rope]`` into the latent cache (a concatenation and a scatter). At one decode token
-those launches cost several times what they read. ``mla_rope_write`` does it in one launch (grid ``(T, H + 1)``):
-programs ``h < H`` rotate query head ``h``'s rotary part in place, program ``H`` normalises the token's latent,
-rotates its key and stores both into the token's cache slot.
+those launches cost several times what they read. ``mla_rope_write`` does it in one launch (grid ``(T, G + 1)``):
+programs ``g < G`` rotate the rotary parts of query heads ``g * HB .. g * HB + HB - 1`` in place, program ``G``
+normalises the token's latent, rotates its key and stores both into the token's cache slot. ``HB`` is one head at
+small batches (many one-warp programs, the shortest chain) and ``WIDE_HEADS`` heads from ``WIDE_MIN_ROWS`` head
+rows (``rope_heads_per_program``): a program of one head moves 4 * ``rope`` bytes, so at large batches and in
+prefill the launch would otherwise be tens of thousands of programs doing almost nothing each.
 
 Rotary embedding: pairs ``(x1, x2)`` are rotated to ``(x1 c - x2 s, x2 c + x1 s)`` and stored as the two halves
 ``[x1 c - x2 s, x2 c + x1 s]``, with ``c, s`` the first half of the model's own cosine and sine (``cat(freqs,
@@ -28,6 +31,27 @@ import torch
 
 from epmoe.experts.triton.pdl import pdl_launch
 
+WIDE_HEADS = 16
+"""Query heads a program rotates from ``WIDE_MIN_ROWS`` head rows on (``rope_heads_per_program``)."""
+
+WIDE_MIN_ROWS = 4096
+"""Tokens times query heads from which a program rotates ``WIDE_HEADS`` heads (DeepSeek-V3 from 32 tokens, Kimi-K2
+from 64), not one."""
+
+
+def rope_heads_per_program(tokens: int, heads: int) -> int:
+    """Query heads one program of ``mla_rope_write``'s launch rotates: 1 below ``WIDE_MIN_ROWS`` head rows, else
+    ``WIDE_HEADS`` (fewer where the model has fewer, a power of two).
+
+    Raises:
+        ValueError: ``tokens`` negative or ``heads`` below 1 (named)."""
+    if tokens < 0 or heads < 1:
+        raise ValueError(f"rope_heads_per_program needs tokens >= 0 and heads >= 1, got tokens={tokens}, "
+                         f"heads={heads}")
+    if tokens * heads < WIDE_MIN_ROWS:
+        return 1
+    return min(WIDE_HEADS, 1 << (heads - 1).bit_length())
+
 
 @functools.cache
 def _kernel():
@@ -37,13 +61,13 @@ def _kernel():
     @triton.jit
     def mla_rope_kernel(q_ptr, c_ptr, cos_ptr, sin_ptr, nw_ptr, cache_ptr, slot_ptr,
                         stride_qt, stride_qh, stride_ct, stride_cos, stride_cache, eps,
-                        H: tl.constexpr, DN: tl.constexpr, HALF: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
-                        INTERLEAVE: tl.constexpr, PDL: tl.constexpr):
+                        H: tl.constexpr, HB: tl.constexpr, DN: tl.constexpr, HALF: tl.constexpr, R: tl.constexpr,
+                        R_PAD: tl.constexpr, INTERLEAVE: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # everything it reads but the norm weight comes from the projections before: wait at once
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
+        g = tl.program_id(1)
         i = tl.arange(0, HALF)
         if INTERLEAVE:
             p1 = 2 * i
@@ -53,12 +77,15 @@ def _kernel():
             p2 = HALF + i
         c = tl.load(cos_ptr + t * stride_cos + i).to(tl.float32)
         s = tl.load(sin_ptr + t * stride_cos + i).to(tl.float32)
-        if h < H:  # a query head's rotary part, in place (both values are loaded before either store)
-            base = q_ptr + t * stride_qt + h * stride_qh + DN
-            x1 = tl.load(base + p1).to(tl.float32)
-            x2 = tl.load(base + p2).to(tl.float32)
-            tl.store(base + i, (x1 * c - x2 * s).to(q_ptr.dtype.element_ty))
-            tl.store(base + HALF + i, (x2 * c + x1 * s).to(q_ptr.dtype.element_ty))
+        if g * HB < H:  # HB query heads' rotary parts, in place (both values are loaded before either store)
+            h = g * HB + tl.arange(0, HB)
+            ok = (h < H)[:, None]
+            base = q_ptr + t * stride_qt + h[:, None] * stride_qh + DN
+            x1 = tl.load(base + p1[None, :], mask=ok).to(tl.float32)
+            x2 = tl.load(base + p2[None, :], mask=ok).to(tl.float32)
+            tl.store(base + i[None, :], (x1 * c[None, :] - x2 * s[None, :]).to(q_ptr.dtype.element_ty), mask=ok)
+            tl.store(base + HALF + i[None, :], (x2 * c[None, :] + x1 * s[None, :]).to(q_ptr.dtype.element_ty),
+                     mask=ok)
         else:  # the token's latent entry: normalised c_kv, then the rotated key
             row = c_ptr + t * stride_ct
             r = tl.arange(0, R_PAD)
@@ -125,8 +152,8 @@ def mla_rope_write(q: torch.Tensor, compressed: torch.Tensor, cos: torch.Tensor,
                    nope_dim: int, interleave: bool) -> None:
     """Rotate the queries' rotary parts in place and store each token's latent entry ``[norm(c_kv), rope(k_rope)]``.
 
-    CUDA tensors run one Triton launch (grid ``(T, H + 1)``), CPU tensors ``mla_rope_write_reference``. No host
-    synchronisation (CUDA-graph safe).
+    CUDA tensors run one Triton launch (grid ``(T, ceil(H / HB) + 1)``, ``HB`` from ``rope_heads_per_program``), CPU
+    tensors ``mla_rope_write_reference``. No host synchronisation (CUDA-graph safe).
 
     Args:
         q: ``[T, H, nope_dim + rope]`` the queries (``q_b_proj``'s output per head), contiguous along the last
@@ -151,18 +178,24 @@ def mla_rope_write(q: torch.Tensor, compressed: torch.Tensor, cos: torch.Tensor,
 
 def mla_rope_write_triton(q: torch.Tensor, compressed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           norm_weight: torch.Tensor, eps: float, pool: torch.Tensor, slot_mapping: torch.Tensor,
-                          nope_dim: int, interleave: bool) -> None:
+                          nope_dim: int, interleave: bool, heads_per_program: int | None = None) -> None:
     """``mla_rope_write``'s Triton launch (CUDA, or CPU tensors under the Triton interpreter); arguments checked
-    there."""
+    there. ``heads_per_program``: a power of two, ``rope_heads_per_program`` where ``None`` (tests choose it).
+
+    Raises:
+        ValueError: ``heads_per_program`` not a positive power of two."""
     t, h, width = q.shape
+    hb = rope_heads_per_program(t, h) if heads_per_program is None else heads_per_program
+    if not isinstance(hb, int) or hb < 1 or hb & (hb - 1):
+        raise ValueError(f"heads_per_program must be a positive power of two, got {hb!r}")
     if not t:
         return
     triton, kernel = _kernel()
     rank = norm_weight.shape[0]
     pdl = pdl_launch(q)
-    kernel[(t, h + 1)](
+    kernel[(t, triton.cdiv(h, hb) + 1)](
         q, compressed, cos, sin, norm_weight, pool, slot_mapping,
         q.stride(0), q.stride(1), compressed.stride(0), cos.stride(0), pool.stride(0), float(eps),
-        H=h, DN=nope_dim, HALF=(width - nope_dim) // 2, R=rank, R_PAD=triton.next_power_of_2(rank),
-        INTERLEAVE=interleave, PDL=pdl, num_warps=1, launch_pdl=pdl,
+        H=h, HB=hb, DN=nope_dim, HALF=(width - nope_dim) // 2, R=rank, R_PAD=triton.next_power_of_2(rank),
+        INTERLEAVE=interleave, PDL=pdl, num_warps=1 if hb == 1 else 4, launch_pdl=pdl,
     )

@@ -19,8 +19,49 @@ FUSED_GATE_MAX_TOKENS = 16
 """The most tokens ``Router`` routes through ``router_triton.route_gate_triton`` (the gate's logits computed in the
 routing kernel's launch) by default, and the arrival counters it keeps for it. Each token's programs there read the
 whole gate weight (all but the first token's reads hit L2), so that launch reads more with every token, while
-a matrix product reads the weight once: above a few tokens the router computes the logits with ``F.linear``
+a matrix product reads the weight once: above a few tokens the router computes the logits with a matrix product
 and routes them with ``router_triton.route_triton``."""
+
+MAX_BF16_PIECES = 3
+"""The most bfloat16 pieces ``bfloat16_pieces`` splits a float32 weight into: three hold any float32 value of a
+normal magnitude exactly (8 significant bits each, the rounding's sign giving the residual one more)."""
+
+
+def bfloat16_pieces(weight: torch.Tensor) -> torch.Tensor | None:
+    """A float32 matrix as the fewest bfloat16 matrices that sum to it exactly, for float32 products on bfloat16
+    matrix units: a bfloat16 row times each piece, each product exact in float32 and summed in float32, is the float32
+    product up to the order of its sums (the split of the Ozaki scheme, Ozaki et al., "Error-free transformations of
+    matrix multiplication by using fast routines of matrix multiplication and its applicability", Numerical
+    Algorithms 59, 2012; with bfloat16 rows no split of the rows is needed).
+
+    Piece ``i`` is the residual after pieces ``0..i-1`` rounded to bfloat16 (to nearest): one piece for a weight that
+    is bfloat16 already (a checkpoint's bf16 gate widened to float32), three for any float32 value.
+
+    Args:
+        weight: ``[E, D]`` float32.
+
+    Returns:
+        ``[n, E, D]`` bfloat16 with ``n <= MAX_BF16_PIECES`` and ``sum(pieces.float()) == weight`` exactly, or
+        ``None`` where three pieces leave a residual (values too small for bfloat16 to hold their low bits, or not
+        finite). Reads the residual back to the host once per piece.
+
+    Raises:
+        ValueError: ``weight`` not a 2-D float32 tensor.
+    """
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype != torch.float32:
+        shown = (f"{tuple(weight.shape)} {weight.dtype}" if isinstance(weight, torch.Tensor)
+                 else type(weight).__name__)
+        raise ValueError(f"bfloat16_pieces needs a 2-D float32 weight, got {shown}")
+    if not bool(torch.isfinite(weight).all()):
+        return None
+    pieces, rest = [], weight
+    for _ in range(MAX_BF16_PIECES):
+        piece = rest.to(torch.bfloat16)
+        pieces.append(piece)
+        rest = rest - piece.float()
+        if not bool(rest.any()):
+            return torch.stack(pieces)
+    return None
 
 
 class Router(nn.Module):
@@ -59,6 +100,7 @@ class Router(nn.Module):
         self.impl = impl
         self.fused_gate_max_tokens = FUSED_GATE_MAX_TOKENS if fused_gate_max_tokens is None else fused_gate_max_tokens
         self._arrivals: torch.Tensor | None = None  # route_gate_triton's counters on the device (_arrival_counters)
+        self._pieces: tuple[tuple, torch.Tensor | None] | None = None  # (weight's identity, bfloat16_pieces)
         e, d = spec.num_experts, spec.hidden_size
         self.fp32_logits = spec.router_fp32_logits
         w_dtype = torch.float32 if self.fp32_logits else dtype
@@ -203,8 +245,35 @@ class Router(nn.Module):
             return fused.route_gate_triton(x, self.weight, self.bias, self._arrival_counters(x.device),
                                            self.e_score_correction_bias, fp32_logits=self.fp32_logits, **flags,
                                            slot_table=slot_table, record=record, row_mask=row_mask)
-        return fused.route_triton(self._logits(x), self.e_score_correction_bias, **flags, slot_table=slot_table,
+        return fused.route_triton(self._gate_logits(x), self.e_score_correction_bias, **flags, slot_table=slot_table,
                                   record=record, row_mask=row_mask)
+
+    def _gate_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``_logits`` for the fused path: float32 logits of bfloat16 rows ``x [T, D]`` on CUDA through the weight's
+        ``bfloat16_pieces`` (one matrix product with float32 output over the ``[n * E, D]`` pieces, the ``n`` partial
+        logits summed), where ``F.linear`` would widen ``x`` and run a float32 product on the CUDA cores; else
+        ``_logits``."""
+        pieces = self._weight_pieces() if self.fp32_logits and x.is_cuda and x.dtype == torch.bfloat16 else None
+        if pieces is None:
+            return self._logits(x)
+        n, e, d = pieces.shape
+        logits = torch.mm(x, pieces.view(n * e, d).t(), out_dtype=torch.float32)
+        logits = logits.view(x.shape[0], n, e).sum(dim=1) if n > 1 else logits
+        return logits if self.bias is None else logits + self.bias.float()
+
+    def _weight_pieces(self) -> torch.Tensor | None:
+        """The gate weight's ``bfloat16_pieces``, made once per weight (its storage, and its version counter where
+        the tensor keeps one: an inference-mode tensor does not, and is taken as changed only with its storage):
+        ``None`` where it has none, and during a CUDA-graph capture that finds none made (the engine's warm-up steps
+        make them before capturing; the graph then keeps the float32 product)."""
+        w = self.weight
+        key = (w.data_ptr(), None if w.is_inference() else w._version, w.device)
+        if self._pieces is not None and self._pieces[0] == key:
+            return self._pieces[1]
+        if w.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        self._pieces = (key, bfloat16_pieces(w.detach()))
+        return self._pieces[1]
 
     def _arrival_counters(self, device: torch.device) -> torch.Tensor:
         """``route_gate_triton``'s ``[FUSED_GATE_MAX_TOKENS]`` int32 arrival counters on ``device``: zeroed once,
