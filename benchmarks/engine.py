@@ -225,10 +225,13 @@ def time_decode(engine: Engine, bs: int, steps: int, vocab: int, profile_steps: 
         before = dict(engine.stats)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
+        ends = []
         for _ in range(steps):
             engine.step()
+            ends.append(time.perf_counter())
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1e3 / steps
+        walls = [(b - a) * 1e3 for a, b in zip([t0] + ends[:-1], ends)]
         graph = engine.stats["graph_steps"] - before["graph_steps"]
         kernels, timeline = kernel_profile(engine, profile_steps) if profile_steps else ([], {})
         host = host_profile(engine, profile_steps) if profile_steps else []
@@ -244,8 +247,16 @@ def time_decode(engine: Engine, bs: int, steps: int, vocab: int, profile_steps: 
             engine.abort(rid)
         while engine.has_unfinished():
             engine.step()
-    return {"tpot_ms": ms, "graph_steps": graph, "ctx": prompt + 4 + steps / 2, "kernels": kernels,
-            "timeline": timeline, "host": host, "experts_touched_measured": touched}
+    return {"tpot_ms": ms, "step_spread_ms": step_spread(walls), "graph_steps": graph, "ctx": prompt + 4 + steps / 2,
+            "kernels": kernels, "timeline": timeline, "host": host, "experts_touched_measured": touched}
+
+
+def step_spread(walls: list[float]) -> dict:
+    """The spread of a window's step times, ms (each ``engine.step()`` call's wall time; with the overlap schedule a
+    step's call returns once the step before it is read back, so in a steady window these follow the GPU's steps):
+    ``median``, ``min``, ``max``. A GPU at its power cap runs some steps slower than others (the README's "step at
+    the GPU's power cap"); the first call of a window returns early (nothing in flight yet)."""
+    return {"median": statistics.median(walls), "min": min(walls), "max": max(walls)} if walls else {}
 
 
 def batch_losses(engine: Engine, ids: Collection[int], preemptions_before: int) -> tuple[int, int]:
@@ -442,7 +453,9 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
         r["ratio_to_floor"] = r["tpot_ms"] / r["floor_ms"]
         m["rows"][bs] = r
         touched = r["experts_touched_measured"]
-        print(f"  bs {bs}: TPOT {r['tpot_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms, graph steps {r['graph_steps']}"
+        spread = r["step_spread_ms"]
+        print(f"  bs {bs}: TPOT {r['tpot_ms']:.2f} ms (steps: median {spread['median']:.2f}, min {spread['min']:.2f},"
+              f" max {spread['max']:.2f}), floor {r['floor_ms']:.2f} ms, graph steps {r['graph_steps']}"
               + (f", experts touched per MoE layer {touched:.1f} (uniform routing: "
                  f"{r['experts_touched_per_layer']:.1f}, floor {r['floor_uniform_ms']:.2f} ms)"
                  if touched is not None else ""), flush=True)

@@ -111,6 +111,8 @@ def test_time_decode_measures_the_whole_batch(monkeypatch, tmp_path):
     measured = 3 + mod.ROUTING_STEPS
     assert len(seen) >= measured + 3 and seen[-measured:] == [4] * measured
     assert row["experts_touched_measured"] > engine.spec.top_k
+    spread = row["step_spread_ms"]
+    assert 0 < spread["min"] <= spread["median"] <= spread["max"] <= 3 * row["tpot_ms"]
     assert not engine.has_unfinished() and not engine._seqs
     assert engine.allocator.num_free == engine.allocator.capacity
 
@@ -185,3 +187,10 @@ def test_decode_room_stays_within_the_kv_pool(monkeypatch, tmp_path):
     engine.check_request([1] * 12, SamplingParams(max_tokens=room))
     with pytest.raises(ValueError, match="KV pool"):
         engine.check_request([1] * 12, SamplingParams(max_tokens=room + 1))
+
+
+def test_step_spread(monkeypatch):
+    """A window's step times as median, min and max; an empty window has none."""
+    mod = load_benchmark("engine", monkeypatch)
+    assert mod.step_spread([3.0, 1.0, 2.0, 10.0]) == {"median": 2.5, "min": 1.0, "max": 10.0}
+    assert mod.step_spread([]) == {}
