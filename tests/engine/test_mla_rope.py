@@ -92,10 +92,13 @@ def test_heads_per_program():
     assert rope_heads_per_program(WIDE_MIN_ROWS // 64, 64) == rope_heads_per_program(4096, 128) == WIDE_HEADS
     assert rope_heads_per_program(WIDE_MIN_ROWS, 3) == 4 and rope_heads_per_program(WIDE_MIN_ROWS, 1) == 1
     assert rope_heads_per_program(0, 64) == 1
-    for tokens, heads in ((-1, 64), (8, 0)):
-        with pytest.raises(ValueError, match=f"tokens={tokens}, heads={heads}"):
+    for tokens, heads, shown in ((-1, 64, "tokens must be an integer >= 0, got -1"),
+                                 (8, 0, "heads must be an integer >= 1, got 0"),
+                                 (2.0, 64, "tokens must be an integer >= 0, got 2.0"),
+                                 (8, True, "heads must be an integer >= 1, got True")):
+        with pytest.raises(ValueError, match=f"rope_heads_per_program: {shown}"):
             rope_heads_per_program(tokens, heads)
     q, compressed, cos, sin, weight, pool, slots = make_mla_rope_case(*CASES[0][:5], torch.float32)
-    for bad in (3, 0, 2.0):
+    for bad in (3, 0, 2.0, True):
         with pytest.raises(ValueError, match=f"heads_per_program must be a positive power of two, got {bad}"):
             mla_rope_write_triton(q, compressed, cos, sin, weight, 1e-6, pool, slots, CASES[0][2], True, bad)

@@ -29,6 +29,7 @@ import functools
 
 import torch
 
+from epmoe.checks import check_int, is_int
 from epmoe.experts.triton.pdl import pdl_launch
 
 WIDE_HEADS = 16
@@ -44,10 +45,9 @@ def rope_heads_per_program(tokens: int, heads: int) -> int:
     ``WIDE_HEADS`` (fewer where the model has fewer, a power of two).
 
     Raises:
-        ValueError: ``tokens`` negative or ``heads`` below 1 (named)."""
-    if tokens < 0 or heads < 1:
-        raise ValueError(f"rope_heads_per_program needs tokens >= 0 and heads >= 1, got tokens={tokens}, "
-                         f"heads={heads}")
+        ValueError: ``tokens`` not an integer >= 0 or ``heads`` not an integer >= 1 (named)."""
+    tokens = check_int("rope_heads_per_program: tokens", tokens, 0)
+    heads = check_int("rope_heads_per_program: heads", heads, 1)
     if tokens * heads < WIDE_MIN_ROWS:
         return 1
     return min(WIDE_HEADS, 1 << (heads - 1).bit_length())
@@ -186,7 +186,7 @@ def mla_rope_write_triton(q: torch.Tensor, compressed: torch.Tensor, cos: torch.
         ValueError: ``heads_per_program`` not a positive power of two."""
     t, h, width = q.shape
     hb = rope_heads_per_program(t, h) if heads_per_program is None else heads_per_program
-    if not isinstance(hb, int) or hb < 1 or hb & (hb - 1):
+    if not is_int(hb) or hb < 1 or hb & (hb - 1):
         raise ValueError(f"heads_per_program must be a positive power of two, got {hb!r}")
     if not t:
         return
