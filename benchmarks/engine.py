@@ -787,6 +787,11 @@ def check_decode_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
         ap.error(f"--steps {args.steps} (with the profile and routing steps: {measured} a row) is more than fit the "
                  f"context limit past a {args.context}-token prompt ({room}; the rest is for requests that decode "
                  f"while others are prefilled)")
+    limit = context_limit(args.context)
+    long = [n for n in lists["--ttft"] if n >= limit]
+    if long:
+        ap.error(f"--ttft {long} leave no room in the engine's context of {limit} tokens (max_model_len: 8192, or "
+                 f"--context {args.context} plus {CONTEXT_MARGIN}); each TTFT prompt must be shorter")
     bad = [m for m in args.peer.split(",") if m not in ("eager", "static", "none")]
     if bad:
         ap.error(f"--peer takes eager, static or none, got {args.peer!r}")
@@ -809,7 +814,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=PROMPT,
                     help="prompt tokens of every decode row's requests (the step's context is about this plus the "
                          "steps)")
-    ap.add_argument("--ttft", default="1024,4096")
+    ap.add_argument("--ttft", default="1024,4096", help="prompt lengths whose time to first token is measured, "
+                                                        "e.g. 1024,4096 ('' for none); each shorter than the "
+                                                        "engine's context (8192, or --context plus 512)")
     ap.add_argument("--deepseek-layers", type=int, default=7)
     ap.add_argument("--kimi-layers", type=int, default=4,
                     help="Kimi-K2.5 decoder layers (4: the dense one and 3 MoE layers, 100.6 GiB in bf16; 5 take "
@@ -820,7 +827,8 @@ def main() -> None:
     ap.add_argument("--peer-batches", default="1,8,64,256")
     ap.add_argument("--sequential-batches", default="",
                     help="batch sizes also timed without the overlap schedule, e.g. 1,64")
-    ap.add_argument("--profile", default="", help="batch sizes whose kernels are profiled, e.g. 1,64")
+    ap.add_argument("--profile", default="", help="batch sizes whose kernels are profiled, e.g. 1,64; with any, "
+                                                  "each --ttft prompt's kernels and host time are profiled too")
     ap.add_argument("--profile-steps", type=int, default=5,
                     help="decode steps each profile covers (its idle time includes the first step's launch)")
     ap.add_argument("--env-variants", default="",

@@ -79,6 +79,12 @@ def test_bad_speculation_flags_are_named_with_exit_2(script, tmp_path, monkeypat
     (["--batches", "1,8", "--profile", "128"], "--profile [128] are not among --batches '1,8'"),
     (["--sequential-batches", "3"], "--sequential-batches [3] are not among --batches '1,8,64,256'"),
     (["--ttft", "abc"], "--ttft must be comma-separated integers, got 'abc'"),
+    # the prompt would have been refused by the engine only after every decode row was measured
+    (["--ttft", "1024,8192"], "--ttft [8192] leave no room in the engine's context of 8192 tokens (max_model_len: "
+                              "8192, or --context 128 plus 512); each TTFT prompt must be shorter"),
+    (["--context", "9000", "--ttft", "9511,9512"],
+     "--ttft [9512] leave no room in the engine's context of 9512 tokens (max_model_len: 8192, or --context 9000 plus "
+     "512); each TTFT prompt must be shorter"),
     (["--peer", "eagr"], "--peer takes eager, static or none, got 'eagr'"),
     (["--kimi-layers", "0"], "--kimi-layers must be at least 1, got 0"),
     (["--env-variants", "EPMOE_PDL=0;FOO"], "--env-variants: 'FOO' in 'FOO' is not NAME=VALUE"),

@@ -2,6 +2,8 @@
 fill), the three-product path on CPU, and on CUDA a decode row through the decode expert kernels against the three
 products (bf16), including inside a CUDA graph; more rows through one joined gate/up product."""
 
+import copy
+
 import pytest
 import torch
 
@@ -25,6 +27,11 @@ def test_weights_are_halves_of_one_tensor_and_loader_copies_reach_them():
     x = torch.randn(3, 64)
     want = m.down_proj.weight @ (torch.nn.functional.silu(x @ gate.T) * (x @ up.T)).T
     torch.testing.assert_close(m(x), want.T, rtol=1e-5, atol=1e-5)
+    # the joined tensor is a plain leaf (no autograd history): the module deep-copies (the copy's halves are tensors
+    # of their own, so on CUDA it would run the three products)
+    assert not m._w13.requires_grad and m._w13.grad_fn is None
+    twin = copy.deepcopy(m)
+    assert torch.equal(twin(x), m(x))
 
 
 @pytest.mark.gpu

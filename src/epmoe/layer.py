@@ -185,8 +185,9 @@ class SharedExpert(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
         w13 = torch.empty(2, intermediate_size, hidden_size, dtype=dtype, device=device)
-        w13[0].copy_(self.gate_proj.weight)
-        w13[1].copy_(self.up_proj.weight)
+        with torch.no_grad():  # a plain tensor, not a node of an autograd graph (deep copies, no grad at call)
+            w13[0].copy_(self.gate_proj.weight)
+            w13[1].copy_(self.up_proj.weight)
         self.gate_proj.weight = nn.Parameter(w13[0])
         self.up_proj.weight = nn.Parameter(w13[1])
         self._w13 = w13  # not a parameter: the checkpoint's names are the two halves'

@@ -99,6 +99,6 @@ def test_heads_per_program():
         with pytest.raises(ValueError, match=f"rope_heads_per_program: {shown}"):
             rope_heads_per_program(tokens, heads)
     q, compressed, cos, sin, weight, pool, slots = make_mla_rope_case(*CASES[0][:5], torch.float32)
-    for bad in (3, 0, 2.0, True):
-        with pytest.raises(ValueError, match=f"heads_per_program must be a positive power of two, got {bad}"):
+    for bad in (3, 0, 2.0, True, 128, 2 ** 40):
+        with pytest.raises(ValueError, match=f"heads_per_program must be a power of two from 1 to 64, got {bad}"):
             mla_rope_write_triton(q, compressed, cos, sin, weight, 1e-6, pool, slots, CASES[0][2], True, bad)

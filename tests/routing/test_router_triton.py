@@ -131,6 +131,9 @@ def test_gate_logits_bf16_pieces_on_gpu(name):
     assert fresh._pieces is None
     assert torch.equal(out, F.linear(x.float(), fresh.weight))
 
+    cast = fresh.to(torch.bfloat16)  # a weight no longer float32 (a model cast whole): F.linear widens it, as before
+    assert torch.equal(cast._gate_logits(x), cast._logits(x)) and cast._pieces is None
+
 
 def _slots_and_record(device: str) -> None:
     """``route_to_slots``: the same slots as ``SlotMap`` on the routed ids and the same counts as the recorder's
@@ -583,6 +586,7 @@ def test_bfloat16_pieces_sum_exactly():
     assert bfloat16_pieces(two).shape[0] == 2
     assert bfloat16_pieces(torch.full((2, 2), 1.0 + 2.0 ** -23) * 2.0 ** -120) is None
     assert bfloat16_pieces(torch.tensor([[1.0, float("inf")]])) is None
+    assert bfloat16_pieces(torch.tensor([[3.3963e38]])) is None  # the first piece would round past bfloat16's range
     for bad, shown in ((w.double(), "torch.float64"), (w[0], r"\(40,\)"), ([1.0], "list")):
         with pytest.raises(ValueError, match=f"bfloat16_pieces needs a 2-D float32 weight, got .*{shown}"):
             bfloat16_pieces(bad)

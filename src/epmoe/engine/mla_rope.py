@@ -35,6 +35,9 @@ from epmoe.experts.triton.pdl import pdl_launch
 WIDE_HEADS = 16
 """Query heads a program rotates from ``WIDE_MIN_ROWS`` head rows on (``rope_heads_per_program``)."""
 
+MAX_HEADS_PER_PROGRAM = 64
+"""The most query heads ``mla_rope_write_triton`` lets one program rotate (``heads_per_program``)."""
+
 WIDE_MIN_ROWS = 4096
 """Tokens times query heads from which a program rotates ``WIDE_HEADS`` heads (DeepSeek-V3 from 32 tokens, Kimi-K2
 from 64), not one."""
@@ -180,14 +183,16 @@ def mla_rope_write_triton(q: torch.Tensor, compressed: torch.Tensor, cos: torch.
                           norm_weight: torch.Tensor, eps: float, pool: torch.Tensor, slot_mapping: torch.Tensor,
                           nope_dim: int, interleave: bool, heads_per_program: int | None = None) -> None:
     """``mla_rope_write``'s Triton launch (CUDA, or CPU tensors under the Triton interpreter); arguments checked
-    there. ``heads_per_program``: a power of two, ``rope_heads_per_program`` where ``None`` (tests choose it).
+    there. ``heads_per_program``: a power of two up to ``MAX_HEADS_PER_PROGRAM``, ``rope_heads_per_program`` where
+    ``None`` (tests choose it).
 
     Raises:
-        ValueError: ``heads_per_program`` not a positive power of two."""
+        ValueError: ``heads_per_program`` not a power of two in ``[1, MAX_HEADS_PER_PROGRAM]``."""
     t, h, width = q.shape
     hb = rope_heads_per_program(t, h) if heads_per_program is None else heads_per_program
-    if not is_int(hb) or hb < 1 or hb & (hb - 1):
-        raise ValueError(f"heads_per_program must be a positive power of two, got {hb!r}")
+    if not is_int(hb) or not 1 <= hb <= MAX_HEADS_PER_PROGRAM or hb & (hb - 1):
+        raise ValueError(f"heads_per_program must be a power of two from 1 to {MAX_HEADS_PER_PROGRAM}, got {hb!r}")
+    hb = int(hb)
     if not t:
         return
     triton, kernel = _kernel()

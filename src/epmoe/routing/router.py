@@ -23,8 +23,9 @@ a matrix product reads the weight once: above a few tokens the router computes t
 and routes them with ``router_triton.route_triton``."""
 
 MAX_BF16_PIECES = 3
-"""The most bfloat16 pieces ``bfloat16_pieces`` splits a float32 weight into: three hold any float32 value of a
-normal magnitude exactly (8 significant bits each, the rounding's sign giving the residual one more)."""
+"""The most bfloat16 pieces ``bfloat16_pieces`` splits a float32 weight into: three hold a float32 value exactly (8
+significant bits each, the rounding's sign giving the residual one more) from about ``2**-110`` up to bfloat16's
+largest finite value (about ``3.39e38``); below, the last residuals fall under bfloat16's normal range."""
 
 
 def bfloat16_pieces(weight: torch.Tensor) -> torch.Tensor | None:
@@ -35,15 +36,16 @@ def bfloat16_pieces(weight: torch.Tensor) -> torch.Tensor | None:
     Algorithms 59, 2012; with bfloat16 rows no split of the rows is needed).
 
     Piece ``i`` is the residual after pieces ``0..i-1`` rounded to bfloat16 (to nearest): one piece for a weight that
-    is bfloat16 already (a checkpoint's bf16 gate widened to float32), three for any float32 value.
+    is bfloat16 already (a checkpoint's bf16 gate widened to float32), three for other float32 values of ordinary
+    magnitudes (``MAX_BF16_PIECES``).
 
     Args:
         weight: ``[E, D]`` float32.
 
     Returns:
         ``[n, E, D]`` bfloat16 with ``n <= MAX_BF16_PIECES`` and ``sum(pieces.float()) == weight`` exactly, or
-        ``None`` where three pieces leave a residual (values too small for bfloat16 to hold their low bits, or not
-        finite). Reads the residual back to the host once per piece.
+        ``None`` where three pieces leave a residual (values too small for bfloat16 to hold their low bits, too large
+        for bfloat16's range, or not finite). Reads the residual back to the host once per piece.
 
     Raises:
         ValueError: ``weight`` not a 2-D float32 tensor.
@@ -253,7 +255,8 @@ class Router(nn.Module):
         ``bfloat16_pieces`` (one matrix product with float32 output over the ``[n * E, D]`` pieces, the ``n`` partial
         logits summed), where ``F.linear`` would widen ``x`` and run a float32 product on the CUDA cores; else
         ``_logits``."""
-        pieces = self._weight_pieces() if self.fp32_logits and x.is_cuda and x.dtype == torch.bfloat16 else None
+        pieces = (self._weight_pieces() if self.fp32_logits and x.is_cuda and x.dtype == torch.bfloat16
+                  and self.weight.dtype == torch.float32 else None)
         if pieces is None:
             return self._logits(x)
         n, e, d = pieces.shape
