@@ -83,7 +83,7 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 import torch  # noqa: E402 - after the NCCL environment above
 import torch.distributed as dist  # noqa: E402
 
-from engine import CONFIGS, SPEC_PROMPTS, batch_losses, checkpoint, decode_room  # noqa: E402
+from engine import CONFIGS, SPEC_PROMPTS, batch_losses, checkpoint, decode_room, prefilling  # noqa: E402
 from epmoe.comm import Comm  # noqa: E402
 from epmoe.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from epmoe.runtime.launch import RankInfo, free_port, init_group, spawn  # noqa: E402
@@ -288,6 +288,11 @@ class Rank:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.side)
         return float(t.item())
 
+    def min(self, value: float) -> float:
+        t = torch.tensor([float(value)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.side)
+        return float(t.item())
+
     def sum(self, value: float) -> float:
         t = torch.tensor([float(value)], dtype=torch.float64)
         dist.all_reduce(t, group=self.side)
@@ -305,11 +310,6 @@ class Rank:
     def log(self, msg: str) -> None:
         if self.rank == 0:
             print(f"[deployment] {msg}", flush=True)
-
-
-def _decoding(engine: Engine) -> bool:
-    """True while a request of this rank still prefills or has no output token yet."""
-    return any(s.num_computed < len(s.prompt_token_ids) or not s.output_token_ids for s in engine._seqs.values())
 
 
 def drain(r: Rank, engine: Engine) -> None:
@@ -361,10 +361,10 @@ def window(r: Rank, engine: Engine, prompt_set: list, conc: int) -> dict:
             (the batch shrank)."""
     a = r.args
     mine = [prompt_set[i % len(prompt_set)] for i in range(conc) if i % r.world == r.rank]
-    room = int(-r.max(-min((decode_room(engine, p) for p in mine), default=2**31)))  # the least over the ranks
+    room = int(r.min(min((decode_room(engine, p) for p in mine), default=2**31)))  # the least over the ranks
     params = SamplingParams(temperature=0, max_tokens=room, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in mine]
-    while r.any(_decoding(engine)):
+    while r.any(prefilling(engine)):
         engine.step()
     forward_ms: list[float] = []
     run = engine.runner.run

@@ -220,7 +220,7 @@ def time_decode(engine: Engine, bs: int, steps: int, vocab: int, profile_steps: 
     params = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=room)
     ids = [engine.add_request(p, params) for p in prompts]
     try:
-        while any(s.num_computed < len(s.prompt_token_ids) or not s.output_token_ids for s in engine._seqs.values()):
+        while prefilling(engine):
             engine.step()
         before = dict(engine.stats)
         torch.cuda.synchronize()
@@ -257,6 +257,12 @@ def step_spread(walls: list[float]) -> dict:
     ``median``, ``min``, ``max``. A GPU at its power cap runs some steps slower than others (the README's "step at
     the GPU's power cap"); the first call of a window returns early (nothing in flight yet)."""
     return {"median": statistics.median(walls), "min": min(walls), "max": max(walls)} if walls else {}
+
+
+def prefilling(engine: Engine) -> bool:
+    """True while a request of ``engine`` still prefills or has no output token yet (a measured window starts once
+    none does)."""
+    return any(s.num_computed < len(s.prompt_token_ids) or not s.output_token_ids for s in engine._seqs.values())
 
 
 def batch_losses(engine: Engine, ids: Collection[int], preemptions_before: int) -> tuple[int, int]:
@@ -578,7 +584,7 @@ def spec_window(engine: Engine, bs: int, steps: int, device: str) -> dict:
 
     ids = [engine.add_request(p, params) for p in prompts]
     try:
-        while any(s.num_computed < len(s.prompt_token_ids) or not s.output_token_ids for s in engine._seqs.values()):
+        while prefilling(engine):
             engine.step()
         engine.runner.run = timed_run
         preemptions0 = engine.stats["preemptions"]
@@ -717,8 +723,8 @@ def check_spec_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> No
             ap.error(f"{flag} values must be integers >= 1{f' and <= {high}' if high else ''}, got {text!r}")
     if args.spec_steps < 1:
         ap.error(f"--spec-steps must be at least 1, got {args.spec_steps}")
-    context = SPEC_CONTEXT if args.device == "cuda" else json.loads(
-        (Path(args.spec_model) / "config.json").read_text()).get("max_position_embeddings", SPEC_CONTEXT)
+    target = json.loads((Path(args.spec_model) / "config.json").read_text()) if args.spec_model else None
+    context = SPEC_CONTEXT if args.device == "cuda" else target.get("max_position_embeddings", SPEC_CONTEXT)
     k = max(int(v) for v in args.spec_k.split(","))
     tokens = (k + 1) * (args.spec_steps + 3)
     if tokens + SPEC_PROMPT_ROOM > context:
@@ -727,7 +733,6 @@ def check_spec_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> No
                  f"tokens past a prompt of up to {SPEC_PROMPT_ROOM}")
     if args.spec_model:  # the EAGLE-3 head reads the target's hidden states and token ids (engine.eagle3)
         draft = json.loads(Path(args.eagle3_config).read_text())
-        target = json.loads((Path(args.spec_model) / "config.json").read_text())
         target = target.get("text_config", target)
         for field in ("hidden_size", "vocab_size"):
             if draft.get(field) != target.get(field):

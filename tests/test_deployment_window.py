@@ -25,6 +25,9 @@ class _OneRank:
     def max(self, value: float) -> float:
         return float(value)
 
+    def min(self, value: float) -> float:
+        return float(value)
+
     def sum(self, value: float) -> float:
         return float(value)
 
