@@ -241,3 +241,30 @@ def test_engine_latent_cache_equals_transformers(tiny_checkpoints, tmp_path):
     assert [o.token_ids for o in outs] == [hf_greedy(ref, [p], 8, 258)[0] for p in prompts]
     assert engine.stats["preemptions"] > 0 and engine.stats["graph_steps"] > 0
     assert engine.allocator.num_free == engine.allocator.capacity
+
+
+def test_long_context_buckets_replay_their_own_static_step(tmp_path, monkeypatch):
+    """A bucket whose MLA decode tile the longest context changes (``mla_decode.wide_tile_min_context``) gets a
+    second static step, replayed for steps whose longest context reaches the threshold (here lowered to 32 keys:
+    two rows from 16 positions on; one row of 64 heads never changes tile); the tokens equal those of the same
+    engine with the threshold as shipped, which these contexts never reach."""
+    from epmoe.engine import Engine, EngineConfig, SamplingParams, mla_decode
+    from epmoe.models.tiny import build_tiny_checkpoint
+
+    d = build_tiny_checkpoint("kimi-k2.5", tmp_path / "kimi64", overrides=dict(num_attention_heads=64))
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3, 5)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    tokens, stats, longs = [], [], []
+    for least_keys in (32, mla_decode.WIDE_MIN_KEYS):
+        monkeypatch.setattr(mla_decode, "WIDE_MIN_KEYS", least_keys)
+        engine = Engine(EngineConfig(model=str(d), dtype="bfloat16", max_num_seqs=2, static_decode_on_cpu=True,
+                                     cuda_graph_max_bs=2))
+        tokens.append([o.token_ids for o in engine.generate(prompts, params)])
+        stats.append(dict(engine.stats))
+        longs.append({b: g.min_context for b, g in engine.runner.long_graphs.items()})
+    assert 1 not in longs[0] and longs[0][2] == 16 and longs[0][4] == 8   # prompt rows fill the larger buckets
+    assert longs[1] == {128: 256}   # 128 rows x 256 positions = WIDE_MIN_KEYS, never reached here
+    assert tokens[0] == tokens[1]
+    assert 0 < stats[0]["long_context_graph_steps"] < stats[0]["graph_steps"] == stats[1]["graph_steps"]
+    assert stats[1]["long_context_graph_steps"] == 0

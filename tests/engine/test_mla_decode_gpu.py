@@ -147,3 +147,42 @@ def test_cuda_graphs_with_split_k_agree_with_eager_bf16(tmp_path):
         assert (engine.stats["graph_steps"] > 0) != eager
     assert mla_decode_splits(4, 4, 4096, "cuda") > 1
     assert tokens[0] == tokens[1]
+
+
+def test_wide_tile_by_the_longest_context(monkeypatch):
+    """Below the SM count, the longest context picks the wide tile (``mla_decode_tiles(..., max_context=...)``),
+    with more splits; it agrees with the reference, padding rows included."""
+    from epmoe.engine.mla_decode import mla_decode_tiles, mla_decode_triton, wide_tile_min_context
+
+    h, r, dr = MODELS["kimi-k2.5"]
+    ctx = [4096, 0, 17, 3000, 4096, 1, 2048, 4095]
+    least = wide_tile_min_context(len(ctx), h, "cuda")
+    assert least == 4096 and mla_decode_tiles(len(ctx), h, "cuda", max_context=max(ctx)) == (64, 8)
+    q, cache, tables, lens = _case(9, ctx, h, r, dr, 16, dtype=torch.bfloat16, device="cuda")
+    got = mla_decode_triton(q, cache, tables, lens, 192 ** -0.5, r, max_context=max(ctx))
+    assert _rel(got, mla_decode_reference(q, cache, tables, lens, 192 ** -0.5, r)) < BF16_TOL
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+
+
+def test_long_context_graphs_replayed_on_cuda(tmp_path, monkeypatch):
+    """With the wide tile's threshold lowered so that the tiny 64-head Kimi-K2.5 reaches it, the runner captures a
+    long-context graph per bucket of two rows or more and replays it for long steps; greedy tokens equal those of
+    the engine without such graphs (threshold as shipped)."""
+    from epmoe.engine import Engine, EngineConfig, SamplingParams, mla_decode
+    from epmoe.models.tiny import build_tiny_checkpoint
+
+    from .test_engine_gpu import PROMPTS
+
+    d = build_tiny_checkpoint("kimi-k2.5", tmp_path / "kimi64", overrides=dict(num_attention_heads=64,
+                                                                              max_position_embeddings=4096))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens, stats = [], []
+    for least_keys in (64, mla_decode.WIDE_MIN_KEYS):
+        monkeypatch.setattr(mla_decode, "WIDE_MIN_KEYS", least_keys)
+        engine = Engine(EngineConfig(model=str(d), device="cuda", dtype="bfloat16", expert_backend="triton",
+                                     max_num_seqs=8, cuda_graph_max_bs=8, cuda_graph_max_tokens=0,
+                                     piecewise_cuda_graph_max_tokens=0, max_model_len=4096))
+        tokens.append([o.token_ids for o in engine.generate(PROMPTS, params)])
+        stats.append(dict(engine.stats))
+    assert stats[0]["long_context_graph_steps"] > 0 and stats[1]["long_context_graph_steps"] == 0
+    assert tokens[0] == tokens[1]

@@ -165,3 +165,50 @@ def test_mla_decode_tiles_names_cuda_without_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="mla_decode_tiles: device 'cuda', but CUDA is not available"):
         mla_decode_tiles(256, 64, "cuda")
+
+
+@pytest.mark.parametrize("rows, heads, max_context, want", [
+    (8, 64, 4096, (64, 8)),      # Kimi-K2.5: 8 rows x 1 group x 4096 keys reach WIDE_MIN_KEYS
+    (8, 64, 4095, (16, 4)),
+    (1, 64, 32768, (16, 4)),     # one 64-head group: the wide tile underfills the GPU at any context
+    (1, 128, 16384, (64, 8)),    # DeepSeek-V3: one row is two 64-head groups
+    (1, 128, 16383, (16, 4)),
+    (64, 64, 512, (64, 8)),
+    (64, 64, 511, (16, 4)),
+    (8, 32, 1 << 20, (16, 4)),   # fewer heads than a wide program
+    (8, 64, 0, (16, 4)),
+])
+def test_mla_decode_tiles_by_the_longest_context(rows, heads, max_context, want):
+    from epmoe.engine.mla_decode import WIDE_MIN_KEYS, mla_decode_tiles, wide_tile_min_context
+
+    assert WIDE_MIN_KEYS == 32768
+    assert mla_decode_tiles(rows, heads, "cpu", max_context=max_context) == want
+    assert mla_decode_tiles(rows, heads, "cpu", torch.float32, max_context=max_context) == (16, 4)
+    least = wide_tile_min_context(rows, heads, "cpu")
+    assert (least is not None and max_context >= least) == (want[0] == 64)
+    # the tile sets the programs, and so the splits: more of them with the wide tile's fewer programs
+    narrow = mla_decode_splits(rows, heads, 32768, "cpu")
+    assert (mla_decode_splits(rows, heads, 32768, "cpu", max_context=max_context) > narrow) == (want[0] == 64)
+
+
+@pytest.mark.parametrize("rows, heads, dtype, want", [
+    (8, 64, torch.bfloat16, 4096), (2, 64, torch.float16, 16384), (1, 128, torch.bfloat16, 16384),
+    (64, 128, torch.bfloat16, 256),
+    (1, 64, torch.bfloat16, None),     # never wide
+    (133, 64, torch.bfloat16, None),   # always wide (its programs outnumber the SMs)
+    (8, 64, torch.float32, None), (8, 16, torch.bfloat16, None),
+])
+def test_wide_tile_min_context(rows, heads, dtype, want):
+    from epmoe.engine.mla_decode import wide_tile_min_context
+
+    assert wide_tile_min_context(rows, heads, "cpu", dtype) == want
+
+
+@pytest.mark.parametrize("value", [-1, 2.5, True, "4096"])
+def test_max_context_named(value):
+    from epmoe.engine.mla_decode import mla_decode_tiles
+
+    with pytest.raises(ValueError, match="mla_decode_tiles: max_context"):
+        mla_decode_tiles(8, 64, "cpu", max_context=value)
+    with pytest.raises(ValueError, match="mla_decode_splits: max_context"):
+        mla_decode_splits(8, 64, 4096, "cpu", max_context=value)

@@ -66,6 +66,9 @@ class AttnBatch:
             which let the kernel allocate its own).
         pieces: a piecewise forward's cuts (``engine.piecewise``): attention goes through ``pieces.cut`` and runs on
             the step's real batch there; the other fields then serve only the cache writes (``slot_mapping``).
+        max_context: the longest of ``context_lens`` (or, in a captured graph, the least longest context the graph
+            serves), known on the host; it picks the MLA decode kernel's tile (``mla_decode.mla_decode_tiles``).
+            ``None``: the tile by shapes alone.
     """
 
     kv: KVCache
@@ -76,6 +79,7 @@ class AttnBatch:
     prefills: tuple[PrefillChunk, ...] = ()
     workspace: torch.Tensor | None = None
     pieces: Pieces | None = None
+    max_context: int | None = None
 
 
 def engine_batch(module: str, rows: torch.Tensor, epmoe_batch: AttnBatch | None) -> AttnBatch:

@@ -259,7 +259,7 @@ class Engine:
         self.slot_totals = torch.zeros(self.spec.num_moe_layers, num_slots, dtype=torch.int64,
                                        device=self.device)
         self.stats = {"eager_steps": 0, "graph_steps": 0, "graph_prefill_steps": 0, "piecewise_steps": 0,
-                      "idle_steps": 0, "preemptions": 0}
+                      "long_context_graph_steps": 0, "idle_steps": 0, "preemptions": 0}
         # logical loads folded at each committed rebalance, and slot_totals at that moment (see logical_loads)
         self._loads_folded = torch.zeros(self.spec.num_moe_layers, self.spec.num_experts, dtype=torch.int64,
                                          device=self.device)
@@ -649,6 +649,7 @@ class Engine:
             kind = "graph_steps" if bucket is not None else "piecewise_steps" if piece is not None else "eager_steps"
             self.stats[kind] += 1
             self.stats["graph_prefill_steps"] += int(bucket is not None and bool(plan.prefills))
+            self.stats["long_context_graph_steps"] += int(out.long_context)
             decode_rows = (sum(1 + len(p.token_ids) for p in proposals) if proposals is not None
                            else len(plan.decodes))
             self.last_step_tokens = decode_rows + prompt_rows

@@ -186,9 +186,10 @@ class MLAAttention(nn.Module):
         if batch.workspace is not None:  # graph capture: the kernel writes in place, split-K in the given scratch
             o_latent = query.new_empty(nd, self.num_heads, rank)
             mla_decode_attention(query, cache, batch.block_tables, batch.context_lens, self.scaling, rank,
-                                 out=o_latent, workspace=batch.workspace)
+                                 out=o_latent, workspace=batch.workspace, max_context=batch.max_context)
         else:
-            o_latent = mla_decode_attention(query, cache, batch.block_tables, batch.context_lens, self.scaling, rank)
+            o_latent = mla_decode_attention(query, cache, batch.block_tables, batch.context_lens, self.scaling, rank,
+                                            max_context=batch.max_context)
         torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
 
     def _prefill(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_slots: torch.Tensor, start_pos: int,

@@ -27,10 +27,13 @@ Two implementations with the same semantics:
   writes its running max, sum and unnormalised accumulator to a float32 workspace in the layout of
   ``paged_decode``'s split-K, whose reduce kernel merges them (``paged_decode_merge_splits``).
   ``BLOCK_H`` is 16 (4 warps), or 64 (8 warps) when the batch's programs of 64 heads alone outnumber the
-  SMs (``mla_decode_tiles``): each entry row is then read once for 64 heads instead of once per 16.
+  SMs or, given the batch's longest context, when the keys to read are many (``mla_decode_tiles``): each entry
+  row is then read once for 64 heads instead of once per 16.
 
-Grids and split counts depend on shapes only (never on device values): CUDA-graph safe with ``out``
-and a ``workspace`` (``paged_decode_workspace_numel`` elements) given.
+Grids and split counts depend on shapes and on the ``max_context`` hint only (never on device values): CUDA-graph
+safe with ``out`` and a ``workspace`` (``paged_decode_workspace_numel`` elements) given. The engine captures a
+second graph for the batch sizes whose tile the longest context can change (``wide_tile_min_context``) and
+replays it for steps whose longest context reaches that threshold.
 """
 
 from __future__ import annotations
@@ -49,6 +52,13 @@ _LOG2E = 1.4426950408889634
 _MIN_DIM = 16            # tl.dot needs at least 16 rows / columns
 _BLOCK_H = 16            # query heads per program
 _WIDE_BLOCK_H = 64       # query heads per program when the batch fills the GPU (``mla_decode_tiles``)
+WIDE_MIN_KEYS = 32768
+"""``mla_decode_tiles`` takes the 64-head tile, given the longest context, from this many keys a step reads
+counted per 64-head group: ``batch * ceil(heads / 64) * max_context`` (and at least two such groups). Set from an H200
+probe of both tiles at Kimi-K2.5's 64 and DeepSeek-V3's 128 heads, 1-64 rows of 148-32768 positions with the graphs'
+block-table width (``benchmarks/results/mla_tile_by_context_probe_h200.json``): the wide tile was 3-9% faster at
+the threshold in every batch from 4 to 64 rows, 28-45% faster far above it, slower below it (up to 1.5x at 148
+positions), and slower at one 64-head group at every context (one row of Kimi-K2.5: 1.18x at 32768)."""
 _SPLIT_MIN_KEYS = 64     # positions a split should have at least
 _MAX_SPLITS = 64         # each split's partial output is Dv = kv_lora_rank floats a head: more cost more than they gain
 
@@ -185,67 +195,94 @@ def _device_sms(what: str, device: torch.device | str) -> int:
 
 
 def mla_decode_tiles(batch: int, heads: int, device: torch.device | str,
-                     dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
+                     dtype: torch.dtype = torch.bfloat16, *, max_context: int | None = None) -> tuple[int, int]:
     """``(BLOCK_H, num_warps)`` of the Triton kernel for ``batch`` rows of ``heads`` query heads in ``dtype``.
 
-    64 heads a program on 8 warps where the rows are 16-bit, there are at least 64 heads and ``batch * ceil(heads /
-    64)`` programs outnumber the SMs (no split needed with either tile), else 16 heads on 4 warps (float32 rows
-    always: the wide tile was timed with bf16 rows only). A wide program reads each
-    entry row once for its 64 heads, where 16-head programs read it once each from the L2, and it holds the
-    whole SM (registers and shared memory). Chosen from an H200 probe of the two tiles at Kimi-K2.5's and
-    DeepSeek-V3's shapes (``benchmarks/results/mla_decode_tiles_probe_h200.json``): the wide tile was faster at
-    256 rows of 148 positions for both; with fewer programs than SMs it needs splits, and was slower at short
-    contexts and at one row (it was faster with splits at long contexts, 4096 positions and more at 8 rows or
-    more, which shapes alone cannot tell from short ones: the grid is fixed when a graph is captured).
+    64 heads a program on 8 warps where the rows are 16-bit, there are at least 64 heads and either ``batch *
+    ceil(heads / 64)`` programs outnumber the SMs (no split needed with either tile) or, with ``max_context`` given,
+    there are at least two such groups of rows and heads and ``batch * ceil(heads / 64) * max_context`` reaches
+    ``WIDE_MIN_KEYS``; else 16 heads on 4 warps (float32 rows always: the wide tile was timed with bf16 rows only).
+    A wide program reads each entry row once for its 64 heads, where 16-head programs read it once each from the
+    L2, and it holds the whole SM (registers and shared memory); with fewer programs than SMs it needs splits, which
+    pay where the keys are many. Chosen from H200 probes of the two tiles at Kimi-K2.5's and DeepSeek-V3's shapes
+    (``benchmarks/results/mla_decode_tiles_probe_h200.json``, ``mla_tile_by_context_probe_h200.json``).
 
     Args:
         batch: ``B`` query rows.
         heads: ``H`` query heads.
         device: the tensors' device (its SM count; CPU counts 132).
         dtype: the query's and cache's dtype.
+        max_context: the longest context of the rows (keys of the longest row), known on the host; ``None``: shapes
+            alone choose. Only the tile depends on it; any value gives the same attention.
 
     Returns:
         ``(BLOCK_H, num_warps)``.
 
     Raises:
-        ValueError: ``batch`` not an integer >= 0, ``heads`` not an integer >= 1, ``dtype`` not one of the kernel's
-            (float32, bfloat16, float16), ``device`` not a device or CUDA without a GPU (named).
+        ValueError: ``batch`` not an integer >= 0, ``heads`` not an integer >= 1, ``max_context`` not None or an
+            integer >= 0, ``dtype`` not one of the kernel's (float32, bfloat16, float16), ``device`` not a device or
+            CUDA without a GPU (named).
     """
     check_int("mla_decode_tiles: batch", batch, 0)
     check_int("mla_decode_tiles: heads", heads, 1)
+    if max_context is not None:
+        check_int("mla_decode_tiles: max_context", max_context, 0)
     if dtype not in _DTYPES:
         raise ValueError(f"mla_decode_tiles: dtype must be one of {_DTYPES}, got {dtype!r}")
     sms = _device_sms("mla_decode_tiles", device)
-    if dtype != torch.float32 and heads >= _WIDE_BLOCK_H and batch * -(-heads // _WIDE_BLOCK_H) > sms:
+    groups = batch * -(-heads // _WIDE_BLOCK_H)
+    if dtype != torch.float32 and heads >= _WIDE_BLOCK_H and (
+            groups > sms or (max_context is not None and groups >= 2 and groups * max_context >= WIDE_MIN_KEYS)):
         return _WIDE_BLOCK_H, 8
     return _BLOCK_H, 4
 
 
-def mla_decode_splits(batch: int, heads: int, max_positions: int, device: torch.device | str) -> int:
-    """Number of context splits (a power of two) the Triton path uses for these shapes.
+def wide_tile_min_context(batch: int, heads: int, device: torch.device | str,
+                          dtype: torch.dtype = torch.bfloat16) -> int | None:
+    """The smallest longest-context from which ``mla_decode_tiles`` takes the 64-head tile for these shapes where
+    shapes alone take the 16-head one, or ``None`` where the context changes nothing (the wide tile always, or
+    never). The engine captures a second decode graph for such batch sizes (``model_runner``).
+
+    Raises:
+        ValueError: as ``mla_decode_tiles``.
+    """
+    if mla_decode_tiles(batch, heads, device, dtype)[0] == _WIDE_BLOCK_H:
+        return None
+    groups = batch * -(-heads // _WIDE_BLOCK_H)
+    least = -(-WIDE_MIN_KEYS // max(groups, 1))
+    return least if mla_decode_tiles(batch, heads, device, dtype, max_context=least)[0] == _WIDE_BLOCK_H else None
+
+
+def mla_decode_splits(batch: int, heads: int, max_positions: int, device: torch.device | str, *,
+                      max_context: int | None = None) -> int:
+    """Number of context splits (a power of two) the Triton path uses for these shapes (and ``max_context`` hint).
 
     One split when the ``batch * ceil(heads / BLOCK_H)`` programs (``BLOCK_H`` of ``mla_decode_tiles``; where it
     takes the wide tile for 16-bit rows, float32 rows' 16-head programs fill the GPU all the more) fill the GPU or
     the longest context (``max_positions = MB * BS``) is short; otherwise enough splits to reach about two programs
-    per SM, each with at least ``_SPLIT_MIN_KEYS`` positions, at most ``_MAX_SPLITS``. Shapes only, so a CUDA graph
-    captured for a batch shape keeps its split count.
+    per SM, each with at least ``_SPLIT_MIN_KEYS`` positions, at most ``_MAX_SPLITS``. Shapes (and the hint) only,
+    so a CUDA graph captured for a batch shape keeps its split count.
 
     Args:
         batch: ``B`` query rows.
         heads: ``H`` query heads.
         max_positions: ``MB * BS``, the positions a block table row covers.
         device: the tensors' device (its SM count; CPU counts 132 SMs).
+        max_context: the rows' longest context, as ``mla_decode_tiles`` takes it (the tile sets the programs).
 
     Returns:
         The split count ``S >= 1``.
 
     Raises:
-        ValueError: ``batch`` not an integer >= 0, ``heads`` or ``max_positions`` not an integer >= 1 (named).
+        ValueError: ``batch`` not an integer >= 0, ``heads`` or ``max_positions`` not an integer >= 1, ``max_context``
+            not None or an integer >= 0 (named).
     """
     for name, v, least in (("batch", batch, 0), ("heads", heads, 1), ("max_positions", max_positions, 1)):
         check_int(f"mla_decode_splits: {name}", v, least)
+    if max_context is not None:
+        check_int("mla_decode_splits: max_context", max_context, 0)
     sms = _device_sms("mla_decode_splits", device)
-    programs = max(1, batch * -(-heads // mla_decode_tiles(batch, heads, device)[0]))
+    programs = max(1, batch * -(-heads // mla_decode_tiles(batch, heads, device, max_context=max_context)[0]))
     want = min(_MAX_SPLITS, (2 * sms) // programs, max_positions // _SPLIT_MIN_KEYS)
     return 1 if want < 2 else 1 << (want.bit_length() - 1)
 
@@ -261,6 +298,7 @@ def mla_decode_triton(
     out: torch.Tensor | None = None,
     splits: int | None = None,
     workspace: torch.Tensor | None = None,
+    max_context: int | None = None,
 ) -> torch.Tensor:
     """Paged MLA decode with the Triton kernel (see the module docstring), whatever the device.
 
@@ -278,6 +316,7 @@ def mla_decode_triton(
         workspace: float32 1-D tensor of at least ``paged_decode_workspace_numel(B, H, v_head_dim, splits)``
             elements for split-K. When ``splits > 1`` and it is None, one is allocated if ``out`` is None;
             with ``out`` given the single-pass kernel runs instead (nothing is allocated).
+        max_context: see ``mla_decode_attention``.
 
     Returns:
         ``[B, H, v_head_dim]`` in ``q.dtype`` (``out`` when given).
@@ -292,7 +331,7 @@ def mla_decode_triton(
     bs = cache.shape[1]
     dv, dr = int(v_head_dim), dk - int(v_head_dim)
     if splits is None:
-        splits = mla_decode_splits(b, h, block_tables.shape[1] * bs, q.device)
+        splits = mla_decode_splits(b, h, block_tables.shape[1] * bs, q.device, max_context=max_context)
     if isinstance(splits, bool) or not isinstance(splits, numbers.Integral) or splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits must be a power of two >= 1, got {splits!r}")
     if splits > 1:
@@ -313,7 +352,7 @@ def mla_decode_triton(
     kernel = _triton_kernel()
     dv_pad, dr_pad = max(_MIN_DIM, _next_pow2(dv)), max(_MIN_DIM, _next_pow2(dr))
     ml_off = b * h * splits * dv
-    block_h, warps = mla_decode_tiles(b, h, q.device, q.dtype)
+    block_h, warps = mla_decode_tiles(b, h, q.device, q.dtype, max_context=max_context)
     kernel[(b, -(-h // block_h), splits)](
         q, cache, block_tables, context_lens, out, workspace if splits > 1 else out,
         b, h, dv, dr, ml_off, q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_tables.stride(0),
@@ -337,6 +376,7 @@ def mla_decode_attention(
     *,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
+    max_context: int | None = None,
 ) -> torch.Tensor:
     """MLA decode attention of one latent-space query per sequence over a block-paged latent cache.
 
@@ -358,6 +398,9 @@ def mla_decode_attention(
             or None.
         workspace: CUDA only: float32 split-K workspace so that split-K also runs when ``out`` is given;
             ignored on CPU.
+        max_context: CUDA only: the longest of ``context_lens``, known on the host, or a lower bound of it; it picks
+            the kernel's tile (``mla_decode_tiles``) and so the workspace it needs, never the result. ``None``: the
+            tile by shapes alone. Ignored on CPU.
 
     Returns:
         ``[B, H, v_head_dim]`` in ``q.dtype``: the attention-weighted ``c_kv`` per head (``out`` when given).
@@ -374,5 +417,5 @@ def mla_decode_attention(
         except ImportError as err:
             raise RuntimeError(f"mla_decode_attention needs the triton package for CUDA tensors: {err}") from err
         return mla_decode_triton(q, cache, block_tables, context_lens, scale, v_head_dim, out=out,
-                                 workspace=workspace)
+                                 workspace=workspace, max_context=max_context)
     return mla_decode_reference(q, cache, block_tables, context_lens, scale, v_head_dim, out=out)

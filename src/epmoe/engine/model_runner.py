@@ -23,7 +23,7 @@ from torch import nn
 from epmoe.engine.attention import AttnBatch, PrefillChunk
 from epmoe.engine.decoder import check_decoder, decoder_forward
 from epmoe.engine.kv_cache import KVCache
-from epmoe.engine.mla_decode import mla_decode_splits
+from epmoe.engine.mla_decode import mla_decode_splits, wide_tile_min_context
 from epmoe.engine.paged_decode import paged_decode_splits, paged_decode_workspace_numel
 from epmoe.engine.piecewise import Cut, Pieces
 from epmoe.engine.scheduler import ScheduledChunk, StepPlan
@@ -82,10 +82,12 @@ class StepOutput:
         logits: ``[S, V]`` float32 logits of the sampling rows, in packed order.
         aux: ``[T, n D]`` the ``aux_layers`` outputs of every fed row, concatenated, in packed order (``None``
             without ``aux_layers``).
+        long_context: the step replayed its bucket's long-context graph (``ModelRunner.capture``).
     """
 
     logits: torch.Tensor
     aux: torch.Tensor | None = None
+    long_context: bool = False
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,13 @@ class Packed:
         prefills = tuple(PrefillChunk(row, n, start, to_device(slots, device))
                          for row, n, start, slots in self.chunks)
         return AttnBatch(kv, to_device(self.slot_mapping, device), self.num_decode,
-                         to_device(self.block_tables, device), to_device(self.context_lens, device), prefills)
+                         to_device(self.block_tables, device), to_device(self.context_lens, device), prefills,
+                         max_context=self.max_context)
+
+    @property
+    def max_context(self) -> int | None:
+        """The decode rows' longest context (host), ``None`` without decode rows."""
+        return int(self.context_lens.max()) if self.num_decode else None
 
 
 def _smallest_holding(sizes: list[int], n: int) -> int | None:
@@ -254,7 +262,8 @@ class _Graph:
     ``sources`` (the token-buffer row of an id still on the device, -1 = the id given);
     ``tables [bs * max_blocks + bs]`` int32, the block tables row after row, then ``context_lens`` (empty in a
     piecewise bucket, whose attention runs eagerly). ``copied`` (CUDA) marks when the last copies out of the host
-    buffers were done, before they are written again.
+    buffers were done, before they are written again. ``min_context``: a long-context graph's least longest context
+    (its attention was captured with the tile ``AttnBatch.max_context`` picks there); ``None``: the tile by shapes.
     """
 
     graph: tuple[torch.cuda.CUDAGraph, ...] | None
@@ -268,6 +277,7 @@ class _Graph:
     copied: torch.cuda.Event | None = None
     used: int = 0
     cuts: tuple[Cut, ...] = ()
+    min_context: int | None = None
 
     @classmethod
     def empty(cls, bs: int, max_blocks: int, device: torch.device) -> _Graph:
@@ -372,6 +382,7 @@ class ModelRunner:
         self.max_blocks = max_blocks_per_seq
         self.device = device
         self.graphs: dict[int, _Graph] = {}
+        self.long_graphs: dict[int, _Graph] = {}  # bucket -> its graph for long contexts (``_long_context``)
         self.piece_graphs: dict[int, _Graph] = {}
         self.pieces: Pieces | None = None
         self._graph_workspace: torch.Tensor | None = None
@@ -483,6 +494,11 @@ class ModelRunner:
         if packed.chunks or n > bucket:
             raise ValueError(f"graph bucket {bucket} replays steps of at most {bucket} single-token rows; "
                              f"the step has {n} such rows and {len(packed.chunks)} prefill chunks")
+        long = self.long_graphs.get(bucket)
+        if long is not None and n and packed.max_context >= long.min_context:
+            g = long
+        else:
+            long = None
         rows = None if packed.sample_rows == list(range(n)) else to_device(packed.sample_rows, self.device,
                                                                                torch.int64)
         g.load(packed)
@@ -493,12 +509,13 @@ class ModelRunner:
         else:
             self._activate(bucket, g.valid_rows)
             try:
-                batch = AttnBatch(self.kv, g.slot_mapping, bucket, g.block_tables, g.context_lens)
+                batch = AttnBatch(self.kv, g.slot_mapping, bucket, g.block_tables, g.context_lens,
+                                  max_context=g.min_context)
                 logits, aux = self._forward(g.input_ids, g.positions, batch, None, g.sources)
             finally:
                 self._deactivate()
         logits = logits[:n] if rows is None else logits.index_select(0, rows)
-        return StepOutput(logits.float(), None if aux is None else aux[:n])
+        return StepOutput(logits.float(), None if aux is None else aux[:n], long is not None)
 
     def _replay_pieces(self, packed: Packed, piece: int) -> StepOutput:
         g = self.piece_graphs.get(piece)
@@ -531,16 +548,27 @@ class ModelRunner:
         none = torch.zeros(0, dtype=torch.int32, device=self.device)
         return AttnBatch(self.kv, g.slot_mapping, 0, none.view(0, 0), none, pieces=self.pieces)
 
+    def _long_context(self, bs: int) -> int | None:
+        """The least longest context from which a step of ``bs`` rows attends with another MLA decode tile than its
+        shapes give (``mla_decode.wide_tile_min_context``), if the block tables reach it; else ``None`` (one graph
+        serves every context)."""
+        if not self.kv.layout.latent:
+            return None
+        least = wide_tile_min_context(bs, self.model.config.num_attention_heads, self.device, self.kv.k[0].dtype)
+        return least if least is not None and least <= self.max_blocks * self.kv.block_size else None
+
     def _workspace(self, sizes: list[int]) -> torch.Tensor:
         """Split-K scratch of the decode kernel for the largest need over ``sizes``, shared by every
         bucket's graph (graphs never run at once)."""
         heads = self.model.config.num_attention_heads
         layout = self.kv.layout
-        if layout.latent:  # MLA: the latent decode kernel, same workspace layout
+        if layout.latent:  # MLA: the latent decode kernel, same workspace layout; long-context graphs' tiles too
             positions = self.max_blocks * self.kv.block_size
             return torch.empty(max(paged_decode_workspace_numel(bs, heads, layout.v_head_dim,
-                                                                mla_decode_splits(bs, heads, positions, self.device))
-                                   for bs in sizes), dtype=torch.float32, device=self.device)
+                                                                mla_decode_splits(bs, heads, positions, self.device,
+                                                                                  max_context=least))
+                                   for bs in sizes for least in (None, self._long_context(bs))),
+                               dtype=torch.float32, device=self.device)
         k0, dv = self.kv.k[0], self.kv.v[0].shape[-1]
         need = 1
         for bs in sizes:  # the split count depends on shapes only: empty tensors of the bucket's shapes
@@ -553,7 +581,10 @@ class ModelRunner:
     def capture(self, sizes: list[int], activate, deactivate, cuda_graphs: bool = True) -> None:
         """Prepare one static decode step per row count: captured as a CUDA graph (largest first, sharing
         one memory pool), or, without ``cuda_graphs``, kept to run eagerly on the same padded static
-        tensors (the graph path, testable on CPU).
+        tensors (the graph path, testable on CPU). With a latent (MLA) cache, a row count whose decode tile the
+        longest context changes (``_long_context``) gets a second graph, replayed for steps whose longest context
+        reaches its ``min_context``: the graphs differ only in the attention's grid, so ranks of one EP group may
+        replay either for the same step (their collectives are the same).
 
         Args:
             sizes: row counts (decode batch sizes; with speculation also ``batch x (K + 1)``).
@@ -570,13 +601,21 @@ class ModelRunner:
         workspace = self._graph_workspace = self._workspace(sizes) if sizes and cuda_graphs else None
         for bs in sorted(sizes, reverse=True):
             g = _Graph.empty(bs, self.max_blocks, dev)
-            if cuda_graphs:
-                activate(bs, g.valid_rows)
-                try:
-                    g.graph, g.out, g.aux = self._capture_one(g, workspace)
-                finally:
-                    deactivate()
+            long = self._long_context(bs)
+            kinds = [g]
+            if long is not None:  # a second graph whose MLA decode takes the tile of contexts from ``long`` on
+                kinds.append(_Graph.empty(bs, self.max_blocks, dev))
+                kinds[1].min_context = long
+            for one in kinds:
+                if cuda_graphs:
+                    activate(bs, one.valid_rows)
+                    try:
+                        one.graph, one.out, one.aux = self._capture_one(one, workspace)
+                    finally:
+                        deactivate()
             self.graphs[bs] = g
+            if long is not None:
+                self.long_graphs[bs] = kinds[1]
         if cuda_graphs:
             torch.cuda.synchronize(dev)
 
@@ -663,7 +702,8 @@ class ModelRunner:
         lets the GPU run a segment while the host launches the next, instead of waiting for one launch of the
         whole step's kernels."""
         dev = self.device
-        batch = AttnBatch(self.kv, g.slot_mapping, g.bs, g.block_tables, g.context_lens, workspace=workspace)
+        batch = AttnBatch(self.kv, g.slot_mapping, g.bs, g.block_tables, g.context_lens, workspace=workspace,
+                          max_context=g.min_context)
         g.sources.fill_(-1)
         stream = self._side_stream()
         stream.wait_stream(torch.cuda.current_stream(dev))

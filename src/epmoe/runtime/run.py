@@ -235,8 +235,9 @@ class RankReport:
         finish_reasons: why each served prompt stopped (``stop``, ``length``).
         gen_s: wall time of the generation on this rank, seconds.
         steps: engine steps run (every rank runs the same number).
-        step_kinds: steps by kind: ``graph_steps`` (one CUDA-graph replay), ``piecewise_steps`` (piecewise graphs,
-            attention eager), ``eager_steps``, ``idle_steps``
+        step_kinds: steps by kind: ``graph_steps`` (one CUDA-graph replay; ``long_context_graph_steps`` of them
+            replayed a bucket's long-context graph), ``piecewise_steps`` (piecewise graphs, attention eager),
+            ``eager_steps``, ``idle_steps``
             (nothing of its own: joined the collectives with an empty batch); ``preemptions``; with prefix
             caching, ``prefix_cache_queries`` and ``prefix_cache_hits`` (tokens, ``Scheduler``'s).
         tokens_per_step: mean tokens this rank fed per step in which it ran the model.
