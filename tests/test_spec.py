@@ -162,6 +162,8 @@ def test_explicit_null_is_what_transformers_derives():
                                                   r"'128' \(a string\)$"),
         ("deepseek-v3", {"n_routed_experts": True}, r"field 'n_routed_experts' must be a positive integer, got True$"),
         ("deepseek-v3", {"norm_topk_prob": "yes"}, r"field 'norm_topk_prob' must be true or false, got 'yes'"),
+        # MLA's latent width: 0 had planned the model as grouped-query attention without a word
+        ("deepseek-v3", {"kv_lora_rank": 0}, r"field 'kv_lora_rank' must be a positive integer, got 0$"),
         ("deepseek-v3", {"routed_scaling_factor": 0},
          r"field 'routed_scaling_factor' must be a positive number, got 0"),
         ("qwen3-30b-a3b", {"mlp_only_layers": [3, "4"]},

@@ -470,7 +470,8 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
     if not moe_layers:
         raise DenseModelError(f"{source}: {mt} config has no MoE layers (all {num_layers} layers are dense)")
 
-    kv_lora = f.int("kv_lora_rank", minimum=0, fallback=0)
+    # MLA's compressed KV width: absent (or null) for grouped-query attention; given, at least 1 (0 names no MLA)
+    kv_lora = f.int("kv_lora_rank", minimum=1) if f.has("kv_lora_rank") else 0
     if kv_lora:
         nope = f.int("qk_nope_head_dim")
         rope = f.int("qk_rope_head_dim")

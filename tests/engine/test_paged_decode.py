@@ -212,3 +212,9 @@ def test_max_context_named(value):
         mla_decode_tiles(8, 64, "cpu", max_context=value)
     with pytest.raises(ValueError, match="mla_decode_splits: max_context"):
         mla_decode_splits(8, 64, 4096, "cpu", max_context=value)
+    from epmoe.engine.mla_decode import mla_decode_attention
+
+    q, cache = torch.zeros(1, 2, 24), torch.zeros(2, 4, 24)
+    tables, lens = torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="^max_context must be an integer >= 0, got "):   # checked on CPU too
+        mla_decode_attention(q, cache, tables, lens, 0.5, 16, max_context=value)

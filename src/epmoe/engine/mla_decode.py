@@ -400,17 +400,20 @@ def mla_decode_attention(
             ignored on CPU.
         max_context: CUDA only: the longest of ``context_lens``, known on the host, or a lower bound of it; it picks
             the kernel's tile (``mla_decode_tiles``) and so the workspace it needs, never the result. ``None``: the
-            tile by shapes alone. Ignored on CPU.
+            tile by shapes alone. Checked on every device, used on CUDA.
 
     Returns:
         ``[B, H, v_head_dim]`` in ``q.dtype``: the attention-weighted ``c_kv`` per head (``out`` when given).
 
     Raises:
         ValueError: a wrong rank, shape, dtype, device or layout of an argument, a ``v_head_dim`` outside
-            ``[1, Dk)``, a non-finite ``scale``; the message names the argument.
+            ``[1, Dk)``, a non-finite ``scale``, a ``max_context`` not None or an integer >= 0; the message names
+            the argument.
         TypeError: ``q``, ``cache``, ``block_tables`` or ``context_lens`` is not a tensor.
         RuntimeError: CUDA tensors without an importable Triton.
     """
+    if max_context is not None:
+        check_int("max_context", max_context, 0)
     if isinstance(q, torch.Tensor) and q.is_cuda:
         try:
             _triton_kernel()

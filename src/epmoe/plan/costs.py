@@ -146,34 +146,24 @@ def kv_bytes_per_token(spec: MoESpec, tp: int) -> float:
 
 
 MLA_DECODE_HEADS_PER_READ = 16
-"""Query heads the engine's MLA decode kernel serves per read of a latent row (``engine.mla_decode``'s head block)."""
-
-MLA_DECODE_WIDE_HEADS = 64
-"""Query heads per read of the MLA decode kernel's wide tile (``engine.mla_decode.mla_decode_tiles``), which the
-engine takes for 16-bit rows of at least this many heads where the keys a step reads are many (``kv_read_passes``)."""
-
-MLA_DECODE_WIDE_MIN_KEYS = 32768
-"""The engine's ``mla_decode.WIDE_MIN_KEYS``: the wide tile from ``rows * ceil(heads / 64) * context`` keys (at least
-two 64-head groups). The engine also takes it where the rows' 64-head programs alone outnumber the SMs, whatever the
-context; the plan does not price that case apart (the attention is a small part of those steps)."""
+"""Query heads the engine's MLA decode kernel serves per read of a latent row (``engine.mla_decode``'s head block).
+The kernel's 64-head programs (``mla_decode.mla_decode_tiles``: at batches whose programs outnumber the SMs, and by the
+batch's longest context from ``mla_decode.WIDE_MIN_KEYS`` keys) are not priced. They read each latent row a quarter as
+often, but do not run four times as fast: at the threshold 3-9% faster, at 32k positions 30-45%, and the attention
+is a small part of the large batches' steps. Pricing their reads (one pass per 64 heads) made the plan cheaper at
+the threshold's context than below it and 15-20% too low at 32k positions; unpriced, the plan is that much too high
+at long contexts (README "Where the engine stands")."""
 
 
-def kv_read_passes(spec: MoESpec, tp: int, rows: int = 1, context: int = 0) -> int:
+def kv_read_passes(spec: MoESpec, tp: int) -> int:
     """How many times a decode step reads each cached token of one layer under attention TP ``tp``: once for
     grouped-query attention (a kv head's rows serve its query heads in one program); for MLA once per block of
     ``MLA_DECODE_HEADS_PER_READ`` of the rank's ``max(1, H // tp)`` query heads, rounded up (DeepSeek-V3's 128
-    heads read the latent eight times on one GPU, Kimi-K2.5's 64 four times), or of ``MLA_DECODE_WIDE_HEADS`` where
-    the engine takes its wide tile: at least 64 heads and ``rows * ceil(heads / 64) * context`` of at least
-    ``MLA_DECODE_WIDE_MIN_KEYS`` over two 64-head groups or more (``rows`` sequences this rank attends for, each of
-    ``context`` positions)."""
+    heads read the latent eight times on one GPU, Kimi-K2.5's 64 four times)."""
     a = spec.attention
     if not a.is_mla:
         return 1
-    heads = max(1, a.num_heads // tp)
-    groups = rows * -(-heads // MLA_DECODE_WIDE_HEADS)
-    if heads >= MLA_DECODE_WIDE_HEADS and groups >= 2 and groups * context >= MLA_DECODE_WIDE_MIN_KEYS:
-        return -(-heads // MLA_DECODE_WIDE_HEADS)
-    return -(-heads // MLA_DECODE_HEADS_PER_READ)
+    return -(-max(1, a.num_heads // tp) // MLA_DECODE_HEADS_PER_READ)
 
 
 def attention_score_flops(spec: MoESpec) -> float:

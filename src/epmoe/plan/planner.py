@@ -167,8 +167,7 @@ def _step(req: PlanRequest, s: Strategy, batch: int) -> StepEstimate:
     score = t_attn * req.context * attention_score_flops(spec) / s.attn_tp
     attn_ms = roofline_ms(attn_w * dense_b + kv_read, 2 * attn_w * t_attn + score, bw, dense_flops)
     if spec.attention.is_mla:  # the latent cache read once per head block, below the copy bandwidth
-        attn_ms += kv_read * (kv_read_passes(spec, s.attn_tp, seqs_attn, req.context)
-                              / hw.mla_decode_read_efficiency - 1) / bw * 1e3
+        attn_ms += kv_read * (kv_read_passes(spec, s.attn_tp) / hw.mla_decode_read_efficiency - 1) / bw * 1e3
     mlp_split = s.attn_tp
     dense_p = 3 * d * spec.dense_intermediate_size / mlp_split
     dense_ms = roofline_ms(dense_p * dense_b, 2 * dense_p * t_attn, bw, dense_flops)
