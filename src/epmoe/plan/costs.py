@@ -149,10 +149,10 @@ MLA_DECODE_HEADS_PER_READ = 16
 """Query heads the engine's MLA decode kernel serves per read of a latent row (``engine.mla_decode``'s head block).
 The kernel's 64-head programs (``mla_decode.mla_decode_tiles``: at batches whose programs outnumber the SMs, and by the
 batch's longest context from ``mla_decode.WIDE_MIN_KEYS`` keys) are not priced. They read each latent row a quarter as
-often, but do not run four times as fast: at the threshold 3-9% faster, at 32k positions 30-45%, and the attention
+often but do not run four times as fast (little faster at the threshold, more at long contexts), and the attention
 is a small part of the large batches' steps. Pricing their reads (one pass per 64 heads) made the plan cheaper at
-the threshold's context than below it and 15-20% too low at 32k positions; unpriced, the plan is that much too high
-at long contexts (README "Where the engine stands")."""
+the threshold's context than below it; unpriced, the plan is high at long contexts (README "Where the engine
+stands")."""
 
 
 def kv_read_passes(spec: MoESpec, tp: int) -> int:
