@@ -260,7 +260,9 @@ def mla_decode_splits(batch: int, heads: int, max_positions: int, device: torch.
     One split when the ``batch * ceil(heads / BLOCK_H)`` programs (``BLOCK_H`` of ``mla_decode_tiles``; where it
     takes the wide tile for 16-bit rows, float32 rows' 16-head programs fill the GPU all the more) fill the GPU or
     the longest context (``max_positions = MB * BS``) is short; otherwise enough splits to reach about two programs
-    per SM, each with at least ``_SPLIT_MIN_KEYS`` positions, at most ``_MAX_SPLITS``. Shapes (and the hint) only,
+    per SM (one with the wide tile, whose program holds a whole SM: a second wave cost more than the longer splits of
+    one, ``benchmarks/results/mla_splits_probe_h200.json``), each with at least ``_SPLIT_MIN_KEYS`` positions, at most
+    ``_MAX_SPLITS``. Shapes (and the hint) only,
     so a CUDA graph captured for a batch shape keeps its split count.
 
     Args:
@@ -282,8 +284,10 @@ def mla_decode_splits(batch: int, heads: int, max_positions: int, device: torch.
     if max_context is not None:
         check_int("mla_decode_splits: max_context", max_context, 0)
     sms = _device_sms("mla_decode_splits", device)
-    programs = max(1, batch * -(-heads // mla_decode_tiles(batch, heads, device, max_context=max_context)[0]))
-    want = min(_MAX_SPLITS, (2 * sms) // programs, max_positions // _SPLIT_MIN_KEYS)
+    block_h = mla_decode_tiles(batch, heads, device, max_context=max_context)[0]
+    programs = max(1, batch * -(-heads // block_h))
+    per_sm = 1 if block_h == _WIDE_BLOCK_H else 2  # a wide program holds a whole SM
+    want = min(_MAX_SPLITS, (per_sm * sms) // programs, max_positions // _SPLIT_MIN_KEYS)
     return 1 if want < 2 else 1 << (want.bit_length() - 1)
 
 
