@@ -91,3 +91,22 @@ def test_wide_programs_match_reference(heads):
     for j, n in enumerate(ctx):
         if n == 0:
             assert torch.equal(got[j], torch.zeros_like(got[j]))
+
+
+def test_wide_tile_by_the_longest_context_with_splits():
+    """The 64-head tile chosen by the longest-context hint (``max_context``: two rows of 128 heads, four 64-head groups,
+    take it from 8192 positions; the hint only picks the tile, so it is given here above the rows' real 200), with
+    split-K over block tables of 256 positions; it agrees with the reference, padding row included."""
+    from epmoe.engine.mla_decode import mla_decode_splits, mla_decode_tiles, mla_decode_triton, wide_tile_min_context
+
+    ctx = [200, 0]
+    heads = 128
+    least = wide_tile_min_context(len(ctx), heads, "cpu", torch.float16)
+    assert least == 8192
+    assert mla_decode_tiles(len(ctx), heads, "cpu", torch.float16, max_context=least) == (64, 8)
+    q, cache, tables, ctx_t = _case(13, ctx, heads, 16, 16, 8, dtype=torch.float16)
+    tables = torch.cat([tables, tables[:, :1].expand(2, 7)], dim=1).contiguous()   # 256 positions a row
+    assert mla_decode_splits(len(ctx), heads, 256, "cpu", max_context=least) == 4    # 256 // 64 keys a split
+    got = mla_decode_triton(q, cache, tables, ctx_t, 0.25, 16, max_context=least)
+    assert _rel(got, mla_decode_reference(q, cache, tables, ctx_t, 0.25, 16)) < 5e-3
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
