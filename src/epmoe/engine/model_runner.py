@@ -583,8 +583,8 @@ class ModelRunner:
         one memory pool), or, without ``cuda_graphs``, kept to run eagerly on the same padded static
         tensors (the graph path, testable on CPU). With a latent (MLA) cache, a row count whose decode tile the
         longest context changes (``_long_context``) gets a second graph, replayed for steps whose longest context
-        reaches its ``min_context``: the graphs differ only in the attention's grid, so ranks of one EP group may
-        replay either for the same step (their collectives are the same).
+        reaches its ``min_context``: the graphs differ only in the attention kernel's tile and split count (its grid
+        and split merge), none of them a collective, so ranks of one EP group may replay either in the same step.
 
         Args:
             sizes: row counts (decode batch sizes; with speculation also ``batch x (K + 1)``).
