@@ -268,3 +268,43 @@ def test_long_context_buckets_replay_their_own_static_step(tmp_path, monkeypatch
     assert tokens[0] == tokens[1]
     assert 0 < stats[0]["long_context_graph_steps"] < stats[0]["graph_steps"] == stats[1]["graph_steps"]
     assert stats[1]["long_context_graph_steps"] == 0
+
+
+def _long_context_worker(info, directory: str, least_keys: int) -> dict:
+    from epmoe.comm import Comm
+    from epmoe.engine import Engine, EngineConfig, SamplingParams, mla_decode
+    from epmoe.runtime.launch import init_group
+
+    mla_decode.WIDE_MIN_KEYS = least_keys
+    comm = Comm(init_group(info, "cpu"))
+    try:
+        gen = torch.Generator().manual_seed(7 + comm.rank)
+        length = 2 if comm.rank == 0 else 20   # rank 0's contexts stay below 16 positions, rank 1's reach it
+        prompts = [torch.randint(0, 256, (length,), generator=gen).tolist() for _ in range(2)]
+        engine = Engine(EngineConfig(model=directory, dtype="bfloat16", max_num_seqs=2, static_decode_on_cpu=True,
+                                     cuda_graph_max_bs=2), comm)
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        return {"tokens": [o.token_ids for o in outs], "stats": dict(engine.stats), "steps": engine.num_steps,
+                "longs": {b: g.min_context for b, g in engine.runner.long_graphs.items()}}
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_ranks_agree_on_the_long_context_graph(tmp_path):
+    """Two EP ranks replay a bucket's long-context graph in the same steps (its longest context is agreed with the
+    step's other values), although only rank 1's own contexts reach the threshold (lowered to 32 keys: 16 positions
+    at two rows); the tokens equal those of the threshold as shipped (no long graphs)."""
+    from epmoe.engine import mla_decode
+    from epmoe.models.tiny import build_tiny_checkpoint
+    from epmoe.runtime.launch import spawn
+
+    d = str(build_tiny_checkpoint("kimi-k2.5", tmp_path / "kimi64", overrides=dict(num_attention_heads=64)))
+    low = spawn(_long_context_worker, 2, (d, 32))
+    shipped = spawn(_long_context_worker, 2, (d, mla_decode.WIDE_MIN_KEYS))
+    assert low[0]["longs"][2] == 16 and 2 not in shipped[0]["longs"]
+    assert low[0]["steps"] == low[1]["steps"]
+    longs = [r["stats"]["long_context_graph_steps"] for r in low]
+    assert longs[0] == longs[1] > 0
+    assert all(r["stats"]["long_context_graph_steps"] == 0 for r in shipped)
+    assert [r["tokens"] for r in low] == [r["tokens"] for r in shipped]

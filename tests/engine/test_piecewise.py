@@ -99,9 +99,9 @@ def test_piecewise_buckets_stop_at_the_token_budget_with_speculation(tiny_checkp
     mixed = []
     run = engine.runner.run
 
-    def spy(plan, bucket=None, drafts=None, piece=None):
+    def spy(plan, bucket=None, drafts=None, piece=None, **kw):
         mixed.append(piece is not None and bool(plan.prefills) and any(drafts or ()))
-        return run(plan, bucket, drafts, piece)
+        return run(plan, bucket, drafts, piece, **kw)
 
     engine.runner.run = spy
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))

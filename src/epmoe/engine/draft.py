@@ -170,14 +170,15 @@ class DraftModelProposer(Proposer):
         first, an empty or padded batch where a rank has nothing)."""
         chunked = int(any(not f.rowwise for f in feeds))
         rows = sum(len(f.token_ids) for f in feeds if f.rowwise)
-        if self.collective:
-            chunked, rows = engine.agree_max([chunked, rows])
+        longest = max((f.start + len(f.token_ids) for f in feeds), default=0)
+        if self.collective:  # the longest context too: a long-context graph of the bucket alike on every rank
+            chunked, rows, longest = engine.agree_max([chunked, rows, longest])
         bucket = self.runner.bucket_for(rows) if self.runner.graphs and not chunked and rows else None
         if bucket is None and not feeds:
             if self.collective:
                 self.ep_model.idle_step()
             return None
-        return self.runner.execute(feeds, bucket)
+        return self.runner.execute(feeds, bucket, max_context=longest if self.collective else None)
 
     def propose(self, chunks: list, limits: list[int], engine) -> list[Proposal]:
         """Catch up, then propose up to ``limits[i]`` tokens for chunk ``i`` (``K`` forwards on every rank when

@@ -542,11 +542,11 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------------
 
     def _agree(self, plan: StepPlan, pending: bool, eager: bool, rows: int,
-               all_rows: int) -> tuple[bool, int, bool, int]:
+               all_rows: int, longest: int) -> tuple[bool, int, bool, int, int]:
         """Over the ranks: whether any has work, the most rows of a step (every token fed, verify rows included),
-        whether any has a prompt chunk that is not fed row-wise, the most single-token rows."""
+        whether any has a prompt chunk that is not fed row-wise, the most single-token rows, the longest context."""
         local = torch.tensor([int(pending or self.has_unfinished() or bool(plan.chunks)), all_rows,
-                              int(eager), rows], dtype=torch.int64)
+                              int(eager), rows, longest], dtype=torch.int64)
         if self.comm.size == 1:
             glob = local
         elif self._host_comm is not None:  # host values over gloo: never waits for the step in flight
@@ -554,8 +554,8 @@ class Engine:
         else:
             dev = self.device if self.device.type == "cuda" else torch.device("cpu")
             glob = self.comm.all_gather(local.to(dev)).amax(dim=0).cpu()
-        work, tokens, prefill, decodes = glob.tolist()
-        return bool(work), tokens, bool(prefill), decodes
+        work, tokens, prefill, decodes, longest = glob.tolist()
+        return bool(work), tokens, bool(prefill), decodes, longest
 
     def agree_max(self, values: list[int]) -> list[int]:
         """The element-wise maximum of ``values`` over the ranks (one ``all_gather``; the values themselves on
@@ -628,8 +628,10 @@ class Engine:
         prompt_rows = sum(c.num_tokens for c in plan.prefills)
         if rowwise:
             rows += prompt_rows
-        work, all_rows, any_eager, max_rows = self._agree(plan, pending, bool(plan.prefills) and not rowwise, rows,
-                                                          rows if rowwise else rows + prompt_rows)
+        # the step's longest context (every row's keys at most): picks an MLA bucket's long-context graph alike on all
+        longest = max((c.start + c.num_tokens + c.lookahead for c in plan.chunks), default=0)
+        work, all_rows, any_eager, max_rows, longest = self._agree(
+            plan, pending, bool(plan.prefills) and not rowwise, rows, rows if rowwise else rows + prompt_rows, longest)
         self.last_step_busy = work
         if not work:
             return outputs
@@ -645,7 +647,7 @@ class Engine:
             self.stats["idle_steps"] += 1
         else:
             drafts = [p.token_ids for p in proposals] if proposals is not None else None
-            out = self.runner.run(plan, bucket, drafts, piece)
+            out = self.runner.run(plan, bucket, drafts, piece, max_context=longest)
             kind = "graph_steps" if bucket is not None else "piecewise_steps" if piece is not None else "eager_steps"
             self.stats[kind] += 1
             self.stats["graph_prefill_steps"] += int(bucket is not None and bool(plan.prefills))

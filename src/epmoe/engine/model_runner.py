@@ -448,7 +448,8 @@ class ModelRunner:
 
     @torch.no_grad()
     def run(self, plan: StepPlan, bucket: int | None = None,
-            drafts: Sequence[Sequence[int]] | None = None, piece: int | None = None) -> StepOutput:
+            drafts: Sequence[Sequence[int]] | None = None, piece: int | None = None, *,
+            max_context: int | None = None) -> StepOutput:
         """Run ``plan`` (with ``drafts[i]`` proposed tokens after decode chunk ``i``: a verify step).
 
         Args:
@@ -458,6 +459,9 @@ class ModelRunner:
             drafts: per decode chunk, the proposed tokens verified after its token (``None``: none).
             piece: instead, replay the piecewise graphs of this many rows (prefill chunks as chunks, attention
                 eager between the pieces; ``engine.piecewise``).
+            max_context: with ``bucket``, the longest context the ranks of the step agreed on (``Engine``): the
+                bucket's long-context graph (``capture``) is replayed from its ``min_context`` on, the same choice
+                on every rank; ``None``: this rank's own longest context decides.
 
         Returns:
             The logits of the sampling rows (every row of a decode chunk, then each sampling prefill chunk's
@@ -466,16 +470,18 @@ class ModelRunner:
         Raises:
             ValueError: a bucket that was not captured or is smaller than the plan's rows.
         """
-        return self.execute(plan_feeds(plan, drafts, rowwise_prefill=bucket is not None), bucket, piece)
+        return self.execute(plan_feeds(plan, drafts, rowwise_prefill=bucket is not None), bucket, piece,
+                            max_context=max_context)
 
     @torch.no_grad()
-    def execute(self, feeds: Sequence[Feed], bucket: int | None = None, piece: int | None = None) -> StepOutput:
+    def execute(self, feeds: Sequence[Feed], bucket: int | None = None, piece: int | None = None, *,
+                max_context: int | None = None) -> StepOutput:
         """Run ``feeds`` (see ``run``); the row-wise feeds first in the packed order, then the chunks."""
         packed = pack(feeds, self.kv.block_size, self.max_blocks)
         if packed.sources is not None and self.tokens is None:
             raise ValueError("a feed reads a token on the device, but the runner has no token buffer")
         if bucket is not None:
-            return self._replay(packed, bucket)
+            return self._replay(packed, bucket, max_context)
         if piece is not None:
             return self._replay_pieces(packed, piece)
         dev = self.device
@@ -486,7 +492,7 @@ class ModelRunner:
                                     sources)
         return StepOutput(logits.float(), aux)
 
-    def _replay(self, packed: Packed, bucket: int) -> StepOutput:
+    def _replay(self, packed: Packed, bucket: int, max_context: int | None = None) -> StepOutput:
         g = self.graphs.get(bucket)
         if g is None:
             raise ValueError(f"no CUDA graph captured for {bucket} rows; captured: {self.buckets}")
@@ -495,7 +501,8 @@ class ModelRunner:
             raise ValueError(f"graph bucket {bucket} replays steps of at most {bucket} single-token rows; "
                              f"the step has {n} such rows and {len(packed.chunks)} prefill chunks")
         long = self.long_graphs.get(bucket)
-        if long is not None and n and packed.max_context >= long.min_context:
+        longest = packed.max_context if max_context is None else max_context
+        if long is not None and longest is not None and longest >= long.min_context:
             g = long
         else:
             long = None
@@ -584,7 +591,8 @@ class ModelRunner:
         tensors (the graph path, testable on CPU). With a latent (MLA) cache, a row count whose decode tile the
         longest context changes (``_long_context``) gets a second graph, replayed for steps whose longest context
         reaches its ``min_context``: the graphs differ only in the attention kernel's tile and split count (its grid
-        and split merge), none of them a collective, so ranks of one EP group may replay either in the same step.
+        and split merge). The engine agrees on the step's longest context with its other per-step values
+        (``run(..., max_context=...)``), so the ranks of an EP group replay the same kind of graph.
 
         Args:
             sizes: row counts (decode batch sizes; with speculation also ``batch x (K + 1)``).
