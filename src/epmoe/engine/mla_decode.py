@@ -194,6 +194,11 @@ def _device_sms(what: str, device: torch.device | str) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def _wide_groups(batch: int, heads: int) -> int:
+    """The batch's groups of rows and 64 heads: the wide tile's programs before any split."""
+    return batch * -(-heads // _WIDE_BLOCK_H)
+
+
 def mla_decode_tiles(batch: int, heads: int, device: torch.device | str,
                      dtype: torch.dtype = torch.bfloat16, *, max_context: int | None = None) -> tuple[int, int]:
     """``(BLOCK_H, num_warps)`` of the Triton kernel for ``batch`` rows of ``heads`` query heads in ``dtype``.
@@ -230,7 +235,7 @@ def mla_decode_tiles(batch: int, heads: int, device: torch.device | str,
     if dtype not in _DTYPES:
         raise ValueError(f"mla_decode_tiles: dtype must be one of {_DTYPES}, got {dtype!r}")
     sms = _device_sms("mla_decode_tiles", device)
-    groups = batch * -(-heads // _WIDE_BLOCK_H)
+    groups = _wide_groups(batch, heads)
     if dtype != torch.float32 and heads >= _WIDE_BLOCK_H and (
             groups > sms or (max_context is not None and groups >= 2 and groups * max_context >= WIDE_MIN_KEYS)):
         return _WIDE_BLOCK_H, 8
@@ -248,8 +253,7 @@ def wide_tile_min_context(batch: int, heads: int, device: torch.device | str,
     """
     if mla_decode_tiles(batch, heads, device, dtype)[0] == _WIDE_BLOCK_H:
         return None
-    groups = batch * -(-heads // _WIDE_BLOCK_H)
-    least = -(-WIDE_MIN_KEYS // max(groups, 1))
+    least = -(-WIDE_MIN_KEYS // max(_wide_groups(batch, heads), 1))
     return least if mla_decode_tiles(batch, heads, device, dtype, max_context=least)[0] == _WIDE_BLOCK_H else None
 
 
@@ -262,8 +266,7 @@ def mla_decode_splits(batch: int, heads: int, max_positions: int, device: torch.
     the longest context (``max_positions = MB * BS``) is short; otherwise enough splits to reach about two programs
     per SM (one with the wide tile, whose program holds a whole SM: a second wave cost more than the longer splits of
     one, ``benchmarks/results/mla_splits_probe_h200.json``), each with at least ``_SPLIT_MIN_KEYS`` positions, at most
-    ``_MAX_SPLITS``. Shapes (and the hint) only,
-    so a CUDA graph captured for a batch shape keeps its split count.
+    ``_MAX_SPLITS``. Shapes (and the hint) only, so a CUDA graph captured for a batch shape keeps its split count.
 
     Args:
         batch: ``B`` query rows.

@@ -502,10 +502,9 @@ class ModelRunner:
                              f"the step has {n} such rows and {len(packed.chunks)} prefill chunks")
         long = self.long_graphs.get(bucket)
         longest = packed.max_context if max_context is None else max_context
-        if long is not None and longest is not None and longest >= long.min_context:
+        use_long = long is not None and longest is not None and longest >= long.min_context
+        if use_long:
             g = long
-        else:
-            long = None
         rows = None if packed.sample_rows == list(range(n)) else to_device(packed.sample_rows, self.device,
                                                                                torch.int64)
         g.load(packed)
@@ -522,7 +521,7 @@ class ModelRunner:
             finally:
                 self._deactivate()
         logits = logits[:n] if rows is None else logits.index_select(0, rows)
-        return StepOutput(logits.float(), None if aux is None else aux[:n], long is not None)
+        return StepOutput(logits.float(), None if aux is None else aux[:n], use_long)
 
     def _replay_pieces(self, packed: Packed, piece: int) -> StepOutput:
         g = self.piece_graphs.get(piece)
