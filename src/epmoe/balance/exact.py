@@ -22,8 +22,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from epmoe.balance.balancers import balance_epmoe
 from epmoe.balance.problem import check_problem, max_load_lower_bound, rank_loads_array
@@ -50,6 +48,10 @@ class ExactSolution:
 
 def _solve_layer(w: np.ndarray, ep_size: int, num_slots: int, lower: float, upper: float, time_limit_s: float):
     """``([G, S] experts, proven_optimal)`` or ``(None, False)`` when no solution was found in time."""
+    # scipy is imported here, not at the top: rank processes and the CLI import this package without needing it
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
     num_experts = w.size
     per_rank = num_slots // ep_size
     kmax = min(ep_size, 1 + num_slots - num_experts)

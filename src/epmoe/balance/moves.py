@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from scipy.optimize import linear_sum_assignment
 
 from epmoe.balance.problem import rank_balancedness, rank_loads_array
 from epmoe.balance.registry import get_balancer
@@ -60,6 +59,9 @@ def _check_same_shape(a: ExpertPlacement, b: ExpertPlacement) -> None:
 
 
 def _align_layer(old: np.ndarray, new: np.ndarray, ep_size: int, num_experts: int) -> np.ndarray:
+    # scipy is imported here, not at the top: rank processes and the CLI import this package without needing it
+    from scipy.optimize import linear_sum_assignment
+
     per_rank = old.size // ep_size
     old_r, new_r = old.reshape(ep_size, per_rank), new.reshape(ep_size, per_rank)
     cnt_old = np.zeros((ep_size, num_experts), dtype=np.int64)

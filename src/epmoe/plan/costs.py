@@ -13,7 +13,6 @@ from types import MappingProxyType
 from typing import Literal
 
 import numpy as np
-from scipy.stats import binom
 
 from epmoe.plan.hardware import HardwareProfile, LinkProfile
 from epmoe.spec import MoESpec
@@ -203,6 +202,9 @@ def expected_max_load(num_items: float, num_bins: int, balancedness: float = 1.0
     if num_bins == 1 or n == 0:
         return float(n)
     p, q = 1.0 / num_bins, min(1.0, 1.0 / (num_bins * balancedness))
+    # scipy is imported here, not at the top: rank processes and the CLI import this package without needing it
+    from scipy.stats import binom
+
     # P(max > k) is 1 to double precision more than 12 standard deviations below the hot bin's mean and
     # 0 that far above it: sum only the window between (O(sqrt(n)) terms, also at billions of items).
     spread = 12 * math.sqrt(n * q) + 12
