@@ -40,6 +40,14 @@ def kimi(tiny_checkpoints):
      "--max-num-seqs must be at most 65536, got 99999999999999999999"),
     ("serve", ["--max-num-seqs", "99999999999999999999", "--max-num-batched-tokens", "99999999999999999999"],
      "--max-num-seqs must be at most 65536, got 99999999999999999999"),
+    ("run", ["--mem-fraction-static", "1.5"], "--mem-fraction-static must be in (0, 1), got 1.5"),
+    ("run", ["--max-model-len", "0"], "--max-model-len must be a positive integer, got 0"),
+    ("serve", ["--block-size", "0"], "--block-size must be a positive integer, got 0"),
+    ("serve", ["--max-moves", "3"], "--max-moves limits live rebalancing: give --eplb-interval with it"),
+    ("serve", ["--seed", "-1"], "--seed must be an integer in [0, 2**63), got -1"),
+    ("serve", ["--placement", "p.json", "--layout", "round_robin"],
+     "--layout ('round_robin') shapes the default placement; --placement ('p.json') is a file that fixes its own "
+     "slots: leave it unset"),
     ("run", ["--max-num-batched-tokens", "100"],
      "--max-num-batched-tokens (100) must be at least --max-num-seqs (256): raise --max-num-batched-tokens or "
      "lower --max-num-seqs"),
@@ -48,6 +56,42 @@ def test_refused_options_name_their_flags(kimi, capsys, command, args, message):
     assert main([command, "--model", str(kimi), *args]) == 2
     err = capsys.readouterr().err
     assert f"epmoe {command}: error: {message}" in err
+
+
+def test_run_and_serve_take_the_same_engine_flags_into_the_engine(kimi):
+    """Every engine option is a flag of both commands, and what is typed reaches the ``EngineConfig`` each builds
+    (``--max-moves`` its ``eplb_max_moves``); the flags' defaults are ``EngineConfig``'s own."""
+    import dataclasses
+
+    from epmoe.cli import _engine_args
+    from epmoe.engine import EngineConfig
+    from epmoe.engine.config import COMMAND_FIELDS
+    from epmoe.runtime.run import RunConfig
+    from epmoe.server.config import ServeConfig
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    dests = {c: {a.dest for a in commands[c]._actions} for c in ("run", "serve")}
+    assert set(COMMAND_FIELDS) <= dests["run"] & dests["serve"]
+    typed = ["--model", str(kimi), "--ep", "2", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+             "--max-model-len", "100", "--mem-fraction-static", "0.5", "--num-kv-blocks", "40", "--block-size", "8",
+             "--layout", "round_robin", "--redundant", "2", "--dispatcher", "all_to_all", "--eplb-interval", "5",
+             "--max-moves", "3", "--replica-policy", "round_robin", "--cuda-graph-max-bs", "4",
+             "--no-enable-prefix-caching", "--seed", "7"]
+    want = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 100, "mem_fraction_static": 0.5,
+            "num_kv_blocks": 40, "block_size": 8, "layout": "round_robin", "redundant": 2,
+            "dispatcher": "all_to_all", "eplb_interval": 5, "eplb_max_moves": 3, "replica_policy": "round_robin",
+            "cuda_graph_max_bs": 4, "enable_prefix_caching": False, "seed": 7, "expert_backend": "reference",
+            "enforce_eager": True}
+    run_args = build_parser().parse_args(["run", *typed])
+    serve_args = build_parser().parse_args(["serve", *typed])
+    built = [RunConfig(**_engine_args(run_args), seed=run_args.seed).engine_config(str(kimi)),
+             ServeConfig(**_engine_args(serve_args), seed=serve_args.seed).engine_config(str(kimi))]
+    for cfg in built:
+        assert {k: getattr(cfg, k) for k in want} == want
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    for command in ("run", "serve"):
+        parsed = build_parser().parse_args([command])
+        assert {k: getattr(parsed, k) for k in COMMAND_FIELDS} == {k: defaults[k] for k in COMMAND_FIELDS}, command
 
 
 def test_prefix_caching_asked_for_with_a_draft_model_is_refused_naming_both_flags(kimi, capsys):

@@ -19,35 +19,57 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         "with the unsharded transformers model. With no --model, a small checkpoint of the Kimi-K2.5 "
         "architecture is built once and cached.",
     )
-    p.add_argument("--model", metavar="DIR", help="local Hugging Face MoE checkpoint (default: built-in small "
-                                                  "Kimi-K2.5)")
-    p.add_argument("--ep", type=int, default=2, help="EP ranks to spawn (default 2; torchrun sets its own)")
-    p.add_argument("--parallel", choices=("ep", "tp"), default="ep",
-                   help="experts expert-parallel (ep, default) or tensor-parallel over the --ep ranks (tp: the "
-                        "baseline; attention stays data-parallel)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
-    p.add_argument("--placement", metavar="FILE", help="expert placement file (JSON or safetensors)")
-    p.add_argument("--redundant", type=int, default=0, help="redundant slots per layer for the default placement")
-    p.add_argument("--layout", choices=("contiguous", "round_robin"), default="contiguous",
-                   help="default placement layout")
+    _add_engine_flags(p, ep_default=2)
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable; default: built-in prompts)")
     p.add_argument("--max-new-tokens", type=int, default=8, help="most tokens to generate per prompt (default 8)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    p.add_argument("--dispatcher", choices=("all_to_all", "local"), default=None,
-                   help="dispatcher of eager steps: all_to_all (default on several ranks) or local (EP 1); "
-                   "CUDA-graph decode steps choose their own (fixed_capacity on several ranks)")
-    p.add_argument("--expert-backend", default=None,
-                   help="triton (default on CUDA), reference (default on CPU) or grouped_mm")
-    p.add_argument("--no-reference", action="store_true", help="skip the unsharded transformers comparison")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once per rank")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                   help="most tokens per step per rank; longer prompts are prefilled in chunks")
     p.add_argument("--request-rate", type=float, default=None, metavar="R",
                    help="prompts arrive at R per second on each rank (default: all at once)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (the same tokens on rerun)")
+    p.add_argument("--no-reference", action="store_true", help="skip the unsharded transformers comparison")
+    p.add_argument("--save-loads", metavar="FILE",
+                   help="write the tokens routed per logical expert (all ranks, whole run) to FILE (.json or "
+                        ".safetensors), the format 'epmoe balance --loads' reads")
+    p.add_argument("--json", metavar="FILE", nargs="?", const="-", help="write the report as JSON (to stdout with no "
+                                                                        "FILE)")
+    p.set_defaults(func=_cmd_run)
+
+
+def _add_engine_flags(p: argparse.ArgumentParser, ep_default: int) -> None:
+    """The engine's flags, the same for ``run`` and ``serve`` (vLLM/SGLang names; each sets the ``EngineConfig``
+    field of ``engine.config.COMMAND_FIELDS`` its name gives, ``--max-moves`` ``eplb_max_moves``)."""
+    p.add_argument("--model", metavar="DIR", help="local Hugging Face MoE checkpoint (default: built-in small "
+                                                  "Kimi-K2.5)")
+    p.add_argument("--ep", type=int, default=ep_default,
+                   help=f"EP ranks to spawn (default {ep_default}; torchrun sets its own)")
+    p.add_argument("--parallel", choices=("ep", "tp"), default="ep",
+                   help="experts expert-parallel (ep, default) or tensor-parallel over the --ep ranks (tp: the "
+                        "baseline; attention stays data-parallel)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--placement", metavar="FILE", help="expert placement file (JSON or safetensors)")
+    p.add_argument("--redundant", type=int, default=0, help="redundant slots per layer for the default placement")
+    p.add_argument("--layout", choices=("contiguous", "round_robin"), default="contiguous",
+                   help="default placement layout")
+    p.add_argument("--dispatcher", choices=("all_to_all", "local"), default=None,
+                   help="dispatcher of eager steps: all_to_all (default on several ranks) or local (EP 1); "
+                   "CUDA-graph decode steps choose their own (fixed_capacity on several ranks)")
+    p.add_argument("--expert-backend", default=None,
+                   help="triton (default on CUDA), reference (default on CPU) or grouped_mm")
+    p.add_argument("--replica-policy", choices=("static", "round_robin", "random"), default="static",
+                   help="how a token picks among an expert's copies: static (one fixed copy per rank, default), "
+                        "round_robin or random")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once per rank")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="most tokens per step per rank; longer prompts are prefilled in chunks")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: the model's)")
+    p.add_argument("--mem-fraction-static", type=float, default=0.9,
+                   help="on CUDA, the fraction of GPU memory for weights and KV cache (default 0.9)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
+                   help="KV cache blocks per layer (default: sized from memory)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=256,
                    help="largest decode batch replayed as one CUDA graph (default 256)")
     p.add_argument("--cuda-graph-max-tokens", type=int, default=512, metavar="N",
@@ -65,25 +87,10 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                         "default on, off with a draft model)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: random weights at the size of config.json (no reference check)")
-    p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
-                   help="KV cache blocks per layer (default: sized from memory)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
     p.add_argument("--eplb-interval", type=int, default=0, metavar="STEPS",
                    help="rebalance experts live every STEPS engine steps from the recorded loads (default 0: never)")
-    p.add_argument("--max-moves", type=int, default=None, metavar="M",
+    p.add_argument("--max-moves", dest="eplb_max_moves", type=int, default=None, metavar="M",
                    help="most expert copies one live rebalance may move")
-    _add_replica_policy(p)
-    p.add_argument("--save-loads", metavar="FILE",
-                   help="write the tokens routed per logical expert (all ranks, whole run) to FILE (.json or "
-                        ".safetensors), the format 'epmoe balance --loads' reads")
-    p.add_argument("--json", metavar="FILE", nargs="?", const="-", help="write the report as JSON (to stdout with no "
-                                                                        "FILE)")
-    _add_speculative(p)
-    p.set_defaults(func=_cmd_run)
-
-
-def _add_speculative(p: argparse.ArgumentParser) -> None:
-    """The speculative decoding flags of ``run`` and ``serve`` (vLLM/SGLang names)."""
     p.add_argument("--speculative-algorithm", choices=("ngram", "draft", "eagle3"), default=None,
                    help="speculative decoding: ngram (prompt lookup), draft (a small model of any family), eagle3 "
                         "(an EAGLE-3 head reading the target's hidden states); default off")
@@ -101,14 +108,15 @@ def _add_speculative(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest n-gram matched (default 4)")
 
 
-def _add_replica_policy(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--replica-policy", choices=("static", "round_robin", "random"), default="static",
-                   help="how a token picks among an expert's copies: static (one fixed copy per rank, default), "
-                        "round_robin or random")
+def _engine_args(args: argparse.Namespace) -> dict:
+    """The engine's flags parsed (``_add_engine_flags``), by their ``RunConfig`` / ``ServeConfig`` field names."""
+    from epmoe.engine.config import COMMAND_FIELDS
+
+    return {name: getattr(args, name) for name in ("model", "ep", "expert_backend", "enforce_eager",
+                                                   *COMMAND_FIELDS)}
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from epmoe.engine.config import speculative_options
     from epmoe.files import check_output_path
     from epmoe.runtime.run import RunConfig, run_job
 
@@ -118,20 +126,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         check_output_path("--save-loads", args.save_loads, "a loads file path (.json or .safetensors)")
     try:
         report = run_job(RunConfig(
-            model=args.model, ep=args.ep, parallel=args.parallel, device=args.device, placement=args.placement,
-            redundant=args.redundant, layout=args.layout, prompts=tuple(args.prompt),
-            max_new_tokens=args.max_new_tokens, dtype=args.dtype,
-            dispatcher=args.dispatcher, expert_backend=args.expert_backend, reference=not args.no_reference,
-            eplb_interval=args.eplb_interval, eplb_max_moves=args.max_moves, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, request_rate=args.request_rate,
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-            cuda_graph_max_bs=args.cuda_graph_max_bs, cuda_graph_max_tokens=args.cuda_graph_max_tokens,
-            piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
-            enforce_eager=args.enforce_eager, disable_overlap_schedule=args.disable_overlap_schedule,
-            enable_prefix_caching=args.enable_prefix_caching,
-            load_format=args.load_format, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-            replica_policy=args.replica_policy,
-            save_loads=args.save_loads, **speculative_options(args),
+            **_engine_args(args), prompts=tuple(args.prompt), max_new_tokens=args.max_new_tokens,
+            reference=not args.no_reference, request_rate=args.request_rate, temperature=args.temperature,
+            top_p=args.top_p, top_k=args.top_k, seed=args.seed, save_loads=args.save_loads,
         ))
     except (ValueError, TypeError) as exc:  # the engine's and the sampler's field names as the flags typed
         raise _flag_error(exc, _RUN_FLAGS) from exc
@@ -159,8 +156,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "/v1/chat/completions, /v1/models, /health, /metrics, /eplb/loads and /eplb/rebalance. SIGTERM drains: running "
         "requests finish (up to --drain-timeout), then exit 0. With no --model, the built-in small checkpoint.",
     )
-    p.add_argument("--model", metavar="DIR", help="local Hugging Face MoE checkpoint (default: built-in small "
-                                                  "Kimi-K2.5)")
+    _add_engine_flags(p, ep_default=1)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the dummy weights and of requests sampled without a seed of their own (default 0)")
     p.add_argument("--served-model-name", metavar="NAME", help="model id clients send (default: the directory name)")
     p.add_argument("--chat-template", metavar="TEMPLATE",
                    help="Jinja chat template, or a file holding one, instead of the tokenizer's")
@@ -171,68 +169,20 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--api-key", metavar="KEY",
                    help="bearer token every /v1, /tokenize, /detokenize and /eplb request must carry (default: none)")
-    p.add_argument("--ep", type=int, default=1, help="EP ranks to spawn (default 1; torchrun sets its own)")
-    p.add_argument("--parallel", choices=("ep", "tp"), default="ep",
-                   help="experts expert-parallel (ep, default) or tensor-parallel over the --ep ranks (tp: the "
-                        "baseline; attention stays data-parallel; no /eplb routes)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once per rank")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="most tokens per step per rank")
-    p.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: the model's)")
-    p.add_argument("--mem-fraction-static", type=float, default=0.9,
-                   help="on CUDA, the fraction of GPU memory for weights and KV cache (default 0.9)")
-    p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
-                   help="KV cache blocks per layer (default: sized from memory)")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=256, help="largest decode batch replayed as a CUDA graph")
-    p.add_argument("--cuda-graph-max-tokens", type=int, default=512, metavar="N",
-                   help="prompts too replayed in CUDA graphs, one row per token next to the decodes, when each prompt "
-                        "chunk ends within N tokens; graphs are captured up to N rows (default 512; 0: decode only)")
-    p.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=8192, metavar="N",
-                   help="steps with longer prompt chunks of up to N rows replay piecewise CUDA graphs: the forward "
-                        "captured between the attention calls, attention eager (default 8192; 0: such steps eager)")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--disable-overlap-schedule", action="store_true",
-                   help="read each step's tokens back before planning the next (default: the next step is "
-                        "planned and launched first)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="reuse the KV blocks of a prompt prefix computed before (vLLM's automatic prefix caching; "
-                        "default on, off with a draft model)")
-    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
-                   help="dummy: random weights at the size of config.json")
-    p.add_argument("--eplb-interval", type=int, default=0, metavar="STEPS",
-                   help="rebalance experts live every STEPS engine steps (default 0: never)")
-    p.add_argument("--placement", metavar="FILE", help="expert placement file (JSON or safetensors)")
-    p.add_argument("--redundant", type=int, default=0, help="redundant slots per layer for the default placement")
-    _add_replica_policy(p)
-    p.add_argument("--expert-backend", default=None,
-                   help="triton (default on CUDA), reference (default on CPU) or grouped_mm")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, seconds running requests get before they are aborted (default 30)")
-    _add_speculative(p)
     p.set_defaults(func=_cmd_serve)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from epmoe.engine.config import speculative_options
     from epmoe.server.config import ServeConfig
     from epmoe.server.serve import serve
 
     try:
         cfg = ServeConfig(
-            model=args.model, ep=args.ep, parallel=args.parallel, device=args.device, dtype=args.dtype,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-            mem_fraction_static=args.mem_fraction_static, num_kv_blocks=args.num_kv_blocks,
-            cuda_graph_max_bs=args.cuda_graph_max_bs, cuda_graph_max_tokens=args.cuda_graph_max_tokens,
-            piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
-            enforce_eager=args.enforce_eager, disable_overlap_schedule=args.disable_overlap_schedule,
-            enable_prefix_caching=args.enable_prefix_caching,
-            load_format=args.load_format, eplb_interval=args.eplb_interval, placement=args.placement,
-            redundant=args.redundant,
-            replica_policy=args.replica_policy, expert_backend=args.expert_backend, host=args.host, port=args.port,
+            **_engine_args(args), seed=args.seed, host=args.host, port=args.port,
             served_model_name=args.served_model_name, api_key=args.api_key, drain_timeout_s=args.drain_timeout,
-            chat_template=args.chat_template, generation_config=args.generation_config, **speculative_options(args),
+            chat_template=args.chat_template, generation_config=args.generation_config,
         )
         return serve(cfg)
     except (ValueError, TypeError) as exc:
@@ -301,23 +251,17 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0 if report.failed == 0 else 1
 
 
-_SERVE_FLAGS = {name: "--" + name.replace("_", "-") for name in (
-    "model", "ep", "parallel", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-    "mem_fraction_static", "num_kv_blocks", "cuda_graph_max_bs", "cuda_graph_max_tokens",
-    "piecewise_cuda_graph_max_tokens", "enforce_eager", "disable_overlap_schedule", "enable_prefix_caching",
-    "load_format", "eplb_interval",
-    "placement", "redundant", "replica_policy", "expert_backend", "host", "port", "served_model_name", "api_key",
-    "speculative_algorithm", "speculative_draft_model", "speculative_num_tokens", "speculative_draft_placement",
-    "speculative_draft_parallel", "prompt_lookup_min", "prompt_lookup_max", "chat_template",
-    "generation_config")} | {"drain_timeout_s": "--drain-timeout"}
-_RUN_FLAGS = {name: "--" + name.replace("_", "-") for name in (
-    "model", "ep", "parallel", "device", "dtype", "placement", "redundant", "layout", "dispatcher", "expert_backend",
-    "max_num_seqs", "max_num_batched_tokens", "request_rate", "temperature", "top_p", "top_k", "seed",
-    "cuda_graph_max_bs", "cuda_graph_max_tokens", "piecewise_cuda_graph_max_tokens", "enforce_eager",
-    "disable_overlap_schedule", "enable_prefix_caching", "load_format", "num_kv_blocks", "block_size",
-    "eplb_interval", "replica_policy", "speculative_algorithm", "speculative_draft_model", "speculative_num_tokens",
-    "speculative_draft_placement", "speculative_draft_parallel", "prompt_lookup_min", "prompt_lookup_max")} | {
-    "eplb_max_moves": "--max-moves", "max_new_tokens": "--max-new-tokens"}
+def _command_flags(*own: str) -> dict[str, str]:
+    """``{field: flag}`` of the engine's flags and a command's ``own`` fields (each ``--`` and its name dashed)."""
+    from epmoe.engine.config import COMMAND_FIELDS
+
+    names = ("model", "ep", "expert_backend", "enforce_eager", *COMMAND_FIELDS, *own)
+    return {name: "--" + name.replace("_", "-") for name in names} | {"eplb_max_moves": "--max-moves"}
+
+
+_SERVE_FLAGS = _command_flags("seed", "host", "port", "served_model_name", "api_key", "chat_template",
+                              "generation_config") | {"drain_timeout_s": "--drain-timeout"}
+_RUN_FLAGS = _command_flags("request_rate", "temperature", "top_p", "top_k", "seed", "max_new_tokens")
 
 
 def _batches(text: str) -> tuple[int, ...]:

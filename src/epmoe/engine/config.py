@@ -13,16 +13,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 PARALLEL_MODES = ("ep", "tp")
 SPECULATIVE_ALGORITHMS = ("ngram", "draft", "eagle3")
 DRAFT_PARALLEL_MODES = ("ep", "replicated")
-# the EngineConfig fields of speculative decoding, carried unchanged by RunConfig, ServeConfig and the CLI
+# the EngineConfig fields of speculative decoding
 SPECULATIVE_FIELDS = ("speculative_algorithm", "speculative_draft_model", "speculative_num_tokens",
                       "speculative_draft_placement", "speculative_draft_parallel", "prompt_lookup_min",
                       "prompt_lookup_max")
+# the EngineConfig fields that ``epmoe run`` and ``epmoe serve`` both take, each a flag of the same name
+# (``eplb_max_moves``: ``--max-moves``), carried unchanged by RunConfig and ServeConfig
+COMMAND_FIELDS = ("dtype", "device", "parallel", "placement", "redundant", "layout", "dispatcher", "load_format",
+                  "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "mem_fraction_static",
+                  "num_kv_blocks", "cuda_graph_max_bs", "cuda_graph_max_tokens", "piecewise_cuda_graph_max_tokens",
+                  "disable_overlap_schedule", "enable_prefix_caching", "eplb_interval", "eplb_max_moves",
+                  "replica_policy", *SPECULATIVE_FIELDS)
 
 
-def speculative_options(source: object) -> dict:
-    """``{field: value}`` of ``SPECULATIVE_FIELDS`` read from ``source`` (a RunConfig, a ServeConfig or the CLI's
-    parsed arguments), for ``EngineConfig(**...)``."""
-    return {name: getattr(source, name) for name in SPECULATIVE_FIELDS}
 DEFAULT_SPECULATIVE_TOKENS = 3
 GRAPH_SAFE_BACKENDS = ("triton",)  # the reference backend reads the routing on the host
 # the dispatchers of eager steps (``dispatcher``); graph-replayed steps use ``fixed_capacity`` on several ranks
@@ -199,7 +202,12 @@ class EngineConfig:
         if self.layout not in ("contiguous", "round_robin"):
             raise ValueError(f"layout must be 'contiguous' or 'round_robin', got {self.layout!r}")
         if self.placement is not None and (self.redundant or self.layout != "contiguous"):
-            raise ValueError("redundant and layout shape the default placement; a placement file fixes its own slots")
+            given = [f"{name} ({value!r})" for name, value, default in (
+                ("redundant", self.redundant, 0), ("layout", self.layout, "contiguous")) if value != default]
+            one = len(given) == 1
+            raise ValueError(f"{', '.join(given)} {'shapes' if one else 'shape'} the default placement; placement "
+                             f"({self.placement!r}) is a file that fixes its own slots: leave "
+                             f"{'it' if one else 'them'} unset")
         if isinstance(self.eplb_interval, bool) or not isinstance(self.eplb_interval, numbers.Integral) \
                 or self.eplb_interval < 0:
             raise ValueError(f"eplb_interval must be a non-negative integer, got {self.eplb_interval!r}")
@@ -335,3 +343,18 @@ class EngineConfig:
     def static_decode(self) -> bool:
         """Decode-only steps run on padded batch buckets (CUDA graphs, or their eager twin on CPU)."""
         return self.use_graphs or (self.device == "cpu" and self.static_decode_on_cpu)
+
+
+def command_engine_config(source: object, model_dir: str, **fields: object) -> EngineConfig:
+    """The ``EngineConfig`` of a command's options for ``model_dir``: every ``COMMAND_FIELDS`` name read from
+    ``source`` (a RunConfig or a ServeConfig), with the commands' defaults applied: an ``expert_backend`` of
+    ``None`` is ``triton`` on CUDA and ``reference`` on CPU, and steps run eagerly (``enforce_eager``) when asked,
+    in float32, or on a backend CUDA graphs cannot replay. ``fields``: the other ``EngineConfig`` fields.
+
+    Raises:
+        ValueError: a bad option (named by its field).
+    """
+    backend = source.expert_backend or ("triton" if source.device == "cuda" else "reference")
+    eager = source.enforce_eager or source.dtype == "float32" or backend not in GRAPH_SAFE_BACKENDS
+    return EngineConfig(model=model_dir, expert_backend=backend, enforce_eager=eager,
+                        **{name: getattr(source, name) for name in COMMAND_FIELDS}, **fields)

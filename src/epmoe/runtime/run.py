@@ -21,7 +21,7 @@ import torch
 from epmoe.balance import rank_balancedness
 from epmoe.comm import COLLECTIVE_KINDS, Comm
 from epmoe.engine import Engine, EngineConfig, SamplingParams
-from epmoe.engine.config import EAGER_DISPATCHERS, GRAPH_SAFE_BACKENDS, PARALLEL_MODES, speculative_options
+from epmoe.engine.config import EAGER_DISPATCHERS, PARALLEL_MODES, command_engine_config
 from epmoe.engine.engine import trivial_or_file_placement
 from epmoe.engine.tokenizer import decode_text, encode_text, generation_config, load_tokenizer
 from epmoe.experts import describe_expert_backend
@@ -86,6 +86,8 @@ class RunConfig:
         load_format: ``auto`` or ``dummy`` (random weights; no reference check).
         num_kv_blocks: KV blocks per layer (``None`` = sized from memory).
         block_size: tokens per KV block.
+        max_model_len: longest sequence (prompt + output); ``None`` = the model's context (``EngineConfig``).
+        mem_fraction_static: on CUDA, the fraction of the GPU's memory for weights and KV cache (``EngineConfig``).
         speculative_algorithm, speculative_draft_model, speculative_num_tokens, speculative_draft_placement,
             speculative_draft_parallel, prompt_lookup_min, prompt_lookup_max: speculative decoding
             (``EngineConfig``'s fields of the same names).
@@ -125,6 +127,8 @@ class RunConfig:
     load_format: str = "auto"
     num_kv_blocks: int | None = None
     block_size: int = 16
+    max_model_len: int | None = None
+    mem_fraction_static: float = 0.9
     speculative_algorithm: str | None = None
     speculative_draft_model: str | None = None
     speculative_num_tokens: int | None = None
@@ -206,22 +210,13 @@ class RunConfig:
                               max_tokens=self.max_new_tokens)
 
     def engine_config(self, model_dir: str) -> EngineConfig:
-        """The engine's options for ``model_dir``."""
-        backend = self.expert_backend or ("triton" if self.device == "cuda" else "reference")
-        eager = self.enforce_eager or self.dtype == "float32" or backend not in GRAPH_SAFE_BACKENDS
-        return EngineConfig(
-            model=model_dir, dtype=self.dtype, device=self.device, parallel=self.parallel, placement=self.placement,
-            redundant=self.redundant, layout=self.layout, dispatcher=self.dispatcher, expert_backend=backend,
-            load_format=self.load_format, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens, num_kv_blocks=self.num_kv_blocks,
-            block_size=self.block_size,
-            cuda_graph_max_bs=self.cuda_graph_max_bs, cuda_graph_max_tokens=self.cuda_graph_max_tokens,
-            piecewise_cuda_graph_max_tokens=self.piecewise_cuda_graph_max_tokens, enforce_eager=eager,
-            disable_overlap_schedule=self.disable_overlap_schedule, enable_prefix_caching=self.enable_prefix_caching,
-            eplb_interval=self.eplb_interval, eplb_max_moves=self.eplb_max_moves, replica_policy=self.replica_policy,
-            seed=self.seed or 0,
-            **speculative_options(self),
-        )
+        """The engine's options for ``model_dir`` (``command_engine_config``; the sampling seed seeds the dummy
+        weights and unseeded sampling too).
+
+        Raises:
+            ValueError: a bad engine option (named).
+        """
+        return command_engine_config(self, model_dir, seed=self.seed or 0)
 
 
 @dataclass

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from epmoe.engine import EngineConfig
-from epmoe.engine.config import GRAPH_SAFE_BACKENDS, speculative_options
+from epmoe.engine.config import command_engine_config
 
 MAX_N = 16  # most choices one request may ask for (``n``)
 MAX_BODY_BYTES = 8 << 20  # a request body past this is refused with 413
@@ -28,11 +28,11 @@ class ServeConfig:
         ep: ranks to spawn (one process each; rank 0 is the engine core; HTTP is served by the parent process).
         parallel: ``ep`` (experts expert-parallel) or ``tp`` (experts tensor-parallel over the same ranks; the
             baseline); attention is data-parallel either way.
-        device, dtype, max_num_seqs, max_num_batched_tokens, mem_fraction_static, cuda_graph_max_bs,
-            cuda_graph_max_tokens, piecewise_cuda_graph_max_tokens, enforce_eager, disable_overlap_schedule,
-            enable_prefix_caching,
-            load_format, eplb_interval, placement, redundant, replica_policy, max_model_len, num_kv_blocks:
-            the engine's options (``EngineConfig``).
+        device, dtype, placement, redundant, layout, dispatcher, load_format, max_num_seqs, max_num_batched_tokens,
+            max_model_len, block_size, mem_fraction_static, num_kv_blocks, cuda_graph_max_bs, cuda_graph_max_tokens,
+            piecewise_cuda_graph_max_tokens, enforce_eager, disable_overlap_schedule, enable_prefix_caching,
+            eplb_interval, eplb_max_moves, replica_policy: the engine's options (``EngineConfig``).
+        seed: seed of the dummy weights and of requests sampled without a seed of their own (``EngineConfig``).
         expert_backend: ``None`` = ``triton`` on CUDA, ``reference`` on CPU.
         host: address to listen on.
         port: TCP port (0 = any free one, logged).
@@ -68,12 +68,17 @@ class ServeConfig:
     enable_prefix_caching: bool | None = None
     load_format: str = "auto"
     eplb_interval: int = 0
+    eplb_max_moves: int | None = None
     placement: str | None = None
     redundant: int = 0
+    layout: str = "contiguous"
+    dispatcher: str | None = None
     replica_policy: str = "static"
     expert_backend: str | None = None
     max_model_len: int | None = None
     num_kv_blocks: int | None = None
+    block_size: int = 16
+    seed: int = 0
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
@@ -118,23 +123,11 @@ class ServeConfig:
             raise ValueError("chat_template must not be empty (leave it out for the tokenizer's)")
 
     def engine_config(self, model_dir: str) -> EngineConfig:
-        """The engine's options for ``model_dir``.
+        """The engine's options for ``model_dir`` (``command_engine_config``).
 
         Raises:
             ValueError: a bad engine option (named).
         """
-        backend = self.expert_backend or ("triton" if self.device == "cuda" else "reference")
-        eager = self.enforce_eager or self.dtype == "float32" or backend not in GRAPH_SAFE_BACKENDS
-        return EngineConfig(
-            model=model_dir, dtype=self.dtype, device=self.device, parallel=self.parallel,
-            placement=self.placement, redundant=self.redundant, expert_backend=backend, load_format=self.load_format,
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len, mem_fraction_static=self.mem_fraction_static,
-            num_kv_blocks=self.num_kv_blocks, cuda_graph_max_bs=self.cuda_graph_max_bs,
-            cuda_graph_max_tokens=self.cuda_graph_max_tokens,
-            piecewise_cuda_graph_max_tokens=self.piecewise_cuda_graph_max_tokens, enforce_eager=eager,
-            disable_overlap_schedule=self.disable_overlap_schedule, eplb_interval=self.eplb_interval,
-            enable_prefix_caching=self.enable_prefix_caching,
-            generation_config=None if self.generation_config in ("auto", "vllm") else self.generation_config,
-            replica_policy=self.replica_policy, **speculative_options(self),
-        )
+        return command_engine_config(
+            self, model_dir, seed=self.seed,
+            generation_config=None if self.generation_config in ("auto", "vllm") else self.generation_config)
