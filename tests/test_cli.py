@@ -42,6 +42,8 @@ def kimi(tiny_checkpoints):
      "--max-num-seqs must be at most 65536, got 99999999999999999999"),
     ("run", ["--mem-fraction-static", "1.5"], "--mem-fraction-static must be in (0, 1), got 1.5"),
     ("run", ["--max-model-len", "0"], "--max-model-len must be a positive integer, got 0"),
+    ("run", ["--max-model-len", "20"],
+     "the longest prompt (48 tokens) plus --max-new-tokens (8) is 56 positions, past --max-model-len (20)"),
     ("serve", ["--block-size", "0"], "--block-size must be a positive integer, got 0"),
     ("serve", ["--max-moves", "3"], "--max-moves limits live rebalancing: give --eplb-interval with it"),
     ("serve", ["--seed", "-1"], "--seed must be an integer in [0, 2**63), got -1"),

@@ -21,7 +21,7 @@ import torch
 from epmoe.balance import rank_balancedness
 from epmoe.comm import COLLECTIVE_KINDS, Comm
 from epmoe.engine import Engine, EngineConfig, SamplingParams
-from epmoe.engine.config import EAGER_DISPATCHERS, PARALLEL_MODES, command_engine_config
+from epmoe.engine.config import COMMAND_FIELDS, EAGER_DISPATCHERS, PARALLEL_MODES, command_engine_config
 from epmoe.engine.engine import trivial_or_file_placement
 from epmoe.engine.tokenizer import decode_text, encode_text, generation_config, load_tokenizer
 from epmoe.experts import describe_expert_backend
@@ -351,17 +351,18 @@ def _encode(model_dir: str, prompts: list[str]) -> tuple[list[list[int]], object
     return [encode_text(tok, vocab, p) for p in prompts], tok
 
 
-def _check_context(spec: MoESpec, all_ids: list[list[int]], max_new_tokens: int) -> None:
-    """Refuse prompts that would run past the model's ``max_position_embeddings``."""
-    limit = spec.max_position_embeddings
+def _check_context(spec: MoESpec, all_ids: list[list[int]], max_new_tokens: int, max_model_len: int | None) -> None:
+    """Refuse prompts that with ``max_new_tokens`` would run past ``max_model_len`` (``--max-model-len``), or past
+    the model's ``max_position_embeddings`` when it is not given."""
+    limit = spec.max_position_embeddings if max_model_len is None else max_model_len
+    what = (f"the model's max_position_embeddings ({limit})" if max_model_len is None else
+            f"--max-model-len ({limit})")
     longest = max(len(ids) for ids in all_ids) + max_new_tokens
     if longest > limit:
         raise ValueError(
             f"the longest prompt ({counted(longest - max_new_tokens, 'token')}) plus --max-new-tokens "
-            f"({max_new_tokens}) is {longest} positions, past the model's max_position_embeddings ({limit})"
+            f"({max_new_tokens}) is {longest} positions, past {what}"
         )
-
-
 
 
 def _peak_memory(device: str) -> tuple[float, float]:
@@ -450,17 +451,10 @@ def _spec_report(engine: Engine, outs) -> dict | None:
 
 
 # EngineConfig field -> the flag that sets it (its errors name the field)
-_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
-          "block_size": "--block-size", "cuda_graph_max_bs": "--cuda-graph-max-bs",
-          "cuda_graph_max_tokens": "--cuda-graph-max-tokens", "num_kv_blocks": "--num-kv-blocks",
-          "piecewise_cuda_graph_max_tokens": "--piecewise-cuda-graph-max-tokens",
-          "seed": "--seed", "max_model_len": "--max-model-len",
-          "speculative_algorithm": "--speculative-algorithm", "speculative_draft_model": "--speculative-draft-model",
-          "speculative_num_tokens": "--speculative-num-tokens",
-          "speculative_draft_placement": "--speculative-draft-placement",
-          "speculative_draft_parallel": "--speculative-draft-parallel", "prompt_lookup_min": "--prompt-lookup-min",
-          "prompt_lookup_max": "--prompt-lookup-max",
-          "replica_policy": "--replica-policy"}
+# the engine's field names its errors use, as ``epmoe run`` spells the flags (the plain words among them, such as
+# ``model`` or ``layout``, stand in prose too: ``RunConfig.validate`` names those flags itself)
+_FLAGS = {name: "--" + name.replace("_", "-") for name in COMMAND_FIELDS if "_" in name} | {
+    "seed": "--seed", "eplb_max_moves": "--max-moves"}
 
 
 def _engine_config(cfg: RunConfig, model_dir: str) -> EngineConfig:
@@ -482,6 +476,7 @@ def _check_before_start(cfg: RunConfig, model_dir: str, ep: int,
     if cfg.dispatcher == "local" and ep != 1:
         raise ValueError(f"--dispatcher local serves EP size 1 only; EP size is {ep}: use all_to_all")
     engine_cfg = _engine_config(cfg, model_dir)
+    _check_context(load_moe_spec(model_dir), all_ids, cfg.max_new_tokens, cfg.max_model_len)
     if cfg.load_format == "auto":
         from epmoe.models.checkpoint import CheckpointReader
 
@@ -592,7 +587,6 @@ def run_job(cfg: RunConfig) -> RunReport:
         _check_generation_config(model_dir)
     prompts = list(cfg.prompts) or list(DEFAULT_PROMPTS)
     all_ids, tok = _encode(model_dir, prompts)
-    _check_context(spec, all_ids, cfg.max_new_tokens)
     if under_torchrun():
         info = torchrun_rank_info()
         _check_before_start(cfg, model_dir, info.world_size, all_ids)
