@@ -50,6 +50,16 @@ def kimi(tiny_checkpoints):
     ("serve", ["--placement", "p.json", "--layout", "round_robin"],
      "--layout ('round_robin') shapes the default placement; --placement ('p.json') is a file that fixes its own "
      "slots: leave it unset"),
+    ("run", ["--prompt-lookup-min", "0"],
+     "--prompt-lookup-min configures speculative decoding: give --speculative-algorithm (ngram | draft | eagle3) with "
+     "it"),
+    ("serve", ["--prompt-lookup-min", "5", "--prompt-lookup-max", "2"],
+     "--prompt-lookup-min, --prompt-lookup-max configure speculative decoding"),
+    ("serve", ["--speculative-algorithm", "ngram", "--speculative-draft-parallel", "replicated"],
+     "--speculative-algorithm 'ngram' looks up the prompt and needs no draft model: leave --speculative-draft-model, "
+     "--speculative-draft-placement and --speculative-draft-parallel unset"),
+    ("serve", ["--block-size", "2048"], "--block-size must be at most 1024 tokens"),
+    ("serve", ["--drain-timeout", "inf"], "--drain-timeout must be a finite number of seconds >= 0, got inf"),
     ("run", ["--max-num-batched-tokens", "100"],
      "--max-num-batched-tokens (100) must be at least --max-num-seqs (256): raise --max-num-batched-tokens or "
      "lower --max-num-seqs"),

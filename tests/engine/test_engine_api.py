@@ -359,3 +359,13 @@ def test_a_failed_step_leaves_the_engine_serving(model_dir, reference, monkeypat
     outs = engine.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [reference[p] for p in PROMPTS]
     assert_idle(engine)
+
+
+def test_the_load_window_of_a_long_eplb_interval_is_bounded(model_dir):
+    """The recorder keeps a row of counts per step of its window: an interval past ``EPLB_WINDOW_STEPS`` rebalances
+    from the loads of its last that many steps instead of holding a row per step of the interval (an interval of
+    1e11 steps had asked for terabytes)."""
+    from epmoe.engine.config import EPLB_WINDOW_STEPS
+
+    assert Engine(config(model_dir, eplb_interval=3)).recorder.window == 3
+    assert Engine(config(model_dir, eplb_interval=10**11)).recorder.window == EPLB_WINDOW_STEPS

@@ -116,3 +116,24 @@ def test_migrate_rejects_wrong_shape_before_moving(tiny_checkpoints):
                        options=MoELayerOptions(dispatcher="local"))
     with pytest.raises(ValueError, match="new placement has num_slots 18, the model serves 16"):
         rebalance.migrate(ep, ExpertPlacement.trivial(2, 16, 1, num_redundant=2))
+
+
+def test_a_cap_that_admits_no_move_is_named_as_the_reason_nothing_moved():
+    """Without redundant slots copies move in swapped pairs, so ``max_moves`` 1 moves nothing even where the load is
+    skewed: the skipped attempt says so (not "already balanced"), and says how many copies would move uncapped; a
+    balanced load is still "already balanced". Skipped attempts move nothing, so no model is needed."""
+    from types import SimpleNamespace
+
+    from epmoe.loads import ExpertLoadRecorder
+
+    placement = ExpertPlacement.trivial(1, 4, 2)  # rank 0 holds experts 0 and 1, rank 1 experts 2 and 3
+    ctl = rebalance.EPLBController(SimpleNamespace(placement=placement), ExpertLoadRecorder(1, 4), interval=0)
+    skewed = torch.tensor([[10.0, 10.0, 1.0, 1.0]])
+    event = ctl.rebalance(4, load=skewed, max_moves=1)
+    assert not event.committed and event.copies_moved == 0
+    assert event.balancedness_before == pytest.approx(11 / 20)
+    assert event.skipped == ("max_moves 1 admits none of the moves that balance better (without a cap 2 copies would "
+                             "move; where no slot is redundant, copies move in pairs)")
+    event = ctl.rebalance(8, load=torch.tensor([[10.0, 1.0, 10.0, 1.0]]), max_moves=1)
+    assert event.skipped == "already balanced: no copy to move"
+    assert ctl.rebalance(12, load=skewed, max_moves=0).skipped == "max_moves is 0: no copy may move"

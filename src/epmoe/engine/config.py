@@ -36,6 +36,10 @@ EAGER_DISPATCHERS = ("all_to_all", "local")
 # buffers are allocated up front, so a mistyped huge value is refused by name instead of failing an allocation
 MAX_NUM_SEQS = 1 << 16
 MAX_NUM_BATCHED_TOKENS = 1 << 20
+# the most steps whose expert loads a live rebalance reads (vLLM's EPLB window default): the recorder keeps one row
+# of counts per step of its window, so a longer interval rebalances from the loads of its last this many steps
+EPLB_WINDOW_STEPS = 1000
+MAX_BLOCK_SIZE = 1024  # tokens per KV block (vLLM offers 8 to 128, SGLang's pages are 1 to 64)
 
 
 def _positive(name: str, value: object) -> None:
@@ -96,7 +100,8 @@ class EngineConfig:
             checkpoint's (vLLM's ``--generation-config DIR``); ``None`` = the checkpoint's.
         static_decode_on_cpu: on CPU, run decode-only steps through the graph path's padded batch buckets
             and fixed-capacity dispatch, eagerly (how the CUDA-graph path is tested without a GPU).
-        eplb_interval: rebalance experts every this many steps from the recorded loads (0 = never).
+        eplb_interval: rebalance experts every this many steps (0 = never), from the loads recorded over the last
+            ``min(eplb_interval, EPLB_WINDOW_STEPS)`` steps.
         eplb_max_moves: most expert copies one rebalance moves (``None`` = as few as reach the target).
         replica_policy: how a token picks among an expert's copies: ``static`` (one fixed copy per rank),
             ``round_robin`` or ``random`` (``epmoe.routing.SlotMap``).
@@ -178,6 +183,9 @@ class EngineConfig:
             if limit is not None and limit < self.max_model_len:
                 raise ValueError(f"max_model_len ({self.max_model_len}) is past the model's max_position_embeddings "
                                  f"({limit})")
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be at most {MAX_BLOCK_SIZE} tokens (a block is the cache's unit of "
+                             f"allocation; one larger than a whole sequence only wastes memory), got {self.block_size}")
         for name in ("cuda_graph_max_tokens", "piecewise_cuda_graph_max_tokens"):
             n = getattr(self, name)
             if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
@@ -276,6 +284,7 @@ class EngineConfig:
                 ("speculative_num_tokens", self.speculative_num_tokens, None),
                 ("speculative_draft_placement", self.speculative_draft_placement, None),
                 ("speculative_draft_parallel", self.speculative_draft_parallel, "ep"),
+                ("prompt_lookup_min", self.prompt_lookup_min, 1), ("prompt_lookup_max", self.prompt_lookup_max, 4),
             ) if value != default]
             if given:
                 one = len(given) == 1
@@ -299,10 +308,15 @@ class EngineConfig:
                              f"got {self.speculative_draft_parallel!r}")
         draft = self.speculative_draft_model
         if algo == "ngram":
-            if draft is not None or self.speculative_draft_placement is not None:
+            if draft is not None or self.speculative_draft_placement is not None \
+                    or self.speculative_draft_parallel != "ep":
                 raise ValueError("speculative_algorithm 'ngram' looks up the prompt and needs no draft model: leave "
-                                 "speculative_draft_model and speculative_draft_placement unset")
+                                 "speculative_draft_model, speculative_draft_placement and speculative_draft_parallel "
+                                 "unset")
             return
+        if (self.prompt_lookup_min, self.prompt_lookup_max) != (1, 4):
+            raise ValueError(f"prompt_lookup_min and prompt_lookup_max configure speculative_algorithm 'ngram', not "
+                             f"{algo!r}: leave them unset")
         if draft is None:
             raise ValueError(f"speculative_algorithm {algo!r} needs its draft: set speculative_draft_model to the "
                              f"draft's directory")

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from epmoe.comm import Comm
 from epmoe.engine.attention import register_attention
-from epmoe.engine.config import EngineConfig
+from epmoe.engine.config import EPLB_WINDOW_STEPS, EngineConfig
 from epmoe.engine.fused_norm import fuse_norms
 from epmoe.engine.kv_cache import BlockAllocator, KVCache, KVLayout, blocks_for_memory
 from epmoe.engine.mla import install_mla
@@ -184,7 +184,8 @@ class Engine:
         # tp: no slots to count (the recorder stays empty, one column per expert)
         num_slots = self.spec.num_experts if self.tp else self.placement.num_slots
         self.recorder = ExpertLoadRecorder(self.spec.num_moe_layers, num_slots,
-                                           window=max(1, config.eplb_interval), device=self.device)
+                                           window=max(1, min(config.eplb_interval, EPLB_WINDOW_STEPS)),
+                                           device=self.device)
         say("loading weights")
         if self.tp:
             self.ep_model: EPModel = load_tp_model(

@@ -268,7 +268,13 @@ class EPLBController:
         plan = rebalance_with_moves(load, current, max_moves=cap, algorithm=self.algorithm)
         after = balancedness(load, plan.placement)
         if not plan.moves:
-            why = "max_moves is 0: no copy may move" if cap == 0 else "already balanced: no copy to move"
+            if cap == 0:
+                why = "max_moves is 0: no copy may move"
+            elif cap is not None and (free := rebalance_with_moves(load, current, algorithm=self.algorithm)).moves:
+                why = (f"max_moves {cap} admits none of the moves that balance better (without a cap "
+                       f"{len(free.moves)} copies would move; where no slot is redundant, copies move in pairs)")
+            else:
+                why = "already balanced: no copy to move"
             event = RebalanceEvent(step, before, before, 0, False, skipped=why)
         else:
             result = migrate(self.ep_model, plan.placement, epoch=len(self.events) + 1, timeout_s=self.timeout_s)

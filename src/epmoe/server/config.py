@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 import numbers
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,8 +114,8 @@ class ServeConfig:
             raise ValueError(f"served_model_name must not be empty, got {self.served_model_name!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it out to serve without one)")
-        if not isinstance(self.drain_timeout_s, numbers.Real) or not self.drain_timeout_s >= 0:
-            raise ValueError(f"drain_timeout_s must be a number of seconds >= 0, got {self.drain_timeout_s!r}")
+        if not isinstance(self.drain_timeout_s, numbers.Real) or not 0 <= self.drain_timeout_s < math.inf:
+            raise ValueError(f"drain_timeout_s must be a finite number of seconds >= 0, got {self.drain_timeout_s!r}")
         _int_at_least("max_body_bytes", self.max_body_bytes, 1024)
         if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).is_dir():
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory holding a "
