@@ -85,7 +85,7 @@ def test_run_under_torchrun_environment(kimi, tmp_path):
         (["--ep", "2", "--dispatcher", "local"], r"--dispatcher local serves EP size 1 only; EP size is 2"),
         (["--max-new-tokens", "300"], r"plus --max-new-tokens \(300\) is \d+ positions, past the model's "
                                       r"max_position_embeddings \(256\)"),
-        (["--max-moves", "3"], r"--max-moves limits live rebalancing: give --eplb-interval STEPS with it"),
+        (["--max-moves", "3"], r"--max-moves limits live rebalancing: give --eplb-interval with it"),
         (["--request-rate", "0"], r"--request-rate must be a positive number"),
         (["--max-num-seqs", "0"], r"^epmoe run: error: --max-num-seqs must be a positive integer, got 0"),
         (["--num-kv-blocks", "3", "--block-size", "2", "--prompt", "x" * 40],
@@ -104,7 +104,8 @@ def test_placement_file_with_default_placement_options(kimi, tmp_path, capsys):
     path = tmp_path / "pl.json"
     ExpertPlacement.trivial(2, 16, 2).save(path)
     assert main(["run", "--model", str(kimi), "--placement", str(path), "--redundant", "2"]) == 2
-    assert "--redundant and --layout shape the default placement" in capsys.readouterr().err
+    assert (f"--redundant (2) shapes the default placement; --placement ('{path}') is a file that fixes its own slots: "
+            f"leave it unset") in capsys.readouterr().err
 
 
 def test_placement_missing_a_layer(kimi, tmp_path, capsys):

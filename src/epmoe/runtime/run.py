@@ -157,8 +157,6 @@ class RunConfig:
             raise ValueError(f"--eplb-interval must be non-negative, got {self.eplb_interval}")
         if self.eplb_max_moves is not None and self.eplb_max_moves < 0:
             raise ValueError(f"--max-moves must be non-negative, got {self.eplb_max_moves}")
-        if self.eplb_max_moves is not None and not self.eplb_interval:
-            raise ValueError("--max-moves limits live rebalancing: give --eplb-interval STEPS with it")
         if self.request_rate is not None and not self.request_rate > 0:
             raise ValueError(f"--request-rate must be a positive number of requests per second, "
                              f"got {self.request_rate}")
@@ -171,10 +169,6 @@ class RunConfig:
             raise ValueError(f"--dispatcher {self.dispatcher!r} is not one of {list(EAGER_DISPATCHERS)}")
         if self.expert_backend is not None and self.expert_backend not in EXPERT_BACKENDS:
             raise ValueError(f"--expert-backend {self.expert_backend!r} is not one of {sorted(EXPERT_BACKENDS)}")
-        if self.placement is not None and (self.redundant or self.layout != "contiguous"):
-            raise ValueError(
-                "--redundant and --layout shape the default placement; a --placement file fixes its own slots"
-            )
         if self.model is not None and (not str(self.model) or not Path(self.model).is_dir()):
             raise ValueError(f"--model {self.model!r} is not a checkpoint directory (config.json + *.safetensors)")
         if any(not p for p in self.prompts):
