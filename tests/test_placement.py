@@ -166,3 +166,11 @@ def test_redundant_slots_bounded():
     with pytest.raises(ValueError, match=r"num_redundant \(1000000000000\) exceeds 8 \(8 experts x 1\)"):
         ExpertPlacement.trivial(num_layers=2, num_experts=8, ep_size=2, num_redundant=10**12)
     assert ExpertPlacement.trivial(num_layers=1, num_experts=4, ep_size=2, num_redundant=4).num_slots == 8
+
+
+def test_a_missing_placement_file_and_a_directory_are_told_apart(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"placement file '.*nowhere\.json' does not exist$"):
+        ExpertPlacement.load(tmp_path / "nowhere.json")
+    (tmp_path / "dir.json").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"placement file '.*dir\.json' is a directory, not a file$"):
+        ExpertPlacement.load(tmp_path / "dir.json")

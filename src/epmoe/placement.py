@@ -326,14 +326,15 @@ class ExpertPlacement:
             ep_size: EP size to use when the file names none; must agree when it does.
 
         Raises:
-            FileNotFoundError: no such file.
+            FileNotFoundError: no such file (or a directory there).
             ValueError: unreadable file, a missing or unknown field, ragged layers, an ``ep_size`` disagreeing
                 with the file, or any validation error of the constructor, an out-of-range id named with its
                 position before anything else (the file's name is in the message).
         """
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"placement file {str(path)!r} does not exist")
+            what = "is a directory, not a file" if path.is_dir() else "does not exist"
+            raise FileNotFoundError(f"placement file {str(path)!r} {what}")
         try:
             if path.suffix == ".safetensors":
                 from safetensors import safe_open
