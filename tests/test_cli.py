@@ -58,6 +58,8 @@ def kimi(tiny_checkpoints):
     ("serve", ["--speculative-algorithm", "ngram", "--speculative-draft-parallel", "replicated"],
      "--speculative-algorithm 'ngram' looks up the prompt and needs no draft model: leave --speculative-draft-model, "
      "--speculative-draft-placement and --speculative-draft-parallel unset"),
+    ("serve", ["--max-model-len", "1"],
+     "--max-model-len must be at least 2 (a prompt's token and one generated), got 1"),
     ("serve", ["--block-size", "2048"], "--block-size must be at most 1024 tokens"),
     ("serve", ["--drain-timeout", "inf"], "--drain-timeout must be a finite number of seconds >= 0, got inf"),
     ("run", ["--max-num-batched-tokens", "100"],

@@ -173,6 +173,9 @@ class EngineConfig:
             _positive(name, getattr(self, name))
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
+            if self.max_model_len < 2:
+                raise ValueError(f"max_model_len must be at least 2 (a prompt's token and one generated), got "
+                                 f"{self.max_model_len}")
             from epmoe.spec import load_moe_spec
 
             # the parsed context (transformers' default where config.json has none), not the file's raw field
