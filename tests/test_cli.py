@@ -217,3 +217,20 @@ def test_a_missing_config_or_draft_is_named_by_its_flag(tmp_path, capsys, argv, 
     assert (f"epmoe {command}: error: {flag} '{missing}' does not exist (expected a model directory holding "
             f"config.json, or a config file)\n") in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.multiprocess
+def test_a_ranks_error_names_the_flag_typed(kimi, capsys):
+    """An option only a rank can check (the KV pool against the memory it finds) is named in its error by the flag
+    typed, not by the engine's field."""
+    assert main(["run", "--model", str(kimi), "--ep", "1", "--no-reference", "--num-kv-blocks", "100000000"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"^epmoe run: error: rank 0 failed: ValueError: --num-kv-blocks 100000000 needs [\d.]+ GiB of "
+                     r"KV cache; [\d.]+ GiB are free on cpu$", err, re.M), err
+
+
+def test_a_redundant_count_past_its_bound_is_named_by_its_flag(kimi, capsys):
+    for command in ("run", "serve"):
+        assert main([command, "--model", str(kimi), "--ep", "2", "--redundant", "100"]) == 2
+        assert (f"epmoe {command}: error: --ep 2: --redundant (100) exceeds 16 (16 experts x 1): with that many "
+                f"every rank already holds a copy of every expert") in capsys.readouterr().err

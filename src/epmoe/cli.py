@@ -548,7 +548,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except RankFailure as exc:  # spawned ranks: every rank's first error, named by rank, the cause first
-        print(f"epmoe {args.command}: error: {exc}", file=sys.stderr)
+        # options the ranks' errors name by field, as flags (only names with an underscore: rank errors are prose)
+        flags = {k: v for k, v in {"run": _RUN_FLAGS, "serve": _SERVE_FLAGS}.get(args.command, {}).items() if "_" in k}
+        print(f"epmoe {args.command}: error: {_flag_error(ValueError(str(exc)), flags)}", file=sys.stderr)
         return exc.exit_code
     except (ValueError, KeyError, TypeError, RuntimeError, OSError) as exc:
         error = RankError.of(int(os.environ.get("RANK", "0")), exc)

@@ -30,16 +30,16 @@ def max_redundant_slots(num_experts: int, ep_size: int) -> int:
     return num_experts * max(ep_size - 1, 1)
 
 
-def check_redundant(num_redundant: int, num_experts: int, ep_size: int) -> None:
-    """Refuse more redundant slots than ``max_redundant_slots``.
+def check_redundant(num_redundant: int, num_experts: int, ep_size: int, name: str = "num_redundant") -> None:
+    """Refuse more redundant slots than ``max_redundant_slots``; ``name``: what the caller calls the count.
 
     Raises:
-        ValueError: ``num_redundant`` above the bound (the value, the bound and its factors named).
+        ValueError: ``num_redundant`` above the bound (``name``, the value, the bound and its factors named).
     """
     bound = max_redundant_slots(num_experts, ep_size)
     if num_redundant > bound:
         raise ValueError(
-            f"num_redundant ({num_redundant}) exceeds {bound} ({num_experts} experts x {max(ep_size - 1, 1)}): "
+            f"{name} ({num_redundant}) exceeds {bound} ({num_experts} experts x {max(ep_size - 1, 1)}): "
             "with that many every rank already holds a copy of every expert"
         )
 

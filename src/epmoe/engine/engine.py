@@ -77,7 +77,7 @@ from epmoe.integrations.placements import load_served_placement
 from epmoe.layer import MoELayerOptions, check_tp_sizes
 from epmoe.loads import ExpertLoadRecorder, slots_to_logical
 from epmoe.models.hf import EPModel, load_ep_model, load_tp_model
-from epmoe.placement import ExpertPlacement
+from epmoe.placement import ExpertPlacement, check_redundant
 from epmoe.spec import load_moe_spec
 
 if TYPE_CHECKING:
@@ -96,6 +96,7 @@ def trivial_or_file_placement(config: EngineConfig, num_layers: int, num_experts
     if config.placement:
         placement = load_served_placement(config.placement, ep_size=ep_size, spec=load_moe_spec(config.model))
     else:
+        check_redundant(config.redundant, num_experts, ep_size, name="redundant")
         try:
             placement = ExpertPlacement.trivial(num_layers, num_experts, ep_size, config.redundant, config.layout)
         except ValueError as exc:
