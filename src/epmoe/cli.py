@@ -39,7 +39,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 def _add_engine_flags(p: argparse.ArgumentParser, ep_default: int) -> None:
     """The engine's flags, the same for ``run`` and ``serve`` (vLLM/SGLang names; each sets the ``EngineConfig``
-    field of ``engine.config.COMMAND_FIELDS`` its name gives, ``--max-moves`` ``eplb_max_moves``)."""
+    field ``engine.config.COMMAND_FLAGS`` names)."""
     p.add_argument("--model", metavar="DIR", help="local Hugging Face MoE checkpoint (default: built-in small "
                                                   "Kimi-K2.5)")
     p.add_argument("--ep", type=int, default=ep_default,
@@ -110,10 +110,9 @@ def _add_engine_flags(p: argparse.ArgumentParser, ep_default: int) -> None:
 
 def _engine_args(args: argparse.Namespace) -> dict:
     """The engine's flags parsed (``_add_engine_flags``), by their ``RunConfig`` / ``ServeConfig`` field names."""
-    from epmoe.engine.config import COMMAND_FIELDS
+    from epmoe.engine.config import COMMAND_FLAGS
 
-    return {name: getattr(args, name) for name in ("model", "ep", "expert_backend", "enforce_eager",
-                                                   *COMMAND_FIELDS)}
+    return {name: getattr(args, name) for name in ("model", "ep", *COMMAND_FLAGS)}
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -253,10 +252,9 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
 def _command_flags(*own: str) -> dict[str, str]:
     """``{field: flag}`` of the engine's flags and a command's ``own`` fields (each ``--`` and its name dashed)."""
-    from epmoe.engine.config import COMMAND_FIELDS
+    from epmoe.engine.config import COMMAND_FLAGS
 
-    names = ("model", "ep", "expert_backend", "enforce_eager", *COMMAND_FIELDS, *own)
-    return {name: "--" + name.replace("_", "-") for name in names} | {"eplb_max_moves": "--max-moves"}
+    return {name: "--" + name.replace("_", "-") for name in ("model", "ep", *own)} | COMMAND_FLAGS
 
 
 _SERVE_FLAGS = _command_flags("seed", "host", "port", "served_model_name", "api_key", "chat_template",

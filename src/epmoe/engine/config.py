@@ -24,6 +24,10 @@ COMMAND_FIELDS = ("dtype", "device", "parallel", "placement", "redundant", "layo
                   "num_kv_blocks", "cuda_graph_max_bs", "cuda_graph_max_tokens", "piecewise_cuda_graph_max_tokens",
                   "disable_overlap_schedule", "enable_prefix_caching", "eplb_interval", "eplb_max_moves",
                   "replica_policy", *SPECULATIVE_FIELDS)
+# every option ``epmoe run`` and ``epmoe serve`` hand the engine (``COMMAND_FIELDS``, and the two whose command
+# defaults ``command_engine_config`` applies), by the flag that sets it
+COMMAND_FLAGS = {name: "--" + name.replace("_", "-") for name in ("expert_backend", "enforce_eager", *COMMAND_FIELDS)
+                 } | {"eplb_max_moves": "--max-moves"}
 
 
 DEFAULT_SPECULATIVE_TOKENS = 3

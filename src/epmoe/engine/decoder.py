@@ -102,7 +102,7 @@ FOLD_NORM_MAX_WIDTH = 4096
 """Widest rows ``fold_or_add_norm`` hands to a consumer: every program of the consumer's launch reads the whole row
 and the residual to normalise them itself, extra reads that grow with the width (for ``gemv``'s q/k/v projection,
 whose programs hold 16384 weight elements each, ``width / 8192`` of its weight's bytes, from the L2).
-Chosen from the H200 measurements in README's engine section ("Norms folded into the kernels after them")."""
+Chosen from the H200 measurements in ``benchmarks/HISTORY.md`` ("Norms folded into the kernels after them")."""
 
 
 def fold_or_add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor, consumer: nn.Module

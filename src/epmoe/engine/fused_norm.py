@@ -14,9 +14,10 @@ On Hopper the kernel is a programmatic dependent launch (``experts.triton.pdl``)
 kernel before it finishes. It lets the kernel after it be placed at its start, or, for a decoder layer's input norm
 (``FusedRMSNorm.late_dependents``), only once its input is complete: the q/k/v projection after that norm requests
 its whole weight when it is placed (``engine.gemv``), and those reads would otherwise compete with the expert
-down kernel's before it (measured on an H200: ``benchmarks/engine.py``, README). Where the kernel after a norm takes
-it into its own launch (``decoder.fold_or_add_norm``: on Hopper, rows up to ``decoder.FOLD_NORM_MAX_WIDTH`` wide, the
-q/k/v projection at one or two rows, the MoE router at one), the decoder launches no norm there.
+down kernel's before it (measured on an H200: ``benchmarks/engine.py``, ``benchmarks/HISTORY.md``). Where the
+kernel after a norm takes it into its own launch (``decoder.fold_or_add_norm``: on Hopper, rows up to
+``decoder.FOLD_NORM_MAX_WIDTH`` wide, the q/k/v projection at one or two rows, the MoE router at one), the decoder
+launches no norm there.
 """
 
 from __future__ import annotations

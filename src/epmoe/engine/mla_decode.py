@@ -56,7 +56,7 @@ WIDE_MIN_KEYS = 32768
 """``mla_decode_tiles`` takes the 64-head tile, given the longest context, from this many keys a step reads
 counted per 64-head group: ``batch * ceil(heads / 64) * max_context`` (and at least two such groups). Set from an H200
 probe of both tiles at Kimi-K2.5's 64 and DeepSeek-V3's 128 heads, 1-64 rows of 148-32768 positions with the graphs'
-block-table width (``benchmarks/results/mla_tile_by_context_probe_h200.json``, README "Where the engine stands"): at
+block-table width (``benchmarks/results/mla_tile_by_context_probe_h200.json``, ``benchmarks/HISTORY.md``): at
 every batch of 4 to 64 rows the wide tile turned faster about where this threshold lies and far faster well above
 it; below it, and at a single 64-head group at any context, it was slower."""
 _SPLIT_MIN_KEYS = 64     # positions a split should have at least

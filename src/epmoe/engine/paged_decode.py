@@ -271,8 +271,8 @@ def paged_decode_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: to
     the window or chunk size) is short; otherwise enough splits to reach about ``_PROGRAMS_PER_SM`` programs per SM,
     each with at least ``_SPLIT_MIN_KEYS`` positions of the longest span, at most ``_MAX_SPLITS``: a program reads
     its keys one tile after the other, so one long context needs many programs to approach the memory's rate
-    (measured on an H200, README). Depends on shapes and options only, so a CUDA graph captured for a batch shape
-    keeps its split count.
+    (measured on an H200, ``benchmarks/HISTORY.md``). Depends on shapes and options only, so a CUDA graph captured
+    for a batch shape keeps its split count.
 
     Args:
         q: ``[B, H, Dk]`` query (its device picks the SM count; CPU counts 132 SMs).

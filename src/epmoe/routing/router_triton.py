@@ -396,7 +396,7 @@ def _gate_warps(num_tokens: int, hidden_size: int, fp32_logits: bool) -> int:
     program's weight row (``D`` rounded up to a power of two), which it holds whole (the launch's time is the wait,
     one read of ``x`` and the last program's top-k, whose reductions stay within a warp at one warp); more: four for
     a model-dtype gate, two for a float32 one (DeepSeek's). Chosen from ``benchmarks/router.py`` and a one-token
-    sweep on an H200 (README: one-token gate of Kimi-K2.5 and DeepSeek-V3 with two warps)."""
+    sweep on an H200 (``benchmarks/HISTORY.md``: one-token gate of Kimi-K2.5 and DeepSeek-V3 with two warps)."""
     if num_tokens == 1:
         return max(1, triton.next_power_of_2(hidden_size) // _GATE_ROW_PER_WARP)
     return 2 if fp32_logits else 4

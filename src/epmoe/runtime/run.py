@@ -21,7 +21,7 @@ import torch
 from epmoe.balance import rank_balancedness
 from epmoe.comm import COLLECTIVE_KINDS, Comm
 from epmoe.engine import Engine, EngineConfig, SamplingParams
-from epmoe.engine.config import COMMAND_FIELDS, EAGER_DISPATCHERS, PARALLEL_MODES, command_engine_config
+from epmoe.engine.config import COMMAND_FLAGS, EAGER_DISPATCHERS, PARALLEL_MODES, command_engine_config
 from epmoe.engine.engine import trivial_or_file_placement
 from epmoe.engine.tokenizer import decode_text, encode_text, generation_config, load_tokenizer
 from epmoe.experts import describe_expert_backend
@@ -444,11 +444,9 @@ def _spec_report(engine: Engine, outs) -> dict | None:
     return {**engine.spec_stats.to_json(), "proposer": engine.proposer.describe(), "requests": per_request}
 
 
-# EngineConfig field -> the flag that sets it (its errors name the field)
-# the engine's field names its errors use, as ``epmoe run`` spells the flags (the plain words among them, such as
-# ``model`` or ``layout``, stand in prose too: ``RunConfig.validate`` names those flags itself)
-_FLAGS = {name: "--" + name.replace("_", "-") for name in COMMAND_FIELDS if "_" in name} | {
-    "seed": "--seed", "eplb_max_moves": "--max-moves"}
+# EngineConfig field -> the flag that sets it, for the engine's errors (which name the field); plain words such as
+# ``model`` or ``layout`` stand in prose too, so only ``seed`` of them (``RunConfig.validate`` names the others)
+_FLAGS = {name: flag for name, flag in COMMAND_FLAGS.items() if "_" in name} | {"seed": "--seed"}
 
 
 def _engine_config(cfg: RunConfig, model_dir: str) -> EngineConfig:
@@ -470,7 +468,8 @@ def _check_before_start(cfg: RunConfig, model_dir: str, ep: int,
     if cfg.dispatcher == "local" and ep != 1:
         raise ValueError(f"--dispatcher local serves EP size 1 only; EP size is {ep}: use all_to_all")
     engine_cfg = _engine_config(cfg, model_dir)
-    _check_context(load_moe_spec(model_dir), all_ids, cfg.max_new_tokens, cfg.max_model_len)
+    spec = load_moe_spec(model_dir)
+    _check_context(spec, all_ids, cfg.max_new_tokens, cfg.max_model_len)
     if cfg.load_format == "auto":
         from epmoe.models.checkpoint import CheckpointReader
 
@@ -486,7 +485,6 @@ def _check_before_start(cfg: RunConfig, model_dir: str, ep: int,
             raise ValueError(f"the longest prompt with --max-new-tokens {cfg.max_new_tokens} needs {longest} KV slots; "
                              f"--num-kv-blocks {cfg.num_kv_blocks} of --block-size {cfg.block_size} hold {pool} "
                              f"(one block is the padding block)")
-    spec = load_moe_spec(model_dir)
     if cfg.parallel == "tp":
         try:
             check_tp_sizes(spec, ep)
