@@ -234,3 +234,28 @@ def test_a_redundant_count_past_its_bound_is_named_by_its_flag(kimi, capsys):
         assert main([command, "--model", str(kimi), "--ep", "2", "--redundant", "100"]) == 2
         assert (f"epmoe {command}: error: --ep 2: --redundant (100) exceeds 16 (16 experts x 1): with that many "
                 f"every rank already holds a copy of every expert") in capsys.readouterr().err
+
+
+def test_a_draft_placement_that_does_not_fit_is_refused_before_any_rank_starts(tiny_checkpoints, tmp_path, capsys):
+    """The draft's placement is checked with the target's, before a rank loads a weight (it was met only as the
+    draft loaded inside the ranks); a dense draft given a placement likewise."""
+    from epmoe.placement import ExpertPlacement
+
+    target, draft = str(tiny_checkpoints("qwen3-moe")), str(tiny_checkpoints("mixtral"))
+    wrong = tmp_path / "target-shaped.json"
+    ExpertPlacement.trivial(2, 16, 2).save(wrong)  # 16 experts per layer over 2 ranks; the draft has 8
+    for command in ("run", "serve"):
+        assert main([command, "--model", target, "--ep", "2", "--speculative-algorithm", "draft",
+                     "--speculative-draft-model", draft, "--speculative-draft-placement", str(wrong)]) == 2
+        err = capsys.readouterr().err
+        assert (f"epmoe {command}: error: --speculative-draft-placement {wrong} with --ep 2: draft model {draft} "
+                f"(an MoE draft, 2 MoE layers x 8 experts) cannot be placed on 2 rank(s): ") in err, err
+        assert f"placement is for 16 logical experts per layer but draft model {draft} has 8" in err, err
+        assert "rank 0 failed" not in err
+    from epmoe.models.tiny import build_tiny_dense_checkpoint
+
+    dense = str(build_tiny_dense_checkpoint(tmp_path / "dense", seed=7))
+    assert main(["run", "--model", target, "--ep", "1", "--speculative-algorithm", "draft",
+                 "--speculative-draft-model", dense, "--speculative-draft-placement", str(wrong)]) == 2
+    assert (f"epmoe run: error: --speculative-draft-placement {wrong} with --ep 1: draft model {dense} is dense: it "
+            f"has no experts to place; leave --speculative-draft-placement unset") in capsys.readouterr().err

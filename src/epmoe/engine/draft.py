@@ -51,6 +51,48 @@ def check_draft_vocab(draft: str, target: str, target_vocab: int, target_tokeniz
                          f"vocabularies differ): the draft must share the target's tokenizer")
 
 
+def draft_placement(config, group_size: int) -> tuple[ExpertPlacement | None, str]:
+    """The placement of ``config``'s draft model (``speculative_draft_model``) and where it comes from, before any
+    of its weights load (``epmoe run`` and ``epmoe serve`` call it before any rank starts, the draft when it loads).
+
+    Args:
+        config: the engine's ``EngineConfig``, with a draft model.
+        group_size: ranks in the engine's group. An ``ep`` draft is placed over all of them, a ``replicated``
+            one over one.
+
+    Returns:
+        ``(None, "dense")`` for a dense draft; for an MoE draft the ``ExpertPlacement`` of
+        ``speculative_draft_placement`` (the file), else the trivial one of the draft's own experts, and a phrase
+        naming which.
+
+    Raises:
+        ValueError: a placement given for a dense draft; a placement that does not cover the draft's layers and
+            experts or does not fit the ranks (the draft and the file named).
+    """
+    path = str(config.speculative_draft_model)
+    try:
+        spec = load_moe_spec(path)
+    except DenseModelError:
+        if config.speculative_draft_placement is not None:
+            raise ValueError(f"draft model {path} is dense: it has no experts to place; leave "
+                             f"speculative_draft_placement unset") from None
+        return None, "dense"
+    ep_size = 1 if config.speculative_draft_parallel == "replicated" else group_size
+    what = f"draft model {path}"
+    try:
+        if config.speculative_draft_placement is not None:
+            placement = load_served_placement(config.speculative_draft_placement, ep_size=ep_size, spec=spec)
+            where = f"placement file {config.speculative_draft_placement}"
+        else:
+            placement = ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, ep_size)
+            where = "its own trivial placement"
+        placement.check_model(spec.num_moe_layers, spec.num_experts, what=what)
+    except ValueError as exc:
+        raise ValueError(f"{what} (an MoE draft, {spec.num_moe_layers} MoE layers x {spec.num_experts} experts) "
+                         f"cannot be placed on {ep_size} rank(s): {exc}") from None
+    return placement, where
+
+
 class DraftModelProposer(Proposer):
     """A draft model proposing ``K`` tokens per step for each decoding request.
 
@@ -73,25 +115,19 @@ class DraftModelProposer(Proposer):
         self.dtype = cfg.torch_dtype
         self.vocab = engine.vocab_size
         check_draft_vocab(self.path, cfg.model, engine.vocab_size, engine.tokenizer)
-        try:
-            spec = load_moe_spec(self.path)
-        except DenseModelError:
-            spec = None
+        placement, where = draft_placement(cfg, engine.comm.size)
         attn = register_attention()
         self.ep_model = None
         self.placement = None
         self.comm = Comm(None)
-        if spec is None:
-            if cfg.speculative_draft_placement is not None:
-                raise ValueError(f"draft model {self.path} is dense: it has no experts to place; leave "
-                                 f"speculative_draft_placement unset")
+        if placement is None:
             from epmoe.models.hf import load_dense_model
 
             model = load_dense_model(self.path, dtype=self.dtype, device=self.device, load_format=cfg.load_format,
                                      attn_implementation=attn, seed=cfg.seed)
             self._describe = f"draft {self.path}: dense, whole on every rank (no placement, no collectives)"
         else:
-            model = self._load_moe(engine, spec, attn)
+            model = self._load_moe(engine, placement, where, attn)
         mla_layers = install_mla(model)  # a DeepSeek/Kimi draft: attention over its own latent KV cache
         self.model = model
         self.collective = self.comm.size > 1
@@ -106,27 +142,12 @@ class DraftModelProposer(Proposer):
         self.done: dict[str, int] = {}  # request id -> leading tokens whose draft keys are in the cache
         self.fed: dict[str, tuple[int, int]] = {}  # request id -> (its tokens, proposals fed) at the last propose
 
-    def _load_moe(self, engine, spec, attn):
+    def _load_moe(self, engine, placement: ExpertPlacement, where: str, attn):
         cfg = engine.config
         from epmoe.models.hf import load_ep_model
 
-        what = f"draft model {self.path}"
-        if cfg.speculative_draft_parallel == "replicated":
-            ep_size = 1
-        else:
+        if cfg.speculative_draft_parallel != "replicated":
             self.comm = engine.comm
-            ep_size = self.comm.size
-        try:
-            if cfg.speculative_draft_placement is not None:
-                placement = load_served_placement(cfg.speculative_draft_placement, ep_size=ep_size, spec=spec)
-                where = f"placement file {cfg.speculative_draft_placement}"
-            else:
-                placement = ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, ep_size)
-                where = "its own trivial placement"
-            placement.check_model(spec.num_moe_layers, spec.num_experts, what=what)
-        except ValueError as exc:
-            raise ValueError(f"{what} (an MoE draft, {spec.num_moe_layers} MoE layers x {spec.num_experts} experts) "
-                             f"cannot be placed on {ep_size} rank(s): {exc}") from None
         self.placement = placement
         self.eager_dispatcher = "local" if self.comm.size == 1 else "all_to_all"
         ep = load_ep_model(self.path, placement, self.comm,
@@ -138,8 +159,8 @@ class DraftModelProposer(Proposer):
         mode = ("replicated: every rank holds all its experts (no collectives)" if self.comm.size == 1 and
                 engine.comm.size > 1 else f"expert-parallel over {self.comm.size} rank(s), dispatcher "
                 f"{self.eager_dispatcher}")
-        self._describe = (f"draft {self.path}: MoE, {spec.num_moe_layers} MoE layers x {spec.num_experts} experts, "
-                          f"{where} ({placement.num_slots} slots), {mode}")
+        self._describe = (f"draft {self.path}: MoE, {placement.num_layers} MoE layers x {placement.num_experts} "
+                          f"experts, {where} ({placement.num_slots} slots), {mode}")
         return ep.model
 
     def describe(self) -> str:

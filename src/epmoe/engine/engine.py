@@ -51,6 +51,7 @@ import torch.distributed as dist
 from epmoe.comm import Comm
 from epmoe.engine.attention import register_attention
 from epmoe.engine.config import EPLB_WINDOW_STEPS, EngineConfig
+from epmoe.engine.draft import draft_placement
 from epmoe.engine.fused_norm import fuse_norms
 from epmoe.engine.kv_cache import BlockAllocator, KVCache, KVLayout, blocks_for_memory
 from epmoe.engine.mla import install_mla
@@ -103,6 +104,37 @@ def trivial_or_file_placement(config: EngineConfig, num_layers: int, num_experts
             raise ValueError(f"EP size {ep_size} with redundant {config.redundant}: {exc}") from None
     placement.check_model(num_layers, num_experts, what=f"model {config.model}")
     return placement
+
+
+def check_group(config: EngineConfig, size: int) -> None:
+    """What a group of ``size`` ranks must fit, checked before any rank starts (``epmoe run`` and ``epmoe serve``
+    call it, so a bad placement is named before a process loads a weight): under ``tp`` the sizes the group must
+    divide; under ``ep`` the target's placement (the file, or the trivial one of ``redundant``); and an MoE draft
+    model's placement (``speculative_draft_placement``, or the draft's trivial one), which the draft would
+    otherwise meet only as it loads inside the ranks.
+
+    Raises:
+        ValueError: the first misfit, its message prefixed with the flags that chose it (``--placement FILE with
+            --ep N``, ``--speculative-draft-placement FILE with --ep N``).
+    """
+    spec = load_moe_spec(config.model)
+    try:
+        if config.parallel == "tp":
+            check_tp_sizes(spec, size)
+        else:
+            trivial_or_file_placement(config, spec.num_moe_layers, spec.num_experts, size)
+    except ValueError as exc:
+        chosen = f"--placement {config.placement} with --ep {size}" if config.placement else f"--ep {size}"
+        raise ValueError(f"{chosen}: {exc}") from None
+    if config.speculative_draft_model is None:
+        return
+    try:
+        draft_placement(config, size)
+    except ValueError as exc:
+        chosen = (f"--speculative-draft-placement {config.speculative_draft_placement}"
+                  if config.speculative_draft_placement else
+                  f"--speculative-draft-model {config.speculative_draft_model}")
+        raise ValueError(f"{chosen} with --ep {size}: {exc}") from None
 
 
 def _rows(aux: torch.Tensor | None, start: int, n: int) -> torch.Tensor | None:

@@ -22,13 +22,11 @@ from epmoe.balance import rank_balancedness
 from epmoe.comm import COLLECTIVE_KINDS, Comm
 from epmoe.engine import Engine, EngineConfig, SamplingParams
 from epmoe.engine.config import COMMAND_FLAGS, EAGER_DISPATCHERS, PARALLEL_MODES, command_engine_config
-from epmoe.engine.engine import trivial_or_file_placement
+from epmoe.engine.engine import check_group
 from epmoe.engine.tokenizer import decode_text, encode_text, generation_config, load_tokenizer
 from epmoe.experts import describe_expert_backend
-from epmoe.layer import check_tp_sizes
 from epmoe.models.hf import hf_config, needs_own_loader
 from epmoe.models.tiny import ensure_default_checkpoint
-from epmoe.placement import ExpertPlacement
 from epmoe.plan.request import counted
 from epmoe.runtime.launch import RankInfo, init_group, spawn, torchrun_rank_info, under_torchrun
 from epmoe.spec import MoESpec, load_moe_spec
@@ -460,11 +458,10 @@ def _engine_config(cfg: RunConfig, model_dir: str) -> EngineConfig:
         raise ValueError(msg) from None
 
 
-def _check_before_start(cfg: RunConfig, model_dir: str, ep: int,
-                        all_ids: list[list[int]]) -> ExpertPlacement | None:
+def _check_before_start(cfg: RunConfig, model_dir: str, ep: int, all_ids: list[list[int]]) -> None:
     """Everything that can be checked before any rank starts: the engine options, the weights, whether
-    ``generation_config.json`` is a JSON object, the KV pool when its size is given, and the placement (``None`` in
-    tp: the sizes the group must divide instead)."""
+    ``generation_config.json`` is a JSON object, the KV pool when its size is given, and what the group must fit
+    (``engine.check_group``: the target's and a draft model's placements, or the sizes tp divides)."""
     if cfg.dispatcher == "local" and ep != 1:
         raise ValueError(f"--dispatcher local serves EP size 1 only; EP size is {ep}: use all_to_all")
     engine_cfg = _engine_config(cfg, model_dir)
@@ -485,17 +482,7 @@ def _check_before_start(cfg: RunConfig, model_dir: str, ep: int,
             raise ValueError(f"the longest prompt with --max-new-tokens {cfg.max_new_tokens} needs {longest} KV slots; "
                              f"--num-kv-blocks {cfg.num_kv_blocks} of --block-size {cfg.block_size} hold {pool} "
                              f"(one block is the padding block)")
-    if cfg.parallel == "tp":
-        try:
-            check_tp_sizes(spec, ep)
-        except ValueError as exc:
-            raise ValueError(f"--ep {ep}: {exc}") from None
-        return None
-    try:
-        return trivial_or_file_placement(engine_cfg, spec.num_moe_layers, spec.num_experts, ep)
-    except ValueError as exc:
-        flag = f"--placement {cfg.placement} with --ep {ep}" if cfg.placement else f"--ep {ep}"
-        raise ValueError(f"{flag}: {exc}") from None
+    check_group(engine_cfg, ep)
 
 
 def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids: list[int],

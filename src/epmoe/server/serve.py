@@ -30,10 +30,8 @@ from multiprocessing.process import BaseProcess
 import torch.multiprocessing as mp
 import uvicorn
 
-from epmoe.engine.config import EngineConfig
-from epmoe.engine.engine import trivial_or_file_placement
+from epmoe.engine.engine import check_group
 from epmoe.experts import describe_expert_backend
-from epmoe.layer import check_tp_sizes
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.plan.request import counted
 from epmoe.runtime.launch import (
@@ -157,24 +155,6 @@ def _release_ranks(core: BaseProcess | None, followers: SpawnedRanks | None) -> 
         followers.close()
 
 
-def _check_group(engine_cfg: EngineConfig, model_dir: str, size: int) -> None:
-    """The experts over ``size`` ranks, before any rank starts (as ``epmoe run`` checks them): the placement (the
-    file, or the trivial one of ``--redundant``) under ``ep``, the sizes the group must divide under ``tp``.
-
-    Raises:
-        ValueError: the placement does not fit the model or the group, or a size the TP group does not divide.
-    """
-    spec = load_moe_spec(model_dir)
-    try:
-        if engine_cfg.parallel == "tp":
-            check_tp_sizes(spec, size)
-        else:
-            trivial_or_file_placement(engine_cfg, spec.num_moe_layers, spec.num_experts, size)
-    except ValueError as exc:
-        flag = f"--placement {engine_cfg.placement} with --ep {size}" if engine_cfg.placement else f"--ep {size}"
-        raise ValueError(f"{flag}: {exc}") from None
-
-
 def serve(cfg: ServeConfig) -> int:
     """Run the server until SIGTERM (see the module docstring).
 
@@ -195,7 +175,7 @@ def serve(cfg: ServeConfig) -> int:
     model_dir = str(cfg.model) if cfg.model is not None else str(ensure_default_checkpoint(cfg.cache_dir))
     engine_cfg = cfg.engine_config(model_dir)  # a bad engine option fails here, before any process starts
     info = torchrun_rank_info() if under_torchrun() else None
-    _check_group(engine_cfg, model_dir, info.world_size if info is not None else cfg.ep)
+    check_group(engine_cfg, info.world_size if info is not None else cfg.ep)  # before any rank starts
     if info is not None and info.rank != 0:
         follow(info, cfg, model_dir)
         return 0
