@@ -164,6 +164,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="sampling defaults of requests that leave them out: 'auto' the checkpoint's "
                         "generation_config.json (default), 'vllm' the API's own, or a directory holding one")
+    from epmoe.server.reasoning import REASONING_PARSERS
+    from epmoe.server.tools import TOOL_CALL_PARSERS
+
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let requests with tools leave the choice to the model (tool_choice 'auto'); needs "
+                        "--tool-call-parser")
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS),
+                   help="the format the model writes its tool calls in (hermes: Qwen; kimi_k2: Kimi; deepseek_v3, "
+                        "deepseek_v31: DeepSeek)")
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
+                   help="split a thinking model's <think> reasoning into reasoning_content (deepseek_r1, qwen3, "
+                        "kimi_k2)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--api-key", metavar="KEY",
@@ -182,6 +194,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             **_engine_args(args), seed=args.seed, host=args.host, port=args.port,
             served_model_name=args.served_model_name, api_key=args.api_key, drain_timeout_s=args.drain_timeout,
             chat_template=args.chat_template, generation_config=args.generation_config,
+            enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         )
         return serve(cfg)
     except (ValueError, TypeError) as exc:

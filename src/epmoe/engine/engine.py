@@ -940,7 +940,7 @@ class Engine:
         if n >= p.min_tokens and ((tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
             return "stop"
         if p.stop and self.tokenizer is not None and n > p.min_tokens:  # vLLM: stop strings past min_tokens only
-            text = self.tokenizer.decode(seq.resolved_output, skip_special_tokens=True)
+            text = self.tokenizer.decode(seq.resolved_output, skip_special_tokens=p.skip_special_tokens)
             hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
             if hits:
                 seq.stop_text_len = min(hits)
@@ -958,7 +958,7 @@ class Engine:
             ids = seq.output_token_ids
             if seq.finish_reason == "stop" and seq.stop_text_len is None and not seq.constraint_done:
                 ids = ids[:-1]  # a stop or EOS token is kept in the tokens, not in the text (vLLM's)
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
             if seq.stop_text_len is not None:
                 text = text[: seq.stop_text_len]
         ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time

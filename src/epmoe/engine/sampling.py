@@ -75,6 +75,9 @@ class SamplingParams:
             ``None`` = none), each bias in ``[-100, 100]`` added to the token's logit.
         structured_outputs: a constraint on the output (``structured.StructuredOutputs``, or a dict of its
             fields); ``None`` = none. Needs the checkpoint's tokenizer and the llguidance package.
+        skip_special_tokens: the output's text leaves the tokenizer's special tokens out (vLLM's); false keeps
+            them (a tool-call parser reads markers such as Kimi-K2's ``<|tool_call_begin|>``). A stop or EOS token
+            that ends the output is never in its text. Stop strings are matched in the text as it is decoded.
 
     Raises:
         ValueError: a value out of range or of the wrong type (the field and the value named).
@@ -97,6 +100,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured_outputs: StructuredOutputs | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         so = self.structured_outputs
@@ -142,8 +146,9 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from epmoe.loads import LOADS_FORMAT
+from epmoe.server.chat_output import ChatParsers
 from epmoe.server.errors import ApiError
 from epmoe.server.frontend import Frontend, Unavailable
 from epmoe.server.generate import build_job, collect, compile_constraint, detokenize, stream, submit, tokenize
@@ -52,6 +53,7 @@ class AppContext:
         api_key: the bearer token, or ``None``.
         max_body_bytes: largest request body (413 past it).
         sampling_defaults: what requests' left-out sampling fields take (``generate.sampling_defaults``).
+        parsers: how chat outputs are read (reasoning, tool calls).
     """
 
     frontend: Frontend
@@ -61,6 +63,7 @@ class AppContext:
     api_key: str | None
     max_body_bytes: int
     sampling_defaults: dict = field(default_factory=dict)
+    parsers: ChatParsers = field(default_factory=ChatParsers)
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
@@ -206,7 +209,7 @@ def build_app(ctx: AppContext) -> FastAPI:
         check_key(request)
         req = await read_body(request, schema)
         check_model(req.model)
-        job = build_job(req, ctx.model_name, codec, ready_info(), ctx.sampling_defaults)
+        job = build_job(req, ctx.model_name, codec, ready_info(), ctx.sampling_defaults, ctx.parsers)
         await compile_constraint(job, codec)
         updates = submit(frontend, job)
         if req.stream:

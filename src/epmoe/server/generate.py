@@ -21,6 +21,7 @@ from epmoe.engine import SamplingParams, TokenLogprobs
 from epmoe.engine.sampling import MAX_LOGPROBS
 from epmoe.engine.structured import StructuredOutputs
 from epmoe.engine.tokenizer import generation_config
+from epmoe.server.chat_output import ChatOutput, ChatParsers, Reply, tool_choice
 from epmoe.server.core import EngineInfo
 from epmoe.server.errors import ApiError
 from epmoe.server.frontend import Failure, Frontend, Unavailable, Update
@@ -38,15 +39,19 @@ from epmoe.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaToolCall,
     DetokenizeRequest,
+    FunctionCall,
     PromptLogprob,
     PromptLogprobs,
     SamplingFields,
     TokenizeRequest,
+    ToolCallOut,
     TopLogprob,
     Usage,
 )
 from epmoe.server.text import StreamText, TextCodec
+from epmoe.server.tools import ToolCall, forced_schema
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 DONE = "data: [DONE]\n\n"
@@ -77,7 +82,10 @@ class Job:
             no completion tokens counted), finished with ``length``.
         sent_prompt_logprobs: vLLM's ``prompt_logprobs`` as the request sent it (the response carries them).
         constraint_field: the field the request's constraint came in (``response_format``, ``structured_outputs``,
-            ``guided_*``; every choice's ``SamplingParams.structured_outputs``), or ``None``.
+            ``guided_*``, a forced ``tool_choice``; every choice's ``SamplingParams.structured_outputs``), or
+            ``None``.
+        chat: how a chat's outputs are read (reasoning, tool calls: ``chat_output.ChatOutput``), or ``None``
+            (plain text).
     """
 
     kind: str
@@ -92,6 +100,7 @@ class Job:
     prompt_only: bool = False
     sent_prompt_logprobs: int | None = None
     constraint_field: str | None = None
+    chat: ChatOutput | None = None
 
     def choice_ids(self) -> list[str]:
         """The engine request id of each choice."""
@@ -129,19 +138,29 @@ def _param_of(message: str) -> str | None:
 
 
 def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec: TextCodec,
-              info: EngineInfo, defaults: Mapping[str, float | int] | None = None) -> Job:
+              info: EngineInfo, defaults: Mapping[str, float | int] | None = None,
+              parsers: ChatParsers | None = None) -> Job:
     """Check a request against the model and turn it into engine requests; the sampling fields it leaves out take
-    ``defaults`` (``sampling_defaults``) where they set them.
+    ``defaults`` (``sampling_defaults``) where they set them; a chat's outputs are read by the server's ``parsers``
+    (reasoning, tool calls), whose markers its text keeps (``skip_special_tokens`` false where the tokenizer counts
+    one of them special).
 
     Raises:
         ApiError: 400 naming the field: an empty prompt, token ids outside the vocabulary, a prompt as
             long as the context, ``max_tokens`` past the context, a bad sampling value, logit-bias keys that are not
             token ids, a penalty, logit bias or constraint with speculative decoding, a constraint that comes in
-            more than one field (``compile_constraint`` compiles it).
+            more than one field (``compile_constraint`` compiles it), a ``tool_choice`` the tools or the server's
+            parsers cannot serve.
     """
+    forced = None
     if isinstance(req, ChatCompletionRequest):
         kind, where = "chat", "messages"
-        prompts = [codec.encode(_chat_text(req.messages, codec), req.add_special_tokens)]
+        choice = tool_choice(req)
+        if choice not in ("none", "auto"):
+            forced = ("tool_choice", forced_schema(choice, [t.function.model_dump() for t in req.tools],
+                                                   req.parallel_tool_calls))
+        rendered = _chat_text(req, codec)
+        prompts = [codec.encode(rendered, req.add_special_tokens)]
         sent = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         implied = False  # None: what the context leaves (below)
@@ -205,9 +224,13 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
     elif longest + max_tokens > info.max_model_len:
         raise ApiError(400, f"{sent} ({max_tokens}) plus the prompt's {longest} tokens is past the model's "
                             f"context of {info.max_model_len} tokens", sent)
-    constraint_field, constraint = _constraint(req, info)
+    constraint_field, constraint = _constraint(req, info, forced)
+    chat = None
+    if kind == "chat":
+        chat = (parsers or ChatParsers()).output(req, choice, rendered, constraint is not None)
+    skip = req.skip_special_tokens and not (chat is not None and codec.any_special(chat.markers))
     params = [_sampling(req, max_tokens, j, bias, defaults, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                        structured_outputs=constraint)
+                        structured_outputs=constraint, skip_special_tokens=skip)
               for _ in prompts for j in range(req.n)]
     if info.speculative is not None:  # refused here (a 400 naming the field), not by every rank's engine
         p = params[0]
@@ -226,22 +249,58 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         echo = [p if isinstance(p, str) and codec.tokenizer is not None else codec.decode(ids, False)
                 for p, ids in zip(items, prompts)]
     return Job(kind, model, f"{prefix}-{uuid.uuid4().hex}", prompts, params, req.n, include_usage, echo,
-               req.return_tokens_as_token_ids, prompt_only, req.prompt_logprobs, constraint_field)
+               req.return_tokens_as_token_ids, prompt_only, req.prompt_logprobs, constraint_field, chat)
 
 
-def _chat_text(messages: list[ChatMessage], codec: TextCodec) -> str:
-    """The prompt text of a conversation (the chat template's rendering).
+_TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                 "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+                                 "padding", "truncation", "max_length", "return_assistant_tokens_mask",
+                                 "tokenizer_kwargs"})
+"""``apply_chat_template``'s own arguments, which ``chat_template_kwargs`` may not set."""
+
+
+def _template_message(i: int, m: ChatMessage) -> dict:
+    """Message ``i`` as a chat template reads it: a tool call's arguments as an object where they are JSON text of
+    one (templates serialise them themselves), as vLLM passes them."""
+    out: dict = {"role": m.role, "content": _utf8(m.text(), f"messages.{i}.content")}
+    for name in ("name", "tool_call_id", "reasoning_content"):
+        if getattr(m, name) is not None:
+            out[name] = getattr(m, name)
+    if m.tool_calls:
+        calls = []
+        for call in m.tool_calls:
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError:
+                arguments = call.function.arguments
+            calls.append({"id": call.id, "type": call.type,
+                          "function": {"name": call.function.name, "arguments": arguments}})
+        out["tool_calls"] = calls
+    return out
+
+
+def _chat_text(req: ChatCompletionRequest | TokenizeRequest, codec: TextCodec) -> str:
+    """The prompt text of a conversation (the chat template's rendering, with the request's tools and
+    ``chat_template_kwargs``).
 
     Raises:
         ApiError: 400 naming the field: a message without content (but an assistant's), text that is not valid
-            Unicode, a conversation the template refuses.
+            Unicode, a ``chat_template_kwargs`` key that is ``apply_chat_template``'s own, a conversation the
+            template refuses.
     """
+    messages = req.messages
     for i, m in enumerate(messages):
         if m.content is None and m.role != "assistant":
             raise ApiError(400, f"messages.{i}.content: a {m.role} message needs content", f"messages.{i}.content")
-    plain = [{"role": m.role, "content": _utf8(m.text(), f"messages.{i}.content")} for i, m in enumerate(messages)]
+    plain = [_template_message(i, m) for i, m in enumerate(messages)]
+    tools = [t.model_dump(exclude_none=True) for t in getattr(req, "tools", None) or ()]
+    kwargs = getattr(req, "chat_template_kwargs", None) or {}
+    reserved = sorted(_TEMPLATE_ARGUMENTS & set(kwargs))
+    if reserved:
+        raise ApiError(400, f"chat_template_kwargs may not set {reserved}: the server sets them",
+                       "chat_template_kwargs")
     try:
-        return codec.chat_prompt(plain)
+        return codec.chat_prompt(plain, tools or None, kwargs)
     except jinja2.TemplateError as exc:  # the template refused the conversation (e.g. roles not alternating)
         raise ApiError(400, f"messages: the chat template refused them: {exc}", "messages") from None
 
@@ -259,7 +318,7 @@ def tokenize(req: TokenizeRequest, codec: TextCodec, info: EngineInfo) -> dict:
         ids = codec.encode(_utf8(req.prompt, "prompt"), True if req.add_special_tokens is None else
                            req.add_special_tokens)
     else:
-        ids = codec.encode(_chat_text(req.messages, codec), bool(req.add_special_tokens))
+        ids = codec.encode(_chat_text(req, codec), bool(req.add_special_tokens))
     return {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids}
 
 
@@ -306,15 +365,17 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
     return out
 
 
-def _constraint(req: SamplingFields, info: EngineInfo) -> tuple[str | None, StructuredOutputs | None]:
-    """The request's constraint on its output (``response_format``, ``structured_outputs`` or a ``guided_*`` field)
-    and the field it came in (``compile_constraint`` compiles it).
+def _constraint(req: SamplingFields, info: EngineInfo, forced: tuple[str, dict] | None = None
+                ) -> tuple[str | None, StructuredOutputs | None]:
+    """The request's constraint on its output (``response_format``, ``structured_outputs``, a ``guided_*`` field, or
+    ``forced``: a forced ``tool_choice`` and the JSON schema of its calls) and the field it came in
+    (``compile_constraint`` compiles it).
 
     Raises:
         ApiError: 400 naming the field: more than one given, ``json_schema`` without its schema, a bad value,
             speculative decoding.
     """
-    given = {}
+    given = {forced[0]: {"json": forced[1], "disable_any_whitespace": True}} if forced is not None else {}
     fmt = req.response_format
     if fmt is not None and fmt.type != "text":
         if fmt.type == "json_object":
@@ -530,6 +591,31 @@ def _final_text(codec: TextCodec, up: Update) -> str:
     return up.text if up.text is not None else codec.decode(up.token_ids)
 
 
+def _tool_calls(calls: list[ToolCall], delta: bool) -> list[ToolCallOut] | None:
+    if not calls:
+        return None
+    kind = DeltaToolCall if delta else ToolCallOut
+    extra = (lambda k: {"index": k}) if delta else (lambda k: {})
+    return [kind(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments), **extra(k))
+            for k, c in enumerate(calls)]
+
+
+def _finish(job: Job, reply: Reply, finish: str | None) -> str | None:
+    """``tool_calls`` where the model chose to call (``auto``, ``required``) and stopped; a named function's call
+    finishes with ``stop``, as OpenAI's."""
+    chose = job.chat is not None and (job.chat.tools is not None or job.chat.forced == "required")
+    return "tool_calls" if reply.calls and chose and finish == "stop" else finish
+
+
+def _chat_reply(job: Job, text: str, finish: str | None) -> tuple[AssistantMessage, str | None]:
+    """A whole chat choice's message (its text read by ``job.chat``) and finish reason."""
+    if job.chat is None:
+        return AssistantMessage(role="assistant", content=text), finish
+    reply = job.chat.reply(text)
+    return AssistantMessage(role="assistant", content=reply.content, reasoning_content=reply.reasoning,
+                            tool_calls=_tool_calls(reply.calls, delta=False)), _finish(job, reply, finish)
+
+
 def _usage(job: Job, completion_tokens: int) -> Usage:
     prompt = sum(len(p) for p in job.prompts)
     return Usage(prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens)
@@ -564,11 +650,14 @@ async def collect(frontend: Frontend, job: Job, updates: asyncio.Queue, codec: T
     usage = _usage(job, 0 if job.prompt_only else sum(len(u.token_ids) for u in finals.values()))
     created = int(time.time())
     if job.kind == "chat":
-        return ChatCompletionResponse(id=job.request_id, created=created, model=job.model, usage=usage, choices=[
-            ChatChoice(index=i, message=AssistantMessage(role="assistant", content=_final_text(codec, finals[i])),
-                       logprobs=_chat_logprobs(codec, finals[i].logprobs, job.as_ids),
-                       finish_reason=finals[i].finish_reason)
-            for i in range(len(ids))], prompt_logprobs=_prompt_logprobs(codec, job, 0, finals[0])).model_dump()
+        choices = []
+        for i in range(len(ids)):
+            message, finish = _chat_reply(job, _final_text(codec, finals[i]), finals[i].finish_reason)
+            choices.append(ChatChoice(index=i, message=message, finish_reason=finish,
+                                      logprobs=_chat_logprobs(codec, finals[i].logprobs, job.as_ids)))
+        return ChatCompletionResponse(id=job.request_id, created=created, model=job.model, usage=usage,
+                                      choices=choices,
+                                      prompt_logprobs=_prompt_logprobs(codec, job, 0, finals[0])).model_dump()
     return CompletionResponse(id=job.request_id, created=created, model=job.model, usage=usage, choices=[
         _completion_choice(codec, job, i, finals[i]) for i in range(len(ids))]).model_dump()
 
@@ -578,15 +667,41 @@ def _event(payload: dict) -> str:
 
 
 def _chunk(job: Job, created: int, index: int, text: str | None, finish: str | None, role: bool = False,
-           logprobs: ChatLogprobs | CompletionLogprobs | None = None) -> str:
+           logprobs: ChatLogprobs | CompletionLogprobs | None = None, delta: AssistantMessage | None = None) -> str:
     if job.kind == "chat":
-        delta = AssistantMessage(role="assistant" if role else None, content=text)
+        delta = delta or AssistantMessage(role="assistant" if role else None, content=text)
         return _event(ChatCompletionChunk(id=job.request_id, created=created, model=job.model, choices=[
             ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)]
         ).model_dump(exclude={"usage"}))
     return _event(CompletionResponse(id=job.request_id, created=created, model=job.model, choices=[
         CompletionChoice(index=index, text=text or "", logprobs=logprobs, finish_reason=finish)]
     ).model_dump(exclude={"usage"}))
+
+
+class _StreamReply:
+    """One streamed chat choice read by ``job.chat``: the text so far, and how much of its reasoning and content
+    was sent."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.text = ""
+        self.sent = [0, 0]  # reasoning, content
+
+    def delta(self, text: str, finished: bool, finish: str | None) -> tuple[AssistantMessage, str | None]:
+        """The delta of the next chunk (what settled since the last; on the last, the rest and the calls) and its
+        finish reason."""
+        self.text += text
+        calls = []
+        if finished:
+            reply = self.job.chat.reply(self.text)
+            parts, calls = (reply.reasoning or "", reply.content or ""), reply.calls
+            finish = _finish(self.job, reply, finish)
+        else:
+            parts = self.job.chat.settled(self.text)
+        new = [part[sent:] for part, sent in zip(parts, self.sent)]
+        self.sent = [len(part) for part in parts]
+        return AssistantMessage(reasoning_content=new[0] or None, content=new[1] or None,
+                                tool_calls=_tool_calls(calls, delta=True)), finish
 
 
 async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: set[str]) -> AsyncIterator[str]:
@@ -602,7 +717,8 @@ async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: se
     """
     ids = job.choice_ids()
     index = {rid: i for i, rid in enumerate(ids)}
-    texts = [StreamText(codec, p.stop) for p in job.params]
+    texts = [StreamText(codec, p.stop, p.skip_special_tokens) for p in job.params]
+    readers = [_StreamReply(job) for _ in ids]
     tokens = [0] * len(ids)
     unsent: list[list[TokenLogprobs]] = [[] for _ in ids]  # per choice, log-probabilities not sent yet
     sent = [0] * len(ids)  # per choice, tokens whose log-probabilities were sent
@@ -632,7 +748,12 @@ async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: se
                 pending.discard(up.request_id)
             if up.new_logprobs is not None:
                 unsent[i] += up.new_logprobs
-            if text or up.finished:
+            delta, finish = None, up.finish_reason if up.finished else None
+            news = bool(text)
+            if job.chat is not None:  # reasoning and tool calls: the settled growth of each part
+                delta, finish = readers[i].delta(text, up.finished, finish)
+                news = bool(delta.content or delta.reasoning_content or delta.tool_calls)
+            if news or up.finished:
                 logprobs = None
                 if job.params[i].logprobs is not None:
                     if job.kind == "chat":
@@ -641,7 +762,7 @@ async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: se
                         logprobs = _completion_logprobs(codec, job, unsent[i], up.token_ids, sent[i], base[i])
                     sent[i] += len(unsent[i])
                     unsent[i] = []
-                yield _chunk(job, created, i, text, up.finish_reason if up.finished else None, logprobs=logprobs)
+                yield _chunk(job, created, i, text, finish, logprobs=logprobs, delta=delta)
     except ApiError as exc:
         yield _event(exc.body().model_dump())
     else:

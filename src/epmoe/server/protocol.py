@@ -2,8 +2,8 @@
 
 Requests are validated strictly (a string where a number belongs is refused, not coerced); ``null`` for a field
 with a default means the default (the OpenAI schema marks them nullable, and its clients send ``None`` through).
-Fields that would change the output but are not served (``UNSERVED``: ``suffix``, ``best_of``, beam search, tools,
-...) are refused unless left at their neutral value, so that no client gets
+Fields that would change the output but are not served (``UNSERVED``: ``suffix``, ``best_of``, beam search,
+a completion's tools, ...) are refused unless left at their neutral value, so that no client gets
 something other than it asked for; other fields the schema does not name are ignored (``user``-like metadata).
 Value ranges (``temperature >= 0``, ``0 < top_p <= 1``, ``max_tokens >= 1``) are checked by
 ``epmoe.engine.SamplingParams``; ``n`` is capped here at ``MAX_N``.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, model_validator
 from pydantic_core import PydanticCustomError
 
 from epmoe.server.config import MAX_N
@@ -23,7 +23,7 @@ UNSERVED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "suffix": (None, ""), "best_of": (None, 1), "use_beam_search": (None, False),
     "allowed_token_ids": (None,), "bad_words": (None, []), "include_stop_str_in_output": (None, False),
-    "truncate_prompt_tokens": (None,), "skip_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,),
     "spaces_between_special_tokens": (None, True), "length_penalty": (None, 1),
     "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "functions": (None, []), "function_call": (None, "none", "auto"),
@@ -126,6 +126,7 @@ class SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    skip_special_tokens: bool = True
 
     @model_validator(mode="before")
     @classmethod
@@ -167,12 +168,32 @@ class ContentPart(_Request):
     text: str
 
 
+class FunctionCallIn(_Request):
+    """A function call of an earlier assistant message: its name and its arguments' JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Request):
+    """A tool call of an earlier assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
-    """One chat message."""
+    """One chat message; an assistant's may carry its ``tool_calls`` (and no content), a tool's reply the
+    ``tool_call_id`` it answers; ``reasoning_content`` is an assistant's earlier reasoning (templates that show it
+    read it)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         """The message's content as one string."""
@@ -183,16 +204,51 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(_Request):
+    """A tool's function: its name, description and the JSON schema of its arguments."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    """One of ``tools``."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    """The function a ``tool_choice`` names."""
+
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """``tool_choice`` naming the function to call."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``; ``max_completion_tokens`` is the newer name of ``max_tokens``; ``logprobs``
     asks for each token's log-probability, ``top_logprobs`` for those of that many most likely tokens too;
-    ``add_special_tokens`` (vLLM's; default false: the template's text holds them) lets the tokenizer add its own."""
+    ``add_special_tokens`` (vLLM's; default false: the template's text holds them) lets the tokenizer add its own.
+    ``tools`` and ``tool_choice`` as OpenAI's (``server.tools``; ``parallel_tool_calls`` false keeps the first
+    call); ``chat_template_kwargs`` (vLLM's) are passed to the chat template (Qwen3's ``enable_thinking``)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     add_special_tokens: bool = False
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict | None = None
 
 
 class TokenizeRequest(_Request):
@@ -277,11 +333,35 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCall(BaseModel):
+    """A function the model called: its name and its arguments' JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    """A tool call of the reply."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(ToolCallOut):
+    """A tool call in a stream chunk's delta (sent whole), ``index`` its place in the reply's calls."""
+
+    index: int
+
+
 class AssistantMessage(BaseModel):
-    """The assistant's reply (a whole one) or a stream delta of it."""
+    """The assistant's reply (a whole one) or a stream delta of it; ``reasoning_content`` (DeepSeek's and vLLM's
+    field) is what a ``--reasoning-parser`` split off."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[SerializeAsAny[ToolCallOut]] | None = None
 
 
 class TopLogprob(BaseModel):

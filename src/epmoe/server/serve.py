@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 import uvicorn
 
 from epmoe.engine.engine import check_group
+from epmoe.engine.tokenizer import load_tokenizer
 from epmoe.experts import describe_expert_backend
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.plan.request import counted
@@ -180,6 +181,10 @@ def serve(cfg: ServeConfig) -> int:
         follow(info, cfg, model_dir)
         return 0
     template = load_chat_template(cfg.chat_template) if cfg.chat_template is not None else None
+    parsers = cfg.chat_parsers()
+    if (parsers.tools or parsers.reasoning) and load_tokenizer(model_dir) is None:
+        flag = "--tool-call-parser" if parsers.tools else "--reasoning-parser"
+        raise ValueError(f"{flag} reads the model's text, and the checkpoint {model_dir} has no tokenizer")
     defaults = _sampling_defaults(cfg, model_dir)
     sock = _bind(cfg.host, cfg.port)
     url = _url(cfg.host, sock.getsockname()[1])
@@ -212,7 +217,8 @@ def serve(cfg: ServeConfig) -> int:
         there.close()  # the core holds its end now: the pipe closes when the core's process ends
         frontend = Frontend(here, ServerMetrics(), on_fatal)
         codec = TextCodec(model_dir, load_moe_spec(model_dir).vocab_size, template)
-        app = build_app(AppContext(frontend, codec, name, model_dir, cfg.api_key, cfg.max_body_bytes, defaults))
+        app = build_app(AppContext(frontend, codec, name, model_dir, cfg.api_key, cfg.max_body_bytes, defaults,
+                                   parsers))
     except BaseException:  # a tokenizer the codec refuses, Ctrl-C: the ranks started and the socket go with it
         sock.close()
         _release_ranks(core, followers)

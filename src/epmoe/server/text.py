@@ -128,18 +128,33 @@ class TextCodec:
             return str(token_id)
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None, kwargs: dict | None = None) -> str:
         """The prompt of a conversation: the tokenizer's chat template, or ``DEFAULT_CHAT_TEMPLATE``.
 
         Args:
-            messages: ``{"role", "content"}`` dicts.
+            messages: ``{"role", "content", ...}`` dicts (an assistant's ``tool_calls``, a tool's
+                ``tool_call_id``).
+            tools: the tools' definitions (``{"type": "function", "function": {...}}``), shown to templates that
+                render them; ``None`` = none.
+            kwargs: more variables for the template (``chat_template_kwargs``).
         """
+        kwargs = kwargs or {}
         if self.tokenizer is not None:
-            return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
-                                                      add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=self.chat_template,
+                                                      tokenize=False, add_generation_prompt=True, **kwargs)
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        return render_jinja_template([messages], chat_template=self.chat_template, add_generation_prompt=True)[0][0]
+        return render_jinja_template([messages], tools=tools, chat_template=self.chat_template,
+                                    add_generation_prompt=True, **kwargs)[0][0]
+
+    def any_special(self, texts: Sequence[str]) -> bool:
+        """Whether one of ``texts`` is a special token of the tokenizer (one that decoding with
+        ``skip_special_tokens`` drops)."""
+        if self.tokenizer is None:
+            return False
+        special = set(self.tokenizer.all_special_tokens)
+        special.update(t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special)
+        return any(t in special for t in texts)
 
 
 class StreamText:
@@ -152,10 +167,12 @@ class StreamText:
     Args:
         codec: the tokenizer.
         stop: the request's stop strings.
+        skip_special_tokens: as the request decodes (``SamplingParams.skip_special_tokens``).
     """
 
-    def __init__(self, codec: TextCodec, stop: Sequence[str]) -> None:
+    def __init__(self, codec: TextCodec, stop: Sequence[str], skip_special_tokens: bool = True) -> None:
         self.codec = codec
+        self.skip_special_tokens = skip_special_tokens
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.sent = 0
 
@@ -169,7 +186,7 @@ class StreamText:
         if final_text is not None:
             text = final_text
         else:
-            text = self.codec.decode(token_ids)
+            text = self.codec.decode(token_ids, self.skip_special_tokens)
             if text.endswith("\ufffd"):
                 text = text[:-1]
             text = text[: max(self.sent, len(text) - self.holdback)]

@@ -1,0 +1,232 @@
+"""Tool calls and reasoning read from chat outputs (``server.tools``, ``server.reasoning``, ``server.chat_output``)
+and how a chat request with tools becomes an engine request (no server process)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from epmoe.engine import Engine, EngineConfig, SamplingParams
+from epmoe.models.tiny import ensure_default_checkpoint
+from epmoe.server.chat_output import ChatOutput, ChatParsers
+from epmoe.server.core import EngineInfo
+from epmoe.server.errors import ApiError
+from epmoe.server.generate import build_job
+from epmoe.server.protocol import ChatCompletionRequest
+from epmoe.server.reasoning import REASONING_PARSERS, held
+from epmoe.server.text import TextCodec
+from epmoe.server.tools import TOOL_CALL_PARSERS, forced_calls, forced_schema
+
+MODEL = "kimi-k2.5-tiny"
+INFO = EngineInfo(max_model_len=512, vocab_size=259, ranks=1, parallel="ep", kv={"blocks": 4096, "block_size": 16})
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather of a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+# a template that shows the tools and earlier calls as Qwen's does (hermes format), and Qwen3's enable_thinking
+TOOLS_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }}("
+    "{{ t.function.parameters.properties | join(',') }});{% endfor %}</tools>{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}'
+    "{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
+    "<think></think>{% else %}<think>{% endif %}{% endif %}")
+
+KIMI_OUT = ('I will look.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+            '<|tool_call_argument_begin|>{"city": "Tokyo"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1'
+            '<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>')
+OUTPUTS = {
+    "hermes": 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+    "kimi_k2": KIMI_OUT,
+    "deepseek_v3": ('Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n'
+                    '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>'
+                    '<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```<｜tool▁call▁end｜>'
+                    '<｜tool▁calls▁end｜>'),
+    "deepseek_v31": ('Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>'
+                     '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}'
+                     '<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+}
+
+
+@pytest.fixture(scope="module")
+def codec(tmp_path_factory) -> TextCodec:
+    """The built-in checkpoint's tokenizer with ``TOOLS_TEMPLATE``, and Kimi's tool-call markers as special
+    tokens (as in Kimi's own tokenizer)."""
+    from transformers import AutoTokenizer
+
+    ckpt, out = ensure_default_checkpoint(), tmp_path_factory.mktemp("tools-ckpt")
+    shutil.copy(ckpt / "config.json", out / "config.json")
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    tok.add_special_tokens({"additional_special_tokens": list(TOOL_CALL_PARSERS["kimi_k2"].markers)})
+    tok.chat_template = TOOLS_TEMPLATE
+    tok.save_pretrained(out)
+    return TextCodec(str(out), INFO.vocab_size + len(TOOL_CALL_PARSERS["kimi_k2"].markers))
+
+
+def _chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": MODEL, "max_tokens": 8, **fields}, strict=True)
+
+
+@pytest.mark.parametrize("name", sorted(OUTPUTS))
+def test_each_tool_call_parser_reads_its_format(name):
+    content, calls = TOOL_CALL_PARSERS[name].parse(OUTPUTS[name])
+    assert content == ("I will look." if name == "kimi_k2" else "Checking.\n" if name == "hermes" else "Checking.")
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Tokyo" if name ==
+                                                                   "kimi_k2" else "Paris"}), ("get_time", {})]
+    if name == "kimi_k2":  # Kimi's header is the call's id (its template quotes it back)
+        assert [c.id for c in calls] == ["functions.get_weather:0", "functions.get_time:1"]
+    else:
+        assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Par',  # cut off by max_tokens
+    '<tool_call>{"arguments": {}}</tool_call>',  # no name
+    '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',  # arguments not an object
+    "no calls at all",
+])
+def test_an_output_whose_calls_do_not_read_is_all_content(text):
+    assert TOOL_CALL_PARSERS["hermes"].parse(text) == (text, [])
+
+
+def test_reasoning_parsers_split_where_each_opens():
+    r1, qwen3, kimi = (REASONING_PARSERS[n] for n in ("deepseek_r1", "qwen3", "kimi_k2"))
+    assert r1.split("plan</think>\n\nParis", True, True) == ("plan", "\n\nParis")
+    assert r1.split("<think>plan</think>Paris", True, True) == ("plan", "Paris")
+    assert r1.split("cut off while thinking", True, True) == ("cut off while thinking", "")
+    # qwen3: reasoning only where the prompt or the output opened it
+    assert qwen3.opens("<|assistant|><think>\n", None) and not qwen3.opens("<|assistant|><think></think>", None)
+    assert qwen3.split("Paris", False, True) == (None, "Paris")
+    assert qwen3.split("<think>plan</think>Paris", False, True) == ("plan", "Paris")
+    assert qwen3.split("plan</think>Paris", True, True) == ("plan", "Paris")
+    # kimi_k2: a tool-call section ends the reasoning too; thinking switched off by the template's kwargs
+    assert kimi.split("plan<|tool_calls_section_begin|>x", True, True) == ("plan", "<|tool_calls_section_begin|>x")
+    assert kimi.opens("", None) and not kimi.opens("", {"thinking": False})
+    assert not kimi.opens("", {"enable_thinking": False})
+
+
+def test_held_is_the_longest_unfinished_marker_at_the_end():
+    assert held("abc</thi", ("</think>",)) == 5
+    assert held("abc<", ("</think>", "<tool_call>")) == 1
+    assert held("abc</think>", ("</think>",)) == 0 and held("", ("</think>",)) == 0
+
+
+@pytest.mark.parametrize("output, text", [
+    (ChatOutput(REASONING_PARSERS["kimi_k2"], True, TOOL_CALL_PARSERS["kimi_k2"]), "thinking</think>" + KIMI_OUT),
+    (ChatOutput(REASONING_PARSERS["qwen3"], False, TOOL_CALL_PARSERS["hermes"]),
+     "<think>a < b</think>\n" + OUTPUTS["hermes"]),
+    (ChatOutput(REASONING_PARSERS["deepseek_r1"], True, TOOL_CALL_PARSERS["deepseek_v3"]),
+     "x</thin y</think>" + OUTPUTS["deepseek_v3"]),
+    (ChatOutput(None, False, TOOL_CALL_PARSERS["hermes"]), "a <tool_call> that never closes"),
+    (ChatOutput(REASONING_PARSERS["qwen3"], False, None), "<thin and no reasoning"),
+], ids=["kimi", "qwen3-hermes", "r1-deepseek", "unclosed-call", "qwen3-plain"])
+def test_a_stream_settles_only_what_no_later_token_changes(output, text):
+    """At every character the settled reasoning and content only grow, and each ends as a prefix of the whole
+    reply's: a stream never sends text it would have to take back."""
+    before = ("", "")
+    for n in range(len(text) + 1):
+        now = output.settled(text[:n])
+        assert now[0].startswith(before[0]) and now[1].startswith(before[1]), (n, before, now)
+        before = now
+    reply = output.reply(text)
+    assert (reply.reasoning or "").startswith(before[0]) and (reply.content or "").startswith(before[1])
+
+
+def test_kimi_reply_with_reasoning_content_and_calls():
+    reply = ChatOutput(REASONING_PARSERS["kimi_k2"], True, TOOL_CALL_PARSERS["kimi_k2"]).reply("hmm</think>" + KIMI_OUT)
+    assert (reply.reasoning, reply.content) == ("hmm", "I will look.")
+    assert [c.name for c in reply.calls] == ["get_weather", "get_time"]
+    single = ChatOutput(None, False, TOOL_CALL_PARSERS["kimi_k2"], parallel=False).reply(KIMI_OUT)
+    assert [c.name for c in single.calls] == ["get_weather"]
+
+
+def test_forced_choices_constrain_to_the_tools_and_read_back():
+    functions = [WEATHER["function"], TIME["function"]]
+    assert forced_schema("get_weather", functions) == WEATHER["function"]["parameters"]
+    schema = forced_schema("required", functions)
+    assert schema["minItems"] == 1 and [a["properties"]["name"]["enum"] for a in schema["items"]["anyOf"]] == [
+        ["get_weather"], ["get_time"]]
+    calls = forced_calls("required", '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", '
+                                     '"parameters": {"city": "Oslo"}}]')
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {}), ("get_weather", {"city": "Oslo"})]
+    assert [(c.name, c.arguments) for c in forced_calls("get_weather", '{"city":"Rome"}')] == [
+        ("get_weather", '{"city": "Rome"}')]
+    assert forced_calls("required", '[{"name": "get_ti') == []  # cut off by max_tokens: no call
+
+
+def test_a_chat_with_tools_renders_them_and_earlier_calls(codec):
+    req = _chat(tools=[WEATHER], tool_choice="none", messages=[
+        {"role": "user", "content": "Paris?"},
+        {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+    job = build_job(req, MODEL, codec, INFO, parsers=ChatParsers())
+    assert job.chat is None and job.constraint_field is None
+    prompt = codec.decode(job.prompts[0])
+    assert prompt == ('<tools>get_weather(city);</tools><|user|>Paris?<|assistant|><tool_call>{"name": "get_weather", '
+                      '"arguments": {"city": "Paris"}}</tool_call><|tool|>sunny[call_1]<|assistant|><think>')
+
+
+def test_tool_choice_requests_become_constraints_or_parsers(codec):
+    parsers = ChatParsers("kimi_k2", "kimi_k2", auto_tool_choice=True)
+    user = [{"role": "user", "content": "weather?"}]
+    named = build_job(_chat(messages=user, tools=[WEATHER, TIME], tool_choice={
+        "type": "function", "function": {"name": "get_weather"}}), MODEL, codec, INFO, parsers=parsers)
+    assert named.constraint_field == "tool_choice" and named.chat.forced == "get_weather"
+    assert named.params[0].structured_outputs.json == WEATHER["function"]["parameters"]
+    required = build_job(_chat(messages=user, tools=[WEATHER], tool_choice="required"), MODEL, codec, INFO,
+                         parsers=parsers)
+    assert required.chat.forced == "required" and required.params[0].structured_outputs.json["minItems"] == 1
+    auto = build_job(_chat(messages=user, tools=[WEATHER]), MODEL, codec, INFO, parsers=parsers)  # auto: default
+    assert auto.chat.tools is TOOL_CALL_PARSERS["kimi_k2"] and auto.constraint_field is None
+    assert auto.chat.reasoning is REASONING_PARSERS["kimi_k2"] and auto.chat.opened
+    # Kimi's markers are special tokens of this tokenizer: the text keeps them, or the calls could not be read
+    assert auto.params[0].skip_special_tokens is False
+    plain = build_job(_chat(messages=user), MODEL, codec, INFO, parsers=ChatParsers("qwen3"))
+    assert plain.chat.tools is None and plain.params[0].skip_special_tokens is True
+    assert plain.chat.opened  # the template opened <think>
+    off = build_job(_chat(messages=user, chat_template_kwargs={"enable_thinking": False}), MODEL, codec, INFO,
+                    parsers=ChatParsers("qwen3"))
+    assert not off.chat.opened and codec.decode(off.prompts[0]).endswith("<think></think>")
+
+
+@pytest.mark.parametrize("fields, parsers, param, message", [
+    ({"tools": [WEATHER]}, ChatParsers(), "tool_choice",
+     'tool_choice "auto" needs the server started with --enable-auto-tool-choice and --tool-call-parser'),
+    ({"tool_choice": "required"}, ChatParsers(), "tool_choice", "tool_choice 'required' needs tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, ChatParsers(),
+     "tool_choice", "tool_choice names function 'nope', which is not among tools (['get_weather'])"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "none"}, ChatParsers(), "tools",
+     "tools: function name(s) ['get_weather'] given more than once"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, ChatParsers(),
+     "response_format", "tool_choice and response_format both constrain the output"),
+    ({"chat_template_kwargs": {"tokenize": True}}, ChatParsers(), "chat_template_kwargs",
+     "chat_template_kwargs may not set ['tokenize']"),
+])
+def test_tool_requests_the_server_cannot_serve_are_400s(codec, fields, parsers, param, message):
+    with pytest.raises(ApiError) as err:
+        build_job(_chat(messages=[{"role": "user", "content": "hi"}], **fields), MODEL, codec, INFO, parsers=parsers)
+    assert err.value.status == 400 and err.value.param == param and message in err.value.message, err.value.message
+
+
+def test_parser_options_are_checked():
+    with pytest.raises(ValueError, match=r"--enable-auto-tool-choice needs --tool-call-parser"):
+        ChatParsers(auto_tool_choice=True)
+    with pytest.raises(ValueError, match=r"--tool-call-parser must be one of \['deepseek_v3', 'deepseek_v31', "
+                                         r"'hermes', 'kimi_k2'\], got 'json'"):
+        ChatParsers(tools="json")
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_engines_text():
+    """The engine decodes with the request's ``skip_special_tokens``: special tokens the output holds are in its
+    text only when it is false (a final EOS never is)."""
+    engine = Engine(EngineConfig(model=str(ensure_default_checkpoint())))
+    eos = engine.tokenizer.eos_token_id
+    params = {"temperature": 0, "max_tokens": 3, "ignore_eos": True, "logit_bias": {eos: 100}}
+    kept, dropped = engine.generate(["hi", "hi"], [SamplingParams(**params, skip_special_tokens=False),
+                                                   SamplingParams(**params)])
+    assert kept.token_ids == dropped.token_ids == [eos] * 3
+    assert kept.text == engine.tokenizer.eos_token * 3 and dropped.text == ""

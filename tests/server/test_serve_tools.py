@@ -1,0 +1,116 @@
+"""Tool calling and reasoning through a real ``epmoe serve`` process (one rank, the built-in checkpoint, a chat
+template that shows tools as Qwen's does), driven by the official ``openai`` client.
+
+The built-in checkpoint's weights are random, so its free text holds no calls: the tests lead its output with a
+constraint (a forced ``tool_choice``, or a regex the text of a call or of reasoning matches) and check what the
+server reads from it, whole and streamed."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from tests.server.conftest import API_KEY, MODEL
+from tests.server.test_chat_output import TOOLS_TEMPLATE
+
+pytestmark = pytest.mark.multiprocess
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"],
+        "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+USER = [{"role": "user", "content": "weather?"}]
+
+
+@pytest.fixture(scope="module")
+def client(start_server):
+    server = start_server("--ep", "1", "--chat-template", TOOLS_TEMPLATE, "--enable-auto-tool-choice",
+                          "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def _streamed(client, **fields) -> tuple[str, str, dict[int, dict], str]:
+    """A streamed chat's reasoning, content, tool calls (by index: id, name, arguments) and finish reason."""
+    reasoning, content, calls, finish = "", "", {}, None
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, **fields):
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        content += delta.content or ""
+        for call in delta.tool_calls or ():
+            calls[call.index] = {"id": call.id, "name": call.function.name, "arguments": call.function.arguments}
+        finish = chunk.choices[0].finish_reason or finish
+    return reasoning, content, calls, finish
+
+
+def test_auto_tool_choice_reads_the_calls_the_model_writes(client):
+    fields = {"messages": USER, "tools": [WEATHER], "max_tokens": 90, "temperature": 0,
+              "extra_body": {"structured_outputs": {"regex": "Hi " + CALL.replace("{", r"\{").replace("}", r"\}")}}}
+    whole = client.chat.completions.create(model=MODEL, **fields)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Hi "
+    (call,) = choice.message.tool_calls
+    assert (call.type, call.function.name, json.loads(call.function.arguments)) == (
+        "function", "get_weather", {"city": "Paris"})
+    reasoning, content, calls, finish = _streamed(client, **fields)
+    assert (reasoning, content, finish) == ("", "Hi ", "tool_calls")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_weather", {"city": "Paris"})]
+    assert calls[0]["id"].startswith("call_")
+
+
+def test_a_named_or_required_tool_choice_is_a_call_of_that_tool(client):
+    named = client.chat.completions.create(model=MODEL, messages=USER, tools=[WEATHER], max_tokens=40, temperature=0,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = named.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None  # OpenAI's: a named call stops
+    (call,) = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and set(arguments) == {"city"} and len(arguments["city"]) <= 6
+    _, content, calls, finish = _streamed(client, messages=USER, tools=[WEATHER], max_tokens=40, temperature=0,
+                                          tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert (content, finish) == ("", "stop") and json.loads(calls[0]["arguments"]) == arguments
+    required = client.chat.completions.create(model=MODEL, messages=USER, tools=[WEATHER], max_tokens=60,
+                                              temperature=0, tool_choice="required", parallel_tool_calls=False)
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls" and [c.function.name for c in choice.message.tool_calls] == [
+        "get_weather"]
+    assert set(json.loads(choice.message.tool_calls[0].function.arguments)) == {"city"}
+
+
+def test_reasoning_is_split_off_whole_and_streamed(client):
+    # the template opens <think>: a free output that never closes it is all reasoning
+    whole = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, temperature=0)
+    message = whole.choices[0].message
+    assert message.content is None and len(message.reasoning_content) > 0
+    assert whole.choices[0].finish_reason == "length"
+    assert _streamed(client, messages=USER, max_tokens=8, temperature=0) == (message.reasoning_content, "", {},
+                                                                             "length")
+    # a constrained output reasons only where it writes <think> itself; enable_thinking false: no <think> opened
+    fields = {"messages": USER, "max_tokens": 40, "temperature": 0,
+              "extra_body": {"structured_outputs": {"regex": "<think>plan</think>Paris"},
+                             "chat_template_kwargs": {"enable_thinking": False}}}
+    split = client.chat.completions.create(model=MODEL, **fields).choices[0].message
+    assert (split.reasoning_content, split.content) == ("plan", "Paris")
+    assert _streamed(client, **fields) == ("plan", "Paris", {}, "stop")
+
+
+def test_a_conversation_with_earlier_calls_reaches_the_template(client):
+    messages = [*USER, {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    got = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none",
+                                         max_tokens=2, temperature=0)
+    rendered = (f'<tools>get_weather(city);</tools><|user|>weather?<|assistant|>{CALL}'
+                '<|tool|>sunny[call_1]<|assistant|><think>')
+    assert got.usage.prompt_tokens == len(rendered.encode())  # the byte-level tokenizer: one token a byte
+    assert got.choices[0].message.tool_calls is None
+
+
+def test_tool_requests_it_cannot_serve_are_refused_and_it_still_serves(client):
+    with pytest.raises(openai.BadRequestError, match="tool_choice names function 'nope', which is not among tools"):
+        client.chat.completions.create(model=MODEL, messages=USER, tools=[WEATHER],
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(openai.BadRequestError, match="tools=.* is not served by epmoe"):
+        client.completions.create(model=MODEL, prompt="hi", extra_body={"tools": [WEATHER]})
+    assert client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2).choices[0].finish_reason
