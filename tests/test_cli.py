@@ -261,3 +261,13 @@ def test_a_draft_placement_that_does_not_fit_is_refused_before_any_rank_starts(t
                  "--speculative-draft-model", dense, "--speculative-draft-placement", str(wrong)]) == 2
     assert (f"epmoe run: error: --speculative-draft-placement {wrong} with --ep 1: draft model {dense} is dense: it "
             f"has no experts to place; leave --speculative-draft-placement unset") in capsys.readouterr().err
+
+
+def test_a_parser_of_text_on_a_checkpoint_without_a_tokenizer_is_refused_before_start(kimi, tmp_path, capsys):
+    import shutil
+
+    shutil.copy(kimi / "config.json", tmp_path / "config.json")  # a bare config.json: dummy weights, no tokenizer
+    assert main(["serve", "--model", str(tmp_path), "--load-format", "dummy", "--port", "0",
+                 "--reasoning-parser", "deepseek_r1"]) == 2
+    assert (f"epmoe serve: error: --reasoning-parser reads the model's text, and the checkpoint {tmp_path} has no "
+            f"tokenizer") in capsys.readouterr().err

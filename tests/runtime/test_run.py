@@ -80,7 +80,7 @@ def test_run_under_torchrun_environment(kimi, tmp_path):
         (["--ep", "32"], r"EP size \(32\) is larger than the number of slots \(16\)"),
         (["--ep", "2", "--redundant", "1"],
          r"num_slots \(17 = 16 experts \+ 1 redundant\) must be divisible by the EP group size \(2\)"),
-        (["--ep", "0"], r"--ep must be at least 1, got 0"),
+        (["--ep", "0"], r"--ep must be an integer >= 1, got 0"),
         (["--max-new-tokens", "0"], r"--max-new-tokens must be at least 1, got 0"),
         (["--ep", "2", "--dispatcher", "local"], r"--dispatcher local serves EP size 1 only; EP size is 2"),
         (["--max-new-tokens", "300"], r"plus --max-new-tokens \(300\) is \d+ positions, past the model's "

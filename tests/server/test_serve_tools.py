@@ -25,9 +25,13 @@ USER = [{"role": "user", "content": "weather?"}]
 
 
 @pytest.fixture(scope="module")
-def client(start_server):
-    server = start_server("--ep", "1", "--chat-template", TOOLS_TEMPLATE, "--enable-auto-tool-choice",
-                          "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+def server(start_server):
+    return start_server("--ep", "1", "--chat-template", TOOLS_TEMPLATE, "--enable-auto-tool-choice",
+                        "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+
+
+@pytest.fixture(scope="module")
+def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
@@ -107,10 +111,12 @@ def test_a_conversation_with_earlier_calls_reaches_the_template(client):
     assert got.choices[0].message.tool_calls is None
 
 
-def test_tool_requests_it_cannot_serve_are_refused_and_it_still_serves(client):
+def test_tool_requests_it_cannot_serve_are_refused_and_it_still_serves(server, client):
     with pytest.raises(openai.BadRequestError, match="tool_choice names function 'nope', which is not among tools"):
         client.chat.completions.create(model=MODEL, messages=USER, tools=[WEATHER],
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
     with pytest.raises(openai.BadRequestError, match="tools=.* is not served by epmoe"):
         client.completions.create(model=MODEL, prompt="hi", extra_body={"tools": [WEATHER]})
     assert client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2).choices[0].finish_reason
+    assert "chat outputs: tool calls read as hermes (tool_choice auto on); reasoning split as qwen3" in \
+        server.log.read_text()

@@ -138,7 +138,7 @@ class RunConfig:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option (the engine checks the rest per rank)."""
         if self.ep < 1:
-            raise ValueError(f"--ep must be at least 1, got {self.ep}")
+            raise ValueError(f"--ep must be an integer >= 1, got {self.ep}")
         if self.parallel not in PARALLEL_MODES:
             raise ValueError(f"--parallel must be one of {PARALLEL_MODES}, got {self.parallel!r}")
         if self.device not in ("cpu", "cuda"):

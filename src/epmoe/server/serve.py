@@ -119,6 +119,10 @@ def _startup_log(cfg: ServeConfig, model_dir: str, name: str, frontend: Frontend
     if info.speculative is not None:
         log.info("speculative decoding, K = %d: %s", cfg.engine_config(model_dir).num_speculative_tokens,
                  info.speculative)
+    if cfg.tool_call_parser or cfg.reasoning_parser:
+        log.info("chat outputs: tool calls read as %s (tool_choice auto %s); reasoning split as %s",
+                 cfg.tool_call_parser or "none", "on" if cfg.enable_auto_tool_choice else "refused",
+                 cfg.reasoning_parser or "none")
     log.info("ready: %s/v1", url)
 
 
