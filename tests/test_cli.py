@@ -271,3 +271,53 @@ def test_a_parser_of_text_on_a_checkpoint_without_a_tokenizer_is_refused_before_
                  "--reasoning-parser", "deepseek_r1"]) == 2
     assert (f"epmoe serve: error: --reasoning-parser reads the model's text, and the checkpoint {tmp_path} has no "
             f"tokenizer") in capsys.readouterr().err
+
+
+REMOTE_TOKENIZER = '''from transformers import PreTrainedTokenizerFast
+
+
+class TinyRemoteTokenizer(PreTrainedTokenizerFast):
+    """A byte-level tokenizer that ships as code with its checkpoint, as Kimi-K2's TikTokenTokenizer does."""
+'''
+
+
+@pytest.fixture(scope="module")
+def remote_tokenizer_checkpoint(kimi, tmp_path_factory):
+    """The built-in checkpoint with its tokenizer saved by transformers as a class shipped in the checkpoint
+    (``tokenization_tiny_remote.py``, ``auto_map`` in ``tokenizer_config.json``)."""
+    import importlib
+    import shutil
+    import sys
+
+    from transformers import AutoTokenizer
+
+    src, out = tmp_path_factory.mktemp("remote-src"), tmp_path_factory.mktemp("remote-ckpt")
+    (src / "tokenization_tiny_remote.py").write_text(REMOTE_TOKENIZER)
+    sys.path.insert(0, str(src))
+    try:
+        module = importlib.import_module("tokenization_tiny_remote")
+    finally:
+        sys.path.remove(str(src))
+    base = AutoTokenizer.from_pretrained(kimi)
+    tok = module.TinyRemoteTokenizer(tokenizer_object=base.backend_tokenizer, bos_token="<s>", eos_token="</s>",
+                                     pad_token="<pad>")
+    module.TinyRemoteTokenizer.register_for_auto_class("AutoTokenizer")
+    for path in kimi.iterdir():
+        if not path.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(path, out / path.name)
+    tok.save_pretrained(out)
+    assert (out / "tokenization_tiny_remote.py").is_file()
+    return out
+
+
+def test_a_tokenizer_shipped_as_code_runs_only_with_trust_remote_code(remote_tokenizer_checkpoint, capsys):
+    ckpt = remote_tokenizer_checkpoint
+    for command, extra in (("run", "--no-reference"), ("serve", "--port=0")):  # refused before any rank starts
+        assert main([command, "--model", str(ckpt), "--ep", "1", extra]) == 2
+        err = capsys.readouterr().err
+        assert (f"epmoe {command}: error: the tokenizer of '{ckpt}' is code shipped with the checkpoint "
+                f"(tokenization_tiny_remote.py): set --trust-remote-code to run it") in err, err
+    assert main(["run", "--model", str(ckpt), "--ep", "1", "--no-reference", "--trust-remote-code",
+                 "--max-new-tokens", "3", "--prompt", "hello"]) == 0
+    out = capsys.readouterr().out
+    assert "hello" in out

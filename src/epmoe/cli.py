@@ -61,6 +61,8 @@ def _add_engine_flags(p: argparse.ArgumentParser, ep_default: int) -> None:
     p.add_argument("--replica-policy", choices=("static", "round_robin", "random"), default="static",
                    help="how a token picks among an expert's copies: static (one fixed copy per rank, default), "
                         "round_robin or random")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run a tokenizer that ships as code with the checkpoint (Kimi-K2's tokenization_kimi.py)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once per rank")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="most tokens per step per rank; longer prompts are prefilled in chunks")

@@ -23,7 +23,7 @@ COMMAND_FIELDS = ("dtype", "device", "parallel", "placement", "redundant", "layo
                   "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "mem_fraction_static",
                   "num_kv_blocks", "cuda_graph_max_bs", "cuda_graph_max_tokens", "piecewise_cuda_graph_max_tokens",
                   "disable_overlap_schedule", "enable_prefix_caching", "eplb_interval", "eplb_max_moves",
-                  "replica_policy", *SPECULATIVE_FIELDS)
+                  "replica_policy", "trust_remote_code", *SPECULATIVE_FIELDS)
 # every option ``epmoe run`` and ``epmoe serve`` hand the engine (``COMMAND_FIELDS``, and the two whose command
 # defaults ``command_engine_config`` applies), by the flag that sets it
 COMMAND_FLAGS = {name: "--" + name.replace("_", "-") for name in ("expert_backend", "enforce_eager", *COMMAND_FIELDS)
@@ -110,6 +110,9 @@ class EngineConfig:
         replica_policy: how a token picks among an expert's copies: ``static`` (one fixed copy per rank),
             ``round_robin`` or ``random`` (``epmoe.routing.SlotMap``).
         seed: seed of the dummy weights and of unseeded sampling.
+        trust_remote_code: load a tokenizer whose code ships with the checkpoint (Kimi-K2's ``tokenization_kimi.py``,
+            named in ``tokenizer_config.json``'s ``auto_map``), the model's and a draft model's (vLLM's name).
+            Without it such a tokenizer is refused, naming its file.
         speculative_algorithm: speculative decoding (``ngram``, ``draft``, ``eagle3``; ``None`` = off): each step
             verifies up to ``speculative_num_tokens`` proposed tokens per request after its last token.
         speculative_draft_model: the draft's directory (``draft``: a model of any served family, MoE or dense;
@@ -151,6 +154,7 @@ class EngineConfig:
     eplb_max_moves: int | None = None
     replica_policy: str = "static"
     seed: int = 0
+    trust_remote_code: bool = False
     speculative_algorithm: str | None = None
     speculative_draft_model: str | None = None
     speculative_num_tokens: int | None = None
@@ -232,12 +236,9 @@ class EngineConfig:
             raise ValueError(f"eplb_max_moves must be a non-negative integer, got {self.eplb_max_moves!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) or not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
-        if not isinstance(self.static_decode_on_cpu, bool):
-            raise ValueError(f"static_decode_on_cpu must be true or false, got {self.static_decode_on_cpu!r}")
-        if not isinstance(self.disable_overlap_schedule, bool):
-            raise ValueError(f"disable_overlap_schedule must be true or false, got {self.disable_overlap_schedule!r}")
+        for name in ("enforce_eager", "static_decode_on_cpu", "disable_overlap_schedule", "trust_remote_code"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.generation_config is not None and not os.path.isdir(str(self.generation_config)):
             raise ValueError(f"generation_config must be a directory holding a generation_config.json, got "
                              f"{self.generation_config!r}")

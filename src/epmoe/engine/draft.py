@@ -33,7 +33,8 @@ from epmoe.spec import DenseModelError, language_model_config, load_moe_spec, re
 _CATCH_UP_ROWS = 2  # catch-ups this short run as decode rows (static buckets), longer ones as a prefill chunk
 
 
-def check_draft_vocab(draft: str, target: str, target_vocab: int, target_tokenizer) -> None:
+def check_draft_vocab(draft: str, target: str, target_vocab: int, target_tokenizer,
+                      trust_remote_code: bool = False) -> None:
     """Refuse a draft whose token ids mean other tokens than the target's.
 
     Raises:
@@ -45,7 +46,7 @@ def check_draft_vocab(draft: str, target: str, target_vocab: int, target_tokeniz
     if vocab != target_vocab:
         raise ValueError(f"draft model {draft} has vocab_size {vocab!r} but the target model {target} has "
                          f"{target_vocab}: the draft must share the target's tokenizer")
-    tok = load_tokenizer(draft)
+    tok = load_tokenizer(draft, trust_remote_code)
     if tok is not None and target_tokenizer is not None and tok.get_vocab() != target_tokenizer.get_vocab():
         raise ValueError(f"draft model {draft} has another tokenizer than the target model {target} (their "
                          f"vocabularies differ): the draft must share the target's tokenizer")
@@ -114,7 +115,7 @@ class DraftModelProposer(Proposer):
         self.device = engine.device
         self.dtype = cfg.torch_dtype
         self.vocab = engine.vocab_size
-        check_draft_vocab(self.path, cfg.model, engine.vocab_size, engine.tokenizer)
+        check_draft_vocab(self.path, cfg.model, engine.vocab_size, engine.tokenizer, cfg.trust_remote_code)
         placement, where = draft_placement(cfg, engine.comm.size)
         attn = register_attention()
         self.ep_model = None

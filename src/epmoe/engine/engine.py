@@ -238,7 +238,7 @@ class Engine:
         install_rope_attention(self.ep_model.model)  # Qwen, Mixtral, GLM, gpt-oss: fused projection and rotary
         if self.device.type == "cuda":
             fuse_norms(self.ep_model.model)
-        self.tokenizer = load_tokenizer(config.model)
+        self.tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         self.eos_ids = eos_token_ids(config.model, self.tokenizer, config.generation_config, self.spec.vocab_size)
         self.vocab_size = self.spec.vocab_size
         self.num_spec_tokens = config.num_speculative_tokens

@@ -8,11 +8,18 @@ from pathlib import Path
 from epmoe.spec import language_model_config, read_config
 
 
-def load_tokenizer(model_dir: str):
+def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
     """The checkpoint's tokenizer, or ``None`` when it has none (prompts are then UTF-8 bytes).
 
+    Args:
+        model_dir: the checkpoint directory.
+        trust_remote_code: run a tokenizer class that ships as code with the checkpoint (``tokenizer_config.json``'s
+            ``auto_map``, a class transformers does not have: Kimi-K2's ``TikTokenTokenizer``).
+
     Raises:
-        ValueError: the tokenizer files cannot be read (the broken JSON file named, with the parser's reason).
+        ValueError: the tokenizer is code shipped with the checkpoint and ``trust_remote_code`` is false (its file
+            named; transformers would ask on the terminal), or the tokenizer files cannot be read (the broken JSON
+            file named, with the parser's reason).
     """
     names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
     if not any((Path(model_dir) / f).is_file() for f in names):
@@ -21,8 +28,13 @@ def load_tokenizer(model_dir: str):
 
     from transformers import AutoTokenizer
 
+    if not trust_remote_code:
+        remote = _remote_tokenizer(model_dir)
+        if remote is not None:
+            raise ValueError(f"the tokenizer of {model_dir!r} is code shipped with the checkpoint ({remote}): set "
+                             f"trust_remote_code to run it")
     try:
-        return AutoTokenizer.from_pretrained(model_dir)
+        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as exc:
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             path = Path(model_dir) / name
@@ -32,6 +44,26 @@ def load_tokenizer(model_dir: str):
             except (ValueError, OSError) as bad:
                 raise ValueError(f"tokenizer file {str(path)!r} cannot be read: {bad}") from None
         raise ValueError(f"the tokenizer of {model_dir!r} cannot be loaded: {type(exc).__name__}: {exc}") from None
+
+
+def _remote_tokenizer(model_dir: str) -> str | None:
+    """The file of the checkpoint's own tokenizer class where it needs one (``tokenization_kimi.py``): its
+    ``tokenizer_config.json`` maps ``AutoTokenizer`` to code in the checkpoint and names a ``tokenizer_class``
+    transformers does not have; else ``None`` (an unreadable file is left to the loader to name)."""
+    import json
+
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    try:
+        config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
+        ref = config["auto_map"]["AutoTokenizer"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    ref = next((r for r in ref if r), None) if isinstance(ref, list) else ref
+    name = config.get("tokenizer_class")
+    if not isinstance(ref, str) or (isinstance(name, str) and tokenizer_class_from_name(name) is not None):
+        return None
+    return ref.split("--")[-1].rsplit(".", 1)[0] + ".py"
 
 
 def encode_text(tokenizer, vocab_size: int, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -64,6 +64,7 @@ class RunConfig:
         eplb_interval: rebalance every this many engine steps from the recorded loads (0 = never).
         eplb_max_moves: most expert copies one rebalance may move (``None`` = as few as reach the target).
         replica_policy: how a token picks among an expert's copies (``static``, ``round_robin``, ``random``).
+        trust_remote_code: run a tokenizer shipped as code with the checkpoint (``EngineConfig``).
         save_loads: write the tokens routed per logical expert ``[L, E]`` (all ranks, the whole run) to this
             file, in the format ``epmoe balance --loads`` reads (``None``: not written).
         cache_dir: where the built-in checkpoint is cached.
@@ -107,6 +108,7 @@ class RunConfig:
     eplb_interval: int = 0
     eplb_max_moves: int | None = None
     replica_policy: str = "static"
+    trust_remote_code: bool = False
     save_loads: str | None = None
     cache_dir: str | None = None
     max_num_seqs: int = 256
@@ -336,10 +338,10 @@ class RunReport:
         return asdict(self)
 
 
-def _encode(model_dir: str, prompts: list[str]) -> tuple[list[list[int]], object | None]:
+def _encode(model_dir: str, prompts: list[str], trust_remote_code: bool) -> tuple[list[list[int]], object | None]:
     """Token ids of the prompts and the tokenizer (``None``: raw UTF-8 bytes modulo the vocabulary)."""
     vocab = load_moe_spec(model_dir).vocab_size
-    tok = load_tokenizer(model_dir)
+    tok = load_tokenizer(model_dir, trust_remote_code)
     return [encode_text(tok, vocab, p) for p in prompts], tok
 
 
@@ -565,7 +567,7 @@ def run_job(cfg: RunConfig) -> RunReport:
     if reference and not needs_own_loader(model_dir):  # from_pretrained reads the file; our own loader does not
         _check_generation_config(model_dir)
     prompts = list(cfg.prompts) or list(DEFAULT_PROMPTS)
-    all_ids, tok = _encode(model_dir, prompts)
+    all_ids, tok = _encode(model_dir, prompts, cfg.trust_remote_code)
     if under_torchrun():
         info = torchrun_rank_info()
         _check_before_start(cfg, model_dir, info.world_size, all_ids)

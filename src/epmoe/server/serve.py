@@ -31,7 +31,6 @@ import torch.multiprocessing as mp
 import uvicorn
 
 from epmoe.engine.engine import check_group
-from epmoe.engine.tokenizer import load_tokenizer
 from epmoe.experts import describe_expert_backend
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.plan.request import counted
@@ -186,7 +185,9 @@ def serve(cfg: ServeConfig) -> int:
         return 0
     template = load_chat_template(cfg.chat_template) if cfg.chat_template is not None else None
     parsers = cfg.chat_parsers()
-    if (parsers.tools or parsers.reasoning) and load_tokenizer(model_dir) is None:
+    # the HTTP side's tokenizer, before any rank starts: one that cannot load (or runs code not trusted) is named now
+    codec = TextCodec(model_dir, load_moe_spec(model_dir).vocab_size, template, cfg.trust_remote_code)
+    if (parsers.tools or parsers.reasoning) and codec.tokenizer is None:
         flag = "--tool-call-parser" if parsers.tools else "--reasoning-parser"
         raise ValueError(f"{flag} reads the model's text, and the checkpoint {model_dir} has no tokenizer")
     defaults = _sampling_defaults(cfg, model_dir)
@@ -220,10 +221,9 @@ def serve(cfg: ServeConfig) -> int:
             followers.start()
         there.close()  # the core holds its end now: the pipe closes when the core's process ends
         frontend = Frontend(here, ServerMetrics(), on_fatal)
-        codec = TextCodec(model_dir, load_moe_spec(model_dir).vocab_size, template)
         app = build_app(AppContext(frontend, codec, name, model_dir, cfg.api_key, cfg.max_body_bytes, defaults,
                                    parsers))
-    except BaseException:  # a tokenizer the codec refuses, Ctrl-C: the ranks started and the socket go with it
+    except BaseException:  # Ctrl-C: the ranks started and the socket go with it
         sock.close()
         _release_ranks(core, followers)
         raise

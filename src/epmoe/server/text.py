@@ -59,10 +59,12 @@ class TextCodec:
         model_dir: the checkpoint directory.
         vocab_size: the model's vocabulary size (prompts without a tokenizer are bytes modulo it).
         chat_template: a template to use instead of the tokenizer's (``load_chat_template``'s result), or ``None``.
+        trust_remote_code: run a tokenizer shipped as code with the checkpoint (``load_tokenizer``).
     """
 
-    def __init__(self, model_dir: str, vocab_size: int, chat_template: str | None = None) -> None:
-        self.tokenizer = load_tokenizer(model_dir)
+    def __init__(self, model_dir: str, vocab_size: int, chat_template: str | None = None,
+                 trust_remote_code: bool = False) -> None:
+        self.tokenizer = load_tokenizer(model_dir, trust_remote_code)
         self.vocab_size = vocab_size
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
         self.chat_template = template or DEFAULT_CHAT_TEMPLATE
