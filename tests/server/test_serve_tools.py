@@ -120,3 +120,19 @@ def test_tool_requests_it_cannot_serve_are_refused_and_it_still_serves(server, c
     assert client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2).choices[0].finish_reason
     assert "chat outputs: tool calls read as hermes (tool_choice auto on); reasoning split as qwen3" in \
         server.log.read_text()
+
+
+def test_skip_special_tokens_false_keeps_them_in_completions(client):
+    """``skip_special_tokens`` (vLLM's field, served now): the text, whole and streamed, and its offsets keep the
+    special tokens a completion holds when it is false."""
+    from epmoe.models.tiny import ensure_default_checkpoint
+    from epmoe.server.text import TextCodec
+
+    tokenizer = TextCodec(str(ensure_default_checkpoint()), 259).tokenizer
+    eos, shown = tokenizer.eos_token_id, tokenizer.eos_token
+    for skip, text, offsets in ((False, shown * 3, [0, len(shown), 2 * len(shown)]), (True, "", [0, 0, 0])):
+        fields = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "temperature": 0, "logit_bias": {str(eos): 100},
+                  "extra_body": {"ignore_eos": True, "skip_special_tokens": skip}}
+        got = client.completions.create(logprobs=0, **fields).choices[0]
+        assert (got.text, got.logprobs.text_offset) == (text, offsets)
+        assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **fields)) == text

@@ -53,7 +53,7 @@ class ServeConfig:
             ``auto`` = the checkpoint's ``generation_config.json``, ``vllm`` = the API's own defaults, or a
             directory holding a ``generation_config.json`` (vLLM's ``--generation-config``).
         enable_auto_tool_choice, tool_call_parser, reasoning_parser: how chat outputs are read (vLLM's flags;
-            ``chat_output.ChatParsers``).
+            ``chat_output.ChatParsers`` checks them as the server starts).
     """
 
     model: str | None = None
@@ -129,17 +129,6 @@ class ServeConfig:
                              f"generation_config.json, got {self.generation_config!r}")
         if self.chat_template is not None and not self.chat_template.strip():
             raise ValueError("chat_template must not be empty (leave it out for the tokenizer's)")
-        self.chat_parsers()
-
-    def chat_parsers(self):
-        """The chat outputs' parsers the options ask for (``chat_output.ChatParsers``).
-
-        Raises:
-            ValueError: an unknown parser, or auto tool choice without a tool-call parser (named).
-        """
-        from epmoe.server.chat_output import ChatParsers  # it reads the protocol, which reads this module
-
-        return ChatParsers(self.reasoning_parser, self.tool_call_parser, self.enable_auto_tool_choice)
 
     def engine_config(self, model_dir: str) -> EngineConfig:
         """The engine's options for ``model_dir`` (``command_engine_config``).

@@ -503,9 +503,9 @@ def _completion_logprobs(codec: TextCodec, job: Job, entries: list[TokenLogprobs
     request asked for none).
 
     A token's ``text_offset`` is ``base`` plus where its text begins in the decoded text of ``ids``
-    (``TextCodec.text_offsets``: special tokens kept in an echoed prompt, skipped in the completion, as the text
-    is); its ``top_logprobs`` map the most likely tokens' texts to their log-probabilities (tokens of one text:
-    the most likely one's), the token itself included.
+    (``TextCodec.text_offsets``: special tokens kept in an echoed prompt, in the completion as its
+    ``skip_special_tokens`` decodes them, as the text is); its ``top_logprobs`` map the most likely tokens' texts
+    to their log-probabilities (tokens of one text: the most likely one's), the token itself included.
 
     Args:
         entries: per token its ``TokenLogprobs``; ``None`` for an echoed prompt's first token.
@@ -515,7 +515,8 @@ def _completion_logprobs(codec: TextCodec, job: Job, entries: list[TokenLogprobs
         return None
     end = start + len(entries)
     names = [codec.token_text(i, job.as_ids) for i in ids[start:end]]
-    offsets = [base + o for o in codec.text_offsets(ids, start, end, skip_special_tokens=not prompt)]
+    skip = not prompt and job.params[0].skip_special_tokens
+    offsets = [base + o for o in codec.text_offsets(ids, start, end, skip_special_tokens=skip)]
     tops: list[dict[str, float] | None] = []
     for name, e in zip(names, entries):
         if e is None:
@@ -588,16 +589,17 @@ def _completion_choice(codec: TextCodec, job: Job, choice: int, up: Update) -> C
 
 
 def _final_text(codec: TextCodec, up: Update) -> str:
-    return up.text if up.text is not None else codec.decode(up.token_ids)
+    return up.text if up.text is not None else codec.decode(up.token_ids)  # no tokenizer: ids in decimal
 
 
 def _tool_calls(calls: list[ToolCall], delta: bool) -> list[ToolCallOut] | None:
+    """The reply's calls (``None`` without any); in a stream delta each with its ``index``."""
     if not calls:
         return None
-    kind = DeltaToolCall if delta else ToolCallOut
-    extra = (lambda k: {"index": k}) if delta else (lambda k: {})
-    return [kind(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments), **extra(k))
-            for k, c in enumerate(calls)]
+    if delta:
+        return [DeltaToolCall(index=k, id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+                for k, c in enumerate(calls)]
+    return [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
 
 
 def _finish(job: Job, reply: Reply, finish: str | None) -> str | None:

@@ -44,6 +44,7 @@ from epmoe.runtime.launch import (
     under_torchrun,
 )
 from epmoe.server.app import AppContext, build_app
+from epmoe.server.chat_output import ChatParsers
 from epmoe.server.config import ServeConfig
 from epmoe.server.core import core_process, follow, follower_process
 from epmoe.server.frontend import Frontend
@@ -178,13 +179,13 @@ def serve(cfg: ServeConfig) -> int:
     hf_logging.set_verbosity_error()
     model_dir = str(cfg.model) if cfg.model is not None else str(ensure_default_checkpoint(cfg.cache_dir))
     engine_cfg = cfg.engine_config(model_dir)  # a bad engine option fails here, before any process starts
+    parsers = ChatParsers(cfg.reasoning_parser, cfg.tool_call_parser, cfg.enable_auto_tool_choice)
     info = torchrun_rank_info() if under_torchrun() else None
     check_group(engine_cfg, info.world_size if info is not None else cfg.ep)  # before any rank starts
     if info is not None and info.rank != 0:
         follow(info, cfg, model_dir)
         return 0
     template = load_chat_template(cfg.chat_template) if cfg.chat_template is not None else None
-    parsers = cfg.chat_parsers()
     # the HTTP side's tokenizer, before any rank starts: one that cannot load (or runs code not trusted) is named now
     codec = TextCodec(model_dir, load_moe_spec(model_dir).vocab_size, template, cfg.trust_remote_code)
     if (parsers.tools or parsers.reasoning) and codec.tokenizer is None:
