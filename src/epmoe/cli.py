@@ -174,10 +174,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "--tool-call-parser")
     p.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS),
                    help="the format the model writes its tool calls in (hermes: Qwen; kimi_k2: Kimi; deepseek_v3, "
-                        "deepseek_v31: DeepSeek)")
+                        "deepseek_v31: DeepSeek; openai: gpt-oss, with --reasoning-parser openai_gptoss)")
     p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
-                   help="split a thinking model's <think> reasoning into reasoning_content (deepseek_r1, qwen3, "
-                        "kimi_k2)")
+                   help="split a thinking model's reasoning into reasoning_content (<think>: deepseek_r1, qwen3, "
+                        "kimi_k2; gpt-oss's harmony analysis channel: openai_gptoss)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--api-key", metavar="KEY",

@@ -114,7 +114,37 @@ def test_held_is_the_longest_unfinished_marker_at_the_end():
     assert held("abc</think>", ("</think>",)) == 0 and held("", ("</think>",)) == 0
 
 
+HARMONY_CALL = ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
+                'to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}')
+HARMONY_FINAL = ("<|channel|>analysis<|message|>Simple sum.<|end|><|start|>assistant<|channel|>final<|message|>"
+                 "2 + 2 = 4.")
+HARMONY_PREAMBLE = ("<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant to=functions.get_time"
+                    "<|channel|>commentary json<|message|>{}")
+
+
+def test_harmony_messages_read_as_reasoning_content_and_calls():
+    """gpt-oss's harmony output (its stop tokens <|call|> and <|return|> are not in the text): the analysis channel
+    is reasoning, final and preamble bodies content, messages to functions.NAME calls, the recipient in either
+    part of the header."""
+    output = ChatOutput(REASONING_PARSERS["openai_gptoss"], True, TOOL_CALL_PARSERS["openai"])
+    call = output.reply(HARMONY_CALL)
+    assert (call.reasoning, call.content) == ("Need the weather.", None)
+    assert [(c.name, json.loads(c.arguments)) for c in call.calls] == [("get_weather", {"city": "Paris"})]
+    final = output.reply(HARMONY_FINAL)
+    assert (final.reasoning, final.content, final.calls) == ("Simple sum.", "2 + 2 = 4.", [])
+    preamble = output.reply(HARMONY_PREAMBLE)
+    assert (preamble.reasoning, preamble.content, [c.name for c in preamble.calls]) == (None, "Checking.",
+                                                                                         ["get_time"])
+    assert output.reply("no markup: a constrained output").content == "no markup: a constrained output"
+    with pytest.raises(ValueError, match="--tool-call-parser openai reads gpt-oss's harmony messages as "
+                                         "--reasoning-parser openai_gptoss hands them on: give both"):
+        ChatParsers(tools="openai", auto_tool_choice=True)
+
+
 @pytest.mark.parametrize("output, text", [
+    (ChatOutput(REASONING_PARSERS["openai_gptoss"], True, TOOL_CALL_PARSERS["openai"]), HARMONY_CALL),
+    (ChatOutput(REASONING_PARSERS["openai_gptoss"], True, TOOL_CALL_PARSERS["openai"]), HARMONY_PREAMBLE),
+    (ChatOutput(REASONING_PARSERS["openai_gptoss"], True, None), HARMONY_FINAL),
     (ChatOutput(REASONING_PARSERS["kimi_k2"], True, TOOL_CALL_PARSERS["kimi_k2"]), "thinking</think>" + KIMI_OUT),
     (ChatOutput(REASONING_PARSERS["qwen3"], False, TOOL_CALL_PARSERS["hermes"]),
      "<think>a < b</think>\n" + OUTPUTS["hermes"]),
@@ -122,7 +152,8 @@ def test_held_is_the_longest_unfinished_marker_at_the_end():
      "x</thin y</think>" + OUTPUTS["deepseek_v3"]),
     (ChatOutput(None, False, TOOL_CALL_PARSERS["hermes"]), "a <tool_call> that never closes"),
     (ChatOutput(REASONING_PARSERS["qwen3"], False, None), "<thin and no reasoning"),
-], ids=["kimi", "qwen3-hermes", "r1-deepseek", "unclosed-call", "qwen3-plain"])
+], ids=["harmony-call", "harmony-preamble", "harmony-final", "kimi", "qwen3-hermes", "r1-deepseek", "unclosed-call",
+        "qwen3-plain"])
 def test_a_stream_settles_only_what_no_later_token_changes(output, text):
     """At every character the settled reasoning and content only grow, and each ends as a prefix of the whole
     reply's: a stream never sends text it would have to take back."""
@@ -216,7 +247,7 @@ def test_parser_options_are_checked():
     with pytest.raises(ValueError, match=r"--enable-auto-tool-choice needs --tool-call-parser"):
         ChatParsers(auto_tool_choice=True)
     with pytest.raises(ValueError, match=r"--tool-call-parser must be one of \['deepseek_v3', 'deepseek_v31', "
-                                         r"'hermes', 'kimi_k2'\], got 'json'"):
+                                         r"'hermes', 'kimi_k2', 'openai'\], got 'json'"):
         ChatParsers(tools="json")
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from epmoe.server.errors import ApiError
 from epmoe.server.protocol import ChatCompletionRequest
-from epmoe.server.reasoning import REASONING_PARSERS, ReasoningParser, held
+from epmoe.server.reasoning import REASONING_PARSERS, HarmonyReasoningParser, ReasoningParser, held
 from epmoe.server.tools import TOOL_CALL_PARSERS, ToolCall, ToolCallParser, forced_calls
 
 
@@ -34,7 +34,7 @@ class ChatOutput:
         parallel: more than one call is kept (``parallel_tool_calls``); else only the first.
     """
 
-    reasoning: ReasoningParser | None = None
+    reasoning: ReasoningParser | HarmonyReasoningParser | None = None
     opened: bool = False
     tools: ToolCallParser | None = None
     forced: str | None = None
@@ -124,6 +124,9 @@ class ChatParsers:
                                    ("--tool-call-parser", self.tools, TOOL_CALL_PARSERS)):
             if value is not None and value not in known:
                 raise ValueError(f"{flag} must be one of {sorted(known)}, got {value!r}")
+        if self.tools == "openai" and self.reasoning != "openai_gptoss":
+            raise ValueError("--tool-call-parser openai reads gpt-oss's harmony messages as --reasoning-parser "
+                             "openai_gptoss hands them on: give both")
         if self.auto_tool_choice and self.tools is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format the model's tool calls "
                              f"are read in: one of {sorted(TOOL_CALL_PARSERS)})")

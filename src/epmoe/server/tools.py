@@ -22,6 +22,9 @@ The formats (from the models' chat templates; vLLM's parsers of the same names r
   <｜tool▁sep｜>NAME`` and the arguments in a fenced ``json`` block, then ``<｜tool▁call▁end｜>``.
 - ``deepseek_v31`` (DeepSeek-V3.1): per call ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>`` the arguments
   ``<｜tool▁call▁end｜>``.
+- ``openai`` (gpt-oss): harmony messages to ``functions.NAME`` on the commentary channel, as the ``openai_gptoss``
+  reasoning parser hands them on (``<|start|>assistant to=functions.NAME<|message|>`` the arguments); it reads
+  the output with that parser only.
 """
 
 from __future__ import annotations
@@ -127,6 +130,11 @@ TOOL_CALL_PARSERS = {
         re.compile(re.escape(_DS_CALL) + r"(?P<name>.*?)" + re.escape(_DS_SEP) + r"(?P<arguments>.*?)"
                    + re.escape(_DS_END), re.S),
         (_DS_CALLS, "<｜tool▁calls▁end｜>", _DS_CALL, _DS_SEP, _DS_END)),
+    "openai": ToolCallParser(
+        "openai", "<|start|>assistant to=functions.",
+        re.compile(r"<\|start\|>assistant to=functions\.(?P<name>[^<\s]+)<\|message\|>(?P<arguments>.*?)"
+                   r"(?=<\|start\|>|$)", re.S),
+        ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>")),
 }
 """The ``--tool-call-parser`` choices, by name."""
 
