@@ -136,3 +136,93 @@ def test_skip_special_tokens_false_keeps_them_in_completions(client):
         got = client.completions.create(logprobs=0, **fields).choices[0]
         assert (got.text, got.logprobs.text_offset) == (text, offsets)
         assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **fields)) == text
+
+
+# ---- the Responses API (/v1/responses), on the same chat path -------------------------------------------------
+
+
+def _events(client, **fields) -> tuple[list[str], str, str, list[tuple[str, str]], object]:
+    """A streamed response's event types, its reasoning and output text from the deltas, its calls (name,
+    arguments) from the argument events, and its last event's response."""
+    kinds, reasoning, text, calls, last, names = [], "", "", [], None, {}
+    for ev in client.responses.create(model=MODEL, stream=True, **fields):
+        kinds.append(ev.type)
+        if ev.type == "response.reasoning_text.delta":
+            reasoning += ev.delta
+        elif ev.type == "response.output_text.delta":
+            text += ev.delta
+        elif ev.type == "response.output_item.added" and ev.item.type == "function_call":
+            names[ev.item.id] = ev.item.name
+        elif ev.type == "response.function_call_arguments.done":
+            calls.append((names[ev.item_id], ev.arguments))
+        last = getattr(ev, "response", last)
+    return kinds, reasoning, text, calls, last
+
+
+def test_responses_api_answers_as_the_chat_does_whole_and_streamed(client):
+    off = {"enable_thinking": False}  # the template opens no <think>: the output is the message
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "be brief"}, *USER],
+                                          max_tokens=6, temperature=0, extra_body={"chat_template_kwargs": off})
+    fields = {"instructions": "be brief", "input": "weather?", "max_output_tokens": 6, "temperature": 0,
+              "extra_body": {"chat_template_kwargs": off}}
+    got = client.responses.create(model=MODEL, **fields)
+    assert got.status == "incomplete" and got.incomplete_details.reason == "max_output_tokens"
+    assert [item.type for item in got.output] == ["message"]
+    assert got.output_text == chat.choices[0].message.content
+    assert (got.usage.input_tokens, got.usage.output_tokens) == (chat.usage.prompt_tokens, 6)
+    kinds, reasoning, text, calls, last = _events(client, **fields)
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert (reasoning, text, calls) == ("", got.output_text, []) and last.output[0].content[0].text == text
+    # the template opens <think>: the output is all reasoning, a reasoning item
+    thought = client.responses.create(model=MODEL, input="weather?", max_output_tokens=6, temperature=0)
+    assert [item.type for item in thought.output] == ["reasoning"]
+    whole = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, temperature=0)
+    assert thought.output[0].content[0].text == whole.choices[0].message.reasoning_content
+    assert _events(client, input="weather?", max_output_tokens=6, temperature=0)[1] == \
+        thought.output[0].content[0].text
+
+
+def test_responses_api_calls_tools_and_takes_their_outputs(client):
+    tool = {"type": "function", "name": "get_weather", "parameters": CITY}
+    fields = {"input": "weather?", "tools": [tool], "max_output_tokens": 40, "temperature": 0,
+              "tool_choice": {"type": "function", "name": "get_weather"}}
+    got = client.responses.create(model=MODEL, **fields)
+    (call,) = got.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    assert set(json.loads(call.arguments)) == {"city"} and got.status == "completed"
+    kinds, _, _, calls, last = _events(client, **fields)
+    assert calls == [("get_weather", call.arguments)] and last.status == "completed"
+    assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
+    # the call and its output come back as input: the template shows them as the chat's messages would
+    follow = client.responses.create(model=MODEL, tools=[tool], tool_choice="none", max_output_tokens=2,
+                                     temperature=0, input=[
+                                         {"role": "user", "content": "weather?"},
+                                         {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                                          "arguments": '{"city": "Paris"}'},
+                                         {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}])
+    rendered = (f'<tools>get_weather(city);</tools><|user|>weather?<|assistant|>{CALL}'
+                '<|tool|>sunny[call_1]<|assistant|><think>')
+    assert follow.usage.input_tokens == len(rendered.encode())
+
+
+@pytest.mark.parametrize("fields, param, message", [
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id", "epmoe stores no responses"),
+    ({"input": "hi", "max_output_tokens": 999}, "max_output_tokens",
+     "max_output_tokens (999) plus the prompt's"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0", ""),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format",
+     "text.format of type json_schema needs its schema"),
+    ({"input": [{"role": "user", "content": 5}]}, "input.0", ""),
+])
+def test_responses_api_bad_requests_name_their_fields(server, fields, param, message):
+    import httpx
+
+    got = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, **fields}, timeout=30,
+                     headers={"Authorization": f"Bearer {API_KEY}"})
+    assert got.status_code == 400, got.text
+    error = got.json()["error"]
+    assert error["param"].startswith(param) and message in error["message"], error
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200

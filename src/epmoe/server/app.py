@@ -3,7 +3,7 @@ OpenAI's JSON shape.
 
 Routes: ``GET /health`` (200 once ready, 503 while loading, draining or failed), ``GET /metrics``
 (Prometheus text), ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``POST /tokenize`` and ``POST /detokenize`` (vLLM's), ``GET /eplb/loads``, ``POST /eplb/rebalance``. With an API
+``POST /v1/responses`` (OpenAI's Responses API, stateless), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's), ``GET /eplb/loads``, ``POST /eplb/rebalance``. With an API
 key, every route but ``/health`` and ``/metrics`` needs ``Authorization: Bearer KEY``. A client that goes away
 aborts its request, streamed or not.
 """
@@ -35,9 +35,13 @@ from epmoe.server.protocol import (
     ModelCard,
     ModelList,
     RebalanceRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from epmoe.server.ranks import LOADS_COMMAND, REBALANCE_COMMAND
+from epmoe.server.responses import as_chat, renamed
+from epmoe.server.responses import stream as response_events
+from epmoe.server.responses import whole as whole_response
 from epmoe.server.text import TextCodec
 
 
@@ -211,10 +215,16 @@ def build_app(ctx: AppContext) -> FastAPI:
         check_model(req.model)
         job = build_job(req, ctx.model_name, codec, ready_info(), ctx.sampling_defaults, ctx.parsers)
         await compile_constraint(job, codec)
+        return await run(request, job, req.stream, lambda updates, pending: stream(job, updates, codec, pending),
+                         lambda whole: whole)
+
+    async def run(request: Request, job, streamed: bool, events, answer) -> Response:
+        """Submit ``job``; stream ``events(updates, pending)`` or answer ``answer(collect's whole response)``,
+        aborting its choices when the client goes away."""
         updates = submit(frontend, job)
-        if req.stream:
+        if streamed:
             pending = set(job.choice_ids())
-            return _AbortingStream(stream(job, updates, codec, pending), frontend, pending)
+            return _AbortingStream(events(updates, pending), frontend, pending)
         work = asyncio.ensure_future(collect(frontend, job, updates, codec))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -229,7 +239,7 @@ def build_app(ctx: AppContext) -> FastAPI:
             with contextlib.suppress(asyncio.CancelledError):
                 await work
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-        return JSONResponse(work.result())
+        return JSONResponse(answer(work.result()))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -238,6 +248,21 @@ def build_app(ctx: AppContext) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await generate(request, ChatCompletionRequest)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API, run as a chat (``server.responses``)."""
+        check_key(request)
+        req = await read_body(request, ResponsesRequest)
+        check_model(req.model)
+        try:
+            job = build_job(as_chat(req), ctx.model_name, codec, ready_info(), ctx.sampling_defaults, ctx.parsers)
+            await compile_constraint(job, codec)
+        except ApiError as exc:
+            raise renamed(exc) from None
+        return await run(request, job, req.stream,
+                         lambda updates, pending: response_events(req, job, updates, codec, pending),
+                         lambda chat: whole_response(req, job, chat))
 
     async def answer(request: Request, schema: type[pydantic.BaseModel], fn) -> JSONResponse:
         """A request answered at once from the tokenizer: ``fn(request body, codec, engine info)``."""

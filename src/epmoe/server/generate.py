@@ -574,7 +574,7 @@ def _joined(a: CompletionLogprobs | None, b: CompletionLogprobs | None) -> Compl
 
 def _completion_choice(codec: TextCodec, job: Job, choice: int, up: Update) -> CompletionChoice:
     """One whole completion choice from its final update (the prompt first with ``echo``)."""
-    text = _final_text(codec, up)
+    text = final_text(codec, up)
     prompt = _prompt_logprobs(codec, job, choice, up)
     if job.echo is None:
         return CompletionChoice(index=choice, text=text, finish_reason=up.finish_reason, prompt_logprobs=prompt,
@@ -588,7 +588,8 @@ def _completion_choice(codec: TextCodec, job: Job, choice: int, up: Update) -> C
                             prompt_logprobs=prompt)
 
 
-def _final_text(codec: TextCodec, up: Update) -> str:
+def final_text(codec: TextCodec, up: Update) -> str:
+    """The whole text of a finished choice (the engine's, cut before a stop string)."""
     return up.text if up.text is not None else codec.decode(up.token_ids)  # no tokenizer: ids in decimal
 
 
@@ -623,7 +624,9 @@ def _usage(job: Job, completion_tokens: int) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens)
 
 
-def _check(item: Update | Failure) -> Update:
+def check_update(item: Update | Failure) -> Update:
+    """``item`` when it is news of the request; else the error to answer (500: the server failed under it; 400:
+    the engine refused it)."""
     if isinstance(item, Failure):
         raise ApiError(500, f"the server failed while serving the request: {item.message}")
     if item.error is not None:
@@ -642,7 +645,7 @@ async def collect(frontend: Frontend, job: Job, updates: asyncio.Queue, codec: T
     finals: dict[int, Update] = {}
     try:
         while len(finals) < len(ids):
-            up = _check(await updates.get())
+            up = check_update(await updates.get())
             if up.finished:
                 finals[index[up.request_id]] = up
     finally:
@@ -654,7 +657,7 @@ async def collect(frontend: Frontend, job: Job, updates: asyncio.Queue, codec: T
     if job.kind == "chat":
         choices = []
         for i in range(len(ids)):
-            message, finish = _chat_reply(job, _final_text(codec, finals[i]), finals[i].finish_reason)
+            message, finish = _chat_reply(job, final_text(codec, finals[i]), finals[i].finish_reason)
             choices.append(ChatChoice(index=i, message=message, finish_reason=finish,
                                       logprobs=_chat_logprobs(codec, finals[i].logprobs, job.as_ids)))
         return ChatCompletionResponse(id=job.request_id, created=created, model=job.model, usage=usage,
@@ -680,7 +683,7 @@ def _chunk(job: Job, created: int, index: int, text: str | None, finish: str | N
     ).model_dump(exclude={"usage"}))
 
 
-class _StreamReply:
+class StreamReply:
     """One streamed chat choice read by ``job.chat``: the text so far, and how much of its reasoning and content
     was sent."""
 
@@ -720,7 +723,7 @@ async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: se
     ids = job.choice_ids()
     index = {rid: i for i, rid in enumerate(ids)}
     texts = [StreamText(codec, p.stop, p.skip_special_tokens) for p in job.params]
-    readers = [_StreamReply(job) for _ in ids]
+    readers = [StreamReply(job) for _ in ids]
     tokens = [0] * len(ids)
     unsent: list[list[TokenLogprobs]] = [[] for _ in ids]  # per choice, log-probabilities not sent yet
     sent = [0] * len(ids)  # per choice, tokens whose log-probabilities were sent
@@ -732,7 +735,7 @@ async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: se
             yield _chunk(job, created, i, "", None, role=True)
     try:
         while pending:
-            up = _check(await updates.get())
+            up = check_update(await updates.get())
             i = index[up.request_id]
             if not echoed[i]:  # the first update: the prompt (with its log-probabilities) before any token
                 echoed[i] = True
@@ -745,7 +748,7 @@ async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: se
                     yield _chunk(job, created, i, "", "length")
                 continue
             tokens[i] = len(up.token_ids)
-            text = texts[i].delta(up.token_ids, _final_text(codec, up) if up.finished else None)
+            text = texts[i].delta(up.token_ids, final_text(codec, up) if up.finished else None)
             if up.finished:
                 pending.discard(up.request_id)
             if up.new_logprobs is not None:

@@ -251,6 +251,120 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict | None = None
 
 
+class InputText(_Request):
+    """A text part of a Responses API input message (``input_text``; an earlier reply's ``output_text``)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class InputMessage(_Request):
+    """A message of a Responses API ``input`` list (``type`` ``message``, or left out as the SDK allows)."""
+
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[InputText]
+
+    def text(self) -> str:
+        """The message's text."""
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class InputFunctionCall(_Request):
+    """An earlier function call of the model, in a Responses API ``input`` list."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class InputFunctionOutput(_Request):
+    """A function's result, in a Responses API ``input`` list."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+class ResponseFunctionTool(_Request):
+    """A function tool of the Responses API (its fields at the top, not under ``function``)."""
+
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ResponseNamedChoice(_Request):
+    """The Responses API's ``tool_choice`` naming a function."""
+
+    type: Literal["function"]
+    name: str
+
+
+class ResponseTextFormat(_Request):
+    """``text.format``: ``text``, ``json_object``, or ``json_schema`` with its ``schema`` (and OpenAI's ``name``,
+    ``description``, ``strict``)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseText(_Request):
+    """``text``: the output's ``format``."""
+
+    format: ResponseTextFormat | None = None
+
+
+class ResponsesRequest(_Request):
+    """``POST /v1/responses`` (OpenAI's Responses API, as vLLM serves it, stateless): ``input`` a string or a list of
+    messages, earlier function calls and their outputs; ``instructions`` a system message before them; ``tools``
+    function tools; ``text.format`` a constraint as chat's ``response_format``. Nothing is stored:
+    ``previous_response_id`` and ``background`` are refused (``server.responses`` translates the rest to a chat
+    request)."""
+
+    model: str
+    input: str | list[InputMessage | InputFunctionCall | InputFunctionOutput]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stream: bool = False
+    tools: list[ResponseFunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponseNamedChoice | None = None
+    parallel_tool_calls: bool = True
+    text: ResponseText | None = None
+    store: bool = True
+    metadata: dict | None = None
+    user: str | None = None
+    previous_response_id: str | None = None
+    background: bool = False
+    chat_template_kwargs: dict | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, data: Any) -> Any:
+        """``null`` for a field with a default: the default (as the other requests)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
+
+
 class TokenizeRequest(_Request):
     """``POST /tokenize`` (vLLM's): a ``prompt`` as a completion encodes it, or ``messages`` as a chat renders and
     encodes them; ``add_special_tokens`` defaults as there (true for a prompt, false for messages). ``model`` may be
