@@ -216,6 +216,8 @@ def test_responses_api_calls_tools_and_takes_their_outputs(client):
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format",
      "text.format of type json_schema needs its schema"),
     ({"input": [{"role": "user", "content": 5}]}, "input.0", ""),
+    ({"instructions": "x", "input": [{"role": "user", "content": "a\ud800"}]}, "input",
+     "is not valid Unicode text: a lone surrogate"),
 ])
 def test_responses_api_bad_requests_name_their_fields(server, fields, param, message):
     import httpx

@@ -3,9 +3,9 @@ OpenAI's JSON shape.
 
 Routes: ``GET /health`` (200 once ready, 503 while loading, draining or failed), ``GET /metrics``
 (Prometheus text), ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``POST /v1/responses`` (OpenAI's Responses API, stateless), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's), ``GET /eplb/loads``, ``POST /eplb/rebalance``. With an API
-key, every route but ``/health`` and ``/metrics`` needs ``Authorization: Bearer KEY``. A client that goes away
-aborts its request, streamed or not.
+``POST /v1/responses`` (OpenAI's Responses API, stateless), ``POST /tokenize`` and ``POST /detokenize``
+(vLLM's), ``GET /eplb/loads``, ``POST /eplb/rebalance``. With an API key, every route but ``/health`` and
+``/metrics`` needs ``Authorization: Bearer KEY``. A client that goes away aborts its request, streamed or not.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,9 +26,10 @@ from epmoe.server.protocol import (
 )
 from epmoe.server.text import StreamText, TextCodec
 
-_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
-           "max_completion_tokens": "max_output_tokens"}
-"""Chat fields a translated request's errors name, as the Responses API calls them."""
+_FIELDS = (("max_tokens", "max_output_tokens"), ("response_format", "text.format"))
+"""Chat fields a translated request's errors name, as the Responses API calls them (a message's place among the
+chat's ``messages`` is not its place in ``input``: such errors name ``input``)."""
+_MESSAGES = re.compile(r"\bmessages(\.\d+(\.\w+)*)?")
 
 
 def as_chat(req: ResponsesRequest) -> ChatCompletionRequest:
@@ -86,15 +88,15 @@ def as_chat(req: ResponsesRequest) -> ChatCompletionRequest:
 
 
 def renamed(exc: ApiError) -> ApiError:
-    """``exc`` (of the chat path) naming the Responses API's fields (``max_tokens`` -> ``max_output_tokens``)."""
-    param = exc.param
-    for chat, ours in _FIELDS.items():
+    """``exc`` (of the chat path) naming the Responses API's fields (``max_tokens`` -> ``max_output_tokens``,
+    ``messages.2.content`` -> ``input``)."""
+    param, message = exc.param, _MESSAGES.sub("input", exc.message)
+    if param is not None:
+        param = _MESSAGES.sub("input", param)
+    for chat, ours in _FIELDS:
+        message = message.replace(chat, ours)
         if param is not None and (param == chat or param.startswith(chat + ".")):
             param = ours + param[len(chat):]
-            break
-    message = exc.message
-    for chat, ours in _FIELDS.items():
-        message = message.replace(chat, ours) if chat in ("max_tokens", "response_format") else message
     return ApiError(exc.status, message, param)
 
 
