@@ -270,42 +270,40 @@ class InputMessage(_Request):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
-class InputFunctionCall(_Request):
-    """An earlier function call of the model, in a Responses API ``input`` list."""
+class _CallItem(_Request):
+    """An item of a Responses API ``input`` list about one function call (``call_id``); ``id`` and ``status`` as
+    an earlier response gave them."""
+
+    call_id: str
+    id: str | None = None
+    status: str | None = None
+
+
+class InputFunctionCall(_CallItem):
+    """An earlier function call of the model."""
 
     type: Literal["function_call"]
-    call_id: str
     name: str
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class InputFunctionOutput(_Request):
-    """A function's result, in a Responses API ``input`` list."""
+class InputFunctionOutput(_CallItem):
+    """A function's result."""
 
     type: Literal["function_call_output"]
-    call_id: str
     output: str
-    id: str | None = None
-    status: str | None = None
 
 
-class ResponseFunctionTool(_Request):
-    """A function tool of the Responses API (its fields at the top, not under ``function``)."""
+class ResponseFunctionTool(FunctionDefinition):
+    """A function tool of the Responses API (the function's fields at the top, not under ``function``)."""
 
     type: Literal["function"]
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict | None = None
-    strict: bool | None = None
 
 
-class ResponseNamedChoice(_Request):
-    """The Responses API's ``tool_choice`` naming a function."""
+class ResponseNamedChoice(NamedFunction):
+    """The Responses API's ``tool_choice`` naming a function (its ``name`` at the top)."""
 
     type: Literal["function"]
-    name: str
 
 
 class ResponseTextFormat(_Request):
