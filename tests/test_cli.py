@@ -252,8 +252,13 @@ def test_a_draft_placement_that_does_not_fit_is_refused_before_any_rank_starts(t
         err = capsys.readouterr().err
         assert (f"epmoe {command}: error: --speculative-draft-placement {wrong} with --ep 2: draft model {draft} "
                 f"(an MoE draft, 2 MoE layers x 8 experts) cannot be placed on 2 rank(s): ") in err, err
-        assert f"placement is for 16 logical experts per layer but draft model {draft} has 8" in err, err
+        assert f"placement holds 16 logical experts per layer but draft model {draft} has 8" in err, err
         assert "rank 0 failed" not in err
+    for path, what in ((tmp_path, "is a directory, not a file"), (tmp_path / "none.json", "does not exist")):
+        assert main(["serve", "--model", target, "--ep", "2", "--speculative-algorithm", "draft",
+                     "--speculative-draft-model", draft, "--speculative-draft-placement", str(path)]) == 2
+        assert (f"--speculative-draft-placement {path} with --ep 2: placement file '{path}' {what}"
+                in capsys.readouterr().err)
     from epmoe.models.tiny import build_tiny_dense_checkpoint
 
     dense = str(build_tiny_dense_checkpoint(tmp_path / "dense", seed=7))
@@ -321,3 +326,28 @@ def test_a_tokenizer_shipped_as_code_runs_only_with_trust_remote_code(remote_tok
                  "--max-new-tokens", "3", "--prompt", "hello"]) == 0
     out = capsys.readouterr().out
     assert "hello" in out
+
+
+@pytest.mark.parametrize("entry, message", [
+    ([None, None], "auto_map AutoTokenizer must name the tokenizer class as 'module.Class'"),
+    (5, "auto_map AutoTokenizer must name the tokenizer class as 'module.Class'"),
+    ("nodot", "auto_map AutoTokenizer must name the tokenizer class as 'module.Class'"),
+    (["tokenization_missing.XTok", None], "auto_map AutoTokenizer 'tokenization_missing.XTok' names "
+                                          "tokenization_missing.py, which the checkpoint does not hold"),
+    (["org/repo--tokenization_x.XTok", None], "names code of another repository (org/repo), which epmoe does not "
+                                              "fetch"),
+])
+def test_a_broken_tokenizer_auto_map_is_named_with_its_file(remote_tokenizer_checkpoint, tmp_path, entry, message):
+    import json
+    import shutil
+
+    from epmoe.engine.tokenizer import load_tokenizer
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(remote_tokenizer_checkpoint, ckpt)
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({**config, "auto_map": {"AutoTokenizer": entry}}))
+    for trust in (False, True):
+        with pytest.raises(ValueError, match=re.escape(f"{ckpt / 'tokenizer_config.json'}: ") + ".*"
+                           + re.escape(message)):
+            load_tokenizer(str(ckpt), trust_remote_code=trust)

@@ -78,7 +78,7 @@ def test_type_errors_and_model_check():
     p = ExpertPlacement.trivial(3, 8, 2)
     with pytest.raises(ValueError, match="placement covers 3 MoE layers but the model has 4"):
         p.check_model(4, 8)
-    with pytest.raises(ValueError, match="placement is for 8 logical experts per layer but the model has 16"):
+    with pytest.raises(ValueError, match="placement holds 8 logical experts per layer but the model has 16"):
         p.check_model(3, 16)
 
 

@@ -213,7 +213,7 @@ class ExpertPlacement:
             )
         if self.num_experts != num_experts:
             raise ValueError(
-                f"placement is for {self.num_experts} logical experts per layer but {what} has {num_experts}"
+                f"placement holds {self.num_experts} logical experts per layer but {what} has {num_experts}"
             )
 
     # ---- constructors ------------------------------------------------------------------------

@@ -236,7 +236,7 @@ def test_draft_whose_experts_do_not_match_its_placement_is_refused(tiny_checkpoi
     target, draft = str(tiny_checkpoints("qwen3-moe")), str(tiny_checkpoints("mixtral"))
     wrong = tmp_path / "target-placement.json"
     ExpertPlacement.trivial(2, 16, 1).save(wrong)  # the target's shape: 16 experts, the draft has 8
-    with pytest.raises(ValueError, match=rf"draft model {draft} .*placement is for 16 logical experts per layer "
+    with pytest.raises(ValueError, match=rf"draft model {draft} .*placement holds 16 logical experts per layer "
                                          rf"but draft model {draft} has 8"):
         Engine(EngineConfig(model=target, speculative_algorithm="draft", speculative_draft_model=draft,
                             speculative_draft_placement=str(wrong)))

@@ -261,3 +261,39 @@ def test_skip_special_tokens_false_keeps_them_in_the_engines_text():
                                                    SamplingParams(**params)])
     assert kept.token_ids == dropped.token_ids == [eos] * 3
     assert kept.text == engine.tokenizer.eos_token * 3 and dropped.text == ""
+
+
+def test_a_template_failing_on_a_request_is_a_400(codec):
+    """A template that fails while it renders (a type error, the sandbox's range limit) on what a request gave it
+    is the request's 400, as a template's own raise_exception is."""
+    template = ("{% if boom %}{{ messages[0].content + 1 }}{% endif %}{% if loopy %}{% for i in range(10**9) %}x"
+                "{% endfor %}{% endif %}{{ messages[0].content }}")
+    failing = TextCodec(codec.tokenizer.name_or_path, codec.vocab_size, template)
+    for kwargs, kind in (({"boom": True}, "TypeError"), ({"loopy": True}, "OverflowError")):
+        with pytest.raises(ApiError) as err:
+            build_job(_chat(messages=[{"role": "user", "content": "hi"}], chat_template_kwargs=kwargs), MODEL,
+                      failing, INFO)
+        assert err.value.status == 400 and err.value.param == "messages"
+        assert err.value.message.startswith(f"messages: the chat template failed on them: {kind}: ")
+    assert build_job(_chat(messages=[{"role": "user", "content": "hi"}]), MODEL, failing, INFO).prompts
+
+
+def test_tokenize_renders_messages_with_tools_and_template_kwargs_as_the_chat_does(codec):
+    from epmoe.server.generate import tokenize
+    from epmoe.server.protocol import TokenizeRequest
+
+    fields = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER],
+              "chat_template_kwargs": {"enable_thinking": False}}
+    job = build_job(_chat(tool_choice="none", **fields), MODEL, codec, INFO)
+    got = tokenize(TokenizeRequest.model_validate(fields, strict=True), codec, INFO)
+    assert got["tokens"] == job.prompts[0] and codec.decode(got["tokens"]).startswith("<tools>get_weather(city);")
+    with pytest.raises(ApiError) as err:
+        tokenize(TokenizeRequest.model_validate({"prompt": "hi", "tools": [WEATHER]}, strict=True), codec, INFO)
+    assert err.value.param == "tools" and "tools go with messages" in err.value.message
+
+
+def test_a_kimi_function_name_keeps_its_dots():
+    text = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.db.query:0<|tool_call_argument_begin|>{}"
+            "<|tool_call_end|><|tool_calls_section_end|>")
+    (call,) = TOOL_CALL_PARSERS["kimi_k2"].parse(text)[1]
+    assert (call.id, call.name) == ("functions.db.query:0", "db.query")

@@ -230,3 +230,17 @@ def test_responses_api_bad_requests_name_their_fields(server, fields, param, mes
     error = got.json()["error"]
     assert error["param"].startswith(param) and message in error["message"], error
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"messages": USER}, "model", "model: Field required"),  # what was sent is not echoed for a missing field
+    ({"model": MODEL, "messages": USER, "tool_choice": {"type": "function"}}, "tool_choice.function",
+     "tool_choice.function: Field required"),  # the union member's model name is not a field
+])
+def test_chat_field_errors_name_the_fields_sent(server, body, param, message):
+    import httpx
+
+    got = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30,
+                     headers={"Authorization": f"Bearer {API_KEY}"})
+    assert got.status_code == 400 and got.json()["error"]["param"] == param
+    assert got.json()["error"]["message"] == message

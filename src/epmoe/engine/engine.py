@@ -114,8 +114,8 @@ def check_group(config: EngineConfig, size: int) -> None:
     otherwise meet only as it loads inside the ranks.
 
     Raises:
-        ValueError: the first misfit, its message prefixed with the flags that chose it (``--placement FILE with
-            --ep N``, ``--speculative-draft-placement FILE with --ep N``).
+        ValueError: the first misfit (a placement file missing too), its message prefixed with the flags that
+            chose it (``--placement FILE with --ep N``, ``--speculative-draft-placement FILE with --ep N``).
     """
     spec = load_moe_spec(config.model)
     try:
@@ -123,14 +123,14 @@ def check_group(config: EngineConfig, size: int) -> None:
             check_tp_sizes(spec, size)
         else:
             trivial_or_file_placement(config, spec.num_moe_layers, spec.num_experts, size)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         chosen = f"--placement {config.placement} with --ep {size}" if config.placement else f"--ep {size}"
         raise ValueError(f"{chosen}: {exc}") from None
     if config.speculative_draft_model is None:
         return
     try:
         draft_placement(config, size)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         chosen = (f"--speculative-draft-placement {config.speculative_draft_placement}"
                   if config.speculative_draft_placement else
                   f"--speculative-draft-model {config.speculative_draft_model}")

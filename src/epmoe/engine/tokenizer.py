@@ -18,8 +18,8 @@ def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
 
     Raises:
         ValueError: the tokenizer is code shipped with the checkpoint and ``trust_remote_code`` is false (its file
-            named; transformers would ask on the terminal), or the tokenizer files cannot be read (the broken JSON
-            file named, with the parser's reason).
+            named; transformers would ask on the terminal); an ``auto_map`` that names no class of the checkpoint's
+            own files; the tokenizer files cannot be read (the broken JSON file named, with the parser's reason).
     """
     names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
     if not any((Path(model_dir) / f).is_file() for f in names):
@@ -28,11 +28,10 @@ def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
 
     from transformers import AutoTokenizer
 
-    if not trust_remote_code:
-        remote = _remote_tokenizer(model_dir)
-        if remote is not None:
-            raise ValueError(f"the tokenizer of {model_dir!r} is code shipped with the checkpoint ({remote}): set "
-                             f"trust_remote_code to run it")
+    remote = _remote_tokenizer(model_dir)
+    if remote is not None and not trust_remote_code:
+        raise ValueError(f"the tokenizer of {model_dir!r} is code shipped with the checkpoint ({remote}): set "
+                         f"trust_remote_code to run it")
     try:
         return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as exc:
@@ -43,27 +42,51 @@ def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
                     json.loads(path.read_text())
             except (ValueError, OSError) as bad:
                 raise ValueError(f"tokenizer file {str(path)!r} cannot be read: {bad}") from None
-        raise ValueError(f"the tokenizer of {model_dir!r} cannot be loaded: {type(exc).__name__}: {exc}") from None
+        where = f" (its code: {remote}, from tokenizer_config.json's auto_map)" if remote is not None else ""
+        raise ValueError(f"the tokenizer of {model_dir!r}{where} cannot be loaded: {type(exc).__name__}: "
+                         f"{exc}") from None
 
 
 def _remote_tokenizer(model_dir: str) -> str | None:
     """The file of the checkpoint's own tokenizer class where it needs one (``tokenization_kimi.py``): its
-    ``tokenizer_config.json`` maps ``AutoTokenizer`` to code in the checkpoint and names a ``tokenizer_class``
-    transformers does not have; else ``None`` (an unreadable file is left to the loader to name)."""
+    ``tokenizer_config.json`` maps ``AutoTokenizer`` (``"module.Class"``, or a ``[slow, fast]`` pair of them) to
+    code in the checkpoint and names a ``tokenizer_class`` transformers does not have; else ``None`` (a file that
+    does not parse is left to the loader to name).
+
+    Raises:
+        ValueError: the ``auto_map`` entry is not such a name, names code of another repository (which would be
+            fetched from the Hub), or a module the checkpoint does not hold (the file and the value named).
+    """
     import json
 
     from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
+    path = Path(model_dir) / "tokenizer_config.json"
     try:
-        config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
-        ref = config["auto_map"]["AutoTokenizer"]
-    except (OSError, ValueError, KeyError, TypeError):
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
         return None
-    ref = next((r for r in ref if r), None) if isinstance(ref, list) else ref
+    auto_map = config.get("auto_map") if isinstance(config, dict) else None
+    if not isinstance(auto_map, dict) or "AutoTokenizer" not in auto_map:
+        return None
+    entry = auto_map["AutoTokenizer"]
+    refs = entry if isinstance(entry, list) else [entry]
+    named = [r for r in refs if r is not None]
+    if not named or not all(isinstance(r, str) and "." in r.split("--")[-1] for r in named):
+        raise ValueError(f"{path}: auto_map AutoTokenizer must name the tokenizer class as 'module.Class' (or a "
+                         f"[slow, fast] pair of them, null for one missing), got {entry!r}")
     name = config.get("tokenizer_class")
-    if not isinstance(ref, str) or (isinstance(name, str) and tokenizer_class_from_name(name) is not None):
-        return None
-    return ref.split("--")[-1].rsplit(".", 1)[0] + ".py"
+    if isinstance(name, str) and tokenizer_class_from_name(name) is not None:
+        return None  # transformers' own class: the auto_map is not used
+    ref = named[-1]
+    if "--" in ref:
+        raise ValueError(f"{path}: auto_map AutoTokenizer {ref!r} names code of another repository "
+                         f"({ref.split('--')[0]}), which epmoe does not fetch: put the module in the checkpoint")
+    module = ref.rsplit(".", 1)[0].replace(".", "/") + ".py"
+    if not (Path(model_dir) / module).is_file():
+        raise ValueError(f"{path}: auto_map AutoTokenizer {ref!r} names {module}, which the checkpoint does not "
+                         f"hold")
+    return module
 
 
 def encode_text(tokenizer, vocab_size: int, text: str, add_special_tokens: bool = True) -> list[int]:

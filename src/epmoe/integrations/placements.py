@@ -204,14 +204,15 @@ def load_placement_as(path: str | Path, *, ep_size: int | None = None, spec: MoE
         spec: the served model, or None.
 
     Raises:
-        FileNotFoundError: no such file.
+        FileNotFoundError: no such file (or a directory).
         ValueError: an unreadable file, a field SGLang or TensorRT-LLM would reject (an extra key in an SGLang
             file, a missing or short layer in a YAML), or a placement that does not fit ``spec`` (file and field
             named).
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"placement file {str(path)!r} does not exist")
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise FileNotFoundError(f"placement file {str(path)!r} {what}")
     fmt, doc = _read_doc(path)
     config = spec.source if spec is not None else None
     num_experts = spec.num_experts if spec is not None else None

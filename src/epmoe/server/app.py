@@ -73,11 +73,17 @@ class AppContext:
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
 
 
+def _is_tag(part: str) -> bool:
+    """A pydantic location part naming a union member, not a field: a type (``str``, ``list[int]``,
+    ``literal['auto']``) or a model (``NamedToolChoice``; the API's fields are lower case)."""
+    return not part.isidentifier() or part in _TYPE_TAGS or part[0].isupper()
+
+
 def _field_of(loc: tuple) -> str | None:
-    """The request field of a pydantic error location, without the union members' type tags
+    """The request field of a pydantic error location, without the union members' type tags and model names
     (``("prompt", "str")`` -> ``prompt``, ``("messages", 0, "content", "list[ContentPart]")`` ->
-    ``messages.0.content``)."""
-    parts = [str(p) for p in loc if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS)]
+    ``messages.0.content``, ``("tool_choice", "NamedToolChoice", "function")`` -> ``tool_choice.function``)."""
+    parts = [str(p) for p in loc if isinstance(p, int) or not _is_tag(p)]
     return ".".join(parts) or None
 
 
@@ -87,8 +93,7 @@ def _union_members(errors: list) -> tuple[dict | None, list[str]]:
     has no ``text``: ``messages.0.content.0.text``, not the ``str`` member's complaint about a list), else
     ``None`` and the names of every member tried, when more than one failed inside (``prompt: [1.5]``)."""
     loc = errors[0]["loc"]
-    tag = next((i for i, p in enumerate(loc) if isinstance(p, str) and (not p.isidentifier() or p in _TYPE_TAGS)),
-               None)
+    tag = next((i for i, p in enumerate(loc) if isinstance(p, str) and _is_tag(p)), None)
     if tag is None:
         return None, []
     members: dict[str, list] = {}
@@ -197,6 +202,8 @@ def build_app(ctx: AppContext) -> FastAPI:
             if inner is None and (kinds or len(tried) > 1):  # a union: no member matched
                 kinds = kinds or [str(e["loc"][-1]) for e in tried]
                 raise ApiError(400, f"{field}: must be {' | '.join(kinds)} (got {value})", field) from None
+            if first["type"] == "missing":  # nothing was sent to show
+                raise ApiError(400, f"{field}: {first['msg']}", field) from None
             raise ApiError(400, f"{field}: {first['msg']} (got {value})", field) from None
 
     def ready_info():

@@ -61,7 +61,7 @@ class ChatOutput:
             content, calls = self.tools.parse(content)
         if not content and (reasoning is not None or calls):
             content = None
-        return Reply(reasoning, content, calls if self.parallel else calls[:1])
+        return Reply(reasoning or None, content, calls if self.parallel else calls[:1])
 
     def settled(self, text: str) -> tuple[str, str]:
         """``(reasoning, content)`` of an unfinished output that no later token changes: what may still become a

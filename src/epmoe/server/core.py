@@ -53,7 +53,9 @@ class EngineInfo:
         ranks: EP ranks.
         parallel: ``ep`` or ``tp`` (no expert placement: no ``/eplb`` routes, no balancedness).
         kv: rank 0's ``Engine.kv_report()``.
-        speculative: the speculative decoding proposer's description (``None`` without).
+        speculative: the speculative decoding proposer's description (``None`` without), for the log.
+        speculative_algorithm: its algorithm (``ngram``, ``draft``, ``eagle3``), which the 400s it causes name
+            (not the description: it holds the server's paths).
     """
 
     max_model_len: int
@@ -62,6 +64,7 @@ class EngineInfo:
     parallel: str
     kv: dict
     speculative: str | None = None
+    speculative_algorithm: str | None = None
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,8 @@ class EngineCore:
         """Report ready, run rounds until the HTTP side says stop, report stopped."""
         engine = self.stepper.engine
         info = EngineInfo(engine.max_model_len, engine.vocab_size, self.stepper.size, engine.config.parallel,
-                          engine.kv_report(), engine.proposer.describe() if engine.proposer is not None else None)
+                          engine.kv_report(), engine.proposer.describe() if engine.proposer is not None else None,
+                          engine.config.speculative_algorithm)
         self.conn.send([("ready", info)])
         mark = time.monotonic()  # the end of the previous round
         while True:

@@ -237,11 +237,12 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         for name, value, off in (("presence_penalty", p.presence_penalty, 0), ("frequency_penalty",
                                  p.frequency_penalty, 0), ("repetition_penalty", p.repetition_penalty, 1)):
             if value != off:
-                raise ApiError(400, f"{name}={value} is not served with speculative decoding ({info.speculative})",
+                raise ApiError(400, f"{name}={value} is not served with speculative decoding "
+                                    f"({info.speculative_algorithm})",
                                name)
         if p.logit_bias:
             raise ApiError(400, f"logit_bias={req.logit_bias} is not served with speculative decoding "
-                                f"({info.speculative})", "logit_bias")
+                                f"({info.speculative_algorithm})", "logit_bias")
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     echo = None
@@ -286,7 +287,7 @@ def _chat_text(req: ChatCompletionRequest | TokenizeRequest, codec: TextCodec) -
     Raises:
         ApiError: 400 naming the field: a message without content (but an assistant's), text that is not valid
             Unicode, a ``chat_template_kwargs`` key that is ``apply_chat_template``'s own, a conversation the
-            template refuses.
+            template refuses or fails on.
     """
     messages = req.messages
     for i, m in enumerate(messages):
@@ -303,6 +304,9 @@ def _chat_text(req: ChatCompletionRequest | TokenizeRequest, codec: TextCodec) -
         return codec.chat_prompt(plain, tools or None, kwargs)
     except jinja2.TemplateError as exc:  # the template refused the conversation (e.g. roles not alternating)
         raise ApiError(400, f"messages: the chat template refused them: {exc}", "messages") from None
+    except Exception as exc:  # the template failed on what the request gave it (a type, a sandbox limit)
+        raise ApiError(400, f"messages: the chat template failed on them: {type(exc).__name__}: {exc}",
+                       "messages") from None
 
 
 def tokenize(req: TokenizeRequest, codec: TextCodec, info: EngineInfo) -> dict:
@@ -310,10 +314,14 @@ def tokenize(req: TokenizeRequest, codec: TextCodec, info: EngineInfo) -> dict:
     count and the context.
 
     Raises:
-        ApiError: 400 naming the field: neither or both of ``prompt`` and ``messages``, or as a request with them.
+        ApiError: 400 naming the field: neither or both of ``prompt`` and ``messages``, ``tools`` or
+            ``chat_template_kwargs`` with a ``prompt``, or as a request with them.
     """
     if (req.prompt is None) == (req.messages is None):
         raise ApiError(400, "send one of prompt and messages", "prompt")
+    for name in ("tools", "chat_template_kwargs"):
+        if req.prompt is not None and getattr(req, name) is not None:
+            raise ApiError(400, f"{name} go with messages (a chat's prompt), not with prompt", name)
     if req.prompt is not None:
         ids = codec.encode(_utf8(req.prompt, "prompt"), True if req.add_special_tokens is None else
                            req.add_special_tokens)
@@ -400,7 +408,8 @@ def _constraint(req: SamplingFields, info: EngineInfo, forced: tuple[str, dict] 
         raise ApiError(400, f"{' and '.join(names)} both constrain the output: send one of them", names[1])
     (field, spec), = given.items()
     if info.speculative is not None:
-        raise ApiError(400, f"{field} is not served with speculative decoding ({info.speculative})", field)
+        raise ApiError(400, f"{field} is not served with speculative decoding ({info.speculative_algorithm})",
+                       field)
     try:
         return field, StructuredOutputs(**spec)
     except ValueError as exc:

@@ -365,13 +365,15 @@ class ResponsesRequest(_Request):
 
 class TokenizeRequest(_Request):
     """``POST /tokenize`` (vLLM's): a ``prompt`` as a completion encodes it, or ``messages`` as a chat renders and
-    encodes them; ``add_special_tokens`` defaults as there (true for a prompt, false for messages). ``model`` may be
-    left out, as vLLM allows (the served model)."""
+    encodes them (with its ``tools`` and ``chat_template_kwargs``); ``add_special_tokens`` defaults as there (true
+    for a prompt, false for messages). ``model`` may be left out, as vLLM allows (the served model)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
+    tools: list[ToolDefinition] | None = None
+    chat_template_kwargs: dict | None = None
 
 
 class DetokenizeRequest(_Request):

@@ -99,8 +99,8 @@ class ToolCallParser:
                 name, arguments = body["name"], _arguments(json.dumps(body.get("arguments", {})))
             else:
                 name, arguments = parts["name"].strip(), _arguments(parts["arguments"])
-                if "id" in parts:
-                    name = name.split(".")[-1]
+                if "id" in parts:  # Kimi's header: functions.NAME:INDEX
+                    name = name.removeprefix("functions.")
             if not name or arguments is None:
                 return text, []
             calls.append(ToolCall(parts["id"].strip() if parts.get("id") else _call_id(), name, arguments))
