@@ -716,7 +716,7 @@ def test_speculative_server_equals_offline_and_reports_acceptance(start_server, 
     assert "speculative decoding, K = 3: ngram: prompt lookup" in spec.log.read_text()
     for field, value in (("presence_penalty", 0.5), ("logit_bias", {"5": 1.0})):
         with pytest.raises(openai.BadRequestError, match=f"{field}=.* is not served with speculative decoding "
-                                                         r"\(ngram\)'"):  # the algorithm, not the server's paths
+                                                         r"\(ngram\)$"):  # the algorithm, not the server's paths
             client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **{field: value})
     with pytest.raises(openai.BadRequestError, match=r"presence_penalty must be in \[-2, 2\], got 3"):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, presence_penalty=3)  # the range first
