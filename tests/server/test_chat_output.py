@@ -45,6 +45,10 @@ OUTPUTS = {
                     '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>'
                     '<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```<｜tool▁call▁end｜>'
                     '<｜tool▁calls▁end｜>'),
+    "glm45": ('Checking.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n'
+              '</tool_call><tool_call>get_time\n</tool_call>'),
+    "qwen3_coder": ('Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n'
+                    '</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>'),
     "deepseek_v31": ('Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>'
                      '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}'
                      '<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
@@ -73,13 +77,34 @@ def _chat(**fields) -> ChatCompletionRequest:
 @pytest.mark.parametrize("name", sorted(OUTPUTS))
 def test_each_tool_call_parser_reads_its_format(name):
     content, calls = TOOL_CALL_PARSERS[name].parse(OUTPUTS[name])
-    assert content == ("I will look." if name == "kimi_k2" else "Checking.\n" if name == "hermes" else "Checking.")
+    assert content == ("I will look." if name == "kimi_k2" else "Checking.\n" if name in ("hermes", "qwen3_coder")
+                       else "Checking.")
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Tokyo" if name ==
                                                                    "kimi_k2" else "Paris"}), ("get_time", {})]
     if name == "kimi_k2":  # Kimi's header is the call's id (its template quotes it back)
         assert [c.id for c in calls] == ["functions.get_weather:0", "functions.get_time:1"]
     else:
         assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+
+
+@pytest.mark.parametrize("name", ["glm45", "qwen3_coder"])
+def test_arguments_written_as_text_take_their_schemas_types(name):
+    """GLM's and Qwen3-Coder's arguments are text: each takes the type its tool's schema gives it, stays a string
+    where the schema says string or the text is not of the type, and is JSON where no schema names it."""
+    args = {"city": "123", "days": "3", "hot": "true", "tags": '["a", 1]', "when": "soon", "extra": '{"k": 2}'}
+    if name == "glm45":
+        body = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in args.items())
+        text = f"<tool_call>plan\n{body}</tool_call>"
+    else:
+        body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in args.items())
+        text = f"<tool_call>\n<function=plan>\n{body}</function>\n</tool_call>"
+    schema = {"properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "hot": {"type": "boolean"},
+                             "tags": {"type": "array"}, "when": {"type": ["integer", "null"]}}}
+    (call,) = TOOL_CALL_PARSERS[name].parse(text, {"plan": schema})[1]
+    assert json.loads(call.arguments) == {"city": "123", "days": 3, "hot": True, "tags": ["a", 1], "when": "soon",
+                                          "extra": {"k": 2}}
+    (untyped,) = TOOL_CALL_PARSERS[name].parse(text)[1]
+    assert json.loads(untyped.arguments)["city"] == 123  # no schema: JSON where it reads as JSON
 
 
 @pytest.mark.parametrize("text", [
@@ -151,9 +176,10 @@ def test_harmony_messages_read_as_reasoning_content_and_calls():
     (ChatOutput(REASONING_PARSERS["deepseek_r1"], True, TOOL_CALL_PARSERS["deepseek_v3"]),
      "x</thin y</think>" + OUTPUTS["deepseek_v3"]),
     (ChatOutput(None, False, TOOL_CALL_PARSERS["hermes"]), "a <tool_call> that never closes"),
+    (ChatOutput(REASONING_PARSERS["qwen3"], True, TOOL_CALL_PARSERS["glm45"]), "x</think>" + OUTPUTS["glm45"]),
     (ChatOutput(REASONING_PARSERS["qwen3"], False, None), "<thin and no reasoning"),
 ], ids=["harmony-call", "harmony-preamble", "harmony-final", "kimi", "qwen3-hermes", "r1-deepseek", "unclosed-call",
-        "qwen3-plain"])
+        "glm45", "qwen3-plain"])
 def test_a_stream_settles_only_what_no_later_token_changes(output, text):
     """At every character the settled reasoning and content only grow, and each ends as a prefix of the whole
     reply's: a stream never sends text it would have to take back."""
@@ -213,6 +239,7 @@ def test_tool_choice_requests_become_constraints_or_parsers(codec):
     assert required.chat.forced == "required" and required.params[0].structured_outputs.json["minItems"] == 1
     auto = build_job(_chat(messages=user, tools=[WEATHER]), MODEL, codec, INFO, parsers=parsers)  # auto: default
     assert auto.chat.tools is TOOL_CALL_PARSERS["kimi_k2"] and auto.constraint_field is None
+    assert auto.chat.schemas == {"get_weather": WEATHER["function"]["parameters"]}
     assert auto.chat.reasoning is REASONING_PARSERS["kimi_k2"] and auto.chat.opened
     # Kimi's markers are special tokens of this tokenizer: the text keeps them, or the calls could not be read
     assert auto.params[0].skip_special_tokens is False
@@ -247,7 +274,7 @@ def test_parser_options_are_checked():
     with pytest.raises(ValueError, match=r"--enable-auto-tool-choice needs --tool-call-parser"):
         ChatParsers(auto_tool_choice=True)
     with pytest.raises(ValueError, match=r"--tool-call-parser must be one of \['deepseek_v3', 'deepseek_v31', "
-                                         r"'hermes', 'kimi_k2', 'openai'\], got 'json'"):
+                                         r"'glm45', 'hermes', 'kimi_k2', 'openai', 'qwen3_coder'\], got 'json'"):
         ChatParsers(tools="json")
 
 

@@ -32,6 +32,7 @@ class ChatOutput:
         forced: ``"required"`` or the named function of a forced ``tool_choice`` (the output is its constrained
             JSON), or ``None``.
         parallel: more than one call is kept (``parallel_tool_calls``); else only the first.
+        schemas: the tools' ``parameters`` schemas by name (``ToolCallParser.parse`` types arguments by them).
     """
 
     reasoning: ReasoningParser | HarmonyReasoningParser | None = None
@@ -39,6 +40,7 @@ class ChatOutput:
     tools: ToolCallParser | None = None
     forced: str | None = None
     parallel: bool = True
+    schemas: dict[str, dict] | None = None
 
     @property
     def markers(self) -> tuple[str, ...]:
@@ -58,7 +60,7 @@ class ChatOutput:
         reasoning, content = self._answer(text, final=True)
         calls: list[ToolCall] = []
         if self.tools is not None:
-            content, calls = self.tools.parse(content)
+            content, calls = self.tools.parse(content, self.schemas)
         if not content and (reasoning is not None or calls):
             content = None
         return Reply(reasoning or None, content, calls if self.parallel else calls[:1])
@@ -156,4 +158,5 @@ class ChatParsers:
         if parser is None and forced is None and reasoning is None:
             return None
         opened = reasoning is not None and not constrained and reasoning.opens(prompt, req.chat_template_kwargs)
-        return ChatOutput(reasoning, opened, parser, forced, req.parallel_tool_calls)
+        schemas = {t.function.name: t.function.parameters or {} for t in req.tools or ()}
+        return ChatOutput(reasoning, opened, parser, forced, req.parallel_tool_calls, schemas)

@@ -12,7 +12,10 @@
 - ``{"type": "function", "function": {"name": ...}}``: the output is constrained to that tool's arguments.
 - ``"none"``: no call; the tools are still shown to the template (vLLM's default).
 
-The formats (from the models' chat templates; vLLM's parsers of the same names read them alike):
+The formats (from the models' chat templates; vLLM's parsers of the same names read them alike). Where a format
+writes each argument as text (``glm45``, ``qwen3_coder``), a value takes the type its tool's schema gives the
+argument (a number, a boolean, an object or array as JSON), and stays a string where the schema says so or the
+text does not read as that type; an argument the schema does not name is JSON where it reads as JSON.
 
 - ``hermes`` (Qwen2.5, Qwen3, Hermes): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` per call.
 - ``kimi_k2`` (Kimi-K2, Kimi-K2.5): ``<|tool_calls_section_begin|>`` then per call ``<|tool_call_begin|>``
@@ -22,6 +25,10 @@ The formats (from the models' chat templates; vLLM's parsers of the same names r
   <｜tool▁sep｜>NAME`` and the arguments in a fenced ``json`` block, then ``<｜tool▁call▁end｜>``.
 - ``deepseek_v31`` (DeepSeek-V3.1): per call ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>`` the arguments
   ``<｜tool▁call▁end｜>``.
+- ``glm45`` (GLM-4.5, GLM-4.6): ``<tool_call>NAME`` then per argument ``<arg_key>KEY</arg_key>``
+  ``<arg_value>VALUE</arg_value>``, then ``</tool_call>``.
+- ``qwen3_coder`` (Qwen3-Coder): ``<tool_call><function=NAME>`` then per argument ``<parameter=KEY>VALUE
+  </parameter>``, then ``</function></tool_call>``.
 - ``openai`` (gpt-oss): harmony messages to ``functions.NAME`` on the commentary channel, as the ``openai_gptoss``
   reasoning parser hands them on (``<|start|>assistant to=functions.NAME<|message|>`` the arguments); it reads
   the output with that parser only.
@@ -63,6 +70,28 @@ def _arguments(text: str) -> str | None:
     return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
 
 
+def _typed(text: str, schema: dict | None) -> object:
+    """An argument written as text (one line break either side dropped), as the type ``schema`` gives it: a string
+    where the schema says ``string`` or the text does not read as the type; without a schema, JSON where it reads
+    as JSON."""
+    text = text.removeprefix("\n").removesuffix("\n")
+    kinds = (schema or {}).get("type")
+    kinds = set(kinds) if isinstance(kinds, list) else {kinds} if kinds else set()
+    if "string" in kinds:
+        return text
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    if not kinds:
+        return value
+    matches = {"integer": isinstance(value, int) and not isinstance(value, bool),
+               "number": isinstance(value, (int, float)) and not isinstance(value, bool),
+               "boolean": isinstance(value, bool), "object": isinstance(value, dict),
+               "array": isinstance(value, list), "null": value is None}
+    return value if any(matches.get(k, False) for k in kinds) else text
+
+
 @dataclass(frozen=True)
 class ToolCallParser:
     """One ``--tool-call-parser``: where the calls start and how each reads.
@@ -73,16 +102,24 @@ class ToolCallParser:
         call: the pattern of one call (named groups ``name`` and ``arguments``, and ``id`` where the format names
             the call).
         markers: every marker of the format (a tokenizer must not drop them as special tokens).
+        argument: where the arguments are written one by one, the pattern of one (groups ``key`` and ``value``);
+            else ``None`` (``arguments`` is a JSON object).
     """
 
     name: str
     start: str
     call: re.Pattern
     markers: tuple[str, ...]
+    argument: re.Pattern | None = None
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    def parse(self, text: str, schemas: dict[str, dict] | None = None) -> tuple[str, list[ToolCall]]:
         """``(content, calls)`` of a whole output: the text before ``start`` and the calls after it; ``(text, [])``
-        when it makes none, or when one does not read (a missing name, arguments that are not a JSON object)."""
+        when it makes none, or when one does not read (a missing name, arguments that are not a JSON object).
+
+        Args:
+            text: the output.
+            schemas: each tool's ``parameters`` schema by its name, which types arguments written as text.
+        """
         at = text.find(self.start)
         if at < 0:
             return text, []
@@ -97,6 +134,12 @@ class ToolCallParser:
                 if not isinstance(body, dict) or not isinstance(body.get("name"), str):
                     return text, []
                 name, arguments = body["name"], _arguments(json.dumps(body.get("arguments", {})))
+            elif self.argument is not None:  # one by one, as text
+                name = parts["name"].strip()
+                properties = ((schemas or {}).get(name) or {}).get("properties") or {}
+                values = {a["key"].strip(): _typed(a["value"], properties.get(a["key"].strip()))
+                          for a in self.argument.finditer(parts["arguments"])}
+                arguments = json.dumps(values, ensure_ascii=False)
             else:
                 name, arguments = parts["name"].strip(), _arguments(parts["arguments"])
                 if "id" in parts:  # Kimi's header: functions.NAME:INDEX
@@ -130,6 +173,15 @@ TOOL_CALL_PARSERS = {
         re.compile(re.escape(_DS_CALL) + r"(?P<name>.*?)" + re.escape(_DS_SEP) + r"(?P<arguments>.*?)"
                    + re.escape(_DS_END), re.S),
         (_DS_CALLS, "<｜tool▁calls▁end｜>", _DS_CALL, _DS_SEP, _DS_END)),
+    "glm45": ToolCallParser(
+        "glm45", "<tool_call>", re.compile(r"<tool_call>(?P<name>[^\n<]*)(?P<arguments>.*?)</tool_call>", re.S),
+        ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+        re.compile(r"<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_value>", re.S)),
+    "qwen3_coder": ToolCallParser(
+        "qwen3_coder", "<tool_call>",
+        re.compile(r"<tool_call>\s*<function=(?P<name>[^>\n]+)>(?P<arguments>.*?)</function>\s*</tool_call>", re.S),
+        ("<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>"),
+        re.compile(r"<parameter=(?P<key>[^>\n]+)>(?P<value>.*?)</parameter>", re.S)),
     "openai": ToolCallParser(
         "openai", "<|start|>assistant to=functions.",
         re.compile(r"<\|start\|>assistant to=functions\.(?P<name>[^<\s]+)<\|message\|>(?P<arguments>.*?)"
