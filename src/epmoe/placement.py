@@ -30,6 +30,19 @@ def max_redundant_slots(num_experts: int, ep_size: int) -> int:
     return num_experts * max(ep_size - 1, 1)
 
 
+def placement_file(path: str | Path) -> Path:
+    """``path`` of a placement file, checked to be one.
+
+    Raises:
+        FileNotFoundError: nothing is there, or a directory (the path and which named).
+    """
+    path = Path(path)
+    if not path.is_file():
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise FileNotFoundError(f"placement file {str(path)!r} {what}")
+    return path
+
+
 def check_redundant(num_redundant: int, num_experts: int, ep_size: int, name: str = "num_redundant") -> None:
     """Refuse more redundant slots than ``max_redundant_slots``; ``name``: what the caller calls the count.
 
@@ -331,10 +344,7 @@ class ExpertPlacement:
                 with the file, or any validation error of the constructor, an out-of-range id named with its
                 position before anything else (the file's name is in the message).
         """
-        path = Path(path)
-        if not path.is_file():
-            what = "is a directory, not a file" if path.is_dir() else "does not exist"
-            raise FileNotFoundError(f"placement file {str(path)!r} {what}")
+        path = placement_file(path)
         try:
             if path.suffix == ".safetensors":
                 from safetensors import safe_open

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from epmoe.files import atomic_path
-from epmoe.placement import ExpertPlacement
+from epmoe.placement import ExpertPlacement, placement_file
 from epmoe.spec import MoESpec
 
 PLACEMENT_FORMATS = ("epmoe", "sglang", "trtllm")
@@ -209,10 +209,7 @@ def load_placement_as(path: str | Path, *, ep_size: int | None = None, spec: MoE
             file, a missing or short layer in a YAML), or a placement that does not fit ``spec`` (file and field
             named).
     """
-    path = Path(path)
-    if not path.is_file():
-        what = "is a directory, not a file" if path.is_dir() else "does not exist"
-        raise FileNotFoundError(f"placement file {str(path)!r} {what}")
+    path = placement_file(path)
     fmt, doc = _read_doc(path)
     config = spec.source if spec is not None else None
     num_experts = spec.num_experts if spec is not None else None

@@ -294,8 +294,8 @@ def _chat_text(req: ChatCompletionRequest | TokenizeRequest, codec: TextCodec) -
         if m.content is None and m.role != "assistant":
             raise ApiError(400, f"messages.{i}.content: a {m.role} message needs content", f"messages.{i}.content")
     plain = [_template_message(i, m) for i, m in enumerate(messages)]
-    tools = [t.model_dump(exclude_none=True) for t in getattr(req, "tools", None) or ()]
-    kwargs = getattr(req, "chat_template_kwargs", None) or {}
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
+    kwargs = req.chat_template_kwargs or {}
     reserved = sorted(_TEMPLATE_ARGUMENTS & set(kwargs))
     if reserved:
         raise ApiError(400, f"chat_template_kwargs may not set {reserved}: the server sets them",

@@ -51,6 +51,14 @@ def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
     return False
 
 
+def _null_as_default(cls: type[BaseModel], data: dict) -> dict:
+    """A request body without the ``null`` values of ``cls``'s fields that have a default other than ``None``
+    (the OpenAI schema marks them nullable: ``null`` means the default)."""
+    fields = cls.model_fields
+    return {k: v for k, v in data.items()
+            if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
+
+
 class StreamOptions(_Request):
     """``stream_options``: ``include_usage`` adds a last chunk with the token counts."""
 
@@ -143,9 +151,7 @@ class SamplingFields(_Request):
                     "unserved", "{field}={shown} is not served by epmoe (the output would not be what was asked); "
                     "leave {field} out or send {allowed}",
                     {"field": name, "shown": shown, "allowed": " or ".join(json.dumps(a) for a in allowed)})
-        fields = cls.model_fields
-        return {k: v for k, v in data.items()
-                if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
+        return _null_as_default(cls, data)
 
 
 class CompletionRequest(SamplingFields):
@@ -356,11 +362,7 @@ class ResponsesRequest(_Request):
     @classmethod
     def _defaults(cls, data: Any) -> Any:
         """``null`` for a field with a default: the default (as the other requests)."""
-        if not isinstance(data, dict):
-            return data
-        fields = cls.model_fields
-        return {k: v for k, v in data.items()
-                if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
+        return _null_as_default(cls, data) if isinstance(data, dict) else data
 
 
 class TokenizeRequest(_Request):

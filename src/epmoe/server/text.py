@@ -8,6 +8,7 @@ and generated tokens are their ids in decimal, space-separated, as ``epmoe run``
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -152,11 +153,15 @@ class TextCodec:
     def any_special(self, texts: Sequence[str]) -> bool:
         """Whether one of ``texts`` is a special token of the tokenizer (one that decoding with
         ``skip_special_tokens`` drops)."""
+        return any(t in self._special for t in texts)
+
+    @functools.cached_property
+    def _special(self) -> frozenset[str]:
+        """The tokenizer's special tokens (none without a tokenizer), gathered once."""
         if self.tokenizer is None:
-            return False
-        special = set(self.tokenizer.all_special_tokens)
-        special.update(t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special)
-        return any(t in special for t in texts)
+            return frozenset()
+        return frozenset(self.tokenizer.all_special_tokens) | frozenset(
+            t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special)
 
 
 class StreamText:

@@ -133,7 +133,9 @@ class ToolCallParser:
                     return text, []
                 if not isinstance(body, dict) or not isinstance(body.get("name"), str):
                     return text, []
-                name, arguments = body["name"], _arguments(json.dumps(body.get("arguments", {})))
+                given = body.get("arguments", {})
+                name = body["name"]
+                arguments = json.dumps(given, ensure_ascii=False) if isinstance(given, dict) else None
             elif self.argument is not None:  # one by one, as text
                 name = parts["name"].strip()
                 properties = ((schemas or {}).get(name) or {}).get("properties") or {}
