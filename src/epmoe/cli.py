@@ -175,7 +175,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS),
                    help="the format the model writes its tool calls in (hermes: Qwen; kimi_k2: Kimi; deepseek_v3, "
                         "deepseek_v31: DeepSeek; glm45: GLM-4.5/4.6; qwen3_coder: Qwen3-Coder; openai: gpt-oss, with "
-                        "--reasoning-parser openai_gptoss)")
+                        "--reasoning-parser openai_gptoss; mistral: Mixtral, Mistral; llama3_json, llama4_json, "
+                        "llama4_pythonic, pythonic: Llama)")
     p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
                    help="split a thinking model's reasoning into reasoning_content (<think>: deepseek_r1, qwen3, "
                         "kimi_k2; gpt-oss's harmony analysis channel: openai_gptoss)")

@@ -52,7 +52,17 @@ OUTPUTS = {
     "deepseek_v31": ('Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>'
                      '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}'
                      '<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    "mistral": ('Checking.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                '{"name": "get_time", "arguments": {}}]'),
+    "llama3_json": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                   '{"name": "get_time", "parameters": {}}',
+    "llama4_json": '\n{"name": "get_weather", "parameters": {"city": "Paris"}}\n{"name": "get_time", "parameters": {}}',
+    "pythonic": '[get_weather(city="Paris"), get_time()]',
+    "llama4_pythonic": "<|python_start|>[get_weather(city='Paris'), get_time()]<|python_end|>",
 }
+# the content before the calls (the formats whose calls are the whole output have none)
+CONTENT = {"kimi_k2": "I will look.", "hermes": "Checking.\n", "qwen3_coder": "Checking.\n", "llama3_json": "",
+           "llama4_json": "", "pythonic": "", "llama4_pythonic": ""}
 
 
 @pytest.fixture(scope="module")
@@ -77,12 +87,13 @@ def _chat(**fields) -> ChatCompletionRequest:
 @pytest.mark.parametrize("name", sorted(OUTPUTS))
 def test_each_tool_call_parser_reads_its_format(name):
     content, calls = TOOL_CALL_PARSERS[name].parse(OUTPUTS[name])
-    assert content == ("I will look." if name == "kimi_k2" else "Checking.\n" if name in ("hermes", "qwen3_coder")
-                       else "Checking.")
+    assert content == CONTENT.get(name, "Checking.")
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Tokyo" if name ==
                                                                    "kimi_k2" else "Paris"}), ("get_time", {})]
     if name == "kimi_k2":  # Kimi's header is the call's id (its template quotes it back)
         assert [c.id for c in calls] == ["functions.get_weather:0", "functions.get_time:1"]
+    elif name == "mistral":  # Mistral's templates refuse ids other than nine letters and digits
+        assert len({c.id for c in calls}) == 2 and all(len(c.id) == 9 and c.id.isalnum() for c in calls)
     else:
         assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
 
@@ -115,6 +126,45 @@ def test_arguments_written_as_text_take_their_schemas_types(name):
 ])
 def test_an_output_whose_calls_do_not_read_is_all_content(text):
     assert TOOL_CALL_PARSERS["hermes"].parse(text) == (text, [])
+
+
+def test_mistrals_newer_format_names_each_call_before_its_arguments():
+    text = 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}'
+    content, calls = TOOL_CALL_PARSERS["mistral"].parse(text)
+    assert content == "Checking." and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {})]
+
+
+def test_pythonic_arguments_are_literals_and_json_words():
+    (call,) = TOOL_CALL_PARSERS["pythonic"].parse(
+        "[plan(n=1, x=-2.5, ok=True, none=None, tags=['a', 1], nest={'k': [2]}, flag=false, gone=null)]")[1]
+    assert call.name == "plan" and json.loads(call.arguments) == {
+        "n": 1, "x": -2.5, "ok": True, "none": None, "tags": ["a", 1], "nest": {"k": [2]}, "flag": False,
+        "gone": None}
+
+
+@pytest.mark.parametrize("name, text", [
+    ("pythonic", "[citation needed] is text"),
+    ("pythonic", "[get_weather('Paris')]"),  # a positional argument
+    ("pythonic", "[get_weather(city=town)]"),  # a variable
+    ("pythonic", "[get_weather(city=open('x'))]"),  # a call
+    ("pythonic", "[get_weather(**kw)]"),
+    ("pythonic", "[db.query(q=1)]"),  # not a plain name
+    ("pythonic", "[1, 2]"),
+    ("pythonic", "[]"),
+    ("pythonic", "[get_weather(city='Par"),  # cut off by max_tokens
+    ("pythonic", "Sure: [get_time()]"),  # the calls must be the whole output
+    ("pythonic", "[" * 5000 + "]" * 5000),  # nested past the parser's depth
+    ("llama3_json", '{"name": "get_time", "parameters": {}} and then some text'),
+    ("llama3_json", '{"parameters": {}}'),
+    ("llama3_json", '{"name": "get_time", "parameters": [1]}'),
+    ("llama3_json", "I'd use {braces} here"),
+    ("mistral", "[TOOL_CALLS]"),
+    ("mistral", "[TOOL_CALLS]get_weather{}"),  # no [ARGS]
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": "Paris"}]'),
+])
+def test_outputs_whose_calls_do_not_read_are_all_content(name, text):
+    assert TOOL_CALL_PARSERS[name].parse(text) == (text, [])
 
 
 def test_reasoning_parsers_split_where_each_opens():
@@ -178,8 +228,14 @@ def test_harmony_messages_read_as_reasoning_content_and_calls():
     (ChatOutput(None, False, TOOL_CALL_PARSERS["hermes"]), "a <tool_call> that never closes"),
     (ChatOutput(REASONING_PARSERS["qwen3"], True, TOOL_CALL_PARSERS["glm45"]), "x</think>" + OUTPUTS["glm45"]),
     (ChatOutput(REASONING_PARSERS["qwen3"], False, None), "<thin and no reasoning"),
+    (ChatOutput(None, False, TOOL_CALL_PARSERS["llama4_pythonic"]), OUTPUTS["llama4_pythonic"]),
+    (ChatOutput(None, False, TOOL_CALL_PARSERS["pythonic"]), "[citation needed] is text"),
+    (ChatOutput(None, False, TOOL_CALL_PARSERS["pythonic"]), " Plain text with [brackets]"),
+    (ChatOutput(REASONING_PARSERS["deepseek_r1"], True, TOOL_CALL_PARSERS["llama3_json"]),
+     "plan</think>\n\n" + OUTPUTS["llama3_json"]),
+    (ChatOutput(None, False, TOOL_CALL_PARSERS["mistral"]), OUTPUTS["mistral"]),
 ], ids=["harmony-call", "harmony-preamble", "harmony-final", "kimi", "qwen3-hermes", "r1-deepseek", "unclosed-call",
-        "glm45", "qwen3-plain"])
+        "glm45", "qwen3-plain", "llama4-pythonic", "pythonic-text", "pythonic-plain", "r1-llama3-json", "mistral"])
 def test_a_stream_settles_only_what_no_later_token_changes(output, text):
     """At every character the settled reasoning and content only grow, and each ends as a prefix of the whole
     reply's: a stream never sends text it would have to take back."""
@@ -274,7 +330,9 @@ def test_parser_options_are_checked():
     with pytest.raises(ValueError, match=r"--enable-auto-tool-choice needs --tool-call-parser"):
         ChatParsers(auto_tool_choice=True)
     with pytest.raises(ValueError, match=r"--tool-call-parser must be one of \['deepseek_v3', 'deepseek_v31', "
-                                         r"'glm45', 'hermes', 'kimi_k2', 'openai', 'qwen3_coder'\], got 'json'"):
+                                         r"'glm45', 'hermes', 'kimi_k2', 'llama3_json', 'llama4_json', "
+                                         r"'llama4_pythonic', 'mistral', 'openai', 'pythonic', 'qwen3_coder'\], "
+                                         r"got 'json'"):
         ChatParsers(tools="json")
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from epmoe.server.errors import ApiError
 from epmoe.server.protocol import ChatCompletionRequest
-from epmoe.server.reasoning import REASONING_PARSERS, HarmonyReasoningParser, ReasoningParser, held
+from epmoe.server.reasoning import REASONING_PARSERS, HarmonyReasoningParser, ReasoningParser
 from epmoe.server.tools import TOOL_CALL_PARSERS, ToolCall, ToolCallParser, forced_calls
 
 
@@ -73,8 +73,7 @@ class ChatOutput:
             return "", ""
         reasoning, content = self._answer(text, final=False)
         if self.tools is not None:
-            at = content.find(self.tools.start)
-            content = content[:at] if at >= 0 else content[:len(content) - held(content, (self.tools.start,))]
+            content = content[:self.tools.held_from(content)]
         return reasoning or "", content
 
 

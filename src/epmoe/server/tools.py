@@ -32,14 +32,27 @@ text does not read as that type; an argument the schema does not name is JSON wh
 - ``openai`` (gpt-oss): harmony messages to ``functions.NAME`` on the commentary channel, as the ``openai_gptoss``
   reasoning parser hands them on (``<|start|>assistant to=functions.NAME<|message|>`` the arguments); it reads
   the output with that parser only.
+- ``mistral`` (Mixtral, Mistral): ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}``; Mistral's newer
+  tokenizers write ``[TOOL_CALLS]NAME[ARGS]`` and the arguments per call. Each call's id is nine letters and digits
+  (Mistral's templates refuse others when the conversation comes back).
+- ``llama3_json``, ``llama4_json`` (Llama-3.1+, Llama-4 with JSON templates): the whole output, after an optional
+  ``<|python_tag|>``, is ``{"name": ..., "parameters": {...}}`` objects separated by ``;``.
+- ``pythonic``, ``llama4_pythonic`` (Llama-4 with its pythonic template, Llama-3.2): the whole output is a Python
+  list of calls with keyword arguments, ``[get_weather(city="Paris")]``, optionally between ``<|python_start|>`` and
+  ``<|python_end|>``; the values are read as literals (``ast``), never evaluated.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
+
+from epmoe.server.reasoning import held
 
 
 @dataclass(frozen=True)
@@ -92,53 +105,96 @@ def _typed(text: str, schema: dict | None) -> object:
     return value if any(matches.get(k, False) for k in kinds) else text
 
 
+_ALNUM = string.ascii_letters + string.digits
+
+
+def _mistral_id() -> str:
+    """Nine letters and digits: Mistral's chat templates refuse any other call id."""
+    return "".join(secrets.choice(_ALNUM) for _ in range(9))
+
+
 @dataclass(frozen=True)
 class ToolCallParser:
-    """One ``--tool-call-parser``: where the calls start and how each reads.
+    """One ``--tool-call-parser``: where the calls start and how they read (the subclasses' ``read``).
 
     Attributes:
         name: the flag's value.
-        start: the marker the first call (or the calls' section) begins with; the text before it is content.
-        call: the pattern of one call (named groups ``name`` and ``arguments``, and ``id`` where the format names
-            the call).
+        starts: the markers the calls (or their section) may begin with; the text before the first is content.
         markers: every marker of the format (a tokenizer must not drop them as special tokens).
-        argument: where the arguments are written one by one, the pattern of one (groups ``key`` and ``value``);
-            else ``None`` (``arguments`` is a JSON object).
+        leading: the calls are the whole output: they are read only where the output, leading white space aside,
+            begins with one of ``starts`` (a bare ``[`` or ``{`` elsewhere is text).
     """
 
     name: str
-    start: str
-    call: re.Pattern
+    starts: tuple[str, ...]
     markers: tuple[str, ...]
-    argument: re.Pattern | None = None
+    leading: bool = False
+
+    def section(self, text: str) -> int:
+        """Where the calls begin in ``text``; -1 where they do not."""
+        if self.leading:
+            body = text.lstrip()
+            return len(text) - len(body) if body.startswith(self.starts) else -1
+        found = [at for at in (text.find(s) for s in self.starts) if at >= 0]
+        return min(found, default=-1)
+
+    def held_from(self, text: str) -> int:
+        """Where an unfinished output's text stops being content that no later token changes: the start of its
+        calls, or of what may still become one; ``len(text)`` where all of it is settled."""
+        if self.leading:  # the white space before the calls is not content either
+            body = text.lstrip()
+            return 0 if body.startswith(self.starts) or any(s.startswith(body) for s in self.starts) else len(text)
+        at = self.section(text)
+        return at if at >= 0 else len(text) - held(text, self.starts)
 
     def parse(self, text: str, schemas: dict[str, dict] | None = None) -> tuple[str, list[ToolCall]]:
-        """``(content, calls)`` of a whole output: the text before ``start`` and the calls after it; ``(text, [])``
-        when it makes none, or when one does not read (a missing name, arguments that are not a JSON object).
+        """``(content, calls)`` of a whole output: the text before the calls and the calls; ``(text, [])`` when it
+        makes none, or when one does not read (a missing name, arguments that are not a JSON object).
 
         Args:
             text: the output.
             schemas: each tool's ``parameters`` schema by its name, which types arguments written as text.
         """
-        at = text.find(self.start)
-        if at < 0:
-            return text, []
+        at = self.section(text)
+        calls = self.read(text[at:], schemas or {}) if at >= 0 else None
+        return (text[:at] if not self.leading else "", calls) if calls else (text, [])
+
+    def read(self, body: str, schemas: dict[str, dict]) -> list[ToolCall] | None:
+        """The calls of ``body`` (the output from where they begin); ``None`` where one does not read."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class PatternToolCallParser(ToolCallParser):
+    """A format whose calls each match one pattern.
+
+    Attributes:
+        call: the pattern of one call (named groups ``name`` and ``arguments``, and ``id`` where the format names
+            the call; hermes: ``json``, the whole call as one object).
+        argument: where the arguments are written one by one, the pattern of one (groups ``key`` and ``value``);
+            else ``None`` (``arguments`` is a JSON object).
+    """
+
+    call: re.Pattern | None = None
+    argument: re.Pattern | None = None
+
+    def read(self, body: str, schemas: dict[str, dict]) -> list[ToolCall] | None:
         calls = []
-        for m in self.call.finditer(text, at):
+        for m in self.call.finditer(body):
             parts = m.groupdict()
             if parts.get("json") is not None:  # hermes: the whole call is one JSON object
                 try:
-                    body = json.loads(parts["json"])
+                    whole = json.loads(parts["json"])
                 except ValueError:
-                    return text, []
-                if not isinstance(body, dict) or not isinstance(body.get("name"), str):
-                    return text, []
-                given = body.get("arguments", {})
-                name = body["name"]
+                    return None
+                if not isinstance(whole, dict) or not isinstance(whole.get("name"), str):
+                    return None
+                given = whole.get("arguments", {})
+                name = whole["name"]
                 arguments = json.dumps(given, ensure_ascii=False) if isinstance(given, dict) else None
             elif self.argument is not None:  # one by one, as text
                 name = parts["name"].strip()
-                properties = ((schemas or {}).get(name) or {}).get("properties") or {}
+                properties = (schemas.get(name) or {}).get("properties") or {}
                 values = {a["key"].strip(): _typed(a["value"], properties.get(a["key"].strip()))
                           for a in self.argument.finditer(parts["arguments"])}
                 arguments = json.dumps(values, ensure_ascii=False)
@@ -147,48 +203,163 @@ class ToolCallParser:
                 if "id" in parts:  # Kimi's header: functions.NAME:INDEX
                     name = name.removeprefix("functions.")
             if not name or arguments is None:
-                return text, []
+                return None
             calls.append(ToolCall(parts["id"].strip() if parts.get("id") else _call_id(), name, arguments))
-        return (text[:at], calls) if calls else (text, [])
+        return calls
+
+
+@dataclass(frozen=True)
+class JsonToolCallParser(ToolCallParser):
+    """A format whose calls are JSON objects ``{"name": ..., "arguments" (or "parameters"): {...}}``, alone,
+    several separated by ``;`` or ``,``, or in an array; each start marker may precede one. Mistral's newer
+    tokenizers write a call as ``NAME[ARGS]`` and its arguments' object, which this reads too where ``named`` is
+    given.
+
+    Attributes:
+        named: the marker between a call's name and its arguments (``[ARGS]``), or ``None``.
+        mistral_ids: the calls' ids are nine letters and digits, as Mistral's templates require.
+    """
+
+    named: str | None = None
+    mistral_ids: bool = False
+
+    def read(self, body: str, schemas: dict[str, dict]) -> list[ToolCall] | None:
+        decoder, at, found = json.JSONDecoder(), 0, []
+        while True:
+            at = self._skip(body, at)
+            if at == len(body):
+                break
+            name = None
+            if self.named is not None and body[at] not in "[{":
+                cut = body.find(self.named, at)
+                if cut < 0:
+                    return None
+                name, at = body[at:cut].strip(), cut + len(self.named)
+            try:
+                value, at = decoder.raw_decode(body, self._skip(body, at))
+            except ValueError:
+                return None
+            if name is not None:
+                value = {"name": name, "arguments": value}
+            found.extend(value if isinstance(value, list) else [value])
+        calls = []
+        for item in found:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+                return None
+            given = item.get("arguments", item.get("parameters", {}))
+            if not isinstance(given, dict):
+                return None
+            calls.append(ToolCall(_mistral_id() if self.mistral_ids else _call_id(), item["name"],
+                                  json.dumps(given, ensure_ascii=False)))
+        return calls or None
+
+    def _skip(self, body: str, at: int) -> int:
+        """``at`` past white space, separators and start markers."""
+        while at < len(body):
+            marker = next((s for s in self.starts if s not in ("[", "{") and body.startswith(s, at)), None)
+            if marker is not None:
+                at += len(marker)
+            elif body[at].isspace() or body[at] in ";,":
+                at += 1
+            else:
+                break
+        return at
+
+
+@dataclass(frozen=True)
+class PythonicToolCallParser(ToolCallParser):
+    """Calls written as a Python list of calls with keyword arguments, ``[get_weather(city="Paris"), get_time()]``
+    (Llama-3.2 and Llama-4 with pythonic templates), optionally between ``<|python_start|>`` and
+    ``<|python_end|>``. Argument values are Python literals (strings, numbers, ``True``, ``None``, lists, dicts);
+    ``true``, ``false`` and ``null`` read as JSON's."""
+
+    def read(self, body: str, schemas: dict[str, dict]) -> list[ToolCall] | None:
+        body = body.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
+        try:
+            tree = ast.parse(body, mode="eval").body
+        except (SyntaxError, ValueError, MemoryError, RecursionError):
+            return None
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for call in tree.elts:
+            if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args \
+                    or any(k.arg is None for k in call.keywords):
+                return None
+            try:
+                values = {k.arg: _literal(k.value) for k in call.keywords}
+                arguments = json.dumps(values, ensure_ascii=False)
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                return None
+            calls.append(ToolCall(_call_id(), call.func.id, arguments))
+        return calls
+
+
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def _literal(node: ast.expr) -> object:
+    """A pythonic call's argument value: a Python literal, with JSON's ``true``, ``false`` and ``null`` as names.
+
+    Raises:
+        ValueError: anything else (a call, a variable, an operation).
+    """
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, ast.List):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        if any(k is None for k in node.keys):
+            raise ValueError("a ** in a dict")
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
+    return ast.literal_eval(node)
 
 
 _DS_CALLS, _DS_CALL, _DS_SEP, _DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", \
     "<｜tool▁call▁end｜>"
+_LLAMA_JSON = dict(starts=("<|python_tag|>", "{"), markers=("<|python_tag|>",), leading=True)
+_PYTHONIC = dict(starts=("[", "<|python_start|>"), markers=("<|python_start|>", "<|python_end|>"), leading=True)
 
 TOOL_CALL_PARSERS = {
-    "hermes": ToolCallParser(
-        "hermes", "<tool_call>", re.compile(r"<tool_call>\s*(?P<json>.*?)\s*(?:</tool_call>|$)", re.S),
-        ("<tool_call>", "</tool_call>")),
-    "kimi_k2": ToolCallParser(
-        "kimi_k2", "<|tool_calls_section_begin|>",
-        re.compile(r"<\|tool_call_begin\|>\s*(?P<id>(?P<name>[^<]*?):\d+)\s*<\|tool_call_argument_begin\|>"
-                   r"(?P<arguments>.*?)<\|tool_call_end\|>", re.S),
+    "hermes": PatternToolCallParser(
+        "hermes", ("<tool_call>",), ("<tool_call>", "</tool_call>"),
+        call=re.compile(r"<tool_call>\s*(?P<json>.*?)\s*(?:</tool_call>|$)", re.S)),
+    "kimi_k2": PatternToolCallParser(
+        "kimi_k2", ("<|tool_calls_section_begin|>",),
         ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-         "<|tool_call_argument_begin|>", "<|tool_call_end|>")),
-    "deepseek_v3": ToolCallParser(
-        "deepseek_v3", _DS_CALLS,
-        re.compile(re.escape(_DS_CALL) + r"\s*function\s*" + re.escape(_DS_SEP) + r"(?P<name>[^\n]*)\n```json\n"
-                   r"(?P<arguments>.*?)\n```\s*" + re.escape(_DS_END), re.S),
-        (_DS_CALLS, "<｜tool▁calls▁end｜>", _DS_CALL, _DS_SEP, _DS_END)),
-    "deepseek_v31": ToolCallParser(
-        "deepseek_v31", _DS_CALLS,
-        re.compile(re.escape(_DS_CALL) + r"(?P<name>.*?)" + re.escape(_DS_SEP) + r"(?P<arguments>.*?)"
-                   + re.escape(_DS_END), re.S),
-        (_DS_CALLS, "<｜tool▁calls▁end｜>", _DS_CALL, _DS_SEP, _DS_END)),
-    "glm45": ToolCallParser(
-        "glm45", "<tool_call>", re.compile(r"<tool_call>(?P<name>[^\n<]*)(?P<arguments>.*?)</tool_call>", re.S),
-        ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
-        re.compile(r"<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_value>", re.S)),
-    "qwen3_coder": ToolCallParser(
-        "qwen3_coder", "<tool_call>",
-        re.compile(r"<tool_call>\s*<function=(?P<name>[^>\n]+)>(?P<arguments>.*?)</function>\s*</tool_call>", re.S),
+         "<|tool_call_argument_begin|>", "<|tool_call_end|>"),
+        call=re.compile(r"<\|tool_call_begin\|>\s*(?P<id>(?P<name>[^<]*?):\d+)\s*<\|tool_call_argument_begin\|>"
+                        r"(?P<arguments>.*?)<\|tool_call_end\|>", re.S)),
+    "deepseek_v3": PatternToolCallParser(
+        "deepseek_v3", (_DS_CALLS,), (_DS_CALLS, "<｜tool▁calls▁end｜>", _DS_CALL, _DS_SEP, _DS_END),
+        call=re.compile(re.escape(_DS_CALL) + r"\s*function\s*" + re.escape(_DS_SEP) + r"(?P<name>[^\n]*)\n```json\n"
+                        r"(?P<arguments>.*?)\n```\s*" + re.escape(_DS_END), re.S)),
+    "deepseek_v31": PatternToolCallParser(
+        "deepseek_v31", (_DS_CALLS,), (_DS_CALLS, "<｜tool▁calls▁end｜>", _DS_CALL, _DS_SEP, _DS_END),
+        call=re.compile(re.escape(_DS_CALL) + r"(?P<name>.*?)" + re.escape(_DS_SEP) + r"(?P<arguments>.*?)"
+                        + re.escape(_DS_END), re.S)),
+    "glm45": PatternToolCallParser(
+        "glm45", ("<tool_call>",), ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                                    "</arg_value>"),
+        call=re.compile(r"<tool_call>(?P<name>[^\n<]*)(?P<arguments>.*?)</tool_call>", re.S),
+        argument=re.compile(r"<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_value>", re.S)),
+    "qwen3_coder": PatternToolCallParser(
+        "qwen3_coder", ("<tool_call>",),
         ("<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>"),
-        re.compile(r"<parameter=(?P<key>[^>\n]+)>(?P<value>.*?)</parameter>", re.S)),
-    "openai": ToolCallParser(
-        "openai", "<|start|>assistant to=functions.",
-        re.compile(r"<\|start\|>assistant to=functions\.(?P<name>[^<\s]+)<\|message\|>(?P<arguments>.*?)"
-                   r"(?=<\|start\|>|$)", re.S),
-        ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>")),
+        call=re.compile(r"<tool_call>\s*<function=(?P<name>[^>\n]+)>(?P<arguments>.*?)</function>\s*</tool_call>",
+                        re.S),
+        argument=re.compile(r"<parameter=(?P<key>[^>\n]+)>(?P<value>.*?)</parameter>", re.S)),
+    "openai": PatternToolCallParser(
+        "openai", ("<|start|>assistant to=functions.",),
+        ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>"),
+        call=re.compile(r"<\|start\|>assistant to=functions\.(?P<name>[^<\s]+)<\|message\|>(?P<arguments>.*?)"
+                        r"(?=<\|start\|>|$)", re.S)),
+    "mistral": JsonToolCallParser("mistral", ("[TOOL_CALLS]",), ("[TOOL_CALLS]", "[ARGS]"), named="[ARGS]",
+                                  mistral_ids=True),
+    "llama3_json": JsonToolCallParser("llama3_json", **_LLAMA_JSON),
+    "llama4_json": JsonToolCallParser("llama4_json", **_LLAMA_JSON),
+    "pythonic": PythonicToolCallParser("pythonic", **_PYTHONIC),
+    "llama4_pythonic": PythonicToolCallParser("llama4_pythonic", **_PYTHONIC),
 }
 """The ``--tool-call-parser`` choices, by name."""
 
