@@ -62,6 +62,7 @@ def kimi(tiny_checkpoints):
      "--max-model-len must be at least 2 (a prompt's token and one generated), got 1"),
     ("serve", ["--block-size", "2048"], "--block-size must be at most 1024 tokens"),
     ("serve", ["--drain-timeout", "inf"], "--drain-timeout must be a finite number of seconds >= 0, got inf"),
+    ("serve", ["--allowed-origins", '[""]'], "--allowed-origins must be a list of non-empty strings, got ['']"),
     ("serve", ["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser (the format the "
      "model's tool calls are read in: one of ['deepseek_v3', 'deepseek_v31', 'glm45', 'hermes', 'kimi_k2', "
      "'llama3_json', 'llama4_json', 'llama4_pythonic', 'mistral', 'openai', 'pythonic', 'qwen3_coder'])"),
@@ -73,6 +74,14 @@ def test_refused_options_name_their_flags(kimi, capsys, command, args, message):
     assert main([command, "--model", str(kimi), *args]) == 2
     err = capsys.readouterr().err
     assert f"epmoe {command}: error: {message}" in err
+
+
+def test_cors_lists_are_json(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--allowed-headers", "*"])
+    assert exc.value.code == 2
+    assert ("epmoe serve: error: argument --allowed-headers: a JSON list of strings expected, e.g. '[\"*\"]', "
+            "got '*'") in capsys.readouterr().err
 
 
 def test_run_and_serve_take_the_same_engine_flags_into_the_engine(kimi):

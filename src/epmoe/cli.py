@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -186,7 +187,22 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="bearer token every /v1, /tokenize, /detokenize and /eplb request must carry (default: none)")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, seconds running requests get before they are aborted (default 30)")
+    for what in ("origins", "methods", "headers"):
+        p.add_argument(f"--allowed-{what}", type=_json_strings, default=["*"], metavar="JSON",
+                       help=f"CORS: the {what} browsers may use, a JSON list (default [\"*\"]: any)")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
     p.set_defaults(func=_cmd_serve)
+
+
+def _json_strings(text: str) -> list[str]:
+    """A JSON list of strings (vLLM's ``--allowed-origins`` form)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f'a JSON list of strings expected, e.g. \'["*"]\', got {text!r}')
+    return value
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -199,7 +215,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name, api_key=args.api_key, drain_timeout_s=args.drain_timeout,
             chat_template=args.chat_template, generation_config=args.generation_config,
             enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-            reasoning_parser=args.reasoning_parser,
+            reasoning_parser=args.reasoning_parser, allowed_origins=args.allowed_origins,
+            allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
+            allow_credentials=args.allow_credentials,
         )
         return serve(cfg)
     except (ValueError, TypeError) as exc:
@@ -276,7 +294,8 @@ def _command_flags(*own: str) -> dict[str, str]:
 
 
 _SERVE_FLAGS = _command_flags("seed", "host", "port", "served_model_name", "api_key", "chat_template",
-                              "generation_config") | {"drain_timeout_s": "--drain-timeout"}
+                              "generation_config", "allowed_origins", "allowed_methods", "allowed_headers") | {
+    "drain_timeout_s": "--drain-timeout"}
 _RUN_FLAGS = _command_flags("request_rate", "temperature", "top_p", "top_k", "seed", "max_new_tokens")
 
 

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+import epmoe
 from epmoe.engine import Engine, EngineConfig, SamplingParams
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.server.ranks import STEP_KINDS
@@ -73,6 +74,13 @@ def test_models_and_health(server, client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].max_model_len == 256
+    # vLLM's /ping (GET and POST) and /version; CORS answers for any origin by default (vLLM's)
+    assert httpx.get(f"{server.url}/ping").json() == httpx.post(f"{server.url}/ping").json() == {"status": "ready"}
+    assert httpx.get(f"{server.url}/version").json() == {"version": epmoe.__version__}
+    preflight = httpx.options(f"{server.url}/v1/chat/completions", headers={
+        "Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
 
 
 def test_greedy_completions_equal_engine_offline(client, offline):
@@ -286,8 +294,16 @@ def test_generation_config_chat_template_and_prefix_caching_flags(start_server, 
     # prefix caching (on by default): a repeated prompt's full blocks come from the cache
     (tmp_path / "generation_config.json").write_text('{"temperature": 0, "max_new_tokens": 4}')
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
-    spec = start_server("--ep", "1", "--generation-config", str(tmp_path), "--chat-template", template)
+    spec = start_server("--ep", "1", "--generation-config", str(tmp_path), "--chat-template", template,
+                        "--allowed-origins", '["http://ui.example"]', "--allow-credentials")
     client = openai.OpenAI(base_url=f"{spec.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    # CORS for the one origin given, with credentials; another origin's preflight is refused
+    asks = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    allowed = httpx.options(f"{spec.url}/v1/completions", headers={"Origin": "http://ui.example", **asks})
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "http://ui.example"
+    assert allowed.headers["access-control-allow-credentials"] == "true"
+    refused = httpx.options(f"{spec.url}/v1/completions", headers={"Origin": "http://elsewhere.example", **asks})
+    assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
     for _ in range(2):  # the second time from the prefix cache (16-token blocks: the prompt's first 32 tokens)
         got = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8)
         assert got.choices[0].text == offline(PROMPTS[:1], 8)[0].text

@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 
 import pydantic
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from epmoe import __version__
 from epmoe.loads import LOADS_FORMAT
 from epmoe.server.chat_output import ChatParsers
 from epmoe.server.errors import ApiError
@@ -58,6 +60,8 @@ class AppContext:
         max_body_bytes: largest request body (413 past it).
         sampling_defaults: what requests' left-out sampling fields take (``generate.sampling_defaults``).
         parsers: how chat outputs are read (reasoning, tool calls).
+        cors: the keyword arguments of Starlette's ``CORSMiddleware`` (``allow_origins``, ``allow_methods``,
+            ``allow_headers``, ``allow_credentials``); ``None`` = no CORS answers.
     """
 
     frontend: Frontend
@@ -68,6 +72,7 @@ class AppContext:
     max_body_bytes: int
     sampling_defaults: dict = field(default_factory=dict)
     parsers: ChatParsers = field(default_factory=ChatParsers)
+    cors: dict | None = None
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
@@ -136,6 +141,8 @@ async def _disconnected(request: Request) -> None:
 def build_app(ctx: AppContext) -> FastAPI:
     """The server's ASGI app."""
     app = FastAPI(title="epmoe", docs_url=None, redoc_url=None, openapi_url=None)
+    if ctx.cors is not None:
+        app.add_middleware(CORSMiddleware, **ctx.cors)
     frontend, codec = ctx.frontend, ctx.codec
 
     @app.exception_handler(ApiError)
@@ -298,11 +305,18 @@ def build_app(ctx: AppContext) -> FastAPI:
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     @app.get("/health")
+    @app.get("/ping")
+    @app.post("/ping")
     async def health() -> Response:
+        """200 once the engine is loaded, else 503 saying what the server is doing (``/ping``: vLLM's name)."""
         if frontend.state == "ready":
             return JSONResponse({"status": "ready"})
         return _error(ApiError(503, f"the server is {frontend.state}" + (f": {frontend.failure}" if frontend.failure
                                                                          else "")))
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -54,6 +54,8 @@ class ServeConfig:
             directory holding a ``generation_config.json`` (vLLM's ``--generation-config``).
         enable_auto_tool_choice, tool_call_parser, reasoning_parser: how chat outputs are read (vLLM's flags;
             ``chat_output.ChatParsers`` checks them as the server starts).
+        allowed_origins, allowed_methods, allowed_headers, allow_credentials: the CORS answers browsers get
+            (vLLM's flags and defaults: every origin, method and header, no credentials); ``"*"`` = any.
     """
 
     model: str | None = None
@@ -103,6 +105,10 @@ class ServeConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the first bad option (the engine checks its own on each rank)."""
@@ -127,6 +133,11 @@ class ServeConfig:
         if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).is_dir():
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory holding a "
                              f"generation_config.json, got {self.generation_config!r}")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v.strip() for v in value):
+                raise ValueError(f"{name} must be a list of non-empty strings, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
         if self.chat_template is not None and not self.chat_template.strip():
             raise ValueError("chat_template must not be empty (leave it out for the tokenizer's)")
 
