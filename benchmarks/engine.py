@@ -306,10 +306,10 @@ def experts_touched(engine: Engine, steps: int) -> float | None:
     if not engine.spec.num_moe_layers:
         return None
     counts = []
-    prev = engine.slot_totals.clone()
+    prev = engine.loads.slot_totals.clone()
     for _ in range(steps):
         engine.step()
-        cur = engine.slot_totals.clone()
+        cur = engine.loads.slot_totals.clone()
         counts.append(((cur - prev) > 0).sum(1).double().mean().item())
         prev = cur
     return statistics.mean(counts)

@@ -212,6 +212,44 @@ def slots_to_logical(slot_counts: torch.Tensor, placement: ExpertPlacement) -> t
     return load.scatter_add_(1, placement.phy2log.to(slot_counts.device), slot_counts)
 
 
+class LoadTotals:
+    """Tokens routed per physical slot since start, kept across live rebalances as tokens per logical expert (a
+    rebalance renumbers the slots: the counts recorded under the old placement are folded into logical loads then).
+
+    Args:
+        num_layers, num_slots, num_experts: ``L``, ``P`` (slots of the serving placement; experts under tensor
+            parallelism) and ``E``.
+        device: where the totals live.
+
+    Attributes:
+        slot_totals: ``[L, P]`` int64 tokens per slot since start.
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, num_experts: int, device: torch.device | str = "cpu") -> None:
+        self.slot_totals = torch.zeros(num_layers, num_slots, dtype=torch.int64, device=device)
+        self._folded = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
+        self._slot_totals_folded = torch.zeros_like(self.slot_totals)
+
+    def add(self, slot_counts: torch.Tensor) -> None:
+        """Count one step: ``slot_counts [L, P]`` int64 tokens per slot."""
+        self.slot_totals += slot_counts
+
+    def fold(self, old: ExpertPlacement) -> None:
+        """A new placement committed: keep the counts recorded under ``old`` as logical loads."""
+        self._folded += slots_to_logical(self.slot_totals - self._slot_totals_folded, old)
+        self._slot_totals_folded = self.slot_totals.clone()
+
+    def logical(self, placement: ExpertPlacement, since_rebalance: bool = False) -> torch.Tensor:
+        """``[L, E]`` int64 tokens per logical expert, on the totals' device.
+
+        Args:
+            placement: the placement serving now.
+            since_rebalance: only since the last committed rebalance (or start); ``False`` = since start.
+        """
+        since = slots_to_logical(self.slot_totals - self._slot_totals_folded, placement)
+        return since if since_rebalance else since + self._folded
+
+
 def _as_table(load: torch.Tensor) -> torch.Tensor:
     if not isinstance(load, torch.Tensor):
         raise TypeError(f"load must be a torch.Tensor, got {type(load).__name__}")

@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from epmoe.engine import Engine, EngineConfig, SamplingParams
-from epmoe.engine.sampling import MAX_LOGPROBS, logprob_entries, token_logprobs
+from epmoe.engine.logprobs import logprob_entries, token_logprobs
+from epmoe.engine.sampling import MAX_LOGPROBS
 
 PROMPTS = [[11, 42, 7, 99, 3], [200, 5, 5, 17], [64, 65, 66, 67, 68, 69]]
 

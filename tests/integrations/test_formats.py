@@ -233,7 +233,7 @@ def test_the_engine_takes_the_placement_files_doctor_takes(tiny_checkpoints, tmp
     layers are cut to the model's MoE layers (the first layer of the Kimi checkpoint is dense)."""
     from epmoe.doctor import check_placement
     from epmoe.engine import EngineConfig
-    from epmoe.engine.engine import trivial_or_file_placement
+    from epmoe.engine.group import trivial_or_file_placement
     from epmoe.integrations.placements import LayeredPlacement, save_placement_as
 
     model = str(tiny_checkpoints("kimi-k2.5"))

@@ -23,7 +23,7 @@ def test_a_prompt_that_is_not_utf8_is_named(kimi, capsys):
 
 
 def test_encoding_text_that_is_not_unicode_names_it(kimi):
-    from epmoe.engine.engine import encode_text, load_tokenizer
+    from epmoe.engine.tokenizer import encode_text, load_tokenizer
 
     with pytest.raises(ValueError, match=r"prompt 'ab\\udce9' is not valid UTF-8 text \(position 2\)"):
         encode_text(load_tokenizer(str(kimi)), 512, "ab\udce9")
@@ -146,7 +146,7 @@ def test_replica_policy_reaches_the_layers(kimi, capsys):
     for policy in ("static", "round_robin"):
         engine = Engine(EngineConfig(model=str(kimi), redundant=2, replica_policy=policy))
         tokens[policy] = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=2))[0].token_ids
-        slots[policy] = engine.slot_totals.cpu()
+        slots[policy] = engine.loads.slot_totals.cpu()
     assert tokens["static"] == tokens["round_robin"]
     static, rr = slots["static"], slots["round_robin"]
     assert static[:, 16:].sum() == 0 and static[:, :2].sum() > 0

@@ -3,7 +3,8 @@ model runner with whole-step CUDA graphs per batch bucket, and sampling (DESIGN.
 
 from epmoe.engine.config import EngineConfig
 from epmoe.engine.engine import Engine
+from epmoe.engine.logprobs import TokenLogprobs
 from epmoe.engine.request import RequestOutput
-from epmoe.engine.sampling import SamplingParams, TokenLogprobs
+from epmoe.engine.sampling import SamplingParams
 
 __all__ = ["Engine", "EngineConfig", "RequestOutput", "SamplingParams", "TokenLogprobs"]

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import itertools
 import numbers
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -50,99 +49,44 @@ import torch.distributed as dist
 
 from epmoe.comm import Comm
 from epmoe.engine.attention import register_attention
+from epmoe.engine.capacity import draft_sizes, graph_sizes, kv_blocks, piece_sizes
 from epmoe.engine.config import EPLB_WINDOW_STEPS, EngineConfig
-from epmoe.engine.draft import draft_placement
 from epmoe.engine.fused_norm import fuse_norms
-from epmoe.engine.kv_cache import BlockAllocator, KVCache, KVLayout, blocks_for_memory
+from epmoe.engine.group import trivial_or_file_placement
+from epmoe.engine.kv_cache import BlockAllocator, KVCache, KVLayout
+from epmoe.engine.logprobs import (
+    RowLogprobs,
+    emitted_logprobs,
+    logprob_entries,
+    record_prompt_logprobs,
+    token_logprobs,
+)
 from epmoe.engine.mla import install_mla
-from epmoe.engine.model_runner import ModelRunner, StepOutput, ep_static_hooks, graph_buckets
-from epmoe.engine.piecewise import piece_buckets
+from epmoe.engine.model_runner import ModelRunner, StepOutput, ep_static_hooks
 from epmoe.engine.proposers import make_proposer
 from epmoe.engine.request import PENDING_TOKEN, RequestOutput, Sequence
 from epmoe.engine.rope_attention import install_rope_attention
-from epmoe.engine.sampling import (
-    RowLogprobs,
-    SamplingParams,
-    TokenCounts,
-    logprob_entries,
-    logprobs_at,
-    sample,
-    token_logprobs,
-)
+from epmoe.engine.sampling import SamplingParams, TokenCounts, sample
 from epmoe.engine.scheduler import Scheduler, StepPlan
 from epmoe.engine.speculative import Proposal, SpecStats, verify, verify_greedy
+from epmoe.engine.stopping import banned_tokens, final_text, finish_reason
 from epmoe.engine.structured import Grammars, Matcher, StructuredOutputs, allows_besides, apply_token_bitmask
 from epmoe.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
 from epmoe.engine.transfer import to_device
-from epmoe.integrations.placements import load_served_placement
 from epmoe.layer import MoELayerOptions, check_tp_sizes
-from epmoe.loads import ExpertLoadRecorder, slots_to_logical
+from epmoe.loads import ExpertLoadRecorder, LoadTotals
 from epmoe.models.hf import EPModel, load_ep_model, load_tp_model
-from epmoe.placement import ExpertPlacement, check_redundant
 from epmoe.spec import load_moe_spec
 
 if TYPE_CHECKING:
     from epmoe.runtime.rebalance import RebalanceEvent
-
-_CPU_KV_BYTES = 1 << 30  # KV budget on CPU (no memory query there)
-
-
-def trivial_or_file_placement(config: EngineConfig, num_layers: int, num_experts: int,
-                              ep_size: int) -> ExpertPlacement:
-    """The placement the options ask for: the file (epmoe's, SGLang's or TensorRT-LLM's), or the trivial one.
-
-    Raises:
-        ValueError: the placement does not fit the model or the group (named).
-    """
-    if config.placement:
-        placement = load_served_placement(config.placement, ep_size=ep_size, spec=load_moe_spec(config.model))
-    else:
-        check_redundant(config.redundant, num_experts, ep_size, name="redundant")
-        try:
-            placement = ExpertPlacement.trivial(num_layers, num_experts, ep_size, config.redundant, config.layout)
-        except ValueError as exc:
-            raise ValueError(f"EP size {ep_size} with redundant {config.redundant}: {exc}") from None
-    placement.check_model(num_layers, num_experts, what=f"model {config.model}")
-    return placement
-
-
-def check_group(config: EngineConfig, size: int) -> None:
-    """What a group of ``size`` ranks must fit, checked before any rank starts (``epmoe run`` and ``epmoe serve``
-    call it, so a bad placement is named before a process loads a weight): under ``tp`` the sizes the group must
-    divide; under ``ep`` the target's placement (the file, or the trivial one of ``redundant``); and an MoE draft
-    model's placement (``speculative_draft_placement``, or the draft's trivial one), which the draft would
-    otherwise meet only as it loads inside the ranks.
-
-    Raises:
-        ValueError: the first misfit (a placement file missing too), its message prefixed with the flags that
-            chose it (``--placement FILE with --ep N``, ``--speculative-draft-placement FILE with --ep N``).
-    """
-    spec = load_moe_spec(config.model)
-    try:
-        if config.parallel == "tp":
-            check_tp_sizes(spec, size)
-        else:
-            trivial_or_file_placement(config, spec.num_moe_layers, spec.num_experts, size)
-    except (ValueError, FileNotFoundError) as exc:
-        chosen = f"--placement {config.placement} with --ep {size}" if config.placement else f"--ep {size}"
-        raise ValueError(f"{chosen}: {exc}") from None
-    if config.speculative_draft_model is None:
-        return
-    try:
-        draft_placement(config, size)
-    except (ValueError, FileNotFoundError) as exc:
-        chosen = (f"--speculative-draft-placement {config.speculative_draft_placement}"
-                  if config.speculative_draft_placement else
-                  f"--speculative-draft-model {config.speculative_draft_model}")
-        raise ValueError(f"{chosen} with --ep {size}: {exc}") from None
-
 
 def _rows(aux: torch.Tensor | None, start: int, n: int) -> torch.Tensor | None:
     return None if aux is None else aux[start:start + n]
 
 
 class _Logprobs(NamedTuple):
-    """Log-probabilities of some rows of a launch on their way to the host (``sampling.token_logprobs``' tensors,
+    """Log-probabilities of some rows of a launch on their way to the host (``logprobs.token_logprobs``' tensors,
     copied into pinned host memory on CUDA): ``index`` the rows, ``ks`` their requests' alternatives."""
 
     index: list[int]
@@ -255,10 +199,10 @@ class Engine:
             raise ValueError(f"the config asks for MLA's latent KV cache (kv_lora_rank) but {mla_layers} of "
                              f"{layout.num_layers} attention modules are MLA")
         extra = self.proposer.kv_bytes_per_token if self.proposer is not None else 0
-        num_blocks = self._num_kv_blocks(layout, extra)
+        num_blocks = kv_blocks(config, layout, self.device, self.max_model_len, extra)
         self.kv = KVCache(layout, num_blocks, config.block_size, config.torch_dtype, self.device)
         self.allocator = BlockAllocator(num_blocks)
-        graph_rows = max(self._graph_sizes()) if config.static_decode else 0
+        graph_rows = max(graph_sizes(config, self.num_spec_tokens)) if config.static_decode else 0
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, lookahead=self.num_spec_tokens,
                                    max_model_len=self.max_model_len, graph_tokens=config.cuda_graph_max_tokens,
@@ -290,82 +234,26 @@ class Engine:
         # tokens this rank fed to the model at the last step: decode rows (each with its draft tokens) plus
         # prompt tokens; None when the last step ran no model pass (no work on any rank, or an idle step)
         self.last_step_tokens: int | None = None
-        self.slot_totals = torch.zeros(self.spec.num_moe_layers, num_slots, dtype=torch.int64,
-                                       device=self.device)
+        self.loads = LoadTotals(self.spec.num_moe_layers, num_slots, self.spec.num_experts, self.device)
         self.stats = {"eager_steps": 0, "graph_steps": 0, "graph_prefill_steps": 0, "piecewise_steps": 0,
                       "long_context_graph_steps": 0, "idle_steps": 0, "preemptions": 0}
-        # logical loads folded at each committed rebalance, and slot_totals at that moment (see logical_loads)
-        self._loads_folded = torch.zeros(self.spec.num_moe_layers, self.spec.num_experts, dtype=torch.int64,
-                                         device=self.device)
-        self._slot_totals_folded = torch.zeros_like(self.slot_totals)
         self.eplb = None
         self._eplb_on_demand = None
         if config.eplb_interval:
             from epmoe.runtime.rebalance import EPLBController
 
             self.eplb = EPLBController(self.ep_model, self.recorder, config.eplb_interval,
-                                       max_moves=config.eplb_max_moves, on_commit=self._fold_loads)
+                                       max_moves=config.eplb_max_moves, on_commit=self.loads.fold)
         if config.static_decode:
             say("capturing CUDA graphs" if config.use_graphs else "preparing static decode buckets")
             self._capture()
             if self.proposer is not None:
-                self.proposer.capture(self._draft_sizes())
+                self.proposer.capture(draft_sizes(config))
 
     # ---- set-up ---------------------------------------------------------------------------------
 
-    def _num_kv_blocks(self, layout: KVLayout, extra_bytes_per_token: int = 0) -> int:
-        """KV blocks of the pool; ``extra_bytes_per_token``: the proposer's own cache per token (its pool has
-        as many blocks)."""
-        cfg = self.config
-        per_token = layout.bytes_per_token(cfg.torch_dtype) + extra_bytes_per_token
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # blocks the load freed but the allocator keeps: free memory for the pool
-        if cfg.num_kv_blocks is not None:
-            want = cfg.num_kv_blocks * cfg.block_size * per_token
-            have = (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda"
-                    else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
-            if want > have:
-                raise ValueError(f"num_kv_blocks {cfg.num_kv_blocks} needs {want / 2**30:.1f} GiB of KV cache; "
-                                 f"{have / 2**30:.1f} GiB are free on {self.device}")
-            return int(cfg.num_kv_blocks)
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - int((1 - cfg.mem_fraction_static) * total)
-            what = (f"mem_fraction_static {cfg.mem_fraction_static} of {total / 2**30:.1f} GiB leaves "
-                    f"{budget / 2**30:.2f} GiB for the KV cache after the weights")
-        else:
-            budget = _CPU_KV_BYTES
-            what = f"the CPU KV budget of {_CPU_KV_BYTES >> 20} MiB"
-        blocks = blocks_for_memory(max(0, budget), layout, cfg.block_size, cfg.torch_dtype, extra_bytes_per_token)
-        blocks = min(blocks, cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1)
-        if blocks < 2:
-            raise ValueError(f"no room for a KV cache: {what}")
-        return blocks
-
-    def _decode_sizes(self) -> list[int]:
-        return [b for b in graph_buckets(self.config.cuda_graph_max_bs) if b <= self.config.max_num_seqs]
-
-    def _graph_sizes(self) -> list[int]:
-        """Row counts of the static steps: the decode batches, with K proposed tokens the verify steps'
-        ``batch x (K + 1)`` rows, and the steps with prompts fed row-wise, up to ``cuda_graph_max_tokens``."""
-        plain = self._decode_sizes()
-        tokens = min(self.config.cuda_graph_max_tokens, self.config.max_num_batched_tokens)
-        rowwise = graph_buckets(tokens) if tokens else []
-        return sorted(set(plain) | {b * (self.num_spec_tokens + 1) for b in plain} | set(rowwise))
-
-    def _piece_sizes(self) -> list[int]:
-        """Token counts of the piecewise graphs: up to ``piecewise_cuda_graph_max_tokens`` and the step's token
-        budget (a verify step's proposed tokens are fed within it: the scheduler's lookahead slots)."""
-        cfg = self.config
-        return piece_buckets(1, min(cfg.piecewise_cuda_graph_max_tokens, cfg.max_num_batched_tokens))
-
-    def _draft_sizes(self) -> list[int]:
-        """Row counts of a draft model's static steps: up to two catch-up rows per request, then one."""
-        plain = self._decode_sizes()
-        return sorted(set(plain) | {2 * b for b in plain})
-
     def _capture(self) -> None:
-        sizes = self._graph_sizes()
+        sizes = graph_sizes(self.config, self.num_spec_tokens)
         if self.tp:
             def activate(bs: int, valid_rows: torch.Tensor) -> None:  # every rank runs bucket bs: no size exchange
                 for layer in self.ep_model.moe_layers:
@@ -376,7 +264,7 @@ class Engine:
                     layer.set_static_tokens(None)
         else:
             activate, deactivate = self._ep_static_hooks()
-        pieces = self._piece_sizes()
+        pieces = piece_sizes(self.config)
         if self.device.type == "cuda":
             # a capture cannot hand the allocator's cached blocks back to the driver (that would synchronise), so
             # a graph pool needing memory held there would run out: hand them back first
@@ -612,22 +500,11 @@ class Engine:
     def _propose(self, plan: StepPlan) -> list[Proposal]:
         """One ``Proposal`` per decode chunk (empty where it has no lookahead, or while its request may not yet
         end: a verified proposal could be a banned EOS)."""
-        wants = [bool(c.lookahead) and self._banned(c.seq) is None for c in plan.decodes]
+        wants = [bool(c.lookahead) and banned_tokens(c.seq, self.eos_ids, self.vocab_size) is None
+                 for c in plan.decodes]
         chunks = [c for c, w in zip(plan.decodes, wants) if w]
         got = iter(self.proposer.propose(chunks, [c.lookahead for c in chunks], self))
         return [next(got) if w else Proposal() for w in wants]
-
-    def _banned(self, seq: Sequence) -> tuple[int, ...] | None:
-        """The tokens ``seq`` may not generate next: its EOS (unless ``ignore_eos``) and stop token ids while it has
-        fewer than ``min_tokens`` (vLLM's ``min_tokens``); ``None`` when none. ``_launch`` lifts the ban of a
-        constrained row whose constraint allows no other token (as when it completes before ``min_tokens``)."""
-        p = seq.params
-        if len(seq.output_token_ids) >= p.min_tokens:
-            return None
-        ids = tuple(t for t in p.stop_token_ids if 0 <= t < self.vocab_size)
-        if not p.ignore_eos:
-            ids += tuple(t for t in self.eos_ids if 0 <= t < self.vocab_size)
-        return ids or None
 
     def step(self, pending: bool = False) -> list[RequestOutput]:
         """Run one step: schedule, propose (speculative decoding), run the model (every rank together), sample
@@ -704,7 +581,7 @@ class Engine:
                 if not self._overlap:
                     outputs += self._resolve()
         self.num_steps += 1
-        self.slot_totals += self.recorder.current_counts()
+        self.loads.add(self.recorder.current_counts())
         self.recorder.step()
         if self.eplb is not None and self.num_steps % self.eplb.interval == 0:
             outputs += self._resolve()  # nothing in flight while weights move and graphs are captured again
@@ -723,7 +600,7 @@ class Engine:
             row += n
         logits = out.logits[:, : self.vocab_size]
         if row != sum(c.samples for c, _, _ in spans):  # rows of prompts whose log-probabilities are asked for
-            self._record_prompt_logprobs(logits, spans)
+            record_prompt_logprobs(logits, spans)
         # the sampling rows, but those of a sequence finished since the plan (by a constrained row's read-back
         # just before: ``step``)
         sampling = [(c, r + n - 1) for c, r, n in spans if c.samples and not c.seq.finished]
@@ -732,7 +609,7 @@ class Engine:
         sampling = [c for c, _ in sampling]
         if not sampling:
             return _Launch([], None, None)
-        banned = [self._banned(c.seq) for c in sampling]
+        banned = [banned_tokens(c.seq, self.eos_ids, self.vocab_size) for c in sampling]
         constrained = [i for i, c in enumerate(sampling) if c.seq.matcher is not None]
         if constrained:  # before any other adjustment: the tokens the constraints allow (vLLM's order)
             mask = self._grammars.bitmask([sampling[i].seq.matcher for i in constrained])
@@ -806,7 +683,7 @@ class Engine:
                 seq.first_token_time = now
             if seq.matcher is not None:
                 seq.matcher.accept(tok)  # allowed by its mask (EOS where the constraint may end)
-            reason = self._finish_reason(seq, tok)
+            reason = finish_reason(seq, tok, self.eos_ids, self.tokenizer, self.max_model_len)
             if reason is not None:
                 self._finish(seq, reason)
             outputs.append(self._output(seq, [tok]))
@@ -833,14 +710,14 @@ class Engine:
             if c.samples:
                 sampled.append((c, logit_row + n - 1, None))
             logit_row += n
-        self._record_prompt_logprobs(logits, spans)
+        record_prompt_logprobs(logits, spans)
         emitted: dict[int, tuple[list[int], int]] = {}
         plain = [(c, r) for c, r, p in sampled if p is None or not p.token_ids]
         if plain:
             rows = to_device([r for _, r in plain], logits.device, torch.int64)
             toks = sample(logits.index_select(0, rows), [c.seq.params for c, _ in plain],
                           [c.seq.generator for c, _ in plain], self.generator,
-                          banned=[self._banned(c.seq) for c, _ in plain]).tolist()
+                          banned=[banned_tokens(c.seq, self.eos_ids, self.vocab_size) for c, _ in plain]).tolist()
             for (c, _), t in zip(plain, toks):
                 emitted[id(c)] = ([t], 0)
         spec = [(c, r, p) for c, r, p in sampled if p is not None and p.token_ids]
@@ -854,7 +731,7 @@ class Engine:
                 emitted[id(c)] = verify(logits[r:r + k + 1], p, c.seq.params, gen)
             c.seq.spec.add(k, emitted[id(c)][1])
             self.spec_stats.add(k, emitted[id(c)][1])
-        entries = self._emitted_logprobs(logits, sampled, emitted)
+        entries = emitted_logprobs(logits, sampled, emitted)
         now = time.perf_counter()
         outputs = []
         for c, row in zip(plan.chunks, first_row):
@@ -870,7 +747,7 @@ class Engine:
                 new.append(tok)
                 if id(c) in entries:
                     seq.output_logprobs.append(entries[id(c)][j])
-                reason = self._finish_reason(seq, tok)
+                reason = finish_reason(seq, tok, self.eos_ids, self.tokenizer, self.max_model_len)
                 if reason is not None:
                     self._finish(seq, reason)
                     break
@@ -884,83 +761,8 @@ class Engine:
             outputs.append(self._output(seq, new))
         return outputs
 
-    @staticmethod
-    def _record_prompt_logprobs(logits: torch.Tensor, spans: list[tuple]) -> None:
-        """Append to each sequence asking for them the prompt log-probabilities its chunk's rows give.
-
-        Args:
-            logits: ``[R, V]`` the step's logits rows.
-            spans: per chunk ``(chunk, first row, rows)``; a prefill chunk returning every row (``rows ==
-                num_tokens``, see ``ScheduledChunk.prefill_logit_rows``) has row ``first + j`` at position
-                ``start + j``, which predicts prompt token ``start + j + 1``.
-        """
-        rows, toks, ks, owners = [], [], [], []
-        for c, first, n in spans:
-            seq = c.seq
-            prompt = seq.prompt_token_ids
-            if seq.params.prompt_logprobs is None or n != c.num_tokens:
-                continue
-            for t in range(max(len(seq.prompt_logprobs), c.start + 1), min(c.start + c.num_tokens, len(prompt) - 1)
-                           + 1):
-                rows.append(first + t - 1 - c.start)
-                toks.append(prompt[t])
-                ks.append(seq.params.prompt_logprobs)
-                owners.append(seq)
-        for seq, entry in zip(owners, logprobs_at(logits, rows, toks, ks)):
-            seq.prompt_logprobs.append(entry)
-
-    @staticmethod
-    def _emitted_logprobs(logits: torch.Tensor, sampled: list[tuple], emitted: dict[int, tuple[list[int], int]]
-                          ) -> dict[int, list]:
-        """Per chunk (by ``id``) whose request asks for them, the ``TokenLogprobs`` of the tokens a speculative step
-        emitted for it: token ``j`` of a chunk whose logits start at row ``r`` was chosen at row ``r + j``."""
-        rows, toks, ks, owners = [], [], [], []
-        for c, r, _ in sampled:
-            n = c.seq.params.logprobs
-            if n is None:
-                continue
-            for j, tok in enumerate(emitted[id(c)][0]):
-                rows.append(r + j)
-                toks.append(tok)
-                ks.append(n)
-                owners.append(id(c))
-        out: dict[int, list] = {}
-        for owner, entry in zip(owners, logprobs_at(logits, rows, toks, ks)):
-            out.setdefault(owner, []).append(entry)
-        return out
-
-    def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
-        """Why ``seq`` stops after its newest read-back token ``tok`` (``None``: it goes on)."""
-        p = seq.params
-        n = len(seq.output_token_ids) - seq.num_pending
-        if seq.matcher is not None and seq.matcher.error is not None:  # its masks no longer held it: not a "stop"
-            seq.error = (f"structured_outputs: the constraint engine (llguidance) gave up at output token {n}: "
-                         f"{seq.matcher.error}")
-            return "abort"
-        if n >= p.min_tokens and ((tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
-            return "stop"
-        if p.stop and self.tokenizer is not None and n > p.min_tokens:  # vLLM: stop strings past min_tokens only
-            text = self.tokenizer.decode(seq.resolved_output, skip_special_tokens=p.skip_special_tokens)
-            hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
-            if hits:
-                seq.stop_text_len = min(hits)
-                return "stop"
-        if seq.matcher is not None and seq.matcher.stopped:  # the constraint is complete: only EOS could follow
-            seq.constraint_done = tok not in self.eos_ids
-            return "stop"
-        if n >= p.max_tokens or len(seq.prompt_token_ids) + n >= self.max_model_len:
-            return "length"
-        return None
-
     def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
-        text = None
-        if self.tokenizer is not None and seq.finished:
-            ids = seq.output_token_ids
-            if seq.finish_reason == "stop" and seq.stop_text_len is None and not seq.constraint_done:
-                ids = ids[:-1]  # a stop or EOS token is kept in the tokens, not in the text (vLLM's)
-            text = self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
-            if seq.stop_text_len is not None:
-                text = text[: seq.stop_text_len]
+        text = final_text(seq, self.tokenizer) if seq.finished else None
         ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
         if seq.finished:
             self._seqs.pop(seq.request_id, None)
@@ -971,11 +773,6 @@ class Engine:
                              seq.spec.draft_tokens, seq.spec.accepted_tokens, logprobs, prompt_logprobs, seq.error)
 
     # ---- expert loads and live rebalancing ---------------------------------------------------------
-
-    def _fold_loads(self, old: ExpertPlacement) -> None:
-        """A new placement committed: keep the counts recorded under ``old`` as logical loads."""
-        self._loads_folded += slots_to_logical(self.slot_totals - self._slot_totals_folded, old)
-        self._slot_totals_folded = self.slot_totals.clone()
 
     def logical_loads(self, since_rebalance: bool = False) -> torch.Tensor:
         """Tokens this rank routed to each logical expert (the format ``epmoe balance --loads`` reads).
@@ -992,8 +789,7 @@ class Engine:
         """
         if self.tp:
             raise ValueError("parallel 'tp' records no expert loads: every rank computes a slice of every expert")
-        since = slots_to_logical(self.slot_totals - self._slot_totals_folded, self.ep_model.placement)
-        return (since if since_rebalance else since + self._loads_folded).cpu()
+        return self.loads.logical(self.ep_model.placement, since_rebalance).cpu()
 
     def rebalance_now(self, max_moves: int | None = None) -> RebalanceEvent:
         """One live rebalance now, from the loads since the last committed one (``logical_loads(True)`` summed
@@ -1023,7 +819,7 @@ class Engine:
             if self._eplb_on_demand is None:
                 from epmoe.runtime.rebalance import EPLBController
 
-                self._eplb_on_demand = EPLBController(self.ep_model, self.recorder, 0, on_commit=self._fold_loads)
+                self._eplb_on_demand = EPLBController(self.ep_model, self.recorder, 0, on_commit=self.loads.fold)
             controller = self._eplb_on_demand
         event = controller.rebalance(self.num_steps, load.cpu(), max_moves)
         if event.committed and self.config.static_decode:

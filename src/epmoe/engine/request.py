@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from epmoe.engine.kv_cache import BlockKey
-from epmoe.engine.sampling import SamplingParams, TokenLogprobs
+from epmoe.engine.logprobs import TokenLogprobs
+from epmoe.engine.sampling import SamplingParams
 from epmoe.engine.speculative import SpecStats
 from epmoe.engine.structured import Matcher
 

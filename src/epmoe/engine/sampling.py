@@ -14,9 +14,7 @@ penalties (the logit minus ``frequency_penalty`` times the token's count in the 
 ``presence_penalty`` once it occurs there). Only the rows that ask pay for it: their token counts live on the device
 (``TokenCounts``), filled once and counted step by step.
 
-Log-probabilities (``token_logprobs``) are those of the model's own distribution, the log-softmax of the raw
-logits before temperature, top-k and top-p (vLLM's default ``raw_logprobs``), so they do not depend on how the
-token was chosen.
+Log-probabilities are in ``epmoe.engine.logprobs``.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -195,81 +192,6 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling option(s) {unknown}; known: {sorted(known)}")
         return cls(**options)
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """One token's log-probability and the most likely tokens at its position (a generated or a prompt token).
-
-    Attributes:
-        token_id: the token.
-        logprob: its natural-log probability under the model (float32 log-softmax of the raw logits).
-        top: the request's ``logprobs`` most likely ``(token id, logprob)`` at that position, most likely first
-            (ties in any order); may include ``token_id``.
-        rank: 1 + the tokens more likely than it at that position (1 = the most likely; vLLM's rank).
-    """
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-    rank: int = 1
-
-
-class RowLogprobs(NamedTuple):
-    """``token_logprobs``' result for ``N`` rows: ``chosen [N]`` float32, ``rank [N]`` int64, ``top_values [N, k]``
-    float32 (descending) and ``top_ids [N, k]`` int64, on one device."""
-
-    chosen: torch.Tensor
-    rank: torch.Tensor
-    top_values: torch.Tensor
-    top_ids: torch.Tensor
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> RowLogprobs:
-    """Log-probabilities and ranks of chosen tokens and the top ``k`` of their rows, on the logits' device.
-
-    Args:
-        logits: ``[N, V]`` raw next-token logits (any float dtype).
-        tokens: ``[N]`` int64 the tokens chosen at those rows.
-        k: alternatives per row, ``0 <= k <= V``.
-
-    Raises:
-        ValueError: ``tokens`` not ``[N]`` or ``k`` out of range.
-    """
-    n, v = logits.shape
-    if tokens.shape != (n,):
-        raise ValueError(f"token_logprobs: {n} logits rows but tokens of shape {tuple(tokens.shape)}")
-    if not 0 <= k <= v:
-        raise ValueError(f"token_logprobs: k must be in [0, {v}], got {k}")
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    rank = (lp > chosen.unsqueeze(1)).sum(dim=-1) + 1
-    top_values, top_ids = lp.topk(k, dim=-1) if k else (lp.new_empty(n, 0), tokens.new_empty(n, 0))
-    return RowLogprobs(chosen, rank, top_values, top_ids)
-
-
-def logprob_entries(tokens: list[int], rows: RowLogprobs, ks: list[int]) -> list[TokenLogprobs]:
-    """``TokenLogprobs`` of rows from ``token_logprobs``' result (on the host), row ``i`` keeping its ``ks[i]``
-    most likely alternatives.
-
-    Args:
-        tokens: the ``N`` chosen token ids.
-        rows: ``token_logprobs``' result for them.
-        ks: per row, alternatives kept, ``<= k``.
-    """
-    values, ids = rows.top_values.tolist(), rows.top_ids.tolist()
-    return [TokenLogprobs(t, c, tuple(zip(i[:n], v[:n])), r)
-            for t, c, r, v, i, n in zip(tokens, rows.chosen.tolist(), rows.rank.tolist(), values, ids, ks)]
-
-
-def logprobs_at(logits: torch.Tensor, rows: list[int], tokens: list[int], ks: list[int]) -> list[TokenLogprobs]:
-    """``TokenLogprobs`` of ``tokens[i]`` chosen at row ``rows[i]`` of ``logits [R, V]``, with ``ks[i]``
-    alternatives (``token_logprobs`` then ``logprob_entries``; reads the result back to the host)."""
-    if not rows:
-        return []
-    idx = to_device(rows, logits.device, torch.int64)
-    got = token_logprobs(logits.index_select(0, idx), to_device(tokens, logits.device, torch.int64), max(ks))
-    return logprob_entries(tokens, got, ks)
 
 
 def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

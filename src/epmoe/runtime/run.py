@@ -22,7 +22,7 @@ from epmoe.balance import rank_balancedness
 from epmoe.comm import COLLECTIVE_KINDS, Comm
 from epmoe.engine import Engine, EngineConfig, SamplingParams
 from epmoe.engine.config import COMMAND_FLAGS, EAGER_DISPATCHERS, PARALLEL_MODES, command_engine_config
-from epmoe.engine.engine import check_group
+from epmoe.engine.group import check_group
 from epmoe.engine.tokenizer import decode_text, encode_text, generation_config, load_tokenizer
 from epmoe.experts import describe_expert_backend
 from epmoe.models.hf import hf_config, needs_own_loader
@@ -415,7 +415,7 @@ def _serve_share(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], mine:
     if engine.tp:  # no expert lives on one rank: nothing routed to ranks
         per_rank = torch.zeros(engine.spec.num_moe_layers, comm.size, dtype=torch.int64)
     else:
-        per_rank = engine.slot_totals.cpu().reshape(engine.spec.num_moe_layers, comm.size, -1).sum(-1)
+        per_rank = engine.loads.slot_totals.cpu().reshape(engine.spec.num_moe_layers, comm.size, -1).sum(-1)
     ran = engine.stats["graph_steps"] + engine.stats["piecewise_steps"] + engine.stats["eager_steps"]
     fed = sum(len(all_ids[i]) + len(o.token_ids) - 1 for i, o in zip(mine, outs))
     return RankReport(
@@ -463,7 +463,7 @@ def _engine_config(cfg: RunConfig, model_dir: str) -> EngineConfig:
 def _check_before_start(cfg: RunConfig, model_dir: str, ep: int, all_ids: list[list[int]]) -> None:
     """Everything that can be checked before any rank starts: the engine options, the weights, whether
     ``generation_config.json`` is a JSON object, the KV pool when its size is given, and what the group must fit
-    (``engine.check_group``: the target's and a draft model's placements, or the sizes tp divides)."""
+    (``engine.group.check_group``: the target's and a draft model's placements, or the sizes tp divides)."""
     if cfg.dispatcher == "local" and ep != 1:
         raise ValueError(f"--dispatcher local serves EP size 1 only; EP size is {ep}: use all_to_all")
     engine_cfg = _engine_config(cfg, model_dir)

@@ -30,7 +30,7 @@ from multiprocessing.process import BaseProcess
 import torch.multiprocessing as mp
 import uvicorn
 
-from epmoe.engine.engine import check_group
+from epmoe.engine.group import check_group
 from epmoe.experts import describe_expert_backend
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.plan.request import counted

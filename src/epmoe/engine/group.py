@@ -1,0 +1,61 @@
+"""What a group of ranks must fit, checked before any rank starts: the expert placement (a file, or the trivial
+one), the tensor-parallel sizes, and a speculative-decoding draft model's own placement."""
+
+from __future__ import annotations
+
+from epmoe.engine.config import EngineConfig
+from epmoe.engine.draft import draft_placement
+from epmoe.integrations.placements import load_served_placement
+from epmoe.layer import check_tp_sizes
+from epmoe.placement import ExpertPlacement, check_redundant
+from epmoe.spec import load_moe_spec
+
+
+def trivial_or_file_placement(config: EngineConfig, num_layers: int, num_experts: int,
+                              ep_size: int) -> ExpertPlacement:
+    """The placement the options ask for: the file (epmoe's, SGLang's or TensorRT-LLM's), or the trivial one.
+
+    Raises:
+        ValueError: the placement does not fit the model or the group (named).
+    """
+    if config.placement:
+        placement = load_served_placement(config.placement, ep_size=ep_size, spec=load_moe_spec(config.model))
+    else:
+        check_redundant(config.redundant, num_experts, ep_size, name="redundant")
+        try:
+            placement = ExpertPlacement.trivial(num_layers, num_experts, ep_size, config.redundant, config.layout)
+        except ValueError as exc:
+            raise ValueError(f"EP size {ep_size} with redundant {config.redundant}: {exc}") from None
+    placement.check_model(num_layers, num_experts, what=f"model {config.model}")
+    return placement
+
+
+def check_group(config: EngineConfig, size: int) -> None:
+    """What a group of ``size`` ranks must fit, checked before any rank starts (``epmoe run`` and ``epmoe serve``
+    call it, so a bad placement is named before a process loads a weight): under ``tp`` the sizes the group must
+    divide; under ``ep`` the target's placement (the file, or the trivial one of ``redundant``); and an MoE draft
+    model's placement (``speculative_draft_placement``, or the draft's trivial one), which the draft would
+    otherwise meet only as it loads inside the ranks.
+
+    Raises:
+        ValueError: the first misfit (a placement file missing too), its message prefixed with the flags that
+            chose it (``--placement FILE with --ep N``, ``--speculative-draft-placement FILE with --ep N``).
+    """
+    spec = load_moe_spec(config.model)
+    try:
+        if config.parallel == "tp":
+            check_tp_sizes(spec, size)
+        else:
+            trivial_or_file_placement(config, spec.num_moe_layers, spec.num_experts, size)
+    except (ValueError, FileNotFoundError) as exc:
+        chosen = f"--placement {config.placement} with --ep {size}" if config.placement else f"--ep {size}"
+        raise ValueError(f"{chosen}: {exc}") from None
+    if config.speculative_draft_model is None:
+        return
+    try:
+        draft_placement(config, size)
+    except (ValueError, FileNotFoundError) as exc:
+        chosen = (f"--speculative-draft-placement {config.speculative_draft_placement}"
+                  if config.speculative_draft_placement else
+                  f"--speculative-draft-model {config.speculative_draft_model}")
+        raise ValueError(f"{chosen} with --ep {size}: {exc}") from None
