@@ -364,7 +364,7 @@ def test_a_template_failing_on_a_request_is_a_400(codec):
 
 
 def test_tokenize_renders_messages_with_tools_and_template_kwargs_as_the_chat_does(codec):
-    from epmoe.server.generate import tokenize
+    from epmoe.server.prompts import tokenize
     from epmoe.server.protocol import TokenizeRequest
 
     fields = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER],

@@ -28,8 +28,9 @@ from epmoe.loads import LOADS_FORMAT
 from epmoe.server.chat_output import ChatParsers
 from epmoe.server.errors import ApiError
 from epmoe.server.frontend import Frontend, Unavailable
-from epmoe.server.generate import build_job, collect, compile_constraint, detokenize, stream, submit, tokenize
+from epmoe.server.generate import build_job, collect, compile_constraint, stream, submit
 from epmoe.server.metrics import CONTENT_TYPE
+from epmoe.server.prompts import detokenize, tokenize
 from epmoe.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

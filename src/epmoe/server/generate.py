@@ -13,18 +13,17 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
-
-import jinja2
 
 from epmoe.engine import SamplingParams, TokenLogprobs
 from epmoe.engine.sampling import MAX_LOGPROBS
 from epmoe.engine.structured import StructuredOutputs
 from epmoe.engine.tokenizer import generation_config
-from epmoe.server.chat_output import ChatOutput, ChatParsers, Reply, tool_choice
+from epmoe.server.chat_output import ChatParsers, tool_choice
 from epmoe.server.core import EngineInfo
 from epmoe.server.errors import ApiError
 from epmoe.server.frontend import Failure, Frontend, Unavailable, Update
+from epmoe.server.job import Job
+from epmoe.server.prompts import chat_text, utf8
 from epmoe.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -32,84 +31,32 @@ from epmoe.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     ChatStreamChoice,
-    ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    DeltaToolCall,
-    DetokenizeRequest,
-    FunctionCall,
-    PromptLogprob,
-    PromptLogprobs,
     SamplingFields,
-    TokenizeRequest,
-    ToolCallOut,
-    TopLogprob,
-    Usage,
+)
+from epmoe.server.replies import (
+    StreamReply,
+    chat_logprobs,
+    chat_reply,
+    completion_choice,
+    completion_logprobs,
+    echoed_prompt,
+    final_text,
+    prompt_logprobs_of,
+    usage_of,
 )
 from epmoe.server.text import StreamText, TextCodec
-from epmoe.server.tools import ToolCall, forced_schema
+from epmoe.server.tools import forced_schema
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 DONE = "data: [DONE]\n\n"
 GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 """The ``generation_config.json`` keys a request's left-out fields default to, and the fields (vLLM's set)."""
-
-LOGPROB_FLOOR = -9999.0
-"""Log-probabilities below this (``-inf`` included, which JSON cannot carry) are sent as it, as vLLM does."""
-
-
-@dataclass(frozen=True)
-class Job:
-    """The engine requests of one HTTP request.
-
-    Attributes:
-        kind: ``completion`` or ``chat``.
-        model: the model name answered.
-        request_id: the response id (``cmpl-...`` / ``chatcmpl-...``).
-        prompts: token ids of each prompt.
-        params: per choice, its sampling options.
-        n: choices per prompt.
-        include_usage: streams end with a usage chunk.
-        echo: completions with ``echo``: each prompt's text (as sent, or its token ids decoded with their special
-            tokens), put before its choices' text; else ``None``.
-        as_ids: log-probabilities name tokens ``token_id:<id>`` (``return_tokens_as_token_ids``).
-        prompt_only: ``echo`` with ``max_tokens`` 0: each choice is its prompt alone (its text and log-probabilities;
-            no completion tokens counted), finished with ``length``.
-        sent_prompt_logprobs: vLLM's ``prompt_logprobs`` as the request sent it (the response carries them).
-        constraint_field: the field the request's constraint came in (``response_format``, ``structured_outputs``,
-            ``guided_*``, a forced ``tool_choice``; every choice's ``SamplingParams.structured_outputs``), or
-            ``None``.
-        chat: how a chat's outputs are read (reasoning, tool calls: ``chat_output.ChatOutput``), or ``None``
-            (plain text).
-    """
-
-    kind: str
-    model: str
-    request_id: str
-    prompts: list[list[int]]
-    params: list[SamplingParams]
-    n: int
-    include_usage: bool
-    echo: list[str] | None = None
-    as_ids: bool = False
-    prompt_only: bool = False
-    sent_prompt_logprobs: int | None = None
-    constraint_field: str | None = None
-    chat: ChatOutput | None = None
-
-    def choice_ids(self) -> list[str]:
-        """The engine request id of each choice."""
-        return [f"{self.request_id}-{i}" for i in range(len(self.params))]
-
-    def prompt_of(self, choice: int) -> list[int]:
-        """The prompt of a choice."""
-        return self.prompts[choice // self.n]
-
 
 def sampling_defaults(directory: str) -> dict[str, float | int]:
     """The sampling defaults of ``directory``'s ``generation_config.json`` (``GENERATION_DEFAULTS``' keys that it
@@ -159,7 +106,7 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         if choice not in ("none", "auto"):
             forced = ("tool_choice", forced_schema(choice, [t.function.model_dump() for t in req.tools],
                                                    req.parallel_tool_calls))
-        rendered = _chat_text(req, codec)
+        rendered = chat_text(req, codec)
         prompts = [codec.encode(rendered, req.add_special_tokens)]
         sent = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -177,7 +124,7 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
         if not items:
             raise ApiError(400, "prompt must not be empty, got []", "prompt")
-        prompts = [codec.encode(_utf8(p, "prompt"), req.add_special_tokens) if isinstance(p, str) else list(p)
+        prompts = [codec.encode(utf8(p, "prompt"), req.add_special_tokens) if isinstance(p, str) else list(p)
                    for p in items]
         sent = "max_tokens"
         max_tokens = req.max_tokens if req.max_tokens is not None else (defaults or {}).get("max_tokens", 16)
@@ -251,111 +198,6 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
                 for p, ids in zip(items, prompts)]
     return Job(kind, model, f"{prefix}-{uuid.uuid4().hex}", prompts, params, req.n, include_usage, echo,
                req.return_tokens_as_token_ids, prompt_only, req.prompt_logprobs, constraint_field, chat)
-
-
-_TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
-                                 "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
-                                 "padding", "truncation", "max_length", "return_assistant_tokens_mask",
-                                 "tokenizer_kwargs"})
-"""``apply_chat_template``'s own arguments, which ``chat_template_kwargs`` may not set."""
-
-
-def _template_message(i: int, m: ChatMessage) -> dict:
-    """Message ``i`` as a chat template reads it: a tool call's arguments as an object where they are JSON text of
-    one (templates serialise them themselves), as vLLM passes them."""
-    out: dict = {"role": m.role, "content": _utf8(m.text(), f"messages.{i}.content")}
-    for name in ("name", "tool_call_id", "reasoning_content"):
-        if getattr(m, name) is not None:
-            out[name] = getattr(m, name)
-    if m.tool_calls:
-        calls = []
-        for call in m.tool_calls:
-            try:
-                arguments = json.loads(call.function.arguments)
-            except ValueError:
-                arguments = call.function.arguments
-            calls.append({"id": call.id, "type": call.type,
-                          "function": {"name": call.function.name, "arguments": arguments}})
-        out["tool_calls"] = calls
-    return out
-
-
-def _chat_text(req: ChatCompletionRequest | TokenizeRequest, codec: TextCodec) -> str:
-    """The prompt text of a conversation (the chat template's rendering, with the request's tools and
-    ``chat_template_kwargs``).
-
-    Raises:
-        ApiError: 400 naming the field: a message without content (but an assistant's), text that is not valid
-            Unicode, a ``chat_template_kwargs`` key that is ``apply_chat_template``'s own, a conversation the
-            template refuses or fails on.
-    """
-    messages = req.messages
-    for i, m in enumerate(messages):
-        if m.content is None and m.role != "assistant":
-            raise ApiError(400, f"messages.{i}.content: a {m.role} message needs content", f"messages.{i}.content")
-    plain = [_template_message(i, m) for i, m in enumerate(messages)]
-    tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
-    kwargs = req.chat_template_kwargs or {}
-    reserved = sorted(_TEMPLATE_ARGUMENTS & set(kwargs))
-    if reserved:
-        raise ApiError(400, f"chat_template_kwargs may not set {reserved}: the server sets them",
-                       "chat_template_kwargs")
-    try:
-        return codec.chat_prompt(plain, tools or None, kwargs)
-    except jinja2.TemplateError as exc:  # the template refused the conversation (e.g. roles not alternating)
-        raise ApiError(400, f"messages: the chat template refused them: {exc}", "messages") from None
-    except Exception as exc:  # the template failed on what the request gave it (a type, a sandbox limit)
-        raise ApiError(400, f"messages: the chat template failed on them: {type(exc).__name__}: {exc}",
-                       "messages") from None
-
-
-def tokenize(req: TokenizeRequest, codec: TextCodec, info: EngineInfo) -> dict:
-    """vLLM's ``/tokenize`` answer: the token ids a completion's ``prompt`` or a chat's ``messages`` become, their
-    count and the context.
-
-    Raises:
-        ApiError: 400 naming the field: neither or both of ``prompt`` and ``messages``, ``tools`` or
-            ``chat_template_kwargs`` with a ``prompt``, or as a request with them.
-    """
-    if (req.prompt is None) == (req.messages is None):
-        raise ApiError(400, "send one of prompt and messages", "prompt")
-    for name in ("tools", "chat_template_kwargs"):
-        if req.prompt is not None and getattr(req, name) is not None:
-            raise ApiError(400, f"{name} go with messages (a chat's prompt), not with prompt", name)
-    if req.prompt is not None:
-        ids = codec.encode(_utf8(req.prompt, "prompt"), True if req.add_special_tokens is None else
-                           req.add_special_tokens)
-    else:
-        ids = codec.encode(_chat_text(req, codec), bool(req.add_special_tokens))
-    return {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids}
-
-
-def detokenize(req: DetokenizeRequest, codec: TextCodec, info: EngineInfo) -> dict:
-    """vLLM's ``/detokenize`` answer: the text of ``tokens``, special tokens kept.
-
-    Raises:
-        ApiError: 400 naming ``tokens``: an id outside the vocabulary.
-    """
-    bad = [t for t in req.tokens if not 0 <= t < info.vocab_size]
-    if bad:
-        raise ApiError(400, f"tokens must be in [0, {info.vocab_size}), got {bad[:5]}", "tokens")
-    return {"prompt": codec.decode(req.tokens, skip_special_tokens=False)}
-
-
-def _utf8(text: str, field: str) -> str:
-    """``text`` if it can be sent as UTF-8.
-
-    Raises:
-        ApiError: 400 naming ``field``: ``text`` holds a lone surrogate (JSON's ``\\ud800`` escapes), which no
-            tokenizer takes.
-    """
-    try:
-        text.encode()
-    except UnicodeEncodeError as exc:
-        shown = repr(text) if len(text) <= 80 else repr(text[:77]) + "..."
-        raise ApiError(400, f"{field} {shown} is not valid Unicode text: a lone surrogate "
-                            f"{text[exc.start]!r} at position {exc.start}", field) from None
-    return text
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
@@ -453,7 +295,7 @@ async def compile_constraint(job: Job, codec: TextCodec) -> None:
 def _sampling(req: SamplingFields, max_tokens: int, choice: int, logit_bias: dict[int, float],
               defaults: Mapping[str, float | int], **extra) -> SamplingParams:
     """Choice ``choice``'s ``SamplingParams``; ``extra`` (log-probability counts, the constraint) passed as given."""
-    stop = [_utf8(s, "stop") for s in ([req.stop] if isinstance(req.stop, str) else req.stop or ())]
+    stop = [utf8(s, "stop") for s in ([req.stop] if isinstance(req.stop, str) else req.stop or ())]
     seed = req.seed  # a seed out of range is refused as sent; choice j of a good one samples with seed + j, wrapped
     if seed is not None and 0 <= seed < 2**63:
         seed = (seed + choice) % 2**63
@@ -488,151 +330,6 @@ def submit(frontend: Frontend, job: Job) -> asyncio.Queue:
     return out
 
 
-def _logprob(value: float) -> float:
-    return max(value, LOGPROB_FLOOR)
-
-
-def _chat_logprobs(codec: TextCodec, entries: list[TokenLogprobs] | None, as_ids: bool) -> ChatLogprobs | None:
-    """The chat form of some tokens' log-probabilities (``None`` when the request asked for none)."""
-    if entries is None:
-        return None
-
-    def one(token_id: int, logprob: float) -> TopLogprob:
-        text = codec.token_text(token_id, as_ids)
-        return TopLogprob(token=text, logprob=_logprob(logprob), bytes=list(text.encode()))
-
-    return ChatLogprobs(content=[
-        ChatTokenLogprob(**one(e.token_id, e.logprob).model_dump(), top_logprobs=[one(i, v) for i, v in e.top])
-        for e in entries])
-
-
-def _completion_logprobs(codec: TextCodec, job: Job, entries: list[TokenLogprobs | None] | None, ids: list[int],
-                         start: int, base: int, prompt: bool = False) -> CompletionLogprobs | None:
-    """The completion form of the log-probabilities ``entries`` of tokens ``ids[start:]`` (``None`` when the
-    request asked for none).
-
-    A token's ``text_offset`` is ``base`` plus where its text begins in the decoded text of ``ids``
-    (``TextCodec.text_offsets``: special tokens kept in an echoed prompt, in the completion as its
-    ``skip_special_tokens`` decodes them, as the text is); its ``top_logprobs`` map the most likely tokens' texts
-    to their log-probabilities (tokens of one text: the most likely one's), the token itself included.
-
-    Args:
-        entries: per token its ``TokenLogprobs``; ``None`` for an echoed prompt's first token.
-        ids: the prompt's tokens (``prompt``) or the completion's so far.
-    """
-    if entries is None:
-        return None
-    end = start + len(entries)
-    names = [codec.token_text(i, job.as_ids) for i in ids[start:end]]
-    skip = not prompt and job.params[0].skip_special_tokens
-    offsets = [base + o for o in codec.text_offsets(ids, start, end, skip_special_tokens=skip)]
-    tops: list[dict[str, float] | None] = []
-    for name, e in zip(names, entries):
-        if e is None:
-            tops.append(None)
-            continue
-        top: dict[str, float] = {}
-        for i, v in e.top:
-            key = codec.token_text(i, job.as_ids)
-            top[key] = max(top.get(key, LOGPROB_FLOOR), _logprob(v))
-        top.setdefault(name, _logprob(e.logprob))  # the generated token too, as vLLM sends it
-        tops.append(top)
-    return CompletionLogprobs(text_offset=offsets, tokens=names, top_logprobs=tops,
-                              token_logprobs=[None if e is None else _logprob(e.logprob) for e in entries])
-
-
-def _echoed(codec: TextCodec, job: Job, choice: int, up: Update) -> tuple[str, CompletionLogprobs | None]:
-    """An echoing completion choice's prompt text (with the separator of a checkpoint without a tokenizer when a
-    completion follows) and, with ``logprobs``, its prompt tokens' log-probabilities (``up`` an update that carries
-    them)."""
-    text = job.echo[choice // job.n] + ("" if job.prompt_only else codec.separator)
-    k, entries = job.params[choice].logprobs, up.prompt_logprobs
-    if k is None or entries is None:
-        return text, None
-    entries = [e if e is None else dataclasses.replace(e, top=e.top[:k]) for e in entries]
-    return text, _completion_logprobs(codec, job, entries, job.prompt_of(choice), 0, 0, prompt=True)
-
-
-def _prompt_logprobs(codec: TextCodec, job: Job, choice: int, up: Update) -> PromptLogprobs | None:
-    """vLLM's ``prompt_logprobs`` of a choice (``None`` unless the request sent ``prompt_logprobs``): per prompt
-    token its own entry and its position's most likely tokens', ranked."""
-    if job.sent_prompt_logprobs is None or up.prompt_logprobs is None:
-        return None
-    k = job.sent_prompt_logprobs
-    out: PromptLogprobs = []
-    for e in up.prompt_logprobs:
-        if e is None:
-            out.append(None)
-            continue
-        entry = {str(i): PromptLogprob(logprob=_logprob(v), rank=r, decoded_token=codec.token_text(i, job.as_ids))
-                 for r, (i, v) in enumerate(e.top[:k], 1)}
-        entry.setdefault(str(e.token_id), PromptLogprob(logprob=_logprob(e.logprob), rank=e.rank,
-                                                        decoded_token=codec.token_text(e.token_id, job.as_ids)))
-        out.append(entry)
-    return out
-
-
-def _joined(a: CompletionLogprobs | None, b: CompletionLogprobs | None) -> CompletionLogprobs | None:
-    """``a``'s tokens followed by ``b``'s."""
-    if a is None or b is None:
-        return b if a is None else a
-    return CompletionLogprobs(text_offset=a.text_offset + b.text_offset, token_logprobs=a.token_logprobs
-                              + b.token_logprobs, tokens=a.tokens + b.tokens, top_logprobs=a.top_logprobs
-                              + b.top_logprobs)
-
-
-def _completion_choice(codec: TextCodec, job: Job, choice: int, up: Update) -> CompletionChoice:
-    """One whole completion choice from its final update (the prompt first with ``echo``)."""
-    text = final_text(codec, up)
-    prompt = _prompt_logprobs(codec, job, choice, up)
-    if job.echo is None:
-        return CompletionChoice(index=choice, text=text, finish_reason=up.finish_reason, prompt_logprobs=prompt,
-                                logprobs=_completion_logprobs(codec, job, up.logprobs, up.token_ids, 0, 0))
-    prompt_text, prompt_lp = _echoed(codec, job, choice, up)
-    if job.prompt_only:
-        return CompletionChoice(index=choice, text=prompt_text, logprobs=prompt_lp, finish_reason="length",
-                                prompt_logprobs=prompt)
-    logprobs = _joined(prompt_lp, _completion_logprobs(codec, job, up.logprobs, up.token_ids, 0, len(prompt_text)))
-    return CompletionChoice(index=choice, text=prompt_text + text, logprobs=logprobs, finish_reason=up.finish_reason,
-                            prompt_logprobs=prompt)
-
-
-def final_text(codec: TextCodec, up: Update) -> str:
-    """The whole text of a finished choice (the engine's, cut before a stop string)."""
-    return up.text if up.text is not None else codec.decode(up.token_ids)  # no tokenizer: ids in decimal
-
-
-def _tool_calls(calls: list[ToolCall], delta: bool) -> list[ToolCallOut] | None:
-    """The reply's calls (``None`` without any); in a stream delta each with its ``index``."""
-    if not calls:
-        return None
-    if delta:
-        return [DeltaToolCall(index=k, id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
-                for k, c in enumerate(calls)]
-    return [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
-
-
-def _finish(job: Job, reply: Reply, finish: str | None) -> str | None:
-    """``tool_calls`` where the model chose to call (``auto``, ``required``) and stopped; a named function's call
-    finishes with ``stop``, as OpenAI's."""
-    chose = job.chat is not None and (job.chat.tools is not None or job.chat.forced == "required")
-    return "tool_calls" if reply.calls and chose and finish == "stop" else finish
-
-
-def _chat_reply(job: Job, text: str, finish: str | None) -> tuple[AssistantMessage, str | None]:
-    """A whole chat choice's message (its text read by ``job.chat``) and finish reason."""
-    if job.chat is None:
-        return AssistantMessage(role="assistant", content=text), finish
-    reply = job.chat.reply(text)
-    return AssistantMessage(role="assistant", content=reply.content, reasoning_content=reply.reasoning,
-                            tool_calls=_tool_calls(reply.calls, delta=False)), _finish(job, reply, finish)
-
-
-def _usage(job: Job, completion_tokens: int) -> Usage:
-    prompt = sum(len(p) for p in job.prompts)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens)
-
-
 def check_update(item: Update | Failure) -> Update:
     """``item`` when it is news of the request; else the error to answer (500: the server failed under it; 400:
     the engine refused it)."""
@@ -661,19 +358,19 @@ async def collect(frontend: Frontend, job: Job, updates: asyncio.Queue, codec: T
         for rid in ids:
             if index[rid] not in finals:
                 frontend.abort(rid)
-    usage = _usage(job, 0 if job.prompt_only else sum(len(u.token_ids) for u in finals.values()))
+    usage = usage_of(job, 0 if job.prompt_only else sum(len(u.token_ids) for u in finals.values()))
     created = int(time.time())
     if job.kind == "chat":
         choices = []
         for i in range(len(ids)):
-            message, finish = _chat_reply(job, final_text(codec, finals[i]), finals[i].finish_reason)
+            message, finish = chat_reply(job, final_text(codec, finals[i]), finals[i].finish_reason)
             choices.append(ChatChoice(index=i, message=message, finish_reason=finish,
-                                      logprobs=_chat_logprobs(codec, finals[i].logprobs, job.as_ids)))
+                                      logprobs=chat_logprobs(codec, finals[i].logprobs, job.as_ids)))
         return ChatCompletionResponse(id=job.request_id, created=created, model=job.model, usage=usage,
                                       choices=choices,
-                                      prompt_logprobs=_prompt_logprobs(codec, job, 0, finals[0])).model_dump()
+                                      prompt_logprobs=prompt_logprobs_of(codec, job, 0, finals[0])).model_dump()
     return CompletionResponse(id=job.request_id, created=created, model=job.model, usage=usage, choices=[
-        _completion_choice(codec, job, i, finals[i]) for i in range(len(ids))]).model_dump()
+        completion_choice(codec, job, i, finals[i]) for i in range(len(ids))]).model_dump()
 
 
 def _event(payload: dict) -> str:
@@ -690,32 +387,6 @@ def _chunk(job: Job, created: int, index: int, text: str | None, finish: str | N
     return _event(CompletionResponse(id=job.request_id, created=created, model=job.model, choices=[
         CompletionChoice(index=index, text=text or "", logprobs=logprobs, finish_reason=finish)]
     ).model_dump(exclude={"usage"}))
-
-
-class StreamReply:
-    """One streamed chat choice read by ``job.chat``: the text so far, and how much of its reasoning and content
-    was sent."""
-
-    def __init__(self, job: Job) -> None:
-        self.job = job
-        self.text = ""
-        self.sent = [0, 0]  # reasoning, content
-
-    def delta(self, text: str, finished: bool, finish: str | None) -> tuple[AssistantMessage, str | None]:
-        """The delta of the next chunk (what settled since the last; on the last, the rest and the calls) and its
-        finish reason."""
-        self.text += text
-        calls = []
-        if finished:
-            reply = self.job.chat.reply(self.text)
-            parts, calls = (reply.reasoning or "", reply.content or ""), reply.calls
-            finish = _finish(self.job, reply, finish)
-        else:
-            parts = self.job.chat.settled(self.text)
-        new = [part[sent:] for part, sent in zip(parts, self.sent)]
-        self.sent = [len(part) for part in parts]
-        return AssistantMessage(reasoning_content=new[0] or None, content=new[1] or None,
-                                tool_calls=_tool_calls(calls, delta=True)), finish
 
 
 async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: set[str]) -> AsyncIterator[str]:
@@ -748,7 +419,7 @@ async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: se
             i = index[up.request_id]
             if not echoed[i]:  # the first update: the prompt (with its log-probabilities) before any token
                 echoed[i] = True
-                prompt_text, prompt_lp = _echoed(codec, job, i, up)
+                prompt_text, prompt_lp = echoed_prompt(codec, job, i, up)
                 base[i] = len(prompt_text)
                 yield _chunk(job, created, i, prompt_text, None, logprobs=prompt_lp)
             if job.prompt_only:  # the token computed beside the prompt is not sent
@@ -771,9 +442,9 @@ async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: se
                 logprobs = None
                 if job.params[i].logprobs is not None:
                     if job.kind == "chat":
-                        logprobs = _chat_logprobs(codec, unsent[i], job.as_ids)
+                        logprobs = chat_logprobs(codec, unsent[i], job.as_ids)
                     else:
-                        logprobs = _completion_logprobs(codec, job, unsent[i], up.token_ids, sent[i], base[i])
+                        logprobs = completion_logprobs(codec, job, unsent[i], up.token_ids, sent[i], base[i])
                     sent[i] += len(unsent[i])
                     unsent[i] = []
                 yield _chunk(job, created, i, text, finish, logprobs=logprobs, delta=delta)
@@ -783,5 +454,5 @@ async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: se
         if job.include_usage:
             yield _event({"id": job.request_id, "object": "chat.completion.chunk" if job.kind == "chat"
                           else "text_completion", "created": created, "model": job.model, "choices": [],
-                          "usage": _usage(job, sum(tokens)).model_dump()})
+                          "usage": usage_of(job, sum(tokens)).model_dump()})
     yield DONE

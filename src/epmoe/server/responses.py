@@ -17,13 +17,15 @@ import uuid
 from collections.abc import AsyncIterator
 
 from epmoe.server.errors import ApiError
-from epmoe.server.generate import Job, StreamReply, check_update, final_text
+from epmoe.server.generate import check_update
+from epmoe.server.job import Job
 from epmoe.server.protocol import (
     ChatCompletionRequest,
     InputFunctionCall,
     InputFunctionOutput,
     ResponsesRequest,
 )
+from epmoe.server.replies import StreamReply, final_text
 from epmoe.server.text import StreamText, TextCodec
 
 _FIELDS = (("max_tokens", "max_output_tokens"), ("response_format", "text.format"))
