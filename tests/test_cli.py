@@ -63,6 +63,8 @@ def kimi(tiny_checkpoints):
     ("serve", ["--block-size", "2048"], "--block-size must be at most 1024 tokens"),
     ("serve", ["--drain-timeout", "inf"], "--drain-timeout must be a finite number of seconds >= 0, got inf"),
     ("serve", ["--allowed-origins", '[""]'], "--allowed-origins must be a list of non-empty strings, got ['']"),
+    ("serve", ["--allowed-origins", '["http://ui.example/"]'], "--allowed-origins are scheme://host[:port], as "
+     "browsers send them (no path, no trailing '/'), got ['http://ui.example/']"),
     ("serve", ["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser (the format the "
      "model's tool calls are read in: one of ['deepseek_v3', 'deepseek_v31', 'glm45', 'hermes', 'kimi_k2', "
      "'llama3_json', 'llama4_json', 'llama4_pythonic', 'mistral', 'openai', 'pythonic', 'qwen3_coder'])"),

@@ -135,6 +135,12 @@ def test_mistrals_newer_format_names_each_call_before_its_arguments():
         ("get_weather", {"city": "Paris"}), ("get_time", {})]
 
 
+def test_a_forced_choice_keeps_the_requests_own_function_name():
+    (call,) = forced_calls("get weather", '{"city": "Rome"}')
+    assert call.name == "get weather"
+    assert forced_calls("get_weather", '{"x": NaN}') == []
+
+
 def test_pythonic_arguments_are_literals_and_json_words():
     (call,) = TOOL_CALL_PARSERS["pythonic"].parse(
         "[plan(n=1, x=-2.5, ok=True, none=None, tags=['a', 1], nest={'k': [2]}, flag=false, gone=null)]")[1]
@@ -162,6 +168,20 @@ def test_pythonic_arguments_are_literals_and_json_words():
     ("mistral", "[TOOL_CALLS]"),
     ("mistral", "[TOOL_CALLS]get_weather{}"),  # no [ARGS]
     ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": "Paris"}]'),
+    # what JSON cannot carry or a function cannot be named stays text
+    ("llama3_json", '{"name": "f", "parameters": ' + "[" * 5000),  # nested past the decoder's recursion
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"x": ' + "[" * 5000 + "]" * 5000 + "}}]"),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call>"),
+    ("pythonic", '[f(x="\\ud800")]'),  # a lone surrogate, which no UTF-8 reply can hold
+    ("llama3_json", '{"name": "f", "parameters": {"x": "\\ud800"}}'),
+    ("pythonic", "[f(x=1e999)]"),  # infinity
+    ("llama3_json", '{"name": "f", "parameters": {"x": NaN}}'),
+    ("mistral", "[TOOL_CALLS]hello world, not a call[ARGS]{}"),
+    ("mistral", "[TOOL_CALLS]f\n[TOOL_CALLS]g[ARGS]{}"),
+    ("llama3_json", '{"name": "  ", "parameters": {}}'),
+    ("pythonic", '[\uff47et_weather(city="x")]'),  # a fullwidth name Python would fold to ASCII
+    ("pythonic", '[get_weather(\uff43ity="x")]'),
+    ("pythonic", "[f(x={True: 4, 1: 2})]"),  # keys that are not strings
 ])
 def test_outputs_whose_calls_do_not_read_are_all_content(name, text):
     assert TOOL_CALL_PARSERS[name].parse(text) == (text, [])

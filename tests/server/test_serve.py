@@ -77,6 +77,9 @@ def test_models_and_health(server, client):
     # vLLM's /ping (GET and POST) and /version; CORS answers for any origin by default (vLLM's)
     assert httpx.get(f"{server.url}/ping").json() == httpx.post(f"{server.url}/ping").json() == {"status": "ready"}
     assert httpx.get(f"{server.url}/version").json() == {"version": epmoe.__version__}
+    put = httpx.put(f"{server.url}/ping")
+    assert put.status_code == 405
+    assert put.json()["error"]["message"] == "method PUT is not allowed on /ping (use GET, POST)"
     preflight = httpx.options(f"{server.url}/v1/chat/completions", headers={
         "Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization,content-type"})

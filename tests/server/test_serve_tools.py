@@ -236,6 +236,8 @@ def test_responses_api_bad_requests_name_their_fields(server, fields, param, mes
     ({"messages": USER}, "model", "model: Field required"),  # what was sent is not echoed for a missing field
     ({"model": MODEL, "messages": USER, "tool_choice": {"type": "function"}}, "tool_choice.function",
      "tool_choice.function: Field required"),  # the union member's model name is not a field
+    ({"model": MODEL, "messages": USER, "tool_choice": "sometimes"}, "tool_choice",
+     "tool_choice: must be literal['none','auto','required'] | an object (got 'sometimes')"),
 ])
 def test_chat_field_errors_name_the_fields_sent(server, body, param, message):
     import httpx

@@ -209,6 +209,7 @@ def build_app(ctx: AppContext) -> FastAPI:
             tried = [e for e in errors if _field_of(e["loc"]) == field]
             if inner is None and (kinds or len(tried) > 1):  # a union: no member matched
                 kinds = kinds or [str(e["loc"][-1]) for e in tried]
+                kinds = list(dict.fromkeys("an object" if k[0].isupper() else k for k in kinds))  # a model's name
                 raise ApiError(400, f"{field}: must be {' | '.join(kinds)} (got {value})", field) from None
             if first["type"] == "missing":  # nothing was sent to show
                 raise ApiError(400, f"{field}: {first['msg']}", field) from None
@@ -306,8 +307,7 @@ def build_app(ctx: AppContext) -> FastAPI:
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     @app.get("/health")
-    @app.get("/ping")
-    @app.post("/ping")
+    @app.api_route("/ping", methods=["GET", "POST"])
     async def health() -> Response:
         """200 once the engine is loaded, else 503 saying what the server is doing (``/ping``: vLLM's name)."""
         if frontend.state == "ready":

@@ -39,7 +39,8 @@ class ServeConfig:
         host: address to listen on.
         port: TCP port (0 = any free one, logged).
         served_model_name: the model id clients send; ``None`` = the checkpoint directory's name.
-        api_key: bearer token every request but ``/health`` and ``/metrics`` must carry; ``None`` = no check.
+        api_key: bearer token every request but ``/health``, ``/ping``, ``/version`` and ``/metrics`` must
+            carry; ``None`` = no check.
         drain_timeout_s: on SIGTERM, seconds the running requests get to finish before they are aborted.
         max_body_bytes: largest request body, bytes (413 past it).
         cache_dir: where the built-in checkpoint is cached.
@@ -137,7 +138,12 @@ class ServeConfig:
             value = getattr(self, name)
             if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v.strip() for v in value):
                 raise ValueError(f"{name} must be a list of non-empty strings, got {value!r}")
-            object.__setattr__(self, name, tuple(value))
+            # browsers send methods in capitals and match them as sent
+            object.__setattr__(self, name, tuple(v.upper() if name == "allowed_methods" else v for v in value))
+        pathed = [o for o in self.allowed_origins if o != "*" and "/" in o.partition("://")[2]]
+        if pathed:
+            raise ValueError(f"allowed_origins are scheme://host[:port], as browsers send them (no path, no trailing "
+                             f"'/'), got {pathed}")
         if self.chat_template is not None and not self.chat_template.strip():
             raise ValueError("chat_template must not be empty (leave it out for the tokenizer's)")
 

@@ -50,6 +50,7 @@ import re
 import secrets
 import string
 import uuid
+import warnings
 from dataclasses import dataclass
 
 from epmoe.server.reasoning import held
@@ -74,13 +75,30 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _arguments(text: str) -> str | None:
-    """``text`` as a JSON object's text (re-serialised), or ``None`` when it is not one."""
+_NOT_JSON = object()
+_NAME = re.compile(r"[\w.:/-]+")  # a function's name: no white space, quotes, brackets or markers
+
+
+def _loads(text: str) -> object:
+    """``text``'s JSON value, or ``_NOT_JSON`` (not JSON, or nested past what the decoder's recursion takes)."""
     try:
-        value = json.loads(text)
-    except ValueError:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return _NOT_JSON
+
+
+def _call(call_id: str, name: object, arguments: object, named: bool = False) -> ToolCall | None:
+    """A call, where it reads: ``name`` a function's name (``named``: the request's own, taken as it is) and
+    ``arguments`` an object that JSON can carry (no NaN or infinity, no lone surrogate, string keys); else
+    ``None``."""
+    if not isinstance(name, str) or not (named or _NAME.fullmatch(name)) or not isinstance(arguments, dict):
         return None
-    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
+    try:
+        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        text.encode()
+    except (ValueError, TypeError, RecursionError):  # UnicodeEncodeError is a ValueError
+        return None
+    return ToolCall(call_id, name, text)
 
 
 def _typed(text: str, schema: dict | None) -> object:
@@ -92,9 +110,8 @@ def _typed(text: str, schema: dict | None) -> object:
     kinds = set(kinds) if isinstance(kinds, list) else {kinds} if kinds else set()
     if "string" in kinds:
         return text
-    try:
-        value = json.loads(text)
-    except ValueError:
+    value = _loads(text)
+    if value is _NOT_JSON:
         return text
     if not kinds:
         return value
@@ -183,28 +200,23 @@ class PatternToolCallParser(ToolCallParser):
         for m in self.call.finditer(body):
             parts = m.groupdict()
             if parts.get("json") is not None:  # hermes: the whole call is one JSON object
-                try:
-                    whole = json.loads(parts["json"])
-                except ValueError:
+                whole = _loads(parts["json"])
+                if not isinstance(whole, dict):
                     return None
-                if not isinstance(whole, dict) or not isinstance(whole.get("name"), str):
-                    return None
-                given = whole.get("arguments", {})
-                name = whole["name"]
-                arguments = json.dumps(given, ensure_ascii=False) if isinstance(given, dict) else None
+                name, arguments = whole.get("name"), whole.get("arguments", {})
             elif self.argument is not None:  # one by one, as text
                 name = parts["name"].strip()
                 properties = (schemas.get(name) or {}).get("properties") or {}
-                values = {a["key"].strip(): _typed(a["value"], properties.get(a["key"].strip()))
-                          for a in self.argument.finditer(parts["arguments"])}
-                arguments = json.dumps(values, ensure_ascii=False)
+                arguments = {a["key"].strip(): _typed(a["value"], properties.get(a["key"].strip()))
+                             for a in self.argument.finditer(parts["arguments"])}
             else:
-                name, arguments = parts["name"].strip(), _arguments(parts["arguments"])
+                name, arguments = parts["name"].strip(), _loads(parts["arguments"])
                 if "id" in parts:  # Kimi's header: functions.NAME:INDEX
                     name = name.removeprefix("functions.")
-            if not name or arguments is None:
+            call = _call(parts["id"].strip() if parts.get("id") else _call_id(), name, arguments)
+            if call is None:
                 return None
-            calls.append(ToolCall(parts["id"].strip() if parts.get("id") else _call_id(), name, arguments))
+            calls.append(call)
         return calls
 
 
@@ -237,20 +249,20 @@ class JsonToolCallParser(ToolCallParser):
                 name, at = body[at:cut].strip(), cut + len(self.named)
             try:
                 value, at = decoder.raw_decode(body, self._skip(body, at))
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
             if name is not None:
                 value = {"name": name, "arguments": value}
             found.extend(value if isinstance(value, list) else [value])
         calls = []
         for item in found:
-            if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+            if not isinstance(item, dict):
                 return None
-            given = item.get("arguments", item.get("parameters", {}))
-            if not isinstance(given, dict):
+            call = _call(_mistral_id() if self.mistral_ids else _call_id(), item.get("name"),
+                         item.get("arguments", item.get("parameters", {})))
+            if call is None:
                 return None
-            calls.append(ToolCall(_mistral_id() if self.mistral_ids else _call_id(), item["name"],
-                                  json.dumps(given, ensure_ascii=False)))
+            calls.append(call)
         return calls or None
 
     def _skip(self, body: str, at: int) -> int:
@@ -276,22 +288,31 @@ class PythonicToolCallParser(ToolCallParser):
     def read(self, body: str, schemas: dict[str, dict]) -> list[ToolCall] | None:
         body = body.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
         try:
-            tree = ast.parse(body, mode="eval").body
+            with warnings.catch_warnings():  # the model's text is not ours to warn about ("invalid decimal literal")
+                warnings.simplefilter("ignore")
+                tree = ast.parse(body, mode="eval").body
         except (SyntaxError, ValueError, MemoryError, RecursionError):
             return None
         if not isinstance(tree, ast.List) or not tree.elts:
             return None
         calls = []
-        for call in tree.elts:
-            if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args \
-                    or any(k.arg is None for k in call.keywords):
+        for node in tree.elts:
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args \
+                    or any(k.arg is None for k in node.keywords):
+                return None
+            # Python folds identifiers to NFKC (a fullwidth name would read as ASCII): names as written only
+            written = [ast.get_source_segment(body, node.func)] + [
+                (ast.get_source_segment(body, k) or "").split("=", 1)[0].strip() for k in node.keywords]
+            if written != [node.func.id] + [k.arg for k in node.keywords]:
                 return None
             try:
-                values = {k.arg: _literal(k.value) for k in call.keywords}
-                arguments = json.dumps(values, ensure_ascii=False)
+                values = {k.arg: _literal(k.value) for k in node.keywords}
             except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
                 return None
-            calls.append(ToolCall(_call_id(), call.func.id, arguments))
+            call = _call(_call_id(), node.func.id, values)
+            if call is None:
+                return None
+            calls.append(call)
         return calls
 
 
@@ -302,16 +323,18 @@ def _literal(node: ast.expr) -> object:
     """A pythonic call's argument value: a Python literal, with JSON's ``true``, ``false`` and ``null`` as names.
 
     Raises:
-        ValueError: anything else (a call, a variable, an operation).
+        ValueError: anything else (a call, a variable, an operation), or a dict whose keys are not distinct
+            strings.
     """
     if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
         return _JSON_NAMES[node.id]
     if isinstance(node, ast.List):
         return [_literal(e) for e in node.elts]
     if isinstance(node, ast.Dict):
-        if any(k is None for k in node.keys):
-            raise ValueError("a ** in a dict")
-        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
+        keys = [None if k is None else _literal(k) for k in node.keys]
+        if not all(isinstance(k, str) for k in keys) or len(set(keys)) != len(keys):
+            raise ValueError("a JSON object's keys are distinct strings")
+        return dict(zip(keys, (_literal(v) for v in node.values)))
     return ast.literal_eval(node)
 
 
@@ -395,14 +418,12 @@ def forced_calls(choice: str, text: str) -> list[ToolCall]:
         choice: ``"required"``, or the named function.
         text: the output.
     """
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return []
+    value = _loads(text)
     if choice != "required":
-        return [ToolCall(_call_id(), choice, json.dumps(value, ensure_ascii=False))] if isinstance(value, dict) \
-            else []
+        call = _call(_call_id(), choice, value, named=True)
+        return [call] if call is not None else []
     if not isinstance(value, list):
         return []
-    return [ToolCall(_call_id(), item["name"], json.dumps(item["parameters"], ensure_ascii=False))
-            for item in value if isinstance(item, dict) and "name" in item and "parameters" in item]
+    calls = [_call(_call_id(), item.get("name"), item.get("parameters"), named=True) for item in value
+             if isinstance(item, dict)]
+    return [c for c in calls if c is not None]
