@@ -145,7 +145,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
         print_run_report(report)
         if args.json:
-            from epmoe.runtime.run import write_json
+            from epmoe.runtime.report import write_json
 
             write_json(report, args.json)
     return 0 if report.matches_reference in (True, None) else 1

@@ -8,8 +8,7 @@ import re
 
 from rich.console import Console
 
-from epmoe.runtime.report import print_run_report
-from epmoe.runtime.run import RankReport, RunReport
+from epmoe.runtime.report import RankReport, RunReport, print_run_report
 
 
 def _report(rebalances: list[dict], **fields) -> RunReport:
@@ -51,7 +50,7 @@ def test_rebalances_are_counted_by_outcome_with_reasons():
 
 
 def test_half_precision_mismatches_are_judged_by_the_float32_reference():
-    from epmoe.runtime.run import judge_mismatches
+    from epmoe.runtime.report import judge_mismatches
 
     ours = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
     same_dtype = [[1, 2, 3], [4, 5, 7], [7, 8, 1]]

@@ -9,11 +9,10 @@ run the unsharded transformers model on the same prompts (greedy runs), and retu
 
 from __future__ import annotations
 
-import json
 import re
 import resource
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -29,6 +28,7 @@ from epmoe.models.hf import hf_config, needs_own_loader
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.plan.request import counted
 from epmoe.runtime.launch import RankInfo, init_group, spawn, torchrun_rank_info, under_torchrun
+from epmoe.runtime.report import RankReport, RunReport, judge_mismatches
 from epmoe.spec import MoESpec, load_moe_spec
 
 DEFAULT_PROMPTS = (
@@ -211,131 +211,6 @@ class RunConfig:
             ValueError: a bad engine option (named).
         """
         return command_engine_config(self, model_dir, seed=self.seed or 0)
-
-
-@dataclass
-class RankReport:
-    """What one rank measured.
-
-    Attributes:
-        rank: EP rank.
-        prompts: indices of the prompts this rank served.
-        tokens: generated token ids per served prompt.
-        finish_reasons: why each served prompt stopped (``stop``, ``length``).
-        gen_s: wall time of the generation on this rank, seconds.
-        steps: engine steps run (every rank runs the same number).
-        step_kinds: steps by kind: ``graph_steps`` (one CUDA-graph replay; ``long_context_graph_steps`` of them
-            replayed a bucket's long-context graph), ``piecewise_steps`` (piecewise graphs, attention eager),
-            ``eager_steps``, ``idle_steps``
-            (nothing of its own: joined the collectives with an empty batch); ``preemptions``; with prefix
-            caching, ``prefix_cache_queries`` and ``prefix_cache_hits`` (tokens, ``Scheduler``'s).
-        tokens_per_step: mean tokens this rank fed per step in which it ran the model.
-        ttft_ms: time to first token of each served prompt, ms.
-        rank_counts: ``[L, G]`` (token, expert) pairs this rank routed to each EP rank (padding rows of
-            graph steps not counted).
-        rebalances: the EPLB events (dicts of ``RebalanceEvent``), empty without ``--eplb-interval``.
-        collectives: kind -> calls per step.
-        bytes_per_step: kind -> bytes sent per step by this rank.
-        peak_rss_mb: peak resident memory of the process, MiB.
-        peak_cuda_mb: peak CUDA memory allocated, MiB (0 on CPU).
-        expert_mb: routed-expert weights held by this rank, MiB.
-        full_expert_mb: what all routed experts would take, MiB.
-        kv: the KV pool report (blocks, tokens, bytes, max concurrency at the model's context).
-        speculative: with speculative decoding, this rank's counts (``SpecStats.to_json``: verify steps,
-            proposed and accepted tokens, mean accepted length per verify step, acceptance rate), the proposer's
-            description and, under ``requests``, the same counts per served prompt; ``None`` without.
-        logical_loads: ``[L, E]`` tokens this rank routed per logical expert (``Engine.logical_loads``); empty
-            unless ``--save-loads`` asked for them.
-    """
-
-    rank: int
-    prompts: list[int]
-    tokens: list[list[int]]
-    finish_reasons: list[str]
-    gen_s: float
-    steps: int
-    step_kinds: dict[str, int]
-    tokens_per_step: float
-    ttft_ms: list[float]
-    rank_counts: list[list[int]]
-    rebalances: list[dict]
-    collectives: dict[str, float]
-    bytes_per_step: dict[str, float]
-    peak_rss_mb: float
-    peak_cuda_mb: float
-    expert_mb: float
-    full_expert_mb: float
-    kv: dict
-    speculative: dict | None = None
-    logical_loads: list[list[int]] = field(default_factory=list)
-
-
-@dataclass
-class RunReport:
-    """The result of ``run_job``.
-
-    Attributes:
-        model: checkpoint directory used.
-        model_type: its ``model_type``.
-        ep: ranks (the EP size; with ``parallel`` ``tp``, the TP size).
-        parallel: ``ep`` (experts expert-parallel) or ``tp`` (tensor-parallel: nothing is routed to ranks, so
-            ``routed_tokens_per_step`` is zeros and ``balancedness`` 1).
-        device: ``cpu`` or ``cuda``.
-        prompts: the prompt strings.
-        outputs: generated text per prompt.
-        ranks: per-rank reports.
-        tokens_per_s: generated tokens over all ranks per second of generation wall time (prefill included).
-        balancedness: mean over ranks / max over ranks of routed tokens per rank, averaged over layers.
-        routed_tokens_per_step: per EP rank, (token, expert) pairs its slots computed per step and MoE layer.
-        matches_reference: generated tokens equal the unsharded transformers model's (``None`` if skipped:
-            ``--no-reference``, sampling, or dummy weights). Promised exactly in float32; in bf16/fp16 the
-            sharded sums run in another order, so a near-tie between two tokens (or two experts) can flip: a
-            prompt whose tokens differ from transformers' run in the same dtype is judged by a float32 reference
-            (``float32_judged``), and matches when ours equal the float32 tokens.
-        mismatches: prompt indices whose tokens differ from the reference (and, in bf16/fp16, from the float32
-            reference).
-        reference_outputs: token ids the reference generated per prompt (empty if skipped).
-        first_mismatch: ``(prompt, step, ours, reference)`` of the first differing token, or ``None``.
-        float32_judged: per prompt that differed from the same-dtype reference in a bf16/fp16 run, which side
-            equals the float32 reference: ``{"prompt", "epmoe_equals_float32", "reference_equals_float32"}``.
-        graphs: whether steps replayed CUDA graphs (decode buckets or piecewise graphs).
-        overlap: whether the engine ran the overlap schedule (``EngineConfig.disable_overlap_schedule``).
-        speculative: with speculative decoding, the counts over every rank (``SpecStats.to_json``), the
-            algorithm, ``K``, the proposer's description and, under ``requests``, each prompt's counts in prompt
-            order; ``None`` without.
-        dtype: the compute dtype of the run (and of the reference).
-        expert_backend: what computed the routed experts (``experts.describe_expert_backend``): the backend's
-            name, or for ``triton`` on the CPU that the reference ran.
-        prefix_cache: with prefix caching on, prompt tokens looked up in the cache and found there, summed over
-            the ranks: ``{"queried_tokens", "hit_tokens"}``; ``None`` with it off.
-    """
-
-    model: str
-    model_type: str
-    ep: int
-    parallel: str
-    device: str
-    prompts: list[str]
-    outputs: list[str]
-    ranks: list[RankReport]
-    tokens_per_s: float
-    balancedness: float
-    routed_tokens_per_step: list[float]
-    matches_reference: bool | None
-    mismatches: list[int] = field(default_factory=list)
-    reference_outputs: list[list[int]] = field(default_factory=list)
-    first_mismatch: tuple[int, int, int, int] | None = None
-    float32_judged: list[dict] = field(default_factory=list)
-    graphs: bool = False
-    overlap: bool = False
-    speculative: dict | None = None
-    dtype: str = "float32"
-    expert_backend: str = "reference"
-    prefix_cache: dict | None = None
-
-    def to_json(self) -> dict:
-        """A JSON-ready dict."""
-        return asdict(self)
 
 
 def _encode(model_dir: str, prompts: list[str], trust_remote_code: bool) -> tuple[list[list[int]], object | None]:
@@ -640,38 +515,3 @@ def run_job(cfg: RunConfig) -> RunReport:
             theirs = ref_tokens[i][step] if step < len(ref_tokens[i]) else -1
             report.first_mismatch = (i, step, ours, theirs)
     return report
-
-
-def judge_mismatches(tokens: list[list[int]], reference: list[list[int]],
-                     float32: dict[int, list[int]]) -> tuple[list[int], list[dict]]:
-    """Which prompts fail the reference check.
-
-    A prompt fails when its tokens differ from the reference run in the same dtype, unless a float32 reference
-    of it is given (bf16/fp16 runs) and our tokens equal that: then transformers' own half-precision run is the
-    one that flipped a near-tie.
-
-    Args:
-        tokens: our token ids per prompt.
-        reference: transformers' token ids per prompt, same dtype as ours.
-        float32: prompt index -> transformers' float32 token ids, for prompts that differed (empty in float32).
-
-    Returns:
-        The failing prompt indices, and per judged prompt ``{"prompt", "epmoe_equals_float32",
-        "reference_equals_float32"}``.
-    """
-    failing, judged = [], []
-    for i, (ours, theirs) in enumerate(zip(tokens, reference)):
-        if ours == theirs:
-            continue
-        if i in float32:
-            judged.append({"prompt": i, "epmoe_equals_float32": ours == float32[i],
-                           "reference_equals_float32": theirs == float32[i]})
-            if ours == float32[i]:
-                continue
-        failing.append(i)
-    return failing, judged
-
-
-def write_json(report: RunReport, path: str | Path) -> None:
-    """Write ``report.to_json()`` to ``path``."""
-    Path(path).write_text(json.dumps(report.to_json(), indent=2))
