@@ -246,3 +246,29 @@ def test_chat_field_errors_name_the_fields_sent(server, body, param, message):
                      headers={"Authorization": f"Bearer {API_KEY}"})
     assert got.status_code == 400 and got.json()["error"]["param"] == param
     assert got.json()["error"]["message"] == message
+
+
+@pytest.mark.parametrize("parser, output, content", [
+    ("mistral", 'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]', "Sure. "),
+    ("llama4_pythonic", '<|python_start|>[get_weather(city="Paris")]<|python_end|>', None),
+])
+def test_mistral_and_llama_formats_through_a_server(start_server, parser, output, content):
+    """A server with another ``--tool-call-parser``: the calls the model writes come back whole and streamed; a
+    Mistral call's id is nine letters and digits; text that only looks like a call stays content."""
+    spec = start_server("--ep", "1", "--chat-template", TOOLS_TEMPLATE, "--enable-auto-tool-choice",
+                        "--tool-call-parser", parser)
+    client = openai.OpenAI(base_url=f"{spec.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    regex = "".join("\\" + ch if ch in "[]{}()|.\\" else ch for ch in output)
+    fields = {"messages": USER, "tools": [WEATHER], "max_tokens": 100, "temperature": 0,
+              "extra_body": {"structured_outputs": {"regex": regex}}}
+    choice = client.chat.completions.create(model=MODEL, **fields).choices[0]
+    (call,) = choice.message.tool_calls
+    assert (choice.finish_reason, choice.message.content) == ("tool_calls", content)
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    if parser == "mistral":
+        assert len(call.id) == 9 and call.id.isalnum()
+    _, streamed, calls, finish = _streamed(client, **fields)
+    assert (streamed, finish) == (content or "", "tool_calls")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_weather", {"city": "Paris"})]
+    plain = dict(fields, extra_body={"structured_outputs": {"regex": r"\[citation needed\] text"}})
+    assert client.chat.completions.create(model=MODEL, **plain).choices[0].message.content == "[citation needed] text"
