@@ -36,6 +36,7 @@ class ExpertParams(nn.Module):
             setattr(self, name, nn.Parameter(t, requires_grad=False))
 
     def weights(self) -> AnyExpertWeights:
+        """The slots' weights as the expert backends take them (``storage``'s value type over these tensors)."""
         return self.storage.weights(dict(self.named_parameters()))
 
 
