@@ -74,6 +74,9 @@ def test_models_and_health(server, client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].max_model_len == 256
+    assert client.models.retrieve(MODEL).id == MODEL  # OpenAI's GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError, match="model 'other/model' does not exist; this server serves"):
+        client.models.retrieve("other/model")
     # vLLM's /ping (GET and POST) and /version; CORS answers for any origin by default (vLLM's)
     assert httpx.get(f"{server.url}/ping").json() == httpx.post(f"{server.url}/ping").json() == {"status": "ready"}
     assert httpx.get(f"{server.url}/version").json() == {"version": epmoe.__version__}

@@ -155,7 +155,8 @@ def build_app(ctx: AppContext) -> FastAPI:
         if exc.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"
             allowed = {k.lower(): v for k, v in (exc.headers or {}).items()}.get("allow")
-            message += f" (use {allowed})" if allowed else ""
+            # Starlette's Allow header lists a route's methods in a set's order: sorted, so one answer reads alike
+            message += f" (use {', '.join(sorted(m.strip() for m in allowed.split(',')))})" if allowed else ""
         elif exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
         else:
@@ -298,13 +299,21 @@ def build_app(ctx: AppContext) -> FastAPI:
         """vLLM's: the text of token ids."""
         return await answer(request, DetokenizeRequest, detokenize)
 
+    def model_card() -> ModelCard:
+        return ModelCard(id=ctx.model_name, created=int(time.time()), root=ctx.model_dir,
+                         max_model_len=ready_info().max_model_len)
+
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         check_key(request)
-        info = ready_info()
-        card = ModelCard(id=ctx.model_name, created=int(time.time()), root=ctx.model_dir,
-                         max_model_len=info.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        return JSONResponse(ModelList(data=[model_card()]).model_dump())
+
+    @app.get("/v1/models/{name:path}")
+    async def model(request: Request, name: str) -> JSONResponse:
+        """OpenAI's model retrieval (``client.models.retrieve``): the served model's card, or 404 naming it."""
+        check_key(request)
+        check_model(name)
+        return JSONResponse(model_card().model_dump())
 
     @app.get("/health")
     @app.api_route("/ping", methods=["GET", "POST"])
