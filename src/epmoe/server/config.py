@@ -147,6 +147,12 @@ class ServeConfig:
         if self.chat_template is not None and not self.chat_template.strip():
             raise ValueError("chat_template must not be empty (leave it out for the tokenizer's)")
 
+    @property
+    def cors(self) -> dict:
+        """The CORS options as Starlette's ``CORSMiddleware`` takes them."""
+        return {"allow_origins": list(self.allowed_origins), "allow_methods": list(self.allowed_methods),
+                "allow_headers": list(self.allowed_headers), "allow_credentials": self.allow_credentials}
+
     def engine_config(self, model_dir: str) -> EngineConfig:
         """The engine's options for ``model_dir`` (``command_engine_config``).
 

@@ -222,10 +222,8 @@ def serve(cfg: ServeConfig) -> int:
             followers.start()
         there.close()  # the core holds its end now: the pipe closes when the core's process ends
         frontend = Frontend(here, ServerMetrics(), on_fatal)
-        cors = {"allow_origins": list(cfg.allowed_origins), "allow_methods": list(cfg.allowed_methods),
-                "allow_headers": list(cfg.allowed_headers), "allow_credentials": cfg.allow_credentials}
         app = build_app(AppContext(frontend, codec, name, model_dir, cfg.api_key, cfg.max_body_bytes, defaults,
-                                   parsers, cors))
+                                   parsers, cfg.cors))
     except BaseException:  # Ctrl-C: the ranks started and the socket go with it
         sock.close()
         _release_ranks(core, followers)

@@ -51,7 +51,8 @@ import secrets
 import string
 import uuid
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from epmoe.server.reasoning import held
 
@@ -140,12 +141,14 @@ class ToolCallParser:
         markers: every marker of the format (a tokenizer must not drop them as special tokens).
         leading: the calls are the whole output: they are read only where the output, leading white space aside,
             begins with one of ``starts`` (a bare ``[`` or ``{`` elsewhere is text).
+        new_id: makes the id of a call the format does not name (``call_...``; Mistral's nine letters and digits).
     """
 
     name: str
     starts: tuple[str, ...]
     markers: tuple[str, ...]
     leading: bool = False
+    new_id: Callable[[], str] = _call_id
 
     def section(self, text: str) -> int:
         """Where the calls begin in ``text``; -1 where they do not."""
@@ -192,7 +195,7 @@ class PatternToolCallParser(ToolCallParser):
             else ``None`` (``arguments`` is a JSON object).
     """
 
-    call: re.Pattern | None = None
+    call: re.Pattern = field(kw_only=True)
     argument: re.Pattern | None = None
 
     def read(self, body: str, schemas: dict[str, dict]) -> list[ToolCall] | None:
@@ -213,7 +216,7 @@ class PatternToolCallParser(ToolCallParser):
                 name, arguments = parts["name"].strip(), _loads(parts["arguments"])
                 if "id" in parts:  # Kimi's header: functions.NAME:INDEX
                     name = name.removeprefix("functions.")
-            call = _call(parts["id"].strip() if parts.get("id") else _call_id(), name, arguments)
+            call = _call(parts["id"].strip() if parts.get("id") else self.new_id(), name, arguments)
             if call is None:
                 return None
             calls.append(call)
@@ -229,11 +232,9 @@ class JsonToolCallParser(ToolCallParser):
 
     Attributes:
         named: the marker between a call's name and its arguments (``[ARGS]``), or ``None``.
-        mistral_ids: the calls' ids are nine letters and digits, as Mistral's templates require.
     """
 
     named: str | None = None
-    mistral_ids: bool = False
 
     def read(self, body: str, schemas: dict[str, dict]) -> list[ToolCall] | None:
         decoder, at, found = json.JSONDecoder(), 0, []
@@ -258,8 +259,7 @@ class JsonToolCallParser(ToolCallParser):
         for item in found:
             if not isinstance(item, dict):
                 return None
-            call = _call(_mistral_id() if self.mistral_ids else _call_id(), item.get("name"),
-                         item.get("arguments", item.get("parameters", {})))
+            call = _call(self.new_id(), item.get("name"), item.get("arguments", item.get("parameters", {})))
             if call is None:
                 return None
             calls.append(call)
@@ -309,7 +309,7 @@ class PythonicToolCallParser(ToolCallParser):
                 values = {k.arg: _literal(k.value) for k in node.keywords}
             except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
                 return None
-            call = _call(_call_id(), node.func.id, values)
+            call = _call(self.new_id(), node.func.id, values)
             if call is None:
                 return None
             calls.append(call)
@@ -377,8 +377,8 @@ TOOL_CALL_PARSERS = {
         ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>"),
         call=re.compile(r"<\|start\|>assistant to=functions\.(?P<name>[^<\s]+)<\|message\|>(?P<arguments>.*?)"
                         r"(?=<\|start\|>|$)", re.S)),
-    "mistral": JsonToolCallParser("mistral", ("[TOOL_CALLS]",), ("[TOOL_CALLS]", "[ARGS]"), named="[ARGS]",
-                                  mistral_ids=True),
+    "mistral": JsonToolCallParser("mistral", ("[TOOL_CALLS]",), ("[TOOL_CALLS]", "[ARGS]"), new_id=_mistral_id,
+                                  named="[ARGS]"),
     "llama3_json": JsonToolCallParser("llama3_json", **_LLAMA_JSON),
     "llama4_json": JsonToolCallParser("llama4_json", **_LLAMA_JSON),
     "pythonic": PythonicToolCallParser("pythonic", **_PYTHONIC),
