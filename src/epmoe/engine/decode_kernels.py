@@ -17,9 +17,11 @@ def paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, sink_ptr, out_ptr, ws_ptr,
     B, H, DK, DV, ml_off, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_btb, stride_ob, stride_oh, qk_scale, window, chunk,
+    cos_ptr, sin_ptr, stride_c, qw_ptr, kw_ptr, slot_ptr, eps,
     G: tl.constexpr, G_PAD: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    ROPE: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
 ):
     if PDL:  # the cache and the queries come from the kernel before: wait at once
         tl.extra.cuda.gdc_launch_dependents()
@@ -42,8 +44,25 @@ def paged_decode_kernel(
         lo = tl.maximum(lo, ((tl.maximum(ctx, 1) - 1) // chunk) * chunk)
     lo, hi = split_span(lo, ctx, split, SPLITS, BLOCK_N)
     live = hi > lo  # an empty split (a context shorter than the splits cover) stores its max and sum only
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_dk[None, :],
-                mask=row_ok[:, None] & dk_ok[None, :] & live, other=0.0)
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+    if ROPE:  # q_ptr is the q/k/v projection's row: the query heads, then the key and value heads
+        cos_row = cos_ptr + b.to(tl.int64) * stride_c
+        sin_row = sin_ptr + b.to(tl.int64) * stride_c
+        q = rope_rows(q_rows, offs_dk, row_ok[:, None] & dk_ok[None, :] & live, cos_row, sin_row, qw_ptr, eps, DK,
+                      HALF, NORM)
+        # the program whose span holds the newest position (ctx - 1) writes its key and value into the cache, then
+        # reads them back in its loop as any other key (the barrier makes the stores visible to all its threads)
+        own = live & (lo <= ctx - 1) & (ctx - 1 < hi)
+        kv_rows = q_ptr + b.to(tl.int64) * stride_qb + (H + kvh + tl.arange(0, 1)[:, None] * 0) * stride_qh
+        k_new = rope_rows(kv_rows, offs_dk, dk_ok[None, :] & own, cos_row, sin_row, kw_ptr, eps, DK, HALF, NORM)
+        slot = tl.load(slot_ptr + b, mask=own, other=0).to(tl.int64)
+        k_dst = k_ptr + slot * stride_ks + kvh * stride_kh + offs_dk[None, :]
+        tl.store(k_dst, k_new.to(k_ptr.dtype.element_ty), mask=dk_ok[None, :] & own)
+        v_new = tl.load(kv_rows + (H // G) * stride_qh + offs_dv[None, :], mask=dv_ok[None, :] & own, other=0.0)
+        tl.store(v_ptr + slot * stride_vs + kvh * stride_vh + offs_dv[None, :], v_new, mask=dv_ok[None, :] & own)
+        tl.debug_barrier()
+    else:
+        q = tl.load(q_rows + offs_dk[None, :], mask=row_ok[:, None] & dk_ok[None, :] & live, other=0.0)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
@@ -68,6 +87,32 @@ def paged_decode_kernel(
         acc = acc * alpha[:, None]
     store_split(acc, m_i, l_i, ctx, live, b, heads, row_ok, offs_dv, dv_ok, out_ptr, ws_ptr, stride_ob, stride_oh, B,
                 H, DV, ml_off, split, SPLITS)
+
+
+@triton.jit
+def rope_rows(rows, cols, mask, cos_row, sin_row, w_ptr, eps, D, HALF: tl.constexpr, NORM: tl.constexpr):
+    """Heads of a q/k/v projection's row normalised (``NORM``) and rotated, as ``rope_attention``'s kernel does
+    them: ``rows [R, 1]`` the heads' first elements, ``cols [DK_PAD]`` the column offsets, ``mask [R, DK_PAD]``;
+    ``cos_row``, ``sin_row`` the ``HALF`` rotary values of the token; ``w_ptr`` the per-head norm weight. The first
+    ``2 * HALF`` columns are rotated by halves (each column reads its partner column's value too, so the tile
+    stays whole), the rest passed through. Returns ``[R, DK_PAD]`` in the projection's dtype."""
+    rot = cols < 2 * HALF
+    partner = tl.where(cols < HALF, cols + HALF, tl.where(rot, cols - HALF, cols))
+    raw = tl.load(rows + cols[None, :], mask=mask, other=0.0)
+    dt = raw.dtype
+    x = raw.to(tl.float32)
+    xp = tl.load(rows + partner[None, :], mask=mask & rot[None, :], other=0.0).to(tl.float32)
+    if NORM:
+        r = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
+        wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)[None, :]
+        x = ((x * r).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+        xp = ((xp * r).to(dt).to(tl.float32) * wp).to(dt).to(tl.float32)
+    idx = tl.where(cols < HALF, cols, cols - HALF)
+    c = tl.load(cos_row + idx, mask=rot, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_row + idx, mask=rot, other=0.0).to(tl.float32)[None, :]
+    sign = tl.where(cols < HALF, -1.0, 1.0)[None, :]
+    return tl.where(rot[None, :], x * c + (xp * sign) * s, x).to(dt)
 
 
 @triton.jit
