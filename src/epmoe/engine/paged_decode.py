@@ -33,6 +33,9 @@ Two implementations with the same semantics:
   its running max, sum and unnormalised accumulator to a float32 workspace;
   ``decode_kernels.paged_decode_reduce_kernel`` (grid ``(B, H)``) merges the splits and the sink.
 
+With a ``RopeFold`` the kernel also does ``rope_attention``'s rotary: its queries come un-rotated from the q/k/v
+projection and the newest keys and values are written into the cache by the kernel itself (see ``RopeFold``).
+
 Grids and the number of splits depend on shapes only (``B``, ``Hkv``, ``MB * BS``, the window and chunk
 sizes, the SM count), never on device values: no host synchronisation, CUDA-graph safe. With ``out``
 given nothing is allocated, so split-K then needs a ``workspace`` (``paged_decode_workspace``); without
@@ -441,7 +444,8 @@ def paged_decode_triton(
         b, h, dk, dv, ml_off, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0),
         out.stride(1), float(scale) * _LOG2E, sliding_window or 0, chunk_size or 1, *rope_args,
-        ROPE=rope is not None, HALF=half, NORM=norm, G=g, G_PAD=max(_MIN_ROWS, _next_pow2(g)), DK_PAD=dk_pad, DV_PAD=dv_pad, BLOCK_SIZE=bs,
+        ROPE=rope is not None, HALF=half, NORM=norm, G=g, G_PAD=max(_MIN_ROWS, _next_pow2(g)), DK_PAD=dk_pad,
+        DV_PAD=dv_pad, BLOCK_SIZE=bs,
         BLOCK_N=_block_n(dk, dv, q.dtype), SPLITS=splits, HAS_WINDOW=sliding_window is not None,
         HAS_CHUNK=chunk_size is not None, HAS_SINKS=sinks is not None, IEEE=q.dtype == torch.float32,
         PDL=pdl, num_warps=4, num_stages=2, launch_pdl=pdl,

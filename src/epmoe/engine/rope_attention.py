@@ -15,6 +15,11 @@ attention reads anything, which at one decode token cost several times the layer
    token's cache slot;
 3. the engine's attention over the cache (``attention.attend``), then ``o_proj`` (through ``gemv.linear``).
 
+A step of single-token rows on CUDA folds 2. into 3. (``rope_decode_attention``): the decode kernel normalises and
+rotates its own queries from the projection's output, and the program whose keys include a row's newest position
+normalises, rotates and writes that key and its value before reading the cache, so the step's chain of dependent
+launches is one shorter (``rope_folds``).
+
 Rotary embedding: ``x[:R]`` of a head is rotated by halves, ``(x1, x2) -> (x1 c - x2 s, x2 c + x1 s)`` with
 ``c, s`` the cosine and sine of the token's position (``R/2`` values, from the model's own rotary module, so
 every scaling variant it implements is kept) and ``x[R:]`` passed through (GLM's partial rotary). transformers
