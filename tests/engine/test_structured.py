@@ -155,7 +155,7 @@ def test_not_served_with_speculative_decoding_or_without_a_tokenizer(model_dir, 
 
 def test_a_grammar_compiles_once_and_each_request_gets_its_own_matcher(engine):
     """A request's choices and a repeated schema share one compiled grammar; their matchers advance apart."""
-    grammars = engine._constraint_compiler()
+    grammars = engine.admission.compiler()
     before = len(grammars._compiled)
     spec = StructuredOutputs(regex="ab|ac")
     a, b = grammars.matcher(spec), grammars.matcher(spec)

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import itertools
 import numbers
-import threading
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -48,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from epmoe.comm import Comm
+from epmoe.engine.admission import Admission
 from epmoe.engine.attention import register_attention
 from epmoe.engine.capacity import draft_sizes, graph_sizes, kv_blocks, piece_sizes
 from epmoe.engine.config import EPLB_WINDOW_STEPS, EngineConfig
@@ -70,8 +70,8 @@ from epmoe.engine.sampling import SamplingParams, TokenCounts, sample
 from epmoe.engine.scheduler import Scheduler, StepPlan
 from epmoe.engine.speculative import Proposal, SpecStats, verify, verify_greedy
 from epmoe.engine.stopping import banned_tokens, final_text, finish_reason
-from epmoe.engine.structured import Grammars, Matcher, StructuredOutputs, allows_besides, apply_token_bitmask
-from epmoe.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
+from epmoe.engine.structured import StructuredOutputs, allows_besides, apply_token_bitmask
+from epmoe.engine.tokenizer import eos_token_ids, load_tokenizer
 from epmoe.engine.transfer import to_device
 from epmoe.layer import MoELayerOptions, check_tp_sizes
 from epmoe.loads import ExpertLoadRecorder, LoadTotals
@@ -188,8 +188,6 @@ class Engine:
         self.num_spec_tokens = config.num_speculative_tokens
         self.spec_stats = SpecStats()
         self.proposer = None
-        self._grammars: Grammars | None = None  # structured outputs' compiler, built on the first such request
-        self._grammars_lock = threading.Lock()
         self._token_counts: TokenCounts | None = None  # the penalized requests' tokens, made on the first one
         if config.speculative_algorithm is not None:
             say(f"loading the {config.speculative_algorithm} proposer")
@@ -202,6 +200,8 @@ class Engine:
         num_blocks = kv_blocks(config, layout, self.device, self.max_model_len, extra)
         self.kv = KVCache(layout, num_blocks, config.block_size, config.torch_dtype, self.device)
         self.allocator = BlockAllocator(num_blocks)
+        self.admission = Admission(self.tokenizer, self.vocab_size, self.eos_ids, self.max_model_len,
+                                   self.allocator.capacity, config.block_size, config.speculative_algorithm)
         graph_rows = max(graph_sizes(config, self.num_spec_tokens)) if config.static_decode else 0
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, lookahead=self.num_spec_tokens,
@@ -301,102 +301,24 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------------
 
     def encode(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt (a string through the tokenizer, or ids as given).
-
-        Raises:
-            TypeError: a prompt that is neither a string nor a list/tuple of token ids.
-            ValueError: an empty prompt, or ids outside the vocabulary.
-        """
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            ids = encode_text(self.tokenizer, self.vocab_size, prompt)
-        elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-        else:
-            raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt must have at least one token")
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)
-               or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}")
-        return [int(t) for t in ids]
+        """Token ids of a prompt (``Admission.encode``: a string through the tokenizer, or ids as given; its
+        errors)."""
+        return self.admission.encode(prompt)
 
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """The prompt's token ids, if the request can be served; nothing is queued.
-
-        Raises:
-            TypeError: ``params`` is not a ``SamplingParams``; a prompt of another type.
-            ValueError: an empty prompt, prompt, stop or logit-bias token ids outside the vocabulary, a penalty,
-                logit bias or structured output with speculative decoding, structured outputs without a tokenizer
-                or that do not compile, a prompt as long as the context (``max_model_len``), or a
-                prompt whose keys and values with ``max_tokens`` more would not fit in the whole KV pool (it could
-                only be cut short).
-        """
-        return self._checked(prompt, params)[0]
-
-    def _checked(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], Matcher | None]:
-        """``check_request``'s checks; also the request's constraint matcher (``None`` without one)."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        ids = self.encode(prompt)
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}) (the vocabulary), got {bad[:5]}")
-        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size}) (the vocabulary), got {bad[:5]}")
-        if params.adjusts_logits and self.proposer is not None:
-            name = next(n for n in ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
-                        if getattr(params, n) != SamplingParams.__dataclass_fields__[n].default)
-            raise ValueError(f"{name} is not served with speculative decoding (speculative_algorithm "
-                             f"{self.config.speculative_algorithm!r}): its verification does not adjust the logits")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the context of max_model_len "
-                             f"{self.max_model_len} tokens")
-        pool = self.allocator.capacity * self.config.block_size
-        # the last token sampled is never fed back: its KV is not needed
-        need = min(len(ids) + params.max_tokens - 1, self.max_model_len)
-        if need > pool:
-            raise ValueError(f"prompt of {len(ids)} tokens with max_tokens {params.max_tokens} needs {need} KV slots; "
-                             f"the KV pool holds {pool} tokens ({self.allocator.capacity} "
-                             f"block{'s' if self.allocator.capacity != 1 else ''} of "
-                             f"{self.config.block_size}): lower max_tokens or give the cache more blocks")
-        so = params.structured_outputs
-        return ids, self._constraint_compiler().matcher(so) if so is not None else None
+        """The prompt's token ids, if the request can be served; nothing is queued (``Admission.check``: its
+        errors)."""
+        return self.admission.check(prompt, params)[0]
 
     def constraint_ready(self, spec: StructuredOutputs) -> bool:
-        """Whether ``add_request`` with ``spec`` would find its grammar compiled (and so not compile it in the
-        caller's thread)."""
-        return self._grammars is not None and self._grammars.is_compiled(spec)
+        """Whether ``add_request`` with ``spec`` would find its grammar compiled (``Admission.constraint_ready``)."""
+        return self.admission.constraint_ready(spec)
 
     def compile_constraint(self, spec: StructuredOutputs) -> None:
-        """Compile ``spec``'s grammar into the engine's cache of compiled grammars, so that an ``add_request`` with it
-        soon after copies it instead of compiling. Safe to run in another thread than the one that steps (the
-        server's ranks do, so that a large grammar does not hold up every running request's steps; llguidance
-        compiles without the interpreter lock).
-
-        Raises:
-            ValueError: as ``add_request`` for this constraint (it does not compile; speculative decoding; no
-                tokenizer).
-        """
-        self._constraint_compiler().matcher(spec)
-
-    def _constraint_compiler(self) -> Grammars:
-        """The engine's compiler of structured outputs' constraints (built on first use).
-
-        Raises:
-            ValueError: speculative decoding (its verification does not constrain the proposals), no tokenizer.
-        """
-        if self.proposer is not None:
-            raise ValueError(f"structured_outputs are not served with speculative decoding (speculative_algorithm "
-                             f"{self.config.speculative_algorithm!r}): its verification does not constrain the "
-                             f"proposals")
-        with self._grammars_lock:  # compile_constraint may build it in a worker thread
-            if self._grammars is None:
-                self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
-        return self._grammars
+        """Compile ``spec``'s grammar ahead of its ``add_request``, in any thread (``Admission.compile_constraint``:
+        its errors). The server's ranks do, so that a large grammar does not hold up every running request's
+        steps."""
+        self.admission.compile_constraint(spec)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -416,7 +338,7 @@ class Engine:
             TypeError: ``params`` is not a ``SamplingParams``.
         """
         params = params if params is not None else SamplingParams()
-        ids, matcher = self._checked(prompt, params)
+        ids, matcher = self.admission.check(prompt, params)
         if request_id is not None and request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         number = next(self._counter)
@@ -612,7 +534,7 @@ class Engine:
         banned = [banned_tokens(c.seq, self.eos_ids, self.vocab_size) for c in sampling]
         constrained = [i for i, c in enumerate(sampling) if c.seq.matcher is not None]
         if constrained:  # before any other adjustment: the tokens the constraints allow (vLLM's order)
-            mask = self._grammars.bitmask([sampling[i].seq.matcher for i in constrained])
+            mask = self.admission.grammars.bitmask([sampling[i].seq.matcher for i in constrained])
             apply_token_bitmask(logits, constrained, mask)
             for j, i in enumerate(constrained):  # min_tokens' bans yield where they would leave no allowed token
                 if banned[i] is not None and not allows_besides(mask[j], banned[i]):
