@@ -65,6 +65,10 @@ def kimi(tiny_checkpoints):
     ("serve", ["--allowed-origins", '[""]'], "--allowed-origins must be a list of non-empty strings, got ['']"),
     ("serve", ["--allowed-origins", '["http://ui.example/"]'], "--allowed-origins are scheme://host[:port], as "
      "browsers send them (no path, no trailing '/'), got ['http://ui.example/']"),
+    ("serve", ["--ssl-keyfile", "key.pem"],
+     "--ssl-keyfile needs --ssl-certfile too (HTTPS takes a private key and its certificate)"),
+    ("serve", ["--ssl-keyfile", "/nowhere/key.pem", "--ssl-certfile", "/nowhere/cert.pem"],
+     "--ssl-keyfile '/nowhere/key.pem' is not a file"),
     ("serve", ["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser (the format the "
      "model's tool calls are read in: one of ['deepseek_v3', 'deepseek_v31', 'glm45', 'hermes', 'kimi_k2', "
      "'llama3_json', 'llama4_json', 'llama4_pythonic', 'mistral', 'openai', 'pythonic', 'qwen3_coder'])"),
@@ -76,6 +80,15 @@ def test_refused_options_name_their_flags(kimi, capsys, command, args, message):
     assert main([command, "--model", str(kimi), *args]) == 2
     err = capsys.readouterr().err
     assert f"epmoe {command}: error: {message}" in err
+
+
+def test_tls_files_that_do_not_load_are_named(kimi, tmp_path, capsys):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    key.write_text("not a key")
+    cert.write_text("not a certificate")
+    assert main(["serve", "--model", str(kimi), "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)]) == 2
+    assert (f"epmoe serve: error: --ssl-certfile '{cert}' and --ssl-keyfile '{key}' do not load as a certificate "
+            f"and its private key (PEM): ") in capsys.readouterr().err
 
 
 def test_cors_lists_are_json(capsys):

@@ -191,6 +191,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         p.add_argument(f"--allowed-{what}", type=_json_strings, default=["*"], metavar="JSON",
                        help=f"CORS: the {what} browsers may use, a JSON list (default [\"*\"]: any)")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
+    p.add_argument("--ssl-keyfile", metavar="FILE", help="serve HTTPS with this PEM private key (with --ssl-certfile)")
+    p.add_argument("--ssl-certfile", metavar="FILE", help="serve HTTPS with this PEM certificate (with --ssl-keyfile)")
+    from epmoe.server.config import UVICORN_LOG_LEVELS
+
+    p.add_argument("--uvicorn-log-level", default="warning", choices=UVICORN_LOG_LEVELS,
+                   help="uvicorn's own log level (default warning; epmoe's lines are not affected)")
     p.set_defaults(func=_cmd_serve)
 
 
@@ -217,7 +223,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser, allowed_origins=args.allowed_origins,
             allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
-            allow_credentials=args.allow_credentials,
+            allow_credentials=args.allow_credentials, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+            uvicorn_log_level=args.uvicorn_log_level,
         )
         return serve(cfg)
     except (ValueError, TypeError) as exc:
@@ -294,7 +301,8 @@ def _command_flags(*own: str) -> dict[str, str]:
 
 
 _SERVE_FLAGS = _command_flags("seed", "host", "port", "served_model_name", "api_key", "chat_template",
-                              "generation_config", "allowed_origins", "allowed_methods", "allowed_headers") | {
+                              "generation_config", "allowed_origins", "allowed_methods", "allowed_headers",
+                              "ssl_keyfile", "ssl_certfile") | {
     "drain_timeout_s": "--drain-timeout"}
 _RUN_FLAGS = _command_flags("request_rate", "temperature", "top_p", "top_k", "seed", "max_new_tokens")
 

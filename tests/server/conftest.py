@@ -27,10 +27,11 @@ class ServerProcess:
     and once ``/health`` answered 200).
 
     With ``torchrun_world`` N, ``proc`` is rank 0 of N processes started with the environment ``torchrun``
-    sets (``RANK``, ``WORLD_SIZE``, ...); ``followers`` are ranks 1..N-1.
+    sets (``RANK``, ``WORLD_SIZE``, ...); ``followers`` are ranks 1..N-1. ``verify``: how ``/health`` is checked
+    over HTTPS (httpx's ``verify``: a CA bundle's path or an ``ssl.SSLContext``).
     """
 
-    def __init__(self, tmp: Path, *args: str, torchrun_world: int | None = None) -> None:
+    def __init__(self, tmp: Path, *args: str, torchrun_world: int | None = None, verify=True) -> None:
         self.log = tmp / "serve.log"
         env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"))
         cmd = [sys.executable, "-m", "epmoe.cli", "serve", "--port", "0", "--api-key", API_KEY, *args]
@@ -49,11 +50,11 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()}")
-            listening = re.search(r"listening on (http://127\.0\.0\.1:(\d+)) ", self.log.read_text())
+            listening = re.search(r"listening on (https?://127\.0\.0\.1:(\d+)) ", self.log.read_text())
             if listening is not None:
                 self.url, self.port = listening[1], int(listening[2])
                 try:
-                    if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    if httpx.get(f"{self.url}/health", timeout=2, verify=verify).status_code == 200:
                         self.ready = time.monotonic()
                         return
                 except httpx.TransportError:
@@ -107,12 +108,12 @@ class ServerProcess:
 
 @pytest.fixture(scope="module")
 def start_server(tmp_path_factory):
-    """Start servers (``start_server(*args, torchrun_world=None)``); every one is stopped at the end of the
-    module."""
+    """Start servers (``start_server(*args, torchrun_world=None, verify=True)``); every one is stopped at the end
+    of the module."""
     started: list[ServerProcess] = []
 
-    def start(*args: str, torchrun_world: int | None = None) -> ServerProcess:
-        server = ServerProcess(tmp_path_factory.mktemp("serve"), *args, torchrun_world=torchrun_world)
+    def start(*args: str, torchrun_world: int | None = None, verify=True) -> ServerProcess:
+        server = ServerProcess(tmp_path_factory.mktemp("serve"), *args, torchrun_world=torchrun_world, verify=verify)
         started.append(server)
         return server
 

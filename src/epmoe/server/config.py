@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import numbers
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,27 @@ MAX_BODY_BYTES = 8 << 20  # a request body past this is refused with 413
 def _int_at_least(name: str, value: object, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def _check_tls(keyfile: str | None, certfile: str | None) -> None:
+    """Both TLS files or neither, and that they load as a key and its certificate (``ValueError`` naming them and
+    what failed, before anything is loaded)."""
+    if (keyfile is None) != (certfile is None):
+        given, missing = ("ssl_keyfile", "ssl_certfile") if certfile is None else ("ssl_certfile", "ssl_keyfile")
+        raise ValueError(f"{given} needs {missing} too (HTTPS takes a private key and its certificate)")
+    if keyfile is None:
+        return
+    for name, path in (("ssl_keyfile", keyfile), ("ssl_certfile", certfile)):
+        if not Path(path).is_file():
+            raise ValueError(f"{name} {path!r} is not a file")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except (ssl.SSLError, OSError) as exc:
+        raise ValueError(f"ssl_certfile {certfile!r} and ssl_keyfile {keyfile!r} do not load as a certificate and "
+                         f"its private key (PEM): {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -57,6 +79,10 @@ class ServeConfig:
             ``chat_output.ChatParsers`` checks them as the server starts).
         allowed_origins, allowed_methods, allowed_headers, allow_credentials: the CORS answers browsers get
             (vLLM's flags and defaults: every origin, method and header, no credentials); ``"*"`` = any.
+        ssl_keyfile, ssl_certfile: serve HTTPS with this PEM private key and certificate chain (both or neither;
+            vLLM's flags); ``None`` = plain HTTP.
+        uvicorn_log_level: uvicorn's own log level (``critical``, ``error``, ``warning``, ``info``, ``debug``,
+            ``trace``); epmoe's log lines are not affected.
     """
 
     model: str | None = None
@@ -110,6 +136,9 @@ class ServeConfig:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    uvicorn_log_level: str = "warning"
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the first bad option (the engine checks its own on each rank)."""
@@ -146,6 +175,15 @@ class ServeConfig:
                              f"'/'), got {pathed}")
         if self.chat_template is not None and not self.chat_template.strip():
             raise ValueError("chat_template must not be empty (leave it out for the tokenizer's)")
+        _check_tls(self.ssl_keyfile, self.ssl_certfile)
+        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ValueError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, got "
+                             f"{self.uvicorn_log_level!r}")
+
+    @property
+    def scheme(self) -> str:
+        """``https`` with a key and certificate, else ``http``."""
+        return "https" if self.ssl_certfile is not None else "http"
 
     @property
     def cors(self) -> dict:

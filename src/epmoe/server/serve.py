@@ -6,8 +6,9 @@ core, joined to this process by one pipe (this process serves the ranks' rendezv
 this process is the rank ``RANK`` says: rank 0 spawns one process, the engine core of rank 0 (it joins
 torchrun's group with this process's rank facts) and serves HTTP; the other ranks follow in their own process.
 Rank processes die with this one. The HTTP socket is bound before any rank process starts (``--port 0``: a free
-port), and its address is logged (``listening on http://HOST:PORT``) once uvicorn listens on it; ``/health`` is
-503 until the engine is loaded; the load is logged with the KV capacity and the graph buckets.
+port), and its address is logged (``listening on http://HOST:PORT``, ``https`` with ``ssl_certfile``) once
+uvicorn listens on it; ``/health`` is 503 until the engine is loaded; the load is logged with the KV capacity and
+the graph buckets.
 
 Shutdown: SIGTERM or SIGINT drains: no new requests (503), the running ones get ``drain_timeout_s`` to
 finish, then the rest are aborted (``finish_reason`` ``abort``), the ranks stop together, exit code 0.
@@ -76,9 +77,9 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _url(host: str, port: int) -> str:
-    """``http://host:port``, an IPv6 address in brackets."""
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def _url(scheme: str, host: str, port: int) -> str:
+    """``scheme://host:port``, an IPv6 address in brackets."""
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 class _Server(uvicorn.Server):
@@ -193,7 +194,7 @@ def serve(cfg: ServeConfig) -> int:
         raise ValueError(f"{flag} reads the model's text, and the checkpoint {model_dir} has no tokenizer")
     defaults = _sampling_defaults(cfg, model_dir)
     sock = _bind(cfg.host, cfg.port)
-    url = _url(cfg.host, sock.getsockname()[1])
+    url = _url(cfg.scheme, cfg.host, sock.getsockname()[1])
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe(duplex=True)
     followers: SpawnedRanks | None = None
@@ -284,8 +285,8 @@ def serve(cfg: ServeConfig) -> int:
                 return
             time.sleep(_WATCH_S)
 
-    server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5), url,
-                     drain)
+    server = _Server(uvicorn.Config(app, log_level=cfg.uvicorn_log_level, access_log=False, timeout_graceful_shutdown=5,
+                                    ssl_keyfile=cfg.ssl_keyfile, ssl_certfile=cfg.ssl_certfile), url, drain)
     frontend.start()
     watcher = threading.Thread(target=watch, name="epmoe-watch", daemon=True)
     watcher.start()
