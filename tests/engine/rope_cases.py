@@ -32,20 +32,22 @@ def make_rope_case(h: int, hkv: int, d: int, half: int, norm: bool, dtype: torch
     return qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, slots
 
 
-# (contexts, H, Hkv, D, R/2, norm, block size, window, sinks): padding rows (context 0), one-token contexts, the
-# newest position at a block's first slot and mid-block, GLM's partial rotary, a window, sinks
+# (sequences as (context after the step, rows fed), H, Hkv, D, R/2, norm, block size, window, sinks): padding rows
+# (context 0), one-token contexts, sequences fed several rows (a prompt fed row-wise, verify rows) across splits and
+# blocks, the newest position at a block's first slot and mid-block, GLM's partial rotary, a window, sinks
 DECODE_CASES = [
-    ([37, 1, 16, 0], 4, 2, 16, 8, True, 16, None, False),
-    ([70, 33, 5], 4, 2, 16, 4, True, 4, None, False),
-    ([100, 129, 2], 4, 4, 32, 16, False, 16, 20, True),
-    ([9, 64], 8, 1, 64, 32, False, 5, None, False),
+    ([(37, 1), (1, 1), (16, 3), (0, 1)], 4, 2, 16, 8, True, 16, None, False),
+    ([(70, 5), (33, 1), (5, 2)], 4, 2, 16, 4, True, 4, None, False),
+    ([(100, 1), (129, 4), (2, 2)], 4, 4, 32, 16, False, 16, 20, True),
+    ([(9, 1), (64, 9)], 8, 1, 64, 32, False, 5, None, False),
 ]
 
 
 @dataclass
 class RopeDecodeCase:
-    """One decode step's inputs for ``rope_decode_attention``: un-rotated q/k/v rows, a random cache holding the
-    earlier positions, block tables over a shuffled pool and each row's newest slot."""
+    """One step's single-token rows for ``rope_decode_attention``: un-rotated q/k/v rows, a random cache holding the
+    positions before each sequence's first row, block tables over a shuffled pool, each row's slot and its
+    sequence's first position."""
 
     qkv: torch.Tensor
     cos: torch.Tensor
@@ -57,6 +59,7 @@ class RopeDecodeCase:
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     slots: torch.Tensor
+    first_positions: torch.Tensor
     block_tables: torch.Tensor
     context_lens: torch.Tensor
     window: int | None
@@ -65,7 +68,7 @@ class RopeDecodeCase:
     def args(self) -> tuple:
         """``rope_decode_attention``'s positional arguments (eps 1e-6, scale ``D ** -0.5``)."""
         return (self.qkv, self.cos, self.sin, self.heads, self.kv_heads, self.q_norm, self.k_norm, 1e-6,
-                self.k_cache, self.v_cache, self.slots, self.block_tables, self.context_lens,
+                self.k_cache, self.v_cache, self.slots, self.first_positions, self.block_tables, self.context_lens,
                 self.k_cache.shape[-1] ** -0.5)
 
     def options(self) -> dict:
@@ -84,8 +87,8 @@ class RopeDecodeCase:
         return paged_decode_workspace(q, self.v_cache, splits)
 
     def reference(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``rope_qkv_reference`` on the live rows, then ``paged_decode_reference``, on CPU copies: the output
-        ``[B, H, D]`` and the caches it leaves."""
+        """``rope_qkv_reference`` on the live rows (every new key written first), then ``paged_decode_reference``,
+        on CPU copies: the output ``[B, H, D]`` and the caches it leaves."""
         from epmoe.engine.paged_decode import paged_decode_reference
         from epmoe.engine.rope_attention import rope_qkv_reference
 
@@ -100,16 +103,23 @@ class RopeDecodeCase:
         return out, k, v
 
 
-def make_rope_decode_case(ctx: list[int], h: int, hkv: int, d: int, half: int, norm: bool, bs: int,
+def make_rope_decode_case(seqs: list[tuple[int, int]], h: int, hkv: int, d: int, half: int, norm: bool, bs: int,
                           window: int | None, sinks: bool, dtype: torch.dtype) -> RopeDecodeCase:
-    """A ``DECODE_CASES`` entry's inputs on the CPU, in ``dtype`` (the sinks in float32)."""
-    gen = torch.Generator().manual_seed(len(ctx) * 100 + d)
-    b = len(ctx)
-    need = [max(1, -(-c // bs)) for c in ctx]
+    """A ``DECODE_CASES`` entry's inputs on the CPU, in ``dtype`` (the sinks in float32): each sequence's rows
+    consecutive, in position order, with its block table."""
+    gen = torch.Generator().manual_seed(len(seqs) * 100 + d)
+    need = [max(1, -(-c // bs)) for c, _ in seqs]
     nb = sum(need) + 2
     tables = torch.randperm(nb, generator=gen)[:sum(need)].split(need)
     mb = max(need)
-    block_tables = torch.stack([torch.cat([t, t.new_zeros(mb - len(t))]) for t in tables]).to(torch.int32)
+    ctx, first, table_rows = [], [], []
+    for (c, n), t in zip(seqs, tables):
+        rows = [c - n + 1 + i for i in range(n)] if c else [0]
+        ctx += rows
+        first += [max(0, c - n)] * len(rows)
+        table_rows += [torch.cat([t, t.new_zeros(mb - len(t))])] * len(rows)
+    b = len(ctx)
+    block_tables = torch.stack(table_rows).to(torch.int32)
     context_lens = torch.tensor(ctx, dtype=torch.int32)
     newest = (context_lens - 1).clamp_min(0).long()
     slots = block_tables.long().gather(1, (newest // bs)[:, None])[:, 0] * bs + newest % bs
@@ -121,4 +131,5 @@ def make_rope_decode_case(ctx: list[int], h: int, hkv: int, d: int, half: int, n
         (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype) if norm else None,
         (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype) if norm else None,
         torch.randn(nb, bs, hkv, d, generator=gen).to(dtype), torch.randn(nb, bs, hkv, d, generator=gen).to(dtype),
-        slots, block_tables, context_lens, window, torch.randn(h, generator=gen) if sinks else None)
+        slots, torch.tensor(first, dtype=torch.int32), block_tables, context_lens, window,
+        torch.randn(h, generator=gen) if sinks else None)

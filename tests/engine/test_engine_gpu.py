@@ -251,3 +251,47 @@ def test_a_one_row_step_folds_its_norms(tiny_checkpoints, family, monkeypatch):
     for got in (folded, graphed):
         assert ((got.float() - plain.float()).norm() / plain.float().norm()).item() < 0.01
     engine.allocator.free(table)
+
+
+def test_rope_fold_serves_a_sequence_fed_several_rows(tiny_checkpoints, monkeypatch):
+    """A step whose rows hold one sequence's consecutive tokens (a prompt fed row-wise, as graph steps feed them)
+    next to another's single row: with the rotary folded into the decode kernel (``rope_decode_attention``), eagerly
+    and replayed in the graph captured with it, the logits and the keys and values written equal those of the same
+    step with the fold off (``EPMOE_FOLD_ROPE=0``) up to bf16 rounding: no program reads a key another writes."""
+    d = tiny_checkpoints("qwen3-moe")
+    engine = Engine(EngineConfig(model=str(d), device="cuda", dtype="bfloat16", expert_backend="triton",
+                                 max_num_seqs=8, cuda_graph_max_bs=8))
+    runner = engine.runner
+    gen = torch.Generator().manual_seed(5)
+    a, b = torch.randint(0, 250, (12,), generator=gen).tolist(), torch.randint(0, 250, (10,), generator=gen).tolist()
+    bs = engine.config.block_size
+    ta, tb = engine.allocator.allocate(-(-12 // bs)), engine.allocator.allocate(-(-10 // bs))
+    runner.execute([Feed(a[:6], 0, ta, False, 1), Feed(b[:9], 0, tb, False, 1)])
+    step = [Feed(a[6:11], 6, ta, True, 5), Feed(b[9:10], 9, tb, True, 1)]
+    slots = torch.tensor([ta[p // bs] * bs + p % bs for p in range(6, 11)] + [tb[9 // bs] * bs + 9 % bs],
+                         device="cuda")
+    layers = engine.ep_model.model.config.num_hidden_layers
+
+    def written():
+        return [torch.cat(engine.kv.read(i, slots)).float() for i in range(layers)]
+
+    import epmoe.engine.rope_attention as rope_attention
+
+    calls = []
+    fold = rope_attention.rope_decode_attention
+    monkeypatch.setattr(rope_attention, "rope_decode_attention", lambda *a, **k: calls.append(1) or fold(*a, **k))
+    folded = runner.execute(step).logits
+    assert len(calls) == layers  # every layer took the fold
+    folded_kv = written()
+    graphed = runner.execute(step, bucket=runner.bucket_for(6)).logits
+    graphed_kv = written()
+    monkeypatch.setenv("EPMOE_FOLD_ROPE", "0")
+    plain = runner.execute(step).logits
+    plain_kv = written()
+    for got in (folded, graphed):
+        assert ((got.float() - plain.float()).norm() / plain.float().norm()).item() < 0.01
+    for got in (folded_kv, graphed_kv):
+        for layer, (g, p) in enumerate(zip(got, plain_kv)):
+            assert ((g - p).norm() / p.norm()).item() < 0.01, layer
+    engine.allocator.free(ta)
+    engine.allocator.free(tb)

@@ -157,11 +157,13 @@ def test_rope_decode_attention_checks_its_operands():
 
     c = make_rope_decode_case(*DECODE_CASES[0], torch.float32)
     args = list(c.args())
-    with pytest.raises(ValueError, match=r"slot_mapping must be a \[B\] = \[4\] int64 tensor"):
+    with pytest.raises(ValueError, match=r"slot_mapping must be a \[B\] = \[6\] int64 tensor"):
         rope_decode_attention(*args[:10], c.slots.to(torch.int32), *args[11:])
     with pytest.raises(ValueError, match="qkv must be contiguous along its last dim"):
         rope_decode_attention(c.qkv.repeat_interleave(2, 1)[:, ::2], *args[1:])
     with pytest.raises(ValueError, match="q_norm and k_norm go together"):
         rope_decode_attention(*args[:6], None, *args[7:])
+    with pytest.raises(ValueError, match=r"first_positions must be a \[B\] = \[6\] int32 tensor"):
+        rope_decode_attention(*args[:11], c.first_positions.long(), *args[12:])
     with pytest.raises(ValueError, match="block_tables must be int32"):
-        rope_decode_attention(*args[:11], c.block_tables.long(), *args[12:])
+        rope_decode_attention(*args[:12], c.block_tables.long(), *args[13:])

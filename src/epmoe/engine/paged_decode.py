@@ -331,12 +331,15 @@ def paged_decode_workspace_numel(batch: int, heads: int, v_head_dim: int, splits
 
 @dataclass(frozen=True)
 class RopeFold:
-    """The rotary embedding (and per-head RMSNorm) of a decode step's queries and newest keys, folded into the decode
-    kernel (``rope_attention.rope_decode_attention``, which checks these operands): the kernel's ``q [B, H, D]`` is
-    then the q/k/v projection's output seen as heads, un-rotated, with the row's ``Hkv`` key heads and ``Hkv`` value
-    heads following its ``H`` query heads at the same head stride. Each program rotates its queries; the program
-    whose span holds a row's newest position (``ctx - 1``) rotates that key and writes it and the value into the
-    cache slot ``slot_mapping[b]`` before reading its keys. ``rope_attention.rope_qkv`` then need not run.
+    """The rotary embedding (and per-head RMSNorm) of a step's queries and new keys, folded into the decode kernel
+    (``rope_attention.rope_decode_attention``, which checks these operands): the kernel's ``q [B, H, D]`` is then
+    the q/k/v projection's output seen as heads, un-rotated, with the row's ``Hkv`` key heads and ``Hkv`` value heads
+    following its ``H`` query heads at the same head stride. Each program rotates its queries, reads the keys of
+    positions before ``first_positions[b]`` from the cache, and takes those from it on (this step's tokens of the
+    row's sequence: position ``p`` is row ``b - (ctx_b - 1 - p)``, a sequence's rows being consecutive and in
+    order) from the projection, normalised and rotated; the program whose span holds a row's newest position
+    (``ctx_b - 1``) writes that key and value into the cache slot ``slot_mapping[b]``. No program reads what another
+    writes, and ``rope_attention.rope_qkv`` need not run.
 
     Attributes:
         cos: ``[B, R/2]`` cosine of each row's position, ``R/2`` a power of two, contiguous along the last dim.
@@ -344,7 +347,9 @@ class RopeFold:
         q_norm: ``[D]`` the per-head RMSNorm weight of the queries, or None (no norm).
         k_norm: ``[D]`` the keys', or None (with ``q_norm``).
         eps: the norm's epsilon.
-        slot_mapping: ``[B]`` int64 flat cache slot of each row's newest token.
+        slot_mapping: ``[B]`` int64 flat cache slot of each row's token.
+        first_positions: ``[B]`` int32 position of the first token the row's sequence feeds in this step (the row's
+            own, ``ctx_b - 1``, for a sequence fed one token).
     """
 
     cos: torch.Tensor
@@ -353,6 +358,7 @@ class RopeFold:
     k_norm: torch.Tensor | None
     eps: float
     slot_mapping: torch.Tensor
+    first_positions: torch.Tensor
 
 
 def paged_decode_triton(
@@ -435,10 +441,10 @@ def paged_decode_triton(
     if rope is not None:
         norm = rope.q_norm is not None
         rope_args = (rope.cos, rope.sin, rope.cos.stride(0), rope.q_norm if norm else q, rope.k_norm if norm else q,
-                     rope.slot_mapping, float(rope.eps))
+                     rope.slot_mapping, rope.first_positions, float(rope.eps))
         half = rope.cos.shape[1]
     else:
-        norm, rope_args, half = False, (q, q, 0, q, q, context_lens, 0.0), 1
+        norm, rope_args, half = False, (q, q, 0, q, q, context_lens, context_lens, 0.0), 1
     kernel[(b, hkv, splits)](
         q, k_cache, v_cache, block_tables, context_lens, sink_arg, out, ws_arg,
         b, h, dk, dv, ml_off, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

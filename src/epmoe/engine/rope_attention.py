@@ -198,13 +198,15 @@ def _check_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_hea
 def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                           num_kv_heads: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
+                          first_positions: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                          scale: float, *,
                           sliding_window: int | None = None, sinks: torch.Tensor | None = None,
                           out: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
                           splits: int | None = None) -> torch.Tensor:
     """``rope_qkv`` and then ``paged_decode.paged_decode_attention`` over single-token rows, in the decode kernel's
     launch (``paged_decode.RopeFold``): a decode step's chain one dependent launch shorter. The keys and values are
-    written into the cache as ``rope_qkv`` writes them; the queries are never stored.
+    written into the cache as ``rope_qkv`` writes them; the queries are never stored. A sequence may feed several
+    rows (a prompt fed row-wise, a speculative step's verify rows): consecutive rows, in position order.
 
     Triton only (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``).
 
@@ -213,6 +215,8 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         cos, sin, num_heads, num_kv_heads, q_norm, k_norm, eps, k_cache, v_cache: as ``rope_qkv``'s (``R/2`` a
             power of two).
         slot_mapping: ``[B]`` int64 flat cache slot of each row's token (position ``context_lens[b] - 1``).
+        first_positions: ``[B]`` int32 position of the first token the row's sequence feeds in this step (its rows
+            are then the ones before it, one a position; ``context_lens[b] - 1`` where it feeds one).
         block_tables, context_lens, scale, sliding_window, sinks, out, workspace, splits: as
             ``paged_decode.paged_decode_triton``'s (``context_lens`` 0: a padding row, nothing written).
 
@@ -221,7 +225,8 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
     Raises:
         ValueError: as ``rope_qkv`` and ``paged_decode.paged_decode_triton``; ``qkv`` not contiguous along its last
-            dim, ``slot_mapping`` not ``[B]`` int64 on ``qkv``'s device, ``R/2`` not a power of two (named).
+            dim, ``slot_mapping`` not ``[B]`` int64 or ``first_positions`` not ``[B]`` int32 on ``qkv``'s device,
+            ``R/2`` not a power of two (named).
     """
     _check_rope(qkv, cos, sin, num_heads, num_kv_heads, q_norm, k_norm, k_cache)
     b, d, half = qkv.shape[0], k_cache.shape[-1], cos.shape[-1]
@@ -231,12 +236,16 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
             or slot_mapping.dtype != torch.int64 or slot_mapping.device != qkv.device):
         raise ValueError(f"slot_mapping must be a [B] = [{b}] int64 tensor on {qkv.device}, got "
                          f"{describe(slot_mapping)}")
+    if (not isinstance(first_positions, torch.Tensor) or tuple(first_positions.shape) != (b,)
+            or first_positions.dtype != torch.int32 or first_positions.device != qkv.device):
+        raise ValueError(f"first_positions must be a [B] = [{b}] int32 tensor on {qkv.device}, got "
+                         f"{describe(first_positions)}")
     if half & (half - 1):
         raise ValueError(f"the rotated half R/2 must be a power of two, got {half}")
     q = qkv.view(b, num_heads + 2 * num_kv_heads, d)[:, :num_heads]
     return paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=sliding_window,
                                sinks=sinks, out=out, workspace=workspace, splits=splits,
-                               rope=RopeFold(cos, sin, q_norm, k_norm, float(eps), slot_mapping))
+                               rope=RopeFold(cos, sin, q_norm, k_norm, float(eps), slot_mapping, first_positions))
 
 
 def rope_qkv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
@@ -362,7 +371,8 @@ class RopeAttention(nn.Module):
                 self.k_norm.weight if norm else None, self.eps, batch.kv.k[self.layer_idx],
                 batch.kv.v[self.layer_idx], batch.slot_mapping)
         if rope_folds(qkv, batch):
-            out = rope_decode_attention(qkv, *rope, batch.block_tables, batch.context_lens, self.scaling,
+            out = rope_decode_attention(qkv, *rope, batch.first_positions, batch.block_tables, batch.context_lens,
+                                        self.scaling,
                                         sliding_window=self.sliding_window, sinks=self.sinks,
                                         out=qkv.new_empty(t, self.num_heads, self.head_dim)
                                         if batch.workspace is not None else None, workspace=batch.workspace)
@@ -373,10 +383,10 @@ class RopeAttention(nn.Module):
 
 def rope_folds(qkv: torch.Tensor, batch: AttnBatch) -> bool:
     """Whether ``RopeAttention`` runs a step's rotary in its decode kernel (``rope_decode_attention``): CUDA rows,
-    every one a single-token row (no prefill chunk, no piecewise cut), unless ``EPMOE_FOLD_ROPE=0`` in the
-    environment (for measuring what it gains)."""
+    every one a single-token row (no prefill chunk, no piecewise cut) with the batch's ``first_positions``, unless
+    ``EPMOE_FOLD_ROPE=0`` in the environment (for measuring what it gains)."""
     return (qkv.is_cuda and batch.pieces is None and not batch.prefills and batch.num_decode == qkv.shape[0] > 0
-            and os.environ.get("EPMOE_FOLD_ROPE", "1") != "0")
+            and batch.first_positions is not None and os.environ.get("EPMOE_FOLD_ROPE", "1") != "0")
 
 
 def _rotary_half_ok(attn: nn.Module) -> bool:
