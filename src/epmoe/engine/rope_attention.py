@@ -16,8 +16,9 @@ attention reads anything, which at one decode token cost several times the layer
 3. the engine's attention over the cache (``attention.attend``), then ``o_proj`` (through ``gemv.linear``).
 
 A step of single-token rows on CUDA folds 2. into 3. (``rope_decode_attention``): the decode kernel normalises and
-rotates its own queries from the projection's output, and the program whose keys include a row's newest position
-normalises, rotates and writes that key and its value before reading the cache, so the step's chain of dependent
+rotates its own queries from the projection's output, reads the keys of earlier steps from the cache and
+normalises and rotates this step's keys from the projection itself, and the program whose keys include a row's
+newest position writes that key and its value into the cache for the steps after; the step's chain of dependent
 launches is one shorter (``rope_folds``).
 
 Rotary embedding: ``x[:R]`` of a head is rotated by halves, ``(x1, x2) -> (x1 c - x2 s, x2 c + x1 s)`` with
