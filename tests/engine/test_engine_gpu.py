@@ -258,6 +258,7 @@ def test_rope_fold_serves_a_sequence_fed_several_rows(tiny_checkpoints, monkeypa
     next to another's single row: with the rotary folded into the decode kernel (``rope_decode_attention``), eagerly
     and replayed in the graph captured with it, the logits and the keys and values written equal those of the same
     step with the fold off (``EPMOE_FOLD_ROPE=0``) up to bf16 rounding: no program reads a key another writes."""
+    monkeypatch.setenv("EPMOE_FOLD_ROPE", "1")  # before the engine captures its graphs
     d = tiny_checkpoints("qwen3-moe")
     engine = Engine(EngineConfig(model=str(d), device="cuda", dtype="bfloat16", expert_backend="triton",
                                  max_num_seqs=8, cuda_graph_max_bs=8))

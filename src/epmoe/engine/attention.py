@@ -72,7 +72,8 @@ class AttnBatch:
         first_positions: ``[num_decode]`` int32, per single-token row the position of the first token its sequence
             feeds in this step (a sequence's rows are consecutive and in order: a prompt fed row-wise, a speculative
             step's verify rows); what lets the rope families fold their rotary into the decode kernel
-            (``rope_attention.rope_folds``). ``None``: not known (the rotary runs before the attention).
+            (``rope_attention.rope_folds``, with ``EPMOE_FOLD_ROPE=1``). ``None``: not known (the rotary runs before
+            the attention).
     """
 
     kv: KVCache

@@ -384,10 +384,11 @@ class RopeAttention(nn.Module):
 
 def rope_folds(qkv: torch.Tensor, batch: AttnBatch) -> bool:
     """Whether ``RopeAttention`` runs a step's rotary in its decode kernel (``rope_decode_attention``): CUDA rows,
-    every one a single-token row (no prefill chunk, no piecewise cut) with the batch's ``first_positions``, unless
-    ``EPMOE_FOLD_ROPE=0`` in the environment (for measuring what it gains)."""
+    every one a single-token row (no prefill chunk, no piecewise cut) with the batch's ``first_positions``, and
+    ``EPMOE_FOLD_ROPE=1`` in the environment: opt-in until its kernel has been run and measured on a GPU (its
+    correctness is tested under the Triton interpreter; issue #13's note)."""
     return (qkv.is_cuda and batch.pieces is None and not batch.prefills and batch.num_decode == qkv.shape[0] > 0
-            and batch.first_positions is not None and os.environ.get("EPMOE_FOLD_ROPE", "1") != "0")
+            and batch.first_positions is not None and os.environ.get("EPMOE_FOLD_ROPE", "0") == "1")
 
 
 def _rotary_half_ok(attn: nn.Module) -> bool:
