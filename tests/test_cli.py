@@ -87,6 +87,10 @@ def test_tls_files_that_do_not_load_are_named(kimi, tmp_path, capsys):
     key.write_text("not a key")
     cert.write_text("not a certificate")
     assert main(["serve", "--model", str(kimi), "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)]) == 2
+    assert f"epmoe serve: error: --ssl-certfile '{cert}' is not a PEM certificate" in capsys.readouterr().err
+    cert.write_text("-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
+    key.write_text("-----BEGIN PRIVATE KEY-----\nnot base64\n-----END PRIVATE KEY-----\n")
+    assert main(["serve", "--model", str(kimi), "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)]) == 2
     assert (f"epmoe serve: error: --ssl-certfile '{cert}' and --ssl-keyfile '{key}' do not load as a certificate "
             f"and its private key (PEM): ") in capsys.readouterr().err
 

@@ -94,6 +94,9 @@ def test_request_longer_than_the_pool(model_dir):
         small.add_request([7] * 16, GREEDY)
     with pytest.raises(ValueError, match=r"prompt of 12 tokens with max_tokens 10 needs 21 KV slots"):
         small.generate([[7] * 12], SamplingParams(temperature=0, max_tokens=10))
+    with pytest.raises(ValueError, match=r"prompt of 17 tokens needs as many KV slots; the KV pool holds 16 tokens "
+                                         r"\(4 blocks of 4\): give the cache more blocks"):
+        small.add_request([7] * 17, SamplingParams(max_tokens=1))
     assert not small.has_unfinished()
     # 12 + 5 - 1 = 16 slots: the last sampled token needs none, so it fits exactly
     (out,) = small.generate([[7] * 12], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))

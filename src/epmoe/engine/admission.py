@@ -99,6 +99,9 @@ class Admission:
         pool = self.pool_blocks * self.block_size
         # the last token sampled is never fed back: its KV is not needed
         need = min(len(ids) + params.max_tokens - 1, self.max_model_len)
+        if len(ids) > pool:
+            raise ValueError(f"prompt of {len(ids)} tokens needs as many KV slots; the KV pool holds {pool} tokens "
+                             f"({self.pool_blocks} blocks of {self.block_size}): give the cache more blocks")
         if need > pool:
             raise ValueError(f"prompt of {len(ids)} tokens with max_tokens {params.max_tokens} needs {need} KV slots; "
                              f"the KV pool holds {pool} tokens ({self.pool_blocks} "

@@ -25,8 +25,8 @@ UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def _check_tls(keyfile: str | None, certfile: str | None) -> None:
-    """Both TLS files or neither, and that they load as a key and its certificate (``ValueError`` naming them and
-    what failed, before anything is loaded)."""
+    """Both TLS files or neither, each PEM, the key not encrypted, and that they load as a key and its certificate
+    (``ValueError`` naming them and what failed, before anything is loaded)."""
     if (keyfile is None) != (certfile is None):
         given, missing = ("ssl_keyfile", "ssl_certfile") if certfile is None else ("ssl_certfile", "ssl_keyfile")
         raise ValueError(f"{given} needs {missing} too (HTTPS takes a private key and its certificate)")
@@ -35,8 +35,16 @@ def _check_tls(keyfile: str | None, certfile: str | None) -> None:
     for name, path in (("ssl_keyfile", keyfile), ("ssl_certfile", certfile)):
         if not Path(path).is_file():
             raise ValueError(f"{name} {path!r} is not a file")
+    for name, path, marker, what in (("ssl_certfile", certfile, "-----BEGIN CERTIFICATE-----", "certificate"),
+                                     ("ssl_keyfile", keyfile, "PRIVATE KEY-----", "private key")):
+        if marker not in Path(path).read_text(errors="replace"):
+            raise ValueError(f"{name} {path!r} is not a PEM {what}")
+
+    def no_passphrase() -> bytes:
+        raise ValueError(f"ssl_keyfile {keyfile!r} is encrypted: give it without a passphrase")
+
     try:
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile, password=no_passphrase)
     except (ssl.SSLError, OSError) as exc:
         raise ValueError(f"ssl_certfile {certfile!r} and ssl_keyfile {keyfile!r} do not load as a certificate and "
                          f"its private key (PEM): {exc}") from None
