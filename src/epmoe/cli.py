@@ -197,6 +197,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
     p.add_argument("--uvicorn-log-level", default="warning", choices=UVICORN_LOG_LEVELS,
                    help="uvicorn's own log level (default warning; epmoe's lines are not affected)")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no line per HTTP request from uvicorn (its access log shows at --uvicorn-log-level info)")
     p.set_defaults(func=_cmd_serve)
 
 
@@ -224,7 +226,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             reasoning_parser=args.reasoning_parser, allowed_origins=args.allowed_origins,
             allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
             allow_credentials=args.allow_credentials, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-            uvicorn_log_level=args.uvicorn_log_level,
+            uvicorn_log_level=args.uvicorn_log_level, disable_uvicorn_access_log=args.disable_uvicorn_access_log,
         )
         return serve(cfg)
     except (ValueError, TypeError) as exc:

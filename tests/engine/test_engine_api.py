@@ -79,6 +79,9 @@ def test_bad_requests_rejected_before_queueing(engine, model_dir, reference):
         assert [s.request_id for s in engine.scheduler.waiting] == ["dup"] and engine.scheduler.running == []
     with pytest.raises(TypeError, match="params must be a SamplingParams, got dict"):
         engine.add_request("abc", {"temperature": 0})
+    with pytest.raises(TypeError, match="request_id must be a string, got int 5"):
+        engine.add_request("abc", GREEDY, request_id=5)
+    assert [s.request_id for s in engine.scheduler.waiting] == ["dup"]
     # the engine keeps serving: the queued request and new ones give the reference tokens
     other = engine.add_request("Hello world", GREEDY)
     last = drain(engine)

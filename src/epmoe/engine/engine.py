@@ -335,8 +335,10 @@ class Engine:
         Raises:
             ValueError: a duplicate id, an empty prompt, a prompt as long as the context
                 (``max_model_len``) or longer than the whole KV pool: nothing is queued.
-            TypeError: ``params`` is not a ``SamplingParams``.
+            TypeError: ``params`` is not a ``SamplingParams``, or ``request_id`` is not a string.
         """
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__} {request_id!r}")
         params = params if params is not None else SamplingParams()
         ids, matcher = self.admission.check(prompt, params)
         if request_id is not None and request_id in self._seqs:

@@ -91,6 +91,8 @@ class ServeConfig:
             vLLM's flags); ``None`` = plain HTTP.
         uvicorn_log_level: uvicorn's own log level (``critical``, ``error``, ``warning``, ``info``, ``debug``,
             ``trace``); epmoe's log lines are not affected.
+        disable_uvicorn_access_log: no line per HTTP request from uvicorn (its access log, written at ``info``;
+            vLLM's ``--disable-uvicorn-access-log``).
     """
 
     model: str | None = None
@@ -147,6 +149,7 @@ class ServeConfig:
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     uvicorn_log_level: str = "warning"
+    disable_uvicorn_access_log: bool = False
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the first bad option (the engine checks its own on each rank)."""

@@ -285,7 +285,8 @@ def serve(cfg: ServeConfig) -> int:
                 return
             time.sleep(_WATCH_S)
 
-    server = _Server(uvicorn.Config(app, log_level=cfg.uvicorn_log_level, access_log=False, timeout_graceful_shutdown=5,
+    server = _Server(uvicorn.Config(app, log_level=cfg.uvicorn_log_level,
+                                    access_log=not cfg.disable_uvicorn_access_log, timeout_graceful_shutdown=5,
                                     ssl_keyfile=cfg.ssl_keyfile, ssl_certfile=cfg.ssl_certfile), url, drain)
     frontend.start()
     watcher = threading.Thread(target=watch, name="epmoe-watch", daemon=True)
