@@ -76,7 +76,7 @@ def test_router_equals_transformers_gate(tiny_checkpoints, family):
     """Our Router picks the same experts with the same weights as the transformers block's gate."""
     from transformers import AutoModelForCausalLM
 
-    from epmoe.models.checkpoint import family_layout
+    from epmoe.models.layout import family_layout
     from epmoe.routing import Router
 
     directory = tiny_checkpoints(family)

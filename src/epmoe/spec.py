@@ -384,7 +384,7 @@ def _llama4(f: ConfigFields, mt: str) -> FamilyFacts:
                        shared_inter=moe_inter, dense_inter=f.int("intermediate_size_mlp", minimum=0, fallback=0))
 
 
-# model_type -> the parser of its routed-expert facts (read-only, like ``models.checkpoint.FAMILY_LAYOUTS``)
+# model_type -> the parser of its routed-expert facts (read-only, like ``models.layout.FAMILY_LAYOUTS``)
 FAMILY_PARSERS: Mapping[str, Callable[[ConfigFields, str], FamilyFacts]] = MappingProxyType({
     **dict.fromkeys(sorted(_DEEPSEEK_LIKE), _deepseek),
     **dict.fromkeys(sorted(_QWEN | {"olmoe"}), _qwen_olmoe),

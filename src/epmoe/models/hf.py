@@ -20,9 +20,8 @@ from epmoe.comm import Comm
 from epmoe.dispatch import Dispatcher, make_dispatcher
 from epmoe.experts.storage import ExpertStorage
 from epmoe.layer import DPTPMoELayer, MoELayer, MoELayerOptions, check_tp_sizes
-from epmoe.models.checkpoint import (
-    WEIGHT_HEADER_DTYPES,
-    CheckpointReader,
+from epmoe.models.checkpoint import WEIGHT_HEADER_DTYPES, CheckpointReader
+from epmoe.models.layout import (
     FamilyLayout,
     expert_tensor_names,
     expert_tensor_shapes,

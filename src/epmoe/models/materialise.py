@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from epmoe.experts.mxfp4 import E8M0_BIAS
-from epmoe.models.checkpoint import CheckpointReader, FamilyLayout, read_expert
+from epmoe.models.checkpoint import CheckpointReader
+from epmoe.models.layout import FamilyLayout, read_expert
 
 LOAD_FORMATS = ("auto", "dummy")
 _DUMMY_STD = 0.02
