@@ -2,12 +2,13 @@
 transformers' own ``generate`` on the same model, in the same run.
 
     python benchmarks/engine.py [--models qwen3-30b-a3b,deepseek-v3,kimi-k2.5] [--batches 1,8,64,256]
-                                [--peer static|eager|none] [--expert-format bf16|int4] [--out DIR]
+                                [--peer static|eager|none] [--expert-format bf16|int4,mxfp4] [--out DIR]
 
-Models are ``data/configs`` files at full width with dummy weights (``--load-format dummy``);
+Models are ``data/configs`` files at full width with dummy weights (``--load-format dummy``; gpt-oss-20b too);
 DeepSeek-V3 and Kimi-K2.5 keep as many layers as fit one H200 (``--deepseek-layers``, ``--kimi-layers``).
-Kimi-K2.5's routed experts are bf16 (``--expert-format bf16``: the config's ``quantization_config`` is
-dropped) or, with ``int4``, as its config says (INT4 pack-quantized; needs the INT4 expert loader). MLA models
+Routed experts are bf16 (``--expert-format bf16``: a config's ``quantization_config`` is dropped) or, for the
+models whose config names a format in ``--expert-format`` (``int4``: Kimi-K2.5's INT4 pack-quantized; ``mxfp4``:
+gpt-oss's), as published. MLA models
 (DeepSeek, Kimi) report their KV bytes per token and layer: the latent the engine caches, beside the
 expanded per-head keys and values. Per batch size: every request gets a
 128-token prompt (``--context N``: N tokens, for the decode step at a long context); once all are decoding,
@@ -58,15 +59,25 @@ CONFIGS = Path(__file__).resolve().parents[1] / "data" / "configs"
 PROMPT = 128
 
 
+def published_format(name: str) -> str:
+    """The routed experts' format the model's config names: ``int4`` (compressed-tensors pack-quantized), ``mxfp4``,
+    ``fp8`` (block FP8) or ``bf16`` (no ``quantization_config``)."""
+    cfg = json.loads((CONFIGS / f"{name}.config.json").read_text())
+    method = (cfg.get("quantization_config") or cfg.get("text_config", {}).get("quantization_config") or {}).get(
+        "quant_method")
+    return {"compressed-tensors": "int4", "mxfp4": "mxfp4", "fp8": "fp8"}.get(method, "bf16")
+
+
 def checkpoint(name: str, layers: int | None, root: Path, expert_format: str = "bf16") -> Path:
     """A directory holding only the model's config.json (optionally cut to ``layers`` decoder layers; the
-    language model's config where it sits under ``text_config``). ``expert_format`` ``bf16`` drops a
-    ``quantization_config`` (dummy weights in bf16), ``int4`` keeps it."""
+    language model's config where it sits under ``text_config``). ``expert_format``: the formats, comma-separated,
+    whose ``quantization_config`` is kept (``int4``, ``mxfp4``, ``fp8``); a model published in another is given bf16
+    dummy weights (its ``quantization_config`` dropped), so ``bf16`` drops every one."""
     cfg = json.loads((CONFIGS / f"{name}.config.json").read_text())
     text = cfg.get("text_config", cfg)
     if layers:
         text["num_hidden_layers"] = layers
-    if expert_format == "bf16":
+    if published_format(name) not in expert_format.split(","):
         for c in (cfg, text):
             c.pop("quantization_config", None)
     d = root / name
@@ -372,7 +383,7 @@ def attention_dims(config) -> tuple[int, int, int]:
     return h, d, d
 
 
-def planned(d: Path, batches: list[int], ctx: float, weights: str = "bf16") -> dict[int, tuple[float, float]]:
+def planned(d: Path, batches: list[int], ctx: float, weights: str | None = "bf16") -> dict[int, tuple[float, float]]:
     """What ``epmoe plan`` predicts for one H200 (the TP1 strategy: one GPU): per batch, ms per decode step and
     the part of it that is the profile's engine step costs (``engine_*``)."""
     from epmoe.plan.hardware import load_hardware
@@ -380,7 +391,7 @@ def planned(d: Path, batches: list[int], ctx: float, weights: str = "bf16") -> d
     from epmoe.plan.request import PlanRequest
 
     req = PlanRequest(load_moe_spec(str(d)), load_hardware("h200-sxm"), gpus=1, batches=tuple(batches),
-                      context=int(ctx), weights=weights)  # dummy weights: bf16 unless int4 experts are kept
+                      context=int(ctx), weights=weights)  # None: the format the checkpoint's config names
     return {b: (st.total_ms, st.engine_ms) for b, st in zip(batches, plan(req).strategies[0].steps)}
 
 
@@ -763,6 +774,9 @@ def check_decode_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
     naming it, before anything is measured."""
     if args.steps < 1:
         ap.error(f"--steps must be at least 1, got {args.steps}")
+    formats = args.expert_format.split(",")
+    if not set(formats) <= {"bf16", "int4", "mxfp4", "fp8"}:
+        ap.error(f"--expert-format takes bf16, int4, mxfp4 or fp8 (comma-separated), got {args.expert_format!r}")
     lists = {}
     for flag, text, used in (("--batches", args.batches, True), ("--peer-batches", args.peer_batches,
                                                                    args.peer != "none"),
@@ -826,8 +840,9 @@ def main() -> None:
     ap.add_argument("--kimi-layers", type=int, default=4,
                     help="Kimi-K2.5 decoder layers (4: the dense one and 3 MoE layers, 100.6 GiB in bf16; 5 take "
                          "132.4 GiB, over the engine's mem_fraction_static 0.9 of an H200)")
-    ap.add_argument("--expert-format", choices=["bf16", "int4"], default="bf16",
-                    help="Kimi-K2.5's routed experts: bf16 dummy weights, or INT4 as its config says")
+    ap.add_argument("--expert-format", default="bf16",
+                    help="the published expert formats kept, comma-separated (int4: Kimi-K2.5, mxfp4: gpt-oss, fp8); "
+                         "models published in another get bf16 dummy experts (default bf16: every model)")
     ap.add_argument("--peer", default="eager,static", help="transformers modes to time: eager, static, none")
     ap.add_argument("--peer-batches", default="1,8,64,256")
     ap.add_argument("--sequential-batches", default="",
@@ -889,8 +904,8 @@ def main() -> None:
         layers = {"deepseek": args.deepseek_layers, "kimi": args.kimi_layers}.get(name.split("-")[0])
         d = checkpoint(name, layers, root, args.expert_format)
         m = measure_engine(name, d, batches, args, ceil)
-        weights = "int4" if args.expert_format == "int4" and name.startswith("kimi") else "bf16"
-        plan_ms = planned(d, batches, m["rows"][batches[0]]["ctx"], weights)
+        kept = published_format(name) in args.expert_format.split(",")
+        plan_ms = planned(d, batches, m["rows"][batches[0]]["ctx"], None if kept else "bf16")
         m["plan_ms"] = {b: v[0] for b, v in plan_ms.items()}
         m["plan_engine_ms"] = {b: v[1] for b, v in plan_ms.items()}
         # a step faster than the plan's roofline read fewer bytes than the plan prices (fewer experts than uniform

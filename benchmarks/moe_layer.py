@@ -17,6 +17,11 @@ Cases:
         48 of the 384 experts, D 7168, F 2048, top-8 of 384 (as dsv3: choices outside the shard enter as slot -1),
         with Kimi-K2.5's INT4 weights (compressed-tensors pack-quantized, group 32, bf16 scales).
     kimi_full_int4 (``--cases kimi_full_int4``): all 384 experts of that layer on one GPU.
+    gptoss_mxfp4, gptoss20b_mxfp4 (``--cases gptoss_mxfp4``): a gpt-oss-120b (128 experts) or gpt-oss-20b (32) MoE
+        layer on one GPU, D = F = 2880, top-4, gpt-oss's clamped SwiGLU with biases, in MXFP4; at up to 4 tokens
+        (16 pairs): the backend (``mxfp4``: the decode kernels on the packed weights) against its floor (the MXFP4
+        bytes of the active experts, 17 per 32 weights), the slots widened then the bf16 kernels (``mxfp4_widen``,
+        the path before the decode kernels) and the bf16 backend on the dequantized weights (``bf16``).
 
 The INT4 cases time, in the same run and on the same (dequantized) weight values: the ``triton`` backend on the packed
 weights (``int4``, the path ``int4_path`` picks; floor = INT4 bytes + scales of the active slots over the copy
@@ -69,6 +74,7 @@ from epmoe.experts import Activation, ExpertWeights, get_expert_backend, referen
 from epmoe.experts.fp8 import block_fp8_expert_weights
 from epmoe.experts.grouped_mm import grouped_mm_experts
 from epmoe.experts.int4 import Int4ExpertWeights
+from epmoe.experts.mxfp4 import MXFP4ExpertWeights
 from epmoe.experts.triton.decode import DECODE_MAX_PAIRS, DecodeConfig, decode_experts, default_decode_config
 from epmoe.experts.triton.grouped import TileConfig, act_code, default_config, default_int4_config, triton_experts
 from epmoe.experts.triton.int4 import (
@@ -79,6 +85,7 @@ from epmoe.experts.triton.int4 import (
     int4_grouped_experts,
     int4_path,
 )
+from epmoe.experts.triton.mxfp4 import mxfp4_widened_experts
 from epmoe.experts.triton.w4a16_mma import MmaConfig, default_mma_config, int4_mma_experts
 from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, default_wgmma_config, int4_wgmma_experts
 from timing import measure_ceilings, rel_err, time_fn, time_in_model
@@ -91,6 +98,11 @@ INT4_CASES = {
     "kimi_int4": dict(num_experts=384, slots=48, d=7168, f=2048, k=8),
     "kimi_full_int4": dict(num_experts=384, slots=384, d=7168, f=2048, k=8),
 }
+MXFP4_CASES = {
+    "gptoss_mxfp4": dict(num_experts=128, slots=128, d=2880, f=2880, k=4),
+    "gptoss20b_mxfp4": dict(num_experts=32, slots=32, d=2880, f=2880, k=4),
+}
+MXFP4_MAX_TOKENS = 4  # 16 pairs at top-4: the decode kernels' most
 INT4_GROUP = 32
 # the decode tiles beside the default (4, 128, 8, 128, 1 warp, 2 stages: each thread one group of eight rows, the
 # step's inputs loaded in the word tile's layout): the default before it (8, 64, 16, 64, 2 warps, 3 stages: the
@@ -409,6 +421,53 @@ def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: 
         save()
 
 
+def bench_mxfp4_case(name: str, case: dict, sizes: list[int], ceil: dict, rows: list[dict],
+                     save: Callable[[], None]) -> None:
+    """The MXFP4 backend (decode kernels) against its floor, the widening path and bf16 on the same weight values, at
+    the ``sizes`` up to ``MXFP4_MAX_TOKENS``; each row appended to ``rows`` and ``save()`` called after it."""
+    flush = torch.empty(256 << 20, device="cuda", dtype=torch.float16)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    s, d, f = case["slots"], case["d"], case["f"]
+    blocks = [torch.randint(0, 256, shape, device="cuda", dtype=torch.uint8, generator=gen)
+              for shape in ((s, 2 * f, d // 32, 16), (s, d, f // 32, 16))]
+    scales = [torch.randint(118, 122, shape, device="cuda", dtype=torch.uint8, generator=gen)
+              for shape in ((s, 2 * f, d // 32), (s, d, f // 32))]
+    bias = [torch.randn(s, n, device="cuda", generator=gen).bfloat16() * 0.1 for n in (2 * f, d)]
+    q = MXFP4ExpertWeights(blocks[0], scales[0], blocks[1], scales[1], *bias)
+    w = q.dequantize(torch.bfloat16)
+    w32 = q.dequantize(torch.float32)
+    act = Activation("silu", 7.0, 1.702)
+    ours = get_expert_backend("triton")
+    mx_bytes = 3 * d * f * 17 // 32
+    for t in [t for t in sizes if t <= MXFP4_MAX_TOKENS]:
+        x, slots, tw = make_routing(case, t, gen)
+        active = int(torch.unique(slots[slots >= 0]).numel())
+        ref = reference_experts(x.float(), slots, tw, ExpertWeights(w32.w13, w32.w2, w32.b13.float(), w32.b2.float()),
+                                act)
+        row = {"case": name, "tokens": t, "active_slots": active,
+               "mxfp4_floor_us": active * mx_bytes / ceil["copy_bytes_per_s"] * 1e6,
+               "bf16_floor_us": active * 3 * d * f * 2 / ceil["copy_bytes_per_s"] * 1e6}
+        impls = {"mxfp4": lambda: ours(x, slots, tw, q, act),
+                 "mxfp4_widen": lambda: mxfp4_widened_experts(x, slots, tw, q, act),
+                 "bf16": lambda: ours(x, slots, tw, w, act)}
+        for key, fn in impls.items():
+            row[f"{key}_err"], row[f"{key}_us"] = _checked_time(fn, ref, flush)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        save()
+
+
+def print_mxfp4_table(rows: list[dict]) -> None:
+    """One line a row: the backend against its MXFP4 floor, the widening path and bf16 (with its own floor)."""
+    print(f"\n{'case':16} {'T':>3} {'act':>4} {'mxfloor':>7} {'mxfp4':>7} {'x_fl':>5} {'widen':>7} {'widen/mx':>8} "
+          f"{'bf16':>7} {'bf16fl':>7} {'bf16/mx':>7} {'err_mx':>8} {'err_wid':>8}")
+    for r in rows:
+        print(f"{r['case']:16} {r['tokens']:3d} {r['active_slots']:4d} {r['mxfp4_floor_us']:7.1f} {r['mxfp4_us']:7.1f} "
+              f"{r['mxfp4_us'] / r['mxfp4_floor_us']:5.2f} {r['mxfp4_widen_us']:7.1f} "
+              f"{r['mxfp4_widen_us'] / r['mxfp4_us']:8.2f} {r['bf16_us']:7.1f} {r['bf16_floor_us']:7.1f} "
+              f"{r['bf16_us'] / r['mxfp4_us']:7.2f} {r['mxfp4_err']:8.1e} {r['mxfp4_widen_err']:8.1e}")
+
+
 def _sweep(row: dict, key: str, configs: list, run, ref: torch.Tensor, flush: torch.Tensor) -> None:
     """Time ``run(cfg)`` for each config into ``row[key + "_sweep"]``, the fastest as ``row[key + "_best_us"]`` and
     ``row[key + "_best_config"]``."""
@@ -502,7 +561,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.path.join(os.environ["OUT"], "moe_layer.json") if "OUT" in os.environ else None)
     p.add_argument("--sizes", default="1,8,32,64,128,256,1024,4096")
-    p.add_argument("--cases", default="qwen3,dsv3", help=f"of {sorted(CASES) + sorted(INT4_CASES)}")
+    p.add_argument("--cases", default="qwen3,dsv3",
+                   help=f"of {sorted(CASES) + sorted(INT4_CASES) + sorted(MXFP4_CASES)}")
     p.add_argument("--sweep", action="store_true",
                    help="also time the tile configs in DECODE_SWEEP (decode path) or SWEEP (grouped path)")
     p.add_argument("--sweep-sizes", default=None, help="sizes to sweep (default: all of --sizes)")
@@ -514,9 +574,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     ceil = measure_ceilings()
     print(json.dumps(ceil), flush=True)
-    rows, int4_rows, graph = [], [], {}
+    rows, int4_rows, mxfp4_rows, graph = [], [], [], {}
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "ceilings": ceil, "rows": rows, "int4_rows": int4_rows, "full_layer_graph": graph}
+              "ceilings": ceil, "rows": rows, "int4_rows": int4_rows, "mxfp4_rows": mxfp4_rows,
+              "full_layer_graph": graph}
 
     def save() -> None:
         """Write the results so far (each finished row), so that a run cut short by a time limit keeps them."""
@@ -525,7 +586,9 @@ def main(argv: list[str] | None = None) -> None:
                 json.dump(result, fh, indent=1)
 
     for name in args.cases.split(","):
-        if name in INT4_CASES:
+        if name in MXFP4_CASES:
+            bench_mxfp4_case(name, MXFP4_CASES[name], sizes, ceil, mxfp4_rows, save)
+        elif name in INT4_CASES:
             # the tile sweep on the EP-8 shard only (the full layer's compiles and runs would not fit one call)
             bench_int4_case(name, INT4_CASES[name], sizes, ceil, sweep if name == "kimi_int4" else set(), int4_rows,
                             save)
@@ -541,6 +604,8 @@ def main(argv: list[str] | None = None) -> None:
               f"replay {gr['replay_us']:.1f} us")
     if int4_rows:
         print_int4_table(int4_rows)
+    if mxfp4_rows:
+        print_mxfp4_table(mxfp4_rows)
     if not rows:
         return
     nan = float("nan")

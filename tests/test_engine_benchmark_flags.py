@@ -87,6 +87,8 @@ def test_bad_speculation_flags_are_named_with_exit_2(script, tmp_path, monkeypat
      "512); each TTFT prompt must be shorter"),
     (["--peer", "eagr"], "--peer takes eager, static or none, got 'eagr'"),
     (["--kimi-layers", "0"], "--kimi-layers must be at least 1, got 0"),
+    (["--expert-format", "int4,nvfp4"], "--expert-format takes bf16, int4, mxfp4 or fp8 (comma-separated), got "
+                                        "'int4,nvfp4'"),
     (["--env-variants", "EPMOE_PDL=0;FOO"], "--env-variants: 'FOO' in 'FOO' is not NAME=VALUE"),
     (["--env-variants", "=1"], "--env-variants: '=1' in '=1' is not NAME=VALUE"),
     # valid flags, no GPU: refused before anything is measured (it failed importing Triton for the ceilings)
@@ -119,3 +121,20 @@ def test_decode_flags_unused_are_not_checked_and_unknown_models_are_named(script
         script.main()
     err = capsys.readouterr().err
     assert "error: --models ['nope'] have no config under" in err and "qwen3-30b-a3b" in err.split("known:")[1]
+
+
+def test_expert_format_keeps_only_the_formats_it_names(script, tmp_path):
+    """A model's ``quantization_config`` stays where ``--expert-format`` names the format it is published in."""
+    import json
+
+    assert {m: script.published_format(m) for m in ("kimi-k2.5", "gpt-oss-20b", "deepseek-v3", "qwen3-30b-a3b")} == {
+        "kimi-k2.5": "int4", "gpt-oss-20b": "mxfp4", "deepseek-v3": "fp8", "qwen3-30b-a3b": "bf16"}
+    kept = {}
+    for fmt in ("bf16", "int4", "int4,mxfp4"):
+        for model in ("kimi-k2.5", "gpt-oss-20b", "deepseek-v3"):
+            cfg = json.loads((script.checkpoint(model, 2, tmp_path / fmt, fmt) / "config.json").read_text())
+            text = cfg.get("text_config", cfg)
+            assert text["num_hidden_layers"] == 2
+            kept[fmt, model] = "quantization_config" in cfg or "quantization_config" in text
+    assert [k for k, v in kept.items() if v] == [("int4", "kimi-k2.5"), ("int4,mxfp4", "kimi-k2.5"),
+                                                 ("int4,mxfp4", "gpt-oss-20b")]

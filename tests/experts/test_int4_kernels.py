@@ -1,7 +1,7 @@
-"""The INT4 (W4A16) expert kernels (decode, fused grouped, widening) and the MXFP4 widening against the reference on
-the dequantized weights: under the Triton interpreter (``interpret``: ``TRITON_INTERPRET=1``, fp16 and float32) and
-on a GPU (``gpu``: bf16, through the ``triton`` backend and each path directly, eagerly and replayed from a CUDA
-graph).
+"""The INT4 (W4A16) expert kernels (decode, fused grouped, widening) and the MXFP4 ones (decode, widening) against the
+reference on the dequantized weights: under the Triton interpreter (``interpret``: ``TRITON_INTERPRET=1``, fp16 and
+float32) and on a GPU (``gpu``: bf16, through the ``triton`` backend and each path directly, eagerly and replayed
+from a CUDA graph).
 
     PYTHONPATH=/path/to/numpy<2.4:src TRITON_INTERPRET=1 pytest -q -m interpret tests/experts/test_int4_kernels.py
 """
@@ -221,6 +221,53 @@ def test_mxfp4_widening_and_experts():
     assert _rel(mxfp4_experts(x, slots, tw, q, act), _ref(x, slots, tw, q, act, False)) < 2e-3  # 18 pairs
 
 
+def _mxfp4_case(seed, s, d, f, device="cpu"):
+    """MXFP4 weights with biases, every E2M1 code in both nibbles of slot 0's first byte block and one scale of 0
+    (``2 ** -127``)."""
+    q = mxfp4_expert_weights(_weights(seed, s, d, f, True, device))
+    blocks, scales = q.w13_blocks.clone(), q.w13_scales.clone()
+    blocks[0, 0, 0] = torch.arange(16, dtype=torch.uint8) * 17
+    scales[0, 1, 0] = 0
+    return type(q)(blocks, scales, q.w2_blocks, q.w2_scales, q.b13, q.b2)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype,act,woi", [
+    (torch.float32, Activation("silu", 7.0), False),
+    (torch.float32, Activation("gelu"), True),
+    (torch.float16, Activation(), False),
+])
+def test_mxfp4_decode_matches_reference(dtype, act, woi):
+    from epmoe.experts.triton.mxfp4 import (
+        MXFP4DecodeConfig,
+        mxfp4_decode_experts,
+        mxfp4_experts,
+        mxfp4_widened_experts,
+    )
+
+    q = _mxfp4_case(3, 4, 96, 64)  # D: 3 blocks of 32, F: 2
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 96, generator=g).to(dtype)
+    slots = torch.tensor([[0, -1, 3, 2], [1, 1, 7, 0], [-1, -1, -1, 3]])  # 7: outside [0, S), skipped
+    tw = torch.rand(3, 4, generator=g)
+    ref = _ref(x, slots, tw, q, act, woi)
+    # one pair group per pair, whole rows in one step; 2-block steps (a ragged last one) with 8 programs a launch
+    # (pairs shared among groups) and gate/up rows past F; one group taking every pair, one block a step
+    for cfg in (MXFP4DecodeConfig(), MXFP4DecodeConfig(4, 2, 8, 2, 2, False, 8),
+                MXFP4DecodeConfig(32, 1, 64, 4, 4, False, 1)):
+        out = mxfp4_decode_experts(x, slots, tw, q, act, woi, cfg)
+        assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3), cfg
+        assert out.dtype == dtype and torch.equal(out, mxfp4_decode_experts(x, slots, tw, q, act, woi, cfg))
+    if dtype == torch.float16:  # the backend's entry takes the decode kernels for up to 16 pairs
+        assert torch.equal(mxfp4_experts(x, slots, tw, q, act, woi), mxfp4_decode_experts(x, slots, tw, q, act, woi))
+        assert _rel(mxfp4_widened_experts(x, slots, tw, q, act, woi), ref) < 2e-3
+    none = mxfp4_decode_experts(x, torch.full((3, 4), -1), tw, q, act, woi)
+    assert none.shape == (3, 96) and not none.any()
+    with pytest.raises(ValueError, match="at most 16 .* pairs, got 20"):
+        mxfp4_decode_experts(torch.randn(5, 96).to(dtype), torch.zeros(5, 4, dtype=torch.long), torch.rand(5, 4), q,
+                             act)
+
+
 @pytest.mark.interpret
 def test_int4_entry_takes_any_layout_and_no_pairs():
     """``int4_experts`` (the backend's entry) and the grouped INT4 path take rows whose elements are not adjacent and
@@ -391,16 +438,26 @@ def test_int4_grouped_and_dequant_paths_on_gpu(t, case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 300])  # the bf16 decode kernels and the grouped ones on the widened slots
+@pytest.mark.parametrize("t", [1, 4, 300])  # the MXFP4 decode kernels (4 and 16 pairs), the grouped ones above
 def test_mxfp4_backend_on_gpu(t):
-    s, d, f, k = 8, 512, 256, 4
-    q = mxfp4_expert_weights(_weights(t, s, d, f, True, "cuda"))
+    s, d, f, k = 8, 2880, 2880, 4  # gpt-oss's D and F: 90 blocks of 32, a ragged last step
+    q = _mxfp4_case(t, s, d, f, "cuda")
     q = type(q)(q.w13_blocks, q.w13_scales, q.w2_blocks, q.w2_scales, q.b13.bfloat16(), q.b2.bfloat16())
     act = Activation("silu", 7.0)
     x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
     slots = torch.randint(0, s, (t, k), device="cuda")
+    slots[0, 0] = 0
     tw = torch.rand(t, k, device="cuda")
-    assert _rel(get_expert_backend("triton")(x, slots, tw, q, act), _ref(x, slots, tw, q, act, False)) < 1e-2
+    backend = get_expert_backend("triton")
+    assert _rel(backend(x, slots, tw, q, act), _ref(x, slots, tw, q, act, False)) < 1e-2
+    if t * k <= 16:  # replayed from a CUDA graph with new rows
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = backend(x, slots, tw, q, act)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert torch.equal(captured, backend(x, slots, tw, q, act))
+        assert _rel(captured, _ref(x, slots, tw, q, act, False)) < 1e-2
 
 
 def _kernel_case(case: str, t: int, seed: int, device: str = "cuda"):
