@@ -77,6 +77,8 @@ def checkpoint(name: str, layers: int | None, root: Path, expert_format: str = "
     text = cfg.get("text_config", cfg)
     if layers:
         text["num_hidden_layers"] = layers
+        if "layer_types" in text:  # gpt-oss: one attention kind a layer
+            text["layer_types"] = text["layer_types"][:layers]
     if published_format(name) not in expert_format.split(","):
         for c in (cfg, text):
             c.pop("quantization_config", None)

@@ -124,7 +124,8 @@ def test_decode_flags_unused_are_not_checked_and_unknown_models_are_named(script
 
 
 def test_expert_format_keeps_only_the_formats_it_names(script, tmp_path):
-    """A model's ``quantization_config`` stays where ``--expert-format`` names the format it is published in."""
+    """A model's ``quantization_config`` stays where ``--expert-format`` names the format it is published in; a model
+    cut to fewer layers keeps as many ``layer_types`` (transformers refuses gpt-oss's config otherwise)."""
     import json
 
     assert {m: script.published_format(m) for m in ("kimi-k2.5", "gpt-oss-20b", "deepseek-v3", "qwen3-30b-a3b")} == {
@@ -134,7 +135,7 @@ def test_expert_format_keeps_only_the_formats_it_names(script, tmp_path):
         for model in ("kimi-k2.5", "gpt-oss-20b", "deepseek-v3"):
             cfg = json.loads((script.checkpoint(model, 2, tmp_path / fmt, fmt) / "config.json").read_text())
             text = cfg.get("text_config", cfg)
-            assert text["num_hidden_layers"] == 2
+            assert text["num_hidden_layers"] == 2 and len(text.get("layer_types", "ab")) == 2  # gpt-oss's cut too
             kept[fmt, model] = "quantization_config" in cfg or "quantization_config" in text
     assert [k for k, v in kept.items() if v] == [("int4", "kimi-k2.5"), ("int4,mxfp4", "kimi-k2.5"),
                                                  ("int4,mxfp4", "gpt-oss-20b")]
