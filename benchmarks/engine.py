@@ -89,7 +89,8 @@ def checkpoint(name: str, layers: int | None, root: Path, expert_format: str = "
 
 
 def weight_bytes(engine: Engine) -> dict:
-    """Bytes of the weights a decode step reads in full, and of one routed expert."""
+    """Bytes of the weights a decode step reads in full, and of one routed expert; the weights of one routed expert
+    (``expert_params``: its three matrices, whatever their storage)."""
     model = engine.ep_model.model
     expert_params = {id(p) for layer in engine.ep_model.moe_layers for p in layer.experts.parameters()}
     embed = model.get_input_embeddings().weight
@@ -99,7 +100,9 @@ def weight_bytes(engine: Engine) -> dict:
         dense += embed.numel() * embed.element_size()
     layer = engine.ep_model.moe_layers[0]
     one = sum(p[0].numel() * p.element_size() for p in layer.experts.parameters())
-    return {"dense": dense, "expert": one, "embed_row": embed[0].numel() * embed.element_size()}
+    spec = engine.spec
+    return {"dense": dense, "expert": one, "embed_row": embed[0].numel() * embed.element_size(),
+            "expert_params": 3 * spec.hidden_size * spec.moe_intermediate_size}
 
 
 def decode_floor(engine: Engine, wb: dict, bs: int, ctx: float, ceil: dict, touched: float | None = None) -> dict:
@@ -111,7 +114,7 @@ def decode_floor(engine: Engine, wb: dict, bs: int, ctx: float, ceil: dict, touc
     e, k = spec.num_experts, spec.top_k
     uniform = e * (1 - (1 - k / e) ** bs)
     kv = bs * ctx * engine.kv.layout.bytes_per_token(engine.config.torch_dtype)
-    active = wb["dense"] / 2 + spec.num_moe_layers * k * wb["expert"] / 2
+    active = wb["dense"] / 2 + spec.num_moe_layers * k * wb["expert_params"]
     flops = 2 * active * bs
 
     def floor_ms(experts: float) -> tuple[float, float]:
@@ -643,7 +646,7 @@ def verify_floor(engine: Engine, wb: dict, bs: int, k: int, ctx: float, ceil: di
     touched = e * (1 - (1 - top / e) ** tokens)
     kv = bs * ctx * engine.kv.layout.bytes_per_token(engine.config.torch_dtype)
     nbytes = wb["dense"] + spec.num_moe_layers * touched * wb["expert"] + kv + tokens * wb["embed_row"]
-    flops = 2 * (wb["dense"] / 2 + spec.num_moe_layers * top * wb["expert"] / 2) * tokens
+    flops = 2 * (wb["dense"] / 2 + spec.num_moe_layers * top * wb["expert_params"]) * tokens
     return max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["bf16_flop_per_s"]) * 1e3
 
 
