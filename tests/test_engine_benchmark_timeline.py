@@ -71,7 +71,8 @@ def test_experts_touched_counts_each_steps_distinct_slots(monkeypatch, tmp_path)
 
 
 def test_decode_floor_reads_the_measured_experts(monkeypatch):
-    """The floor prices the experts the step touched where measured; ``floor_uniform_ms`` the uniform-routing count."""
+    """The floor prices the experts the step touched where measured; ``floor_uniform_ms`` the uniform-routing count;
+    the FLOPs count an expert's weights, not its bytes (packed INT4 or MXFP4 experts hold about 4 weights in 2 bytes)."""
     from types import SimpleNamespace
 
     import torch
@@ -80,13 +81,14 @@ def test_decode_floor_reads_the_measured_experts(monkeypatch):
     engine = SimpleNamespace(spec=SimpleNamespace(num_experts=128, top_k=8, num_moe_layers=2),
                              kv=SimpleNamespace(layout=SimpleNamespace(bytes_per_token=lambda dtype: 0)),
                              config=SimpleNamespace(torch_dtype=torch.bfloat16))
-    wb = {"dense": 0, "expert": 10**6, "embed_row": 0}
+    wb = {"dense": 0, "expert": 10**6, "embed_row": 0, "expert_params": 3 * 10**6}
     ceil = {"copy_bytes_per_s": 10**9, "bf16_flop_per_s": 10**18}
     measured = mod.decode_floor(engine, wb, 64, 100.0, ceil, touched=50.0)
     uniform = 128 * (1 - (1 - 8 / 128) ** 64)
     assert measured["floor_ms"] == 2 * 50 * 10**6 / 10**9 * 1e3
     assert measured["floor_uniform_ms"] == 2 * uniform * 10**6 / 10**9 * 1e3
     assert mod.decode_floor(engine, wb, 64, 100.0, ceil)["floor_ms"] == measured["floor_uniform_ms"]
+    assert measured["floor_flops"] == 2 * (2 * 8 * 3 * 10**6) * 64
 
 
 def test_experts_touched_needs_a_step(monkeypatch):
