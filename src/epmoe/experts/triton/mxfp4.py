@@ -1,7 +1,8 @@
 """MXFP4 expert compute on CUDA: the decode kernels reading the packed weights directly for a few pairs, and above
 them the slots in use widened to the compute dtype in one Triton launch, then the bf16 grouped kernels of ``grouped``.
 
-Decode (``mxfp4_decode_experts``, ``T * K <= decode.DECODE_MAX_PAIRS``): the two launches of ``decode`` (a pair is
+Decode (``mxfp4_decode_experts``, up to ``MXFP4_DECODE_MAX_PAIRS`` pairs; the backend takes it for up to
+``decode.DECODE_MAX_PAIRS``, as for bf16 weights): the two launches of ``decode`` (a pair is
 a matrix-vector product cut along the output rows; live pairs shared among pair groups; the last down program of a
 column tile sums it over each token's pairs, ``decode.sum_pairs_on_arrival``), with the weights read as they are
 stored: a program's tile is ``[R, BLOCK_G, 16]`` bytes (``R`` weight rows, ``BLOCK_G`` 32-value blocks of each),
@@ -48,6 +49,7 @@ from epmoe.experts.triton.pdl import pdl_launch
 from epmoe.experts.weights import Activation, ExpertWeights, check_expert_call
 
 _ZERO_BLOCK = 1024
+MXFP4_DECODE_MAX_PAIRS = 64  # the most pairs mxfp4_decode_experts takes (each read and summed per token in its grid)
 
 
 @dataclass(frozen=True)
@@ -237,8 +239,8 @@ def mxfp4_decode_experts(
     weight_on_input: bool = False,
     config: MXFP4DecodeConfig | None = None,
 ) -> torch.Tensor:
-    """Expert compute for ``T * K <= DECODE_MAX_PAIRS`` pairs on the MXFP4 weights as stored, in two launches (see the
-    module docstring). Graph safe: static grids, no host synchronisation.
+    """Expert compute for ``T * K <= MXFP4_DECODE_MAX_PAIRS`` pairs on the MXFP4 weights as stored, in two launches
+    (see the module docstring). Graph safe: static grids, no host synchronisation.
 
     Args:
         x: ``[T, D]`` bf16/fp16 rows (float32 too, under the Triton interpreter), contiguous along ``D``.
@@ -254,14 +256,14 @@ def mxfp4_decode_experts(
 
     Raises:
         ValueError: operands of other shapes or layouts than ``experts.weights.check_expert_call`` takes, weight
-            blocks or scales not contiguous, or more than ``DECODE_MAX_PAIRS`` pairs.
+            blocks or scales not contiguous, or more than ``MXFP4_DECODE_MAX_PAIRS`` pairs.
     """
     check_expert_call(x, topk_slots, topk_weights, weights.hidden_size)
     cfg = config if config is not None else MXFP4DecodeConfig()
     t, k = topk_slots.shape
     n = t * k
-    if n > DECODE_MAX_PAIRS:
-        raise ValueError(f"mxfp4_decode_experts takes at most {DECODE_MAX_PAIRS} (token, k) pairs, got {n}")
+    if n > MXFP4_DECODE_MAX_PAIRS:
+        raise ValueError(f"mxfp4_decode_experts takes at most {MXFP4_DECODE_MAX_PAIRS} (token, k) pairs, got {n}")
     for name in ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"):
         if not getattr(weights, name).is_contiguous():
             raise ValueError(f"the MXFP4 decode kernels read {name} contiguous, got strides "
