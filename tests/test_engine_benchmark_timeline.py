@@ -72,7 +72,8 @@ def test_experts_touched_counts_each_steps_distinct_slots(monkeypatch, tmp_path)
 
 def test_decode_floor_reads_the_measured_experts(monkeypatch):
     """The floor prices the experts the step touched where measured; ``floor_uniform_ms`` the uniform-routing count;
-    the FLOPs count an expert's weights, not its bytes (packed INT4 or MXFP4 experts hold about 4 weights in 2 bytes)."""
+    the FLOPs count an expert's weights, not its bytes (packed INT4 or MXFP4 experts hold about 4 weights in 2
+    bytes)."""
     from types import SimpleNamespace
 
     import torch
