@@ -55,9 +55,8 @@ import triton.language as tl
 
 from epmoe.experts.fp8 import FP8_BLOCK, BlockFP8ExpertWeights, kernel_operands
 from epmoe.experts.triton.pdl import pdl_launch
-from epmoe.experts.weights import Activation, ExpertWeights, check_expert_call
+from epmoe.experts.weights import DECODE_MAX_PAIRS, Activation, ExpertWeights, check_expert_call
 
-DECODE_MAX_PAIRS = 16
 _ZERO_BLOCK = 1024
 _TILE_BYTES = 8192
 

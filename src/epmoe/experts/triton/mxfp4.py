@@ -36,7 +36,6 @@ import triton.language as tl
 
 from epmoe.experts.mxfp4 import MXFP4_BLOCK, MXFP4_BYTES, MXFP4ExpertWeights
 from epmoe.experts.triton.decode import (
-    DECODE_MAX_PAIRS,
     gated_activation,
     live_pair,
     live_pairs,
@@ -46,7 +45,7 @@ from epmoe.experts.triton.decode import (
 )
 from epmoe.experts.triton.grouped import act_code, triton_experts
 from epmoe.experts.triton.pdl import pdl_launch
-from epmoe.experts.weights import Activation, ExpertWeights, check_expert_call
+from epmoe.experts.weights import DECODE_MAX_PAIRS, Activation, ExpertWeights, check_expert_call
 
 _ZERO_BLOCK = 1024
 MXFP4_DECODE_MAX_PAIRS = 64  # the most pairs mxfp4_decode_experts takes (each read and summed per token in its grid)
