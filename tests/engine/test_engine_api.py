@@ -81,6 +81,8 @@ def test_bad_requests_rejected_before_queueing(engine, model_dir, reference):
         engine.add_request("abc", {"temperature": 0})
     with pytest.raises(TypeError, match="request_id must be a string, got int 5"):
         engine.add_request("abc", GREEDY, request_id=5)
+    with pytest.raises(TypeError, match="request_id must be a string, got bytes b'dup'"):
+        engine.abort(b"dup")
     assert [s.request_id for s in engine.scheduler.waiting] == ["dup"]
     # the engine keeps serving: the queued request and new ones give the reference tokens
     other = engine.add_request("Hello world", GREEDY)
@@ -227,6 +229,22 @@ def test_abort_mid_generation(engine, reference):
     for p in PROMPTS:
         if ids[p] != victim:
             assert last[ids[p]].finished and last[ids[p]].token_ids == reference[p], p
+    assert_idle(engine)
+
+
+def test_made_up_ids_never_take_a_live_callers_id(engine, reference):
+    """An id the engine makes up (``req-N``) skips ids a caller chose that look like it, so each live request keeps
+    its own id and can be aborted by it."""
+    n = int(engine.add_request("abc", GREEDY).removeprefix("req-"))  # every request counts, ours too: the next
+    ours = [f"req-{n + 3}", f"req-{n + 4}-1"]  # two made-up ids would be req-{n + 3} and req-{n + 4}
+    for rid in ours:
+        assert engine.add_request("Hello world", GREEDY, request_id=rid) == rid
+    made = [engine.add_request("abc", GREEDY), engine.add_request("abc", GREEDY)]
+    assert made == [f"req-{n + 3}-1", f"req-{n + 4}"]
+    assert engine.abort(ours[0]).request_id == ours[0]
+    last = drain(engine)
+    assert last[ours[0]].finish_reason == "abort" and last[ours[1]].token_ids == reference["Hello world"]
+    assert all(last[rid].token_ids == reference["abc"] for rid in made)
     assert_idle(engine)
 
 

@@ -327,7 +327,7 @@ class Engine:
         Args:
             prompt: text or token ids.
             params: sampling options (``SamplingParams()`` when ``None``).
-            request_id: the caller's id (a fresh one when ``None``).
+            request_id: the caller's id (when ``None``, a fresh ``req-N`` that no live request holds).
 
         Returns:
             The request id.
@@ -344,7 +344,12 @@ class Engine:
         if request_id is not None and request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         number = next(self._counter)
-        rid = request_id if request_id is not None else f"req-{number}"
+        rid = request_id
+        if rid is None:
+            rid, again = f"req-{number}", 0
+            while rid in self._seqs:  # a caller's own id may look like the ones made here
+                again += 1
+                rid = f"req-{number}-{again}"
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -359,7 +364,12 @@ class Engine:
 
         Returns:
             Its final output (``finish_reason='abort'``), or ``None`` if it is unknown or already done.
+
+        Raises:
+            TypeError: ``request_id`` is not a string.
         """
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__} {request_id!r}")
         seq = self._seqs.get(request_id)
         if seq is None or seq.finished:
             return None
