@@ -723,9 +723,14 @@ def check_spec_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> No
     """The speculation rows' flags (``--spec`` or ``--device cpu``): a bad one is an argparse error naming it."""
     if not (args.spec or args.device == "cpu"):
         return
+    rows = "--device cpu" if args.device == "cpu" else "--spec"
+    for flag in ("models", "batches", "expert_format", "context", "ttft", "peer", "profile", "env_variants"):
+        if getattr(args, flag) != ap.get_default(flag):
+            ap.error(f"{rows} runs only the speculation rows (on --spec-model, with an EAGLE-3 head for it: "
+                     f"--eagle3-config); --{flag.replace('_', '-')} is for the decode rows and would be ignored")
     if args.device == "cpu" and not args.spec_model:
-        ap.error("--device cpu needs --spec-model DIR (a small checkpoint): the default target is the full-size "
-                 "Qwen3-30B-A3B")
+        ap.error("--device cpu needs --spec-model DIR (a small checkpoint; and --eagle3-config, an EAGLE-3 head's "
+                 "config.json for it): the default target is the full-size Qwen3-30B-A3B")
     if args.spec_model and not (Path(args.spec_model) / "config.json").is_file():
         ap.error(f"--spec-model {args.spec_model!r} is not a checkpoint directory (no config.json)")
     if not Path(args.eagle3_config).is_file():
@@ -779,9 +784,10 @@ def check_decode_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
     naming it, before anything is measured."""
     if args.steps < 1:
         ap.error(f"--steps must be at least 1, got {args.steps}")
-    formats = args.expert_format.split(",")
-    if not set(formats) <= {"bf16", "int4", "mxfp4", "fp8"}:
-        ap.error(f"--expert-format takes bf16, int4, mxfp4 or fp8 (comma-separated), got {args.expert_format!r}")
+    unknown = [f for f in args.expert_format.split(",") if f not in ("bf16", "int4", "mxfp4", "fp8")]
+    if unknown:
+        ap.error(f"--expert-format takes bf16, int4, mxfp4 or fp8 (comma-separated), got {unknown} in "
+                 f"{args.expert_format!r}")
     lists = {}
     for flag, text, used in (("--batches", args.batches, True), ("--peer-batches", args.peer_batches,
                                                                    args.peer != "none"),

@@ -17,8 +17,15 @@ def script(monkeypatch):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--device", "cpu"], "--device cpu needs --spec-model DIR (a small checkpoint): the default target is the "
-                          "full-size Qwen3-30B-A3B"),
+    (["--device", "cpu"], "--device cpu needs --spec-model DIR (a small checkpoint; and --eagle3-config, an EAGLE-3 "
+                          "head's config.json for it): the default target is the full-size Qwen3-30B-A3B"),
+    # the decode rows' flags were ignored: the speculation rows ran on the small checkpoint instead
+    (["--device", "cpu", "--models", "gpt-oss-20b", "--spec-model", "{tmp}/ckpt"],
+     "--device cpu runs only the speculation rows (on --spec-model, with an EAGLE-3 head for it: --eagle3-config); "
+     "--models is for the decode rows and would be ignored"),
+    (["--spec", "--expert-format", "mxfp4"], "--spec runs only the speculation rows (on --spec-model, with an EAGLE-3 "
+                                             "head for it: --eagle3-config); --expert-format is for the decode rows "
+                                             "and would be ignored"),
     (["--device", "cpu", "--spec-model", "{tmp}/missing"],
      "--spec-model '{tmp}/missing' is not a checkpoint directory (no config.json)"),
     (["--device", "cpu", "--spec-model", "{tmp}/ckpt", "--eagle3-config", "{tmp}/missing.json"],
@@ -88,7 +95,7 @@ def test_bad_speculation_flags_are_named_with_exit_2(script, tmp_path, monkeypat
     (["--peer", "eagr"], "--peer takes eager, static or none, got 'eagr'"),
     (["--kimi-layers", "0"], "--kimi-layers must be at least 1, got 0"),
     (["--expert-format", "int4,nvfp4"], "--expert-format takes bf16, int4, mxfp4 or fp8 (comma-separated), got "
-                                        "'int4,nvfp4'"),
+                                        "['nvfp4'] in 'int4,nvfp4'"),
     (["--env-variants", "EPMOE_PDL=0;FOO"], "--env-variants: 'FOO' in 'FOO' is not NAME=VALUE"),
     (["--env-variants", "=1"], "--env-variants: '=1' in '=1' is not NAME=VALUE"),
     # valid flags, no GPU: refused before anything is measured (it failed importing Triton for the ceilings)
