@@ -490,3 +490,17 @@ def test_mla_latent_read_once_per_head_block():
     assert attention_ms(dsv3, 8192, once) - attention_ms(dsv3, 4096, once) == pytest.approx(extra * eff, rel=1e-9)
     # grouped-query attention: the efficiency does not apply
     assert attention_ms(qwen, 8192, hw) == attention_ms(qwen, 8192, once)
+
+
+def test_mxfp4_widening_is_priced_and_said(capsys):
+    """gpt-oss's MXFP4 experts: a step over 16 (token, k) pairs prices the experts widened to bf16 per call (far
+    above 4 tokens' step at top-4), and the report says why; a plan whose batches stay at 16 pairs says nothing."""
+    cfg = str(CONFIGS / "gpt-oss-20b.config.json")
+    req = PlanRequest(load_moe_spec(cfg), load_hardware(H200), gpus=1, batches=(4, 5))
+    four, five = plan(req).strategies[0].steps
+    assert five.total_ms > 3 * four.total_ms
+    assert main(["plan", "--config", cfg, "--gpus", "1", "--hardware", H200, "--batch", "1,5"]) == 0
+    out = capsys.readouterr().out
+    assert "MXFP4 experts: above 16 (token, k) pairs a rank's step widens the experts" in " ".join(out.split())
+    assert main(["plan", "--config", cfg, "--gpus", "1", "--hardware", H200, "--batch", "1,4"]) == 0
+    assert "MXFP4 experts" not in capsys.readouterr().out
