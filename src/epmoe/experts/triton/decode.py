@@ -131,6 +131,25 @@ def gated_activation(g, u, act_limit, act_alpha, ACT: tl.constexpr):
 
 
 @triton.jit
+def gated_h(tw_ptr, b_ptr, pair, slot, g, u, F, act_limit, act_alpha, offs_n, n_ok, ACT: tl.constexpr,
+            HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr):
+    """A pair's ``h`` float32 for the rows ``offs_n`` of its expert from their whole gate and up sums ``g``, ``u``:
+    the routing weight (on the input), the biases, the gated activation, the routing weight (on the output); shared
+    by the decode kernels of every weight format."""
+    tw = tl.load(tw_ptr + pair)
+    if WEIGHT_ON_INPUT:
+        g *= tw
+        u *= tw
+    if HAS_BIAS:
+        g += tl.load(b_ptr + slot * 2 * F + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        u += tl.load(b_ptr + slot * 2 * F + F + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    h = gated_activation(g, u, act_limit, act_alpha, ACT)
+    if not WEIGHT_ON_INPUT:
+        h *= tw
+    return h
+
+
+@triton.jit
 def live_pair(idx, sl, live, rank, i):
     """Pair index and slot of the ``i``-th live pair (0 and 0 when there is none)."""
     sel = live & (rank == i)
@@ -216,16 +235,8 @@ def _gate_up_pair(
                      eviction_policy="evict_first")
         wu = tl.load(w_ptr + next_slot * stride_we + F * stride_wn + rows, mask=first & more, other=0.0,
                      eviction_policy="evict_first")
-    tw = tl.load(tw_ptr + pair)
-    if WEIGHT_ON_INPUT:
-        g *= tw
-        u *= tw
-    if HAS_BIAS:
-        g += tl.load(b_ptr + slot * 2 * F + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        u += tl.load(b_ptr + slot * 2 * F + F + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    h = gated_activation(g, u, act_limit, act_alpha, ACT)
-    if not WEIGHT_ON_INPUT:
-        h *= tw
+    h = gated_h(tw_ptr, b_ptr, pair, slot, g, u, F, act_limit, act_alpha, offs_n, n_ok, ACT, HAS_BIAS,
+                WEIGHT_ON_INPUT)
     tl.store(h_ptr + pair * F + offs_n, h, mask=n_ok)
     return wg, wu
 

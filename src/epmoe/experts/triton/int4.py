@@ -89,7 +89,7 @@ import triton.language as tl
 from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
 from epmoe.experts.triton.decode import (
     DECODE_MAX_PAIRS,
-    gated_activation,
+    gated_h,
     live_pair,
     live_pairs,
     pair_grid,
@@ -338,17 +338,9 @@ def _gate_up_finish(
 ):
     """A pair's ``h`` for this program's rows ``offs_n`` from their whole gate and up sums: bias, routing weight, the
     gated activation, stored in the layout of ``xt`` (for the down kernel)."""
-    tw = tl.load(tw_ptr + pair)
-    if WEIGHT_ON_INPUT:
-        gs *= tw
-        us *= tw
     n_ok = offs_n < F
-    if HAS_BIAS:
-        gs += tl.load(b_ptr + slot * 2 * F + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        us += tl.load(b_ptr + slot * 2 * F + F + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    h = gated_activation(gs, us, act_limit, act_alpha, ACT)
-    if not WEIGHT_ON_INPUT:
-        h *= tw
+    h = gated_h(tw_ptr, b_ptr, pair, slot, gs, us, F, act_limit, act_alpha, offs_n, n_ok, ACT, HAS_BIAS,
+                WEIGHT_ON_INPUT)
     tl.store(h_ptr + pair * F + _input_offsets(offs_n, GW), (h * _nibble_scale(offs_n % 8)).to(h_ptr.dtype.element_ty),
              mask=n_ok)
 

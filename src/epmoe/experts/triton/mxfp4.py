@@ -36,7 +36,7 @@ import triton.language as tl
 
 from epmoe.experts.mxfp4 import MXFP4_BLOCK, MXFP4_BYTES, MXFP4ExpertWeights
 from epmoe.experts.triton.decode import (
-    gated_activation,
+    gated_h,
     live_pair,
     live_pairs,
     pair_grid,
@@ -142,16 +142,8 @@ def _mx_gate_up_kernel(
                            x_ptr + (pair // top_k).to(tl.int64) * stride_x, row * NB * 16, row * NB, col < F, NB,
                            BLOCK_G)
         g, u = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
-        tw = tl.load(tw_ptr + pair)
-        if WEIGHT_ON_INPUT:
-            g *= tw
-            u *= tw
-        if HAS_BIAS:
-            g += tl.load(b_ptr + slot * 2 * F + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            u += tl.load(b_ptr + slot * 2 * F + F + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        h = gated_activation(g, u, act_limit, act_alpha, ACT)
-        if not WEIGHT_ON_INPUT:
-            h *= tw
+        h = gated_h(tw_ptr, b_ptr, pair, slot, g, u, F, act_limit, act_alpha, offs_n, n_ok, ACT, HAS_BIAS,
+                    WEIGHT_ON_INPUT)
         tl.store(h_ptr + pair * F + offs_n, h, mask=n_ok)
 
 
