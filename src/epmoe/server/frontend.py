@@ -97,12 +97,16 @@ class Frontend:
         conn: this end of the pipe to the engine core (rank 0's process).
         metrics: where the rounds are reported.
         on_fatal: called once, on any thread, with the reason, when the core fails or its process ends.
+        on_ready: called once, on the reader thread, with the core's ``EngineInfo`` when it is ready, before the
+            state turns ``ready`` (so what it logs precedes every answer of a ready server).
     """
 
-    def __init__(self, conn: Connection, metrics: ServerMetrics, on_fatal: Callable[[str], None]) -> None:
+    def __init__(self, conn: Connection, metrics: ServerMetrics, on_fatal: Callable[[str], None],
+                 on_ready: Callable[[EngineInfo], None] | None = None) -> None:
         self._conn = conn
         self.metrics = metrics
         self._on_fatal = on_fatal
+        self._on_ready = on_ready
         self.state = "loading"
         self.info: EngineInfo | None = None
         self.failure: str | None = None
@@ -237,6 +241,8 @@ class Frontend:
                     elif kind == "ready":
                         self.info = value
                         if self.state == "loading":
+                            if self._on_ready is not None:
+                                self._on_ready(value)
                             self.state = "ready"
                     elif kind == "failed":
                         self.core_error = value

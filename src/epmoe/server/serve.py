@@ -47,7 +47,7 @@ from epmoe.runtime.launch import (
 from epmoe.server.app import AppContext, build_app
 from epmoe.server.chat_output import ChatParsers
 from epmoe.server.config import ServeConfig
-from epmoe.server.core import core_process, follow, follower_process
+from epmoe.server.core import EngineInfo, core_process, follow, follower_process
 from epmoe.server.frontend import Frontend
 from epmoe.server.generate import sampling_defaults
 from epmoe.server.metrics import ServerMetrics
@@ -105,8 +105,7 @@ class _Server(uvicorn.Server):
         threading.Thread(target=self._drain, name="epmoe-drain", daemon=True).start()
 
 
-def _startup_log(cfg: ServeConfig, model_dir: str, name: str, frontend: Frontend, url: str) -> None:
-    info = frontend.info
+def _startup_log(cfg: ServeConfig, model_dir: str, name: str, info: EngineInfo, url: str) -> None:
     kv = info.kv
     log.info("model %s (%s) served as %r: %d rank(s), experts %s, %s, %s, expert backend %s", model_dir,
              load_moe_spec(model_dir).model_type, name, info.ranks,
@@ -222,7 +221,8 @@ def serve(cfg: ServeConfig) -> int:
         if followers is not None:
             followers.start()
         there.close()  # the core holds its end now: the pipe closes when the core's process ends
-        frontend = Frontend(here, ServerMetrics(), on_fatal)
+        frontend = Frontend(here, ServerMetrics(), on_fatal,
+                            on_ready=lambda info: _startup_log(cfg, model_dir, name, info, url))
         app = build_app(AppContext(frontend, codec, name, model_dir, cfg.api_key, cfg.max_body_bytes, defaults,
                                    parsers, cfg.cors))
     except BaseException:  # Ctrl-C: the ranks started and the socket go with it
@@ -257,7 +257,6 @@ def serve(cfg: ServeConfig) -> int:
         return None
 
     def watch() -> None:
-        was_ready = False
         while True:
             if frontend.core_down.is_set():  # the engine core failed or died: every rank's own error, cause first
                 errors = [] if frontend.core_error is None else [frontend.core_error]
@@ -278,9 +277,6 @@ def serve(cfg: ServeConfig) -> int:
                 exit_code[0] = failure.exit_code
                 frontend.fail(str(failure))
                 return
-            if frontend.state == "ready" and not was_ready:
-                was_ready = True
-                _startup_log(cfg, model_dir, name, frontend, url)
             if frontend.state == "stopped":
                 return
             time.sleep(_WATCH_S)
