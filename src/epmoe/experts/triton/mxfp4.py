@@ -22,8 +22,9 @@ decoded arithmetically, and the block scale ``2 ** (s - 127)`` is built from its
 ``s = 0`` is ``2 ** -127``, a subnormal), so the widened values equal ``experts.mxfp4.dequantize_mxfp4``'s.
 The weights stay MXFP4 in memory; the widened copy is a workspace of each call (the size of the bf16 experts).
 
-Source: the fp16 placement of E2M1 codes is the bit arrangement of the OCP Microscaling Formats (MX) v1.0
-specification's E2M1 read as a narrower float (the trick of FP4 dequantizers such as Marlin's); the code is our own.
+Source: E2M1 and E8M0 as the OCP Microscaling Formats (MX) v1.0 specification defines them; placing a narrow
+format's bits in a wider float's is the widening trick of the W4A16 kernels (``w4a16``: FasterTransformer, Marlin);
+the code is our own.
 """
 
 from __future__ import annotations
