@@ -60,12 +60,9 @@ PROMPT = 128
 
 
 def published_format(name: str) -> str:
-    """The routed experts' format the model's config names: ``int4`` (compressed-tensors pack-quantized), ``mxfp4``,
-    ``fp8`` (block FP8) or ``bf16`` (no ``quantization_config``)."""
-    cfg = json.loads((CONFIGS / f"{name}.config.json").read_text())
-    method = (cfg.get("quantization_config") or cfg.get("text_config", {}).get("quantization_config") or {}).get(
-        "quant_method")
-    return {"compressed-tensors": "int4", "mxfp4": "mxfp4", "fp8": "fp8"}.get(method, "bf16")
+    """The routed experts' format the model's config names, as ``MoESpec.expert_weight_format`` reads it, by its
+    family: ``int4`` (``int4_group32``), ``mxfp4``, ``fp8`` (``fp8_block128``) or ``bf16``."""
+    return load_moe_spec(str(CONFIGS / f"{name}.config.json")).expert_weight_format.split("_")[0]
 
 
 def checkpoint(name: str, layers: int | None, root: Path, expert_format: str = "bf16") -> Path:
