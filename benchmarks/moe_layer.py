@@ -18,11 +18,12 @@ Cases:
         with Kimi-K2.5's INT4 weights (compressed-tensors pack-quantized, group 32, bf16 scales).
     kimi_full_int4 (``--cases kimi_full_int4``): all 384 experts of that layer on one GPU.
     gptoss_mxfp4, gptoss20b_mxfp4 (``--cases gptoss_mxfp4``): a gpt-oss-120b (128 experts) or gpt-oss-20b (32) MoE
-        layer on one GPU, D = F = 2880, top-4, gpt-oss's clamped SwiGLU with biases, in MXFP4; at up to 16 tokens
-        (64 pairs, the MXFP4 decode kernels' most): the backend (``mxfp4``: the decode kernels up to 16 pairs, the
-        widening path above) against its floor (the MXFP4 bytes of the active experts, 17 per 32 weights), the decode
-        kernels at every size (``mxfp4_decode``), the slots widened then the bf16 kernels (``mxfp4_widen``, the path
-        before the decode kernels) and the bf16 backend on the dequantized weights (``bf16``).
+        layer on one GPU, D = F = 2880, top-4, gpt-oss's clamped SwiGLU with biases, in MXFP4: the backend
+        (``mxfp4``: the decode kernels up to 64 pairs, the grouped kernels above) against its floor (the MXFP4 bytes
+        of the active experts, 17 per 32 weights, over the copy bandwidth, or the FLOPs over the bf16 rate), the decode
+        kernels up to 16 tokens (``mxfp4_decode``), the grouped kernels widening the packed tiles in registers at
+        every size (``mxfp4_grouped``), the slots widened in memory then the bf16 kernels (``mxfp4_widen``) and the
+        bf16 backend on the dequantized weights (``bf16``).
 
 The INT4 cases time, in the same run and on the same (dequantized) weight values: the ``triton`` backend on the packed
 weights (``int4``, the path ``int4_path`` picks; floor = INT4 bytes + scales of the active slots over the copy
@@ -86,7 +87,7 @@ from epmoe.experts.triton.int4 import (
     int4_grouped_experts,
     int4_path,
 )
-from epmoe.experts.triton.mxfp4 import mxfp4_decode_experts, mxfp4_widened_experts
+from epmoe.experts.triton.mxfp4 import mxfp4_decode_experts, mxfp4_grouped_experts, mxfp4_widened_experts
 from epmoe.experts.triton.w4a16_mma import MmaConfig, default_mma_config, int4_mma_experts
 from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, default_wgmma_config, int4_wgmma_experts
 from timing import measure_ceilings, rel_err, time_fn, time_in_model
@@ -103,7 +104,7 @@ MXFP4_CASES = {
     "gptoss_mxfp4": dict(num_experts=128, slots=128, d=2880, f=2880, k=4),
     "gptoss20b_mxfp4": dict(num_experts=32, slots=32, d=2880, f=2880, k=4),
 }
-MXFP4_MAX_TOKENS = 16  # 64 pairs at top-4: the MXFP4 decode kernels' most
+MXFP4_DECODE_MAX_TOKENS = 16  # 64 pairs at top-4: the MXFP4 decode kernels' most
 INT4_GROUP = 32
 # the decode tiles beside the default (4, 128, 8, 128, 1 warp, 2 stages: each thread one group of eight rows, the
 # step's inputs loaded in the word tile's layout): the default before it (8, 64, 16, 64, 2 warps, 3 stages: the
@@ -424,8 +425,9 @@ def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: 
 
 def bench_mxfp4_case(name: str, case: dict, sizes: list[int], ceil: dict, rows: list[dict],
                      save: Callable[[], None]) -> None:
-    """The MXFP4 backend (decode kernels) against its floor, the widening path and bf16 on the same weight values, at
-    the ``sizes`` up to ``MXFP4_MAX_TOKENS``; each row appended to ``rows`` and ``save()`` called after it."""
+    """The MXFP4 backend against its floor, its decode kernels (up to ``MXFP4_DECODE_MAX_TOKENS``), its grouped
+    kernels, the widening path and bf16 on the same weight values at the ``sizes``; each row appended to ``rows`` and
+    ``save()`` called after it."""
     flush = torch.empty(256 << 20, device="cuda", dtype=torch.float16)
     gen = torch.Generator(device="cuda").manual_seed(3)
     s, d, f = case["slots"], case["d"], case["f"]
@@ -440,18 +442,21 @@ def bench_mxfp4_case(name: str, case: dict, sizes: list[int], ceil: dict, rows: 
     act = Activation("silu", 7.0, 1.702)
     ours = get_expert_backend("triton")
     mx_bytes = 3 * d * f * 17 // 32
-    for t in [t for t in sizes if t <= MXFP4_MAX_TOKENS]:
+    for t in sizes:
         x, slots, tw = make_routing(case, t, gen)
         active = int(torch.unique(slots[slots >= 0]).numel())
         ref = reference_experts(x.float(), slots, tw, ExpertWeights(w32.w13, w32.w2, w32.b13.float(), w32.b2.float()),
                                 act)
-        row = {"case": name, "tokens": t, "active_slots": active,
-               "mxfp4_floor_us": active * mx_bytes / ceil["copy_bytes_per_s"] * 1e6,
-               "bf16_floor_us": active * 3 * d * f * 2 / ceil["copy_bytes_per_s"] * 1e6}
+        flop_us = flop_floor_us(case, slots.numel(), ceil)
+        row = {"case": name, "tokens": t, "active_slots": active, "flop_floor_us": flop_us,
+               "mxfp4_floor_us": max(active * mx_bytes / ceil["copy_bytes_per_s"] * 1e6, flop_us),
+               "bf16_floor_us": max(active * 3 * d * f * 2 / ceil["copy_bytes_per_s"] * 1e6, flop_us)}
         impls = {"mxfp4": lambda: ours(x, slots, tw, q, act),
-                 "mxfp4_decode": lambda: mxfp4_decode_experts(x, slots, tw, q, act),
+                 "mxfp4_grouped": lambda: mxfp4_grouped_experts(x, slots, tw, q, act),
                  "mxfp4_widen": lambda: mxfp4_widened_experts(x, slots, tw, q, act),
                  "bf16": lambda: ours(x, slots, tw, w, act)}
+        if t <= MXFP4_DECODE_MAX_TOKENS:
+            impls["mxfp4_decode"] = lambda: mxfp4_decode_experts(x, slots, tw, q, act)
         for key, fn in impls.items():
             row[f"{key}_err"], row[f"{key}_us"] = _checked_time(fn, ref, flush)
         rows.append(row)
@@ -460,16 +465,18 @@ def bench_mxfp4_case(name: str, case: dict, sizes: list[int], ceil: dict, rows: 
 
 
 def print_mxfp4_table(rows: list[dict]) -> None:
-    """One line a row: the backend against its MXFP4 floor, the decode kernels, the widening path (and its time over
-    the decode kernels') and bf16 (with its own floor)."""
-    print(f"\n{'case':16} {'T':>3} {'act':>4} {'mxfloor':>7} {'mxfp4':>7} {'x_fl':>5} {'decode':>7} {'x_fl':>5} "
-          f"{'widen':>7} {'wid/dec':>7} {'bf16':>7} {'bf16fl':>7} {'err_dec':>8} {'err_wid':>8}")
+    """One line a row: the backend against its MXFP4 floor, the decode kernels (where they ran), the grouped kernels,
+    the widening path and bf16 (with its own floor), and the errors of the backend and the grouped kernels."""
+    nan = float("nan")
+    print(f"\n{'case':16} {'T':>5} {'act':>4} {'mxfloor':>7} {'mxfp4':>8} {'x_fl':>5} {'decode':>7} {'grouped':>8} "
+          f"{'x_fl':>5} {'widen':>8} {'bf16':>8} {'bf16fl':>7} {'bf16/mx':>7} {'err_mx':>8} {'err_grp':>8}")
     for r in rows:
         fl = r["mxfp4_floor_us"]
-        print(f"{r['case']:16} {r['tokens']:3d} {r['active_slots']:4d} {fl:7.1f} {r['mxfp4_us']:7.1f} "
-              f"{r['mxfp4_us'] / fl:5.2f} {r['mxfp4_decode_us']:7.1f} {r['mxfp4_decode_us'] / fl:5.2f} "
-              f"{r['mxfp4_widen_us']:7.1f} {r['mxfp4_widen_us'] / r['mxfp4_decode_us']:7.2f} {r['bf16_us']:7.1f} "
-              f"{r['bf16_floor_us']:7.1f} {r['mxfp4_decode_err']:8.1e} {r['mxfp4_widen_err']:8.1e}")
+        print(f"{r['case']:16} {r['tokens']:5d} {r['active_slots']:4d} {fl:7.1f} {r['mxfp4_us']:8.1f} "
+              f"{r['mxfp4_us'] / fl:5.2f} {r.get('mxfp4_decode_us', nan):7.1f} {r['mxfp4_grouped_us']:8.1f} "
+              f"{r['mxfp4_grouped_us'] / fl:5.2f} {r['mxfp4_widen_us']:8.1f} {r['bf16_us']:8.1f} "
+              f"{r['bf16_floor_us']:7.1f} {r['bf16_us'] / r['mxfp4_us']:7.2f} {r['mxfp4_err']:8.1e} "
+              f"{r['mxfp4_grouped_err']:8.1e}")
 
 
 def _sweep(row: dict, key: str, configs: list, run, ref: torch.Tensor, flush: torch.Tensor) -> None:

@@ -258,7 +258,7 @@ def test_mxfp4_decode_matches_reference(dtype, act, woi):
         out = mxfp4_decode_experts(x, slots, tw, q, act, woi, cfg)
         assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3), cfg
         assert out.dtype == dtype and torch.equal(out, mxfp4_decode_experts(x, slots, tw, q, act, woi, cfg))
-    if dtype == torch.float16:  # the backend's entry takes the decode kernels for up to 16 pairs
+    if dtype == torch.float16:  # the backend's entry takes the decode kernels for up to 64 pairs
         assert torch.equal(mxfp4_experts(x, slots, tw, q, act, woi), mxfp4_decode_experts(x, slots, tw, q, act, woi))
         assert _rel(mxfp4_widened_experts(x, slots, tw, q, act, woi), ref) < 2e-3
     none = mxfp4_decode_experts(x, torch.full((3, 4), -1), tw, q, act, woi)
@@ -269,6 +269,43 @@ def test_mxfp4_decode_matches_reference(dtype, act, woi):
     with pytest.raises(ValueError, match="at most 64 .* pairs, got 68"):
         mxfp4_decode_experts(torch.randn(17, 96).to(dtype), torch.zeros(17, 4, dtype=torch.long), torch.rand(17, 4), q,
                              act)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype,act,woi", [
+    (torch.float32, Activation("silu", 7.0), False),
+    (torch.float16, Activation("gelu"), True),
+])
+def test_mxfp4_grouped_matches_reference(dtype, act, woi):
+    from epmoe.experts.triton.grouped import TileConfig, default_int4_config
+    from epmoe.experts.triton.mxfp4 import mxfp4_experts, mxfp4_grouped_experts
+
+    s, d, f = 4, 192, 64  # D: 6 blocks of 32 (24 words, a ragged last step of 16); F: 2 blocks, half a step
+    q = _mxfp4_case(11, s, d, f)
+    q = type(q)(q.w13_blocks, q.w13_scales, q.w2_blocks, q.w2_scales, q.b13.to(dtype), q.b2.to(dtype))
+    g = torch.Generator().manual_seed(4)
+    t, k = 23, 3
+    x = torch.randn(t, d, generator=g).to(dtype)
+    slots = torch.randint(-1, s, (t, k), generator=g)
+    slots[:6, 0] = 0  # slot 0 (every E2M1 code, a scale of 0): a full 16-row block and a half-size tail at 32 rows
+    slots[0, 1] = 7  # outside [0, S): skipped
+    tw = torch.rand(t, k, generator=g)
+    ref = _ref(x, slots, tw, q, act, woi)
+    for cfg in (TileConfig(16, 16, 16, 128, 4, 1), TileConfig(16, 32, 16, 256, 4, 1),
+                TileConfig(32, 16, 32, 128, 4, 1, half_tail=True, swap_ab=True)):
+        out = mxfp4_grouped_experts(x, slots, tw, q, act, woi, cfg)
+        assert out.dtype == dtype and _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3), cfg
+    if dtype == torch.float16:  # past 64 pairs the backend's entry takes the grouped kernels, tiles by the rows a slot
+        x, slots, tw = torch.randn(17, d).to(dtype), torch.randint(0, s, (17, 4)), torch.rand(17, 4)
+        want = mxfp4_grouped_experts(x, slots, tw, q, act, woi, default_int4_config(68, s))
+        assert torch.equal(mxfp4_experts(x, slots, tw, q, act, woi), want)
+        assert _rel(want, _ref(x, slots, tw, q, act, woi)) < 2e-3
+    with pytest.raises(ValueError, match="block_k a power of two of at least 128"):
+        mxfp4_grouped_experts(x, slots, tw, q, act, woi, TileConfig(16, 16, 16, 64, 4, 1))
+    strided = type(q)(q.w13_blocks.transpose(0, 1).contiguous().transpose(0, 1), q.w13_scales, q.w2_blocks,
+                      q.w2_scales, q.b13, q.b2)
+    with pytest.raises(ValueError, match="w13_blocks contiguous"):
+        mxfp4_grouped_experts(x, slots, tw, strided, act, woi)
 
 
 @pytest.mark.interpret
@@ -441,7 +478,7 @@ def test_int4_grouped_and_dequant_paths_on_gpu(t, case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 4, 300])  # the MXFP4 decode kernels (4 and 16 pairs), the grouped ones above
+@pytest.mark.parametrize("t", [1, 4, 16, 17, 300])  # the MXFP4 decode kernels up to 64 pairs, the grouped ones above
 def test_mxfp4_backend_on_gpu(t):
     s, d, f, k = 8, 2880, 2880, 4  # gpt-oss's D and F: 90 blocks of 32, a ragged last step
     q = _mxfp4_case(t, s, d, f, "cuda")
@@ -453,7 +490,7 @@ def test_mxfp4_backend_on_gpu(t):
     tw = torch.rand(t, k, device="cuda")
     backend = get_expert_backend("triton")
     assert _rel(backend(x, slots, tw, q, act), _ref(x, slots, tw, q, act, False)) < 1e-2
-    if t * k <= 16:  # replayed from a CUDA graph with new rows
+    if t <= 17:  # replayed from a CUDA graph with new rows
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = backend(x, slots, tw, q, act)

@@ -156,18 +156,18 @@ def test_expert_layer_ms_int4_figures_hand_worked():
     assert expert_layer_ms(dims, 100, 4, 2, plain, "int4_group32") * 1e3 == pytest.approx(14.059136, abs=1e-9)
 
 
-def test_expert_layer_ms_mxfp4_widened_above_the_decode_pairs():
+def test_expert_layer_ms_mxfp4_priced_on_packed_bytes():
     # D 1024, F 512, 4 experts hit, expert TP 1, MXFP4 (0.53125 B a parameter) on 1 TB/s, 100 TFLOP/s, overlap 0,
-    # 10 us fixed. 16 rows (the decode kernels): weights 4 x 1,572,864 x 0.53125 = 3,342,336 B + activations
-    # 16 x (3 x 1024 + 2 x 512) x 2 = 131,072 B -> 3.473408 us; matrix 16 x 2 x 1,572,864 = 50,331,648 FLOPs ->
-    # 0.50331648 us; 13.97672448 us. 17 rows: the slots widened, + 4 x 1,572,864 x 4 B = 25,165,824 B written and
-    # read back; activations 139,264 B -> 28.647424 us; matrix 0.53477376 us; 39.18219776 us.
+    # 10 us fixed; packed at every size (decode kernels, then the grouped kernels). 16 rows: weights
+    # 4 x 1,572,864 x 0.53125 = 3,342,336 B + activations 16 x (3 x 1024 + 2 x 512) x 2 = 131,072 B -> 3.473408 us;
+    # matrix 16 x 2 x 1,572,864 = 50,331,648 FLOPs -> 0.50331648 us; 13.97672448 us. 300 rows: activations
+    # 2,457,600 B -> 5.799936 us; matrix 9.437184 us; 25.23712 us.
     dims = MoEDims(1024, 512, 16, 2)
     hw = dataclasses.replace(load_hardware("h200-sxm"), hbm_bytes_per_s=1e12, matmul_flops_per_s={"bf16": 1e14},
                              moe_stream_matrix_overlap=0.0, moe_layer_fixed_us=10.0)
     assert compute_dtype("mxfp4") == "bf16"
     assert expert_layer_ms(dims, 16, 4, 1, hw, "mxfp4") * 1e3 == pytest.approx(13.97672448, abs=1e-9)
-    assert expert_layer_ms(dims, 17, 4, 1, hw, "mxfp4") * 1e3 == pytest.approx(39.18219776, abs=1e-9)
+    assert expert_layer_ms(dims, 300, 4, 1, hw, "mxfp4") * 1e3 == pytest.approx(25.23712, abs=1e-9)
 
 
 @pytest.mark.parametrize("field", ["moe_w4a16_stream_efficiency", "mla_decode_read_efficiency"])

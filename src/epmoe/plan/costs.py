@@ -14,7 +14,6 @@ from typing import Literal
 
 import numpy as np
 
-from epmoe.experts.weights import DECODE_MAX_PAIRS
 from epmoe.plan.hardware import HardwareProfile, LinkProfile
 from epmoe.spec import MoESpec
 
@@ -73,7 +72,7 @@ def compute_dtype(weight_format: str) -> str:
     """The matmul rate (a ``HardwareProfile.matmul_flops_per_s`` key) of weights stored as ``weight_format``:
     ``fp8`` for FP8, ``w4a16`` for INT4 (the INT4 expert kernels' bf16 products of weights widened in registers;
     a profile without that figure gives the bf16 rate), else ``bf16`` (MXFP4 weights are widened to bf16 in
-    registers by the decode kernels, to bf16 in memory above them: ``expert_layer_ms``)."""
+    registers)."""
     if weight_format.startswith("fp8"):
         return "fp8"
     return "w4a16" if weight_format.startswith("int4") else "bf16"
@@ -361,8 +360,8 @@ def expert_layer_ms(
       kernels hide under the longer (0: added; 1: a ``max`` roofline);
     - fixed: the profile's ``moe_layer_fixed_us`` (alignment, launches, pipeline fill and drain of the
       kernels of one layer).
-    MXFP4 experts above ``DECODE_MAX_PAIRS`` rows are widened to bf16 per call, so their stream also writes and
-    reads back 2 bytes a weight of the touched experts.
+    MXFP4 experts are read packed at every size (the decode kernels, then the grouped kernels widening the tiles in
+    registers), at the bf16 matrix rate.
     INT4 experts (W4A16 kernels) have their own figures where the profile holds them: the ``w4a16`` matrix rate,
     ``moe_w4a16_layer_fixed_us``, and the weights and activations streamed at ``moe_w4a16_stream_efficiency``
     of the bandwidth (fitted to the INT4 kernels' H200 measurements by ``benchmarks/planner_vs_h200.py
@@ -388,8 +387,6 @@ def expert_layer_ms(
         weight_format: expert weight storage format (``BYTES_PER_PARAM``).
     """
     weight_bytes = touched * dims.expert_params() * bytes_per_param(weight_format) / tp
-    if weight_format == "mxfp4" and rows > DECODE_MAX_PAIRS:
-        weight_bytes += touched * dims.expert_params() * 2 * BYTES_PER_PARAM["bf16"] / tp
     flops = rows * 2 * dims.expert_params() / tp
     kind = compute_dtype(weight_format)
     peak = hardware.flops_per_s(kind)

@@ -9,7 +9,6 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from epmoe.experts.weights import DECODE_MAX_PAIRS
 from epmoe.files import check_output_path
 from epmoe.plan.costs import weights_hint
 from epmoe.plan.draft import DraftModel
@@ -59,17 +58,6 @@ def _reason(best: StrategyPlan, other: StrategyPlan | None, i: int, family: str 
                 f"against {o.expert_ms:.2f} ms for {oname}")
     return (f"at batch {b.batch} its attention and dense compute takes {b.attention_ms:.2f} ms against "
             f"{o.attention_ms:.2f} ms for {oname}")
-
-
-def mxfp4_note(req: PlanRequest) -> str:
-    """Why MXFP4 experts price far higher above a few tokens (``""`` for other formats or batches that stay under):
-    above ``DECODE_MAX_PAIRS`` (token, k) pairs a rank's MXFP4 experts are widened to bf16 per call
-    (``costs.expert_layer_ms``)."""
-    if req.expert_format != "mxfp4" or max(req.batches) * (1 + req.spec_tokens) * req.spec.top_k <= DECODE_MAX_PAIRS:
-        return ""
-    return (f"MXFP4 experts: above {DECODE_MAX_PAIRS} (token, k) pairs a rank's step widens the experts it touches "
-            f"to bf16 in memory (2 bytes a weight written and read back) before the bf16 kernels, so those rows "
-            f"price well above the packed bytes; compare --weights bf16 (experts stored in bf16)")
 
 
 def recommend(p: Plan) -> str:
@@ -332,9 +320,6 @@ def report_plan(req: PlanRequest, as_json: bool = False, plot_path: str | Path |
             console.print(req.spec.describe_defaults(), soft_wrap=True)
         for why in p.skipped:
             console.print(f"skipped {why}")
-        note = mxfp4_note(req)
-        if note:
-            console.print(note, soft_wrap=True)
         console.print(f"[bold]Recommendation:[/bold] {recommend(p)}", soft_wrap=True)
         if sp is not None:
             console.print(speculation_table(sp))

@@ -20,7 +20,8 @@ accelerator from host-built descriptors; the token rows of step 4 are a gather, 
 loads.
 
 INT4 group-quantized weights (``Int4ExpertWeights``, through ``grouped_experts``: ``int4.int4_grouped_experts``)
-are read packed and widened in registers, eight ``tl.dot`` a step, one per 4-bit field of the step's words, on
+and MXFP4 weights (``MXFP4ExpertWeights``: ``mxfp4.mxfp4_grouped_experts``, their blocks read as the same int32
+words) are read packed and widened in registers, eight ``tl.dot`` a step, one per 4-bit field of the step's words, on
 activations (``x``, and ``h``, which the gate/up kernel then writes) in a nibble-major order (``w4a16``); ordinary
 loads, no TMA.
 
@@ -47,6 +48,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from epmoe.experts.fp8 import FP8_BLOCK, BlockFP8ExpertWeights, KernelOperands, kernel_operands
 from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
+from epmoe.experts.mxfp4 import MXFP4_BLOCK, MXFP4ExpertWeights
 from epmoe.experts.triton.align_kernels import align_triton
 from epmoe.experts.triton.decode import DECODE_MAX_PAIRS, decode_experts, gated_activation
 from epmoe.experts.triton.w4a16 import (
@@ -56,6 +58,7 @@ from epmoe.experts.triton.w4a16 import (
     nibble_major_cols,
     nibble_segment,
     nibble_segment_of,
+    widen_code,
 )
 from epmoe.experts.weights import Activation, ExpertWeights, check_expert_call
 
@@ -79,9 +82,9 @@ class TileConfig:
             are always read with ordinary loads (Hopper's TMA has no row gather).
         half_tail: a slot's last row block has ``block_m / 2`` rows when no more are left (see ``align``);
             used when ``block_m >= 32``.
-        swap_ab: INT4 weights only: each step computes the transposed products ``W_j^T @ A_j^T`` (the widened
-            weight tile as ``tl.dot``'s left operand; see ``w4a16``). For INT4 weights ``block_k`` counts inputs
-            (``block_k / 8`` words a step) and ``tma`` is ignored.
+        swap_ab: INT4 and MXFP4 weights only: each step computes the transposed products ``W_j^T @ A_j^T`` (the
+            widened weight tile as ``tl.dot``'s left operand; see ``w4a16``). For INT4 and MXFP4 weights
+            ``block_k`` counts inputs (``block_k / 8`` words a step) and ``tma`` is ignored.
     """
 
     block_m: int
@@ -142,7 +145,7 @@ def _gate_up_rows(
     num_pairs, top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit, act_alpha,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ACT: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, TMA: tl.constexpr,
-    GW: tl.constexpr, SWAP_AB: tl.constexpr, PTX: tl.constexpr,
+    GW: tl.constexpr, SWAP_AB: tl.constexpr, WIDEN: tl.constexpr,
 ):
     """``h`` for sorted positions ``[first, first + BLOCK_M)`` of ``slot`` and F columns of tile ``pid_n``."""
     rows = first + tl.arange(0, BLOCK_M)
@@ -154,7 +157,7 @@ def _gate_up_rows(
     if GW > 0:
         acc_g, acc_u = int4_gate_up_acc(x_ptr, w_ptr, ws_ptr, slot, tok, valid, offs_n, n_ok, D, F, stride_x,
                                         stride_we, stride_wn, stride_se, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K // 8,
-                                        GW, SWAP_AB, PTX)
+                                        GW, SWAP_AB, WIDEN)
     else:
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
@@ -211,7 +214,7 @@ def _gate_up_kernel(
     act_limit, act_alpha,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ACT: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
-    TMA: tl.constexpr, HALF_TAIL: tl.constexpr, GW: tl.constexpr, SWAP_AB: tl.constexpr, PTX: tl.constexpr,
+    TMA: tl.constexpr, HALF_TAIL: tl.constexpr, GW: tl.constexpr, SWAP_AB: tl.constexpr, WIDEN: tl.constexpr,
 ):
     num_n = tl.cdiv(F, BLOCK_N)
     pid_m = tl.program_id(0) // num_n
@@ -224,11 +227,12 @@ def _gate_up_kernel(
         _gate_up_rows(x_ptr, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, slot, first, pid_n,
                       num_pairs, top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit,
                       act_alpha, BLOCK_M // 2, BLOCK_N, BLOCK_K, ACT, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA, GW,
-                      SWAP_AB, PTX)
+                      SWAP_AB, WIDEN)
     else:
         _gate_up_rows(x_ptr, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, slot, first, pid_n,
                       num_pairs, top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, act_limit,
-                      act_alpha, BLOCK_M, BLOCK_N, BLOCK_K, ACT, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA, GW, SWAP_AB, PTX)
+                      act_alpha, BLOCK_M, BLOCK_N, BLOCK_K, ACT, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA, GW, SWAP_AB,
+                      WIDEN)
 
 
 @triton.jit
@@ -237,7 +241,7 @@ def _down_rows(
     num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, TMA: tl.constexpr,
-    GW: tl.constexpr, SWAP_AB: tl.constexpr, PTX: tl.constexpr,
+    GW: tl.constexpr, SWAP_AB: tl.constexpr, WIDEN: tl.constexpr,
 ):
     """``y`` rows of the pairs at sorted positions ``[first, first + BLOCK_M)``, D columns of tile ``pid_n``."""
     rows = first + tl.arange(0, BLOCK_M)
@@ -247,7 +251,7 @@ def _down_rows(
     n_ok = offs_n < D
     if GW > 0:
         acc = int4_down_acc(h_ptr, w_ptr, ws_ptr, slot, rows, valid, offs_n, n_ok, F, stride_we, stride_wn, stride_se,
-                            stride_sn, BLOCK_M, BLOCK_N, BLOCK_K // 8, GW, SWAP_AB, PTX)
+                            stride_sn, BLOCK_M, BLOCK_N, BLOCK_K // 8, GW, SWAP_AB, WIDEN)
     elif TMA:
         # padding rows of h were never written: their products land in rows the store masks out.
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -288,7 +292,7 @@ def _down_kernel(
     block_start_ptr, block_rows_ptr, num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, TMA: tl.constexpr,
-    HALF_TAIL: tl.constexpr, GW: tl.constexpr, SWAP_AB: tl.constexpr, PTX: tl.constexpr,
+    HALF_TAIL: tl.constexpr, GW: tl.constexpr, SWAP_AB: tl.constexpr, WIDEN: tl.constexpr,
 ):
     num_n = tl.cdiv(D, BLOCK_N)
     pid_m = tl.program_id(0) // num_n
@@ -300,11 +304,11 @@ def _down_kernel(
     if HALF_TAIL and tl.load(block_rows_ptr + pid_m) < BLOCK_M:
         _down_rows(h_ptr, h_half_desc, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, slot, first, pid_n,
                    num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn,
-                   BLOCK_M // 2, BLOCK_N, BLOCK_K, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA, GW, SWAP_AB, PTX)
+                   BLOCK_M // 2, BLOCK_N, BLOCK_K, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA, GW, SWAP_AB, WIDEN)
     else:
         _down_rows(h_ptr, h_desc, w_ptr, w_desc, ws_ptr, b_ptr, tw_ptr, y_ptr, sorted_ptr, slot, first, pid_n,
                    num_pairs, D, F, stride_we, stride_wn, stride_se, stride_sn,
-                   BLOCK_M, BLOCK_N, BLOCK_K, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA, GW, SWAP_AB, PTX)
+                   BLOCK_M, BLOCK_N, BLOCK_K, FP8, HAS_BIAS, WEIGHT_ON_INPUT, TMA, GW, SWAP_AB, WIDEN)
 
 
 @triton.jit
@@ -388,7 +392,7 @@ def grouped_experts(
     x: torch.Tensor,
     topk_slots: torch.Tensor,
     topk_weights: torch.Tensor,
-    weights: ExpertWeights | Int4ExpertWeights,
+    weights: ExpertWeights | Int4ExpertWeights | MXFP4ExpertWeights,
     activation: Activation,
     weight_on_input: bool,
     config: TileConfig,
@@ -396,11 +400,12 @@ def grouped_experts(
     """The grouped path (steps 1-6 of the module docstring) with tile shapes ``config``, whatever the batch size.
 
     Args:
-        x: ``[T, D]`` CUDA rows, contiguous along ``D``: bf16/fp16 (float32 too for INT4 weights).
+        x: ``[T, D]`` CUDA rows, contiguous along ``D``: bf16/fp16 (float32 too for INT4 and MXFP4 weights).
         topk_slots: ``[T, K]`` int64 contiguous local slot ids, ``-1`` (or any id outside ``[0, S)``) = skip.
         topk_weights: ``[T, K]`` float32 contiguous routing weights.
-        weights: ``ExpertWeights`` in ``x.dtype``, ``BlockFP8ExpertWeights`` or ``Int4ExpertWeights`` (contiguous
-            packed tensors and scales), as the callers (``triton_experts``, ``int4.int4_experts``) have checked.
+        weights: ``ExpertWeights`` in ``x.dtype``, ``BlockFP8ExpertWeights``, ``Int4ExpertWeights`` or
+            ``MXFP4ExpertWeights`` (contiguous packed tensors and scales), as the callers (``triton_experts``,
+            ``int4.int4_experts``, ``mxfp4.mxfp4_experts``) have checked.
         activation, weight_on_input: as ``triton_experts``.
         config: the tile shapes.
 
@@ -409,27 +414,32 @@ def grouped_experts(
 
     Raises:
         ValueError: operands of other shapes or layouts than ``experts.weights.check_expert_call`` takes.
-        ValueError: block FP8 weights without ``block_k == 128`` and ``block_n`` dividing 128; INT4 weights with a
-            step (``block_k``) that is not a power of two of at least 128 inputs (16 words: ``tl.dot``'s
-            smallest reduction); ``swap_ab`` with weights that are not INT4.
+        ValueError: block FP8 weights without ``block_k == 128`` and ``block_n`` dividing 128; INT4 or MXFP4 weights
+            with a step (``block_k``) that is not a power of two of at least 128 inputs (16 words: ``tl.dot``'s
+            smallest reduction); ``swap_ab`` with weights that are neither.
     """
     check_expert_call(x, topk_slots, topk_weights, weights.hidden_size)
     cfg = config
     fp8 = isinstance(weights, BlockFP8ExpertWeights)
-    int4 = isinstance(weights, Int4ExpertWeights)
+    mx = isinstance(weights, MXFP4ExpertWeights)
+    int4 = mx or isinstance(weights, Int4ExpertWeights)  # both read as packed int32 words (w4a16)
     if fp8 and (cfg.block_k != FP8_BLOCK or FP8_BLOCK % cfg.block_n1 or FP8_BLOCK % cfg.block_n2):
         raise ValueError(f"block FP8 weights need block_k == 128 and block_n dividing 128, got {cfg}")
     if int4 and (cfg.block_k < 128 or cfg.block_k & (cfg.block_k - 1)):
-        raise ValueError(f"INT4 weights need block_k a power of two of at least 128 inputs, got {cfg}")
+        raise ValueError(f"INT4 and MXFP4 weights need block_k a power of two of at least 128 inputs, got {cfg}")
     if cfg.swap_ab and not int4:
-        raise ValueError(f"swap_ab is for INT4 weights only, got {cfg} for {type(weights).__name__}")
+        raise ValueError(f"swap_ab is for INT4 and MXFP4 weights only, got {cfg} for {type(weights).__name__}")
     t, k = topk_slots.shape
     n = t * k
     if int4:
         s, d, f = weights.num_slots, weights.hidden_size, weights.intermediate_size
-        w13, w2 = weights.w13_packed, weights.w2_packed
         ops = int4_kernel_operands(weights, topk_weights)
-        gw = weights.group_size // INT4_PACK
+        if mx:
+            w13, w2 = mxfp4_words(weights.w13_blocks), mxfp4_words(weights.w2_blocks)
+            gw = MXFP4_BLOCK // INT4_PACK
+        else:
+            w13, w2 = weights.w13_packed, weights.w2_packed
+            gw = weights.group_size // INT4_PACK
         x = nibble_major(x)
     else:
         s, d, f = weights.w13.shape[0], weights.w13.shape[2], weights.w13.shape[1] // 2
@@ -440,9 +450,7 @@ def grouped_experts(
     # TMA rows must start 16-byte aligned: D and F multiples of 8 elements.
     tma = cfg.tma and not fp8 and not int4 and d % 8 == 0 and f % 8 == 0
     half = cfg.half_tail and cfg.block_m >= 32
-    # INT4 tiles widened by inline PTX (w4a16._widen_pairs) for bf16/fp16 on a GPU; in float32 otherwise (and so
-    # under the Triton interpreter, which runs no PTX)
-    ptx = int4 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    widen = widen_code(mx, x) if int4 else 0
     aln = align_triton(topk_slots, s, cfg.block_m, half)
     nb = aln.block_slot.shape[0]
     h = torch.empty(nb * cfg.block_m, INT4_PACK * nibble_segment(f) if int4 else f, dtype=x.dtype, device=x.device)
@@ -461,7 +469,7 @@ def grouped_experts(
         float(limit), float(activation.swiglu_alpha),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k,
         ACT=act_code(activation), FP8=fp8, HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input,
-        TMA=tma, HALF_TAIL=half, GW=gw, SWAP_AB=cfg.swap_ab, PTX=ptx,
+        TMA=tma, HALF_TAIL=half, GW=gw, SWAP_AB=cfg.swap_ab, WIDEN=widen,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _down_kernel[(nb * triton.cdiv(d, cfg.block_n2),)](
@@ -470,17 +478,27 @@ def grouped_experts(
         n, d, f, w2.stride(0), w2.stride(1), *ops.strides2,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k,
         FP8=fp8, HAS_BIAS=weights.b2 is not None, WEIGHT_ON_INPUT=weight_on_input, TMA=tma, HALF_TAIL=half, GW=gw,
-        SWAP_AB=cfg.swap_ab, PTX=ptx, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SWAP_AB=cfg.swap_ab, WIDEN=widen, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     block_d = min(1024, triton.next_power_of_2(d))
     sum_pairs_kernel[(t, triton.cdiv(d, block_d))](y, topk_slots, out, d, k, s, BLOCK_D=block_d)
     return out
 
 
-def int4_kernel_operands(weights: Int4ExpertWeights, placeholder: torch.Tensor) -> KernelOperands:
-    """The group scales (with their ``(slot, row)`` strides) and biases of INT4 ``weights`` as kernel arguments,
-    ``placeholder`` in the place of an absent bias (as ``fp8.kernel_operands``)."""
-    s13, s2 = weights.w13_scale, weights.w2_scale
+def mxfp4_words(blocks: torch.Tensor) -> torch.Tensor:
+    """``blocks [S, N, K/32, 16]`` uint8 (contiguous) as the ``[S, N, K/8]`` int32 words the grouped kernels read
+    (a view: input ``8 w + j`` of a row in nibble ``j`` of word ``w``, as INT4's packing)."""
+    return blocks.view(torch.int32).flatten(2)
+
+
+def int4_kernel_operands(weights: Int4ExpertWeights | MXFP4ExpertWeights, placeholder: torch.Tensor
+                         ) -> KernelOperands:
+    """The group scales (with their ``(slot, row)`` strides) and biases of INT4 or MXFP4 ``weights`` as kernel
+    arguments, ``placeholder`` in the place of an absent bias (as ``fp8.kernel_operands``)."""
+    if isinstance(weights, MXFP4ExpertWeights):
+        s13, s2 = weights.w13_scales, weights.w2_scales
+    else:
+        s13, s2 = weights.w13_scale, weights.w2_scale
     return KernelOperands(s13, (s13.stride(0), s13.stride(1)), s2, (s2.stride(0), s2.stride(1)),
                           weights.b13 if weights.b13 is not None else placeholder,
                           weights.b2 if weights.b2 is not None else placeholder)

@@ -1,8 +1,10 @@
-"""MXFP4 expert compute on CUDA: the decode kernels reading the packed weights directly for a few pairs, and above
-them the slots in use widened to the compute dtype in one Triton launch, then the bf16 grouped kernels of ``grouped``.
+"""MXFP4 expert compute on CUDA, always on the packed weights: the decode kernels for a few pairs, above them the
+grouped kernels of ``grouped`` widening the packed tiles in registers (``w4a16``); and, for comparison in
+``benchmarks/moe_layer.py``, the widening path (the slots in use widened to the compute dtype in memory, then the
+bf16 grouped kernels).
 
-Decode (``mxfp4_decode_experts``, up to ``MXFP4_DECODE_MAX_PAIRS`` pairs; the backend takes it for up to
-``decode.DECODE_MAX_PAIRS``, as for bf16 weights): the two launches of ``decode`` (a pair is
+Decode (``mxfp4_decode_experts``, up to ``MXFP4_DECODE_MAX_PAIRS`` pairs, as the backend takes it): the two
+launches of ``decode`` (a pair is
 a matrix-vector product cut along the output rows; live pairs shared among pair groups; the last down program of a
 column tile sums it over each token's pairs, ``decode.sum_pairs_on_arrival``), with the weights read as they are
 stored: a program's tile is ``[R, BLOCK_G, 16]`` bytes (``R`` weight rows, ``BLOCK_G`` 32-value blocks of each),
@@ -44,9 +46,9 @@ from epmoe.experts.triton.decode import (
     sum_pairs_on_arrival,
     zero_arrival_counters,
 )
-from epmoe.experts.triton.grouped import act_code, triton_experts
+from epmoe.experts.triton.grouped import TileConfig, act_code, default_int4_config, grouped_experts, triton_experts
 from epmoe.experts.triton.pdl import pdl_launch
-from epmoe.experts.weights import DECODE_MAX_PAIRS, Activation, ExpertWeights, check_expert_call
+from epmoe.experts.weights import Activation, ExpertWeights, check_expert_call
 
 _ZERO_BLOCK = 1024
 MXFP4_DECODE_MAX_PAIRS = 64  # the most pairs mxfp4_decode_experts takes (each read and summed per token in its grid)
@@ -302,9 +304,9 @@ def mxfp4_experts(
     *,
     expected_pairs: int | None = None,
 ) -> torch.Tensor:
-    """MXFP4 expert compute on CUDA (contract of ``experts.ExpertBackend``; graph safe): ``mxfp4_decode_experts`` on
-    the packed weights when both ``T * K`` and the expected pairs are at most ``DECODE_MAX_PAIRS``, else
-    ``mxfp4_widened_experts``.
+    """MXFP4 expert compute on CUDA (contract of ``experts.ExpertBackend``; graph safe), on the packed weights:
+    ``mxfp4_decode_experts`` when both ``T * K`` and the expected pairs are at most ``MXFP4_DECODE_MAX_PAIRS``,
+    else ``mxfp4_grouped_experts``.
 
     Raises:
         ValueError: operands of other shapes than ``experts.weights.check_expert_call`` takes.
@@ -314,11 +316,53 @@ def mxfp4_experts(
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"the triton expert backend computes in bf16 or fp16, got x of dtype {x.dtype}")
     n = topk_slots.numel()
-    if 0 < n <= DECODE_MAX_PAIRS and (expected_pairs is None or expected_pairs <= DECODE_MAX_PAIRS):
-        return mxfp4_decode_experts(x if x.stride(1) == 1 else x.contiguous(), topk_slots.contiguous(),
-                                    topk_weights.float().contiguous(), weights, activation, weight_on_input)
-    return mxfp4_widened_experts(x, topk_slots, topk_weights, weights, activation, weight_on_input,
-                                 expected_pairs=expected_pairs)
+    if n == 0:  # no pair: no expert adds to any row
+        return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    slots, tw = topk_slots.contiguous(), topk_weights.float().contiguous()
+    expected = n if expected_pairs is None else expected_pairs
+    if n <= MXFP4_DECODE_MAX_PAIRS and expected <= MXFP4_DECODE_MAX_PAIRS:
+        return mxfp4_decode_experts(x, slots, tw, weights, activation, weight_on_input)
+    return mxfp4_grouped_experts(x, slots, tw, weights, activation, weight_on_input,
+                                 default_int4_config(expected, weights.num_slots))
+
+
+def mxfp4_grouped_experts(
+    x: torch.Tensor,
+    topk_slots: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: MXFP4ExpertWeights,
+    activation: Activation,
+    weight_on_input: bool = False,
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """MXFP4 expert compute by the grouped kernels of ``grouped`` with the packed tiles widened in registers
+    (``w4a16``): the pairs aligned to row blocks of one slot, each block's products on the tensor cores, reading
+    the packed weights once per row block. Graph safe.
+
+    Args:
+        x: ``[T, D]`` bf16/fp16 (or float32) rows, contiguous along ``D``.
+        topk_slots: ``[T, K]`` int64 local slot ids, contiguous; an id outside ``[0, S)`` (``-1``) skips.
+        topk_weights: ``[T, K]`` float32 routing weights, contiguous.
+        weights: the slots' MXFP4 weights (blocks and scales contiguous).
+        activation: the gated activation.
+        weight_on_input: scale the expert input by the weight instead of its output.
+        config: tile shapes (``block_k`` in inputs); ``grouped.default_int4_config`` of ``T * K`` pairs when
+            ``None``.
+
+    Returns:
+        ``[T, D]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: operands of other shapes or layouts than ``experts.weights.check_expert_call`` takes, blocks or
+            scales not contiguous, ``config.block_k`` not a power of two of at least 128.
+    """
+    for name in ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"):
+        if not getattr(weights, name).is_contiguous():
+            raise ValueError(f"the MXFP4 grouped kernels read {name} contiguous, got strides "
+                             f"{tuple(getattr(weights, name).stride())}")
+    cfg = config if config is not None else default_int4_config(topk_slots.numel(), weights.num_slots)
+    return grouped_experts(x, topk_slots, topk_weights, weights, activation, weight_on_input, cfg)
 
 
 def mxfp4_widened_experts(

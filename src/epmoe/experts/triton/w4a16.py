@@ -1,4 +1,5 @@
-"""INT4 weight tiles of the grouped kernels (``grouped``), widened in registers: the nibble-split W4A16 product.
+"""INT4 and MXFP4 weight tiles of the grouped kernels (``grouped``), widened in registers: the nibble-split W4A16
+product.
 
 A weight row of ``K`` inputs is stored as ``K / 8`` int32 words, input ``8 w + j`` in bits ``4j .. 4j+3`` of word
 ``w`` as ``q + 8`` (``experts.int4``). Regrouping a ``[BLOCK_KW, BLOCK_N]`` word tile into ``[8 * BLOCK_KW,
@@ -22,6 +23,13 @@ dtype as ``experts.int4.dequantize_int4`` rounds (the product ``(q - 8) * scale`
   of ``2 ** 23`` reads as the float32 ``2 ** 23 + nib``; subtracting ``2 ** 23 + 8`` is exact and leaves
   ``nib - 8``, times the scale in float32.
 
+MXFP4 weights (gpt-oss's, ``experts.mxfp4``) take the same kernels: a row of ``blocks [N, K/32, 16]`` bytes read as
+``K / 8`` little-endian int32 words holds input ``8 w + j`` in nibble ``j`` of word ``w`` too (two E2M1 codes a
+byte, the low nibble first), with one E8M0 scale per 32 inputs (``GW = 4``). A code's 3 magnitude bits are placed
+under an fp16's exponent and its sign on the sign bit, which reads as ``e2m1 * 2 ** -14`` (exact, code 1 an fp16
+subnormal), widened to float32, times ``2 ** 14`` (exact) and the block's ``2 ** (s - 127)`` built from the scale's
+bits (``_scale_tile``), rounded once to the activation dtype as ``experts.mxfp4.dequantize_mxfp4`` rounds.
+
 The scale tile (word ``w``'s group is ``(kw0 + w) // (G / 8)``, one load with repeated addresses) is read once per
 step and serves the eight nibbles; it is requested a step ahead in registers (a load of 16 bits a thread, which
 Triton's software pipelining leaves out).
@@ -42,6 +50,23 @@ import triton
 import triton.language as tl
 
 from epmoe.experts.int4 import INT4_PACK
+
+WIDEN_INT4 = tl.constexpr(0)
+"""``WIDEN`` code: INT4 words widened in float32 (float32 activations; the Triton interpreter)."""
+WIDEN_INT4_PTX = tl.constexpr(1)
+"""``WIDEN`` code: INT4 words widened two at a time by inline PTX (bf16/fp16 activations on a GPU)."""
+WIDEN_MXFP4 = tl.constexpr(2)
+"""``WIDEN`` code: MXFP4 words (E2M1 codes, E8M0 scales) widened in float32."""
+
+
+def widen_code(mxfp4: bool, x: torch.Tensor) -> int:
+    """The ``WIDEN`` code of the grouped kernels for packed weights (MXFP4 when ``mxfp4``, else INT4) and
+    activations ``x``: INT4 by inline PTX for bf16/fp16 on a GPU, in float32 otherwise (and so under the Triton
+    interpreter, which runs no PTX)."""
+    if mxfp4:
+        return WIDEN_MXFP4.value
+    ptx = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    return WIDEN_INT4_PTX.value if ptx else WIDEN_INT4.value
 
 
 def nibble_segment(k: int) -> int:
@@ -96,12 +121,16 @@ def _widen_pairs(words, scale, J: tl.constexpr):
 
 
 @triton.jit
-def _nibble_dot(a, words, scale, acc, J: tl.constexpr, SWAP_AB: tl.constexpr, PTX: tl.constexpr):
-    """``acc + A_j @ W_j`` (or ``+ W_j^T @ A_j^T`` with ``SWAP_AB``), ``W_j`` nibble ``J`` of ``words`` widened to
-    ``a.dtype`` with ``scale`` (the word tile's shape): with ``PTX`` (bf16/fp16 on a GPU; ``words`` int32, ``scale``
-    in ``a.dtype``) by ``_widen_pairs``, else in float32 (``scale`` float32)."""
-    if PTX:
+def _nibble_dot(a, words, scale, acc, J: tl.constexpr, SWAP_AB: tl.constexpr, WIDEN: tl.constexpr):
+    """``acc + A_j @ W_j`` (or ``+ W_j^T @ A_j^T`` with ``SWAP_AB``), ``W_j`` nibble ``J`` of ``words`` (int32)
+    widened to ``a.dtype`` with ``scale`` (the word tile's shape, from ``_scale_tile``) as ``WIDEN`` says (see
+    ``widen_code``)."""
+    if WIDEN == WIDEN_INT4_PTX:
         w = _widen_pairs(words, scale, J)
+    elif WIDEN == WIDEN_MXFP4:
+        nib = (words.to(tl.uint32, bitcast=True) >> (4 * J)) & 0xF
+        half = (((nib & 7) << 9) | ((nib & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True)
+        w = ((half.to(tl.float32) * 16384.0) * scale).to(a.dtype)  # the E2M1 value, exact, times 2 ** (s - 127)
     else:
         f = (((words.to(tl.uint32, bitcast=True) >> (4 * J)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
         w = ((f - 8388616.0) * scale).to(a.dtype)  # 2 ** 23 + 8
@@ -109,6 +138,17 @@ def _nibble_dot(a, words, scale, acc, J: tl.constexpr, SWAP_AB: tl.constexpr, PT
         return tl.dot(w, a, acc)
     else:
         return tl.dot(a, w, acc)
+
+
+@triton.jit
+def _scale_tile(s, DTYPE: tl.constexpr, WIDEN: tl.constexpr):
+    """The multipliers of a loaded scale tile ``s``: INT4's scales in ``DTYPE``; MXFP4's E8M0 bytes as the float32
+    ``2 ** (s - 127)`` built from their bits (``s = 0``, the subnormal ``2 ** -127``, by value)."""
+    if WIDEN == WIDEN_MXFP4:
+        e = s.to(tl.int32)
+        return tl.where(e == 0, 2.0 ** -127, (e << 23).to(tl.float32, bitcast=True))
+    else:
+        return s.to(DTYPE)
 
 
 @triton.jit
@@ -133,12 +173,12 @@ def _tile_mask(k_ok, r_ok, SWAP_AB: tl.constexpr):
 def int4_gate_up_acc(
     xp_ptr, w_ptr, s_ptr, slot, tok, valid, offs_n, n_ok, D, F, stride_x, stride_we, stride_wn, stride_se,
     stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr,
-    SWAP_AB: tl.constexpr, PTX: tl.constexpr,
+    SWAP_AB: tl.constexpr, WIDEN: tl.constexpr,
 ):
     """Gate and up accumulators ``[BLOCK_M, BLOCK_N]`` float32 of token rows ``tok`` (``valid`` of them) read from the
     nibble-major ``xp`` (row stride ``stride_x``) and gate rows ``offs_n`` (up rows ``F + offs_n``) of ``slot``'s
     packed ``w13 [S, 2F, D/8]`` with scales ``[S, 2F, D/G]`` (``GW = G / 8`` words a group)."""
-    SCALE_DTYPE: tl.constexpr = xp_ptr.dtype.element_ty if PTX else tl.float32
+    SCALE_DTYPE: tl.constexpr = xp_ptr.dtype.element_ty if WIDEN == WIDEN_INT4_PTX else tl.float32
     DW = tl.multiple_of(D // 8, GW)  # D is a multiple of the group size
     SEG = nibble_segment_of(D)
     offs_kw = tl.arange(0, BLOCK_KW)
@@ -155,8 +195,8 @@ def int4_gate_up_acc(
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     s_ok = _tile_mask(offs_kw < DW, n_ok, SWAP_AB)
-    sg = tl.load(sg_ptrs, mask=s_ok, other=0.0)
-    su = tl.load(su_ptrs, mask=s_ok, other=0.0)
+    sg = tl.load(sg_ptrs, mask=s_ok, other=0)
+    su = tl.load(su_ptrs, mask=s_ok, other=0)
     for kw0 in range(0, DW, BLOCK_KW):
         k_ok = offs_kw < DW - kw0
         w_ok = _tile_mask(k_ok, n_ok, SWAP_AB)
@@ -167,14 +207,14 @@ def int4_gate_up_acc(
         s_ok = _tile_mask(offs_kw < DW - kw0 - BLOCK_KW, n_ok, SWAP_AB)
         sg_ptrs += BLOCK_KW // GW
         su_ptrs += BLOCK_KW // GW
-        sg_next = tl.load(sg_ptrs, mask=s_ok, other=0.0)
-        su_next = tl.load(su_ptrs, mask=s_ok, other=0.0)
-        sgf = sg.to(SCALE_DTYPE)
-        suf = su.to(SCALE_DTYPE)
+        sg_next = tl.load(sg_ptrs, mask=s_ok, other=0)
+        su_next = tl.load(su_ptrs, mask=s_ok, other=0)
+        sgf = _scale_tile(sg, SCALE_DTYPE, WIDEN)
+        suf = _scale_tile(su, SCALE_DTYPE, WIDEN)
         for j in tl.static_range(8):
             a = tl.load(a_ptrs + j * SEG, mask=a_ok, other=0.0)
-            acc_g = _nibble_dot(a, wg, sgf, acc_g, j, SWAP_AB, PTX)
-            acc_u = _nibble_dot(a, wu, suf, acc_u, j, SWAP_AB, PTX)
+            acc_g = _nibble_dot(a, wg, sgf, acc_g, j, SWAP_AB, WIDEN)
+            acc_u = _nibble_dot(a, wu, suf, acc_u, j, SWAP_AB, WIDEN)
         sg = sg_next
         su = su_next
         wg_ptrs += BLOCK_KW
@@ -190,12 +230,12 @@ def int4_gate_up_acc(
 def int4_down_acc(
     hp_ptr, w_ptr, s_ptr, slot, rows, valid, offs_n, n_ok, F, stride_we, stride_wn, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr, SWAP_AB: tl.constexpr,
-    PTX: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):
     """Down accumulator ``[BLOCK_M, BLOCK_N]`` float32 of rows ``rows`` (``valid`` of them) of the nibble-major
     ``h [NB * BLOCK_M, 8 * nibble_segment(F)]`` and output columns ``offs_n`` of ``slot``'s packed ``w2 [S, D, F/8]``
     with scales ``[S, D, F/G]``."""
-    SCALE_DTYPE: tl.constexpr = hp_ptr.dtype.element_ty if PTX else tl.float32
+    SCALE_DTYPE: tl.constexpr = hp_ptr.dtype.element_ty if WIDEN == WIDEN_INT4_PTX else tl.float32
     FW = tl.multiple_of(F // 8, GW)
     SEG = nibble_segment_of(F)
     offs_kw = tl.arange(0, BLOCK_KW)
@@ -207,17 +247,17 @@ def int4_down_acc(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    sc = tl.load(s_ptrs, mask=_tile_mask(offs_kw < FW, n_ok, SWAP_AB), other=0.0)
+    sc = tl.load(s_ptrs, mask=_tile_mask(offs_kw < FW, n_ok, SWAP_AB), other=0)
     for kw0 in range(0, FW, BLOCK_KW):
         k_ok = offs_kw < FW - kw0
         w_ok = _tile_mask(k_ok, n_ok, SWAP_AB)
         a_ok = _tile_mask(k_ok, valid, not SWAP_AB)
         w = tl.load(w_ptrs, mask=w_ok, other=0)
         s_ptrs += BLOCK_KW // GW
-        sc_next = tl.load(s_ptrs, mask=_tile_mask(offs_kw < FW - kw0 - BLOCK_KW, n_ok, SWAP_AB), other=0.0)
-        scf = sc.to(SCALE_DTYPE)
+        sc_next = tl.load(s_ptrs, mask=_tile_mask(offs_kw < FW - kw0 - BLOCK_KW, n_ok, SWAP_AB), other=0)
+        scf = _scale_tile(sc, SCALE_DTYPE, WIDEN)
         for j in tl.static_range(8):
-            acc = _nibble_dot(tl.load(a_ptrs + j * SEG, mask=a_ok, other=0.0), w, scf, acc, j, SWAP_AB, PTX)
+            acc = _nibble_dot(tl.load(a_ptrs + j * SEG, mask=a_ok, other=0.0), w, scf, acc, j, SWAP_AB, WIDEN)
         sc = sc_next
         w_ptrs += BLOCK_KW
         a_ptrs += BLOCK_KW
