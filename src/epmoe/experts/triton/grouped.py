@@ -416,7 +416,8 @@ def grouped_experts(
         ValueError: operands of other shapes or layouts than ``experts.weights.check_expert_call`` takes.
         ValueError: block FP8 weights without ``block_k == 128`` and ``block_n`` dividing 128; INT4 or MXFP4 weights
             with a step (``block_k``) that is not a power of two of at least 128 inputs (16 words: ``tl.dot``'s
-            smallest reduction); ``swap_ab`` with weights that are neither.
+            smallest reduction) or packed rows whose strides are not multiples of 4 words; ``swap_ab`` with weights
+            that are neither.
     """
     check_expert_call(x, topk_slots, topk_weights, weights.hidden_size)
     cfg = config
@@ -440,6 +441,10 @@ def grouped_experts(
         else:
             w13, w2 = weights.w13_packed, weights.w2_packed
             gw = weights.group_size // INT4_PACK
+        for name, w in (("w13", w13), ("w2", w2)):  # the kernels read whole 16-byte vectors of a row (w4a16)
+            if w.stride(2) != 1 or w.stride(0) % 4 or w.stride(1) % 4:
+                raise ValueError(f"the grouped kernels read packed {name} rows of whole 4-word vectors, got word "
+                                 f"strides {tuple(w.stride())}")
         x = nibble_major(x)
     else:
         s, d, f = weights.w13.shape[0], weights.w13.shape[2], weights.w13.shape[1] // 2

@@ -3,8 +3,8 @@ grouped kernels of ``grouped`` widening the packed tiles in registers (``w4a16``
 ``benchmarks/moe_layer.py``, the widening path (the slots in use widened to the compute dtype in memory, then the
 bf16 grouped kernels).
 
-Decode (``mxfp4_decode_experts``, up to ``MXFP4_DECODE_MAX_PAIRS`` pairs, as the backend takes it): the two
-launches of ``decode`` (a pair is
+Decode (``mxfp4_decode_experts``, up to ``MXFP4_DECODE_MAX_PAIRS`` pairs; the backend takes it up to
+``MXFP4_BACKEND_DECODE_PAIRS``): the two launches of ``decode`` (a pair is
 a matrix-vector product cut along the output rows; live pairs shared among pair groups; the last down program of a
 column tile sums it over each token's pairs, ``decode.sum_pairs_on_arrival``), with the weights read as they are
 stored: a program's tile is ``[R, BLOCK_G, 16]`` bytes (``R`` weight rows, ``BLOCK_G`` 32-value blocks of each),
@@ -52,6 +52,11 @@ from epmoe.experts.weights import Activation, ExpertWeights, check_expert_call
 
 _ZERO_BLOCK = 1024
 MXFP4_DECODE_MAX_PAIRS = 64  # the most pairs mxfp4_decode_experts takes (each read and summed per token in its grid)
+MXFP4_BACKEND_DECODE_PAIRS = 4
+"""``mxfp4_experts`` takes the decode kernels up to this many pairs (one token at gpt-oss's top-4), the grouped kernels
+above: on an H100 (``benchmarks/moe_layer.py --cases gptoss_mxfp4,gptoss20b_mxfp4``) the two were within 6% at one
+token, and the grouped kernels at 17 tokens took a third of the decode kernels' time at 16 (a decode pair reads its
+expert's weights on its own; a row block reads them once for the slot's pairs)."""
 
 
 @dataclass(frozen=True)
@@ -305,7 +310,7 @@ def mxfp4_experts(
     expected_pairs: int | None = None,
 ) -> torch.Tensor:
     """MXFP4 expert compute on CUDA (contract of ``experts.ExpertBackend``; graph safe), on the packed weights:
-    ``mxfp4_decode_experts`` when both ``T * K`` and the expected pairs are at most ``MXFP4_DECODE_MAX_PAIRS``,
+    ``mxfp4_decode_experts`` when both ``T * K`` and the expected pairs are at most ``MXFP4_BACKEND_DECODE_PAIRS``,
     else ``mxfp4_grouped_experts``.
 
     Raises:
@@ -321,7 +326,7 @@ def mxfp4_experts(
     x = x if x.stride(1) == 1 else x.contiguous()
     slots, tw = topk_slots.contiguous(), topk_weights.float().contiguous()
     expected = n if expected_pairs is None else expected_pairs
-    if n <= MXFP4_DECODE_MAX_PAIRS and expected <= MXFP4_DECODE_MAX_PAIRS:
+    if n <= MXFP4_BACKEND_DECODE_PAIRS and expected <= MXFP4_BACKEND_DECODE_PAIRS:
         return mxfp4_decode_experts(x, slots, tw, weights, activation, weight_on_input)
     return mxfp4_grouped_experts(x, slots, tw, weights, activation, weight_on_input,
                                  default_int4_config(expected, weights.num_slots))

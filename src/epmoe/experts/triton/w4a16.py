@@ -25,10 +25,11 @@ dtype as ``experts.int4.dequantize_int4`` rounds (the product ``(q - 8) * scale`
 
 MXFP4 weights (gpt-oss's, ``experts.mxfp4``) take the same kernels: a row of ``blocks [N, K/32, 16]`` bytes read as
 ``K / 8`` little-endian int32 words holds input ``8 w + j`` in nibble ``j`` of word ``w`` too (two E2M1 codes a
-byte, the low nibble first), with one E8M0 scale per 32 inputs (``GW = 4``). A code's 3 magnitude bits are placed
-under an fp16's exponent and its sign on the sign bit, which reads as ``e2m1 * 2 ** -14`` (exact, code 1 an fp16
-subnormal), widened to float32, times ``2 ** 14`` (exact) and the block's ``2 ** (s - 127)`` built from the scale's
-bits (``_scale_tile``), rounded once to the activation dtype as ``experts.mxfp4.dequantize_mxfp4`` rounds.
+byte, the low nibble first), with one E8M0 scale per 32 inputs (``GW = 4``), ``2 ** (s - 127)`` built from the
+scale's bits (``_scale_tile``). bf16 on a GPU: two words at a time in inline PTX (``_widen_e2m1_pairs``), a code's
+3 magnitude bits under the bf16 exponent and its sign on the sign bit, then two exact packed products. Otherwise:
+the same bits under an fp16's exponent (``e2m1 * 2 ** -14``, exact), widened to float32, times ``2 ** 14`` and the
+scale. Either way the weight is rounded once to the activation dtype, as ``experts.mxfp4.dequantize_mxfp4`` rounds.
 
 The scale tile (word ``w``'s group is ``(kw0 + w) // (G / 8)``, one load with repeated addresses) is read once per
 step and serves the eight nibbles; it is requested a step ahead in registers (a load of 16 bits a thread, which
@@ -56,15 +57,18 @@ WIDEN_INT4 = tl.constexpr(0)
 WIDEN_INT4_PTX = tl.constexpr(1)
 """``WIDEN`` code: INT4 words widened two at a time by inline PTX (bf16/fp16 activations on a GPU)."""
 WIDEN_MXFP4 = tl.constexpr(2)
-"""``WIDEN`` code: MXFP4 words (E2M1 codes, E8M0 scales) widened in float32."""
+"""``WIDEN`` code: MXFP4 words (E2M1 codes, E8M0 scales) widened in float32 (fp16/float32 activations; the Triton
+interpreter)."""
+WIDEN_MXFP4_PTX = tl.constexpr(3)
+"""``WIDEN`` code: MXFP4 words widened two at a time by inline PTX (bf16 activations on a GPU)."""
 
 
 def widen_code(mxfp4: bool, x: torch.Tensor) -> int:
     """The ``WIDEN`` code of the grouped kernels for packed weights (MXFP4 when ``mxfp4``, else INT4) and
-    activations ``x``: INT4 by inline PTX for bf16/fp16 on a GPU, in float32 otherwise (and so under the Triton
-    interpreter, which runs no PTX)."""
+    activations ``x``: by inline PTX on a GPU for INT4 with bf16/fp16 and MXFP4 with bf16, in float32 otherwise
+    (and so under the Triton interpreter, which runs no PTX)."""
     if mxfp4:
-        return WIDEN_MXFP4.value
+        return WIDEN_MXFP4_PTX.value if x.is_cuda and x.dtype == torch.bfloat16 else WIDEN_MXFP4.value
     ptx = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
     return WIDEN_INT4_PTX.value if ptx else WIDEN_INT4.value
 
@@ -121,12 +125,31 @@ def _widen_pairs(words, scale, J: tl.constexpr):
 
 
 @triton.jit
+def _widen_e2m1_pairs(words, scale, J: tl.constexpr):
+    """E2M1 code ``J`` of ``words`` (int32) times ``scale`` (bf16, ``2 ** (s - 127)``), two words a PTX block, in
+    the 16-bit lanes: the two words' halves holding code ``J`` side by side (``prmt``), its magnitude bits shifted
+    under the exponent (bits 6-8) and its sign onto bit 15, which reads as ``e2m1 * 2 ** -126`` (code 1 a bf16
+    subnormal), times ``2 ** 126`` and the scale (both exact: every product is an E2M1 value times a power of two,
+    rounded only where it falls below bf16's normal range, as ``experts.mxfp4.dequantize_mxfp4`` rounds)."""
+    HALF: tl.constexpr = "0x7632" if J >= 4 else "0x5410"
+    SHIFT: tl.constexpr = f"shr.b32 t, t, {4 * (J % 4)};" if J % 4 else ""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t, m, sg, big, nz; prmt.b32 t, $1, $2, " + HALF + "; " + SHIFT
+        + " shl.b32 m, t, 6; shl.b32 sg, t, 12; and.b32 sg, sg, 0x80008000;"
+        " lop3.b32 t, m, 0x01C001C0, sg, 0xEA; mov.b32 big, 0x7E807E80; mov.b32 nz, 0x80008000;"
+        " fma.rn.bf16x2 t, t, big, nz; fma.rn.bf16x2 $0, t, $3, nz; }",
+        "=r,r,r,r", [words, scale], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
 def _nibble_dot(a, words, scale, acc, J: tl.constexpr, SWAP_AB: tl.constexpr, WIDEN: tl.constexpr):
     """``acc + A_j @ W_j`` (or ``+ W_j^T @ A_j^T`` with ``SWAP_AB``), ``W_j`` nibble ``J`` of ``words`` (int32)
     widened to ``a.dtype`` with ``scale`` (the word tile's shape, from ``_scale_tile``) as ``WIDEN`` says (see
     ``widen_code``)."""
     if WIDEN == WIDEN_INT4_PTX:
         w = _widen_pairs(words, scale, J)
+    elif WIDEN == WIDEN_MXFP4_PTX:
+        w = _widen_e2m1_pairs(words, scale, J)
     elif WIDEN == WIDEN_MXFP4:
         nib = (words.to(tl.uint32, bitcast=True) >> (4 * J)) & 0xF
         half = (((nib & 7) << 9) | ((nib & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True)
@@ -142,13 +165,32 @@ def _nibble_dot(a, words, scale, acc, J: tl.constexpr, SWAP_AB: tl.constexpr, WI
 
 @triton.jit
 def _scale_tile(s, DTYPE: tl.constexpr, WIDEN: tl.constexpr):
-    """The multipliers of a loaded scale tile ``s``: INT4's scales in ``DTYPE``; MXFP4's E8M0 bytes as the float32
-    ``2 ** (s - 127)`` built from their bits (``s = 0``, the subnormal ``2 ** -127``, by value)."""
-    if WIDEN == WIDEN_MXFP4:
-        e = s.to(tl.int32)
-        return tl.where(e == 0, 2.0 ** -127, (e << 23).to(tl.float32, bitcast=True))
+    """The multipliers of a loaded scale tile ``s``: INT4's scales in ``DTYPE``; MXFP4's E8M0 bytes as
+    ``2 ** (s - 127)`` built from their bits (``s = 0``, the subnormal ``2 ** -127``, by value), in float32, or in
+    bf16 (exact) for the PTX widening."""
+    if WIDEN == WIDEN_MXFP4_PTX:
+        out = _e8m0(s).to(tl.bfloat16)
+    elif WIDEN == WIDEN_MXFP4:
+        out = _e8m0(s)
     else:
-        return s.to(DTYPE)
+        out = s.to(DTYPE)
+    return out
+
+
+@triton.jit
+def _e8m0(s):
+    """float32 ``2 ** (s - 127)`` of E8M0 bytes ``s``."""
+    e = s.to(tl.int32)
+    return tl.where(e == 0, 2.0 ** -127, (e << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _row_strides(stride_we, stride_wn):
+    """The packed weights' slot and row strides (words), known to the compiler as multiples of 4: a row holds whole
+    groups of at least 32 inputs, 16 bytes or more, so the word tiles load as 16-byte vectors even where the row
+    is not a multiple of 16 words (gpt-oss's 2880 inputs: 360 words), which Triton's argument specialisation
+    would not see (a product by 4 it does; ``tl.multiple_of`` on a scalar it drops)."""
+    return (stride_we // 4) * 4, (stride_wn // 4) * 4
 
 
 @triton.jit
@@ -181,6 +223,7 @@ def int4_gate_up_acc(
     SCALE_DTYPE: tl.constexpr = xp_ptr.dtype.element_ty if WIDEN == WIDEN_INT4_PTX else tl.float32
     DW = tl.multiple_of(D // 8, GW)  # D is a multiple of the group size
     SEG = nibble_segment_of(D)
+    stride_we, stride_wn = _row_strides(stride_we, stride_wn)
     offs_kw = tl.arange(0, BLOCK_KW)
     rows_n = offs_n.to(tl.int64)
     wg_ptrs = w_ptr + slot * stride_we + _tile_offsets(offs_kw, rows_n, stride_wn, SWAP_AB)
@@ -238,6 +281,7 @@ def int4_down_acc(
     SCALE_DTYPE: tl.constexpr = hp_ptr.dtype.element_ty if WIDEN == WIDEN_INT4_PTX else tl.float32
     FW = tl.multiple_of(F // 8, GW)
     SEG = nibble_segment_of(F)
+    stride_we, stride_wn = _row_strides(stride_we, stride_wn)
     offs_kw = tl.arange(0, BLOCK_KW)
     rows_n = offs_n.to(tl.int64)
     w_ptrs = w_ptr + slot * stride_we + _tile_offsets(offs_kw, rows_n, stride_wn, SWAP_AB)
