@@ -36,7 +36,7 @@ def describe_expert_backend(name: str, device: str) -> str:
 
 def make_triton_backend() -> ExpertBackend:
     """The ``triton`` expert backend: ``grouped.triton_experts`` on CUDA (INT4 weights: ``int4.int4_experts``; MXFP4
-    weights: ``mxfp4.mxfp4_experts``, the slots in use widened per call), the reference on CPU.
+    weights: ``mxfp4.mxfp4_experts``, on the packed weights), the reference on CPU.
 
     Triton is imported here, once per backend built; on a machine without it the backend still serves
     CPU tensors.

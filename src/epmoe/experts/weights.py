@@ -20,8 +20,8 @@ from typing import Callable, Protocol, Union
 import torch
 import torch.nn.functional as F
 
-# the most (token, k) pairs of a call the Triton backend's decode kernels compute (bf16, FP8 and MXFP4 weights;
-# ``experts.triton.decode``); above it the grouped kernels run (MXFP4 weights widened to bf16 first)
+# the most (token, k) pairs of a call the Triton backend's decode kernels compute (bf16 and FP8 weights;
+# ``experts.triton.decode``); above it the grouped kernels run
 DECODE_MAX_PAIRS = 16
 
 @dataclass(frozen=True)
