@@ -229,6 +229,14 @@ def dequantize_mxfp4_triton(blocks: torch.Tensor, scales: torch.Tensor, out: tor
     return out
 
 
+def _check_contiguous(weights: MXFP4ExpertWeights, kernels: str) -> None:
+    """Raise ``ValueError`` naming the first of ``weights``' blocks and scales that is not contiguous."""
+    for name in ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"):
+        if not getattr(weights, name).is_contiguous():
+            raise ValueError(f"the MXFP4 {kernels} kernels read {name} contiguous, got strides "
+                             f"{tuple(getattr(weights, name).stride())}")
+
+
 def mxfp4_decode_experts(
     x: torch.Tensor,
     topk_slots: torch.Tensor,
@@ -263,10 +271,7 @@ def mxfp4_decode_experts(
     n = t * k
     if n > MXFP4_DECODE_MAX_PAIRS:
         raise ValueError(f"mxfp4_decode_experts takes at most {MXFP4_DECODE_MAX_PAIRS} (token, k) pairs, got {n}")
-    for name in ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"):
-        if not getattr(weights, name).is_contiguous():
-            raise ValueError(f"the MXFP4 decode kernels read {name} contiguous, got strides "
-                             f"{tuple(getattr(weights, name).stride())}")
+    _check_contiguous(weights, "decode")
     d, f = weights.hidden_size, weights.intermediate_size
     dev = x.device
     h = torch.empty(n, f, dtype=torch.float32, device=dev)
@@ -362,10 +367,7 @@ def mxfp4_grouped_experts(
         ValueError: operands of other shapes or layouts than ``experts.weights.check_expert_call`` takes, blocks or
             scales not contiguous, ``config.block_k`` not a power of two of at least 128.
     """
-    for name in ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"):
-        if not getattr(weights, name).is_contiguous():
-            raise ValueError(f"the MXFP4 grouped kernels read {name} contiguous, got strides "
-                             f"{tuple(getattr(weights, name).stride())}")
+    _check_contiguous(weights, "grouped")
     cfg = config if config is not None else default_int4_config(topk_slots.numel(), weights.num_slots)
     return grouped_experts(x, topk_slots, topk_weights, weights, activation, weight_on_input, cfg)
 
