@@ -19,11 +19,11 @@ Cases:
     kimi_full_int4 (``--cases kimi_full_int4``): all 384 experts of that layer on one GPU.
     gptoss_mxfp4, gptoss20b_mxfp4 (``--cases gptoss_mxfp4``): a gpt-oss-120b (128 experts) or gpt-oss-20b (32) MoE
         layer on one GPU, D = F = 2880, top-4, gpt-oss's clamped SwiGLU with biases, in MXFP4: the backend
-        (``mxfp4``: the decode kernels up to 64 pairs, the grouped kernels above) against its floor (the MXFP4 bytes
-        of the active experts, 17 per 32 weights, over the copy bandwidth, or the FLOPs over the bf16 rate), the decode
-        kernels up to 16 tokens (``mxfp4_decode``), the grouped kernels widening the packed tiles in registers at
-        every size (``mxfp4_grouped``), the slots widened in memory then the bf16 kernels (``mxfp4_widen``) and the
-        bf16 backend on the dequantized weights (``bf16``).
+        (``mxfp4``: the decode kernels for one token, 4 pairs, the grouped kernels above) against its floor (the
+        MXFP4 bytes of the active experts, 17 per 32 weights, over the copy bandwidth, or the FLOPs over the bf16
+        rate), the decode kernels up to 16 tokens (``mxfp4_decode``), the grouped kernels widening the packed tiles
+        in registers at every size (``mxfp4_grouped``), the slots widened in memory then the bf16 kernels
+        (``mxfp4_widen``) and the bf16 backend on the dequantized weights (``bf16``).
 
 The INT4 cases time, in the same run and on the same (dequantized) weight values: the ``triton`` backend on the packed
 weights (``int4``, the path ``int4_path`` picks; floor = INT4 bytes + scales of the active slots over the copy

@@ -209,6 +209,26 @@ def test_mxfp4_matches_transformers_and_compressed_tensors():
     theirs = values.view(3, 40, 3, 32) * decompress_mx_scale(scales).float().unsqueeze(-1)
     assert torch.equal(theirs.flatten(-2), deq)
     assert 0.0 < float((deq - w).norm() / w.norm()) < 0.2
+    # a tie between two E2M1 magnitudes goes to the smaller one (block scale 1: amax 4 to 7.99)
+    ties = torch.tensor([0.25, 2.5, 5.0, -2.5, 1.25, 1.75, 0.75, 4.0] * 4)
+    assert dequantize_mxfp4(*quantize_mxfp4(ties), torch.float32)[:8].tolist() == [0.0, 2.0, 4.0, -2.0, 1.0, 1.5,
+                                                                                   0.5, 4.0]
+
+
+def test_mxfp4_bad_tensors_are_named():
+    from epmoe.experts.mxfp4 import dequantize_mxfp4
+
+    blocks, scales = torch.zeros(2, 3, 16, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="MXFP4 blocks must be uint8, got torch.int8"):
+        dequantize_mxfp4(blocks.to(torch.int8), scales)
+    with pytest.raises(TypeError, match="MXFP4 scales must be uint8, got torch.int32"):
+        dequantize_mxfp4(blocks, scales.int())
+    with pytest.raises(ValueError, match=r"blocks \(16,\) and scales \(\) do not fit"):
+        dequantize_mxfp4(torch.zeros(16, dtype=torch.uint8), torch.zeros((), dtype=torch.uint8))
+    odd = torch.zeros(2, 65, 2, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="w13_blocks has 65 rows; gate and up rows"):
+        MXFP4ExpertWeights(odd, torch.zeros(2, 65, 2, dtype=torch.uint8), torch.zeros(2, 64, 1, 16, dtype=torch.uint8),
+                           torch.zeros(2, 64, 1, dtype=torch.uint8))
 
 
 def _broken(src: str, tmp: Path, edit) -> str:

@@ -56,7 +56,9 @@ class MXFP4ExpertWeights:
             raise ValueError(f"w13_blocks must be [S, 2F, D/32, 16], got {tuple(self.w13_blocks.shape)}")
         s, two_f, nb, _ = self.w13_blocks.shape
         d, f = nb * MXFP4_BLOCK, two_f // 2
-        if two_f % 2 or f % MXFP4_BLOCK:
+        if two_f % 2:
+            raise ValueError(f"w13_blocks has {two_f} rows; gate and up rows (2F) must be an even count")
+        if f % MXFP4_BLOCK:
             raise ValueError(f"F ({f}) must be a multiple of {MXFP4_BLOCK} for MXFP4 weights")
         want = {"w13_scales": (s, two_f, nb), "w2_blocks": (s, d, f // MXFP4_BLOCK, MXFP4_BYTES),
                 "w2_scales": (s, d, f // MXFP4_BLOCK)}
@@ -92,9 +94,13 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     (exact: every MXFP4 value is a float32).
 
     Raises:
+        TypeError: blocks or scales not uint8.
         ValueError: shapes that do not fit each other.
     """
-    if blocks.shape[-1] != MXFP4_BYTES or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+    for name, t in (("blocks", blocks), ("scales", scales)):
+        if t.dtype != torch.uint8:
+            raise TypeError(f"MXFP4 {name} must be uint8, got {t.dtype}")
+    if blocks.dim() < 2 or blocks.shape[-1] != MXFP4_BYTES or tuple(scales.shape) != tuple(blocks.shape[:-1]):
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not fit: expected "
                          f"blocks [..., K/32, 16] and scales [..., K/32]")
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
@@ -108,7 +114,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4 quantization of ``w [..., N, K]`` (``K`` a multiple of 32).
 
     Each block's scale is ``2 ** (floor(log2(amax)) - 2)`` (the OCP MX rule: the block maximum's exponent minus
-    E2M1's largest exponent, 2), values are rounded to the nearest E2M1 value (ties away from zero) and
+    E2M1's largest exponent, 2), values are rounded to the nearest E2M1 value (a tie to the smaller magnitude) and
     saturate at 6.
 
     Returns:
