@@ -52,12 +52,12 @@ from epmoe.experts.mxfp4 import MXFP4_BLOCK, MXFP4ExpertWeights
 from epmoe.experts.triton.align_kernels import align_triton
 from epmoe.experts.triton.decode import DECODE_MAX_PAIRS, decode_experts, gated_activation
 from epmoe.experts.triton.w4a16 import (
-    int4_down_acc,
-    int4_gate_up_acc,
     nibble_major,
     nibble_major_cols,
     nibble_segment,
     nibble_segment_of,
+    packed_down_acc,
+    packed_gate_up_acc,
     widen_code,
 )
 from epmoe.experts.weights import Activation, ExpertWeights, check_expert_call
@@ -155,7 +155,7 @@ def _gate_up_rows(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < F
     if GW > 0:
-        acc_g, acc_u = int4_gate_up_acc(x_ptr, w_ptr, ws_ptr, slot, tok, valid, offs_n, n_ok, D, F, stride_x,
+        acc_g, acc_u = packed_gate_up_acc(x_ptr, w_ptr, ws_ptr, slot, tok, valid, offs_n, n_ok, D, F, stride_x,
                                         stride_we, stride_wn, stride_se, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K // 8,
                                         GW, SWAP_AB, WIDEN)
     else:
@@ -250,7 +250,7 @@ def _down_rows(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < D
     if GW > 0:
-        acc = int4_down_acc(h_ptr, w_ptr, ws_ptr, slot, rows, valid, offs_n, n_ok, F, stride_we, stride_wn, stride_se,
+        acc = packed_down_acc(h_ptr, w_ptr, ws_ptr, slot, rows, valid, offs_n, n_ok, F, stride_we, stride_wn, stride_se,
                             stride_sn, BLOCK_M, BLOCK_N, BLOCK_K // 8, GW, SWAP_AB, WIDEN)
     elif TMA:
         # padding rows of h were never written: their products land in rows the store masks out.
@@ -423,18 +423,18 @@ def grouped_experts(
     cfg = config
     fp8 = isinstance(weights, BlockFP8ExpertWeights)
     mx = isinstance(weights, MXFP4ExpertWeights)
-    int4 = mx or isinstance(weights, Int4ExpertWeights)  # both read as packed int32 words (w4a16)
+    packed = mx or isinstance(weights, Int4ExpertWeights)  # both read as packed int32 words (w4a16)
     if fp8 and (cfg.block_k != FP8_BLOCK or FP8_BLOCK % cfg.block_n1 or FP8_BLOCK % cfg.block_n2):
         raise ValueError(f"block FP8 weights need block_k == 128 and block_n dividing 128, got {cfg}")
-    if int4 and (cfg.block_k < 128 or cfg.block_k & (cfg.block_k - 1)):
+    if packed and (cfg.block_k < 128 or cfg.block_k & (cfg.block_k - 1)):
         raise ValueError(f"INT4 and MXFP4 weights need block_k a power of two of at least 128 inputs, got {cfg}")
-    if cfg.swap_ab and not int4:
+    if cfg.swap_ab and not packed:
         raise ValueError(f"swap_ab is for INT4 and MXFP4 weights only, got {cfg} for {type(weights).__name__}")
     t, k = topk_slots.shape
     n = t * k
-    if int4:
+    if packed:
         s, d, f = weights.num_slots, weights.hidden_size, weights.intermediate_size
-        ops = int4_kernel_operands(weights, topk_weights)
+        ops = packed_kernel_operands(weights, topk_weights)
         if mx:
             w13, w2 = mxfp4_words(weights.w13_blocks), mxfp4_words(weights.w2_blocks)
             gw = MXFP4_BLOCK // INT4_PACK
@@ -453,12 +453,12 @@ def grouped_experts(
         gw = 0
     out = torch.empty(t, d, dtype=x.dtype, device=x.device)
     # TMA rows must start 16-byte aligned: D and F multiples of 8 elements.
-    tma = cfg.tma and not fp8 and not int4 and d % 8 == 0 and f % 8 == 0
+    tma = cfg.tma and not fp8 and not packed and d % 8 == 0 and f % 8 == 0
     half = cfg.half_tail and cfg.block_m >= 32
-    widen = widen_code(mx, x) if int4 else 0
+    widen = widen_code(mx, x) if packed else 0
     aln = align_triton(topk_slots, s, cfg.block_m, half)
     nb = aln.block_slot.shape[0]
-    h = torch.empty(nb * cfg.block_m, INT4_PACK * nibble_segment(f) if int4 else f, dtype=x.dtype, device=x.device)
+    h = torch.empty(nb * cfg.block_m, INT4_PACK * nibble_segment(f) if packed else f, dtype=x.dtype, device=x.device)
     y = torch.empty(n, d, dtype=x.dtype, device=x.device)
     limit = activation.swiglu_limit if activation.swiglu_limit is not None else 0.0
     if tma:
@@ -496,7 +496,7 @@ def mxfp4_words(blocks: torch.Tensor) -> torch.Tensor:
     return blocks.view(torch.int32).flatten(2)
 
 
-def int4_kernel_operands(weights: Int4ExpertWeights | MXFP4ExpertWeights, placeholder: torch.Tensor
+def packed_kernel_operands(weights: Int4ExpertWeights | MXFP4ExpertWeights, placeholder: torch.Tensor
                          ) -> KernelOperands:
     """The group scales (with their ``(slot, row)`` strides) and biases of INT4 or MXFP4 ``weights`` as kernel
     arguments, ``placeholder`` in the place of an absent bias (as ``fp8.kernel_operands``)."""

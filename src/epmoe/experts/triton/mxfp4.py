@@ -54,9 +54,8 @@ _ZERO_BLOCK = 1024
 MXFP4_DECODE_MAX_PAIRS = 64  # the most pairs mxfp4_decode_experts takes (each read and summed per token in its grid)
 MXFP4_BACKEND_DECODE_PAIRS = 4
 """``mxfp4_experts`` takes the decode kernels up to this many pairs (one token at gpt-oss's top-4), the grouped kernels
-above: on an H100 (``benchmarks/moe_layer.py --cases gptoss_mxfp4,gptoss20b_mxfp4``) the two were within 6% at one
-token, and the grouped kernels at 17 tokens took a third of the decode kernels' time at 16 (a decode pair reads its
-expert's weights on its own; a row block reads them once for the slot's pairs)."""
+above: a decode pair reads its expert's weights on its own, a row block reads them once for the slot's pairs. Set
+from the H100 run of ``benchmarks/moe_layer.py --cases gptoss_mxfp4,gptoss20b_mxfp4`` (README, the MXFP4 rows)."""
 
 
 @dataclass(frozen=True)

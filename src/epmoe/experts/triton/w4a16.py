@@ -212,7 +212,7 @@ def _tile_mask(k_ok, r_ok, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
-def int4_gate_up_acc(
+def packed_gate_up_acc(
     xp_ptr, w_ptr, s_ptr, slot, tok, valid, offs_n, n_ok, D, F, stride_x, stride_we, stride_wn, stride_se,
     stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr,
     SWAP_AB: tl.constexpr, WIDEN: tl.constexpr,
@@ -270,7 +270,7 @@ def int4_gate_up_acc(
 
 
 @triton.jit
-def int4_down_acc(
+def packed_down_acc(
     hp_ptr, w_ptr, s_ptr, slot, rows, valid, offs_n, n_ok, F, stride_we, stride_wn, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GW: tl.constexpr, SWAP_AB: tl.constexpr,
     WIDEN: tl.constexpr,
