@@ -11,7 +11,7 @@ import torch
 
 from epmoe.engine.rope_attention import rope_qkv_reference, rope_qkv_triton
 
-from .rope_cases import CASES, DECODE_CASES, make_rope_case, make_rope_decode_case
+from .rope_cases import CASES, make_rope_case
 
 pytestmark = pytest.mark.interpret
 
@@ -31,23 +31,3 @@ def test_kernel_matches_reference(case, dtype):
     untouched = torch.ones(kc.shape[0] * kc.shape[1], dtype=torch.bool)
     untouched[slots] = False
     assert not kc.view(-1, hkv, kc.shape[-1])[untouched].any() and not vc.view(-1, hkv, vc.shape[-1])[untouched].any()
-
-
-
-@pytest.mark.parametrize("splits", [1, 4, 16])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("case", DECODE_CASES)
-def test_rope_decode_attention_matches_rope_then_attention(case, dtype, splits):
-    """The folded kernel against ``rope_qkv_reference`` then ``paged_decode_reference``: the same output and the
-    same cache (the newest keys and values written, a padding row's slot untouched)."""
-    from epmoe.engine.rope_attention import rope_decode_attention
-
-    c = make_rope_decode_case(*case, dtype)
-    want, ref_k, ref_v = c.reference()
-    out = torch.full_like(want, float("nan"))
-    got = rope_decode_attention(*c.args(), out=out, workspace=c.workspace(splits), splits=splits, **c.options())
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
-    assert got is out
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    torch.testing.assert_close(c.k_cache, ref_k, rtol=tol, atol=tol)
-    assert torch.equal(c.v_cache, ref_v)

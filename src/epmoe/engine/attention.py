@@ -69,11 +69,6 @@ class AttnBatch:
         max_context: the longest of ``context_lens`` (or, in a captured graph, the least longest context the graph
             serves), known on the host; it picks the MLA decode kernel's tile (``mla_decode.mla_decode_tiles``).
             ``None``: the tile by shapes alone.
-        first_positions: ``[num_decode]`` int32, per single-token row the position of the first token its sequence
-            feeds in this step (a sequence's rows are consecutive and in order: a prompt fed row-wise, a speculative
-            step's verify rows); what lets the rope families fold their rotary into the decode kernel
-            (``rope_attention.rope_folds``, with ``EPMOE_FOLD_ROPE=1``). ``None``: not known (the rotary runs before
-            the attention).
     """
 
     kv: KVCache
@@ -85,7 +80,6 @@ class AttnBatch:
     workspace: torch.Tensor | None = None
     pieces: Pieces | None = None
     max_context: int | None = None
-    first_positions: torch.Tensor | None = None
 
 
 def engine_batch(module: str, rows: torch.Tensor, epmoe_batch: AttnBatch | None) -> AttnBatch:

@@ -17,11 +17,9 @@ def paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, sink_ptr, out_ptr, ws_ptr,
     B, H, DK, DV, ml_off, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_btb, stride_ob, stride_oh, qk_scale, window, chunk,
-    cos_ptr, sin_ptr, stride_c, qw_ptr, kw_ptr, slot_ptr, first_ptr, eps,
     G: tl.constexpr, G_PAD: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    ROPE: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
 ):
     if PDL:  # the cache and the queries come from the kernel before: wait at once
         tl.extra.cuda.gdc_launch_dependents()
@@ -44,24 +42,15 @@ def paged_decode_kernel(
         lo = tl.maximum(lo, ((tl.maximum(ctx, 1) - 1) // chunk) * chunk)
     lo, hi = split_span(lo, ctx, split, SPLITS, BLOCK_N)
     live = hi > lo  # an empty split (a context shorter than the splits cover) stores its max and sum only
-    q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
-    cached = hi
-    if ROPE:  # q_ptr is the q/k/v projection's rows: the query heads, then the key and value heads
-        q = rope_rows(q_rows, offs_dk, row_ok[:, None] & dk_ok[None, :] & live,
-                      cos_ptr + b.to(tl.int64) * stride_c + rows[:, None] * 0,
-                      sin_ptr + b.to(tl.int64) * stride_c + rows[:, None] * 0, qw_ptr, eps, DK, HALF, NORM)
-        # positions from the row's sequence's first token of this step on are not in the cache yet (other programs
-        # write them): the loop below reads only those before, the one after it takes them from the projection
-        cached = tl.minimum(hi, tl.load(first_ptr + b))
-    else:
-        q = tl.load(q_rows + offs_dk[None, :], mask=row_ok[:, None] & dk_ok[None, :] & live, other=0.0)
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_dk[None, :],
+                mask=row_ok[:, None] & dk_ok[None, :] & live, other=0.0)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    for start in range(lo, cached, BLOCK_N):
-        ok, blk, slot = page_slots(bt_row, start + offs_n, cached, BLOCK_SIZE)
+    for start in range(lo, hi, BLOCK_N):
+        ok, blk, slot = page_slots(bt_row, start + offs_n, hi, BLOCK_SIZE)
         k_rows = k_ptr + blk * stride_kb + slot * stride_ks + kvh * stride_kh
         v_rows = v_ptr + blk * stride_vb + slot * stride_vs + kvh * stride_vh
         k = tl.load(k_rows[:, None] + offs_dk[None, :], mask=ok[:, None] & dk_ok[None, :], other=0.0)
@@ -71,30 +60,6 @@ def paged_decode_kernel(
             s = tl.dot(q, tl.trans(k))
         v = tl.load(v_rows[:, None] + offs_dv[None, :], mask=ok[:, None] & dv_ok[None, :], other=0.0)
         m_i, l_i, acc = softmax_accumulate(s, ok, qk_scale, v, m_i, l_i, acc, IEEE)
-    if ROPE:
-        # this step's positions of the sequence: position p is row b - (ctx - 1 - p) of the projection (a sequence's
-        # rows are consecutive, in order), its key normalised and rotated here; the newest (this row's own) key and
-        # value also go into the cache slot, for the steps after
-        slot_new = tl.load(slot_ptr + b).to(tl.int64)
-        for start in range(tl.maximum(lo, cached), hi, BLOCK_N):
-            pos = start + offs_n
-            ok = pos < hi
-            src = (b - (ctx - 1 - pos)).to(tl.int64)[:, None]
-            k_src = q_ptr + src * stride_qb + (H + kvh) * stride_qh
-            k = rope_rows(k_src, offs_dk, ok[:, None] & dk_ok[None, :], cos_ptr + src * stride_c,
-                          sin_ptr + src * stride_c, kw_ptr, eps, DK, HALF, NORM)
-            v = tl.load(k_src + (H // G) * stride_qh + offs_dv[None, :], mask=ok[:, None] & dv_ok[None, :],
-                        other=0.0)
-            newest = (pos == ctx - 1)[:, None]
-            tl.store(k_ptr + slot_new * stride_ks + kvh * stride_kh + offs_dk[None, :] + src * 0, k,
-                     mask=newest & dk_ok[None, :])
-            tl.store(v_ptr + slot_new * stride_vs + kvh * stride_vh + offs_dv[None, :] + src * 0, v,
-                     mask=newest & dv_ok[None, :])
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            m_i, l_i, acc = softmax_accumulate(s, ok, qk_scale, v, m_i, l_i, acc, IEEE)
     if SPLITS == 1 and HAS_SINKS:
         sink = tl.load(sink_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
         m_fin = tl.maximum(m_i, sink)
@@ -103,33 +68,6 @@ def paged_decode_kernel(
         acc = acc * alpha[:, None]
     store_split(acc, m_i, l_i, ctx, live, b, heads, row_ok, offs_dv, dv_ok, out_ptr, ws_ptr, stride_ob, stride_oh, B,
                 H, DV, ml_off, split, SPLITS)
-
-
-@triton.jit
-def rope_rows(rows, cols, mask, cos_rows, sin_rows, w_ptr, eps, D, HALF: tl.constexpr, NORM: tl.constexpr):
-    """Heads of q/k/v projection rows normalised (``NORM``) and rotated, as ``rope_attention``'s kernel does them:
-    ``rows [R, 1]`` the heads' first elements, ``cols [DK_PAD]`` the column offsets, ``mask [R, DK_PAD]``;
-    ``cos_rows``, ``sin_rows`` ``[R, 1]`` where each head's token's ``HALF`` rotary values start; ``w_ptr`` the
-    per-head norm weight. The first ``2 * HALF`` columns are rotated by halves (each column reads its partner
-    column's value too, so the tile stays whole), the rest passed through. Returns ``[R, DK_PAD]`` in the
-    projection's dtype."""
-    rot = cols < 2 * HALF
-    partner = tl.where(cols < HALF, cols + HALF, tl.where(rot, cols - HALF, cols))
-    raw = tl.load(rows + cols[None, :], mask=mask, other=0.0)
-    dt = raw.dtype
-    x = raw.to(tl.float32)
-    xp = tl.load(rows + partner[None, :], mask=mask & rot[None, :], other=0.0).to(tl.float32)
-    if NORM:
-        r = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
-        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
-        wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)[None, :]
-        x = ((x * r).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
-        xp = ((xp * r).to(dt).to(tl.float32) * wp).to(dt).to(tl.float32)
-    idx = tl.where(cols < HALF, cols, cols - HALF)[None, :]
-    c = tl.load(cos_rows + idx, mask=mask & rot[None, :], other=0.0).to(tl.float32)
-    s = tl.load(sin_rows + idx, mask=mask & rot[None, :], other=0.0).to(tl.float32)
-    sign = tl.where(cols < HALF, -1.0, 1.0)[None, :]
-    return tl.where(rot[None, :], x * c + (xp * sign) * s, x).to(dt)
 
 
 @triton.jit

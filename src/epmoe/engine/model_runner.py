@@ -93,8 +93,7 @@ class StepOutput:
 @dataclass(frozen=True)
 class Packed:
     """A step's host tensors: ``input_ids``, ``positions``, ``slot_mapping`` ``[T]`` int64, the decode rows'
-    ``block_tables [num_decode, max_blocks]``, ``context_lens [num_decode]`` and ``first_positions [num_decode]``
-    int32 (the position of the first token of the row's feed: ``AttnBatch.first_positions``), the prefill chunks as
+    ``block_tables [num_decode, max_blocks]`` and ``context_lens [num_decode]`` int32, the prefill chunks as
     ``(row, num_tokens, start, kv_slots)``, the sampling rows, and ``sources [T]`` int64 (the token-buffer row
     each input id is read from on the device, -1 = the id given; ``None`` when no id is read there)."""
 
@@ -103,7 +102,6 @@ class Packed:
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     context_lens: torch.Tensor
-    first_positions: torch.Tensor
     num_decode: int
     chunks: tuple[tuple[int, int, int, np.ndarray], ...]
     sample_rows: list[int]
@@ -116,7 +114,7 @@ class Packed:
                          for row, n, start, slots in self.chunks)
         return AttnBatch(kv, to_device(self.slot_mapping, device), self.num_decode,
                          to_device(self.block_tables, device), to_device(self.context_lens, device), prefills,
-                         max_context=self.max_context, first_positions=to_device(self.first_positions, device))
+                         max_context=self.max_context)
 
     @property
     def max_context(self) -> int | None:
@@ -147,7 +145,6 @@ def pack(feeds: Sequence[Feed], block_size: int, max_blocks: int) -> Packed:
     ids: list[int] = []
     pos_parts: list[np.ndarray] = []
     slot_parts: list[np.ndarray] = []
-    first_parts: list[np.ndarray] = []
     tables = np.zeros((nd, max_blocks), dtype=np.int32)
     sample_rows: list[int] = []
     sources: list[tuple[int, int]] = []  # (packed row, token-buffer row)
@@ -160,14 +157,12 @@ def pack(feeds: Sequence[Feed], block_size: int, max_blocks: int) -> Packed:
             raise ValueError(f"feed at positions {f.start}..{f.start + n - 1} runs past its {len(table)} KV blocks")
         ids.extend(f.token_ids)
         pos_parts.append(p)
-        first_parts.append(np.full(n, f.start, dtype=np.int32))
         slot_parts.append(table[p // bs] * bs + p % bs)
         tables[row:row + n, : len(table)] = table
         sample_rows.extend(range(row + n - f.sample, row + n))
         sources.extend((row + i, r) for i, r in f.sources)
         row += n
     ctx = np.concatenate(pos_parts).astype(np.int32) + 1 if pos_parts else np.zeros(0, dtype=np.int32)
-    first = np.concatenate(first_parts) if first_parts else np.zeros(0, dtype=np.int32)
     chunks = []
     for f in chunked:
         n = len(f.token_ids)
@@ -191,7 +186,7 @@ def pack(feeds: Sequence[Feed], block_size: int, max_blocks: int) -> Packed:
         at, buf = zip(*sources)
         src[list(at)] = torch.tensor(buf, dtype=torch.int64)
     return Packed(torch.tensor(ids, dtype=torch.int64), _cat(pos_parts), _cat(slot_parts), torch.from_numpy(tables),
-                  torch.from_numpy(ctx), torch.from_numpy(first), nd, tuple(chunks), sample_rows, src)
+                  torch.from_numpy(ctx), nd, tuple(chunks), sample_rows, src)
 
 
 def _sources(c: ScheduledChunk) -> tuple[tuple[int, int], ...]:
@@ -265,11 +260,10 @@ class _Graph:
     The inputs live in two device buffers, filled from two host buffers of the same layout (pinned on CUDA) by
     one copy each: ``ints [5, bs]`` int64, rows ``input_ids``, ``positions``, ``slot_mapping``, ``valid_rows``,
     ``sources`` (the token-buffer row of an id still on the device, -1 = the id given);
-    ``tables [bs * max_blocks + 2 bs]`` int32, the block tables row after row, then ``context_lens``, then
-    ``first_positions`` (empty in a piecewise bucket, whose attention runs eagerly). ``copied`` (CUDA) marks when
-    the last copies out of the host buffers were done, before they are written again. ``min_context``: a
-    long-context graph's least longest context (its attention was captured with the tile ``AttnBatch.max_context``
-    picks there); ``None``: the tile by shapes.
+    ``tables [bs * max_blocks + bs]`` int32, the block tables row after row, then ``context_lens`` (empty in a
+    piecewise bucket, whose attention runs eagerly). ``copied`` (CUDA) marks when the last copies out of the host
+    buffers were done, before they are written again. ``min_context``: a long-context graph's least longest context
+    (its attention was captured with the tile ``AttnBatch.max_context`` picks there); ``None``: the tile by shapes.
     """
 
     graph: tuple[torch.cuda.CUDAGraph, ...] | None
@@ -289,7 +283,7 @@ class _Graph:
     def empty(cls, bs: int, max_blocks: int, device: torch.device) -> _Graph:
         """Zeroed static inputs for ``bs`` rows (no tables when ``max_blocks`` is 0), host buffers pinned on CUDA."""
         pin = device.type == "cuda"
-        n_tables = bs * max_blocks + 2 * bs if max_blocks else 0
+        n_tables = bs * max_blocks + bs if max_blocks else 0
         return cls(None, torch.zeros(5, bs, dtype=torch.int64, device=device),
                    torch.zeros(n_tables, dtype=torch.int32, device=device),
                    torch.zeros(5, bs, dtype=torch.int64, pin_memory=pin),
@@ -325,11 +319,7 @@ class _Graph:
 
     @property
     def context_lens(self) -> torch.Tensor:
-        return self.tables[self.bs * self.max_blocks: self.bs * self.max_blocks + self.bs]
-
-    @property
-    def first_positions(self) -> torch.Tensor:
-        return self.tables[self.bs * self.max_blocks + self.bs:]
+        return self.tables[self.bs * self.max_blocks:]
 
     def load(self, packed: Packed) -> None:
         """Write ``packed``'s ``n`` rows (and zero padding rows after them) into the static inputs: the host
@@ -355,10 +345,8 @@ class _Graph:
         if mb:  # a decode bucket: every row is a single-token row
             ht[n * mb: tail * mb].zero_()
             ht[bs * mb + n: bs * mb + tail].zero_()
-            ht[bs * mb + bs + n: bs * mb + bs + tail].zero_()
             ht[: n * mb].view(n, mb).copy_(packed.block_tables)
             ht[bs * mb: bs * mb + n] = packed.context_lens
-            ht[bs * mb + bs: bs * mb + bs + n] = packed.first_positions
             self.tables.copy_(ht, non_blocking=cuda)
         if cuda:
             if self.copied is None:
@@ -528,7 +516,7 @@ class ModelRunner:
             self._activate(bucket, g.valid_rows)
             try:
                 batch = AttnBatch(self.kv, g.slot_mapping, bucket, g.block_tables, g.context_lens,
-                                  max_context=g.min_context, first_positions=g.first_positions)
+                                  max_context=g.min_context)
                 logits, aux = self._forward(g.input_ids, g.positions, batch, None, g.sources)
             finally:
                 self._deactivate()
@@ -722,7 +710,7 @@ class ModelRunner:
         whole step's kernels."""
         dev = self.device
         batch = AttnBatch(self.kv, g.slot_mapping, g.bs, g.block_tables, g.context_lens, workspace=workspace,
-                          max_context=g.min_context, first_positions=g.first_positions)
+                          max_context=g.min_context)
         g.sources.fill_(-1)
         stream = self._side_stream()
         stream.wait_stream(torch.cuda.current_stream(dev))

@@ -33,9 +33,6 @@ Two implementations with the same semantics:
   its running max, sum and unnormalised accumulator to a float32 workspace;
   ``decode_kernels.paged_decode_reduce_kernel`` (grid ``(B, H)``) merges the splits and the sink.
 
-With a ``RopeFold`` the kernel also does ``rope_attention``'s rotary: its queries come un-rotated from the q/k/v
-projection and the newest keys and values are written into the cache by the kernel itself (see ``RopeFold``).
-
 Grids and the number of splits depend on shapes only (``B``, ``Hkv``, ``MB * BS``, the window and chunk
 sizes, the SM count), never on device values: no host synchronisation, CUDA-graph safe. With ``out``
 given nothing is allocated, so split-K then needs a ``workspace`` (``paged_decode_workspace``); without
@@ -51,7 +48,6 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from dataclasses import dataclass
 
 import torch
 
@@ -329,38 +325,6 @@ def paged_decode_workspace_numel(batch: int, heads: int, v_head_dim: int, splits
     return batch * heads * splits * (v_head_dim + 2)
 
 
-@dataclass(frozen=True)
-class RopeFold:
-    """The rotary embedding (and per-head RMSNorm) of a step's queries and new keys, folded into the decode kernel
-    (``rope_attention.rope_decode_attention``, which checks these operands): the kernel's ``q [B, H, D]`` is then
-    the q/k/v projection's output seen as heads, un-rotated, with the row's ``Hkv`` key heads and ``Hkv`` value heads
-    following its ``H`` query heads at the same head stride. Each program rotates its queries, reads the keys of
-    positions before ``first_positions[b]`` from the cache, and takes those from it on (this step's tokens of the
-    row's sequence: position ``p`` is row ``b - (ctx_b - 1 - p)``, a sequence's rows being consecutive and in
-    order) from the projection, normalised and rotated; the program whose span holds a row's newest position
-    (``ctx_b - 1``) writes that key and value into the cache slot ``slot_mapping[b]``. No program reads what another
-    writes, and ``rope_attention.rope_qkv`` need not run.
-
-    Attributes:
-        cos: ``[B, R/2]`` cosine of each row's position, ``R/2`` a power of two, contiguous along the last dim.
-        sin: ``[B, R/2]`` sine, ``cos``'s strides.
-        q_norm: ``[D]`` the per-head RMSNorm weight of the queries, or None (no norm).
-        k_norm: ``[D]`` the keys', or None (with ``q_norm``).
-        eps: the norm's epsilon.
-        slot_mapping: ``[B]`` int64 flat cache slot of each row's token.
-        first_positions: ``[B]`` int32 position of the first token the row's sequence feeds in this step (the row's
-            own, ``ctx_b - 1``, for a sequence fed one token).
-    """
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    eps: float
-    slot_mapping: torch.Tensor
-    first_positions: torch.Tensor
-
-
 def paged_decode_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -375,7 +339,6 @@ def paged_decode_triton(
     out: torch.Tensor | None = None,
     splits: int | None = None,
     workspace: torch.Tensor | None = None,
-    rope: RopeFold | None = None,
 ) -> torch.Tensor:
     """Paged decode attention with the Triton kernels (see the module docstring), whatever the device.
 
@@ -397,9 +360,6 @@ def paged_decode_triton(
         workspace: float32 1-D tensor of at least ``paged_decode_workspace``'s size for split-K. When
             ``splits > 1`` and it is None, one is allocated if ``out`` is None; with ``out`` given the
             single-pass kernel runs instead (nothing is allocated).
-        rope: the queries' and newest keys' rotary embedding folded into the kernel (``RopeFold``: ``q`` is then
-            the q/k/v projection's un-rotated query heads, ``Dk == Dv``), or None (``q`` rotated, the cache
-            written).
 
     Returns:
         ``[B, H, Dv]`` in ``q.dtype`` (``out`` when given).
@@ -438,20 +398,12 @@ def paged_decode_triton(
     ws_arg = workspace if splits > 1 else out
     ml_off = b * h * splits * dv
     pdl = pdl_launch(q)
-    if rope is not None:
-        norm = rope.q_norm is not None
-        rope_args = (rope.cos, rope.sin, rope.cos.stride(0), rope.q_norm if norm else q, rope.k_norm if norm else q,
-                     rope.slot_mapping, rope.first_positions, float(rope.eps))
-        half = rope.cos.shape[1]
-    else:
-        norm, rope_args, half = False, (q, q, 0, q, q, context_lens, context_lens, 0.0), 1
     kernel[(b, hkv, splits)](
         q, k_cache, v_cache, block_tables, context_lens, sink_arg, out, ws_arg,
         b, h, dk, dv, ml_off, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0),
-        out.stride(1), float(scale) * _LOG2E, sliding_window or 0, chunk_size or 1, *rope_args,
-        ROPE=rope is not None, HALF=half, NORM=norm, G=g, G_PAD=max(_MIN_ROWS, _next_pow2(g)), DK_PAD=dk_pad,
-        DV_PAD=dv_pad, BLOCK_SIZE=bs,
+        out.stride(1), float(scale) * _LOG2E, sliding_window or 0, chunk_size or 1,
+        G=g, G_PAD=max(_MIN_ROWS, _next_pow2(g)), DK_PAD=dk_pad, DV_PAD=dv_pad, BLOCK_SIZE=bs,
         BLOCK_N=_block_n(dk, dv, q.dtype), SPLITS=splits, HAS_WINDOW=sliding_window is not None,
         HAS_CHUNK=chunk_size is not None, HAS_SINKS=sinks is not None, IEEE=q.dtype == torch.float32,
         PDL=pdl, num_warps=4, num_stages=2, launch_pdl=pdl,

@@ -15,12 +15,6 @@ attention reads anything, which at one decode token cost several times the layer
    token's cache slot;
 3. the engine's attention over the cache (``attention.attend``), then ``o_proj`` (through ``gemv.linear``).
 
-A step of single-token rows on CUDA folds 2. into 3. (``rope_decode_attention``): the decode kernel normalises and
-rotates its own queries from the projection's output, reads the keys of earlier steps from the cache and
-normalises and rotates this step's keys from the projection itself, and the program whose keys include a row's
-newest position writes that key and its value into the cache for the steps after; the step's chain of dependent
-launches is one shorter (``rope_folds``).
-
 Rotary embedding: ``x[:R]`` of a head is rotated by halves, ``(x1, x2) -> (x1 c - x2 s, x2 c + x1 s)`` with
 ``c, s`` the cosine and sine of the token's position (``R/2`` values, from the model's own rotary module, so
 every scaling variant it implements is kept) and ``x[R:]`` passed through (GLM's partial rotary). transformers
@@ -36,15 +30,12 @@ their own modules.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import nn
 
-from epmoe.checks import describe
 from epmoe.engine.attention import AttnBatch, attend, engine_batch
 from epmoe.engine.gemv import linear, linear_after_norm, norm_folds
-from epmoe.engine.paged_decode import RopeFold, paged_decode_triton
 from epmoe.experts.triton.pdl import pdl_launch
 from epmoe.layer import FoldedNorm
 
@@ -173,14 +164,6 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads:
     Raises:
         ValueError: shapes that do not agree (named), or only one of the two norm weights.
     """
-    _check_rope(qkv, cos, sin, num_heads, num_kv_heads, q_norm, k_norm, k_cache)
-    run = rope_qkv_triton if qkv.device.type == "cuda" else rope_qkv_reference
-    return run(qkv, cos, sin, num_heads, num_kv_heads, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping)
-
-
-def _check_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-                q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, k_cache: torch.Tensor) -> None:
-    """``rope_qkv``'s operand checks (its ValueErrors), shared with ``rope_decode_attention``."""
     t = qkv.shape[0]
     d = k_cache.shape[-1]
     half = cos.shape[-1]
@@ -194,59 +177,8 @@ def _check_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_hea
                          f"{cos.stride()} and {sin.stride()}")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm go together: give both weights or neither")
-
-
-def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-                          num_kv_heads: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                          first_positions: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                          scale: float, *,
-                          sliding_window: int | None = None, sinks: torch.Tensor | None = None,
-                          out: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
-                          splits: int | None = None) -> torch.Tensor:
-    """``rope_qkv`` and then ``paged_decode.paged_decode_attention`` over single-token rows, in the decode kernel's
-    launch (``paged_decode.RopeFold``): a decode step's chain one dependent launch shorter. The keys and values are
-    written into the cache as ``rope_qkv`` writes them; the queries are never stored. A sequence may feed several
-    rows (a prompt fed row-wise, a speculative step's verify rows): consecutive rows, in position order.
-
-    Triton only (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``).
-
-    Args:
-        qkv: ``[B, (H + 2 Hkv) D]`` the q/k/v projection of one token per row, contiguous along the last dim.
-        cos, sin, num_heads, num_kv_heads, q_norm, k_norm, eps, k_cache, v_cache: as ``rope_qkv``'s (``R/2`` a
-            power of two).
-        slot_mapping: ``[B]`` int64 flat cache slot of each row's token (position ``context_lens[b] - 1``).
-        first_positions: ``[B]`` int32 position of the first token the row's sequence feeds in this step (its rows
-            are then the ones before it, one a position; ``context_lens[b] - 1`` where it feeds one).
-        block_tables, context_lens, scale, sliding_window, sinks, out, workspace, splits: as
-            ``paged_decode.paged_decode_triton``'s (``context_lens`` 0: a padding row, nothing written).
-
-    Returns:
-        ``[B, H, D]`` in ``qkv.dtype`` (``out`` when given).
-
-    Raises:
-        ValueError: as ``rope_qkv`` and ``paged_decode.paged_decode_triton``; ``qkv`` not contiguous along its last
-            dim, ``slot_mapping`` not ``[B]`` int64 or ``first_positions`` not ``[B]`` int32 on ``qkv``'s device,
-            ``R/2`` not a power of two (named).
-    """
-    _check_rope(qkv, cos, sin, num_heads, num_kv_heads, q_norm, k_norm, k_cache)
-    b, d, half = qkv.shape[0], k_cache.shape[-1], cos.shape[-1]
-    if qkv.stride(-1) != 1:
-        raise ValueError(f"qkv must be contiguous along its last dim, got strides {qkv.stride()}")
-    if (not isinstance(slot_mapping, torch.Tensor) or tuple(slot_mapping.shape) != (b,)
-            or slot_mapping.dtype != torch.int64 or slot_mapping.device != qkv.device):
-        raise ValueError(f"slot_mapping must be a [B] = [{b}] int64 tensor on {qkv.device}, got "
-                         f"{describe(slot_mapping)}")
-    if (not isinstance(first_positions, torch.Tensor) or tuple(first_positions.shape) != (b,)
-            or first_positions.dtype != torch.int32 or first_positions.device != qkv.device):
-        raise ValueError(f"first_positions must be a [B] = [{b}] int32 tensor on {qkv.device}, got "
-                         f"{describe(first_positions)}")
-    if half & (half - 1):
-        raise ValueError(f"the rotated half R/2 must be a power of two, got {half}")
-    q = qkv.view(b, num_heads + 2 * num_kv_heads, d)[:, :num_heads]
-    return paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=sliding_window,
-                               sinks=sinks, out=out, workspace=workspace, splits=splits,
-                               rope=RopeFold(cos, sin, q_norm, k_norm, float(eps), slot_mapping, first_positions))
+    run = rope_qkv_triton if qkv.device.type == "cuda" else rope_qkv_reference
+    return run(qkv, cos, sin, num_heads, num_kv_heads, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping)
 
 
 def rope_qkv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
@@ -368,27 +300,11 @@ class RopeAttention(nn.Module):
         else:
             qkv = linear(self.qkv_proj, rows[0])
         norm = self.q_norm is not None
-        rope = (cos, sin, self.num_heads, self.num_kv_heads, self.q_norm.weight if norm else None,
-                self.k_norm.weight if norm else None, self.eps, batch.kv.k[self.layer_idx],
-                batch.kv.v[self.layer_idx], batch.slot_mapping)
-        if rope_folds(qkv, batch):
-            out = rope_decode_attention(qkv, *rope, batch.first_positions, batch.block_tables, batch.context_lens,
-                                        self.scaling,
-                                        sliding_window=self.sliding_window, sinks=self.sinks,
-                                        out=qkv.new_empty(t, self.num_heads, self.head_dim)
-                                        if batch.workspace is not None else None, workspace=batch.workspace)
-        else:
-            out = attend(self, rope_qkv(qkv, *rope), batch, self.scaling, self.sliding_window, self.sinks)
+        q = rope_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.q_norm.weight if norm else None,
+                     self.k_norm.weight if norm else None, self.eps, batch.kv.k[self.layer_idx],
+                     batch.kv.v[self.layer_idx], batch.slot_mapping)
+        out = attend(self, q, batch, self.scaling, self.sliding_window, self.sinks)
         return linear(self.o_proj, out.reshape(1, t, -1)), None
-
-
-def rope_folds(qkv: torch.Tensor, batch: AttnBatch) -> bool:
-    """Whether ``RopeAttention`` runs a step's rotary in its decode kernel (``rope_decode_attention``): CUDA rows,
-    every one a single-token row (no prefill chunk, no piecewise cut) with the batch's ``first_positions``, and
-    ``EPMOE_FOLD_ROPE=1`` in the environment: opt-in until its kernel has been run and measured on a GPU (its
-    correctness is tested under the Triton interpreter; issue #13's note)."""
-    return (qkv.is_cuda and batch.pieces is None and not batch.prefills and batch.num_decode == qkv.shape[0] > 0
-            and batch.first_positions is not None and os.environ.get("EPMOE_FOLD_ROPE", "0") == "1")
 
 
 def _rotary_half_ok(attn: nn.Module) -> bool:
