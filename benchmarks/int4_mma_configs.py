@@ -67,14 +67,14 @@ def main() -> None:
             if active == 0:  # no local pair
                 continue
             floor_us = active * expert_bytes / ceil["copy_bytes_per_s"] * 1e6
-            ref = mma.int4_mma_experts(x, slots, tw, q, act, config=C())
+            ref = mma.packed_mma_experts(x, slots, tw, q, act, config=C())
             line = f"{case_name:15} T={t:4d} act={active:3d} floor={floor_us:7.1f}"
             for name in names:
                 cfg, wps = CONFIGS[name]
                 mma._WARPS_PER_SM = wps
                 try:
-                    err = rel_err(mma.int4_mma_experts(x, slots, tw, q, act, config=cfg), ref)
-                    us = time_fn(lambda: mma.int4_mma_experts(x, slots, tw, q, act, config=cfg), True, flush) * 1e3
+                    err = rel_err(mma.packed_mma_experts(x, slots, tw, q, act, config=cfg), ref)
+                    us = time_fn(lambda: mma.packed_mma_experts(x, slots, tw, q, act, config=cfg), True, flush) * 1e3
                 finally:
                     mma._WARPS_PER_SM = CONFIGS["default"][1]
                 rows.append({"case": case_name, "tokens": t, "active_slots": active, "config": name,

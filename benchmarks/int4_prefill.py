@@ -33,8 +33,8 @@ import triton
 from epmoe.experts import ExpertWeights, get_expert_backend
 from epmoe.experts.triton.align_kernels import align_triton
 from epmoe.experts.triton.int4 import dequantize_int4_triton
-from epmoe.experts.triton.w4a16_mma import MmaConfig, int4_mma_experts
-from epmoe.experts.triton.w4a16_wgmma import default_wgmma_config, int4_wgmma_experts
+from epmoe.experts.triton.w4a16_mma import MmaConfig, packed_mma_experts
+from epmoe.experts.triton.w4a16_wgmma import default_wgmma_config, packed_wgmma_experts
 from epmoe.experts.weights import Activation
 from moe_layer import (
     INT4_CASES,
@@ -67,7 +67,7 @@ def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, flush: torch
         pairs = int((slots >= 0).sum())
         active = int(torch.unique(slots[slots >= 0]).numel())
         expected = ep_pairs(case, t)
-        ref = int4_mma_experts(x, slots, tw, q, act, config=mma16)
+        ref = packed_mma_experts(x, slots, tw, q, act, config=mma16)
         row = {"case": name, "tokens": t, "pairs": pairs, "slots": s, "active_slots": active,
                "floor_flop_us": flop_floor_us(case, pairs, ceil),
                "floor_int4_read_us": int4_read_floor_us(case, active, ceil)}
@@ -78,12 +78,12 @@ def bench_case(name: str, case: dict, sizes: list[int], ceil: dict, flush: torch
             c = cfg if cfg is not None else default_wgmma_config(g, expected, s)
             aln = align_triton(slots, s, c.block_m, tail_rows=c.tail_rows)
             row[f"{key}_rows_per_pair"] = int(aln.block_rows.sum()) / max(pairs, 1)
-            row[f"{key}_err"] = rel_err(int4_wgmma_experts(x, slots, tw, q, act, config=c), ref)
-            row[f"{key}_us"] = time_fn(lambda c=c: int4_wgmma_experts(x, slots, tw, q, act, config=c), True,
+            row[f"{key}_err"] = rel_err(packed_wgmma_experts(x, slots, tw, q, act, config=c), ref)
+            row[f"{key}_us"] = time_fn(lambda c=c: packed_wgmma_experts(x, slots, tw, q, act, config=c), True,
                                        flush) * 1e3
             print(f"{name:15} T={t:5d} {key:9} {row[f'{key}_us']:9.1f} us  rows/pair "
                   f"{row[f'{key}_rows_per_pair']:5.2f}  rel_err(vs mma16) {row[f'{key}_err']:.2e}", flush=True)
-        row["mma16_us"] = time_fn(lambda: int4_mma_experts(x, slots, tw, q, act, config=mma16), True, flush) * 1e3
+        row["mma16_us"] = time_fn(lambda: packed_mma_experts(x, slots, tw, q, act, config=mma16), True, flush) * 1e3
         row["bf16_err"] = rel_err(backend(x, slots, tw, w, act, expected_pairs=expected), ref)
         row["bf16_us"] = time_fn(lambda: backend(x, slots, tw, w, act, expected_pairs=expected), True, flush) * 1e3
         print(f"{name:15} T={t:5d} {'mma16':9} {row['mma16_us']:9.1f} us", flush=True)

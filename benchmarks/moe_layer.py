@@ -19,11 +19,12 @@ Cases:
     kimi_full_int4 (``--cases kimi_full_int4``): all 384 experts of that layer on one GPU.
     gptoss_mxfp4, gptoss20b_mxfp4 (``--cases gptoss_mxfp4``): a gpt-oss-120b (128 experts) or gpt-oss-20b (32) MoE
         layer on one GPU, D = F = 2880, top-4, gpt-oss's clamped SwiGLU with biases, in MXFP4: the backend
-        (``mxfp4``: the decode kernels for one token, 4 pairs, the grouped kernels above) against its floor (the
-        MXFP4 bytes of the active experts, 17 per 32 weights, over the copy bandwidth, or the FLOPs over the bf16
-        rate), the decode kernels up to 16 tokens (``mxfp4_decode``), the grouped kernels widening the packed tiles
-        in registers at every size (``mxfp4_grouped``), the slots widened in memory then the bf16 kernels
-        (``mxfp4_widen``) and the bf16 backend on the dequantized weights (``bf16``).
+        (``mxfp4``: the path ``mxfp4_path`` picks) against its floor (the MXFP4 bytes of the active experts, 17 per
+        32 weights, over the copy bandwidth, or the FLOPs over the bf16 rate), the decode kernels up to 16 tokens
+        (``mxfp4_decode``), the grouped kernels widening the packed tiles in registers at every size
+        (``mxfp4_grouped``), on Hopper the tensor-core kernels at every size (``mxfp4_mma``, ``mxfp4_wgmma``), the
+        slots widened in memory then the bf16 kernels (``mxfp4_widen``) and the bf16 backend on the dequantized
+        weights (``bf16``).
 
 The INT4 cases time, in the same run and on the same (dequantized) weight values: the ``triton`` backend on the packed
 weights (``int4``, the path ``int4_path`` picks; floor = INT4 bytes + scales of the active slots over the copy
@@ -88,8 +89,8 @@ from epmoe.experts.triton.int4 import (
     int4_path,
 )
 from epmoe.experts.triton.mxfp4 import mxfp4_decode_experts, mxfp4_grouped_experts, mxfp4_widened_experts
-from epmoe.experts.triton.w4a16_mma import MmaConfig, default_mma_config, int4_mma_experts
-from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, default_wgmma_config, int4_wgmma_experts
+from epmoe.experts.triton.w4a16_mma import MmaConfig, default_mma_config, packed_mma_experts
+from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, default_wgmma_config, packed_wgmma_experts
 from timing import measure_ceilings, rel_err, time_fn, time_in_model
 
 CASES = {
@@ -393,18 +394,18 @@ def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: 
                  "deq_gmm": lambda: grouped_mm_experts(x, slots, tw, dequantize_all(), act),
                  # each path at every size, whichever the backend takes
                  "int4_grouped": lambda: int4_grouped_experts(x, slots, tw, q, act),
-                 "int4_mma": lambda: int4_mma_experts(x, slots, tw, q, act,
+                 "int4_mma": lambda: packed_mma_experts(x, slots, tw, q, act,
                                                       config=default_mma_config(g, expected, s)),
                  # fewer or more token rows a block: each widened register feeds up to 1 or 4 MMAs
-                 "int4_mma8": lambda: int4_mma_experts(x, slots, tw, q, act, config=MMA_BLOCK8),
-                 "int4_mma32": lambda: int4_mma_experts(x, slots, tw, q, act, config=MMA_BLOCK32),
+                 "int4_mma8": lambda: packed_mma_experts(x, slots, tw, q, act, config=MMA_BLOCK8),
+                 "int4_mma32": lambda: packed_mma_experts(x, slots, tw, q, act, config=MMA_BLOCK32),
                  # 64-128 token rows a block on the warpgroup MMA (prefill sizes)
-                 "int4_wgmma": lambda: int4_wgmma_experts(x, slots, tw, q, act,
+                 "int4_wgmma": lambda: packed_wgmma_experts(x, slots, tw, q, act,
                                                           config=default_wgmma_config(g, expected, s)),
-                 "int4_wgmma4": lambda: int4_wgmma_experts(x, slots, tw, q, act, config=WGMMA_ONE_WARPGROUP),
+                 "int4_wgmma4": lambda: packed_wgmma_experts(x, slots, tw, q, act, config=WGMMA_ONE_WARPGROUP),
                  # tail row blocks: fewer padding rows computed
-                 "int4_wgmma_t32": lambda: int4_wgmma_experts(x, slots, tw, q, act, config=WGMMA_TAIL32),
-                 "int4_wgmma64_t32": lambda: int4_wgmma_experts(x, slots, tw, q, act, config=WGMMA_BLOCK64_TAIL32),
+                 "int4_wgmma_t32": lambda: packed_wgmma_experts(x, slots, tw, q, act, config=WGMMA_TAIL32),
+                 "int4_wgmma64_t32": lambda: packed_wgmma_experts(x, slots, tw, q, act, config=WGMMA_BLOCK64_TAIL32),
                  "int4_dequant": lambda: int4_dequantized_experts(x, slots, tw, q, act)}
         if t <= DECODE_MAX:
             impls["int4_decode"] = lambda: int4_decode_experts(x, slots, tw, q, act)
@@ -417,7 +418,7 @@ def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: 
             _sweep(row, "int4_grouped", INT4_GROUPED_SWEEP,
                    lambda cfg: int4_grouped_experts(x, slots, tw, q, act, config=cfg), ref, flush)
             _sweep(row, "int4_wgmma", INT4_WGMMA_SWEEP,
-                   lambda cfg: int4_wgmma_experts(x, slots, tw, q, act, config=cfg), ref, flush)
+                   lambda cfg: packed_wgmma_experts(x, slots, tw, q, act, config=cfg), ref, flush)
         rows.append(row)
         print(json.dumps(row), flush=True)
         save()
@@ -457,6 +458,12 @@ def bench_mxfp4_case(name: str, case: dict, sizes: list[int], ceil: dict, rows: 
                  "bf16": lambda: ours(x, slots, tw, w, act)}
         if t <= MXFP4_DECODE_MAX_TOKENS:
             impls["mxfp4_decode"] = lambda: mxfp4_decode_experts(x, slots, tw, q, act)
+        if torch.cuda.get_device_capability() == (9, 0):
+            n = slots.numel()
+            impls["mxfp4_mma"] = lambda: packed_mma_experts(x, slots, tw, q, act,
+                                                            config=default_mma_config(32, n, s))
+            impls["mxfp4_wgmma"] = lambda: packed_wgmma_experts(x, slots, tw, q, act,
+                                                                config=default_wgmma_config(32, n, s))
         for key, fn in impls.items():
             row[f"{key}_err"], row[f"{key}_us"] = _checked_time(fn, ref, flush)
         rows.append(row)
@@ -469,14 +476,15 @@ def print_mxfp4_table(rows: list[dict]) -> None:
     the widening path and bf16 (with its own floor), and the errors of the backend and the grouped kernels."""
     nan = float("nan")
     print(f"\n{'case':16} {'T':>5} {'act':>4} {'mxfloor':>7} {'mxfp4':>8} {'x_fl':>5} {'decode':>7} {'grouped':>8} "
-          f"{'x_fl':>5} {'widen':>8} {'bf16':>8} {'bf16fl':>7} {'bf16/mx':>7} {'err_mx':>8} {'err_grp':>8}")
+          f"{'mma':>8} {'wgmma':>8} {'widen':>8} {'bf16':>8} {'bf16fl':>7} {'bf16/mx':>7} {'err_mx':>8} "
+          f"{'err_mma':>8} {'err_wg':>8}")
     for r in rows:
         fl = r["mxfp4_floor_us"]
         print(f"{r['case']:16} {r['tokens']:5d} {r['active_slots']:4d} {fl:7.1f} {r['mxfp4_us']:8.1f} "
               f"{r['mxfp4_us'] / fl:5.2f} {r.get('mxfp4_decode_us', nan):7.1f} {r['mxfp4_grouped_us']:8.1f} "
-              f"{r['mxfp4_grouped_us'] / fl:5.2f} {r['mxfp4_widen_us']:8.1f} {r['bf16_us']:8.1f} "
-              f"{r['bf16_floor_us']:7.1f} {r['bf16_us'] / r['mxfp4_us']:7.2f} {r['mxfp4_err']:8.1e} "
-              f"{r['mxfp4_grouped_err']:8.1e}")
+              f"{r.get('mxfp4_mma_us', nan):8.1f} {r.get('mxfp4_wgmma_us', nan):8.1f} {r['mxfp4_widen_us']:8.1f} "
+              f"{r['bf16_us']:8.1f} {r['bf16_floor_us']:7.1f} {r['bf16_us'] / r['mxfp4_us']:7.2f} "
+              f"{r['mxfp4_err']:8.1e} {r.get('mxfp4_mma_err', nan):8.1e} {r.get('mxfp4_wgmma_err', nan):8.1e}")
 
 
 def _sweep(row: dict, key: str, configs: list, run, ref: torch.Tensor, flush: torch.Tensor) -> None:

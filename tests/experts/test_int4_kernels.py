@@ -397,23 +397,23 @@ def test_int4_mma_block_rows_choice():
 
 @pytest.mark.interpret
 def test_int4_mma_refuses_bad_input():
-    from epmoe.experts.triton.w4a16_mma import MmaConfig, int4_mma_experts
+    from epmoe.experts.triton.w4a16_mma import MmaConfig, packed_mma_experts
 
     q = int4_expert_weights(_weights(0, 2, 256, 128, False), 64)
     x, slots, tw = torch.randn(1, 256), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)
     with pytest.raises(TypeError, match="compute in bf16, got x of dtype torch.float32"):
-        int4_mma_experts(x, slots, tw, q, Activation())
+        packed_mma_experts(x, slots, tw, q, Activation())
     x = x.bfloat16()
     with pytest.raises(ValueError, match="block_kw1 must be a power of two of at least 8 words and of half the group "
                                          "size 64"):
-        int4_mma_experts(x, slots, tw, q, Activation(), config=MmaConfig(block_kw1=16))
+        packed_mma_experts(x, slots, tw, q, Activation(), config=MmaConfig(block_kw1=16))
     with pytest.raises(ValueError, match=r"block_n2 must be a power of two and a multiple of 16 \* num_warps \(64\)"):
-        int4_mma_experts(x, slots, tw, q, Activation(), config=MmaConfig(64, 32, 32, 32, 4))
+        packed_mma_experts(x, slots, tw, q, Activation(), config=MmaConfig(64, 32, 32, 32, 4))
     with pytest.raises(ValueError, match="split_max must be a power of two, got 3"):
-        int4_mma_experts(x, slots, tw, q, Activation(), config=MmaConfig(split_max=3))
+        packed_mma_experts(x, slots, tw, q, Activation(), config=MmaConfig(split_max=3))
     for bad in (24, 64):
         with pytest.raises(ValueError, match=f"block_m must be 8, 16 or 32, got {bad}"):
-            int4_mma_experts(x, slots, tw, q, Activation(), config=MmaConfig(block_m=bad))
+            packed_mma_experts(x, slots, tw, q, Activation(), config=MmaConfig(block_m=bad))
 
 
 @pytest.mark.gpu
@@ -479,7 +479,7 @@ def test_int4_grouped_and_dequant_paths_on_gpu(t, case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 4, 16, 17, 300])  # the MXFP4 decode kernels for one token, the grouped ones above
+@pytest.mark.parametrize("t", [1, 4, 16, 17, 300])  # the MXFP4 decode kernels for one token, the MMA/wgmma ones above
 def test_mxfp4_backend_on_gpu(t):
     s, d, f, k = 8, 2880, 2880, 4  # gpt-oss's D and F: 90 blocks of 32, a ragged last step
     q = _mxfp4_case(t, s, d, f, "cuda")
@@ -499,6 +499,67 @@ def test_mxfp4_backend_on_gpu(t):
         graph.replay()
         assert torch.equal(captured, backend(x, slots, tw, q, act))
         assert _rel(captured, _ref(x, slots, tw, q, act, False)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [2, 40, 300])  # one row block a slot; partly filled 64/128-row blocks; several a slot
+@pytest.mark.parametrize("shape", ["gptoss", "ragged_skip_woi"])
+def test_mxfp4_mma_and_wgmma_paths_on_gpu(t, shape):
+    # gpt-oss's D = F = 2880 (360 words a row: not a multiple of 16, masked steps); or D 288 / F 160 (36 / 20 words,
+    # a part step in both kernels and F a part row tile) with half the pairs skipped and the weight on the input;
+    # every E2M1 code and a scale of 0 (2 ** -127) in slot 0
+    from epmoe.experts.triton.w4a16_mma import MmaConfig, packed_mma_experts
+    from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, packed_wgmma_experts
+
+    s, k = 8, 4
+    d, f = (2880, 2880) if shape == "gptoss" else (288, 160)
+    q = _mxfp4_case(t, s, d, f, "cuda")
+    q = type(q)(q.w13_blocks, q.w13_scales, q.w2_blocks, q.w2_scales, q.b13.bfloat16(), q.b2.bfloat16())
+    act, woi = Activation("silu", 7.0), "woi" in shape
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randint(0, s, (t, k), device="cuda")
+    if "skip" in shape:
+        slots = torch.where(torch.rand(t, k, device="cuda") < 0.5, -1, slots)
+    slots[0, 0] = 0
+    tw = torch.rand(t, k, device="cuda")
+    ref = _ref(x, slots, tw, q, act, woi)
+    for cfg in (None, MmaConfig(64, 16, 64, 16, 2, maxnreg=168), MmaConfig(32, 32, 32, 32, 2, block_m=32)):
+        assert _rel(packed_mma_experts(x, slots, tw, q, act, woi, cfg), ref) < 1e-2, cfg
+    for cfg in (None, WgmmaConfig(64, 16, 32, tail_rows=32), WgmmaConfig(128, 16, 32, tail_rows=32),
+                WgmmaConfig(64, 16, 16, 3, 4, 64, 64)):
+        assert _rel(packed_wgmma_experts(x, slots, tw, q, act, woi, cfg), ref) < 1e-2, cfg
+    _assert_replay_equals_eager(lambda: packed_mma_experts(x, slots, tw, q, act, woi), x)
+
+
+@pytest.mark.interpret  # the kernel modules need Triton (absent from CPU-only installs)
+def test_mxfp4_path_choice_and_refusals():
+    from epmoe.experts.triton.grouped import packed_words
+    from epmoe.experts.triton.mxfp4 import MXFP4_WGMMA_MIN_PAIRS_PER_SLOT, mxfp4_path
+    from epmoe.experts.triton.w4a16_mma import packed_mma_experts
+    from epmoe.experts.triton.w4a16_wgmma import packed_wgmma_experts
+
+    bf16, fp16 = torch.bfloat16, torch.float16
+    assert mxfp4_path(4, bf16, 32, True) == "decode"
+    assert mxfp4_path(5, bf16, 32, True) == "mma"
+    assert mxfp4_path(MXFP4_WGMMA_MIN_PAIRS_PER_SLOT * 32 - 1, bf16, 32, True) == "mma"
+    assert mxfp4_path(MXFP4_WGMMA_MIN_PAIRS_PER_SLOT * 32, bf16, 32, True) == "wgmma"
+    assert mxfp4_path(4096, bf16, 32, False) == "grouped"  # the MMA kernels' PTX is Hopper's
+    assert mxfp4_path(4096, fp16, 32, True) == "grouped"
+    q = _mxfp4_case(0, 2, 96, 64)
+    words13, words2, gw = packed_words(q, "MMA")
+    assert words13.shape == (2, 128, 12) and words2.shape == (2, 96, 8) and gw == 4 and words13.dtype == torch.int32
+    x, slots, tw = torch.randn(1, 96), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)
+    for fn in (packed_mma_experts, packed_wgmma_experts):
+        with pytest.raises(TypeError, match="compute in bf16, got x of dtype torch.float32"):
+            fn(x, slots, tw, q, Activation())
+    # rows of whole 4-word vectors only (MXFP4's 16-byte blocks always are; an INT4 row padded by 2 words is not)
+    q4 = int4_expert_weights(_weights(0, 2, 256, 128, False), 32)
+    wide = torch.zeros(2, 256, 34, dtype=torch.int32)
+    wide[:, :, :32] = q4.w13_packed
+    odd = type(q4)(wide[:, :, :32], q4.w13_scale, q4.w2_packed, q4.w2_scale, group_size=32)
+    with pytest.raises(ValueError, match=r"the MMA kernels read packed w13 rows of whole 4-word vectors, got word "
+                                         r"strides \(8704, 34, 1\)"):
+        packed_mma_experts(torch.randn(1, 256).bfloat16(), slots, tw, odd, Activation())
 
 
 def _kernel_case(case: str, t: int, seed: int, device: str = "cuda"):
@@ -535,7 +596,7 @@ def _assert_replay_equals_eager(run, x: torch.Tensor) -> None:
 @pytest.mark.parametrize("t", [1, 5, 64])  # one row block per slot; several (9 and more pairs on a slot)
 @pytest.mark.parametrize("case", ["silu_g128", "swiglu_bias_woi_g64", "ragged_skip"])
 def test_int4_mma_path_on_gpu(t, case):
-    from epmoe.experts.triton.w4a16_mma import MmaConfig, int4_mma_experts
+    from epmoe.experts.triton.w4a16_mma import MmaConfig, packed_mma_experts
 
     group, q, act, woi, x, slots, tw, ref = _kernel_case(case, t, t + 7)
     # the default tiles (16-row blocks); capped registers; four warps and two 16-row tiles a warp in the down kernel;
@@ -544,13 +605,13 @@ def test_int4_mma_path_on_gpu(t, case):
     for cfg in (None, MmaConfig(block_kw1=kw, block_kw2=kw, maxnreg=168), MmaConfig(64, kw, 128, kw, 4),
                 MmaConfig(16, kw, 16, 2 * kw, 1), MmaConfig(32, kw, 32, kw, 2, block_m=8),
                 MmaConfig(16, kw, 64, kw, 1, block_m=32)):
-        assert _rel(int4_mma_experts(x, slots, tw, q, act, woi, cfg), ref) < 1e-2, cfg
-    _assert_replay_equals_eager(lambda: int4_mma_experts(x, slots, tw, q, act, woi), x)
+        assert _rel(packed_mma_experts(x, slots, tw, q, act, woi, cfg), ref) < 1e-2, cfg
+    _assert_replay_equals_eager(lambda: packed_mma_experts(x, slots, tw, q, act, woi), x)
 
 
 @pytest.mark.interpret  # the kernel module needs Triton (absent from CPU-only installs)
 def test_int4_wgmma_refuses_bad_input():
-    from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, default_wgmma_config, int4_wgmma_experts
+    from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, default_wgmma_config, packed_wgmma_experts
 
     # 64-row blocks below 64 pairs a slot (and when the pairs are not known), 128-row blocks from there for groups
     # of 32; down steps of at least 32 words; 32-row tails always
@@ -562,26 +623,27 @@ def test_int4_wgmma_refuses_bad_input():
     q = int4_expert_weights(_weights(0, 2, 256, 128, False), 64)
     x, slots, tw = torch.randn(1, 256), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)
     with pytest.raises(TypeError, match="compute in bf16, got x of dtype torch.float32"):
-        int4_wgmma_experts(x, slots, tw, q, Activation())
+        packed_wgmma_experts(x, slots, tw, q, Activation())
     x = x.bfloat16()
     with pytest.raises(ValueError, match="block_kw2 must be 16, 32 or 64 words and at least half the group size 64"):
-        int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_kw1=32, block_kw2=16))
+        packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_kw1=32, block_kw2=16))
     with pytest.raises(ValueError, match="block_kw1 must be 16, 32 or 64 words .* got 8"):
-        int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_kw1=8))
+        packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_kw1=8))
     with pytest.raises(ValueError, match="block_m must be 64 or 128, got 32"):
-        int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_m=32, block_kw1=32, block_kw2=32))
+        packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_m=32, block_kw1=32, block_kw2=32))
     with pytest.raises(ValueError, match=r"tail_rows must be None, block_m / 2 or block_m / 4 \(block_m 128\).* 48"):
-        int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_kw1=32, block_kw2=32, tail_rows=48))
+        packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_kw1=32, block_kw2=32,
+                                                                                       tail_rows=48))
     with pytest.raises(ValueError, match=r"tail_rows .* \(block_m 64\) and at least 32 .* got 16"):
-        int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 32, 32, tail_rows=16))
+        packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 32, 32, tail_rows=16))
     with pytest.raises(ValueError, match="stages must be 3 or 4, got 2"):
-        int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_kw1=32, block_kw2=32, stages=2))
+        packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_kw1=32, block_kw2=32, stages=2))
     with pytest.raises(ValueError, match="stages 4 x block_m 64 x block_kw 64 takes 262144 bytes of shared memory"):
-        int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 64, 64, 4))
+        packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 64, 64, 4))
     with pytest.raises(ValueError, match=r"num_warps must be 4 or 8 \(whole warpgroups\), got 2"):
-        int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 32, 32, num_warps=2))
+        packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 32, 32, num_warps=2))
     with pytest.raises(ValueError, match=r"block_n2 must be 16 or 32 times num_warps \(4\), got 256"):
-        int4_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 32, 32, 3, 4, 64, 256))
+        packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 32, 32, 3, 4, 64, 256))
 
 
 @pytest.mark.interpret
@@ -612,7 +674,7 @@ def test_int4_wgmma_operand_order():
 @pytest.mark.parametrize("t", [40, 300])  # partly filled 64/128-row blocks; several blocks a slot
 @pytest.mark.parametrize("case", ["silu_g128", "swiglu_bias_woi_g64", "ragged_skip"])
 def test_int4_wgmma_path_on_gpu(t, case):
-    from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, int4_wgmma_experts
+    from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, packed_wgmma_experts
 
     group, q, act, woi, x, slots, tw, ref = _kernel_case(case, t, t + 11)
     # the default tiles (two warpgroups); 64-row blocks; four buffers (three of 64-word steps fill shared memory);
@@ -625,8 +687,8 @@ def test_int4_wgmma_path_on_gpu(t, case):
                 WgmmaConfig(64, max(32, kw), kw),
                 WgmmaConfig(bm, kw, kw, 3, 4, 64, 64), WgmmaConfig(bm, kw, kw, 3, 4, 64, 128),
                 WgmmaConfig(bm, kw, kw, tail_rows=32), WgmmaConfig(bm, kw, kw, 3, 4, 64, 128, tail_rows=32)):
-        assert _rel(int4_wgmma_experts(x, slots, tw, q, act, woi, cfg), ref) < 1e-2, cfg
-    _assert_replay_equals_eager(lambda: int4_wgmma_experts(x, slots, tw, q, act, woi), x)
+        assert _rel(packed_wgmma_experts(x, slots, tw, q, act, woi, cfg), ref) < 1e-2, cfg
+    _assert_replay_equals_eager(lambda: packed_wgmma_experts(x, slots, tw, q, act, woi), x)
 
 
 @pytest.mark.gpu
@@ -636,7 +698,7 @@ def test_int4_wgmma_tail_blocks_on_gpu():
     # block_m 64, the block boundaries at 32/33 and 64/65 rows; six pairs skipped; bias; Kimi-K2.5's groups of 32
     # (other groups, the routing weight on the input and ragged shapes with tails: test_int4_wgmma_path_on_gpu)
     from epmoe.experts.triton.align_kernels import align_triton
-    from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, int4_wgmma_experts
+    from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, packed_wgmma_experts
 
     counts, s, k, group = [1, 33, 64, 65, 85, 130, 0], 7, 8, 32
     g = torch.Generator().manual_seed(0)
@@ -653,12 +715,12 @@ def test_int4_wgmma_tail_blocks_on_gpu():
                block_n2=128, tail_rows=32), WgmmaConfig(tail_rows=32)]
     ref = _ref(x, slots, tw, q, act, False)
     for cfg in configs:
-        assert _rel(int4_wgmma_experts(x, slots, tw, q, act, False, cfg), ref) < 1e-2, cfg
+        assert _rel(packed_wgmma_experts(x, slots, tw, q, act, False, cfg), ref) < 1e-2, cfg
     # replayed from a CUDA graph on new inputs (the pairs' order inside a slot, so which part of a block a pair is
     # computed in, may differ between runs: checked against the reference, not bitwise against an eager run)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = int4_wgmma_experts(x, slots, tw, q, act, False, configs[-1])
+        captured = packed_wgmma_experts(x, slots, tw, q, act, False, configs[-1])
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert _rel(captured, _ref(x, slots, tw, q, act, False)) < 1e-2

@@ -435,16 +435,7 @@ def grouped_experts(
     if packed:
         s, d, f = weights.num_slots, weights.hidden_size, weights.intermediate_size
         ops = packed_kernel_operands(weights, topk_weights)
-        if mx:
-            w13, w2 = mxfp4_words(weights.w13_blocks), mxfp4_words(weights.w2_blocks)
-            gw = MXFP4_BLOCK // INT4_PACK
-        else:
-            w13, w2 = weights.w13_packed, weights.w2_packed
-            gw = weights.group_size // INT4_PACK
-        for name, w in (("w13", w13), ("w2", w2)):  # the kernels read whole 16-byte vectors of a row (w4a16)
-            if w.stride(2) != 1 or w.stride(0) % 4 or w.stride(1) % 4:
-                raise ValueError(f"the grouped kernels read packed {name} rows of whole 4-word vectors, got word "
-                                 f"strides {tuple(w.stride())}")
+        w13, w2, gw = packed_words(weights, "grouped")
         x = nibble_major(x)
     else:
         s, d, f = weights.w13.shape[0], weights.w13.shape[2], weights.w13.shape[1] // 2
@@ -496,14 +487,40 @@ def mxfp4_words(blocks: torch.Tensor) -> torch.Tensor:
     return blocks.view(torch.int32).flatten(2)
 
 
+def packed_words(weights: Int4ExpertWeights | MXFP4ExpertWeights, kernels: str
+                 ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The ``w13 [S, 2F, D/8]`` and ``w2 [S, D, F/8]`` int32 words of INT4 or MXFP4 ``weights`` (MXFP4's blocks read
+    as words, ``mxfp4_words``) and the words a group scale covers (``G / 8``; MXFP4: 4).
+
+    Raises:
+        ValueError: word strides (slot, row) that are not multiples of 4 or rows that are not contiguous: the
+            ``kernels`` (named in the message) read whole 16-byte vectors of a row.
+    """
+    if isinstance(weights, MXFP4ExpertWeights):
+        w13, w2 = mxfp4_words(weights.w13_blocks), mxfp4_words(weights.w2_blocks)
+        gw = MXFP4_BLOCK // INT4_PACK
+    else:
+        w13, w2 = weights.w13_packed, weights.w2_packed
+        gw = weights.group_size // INT4_PACK
+    for name, w in (("w13", w13), ("w2", w2)):
+        if w.stride(2) != 1 or w.stride(0) % 4 or w.stride(1) % 4:
+            raise ValueError(f"the {kernels} kernels read packed {name} rows of whole 4-word vectors, got word "
+                             f"strides {tuple(w.stride())}")
+    return w13, w2, gw
+
+
+def packed_scales(weights: Int4ExpertWeights | MXFP4ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group scales of ``w13`` and ``w2`` of INT4 (float) or MXFP4 (E8M0 uint8) ``weights``."""
+    if isinstance(weights, MXFP4ExpertWeights):
+        return weights.w13_scales, weights.w2_scales
+    return weights.w13_scale, weights.w2_scale
+
+
 def packed_kernel_operands(weights: Int4ExpertWeights | MXFP4ExpertWeights, placeholder: torch.Tensor
                          ) -> KernelOperands:
     """The group scales (with their ``(slot, row)`` strides) and biases of INT4 or MXFP4 ``weights`` as kernel
     arguments, ``placeholder`` in the place of an absent bias (as ``fp8.kernel_operands``)."""
-    if isinstance(weights, MXFP4ExpertWeights):
-        s13, s2 = weights.w13_scales, weights.w2_scales
-    else:
-        s13, s2 = weights.w13_scale, weights.w2_scale
+    s13, s2 = packed_scales(weights)
     return KernelOperands(s13, (s13.stride(0), s13.stride(1)), s2, (s2.stride(0), s2.stride(1)),
                           weights.b13 if weights.b13 is not None else placeholder,
                           weights.b2 if weights.b2 is not None else placeholder)

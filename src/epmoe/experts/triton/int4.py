@@ -98,8 +98,8 @@ from epmoe.experts.triton.decode import (
 )
 from epmoe.experts.triton.grouped import TileConfig, act_code, default_int4_config, grouped_experts, triton_experts
 from epmoe.experts.triton.pdl import pdl_launch
-from epmoe.experts.triton.w4a16_mma import default_mma_config, int4_mma_experts
-from epmoe.experts.triton.w4a16_wgmma import default_wgmma_config, int4_wgmma_experts
+from epmoe.experts.triton.w4a16_mma import default_mma_config, packed_mma_experts
+from epmoe.experts.triton.w4a16_wgmma import default_wgmma_config, packed_wgmma_experts
 from epmoe.experts.weights import Activation, ExpertWeights, check_expert_call
 
 _ZERO_BLOCK = 1024
@@ -771,9 +771,9 @@ def int4_experts(
     n, s, g = t * k if expected_pairs is None else expected_pairs, weights.num_slots, weights.group_size
     path = int4_path(n, x.dtype, s, x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0))
     if path == "wgmma":
-        return int4_wgmma_experts(x, slots, tw, weights, activation, weight_on_input, default_wgmma_config(g, n, s))
+        return packed_wgmma_experts(x, slots, tw, weights, activation, weight_on_input, default_wgmma_config(g, n, s))
     if path == "mma":
-        return int4_mma_experts(x, slots, tw, weights, activation, weight_on_input, default_mma_config(g, n, s))
+        return packed_mma_experts(x, slots, tw, weights, activation, weight_on_input, default_mma_config(g, n, s))
     if path == "decode":
         return int4_decode_experts(x, slots, tw, weights, activation, weight_on_input)
     if path == "dequant":

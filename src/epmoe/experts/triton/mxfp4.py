@@ -1,7 +1,8 @@
-"""MXFP4 expert compute on CUDA, always on the packed weights: the decode kernels for a few pairs, above them the
-grouped kernels of ``grouped`` widening the packed tiles in registers (``w4a16``); and, for comparison in
-``benchmarks/moe_layer.py``, the widening path (the slots in use widened to the compute dtype in memory, then the
-bf16 grouped kernels).
+"""MXFP4 expert compute on CUDA, always on the packed weights: the decode kernels for a few pairs, above them (bf16
+on Hopper) the tensor-core kernels of ``w4a16_mma`` and ``w4a16_wgmma``, which widen the blocks, read as INT4's
+words, into the MMA registers, or (fp16, other GPUs) the grouped kernels of ``grouped`` widening the packed tiles in
+registers (``w4a16``); and, for comparison in ``benchmarks/moe_layer.py``, the widening path (the slots in use
+widened to the compute dtype in memory, then the bf16 grouped kernels).
 
 Decode (``mxfp4_decode_experts``, up to ``MXFP4_DECODE_MAX_PAIRS`` pairs; the backend takes it up to
 ``MXFP4_BACKEND_DECODE_PAIRS``): the two launches of ``decode`` (a pair is
@@ -48,6 +49,8 @@ from epmoe.experts.triton.decode import (
 )
 from epmoe.experts.triton.grouped import TileConfig, act_code, default_int4_config, grouped_experts, triton_experts
 from epmoe.experts.triton.pdl import pdl_launch
+from epmoe.experts.triton.w4a16_mma import default_mma_config, packed_mma_experts
+from epmoe.experts.triton.w4a16_wgmma import default_wgmma_config, packed_wgmma_experts
 from epmoe.experts.weights import Activation, ExpertWeights, check_expert_call
 
 _ZERO_BLOCK = 1024
@@ -56,6 +59,11 @@ MXFP4_BACKEND_DECODE_PAIRS = 4
 """``mxfp4_experts`` takes the decode kernels up to this many pairs (one token at gpt-oss's top-4), the grouped kernels
 above: a decode pair reads its expert's weights on its own, a row block reads them once for the slot's pairs. Set
 from the H100 run of ``benchmarks/moe_layer.py --cases gptoss_mxfp4,gptoss20b_mxfp4`` (README, the MXFP4 rows)."""
+
+
+MXFP4_WGMMA_MIN_PAIRS_PER_SLOT = 16
+"""``mxfp4_path`` takes the wgmma kernels (Hopper, bf16) from this many pairs a local slot on average, the MMA
+kernels below (as ``int4.INT4_WGMMA_MIN_PAIRS_PER_SLOT``)."""
 
 
 @dataclass(frozen=True)
@@ -313,9 +321,10 @@ def mxfp4_experts(
     *,
     expected_pairs: int | None = None,
 ) -> torch.Tensor:
-    """MXFP4 expert compute on CUDA (contract of ``experts.ExpertBackend``; graph safe), on the packed weights:
-    ``mxfp4_decode_experts`` when both ``T * K`` and the expected pairs are at most ``MXFP4_BACKEND_DECODE_PAIRS``,
-    else ``mxfp4_grouped_experts``.
+    """MXFP4 expert compute on CUDA (contract of ``experts.ExpertBackend``; graph safe), on the packed weights, by
+    ``mxfp4_path`` of the larger of ``T * K`` and the expected pairs: ``mxfp4_decode_experts`` up to
+    ``MXFP4_BACKEND_DECODE_PAIRS``, above them for bf16 on Hopper the tensor-core kernels of ``w4a16_mma`` or (from
+    ``MXFP4_WGMMA_MIN_PAIRS_PER_SLOT`` pairs a slot) ``w4a16_wgmma``, otherwise ``mxfp4_grouped_experts``.
 
     Raises:
         ValueError: operands of other shapes than ``experts.weights.check_expert_call`` takes.
@@ -330,10 +339,31 @@ def mxfp4_experts(
     x = x if x.stride(1) == 1 else x.contiguous()
     slots, tw = topk_slots.contiguous(), topk_weights.float().contiguous()
     expected = n if expected_pairs is None else expected_pairs
-    if n <= MXFP4_BACKEND_DECODE_PAIRS and expected <= MXFP4_BACKEND_DECODE_PAIRS:
+    s = weights.num_slots
+    path = mxfp4_path(max(n, expected), x.dtype, s, x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0))
+    if path == "decode":
         return mxfp4_decode_experts(x, slots, tw, weights, activation, weight_on_input)
-    return mxfp4_grouped_experts(x, slots, tw, weights, activation, weight_on_input,
-                                 default_int4_config(expected, weights.num_slots))
+    if path == "wgmma":
+        return packed_wgmma_experts(x, slots, tw, weights, activation, weight_on_input,
+                                    default_wgmma_config(MXFP4_BLOCK, expected, s))
+    if path == "mma":
+        return packed_mma_experts(x, slots, tw, weights, activation, weight_on_input,
+                                  default_mma_config(MXFP4_BLOCK, expected, s))
+    return mxfp4_grouped_experts(x, slots, tw, weights, activation, weight_on_input, default_int4_config(expected, s))
+
+
+def mxfp4_path(num_pairs: int, dtype: torch.dtype, num_slots: int, hopper: bool = False) -> str:
+    """The path ``mxfp4_experts`` takes for ``num_pairs`` pairs (the larger of those in the call and those expected)
+    of activations in ``dtype`` over ``num_slots`` local slots on a GPU of compute capability 9.0 (``hopper``) or
+    another: ``"decode"`` up to ``MXFP4_BACKEND_DECODE_PAIRS``; above, bf16 on Hopper ``"wgmma"`` from
+    ``MXFP4_WGMMA_MIN_PAIRS_PER_SLOT`` pairs a slot on, else ``"mma"`` (the packed kernels of ``w4a16_mma`` and
+    ``w4a16_wgmma``, which widen the words into the tensor cores' registers); fp16, or bf16 on other GPUs,
+    ``"grouped"``."""
+    if num_pairs <= MXFP4_BACKEND_DECODE_PAIRS:
+        return "decode"
+    if dtype != torch.bfloat16 or not hopper:
+        return "grouped"
+    return "wgmma" if num_pairs >= MXFP4_WGMMA_MIN_PAIRS_PER_SLOT * num_slots else "mma"
 
 
 def mxfp4_grouped_experts(

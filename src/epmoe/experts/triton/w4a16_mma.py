@@ -24,7 +24,10 @@ order by reshapes and a permutation (``operand_order``): the same registers, no 
 
 Widening a register (``_widen``, inline PTX): the two nibbles OR-ed into the mantissas of 128 (``lop3``), 136
 subtracted in bf16x2 (exact: ``nib - 8``) and the pair multiplied by the group scale (one rounding, as
-``experts.int4.dequantize_int4`` rounds its float32 product): about two instructions a weight.
+``experts.int4.dequantize_int4`` rounds its float32 product): about two instructions a weight. MXFP4 (gpt-oss):
+its 16-byte blocks read as int32 words hold input ``8 c + j`` in nibble ``j`` of word ``c`` too, with one E8M0
+scale a group of 32 (``grouped.packed_words``); ``_widen_e2m1`` places each E2M1 code's bits in a bf16 and takes two
+exact products (the kernels choose it from the scales' dtype, uint8).
 
 Activations are read from nibble-plane copies (``nibble_planes``: input ``8 c + j + 4 e`` at ``j * seg + 2 c + e``),
 so a thread's part of ``B_j`` is also consecutive in memory (16-byte loads) and relabelled the same way
@@ -64,9 +67,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
+from epmoe.experts.mxfp4 import MXFP4ExpertWeights
 from epmoe.experts.triton.align_kernels import align_triton
 from epmoe.experts.triton.decode import gated_activation
-from epmoe.experts.triton.grouped import act_code, sum_pairs_kernel
+from epmoe.experts.triton.grouped import act_code, packed_scales, packed_words, sum_pairs_kernel
 from epmoe.experts.weights import Activation, check_expert_call
 
 _WARPS_PER_SM = 16
@@ -150,7 +154,10 @@ def _b_operand(v, BLOCK_KW: gl.constexpr, BLOCK_M: gl.constexpr, LAYOUT: gl.cons
 
 @gluon.jit
 def scales_per_word(scales, GW: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr):
-    """Group scales ``[BLOCK_N, BLOCK_KW / GW]`` -> one per word ``[BLOCK_N, BLOCK_KW]`` (copies in registers)."""
+    """Group scales ``[BLOCK_N, BLOCK_KW / GW]`` -> one per word ``[BLOCK_N, BLOCK_KW]`` bf16 (copies in registers):
+    INT4's bf16 scales as they are, MXFP4's E8M0 bytes (uint8) as ``e8m0_bf16`` makes them."""
+    if scales.dtype == gl.uint8:
+        scales = e8m0_bf16(scales)
     if GW >= 2:
         scales = gl.join(scales, scales)
     if GW >= 4:
@@ -175,10 +182,38 @@ def _widen(words, scale, J: gl.constexpr):
 
 
 @gluon.jit
-def widened_plane(words, scale, J: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, A_LAYOUT: gl.constexpr):
+def e8m0_bf16(s):
+    """bf16 ``2 ** (s - 127)`` of E8M0 bytes ``s`` (uint8), exact: the exponent field ``s`` of a bf16 (``s = 0``, the
+    subnormal ``2 ** -127``, as mantissa bit 6; ``s = 255`` reads as infinity)."""
+    e = s.to(gl.int16)
+    return ((e << 7) | ((e == 0).to(gl.int16) << 6)).to(gl.bfloat16, bitcast=True)
+
+
+@gluon.jit
+def _widen_e2m1(words, scale, J: gl.constexpr):
+    """E2M1 codes ``J`` and ``J + 4`` of ``words`` (int32, MXFP4 blocks read as words) times ``scale`` (bf16, ``2 **
+    (s - 127)``, the words' shape): two bf16 tensors of the words' shape. In each 16-bit lane the code's three
+    magnitude bits go under the bf16 exponent (bits 6-8) and its sign onto bit 15, which reads as ``e2m1 * 2 **
+    -126`` (code 1 a bf16 subnormal), then times ``2 ** 126`` and the scale: both products exact, as
+    ``experts.mxfp4.dequantize_mxfp4`` widens (a product below bf16's normal range rounds once)."""
+    SHIFT: gl.constexpr = f"shr.b32 t, t, {4 * J};" if J else ""
+    return gl.inline_asm_elementwise(
+        "{ .reg .b32 t, m, sg, big, nz, s2; mov.b32 t, $2; " + SHIFT
+        + " shl.b32 m, t, 6; shl.b32 sg, t, 12; and.b32 sg, sg, 0x80008000;"
+        " lop3.b32 t, m, 0x01C001C0, sg, 0xEA; mov.b32 big, 0x7E807E80; mov.b32 nz, 0x80008000;"
+        " fma.rn.bf16x2 t, t, big, nz; mov.b32 s2, {$3, $3}; fma.rn.bf16x2 t, t, s2, nz; mov.b32 {$0, $1}, t; }",
+        "=h,=h,r,h", [words, scale], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
+
+
+@gluon.jit
+def widened_plane(words, scale, J: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, A_LAYOUT: gl.constexpr,
+                  MXFP4: gl.constexpr):
     """The A operand ``A_J [BLOCK_N, 2 BLOCK_KW]`` bf16 of operand-order words and scales ``[BLOCK_N, BLOCK_KW]``
-    (module docstring)."""
-    lo, hi = _widen(words, scale, J)
+    (module docstring): INT4 codes, or with ``MXFP4`` E2M1 codes (``_widen_e2m1``)."""
+    if MXFP4:
+        lo, hi = _widen_e2m1(words, scale, J)
+    else:
+        lo, hi = _widen(words, scale, J)
     a = gl.reshape(gl.join(lo, hi), [BLOCK_N, 2 * BLOCK_KW])
     return gl.convert_layout(a, A_LAYOUT, assert_trivial=True)
 
@@ -218,7 +253,9 @@ def _split(block_slot_ptr, num_blocks, num_tiles, NB_PAD: gl.constexpr, SPLIT_MA
 
 @gluon.jit
 def _k_range(pid_s, split, KW, BLOCK_KW: gl.constexpr, EVEN: gl.constexpr):
-    """Words ``[begin, end)`` of split ``pid_s`` of ``split`` (whole steps; trailing splits may be empty)."""
+    """Words ``[begin, end)`` of split ``pid_s`` of ``split`` (whole steps; trailing splits may be empty). ``KW`` is a
+    multiple of 4 (``load_tile``), which the compiler is told: the split's first tiles then load as 16-byte vectors."""
+    KW = (KW // 4) * 4
     chunk = gl.cdiv(gl.cdiv(KW, split), BLOCK_KW) * BLOCK_KW
     begin = gl.minimum(pid_s * chunk, KW)
     if EVEN:  # KW a multiple of BLOCK_KW: so is begin (the activation loads are 16-byte vectors)
@@ -269,6 +306,15 @@ def _is_last(count_ptr, tile_id, split):
 
 
 @gluon.jit
+def word_strides(stride_we, stride_wn):
+    """The packed weights' slot and row strides (words), known to the compiler as multiples of 4 (the host checks
+    they are: a row holds whole groups of at least 32 inputs), so that the word tiles load as 16-byte vectors where
+    a row is not a multiple of 16 words (gpt-oss's 2880 inputs: 360 words), which Triton's argument specialisation
+    would not see."""
+    return (stride_we // 4) * 4, (stride_wn // 4) * 4
+
+
+@gluon.jit
 def weight_ptrs(base, s_base, rows0, stride_wn, stride_sn, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr,
                  GW: gl.constexpr, NUM_WARPS: gl.constexpr):
     """Pointers of a word tile (memory order) at word 0 of rows ``rows0 + [0, BLOCK_N)`` and of its scale tile, and
@@ -287,11 +333,12 @@ def weight_ptrs(base, s_base, rows0, stride_wn, stride_sn, BLOCK_N: gl.constexpr
 @gluon.jit
 def load_tile(ptrs, rows, R_ROWS, cols, k_left, EVEN: gl.constexpr):
     """A word or scale tile (``ptrs``; ``cols`` in words), rows at or past ``R_ROWS`` and words at or past ``k_left``
-    zero unless ``EVEN``."""
+    zero unless ``EVEN``. ``k_left`` is a multiple of 4 words (a row holds whole groups of at least 32 inputs), which
+    the compiler is told, so that the masked word tiles still load as 16-byte vectors."""
     if EVEN:
         return gl.load(ptrs)
     else:
-        return gl.load(ptrs, mask=(rows < R_ROWS) & (cols < k_left), other=0)
+        return gl.load(ptrs, mask=(rows < R_ROWS) & (cols < (k_left // 4) * 4), other=0)
 
 
 @gluon.jit
@@ -308,11 +355,12 @@ def _first_word(begin, KW, BLOCK_KW: gl.constexpr, EVEN: gl.constexpr):
 
 @gluon.jit
 def _load_inputs(ptrs, kk, k_left, EVEN: gl.constexpr):
-    """A step's activation tile (``ptrs``), inputs at or past ``k_left`` zero unless ``EVEN``."""
+    """A step's activation tile (``ptrs``), inputs at or past ``k_left`` (a multiple of 8: ``load_tile``) zero unless
+    ``EVEN``."""
     if EVEN:
         return gl.load(ptrs)
     else:
-        return gl.load(ptrs, mask=(kk < k_left)[:, None], other=0.0)
+        return gl.load(ptrs, mask=(kk < (k_left // 8) * 8)[:, None], other=0.0)
 
 
 @gluon.jit
@@ -331,6 +379,7 @@ def _dot_step(words, scales, v0, v1, v2, v3, kk, k_left, seg, acc0, acc1, acc2, 
     W_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
     A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    MXFP4: gl.constexpr = scales.dtype == gl.uint8
     a = operand_order(words, BLOCK_N, BLOCK_KW, W_LAYOUT)
     sw = operand_order(scales_per_word(scales, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
     for j in gl.static_range(4):
@@ -341,7 +390,7 @@ def _dot_step(words, scales, v0, v1, v2, v3, kk, k_left, seg, acc0, acc1, acc2, 
             b2 = _b_tile(v2 + j * seg, kk, k_left, BLOCK_KW, EVEN, B_LAYOUT)
         if ACTIVE > 3:
             b3 = _b_tile(v3 + j * seg, kk, k_left, BLOCK_KW, EVEN, B_LAYOUT)
-        aj = widened_plane(a, sw, j, BLOCK_N, BLOCK_KW, A_LAYOUT)
+        aj = widened_plane(a, sw, j, BLOCK_N, BLOCK_KW, A_LAYOUT, MXFP4)
         acc0 = mma_v2(aj, b0, acc0)
         if ACTIVE > 1:
             acc1 = mma_v2(aj, b1, acc1)
@@ -462,6 +511,7 @@ def _gate_up_kernel(
         x3 = _x_ptrs(xq_ptr, sorted_ptr, first + 24, num_pairs, top_k, stride_x, kk, begin, X_MEM)
     # A: gate rows and up rows (F + rows) of the slot
     w0 = _first_word(begin, DW, BLOCK_KW, EVEN)
+    stride_we, stride_wn = word_strides(stride_we, stride_wn)
     wg_ptrs, sg_ptrs, rows, cols, s_rows, s_cols = weight_ptrs(
         w_ptr + slot * stride_we + w0, s_ptr + slot * stride_se + w0 // GW, pid_n * BLOCK_N, stride_wn, stride_sn,
         BLOCK_N, BLOCK_KW, GW, NUM_WARPS)
@@ -620,6 +670,7 @@ def _down_kernel(
     m_b = gl.arange(0, 8, layout=gl.SliceLayout(0, H_MEM))
     h0 = (h_ptr + (first + m_b).to(gl.int64)[None, :] * stride_h + 2 * begin) + kk[:, None]
     w0 = _first_word(begin, FW, BLOCK_KW, EVEN)
+    stride_we, stride_wn = word_strides(stride_we, stride_wn)
     w_ptrs, s_ptrs, rows, cols, s_rows, s_cols = weight_ptrs(
         w_ptr + slot * stride_we + w0, s_ptr + slot * stride_se + w0 // GW, pid_n * BLOCK_N, stride_wn, stride_sn,
         BLOCK_N, BLOCK_KW, GW, NUM_WARPS)
@@ -756,22 +807,24 @@ def _check(cfg: MmaConfig, group_size: int) -> None:
                              f"{group_size} (a thread's words of a row cover whole groups), got {v}")
 
 
-def int4_mma_experts(
+def packed_mma_experts(
     x: torch.Tensor,
     topk_slots: torch.Tensor,
     topk_weights: torch.Tensor,
-    weights: Int4ExpertWeights,
+    weights: Int4ExpertWeights | MXFP4ExpertWeights,
     activation: Activation,
     weight_on_input: bool = False,
     config: MmaConfig | None = None,
 ) -> torch.Tensor:
-    """INT4 expert compute on the tensor cores, weights widened into the MMA registers (see the module docstring).
+    """INT4 or MXFP4 expert compute on the tensor cores, the packed weights widened into the MMA registers (see the
+    module docstring; MXFP4's blocks are read as words, ``grouped.packed_words``, with groups of 32 and their E8M0
+    scales).
 
     Args:
         x: ``[T, D]`` bf16 CUDA rows, contiguous along ``D``.
         topk_slots: ``[T, K]`` int64 contiguous local slot ids; an id outside ``[0, S)`` (``-1``) skips.
         topk_weights: ``[T, K]`` float32 contiguous routing weights.
-        weights: the packed weights (contiguous).
+        weights: the packed weights (rows contiguous, word strides multiples of 4).
         activation: the gated activation.
         weight_on_input: scale the expert input by the weight instead of its output.
         config: tile shapes; ``default_mma_config(G, T * K, S)`` when ``None``.
@@ -780,14 +833,17 @@ def int4_mma_experts(
         ``[T, D]`` bf16.
 
     Raises:
-        ValueError: operands of other shapes or layouts than ``experts.weights.check_expert_call`` takes.
+        ValueError: operands of other shapes or layouts than ``experts.weights.check_expert_call`` takes, packed word
+            strides that are not multiples of 4.
         TypeError: ``x`` not bf16.
         ValueError: a ``config`` outside the constraints of ``MmaConfig``.
     """
     check_expert_call(x, topk_slots, topk_weights, weights.hidden_size)
     if x.dtype != torch.bfloat16:
-        raise TypeError(f"the INT4 MMA kernels compute in bf16, got x of dtype {x.dtype}")
-    g = weights.group_size
+        raise TypeError(f"the packed MMA kernels compute in bf16, got x of dtype {x.dtype}")
+    w13, w2, gw = packed_words(weights, "MMA")
+    s13, s2 = packed_scales(weights)
+    g = gw * INT4_PACK
     t, k = topk_slots.shape
     n = t * k
     s, d, f = weights.num_slots, weights.hidden_size, weights.intermediate_size
@@ -796,7 +852,6 @@ def int4_mma_experts(
     if n == 0:  # no pair: no expert adds to any row
         return torch.zeros(t, d, dtype=x.dtype, device=x.device)
     out = torch.empty(t, d, dtype=x.dtype, device=x.device)
-    w13, s13, w2, s2 = weights.w13_packed, weights.w13_scale, weights.w2_packed, weights.w2_scale
     xq = nibble_planes(x)
     bm = cfg.block_m
     aln = align_triton(topk_slots, s, bm, tail_rows=8)
@@ -806,7 +861,6 @@ def int4_mma_experts(
     y = torch.empty(n, d, dtype=torch.float32, device=x.device)
     placeholder = topk_weights
     limit = activation.swiglu_limit if activation.swiglu_limit is not None else 0.0
-    gw = g // INT4_PACK
     n1, n2 = triton.cdiv(f, cfg.block_n1), triton.cdiv(d, cfg.block_n2)
     # few row blocks (decode): each tile's reduction may be split, up to split_max ways, so that the active blocks'
     # programs fill the GPU (the split is chosen on the device from the blocks in use)

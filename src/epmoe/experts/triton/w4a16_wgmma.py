@@ -65,8 +65,9 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
+from epmoe.experts.mxfp4 import MXFP4ExpertWeights
 from epmoe.experts.triton.align_kernels import align_triton
-from epmoe.experts.triton.grouped import act_code, sum_pairs_kernel
+from epmoe.experts.triton.grouped import act_code, packed_scales, packed_words, sum_pairs_kernel
 from epmoe.experts.triton.w4a16_mma import (
     block_rows,
     gated_rows,
@@ -76,6 +77,7 @@ from epmoe.experts.triton.w4a16_mma import (
     store_down_rows,
     weight_ptrs,
     widened_plane,
+    word_strides,
 )
 from epmoe.experts.weights import Activation, check_expert_call
 
@@ -120,7 +122,7 @@ from this many ``(token, k)`` pairs per local slot on average, 64-row blocks bel
 
 
 def default_wgmma_config(group_size: int, num_pairs: int = 0, num_slots: int = 1) -> WgmmaConfig:
-    """The tiles ``int4_wgmma_experts`` takes for ``num_pairs`` pairs over ``num_slots`` local slots (``num_pairs``
+    """The tiles ``packed_wgmma_experts`` takes for ``num_pairs`` pairs over ``num_slots`` local slots (``num_pairs``
     0: unknown): steps of at least half a group (``block_kw >= G / 2``) and of at least 32 words in the down kernel,
     32-row tail blocks, 128-row blocks from ``WGMMA_BLOCK128_MIN_PAIRS_PER_SLOT`` pairs a slot on for groups of 32,
     64-row blocks otherwise (128-row blocks of the 32-word gate/up steps of groups of 64 and 128 spill registers and
@@ -310,6 +312,7 @@ def _gate_up_rows(
     for i in gl.static_range(STAGES - 2):
         _request(smem, x_ptrs, smem_hi, x_hi, i, nsteps, i, BLOCK_KW, HI)
     # A: gate rows and up rows (F + rows) of the slot
+    stride_we, stride_wn = word_strides(stride_we, stride_wn)
     wg_ptrs, sg_ptrs, rows, w_cols, s_rows, s_cols = weight_ptrs(
         w_ptr + slot * stride_we, s_ptr + slot * stride_se, pid_n * BLOCK_N, stride_wn, stride_sn, BLOCK_N, BLOCK_KW,
         GW, NUM_WARPS)
@@ -339,8 +342,8 @@ def _gate_up_rows(
         cg = operand_order(scales_per_word(sg, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
         cu = operand_order(scales_per_word(su, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
         for j in gl.static_range(4):
-            pg = widened_plane(ag, cg, j, BLOCK_N, BLOCK_KW, A_LAYOUT)
-            pu = widened_plane(au, cu, j, BLOCK_N, BLOCK_KW, A_LAYOUT)
+            pg = widened_plane(ag, cg, j, BLOCK_N, BLOCK_KW, A_LAYOUT, sg.dtype == gl.uint8)
+            pu = widened_plane(au, cu, j, BLOCK_N, BLOCK_KW, A_LAYOUT, su.dtype == gl.uint8)
             b = smem.index(stage).slice(j * LO, LO).permute((1, 0))
             acc_g = warpgroup_mma(pg, b, acc_g, is_async=True)
             acc_u = warpgroup_mma(pu, b, acc_u, is_async=True)
@@ -448,6 +451,7 @@ def _down_rows(
         smem_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4 * HI, 2 * BLOCK_KW], _b_smem_layout(BLOCK_KW))
     for i in gl.static_range(STAGES - 2):
         _request(smem, h_ptrs, smem_hi, h_hi, i, nsteps, i, BLOCK_KW, HI)
+    stride_we, stride_wn = word_strides(stride_we, stride_wn)
     w_ptrs, s_ptrs, rows, w_cols, s_rows, s_cols = weight_ptrs(
         w_ptr + slot * stride_we, s_ptr + slot * stride_se, pid_n * BLOCK_N, stride_wn, stride_sn, BLOCK_N, BLOCK_KW,
         GW, NUM_WARPS)
@@ -465,7 +469,7 @@ def _down_rows(
         a = operand_order(w, BLOCK_N, BLOCK_KW, W_LAYOUT)
         c = operand_order(scales_per_word(sc, GW, BLOCK_N, BLOCK_KW), BLOCK_N, BLOCK_KW, W_LAYOUT)
         for j in gl.static_range(4):
-            p = widened_plane(a, c, j, BLOCK_N, BLOCK_KW, A_LAYOUT)
+            p = widened_plane(a, c, j, BLOCK_N, BLOCK_KW, A_LAYOUT, sc.dtype == gl.uint8)
             acc = warpgroup_mma(p, smem.index(stage).slice(j * LO, LO).permute((1, 0)), acc, is_async=True)
             if HI > 0:
                 b2 = smem_hi.index(stage).slice(j * HI, HI).permute((1, 0))
@@ -527,23 +531,24 @@ def _check(cfg: WgmmaConfig, group_size: int) -> None:
                              f"{group_size} (a thread's words of a row cover whole groups), got {v}")
 
 
-def int4_wgmma_experts(
+def packed_wgmma_experts(
     x: torch.Tensor,
     topk_slots: torch.Tensor,
     topk_weights: torch.Tensor,
-    weights: Int4ExpertWeights,
+    weights: Int4ExpertWeights | MXFP4ExpertWeights,
     activation: Activation,
     weight_on_input: bool = False,
     config: WgmmaConfig | None = None,
 ) -> torch.Tensor:
-    """INT4 expert compute on Hopper's warpgroup MMA, weights widened into the A operand registers (see the module
-    docstring); for prefill sizes (many pairs a slot).
+    """INT4 or MXFP4 expert compute on Hopper's warpgroup MMA, the packed weights widened into the A operand
+    registers (see the module docstring; MXFP4 as ``w4a16_mma.packed_mma_experts`` reads it); for prefill sizes
+    (many pairs a slot).
 
     Args:
         x: ``[T, D]`` bf16 CUDA rows, contiguous along ``D``.
         topk_slots: ``[T, K]`` int64 contiguous local slot ids; an id outside ``[0, S)`` (``-1``) skips.
         topk_weights: ``[T, K]`` float32 contiguous routing weights.
-        weights: the packed weights (contiguous).
+        weights: the packed weights (rows contiguous, word strides multiples of 4).
         activation: the gated activation.
         weight_on_input: scale the expert input by the weight instead of its output.
         config: tile shapes; ``default_wgmma_config(G, T * K, S)`` when ``None``.
@@ -552,14 +557,17 @@ def int4_wgmma_experts(
         ``[T, D]`` bf16.
 
     Raises:
-        ValueError: operands of other shapes or layouts than ``experts.weights.check_expert_call`` takes.
+        ValueError: operands of other shapes or layouts than ``experts.weights.check_expert_call`` takes, packed word
+            strides that are not multiples of 4.
         TypeError: ``x`` not bf16.
         ValueError: a ``config`` outside the constraints of ``WgmmaConfig``.
     """
     check_expert_call(x, topk_slots, topk_weights, weights.hidden_size)
     if x.dtype != torch.bfloat16:
-        raise TypeError(f"the INT4 wgmma kernels compute in bf16, got x of dtype {x.dtype}")
-    g = weights.group_size
+        raise TypeError(f"the packed wgmma kernels compute in bf16, got x of dtype {x.dtype}")
+    w13, w2, gw = packed_words(weights, "wgmma")
+    s13, s2 = packed_scales(weights)
+    g = gw * INT4_PACK
     t, k = topk_slots.shape
     n = t * k
     s, d, f = weights.num_slots, weights.hidden_size, weights.intermediate_size
@@ -568,7 +576,6 @@ def int4_wgmma_experts(
     if n == 0:  # no pair: no expert adds to any row
         return torch.zeros(t, d, dtype=x.dtype, device=x.device)
     out = torch.empty(t, d, dtype=x.dtype, device=x.device)
-    w13, s13, w2, s2 = weights.w13_packed, weights.w13_scale, weights.w2_packed, weights.w2_scale
     xw = wgmma_planes(x, cfg.block_kw1)
     bm = cfg.block_m
     tail = cfg.tail_rows if cfg.tail_rows is not None else bm
@@ -580,7 +587,6 @@ def int4_wgmma_experts(
     y = torch.empty(n, d, dtype=torch.float32, device=x.device)
     placeholder = topk_weights
     limit = activation.swiglu_limit if activation.swiglu_limit is not None else 0.0
-    gw = g // INT4_PACK
     n1, n2, nw = cfg.block_n1, cfg.block_n2, cfg.num_warps
     _gate_up_kernel[(nb * triton.cdiv(f, n1),)](
         xw, w13, s13, weights.b13 if weights.b13 is not None else placeholder, topk_weights, h, aln.sorted_pair_ids,
