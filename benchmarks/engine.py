@@ -385,14 +385,20 @@ def attention_dims(config) -> tuple[int, int, int]:
     return h, d, d
 
 
-def planned(d: Path, batches: list[int], ctx: float, weights: str | None = "bf16") -> dict[int, tuple[float, float]]:
-    """What ``epmoe plan`` predicts for one H200 (the TP1 strategy: one GPU): per batch, ms per decode step and
+def profile_of(gpu_name: str) -> str:
+    """The shipped hardware profile of a GPU by its CUDA name: ``h100-sxm`` for an H100, else ``h200-sxm``."""
+    return "h100-sxm" if "H100" in gpu_name else "h200-sxm"
+
+
+def planned(d: Path, batches: list[int], ctx: float, weights: str | None = "bf16",
+            profile: str = "h200-sxm") -> dict[int, tuple[float, float]]:
+    """What ``epmoe plan`` predicts for one GPU of ``profile`` (the TP1 strategy): per batch, ms per decode step and
     the part of it that is the profile's engine step costs (``engine_*``)."""
     from epmoe.plan.hardware import load_hardware
     from epmoe.plan.planner import plan
     from epmoe.plan.request import PlanRequest
 
-    req = PlanRequest(load_moe_spec(str(d)), load_hardware("h200-sxm"), gpus=1, batches=tuple(batches),
+    req = PlanRequest(load_moe_spec(str(d)), load_hardware(profile), gpus=1, batches=tuple(batches),
                       context=int(ctx), weights=weights)  # None: the format the checkpoint's config names
     return {b: (st.total_ms, st.engine_ms) for b, st in zip(batches, plan(req).strategies[0].steps)}
 
@@ -913,7 +919,8 @@ def main() -> None:
         d = checkpoint(name, layers, root, args.expert_format)
         m = measure_engine(name, d, batches, args, ceil)
         kept = published_format(name) in args.expert_format.split(",")
-        plan_ms = planned(d, batches, m["rows"][batches[0]]["ctx"], None if kept else "bf16")
+        plan_ms = planned(d, batches, m["rows"][batches[0]]["ctx"], None if kept else "bf16",
+                          profile_of(torch.cuda.get_device_name()))
         m["plan_ms"] = {b: v[0] for b, v in plan_ms.items()}
         m["plan_engine_ms"] = {b: v[1] for b, v in plan_ms.items()}
         # a step faster than the plan's roofline read fewer bytes than the plan prices (fewer experts than uniform

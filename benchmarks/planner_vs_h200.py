@@ -28,10 +28,12 @@ the profile's values. After a new ``moe_layer.py`` run, copy them into ``moe_str
 (``ceilings`` in the results). Writes ``planner_vs_h200.json`` next to the results file (or ``--out``);
 ``--check`` exits 1 when a row is outside the 25% target.
 
-``--int4-results`` does the same for INT4 (W4A16) experts from an INT4 run of ``moe_layer.py`` (``--cases
-kimi_int4,kimi_full_int4``): each row's measured time is that of the path the backend takes now for the row's size on an
-H200 (``int4.int4_path`` and ``w4a16_mma.default_mma_config``, so this mode imports Triton), the prediction is
-``predict_moe_layer_time`` with ``int4_group32`` weights, and the fit is of the profile's three INT4 figures, the stream
+``--int4-results`` does the same for the W4A16 kernels' experts from an INT4 or MXFP4 run of ``moe_layer.py``
+(``--cases kimi_int4,kimi_full_int4`` or ``--cases gptoss20b_mxfp4,gptoss_mxfp4``): an INT4 row's measured time is that
+of the path the backend takes now for the row's size on an H200 (``int4.int4_path`` and
+``w4a16_mma.default_mma_config``, so this mode imports Triton), an MXFP4 row's the backend's in that run (``mxfp4``);
+the prediction is ``predict_moe_layer_time`` with ``int4_group32`` or ``mxfp4`` weights, and the fit is of the
+profile's three W4A16 figures, the stream
 efficiency (grid of step 0.01 over [0.5, 1]), the ``w4a16`` matrix rate (grid of 2 TFLOP/s steps) and the fixed
 per-layer cost (closed form), at the profile's overlap; copy them into ``moe_w4a16_stream_efficiency``,
 ``matmul_flops_per_s.w4a16`` and ``moe_w4a16_layer_fixed_us``. Writes ``planner_vs_h200_int4.json`` next to the results
@@ -72,6 +74,10 @@ KIMI = MoEDims(hidden_size=7168, moe_intermediate_size=2048, num_experts=384, to
 # The shapes of benchmarks/moe_layer.py's INT4_CASES (group 32).
 INT4_CASES = {"kimi_int4": (KIMI, 48), "kimi_full_int4": (KIMI, 384)}
 INT4_FORMAT = "int4_group32"
+GPTOSS = dict(hidden_size=2880, moe_intermediate_size=2880, top_k=4)
+# The shapes of benchmarks/moe_layer.py's MXFP4_CASES (every expert on the GPU).
+MXFP4_CASES = {"gptoss_mxfp4": (MoEDims(num_experts=128, **GPTOSS), 128),
+               "gptoss20b_mxfp4": (MoEDims(num_experts=32, **GPTOSS), 32)}
 EFFICIENCY_GRID = [i / 100 for i in range(50, 101)]
 RATE_GRID = [r * 1e12 for r in range(50, 1001, 2)]
 
@@ -159,27 +165,30 @@ def int4_measured_us(row: dict, dims: MoEDims, local: int) -> float | None:
 
 
 def compare_int4(results: dict, hw: HardwareProfile) -> list[dict]:
-    """One entry per INT4 row: measured (the path taken now) and predicted µs, their ratio, the parts."""
+    """One entry per INT4 row (measured: the path taken now) and per MXFP4 row (measured: the backend, the path
+    ``mxfp4.mxfp4_path`` took in that run): measured and predicted µs, their ratio, the parts."""
     out = []
-    for row in results["int4_rows"]:
-        if row["case"] not in INT4_CASES:
-            raise ValueError(f"INT4 case {row['case']!r} is not known; known: {', '.join(INT4_CASES)}")
-        dims, local = INT4_CASES[row["case"]]
-        measured = int4_measured_us(row, dims, local)
+    rows = [(row, INT4_CASES, INT4_FORMAT) for row in results.get("int4_rows", [])]
+    rows += [(row, MXFP4_CASES, "mxfp4") for row in results.get("mxfp4_rows", [])]
+    for row, cases, fmt in rows:
+        if row["case"] not in cases:
+            raise ValueError(f"{fmt} case {row['case']!r} is not known; known: {', '.join(cases)}")
+        dims, local = cases[row["case"]]
+        measured = int4_measured_us(row, dims, local) if fmt == INT4_FORMAT else row.get("mxfp4_us")
         if measured is None:
             continue
         t = row["tokens"]
-        rows = t * dims.top_k * local / dims.num_experts
+        rows_on = t * dims.top_k * local / dims.num_experts
         touched = expected_distinct_experts(t, dims.num_experts, dims.top_k, local)
-        pred_us = predict_moe_layer_time(dims, t, local, hw, INT4_FORMAT) * 1e3
+        pred_us = predict_moe_layer_time(dims, t, local, hw, fmt) * 1e3
         out.append({
             "case": row["case"], "tokens": t, "active_measured": row.get("active_slots"),
             "active_expected": touched, "measured_us": measured, "predicted_us": pred_us,
             "ratio": pred_us / measured,
             # at the full bandwidth (the fit divides it by the stream efficiency)
-            "stream_us": (touched * dims.expert_params() * bytes_per_param(INT4_FORMAT)
-                          + expert_activation_bytes(dims, rows)) / hw.hbm_bytes_per_s * 1e6,
-            "flops": rows * 2 * dims.expert_params(),
+            "stream_us": (touched * dims.expert_params() * bytes_per_param(fmt)
+                          + expert_activation_bytes(dims, rows_on)) / hw.hbm_bytes_per_s * 1e6,
+            "flops": rows_on * 2 * dims.expert_params(),
         })
     return out
 
@@ -217,7 +226,7 @@ def main_int4(args) -> int:
            "fitted_stream_efficiency": eff, "fitted_w4a16_flops_per_s": rate, "fitted_fixed_us": fixed,
            "fitted_sum_sq_rel_err": sse, "target": TARGET, "all_within_target": not outside, "rows": entries}
     out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"INT4 results {path} ({results.get('device')}); model {hw.name}: stream efficiency "
+    print(f"W4A16 results {path} ({results.get('device')}); model {hw.name}: stream efficiency "
           f"{hw.moe_w4a16_stream_efficiency:.2f}, w4a16 {hw.flops_per_s('w4a16') / 1e12:.0f} TFLOP/s, fixed "
           f"{hw.moe_w4a16_layer_fixed_us} us, overlap {hw.moe_stream_matrix_overlap:.3f}")
     print(f"{'case':15} {'T':>5} {'hit':>4} {'E[hit]':>6} {'measured':>9} {'predicted':>9} {'ratio':>6}")
@@ -234,15 +243,17 @@ def main_int4(args) -> int:
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """A bad flag is an argparse error (exit 2) naming the flag, before any work: an unreadable or wrong results
-    file, an unknown or unreadable profile, an --out whose folder is missing, --int4-results without Triton."""
-    flag, name, rows = ("--int4-results", args.int4_results, "int4_rows") if args.int4_results else (
-        "--results", args.results, "rows")
+    file, an unknown or unreadable profile, an --out whose folder is missing, --int4-results of INT4 rows without
+    Triton."""
+    flag, name, lists = ("--int4-results", args.int4_results, ("int4_rows", "mxfp4_rows")) if args.int4_results else (
+        "--results", args.results, ("rows",))
     try:
         results = json.loads(Path(name).read_text())
     except (OSError, ValueError) as exc:
         p.error(f"{flag} {name!r} cannot be read as JSON: {exc}")
-    if not isinstance(results, dict) or not isinstance(results.get(rows), list):
-        p.error(f"{flag} {name!r} holds no {rows!r} list: not a results JSON of benchmarks/moe_layer.py")
+    if not isinstance(results, dict) or not any(isinstance(results.get(k), list) for k in lists):
+        p.error(f"{flag} {name!r} holds no {' or '.join(repr(k) for k in lists)} list: not a results JSON of "
+                "benchmarks/moe_layer.py")
     if args.ceilings == "run" and not isinstance(results.get("ceilings"), dict):
         p.error(f"--ceilings run needs the run's 'ceilings' in {flag} {name!r}, which has none")
     try:
@@ -251,7 +262,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--hardware {args.hardware!r}: {exc.args[0] if isinstance(exc, KeyError) and exc.args else exc}")
     if args.out and not Path(args.out).resolve().parent.is_dir():
         p.error(f"--out {args.out!r}: folder '{Path(args.out).resolve().parent}' does not exist")
-    if args.int4_results and importlib.util.find_spec("triton") is None:
+    if args.int4_results and results.get("int4_rows") and importlib.util.find_spec("triton") is None:
         p.error("--int4-results takes each row's time from the INT4 path the backend picks, which imports Triton; "
                 "Triton is not installed here")
 
@@ -264,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="bandwidth and bf16 rate from the profile (as epmoe plan) or from the run's measurement")
     p.add_argument("--out", help="output JSON (default: planner_vs_h200.json next to --results)")
     p.add_argument("--check", action="store_true", help=f"exit 1 when a row is off by more than {TARGET * 100:.0f}%%")
-    p.add_argument("--int4-results", help="an INT4 moe_layer.py results JSON: the INT4 rows and their fit instead")
+    p.add_argument("--int4-results", help="an INT4 or MXFP4 moe_layer.py results JSON: those rows and the fit of the "
+                   "W4A16 figures instead")
     args = p.parse_args(argv)
     check_args(p, args)
     if args.int4_results:

@@ -29,6 +29,8 @@ def script(monkeypatch):
     (["--hardware", "nope"], "--hardware 'nope': hardware 'nope' is not known; shipped profiles: h100-sxm, h200-sxm"),
     (["--out", "{tmp}/missing/out.json"], "--out '{tmp}/missing/out.json': folder '{tmp}/missing' does not exist"),
     (["--int4-results", "{tmp}/missing.json"], "--int4-results '{tmp}/missing.json' cannot be read as JSON"),
+    (["--int4-results", "{tmp}/loads.json"], "--int4-results '{tmp}/loads.json' holds no 'int4_rows' or "
+     "'mxfp4_rows' list: not a results JSON of benchmarks/moe_layer.py"),
 ])
 def test_bad_flags_are_named_with_exit_2(script, tmp_path, capsys, args, message):
     (tmp_path / "text.json").write_text("not json")
@@ -60,3 +62,17 @@ def test_the_default_run_still_writes_its_table(script, tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["hardware"] == "h200-sxm" and len(doc["rows"]) == 16
     assert f"wrote {out}" in capsys.readouterr().out
+
+
+def test_mxfp4_rows_are_compared_and_fitted_without_triton(script, tmp_path, capsys):
+    # the MXFP4 rows' measured time is the backend's in the run (no path to recompute): no Triton needed
+    out = tmp_path / "out.json"
+    results = REPO / "benchmarks/results/moe_layer_mxfp4_mma_h100.json"
+    assert script.main(["--int4-results", str(results), "--hardware", "h100-sxm", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["hardware"] == "h100-sxm" and len(doc["rows"]) == 18 and doc["all_within_target"]
+    assert (doc["fitted_stream_efficiency"], doc["fitted_w4a16_flops_per_s"]) == (0.69, 338e12)
+    first = doc["rows"][0]
+    assert (first["case"], first["tokens"], first["measured_us"]) == (
+        "gptoss20b_mxfp4", 1, json.loads(results.read_text())["mxfp4_rows"][0]["mxfp4_us"])
+    assert "18/18 rows within 25%" in capsys.readouterr().out

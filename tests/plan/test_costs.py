@@ -32,6 +32,8 @@ from epmoe.plan.hardware import load_hardware, parse_hardware
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "moe_layer_h200.json"
 # benchmarks/planner_vs_h200.py --int4-results: the INT4 rows' measured times (the path the backend takes).
 INT4_RESULTS = RESULTS.with_name("planner_vs_h200_int4.json")
+# ... --hardware h100-sxm --int4-results of the MXFP4 rows measured on an H100.
+MXFP4_RESULTS = RESULTS.with_name("planner_vs_h100_mxfp4.json")
 # benchmarks/moe_layer.py's cases: Qwen3-30B-A3B layer (128 of 128 experts local), DeepSeek-V3 EP8 shard (32 of 256).
 CASES = {"qwen3": (MoEDims(2048, 768, 128, 8), 128), "dsv3": (MoEDims(7168, 2048, 256, 8), 32)}
 
@@ -157,17 +159,36 @@ def test_expert_layer_ms_int4_figures_hand_worked():
 
 
 def test_expert_layer_ms_mxfp4_priced_on_packed_bytes():
-    # D 1024, F 512, 4 experts hit, expert TP 1, MXFP4 (0.53125 B a parameter) on 1 TB/s, 100 TFLOP/s, overlap 0,
-    # 10 us fixed; packed at every size (decode kernels, then the grouped kernels). 16 rows: weights
-    # 4 x 1,572,864 x 0.53125 = 3,342,336 B + activations 16 x (3 x 1024 + 2 x 512) x 2 = 131,072 B -> 3.473408 us;
-    # matrix 16 x 2 x 1,572,864 = 50,331,648 FLOPs -> 0.50331648 us; 13.97672448 us. 300 rows: activations
-    # 2,457,600 B -> 5.799936 us; matrix 9.437184 us; 25.23712 us.
+    # D 1024, F 512, 4 experts hit, expert TP 1, MXFP4 (0.53125 B a parameter), priced with the W4A16 kernels'
+    # figures as INT4: 1 TB/s at a stream efficiency of 0.5, w4a16 50 TFLOP/s, overlap 0, 30 us fixed. 16 rows:
+    # weights 4 x 1,572,864 x 0.53125 = 3,342,336 B + activations 16 x (3 x 1024 + 2 x 512) x 2 = 131,072 B ->
+    # 6.946816 us; matrix 16 x 2 x 1,572,864 = 50,331,648 FLOPs -> 1.00663296 us; 37.95344896 us. 300 rows:
+    # activations 2,457,600 B -> 11.599872 us; matrix 18.874368 us; 60.47424 us.
     dims = MoEDims(1024, 512, 16, 2)
-    hw = dataclasses.replace(load_hardware("h200-sxm"), hbm_bytes_per_s=1e12, matmul_flops_per_s={"bf16": 1e14},
-                             moe_stream_matrix_overlap=0.0, moe_layer_fixed_us=10.0)
-    assert compute_dtype("mxfp4") == "bf16"
-    assert expert_layer_ms(dims, 16, 4, 1, hw, "mxfp4") * 1e3 == pytest.approx(13.97672448, abs=1e-9)
-    assert expert_layer_ms(dims, 300, 4, 1, hw, "mxfp4") * 1e3 == pytest.approx(25.23712, abs=1e-9)
+    hw = dataclasses.replace(load_hardware("h200-sxm"), hbm_bytes_per_s=1e12, moe_layer_fixed_us=10.0,
+                             matmul_flops_per_s={"bf16": 1e14, "w4a16": 5e13}, moe_stream_matrix_overlap=0.0,
+                             moe_w4a16_layer_fixed_us=30.0, moe_w4a16_stream_efficiency=0.5)
+    assert compute_dtype("mxfp4") == "w4a16"
+    assert expert_layer_ms(dims, 16, 4, 1, hw, "mxfp4") * 1e3 == pytest.approx(37.95344896, abs=1e-9)
+    assert expert_layer_ms(dims, 300, 4, 1, hw, "mxfp4") * 1e3 == pytest.approx(60.47424, abs=1e-9)
+
+
+def test_mxfp4_model_within_25_percent_of_h100_measurements():
+    # the H100 profile's W4A16 figures fitted to the gpt-oss MXFP4 layers measured on an H100
+    # (benchmarks/planner_vs_h200.py --hardware h100-sxm --int4-results moe_layer_mxfp4_mma_h100.json)
+    doc = json.loads(MXFP4_RESULTS.read_text())
+    hw = load_hardware("h100-sxm")
+    assert len(doc["rows"]) == 18, f"{MXFP4_RESULTS} holds {len(doc['rows'])} rows"
+    off = []
+    for row in doc["rows"]:
+        experts = {"gptoss_mxfp4": 128, "gptoss20b_mxfp4": 32}[row["case"]]
+        predicted_us = predict_moe_layer_time(MoEDims(2880, 2880, experts, 4), row["tokens"], experts, hw,
+                                              "mxfp4") * 1e3
+        if not 0.75 <= predicted_us / row["measured_us"] <= 1.25:
+            off.append(f"{row['case']} T={row['tokens']}: measured {row['measured_us']:.1f} us, predicted "
+                       f"{predicted_us:.1f} us")
+    assert not off, ("MXFP4 expert model off by more than 25% (re-fit with benchmarks/planner_vs_h200.py "
+                     "--hardware h100-sxm --int4-results): " + "; ".join(off))
 
 
 @pytest.mark.parametrize("field", ["moe_w4a16_stream_efficiency", "mla_decode_read_efficiency"])

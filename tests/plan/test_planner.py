@@ -449,6 +449,24 @@ def test_engine_step_costs_add_per_step_layer_and_sequence():
         assert 0.75 <= measured[s.batch] / s.total_ms <= 1.25, (s.batch, measured[s.batch], s.total_ms)
 
 
+@pytest.mark.parametrize("model,rows_file,weights", [
+    ("qwen3-30b-a3b", "engine_qwen3_rope_fold_h100.json", "bf16"),
+    ("gpt-oss-20b", "engine_gptoss20b_mxfp4_mma_h100.json", None),  # its MXFP4 experts, as published
+])
+def test_h100_engine_fit_prices_the_measured_steps(model, rows_file, weights):
+    """The H100 profile's engine_* terms and W4A16 figures, fitted to the engine's steps measured on an H100, price
+    them within 25% (the plan at the rows' own context)."""
+    spec = load_moe_spec(CONFIGS / f"{model}.config.json")
+    rows = json.loads(ENGINE_ROWS.with_name(rows_file).read_text())["models"][model]["rows"]
+    measured = {int(b): r["tpot_ms"] for b, r in rows.items()}
+    req = PlanRequest(spec, load_hardware("h100-sxm"), gpus=1, batches=tuple(measured),
+                      context=int(rows["1"]["ctx"]), weights=weights)
+    steps = plan(req).strategies[0].steps
+    assert len(steps) == 4 and all(s.engine_ms > 0 for s in steps)
+    for s in steps:
+        assert 0.75 <= measured[s.batch] / s.total_ms <= 1.25, (s.batch, measured[s.batch], s.total_ms)
+
+
 def test_plan_says_which_values_came_from_transformers_defaults(capsys):
     """The trimmed GLM-4.7 config has no routing group fields: plan prints the values transformers filled in."""
     glm = str(CONFIGS / "glm-4.7-fp8.config.json")

@@ -70,12 +70,11 @@ def weights_hint(weight_format: str) -> str:
 
 def compute_dtype(weight_format: str) -> str:
     """The matmul rate (a ``HardwareProfile.matmul_flops_per_s`` key) of weights stored as ``weight_format``:
-    ``fp8`` for FP8, ``w4a16`` for INT4 (the INT4 expert kernels' bf16 products of weights widened in registers;
-    a profile without that figure gives the bf16 rate), else ``bf16`` (MXFP4 weights are widened to bf16 in
-    registers)."""
+    ``fp8`` for FP8, ``w4a16`` for INT4 and MXFP4 (the W4A16 expert kernels' bf16 products of 4-bit weights widened
+    in registers; a profile without that figure gives the bf16 rate), else ``bf16``."""
     if weight_format.startswith("fp8"):
         return "fp8"
-    return "w4a16" if weight_format.startswith("int4") else "bf16"
+    return "w4a16" if weight_format.startswith("int4") or weight_format == "mxfp4" else "bf16"
 
 
 @dataclass(frozen=True)
@@ -360,12 +359,12 @@ def expert_layer_ms(
       kernels hide under the longer (0: added; 1: a ``max`` roofline);
     - fixed: the profile's ``moe_layer_fixed_us`` (alignment, launches, pipeline fill and drain of the
       kernels of one layer).
-    MXFP4 experts are read packed at every size (the decode kernels, then the grouped kernels widening the tiles in
-    registers), at the bf16 matrix rate.
-    INT4 experts (W4A16 kernels) have their own figures where the profile holds them: the ``w4a16`` matrix rate,
-    ``moe_w4a16_layer_fixed_us``, and the weights and activations streamed at ``moe_w4a16_stream_efficiency``
-    of the bandwidth (fitted to the INT4 kernels' H200 measurements by ``benchmarks/planner_vs_h200.py
-    --int4-results``).
+    INT4 and MXFP4 experts (read packed at every size by the W4A16 kernels: the decode kernels, then the
+    tensor-core kernels widening the words in registers) have their own figures where the profile holds them: the
+    ``w4a16`` matrix rate, ``moe_w4a16_layer_fixed_us``, and the weights and activations streamed at
+    ``moe_w4a16_stream_efficiency`` of the bandwidth (fitted to the kernels' measurements by
+    ``benchmarks/planner_vs_h200.py --int4-results``: the H200 profile to INT4 rows, the H100 profile to MXFP4
+    rows).
     Overlap and fixed cost are fitted together to measurements (benchmarks/planner_vs_h200.py, the
     profile's sources). The H200 Triton kernels stream weight tiles while they multiply, but not
     completely (H200 run of benchmarks/results/moe_layer_h200.json, overlap 0.579, fixed 11.1 us):
