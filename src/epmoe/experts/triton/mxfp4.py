@@ -56,14 +56,17 @@ from epmoe.experts.weights import Activation, ExpertWeights, check_expert_call
 _ZERO_BLOCK = 1024
 MXFP4_DECODE_MAX_PAIRS = 64  # the most pairs mxfp4_decode_experts takes (each read and summed per token in its grid)
 MXFP4_BACKEND_DECODE_PAIRS = 4
-"""``mxfp4_experts`` takes the decode kernels up to this many pairs (one token at gpt-oss's top-4), the grouped kernels
-above: a decode pair reads its expert's weights on its own, a row block reads them once for the slot's pairs. Set
-from the H100 run of ``benchmarks/moe_layer.py --cases gptoss_mxfp4,gptoss20b_mxfp4`` (README, the MXFP4 rows)."""
+"""``mxfp4_path`` takes the decode kernels up to this many pairs (one token at gpt-oss's top-4), the tensor-core (or
+grouped) kernels above: a decode pair reads its expert's weights on its own, a row block reads them once for the
+slot's pairs. Set from the H100 runs of ``benchmarks/moe_layer.py --cases gptoss20b_mxfp4,gptoss_mxfp4`` (README, the
+MXFP4 rows: at one token the decode and MMA kernels take the same time, at two tokens the MMA kernels 1.2x less)."""
 
 
 MXFP4_WGMMA_MIN_PAIRS_PER_SLOT = 16
 """``mxfp4_path`` takes the wgmma kernels (Hopper, bf16) from this many pairs a local slot on average, the MMA
-kernels below (as ``int4.INT4_WGMMA_MIN_PAIRS_PER_SLOT``)."""
+kernels below (as ``int4.INT4_WGMMA_MIN_PAIRS_PER_SLOT``). The H100 run of ``benchmarks/moe_layer.py --cases
+gptoss20b_mxfp4,gptoss_mxfp4`` (``moe_layer_mxfp4_mma_h100.json``) has the MMA kernels faster at 8 pairs a slot and
+the wgmma kernels faster at 32."""
 
 
 @dataclass(frozen=True)
