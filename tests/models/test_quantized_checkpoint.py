@@ -9,6 +9,7 @@ nothing of ours takes part in it.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -216,7 +217,7 @@ def test_mxfp4_matches_transformers_and_compressed_tensors():
 
 
 def test_mxfp4_bad_tensors_are_named():
-    from epmoe.experts.mxfp4 import dequantize_mxfp4
+    from epmoe.experts.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
     blocks, scales = torch.zeros(2, 3, 16, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.uint8)
     with pytest.raises(TypeError, match="MXFP4 blocks must be uint8, got torch.int8"):
@@ -229,6 +230,23 @@ def test_mxfp4_bad_tensors_are_named():
     with pytest.raises(ValueError, match="w13_blocks has 65 rows; gate and up rows"):
         MXFP4ExpertWeights(odd, torch.zeros(2, 65, 2, dtype=torch.uint8), torch.zeros(2, 64, 1, 16, dtype=torch.uint8),
                            torch.zeros(2, 64, 1, dtype=torch.uint8))
+    u8 = functools.partial(torch.zeros, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"w13_blocks \(2, 64, 0, 16\) holds no weights"):
+        MXFP4ExpertWeights(u8(2, 64, 0, 16), u8(2, 64, 0), u8(2, 0, 1, 16), u8(2, 0, 1))
+    good = (u8(2, 64, 2, 16), u8(2, 64, 2), u8(2, 64, 1, 16), u8(2, 64, 1))
+    with pytest.raises(TypeError, match="b13 must be a floating-point tensor, got torch.int64"):
+        MXFP4ExpertWeights(*good, torch.zeros(2, 64, dtype=torch.long))
+    with pytest.raises(TypeError, match="b2 must be a floating-point tensor, got torch.int32"):
+        MXFP4ExpertWeights(*good, torch.zeros(2, 64), torch.zeros(2, 64, dtype=torch.int32))
+    # E8M0's NaN code dequantizes to NaN (OCP MX), its neighbour 254 to 2 ** 127; NaN input has no code
+    one = torch.full((1, 16), 0x22, dtype=torch.uint8)  # every value 1.0
+    deq = dequantize_mxfp4(one, torch.tensor([254], dtype=torch.uint8), torch.float32)
+    assert bool((deq == 2.0 ** 127).all())
+    assert bool(dequantize_mxfp4(one, torch.tensor([255], dtype=torch.uint8), torch.float32).isnan().all())
+    w = torch.ones(2, 64)
+    w[1, 40] = float("nan")
+    with pytest.raises(ValueError, match=r"w holds 1 NaN values \(the first at \(1, 40\)\): MXFP4 has no code"):
+        quantize_mxfp4(w)
 
 
 def _broken(src: str, tmp: Path, edit) -> str:
@@ -309,6 +327,23 @@ def test_bad_quantized_checkpoint_is_named(ckpts, tmp_path, family, edit, match)
     directory = _broken(ckpts[family][0], tmp_path, edit)
     spec = load_moe_spec(directory)
     with pytest.raises(ValueError, match=match.replace(".", "[.]").replace("[.]*", ".*")):
+        load_ep_model(directory, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
+                      options=MoELayerOptions(dispatcher="local"))
+
+
+def test_mxfp4_nan_scale_is_refused_on_load(ckpts, tmp_path):
+    # E8M0's NaN code in one block scale of expert 1 (a value only the data shows: doctor reads headers, the loader
+    # the scales of its slots)
+    from epmoe.models.hf import load_ep_model
+    from epmoe.spec import load_moe_spec
+
+    def nan_scale(t, cfg):
+        t["model.layers.1.mlp.experts.down_proj_scales"][1, 3, 0] = 255
+
+    directory = _broken(ckpts["gpt-oss-mxfp4"][0], tmp_path, nan_scale)
+    spec = load_moe_spec(directory)
+    with pytest.raises(ValueError, match=r"tensor 'model[.]layers[.]1[.]mlp[.]experts[.]down_proj_scales' \(entry 1\) "
+                                         r"holds 1 scales of 255, E8M0's NaN code, the first at \(3, 0\)"):
         load_ep_model(directory, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
                       options=MoELayerOptions(dispatcher="local"))
 

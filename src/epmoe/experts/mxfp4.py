@@ -20,6 +20,7 @@ from epmoe.experts.weights import ExpertWeights, check_expert_biases
 MXFP4_BLOCK = 32
 MXFP4_BYTES = MXFP4_BLOCK // 2
 E8M0_BIAS = 127
+E8M0_NAN = 255  # the E8M0 code the OCP MX specification reserves for NaN
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
@@ -37,8 +38,8 @@ class MXFP4ExpertWeights:
         b2: ``[S, D]`` down bias or ``None``.
 
     Raises:
-        TypeError: blocks or scales not uint8.
-        ValueError: inconsistent shapes (named).
+        TypeError: blocks or scales not uint8, biases not floating point.
+        ValueError: inconsistent or empty shapes (named).
     """
 
     w13_blocks: torch.Tensor
@@ -56,6 +57,9 @@ class MXFP4ExpertWeights:
             raise ValueError(f"w13_blocks must be [S, 2F, D/32, 16], got {tuple(self.w13_blocks.shape)}")
         s, two_f, nb, _ = self.w13_blocks.shape
         d, f = nb * MXFP4_BLOCK, two_f // 2
+        if two_f == 0 or nb == 0:
+            raise ValueError(f"w13_blocks {tuple(self.w13_blocks.shape)} holds no weights: 2F and D/32 must be "
+                             f"positive")
         if two_f % 2:
             raise ValueError(f"w13_blocks has {two_f} rows; gate and up rows (2F) must be an even count")
         if f % MXFP4_BLOCK:
@@ -91,7 +95,8 @@ class MXFP4ExpertWeights:
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``blocks [..., N, K/32, 16]`` uint8 and ``scales [..., N, K/32]`` uint8 -> ``[..., N, K]`` in ``dtype``
-    (exact: every MXFP4 value is a float32).
+    (exact: every MXFP4 value is a float32). A scale of 255, E8M0's NaN code, gives NaN for its block, as the OCP MX
+    specification defines it (the checkpoint reader refuses such a scale).
 
     Raises:
         TypeError: blocks or scales not uint8.
@@ -107,6 +112,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     b = blocks.long()
     vals = torch.stack((lut[b & 0xF], lut[b >> 4]), dim=-1).flatten(-2)  # [..., K/32, 32]
     w = torch.ldexp(vals, (scales.long() - E8M0_BIAS).unsqueeze(-1).float())
+    w = torch.where((scales == E8M0_NAN).unsqueeze(-1), float("nan"), w)
     return w.flatten(-2).to(dtype)
 
 
@@ -121,10 +127,14 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ``(blocks [..., N, K/32, 16] uint8, scales [..., N, K/32] uint8)``.
 
     Raises:
-        ValueError: ``K`` not a multiple of 32.
+        ValueError: ``K`` not a multiple of 32, or ``w`` holding NaN (no MXFP4 code stands for it).
     """
     if w.shape[-1] % MXFP4_BLOCK:
         raise ValueError(f"the input dimension ({w.shape[-1]}) must be a multiple of {MXFP4_BLOCK} for MXFP4")
+    nan = torch.isnan(w)
+    if nan.any():
+        raise ValueError(f"w holds {int(nan.sum())} NaN values (the first at {tuple(nan.nonzero()[0].tolist())}): "
+                         f"MXFP4 has no code for NaN")
     groups = w.float().unflatten(-1, (-1, MXFP4_BLOCK))
     amax = groups.abs().amax(-1).clamp(min=2.0 ** -120)
     exp = (torch.floor(torch.log2(amax)) - 2).clamp(-E8M0_BIAS, E8M0_BIAS)

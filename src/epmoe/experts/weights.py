@@ -142,15 +142,19 @@ class ExpertBackend(Protocol):
 
 
 def check_expert_biases(b13: torch.Tensor | None, b2: torch.Tensor | None, slots: int, two_f: int, d: int) -> None:
-    """Check optional expert biases against their weights: ``b13 [S, 2F]`` and ``b2 [S, D]``.
+    """Check optional expert biases against their weights: ``b13 [S, 2F]`` and ``b2 [S, D]``, floating point.
 
     Raises:
         ValueError: a bias of another shape (named, with the shape expected).
+        TypeError: a bias that is not floating point (named, with its dtype).
     """
-    if b13 is not None and tuple(b13.shape) != (slots, two_f):
-        raise ValueError(f"b13 must be {(slots, two_f)}, got {tuple(b13.shape)}")
-    if b2 is not None and tuple(b2.shape) != (slots, d):
-        raise ValueError(f"b2 must be {(slots, d)}, got {tuple(b2.shape)}")
+    for name, b, shape in (("b13", b13, (slots, two_f)), ("b2", b2, (slots, d))):
+        if b is None:
+            continue
+        if tuple(b.shape) != shape:
+            raise ValueError(f"{name} must be {shape}, got {tuple(b.shape)}")
+        if not b.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {b.dtype}")
 
 
 def check_expert_call(x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, hidden_size: int, *,

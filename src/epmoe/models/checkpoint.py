@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from epmoe.experts.mxfp4 import E8M0_NAN
+
 SCALE_SUFFIX = "_scale_inv"
 _WRAPPER_PREFIX = "language_model."
 INT4_SUFFIXES = ("_packed", "_scale", "_shape")  # of "<module>.weight" in compressed-tensors' pack-quantized format
@@ -344,12 +346,20 @@ class CheckpointReader:
 
         Raises:
             KeyError: no such tensor (the directory is named).
-            ValueError: as ``check_mxfp4``.
+            ValueError: as ``check_mxfp4``; a scale of 255 (E8M0's NaN code; the tensor and the first such scale
+                named).
         """
         self.check_mxfp4(name)
         full = self.prefix + name
         scales_name = full + "_scales"
-        return self._read(full + "_blocks", index), self._read(scales_name, index)
+        scales = self._read(scales_name, index)
+        bad = scales == E8M0_NAN
+        if bad.any():
+            where = tuple(bad.nonzero()[0].tolist())
+            raise ValueError(f"checkpoint {self.directory}: tensor {scales_name!r}"
+                             f"{'' if index is None else f' (entry {index})'} holds {int(bad.sum())} scales of "
+                             f"{E8M0_NAN}, E8M0's NaN code, the first at {where}: not an MXFP4 block scale")
+        return self._read(full + "_blocks", index), scales
 
 
 _FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
