@@ -560,6 +560,17 @@ def test_mxfp4_path_choice_and_refusals():
     with pytest.raises(ValueError, match=r"the MMA kernels read packed w13 rows of whole 4-word vectors, got word "
                                          r"strides \(8704, 34, 1\)"):
         packed_mma_experts(torch.randn(1, 256).bfloat16(), slots, tw, odd, Activation())
+    # MXFP4 blocks and any scales: named where a row is not contiguous
+    strided = type(q)(q.w13_blocks.transpose(0, 1).contiguous().transpose(0, 1), q.w13_scales, q.w2_blocks,
+                      q.w2_scales, q.b13, q.b2)
+    with pytest.raises(ValueError, match=r"the wgmma kernels read w13_blocks contiguous, got strides \(48, 96, 16, "
+                                         r"1\)"):
+        packed_wgmma_experts(x.bfloat16(), slots, tw, strided, Activation())
+    cols = type(q4)(q4.w13_packed, q4.w13_scale.transpose(1, 2).contiguous().transpose(1, 2), q4.w2_packed,
+                    q4.w2_scale, group_size=32)
+    with pytest.raises(ValueError, match=r"the MMA kernels read the w13 scales of a row contiguous, got strides "
+                                         r"\(2048, 1, 256\)"):
+        packed_mma_experts(torch.randn(1, 256).bfloat16(), slots, tw, cols, Activation())
 
 
 def _kernel_case(case: str, t: int, seed: int, device: str = "cuda"):

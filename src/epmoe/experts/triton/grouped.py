@@ -493,10 +493,19 @@ def packed_words(weights: Int4ExpertWeights | MXFP4ExpertWeights, kernels: str
     as words, ``mxfp4_words``) and the words a group scale covers (``G / 8``; MXFP4: 4).
 
     Raises:
-        ValueError: word strides (slot, row) that are not multiples of 4 or rows that are not contiguous: the
-            ``kernels`` (named in the message) read whole 16-byte vectors of a row.
+        ValueError: MXFP4 blocks that are not contiguous, word strides (slot, row) that are not multiples of 4 or
+            rows that are not contiguous, scale rows that are not contiguous: the ``kernels`` (named in the message)
+            read whole 16-byte vectors of a row.
     """
+    for name, t in zip(("w13 scales", "w2 scales"), packed_scales(weights)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"the {kernels} kernels read the {name} of a row contiguous, got strides "
+                             f"{tuple(t.stride())}")
     if isinstance(weights, MXFP4ExpertWeights):
+        for name in ("w13_blocks", "w2_blocks"):
+            if not getattr(weights, name).is_contiguous():
+                raise ValueError(f"the {kernels} kernels read {name} contiguous, got strides "
+                                 f"{tuple(getattr(weights, name).stride())}")
         w13, w2 = mxfp4_words(weights.w13_blocks), mxfp4_words(weights.w2_blocks)
         gw = MXFP4_BLOCK // INT4_PACK
     else:
