@@ -467,6 +467,28 @@ def test_h100_engine_fit_prices_the_measured_steps(model, rows_file, weights):
         assert 0.75 <= measured[s.batch] / s.total_ms <= 1.25, (s.batch, measured[s.batch], s.total_ms)
 
 
+def test_the_table_adds_up_and_the_reason_names_the_engine_costs(capsys):
+    """The plan table's step is its parts, the engine's own costs a column of their own; where those costs are what
+    differs between the chosen strategy and the other family (sequences per rank: every one under TP, ``B/G`` under
+    DP attention), the recommendation names them, not a part that is equal on both sides."""
+    cfg = str(CONFIGS / "gpt-oss-20b.config.json")
+    req = PlanRequest(load_moe_spec(cfg), load_hardware("h100-sxm"), gpus=8, batches=(256,))
+    p = plan(req)
+    for sp in p.strategies:
+        st = sp.steps[0]
+        assert st.total_ms == pytest.approx(st.attention_ms + st.expert_ms + st.comm_ms + st.engine_ms)
+    by_name = {sp.strategy.name: sp.steps[0] for sp in p.strategies}
+    tp, ep = by_name["TP8"], by_name["EP8+DPattn"]
+    assert tp.engine_ms == pytest.approx(ep.engine_ms + 7 * 256 / 8 * req.hardware.engine_seq_step_us / 1e3)
+    line = recommend(p)
+    assert line.startswith("EP8+DPattn") and "the engine's own step costs" in line, line
+    assert f"take {ep.engine_ms:.2f} ms against {by_name['TP1xEP8'].engine_ms:.2f} ms for TP1xEP8" in line, line
+    assert main(["plan", "--config", cfg, "--gpus", "8", "--hardware", "h100-sxm", "--batch", "256"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "strategy" in line and "attn+dense" in line)
+    assert "┃ engine ┃" in header and f"{tp.engine_ms:.2f}" in out
+
+
 def test_plan_says_which_values_came_from_transformers_defaults(capsys):
     """The trimmed GLM-4.7 config has no routing group fields: plan prints the values transformers filled in."""
     glm = str(CONFIGS / "glm-4.7-fp8.config.json")

@@ -48,8 +48,11 @@ def _reason(best: StrategyPlan, other: StrategyPlan | None, i: int, family: str 
                     f"{o.memory.over / GIB:.1f} GiB)")
         return f"at batch {b.batch} {oname} does not fit (over by {o.memory.over / GIB:.1f} GiB)"
     deltas = {"comm": o.comm_ms - b.comm_ms, "expert": o.expert_ms - b.expert_ms,
-              "attention": o.attention_ms - b.attention_ms}
+              "attention": o.attention_ms - b.attention_ms, "engine": o.engine_ms - b.engine_ms}
     part = max(deltas, key=lambda key: deltas[key])
+    if part == "engine":
+        return (f"at batch {b.batch} the engine's own step costs (logits, sampling, host work; they grow with the "
+                f"sequences a rank holds) take {b.engine_ms:.2f} ms against {o.engine_ms:.2f} ms for {oname}")
     if part == "comm":
         return (f"at batch {b.batch} the {describe_collectives(o)} of {oname} cost {o.comm_ms:.2f} ms, more than "
                 f"the {describe_collectives(b)} of {name} ({b.comm_ms:.2f} ms)")
@@ -65,7 +68,8 @@ def recommend(p: Plan) -> str:
 
     The reason compares the chosen strategy with the fastest one of the other family (all-reduce
     strategies against all-to-all ones), or with the next fastest when there is no other family, and
-    names the part of the step (communication, expert compute, attention) that differs most.
+    names the part of the step (communication, expert compute, attention, the engine's own step costs) that differs
+    most.
 
     Example: ``TP8: at batch 1 the 120 all-to-alls of EP8+DPattn cost 3.07 ms, more than the 122
     all-reduces + 1 all-gather of TP8 (1.48 ms)``.
@@ -235,9 +239,10 @@ def plan_table(p: Plan) -> Table:
     t = Table(title=f"{Path(r.spec.source).name} on {r.gpus}x {r.hardware.gpu} ({r.hardware.name}, "
                     f"{counted(r.nodes, 'node')}), {step_kind}, context {r.context}, experts {r.expert_format}, "
                     f"balancedness {r.balancedness}",
-              caption="times in ms on the busiest rank; AR all-reduce, RS reduce-scatter, AG all-gather, A2A "
-                      "all-to-all")
-    for col in ("strategy", "batch", "step", "attn+dense", "experts", "comm", "collectives/step", "GiB/GPU",
+              caption="times in ms on the busiest rank; step = attn+dense + experts + comm + engine (the engine's "
+                      "own costs a step: logits, sampling, host work, the profile's engine_* terms); AR all-reduce, "
+                      "RS reduce-scatter, AG all-gather, A2A all-to-all")
+    for col in ("strategy", "batch", "step", "attn+dense", "experts", "comm", "engine", "collectives/step", "GiB/GPU",
                 "expert GiB", "fits"):
         t.add_column(col, justify="left" if col in ("strategy", "collectives/step", "fits") else "right",
                      no_wrap=col != "fits")
@@ -246,7 +251,8 @@ def plan_table(p: Plan) -> Table:
             m = st.memory
             fits = "yes" if m.fits else f"[red]over {m.over / GIB:.1f} GiB[/red]"
             t.add_row(sp.strategy.name, str(st.batch), f"{st.total_ms:.2f}", f"{st.attention_ms:.2f}",
-                      f"{st.expert_ms:.2f}", f"{st.comm_ms:.2f}", describe_collectives(st, short=True),
+                      f"{st.expert_ms:.2f}", f"{st.comm_ms:.2f}", f"{st.engine_ms:.2f}",
+                      describe_collectives(st, short=True),
                       f"{m.total / GIB:.1f} / {m.capacity / GIB:.0f}", f"{m.expert_weights / GIB:.1f}", fits)
         t.add_section()
     return t
