@@ -46,6 +46,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -241,6 +242,31 @@ def main_int4(args) -> int:
     return 1 if args.check and outside else 0
 
 
+def _bad_packed_row(results: dict) -> str | None:
+    """What is wrong with the INT4 and MXFP4 rows of ``results`` (``None``: nothing): none at all, an unknown case, a
+    ``tokens`` that is not a positive integer, or a time (``mxfp4_us``, each ``int4_*_us``) that is not a positive
+    finite number; the row and field named."""
+    rows = [(f"int4_rows[{i}]", row, INT4_CASES) for i, row in enumerate(results.get("int4_rows") or [])]
+    rows += [(f"mxfp4_rows[{i}]", row, MXFP4_CASES) for i, row in enumerate(results.get("mxfp4_rows") or [])]
+    if not rows:
+        return "holds no INT4 or MXFP4 row to compare"
+    for where, row, cases in rows:
+        if not isinstance(row, dict) or row.get("case") not in cases:
+            case = row.get("case") if isinstance(row, dict) else row
+            return f"{where} has case {case!r}; known: {', '.join(cases)}"
+        tokens = row.get("tokens")
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+            return f"{where} has tokens {tokens!r}; expected a positive integer"
+        times = {k: v for k, v in row.items() if k.endswith("_us") and (k == "mxfp4_us" or k.startswith("int4_"))
+                 and not k.endswith("floor_us")}
+        if cases is MXFP4_CASES and "mxfp4_us" not in times:
+            return f"{where} has no 'mxfp4_us' (the backend's time)"
+        for k, v in times.items():
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+                return f"{where} has {k} {v!r}; expected a positive finite number of us"
+    return None
+
+
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """A bad flag is an argparse error (exit 2) naming the flag, before any work: an unreadable or wrong results
     file, an unknown or unreadable profile, an --out whose folder is missing, --int4-results of INT4 rows without
@@ -252,14 +278,22 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     except (OSError, ValueError) as exc:
         p.error(f"{flag} {name!r} cannot be read as JSON: {exc}")
     if not isinstance(results, dict) or not any(isinstance(results.get(k), list) for k in lists):
+        bf16 = args.int4_results and isinstance(results, dict) and isinstance(results.get("rows"), list)
+        hint = " (its 'rows' are a bf16 run's: --results takes them)" if bf16 else ""
         p.error(f"{flag} {name!r} holds no {' or '.join(repr(k) for k in lists)} list: not a results JSON of "
-                "benchmarks/moe_layer.py")
+                f"benchmarks/moe_layer.py{hint}")
+    if args.int4_results:
+        bad = _bad_packed_row(results)
+        if bad:
+            p.error(f"{flag} {name!r}: {bad}")
     if args.ceilings == "run" and not isinstance(results.get("ceilings"), dict):
         p.error(f"--ceilings run needs the run's 'ceilings' in {flag} {name!r}, which has none")
     try:
         load_hardware(args.hardware)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         p.error(f"--hardware {args.hardware!r}: {exc.args[0] if isinstance(exc, KeyError) and exc.args else exc}")
+    if args.out and Path(args.out).is_dir():
+        p.error(f"--out {args.out!r} is a folder; it names the JSON file to write")
     if args.out and not Path(args.out).resolve().parent.is_dir():
         p.error(f"--out {args.out!r}: folder '{Path(args.out).resolve().parent}' does not exist")
     if args.int4_results and results.get("int4_rows") and importlib.util.find_spec("triton") is None:

@@ -31,6 +31,9 @@ def script(monkeypatch):
     (["--int4-results", "{tmp}/missing.json"], "--int4-results '{tmp}/missing.json' cannot be read as JSON"),
     (["--int4-results", "{tmp}/loads.json"], "--int4-results '{tmp}/loads.json' holds no 'int4_rows' or "
      "'mxfp4_rows' list: not a results JSON of benchmarks/moe_layer.py"),
+    (["--int4-results", "{tmp}/rows.json"], "--int4-results '{tmp}/rows.json' holds no 'int4_rows' or 'mxfp4_rows' "
+     "list: not a results JSON of benchmarks/moe_layer.py (its 'rows' are a bf16 run's: --results takes them)"),
+    (["--out", "{tmp}"], "--out '{tmp}' is a folder; it names the JSON file to write"),
 ])
 def test_bad_flags_are_named_with_exit_2(script, tmp_path, capsys, args, message):
     (tmp_path / "text.json").write_text("not json")
@@ -76,3 +79,24 @@ def test_mxfp4_rows_are_compared_and_fitted_without_triton(script, tmp_path, cap
     assert (first["case"], first["tokens"], first["measured_us"]) == (
         "gptoss20b_mxfp4", 1, json.loads(results.read_text())["mxfp4_rows"][0]["mxfp4_us"])
     assert "18/18 rows within 25%" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda rows: rows.clear(), "holds no INT4 or MXFP4 row to compare"),
+    (lambda rows: rows[2].update(mxfp4_us=float("nan")), "mxfp4_rows[2] has mxfp4_us nan; expected a positive finite"),
+    (lambda rows: rows[2].update(mxfp4_us="fast"), "mxfp4_rows[2] has mxfp4_us 'fast'; expected a positive finite"),
+    (lambda rows: rows[2].update(mxfp4_us=-1.0), "mxfp4_rows[2] has mxfp4_us -1.0; expected a positive finite"),
+    (lambda rows: rows[2].pop("mxfp4_us"), "mxfp4_rows[2] has no 'mxfp4_us' (the backend's time)"),
+    (lambda rows: rows[0].update(tokens=-3), "mxfp4_rows[0] has tokens -3; expected a positive integer"),
+    (lambda rows: rows[1].update(case="x"), "mxfp4_rows[1] has case 'x'; known: gptoss_mxfp4, gptoss20b_mxfp4"),
+])
+def test_bad_mxfp4_rows_are_named_with_exit_2(script, tmp_path, capsys, edit, message):
+    doc = json.loads((REPO / "benchmarks/results/moe_layer_mxfp4_mma_h100.json").read_text())
+    edit(doc["mxfp4_rows"])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(SystemExit) as exc:
+        script.main(["--int4-results", str(bad), "--hardware", "h100-sxm", "--out", str(tmp_path / "out.json")])
+    assert exc.value.code == 2
+    assert f": error: --int4-results '{bad}': {message}" in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()
