@@ -245,8 +245,22 @@ def test_mxfp4_bad_tensors_are_named():
     assert bool(dequantize_mxfp4(one, torch.tensor([255], dtype=torch.uint8), torch.float32).isnan().all())
     w = torch.ones(2, 64)
     w[1, 40] = float("nan")
-    with pytest.raises(ValueError, match=r"w holds 1 NaN values \(the first at \(1, 40\)\): MXFP4 has no code"):
+    w[0, 50] = float("-inf")
+    with pytest.raises(ValueError, match=r"w holds 2 NaN or infinite values \(the first at \(0, 50\)\): MXFP4 has no "
+                                         r"code for them"):
         quantize_mxfp4(w)
+    with pytest.raises(ValueError, match="w must have at least one dimension"):
+        quantize_mxfp4(torch.tensor(1.0))
+    for bad, name in ((torch.ones(32, dtype=torch.complex64), "torch.complex64"), (torch.ones(32, dtype=torch.int32),
+                      "torch.int32"), (torch.ones(32).numpy(), "ndarray")):
+        with pytest.raises(TypeError, match=f"w must be a real floating-point tensor, got {name}"):
+            quantize_mxfp4(bad)
+    with pytest.raises(TypeError, match="MXFP4 values dequantize to a floating-point dtype, got torch.int32"):
+        dequantize_mxfp4(one, torch.tensor([127], dtype=torch.uint8), torch.int32)
+    with pytest.raises(TypeError, match="w13_blocks must be a torch.Tensor, got ndarray"):
+        MXFP4ExpertWeights(good[0].numpy(), *good[1:])
+    with pytest.raises(TypeError, match="b2 must be a torch.Tensor, got list"):
+        MXFP4ExpertWeights(*good, None, [0.0] * 64)
 
 
 def _broken(src: str, tmp: Path, edit) -> str:
@@ -303,6 +317,16 @@ def _mxfp4_blocks_int8(t, cfg):
     t["model.layers.1.mlp.experts.down_proj_blocks"] = t["model.layers.1.mlp.experts.down_proj_blocks"].to(torch.int8)
 
 
+def _mxfp4_blocks_cut(t, cfg):
+    for suffix in ("_blocks", "_scales"):  # half the rows, blocks and scales agreeing with each other
+        key = "model.layers.1.mlp.experts.gate_up_proj" + suffix
+        t[key] = t[key][:, :32].contiguous()
+
+
+def _drop_mxfp4_blocks(t, cfg):
+    del t["model.layers.1.mlp.experts.gate_up_proj_blocks"]
+
+
 # every checkpoint the loader refuses, doctor's up-front check (headers and config.json only) refuses the same way
 REFUSED = [
     ("kimi-k2.5-int4", _drop_scale, rf"{EXPERT}.down_proj.weight_packed.*no '{EXPERT}.down_proj.weight_scale'"),
@@ -316,6 +340,9 @@ REFUSED = [
     ("kimi-k2.5-int4", _group_string, r"weights.group_size is '32'; expected an integer"),
     ("gpt-oss-mxfp4", _drop_mxfp4_scales, r"no 'model.layers.1.mlp.experts.down_proj_scales'"),
     ("gpt-oss-mxfp4", _mxfp4_blocks_int8, r"down_proj_blocks / .*down_proj_scales are I8 / U8, expected U8 / U8"),
+    ("gpt-oss-mxfp4", _mxfp4_blocks_cut, r"tensor 'model.layers.1.mlp.experts.gate_up_proj' \(stored as "
+     r"'model.layers.1.mlp.experts.gate_up_proj_blocks' of shape \(8, 32, 2, 16\), read as \(8, 64, 32\)\), expected "
+     r"\(8, 64, 64\)"),
 ]
 
 
@@ -327,6 +354,19 @@ def test_bad_quantized_checkpoint_is_named(ckpts, tmp_path, family, edit, match)
     directory = _broken(ckpts[family][0], tmp_path, edit)
     spec = load_moe_spec(directory)
     with pytest.raises(ValueError, match=match.replace(".", "[.]").replace("[.]*", ".*")):
+        load_ep_model(directory, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
+                      options=MoELayerOptions(dispatcher="local"))
+
+
+def test_mxfp4_blocks_missing_beside_their_scales_is_named(ckpts, tmp_path):
+    from epmoe.models.hf import load_ep_model
+    from epmoe.spec import load_moe_spec
+
+    directory = _broken(ckpts["gpt-oss-mxfp4"][0], tmp_path, _drop_mxfp4_blocks)
+    spec = load_moe_spec(directory)
+    with pytest.raises(KeyError, match=r"no tensor 'model[.]layers[.]1[.]mlp[.]experts[.]gate_up_proj' \(it holds "
+                                       r"'model[.]layers[.]1[.]mlp[.]experts[.]gate_up_proj_scales' without the tensor "
+                                       r"they belong with\)"):
         load_ep_model(directory, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
                       options=MoELayerOptions(dispatcher="local"))
 

@@ -38,7 +38,7 @@ class MXFP4ExpertWeights:
         b2: ``[S, D]`` down bias or ``None``.
 
     Raises:
-        TypeError: blocks or scales not uint8, biases not floating point.
+        TypeError: a field that is not a tensor, blocks or scales not uint8, biases not floating point.
         ValueError: inconsistent or empty shapes (named).
     """
 
@@ -50,6 +50,10 @@ class MXFP4ExpertWeights:
     b2: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        for name in ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales", "b13", "b2"):
+            value = getattr(self, name)
+            if not isinstance(value, torch.Tensor) and (value is not None or not name.startswith("b")):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
         for name in ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"):
             if getattr(self, name).dtype != torch.uint8:
                 raise TypeError(f"{name} must be uint8, got {getattr(self, name).dtype}")
@@ -99,12 +103,14 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     specification defines it (the checkpoint reader refuses such a scale).
 
     Raises:
-        TypeError: blocks or scales not uint8.
+        TypeError: blocks or scales not uint8, ``dtype`` not a floating-point dtype.
         ValueError: shapes that do not fit each other.
     """
     for name, t in (("blocks", blocks), ("scales", scales)):
         if t.dtype != torch.uint8:
             raise TypeError(f"MXFP4 {name} must be uint8, got {t.dtype}")
+    if not dtype.is_floating_point:
+        raise TypeError(f"MXFP4 values dequantize to a floating-point dtype, got {dtype}")
     if blocks.dim() < 2 or blocks.shape[-1] != MXFP4_BYTES or tuple(scales.shape) != tuple(blocks.shape[:-1]):
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not fit: expected "
                          f"blocks [..., K/32, 16] and scales [..., K/32]")
@@ -121,20 +127,27 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Each block's scale is ``2 ** (floor(log2(amax)) - 2)`` (the OCP MX rule: the block maximum's exponent minus
     E2M1's largest exponent, 2), values are rounded to the nearest E2M1 value (a tie to the smaller magnitude) and
-    saturate at 6.
+    saturate at 6 (times the block's scale).
 
     Returns:
         ``(blocks [..., N, K/32, 16] uint8, scales [..., N, K/32] uint8)``.
 
     Raises:
-        ValueError: ``K`` not a multiple of 32, or ``w`` holding NaN (no MXFP4 code stands for it).
+        TypeError: ``w`` not a real floating-point tensor.
+        ValueError: ``w`` of no dimension, ``K`` not a multiple of 32, or ``w`` holding NaN or infinity (no MXFP4
+            code stands for them; the count and the first position named).
     """
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+        raise TypeError(f"w must be a real floating-point tensor, got "
+                        f"{w.dtype if isinstance(w, torch.Tensor) else type(w).__name__}")
+    if w.dim() == 0:
+        raise ValueError("w must have at least one dimension (its last is K, a multiple of 32), got a 0-d tensor")
     if w.shape[-1] % MXFP4_BLOCK:
         raise ValueError(f"the input dimension ({w.shape[-1]}) must be a multiple of {MXFP4_BLOCK} for MXFP4")
-    nan = torch.isnan(w)
-    if nan.any():
-        raise ValueError(f"w holds {int(nan.sum())} NaN values (the first at {tuple(nan.nonzero()[0].tolist())}): "
-                         f"MXFP4 has no code for NaN")
+    bad = ~torch.isfinite(w)
+    if bad.any():
+        raise ValueError(f"w holds {int(bad.sum())} NaN or infinite values (the first at "
+                         f"{tuple(bad.nonzero()[0].tolist())}): MXFP4 has no code for them")
     groups = w.float().unflatten(-1, (-1, MXFP4_BLOCK))
     amax = groups.abs().amax(-1).clamp(min=2.0 ** -120)
     exp = (torch.floor(torch.log2(amax)) - 2).clamp(-E8M0_BIAS, E8M0_BIAS)

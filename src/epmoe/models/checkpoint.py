@@ -129,6 +129,18 @@ class CheckpointReader:
         """``int4`` or ``mxfp4`` when tensor ``name`` is stored packed in that format, else ``None``."""
         return self._packed.get(self.prefix + name)
 
+    def stored_shape(self, name: str) -> tuple[int, ...]:
+        """Shape of the stored tensor ``name`` (a packed format's own tensors by their names: ``..._blocks``,
+        ``..._packed``) from the file headers.
+
+        Raises:
+            KeyError: the checkpoint has no tensor of that name (the directory is named).
+        """
+        full = self.prefix + name
+        if full not in self.weight_map:
+            raise KeyError(f"checkpoint {self.directory} has no tensor {name!r}")
+        return tuple(self._handle(full).get_slice(full).get_shape())
+
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of tensor ``name`` as ``get`` returns it, from the file headers (no weight data read): a packed
         tensor's dequantized shape (INT4: its ``weight_shape`` values, else ``[N, 8 * words]``; MXFP4 fused

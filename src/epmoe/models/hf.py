@@ -479,10 +479,13 @@ def check_checkpoint(checkpoint_dir: str, experts: Callable[[int], Iterable[int]
     every = _expected_tensors(model, spec, layout, None)
     for name, (shape, owner) in (every if experts is None else _expected_tensors(model, spec, layout, experts)).items():
         if name not in reader:
+            full = reader.prefix + name
+            parts = sorted(k for k in reader.weight_map if k.startswith(full + "_") and not k.endswith("_bias"))
+            held = f" (it holds {', '.join(map(repr, parts))} without the tensor they belong with)" if parts else ""
             if owner:
                 raise KeyError(f"checkpoint is missing a tensor of {owner}: checkpoint {reader.directory} has no "
-                               f"tensor {name!r}")
-            raise KeyError(f"checkpoint {checkpoint_dir} is missing tensor {name!r}")
+                               f"tensor {name!r}{held}")
+            raise KeyError(f"checkpoint {checkpoint_dir} is missing tensor {name!r}{held}")
         stored = reader.packed_format(name)
         if owner and stored != packed and not name.endswith("bias"):  # expert biases stay unpacked
             raise ValueError(f"checkpoint {reader.directory}: tensor {name!r} of {owner} is stored "
@@ -491,12 +494,15 @@ def check_checkpoint(checkpoint_dir: str, experts: Callable[[int], Iterable[int]
         if stored == "int4":  # weight_shape against config.json, the packed values and scales against both
             reader.check_int4(name, shape)
             continue
+        if stored == "mxfp4":  # its scales companion, dtypes and shapes, then the blocks against config.json
+            reader.check_mxfp4(name)
         found = reader.shape(name)
         if found != shape:
-            raise ValueError(f"checkpoint {reader.directory}: tensor {name!r} has shape {found}, expected {shape} "
-                             f"from config.json (does config.json belong to these weights?)")
-        if stored == "mxfp4":  # its scales companion, dtypes and shapes
-            reader.check_mxfp4(name)
+            as_stored = (f" (stored as {name + '_blocks'!r} of shape {reader.stored_shape(name + '_blocks')}, read "
+                         f"as {found})" if stored == "mxfp4" else f" has shape {found}")
+            raise ValueError(f"checkpoint {reader.directory}: tensor {name!r}{as_stored}, expected {shape} from "
+                             f"config.json (does config.json belong to these weights?)")
+        if stored == "mxfp4":
             continue
         dtype = reader.dtype(name)
         if dtype not in WEIGHT_HEADER_DTYPES:  # an integer tensor would be copied into the float weight as numbers
