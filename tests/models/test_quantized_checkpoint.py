@@ -382,8 +382,8 @@ def test_mxfp4_nan_scale_is_refused_on_load(ckpts, tmp_path):
 
     directory = _broken(ckpts["gpt-oss-mxfp4"][0], tmp_path, nan_scale)
     spec = load_moe_spec(directory)
-    with pytest.raises(ValueError, match=r"tensor 'model[.]layers[.]1[.]mlp[.]experts[.]down_proj_scales' \(entry 1\) "
-                                         r"holds 1 scales of 255, E8M0's NaN code, the first at \(3, 0\)"):
+    with pytest.raises(ValueError, match=r"tensor 'model[.]layers[.]1[.]mlp[.]experts[.]down_proj_scales' \(expert 1\) "
+                                         r"holds 1 scale of 255, E8M0's NaN code, the first at \(3, 0\)"):
         load_ep_model(directory, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
                       options=MoELayerOptions(dispatcher="local"))
 

@@ -368,9 +368,11 @@ class CheckpointReader:
         bad = scales == E8M0_NAN
         if bad.any():
             where = tuple(bad.nonzero()[0].tolist())
+            count = int(bad.sum())
             raise ValueError(f"checkpoint {self.directory}: tensor {scales_name!r}"
-                             f"{'' if index is None else f' (entry {index})'} holds {int(bad.sum())} scales of "
-                             f"{E8M0_NAN}, E8M0's NaN code, the first at {where}: not an MXFP4 block scale")
+                             f"{'' if index is None else f' (expert {index})'} holds {count} "
+                             f"{'scale' if count == 1 else 'scales'} of {E8M0_NAN}, E8M0's NaN code, the first at "
+                             f"{where}: not an MXFP4 block scale")
         return self._read(full + "_blocks", index), scales
 
 
