@@ -386,3 +386,23 @@ def test_a_field_named_by_its_transformers_alias_is_read(tmp_path, name, model_t
     spec = load_moe_spec(path)
     assert spec.num_experts == value
     assert field not in dict(spec.defaults)
+
+
+def test_windowed_and_chunked_layers_are_read_from_layer_types():
+    # gpt-oss: alternating 128-position sliding windows; Llama-4: transformers' rule without layer_types (RoPE
+    # layers chunked at attention_chunk_size, every 4th full); Qwen3: every layer full
+    oss = load_moe_spec(CONFIGS / "gpt-oss-20b.config.json").attention
+    assert oss.layer_spans == (128, None) * 12
+    assert oss.attended_positions(4096, 24) == ((12, 4096), (12, 128))
+    assert oss.attended_positions(100, 24) == ((24, 100),)  # a context inside the window: every layer reads it all
+    llama = load_moe_spec(CONFIGS / "llama-4-scout-17b-16e-instruct.config.json").attention
+    assert llama.layer_spans == (8192, 8192, 8192, None) * 12
+    assert llama.attended_positions(32768, 48) == ((12, 32768), (36, 8192))
+    qwen = load_moe_spec(CONFIGS / "qwen3-30b-a3b.config.json").attention
+    assert qwen.layer_spans == () and qwen.attended_positions(4096, 48) == ((48, 4096),)
+    cfg = json.loads((CONFIGS / "gpt-oss-20b.config.json").read_text())
+    with pytest.raises(ValueError, match=r"layer_types has 23 entries, expected one per layer \(24\)"):
+        parse_moe_spec({**cfg, "layer_types": cfg["layer_types"][:23]})
+    with pytest.raises(ValueError, match="layer_types names 'sliding_attention' layers but sliding_window is None; "
+                                         "expected a positive integer"):
+        parse_moe_spec({**cfg, "sliding_window": None})

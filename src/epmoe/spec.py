@@ -43,6 +43,9 @@ class AttentionSpec:
         kv_lora_rank: MLA compressed KV width, 0 when the model has no MLA.
         q_lora_rank: MLA query low-rank width, 0 when absent.
         qk_rope_head_dim: MLA decoupled RoPE key width, 0 when absent.
+        layer_spans: per decoder layer, the most earlier positions (the current one included) a decode query
+            attends: a ``sliding_attention`` layer's window (gpt-oss), a ``chunked_attention`` layer's chunk
+            (Llama-4), ``None`` for full attention; empty when every layer attends the whole context.
     """
 
     num_heads: int
@@ -52,6 +55,19 @@ class AttentionSpec:
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    layer_spans: tuple[int | None, ...] = ()
+
+    def attended_positions(self, context: int, num_layers: int) -> tuple[tuple[int, int], ...]:
+        """``(layers, positions)`` groups: how many of the ``num_layers`` decoder layers read how many of
+        ``context`` cached positions a decode step (``min(context, span)`` for a windowed or chunked layer, as the
+        engine's decode kernel visits only those), largest first."""
+        if not self.layer_spans:
+            return ((num_layers, context),)
+        counts: dict[int, int] = {}
+        for span in self.layer_spans:
+            n = context if span is None else min(context, span)
+            counts[n] = counts.get(n, 0) + 1
+        return tuple((layers, n) for n, layers in sorted(counts.items(), reverse=True))
 
     @property
     def is_mla(self) -> bool:
@@ -394,6 +410,36 @@ FAMILY_PARSERS: Mapping[str, Callable[[ConfigFields, str], FamilyFacts]] = Mappi
 })
 
 
+def _layer_spans(cfg: dict[str, Any], mt: str, num_layers: int, source: str) -> tuple[int | None, ...]:
+    """``AttentionSpec.layer_spans`` from ``layer_types`` (``sliding_attention``: ``sliding_window``;
+    ``chunked_attention``: ``attention_chunk_size``), or for Llama-4 without it from transformers' rule (the layers
+    with RoPE, all but every ``no_rope_layer_interval``-th, are chunked); ``()`` when every layer is full.
+
+    Raises:
+        ValueError: ``layer_types`` not one entry a layer, or a windowed layer without a positive size (named).
+    """
+    types = cfg.get("layer_types")
+    if not types and mt == "llama4_text" and cfg.get("attention_chunk_size"):
+        interval = cfg.get("no_rope_layer_interval") or 4
+        rope = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(num_layers)]
+        types = ["chunked_attention" if r else "full_attention" for r in rope]
+    if not types:
+        return ()
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise ValueError(f"{source}: layer_types has {len(types) if isinstance(types, list) else types!r} entries, "
+                         f"expected one per layer ({num_layers})")
+    sizes = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
+    spans: list[int | None] = []
+    for kind in types:
+        field = sizes.get(kind)
+        size = cfg.get(field) if field else None
+        if field and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise ValueError(f"{source}: layer_types names {kind!r} layers but {field} is {size!r}; expected a "
+                             f"positive integer")
+        spans.append(size)
+    return tuple(spans) if any(x is not None for x in spans) else ()
+
+
 def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
     """Parse the MoE facts from a Hugging Face config dict.
 
@@ -484,7 +530,8 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
         if num_heads % num_kv:
             raise ValueError(f"{source}: num_key_value_heads ({num_kv}) must divide num_attention_heads ({num_heads})")
         head_dim = f.int("head_dim", fallback=max(1, hidden // num_heads))
-        attention = AttentionSpec(num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dim, v_head_dim=head_dim)
+        attention = AttentionSpec(num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dim, v_head_dim=head_dim,
+                                  layer_spans=_layer_spans(cfg, mt, num_layers, source))
 
     return MoESpec(
         model_type=mt, source=source, num_layers=num_layers, moe_layers=moe_layers,

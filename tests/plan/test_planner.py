@@ -539,3 +539,20 @@ def test_mxfp4_is_priced_packed_above_the_decode_kernels():
     req = PlanRequest(load_moe_spec(cfg), load_hardware(H200), gpus=1, batches=(16, 17))
     sixteen, seventeen = plan(req).strategies[0].steps
     assert sixteen.total_ms < seventeen.total_ms < 1.1 * sixteen.total_ms
+
+
+def test_windowed_layers_read_only_their_window():
+    """gpt-oss's 12 sliding-window layers read 128 cached positions a decode step, not the whole context: at batch 1
+    (attention bound by its bytes) the step is cheaper than with every layer full by those layers' KV bytes past
+    the window; at a context inside the window the two plans agree."""
+    spec = load_moe_spec(CONFIGS / "gpt-oss-20b.config.json")
+    full = dataclasses.replace(spec, attention=dataclasses.replace(spec.attention, layer_spans=()))
+    hw = load_hardware(H200)
+
+    def attention(s, context):
+        return plan(PlanRequest(s, hw, gpus=1, batches=(1,), context=context)).strategies[0].steps[0].attention_ms
+
+    kv = 2 * spec.attention.num_kv_heads * spec.attention.head_dim * 2  # bytes a position and layer
+    assert attention(spec, 32768) == pytest.approx(
+        attention(full, 32768) - 12 * (32768 - 128) * kv / hw.hbm_bytes_per_s * 1e3, rel=1e-9)
+    assert attention(spec, 100) == pytest.approx(attention(full, 100), rel=1e-12)

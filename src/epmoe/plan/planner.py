@@ -161,13 +161,16 @@ def _step(req: PlanRequest, s: Strategy, batch: int) -> StepEstimate:
     t_attn = seqs_attn * positions
     t_moe = math.ceil(tokens / g) if s.mode != "all_reduce" else tokens  # tokens entering MoE on this rank
 
-    # attention + dense: per-layer rooflines
+    # attention + dense: per-layer rooflines; a windowed or chunked layer reads only its span of the context
     attn_w = attention_params(spec).per_rank(s.attn_tp, spec.attention.num_kv_heads)
-    kv_read = seqs_attn * req.context * kv_bytes_per_token(spec, s.attn_tp)
-    score = t_attn * req.context * attention_score_flops(spec) / s.attn_tp
-    attn_ms = roofline_ms(attn_w * dense_b + kv_read, 2 * attn_w * t_attn + score, bw, dense_flops)
-    if spec.attention.is_mla:  # the latent cache read once per head block, below the copy bandwidth
-        attn_ms += kv_read * (kv_read_passes(spec, s.attn_tp) / hw.mla_decode_read_efficiency - 1) / bw * 1e3
+    layers_attn_ms = 0.0
+    for layers, positions in spec.attention.attended_positions(req.context, spec.num_layers):
+        kv_read = seqs_attn * positions * kv_bytes_per_token(spec, s.attn_tp)
+        score = t_attn * positions * attention_score_flops(spec) / s.attn_tp
+        attn_ms = roofline_ms(attn_w * dense_b + kv_read, 2 * attn_w * t_attn + score, bw, dense_flops)
+        if spec.attention.is_mla:  # the latent cache read once per head block, below the copy bandwidth
+            attn_ms += kv_read * (kv_read_passes(spec, s.attn_tp) / hw.mla_decode_read_efficiency - 1) / bw * 1e3
+        layers_attn_ms += layers * attn_ms
     mlp_split = s.attn_tp
     dense_p = 3 * d * spec.dense_intermediate_size / mlp_split
     dense_ms = roofline_ms(dense_p * dense_b, 2 * dense_p * t_attn, bw, dense_flops)
@@ -179,7 +182,7 @@ def _step(req: PlanRequest, s: Strategy, batch: int) -> StepEstimate:
     lm_split = 1 if dp else s.attn_tp
     lm_ms = roofline_ms(v * d / lm_split * bf16, 2 * v * d / lm_split * t_attn, bw, hw.flops_per_s("bf16"))
     n_dense, n_moe = len(spec.dense_layers), spec.num_moe_layers
-    attention_ms = spec.num_layers * attn_ms + n_dense * dense_ms + n_moe * moe_side_ms + lm_ms
+    attention_ms = layers_attn_ms + n_dense * dense_ms + n_moe * moe_side_ms + lm_ms
 
     # routed experts on the busiest rank
     # Weights read: the experts the step's tokens hit (``expected_distinct_experts``). Under EP the busiest
