@@ -366,10 +366,10 @@ def test_eos_ids_of_generation_config_stop_generation(model_dir, reference, tmp_
 def test_a_failed_step_leaves_the_engine_serving(model_dir, reference, monkeypatch):
     # a step that raises (here the sampler, at the fourth call) ends generate with the error; its requests are
     # aborted and their blocks freed, and the next call serves as if nothing had happened
-    import epmoe.engine.engine as engine_module
+    import epmoe.engine.overlap as overlap_module
 
     engine = Engine(config(model_dir))
-    real, calls = engine_module.sample, []
+    real, calls = overlap_module.sample, []
 
     def failing(*args, **kw):
         calls.append(1)
@@ -377,7 +377,7 @@ def test_a_failed_step_leaves_the_engine_serving(model_dir, reference, monkeypat
             raise RuntimeError("sampler failed")
         return real(*args, **kw)
 
-    monkeypatch.setattr(engine_module, "sample", failing)
+    monkeypatch.setattr(overlap_module, "sample", failing)
     with pytest.raises(RuntimeError, match="sampler failed"):
         engine.generate(PROMPTS, GREEDY)
     outs = engine.generate(PROMPTS, GREEDY)

@@ -1,4 +1,4 @@
-"""The continuous-batching scheduler alone: hand-made sequences, steps simulated as ``Engine._advance`` does."""
+"""The continuous-batching scheduler alone: hand-made sequences, steps simulated as ``verify_step.advance`` does."""
 
 from __future__ import annotations
 

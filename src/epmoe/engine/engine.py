@@ -20,18 +20,11 @@ Usage (one process)::
 Step API (the server's): ``add_request``, ``step() -> list[RequestOutput]``, ``abort``,
 ``has_unfinished``.
 
-Overlap schedule (SGLang's, vLLM's async scheduling; on unless ``EngineConfig.disable_overlap_schedule`` or
-speculative decoding): a step's tokens are sampled on the device and copied back without waiting; the host
-plans and launches the next step first (the sequences grow by a placeholder token, which that step reads
-from the device token buffer, ``ModelRunner.keep_sampled``) and only then reads them back, checks stop
-conditions and reports them. So ``step()`` returns a step's tokens one call later, the GPU is not left idle
-while the host samples, schedules and launches, and a sequence that stops (EOS, a stop string) may be fed
-once more, its extra token dropped. A sequence is never fed past ``max_tokens`` or the context.
+Overlap schedule (on unless ``EngineConfig.disable_overlap_schedule`` or speculative decoding): ``step()``
+returns a step's tokens one call later, read back while the next step runs (``epmoe.engine.overlap``).
 
-With speculative decoding (``EngineConfig.speculative_algorithm``), a proposer (``epmoe.engine.ngram``,
-``draft``, ``eagle3``) proposes up to K tokens per decoding request before the model runs; the step then
-verifies them (``epmoe.engine.speculative``): a decode step of ``B (K + 1)`` rows, replayed from its own
-CUDA-graph buckets, after which each request advances by the proposals that stand plus one token.
+With speculative decoding (``EngineConfig.speculative_algorithm``), a proposer proposes up to K tokens per
+decoding request before the model runs; the step then verifies them (``epmoe.engine.verify_step``).
 """
 
 from __future__ import annotations
@@ -41,78 +34,34 @@ import numbers
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from epmoe.comm import Comm
 from epmoe.engine.admission import Admission
-from epmoe.engine.attention import register_attention
-from epmoe.engine.capacity import draft_sizes, graph_sizes, kv_blocks, piece_sizes
+from epmoe.engine.agreement import agree, agree_max, host_group
+from epmoe.engine.capacity import draft_sizes, graph_sizes, kv_blocks
+from epmoe.engine.capture import capture_graphs, tp_static_hooks
 from epmoe.engine.config import EPLB_WINDOW_STEPS, EngineConfig
-from epmoe.engine.fused_norm import fuse_norms
-from epmoe.engine.group import trivial_or_file_placement
 from epmoe.engine.kv_cache import BlockAllocator, KVCache, KVLayout
-from epmoe.engine.logprobs import (
-    RowLogprobs,
-    emitted_logprobs,
-    logprob_entries,
-    record_prompt_logprobs,
-    token_logprobs,
-)
-from epmoe.engine.mla import install_mla
+from epmoe.engine.loading import load_model, placement_and_dispatcher
 from epmoe.engine.model_runner import ModelRunner, StepOutput, ep_static_hooks
+from epmoe.engine.overlap import Launch, resolve, sample_rows, sampling_rows, start_copy
 from epmoe.engine.proposers import make_proposer
-from epmoe.engine.request import PENDING_TOKEN, RequestOutput, Sequence
-from epmoe.engine.rope_attention import install_rope_attention
-from epmoe.engine.sampling import SamplingParams, TokenCounts, sample
+from epmoe.engine.request import RequestOutput, Sequence
+from epmoe.engine.sampling import SamplingParams, TokenCounts
 from epmoe.engine.scheduler import Scheduler, StepPlan
-from epmoe.engine.speculative import Proposal, SpecStats, verify, verify_greedy
-from epmoe.engine.stopping import banned_tokens, final_text, finish_reason
-from epmoe.engine.structured import StructuredOutputs, allows_besides, apply_token_bitmask
+from epmoe.engine.speculative import Proposal, SpecStats
+from epmoe.engine.stopping import banned_tokens, final_text
+from epmoe.engine.structured import StructuredOutputs
 from epmoe.engine.tokenizer import eos_token_ids, load_tokenizer
-from epmoe.engine.transfer import to_device
-from epmoe.layer import MoELayerOptions, check_tp_sizes
+from epmoe.engine.verify_step import advance
 from epmoe.loads import ExpertLoadRecorder, LoadTotals
-from epmoe.models.hf import EPModel, load_ep_model, load_tp_model
 from epmoe.spec import load_moe_spec
 
 if TYPE_CHECKING:
     from epmoe.runtime.rebalance import RebalanceEvent
-
-def _rows(aux: torch.Tensor | None, start: int, n: int) -> torch.Tensor | None:
-    return None if aux is None else aux[start:start + n]
-
-
-class _Logprobs(NamedTuple):
-    """Log-probabilities of some rows of a launch on their way to the host (``logprobs.token_logprobs``' tensors,
-    copied into pinned host memory on CUDA): ``index`` the rows, ``ks`` their requests' alternatives."""
-
-    index: list[int]
-    ks: list[int]
-    rows: RowLogprobs
-
-
-class _Launch(NamedTuple):
-    """A step whose sampled tokens are on their way to the host: per sampling sequence, where its placeholder
-    is in ``output_token_ids``; the host buffer they are copied into, in the same order, and the event after
-    the copy (``None`` on CPU); the log-probabilities of the rows whose requests ask for them."""
-
-    rows: list[tuple[Sequence, int]]
-    host: torch.Tensor | None
-    event: torch.cuda.Event | None
-    logprobs: _Logprobs | None = None
-
-
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on the host: a non-blocking copy into pinned memory for a CUDA tensor (valid once the stream passes
-    an event recorded after it), ``t`` itself on the CPU."""
-    if not t.is_cuda:
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host
 
 
 class Engine:
@@ -148,40 +97,15 @@ class Engine:
         self.spec = load_moe_spec(config.model)
         self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
         self.tp = config.parallel == "tp"
-        if self.tp:
-            check_tp_sizes(self.spec, self.comm.size)
-            self.placement = None
-            self.eager_dispatcher = None
-        else:
-            self.placement = trivial_or_file_placement(config, self.spec.num_moe_layers, self.spec.num_experts,
-                                                       self.comm.size)
-            if config.dispatcher == "local" and self.comm.size > 1:
-                raise ValueError(f"dispatcher 'local' serves one rank; the EP group has {self.comm.size}")
-            self.eager_dispatcher = config.dispatcher or ("local" if self.comm.size == 1 else "all_to_all")
+        self.placement, self.eager_dispatcher = placement_and_dispatcher(config, self.spec, self.comm)
         # tp: no slots to count (the recorder stays empty, one column per expert)
         num_slots = self.spec.num_experts if self.tp else self.placement.num_slots
         self.recorder = ExpertLoadRecorder(self.spec.num_moe_layers, num_slots,
                                            window=max(1, min(config.eplb_interval, EPLB_WINDOW_STEPS)),
                                            device=self.device)
         say("loading weights")
-        if self.tp:
-            self.ep_model: EPModel = load_tp_model(
-                config.model, self.comm, expert_backend=config.expert_backend, dtype=config.torch_dtype,
-                device=self.device, load_format=config.load_format, attn_implementation=register_attention(),
-                seed=config.seed,
-            )
-        else:
-            self.ep_model = load_ep_model(
-                config.model, self.placement, self.comm,
-                options=MoELayerOptions(dispatcher=self.eager_dispatcher, expert_backend=config.expert_backend,
-                                        load_recorder=self.recorder, replica_policy=config.replica_policy),
-                dtype=config.torch_dtype, device=self.device, load_format=config.load_format,
-                attn_implementation=register_attention(), seed=config.seed,
-            )
-        mla_layers = install_mla(self.ep_model.model)  # DeepSeek/Kimi: attention over the latent KV cache
-        install_rope_attention(self.ep_model.model)  # Qwen, Mixtral, GLM, gpt-oss: fused projection and rotary
-        if self.device.type == "cuda":
-            fuse_norms(self.ep_model.model)
+        self.ep_model, mla_layers = load_model(config, self.comm, self.device, self.placement,
+                                               self.eager_dispatcher, self.recorder)
         self.tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         self.eos_ids = eos_token_ids(config.model, self.tokenizer, config.generation_config, self.spec.vocab_size)
         self.vocab_size = self.spec.vocab_size
@@ -215,14 +139,11 @@ class Engine:
                                   token_rows=config.max_num_seqs if self._overlap else 0)
         pin = self.device.type == "cuda"
         self._host_tokens = [torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._inflight: _Launch | None = None
+        self._inflight: Launch | None = None
         self._launches = 0
         self._ready: list[RequestOutput] = []  # read back outside step() (before a rebalance), reported by it
-        # the step's agreement over a gloo group of the same ranks: over the device group it would wait for the
-        # step in flight (a collective on the stream, then a copy to the host), which the overlap schedule hides
-        self._host_comm = None
-        if self.comm.size > 1 and dist.get_world_size() == self.comm.size:
-            self._host_comm = Comm(dist.new_group(list(range(self.comm.size)), backend="gloo"), self.comm.stats)
+        # the step's agreement over a gloo group of the same ranks (``agreement.host_group``)
+        self._host_comm = host_group(self.comm)
         if self.proposer is not None:
             self.proposer.allocate(num_blocks, config.block_size)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -253,32 +174,8 @@ class Engine:
     # ---- set-up ---------------------------------------------------------------------------------
 
     def _capture(self) -> None:
-        sizes = graph_sizes(self.config, self.num_spec_tokens)
-        if self.tp:
-            def activate(bs: int, valid_rows: torch.Tensor) -> None:  # every rank runs bucket bs: no size exchange
-                for layer in self.ep_model.moe_layers:
-                    layer.set_static_tokens(bs)
-
-            def deactivate() -> None:
-                for layer in self.ep_model.moe_layers:
-                    layer.set_static_tokens(None)
-        else:
-            activate, deactivate = self._ep_static_hooks()
-        pieces = piece_sizes(self.config)
-        if self.device.type == "cuda":
-            # a capture cannot hand the allocator's cached blocks back to the driver (that would synchronise), so
-            # a graph pool needing memory held there would run out: hand them back first
-            torch.cuda.empty_cache()
-        try:
-            self.runner.capture_pieces(pieces, activate, deactivate, cuda_graphs=self.device.type == "cuda")
-            self.runner.capture(sizes, activate, deactivate, cuda_graphs=self.device.type == "cuda")
-        except torch.cuda.OutOfMemoryError:
-            cfg = self.config
-            raise ValueError(f"cuda_graph_max_bs {cfg.cuda_graph_max_bs}, cuda_graph_max_tokens "
-                             f"{cfg.cuda_graph_max_tokens}, piecewise_cuda_graph_max_tokens "
-                             f"{cfg.piecewise_cuda_graph_max_tokens}: capturing graphs of up to "
-                             f"{max(sizes + pieces)} rows ran out of GPU memory; lower them or "
-                             f"mem_fraction_static") from None
+        activate, deactivate = tp_static_hooks(self.ep_model) if self.tp else self._ep_static_hooks()
+        capture_graphs(self.runner, self.config, self.num_spec_tokens, self.device, activate, deactivate)
 
     def _ep_static_hooks(self):
         """The static decode step's hooks in EP: fixed-capacity dispatchers of the bucket's size, masked loads."""
@@ -403,24 +300,13 @@ class Engine:
         whether any has a prompt chunk that is not fed row-wise, the most single-token rows, the longest context."""
         local = torch.tensor([int(pending or self.has_unfinished() or bool(plan.chunks)), all_rows,
                               int(eager), rows, longest], dtype=torch.int64)
-        if self.comm.size == 1:
-            glob = local
-        elif self._host_comm is not None:  # host values over gloo: never waits for the step in flight
-            glob = self._host_comm.all_gather(local).amax(dim=0)
-        else:
-            dev = self.device if self.device.type == "cuda" else torch.device("cpu")
-            glob = self.comm.all_gather(local.to(dev)).amax(dim=0).cpu()
-        work, tokens, prefill, decodes, longest = glob.tolist()
+        work, tokens, prefill, decodes, longest = agree(local, self.comm, self._host_comm, self.device)
         return bool(work), tokens, bool(prefill), decodes, longest
 
     def agree_max(self, values: list[int]) -> list[int]:
         """The element-wise maximum of ``values`` over the ranks (one ``all_gather``; the values themselves on
         one rank). Every rank calls it at the same point (a collective proposer's steps)."""
-        local = torch.tensor(values, dtype=torch.int64)
-        if self.comm.size == 1:
-            return values
-        dev = self.device if self.device.type == "cuda" else torch.device("cpu")
-        return self.comm.all_gather(local.to(dev)).amax(dim=0).cpu().tolist()
+        return agree_max(values, self.comm, self.device)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.drop_pending()
@@ -503,7 +389,10 @@ class Engine:
             for c in plan.chunks:
                 c.seq.num_computed = c.start + c.num_tokens
             if self.proposer is not None:
-                outputs += self._advance(plan, out, proposals)
+                outputs += advance(plan, out, proposals, vocab_size=self.vocab_size, eos_ids=self.eos_ids,
+                                   tokenizer=self.tokenizer, max_model_len=self.max_model_len,
+                                   generator=self.generator, spec_stats=self.spec_stats, proposer=self.proposer,
+                                   finish=self._finish, output=self._output)
             else:
                 if any(c.samples and c.seq.matcher is not None and c.seq.num_pending for c in plan.chunks):
                     # a constrained row's next tokens depend on its last one: read the last step back now (this
@@ -524,176 +413,24 @@ class Engine:
                 self._capture()  # the committed weights and slot tables are new tensors
         return outputs
 
-    def _launch(self, plan: StepPlan, out: StepOutput) -> _Launch:
+    def _launch(self, plan: StepPlan, out: StepOutput) -> Launch:
         """Sample the step's tokens on the device, keep them in the runner's token buffer and start their copy to
         the host; each sampling sequence grows by a placeholder (``PENDING_TOKEN``) until ``_resolve``."""
-        # logits rows: one per decode, then each prefill chunk's prefill_logit_rows (its last samples)
-        spans, row = [], 0
-        for c, n in [(c, 1) for c in plan.decodes] + [(c, c.prefill_logit_rows) for c in plan.prefills]:
-            spans.append((c, row, n))
-            row += n
-        logits = out.logits[:, : self.vocab_size]
-        if row != sum(c.samples for c, _, _ in spans):  # rows of prompts whose log-probabilities are asked for
-            record_prompt_logprobs(logits, spans)
-        # the sampling rows, but those of a sequence finished since the plan (by a constrained row's read-back
-        # just before: ``step``)
-        sampling = [(c, r + n - 1) for c, r, n in spans if c.samples and not c.seq.finished]
-        if len(sampling) != row:
-            logits = logits.index_select(0, to_device([r for _, r in sampling], logits.device, torch.int64))
-        sampling = [c for c, _ in sampling]
+        sampling, logits = sampling_rows(plan, out.logits[:, : self.vocab_size])
         if not sampling:
-            return _Launch([], None, None)
-        banned = [banned_tokens(c.seq, self.eos_ids, self.vocab_size) for c in sampling]
-        constrained = [i for i, c in enumerate(sampling) if c.seq.matcher is not None]
-        if constrained:  # before any other adjustment: the tokens the constraints allow (vLLM's order)
-            mask = self.admission.grammars.bitmask([sampling[i].seq.matcher for i in constrained])
-            apply_token_bitmask(logits, constrained, mask)
-            for j, i in enumerate(constrained):  # min_tokens' bans yield where they would leave no allowed token
-                if banned[i] is not None and not allows_besides(mask[j], banned[i]):
-                    banned[i] = None
-        penalized = [i for i, c in enumerate(sampling) if c.seq.params.penalized]
-        for i in penalized:
-            seq = sampling[i].seq
-            if seq.count_row is None:  # its first sample: every token it has is on the host
-                if self._token_counts is None:
-                    self._token_counts = TokenCounts(self.vocab_size, logits.device)
-                seq.count_row = self._token_counts.open(seq.prompt_token_ids, seq.resolved_output)
-        toks = sample(logits, [c.seq.params for c in sampling], [c.seq.generator for c in sampling], self.generator,
-                      self._token_counts, [c.seq.count_row for c in sampling], banned)
-        if penalized:  # the penalties of the next steps count these tokens (still on the device)
-            self._token_counts.count([sampling[i].seq.count_row for i in penalized],
-                                     toks.index_select(0, to_device(penalized, toks.device, torch.int64)))
+            return Launch([], None, None)
+        toks, self._token_counts = sample_rows(sampling, logits, self.eos_ids, self.vocab_size,
+                                               self.admission.grammars, self._token_counts, self.generator)
         host = self._host_tokens[self._launches % 2][: len(sampling)]
         self._launches += 1
-        event = None
         if self._overlap:
             self.runner.keep_sampled(toks)
-        want = [i for i, c in enumerate(sampling) if c.seq.params.logprobs is not None]
-        logprobs = None
-        if want:
-            ks = [sampling[i].seq.params.logprobs for i in want]
-            idx = to_device(want, logits.device, torch.int64)
-            rows = token_logprobs(logits.index_select(0, idx), toks.index_select(0, idx), max(ks))
-            logprobs = _Logprobs(want, ks, RowLogprobs(*(_host_copy(t) for t in rows)))
-        if toks.is_cuda:
-            host.copy_(toks, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            host.copy_(toks)
-        rows = []
-        for i, c in enumerate(sampling):
-            seq = c.seq
-            seq.output_token_ids.append(PENDING_TOKEN)
-            seq.num_pending += 1
-            seq.device_row = i
-            rows.append((seq, len(seq.output_token_ids) - 1))
-        return _Launch(rows, host, event, logprobs)
+        return start_copy(sampling, logits, toks, host)
 
     def _resolve(self) -> list[RequestOutput]:
-        """Read back the tokens of the step in flight (waiting for its copy), put them in place of their
-        placeholders, finish the sequences they stop and report them; a sequence finished or aborted since
-        drops its token."""
+        """Read back the tokens of the step in flight (``overlap.resolve``) and report them."""
         launch, self._inflight = self._inflight, None
-        if launch is None or not launch.rows:
-            return []
-        if launch.event is not None:
-            launch.event.synchronize()
-        now = time.perf_counter()
-        tokens = launch.host.tolist()
-        entries = {}
-        if launch.logprobs is not None:
-            lp = launch.logprobs
-            entries = dict(zip(lp.index, logprob_entries([tokens[i] for i in lp.index], lp.rows, lp.ks)))
-        outputs = []
-        for i, ((seq, at), tok) in enumerate(zip(launch.rows, tokens)):
-            if seq.finished:
-                continue
-            seq.output_token_ids[at] = tok
-            seq.num_pending -= 1
-            if i in entries:
-                seq.output_logprobs.append(entries[i])
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if seq.matcher is not None:
-                seq.matcher.accept(tok)  # allowed by its mask (EOS where the constraint may end)
-            reason = finish_reason(seq, tok, self.eos_ids, self.tokenizer, self.max_model_len)
-            if reason is not None:
-                self._finish(seq, reason)
-            outputs.append(self._output(seq, [tok]))
-        return outputs
-
-    def _advance(self, plan: StepPlan, out: StepOutput, proposals: list[Proposal] | None) -> list[RequestOutput]:
-        logits = out.logits[:, : self.vocab_size]
-        # rows of the packed step: each decode chunk 1 + k (all sampled), then each prefill chunk's tokens
-        sampled: list[tuple] = []  # (chunk, first logits row, proposal or None)
-        first_row: list[int] = []  # packed row of each chunk's first token (aux hidden states)
-        logit_row = packed_row = 0
-        for i, c in enumerate(plan.decodes):
-            prop = proposals[i] if proposals is not None else Proposal()
-            sampled.append((c, logit_row, prop))
-            first_row.append(packed_row)
-            logit_row += 1 + len(prop.token_ids)
-            packed_row += 1 + len(prop.token_ids)
-        spans = []  # prefill chunks: (chunk, first logits row, rows)
-        for c in plan.prefills:
-            first_row.append(packed_row)
-            packed_row += c.num_tokens
-            n = c.prefill_logit_rows
-            spans.append((c, logit_row, n))
-            if c.samples:
-                sampled.append((c, logit_row + n - 1, None))
-            logit_row += n
-        record_prompt_logprobs(logits, spans)
-        emitted: dict[int, tuple[list[int], int]] = {}
-        plain = [(c, r) for c, r, p in sampled if p is None or not p.token_ids]
-        if plain:
-            rows = to_device([r for _, r in plain], logits.device, torch.int64)
-            toks = sample(logits.index_select(0, rows), [c.seq.params for c, _ in plain],
-                          [c.seq.generator for c, _ in plain], self.generator,
-                          banned=[banned_tokens(c.seq, self.eos_ids, self.vocab_size) for c, _ in plain]).tolist()
-            for (c, _), t in zip(plain, toks):
-                emitted[id(c)] = ([t], 0)
-        spec = [(c, r, p) for c, r, p in sampled if p is not None and p.token_ids]
-        top = logits.argmax(dim=-1).tolist() if any(c.seq.params.greedy for c, _, _ in spec) else []
-        for c, r, p in spec:
-            k = len(p.token_ids)
-            if c.seq.params.greedy:
-                emitted[id(c)] = verify_greedy(top[r:r + k + 1], p.token_ids)
-            else:
-                gen = c.seq.generator if c.seq.generator is not None else self.generator
-                emitted[id(c)] = verify(logits[r:r + k + 1], p, c.seq.params, gen)
-            c.seq.spec.add(k, emitted[id(c)][1])
-            self.spec_stats.add(k, emitted[id(c)][1])
-        entries = emitted_logprobs(logits, sampled, emitted)
-        now = time.perf_counter()
-        outputs = []
-        for c, row in zip(plan.chunks, first_row):
-            seq = c.seq
-            if id(c) not in emitted:
-                if self.proposer is not None:
-                    self.proposer.observe(seq, c.start, c.num_tokens, _rows(out.aux, row, c.num_tokens))
-                continue
-            tokens, accepted = emitted[id(c)]
-            new = []
-            for j, tok in enumerate(tokens):
-                seq.output_token_ids.append(tok)
-                new.append(tok)
-                if id(c) in entries:
-                    seq.output_logprobs.append(entries[id(c)][j])
-                reason = finish_reason(seq, tok, self.eos_ids, self.tokenizer, self.max_model_len)
-                if reason is not None:
-                    self._finish(seq, reason)
-                    break
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if not seq.finished:
-                seq.num_computed += accepted  # the accepted proposals' keys are in the cache; the rest are past it
-                if self.proposer is not None:
-                    valid = c.num_tokens + accepted
-                    self.proposer.observe(seq, c.start, valid, _rows(out.aux, row, valid))
-            outputs.append(self._output(seq, new))
-        return outputs
+        return resolve(launch, self.eos_ids, self.tokenizer, self.max_model_len, self._finish, self._output)
 
     def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
         text = final_text(seq, self.tokenizer) if seq.finished else None
