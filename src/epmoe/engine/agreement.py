@@ -36,9 +36,5 @@ def agree(local: torch.Tensor, comm: Comm, host_comm: Comm | None, device: torch
 
 def agree_max(values: list[int], comm: Comm, device: torch.device) -> list[int]:
     """The element-wise maximum of ``values`` over the ranks of ``comm`` (one ``all_gather``; the values
-    themselves on one rank)."""
-    local = torch.tensor(values, dtype=torch.int64)
-    if comm.size == 1:
-        return values
-    dev = device if device.type == "cuda" else torch.device("cpu")
-    return comm.all_gather(local.to(dev)).amax(dim=0).cpu().tolist()
+    themselves on one rank), over ``comm`` itself (``agree`` without a host group)."""
+    return values if comm.size == 1 else agree(torch.tensor(values, dtype=torch.int64), comm, None, device)

@@ -50,9 +50,10 @@ class MXFP4ExpertWeights:
     b2: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        for name in ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales", "b13", "b2"):
+        for name, optional in (("w13_blocks", False), ("w13_scales", False), ("w2_blocks", False),
+                               ("w2_scales", False), ("b13", True), ("b2", True)):
             value = getattr(self, name)
-            if not isinstance(value, torch.Tensor) and (value is not None or not name.startswith("b")):
+            if not isinstance(value, torch.Tensor) and not (optional and value is None):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
         for name in ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"):
             if getattr(self, name).dtype != torch.uint8:

@@ -63,6 +63,15 @@ WIDEN_MXFP4_PTX = tl.constexpr(3)
 """``WIDEN`` code: MXFP4 words widened two at a time by inline PTX (bf16 activations on a GPU)."""
 
 
+E2M1_LANES_PTX = tl.constexpr(" shl.b32 m, t, 6; shl.b32 sg, t, 12; and.b32 sg, sg, 0x80008000;"
+                              " lop3.b32 t, m, 0x01C001C0, sg, 0xEA; mov.b32 big, 0x7E807E80; mov.b32 nz, 0x80008000;"
+                              " fma.rn.bf16x2 t, t, big, nz;")
+"""PTX (registers ``t``, ``m``, ``sg``, ``big``, ``nz``): the E2M1 codes in bits 0-3 of the two 16-bit lanes of
+``t`` as bf16 values in ``t``: the 3 magnitude bits under the exponent (bits 6-8), the sign on bit 15 (reading as
+``e2m1 * 2 ** -126``), times ``2 ** 126`` (exact); ``nz`` holds ``-0`` in both lanes for the scale's product after
+it. Both the grouped kernels' and the MMA kernels' MXFP4 widening."""
+
+
 def widen_code(mxfp4: bool, x: torch.Tensor) -> int:
     """The ``WIDEN`` code of the grouped kernels for packed weights (MXFP4 when ``mxfp4``, else INT4) and
     activations ``x``: by inline PTX on a GPU for INT4 with bf16/fp16 and MXFP4 with bf16, in float32 otherwise
@@ -134,10 +143,8 @@ def _widen_e2m1_pairs(words, scale, J: tl.constexpr):
     HALF: tl.constexpr = "0x7632" if J >= 4 else "0x5410"
     SHIFT: tl.constexpr = f"shr.b32 t, t, {4 * (J % 4)};" if J % 4 else ""
     return tl.inline_asm_elementwise(
-        "{ .reg .b32 t, m, sg, big, nz; prmt.b32 t, $1, $2, " + HALF + "; " + SHIFT
-        + " shl.b32 m, t, 6; shl.b32 sg, t, 12; and.b32 sg, sg, 0x80008000;"
-        " lop3.b32 t, m, 0x01C001C0, sg, 0xEA; mov.b32 big, 0x7E807E80; mov.b32 nz, 0x80008000;"
-        " fma.rn.bf16x2 t, t, big, nz; fma.rn.bf16x2 $0, t, $3, nz; }",
+        "{ .reg .b32 t, m, sg, big, nz; prmt.b32 t, $1, $2, " + HALF + "; " + SHIFT + E2M1_LANES_PTX
+        + " fma.rn.bf16x2 $0, t, $3, nz; }",
         "=r,r,r,r", [words, scale], dtype=tl.bfloat16, is_pure=True, pack=2)
 
 
@@ -185,7 +192,7 @@ def _e8m0(s):
 
 
 @triton.jit
-def _row_strides(stride_we, stride_wn):
+def row_strides(stride_we, stride_wn):
     """The packed weights' slot and row strides (words), known to the compiler as multiples of 4: a row holds whole
     groups of at least 32 inputs, 16 bytes or more, so the word tiles load as 16-byte vectors even where the row
     is not a multiple of 16 words (gpt-oss's 2880 inputs: 360 words), which Triton's argument specialisation
@@ -223,7 +230,7 @@ def packed_gate_up_acc(
     SCALE_DTYPE: tl.constexpr = xp_ptr.dtype.element_ty if WIDEN == WIDEN_INT4_PTX else tl.float32
     DW = tl.multiple_of(D // 8, GW)  # D is a multiple of the group size
     SEG = nibble_segment_of(D)
-    stride_we, stride_wn = _row_strides(stride_we, stride_wn)
+    stride_we, stride_wn = row_strides(stride_we, stride_wn)
     offs_kw = tl.arange(0, BLOCK_KW)
     rows_n = offs_n.to(tl.int64)
     wg_ptrs = w_ptr + slot * stride_we + _tile_offsets(offs_kw, rows_n, stride_wn, SWAP_AB)
@@ -281,7 +288,7 @@ def packed_down_acc(
     SCALE_DTYPE: tl.constexpr = hp_ptr.dtype.element_ty if WIDEN == WIDEN_INT4_PTX else tl.float32
     FW = tl.multiple_of(F // 8, GW)
     SEG = nibble_segment_of(F)
-    stride_we, stride_wn = _row_strides(stride_we, stride_wn)
+    stride_we, stride_wn = row_strides(stride_we, stride_wn)
     offs_kw = tl.arange(0, BLOCK_KW)
     rows_n = offs_n.to(tl.int64)
     w_ptrs = w_ptr + slot * stride_we + _tile_offsets(offs_kw, rows_n, stride_wn, SWAP_AB)

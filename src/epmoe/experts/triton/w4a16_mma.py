@@ -71,6 +71,7 @@ from epmoe.experts.mxfp4 import MXFP4ExpertWeights
 from epmoe.experts.triton.align_kernels import align_triton
 from epmoe.experts.triton.decode import gated_activation
 from epmoe.experts.triton.grouped import act_code, packed_scales, packed_words, sum_pairs_kernel
+from epmoe.experts.triton.w4a16 import E2M1_LANES_PTX, row_strides
 from epmoe.experts.weights import Activation, check_expert_call
 
 _WARPS_PER_SM = 16
@@ -198,10 +199,8 @@ def _widen_e2m1(words, scale, J: gl.constexpr):
     ``experts.mxfp4.dequantize_mxfp4`` widens (a product below bf16's normal range rounds once)."""
     SHIFT: gl.constexpr = f"shr.b32 t, t, {4 * J};" if J else ""
     return gl.inline_asm_elementwise(
-        "{ .reg .b32 t, m, sg, big, nz, s2; mov.b32 t, $2; " + SHIFT
-        + " shl.b32 m, t, 6; shl.b32 sg, t, 12; and.b32 sg, sg, 0x80008000;"
-        " lop3.b32 t, m, 0x01C001C0, sg, 0xEA; mov.b32 big, 0x7E807E80; mov.b32 nz, 0x80008000;"
-        " fma.rn.bf16x2 t, t, big, nz; mov.b32 s2, {$3, $3}; fma.rn.bf16x2 t, t, s2, nz; mov.b32 {$0, $1}, t; }",
+        "{ .reg .b32 t, m, sg, big, nz, s2; mov.b32 t, $2; " + SHIFT + E2M1_LANES_PTX
+        + " mov.b32 s2, {$3, $3}; fma.rn.bf16x2 t, t, s2, nz; mov.b32 {$0, $1}, t; }",
         "=h,=h,r,h", [words, scale], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
 
 
@@ -303,15 +302,6 @@ def _is_last(count_ptr, tile_id, split):
     if last:
         gl.atomic_xchg(count_ptr + tile_id, 0)
     return last
-
-
-@gluon.jit
-def word_strides(stride_we, stride_wn):
-    """The packed weights' slot and row strides (words), known to the compiler as multiples of 4 (the host checks
-    they are: a row holds whole groups of at least 32 inputs), so that the word tiles load as 16-byte vectors where
-    a row is not a multiple of 16 words (gpt-oss's 2880 inputs: 360 words), which Triton's argument specialisation
-    would not see."""
-    return (stride_we // 4) * 4, (stride_wn // 4) * 4
 
 
 @gluon.jit
@@ -511,7 +501,7 @@ def _gate_up_kernel(
         x3 = _x_ptrs(xq_ptr, sorted_ptr, first + 24, num_pairs, top_k, stride_x, kk, begin, X_MEM)
     # A: gate rows and up rows (F + rows) of the slot
     w0 = _first_word(begin, DW, BLOCK_KW, EVEN)
-    stride_we, stride_wn = word_strides(stride_we, stride_wn)
+    stride_we, stride_wn = row_strides(stride_we, stride_wn)
     wg_ptrs, sg_ptrs, rows, cols, s_rows, s_cols = weight_ptrs(
         w_ptr + slot * stride_we + w0, s_ptr + slot * stride_se + w0 // GW, pid_n * BLOCK_N, stride_wn, stride_sn,
         BLOCK_N, BLOCK_KW, GW, NUM_WARPS)
@@ -670,7 +660,7 @@ def _down_kernel(
     m_b = gl.arange(0, 8, layout=gl.SliceLayout(0, H_MEM))
     h0 = (h_ptr + (first + m_b).to(gl.int64)[None, :] * stride_h + 2 * begin) + kk[:, None]
     w0 = _first_word(begin, FW, BLOCK_KW, EVEN)
-    stride_we, stride_wn = word_strides(stride_we, stride_wn)
+    stride_we, stride_wn = row_strides(stride_we, stride_wn)
     w_ptrs, s_ptrs, rows, cols, s_rows, s_cols = weight_ptrs(
         w_ptr + slot * stride_we + w0, s_ptr + slot * stride_se + w0 // GW, pid_n * BLOCK_N, stride_wn, stride_sn,
         BLOCK_N, BLOCK_KW, GW, NUM_WARPS)

@@ -68,6 +68,7 @@ from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
 from epmoe.experts.mxfp4 import MXFP4ExpertWeights
 from epmoe.experts.triton.align_kernels import align_triton
 from epmoe.experts.triton.grouped import act_code, packed_scales, packed_words, sum_pairs_kernel
+from epmoe.experts.triton.w4a16 import row_strides
 from epmoe.experts.triton.w4a16_mma import (
     block_rows,
     gated_rows,
@@ -77,7 +78,6 @@ from epmoe.experts.triton.w4a16_mma import (
     store_down_rows,
     weight_ptrs,
     widened_plane,
-    word_strides,
 )
 from epmoe.experts.weights import Activation, check_expert_call
 
@@ -312,7 +312,7 @@ def _gate_up_rows(
     for i in gl.static_range(STAGES - 2):
         _request(smem, x_ptrs, smem_hi, x_hi, i, nsteps, i, BLOCK_KW, HI)
     # A: gate rows and up rows (F + rows) of the slot
-    stride_we, stride_wn = word_strides(stride_we, stride_wn)
+    stride_we, stride_wn = row_strides(stride_we, stride_wn)
     wg_ptrs, sg_ptrs, rows, w_cols, s_rows, s_cols = weight_ptrs(
         w_ptr + slot * stride_we, s_ptr + slot * stride_se, pid_n * BLOCK_N, stride_wn, stride_sn, BLOCK_N, BLOCK_KW,
         GW, NUM_WARPS)
@@ -451,7 +451,7 @@ def _down_rows(
         smem_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4 * HI, 2 * BLOCK_KW], _b_smem_layout(BLOCK_KW))
     for i in gl.static_range(STAGES - 2):
         _request(smem, h_ptrs, smem_hi, h_hi, i, nsteps, i, BLOCK_KW, HI)
-    stride_we, stride_wn = word_strides(stride_we, stride_wn)
+    stride_we, stride_wn = row_strides(stride_we, stride_wn)
     w_ptrs, s_ptrs, rows, w_cols, s_rows, s_cols = weight_ptrs(
         w_ptr + slot * stride_we, s_ptr + slot * stride_se, pid_n * BLOCK_N, stride_wn, stride_sn, BLOCK_N, BLOCK_KW,
         GW, NUM_WARPS)
