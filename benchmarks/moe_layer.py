@@ -18,13 +18,13 @@ Cases:
         with Kimi-K2.5's INT4 weights (compressed-tensors pack-quantized, group 32, bf16 scales).
     kimi_full_int4 (``--cases kimi_full_int4``): all 384 experts of that layer on one GPU.
     gptoss_mxfp4, gptoss20b_mxfp4 (``--cases gptoss_mxfp4``): a gpt-oss-120b (128 experts) or gpt-oss-20b (32) MoE
-        layer on one GPU, D = F = 2880, top-4, gpt-oss's clamped SwiGLU with biases, in MXFP4: the backend
-        (``mxfp4``: the path ``mxfp4_path`` picks) against its floor (the MXFP4 bytes of the active experts, 17 per
-        32 weights, over the copy bandwidth, or the FLOPs over the bf16 rate), the decode kernels up to 16 tokens
-        (``mxfp4_decode``), the grouped kernels widening the packed tiles in registers at every size
-        (``mxfp4_grouped``), on Hopper the tensor-core kernels at every size (``mxfp4_mma``, ``mxfp4_wgmma``), the
-        slots widened in memory then the bf16 kernels (``mxfp4_widen``) and the bf16 backend on the dequantized
-        weights (``bf16``).
+        layer on one GPU, D = F = 2880, top-4, gpt-oss's clamped SwiGLU with biases, in MXFP4: the backend (``mxfp4``:
+        the path ``mxfp4_path`` picks) against its floor (the MXFP4 bytes of the active experts, 17 per 32 weights, over
+        the copy bandwidth, or the FLOPs over the bf16 rate), the decode kernels up to 16 tokens (``mxfp4_decode``; with
+        ``--sweep`` also the tiles of ``MXFP4_DECODE_SWEEP``), the grouped kernels widening the packed tiles in
+        registers at every size (``mxfp4_grouped``), on Hopper the tensor-core kernels at every size (``mxfp4_mma``,
+        ``mxfp4_wgmma``), the slots widened in memory then the bf16 kernels (``mxfp4_widen``) and the bf16 backend on
+        the dequantized weights (``bf16``).
 
 The INT4 cases time, in the same run and on the same (dequantized) weight values: the ``triton`` backend on the packed
 weights (``int4``, the path ``int4_path`` picks; floor = INT4 bytes + scales of the active slots over the copy
@@ -81,14 +81,13 @@ from epmoe.experts.mxfp4 import MXFP4ExpertWeights
 from epmoe.experts.triton.decode import DECODE_MAX_PAIRS, DecodeConfig, decode_experts, default_decode_config
 from epmoe.experts.triton.grouped import TileConfig, act_code, default_config, default_int4_config, triton_experts
 from epmoe.experts.triton.int4 import (
-    Int4DecodeConfig,
     dequantize_int4_triton,
-    int4_decode_experts,
     int4_dequantized_experts,
     int4_grouped_experts,
     int4_path,
 )
-from epmoe.experts.triton.mxfp4 import mxfp4_decode_experts, mxfp4_grouped_experts, mxfp4_widened_experts
+from epmoe.experts.triton.mxfp4 import mxfp4_grouped_experts, mxfp4_widened_experts
+from epmoe.experts.triton.w4a16_decode import PackedDecodeConfig, packed_decode_experts
 from epmoe.experts.triton.w4a16_mma import MmaConfig, default_mma_config, packed_mma_experts
 from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, default_wgmma_config, packed_wgmma_experts
 from timing import measure_ceilings, rel_err, time_fn, time_in_model
@@ -105,17 +104,24 @@ MXFP4_CASES = {
     "gptoss_mxfp4": dict(num_experts=128, slots=128, d=2880, f=2880, k=4),
     "gptoss20b_mxfp4": dict(num_experts=32, slots=32, d=2880, f=2880, k=4),
 }
-MXFP4_DECODE_MAX_TOKENS = 16  # 64 pairs at top-4: the MXFP4 decode kernels' most
+MXFP4_DECODE_MAX_TOKENS = 16  # the decode kernels are timed up to 64 pairs at top-4
 INT4_GROUP = 32
 # the decode tiles beside the default (4, 128, 8, 128, 1 warp, 2 stages: each thread one group of eight rows, the
 # step's inputs loaded in the word tile's layout): the default before it (8, 64, 16, 64, 2 warps, 3 stages: the
 # inputs moved between layouts through shared memory each step), the others of the 2026-12-03 H200 probe
 INT4_DECODE_SWEEP = [
-    Int4DecodeConfig(8, 64, 16, 64, 2, stages=3), Int4DecodeConfig(4, 128, 8, 128, 1, stages=3),
-    Int4DecodeConfig(4, 128, 8, 128, 1, max_programs=4096), Int4DecodeConfig(2, 128, 4, 128, 1),
-    Int4DecodeConfig(4, 256, 8, 256, 2), Int4DecodeConfig(8, 128, 8, 128, 1), Int4DecodeConfig(4, 128, 4, 128, 1),
+    PackedDecodeConfig(8, 64, 16, 64, 2, stages=3), PackedDecodeConfig(4, 128, 8, 128, 1, stages=3),
+    PackedDecodeConfig(4, 128, 8, 128, 1, max_programs=4096), PackedDecodeConfig(2, 128, 4, 128, 1),
+    PackedDecodeConfig(4, 256, 8, 256, 2), PackedDecodeConfig(8, 128, 8, 128, 1), PackedDecodeConfig(4, 128, 4, 128, 1),
     # the gate/up reduction over D not split / split up to 4 ways when few pairs are live (the default: 2)
-    Int4DecodeConfig(split_max=1), Int4DecodeConfig(split_max=4),
+    PackedDecodeConfig(split_max=1), PackedDecodeConfig(split_max=4),
+]
+# the MXFP4 decode tiles beside the default (the INT4 decode kernels' tiles; not yet timed on MXFP4): half the rows a
+# program (fewer registers), one pair a program group, 64-word steps, two warps, three stages, splits of D up to 4
+MXFP4_DECODE_SWEEP = [
+    PackedDecodeConfig(2, 128, 4, 128, 1), PackedDecodeConfig(max_programs=4096),
+    PackedDecodeConfig(2, 128, 4, 128, 1, max_programs=4096), PackedDecodeConfig(4, 64, 8, 64, 1),
+    PackedDecodeConfig(8, 128, 8, 128, 2), PackedDecodeConfig(stages=3), PackedDecodeConfig(split_max=4),
 ]
 # the fused INT4 grouped path (block_k in inputs: 16 or 32 words a step): the defaults of default_int4_config,
 # 16-word steps, transposed products, 32-row blocks, 8 warps (none spills registers compiled for sm_90 by Triton 3.6)
@@ -408,11 +414,11 @@ def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: 
                  "int4_wgmma64_t32": lambda: packed_wgmma_experts(x, slots, tw, q, act, config=WGMMA_BLOCK64_TAIL32),
                  "int4_dequant": lambda: int4_dequantized_experts(x, slots, tw, q, act)}
         if t <= DECODE_MAX:
-            impls["int4_decode"] = lambda: int4_decode_experts(x, slots, tw, q, act)
+            impls["int4_decode"] = lambda: packed_decode_experts(x, slots, tw, q, act)
         for key, fn in impls.items():
             row[f"{key}_err"], row[f"{key}_us"] = _checked_time(fn, ref, flush)
         if t in sweep and t <= DECODE_MAX:  # the decode kernels' cost grows with the pairs: decode sizes only
-            _sweep(row, "int4", INT4_DECODE_SWEEP, lambda cfg: int4_decode_experts(x, slots, tw, q, act, config=cfg),
+            _sweep(row, "int4", INT4_DECODE_SWEEP, lambda cfg: packed_decode_experts(x, slots, tw, q, act, config=cfg),
                    ref, flush)
         if t in sweep:
             _sweep(row, "int4_grouped", INT4_GROUPED_SWEEP,
@@ -424,11 +430,11 @@ def bench_int4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: 
         save()
 
 
-def bench_mxfp4_case(name: str, case: dict, sizes: list[int], ceil: dict, rows: list[dict],
+def bench_mxfp4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep: set[int], rows: list[dict],
                      save: Callable[[], None]) -> None:
-    """The MXFP4 backend against its floor, its decode kernels (up to ``MXFP4_DECODE_MAX_TOKENS``), its grouped
-    kernels, the widening path and bf16 on the same weight values at the ``sizes``; each row appended to ``rows`` and
-    ``save()`` called after it."""
+    """The MXFP4 backend against its floor, its decode kernels (up to ``MXFP4_DECODE_MAX_TOKENS``; at the ``sweep``
+    sizes also the tiles of ``MXFP4_DECODE_SWEEP``), its grouped kernels, the widening path and bf16 on the same
+    weight values at the ``sizes``; each row appended to ``rows`` and ``save()`` called after it."""
     flush = torch.empty(256 << 20, device="cuda", dtype=torch.float16)
     gen = torch.Generator(device="cuda").manual_seed(3)
     s, d, f = case["slots"], case["d"], case["f"]
@@ -457,7 +463,7 @@ def bench_mxfp4_case(name: str, case: dict, sizes: list[int], ceil: dict, rows: 
                  "mxfp4_widen": lambda: mxfp4_widened_experts(x, slots, tw, q, act),
                  "bf16": lambda: ours(x, slots, tw, w, act)}
         if t <= MXFP4_DECODE_MAX_TOKENS:
-            impls["mxfp4_decode"] = lambda: mxfp4_decode_experts(x, slots, tw, q, act)
+            impls["mxfp4_decode"] = lambda: packed_decode_experts(x, slots, tw, q, act)
         if torch.cuda.get_device_capability() == (9, 0):
             n = slots.numel()
             impls["mxfp4_mma"] = lambda: packed_mma_experts(x, slots, tw, q, act,
@@ -466,6 +472,9 @@ def bench_mxfp4_case(name: str, case: dict, sizes: list[int], ceil: dict, rows: 
                                                                 config=default_wgmma_config(32, n, s))
         for key, fn in impls.items():
             row[f"{key}_err"], row[f"{key}_us"] = _checked_time(fn, ref, flush)
+        if t in sweep and t <= MXFP4_DECODE_MAX_TOKENS:
+            _sweep(row, "mxfp4_decode", MXFP4_DECODE_SWEEP,
+                   lambda cfg: packed_decode_experts(x, slots, tw, q, act, config=cfg), ref, flush)
         rows.append(row)
         print(json.dumps(row), flush=True)
         save()
@@ -606,7 +615,7 @@ def main(argv: list[str] | None = None) -> None:
 
     for name in args.cases.split(","):
         if name in MXFP4_CASES:
-            bench_mxfp4_case(name, MXFP4_CASES[name], sizes, ceil, mxfp4_rows, save)
+            bench_mxfp4_case(name, MXFP4_CASES[name], sizes, ceil, sweep, mxfp4_rows, save)
         elif name in INT4_CASES:
             # the tile sweep on the EP-8 shard only (the full layer's compiles and runs would not fit one call)
             bench_int4_case(name, INT4_CASES[name], sizes, ceil, sweep if name == "kimi_int4" else set(), int4_rows,

@@ -45,7 +45,7 @@ def _int4(seed, s, d, f, bias, group, dtype, device="cpu"):
     (torch.float32, 32, Activation("gelu"), True, True),
 ])
 def test_int4_decode_matches_reference(dtype, group, act, bias, woi):
-    from epmoe.experts.triton.int4 import Int4DecodeConfig, int4_decode_experts
+    from epmoe.experts.triton.w4a16_decode import PackedDecodeConfig, packed_decode_experts
 
     s, d, f = 5, 192, 64  # D: 24 words, a ragged last step of 16 words
     q = _int4(group + bias, s, d, f, bias, group, dtype)
@@ -57,11 +57,11 @@ def test_int4_decode_matches_reference(dtype, group, act, bias, woi):
     # one pair group per pair (ragged last row tile of the down kernel, words three steps in flight); then the pairs
     # shared among 2 groups per column tile (a program computes several pairs, requesting the next pair's first
     # words before its epilogue), two steps in flight; then gate/up rows past F (a ragged row tile)
-    for cfg in (Int4DecodeConfig(32, 16, 128, 8, 4), Int4DecodeConfig(16, 8, 64, 8, 2, True, 8, stages=2),
-                Int4DecodeConfig(128, 8, 32, 8, 4)):
-        out = int4_decode_experts(x, slots, tw, q, act, woi, cfg)
+    for cfg in (PackedDecodeConfig(32, 16, 128, 8, 4), PackedDecodeConfig(16, 8, 64, 8, 2, True, 8, stages=2),
+                PackedDecodeConfig(128, 8, 32, 8, 4)):
+        out = packed_decode_experts(x, slots, tw, q, act, woi, cfg)
         assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3)
-    none = int4_decode_experts(x, torch.full((3, 4), -1), tw, q, act, woi, Int4DecodeConfig(32, 16, 128, 8, 4))
+    none = packed_decode_experts(x, torch.full((3, 4), -1), tw, q, act, woi, PackedDecodeConfig(32, 16, 128, 8, 4))
     assert not none.any()
 
 
@@ -70,7 +70,7 @@ def test_int4_decode_matches_reference(dtype, group, act, bias, woi):
 def test_int4_decode_default_tiles_match_reference(d):
     from dataclasses import replace
 
-    from epmoe.experts.triton.int4 import Int4DecodeConfig, int4_decode_experts
+    from epmoe.experts.triton.w4a16_decode import PackedDecodeConfig, packed_decode_experts
 
     # the default tiles (128 words a step, one warp): D = 1024 is one whole step of gate/up (its unmasked loop),
     # 1536 one and a half; the down kernel's 8 words of F = 64 a ragged step either way
@@ -82,14 +82,14 @@ def test_int4_decode_default_tiles_match_reference(d):
     tw = torch.rand(2, 2, generator=g)
     ref = _ref(x, slots, tw, q, act, False)
     # one program group per pair; then all pairs in one group (each program loops over the live pairs)
-    for cfg in (Int4DecodeConfig(), replace(Int4DecodeConfig(), max_programs=16)):
-        assert _rel(int4_decode_experts(x, slots, tw, q, act, False, cfg), ref) < 1e-5
+    for cfg in (PackedDecodeConfig(), replace(PackedDecodeConfig(), max_programs=16)):
+        assert _rel(packed_decode_experts(x, slots, tw, q, act, False, cfg), ref) < 1e-5
 
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("scale", [2.0**-20, 2.0**20])
 def test_int4_decode_keeps_precision_over_the_activation_range(scale):
-    from epmoe.experts.triton.int4 import int4_decode_experts
+    from epmoe.experts.triton.w4a16_decode import packed_decode_experts
 
     # the nibbles are read as float32 subnormals against inputs pre-scaled by 2 ** (69 - p): activations (and the
     # intermediate h, about their square) far from 1 keep float32 precision, and the offset 8 comes off exactly
@@ -99,7 +99,7 @@ def test_int4_decode_keeps_precision_over_the_activation_range(scale):
     x = torch.randn(2, d, generator=g) * scale
     slots = torch.tensor([[2, 0], [1, 2]])
     tw = torch.rand(2, 2, generator=g)
-    out = int4_decode_experts(x, slots, tw, q, act, False)
+    out = packed_decode_experts(x, slots, tw, q, act, False)
     assert out.abs().max() > 0 and torch.isfinite(out).all()
     assert _rel(out, _ref(x, slots, tw, q, act, False)) < 1e-5
 
@@ -108,7 +108,7 @@ def test_int4_decode_keeps_precision_over_the_activation_range(scale):
 def test_int4_decode_bf16_inputs():
     from dataclasses import replace
 
-    from epmoe.experts.triton.int4 import Int4DecodeConfig, int4_decode_experts
+    from epmoe.experts.triton.w4a16_decode import PackedDecodeConfig, packed_decode_experts
 
     # bf16 rows: the de-interleaved inputs and h are kept in bf16 (h rounded as the model's MLP rounds it), or in
     # float32 with bf16_inputs off; both within bf16's error of the float64 reference
@@ -119,8 +119,8 @@ def test_int4_decode_bf16_inputs():
     slots = torch.tensor([[2, 0], [1, 2]])
     tw = torch.rand(2, 2, generator=g)
     ref = _ref(x, slots, tw, q, act, False)
-    narrow = int4_decode_experts(x, slots, tw, q, act, False)
-    wide = int4_decode_experts(x, slots, tw, q, act, False, replace(Int4DecodeConfig(), bf16_inputs=False))
+    narrow = packed_decode_experts(x, slots, tw, q, act, False)
+    wide = packed_decode_experts(x, slots, tw, q, act, False, replace(PackedDecodeConfig(), bf16_inputs=False))
     assert narrow.dtype == torch.bfloat16 and _rel(narrow, ref) < 1e-2 and _rel(wide, ref) < 1e-2
 
 
@@ -129,7 +129,7 @@ def test_int4_decode_bf16_inputs():
 def test_int4_decode_split_reduction_matches_reference(d):
     from dataclasses import replace
 
-    from epmoe.experts.triton.int4 import Int4DecodeConfig, int4_decode_experts
+    from epmoe.experts.triton.w4a16_decode import PackedDecodeConfig, packed_decode_experts
 
     # few live pairs: each gets several gate/up program groups, which split its reduction over D (128-word steps):
     # D = 1024 in 4 splits of 32 words rounded up to a step (one whole step, three empty splits); D = 1536 a whole
@@ -140,13 +140,13 @@ def test_int4_decode_split_reduction_matches_reference(d):
     x = torch.randn(2, d, generator=g)
     tw = torch.rand(2, 2, generator=g)
     # 16 row tiles, 64 programs: four pair groups, which the splits share
-    cfg = replace(Int4DecodeConfig(), max_programs=64, split_max=4)
+    cfg = replace(PackedDecodeConfig(), max_programs=64, split_max=4)
     for slots in (torch.tensor([[-1, 2], [-1, -1]]), torch.tensor([[1, -1], [-1, 1]]), torch.tensor([[0, 2], [1, -1]])):
         ref = _ref(x, slots, tw, q, act, True)
-        out = int4_decode_experts(x, slots, tw, q, act, True, cfg)
+        out = packed_decode_experts(x, slots, tw, q, act, True, cfg)
         assert _rel(out, ref) < 1e-5
-        assert torch.equal(out, int4_decode_experts(x, slots, tw, q, act, True, cfg))  # partials summed in order
-        assert _rel(int4_decode_experts(x, slots, tw, q, act, True, replace(cfg, split_max=1)), ref) < 1e-5
+        assert torch.equal(out, packed_decode_experts(x, slots, tw, q, act, True, cfg))  # partials summed in order
+        assert _rel(packed_decode_experts(x, slots, tw, q, act, True, replace(cfg, split_max=1)), ref) < 1e-5
 
 
 @pytest.mark.interpret
@@ -231,6 +231,63 @@ def _mxfp4_case(seed, s, d, f, device="cpu"):
     return type(q)(blocks, scales, q.w2_blocks, q.w2_scales, q.b13, q.b2)
 
 
+def _run_ptx(ptx, word):
+    """Emulate the integer PTX of ``w4a16_decode.e2m1_pair_ptx`` on ``word`` (numpy uint32 array): the two float32
+    outputs."""
+    import re
+
+    import numpy as np
+
+    regs = {"$2": word.astype(np.uint32)}
+    for ins in [i.strip() for i in ptx.strip("{} ").split(";") if i.strip()]:
+        op, args = ins.split(None, 1)
+        a = [x.strip() for x in re.split(r",(?![^{]*})", args)]
+        val = [regs[x] if x in regs else np.uint32(int(x, 0)) if x[0].isdigit() else None for x in a]
+        if op.startswith(".reg"):
+            continue
+        if op == "shl.b32":
+            regs[a[0]] = (val[1] << np.uint32(val[2])).astype(np.uint32)
+        elif op == "shr.b32":
+            regs[a[0]] = val[1] >> np.uint32(val[2])
+        elif op == "and.b32":
+            regs[a[0]] = val[1] & val[2]
+        elif op == "lop3.b32":  # bit i of the result: bit (4 a_i + 2 b_i + c_i) of the table
+            x, y, z, lut = val[1], val[2], np.broadcast_to(val[3], val[1].shape), int(a[4], 0)
+            out = np.zeros_like(x)
+            for bit in range(32):
+                idx = (((x >> bit) & 1) << 2) | (((y >> bit) & 1) << 1) | ((z >> bit) & 1)
+                out |= ((np.uint32(lut) >> idx) & 1).astype(np.uint32) << np.uint32(bit)
+            regs[a[0]] = out
+        elif op == "mov.b32":
+            lo, hi = a[0].strip("{}").split(",")
+            regs[lo.strip()], regs[hi.strip()] = val[1] & 0xFFFF, val[1] >> 16
+        elif op == "cvt.f32.f16":
+            regs[a[0]] = regs[a[1]].astype(np.uint16).view(np.float16).astype(np.float32)
+        else:
+            raise AssertionError(f"unexpected PTX instruction {ins!r}")
+    return regs["$0"], regs["$1"]
+
+
+@pytest.mark.interpret
+def test_e2m1_pair_ptx_widens_every_code():
+    import numpy as np
+
+    from epmoe.experts.mxfp4 import E2M1_VALUES
+    from epmoe.experts.triton.w4a16_decode import e2m1_pair_ptx
+
+    # every code in every nibble (nibble j of word w: code (w + j) % 16), then random words: each output lane is
+    # the E2M1 value of nibble j or j + 4 times 2 ** -14, exactly
+    words = np.array([sum(((w + j) % 16) << (4 * j) for j in range(8)) for w in range(16)], dtype=np.uint64)
+    words = np.concatenate([words, np.random.default_rng(0).integers(0, 2**32, 512, dtype=np.uint64)])
+    words = words.astype(np.uint32)
+    table = np.array(E2M1_VALUES, dtype=np.float32) * np.float32(2.0**-14)
+    for j in range(4):
+        lo, hi = _run_ptx(e2m1_pair_ptx(j), words)
+        assert np.array_equal(lo, table[(words >> (4 * j)) & 0xF]), j
+        assert np.array_equal(hi, table[(words >> (4 * j + 16)) & 0xF]), j
+        assert np.array_equal(np.signbit(lo), ((words >> (4 * j + 3)) & 1) == 1), j  # -0 keeps its sign
+
+
 @pytest.mark.interpret
 @pytest.mark.parametrize("dtype,act,woi", [
     (torch.float32, Activation("silu", 7.0), False),
@@ -238,38 +295,28 @@ def _mxfp4_case(seed, s, d, f, device="cpu"):
     (torch.float16, Activation(), False),
 ])
 def test_mxfp4_decode_matches_reference(dtype, act, woi):
-    from epmoe.experts.triton.mxfp4 import (
-        MXFP4DecodeConfig,
-        mxfp4_decode_experts,
-        mxfp4_experts,
-        mxfp4_widened_experts,
-    )
+    from epmoe.experts.triton.mxfp4 import mxfp4_experts, mxfp4_widened_experts
+    from epmoe.experts.triton.w4a16_decode import PackedDecodeConfig, packed_decode_experts
 
-    q = _mxfp4_case(3, 4, 96, 64)  # D: 3 blocks of 32, F: 2
+    q = _mxfp4_case(3, 4, 96, 64)  # D: 3 blocks of 32 (12 words), F: 2 blocks
     g = torch.Generator().manual_seed(2)
     x = torch.randn(3, 96, generator=g).to(dtype)
     slots = torch.tensor([[0, -1, 3, 2], [1, 1, 7, 0], [-1, -1, -1, 3]])  # 7: outside [0, S), skipped
     tw = torch.rand(3, 4, generator=g)
     ref = _ref(x, slots, tw, q, act, woi)
-    # one pair group per pair, whole rows in one step; 2-block steps (a ragged last one) with 8 programs a launch
-    # (pairs shared among groups) and gate/up rows past F; one group taking every pair, one block a step
-    for cfg in (MXFP4DecodeConfig(), MXFP4DecodeConfig(4, 2, 8, 2, 2, False, 8),
-                MXFP4DecodeConfig(32, 1, 64, 4, 4, False, 1)):
-        out = mxfp4_decode_experts(x, slots, tw, q, act, woi, cfg)
+    # the default tiles (one part step of 12 of 128 words); 8-word steps (a whole one and a part one) with gate/up
+    # rows past F; 4-word steps with 16 programs a launch (pairs shared among groups) and splits of D
+    for cfg in (PackedDecodeConfig(), PackedDecodeConfig(4, 8, 8, 8, 2, stages=3),
+                PackedDecodeConfig(4, 4, 8, 4, 1, max_programs=16, split_max=4)):
+        out = packed_decode_experts(x, slots, tw, q, act, woi, cfg)
         assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3), cfg
-        assert out.dtype == dtype and torch.equal(out, mxfp4_decode_experts(x, slots, tw, q, act, woi, cfg))
+        assert out.dtype == dtype and torch.equal(out, packed_decode_experts(x, slots, tw, q, act, woi, cfg))
     if dtype == torch.float16:  # the backend's entry takes the decode kernels for one token (4 pairs)
         one = (x[:1], slots[:1], tw[:1])
-        assert torch.equal(mxfp4_experts(*one, q, act, woi), mxfp4_decode_experts(*one, q, act, woi))
+        assert torch.equal(mxfp4_experts(*one, q, act, woi), packed_decode_experts(*one, q, act, woi))
         assert _rel(mxfp4_widened_experts(x, slots, tw, q, act, woi), ref) < 2e-3
-    none = mxfp4_decode_experts(x, torch.full((3, 4), -1), tw, q, act, woi)
+    none = packed_decode_experts(x, torch.full((3, 4), -1), tw, q, act, woi)
     assert none.shape == (3, 96) and not none.any()
-    if dtype == torch.float32 and not woi:  # the kernels' most: 64 pairs, 16 tokens at top-4
-        x, slots, tw = torch.randn(16, 96, generator=g), torch.randint(-1, 4, (16, 4), generator=g), torch.rand(16, 4)
-        assert _rel(mxfp4_decode_experts(x, slots, tw, q, act), _ref(x, slots, tw, q, act, False)) < 1e-5
-    with pytest.raises(ValueError, match="at most 64 .* pairs, got 68"):
-        mxfp4_decode_experts(torch.randn(17, 96).to(dtype), torch.zeros(17, 4, dtype=torch.long), torch.rand(17, 4), q,
-                             act)
 
 
 @pytest.mark.interpret
@@ -330,20 +377,20 @@ def test_int4_entry_takes_any_layout_and_no_pairs():
 
 @pytest.mark.interpret  # the kernel module needs Triton (absent from CPU-only installs)
 def test_int4_step_must_cover_whole_groups():
-    from epmoe.experts.triton.int4 import Int4DecodeConfig, int4_decode_experts
+    from epmoe.experts.triton.w4a16_decode import PackedDecodeConfig, packed_decode_experts
 
     q = int4_expert_weights(_weights(0, 2, 128, 64, False), 64)
     x, slots, tw = torch.randn(1, 128), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)
     with pytest.raises(ValueError, match="multiples of the group size 64"):
-        int4_decode_experts(x, slots, tw, q, Activation(), config=Int4DecodeConfig(8, 4, 16, 8, 4))
+        packed_decode_experts(x, slots, tw, q, Activation(), config=PackedDecodeConfig(8, 4, 16, 8, 4))
     with pytest.raises(ValueError, match="stages must be 2 or 3, got 4"):
-        int4_decode_experts(x, slots, tw, q, Activation(), config=Int4DecodeConfig(8, 8, 16, 8, 4, stages=4))
-    with pytest.raises(ValueError, match="Int4DecodeConfig.block_n2 must be a power of two, got 12"):
-        int4_decode_experts(x, slots, tw, q, Activation(), config=Int4DecodeConfig(8, 8, 12, 8, 4))
-    with pytest.raises(ValueError, match="Int4DecodeConfig.split_max must be a power of two, got 3"):
-        int4_decode_experts(x, slots, tw, q, Activation(), config=Int4DecodeConfig(8, 8, 16, 8, 4, split_max=3))
+        packed_decode_experts(x, slots, tw, q, Activation(), config=PackedDecodeConfig(8, 8, 16, 8, 4, stages=4))
+    with pytest.raises(ValueError, match="PackedDecodeConfig.block_n2 must be a power of two, got 12"):
+        packed_decode_experts(x, slots, tw, q, Activation(), config=PackedDecodeConfig(8, 8, 12, 8, 4))
+    with pytest.raises(ValueError, match="PackedDecodeConfig.split_max must be a power of two, got 3"):
+        packed_decode_experts(x, slots, tw, q, Activation(), config=PackedDecodeConfig(8, 8, 16, 8, 4, split_max=3))
     with pytest.raises(ValueError, match="x must be contiguous along D"):  # read by pointer: checked first
-        int4_decode_experts(torch.randn(256, 1)[::2].t(), slots, tw, q, Activation())
+        packed_decode_experts(torch.randn(256, 1)[::2].t(), slots, tw, q, Activation())
 
 
 @pytest.mark.interpret  # the kernel module needs Triton (absent from CPU-only installs)
@@ -476,6 +523,33 @@ def test_int4_grouped_and_dequant_paths_on_gpu(t, case):
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(captured, int4_grouped_experts(x, slots, tw, q, act, woi))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,f", [(2880, 2880), (96, 64)])
+def test_mxfp4_decode_on_gpu(d, f):
+    from epmoe.experts.triton.w4a16_decode import PackedDecodeConfig, packed_decode_experts
+
+    # the PTX widening against the float32 reference: every E2M1 code and a scale of 0 (_mxfp4_case), gpt-oss's
+    # 360-word rows (whole 128-word steps and a part one) and a small ragged case; one pair per program group, all
+    # pairs in one group, splits of D; a CUDA-graph replay with new rows
+    q = _mxfp4_case(5, 6, d, f, "cuda")
+    act = Activation("silu", 7.0)
+    x = torch.randn(2, d, device="cuda", dtype=torch.bfloat16)
+    slots = torch.tensor([[0, 3, -1, 5], [2, 0, 0, 9]], device="cuda")  # 9: outside [0, S), skipped
+    tw = torch.rand(2, 4, device="cuda")
+    ref = _ref(x, slots, tw, q, act, False)
+    for cfg in (PackedDecodeConfig(), PackedDecodeConfig(2, 128, 4, 128, 1, max_programs=4096),
+                PackedDecodeConfig(max_programs=16), PackedDecodeConfig(8, 64, 8, 64, 2, stages=3, split_max=4)):
+        out = packed_decode_experts(x, slots, tw, q, act, False, cfg)
+        assert _rel(out, ref) < 1e-2, cfg
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = packed_decode_experts(x, slots, tw, q, act)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(captured, packed_decode_experts(x, slots, tw, q, act))
+    assert _rel(captured, _ref(x, slots, tw, q, act, False)) < 1e-2
 
 
 @pytest.mark.gpu

@@ -1,22 +1,13 @@
-"""MXFP4 expert compute on CUDA, always on the packed weights: the decode kernels for a few pairs, above them (bf16
-on Hopper) the tensor-core kernels of ``w4a16_mma`` and ``w4a16_wgmma``, which widen the blocks, read as INT4's
-words, into the MMA registers, or (fp16, other GPUs) the grouped kernels of ``grouped`` widening the packed tiles in
-registers (``w4a16``); and, for comparison in ``benchmarks/moe_layer.py``, the widening path (the slots in use
-widened to the compute dtype in memory, then the bf16 grouped kernels).
+"""MXFP4 expert compute on CUDA, always on the packed weights: the decode kernels of ``w4a16_decode`` for a few pairs,
+above them (bf16 on Hopper) the tensor-core kernels of ``w4a16_mma`` and ``w4a16_wgmma``, which widen the blocks, read
+as INT4's words, into the MMA registers, or (fp16, other GPUs) the grouped kernels of ``grouped`` widening the packed
+tiles in registers (``w4a16``); and, for comparison in ``benchmarks/moe_layer.py``, the widening path (the slots in
+use widened to the compute dtype in memory, then the bf16 grouped kernels).
 
-Decode (``mxfp4_decode_experts``, up to ``MXFP4_DECODE_MAX_PAIRS`` pairs; the backend takes it up to
-``MXFP4_BACKEND_DECODE_PAIRS``): the two launches of ``decode`` (a pair is
-a matrix-vector product cut along the output rows; live pairs shared among pair groups; the last down program of a
-column tile sums it over each token's pairs, ``decode.sum_pairs_on_arrival``), with the weights read as they are
-stored: a program's tile is ``[R, BLOCK_G, 16]`` bytes (``R`` weight rows, ``BLOCK_G`` 32-value blocks of each),
-contiguous per row, requested a step ahead. Gate/up programs take ``BLOCK_N`` gate rows and the matching up rows
-interleaved (one tile of ``2 BLOCK_N`` rows, split after the sum). A byte's two E2M1 codes are widened without a
-table or a conversion from integer: the code's 3 magnitude bits are placed under the exponent of an fp16 (bits
-9-11) and its sign bit on the sign (bit 15), which reads as ``e2m1 * 2 ** -14`` (code 1, 0.5, lands on fp16's
-subnormal ``2 ** -15``, exact), then widened to float32 exactly. Each block's products with the vector are summed
-first, then multiplied by the block's scale ``2 ** (s - 127)`` (built from its bits, ``s = 0`` as ``2 ** -127``);
-the ``2 ** 14`` goes on the vector (exact). So a pair reads 17 bytes per 32 weights, against the widening path's
-17 read, 64 written and 64 read again in bf16.
+Decode (``w4a16_decode.packed_decode_experts``, the backend's path up to ``MXFP4_BACKEND_DECODE_PAIRS`` pairs): the
+INT4 decode kernels, a block's 16 bytes read as four words and its E8M0 byte as the group scale, each E2M1 code
+widened through fp16 (see ``w4a16_decode``). A pair reads 17 bytes per 32 weights, against the widening path's 17
+read, 64 written and 64 read again in bf16.
 
 ``_dequantize_kernel``, grid ``(S * N, cdiv(K / 32, BLOCK_B))``: program ``(r, j)`` reads ``BLOCK_B`` 16-byte
 blocks of weight row ``r`` and their E8M0 scales and writes the ``32 * BLOCK_B`` values; rows of slots without a
@@ -32,29 +23,17 @@ the code is our own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from epmoe.experts.mxfp4 import MXFP4_BLOCK, MXFP4_BYTES, MXFP4ExpertWeights
-from epmoe.experts.triton.decode import (
-    gated_h,
-    live_pair,
-    live_pairs,
-    pair_grid,
-    sum_pairs_on_arrival,
-    zero_arrival_counters,
-)
-from epmoe.experts.triton.grouped import TileConfig, act_code, default_int4_config, grouped_experts, triton_experts
-from epmoe.experts.triton.pdl import pdl_launch
+from epmoe.experts.triton.grouped import TileConfig, default_int4_config, grouped_experts, triton_experts
+from epmoe.experts.triton.w4a16_decode import packed_decode_experts
 from epmoe.experts.triton.w4a16_mma import default_mma_config, packed_mma_experts
 from epmoe.experts.triton.w4a16_wgmma import default_wgmma_config, packed_wgmma_experts
 from epmoe.experts.weights import Activation, ExpertWeights, check_expert_call
 
-_ZERO_BLOCK = 1024
-MXFP4_DECODE_MAX_PAIRS = 64  # the most pairs mxfp4_decode_experts takes (each read and summed per token in its grid)
 MXFP4_BACKEND_DECODE_PAIRS = 4
 """``mxfp4_path`` takes the decode kernels up to this many pairs (one token at gpt-oss's top-4), the tensor-core (or
 grouped) kernels above: a decode pair reads its expert's weights on its own, a row block reads them once for the
@@ -68,132 +47,6 @@ MXFP4_WGMMA_MIN_PAIRS_PER_SLOT = 16
 kernels below (as ``int4.INT4_WGMMA_MIN_PAIRS_PER_SLOT``). The H100 run of ``benchmarks/moe_layer.py --cases
 gptoss20b_mxfp4,gptoss_mxfp4`` (``moe_layer_mxfp4_mma_h100.json``) has the MMA kernels faster at 8 pairs a slot and
 the wgmma kernels faster at 32."""
-
-
-@dataclass(frozen=True)
-class MXFP4DecodeConfig:
-    """Tile shapes of the MXFP4 decode kernels (powers of two).
-
-    Attributes:
-        block_n1: gate rows (and as many up rows) per gate/up program.
-        block_g1: 32-value blocks of each row per step of the gate/up program.
-        block_n2: ``w2`` rows (output columns) per down program.
-        block_g2: 32-value blocks of each row per step of the down program.
-        num_warps: warps per program.
-        pdl: launch both kernels as programmatic dependent launches where ``pdl.pdl_launch`` allows it (the gate/up
-            programs wait for the kernel before them before reading the slots; the down programs before reading
-            anything).
-        max_programs: programs per launch, at most (``decode.pair_grid``).
-    """
-
-    block_n1: int = 8
-    block_g1: int = 16
-    block_n2: int = 16
-    block_g2: int = 16
-    num_warps: int = 4
-    pdl: bool = True
-    max_programs: int = 1024
-
-
-@triton.jit
-def _e2m1_halves(b):
-    """The E2M1 codes in the low and the high nibbles of bytes ``b`` (int32 tensor), each as float32 ``value * 2 **
-    -14`` (the codes placed under an fp16's exponent and sign; see the module docstring)."""
-    lo = (((b << 9) & 0x0E00) | ((b << 12) & 0x8000)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (((b << 5) & 0x0E00) | ((b << 8) & 0x8000)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
-
-
-@triton.jit
-def _mx_row_dots(w_ptr, s_ptr, v_ptr, row_off, scale_off, rows_ok, NB, BLOCK_G: tl.constexpr):
-    """``sum_k W[r, k] * v[k]`` float32 ``[R]`` for the rows of one slot's MXFP4 weight at byte offsets ``row_off
-    [R]`` from ``w_ptr`` (their scales at ``scale_off`` from ``s_ptr``), over ``K = 32 NB`` inputs of the vector at
-    ``v_ptr``; the next step's bytes are requested before this step's are reduced."""
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_j = tl.arange(0, 16)
-    w_ptrs = w_ptr + row_off[:, None, None] + offs_g[None, :, None] * 16 + offs_j[None, None, :]
-    s_ptrs = s_ptr + scale_off[:, None] + offs_g[None, :]
-    v_ptrs = v_ptr + offs_g[:, None] * 32 + 2 * offs_j[None, :]
-    acc = tl.zeros(row_off.shape, dtype=tl.float32)
-    w = tl.load(w_ptrs, mask=rows_ok[:, None, None] & (offs_g < NB)[None, :, None], other=0,
-                eviction_policy="evict_first")
-    for g0 in range(0, NB, BLOCK_G):
-        g_ok = offs_g < NB - g0
-        nxt = rows_ok[:, None, None] & (offs_g < NB - g0 - BLOCK_G)[None, :, None]
-        w_next = tl.load(w_ptrs + BLOCK_G * 16, mask=nxt, other=0, eviction_policy="evict_first")
-        sc = tl.load(s_ptrs, mask=rows_ok[:, None] & g_ok[None, :], other=127).to(tl.int32)
-        ve = tl.load(v_ptrs, mask=g_ok[:, None], other=0.0).to(tl.float32) * 16384.0
-        vo = tl.load(v_ptrs + 1, mask=g_ok[:, None], other=0.0).to(tl.float32) * 16384.0
-        lo, hi = _e2m1_halves(w.to(tl.int32))
-        part = tl.sum(lo * ve[None, :, :] + hi * vo[None, :, :], axis=2)
-        scale = tl.where(sc == 0, 2.0 ** -127, (sc << 23).to(tl.float32, bitcast=True))
-        acc += tl.sum(part * scale, axis=1)
-        w = w_next
-        w_ptrs += BLOCK_G * 16
-        s_ptrs += BLOCK_G
-        v_ptrs += BLOCK_G * 32
-    return acc
-
-
-@triton.jit
-def _mx_gate_up_kernel(
-    x_ptr, slots_ptr, tw_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, count_ptr,
-    num_pairs, num_slots, top_k, num_counters, NB, F, stride_x, stride_we, stride_se, act_limit, act_alpha,
-    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, N_PAD: tl.constexpr, GROUPS: tl.constexpr, ACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, ZERO_BLOCK: tl.constexpr, PDL: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    group = tl.program_id(1)
-    if PDL:  # placed while the router runs; allows the down launch only once the router's slots are complete
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    if (pid_n == 0) & (group == 0):
-        zero_arrival_counters(count_ptr, num_counters, ZERO_BLOCK)
-    r = tl.arange(0, 2 * BLOCK_N)
-    col = pid_n * BLOCK_N + r // 2
-    row = (col + (r % 2) * F).to(tl.int64)  # gate row, up row, gate row, ...
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < F
-    idx, sl, live, rank, n_live = live_pairs(slots_ptr, num_pairs, num_slots, N_PAD)
-    for i in range(group, n_live, GROUPS):
-        pair, slot = live_pair(idx, sl, live, rank, i)
-        acc = _mx_row_dots(w_ptr + slot * stride_we, ws_ptr + slot * stride_se,
-                           x_ptr + (pair // top_k).to(tl.int64) * stride_x, row * NB * 16, row * NB, col < F, NB,
-                           BLOCK_G)
-        g, u = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
-        h = gated_h(tw_ptr, b_ptr, pair, slot, g, u, F, act_limit, act_alpha, offs_n, n_ok, ACT, HAS_BIAS,
-                    WEIGHT_ON_INPUT)
-        tl.store(h_ptr + pair * F + offs_n, h, mask=n_ok)
-
-
-@triton.jit
-def _mx_down_kernel(
-    h_ptr, slots_ptr, tw_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, count_ptr, out_ptr,
-    num_tokens, top_k, num_pairs, num_slots, D, NB, stride_we, stride_se, stride_o,
-    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr, GROUPS: tl.constexpr,
-    HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, PDL: tl.constexpr,
-):
-    if PDL:  # the next kernel may be placed while this launch runs; h is complete only after the wait
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    pid_n = tl.program_id(0)
-    group = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < D
-    f = NB * 32
-    idx, sl, live, rank, n_live = live_pairs(slots_ptr, num_pairs, num_slots, N_PAD)
-    for i in range(group, n_live, GROUPS):
-        pair, slot = live_pair(idx, sl, live, rank, i)
-        acc = _mx_row_dots(w_ptr + slot * stride_we, ws_ptr + slot * stride_se, h_ptr + pair * f,
-                           offs_n.to(tl.int64) * NB * 16, offs_n.to(tl.int64) * NB, n_ok, NB, BLOCK_G)
-        if HAS_BIAS:
-            b = tl.load(b_ptr + slot * D + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            if not WEIGHT_ON_INPUT:
-                b *= tl.load(tw_ptr + pair)
-            acc += b
-        tl.store(y_ptr + pair * D + offs_n, acc, mask=n_ok)
-    sum_pairs_on_arrival(slots_ptr, y_ptr, count_ptr, out_ptr, pid_n, num_tokens, top_k, num_slots, D, stride_o,
-                         offs_n, n_ok, K_PAD, GROUPS)
 
 
 @triton.jit
@@ -248,73 +101,6 @@ def _check_contiguous(weights: MXFP4ExpertWeights, kernels: str) -> None:
                              f"{tuple(getattr(weights, name).stride())}")
 
 
-def mxfp4_decode_experts(
-    x: torch.Tensor,
-    topk_slots: torch.Tensor,
-    topk_weights: torch.Tensor,
-    weights: MXFP4ExpertWeights,
-    activation: Activation,
-    weight_on_input: bool = False,
-    config: MXFP4DecodeConfig | None = None,
-) -> torch.Tensor:
-    """Expert compute for ``T * K <= MXFP4_DECODE_MAX_PAIRS`` pairs on the MXFP4 weights as stored, in two launches
-    (see the module docstring). Graph safe: static grids, no host synchronisation.
-
-    Args:
-        x: ``[T, D]`` bf16/fp16 rows (float32 too, under the Triton interpreter), contiguous along ``D``.
-        topk_slots: ``[T, K]`` integer local slot ids, contiguous; an id outside ``[0, S)`` (``-1``) skips.
-        topk_weights: ``[T, K]`` float32 routing weights, contiguous.
-        weights: the slots' MXFP4 weights (blocks and scales contiguous; biases any float dtype).
-        activation: the gated activation.
-        weight_on_input: scale the expert input by the weight instead of its output.
-        config: tile shapes; ``MXFP4DecodeConfig()`` when ``None``.
-
-    Returns:
-        ``[T, D]`` in ``x.dtype``.
-
-    Raises:
-        ValueError: operands of other shapes or layouts than ``experts.weights.check_expert_call`` takes, weight
-            blocks or scales not contiguous, or more than ``MXFP4_DECODE_MAX_PAIRS`` pairs.
-    """
-    check_expert_call(x, topk_slots, topk_weights, weights.hidden_size)
-    cfg = config if config is not None else MXFP4DecodeConfig()
-    t, k = topk_slots.shape
-    n = t * k
-    if n > MXFP4_DECODE_MAX_PAIRS:
-        raise ValueError(f"mxfp4_decode_experts takes at most {MXFP4_DECODE_MAX_PAIRS} (token, k) pairs, got {n}")
-    _check_contiguous(weights, "decode")
-    d, f = weights.hidden_size, weights.intermediate_size
-    dev = x.device
-    h = torch.empty(n, f, dtype=torch.float32, device=dev)
-    y = torch.empty(n, d, dtype=torch.float32, device=dev)
-    out = torch.empty(x.shape, dtype=x.dtype, device=dev)
-    grid1 = pair_grid(triton.cdiv(f, cfg.block_n1), n, cfg.max_programs)
-    grid2 = pair_grid(triton.cdiv(d, cfg.block_n2), n, cfg.max_programs)
-    count = torch.empty(grid2[0], dtype=torch.int32, device=dev)
-    n_pad = triton.next_power_of_2(max(n, 1))
-    b13 = weights.b13 if weights.b13 is not None else topk_weights
-    b2 = weights.b2 if weights.b2 is not None else topk_weights
-    limit = activation.swiglu_limit if activation.swiglu_limit is not None else 0.0
-    pdl = cfg.pdl and pdl_launch(x)
-    w13, s13, w2, s2 = weights.w13_blocks, weights.w13_scales, weights.w2_blocks, weights.w2_scales
-    _mx_gate_up_kernel[grid1](
-        x, topk_slots, topk_weights, w13, s13, b13, h, count,
-        n, weights.num_slots, k, grid2[0], d // MXFP4_BLOCK, f, x.stride(0), w13.stride(0), s13.stride(0),
-        float(limit), float(activation.swiglu_alpha),
-        BLOCK_N=cfg.block_n1, BLOCK_G=cfg.block_g1, N_PAD=n_pad, GROUPS=grid1[1], ACT=act_code(activation),
-        HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input, ZERO_BLOCK=_ZERO_BLOCK, PDL=pdl,
-        num_warps=cfg.num_warps, launch_pdl=pdl,
-    )
-    _mx_down_kernel[grid2](
-        h, topk_slots, topk_weights, w2, s2, b2, y, count, out,
-        t, k, n, weights.num_slots, d, f // MXFP4_BLOCK, w2.stride(0), s2.stride(0), out.stride(0),
-        BLOCK_N=cfg.block_n2, BLOCK_G=cfg.block_g2, K_PAD=triton.next_power_of_2(k), N_PAD=n_pad, GROUPS=grid2[1],
-        HAS_BIAS=weights.b2 is not None, WEIGHT_ON_INPUT=weight_on_input, PDL=pdl, num_warps=cfg.num_warps,
-        launch_pdl=pdl,
-    )
-    return out
-
-
 def mxfp4_experts(
     x: torch.Tensor,
     topk_slots: torch.Tensor,
@@ -326,7 +112,7 @@ def mxfp4_experts(
     expected_pairs: int | None = None,
 ) -> torch.Tensor:
     """MXFP4 expert compute on CUDA (contract of ``experts.ExpertBackend``; graph safe), on the packed weights, by
-    ``mxfp4_path`` of the larger of ``T * K`` and the expected pairs: ``mxfp4_decode_experts`` up to
+    ``mxfp4_path`` of the larger of ``T * K`` and the expected pairs: ``w4a16_decode.packed_decode_experts`` up to
     ``MXFP4_BACKEND_DECODE_PAIRS``, above them for bf16 on Hopper the tensor-core kernels of ``w4a16_mma`` or (from
     ``MXFP4_WGMMA_MIN_PAIRS_PER_SLOT`` pairs a slot) ``w4a16_wgmma``, otherwise ``mxfp4_grouped_experts``.
 
@@ -346,7 +132,7 @@ def mxfp4_experts(
     s = weights.num_slots
     path = mxfp4_path(max(n, expected), x.dtype, s, x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0))
     if path == "decode":
-        return mxfp4_decode_experts(x, slots, tw, weights, activation, weight_on_input)
+        return packed_decode_experts(x, slots, tw, weights, activation, weight_on_input)
     if path == "wgmma":
         return packed_wgmma_experts(x, slots, tw, weights, activation, weight_on_input,
                                     default_wgmma_config(MXFP4_BLOCK, expected, s))

@@ -176,16 +176,16 @@ def _scale_tile(s, DTYPE: tl.constexpr, WIDEN: tl.constexpr):
     ``2 ** (s - 127)`` built from their bits (``s = 0``, the subnormal ``2 ** -127``, by value), in float32, or in
     bf16 (exact) for the PTX widening."""
     if WIDEN == WIDEN_MXFP4_PTX:
-        out = _e8m0(s).to(tl.bfloat16)
+        out = e8m0_f32(s).to(tl.bfloat16)
     elif WIDEN == WIDEN_MXFP4:
-        out = _e8m0(s)
+        out = e8m0_f32(s)
     else:
         out = s.to(DTYPE)
     return out
 
 
 @triton.jit
-def _e8m0(s):
+def e8m0_f32(s):
     """float32 ``2 ** (s - 127)`` of E8M0 bytes ``s``."""
     e = s.to(tl.int32)
     return tl.where(e == 0, 2.0 ** -127, (e << 23).to(tl.float32, bitcast=True))
