@@ -47,6 +47,7 @@ def kimi(tiny_checkpoints):
     ("serve", ["--block-size", "0"], "--block-size must be a positive integer, got 0"),
     ("serve", ["--max-moves", "3"], "--max-moves limits live rebalancing: give --eplb-interval with it"),
     ("serve", ["--seed", "-1"], "--seed must be an integer in [0, 2**63), got -1"),
+    ("run", ["--seed", "-1"], "--seed must be an integer in [0, 2**63), got -1"),  # not "or None": no flag takes it
     ("serve", ["--placement", "p.json", "--layout", "round_robin"],
      "--layout ('round_robin') shapes the default placement; --placement ('p.json') is a file that fixes its own "
      "slots: leave it unset"),

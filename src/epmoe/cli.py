@@ -366,8 +366,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                                                               "decode)")
     p.add_argument("--redundant", type=int, default=0, help="redundant expert slots per MoE layer (default 0)")
     p.add_argument("--context", type=int, default=4096, help="KV-cache tokens per sequence (default 4096)")
-    p.add_argument("--weights", choices=("bf16", "fp8", "int4"), help="routed expert storage (default: the "
-                                                                      "checkpoint's)")
+    p.add_argument("--weights", choices=("bf16", "fp8", "int4", "mxfp4"), help="routed expert storage (default: "
+                                                                                 "the checkpoint's)")
     p.add_argument("--mem-fraction", type=float, default=0.9, help="share of GPU memory usable (default 0.9)")
     p.add_argument("--balancedness", type=float, default=0.8, help="expected mean/max load per EP rank (default 0.8)")
     p.add_argument("--accept-length", type=float, metavar="A",
@@ -476,8 +476,8 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hardware", metavar="NAME", help="hardware profile for the memory check")
     p.add_argument("--batch", type=int, default=64, help="sequences per step for the memory check (default 64)")
     p.add_argument("--context", type=int, default=4096, help="KV-cache tokens per sequence (default 4096)")
-    p.add_argument("--weights", choices=("bf16", "fp8", "int4"), help="routed expert storage (default: the "
-                                                                      "checkpoint's)")
+    p.add_argument("--weights", choices=("bf16", "fp8", "int4", "mxfp4"), help="routed expert storage (default: "
+                                                                                 "the checkpoint's)")
     p.set_defaults(func=_cmd_doctor)
 
 

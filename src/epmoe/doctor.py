@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from epmoe.checks import check_int
-from epmoe.experts.storage import ExpertStorage
+from epmoe.experts.storage import ExpertStorage, dequantized_reason
 from epmoe.integrations.placements import load_placement_as
 from epmoe.plan.costs import WEIGHT_CHOICES, weights_hint
 from epmoe.plan.draft import DraftModel, draft_bytes, read_draft
@@ -247,6 +247,7 @@ def check_draft(draft: str, draft_placement: str | None, ep: int,
 
 
 _SERVED = {"plain": "in the compute dtype (counted in bf16; --dtype float32 doubles it)",
+           "fp8": "as stored: FP8 values + float32 128x128 block scales",
            "int4": "packed: INT4 values + bf16 scales", "mxfp4": "packed: MXFP4 values + E8M0 scales"}
 
 
@@ -254,18 +255,19 @@ def check_expert_storage(spec: MoESpec, ep: int, redundant: int, weights: str | 
                          what: str = "the target model") -> list[Finding]:
     """The routed experts' weight format (unquantized ones named by the checkpoint's dtype,
     ``MoESpec.expert_format_name``; ``weights`` as planned), how ``epmoe run`` serves it
-    (``experts.storage.ExpertStorage``) and their bytes per rank (packed values and scales; bf16 for plain and FP8
-    checkpoints, which are dequantized on load)."""
+    (``experts.storage.ExpertStorage``) and their bytes per rank (quantized values and scales; bf16 for plain
+    checkpoints and FP8 ones dequantized on load, with the reason)."""
     fmt = WEIGHT_CHOICES[weights] if weights else spec.expert_weight_format
     try:
-        storage = ExpertStorage.of(fmt)
+        storage = ExpertStorage.of(fmt, spec.moe_intermediate_size)
         per_expert = storage.bytes_per_expert(spec.hidden_size, spec.moe_intermediate_size)
     except ValueError as exc:
         return [Finding("error", f"{what}: routed experts: {exc}", "epmoe run refuses to load these experts",
                         "use a checkpoint in a served format (README: supported weight formats)")]
     slots = math.ceil((spec.num_experts + redundant) / ep)
     per_rank = per_expert * slots * spec.num_moe_layers
-    dequantized = ", FP8 dequantized on load" if fmt.startswith("fp8") and storage.kind == "plain" else ""
+    reason = dequantized_reason(fmt, spec.moe_intermediate_size)
+    dequantized = f" ({reason})" if reason else ""
     name = fmt if weights else spec.expert_format_name
     return [Finding("ok", f"{what}: routed experts {name}, served {_SERVED[storage.kind]}{dequantized}: "
                           f"{format_bytes(per_expert)} per expert, {format_bytes(per_rank)} per rank "

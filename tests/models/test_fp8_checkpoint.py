@@ -2,7 +2,9 @@
 Kimi-K2's ``model_type: kimi_k2`` and Kimi-K2.5's ``text_config`` wrapper with ``language_model.`` tensors.
 
 The FP8 checkpoint is written from a small DeepSeek-V3 one (hidden 192, expert F 160: two blocks per dimension,
-the last one ragged); a twin written with the dequantized float32 tensors is the comparison.
+the last one ragged); a twin written with the dequantized float32 tensors is the comparison. With F 160 the gate and
+up rows of an expert's ``w13`` would share a scale block, so its routed experts are dequantized on load; a second
+pair with F 256 (hidden still ragged) keeps them as stored, float8_e4m3fn with their block scales.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from epmoe.models.hf import load_ep_model, load_full_model
 from epmoe.placement import ExpertPlacement
 
 SIZES = dict(hidden_size=192, moe_intermediate_size=160, intermediate_size=320)
+SIZES_128 = dict(hidden_size=192, moe_intermediate_size=256, intermediate_size=320)  # F: whole 128-row blocks
 FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 SKIP = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight")
 
@@ -49,13 +52,11 @@ def _edit_config(directory: Path, **fields) -> dict:
     return cfg
 
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory) -> dict[str, Path]:
+def _build(root: Path, sizes: dict, family: str = "deepseek-v3") -> dict[str, Path]:
     """``fp8``: quantized, in DeepSeek's format; ``deq``: the same dequantized values written as float32."""
     from epmoe.models.tiny import build_tiny_checkpoint
 
-    root = tmp_path_factory.mktemp("fp8")
-    base = build_tiny_checkpoint("deepseek-v3", root / "base", seed=3, overrides=SIZES)
+    base = build_tiny_checkpoint(family, root / "base", seed=3, overrides=sizes)
     fp8, deq = root / "fp8", root / "deq"
     _copy_meta(base, fp8)
     _copy_meta(base, deq)
@@ -68,18 +69,36 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
             dequantized[name] = q[0].float() * scale
         else:
             quantized[name] = dequantized[name] = w
-    assert any(t.dtype == torch.float8_e4m3fn and t.shape[0] % 128 and t.shape[0] > 128 for t in quantized.values())
+    assert any(t.dtype == torch.float8_e4m3fn and t.shape[1] % 128 and t.shape[1] > 128 for t in quantized.values())
     save_file(quantized, fp8 / "model.safetensors", metadata={"format": "pt"})
     save_file(dequantized, deq / "model.safetensors", metadata={"format": "pt"})
     _edit_config(fp8, quantization_config=FP8_CONFIG)
     return {"base": base, "fp8": fp8, "deq": deq}
 
 
-def _logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
-    placement = ExpertPlacement.trivial(2, 16, 1)
-    ep = load_ep_model(str(directory), placement, Comm(None), options=MoELayerOptions(dispatcher="local"))
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, Path]:
+    return _build(tmp_path_factory.mktemp("fp8"), SIZES)
+
+
+@pytest.fixture(scope="module")
+def ckpts128(tmp_path_factory) -> dict[str, Path]:
+    return _build(tmp_path_factory.mktemp("fp8_128"), SIZES_128)
+
+
+def _logits(directory: Path, ids: torch.Tensor, load_format: str = "auto") -> torch.Tensor:
+    return _logits_and_model(directory, ids, load_format)[0]
+
+
+def _logits_and_model(directory: Path, ids: torch.Tensor, load_format: str = "auto"):
+    from epmoe.spec import load_moe_spec
+
+    spec = load_moe_spec(str(directory))
+    placement = ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1)
+    ep = load_ep_model(str(directory), placement, Comm(None), options=MoELayerOptions(dispatcher="local"),
+                       load_format=load_format)
     with torch.no_grad():
-        return ep.model(ids).logits
+        return ep.model(ids).logits, ep
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -111,10 +130,91 @@ def test_ep1_fp8_matches_dequantized_checkpoint(ckpts):
     assert _rel(ours, theirs) < 1e-5
 
 
-def _run(model: Path, tmp_path: Path) -> dict:
+def test_fp8_experts_served_as_stored_where_f_is_whole_blocks(ckpts, ckpts128):
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    ours, ep = _logits_and_model(ckpts128["fp8"], ids)
+    experts = ep.moe_layers[0].experts
+    assert experts.storage.kind == "fp8"
+    assert experts.w13.dtype == experts.w2.dtype == torch.float8_e4m3fn
+    # w13 [S, 2F, D]: gate then up rows, each F = 256 rows two whole blocks; D = 192 ragged
+    assert tuple(experts.w13.shape) == (16, 512, 192) and tuple(experts.w13_scale.shape) == (16, 4, 2)
+    assert tuple(experts.w2_scale.shape) == (16, 2, 2) and experts.w13_scale.dtype == torch.float32
+    stored = _tensors(ckpts128["fp8"])
+    block = "model.layers.1.mlp.experts.5"
+    assert torch.equal(experts.w13[5, 256:].view(torch.uint8), stored[f"{block}.up_proj.weight"].view(torch.uint8))
+    assert torch.equal(experts.w13_scale[5, 2:], stored[f"{block}.up_proj.weight_scale_inv"])
+    assert _rel(ours, _logits(ckpts128["deq"], ids)) < 1e-6
+    # F 160: gate and up rows would share a scale block, so the experts are dequantized on load
+    plain = _logits_and_model(ckpts["fp8"], ids)[1].moe_layers[0].experts
+    assert plain.storage.kind == "plain" and plain.w13.dtype == torch.float32
+
+
+@pytest.mark.parametrize("family,sizes", [("qwen3-moe", SIZES_128),
+                                          ("mixtral", dict(hidden_size=192, intermediate_size=256))])  # Mixtral's F
+def test_fp8_experts_as_stored_in_other_families(tmp_path, family, sizes):
+    # Qwen3's published FP8 checkpoints use DeepSeek's format; Mixtral's per-expert w1/w3/w2 names read the same way
+    pair = _build(tmp_path, sizes, family)
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(4))
+    ours, ep = _logits_and_model(pair["fp8"], ids)
+    assert ep.moe_layers[0].experts.w13.dtype == torch.float8_e4m3fn
+    assert _rel(ours, _logits(pair["deq"], ids)) < 1e-6
+
+
+def test_fp8_dummy_weights_stay_fp8(ckpts128, tmp_path):
+    only_config = tmp_path / "cfg"
+    only_config.mkdir()
+    shutil.copy(ckpts128["fp8"] / "config.json", only_config / "config.json")
+    logits, ep = _logits_and_model(only_config, torch.tensor([[1, 2, 3]]), load_format="dummy")
+    experts = ep.moe_layers[0].experts
+    values = experts.w13.float()
+    assert experts.w13.dtype == torch.float8_e4m3fn and values.std().item() == pytest.approx(4.2, rel=0.1)
+    assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_doctor_and_plan_say_how_fp8_experts_are_served(ckpts, ckpts128):
+    from epmoe.doctor import check_expert_storage
+    from epmoe.plan.costs import compute_dtype
+    from epmoe.plan.hardware import load_hardware
+    from epmoe.plan.request import PlanRequest
+    from epmoe.spec import load_moe_spec
+
+    spec128, spec160 = load_moe_spec(str(ckpts128["fp8"])), load_moe_spec(str(ckpts["fp8"]))
+    (ok,) = check_expert_storage(spec128, 2, 0)
+    # one expert: 3 * 192 * 256 FP8 bytes + (4 + 2 + 2 * 2) float32 block scales
+    assert "served as stored: FP8 values + float32 128x128 block scales: 144.0 KiB per expert" in ok.what, ok.what
+    (deq,) = check_expert_storage(spec160, 2, 0)
+    assert "the expert intermediate size F (160) is not a multiple of 128" in deq.what, deq.what
+    h200 = load_hardware("h200-sxm")
+    assert PlanRequest(spec=spec128, hardware=h200, gpus=2, batches=(1,)).expert_format == "fp8_block128"
+    assert PlanRequest(spec=spec160, hardware=h200, gpus=2, batches=(1,)).expert_format == "bf16"
+    assert PlanRequest(spec=spec128, hardware=h200, gpus=2, batches=(1,)).dense_format == "bf16"
+    assert compute_dtype("fp8_block128") == "bf16"  # the kernels widen FP8 to bf16 in registers
+
+
+@pytest.mark.parametrize("edit,match", [
+    ("bf16_expert", r"experts[.]3[.]down_proj[.]weight' is BF16 of shape \(192, 256\); block-FP8 routed experts"),
+    ("scale_shape", r"experts[.]3[.]down_proj[.]weight_scale_inv' is F32 of shape \(1, 2\), expected a float of "
+                    r"shape \(2, 2\)"),
+])
+def test_bad_fp8_expert_tensors_are_named(ckpts128, tmp_path, edit, match):
+    broken = tmp_path / "broken"
+    _copy_meta(ckpts128["fp8"], broken)
+    tensors = _tensors(ckpts128["fp8"])
+    name = "model.layers.2.mlp.experts.3.down_proj.weight"
+    if edit == "bf16_expert":
+        tensors[name] = tensors[name].float().bfloat16()
+    else:
+        tensors[name + "_scale_inv"] = tensors[name + "_scale_inv"][:1]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=match):
+        load_ep_model(str(broken), ExpertPlacement.trivial(2, 16, 1), Comm(None),
+                      options=MoELayerOptions(dispatcher="local"))
+
+
+def _run(model: Path, tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "report.json"
     code = main(["run", "--model", str(model), "--ep", "2", "--max-new-tokens", "4", "--prompt", "fp8 experts",
-                 "--prompt", "block scales", "--prompt", "abc", "--json", str(out)])
+                 "--prompt", "block scales", "--prompt", "abc", "--json", str(out), *extra])
     assert code == 0
     return json.loads(out.read_text())
 
@@ -123,6 +223,14 @@ def _run(model: Path, tmp_path: Path) -> dict:
 def test_run_fp8_two_ranks_matches_reference(ckpts, tmp_path):
     report = _run(ckpts["fp8"], tmp_path)
     assert report["matches_reference"] is True and report["mismatches"] == []
+
+
+@pytest.mark.multiprocess
+def test_run_fp8_as_stored_two_ranks_with_live_rebalancing(ckpts128, tmp_path):
+    # the FP8 values and their block scales move together between ranks (as bytes), and the tokens stay the reference's
+    report = _run(ckpts128["fp8"], tmp_path, "--redundant", "2", "--eplb-interval", "2", "--max-new-tokens", "8")
+    assert report["matches_reference"] is True and report["mismatches"] == []
+    assert any(e["committed"] and e["copies_moved"] > 0 for e in report["ranks"][0]["rebalances"])
 
 
 @pytest.mark.multiprocess

@@ -164,7 +164,7 @@ def test_multi_rank_matches_transformers_and_moves_int4_experts(ckpts, ep):
             e = 16 if key[0] == "kimi-k2.5-int4" else 8
             assert r["held"] == pytest.approx((e / ep + 1) / e), key  # only this rank's slots were read
     if ep == 2:
-        per_expert = ExpertStorage.of("int4_group32").bytes_per_expert(64, 32, dtype_bytes=4)
+        per_expert = ExpertStorage.of("int4_group32", 32).bytes_per_expert(64, 32, dtype_bytes=4)
         for r in (res["rebalance"] for res in results):
             assert r["committed"] and r["received"] > 0
             assert r["bytes"] == r["received"] * per_expert  # packed words + scales, one message per copy
@@ -233,6 +233,9 @@ def test_mxfp4_bad_tensors_are_named():
     u8 = functools.partial(torch.zeros, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"w13_blocks \(2, 64, 0, 16\) holds no weights"):
         MXFP4ExpertWeights(u8(2, 64, 0, 16), u8(2, 64, 0), u8(2, 0, 1, 16), u8(2, 0, 1))
+    i32 = functools.partial(torch.zeros, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"w13_packed \(2, 64, 0\) holds no weights"):  # INT4 likewise
+        Int4ExpertWeights(i32(2, 64, 0), torch.zeros(2, 64, 0), i32(2, 0, 4), torch.zeros(2, 0, 1))
     good = (u8(2, 64, 2, 16), u8(2, 64, 2), u8(2, 64, 1, 16), u8(2, 64, 1))
     with pytest.raises(TypeError, match="b13 must be a floating-point tensor, got torch.int64"):
         MXFP4ExpertWeights(*good, torch.zeros(2, 64, dtype=torch.long))
@@ -384,6 +387,16 @@ def test_mxfp4_nan_scale_is_refused_on_load(ckpts, tmp_path):
     spec = load_moe_spec(directory)
     with pytest.raises(ValueError, match=r"tensor 'model[.]layers[.]1[.]mlp[.]experts[.]down_proj_scales' \(expert 1\) "
                                          r"holds 1 scale of 255, E8M0's NaN code, the first at \(3, 0\)"):
+        load_ep_model(directory, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
+                      options=MoELayerOptions(dispatcher="local"))
+
+    def huge_scale(t, cfg):  # 2 ** 126: a code of 4 or 6 gives a value past float32's largest
+        t["model.layers.0.mlp.experts.gate_up_proj_scales"][0, 5, 1] = 253
+
+    directory = _broken(ckpts["gpt-oss-mxfp4"][0], tmp_path / "huge", huge_scale)
+    with pytest.raises(ValueError, match=r"gate_up_proj_scales' \(expert 0\) holds 1 scale above 252 \(whose blocks' "
+                                         r"values, up to 6 x 2 \*\* \(s - 127\), overflow bf16 and float32\), the "
+                                         r"first at \(5, 1\) \(253\)"):
         load_ep_model(directory, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
                       options=MoELayerOptions(dispatcher="local"))
 

@@ -326,6 +326,19 @@ def test_cli_messages_name_the_flags(capsys, args, msg):
     assert msg in capsys.readouterr().err
 
 
+def test_weights_mxfp4_prices_experts_in_mxfp4():
+    from epmoe.spec import load_moe_spec
+
+    qwen = load_moe_spec(CONFIGS / "qwen3-30b-a3b.config.json")
+    req = PlanRequest(spec=qwen, hardware=load_hardware("h200-sxm"), gpus=2, batches=(1,), weights="mxfp4")
+    assert req.expert_format == "mxfp4"
+    step = plan(req).strategies[0].steps[0]
+    slots = qwen.num_experts / 2  # TP2: each GPU holds half of every expert
+    assert step.memory.expert_weights == pytest.approx(qwen.num_moe_layers * slots * qwen.expert_params() * 17 / 32)
+    assert main(["plan", "--config", str(CONFIGS / "qwen3-30b-a3b.config.json"), "--gpus", "2", "--hardware",
+                 "h200-sxm", "--weights", "mxfp4", "--batch", "1"]) == 0
+
+
 def test_weights_hint_only_smaller_formats(capsys):
     from epmoe.plan.costs import smaller_weight_choices, weights_hint
 

@@ -107,16 +107,16 @@ def test_plan_cli_speculation_and_engine_commands(capsys):
 
 
 def test_server_commands_for_expert_parallel_with_redundant_experts():
-    req = PlanRequest(spec=load_moe_spec(CONFIGS / "deepseek-v3.config.json"), hardware=load_hardware("h200-sxm"),
+    req = PlanRequest(spec=load_moe_spec(CONFIGS / "kimi-k2.5.config.json"), hardware=load_hardware("h200-sxm"),
                       gpus=8, batches=(256,), redundant=32)
     p = plan(req)
-    assert chosen_strategy(p)[0].name == "EP8+DPattn"  # the only strategy that fits at batch 256
-    sg = server_command("sglang", p, model="/models/DeepSeek-V3")
-    assert sg.argv == ("python", "-m", "sglang.launch_server", "--model-path", "/models/DeepSeek-V3", "--tp-size",
+    assert chosen_strategy(p)[0].name == "EP8+DPattn"  # INT4 experts, 32 redundant slots, batch 256
+    sg = server_command("sglang", p, model="/models/Kimi-K2.5")
+    assert sg.argv == ("python", "-m", "sglang.launch_server", "--model-path", "/models/Kimi-K2.5", "--tp-size",
                        "8", "--ep-size", "8", "--attn-dp-size", "8", "--moe-a2a-backend", "deepep",
                        "--ep-num-redundant-experts", "32", "--init-expert-location", "placement.pt")
-    vl = server_command("vllm", p, model="/models/DeepSeek-V3")
-    assert vl.text() == ("vllm serve /models/DeepSeek-V3 --tensor-parallel-size 1 --data-parallel-size 8 "
+    vl = server_command("vllm", p, model="/models/Kimi-K2.5")
+    assert vl.text() == ("vllm serve /models/Kimi-K2.5 --tensor-parallel-size 1 --data-parallel-size 8 "
                          "--enable-expert-parallel --all2all-backend deepep_low_latency --enable-eplb --eplb-config "
                          "'{\"num_redundant_experts\": 32}'")
     with pytest.raises(ValueError, match="engine must be one of sglang, vllm"):

@@ -48,7 +48,7 @@ class Int4ExpertWeights:
 
     Raises:
         TypeError: packed tensors not int32 or scales not floating point.
-        ValueError: inconsistent shapes (both named), or an unsupported group size.
+        ValueError: inconsistent or empty shapes (both named), or an unsupported group size.
     """
 
     w13_packed: torch.Tensor
@@ -70,6 +70,8 @@ class Int4ExpertWeights:
                 raise TypeError(f"{name} must be floating point, got {getattr(self, name).dtype}")
         s, two_f, dw = self.w13_packed.shape
         d, f, g = dw * INT4_PACK, two_f // 2, self.group_size
+        if two_f == 0 or dw == 0:
+            raise ValueError(f"w13_packed {tuple(self.w13_packed.shape)} holds no weights: 2F and D/8 must be positive")
         want = {"w13_scale": (s, two_f, d // g), "w2_packed": (s, d, f // INT4_PACK),
                 "w2_scale": (s, d, f // g)}
         if two_f % 2 or d % g or f % g:

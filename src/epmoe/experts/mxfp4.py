@@ -21,6 +21,7 @@ MXFP4_BLOCK = 32
 MXFP4_BYTES = MXFP4_BLOCK // 2
 E8M0_BIAS = 127
 E8M0_NAN = 255  # the E8M0 code the OCP MX specification reserves for NaN
+E8M0_MAX_FINITE = 252  # the largest scale whose blocks' values (up to 6 x 2 ** (s - 127)) are finite in float32
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 

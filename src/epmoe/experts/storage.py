@@ -1,10 +1,14 @@
 """How a rank stores its routed experts: the parameter tensors of each served weight format.
 
-``ExpertStorage.of(weight_format)`` maps a checkpoint's routed-expert format (``MoESpec.expert_weight_format``)
-to what the experts are served in:
+``ExpertStorage.of(weight_format, F)`` maps a checkpoint's routed-expert format (``MoESpec.expert_weight_format``)
+and the experts' intermediate size ``F`` to what the experts are served in:
 
-- ``bf16`` (any float), ``fp8``, ``fp8_block128`` -> ``plain``, the compute dtype (FP8 dequantized on load):
-  ``w13 [S, 2F, D]``, ``w2 [S, D, F]``.
+- ``bf16`` (any float), ``fp8`` (FP8 in blocks other than 128x128) -> ``plain``, the compute dtype (FP8 dequantized
+  on load): ``w13 [S, 2F, D]``, ``w2 [S, D, F]``.
+- ``fp8_block128`` (DeepSeek-V3/R1, Kimi-K2, Qwen3 FP8) -> ``fp8`` (``fp8.BlockFP8ExpertWeights``, kept as stored):
+  ``w13 [S, 2F, D]`` and ``w2 [S, D, F]`` float8_e4m3fn, ``w13_scale [S, ceil(2F/128), ceil(D/128)]`` and
+  ``w2_scale [S, ceil(D/128), ceil(F/128)]`` float32; where ``F`` is not a multiple of 128 (the gate and up rows of
+  ``w13`` would share a scale block) -> ``plain``, dequantized on load (``dequantized_reason`` says why).
 - ``int4_group{G}`` -> ``int4`` (``int4.Int4ExpertWeights``, kept packed): ``w13_packed [S, 2F, D/8]`` int32,
   ``w13_scale [S, 2F, D/G]``, ``w2_packed [S, D, F/8]`` int32, ``w2_scale [S, D, F/G]``.
 - ``mxfp4`` -> ``mxfp4`` (``mxfp4.MXFP4ExpertWeights``, kept packed): ``w13_blocks [S, 2F, D/32, 16]`` uint8,
@@ -21,12 +25,14 @@ from typing import Literal, Mapping
 
 import torch
 
+from epmoe.experts.fp8 import FP8_BLOCK, BlockFP8ExpertWeights
 from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights, check_int4_group_size
 from epmoe.experts.mxfp4 import MXFP4_BLOCK, MXFP4_BYTES, MXFP4ExpertWeights
 from epmoe.experts.weights import AnyExpertWeights, ExpertWeights
 
-StorageKind = Literal["plain", "int4", "mxfp4"]
-_PLAIN_FORMATS = ("bf16", "fp8", "fp8_block128")
+StorageKind = Literal["plain", "fp8", "int4", "mxfp4"]
+_PLAIN_FORMATS = ("bf16", "fp8")
+_FP8_BLOCK128 = "fp8_block128"
 _INT4_PREFIX = "int4_group"
 
 
@@ -35,7 +41,7 @@ class ExpertStorage:
     """The served storage of routed expert weights.
 
     Attributes:
-        kind: ``plain``, ``int4`` or ``mxfp4``.
+        kind: ``plain``, ``fp8``, ``int4`` or ``mxfp4``.
         group_size: INT4 inputs per scale (0 for the other kinds).
     """
 
@@ -43,14 +49,17 @@ class ExpertStorage:
     group_size: int = 0
 
     @classmethod
-    def of(cls, weight_format: str) -> "ExpertStorage":
-        """The storage that serves checkpoints of ``weight_format``.
+    def of(cls, weight_format: str, intermediate_size: int) -> "ExpertStorage":
+        """The storage that serves checkpoints of ``weight_format`` whose routed experts have intermediate size
+        ``intermediate_size`` (``F``).
 
         Raises:
             ValueError: an unknown format, or an INT4 group size the kernels do not take (named).
         """
         if weight_format in _PLAIN_FORMATS:
             return cls("plain")
+        if weight_format == _FP8_BLOCK128:
+            return cls("plain") if dequantized_reason(weight_format, intermediate_size) else cls("fp8")
         if weight_format == "mxfp4":
             return cls("mxfp4")
         if weight_format.startswith(_INT4_PREFIX) and weight_format[len(_INT4_PREFIX):].isdigit():
@@ -58,13 +67,15 @@ class ExpertStorage:
             check_int4_group_size(group, f"quantization_config weights.group_size (format {weight_format!r})")
             return cls("int4", group)
         raise ValueError(f"routed expert weight format {weight_format!r} is not served; served: unquantized, "
-                         f"{', '.join(_PLAIN_FORMATS[1:])} (dequantized on load), int4_group{{32,64,128}} "
+                         f"{_FP8_BLOCK128}, fp8 in other blocks (dequantized on load), int4_group{{32,64,128}} "
                          f"(compressed-tensors pack-quantized) and mxfp4")
 
     @property
     def format_name(self) -> str:
-        """A short name for reports: ``plain``, ``int4 (group 32)``, ``mxfp4``."""
-        return f"int4 (group {self.group_size})" if self.kind == "int4" else self.kind
+        """A short name for reports: ``plain``, ``fp8 (block 128)``, ``int4 (group 32)``, ``mxfp4``."""
+        if self.kind == "int4":
+            return f"int4 (group {self.group_size})"
+        return f"fp8 (block {FP8_BLOCK})" if self.kind == "fp8" else self.kind
 
     def shapes(self, num_slots: int, d: int, f: int,
                bias: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
@@ -77,6 +88,13 @@ class ExpertStorage:
         out: dict[str, tuple[tuple[int, ...], torch.dtype | None]]
         if self.kind == "plain":
             out = {"w13": ((s, 2 * f, d), None), "w2": ((s, d, f), None)}
+        elif self.kind == "fp8":
+            if f % FP8_BLOCK:
+                raise ValueError(f"expert intermediate size F ({f}) must be a multiple of {FP8_BLOCK} for "
+                                 f"{self.format_name} experts")
+            nd, nf = -(-d // FP8_BLOCK), f // FP8_BLOCK
+            out = {"w13": ((s, 2 * f, d), torch.float8_e4m3fn), "w13_scale": ((s, 2 * nf, nd), torch.float32),
+                   "w2": ((s, d, f), torch.float8_e4m3fn), "w2_scale": ((s, nd, nf), torch.float32)}
         else:
             unit = self.group_size if self.kind == "int4" else MXFP4_BLOCK
             for name, n in (("hidden size D", d), ("expert intermediate size F", f)):
@@ -107,6 +125,9 @@ class ExpertStorage:
         if self.kind == "mxfp4":
             return MXFP4ExpertWeights(tensors["w13_blocks"], tensors["w13_scales"], tensors["w2_blocks"],
                                       tensors["w2_scales"], b13, b2)
+        if self.kind == "fp8":
+            return BlockFP8ExpertWeights(tensors["w13"], tensors["w2"], b13, b2, w13_scale=tensors["w13_scale"],
+                                         w2_scale=tensors["w2_scale"])
         return ExpertWeights(tensors["w13"], tensors["w2"], b13, b2)
 
     def bytes_per_expert(self, d: int, f: int, dtype_bytes: int = 2) -> int:
@@ -114,6 +135,23 @@ class ExpertStorage:
         weights of ``dtype_bytes`` bytes per element."""
         return sum(_numel(shape) * (torch.empty(0, dtype=dt).element_size() if dt is not None else dtype_bytes)
                    for shape, dt in self.shapes(1, d, f, False).values())
+
+
+def dequantized_reason(weight_format: str, intermediate_size: int) -> str:
+    """Why routed experts of an FP8 ``weight_format`` are served dequantized (``plain``) rather than as stored, in
+    words for reports; ``""`` when they are not (another format, or block FP8 the kernels take)."""
+    if weight_format == "fp8":
+        return "FP8 in blocks other than 128x128 is dequantized on load"
+    if weight_format == _FP8_BLOCK128 and intermediate_size % FP8_BLOCK:
+        return (f"FP8 dequantized on load: the expert intermediate size F ({intermediate_size}) is not a multiple of "
+                f"{FP8_BLOCK}, so the gate and up rows would share a scale block")
+    return ""
+
+
+def served_format(weight_format: str, intermediate_size: int) -> str:
+    """The format the routed experts of ``weight_format`` are served in, as the planner prices it: ``bf16`` where
+    ``ExpertStorage.of`` dequantizes them on load, else ``weight_format``."""
+    return "bf16" if dequantized_reason(weight_format, intermediate_size) else weight_format
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -37,8 +37,9 @@ class MoELayer(MoEBase):
     ``expert_backend`` (the compute function), ``load_recorder``, ``experts`` (the weights), ``placement``,
     ``comm``, ``slot_map``; padding rows are set with ``set_row_mask``.
 
-    Parameters: ``gate`` (router), ``experts.w13 [P/G, 2F, D]``, ``experts.w2 [P/G, D, F]`` (+ biases) or, for INT4
-    and MXFP4 checkpoints (``spec.expert_weight_format``), their packed tensors (``epmoe.experts.storage``),
+    Parameters: ``gate`` (router), ``experts.w13 [P/G, 2F, D]``, ``experts.w2 [P/G, D, F]`` (+ biases) or, for
+    block-FP8, INT4 and MXFP4 checkpoints (``spec.expert_weight_format``), their tensors as stored
+    (``epmoe.experts.storage``),
     ``shared_experts``, ``shared_expert_gate``; all filled by the checkpoint loader.
 
     Raises:
@@ -90,7 +91,7 @@ class MoELayer(MoEBase):
         self.expert_backend = get_expert_backend(options.expert_backend)
         self.load_recorder = options.load_recorder
         self.experts = ExpertParams(spec, placement.slots_per_rank, spec.moe_intermediate_size, dtype, device,
-                                     ExpertStorage.of(spec.expert_weight_format))
+                                     ExpertStorage.of(spec.expert_weight_format, spec.moe_intermediate_size))
         self._row_mask: torch.Tensor | None = None
 
     def set_row_mask(self, row_mask: torch.Tensor | None) -> None:

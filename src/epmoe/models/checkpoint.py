@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from epmoe.experts.mxfp4 import E8M0_NAN
+from epmoe.experts.mxfp4 import E8M0_MAX_FINITE, E8M0_NAN
 
 SCALE_SUFFIX = "_scale_inv"
 _WRAPPER_PREFIX = "language_model."
@@ -260,6 +260,51 @@ class CheckpointReader:
         h = self._handle(full)
         return h.get_tensor(full) if index is None else h.get_slice(full)[index]
 
+    def get_fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read the block-FP8 weight ``name`` as stored, not widened: ``(q [N, K] float8_e4m3fn, scale
+        [ceil(N/128), ceil(K/128)] float32)`` (``scale`` its ``_scale_inv`` companion), after ``check_fp8``.
+
+        Raises:
+            KeyError, ValueError: as ``check_fp8``.
+        """
+        scale_name = self.check_fp8(name)
+        full = self.prefix + name
+        return self._read(full, None), self._read(scale_name, None).float()
+
+    def check_fp8(self, name: str) -> str:
+        """Check the block-FP8 weight ``name`` from the file headers (no weight data read): a 2-d float8_e4m3fn
+        tensor in 128x128 blocks (``quantization_config.weight_block_size``) with a float ``_scale_inv`` companion of
+        ``[ceil(N/128), ceil(K/128)]``, the layout the FP8 expert kernels read. Returns the companion's full name.
+
+        Raises:
+            KeyError: no such tensor (the directory is named).
+            ValueError: another dtype, shape or block size, or the companion missing or of another dtype or shape
+                (each names the tensor).
+        """
+        from epmoe.experts.fp8 import FP8_BLOCK
+
+        full = self.prefix + name
+        if full not in self.weight_map:
+            raise KeyError(f"checkpoint {self.directory} has no tensor {name!r}")
+        where = f"checkpoint {self.directory}: tensor {full!r}"
+        dtype, shape = self._handle(full).get_slice(full).get_dtype(), self.stored_shape(name)
+        if dtype != "F8_E4M3" or len(shape) != 2:
+            raise ValueError(f"{where} is {dtype} of shape {shape}; block-FP8 routed experts are served as stored, "
+                             f"which takes 2-d F8_E4M3 (float8_e4m3fn) weights")
+        if self.block_size != (FP8_BLOCK, FP8_BLOCK):
+            raise ValueError(f"{where}: block-FP8 routed experts are served as stored in {FP8_BLOCK}x{FP8_BLOCK} "
+                             f"blocks only, quantization_config.weight_block_size is {list(self.block_size)}")
+        scale_name = full + SCALE_SUFFIX
+        if scale_name not in self.weight_map:
+            raise ValueError(f"{where} is float8_e4m3fn but has no {scale_name!r} companion with its block scales")
+        want = tuple(-(-n // FP8_BLOCK) for n in shape)
+        scale_dtype = self._handle(scale_name).get_slice(scale_name).get_dtype()
+        scale_shape = self.stored_shape(name + SCALE_SUFFIX)
+        if scale_dtype not in _FLOAT_HEADER_DTYPES or scale_shape != want:
+            raise ValueError(f"checkpoint {self.directory}: tensor {scale_name!r} is {scale_dtype} of shape "
+                             f"{scale_shape}, expected a float of shape {want} for the {tuple(shape)} weight")
+        return scale_name
+
     def get_int4(self, name: str, row: int | None = None, expect: tuple[int, int] | None = None) -> Int4Tensor:
         """Read the INT4 pack-quantized weight ``name`` (``<module>.weight``) as stored, not widened.
 
@@ -365,14 +410,17 @@ class CheckpointReader:
         full = self.prefix + name
         scales_name = full + "_scales"
         scales = self._read(scales_name, index)
-        bad = scales == E8M0_NAN
-        if bad.any():
-            where = tuple(bad.nonzero()[0].tolist())
-            count = int(bad.sum())
-            raise ValueError(f"checkpoint {self.directory}: tensor {scales_name!r}"
-                             f"{'' if index is None else f' (expert {index})'} holds {count} "
-                             f"{'scale' if count == 1 else 'scales'} of {E8M0_NAN}, E8M0's NaN code, the first at "
-                             f"{where}: not an MXFP4 block scale")
+        for bad, what in ((scales == E8M0_NAN, f"of {E8M0_NAN}, E8M0's NaN code,"),
+                          (scales > E8M0_MAX_FINITE, f"above {E8M0_MAX_FINITE} (whose blocks' values, up to 6 x 2 ** "
+                                                     f"(s - 127), overflow bf16 and float32),")):
+            if bad.any():
+                where = tuple(bad.nonzero()[0].tolist())
+                count = int(bad.sum())
+                raise ValueError(f"checkpoint {self.directory}: tensor {scales_name!r}"
+                                 f"{'' if index is None else f' (expert {index})'} holds {count} "
+                                 f"{'scale' if count == 1 else 'scales'} {what} the first at {where}"
+                                 f"{'' if scales[where] == E8M0_NAN else f' ({int(scales[where])})'}: not an MXFP4 "
+                                 f"block scale")
         return self._read(full + "_blocks", index), scales
 
 

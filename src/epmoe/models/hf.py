@@ -166,7 +166,7 @@ def build_meta_model(checkpoint_dir: str, dtype: torch.dtype, attn_implementatio
 
 def _check_weight_format(spec: MoESpec, checkpoint_dir: str) -> None:
     try:
-        ExpertStorage.of(spec.expert_weight_format)
+        ExpertStorage.of(spec.expert_weight_format, spec.moe_intermediate_size)
     except ValueError as exc:
         raise ValueError(f"checkpoint {checkpoint_dir}: {exc}") from None
 
@@ -476,6 +476,7 @@ def check_checkpoint(checkpoint_dir: str, experts: Callable[[int], Iterable[int]
         model = build_meta_model(checkpoint_dir, torch.float32)
     fmt = spec.expert_weight_format
     packed = "mxfp4" if fmt == "mxfp4" else "int4" if fmt.startswith("int4") else None  # how routed experts are stored
+    served_fp8 = ExpertStorage.of(fmt, spec.moe_intermediate_size).kind == "fp8"  # read as stored: checked for it
     every = _expected_tensors(model, spec, layout, None)
     for name, (shape, owner) in (every if experts is None else _expected_tensors(model, spec, layout, experts)).items():
         if name not in reader:
@@ -504,6 +505,8 @@ def check_checkpoint(checkpoint_dir: str, experts: Callable[[int], Iterable[int]
                              f"config.json (does config.json belong to these weights?)")
         if stored == "mxfp4":
             continue
+        if served_fp8 and owner and not name.endswith("bias"):
+            reader.check_fp8(name)
         dtype = reader.dtype(name)
         if dtype not in WEIGHT_HEADER_DTYPES:  # an integer tensor would be copied into the float weight as numbers
             raise ValueError(f"checkpoint {reader.directory}: tensor {name!r}{' of ' + owner if owner else ''} is "

@@ -160,13 +160,16 @@ def read_expert_packed(
 
     Args:
         reader: the checkpoint.
-        layout: the family layout (INT4: per-expert tensors, Kimi-K2/K2.5; MXFP4: gpt-oss's fused interleaved ones).
+        layout: the family layout (block FP8 and INT4: per-expert tensors, DeepSeek-V3/R1, Kimi-K2/K2.5, Qwen3;
+            MXFP4: gpt-oss's fused interleaved ones).
         block: checkpoint prefix of the MoE block, e.g. ``model.layers.3.mlp``.
         expert: logical expert id.
-        storage: ``int4`` or ``mxfp4`` storage.
+        storage: ``fp8``, ``int4`` or ``mxfp4`` storage.
         d, f: hidden and expert intermediate size from config.json (checked against the stored shapes).
 
     Returns:
+        block FP8: ``w13 [2F, D]`` and ``w2 [D, F]`` float8_e4m3fn, ``w13_scale [2F/128, ceil(D/128)]`` and
+        ``w2_scale [ceil(D/128), F/128]`` float32 (gate rows, then up rows);
         INT4: ``w13_packed [2F, D/8]``, ``w13_scale [2F, D/G]``, ``w2_packed [D, F/8]``, ``w2_scale [D, F/G]``;
         MXFP4: ``w13_blocks [2F, D/32, 16]``, ``w13_scales [2F, D/32]``, ``w2_blocks [D, F/32, 16]``, ``w2_scales
         [D, F/32]``, ``b13 [2F]``, ``b2 [D]`` (gate rows first, then up rows: gpt-oss's interleaving undone).
@@ -177,10 +180,17 @@ def read_expert_packed(
             layout the format is not published in (each names the tensor or the layout).
     """
     names = expert_tensor_names(layout, block, expert)
+    if storage.kind in ("fp8", "int4") and layout.experts != "per_expert":
+        raise ValueError(f"{storage.format_name} experts are read from per-expert tensors; {block} uses the "
+                         f"{layout.experts} layout")
+    if storage.kind == "fp8":
+        (gate, gate_s), (up, up_s), (down, down_s) = (reader.get_fp8(n) for n in names)
+        for name, got, want in zip(names, (gate.shape, up.shape, down.shape), ((f, d), (f, d), (d, f))):
+            if tuple(got) != want:
+                raise ValueError(f"checkpoint {reader.directory}: tensor {reader.prefix + name!r} has shape "
+                                 f"{tuple(got)}, expected {want} from config.json")
+        return {"w13": torch.cat([gate, up]), "w13_scale": torch.cat([gate_s, up_s]), "w2": down, "w2_scale": down_s}
     if storage.kind == "int4":
-        if layout.experts != "per_expert":
-            raise ValueError(f"INT4 pack-quantized experts are read from per-expert tensors; {block} uses the "
-                             f"{layout.experts} layout")
         gate, up, down = (reader.get_int4(n, expect=want) for n, want in zip(names, ((f, d), (f, d), (d, f))))
         return {"w13_packed": torch.cat([gate.packed, up.packed]), "w13_scale": torch.cat([gate.scale, up.scale]),
                 "w2_packed": down.packed, "w2_scale": down.scale}

@@ -30,8 +30,8 @@ def _zero_mean_int4_words(shape: torch.Size, gen: torch.Generator, device: torch
 def _fill_dummy(name: str, tensor: torch.Tensor, gen: torch.Generator) -> None:
     """Dummy value of tensor ``name`` in place: norm weights 1, vectors (biases, sinks, correction
     biases) 0, matrices normal(0, 0.02); packed INT4 expert values random with mean 0 (``_zero_mean_int4_words``),
-    MXFP4 ones random bits (symmetric already), with scales that give them about the same spread (INT4 ``0.02 /
-    4.2``, MXFP4 ``2 ** -7``)."""
+    MXFP4 ones random bits (symmetric already), FP8 ones normal(0, 4.2), with scales that give them about the same
+    spread (INT4 and FP8 ``0.02 / 4.2``, MXFP4 ``2 ** -7``)."""
     leaf = name.rsplit(".", 1)[-1]
     if tensor.dtype == torch.int32:  # INT4 words: eight stored values q + 8 each
         tensor.copy_(_zero_mean_int4_words(tensor.shape, gen, tensor.device))
@@ -41,6 +41,8 @@ def _fill_dummy(name: str, tensor: torch.Tensor, gen: torch.Generator) -> None:
         else:
             tensor.copy_(torch.randint(0, 256, tensor.shape, generator=gen, device=tensor.device,
                                        dtype=torch.int32).to(torch.uint8))
+    elif tensor.dtype == torch.float8_e4m3fn:  # block-FP8 expert values, in the spread of INT4's
+        tensor.copy_(torch.randn(tensor.shape, generator=gen, device=tensor.device) * 4.2)
     elif leaf.endswith("_scale") and "experts" in name:
         tensor.fill_(_DUMMY_STD / 4.2)  # the std of q: sqrt(17.5)
     elif "norm" in name and leaf == "weight" and tensor.dim() == 1:
@@ -53,8 +55,9 @@ def _fill_dummy(name: str, tensor: torch.Tensor, gen: torch.Generator) -> None:
 
 @torch.no_grad()
 def random_fill(module: nn.Module, gen: torch.Generator) -> None:
-    """Every floating-point parameter and buffer of ``module``, and its packed INT4 / MXFP4 expert parameters, get
-    their dummy value (``_fill_dummy``); integer buffers (slot tables) are structure, not weights, and stay."""
+    """Every floating-point parameter and buffer of ``module`` (block-FP8 expert values included), and its packed INT4
+    / MXFP4 expert parameters, get their dummy value (``_fill_dummy``); integer buffers (slot tables) are structure,
+    not weights, and stay."""
     for name, t in module.named_parameters():
         _fill_dummy(name, t, gen)
     for name, t in module.named_buffers():

@@ -29,8 +29,10 @@ BYTES_PER_PARAM = MappingProxyType({
     "int4_group32": 0.5 + 2.0 / 32,
     "mxfp4": 0.5 + 1.0 / 32,
 })
-# ``--weights`` choices -> storage format.
-WEIGHT_CHOICES = MappingProxyType({"bf16": "bf16", "fp8": "fp8_block128", "int4": "int4_group32"})
+# ``--weights`` choices -> storage format; the ones ``smaller_weight_choices`` advises, by bytes.
+WEIGHT_CHOICES = MappingProxyType({"bf16": "bf16", "fp8": "fp8_block128", "int4": "int4_group32",
+                                   "mxfp4": "mxfp4"})
+_ADVISED = ("fp8", "int4")
 
 CollectiveKind = Literal["all_reduce", "reduce_scatter", "all_gather", "all_to_all"]
 
@@ -51,15 +53,15 @@ def bytes_per_param(weight_format: str) -> float:
 
 
 def smaller_weight_choices(weight_format: str) -> list[str]:
-    """The ``--weights`` choices that store routed experts in fewer bytes than ``weight_format``
-    (``fp8_block128`` -> ``["int4"]``; ``int4_group32`` -> ``[]``), smallest saving first.
+    """The ``--weights`` choices advised for storing routed experts in fewer bytes than ``weight_format``
+    (``fp8_block128`` -> ``["int4"]``; ``int4_group32`` -> ``[]``), smallest saving first; ``mxfp4`` is priced on
+    request but never advised (at 4 bits, as INT4).
 
     Raises:
         ValueError: an unknown format (as ``bytes_per_param``).
     """
     current = bytes_per_param(weight_format)
-    return [c for c, fmt in sorted(WEIGHT_CHOICES.items(), key=lambda kv: -BYTES_PER_PARAM[kv[1]])
-            if BYTES_PER_PARAM[fmt] < current]
+    return [c for c in _ADVISED if BYTES_PER_PARAM[WEIGHT_CHOICES[c]] < current]
 
 
 def weights_hint(weight_format: str) -> str:
@@ -69,11 +71,11 @@ def weights_hint(weight_format: str) -> str:
 
 
 def compute_dtype(weight_format: str) -> str:
-    """The matmul rate (a ``HardwareProfile.matmul_flops_per_s`` key) of weights stored as ``weight_format``:
-    ``fp8`` for FP8, ``w4a16`` for INT4 and MXFP4 (the W4A16 expert kernels' bf16 products of 4-bit weights widened
-    in registers; a profile without that figure gives the bf16 rate), else ``bf16``."""
-    if weight_format.startswith("fp8"):
-        return "fp8"
+    """The matmul rate (a ``HardwareProfile.matmul_flops_per_s`` key) of weights stored as ``weight_format``, as
+    epmoe's kernels multiply them: ``w4a16`` for INT4 and MXFP4 (the W4A16 expert kernels' bf16 products of 4-bit
+    weights widened in registers; a profile without that figure gives the bf16 rate), else ``bf16`` (block FP8
+    included: its expert kernels widen the values to bf16 in registers, as ``benchmarks/moe_layer.py``'s ``dsv3_fp8``
+    case times them, not on FP8 tensor cores)."""
     return "w4a16" if weight_format.startswith("int4") or weight_format == "mxfp4" else "bf16"
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from epmoe.checks import check_int
-from epmoe.experts.storage import ExpertStorage
+from epmoe.experts.storage import ExpertStorage, served_format
 from epmoe.placement import max_redundant_slots
 from epmoe.plan.costs import WEIGHT_CHOICES, CollectiveKind
 from epmoe.plan.hardware import HardwareProfile
@@ -101,7 +101,7 @@ class PlanRequest:
         if self.weights is not None and self.weights not in WEIGHT_CHOICES:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {self.weights!r}")
         try:
-            ExpertStorage.of(self.expert_format)
+            ExpertStorage.of(self.expert_format, self.spec.moe_intermediate_size)
         except ValueError as exc:
             raise ValueError(f"{self.spec.source}: routed experts: {exc}; epmoe run refuses to load these experts "
                              f"(--weights prices them converted to another format)") from None
@@ -129,13 +129,16 @@ class PlanRequest:
 
     @property
     def expert_format(self) -> str:
-        """Storage format of the routed experts."""
-        return WEIGHT_CHOICES[self.weights] if self.weights else self.spec.expert_weight_format
+        """Format the routed experts are served in (``--weights``, else the checkpoint's), as ``epmoe run`` serves
+        it: ``bf16`` for FP8 experts it dequantizes on load (``experts.storage.served_format``)."""
+        fmt = WEIGHT_CHOICES[self.weights] if self.weights else self.spec.expert_weight_format
+        return served_format(fmt, self.spec.moe_intermediate_size)
 
     @property
     def dense_format(self) -> str:
-        """Storage of the other linear weights: FP8 when the experts are FP8 (DeepSeek's checkpoints), else bf16."""
-        return "fp8_block128" if self.expert_format.startswith("fp8") else "bf16"
+        """Storage of the other linear weights: ``bf16``, as ``epmoe run`` serves them (its modules compute in the
+        compute dtype; a checkpoint's FP8 attention and dense weights are dequantized on load)."""
+        return "bf16"
 
 
 @dataclass(frozen=True)

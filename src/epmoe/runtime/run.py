@@ -192,6 +192,9 @@ class RunConfig:
                 raw, at = p.encode(errors="surrogateescape"), len(p[:exc.start].encode(errors="surrogateescape"))
                 raise ValueError(f"--prompt {raw!r} is not valid UTF-8 text (byte {raw[at]:#04x} at position {at}); "
                                  f"pass prompts in UTF-8") from None
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")  # None: unset, no flag takes it
         self.sampling()
 
     def sampling(self) -> SamplingParams:

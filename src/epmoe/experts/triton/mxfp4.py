@@ -37,9 +37,9 @@ from epmoe.experts.weights import Activation, ExpertWeights, check_expert_call
 MXFP4_BACKEND_DECODE_PAIRS = 4
 """``mxfp4_path`` takes the decode kernels up to this many pairs (one token at gpt-oss's top-4), the tensor-core (or
 grouped) kernels above: a decode pair reads its expert's weights on its own, a row block reads them once for the
-slot's pairs. Set from the H100 runs of ``benchmarks/moe_layer.py --cases gptoss20b_mxfp4,gptoss_mxfp4`` (README, the
-MXFP4 rows: at one token the decode kernels take 67 us, the MMA kernels 69-73; at two tokens the MMA kernels take
-1.14-1.21x less than the decode kernels)."""
+slot's pairs. Set from the H100 run of ``benchmarks/moe_layer.py --cases gptoss20b_mxfp4,gptoss_mxfp4``
+(``moe_layer_mxfp4_mma_h100.json``: at two tokens the MMA kernels were faster) with the MXFP4 decode kernels that
+INT4's replaced; not set again since (README, "MXFP4 decode on INT4's kernels")."""
 
 
 MXFP4_WGMMA_MIN_PAIRS_PER_SLOT = 16
@@ -91,14 +91,6 @@ def dequantize_mxfp4_triton(blocks: torch.Tensor, scales: torch.Tensor, out: tor
     block_b = min(64, triton.next_power_of_2(nb))
     _dequantize_kernel[(s * n, triton.cdiv(nb, block_b))](blocks, scales, out, slot_counts, nb, n, BLOCK_B=block_b)
     return out
-
-
-def _check_contiguous(weights: MXFP4ExpertWeights, kernels: str) -> None:
-    """Raise ``ValueError`` naming the first of ``weights``' blocks and scales that is not contiguous."""
-    for name in ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"):
-        if not getattr(weights, name).is_contiguous():
-            raise ValueError(f"the MXFP4 {kernels} kernels read {name} contiguous, got strides "
-                             f"{tuple(getattr(weights, name).stride())}")
 
 
 def mxfp4_experts(
@@ -173,7 +165,7 @@ def mxfp4_grouped_experts(
         x: ``[T, D]`` bf16/fp16 (or float32) rows, contiguous along ``D``.
         topk_slots: ``[T, K]`` int64 local slot ids, contiguous; an id outside ``[0, S)`` (``-1``) skips.
         topk_weights: ``[T, K]`` float32 routing weights, contiguous.
-        weights: the slots' MXFP4 weights (blocks and scales contiguous).
+        weights: the slots' MXFP4 weights (blocks contiguous, scales of a row contiguous: ``grouped.packed_words``).
         activation: the gated activation.
         weight_on_input: scale the expert input by the weight instead of its output.
         config: tile shapes (``block_k`` in inputs); ``grouped.default_int4_config`` of ``T * K`` pairs when
@@ -183,10 +175,9 @@ def mxfp4_grouped_experts(
         ``[T, D]`` in ``x.dtype``.
 
     Raises:
-        ValueError: operands of other shapes or layouts than ``experts.weights.check_expert_call`` takes, blocks or
-            scales not contiguous, ``config.block_k`` not a power of two of at least 128.
+        ValueError: operands of other shapes or layouts than ``experts.weights.check_expert_call`` takes, blocks not
+            contiguous or scale rows not contiguous (named), ``config.block_k`` not a power of two of at least 128.
     """
-    _check_contiguous(weights, "grouped")
     cfg = config if config is not None else default_int4_config(topk_slots.numel(), weights.num_slots)
     return grouped_experts(x, topk_slots, topk_weights, weights, activation, weight_on_input, cfg)
 
