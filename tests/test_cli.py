@@ -195,7 +195,7 @@ def test_readme_builds_and_runs_the_quantized_tiny_checkpoints():
 
     readme = README.read_text()
     built = dict(re.findall(r"build_tiny_checkpoint\('([\w.-]+)', '([\w./-]+)'\)", readme))
-    assert set(built) == set(QUANTIZED_FAMILIES) == {"kimi-k2.5-int4", "gpt-oss-mxfp4"}
+    assert set(built) == set(QUANTIZED_FAMILIES) == {"kimi-k2.5-int4", "gpt-oss-mxfp4", "deepseek-v3-fp8"}
     for directory in built.values():
         assert f"\n  epmoe run --model {directory}\n" in readme
         assert f"\n  $ epmoe run --model {directory}\n" in readme  # and what it printed

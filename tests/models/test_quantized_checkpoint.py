@@ -1,10 +1,11 @@
-"""INT4 pack-quantized (Kimi-K2.5) and MXFP4 (gpt-oss) checkpoints served with their experts kept packed.
+"""INT4 pack-quantized (Kimi-K2.5), MXFP4 (gpt-oss) and block-FP8 (DeepSeek-V3) checkpoints served with their
+experts kept as stored.
 
-The checkpoints are ``epmoe.models.tiny``'s ``kimi-k2.5-int4`` and ``gpt-oss-mxfp4`` (transformers' own model,
-routed experts quantized and packed by ``compressed-tensors``). The reference is transformers' model loaded with
-``from_pretrained`` from a twin checkpoint whose experts were dequantized by the formats' own code
-(compressed-tensors' ``unpack_from_int32`` + ``dequantize``; transformers' ``convert_moe_packed_tensors``), so
-nothing of ours takes part in it.
+The checkpoints are ``epmoe.models.tiny``'s ``kimi-k2.5-int4``, ``gpt-oss-mxfp4`` (transformers' own model, routed
+experts quantized and packed by ``compressed-tensors``) and ``deepseek-v3-fp8``. The reference is transformers'
+model loaded with ``from_pretrained`` from a twin checkpoint whose experts were dequantized by the formats' own code
+(compressed-tensors' ``unpack_from_int32`` + ``dequantize``; transformers' ``convert_moe_packed_tensors``; FP8: each
+value times its block's scale, in plain torch), so nothing of ours takes part in it.
 """
 
 from __future__ import annotations
@@ -20,15 +21,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from epmoe.comm import Comm
-from epmoe.experts import Int4ExpertWeights, MXFP4ExpertWeights
+from epmoe.experts import BlockFP8ExpertWeights, Int4ExpertWeights, MXFP4ExpertWeights
 from epmoe.layer import MoELayerOptions
 from epmoe.placement import ExpertPlacement
 from epmoe.runtime.launch import RankInfo, init_group, spawn
 
 from ..hf_greedy import hf_greedy
 
-FAMILIES = ("kimi-k2.5-int4", "gpt-oss-mxfp4")
-WEIGHT_TYPES = {"kimi-k2.5-int4": Int4ExpertWeights, "gpt-oss-mxfp4": MXFP4ExpertWeights}
+FAMILIES = ("kimi-k2.5-int4", "gpt-oss-mxfp4", "deepseek-v3-fp8")
+WEIGHT_TYPES = {"kimi-k2.5-int4": Int4ExpertWeights, "gpt-oss-mxfp4": MXFP4ExpertWeights,
+                "deepseek-v3-fp8": BlockFP8ExpertWeights}
+EXPERTS = {"kimi-k2.5-int4": 16, "gpt-oss-mxfp4": 8, "deepseek-v3-fp8": 16}
+STORED_DTYPE = {"kimi-k2.5-int4": "torch.int32", "gpt-oss-mxfp4": "torch.uint8",
+                "deepseek-v3-fp8": "torch.float8_e4m3fn"}
 
 
 def _tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -64,11 +69,14 @@ def _dequantized_twin(src: Path, dst: Path) -> Path:
             base = name[: -len("_packed")]
             q = unpack_from_int32(t, 4, torch.Size(tensors[base + "_shape"].tolist()))
             out[plain[: -len("_packed")]] = dequantize(q, tensors[base + "_scale"].float(), args=args)
+        elif name + "_scale_inv" in tensors:  # block FP8: each value times its 128x128 block's scale
+            scale = tensors[name + "_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)
+            out[plain] = t.float() * scale[: t.shape[0], : t.shape[1]]
         elif name.endswith("_blocks"):
             base = name[: -len("_blocks")]
             out[plain[: -len("_blocks")]] = convert_moe_packed_tensors(t, tensors[base + "_scales"],
                                                                         dtype=torch.float32).contiguous()
-        elif not name.endswith(("_scale", "_shape", "_scales")):
+        elif not name.endswith(("_scale", "_shape", "_scales", "_scale_inv")):
             out[plain] = t
     save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
@@ -112,8 +120,7 @@ def test_ep1_matches_transformers_on_dequantized_weights(ckpts, family):
     r = _check(*ckpts[family], Comm(None), "contiguous", seed=0)
     assert r["rel_err"] < 1e-5 and r["tokens_equal"], r
     assert r["weights"] == WEIGHT_TYPES[family].__name__
-    packed = "torch.int32" if family == "kimi-k2.5-int4" else "torch.uint8"
-    assert packed in r["dtypes"]  # the experts stay packed, not widened
+    assert STORED_DTYPE[family] in r["dtypes"]  # the experts stay as stored, not widened
 
 
 def _rebalanced_equal(directory: str, comm: Comm) -> dict:
@@ -161,7 +168,7 @@ def test_multi_rank_matches_transformers_and_moves_int4_experts(ckpts, ep):
                 continue
             assert r["rel_err"] < 1e-5 and r["tokens_equal"], (rank, key, r)
             assert r["weights"] == WEIGHT_TYPES[key[0]].__name__
-            e = 16 if key[0] == "kimi-k2.5-int4" else 8
+            e = EXPERTS[key[0]]
             assert r["held"] == pytest.approx((e / ep + 1) / e), key  # only this rank's slots were read
     if ep == 2:
         per_expert = ExpertStorage.of("int4_group32", 32).bytes_per_expert(64, 32, dtype_bytes=4)

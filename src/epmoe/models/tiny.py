@@ -17,6 +17,11 @@ the published quantized layout, with the format's own package doing the quantiza
   ``gate_up_proj_blocks`` / ``_scales`` and ``down_proj_blocks`` / ``_scales`` (values rounded to E2M1 and packed
   by ``compressed-tensors``' FP4 helpers, E8M0 block scales by its MX rule), gate/up rows interleaved, biases
   unquantized.
+- ``deepseek-v3-fp8``: DeepSeek-V3 as published: ``quantization_config`` ``fp8`` in 128x128 blocks, every linear
+  weight of the decoder layers (attention, dense MLPs, shared and routed experts; not the router, embeddings or
+  ``lm_head``) as ``float8_e4m3fn`` with a float32 ``_scale_inv`` companion (``experts.fp8.quantize_block_fp8``: no
+  package quantizes DeepSeek's layout), the routed experts' intermediate size 128 (one whole block, so that they
+  are served as stored).
 """
 
 from __future__ import annotations
@@ -100,6 +105,7 @@ DEFAULT_FAMILY = "kimi-k2.5"
 QUANTIZED_FAMILIES: dict[str, tuple[str, str]] = {
     "kimi-k2.5-int4": ("kimi-k2.5", "int4"),
     "gpt-oss-mxfp4": ("gpt-oss", "mxfp4"),
+    "deepseek-v3-fp8": ("deepseek-v3", "fp8"),
 }
 INT4_GROUP = 32
 # Kimi-K2.5's published quantization_config (under text_config)
@@ -113,6 +119,10 @@ KIMI_K25_QUANTIZATION: dict[str, Any] = {
     "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
     "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
 }
+# DeepSeek-V3's published quantization_config
+DEEPSEEK_FP8_QUANTIZATION: dict[str, Any] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                             "weight_block_size": [128, 128]}
+_FP8_UNQUANTIZED = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight")  # DeepSeek keeps these in bf16
 GPT_OSS_QUANTIZATION: dict[str, Any] = {
     "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
                                "lm_head"],
@@ -268,6 +278,8 @@ def _build_quantized(family: str, out: Path, seed: int, overrides: dict[str, Any
     from safetensors.torch import load_file, save_file
 
     base_family, fmt = QUANTIZED_FAMILIES[family]
+    if fmt == "fp8":  # routed experts of whole 128-row blocks (unless the caller sizes them otherwise)
+        overrides = {"moe_intermediate_size": 128, **(overrides or {})}
     with tempfile.TemporaryDirectory(prefix=f"{family}-base-") as tmp:
         base = build_tiny_checkpoint(base_family, tmp, seed=seed, overrides=overrides)
         tensors: dict[str, torch.Tensor] = {}
@@ -285,6 +297,9 @@ def _build_quantized(family: str, out: Path, seed: int, overrides: dict[str, Any
                   "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config"}, "text_config": text,
                   "bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id"),
                   "pad_token_id": config.get("pad_token_id"), "tie_word_embeddings": False}
+    elif fmt == "fp8":
+        tensors = _fp8_linear_weights(tensors)
+        config = {**config, "quantization_config": DEEPSEEK_FP8_QUANTIZATION}
     else:
         tensors = _mxfp4_experts(tensors)
         config = {**config, "quantization_config": GPT_OSS_QUANTIZATION}
@@ -315,6 +330,21 @@ def _int4_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out[name + "_packed"] = pack_to_int32(q, 4)
         out[name + "_scale"] = scale
         out[name + "_shape"] = torch.tensor(list(w.shape), dtype=torch.int64)
+    return out
+
+
+def _fp8_linear_weights(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every 2-d ``.weight`` but the router's, the embeddings' and ``lm_head``'s -> ``float8_e4m3fn`` and its
+    ``_scale_inv`` ``[ceil(N/128), ceil(K/128)]`` float32, as DeepSeek-V3 stores them."""
+    from epmoe.experts.fp8 import quantize_block_fp8
+
+    out: dict[str, torch.Tensor] = {}
+    for name, w in tensors.items():
+        if w.dim() == 2 and name.endswith(".weight") and not name.endswith(_FP8_UNQUANTIZED):
+            q, scale = quantize_block_fp8(w.float()[None])
+            out[name], out[name + "_scale_inv"] = q[0], scale[0]
+        else:
+            out[name] = w
     return out
 
 
