@@ -53,7 +53,7 @@ reductions serve it; only the widening and the scales differ. An E2M1 code is 1 
 bit, not linear in its bits, so it is widened through fp16: codes ``j`` and ``j + 4`` of a word, 16 bits apart, are
 placed in the two 16-bit lanes of one register at once (``_e2m1_pair``: their three magnitude bits shifted under the
 fp16 exponent, bits 9-11, their sign bits onto bits 15 and 31, one ``lop3`` joining them), which read as ``e2m1 *
-2 ** -14`` (code 1 an fp16 subnormal, exact), then converted to float32 (exact). So a code costs about three
+2 ** -14`` (code 1 an fp16 subnormal, exact), then converted to float32 (exact). So a code costs about two
 integer operations, one conversion and one multiply-add. The inputs are pre-scaled by ``2 ** 14`` (exact) in place
 of INT4's ``2 ** (69 - p_j)``, there is no offset to take off, and the group scale ``2 ** (s - 127)`` is built from
 the E8M0 bits (``s = 0`` as ``2 ** -127``). Under the Triton interpreter (no PTX) the same values are computed
