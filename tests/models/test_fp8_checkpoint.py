@@ -176,6 +176,7 @@ def test_doctor_and_plan_say_how_fp8_experts_are_served(ckpts, ckpts128):
     from epmoe.plan.costs import compute_dtype
     from epmoe.plan.hardware import load_hardware
     from epmoe.plan.request import PlanRequest
+    from epmoe.runtime.run import expert_storage_text
     from epmoe.spec import load_moe_spec
 
     spec128, spec160 = load_moe_spec(str(ckpts128["fp8"])), load_moe_spec(str(ckpts["fp8"]))
@@ -189,6 +190,13 @@ def test_doctor_and_plan_say_how_fp8_experts_are_served(ckpts, ckpts128):
     assert PlanRequest(spec=spec160, hardware=h200, gpus=2, batches=(1,)).expert_format == "bf16"
     assert PlanRequest(spec=spec128, hardware=h200, gpus=2, batches=(1,)).dense_format == "bf16"
     assert compute_dtype("fp8_block128") == "bf16"  # the kernels widen FP8 to bf16 in registers
+    # and epmoe run's summary
+    assert expert_storage_text(spec128, "ep", "bfloat16") == "fp8 (block 128) as stored"
+    tp = expert_storage_text(spec128, "tp", "float32")
+    assert tp == "float32 (fp8 (block 128) dequantized on load: --parallel tp)"
+    assert expert_storage_text(spec160, "ep", "float32") == (
+        "float32 (FP8 dequantized on load: the expert intermediate size F (160) is not a multiple of 128, so the gate "
+        "and up rows would share a scale block)")
 
 
 @pytest.mark.parametrize("edit,match", [
@@ -230,6 +238,7 @@ def test_run_fp8_as_stored_two_ranks_with_live_rebalancing(ckpts128, tmp_path):
     # the FP8 values and their block scales move together between ranks (as bytes), and the tokens stay the reference's
     report = _run(ckpts128["fp8"], tmp_path, "--redundant", "2", "--eplb-interval", "2", "--max-new-tokens", "8")
     assert report["matches_reference"] is True and report["mismatches"] == []
+    assert report["expert_storage"] == "fp8 (block 128) as stored"
     assert any(e["committed"] and e["copies_moved"] > 0 for e in report["ranks"][0]["rebalances"])
 
 

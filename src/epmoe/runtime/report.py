@@ -107,6 +107,8 @@ class RunReport:
         dtype: the compute dtype of the run (and of the reference).
         expert_backend: what computed the routed experts (``experts.describe_expert_backend``): the backend's
             name, or for ``triton`` on the CPU that the reference ran.
+        expert_storage: how the routed experts were held (``runtime.run.expert_storage_text``): their format as
+            stored, or the compute dtype and why where they were dequantized on load.
         prefix_cache: with prefix caching on, prompt tokens looked up in the cache and found there, summed over
             the ranks: ``{"queried_tokens", "hit_tokens"}``; ``None`` with it off.
     """
@@ -132,6 +134,7 @@ class RunReport:
     speculative: dict | None = None
     dtype: str = "float32"
     expert_backend: str = "reference"
+    expert_storage: str = ""
     prefix_cache: dict | None = None
 
     def to_json(self) -> dict:
@@ -284,6 +287,8 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
                     f"{kv['kind']}), "
                     f"{counted(kv['max_concurrency'], 'sequence')} of {counted(kv['context'], 'token')} at once")
     summary.add_row("expert backend", report.expert_backend)
+    if report.expert_storage:
+        summary.add_row("routed experts held as", report.expert_storage)
     summary.add_row("CUDA graphs / overlap schedule / preemptions",
                     f"{'on' if report.graphs else 'off'} / {'on' if report.overlap else 'off'} / {preempted}")
     if report.prefix_cache is not None:
