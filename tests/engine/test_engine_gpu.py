@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from epmoe.engine import Engine, EngineConfig, SamplingParams
-from epmoe.engine.model_runner import Feed
+from epmoe.engine.packing import Feed
 
 pytestmark = pytest.mark.gpu
 

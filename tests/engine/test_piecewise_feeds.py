@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from epmoe.engine import Engine, EngineConfig
-from epmoe.engine.model_runner import Feed
+from epmoe.engine.packing import Feed
 from epmoe.engine.request import PENDING_TOKEN
 
 from ..conftest import CONFIGS

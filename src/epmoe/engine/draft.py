@@ -21,7 +21,8 @@ from epmoe.comm import Comm
 from epmoe.engine.attention import register_attention
 from epmoe.engine.kv_cache import KVCache, KVLayout
 from epmoe.engine.mla import install_mla
-from epmoe.engine.model_runner import Feed, ModelRunner, StepOutput, ep_static_hooks
+from epmoe.engine.model_runner import ModelRunner, StepOutput, ep_static_hooks
+from epmoe.engine.packing import Feed
 from epmoe.engine.speculative import Proposal, Proposer, last_rows, propose_tokens
 from epmoe.engine.tokenizer import load_tokenizer
 from epmoe.engine.transfer import to_device

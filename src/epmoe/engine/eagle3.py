@@ -27,7 +27,7 @@ from torch import nn
 
 from epmoe.engine.attention import register_attention
 from epmoe.engine.kv_cache import KVCache, KVLayout
-from epmoe.engine.model_runner import Feed, pack
+from epmoe.engine.packing import Feed, pack
 from epmoe.engine.speculative import Proposal, Proposer, propose_tokens
 from epmoe.engine.transfer import to_device
 

@@ -188,7 +188,7 @@ def propose_tokens(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def last_rows(feeds: list) -> list[int]:
-    """Per feed (``model_runner.Feed``, each sampling), the index of its last row's logits in a step's output:
+    """Per feed (``packing.Feed``, each sampling), the index of its last row's logits in a step's output:
     the row-wise feeds come first in packed order, then the chunks, each with ``feed.sample`` rows of logits."""
     order = [i for i, f in enumerate(feeds) if f.rowwise] + [i for i, f in enumerate(feeds) if not f.rowwise]
     out = [0] * len(feeds)
