@@ -281,14 +281,37 @@ def _moe_layer_indices(f: ConfigFields, mt: str, num_layers: int) -> tuple[int, 
     return tuple(range(num_layers))
 
 
-def _weight_format(cfg: dict[str, Any]) -> str:
+FP8_DEFAULT_BLOCK = (128, 128)  # transformers' FineGrainedFP8Config default, when weight_block_size is absent
+
+
+def fp8_block_size(qc: dict[str, Any], where: str) -> tuple[int, int]:
+    """``weight_block_size`` of an FP8 ``quantization_config`` ``qc`` (``FP8_DEFAULT_BLOCK`` when absent or null).
+
+    Raises:
+        ValueError: anything but two positive integers (booleans and floats refused), named with ``where``.
+    """
+    size = qc.get("weight_block_size")
+    if size is None:
+        return FP8_DEFAULT_BLOCK
+    if (not isinstance(size, list) or len(size) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in size)):
+        raise ValueError(f"{where}: quantization_config.weight_block_size must be two positive integers, got "
+                         f"{size!r}")
+    return int(size[0]), int(size[1])
+
+
+def _weight_format(cfg: dict[str, Any], source: str) -> str:
     """The routed experts' storage named from ``quantization_config`` (see ``MoESpec.expert_weight_format``): a
     quantization epmoe does not serve keeps its own name (``compressed-tensors-int3``, ``awq``), so that whoever
-    reads it (``ExpertStorage.of``, the planner's sizes) refuses it by that name instead of taking it for bf16."""
+    reads it (``ExpertStorage.of``, the planner's sizes) refuses it by that name instead of taking it for bf16.
+
+    Raises:
+        ValueError: an FP8 ``weight_block_size`` that is not two positive integers (``fp8_block_size``).
+    """
     qc = cfg.get("quantization_config") or {}
     method = qc.get("quant_method")
     if method == "fp8":
-        return "fp8_block128" if list(qc.get("weight_block_size") or []) == [128, 128] else "fp8"
+        return "fp8_block128" if fp8_block_size(qc, source) == (128, 128) else "fp8"
     if method == "mxfp4":
         return "mxfp4"
     if method == "compressed-tensors" or "config_groups" in qc:
@@ -542,7 +565,7 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
         group_score=facts.group_score, norm_topk_prob=facts.norm, routed_scaling_factor=facts.scale,
         correction_bias=facts.correction, router_bias=facts.router_bias, expert_bias=facts.expert_bias,
         hidden_act=hidden_act, swiglu_limit=facts.swiglu_limit, swiglu_alpha=facts.swiglu_alpha, vocab_size=vocab,
-        max_position_embeddings=max_positions, attention=attention, expert_weight_format=_weight_format(cfg),
+        max_position_embeddings=max_positions, attention=attention, expert_weight_format=_weight_format(cfg, source),
         defaults=tuple(f.defaulted.items()), defaults_class=f.defaults_class,
         checkpoint_dtype=_checkpoint_dtype(cfg, top, source),
     )

@@ -219,6 +219,72 @@ def test_bad_fp8_expert_tensors_are_named(ckpts128, tmp_path, edit, match):
                       options=MoELayerOptions(dispatcher="local"))
 
 
+def _broken_copy(src: Path, dst: Path, edit) -> Path:
+    _copy_meta(src, dst)
+    tensors = _tensors(src)
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def _load(directory: Path):
+    return load_ep_model(str(directory), ExpertPlacement.trivial(2, 16, 1), Comm(None),
+                         options=MoELayerOptions(dispatcher="local"))
+
+
+@pytest.mark.parametrize("which,edit,match", [
+    # served as stored (F 256): a NaN scale, an infinite one, a NaN value (e4m3fn's 0x7f)
+    ("128", lambda t: t["model.layers.1.mlp.experts.4.up_proj.weight_scale_inv"].__setitem__((1, 0), float("nan")),
+     r"up_proj[.]weight_scale_inv' \(block scales, times the largest FP8 value 448\) holds 1 NaN or infinite value, "
+     r"the first at \(1, 0\)"),
+    ("128", lambda t: t["model.layers.1.mlp.experts.4.up_proj.weight_scale_inv"].__setitem__((0, 1), float("inf")),
+     r"the first at \(0, 1\)"),
+    ("128", lambda t: t["model.layers.2.mlp.experts.0.down_proj.weight"].view(torch.uint8).__setitem__((3, 5), 0x7F),
+     r"experts[.]0[.]down_proj[.]weight' holds 1 NaN or infinite value, the first at \(3, 5\)"),
+    # dequantized on load (F 160): a NaN scale of an expert (a whole 128x128 block), of an attention weight
+    ("160", lambda t: t["model.layers.1.mlp.experts.2.gate_proj.weight_scale_inv"].__setitem__((0, 0), float("nan")),
+     r"experts[.]2[.]gate_proj[.]weight' dequantized with its '.*_scale_inv' holds 16384 NaN or infinite values"),
+    ("160", lambda t: t["model.layers.0.self_attn.o_proj.weight_scale_inv"].__setitem__((0, 0), float("inf")),
+     r"o_proj[.]weight' dequantized with its"),
+])
+def test_fp8_nan_and_infinity_are_refused_on_load(ckpts, ckpts128, tmp_path, which, edit, match):
+    src = (ckpts128 if which == "128" else ckpts)["fp8"]
+    with pytest.raises(ValueError, match=match):
+        _load(_broken_copy(src, tmp_path / "bad", edit))
+
+
+def test_doctor_refuses_a_float8_tensor_without_scales_as_run_does(ckpts128, tmp_path):
+    from epmoe.models.hf import check_checkpoint
+
+    name = "model.layers.1.mlp.shared_experts.up_proj.weight"  # not a routed expert: dequantized on load
+    bad = _broken_copy(ckpts128["fp8"], tmp_path / "bad", lambda t: t.pop(name + "_scale_inv"))
+    with pytest.raises(ValueError, match=rf"{name.replace('.', '[.]')}' is float8_e4m3fn but has no"):
+        check_checkpoint(str(bad))  # what doctor calls, without reading a weight
+    cut = _broken_copy(ckpts128["fp8"], tmp_path / "blocks", lambda t: None)
+    _edit_config(cut, quantization_config={**FP8_CONFIG, "weight_block_size": [64, 128]})
+    with pytest.raises(ValueError, match=r"_scale_inv' is F32 of shape \(\d+, \d+\), expected a float of shape "
+                                         r".* in 64x128 blocks"):
+        check_checkpoint(str(cut))
+
+
+@pytest.mark.parametrize("size", [[True, 128], [128.0, 128.0], [128], "128"])
+def test_bad_fp8_block_size_is_one_error(ckpts128, tmp_path, size):
+    from epmoe.spec import load_moe_spec
+
+    bad = _broken_copy(ckpts128["fp8"], tmp_path / "bad", lambda t: None)
+    _edit_config(bad, quantization_config={**FP8_CONFIG, "weight_block_size": size})
+    with pytest.raises(ValueError, match=r"config[.]json: quantization_config[.]weight_block_size must be two positive "
+                                         r"integers"):
+        load_moe_spec(str(bad))
+
+
+def test_fp8_without_block_size_is_128_blocks_served_as_stored(ckpts128, tmp_path):
+    plain = _broken_copy(ckpts128["fp8"], tmp_path / "noblock", lambda t: None)
+    _edit_config(plain, quantization_config={k: v for k, v in FP8_CONFIG.items() if k != "weight_block_size"})
+    ep = _load(plain)
+    assert ep.moe_layers[0].experts.w13.dtype == torch.float8_e4m3fn
+
+
 def _run(model: Path, tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "report.json"
     code = main(["run", "--model", str(model), "--ep", "2", "--max-new-tokens", "4", "--prompt", "fp8 experts",

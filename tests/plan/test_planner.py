@@ -339,6 +339,20 @@ def test_weights_mxfp4_prices_experts_in_mxfp4():
                  "h200-sxm", "--weights", "mxfp4", "--batch", "1"]) == 0
 
 
+def test_fp8_asked_for_experts_of_ragged_f_is_priced_in_bf16_and_said(capsys):
+    # gpt-oss's F (2880) is not a multiple of 128: epmoe run would dequantize FP8 experts, so plan prices bf16
+    cfg = str(CONFIGS / "gpt-oss-20b.config.json")
+    assert main(["plan", "--config", cfg, "--gpus", "2", "--hardware", "h100-sxm", "--weights", "fp8"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "routed experts priced in bf16, as epmoe run serves them: FP8 dequantized on load: the expert " \
+           "intermediate size F (2880) is not a multiple of 128" in out
+    assert main(["plan", "--config", cfg, "--gpus", "2", "--hardware", "h100-sxm", "--weights", "fp8", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["expert_format"] == "bf16" and "F (2880)" in doc["expert_format_note"]
+    assert main(["plan", "--config", cfg, "--gpus", "2", "--hardware", "h100-sxm", "--json"]) == 0
+    assert "expert_format_note" not in json.loads(capsys.readouterr().out)  # MXFP4 as published: no note
+
+
 def test_weights_hint_only_smaller_formats(capsys):
     from epmoe.plan.costs import smaller_weight_choices, weights_hint
 

@@ -222,6 +222,11 @@ def test_run_seeded_sampling_repeats(kimi, tmp_path, capsys):
         runs.append(json.loads(out.read_text()))
     assert runs[0]["outputs"] == runs[1]["outputs"]
     assert runs[0]["matches_reference"] is None  # sampling: no greedy reference
+    # each prompt draws with its own seed (seed + its index, wrapped), not all with the same numbers
+    from epmoe.runtime.run import RunConfig
+
+    assert [RunConfig(seed=3).sampling(i).seed for i in range(3)] == [3, 4, 5]
+    assert RunConfig(seed=2**63 - 1).sampling(1).seed == 0 and RunConfig().sampling(2).seed is None
     said = "triton: the reference on cpu (the Triton kernels take CUDA tensors only)"
     assert [r["expert_backend"] for r in runs] == ["reference", said]
     text = " ".join(capsys.readouterr().out.replace("│", " ").split())  # table cells wrap: compare words only

@@ -28,6 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from epmoe.experts.mxfp4 import E8M0_MAX_FINITE, E8M0_NAN
+from epmoe.spec import fp8_block_size
 
 SCALE_SUFFIX = "_scale_inv"
 _WRAPPER_PREFIX = "language_model."
@@ -240,13 +241,16 @@ class CheckpointReader:
                     f"companion with its block scales; cannot dequantize it"
                 )
             hs = self._handle(scale_name)
+            what = f"checkpoint {self.directory}: tensor {full!r}"
             if index is None:
-                tensor = dequantize_blockwise(tensor, hs.get_tensor(scale_name), self.block_size, what=full)
+                tensor = dequantize_blockwise(tensor, hs.get_tensor(scale_name), self.block_size, what=what)
             elif tensor.dim() >= 2:  # one expert of a fused [E, N, K] tensor: its own [nb, kb] scales
-                tensor = dequantize_blockwise(tensor, hs.get_slice(scale_name)[index], self.block_size, what=full)
+                tensor = dequantize_blockwise(tensor, hs.get_slice(scale_name)[index], self.block_size, what=what)
             else:  # one row of a [N, K] weight: the scale row of its block
                 row = hs.get_slice(scale_name)[index // self.block_size[0]]
-                tensor = dequantize_blockwise(tensor[None], row[None], self.block_size, what=f"{full}[{index}]")[0]
+                tensor = dequantize_blockwise(tensor[None], row[None], self.block_size, what=f"{what}[{index}]")[0]
+            _check_finite(tensor, f"{what}{'' if index is None else f' (index {index})'} dequantized with its "
+                                  f"{scale_name!r}")
         return tensor if dtype is None else tensor.to(dtype)
 
     def _companion(self, full: str, suffix: str, what: str) -> str:
@@ -265,11 +269,18 @@ class CheckpointReader:
         [ceil(N/128), ceil(K/128)] float32)`` (``scale`` its ``_scale_inv`` companion), after ``check_fp8``.
 
         Raises:
-            KeyError, ValueError: as ``check_fp8``.
+            KeyError, ValueError: as ``check_fp8``; NaN values, or scales that are not finite or that make the
+                largest FP8 value infinite (the tensor and first position named).
         """
         scale_name = self.check_fp8(name)
         full = self.prefix + name
-        return self._read(full, None), self._read(scale_name, None).float()
+        q, scale = self._read(full, None), self._read(scale_name, None).float()
+        where = f"checkpoint {self.directory}: tensor {full!r}"
+        nan = (q.view(torch.uint8) & 0x7F) == 0x7F  # float8_e4m3fn's NaN codes; it has no infinity
+        _check_finite(torch.where(nan, float("nan"), 0.0), where)
+        _check_finite(scale * FP8_E4M3_MAX, f"checkpoint {self.directory}: tensor {scale_name!r} (block scales, "
+                                            f"times the largest FP8 value {FP8_E4M3_MAX:g})")
+        return q, scale
 
     def check_fp8(self, name: str) -> str:
         """Check the block-FP8 weight ``name`` from the file headers (no weight data read): a 2-d float8_e4m3fn
@@ -294,15 +305,31 @@ class CheckpointReader:
         if self.block_size != (FP8_BLOCK, FP8_BLOCK):
             raise ValueError(f"{where}: block-FP8 routed experts are served as stored in {FP8_BLOCK}x{FP8_BLOCK} "
                              f"blocks only, quantization_config.weight_block_size is {list(self.block_size)}")
+        return self.check_fp8_scales(name)
+
+    def check_fp8_scales(self, name: str) -> str:
+        """Check from the file headers that the float8 tensor ``name`` (``[..., N, K]``) has the ``_scale_inv``
+        companion its dequantization reads: a float tensor of ``[..., ceil(N/bn), ceil(K/bk)]`` in the config's
+        ``bn x bk`` blocks. Returns the companion's full name.
+
+        Raises:
+            ValueError: the companion missing, or of another dtype or shape (each names the tensor).
+        """
+        full = self.prefix + name
+        shape = self.stored_shape(name)
         scale_name = full + SCALE_SUFFIX
         if scale_name not in self.weight_map:
-            raise ValueError(f"{where} is float8_e4m3fn but has no {scale_name!r} companion with its block scales")
-        want = tuple(-(-n // FP8_BLOCK) for n in shape)
+            dtype = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}.get(self.dtype(name), self.dtype(name))
+            raise ValueError(f"checkpoint {self.directory}: tensor {full!r} is {dtype} but has no {scale_name!r} "
+                             f"companion with its block scales")
+        (bn, bk), want = self.block_size, tuple(shape[:-2])
+        want = (*want, -(-shape[-2] // bn), -(-shape[-1] // bk)) if len(shape) >= 2 else (-(-shape[0] // bn),)
         scale_dtype = self._handle(scale_name).get_slice(scale_name).get_dtype()
         scale_shape = self.stored_shape(name + SCALE_SUFFIX)
         if scale_dtype not in _FLOAT_HEADER_DTYPES or scale_shape != want:
             raise ValueError(f"checkpoint {self.directory}: tensor {scale_name!r} is {scale_dtype} of shape "
-                             f"{scale_shape}, expected a float of shape {want} for the {tuple(shape)} weight")
+                             f"{scale_shape}, expected a float of shape {want} for the {tuple(shape)} weight in "
+                             f"{bn}x{bk} blocks (quantization_config.weight_block_size)")
         return scale_name
 
     def get_int4(self, name: str, row: int | None = None, expect: tuple[int, int] | None = None) -> Int4Tensor:
@@ -424,6 +451,18 @@ class CheckpointReader:
         return self._read(full + "_blocks", index), scales
 
 
+FP8_E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def _check_finite(t: torch.Tensor, what: str) -> None:
+    """Raise ``ValueError`` naming ``what``, the count and the first position of ``t``'s NaN or infinite values."""
+    bad = ~torch.isfinite(t)
+    if bad.any():
+        count = int(bad.sum())
+        raise ValueError(f"{what} holds {count} NaN or infinite value{'s' if count > 1 else ''}, the first at "
+                         f"{tuple(bad.nonzero()[0].tolist())}: not a weight")
+
+
 _FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
 _FLOAT_HEADER_DTYPES = ("BF16", "F16", "F32")  # safetensors header names of the scale dtypes the loaders take
 # the header dtypes of the plain weights the loaders take: floats, and block FP8 (dequantized with its scales)
@@ -465,13 +504,9 @@ def _int4_group_size(config: dict, directory: Path) -> int | None:
 
 
 def _block_size(config: dict, directory: Path) -> tuple[int, int]:
-    """``quantization_config.weight_block_size`` (top level or under ``text_config``), default 128x128."""
+    """``quantization_config.weight_block_size`` (top level or under ``text_config``; ``spec.fp8_block_size``)."""
     qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
-    size = qc.get("weight_block_size") or [128, 128]
-    if len(size) != 2 or not all(isinstance(b, int) and b > 0 for b in size):
-        raise ValueError(f"{directory}/config.json: quantization_config.weight_block_size must be two positive "
-                         f"integers, got {size!r}")
-    return int(size[0]), int(size[1])
+    return fp8_block_size(qc, f"{directory}/config.json")
 
 
 def dequantize_blockwise(
@@ -483,7 +518,7 @@ def dequantize_blockwise(
         q: ``[..., N, K]`` float8 values.
         scale: ``[..., ceil(N/bn), ceil(K/bk)]`` float32 per-block multipliers (``weight_scale_inv``).
         block: ``(bn, bk)`` block size.
-        what: tensor name for messages.
+        what: the tensor, as messages name it.
 
     Returns:
         ``[..., N, K]`` float32, ``q[..., i, j] * scale[..., i // bn, j // bk]``.
@@ -497,7 +532,7 @@ def dequantize_blockwise(
     n, k = q.shape[-2:]
     want = (*q.shape[:-2], -(-n // bn), -(-k // bk))
     if tuple(scale.shape) != want:
-        raise ValueError(f"{what}: block scales {what}{SCALE_SUFFIX} have shape {tuple(scale.shape)}, expected "
+        raise ValueError(f"{what}: its block scales ({SCALE_SUFFIX}) have shape {tuple(scale.shape)}, expected "
                          f"{want} for a {tuple(q.shape)} weight in {bn}x{bk} blocks")
     if block == (FP8_BLOCK, FP8_BLOCK):
         lead = q.shape[:-2]

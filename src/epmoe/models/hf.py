@@ -508,6 +508,8 @@ def check_checkpoint(checkpoint_dir: str, experts: Callable[[int], Iterable[int]
         if served_fp8 and owner and not name.endswith("bias"):
             reader.check_fp8(name)
         dtype = reader.dtype(name)
+        if dtype.startswith("F8_"):  # its scales, which dequantizing it on load reads
+            reader.check_fp8_scales(name)
         if dtype not in WEIGHT_HEADER_DTYPES:  # an integer tensor would be copied into the float weight as numbers
             raise ValueError(f"checkpoint {reader.directory}: tensor {name!r}{' of ' + owner if owner else ''} is "
                              f"{dtype}, expected a float dtype ({', '.join(WEIGHT_HEADER_DTYPES)})")

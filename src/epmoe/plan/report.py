@@ -319,9 +319,14 @@ def report_plan(req: PlanRequest, as_json: bool = False, plot_path: str | Path |
         if command is not None:
             doc["command"] = {"engine": engine, "strategy": command.strategy, "argv": command.argv,
                               "notes": command.notes}
+        if req.expert_format_note:
+            doc["expert_format_note"] = req.expert_format_note
         console.print_json(json.dumps(doc))
     else:
         console.print(plan_table(p))
+        if req.expert_format_note:
+            console.print(f"routed experts priced in bf16, as epmoe run serves them: {req.expert_format_note}",
+                          soft_wrap=True)
         if req.spec.defaults:
             console.print(req.spec.describe_defaults(), soft_wrap=True)
         for why in p.skipped:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from epmoe.checks import check_int
-from epmoe.experts.storage import ExpertStorage, served_format
+from epmoe.experts.storage import ExpertStorage, dequantized_reason, served_format
 from epmoe.placement import max_redundant_slots
 from epmoe.plan.costs import WEIGHT_CHOICES, CollectiveKind
 from epmoe.plan.hardware import HardwareProfile
@@ -133,6 +133,13 @@ class PlanRequest:
         it: ``bf16`` for FP8 experts it dequantizes on load (``experts.storage.served_format``)."""
         fmt = WEIGHT_CHOICES[self.weights] if self.weights else self.spec.expert_weight_format
         return served_format(fmt, self.spec.moe_intermediate_size)
+
+    @property
+    def expert_format_note(self) -> str:
+        """Why the routed experts are priced in bf16 though ``--weights`` or the checkpoint names FP8
+        (``experts.storage.dequantized_reason``), ``""`` when they are not."""
+        fmt = WEIGHT_CHOICES[self.weights] if self.weights else self.spec.expert_weight_format
+        return dequantized_reason(fmt, self.spec.moe_intermediate_size)
 
     @property
     def dense_format(self) -> str:

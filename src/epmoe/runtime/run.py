@@ -198,13 +198,16 @@ class RunConfig:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")  # None: unset, no flag takes it
         self.sampling()
 
-    def sampling(self) -> SamplingParams:
-        """The requests' sampling options.
+    def sampling(self, prompt: int = 0) -> SamplingParams:
+        """The sampling options of prompt ``prompt`` (its index in the run): with ``--seed`` its own seed,
+        ``(seed + prompt) mod 2**63``, so that prompts draw apart (as ``epmoe serve`` seeds a request's choices)
+        and a rerun draws the same.
 
         Raises:
             ValueError: a bad sampling value (named).
         """
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+        seed = None if self.seed is None else (self.seed + prompt) % 2**63
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=seed,
                               max_tokens=self.max_new_tokens)
 
     def engine_config(self, model_dir: str) -> EngineConfig:
@@ -283,7 +286,7 @@ def _serve_share(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], mine:
         mark = comm.stats.snapshot()
         steps0 = engine.num_steps
         t0 = time.perf_counter()
-        outs = engine.generate([all_ids[i] for i in mine], cfg.sampling(), arrivals,
+        outs = engine.generate([all_ids[i] for i in mine], [cfg.sampling(i) for i in mine], arrivals,
                                on_output=lambda o: bar.advance(task, len(o.new_token_ids)))
         if cfg.device == "cuda":
             torch.cuda.synchronize()
