@@ -8,6 +8,7 @@ and compares with the measured time of our Triton backend (``ours_us``). CPU onl
     python3 benchmarks/planner_vs_h200.py [--results PATH] [--hardware NAME|PATH]
         [--ceilings profile|run] [--out PATH] [--check]
     python3 benchmarks/planner_vs_h200.py --int4-results PATH [--hardware NAME|PATH] [--out PATH] [--check]
+    python3 benchmarks/planner_vs_h200.py --fp8-results PATH [--hardware NAME|PATH] [--out PATH] [--check]
 
 Columns: case, tokens, whether the row was timed as CUDA-graph replays, experts hit (measured in that
 run's routing / expected ``n_local (1 - (1 - K/E)^T)``), measured µs, predicted µs, predicted / measured,
@@ -38,6 +39,12 @@ efficiency (grid of step 0.01 over [0.5, 1]), the ``w4a16`` matrix rate (grid of
 per-layer cost (closed form), at the profile's overlap; copy them into ``moe_w4a16_stream_efficiency``,
 ``matmul_flops_per_s.w4a16`` and ``moe_w4a16_layer_fixed_us``. Writes ``planner_vs_h200_int4.json`` next to the results
 file (or ``--out``), which the CPU tests read.
+
+``--fp8-results`` does the same for block-FP8 experts from a bf16 run's rows that also timed the FP8 weights
+(``fp8_us``: ``moe_layer.py``'s ``dsv3`` case, the backend on the same weights quantized to block FP8): the prediction
+is ``predict_moe_layer_time`` with ``fp8_block128`` weights, the fit of the profile's three W8A16 figures
+(``moe_w8a16_stream_efficiency``, ``matmul_flops_per_s.w8a16``, ``moe_w8a16_layer_fixed_us``); it writes
+``planner_vs_h200_fp8.json``.
 """
 
 from __future__ import annotations
@@ -75,6 +82,7 @@ KIMI = MoEDims(hidden_size=7168, moe_intermediate_size=2048, num_experts=384, to
 # The shapes of benchmarks/moe_layer.py's INT4_CASES (group 32).
 INT4_CASES = {"kimi_int4": (KIMI, 48), "kimi_full_int4": (KIMI, 384)}
 INT4_FORMAT = "int4_group32"
+FP8_FORMAT = "fp8_block128"
 GPTOSS = dict(hidden_size=2880, moe_intermediate_size=2880, top_k=4)
 # The shapes of benchmarks/moe_layer.py's MXFP4_CASES (every expert on the GPU).
 MXFP4_CASES = {"gptoss_mxfp4": (MoEDims(num_experts=128, **GPTOSS), 128),
@@ -176,28 +184,44 @@ def compare_int4(results: dict, hw: HardwareProfile) -> list[dict]:
             raise ValueError(f"{fmt} case {row['case']!r} is not known; known: {', '.join(cases)}")
         dims, local = cases[row["case"]]
         measured = int4_measured_us(row, dims, local) if fmt == INT4_FORMAT else row.get("mxfp4_us")
-        if measured is None:
-            continue
-        t = row["tokens"]
-        rows_on = t * dims.top_k * local / dims.num_experts
-        touched = expected_distinct_experts(t, dims.num_experts, dims.top_k, local)
-        pred_us = predict_moe_layer_time(dims, t, local, hw, fmt) * 1e3
-        out.append({
-            "case": row["case"], "tokens": t, "active_measured": row.get("active_slots"),
-            "active_expected": touched, "measured_us": measured, "predicted_us": pred_us,
-            "ratio": pred_us / measured,
-            # at the full bandwidth (the fit divides it by the stream efficiency)
-            "stream_us": (touched * dims.expert_params() * bytes_per_param(fmt)
-                          + expert_activation_bytes(dims, rows_on)) / hw.hbm_bytes_per_s * 1e6,
-            "flops": rows_on * 2 * dims.expert_params(),
-        })
+        if measured is not None:
+            out.append(_packed_entry(row, dims, local, measured, fmt, hw))
     return out
 
 
-def fit_int4(entries: list[dict], overlap: float) -> tuple[float, float, float, float]:
-    """Least-squares ``(stream efficiency, w4a16 FLOP/s, fixed µs, sum of squared relative errors)`` over the INT4
-    rows at ``overlap``: for each efficiency of ``EFFICIENCY_GRID`` and rate of ``RATE_GRID`` the prediction is
-    ``base_i + fixed``, the fixed cost in closed form as in ``fit_overlap_and_fixed``."""
+def compare_fp8(results: dict, hw: HardwareProfile) -> list[dict]:
+    """One entry per row of a bf16 run that also timed the backend on block-FP8 weights (``fp8_us``): measured and
+    predicted µs, their ratio, the parts."""
+    out = []
+    for row in results["rows"]:
+        if row.get("fp8_us") is not None:
+            dims, local = case_shape(row)
+            out.append(_packed_entry(row, dims, local, row["fp8_us"], FP8_FORMAT, hw))
+    return out
+
+
+def _packed_entry(row: dict, dims: MoEDims, local: int, measured: float, fmt: str, hw: HardwareProfile) -> dict:
+    """A quantized row's entry: measured and predicted µs of ``fmt`` experts, their ratio, and what the fit needs
+    (the bytes streamed at the full bandwidth, the FLOPs)."""
+    t = row["tokens"]
+    rows_on = t * dims.top_k * local / dims.num_experts
+    touched = expected_distinct_experts(t, dims.num_experts, dims.top_k, local)
+    pred_us = predict_moe_layer_time(dims, t, local, hw, fmt) * 1e3
+    return {
+        "case": row["case"], "tokens": t, "active_measured": row.get("active_slots"),
+        "active_expected": touched, "measured_us": measured, "predicted_us": pred_us,
+        "ratio": pred_us / measured,
+        # at the full bandwidth (the fit divides it by the stream efficiency)
+        "stream_us": (touched * dims.expert_params() * bytes_per_param(fmt)
+                      + expert_activation_bytes(dims, rows_on)) / hw.hbm_bytes_per_s * 1e6,
+        "flops": rows_on * 2 * dims.expert_params(),
+    }
+
+
+def fit_packed(entries: list[dict], overlap: float) -> tuple[float, float, float, float]:
+    """Least-squares ``(stream efficiency, matrix FLOP/s, fixed µs, sum of squared relative errors)`` over the rows
+    of one quantized format at ``overlap``: for each efficiency of ``EFFICIENCY_GRID`` and rate of ``RATE_GRID`` the
+    prediction is ``base_i + fixed``, the fixed cost in closed form as in ``fit_overlap_and_fixed``."""
     best = None
     for eff in EFFICIENCY_GRID:
         for rate in RATE_GRID:
@@ -212,31 +236,34 @@ def fit_int4(entries: list[dict], overlap: float) -> tuple[float, float, float, 
     return best
 
 
-def main_int4(args) -> int:
-    """``--int4-results``: the INT4 rows against the profile's INT4 figures, and their fit."""
-    path = Path(args.int4_results)
+def main_packed(args, kind: str) -> int:
+    """``--int4-results`` (``kind`` ``w4a16``) or ``--fp8-results`` (``w8a16``): the rows against the profile's
+    figures of that kind, and their fit."""
+    path = Path(args.int4_results if kind == "w4a16" else args.fp8_results)
     results = json.loads(path.read_text())
     hw = load_hardware(args.hardware)
-    entries = compare_int4(results, hw)
-    eff, rate, fixed, sse = fit_int4(entries, hw.moe_stream_matrix_overlap)
+    entries = compare_int4(results, hw) if kind == "w4a16" else compare_fp8(results, hw)
+    eff, rate, fixed, sse = fit_packed(entries, hw.moe_stream_matrix_overlap)
     outside = [e for e in entries if abs(e["ratio"] - 1) > TARGET]
-    out = Path(args.out) if args.out else path.with_name("planner_vs_h200_int4.json")
+    out = Path(args.out) if args.out else path.with_name(f"planner_vs_h200_{'int4' if kind == 'w4a16' else 'fp8'}"
+                                                         f".json")
+    profile_eff, profile_fixed = (getattr(hw, f"moe_{kind}_{f}") for f in ("stream_efficiency", "layer_fixed_us"))
     doc = {"results": path.name, "device": results.get("device"), "hardware": hw.name,
-           "moe_w4a16_stream_efficiency": hw.moe_w4a16_stream_efficiency,
-           "w4a16_flops_per_s": hw.flops_per_s("w4a16"), "moe_w4a16_layer_fixed_us": hw.moe_w4a16_layer_fixed_us,
-           "fitted_stream_efficiency": eff, "fitted_w4a16_flops_per_s": rate, "fitted_fixed_us": fixed,
-           "fitted_sum_sq_rel_err": sse, "target": TARGET, "all_within_target": not outside, "rows": entries}
+           f"moe_{kind}_stream_efficiency": profile_eff, f"{kind}_flops_per_s": hw.flops_per_s(kind),
+           f"moe_{kind}_layer_fixed_us": profile_fixed, "fitted_stream_efficiency": eff,
+           f"fitted_{kind}_flops_per_s": rate, "fitted_fixed_us": fixed, "fitted_sum_sq_rel_err": sse,
+           "target": TARGET, "all_within_target": not outside, "rows": entries}
     out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"W4A16 results {path} ({results.get('device')}); model {hw.name}: stream efficiency "
-          f"{hw.moe_w4a16_stream_efficiency:.2f}, w4a16 {hw.flops_per_s('w4a16') / 1e12:.0f} TFLOP/s, fixed "
-          f"{hw.moe_w4a16_layer_fixed_us} us, overlap {hw.moe_stream_matrix_overlap:.3f}")
+    print(f"{kind.upper()} results {path} ({results.get('device')}); model {hw.name}: stream efficiency "
+          f"{profile_eff:.2f}, {kind} {hw.flops_per_s(kind) / 1e12:.0f} TFLOP/s, fixed "
+          f"{profile_fixed} us, overlap {hw.moe_stream_matrix_overlap:.3f}")
     print(f"{'case':15} {'T':>5} {'hit':>4} {'E[hit]':>6} {'measured':>9} {'predicted':>9} {'ratio':>6}")
     for e in entries:
         flag = "" if abs(e["ratio"] - 1) <= TARGET else "  OUTSIDE"
         print(f"{e['case']:15} {e['tokens']:5d} {e['active_measured'] or 0:4d} {e['active_expected']:6.1f} "
               f"{e['measured_us']:9.1f} {e['predicted_us']:9.1f} {e['ratio']:6.2f}{flag}")
     print(f"{len(entries) - len(outside)}/{len(entries)} rows within {TARGET:.0%}")
-    print(f"least-squares fit: stream efficiency {eff:.2f}, w4a16 {rate / 1e12:.0f} TFLOP/s, fixed {fixed:.1f} us; "
+    print(f"least-squares fit: stream efficiency {eff:.2f}, {kind} {rate / 1e12:.0f} TFLOP/s, fixed {fixed:.1f} us; "
           f"sum of squared relative errors {sse:.4f}")
     print(f"wrote {out}")
     return 1 if args.check and outside else 0
@@ -267,12 +294,34 @@ def _bad_packed_row(results: dict) -> str | None:
     return None
 
 
+def _bad_fp8_row(results: dict) -> str | None:
+    """What is wrong with the FP8 rows of ``results`` (``None``: nothing): none at all, an unknown case, or a
+    ``tokens`` or ``fp8_us`` that is not a positive number; the row and field named."""
+    rows = [(f"rows[{i}]", row) for i, row in enumerate(results["rows"]) if isinstance(row, dict) and "fp8_us" in row]
+    if not rows:
+        return "holds no row with an 'fp8_us' (moe_layer.py's dsv3 case times the FP8 weights)"
+    for where, row in rows:
+        if row.get("case") not in CASES:
+            return f"{where} has case {row.get('case')!r}; known: {', '.join(CASES)}"
+        tokens, us = row.get("tokens"), row["fp8_us"]
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+            return f"{where} has tokens {tokens!r}; expected a positive integer"
+        if not isinstance(us, (int, float)) or isinstance(us, bool) or not math.isfinite(us) or us <= 0:
+            return f"{where} has fp8_us {us!r}; expected a positive finite number of us"
+    return None
+
+
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """A bad flag is an argparse error (exit 2) naming the flag, before any work: an unreadable or wrong results
     file, an unknown or unreadable profile, an --out whose folder is missing, --int4-results of INT4 rows without
     Triton."""
-    flag, name, lists = ("--int4-results", args.int4_results, ("int4_rows", "mxfp4_rows")) if args.int4_results else (
-        "--results", args.results, ("rows",))
+    if args.int4_results and args.fp8_results:
+        p.error("--int4-results and --fp8-results each choose a mode: give one")
+    if args.int4_results:
+        flag, name, lists = "--int4-results", args.int4_results, ("int4_rows", "mxfp4_rows")
+    else:
+        flag, name, lists = ("--fp8-results", args.fp8_results, ("rows",)) if args.fp8_results else (
+            "--results", args.results, ("rows",))
     try:
         results = json.loads(Path(name).read_text())
     except (OSError, ValueError) as exc:
@@ -284,6 +333,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 f"benchmarks/moe_layer.py{hint}")
     if args.int4_results:
         bad = _bad_packed_row(results)
+        if bad:
+            p.error(f"{flag} {name!r}: {bad}")
+    if args.fp8_results:
+        bad = _bad_fp8_row(results)
         if bad:
             p.error(f"{flag} {name!r}: {bad}")
     if args.ceilings == "run" and not isinstance(results.get("ceilings"), dict):
@@ -311,10 +364,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help=f"exit 1 when a row is off by more than {TARGET * 100:.0f}%%")
     p.add_argument("--int4-results", help="an INT4 or MXFP4 moe_layer.py results JSON: those rows and the fit of the "
                    "W4A16 figures instead")
+    p.add_argument("--fp8-results", help="a bf16 moe_layer.py results JSON whose rows timed block-FP8 weights "
+                   "(fp8_us): those and the fit of the W8A16 figures instead")
     args = p.parse_args(argv)
     check_args(p, args)
     if args.int4_results:
-        return main_int4(args)
+        return main_packed(args, "w4a16")
+    if args.fp8_results:
+        return main_packed(args, "w8a16")
     path = Path(args.results)
     results = json.loads(path.read_text())
     hw = hardware_for(results, args.hardware, args.ceilings)

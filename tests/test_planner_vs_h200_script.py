@@ -34,11 +34,17 @@ def script(monkeypatch):
     (["--int4-results", "{tmp}/rows.json"], "--int4-results '{tmp}/rows.json' holds no 'int4_rows' or 'mxfp4_rows' "
      "list: not a results JSON of benchmarks/moe_layer.py (its 'rows' are a bf16 run's: --results takes them)"),
     (["--out", "{tmp}"], "--out '{tmp}' is a folder; it names the JSON file to write"),
+    (["--fp8-results", "{tmp}/rows.json"], "--fp8-results '{tmp}/rows.json': holds no row with an 'fp8_us'"),
+    (["--fp8-results", "{tmp}/fp8nan.json"], "--fp8-results '{tmp}/fp8nan.json': rows[0] has fp8_us nan; expected a "
+     "positive finite number of us"),
+    (["--fp8-results", "{tmp}/rows.json", "--int4-results", "{tmp}/rows.json"],
+     "--int4-results and --fp8-results each choose a mode: give one"),
 ])
 def test_bad_flags_are_named_with_exit_2(script, tmp_path, capsys, args, message):
     (tmp_path / "text.json").write_text("not json")
     (tmp_path / "loads.json").write_text(json.dumps({"load": [[1, 2]]}))
     (tmp_path / "rows.json").write_text(json.dumps({"rows": []}))
+    (tmp_path / "fp8nan.json").write_text(json.dumps({"rows": [{"case": "dsv3", "tokens": 1, "fp8_us": float("nan")}]}))
     out = ["--out", str(tmp_path / "out.json")] if "--out" not in args else []
     with pytest.raises(SystemExit) as exc:
         script.main([a.format(tmp=tmp_path) for a in args] + out)
@@ -100,3 +106,16 @@ def test_bad_mxfp4_rows_are_named_with_exit_2(script, tmp_path, capsys, edit, me
     assert exc.value.code == 2
     assert f": error: --int4-results '{bad}': {message}" in capsys.readouterr().err
     assert not (tmp_path / "out.json").exists()
+
+
+def test_fp8_rows_are_compared_and_fitted(script, tmp_path, capsys):
+    # the block-FP8 rows of the bf16 run (fp8_us, the dsv3 shard) against the h200-sxm profile's W8A16 figures,
+    # which were fitted to them: the fit reproduces them and every row is within the target
+    out = tmp_path / "out.json"
+    assert script.main(["--fp8-results", str(REPO / "benchmarks/results/moe_layer_h200.json"), "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert len(doc["rows"]) == 8 and doc["all_within_target"]
+    assert (doc["fitted_stream_efficiency"], doc["fitted_w8a16_flops_per_s"]) == (0.61, 288e12)
+    assert doc["fitted_fixed_us"] == pytest.approx(doc["moe_w8a16_layer_fixed_us"], abs=0.05)
+    assert doc["rows"][0]["measured_us"] == pytest.approx(36.1, abs=0.05)
+    assert "8/8 rows within 25%" in capsys.readouterr().out

@@ -189,7 +189,7 @@ def test_doctor_and_plan_say_how_fp8_experts_are_served(ckpts, ckpts128):
     assert PlanRequest(spec=spec128, hardware=h200, gpus=2, batches=(1,)).expert_format == "fp8_block128"
     assert PlanRequest(spec=spec160, hardware=h200, gpus=2, batches=(1,)).expert_format == "bf16"
     assert PlanRequest(spec=spec128, hardware=h200, gpus=2, batches=(1,)).dense_format == "bf16"
-    assert compute_dtype("fp8_block128") == "bf16"  # the kernels widen FP8 to bf16 in registers
+    assert compute_dtype("fp8_block128") == "w8a16"  # the kernels widen FP8 to bf16 in registers
     # and epmoe run's summary
     assert expert_storage_text(spec128, "ep", "bfloat16") == "fp8 (block 128) as stored"
     tp = expert_storage_text(spec128, "tp", "float32")

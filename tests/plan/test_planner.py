@@ -194,7 +194,7 @@ def test_ep_busiest_rank_reads_more_expert_weights_at_batch_1():
     # priced as 2.49 tokens over its 32 of 256 experts: 32 (1 - (1 - 8/256)^2.49) = 2.44 experts' bytes.
     p = _plan("deepseek-v3", 8, batches=(1,))
     hw = load_hardware(H200)
-    fixed_ms = 58 * hw.moe_layer_fixed_us * 1e-3
+    fixed_ms = 58 * hw.moe_w8a16_layer_fixed_us * 1e-3  # its FP8 experts' fixed cost a layer
     tp = p.strategy("TP8").steps[0].expert_ms - fixed_ms
     ep = p.strategy("EP8+DPattn").steps[0].expert_ms - fixed_ms
     assert ep / tp == pytest.approx(2.44, rel=0.03)

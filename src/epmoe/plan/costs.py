@@ -73,9 +73,11 @@ def weights_hint(weight_format: str) -> str:
 def compute_dtype(weight_format: str) -> str:
     """The matmul rate (a ``HardwareProfile.matmul_flops_per_s`` key) of weights stored as ``weight_format``, as
     epmoe's kernels multiply them: ``w4a16`` for INT4 and MXFP4 (the W4A16 expert kernels' bf16 products of 4-bit
-    weights widened in registers; a profile without that figure gives the bf16 rate), else ``bf16`` (block FP8
-    included: its expert kernels widen the values to bf16 in registers, as ``benchmarks/moe_layer.py``'s ``dsv3_fp8``
-    case times them, not on FP8 tensor cores)."""
+    weights widened in registers), ``w8a16`` for FP8 (its expert kernels widen the values to bf16 in registers, as
+    ``benchmarks/moe_layer.py``'s ``dsv3_fp8`` case times them, not on FP8 tensor cores), else ``bf16``; a profile
+    without the figure gives the bf16 rate."""
+    if weight_format.startswith("fp8"):
+        return "w8a16"
     return "w4a16" if weight_format.startswith("int4") or weight_format == "mxfp4" else "bf16"
 
 
@@ -366,7 +368,8 @@ def expert_layer_ms(
     ``w4a16`` matrix rate, ``moe_w4a16_layer_fixed_us``, and the weights and activations streamed at
     ``moe_w4a16_stream_efficiency`` of the bandwidth (fitted to the kernels' measurements by
     ``benchmarks/planner_vs_h200.py --int4-results``: the H200 profile to INT4 rows, the H100 profile to MXFP4
-    rows).
+    rows); block-FP8 experts (read as stored, widened to bf16 in registers) likewise the ``w8a16`` figures
+    (``--fp8-results``).
     Overlap and fixed cost are fitted together to measurements (benchmarks/planner_vs_h200.py, the
     profile's sources). The H200 Triton kernels stream weight tiles while they multiply, but not
     completely (H200 run of benchmarks/results/moe_layer_h200.json, overlap 0.579, fixed 11.1 us):
@@ -396,6 +399,10 @@ def expert_layer_ms(
         bandwidth *= hardware.moe_w4a16_stream_efficiency
         if hardware.moe_w4a16_layer_fixed_us is not None:
             fixed_us = hardware.moe_w4a16_layer_fixed_us
+    elif kind == "w8a16":
+        bandwidth *= hardware.moe_w8a16_stream_efficiency
+        if hardware.moe_w8a16_layer_fixed_us is not None:
+            fixed_us = hardware.moe_w8a16_layer_fixed_us
     stream_s = (weight_bytes + expert_activation_bytes(dims, rows, tp)) / bandwidth
     matrix_s = flops / peak
     overlapped_s = max(stream_s, matrix_s) + (1.0 - hardware.moe_stream_matrix_overlap) * min(stream_s, matrix_s)

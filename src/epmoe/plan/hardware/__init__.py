@@ -31,13 +31,14 @@ _TOP_FIELDS = (
     "format", "name", "description", "gpu", "gpus_per_node", "memory_bytes", "hbm_bytes_per_s",
     "matmul_flops_per_s", "moe_layer_fixed_us", "moe_stream_matrix_overlap", "dispatch_layout_fixed_us", "links",
     "engine_step_us", "engine_layer_step_us", "engine_seq_step_us", "moe_w4a16_layer_fixed_us",
-    "moe_w4a16_stream_efficiency", "mla_decode_read_efficiency", "sources", "measurements",
+    "moe_w4a16_stream_efficiency", "moe_w8a16_layer_fixed_us", "moe_w8a16_stream_efficiency",
+    "mla_decode_read_efficiency", "sources", "measurements",
 )
 _LINK_KINDS = ("intra_node", "inter_node")
 _LINK_CURVES = ("all_reduce_ms_by_bytes", "all_to_all_ms_by_bytes")
 _LINK_KEYS = ("kind", *_LINK_FIELDS, *_LINK_CURVES)
 # The compute dtypes ``costs.compute_dtype`` asks for.
-_MATMUL_DTYPES = ("bf16", "fp8", "w4a16")
+_MATMUL_DTYPES = ("bf16", "fp8", "w4a16", "w8a16")
 
 
 
@@ -81,7 +82,8 @@ class HardwareProfile:
         memory_bytes: device memory of one GPU, bytes.
         hbm_bytes_per_s: achievable device-memory bandwidth, bytes/s.
         matmul_flops_per_s: achievable dense matrix throughput by compute dtype (``bf16``, ``fp8``; ``w4a16``: the
-            INT4 expert kernels' own rate, bf16 products of weights widened in registers), FLOP/s.
+            INT4 expert kernels' own rate, bf16 products of weights widened in registers; ``w8a16``: the block-FP8
+            expert kernels' own rate, the same for FP8 weights), FLOP/s.
         moe_layer_fixed_us: fixed cost of one MoE layer's expert compute (routing, permutation, launch), µs.
         dispatch_layout_fixed_us: fixed cost of the send-buffer layout kernels of one expert-parallel
             dispatch + combine (route, pack, unpack, combine sum), µs; their memory traffic is priced on
@@ -97,6 +99,8 @@ class HardwareProfile:
             file: ``None``, the bf16 figure.
         moe_w4a16_stream_efficiency: the share, in ``(0, 1]``, of ``hbm_bytes_per_s`` at which the INT4 expert
             kernels stream their weights; absent from a file: 1.0.
+        moe_w8a16_layer_fixed_us, moe_w8a16_stream_efficiency: the same two figures for a layer of block-FP8
+            experts (served as stored).
         mla_decode_read_efficiency: the share, in ``(0, 1]``, of ``hbm_bytes_per_s`` at which the engine's MLA
             decode kernel reads its latent cache, each row once per block of query heads
             (``costs.kv_read_passes``); absent from a file: 1.0.
@@ -125,6 +129,8 @@ class HardwareProfile:
     engine_seq_step_us: float = 0.0
     moe_w4a16_layer_fixed_us: float | None = None
     moe_w4a16_stream_efficiency: float = 1.0
+    moe_w8a16_layer_fixed_us: float | None = None
+    moe_w8a16_stream_efficiency: float = 1.0
     mla_decode_read_efficiency: float = 1.0
 
     def flops_per_s(self, dtype: str) -> float:
@@ -281,8 +287,8 @@ def parse_hardware(doc: dict[str, Any], source: str = "<dict>") -> HardwareProfi
     overlap = doc.get("moe_stream_matrix_overlap", 0.0)
     if isinstance(overlap, bool) or not isinstance(overlap, (int, float)) or not 0.0 <= overlap <= 1.0:
         raise ValueError(f"{source}: field 'moe_stream_matrix_overlap' must be a number in [0, 1], got {overlap!r}")
-    efficiency, mla_efficiency = (_share(doc, f, source) for f in ("moe_w4a16_stream_efficiency",
-                                                                      "mla_decode_read_efficiency"))
+    efficiency, fp8_efficiency, mla_efficiency = (_share(doc, f, source) for f in (
+        "moe_w4a16_stream_efficiency", "moe_w8a16_stream_efficiency", "mla_decode_read_efficiency"))
     sources = doc.get("sources") or {}
     if not isinstance(sources, dict) or not all(isinstance(v, str) for v in sources.values()):
         raise ValueError(f"{source}: field 'sources' must be an object of strings (field name -> text), got "
@@ -307,6 +313,9 @@ def parse_hardware(doc: dict[str, Any], source: str = "<dict>") -> HardwareProfi
         moe_w4a16_layer_fixed_us=(_number(doc, "moe_w4a16_layer_fixed_us", source, strict=False)
                                   if "moe_w4a16_layer_fixed_us" in doc else None),
         moe_w4a16_stream_efficiency=efficiency,
+        moe_w8a16_layer_fixed_us=(_number(doc, "moe_w8a16_layer_fixed_us", source, strict=False)
+                                  if "moe_w8a16_layer_fixed_us" in doc else None),
+        moe_w8a16_stream_efficiency=fp8_efficiency,
         mla_decode_read_efficiency=mla_efficiency,
         intra_node=_link(links["intra_node"], source, "links.intra_node"),
         inter_node=_link(links["inter_node"], source, "links.inter_node") if links.get("inter_node") else None,
