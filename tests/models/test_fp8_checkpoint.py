@@ -173,10 +173,10 @@ def test_fp8_dummy_weights_stay_fp8(ckpts128, tmp_path):
 
 def test_doctor_and_plan_say_how_fp8_experts_are_served(ckpts, ckpts128):
     from epmoe.doctor import check_expert_storage
+    from epmoe.experts.storage import held_as
     from epmoe.plan.costs import compute_dtype
     from epmoe.plan.hardware import load_hardware
     from epmoe.plan.request import PlanRequest
-    from epmoe.runtime.run import expert_storage_text
     from epmoe.spec import load_moe_spec
 
     spec128, spec160 = load_moe_spec(str(ckpts128["fp8"])), load_moe_spec(str(ckpts["fp8"]))
@@ -191,10 +191,10 @@ def test_doctor_and_plan_say_how_fp8_experts_are_served(ckpts, ckpts128):
     assert PlanRequest(spec=spec128, hardware=h200, gpus=2, batches=(1,)).dense_format == "bf16"
     assert compute_dtype("fp8_block128") == "w8a16"  # the kernels widen FP8 to bf16 in registers
     # and epmoe run's summary
-    assert expert_storage_text(spec128, "ep", "bfloat16") == "fp8 (block 128) as stored"
-    tp = expert_storage_text(spec128, "tp", "float32")
-    assert tp == "float32 (fp8 (block 128) dequantized on load: --parallel tp)"
-    assert expert_storage_text(spec160, "ep", "float32") == (
+    f128, f160 = ("fp8_block128", spec128.moe_intermediate_size), ("fp8_block128", spec160.moe_intermediate_size)
+    assert held_as(*f128, "ep", "bfloat16") == "fp8 (block 128) as stored"
+    assert held_as(*f128, "tp", "float32") == "float32 (fp8 (block 128) dequantized on load: --parallel tp)"
+    assert held_as(*f160, "ep", "float32") == (
         "float32 (FP8 dequantized on load: the expert intermediate size F (160) is not a multiple of 128, so the gate "
         "and up rows would share a scale block)")
 

@@ -67,6 +67,7 @@ def test_models_and_health(server, client):
     # lines are written before /health turns ready (the conftest waited for it), so they are there already
     log = server.log.read_text()
     assert server.port > 0 and f"listening on {server.url} " in log and f"ready: {server.url}/v1" in log, log
+    assert "expert backend reference, routed experts held as float32" in log, log  # built-in model, CPU float32
     assert httpx.get(f"{server.url}/health").json() == {"status": "ready"}
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]

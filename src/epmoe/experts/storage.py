@@ -148,6 +148,24 @@ def dequantized_reason(weight_format: str, intermediate_size: int) -> str:
     return ""
 
 
+def held_as(weight_format: str, intermediate_size: int, parallel: str, dtype: str) -> str:
+    """How ``epmoe run`` and ``epmoe serve`` hold routed experts of ``weight_format`` and intermediate size
+    ``intermediate_size`` under ``parallel`` (``ep`` or ``tp``) in the compute ``dtype``, for reports: a quantized
+    format kept as stored (``fp8 (block 128) as stored``), or the compute dtype, with the reason where a quantized
+    checkpoint is dequantized on load.
+
+    Raises:
+        ValueError: a format that is not served (``ExpertStorage.of``).
+    """
+    storage = ExpertStorage.of(weight_format, intermediate_size)
+    if storage.kind != "plain":
+        if parallel == "tp":
+            return f"{dtype} ({storage.format_name} dequantized on load: --parallel tp)"
+        return f"{storage.format_name} as stored"
+    reason = dequantized_reason(weight_format, intermediate_size)
+    return f"{dtype} ({reason})" if reason else dtype
+
+
 def served_format(weight_format: str, intermediate_size: int) -> str:
     """The format the routed experts of ``weight_format`` are served in, as the planner prices it: ``bf16`` where
     ``ExpertStorage.of`` dequantizes them on load, else ``weight_format``."""

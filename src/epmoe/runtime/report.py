@@ -107,7 +107,7 @@ class RunReport:
         dtype: the compute dtype of the run (and of the reference).
         expert_backend: what computed the routed experts (``experts.describe_expert_backend``): the backend's
             name, or for ``triton`` on the CPU that the reference ran.
-        expert_storage: how the routed experts were held (``runtime.run.expert_storage_text``): their format as
+        expert_storage: how the routed experts were held (``experts.storage.held_as``): their format as
             stored, or the compute dtype and why where they were dequantized on load.
         prefix_cache: with prefix caching on, prompt tokens looked up in the cache and found there, summed over
             the ranks: ``{"queried_tokens", "hit_tokens"}``; ``None`` with it off.

@@ -24,7 +24,7 @@ from epmoe.engine.config import COMMAND_FLAGS, EAGER_DISPATCHERS, PARALLEL_MODES
 from epmoe.engine.group import check_group
 from epmoe.engine.tokenizer import decode_text, encode_text, generation_config, load_tokenizer
 from epmoe.experts import describe_expert_backend
-from epmoe.experts.storage import ExpertStorage, dequantized_reason
+from epmoe.experts.storage import held_as
 from epmoe.models.hf import hf_config, needs_own_loader
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.plan.request import counted
@@ -331,20 +331,6 @@ def _spec_report(engine: Engine, outs) -> dict | None:
 _FLAGS = {name: flag for name, flag in COMMAND_FLAGS.items() if "_" in name} | {"seed": "--seed"}
 
 
-def expert_storage_text(spec: MoESpec, parallel: str, dtype: str) -> str:
-    """How ``epmoe run`` holds the routed experts of ``spec`` under ``parallel`` in the compute ``dtype``, for the
-    summary: a quantized format kept as stored (``fp8 (block 128) as stored``), or the compute dtype, with the
-    reason where a quantized checkpoint was dequantized on load."""
-    fmt = spec.expert_weight_format
-    storage = ExpertStorage.of(fmt, spec.moe_intermediate_size)
-    if storage.kind != "plain":
-        if parallel == "tp":
-            return f"{dtype} ({storage.format_name} dequantized on load: --parallel tp)"
-        return f"{storage.format_name} as stored"
-    reason = dequantized_reason(fmt, spec.moe_intermediate_size)
-    return f"{dtype} ({reason})" if reason else dtype
-
-
 def _engine_config(cfg: RunConfig, model_dir: str) -> EngineConfig:
     """The engine's options, its errors in the CLI's flag names."""
     try:
@@ -491,7 +477,7 @@ def run_job(cfg: RunConfig) -> RunReport:
         routed_tokens_per_step=(rank_counts.sum(0).double() / (steps * spec.num_moe_layers)).tolist(),
         matches_reference=None, dtype=cfg.dtype,
         expert_backend=describe_expert_backend(_engine_config(cfg, model_dir).expert_backend, cfg.device),
-        expert_storage=expert_storage_text(spec, cfg.parallel, cfg.dtype),
+        expert_storage=held_as(spec.expert_weight_format, spec.moe_intermediate_size, cfg.parallel, cfg.dtype),
         graphs=any(r.step_kinds.get("graph_steps", 0) + r.step_kinds.get("piecewise_steps", 0) for r in ranks),
         overlap=not cfg.disable_overlap_schedule and cfg.speculative_algorithm is None,
     )

@@ -33,6 +33,7 @@ import uvicorn
 
 from epmoe.engine.group import check_group
 from epmoe.experts import describe_expert_backend
+from epmoe.experts.storage import held_as
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.plan.request import counted
 from epmoe.runtime.launch import (
@@ -107,10 +108,12 @@ class _Server(uvicorn.Server):
 
 def _startup_log(cfg: ServeConfig, model_dir: str, name: str, info: EngineInfo, url: str) -> None:
     kv = info.kv
-    log.info("model %s (%s) served as %r: %d rank(s), experts %s, %s, %s, expert backend %s", model_dir,
-             load_moe_spec(model_dir).model_type, name, info.ranks,
+    spec = load_moe_spec(model_dir)
+    log.info("model %s (%s) served as %r: %d rank(s), experts %s, %s, %s, expert backend %s, routed experts held as %s",
+             model_dir, spec.model_type, name, info.ranks,
              "expert-parallel" if info.parallel == "ep" else "tensor-parallel", cfg.device, cfg.dtype,
-             describe_expert_backend(cfg.engine_config(model_dir).expert_backend, cfg.device))
+             describe_expert_backend(cfg.engine_config(model_dir).expert_backend, cfg.device),
+             held_as(spec.expert_weight_format, spec.moe_intermediate_size, info.parallel, cfg.dtype))
     log.info("KV cache per rank: %d blocks of %d tokens besides the padding block (%d tokens, %.1f MiB), %s of "
              "the full context (%d tokens) at once; graph buckets %s; piecewise graph buckets %s; prefix caching %s",
              kv["blocks"], kv["block_size"], kv["tokens"], kv["bytes"] / 2**20,
