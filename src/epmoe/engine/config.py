@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from epmoe.engine.sampling import valid_seed
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PARALLEL_MODES = ("ep", "tp")
 SPECULATIVE_ALGORITHMS = ("ngram", "draft", "eagle3")
@@ -234,7 +236,7 @@ class EngineConfig:
                                                 or not isinstance(self.eplb_max_moves, numbers.Integral)
                                                 or self.eplb_max_moves < 0):
             raise ValueError(f"eplb_max_moves must be a non-negative integer, got {self.eplb_max_moves!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) or not 0 <= self.seed < 2**63:
+        if not valid_seed(self.seed):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         for name in ("enforce_eager", "static_decode_on_cpu", "disable_overlap_schedule", "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):

@@ -38,6 +38,11 @@ def _is_int(v: object) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
+def valid_seed(v: object) -> bool:
+    """Whether ``v`` is a sampling seed: an integer (not a bool) in ``[0, 2**63)``."""
+    return _is_int(v) and 0 <= v < 2**63
+
+
 def _is_real(v: object) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
@@ -132,7 +137,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= -1 (-1 or 0 = all tokens), got {self.top_k!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and not valid_seed(self.seed):
             raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")

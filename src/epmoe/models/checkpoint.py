@@ -249,8 +249,8 @@ class CheckpointReader:
             else:  # one row of a [N, K] weight: the scale row of its block
                 row = hs.get_slice(scale_name)[index // self.block_size[0]]
                 tensor = dequantize_blockwise(tensor[None], row[None], self.block_size, what=f"{what}[{index}]")[0]
-            _check_finite(tensor, f"{what}{'' if index is None else f' (index {index})'} dequantized with its "
-                                  f"{scale_name!r}")
+            _refuse(~torch.isfinite(tensor), f"{what}{'' if index is None else f' (index {index})'} dequantized "
+                                             f"with its {scale_name!r}")
         return tensor if dtype is None else tensor.to(dtype)
 
     def _companion(self, full: str, suffix: str, what: str) -> str:
@@ -276,10 +276,9 @@ class CheckpointReader:
         full = self.prefix + name
         q, scale = self._read(full, None), self._read(scale_name, None).float()
         where = f"checkpoint {self.directory}: tensor {full!r}"
-        nan = (q.view(torch.uint8) & 0x7F) == 0x7F  # float8_e4m3fn's NaN codes; it has no infinity
-        _check_finite(torch.where(nan, float("nan"), 0.0), where)
-        _check_finite(scale * FP8_E4M3_MAX, f"checkpoint {self.directory}: tensor {scale_name!r} (block scales, "
-                                            f"times the largest FP8 value {FP8_E4M3_MAX:g})")
+        _refuse((q.view(torch.uint8) & 0x7F) == 0x7F, where)  # float8_e4m3fn's NaN codes; it has no infinity
+        _refuse(~torch.isfinite(scale * FP8_E4M3_MAX), f"checkpoint {self.directory}: tensor {scale_name!r} (block "
+                                                      f"scales, times the largest FP8 value {FP8_E4M3_MAX:g})")
         return q, scale
 
     def check_fp8(self, name: str) -> str:
@@ -319,11 +318,12 @@ class CheckpointReader:
         shape = self.stored_shape(name)
         scale_name = full + SCALE_SUFFIX
         if scale_name not in self.weight_map:
-            dtype = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}.get(self.dtype(name), self.dtype(name))
+            header = self.dtype(name)
+            dtype = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}.get(header, header)
             raise ValueError(f"checkpoint {self.directory}: tensor {full!r} is {dtype} but has no {scale_name!r} "
                              f"companion with its block scales")
-        (bn, bk), want = self.block_size, tuple(shape[:-2])
-        want = (*want, -(-shape[-2] // bn), -(-shape[-1] // bk)) if len(shape) >= 2 else (-(-shape[0] // bn),)
+        bn, bk = self.block_size
+        want = block_scales_shape(shape, self.block_size)
         scale_dtype = self._handle(scale_name).get_slice(scale_name).get_dtype()
         scale_shape = self.stored_shape(name + SCALE_SUFFIX)
         if scale_dtype not in _FLOAT_HEADER_DTYPES or scale_shape != want:
@@ -454,9 +454,9 @@ class CheckpointReader:
 FP8_E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 
-def _check_finite(t: torch.Tensor, what: str) -> None:
-    """Raise ``ValueError`` naming ``what``, the count and the first position of ``t``'s NaN or infinite values."""
-    bad = ~torch.isfinite(t)
+def _refuse(bad: torch.Tensor, what: str) -> None:
+    """Raise ``ValueError`` naming ``what``, the count and the first position of the NaN or infinite values that
+    the bool tensor ``bad`` marks."""
     if bad.any():
         count = int(bad.sum())
         raise ValueError(f"{what} holds {count} NaN or infinite value{'s' if count > 1 else ''}, the first at "
@@ -509,6 +509,15 @@ def _block_size(config: dict, directory: Path) -> tuple[int, int]:
     return fp8_block_size(qc, f"{directory}/config.json")
 
 
+def block_scales_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """The shape of the block scales of a ``[..., N, K]`` weight in ``bn x bk`` blocks: ``[..., ceil(N/bn),
+    ceil(K/bk)]`` (a 1-d weight of ``N``: ``[ceil(N/bn)]``)."""
+    bn, bk = block
+    if len(shape) < 2:
+        return (-(-shape[0] // bn),)
+    return (*shape[:-2], -(-shape[-2] // bn), -(-shape[-1] // bk))
+
+
 def dequantize_blockwise(
     q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128), what: str = "tensor"
 ) -> torch.Tensor:
@@ -530,7 +539,7 @@ def dequantize_blockwise(
 
     bn, bk = block
     n, k = q.shape[-2:]
-    want = (*q.shape[:-2], -(-n // bn), -(-k // bk))
+    want = block_scales_shape(tuple(q.shape), block)
     if tuple(scale.shape) != want:
         raise ValueError(f"{what}: its block scales ({SCALE_SUFFIX}) have shape {tuple(scale.shape)}, expected "
                          f"{want} for a {tuple(q.shape)} weight in {bn}x{bk} blocks")

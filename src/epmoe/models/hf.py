@@ -505,10 +505,10 @@ def check_checkpoint(checkpoint_dir: str, experts: Callable[[int], Iterable[int]
                              f"config.json (does config.json belong to these weights?)")
         if stored == "mxfp4":
             continue
-        if served_fp8 and owner and not name.endswith("bias"):
-            reader.check_fp8(name)
         dtype = reader.dtype(name)
-        if dtype.startswith("F8_"):  # its scales, which dequantizing it on load reads
+        if served_fp8 and owner and not name.endswith("bias"):
+            reader.check_fp8(name)  # as the expert kernels read it, its scales included
+        elif dtype.startswith("F8_"):  # its scales, which dequantizing it on load reads
             reader.check_fp8_scales(name)
         if dtype not in WEIGHT_HEADER_DTYPES:  # an integer tensor would be copied into the float weight as numbers
             raise ValueError(f"checkpoint {reader.directory}: tensor {name!r}{' of ' + owner if owner else ''} is "

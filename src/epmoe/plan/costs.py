@@ -395,14 +395,10 @@ def expert_layer_ms(
     kind = compute_dtype(weight_format)
     peak = hardware.flops_per_s(kind)
     bandwidth, fixed_us = hardware.hbm_bytes_per_s, hardware.moe_layer_fixed_us
-    if kind == "w4a16":
-        bandwidth *= hardware.moe_w4a16_stream_efficiency
-        if hardware.moe_w4a16_layer_fixed_us is not None:
-            fixed_us = hardware.moe_w4a16_layer_fixed_us
-    elif kind == "w8a16":
-        bandwidth *= hardware.moe_w8a16_stream_efficiency
-        if hardware.moe_w8a16_layer_fixed_us is not None:
-            fixed_us = hardware.moe_w8a16_layer_fixed_us
+    if kind in ("w4a16", "w8a16"):  # the quantized expert kernels' own figures, where the profile has them
+        bandwidth *= getattr(hardware, f"moe_{kind}_stream_efficiency")
+        own_fixed = getattr(hardware, f"moe_{kind}_layer_fixed_us")
+        fixed_us = fixed_us if own_fixed is None else own_fixed
     stream_s = (weight_bytes + expert_activation_bytes(dims, rows, tp)) / bandwidth
     matrix_s = flops / peak
     overlapped_s = max(stream_s, matrix_s) + (1.0 - hardware.moe_stream_matrix_overlap) * min(stream_s, matrix_s)

@@ -131,15 +131,18 @@ class PlanRequest:
     def expert_format(self) -> str:
         """Format the routed experts are served in (``--weights``, else the checkpoint's), as ``epmoe run`` serves
         it: ``bf16`` for FP8 experts it dequantizes on load (``experts.storage.served_format``)."""
-        fmt = WEIGHT_CHOICES[self.weights] if self.weights else self.spec.expert_weight_format
-        return served_format(fmt, self.spec.moe_intermediate_size)
+        return served_format(self._asked_format, self.spec.moe_intermediate_size)
 
     @property
     def expert_format_note(self) -> str:
         """Why the routed experts are priced in bf16 though ``--weights`` or the checkpoint names FP8
         (``experts.storage.dequantized_reason``), ``""`` when they are not."""
-        fmt = WEIGHT_CHOICES[self.weights] if self.weights else self.spec.expert_weight_format
-        return dequantized_reason(fmt, self.spec.moe_intermediate_size)
+        return dequantized_reason(self._asked_format, self.spec.moe_intermediate_size)
+
+    @property
+    def _asked_format(self) -> str:
+        """The routed experts' format as asked: ``--weights``, else the checkpoint's."""
+        return WEIGHT_CHOICES[self.weights] if self.weights else self.spec.expert_weight_format
 
     @property
     def dense_format(self) -> str:

@@ -22,6 +22,7 @@ from epmoe.comm import COLLECTIVE_KINDS, Comm
 from epmoe.engine import Engine, EngineConfig, SamplingParams
 from epmoe.engine.config import COMMAND_FLAGS, EAGER_DISPATCHERS, PARALLEL_MODES, command_engine_config
 from epmoe.engine.group import check_group
+from epmoe.engine.sampling import valid_seed
 from epmoe.engine.tokenizer import decode_text, encode_text, generation_config, load_tokenizer
 from epmoe.experts import describe_expert_backend
 from epmoe.experts.storage import held_as
@@ -193,9 +194,8 @@ class RunConfig:
                 raw, at = p.encode(errors="surrogateescape"), len(p[:exc.start].encode(errors="surrogateescape"))
                 raise ValueError(f"--prompt {raw!r} is not valid UTF-8 text (byte {raw[at]:#04x} at position {at}); "
                                  f"pass prompts in UTF-8") from None
-        seed = self.seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")  # None: unset, no flag takes it
+        if self.seed is not None and not valid_seed(self.seed):  # None: unset, which no flag spells
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         self.sampling()
 
     def sampling(self, prompt: int = 0) -> SamplingParams:

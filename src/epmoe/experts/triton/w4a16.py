@@ -159,8 +159,7 @@ def _nibble_dot(a, words, scale, acc, J: tl.constexpr, SWAP_AB: tl.constexpr, WI
         w = _widen_e2m1_pairs(words, scale, J)
     elif WIDEN == WIDEN_MXFP4:
         nib = (words.to(tl.uint32, bitcast=True) >> (4 * J)) & 0xF
-        half = (((nib & 7) << 9) | ((nib & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True)
-        w = ((half.to(tl.float32) * 16384.0) * scale).to(a.dtype)  # the E2M1 value, exact, times 2 ** (s - 127)
+        w = ((e2m1_f16(nib) * 16384.0) * scale).to(a.dtype)  # the E2M1 value, exact, times 2 ** (s - 127)
     else:
         f = (((words.to(tl.uint32, bitcast=True) >> (4 * J)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
         w = ((f - 8388616.0) * scale).to(a.dtype)  # 2 ** 23 + 8
@@ -189,6 +188,13 @@ def e8m0_f32(s):
     """float32 ``2 ** (s - 127)`` of E8M0 bytes ``s``."""
     e = s.to(tl.int32)
     return tl.where(e == 0, 2.0 ** -127, (e << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def e2m1_f16(nib):
+    """E2M1 codes ``nib`` (integer tensor, 0..15) as float32 ``e2m1 * 2 ** -14``, exact: the 3 magnitude bits under an
+    fp16's exponent (bits 9-11), the sign on bit 15 (code 1, 0.5, an fp16 subnormal), widened from fp16."""
+    return (((nib & 7) << 9) | ((nib & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit

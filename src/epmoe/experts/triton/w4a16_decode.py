@@ -86,7 +86,7 @@ from epmoe.experts.triton.decode import (
 )
 from epmoe.experts.triton.grouped import act_code, packed_scales, packed_words
 from epmoe.experts.triton.pdl import pdl_launch
-from epmoe.experts.triton.w4a16 import e8m0_f32, row_strides
+from epmoe.experts.triton.w4a16 import e2m1_f16, e8m0_f32, row_strides
 from epmoe.experts.weights import Activation, check_expert_call
 
 _ZERO_BLOCK = 1024
@@ -230,11 +230,7 @@ def _e2m1_pair(w, J: tl.constexpr, PTX: tl.constexpr):
         return tl.inline_asm_elementwise(e2m1_pair_ptx(J), "=r,=r,r", [w], dtype=(tl.float32, tl.float32),
                                          is_pure=True, pack=1)
     else:
-        lo = (w >> (4 * J)) & 0xF
-        hi = (w >> (4 * J + 16)) & 0xF
-        lo = (((lo & 7) << 9) | ((lo & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (((hi & 7) << 9) | ((hi & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        return lo, hi
+        return e2m1_f16((w >> (4 * J)) & 0xF), e2m1_f16((w >> (4 * J + 16)) & 0xF)
 
 
 @triton.jit
