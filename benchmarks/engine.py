@@ -2,13 +2,13 @@
 transformers' own ``generate`` on the same model, in the same run.
 
     python benchmarks/engine.py [--models qwen3-30b-a3b,deepseek-v3,kimi-k2.5] [--batches 1,8,64,256]
-                                [--peer static|eager|none] [--expert-format bf16|int4,mxfp4] [--out DIR]
+                                [--peer static|eager|none] [--expert-format bf16,int4,mxfp4,fp8] [--out DIR]
 
 Models are ``data/configs`` files at full width with dummy weights (``--load-format dummy``; gpt-oss-20b too);
 DeepSeek-V3 and Kimi-K2.5 keep as many layers as fit one H200 (``--deepseek-layers``, ``--kimi-layers``).
 Routed experts are bf16 (``--expert-format bf16``: a config's ``quantization_config`` is dropped) or, for the
 models whose config names a format in ``--expert-format`` (``int4``: Kimi-K2.5's INT4 pack-quantized; ``mxfp4``:
-gpt-oss's), as published. MLA models
+gpt-oss's; ``fp8``: DeepSeek-V3's block FP8), as published. MLA models
 (DeepSeek, Kimi) report their KV bytes per token and layer: the latent the engine caches, beside the
 expanded per-head keys and values. Per batch size: every request gets a
 128-token prompt (``--context N``: N tokens, for the decode step at a long context); once all are decoding,
