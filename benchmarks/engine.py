@@ -782,6 +782,38 @@ def int_list(text: str) -> list[int]:
     return [int(v) for v in text.split(",")] if text else []
 
 
+def peer_modes(args: argparse.Namespace) -> list[str]:
+    """The transformers modes ``--peer`` asks for, in its order."""
+    return [m for m in args.peer.split(",") if m != "none"]
+
+
+def peer_batch_lists(text: str, modes: list[str]) -> dict[str, list[int]]:
+    """``--peer-batches``: one list for every peer mode (``"1,8"``) or one per mode (``"static=1,8;eager=64,256"``,
+    a mode left out is not timed) -> ``{mode: [batch, ...]}`` over ``modes``.
+
+    Raises:
+        ValueError: a mode not in ``modes``, a part without ``=`` among parts with one, a batch that is not an
+            integer >= 1, or one repeated in a mode."""
+    if "=" not in text:
+        parts = {m: text for m in modes}
+    else:
+        parts = {}
+        for part in filter(None, (p.strip() for p in text.split(";"))):
+            mode, sep, batches = part.partition("=")
+            if not sep or mode.strip() not in modes:
+                raise ValueError(f"{part!r} is not MODE=BATCHES with MODE one of the --peer modes {modes}")
+            parts[mode.strip()] = batches
+    lists = {}
+    for mode, batches in parts.items():
+        try:
+            lists[mode] = int_list(batches.strip())
+        except ValueError:
+            raise ValueError(f"{mode}'s batches must be comma-separated integers, got {batches!r}") from None
+        if not lists[mode] or any(v < 1 for v in lists[mode]) or len(set(lists[mode])) != len(lists[mode]):
+            raise ValueError(f"{mode}'s batches must be distinct integers >= 1, at least one, got {batches!r}")
+    return lists
+
+
 def check_decode_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The decode rows' flags (and the models, peers and TTFT sizes they run with): a bad one is an argparse error
     naming it, before anything is measured."""
@@ -792,13 +824,9 @@ def check_decode_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
         ap.error(f"--expert-format takes bf16, int4, mxfp4 or fp8 (comma-separated), got {unknown} in "
                  f"{args.expert_format!r}")
     lists = {}
-    for flag, text, used in (("--batches", args.batches, True), ("--peer-batches", args.peer_batches,
-                                                                   args.peer != "none"),
-                             ("--profile", args.profile, True), ("--sequential-batches", args.sequential_batches, True),
-                             ("--ttft", args.ttft, True)):
-        if not used:
-            continue
-        if not text and flag in ("--batches", "--peer-batches"):
+    for flag, text in (("--batches", args.batches), ("--profile", args.profile),
+                       ("--sequential-batches", args.sequential_batches), ("--ttft", args.ttft)):
+        if not text and flag == "--batches":
             ap.error(f"{flag} must name at least one batch size")
         try:
             lists[flag] = int_list(text)
@@ -828,6 +856,10 @@ def check_decode_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
     bad = [m for m in args.peer.split(",") if m not in ("eager", "static", "none")]
     if bad:
         ap.error(f"--peer takes eager, static or none, got {args.peer!r}")
+    try:
+        peer_batch_lists(args.peer_batches, peer_modes(args))
+    except ValueError as e:
+        ap.error(f"--peer-batches {args.peer_batches!r}: {e}")
     missing = [m for m in args.models.split(",") if not (CONFIGS / f"{m}.config.json").is_file()]
     if missing:
         known = sorted(f.name.removesuffix(".config.json") for f in CONFIGS.glob("*.config.json"))
@@ -858,7 +890,9 @@ def main() -> None:
                     help="the published expert formats kept, comma-separated (int4: Kimi-K2.5, mxfp4: gpt-oss, fp8); "
                          "models published in another get bf16 dummy experts (default bf16: every model)")
     ap.add_argument("--peer", default="eager,static", help="transformers modes to time: eager, static, none")
-    ap.add_argument("--peer-batches", default="1,8,64,256")
+    ap.add_argument("--peer-batches", default="1,8,64,256",
+                    help="batch sizes the peer is timed at, for every --peer mode (1,8) or per mode "
+                         "(static=1,8;eager=64,256)")
     ap.add_argument("--sequential-batches", default="",
                     help="batch sizes also timed without the overlap schedule, e.g. 1,64")
     ap.add_argument("--profile", default="", help="batch sizes whose kernels are profiled, e.g. 1,64; with any, "
@@ -932,9 +966,9 @@ def main() -> None:
         m["variants"] = {v.strip(): measure_variant(d, batches, args, v.strip())
                          for v in args.env_variants.split(";") if v.strip()}
         save()
-        for mode in [x for x in args.peer.split(",") if x != "none"]:
+        for mode, peer_batches in peer_batch_lists(args.peer_batches, peer_modes(args)).items():
             m["peer"][mode] = {}
-            peer(d, int_list(args.peer_batches), mode, 16, m["peer"][mode], save, args.context)
+            peer(d, peer_batches, mode, 16, m["peer"][mode], save, args.context)
             print(f"  peer {mode}: {m['peer'][mode]}", flush=True)
         for bs, r in m["rows"].items():
             times = [v[bs] for v in m["peer"].values() if isinstance(v.get(bs), float)]

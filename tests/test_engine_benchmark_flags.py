@@ -81,7 +81,14 @@ def test_bad_speculation_flags_are_named_with_exit_2(script, tmp_path, monkeypat
     (["--batches", "0"], "--batches values must be integers >= 1, got '0'"),
     (["--batches", ""], "--batches must name at least one batch size"),
     (["--batches", "8,8"], "--batches repeats a value, got '8,8'"),
-    (["--peer-batches", "8,-1"], "--peer-batches values must be integers >= 1, got '8,-1'"),
+    (["--peer-batches", "8,-1"], "--peer-batches '8,-1': eager's batches must be distinct integers >= 1, at least "
+                                 "one, got '8,-1'"),
+    (["--peer-batches", ""], "--peer-batches '': eager's batches must be distinct integers >= 1, at least one, got ''"),
+    (["--peer", "static", "--peer-batches", "static=1,8;eager=64"],
+     "--peer-batches 'static=1,8;eager=64': 'eager=64' is not MODE=BATCHES with MODE one of the --peer modes "
+     "['static']"),
+    (["--peer-batches", "static=1,x"], "--peer-batches 'static=1,x': static's batches must be comma-separated "
+                                       "integers, got '1,x'"),
     (["--profile", "1, x"], "--profile must be comma-separated integers, got '1, x'"),
     (["--batches", "1,8", "--profile", "128"], "--profile [128] are not among --batches '1,8'"),
     (["--sequential-batches", "3"], "--sequential-batches [3] are not among --batches '1,8,64,256'"),
@@ -146,3 +153,13 @@ def test_expert_format_keeps_only_the_formats_it_names(script, tmp_path):
             kept[fmt, model] = "quantization_config" in cfg or "quantization_config" in text
     assert [k for k, v in kept.items() if v] == [("int4", "kimi-k2.5"), ("int4,mxfp4", "kimi-k2.5"),
                                                  ("int4,mxfp4", "gpt-oss-20b")]
+
+
+def test_peer_batches_per_mode(script):
+    modes = ["eager", "static"]
+    assert script.peer_batch_lists("1,8", modes) == {"eager": [1, 8], "static": [1, 8]}
+    assert script.peer_batch_lists("static=1,8; eager=64,256", modes) == {"static": [1, 8], "eager": [64, 256]}
+    assert script.peer_batch_lists("eager=64", modes) == {"eager": [64]}  # static is not timed
+    assert script.peer_batch_lists("", []) == {}
+    with pytest.raises(ValueError, match="'1,8' is not MODE=BATCHES"):
+        script.peer_batch_lists("static=4;1,8", modes)
