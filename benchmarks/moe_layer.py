@@ -20,11 +20,11 @@ Cases:
     gptoss_mxfp4, gptoss20b_mxfp4 (``--cases gptoss_mxfp4``): a gpt-oss-120b (128 experts) or gpt-oss-20b (32) MoE
         layer on one GPU, D = F = 2880, top-4, gpt-oss's clamped SwiGLU with biases, in MXFP4: the backend (``mxfp4``:
         the path ``mxfp4_path`` picks) against its floor (the MXFP4 bytes of the active experts, 17 per 32 weights, over
-        the copy bandwidth, or the FLOPs over the bf16 rate), the decode kernels up to 16 tokens (``mxfp4_decode``; with
-        ``--sweep`` also the tiles of ``MXFP4_DECODE_SWEEP``), the grouped kernels widening the packed tiles in
-        registers at every size (``mxfp4_grouped``), on Hopper the tensor-core kernels at every size (``mxfp4_mma``,
-        ``mxfp4_wgmma``), the slots widened in memory then the bf16 kernels (``mxfp4_widen``) and the bf16 backend on
-        the dequantized weights (``bf16``).
+        the copy bandwidth, or the FLOPs over the bf16 rate), the decode kernels up to 16 tokens with the backend's
+        tiles (``mxfp4_decode``, ``MXFP4_DECODE_CONFIG``; with ``--sweep`` also those of ``MXFP4_DECODE_SWEEP``), the
+        grouped kernels widening the packed tiles in registers at every size (``mxfp4_grouped``), on Hopper the
+        tensor-core kernels at every size (``mxfp4_mma``, ``mxfp4_wgmma``), the slots widened in memory then the bf16
+        kernels (``mxfp4_widen``) and the bf16 backend on the dequantized weights (``bf16``).
 
 The INT4 cases time, in the same run and on the same (dequantized) weight values: the ``triton`` backend on the packed
 weights (``int4``, the path ``int4_path`` picks; floor = INT4 bytes + scales of the active slots over the copy
@@ -86,7 +86,7 @@ from epmoe.experts.triton.int4 import (
     int4_grouped_experts,
     int4_path,
 )
-from epmoe.experts.triton.mxfp4 import mxfp4_grouped_experts, mxfp4_widened_experts
+from epmoe.experts.triton.mxfp4 import MXFP4_DECODE_CONFIG, mxfp4_grouped_experts, mxfp4_widened_experts
 from epmoe.experts.triton.w4a16_decode import PackedDecodeConfig, packed_decode_experts
 from epmoe.experts.triton.w4a16_mma import MmaConfig, default_mma_config, packed_mma_experts
 from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, default_wgmma_config, packed_wgmma_experts
@@ -119,9 +119,9 @@ INT4_DECODE_SWEEP = [
 # the MXFP4 decode tiles beside the default (the INT4 decode kernels' tiles; not yet timed on MXFP4): half the rows a
 # program (fewer registers), one pair a program group, 64-word steps, two warps, three stages, splits of D up to 4
 MXFP4_DECODE_SWEEP = [
-    PackedDecodeConfig(2, 128, 4, 128, 1), PackedDecodeConfig(max_programs=4096),
-    PackedDecodeConfig(2, 128, 4, 128, 1, max_programs=4096), PackedDecodeConfig(4, 64, 8, 64, 1),
-    PackedDecodeConfig(8, 128, 8, 128, 2), PackedDecodeConfig(stages=3), PackedDecodeConfig(split_max=4),
+    PackedDecodeConfig(), PackedDecodeConfig(2, 128, 4, 128, 1, max_programs=4096), PackedDecodeConfig(2, 64, 4, 64, 1),
+    PackedDecodeConfig(2, 256, 4, 256, 1), PackedDecodeConfig(2, 128, 4, 128, 1, stages=3),
+    PackedDecodeConfig(2, 128, 4, 128, 1, split_max=4),
 ]
 # the fused INT4 grouped path (block_k in inputs: 16 or 32 words a step): the defaults of default_int4_config,
 # 16-word steps, transposed products, 32-row blocks, 8 warps (none spills registers compiled for sm_90 by Triton 3.6)
@@ -463,7 +463,7 @@ def bench_mxfp4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep:
                  "mxfp4_widen": lambda: mxfp4_widened_experts(x, slots, tw, q, act),
                  "bf16": lambda: ours(x, slots, tw, w, act)}
         if t <= MXFP4_DECODE_MAX_TOKENS:
-            impls["mxfp4_decode"] = lambda: packed_decode_experts(x, slots, tw, q, act)
+            impls["mxfp4_decode"] = lambda: packed_decode_experts(x, slots, tw, q, act, config=MXFP4_DECODE_CONFIG)
         if torch.cuda.get_device_capability() == (9, 0):
             n = slots.numel()
             impls["mxfp4_mma"] = lambda: packed_mma_experts(x, slots, tw, q, act,

@@ -295,7 +295,7 @@ def test_e2m1_pair_ptx_widens_every_code():
     (torch.float16, Activation(), False),
 ])
 def test_mxfp4_decode_matches_reference(dtype, act, woi):
-    from epmoe.experts.triton.mxfp4 import mxfp4_experts, mxfp4_widened_experts
+    from epmoe.experts.triton.mxfp4 import MXFP4_DECODE_CONFIG, mxfp4_experts, mxfp4_widened_experts
     from epmoe.experts.triton.w4a16_decode import PackedDecodeConfig, packed_decode_experts
 
     q = _mxfp4_case(3, 4, 96, 64)  # D: 3 blocks of 32 (12 words), F: 2 blocks
@@ -304,16 +304,17 @@ def test_mxfp4_decode_matches_reference(dtype, act, woi):
     slots = torch.tensor([[0, -1, 3, 2], [1, 1, 7, 0], [-1, -1, -1, 3]])  # 7: outside [0, S), skipped
     tw = torch.rand(3, 4, generator=g)
     ref = _ref(x, slots, tw, q, act, woi)
-    # the default tiles (one part step of 12 of 128 words); 8-word steps (a whole one and a part one) with gate/up
-    # rows past F; 4-word steps with 16 programs a launch (pairs shared among groups) and splits of D
-    for cfg in (PackedDecodeConfig(), PackedDecodeConfig(4, 8, 8, 8, 2, stages=3),
+    # the default tiles and MXFP4's (one part step of 12 of 128 words); 8-word steps (a whole one and a part one)
+    # with gate/up rows past F; 4-word steps with 16 programs a launch (pairs shared among groups) and splits of D
+    for cfg in (PackedDecodeConfig(), MXFP4_DECODE_CONFIG, PackedDecodeConfig(4, 8, 8, 8, 2, stages=3),
                 PackedDecodeConfig(4, 4, 8, 4, 1, max_programs=16, split_max=4)):
         out = packed_decode_experts(x, slots, tw, q, act, woi, cfg)
         assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3), cfg
         assert out.dtype == dtype and torch.equal(out, packed_decode_experts(x, slots, tw, q, act, woi, cfg))
-    if dtype == torch.float16:  # the backend's entry takes the decode kernels for one token (4 pairs)
-        one = (x[:1], slots[:1], tw[:1])
-        assert torch.equal(mxfp4_experts(*one, q, act, woi), packed_decode_experts(*one, q, act, woi))
+    if dtype == torch.float16:  # the backend's entry takes the decode kernels, with MXFP4's tiles, up to 8 pairs
+        two = (x[:2], slots[:2], tw[:2])
+        assert torch.equal(mxfp4_experts(*two, q, act, woi),
+                           packed_decode_experts(*two, q, act, woi, MXFP4_DECODE_CONFIG))
         assert _rel(mxfp4_widened_experts(x, slots, tw, q, act, woi), ref) < 2e-3
     none = packed_decode_experts(x, torch.full((3, 4), -1), tw, q, act, woi)
     assert none.shape == (3, 96) and not none.any()
@@ -343,9 +344,9 @@ def test_mxfp4_grouped_matches_reference(dtype, act, woi):
                 TileConfig(32, 16, 32, 128, 4, 1, half_tail=True, swap_ab=True)):
         out = mxfp4_grouped_experts(x, slots, tw, q, act, woi, cfg)
         assert out.dtype == dtype and _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3), cfg
-    if dtype == torch.float16:  # past 4 pairs the backend's entry takes the grouped kernels, tiles by the rows a slot
-        x, slots, tw = torch.randn(2, d).to(dtype), torch.randint(0, s, (2, 4)), torch.rand(2, 4)
-        want = mxfp4_grouped_experts(x, slots, tw, q, act, woi, default_int4_config(8, s))
+    if dtype == torch.float16:  # past 8 pairs the backend's entry takes the grouped kernels, tiles by the rows a slot
+        x, slots, tw = torch.randn(3, d).to(dtype), torch.randint(0, s, (3, 4)), torch.rand(3, 4)
+        want = mxfp4_grouped_experts(x, slots, tw, q, act, woi, default_int4_config(12, s))
         assert torch.equal(mxfp4_experts(x, slots, tw, q, act, woi), want)
         assert _rel(want, _ref(x, slots, tw, q, act, woi)) < 2e-3
     with pytest.raises(ValueError, match="block_k a power of two of at least 128"):
@@ -553,7 +554,7 @@ def test_mxfp4_decode_on_gpu(d, f):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 4, 16, 17, 300])  # the MXFP4 decode kernels for one token, the MMA/wgmma ones above
+@pytest.mark.parametrize("t", [1, 2, 4, 16, 17, 300])  # decode kernels up to two tokens, MMA/wgmma above
 def test_mxfp4_backend_on_gpu(t):
     s, d, f, k = 8, 2880, 2880, 4  # gpt-oss's D and F: 90 blocks of 32, a ragged last step
     q = _mxfp4_case(t, s, d, f, "cuda")
@@ -614,7 +615,8 @@ def test_mxfp4_path_choice_and_refusals():
 
     bf16, fp16 = torch.bfloat16, torch.float16
     assert mxfp4_path(4, bf16, 32, True) == "decode"
-    assert mxfp4_path(5, bf16, 32, True) == "mma"
+    assert mxfp4_path(8, bf16, 32, True) == "decode"  # two tokens at top-4
+    assert mxfp4_path(9, bf16, 32, True) == "mma"
     assert mxfp4_path(MXFP4_WGMMA_MIN_PAIRS_PER_SLOT * 32 - 1, bf16, 32, True) == "mma"
     assert mxfp4_path(MXFP4_WGMMA_MIN_PAIRS_PER_SLOT * 32, bf16, 32, True) == "wgmma"
     assert mxfp4_path(4096, bf16, 32, False) == "grouped"  # the MMA kernels' PTX is Hopper's

@@ -29,17 +29,22 @@ import triton.language as tl
 
 from epmoe.experts.mxfp4 import MXFP4_BLOCK, MXFP4_BYTES, MXFP4ExpertWeights
 from epmoe.experts.triton.grouped import TileConfig, default_int4_config, grouped_experts, triton_experts
-from epmoe.experts.triton.w4a16_decode import packed_decode_experts
+from epmoe.experts.triton.w4a16_decode import PackedDecodeConfig, packed_decode_experts
 from epmoe.experts.triton.w4a16_mma import default_mma_config, packed_mma_experts
 from epmoe.experts.triton.w4a16_wgmma import default_wgmma_config, packed_wgmma_experts
 from epmoe.experts.weights import Activation, ExpertWeights, check_expert_call
 
-MXFP4_BACKEND_DECODE_PAIRS = 4
-"""``mxfp4_path`` takes the decode kernels up to this many pairs (one token at gpt-oss's top-4), the tensor-core (or
+MXFP4_BACKEND_DECODE_PAIRS = 8
+"""``mxfp4_path`` takes the decode kernels up to this many pairs (two tokens at gpt-oss's top-4), the tensor-core (or
 grouped) kernels above: a decode pair reads its expert's weights on its own, a row block reads them once for the
-slot's pairs. Set from the H100 run of ``benchmarks/moe_layer.py --cases gptoss20b_mxfp4,gptoss_mxfp4``
-(``moe_layer_mxfp4_mma_h100.json``: at two tokens the MMA kernels were faster) with the MXFP4 decode kernels that
-INT4's replaced; not set again since (README, "MXFP4 decode on INT4's kernels")."""
+slot's pairs. Set from an H100 A/B of the decode kernels with ``MXFP4_DECODE_CONFIG`` against the MMA kernels at
+one and two tokens of gpt-oss-20b's and gpt-oss-120b's layers (README, "MXFP4 decode on INT4's kernels"): faster at
+both."""
+
+MXFP4_DECODE_CONFIG = PackedDecodeConfig(block_n1=2, block_kw1=128, block_n2=4, block_kw2=128, num_warps=1)
+"""The decode kernels' tiles for MXFP4 (``PackedDecodeConfig``'s defaults are INT4's): half the rows a thread holds,
+so twice the programs over gpt-oss's 2880-wide rows; the faster of the two in the same H100 A/B at one and two
+tokens of both gpt-oss layers. ``benchmarks/moe_layer.py --sweep`` times ``MXFP4_DECODE_SWEEP`` beside it."""
 
 
 MXFP4_WGMMA_MIN_PAIRS_PER_SLOT = 16
@@ -124,7 +129,7 @@ def mxfp4_experts(
     s = weights.num_slots
     path = mxfp4_path(max(n, expected), x.dtype, s, x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0))
     if path == "decode":
-        return packed_decode_experts(x, slots, tw, weights, activation, weight_on_input)
+        return packed_decode_experts(x, slots, tw, weights, activation, weight_on_input, MXFP4_DECODE_CONFIG)
     if path == "wgmma":
         return packed_wgmma_experts(x, slots, tw, weights, activation, weight_on_input,
                                     default_wgmma_config(MXFP4_BLOCK, expected, s))
