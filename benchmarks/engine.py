@@ -41,6 +41,7 @@ import gc
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import tempfile
@@ -782,6 +783,14 @@ def int_list(text: str) -> list[int]:
     return [int(v) for v in text.split(",")] if text else []
 
 
+def gpu_file_name(device_name: str) -> str:
+    """The GPU's model in a result file's name: ``"NVIDIA H100 80GB HBM3"`` -> ``"h100"``, ``"NVIDIA
+    A100-SXM4-80GB"`` -> ``"a100"``; a name without such a model word (letters then digits) gives the whole name,
+    lower case, its words joined by ``-``."""
+    model = re.search(r"\b[A-Za-z]{1,2}\d{2,4}\b", device_name)
+    return (model.group(0) if model else "-".join(device_name.split())).lower()
+
+
 def peer_modes(args: argparse.Namespace) -> list[str]:
     """The transformers modes ``--peer`` asks for, in its order."""
     return [m for m in args.peer.split(",") if m != "none"]
@@ -929,7 +938,7 @@ def main() -> None:
         rows = spec_rows(args, ceil)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        name = torch.cuda.get_device_name().split()[-1].lower() if args.device == "cuda" else "cpu"
+        name = gpu_file_name(torch.cuda.get_device_name()) if args.device == "cuda" else "cpu"
         (out / f"engine_spec_{name}.json").write_text(json.dumps({"ceilings": ceil, "rows": rows}, indent=2))
         print_spec_rows(rows)
         return
@@ -940,7 +949,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    gpu = torch.cuda.get_device_name().split()[-1].lower()
+    gpu = gpu_file_name(torch.cuda.get_device_name())
     result = {"gpu": torch.cuda.get_device_name(), "ceilings": ceil, "models": {}}
 
     def save() -> None:

@@ -163,3 +163,10 @@ def test_peer_batches_per_mode(script):
     assert script.peer_batch_lists("", []) == {}
     with pytest.raises(ValueError, match="'1,8' is not MODE=BATCHES"):
         script.peer_batch_lists("static=4;1,8", modes)
+
+
+def test_result_files_are_named_by_the_gpu_model(script):
+    assert script.gpu_file_name("NVIDIA H100 80GB HBM3") == "h100"
+    assert script.gpu_file_name("NVIDIA H200") == "h200"
+    assert script.gpu_file_name("NVIDIA A100-SXM4-80GB") == "a100"
+    assert script.gpu_file_name("NVIDIA RTX PRO 6000") == "nvidia-rtx-pro-6000"
