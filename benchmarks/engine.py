@@ -801,8 +801,8 @@ def peer_batch_lists(text: str, modes: list[str]) -> dict[str, list[int]]:
     a mode left out is not timed) -> ``{mode: [batch, ...]}`` over ``modes``.
 
     Raises:
-        ValueError: a mode not in ``modes``, a part without ``=`` among parts with one, a batch that is not an
-            integer >= 1, or one repeated in a mode."""
+        ValueError: a mode not in ``modes`` or given twice, a part without ``=`` among parts with one, a batch that
+            is not an integer >= 1, or one repeated in a mode."""
     if "=" not in text:
         parts = {m: text for m in modes}
     else:
@@ -811,6 +811,8 @@ def peer_batch_lists(text: str, modes: list[str]) -> dict[str, list[int]]:
             mode, sep, batches = part.partition("=")
             if not sep or mode.strip() not in modes:
                 raise ValueError(f"{part!r} is not MODE=BATCHES with MODE one of the --peer modes {modes}")
+            if mode.strip() in parts:
+                raise ValueError(f"{mode.strip()} is given batches twice")
             parts[mode.strip()] = batches
     lists = {}
     for mode, batches in parts.items():

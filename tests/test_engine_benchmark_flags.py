@@ -161,6 +161,8 @@ def test_peer_batches_per_mode(script):
     assert script.peer_batch_lists("static=1,8; eager=64,256", modes) == {"static": [1, 8], "eager": [64, 256]}
     assert script.peer_batch_lists("eager=64", modes) == {"eager": [64]}  # static is not timed
     assert script.peer_batch_lists("", []) == {}
+    with pytest.raises(ValueError, match="static is given batches twice"):
+        script.peer_batch_lists("static=1;static=8", modes)
     with pytest.raises(ValueError, match="'1,8' is not MODE=BATCHES"):
         script.peer_batch_lists("static=4;1,8", modes)
 
