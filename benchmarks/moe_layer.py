@@ -116,8 +116,8 @@ INT4_DECODE_SWEEP = [
     # the gate/up reduction over D not split / split up to 4 ways when few pairs are live (the default: 2)
     PackedDecodeConfig(split_max=1), PackedDecodeConfig(split_max=4),
 ]
-# the MXFP4 decode tiles beside the default (the INT4 decode kernels' tiles; not yet timed on MXFP4): half the rows a
-# program (fewer registers), one pair a program group, 64-word steps, two warps, three stages, splits of D up to 4
+# the MXFP4 decode tiles beside the backend's (MXFP4_DECODE_CONFIG): INT4's defaults (twice the rows a program), more
+# programs a launch, 64- and 256-word steps, three stages, splits of D up to 4
 MXFP4_DECODE_SWEEP = [
     PackedDecodeConfig(), PackedDecodeConfig(2, 128, 4, 128, 1, max_programs=4096), PackedDecodeConfig(2, 64, 4, 64, 1),
     PackedDecodeConfig(2, 256, 4, 256, 1), PackedDecodeConfig(2, 128, 4, 128, 1, stages=3),

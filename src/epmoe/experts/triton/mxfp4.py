@@ -42,7 +42,7 @@ one and two tokens of gpt-oss-20b's and gpt-oss-120b's layers (README, "MXFP4 de
 both."""
 
 MXFP4_DECODE_CONFIG = PackedDecodeConfig(block_n1=2, block_kw1=128, block_n2=4, block_kw2=128, num_warps=1)
-"""The decode kernels' tiles for MXFP4 (``PackedDecodeConfig``'s defaults are INT4's): half the rows a thread holds,
+"""The decode kernels' tiles for MXFP4 (``PackedDecodeConfig``'s defaults are INT4's): half the rows a program,
 so twice the programs over gpt-oss's 2880-wide rows; the faster of the two in the same H100 A/B at one and two
 tokens of both gpt-oss layers. ``benchmarks/moe_layer.py --sweep`` times ``MXFP4_DECODE_SWEEP`` beside it."""
 
