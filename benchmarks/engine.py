@@ -41,7 +41,6 @@ import gc
 import json
 import math
 import os
-import re
 import shutil
 import statistics
 import tempfile
@@ -54,7 +53,7 @@ import torch
 
 from epmoe.engine import Engine, EngineConfig, SamplingParams
 from epmoe.spec import load_moe_spec
-from timing import measure_ceilings
+from timing import gpu_file_name, measure_ceilings
 
 CONFIGS = Path(__file__).resolve().parents[1] / "data" / "configs"
 PROMPT = 128
@@ -783,14 +782,6 @@ def int_list(text: str) -> list[int]:
     return [int(v) for v in text.split(",")] if text else []
 
 
-def gpu_file_name(device_name: str) -> str:
-    """The GPU's model in a result file's name: ``"NVIDIA H100 80GB HBM3"`` -> ``"h100"``, ``"NVIDIA
-    A100-SXM4-80GB"`` -> ``"a100"``; a name without such a model word (letters then digits) gives the whole name,
-    lower case, its words joined by ``-``."""
-    model = re.search(r"\b[A-Za-z]{1,2}\d{2,4}\b", device_name)
-    return (model.group(0) if model else "-".join(device_name.split())).lower()
-
-
 def peer_modes(args: argparse.Namespace) -> list[str]:
     """The transformers modes ``--peer`` asks for, in its order."""
     return [m for m in args.peer.split(",") if m != "none"]
@@ -798,30 +789,32 @@ def peer_modes(args: argparse.Namespace) -> list[str]:
 
 def peer_batch_lists(text: str, modes: list[str]) -> dict[str, list[int]]:
     """``--peer-batches``: one list for every peer mode (``"1,8"``) or one per mode (``"static=1,8;eager=64,256"``,
-    a mode left out is not timed) -> ``{mode: [batch, ...]}`` over ``modes``.
+    a mode left out is not timed) -> ``{mode: [batch, ...]}`` over ``modes`` (``{}`` when there is none).
 
     Raises:
         ValueError: a mode not in ``modes`` or given twice, a part without ``=`` among parts with one, a batch that
-            is not an integer >= 1, or one repeated in a mode."""
+            is not an integer >= 1, or one repeated in a list."""
+    if not modes:
+        return {}
     if "=" not in text:
-        parts = {m: text for m in modes}
+        parts, what = {m: text for m in modes}, {m: "the batches" for m in modes}
     else:
-        parts = {}
+        parts, what = {}, {}
         for part in filter(None, (p.strip() for p in text.split(";"))):
             mode, sep, batches = part.partition("=")
             if not sep or mode.strip() not in modes:
                 raise ValueError(f"{part!r} is not MODE=BATCHES with MODE one of the --peer modes {modes}")
             if mode.strip() in parts:
                 raise ValueError(f"{mode.strip()} is given batches twice")
-            parts[mode.strip()] = batches
+            parts[mode.strip()], what[mode.strip()] = batches, f"{mode.strip()}'s batches"
     lists = {}
     for mode, batches in parts.items():
         try:
             lists[mode] = int_list(batches.strip())
         except ValueError:
-            raise ValueError(f"{mode}'s batches must be comma-separated integers, got {batches!r}") from None
+            raise ValueError(f"{what[mode]} must be comma-separated integers, got {batches!r}") from None
         if not lists[mode] or any(v < 1 for v in lists[mode]) or len(set(lists[mode])) != len(lists[mode]):
-            raise ValueError(f"{mode}'s batches must be distinct integers >= 1, at least one, got {batches!r}")
+            raise ValueError(f"{what[mode]} must be distinct integers >= 1, at least one, got {batches!r}")
     return lists
 
 
@@ -868,9 +861,13 @@ def check_decode_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if bad:
         ap.error(f"--peer takes eager, static or none, got {args.peer!r}")
     try:
-        peer_batch_lists(args.peer_batches, peer_modes(args))
+        peer_lists = peer_batch_lists(args.peer_batches, peer_modes(args))
     except ValueError as e:
         ap.error(f"--peer-batches {args.peer_batches!r}: {e}")
+    extra = sorted({b for v in peer_lists.values() for b in v} - set(lists["--batches"]))
+    if extra:
+        ap.error(f"--peer-batches {extra} are not among --batches {args.batches!r} (the table compares the peer "
+                 f"with the engine's rows)")
     missing = [m for m in args.models.split(",") if not (CONFIGS / f"{m}.config.json").is_file()]
     if missing:
         known = sorted(f.name.removesuffix(".config.json") for f in CONFIGS.glob("*.config.json"))
@@ -902,8 +899,8 @@ def main() -> None:
                          "models published in another get bf16 dummy experts (default bf16: every model)")
     ap.add_argument("--peer", default="eager,static", help="transformers modes to time: eager, static, none")
     ap.add_argument("--peer-batches", default="1,8,64,256",
-                    help="batch sizes the peer is timed at, for every --peer mode (1,8) or per mode "
-                         "(static=1,8;eager=64,256)")
+                    help="batch sizes (among --batches) the peer is timed at, for every --peer mode (1,8) or per "
+                         "mode (static=1,8;eager=64,256: a mode left out is not timed)")
     ap.add_argument("--sequential-batches", default="",
                     help="batch sizes also timed without the overlap schedule, e.g. 1,64")
     ap.add_argument("--profile", default="", help="batch sizes whose kernels are profiled, e.g. 1,64; with any, "

@@ -592,7 +592,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cases", default="qwen3,dsv3",
                    help=f"of {sorted(CASES) + sorted(INT4_CASES) + sorted(MXFP4_CASES)}")
     p.add_argument("--sweep", action="store_true",
-                   help="also time the tile configs in DECODE_SWEEP (decode path) or SWEEP (grouped path)")
+                   help="also time the tile configurations of the sweep lists (bf16: DECODE_SWEEP, SWEEP; INT4: "
+                        "INT4_DECODE_SWEEP, INT4_GROUPED_SWEEP, INT4_WGMMA_SWEEP; MXFP4: MXFP4_DECODE_SWEEP)")
     p.add_argument("--sweep-sizes", default=None, help="sizes to sweep (default: all of --sizes)")
     args = p.parse_args(argv)
     sizes = [int(v) for v in args.sizes.split(",")]

@@ -38,6 +38,7 @@ from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.runtime.launch import free_port
 from epmoe.server.bench import BenchConfig, run_bench
 from epmoe.server.ranks import STEP_KINDS
+from timing import gpu_file_name
 
 CONFIGS = Path(__file__).resolve().parents[1] / "data" / "configs"
 IN_LEN, OUT_LEN = 128, 64
@@ -176,7 +177,7 @@ def main() -> None:
         (out / "serve.log").write_text(proc.stdout.read() if proc.stdout else "")
     result["server_exit_code"] = proc.returncode
     result["offline"] = {conc: offline(engine_config, n, conc, in_len, out_len) for conc, n in runs}
-    name = gpu.split()[-1].lower()
+    name = gpu_file_name(gpu)
     (out / f"serve_{name}.json").write_text(json.dumps(result, indent=2, default=str))
     (c1, _), (cn, _) = runs
     s1, o1 = result["server"][c1], result["offline"][c1]

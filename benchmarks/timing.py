@@ -9,10 +9,19 @@
 
 from __future__ import annotations
 
+import re
 import statistics
 from typing import Any, Callable
 
 import torch
+
+
+def gpu_file_name(device_name: str) -> str:
+    """A GPU's name as a result file's suffix: lower case, each run of other characters than letters, digits and
+    ``.`` one ``-``, the vendor's leading word dropped (``"NVIDIA H100 80GB HBM3"`` -> ``"h100-80gb-hbm3"``,
+    ``"NVIDIA H100 PCIe"`` -> ``"h100-pcie"``), so that variants of one model (memory, bus, MIG slice) keep apart."""
+    slug = re.sub(r"[^a-z0-9.]+", "-", device_name.lower()).strip("-")
+    return re.sub(r"^(nvidia|tesla|amd|nvidia-tesla)-(?=.)", "", slug) or "gpu"
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -81,9 +81,11 @@ def test_bad_speculation_flags_are_named_with_exit_2(script, tmp_path, monkeypat
     (["--batches", "0"], "--batches values must be integers >= 1, got '0'"),
     (["--batches", ""], "--batches must name at least one batch size"),
     (["--batches", "8,8"], "--batches repeats a value, got '8,8'"),
-    (["--peer-batches", "8,-1"], "--peer-batches '8,-1': eager's batches must be distinct integers >= 1, at least "
-                                 "one, got '8,-1'"),
-    (["--peer-batches", ""], "--peer-batches '': eager's batches must be distinct integers >= 1, at least one, got ''"),
+    (["--peer-batches", "8,-1"], "--peer-batches '8,-1': the batches must be distinct integers >= 1, at least one, "
+                                 "got '8,-1'"),
+    (["--peer-batches", ""], "--peer-batches '': the batches must be distinct integers >= 1, at least one, got ''"),
+    (["--batches", "1,8", "--peer-batches", "static=1;eager=1,256"],
+     "--peer-batches [256] are not among --batches '1,8' (the table compares the peer with the engine's rows)"),
     (["--peer", "static", "--peer-batches", "static=1,8;eager=64"],
      "--peer-batches 'static=1,8;eager=64': 'eager=64' is not MODE=BATCHES with MODE one of the --peer modes "
      "['static']"),
@@ -167,8 +169,12 @@ def test_peer_batches_per_mode(script):
         script.peer_batch_lists("static=4;1,8", modes)
 
 
-def test_result_files_are_named_by_the_gpu_model(script):
-    assert script.gpu_file_name("NVIDIA H100 80GB HBM3") == "h100"
-    assert script.gpu_file_name("NVIDIA H200") == "h200"
-    assert script.gpu_file_name("NVIDIA A100-SXM4-80GB") == "a100"
-    assert script.gpu_file_name("NVIDIA RTX PRO 6000") == "nvidia-rtx-pro-6000"
+def test_result_files_are_named_by_the_gpu_model(monkeypatch):
+    timing = load_benchmark("timing", monkeypatch)
+    assert timing.gpu_file_name("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert timing.gpu_file_name("NVIDIA H100 PCIe") == "h100-pcie"  # another memory bandwidth: another file
+    assert timing.gpu_file_name("NVIDIA H200") == "h200"
+    assert timing.gpu_file_name("NVIDIA H100 80GB HBM3 MIG 1g.10gb") == "h100-80gb-hbm3-mig-1g.10gb"
+    assert timing.gpu_file_name("Tesla V100-SXM2-16GB") == "v100-sxm2-16gb"
+    assert timing.gpu_file_name("AMD Instinct MI250X / MI250") == "instinct-mi250x-mi250"
+    assert timing.gpu_file_name("NVIDIA") == "nvidia" and timing.gpu_file_name("") == "gpu"
