@@ -857,9 +857,10 @@ def check_decode_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if long:
         ap.error(f"--ttft {long} leave no room in the engine's context of {limit} tokens (max_model_len: 8192, or "
                  f"--context {args.context} plus {CONTEXT_MARGIN}); each TTFT prompt must be shorter")
-    bad = [m for m in args.peer.split(",") if m not in ("eager", "static", "none")]
-    if bad:
-        ap.error(f"--peer takes eager, static or none, got {args.peer!r}")
+    peer = args.peer.split(",")
+    if any(m not in ("eager", "static", "none") for m in peer) or len(set(peer)) != len(peer) or (
+            "none" in peer and len(peer) > 1):
+        ap.error(f"--peer takes eager and/or static (each once), or none, got {args.peer!r}")
     try:
         peer_lists = peer_batch_lists(args.peer_batches, peer_modes(args))
     except ValueError as e:

@@ -101,7 +101,9 @@ def test_bad_speculation_flags_are_named_with_exit_2(script, tmp_path, monkeypat
     (["--context", "9000", "--ttft", "9511,9512"],
      "--ttft [9512] leave no room in the engine's context of 9512 tokens (max_model_len: 8192, or --context 9000 plus "
      "512); each TTFT prompt must be shorter"),
-    (["--peer", "eagr"], "--peer takes eager, static or none, got 'eagr'"),
+    (["--peer", "eagr"], "--peer takes eager and/or static (each once), or none, got 'eagr'"),
+    (["--peer", "static,static"], "--peer takes eager and/or static (each once), or none, got 'static,static'"),
+    (["--peer", "eager,none"], "--peer takes eager and/or static (each once), or none, got 'eager,none'"),
     (["--kimi-layers", "0"], "--kimi-layers must be at least 1, got 0"),
     (["--expert-format", "int4,nvfp4"], "--expert-format takes bf16, int4, mxfp4 or fp8 (comma-separated), got "
                                         "['nvfp4'] in 'int4,nvfp4'"),
