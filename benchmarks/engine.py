@@ -796,25 +796,24 @@ def peer_batch_lists(text: str, modes: list[str]) -> dict[str, list[int]]:
             is not an integer >= 1, or one repeated in a list."""
     if not modes:
         return {}
-    if "=" not in text:
-        parts, what = {m: text for m in modes}, {m: "the batches" for m in modes}
-    else:
-        parts, what = {}, {}
-        for part in filter(None, (p.strip() for p in text.split(";"))):
-            mode, sep, batches = part.partition("=")
-            if not sep or mode.strip() not in modes:
-                raise ValueError(f"{part!r} is not MODE=BATCHES with MODE one of the --peer modes {modes}")
-            if mode.strip() in parts:
-                raise ValueError(f"{mode.strip()} is given batches twice")
-            parts[mode.strip()], what[mode.strip()] = batches, f"{mode.strip()}'s batches"
+    per_mode = "=" in text
+    parts = {} if per_mode else {m: text for m in modes}
+    for part in filter(None, (p.strip() for p in text.split(";"))) if per_mode else ():
+        mode, sep, batches = (v.strip() for v in part.partition("="))
+        if not sep or mode not in modes:
+            raise ValueError(f"{part!r} is not MODE=BATCHES with MODE one of the --peer modes {modes}")
+        if mode in parts:
+            raise ValueError(f"{mode} is given batches twice")
+        parts[mode] = batches
     lists = {}
     for mode, batches in parts.items():
+        what = f"{mode}'s batches" if per_mode else "the batches"
         try:
             lists[mode] = int_list(batches.strip())
         except ValueError:
-            raise ValueError(f"{what[mode]} must be comma-separated integers, got {batches!r}") from None
+            raise ValueError(f"{what} must be comma-separated integers, got {batches!r}") from None
         if not lists[mode] or any(v < 1 for v in lists[mode]) or len(set(lists[mode])) != len(lists[mode]):
-            raise ValueError(f"{what[mode]} must be distinct integers >= 1, at least one, got {batches!r}")
+            raise ValueError(f"{what} must be distinct integers >= 1, at least one, got {batches!r}")
     return lists
 
 

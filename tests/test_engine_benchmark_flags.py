@@ -171,7 +171,7 @@ def test_peer_batches_per_mode(script):
         script.peer_batch_lists("static=4;1,8", modes)
 
 
-def test_result_files_are_named_by_the_gpu_model(monkeypatch):
+def test_result_files_are_named_by_the_whole_gpu_name(monkeypatch):
     timing = load_benchmark("timing", monkeypatch)
     assert timing.gpu_file_name("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
     assert timing.gpu_file_name("NVIDIA H100 PCIe") == "h100-pcie"  # another memory bandwidth: another file
