@@ -62,7 +62,7 @@ def test_fused_router_matches_torch(name, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["deepseek-v3", "kimi-k2-instruct", "qwen3-30b-a3b", "mixtral-8x7b",
-                                  "deepseek-v2-lite", "glm-4.5"])
+                                  "deepseek-v2-lite", "glm-4.5", "gpt-oss-20b", "llama-4-scout-17b-16e-instruct"])
 @pytest.mark.parametrize("t", [1, 8, 1000])
 def test_fused_router_matches_torch_on_gpu(name, t):
     spec = parse_moe_spec(json.loads((CONFIGS / f"{name}.config.json").read_text()), name)
@@ -258,6 +258,42 @@ def test_gate_fused_matches_two_launch_interpreter(family, dtype, x_dtype, overr
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("family,dtype", [("gpt-oss", torch.bfloat16), ("gpt-oss", torch.float32),
+                                          ("llama4", torch.bfloat16)])
+def test_chosen_logit_kinds_interpreter(family, dtype):
+    """gpt-oss's ``topk_softmax`` (with its gate bias) and Llama-4's ``topk_sigmoid`` in the fused kernels: the gate
+    in the router's launch routes, weighs, maps and counts exactly as ``F.linear`` then the router kernel, and both
+    choose the PyTorch router's logits with its weights (float32: to float32 rounding; bfloat16: both round the same
+    float32 values, so at most one unit of bfloat16 apart). The weights are a function of the chosen logits alone,
+    so they are compared as sorted rows (exact ties of grid logits may be broken either way)."""
+    spec = _tiny_spec(family)
+    assert spec.router_kind == {"gpt-oss": "topk_softmax", "llama4": "topk_sigmoid"}[family]
+    gen = torch.Generator().manual_seed(5)
+    router = _grid_router(spec, dtype, "cpu", gen, bias=spec.router_bias)
+    assert (router.bias is not None and bool(router.bias.any())) == (family == "gpt-oss")
+    arrivals = torch.zeros(4, dtype=torch.int32)
+    for t, row_mask in ((1, None), (3, torch.tensor([1, 0, 1])), (4, None)):
+        x = _grid_x(t, spec.hidden_size, dtype, "cpu", gen)
+        (idx, w, _), _ = _gate_fused_vs_two_launch(router, x, arrivals, row_mask)
+        want_idx, want_w = router(x)
+        logits = router._logits(x)
+        assert torch.equal(logits.gather(1, idx).sort(dim=1).values, logits.gather(1, want_idx).sort(dim=1).values)
+        got, want = w.sort(dim=1).values, want_w.sort(dim=1).values
+        assert torch.allclose(got, want, rtol=1e-6 if dtype == torch.float32 else 2 ** -7, atol=0), (got, want)
+        if family == "gpt-oss":
+            assert torch.allclose(w.sum(dim=1), torch.ones(t), rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_chosen_logit_routing_has_no_groups():
+    pytest.importorskip("triton")
+    from epmoe.routing.router_triton import route_triton
+
+    with pytest.raises(ValueError, match="chosen-logit routing .* has no expert groups, got n_group=4"):
+        route_triton(torch.zeros(2, 8), None, top_k=2, sigmoid=False, n_group=4, topk_group=2, top2_sum=False,
+                     normalize=False, round_weights=False, scale=1.0, chosen=True)
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("family", ["qwen3-moe", "deepseek-v3"])
 def test_row_mask_routes_padding_rows_nowhere_interpreter(family):
     """A routing row mask (the engine's padding rows): masked rows keep their experts and weights but get slots -1
@@ -377,7 +413,8 @@ def _two_launch(router: Router, x: torch.Tensor, table: torch.Tensor, recorder) 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,dtype", [("qwen3-30b-a3b", torch.bfloat16), ("qwen3-30b-a3b", torch.float32),
-                                        ("deepseek-v3", torch.bfloat16), ("kimi-k2-instruct", torch.bfloat16)])
+                                        ("deepseek-v3", torch.bfloat16), ("kimi-k2-instruct", torch.bfloat16),
+                                        ("gpt-oss-20b", torch.bfloat16)])
 def test_gate_fused_router_on_gpu(name, dtype, exact_bf16_matmul):
     """``Router`` on CUDA at real widths, up to ``FUSED_GATE_MAX_TOKENS`` tokens: the gate in the router's launch
     routes, maps and counts exactly as the two launches, eagerly and as a CUDA graph replayed with new inputs
@@ -387,7 +424,7 @@ def test_gate_fused_router_on_gpu(name, dtype, exact_bf16_matmul):
 
     spec = parse_moe_spec(json.loads((CONFIGS / f"{name}.config.json").read_text()), name)
     gen = torch.Generator(device="cuda").manual_seed(7)
-    router = _grid_router(spec, dtype, "cuda", gen)
+    router = _grid_router(spec, dtype, "cuda", gen, bias=spec.router_bias)
     router.impl = "auto"
     p = spec.num_experts + 8
     table = torch.randperm(p, device="cuda", generator=gen)[: spec.num_experts]
@@ -516,7 +553,7 @@ def test_router_folds_norm_only_where_the_fused_gate_routes_one_row():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3", "gpt-oss-20b"])
 def test_route_folded_on_gpu(name):
     """``Router.route_folded`` on CUDA at real widths (bf16 rows): the same experts, weights, slots and counts as
     ``FusedRMSNorm.add_forward`` then ``route_to_slots``, the same sum and normalised row, eagerly and replayed in a
@@ -527,7 +564,7 @@ def test_route_folded_on_gpu(name):
 
     spec = parse_moe_spec(json.loads((CONFIGS / f"{name}.config.json").read_text()), name)
     gen = torch.Generator(device="cuda").manual_seed(9)
-    router = _grid_router(spec, torch.bfloat16, "cuda", gen)
+    router = _grid_router(spec, torch.bfloat16, "cuda", gen, bias=spec.router_bias)
     router.impl = "auto"
     d = spec.hidden_size
     norm = FusedRMSNorm(torch.nn.Parameter(torch.rand(d, device="cuda", generator=gen).to(torch.bfloat16) + 0.5,

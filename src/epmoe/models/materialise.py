@@ -13,6 +13,10 @@ from epmoe.models.layout import FamilyLayout, read_expert
 
 LOAD_FORMATS = ("auto", "dummy")
 _DUMMY_STD = 0.02
+_FILL_CHUNK = 1 << 26
+"""The most elements of a tensor ``_fill_dummy`` draws at once where the draw needs a wider temporary (INT4 words
+through int64, MXFP4 bytes through int32, FP8 values through float32): a layer's stacked experts drawn whole would
+need several times their own size (DeepSeek-V3's FP8 experts: a 28 GiB float32 draw for 7 GiB of weights)."""
 
 
 def _zero_mean_int4_words(shape: torch.Size, gen: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -34,15 +38,16 @@ def _fill_dummy(name: str, tensor: torch.Tensor, gen: torch.Generator) -> None:
     spread (INT4 and FP8 ``0.02 / 4.2``, MXFP4 ``2 ** -7``)."""
     leaf = name.rsplit(".", 1)[-1]
     if tensor.dtype == torch.int32:  # INT4 words: eight stored values q + 8 each
-        tensor.copy_(_zero_mean_int4_words(tensor.shape, gen, tensor.device))
-    elif tensor.dtype == torch.uint8:  # MXFP4 values, or their E8M0 block scales
-        if leaf.endswith("_scales"):
-            tensor.fill_(E8M0_BIAS - 7)
-        else:
-            tensor.copy_(torch.randint(0, 256, tensor.shape, generator=gen, device=tensor.device,
-                                       dtype=torch.int32).to(torch.uint8))
+        for part in _parts(tensor):
+            part.copy_(_zero_mean_int4_words(part.shape, gen, tensor.device))
+    elif tensor.dtype == torch.uint8 and leaf.endswith("_scales"):  # MXFP4 E8M0 block scales
+        tensor.fill_(E8M0_BIAS - 7)
+    elif tensor.dtype == torch.uint8:  # MXFP4 values
+        for part in _parts(tensor):
+            part.copy_(torch.randint(0, 256, part.shape, generator=gen, device=tensor.device, dtype=torch.int32))
     elif tensor.dtype == torch.float8_e4m3fn:  # block-FP8 expert values, in the spread of INT4's
-        tensor.copy_(torch.randn(tensor.shape, generator=gen, device=tensor.device) * 4.2)
+        for part in _parts(tensor):
+            part.copy_(torch.randn(part.shape, generator=gen, device=tensor.device).mul_(4.2))
     elif leaf.endswith("_scale") and "experts" in name:
         tensor.fill_(_DUMMY_STD / 4.2)  # the std of q: sqrt(17.5)
     elif "norm" in name and leaf == "weight" and tensor.dim() == 1:
@@ -51,6 +56,12 @@ def _fill_dummy(name: str, tensor: torch.Tensor, gen: torch.Generator) -> None:
         tensor.zero_()
     else:
         tensor.normal_(0.0, _DUMMY_STD, generator=gen)
+
+
+def _parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensor`` as 1-D views of at most ``_FILL_CHUNK`` elements that cover it once (a tensor that is not contiguous:
+    itself, whole)."""
+    return tensor.view(-1).split(_FILL_CHUNK) if tensor.is_contiguous() else (tensor,)
 
 
 @torch.no_grad()

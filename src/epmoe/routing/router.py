@@ -294,9 +294,10 @@ class Router(nn.Module):
 
 def kernel_flags(spec: MoESpec) -> dict[str, object]:
     """The keyword flags of ``router_triton.route_triton`` for a model (the kernel never sees ``MoESpec``)."""
-    return dict(top_k=spec.top_k, sigmoid=spec.router_kind == "sigmoid_topk", n_group=spec.n_group,
+    return dict(top_k=spec.top_k, sigmoid=spec.scoring == "sigmoid", n_group=spec.n_group,
                 topk_group=spec.topk_group, top2_sum=spec.group_score == "top2_sum", normalize=spec.norm_topk_prob,
-                round_weights=spec.round_router_weights, scale=spec.routed_scaling_factor)
+                round_weights=spec.round_router_weights, scale=spec.routed_scaling_factor,
+                chosen=spec.router_kind in ("topk_softmax", "topk_sigmoid"))
 
 
 def _fused_router(x: torch.Tensor, router_kind: str):

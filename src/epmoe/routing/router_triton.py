@@ -13,6 +13,8 @@ program per token holds its ``E`` logits in registers and does all of it:
 * ``sigmoid_topk`` (DeepSeek-V3, Kimi-K2): sigmoid scores; the choice adds the correction bias; with
   groups the best ``topk_group`` groups by the sum of their two best choices (or the best one); top-k
   of the choice; weights are the scores of the chosen experts, renormalised (+1e-20) and scaled.
+* ``topk_softmax`` (gpt-oss) and ``topk_sigmoid`` (Llama-4): top-k of the raw logits; the weights are the softmax
+  over the chosen logits, or their sigmoid, in float32, rounded to the logits' dtype as transformers does.
 
 With a slot table (``route_triton(..., slot_table=...)``, an expert-parallel layer's static replica choice) the
 program also writes each chosen expert's physical slot, and with a load record (``loads.LoadRecord``) it adds the
@@ -76,13 +78,18 @@ def _route_token(lg, t, bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, counts_p
                  HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, GP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                  TOP2_SUM: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr, ROUND: tl.constexpr,
                  SCALE: tl.constexpr, TABLE: tl.constexpr, RECORD: tl.constexpr, HAS_MASK: tl.constexpr,
-                 MASK_SLOTS: tl.constexpr):
+                 MASK_SLOTS: tl.constexpr, CHOSEN: tl.constexpr):
     """Token ``t``'s routing from its logits ``lg [BLOCK_E]`` float32 (``-inf`` past ``E``; values of
     ``LOGIT_TY``): scores, grouped top-k, weights, slots and load counts, stored at row ``t``; with
-    ``MASK_SLOTS`` a row the mask marks 0 gets slots -1 (and is not counted)."""
+    ``MASK_SLOTS`` a row the mask marks 0 gets slots -1 (and is not counted); with ``CHOSEN`` the top-k of the
+    logits themselves, weighed by the softmax over the chosen logits (or, with ``SIGMOID``, their sigmoid)."""
     e = tl.arange(0, BLOCK_E)
     ok = e < E
-    if SIGMOID:
+    if CHOSEN:
+        scores = lg
+        choice = lg
+        fill = float("-inf")
+    elif SIGMOID:
         scores = 1.0 / (1.0 + tl.exp(-lg))
         choice = scores
         if HAS_BIAS:
@@ -123,6 +130,13 @@ def _route_token(lg, t, bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, counts_p
             best = tl.sum(tl.where(e == j, scores, 0.0), 0)
         top_w = tl.where(ki == k, best, top_w)
         choice = tl.where(e == j, float("-inf"), choice)
+    if CHOSEN:
+        if SIGMOID:
+            top_w = 1.0 / (1.0 + tl.exp(-top_w))
+        else:
+            top_w = tl.where(ki < K, top_w, float("-inf"))
+            top_w = tl.exp(top_w - tl.max(top_w, 0))
+            top_w = top_w / tl.sum(top_w, 0)
     if NORM:
         top_w = top_w / (tl.sum(top_w, 0) + EPS)
     if ROUND:
@@ -151,14 +165,14 @@ def _router_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, c
                    HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, GP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                    TOP2_SUM: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr, ROUND: tl.constexpr,
                    SCALE: tl.constexpr, TABLE: tl.constexpr, RECORD: tl.constexpr, HAS_MASK: tl.constexpr,
-                 MASK_SLOTS: tl.constexpr):
+                   MASK_SLOTS: tl.constexpr, CHOSEN: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     lg = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
     _route_token(lg, t, bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, counts_ptr, pos_ptr, mask_ptr,
                  E, scale, layer, num_layers, width, logits_ptr.dtype.element_ty,
                  K, KP, BLOCK_E, SIGMOID, HAS_BIAS, N_GROUP, GP, TOPK_GROUP, TOP2_SUM, NORM, EPS, ROUND, SCALE,
-                 TABLE, RECORD, HAS_MASK, MASK_SLOTS)
+                 TABLE, RECORD, HAS_MASK, MASK_SLOTS, CHOSEN)
 
 
 @triton.jit
@@ -172,7 +186,7 @@ def _gate_router_kernel(x_ptr, gw_ptr, gb_ptr, scratch_ptr, arrive_ptr,
                         HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, GP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                         TOP2_SUM: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr, ROUND: tl.constexpr,
                         SCALE: tl.constexpr, TABLE: tl.constexpr, RECORD: tl.constexpr, HAS_MASK: tl.constexpr,
-                        MASK_SLOTS: tl.constexpr, PDL: tl.constexpr, ADD_NORM: tl.constexpr,
+                        MASK_SLOTS: tl.constexpr, CHOSEN: tl.constexpr, PDL: tl.constexpr, ADD_NORM: tl.constexpr,
                         WEIGHT_THEN_CAST: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -217,18 +231,18 @@ def _gate_router_kernel(x_ptr, gw_ptr, gb_ptr, scratch_ptr, arrive_ptr,
         _route_token(row, t, bias_ptr, idx_ptr, w_ptr, table_ptr, slots_ptr, counts_ptr, pos_ptr, mask_ptr,
                      E, scale, layer, num_layers, width, x_ptr.dtype.element_ty,
                      K, KP, BLOCK_E, SIGMOID, HAS_BIAS, N_GROUP, GP, TOPK_GROUP, TOP2_SUM, NORM, EPS, ROUND, SCALE,
-                     TABLE, RECORD, HAS_MASK, MASK_SLOTS)
+                     TABLE, RECORD, HAS_MASK, MASK_SLOTS, CHOSEN)
 
 
 def supports(router_kind: str) -> bool:
-    """Whether ``route_triton`` computes this router kind (the two kinds above; others use PyTorch)."""
-    return router_kind in ("softmax_topk", "sigmoid_topk")
+    """Whether ``route_triton`` computes this router kind (the four kinds above: all of ``spec.RouterKind``)."""
+    return router_kind in ("softmax_topk", "sigmoid_topk", "topk_softmax", "topk_sigmoid")
 
 
 def route_triton(logits: torch.Tensor, correction_bias: torch.Tensor | None, *, top_k: int, sigmoid: bool,
                  n_group: int, topk_group: int, top2_sum: bool, normalize: bool, round_weights: bool,
                  scale: float, slot_table: torch.Tensor | None = None, record: LoadRecord | None = None,
-                 row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                 row_mask: torch.Tensor | None = None, chosen: bool = False) -> tuple[torch.Tensor, ...]:
     """``router.Router``'s top-k after the logits, in one launch (flags: ``router.kernel_flags(spec)``); with
     ``slot_table`` also the chosen experts' slots, and with ``record`` their count.
 
@@ -236,7 +250,8 @@ def route_triton(logits: torch.Tensor, correction_bias: torch.Tensor | None, *, 
         logits: ``[T, E]`` router logits (float32 for DeepSeek, the model dtype otherwise).
         correction_bias: ``[E]`` float32 ``e_score_correction_bias`` (sigmoid routing), or ``None``.
         top_k: ``K``.
-        sigmoid: sigmoid scoring with the correction bias (``sigmoid_topk``); else softmax (``softmax_topk``).
+        sigmoid: sigmoid scoring with the correction bias (``sigmoid_topk``); else softmax (``softmax_topk``); with
+            ``chosen``, the sigmoid of the chosen logits (``topk_sigmoid``), else their softmax (``topk_softmax``).
         n_group: expert groups (1 = no grouped routing).
         topk_group: groups kept.
         top2_sum: a group scores by the sum of its two best choices, else by its best one.
@@ -247,17 +262,22 @@ def route_triton(logits: torch.Tensor, correction_bias: torch.Tensor | None, *, 
         record: the load recorder's counts to add the slots to (needs ``slot_table``), or ``None``.
         row_mask: ``[T]`` int64, 0 = a padding row: its slots are -1 (no expert computes it) and it is not
             counted (needs ``slot_table``; it replaces ``record.row_mask``), or ``None``.
+        chosen: the top-k of the logits themselves, weighed by a function of the chosen logits only (gpt-oss's
+            ``topk_softmax``, Llama-4's ``topk_sigmoid``), rounded to the logits' dtype; no correction bias, groups,
+            renormalisation or ``round_weights`` (the rounding is the kind's own).
 
     Returns:
         ``topk_idx [T, K]`` int64 and ``topk_weights [T, K]`` float32, experts by descending choice; with
         ``slot_table`` also ``topk_slots [T, K]`` int64.
 
     Raises:
-        ValueError: a ``record`` or a ``row_mask`` without a ``slot_table``; a ``row_mask`` not ``[T]`` int64.
+        ValueError: a ``record`` or a ``row_mask`` without a ``slot_table``; a ``row_mask`` not ``[T]`` int64;
+            ``chosen`` with expert groups (``n_group`` above 1).
     """
     t, e = logits.shape
     out, args = _routing_args(t, e, logits.dtype, logits.device, correction_bias, top_k, sigmoid, n_group,
-                              topk_group, top2_sum, normalize, round_weights, scale, slot_table, record, row_mask)
+                              topk_group, top2_sum, normalize, round_weights, scale, slot_table, record, row_mask,
+                              chosen)
     if t == 0:
         return out
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
@@ -272,7 +292,7 @@ def route_gate_triton(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: tor
                       sigmoid: bool, n_group: int, topk_group: int, top2_sum: bool, normalize: bool,
                       round_weights: bool, scale: float, slot_table: torch.Tensor | None = None,
                       record: LoadRecord | None = None, row_mask: torch.Tensor | None = None,
-                      norm: NormBefore | None = None) -> tuple[torch.Tensor, ...]:
+                      norm: NormBefore | None = None, chosen: bool = False) -> tuple[torch.Tensor, ...]:
     """``route_triton`` of the gate's logits ``x @ gate_weight.T (+ gate_bias)``, computed in the same launch
     (for a few tokens: every token's programs read the whole weight; ``router.FUSED_GATE_MAX_TOKENS``).
 
@@ -291,7 +311,7 @@ def route_gate_triton(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: tor
         correction_bias: as ``route_triton``.
         fp32_logits: the router computes its logits in float32 (``MoESpec.router_fp32_logits``).
         top_k, sigmoid, n_group, topk_group, top2_sum, normalize, round_weights, scale, slot_table, record,
-            row_mask: as ``route_triton`` (the logits' dtype is float32 with ``fp32_logits``, else ``x``'s).
+            row_mask, chosen: as ``route_triton`` (the logits' dtype is float32 with ``fp32_logits``, else ``x``'s).
         norm: the rows are ``x`` plus a residual, still to normalise (``NormBefore``; one token): every program
             adds and normalises the row itself, the first of the token's programs writes the sum and the
             normalised row, which the logits are of.
@@ -322,7 +342,8 @@ def route_gate_triton(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: tor
         norm.check(x)
     logit_dtype = torch.float32 if fp32_logits else x.dtype
     out, args = _routing_args(t, e, logit_dtype, x.device, correction_bias, top_k, sigmoid, n_group,
-                              topk_group, top2_sum, normalize, round_weights, scale, slot_table, record, row_mask)
+                              topk_group, top2_sum, normalize, round_weights, scale, slot_table, record, row_mask,
+                              chosen)
     if t == 0:
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -415,9 +436,13 @@ def _gate_rows(num_tokens: int, num_experts: int) -> int:
 def _routing_args(t: int, e: int, logit_dtype: torch.dtype, device: torch.device,
                   correction_bias: torch.Tensor | None, top_k: int, sigmoid: bool, n_group: int, topk_group: int,
                   top2_sum: bool, normalize: bool, round_weights: bool, scale: float,
-                  slot_table: torch.Tensor | None, record: LoadRecord | None, row_mask: torch.Tensor | None):
+                  slot_table: torch.Tensor | None, record: LoadRecord | None, row_mask: torch.Tensor | None,
+                  chosen: bool):
     """The outputs and the keyword arguments both kernels pass to ``_route_token`` (pointers, scalars and
     constexprs): ``(outputs, kwargs)``."""
+    if chosen and n_group > 1:
+        raise ValueError(f"route_triton: chosen-logit routing (topk_softmax, topk_sigmoid) has no expert groups, "
+                         f"got n_group={n_group}")
     if record is not None and slot_table is None:
         raise ValueError("route_triton records slot loads only with a slot_table")
     if row_mask is not None and (slot_table is None or row_mask.shape != (t,) or row_mask.dtype != torch.int64):
@@ -437,10 +462,11 @@ def _routing_args(t: int, e: int, logit_dtype: torch.dtype, device: torch.device
         E=e, scale=float(scale), layer=rec.layer, num_layers=rec.counts.shape[1] if record is not None else 1,
         width=rec.counts.shape[2] if record is not None else 1,
         K=k, KP=triton.next_power_of_2(k), BLOCK_E=triton.next_power_of_2(e), SIGMOID=sigmoid,
-        HAS_BIAS=sigmoid and correction_bias is not None, N_GROUP=n_group, GP=triton.next_power_of_2(n_group),
-        TOPK_GROUP=topk_group, TOP2_SUM=top2_sum, NORM=normalize, EPS=1e-20 if sigmoid else 0.0,
-        ROUND=not sigmoid and round_weights and logit_dtype != torch.float32, SCALE=sigmoid or scale != 1.0,
-        TABLE=slot_table is not None, RECORD=record is not None, HAS_MASK=mask is not None,
-        MASK_SLOTS=row_mask is not None,
+        HAS_BIAS=sigmoid and not chosen and correction_bias is not None, N_GROUP=n_group,
+        GP=triton.next_power_of_2(n_group), TOPK_GROUP=topk_group, TOP2_SUM=top2_sum, NORM=normalize and not chosen,
+        EPS=1e-20 if sigmoid else 0.0,
+        ROUND=(chosen or (not sigmoid and round_weights)) and logit_dtype != torch.float32,
+        SCALE=(sigmoid and not chosen) or scale != 1.0, TABLE=slot_table is not None, RECORD=record is not None,
+        HAS_MASK=mask is not None, MASK_SLOTS=row_mask is not None, CHOSEN=chosen,
     )
     return out, args
