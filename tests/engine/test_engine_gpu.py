@@ -215,10 +215,11 @@ def test_structured_outputs_through_graphs_equal_the_eager_steps():
     assert len(free.token_ids) == 12
 
 
-@pytest.mark.parametrize("family", ["qwen3-moe", "kimi-k2.5"])
+@pytest.mark.parametrize("family", ["qwen3-moe", "kimi-k2.5", "gpt-oss"])
 def test_a_one_row_step_folds_its_norms(tiny_checkpoints, family, monkeypatch):
     """A decode step of one row hands the input norms to the q/k/v projection (``RopeAttention``, Qwen3-MoE) and
-    the post-attention norms to the MoE layers' routers (both families): the step's logits equal those of the
+    the post-attention norms to the MoE layers' routers (every family here; gpt-oss's through its tuple-returning
+    block, with a gate bias and chosen-logit routing): the step's logits equal those of the
     same step with the folding off (``EPMOE_FOLD_NORM=0``) up to bf16 rounding, eagerly and replayed in its graph."""
     from collections import Counter
 
@@ -247,7 +248,7 @@ def test_a_one_row_step_folds_its_norms(tiny_checkpoints, family, monkeypatch):
     folded = runner.execute(step).logits
     layers = engine.ep_model.model.config.num_hidden_layers
     assert calls["router"] == engine.ep_model.spec.num_moe_layers
-    assert calls["qkv"] == (layers - 1 if family == "qwen3-moe" else 0)
+    assert calls["qkv"] == (layers - 1 if family in ("qwen3-moe", "gpt-oss") else 0)
     graphed = runner.execute(step, bucket=runner.bucket_for(1)).logits
     monkeypatch.setenv("EPMOE_FOLD_NORM", "0")
     plain = runner.execute(step).logits

@@ -19,7 +19,7 @@ from torch import nn
 from epmoe.comm import Comm
 from epmoe.dispatch import Dispatcher, make_dispatcher
 from epmoe.experts.storage import ExpertStorage
-from epmoe.layer import DPTPMoELayer, MoELayer, MoELayerOptions, check_tp_sizes
+from epmoe.layer import DPTPMoELayer, FoldedNorm, MoELayer, MoELayerOptions, check_tp_sizes
 from epmoe.models.checkpoint import WEIGHT_HEADER_DTYPES, CheckpointReader
 from epmoe.models.layout import (
     FamilyLayout,
@@ -35,13 +35,20 @@ from epmoe.spec import MoESpec, language_model_config, load_moe_spec, read_confi
 
 
 class _TupleBlock(nn.Module):
-    """Adapter for families whose decoder layer unpacks ``(hidden, router_output)`` from the MoE block."""
+    """Adapter for families whose decoder layer unpacks ``(hidden, router_output)`` from the MoE block (gpt-oss,
+    Llama-4). It folds the norm before it where its MoE layer does (``MoELayer.folds_norm``): the engine's decoder
+    then hands it a ``layer.FoldedNorm``, which it passes on."""
 
-    def __init__(self, moe: MoELayer) -> None:
+    def __init__(self, moe: MoELayer | DPTPMoELayer) -> None:
         super().__init__()
         self.moe = moe
 
-    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def folds_norm(self, x: torch.Tensor, weight: torch.Tensor, weight_then_cast: bool) -> bool:
+        """The MoE layer's ``folds_norm`` (``False`` for a layer without one)."""
+        folds = getattr(self.moe, "folds_norm", None)
+        return folds is not None and folds(x, weight, weight_then_cast)
+
+    def forward(self, hidden: torch.Tensor | FoldedNorm) -> tuple[torch.Tensor, None]:
         return self.moe(hidden), None
 
 
