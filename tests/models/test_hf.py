@@ -101,3 +101,30 @@ def test_qwen_sparse_step_and_mlp_only_layers_match_transformers(tmp_path):
     r = _check_family(directory, Comm(None), "round_robin", 1, "round_robin", seed=3)
     assert r["rel_err"] < 1e-5
     assert r["tokens_equal"]
+
+
+def test_tuple_block_folds_the_norm_where_its_moe_layer_does():
+    """gpt-oss's and Llama-4's MoE blocks are wrapped to return a tuple: the wrapper answers the decoder's
+    ``folds_norm`` with its MoE layer's answer (``False`` for a layer without one) and passes what it gets on."""
+    from epmoe.models.hf import _TupleBlock
+
+    class Layer(torch.nn.Module):
+        def __init__(self, answer):
+            super().__init__()
+            self.answer, self.asked = answer, []
+
+        def folds_norm(self, x, weight, weight_then_cast):
+            self.asked.append((x.shape, weight.shape, weight_then_cast))
+            return self.answer
+
+        def forward(self, hidden):
+            return hidden * 2
+
+    x, w = torch.ones(1, 4), torch.ones(4)
+    for answer in (True, False):
+        layer = Layer(answer)
+        assert _TupleBlock(layer).folds_norm(x, w, True) is answer
+        assert layer.asked == [((1, 4), (4,), True)]
+    assert _TupleBlock(torch.nn.Identity()).folds_norm(x, w, False) is False
+    out, scores = _TupleBlock(Layer(True))(x)
+    assert torch.equal(out, x * 2) and scores is None
