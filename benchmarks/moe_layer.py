@@ -116,12 +116,12 @@ INT4_DECODE_SWEEP = [
     # the gate/up reduction over D not split / split up to 4 ways when few pairs are live (the default: 2)
     PackedDecodeConfig(split_max=1), PackedDecodeConfig(split_max=4),
 ]
-# the MXFP4 decode tiles beside the backend's (MXFP4_DECODE_CONFIG): INT4's defaults (twice the rows a program), more
-# programs a launch, 64- and 256-word steps, three stages, splits of D up to 4
+# the MXFP4 decode tiles beside the backend's (MXFP4_DECODE_CONFIG): INT4's defaults (twice the rows a program), the
+# nineteenth session's tiles (1024 programs a launch), eight down rows, more programs, three stages
 MXFP4_DECODE_SWEEP = [
-    PackedDecodeConfig(), PackedDecodeConfig(2, 128, 4, 128, 1, max_programs=4096), PackedDecodeConfig(2, 64, 4, 64, 1),
-    PackedDecodeConfig(2, 256, 4, 256, 1), PackedDecodeConfig(2, 128, 4, 128, 1, stages=3),
-    PackedDecodeConfig(2, 128, 4, 128, 1, split_max=4),
+    PackedDecodeConfig(), PackedDecodeConfig(2, 128, 4, 128, 1), PackedDecodeConfig(2, 128, 8, 128, 1, max_programs=4096),
+    PackedDecodeConfig(2, 128, 4, 128, 1, max_programs=8192), PackedDecodeConfig(2, 128, 8, 128, 1, max_programs=16384),
+    PackedDecodeConfig(2, 128, 4, 128, 1, max_programs=4096, stages=3),
 ]
 # the fused INT4 grouped path (block_k in inputs: 16 or 32 words a step): the defaults of default_int4_config,
 # 16-word steps, transposed products, 32-row blocks, 8 warps (none spills registers compiled for sm_90 by Triton 3.6)

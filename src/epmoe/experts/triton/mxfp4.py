@@ -41,10 +41,14 @@ slot's pairs. Set from an H100 A/B of the decode kernels with ``MXFP4_DECODE_CON
 one and two tokens of gpt-oss-20b's and gpt-oss-120b's layers (README, "MXFP4 decode on INT4's kernels"): faster at
 both."""
 
-MXFP4_DECODE_CONFIG = PackedDecodeConfig(block_n1=2, block_kw1=128, block_n2=4, block_kw2=128, num_warps=1)
+MXFP4_DECODE_CONFIG = PackedDecodeConfig(block_n1=2, block_kw1=128, block_n2=4, block_kw2=128, num_warps=1,
+                                         max_programs=4096)
 """The decode kernels' tiles for MXFP4 (``PackedDecodeConfig``'s defaults are INT4's): half the rows a program,
-so twice the programs over gpt-oss's 2880-wide rows; the faster of the two in the same H100 A/B at one and two
-tokens of both gpt-oss layers. ``benchmarks/moe_layer.py --sweep`` times ``MXFP4_DECODE_SWEEP`` beside it."""
+so twice the programs over gpt-oss's 2880-wide rows, and up to 4096 programs a launch instead of 1024 (at one token
+gpt-oss's gate/up rows make 11520 tiles of two: a capped grid loops over them). The fastest of twelve tile choices at
+one and two tokens of gpt-oss-20b's layer, and at one token of gpt-oss-120b's, in one H100 sweep
+(``benchmarks/HISTORY.md``, "MXFP4 decode tiles"). ``benchmarks/moe_layer.py --sweep`` times ``MXFP4_DECODE_SWEEP``
+beside it."""
 
 
 MXFP4_WGMMA_MIN_PAIRS_PER_SLOT = 16
