@@ -1,6 +1,6 @@
 """The dummy fill of ``--load-format dummy`` (``models.materialise``): large packed and FP8 expert tensors are drawn in
 parts of at most ``_FILL_CHUNK`` elements (so no temporary several times a layer's experts is made), and every part
-gets the value a whole draw would."""
+is drawn, with the spread of a whole draw."""
 
 import torch
 

@@ -284,11 +284,11 @@ def test_chosen_logit_kinds_interpreter(family, dtype):
             assert torch.allclose(w.sum(dim=1), torch.ones(t), rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.interpret
 def test_chosen_logit_routing_has_no_groups():
-    pytest.importorskip("triton")
     from epmoe.routing.router_triton import route_triton
 
-    with pytest.raises(ValueError, match="chosen-logit routing .* has no expert groups, got n_group=4"):
+    with pytest.raises(ValueError, match="route_triton: chosen-logit routing .* has no expert groups, got n_group=4"):
         route_triton(torch.zeros(2, 8), None, top_k=2, sigmoid=False, n_group=4, topk_group=2, top2_sum=False,
                      normalize=False, round_weights=False, scale=1.0, chosen=True)
 
@@ -627,3 +627,36 @@ def test_bfloat16_pieces_sum_exactly():
     for bad, shown in ((w.double(), "torch.float64"), (w[0], r"\(40,\)"), ([1.0], "list")):
         with pytest.raises(ValueError, match=f"bfloat16_pieces needs a 2-D float32 weight, got .*{shown}"):
             bfloat16_pieces(bad)
+
+
+@pytest.mark.interpret
+def test_fused_routing_names_bad_input():
+    """Bad shapes and counts are refused by name before a launch, naming the function called."""
+    from epmoe.routing.router_triton import route_gate_triton, route_triton
+
+    flags = dict(top_k=2, sigmoid=False, n_group=1, topk_group=1, top2_sum=False, normalize=False,
+                 round_weights=False, scale=1.0)
+    with pytest.raises(ValueError, match=r"route_triton: logits must be a 2-D \[T, \.\.\.\] tensor, got a 1-D"):
+        route_triton(torch.zeros(8), None, **flags)
+    with pytest.raises(ValueError, match=r"route_triton: top_k must be an int in 1\.\.8 \(the experts\), got 9"):
+        route_triton(torch.zeros(3, 8), None, **{**flags, "top_k": 9})
+    with pytest.raises(ValueError, match=r"top_k must be an int in 1\.\.8 \(the experts\), got 0"):
+        route_triton(torch.zeros(3, 8), None, **{**flags, "top_k": 0})
+    with pytest.raises(ValueError, match="route_triton: n_group must be an int >= 1, got 0"):
+        route_triton(torch.zeros(3, 8), None, **{**flags, "n_group": 0})
+    gate = (torch.zeros(1, 16), torch.zeros(8, 16), None, torch.zeros(4, dtype=torch.int32), None)
+    with pytest.raises(ValueError, match="route_gate_triton: chosen-logit routing .* got n_group=2"):
+        route_gate_triton(*gate, fp32_logits=False, **{**flags, "n_group": 2}, chosen=True)
+    with pytest.raises(ValueError, match=r"route_gate_triton: x must be a 2-D \[T, \.\.\.\] tensor, got a 3-D"):
+        route_gate_triton(torch.zeros(1, 1, 16), *gate[1:], fp32_logits=False, **flags)
+
+
+def test_fused_routing_outside_cuda_and_the_interpreter_is_refused(monkeypatch):
+    pytest.importorskip("triton")
+    from epmoe.routing.router_triton import route_triton
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"route_triton runs on CUDA tensors \(or under TRITON_INTERPRET=1\), got "
+                                         r"logits on cpu; routing.Router routes other devices in PyTorch"):
+        route_triton(torch.zeros(3, 8), None, top_k=2, sigmoid=False, n_group=1, topk_group=1, top2_sum=False,
+                     normalize=False, round_weights=False, scale=1.0)

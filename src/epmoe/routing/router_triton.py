@@ -41,6 +41,7 @@ lower expert id). The weights equal the PyTorch path's up to float32 summation o
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -271,13 +272,15 @@ def route_triton(logits: torch.Tensor, correction_bias: torch.Tensor | None, *, 
         ``slot_table`` also ``topk_slots [T, K]`` int64.
 
     Raises:
-        ValueError: a ``record`` or a ``row_mask`` without a ``slot_table``; a ``row_mask`` not ``[T]`` int64;
-            ``chosen`` with expert groups (``n_group`` above 1).
+        ValueError: ``logits`` not a 2-D tensor on a CUDA device (any device under ``TRITON_INTERPRET=1``);
+            ``top_k`` not in ``1..E``, ``n_group`` below 1; a ``record`` or a ``row_mask`` without a ``slot_table``;
+            a ``row_mask`` not ``[T]`` int64; ``chosen`` with expert groups (``n_group`` above 1).
     """
+    _check_rows("route_triton", "logits", logits)
     t, e = logits.shape
-    out, args = _routing_args(t, e, logits.dtype, logits.device, correction_bias, top_k, sigmoid, n_group,
-                              topk_group, top2_sum, normalize, round_weights, scale, slot_table, record, row_mask,
-                              chosen)
+    out, args = _routing_args("route_triton", t, e, logits.dtype, logits.device, correction_bias, top_k, sigmoid,
+                              n_group, topk_group, top2_sum, normalize, round_weights, scale, slot_table, record,
+                              row_mask, chosen)
     if t == 0:
         return out
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
@@ -320,11 +323,13 @@ def route_gate_triton(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: tor
         As ``route_triton``.
 
     Raises:
-        ValueError: more tokens than ``arrivals`` counters (or not int32 contiguous), shapes or dtypes
+        ValueError: ``x`` not a 2-D tensor on a CUDA device (any device under ``TRITON_INTERPRET=1``); more tokens
+            than ``arrivals`` counters (or not int32 contiguous), shapes or dtypes
             of ``x``, ``gate_weight``, ``gate_bias`` that ``F.linear`` would not take, or as ``route_triton``;
             with ``norm``, more than one token or its tensors not of ``x``'s shape, dtype and device (named).
         TypeError: ``norm`` not a ``NormBefore``, or a field of it not a tensor (``NormBefore.check``).
     """
+    _check_rows("route_gate_triton", "x", x)
     t, d = x.shape
     e = gate_weight.shape[0]
     if arrivals.dtype != torch.int32 or not arrivals.is_contiguous() or t > arrivals.numel():
@@ -341,9 +346,9 @@ def route_gate_triton(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: tor
             raise TypeError(f"route_gate_triton: norm must be a NormBefore, got {type(norm).__name__}")
         norm.check(x)
     logit_dtype = torch.float32 if fp32_logits else x.dtype
-    out, args = _routing_args(t, e, logit_dtype, x.device, correction_bias, top_k, sigmoid, n_group,
-                              topk_group, top2_sum, normalize, round_weights, scale, slot_table, record, row_mask,
-                              chosen)
+    out, args = _routing_args("route_gate_triton", t, e, logit_dtype, x.device, correction_bias, top_k, sigmoid,
+                              n_group, topk_group, top2_sum, normalize, round_weights, scale, slot_table, record,
+                              row_mask, chosen)
     if t == 0:
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -433,20 +438,36 @@ def _gate_rows(num_tokens: int, num_experts: int) -> int:
     return rows
 
 
-def _routing_args(t: int, e: int, logit_dtype: torch.dtype, device: torch.device,
+def _check_rows(where: str, name: str, rows: object) -> None:
+    """Raise unless ``rows`` is a 2-D tensor the kernels can read: on a CUDA device, or any device under the Triton
+    interpreter (``TRITON_INTERPRET=1``)."""
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
+        shown = (f"a {rows.dim()}-D tensor {tuple(rows.shape)}" if isinstance(rows, torch.Tensor)
+                 else type(rows).__name__)
+        raise ValueError(f"{where}: {name} must be a 2-D [T, ...] tensor, got {shown}")
+    if not rows.is_cuda and os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
+        raise ValueError(f"{where} runs on CUDA tensors (or under TRITON_INTERPRET=1), got {name} on {rows.device}; "
+                         f"routing.Router routes other devices in PyTorch")
+
+
+def _routing_args(where: str, t: int, e: int, logit_dtype: torch.dtype, device: torch.device,
                   correction_bias: torch.Tensor | None, top_k: int, sigmoid: bool, n_group: int, topk_group: int,
                   top2_sum: bool, normalize: bool, round_weights: bool, scale: float,
                   slot_table: torch.Tensor | None, record: LoadRecord | None, row_mask: torch.Tensor | None,
                   chosen: bool):
     """The outputs and the keyword arguments both kernels pass to ``_route_token`` (pointers, scalars and
-    constexprs): ``(outputs, kwargs)``."""
+    constexprs): ``(outputs, kwargs)``; ``where`` names the caller in errors."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e:
+        raise ValueError(f"{where}: top_k must be an int in 1..{e} (the experts), got {top_k!r}")
+    if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1:
+        raise ValueError(f"{where}: n_group must be an int >= 1, got {n_group!r}")
     if chosen and n_group > 1:
-        raise ValueError(f"route_triton: chosen-logit routing (topk_softmax, topk_sigmoid) has no expert groups, "
+        raise ValueError(f"{where}: chosen-logit routing (topk_softmax, topk_sigmoid) has no expert groups, "
                          f"got n_group={n_group}")
     if record is not None and slot_table is None:
-        raise ValueError("route_triton records slot loads only with a slot_table")
+        raise ValueError(f"{where} records slot loads only with a slot_table")
     if row_mask is not None and (slot_table is None or row_mask.shape != (t,) or row_mask.dtype != torch.int64):
-        raise ValueError(f"route_triton masks rows only with a slot_table and a [T] int64 row_mask: {t} tokens, "
+        raise ValueError(f"{where} masks rows only with a slot_table and a [T] int64 row_mask: {t} tokens, "
                          f"row_mask {tuple(row_mask.shape)} {row_mask.dtype}")
     k = top_k
     idx = torch.empty(t, k, dtype=torch.int64, device=device)
