@@ -1,8 +1,9 @@
 """One MoE layer on one GPU as CUDA-graph replays, with the PyTorch router and with the fused Triton router.
 
-    python3 benchmarks/router.py [--out results.json] [--tokens 1,8,64]
+    python3 benchmarks/router.py [--out results.json] [--tokens 1,8,64] [--models deepseek-v3,qwen3-30b-a3b,gpt-oss-20b]
 
-DeepSeek-V3 (grouped sigmoid routing over 256 experts) and Qwen3-30B-A3B (softmax over 128) layers with
+DeepSeek-V3 (grouped sigmoid routing over 256 experts), Qwen3-30B-A3B (softmax over 128) and gpt-oss-20b (top-4 of
+32 biased logits, then a softmax over the chosen ones) layers, or those of other ``data/configs`` models, with
 random weights, all experts on the one GPU: router -> fixed_capacity dispatcher (one-rank path) ->
 triton experts -> combine -> shared experts. Three routers: ``torch`` (PyTorch ops), ``two-launch``
 (cuBLAS gate, then the Triton routing kernel) and, up to ``FUSED_GATE_MAX_TOKENS`` tokens, ``fused gate``
@@ -36,12 +37,17 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--tokens", default="1,8,64", help="token counts (default 1,8,64)")
+    p.add_argument("--models", default="deepseek-v3,qwen3-30b-a3b,gpt-oss-20b",
+                   help="configs of data/configs, comma-separated (default deepseek-v3,qwen3-30b-a3b,gpt-oss-20b)")
     args = p.parse_args()
+    for name in args.models.split(","):
+        if not (REPO / "data" / "configs" / f"{name}.config.json").is_file():
+            p.error(f"--models: {name!r} is not a config of data/configs")
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
     rows = []
-    for name in ("deepseek-v3", "qwen3-30b-a3b"):
+    for name in args.models.split(","):
         spec = parse_moe_spec(json.loads((REPO / "data" / "configs" / f"{name}.config.json").read_text()), name)
         for t in (int(v) for v in args.tokens.split(",")):
             layer = MoELayer(spec, 0, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
