@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epmoe.checks import check_add_norm
+from epmoe.checks import check_add_norm, check_int, is_int
 from epmoe.engine.norm_kernels import add_rms_norm
 from epmoe.experts.triton.pdl import pdl_launch
 from epmoe.loads import LoadRecord
@@ -445,7 +445,7 @@ def _check_rows(where: str, name: str, rows: object) -> None:
         shown = (f"a {rows.dim()}-D tensor {tuple(rows.shape)}" if isinstance(rows, torch.Tensor)
                  else type(rows).__name__)
         raise ValueError(f"{where}: {name} must be a 2-D [T, ...] tensor, got {shown}")
-    if not rows.is_cuda and os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
+    if not rows.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":  # as engine.gemv reads it
         raise ValueError(f"{where} runs on CUDA tensors (or under TRITON_INTERPRET=1), got {name} on {rows.device}; "
                          f"routing.Router routes other devices in PyTorch")
 
@@ -457,10 +457,9 @@ def _routing_args(where: str, t: int, e: int, logit_dtype: torch.dtype, device: 
                   chosen: bool):
     """The outputs and the keyword arguments both kernels pass to ``_route_token`` (pointers, scalars and
     constexprs): ``(outputs, kwargs)``; ``where`` names the caller in errors."""
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e:
+    if not is_int(top_k) or not 1 <= top_k <= e:
         raise ValueError(f"{where}: top_k must be an int in 1..{e} (the experts), got {top_k!r}")
-    if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1:
-        raise ValueError(f"{where}: n_group must be an int >= 1, got {n_group!r}")
+    check_int(f"{where}: n_group", n_group, 1, wording="an int >= 1")
     if chosen and n_group > 1:
         raise ValueError(f"{where}: chosen-logit routing (topk_softmax, topk_sigmoid) has no expert groups, "
                          f"got n_group={n_group}")
