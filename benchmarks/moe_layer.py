@@ -117,11 +117,12 @@ INT4_DECODE_SWEEP = [
     PackedDecodeConfig(split_max=1), PackedDecodeConfig(split_max=4),
 ]
 # the MXFP4 decode tiles beside the backend's (MXFP4_DECODE_CONFIG): INT4's defaults (twice the rows a program), the
-# nineteenth session's tiles (1024 programs a launch), eight down rows, more programs, three stages
+# nineteenth session's tiles (1024 programs a launch), the twentieth's (4096, four down rows), fewer programs with
+# eight down rows, four down rows at 8192 programs, three stages
 MXFP4_DECODE_SWEEP = [
     PackedDecodeConfig(), PackedDecodeConfig(2, 128, 4, 128, 1),
-    PackedDecodeConfig(2, 128, 8, 128, 1, max_programs=4096), PackedDecodeConfig(2, 128, 4, 128, 1, max_programs=8192),
-    PackedDecodeConfig(2, 128, 8, 128, 1, max_programs=16384),
+    PackedDecodeConfig(2, 128, 4, 128, 1, max_programs=4096), PackedDecodeConfig(2, 128, 8, 128, 1, max_programs=4096),
+    PackedDecodeConfig(2, 128, 4, 128, 1, max_programs=8192),
     PackedDecodeConfig(2, 128, 4, 128, 1, max_programs=4096, stages=3),
 ]
 # the fused INT4 grouped path (block_k in inputs: 16 or 32 words a step): the defaults of default_int4_config,

@@ -118,6 +118,32 @@ def test_paged_decode_split_counts(rows, span, want):
     assert paged_decode_splits(q, k_cache, torch.zeros(rows, span // 16, dtype=torch.int32)) == want
 
 
+@pytest.mark.parametrize("rows, window, chunk, want", [
+    (1, 128, None, 4),     # gpt-oss's 128-position window: one 32-key tile a split at least, 4 splits
+    (8, 128, None, 4),     # 64 programs: 8 splits would fill the GPU, the window allows 4
+    (64, 128, None, 1),    # 512 programs: full
+    (1, 40, None, 1),      # a window of less than two tiles: not split
+    (1, 1024, None, 32),   # 32 keys a split at least (64 without the window: 16 splits)
+    (1, None, 2048, 64),   # a chunk shorter than the table alike (32 splits at 64 keys)
+    (1, 8192, None, 64),   # a window longer than the table bounds nothing: 66 splits would give 4 programs an SM
+])
+def test_paged_decode_split_counts_bounded_span(rows, window, chunk, want):
+    # gpt-oss's heads (64 queries over 8 key-value heads), block tables of 4096 positions (16-position blocks)
+    q = torch.zeros(rows, 64, 64)
+    k_cache = torch.zeros(1, 16, 8, 64)
+    got = paged_decode_splits(q, k_cache, torch.zeros(rows, 4096 // 16, dtype=torch.int32), window, chunk)
+    assert got == want
+
+
+def test_bounded_span_never_splits_more_than_the_table():
+    # a 6000-position window over a 6144-position table: 187 one-tile splits would pass the table's own 96 (64 once a
+    # power of two), so the workspace sized for the table's span would not hold them
+    q = torch.zeros(1, 8, 64)
+    k_cache = torch.zeros(1, 16, 1, 64)
+    tables = torch.zeros(1, 6144 // 16, dtype=torch.int32)
+    assert paged_decode_splits(q, k_cache, tables, 6000) == paged_decode_splits(q, k_cache, tables) == 64
+
+
 @pytest.mark.parametrize("rows, span, want", [
     (1, 65536, 64),    # Kimi-K2.5's 64 heads, 4 programs a split: at most 64 splits
     (4, 65536, 16),    # 16 programs a split: about 2 programs an SM of 132

@@ -68,6 +68,21 @@ def test_kernel_writes_out_and_uses_workspace(splits):
     assert rel_err(out2, want) < 1e-5
 
 
+@pytest.mark.parametrize("opts", [{}, {"window": 700, "sinks": True}, {"chunk": 640, "sinks": True}])
+def test_many_splits_with_empty_ones(opts):
+    """64 splits of 16 positions (float32, Dv 128): the reduce merges up to 63 splits holding positions, never reading
+    the NaN-filled accumulators of the empty splits; a row of 5 positions has one split holding them and a padding
+    row none."""
+    from epmoe.engine.paged_decode import paged_decode_triton
+
+    c = make_case(23, [1000, 5, 0, 333], 4, 2, 128, 128, 16, **opts)
+    want = naive_dense(c)
+    ws = paged_decode_workspace(c.q, c.v_cache, 64).fill_(float("nan"))
+    got = paged_decode_triton(*c.args(), **c.options(), splits=64, workspace=ws)
+    assert rel_err(got, want) < 1e-5
+    assert torch.equal(got[2], torch.zeros_like(got[2]))
+
+
 def test_split_and_workspace_errors():
     from epmoe.engine.paged_decode import paged_decode_triton
 

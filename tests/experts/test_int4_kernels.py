@@ -529,6 +529,7 @@ def test_int4_grouped_and_dequant_paths_on_gpu(t, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,f", [(2880, 2880), (96, 64)])
 def test_mxfp4_decode_on_gpu(d, f):
+    from epmoe.experts.triton.mxfp4 import MXFP4_DECODE_CONFIG
     from epmoe.experts.triton.w4a16_decode import PackedDecodeConfig, packed_decode_experts
 
     # the PTX widening against the float32 reference: every E2M1 code and a scale of 0 (_mxfp4_case), gpt-oss's
@@ -540,8 +541,8 @@ def test_mxfp4_decode_on_gpu(d, f):
     slots = torch.tensor([[0, 3, -1, 5], [2, 0, 0, 9]], device="cuda")  # 9: outside [0, S), skipped
     tw = torch.rand(2, 4, device="cuda")
     ref = _ref(x, slots, tw, q, act, False)
-    for cfg in (PackedDecodeConfig(), PackedDecodeConfig(2, 128, 4, 128, 1, max_programs=4096),
-                PackedDecodeConfig(max_programs=16), PackedDecodeConfig(8, 64, 8, 64, 2, stages=3, split_max=4)):
+    for cfg in (PackedDecodeConfig(), MXFP4_DECODE_CONFIG, PackedDecodeConfig(max_programs=16),
+                PackedDecodeConfig(8, 64, 8, 64, 2, stages=3, split_max=4)):
         out = packed_decode_experts(x, slots, tw, q, act, False, cfg)
         assert _rel(out, ref) < 1e-2, cfg
     graph = torch.cuda.CUDAGraph()

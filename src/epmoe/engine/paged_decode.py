@@ -58,6 +58,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
 _MIN_ROWS = 16           # tl.dot needs at least 16 rows / columns
 _SPLIT_MIN_KEYS = 64     # positions a split should have at least
+_BOUNDED_SPLIT_MIN_KEYS = 32  # the same where a window or chunk bounds the span: one key tile
 _MAX_SPLITS = 128
 _PROGRAMS_PER_SM = 4     # the split count aims at this many programs an SM
 
@@ -269,10 +270,11 @@ def paged_decode_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: to
 
     One split when the ``B * Hkv`` programs fill the GPU or the longest visible span (``MB * BS``, at most
     the window or chunk size) is short; otherwise enough splits to reach about ``_PROGRAMS_PER_SM`` programs per SM,
-    each with at least ``_SPLIT_MIN_KEYS`` positions of the longest span, at most ``_MAX_SPLITS``: a program reads
-    its keys one tile after the other, so one long context needs many programs to approach the memory's rate
-    (measured on an H200, ``benchmarks/HISTORY.md``). Depends on shapes and options only, so a CUDA graph captured
-    for a batch shape keeps its split count.
+    each with at least ``_SPLIT_MIN_KEYS`` positions of the longest span (``_BOUNDED_SPLIT_MIN_KEYS``, one key tile,
+    where a window or chunk bounds it, and never more splits than without them), at most ``_MAX_SPLITS``: a program
+    reads its keys one tile after the other, so one long context needs many programs to approach the memory's rate
+    (measured on an H200, ``benchmarks/HISTORY.md``, as the windowed bound). Depends on shapes and options only, so a
+    CUDA graph captured for a batch shape keeps its split count.
 
     Args:
         q: ``[B, H, Dk]`` query (its device picks the SM count; CPU counts 132 SMs).
@@ -286,15 +288,14 @@ def paged_decode_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: to
     """
     b = q.shape[0]
     hkv = k_cache.shape[2]
-    span = block_tables.shape[1] * k_cache.shape[1]
-    if sliding_window is not None:
-        span = min(span, sliding_window)
-    if chunk_size is not None:
-        span = min(span, chunk_size)
+    table_span = block_tables.shape[1] * k_cache.shape[1]
+    span = min([table_span] + [n for n in (sliding_window, chunk_size) if n is not None])
+    min_keys = _BOUNDED_SPLIT_MIN_KEYS if span < table_span else _SPLIT_MIN_KEYS
     sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
         if q.is_cuda else 132
     programs = max(1, b * hkv)
-    want = min(_MAX_SPLITS, (_PROGRAMS_PER_SM * sms) // programs, span // _SPLIT_MIN_KEYS)
+    # never more than without the window or chunk, so that a workspace sized for the table's span holds any layer's
+    want = min(_MAX_SPLITS, (_PROGRAMS_PER_SM * sms) // programs, span // min_keys, table_span // _SPLIT_MIN_KEYS)
     if want < 2:
         return 1
     return 1 << (want.bit_length() - 1)

@@ -41,14 +41,14 @@ slot's pairs. Set from an H100 A/B of the decode kernels with ``MXFP4_DECODE_CON
 one and two tokens of gpt-oss-20b's and gpt-oss-120b's layers (README, "MXFP4 decode on INT4's kernels"): faster at
 both."""
 
-MXFP4_DECODE_CONFIG = PackedDecodeConfig(block_n1=2, block_kw1=128, block_n2=4, block_kw2=128, num_warps=1,
-                                         max_programs=4096)
-"""The decode kernels' tiles for MXFP4 (``PackedDecodeConfig``'s defaults are INT4's): half the rows a program,
-so twice the programs over gpt-oss's 2880-wide rows, and up to 4096 programs a launch instead of 1024 (at one token
-gpt-oss's gate/up rows make 11520 tiles of two: a capped grid loops over them). The fastest of twelve tile choices at
-one and two tokens of gpt-oss-20b's layer, and at one token of gpt-oss-120b's, in one H100 sweep
-(``benchmarks/HISTORY.md``, "MXFP4 decode tiles"). ``benchmarks/moe_layer.py --sweep`` times ``MXFP4_DECODE_SWEEP``
-beside it."""
+MXFP4_DECODE_CONFIG = PackedDecodeConfig(block_n1=2, block_kw1=128, block_n2=8, block_kw2=128, num_warps=1,
+                                         max_programs=16384)
+"""The decode kernels' tiles for MXFP4 (``PackedDecodeConfig``'s defaults are INT4's): half the gate/up rows a
+program, so twice the programs over gpt-oss's 2880-wide rows, and up to 16384 programs a launch instead of 1024 (at
+one token gpt-oss's gate/up rows make 11520 tiles of two: a capped grid loops over them). The fastest at one token of
+gpt-oss-20b's layer in the H200 sweep of ``MXFP4_DECODE_SWEEP`` and within 1% of the fastest at two, and the fastest
+of three caps through the engine at batch 1 and 8 on an H100 (``benchmarks/HISTORY.md``, twenty-first session).
+``benchmarks/moe_layer.py --sweep`` times ``MXFP4_DECODE_SWEEP`` beside it."""
 
 
 MXFP4_WGMMA_MIN_PAIRS_PER_SLOT = 16
