@@ -76,15 +76,15 @@ def test_the_default_run_still_writes_its_table(script, tmp_path, capsys):
 def test_mxfp4_rows_are_compared_and_fitted_without_triton(script, tmp_path, capsys):
     # the MXFP4 rows' measured time is the backend's in the run (no path to recompute): no Triton needed
     out = tmp_path / "out.json"
-    results = REPO / "benchmarks/results/moe_layer_mxfp4_mma_h100.json"
+    results = REPO / "benchmarks/results/moe_layer_mxfp4_h100_fit_rows.json"
     assert script.main(["--int4-results", str(results), "--hardware", "h100-sxm", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert doc["hardware"] == "h100-sxm" and len(doc["rows"]) == 18 and doc["all_within_target"]
-    assert (doc["fitted_stream_efficiency"], doc["fitted_w4a16_flops_per_s"]) == (0.69, 338e12)
+    assert doc["hardware"] == "h100-sxm" and len(doc["rows"]) == 17 and doc["all_within_target"]
+    assert (doc["fitted_stream_efficiency"], doc["fitted_w4a16_flops_per_s"]) == (0.61, 338e12)
     first = doc["rows"][0]
     assert (first["case"], first["tokens"], first["measured_us"]) == (
         "gptoss20b_mxfp4", 1, json.loads(results.read_text())["mxfp4_rows"][0]["mxfp4_us"])
-    assert "18/18 rows within 25%" in capsys.readouterr().out
+    assert "17/17 rows within 25%" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("edit, message", [

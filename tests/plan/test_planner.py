@@ -478,7 +478,7 @@ def test_engine_step_costs_add_per_step_layer_and_sequence():
 
 @pytest.mark.parametrize("model,rows_file,weights", [
     ("qwen3-30b-a3b", "engine_qwen3_rope_fold_h100.json", "bf16"),
-    ("gpt-oss-20b", "engine_gptoss20b_mxfp4_mma_h100.json", None),  # its MXFP4 experts, as published
+    ("gpt-oss-20b", "engine_gptoss20b_mxfp4_router_h100.json", None),  # its MXFP4 experts, as published
 ])
 def test_h100_engine_fit_prices_the_measured_steps(model, rows_file, weights):
     """The H100 profile's engine_* terms and W4A16 figures, fitted to the engine's steps measured on an H100, price
