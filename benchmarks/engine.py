@@ -878,10 +878,12 @@ def check_decode_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
-    ap.add_argument("--models", default="qwen3-30b-a3b,deepseek-v3")
-    ap.add_argument("--batches", default="1,8,64,256")
-    ap.add_argument("--steps", type=int, default=32)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "),
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--models", default="qwen3-30b-a3b,deepseek-v3",
+                    help="configs of data/configs to build with dummy weights, comma-separated")
+    ap.add_argument("--batches", default="1,8,64,256", help="decode batch sizes timed (TPOT rows)")
+    ap.add_argument("--steps", type=int, default=32, help="decode steps timed a batch size")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature of the decode rows' requests (0: greedy)")
     ap.add_argument("--context", type=int, default=PROMPT,
@@ -890,13 +892,14 @@ def main() -> None:
     ap.add_argument("--ttft", default="1024,4096", help="prompt lengths whose time to first token is measured, "
                                                         "e.g. 1024,4096 ('' for none); each shorter than the "
                                                         "engine's context (8192, or --context plus 512)")
-    ap.add_argument("--deepseek-layers", type=int, default=7)
+    ap.add_argument("--deepseek-layers", type=int, default=7,
+                    help="DeepSeek-V3 decoder layers (the first three dense), as many as fit one GPU")
     ap.add_argument("--kimi-layers", type=int, default=4,
                     help="Kimi-K2.5 decoder layers (4: the dense one and 3 MoE layers, 100.6 GiB in bf16; 5 take "
                          "132.4 GiB, over the engine's mem_fraction_static 0.9 of an H200)")
     ap.add_argument("--expert-format", default="bf16",
                     help="the published expert formats kept, comma-separated (int4: Kimi-K2.5, mxfp4: gpt-oss, fp8); "
-                         "models published in another get bf16 dummy experts (default bf16: every model)")
+                         "models published in another get bf16 dummy experts (bf16 alone: every model)")
     ap.add_argument("--peer", default="eager,static", help="transformers modes to time: eager, static, none")
     ap.add_argument("--peer-batches", default="1,8,64,256",
                     help="batch sizes (among --batches) the peer is timed at, for every --peer mode (1,8) or per "
@@ -910,14 +913,16 @@ def main() -> None:
     ap.add_argument("--env-variants", default="",
                     help="';'-separated environment settings, each timed as a second engine in the same run after "
                          "the main rows, e.g. 'EPMOE_PDL=0'")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="benchmarks/results",
+                    help="folder the results JSON (engine_<gpu>.json) is written to")
     ap.add_argument("--spec", action="store_true", help="only the speculation rows")
-    ap.add_argument("--spec-model", default=None, help="checkpoint of the speculation rows (default: Qwen3-30B-A3B, "
+    ap.add_argument("--spec-model", default=None, help="checkpoint of the speculation rows (None: Qwen3-30B-A3B, "
                                                       "dummy weights)")
-    ap.add_argument("--eagle3-config", default=str(CONFIGS / "eagle3-draft-qwen3-30b-a3b-specforge.config.json"))
-    ap.add_argument("--spec-batches", default="1,16")
-    ap.add_argument("--spec-k", default="1,3")
-    ap.add_argument("--spec-steps", type=int, default=24)
+    ap.add_argument("--eagle3-config", default=str(CONFIGS / "eagle3-draft-qwen3-30b-a3b-specforge.config.json"),
+                    help="config.json of the EAGLE-3 draft of the speculation rows (random weights)")
+    ap.add_argument("--spec-batches", default="1,16", help="batch sizes of the speculation rows")
+    ap.add_argument("--spec-k", default="1,3", help="draft tokens a step of the speculation rows")
+    ap.add_argument("--spec-steps", type=int, default=24, help="decode steps timed a speculation row")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the speculation rows only")
     args = ap.parse_args()
     if args.context < 1:

@@ -356,10 +356,12 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--results", default=str(DEFAULT_RESULTS), help="moe_layer.py results JSON")
-    p.add_argument("--hardware", default="h200-sxm", help="profile name or path")
+    p.add_argument("--results", default=str(DEFAULT_RESULTS), help=f"moe_layer.py results JSON (default: "
+                   f"{DEFAULT_RESULTS.relative_to(DEFAULT_RESULTS.parents[2])})")
+    p.add_argument("--hardware", default="h200-sxm", help="profile name or path (default: h200-sxm)")
     p.add_argument("--ceilings", choices=("profile", "run"), default="profile",
-                   help="bandwidth and bf16 rate from the profile (as epmoe plan) or from the run's measurement")
+                   help="bandwidth and bf16 rate from the profile (as epmoe plan, the default) or from the run's "
+                        "measurement")
     p.add_argument("--out", help="output JSON (default: planner_vs_h200.json next to --results)")
     p.add_argument("--check", action="store_true", help=f"exit 1 when a row is off by more than {TARGET * 100:.0f}%%")
     p.add_argument("--int4-results", help="an INT4 or MXFP4 moe_layer.py results JSON: those rows and the fit of the "
