@@ -45,7 +45,9 @@ undone. The scale ``2 ** (69 - p_j)`` keeps a pre-scaled input finite for ``|v| 
    order into ``out`` (bitwise reproducible).
 
 On Hopper (``PackedDecodeConfig.pdl``) steps 2 and 3 are programmatic dependent launches: each requests its
-first weight tiles before waiting (``griddepcontrol.wait``) for the previous launch's output.
+first weight tiles before waiting (``griddepcontrol.wait``) for the previous launch's output, and each allows its own
+dependents at its start: the down launch, and after it the kernel that follows the experts (a dependent launch waits
+for this one before it reads ``out``), which so requests its own weights while the down kernel runs.
 
 MXFP4. A block's 16 bytes read as four int32 words have INT4's nibble order (input ``8 w + j`` of the block in nibble
 ``j`` of word ``w``), and its E8M0 scale is the group scale (``G = 32``, ``GW = 4``), so the same tiles, loads and
@@ -547,6 +549,8 @@ def _decode_down_kernel(
     GROUPS: tl.constexpr, ONE_PAIR: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr,
     PDL: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr, FMT: tl.constexpr,
 ):
+    if PDL:  # the kernel after this launch (the next layer's q/k/v projection) may request its weights while it runs
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     group = tl.program_id(1)
     FW = (FW // 4) * 4  # as DW in the gate/up kernel
