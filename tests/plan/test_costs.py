@@ -34,6 +34,7 @@ RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "moe_
 INT4_RESULTS = RESULTS.with_name("planner_vs_h200_int4.json")
 # ... --hardware h100-sxm --int4-results of the MXFP4 rows measured on an H100.
 MXFP4_RESULTS = RESULTS.with_name("planner_vs_h100_mxfp4.json")
+MXFP4_H200_RESULTS = RESULTS.with_name("planner_vs_h200_mxfp4.json")
 # benchmarks/moe_layer.py's cases: Qwen3-30B-A3B layer (128 of 128 experts local), DeepSeek-V3 EP8 shard (32 of 256).
 CASES = {"qwen3": (MoEDims(2048, 768, 128, 8), 128), "dsv3": (MoEDims(7168, 2048, 256, 8), 32)}
 
@@ -167,10 +168,33 @@ def test_expert_layer_ms_mxfp4_priced_on_packed_bytes():
     dims = MoEDims(1024, 512, 16, 2)
     hw = dataclasses.replace(load_hardware("h200-sxm"), hbm_bytes_per_s=1e12, moe_layer_fixed_us=10.0,
                              matmul_flops_per_s={"bf16": 1e14, "w4a16": 5e13}, moe_stream_matrix_overlap=0.0,
-                             moe_w4a16_layer_fixed_us=30.0, moe_w4a16_stream_efficiency=0.5)
+                             moe_w4a16_layer_fixed_us=30.0, moe_w4a16_stream_efficiency=0.5,
+                             moe_mxfp4_layer_fixed_us=None, moe_mxfp4_stream_efficiency=None)
     assert compute_dtype("mxfp4") == "w4a16"
     assert expert_layer_ms(dims, 16, 4, 1, hw, "mxfp4") * 1e3 == pytest.approx(37.95344896, abs=1e-9)
     assert expert_layer_ms(dims, 300, 4, 1, hw, "mxfp4") * 1e3 == pytest.approx(60.47424, abs=1e-9)
+    # MXFP4's own figures, where the profile has them, replace the W4A16 ones for MXFP4 and only for it: at 0.25
+    # of the bandwidth and 20 us fixed, 16 rows stream 3,473,408 B in 13.893632 us, the matrix's 1.00663296 us add
+    # at overlap 0: 34.90026496 us
+    own = dataclasses.replace(hw, moe_mxfp4_layer_fixed_us=20.0, moe_mxfp4_stream_efficiency=0.25)
+    assert expert_layer_ms(dims, 16, 4, 1, own, "mxfp4") * 1e3 == pytest.approx(34.90026496, abs=1e-9)
+    assert expert_layer_ms(dims, 16, 4, 1, own, "int4_group32") == expert_layer_ms(dims, 16, 4, 1, hw,
+                                                                                    "int4_group32")
+    # one of the two given: the other is the W4A16 figure (0.5 of the bandwidth, 20 us: 6.946816 + 1.00663296 + 20)
+    half = dataclasses.replace(hw, moe_mxfp4_layer_fixed_us=20.0)
+    assert expert_layer_ms(dims, 16, 4, 1, half, "mxfp4") * 1e3 == pytest.approx(27.95344896, abs=1e-9)
+
+
+def test_mxfp4_model_within_25_percent_of_h200_measurements():
+    # the H200 profile's moe_mxfp4_* figures fitted to gpt-oss-20b's MXFP4 layer measured on an H200
+    # (benchmarks/planner_vs_h200.py --int4-results moe_layer_mxfp4_h200_fit_rows.json)
+    doc = json.loads(MXFP4_H200_RESULTS.read_text())
+    hw = load_hardware("h200-sxm")
+    assert (hw.moe_mxfp4_stream_efficiency, hw.moe_mxfp4_layer_fixed_us) == (0.5, 14.8)
+    assert [row["tokens"] for row in doc["rows"]] == [1, 2, 8]
+    for row in doc["rows"]:
+        predicted_us = predict_moe_layer_time(MoEDims(2880, 2880, 32, 4), row["tokens"], 32, hw, "mxfp4") * 1e3
+        assert 0.75 <= predicted_us / row["measured_us"] <= 1.25, (row, predicted_us)
 
 
 def test_mxfp4_model_within_25_percent_of_h100_measurements():
@@ -191,7 +215,8 @@ def test_mxfp4_model_within_25_percent_of_h100_measurements():
                      "--hardware h100-sxm --int4-results): " + "; ".join(off))
 
 
-@pytest.mark.parametrize("field", ["moe_w4a16_stream_efficiency", "mla_decode_read_efficiency"])
+@pytest.mark.parametrize("field", ["moe_w4a16_stream_efficiency", "moe_mxfp4_stream_efficiency",
+                                   "mla_decode_read_efficiency"])
 @pytest.mark.parametrize("value", [0, 1.01, 1.5, -0.1, "0.5", True, None])
 def test_profile_efficiency_outside_0_1_refused(field, value):
     doc = _h200_doc()
@@ -199,7 +224,7 @@ def test_profile_efficiency_outside_0_1_refused(field, value):
     with pytest.raises(ValueError, match=rf"bad.json: field '{field}' must be a number in \(0, 1\], got "):
         parse_hardware(doc, "bad.json")
     del doc[field]
-    assert getattr(parse_hardware(doc), field) == 1.0
+    assert getattr(parse_hardware(doc), field) == (None if field == "moe_mxfp4_stream_efficiency" else 1.0)
 
 
 def test_profile_efficiency_defaults():

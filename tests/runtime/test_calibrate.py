@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from epmoe.cli import main
-from epmoe.plan.hardware import load_hardware
-from epmoe.runtime.calibrate import CalibrationConfig, calibrate, message_sizes
+from epmoe.plan.hardware import load_hardware, parse_hardware
+from epmoe.runtime.calibrate import CalibrationConfig, build_profile, calibrate, message_sizes
 
 from ..conftest import CONFIGS
 
@@ -197,3 +197,17 @@ def test_cli_names_the_name_and_iters_flags(tmp_path, capsys):
     assert "--name must be a non-empty string, got ''" in capsys.readouterr().err
     assert main(["calibrate", "--nprocs", "2", "--iters", "100000", "--out", str(out)]) == 2
     assert "--iters must be at most 1000" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("base", ["h200-sxm", "h100-sxm"])
+def test_base_expert_kernel_figures_carried(base):
+    rows = [{"bytes": b, "all_reduce_ms": 0.01 + b / 1e8, "all_to_all_ms": 0.02 + b / 1e8} for b in (1024, 2**20)]
+    facts = {"bf16_flops_per_s": 5e14, "memory_bytes": 8e10, "hbm_bytes_per_s": 3e12}
+    doc = build_profile(rows, facts, 2, 1, "nccl", "GPU", CalibrationConfig(out="x.json", base=base))
+    ref = load_hardware(base)
+    hw = parse_hardware(doc)
+    for field in ("moe_w4a16_layer_fixed_us", "moe_w4a16_stream_efficiency", "moe_mxfp4_layer_fixed_us",
+                  "moe_mxfp4_stream_efficiency", "mla_decode_read_efficiency"):
+        assert getattr(hw, field) == getattr(ref, field), field
+    # the H200 profile has MXFP4 figures of its own, the H100 one prices MXFP4 on its W4A16 figures
+    assert (ref.moe_mxfp4_stream_efficiency is None) == (base == "h100-sxm")

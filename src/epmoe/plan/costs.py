@@ -368,7 +368,8 @@ def expert_layer_ms(
     ``w4a16`` matrix rate, ``moe_w4a16_layer_fixed_us``, and the weights and activations streamed at
     ``moe_w4a16_stream_efficiency`` of the bandwidth (fitted to the kernels' measurements by
     ``benchmarks/planner_vs_h200.py --int4-results``: the H200 profile to INT4 rows, the H100 profile to MXFP4
-    rows); block-FP8 experts (read as stored, widened to bf16 in registers) likewise the ``w8a16`` figures
+    rows), MXFP4 experts the ``moe_mxfp4_*`` figures where the profile has them (the H200 profile, fitted to
+    MXFP4 rows); block-FP8 experts (read as stored, widened to bf16 in registers) likewise the ``w8a16`` figures
     (``--fp8-results``).
     Overlap and fixed cost are fitted together to measurements (benchmarks/planner_vs_h200.py, the
     profile's sources). The H200 Triton kernels stream weight tiles while they multiply, but not
@@ -396,8 +397,14 @@ def expert_layer_ms(
     peak = hardware.flops_per_s(kind)
     bandwidth, fixed_us = hardware.hbm_bytes_per_s, hardware.moe_layer_fixed_us
     if kind in ("w4a16", "w8a16"):  # the quantized expert kernels' own figures, where the profile has them
-        bandwidth *= getattr(hardware, f"moe_{kind}_stream_efficiency")
+        efficiency = getattr(hardware, f"moe_{kind}_stream_efficiency")
         own_fixed = getattr(hardware, f"moe_{kind}_layer_fixed_us")
+        if weight_format == "mxfp4":  # MXFP4's own, where the profile has them
+            if hardware.moe_mxfp4_stream_efficiency is not None:
+                efficiency = hardware.moe_mxfp4_stream_efficiency
+            if hardware.moe_mxfp4_layer_fixed_us is not None:
+                own_fixed = hardware.moe_mxfp4_layer_fixed_us
+        bandwidth *= efficiency
         fixed_us = fixed_us if own_fixed is None else own_fixed
     stream_s = (weight_bytes + expert_activation_bytes(dims, rows, tp)) / bandwidth
     matrix_s = flops / peak

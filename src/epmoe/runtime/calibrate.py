@@ -321,8 +321,8 @@ def build_profile(rows: list[dict[str, float]], device_facts: dict[str, float], 
     }
     if base is not None:
         sources["base"] = (f"links not measured here, moe_layer_fixed_us, moe_stream_matrix_overlap, "
-                           f"dispatch_layout_fixed_us, the moe_w4a16_* figures and mla_decode_read_efficiency "
-                           f"copied from {base.path}")
+                           f"dispatch_layout_fixed_us, the moe_w4a16_* and moe_mxfp4_* figures and "
+                           f"mla_decode_read_efficiency copied from {base.path}")
     doc = {
         "format": HARDWARE_FORMAT, "name": cfg.name,
         "description": f"calibrated on {nodes} node(s) x {world_size // nodes} {gpu}",
@@ -334,6 +334,8 @@ def build_profile(rows: list[dict[str, float]], device_facts: dict[str, float], 
         **({"moe_w4a16_layer_fixed_us": base.moe_w4a16_layer_fixed_us}
            if base is not None and base.moe_w4a16_layer_fixed_us is not None else {}),
         "moe_w4a16_stream_efficiency": base.moe_w4a16_stream_efficiency if base else 1.0,
+        **{k: getattr(base, k) for k in ("moe_mxfp4_layer_fixed_us", "moe_mxfp4_stream_efficiency")
+           if base is not None and getattr(base, k) is not None},
         "mla_decode_read_efficiency": base.mla_decode_read_efficiency if base else 1.0,
         "links": links, "sources": sources, "measurements": rows,
     }

@@ -31,8 +31,8 @@ _TOP_FIELDS = (
     "format", "name", "description", "gpu", "gpus_per_node", "memory_bytes", "hbm_bytes_per_s",
     "matmul_flops_per_s", "moe_layer_fixed_us", "moe_stream_matrix_overlap", "dispatch_layout_fixed_us", "links",
     "engine_step_us", "engine_layer_step_us", "engine_seq_step_us", "moe_w4a16_layer_fixed_us",
-    "moe_w4a16_stream_efficiency", "moe_w8a16_layer_fixed_us", "moe_w8a16_stream_efficiency",
-    "mla_decode_read_efficiency", "sources", "measurements",
+    "moe_w4a16_stream_efficiency", "moe_mxfp4_layer_fixed_us", "moe_mxfp4_stream_efficiency",
+    "moe_w8a16_layer_fixed_us", "moe_w8a16_stream_efficiency", "mla_decode_read_efficiency", "sources", "measurements",
 )
 _LINK_KINDS = ("intra_node", "inter_node")
 _LINK_CURVES = ("all_reduce_ms_by_bytes", "all_to_all_ms_by_bytes")
@@ -99,6 +99,9 @@ class HardwareProfile:
             file: ``None``, the bf16 figure.
         moe_w4a16_stream_efficiency: the share, in ``(0, 1]``, of ``hbm_bytes_per_s`` at which the INT4 expert
             kernels stream their weights; absent from a file: 1.0.
+        moe_mxfp4_layer_fixed_us, moe_mxfp4_stream_efficiency: the same two figures for a layer of MXFP4 experts,
+            whose kernels (the same W4A16 kernels with tiles and widening of their own) may stream at another
+            share; absent from a file: ``None``, the ``moe_w4a16_*`` figure.
         moe_w8a16_layer_fixed_us, moe_w8a16_stream_efficiency: the same two figures for a layer of block-FP8
             experts (served as stored).
         mla_decode_read_efficiency: the share, in ``(0, 1]``, of ``hbm_bytes_per_s`` at which the engine's MLA
@@ -129,6 +132,8 @@ class HardwareProfile:
     engine_seq_step_us: float = 0.0
     moe_w4a16_layer_fixed_us: float | None = None
     moe_w4a16_stream_efficiency: float = 1.0
+    moe_mxfp4_layer_fixed_us: float | None = None
+    moe_mxfp4_stream_efficiency: float | None = None
     moe_w8a16_layer_fixed_us: float | None = None
     moe_w8a16_stream_efficiency: float = 1.0
     mla_decode_read_efficiency: float = 1.0
@@ -313,6 +318,10 @@ def parse_hardware(doc: dict[str, Any], source: str = "<dict>") -> HardwareProfi
         moe_w4a16_layer_fixed_us=(_number(doc, "moe_w4a16_layer_fixed_us", source, strict=False)
                                   if "moe_w4a16_layer_fixed_us" in doc else None),
         moe_w4a16_stream_efficiency=efficiency,
+        moe_mxfp4_layer_fixed_us=(_number(doc, "moe_mxfp4_layer_fixed_us", source, strict=False)
+                                  if "moe_mxfp4_layer_fixed_us" in doc else None),
+        moe_mxfp4_stream_efficiency=(_share(doc, "moe_mxfp4_stream_efficiency", source)
+                                     if "moe_mxfp4_stream_efficiency" in doc else None),
         moe_w8a16_layer_fixed_us=(_number(doc, "moe_w8a16_layer_fixed_us", source, strict=False)
                                   if "moe_w8a16_layer_fixed_us" in doc else None),
         moe_w8a16_stream_efficiency=fp8_efficiency,
