@@ -372,6 +372,8 @@ def peer(model_dir: Path, batches: list[int], mode: str, steps: int, out: dict, 
             out[bs] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
         saved()
     del model
+    if mode == "static":  # the compiled graphs hold the model's weights: drop them, or the next model may not fit
+        torch._dynamo.reset()
     gc.collect()
     torch.cuda.empty_cache()
 
