@@ -51,6 +51,7 @@ from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
 from epmoe.experts.mxfp4 import MXFP4_BLOCK, MXFP4ExpertWeights
 from epmoe.experts.triton.align_kernels import align_triton
 from epmoe.experts.triton.decode import DECODE_MAX_PAIRS, decode_experts, gated_activation
+from epmoe.experts.triton.pdl import pdl_launch
 from epmoe.experts.triton.w4a16 import (
     nibble_major,
     nibble_major_cols,
@@ -312,9 +313,13 @@ def _down_kernel(
 
 
 @triton.jit
-def sum_pairs_kernel(y_ptr, slots_ptr, out_ptr, D, top_k, num_slots, BLOCK_D: tl.constexpr):
+def sum_pairs_kernel(y_ptr, slots_ptr, out_ptr, D, top_k, num_slots, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Grid ``(T, cdiv(D, BLOCK_D))``: ``out[t] = sum_k y[t * K + k]`` (``y [N, D]``, ``out [T, D]`` contiguous) over
-    the ``k`` whose slot is in ``[0, S)``, in a fixed order; shared with the INT4 kernels."""
+    the ``k`` whose slot is in ``[0, S)``, in a fixed order; shared with the INT4 kernels. With ``PDL`` the kernel
+    after it (the next layer's norm or q/k/v projection, a dependent launch that waits for this one before it reads
+    ``out``) may be placed at its start and request its weights meanwhile."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs < D
@@ -324,6 +329,17 @@ def sum_pairs_kernel(y_ptr, slots_ptr, out_ptr, D, top_k, num_slots, BLOCK_D: tl
         here = (sl >= 0) & (sl < num_slots)
         acc += tl.load(y_ptr + (t * top_k + k) * D + offs, mask=d_ok & here, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * D + offs, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def sum_pairs(y: torch.Tensor, topk_slots: torch.Tensor, out: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """``out [T, D]`` = the sum over each token's ``K`` pairs of ``y [T * K, D]`` float32 (pairs whose slot is outside
+    ``[0, num_slots)`` left out), by ``sum_pairs_kernel``; ``topk_slots [T, K]`` int64 contiguous. Returns ``out``."""
+    t, k = topk_slots.shape
+    d = out.shape[1]
+    block_d = min(1024, triton.next_power_of_2(d))
+    sum_pairs_kernel[(t, triton.cdiv(d, block_d))](y, topk_slots, out, d, k, num_slots, BLOCK_D=block_d,
+                                                   PDL=pdl_launch(out))
+    return out
 
 
 def act_code(activation: Activation) -> int:
@@ -476,8 +492,7 @@ def grouped_experts(
         FP8=fp8, HAS_BIAS=weights.b2 is not None, WEIGHT_ON_INPUT=weight_on_input, TMA=tma, HALF_TAIL=half, GW=gw,
         SWAP_AB=cfg.swap_ab, WIDEN=widen, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    block_d = min(1024, triton.next_power_of_2(d))
-    sum_pairs_kernel[(t, triton.cdiv(d, block_d))](y, topk_slots, out, d, k, s, BLOCK_D=block_d)
+    sum_pairs(y, topk_slots, out, s)
     return out
 
 

@@ -40,7 +40,7 @@ so a thread's part of ``B_j`` is also consecutive in memory (16-byte loads) and 
    weight (on the input), the gated activation; ``h`` stored per sorted position.
 3. ``_down_kernel``, grid ``SPLIT_MAX * NB * cdiv(D, BLOCK_N2)``: ``w2`` rows against the block's ``h`` rows, bias,
    routing weight (on the output), ``y [N, D]`` float32 at each pair's row.
-4. ``grouped.sum_pairs_kernel``: ``out[t] = sum_k y[t K + k]``.
+4. ``grouped.sum_pairs``: ``out[t] = sum_k y[t K + k]``.
 
 Split reduction. When a launch has few row blocks (decode; ``SPLIT_MAX > 1``), the programs of the active blocks
 count them and split each tile's reduction ``split`` ways so that the GPU is filled (``_split``); each split stores
@@ -70,7 +70,7 @@ from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
 from epmoe.experts.mxfp4 import MXFP4ExpertWeights
 from epmoe.experts.triton.align_kernels import align_triton
 from epmoe.experts.triton.decode import gated_activation
-from epmoe.experts.triton.grouped import act_code, packed_scales, packed_words, sum_pairs_kernel
+from epmoe.experts.triton.grouped import act_code, packed_scales, packed_words, sum_pairs
 from epmoe.experts.triton.w4a16 import E2M1_LANES_PTX, row_strides
 from epmoe.experts.weights import Activation, check_expert_call
 
@@ -877,9 +877,7 @@ def packed_mma_experts(
         EVEN=(f // INT4_PACK) % cfg.block_kw2 == 0 and d % cfg.block_n2 == 0, NB_PAD=nb_pad, SPLIT_MAX=split2,
         TARGET=target, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
-    block_d = min(1024, triton.next_power_of_2(d))
-    sum_pairs_kernel[(t, triton.cdiv(d, block_d))](y, topk_slots, out, d, k, s, BLOCK_D=block_d)
-    return out
+    return sum_pairs(y, topk_slots, out, s)
 
 
 def _split_workspace(split_max: int, nb: int, tiles: int, values: int, target: int,

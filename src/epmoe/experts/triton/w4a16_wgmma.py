@@ -40,7 +40,7 @@ weights are read and widened once, as for a whole block.
    position in the operand order of the down kernel's steps (zero-padded to whole steps).
 3. ``_down_kernel``, grid ``NB * cdiv(D, block_n2)``: ``w2`` rows against the block's ``h`` rows (consecutive sorted
    positions), bias, routing weight (on the output), ``y [N, D]`` float32 at each pair's row.
-4. ``grouped.sum_pairs_kernel``: ``out[t] = sum_k y[t K + k]``.
+4. ``grouped.sum_pairs``: ``out[t] = sum_k y[t K + k]``.
 
 Static grids, no host synchronisation: CUDA-graph safe. ``wgmma`` and ``cp.async``: compute capability 9.0 (Hopper);
 bf16 activations only. No split reduction: this is the prefill kernel (many row blocks); decode sizes take
@@ -67,7 +67,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
 from epmoe.experts.mxfp4 import MXFP4ExpertWeights
 from epmoe.experts.triton.align_kernels import align_triton
-from epmoe.experts.triton.grouped import act_code, packed_scales, packed_words, sum_pairs_kernel
+from epmoe.experts.triton.grouped import act_code, packed_scales, packed_words, sum_pairs
 from epmoe.experts.triton.w4a16 import row_strides
 from epmoe.experts.triton.w4a16_mma import (
     block_rows,
@@ -603,6 +603,4 @@ def packed_wgmma_experts(
         NUM_WARPS=nw, HAS_BIAS=weights.b2 is not None, WEIGHT_ON_INPUT=weight_on_input,
         EVEN=(f // INT4_PACK) % cfg.block_kw2 == 0 and d % n2 == 0, TAIL=tail, num_warps=nw,
     )
-    block_d = min(1024, triton.next_power_of_2(d))
-    sum_pairs_kernel[(t, triton.cdiv(d, block_d))](y, topk_slots, out, d, k, s, BLOCK_D=block_d)
-    return out
+    return sum_pairs(y, topk_slots, out, s)
