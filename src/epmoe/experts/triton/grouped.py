@@ -51,7 +51,6 @@ from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
 from epmoe.experts.mxfp4 import MXFP4_BLOCK, MXFP4ExpertWeights
 from epmoe.experts.triton.align_kernels import align_triton
 from epmoe.experts.triton.decode import DECODE_MAX_PAIRS, decode_experts, gated_activation
-from epmoe.experts.triton.pdl import pdl_launch
 from epmoe.experts.triton.w4a16 import (
     nibble_major,
     nibble_major_cols,
@@ -313,13 +312,9 @@ def _down_kernel(
 
 
 @triton.jit
-def sum_pairs_kernel(y_ptr, slots_ptr, out_ptr, D, top_k, num_slots, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def sum_pairs_kernel(y_ptr, slots_ptr, out_ptr, D, top_k, num_slots, BLOCK_D: tl.constexpr):
     """Grid ``(T, cdiv(D, BLOCK_D))``: ``out[t] = sum_k y[t * K + k]`` (``y [N, D]``, ``out [T, D]`` contiguous) over
-    the ``k`` whose slot is in ``[0, S)``, in a fixed order; shared with the INT4 kernels. With ``PDL`` the kernel
-    after it (the next layer's norm or q/k/v projection, a dependent launch that waits for this one before it reads
-    ``out``) may be placed at its start and request its weights meanwhile."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    the ``k`` whose slot is in ``[0, S)``, in a fixed order (``sum_pairs``)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs < D
@@ -337,8 +332,7 @@ def sum_pairs(y: torch.Tensor, topk_slots: torch.Tensor, out: torch.Tensor, num_
     t, k = topk_slots.shape
     d = out.shape[1]
     block_d = min(1024, triton.next_power_of_2(d))
-    sum_pairs_kernel[(t, triton.cdiv(d, block_d))](y, topk_slots, out, d, k, num_slots, BLOCK_D=block_d,
-                                                   PDL=pdl_launch(out))
+    sum_pairs_kernel[(t, triton.cdiv(d, block_d))](y, topk_slots, out, d, k, num_slots, BLOCK_D=block_d)
     return out
 
 
