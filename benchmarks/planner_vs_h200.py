@@ -34,7 +34,8 @@ the profile's values. After a new ``moe_layer.py`` run, copy them into ``moe_str
 of the path the backend takes now for the row's size on an H200 (``int4.int4_path`` and
 ``w4a16_mma.default_mma_config``, so this mode imports Triton), an MXFP4 row's the backend's in that run (``mxfp4``);
 the prediction is ``predict_moe_layer_time`` with ``int4_group32`` or ``mxfp4`` weights, and the fit is of the
-profile's three W4A16 figures, the stream
+profile's three W4A16 figures (MXFP4 rows alone in a profile with ``moe_mxfp4_*`` figures: those two and the rate;
+rows of a few tokens do not determine the rate, and the fit then says so), the stream
 efficiency (grid of step 0.01 over [0.5, 1]), the ``w4a16`` matrix rate (grid of 2 TFLOP/s steps) and the fixed
 per-layer cost (closed form), at the profile's overlap; copy them into ``moe_w4a16_stream_efficiency``,
 ``matmul_flops_per_s.w4a16`` and ``moe_w4a16_layer_fixed_us``. Writes ``planner_vs_h200_int4.json`` next to the results
@@ -247,8 +248,9 @@ def main_packed(args, kind: str) -> int:
     outside = [e for e in entries if abs(e["ratio"] - 1) > TARGET]
     out = Path(args.out) if args.out else path.with_name(f"planner_vs_h200_{'int4' if kind == 'w4a16' else 'fp8'}"
                                                          f".json")
-    # MXFP4 rows alone fit the profile's moe_mxfp4_* figures (the moe_w4a16_* ones where it has none)
-    figures = "mxfp4" if kind == "w4a16" and not results.get("int4_rows") else kind
+    # MXFP4 rows alone are priced with, and fit, the profile's moe_mxfp4_* figures where it has them
+    own = hw.moe_mxfp4_stream_efficiency is not None or hw.moe_mxfp4_layer_fixed_us is not None
+    figures = "mxfp4" if kind == "w4a16" and not results.get("int4_rows") and own else kind
     profile_eff, profile_fixed = (getattr(hw, f"moe_{kind}_{f}") for f in ("stream_efficiency", "layer_fixed_us"))
     if figures == "mxfp4":
         profile_eff = profile_eff if hw.moe_mxfp4_stream_efficiency is None else hw.moe_mxfp4_stream_efficiency
@@ -269,8 +271,9 @@ def main_packed(args, kind: str) -> int:
         print(f"{e['case']:15} {e['tokens']:5d} {e['active_measured'] or 0:4d} {e['active_expected']:6.1f} "
               f"{e['measured_us']:9.1f} {e['predicted_us']:9.1f} {e['ratio']:6.2f}{flag}")
     print(f"{len(entries) - len(outside)}/{len(entries)} rows within {TARGET:.0%}")
-    print(f"least-squares fit: stream efficiency {eff:.2f}, {kind} {rate / 1e12:.0f} TFLOP/s, fixed {fixed:.1f} us; "
-          f"sum of squared relative errors {sse:.4f} (the profile's figures: moe_{figures}_stream_efficiency, "
+    bound = " (the grid's bound: these rows do not determine the rate)" if rate in (RATE_GRID[0], RATE_GRID[-1]) else ""
+    print(f"least-squares fit: stream efficiency {eff:.2f}, {kind} {rate / 1e12:.0f} TFLOP/s{bound}, fixed {fixed:.1f} "
+          f"us; sum of squared relative errors {sse:.4f} (the profile's figures: moe_{figures}_stream_efficiency, "
           f"moe_{figures}_layer_fixed_us, matmul_flops_per_s.{kind})")
     print(f"wrote {out}")
     return 1 if args.check and outside else 0
@@ -372,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="output JSON (default: planner_vs_h200.json next to --results)")
     p.add_argument("--check", action="store_true", help=f"exit 1 when a row is off by more than {TARGET * 100:.0f}%%")
     p.add_argument("--int4-results", help="an INT4 or MXFP4 moe_layer.py results JSON: those rows and the fit of the "
-                   "W4A16 figures instead")
+                   "W4A16 figures instead (MXFP4 rows alone: of the profile's moe_mxfp4_* figures where it has them)")
     p.add_argument("--fp8-results", help="a bf16 moe_layer.py results JSON whose rows timed block-FP8 weights "
                    "(fp8_us): those and the fit of the W8A16 figures instead")
     args = p.parse_args(argv)
