@@ -1,5 +1,5 @@
 """The engine end to end on one GPU: decode step time (TPOT) and TTFT against the floor and against
-transformers' own ``generate`` on the same model, in the same run.
+transformers' own ``generate`` on the same model, in the same run (``--device cpu``: the speculation rows only).
 
     python benchmarks/engine.py [--models qwen3-30b-a3b,deepseek-v3,kimi-k2.5] [--batches 1,8,64,256]
                                 [--peer static|eager|none] [--expert-format bf16,int4,mxfp4,fp8] [--out DIR]
@@ -870,20 +870,26 @@ def check_decode_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if extra:
         ap.error(f"--peer-batches {extra} are not among --batches {args.batches!r} (the table compares the peer "
                  f"with the engine's rows)")
-    missing = [m for m in args.models.split(",") if not (CONFIGS / f"{m}.config.json").is_file()]
+    missing = [m for m in args.models.split(",") if m not in model_names()]
     if missing:
-        known = sorted(f.name.removesuffix(".config.json") for f in CONFIGS.glob("*.config.json"))
-        ap.error(f"--models {missing} have no config under {CONFIGS} (known: {', '.join(known)})")
+        ap.error(f"--models {missing} have no model config under {CONFIGS} (known: {', '.join(model_names())})")
     for flag, value in (("--deepseek-layers", args.deepseek_layers), ("--kimi-layers", args.kimi_layers)):
         if value < 1:
             ap.error(f"{flag} must be at least 1, got {value}")
+
+
+def model_names() -> list[str]:
+    """The models ``--models`` takes: the ``data/configs`` files of MoE models (not the EAGLE-3 drafts'), by name."""
+    return sorted(f.name.removesuffix(".config.json") for f in CONFIGS.glob("*.config.json")
+                  if not f.name.startswith("eagle3-draft-"))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "),
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--models", default="qwen3-30b-a3b,deepseek-v3",
-                    help="configs of data/configs to build with dummy weights, comma-separated")
+                    help="configs of data/configs to build with dummy weights, comma-separated, among: "
+                         + ", ".join(model_names()))
     ap.add_argument("--batches", default="1,8,64,256", help="decode batch sizes timed (TPOT rows)")
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed a batch size")
     ap.add_argument("--temperature", type=float, default=0.0,
@@ -900,8 +906,10 @@ def main() -> None:
                     help="Kimi-K2.5 decoder layers (4: the dense one and 3 MoE layers, 100.6 GiB in bf16; 5 take "
                          "132.4 GiB, over the engine's mem_fraction_static 0.9 of an H200)")
     ap.add_argument("--expert-format", default="bf16",
-                    help="the published expert formats kept, comma-separated (int4: Kimi-K2.5, mxfp4: gpt-oss, fp8); "
-                         "models published in another get bf16 dummy experts (bf16 alone: every model)")
+                    help="the published routed-expert formats to keep, comma-separated: a model whose config.json "
+                         "names one of them (int4: Kimi-K2.5's INT4, mxfp4: gpt-oss's MXFP4, fp8: DeepSeek-V3's "
+                         "block FP8) gets dummy experts in it, every other model bf16 experts (bf16 alone: every "
+                         "model in bf16)")
     ap.add_argument("--peer", default="eager,static", help="transformers modes to time: eager, static, none")
     ap.add_argument("--peer-batches", default="1,8,64,256",
                     help="batch sizes (among --batches) the peer is timed at, for every --peer mode (1,8) or per "

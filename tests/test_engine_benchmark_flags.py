@@ -138,7 +138,13 @@ def test_decode_flags_unused_are_not_checked_and_unknown_models_are_named(script
     with pytest.raises(SystemExit):
         script.main()
     err = capsys.readouterr().err
-    assert "error: --models ['nope'] have no config under" in err and "qwen3-30b-a3b" in err.split("known:")[1]
+    assert "error: --models ['nope'] have no model config under" in err and "qwen3-30b-a3b" in err.split("known:")[1]
+    assert "eagle3-draft" not in err  # the drafts' configs are not models the script builds
+    # a draft's config is not taken as a model either
+    monkeypatch.setattr(sys, "argv", ["engine.py", "--models", "eagle3-draft-qwen3-30b-a3b-specforge"])
+    with pytest.raises(SystemExit):
+        script.main()
+    assert "have no model config under" in capsys.readouterr().err
 
 
 def test_expert_format_keeps_only_the_formats_it_names(script, tmp_path):
