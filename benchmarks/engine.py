@@ -928,7 +928,8 @@ def main() -> None:
     ap.add_argument("--spec", action="store_true", help="only the speculation rows")
     ap.add_argument("--spec-model", default=None, help="checkpoint of the speculation rows (None: Qwen3-30B-A3B, "
                                                       "dummy weights)")
-    ap.add_argument("--eagle3-config", default=str(CONFIGS / "eagle3-draft-qwen3-30b-a3b-specforge.config.json"),
+    ap.add_argument("--eagle3-config",
+                    default=os.path.relpath(CONFIGS / "eagle3-draft-qwen3-30b-a3b-specforge.config.json"),
                     help="config.json of the EAGLE-3 draft of the speculation rows (random weights)")
     ap.add_argument("--spec-batches", default="1,16", help="batch sizes of the speculation rows")
     ap.add_argument("--spec-k", default="1,3", help="draft tokens a step of the speculation rows")

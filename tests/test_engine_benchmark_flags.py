@@ -4,6 +4,7 @@ the run."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -58,7 +59,7 @@ def test_bad_speculation_flags_are_named_with_exit_2(script, tmp_path, monkeypat
     (tmp_path / "ckpt" / "config.json").write_text("{}")
     (tmp_path / "small").mkdir()
     (tmp_path / "small" / "config.json").write_text('{"hidden_size": 64, "vocab_size": 259}')
-    eagle = str(script.CONFIGS / "eagle3-draft-qwen3-30b-a3b-specforge.config.json")
+    eagle = os.path.relpath(script.CONFIGS / "eagle3-draft-qwen3-30b-a3b-specforge.config.json")  # the default
     built = []
     monkeypatch.setattr(script, "spec_rows", lambda *a: built.append(a))  # nothing may be built
     out = [] if "--out" in args else ["--out", str(tmp_path / "out")]
