@@ -870,9 +870,10 @@ def check_decode_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if extra:
         ap.error(f"--peer-batches {extra} are not among --batches {args.batches!r} (the table compares the peer "
                  f"with the engine's rows)")
-    missing = [m for m in args.models.split(",") if m not in model_names()]
+    known = model_names()
+    missing = [m for m in args.models.split(",") if m not in known]
     if missing:
-        ap.error(f"--models {missing} have no model config under {CONFIGS} (known: {', '.join(model_names())})")
+        ap.error(f"--models {missing} have no model config under {CONFIGS} (known: {', '.join(known)})")
     for flag, value in (("--deepseek-layers", args.deepseek_layers), ("--kimi-layers", args.kimi_layers)):
         if value < 1:
             ap.error(f"{flag} must be at least 1, got {value}")

@@ -36,7 +36,7 @@ of the path the backend takes now for the row's size on an H200 (``int4.int4_pat
 the prediction is ``predict_moe_layer_time`` with ``int4_group32`` or ``mxfp4`` weights, and the fit is of the
 profile's three W4A16 figures (MXFP4 rows alone in a profile with ``moe_mxfp4_*`` figures: those two and the rate;
 rows of a few tokens do not determine the rate, and the fit then says so), the stream
-efficiency (grid of step 0.01 over [0.5, 1]), the ``w4a16`` matrix rate (grid of 2 TFLOP/s steps) and the fixed
+efficiency (grid of step 0.01 over [0.3, 1]), the ``w4a16`` matrix rate (grid of 2 TFLOP/s steps) and the fixed
 per-layer cost (closed form), at the profile's overlap; copy them into ``moe_w4a16_stream_efficiency``,
 ``matmul_flops_per_s.w4a16`` and ``moe_w4a16_layer_fixed_us``. Writes ``planner_vs_h200_int4.json`` next to the results
 file (or ``--out``), which the CPU tests read.
@@ -251,10 +251,7 @@ def main_packed(args, kind: str) -> int:
     # MXFP4 rows alone are priced with, and fit, the profile's moe_mxfp4_* figures where it has them
     own = hw.moe_mxfp4_stream_efficiency is not None or hw.moe_mxfp4_layer_fixed_us is not None
     figures = "mxfp4" if kind == "w4a16" and not results.get("int4_rows") and own else kind
-    profile_eff, profile_fixed = (getattr(hw, f"moe_{kind}_{f}") for f in ("stream_efficiency", "layer_fixed_us"))
-    if figures == "mxfp4":
-        profile_eff = profile_eff if hw.moe_mxfp4_stream_efficiency is None else hw.moe_mxfp4_stream_efficiency
-        profile_fixed = profile_fixed if hw.moe_mxfp4_layer_fixed_us is None else hw.moe_mxfp4_layer_fixed_us
+    profile_eff, profile_fixed = hw.quantized_expert_figures(kind, mxfp4=figures == "mxfp4")
     doc = {"results": path.name, "device": results.get("device"), "hardware": hw.name,
            f"moe_{figures}_stream_efficiency": profile_eff, f"{kind}_flops_per_s": hw.flops_per_s(kind),
            f"moe_{figures}_layer_fixed_us": profile_fixed,

@@ -397,15 +397,8 @@ def expert_layer_ms(
     peak = hardware.flops_per_s(kind)
     bandwidth, fixed_us = hardware.hbm_bytes_per_s, hardware.moe_layer_fixed_us
     if kind in ("w4a16", "w8a16"):  # the quantized expert kernels' own figures, where the profile has them
-        efficiency = getattr(hardware, f"moe_{kind}_stream_efficiency")
-        own_fixed = getattr(hardware, f"moe_{kind}_layer_fixed_us")
-        if weight_format == "mxfp4":  # MXFP4's own, where the profile has them
-            if hardware.moe_mxfp4_stream_efficiency is not None:
-                efficiency = hardware.moe_mxfp4_stream_efficiency
-            if hardware.moe_mxfp4_layer_fixed_us is not None:
-                own_fixed = hardware.moe_mxfp4_layer_fixed_us
+        efficiency, fixed_us = hardware.quantized_expert_figures(kind, mxfp4=weight_format == "mxfp4")
         bandwidth *= efficiency
-        fixed_us = fixed_us if own_fixed is None else own_fixed
     stream_s = (weight_bytes + expert_activation_bytes(dims, rows, tp)) / bandwidth
     matrix_s = flops / peak
     overlapped_s = max(stream_s, matrix_s) + (1.0 - hardware.moe_stream_matrix_overlap) * min(stream_s, matrix_s)

@@ -142,6 +142,17 @@ class HardwareProfile:
         """Achievable matrix throughput for compute dtype ``dtype`` (falls back to ``bf16``), FLOP/s."""
         return self.matmul_flops_per_s.get(dtype, self.matmul_flops_per_s["bf16"])
 
+    def quantized_expert_figures(self, kind: str, mxfp4: bool = False) -> tuple[float, float]:
+        """``(stream efficiency, fixed us a layer)`` of the quantized expert kernels of compute dtype ``kind``
+        (``w4a16`` or ``w8a16``): the ``moe_{kind}_*`` figures, for MXFP4 experts (``mxfp4``) the ``moe_mxfp4_*`` ones
+        where the profile has them, and the bf16 ``moe_layer_fixed_us`` where it has no fixed cost of the kind."""
+        efficiency = getattr(self, f"moe_{kind}_stream_efficiency")
+        fixed = getattr(self, f"moe_{kind}_layer_fixed_us")
+        if mxfp4:
+            efficiency = efficiency if self.moe_mxfp4_stream_efficiency is None else self.moe_mxfp4_stream_efficiency
+            fixed = fixed if self.moe_mxfp4_layer_fixed_us is None else self.moe_mxfp4_layer_fixed_us
+        return efficiency, self.moe_layer_fixed_us if fixed is None else fixed
+
 
 def hardware_names() -> list[str]:
     """Names of the shipped profiles, sorted."""
