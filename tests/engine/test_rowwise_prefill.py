@@ -48,3 +48,40 @@ def test_rows_equal_the_chunk_cpu(opts):
 @pytest.mark.parametrize("opts", OPTIONS, ids=["causal", "window", "chunk", "sinks"])
 def test_rows_equal_the_chunk_cuda_bf16(opts):
     _check(opts, "cuda", torch.bfloat16, 3e-2)
+
+
+def _sink_reference(q, k, v, start, scale, window, chunk, sinks):
+    """Sink attention over all of a chunk's queries and keys at once, in float64."""
+    n, h, _ = q.shape
+    ctx, hkv = k.shape[0], k.shape[1]
+    qpos, kpos = torch.arange(start, start + n)[:, None], torch.arange(ctx)[None, :]
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed &= kpos > qpos - window
+    if chunk is not None:
+        allowed &= kpos // chunk == qpos // chunk
+    kh = k.double().repeat_interleave(h // hkv, dim=1).transpose(0, 1)
+    vh = v.double().repeat_interleave(h // hkv, dim=1).transpose(0, 1)
+    logits = (q.double().transpose(0, 1) @ kh.transpose(1, 2) * scale).masked_fill(~allowed, float("-inf"))
+    full = torch.cat([logits, sinks.double().reshape(h, 1, 1).expand(h, n, 1)], dim=-1)
+    return (torch.softmax(full, dim=-1)[..., :-1] @ vh).transpose(0, 1)
+
+
+@pytest.mark.parametrize("opts", OPTIONS[:3], ids=["causal", "window", "chunk"])
+@pytest.mark.parametrize("budget", [None, 1, 3 * 4 * 4 * 30])  # whole; one query a block; three queries a block
+def test_sink_attention_in_query_blocks_equals_all_at_once(opts, budget, monkeypatch):
+    # the sink path takes its queries in blocks of at most SINK_LOGITS_BYTES of logits, each block over the keys its
+    # window or chunk allows: the same values as the whole chunk's softmax at once
+    from epmoe.engine import attention
+
+    if budget is not None:
+        monkeypatch.setattr(attention, "SINK_LOGITS_BYTES", budget)
+    g = torch.Generator().manual_seed(5)
+    h, hkv, d, start, n = 4, 2, 16, 19, 11
+    q, k, v = (torch.randn(*shape, generator=g) for shape in ((n, h, d), (start + n, hkv, d), (start + n, hkv, d)))
+    sinks = torch.randn(h, generator=g) * 2
+    window, chunk = opts.get("sliding_window"), opts.get("chunk_size")
+    got = dense_attention(q, k, v, start, d ** -0.5, sliding_window=window, chunk_size=chunk, sinks=sinks)
+    assert got.shape == (n, h, d) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), _sink_reference(q, k, v, start, d ** -0.5, window, chunk, sinks),
+                               rtol=1e-5, atol=1e-5)

@@ -109,6 +109,12 @@ def _chunk_size(module) -> int | None:
     return None
 
 
+SINK_LOGITS_BYTES = 256 << 20
+"""``dense_attention`` with sinks computes its float32 logits for as many queries at a time as fit this many bytes
+(at least one query): a 4096-token gpt-oss prompt would otherwise hold ``[64 heads, 4096, 4096]`` logits, 4 GiB, and
+copies of them, at once."""
+
+
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, scale: float, *,
                     sliding_window: int | None = None, chunk_size: int | None = None,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -119,40 +125,73 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos
         k: ``[start_pos + n, Hkv, Dk]`` keys at positions ``0 ..``; v: ``[start_pos + n, Hkv, Dv]``.
         start_pos: position of the first query.
         scale: multiplier of ``q . k``.
-        sliding_window, chunk_size, sinks: as in ``paged_decode.paged_decode_attention``.
+        sliding_window, chunk_size, sinks: as in ``paged_decode.paged_decode_attention``. With ``sinks`` the
+            softmax is taken in float32 over query blocks of at most ``SINK_LOGITS_BYTES`` of logits, each over the
+            keys its window or chunk allows.
 
     Returns:
         ``[n, H, Dv]`` in ``q.dtype``.
     """
     n, h, _ = q.shape
-    ctx, hkv = k.shape[0], k.shape[1]
+    if sinks is not None:
+        return _sink_attention(q, k, v, start_pos, scale, sliding_window, chunk_size, sinks)
+    ctx = k.shape[0]
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, Dk]: 4-D, so SDPA can pick its fused kernels
     kh = k.transpose(0, 1).unsqueeze(0)
     vh = v.transpose(0, 1).unsqueeze(0)
-    gqa = h != hkv
-    if sinks is None and start_pos == 0 and sliding_window is None and chunk_size is None:
+    gqa = h != k.shape[1]
+    if start_pos == 0 and sliding_window is None and chunk_size is None:
         # a whole prompt from its start: plain causal attention, no mask to build (a prefill runs this per layer)
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
         return out[0].transpose(0, 1)
-    qpos = torch.arange(start_pos, start_pos + n, device=q.device).unsqueeze(1)
-    kpos = torch.arange(ctx, device=q.device).unsqueeze(0)
+    allowed = _allowed(start_pos, n, 0, ctx, sliding_window, chunk_size, q.device)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+    return out[0].transpose(0, 1)
+
+
+def _allowed(start_pos: int, n: int, lo: int, hi: int, sliding_window: int | None, chunk_size: int | None,
+             device: torch.device) -> torch.Tensor:
+    """``[n, hi - lo]`` bool: which of the keys at positions ``lo .. hi - 1`` each query at ``start_pos ..
+    start_pos + n - 1`` attends (causal, within its window and its chunk)."""
+    qpos = torch.arange(start_pos, start_pos + n, device=device).unsqueeze(1)
+    kpos = torch.arange(lo, hi, device=device).unsqueeze(0)
     allowed = kpos <= qpos
     if sliding_window is not None:
         allowed &= kpos > qpos - sliding_window
     if chunk_size is not None:
         allowed &= (kpos // chunk_size) == (qpos // chunk_size)
-    if sinks is None:
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale, enable_gqa=gqa)
-        return out[0].transpose(0, 1)
-    kh = kh[0].repeat_interleave(h // hkv, dim=0)
-    vh = vh[0].repeat_interleave(h // hkv, dim=0)
-    qh = qh[0]
-    logits = torch.matmul(qh.float(), kh.float().transpose(1, 2)) * scale
-    logits = logits.masked_fill(~allowed, float("-inf"))
-    sink = sinks.float().reshape(h, 1, 1).expand(h, n, 1)
-    full = torch.cat([logits, sink], dim=-1)
-    probs = torch.softmax(full - full.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
-    return torch.matmul(probs, vh.float()).to(q.dtype).transpose(0, 1)
+    return allowed
+
+
+def _sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, scale: float,
+                    sliding_window: int | None, chunk_size: int | None, sinks: torch.Tensor) -> torch.Tensor:
+    """``dense_attention`` with gpt-oss's sinks (a per-head logit in the softmax's denominator and no value), in
+    float32, a block of queries at a time over the keys the block may attend."""
+    n, h, dk = q.shape
+    hkv, dv = k.shape[1], v.shape[-1]
+    rep = h // hkv
+    out = q.new_empty(n, h, dv)
+    rows = max(1, SINK_LOGITS_BYTES // (4 * h * k.shape[0]))
+    sink = sinks.float().reshape(hkv, rep, 1, 1)
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        first, last = start_pos + a, start_pos + b - 1
+        lo = 0
+        if sliding_window is not None:
+            lo = max(lo, first - sliding_window + 1)
+        if chunk_size is not None:
+            lo = max(lo, first // chunk_size * chunk_size)
+        hi = last + 1
+        # query head i reads key head i // rep: [Hkv, rep * rows, Dk] against [Hkv, Dk, keys]
+        qb = q[a:b].float().reshape(b - a, hkv, rep, dk).permute(1, 2, 0, 3).reshape(hkv, rep * (b - a), dk)
+        logits = torch.matmul(qb, k[lo:hi].float().permute(1, 2, 0)).reshape(hkv, rep, b - a, hi - lo) * scale
+        allowed = _allowed(first, b - a, lo, hi, sliding_window, chunk_size, q.device)
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        full = torch.cat([logits, sink.expand(hkv, rep, b - a, 1)], dim=-1)
+        probs = torch.softmax(full - full.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+        ob = torch.matmul(probs.reshape(hkv, rep * (b - a), hi - lo), v[lo:hi].float().transpose(0, 1))
+        out[a:b] = ob.reshape(hkv, rep, b - a, dv).permute(2, 0, 1, 3).reshape(b - a, h, dv).to(q.dtype)
+    return out
 
 
 def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
