@@ -86,7 +86,12 @@ from epmoe.experts.triton.int4 import (
     int4_grouped_experts,
     int4_path,
 )
-from epmoe.experts.triton.mxfp4 import MXFP4_DECODE_CONFIG, mxfp4_grouped_experts, mxfp4_widened_experts
+from epmoe.experts.triton.mxfp4 import (
+    MXFP4_DECODE_CONFIG,
+    mxfp4_grouped_experts,
+    mxfp4_wgmma_config,
+    mxfp4_widened_experts,
+)
 from epmoe.experts.triton.w4a16_decode import PackedDecodeConfig, packed_decode_experts
 from epmoe.experts.triton.w4a16_mma import MmaConfig, default_mma_config, packed_mma_experts
 from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, default_wgmma_config, packed_wgmma_experts
@@ -471,7 +476,7 @@ def bench_mxfp4_case(name: str, case: dict, sizes: list[int], ceil: dict, sweep:
             impls["mxfp4_mma"] = lambda: packed_mma_experts(x, slots, tw, q, act,
                                                             config=default_mma_config(32, n, s))
             impls["mxfp4_wgmma"] = lambda: packed_wgmma_experts(x, slots, tw, q, act,
-                                                                config=default_wgmma_config(32, n, s))
+                                                                config=mxfp4_wgmma_config(n, s))
         for key, fn in impls.items():
             row[f"{key}_err"], row[f"{key}_us"] = _checked_time(fn, ref, flush)
         if t in sweep and t <= MXFP4_DECODE_MAX_TOKENS:

@@ -584,6 +584,7 @@ def test_mxfp4_mma_and_wgmma_paths_on_gpu(t, shape):
     # gpt-oss's D = F = 2880 (360 words a row: not a multiple of 16, masked steps); or D 288 / F 160 (36 / 20 words,
     # a part step in both kernels and F a part row tile) with half the pairs skipped and the weight on the input;
     # every E2M1 code and a scale of 0 (2 ** -127) in slot 0
+    from epmoe.experts.triton.mxfp4 import mxfp4_wgmma_config
     from epmoe.experts.triton.w4a16_mma import MmaConfig, packed_mma_experts
     from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, packed_wgmma_experts
 
@@ -602,7 +603,7 @@ def test_mxfp4_mma_and_wgmma_paths_on_gpu(t, shape):
     for cfg in (None, MmaConfig(64, 16, 64, 16, 2, maxnreg=168), MmaConfig(32, 32, 32, 32, 2, block_m=32)):
         assert _rel(packed_mma_experts(x, slots, tw, q, act, woi, cfg), ref) < 1e-2, cfg
     for cfg in (None, WgmmaConfig(64, 16, 32, tail_rows=32), WgmmaConfig(128, 16, 32, tail_rows=32),
-                WgmmaConfig(64, 16, 16, 3, 4, 64, 64)):
+                WgmmaConfig(64, 16, 16, 3, 4, 64, 64), mxfp4_wgmma_config(t * k, s), mxfp4_wgmma_config(10**6, s)):
         assert _rel(packed_wgmma_experts(x, slots, tw, q, act, woi, cfg), ref) < 1e-2, cfg
     _assert_replay_equals_eager(lambda: packed_mma_experts(x, slots, tw, q, act, woi), x)
 
@@ -610,9 +611,9 @@ def test_mxfp4_mma_and_wgmma_paths_on_gpu(t, shape):
 @pytest.mark.interpret  # the kernel modules need Triton (absent from CPU-only installs)
 def test_mxfp4_path_choice_and_refusals():
     from epmoe.experts.triton.grouped import packed_words
-    from epmoe.experts.triton.mxfp4 import MXFP4_WGMMA_MIN_PAIRS_PER_SLOT, mxfp4_path
+    from epmoe.experts.triton.mxfp4 import MXFP4_WGMMA_MIN_PAIRS_PER_SLOT, mxfp4_path, mxfp4_wgmma_config
     from epmoe.experts.triton.w4a16_mma import packed_mma_experts
-    from epmoe.experts.triton.w4a16_wgmma import packed_wgmma_experts
+    from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, packed_wgmma_experts
 
     bf16, fp16 = torch.bfloat16, torch.float16
     assert mxfp4_path(4, bf16, 32, True) == "decode"
@@ -622,6 +623,9 @@ def test_mxfp4_path_choice_and_refusals():
     assert mxfp4_path(MXFP4_WGMMA_MIN_PAIRS_PER_SLOT * 32, bf16, 32, True) == "wgmma"
     assert mxfp4_path(4096, bf16, 32, False) == "grouped"  # the MMA kernels' PTX is Hopper's
     assert mxfp4_path(4096, fp16, 32, True) == "grouped"
+    # the wgmma tiles: the default's blocks, 16-word down steps, the down program at 128 registers
+    assert mxfp4_wgmma_config(64 * 32 - 1, 32) == WgmmaConfig(64, 16, 16, 3, 8, 128, 128, 32, maxnreg2=128)
+    assert mxfp4_wgmma_config(64 * 32, 32) == WgmmaConfig(128, 16, 16, 3, 8, 128, 128, 32, maxnreg2=128)
     q = _mxfp4_case(0, 2, 96, 64)
     words13, words2, gw = packed_words(q, "MMA")
     assert words13.shape == (2, 128, 12) and words2.shape == (2, 96, 8) and gw == 4 and words13.dtype == torch.int32
@@ -732,6 +736,9 @@ def test_int4_wgmma_refuses_bad_input():
         packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 32, 32, num_warps=2))
     with pytest.raises(ValueError, match=r"block_n2 must be 16 or 32 times num_warps \(4\), got 256"):
         packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 32, 32, 3, 4, 64, 256))
+    for regs in (16, 256):
+        with pytest.raises(ValueError, match=f"maxnreg2 must be None or 32 to 255 registers a thread, got {regs}"):
+            packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 32, 32, maxnreg2=regs))
 
 
 @pytest.mark.interpret

@@ -23,6 +23,8 @@ the code is our own.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -31,7 +33,7 @@ from epmoe.experts.mxfp4 import MXFP4_BLOCK, MXFP4_BYTES, MXFP4ExpertWeights
 from epmoe.experts.triton.grouped import TileConfig, default_int4_config, grouped_experts, triton_experts
 from epmoe.experts.triton.w4a16_decode import PackedDecodeConfig, packed_decode_experts
 from epmoe.experts.triton.w4a16_mma import default_mma_config, packed_mma_experts
-from epmoe.experts.triton.w4a16_wgmma import default_wgmma_config, packed_wgmma_experts
+from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, default_wgmma_config, packed_wgmma_experts
 from epmoe.experts.weights import Activation, ExpertWeights, check_expert_call
 
 MXFP4_BACKEND_DECODE_PAIRS = 8
@@ -56,6 +58,21 @@ MXFP4_WGMMA_MIN_PAIRS_PER_SLOT = 16
 kernels below (as ``int4.INT4_WGMMA_MIN_PAIRS_PER_SLOT``). The H100 run of ``benchmarks/moe_layer.py --cases
 gptoss20b_mxfp4,gptoss_mxfp4`` (``moe_layer_mxfp4_mma_h100.json``) has the MMA kernels faster at 8 pairs a slot and
 the wgmma kernels faster at 32."""
+
+
+MXFP4_WGMMA_DOWN_REGS = 128
+"""``mxfp4_wgmma_config`` caps the wgmma down program at this many registers a thread, with 16-word steps, so two
+programs share an SM. Set from an H100 A/B of the wgmma kernels at 256-4096 tokens of gpt-oss-20b's and gpt-oss-120b's
+layers against ``default_wgmma_config``'s down tiles (README, "MXFP4 prefill: two down programs an SM"): faster at
+every size; on Kimi-K2.5's INT4 layer it was slower at 1024 and 2048 tokens, so INT4 keeps the default."""
+
+
+def mxfp4_wgmma_config(num_pairs: int, num_slots: int) -> WgmmaConfig:
+    """The wgmma tiles ``mxfp4_experts`` takes for ``num_pairs`` expected pairs over ``num_slots`` local slots:
+    ``default_wgmma_config``'s (groups of ``MXFP4_BLOCK``), with the down program's steps of 16 words and its registers
+    capped at ``MXFP4_WGMMA_DOWN_REGS``."""
+    return replace(default_wgmma_config(MXFP4_BLOCK, num_pairs, num_slots), block_kw2=16,
+                   maxnreg2=MXFP4_WGMMA_DOWN_REGS)
 
 
 @triton.jit
@@ -136,7 +153,7 @@ def mxfp4_experts(
         return packed_decode_experts(x, slots, tw, weights, activation, weight_on_input, MXFP4_DECODE_CONFIG)
     if path == "wgmma":
         return packed_wgmma_experts(x, slots, tw, weights, activation, weight_on_input,
-                                    default_wgmma_config(MXFP4_BLOCK, expected, s))
+                                    mxfp4_wgmma_config(expected, s))
     if path == "mma":
         return packed_mma_experts(x, slots, tw, weights, activation, weight_on_input,
                                   default_mma_config(MXFP4_BLOCK, expected, s))

@@ -102,6 +102,9 @@ class WgmmaConfig:
             compiled branch; with 32-row tails a 96-row block is a 64-row and a 32-row ``wgmma`` on the same widened
             weights, a third and a fourth branch), so a slot computes its whole blocks and its last rows rounded up
             to a multiple of ``tail_rows`` instead of to ``block_m``.
+        maxnreg2: registers a thread of the down program may use at most (``None``: the compiler's choice, which
+            leaves one 8-warp program an SM). At 128, two 8-warp down programs share an SM where their activation
+            buffers fit twice in its shared memory (``stages block_m block_kw2 16`` bytes each: 16-word steps).
     """
 
     block_m: int = 128
@@ -112,6 +115,7 @@ class WgmmaConfig:
     block_n1: int = 128
     block_n2: int = 128
     tail_rows: int | None = None
+    maxnreg2: int | None = None
 
 
 WGMMA_BLOCK128_MIN_PAIRS_PER_SLOT = 64
@@ -518,6 +522,8 @@ def _check(cfg: WgmmaConfig, group_size: int) -> None:
         raise ValueError(f"WgmmaConfig stages {cfg.stages} x block_m {cfg.block_m} x block_kw "
                          f"{max(cfg.block_kw1, cfg.block_kw2)} takes {smem} bytes of shared memory, more than the "
                          f"{_SMEM_MAX} a Hopper program may have")
+    if cfg.maxnreg2 is not None and not 32 <= cfg.maxnreg2 <= 255:
+        raise ValueError(f"WgmmaConfig.maxnreg2 must be None or 32 to 255 registers a thread, got {cfg.maxnreg2}")
     if cfg.num_warps not in (4, 8):
         raise ValueError(f"WgmmaConfig.num_warps must be 4 or 8 (whole warpgroups), got {cfg.num_warps}")
     for name in ("block_n1", "block_n2"):
@@ -601,6 +607,6 @@ def packed_wgmma_experts(
         aln.block_slot, aln.block_start, aln.block_rows, n, d, f, w2.stride(0), w2.stride(1), s2.stride(0),
         s2.stride(1), h.stride(0), BLOCK_N=n2, BLOCK_KW=cfg.block_kw2, BLOCK_M=bm, GW=gw, STAGES=cfg.stages,
         NUM_WARPS=nw, HAS_BIAS=weights.b2 is not None, WEIGHT_ON_INPUT=weight_on_input,
-        EVEN=(f // INT4_PACK) % cfg.block_kw2 == 0 and d % n2 == 0, TAIL=tail, num_warps=nw,
+        EVEN=(f // INT4_PACK) % cfg.block_kw2 == 0 and d % n2 == 0, TAIL=tail, num_warps=nw, maxnreg=cfg.maxnreg2,
     )
     return sum_pairs(y, topk_slots, out, s)
