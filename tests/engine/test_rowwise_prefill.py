@@ -68,20 +68,21 @@ def _sink_reference(q, k, v, start, scale, window, chunk, sinks):
 
 
 @pytest.mark.parametrize("opts", OPTIONS[:3], ids=["causal", "window", "chunk"])
-@pytest.mark.parametrize("budget", [None, 1, 3 * 4 * 4 * 30])  # whole; one query a block; three queries a block
-def test_sink_attention_in_query_blocks_equals_all_at_once(opts, budget, monkeypatch):
-    # the sink path takes its queries in blocks of at most SINK_LOGITS_BYTES of logits, each block over the keys its
-    # window or chunk allows: the same values as the whole chunk's softmax at once
-    from epmoe.engine import attention
-
-    if budget is not None:
-        monkeypatch.setattr(attention, "SINK_LOGITS_BYTES", budget)
+@pytest.mark.parametrize("start", [0, 19])  # a whole prompt; a chunk after 19 cached positions
+def test_sink_attention_equals_the_softmax_with_the_sink(opts, start):
+    # the sinks enter the fused attention as one more key: the same values as the softmax over the logits and the
+    # sink, taken at once in float64
     g = torch.Generator().manual_seed(5)
-    h, hkv, d, start, n = 4, 2, 16, 19, 11
+    h, hkv, d, n = 4, 2, 16, 11
     q, k, v = (torch.randn(*shape, generator=g) for shape in ((n, h, d), (start + n, hkv, d), (start + n, hkv, d)))
     sinks = torch.randn(h, generator=g) * 2
     window, chunk = opts.get("sliding_window"), opts.get("chunk_size")
     got = dense_attention(q, k, v, start, d ** -0.5, sliding_window=window, chunk_size=chunk, sinks=sinks)
     assert got.shape == (n, h, d) and got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), _sink_reference(q, k, v, start, d ** -0.5, window, chunk, sinks),
-                               rtol=1e-5, atol=1e-5)
+    want = _sink_reference(q, k, v, start, d ** -0.5, window, chunk, sinks)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    # a sink far below the logits takes no weight (the attention without sinks); one far above takes it all
+    opts = dict(sliding_window=window, chunk_size=chunk)
+    torch.testing.assert_close(dense_attention(q, k, v, start, d ** -0.5, **opts, sinks=torch.full((h,), -1e4)),
+                               dense_attention(q, k, v, start, d ** -0.5, **opts), rtol=1e-5, atol=1e-5)
+    assert dense_attention(q, k, v, start, d ** -0.5, **opts, sinks=torch.full((h,), 1e4)).abs().max() < 1e-6

@@ -109,12 +109,6 @@ def _chunk_size(module) -> int | None:
     return None
 
 
-SINK_LOGITS_BYTES = 256 << 20
-"""``dense_attention`` with sinks computes its float32 logits for as many queries at a time as fit this many bytes
-(at least one query): a 4096-token gpt-oss prompt would otherwise hold ``[64 heads, 4096, 4096]`` logits, 4 GiB, and
-copies of them, at once."""
-
-
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, scale: float, *,
                     sliding_window: int | None = None, chunk_size: int | None = None,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -125,9 +119,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos
         k: ``[start_pos + n, Hkv, Dk]`` keys at positions ``0 ..``; v: ``[start_pos + n, Hkv, Dv]``.
         start_pos: position of the first query.
         scale: multiplier of ``q . k``.
-        sliding_window, chunk_size, sinks: as in ``paged_decode.paged_decode_attention``. With ``sinks`` the
-            softmax is taken in float32 over query blocks of at most ``SINK_LOGITS_BYTES`` of logits, each over the
-            keys its window or chunk allows.
+        sliding_window, chunk_size, sinks: as in ``paged_decode.paged_decode_attention``. ``sinks`` enter as one
+            more key (``_sink_attention``).
 
     Returns:
         ``[n, H, Dv]`` in ``q.dtype``.
@@ -165,33 +158,30 @@ def _allowed(start_pos: int, n: int, lo: int, hi: int, sliding_window: int | Non
 
 def _sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, scale: float,
                     sliding_window: int | None, chunk_size: int | None, sinks: torch.Tensor) -> torch.Tensor:
-    """``dense_attention`` with gpt-oss's sinks (a per-head logit in the softmax's denominator and no value), in
-    float32, a block of queries at a time over the keys the block may attend."""
+    """``dense_attention`` with gpt-oss's sinks (a per-head logit in the softmax's denominator, with no value) as one
+    fused ``scaled_dot_product_attention`` call: the sink is one more key, first, that every query attends. The
+    queries gain a component ``sinks[h] / scale``, the keys a zero there and the sink key a one (its value zero), so
+    that its logit is ``sinks[h]``; the head size is padded with zeros to a multiple of 8 for the fused kernels, and
+    the key heads are repeated to the query heads (their grouped form may leave the fused kernels). ``sinks[h] /
+    scale`` is rounded to ``q``'s dtype: exact for a power-of-two ``scale`` (gpt-oss's ``1/8``)."""
     n, h, dk = q.shape
-    hkv, dv = k.shape[1], v.shape[-1]
+    ctx, hkv, dv = k.shape[0], k.shape[1], v.shape[-1]
+    d = (dk + 8) // 8 * 8  # dk + 1 rounded up to a multiple of 8
+    qa = q.new_zeros(n, h, d)
+    qa[..., :dk] = q
+    qa[..., dk] = (sinks.float() / scale).to(q.dtype)
+    ka = k.new_zeros(ctx + 1, hkv, d)
+    ka[1:, :, :dk] = k
+    ka[0, :, dk] = 1
+    va = v.new_zeros(ctx + 1, hkv, dv)
+    va[1:] = v
+    allowed = torch.cat([torch.ones(n, 1, dtype=torch.bool, device=q.device),
+                         _allowed(start_pos, n, 0, ctx, sliding_window, chunk_size, q.device)], dim=1)
     rep = h // hkv
-    out = q.new_empty(n, h, dv)
-    rows = max(1, SINK_LOGITS_BYTES // (4 * h * k.shape[0]))
-    sink = sinks.float().reshape(hkv, rep, 1, 1)
-    for a in range(0, n, rows):
-        b = min(n, a + rows)
-        first, last = start_pos + a, start_pos + b - 1
-        lo = 0
-        if sliding_window is not None:
-            lo = max(lo, first - sliding_window + 1)
-        if chunk_size is not None:
-            lo = max(lo, first // chunk_size * chunk_size)
-        hi = last + 1
-        # query head i reads key head i // rep: [Hkv, rep * rows, Dk] against [Hkv, Dk, keys]
-        qb = q[a:b].float().reshape(b - a, hkv, rep, dk).permute(1, 2, 0, 3).reshape(hkv, rep * (b - a), dk)
-        logits = torch.matmul(qb, k[lo:hi].float().permute(1, 2, 0)).reshape(hkv, rep, b - a, hi - lo) * scale
-        allowed = _allowed(first, b - a, lo, hi, sliding_window, chunk_size, q.device)
-        logits = logits.masked_fill(~allowed, float("-inf"))
-        full = torch.cat([logits, sink.expand(hkv, rep, b - a, 1)], dim=-1)
-        probs = torch.softmax(full - full.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
-        ob = torch.matmul(probs.reshape(hkv, rep * (b - a), hi - lo), v[lo:hi].float().transpose(0, 1))
-        out[a:b] = ob.reshape(hkv, rep, b - a, dv).permute(2, 0, 1, 3).reshape(b - a, h, dv).to(q.dtype)
-    return out
+    kh = ka.transpose(0, 1).repeat_interleave(rep, dim=0).unsqueeze(0)
+    vh = va.transpose(0, 1).repeat_interleave(rep, dim=0).unsqueeze(0)
+    out = F.scaled_dot_product_attention(qa.transpose(0, 1).unsqueeze(0), kh, vh, attn_mask=allowed, scale=scale)
+    return out[0].transpose(0, 1)
 
 
 def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
