@@ -69,9 +69,13 @@ def _sink_reference(q, k, v, start, scale, window, chunk, sinks):
 
 @pytest.mark.parametrize("opts", OPTIONS[:3], ids=["causal", "window", "chunk"])
 @pytest.mark.parametrize("start", [0, 19])  # a whole prompt; a chunk after 19 cached positions
-def test_sink_attention_equals_the_softmax_with_the_sink(opts, start):
-    # the sinks enter the fused attention as one more key: the same values as the softmax over the logits and the
-    # sink, taken at once in float64
+@pytest.mark.parametrize("block", [1024, 3])  # the queries in one block; in blocks of 3
+def test_sink_attention_equals_the_softmax_with_the_sink(opts, start, block, monkeypatch):
+    # the sinks enter the fused attention as one more key (a whole causal prompt: one square causal call): the same
+    # values as the softmax over the logits and the sink, taken at once in float64
+    from epmoe.engine import attention
+
+    monkeypatch.setattr(attention, "SINK_QUERY_BLOCK", block)
     g = torch.Generator().manual_seed(5)
     h, hkv, d, n = 4, 2, 16, 11
     q, k, v = (torch.randn(*shape, generator=g) for shape in ((n, h, d), (start + n, hkv, d), (start + n, hkv, d)))

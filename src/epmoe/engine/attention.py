@@ -156,32 +156,55 @@ def _allowed(start_pos: int, n: int, lo: int, hi: int, sliding_window: int | Non
     return allowed
 
 
+SINK_QUERY_BLOCK = 1024
+"""``_sink_attention`` takes a windowed or chunked layer's queries, or a chunk after cached positions, this many at
+a time, each block over the keys it may attend (one fused call a block, not one over every key)."""
+
+
 def _sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, scale: float,
                     sliding_window: int | None, chunk_size: int | None, sinks: torch.Tensor) -> torch.Tensor:
-    """``dense_attention`` with gpt-oss's sinks (a per-head logit in the softmax's denominator, with no value) as one
-    fused ``scaled_dot_product_attention`` call: the sink is one more key, first, that every query attends. The
-    queries gain a component ``sinks[h] / scale``, the keys a zero there and the sink key a one (its value zero), so
-    that its logit is ``sinks[h]``; the head size is padded with zeros to a multiple of 8 for the fused kernels, and
-    the key heads are repeated to the query heads (their grouped form may leave the fused kernels). ``sinks[h] /
+    """``dense_attention`` with gpt-oss's sinks (a per-head logit in the softmax's denominator, with no value) through
+    ``scaled_dot_product_attention``: the sink is one more key, first, that every query attends. The queries gain a
+    component ``sinks[h] / scale``, the keys a zero there and the sink key a one (its value zero), so that its logit
+    is ``sinks[h]``; the head size is padded with zeros to a multiple of 8 for the fused kernels, and the key heads are
+    repeated to the query heads (their grouped form may leave the fused kernels). A whole causal prompt runs as one
+    square causal call with a query row of zeros ahead of the prompt's (row ``i + 1`` then attends the sink and keys
+    ``0 .. i``; no mask tensor); otherwise blocks of ``SINK_QUERY_BLOCK`` queries with their masks. ``sinks[h] /
     scale`` is rounded to ``q``'s dtype: exact for a power-of-two ``scale`` (gpt-oss's ``1/8``)."""
     n, h, dk = q.shape
     ctx, hkv, dv = k.shape[0], k.shape[1], v.shape[-1]
     d = (dk + 8) // 8 * 8  # dk + 1 rounded up to a multiple of 8
-    qa = q.new_zeros(n, h, d)
-    qa[..., :dk] = q
-    qa[..., dk] = (sinks.float() / scale).to(q.dtype)
+    qa = q.new_zeros(n + 1, h, d)  # row 0: the causal call's extra row
+    qa[1:, :, :dk] = q
+    qa[1:, :, dk] = (sinks.float() / scale).to(q.dtype)
     ka = k.new_zeros(ctx + 1, hkv, d)
     ka[1:, :, :dk] = k
     ka[0, :, dk] = 1
     va = v.new_zeros(ctx + 1, hkv, dv)
     va[1:] = v
-    allowed = torch.cat([torch.ones(n, 1, dtype=torch.bool, device=q.device),
-                         _allowed(start_pos, n, 0, ctx, sliding_window, chunk_size, q.device)], dim=1)
     rep = h // hkv
-    kh = ka.transpose(0, 1).repeat_interleave(rep, dim=0).unsqueeze(0)
-    vh = va.transpose(0, 1).repeat_interleave(rep, dim=0).unsqueeze(0)
-    out = F.scaled_dot_product_attention(qa.transpose(0, 1).unsqueeze(0), kh, vh, attn_mask=allowed, scale=scale)
-    return out[0].transpose(0, 1)
+    kh = ka.transpose(0, 1).repeat_interleave(rep, dim=0)  # [H, ctx + 1, d]
+    vh = va.transpose(0, 1).repeat_interleave(rep, dim=0)
+    if start_pos == 0 and sliding_window is None and chunk_size is None:
+        out = F.scaled_dot_product_attention(qa.transpose(0, 1)[None], kh[None], vh[None], is_causal=True, scale=scale)
+        return out[0, :, 1:].transpose(0, 1)
+    out = q.new_empty(n, h, dv)
+    for a in range(0, n, SINK_QUERY_BLOCK):
+        b = min(n, a + SINK_QUERY_BLOCK)
+        first, end = start_pos + a, start_pos + b
+        lo = 0
+        if sliding_window is not None:
+            lo = max(lo, first - sliding_window + 1)
+        if chunk_size is not None:
+            lo = max(lo, first // chunk_size * chunk_size)
+        keys = torch.cat([kh[:, :1], kh[:, 1 + lo:1 + end]], dim=1)
+        values = torch.cat([vh[:, :1], vh[:, 1 + lo:1 + end]], dim=1)
+        allowed = torch.cat([torch.ones(b - a, 1, dtype=torch.bool, device=q.device),
+                             _allowed(first, b - a, lo, end, sliding_window, chunk_size, q.device)], dim=1)
+        rows = qa[1 + a:1 + b].transpose(0, 1)[None]
+        out[a:b] = F.scaled_dot_product_attention(rows, keys[None], values[None], attn_mask=allowed,
+                                                  scale=scale)[0].transpose(0, 1)
+    return out
 
 
 def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
