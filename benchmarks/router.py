@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from engine import CONFIGS, model_names
 from epmoe.comm import Comm
 from epmoe.layer import MoELayer, MoELayerOptions
 from epmoe.placement import ExpertPlacement
@@ -28,7 +29,6 @@ from epmoe.routing.router import FUSED_GATE_MAX_TOKENS
 from epmoe.spec import parse_moe_spec
 from timing import graph_us
 
-REPO = Path(__file__).resolve().parents[1]
 # (name, Router.impl, Router.fused_gate_max_tokens): PyTorch; cuBLAS gate then the routing kernel; the gate in it
 ROUTERS = (("torch", "torch", 0), ("two-launch", "auto", 0), ("fused-gate", "auto", FUSED_GATE_MAX_TOKENS))
 
@@ -40,15 +40,16 @@ def main() -> int:
     p.add_argument("--models", default="deepseek-v3,qwen3-30b-a3b,gpt-oss-20b",
                    help="configs of data/configs, comma-separated (default deepseek-v3,qwen3-30b-a3b,gpt-oss-20b)")
     args = p.parse_args()
+    known = model_names()
     for name in args.models.split(","):
-        if not (REPO / "data" / "configs" / f"{name}.config.json").is_file():
-            p.error(f"--models: {name!r} is not a config of data/configs")
+        if name not in known:
+            p.error(f"--models: {name!r} is not a MoE model config of data/configs (known: {', '.join(known)})")
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
     rows = []
     for name in args.models.split(","):
-        spec = parse_moe_spec(json.loads((REPO / "data" / "configs" / f"{name}.config.json").read_text()), name)
+        spec = parse_moe_spec(json.loads((CONFIGS / f"{name}.config.json").read_text()), name)
         for t in (int(v) for v in args.tokens.split(",")):
             layer = MoELayer(spec, 0, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
                              MoELayerOptions(dispatcher="fixed_capacity", dispatcher_options={"capacity": t},
