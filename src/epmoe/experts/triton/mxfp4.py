@@ -63,8 +63,9 @@ the wgmma kernels faster at 32."""
 MXFP4_WGMMA_DOWN_REGS = 128
 """``mxfp4_wgmma_config`` caps the wgmma down program at this many registers a thread, with 16-word steps, so two
 programs share an SM. Set from an H100 A/B of the wgmma kernels at 256-4096 tokens of gpt-oss-20b's and gpt-oss-120b's
-layers against ``default_wgmma_config``'s down tiles (README, "MXFP4 prefill: two down programs an SM"): faster at
-every size; on Kimi-K2.5's INT4 layer it was slower at 1024 and 2048 tokens, so INT4 keeps the default."""
+layers against ``default_wgmma_config``'s down tiles (README's gpt-oss section, and
+``benchmarks/results/mxfp4_wgmma_down_regs_h100.txt``): faster at every size; on Kimi-K2.5's INT4 layer it was slower
+at 1024 and 2048 tokens, so INT4 keeps the default."""
 
 
 def mxfp4_wgmma_config(num_pairs: int, num_slots: int) -> WgmmaConfig:
