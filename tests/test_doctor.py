@@ -7,6 +7,7 @@ import json
 from epmoe.cli import main
 from epmoe.doctor import DoctorConfig, diagnose, run_doctor
 from epmoe.placement import ExpertPlacement
+from epmoe.spec import load_moe_spec
 
 from .conftest import CONFIGS
 
@@ -117,8 +118,10 @@ def test_ep_with_no_strategy_keeps_every_finding(capsys):
     assert "gloo backend available" in captured.out
     assert "error: the target model: 256 experts are not divisible by EP size 3" in captured.out
     assert "pass a placement with 2 redundant slot(s) per layer" in captured.out
-    want = "warning: memory not checked: 256 expert slots per layer cannot be spread evenly over EP size 3"
-    assert want in captured.out
+    # no rank layout to size after the placement's error: no bytes per rank, no memory check
+    assert "warning: expert bytes per rank and memory not checked: the placement is refused" in captured.out
+    assert not [line for line in captured.out.splitlines() if line.startswith("ok:") and "per rank" in line]
+    assert "weights and caches" not in captured.out
 
 
 def test_ep_zero_is_an_error_and_nodes_advice_is_a_doctor_flag(capsys):
@@ -369,3 +372,21 @@ def test_a_field_transformers_refuses_is_a_config_error(tiny_checkpoints, tmp_pa
                                  "config from it: StrictDataclassFieldValidationError: Validation error for field "
                                  "'tie_word_embeddings':")
     assert "(value: 'yes')" in error.what and "re-download" not in error.line()
+
+
+def test_memory_check_context_stays_within_the_model(tiny_checkpoints, capsys):
+    # without --context the memory check prices the model's max_position_embeddings where it is below 4096 (the
+    # small checkpoint's 256); a --context past it is priced as asked, with a warning that names both
+    tiny = str(tiny_checkpoints("gpt-oss"))
+    limit = load_moe_spec(tiny).max_position_embeddings
+    assert limit < 4096
+    assert main(["doctor", "--model", tiny, "--hardware", "h100-sxm"]) == 0
+    out = capsys.readouterr().out
+    assert f"context {limit})" in out and "above the model's max_position_embeddings" not in out
+    assert main(["doctor", "--model", tiny, "--hardware", "h100-sxm", "--context", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert f"warning: --context 4096 is above the model's max_position_embeddings {limit}" in out
+    assert "context 4096)" in out
+    # DeepSeek-V3's 163840 positions: the default stays at 4096
+    assert main(["doctor", "--config", DSV3, "--ep", "8", "--hardware", "h200-sxm"]) == 0
+    assert "context 4096)" in capsys.readouterr().out

@@ -475,7 +475,8 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=int, default=1, help="nodes the EP ranks are spread over (default 1)")
     p.add_argument("--hardware", metavar="NAME", help="hardware profile for the memory check")
     p.add_argument("--batch", type=int, default=64, help="sequences per step for the memory check (default 64)")
-    p.add_argument("--context", type=int, default=4096, help="KV-cache tokens per sequence (default 4096)")
+    p.add_argument("--context", type=int, help="KV-cache tokens per sequence (default: the model's "
+                                                "max_position_embeddings, at most 4096)")
     p.add_argument("--weights", choices=("bf16", "fp8", "int4", "mxfp4"), help="routed expert storage (default: "
                                                                                  "the checkpoint's)")
     p.set_defaults(func=_cmd_doctor)

@@ -54,6 +54,11 @@ class Finding:
         return "; ".join(part for part in (f"{self.severity}: {self.what}", self.why, self.fix) if part)
 
 
+DOCTOR_CONTEXT = 4096
+"""The positions a sequence ``doctor``'s memory check prices when ``--context`` is not given: the model's
+``max_position_embeddings`` where shorter (``epmoe plan``'s default is the same 4096)."""
+
+
 @dataclass(frozen=True)
 class DoctorConfig:
     """What ``epmoe doctor`` checks.
@@ -68,7 +73,8 @@ class DoctorConfig:
         nodes: nodes the ``G`` ranks are spread over (``G / nodes`` GPUs per node).
         hardware: hardware profile name or path for the memory check (``None``: memory not checked).
         batch: sequences per step for the memory check.
-        context: KV-cache length per sequence for the memory check, tokens.
+        context: KV-cache length per sequence for the memory check, tokens (``None``: the model's
+            ``max_position_embeddings``, at most ``DOCTOR_CONTEXT``).
         weights: expert storage override (``bf16``, ``fp8``, ``int4``), ``None`` for the checkpoint's.
         mem_fraction: share of GPU memory the server may use.
     """
@@ -81,7 +87,7 @@ class DoctorConfig:
     nodes: int = 1
     hardware: str | None = None
     batch: int = 64
-    context: int = 4096
+    context: int | None = None
     weights: str | None = None
     mem_fraction: float = 0.9
 
@@ -277,7 +283,8 @@ def check_expert_storage(spec: MoESpec, ep: int, redundant: int, weights: str | 
 def check_memory(spec: MoESpec, cfg: DoctorConfig, ep: int, redundant: int, draft: DraftModel | None = None,
                  draft_redundant: int = 0) -> list[Finding]:
     """Weights and caches (the draft's included) against GPU memory, through the planner, for the
-    best-fitting all-to-all EP strategy."""
+    best-fitting all-to-all EP strategy, at ``cfg.context`` positions a sequence (``None``: the model's
+    ``max_position_embeddings``, at most ``DOCTOR_CONTEXT``)."""
     if cfg.hardware is None:
         return [Finding("warning", "memory not checked", "weights or KV cache may not fit",
                         "pass --hardware NAME (or a calibrated profile) to check")]
@@ -296,9 +303,16 @@ def check_memory(spec: MoESpec, cfg: DoctorConfig, ep: int, redundant: int, draf
         return [Finding("warning", f"memory not checked: {slots} expert slots per layer cannot be spread evenly over "
                                    f"EP size {ep}", "no EP strategy can be planned",
                         "fix the placement first (see the error above)")]
+    context = cfg.context if cfg.context is not None else min(DOCTOR_CONTEXT, spec.max_position_embeddings)
+    past = []
+    if context > spec.max_position_embeddings:
+        past = [Finding("warning", f"--context {context} is above the model's max_position_embeddings "
+                                   f"{spec.max_position_embeddings}",
+                        "its positions do not reach it; the memory check prices it as asked",
+                        f"pass --context {spec.max_position_embeddings} or less")]
     try:
         req = PlanRequest(spec=spec, hardware=hw, gpus=ep, nodes=nodes, batches=(cfg.batch,), redundant=redundant,
-                          context=cfg.context, weights=cfg.weights, mem_fraction=cfg.mem_fraction)
+                          context=context, weights=cfg.weights, mem_fraction=cfg.mem_fraction)
         result = plan(req)
     except ValueError as exc:
         return [Finding("error", "memory cannot be planned: "
@@ -307,7 +321,7 @@ def check_memory(spec: MoESpec, cfg: DoctorConfig, ep: int, redundant: int, draf
     if draft is not None and draft.spec is not None:
         try:
             dreq = PlanRequest(spec=draft.spec, hardware=hw, gpus=ep, nodes=nodes, batches=(cfg.batch,),
-                               redundant=draft_redundant, context=cfg.context, mem_fraction=cfg.mem_fraction)
+                               redundant=draft_redundant, context=context, mem_fraction=cfg.mem_fraction)
             draft_plan = {s.strategy.name: s for s in plan(dreq).strategies}
         except ValueError as exc:
             return [Finding("error", f"memory of the draft cannot be planned: {exc}", "the set-up is inconsistent",
@@ -322,17 +336,17 @@ def check_memory(spec: MoESpec, cfg: DoctorConfig, ep: int, redundant: int, draf
     best = min(candidates, key=lambda s: s.steps[0].memory.total + extra[id(s)] - s.steps[0].memory.capacity)
     m, dbytes = best.steps[0].memory, extra[id(best)]
     total = m.total + dbytes
-    where = f"{best.strategy.name} at batch {cfg.batch}, context {cfg.context}"
+    where = f"{best.strategy.name} at batch {cfg.batch}, context {context}"
     with_draft = f", draft {draft.name} {dbytes / GIB:.1f}" if draft is not None else ""
     if total <= m.capacity:
-        return [Finding("ok", f"weights and caches fit: {total / GIB:.1f} of {m.capacity / GIB:.1f} GiB per GPU "
-                              f"({where}{with_draft})")]
+        return past + [Finding("ok", f"weights and caches fit: {total / GIB:.1f} of {m.capacity / GIB:.1f} GiB per "
+                                     f"GPU ({where}{with_draft})")]
     hint = weights_hint(req.expert_format)
-    return [Finding("error", f"weights and caches need {total / GIB:.1f} GiB per GPU, {(total - m.capacity) / GIB:.1f} "
-                             f"GiB over the {m.capacity / GIB:.1f} GiB usable ({where}; weights {m.weights / GIB:.1f}, "
-                             f"KV cache {m.kv_cache / GIB:.1f}{with_draft})",
-                    "the server runs out of memory at start-up or at CUDA-graph capture",
-                    f"use more GPUs, {hint + ', ' if hint else ''}a smaller batch or a shorter context")]
+    over = (f"weights and caches need {total / GIB:.1f} GiB per GPU, {(total - m.capacity) / GIB:.1f} GiB over the "
+            f"{m.capacity / GIB:.1f} GiB usable ({where}; weights {m.weights / GIB:.1f}, KV cache "
+            f"{m.kv_cache / GIB:.1f}{with_draft})")
+    return past + [Finding("error", over, "the server runs out of memory at start-up or at CUDA-graph capture",
+                           f"use more GPUs, {hint + ', ' if hint else ''}a smaller batch or a shorter context")]
 
 
 def diagnose(cfg: DoctorConfig) -> list[Finding]:
@@ -345,7 +359,8 @@ def diagnose(cfg: DoctorConfig) -> list[Finding]:
     ep = check_int("ep", 1 if cfg.ep is None else cfg.ep, 1)
     nodes = check_int("nodes", cfg.nodes, 1)
     check_int("batch", cfg.batch, 1)
-    check_int("context", cfg.context, 1)
+    if cfg.context is not None:
+        check_int("context", cfg.context, 1)
     if ep % nodes:
         raise ValueError(f"ep ({ep}) must be divisible by nodes ({nodes})")
     if cfg.weights is not None and cfg.weights not in WEIGHT_CHOICES:
@@ -363,7 +378,8 @@ def diagnose(cfg: DoctorConfig) -> list[Finding]:
             findings += check_checkpoint(spec, cfg.model)
         redundant, placed = check_placement(spec, cfg.placement, ep, "the target model")
         findings += placed
-        storage = check_expert_storage(spec, ep, redundant, cfg.weights)
+        placed_ok = not any(f.severity == "error" for f in placed)
+        storage = check_expert_storage(spec, ep, redundant, cfg.weights) if placed_ok else []
         findings += storage
     draft, draft_redundant = None, 0
     if cfg.draft is not None:
@@ -372,7 +388,10 @@ def diagnose(cfg: DoctorConfig) -> list[Finding]:
     elif cfg.draft_placement is not None:
         findings.append(Finding("warning", "--draft-placement given without --draft", "it is not checked",
                                 "pass --draft DIR as well"))
-    if spec is not None and any(f.severity == "error" for f in storage):
+    if spec is not None and not placed_ok:
+        findings.append(Finding("warning", "expert bytes per rank and memory not checked: the placement is refused",
+                                "no rank layout to size", "fix the placement first (see the error above)"))
+    elif spec is not None and any(f.severity == "error" for f in storage):
         findings.append(Finding("warning", "memory not checked: the routed experts' format is refused",
                                 "the planner prices only what epmoe run serves",
                                 "fix the weight format first (see the error above)"))

@@ -571,6 +571,12 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
     )
 
 
+def is_checkpoint_dir(path: str | Path) -> bool:
+    """Whether ``path`` names a directory holding a ``config.json`` (what ``--model`` takes; its weights files are
+    checked where they are read)."""
+    return bool(str(path)) and (Path(path) / "config.json").is_file()
+
+
 def read_config(path: str | Path) -> tuple[dict[str, Any], Path]:
     """Read a ``config.json`` (or the one in a checkpoint directory) as a JSON object.
 

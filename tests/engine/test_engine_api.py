@@ -147,6 +147,8 @@ def test_bad_engine_config_named(model_dir, field, value, message):
 def test_bad_engine_config_model_and_context(model_dir, tmp_path):
     with pytest.raises(ValueError, match="is not a checkpoint directory"):
         config(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="is not a checkpoint directory"):  # a directory without config.json
+        config(str(tmp_path))
     with pytest.raises(ValueError, match=r"eplb_max_moves must be a non-negative integer, got True"):
         config(model_dir, eplb_interval=2, eplb_max_moves=True)
     with pytest.raises(ValueError, match=r"max_model_len \(300\) is past the model's max_position_embeddings \(256\)"):

@@ -129,6 +129,9 @@ def test_missing_model_dir(tmp_path, capsys):
     assert "is not a checkpoint directory" in capsys.readouterr().err
     assert main(["run", "--model", ""]) == 2  # an empty path is not the built-in default
     assert "--model '' is not a checkpoint directory" in capsys.readouterr().err
+    assert main(["run", "--model", str(tmp_path)]) == 2  # a directory without config.json: named by its flag
+    err = capsys.readouterr().err
+    assert f"--model '{tmp_path}' is not a checkpoint directory (config.json + *.safetensors)" in err
 
 
 def test_damaged_weights_file_refused_before_the_start(kimi, tmp_path, capsys):

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from epmoe.engine.sampling import valid_seed
+from epmoe.spec import is_checkpoint_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PARALLEL_MODES = ("ep", "tp")
@@ -167,7 +168,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the first bad option."""
-        if not str(self.model) or not Path(self.model).is_dir():
+        if not is_checkpoint_dir(self.model):
             raise ValueError(f"model {self.model!r} is not a checkpoint directory (config.json + *.safetensors)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")

@@ -31,7 +31,7 @@ from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.plan.request import counted
 from epmoe.runtime.launch import RankInfo, init_group, spawn, torchrun_rank_info, under_torchrun
 from epmoe.runtime.report import RankReport, RunReport, judge_mismatches
-from epmoe.spec import MoESpec, load_moe_spec
+from epmoe.spec import MoESpec, is_checkpoint_dir, load_moe_spec
 
 DEFAULT_PROMPTS = (
     "Expert parallelism places whole experts on ranks",
@@ -171,7 +171,7 @@ class RunConfig:
             raise ValueError(f"--dispatcher {self.dispatcher!r} is not one of {list(EAGER_DISPATCHERS)}")
         if self.expert_backend is not None and self.expert_backend not in EXPERT_BACKENDS:
             raise ValueError(f"--expert-backend {self.expert_backend!r} is not one of {sorted(EXPERT_BACKENDS)}")
-        if self.model is not None and (not str(self.model) or not Path(self.model).is_dir()):
+        if self.model is not None and not is_checkpoint_dir(self.model):
             raise ValueError(f"--model {self.model!r} is not a checkpoint directory (config.json + *.safetensors)")
         if any(not p for p in self.prompts):
             raise ValueError("--prompt must not be empty")
