@@ -13,7 +13,13 @@ def test_router_benchmark_refuses_an_unknown_model_by_name(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         mod.main()
     assert exc.value.code == 2
-    assert "--models: 'nope' is not a config of data/configs" in capsys.readouterr().err
+    assert "--models: 'nope' is not a MoE model config of data/configs (known: deepseek-r1," in capsys.readouterr().err
+    # an EAGLE-3 draft's config is in data/configs too, but no MoE layer to route
+    monkeypatch.setattr(sys, "argv", ["router.py", "--models", "eagle3-draft-qwen3-30b-a3b-specforge"])
+    with pytest.raises(SystemExit) as exc:
+        mod.main()
+    assert exc.value.code == 2
+    assert "'eagle3-draft-qwen3-30b-a3b-specforge' is not a MoE model config" in capsys.readouterr().err
 
 
 def test_router_benchmark_takes_gpt_oss_by_default(monkeypatch, capsys):
