@@ -11,23 +11,10 @@ MMAs and activation loads of the sub-blocks past the block's rows are not issued
 longer pays one widening per 8 of its tokens. The kernels branch on the block's sub-block count once, before the
 loop over ``K`` (one straight-line loop per count).
 
-Input order. A word ``c`` of a weight row holds inputs ``8 c + j`` (``j = 0..7``, bits ``4 j``). A dot over ``K`` is
-a sum, so any order of the inputs does as long as both operands use it. A step of ``BLOCK_KW`` words is four MMAs,
-one per nibble plane ``j = 0..3``: plane ``A_j [BLOCK_N, 2 BLOCK_KW]`` holds at ``(n, 2 w + e)`` nibble ``j + 4 e``
-of operand word ``w`` of row ``n``, and ``B_j [2 BLOCK_KW, BLOCK_M]`` holds at ``(2 w + e, m)`` input ``8 c + j +
-4 e`` of token row ``m``. The nibbles ``j`` and ``j + 4`` are the two 16-bit lanes of ``(word >> 4 j) &
-0x000F000F``: exactly the bf16x2 register of the A operand for inputs ``(2 w, 2 w + 1)`` (``k_width = 2``). Operand
-word ``w = 8 r + 4 h + q`` is memory word ``c = 2 R q + 2 r + h`` (``R = BLOCK_KW / 8``): the words the A operand
-wants in lane ``q`` of a row are then ``2 R`` consecutive words of memory, one 16-byte load for ``BLOCK_KW = 16``.
-So each thread loads its own words in memory order (``_word_layout``) and the tile is relabelled into the operand's
-order by reshapes and a permutation (``operand_order``): the same registers, no shared memory and no data movement.
-
-Widening a register (``_widen``, inline PTX): the two nibbles OR-ed into the mantissas of 128 (``lop3``), 136
-subtracted in bf16x2 (exact: ``nib - 8``) and the pair multiplied by the group scale (one rounding, as
-``experts.int4.dequantize_int4`` rounds its float32 product): about two instructions a weight. MXFP4 (gpt-oss):
-its 16-byte blocks read as int32 words hold input ``8 c + j`` in nibble ``j`` of word ``c`` too, with one E8M0
-scale a group of 32 (``grouped.packed_words``); ``_widen_e2m1`` places each E2M1 code's bits in a bf16 and takes two
-exact products (the kernels choose it from the scales' dtype, uint8).
+Input order and widening: ``w4a16_operands`` (shared with ``w4a16_wgmma``; read its module docstring first). A step
+of ``BLOCK_KW`` words is four MMAs, one per nibble plane ``j = 0..3``: the weights' plane ``A_j [BLOCK_N, 2
+BLOCK_KW]`` widened from the words in registers, and ``B_j [2 BLOCK_KW, BLOCK_M]`` holding at ``(2 w + e, m)`` input
+``8 c + j + 4 e`` of token row ``m`` (``w`` the operand word of memory word ``c``).
 
 Activations are read from nibble-plane copies (``nibble_planes``: input ``8 c + j + 4 e`` at ``j * seg + 2 c + e``),
 so a thread's part of ``B_j`` is also consecutive in memory (16-byte loads) and relabelled the same way
@@ -42,18 +29,16 @@ so a thread's part of ``B_j`` is also consecutive in memory (16-byte loads) and 
    routing weight (on the output), ``y [N, D]`` float32 at each pair's row.
 4. ``grouped.sum_pairs``: ``out[t] = sum_k y[t K + k]``.
 
-Split reduction. When a launch has few row blocks (decode; ``SPLIT_MAX > 1``), the programs of the active blocks
-count them and split each tile's reduction ``split`` ways so that the GPU is filled (``_split``); each split stores
-its partial accumulator and takes a ticket from the tile's arrival counter, and the last sums the partials in split
-order (bitwise reproducible) and finishes the tile (the threadfence-reduction pattern of the CUDA samples).
+Split reduction (``w4a16_split``). When a launch has few row blocks (decode; ``SPLIT_MAX > 1``), each tile's
+reduction over ``K`` is split so that the GPU is filled.
 
 Static grids, no host synchronisation: CUDA-graph safe. ``mma.sync`` with bf16 and ``bf16x2`` arithmetic: compute
 capability 9.0 PTX (Hopper); bf16 activations only.
 
-Source: the mantissa-OR widening is the trick of the W4A16 kernels (FasterTransformer; Marlin: Frantar et al.,
-"MARLIN: Mixed-Precision Auto-Regressive Parallel Inference on Large Language Models", arXiv:2408.11743), which also
-feed widened registers to ``mma.sync`` without shared memory, after an offline reorder of the weights; here the
-order of the inputs is chosen instead, so the checkpoint's packed layout is read as it is. The code is our own.
+Source: feeding widened registers to ``mma.sync`` without shared memory is what the W4A16 kernels of Marlin do
+(Frantar et al., "MARLIN: Mixed-Precision Auto-Regressive Parallel Inference on Large Language Models",
+arXiv:2408.11743), after an offline reorder of the weights; here the order of the inputs is chosen instead
+(``w4a16_operands``), so the checkpoint's packed layout is read as it is. The code is our own.
 """
 
 from __future__ import annotations
@@ -69,14 +54,30 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
 from epmoe.experts.mxfp4 import MXFP4ExpertWeights
 from epmoe.experts.triton.align_kernels import align_triton
-from epmoe.experts.triton.decode import gated_activation
 from epmoe.experts.triton.grouped import act_code, packed_scales, packed_words, sum_pairs
-from epmoe.experts.triton.w4a16 import E2M1_LANES_PTX, row_strides
+from epmoe.experts.triton.w4a16 import row_strides
+from epmoe.experts.triton.w4a16_operands import (
+    block_rows,
+    gated_rows,
+    load_tile,
+    operand_order,
+    scales_per_word,
+    store_down_rows,
+    weight_ptrs,
+    widened_plane,
+)
+from epmoe.experts.triton.w4a16_split import (
+    first_word,
+    is_last_split,
+    programs_wanted,
+    reduced_partials,
+    split_count,
+    split_k_range,
+    split_program_ids,
+    split_workspace,
+    store_partial,
+)
 from epmoe.experts.weights import Activation, check_expert_call
-
-_WARPS_PER_SM = 16
-"""Warps an SM the split-K choice aims at (``MmaConfig.split_max``): a launch whose row blocks (at most, as
-``align.num_aligned_blocks`` bounds them) times column tiles give fewer programs may split each tile's reduction."""
 
 
 @dataclass(frozen=True)
@@ -109,20 +110,6 @@ class MmaConfig:
 
 
 @gluon.constexpr_function
-def _word_layout(block_n, block_kw, num_warps, gw):
-    """Register layout of a ``[block_n, block_kw // gw]`` tile in memory order (``gw = 1``: words; ``gw = G / 8``:
-    their group scales): thread ``(g, q)`` of a warp holds rows ``g`` and ``g + 8`` of each of the warp's 16-row
-    tiles and words ``[q R2, (q + 1) R2)`` (``R2 = block_kw / 4``, one 16-byte load for ``R2 = 4``), the words the
-    A operand wants in that thread once the inputs are reordered (``operand_order``)."""
-    r2 = block_kw // 4
-    regs = [[0, (1 << i) // gw] for i in range(r2.bit_length() - 1) if 1 << i >= gw] + [[8, 0]]
-    regs += [[16 * num_warps << i, 0] for i in range((block_n // (16 * num_warps)).bit_length() - 1)]
-    lanes = [[0, r2 // gw], [0, 2 * r2 // gw], [1, 0], [2, 0], [4, 0]]
-    warps = [[16 << i, 0] for i in range(num_warps.bit_length() - 1)]
-    return gl.DistributedLinearLayout(regs, lanes, warps, [], [block_n, block_kw // gw])
-
-
-@gluon.constexpr_function
 def _plane_layout(block_kw, block_m, num_warps):
     """Register layout of a step's tile ``[2 block_kw, block_m]`` of one nibble plane of the activations (memory
     order): thread ``(g, q)`` holds token rows ``g + 8 i``, elements ``[4 q R, 4 (q + 1) R)`` (``R = block_kw / 8``);
@@ -136,211 +123,12 @@ def _plane_layout(block_kw, block_m, num_warps):
 
 
 @gluon.jit
-def operand_order(words, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, LAYOUT: gl.constexpr):
-    """A word tile (or per-word tile) in memory order -> the order of the A operand: memory word ``c = 2 R q + 2 r +
-    h`` is operand word ``8 r + 4 h + q`` (``R = BLOCK_KW / 8``), in ``LAYOUT`` (the same threads: no data moves)."""
-    R: gl.constexpr = BLOCK_KW // 8
-    t = gl.reshape(gl.permute(gl.reshape(words, [BLOCK_N, 4, R, 2]), [0, 2, 3, 1]), [BLOCK_N, BLOCK_KW])
-    return gl.convert_layout(t, LAYOUT)
-
-
-@gluon.jit
 def _b_operand(v, BLOCK_KW: gl.constexpr, BLOCK_M: gl.constexpr, LAYOUT: gl.constexpr):
     """A nibble plane's tile in memory order (element ``2 c + e``) -> the B operand's order (``2 w + e``, ``w`` the
     operand word of memory word ``c`` as ``operand_order``), in ``LAYOUT``; register relabelling only."""
     R: gl.constexpr = BLOCK_KW // 8
     t = gl.reshape(gl.permute(gl.reshape(v, [4, R, 2, 2, BLOCK_M]), [1, 2, 0, 3, 4]), [2 * BLOCK_KW, BLOCK_M])
     return gl.convert_layout(t, LAYOUT)
-
-
-@gluon.jit
-def scales_per_word(scales, GW: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr):
-    """Group scales ``[BLOCK_N, BLOCK_KW / GW]`` -> one per word ``[BLOCK_N, BLOCK_KW]`` bf16 (copies in registers):
-    INT4's bf16 scales as they are, MXFP4's E8M0 bytes (uint8) as ``e8m0_bf16`` makes them."""
-    if scales.dtype == gl.uint8:
-        scales = e8m0_bf16(scales)
-    if GW >= 2:
-        scales = gl.join(scales, scales)
-    if GW >= 4:
-        scales = gl.join(scales, scales)
-    if GW >= 8:
-        scales = gl.join(scales, scales)
-    if GW >= 16:
-        scales = gl.join(scales, scales)
-    return gl.reshape(scales, [BLOCK_N, BLOCK_KW])
-
-
-@gluon.jit
-def _widen(words, scale, J: gl.constexpr):
-    """Nibbles ``J`` and ``J + 4`` of ``words`` (int32) times ``scale`` (bf16, the words' shape): two bf16 tensors of
-    the words' shape (see the module docstring)."""
-    SHIFT: gl.constexpr = f"shr.b32 t, t, {4 * J};" if J else ""
-    return gl.inline_asm_elementwise(
-        "{ .reg .b32 t, one, off, s2; mov.b32 t, $2; " + SHIFT
-        + " lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; mov.b32 one, 0x3F803F80; mov.b32 off, 0xC308C308;"
-        " fma.rn.bf16x2 t, t, one, off; mov.b32 s2, {$3, $3}; mul.rn.bf16x2 t, t, s2; mov.b32 {$0, $1}, t; }",
-        "=h,=h,r,h", [words, scale], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
-
-
-@gluon.jit
-def e8m0_bf16(s):
-    """bf16 ``2 ** (s - 127)`` of E8M0 bytes ``s`` (uint8), exact: the exponent field ``s`` of a bf16 (``s = 0``, the
-    subnormal ``2 ** -127``, as mantissa bit 6; ``s = 255`` reads as infinity)."""
-    e = s.to(gl.int16)
-    return ((e << 7) | ((e == 0).to(gl.int16) << 6)).to(gl.bfloat16, bitcast=True)
-
-
-@gluon.jit
-def _widen_e2m1(words, scale, J: gl.constexpr):
-    """E2M1 codes ``J`` and ``J + 4`` of ``words`` (int32, MXFP4 blocks read as words) times ``scale`` (bf16, ``2 **
-    (s - 127)``, the words' shape): two bf16 tensors of the words' shape. In each 16-bit lane the code's three
-    magnitude bits go under the bf16 exponent (bits 6-8) and its sign onto bit 15, which reads as ``e2m1 * 2 **
-    -126`` (code 1 a bf16 subnormal), then times ``2 ** 126`` and the scale: both products exact, as
-    ``experts.mxfp4.dequantize_mxfp4`` widens (a product below bf16's normal range rounds once)."""
-    SHIFT: gl.constexpr = f"shr.b32 t, t, {4 * J};" if J else ""
-    return gl.inline_asm_elementwise(
-        "{ .reg .b32 t, m, sg, big, nz, s2; mov.b32 t, $2; " + SHIFT + E2M1_LANES_PTX
-        + " mov.b32 s2, {$3, $3}; fma.rn.bf16x2 t, t, s2, nz; mov.b32 {$0, $1}, t; }",
-        "=h,=h,r,h", [words, scale], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
-
-
-@gluon.jit
-def widened_plane(words, scale, J: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, A_LAYOUT: gl.constexpr,
-                  MXFP4: gl.constexpr):
-    """The A operand ``A_J [BLOCK_N, 2 BLOCK_KW]`` bf16 of operand-order words and scales ``[BLOCK_N, BLOCK_KW]``
-    (module docstring): INT4 codes, or with ``MXFP4`` E2M1 codes (``_widen_e2m1``)."""
-    if MXFP4:
-        lo, hi = _widen_e2m1(words, scale, J)
-    else:
-        lo, hi = _widen(words, scale, J)
-    a = gl.reshape(gl.join(lo, hi), [BLOCK_N, 2 * BLOCK_KW])
-    return gl.convert_layout(a, A_LAYOUT, assert_trivial=True)
-
-
-@gluon.jit
-def block_rows(sorted_ptr, first, num_pairs, BLOCK_M: gl.constexpr, LAYOUT: gl.constexpr):
-    """The pair ids of a row block's ``BLOCK_M`` sorted positions and which are real (padding: ``num_pairs``)."""
-    pair = gl.load(sorted_ptr + first + gl.arange(0, BLOCK_M, layout=LAYOUT))
-    return pair, pair < num_pairs
-
-
-@gluon.jit
-def _program_ids(num_tiles, SPLIT_MAX: gl.constexpr):
-    """This program's row block, column tile and split: the grid is ``SPLIT_MAX`` rounds of (block, tile), split 0
-    first (the rounds past the split in use only leave)."""
-    pid = gl.program_id(0)
-    tiles = gl.num_programs(0) // SPLIT_MAX
-    rest = pid % tiles
-    return rest // num_tiles, rest % num_tiles, pid // tiles
-
-
-@gluon.jit
-def _split(block_slot_ptr, num_blocks, num_tiles, NB_PAD: gl.constexpr, SPLIT_MAX: gl.constexpr,
-           TARGET: gl.constexpr):
-    """The launch's split count: the largest power of two up to ``SPLIT_MAX`` that keeps the programs of the active
-    row blocks within ``TARGET`` (few active blocks: each tile's reduction split, so the SMs stay busy). Read by the
-    programs of active blocks only (an inactive block's programs have left)."""
-    split = 1
-    if SPLIT_MAX > 1:
-        bl = gl.arange(0, NB_PAD, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
-        active = gl.sum((gl.load(block_slot_ptr + bl, mask=bl < num_blocks, other=-1) >= 0).to(gl.int32), 0)
-        ratio = TARGET // gl.maximum(active * num_tiles, 1)
-        for _ in gl.static_range(SPLIT_MAX.bit_length() - 1):
-            split = gl.where(ratio >= 2 * split, 2 * split, split)
-    return split
-
-
-@gluon.jit
-def _k_range(pid_s, split, KW, BLOCK_KW: gl.constexpr, EVEN: gl.constexpr):
-    """Words ``[begin, end)`` of split ``pid_s`` of ``split`` (whole steps; trailing splits may be empty). ``KW`` is a
-    multiple of 4 (``load_tile``), which the compiler is told: the split's first tiles then load as 16-byte vectors."""
-    KW = (KW // 4) * 4
-    chunk = gl.cdiv(gl.cdiv(KW, split), BLOCK_KW) * BLOCK_KW
-    begin = gl.minimum(pid_s * chunk, KW)
-    if EVEN:  # KW a multiple of BLOCK_KW: so is begin (the activation loads are 16-byte vectors)
-        begin = gl.multiple_of(begin, BLOCK_KW)
-    return begin, gl.minimum(begin + chunk, KW)
-
-
-@gluon.jit
-def _tile_ptrs(ws_ptr, p, tile, pid_s, NUM_ACC: gl.constexpr, SPLIT_MAX: gl.constexpr, BLOCK_N: gl.constexpr,
-               MMA: gl.constexpr):
-    """Pointers of accumulator ``p`` (of ``NUM_ACC``, each a sub-block's ``[BLOCK_N, 8]``) of split ``pid_s`` of
-    ``tile`` (row block x column tile) in the partial workspace ``ws [tiles, SPLIT_MAX, NUM_ACC, BLOCK_N, 8]``
-    float32."""
-    r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-    m = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    off = ((tile.to(gl.int64) * SPLIT_MAX + pid_s) * NUM_ACC + p) * (BLOCK_N * 8)
-    return ws_ptr + off + r[:, None] * 8 + m[None, :]
-
-
-@gluon.jit
-def _arrive(ws_ptr, acc, p, tile, pid_s, NUM_ACC: gl.constexpr, SPLIT_MAX: gl.constexpr, BLOCK_N: gl.constexpr,
-            MMA: gl.constexpr):
-    """Store partial accumulator ``p`` of split ``pid_s`` of ``tile`` (see ``_tile_ptrs``)."""
-    gl.store(_tile_ptrs(ws_ptr, p, tile, pid_s, NUM_ACC, SPLIT_MAX, BLOCK_N, MMA), acc)
-
-
-@gluon.jit
-def _reduced(ws_ptr, p, tile, split, NUM_ACC: gl.constexpr, SPLIT_MAX: gl.constexpr, BLOCK_N: gl.constexpr,
-             MMA: gl.constexpr):
-    """Accumulator ``p`` of ``tile`` summed over its ``split`` partials, in split order (reproducible)."""
-    tot = gl.zeros([BLOCK_N, 8], gl.float32, layout=MMA)
-    for s in range(0, split):
-        tot += gl.load(_tile_ptrs(ws_ptr, p, tile, s, NUM_ACC, SPLIT_MAX, BLOCK_N, MMA),
-                       cache_modifier=".cg")
-    return tot
-
-
-@gluon.jit
-def _is_last(count_ptr, tile_id, split):
-    """After the partial stores: take a ticket from the tile's arrival counter; the last of ``split`` resets it (the
-    counters are zero between launches) and reduces (the threadfence-reduction pattern of the CUDA samples)."""
-    gl.thread_barrier()
-    ticket = gl.atomic_add(count_ptr + tile_id, 1, sem="acq_rel")
-    last = ticket == split - 1
-    if last:
-        gl.atomic_xchg(count_ptr + tile_id, 0)
-    return last
-
-
-@gluon.jit
-def weight_ptrs(base, s_base, rows0, stride_wn, stride_sn, BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr,
-                 GW: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """Pointers of a word tile (memory order) at word 0 of rows ``rows0 + [0, BLOCK_N)`` and of its scale tile, and
-    those rows (for masks) in both layouts."""
-    W_MEM: gl.constexpr = _word_layout(BLOCK_N, BLOCK_KW, NUM_WARPS, 1)
-    S_MEM: gl.constexpr = _word_layout(BLOCK_N, BLOCK_KW, NUM_WARPS, GW)
-    rows = rows0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, W_MEM))
-    cols = gl.arange(0, BLOCK_KW, layout=gl.SliceLayout(0, W_MEM))
-    s_rows = rows0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S_MEM))
-    s_cols = gl.arange(0, BLOCK_KW // GW, layout=gl.SliceLayout(0, S_MEM))
-    w_ptrs = (base + rows.to(gl.int64)[:, None] * stride_wn) + cols[None, :]
-    s_ptrs = (s_base + s_rows.to(gl.int64)[:, None] * stride_sn) + s_cols[None, :]
-    return w_ptrs, s_ptrs, rows[:, None], cols[None, :], s_rows[:, None], (s_cols * GW)[None, :]
-
-
-@gluon.jit
-def load_tile(ptrs, rows, R_ROWS, cols, k_left, EVEN: gl.constexpr):
-    """A word or scale tile (``ptrs``; ``cols`` in words), rows at or past ``R_ROWS`` and words at or past ``k_left``
-    zero unless ``EVEN``. ``k_left`` is a multiple of 4 words (a row holds whole groups of at least 32 inputs), which
-    the compiler is told, so that the masked word tiles still load as 16-byte vectors."""
-    if EVEN:
-        return gl.load(ptrs)
-    else:
-        return gl.load(ptrs, mask=(rows < R_ROWS) & (cols < (k_left // 4) * 4), other=0)
-
-
-@gluon.jit
-def _first_word(begin, KW, BLOCK_KW: gl.constexpr, EVEN: gl.constexpr):
-    """Where a split's first word tile is read: ``begin``, or for an empty split of ``EVEN`` tiles (unmasked loads)
-    the last whole step, valid words it never uses. Either is a multiple of ``BLOCK_KW`` when ``EVEN``, which the
-    compiler is told: the tiles' rows are then 16-byte aligned and load as 16-byte vectors (from the minimum alone it
-    proves the two-word alignment of ``KW`` and loads 8-byte pieces)."""
-    if EVEN:
-        return gl.multiple_of(gl.minimum(begin, KW - BLOCK_KW), BLOCK_KW)
-    else:
-        return begin
 
 
 @gluon.jit
@@ -477,17 +265,17 @@ def _gate_up_kernel(
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     X_MEM: gl.constexpr = _plane_layout(BLOCK_KW, 8, NUM_WARPS)
     num_n = gl.cdiv(F, BLOCK_N)
-    pid_m, pid_n, pid_s = _program_ids(num_n, SPLIT_MAX)
+    pid_m, pid_n, pid_s = split_program_ids(num_n, SPLIT_MAX)
     slot = gl.load(block_slot_ptr + pid_m).to(gl.int64)
     if slot < 0:
         return
-    split = _split(block_slot_ptr, num_blocks, num_n, NB_PAD, SPLIT_MAX, TARGET)
+    split = split_count(block_slot_ptr, num_blocks, num_n, NB_PAD, SPLIT_MAX, TARGET)
     if pid_s >= split:
         return
     first = gl.load(block_start_ptr + pid_m)
     nsub = gl.load(block_rows_ptr + pid_m) // 8  # the block's 8-row sub-blocks that hold rows
     DW = D // 8
-    begin, end = _k_range(pid_s, split, DW, BLOCK_KW, EVEN)
+    begin, end = split_k_range(pid_s, split, DW, BLOCK_KW, EVEN)
     # B: each sub-block's token rows of the nibble planes of x (a sub-block past the block's rows is never read)
     kk = gl.arange(0, 2 * BLOCK_KW, layout=gl.SliceLayout(1, X_MEM))
     x0 = _x_ptrs(xq_ptr, sorted_ptr, first, num_pairs, top_k, stride_x, kk, begin, X_MEM)
@@ -500,7 +288,7 @@ def _gate_up_kernel(
         x2 = _x_ptrs(xq_ptr, sorted_ptr, first + 16, num_pairs, top_k, stride_x, kk, begin, X_MEM)
         x3 = _x_ptrs(xq_ptr, sorted_ptr, first + 24, num_pairs, top_k, stride_x, kk, begin, X_MEM)
     # A: gate rows and up rows (F + rows) of the slot
-    w0 = _first_word(begin, DW, BLOCK_KW, EVEN)
+    w0 = first_word(begin, DW, BLOCK_KW, EVEN)
     stride_we, stride_wn = row_strides(stride_we, stride_wn)
     wg_ptrs, sg_ptrs, rows, cols, s_rows, s_cols = weight_ptrs(
         w_ptr + slot * stride_we + w0, s_ptr + slot * stride_se + w0 // GW, pid_n * BLOCK_N, stride_wn, stride_sn,
@@ -541,50 +329,31 @@ def _gate_up_kernel(
             tile = pid_m * num_n + pid_n
             for i in gl.static_range(NSUB):
                 if i < nsub:
-                    _arrive(ws_ptr, _pick(g0, g1, g2, g3, i), 2 * i, tile, pid_s, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
-                    _arrive(ws_ptr, _pick(u0, u1, u2, u3, i), 2 * i + 1, tile, pid_s, 2 * NSUB, SPLIT_MAX, BLOCK_N,
-                            MMA)
-            last = _is_last(count_ptr, tile, split)
+                    store_partial(ws_ptr, _pick(g0, g1, g2, g3, i), 2 * i, tile, pid_s, 2 * NSUB, SPLIT_MAX, BLOCK_N,
+                                  MMA)
+                    store_partial(ws_ptr, _pick(u0, u1, u2, u3, i), 2 * i + 1, tile, pid_s, 2 * NSUB, SPLIT_MAX,
+                                  BLOCK_N, MMA)
+            last = is_last_split(count_ptr, tile, split)
             if last:
-                g0 = _reduced(ws_ptr, 0, tile, split, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
-                u0 = _reduced(ws_ptr, 1, tile, split, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
+                g0 = reduced_partials(ws_ptr, 0, tile, split, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
+                u0 = reduced_partials(ws_ptr, 1, tile, split, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
                 if NSUB > 1:
                     if nsub > 1:
-                        g1 = _reduced(ws_ptr, 2, tile, split, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
-                        u1 = _reduced(ws_ptr, 3, tile, split, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
+                        g1 = reduced_partials(ws_ptr, 2, tile, split, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
+                        u1 = reduced_partials(ws_ptr, 3, tile, split, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
                 if NSUB > 2:
                     if nsub > 2:
-                        g2 = _reduced(ws_ptr, 4, tile, split, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
-                        u2 = _reduced(ws_ptr, 5, tile, split, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
+                        g2 = reduced_partials(ws_ptr, 4, tile, split, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
+                        u2 = reduced_partials(ws_ptr, 5, tile, split, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
                     if nsub > 3:
-                        g3 = _reduced(ws_ptr, 6, tile, split, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
-                        u3 = _reduced(ws_ptr, 7, tile, split, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
+                        g3 = reduced_partials(ws_ptr, 6, tile, split, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
+                        u3 = reduced_partials(ws_ptr, 7, tile, split, 2 * NSUB, SPLIT_MAX, BLOCK_N, MMA)
     if last:
         for i in gl.static_range(NSUB):
             if i < nsub:
                 _gate_up_epilogue(_pick(g0, g1, g2, g3, i), _pick(u0, u1, u2, u3, i), b_ptr, tw_ptr, h_ptr,
                                   sorted_ptr, first + 8 * i, num_pairs, slot, pid_n, F, seg_h, stride_h, act_limit,
                                   act_alpha, BLOCK_N, MMA, ACT, HAS_BIAS, WEIGHT_ON_INPUT)
-
-
-@gluon.jit
-def gated_rows(acc_g, acc_u, b_ptr, tw_ptr, sorted_ptr, slot, pos, pid_n, num_pairs, F, act_limit, act_alpha,
-               BLOCK_N: gl.constexpr, ROWS: gl.constexpr, MMA: gl.constexpr, ACT: gl.constexpr,
-               HAS_BIAS: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr):
-    """The gate/up epilogue of sorted positions ``[pos, pos + ROWS)`` (accumulators ``[BLOCK_N, ROWS]`` float32 in
-    ``MMA``: rows ``f`` of ``F`` by token rows): routing weight (on the input), bias and the gated activation. Returns
-    ``h`` float32, ``f`` and the mask of its real entries (``f < F``, real pairs)."""
-    pair_c, valid_c = block_rows(sorted_ptr, pos, num_pairs, ROWS, gl.SliceLayout(0, MMA))
-    f = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-    f_ok = f < F
-    if WEIGHT_ON_INPUT:
-        tw = gl.load(tw_ptr + pair_c, mask=valid_c, other=0.0)
-        acc_g *= tw[None, :]
-        acc_u *= tw[None, :]
-    if HAS_BIAS:
-        acc_g += gl.load(b_ptr + slot * 2 * F + f, mask=f_ok, other=0.0).to(gl.float32)[:, None]
-        acc_u += gl.load(b_ptr + slot * 2 * F + F + f, mask=f_ok, other=0.0).to(gl.float32)[:, None]
-    return gated_activation(acc_g, acc_u, act_limit, act_alpha, ACT), f, f_ok[:, None] & valid_c[None, :]
 
 
 @gluon.jit
@@ -644,22 +413,22 @@ def _down_kernel(
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     H_MEM: gl.constexpr = _plane_layout(BLOCK_KW, 8, NUM_WARPS)
     num_n = gl.cdiv(D, BLOCK_N)
-    pid_m, pid_n, pid_s = _program_ids(num_n, SPLIT_MAX)
+    pid_m, pid_n, pid_s = split_program_ids(num_n, SPLIT_MAX)
     slot = gl.load(block_slot_ptr + pid_m).to(gl.int64)
     if slot < 0:
         return
-    split = _split(block_slot_ptr, num_blocks, num_n, NB_PAD, SPLIT_MAX, TARGET)
+    split = split_count(block_slot_ptr, num_blocks, num_n, NB_PAD, SPLIT_MAX, TARGET)
     if pid_s >= split:
         return
     first = gl.load(block_start_ptr + pid_m)
     nsub = gl.load(block_rows_ptr + pid_m) // 8
     FW = F // 8
-    begin, end = _k_range(pid_s, split, FW, BLOCK_KW, EVEN)
+    begin, end = split_k_range(pid_s, split, FW, BLOCK_KW, EVEN)
     # B: each sub-block's h rows (a padding row was never written: its column of the product is never stored)
     kk = gl.arange(0, 2 * BLOCK_KW, layout=gl.SliceLayout(1, H_MEM))
     m_b = gl.arange(0, 8, layout=gl.SliceLayout(0, H_MEM))
     h0 = (h_ptr + (first + m_b).to(gl.int64)[None, :] * stride_h + 2 * begin) + kk[:, None]
-    w0 = _first_word(begin, FW, BLOCK_KW, EVEN)
+    w0 = first_word(begin, FW, BLOCK_KW, EVEN)
     stride_we, stride_wn = row_strides(stride_we, stride_wn)
     w_ptrs, s_ptrs, rows, cols, s_rows, s_cols = weight_ptrs(
         w_ptr + slot * stride_we + w0, s_ptr + slot * stride_se + w0 // GW, pid_n * BLOCK_N, stride_wn, stride_sn,
@@ -693,39 +462,23 @@ def _down_kernel(
             tile = pid_m * num_n + pid_n
             for i in gl.static_range(NSUB):
                 if i < nsub:
-                    _arrive(ws_ptr, _pick(a0, a1, a2, a3, i), i, tile, pid_s, NSUB, SPLIT_MAX, BLOCK_N, MMA)
-            last = _is_last(count_ptr, tile, split)
+                    store_partial(ws_ptr, _pick(a0, a1, a2, a3, i), i, tile, pid_s, NSUB, SPLIT_MAX, BLOCK_N, MMA)
+            last = is_last_split(count_ptr, tile, split)
             if last:
-                a0 = _reduced(ws_ptr, 0, tile, split, NSUB, SPLIT_MAX, BLOCK_N, MMA)
+                a0 = reduced_partials(ws_ptr, 0, tile, split, NSUB, SPLIT_MAX, BLOCK_N, MMA)
                 if NSUB > 1:
                     if nsub > 1:
-                        a1 = _reduced(ws_ptr, 1, tile, split, NSUB, SPLIT_MAX, BLOCK_N, MMA)
+                        a1 = reduced_partials(ws_ptr, 1, tile, split, NSUB, SPLIT_MAX, BLOCK_N, MMA)
                 if NSUB > 2:
                     if nsub > 2:
-                        a2 = _reduced(ws_ptr, 2, tile, split, NSUB, SPLIT_MAX, BLOCK_N, MMA)
+                        a2 = reduced_partials(ws_ptr, 2, tile, split, NSUB, SPLIT_MAX, BLOCK_N, MMA)
                     if nsub > 3:
-                        a3 = _reduced(ws_ptr, 3, tile, split, NSUB, SPLIT_MAX, BLOCK_N, MMA)
+                        a3 = reduced_partials(ws_ptr, 3, tile, split, NSUB, SPLIT_MAX, BLOCK_N, MMA)
     if last:
         for i in gl.static_range(NSUB):
             if i < nsub:
                 store_down_rows(_pick(a0, a1, a2, a3, i), b_ptr, tw_ptr, y_ptr, sorted_ptr, first + 8 * i, num_pairs,
                                 slot, pid_n, D, BLOCK_N, 8, MMA, HAS_BIAS, WEIGHT_ON_INPUT)
-
-
-@gluon.jit
-def store_down_rows(acc, b_ptr, tw_ptr, y_ptr, sorted_ptr, pos, num_pairs, slot, pid_n, D, BLOCK_N: gl.constexpr,
-                    ROWS: gl.constexpr, MMA: gl.constexpr, HAS_BIAS: gl.constexpr, WEIGHT_ON_INPUT: gl.constexpr):
-    """The down epilogue of sorted positions ``[pos, pos + ROWS)`` (accumulator ``[BLOCK_N, ROWS]`` float32 in
-    ``MMA``): bias, routing weight (on the output) and ``y [N, D]`` float32 at each pair's row."""
-    pair_c, valid_c = block_rows(sorted_ptr, pos, num_pairs, ROWS, gl.SliceLayout(0, MMA))
-    d = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-    d_ok = d < D
-    if HAS_BIAS:
-        acc += gl.load(b_ptr + slot * D + d, mask=d_ok, other=0.0).to(gl.float32)[:, None]
-    if not WEIGHT_ON_INPUT:
-        acc *= gl.load(tw_ptr + pair_c, mask=valid_c, other=0.0)[None, :]
-    y_ptrs = y_ptr + pair_c.to(gl.int64)[None, :] * D + d[:, None]
-    gl.store(y_ptrs, acc, mask=d_ok[:, None] & valid_c[None, :])
 
 
 MMA_SPARSE_REGS = 128
@@ -854,9 +607,9 @@ def packed_mma_experts(
     n1, n2 = triton.cdiv(f, cfg.block_n1), triton.cdiv(d, cfg.block_n2)
     # few row blocks (decode): each tile's reduction may be split, up to split_max ways, so that the active blocks'
     # programs fill the GPU (the split is chosen on the device from the blocks in use)
-    target = _programs_wanted(x.device, cfg.num_warps)
-    split1, ws1, count1 = _split_workspace(cfg.split_max, nb, n1, 2 * cfg.block_n1 * bm, target, placeholder)
-    split2, ws2, count2 = _split_workspace(cfg.split_max, nb, n2, cfg.block_n2 * bm, target, placeholder)
+    target = programs_wanted(x.device, cfg.num_warps)
+    split1, ws1, count1 = split_workspace(cfg.split_max, nb, n1, 2 * cfg.block_n1 * bm, target, placeholder)
+    split2, ws2, count2 = split_workspace(cfg.split_max, nb, n2, cfg.block_n2 * bm, target, placeholder)
     nb_pad = triton.next_power_of_2(nb)
     _gate_up_kernel[(nb * n1 * split1,)](
         xq, w13, s13, weights.b13 if weights.b13 is not None else placeholder, topk_weights, h, aln.sorted_pair_ids,
@@ -878,20 +631,3 @@ def packed_mma_experts(
         TARGET=target, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
     return sum_pairs(y, topk_slots, out, s)
-
-
-def _split_workspace(split_max: int, nb: int, tiles: int, values: int, target: int,
-                     placeholder: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """A launch's ``SPLIT_MAX`` (``split_max`` when its row blocks (at most ``nb``) times ``tiles`` column tiles give
-    fewer than ``target`` programs, else 1), its partial workspace (``values`` accumulator values a tile) and its
-    arrival counters (zero; the kernels leave them zero)."""
-    if split_max == 1 or nb * tiles >= target:
-        return 1, placeholder, placeholder
-    dev = placeholder.device
-    ws = torch.empty(nb * tiles * split_max * values, dtype=torch.float32, device=dev)
-    return split_max, ws, torch.zeros(nb * tiles, dtype=torch.int32, device=dev)
-
-
-def _programs_wanted(device: torch.device, num_warps: int) -> int:
-    """Programs that fill the GPU (``_WARPS_PER_SM`` warps an SM)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count * _WARPS_PER_SM // num_warps

@@ -1,18 +1,18 @@
 """W4A16 expert compute at prefill sizes on Hopper's warpgroup MMA, the INT4 words widened straight into the A operand.
 
-A Gluon kernel pair, the prefill variant of ``w4a16_mma`` (read its module docstring first: the input order, the
-widening and the helpers are shared). The product is taken transposed as there: 64 weight rows of a warpgroup (four
-warps, 16 rows each) are the ``M`` side of ``wgmma.mma_async.m64nNk16``, a row block of ``WgmmaConfig.block_m`` (64
-or 128) token rows of one slot its ``N`` side, so each widened weight register feeds ``block_m / 8`` tensor-core
-products (``w4a16_mma``: one or two ``mma.sync`` of 8 tokens). A program of ``block_n`` weight rows has one or two
-warpgroups (``num_warps`` 4 or 8), each issuing its ``wgmma`` once or twice (``block_n = 16 num_warps`` or twice
-that), all on the same activations in shared memory.
+A Gluon kernel pair, the prefill variant of ``w4a16_mma`` (read the module docstring of ``w4a16_operands`` first: the
+input order, the widening and the helpers are shared). The product is taken transposed as there: 64 weight rows of a
+warpgroup (four warps, 16 rows each) are the ``M`` side of ``wgmma.mma_async.m64nNk16``, a row block of
+``WgmmaConfig.block_m`` (64 or 128) token rows of one slot its ``N`` side, so each widened weight register feeds
+``block_m / 8`` tensor-core products (``w4a16_mma``: one or two ``mma.sync`` of 8 tokens). A program of ``block_n``
+weight rows has one or two warpgroups (``num_warps`` 4 or 8), each issuing its ``wgmma`` once or twice (``block_n = 16
+num_warps`` or twice that), all on the same activations in shared memory.
 
-A (weights), in registers. Each thread loads its words and group scales in memory order (``w4a16_mma._word_layout``),
-relabels them into the operand order (``operand_order``) and widens them plane by plane (``widened_plane``) into
-``DotOperandLayout(0, <v3 layout>, k_width=2)``: a warp's part of the v3 A operand (16 rows of its warpgroup's 64,
-warps stacked along ``M``) is the ``mma.sync.m16n8k16`` A fragment, so the relabelling is the same and
-``convert_layout(..., assert_trivial=True)`` proves at compile time that no data moves.
+A (weights), in registers. Each thread loads its words and group scales in memory order
+(``w4a16_operands._word_layout``), relabels them into the operand order (``operand_order``) and widens them plane by
+plane (``widened_plane``) into ``DotOperandLayout(0, <v3 layout>, k_width=2)``: a warp's part of the v3 A operand (16
+rows of its warpgroup's 64, warps stacked along ``M``) is the ``mma.sync.m16n8k16`` A fragment, so the relabelling is
+the same and ``convert_layout(..., assert_trivial=True)`` proves at compile time that no data moves.
 
 B (activations), in shared memory. A step of ``BLOCK_KW`` words is four products of ``K = 2 BLOCK_KW``, one per
 nibble plane ``j``; plane ``j``'s B holds at ``(2 w + e, m)`` input ``8 c + j + 4 e`` of token row ``m`` (``w`` the
@@ -69,7 +69,7 @@ from epmoe.experts.mxfp4 import MXFP4ExpertWeights
 from epmoe.experts.triton.align_kernels import align_triton
 from epmoe.experts.triton.grouped import act_code, packed_scales, packed_words, sum_pairs
 from epmoe.experts.triton.w4a16 import row_strides
-from epmoe.experts.triton.w4a16_mma import (
+from epmoe.experts.triton.w4a16_operands import (
     block_rows,
     gated_rows,
     load_tile,
