@@ -18,9 +18,13 @@ experts its tokens touch (the number read back from the engine's load counts ove
 the table's ``experts``), and the KV cache it attends over. ``uniform`` is the expected number under uniform
 routing, the planner's assumption (the dummy weights route as uniform routing does; a row whose count falls short
 of it read fewer experts than the plan prices). Every measured step runs the whole batch (``time_decode``). TTFT:
-one request of 1k and 4k tokens, against the FLOP floor of its prefill. Writes ``engine_<gpu>.json`` under ``--out``
-and prints a table last. ``--env-variants 'EPMOE_PDL=0;...'`` also times, per model, an engine built with each of
-those environment settings, in the same process after the main rows (an A/B in the same run).
+one request of 1k and 4k tokens, against the FLOP floor of its prefill and beside ``epmoe plan``'s price of that prompt
+(``planned_ttft``; ``ttft_fit``: the profile's per-layer prefill term fitted to the run's TTFT rows). Writes
+``engine_<gpu>.json`` under ``--out`` and prints a table last. ``--replan-ttft ROWS.json`` (no GPU) re-prices measured
+TTFT rows of earlier runs with this commit's planner and fits ``engine_prefill_layer_us`` per profile
+(``replan_ttft``; ``benchmarks/results/ttft_fit_rows.json`` lists the rows the shipped profiles were fitted to).
+``--env-variants 'EPMOE_PDL=0;...'`` also times, per model, an engine built with each of those environment settings,
+in the same process after the main rows (an A/B in the same run).
 
 Speculation rows (``--spec``: only these, a few minutes): Qwen3-30B-A3B (``--spec-model``), ``ngram`` on
 repetitive prompts (code, lists) and ``eagle3`` with random weights (``--eagle3-config``, the SpecForge
@@ -56,6 +60,7 @@ from epmoe.spec import load_moe_spec
 from timing import gpu_file_name, measure_ceilings
 
 CONFIGS = Path(__file__).resolve().parents[1] / "data" / "configs"
+RESULTS = Path(__file__).resolve().parent / "results"
 PROMPT = 128
 
 
@@ -403,6 +408,89 @@ def planned(d: Path, batches: list[int], ctx: float, weights: str | None = "bf16
     req = PlanRequest(load_moe_spec(str(d)), load_hardware(profile), gpus=1, batches=tuple(batches),
                       context=int(ctx), weights=weights)  # None: the format the checkpoint's config names
     return {b: (st.total_ms, st.engine_ms) for b, st in zip(batches, plan(req).strategies[0].steps)}
+
+
+def planned_ttft(d: Path, lens: list[int], weights: str | None = "bf16",
+                 profile: str = "h200-sxm") -> dict[int, tuple[float, float]]:
+    """What ``epmoe plan`` predicts for one prompt of each of ``lens`` tokens prefilled alone on one GPU of
+    ``profile`` (the TP1 strategy's ``prefills``): ms to the first token and the part of it that is the profile's
+    per-layer prefill term (``engine_prefill_layer_us``)."""
+    from epmoe.plan.hardware import load_hardware
+    from epmoe.plan.planner import plan
+    from epmoe.plan.request import PlanRequest
+
+    spec, hw = load_moe_spec(str(d)), load_hardware(profile)
+    req = PlanRequest(spec, hw, gpus=1, batches=(1,), context=max(lens), weights=weights, input_lens=tuple(lens))
+    layer_ms = spec.num_layers * hw.engine_prefill_layer_us / 1e3
+    return {n: (st.total_ms, layer_ms) for n, st in zip(lens, plan(req).strategies[0].prefills)}
+
+
+def fit_prefill_term(rows: list[dict]) -> dict:
+    """The profile's ``engine_prefill_layer_us`` fitted to measured times to first token: least squares on the
+    relative error of ``roofline + layers x term`` (``rows``: ``ttft_ms``, ``roofline_ms`` = the plan without the
+    term, ``layers``), the term at least 0, with the ratios measured / planned after the fit."""
+    import numpy as np
+
+    m = np.array([r["ttft_ms"] for r in rows])
+    a = np.array([r["layers"] for r in rows]) / m
+    y = 1.0 - np.array([r["roofline_ms"] for r in rows]) / m
+    x = max(0.0, float(a @ y / (a @ a)))
+    after = [r["roofline_ms"] + r["layers"] * x for r in rows]
+    return {"engine_prefill_layer_us": x * 1e3, "ratios_after": [t / p for t, p in zip(m.tolist(), after)]}
+
+
+def replan_ttft(rows_file: Path, out: Path) -> dict:
+    """Re-price measured times to first token with this commit's planner, no GPU: ``rows_file`` is a JSON list of
+    ``{"results": an engine JSON under benchmarks/results, "model": its model name, "layers": the decoder layers it
+    ran (null: the config's), "expert_format": as --expert-format, "profile": the hardware profile of its GPU,
+    optionally "fit": false and "why"}``; each TTFT row of that model in that file is priced by ``planned_ttft`` and
+    ``engine_prefill_layer_us`` is fitted per profile (``fit_prefill_term``) to the rows not marked ``"fit": false``
+    (those are priced with the fitted term and reported). Prints one line a row and the fits; writes
+    ``ttft_replan.json`` under ``out``.
+
+    Raises:
+        ValueError: a row naming a results file, model or TTFT row that is not there (named).
+    """
+    entries = json.loads(Path(rows_file).read_text())
+    root = Path(tempfile.mkdtemp())
+    rows = []
+    try:
+        for e in entries:
+            path = RESULTS / e["results"]
+            if not path.is_file():
+                raise ValueError(f"{rows_file}: results file {str(path)!r} does not exist")
+            model = json.loads(path.read_text())["models"].get(e["model"])
+            if not model or not model.get("ttft"):
+                raise ValueError(f"{rows_file}: {e['results']} has no TTFT rows of {e['model']!r}")
+            d = checkpoint(e["model"], e["layers"], root / e["results"], e["expert_format"])
+            kept = published_format(e["model"]) in e["expert_format"].split(",")
+            lens = [int(n) for n in model["ttft"]]
+            for n, (total, layer_part) in planned_ttft(d, lens, None if kept else "bf16", e["profile"]).items():
+                rows.append({**e, "input_len": n, "ttft_ms": model["ttft"][str(n)]["ms"], "plan_ms": total,
+                             "roofline_ms": total - layer_part, "layers": load_moe_spec(str(d)).num_layers})
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    fits = {}
+    for profile in sorted({r["profile"] for r in rows}):
+        mine = [r for r in rows if r["profile"] == profile]
+        fits[profile] = fit_prefill_term([r for r in mine if r.get("fit", True)])
+        term_ms = fits[profile]["engine_prefill_layer_us"] / 1e3
+        for r in mine:
+            r["ratio_after_fit"] = r["ttft_ms"] / (r["roofline_ms"] + r["layers"] * term_ms)
+    print(f"{'model':14} {'layers':>6} {'profile':9} {'tokens':>6} {'TTFT ms':>8} {'plan ms':>8} {'/plan':>6} "
+          f"{'/plan after fit':>15}  results")
+    for r in rows:
+        print(f"{r['model']:14} {r['layers']:6d} {r['profile']:9} {r['input_len']:6d} {r['ttft_ms']:8.1f} "
+              f"{r['plan_ms']:8.1f} {r['ttft_ms'] / r['plan_ms']:6.2f} {r['ratio_after_fit']:15.2f}  {r['results']}"
+              + ("" if r.get("fit", True) else f" (not fitted: {r.get('why', '')})"))
+    for profile, fit in fits.items():
+        print(f"{profile}: engine_prefill_layer_us {fit['engine_prefill_layer_us']:.0f}, fitted to "
+              f"{len(fit['ratios_after'])} rows, measured / planned after: "
+              f"{min(fit['ratios_after']):.2f}-{max(fit['ratios_after']):.2f}")
+    result = {"rows": rows, "fits": fits}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ttft_replan.json").write_text(json.dumps(result, indent=2))
+    return result
 
 
 def fit_engine_terms(rows: list[dict]) -> dict:
@@ -926,6 +1014,9 @@ def main() -> None:
                          "the main rows, e.g. 'EPMOE_PDL=0'")
     ap.add_argument("--out", default="benchmarks/results",
                     help="folder the results JSON (engine_<gpu>.json) is written to")
+    ap.add_argument("--replan-ttft", metavar="ROWS.json",
+                    help="no GPU: re-price the measured TTFT rows the file lists with this commit's planner and fit "
+                         "the profiles' engine_prefill_layer_us (writes ttft_replan.json under --out)")
     ap.add_argument("--spec", action="store_true", help="only the speculation rows")
     ap.add_argument("--spec-model", default=None, help="checkpoint of the speculation rows (None: Qwen3-30B-A3B, "
                                                       "dummy weights)")
@@ -946,6 +1037,12 @@ def main() -> None:
     check_env_variants(ap, args.env_variants)
     if Path(args.out).exists() and not Path(args.out).is_dir():
         ap.error(f"--out {args.out!r} is a file; it names the folder the results are written to")
+    if args.replan_ttft:
+        try:
+            replan_ttft(Path(args.replan_ttft), Path(args.out))
+        except (ValueError, KeyError, OSError) as exc:
+            ap.error(f"--replan-ttft: {exc}")
+        return
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda (the default): no CUDA device here; the decode, TTFT, peer and speculation rows on "
                  "CUDA need one (on CPU the speculation rows run: --device cpu --spec-model DIR)")
@@ -973,6 +1070,7 @@ def main() -> None:
 
     rows = []
     fit_rows: list[dict] = []
+    ttft_fit_rows: list[dict] = []
     for name in args.models.split(","):
         layers = {"deepseek": args.deepseek_layers, "kimi": args.kimi_layers}.get(name.split("-")[0])
         d = checkpoint(name, layers, root, args.expert_format)
@@ -982,6 +1080,12 @@ def main() -> None:
                           profile_of(torch.cuda.get_device_name()))
         m["plan_ms"] = {b: v[0] for b, v in plan_ms.items()}
         m["plan_engine_ms"] = {b: v[1] for b, v in plan_ms.items()}
+        if m["ttft"]:
+            for n, (total, layer_part) in planned_ttft(d, list(m["ttft"]), None if kept else "bf16",
+                                                       profile_of(torch.cuda.get_device_name())).items():
+                m["ttft"][n]["plan_ms"] = total
+                ttft_fit_rows.append({"ttft_ms": m["ttft"][n]["ms"], "roofline_ms": total - layer_part,
+                                      "layers": m["layers"]})
         # a step faster than the plan's roofline read fewer bytes than the plan prices (fewer experts than uniform
         # routing touches): it says nothing of the engine's own costs, so it is left out of the fit
         fit_rows += [{"tpot_ms": m["rows"][b]["tpot_ms"], "roofline_ms": v[0] - v[1], "layers": m["layers"], "bs": b}
@@ -1003,6 +1107,9 @@ def main() -> None:
     if len(fit_rows) >= 3:
         result["engine_fit"] = fit_engine_terms(fit_rows)
         save()
+    if len(ttft_fit_rows) >= 2:
+        result["ttft_fit"] = fit_prefill_term(ttft_fit_rows)
+        save()
     print(f"\n{'model':14} {'bs':>4} {'TPOT ms':>8} {'floor':>7} {'/floor':>6} {'peer ms':>8} {'peer/us':>7} "
           f"{'plan ms':>8} {'us/plan':>7} {'experts':>7} {'uniform':>7}")
     for model, bs, t, f, p, pl, touched, uniform in rows:
@@ -1019,8 +1126,13 @@ def main() -> None:
         for n, r in m["ttft"].items():
             eager = f", eager step {r['eager_ms']:.1f} ms" if "eager_ms" in r else ""
             print(f"{model:14} TTFT {n}: {r['ms']:.1f} ms {r.get('path', '')} (GPU kernels {r['gpu_kernels_ms']:.1f} "
-                  f"ms{eager}), FLOP floor {r['floor_ms']:.1f} ms, ratio {r['ratio']:.2f}; "
-                  f"peak {m['peak_gib']:.1f} GiB")
+                  f"ms{eager}), FLOP floor {r['floor_ms']:.1f} ms, ratio {r['ratio']:.2f}; plan {r['plan_ms']:.1f} ms "
+                  f"({r['ms'] / r['plan_ms']:.2f}x); peak {m['peak_gib']:.1f} GiB")
+    if "ttft_fit" in result:
+        fit = result["ttft_fit"]
+        print(f"prefill term fitted to the {len(fit['ratios_after'])} TTFT rows: "
+              f"{fit['engine_prefill_layer_us']:.0f} us a layer; measured / planned after: "
+              f"{min(fit['ratios_after']):.2f}-{max(fit['ratios_after']):.2f}")
     if "engine_fit" in result:
         fit = result["engine_fit"]
         print(f"engine terms fitted to the {len(fit['ratios_after'])} rows above their roofline: step "

@@ -4,6 +4,7 @@ the run."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -187,3 +188,28 @@ def test_result_files_are_named_by_the_whole_gpu_name(monkeypatch):
     assert timing.gpu_file_name("Tesla V100-SXM2-16GB") == "v100-sxm2-16gb"
     assert timing.gpu_file_name("AMD Instinct MI250X / MI250") == "instinct-mi250x-mi250"
     assert timing.gpu_file_name("NVIDIA") == "nvidia" and timing.gpu_file_name("") == "gpu"
+
+
+def test_replan_ttft_refits_the_shipped_prefill_term(script, tmp_path, monkeypatch, capsys):
+    """``--replan-ttft``, no GPU: the shipped rows file re-priced with this commit's planner fits each profile's
+    ``engine_prefill_layer_us`` to the value the profile ships (within 1 us), the fitted rows within 30% of the
+    plan; a rows file naming a model its results file lacks is an argparse error naming it."""
+    from epmoe.plan.hardware import load_hardware
+
+    rows = os.path.join(os.path.dirname(script.__file__), "results", "ttft_fit_rows.json")
+    monkeypatch.setattr(sys, "argv", ["engine.py", "--replan-ttft", rows, "--out", str(tmp_path)])
+    script.main()
+    result = json.loads((tmp_path / "ttft_replan.json").read_text())
+    for profile, fit in result["fits"].items():
+        assert abs(fit["engine_prefill_layer_us"] - load_hardware(profile).engine_prefill_layer_us) < 1.0, profile
+        assert all(1 / 1.3 <= r <= 1.3 for r in fit["ratios_after"]), (profile, fit["ratios_after"])
+    assert {r["model"] for r in result["rows"]} == {"qwen3-30b-a3b", "deepseek-v3", "kimi-k2.5", "gpt-oss-20b"}
+    assert "engine_prefill_layer_us" in capsys.readouterr().out
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"results": "engine_qwen3_final_h200.json", "model": "gpt-oss-20b", "layers": None,
+                                "expert_format": "bf16", "profile": "h200-sxm"}]))
+    monkeypatch.setattr(sys, "argv", ["engine.py", "--replan-ttft", str(bad), "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as exc:
+        script.main()
+    assert exc.value.code == 2
+    assert "engine_qwen3_final_h200.json has no TTFT rows of 'gpt-oss-20b'" in capsys.readouterr().err

@@ -346,7 +346,8 @@ def _flag_error(exc: Exception, flags: dict[str, str]) -> Exception:
 
 
 _PLAN_FLAGS = {"gpus": "--gpus", "nodes": "--nodes", "spec_tokens": "--spec-tokens", "redundant": "--redundant",
-               "context": "--context", "batch": "--batch", "weights": "--weights", "mem_fraction": "--mem-fraction",
+               "context": "--context", "batch": "--batch", "input_len": "--input-len", "weights": "--weights",
+               "mem_fraction": "--mem-fraction",
                "balancedness": "--balancedness", "accept_length": "--accept-length"}
 
 
@@ -354,7 +355,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan", help="TP vs EP for a model, machine and batch: step time, collectives and memory per GPU",
         description="Estimate decode (or speculative verify) steps of every TP / EP strategy at each batch size: "
-        "attention and dense compute, routed-expert compute, collectives (count, bytes, time) and per-GPU memory.",
+        "attention and dense compute, routed-expert compute, collectives (count, bytes, time) and per-GPU memory; "
+        "with --input-len, one prompt's prefill (time to first token) too.",
     )
     p.add_argument("--config", required=True, metavar="CONFIG", help="Hugging Face config.json or checkpoint directory")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in total")
@@ -366,6 +368,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                                                               "decode)")
     p.add_argument("--redundant", type=int, default=0, help="redundant expert slots per MoE layer (default 0)")
     p.add_argument("--context", type=int, default=4096, help="KV-cache tokens per sequence (default 4096)")
+    p.add_argument("--input-len", type=_batches, default=(), metavar="N[,N]",
+                   help="prompt lengths whose prefill alone (time to first token) is priced too, e.g. 1024,4096")
     p.add_argument("--weights", choices=("bf16", "fp8", "int4", "mxfp4"), help="routed expert storage (default: "
                                                                                  "the checkpoint's)")
     p.add_argument("--mem-fraction", type=float, default=0.9, help="share of GPU memory usable (default 0.9)")
@@ -396,6 +400,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             spec=load_moe_spec(args.config), hardware=load_hardware(args.hardware), gpus=args.gpus, nodes=args.nodes,
             batches=args.batch, spec_tokens=args.spec_tokens, redundant=args.redundant, context=args.context,
             weights=args.weights, mem_fraction=args.mem_fraction, balancedness=args.balancedness,
+            input_lens=args.input_len,
         )
         if req.context > req.spec.max_position_embeddings:
             print(f"epmoe plan: --context {req.context} is above the model's max_position_embeddings "

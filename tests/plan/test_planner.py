@@ -583,3 +583,79 @@ def test_windowed_layers_read_only_their_window():
     assert attention(spec, 32768) == pytest.approx(
         attention(full, 32768) - 12 * (32768 - 128) * kv / hw.hbm_bytes_per_s * 1e3, rel=1e-9)
     assert attention(spec, 100) == pytest.approx(attention(full, 100), rel=1e-12)
+
+
+def test_prefill_prices_the_causal_pairs_and_one_row_of_logits():
+    """A prompt's prefill (``PlanRequest.input_lens``): on one GPU the attention part is the roofline of the
+    projections over the prompt's rows and of the scores over its causal pairs (a window's pairs for gpt-oss's
+    sliding layers), plus one row of logits; the step's parts add up; the engine part is the step term and a prefill
+    term a layer."""
+    from epmoe.plan.costs import attention_params, causal_pairs, prefill_score_flops, roofline_ms
+
+    assert causal_pairs(4, 10) == 10 and causal_pairs(4, 4) == 10 and causal_pairs(5, 2) == 3 + 3 * 2
+    hw = load_hardware(H200)
+    spec = load_moe_spec(CONFIGS / "qwen3-30b-a3b.config.json")
+    p = plan(PlanRequest(spec, hw, gpus=1, batches=(1,), input_lens=(1024, 4096)))
+    short, long = p.strategies[0].prefills
+    assert (short.batch, short.tokens, long.tokens) == (1, 1024, 4096)
+    w = attention_params(spec).per_rank(1, spec.attention.num_kv_heads)
+    rate, bw = hw.flops_per_s("bf16"), hw.hbm_bytes_per_s
+    lm = roofline_ms(spec.vocab_size * spec.hidden_size * 2, 2 * spec.vocab_size * spec.hidden_size, bw, rate)
+    router = spec.hidden_size * spec.num_experts
+    side = roofline_ms(router * 2, 2 * router * 4096, bw, rate)
+    attn = roofline_ms(w * 2, 2 * w * 4096 + causal_pairs(4096, 4096) * prefill_score_flops(spec), bw, rate)
+    assert math.isclose(long.attention_ms, spec.num_layers * (attn + side) + lm, rel_tol=1e-9)
+    assert math.isclose(long.total_ms, long.attention_ms + long.expert_ms + long.comm_ms + long.engine_ms)
+    assert math.isclose(long.engine_ms, (hw.engine_step_us + spec.num_layers * hw.engine_prefill_layer_us) / 1e3)
+    assert hw.engine_prefill_layer_us > 0 and long.attention_ms > 4 * short.attention_ms  # the pairs grow as n^2
+    # gpt-oss: half its layers attend a 128-token window; their pairs grow linearly with the prompt
+    oss = load_moe_spec(CONFIGS / "gpt-oss-20b.config.json")
+    assert dict((s, n) for n, s in oss.attention.attended_positions(4096, oss.num_layers)) == {4096: 12, 128: 12}
+    assert causal_pairs(4096, 128) < causal_pairs(4096, 4096) / 15
+
+
+def test_prefill_under_dp_attention_puts_the_prompt_on_one_rank():
+    """One prompt under DP attention: its rank computes all of its attention (slower than TP attention's share) and
+    sends all of its rows to the experts; TP over 8 GPUs all-reduces the prompt's rows twice a layer."""
+    p = _plan("deepseek-v3", 8, batches=(1,), input_lens=(4096,))
+    by_name = {sp.strategy.name: sp.prefills[0] for sp in p.strategies}
+    tp, dp = by_name["TP8"], by_name["EP8+DPattn"]
+    assert dp.attention_ms > 4 * tp.attention_ms
+    assert tp.count("all_reduce") == 2 * 61 and dp.count("all_to_all") == 2 * 58
+    spec = load_moe_spec(CONFIGS / "deepseek-v3.config.json")
+    assert [c.bytes_per_call for c in tp.collectives if c.kind == "all_reduce"] == [4096 * spec.hidden_size * 2]
+
+
+@pytest.mark.parametrize("model,rows_file,weights,profile", [
+    ("qwen3-30b-a3b", "engine_qwen3_final_h200.json", "bf16", H200),
+    ("qwen3-30b-a3b", "engine_qwen3_peers_h100.json", "bf16", "h100-sxm"),
+    ("gpt-oss-20b", "engine_gptoss20b_sink_causal_blocks_h100.json", None, "h100-sxm"),
+])
+def test_prefill_fit_prices_the_measured_ttft(model, rows_file, weights, profile):
+    """The profiles' engine_prefill_layer_us, fitted to the engine's measured times to first token
+    (``benchmarks/engine.py --replan-ttft``), price them within 30%."""
+    spec = load_moe_spec(CONFIGS / f"{model}.config.json")
+    ttft = json.loads(ENGINE_ROWS.with_name(rows_file).read_text())["models"][model]["ttft"]
+    lens = tuple(int(n) for n in ttft)
+    req = PlanRequest(spec, load_hardware(profile), gpus=1, batches=(1,), weights=weights, input_lens=lens)
+    for st in plan(req).strategies[0].prefills:
+        measured = ttft[str(st.tokens)]["ms"]
+        assert 1 / 1.3 <= measured / st.total_ms <= 1.3, (st.tokens, measured, st.total_ms)
+
+
+def test_cli_plan_input_len(capsys):
+    cfg = str(CONFIGS / "qwen3-30b-a3b.config.json")
+    assert main(["plan", "--config", cfg, "--gpus", "2", "--hardware", H200, "--batch", "1", "--input-len",
+                 "4096,1024", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["input_lens"] == [1024, 4096]
+    for s in doc["strategies"]:
+        assert [r["input_len"] for r in s["prefills"]] == [1024, 4096]
+        assert all(r["ttft_ms"] > r["expert_ms"] > 0 for r in s["prefills"])
+    assert main(["plan", "--config", cfg, "--gpus", "1", "--hardware", H200, "--batch", "1", "--input-len",
+                 "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "prompt tokens" in out and "TTFT" in out
+    with pytest.raises(SystemExit):
+        main(["plan", "--config", cfg, "--gpus", "1", "--hardware", H200, "--input-len", "0"])
+    assert "argument --input-len: sizes must be >= 1, got '0'" in capsys.readouterr().err

@@ -180,6 +180,23 @@ def attention_score_flops(spec: MoESpec) -> float:
     return 2 * a.num_heads * (a.head_dim + a.v_head_dim)
 
 
+def prefill_score_flops(spec: MoESpec) -> float:
+    """FLOPs per (query, key) pair per layer for all heads in a prefill: ``QK^T`` and ``PV`` over the per-head keys
+    and values, ``2 H (head_dim + v_head_dim)`` (MLA's prefill expands the latent into per-head keys and values, its
+    ``head_dim`` the ``nope + rope`` query-key width)."""
+    a = spec.attention
+    return 2 * a.num_heads * (a.head_dim + a.v_head_dim)
+
+
+def causal_pairs(n: int, span: int) -> float:
+    """(query, key) pairs of a causal prefill of ``n`` tokens whose queries attend at most the ``span`` latest
+    positions (``span >= n``: every earlier position; a chunked layer is priced as a window of its chunk, an upper
+    bound)."""
+    if span >= n:
+        return n * (n + 1) / 2
+    return span * (span + 1) / 2 + (n - span) * span
+
+
 def roofline_ms(bytes_read: float, flops: float, hbm_bytes_per_s: float, flops_per_s: float) -> float:
     """Roofline time of a kernel: ``max(bytes / bandwidth, flops / peak)``, ms."""
     return max(bytes_read / hbm_bytes_per_s, flops / flops_per_s) * 1e3

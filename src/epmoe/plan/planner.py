@@ -2,7 +2,9 @@
 
 For every batch size and every strategy it estimates one decode step (or one speculative-decoding
 verify step, ``S + 1`` positions per sequence) on the busiest rank, split into attention and dense
-compute, expert compute and communication, and the memory each GPU needs. Pure: numbers in, frozen
+compute, expert compute and communication, and the memory each GPU needs. For each prompt length of
+``PlanRequest.input_lens`` it also estimates that prompt's prefill alone, its time to first token (``_prefill``).
+Pure: numbers in, frozen
 values out (the request and result values are in ``request``).
 
 Strategies over ``G`` GPUs (``t x e = G``):
@@ -38,6 +40,7 @@ from epmoe.plan.costs import (
     attention_params,
     attention_score_flops,
     bytes_per_param,
+    causal_pairs,
     collective_ms,
     compute_dtype,
     dispatch_layout_ms,
@@ -47,6 +50,7 @@ from epmoe.plan.costs import (
     expert_layer_ms,
     kv_bytes_per_token,
     kv_read_passes,
+    prefill_score_flops,
     roofline_ms,
 )
 from epmoe.plan.hardware import LinkProfile
@@ -232,6 +236,71 @@ def _step(req: PlanRequest, s: Strategy, batch: int) -> StepEstimate:
     return StepEstimate(batch, tokens, attention_ms, expert_ms, tuple(colls), memory, engine_ms)
 
 
+def _prefill(req: PlanRequest, s: Strategy, n: int) -> StepEstimate:
+    """One prompt of ``n`` tokens prefilled alone under ``s``, on the busiest rank: its first forward, whose time is
+    the time to first token. Attention and dense products are rooflines over the prompt's ``n`` rows (the scores over
+    its causal pairs, ``costs.causal_pairs``, at ``costs.prefill_score_flops`` each); under DP attention one rank
+    computes them all, under TP attention each rank its heads. The routed experts get the prompt's ``n K`` rows
+    (the busiest EP rank its ``expected_max_load``) through ``expert_layer_ms``; the collectives carry ``n`` rows
+    (all-to-all: from the prompt's rank); one row of logits; the engine's per-layer prefill cost
+    (``HardwareProfile.engine_prefill_layer_us``) and its step cost (``engine_step_us``)."""
+    spec, hw, g = req.spec, req.hardware, req.gpus
+    d, v, k = spec.hidden_size, spec.vocab_size, spec.top_k
+    dense_b, bf16 = bytes_per_param(req.dense_format), bytes_per_param("bf16")
+    dense_flops = hw.flops_per_s(compute_dtype(req.dense_format))
+    bw = hw.hbm_bytes_per_s
+    dp = s.mode == "a2a_dp_attn"
+    attn_w = attention_params(spec).per_rank(s.attn_tp, spec.attention.num_kv_heads)
+    layers_attn_ms = 0.0
+    for layers, span in spec.attention.attended_positions(n, spec.num_layers):
+        score = causal_pairs(n, span) * prefill_score_flops(spec) / s.attn_tp
+        layers_attn_ms += layers * roofline_ms(attn_w * dense_b, 2 * attn_w * n + score, bw, dense_flops)
+    dense_p = 3 * d * spec.dense_intermediate_size / s.attn_tp
+    dense_ms = roofline_ms(dense_p * dense_b, 2 * dense_p * n, bw, dense_flops)
+    shared_split = s.attn_tp if s.mode == "all_reduce" else 1
+    shared_p = 3 * d * spec.shared_intermediate_size / shared_split
+    router_p = d * spec.num_experts
+    moe_side_ms = roofline_ms(shared_p * dense_b + router_p * bf16, 2 * (shared_p + router_p) * n, bw, dense_flops)
+    lm_split = 1 if dp else s.attn_tp
+    lm_ms = roofline_ms(v * d / lm_split * bf16, 2 * v * d / lm_split, bw, hw.flops_per_s("bf16"))
+    n_dense, n_moe = len(spec.dense_layers), spec.num_moe_layers
+    attention_ms = layers_attn_ms + n_dense * dense_ms + n_moe * moe_side_ms + lm_ms
+
+    dims = MoEDims.from_spec(spec)
+    if s.moe_ep == 1:
+        rows, touched = n * k, expected_distinct_experts(n, spec.num_experts, k)
+    else:
+        rows = expected_max_load(n * k, s.moe_ep, req.balancedness)
+        slots = spec.num_experts + req.redundant
+        touched = expected_distinct_experts(n * rows / (n * k / s.moe_ep), slots, k, slots / s.moe_ep)
+    expert_ms = n_moe * expert_layer_ms(dims, rows, touched, s.moe_tp, hw, req.expert_format)
+
+    link = collective_link(req)
+    colls: list[CollectiveCost] = []
+
+    def add(kind: CollectiveKind, what: str, count: int, nbytes: float, ms: float | None = None) -> None:
+        if count and g > 1:
+            each = collective_ms(kind, nbytes, g, link) if ms is None else ms
+            colls.append(CollectiveCost(kind, what, count, nbytes, each))
+
+    full = n * d * ACT_BYTES
+    if s.mode == "all_reduce":
+        add("all_reduce", "attention and MLP outputs", 2 * spec.num_layers, full)
+    elif s.mode == "a2a_tp_attn":
+        add("all_reduce", "dense-layer outputs", 2 * n_dense, full)
+        add("reduce_scatter", "attention outputs", n_moe, full)
+        add("all_gather", "MoE outputs", n_moe, full)
+    if s.mode != "all_reduce":
+        t_send = n if dp else math.ceil(n / g)  # DP attention: the prompt's rank sends all of it
+        send = t_send * expected_destination_ranks(spec.num_experts, k, g) * (g - 1) / g * d * ACT_BYTES
+        layout = dispatch_layout_ms(t_send * expected_destination_ranks(spec.num_experts, k, g), t_send, d, bw,
+                                    hw.dispatch_layout_fixed_us)
+        add("all_to_all", "dispatch and combine", 2 * n_moe, send, _a2a_ms(req, send) + layout / 2)
+    memory = _memory(req, s, 1, n, 1)
+    engine_ms = (hw.engine_step_us + spec.num_layers * hw.engine_prefill_layer_us) / 1e3
+    return StepEstimate(1, n, attention_ms, expert_ms, tuple(colls), memory, engine_ms)
+
+
 def plan(req: PlanRequest) -> Plan:
     """Estimate every strategy at every batch size of ``req``.
 
@@ -247,6 +316,7 @@ def plan(req: PlanRequest) -> Plan:
     if not strategies:
         raise ValueError(f"no strategy can run {Path(req.spec.source).name} on {counted(req.gpus, 'GPU')}: "
                          + "; ".join(skipped))
-    plans = tuple(StrategyPlan(s, tuple(_step(req, s, b) for b in req.batches)) for s in strategies)
+    plans = tuple(StrategyPlan(s, tuple(_step(req, s, b) for b in req.batches),
+                               tuple(_prefill(req, s, n) for n in req.input_lens)) for s in strategies)
     return Plan(req, plans, tuple(skipped))
 

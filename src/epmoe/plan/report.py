@@ -219,11 +219,14 @@ def plan_to_dict(p: Plan) -> dict[str, Any]:
                                  "capacity": m.capacity, "over": m.over},
                 "fits": m.fits,
             })
+        prefills = [{"input_len": st.tokens, "ttft_ms": st.total_ms, "attention_ms": st.attention_ms,
+                     "expert_ms": st.expert_ms, "comm_ms": st.comm_ms, "engine_ms": st.engine_ms} for st in sp.prefills]
         strategies.append({"name": s.name, "description": s.description, "attn_tp": s.attn_tp, "moe_tp": s.moe_tp,
-                           "moe_ep": s.moe_ep, "mode": s.mode, "steps": steps})
+                           "moe_ep": s.moe_ep, "mode": s.mode, "steps": steps, "prefills": prefills})
     return {
         "model": r.spec.source, "model_type": r.spec.model_type, "hardware": r.hardware.name, "gpus": r.gpus,
-        "nodes": r.nodes, "batches": list(r.batches), "spec_tokens": r.spec_tokens, "redundant": r.redundant,
+        "nodes": r.nodes, "batches": list(r.batches), "input_lens": list(r.input_lens), "spec_tokens": r.spec_tokens,
+        "redundant": r.redundant,
         "context": r.context, "expert_format": r.expert_format, "dense_format": r.dense_format,
         "mem_fraction": r.mem_fraction, "balancedness": r.balancedness,
         "config_defaults": {"class": r.spec.defaults_class, "fields": dict(r.spec.defaults)},
@@ -254,6 +257,24 @@ def plan_table(p: Plan) -> Table:
                       f"{st.expert_ms:.2f}", f"{st.comm_ms:.2f}", f"{st.engine_ms:.2f}",
                       describe_collectives(st, short=True),
                       f"{m.total / GIB:.1f} / {m.capacity / GIB:.0f}", f"{m.expert_weights / GIB:.1f}", fits)
+        t.add_section()
+    return t
+
+
+def prefill_table(p: Plan) -> Table:
+    """A rich table of one prompt's prefill alone per strategy and prompt length (``PlanRequest.input_lens``): the
+    time to first token and its split, ms on the busiest rank."""
+    r = p.request
+    t = Table(title=f"{Path(r.spec.source).name} on {r.gpus}x {r.hardware.gpu} ({r.hardware.name}): one prompt's "
+                    f"prefill alone, experts {r.expert_format}",
+              caption="TTFT = attn+dense + experts + comm + engine (the profile's engine_step_us and "
+                      "engine_prefill_layer_us a layer); under DP attention one rank computes the prompt's attention")
+    for col in ("strategy", "prompt tokens", "TTFT", "attn+dense", "experts", "comm", "engine"):
+        t.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
+    for sp in p.strategies:
+        for st in sp.prefills:
+            t.add_row(sp.strategy.name, str(st.tokens), f"{st.total_ms:.1f}", f"{st.attention_ms:.1f}",
+                      f"{st.expert_ms:.1f}", f"{st.comm_ms:.1f}", f"{st.engine_ms:.1f}")
         t.add_section()
     return t
 
@@ -332,6 +353,8 @@ def report_plan(req: PlanRequest, as_json: bool = False, plot_path: str | Path |
         for why in p.skipped:
             console.print(f"skipped {why}")
         console.print(f"[bold]Recommendation:[/bold] {recommend(p)}", soft_wrap=True)
+        if req.input_lens:
+            console.print(prefill_table(p))
         if sp is not None:
             console.print(speculation_table(sp))
             for name in _verdict_strategies(sp, req.gpus):

@@ -64,6 +64,8 @@ class PlanRequest:
         weights: routed expert storage: ``bf16``, ``fp8``, ``int4``, or ``None`` for the checkpoint's.
         mem_fraction: share of GPU memory the server may use (the rest: CUDA context, NCCL, fragmentation).
         balancedness: expected mean/max tokens per EP rank from routing skew (1.0 = perfect).
+        input_lens: prompt lengths, tokens, whose prefill alone (the time to first token) is priced as well (``()``:
+            none).
 
     Raises:
         ValueError: a value out of its bounds (named with the value), or routed experts in a format ``epmoe run``
@@ -82,6 +84,7 @@ class PlanRequest:
     weights: str | None = None
     mem_fraction: float = 0.9
     balancedness: float = 0.8
+    input_lens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         def pos_int(name: str, value: object, minimum: int = 1, maximum: int | None = None) -> None:
@@ -98,6 +101,8 @@ class PlanRequest:
             raise ValueError("batches must name at least one batch size")
         for b in self.batches:
             pos_int("batch", b, 1, MAX_BATCH)
+        for n in self.input_lens:
+            pos_int("input_len", n, 1, MAX_CONTEXT)
         if self.weights is not None and self.weights not in WEIGHT_CHOICES:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {self.weights!r}")
         try:
@@ -273,10 +278,13 @@ class StepEstimate:
 
 @dataclass(frozen=True)
 class StrategyPlan:
-    """A strategy and its estimate at every batch size."""
+    """A strategy, its estimate at every batch size and, where the request names prompt lengths, one prompt's
+    prefill alone at each (``StepEstimate`` of batch 1 and ``n`` tokens: its ``total_ms`` is the time to first
+    token)."""
 
     strategy: Strategy
     steps: tuple[StepEstimate, ...]
+    prefills: tuple[StepEstimate, ...] = ()
 
 
 @dataclass(frozen=True)

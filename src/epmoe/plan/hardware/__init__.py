@@ -30,8 +30,9 @@ _LINK_FIELDS = (
 _TOP_FIELDS = (
     "format", "name", "description", "gpu", "gpus_per_node", "memory_bytes", "hbm_bytes_per_s",
     "matmul_flops_per_s", "moe_layer_fixed_us", "moe_stream_matrix_overlap", "dispatch_layout_fixed_us", "links",
-    "engine_step_us", "engine_layer_step_us", "engine_seq_step_us", "moe_w4a16_layer_fixed_us",
-    "moe_w4a16_stream_efficiency", "moe_mxfp4_layer_fixed_us", "moe_mxfp4_stream_efficiency",
+    "engine_step_us", "engine_layer_step_us", "engine_seq_step_us", "engine_prefill_layer_us",
+    "moe_w4a16_layer_fixed_us", "moe_w4a16_stream_efficiency", "moe_mxfp4_layer_fixed_us",
+    "moe_mxfp4_stream_efficiency",
     "moe_w8a16_layer_fixed_us", "moe_w8a16_stream_efficiency", "mla_decode_read_efficiency", "sources", "measurements",
 )
 _LINK_KINDS = ("intra_node", "inter_node")
@@ -95,6 +96,9 @@ class HardwareProfile:
             costs beyond the rooflines, µs: fixed per step (graph launch, sampling, scheduling), per decoder
             layer (its small kernels inside the graph) and per sequence a rank serves (host work). Absent
             from a file: 0.0 (a step at the rooflines).
+        engine_prefill_layer_us: what one decoder layer of a prompt's prefill (its first forward, the TTFT) costs
+            beyond the rooflines, µs (the engine's piecewise graphs and the eager attention between them, the
+            kernels' distance from their rooflines at prefill sizes); absent from a file: 0.0.
         moe_w4a16_layer_fixed_us: ``moe_layer_fixed_us`` of a layer of INT4 (W4A16) experts, µs; absent from a
             file: ``None``, the bf16 figure.
         moe_w4a16_stream_efficiency: the share, in ``(0, 1]``, of ``hbm_bytes_per_s`` at which the INT4 expert
@@ -130,6 +134,7 @@ class HardwareProfile:
     engine_step_us: float = 0.0
     engine_layer_step_us: float = 0.0
     engine_seq_step_us: float = 0.0
+    engine_prefill_layer_us: float = 0.0
     moe_w4a16_layer_fixed_us: float | None = None
     moe_w4a16_stream_efficiency: float = 1.0
     moe_mxfp4_layer_fixed_us: float | None = None
@@ -326,6 +331,7 @@ def parse_hardware(doc: dict[str, Any], source: str = "<dict>") -> HardwareProfi
         engine_step_us=_number(doc, "engine_step_us", source, strict=False, default=0.0),
         engine_layer_step_us=_number(doc, "engine_layer_step_us", source, strict=False, default=0.0),
         engine_seq_step_us=_number(doc, "engine_seq_step_us", source, strict=False, default=0.0),
+        engine_prefill_layer_us=_number(doc, "engine_prefill_layer_us", source, strict=False, default=0.0),
         moe_w4a16_layer_fixed_us=(_number(doc, "moe_w4a16_layer_fixed_us", source, strict=False)
                                   if "moe_w4a16_layer_fixed_us" in doc else None),
         moe_w4a16_stream_efficiency=efficiency,
