@@ -4,8 +4,7 @@ For every batch size and every strategy it estimates one decode step (or one spe
 verify step, ``S + 1`` positions per sequence) on the busiest rank, split into attention and dense
 compute, expert compute and communication, and the memory each GPU needs. For each prompt length of
 ``PlanRequest.input_lens`` it also estimates that prompt's prefill alone, its time to first token (``_prefill``).
-Pure: numbers in, frozen
-values out (the request and result values are in ``request``).
+Pure: numbers in, frozen values out (the request and result values are in ``request``).
 
 Strategies over ``G`` GPUs (``t x e = G``):
 
