@@ -151,9 +151,61 @@ def _memory(req: PlanRequest, s: Strategy, batch: int, tokens_rank: int, seqs_ra
                           graph_pool=graph, capacity=req.hardware.memory_bytes * req.mem_fraction)
 
 
+def _expert_rows(req: PlanRequest, s: Strategy, tokens: int) -> tuple[float, float]:
+    """Routed rows and experts touched on the busiest rank for ``tokens`` tokens entering the MoE layers.
+
+    Under EP the busiest rank receives ``rows``, ``hot`` times the mean ``T K / e``; it is priced as if ``hot * T``
+    tokens were routed (at batch 1 the busiest of 8 ranks holds about 2.2 of a token's 8 experts, not the mean 1).
+    With R redundant slots each slot is taken to carry an even share of its expert's load, so a slot is among a
+    token's choices with probability K / (E + R)."""
+    spec, k = req.spec, req.spec.top_k
+    if s.moe_ep == 1:
+        return tokens * k, expected_distinct_experts(tokens, spec.num_experts, k)
+    rows = expected_max_load(tokens * k, s.moe_ep, req.balancedness)
+    hot = rows / (tokens * k / s.moe_ep)
+    slots = spec.num_experts + req.redundant
+    return rows, expected_distinct_experts(tokens * hot, slots, k, slots / s.moe_ep)
+
+
+def _collectives(req: PlanRequest, s: Strategy, tokens: int, t_send: int, rows: float,
+                 logits_rows: int) -> tuple[CollectiveCost, ...]:
+    """The collectives of one forward of ``tokens`` rows under ``s``: all-reduces (TP), reduce-scatters and
+    all-gathers around the MoE layers (EP with TP attention), the logits' all-gather of ``logits_rows`` rows under
+    TP attention, and the all-to-all dispatch and combine of ``t_send`` rows a rank (the busiest rank receiving
+    ``rows`` routed rows; each of the two calls also carries half the local send-buffer layout work,
+    ``dispatch.layout``)."""
+    spec, hw, g = req.spec, req.hardware, req.gpus
+    d, k = spec.hidden_size, spec.top_k
+    n_dense, n_moe = len(spec.dense_layers), spec.num_moe_layers
+    link = collective_link(req)
+    colls: list[CollectiveCost] = []
+
+    def add(kind: CollectiveKind, what: str, count: int, nbytes: float, ms: float | None = None) -> None:
+        if count and g > 1:
+            each = collective_ms(kind, nbytes, g, link) if ms is None else ms
+            colls.append(CollectiveCost(kind, what, count, nbytes, each))
+
+    full = tokens * d * ACT_BYTES
+    if s.mode == "all_reduce":
+        add("all_reduce", "attention and MLP outputs", 2 * spec.num_layers, full)
+    elif s.mode == "a2a_tp_attn":
+        add("all_reduce", "dense-layer outputs", 2 * n_dense, full)
+        add("reduce_scatter", "attention outputs", n_moe, full)
+        add("all_gather", "MoE outputs", n_moe, full)
+    if s.mode != "a2a_dp_attn":
+        add("all_gather", "logits", 1, logits_rows * spec.vocab_size * ACT_BYTES)
+    if s.mode != "all_reduce":
+        reach = expected_destination_ranks(spec.num_experts, k, g)
+        send = t_send * reach * (g - 1) / g * d * ACT_BYTES
+        hot = rows / (tokens * k / g)  # the busiest rank receives this many times the mean
+        layout = dispatch_layout_ms(t_send * reach, t_send, d, hw.hbm_bytes_per_s, hw.dispatch_layout_fixed_us)
+        add("all_to_all", "dispatch and combine", 2 * n_moe, send, _a2a_ms(req, send * max(1.0, hot)) + layout / 2)
+    return tuple(colls)
+
+
 def _step(req: PlanRequest, s: Strategy, batch: int) -> StepEstimate:
     spec, hw, g = req.spec, req.hardware, req.gpus
-    d, v, k = spec.hidden_size, spec.vocab_size, spec.top_k
+    d, v = spec.hidden_size, spec.vocab_size
     positions = req.spec_tokens + 1
     tokens = batch * positions
     dense_b, bf16 = bytes_per_param(req.dense_format), bytes_per_param("bf16")
@@ -193,46 +245,13 @@ def _step(req: PlanRequest, s: Strategy, batch: int) -> StepEstimate:
     # routed (at batch 1 the busiest of 8 ranks holds about 2.2 of a token's 8 experts, not the mean 1).
     # With R redundant slots each slot is taken to carry an even share of its expert's load, so a slot is
     # among a token's choices with probability K / (E + R).
-    dims = MoEDims.from_spec(spec)
-    if s.moe_ep == 1:
-        rows = tokens * k
-        touched = expected_distinct_experts(tokens, spec.num_experts, k)
-    else:
-        rows = expected_max_load(tokens * k, s.moe_ep, req.balancedness)
-        hot = rows / (tokens * k / s.moe_ep)
-        slots = spec.num_experts + req.redundant
-        touched = expected_distinct_experts(tokens * hot, slots, k, slots / s.moe_ep)
-    expert_ms = n_moe * expert_layer_ms(dims, rows, touched, s.moe_tp, hw, req.expert_format)
-
-    # communication
-    link = collective_link(req)
-    colls: list[CollectiveCost] = []
-
-    def add(kind: CollectiveKind, what: str, count: int, nbytes: float, ms: float | None = None) -> None:
-        if count and g > 1:
-            each = collective_ms(kind, nbytes, g, link) if ms is None else ms
-            colls.append(CollectiveCost(kind, what, count, nbytes, each))
-
-    full = tokens * d * ACT_BYTES
-    if s.mode == "all_reduce":
-        add("all_reduce", "attention and MLP outputs", 2 * spec.num_layers, full)
-    elif s.mode == "a2a_tp_attn":
-        add("all_reduce", "dense-layer outputs", 2 * n_dense, full)
-        add("reduce_scatter", "attention outputs", n_moe, full)
-        add("all_gather", "MoE outputs", n_moe, full)
-    if s.mode != "a2a_dp_attn":
-        add("all_gather", "logits", 1, tokens * v * ACT_BYTES)
-    if s.mode != "all_reduce":
-        reach = expected_destination_ranks(spec.num_experts, k, g)
-        send = t_moe * reach * (g - 1) / g * d * ACT_BYTES
-        hot = rows / (tokens * k / g)  # the busiest rank receives this many times the mean
-        # each of the two calls also carries half the local send-buffer layout work (dispatch.layout)
-        layout = dispatch_layout_ms(t_moe * reach, t_moe, d, bw, hw.dispatch_layout_fixed_us)
-        add("all_to_all", "dispatch and combine", 2 * n_moe, send, _a2a_ms(req, send * max(1.0, hot)) + layout / 2)
+    rows, touched = _expert_rows(req, s, tokens)
+    expert_ms = n_moe * expert_layer_ms(MoEDims.from_spec(spec), rows, touched, s.moe_tp, hw, req.expert_format)
+    colls = _collectives(req, s, tokens, t_moe, rows, tokens)
     memory = _memory(req, s, batch, t_attn, seqs_attn)
     engine_ms = (hw.engine_step_us + spec.num_layers * hw.engine_layer_step_us
                  + seqs_attn * hw.engine_seq_step_us) / 1e3
-    return StepEstimate(batch, tokens, attention_ms, expert_ms, tuple(colls), memory, engine_ms)
+    return StepEstimate(batch, tokens, attention_ms, expert_ms, colls, memory, engine_ms)
 
 
 def _prefill(req: PlanRequest, s: Strategy, n: int) -> StepEstimate:
@@ -244,7 +263,7 @@ def _prefill(req: PlanRequest, s: Strategy, n: int) -> StepEstimate:
     (all-to-all: from the prompt's rank); one row of logits; the engine's per-layer prefill cost
     (``HardwareProfile.engine_prefill_layer_us``) and its step cost (``engine_step_us``)."""
     spec, hw, g = req.spec, req.hardware, req.gpus
-    d, v, k = spec.hidden_size, spec.vocab_size, spec.top_k
+    d, v = spec.hidden_size, spec.vocab_size
     dense_b, bf16 = bytes_per_param(req.dense_format), bytes_per_param("bf16")
     dense_flops = hw.flops_per_s(compute_dtype(req.dense_format))
     bw = hw.hbm_bytes_per_s
@@ -265,39 +284,13 @@ def _prefill(req: PlanRequest, s: Strategy, n: int) -> StepEstimate:
     n_dense, n_moe = len(spec.dense_layers), spec.num_moe_layers
     attention_ms = layers_attn_ms + n_dense * dense_ms + n_moe * moe_side_ms + lm_ms
 
-    dims = MoEDims.from_spec(spec)
-    if s.moe_ep == 1:
-        rows, touched = n * k, expected_distinct_experts(n, spec.num_experts, k)
-    else:
-        rows = expected_max_load(n * k, s.moe_ep, req.balancedness)
-        slots = spec.num_experts + req.redundant
-        touched = expected_distinct_experts(n * rows / (n * k / s.moe_ep), slots, k, slots / s.moe_ep)
-    expert_ms = n_moe * expert_layer_ms(dims, rows, touched, s.moe_tp, hw, req.expert_format)
-
-    link = collective_link(req)
-    colls: list[CollectiveCost] = []
-
-    def add(kind: CollectiveKind, what: str, count: int, nbytes: float, ms: float | None = None) -> None:
-        if count and g > 1:
-            each = collective_ms(kind, nbytes, g, link) if ms is None else ms
-            colls.append(CollectiveCost(kind, what, count, nbytes, each))
-
-    full = n * d * ACT_BYTES
-    if s.mode == "all_reduce":
-        add("all_reduce", "attention and MLP outputs", 2 * spec.num_layers, full)
-    elif s.mode == "a2a_tp_attn":
-        add("all_reduce", "dense-layer outputs", 2 * n_dense, full)
-        add("reduce_scatter", "attention outputs", n_moe, full)
-        add("all_gather", "MoE outputs", n_moe, full)
-    if s.mode != "all_reduce":
-        t_send = n if dp else math.ceil(n / g)  # DP attention: the prompt's rank sends all of it
-        send = t_send * expected_destination_ranks(spec.num_experts, k, g) * (g - 1) / g * d * ACT_BYTES
-        layout = dispatch_layout_ms(t_send * expected_destination_ranks(spec.num_experts, k, g), t_send, d, bw,
-                                    hw.dispatch_layout_fixed_us)
-        add("all_to_all", "dispatch and combine", 2 * n_moe, send, _a2a_ms(req, send) + layout / 2)
+    rows, touched = _expert_rows(req, s, n)
+    expert_ms = n_moe * expert_layer_ms(MoEDims.from_spec(spec), rows, touched, s.moe_tp, hw, req.expert_format)
+    # DP attention: the prompt's rank sends all of its rows; TP attention: each rank its share
+    colls = _collectives(req, s, n, n if dp else math.ceil(n / g), rows, 1)
     memory = _memory(req, s, 1, n, 1)
     engine_ms = (hw.engine_step_us + spec.num_layers * hw.engine_prefill_layer_us) / 1e3
-    return StepEstimate(1, n, attention_ms, expert_ms, tuple(colls), memory, engine_ms)
+    return StepEstimate(1, n, attention_ms, expert_ms, colls, memory, engine_ms)
 
 
 def plan(req: PlanRequest) -> Plan:
