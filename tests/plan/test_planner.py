@@ -659,3 +659,7 @@ def test_cli_plan_input_len(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--config", cfg, "--gpus", "1", "--hardware", H200, "--input-len", "0"])
     assert "argument --input-len: sizes must be >= 1, got '0'" in capsys.readouterr().err
+    assert main(["plan", "--config", cfg, "--gpus", "1", "--hardware", H200, "--context", "2048", "--input-len",
+                 "4096"]) == 2
+    assert ("--input-len 4096 is longer than the --context (2048 KV-cache tokens a sequence)"
+            in capsys.readouterr().err)

@@ -65,7 +65,7 @@ class PlanRequest:
         mem_fraction: share of GPU memory the server may use (the rest: CUDA context, NCCL, fragmentation).
         balancedness: expected mean/max tokens per EP rank from routing skew (1.0 = perfect).
         input_lens: prompt lengths, tokens, whose prefill alone (the time to first token) is priced as well (``()``:
-            none).
+            none); each at most ``context``.
 
     Raises:
         ValueError: a value out of its bounds (named with the value), or routed experts in a format ``epmoe run``
@@ -103,6 +103,9 @@ class PlanRequest:
             pos_int("batch", b, 1, MAX_BATCH)
         for n in self.input_lens:
             pos_int("input_len", n, 1, MAX_CONTEXT)
+            if n > self.context:
+                raise ValueError(f"input_len {n} is longer than the context ({self.context} KV-cache tokens a "
+                                 f"sequence): its prefill would not fit its own cache")
         if self.weights is not None and self.weights not in WEIGHT_CHOICES:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {self.weights!r}")
         try:
