@@ -387,6 +387,11 @@ def test_memory_check_context_stays_within_the_model(tiny_checkpoints, capsys):
     out = capsys.readouterr().out
     assert f"warning: --context 4096 is above the model's max_position_embeddings {limit}" in out
     assert "context 4096)" in out
+    # without --hardware the warning still comes; a context past any model's is a bad argument (exit 2)
+    assert main(["doctor", "--model", tiny, "--context", "4096"]) == 0
+    assert "warning: --context 4096 is above the model's max_position_embeddings" in capsys.readouterr().out
+    assert main(["doctor", "--model", tiny, "--context", "100000000"]) == 2
+    assert "--context must be at most 16777216, got 100000000" in capsys.readouterr().err
     # DeepSeek-V3's 163840 positions: the default stays at 4096
     assert main(["doctor", "--config", DSV3, "--ep", "8", "--hardware", "h200-sxm"]) == 0
     assert "context 4096)" in capsys.readouterr().out

@@ -27,7 +27,7 @@ from epmoe.plan.costs import WEIGHT_CHOICES, weights_hint
 from epmoe.plan.draft import DraftModel, draft_bytes, read_draft
 from epmoe.plan.hardware import HardwareProfile, load_hardware
 from epmoe.plan.planner import plan
-from epmoe.plan.request import GIB, PlanRequest, StrategyPlan, counted, format_bytes
+from epmoe.plan.request import GIB, MAX_CONTEXT, PlanRequest, StrategyPlan, counted, format_bytes
 from epmoe.spec import DenseModelError, MoESpec, load_moe_spec
 
 Severity = Literal["error", "warning", "ok"]
@@ -304,12 +304,6 @@ def check_memory(spec: MoESpec, cfg: DoctorConfig, ep: int, redundant: int, draf
                                    f"EP size {ep}", "no EP strategy can be planned",
                         "fix the placement first (see the error above)")]
     context = cfg.context if cfg.context is not None else min(DOCTOR_CONTEXT, spec.max_position_embeddings)
-    past = []
-    if context > spec.max_position_embeddings:
-        past = [Finding("warning", f"--context {context} is above the model's max_position_embeddings "
-                                   f"{spec.max_position_embeddings}",
-                        "its positions do not reach it; the memory check prices it as asked",
-                        f"pass --context {spec.max_position_embeddings} or less")]
     try:
         req = PlanRequest(spec=spec, hardware=hw, gpus=ep, nodes=nodes, batches=(cfg.batch,), redundant=redundant,
                           context=context, weights=cfg.weights, mem_fraction=cfg.mem_fraction)
@@ -339,13 +333,13 @@ def check_memory(spec: MoESpec, cfg: DoctorConfig, ep: int, redundant: int, draf
     where = f"{best.strategy.name} at batch {cfg.batch}, context {context}"
     with_draft = f", draft {draft.name} {dbytes / GIB:.1f}" if draft is not None else ""
     if total <= m.capacity:
-        return past + [Finding("ok", f"weights and caches fit: {total / GIB:.1f} of {m.capacity / GIB:.1f} GiB per "
+        return [Finding("ok", f"weights and caches fit: {total / GIB:.1f} of {m.capacity / GIB:.1f} GiB per "
                                      f"GPU ({where}{with_draft})")]
     hint = weights_hint(req.expert_format)
     over = (f"weights and caches need {total / GIB:.1f} GiB per GPU, {(total - m.capacity) / GIB:.1f} GiB over the "
             f"{m.capacity / GIB:.1f} GiB usable ({where}; weights {m.weights / GIB:.1f}, KV cache "
             f"{m.kv_cache / GIB:.1f}{with_draft})")
-    return past + [Finding("error", over, "the server runs out of memory at start-up or at CUDA-graph capture",
+    return [Finding("error", over, "the server runs out of memory at start-up or at CUDA-graph capture",
                            f"use more GPUs, {hint + ', ' if hint else ''}a smaller batch or a shorter context")]
 
 
@@ -361,6 +355,8 @@ def diagnose(cfg: DoctorConfig) -> list[Finding]:
     check_int("batch", cfg.batch, 1)
     if cfg.context is not None:
         check_int("context", cfg.context, 1)
+        if cfg.context > MAX_CONTEXT:
+            raise ValueError(f"context must be at most {MAX_CONTEXT}, got {cfg.context}")
     if ep % nodes:
         raise ValueError(f"ep ({ep}) must be divisible by nodes ({nodes})")
     if cfg.weights is not None and cfg.weights not in WEIGHT_CHOICES:
@@ -397,6 +393,11 @@ def diagnose(cfg: DoctorConfig) -> list[Finding]:
                                 "fix the weight format first (see the error above)"))
     elif spec is not None:
         findings += check_memory(spec, cfg, ep, redundant, draft, draft_redundant)
+    if spec is not None and cfg.context is not None and cfg.context > spec.max_position_embeddings:
+        findings.append(Finding("warning", f"--context {cfg.context} is above the model's max_position_embeddings "
+                                           f"{spec.max_position_embeddings}",
+                                "its positions do not reach it; the memory check prices it as asked",
+                                f"pass --context {spec.max_position_embeddings} or less"))
     return findings
 
 

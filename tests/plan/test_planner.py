@@ -621,6 +621,9 @@ def test_prefill_under_dp_attention_puts_the_prompt_on_one_rank():
     by_name = {sp.strategy.name: sp.prefills[0] for sp in p.strategies}
     tp, dp = by_name["TP8"], by_name["EP8+DPattn"]
     assert dp.attention_ms > 4 * tp.attention_ms
+    # EP with TP attention: each rank's shared expert and router see its reduce-scattered eighth of the prompt
+    assert 0.9 * tp.attention_ms < by_name["EP8+TPattn"].attention_ms < 1.1 * tp.attention_ms
+    assert all(st.memory.fits for st in by_name.values())
     assert tp.count("all_reduce") == 2 * 61 and dp.count("all_to_all") == 2 * 58
     spec = load_moe_spec(CONFIGS / "deepseek-v3.config.json")
     assert [c.bytes_per_call for c in tp.collectives if c.kind == "all_reduce"] == [4096 * spec.hidden_size * 2]
@@ -651,7 +654,7 @@ def test_cli_plan_input_len(capsys):
     assert doc["input_lens"] == [1024, 4096]
     for s in doc["strategies"]:
         assert [r["input_len"] for r in s["prefills"]] == [1024, 4096]
-        assert all(r["ttft_ms"] > r["expert_ms"] > 0 for r in s["prefills"])
+        assert all(r["ttft_ms"] > r["expert_ms"] > 0 and r["fits"] is True for r in s["prefills"])
     assert main(["plan", "--config", cfg, "--gpus", "1", "--hardware", H200, "--batch", "1", "--input-len",
                  "1024"]) == 0
     out = capsys.readouterr().out

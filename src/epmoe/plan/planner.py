@@ -275,10 +275,14 @@ def _prefill(req: PlanRequest, s: Strategy, n: int) -> StepEstimate:
         layers_attn_ms += layers * roofline_ms(attn_w * dense_b, 2 * attn_w * n + score, bw, dense_flops)
     dense_p = 3 * d * spec.dense_intermediate_size / s.attn_tp
     dense_ms = roofline_ms(dense_p * dense_b, 2 * dense_p * n, bw, dense_flops)
+    # tokens entering the MoE layers on this rank: the prompt's rank holds them all under DP attention, each rank
+    # its reduce-scattered share under TP attention with EP, every rank all of them under TP
+    t_moe = math.ceil(n / g) if s.mode == "a2a_tp_attn" else n
     shared_split = s.attn_tp if s.mode == "all_reduce" else 1
     shared_p = 3 * d * spec.shared_intermediate_size / shared_split
     router_p = d * spec.num_experts
-    moe_side_ms = roofline_ms(shared_p * dense_b + router_p * bf16, 2 * (shared_p + router_p) * n, bw, dense_flops)
+    moe_side_ms = roofline_ms(shared_p * dense_b + router_p * bf16, 2 * (shared_p + router_p) * t_moe, bw,
+                              dense_flops)
     lm_split = 1 if dp else s.attn_tp
     lm_ms = roofline_ms(v * d / lm_split * bf16, 2 * v * d / lm_split, bw, hw.flops_per_s("bf16"))
     n_dense, n_moe = len(spec.dense_layers), spec.num_moe_layers

@@ -220,7 +220,8 @@ def plan_to_dict(p: Plan) -> dict[str, Any]:
                 "fits": m.fits,
             })
         prefills = [{"input_len": st.tokens, "ttft_ms": st.total_ms, "attention_ms": st.attention_ms,
-                     "expert_ms": st.expert_ms, "comm_ms": st.comm_ms, "engine_ms": st.engine_ms} for st in sp.prefills]
+                     "expert_ms": st.expert_ms, "comm_ms": st.comm_ms, "engine_ms": st.engine_ms,
+                     "fits": st.memory.fits} for st in sp.prefills]
         strategies.append({"name": s.name, "description": s.description, "attn_tp": s.attn_tp, "moe_tp": s.moe_tp,
                            "moe_ep": s.moe_ep, "mode": s.mode, "steps": steps, "prefills": prefills})
     return {
@@ -268,13 +269,16 @@ def prefill_table(p: Plan) -> Table:
     t = Table(title=f"{Path(r.spec.source).name} on {r.gpus}x {r.hardware.gpu} ({r.hardware.name}): one prompt's "
                     f"prefill alone, experts {r.expert_format}",
               caption="TTFT = attn+dense + experts + comm + engine (the profile's engine_step_us and "
-                      "engine_prefill_layer_us a layer); under DP attention one rank computes the prompt's attention")
-    for col in ("strategy", "prompt tokens", "TTFT", "attn+dense", "experts", "comm", "engine"):
-        t.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
+                      "engine_prefill_layer_us a layer: 0 where the profile has none); under DP attention one rank "
+                      "computes the prompt's attention; fits: the weights and this prompt's cache and activations")
+    for col in ("strategy", "prompt tokens", "TTFT", "attn+dense", "experts", "comm", "engine", "fits"):
+        t.add_column(col, justify="left" if col in ("strategy", "fits") else "right", no_wrap=True)
     for sp in p.strategies:
         for st in sp.prefills:
+            m = st.memory
             t.add_row(sp.strategy.name, str(st.tokens), f"{st.total_ms:.1f}", f"{st.attention_ms:.1f}",
-                      f"{st.expert_ms:.1f}", f"{st.comm_ms:.1f}", f"{st.engine_ms:.1f}")
+                      f"{st.expert_ms:.1f}", f"{st.comm_ms:.1f}", f"{st.engine_ms:.1f}",
+                      "yes" if m.fits else f"[red]over {m.over / GIB:.1f} GiB[/red]")
         t.add_section()
     return t
 
