@@ -367,7 +367,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--spec-tokens", type=int, default=0, help="draft tokens verified per step (default 0: plain "
                                                               "decode)")
     p.add_argument("--redundant", type=int, default=0, help="redundant expert slots per MoE layer (default 0)")
-    p.add_argument("--context", type=int, default=4096, help="KV-cache tokens per sequence (default 4096)")
+    p.add_argument("--context", type=int, help="KV-cache tokens per sequence (default: the model's "
+                                                "max_position_embeddings, at most 4096)")
     p.add_argument("--input-len", type=_batches, default=(), metavar="N[,N]",
                    help="prompt lengths whose prefill alone (time to first token) is priced too, e.g. 1024,4096")
     p.add_argument("--weights", choices=("bf16", "fp8", "int4", "mxfp4"), help="routed expert storage (default: "
@@ -390,15 +391,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from epmoe.plan.draft import read_draft
     from epmoe.plan.hardware import load_hardware
     from epmoe.plan.report import report_plan
-    from epmoe.plan.request import PlanRequest
+    from epmoe.plan.request import DEFAULT_CONTEXT, PlanRequest
     from epmoe.spec import load_moe_spec
 
     try:
         _check_exists("--config", args.config)
         _check_exists("--draft", args.draft)
+        spec = load_moe_spec(args.config)
+        context = args.context if args.context is not None else min(DEFAULT_CONTEXT, spec.max_position_embeddings)
         req = PlanRequest(
-            spec=load_moe_spec(args.config), hardware=load_hardware(args.hardware), gpus=args.gpus, nodes=args.nodes,
-            batches=args.batch, spec_tokens=args.spec_tokens, redundant=args.redundant, context=args.context,
+            spec=spec, hardware=load_hardware(args.hardware), gpus=args.gpus, nodes=args.nodes,
+            batches=args.batch, spec_tokens=args.spec_tokens, redundant=args.redundant, context=context,
             weights=args.weights, mem_fraction=args.mem_fraction, balancedness=args.balancedness,
             input_lens=args.input_len,
         )

@@ -659,6 +659,10 @@ def test_cli_plan_input_len(capsys):
                  "1024"]) == 0
     out = capsys.readouterr().out
     assert "prompt tokens" in out and "TTFT" in out
+    # printed to a pipe (no terminal width), the widest table keeps its last column
+    assert main(["plan", "--config", str(CONFIGS / "kimi-k2.5.config.json"), "--gpus", "8", "--hardware", H200]) == 0
+    header = [line for line in capsys.readouterr().out.splitlines() if "strategy" in line and "collectives" in line]
+    assert header and "expert GiB" in header[0] and "fits" in header[0]
     with pytest.raises(SystemExit):
         main(["plan", "--config", cfg, "--gpus", "1", "--hardware", H200, "--input-len", "0"])
     assert "argument --input-len: sizes must be >= 1, got '0'" in capsys.readouterr().err
@@ -666,3 +670,19 @@ def test_cli_plan_input_len(capsys):
                  "4096"]) == 2
     assert ("--input-len 4096 is longer than the --context (2048 KV-cache tokens a sequence)"
             in capsys.readouterr().err)
+
+
+def test_plan_default_context_stays_within_the_model(tiny_checkpoints, capsys):
+    """Without ``--context`` the plan prices the model's ``max_position_embeddings`` where it is below 4096 (no
+    warning); an explicit longer one is priced as asked, with the warning."""
+    tiny = str(tiny_checkpoints("gpt-oss"))
+    limit = load_moe_spec(tiny).max_position_embeddings
+    assert limit < 4096
+    base = ["plan", "--config", tiny, "--gpus", "1", "--hardware", H200, "--batch", "1", "--json"]
+    assert main(base) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["context"] == limit and "max_position_embeddings" not in captured.err
+    assert main([*base, "--context", "4096"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["context"] == 4096
+    assert f"--context 4096 is above the model's max_position_embeddings {limit}" in captured.err

@@ -200,6 +200,11 @@ def _verdict_strategies(sp: Speculation, gpus: int) -> list[str]:
     return [n for n in names if n == f"TP{gpus}" or n.startswith(f"EP{gpus}")]
 
 
+PLAN_WIDTH = 160
+"""Columns ``report_plan`` prints at least, whatever the terminal (or none: a pipe) reports: the plan table's widest
+rows (Kimi-K2.5 on 8 GPUs, its collectives column) take about 150; narrower, rich cuts its last columns."""
+
+
 def plan_to_dict(p: Plan) -> dict[str, Any]:
     """A JSON-ready document of the plan: request, every strategy's steps (ms, bytes) and the recommendation."""
     r = p.request
@@ -336,7 +341,7 @@ def report_plan(req: PlanRequest, as_json: bool = False, plot_path: str | Path |
     command = server_command(engine, p, model=model, draft_path=draft_path, speculation=sp) if engine else None
     if console is None:
         detected = Console()
-        console = Console(width=max(detected.width, 130))  # the plan table needs ~130 columns
+        console = Console(width=max(detected.width, PLAN_WIDTH))
     if as_json:
         doc = plan_to_dict(p)
         if sp is not None:

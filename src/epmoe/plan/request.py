@@ -45,6 +45,10 @@ MAX_SPEC_TOKENS = 256
 MAX_CONTEXT = 1 << 24
 MAX_GPUS = 1 << 16
 
+DEFAULT_CONTEXT = 4096
+"""The KV-cache tokens a sequence a plan prices unless told: ``PlanRequest.context``'s default, and what ``epmoe plan``
+and ``epmoe doctor`` take without ``--context`` (the model's ``max_position_embeddings`` where shorter)."""
+
 Mode = Literal["all_reduce", "a2a_tp_attn", "a2a_dp_attn"]
 
 
@@ -80,7 +84,7 @@ class PlanRequest:
     batches: tuple[int, ...] = (1, 8, 64, 256)
     spec_tokens: int = 0
     redundant: int = 0
-    context: int = 4096
+    context: int = DEFAULT_CONTEXT
     weights: str | None = None
     mem_fraction: float = 0.9
     balancedness: float = 0.8
