@@ -391,14 +391,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from epmoe.plan.draft import read_draft
     from epmoe.plan.hardware import load_hardware
     from epmoe.plan.report import report_plan
-    from epmoe.plan.request import DEFAULT_CONTEXT, PlanRequest
+    from epmoe.plan.request import PlanRequest, default_context
     from epmoe.spec import load_moe_spec
 
     try:
         _check_exists("--config", args.config)
         _check_exists("--draft", args.draft)
         spec = load_moe_spec(args.config)
-        context = args.context if args.context is not None else min(DEFAULT_CONTEXT, spec.max_position_embeddings)
+        context = args.context if args.context is not None else default_context(spec)
         req = PlanRequest(
             spec=spec, hardware=load_hardware(args.hardware), gpus=args.gpus, nodes=args.nodes,
             batches=args.batch, spec_tokens=args.spec_tokens, redundant=args.redundant, context=context,

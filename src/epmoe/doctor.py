@@ -27,7 +27,15 @@ from epmoe.plan.costs import WEIGHT_CHOICES, weights_hint
 from epmoe.plan.draft import DraftModel, draft_bytes, read_draft
 from epmoe.plan.hardware import HardwareProfile, load_hardware
 from epmoe.plan.planner import plan
-from epmoe.plan.request import DEFAULT_CONTEXT, GIB, MAX_CONTEXT, PlanRequest, StrategyPlan, counted, format_bytes
+from epmoe.plan.request import (
+    GIB,
+    MAX_CONTEXT,
+    PlanRequest,
+    StrategyPlan,
+    counted,
+    default_context,
+    format_bytes,
+)
 from epmoe.spec import DenseModelError, MoESpec, load_moe_spec
 
 Severity = Literal["error", "warning", "ok"]
@@ -69,7 +77,7 @@ class DoctorConfig:
         hardware: hardware profile name or path for the memory check (``None``: memory not checked).
         batch: sequences per step for the memory check.
         context: KV-cache length per sequence for the memory check, tokens (``None``: the model's
-            ``max_position_embeddings``, at most ``DEFAULT_CONTEXT``).
+            ``max_position_embeddings``, at most 4096: ``plan.request.default_context``).
         weights: expert storage override (``bf16``, ``fp8``, ``int4``), ``None`` for the checkpoint's.
         mem_fraction: share of GPU memory the server may use.
     """
@@ -279,7 +287,7 @@ def check_memory(spec: MoESpec, cfg: DoctorConfig, ep: int, redundant: int, draf
                  draft_redundant: int = 0) -> list[Finding]:
     """Weights and caches (the draft's included) against GPU memory, through the planner, for the
     best-fitting all-to-all EP strategy, at ``cfg.context`` positions a sequence (``None``: the model's
-    ``max_position_embeddings``, at most ``DEFAULT_CONTEXT``)."""
+    ``max_position_embeddings``, at most 4096: ``plan.request.default_context``)."""
     if cfg.hardware is None:
         return [Finding("warning", "memory not checked", "weights or KV cache may not fit",
                         "pass --hardware NAME (or a calibrated profile) to check")]
@@ -298,7 +306,7 @@ def check_memory(spec: MoESpec, cfg: DoctorConfig, ep: int, redundant: int, draf
         return [Finding("warning", f"memory not checked: {slots} expert slots per layer cannot be spread evenly over "
                                    f"EP size {ep}", "no EP strategy can be planned",
                         "fix the placement first (see the error above)")]
-    context = cfg.context if cfg.context is not None else min(DEFAULT_CONTEXT, spec.max_position_embeddings)
+    context = cfg.context if cfg.context is not None else default_context(spec)
     try:
         req = PlanRequest(spec=spec, hardware=hw, gpus=ep, nodes=nodes, batches=(cfg.batch,), redundant=redundant,
                           context=context, weights=cfg.weights, mem_fraction=cfg.mem_fraction)

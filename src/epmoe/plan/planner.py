@@ -290,8 +290,7 @@ def _prefill(req: PlanRequest, s: Strategy, n: int) -> StepEstimate:
 
     rows, touched = _expert_rows(req, s, n)
     expert_ms = n_moe * expert_layer_ms(MoEDims.from_spec(spec), rows, touched, s.moe_tp, hw, req.expert_format)
-    # DP attention: the prompt's rank sends all of its rows; TP attention: each rank its share
-    colls = _collectives(req, s, n, n if dp else math.ceil(n / g), rows, 1)
+    colls = _collectives(req, s, n, t_moe, rows, 1)  # each rank dispatches the rows it holds
     memory = _memory(req, s, 1, n, 1)
     engine_ms = (hw.engine_step_us + spec.num_layers * hw.engine_prefill_layer_us) / 1e3
     return StepEstimate(1, n, attention_ms, expert_ms, colls, memory, engine_ms)

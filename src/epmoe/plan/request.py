@@ -49,6 +49,12 @@ DEFAULT_CONTEXT = 4096
 """The KV-cache tokens a sequence a plan prices unless told: ``PlanRequest.context``'s default, and what ``epmoe plan``
 and ``epmoe doctor`` take without ``--context`` (the model's ``max_position_embeddings`` where shorter)."""
 
+
+def default_context(spec: MoESpec) -> int:
+    """The KV-cache tokens a sequence ``epmoe plan`` and ``epmoe doctor`` price without ``--context``:
+    ``DEFAULT_CONTEXT``, or the model's ``max_position_embeddings`` where shorter."""
+    return min(DEFAULT_CONTEXT, spec.max_position_embeddings)
+
 Mode = Literal["all_reduce", "a2a_tp_attn", "a2a_dp_attn"]
 
 
