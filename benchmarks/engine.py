@@ -465,9 +465,10 @@ def replan_ttft(rows_file: Path, out: Path) -> dict:
             d = checkpoint(e["model"], e["layers"], root / e["results"], e["expert_format"])
             kept = published_format(e["model"]) in e["expert_format"].split(",")
             lens = [int(n) for n in model["ttft"]]
+            layers = load_moe_spec(str(d)).num_layers
             for n, (total, layer_part) in planned_ttft(d, lens, None if kept else "bf16", e["profile"]).items():
                 rows.append({**e, "input_len": n, "ttft_ms": model["ttft"][str(n)]["ms"], "plan_ms": total,
-                             "roofline_ms": total - layer_part, "layers": load_moe_spec(str(d)).num_layers})
+                             "roofline_ms": total - layer_part, "layers": layers})
     finally:
         shutil.rmtree(root, ignore_errors=True)
     fits = {}
