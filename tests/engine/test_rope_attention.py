@@ -123,8 +123,9 @@ def test_rope_qkv_checks_shapes():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES)
-def test_triton_matches_reference_bf16(case):
-    args = make_rope_case(*case, torch.bfloat16)
+@pytest.mark.parametrize("t", [5, 1500])  # a program a token; ROPE_PREFILL_TOKENS tokens a program
+def test_triton_matches_reference_bf16(case, t):
+    args = make_rope_case(*case, torch.bfloat16, t=t, num_blocks=t // 4 + 2)
     qkv, cos, sin, qn, kn, kc, vc, slots = args
     ref_k, ref_v = kc.clone(), vc.clone()
     want = rope_qkv_reference(qkv, cos, sin, case[0], case[1], qn, kn, 1e-6, ref_k, ref_v, slots)

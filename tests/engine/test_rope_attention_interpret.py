@@ -16,9 +16,14 @@ from .rope_cases import CASES, make_rope_case
 pytestmark = pytest.mark.interpret
 
 
+@pytest.mark.parametrize("tokens", [1, 4])  # a program a token; 4 tokens a program (the last program's 1 of 4 used)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", CASES)
-def test_kernel_matches_reference(case, dtype):
+def test_kernel_matches_reference(case, dtype, tokens, monkeypatch):
+    from epmoe.engine import rope_attention
+
+    monkeypatch.setattr(rope_attention, "ROPE_PREFILL_MIN_ROWS", 1 if tokens > 1 else 10**9)
+    monkeypatch.setattr(rope_attention, "ROPE_PREFILL_TOKENS", tokens)
     h, hkv = case[0], case[1]
     qkv, cos, sin, qn, kn, kc, vc, slots = make_rope_case(*case, dtype)
     ref_k, ref_v = kc.clone(), vc.clone()

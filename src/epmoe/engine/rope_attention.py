@@ -10,9 +10,9 @@ attention reads anything, which at one decode token cost several times the layer
 
 1. one matrix product with the concatenated ``q``/``k``/``v`` weights (and biases) (at one or two rows on
    Hopper ``gemv.linear``'s kernel, which reads the weight while the norm before it runs; cuBLAS otherwise);
-2. one kernel (``rope_qkv``), a program per token and head: RMS-normalise the head (if the family does),
-   rotate it, and store a query head into the query tensor, or a key head and its value head into the
-   token's cache slot;
+2. one kernel (``rope_qkv``), a program per token (at prefill sizes per ``ROPE_PREFILL_TOKENS`` tokens) and head:
+   RMS-normalise the head (if the family does), rotate it, and store a query head into the query tensor, or a key
+   head and its value head into the token's cache slot;
 3. the engine's attention over the cache (``attention.attend``), then ``o_proj`` (through ``gemv.linear``).
 
 Rotary embedding: ``x[:R]`` of a head is rotated by halves, ``(x1, x2) -> (x1 c - x2 s, x2 c + x1 s)`` with
@@ -47,6 +47,15 @@ ROPE_FAMILIES = {"qwen3_moe": (False, "module"), "qwen2_moe": (False, None), "mi
                  "glm4_moe": (False, None), "gpt_oss": (True, "module")}
 
 
+ROPE_PREFILL_MIN_ROWS = 1024
+"""From this many tokens a step (prefill chunks; the decode graphs' buckets stay below it) a ``rope_qkv`` program
+takes ``ROPE_PREFILL_TOKENS`` tokens of one head instead of one: a program a token and head is a short task, and at a
+4096-token prompt the GPU spends its time placing them, not moving the bytes."""
+
+ROPE_PREFILL_TOKENS = 16
+"""Tokens a ``rope_qkv`` program takes, one after the other, from ``ROPE_PREFILL_MIN_ROWS`` tokens on."""
+
+
 @functools.cache
 def _kernel():
     import triton
@@ -54,58 +63,61 @@ def _kernel():
 
     @triton.jit
     def rope_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr, slot_ptr,
-                        stride_t, stride_c, stride_qt, eps,
+                        T, stride_t, stride_c, stride_qt, eps,
                         H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                        PASS: tl.constexpr, PASS_PAD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+                        PASS: tl.constexpr, PASS_PAD: tl.constexpr, NORM: tl.constexpr, TOKENS: tl.constexpr,
+                        PDL: tl.constexpr):
         if PDL:  # nothing it reads is constant but the norm weights: wait at once
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-        t = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
-        is_q = head < H
-        src = qkv_ptr + t * stride_t + head * D
-        lo = tl.arange(0, HALF)
-        rest = 2 * HALF + tl.arange(0, PASS_PAD)
-        rest_ok = tl.arange(0, PASS_PAD) < PASS
-        x1 = tl.load(src + lo).to(tl.float32)
-        x2 = tl.load(src + HALF + lo).to(tl.float32)
-        xp = tl.load(src + rest, mask=rest_ok, other=0.0).to(tl.float32)
-        if NORM:
-            r = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0) + tl.sum(xp * xp, 0)) / D + eps)
-            if is_q:
-                w1 = tl.load(qw_ptr + lo).to(tl.float32)
-                w2 = tl.load(qw_ptr + HALF + lo).to(tl.float32)
-                wp = tl.load(qw_ptr + rest, mask=rest_ok, other=0.0).to(tl.float32)
-            else:
-                w1 = tl.load(kw_ptr + lo).to(tl.float32)
-                w2 = tl.load(kw_ptr + HALF + lo).to(tl.float32)
-                wp = tl.load(kw_ptr + rest, mask=rest_ok, other=0.0).to(tl.float32)
-            dt = qkv_ptr.dtype.element_ty
-            x1 = (x1 * r).to(dt).to(tl.float32) * w1
-            x2 = (x2 * r).to(dt).to(tl.float32) * w2
-            xp = (xp * r).to(dt).to(tl.float32) * wp
-            x1 = x1.to(dt).to(tl.float32)
-            x2 = x2.to(dt).to(tl.float32)
-            xp = xp.to(dt).to(tl.float32)
-        c = tl.load(cos_ptr + t * stride_c + lo).to(tl.float32)
-        s = tl.load(sin_ptr + t * stride_c + lo).to(tl.float32)
-        o1 = x1 * c - x2 * s
-        o2 = x2 * c + x1 * s
-        if is_q:
-            dst = q_ptr + t * stride_qt + head * D
-        else:
-            slot = tl.load(slot_ptr + t)
-            j = head - H
-            dst = k_ptr + (slot * HKV + j) * D
-            v_src = qkv_ptr + t * stride_t + (H + HKV + j) * D
-            v_dst = v_ptr + (slot * HKV + j) * D
-            tl.store(v_dst + lo, tl.load(v_src + lo))
-            tl.store(v_dst + HALF + lo, tl.load(v_src + HALF + lo))
-            tl.store(v_dst + rest, tl.load(v_src + rest, mask=rest_ok), mask=rest_ok)
-        out_t = dst.dtype.element_ty
-        tl.store(dst + lo, o1.to(out_t))
-        tl.store(dst + HALF + lo, o2.to(out_t))
-        tl.store(dst + rest, xp.to(out_t), mask=rest_ok)
+        for i in range(TOKENS):
+            t = tl.program_id(0).to(tl.int64) * TOKENS + i
+            if t < T:
+                is_q = head < H
+                src = qkv_ptr + t * stride_t + head * D
+                lo = tl.arange(0, HALF)
+                rest = 2 * HALF + tl.arange(0, PASS_PAD)
+                rest_ok = tl.arange(0, PASS_PAD) < PASS
+                x1 = tl.load(src + lo).to(tl.float32)
+                x2 = tl.load(src + HALF + lo).to(tl.float32)
+                xp = tl.load(src + rest, mask=rest_ok, other=0.0).to(tl.float32)
+                if NORM:
+                    r = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0) + tl.sum(xp * xp, 0)) / D + eps)
+                    if is_q:
+                        w1 = tl.load(qw_ptr + lo).to(tl.float32)
+                        w2 = tl.load(qw_ptr + HALF + lo).to(tl.float32)
+                        wp = tl.load(qw_ptr + rest, mask=rest_ok, other=0.0).to(tl.float32)
+                    else:
+                        w1 = tl.load(kw_ptr + lo).to(tl.float32)
+                        w2 = tl.load(kw_ptr + HALF + lo).to(tl.float32)
+                        wp = tl.load(kw_ptr + rest, mask=rest_ok, other=0.0).to(tl.float32)
+                    dt = qkv_ptr.dtype.element_ty
+                    x1 = (x1 * r).to(dt).to(tl.float32) * w1
+                    x2 = (x2 * r).to(dt).to(tl.float32) * w2
+                    xp = (xp * r).to(dt).to(tl.float32) * wp
+                    x1 = x1.to(dt).to(tl.float32)
+                    x2 = x2.to(dt).to(tl.float32)
+                    xp = xp.to(dt).to(tl.float32)
+                c = tl.load(cos_ptr + t * stride_c + lo).to(tl.float32)
+                s = tl.load(sin_ptr + t * stride_c + lo).to(tl.float32)
+                o1 = x1 * c - x2 * s
+                o2 = x2 * c + x1 * s
+                if is_q:
+                    dst = q_ptr + t * stride_qt + head * D
+                else:
+                    slot = tl.load(slot_ptr + t)
+                    j = head - H
+                    dst = k_ptr + (slot * HKV + j) * D
+                    v_src = qkv_ptr + t * stride_t + (H + HKV + j) * D
+                    v_dst = v_ptr + (slot * HKV + j) * D
+                    tl.store(v_dst + lo, tl.load(v_src + lo))
+                    tl.store(v_dst + HALF + lo, tl.load(v_src + HALF + lo))
+                    tl.store(v_dst + rest, tl.load(v_src + rest, mask=rest_ok), mask=rest_ok)
+                out_t = dst.dtype.element_ty
+                tl.store(dst + lo, o1.to(out_t))
+                tl.store(dst + HALF + lo, o2.to(out_t))
+                tl.store(dst + rest, xp.to(out_t), mask=rest_ok)
 
     return triton, rope_qkv_kernel
 
@@ -145,8 +157,9 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads:
              k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """Per-head norm and rotary embedding of a step's projected tokens; keys and values into the cache.
 
-    CUDA tensors run one Triton launch (grid ``(T, H + Hkv)``), CPU tensors ``rope_qkv_reference``. No host
-    synchronisation (CUDA-graph safe).
+    CUDA tensors run one Triton launch (grid ``(T, H + Hkv)``, or ``(T / ROPE_PREFILL_TOKENS, H + Hkv)`` from
+    ``ROPE_PREFILL_MIN_ROWS`` tokens on), CPU tensors ``rope_qkv_reference``. No host synchronisation (CUDA-graph
+    safe).
 
     Args:
         qkv: ``[T, (H + 2 Hkv) D]`` the fused projection's output (queries, keys, values, head after head),
@@ -193,11 +206,12 @@ def rope_qkv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num
         norm = q_norm is not None
         rest = d - 2 * half
         pdl = pdl_launch(qkv)
-        kernel[(t, num_heads + num_kv_heads)](
+        tokens = ROPE_PREFILL_TOKENS if t >= ROPE_PREFILL_MIN_ROWS else 1
+        kernel[(triton.cdiv(t, tokens), num_heads + num_kv_heads)](
             qkv, cos, sin, q_norm if norm else qkv, k_norm if norm else qkv, q, k_cache, v_cache, slot_mapping,
-            qkv.stride(0), cos.stride(0), q.stride(0), float(eps),
+            t, qkv.stride(0), cos.stride(0), q.stride(0), float(eps),
             H=num_heads, HKV=num_kv_heads, D=d, HALF=half, PASS=rest, PASS_PAD=max(1, triton.next_power_of_2(rest)),
-            NORM=norm, PDL=pdl, num_warps=1, launch_pdl=pdl,
+            NORM=norm, TOKENS=tokens, PDL=pdl, num_warps=1, launch_pdl=pdl,
         )
     return q
 
