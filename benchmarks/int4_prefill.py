@@ -9,16 +9,18 @@ The EP-8 shard (48 of 384 experts, other ranks' pairs skipped) and all 384 exper
 2048, top-8, group 32), random packed weights and routing. The wgmma variants (``WGMMA_PREFILL``): ``wgmma`` the tiles
 the backend takes (``default_wgmma_config`` for the size: 64-row blocks below 64 pairs a slot, 128-row ones from there,
 32-row tails), ``wg_t32`` 128-row blocks whose last block per slot has 32, 64, 96 or 128 rows (``WgmmaConfig.tail_rows``
-32), ``wg_t64`` last blocks of 64 or 128 rows, ``wg64_t32`` 64-row blocks with last blocks of 32 or 64 rows. Per case,
-size and path: the median time as CUDA-graph replays after an L2 flush (``timing.time_fn``), for the wgmma variants the
-token rows they compute per routed pair (padding included, from the alignment) and the relative error of the output
-against the MMA path's (which the GPU tests check against the float64 reference); ``bf16``: the ``triton`` backend on
-the dequantized weights (the target: INT4 prefill no slower). Beside each row its floors, as ``moe_layer.py`` computes
-them from the ceilings measured first in the same run (``timing.measure_ceilings``): the FLOPs of the routed pairs
-(``2 pairs 3 D F``) over the bf16 matmul rate (``flop_fl``), the packed INT4 values and scales of the slots the routing
-touches over the copy bandwidth (``read_fl``), and the ``wgmma`` time over the larger of the two (``wg/fl``). Prints the
-ceilings, one line a path, then a table (times, and below them the time over bf16's); writes JSON to ``--out``
-(default ``$OUT/int4_prefill.json`` when ``$OUT`` is set).
+32), ``wg_t64`` last blocks of 64 or 128 rows, ``wg64_t32`` 64-row blocks with last blocks of 32 or 64 rows,
+``wg_words`` / ``wg_words4`` the gate/up words staged through shared memory in three / four buffers
+(``WgmmaConfig.words_smem``). Per case, size and path: the median time as CUDA-graph replays after an L2 flush
+(``timing.time_fn``), for the wgmma variants the token rows they compute per routed pair (padding included, from the
+alignment) and the relative error of the output against the MMA path's (which the GPU tests check against the float64
+reference); ``bf16``: the ``triton`` backend on the dequantized weights (the target: INT4 prefill no slower). Beside
+each row its floors, as ``moe_layer.py`` computes them from the ceilings measured first in the same run
+(``timing.measure_ceilings``): the FLOPs of the routed pairs (``2 pairs 3 D F``) over the bf16 matmul rate
+(``flop_fl``), the packed INT4 values and scales of the slots the routing touches over the copy bandwidth (``read_fl``),
+and the ``wgmma`` time over the larger of the two (``wg/fl``). Prints the ceilings, one line a path, then a table
+(times, and below them the time over bf16's); writes JSON to ``--out`` (default ``$OUT/int4_prefill.json`` when ``$OUT``
+is set).
 """
 
 from __future__ import annotations

@@ -603,7 +603,8 @@ def test_mxfp4_mma_and_wgmma_paths_on_gpu(t, shape):
     for cfg in (None, MmaConfig(64, 16, 64, 16, 2, maxnreg=168), MmaConfig(32, 32, 32, 32, 2, block_m=32)):
         assert _rel(packed_mma_experts(x, slots, tw, q, act, woi, cfg), ref) < 1e-2, cfg
     for cfg in (None, WgmmaConfig(64, 16, 32, tail_rows=32), WgmmaConfig(128, 16, 32, tail_rows=32),
-                WgmmaConfig(64, 16, 16, 3, 4, 64, 64), mxfp4_wgmma_config(t * k, s), mxfp4_wgmma_config(10**6, s)):
+                WgmmaConfig(64, 16, 16, 3, 4, 64, 64), mxfp4_wgmma_config(t * k, s), mxfp4_wgmma_config(10**6, s),
+                WgmmaConfig(128, 16, 16, 4, tail_rows=32, words_smem=True)):
         assert _rel(packed_wgmma_experts(x, slots, tw, q, act, woi, cfg), ref) < 1e-2, cfg
     _assert_replay_equals_eager(lambda: packed_mma_experts(x, slots, tw, q, act, woi), x)
 
@@ -736,6 +737,10 @@ def test_int4_wgmma_refuses_bad_input():
         packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 32, 32, num_warps=2))
     with pytest.raises(ValueError, match=r"block_n2 must be 16 or 32 times num_warps \(4\), got 256"):
         packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 32, 32, 3, 4, 64, 256))
+    # 131072 bytes of activation buffers and 131072 of word buffers (256 rows of gate and of up, 16 words, 4 stages)
+    with pytest.raises(ValueError, match="stages 4 x block_m 128 x block_kw 16 with words_smem takes 262144 bytes"):
+        packed_wgmma_experts(x, slots, tw, q, Activation(),
+                             config=WgmmaConfig(128, 16, 16, 4, 8, 256, 128, words_smem=True))
     for regs in (16, 256):
         with pytest.raises(ValueError, match=f"maxnreg2 must be None or 32 to 255 registers a thread, got {regs}"):
             packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 32, 32, maxnreg2=regs))
@@ -781,7 +786,9 @@ def test_int4_wgmma_path_on_gpu(t, case):
     for cfg in (None, WgmmaConfig(64, kw, kw), WgmmaConfig(bm, kw, kw, 4 if kw < 64 else 3),
                 WgmmaConfig(64, max(32, kw), kw),
                 WgmmaConfig(bm, kw, kw, 3, 4, 64, 64), WgmmaConfig(bm, kw, kw, 3, 4, 64, 128),
-                WgmmaConfig(bm, kw, kw, tail_rows=32), WgmmaConfig(bm, kw, kw, 3, 4, 64, 128, tail_rows=32)):
+                WgmmaConfig(bm, kw, kw, tail_rows=32), WgmmaConfig(bm, kw, kw, 3, 4, 64, 128, tail_rows=32),
+                WgmmaConfig(bm, kw, kw, tail_rows=32, words_smem=True),
+                WgmmaConfig(64, kw, kw, 4 if kw < 64 else 3, tail_rows=32, words_smem=True)):
         assert _rel(packed_wgmma_experts(x, slots, tw, q, act, woi, cfg), ref) < 1e-2, cfg
     _assert_replay_equals_eager(lambda: packed_wgmma_experts(x, slots, tw, q, act, woi), x)
 

@@ -105,6 +105,10 @@ class WgmmaConfig:
         maxnreg2: registers a thread of the down program may use at most (``None``: the compiler's choice, which
             leaves one 8-warp program an SM). At 128, two 8-warp down programs share an SM where their activation
             buffers fit twice in its shared memory (``stages block_m block_kw2 16`` bytes each: 16-word steps).
+        words_smem: the gate/up program copies its weight words into shared memory by ``cp.async`` with the
+            activations, ``stages - 2`` steps ahead, and reads a step's words from there (instead of loading them
+            into registers one step ahead): the words' latency is hidden by as many steps as the activations', and
+            the registers of the next step's words are freed.
     """
 
     block_m: int = 128
@@ -116,6 +120,7 @@ class WgmmaConfig:
     block_n2: int = 128
     tail_rows: int | None = None
     maxnreg2: int | None = None
+    words_smem: bool = False
 
 
 WGMMA_BLOCK128_MIN_PAIRS_PER_SLOT = 64
@@ -207,6 +212,29 @@ def _request(smem, ptrs, smem_hi, ptrs_hi, step, nsteps, stage, BLOCK_KW: gl.con
     async_copy.commit_group()
 
 
+@gluon.constexpr_function
+def _word_smem_layout():
+    """Shared layout of the word buffers ``[STAGES, block_n, block_kw]`` int32: unswizzled, each thread's 16-byte
+    vector where it reads it back (a warp's 8 rows of 16 words are 512 consecutive bytes)."""
+    return gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0])
+
+
+@gluon.jit
+def _request_words(wsm_g, wg_ptrs, wsm_u, wu_ptrs, rows, R_ROWS, cols, DW, step, nsteps, stage,
+                   BLOCK_KW: gl.constexpr, EVEN: gl.constexpr):
+    """Copy the gate and up word tiles of step ``min(step, nsteps - 1)`` into buffer ``stage`` (``cp.async``, before
+    ``_request`` commits the step's group); rows at or past ``R_ROWS`` and words past the row's end are zero unless
+    ``EVEN`` (``w4a16_mma.load_tile``'s masks)."""
+    kw = gl.minimum(step, nsteps - 1) * BLOCK_KW
+    if EVEN:
+        async_copy.async_copy_global_to_shared(wsm_g.index(stage), wg_ptrs + kw)
+        async_copy.async_copy_global_to_shared(wsm_u.index(stage), wu_ptrs + kw)
+    else:
+        ok = (rows < R_ROWS) & (cols < ((DW - kw) // 4) * 4)
+        async_copy.async_copy_global_to_shared(wsm_g.index(stage), wg_ptrs + kw, mask=ok)
+        async_copy.async_copy_global_to_shared(wsm_u.index(stage), wu_ptrs + kw, mask=ok)
+
+
 @gluon.jit
 def _step_ptrs(row_ptrs, BLOCK_M: gl.constexpr, BLOCK_KW: gl.constexpr, NUM_WARPS: gl.constexpr):
     """Pointers of step 0's planes ``[4, BLOCK_M, 2 BLOCK_KW]`` (plane ``j`` of token row ``m`` goes to row ``j
@@ -250,7 +278,7 @@ def _gate_up_kernel(
     num_pairs, top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, act_limit, act_alpha,
     BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, BLOCK_KW2: gl.constexpr, BLOCK_M: gl.constexpr, GW: gl.constexpr,
     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
-    WEIGHT_ON_INPUT: gl.constexpr, EVEN: gl.constexpr, TAIL: gl.constexpr,
+    WEIGHT_ON_INPUT: gl.constexpr, EVEN: gl.constexpr, TAIL: gl.constexpr, WORDS_SMEM: gl.constexpr,
 ):
     num_n = gl.cdiv(F, BLOCK_N)
     pid_m = gl.program_id(0) // num_n
@@ -268,23 +296,23 @@ def _gate_up_kernel(
         _gate_up_rows(xw_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, slot, first, pid_n, num_pairs, top_k, D,
                       F, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, act_limit, act_alpha,
                       BLOCK_N, BLOCK_KW, BLOCK_KW2, BLOCK_M, 0, GW, STAGES, NUM_WARPS, ACT, HAS_BIAS,
-                      WEIGHT_ON_INPUT, EVEN)
+                      WEIGHT_ON_INPUT, EVEN, WORDS_SMEM)
     elif rows == BLOCK_M // 2:
         _gate_up_rows(xw_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, slot, first, pid_n, num_pairs, top_k, D,
                       F, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, act_limit, act_alpha,
                       BLOCK_N, BLOCK_KW, BLOCK_KW2, BLOCK_M // 2, 0, GW, STAGES, NUM_WARPS, ACT, HAS_BIAS,
-                      WEIGHT_ON_INPUT, EVEN)
+                      WEIGHT_ON_INPUT, EVEN, WORDS_SMEM)
     elif TAIL == BLOCK_M // 4:
         if rows == TAIL:
             _gate_up_rows(xw_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, slot, first, pid_n, num_pairs,
                           top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, act_limit,
                           act_alpha, BLOCK_N, BLOCK_KW, BLOCK_KW2, TAIL, 0, GW, STAGES, NUM_WARPS, ACT, HAS_BIAS,
-                          WEIGHT_ON_INPUT, EVEN)
+                          WEIGHT_ON_INPUT, EVEN, WORDS_SMEM)
         else:
             _gate_up_rows(xw_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, h_ptr, sorted_ptr, slot, first, pid_n, num_pairs,
                           top_k, D, F, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, act_limit,
                           act_alpha, BLOCK_N, BLOCK_KW, BLOCK_KW2, BLOCK_M // 2, TAIL, GW, STAGES, NUM_WARPS, ACT,
-                          HAS_BIAS, WEIGHT_ON_INPUT, EVEN)
+                          HAS_BIAS, WEIGHT_ON_INPUT, EVEN, WORDS_SMEM)
 
 
 @gluon.jit
@@ -293,7 +321,7 @@ def _gate_up_rows(
     stride_we, stride_wn, stride_se, stride_sn, stride_h, act_limit, act_alpha,
     BLOCK_N: gl.constexpr, BLOCK_KW: gl.constexpr, BLOCK_KW2: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr,
     GW: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
-    WEIGHT_ON_INPUT: gl.constexpr, EVEN: gl.constexpr,
+    WEIGHT_ON_INPUT: gl.constexpr, EVEN: gl.constexpr, WORDS_SMEM: gl.constexpr,
 ):
     """``h`` of the ``LO + HI`` sorted positions from ``first`` (slot ``slot``; ``HI`` 0: one part), gate and up rows
     of column tile ``pid_n``: each widened plane feeds the ``wgmma`` of the first ``LO`` rows and of the next
@@ -313,8 +341,6 @@ def _gate_up_rows(
         A_HI: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_HI, k_width=2)
         x_hi = _x_ptrs(xw_ptr, sorted_ptr, first + LO, num_pairs, top_k, stride_x, HI, BLOCK_KW, NUM_WARPS)
         smem_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4 * HI, 2 * BLOCK_KW], _b_smem_layout(BLOCK_KW))
-    for i in gl.static_range(STAGES - 2):
-        _request(smem, x_ptrs, smem_hi, x_hi, i, nsteps, i, BLOCK_KW, HI)
     # A: gate rows and up rows (F + rows) of the slot
     stride_we, stride_wn = row_strides(stride_we, stride_wn)
     wg_ptrs, sg_ptrs, rows, w_cols, s_rows, s_cols = weight_ptrs(
@@ -322,8 +348,17 @@ def _gate_up_rows(
         GW, NUM_WARPS)
     wu_ptrs = wg_ptrs + F * stride_wn
     su_ptrs = sg_ptrs + F * stride_sn
-    wg = load_tile(wg_ptrs, rows, F, w_cols, DW, EVEN)
-    wu = load_tile(wu_ptrs, rows, F, w_cols, DW, EVEN)
+    if WORDS_SMEM:  # the words staged through shared memory with the activations
+        wsm_g = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_KW], _word_smem_layout())
+        wsm_u = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_KW], _word_smem_layout())
+        for i in gl.static_range(STAGES - 2):
+            _request_words(wsm_g, wg_ptrs, wsm_u, wu_ptrs, rows, F, w_cols, DW, i, nsteps, i, BLOCK_KW, EVEN)
+            _request(smem, x_ptrs, smem_hi, x_hi, i, nsteps, i, BLOCK_KW, HI)
+    else:
+        for i in gl.static_range(STAGES - 2):
+            _request(smem, x_ptrs, smem_hi, x_hi, i, nsteps, i, BLOCK_KW, HI)
+        wg = load_tile(wg_ptrs, rows, F, w_cols, DW, EVEN)
+        wu = load_tile(wu_ptrs, rows, F, w_cols, DW, EVEN)
     sg = load_tile(sg_ptrs, s_rows, F, s_cols, DW, EVEN)
     su = load_tile(su_ptrs, s_rows, F, s_cols, DW, EVEN)
     acc_g = gl.zeros([BLOCK_N, LO], gl.float32, layout=MMA)
@@ -334,11 +369,18 @@ def _gate_up_rows(
     for s in range(0, nsteps):
         # step s's activations in, step s - 2's buffer free: request step s + STAGES - 2 into it
         stage = _wait_step(s, STAGES)
+        if WORDS_SMEM:
+            W_MEM: gl.constexpr = wg_ptrs.type.layout
+            wg = wsm_g.index(stage).load(W_MEM)
+            wu = wsm_u.index(stage).load(W_MEM)
+            _request_words(wsm_g, wg_ptrs, wsm_u, wu_ptrs, rows, F, w_cols, DW, s + STAGES - 2, nsteps,
+                           (s + STAGES - 2) % STAGES, BLOCK_KW, EVEN)
         _request(smem, x_ptrs, smem_hi, x_hi, s + STAGES - 2, nsteps, (s + STAGES - 2) % STAGES, BLOCK_KW, HI)
-        # the next step's words and scales (the last step's own again) while this step's are widened
+        # the next step's words (unless staged) and scales (the last step's own again) while this step's are widened
         kw = gl.minimum(s + 1, nsteps - 1) * BLOCK_KW
-        wg_next = load_tile(wg_ptrs + kw, rows, F, w_cols, DW - kw, EVEN)
-        wu_next = load_tile(wu_ptrs + kw, rows, F, w_cols, DW - kw, EVEN)
+        if not WORDS_SMEM:
+            wg_next = load_tile(wg_ptrs + kw, rows, F, w_cols, DW - kw, EVEN)
+            wu_next = load_tile(wu_ptrs + kw, rows, F, w_cols, DW - kw, EVEN)
         sg_next = load_tile(sg_ptrs + kw // GW, s_rows, F, s_cols, DW - kw, EVEN)
         su_next = load_tile(su_ptrs + kw // GW, s_rows, F, s_cols, DW - kw, EVEN)
         ag = operand_order(wg, BLOCK_N, BLOCK_KW, W_LAYOUT)
@@ -358,8 +400,9 @@ def _gate_up_rows(
                 acc_g, acc_u, acc_g2, acc_u2 = warpgroup_mma_wait(4, deps=[acc_g, acc_u, acc_g2, acc_u2])
             else:
                 acc_g, acc_u = warpgroup_mma_wait(2, deps=[acc_g, acc_u])
-        wg = wg_next
-        wu = wu_next
+        if not WORDS_SMEM:
+            wg = wg_next
+            wu = wu_next
         sg = sg_next
         su = su_next
     if HI > 0:
@@ -517,11 +560,12 @@ def _check(cfg: WgmmaConfig, group_size: int) -> None:
                          f"and at least 32 (the smallest wgmma N here), got {cfg.tail_rows}")
     if cfg.stages not in (3, 4):
         raise ValueError(f"WgmmaConfig.stages must be 3 or 4, got {cfg.stages}")
-    smem = 16 * cfg.stages * cfg.block_m * max(cfg.block_kw1, cfg.block_kw2)
+    words = cfg.stages * 2 * cfg.block_n1 * cfg.block_kw1 * 4 if cfg.words_smem else 0
+    smem = max(16 * cfg.stages * cfg.block_m * cfg.block_kw1 + words, 16 * cfg.stages * cfg.block_m * cfg.block_kw2)
     if smem > _SMEM_MAX:
         raise ValueError(f"WgmmaConfig stages {cfg.stages} x block_m {cfg.block_m} x block_kw "
-                         f"{max(cfg.block_kw1, cfg.block_kw2)} takes {smem} bytes of shared memory, more than the "
-                         f"{_SMEM_MAX} a Hopper program may have")
+                         f"{max(cfg.block_kw1, cfg.block_kw2)}{' with words_smem' if cfg.words_smem else ''} takes "
+                         f"{smem} bytes of shared memory, more than the {_SMEM_MAX} a Hopper program may have")
     if cfg.maxnreg2 is not None and not 32 <= cfg.maxnreg2 <= 255:
         raise ValueError(f"WgmmaConfig.maxnreg2 must be None or 32 to 255 registers a thread, got {cfg.maxnreg2}")
     if cfg.num_warps not in (4, 8):
@@ -600,7 +644,7 @@ def packed_wgmma_experts(
         s13.stride(0), s13.stride(1), h.stride(0), float(limit), float(activation.swiglu_alpha),
         BLOCK_N=n1, BLOCK_KW=cfg.block_kw1, BLOCK_KW2=cfg.block_kw2, BLOCK_M=bm, GW=gw, STAGES=cfg.stages,
         NUM_WARPS=nw, ACT=act_code(activation), HAS_BIAS=weights.b13 is not None, WEIGHT_ON_INPUT=weight_on_input,
-        EVEN=(d // INT4_PACK) % cfg.block_kw1 == 0 and f % n1 == 0, TAIL=tail, num_warps=nw,
+        EVEN=(d // INT4_PACK) % cfg.block_kw1 == 0 and f % n1 == 0, TAIL=tail, WORDS_SMEM=cfg.words_smem, num_warps=nw,
     )
     _down_kernel[(nb * triton.cdiv(d, n2),)](
         h, w2, s2, weights.b2 if weights.b2 is not None else placeholder, topk_weights, y, aln.sorted_pair_ids,
