@@ -1,4 +1,4 @@
-"""INT4 prefill at Kimi-K2.5 shapes: the wgmma kernels, default and with tail row blocks, against MMA16 and bf16.
+"""INT4 prefill at Kimi-K2.5 shapes: the wgmma kernels, default and other tiles, against MMA16 and bf16.
 
 The wgmma kernels (``w4a16_wgmma``) against the MMA path with 16-row blocks (``w4a16_mma``) and our bf16 path, on the
 same weights and routing.
@@ -7,11 +7,11 @@ same weights and routing.
 
 The EP-8 shard (48 of 384 experts, other ranks' pairs skipped) and all 384 experts on one GPU (hidden 7168, intermediate
 2048, top-8, group 32), random packed weights and routing. The wgmma variants (``WGMMA_PREFILL``): ``wgmma`` the tiles
-the backend takes (``default_wgmma_config`` for the size: 64-row blocks below 64 pairs a slot, 128-row ones from there,
-32-row tails), ``wg_t32`` 128-row blocks whose last block per slot has 32, 64, 96 or 128 rows (``WgmmaConfig.tail_rows``
-32), ``wg_t64`` last blocks of 64 or 128 rows, ``wg64_t32`` 64-row blocks with last blocks of 32 or 64 rows,
-``wg_words`` / ``wg_words4`` the gate/up words staged through shared memory in three / four buffers
-(``WgmmaConfig.words_smem``). Per case, size and path: the median time as CUDA-graph replays after an L2 flush
+the backend takes (``default_wgmma_config`` for the size: 64-row blocks below 64 pairs a slot with the gate/up weight
+words loaded into registers one step ahead, 128-row ones from there with the words staged through shared memory,
+``WgmmaConfig.words_smem``; 32-row tails), ``wg_regs`` the 128-row blocks with the words in registers, ``wg64_regs``
+the 64-row blocks with the words in registers, ``wg64_words`` / ``wg64_words4`` 64-row blocks with the words staged
+through shared memory in three / four buffers. Per case, size and path: the median time as CUDA-graph replays after an L2 flush
 (``timing.time_fn``), for the wgmma variants the token rows they compute per routed pair (padding included, from the
 alignment) and the relative error of the output against the MMA path's (which the GPU tests check against the float64
 reference); ``bf16``: the ``triton`` backend on the dequantized weights (the target: INT4 prefill no slower). Beside

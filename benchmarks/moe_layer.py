@@ -147,13 +147,13 @@ WGMMA_ONE_WARPGROUP = WgmmaConfig(num_warps=4, block_n1=64, block_n2=64)
 WGMMA_TAIL32 = WgmmaConfig(tail_rows=32)
 WGMMA_TAIL64 = WgmmaConfig(tail_rows=64)
 WGMMA_BLOCK64_TAIL32 = WgmmaConfig(64, tail_rows=32)
-# the wgmma variants int4_prefill.py times (None: the default)
-# the gate/up words staged through shared memory (WgmmaConfig.words_smem): three buffers (one step ahead, as the
-# register loads) and four (two steps ahead; 16-word down steps so that four down buffers fit)
-WGMMA_WORDS_SMEM = WgmmaConfig(128, 16, 32, 3, tail_rows=32, words_smem=True)
-WGMMA_WORDS_SMEM4 = WgmmaConfig(128, 16, 16, 4, tail_rows=32, words_smem=True)
-WGMMA_PREFILL = {"wgmma": None, "wg_t32": WGMMA_TAIL32, "wg_t64": WGMMA_TAIL64, "wg64_t32": WGMMA_BLOCK64_TAIL32,
-                 "wg_words": WGMMA_WORDS_SMEM, "wg_words4": WGMMA_WORDS_SMEM4}
+# the wgmma variants int4_prefill.py times (None: the default): 128-row blocks with the gate/up words loaded into
+# registers one step ahead (the default before WgmmaConfig.words_smem); 64-row blocks with the words in registers (the
+# default below WGMMA_BLOCK128_MIN_PAIRS_PER_SLOT), and staged through shared memory in three and four buffers
+WGMMA_PREFILL = {"wgmma": None, "wg_regs": WgmmaConfig(128, 16, 32, 3, tail_rows=32),
+                 "wg64_regs": WgmmaConfig(64, 16, 32, 3, tail_rows=32),
+                 "wg64_words": WgmmaConfig(64, 16, 32, 3, tail_rows=32, words_smem=True),
+                 "wg64_words4": WgmmaConfig(64, 16, 32, 4, tail_rows=32, words_smem=True)}
 # whole blocks: 128 rows, four buffers, 64-row blocks, one warpgroup (down: issuing its wgmma twice), 32-word steps;
 # tail blocks (also with four buffers and with one warpgroup); with 32-row tails (the configurations of
 # results/int4_wgmma_sweep_h200.txt): each warpgroup issuing its wgmma twice in either or both kernels, 32-word down

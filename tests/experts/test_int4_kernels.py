@@ -626,7 +626,8 @@ def test_mxfp4_path_choice_and_refusals():
     assert mxfp4_path(4096, fp16, 32, True) == "grouped"
     # the wgmma tiles: the default's blocks, 16-word down steps, the down program at 128 registers
     assert mxfp4_wgmma_config(64 * 32 - 1, 32) == WgmmaConfig(64, 16, 16, 3, 8, 128, 128, 32, maxnreg2=128)
-    assert mxfp4_wgmma_config(64 * 32, 32) == WgmmaConfig(128, 16, 16, 3, 8, 128, 128, 32, maxnreg2=128)
+    assert mxfp4_wgmma_config(64 * 32, 32) == WgmmaConfig(128, 16, 16, 3, 8, 128, 128, 32, maxnreg2=128,
+                                                          words_smem=True)
     q = _mxfp4_case(0, 2, 96, 64)
     words13, words2, gw = packed_words(q, "MMA")
     assert words13.shape == (2, 128, 12) and words2.shape == (2, 96, 8) and gw == 4 and words13.dtype == torch.int32
@@ -710,7 +711,7 @@ def test_int4_wgmma_refuses_bad_input():
     # of 32; down steps of at least 32 words; 32-row tails always
     assert default_wgmma_config(32) == WgmmaConfig(64, 16, 32, 3, 8, 128, 128, 32)
     assert default_wgmma_config(32, 64 * 48 - 1, 48) == WgmmaConfig(64, 16, 32, 3, 8, 128, 128, 32)
-    assert default_wgmma_config(32, 64 * 48, 48) == WgmmaConfig(128, 16, 32, 3, 8, 128, 128, 32)
+    assert default_wgmma_config(32, 64 * 48, 48) == WgmmaConfig(128, 16, 32, 3, 8, 128, 128, 32, words_smem=True)
     assert default_wgmma_config(64, 10**6, 48) == WgmmaConfig(64, 32, 32, 3, 8, 128, 128, 32)
     assert default_wgmma_config(128, 10**6, 48) == WgmmaConfig(64, 64, 64, 3, 8, 128, 128, 32)
     q = int4_expert_weights(_weights(0, 2, 256, 128, False), 64)
@@ -783,12 +784,16 @@ def test_int4_wgmma_path_on_gpu(t, case):
     # rows), with two warpgroups and with one
     kw = max(16, group // 2)
     bm = 128 if kw == 16 else 64
+    # the words staged through shared memory (three and four buffers) where the buffers fit: steps of 16 and 32 words
+    # (and 64-row blocks of four)
+    words = [WgmmaConfig(m, kw, kw, s, tail_rows=32, words_smem=True) for m, s in ((bm, 3), (bm, 4), (64, 4))
+             if 16 * s * m * kw + s * 2 * 128 * kw * 4 <= 232448]
+    assert len(words) == {16: 3, 32: 1, 64: 0}[kw], words
     for cfg in (None, WgmmaConfig(64, kw, kw), WgmmaConfig(bm, kw, kw, 4 if kw < 64 else 3),
                 WgmmaConfig(64, max(32, kw), kw),
                 WgmmaConfig(bm, kw, kw, 3, 4, 64, 64), WgmmaConfig(bm, kw, kw, 3, 4, 64, 128),
                 WgmmaConfig(bm, kw, kw, tail_rows=32), WgmmaConfig(bm, kw, kw, 3, 4, 64, 128, tail_rows=32),
-                WgmmaConfig(bm, kw, kw, tail_rows=32, words_smem=True),
-                WgmmaConfig(64, kw, kw, 4 if kw < 64 else 3, tail_rows=32, words_smem=True)):
+                *words):
         assert _rel(packed_wgmma_experts(x, slots, tw, q, act, woi, cfg), ref) < 1e-2, cfg
     _assert_replay_equals_eager(lambda: packed_wgmma_experts(x, slots, tw, q, act, woi), x)
 

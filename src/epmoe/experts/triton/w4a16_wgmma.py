@@ -135,13 +135,14 @@ def default_wgmma_config(group_size: int, num_pairs: int = 0, num_slots: int = 1
     0: unknown): steps of at least half a group (``block_kw >= G / 2``) and of at least 32 words in the down kernel,
     32-row tail blocks, 128-row blocks from ``WGMMA_BLOCK128_MIN_PAIRS_PER_SLOT`` pairs a slot on for groups of 32,
     64-row blocks otherwise (128-row blocks of the 32-word gate/up steps of groups of 64 and 128 spill registers and
-    take 192 KiB of shared memory, compiled for sm_90a). Two warpgroups a program share each step's activations in
+    take 192 KiB of shared memory, compiled for sm_90a); the 128-row blocks' gate/up words staged through shared
+    memory (``words_smem``). Two warpgroups a program share each step's activations in
     shared memory. Set from the H200 runs of ``benchmarks/int4_prefill.py`` and of a tile sweep at 1024-4096 tokens
     (``benchmarks/results/int4_wgmma_sweep_h200.txt``: 32-word down steps faster than 16-word ones at every size but
     one, 64-word ones slower)."""
     kw = max(WgmmaConfig.block_kw1, group_size // 2)
     big = kw == WgmmaConfig.block_kw1 and num_pairs >= WGMMA_BLOCK128_MIN_PAIRS_PER_SLOT * max(num_slots, 1)
-    return WgmmaConfig(block_m=128 if big else 64, block_kw1=kw, block_kw2=max(32, kw), tail_rows=32)
+    return WgmmaConfig(block_m=128 if big else 64, block_kw1=kw, block_kw2=max(32, kw), tail_rows=32, words_smem=big)
 
 
 def _operand_segment(k: int, block_kw: int) -> int:
