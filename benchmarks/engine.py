@@ -18,7 +18,12 @@ experts its tokens touch (the number read back from the engine's load counts ove
 the table's ``experts``), and the KV cache it attends over. ``uniform`` is the expected number under uniform
 routing, the planner's assumption (the dummy weights route as uniform routing does; a row whose count falls short
 of it read fewer experts than the plan prices). Every measured step runs the whole batch (``time_decode``). TTFT:
-one request of 1k and 4k tokens, against the FLOP floor of its prefill and beside ``epmoe plan``'s price of that prompt
+one request of 1k and 4k tokens, against the floor of its prefill (``prefill_floor``: FLOPs or weight reads, the
+larger) and beside ``epmoe plan``'s price of that prompt, its tokens routed to experts drawn uniformly at random
+(``--ttft-routing``: the gates of dummy weights send the tokens of one prompt to fewer and fewer experts layer by
+layer, all of them to the same few after a handful of layers, so that its prefill reads a fraction of the expert
+weights a trained model's would; an engine with ``moe_routing_simulation='uniform_random'`` built after the decode
+rows)
 (``planned_ttft``; ``ttft_fit``: the profile's per-layer prefill term fitted to the run's TTFT rows). Writes
 ``engine_<gpu>.json`` under ``--out`` and prints a table last. ``--replan-ttft ROWS.json`` (no GPU) re-prices measured
 TTFT rows of earlier runs with this commit's planner and fits ``engine_prefill_layer_us`` per profile
@@ -105,6 +110,25 @@ def weight_bytes(engine: Engine) -> dict:
     spec = engine.spec
     return {"dense": dense, "expert": one, "embed_row": embed[0].numel() * embed.element_size(),
             "expert_params": 3 * spec.hidden_size * spec.moe_intermediate_size}
+
+
+def prefill_floor(spec, wb: dict, n: int, ceil: dict) -> tuple[float, float]:
+    """The floors of one ``n``-token prompt's prefill, ms: its FLOPs over the bf16 rate (the products of every
+    weight but the embedding, ``K`` experts' a token a MoE layer, whatever their storage, and the scores and weighted
+    values of the (query, key) pairs each layer attends, ``costs.causal_pairs`` at ``costs.prefill_score_flops``:
+    windowed layers their window) and its weight bytes over the copy bandwidth (the non-expert weights, and in each
+    MoE layer the experts ``n`` tokens touch under uniform routing: ``E (1 - (1 - K / E)^n)``). The prefill's floor
+    is the larger."""
+    from epmoe.plan.costs import causal_pairs, prefill_score_flops
+
+    e, k = spec.num_experts, spec.top_k
+    params = wb["dense"] / 2 + spec.num_moe_layers * k * wb["expert_params"]
+    spans = spec.attention.attended_positions(n, spec.num_layers)
+    pairs = sum(layers * causal_pairs(n, span) for layers, span in spans)
+    flops = 2 * params * n + pairs * prefill_score_flops(spec)
+    touched = e * (1 - (1 - k / e) ** n)
+    nbytes = wb["dense"] + spec.num_moe_layers * touched * wb["expert"]
+    return flops / ceil["bf16_flop_per_s"] * 1e3, nbytes / ceil["copy_bytes_per_s"] * 1e3
 
 
 def decode_floor(engine: Engine, wb: dict, bs: int, ctx: float, ceil: dict, touched: float | None = None) -> dict:
@@ -512,14 +536,15 @@ def fit_engine_terms(rows: list[dict]) -> dict:
             "ratios_after": [t / p for t, p in zip(m.tolist(), after)]}
 
 
-def build_engine(d: Path, batches: list[int], context: int = PROMPT) -> Engine:
+def build_engine(d: Path, batches: list[int], context: int = PROMPT, routing: str | None = None) -> Engine:
     """The benchmark's engine on checkpoint ``d`` (dummy weights, graphs up to the largest batch, a context of 8192
     tokens or room for a ``context``-token prompt and its decode steps); no prefix caching: the TTFT rows time one
-    prompt again and again, each must compute it whole."""
+    prompt again and again, each must compute it whole. ``routing``: ``EngineConfig.moe_routing_simulation``."""
     return Engine(EngineConfig(model=str(d), dtype="bfloat16", device="cuda", expert_backend="triton",
                                load_format="dummy", max_num_seqs=max(batches),
                                max_model_len=context_limit(context),
-                               cuda_graph_max_bs=max(batches), enable_prefix_caching=False))
+                               cuda_graph_max_bs=max(batches), enable_prefix_caching=False,
+                               moe_routing_simulation=routing))
 
 
 def measure_variant(d: Path, batches: list[int], args, variant: str) -> dict[int, float]:
@@ -597,13 +622,19 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
                     print(f"    {k['start_us']:7.1f} {k['us']:6.1f} {k['gap_us']:6.1f}  {k['kernel']}")
         for h in r["host"][:8]:
             print(f"    host {h['ms_per_step']:7.3f} ms {h['calls']:6.1f}x  {h['function']}")
+    if int_list(args.ttft) and args.ttft_routing != "model":
+        # the prompts' routing simulated (see --ttft-routing): a new engine, whose graphs capture the simulation
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+        engine = build_engine(d, batches, args.context, args.ttft_routing)
+    m["ttft_routing"] = args.ttft_routing
     time_ttft(engine, 256, spec.vocab_size)  # warm-up: first prefill-sized launches compile their kernels
-    active = wb["dense"] / 2 + spec.num_moe_layers * spec.top_k * wb["expert"] / 2
     for n in int_list(args.ttft):
         time_ttft(engine, n, spec.vocab_size)  # warm-up at this length: kernels specialise and tune per shape
         ms = min(time_ttft(engine, n, spec.vocab_size) for _ in range(2))
-        flops = 2 * active * n + 2 * cfg.num_hidden_layers * heads * (dk + dv) * n * n / 2
-        floor = flops / ceil["bf16_flop_per_s"] * 1e3
+        floors = prefill_floor(spec, wb, n, ceil)
+        floor = max(floors)
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -616,8 +647,8 @@ def measure_engine(name: str, d: Path, batches: list[int], args, ceil: dict) -> 
         time_ttft(engine, n, spec.vocab_size)
         path = next((k for k in ("graph_prefill", "piecewise", "eager") if engine.stats[f"{k}_steps"] > before[
             f"{k}_steps"]), "eager")
-        m["ttft"][n] = {"ms": ms, "floor_ms": floor, "ratio": ms / floor, "gpu_kernels_ms": gpu_ms, "path": path,
-                        "kernels": gpu[:25]}
+        m["ttft"][n] = {"ms": ms, "floor_ms": floor, "ratio": ms / floor, "flop_floor_ms": floors[0],
+                        "read_floor_ms": floors[1], "gpu_kernels_ms": gpu_ms, "path": path, "kernels": gpu[:25]}
         if path == "piecewise":  # the same prompt with the piecewise graphs set aside: the eager step it replaces
             pieces, engine.runner.piece_graphs = engine.runner.piece_graphs, {}
             try:
@@ -990,6 +1021,10 @@ def main() -> None:
     ap.add_argument("--ttft", default="1024,4096", help="prompt lengths whose time to first token is measured, "
                                                         "e.g. 1024,4096 ('' for none); each shorter than the "
                                                         "engine's context (8192, or --context plus 512)")
+    ap.add_argument("--ttft-routing", choices=("uniform_random", "model"), default="uniform_random",
+                    help="how the TTFT prompts' tokens pick their experts: uniform_random (default; an engine "
+                         "with --moe-routing-simulation uniform_random, built after the decode rows) or model (the "
+                         "dummy gates, under which one prompt's tokens come to route alike layer by layer)")
     ap.add_argument("--deepseek-layers", type=int, default=7,
                     help="DeepSeek-V3 decoder layers (the first three dense), as many as fit one GPU")
     ap.add_argument("--kimi-layers", type=int, default=4,
@@ -1127,7 +1162,9 @@ def main() -> None:
         for n, r in m["ttft"].items():
             eager = f", eager step {r['eager_ms']:.1f} ms" if "eager_ms" in r else ""
             print(f"{model:14} TTFT {n}: {r['ms']:.1f} ms {r.get('path', '')} (GPU kernels {r['gpu_kernels_ms']:.1f} "
-                  f"ms{eager}), FLOP floor {r['floor_ms']:.1f} ms, ratio {r['ratio']:.2f}; plan {r['plan_ms']:.1f} ms "
+                  f"ms{eager}), routing {m.get('ttft_routing', 'model')}, floor {r['floor_ms']:.1f} ms (FLOPs "
+                  f"{r.get('flop_floor_ms', r['floor_ms']):.1f}, weight reads {r.get('read_floor_ms', 0.0):.1f}), "
+                  f"ratio {r['ratio']:.2f}; plan {r['plan_ms']:.1f} ms "
                   f"({r['ms'] / r['plan_ms']:.2f}x); peak {m['peak_gib']:.1f} GiB")
     if "ttft_fit" in result:
         fit = result["ttft_fit"]

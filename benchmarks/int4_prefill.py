@@ -9,9 +9,9 @@ The EP-8 shard (48 of 384 experts, other ranks' pairs skipped) and all 384 exper
 2048, top-8, group 32), random packed weights and routing. The wgmma variants (``WGMMA_PREFILL``): ``wgmma`` the tiles
 the backend takes (``default_wgmma_config`` for the size: 64-row blocks below 64 pairs a slot with the gate/up weight
 words loaded into registers one step ahead, 128-row ones from there with the words staged through shared memory,
-``WgmmaConfig.words_smem``; 32-row tails), ``wg_regs`` the 128-row blocks with the words in registers, ``wg64_regs``
-the 64-row blocks with the words in registers, ``wg64_words`` / ``wg64_words4`` 64-row blocks with the words staged
-through shared memory in three / four buffers. Per case, size and path: the median time as CUDA-graph replays after an L2 flush
+``WgmmaConfig.words_smem``; 32-row tails), ``wg_regs`` the 128-row blocks with the words in registers, ``wg64_regs`` the
+64-row blocks with the words in registers, ``wg64_words`` / ``wg64_words4`` 64-row blocks with the words staged through
+shared memory in three / four buffers. Per case, size and path: the median time as CUDA-graph replays after an L2 flush
 (``timing.time_fn``), for the wgmma variants the token rows they compute per routed pair (padding included, from the
 alignment) and the relative error of the output against the MMA path's (which the GPU tests check against the float64
 reference); ``bf16``: the ``triton`` backend on the dequantized weights (the target: INT4 prefill no slower). Beside

@@ -122,12 +122,12 @@ def test_run_and_serve_take_the_same_engine_flags_into_the_engine(kimi):
              "--max-model-len", "100", "--mem-fraction-static", "0.5", "--num-kv-blocks", "40", "--block-size", "8",
              "--layout", "round_robin", "--redundant", "2", "--dispatcher", "all_to_all", "--eplb-interval", "5",
              "--max-moves", "3", "--replica-policy", "round_robin", "--cuda-graph-max-bs", "4",
-             "--no-enable-prefix-caching", "--seed", "7"]
+             "--no-enable-prefix-caching", "--seed", "7", "--moe-routing-simulation", "uniform_random"]
     want = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 100, "mem_fraction_static": 0.5,
             "num_kv_blocks": 40, "block_size": 8, "layout": "round_robin", "redundant": 2,
             "dispatcher": "all_to_all", "eplb_interval": 5, "eplb_max_moves": 3, "replica_policy": "round_robin",
             "cuda_graph_max_bs": 4, "enable_prefix_caching": False, "seed": 7, "expert_backend": "reference",
-            "enforce_eager": True}
+            "enforce_eager": True, "moe_routing_simulation": "uniform_random"}
     run_args = build_parser().parse_args(["run", *typed])
     serve_args = build_parser().parse_args(["serve", *typed])
     built = [RunConfig(**_engine_args(run_args), seed=run_args.seed).engine_config(str(kimi)),

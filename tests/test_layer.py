@@ -303,3 +303,41 @@ def load_moe_spec_of(family: str):
     from epmoe.spec import parse_moe_spec
 
     return parse_moe_spec({**_COMMON, **TINY_FAMILIES[family]}, family)
+
+
+def test_routing_simulation_sends_alike_rows_to_uniformly_drawn_experts(tiny_checkpoints):
+    # 512 copies of one row: the gate sends them all to the same K experts; simulated, each row gets K distinct
+    # experts drawn uniformly (every expert near 512 K / E rows), the gate's weights kept, the fused paths declined
+    spec = load_moe_spec(tiny_checkpoints("qwen2-moe"))
+    layer = _full_layer(spec, seed=2)
+    e, k = spec.num_experts, spec.top_k
+    x = torch.randn(1, spec.hidden_size, generator=torch.Generator().manual_seed(0)).expand(512, -1).contiguous()
+    inner, seen = layer.expert_backend, []
+
+    def recording(x, slots, *args, **kw):
+        seen.append(slots.clone())
+        return inner(x, slots, *args, **kw)
+
+    layer.expert_backend = recording
+    layer(x)
+    assert torch.unique(seen[0]).numel() == k
+    gate_idx, gate_w = layer.gate(x)
+    layer.gate.simulation = "uniform_random"
+    torch.manual_seed(1)
+    layer(x)
+    slots = seen[1]
+    assert all(torch.unique(row).numel() == k for row in slots)
+    counts = torch.bincount(slots.flatten(), minlength=e).float()
+    mean = 512 * k / e
+    assert counts.min() > 0.7 * mean and counts.max() < 1.3 * mean, counts
+    idx, w = layer.gate(x)
+    assert torch.equal(w, gate_w) and not torch.equal(idx, gate_idx)
+    table = torch.arange(e)
+    assert layer.gate.route_to_slots(x, table) is None
+    assert not layer.gate.folds_norm(x[:1], torch.ones(spec.hidden_size), False)
+    with pytest.raises(ValueError, match=r"routing simulation must be None or one of \['uniform_random'\], got 'zipf'"):
+        layer.gate.simulation = "zipf"
+    assert layer.gate.simulation == "uniform_random"
+    layer.gate.simulation = None
+    layer(x)
+    assert torch.equal(seen[2], seen[0])

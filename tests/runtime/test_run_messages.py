@@ -167,3 +167,23 @@ def test_the_reference_run_shows_progress(kimi, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "loading the unsharded transformers reference (float32)" in err
     assert "transformers reference (float32, prompts)" in err
+
+
+def test_routing_simulation_reaches_every_router_and_is_checked(kimi):
+    """``--moe-routing-simulation uniform_random``: every MoE layer's router simulates (set before any step), the
+    engine generates; an unknown name is refused by name before anything loads."""
+    from epmoe.engine import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(model=str(kimi), moe_routing_simulation="uniform_random"))
+    assert [layer.gate.simulation for layer in engine.ep_model.moe_layers] == ["uniform_random"] * len(
+        engine.ep_model.moe_layers) and engine.ep_model.moe_layers
+    out = engine.generate(["Expert parallelism places whole experts on ranks."],
+                          SamplingParams(temperature=0, max_tokens=3))[0]
+    assert len(out.token_ids) == 3
+    assert engine.loads.slot_totals.sum() > 0
+    with pytest.raises(ValueError, match=r"moe_routing_simulation must be None or one of \['uniform_random'\], "
+                                         r"got 'zipf'"):
+        EngineConfig(model=str(kimi), moe_routing_simulation="zipf")
+    with pytest.raises(ValueError, match=r"routing simulation must be None or one of \['uniform_random'\], got 'x'"):
+        engine.ep_model.set_routing_simulation("x")
+    assert engine.ep_model.moe_layers[0].gate.simulation == "uniform_random"

@@ -26,7 +26,7 @@ COMMAND_FIELDS = ("dtype", "device", "parallel", "placement", "redundant", "layo
                   "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "mem_fraction_static",
                   "num_kv_blocks", "cuda_graph_max_bs", "cuda_graph_max_tokens", "piecewise_cuda_graph_max_tokens",
                   "disable_overlap_schedule", "enable_prefix_caching", "eplb_interval", "eplb_max_moves",
-                  "replica_policy", "trust_remote_code", *SPECULATIVE_FIELDS)
+                  "replica_policy", "moe_routing_simulation", "trust_remote_code", *SPECULATIVE_FIELDS)
 # every option ``epmoe run`` and ``epmoe serve`` hand the engine (``COMMAND_FIELDS``, and the two whose command
 # defaults ``command_engine_config`` applies), by the flag that sets it
 COMMAND_FLAGS = {name: "--" + name.replace("_", "-") for name in ("expert_backend", "enforce_eager", *COMMAND_FIELDS)
@@ -112,6 +112,11 @@ class EngineConfig:
         eplb_max_moves: most expert copies one rebalance moves (``None`` = as few as reach the target).
         replica_policy: how a token picks among an expert's copies: ``static`` (one fixed copy per rank),
             ``round_robin`` or ``random`` (``epmoe.routing.SlotMap``).
+        moe_routing_simulation: ``None`` (tokens go where the gates send them) or ``uniform_random``: every MoE
+            layer's router still computes its routing, then sends each token to experts drawn uniformly at random
+            (``Router.simulation``; vLLM's ``VLLM_MOE_ROUTING_SIMULATION_STRATEGY``). For benchmarks of dummy
+            weights, whose tokens of one prompt come to route alike layer by layer; the generated text is not the
+            model's.
         seed: seed of the dummy weights and of unseeded sampling.
         trust_remote_code: load a tokenizer whose code ships with the checkpoint (Kimi-K2's ``tokenization_kimi.py``,
             named in ``tokenizer_config.json``'s ``auto_map``), the model's and a draft model's (vLLM's name).
@@ -156,6 +161,7 @@ class EngineConfig:
     eplb_interval: int = 0
     eplb_max_moves: int | None = None
     replica_policy: str = "static"
+    moe_routing_simulation: str | None = None
     seed: int = 0
     trust_remote_code: bool = False
     speculative_algorithm: str | None = None
@@ -268,10 +274,13 @@ class EngineConfig:
         if self.eplb_max_moves is not None and not self.eplb_interval:
             raise ValueError("eplb_max_moves limits live rebalancing: give eplb_interval with it")
         from epmoe.experts import EXPERT_BACKENDS
-        from epmoe.routing import REPLICA_POLICIES
+        from epmoe.routing import REPLICA_POLICIES, ROUTING_SIMULATIONS
 
         if self.replica_policy not in REPLICA_POLICIES:
             raise ValueError(f"replica_policy must be one of {REPLICA_POLICIES}, got {self.replica_policy!r}")
+        if self.moe_routing_simulation is not None and self.moe_routing_simulation not in ROUTING_SIMULATIONS:
+            raise ValueError(f"moe_routing_simulation must be None or one of {list(ROUTING_SIMULATIONS)}, got "
+                             f"{self.moe_routing_simulation!r}")
 
         if self.dispatcher == "fixed_capacity":
             raise ValueError("dispatcher 'fixed_capacity' is what graph-replayed decode steps use on several ranks; "

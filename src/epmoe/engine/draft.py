@@ -157,6 +157,7 @@ class DraftModelProposer(Proposer):
                                                    expert_backend=cfg.expert_backend),
                            dtype=self.dtype, device=self.device, load_format=cfg.load_format,
                            attn_implementation=attn, seed=cfg.seed)
+        ep.set_routing_simulation(cfg.moe_routing_simulation)
         self.ep_model = ep
         mode = ("replicated: every rank holds all its experts (no collectives)" if self.comm.size == 1 and
                 engine.comm.size > 1 else f"expert-parallel over {self.comm.size} rank(s), dispatcher "

@@ -60,6 +60,7 @@ def load_model(config: EngineConfig, comm: Comm, device: torch.device, placement
             dtype=config.torch_dtype, device=device, load_format=config.load_format,
             attn_implementation=register_attention(), seed=config.seed,
         )
+    ep_model.set_routing_simulation(config.moe_routing_simulation)
     mla_layers = install_mla(ep_model.model)  # DeepSeek/Kimi: attention over the latent KV cache
     install_rope_attention(ep_model.model)  # Qwen, Mixtral, GLM, gpt-oss: fused projection and rotary
     if device.type == "cuda":

@@ -31,6 +31,7 @@ from epmoe.models.layout import (
 )
 from epmoe.models.materialise import LOAD_FORMATS, materialise, materialise_dummy, random_fill
 from epmoe.placement import ExpertPlacement
+from epmoe.routing import ROUTING_SIMULATIONS
 from epmoe.spec import MoESpec, language_model_config, load_moe_spec, read_config
 
 
@@ -97,6 +98,20 @@ class EPModel:
             else:
                 dispatcher = name_or_factory(self.comm, self.placement.slots_per_rank, **options)
             layer.set_dispatcher(dispatcher)
+
+    def set_routing_simulation(self, simulation: str | None) -> None:
+        """Every MoE layer's router routes by ``simulation`` (``None`` or a name of
+        ``routing.ROUTING_SIMULATIONS``; ``Router.simulation``). Set it before graphs are captured: a captured
+        graph keeps the routing it was captured with.
+
+        Raises:
+            ValueError: an unknown name (before any router changes).
+        """
+        if simulation is not None and simulation not in ROUTING_SIMULATIONS:
+            raise ValueError(f"routing simulation must be None or one of {list(ROUTING_SIMULATIONS)}, got "
+                             f"{simulation!r}")
+        for layer in self.moe_layers:
+            layer.gate.simulation = simulation
 
     def idle_step(self) -> None:
         """Join every MoE layer's collectives with an empty batch (a rank with nothing to do this step)."""

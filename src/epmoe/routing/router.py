@@ -22,6 +22,10 @@ whole gate weight (all but the first token's reads hit L2), so that launch reads
 a matrix product reads the weight once: above a few tokens the router computes the logits with a matrix product
 and routes them with ``router_triton.route_triton``."""
 
+ROUTING_SIMULATIONS = ("uniform_random",)
+"""What ``Router.simulation`` may name besides ``None`` (vLLM's ``VLLM_MOE_ROUTING_SIMULATION_STRATEGY`` has the same
+``uniform_random``): each token's ``K`` experts drawn uniformly at random, ``K`` distinct ones."""
+
 MAX_BF16_PIECES = 3
 """The most bfloat16 pieces ``bfloat16_pieces`` splits a float32 weight into: three hold a float32 value exactly (8
 significant bits each, the rounding's sign giving the residual one more) from about ``2**-110`` up to bfloat16's
@@ -82,16 +86,25 @@ class Router(nn.Module):
         fused_gate_max_tokens: with ``impl='auto'``, up to this many tokens the gate's logits are computed in
             the Triton kernel's launch too (``router_triton.route_gate_triton``); 0 = never (cuBLAS, then the
             kernel). ``None``: ``FUSED_GATE_MAX_TOKENS``.
+        simulation: ``None`` (route by the gate), or a name of ``ROUTING_SIMULATIONS``: the gate still computes its
+            routing (its cost stays in the step), then each token's experts are replaced by simulated ones, its
+            weights kept. For benchmarks of random (``--load-format dummy``) weights, whose tokens of one prompt
+            come to route alike layer by layer, so that a prefill of them reads a few experts where a trained
+            model's prompt reads nearly all. The routes go through ``forward`` (``route_to_slots`` answers
+            ``None``, ``folds_norm`` false). On CUDA the draws take the default generator, which CUDA graphs
+            capture and advance at each replay.
 
     Attributes:
-        impl, fused_gate_max_tokens: as the arguments (settable; benchmarks compare the paths on one router).
+        impl, fused_gate_max_tokens, simulation: as the arguments (settable; benchmarks compare the paths on one
+            router; ``simulation`` is checked when set).
 
     Raises:
-        ValueError: an unknown ``impl``, or ``fused_gate_max_tokens`` negative or above ``FUSED_GATE_MAX_TOKENS``.
+        ValueError: an unknown ``impl`` or ``simulation``, or ``fused_gate_max_tokens`` negative or above
+            ``FUSED_GATE_MAX_TOKENS``.
     """
 
     def __init__(self, spec: MoESpec, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 impl: str = "auto", fused_gate_max_tokens: int | None = None):
+                 impl: str = "auto", fused_gate_max_tokens: int | None = None, simulation: str | None = None):
         super().__init__()
         if impl not in ("auto", "torch"):
             raise ValueError(f"router impl must be 'auto' or 'torch', got {impl!r}")
@@ -100,6 +113,7 @@ class Router(nn.Module):
                              f"got {fused_gate_max_tokens}")
         self.spec = spec
         self.impl = impl
+        self.simulation = simulation
         self.fused_gate_max_tokens = FUSED_GATE_MAX_TOKENS if fused_gate_max_tokens is None else fused_gate_max_tokens
         self._arrivals: torch.Tensor | None = None  # route_gate_triton's counters on the device (_arrival_counters)
         self._pieces: tuple[tuple, torch.Tensor | None] | None = None  # (weight's identity, bfloat16_pieces)
@@ -115,8 +129,18 @@ class Router(nn.Module):
         else:
             self.e_score_correction_bias = None
 
+    @property
+    def simulation(self) -> str | None:
+        return self._simulation
+
+    @simulation.setter
+    def simulation(self, name: str | None) -> None:
+        if name is not None and name not in ROUTING_SIMULATIONS:
+            raise ValueError(f"routing simulation must be None or one of {list(ROUTING_SIMULATIONS)}, got {name!r}")
+        self._simulation = name
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Route tokens.
+        """Route tokens (with ``simulation``, the gate's routing and then simulated experts).
 
         Args:
             x: ``[T, D]`` hidden states.
@@ -125,6 +149,13 @@ class Router(nn.Module):
             ``topk_idx [T, K]`` int64 logical expert ids and ``topk_weights [T, K]`` float32 weights
             (for Llama-4 the weight scales the expert input; for all others its output).
         """
+        idx, weights = self._route(x)
+        if self._simulation is not None:
+            idx = uniform_random_topk(idx.shape[0], self.spec.num_experts, self.spec.top_k, idx.device)
+        return idx, weights
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gate's routing of ``x [T, D]``, as ``forward`` returns it."""
         s = self.spec
         kind = s.router_kind
         fused = _fused_router(x, kind) if self.impl == "auto" else None
@@ -181,7 +212,7 @@ class Router(nn.Module):
         Returns:
             ``topk_idx``, ``topk_weights`` as ``forward`` and ``topk_slots [T, K]`` int64, or ``None``.
         """
-        fused = _fused_router(x, self.spec.router_kind) if self.impl == "auto" else None
+        fused = _fused_router(x, self.spec.router_kind) if self.impl == "auto" and self._simulation is None else None
         if fused is None:
             return None
         return self._route_fused(fused, x, slot_table, record, row_mask)
@@ -192,6 +223,7 @@ class Router(nn.Module):
         this router kind, the gate in the launch), rows of the gate's dtype (or a float32 gate), a contiguous
         ``[D]`` norm weight of the rows' dtype (any float dtype with ``weight_then_cast``) on their device."""
         return (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and self.impl == "auto"
+                and self._simulation is None
                 and x.dim() == 2 and x.shape[0] == 1 and self.fused_gate_max_tokens >= 1
                 and _fused_router(x, self.spec.router_kind) is not None
                 and (self.fp32_logits or x.dtype == self.weight.dtype)
@@ -290,6 +322,19 @@ class Router(nn.Module):
                 return counters
             self._arrivals = counters
         return counters
+
+
+def uniform_random_topk(tokens: int, num_experts: int, top_k: int, device: torch.device | str) -> torch.Tensor:
+    """``[tokens, top_k]`` int64 expert ids, each row ``top_k`` distinct experts drawn uniformly at random (the top
+    ``top_k`` of uniform draws): the ``uniform_random`` routing simulation, and the planner's assumption of uniform
+    routing. Draws from ``device``'s default generator (no host synchronisation; CUDA-graph safe).
+
+    Raises:
+        ValueError: ``top_k`` not in ``1..num_experts``.
+    """
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"uniform_random_topk: top_k must be in 1..num_experts ({num_experts}), got {top_k}")
+    return torch.rand(tokens, num_experts, device=device).topk(top_k, dim=1, sorted=False).indices
 
 
 def kernel_flags(spec: MoESpec) -> dict[str, object]:

@@ -66,6 +66,7 @@ class RunConfig:
         eplb_interval: rebalance every this many engine steps from the recorded loads (0 = never).
         eplb_max_moves: most expert copies one rebalance may move (``None`` = as few as reach the target).
         replica_policy: how a token picks among an expert's copies (``static``, ``round_robin``, ``random``).
+        moe_routing_simulation: ``None`` or ``uniform_random`` (``EngineConfig``; no reference check then).
         trust_remote_code: run a tokenizer shipped as code with the checkpoint (``EngineConfig``).
         save_loads: write the tokens routed per logical expert ``[L, E]`` (all ranks, the whole run) to this
             file, in the format ``epmoe balance --loads`` reads (``None``: not written).
@@ -110,6 +111,7 @@ class RunConfig:
     eplb_interval: int = 0
     eplb_max_moves: int | None = None
     replica_policy: str = "static"
+    moe_routing_simulation: str | None = None
     trust_remote_code: bool = False
     save_loads: str | None = None
     cache_dir: str | None = None
@@ -445,7 +447,8 @@ def run_job(cfg: RunConfig) -> RunReport:
     model_dir = str(cfg.model) if cfg.model is not None else str(ensure_default_checkpoint(cfg.cache_dir))
     spec = load_moe_spec(model_dir)
     hf_config(model_dir)  # transformers' own checks of config.json, before the tokenizer (which reads it too) fails
-    reference = cfg.reference and cfg.temperature == 0 and cfg.load_format != "dummy"
+    reference = (cfg.reference and cfg.temperature == 0 and cfg.load_format != "dummy"
+                 and cfg.moe_routing_simulation is None)
     if reference and not needs_own_loader(model_dir):  # from_pretrained reads the file; our own loader does not
         _check_generation_config(model_dir)
     prompts = list(cfg.prompts) or list(DEFAULT_PROMPTS)

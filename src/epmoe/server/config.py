@@ -63,7 +63,8 @@ class ServeConfig:
         device, dtype, placement, redundant, layout, dispatcher, load_format, max_num_seqs, max_num_batched_tokens,
             max_model_len, block_size, mem_fraction_static, num_kv_blocks, cuda_graph_max_bs, cuda_graph_max_tokens,
             piecewise_cuda_graph_max_tokens, enforce_eager, disable_overlap_schedule, enable_prefix_caching,
-            eplb_interval, eplb_max_moves, replica_policy, trust_remote_code: the engine's options
+            eplb_interval, eplb_max_moves, replica_policy, moe_routing_simulation, trust_remote_code: the
+            engine's options
             (``EngineConfig``).
         seed: seed of the dummy weights and of requests sampled without a seed of their own (``EngineConfig``).
         expert_backend: ``None`` = ``triton`` on CUDA, ``reference`` on CPU.
@@ -118,6 +119,7 @@ class ServeConfig:
     layout: str = "contiguous"
     dispatcher: str | None = None
     replica_policy: str = "static"
+    moe_routing_simulation: str | None = None
     trust_remote_code: bool = False
     expert_backend: str | None = None
     max_model_len: int | None = None
