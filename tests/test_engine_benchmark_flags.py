@@ -213,3 +213,23 @@ def test_replan_ttft_refits_the_shipped_prefill_term(script, tmp_path, monkeypat
         script.main()
     assert exc.value.code == 2
     assert "engine_qwen3_final_h200.json has no TTFT rows of 'gpt-oss-20b'" in capsys.readouterr().err
+
+
+def test_prefill_floor_counts_expert_parameters_and_window_pairs(script, tmp_path):
+    """A prompt's floors, hand-worked for gpt-oss-20b (24 layers, 12 of them a 128-token window; 32 experts, top 4;
+    64 heads of 64): the experts' FLOPs from their parameters (``3 D F``), not their packed MXFP4 bytes."""
+    from epmoe.spec import load_moe_spec
+
+    spec = load_moe_spec(str(script.checkpoint("gpt-oss-20b", None, tmp_path, "mxfp4")))
+    wb = {"dense": 2e9, "expert": 13e6, "expert_params": 3 * 2880 * 2880}
+    flop_ms, read_ms = script.prefill_floor(spec, wb, 4096, {"bf16_flop_per_s": 1e15, "copy_bytes_per_s": 3e12})
+    # parameters a token: 1e9 dense + 24 x 4 x 24,883,200 = 3,388,787,200; x 2 x 4096 = 27,760,944,742,400 FLOPs;
+    # pairs: 12 x 4096 x 4097 / 2 + 12 x (128 x 129 / 2 + 3968 x 128) = 100,687,872 + 6,193,920 = 106,881,792, at
+    # 2 x 64 x (64 + 64) = 16384 FLOPs each: 1,751,151,280,128; over 1e15 FLOP/s: 29.512096022528 ms
+    assert flop_ms == pytest.approx(29.512096022528, rel=1e-12)
+    # 4096 tokens touch all 32 experts of each of the 24 layers: 2e9 + 24 x 32 x 13e6 = 11.984e9 B over 3e12 B/s
+    assert read_ms == pytest.approx(11.984e9 / 3e12 * 1e3, rel=1e-9)
+    # one token: its 4 experts a layer; no pairs but its own (1 x 2 / 2 = 1 a layer)
+    flop_1, read_1 = script.prefill_floor(spec, wb, 1, {"bf16_flop_per_s": 1e15, "copy_bytes_per_s": 3e12})
+    assert flop_1 == pytest.approx((2 * 3388787200 + 24 * 16384) / 1e12, rel=1e-12)
+    assert read_1 == pytest.approx((2e9 + 24 * 4 * 13e6) / 3e12 * 1e3, rel=1e-12)
