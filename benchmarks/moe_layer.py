@@ -94,7 +94,8 @@ from epmoe.experts.triton.mxfp4 import (
 )
 from epmoe.experts.triton.w4a16_decode import PackedDecodeConfig, packed_decode_experts
 from epmoe.experts.triton.w4a16_mma import MmaConfig, default_mma_config, packed_mma_experts
-from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, default_wgmma_config, packed_wgmma_experts
+from epmoe.experts.triton.w4a16_wgmma import packed_wgmma_experts
+from epmoe.experts.triton.w4a16_wgmma_config import WgmmaConfig, default_wgmma_config
 from timing import measure_ceilings, rel_err, time_fn, time_in_model
 
 CASES = {

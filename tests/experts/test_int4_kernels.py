@@ -586,7 +586,8 @@ def test_mxfp4_mma_and_wgmma_paths_on_gpu(t, shape):
     # every E2M1 code and a scale of 0 (2 ** -127) in slot 0
     from epmoe.experts.triton.mxfp4 import mxfp4_wgmma_config
     from epmoe.experts.triton.w4a16_mma import MmaConfig, packed_mma_experts
-    from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, packed_wgmma_experts
+    from epmoe.experts.triton.w4a16_wgmma import packed_wgmma_experts
+    from epmoe.experts.triton.w4a16_wgmma_config import WgmmaConfig
 
     s, k = 8, 4
     d, f = (2880, 2880) if shape == "gptoss" else (288, 160)
@@ -614,7 +615,8 @@ def test_mxfp4_path_choice_and_refusals():
     from epmoe.experts.triton.grouped import packed_words
     from epmoe.experts.triton.mxfp4 import MXFP4_WGMMA_MIN_PAIRS_PER_SLOT, mxfp4_path, mxfp4_wgmma_config
     from epmoe.experts.triton.w4a16_mma import packed_mma_experts
-    from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, packed_wgmma_experts
+    from epmoe.experts.triton.w4a16_wgmma import packed_wgmma_experts
+    from epmoe.experts.triton.w4a16_wgmma_config import WgmmaConfig
 
     bf16, fp16 = torch.bfloat16, torch.float16
     assert mxfp4_path(4, bf16, 32, True) == "decode"
@@ -703,48 +705,54 @@ def test_int4_mma_path_on_gpu(t, case):
     _assert_replay_equals_eager(lambda: packed_mma_experts(x, slots, tw, q, act, woi), x)
 
 
-@pytest.mark.interpret  # the kernel module needs Triton (absent from CPU-only installs)
-def test_int4_wgmma_refuses_bad_input():
-    from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, default_wgmma_config, packed_wgmma_experts
+def test_wgmma_tiles_by_size_and_their_checks():
+    # plain Python (no Triton): the tiles the backend takes and the ones the kernels refuse, for groups of 64
+    from epmoe.experts.triton.w4a16_wgmma_config import WgmmaConfig, check_wgmma_config, default_wgmma_config
 
-    # 64-row blocks below 64 pairs a slot (and when the pairs are not known), 128-row blocks from there for groups
-    # of 32; down steps of at least 32 words; 32-row tails always
+    # 64-row blocks below 64 pairs a slot (and when the pairs are not known), 128-row blocks (their gate/up words
+    # through shared memory) from there for groups of 32; down steps of at least 32 words; 32-row tails always
     assert default_wgmma_config(32) == WgmmaConfig(64, 16, 32, 3, 8, 128, 128, 32)
     assert default_wgmma_config(32, 64 * 48 - 1, 48) == WgmmaConfig(64, 16, 32, 3, 8, 128, 128, 32)
     assert default_wgmma_config(32, 64 * 48, 48) == WgmmaConfig(128, 16, 32, 3, 8, 128, 128, 32, words_smem=True)
     assert default_wgmma_config(64, 10**6, 48) == WgmmaConfig(64, 32, 32, 3, 8, 128, 128, 32)
     assert default_wgmma_config(128, 10**6, 48) == WgmmaConfig(64, 64, 64, 3, 8, 128, 128, 32)
+    for cfg in (default_wgmma_config(32, 10**6, 48), default_wgmma_config(64), default_wgmma_config(128)):
+        check_wgmma_config(cfg, 2 * cfg.block_kw1)
+    for cfg, message in [
+        (WgmmaConfig(block_kw1=32, block_kw2=16), "block_kw2 must be 16, 32 or 64 words and at least half the group "
+                                                  "size 64"),
+        (WgmmaConfig(block_kw1=8), "block_kw1 must be 16, 32 or 64 words .* got 8"),
+        (WgmmaConfig(block_m=32, block_kw1=32, block_kw2=32), "block_m must be 64 or 128, got 32"),
+        (WgmmaConfig(block_kw1=32, block_kw2=32, tail_rows=48),
+         r"tail_rows must be None, block_m / 2 or block_m / 4 \(block_m 128\).* 48"),
+        (WgmmaConfig(64, 32, 32, tail_rows=16), r"tail_rows .* \(block_m 64\) and at least 32 .* got 16"),
+        (WgmmaConfig(block_kw1=32, block_kw2=32, stages=2), "stages must be 3 or 4, got 2"),
+        (WgmmaConfig(64, 64, 64, 4), "stages 4 x block_m 64 x block_kw 64 takes 262144 bytes of shared memory"),
+        (WgmmaConfig(64, 32, 32, num_warps=2), r"num_warps must be 4 or 8 \(whole warpgroups\), got 2"),
+        (WgmmaConfig(64, 32, 32, 3, 4, 64, 256), r"block_n2 must be 16 or 32 times num_warps \(4\), got 256"),
+        # 131072 bytes of activation buffers and 131072 of word buffers (256 rows of gate and of up, 16 words, 4
+        # stages)
+        (WgmmaConfig(128, 16, 16, 4, 8, 256, 128, words_smem=True),
+         "stages 4 x block_m 128 x block_kw 16 with words_smem takes 262144 bytes"),
+        (WgmmaConfig(64, 32, 32, maxnreg2=16), "maxnreg2 must be None or 32 to 255 registers a thread, got 16"),
+        (WgmmaConfig(64, 32, 32, maxnreg2=256), "maxnreg2 must be None or 32 to 255 registers a thread, got 256"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            check_wgmma_config(cfg, 64)
+
+
+@pytest.mark.interpret  # the kernel module needs Triton (absent from CPU-only installs)
+def test_int4_wgmma_refuses_bad_input():
+    from epmoe.experts.triton.w4a16_wgmma import packed_wgmma_experts
+    from epmoe.experts.triton.w4a16_wgmma_config import WgmmaConfig
+
     q = int4_expert_weights(_weights(0, 2, 256, 128, False), 64)
     x, slots, tw = torch.randn(1, 256), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)
     with pytest.raises(TypeError, match="compute in bf16, got x of dtype torch.float32"):
         packed_wgmma_experts(x, slots, tw, q, Activation())
-    x = x.bfloat16()
+    # the tiles are checked against the weights' group size (64) before anything runs
     with pytest.raises(ValueError, match="block_kw2 must be 16, 32 or 64 words and at least half the group size 64"):
-        packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_kw1=32, block_kw2=16))
-    with pytest.raises(ValueError, match="block_kw1 must be 16, 32 or 64 words .* got 8"):
-        packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_kw1=8))
-    with pytest.raises(ValueError, match="block_m must be 64 or 128, got 32"):
-        packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_m=32, block_kw1=32, block_kw2=32))
-    with pytest.raises(ValueError, match=r"tail_rows must be None, block_m / 2 or block_m / 4 \(block_m 128\).* 48"):
-        packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_kw1=32, block_kw2=32,
-                                                                                       tail_rows=48))
-    with pytest.raises(ValueError, match=r"tail_rows .* \(block_m 64\) and at least 32 .* got 16"):
-        packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 32, 32, tail_rows=16))
-    with pytest.raises(ValueError, match="stages must be 3 or 4, got 2"):
-        packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(block_kw1=32, block_kw2=32, stages=2))
-    with pytest.raises(ValueError, match="stages 4 x block_m 64 x block_kw 64 takes 262144 bytes of shared memory"):
-        packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 64, 64, 4))
-    with pytest.raises(ValueError, match=r"num_warps must be 4 or 8 \(whole warpgroups\), got 2"):
-        packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 32, 32, num_warps=2))
-    with pytest.raises(ValueError, match=r"block_n2 must be 16 or 32 times num_warps \(4\), got 256"):
-        packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 32, 32, 3, 4, 64, 256))
-    # 131072 bytes of activation buffers and 131072 of word buffers (256 rows of gate and of up, 16 words, 4 stages)
-    with pytest.raises(ValueError, match="stages 4 x block_m 128 x block_kw 16 with words_smem takes 262144 bytes"):
-        packed_wgmma_experts(x, slots, tw, q, Activation(),
-                             config=WgmmaConfig(128, 16, 16, 4, 8, 256, 128, words_smem=True))
-    for regs in (16, 256):
-        with pytest.raises(ValueError, match=f"maxnreg2 must be None or 32 to 255 registers a thread, got {regs}"):
-            packed_wgmma_experts(x, slots, tw, q, Activation(), config=WgmmaConfig(64, 32, 32, maxnreg2=regs))
+        packed_wgmma_experts(x.bfloat16(), slots, tw, q, Activation(), config=WgmmaConfig(block_kw1=32, block_kw2=16))
 
 
 @pytest.mark.interpret
@@ -775,7 +783,8 @@ def test_int4_wgmma_operand_order():
 @pytest.mark.parametrize("t", [40, 300])  # partly filled 64/128-row blocks; several blocks a slot
 @pytest.mark.parametrize("case", ["silu_g128", "swiglu_bias_woi_g64", "ragged_skip"])
 def test_int4_wgmma_path_on_gpu(t, case):
-    from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, packed_wgmma_experts
+    from epmoe.experts.triton.w4a16_wgmma import packed_wgmma_experts
+    from epmoe.experts.triton.w4a16_wgmma_config import WgmmaConfig
 
     group, q, act, woi, x, slots, tw, ref = _kernel_case(case, t, t + 11)
     # the default tiles (two warpgroups); 64-row blocks; four buffers (three of 64-word steps fill shared memory);
@@ -805,7 +814,8 @@ def test_int4_wgmma_tail_blocks_on_gpu():
     # block_m 64, the block boundaries at 32/33 and 64/65 rows; six pairs skipped; bias; Kimi-K2.5's groups of 32
     # (other groups, the routing weight on the input and ragged shapes with tails: test_int4_wgmma_path_on_gpu)
     from epmoe.experts.triton.align_kernels import align_triton
-    from epmoe.experts.triton.w4a16_wgmma import WgmmaConfig, packed_wgmma_experts
+    from epmoe.experts.triton.w4a16_wgmma import packed_wgmma_experts
+    from epmoe.experts.triton.w4a16_wgmma_config import WgmmaConfig
 
     counts, s, k, group = [1, 33, 64, 65, 85, 130, 0], 7, 8, 32
     g = torch.Generator().manual_seed(0)
