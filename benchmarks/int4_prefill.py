@@ -35,7 +35,8 @@ import triton
 from epmoe.experts import ExpertWeights, get_expert_backend
 from epmoe.experts.triton.align_kernels import align_triton
 from epmoe.experts.triton.int4 import dequantize_int4_triton
-from epmoe.experts.triton.w4a16_mma import MmaConfig, packed_mma_experts
+from epmoe.experts.triton.w4a16_mma import packed_mma_experts
+from epmoe.experts.triton.w4a16_mma_config import MmaConfig
 from epmoe.experts.triton.w4a16_wgmma import packed_wgmma_experts
 from epmoe.experts.triton.w4a16_wgmma_config import default_wgmma_config
 from epmoe.experts.weights import Activation

@@ -93,7 +93,8 @@ from epmoe.experts.triton.mxfp4 import (
     mxfp4_widened_experts,
 )
 from epmoe.experts.triton.w4a16_decode import PackedDecodeConfig, packed_decode_experts
-from epmoe.experts.triton.w4a16_mma import MmaConfig, default_mma_config, packed_mma_experts
+from epmoe.experts.triton.w4a16_mma import packed_mma_experts
+from epmoe.experts.triton.w4a16_mma_config import MmaConfig, default_mma_config
 from epmoe.experts.triton.w4a16_wgmma import packed_wgmma_experts
 from epmoe.experts.triton.w4a16_wgmma_config import WgmmaConfig, default_wgmma_config
 from timing import measure_ceilings, rel_err, time_fn, time_in_model

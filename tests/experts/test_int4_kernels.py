@@ -422,9 +422,9 @@ def test_int4_path_choice():
     assert int4_path(100, fp16, 384) == "grouped"
 
 
-@pytest.mark.interpret
-def test_int4_mma_block_rows_choice():
-    from epmoe.experts.triton.w4a16_mma import default_mma_config
+def test_int4_mma_tiles_by_size_and_their_checks():
+    # plain Python (no Triton): the tiles the backend takes and the ones the kernels refuse
+    from epmoe.experts.triton.w4a16_mma_config import MmaConfig, check_mma_config, default_mma_config
 
     # 16-row blocks at every size (8-row sub-blocks: a slot with at most 8 pairs issues one MMA a widened register)
     for pairs, slots in ((8, 384), (2048, 384), (6144, 384), (768, 48)):
@@ -441,27 +441,32 @@ def test_int4_mma_block_rows_choice():
     assert default_mma_config(32, 96, 48).maxnreg == 128
     assert default_mma_config(32, 512, 48).maxnreg == 168
     assert default_mma_config(32, 8, 2).maxnreg == 168
+    for cfg, message in [
+        (MmaConfig(block_kw1=16), "block_kw1 must be a power of two of at least 8 words and of half the group size 64"),
+        (MmaConfig(block_kw1=32, block_kw2=24), "block_kw2 must be a power of two .* got 24"),
+        (MmaConfig(64, 32, 32, 32, 4), r"block_n2 must be a power of two and a multiple of 16 \* num_warps \(64\)"),
+        (MmaConfig(block_kw1=32, block_kw2=32, split_max=3), "split_max must be a power of two, got 3"),
+        (MmaConfig(block_kw1=32, block_kw2=32, block_m=24), "block_m must be 8, 16 or 32, got 24"),
+        (MmaConfig(block_kw1=32, block_kw2=32, block_m=64), "block_m must be 8, 16 or 32, got 64"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            check_mma_config(cfg, 64)
+    check_mma_config(default_mma_config(64), 64)
 
 
 @pytest.mark.interpret
 def test_int4_mma_refuses_bad_input():
-    from epmoe.experts.triton.w4a16_mma import MmaConfig, packed_mma_experts
+    from epmoe.experts.triton.w4a16_mma import packed_mma_experts
+    from epmoe.experts.triton.w4a16_mma_config import MmaConfig
 
     q = int4_expert_weights(_weights(0, 2, 256, 128, False), 64)
     x, slots, tw = torch.randn(1, 256), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)
     with pytest.raises(TypeError, match="compute in bf16, got x of dtype torch.float32"):
         packed_mma_experts(x, slots, tw, q, Activation())
-    x = x.bfloat16()
+    # the tiles are checked against the weights' group size (64) before anything runs
     with pytest.raises(ValueError, match="block_kw1 must be a power of two of at least 8 words and of half the group "
                                          "size 64"):
-        packed_mma_experts(x, slots, tw, q, Activation(), config=MmaConfig(block_kw1=16))
-    with pytest.raises(ValueError, match=r"block_n2 must be a power of two and a multiple of 16 \* num_warps \(64\)"):
-        packed_mma_experts(x, slots, tw, q, Activation(), config=MmaConfig(64, 32, 32, 32, 4))
-    with pytest.raises(ValueError, match="split_max must be a power of two, got 3"):
-        packed_mma_experts(x, slots, tw, q, Activation(), config=MmaConfig(split_max=3))
-    for bad in (24, 64):
-        with pytest.raises(ValueError, match=f"block_m must be 8, 16 or 32, got {bad}"):
-            packed_mma_experts(x, slots, tw, q, Activation(), config=MmaConfig(block_m=bad))
+        packed_mma_experts(x.bfloat16(), slots, tw, q, Activation(), config=MmaConfig(block_kw1=16))
 
 
 @pytest.mark.gpu
@@ -585,7 +590,8 @@ def test_mxfp4_mma_and_wgmma_paths_on_gpu(t, shape):
     # a part step in both kernels and F a part row tile) with half the pairs skipped and the weight on the input;
     # every E2M1 code and a scale of 0 (2 ** -127) in slot 0
     from epmoe.experts.triton.mxfp4 import mxfp4_wgmma_config
-    from epmoe.experts.triton.w4a16_mma import MmaConfig, packed_mma_experts
+    from epmoe.experts.triton.w4a16_mma import packed_mma_experts
+    from epmoe.experts.triton.w4a16_mma_config import MmaConfig
     from epmoe.experts.triton.w4a16_wgmma import packed_wgmma_experts
     from epmoe.experts.triton.w4a16_wgmma_config import WgmmaConfig
 
@@ -692,7 +698,8 @@ def _assert_replay_equals_eager(run, x: torch.Tensor) -> None:
 @pytest.mark.parametrize("t", [1, 5, 64])  # one row block per slot; several (9 and more pairs on a slot)
 @pytest.mark.parametrize("case", ["silu_g128", "swiglu_bias_woi_g64", "ragged_skip"])
 def test_int4_mma_path_on_gpu(t, case):
-    from epmoe.experts.triton.w4a16_mma import MmaConfig, packed_mma_experts
+    from epmoe.experts.triton.w4a16_mma import packed_mma_experts
+    from epmoe.experts.triton.w4a16_mma_config import MmaConfig
 
     group, q, act, woi, x, slots, tw, ref = _kernel_case(case, t, t + 7)
     # the default tiles (16-row blocks); capped registers; four warps and two 16-row tiles a warp in the down kernel;

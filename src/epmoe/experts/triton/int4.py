@@ -36,7 +36,8 @@ from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
 from epmoe.experts.triton.decode import DECODE_MAX_PAIRS
 from epmoe.experts.triton.grouped import TileConfig, default_int4_config, grouped_experts, triton_experts
 from epmoe.experts.triton.w4a16_decode import packed_decode_experts
-from epmoe.experts.triton.w4a16_mma import default_mma_config, packed_mma_experts
+from epmoe.experts.triton.w4a16_mma import packed_mma_experts
+from epmoe.experts.triton.w4a16_mma_config import default_mma_config
 from epmoe.experts.triton.w4a16_wgmma import packed_wgmma_experts
 from epmoe.experts.triton.w4a16_wgmma_config import default_wgmma_config
 from epmoe.experts.weights import Activation, ExpertWeights, check_expert_call

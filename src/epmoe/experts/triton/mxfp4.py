@@ -32,7 +32,8 @@ import triton.language as tl
 from epmoe.experts.mxfp4 import MXFP4_BLOCK, MXFP4_BYTES, MXFP4ExpertWeights
 from epmoe.experts.triton.grouped import TileConfig, default_int4_config, grouped_experts, triton_experts
 from epmoe.experts.triton.w4a16_decode import PackedDecodeConfig, packed_decode_experts
-from epmoe.experts.triton.w4a16_mma import default_mma_config, packed_mma_experts
+from epmoe.experts.triton.w4a16_mma import packed_mma_experts
+from epmoe.experts.triton.w4a16_mma_config import default_mma_config
 from epmoe.experts.triton.w4a16_wgmma import packed_wgmma_experts
 from epmoe.experts.triton.w4a16_wgmma_config import WgmmaConfig, default_wgmma_config
 from epmoe.experts.weights import Activation, ExpertWeights, check_expert_call
