@@ -172,15 +172,24 @@ def test_the_reference_run_shows_progress(kimi, monkeypatch, capsys):
 def test_routing_simulation_reaches_every_router_and_is_checked(kimi):
     """``--moe-routing-simulation uniform_random``: every MoE layer's router simulates (set before any step), the
     engine generates; an unknown name is refused by name before anything loads."""
-    from epmoe.engine import Engine, EngineConfig, SamplingParams
+    import torch
 
-    engine = Engine(EngineConfig(model=str(kimi), moe_routing_simulation="uniform_random"))
+    from epmoe.engine import Engine, EngineConfig, SamplingParams
+    from epmoe.engine.loading import simulation_seed
+
+    engine = Engine(EngineConfig(model=str(kimi), moe_routing_simulation="uniform_random", seed=5))
     assert [layer.gate.simulation for layer in engine.ep_model.moe_layers] == ["uniform_random"] * len(
         engine.ep_model.moe_layers) and engine.ep_model.moe_layers
     out = engine.generate(["Expert parallelism places whole experts on ranks."],
                           SamplingParams(temperature=0, max_tokens=3))[0]
     assert len(out.token_ids) == 3
     assert engine.loads.slot_totals.sum() > 0
+    # the one rank of seed 5 seeded its default generators with 5 * 2**16 + 0 when the model loaded (before the
+    # steps' draws); another rank of the same seed draws from another seed
+    assert simulation_seed(5, 0) == 327680 != simulation_seed(5, 1)
+    torch.manual_seed(0)
+    again = Engine(EngineConfig(model=str(kimi), moe_routing_simulation="uniform_random", seed=5))
+    assert torch.initial_seed() == 327680 and again.ep_model.moe_layers[0].gate.simulation == "uniform_random"
     with pytest.raises(ValueError, match=r"moe_routing_simulation must be None or one of \['uniform_random'\], "
                                          r"got 'zipf'"):
         EngineConfig(model=str(kimi), moe_routing_simulation="zipf")

@@ -116,7 +116,9 @@ class EngineConfig:
             layer's router still computes its routing, then sends each token to experts drawn uniformly at random
             (``Router.simulation``; vLLM's ``VLLM_MOE_ROUTING_SIMULATION_STRATEGY``). For benchmarks of dummy
             weights, whose tokens of one prompt come to route alike layer by layer; the generated text is not the
-            model's.
+            model's. Under ``parallel='ep'`` each rank's default generators (which the draws take) are seeded with
+            ``seed`` and the rank (``loading.simulation_seed``) when the model loads, so that ranks draw
+            independently; under ``tp`` every rank routes the same gathered tokens with the same draws.
         seed: seed of the dummy weights and of unseeded sampling.
         trust_remote_code: load a tokenizer whose code ships with the checkpoint (Kimi-K2's ``tokenization_kimi.py``,
             named in ``tokenizer_config.json``'s ``auto_map``), the model's and a draft model's (vLLM's name).
