@@ -31,7 +31,6 @@ from epmoe.models.layout import (
 )
 from epmoe.models.materialise import LOAD_FORMATS, materialise, materialise_dummy, random_fill
 from epmoe.placement import ExpertPlacement
-from epmoe.routing import ROUTING_SIMULATIONS
 from epmoe.spec import MoESpec, language_model_config, load_moe_spec, read_config
 
 
@@ -105,11 +104,8 @@ class EPModel:
         graph keeps the routing it was captured with.
 
         Raises:
-            ValueError: an unknown name (before any router changes).
+            ValueError: an unknown name (by the first router, before any changes).
         """
-        if simulation is not None and simulation not in ROUTING_SIMULATIONS:
-            raise ValueError(f"routing simulation must be None or one of {list(ROUTING_SIMULATIONS)}, got "
-                             f"{simulation!r}")
         for layer in self.moe_layers:
             layer.gate.simulation = simulation
 
