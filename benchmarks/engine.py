@@ -23,8 +23,8 @@ larger) and beside ``epmoe plan``'s price of that prompt, its tokens routed to e
 (``--ttft-routing``: the gates of dummy weights send the tokens of one prompt to fewer and fewer experts layer by
 layer, all of them to the same few after a handful of layers, so that its prefill reads a fraction of the expert
 weights a trained model's would; an engine with ``moe_routing_simulation='uniform_random'`` built after the decode
-rows)
-(``planned_ttft``; ``ttft_fit``: the profile's per-layer prefill term fitted to the run's TTFT rows). Writes
+rows); the plan's price is ``planned_ttft``, and ``ttft_fit`` the profile's per-layer prefill term fitted to the run's
+TTFT rows. Writes
 ``engine_<gpu>.json`` under ``--out`` and prints a table last. ``--replan-ttft ROWS.json`` (no GPU) re-prices measured
 TTFT rows of earlier runs with this commit's planner and fits ``engine_prefill_layer_us`` per profile
 (``replan_ttft``; ``benchmarks/results/ttft_fit_rows.json`` lists the rows the shipped profiles were fitted to).
