@@ -65,8 +65,8 @@ def _add_engine_flags(p: argparse.ArgumentParser, ep_default: int) -> None:
     p.add_argument("--moe-routing-simulation", choices=("uniform_random",), default=None,
                    help="uniform_random: every MoE layer sends each token to experts drawn uniformly at random after "
                         "its router runs, for benchmarks of --load-format dummy weights, whose tokens of one prompt "
-                        "come to route alike (vLLM's VLLM_MOE_ROUTING_SIMULATION_STRATEGY); not the model's text, "
-                        "no reference check")
+                        "come to route alike (vLLM's VLLM_MOE_ROUTING_SIMULATION_STRATEGY); the text is not the "
+                        "model's (run skips its reference check)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run a tokenizer that ships as code with the checkpoint (Kimi-K2's tokenization_kimi.py)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once per rank")

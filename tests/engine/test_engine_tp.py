@@ -151,3 +151,31 @@ def test_run_parallel_tp_matches_reference(tmp_path):
     for r in report["ranks"]:  # no all-to-all in tp: all-gathers and all-reduces per MoE layer
         assert r["collectives"]["all_to_all"] == 0 and r["collectives"]["all_reduce"] > 0
         assert r["expert_mb"] == pytest.approx(r["full_expert_mb"] / 2)
+
+
+def _simulated_routes(info: RankInfo, directory: str, parallel: str) -> list[list[list[int]]]:
+    """Every routing of MoE layer 0 on this rank (``moe_routing_simulation='uniform_random'``), the same prompt on
+    each rank."""
+    from epmoe.engine import Engine, SamplingParams
+
+    comm = Comm(init_group(info, "cpu"))
+    try:
+        engine = Engine(EngineConfig(model=directory, parallel=parallel, max_num_seqs=2, seed=3,
+                                     moe_routing_simulation="uniform_random"), comm)
+        seen: list[list[list[int]]] = []
+        engine.ep_model.moe_layers[0].gate.register_forward_hook(lambda m, a, out: seen.append(out[0].tolist()))
+        engine.generate([[5, 9, 2, 7, 1]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        return seen
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_routing_simulation_draws_alike_under_tp_and_apart_under_ep(tiny_checkpoints):
+    # TP ranks route the same gathered tokens: the simulated experts must be the same on each (each computes its slice
+    # of them); EP ranks route their own tokens from generators seeded apart
+    directory = str(tiny_checkpoints("qwen3-moe"))
+    tp = spawn(_simulated_routes, 2, (directory, "tp"))
+    assert tp[0] and tp[0] == tp[1]
+    ep = spawn(_simulated_routes, 2, (directory, "ep"))
+    assert len(ep[0]) == len(ep[1]) and ep[0] != ep[1]

@@ -729,6 +729,8 @@ def test_wgmma_tiles_by_size_and_their_checks():
         (WgmmaConfig(block_kw1=32, block_kw2=16), "block_kw2 must be 16, 32 or 64 words and at least half the group "
                                                   "size 64"),
         (WgmmaConfig(block_kw1=8), "block_kw1 must be 16, 32 or 64 words .* got 8"),
+        (WgmmaConfig(block_kw1=1000), "block_kw1 must be 16, 32 or 64 words .* got 1000"),  # before its buffers
+        (WgmmaConfig(block_m="128"), "block_m must be 64 or 128, got '128'"),
         (WgmmaConfig(block_m=32, block_kw1=32, block_kw2=32), "block_m must be 64 or 128, got 32"),
         (WgmmaConfig(block_kw1=32, block_kw2=32, tail_rows=48),
          r"tail_rows must be None, block_m / 2 or block_m / 4 \(block_m 128\).* 48"),
@@ -737,10 +739,10 @@ def test_wgmma_tiles_by_size_and_their_checks():
         (WgmmaConfig(64, 64, 64, 4), "stages 4 x block_m 64 x block_kw 64 takes 262144 bytes of shared memory"),
         (WgmmaConfig(64, 32, 32, num_warps=2), r"num_warps must be 4 or 8 \(whole warpgroups\), got 2"),
         (WgmmaConfig(64, 32, 32, 3, 4, 64, 256), r"block_n2 must be 16 or 32 times num_warps \(4\), got 256"),
-        # 131072 bytes of activation buffers and 131072 of word buffers (256 rows of gate and of up, 16 words, 4
+        # 262144 bytes of activation buffers and 262144 of word buffers (256 rows of gate and of up, 32 words, 4
         # stages)
-        (WgmmaConfig(128, 16, 16, 4, 8, 256, 128, words_smem=True),
-         "stages 4 x block_m 128 x block_kw 16 with words_smem takes 262144 bytes"),
+        (WgmmaConfig(128, 32, 32, 4, 8, 256, 128, words_smem=True),
+         "stages 4 x block_m 128 x block_kw 32 with words_smem takes 524288 bytes"),
         (WgmmaConfig(64, 32, 32, maxnreg2=16), "maxnreg2 must be None or 32 to 255 registers a thread, got 16"),
         (WgmmaConfig(64, 32, 32, maxnreg2=256), "maxnreg2 must be None or 32 to 255 registers a thread, got 256"),
     ]:

@@ -190,9 +190,33 @@ def test_routing_simulation_reaches_every_router_and_is_checked(kimi):
     torch.manual_seed(0)
     again = Engine(EngineConfig(model=str(kimi), moe_routing_simulation="uniform_random", seed=5))
     assert torch.initial_seed() == 327680 and again.ep_model.moe_layers[0].gate.simulation == "uniform_random"
-    with pytest.raises(ValueError, match=r"moe_routing_simulation must be None or one of \['uniform_random'\], "
-                                         r"got 'zipf'"):
+    with pytest.raises(ValueError, match=r"moe_routing_simulation must be one of \['uniform_random'\] or left unset "
+                                         r"\(None\), got 'zipf'"):
         EngineConfig(model=str(kimi), moe_routing_simulation="zipf")
+    # through run_job: the flag's name, before any rank starts
+    from epmoe.runtime.run import RunConfig, run_job
+
+    with pytest.raises(ValueError, match=r"--moe-routing-simulation must be one of \['uniform_random'\] or left "
+                                         r"unset \(None\), got 'zipf'"):
+        run_job(RunConfig(model=str(kimi), moe_routing_simulation="zipf"))
     with pytest.raises(ValueError, match=r"routing simulation must be None or one of \['uniform_random'\], got 'x'"):
         engine.ep_model.set_routing_simulation("x")
     assert engine.ep_model.moe_layers[0].gate.simulation == "uniform_random"
+
+
+def test_run_with_simulated_routing_says_so_and_repeats(kimi, tmp_path, capsys):
+    """``epmoe run --moe-routing-simulation uniform_random``: the summary and the JSON say the routing was simulated and
+    why the reference was not checked; the same seed gives the same text (each rank's draws seeded)."""
+    import json
+
+    outs = []
+    for i in range(2):
+        out = tmp_path / f"run{i}.json"
+        assert main(["run", "--model", str(kimi), "--ep", "1", "--max-new-tokens", "4", "--seed", "2",
+                     "--moe-routing-simulation", "uniform_random", "--json", str(out)]) == 0
+        outs.append(json.loads(out.read_text()))
+    text = " ".join(capsys.readouterr().out.replace("│", " ").split())  # the summary's cells wrap
+    assert "simulated, uniform_random (--moe-routing-simulation): not the model's text" in text
+    assert "not checked (--no-reference, sampling, dummy weights or simulated routing)" in text
+    assert outs[0]["moe_routing_simulation"] == "uniform_random" and outs[0]["load_format"] == "auto"
+    assert outs[0]["matches_reference"] is None and outs[0]["outputs"] == outs[1]["outputs"]

@@ -116,9 +116,9 @@ class EngineConfig:
             layer's router still computes its routing, then sends each token to experts drawn uniformly at random
             (``Router.simulation``; vLLM's ``VLLM_MOE_ROUTING_SIMULATION_STRATEGY``). For benchmarks of dummy
             weights, whose tokens of one prompt come to route alike layer by layer; the generated text is not the
-            model's. Under ``parallel='ep'`` each rank's default generators (which the draws take) are seeded with
-            ``seed`` and the rank (``loading.simulation_seed``) when the model loads, so that ranks draw
-            independently; under ``tp`` every rank routes the same gathered tokens with the same draws.
+            model's. The default generators (which the draws take) are seeded from ``seed`` when the model loads
+            (``loading.simulation_seed``): under ``parallel='ep'`` with the rank too, so that ranks draw
+            independently; under ``tp`` alike on every rank, which routes the same gathered tokens.
         seed: seed of the dummy weights and of unseeded sampling.
         trust_remote_code: load a tokenizer whose code ships with the checkpoint (Kimi-K2's ``tokenization_kimi.py``,
             named in ``tokenizer_config.json``'s ``auto_map``), the model's and a draft model's (vLLM's name).
@@ -281,8 +281,8 @@ class EngineConfig:
         if self.replica_policy not in REPLICA_POLICIES:
             raise ValueError(f"replica_policy must be one of {REPLICA_POLICIES}, got {self.replica_policy!r}")
         if self.moe_routing_simulation is not None and self.moe_routing_simulation not in ROUTING_SIMULATIONS:
-            raise ValueError(f"moe_routing_simulation must be None or one of {list(ROUTING_SIMULATIONS)}, got "
-                             f"{self.moe_routing_simulation!r}")
+            raise ValueError(f"moe_routing_simulation must be one of {list(ROUTING_SIMULATIONS)} or left unset (None), "
+                             f"got {self.moe_routing_simulation!r}")
 
         if self.dispatcher == "fixed_capacity":
             raise ValueError("dispatcher 'fixed_capacity' is what graph-replayed decode steps use on several ranks; "

@@ -38,8 +38,9 @@ def placement_and_dispatcher(config: EngineConfig, spec: MoESpec,
 
 
 def simulation_seed(seed: int, rank: int) -> int:
-    """The seed of an EP rank's default generators under ``EngineConfig.moe_routing_simulation``: ``seed`` and the
-    rank together (``seed * 2**16 + rank``), so that ranks draw their routes independently and a run repeats."""
+    """The seed of a rank's default generators under ``EngineConfig.moe_routing_simulation``: ``seed`` and the rank
+    together (``seed * 2**16 + rank``; every TP rank takes rank 0's), so that EP ranks draw their routes
+    independently, TP ranks the same ones, and a run repeats."""
     return (seed << 16) + rank
 
 
@@ -67,10 +68,10 @@ def load_model(config: EngineConfig, comm: Comm, device: torch.device, placement
             attn_implementation=register_attention(), seed=config.seed,
         )
     ep_model.set_routing_simulation(config.moe_routing_simulation)
-    if config.moe_routing_simulation is not None and config.parallel == "ep":
-        # each EP rank routes its own tokens: its draws its own (the default generators, which the draws take, start
-        # alike in every process); TP ranks route the same gathered tokens and keep the same draws
-        torch.manual_seed(simulation_seed(config.seed, comm.rank))
+    if config.moe_routing_simulation is not None:
+        # the draws take the default generators: an EP rank routes its own tokens and draws its own routes; TP ranks
+        # route the same gathered tokens and must draw the same ones
+        torch.manual_seed(simulation_seed(config.seed, comm.rank if config.parallel == "ep" else 0))
     mla_layers = install_mla(ep_model.model)  # DeepSeek/Kimi: attention over the latent KV cache
     install_rope_attention(ep_model.model)  # Qwen, Mixtral, GLM, gpt-oss: fused projection and rotary
     if device.type == "cuda":

@@ -89,8 +89,9 @@ class RunReport:
         balancedness: mean over ranks / max over ranks of routed tokens per rank, averaged over layers.
         routed_tokens_per_step: per EP rank, (token, expert) pairs its slots computed per step and MoE layer.
         matches_reference: generated tokens equal the unsharded transformers model's (``None`` if skipped:
-            ``--no-reference``, sampling, or dummy weights). Promised exactly in float32; in bf16/fp16 the
-            sharded sums run in another order, so a near-tie between two tokens (or two experts) can flip: a
+            ``--no-reference``, sampling, dummy weights, or simulated routing). Promised exactly in float32; in
+            bf16/fp16 the sharded sums run in another order, so a near-tie between two tokens (or two experts) can
+            flip: a
             prompt whose tokens differ from transformers' run in the same dtype is judged by a float32 reference
             (``float32_judged``), and matches when ours equal the float32 tokens.
         mismatches: prompt indices whose tokens differ from the reference (and, in bf16/fp16, from the float32
@@ -111,6 +112,9 @@ class RunReport:
             stored, or the compute dtype and why where they were dequantized on load.
         prefix_cache: with prefix caching on, prompt tokens looked up in the cache and found there, summed over
             the ranks: ``{"queried_tokens", "hit_tokens"}``; ``None`` with it off.
+        load_format: ``auto`` (the checkpoint's weights) or ``dummy`` (random ones).
+        moe_routing_simulation: how the tokens were sent to experts instead of by the gates
+            (``EngineConfig.moe_routing_simulation``), or ``None``.
     """
 
     model: str
@@ -136,6 +140,8 @@ class RunReport:
     expert_backend: str = "reference"
     expert_storage: str = ""
     prefix_cache: dict | None = None
+    load_format: str = "auto"
+    moe_routing_simulation: str | None = None
 
     def to_json(self) -> dict:
         """A JSON-ready dict."""
@@ -279,6 +285,11 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     summary.add_column("what")
     summary.add_column("value")
     summary.add_row("model", report.model)
+    if report.load_format != "auto" or report.moe_routing_simulation is not None:
+        weights = "random (--load-format dummy)" if report.load_format == "dummy" else "the checkpoint's"
+        routing = (f"simulated, {report.moe_routing_simulation} (--moe-routing-simulation): not the model's text"
+                   if report.moe_routing_simulation else "the gates'")
+        summary.add_row("weights / MoE routing", f"{weights} / {routing}")
     summary.add_row("tokens/s (generated, all ranks)", f"{report.tokens_per_s:.1f}")
     preempted = sum(r.step_kinds.get("preemptions", 0) for r in report.ranks)
     kv = report.ranks[0].kv
@@ -309,7 +320,8 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
                         f"{counted(spec['draft_tokens'], 'proposed token')}, "
                         f"{counted(spec['verify_steps'], 'verify step')})")
     if report.matches_reference is None:
-        summary.add_row("matches transformers reference", "not checked (--no-reference, sampling or dummy weights)")
+        summary.add_row("matches transformers reference",
+                        "not checked (--no-reference, sampling, dummy weights or simulated routing)")
     else:
         verdict = _verdict(report)
         summary.add_row("matches transformers reference", verdict)

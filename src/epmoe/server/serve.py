@@ -119,6 +119,11 @@ def _startup_log(cfg: ServeConfig, model_dir: str, name: str, info: EngineInfo, 
              kv["blocks"], kv["block_size"], kv["tokens"], kv["bytes"] / 2**20,
              counted(kv["max_concurrency"], "sequence"), kv["context"], kv["graph_buckets"] or "none (eager)",
              kv.get("piecewise_buckets") or "none (eager)", "on" if kv.get("prefix_caching") else "off")
+    if cfg.load_format == "dummy" or cfg.moe_routing_simulation is not None:
+        log.warning("weights %s, MoE routing %s: the answers are not the model's",
+                    "random (--load-format dummy)" if cfg.load_format == "dummy" else "the checkpoint's",
+                    f"simulated ({cfg.moe_routing_simulation}, --moe-routing-simulation)"
+                    if cfg.moe_routing_simulation else "the gates'")
     if info.speculative is not None:
         log.info("speculative decoding, K = %d: %s", cfg.engine_config(model_dir).num_speculative_tokens,
                  info.speculative)

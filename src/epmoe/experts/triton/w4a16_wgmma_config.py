@@ -79,35 +79,35 @@ def check_wgmma_config(cfg: WgmmaConfig, group_size: int) -> None:
 
     Raises:
         ValueError: a field outside what the kernels take (named, with its value): ``block_m`` not 64 or 128,
-            ``tail_rows`` not ``None``, ``block_m / 2`` or ``block_m / 4`` (at least 32), ``stages`` not 3 or 4, the
-            buffers more than ``SMEM_MAX`` bytes, ``maxnreg2`` outside 32-255, ``num_warps`` not 4 or 8, ``block_n1``
-            / ``block_n2`` not 16 or 32 times ``num_warps``, ``block_kw1`` / ``block_kw2`` not 16, 32 or 64 words or
-            below half the group size.
+            ``tail_rows`` not ``None``, ``block_m / 2`` or ``block_m / 4`` (at least 32), ``stages`` not 3 or 4,
+            ``maxnreg2`` outside 32-255, ``num_warps`` not 4 or 8, ``block_n1`` / ``block_n2`` not 16 or 32 times
+            ``num_warps``, ``block_kw1`` / ``block_kw2`` not 16, 32 or 64 words or below half the group size; then,
+            with every field allowed, buffers of more than ``SMEM_MAX`` bytes.
     """
     if cfg.block_m not in (64, 128):
-        raise ValueError(f"WgmmaConfig.block_m must be 64 or 128, got {cfg.block_m}")
+        raise ValueError(f"WgmmaConfig.block_m must be 64 or 128, got {cfg.block_m!r}")
     if cfg.tail_rows is not None and (cfg.tail_rows not in (cfg.block_m // 2, cfg.block_m // 4)
                                       or cfg.tail_rows < 32):
         raise ValueError(f"WgmmaConfig.tail_rows must be None, block_m / 2 or block_m / 4 (block_m {cfg.block_m}) "
-                         f"and at least 32 (the smallest wgmma N here), got {cfg.tail_rows}")
+                         f"and at least 32 (the smallest wgmma N here), got {cfg.tail_rows!r}")
     if cfg.stages not in (3, 4):
-        raise ValueError(f"WgmmaConfig.stages must be 3 or 4, got {cfg.stages}")
+        raise ValueError(f"WgmmaConfig.stages must be 3 or 4, got {cfg.stages!r}")
+    if cfg.maxnreg2 is not None and not 32 <= cfg.maxnreg2 <= 255:
+        raise ValueError(f"WgmmaConfig.maxnreg2 must be None or 32 to 255 registers a thread, got {cfg.maxnreg2!r}")
+    if cfg.num_warps not in (4, 8):
+        raise ValueError(f"WgmmaConfig.num_warps must be 4 or 8 (whole warpgroups), got {cfg.num_warps!r}")
+    for name in ("block_n1", "block_n2"):
+        v = getattr(cfg, name)
+        if v not in (16 * cfg.num_warps, 32 * cfg.num_warps):
+            raise ValueError(f"WgmmaConfig.{name} must be 16 or 32 times num_warps ({cfg.num_warps}), got {v!r}")
+    for name in ("block_kw1", "block_kw2"):
+        v = getattr(cfg, name)
+        if v not in (16, 32, 64) or 2 * v < group_size:
+            raise ValueError(f"WgmmaConfig.{name} must be 16, 32 or 64 words and at least half the group size "
+                             f"{group_size} (a thread's words of a row cover whole groups), got {v!r}")
     words = cfg.stages * 2 * cfg.block_n1 * cfg.block_kw1 * 4 if cfg.words_smem else 0
     smem = max(16 * cfg.stages * cfg.block_m * cfg.block_kw1 + words, 16 * cfg.stages * cfg.block_m * cfg.block_kw2)
     if smem > SMEM_MAX:
         raise ValueError(f"WgmmaConfig stages {cfg.stages} x block_m {cfg.block_m} x block_kw "
                          f"{max(cfg.block_kw1, cfg.block_kw2)}{' with words_smem' if cfg.words_smem else ''} takes "
                          f"{smem} bytes of shared memory, more than the {SMEM_MAX} a Hopper program may have")
-    if cfg.maxnreg2 is not None and not 32 <= cfg.maxnreg2 <= 255:
-        raise ValueError(f"WgmmaConfig.maxnreg2 must be None or 32 to 255 registers a thread, got {cfg.maxnreg2}")
-    if cfg.num_warps not in (4, 8):
-        raise ValueError(f"WgmmaConfig.num_warps must be 4 or 8 (whole warpgroups), got {cfg.num_warps}")
-    for name in ("block_n1", "block_n2"):
-        v = getattr(cfg, name)
-        if v not in (16 * cfg.num_warps, 32 * cfg.num_warps):
-            raise ValueError(f"WgmmaConfig.{name} must be 16 or 32 times num_warps ({cfg.num_warps}), got {v}")
-    for name in ("block_kw1", "block_kw2"):
-        v = getattr(cfg, name)
-        if v not in (16, 32, 64) or 2 * v < group_size:
-            raise ValueError(f"WgmmaConfig.{name} must be 16, 32 or 64 words and at least half the group size "
-                             f"{group_size} (a thread's words of a row cover whole groups), got {v}")
