@@ -1162,8 +1162,8 @@ def main() -> None:
         for n, r in m["ttft"].items():
             eager = f", eager step {r['eager_ms']:.1f} ms" if "eager_ms" in r else ""
             print(f"{model:14} TTFT {n}: {r['ms']:.1f} ms {r.get('path', '')} (GPU kernels {r['gpu_kernels_ms']:.1f} "
-                  f"ms{eager}), routing {m.get('ttft_routing', 'model')}, floor {r['floor_ms']:.1f} ms (FLOPs "
-                  f"{r.get('flop_floor_ms', r['floor_ms']):.1f}, weight reads {r.get('read_floor_ms', 0.0):.1f}), "
+                  f"ms{eager}), routing {m['ttft_routing']}, floor {r['floor_ms']:.1f} ms (FLOPs "
+                  f"{r['flop_floor_ms']:.1f}, weight reads {r['read_floor_ms']:.1f}), "
                   f"ratio {r['ratio']:.2f}; plan {r['plan_ms']:.1f} ms "
                   f"({r['ms'] / r['plan_ms']:.2f}x); peak {m['peak_gib']:.1f} GiB")
     if "ttft_fit" in result:

@@ -337,13 +337,13 @@ def check_memory(spec: MoESpec, cfg: DoctorConfig, ep: int, redundant: int, draf
     with_draft = f", draft {draft.name} {dbytes / GIB:.1f}" if draft is not None else ""
     if total <= m.capacity:
         return [Finding("ok", f"weights and caches fit: {total / GIB:.1f} of {m.capacity / GIB:.1f} GiB per "
-                                     f"GPU ({where}{with_draft})")]
+                              f"GPU ({where}{with_draft})")]
     hint = weights_hint(req.expert_format)
     over = (f"weights and caches need {total / GIB:.1f} GiB per GPU, {(total - m.capacity) / GIB:.1f} GiB over the "
             f"{m.capacity / GIB:.1f} GiB usable ({where}; weights {m.weights / GIB:.1f}, KV cache "
             f"{m.kv_cache / GIB:.1f}{with_draft})")
     return [Finding("error", over, "the server runs out of memory at start-up or at CUDA-graph capture",
-                           f"use more GPUs, {hint + ', ' if hint else ''}a smaller batch or a shorter context")]
+                    f"use more GPUs, {hint + ', ' if hint else ''}a smaller batch or a shorter context")]
 
 
 def diagnose(cfg: DoctorConfig) -> list[Finding]:

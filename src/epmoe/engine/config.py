@@ -381,6 +381,18 @@ class EngineConfig:
         return self.use_graphs or (self.device == "cpu" and self.static_decode_on_cpu)
 
 
+def synthetic_text(load_format: str, moe_routing_simulation: str | None) -> str | None:
+    """Why an engine of these options (``EngineConfig.load_format``, ``moe_routing_simulation``) does not generate its
+    model's text, for a run's summary and a server's log: ``None`` with the checkpoint's weights routed by their
+    gates; else its weights and its routing, each with the flag that chose it."""
+    if load_format != "dummy" and moe_routing_simulation is None:
+        return None
+    weights = "random (--load-format dummy)" if load_format == "dummy" else "the checkpoint's"
+    routing = (f"simulated, {moe_routing_simulation} (--moe-routing-simulation)" if moe_routing_simulation
+               else "the gates'")
+    return f"weights {weights}, MoE routing {routing}: not the model's text"
+
+
 def command_engine_config(source: object, model_dir: str, **fields: object) -> EngineConfig:
     """The ``EngineConfig`` of a command's options for ``model_dir``: every ``COMMAND_FIELDS`` name read from
     ``source`` (a RunConfig or a ServeConfig), with the commands' defaults applied: an ``expert_backend`` of

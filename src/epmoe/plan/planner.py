@@ -239,12 +239,7 @@ def _step(req: PlanRequest, s: Strategy, batch: int) -> StepEstimate:
     n_dense, n_moe = len(spec.dense_layers), spec.num_moe_layers
     attention_ms = layers_attn_ms + n_dense * dense_ms + n_moe * moe_side_ms + lm_ms
 
-    # routed experts on the busiest rank
-    # Weights read: the experts the step's tokens hit (``expected_distinct_experts``). Under EP the busiest
-    # rank receives ``rows``, ``hot`` times the mean ``T K / e``; it is priced as if ``hot * T`` tokens were
-    # routed (at batch 1 the busiest of 8 ranks holds about 2.2 of a token's 8 experts, not the mean 1).
-    # With R redundant slots each slot is taken to carry an even share of its expert's load, so a slot is
-    # among a token's choices with probability K / (E + R).
+    # routed experts on the busiest rank: the rows it receives and the experts they touch (``_expert_rows``)
     rows, touched = _expert_rows(req, s, tokens)
     expert_ms = n_moe * expert_layer_ms(MoEDims.from_spec(spec), rows, touched, s.moe_tp, hw, req.expert_format)
     colls = _collectives(req, s, tokens, t_moe, rows, tokens)

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from epmoe.comm import COLLECTIVE_KINDS
+from epmoe.engine.config import synthetic_text
 from epmoe.plan.request import counted, format_bytes
 
 
@@ -91,9 +92,8 @@ class RunReport:
         matches_reference: generated tokens equal the unsharded transformers model's (``None`` if skipped:
             ``--no-reference``, sampling, dummy weights, or simulated routing). Promised exactly in float32; in
             bf16/fp16 the sharded sums run in another order, so a near-tie between two tokens (or two experts) can
-            flip: a
-            prompt whose tokens differ from transformers' run in the same dtype is judged by a float32 reference
-            (``float32_judged``), and matches when ours equal the float32 tokens.
+            flip: a prompt whose tokens differ from transformers' run in the same dtype is judged by a float32
+            reference (``float32_judged``), and matches when ours equal the float32 tokens.
         mismatches: prompt indices whose tokens differ from the reference (and, in bf16/fp16, from the float32
             reference).
         reference_outputs: token ids the reference generated per prompt (empty if skipped).
@@ -285,11 +285,9 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     summary.add_column("what")
     summary.add_column("value")
     summary.add_row("model", report.model)
-    if report.load_format != "auto" or report.moe_routing_simulation is not None:
-        weights = "random (--load-format dummy)" if report.load_format == "dummy" else "the checkpoint's"
-        routing = (f"simulated, {report.moe_routing_simulation} (--moe-routing-simulation): not the model's text"
-                   if report.moe_routing_simulation else "the gates'")
-        summary.add_row("weights / MoE routing", f"{weights} / {routing}")
+    synthetic = synthetic_text(report.load_format, report.moe_routing_simulation)
+    if synthetic is not None:
+        summary.add_row("weights and MoE routing", synthetic)
     summary.add_row("tokens/s (generated, all ranks)", f"{report.tokens_per_s:.1f}")
     preempted = sum(r.step_kinds.get("preemptions", 0) for r in report.ranks)
     kv = report.ranks[0].kv

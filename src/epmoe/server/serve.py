@@ -31,6 +31,7 @@ from multiprocessing.process import BaseProcess
 import torch.multiprocessing as mp
 import uvicorn
 
+from epmoe.engine.config import synthetic_text
 from epmoe.engine.group import check_group
 from epmoe.experts import describe_expert_backend
 from epmoe.experts.storage import held_as
@@ -119,11 +120,9 @@ def _startup_log(cfg: ServeConfig, model_dir: str, name: str, info: EngineInfo, 
              kv["blocks"], kv["block_size"], kv["tokens"], kv["bytes"] / 2**20,
              counted(kv["max_concurrency"], "sequence"), kv["context"], kv["graph_buckets"] or "none (eager)",
              kv.get("piecewise_buckets") or "none (eager)", "on" if kv.get("prefix_caching") else "off")
-    if cfg.load_format == "dummy" or cfg.moe_routing_simulation is not None:
-        log.warning("weights %s, MoE routing %s: the answers are not the model's",
-                    "random (--load-format dummy)" if cfg.load_format == "dummy" else "the checkpoint's",
-                    f"simulated ({cfg.moe_routing_simulation}, --moe-routing-simulation)"
-                    if cfg.moe_routing_simulation else "the gates'")
+    synthetic = synthetic_text(cfg.load_format, cfg.moe_routing_simulation)
+    if synthetic is not None:
+        log.warning("%s", synthetic)
     if info.speculative is not None:
         log.info("speculative decoding, K = %d: %s", cfg.engine_config(model_dir).num_speculative_tokens,
                  info.speculative)

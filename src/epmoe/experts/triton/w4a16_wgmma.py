@@ -14,16 +14,17 @@ plane (``widened_plane``) into ``DotOperandLayout(0, <v3 layout>, k_width=2)``: 
 rows of its warpgroup's 64, warps stacked along ``M``) is the ``mma.sync.m16n8k16`` A fragment, so the relabelling is
 the same and ``convert_layout(..., assert_trivial=True)`` proves at compile time that no data moves.
 
-B (activations), in shared memory. A step of ``BLOCK_KW`` words is four products of ``K = 2 BLOCK_KW``, one per
-nibble plane ``j``; plane ``j``'s B holds at ``(2 w + e, m)`` input ``8 c + j + 4 e`` of token row ``m`` (``w`` the
-operand word of memory word ``c``). The activations are copied once into that operand order (``wgmma_planes``: a
-step's four planes, ``8 BLOCK_KW`` values, consecutive in a row, zero-padded to whole steps), so a row's part of a
-plane is ``4 BLOCK_KW`` consecutive bytes and goes to shared memory by ``cp.async`` 16-byte copies, no registers
+B (activations), in shared memory. A step of ``BLOCK_KW`` words is four products of ``K = 2 BLOCK_KW``, one per nibble
+plane ``j``; plane ``j``'s B holds at ``(2 w + e, m)`` input ``8 c + j + 4 e`` of token row ``m`` (``w`` the operand
+word of memory word ``c``). The activations are copied once into that operand order (``wgmma_planes``: a step's four
+planes, ``8 BLOCK_KW`` values, consecutive in a row, zero-padded to whole steps), so a row's part of a plane is
+``4 BLOCK_KW`` consecutive bytes and goes to shared memory by ``cp.async`` 16-byte copies, no registers
 (``NVMMASharedLayout``, K-major). ``STAGES`` buffers: after step ``s``'s barrier every warp has waited for step
 ``s - 1``'s products up to its last plane, so the buffer of step ``s - 2`` is free and step ``s + STAGES - 2`` is
 requested into it (``STAGES - 2`` steps ahead); the next step's words and scales are loaded into registers before
-this step's are widened. ``warpgroup_mma(..., is_async=True)`` with at most one plane in flight while the next
-plane is widened.
+this step's are widened (with ``WgmmaConfig.words_smem`` the gate/up words are instead staged through shared memory
+with the activations, ``STAGES - 2`` steps ahead). ``warpgroup_mma(..., is_async=True)`` with at most one plane in
+flight while the next plane is widened.
 
 Tail blocks. A slot of ``c`` pairs padded to whole ``block_m``-row blocks computes up to ``block_m - 1`` padding rows
 (at 85 pairs a slot a third of the rows, at 21 four fifths, with 128-row blocks). With ``WgmmaConfig.tail_rows`` the
@@ -161,7 +162,7 @@ def _request_words(wsm_g, wg_ptrs, wsm_u, wu_ptrs, rows, R_ROWS, cols, DW, step,
                    BLOCK_KW: gl.constexpr, EVEN: gl.constexpr):
     """Copy the gate and up word tiles of step ``min(step, nsteps - 1)`` into buffer ``stage`` (``cp.async``, before
     ``_request`` commits the step's group); rows at or past ``R_ROWS`` and words past the row's end are zero unless
-    ``EVEN`` (``w4a16_mma.load_tile``'s masks)."""
+    ``EVEN`` (``w4a16_operands.load_tile``'s masks)."""
     kw = gl.minimum(step, nsteps - 1) * BLOCK_KW
     if EVEN:
         async_copy.async_copy_global_to_shared(wsm_g.index(stage), wg_ptrs + kw)
