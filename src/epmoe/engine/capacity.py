@@ -9,11 +9,27 @@ import torch
 
 from epmoe.engine.config import EngineConfig
 from epmoe.engine.kv_cache import KVLayout, blocks_for_memory
-from epmoe.engine.model_runner import graph_buckets
 from epmoe.engine.piecewise import piece_buckets
 
 CPU_KV_BYTES = 1 << 30
 """The KV budget on the CPU, bytes (there is no memory query there)."""
+
+
+def graph_buckets(max_bs: int) -> list[int]:
+    """Row counts captured up to ``max_bs`` (SGLang's ``--cuda-graph-max-bs``): 1, 2, 4, 8, then every multiple
+    of 16 up to 256, of 32 up to 512, of 64 up to 1024 and of 128 above (a padded step wastes at most an eighth of
+    its rows there), and ``max_bs`` itself.
+
+    Raises:
+        ValueError: ``max_bs`` < 1.
+    """
+    if max_bs < 1:
+        raise ValueError(f"cuda_graph_max_bs must be at least 1, got {max_bs}")
+    sizes = {b for b in (1, 2, 4, 8) if b <= max_bs}
+    for start, stop, step in ((16, 256, 16), (288, 512, 32), (576, 1024, 64), (1152, max_bs, 128)):
+        sizes |= set(range(start, min(max_bs, stop) + 1, step))
+    sizes.add(max_bs)
+    return sorted(sizes)
 
 
 def kv_blocks(config: EngineConfig, layout: KVLayout, device: torch.device, max_model_len: int,

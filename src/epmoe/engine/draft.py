@@ -19,9 +19,10 @@ import torch
 
 from epmoe.comm import Comm
 from epmoe.engine.attention import register_attention
+from epmoe.engine.capture import ep_static_hooks
 from epmoe.engine.kv_cache import KVCache, KVLayout
 from epmoe.engine.mla import install_mla
-from epmoe.engine.model_runner import ModelRunner, StepOutput, ep_static_hooks
+from epmoe.engine.model_runner import ModelRunner, StepOutput
 from epmoe.engine.packing import Feed
 from epmoe.engine.speculative import Proposal, Proposer, last_rows, propose_tokens
 from epmoe.engine.tokenizer import load_tokenizer

@@ -42,11 +42,11 @@ from epmoe.comm import Comm
 from epmoe.engine.admission import Admission
 from epmoe.engine.agreement import agree, agree_max, host_group
 from epmoe.engine.capacity import draft_sizes, graph_sizes, kv_blocks
-from epmoe.engine.capture import capture_graphs, tp_static_hooks
+from epmoe.engine.capture import capture_graphs, ep_static_hooks, tp_static_hooks
 from epmoe.engine.config import EPLB_WINDOW_STEPS, EngineConfig
 from epmoe.engine.kv_cache import BlockAllocator, KVCache, KVLayout
 from epmoe.engine.loading import load_model, placement_and_dispatcher
-from epmoe.engine.model_runner import ModelRunner, StepOutput, ep_static_hooks
+from epmoe.engine.model_runner import ModelRunner, StepOutput
 from epmoe.engine.overlap import Launch, resolve, sample_rows, sampling_rows, start_copy
 from epmoe.engine.proposers import make_proposer
 from epmoe.engine.request import RequestOutput, Sequence

@@ -28,25 +28,6 @@ from epmoe.engine.paged_decode import paged_decode_splits, paged_decode_workspac
 from epmoe.engine.piecewise import Cut, Pieces
 from epmoe.engine.scheduler import StepPlan
 from epmoe.engine.transfer import to_device
-from epmoe.loads import ExpertLoadRecorder
-from epmoe.models.hf import EPModel
-
-
-def graph_buckets(max_bs: int) -> list[int]:
-    """Row counts captured up to ``max_bs`` (SGLang's ``--cuda-graph-max-bs``): 1, 2, 4, 8, then every multiple
-    of 16 up to 256, of 32 up to 512, of 64 up to 1024 and of 128 above (a padded step wastes at most an eighth of
-    its rows there), and ``max_bs`` itself.
-
-    Raises:
-        ValueError: ``max_bs`` < 1.
-    """
-    if max_bs < 1:
-        raise ValueError(f"cuda_graph_max_bs must be at least 1, got {max_bs}")
-    sizes = {b for b in (1, 2, 4, 8) if b <= max_bs}
-    for start, stop, step in ((16, 256, 16), (288, 512, 32), (576, 1024, 64), (1152, max_bs, 128)):
-        sizes |= set(range(start, min(max_bs, stop) + 1, step))
-    sizes.add(max_bs)
-    return sorted(sizes)
 
 
 @dataclass(frozen=True)
@@ -69,32 +50,6 @@ def _smallest_holding(sizes: list[int], n: int) -> int | None:
     """The smallest of the ascending ``sizes`` that is at least ``n``, or ``None``."""
     i = bisect.bisect_left(sizes, n)
     return sizes[i] if i < len(sizes) else None
-
-
-def ep_static_hooks(ep_model: EPModel, eager_dispatcher: str, recorder: ExpertLoadRecorder | None = None):
-    """``ModelRunner.capture``'s hooks for an expert-parallel model: during a static step of ``bs`` rows every
-    MoE layer dispatches with ``fixed_capacity`` of capacity ``bs`` (``local`` on one rank), routes its padding rows
-    to no expert (``MoELayer.set_row_mask``; a bucket of one row has none) and ``recorder`` counts only the real
-    rows; after it, ``eager_dispatcher`` again and no mask."""
-    comm, slots = ep_model.comm, ep_model.placement.slots_per_rank
-    from epmoe.dispatch import make_dispatcher
-
-    def activate(bs: int, valid_rows: torch.Tensor) -> None:
-        if recorder is not None:
-            recorder.mask_rows(valid_rows)
-        for layer in ep_model.moe_layers:  # capacity bs: a token goes to a rank at most once
-            layer.set_dispatcher(make_dispatcher("local", comm, slots) if comm.size == 1 else
-                                 make_dispatcher("fixed_capacity", comm, slots, capacity=bs))
-            layer.set_row_mask(valid_rows if bs > 1 else None)
-
-    def deactivate() -> None:
-        if recorder is not None:
-            recorder.mask_rows(None)
-        for layer in ep_model.moe_layers:
-            layer.set_dispatcher(make_dispatcher(eager_dispatcher, comm, slots))
-            layer.set_row_mask(None)
-
-    return activate, deactivate
 
 
 @dataclass
