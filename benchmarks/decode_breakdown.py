@@ -41,7 +41,11 @@ from dataclasses import asdict, replace
 from types import SimpleNamespace
 
 import torch
-import triton
+
+try:
+    import triton
+except ImportError:  # a GPU benchmark; Triton comes with PyTorch's CUDA build
+    raise SystemExit(f"{__file__} times GPU kernels and needs Triton (installed with PyTorch's CUDA build)") from None
 import triton.language as tl
 
 from epmoe.experts import Activation, ExpertWeights

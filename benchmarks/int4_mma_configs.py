@@ -17,6 +17,11 @@ import json
 
 import torch
 
+try:
+    import triton  # noqa: F401
+except ImportError:  # a GPU benchmark; Triton comes with PyTorch's CUDA build
+    raise SystemExit(f"{__file__} times GPU kernels and needs Triton (installed with PyTorch's CUDA build)") from None
+
 import epmoe.experts.triton.w4a16_mma as mma
 from epmoe.experts.weights import Activation
 from moe_layer import INT4_CASES, INT4_GROUP, make_routing, random_int4_weights

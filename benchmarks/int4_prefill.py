@@ -30,7 +30,11 @@ import json
 import os
 
 import torch
-import triton
+
+try:
+    import triton
+except ImportError:  # a GPU benchmark; Triton comes with PyTorch's CUDA build
+    raise SystemExit(f"{__file__} times GPU kernels and needs Triton (installed with PyTorch's CUDA build)") from None
 
 from epmoe.experts import ExpertWeights, get_expert_backend
 from epmoe.experts.triton.align_kernels import align_triton

@@ -69,7 +69,11 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
-import triton
+
+try:
+    import triton
+except ImportError:  # a GPU benchmark; Triton comes with PyTorch's CUDA build
+    raise SystemExit(f"{__file__} times GPU kernels and needs Triton (installed with PyTorch's CUDA build)") from None
 
 from epmoe.comm import Comm
 from epmoe.dispatch import make_dispatcher
