@@ -21,11 +21,12 @@ from torch import nn
 
 from epmoe.engine.attention import AttnBatch
 from epmoe.engine.decoder import check_decoder, decoder_forward
+from epmoe.engine.graph_bucket import GraphBucket
 from epmoe.engine.kv_cache import KVCache
 from epmoe.engine.mla_decode import mla_decode_splits, wide_tile_min_context
 from epmoe.engine.packing import Feed, Packed, pack, plan_feeds
 from epmoe.engine.paged_decode import paged_decode_splits, paged_decode_workspace_numel
-from epmoe.engine.piecewise import Cut, Pieces
+from epmoe.engine.piecewise import Pieces
 from epmoe.engine.scheduler import StepPlan
 from epmoe.engine.transfer import to_device
 
@@ -50,110 +51,6 @@ def _smallest_holding(sizes: list[int], n: int) -> int | None:
     """The smallest of the ascending ``sizes`` that is at least ``n``, or ``None``."""
     i = bisect.bisect_left(sizes, n)
     return sizes[i] if i < len(sizes) else None
-
-
-@dataclass
-class _Graph:
-    """One bucket: its captured graphs, replayed in order (``None``: the static path runs eagerly), and its static
-    inputs. A decode bucket's graphs are one per segment of decoder layers and their static output ``out`` is the
-    logits; a piecewise bucket's (``engine.piecewise``) are the pieces between its ``cuts`` and ``out`` is the final
-    hidden states (the sampling rows' logits are computed after the replay).
-
-    The inputs live in two device buffers, filled from two host buffers of the same layout (pinned on CUDA) by
-    one copy each: ``ints [5, bs]`` int64, rows ``input_ids``, ``positions``, ``slot_mapping``, ``valid_rows``,
-    ``sources`` (the token-buffer row of an id still on the device, -1 = the id given);
-    ``tables [bs * max_blocks + bs]`` int32, the block tables row after row, then ``context_lens`` (empty in a
-    piecewise bucket, whose attention runs eagerly). ``copied`` (CUDA) marks when the last copies out of the host
-    buffers were done, before they are written again. ``min_context``: a long-context graph's least longest context
-    (its attention was captured with the tile ``AttnBatch.max_context`` picks there); ``None``: the tile by shapes.
-    """
-
-    graph: tuple[torch.cuda.CUDAGraph, ...] | None
-    ints: torch.Tensor
-    tables: torch.Tensor
-    host_ints: torch.Tensor
-    host_tables: torch.Tensor
-    max_blocks: int
-    out: torch.Tensor | None = None
-    aux: torch.Tensor | None = None
-    copied: torch.cuda.Event | None = None
-    used: int = 0
-    cuts: tuple[Cut, ...] = ()
-    min_context: int | None = None
-
-    @classmethod
-    def empty(cls, bs: int, max_blocks: int, device: torch.device) -> _Graph:
-        """Zeroed static inputs for ``bs`` rows (no tables when ``max_blocks`` is 0), host buffers pinned on CUDA."""
-        pin = device.type == "cuda"
-        n_tables = bs * max_blocks + bs if max_blocks else 0
-        return cls(None, torch.zeros(5, bs, dtype=torch.int64, device=device),
-                   torch.zeros(n_tables, dtype=torch.int32, device=device),
-                   torch.zeros(5, bs, dtype=torch.int64, pin_memory=pin),
-                   torch.zeros(n_tables, dtype=torch.int32, pin_memory=pin), max_blocks)
-
-    @property
-    def bs(self) -> int:
-        return self.ints.shape[1]
-
-    @property
-    def input_ids(self) -> torch.Tensor:
-        return self.ints[0]
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self.ints[1]
-
-    @property
-    def slot_mapping(self) -> torch.Tensor:
-        return self.ints[2]
-
-    @property
-    def valid_rows(self) -> torch.Tensor:
-        return self.ints[3]
-
-    @property
-    def sources(self) -> torch.Tensor:
-        return self.ints[4]
-
-    @property
-    def block_tables(self) -> torch.Tensor:
-        return self.tables[: self.bs * self.max_blocks].view(self.bs, self.max_blocks)
-
-    @property
-    def context_lens(self) -> torch.Tensor:
-        return self.tables[self.bs * self.max_blocks:]
-
-    def load(self, packed: Packed) -> None:
-        """Write ``packed``'s ``n`` rows (and zero padding rows after them) into the static inputs: the host
-        buffers are filled, then copied to the device in two copies (one without tables)."""
-        n, mb, bs = packed.input_ids.numel(), self.max_blocks, self.bs
-        if self.copied is not None:
-            self.copied.synchronize()
-        hi, ht = self.host_ints, self.host_tables
-        tail = max(self.used, n)
-        hi[:, n:tail].zero_()
-        hi[4, n:tail] = -1
-        hi[0, :n] = packed.input_ids
-        hi[1, :n] = packed.positions
-        hi[2, :n] = packed.slot_mapping
-        hi[3, :n] = 1
-        if packed.sources is None:
-            hi[4, :n] = -1
-        else:
-            hi[4, :n] = packed.sources
-        self.used = n
-        cuda = self.ints.is_cuda
-        self.ints.copy_(hi, non_blocking=cuda)
-        if mb:  # a decode bucket: every row is a single-token row
-            ht[n * mb: tail * mb].zero_()
-            ht[bs * mb + n: bs * mb + tail].zero_()
-            ht[: n * mb].view(n, mb).copy_(packed.block_tables)
-            ht[bs * mb: bs * mb + n] = packed.context_lens
-            self.tables.copy_(ht, non_blocking=cuda)
-        if cuda:
-            if self.copied is None:
-                self.copied = torch.cuda.Event()
-            self.copied.record()
 
 
 class ModelRunner:
@@ -183,9 +80,9 @@ class ModelRunner:
         self.kv = kv
         self.max_blocks = max_blocks_per_seq
         self.device = device
-        self.graphs: dict[int, _Graph] = {}
-        self.long_graphs: dict[int, _Graph] = {}  # bucket -> its graph for long contexts (``_long_context``)
-        self.piece_graphs: dict[int, _Graph] = {}
+        self.graphs: dict[int, GraphBucket] = {}
+        self.long_graphs: dict[int, GraphBucket] = {}  # bucket -> its graph for long contexts (``_long_context``)
+        self.piece_graphs: dict[int, GraphBucket] = {}
         self.pieces: Pieces | None = None
         self._graph_workspace: torch.Tensor | None = None
         self._pool = None
@@ -351,7 +248,7 @@ class ModelRunner:
         rows = to_device(packed.sample_rows, dev, torch.int64)
         return StepOutput(self.lm_head(hidden.index_select(0, rows)).float(), None if aux is None else aux[:n])
 
-    def _piece_batch(self, g: _Graph) -> AttnBatch:
+    def _piece_batch(self, g: GraphBucket) -> AttnBatch:
         """The ``AttnBatch`` a piecewise forward runs with: the static slot mapping (cache writes) and the cuts."""
         none = torch.zeros(0, dtype=torch.int32, device=self.device)
         return AttnBatch(self.kv, g.slot_mapping, 0, none.view(0, 0), none, pieces=self.pieces)
@@ -409,11 +306,11 @@ class ModelRunner:
         # allocator would hand its memory to other tensors or return it to the driver under memory pressure)
         workspace = self._graph_workspace = self._workspace(sizes) if sizes and cuda_graphs else None
         for bs in sorted(sizes, reverse=True):
-            g = _Graph.empty(bs, self.max_blocks, dev)
+            g = GraphBucket.empty(bs, self.max_blocks, dev)
             long = self._long_context(bs)
             kinds = [g]
             if long is not None:  # a second graph whose MLA decode takes the tile of contexts from ``long`` on
-                kinds.append(_Graph.empty(bs, self.max_blocks, dev))
+                kinds.append(GraphBucket.empty(bs, self.max_blocks, dev))
                 kinds[1].min_context = long
             for one in kinds:
                 if cuda_graphs:
@@ -442,7 +339,7 @@ class ModelRunner:
             return
         self.pieces = Pieces(max(sizes))
         for n in sorted(sizes, reverse=True):
-            g = _Graph.empty(n, 0, self.device)
+            g = GraphBucket.empty(n, 0, self.device)
             if cuda_graphs:
                 activate(n, g.valid_rows)
                 try:
@@ -461,7 +358,7 @@ class ModelRunner:
             self._capture_stream = torch.cuda.Stream(device=self.device)
         return self._capture_stream
 
-    def _capture_pieces_one(self, g: _Graph):
+    def _capture_pieces_one(self, g: GraphBucket):
         """One piecewise bucket: warm-up forwards recording cuts without graphs (they allocate the staging buffers),
         then the capture, a new graph begun at each cut."""
         dev = self.device
@@ -504,7 +401,7 @@ class ModelRunner:
         parts = max(1, min(self.graph_segments, n))
         return [round(i * n / parts) for i in range(1, parts)]
 
-    def _capture_one(self, g: _Graph, workspace: torch.Tensor | None):
+    def _capture_one(self, g: GraphBucket, workspace: torch.Tensor | None):
         """Capture one bucket's step as consecutive graphs, a new one at each ``segment_starts`` layer (called by
         ``decoder_forward`` before the layer, it ends the running capture and begins the next, all in one memory
         pool): replaying them in order
