@@ -326,8 +326,8 @@ class Router(nn.Module):
 
 def uniform_random_topk(tokens: int, num_experts: int, top_k: int, device: torch.device | str) -> torch.Tensor:
     """``[tokens, top_k]`` int64 expert ids, each row ``top_k`` distinct experts drawn uniformly at random (the top
-    ``top_k`` of uniform draws): the ``uniform_random`` routing simulation, and the planner's assumption of uniform
-    routing. Draws from ``device``'s default generator (no host synchronisation; CUDA-graph safe).
+    ``top_k`` of uniform draws): the ``uniform_random`` routing simulation, the routing the planner prices. Draws
+    from ``device``'s default generator (no host synchronisation; CUDA-graph safe).
 
     Raises:
         ValueError: ``top_k`` not in ``1..num_experts``.
