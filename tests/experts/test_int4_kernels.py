@@ -232,7 +232,7 @@ def _mxfp4_case(seed, s, d, f, device="cpu"):
 
 
 def _run_ptx(ptx, word):
-    """Emulate the integer PTX of ``w4a16_decode.e2m1_pair_ptx`` on ``word`` (numpy uint32 array): the two float32
+    """Emulate the integer PTX of ``w4a16_dots.e2m1_pair_ptx`` on ``word`` (numpy uint32 array): the two float32
     outputs."""
     import re
 
@@ -273,7 +273,7 @@ def test_e2m1_pair_ptx_widens_every_code():
     import numpy as np
 
     from epmoe.experts.mxfp4 import E2M1_VALUES
-    from epmoe.experts.triton.w4a16_decode import e2m1_pair_ptx
+    from epmoe.experts.triton.w4a16_dots import e2m1_pair_ptx
 
     # every code in every nibble (nibble j of word w: code (w + j) % 16), then random words: each output lane is
     # the E2M1 value of nibble j or j + 4 times 2 ** -14, exactly
