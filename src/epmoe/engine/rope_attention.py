@@ -71,28 +71,29 @@ def _kernel():
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         head = tl.program_id(1)
+        is_q = head < H
+        lo = tl.arange(0, HALF)
+        rest = 2 * HALF + tl.arange(0, PASS_PAD)
+        rest_ok = tl.arange(0, PASS_PAD) < PASS
+        dt = qkv_ptr.dtype.element_ty
+        if NORM:  # the head's norm weight, the same for each of the program's tokens
+            if is_q:
+                w1 = tl.load(qw_ptr + lo).to(tl.float32)
+                w2 = tl.load(qw_ptr + HALF + lo).to(tl.float32)
+                wp = tl.load(qw_ptr + rest, mask=rest_ok, other=0.0).to(tl.float32)
+            else:
+                w1 = tl.load(kw_ptr + lo).to(tl.float32)
+                w2 = tl.load(kw_ptr + HALF + lo).to(tl.float32)
+                wp = tl.load(kw_ptr + rest, mask=rest_ok, other=0.0).to(tl.float32)
         for i in range(TOKENS):
             t = tl.program_id(0).to(tl.int64) * TOKENS + i
             if t < T:
-                is_q = head < H
                 src = qkv_ptr + t * stride_t + head * D
-                lo = tl.arange(0, HALF)
-                rest = 2 * HALF + tl.arange(0, PASS_PAD)
-                rest_ok = tl.arange(0, PASS_PAD) < PASS
                 x1 = tl.load(src + lo).to(tl.float32)
                 x2 = tl.load(src + HALF + lo).to(tl.float32)
                 xp = tl.load(src + rest, mask=rest_ok, other=0.0).to(tl.float32)
                 if NORM:
                     r = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0) + tl.sum(xp * xp, 0)) / D + eps)
-                    if is_q:
-                        w1 = tl.load(qw_ptr + lo).to(tl.float32)
-                        w2 = tl.load(qw_ptr + HALF + lo).to(tl.float32)
-                        wp = tl.load(qw_ptr + rest, mask=rest_ok, other=0.0).to(tl.float32)
-                    else:
-                        w1 = tl.load(kw_ptr + lo).to(tl.float32)
-                        w2 = tl.load(kw_ptr + HALF + lo).to(tl.float32)
-                        wp = tl.load(kw_ptr + rest, mask=rest_ok, other=0.0).to(tl.float32)
-                    dt = qkv_ptr.dtype.element_ty
                     x1 = (x1 * r).to(dt).to(tl.float32) * w1
                     x2 = (x2 * r).to(dt).to(tl.float32) * w2
                     xp = (xp * r).to(dt).to(tl.float32) * wp
