@@ -392,6 +392,10 @@ def test_memory_check_context_stays_within_the_model(tiny_checkpoints, capsys):
     assert "warning: --context 4096 is above the model's max_position_embeddings" in capsys.readouterr().out
     assert main(["doctor", "--model", tiny, "--context", "100000000"]) == 2
     assert "--context must be at most 16777216, got 100000000" in capsys.readouterr().err
+    # so is a batch past any plan's, with or without --hardware (it was a finding with one, let through without)
+    for hw in ([], ["--hardware", "h200-sxm"]):
+        assert main(["doctor", "--model", tiny, *hw, "--batch", "99999999999"]) == 2
+        assert "--batch must be at most 1048576, got 99999999999" in capsys.readouterr().err
     # DeepSeek-V3's 163840 positions: the default stays at 4096
     assert main(["doctor", "--config", DSV3, "--ep", "8", "--hardware", "h200-sxm"]) == 0
     assert "context 4096)" in capsys.readouterr().out

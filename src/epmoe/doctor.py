@@ -29,6 +29,7 @@ from epmoe.plan.hardware import HardwareProfile, load_hardware
 from epmoe.plan.planner import plan
 from epmoe.plan.request import (
     GIB,
+    MAX_BATCH,
     MAX_CONTEXT,
     PlanRequest,
     StrategyPlan,
@@ -356,6 +357,8 @@ def diagnose(cfg: DoctorConfig) -> list[Finding]:
     ep = check_int("ep", 1 if cfg.ep is None else cfg.ep, 1)
     nodes = check_int("nodes", cfg.nodes, 1)
     check_int("batch", cfg.batch, 1)
+    if cfg.batch > MAX_BATCH:
+        raise ValueError(f"batch must be at most {MAX_BATCH}, got {cfg.batch}")
     if cfg.context is not None:
         check_int("context", cfg.context, 1)
         if cfg.context > MAX_CONTEXT:
