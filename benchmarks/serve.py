@@ -131,12 +131,12 @@ def main() -> None:
     args = ap.parse_args()
     if Path(args.out).exists() and not Path(args.out).is_dir():
         ap.error(f"--out {args.out!r} is a file; it names the folder the results are written to")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda (the default): no CUDA device here; on CPU the built-in small checkpoint runs: "
-                 "--device cpu")
     if args.device == "cuda" and not (CONFIGS / f"{args.model_config}.config.json").is_file():
         known = ", ".join(sorted(p.name.removesuffix(".config.json") for p in CONFIGS.glob("*.config.json")))
         ap.error(f"--model-config {args.model_config!r} is not in {CONFIGS}; known: {known}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda (the default): no CUDA device here; on CPU the built-in small checkpoint runs: "
+                 "--device cpu")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.device == "cuda":

@@ -1,6 +1,6 @@
-"""benchmarks/serve.py's flags: an --out that is a file and an unknown --model-config are argparse errors (exit 2)
-naming the flag, before the server or any checkpoint is started (they were FileExistsError / FileNotFoundError
-tracebacks)."""
+"""benchmarks/serve.py's flags: an --out that is a file, an unknown --model-config and --device cuda without a CUDA
+device are argparse errors (exit 2) naming the flag, before the server or any checkpoint is started (they were
+FileExistsError / FileNotFoundError / CUDA assertion tracebacks)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,12 @@ def script(monkeypatch):
      "--out '{tmp}/file' is a file; it names the folder the results are written to"),
     (["--device", "cuda", "--model-config", "bogus", "--out", "{tmp}/out"],
      "--model-config 'bogus' is not in {configs}; known: deepseek-r1, deepseek-v2-lite, deepseek-v3, "),
+    (["--out", "{tmp}/out"],
+     "--device cuda (the default): no CUDA device here; on CPU the built-in small checkpoint runs: --device cpu"),
 ])
 def test_bad_flags_are_named_with_exit_2(script, tmp_path, monkeypatch, capsys, args, message):
     (tmp_path / "file").write_text("")
+    monkeypatch.setattr(script.torch.cuda, "is_available", lambda: False)  # as on a machine without a GPU
     monkeypatch.setattr(script, "ensure_default_checkpoint", lambda: pytest.fail("work started"))
     monkeypatch.setattr(script, "free_port", lambda: pytest.fail("work started"))
     monkeypatch.setattr(sys, "argv", ["serve.py", *[a.format(tmp=tmp_path) for a in args]])
