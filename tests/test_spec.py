@@ -194,6 +194,11 @@ def test_explicit_null_is_what_transformers_derives():
          r"v3\.json: field 'rope_parameters\.rope_type' must be one of 'default', .*'llama3'.*, got 'bogus'"),
         ("qwen3-30b-a3b", {"rope_scaling": "yarn"},
          r"v3\.json: field 'rope_scaling' must be a JSON object, got 'yarn' \(a string\)$"),
+        # the embedding's padding row (was transformers' bare assertion when the model was built)
+        ("qwen3-30b-a3b", {"pad_token_id": 151936},
+         r"v3\.json: field 'pad_token_id' must be an integer in \[0, 151935\], got 151936$"),
+        ("qwen3-30b-a3b", {"pad_token_id": -1},
+         r"v3\.json: field 'pad_token_id' must be an integer in \[0, 151935\], got -1$"),
         # the experts' activation (was a bare KeyError: bogus when the model was built)
         ("qwen3-30b-a3b", {"hidden_act": "bogus"},
          r"v3\.json: field 'hidden_act' must be one of 'silu', 'gelu', 'relu', got 'bogus' \(a string\)$"),

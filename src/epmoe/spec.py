@@ -505,6 +505,8 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
     num_layers = f.int("num_hidden_layers")
     hidden = f.int("hidden_size")
     vocab = f.int("vocab_size")
+    if cfg.get("pad_token_id") is not None:  # the embedding's padding row (transformers asserts it lies in the table)
+        f.int("pad_token_id", minimum=0, maximum=vocab - 1)
     num_heads = f.int("num_attention_heads")
     hidden_act = f.str("hidden_act", choices=ACTIVATIONS, fallback="silu")
     max_positions = f.int("max_position_embeddings")
