@@ -182,6 +182,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--device cuda (the default): no CUDA device here; use --device cpu without one")
     if a.gpus < 1:
         p.error(f"--gpus: no GPU found (got {a.gpus}); use --device cpu without one")
+    if cpu and a.expert_format != "bf16":
+        p.error(f"--expert-format {a.expert_format}: the CPU run uses the built-in small checkpoint, whose routed "
+                f"experts are bf16; INT4 experts are timed with --device cuda")
+    experts = routed_experts(cpu)
+    if experts % a.gpus:
+        p.error(f"--gpus {a.gpus}: the model's {experts} routed experts do not divide evenly among {a.gpus} ranks "
+                f"(expert and tensor parallelism place the same number on each)")
     if not cpu and a.gpus > torch.cuda.device_count():
         p.error(f"--gpus {a.gpus}: this machine has {torch.cuda.device_count()} GPU(s)")
     # a window's requests decode from a prompt of up to 96 tokens through the warm-up, timed and profiled steps
@@ -194,6 +201,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---- the model ---------------------------------------------------------------------------------------------------
+
+
+def routed_experts(cpu: bool) -> int:
+    """Routed experts of the model the run serves: the built-in small checkpoint on CPU, Kimi-K2.5 on CUDA."""
+    if cpu:
+        from epmoe.models.tiny import ensure_default_checkpoint
+
+        return load_moe_spec(str(ensure_default_checkpoint())).num_experts
+    return load_moe_spec(str(CONFIGS / "kimi-k2.5.config.json")).num_experts
 
 
 def fitting_layers(args: argparse.Namespace, root: Path) -> int:
@@ -429,15 +445,14 @@ def peak_memory_gib(r: Rank) -> list[float]:
 
 
 def check_expert_format(engine: Engine, expert_format: str) -> None:
-    """Raise ``ValueError`` when ``int4`` experts were asked for but the engine holds them in a float dtype (a tree
-    without the INT4 expert loader reads the config's ``quantization_config`` as bf16 dummy weights)."""
+    """Raise ``ValueError`` when ``int4`` experts were asked for but the engine holds them in a float dtype."""
     if expert_format != "int4":
         return
     experts = engine.ep_model.moe_layers[0].experts
     dtypes = {t.dtype for t in [*experts.parameters(), *experts.buffers()]}
     if all(d.is_floating_point for d in dtypes):
         raise ValueError(f"--expert-format int4: the engine loaded the routed experts as {sorted(map(str, dtypes))}, "
-                         f"not packed INT4 (this tree has no INT4 expert loader); use --expert-format bf16")
+                         f"not packed INT4; use --expert-format bf16")
 
 
 def rank_main(info: RankInfo, args: argparse.Namespace, model: dict) -> dict | None:

@@ -38,6 +38,11 @@ def script(monkeypatch):
     (["--parallel", ","], "--parallel must name each of ('ep', 'tp') at most once (at least one), got ','"),
     (["--parallel", "ep,ep"], "--parallel must name each of ('ep', 'tp') at most once (at least one), got 'ep,ep'"),
     (["--profile", "1"], "unrecognized arguments: --profile 1"),   # not taken for --profile-steps
+    # a traceback from the ranks before (the placement's slots per rank), and a stale one from the loader check
+    (["--gpus", "3"], "--gpus 3: the model's 16 routed experts do not divide evenly among 3 ranks (expert and "
+                      "tensor parallelism place the same number on each)"),
+    (["--expert-format", "int4"], "--expert-format int4: the CPU run uses the built-in small checkpoint, whose "
+                                  "routed experts are bf16; INT4 experts are timed with --device cuda"),
 ])
 def test_bad_flags_are_named_with_exit_2(script, capsys, args, message):
     with pytest.raises(SystemExit) as exc:
@@ -49,15 +54,17 @@ def test_bad_flags_are_named_with_exit_2(script, capsys, args, message):
 def test_cpu_defaults_and_given_values(script):
     a = script.parse_args(["--device", "cpu"])
     assert (a.gpus, a.concurrency, a.steps, a.profile_steps, a.check_tokens) == (2, [1, 4], 4, 2, 6)
-    a = script.parse_args(["--device", "cpu", "--gpus", "3", "--concurrency", "2,8", "--steps", "1",
+    a = script.parse_args(["--device", "cpu", "--gpus", "4", "--concurrency", "2,8", "--steps", "1",
                            "--profile-steps", "1", "--check-tokens", "1"])
-    assert (a.gpus, a.concurrency, a.steps, a.profile_steps, a.check_tokens) == (3, [2, 8], 1, 1, 1)
+    assert (a.gpus, a.concurrency, a.steps, a.profile_steps, a.check_tokens) == (4, [2, 8], 1, 1, 1)
 
 
 @pytest.mark.parametrize("args, gpus, message", [
     ([], 0, "--device cuda (the default): no CUDA device here; use --device cpu without one"),
     (["--gpus", "8"], 0, "--device cuda (the default): no CUDA device here; use --device cpu without one"),
     (["--gpus", "8"], 4, "--gpus 8: this machine has 4 GPU(s)"),
+    (["--gpus", "5"], 8, "--gpus 5: the model's 384 routed experts do not divide evenly among 5 ranks (expert and "
+                         "tensor parallelism place the same number on each)"),
     (["--steps", "600"], 8, "--steps 600 and --profile-steps 4 (with --spec-k 3: up to 2556 tokens of context a "
                             "request, a 128-token allowance for the prompt included) do not fit --max-model-len 2048"),
 ])
