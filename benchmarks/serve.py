@@ -131,6 +131,9 @@ def main() -> None:
     args = ap.parse_args()
     if Path(args.out).exists() and not Path(args.out).is_dir():
         ap.error(f"--out {args.out!r} is a file; it names the folder the results are written to")
+    if args.device == "cpu" and args.model_config != ap.get_default("model_config"):
+        ap.error(f"--model-config {args.model_config!r} is for --device cuda; on CPU the built-in small checkpoint "
+                 f"runs and the flag would be ignored")
     if args.device == "cuda" and not (CONFIGS / f"{args.model_config}.config.json").is_file():
         known = ", ".join(sorted(p.name.removesuffix(".config.json") for p in CONFIGS.glob("*.config.json")))
         ap.error(f"--model-config {args.model_config!r} is not in {CONFIGS}; known: {known}")

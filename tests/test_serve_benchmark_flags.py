@@ -1,6 +1,6 @@
-"""benchmarks/serve.py's flags: an --out that is a file, an unknown --model-config and --device cuda without a CUDA
-device are argparse errors (exit 2) naming the flag, before the server or any checkpoint is started (they were
-FileExistsError / FileNotFoundError / CUDA assertion tracebacks)."""
+"""benchmarks/serve.py's flags: an --out that is a file, an unknown --model-config (or one given with --device cpu)
+and --device cuda without a CUDA device are argparse errors (exit 2) naming the flag, before the server or any
+checkpoint is started (they were FileExistsError / FileNotFoundError / CUDA assertion tracebacks, or ignored)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ def script(monkeypatch):
      "--model-config 'bogus' is not in {configs}; known: deepseek-r1, deepseek-v2-lite, deepseek-v3, "),
     (["--out", "{tmp}/out"],
      "--device cuda (the default): no CUDA device here; on CPU the built-in small checkpoint runs: --device cpu"),
+    # was ignored: the built-in checkpoint ran and the run exited 0
+    (["--device", "cpu", "--model-config", "deepseek-v3", "--out", "{tmp}/out"],
+     "--model-config 'deepseek-v3' is for --device cuda; on CPU the built-in small checkpoint runs and the flag "
+     "would be ignored"),
 ])
 def test_bad_flags_are_named_with_exit_2(script, tmp_path, monkeypatch, capsys, args, message):
     (tmp_path / "file").write_text("")
