@@ -85,6 +85,10 @@ def test_the_most_likely_allowed_token_wins(engine):
     ({"regex": "a\ud800"}, r"structured_outputs.regex 'a\\ud800' is not valid Unicode text: a lone surrogate "
                            r"'\\ud800' at position 1"),
     ({"choice": ["ok", "\udc80"]}, r"structured_outputs.choice\[1\] '\\udc80' is not valid Unicode text"),
+    # the list as sent (was shown as the tuple it is kept as: got ())
+    ({"choice": []}, r"structured_outputs.choice must be a non-empty list of non-empty strings, got \[\]$"),
+    ({"choice": ["a", ""]}, r"structured_outputs.choice must be a non-empty list of non-empty strings, got "
+                            r"\['a', ''\]$"),
 ])
 def test_constraints_that_do_not_compile_are_refused_before_queueing(engine, spec, message):
     with pytest.raises(ValueError, match=message):

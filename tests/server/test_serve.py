@@ -507,6 +507,19 @@ def test_a_union_field_error_names_what_failed(server, route, body, param, messa
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.parametrize("route, body, param, message", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens",
+     "max_tokens must be an integer >= 1 (0 only with echo), got 0"),
+    # chat has no echo: the note was there too
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+     "max_completion_tokens", "max_completion_tokens must be an integer >= 1, got 0"),
+])
+def test_a_token_limit_of_zero_names_echo_where_it_exists(server, route, body, param, message):
+    r = httpx.post(f"{server.url}{route}", json={"model": MODEL, **body}, headers=AUTH)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["message"] == message
+
+
 def test_structured_outputs_hold_on_both_endpoints(client, offline):
     """OpenAI's response_format (a schema of an enum: a JSON string), vLLM's structured_outputs (a JSON object without
     free whitespace, streamed too) and guided_choice: each output holds to its constraint, and a constrained request

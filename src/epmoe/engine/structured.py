@@ -71,7 +71,8 @@ class StructuredOutputs:
             raise ValueError(f"structured_outputs.{kind} must be a non-empty string, got {value!r}")
         if kind == "choice" and (not isinstance(value, tuple) or not value
                                  or not all(isinstance(c, str) and c for c in value)):
-            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got {value!r}")
+            shown = list(value) if isinstance(value, tuple) else value  # the list the caller gave
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got {shown!r}")
         if kind == "json_object" and value is not True:
             raise ValueError(f"structured_outputs.json_object must be true when given, got {value!r}")
         if kind == "json":

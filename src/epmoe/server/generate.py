@@ -136,7 +136,8 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
     if prompt_only:
         max_tokens = 1  # the engine computes the prompt and one token, which is not sent
     if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"{sent} must be an integer >= 1 (0 only with echo), got {max_tokens}", sent)
+        echo = " (0 only with echo)" if kind == "completion" else ""  # vLLM's prompt-only completion
+        raise ApiError(400, f"{sent} must be an integer >= 1{echo}, got {max_tokens}", sent)
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
     if req.prompt_logprobs is not None and req.stream:
