@@ -212,7 +212,9 @@ def test_responses_api_calls_tools_and_takes_their_outputs(client):
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id", "epmoe stores no responses"),
     ({"input": "hi", "max_output_tokens": 999}, "max_output_tokens",
      "max_output_tokens (999) plus the prompt's"),
-    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0", ""),
+    # the type named (was the function tool's missing name: "tools.0.name: Field required")
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0.type",
+     'tools.0.type="web_search" is not served by epmoe: only function tools are (type "function")'),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format",
      "text.format of type json_schema needs its schema"),
     ({"input": [{"role": "user", "content": 5}]}, "input.0", ""),

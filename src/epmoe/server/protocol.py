@@ -361,8 +361,19 @@ class ResponsesRequest(_Request):
     @model_validator(mode="before")
     @classmethod
     def _defaults(cls, data: Any) -> Any:
-        """``null`` for a field with a default: the default (as the other requests)."""
-        return _null_as_default(cls, data) if isinstance(data, dict) else data
+        """``null`` for a field with a default: the default (as the other requests); a tool of another type than
+        ``function`` (OpenAI's built-in tools: web search, file search, ...) refused by its type, which the function
+        tool's missing fields would otherwise hide."""
+        if not isinstance(data, dict):
+            return data
+        tools = data.get("tools")
+        for i, tool in enumerate(tools if isinstance(tools, list) else ()):
+            if isinstance(tool, dict) and tool.get("type", "function") != "function":
+                shown = json.dumps(tool["type"], default=repr)
+                raise PydanticCustomError(
+                    "unserved", "{field}={shown} is not served by epmoe: only function tools are (type \"function\")",
+                    {"field": f"tools.{i}.type", "shown": shown if len(shown) <= 80 else shown[:77] + "..."})
+        return _null_as_default(cls, data)
 
 
 class TokenizeRequest(_Request):
