@@ -51,6 +51,12 @@ def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
     return False
 
 
+def _shown(value: Any) -> str:
+    """``value`` as JSON for an error message, cut to 80 characters."""
+    shown = json.dumps(value, default=repr)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
+
+
 def _null_as_default(cls: type[BaseModel], data: dict) -> dict:
     """A request body without the ``null`` values of ``cls``'s fields that have a default other than ``None``
     (the OpenAI schema marks them nullable: ``null`` means the default)."""
@@ -145,12 +151,11 @@ class SamplingFields(_Request):
             return data
         for name, allowed in UNSERVED.items():
             if name in data and name not in cls.model_fields and not _neutral(data[name], allowed):
-                shown = json.dumps(data[name], default=repr)
-                shown = shown if len(shown) <= 80 else shown[:77] + "..."
                 raise PydanticCustomError(
                     "unserved", "{field}={shown} is not served by epmoe (the output would not be what was asked); "
                     "leave {field} out or send {allowed}",
-                    {"field": name, "shown": shown, "allowed": " or ".join(json.dumps(a) for a in allowed)})
+                    {"field": name, "shown": _shown(data[name]),
+                     "allowed": " or ".join(json.dumps(a) for a in allowed)})
         return _null_as_default(cls, data)
 
 
@@ -369,10 +374,9 @@ class ResponsesRequest(_Request):
         tools = data.get("tools")
         for i, tool in enumerate(tools if isinstance(tools, list) else ()):
             if isinstance(tool, dict) and tool.get("type", "function") != "function":
-                shown = json.dumps(tool["type"], default=repr)
                 raise PydanticCustomError(
                     "unserved", "{field}={shown} is not served by epmoe: only function tools are (type \"function\")",
-                    {"field": f"tools.{i}.type", "shown": shown if len(shown) <= 80 else shown[:77] + "..."})
+                    {"field": f"tools.{i}.type", "shown": _shown(tool["type"])})
         return _null_as_default(cls, data)
 
 
