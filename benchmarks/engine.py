@@ -385,26 +385,31 @@ def peer(model_dir: Path, batches: list[int], mode: str, steps: int, out: dict, 
         kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
         if mode == "static":
             kw["cache_implementation"] = "static"
-        def run(n: int, ids=ids, kw=kw, model=model) -> float:
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-            torch.cuda.synchronize()
-            return time.perf_counter() - t0
-
         try:
-            run(4)
-            run(4 + steps)
-            out[bs] = (run(4 + steps) - run(4)) * 1e3 / steps
+            _generate_s(model, ids, kw, 4)
+            _generate_s(model, ids, kw, 4 + steps)
+            out[bs] = (_generate_s(model, ids, kw, 4 + steps) - _generate_s(model, ids, kw, 4)) * 1e3 / steps
             print(f"    peer {mode} bs {bs}: {out[bs]:.2f} ms per token", flush=True)
         except Exception as exc:  # noqa: BLE001 - report the peer's failure and go on
             out[bs] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
         saved()
-    del model
+    # generate's static cache leaves the compiled forward on the model, which refers back to the model: a cycle that
+    # only the collection below frees, once no name here holds the model (else its weights stay on the GPU into the
+    # next model's engine)
+    del model, ids, kw
     if mode == "static":  # the compiled graphs hold the model's weights: drop them, or the next model may not fit
         torch._dynamo.reset()
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def _generate_s(model, ids: torch.Tensor, kw: dict, n: int) -> float:
+    """Seconds ``model.generate`` takes for ``n`` new tokens after ``ids`` (int64 ``[B, T]`` on CUDA)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def attention_dims(config) -> tuple[int, int, int]:

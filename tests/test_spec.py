@@ -199,6 +199,19 @@ def test_explicit_null_is_what_transformers_derives():
          r"v3\.json: field 'pad_token_id' must be an integer in \[0, 151935\], got 151936$"),
         ("qwen3-30b-a3b", {"pad_token_id": -1},
          r"v3\.json: field 'pad_token_id' must be an integer in \[0, 151935\], got -1$"),
+        # the wrapper's and the quantization's objects (were AttributeErrors: 'str' object has no attribute 'get')
+        ("qwen3-30b-a3b", {"text_config": [1]}, r"v3\.json: field 'text_config' must be a JSON object, got \[1\]$"),
+        ("qwen3-30b-a3b", {"quantization_config": "fp8"},
+         r"v3\.json: field 'quantization_config' must be a JSON object, got 'fp8' \(a string\)$"),
+        ("qwen3-30b-a3b", {"quantization_config": {"quant_method": 8}},
+         r"v3\.json: field 'quantization_config\.quant_method' must be a string, got 8$"),
+        ("qwen3-30b-a3b", {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": "x"}},
+         r"v3\.json: field 'quantization_config\.config_groups' must be a JSON object, got 'x' \(a string\)$"),
+        ("qwen3-30b-a3b", {"quantization_config": {"config_groups": {"g": {"weights": [4]}}}},
+         r"v3\.json: field 'quantization_config\.config_groups\.g\.weights' must be a JSON object, got \[4\]$"),
+        ("qwen3-30b-a3b", {"quantization_config": {"config_groups": {"g": {"weights": {"num_bits": "4"}}}}},
+         r"v3\.json: field 'quantization_config\.config_groups\.g\.weights\.num_bits' must be a positive integer, "
+         r"got '4' \(a string\)$"),
         # the experts' activation (was a bare KeyError: bogus when the model was built)
         ("qwen3-30b-a3b", {"hidden_act": "bogus"},
          r"v3\.json: field 'hidden_act' must be one of 'silu', 'gelu', 'relu', got 'bogus' \(a string\)$"),

@@ -306,24 +306,33 @@ def _weight_format(cfg: dict[str, Any], source: str) -> str:
     reads it (``ExpertStorage.of``, the planner's sizes) refuses it by that name instead of taking it for bf16.
 
     Raises:
-        ValueError: an FP8 ``weight_block_size`` that is not two positive integers (``fp8_block_size``).
+        ValueError: ``quantization_config``, its ``config_groups``, a group or a group's ``weights`` that is not a
+            JSON object, a ``quant_method`` or weights ``type`` that is not a string, a ``num_bits`` that is not a
+            positive integer (file, field and value named); an FP8 ``weight_block_size`` that is not two positive
+            integers (``fp8_block_size``).
     """
-    qc = cfg.get("quantization_config") or {}
-    method = qc.get("quant_method")
+    quant = ConfigFields(cfg, source).section("quantization_config")
+    if quant is None:
+        return "bf16"
+    qc = quant.cfg
+    method = quant.str("quant_method") if quant.has("quant_method") else None
     if method == "fp8":
         return "fp8_block128" if fp8_block_size(qc, source) == (128, 128) else "fp8"
     if method == "mxfp4":
         return "mxfp4"
     if method == "compressed-tensors" or "config_groups" in qc:
-        for group in (qc.get("config_groups") or {}).values():
-            w = group.get("weights") or {}
-            bits, kind = w.get("num_bits"), w.get("type", "int")
+        groups = quant.section("config_groups")
+        for name in groups.cfg if groups is not None else ():
+            group = groups.section(name)
+            w = group.section("weights") if group is not None else None
+            if w is None or not w.has("num_bits"):
+                continue
+            bits, kind = w.int("num_bits"), w.str("type", fallback="int")
             if bits == 4 and kind == "int":
-                return f"int4_group{w.get('group_size', 0)}"
-            if bits is not None:
-                return f"compressed-tensors-{kind}{bits}"
+                return f"int4_group{w.cfg.get('group_size', 0)}"
+            return f"compressed-tensors-{kind}{bits}"
         return "bf16"
-    return str(method) if method else "bf16"
+    return method or "bf16"
 
 
 @dataclass(frozen=True)
@@ -481,6 +490,8 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
         ValueError: a field is missing, of the wrong type or range, or contradicts another (file, field and
             value named).
     """
+    for key in ("text_config", "quantization_config"):  # a wrapper's language model, its quantization: objects
+        ConfigFields(cfg, source).section(key)
     top, cfg = cfg, language_model_config(cfg)
     mt = ConfigFields(cfg, source).str("model_type")
     expert_fields = ("n_routed_experts", "num_experts", "num_local_experts")
