@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 
@@ -465,6 +466,11 @@ BAD_CHAT = [
      "structured_outputs.structural_tag"),
     ("content a lone surrogate", b'{"model": "%s", "messages": [{"role": "user", "content": "\\udc80"}]}'
      % MODEL.encode(), 400, "messages.0.content"),
+    # OpenAI's audio output and web search: text without a word before
+    ("audio asked", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"],
+                     "audio": {"voice": "alloy", "format": "wav"}}, 400, "modalities"),
+    ("web search asked", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "web_search_options": {}},
+     400, "web_search_options"),
 ]
 
 
@@ -558,6 +564,28 @@ def test_auth_routes_and_body_limit(server):
     assert r.status_code == 413 and "8388608" in r.json()["error"]["message"]
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH).status_code == 200
+
+
+def test_a_long_text_prompt_is_tokenized_off_the_event_loop(server):
+    """A prompt of a few MB of text takes seconds to tokenize; ``/health`` asked meanwhile is answered first (it
+    waited for the prompt's 400 while the server tokenized on its event loop)."""
+    body = {"model": MODEL, "prompt": "ab " * 1_300_000, "max_tokens": 1}
+    done: dict[str, tuple[float, httpx.Response]] = {}
+
+    def send() -> None:
+        r = httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=120)
+        done["long"] = (time.monotonic(), r)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    time.sleep(0.5)  # the body is in and its tokenizing under way
+    health = httpx.get(f"{server.url}/health", timeout=120)
+    health_done = time.monotonic()
+    sender.join(120)
+    assert health.status_code == 200
+    long_done, r = done["long"]
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert health_done < long_done, f"/health answered {health_done - long_done:.2f} s after the long prompt"
 
 
 def test_dropped_streams_free_their_blocks(server):

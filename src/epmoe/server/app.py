@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pydantic
@@ -145,6 +147,13 @@ def build_app(ctx: AppContext) -> FastAPI:
     if ctx.cors is not None:
         app.add_middleware(CORSMiddleware, **ctx.cors)
     frontend, codec = ctx.frontend, ctx.codec
+    # a long text prompt takes seconds to tokenize: one thread does it, off the event loop, so the other requests
+    # (and streams already running) are answered meanwhile; one, so the tokenizer is never entered twice at once
+    tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epmoe-tokenize")
+
+    async def off_loop(fn, *args):
+        """``fn(*args)`` on the tokenizing thread, awaited (its exceptions raised here)."""
+        return await asyncio.get_running_loop().run_in_executor(tokenizing, functools.partial(fn, *args))
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
@@ -230,7 +239,7 @@ def build_app(ctx: AppContext) -> FastAPI:
         check_key(request)
         req = await read_body(request, schema)
         check_model(req.model)
-        job = build_job(req, ctx.model_name, codec, ready_info(), ctx.sampling_defaults, ctx.parsers)
+        job = await off_loop(build_job, req, ctx.model_name, codec, ready_info(), ctx.sampling_defaults, ctx.parsers)
         await compile_constraint(job, codec)
         return await run(request, job, req.stream, lambda updates, pending: stream(job, updates, codec, pending),
                          lambda whole: whole)
@@ -273,7 +282,8 @@ def build_app(ctx: AppContext) -> FastAPI:
         req = await read_body(request, ResponsesRequest)
         check_model(req.model)
         try:
-            job = build_job(as_chat(req), ctx.model_name, codec, ready_info(), ctx.sampling_defaults, ctx.parsers)
+            job = await off_loop(build_job, as_chat(req), ctx.model_name, codec, ready_info(), ctx.sampling_defaults,
+                                 ctx.parsers)
             await compile_constraint(job, codec)
         except ApiError as exc:
             raise renamed(exc) from None
@@ -287,7 +297,7 @@ def build_app(ctx: AppContext) -> FastAPI:
         req = await read_body(request, schema)
         if req.model is not None:
             check_model(req.model)
-        return JSONResponse(fn(req, codec, ready_info()))
+        return JSONResponse(await off_loop(fn, req, codec, ready_info()))
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> JSONResponse:

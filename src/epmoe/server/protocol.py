@@ -27,6 +27,7 @@ UNSERVED: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (None, True), "length_penalty": (None, 1),
     "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "functions": (None, []), "function_call": (None, "none", "auto"),
+    "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,),
 }
 """OpenAI and vLLM request fields that change the output and that this server does not serve, with the values that
 leave the output as it is (a request with another value is refused, naming the field)."""
