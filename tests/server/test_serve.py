@@ -550,6 +550,18 @@ def test_structured_outputs_hold_on_both_endpoints(client, offline):
     assert all(c.text in ("ant", "bee", "cat") and c.finish_reason == "stop" for c in picks.choices)
 
 
+def test_model_left_out_is_the_served_one(server):
+    """As vLLM: a request without ``model`` is served by the one model, named in the answer; another name is a 404."""
+    routes = {"/v1/completions": {"prompt": "hi", "max_tokens": 2},
+              "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+              "/v1/responses": {"input": "hi", "max_output_tokens": 2}}
+    for route, body in routes.items():
+        r = httpx.post(f"{server.url}{route}", json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == MODEL, (route, r.text)
+        r = httpx.post(f"{server.url}{route}", json={**body, "model": "other"}, headers=AUTH, timeout=60)
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model", (route, r.text)
+
+
 def test_auth_routes_and_body_limit(server):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):

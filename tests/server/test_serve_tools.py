@@ -235,7 +235,7 @@ def test_responses_api_bad_requests_name_their_fields(server, fields, param, mes
 
 
 @pytest.mark.parametrize("body, param, message", [
-    ({"messages": USER}, "model", "model: Field required"),  # what was sent is not echoed for a missing field
+    ({"model": MODEL}, "messages", "messages: Field required"),  # what was sent is not echoed for a missing field
     ({"model": MODEL, "messages": USER, "tool_choice": {"type": "function"}}, "tool_choice.function",
      "tool_choice.function: Field required"),  # the union member's model name is not a field
     ({"model": MODEL, "messages": USER, "tool_choice": "sometimes"}, "tool_choice",

@@ -231,8 +231,9 @@ def build_app(ctx: AppContext) -> FastAPI:
                                                                      else ""))
         return frontend.info
 
-    def check_model(name: str) -> None:
-        if name != ctx.model_name:
+    def check_model(name: str | None) -> None:
+        """A request's ``model``: the served one, or left out (``None``: the served one, as vLLM takes it)."""
+        if name is not None and name != ctx.model_name:
             raise ApiError(404, f"model {name!r} does not exist; this server serves {ctx.model_name!r}", "model")
 
     async def generate(request: Request, schema: type[pydantic.BaseModel]) -> Response:
@@ -295,8 +296,7 @@ def build_app(ctx: AppContext) -> FastAPI:
         """A request answered at once from the tokenizer: ``fn(request body, codec, engine info)``."""
         check_key(request)
         req = await read_body(request, schema)
-        if req.model is not None:
-            check_model(req.model)
+        check_model(req.model)
         return JSONResponse(await off_loop(fn, req, codec, ready_info()))
 
     @app.post("/tokenize")

@@ -112,9 +112,10 @@ class SamplingFields(_Request):
     ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``return_tokens_as_token_ids``,
     ``prompt_logprobs``); ``logit_bias`` maps token ids (as JSON object keys: strings) to biases. A constraint on
     the output comes as OpenAI's ``response_format``, vLLM's ``structured_outputs`` or vLLM's older ``guided_json``,
-    ``guided_regex``, ``guided_choice``, ``guided_grammar`` (at most one of them)."""
+    ``guided_regex``, ``guided_choice``, ``guided_grammar`` (at most one of them). ``model`` may be left out, as vLLM
+    allows (the served model)."""
 
-    model: str
+    model: str | None = None
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
@@ -342,9 +343,9 @@ class ResponsesRequest(_Request):
     messages, earlier function calls and their outputs; ``instructions`` a system message before them; ``tools``
     function tools; ``text.format`` a constraint as chat's ``response_format``. Nothing is stored:
     ``previous_response_id`` and ``background`` are refused (``server.responses`` translates the rest to a chat
-    request)."""
+    request). ``model`` may be left out, as vLLM allows (the served model)."""
 
-    model: str
+    model: str | None = None
     input: str | list[InputMessage | InputFunctionCall | InputFunctionOutput]
     instructions: str | None = None
     max_output_tokens: int | None = None
