@@ -216,12 +216,15 @@ class DenseModelError(ValueError):
 def language_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """Return the language-model part of a (possibly multimodal) config dict.
 
-    Kimi-K2.5 and Llama-4 keep the text model under ``text_config``; other models are returned as is.
+    Kimi-K2.5 and Llama-4 keep the text model under ``text_config``; other models are returned as is. Its
+    ``quantization_config`` is the language model's, else the wrapper's (the one that describes its weights, which
+    the spec and the checkpoint reader both read).
     """
     text = cfg.get("text_config")
     if isinstance(text, dict):
         merged = dict(text)
-        merged.setdefault("quantization_config", cfg.get("quantization_config"))
+        if merged.get("quantization_config") is None:  # the wrapper's, where the language model names none
+            merged["quantization_config"] = cfg.get("quantization_config")
         return merged
     return cfg
 
@@ -300,7 +303,7 @@ def fp8_block_size(qc: dict[str, Any], where: str) -> tuple[int, int]:
     return int(size[0]), int(size[1])
 
 
-def _weight_format(cfg: dict[str, Any], source: str) -> str:
+def _weight_format(cfg: dict[str, Any], source: str, prefix: str = "") -> str:
     """The routed experts' storage named from ``quantization_config`` (see ``MoESpec.expert_weight_format``): a
     quantization epmoe does not serve keeps its own name (``compressed-tensors-int3``, ``awq``), so that whoever
     reads it (``ExpertStorage.of``, the planner's sizes) refuses it by that name instead of taking it for bf16.
@@ -311,7 +314,7 @@ def _weight_format(cfg: dict[str, Any], source: str) -> str:
             positive integer (file, field and value named); an FP8 ``weight_block_size`` that is not two positive
             integers (``fp8_block_size``).
     """
-    quant = ConfigFields(cfg, source).section("quantization_config")
+    quant = ConfigFields(cfg, source, prefix=prefix).section("quantization_config")
     if quant is None:
         return "bf16"
     qc = quant.cfg
@@ -328,8 +331,10 @@ def _weight_format(cfg: dict[str, Any], source: str) -> str:
             if w is None or not w.has("num_bits"):
                 continue
             bits, kind = w.int("num_bits"), w.str("type", fallback="int")
-            if bits == 4 and kind == "int":
-                return f"int4_group{w.cfg.get('group_size', 0)}"
+            if bits == 4 and kind == "int" and w.has("group_size"):
+                return f"int4_group{w.int('group_size')}"
+            if bits == 4 and kind == "int":  # 4-bit weights in another strategy than groups (per channel, ...)
+                return f"compressed-tensors-int4-{w.str('strategy', fallback='tensor')}"
             return f"compressed-tensors-{kind}{bits}"
         return "bf16"
     return method or "bf16"
@@ -490,8 +495,11 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
         ValueError: a field is missing, of the wrong type or range, or contradicts another (file, field and
             value named).
     """
-    for key in ("text_config", "quantization_config"):  # a wrapper's language model, its quantization: objects
-        ConfigFields(cfg, source).section(key)
+    text = ConfigFields(cfg, source).section("text_config")  # a wrapper's language model: an object or nothing
+    # both quantization objects are checked (the wrapper's and the language model's), each named by its path
+    top_format = _weight_format(cfg, source)
+    weight_format = _weight_format(text.cfg, source, "text_config.") if text is not None and text.has(
+        "quantization_config") else top_format
     top, cfg = cfg, language_model_config(cfg)
     mt = ConfigFields(cfg, source).str("model_type")
     expert_fields = ("n_routed_experts", "num_experts", "num_local_experts")
@@ -578,7 +586,7 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
         group_score=facts.group_score, norm_topk_prob=facts.norm, routed_scaling_factor=facts.scale,
         correction_bias=facts.correction, router_bias=facts.router_bias, expert_bias=facts.expert_bias,
         hidden_act=hidden_act, swiglu_limit=facts.swiglu_limit, swiglu_alpha=facts.swiglu_alpha, vocab_size=vocab,
-        max_position_embeddings=max_positions, attention=attention, expert_weight_format=_weight_format(cfg, source),
+        max_position_embeddings=max_positions, attention=attention, expert_weight_format=weight_format,
         defaults=tuple(f.defaulted.items()), defaults_class=f.defaults_class,
         checkpoint_dtype=_checkpoint_dtype(cfg, top, source),
     )

@@ -347,7 +347,6 @@ REFUSED = [
     ("kimi-k2.5-int4", _asymmetric, r"config_groups.group_0.weights.symmetric is False"),
     ("kimi-k2.5-int4", _packed_float, rf"{EXPERT}.gate_proj.weight_packed' is F32, expected I32"),
     ("kimi-k2.5-int4", _scale_int, rf"{EXPERT}.gate_proj.weight_scale' is I32, expected a float dtype"),
-    ("kimi-k2.5-int4", _group_string, r"weights.group_size is '32'; expected an integer"),
     ("gpt-oss-mxfp4", _drop_mxfp4_scales, r"no 'model.layers.1.mlp.experts.down_proj_scales'"),
     ("gpt-oss-mxfp4", _mxfp4_blocks_int8, r"down_proj_blocks / .*down_proj_scales are I8 / U8, expected U8 / U8"),
     ("gpt-oss-mxfp4", _mxfp4_blocks_cut, r"tensor 'model.layers.1.mlp.experts.gate_up_proj' \(stored as "
@@ -366,6 +365,41 @@ def test_bad_quantized_checkpoint_is_named(ckpts, tmp_path, family, edit, match)
     with pytest.raises(ValueError, match=match.replace(".", "[.]").replace("[.]*", ".*")):
         load_ep_model(directory, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
                       options=MoELayerOptions(dispatcher="local"))
+
+
+def _top_level_groups_string(t, cfg):  # the language model's own quantization_config is good
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": "x"}
+
+
+def _only_the_wrapper_quantized(t, cfg):  # the language model names none: the wrapper's describes its weights
+    cfg["quantization_config"] = cfg["text_config"]["quantization_config"]
+    cfg["text_config"]["quantization_config"] = None
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_group_string, r"config\.json: field 'text_config\.quantization_config\.config_groups\.group_0\.weights\."
+                    r"group_size' must be a positive integer, got '32' \(a string\)$"),
+    # was an AttributeError from the checkpoint reader, which read the top level's first
+    (_top_level_groups_string, r"config\.json: field 'quantization_config\.config_groups' must be a JSON object, got "
+                               r"'x' \(a string\)$"),
+])
+def test_bad_quantization_config_is_refused_where_the_spec_is_read(ckpts, tmp_path, edit, match):
+    from epmoe.spec import load_moe_spec
+
+    with pytest.raises(ValueError, match=match):
+        load_moe_spec(_broken(ckpts["kimi-k2.5-int4"][0], tmp_path, edit))
+
+
+def test_spec_and_reader_take_the_same_quantization_config(ckpts, tmp_path):
+    """Only the wrapper's quantization_config: the spec and the checkpoint reader both read INT4 in groups of 32
+    (the spec read bf16 from the language model's null and the reader refused the stored INT4 against it)."""
+    from epmoe.spec import load_moe_spec
+
+    directory, twin = _broken(ckpts["kimi-k2.5-int4"][0], tmp_path, _only_the_wrapper_quantized), ckpts[
+        "kimi-k2.5-int4"][1]
+    assert load_moe_spec(directory).expert_weight_format == "int4_group32"
+    r = _check(directory, twin, Comm(None), "contiguous", seed=0)
+    assert r["rel_err"] < 1e-5 and r["tokens_equal"] and r["weights"] == "Int4ExpertWeights", r
 
 
 def test_mxfp4_blocks_missing_beside_their_scales_is_named(ckpts, tmp_path):

@@ -551,13 +551,16 @@ def test_structured_outputs_hold_on_both_endpoints(client, offline):
 
 
 def test_model_left_out_is_the_served_one(server):
-    """As vLLM: a request without ``model`` is served by the one model, named in the answer; another name is a 404."""
+    """As vLLM: a request without ``model`` or with an empty one is served by the one model, named in the answer;
+    another name is a 404."""
     routes = {"/v1/completions": {"prompt": "hi", "max_tokens": 2},
               "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
               "/v1/responses": {"input": "hi", "max_output_tokens": 2}}
     for route, body in routes.items():
         r = httpx.post(f"{server.url}{route}", json=body, headers=AUTH, timeout=60)
         assert r.status_code == 200 and r.json()["model"] == MODEL, (route, r.text)
+        r = httpx.post(f"{server.url}{route}", json={**body, "model": ""}, headers=AUTH, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == MODEL, (route, r.text)  # the openai client's way
         r = httpx.post(f"{server.url}{route}", json={**body, "model": "other"}, headers=AUTH, timeout=60)
         assert r.status_code == 404 and r.json()["error"]["param"] == "model", (route, r.text)
 
@@ -579,8 +582,8 @@ def test_auth_routes_and_body_limit(server):
 
 
 def test_a_long_text_prompt_is_tokenized_off_the_event_loop(server):
-    """A prompt of a few MB of text takes seconds to tokenize; ``/health`` asked meanwhile is answered first (it
-    waited for the prompt's 400 while the server tokenized on its event loop)."""
+    """A prompt of a few MB of text takes seconds to tokenize; ``/health`` and a short prompt sent meanwhile are
+    answered first (they waited for the long prompt's 400 while the server tokenized on its event loop)."""
     body = {"model": MODEL, "prompt": "ab " * 1_300_000, "max_tokens": 1}
     done: dict[str, tuple[float, httpx.Response]] = {}
 
@@ -593,11 +596,15 @@ def test_a_long_text_prompt_is_tokenized_off_the_event_loop(server):
     time.sleep(0.5)  # the body is in and its tokenizing under way
     health = httpx.get(f"{server.url}/health", timeout=120)
     health_done = time.monotonic()
+    short = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                       headers=AUTH, timeout=120)  # a short prompt is not queued behind the long one
+    short_done = time.monotonic()
     sender.join(120)
-    assert health.status_code == 200
+    assert health.status_code == 200 and short.status_code == 200
     long_done, r = done["long"]
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     assert health_done < long_done, f"/health answered {health_done - long_done:.2f} s after the long prompt"
+    assert short_done < long_done, f"the short prompt answered {short_done - long_done:.2f} s after the long one"
 
 
 def test_dropped_streams_free_their_blocks(server):

@@ -28,7 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from epmoe.experts.mxfp4 import E8M0_MAX_FINITE, E8M0_NAN
-from epmoe.spec import fp8_block_size
+from epmoe.spec import fp8_block_size, language_model_config
 
 SCALE_SUFFIX = "_scale_inv"
 _WRAPPER_PREFIX = "language_model."
@@ -474,14 +474,14 @@ _INT4_SCHEME = {"type": "int", "symmetric": True, "strategy": "group"}
 
 
 def _int4_group_size(config: dict, directory: Path) -> int | None:
-    """The ``group_size`` of the 4-bit weights of a compressed-tensors ``quantization_config`` (top level or under
-    ``text_config``), ``None`` when there is none.
+    """The ``group_size`` of the 4-bit weights of a compressed-tensors ``quantization_config`` (the language model's,
+    else the top level's: ``spec.language_model_config``), ``None`` when there is none.
 
     Raises:
         ValueError: 4-bit weights in another scheme than symmetric int groups in the ``pack-quantized`` format
             (the field, its value and the file named).
     """
-    qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
+    qc = language_model_config(config).get("quantization_config") or {}
     for name, group in (qc.get("config_groups") or {}).items():
         w = (group or {}).get("weights") or {}
         if w.get("num_bits") != 4:
@@ -504,8 +504,9 @@ def _int4_group_size(config: dict, directory: Path) -> int | None:
 
 
 def _block_size(config: dict, directory: Path) -> tuple[int, int]:
-    """``quantization_config.weight_block_size`` (top level or under ``text_config``; ``spec.fp8_block_size``)."""
-    qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
+    """``quantization_config.weight_block_size`` (the language model's, else the top level's;
+    ``spec.fp8_block_size``)."""
+    qc = language_model_config(config).get("quantization_config") or {}
     return fp8_block_size(qc, f"{directory}/config.json")
 
 

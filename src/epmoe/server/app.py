@@ -49,6 +49,10 @@ from epmoe.server.responses import stream as response_events
 from epmoe.server.responses import whole as whole_response
 from epmoe.server.text import TextCodec
 
+INLINE_TOKENIZE_BYTES = 16 << 10
+"""Requests whose body is at most this many bytes are tokenized on the event loop (a few milliseconds at most);
+longer ones on the server's tokenizing thread."""
+
 
 @dataclass(frozen=True)
 class AppContext:
@@ -147,12 +151,18 @@ def build_app(ctx: AppContext) -> FastAPI:
     if ctx.cors is not None:
         app.add_middleware(CORSMiddleware, **ctx.cors)
     frontend, codec = ctx.frontend, ctx.codec
-    # a long text prompt takes seconds to tokenize: one thread does it, off the event loop, so the other requests
-    # (and streams already running) are answered meanwhile; one, so the tokenizer is never entered twice at once
+    # a long text prompt takes seconds to tokenize: a thread of its own does it, off the event loop, so the other
+    # requests (and streams already running) are answered meanwhile; a short one is tokenized at once on the loop,
+    # not queued behind the long ones. A fast tokenizer's encode only reads it once a first call has set its
+    # truncation and padding off, which this one makes before any request
+    codec.encode("")
     tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epmoe-tokenize")
 
-    async def off_loop(fn, *args):
-        """``fn(*args)`` on the tokenizing thread, awaited (its exceptions raised here)."""
+    async def tokenized(request: Request, fn, *args):
+        """``fn(*args)``, a function that tokenizes the request's text: at once when the request's body is at most
+        ``INLINE_TOKENIZE_BYTES``, else on the tokenizing thread, awaited (its exceptions raised here)."""
+        if request.state.body_bytes <= INLINE_TOKENIZE_BYTES:
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(tokenizing, functools.partial(fn, *args))
 
     @app.exception_handler(ApiError)
@@ -192,6 +202,7 @@ def build_app(ctx: AppContext) -> FastAPI:
                 raise ApiError(413, f"request body is over the limit of {ctx.max_body_bytes} bytes")
             chunks.append(chunk)
         raw = b"".join(chunks)
+        request.state.body_bytes = size
         if not raw.strip():
             if optional:
                 return schema()
@@ -232,15 +243,16 @@ def build_app(ctx: AppContext) -> FastAPI:
         return frontend.info
 
     def check_model(name: str | None) -> None:
-        """A request's ``model``: the served one, or left out (``None``: the served one, as vLLM takes it)."""
-        if name is not None and name != ctx.model_name:
+        """A request's ``model``: the served one, or left out or empty (the served one, as vLLM takes them)."""
+        if name and name != ctx.model_name:
             raise ApiError(404, f"model {name!r} does not exist; this server serves {ctx.model_name!r}", "model")
 
     async def generate(request: Request, schema: type[pydantic.BaseModel]) -> Response:
         check_key(request)
         req = await read_body(request, schema)
         check_model(req.model)
-        job = await off_loop(build_job, req, ctx.model_name, codec, ready_info(), ctx.sampling_defaults, ctx.parsers)
+        job = await tokenized(request, build_job, req, ctx.model_name, codec, ready_info(), ctx.sampling_defaults,
+                              ctx.parsers)
         await compile_constraint(job, codec)
         return await run(request, job, req.stream, lambda updates, pending: stream(job, updates, codec, pending),
                          lambda whole: whole)
@@ -283,8 +295,8 @@ def build_app(ctx: AppContext) -> FastAPI:
         req = await read_body(request, ResponsesRequest)
         check_model(req.model)
         try:
-            job = await off_loop(build_job, as_chat(req), ctx.model_name, codec, ready_info(), ctx.sampling_defaults,
-                                 ctx.parsers)
+            job = await tokenized(request, build_job, as_chat(req), ctx.model_name, codec, ready_info(),
+                                  ctx.sampling_defaults, ctx.parsers)
             await compile_constraint(job, codec)
         except ApiError as exc:
             raise renamed(exc) from None
@@ -297,7 +309,7 @@ def build_app(ctx: AppContext) -> FastAPI:
         check_key(request)
         req = await read_body(request, schema)
         check_model(req.model)
-        return JSONResponse(await off_loop(fn, req, codec, ready_info()))
+        return JSONResponse(await tokenized(request, fn, req, codec, ready_info()))
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> JSONResponse:
