@@ -223,6 +223,20 @@ def test_bad_values_are_refused_with_field_value_and_file(name, edit, message):
         parse_moe_spec(cfg, "v3.json")
 
 
+def test_a_wrapped_language_model_names_its_fields_by_path():
+    """Kimi-K2.5 keeps its language model under text_config: its fields are named there, its quantization_config
+    too, apart from a wrapper's (both are checked)."""
+    k25 = json.loads((CONFIGS / "kimi-k2.5.config.json").read_text())
+    bad = {**k25, "text_config": {**k25["text_config"], "hidden_size": -1}}
+    with pytest.raises(ValueError, match=r"k25\.json: field 'text_config\.hidden_size' must be a positive integer, "
+                                         r"got -1$"):
+        parse_moe_spec(bad, "k25.json")
+    bad = {**k25, "text_config": {**k25["text_config"], "quantization_config": 5}}
+    with pytest.raises(ValueError, match=r"field 'text_config\.quantization_config' must be a JSON object, got 5$"):
+        parse_moe_spec(bad, "k25.json")
+    assert parse_moe_spec(k25, "k25.json").expert_weight_format == "int4_group32"
+
+
 def test_rope_types_are_those_transformers_computes():
     """Every ``rope_type`` transformers' rotary embeddings compute is accepted, the shipped configs' included
     (DeepSeek's ``type: yarn``, Llama-4's ``llama3``), and a config without a RoPE object is fine."""

@@ -501,7 +501,8 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
     weight_format = _weight_format(text.cfg, source, "text_config.") if text is not None and text.has(
         "quantization_config") else top_format
     top, cfg = cfg, language_model_config(cfg)
-    mt = ConfigFields(cfg, source).str("model_type")
+    where = "text_config." if text is not None else ""  # the language model's fields named by their path
+    mt = ConfigFields(cfg, source, prefix=where).str("model_type")
     expert_fields = ("n_routed_experts", "num_experts", "num_local_experts")
     if mt in _DENSE:
         arch = ", ".join(cfg.get("architectures") or []) or mt
@@ -520,7 +521,7 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
 
     from epmoe.experts.weights import ACTIVATIONS
 
-    f = ConfigFields(cfg, source, mt)
+    f = ConfigFields(cfg, source, mt, prefix=where)
     num_layers = f.int("num_hidden_layers")
     hidden = f.int("hidden_size")
     vocab = f.int("vocab_size")
