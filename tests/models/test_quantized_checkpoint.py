@@ -390,13 +390,19 @@ def test_bad_quantization_config_is_refused_where_the_spec_is_read(ckpts, tmp_pa
         load_moe_spec(_broken(ckpts["kimi-k2.5-int4"][0], tmp_path, edit))
 
 
-def test_spec_and_reader_take_the_same_quantization_config(ckpts, tmp_path):
-    """Only the wrapper's quantization_config: the spec and the checkpoint reader both read INT4 in groups of 32
-    (the spec read bf16 from the language model's null and the reader refused the stored INT4 against it)."""
+def _scheme_nulls(t, cfg):  # null for compressed-tensors' defaults: int, symmetric, groups of the group_size
+    cfg["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"].update(
+        type=None, symmetric=None, strategy=None)
+
+
+@pytest.mark.parametrize("edit", [_only_the_wrapper_quantized, _scheme_nulls])
+def test_spec_and_reader_take_the_same_quantization_config(ckpts, tmp_path, edit):
+    """Only the wrapper's quantization_config, or nulls for the scheme's defaults: the spec and the checkpoint reader
+    both read INT4 in groups of 32 (the spec read bf16 from the language model's null and the reader refused the
+    stored INT4 against it; the reader refused a null type the spec took for int)."""
     from epmoe.spec import load_moe_spec
 
-    directory, twin = _broken(ckpts["kimi-k2.5-int4"][0], tmp_path, _only_the_wrapper_quantized), ckpts[
-        "kimi-k2.5-int4"][1]
+    directory, twin = _broken(ckpts["kimi-k2.5-int4"][0], tmp_path, edit), ckpts["kimi-k2.5-int4"][1]
     assert load_moe_spec(directory).expert_weight_format == "int4_group32"
     r = _check(directory, twin, Comm(None), "contiguous", seed=0)
     assert r["rel_err"] < 1e-5 and r["tokens_equal"] and r["weights"] == "Int4ExpertWeights", r

@@ -491,7 +491,8 @@ def _int4_group_size(config: dict, directory: Path) -> int | None:
             raise ValueError(f"{where}.format is {qc.get('format')!r}; 4-bit weights are read in the "
                              f"'pack-quantized' format only")
         for field, want in _INT4_SCHEME.items():
-            if w.get(field, want) != want:
+            # absent or null: compressed-tensors' default (int, symmetric, groups where a group_size is given)
+            if w.get(field) is not None and w[field] != want:
                 raise ValueError(f"{where}.config_groups.{name}.weights.{field} is {w.get(field)!r}; 4-bit weights "
                                  f"are read with {field} {want!r} only")
         group = w.get("group_size")
