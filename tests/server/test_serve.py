@@ -550,6 +550,23 @@ def test_structured_outputs_hold_on_both_endpoints(client, offline):
     assert all(c.text in ("ant", "bee", "cat") and c.finish_reason == "stop" for c in picks.choices)
 
 
+def test_a_long_prompt_whose_client_left_is_not_tokenized(server):
+    """Three long prompts whose clients give up after 0.3 s: the first is being tokenized by then, the two queued
+    behind it are skipped when their turn comes (the server logs each), and the server serves on."""
+    body = {"model": MODEL, "prompt": "ab " * 1_300_000, "max_tokens": 1}
+    before = server.log.read_text().count("was tokenized: skipped")
+    for _ in range(3):
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=httpx.Timeout(60, read=0.3))
+    deadline = time.monotonic() + 120
+    while server.log.read_text().count("was tokenized: skipped") < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.log.read_text().count("was tokenized: skipped") == before + 2, server.log.read_text()[-2000:]
+    ok = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                    headers=AUTH, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
 def test_model_left_out_is_the_served_one(server):
     """As vLLM: a request without ``model`` or with an empty one is served by the one model, named in the answer;
     another name is a 404."""

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hmac
 import json
+import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -48,6 +49,8 @@ from epmoe.server.responses import as_chat, renamed
 from epmoe.server.responses import stream as response_events
 from epmoe.server.responses import whole as whole_response
 from epmoe.server.text import TextCodec
+
+log = logging.getLogger("epmoe.server")
 
 INLINE_TOKENIZE_BYTES = 16 << 10
 """Requests whose body is at most this many bytes are tokenized on the event loop (a few milliseconds at most);
@@ -160,10 +163,33 @@ def build_app(ctx: AppContext) -> FastAPI:
 
     async def tokenized(request: Request, fn, *args):
         """``fn(*args)``, a function that tokenizes the request's text: at once when the request's body is at most
-        ``INLINE_TOKENIZE_BYTES``, else on the tokenizing thread, awaited (its exceptions raised here)."""
+        ``INLINE_TOKENIZE_BYTES``, else on the tokenizing thread, awaited (its exceptions raised here).
+
+        Raises:
+            ApiError: 499 when the client goes away first (a request whose turn on the thread has not come is then
+                not tokenized at all).
+        """
         if request.state.body_bytes <= INLINE_TOKENIZE_BYTES:
             return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(tokenizing, functools.partial(fn, *args))
+        left = threading.Event()
+
+        def unless_left():
+            if left.is_set():
+                log.info("client gone before its %d-byte request was tokenized: skipped", request.state.body_bytes)
+                raise ApiError(499, "the client went away before its prompt was tokenized")
+            return fn(*args)
+
+        work = asyncio.get_running_loop().run_in_executor(tokenizing, unless_left)
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not work.done():  # nobody reads the answer: a turn not yet come is skipped, a running one ends unread
+            left.set()
+            work.add_done_callback(lambda done: done.exception())  # retrieved, so asyncio does not report it
+            raise ApiError(499, "the client went away before its prompt was tokenized")
+        return work.result()
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
