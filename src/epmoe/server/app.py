@@ -172,23 +172,24 @@ def build_app(ctx: AppContext) -> FastAPI:
         if request.state.body_bytes <= INLINE_TOKENIZE_BYTES:
             return fn(*args)
         left = threading.Event()
+        gone = "the client went away before its prompt was tokenized"
 
         def unless_left():
             if left.is_set():
                 log.info("client gone before its %d-byte request was tokenized: skipped", request.state.body_bytes)
-                raise ApiError(499, "the client went away before its prompt was tokenized")
+                raise ApiError(499, gone)
             return fn(*args)
 
         work = asyncio.get_running_loop().run_in_executor(tokenizing, unless_left)
-        gone = asyncio.ensure_future(_disconnected(request))
+        leaving = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({work, leaving}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            gone.cancel()
+            leaving.cancel()
         if not work.done():  # nobody reads the answer: a turn not yet come is skipped, a running one ends unread
             left.set()
             work.add_done_callback(lambda done: done.exception())  # retrieved, so asyncio does not report it
-            raise ApiError(499, "the client went away before its prompt was tokenized")
+            raise ApiError(499, gone)
         return work.result()
 
     @app.exception_handler(ApiError)
