@@ -362,6 +362,14 @@ def test_a_config_that_is_not_utf8_is_named(tmp_path):
     (lambda qc: qc["config_groups"]["group_0"]["weights"].update(num_bits=8, type="float"),
      "compressed-tensors-float8"),
     (lambda qc: (qc.clear(), qc.update(quant_method="awq", bits=4)), "awq"),
+    # compressed-tensors' defaults for what a group leaves out: 8-bit int (was taken for bf16)
+    (lambda qc: qc["config_groups"]["group_0"]["weights"].pop("num_bits"), "compressed-tensors-int8"),
+    # 4-bit groups the INT4 kernels would read wrongly (was int4_group32: plan priced them, run refused them)
+    (lambda qc: qc["config_groups"]["group_0"]["weights"].update(symmetric=False),
+     "compressed-tensors-int4-asymmetric"),
+    (lambda qc: qc.update(format="marlin-24"), "compressed-tensors-int4-marlin-24"),
+    (lambda qc: qc["config_groups"]["group_0"]["weights"].update(strategy="channel", group_size=None),
+     "compressed-tensors-int4-channel"),
 ])
 def test_an_unserved_quantization_keeps_its_name(tmp_path, edit, fmt):
     # a quantization epmoe does not serve is named as what it is, never taken for bf16 (whose sizes it would print)

@@ -303,6 +303,27 @@ def fp8_block_size(qc: dict[str, Any], where: str) -> tuple[int, int]:
     return int(size[0]), int(size[1])
 
 
+INT4_SCHEME = {"type": "int", "symmetric": True, "strategy": "group"}
+"""The compressed-tensors weight scheme epmoe reads 4-bit weights in (Kimi-K2/K2.5's, ``pack-quantized``), field ->
+value; an absent or null field is compressed-tensors' default, which is this value where a ``group_size`` is given."""
+
+INT4_FORMAT = "pack-quantized"
+"""The compressed-tensors ``format`` 4-bit weights are read in (absent or null: this one)."""
+
+
+def int4_scheme_departure(qc: dict[str, Any], weights: dict[str, Any]) -> tuple[str, Any] | None:
+    """The first field of a 4-bit int compressed-tensors config group that departs from what epmoe reads
+    (``INT4_FORMAT``, ``INT4_SCHEME``) as ``(field, value)``, the field named from ``quantization_config`` down
+    (``format``, ``weights.symmetric``); ``None`` when the group is read. The spec names such experts as unserved
+    (``_weight_format``) and the checkpoint reader refuses them by that field, one rule for both."""
+    if qc.get("format") is not None and qc["format"] != INT4_FORMAT:
+        return "format", qc["format"]
+    for field, want in INT4_SCHEME.items():
+        if weights.get(field) is not None and weights[field] != want:
+            return f"weights.{field}", weights[field]
+    return None
+
+
 def _weight_format(cfg: dict[str, Any], source: str, prefix: str = "") -> str:
     """The routed experts' storage named from ``quantization_config`` (see ``MoESpec.expert_weight_format``): a
     quantization epmoe does not serve keeps its own name (``compressed-tensors-int3``, ``awq``), so that whoever
@@ -328,12 +349,17 @@ def _weight_format(cfg: dict[str, Any], source: str, prefix: str = "") -> str:
         for name in groups.cfg if groups is not None else ():
             group = groups.section(name)
             w = group.section("weights") if group is not None else None
-            if w is None or not w.has("num_bits"):
+            if w is None:
                 continue
-            bits, kind = w.int("num_bits"), w.str("type", fallback="int")
-            if bits == 4 and kind == "int" and w.has("group_size"):
-                return f"int4_group{w.int('group_size')}"
-            if bits == 4 and kind == "int":  # 4-bit weights in another strategy than groups (per channel, ...)
+            # absent or null: compressed-tensors' defaults (QuantizationArgs: 8-bit int)
+            bits, kind = w.int("num_bits", fallback=8), w.str("type", fallback="int")
+            if bits == 4 and kind == "int":
+                departure = int4_scheme_departure(qc, w.cfg)
+                if departure is not None:  # another packing, zero points, per channel, ...
+                    field, value = departure
+                    return "compressed-tensors-int4-" + ("asymmetric" if field == "weights.symmetric" else str(value))
+                if w.has("group_size"):
+                    return f"int4_group{w.int('group_size')}"
                 return f"compressed-tensors-int4-{w.str('strategy', fallback='tensor')}"
             return f"compressed-tensors-{kind}{bits}"
         return "bf16"

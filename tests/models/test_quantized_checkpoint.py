@@ -344,7 +344,7 @@ REFUSED = [
     ("kimi-k2.5-int4", _bad_shape,
      rf"tensor '{EXPERT}.up_proj.weight_shape' holds \(32, 96\), expected \(32, 64\)"),
     ("kimi-k2.5-int4", _scale_group16, rf"{EXPERT}.gate_proj.weight_scale'.*per 16 inputs.*group_size 32"),
-    ("kimi-k2.5-int4", _asymmetric, r"config_groups.group_0.weights.symmetric is False"),
+    ("kimi-k2.5-int4", _asymmetric, r"routed expert weight format 'compressed-tensors-int4-asymmetric' is not served"),
     ("kimi-k2.5-int4", _packed_float, rf"{EXPERT}.gate_proj.weight_packed' is F32, expected I32"),
     ("kimi-k2.5-int4", _scale_int, rf"{EXPERT}.gate_proj.weight_scale' is I32, expected a float dtype"),
     ("gpt-oss-mxfp4", _drop_mxfp4_scales, r"no 'model.layers.1.mlp.experts.down_proj_scales'"),
@@ -365,6 +365,25 @@ def test_bad_quantized_checkpoint_is_named(ckpts, tmp_path, family, edit, match)
     with pytest.raises(ValueError, match=match.replace(".", "[.]").replace("[.]*", ".*")):
         load_ep_model(directory, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
                       options=MoELayerOptions(dispatcher="local"))
+
+
+def _other_packing(t, cfg):
+    cfg["text_config"]["quantization_config"]["format"] = "marlin-24"
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_asymmetric, r"config\.json: quantization_config\.config_groups\.group_0\.weights\.symmetric is false; 4-bit "
+                  r"weights are read with symmetric true only$"),
+    (_other_packing, r"config\.json: quantization_config\.format is \"marlin-24\"; 4-bit weights are read with format "
+                     r"\"pack-quantized\" only$"),
+])
+def test_the_reader_refuses_an_int4_scheme_it_does_not_unpack(ckpts, tmp_path, edit, match):
+    """Non-expert tensors are read through the checkpoint reader too: a 4-bit scheme it would unpack wrongly (zero
+    points, another packing) is refused there by its field, as the spec names the experts unserved."""
+    from epmoe.models.checkpoint import CheckpointReader
+
+    with pytest.raises(ValueError, match=match):
+        CheckpointReader(_broken(ckpts["kimi-k2.5-int4"][0], tmp_path, edit))
 
 
 def _top_level_groups_string(t, cfg):  # the language model's own quantization_config is good

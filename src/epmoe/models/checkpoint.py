@@ -28,7 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from epmoe.experts.mxfp4 import E8M0_MAX_FINITE, E8M0_NAN
-from epmoe.spec import fp8_block_size, language_model_config
+from epmoe.spec import INT4_FORMAT, INT4_SCHEME, fp8_block_size, int4_scheme_departure, language_model_config
 
 SCALE_SUFFIX = "_scale_inv"
 _WRAPPER_PREFIX = "language_model."
@@ -469,10 +469,6 @@ _FLOAT_HEADER_DTYPES = ("BF16", "F16", "F32")  # safetensors header names of the
 WEIGHT_HEADER_DTYPES = (*_FLOAT_HEADER_DTYPES, "F64", "F8_E4M3", "F8_E5M2")
 
 
-# the compressed-tensors weight scheme the reader unpacks (Kimi-K2/K2.5's), field -> value
-_INT4_SCHEME = {"type": "int", "symmetric": True, "strategy": "group"}
-
-
 def _int4_group_size(config: dict, directory: Path) -> int | None:
     """The ``group_size`` of the 4-bit weights of a compressed-tensors ``quantization_config`` (the language model's,
     else the top level's: ``spec.language_model_config``), ``None`` when there is none.
@@ -487,14 +483,13 @@ def _int4_group_size(config: dict, directory: Path) -> int | None:
         if w.get("num_bits") != 4:
             continue
         where = f"{directory}/config.json: quantization_config"
-        if qc.get("format", "pack-quantized") != "pack-quantized":
-            raise ValueError(f"{where}.format is {qc.get('format')!r}; 4-bit weights are read in the "
-                             f"'pack-quantized' format only")
-        for field, want in _INT4_SCHEME.items():
-            # absent or null: compressed-tensors' default (int, symmetric, groups where a group_size is given)
-            if w.get(field) is not None and w[field] != want:
-                raise ValueError(f"{where}.config_groups.{name}.weights.{field} is {w.get(field)!r}; 4-bit weights "
-                                 f"are read with {field} {want!r} only")
+        departure = int4_scheme_departure(qc, w)
+        if departure is not None:
+            field, value = departure
+            path = field if field == "format" else f"config_groups.{name}.{field}"
+            want = INT4_FORMAT if field == "format" else INT4_SCHEME[field.removeprefix("weights.")]
+            raise ValueError(f"{where}.{path} is {json.dumps(value)}; 4-bit weights are read with "
+                             f"{field.removeprefix('weights.')} {json.dumps(want)} only")
         group = w.get("group_size")
         if group is None:
             return None
