@@ -6,7 +6,7 @@ filled are remembered (``ConfigFields.defaulted``) so ``plan`` and ``doctor`` ca
 defaults. An explicit ``null`` means what transformers makes of it: the value derived from other fields where
 the reader gives that rule (``q_lora_rank: null`` is no query LoRA), else the default. A value of the wrong
 type (a string for a number, ``true`` for a count) or outside its range raises ``ValueError`` naming the file,
-the field and the value. A nested object (``rope_parameters``) is read through ``ConfigFields.section``, its fields
+the field and the value, the value as JSON writes it (``true``, ``null``, ``"3"``). A nested object (``rope_parameters``) is read through ``ConfigFields.section``, its fields
 named by their path (``rope_parameters.rope_type``).
 """
 
@@ -14,11 +14,21 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import math
 from functools import lru_cache
 from typing import Any, Iterable
 
 from epmoe.checks import is_int
+
+def json_text(value: Any) -> str:
+    """``value`` as it reads in a JSON file (``true``, ``null``, ``"fp8"``), for messages about ``config.json``
+    fields; ``repr`` for what JSON cannot hold."""
+    try:
+        return json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return repr(value)
+
 
 # model types transformers does not register, built as the architecture they are (as ``models.hf.hf_config``)
 _CONFIG_CLASS_OF = {"kimi_k2": "deepseek_v3"}
@@ -120,7 +130,7 @@ class ConfigFields:
 
     def _fail(self, key: str, value: Any, expected: str) -> ValueError:
         kind = " (a string)" if isinstance(value, str) else ""
-        return ValueError(f"{self.source}: field {key!r} must be {expected}, got {value!r}{kind}")
+        return ValueError(f"{self.source}: field {key!r} must be {expected}, got {json_text(value)}{kind}")
 
     def has(self, key: str) -> bool:
         """True when the config itself holds a non-null ``key``."""
@@ -200,7 +210,7 @@ class ConfigFields:
         k, v = self._lookup(key, alternatives, fallback)
         allowed = None if choices is None else tuple(choices)
         if not isinstance(v, str) or (allowed is not None and v not in allowed):
-            raise self._fail(k, v, "a string" if allowed is None else "one of " + ", ".join(map(repr, allowed)))
+            raise self._fail(k, v, "a string" if allowed is None else "one of " + ", ".join(map(json_text, allowed)))
         return v
 
     def int_list(self, key: str, *alternatives: str, minimum: int = 0, maximum: int | None = None,
@@ -217,5 +227,5 @@ class ConfigFields:
             if not is_int(item) or item < minimum or (maximum is not None and item > maximum):
                 rng = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
                 kind = " (a string)" if isinstance(item, str) else ""
-                raise ValueError(f"{self.source}: field {k!r}[{i}] must be an integer {rng}, got {item!r}{kind}")
+                raise ValueError(f"{self.source}: field {k!r}[{i}] must be an integer {rng}, got {json_text(item)}{kind}")
         return [int(i) for i in v]

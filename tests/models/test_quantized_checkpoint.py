@@ -397,10 +397,10 @@ def _only_the_wrapper_quantized(t, cfg):  # the language model names none: the w
 
 @pytest.mark.parametrize("edit, match", [
     (_group_string, r"config\.json: field 'text_config\.quantization_config\.config_groups\.group_0\.weights\."
-                    r"group_size' must be a positive integer, got '32' \(a string\)$"),
+                    r"group_size' must be a positive integer, got \"32\" \(a string\)$"),
     # was an AttributeError from the checkpoint reader, which read the top level's first
     (_top_level_groups_string, r"config\.json: field 'quantization_config\.config_groups' must be a JSON object, got "
-                               r"'x' \(a string\)$"),
+                               r"\"x\" \(a string\)$"),
 ])
 def test_bad_quantization_config_is_refused_where_the_spec_is_read(ckpts, tmp_path, edit, match):
     from epmoe.spec import load_moe_spec
