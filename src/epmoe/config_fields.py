@@ -6,8 +6,9 @@ filled are remembered (``ConfigFields.defaulted``) so ``plan`` and ``doctor`` ca
 defaults. An explicit ``null`` means what transformers makes of it: the value derived from other fields where
 the reader gives that rule (``q_lora_rank: null`` is no query LoRA), else the default. A value of the wrong
 type (a string for a number, ``true`` for a count) or outside its range raises ``ValueError`` naming the file,
-the field and the value, the value as JSON writes it (``true``, ``null``, ``"3"``). A nested object (``rope_parameters``) is read through ``ConfigFields.section``, its fields
-named by their path (``rope_parameters.rope_type``).
+the field and the value, the value as JSON writes it (``true``, ``null``, ``"3"``). A nested object
+(``rope_parameters``) is read through ``ConfigFields.section``, its fields named by their path
+(``rope_parameters.rope_type``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from functools import lru_cache
 from typing import Any, Iterable
 
 from epmoe.checks import is_int
+
 
 def json_text(value: Any) -> str:
     """``value`` as it reads in a JSON file (``true``, ``null``, ``"fp8"``), for messages about ``config.json``
@@ -227,5 +229,6 @@ class ConfigFields:
             if not is_int(item) or item < minimum or (maximum is not None and item > maximum):
                 rng = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
                 kind = " (a string)" if isinstance(item, str) else ""
-                raise ValueError(f"{self.source}: field {k!r}[{i}] must be an integer {rng}, got {json_text(item)}{kind}")
+                raise ValueError(f"{self.source}: field {k!r}[{i}] must be an integer {rng}, "
+                                 f"got {json_text(item)}{kind}")
         return [int(i) for i in v]
