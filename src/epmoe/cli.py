@@ -339,15 +339,19 @@ def _flag_error(exc: Exception, flags: dict[str, str]) -> Exception:
 
     A name with an underscore is an option wherever it stands; a plain word (``model``, ``parallel``) only where
     an option's sentence goes on (its value in parentheses or quotes, ``must``, ``is``, ... or a list of options
-    that ``place(s) or move(s)``), so prose (``the model's``, ``expert-parallel``) stays as it is."""
+    that ``place(s) or move(s)``), so prose (``the model's``, ``expert-parallel``) stays as it is, and so does text
+    in double quotes (another library's or the OS's own words)."""
     import re
 
     msg = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
     plain = r"(?=\s\(|\smust\b|\sneeds\b|\sis\b|\sexceeds\b|\s'|,\s|\splaces? or moves?\b)"
+    # text in double quotes is another library's or the OS's own words ("No such device"): left as it is
+    parts = re.split(r'("[^"]*")', msg)
     for name, flag in flags.items():
         ahead = r"(?![\w-]|\.\w)" if "_" in name else plain  # not a file's name (generation_config.json)
-        msg = re.sub(rf"(?<![\w'\"./-]){re.escape(name)}{ahead}", flag, msg)
-    return (TypeError if isinstance(exc, TypeError) else ValueError)(msg)
+        parts = [p if p.startswith('"') else re.sub(rf"(?<![\w'\"./-]){re.escape(name)}{ahead}", flag, p)
+                 for p in parts]
+    return (TypeError if isinstance(exc, TypeError) else ValueError)("".join(parts))
 
 
 _PLAN_FLAGS = {"gpus": "--gpus", "nodes": "--nodes", "spec_tokens": "--spec-tokens", "redundant": "--redundant",

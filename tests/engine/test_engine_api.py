@@ -91,6 +91,31 @@ def test_bad_requests_rejected_before_queueing(engine, model_dir, reference):
     assert_idle(engine)
 
 
+def test_an_aborted_id_is_in_use_until_its_abort_is_reported(engine, reference):
+    # was: the next step reported ('a', abort) and ('a', running) side by side
+    engine.add_request("abc", GREEDY, request_id="a")
+    assert engine.abort("a").finish_reason == "abort"
+    with pytest.raises(ValueError, match=r"request id 'a' is already in use \(its abort is reported by the next "
+                                         r"step\(\)\)"):
+        engine.add_request("abc", GREEDY, request_id="a")
+    (out,) = engine.step()
+    assert (out.request_id, out.finish_reason) == ("a", "abort")
+    engine.add_request("abc", GREEDY, request_id="a")  # free again once reported
+    assert drain(engine)["a"].token_ids == reference["abc"]
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("times, message", [
+    ([float("inf")], r"arrival_times must be finite non-negative seconds, got \[inf\]"),  # was: generate never ended
+    ([-1.0], r"arrival_times must be finite non-negative seconds, got \[-1\.0\]"),
+    (["x"], r"arrival_times must be numbers of seconds, got \['x'\]"),
+])
+def test_bad_arrival_times_named(engine, times, message):
+    with pytest.raises(ValueError, match=message):
+        engine.generate(["abc"], GREEDY, arrival_times=times)
+    assert_idle(engine)
+
+
 def test_request_longer_than_the_pool(model_dir):
     """A request whose prompt plus max_tokens cannot fit in the whole pool is refused, not cut short."""
     small = Engine(config(model_dir, num_kv_blocks=5))  # 4 blocks of 4 = 16 tokens

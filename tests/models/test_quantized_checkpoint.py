@@ -307,6 +307,10 @@ def _asymmetric(t, cfg):
     cfg["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
 
 
+def _no_shared_expert(t, cfg):  # the shared expert's tensors kept: was served without them, without a word
+    cfg["text_config"]["n_shared_experts"] = 0
+
+
 def _drop_mxfp4_scales(t, cfg):
     del t["model.layers.1.mlp.experts.down_proj_scales"]
 
@@ -345,6 +349,8 @@ REFUSED = [
      rf"tensor '{EXPERT}.up_proj.weight_shape' holds \(32, 96\), expected \(32, 64\)"),
     ("kimi-k2.5-int4", _scale_group16, rf"{EXPERT}.gate_proj.weight_scale'.*per 16 inputs.*group_size 32"),
     ("kimi-k2.5-int4", _asymmetric, r"routed expert weight format 'compressed-tensors-int4-asymmetric' is not served"),
+    ("kimi-k2.5-int4", _no_shared_expert, r"holds 6 tensors the model config.json describes has no place for "
+     r"\(num_hidden_layers 3\), the first 'model.layers.1.mlp.shared_experts.down_proj.weight'"),
     ("kimi-k2.5-int4", _packed_float, rf"{EXPERT}.gate_proj.weight_packed' is F32, expected I32"),
     ("kimi-k2.5-int4", _scale_int, rf"{EXPERT}.gate_proj.weight_scale' is I32, expected a float dtype"),
     ("gpt-oss-mxfp4", _drop_mxfp4_scales, r"no 'model.layers.1.mlp.experts.down_proj_scales'"),
@@ -436,6 +442,22 @@ def test_mxfp4_blocks_missing_beside_their_scales_is_named(ckpts, tmp_path):
     with pytest.raises(KeyError, match=r"no tensor 'model[.]layers[.]1[.]mlp[.]experts[.]gate_up_proj' \(it holds "
                                        r"'model[.]layers[.]1[.]mlp[.]experts[.]gate_up_proj_scales' without the tensor "
                                        r"they belong with\)"):
+        load_ep_model(directory, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
+                      options=MoELayerOptions(dispatcher="local"))
+
+
+def test_int4_nan_scale_is_refused_on_load(ckpts, tmp_path):
+    # was served: NaN logits, and the reference built from the same weights "matched"
+    from epmoe.models.hf import load_ep_model
+    from epmoe.spec import load_moe_spec
+
+    def nan_scale(t, cfg):
+        t[f"{EXPERT}.gate_proj.weight_scale"][2, 1] = float("nan")
+
+    directory = _broken(ckpts["kimi-k2.5-int4"][0], tmp_path, nan_scale)
+    spec = load_moe_spec(directory)
+    with pytest.raises(ValueError, match=rf"tensor '{EXPERT}[.]gate_proj[.]weight_scale' holds 1 NaN or infinite "
+                                         rf"value, the first at \(2, 1\): not a weight"):
         load_ep_model(directory, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
                       options=MoELayerOptions(dispatcher="local"))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -145,6 +146,24 @@ def test_damaged_weights_file_refused_before_the_start(kimi, tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"checkpoint file {broken / 'model.safetensors'} cannot be read as safetensors" in err
     assert "damaged or incomplete" in err and "Traceback" not in err
+
+
+def test_a_directory_named_as_weights_is_refused_in_the_words_it_is(kimi, tmp_path, capsys):
+    # was "cannot be read as safetensors (No such --device (os error 19))": the OS's "device" taken for the flag
+    odd = tmp_path / "odd"
+    shutil.copytree(kimi, odd)
+    (odd / "extra.safetensors").mkdir()
+    assert main(["run", "--model", str(odd), "--ep", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint file {odd / 'extra.safetensors'} is not a file" in err and "--device" not in err
+
+
+def test_the_flag_names_leave_quoted_words_alone():
+    from epmoe.cli import _flag_error
+
+    exc = _flag_error(ValueError('file x cannot be read ("No such device (os error 19)"); device (cuda) must be'),
+                      {"device": "--device"})
+    assert str(exc) == 'file x cannot be read ("No such device (os error 19)"); --device (cuda) must be'
 
 
 def test_checkpoint_missing_one_expert(kimi, tmp_path):

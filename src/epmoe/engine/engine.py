@@ -30,6 +30,7 @@ decoding request before the model runs; the step then verifies them (``epmoe.eng
 from __future__ import annotations
 
 import itertools
+import math
 import numbers
 import time
 from collections.abc import Callable
@@ -230,7 +231,8 @@ class Engine:
             The request id.
 
         Raises:
-            ValueError: a duplicate id, an empty prompt, a prompt as long as the context
+            ValueError: a duplicate id (also one whose abort the next ``step()`` reports), an empty prompt, a prompt
+                as long as the context
                 (``max_model_len``) or longer than the whole KV pool: nothing is queued.
             TypeError: ``params`` is not a ``SamplingParams``, or ``request_id`` is not a string.
         """
@@ -238,13 +240,14 @@ class Engine:
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__} {request_id!r}")
         params = params if params is not None else SamplingParams()
         ids, matcher = self.admission.check(prompt, params)
-        if request_id is not None and request_id in self._seqs:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        if request_id is not None and self._in_use(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use" + (
+                "" if request_id in self._seqs else " (its abort is reported by the next step())"))
         number = next(self._counter)
         rid = request_id
         if rid is None:
             rid, again = f"req-{number}", 0
-            while rid in self._seqs:  # a caller's own id may look like the ones made here
+            while self._in_use(rid):  # a caller's own id may look like the ones made here
                 again += 1
                 rid = f"req-{number}-{again}"
         gen = None
@@ -255,6 +258,11 @@ class Engine:
         self._seqs[rid] = seq
         self.scheduler.add(seq)
         return rid
+
+    def _in_use(self, request_id: str) -> bool:
+        """A request of this id waits, runs, or has an abort still to be reported (two requests of one id in one
+        step's outputs could not be told apart)."""
+        return request_id in self._seqs or any(o.request_id == request_id for o in self._aborted)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks. The next ``step()`` reports it once more, finished.
@@ -523,11 +531,14 @@ class Engine:
             prompts = [prompts]
         n = len(prompts)
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * n
-        arrivals = [float(t) for t in arrival_times] if arrival_times is not None else [0.0] * n
+        try:
+            arrivals = [float(t) for t in arrival_times] if arrival_times is not None else [0.0] * n
+        except (TypeError, ValueError):
+            raise ValueError(f"arrival_times must be numbers of seconds, got {arrival_times!r}") from None
         if len(plist) != n or len(arrivals) != n:
             raise ValueError(f"{n} prompts need as many params ({len(plist)}) and arrival times ({len(arrivals)})")
-        if any(not t >= 0 for t in arrivals):
-            raise ValueError(f"arrival times must be non-negative seconds, got {arrivals}")
+        if any(not 0 <= t < math.inf for t in arrivals):  # an infinite one would never arrive: generate would not end
+            raise ValueError(f"arrival_times must be finite non-negative seconds, got {arrivals}")
         prompt_ids = [self.check_request(p, sp) for p, sp in zip(prompts, plist)]
         order = sorted(range(n), key=lambda i: arrivals[i])
         ids: list[str | None] = [None] * n

@@ -60,13 +60,17 @@ def _open(path: Path):
     """``safe_open`` of one weights file (its header read and checked against the file's size).
 
     Raises:
-        ValueError: the file cannot be read as safetensors (a damaged or truncated file), naming it.
+        ValueError: not a file, or the file cannot be read as safetensors (a damaged or truncated file), naming it.
     """
+    if not path.is_file():
+        raise ValueError(f"checkpoint file {path} is not a file (a directory or another kind): a weights file must be "
+                         f"a safetensors file")
     try:
         return safe_open(str(path), framework="pt")
     except (SafetensorError, OSError) as exc:
-        raise ValueError(f"checkpoint file {path} cannot be read as safetensors ({exc}): it is damaged or "
-                         f"incomplete; download it again") from None
+        # the library's own words in double quotes: the CLI's flag names never rewrite inside them
+        raise ValueError(f"checkpoint file {path} cannot be read as safetensors ({json.dumps(str(exc))}): it is "
+                         f"damaged or incomplete; download it again") from None
 
 
 class CheckpointReader:
@@ -343,7 +347,8 @@ class CheckpointReader:
         Raises:
             KeyError: no such tensor (the directory is named).
             ValueError: ``weight_scale`` or ``weight_shape`` missing, ``weight_shape`` not the ``expect``-ed
-                shape, or packed values / scales whose shapes do not fit it (each names the tensor).
+                shape, packed values / scales whose shapes do not fit it, or a NaN or infinite scale (each names the
+                tensor).
         """
         n, k = self.check_int4(name, expect)
         full = self.prefix + name
@@ -351,6 +356,8 @@ class CheckpointReader:
         packed, scale = self._read(full + "_packed", row), self._read(scale_name, row)
         if row is not None:
             packed, scale = packed[None], scale[None]
+        _refuse(~torch.isfinite(scale), f"checkpoint {self.directory}: tensor {scale_name!r}"
+                                        f"{'' if row is None else f' (row {row})'}")
         return Int4Tensor(packed, scale, (n, k))
 
     def check_int4(self, name: str, expect: tuple[int, int] | None = None) -> tuple[int, int]:

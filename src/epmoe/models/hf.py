@@ -531,7 +531,8 @@ def check_checkpoint(checkpoint_dir: str, experts: Callable[[int], Iterable[int]
         if dtype not in WEIGHT_HEADER_DTYPES:  # an integer tensor would be copied into the float weight as numbers
             raise ValueError(f"checkpoint {reader.directory}: tensor {name!r}{' of ' + owner if owner else ''} is "
                              f"{dtype}, expected a float dtype ({', '.join(WEIGHT_HEADER_DTYPES)})")
-    unread = _unread_tensors(reader, model, every, spec.num_layers)
+    blocks = tuple(f"model.layers.{i}.{layout.moe_attr}." for i in spec.moe_layers)
+    unread = _unread_tensors(reader, model, every, spec.num_layers, blocks)
     if unread:
         raise ValueError(f"checkpoint {reader.directory} holds {len(unread)} tensor{'s' if len(unread) > 1 else ''} "
                          f"the model config.json describes has no place for (num_hidden_layers {spec.num_layers}), "
@@ -540,13 +541,15 @@ def check_checkpoint(checkpoint_dir: str, experts: Callable[[int], Iterable[int]
 
 
 def _unread_tensors(reader: CheckpointReader, model: nn.Module, expected: Iterable[str],
-                    num_layers: int) -> list[str]:
-    """The checkpoint's tensors that no loader reads, in the checkpoint's order: neither the model's own (RoPE
-    tables and a tied LM head included, though they are rebuilt), nor in ``expected`` (the MoE blocks' in the
-    checkpoint layout, every expert), nor a multi-token-prediction module's: a layer past the ``num_layers``
-    decoder layers that holds an ``eh_proj`` (DeepSeek-V3, GLM-4.5 store one; transformers loads it apart)."""
+                    num_layers: int, blocks: tuple[str, ...]) -> list[str]:
+    """The checkpoint's tensors that no loader reads, in the checkpoint's order: neither the model's own outside
+    its MoE blocks (the prefixes ``blocks``; RoPE tables and a tied LM head included, though they are rebuilt), nor
+    in ``expected`` (the MoE blocks' in the checkpoint layout, every expert: a shared expert's only where
+    ``config.json`` gives the block one, though transformers' model may hold an empty one), nor a
+    multi-token-prediction module's: a layer past the ``num_layers`` decoder layers that holds an ``eh_proj``
+    (DeepSeek-V3, GLM-4.5 store one; transformers loads it apart)."""
     own = {name for name, _ in chain(model.named_parameters(remove_duplicate=False),
-                                     model.named_buffers(remove_duplicate=False))}
+                                     model.named_buffers(remove_duplicate=False)) if not name.startswith(blocks)}
     known = own.union(expected)
     names = reader.keys()
     marked = (re.fullmatch(r"model\.layers\.(\d+)\.eh_proj\.weight", name) for name in names)
