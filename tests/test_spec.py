@@ -362,6 +362,7 @@ def test_a_config_that_is_not_utf8_is_named(tmp_path):
     (lambda qc: qc["config_groups"]["group_0"]["weights"].update(num_bits=8, type="float"),
      "compressed-tensors-float8"),
     (lambda qc: (qc.clear(), qc.update(quant_method="awq", bits=4)), "awq"),
+    (lambda qc: qc.update(quant_method="foo"), "foo"),  # config_groups under another method: was served as INT4
     # compressed-tensors' defaults for what a group leaves out: 8-bit int (was taken for bf16)
     (lambda qc: qc["config_groups"]["group_0"]["weights"].pop("num_bits"), "compressed-tensors-int8"),
     # 4-bit groups the INT4 kernels would read wrongly (was int4_group32: plan priced them, run refused them)

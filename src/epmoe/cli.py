@@ -289,8 +289,15 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
     try:
         report = run_bench(cfg, progress=args.json != "-")
+    except httpx.HTTPStatusError as exc:
+        key = " (pass the server's key with --api-key)" if exc.response.status_code == 401 else ""
+        raise ValueError(f"--base-url {args.base_url}: the server answered {exc.response.status_code} "
+                         f"{exc.response.reason_phrase} to {exc.request.method} {exc.request.url}{key}") from None
     except httpx.HTTPError as exc:
         raise ValueError(f"--base-url {args.base_url}: {type(exc).__name__}: {exc}") from None
+    except KeyboardInterrupt:
+        print("epmoe bench serve: interrupted; no report", file=sys.stderr)
+        return 130
     if args.json == "-":
         print(json.dumps(report.to_json(), indent=2))
     else:

@@ -344,7 +344,7 @@ def _weight_format(cfg: dict[str, Any], source: str, prefix: str = "") -> str:
         return "fp8_block128" if fp8_block_size(qc, source) == (128, 128) else "fp8"
     if method == "mxfp4":
         return "mxfp4"
-    if method == "compressed-tensors" or "config_groups" in qc:
+    if method == "compressed-tensors" or (method is None and "config_groups" in qc):
         groups = quant.section("config_groups")
         for name in groups.cfg if groups is not None else ():
             group = groups.section(name)

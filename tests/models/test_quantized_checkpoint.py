@@ -337,6 +337,11 @@ def _mxfp4_blocks_cut(t, cfg):
         t[key] = t[key][:, :32].contiguous()
 
 
+def _mxfp4_blocks_of_8_bytes(t, cfg):  # was blamed on the scales, whose shape was the one expected
+    key = "model.layers.1.mlp.experts.gate_up_proj_blocks"
+    t[key] = t[key][..., :8].contiguous()
+
+
 def _drop_mxfp4_blocks(t, cfg):
     del t["model.layers.1.mlp.experts.gate_up_proj_blocks"]
 
@@ -355,6 +360,8 @@ REFUSED = [
     ("kimi-k2.5-int4", _scale_int, rf"{EXPERT}.gate_proj.weight_scale' is I32, expected a float dtype"),
     ("gpt-oss-mxfp4", _drop_mxfp4_scales, r"no 'model.layers.1.mlp.experts.down_proj_scales'"),
     ("gpt-oss-mxfp4", _mxfp4_blocks_int8, r"down_proj_blocks / .*down_proj_scales are I8 / U8, expected U8 / U8"),
+    ("gpt-oss-mxfp4", _mxfp4_blocks_of_8_bytes, r"tensor 'model.layers.1.mlp.experts.gate_up_proj_blocks' has shape "
+     r"\(8, 64, 2, 8\); its last dimension must be 16 \(the bytes of one block of 32 values\)"),
     ("gpt-oss-mxfp4", _mxfp4_blocks_cut, r"tensor 'model.layers.1.mlp.experts.gate_up_proj' \(stored as "
      r"'model.layers.1.mlp.experts.gate_up_proj_blocks' of shape \(8, 32, 2, 16\), read as \(8, 64, 32\)\), expected "
      r"\(8, 64, 64\)"),
@@ -444,6 +451,18 @@ def test_mxfp4_blocks_missing_beside_their_scales_is_named(ckpts, tmp_path):
                                        r"they belong with\)"):
         load_ep_model(directory, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
                       options=MoELayerOptions(dispatcher="local"))
+
+
+def test_a_tensor_in_two_weights_files_is_refused(ckpts, tmp_path):
+    # was read from whichever file came last: a copy left beside the weights went unnoticed
+    from epmoe.models.checkpoint import CheckpointReader
+
+    directory = tmp_path / "twice"
+    shutil.copytree(ckpts["kimi-k2.5-int4"][0], directory)
+    shutil.copy(directory / "model.safetensors", directory / "model-2.safetensors")
+    with pytest.raises(ValueError, match=r"tensor '.+' is in both 'model-2\.safetensors' and 'model\.safetensors' "
+                                         r"\(with no model\.safetensors\.index\.json to say which is read\)"):
+        CheckpointReader(directory)
 
 
 def test_int4_nan_scale_is_refused_on_load(ckpts, tmp_path):

@@ -667,6 +667,46 @@ def test_bench_serve_against_the_server(server, capsys):
     wait_kv_free(server)
 
 
+def test_bench_serve_without_the_key_says_so(server, capsys):
+    # was "HTTPStatusError: Client error '401 Unauthorized'", blamed on --base-url alone
+    from epmoe.cli import main
+
+    assert main(["bench", "serve", "--base-url", server.url, "--num-prompts", "1"]) == 2
+    assert (f"--base-url {server.url}: the server answered 401 Unauthorized to GET {server.url}/v1/models (pass the "
+            f"server's key with --api-key)") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("url, message", [
+    ("http://127.0.0.1:99999", r"base_url 'http://127\.0\.0\.1:99999' is not a URL \(Port out of range 0-65535\)"),
+    ("http://[::1", r"base_url 'http://\[::1' is not a URL \(Invalid IPv6 URL\)"),
+    ("http://:80", r"base_url 'http://:80' names no host"),
+])
+def test_bench_bad_urls_named(url, message):  # were tracebacks from the connection
+    from epmoe.server.bench import BenchConfig
+
+    with pytest.raises(ValueError, match=message):
+        BenchConfig(url)
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"prompt": "hi", "max_tokens": 1e400}', "field 'max_tokens' must be an integer >= 1, got inf"),
+    ('{"prompt": "hi", "max_tokens": "abc"}', "field 'max_tokens' must be an integer >= 1, got \"abc\""),
+    ('{"prompt": "hi", "max_tokens": 2.9}', "field 'max_tokens' must be an integer >= 1, got 2.9"),  # was sent as 2
+    ('{"prompt": "hi", "max_tokens": true}', "field 'max_tokens' must be an integer >= 1, got true"),  # was 1
+    ('{"prompt": "hi", "max_tokens": null}', "field 'max_tokens' must be an integer >= 1, got null"),
+])
+def test_bench_dataset_max_tokens_named(tmp_path, line, message):
+    from epmoe.server.bench import BenchConfig, load_requests
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "ok", "max_tokens": 3}\n' + line + "\n")
+    with pytest.raises(ValueError, match=f"dataset '{path}' line 2: {message}$"):
+        load_requests(BenchConfig("http://x", dataset=str(path)))
+    path.write_bytes(b'{"prompt": "\xff"}\n')
+    with pytest.raises(ValueError, match=r"is not UTF-8 text \(byte 0xff at position 12\)"):
+        load_requests(BenchConfig("http://x", dataset=str(path)))
+
+
 def test_bench_random_prompts_share_their_prefix():
     from epmoe.server.bench import BenchConfig, load_requests
 

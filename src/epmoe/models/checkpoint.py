@@ -105,7 +105,13 @@ class CheckpointReader:
             if not files:
                 raise FileNotFoundError(f"checkpoint directory {str(self.directory)!r} has no *.safetensors weights")
             handles = {f.name: _open(f) for f in files}
-            weight_map = {k: name for name, h in handles.items() for k in h.keys()}
+            weight_map = {}
+            for name, h in handles.items():
+                for k in h.keys():
+                    if k in weight_map:  # which one would be read is the files' order: a copy left beside the weights?
+                        raise ValueError(f"checkpoint {self.directory}: tensor {k!r} is in both {weight_map[k]!r} "
+                                         f"and {name!r} (with no model.safetensors.index.json to say which is read)")
+                    weight_map[k] = name
         config = json.loads((self.directory / "config.json").read_text())
         self.prefix = ""
         if isinstance(config.get("text_config"), dict) and any(k.startswith(_WRAPPER_PREFIX) for k in weight_map):
@@ -427,7 +433,10 @@ class CheckpointReader:
             raise ValueError(f"checkpoint {self.directory}: {full}_blocks / {scales_name} are {blocks.get_dtype()} / "
                              f"{scales.get_dtype()}, expected U8 / U8 (uint8: MXFP4 values and E8M0 scales)")
         b_shape, s_shape = tuple(blocks.get_shape()), tuple(scales.get_shape())
-        if not b_shape or b_shape[-1] != 16 or s_shape != b_shape[:-1]:
+        if len(b_shape) < 2 or b_shape[-1] != 16:
+            raise ValueError(f"checkpoint {self.directory}: tensor {full + '_blocks'!r} has shape {b_shape}; its last "
+                             f"dimension must be 16 (the bytes of one block of 32 values)")
+        if s_shape != b_shape[:-1]:
             raise ValueError(f"checkpoint {self.directory}: tensor {scales_name!r} has shape {s_shape}, expected "
                              f"{b_shape[:-1]} for {full + '_blocks'!r} of shape {b_shape} (one scale per 32 values)")
 

@@ -17,9 +17,12 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
+
+from epmoe.config_fields import json_text
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,13 @@ class BenchConfig:
         """Raise ``ValueError`` naming the first bad option."""
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
+        try:
+            parts = urlsplit(self.base_url)
+            host, _port = parts.hostname, parts.port  # a port past 65535 raises here
+        except ValueError as exc:
+            raise ValueError(f"base_url {self.base_url!r} is not a URL ({exc})") from None
+        if not host:
+            raise ValueError(f"base_url {self.base_url!r} names no host")
         for name in ("num_prompts", "input_len", "output_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -154,7 +164,8 @@ def load_requests(cfg: BenchConfig) -> list[tuple[str | list[int], int, int]]:
     Random prompts are token ids below 256 (valid in any vocabulary of 256 or more).
 
     Raises:
-        ValueError: a dataset line that is not JSON or has no string ``prompt`` (line named).
+        ValueError: a dataset that is not UTF-8 text, or a line that is not JSON, has no string ``prompt`` or a
+            ``max_tokens`` that is not an integer >= 1 (line named).
     """
     rng = random.Random(cfg.seed)
     if cfg.dataset is None:
@@ -163,7 +174,12 @@ def load_requests(cfg: BenchConfig) -> list[tuple[str | list[int], int, int]]:
         return [(prefix + [rng.randrange(256) for _ in range(cfg.input_len)], n, cfg.output_len)
                 for _ in range(cfg.num_prompts)]
     rows = []
-    for number, line in enumerate(Path(cfg.dataset).read_text().splitlines(), start=1):
+    try:
+        text = Path(cfg.dataset).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"dataset {cfg.dataset!r} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at "
+                         f"position {exc.start})") from None
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -172,7 +188,11 @@ def load_requests(cfg: BenchConfig) -> list[tuple[str | list[int], int, int]]:
             raise ValueError(f"dataset {cfg.dataset!r} line {number}: not JSON ({exc})") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise ValueError(f"dataset {cfg.dataset!r} line {number}: needs a string 'prompt'")
-        rows.append((row["prompt"], len(row["prompt"].encode()), int(row.get("max_tokens", cfg.output_len))))
+        max_tokens = row.get("max_tokens", cfg.output_len)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"dataset {cfg.dataset!r} line {number}: field 'max_tokens' must be an integer >= 1, got "
+                             f"{json_text(max_tokens)}")
+        rows.append((row["prompt"], len(row["prompt"].encode()), max_tokens))
     if not rows:
         raise ValueError(f"dataset {cfg.dataset!r} has no prompts")
     return [rows[i % len(rows)] for i in range(cfg.num_prompts)]
