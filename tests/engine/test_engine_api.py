@@ -105,6 +105,13 @@ def test_an_aborted_id_is_in_use_until_its_abort_is_reported(engine, reference):
     assert_idle(engine)
 
 
+def test_kv_report_context_named(engine):  # was a ZeroDivisionError
+    for bad in (-5, 0, 2.5):
+        with pytest.raises(ValueError, match=f"context must be a positive integer of tokens, got {bad}"):
+            engine.kv_report(context=bad)
+    assert engine.kv_report(context=8)["max_concurrency"] == engine.allocator.capacity // 2  # blocks of 4 tokens
+
+
 @pytest.mark.parametrize("times, message", [
     ([float("inf")], r"arrival_times must be finite non-negative seconds, got \[inf\]"),  # was: generate never ended
     ([-1.0], r"arrival_times must be finite non-negative seconds, got \[-1\.0\]"),
@@ -167,6 +174,23 @@ def test_context_limit_finishes_with_length(engine):
 def test_bad_engine_config_named(model_dir, field, value, message):
     with pytest.raises(ValueError, match=message):
         config(model_dir, **{field: value})
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("dtype", ["float32"], r"dtype must be a string, got list \['float32'\]"),  # was "unhashable type: 'list'"
+    ("expert_backend", ["reference"], r"expert_backend must be a string, got list \['reference'\]"),
+    ("model", 123, "model must be a string, got int 123"),  # was "expected str, bytes or os.PathLike object"
+    ("dispatcher", 5, "dispatcher must be a string or None, got int 5"),
+])
+def test_a_text_option_of_another_type_is_named(model_dir, field, value, message):
+    with pytest.raises(TypeError, match=message):
+        config(model_dir, **{field: value})
+
+
+def test_a_comm_of_another_type_is_named(model_dir):  # was "'int' object has no attribute 'size'"
+    with pytest.raises(TypeError, match=r"comm must be an epmoe\.comm\.Comm \(Comm\(group\) wraps a process group\) "
+                                        r"or None, got int"):
+        Engine(config(model_dir), 5)
 
 
 def test_bad_engine_config_model_and_context(model_dir, tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -52,6 +52,10 @@ MAX_BLOCK_SIZE = 1024  # tokens per KV block (vLLM offers 8 to 128, SGLang's pag
 def _positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+# the EngineConfig fields that name files or directories: a path object is taken as its string
+_PATH_FIELDS = ("model", "placement", "generation_config", "speculative_draft_model", "speculative_draft_placement")
 
 
 @dataclass(frozen=True)
@@ -175,7 +179,16 @@ class EngineConfig:
     prompt_lookup_max: int = 4
 
     def __post_init__(self) -> None:
-        """Raise ``ValueError`` naming the first bad option."""
+        """Raise ``ValueError`` naming the first bad option (``TypeError`` for a text option that is not a string;
+        a ``pathlib.Path`` for a file or directory is taken as its string)."""
+        for f in fields(self):  # before any lookup: a list would be "unhashable", a number "not a path"
+            value = getattr(self, f.name)
+            if f.name in _PATH_FIELDS and isinstance(value, os.PathLike):
+                value = os.fspath(value)
+                object.__setattr__(self, f.name, value)
+            if f.type in ("str", "str | None") and not (isinstance(value, str) or (value is None and f.type != "str")):
+                raise TypeError(f"{f.name} must be a string{' or None' if f.type != 'str' else ''}, got "
+                                f"{type(value).__name__} {value!r}")
         if not is_checkpoint_dir(self.model):
             raise ValueError(f"model {self.model!r} is not a checkpoint directory (config.json + *.safetensors)")
         if self.dtype not in DTYPES:

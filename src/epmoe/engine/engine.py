@@ -87,6 +87,9 @@ class Engine:
                  progress: Callable[[str], None] | None = None) -> None:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"Engine needs an EngineConfig, got {type(config).__name__}")
+        if comm is not None and not isinstance(comm, Comm):
+            raise TypeError(f"comm must be an epmoe.comm.Comm (Comm(group) wraps a process group) or None, got "
+                            f"{type(comm).__name__}")
         self.config = config
         self.comm = comm if comm is not None else Comm(None)
         say = progress or (lambda _msg: None)
@@ -185,7 +188,14 @@ class Engine:
     def kv_report(self, context: int | None = None) -> dict:
         """The KV pool: blocks, tokens, bytes, the bytes of one token's entry in one layer and its kind
         (``latent`` for MLA, else ``expanded``), how many sequences of ``context`` tokens fit at once
-        (``None`` = ``max_model_len``), the graph buckets and whether prefix caching is on."""
+        (``None`` = ``max_model_len``), the graph buckets and whether prefix caching is on.
+
+        Raises:
+            ValueError: ``context`` not a positive integer.
+        """
+        if context is not None and (isinstance(context, bool) or not isinstance(context, numbers.Integral)
+                                    or context < 1):
+            raise ValueError(f"context must be a positive integer of tokens, got {context!r}")
         ctx = context or self.max_model_len
         tokens = self.allocator.capacity * self.config.block_size
         layout = self.kv.layout

@@ -267,12 +267,15 @@ def load_ep_model(
 
     Raises:
         FileNotFoundError: no checkpoint there.
-        TypeError: ``options`` not an ``MoELayerOptions``.
+        TypeError: ``options`` not an ``MoELayerOptions``, ``comm`` not a ``Comm``.
         ValueError: placement/model mismatch; a tensor with the wrong shape.
         KeyError: a tensor is missing from the checkpoint (named), or an unsupported family.
     """
     if not isinstance(options, MoELayerOptions):
         raise TypeError(f"load_ep_model options must be an epmoe.layer.MoELayerOptions, got {type(options).__name__}")
+    if not isinstance(comm, Comm):
+        raise TypeError(f"load_ep_model comm must be an epmoe.comm.Comm (Comm(group) wraps a process group, Comm(None) "
+                        f"is one process), got {type(comm).__name__}")
     spec = load_moe_spec(checkpoint_dir)
     if not isinstance(placement, ExpertPlacement):
         raise TypeError(f"checkpoint {checkpoint_dir}: its MoE layers need an ExpertPlacement of their own "
