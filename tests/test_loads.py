@@ -142,6 +142,9 @@ def test_read_bad_files(tmp_path):
     (tmp_path / "bad.csv").write_text("domain,layer,expert,count\na,0,0,5\na,0,2,1\n")
     with pytest.raises(ValueError, match="expected ids 0..2"):
         read_loads(tmp_path / "bad.csv")
+    (tmp_path / "neg.csv").write_text("domain,layer,expert,count\na,0,0,5\na,0,-1,1\n")  # was "expected ids 0..0"
+    with pytest.raises(ValueError, match=r"neg\.csv' line 3: expert -1 is negative; expert ids count from 0$"):
+        read_loads(tmp_path / "neg.csv")
 
 
 @pytest.mark.parametrize(
@@ -152,6 +155,8 @@ def test_read_bad_files(tmp_path):
         ('{"weight": [[1, -3]]}', r"weight[0, 1] = -3.0 is negative"),
         ('[[1, 2], [3, 4]]', "expected a JSON object with field 'load' (or 'weight'), got a JSON list"),
         ('{"loads": [[1]]}', "field 'load' (or 'weight') is missing; the object has ['loads']"),
+        # was "is missing; the object has ['load', 'weight']"
+        ('{"load": null, "weight": [[3, 4]]}', "field 'load' is null; it must be a list of per-layer lists of counts"),
         ('{"load": [["1", 2]]}', "field 'load' [layer 0, expert 0] = '1': loads must be numbers"),
         ('{"weight": [[1, true]]}', "field 'weight' [layer 0, expert 1] = True: loads must be numbers"),
     ],

@@ -154,11 +154,22 @@ def test_file_ep_disagreement(tmp_path):
     ({"ep_size": -2, "phy2log": [[0, 1, 2, 3]]}, "field 'ep_size' must be a positive integer, got -2$"),
     ({"ep_size": 2, "num_experts": 0, "phy2log": [[0, 1, 2, 3]]},
      "field 'num_experts' must be a positive integer, got 0$"),
+    # was "Overflow when unpacking long long"
+    ({"ep_size": 2, "phy2log": [[0, 2 ** 70, 2, 3]]}, r"phy2log\[0, 1\] = 1180591620717411303424 is no expert id$"),
 ])
 def test_placement_file_fields_are_typed(tmp_path, doc, msg):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match=msg):
+        ExpertPlacement.load(path)
+
+
+def test_safetensors_metadata_fields_named(tmp_path):  # was "invalid literal for int() with base 10: 'x'"
+    from safetensors.torch import save_file
+
+    path = tmp_path / "p.safetensors"
+    save_file({"phy2log": torch.tensor([[0, 1, 2, 3]])}, str(path), metadata={"ep_size": "x"})
+    with pytest.raises(ValueError, match=r"metadata field 'ep_size' must be an integer, got 'x'$"):
         ExpertPlacement.load(path)
 
 

@@ -74,13 +74,20 @@ def rebalance_placement(weight: torch.Tensor | np.ndarray, num_replicas: int, nu
         The ``ExpertPlacement`` (``P`` slots, ``G`` ranks).
 
     Raises:
-        ValueError: bad loads or sizes (``num_replicas`` below ``E`` or not divisible by ``num_gpus``).
+        ValueError: bad loads (complex ones included) or sizes (``num_replicas`` below ``E`` or not divisible by
+            ``num_gpus``; ``num_nodes`` not positive, ``num_groups`` negative).
         KeyError: unknown ``algorithm``.
     """
+    if (weight.is_complex() if isinstance(weight, torch.Tensor) else np.iscomplexobj(weight)):
+        raise ValueError(f"weight must hold real loads, got complex values ({weight.dtype})")
     w = as_load_array(weight, "weight")
     num_layers, num_experts = w.shape
     check_positive_int("num_gpus", num_gpus)
     check_positive_int("num_replicas", num_replicas)
+    check_positive_int("num_nodes", num_nodes)
+    if num_groups is not None and (isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0):
+        raise ValueError(f"num_groups must be a non-negative integer or None (0 and None: no groups), got "
+                         f"{num_groups!r}")
     if num_replicas < num_experts or num_replicas % num_gpus:
         raise ValueError(f"num_replicas ({num_replicas}) must be at least the {num_experts} logical experts and "
                          f"divisible by num_gpus ({num_gpus})")

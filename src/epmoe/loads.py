@@ -297,6 +297,9 @@ def read_csv_loads(path: str | Path) -> tuple[torch.Tensor, list[str]]:
                 expert, count = int(row["expert"]), float(row["count"])
             except ValueError as exc:
                 raise ValueError(f"loads file {str(path)!r} line {line}: {exc}") from exc
+            if expert < 0:
+                raise ValueError(f"loads file {str(path)!r} line {line}: expert {expert} is negative; expert ids "
+                                 f"count from 0")
             if expert in groups.setdefault(name, {}):
                 raise ValueError(f"loads file {str(path)!r} line {line}: expert {expert} repeated in {name}")
             groups[name][expert] = count
@@ -351,6 +354,8 @@ def read_loads(path: str | Path) -> torch.Tensor:
             label = name
             rows = doc.get(name)
             if rows is None:
+                if name in doc:
+                    raise ValueError(f"field {name!r} is null; it must be a list of per-layer lists of counts")
                 raise ValueError(f"field 'load' (or 'weight') is missing; the object has {sorted(doc)}")
             rectangular = isinstance(rows, list) and all(isinstance(r, list) for r in rows)
             if not rectangular or len({len(r) for r in rows}) > 1:

@@ -30,6 +30,20 @@ def max_redundant_slots(num_experts: int, ep_size: int) -> int:
     return num_experts * max(ep_size - 1, 1)
 
 
+def _metadata_int(meta: dict[str, str], key: str) -> int | None:
+    """A safetensors placement file's integer metadata ``key`` (``None`` when absent).
+
+    Raises:
+        ValueError: a value that is not an integer's text (the field named).
+    """
+    if key not in meta:
+        return None
+    try:
+        return int(meta[key])
+    except ValueError:
+        raise ValueError(f"metadata field {key!r} must be an integer, got {meta[key]!r}") from None
+
+
 def placement_file(path: str | Path) -> Path:
     """``path`` of a placement file, checked to be one.
 
@@ -354,8 +368,7 @@ class ExpertPlacement:
                     if "phy2log" not in f.keys():
                         raise ValueError("tensor 'phy2log' is missing")
                     phy2log = f.get_tensor("phy2log")
-                file_ep = int(meta["ep_size"]) if "ep_size" in meta else None
-                num_experts = int(meta["num_experts"]) if "num_experts" in meta else None
+                file_ep, num_experts = (_metadata_int(meta, key) for key in ("ep_size", "num_experts"))
             else:
                 doc = json.loads(path.read_text())
                 if not isinstance(doc, dict):
@@ -381,6 +394,10 @@ class ExpertPlacement:
                             if not isinstance(v, int) or isinstance(v, bool)), None)
                 if bad is not None:
                     raise ValueError(f"phy2log must hold integers only, got phy2log[{bad[0]}, {bad[1]}] = {bad[2]!r}")
+                huge = next(((i, j, v) for i, r in enumerate(rows) for j, v in enumerate(r) if abs(v) >= 1 << 62),
+                            None)
+                if huge is not None:  # past int64: no expert id
+                    raise ValueError(f"phy2log[{huge[0]}, {huge[1]}] = {huge[2]} is no expert id")
                 phy2log = torch.tensor(rows, dtype=torch.int64)
                 if phy2log.dim() != 2:
                     phy2log = phy2log.reshape(len(rows), -1)

@@ -45,6 +45,17 @@ def test_deepseek_drop_in(olmoe):
     assert balancedness(olmoe, p) > 0.999
 
 
+@pytest.mark.parametrize("args, message", [
+    ((SLOTS, 1, 0, EP), "num_nodes must be a positive integer, got 0"),  # were taken as one node
+    ((SLOTS, -1, 1, EP), r"num_groups must be a non-negative integer or None \(0 and None: no groups\), got -1"),
+])
+def test_deepseek_drop_in_sizes_named(olmoe, args, message):
+    with pytest.raises(ValueError, match=message):
+        rebalance_experts(olmoe.float(), *args)
+    with pytest.raises(ValueError, match=r"weight must hold real loads, got complex values \(torch\.complex64\)"):
+        rebalance_experts(olmoe.to(torch.complex64), SLOTS, 1, 1, EP)
+
+
 def test_sglang_signature_with_dense_rows(olmoe):
     tokens = torch.zeros(2, olmoe.shape[0] + 1, 64, dtype=torch.int32)  # [B, L_all, E], layer 0 dense
     tokens[0, 1:] = (olmoe / 2).floor().int()
