@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+
+import pytest
 
 from epmoe.cli import main
 from epmoe.doctor import DoctorConfig, diagnose, run_doctor
@@ -326,6 +329,30 @@ def test_a_weight_stored_as_integers_is_named(tiny_checkpoints, tmp_path):
     (error,) = _errors(diagnose(DoctorConfig(model=str(bad), ep=2)))
     assert error.what == f"the target model: {refusal}"
     assert not _errors(diagnose(DoctorConfig(model=str(tiny_checkpoints("kimi-k2.5-int4")), ep=2)))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: _set_config(d, eos_token_id=999), r"config\.json': eos_token_id 999 is outside the model's vocabulary "
+                                                 r"\[0, 259\)"),
+    (lambda d: _set_config(d, eos_token_id=-1), r"config\.json': eos_token_id must be a token id \(an integer >= 0\) "
+                                                r"or a list of them, got -1"),
+    (lambda d: (d / "generation_config.json").write_text("{"), r"generation_config\.json' cannot be read"),
+])
+def test_stop_ids_run_refuses_are_doctor_errors(tiny_checkpoints, tmp_path, edit, message):
+    """Were "ok" in doctor; run refused them from inside its ranks."""
+    import shutil
+
+    bad = tmp_path / "olmoe"
+    shutil.copytree(tiny_checkpoints("olmoe"), bad)
+    edit(bad)
+    (error,) = _errors(diagnose(DoctorConfig(model=str(bad), ep=2)))
+    assert re.search(message, error.what), error.what
+
+
+def _set_config(directory, **fields):
+    cfg = json.loads((directory / "config.json").read_text())
+    cfg.update(fields)
+    (directory / "config.json").write_text(json.dumps(cfg))
 
 
 def test_layers_past_num_hidden_layers_are_named(tiny_checkpoints, tmp_path):

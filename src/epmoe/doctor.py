@@ -197,6 +197,20 @@ def check_checkpoint(spec: MoESpec, directory: str, what: str = "the target mode
                           f"{spec.expert_format_name} weights)")]
 
 
+def check_stop_ids(spec: MoESpec, directory: str, what: str = "the target model") -> list[Finding]:
+    """The end-of-sequence ids ``epmoe run`` and ``serve`` read from ``config.json`` and ``generation_config.json``
+    (``engine.tokenizer.eos_token_ids``, without the tokenizer's own): an error finding with its message where they
+    refuse them (an unreadable ``generation_config.json``, an id that is not one or is outside the vocabulary)."""
+    from epmoe.engine.tokenizer import eos_token_ids
+
+    try:
+        eos_token_ids(directory, None, vocab_size=spec.vocab_size)
+    except ValueError as exc:
+        return [Finding("error", f"{what}: {exc}", "epmoe run and serve refuse this checkpoint with the same message",
+                        "mend or remove the field")]
+    return []
+
+
 def draft_mismatches(model: DraftModel, eagle: bool, target: MoESpec) -> list[tuple[str, int, int]]:
     """What a draft must share with its target and does not: ``(label, draft's value, target's value)`` for the
     vocabulary size (every draft) and the hidden size (an EAGLE-style head, ``eagle``: it reads the target's hidden
@@ -378,6 +392,7 @@ def diagnose(cfg: DoctorConfig) -> list[Finding]:
     if spec is not None:
         if Path(cfg.model).is_dir():
             findings += check_checkpoint(spec, cfg.model)
+            findings += check_stop_ids(spec, cfg.model)
         redundant, placed = check_placement(spec, cfg.placement, ep, "the target model")
         findings += placed
         placed_ok = not any(f.severity == "error" for f in placed)
