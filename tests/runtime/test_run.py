@@ -158,6 +158,21 @@ def test_a_directory_named_as_weights_is_refused_in_the_words_it_is(kimi, tmp_pa
     assert f"checkpoint file {odd / 'extra.safetensors'} is not a file" in err and "--device" not in err
 
 
+def test_a_config_that_disagrees_with_the_weights_is_named_before_the_placement(kimi, tmp_path, capsys):
+    # was "num_slots (15 = ...) must be divisible ...; 1 redundant slots would give 16": advice for the wrong cause
+    odd = tmp_path / "odd"
+    shutil.copytree(kimi, odd)
+    cfg = json.loads((odd / "config.json").read_text())
+    experts = cfg["n_routed_experts"]
+    cfg["n_routed_experts"] = experts - 1
+    (odd / "config.json").write_text(json.dumps(cfg))
+    assert main(["run", "--model", str(odd), "--ep", "2"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"tensor 'model\.layers\.\d+\.mlp\.gate\.weight' has shape \({experts}, \d+\), expected "
+                     rf"\({experts - 1}, \d+\) from config\.json", err), err
+    assert "redundant" not in err
+
+
 def test_the_flag_names_leave_quoted_words_alone():
     from epmoe.cli import _flag_error
 
