@@ -128,3 +128,17 @@ def test_tuple_block_folds_the_norm_where_its_moe_layer_does():
     assert _TupleBlock(torch.nn.Identity()).folds_norm(x, w, False) is False
     out, scores = _TupleBlock(Layer(True))(x)
     assert torch.equal(out, x * 2) and scores is None
+
+
+@pytest.mark.parametrize("family, overrides, message", [
+    ("olmoe", {"bogus_field": 1}, r"tiny 'olmoe': override\(s\) \['bogus_field'\] are no fields of transformers' "
+                                  r"olmoe config"),  # was accepted
+    ("olmoe", {"hidden_size": -1}, r"tiny 'olmoe' with overrides \{'hidden_size': -1\} cannot be built: "
+                                   r"RuntimeError: .*negative dimension"),
+])
+def test_tiny_builder_names_bad_overrides_and_leaves_nothing(tmp_path, family, overrides, message):
+    from epmoe.models.tiny import build_tiny_checkpoint
+
+    with pytest.raises(ValueError, match=message):
+        build_tiny_checkpoint(family, tmp_path / "x", overrides=overrides)
+    assert not (tmp_path / "x").exists()

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from epmoe.config_fields import transformers_defaults
+
 # Shared small sizes: hidden 64, 4 heads, vocab 259 (256 bytes + bos/eos/pad).
 _COMMON: dict[str, Any] = dict(
     hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=259, max_position_embeddings=256,
@@ -176,15 +178,38 @@ def build_tiny_checkpoint(
 
     Raises:
         KeyError: unknown family (the known ones are listed).
+        ValueError: an override that is no field of the family's config, or values the model cannot be built with
+            (transformers' or torch's message, the overrides named); nothing is left in ``directory``'s place.
     """
+    out = Path(directory)
+    existed = out.exists()
+    try:
+        return _build_tiny(family, out, seed, dtype, overrides)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        if not existed:  # what this call wrote: no half-written checkpoint left behind
+            shutil.rmtree(out, ignore_errors=True)
+        if isinstance(exc, ValueError) and str(exc).startswith("tiny "):
+            raise
+        raise ValueError(f"tiny {family!r} with overrides {overrides or {}} cannot be built: "
+                         f"{type(exc).__name__}: {exc}") from None
+
+
+def _build_tiny(family: str, out: Path, seed: int, dtype: torch.dtype, overrides: dict[str, Any] | None) -> Path:
+    """``build_tiny_checkpoint``'s work (its errors raw)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if family in QUANTIZED_FAMILIES:
-        return _build_quantized(family, Path(directory), seed, overrides)
+        return _build_quantized(family, out, seed, overrides)
     if family not in TINY_FAMILIES:
         raise KeyError(f"unknown tiny family {family!r}; known: {sorted(TINY_FAMILIES) + sorted(QUANTIZED_FAMILIES)}")
+    model_type = TINY_FAMILIES[family]["model_type"]
+    known = {*_COMMON, *TINY_FAMILIES[family], *transformers_defaults(model_type)[1],
+             *transformers_defaults(model_type)[2]}
+    unknown = sorted(set(overrides or {}) - known)
+    if unknown:
+        raise ValueError(f"tiny {family!r}: override(s) {unknown} are no fields of transformers' {model_type} config")
     kwargs = {**_COMMON, **TINY_FAMILIES[family], **(overrides or {})}
-    model_type = kwargs.pop("model_type")
+    kwargs.pop("model_type")
     config = AutoConfig.for_model(model_type, **kwargs)
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
@@ -196,7 +221,6 @@ def build_tiny_checkpoint(
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn(buf.shape, generator=gen) * 0.05)
-    out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     _byte_tokenizer().save_pretrained(out)
