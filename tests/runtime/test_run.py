@@ -279,6 +279,10 @@ def test_corrupt_or_misplaced_cache(tmp_path, capsys):
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(ValueError, match="is unreadable .* delete that directory and run again"):
         ensure_default_checkpoint(tmp_path / "cache")
+    rebuilt = ensure_default_checkpoint(tmp_path / "cache2")
+    (rebuilt / "config.json").write_text("{}")  # was "missing field 'model_type'" with no word of the cache
+    with pytest.raises(ValueError, match=r"is unreadable \(ValueError: .*model_type.*\); delete that directory"):
+        ensure_default_checkpoint(tmp_path / "cache2")
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
     with pytest.raises(ValueError, match=r"\(EPMOE_CACHE\) is a file: point EPMOE_CACHE at a directory"):

@@ -41,6 +41,17 @@ def test_a_corrupt_tokenizer_file_is_named(kimi, tmp_path, capsys):
             "column 1 (char 0)") in err
 
 
+def test_a_missing_vocabulary_file_is_named(kimi, tmp_path, capsys):
+    # was transformers' advice to install sentencepiece or tiktoken
+    broken = tmp_path / "ckpt"
+    shutil.copytree(kimi, broken)
+    (broken / "tokenizer.json").unlink()
+    assert main(["run", "--model", str(broken), "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert (f"the tokenizer of '{broken}' cannot be loaded: the directory holds tokenizer_config.json but no "
+            "vocabulary file (tokenizer.json, tokenizer.model, vocab.json, tiktoken.model)") in err
+
+
 def _copy_with(kimi, dst, config=None, generation=None):
     """A copy of the checkpoint with ``config`` merged into its config.json and ``generation`` written as its
     generation_config.json."""

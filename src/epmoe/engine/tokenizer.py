@@ -19,7 +19,8 @@ def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
     Raises:
         ValueError: the tokenizer is code shipped with the checkpoint and ``trust_remote_code`` is false (its file
             named; transformers would ask on the terminal); an ``auto_map`` that names no class of the checkpoint's
-            own files; the tokenizer files cannot be read (the broken JSON file named, with the parser's reason).
+            own files; the tokenizer files cannot be read (the broken JSON file named, with the parser's reason), or
+            a ``tokenizer_config.json`` without any vocabulary file beside it.
     """
     names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
     if not any((Path(model_dir) / f).is_file() for f in names):
@@ -42,6 +43,11 @@ def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
                     json.loads(path.read_text())
             except (ValueError, OSError) as bad:
                 raise ValueError(f"tokenizer file {str(path)!r} cannot be read: {bad}") from None
+        vocab = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+        if remote is None and not any((Path(model_dir) / f).is_file() for f in vocab):
+            raise ValueError(f"the tokenizer of {model_dir!r} cannot be loaded: the directory holds "
+                             f"tokenizer_config.json but no vocabulary file ({', '.join(vocab)}): is a file "
+                             f"missing from the download?") from None
         where = f" (its code: {remote}, from tokenizer_config.json's auto_map)" if remote is not None else ""
         raise ValueError(f"the tokenizer of {model_dir!r}{where} cannot be loaded: {type(exc).__name__}: "
                          f"{exc}") from None
