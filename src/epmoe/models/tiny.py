@@ -26,6 +26,7 @@ the published quantized layout, with the format's own package doing the quantiza
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -33,8 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from epmoe.config_fields import transformers_defaults
 
 # Shared small sizes: hidden 64, 4 heads, vocab 259 (256 bytes + bos/eos/pad).
 _COMMON: dict[str, Any] = dict(
@@ -203,8 +202,9 @@ def _build_tiny(family: str, out: Path, seed: int, dtype: torch.dtype, overrides
     if family not in TINY_FAMILIES:
         raise KeyError(f"unknown tiny family {family!r}; known: {sorted(TINY_FAMILIES) + sorted(QUANTIZED_FAMILIES)}")
     model_type = TINY_FAMILIES[family]["model_type"]
-    known = {*_COMMON, *TINY_FAMILIES[family], *transformers_defaults(model_type)[1],
-             *transformers_defaults(model_type)[2]}
+    default = AutoConfig.for_model(model_type)  # the fields its config class declares, with their aliases
+    known = {*_COMMON, *TINY_FAMILIES[family], *vars(default), *inspect.signature(type(default).__init__).parameters,
+             *getattr(default, "attribute_map", {})}
     unknown = sorted(set(overrides or {}) - known)
     if unknown:
         raise ValueError(f"tiny {family!r}: override(s) {unknown} are no fields of transformers' {model_type} config")

@@ -353,11 +353,11 @@ def _check_before_start(cfg: RunConfig, model_dir: str, ep: int, all_ids: list[l
     engine_cfg = _engine_config(cfg, model_dir)
     spec = load_moe_spec(model_dir)
     _check_context(spec, all_ids, cfg.max_new_tokens, cfg.max_model_len)
-    if cfg.load_format == "auto":  # the loader's checks from the file headers, doctor's too: every tensor in place
-        from epmoe.models.hf import check_checkpoint
+    if cfg.load_format == "auto":  # the loader's checks from the file headers (doctor's) but the routed experts',
+        from epmoe.models.hf import check_checkpoint  # which each rank checks for its own slots as it loads them
 
         try:
-            check_checkpoint(model_dir)
+            check_checkpoint(model_dir, experts=lambda _layer: ())
         except KeyError as exc:  # a missing tensor: its message without the quotes a KeyError's str() adds
             raise ValueError(exc.args[0] if exc.args else str(exc)) from None
         except FileNotFoundError as exc:
