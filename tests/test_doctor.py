@@ -368,7 +368,7 @@ def test_layers_past_num_hidden_layers_are_named(tiny_checkpoints, tmp_path):
     bad = _edited_copy(good, tmp_path / "less", lambda d: d.get("text_config", d).update(num_hidden_layers=2))
     refusal = _loader_refusal(bad)
     assert refusal == (f"checkpoint {bad} holds {len(third)} tensors the model config.json describes has no place "
-                       "for (num_hidden_layers 2), the first 'model.layers.2.input_layernorm.weight' (does config.json "
+                       "for, the first 'model.layers.2.input_layernorm.weight' (num_hidden_layers 2; does config.json "
                        "belong to these weights?)")
     (error,) = _errors(diagnose(DoctorConfig(model=str(bad), ep=2)))
     assert error.what == f"the target model: {refusal}"
@@ -385,8 +385,8 @@ def test_layers_past_num_hidden_layers_are_named(tiny_checkpoints, tmp_path):
     assert not _errors(diagnose(DoctorConfig(model=str(mtp), ep=2)))
     stray = _edited_weights(good, tmp_path / "stray", add_layer_3(False))
     (error,) = _errors(diagnose(DoctorConfig(model=str(stray), ep=2)))
-    assert "holds 2 tensors the model config.json describes has no place for (num_hidden_layers 3), the first " \
-           "'model.layers.3.enorm.weight'" in error.what
+    assert "holds 2 tensors the model config.json describes has no place for, the first " \
+           "'model.layers.3.enorm.weight' (num_hidden_layers 3; does config.json" in error.what
 
 
 def test_a_field_transformers_refuses_is_a_config_error(tiny_checkpoints, tmp_path):

@@ -100,6 +100,15 @@ def test_an_aborted_id_is_in_use_until_its_abort_is_reported(engine, reference):
         engine.add_request("abc", GREEDY, request_id="a")
     (out,) = engine.step()
     assert (out.request_id, out.finish_reason) == ("a", "abort")
+    # a finish still to be reported holds its id too (rebalance_now reads back the step in flight)
+    engine.add_request("abc", SamplingParams(temperature=0, max_tokens=1), request_id="b")
+    assert engine.step() == []  # its one token is still in flight (the overlap schedule)
+    engine.rebalance_now()  # reads it back: b is finished, its report waits for the next step
+    with pytest.raises(ValueError, match="request id 'b' is already in use"):
+        engine.add_request("abc", GREEDY, request_id="b")
+    assert [(o.request_id, o.finish_reason) for o in engine.step()] == [("b", "length")]
+    engine.add_request("abc", GREEDY, request_id="b")
+    drain(engine)
     engine.add_request("abc", GREEDY, request_id="a")  # free again once reported
     assert drain(engine)["a"].token_ids == reference["abc"]
     assert_idle(engine)
@@ -110,12 +119,16 @@ def test_kv_report_context_named(engine):  # was a ZeroDivisionError
         with pytest.raises(ValueError, match=f"context must be a positive integer of tokens, got {bad}"):
             engine.kv_report(context=bad)
     assert engine.kv_report(context=8)["max_concurrency"] == engine.allocator.capacity // 2  # blocks of 4 tokens
+    with pytest.raises(ValueError, match=r"context \(33\) is past max_model_len \(32\): no sequence is that long"):
+        engine.kv_report(context=33)
 
 
 @pytest.mark.parametrize("times, message", [
     ([float("inf")], r"arrival_times must be finite non-negative seconds, got \[inf\]"),  # was: generate never ended
     ([-1.0], r"arrival_times must be finite non-negative seconds, got \[-1\.0\]"),
     (["x"], r"arrival_times must be numbers of seconds, got \['x'\]"),
+    (["0.01"], r"arrival_times must be numbers of seconds, got \['0\.01'\]"),  # was taken as 0.01
+    ([10 ** 400], r"arrival_times must be finite non-negative seconds"),  # was an OverflowError
 ])
 def test_bad_arrival_times_named(engine, times, message):
     with pytest.raises(ValueError, match=message):

@@ -142,3 +142,18 @@ def test_tiny_builder_names_bad_overrides_and_leaves_nothing(tmp_path, family, o
     with pytest.raises(ValueError, match=message):
         build_tiny_checkpoint(family, tmp_path / "x", overrides=overrides)
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("deepseek-v3", {"n_shared_experts": 0}),
+    ("qwen2-moe", {"shared_expert_intermediate_size": 0}),
+])
+def test_the_empty_shared_expert_transformers_saves_is_read(tmp_path, family, overrides):
+    """transformers saves zero-size shared-expert tensors (and Qwen2-MoE its gate) for a model without one: they
+    are the model's own, not tensors config.json has no place for (a real shared expert beside
+    n_shared_experts 0 is refused: tests/models/test_quantized_checkpoint.py)."""
+    from epmoe.models.hf import check_checkpoint
+    from epmoe.models.tiny import build_tiny_checkpoint
+
+    directory = build_tiny_checkpoint(family, tmp_path / family, overrides=overrides)
+    check_checkpoint(str(directory))

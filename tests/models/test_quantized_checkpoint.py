@@ -354,8 +354,9 @@ REFUSED = [
      rf"tensor '{EXPERT}.up_proj.weight_shape' holds \(32, 96\), expected \(32, 64\)"),
     ("kimi-k2.5-int4", _scale_group16, rf"{EXPERT}.gate_proj.weight_scale'.*per 16 inputs.*group_size 32"),
     ("kimi-k2.5-int4", _asymmetric, r"routed expert weight format 'compressed-tensors-int4-asymmetric' is not served"),
-    ("kimi-k2.5-int4", _no_shared_expert, r"holds 6 tensors the model config.json describes has no place for "
-     r"\(num_hidden_layers 3\), the first 'model.layers.1.mlp.shared_experts.down_proj.weight'"),
+    ("kimi-k2.5-int4", _no_shared_expert, r"holds 6 tensors the model config.json describes has no place for, "
+     r"the first 'model.layers.1.mlp.shared_experts.down_proj.weight' \(config.json makes it \(64, 0\), "
+     r"the checkpoint holds \(64, 32\)"),
     ("kimi-k2.5-int4", _packed_float, rf"{EXPERT}.gate_proj.weight_packed' is F32, expected I32"),
     ("kimi-k2.5-int4", _scale_int, rf"{EXPERT}.gate_proj.weight_scale' is I32, expected a float dtype"),
     ("gpt-oss-mxfp4", _drop_mxfp4_scales, r"no 'model.layers.1.mlp.experts.down_proj_scales'"),
@@ -465,18 +466,20 @@ def test_a_tensor_in_two_weights_files_is_refused(ckpts, tmp_path):
         CheckpointReader(directory)
 
 
-def test_int4_nan_scale_is_refused_on_load(ckpts, tmp_path):
-    # was served: NaN logits, and the reference built from the same weights "matched"
+@pytest.mark.parametrize("value", [float("nan"), 3e38])  # 3e38 is finite, but 8 times it is not a float32
+def test_int4_scale_that_is_no_weight_is_refused_on_load(ckpts, tmp_path, value):
+    # was served: NaN logits (or zeros), and the reference built from the same weights "matched"
     from epmoe.models.hf import load_ep_model
     from epmoe.spec import load_moe_spec
 
-    def nan_scale(t, cfg):
-        t[f"{EXPERT}.gate_proj.weight_scale"][2, 1] = float("nan")
+    def bad_scale(t, cfg):
+        t[f"{EXPERT}.gate_proj.weight_scale"][2, 1] = value
 
-    directory = _broken(ckpts["kimi-k2.5-int4"][0], tmp_path, nan_scale)
+    directory = _broken(ckpts["kimi-k2.5-int4"][0], tmp_path, bad_scale)
     spec = load_moe_spec(directory)
-    with pytest.raises(ValueError, match=rf"tensor '{EXPERT}[.]gate_proj[.]weight_scale' holds 1 NaN or infinite "
-                                         rf"value, the first at \(2, 1\): not a weight"):
+    with pytest.raises(ValueError, match=rf"tensor '{EXPERT}[.]gate_proj[.]weight_scale' \(times the largest 4-bit "
+                                         rf"value, 8\) holds 1 NaN or infinite value, the first at \(2, 1\): not a "
+                                         rf"weight"):
         load_ep_model(directory, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
                       options=MoELayerOptions(dispatcher="local"))
 

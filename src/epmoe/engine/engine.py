@@ -191,12 +191,15 @@ class Engine:
         (``None`` = ``max_model_len``), the graph buckets and whether prefix caching is on.
 
         Raises:
-            ValueError: ``context`` not a positive integer.
+            ValueError: ``context`` not a positive integer, or past ``max_model_len``.
         """
         if context is not None and (isinstance(context, bool) or not isinstance(context, numbers.Integral)
                                     or context < 1):
             raise ValueError(f"context must be a positive integer of tokens, got {context!r}")
-        ctx = context or self.max_model_len
+        if context is not None and context > self.max_model_len:
+            raise ValueError(f"context ({context}) is past max_model_len ({self.max_model_len}): no sequence is "
+                             f"that long")
+        ctx = int(context or self.max_model_len)
         tokens = self.allocator.capacity * self.config.block_size
         layout = self.kv.layout
         return {"blocks": self.allocator.capacity, "block_size": self.config.block_size, "tokens": tokens,
@@ -270,9 +273,9 @@ class Engine:
         return rid
 
     def _in_use(self, request_id: str) -> bool:
-        """A request of this id waits, runs, or has an abort still to be reported (two requests of one id in one
-        step's outputs could not be told apart)."""
-        return request_id in self._seqs or any(o.request_id == request_id for o in self._aborted)
+        """A request of this id waits, runs, or has an abort or a finish still to be reported (two requests of one id
+        in one step's outputs could not be told apart)."""
+        return request_id in self._seqs or any(o.request_id == request_id for o in (*self._aborted, *self._ready))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks. The next ``step()`` reports it once more, finished.
@@ -541,10 +544,14 @@ class Engine:
             prompts = [prompts]
         n = len(prompts)
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * n
+        times = list(arrival_times) if arrival_times is not None else [0.0] * n
+        if isinstance(arrival_times, str) or any(isinstance(t, bool) or not isinstance(t, numbers.Real)
+                                                 for t in times):
+            raise ValueError(f"arrival_times must be numbers of seconds, got {arrival_times!r}")
         try:
-            arrivals = [float(t) for t in arrival_times] if arrival_times is not None else [0.0] * n
-        except (TypeError, ValueError):
-            raise ValueError(f"arrival_times must be numbers of seconds, got {arrival_times!r}") from None
+            arrivals = [float(t) for t in times]
+        except OverflowError:
+            raise ValueError(f"arrival_times must be finite non-negative seconds, got {arrival_times!r}") from None
         if len(plist) != n or len(arrivals) != n:
             raise ValueError(f"{n} prompts need as many params ({len(plist)}) and arrival times ({len(arrivals)})")
         if any(not 0 <= t < math.inf for t in arrivals):  # an infinite one would never arrive: generate would not end

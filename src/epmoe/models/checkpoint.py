@@ -362,8 +362,10 @@ class CheckpointReader:
         packed, scale = self._read(full + "_packed", row), self._read(scale_name, row)
         if row is not None:
             packed, scale = packed[None], scale[None]
-        _refuse(~torch.isfinite(scale), f"checkpoint {self.directory}: tensor {scale_name!r}"
-                                        f"{'' if row is None else f' (row {row})'}")
+        # times the largest |q| (8): a finite scale whose weights overflow float32 is no weight either
+        _refuse(~torch.isfinite(scale.float() * 8), f"checkpoint {self.directory}: tensor {scale_name!r}"
+                                                    f"{'' if row is None else f' (row {row})'} (times the largest "
+                                                    f"4-bit value, 8)")
         return Int4Tensor(packed, scale, (n, k))
 
     def check_int4(self, name: str, expect: tuple[int, int] | None = None) -> tuple[int, int]:

@@ -535,29 +535,39 @@ def check_checkpoint(checkpoint_dir: str, experts: Callable[[int], Iterable[int]
             raise ValueError(f"checkpoint {reader.directory}: tensor {name!r}{' of ' + owner if owner else ''} is "
                              f"{dtype}, expected a float dtype ({', '.join(WEIGHT_HEADER_DTYPES)})")
     blocks = tuple(f"model.layers.{i}.{layout.moe_attr}." for i in spec.moe_layers)
-    unread = _unread_tensors(reader, model, every, spec.num_layers, blocks)
+    unread, own_in_blocks = _unread_tensors(reader, model, every, spec.num_layers, blocks)
     if unread:
+        first = unread[0]
+        why = (f"config.json makes it {own_in_blocks[first]}, the checkpoint holds {reader.shape(first)}"
+               if first in own_in_blocks else f"num_hidden_layers {spec.num_layers}")
         raise ValueError(f"checkpoint {reader.directory} holds {len(unread)} tensor{'s' if len(unread) > 1 else ''} "
-                         f"the model config.json describes has no place for (num_hidden_layers {spec.num_layers}), "
-                         f"the first {unread[0]!r} (does config.json belong to these weights?)")
+                         f"the model config.json describes has no place for, the first {first!r} ({why}; does "
+                         f"config.json belong to these weights?)")
     return reader
 
 
-def _unread_tensors(reader: CheckpointReader, model: nn.Module, expected: Iterable[str],
-                    num_layers: int, blocks: tuple[str, ...]) -> list[str]:
-    """The checkpoint's tensors that no loader reads, in the checkpoint's order: neither the model's own outside
-    its MoE blocks (the prefixes ``blocks``; RoPE tables and a tied LM head included, though they are rebuilt), nor
-    in ``expected`` (the MoE blocks' in the checkpoint layout, every expert: a shared expert's only where
-    ``config.json`` gives the block one, though transformers' model may hold an empty one), nor a
-    multi-token-prediction module's: a layer past the ``num_layers`` decoder layers that holds an ``eh_proj``
+def _unread_tensors(reader: CheckpointReader, model: nn.Module, expected: Iterable[str], num_layers: int,
+                    blocks: tuple[str, ...]) -> tuple[list[str], dict[str, tuple[int, ...]]]:
+    """The checkpoint's tensors that no loader reads, in the checkpoint's order, and the shapes of the model's own
+    tensors inside its MoE blocks (the prefixes ``blocks``). Read are: the model's own outside those blocks (RoPE
+    tables and a tied LM head included, though they are rebuilt); inside them, those in ``expected`` (the blocks'
+    in the checkpoint layout, every expert) and the model's own where the checkpoint's shape is the model's (the
+    empty shared expert transformers saves for ``n_shared_experts: 0``, not a real one ``config.json`` leaves out);
+    and a multi-token-prediction module's: a layer past the ``num_layers`` decoder layers that holds an ``eh_proj``
     (DeepSeek-V3, GLM-4.5 store one; transformers loads it apart)."""
-    own = {name for name, _ in chain(model.named_parameters(remove_duplicate=False),
-                                     model.named_buffers(remove_duplicate=False)) if not name.startswith(blocks)}
+    own, in_blocks = set(), {}
+    for name, t in chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)):
+        if name.startswith(blocks):
+            in_blocks[name] = tuple(t.shape)
+        else:
+            own.add(name)
     known = own.union(expected)
     names = reader.keys()
     marked = (re.fullmatch(r"model\.layers\.(\d+)\.eh_proj\.weight", name) for name in names)
     mtp = tuple(f"model.layers.{m[1]}." for m in marked if m and int(m[1]) >= num_layers)
-    return [name for name in names if name not in known and not name.startswith(mtp)]
+    unread = [name for name in names if name not in known and not name.startswith(mtp)
+              and not (name in in_blocks and tuple(reader.shape(name)) == in_blocks[name])]
+    return unread, in_blocks
 
 
 def _expected_tensors(model: nn.Module, spec: MoESpec, layout: FamilyLayout,
