@@ -357,6 +357,16 @@ def test_a_config_that_is_not_utf8_is_named(tmp_path):
         load_moe_spec(tmp_path)
 
 
+def test_a_mistyped_symmetric_is_named(tmp_path):  # "false" was taken for an asymmetric scheme
+    cfg = json.loads((CONFIGS / "kimi-k2.5.config.json").read_text())
+    cfg["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = "false"
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"field 'text_config\.quantization_config\.config_groups\.group_0\.weights\."
+                                         r"symmetric' must be true or false, got \"false\" \(a string\)$"):
+        load_moe_spec(path)
+
+
 @pytest.mark.parametrize("edit,fmt", [
     (lambda qc: qc["config_groups"]["group_0"]["weights"].update(num_bits=3), "compressed-tensors-int3"),
     (lambda qc: qc["config_groups"]["group_0"]["weights"].update(num_bits=8, type="float"),
@@ -371,6 +381,12 @@ def test_a_config_that_is_not_utf8_is_named(tmp_path):
     (lambda qc: qc.update(format="marlin-24"), "compressed-tensors-int4-marlin-24"),
     (lambda qc: qc["config_groups"]["group_0"]["weights"].update(strategy="channel", group_size=None),
      "compressed-tensors-int4-channel"),
+    # found by the second check: a second group, a group's own format, reordered columns (were int4_group32)
+    (lambda qc: qc["config_groups"].update(group_1={**qc["config_groups"]["group_0"], "weights": {
+        **qc["config_groups"]["group_0"]["weights"], "symmetric": False}}), "compressed-tensors-int4-asymmetric"),
+    (lambda qc: qc["config_groups"]["group_0"].update(format="float-quantized"),
+     "compressed-tensors-int4-float-quantized"),
+    (lambda qc: qc["config_groups"]["group_0"]["weights"].update(actorder="group"), "compressed-tensors-int4-actorder"),
 ])
 def test_an_unserved_quantization_keeps_its_name(tmp_path, edit, fmt):
     # a quantization epmoe does not serve is named as what it is, never taken for bf16 (whose sizes it would print)

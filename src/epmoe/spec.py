@@ -311,16 +311,23 @@ INT4_FORMAT = "pack-quantized"
 """The compressed-tensors ``format`` 4-bit weights are read in (absent or null: this one)."""
 
 
-def int4_scheme_departure(qc: dict[str, Any], weights: dict[str, Any]) -> tuple[str, Any] | None:
+def int4_scheme_departure(qc: dict[str, Any], weights: dict[str, Any],
+                          group: dict[str, Any] | None = None) -> tuple[str, Any] | None:
     """The first field of a 4-bit int compressed-tensors config group that departs from what epmoe reads
-    (``INT4_FORMAT``, ``INT4_SCHEME``) as ``(field, value)``, the field named from ``quantization_config`` down
-    (``format``, ``weights.symmetric``); ``None`` when the group is read. The spec names such experts as unserved
-    (``_weight_format``) and the checkpoint reader refuses them by that field, one rule for both."""
-    if qc.get("format") is not None and qc["format"] != INT4_FORMAT:
-        return "format", qc["format"]
+    (``INT4_FORMAT``, ``INT4_SCHEME``, no activation ordering) as ``(field, value)``, the field named from
+    ``quantization_config`` down (``format``, ``weights.symmetric``); ``None`` when the group is read. The format is
+    the group's own (``group``'s ``format``) where it names one, else the config's. The spec names such experts as
+    unserved (``_weight_format``) and the checkpoint reader refuses them by that field, one rule for both."""
+    for where, fmt in (("group format", (group or {}).get("format")), ("format", qc.get("format"))):
+        if fmt is not None:
+            if fmt != INT4_FORMAT:
+                return where, fmt
+            break
     for field, want in INT4_SCHEME.items():
         if weights.get(field) is not None and weights[field] != want:
             return f"weights.{field}", weights[field]
+    if weights.get("actorder") not in (None, False):  # columns reordered: the packed order is not the inputs'
+        return "weights.actorder", weights["actorder"]
     return None
 
 
@@ -346,23 +353,30 @@ def _weight_format(cfg: dict[str, Any], source: str, prefix: str = "") -> str:
         return "mxfp4"
     if method == "compressed-tensors" or (method is None and "config_groups" in qc):
         groups = quant.section("config_groups")
+        found = []  # every group's format: one the experts could be stored in that is not served names them
         for name in groups.cfg if groups is not None else ():
             group = groups.section(name)
             w = group.section("weights") if group is not None else None
             if w is None:
                 continue
-            # absent or null: compressed-tensors' defaults (QuantizationArgs: 8-bit int)
+            # absent or null: compressed-tensors' defaults (QuantizationArgs: 8-bit int, symmetric)
             bits, kind = w.int("num_bits", fallback=8), w.str("type", fallback="int")
+            w.bool("symmetric", fallback=True)
             if bits == 4 and kind == "int":
-                departure = int4_scheme_departure(qc, w.cfg)
-                if departure is not None:  # another packing, zero points, per channel, ...
+                departure = int4_scheme_departure(qc, w.cfg, group.cfg)
+                if departure is not None:  # another packing, zero points, per channel, reordered columns, ...
                     field, value = departure
-                    return "compressed-tensors-int4-" + ("asymmetric" if field == "weights.symmetric" else str(value))
-                if w.has("group_size"):
-                    return f"int4_group{w.int('group_size')}"
-                return f"compressed-tensors-int4-{w.str('strategy', fallback='tensor')}"
-            return f"compressed-tensors-{kind}{bits}"
-        return "bf16"
+                    found.append("compressed-tensors-int4-" + (
+                        "asymmetric" if field == "weights.symmetric" else
+                        "actorder" if field == "weights.actorder" else str(value)))
+                elif w.has("group_size"):
+                    found.append(f"int4_group{w.int('group_size')}")
+                else:
+                    found.append(f"compressed-tensors-int4-{w.str('strategy', fallback='tensor')}")
+            else:
+                found.append(f"compressed-tensors-{kind}{bits}")
+        unserved = [f for f in found if not f.startswith("int4_group")]
+        return (unserved or found or ["bf16"])[0]
     return method or "bf16"
 
 

@@ -496,25 +496,27 @@ def _int4_group_size(config: dict, directory: Path) -> int | None:
             (the field, its value and the file named).
     """
     qc = language_model_config(config).get("quantization_config") or {}
-    for name, group in (qc.get("config_groups") or {}).items():
+    where = f"{directory}/config.json: quantization_config"
+    sizes = []
+    for name, group in (qc.get("config_groups") or {}).items():  # every 4-bit group: one read wrongly is refused
         w = (group or {}).get("weights") or {}
         if w.get("num_bits") != 4:
             continue
-        where = f"{directory}/config.json: quantization_config"
-        departure = int4_scheme_departure(qc, w)
+        departure = int4_scheme_departure(qc, w, group)
         if departure is not None:
             field, value = departure
-            path = field if field == "format" else f"config_groups.{name}.{field}"
-            want = INT4_FORMAT if field == "format" else INT4_SCHEME[field.removeprefix("weights.")]
-            raise ValueError(f"{where}.{path} is {json.dumps(value)}; 4-bit weights are read with "
-                             f"{field.removeprefix('weights.')} {json.dumps(want)} only")
-        group = w.get("group_size")
-        if group is None:
-            return None
-        if isinstance(group, bool) or not isinstance(group, int):
-            raise ValueError(f"{where}.config_groups.{name}.weights.group_size is {group!r}; expected an integer")
-        return group
-    return None
+            path = {"format": "format", "group format": f"config_groups.{name}.format"}.get(
+                field, f"config_groups.{name}.{field}")
+            want = ("no activation ordering" if field == "weights.actorder" else
+                    f"format {json.dumps(INT4_FORMAT)}" if field.endswith("format") else
+                    f"{field.removeprefix('weights.')} {json.dumps(INT4_SCHEME[field.removeprefix('weights.')])}")
+            raise ValueError(f"{where}.{path} is {json.dumps(value)}; 4-bit weights are read with {want} only")
+        group_size = w.get("group_size")
+        if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)):
+            raise ValueError(f"{where}.config_groups.{name}.weights.group_size is {group_size!r}; expected an "
+                             f"integer")
+        sizes.append(group_size)
+    return sizes[0] if sizes else None
 
 
 def _block_size(config: dict, directory: Path) -> tuple[int, int]:
