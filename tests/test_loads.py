@@ -143,8 +143,12 @@ def test_read_bad_files(tmp_path):
     with pytest.raises(ValueError, match="expected ids 0..2"):
         read_loads(tmp_path / "bad.csv")
     (tmp_path / "neg.csv").write_text("domain,layer,expert,count\na,0,0,5\na,0,-1,1\n")  # was "expected ids 0..0"
-    with pytest.raises(ValueError, match=r"neg\.csv' line 3: expert -1 is negative; expert ids count from 0$"):
+    with pytest.raises(ValueError, match=r"neg\.csv' line 3: expert -1 is no expert id \(ids count from 0, at most "
+                                         r"1048576 experts a layer\)$"):
         read_loads(tmp_path / "neg.csv")
+    (tmp_path / "huge.csv").write_text("domain,layer,expert,count\na,0,100000000,5\n")  # was a 10**8-entry table
+    with pytest.raises(ValueError, match=r"huge\.csv' line 2: expert 100000000 is no expert id"):
+        read_loads(tmp_path / "huge.csv")
 
 
 @pytest.mark.parametrize(

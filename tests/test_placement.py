@@ -155,7 +155,12 @@ def test_file_ep_disagreement(tmp_path):
     ({"ep_size": 2, "num_experts": 0, "phy2log": [[0, 1, 2, 3]]},
      "field 'num_experts' must be a positive integer, got 0$"),
     # was "Overflow when unpacking long long"
-    ({"ep_size": 2, "phy2log": [[0, 2 ** 70, 2, 3]]}, r"phy2log\[0, 1\] = 1180591620717411303424 is no expert id$"),
+    ({"ep_size": 2, "phy2log": [[0, 2 ** 70, 2, 3]]}, r"phy2log\[0, 1\] = 1180591620717411303424 is no expert id "
+                                                       r"\(at most 1048576 experts a layer\)$"),
+    # was an allocation of 64 GiB, then "could not be read: [enforce fail at alloc_cpu.cpp...]"
+    ({"ep_size": 2, "phy2log": [[0, 2 ** 33, 2, 3]]}, r"phy2log\[0, 1\] = 8589934592 is no expert id"),
+    ({"ep_size": 2, "num_experts": 2 ** 40, "phy2log": [[0, 1, 2, 3]]},
+     r"field 'num_experts' must be a positive integer up to 1048576, got 1099511627776$"),
 ])
 def test_placement_file_fields_are_typed(tmp_path, doc, msg):
     path = tmp_path / "p.json"

@@ -117,3 +117,8 @@ def _byte_span(t) -> tuple[int, int]:
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] < a[1] and b[0] < b[1] and a[0] < b[1] and b[0] < a[1]
+
+
+MAX_EXPERTS = 1 << 20
+"""The most experts (and ranks) a layer may have in a placement or loads file: far past any model's, and a bound on
+the tables a file's ids size before they are made."""

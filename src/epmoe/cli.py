@@ -290,7 +290,8 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     try:
         report = run_bench(cfg, progress=args.json != "-")
     except httpx.HTTPStatusError as exc:
-        key = " (pass the server's key with --api-key)" if exc.response.status_code == 401 else ""
+        key = "" if exc.response.status_code != 401 else (
+            " (is --api-key the server's key?)" if args.api_key else " (pass the server's key with --api-key)")
         raise ValueError(f"--base-url {args.base_url}: the server answered {exc.response.status_code} "
                          f"{exc.response.reason_phrase} to {exc.request.method} {exc.request.url}{key}") from None
     except httpx.HTTPError as exc:

@@ -9,6 +9,8 @@ map serving now; the SGLang and vLLM plug-ins (``epmoe.integrations``) call it.
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 import torch
 
@@ -79,13 +81,15 @@ def rebalance_placement(weight: torch.Tensor | np.ndarray, num_replicas: int, nu
         KeyError: unknown ``algorithm``.
     """
     if (weight.is_complex() if isinstance(weight, torch.Tensor) else np.iscomplexobj(weight)):
-        raise ValueError(f"weight must hold real loads, got complex values ({weight.dtype})")
+        dtype = weight.dtype if isinstance(weight, torch.Tensor) else np.asarray(weight).dtype
+        raise ValueError(f"weight must hold real loads, got complex values ({dtype})")
     w = as_load_array(weight, "weight")
     num_layers, num_experts = w.shape
     check_positive_int("num_gpus", num_gpus)
     check_positive_int("num_replicas", num_replicas)
     check_positive_int("num_nodes", num_nodes)
-    if num_groups is not None and (isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0):
+    if num_groups is not None and (isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral)
+                                   or num_groups < 0):
         raise ValueError(f"num_groups must be a non-negative integer or None (0 and None: no groups), got "
                          f"{num_groups!r}")
     if num_replicas < num_experts or num_replicas % num_gpus:

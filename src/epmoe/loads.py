@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from epmoe.checks import check_positive_int
+from epmoe.checks import MAX_EXPERTS, check_positive_int
 from epmoe.files import atomic_path
 from epmoe.placement import ExpertPlacement
 
@@ -297,9 +297,9 @@ def read_csv_loads(path: str | Path) -> tuple[torch.Tensor, list[str]]:
                 expert, count = int(row["expert"]), float(row["count"])
             except ValueError as exc:
                 raise ValueError(f"loads file {str(path)!r} line {line}: {exc}") from exc
-            if expert < 0:
-                raise ValueError(f"loads file {str(path)!r} line {line}: expert {expert} is negative; expert ids "
-                                 f"count from 0")
+            if not 0 <= expert < MAX_EXPERTS:
+                raise ValueError(f"loads file {str(path)!r} line {line}: expert {expert} is no expert id (ids count "
+                                 f"from 0, at most {MAX_EXPERTS} experts a layer)")
             if expert in groups.setdefault(name, {}):
                 raise ValueError(f"loads file {str(path)!r} line {line}: expert {expert} repeated in {name}")
             groups[name][expert] = count

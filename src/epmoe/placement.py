@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from epmoe.checks import check_int, check_positive_int
+from epmoe.checks import MAX_EXPERTS, check_int, check_positive_int
 from epmoe.files import atomic_path
 
 PLACEMENT_FORMAT = "epmoe.placement/1"
@@ -394,10 +394,11 @@ class ExpertPlacement:
                             if not isinstance(v, int) or isinstance(v, bool)), None)
                 if bad is not None:
                     raise ValueError(f"phy2log must hold integers only, got phy2log[{bad[0]}, {bad[1]}] = {bad[2]!r}")
-                huge = next(((i, j, v) for i, r in enumerate(rows) for j, v in enumerate(r) if abs(v) >= 1 << 62),
-                            None)
-                if huge is not None:  # past int64: no expert id
-                    raise ValueError(f"phy2log[{huge[0]}, {huge[1]}] = {huge[2]} is no expert id")
+                huge = next(((i, j, v) for i, r in enumerate(rows) for j, v in enumerate(r)
+                             if abs(v) >= MAX_EXPERTS), None)
+                if huge is not None:  # the tables are sized by the largest id: refused before they are made
+                    raise ValueError(f"phy2log[{huge[0]}, {huge[1]}] = {huge[2]} is no expert id (at most "
+                                     f"{MAX_EXPERTS} experts a layer)")
                 phy2log = torch.tensor(rows, dtype=torch.int64)
                 if phy2log.dim() != 2:
                     phy2log = phy2log.reshape(len(rows), -1)
@@ -409,8 +410,9 @@ class ExpertPlacement:
                 if "format" in doc and doc["format"] != PLACEMENT_FORMAT:
                     raise ValueError(f"field 'format' is {doc['format']!r}; this reader knows {PLACEMENT_FORMAT!r}")
             for key, value in (("ep_size", file_ep), ("num_experts", num_experts)):
-                if value is not None and value < 1:
-                    raise ValueError(f"field {key!r} must be a positive integer, got {value!r}")
+                if value is not None and not 1 <= value <= MAX_EXPERTS:
+                    raise ValueError(f"field {key!r} must be a positive integer"
+                                     f"{f' up to {MAX_EXPERTS}' if value > 0 else ''}, got {value!r}")
             if file_ep is not None and ep_size is not None and int(file_ep) != ep_size:
                 raise ValueError(f"the file is for EP size {file_ep} but EP size {ep_size} was asked for")
             use_ep = int(file_ep) if file_ep is not None else ep_size

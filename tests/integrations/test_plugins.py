@@ -54,6 +54,8 @@ def test_deepseek_drop_in_sizes_named(olmoe, args, message):
         rebalance_experts(olmoe.float(), *args)
     with pytest.raises(ValueError, match=r"weight must hold real loads, got complex values \(torch\.complex64\)"):
         rebalance_experts(olmoe.to(torch.complex64), SLOTS, 1, 1, EP)
+    with pytest.raises(ValueError, match=r"weight must hold real loads, got complex values \(complex128\)"):
+        rebalance_experts(olmoe.to(torch.complex64).tolist(), SLOTS, 1, 1, EP)  # was an AttributeError
 
 
 def test_sglang_signature_with_dense_rows(olmoe):

@@ -135,13 +135,20 @@ def test_tuple_block_folds_the_norm_where_its_moe_layer_does():
                                   r"olmoe config"),  # was accepted
     ("olmoe", {"hidden_size": -1}, r"tiny 'olmoe' with overrides \{'hidden_size': -1\} cannot be built: "
                                    r"RuntimeError: .*negative dimension"),
+    ("olmoe", {"vocab_size": 0}, r"tiny 'olmoe' with overrides \{'vocab_size': 0\} cannot be built: "),  # raw before
 ])
 def test_tiny_builder_names_bad_overrides_and_leaves_nothing(tmp_path, family, overrides, message):
     from epmoe.models.tiny import build_tiny_checkpoint
 
     with pytest.raises(ValueError, match=message):
-        build_tiny_checkpoint(family, tmp_path / "x", overrides=overrides)
-    assert not (tmp_path / "x").exists()
+        build_tiny_checkpoint(family, tmp_path / "x" / "y", overrides=overrides)
+    assert not (tmp_path / "x").exists()  # no parent left either
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(ValueError, match=message):  # an existing directory: left as it was (no marker, no tokenizer)
+        build_tiny_checkpoint(family, mine, overrides=overrides)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
 
 
 @pytest.mark.parametrize("family, overrides", [

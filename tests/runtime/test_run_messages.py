@@ -49,7 +49,7 @@ def test_a_missing_vocabulary_file_is_named(kimi, tmp_path, capsys):
     assert main(["run", "--model", str(broken), "--max-new-tokens", "1"]) == 2
     err = capsys.readouterr().err
     assert (f"the tokenizer of '{broken}' cannot be loaded: the directory holds tokenizer_config.json but no "
-            "vocabulary file (tokenizer.json, tokenizer.model, vocab.json, tiktoken.model)") in err
+            "vocabulary file (tokenizer.json, a .model or .tiktoken file, vocab.json or vocab.txt, merges.txt)") in err
 
 
 def _copy_with(kimi, dst, config=None, generation=None):

@@ -694,6 +694,7 @@ def test_bench_bad_urls_named(url, message):  # were tracebacks from the connect
     ('{"prompt": "hi", "max_tokens": 2.9}', "field 'max_tokens' must be an integer >= 1, got 2.9"),  # was sent as 2
     ('{"prompt": "hi", "max_tokens": true}', "field 'max_tokens' must be an integer >= 1, got true"),  # was 1
     ('{"prompt": "hi", "max_tokens": null}', "field 'max_tokens' must be an integer >= 1, got null"),
+    ('{"prompt": "\\udc80"}', r"field 'prompt' is not text \(surrogates not allowed at position 0\)"),
 ])
 def test_bench_dataset_max_tokens_named(tmp_path, line, message):
     from epmoe.server.bench import BenchConfig, load_requests

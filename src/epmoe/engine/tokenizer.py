@@ -43,11 +43,15 @@ def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
                     json.loads(path.read_text())
             except (ValueError, OSError) as bad:
                 raise ValueError(f"tokenizer file {str(path)!r} cannot be read: {bad}") from None
-        vocab = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
-        if remote is None and not any((Path(model_dir) / f).is_file() for f in vocab):
+        # the files a tokenizer's vocabulary comes in (tokenizer.json, sentencepiece's .model files, vocab.json /
+        # vocab.txt, merges.txt, .tiktoken): none of them beside tokenizer_config.json is a missing file
+        vocab = [f.name for f in Path(model_dir).iterdir() if f.is_file() and (
+            f.suffix in (".model", ".tiktoken") or f.name in ("tokenizer.json", "merges.txt")
+            or f.name.startswith("vocab"))]
+        if remote is None and not vocab:
             raise ValueError(f"the tokenizer of {model_dir!r} cannot be loaded: the directory holds "
-                             f"tokenizer_config.json but no vocabulary file ({', '.join(vocab)}): is a file "
-                             f"missing from the download?") from None
+                             f"tokenizer_config.json but no vocabulary file (tokenizer.json, a .model or .tiktoken "
+                             f"file, vocab.json or vocab.txt, merges.txt): is a file missing?") from None
         where = f" (its code: {remote}, from tokenizer_config.json's auto_map)" if remote is not None else ""
         raise ValueError(f"the tokenizer of {model_dir!r}{where} cannot be loaded: {type(exc).__name__}: "
                          f"{exc}") from None

@@ -30,6 +30,7 @@ import inspect
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -181,16 +182,23 @@ def build_tiny_checkpoint(
             (transformers' or torch's message, the overrides named); nothing is left in ``directory``'s place.
     """
     out = Path(directory)
-    existed = out.exists()
+    staging = Path(tempfile.mkdtemp(prefix="epmoe-tiny-"))  # built whole there, then moved: nothing half-written
     try:
-        return _build_tiny(family, out, seed, dtype, overrides)
-    except (RuntimeError, ValueError, TypeError) as exc:
-        if not existed:  # what this call wrote: no half-written checkpoint left behind
-            shutil.rmtree(out, ignore_errors=True)
-        if isinstance(exc, ValueError) and str(exc).startswith("tiny "):
+        try:
+            _build_tiny(family, staging, seed, dtype, overrides)
+        except KeyError:
             raise
-        raise ValueError(f"tiny {family!r} with overrides {overrides or {}} cannot be built: "
-                         f"{type(exc).__name__}: {exc}") from None
+        except Exception as exc:  # transformers', huggingface_hub's and torch's own errors of a config they refuse
+            if isinstance(exc, ValueError) and str(exc).startswith("tiny "):
+                raise
+            raise ValueError(f"tiny {family!r} with overrides {overrides or {}} cannot be built: "
+                             f"{type(exc).__name__}: {exc}") from None
+        out.mkdir(parents=True, exist_ok=True)
+        for built in staging.iterdir():
+            shutil.move(str(built), out / built.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
 
 
 def _build_tiny(family: str, out: Path, seed: int, dtype: torch.dtype, overrides: dict[str, Any] | None) -> Path:

@@ -192,7 +192,12 @@ def load_requests(cfg: BenchConfig) -> list[tuple[str | list[int], int, int]]:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"dataset {cfg.dataset!r} line {number}: field 'max_tokens' must be an integer >= 1, got "
                              f"{json_text(max_tokens)}")
-        rows.append((row["prompt"], len(row["prompt"].encode()), max_tokens))
+        try:
+            size = len(row["prompt"].encode())
+        except UnicodeEncodeError as exc:  # a lone surrogate ("\udc80"): no text a server could take
+            raise ValueError(f"dataset {cfg.dataset!r} line {number}: field 'prompt' is not text ({exc.reason} at "
+                             f"position {exc.start})") from None
+        rows.append((row["prompt"], size, max_tokens))
     if not rows:
         raise ValueError(f"dataset {cfg.dataset!r} has no prompts")
     return [rows[i % len(rows)] for i in range(cfg.num_prompts)]
