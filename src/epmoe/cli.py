@@ -138,7 +138,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             top_p=args.top_p, top_k=args.top_k, seed=args.seed, save_loads=args.save_loads,
         ))
     except (ValueError, TypeError) as exc:  # the engine's and the sampler's field names as the flags typed
-        raise _flag_error(exc, _RUN_FLAGS) from exc
+        raise _flag_error(exc, _RUN_FLAGS, _typed_paths(args)) from exc
     if report is None:  # a non-zero torchrun rank: rank 0 prints
         return 0
     if args.json == "-":
@@ -235,7 +235,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         )
         return serve(cfg)
     except (ValueError, TypeError) as exc:
-        raise _flag_error(exc, _SERVE_FLAGS) from exc
+        raise _flag_error(exc, _SERVE_FLAGS, _typed_paths(args)) from exc
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -340,7 +340,12 @@ def _check_exists(flag: str, path: str | None) -> None:
                          f"config file)")
 
 
-def _flag_error(exc: Exception, flags: dict[str, str]) -> Exception:
+def _typed_paths(args: argparse.Namespace) -> tuple[str, ...]:
+    """The paths the user typed (every string option holding a ``/``), which ``_flag_error`` leaves as they are."""
+    return tuple(v for v in vars(args).values() if isinstance(v, str) and "/" in v)
+
+
+def _flag_error(exc: Exception, flags: dict[str, str], keep: Sequence[str] = ()) -> Exception:
     """``exc`` as the CLI reports it: the library's field names (``ep_size (7)``, ``gpus must``,
     ``speculative_draft_model to``, ``parallel 'tp'``) replaced by the flags the user typed (``--ep (7)``); a
     ``KeyError``'s message without the quotes its ``str()`` adds.
@@ -348,17 +353,19 @@ def _flag_error(exc: Exception, flags: dict[str, str]) -> Exception:
     A name with an underscore is an option wherever it stands; a plain word (``model``, ``parallel``) only where
     an option's sentence goes on (its value in parentheses or quotes, ``must``, ``is``, ... or a list of options
     that ``place(s) or move(s)``), so prose (``the model's``, ``expert-parallel``) stays as it is, and so does text
-    in double quotes (another library's or the OS's own words)."""
+    in double quotes (another library's or the OS's own words) and the strings of ``keep`` (the paths the user
+    typed: ``/data/my device``)."""
     import re
 
     msg = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
     plain = r"(?=\s\(|\smust\b|\sneeds\b|\sis\b|\sexceeds\b|\s'|,\s|\splaces? or moves?\b)"
     # text in double quotes is another library's or the OS's own words ("No such device"): left as it is
-    parts = re.split(r'("[^"]*")', msg)
+    kept = "|".join(re.escape(k) for k in sorted(set(keep), key=len, reverse=True) if k)
+    parts = re.split(f'("[^"]*"{"|" + kept if kept else ""})', msg)
     for name, flag in flags.items():
         ahead = r"(?![\w-]|\.\w)" if "_" in name else plain  # not a file's name (generation_config.json)
-        parts = [p if p.startswith('"') else re.sub(rf"(?<![\w'\"./-]){re.escape(name)}{ahead}", flag, p)
-                 for p in parts]
+        parts = [p if i % 2 else re.sub(rf"(?<![\w'\"./-]){re.escape(name)}{ahead}", flag, p)
+                 for i, p in enumerate(parts)]
     return (TypeError if isinstance(exc, TypeError) else ValueError)("".join(parts))
 
 
@@ -621,7 +628,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RankFailure as exc:  # spawned ranks: every rank's first error, named by rank, the cause first
         # options the ranks' errors name by field, as flags (only names with an underscore: rank errors are prose)
         flags = {k: v for k, v in {"run": _RUN_FLAGS, "serve": _SERVE_FLAGS}.get(args.command, {}).items() if "_" in k}
-        print(f"epmoe {args.command}: error: {_flag_error(ValueError(str(exc)), flags)}", file=sys.stderr)
+        print(f"epmoe {args.command}: error: {_flag_error(ValueError(str(exc)), flags, _typed_paths(args))}",
+              file=sys.stderr)
         return exc.exit_code
     except (ValueError, KeyError, TypeError, RuntimeError, OSError) as exc:
         error = RankError.of(int(os.environ.get("RANK", "0")), exc)

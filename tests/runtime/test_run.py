@@ -179,6 +179,10 @@ def test_the_flag_names_leave_quoted_words_alone():
     exc = _flag_error(ValueError('file x cannot be read ("No such device (os error 19)"); device (cuda) must be'),
                       {"device": "--device"})
     assert str(exc) == 'file x cannot be read ("No such device (os error 19)"); --device (cuda) must be'
+    # and the paths the user typed ("/data/my device (copy)" was "/data/my --device (copy)")
+    exc = _flag_error(ValueError("checkpoint /data/my device (copy)/x is not a file; device (cuda) must be"),
+                      {"device": "--device"}, ("/data/my device (copy)",))
+    assert str(exc) == "checkpoint /data/my device (copy)/x is not a file; --device (cuda) must be"
 
 
 def test_checkpoint_missing_one_expert(kimi, tmp_path):
