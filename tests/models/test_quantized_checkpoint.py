@@ -466,6 +466,18 @@ def test_a_tensor_in_two_weights_files_is_refused(ckpts, tmp_path):
         CheckpointReader(directory)
 
 
+def test_an_index_naming_a_directory_says_so(ckpts, tmp_path):  # was "index names missing shard files ['sub']"
+    from epmoe.models.checkpoint import CheckpointReader
+
+    directory = tmp_path / "indexed"
+    shutil.copytree(ckpts["kimi-k2.5-int4"][0], directory)
+    (directory / "sub").mkdir()
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "sub"}}))
+    with pytest.raises(ValueError, match=r"index names shard file 'sub', which is not a file \(a directory or another "
+                                         r"kind\)$"):
+        CheckpointReader(directory)
+
+
 @pytest.mark.parametrize("value", [float("nan"), 3e38])  # 3e38 is finite, but 8 times it is not a float32
 def test_int4_scale_that_is_no_weight_is_refused_on_load(ckpts, tmp_path, value):
     # was served: NaN logits (or zeros), and the reference built from the same weights "matched"

@@ -287,6 +287,11 @@ def test_corrupt_or_misplaced_cache(tmp_path, capsys):
     (rebuilt / "config.json").write_text("{}")  # was "missing field 'model_type'" with no word of the cache
     with pytest.raises(ValueError, match=r"is unreadable \(ValueError: .*model_type.*\); delete that directory"):
         ensure_default_checkpoint(tmp_path / "cache2")
+    cfg = json.loads((ensure_default_checkpoint(tmp_path / "cache3") / "config.json").read_text())
+    cfg["n_routed_experts"] -= 1  # parses, but not these weights: was no word of the cache
+    (tmp_path / "cache3" / next((tmp_path / "cache3").iterdir()).name / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"is unreadable \(ValueError: .*has shape .*\); delete that directory"):
+        ensure_default_checkpoint(tmp_path / "cache3")
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
     with pytest.raises(ValueError, match=r"\(EPMOE_CACHE\) is a file: point EPMOE_CACHE at a directory"):

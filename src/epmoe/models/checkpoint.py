@@ -96,6 +96,10 @@ class CheckpointReader:
         if index.is_file():
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
             missing = sorted({f for f in weight_map.values() if not (self.directory / f).is_file()})
+            odd = [f for f in missing if (self.directory / f).exists()]
+            if odd:
+                raise ValueError(f"checkpoint {self.directory}: index names shard file {odd[0]!r}, which is not a file "
+                                 f"(a directory or another kind)")
             if missing:
                 raise ValueError(f"checkpoint {self.directory}: index names missing shard files {missing}")
             # every shard opened now (its header checked), so that a damaged one is named before anything runs

@@ -420,10 +420,12 @@ def ensure_default_checkpoint(cache_dir: str | Path | None = None) -> Path:
     target = root / f"{DEFAULT_FAMILY}-tiny"
     if (target / "epmoe_tiny.json").is_file():
         from epmoe.models.checkpoint import CheckpointReader
+        from epmoe.models.hf import check_checkpoint
         from epmoe.spec import load_moe_spec
 
         try:
             load_moe_spec(target)  # its config.json, as the run reads it
+            check_checkpoint(str(target))  # and against the weights' headers, as the loader does
             reader = CheckpointReader(target)
             for name in reader.keys():  # read every tensor header and payload once: catches truncation
                 reader.get(name)
