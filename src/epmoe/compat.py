@@ -76,13 +76,10 @@ def rebalance_placement(weight: torch.Tensor | np.ndarray, num_replicas: int, nu
         The ``ExpertPlacement`` (``P`` slots, ``G`` ranks).
 
     Raises:
-        ValueError: bad loads (complex ones included) or sizes (``num_replicas`` below ``E`` or not divisible by
+        ValueError: bad loads (``loads.as_load_array``) or sizes (``num_replicas`` below ``E`` or not divisible by
             ``num_gpus``; ``num_nodes`` not positive, ``num_groups`` negative).
         KeyError: unknown ``algorithm``.
     """
-    if (weight.is_complex() if isinstance(weight, torch.Tensor) else np.iscomplexobj(weight)):
-        dtype = weight.dtype if isinstance(weight, torch.Tensor) else np.asarray(weight).dtype
-        raise ValueError(f"weight must hold real loads, got complex values ({dtype})")
     w = as_load_array(weight, "weight")
     num_layers, num_experts = w.shape
     check_positive_int("num_gpus", num_gpus)

@@ -39,10 +39,13 @@ def as_load_array(load: torch.Tensor | np.ndarray, name: str = "load") -> np.nda
         ``[L, E]`` float64 copy.
 
     Raises:
-        ValueError: not 2-D, empty, NaN or infinite entries, negative entries (position named), or a
+        ValueError: complex values, not 2-D, empty, NaN or infinite entries, negative entries (position named), or a
             layer whose sum (times the expert count, the balancers' headroom) overflows float64.
     """
-    arr = load.detach().cpu().double().numpy() if isinstance(load, torch.Tensor) else np.asarray(load, dtype=np.float64)
+    raw = load if isinstance(load, torch.Tensor) else np.asarray(load)
+    if raw.is_complex() if isinstance(raw, torch.Tensor) else np.iscomplexobj(raw):  # the imaginary part would go
+        raise ValueError(f"{name} must hold real loads, got complex values ({raw.dtype})")
+    arr = raw.detach().cpu().double().numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw, dtype=np.float64)
     if arr.ndim != 2:
         raise ValueError(f"{name} must be 2-D [num_layers, num_experts], got shape {tuple(arr.shape)}")
     if arr.shape[0] == 0 or arr.shape[1] == 0:

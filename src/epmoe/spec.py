@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping, NamedTuple
 
 from epmoe.config_fields import ConfigFields, transformers_rope_types
 
@@ -311,23 +311,46 @@ INT4_FORMAT = "pack-quantized"
 """The compressed-tensors ``format`` 4-bit weights are read in (absent or null: this one)."""
 
 
+class Int4Departure(NamedTuple):
+    """How a 4-bit int compressed-tensors config group departs from what epmoe reads (``int4_scheme_departure``).
+
+    Attributes:
+        field: the field, from the group down (``format``, ``weights.symmetric``), or ``format`` of the whole
+            ``quantization_config`` where ``in_group`` is false.
+        in_group: the field is the group's (else the config's).
+        value: its value.
+        wanted: what epmoe reads instead, as messages say it (``symmetric true``).
+        name: the experts' unserved format (``compressed-tensors-int4-asymmetric``).
+    """
+
+    field: str
+    in_group: bool
+    value: Any
+    wanted: str
+    name: str
+
+
 def int4_scheme_departure(qc: dict[str, Any], weights: dict[str, Any],
-                          group: dict[str, Any] | None = None) -> tuple[str, Any] | None:
-    """The first field of a 4-bit int compressed-tensors config group that departs from what epmoe reads
-    (``INT4_FORMAT``, ``INT4_SCHEME``, no activation ordering) as ``(field, value)``, the field named from
-    ``quantization_config`` down (``format``, ``weights.symmetric``); ``None`` when the group is read. The format is
-    the group's own (``group``'s ``format``) where it names one, else the config's. The spec names such experts as
-    unserved (``_weight_format``) and the checkpoint reader refuses them by that field, one rule for both."""
-    for where, fmt in (("group format", (group or {}).get("format")), ("format", qc.get("format"))):
+                          group: dict[str, Any] | None = None) -> Int4Departure | None:
+    """The first field of a 4-bit int compressed-tensors config group ``group`` (its ``weights``) that departs from
+    what epmoe reads (``INT4_FORMAT``, ``INT4_SCHEME``, no activation ordering); ``None`` when the group is read.
+    The format is the group's own where it names one, else the config's (``qc``). The spec names such experts by
+    ``name`` as unserved (``_weight_format``) and the checkpoint reader refuses them by ``field``, one rule for
+    both."""
+    for in_group, fmt in ((True, (group or {}).get("format")), (False, qc.get("format"))):
         if fmt is not None:
             if fmt != INT4_FORMAT:
-                return where, fmt
+                return Int4Departure("format", in_group, fmt, f"format {json.dumps(INT4_FORMAT)}",
+                                     f"compressed-tensors-int4-{fmt}")
             break
     for field, want in INT4_SCHEME.items():
         if weights.get(field) is not None and weights[field] != want:
-            return f"weights.{field}", weights[field]
+            name = "asymmetric" if field == "symmetric" else str(weights[field])
+            return Int4Departure(f"weights.{field}", True, weights[field], f"{field} {json.dumps(want)}",
+                                 f"compressed-tensors-int4-{name}")
     if weights.get("actorder") not in (None, False):  # columns reordered: the packed order is not the inputs'
-        return "weights.actorder", weights["actorder"]
+        return Int4Departure("weights.actorder", True, weights["actorder"], "no activation ordering",
+                             "compressed-tensors-int4-actorder")
     return None
 
 
@@ -365,10 +388,7 @@ def _weight_format(cfg: dict[str, Any], source: str, prefix: str = "") -> str:
             if bits == 4 and kind == "int":
                 departure = int4_scheme_departure(qc, w.cfg, group.cfg)
                 if departure is not None:  # another packing, zero points, per channel, reordered columns, ...
-                    field, value = departure
-                    found.append("compressed-tensors-int4-" + (
-                        "asymmetric" if field == "weights.symmetric" else
-                        "actorder" if field == "weights.actorder" else str(value)))
+                    found.append(departure.name)
                 elif w.has("group_size"):
                     found.append(f"int4_group{w.int('group_size')}")
                 else:

@@ -28,7 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from epmoe.experts.mxfp4 import E8M0_MAX_FINITE, E8M0_NAN
-from epmoe.spec import INT4_FORMAT, INT4_SCHEME, fp8_block_size, int4_scheme_departure, language_model_config
+from epmoe.spec import fp8_block_size, int4_scheme_departure, language_model_config
 
 SCALE_SUFFIX = "_scale_inv"
 _WRAPPER_PREFIX = "language_model."
@@ -508,13 +508,9 @@ def _int4_group_size(config: dict, directory: Path) -> int | None:
             continue
         departure = int4_scheme_departure(qc, w, group)
         if departure is not None:
-            field, value = departure
-            path = {"format": "format", "group format": f"config_groups.{name}.format"}.get(
-                field, f"config_groups.{name}.{field}")
-            want = ("no activation ordering" if field == "weights.actorder" else
-                    f"format {json.dumps(INT4_FORMAT)}" if field.endswith("format") else
-                    f"{field.removeprefix('weights.')} {json.dumps(INT4_SCHEME[field.removeprefix('weights.')])}")
-            raise ValueError(f"{where}.{path} is {json.dumps(value)}; 4-bit weights are read with {want} only")
+            path = f"config_groups.{name}.{departure.field}" if departure.in_group else departure.field
+            raise ValueError(f"{where}.{path} is {json.dumps(departure.value)}; 4-bit weights are read with "
+                             f"{departure.wanted} only")
         group_size = w.get("group_size")
         if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)):
             raise ValueError(f"{where}.config_groups.{name}.weights.group_size is {group_size!r}; expected an "

@@ -156,6 +156,10 @@ def _byte_of(ch: str) -> int:
     return extra[ord(ch) - 256]
 
 
+class TinyBuildError(ValueError):
+    """A tiny checkpoint its family and overrides do not make (``build_tiny_checkpoint``); the message names them."""
+
+
 def build_tiny_checkpoint(
     family: str, directory: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32,
     overrides: dict[str, Any] | None = None,
@@ -178,21 +182,20 @@ def build_tiny_checkpoint(
 
     Raises:
         KeyError: unknown family (the known ones are listed).
-        ValueError: an override that is no field of the family's config, or values the model cannot be built with
-            (transformers' or torch's message, the overrides named); nothing is left in ``directory``'s place.
+        TinyBuildError: (a ``ValueError``) an override that is no field of the family's config, or values the model
+            cannot be built with (transformers' or torch's message, the overrides named); nothing is left in
+            ``directory``'s place.
     """
     out = Path(directory)
     staging = Path(tempfile.mkdtemp(prefix="epmoe-tiny-"))  # built whole there, then moved: nothing half-written
     try:
         try:
             _build_tiny(family, staging, seed, dtype, overrides)
-        except KeyError:
+        except (KeyError, TinyBuildError):
             raise
         except Exception as exc:  # transformers', huggingface_hub's and torch's own errors of a config they refuse
-            if isinstance(exc, ValueError) and str(exc).startswith("tiny "):
-                raise
-            raise ValueError(f"tiny {family!r} with overrides {overrides or {}} cannot be built: "
-                             f"{type(exc).__name__}: {exc}") from None
+            raise TinyBuildError(f"tiny {family!r} with overrides {overrides or {}} cannot be built: "
+                                 f"{type(exc).__name__}: {exc}") from None
         out.mkdir(parents=True, exist_ok=True)
         for built in staging.iterdir():
             shutil.move(str(built), out / built.name)
@@ -215,7 +218,8 @@ def _build_tiny(family: str, out: Path, seed: int, dtype: torch.dtype, overrides
              *getattr(default, "attribute_map", {})}
     unknown = sorted(set(overrides or {}) - known)
     if unknown:
-        raise ValueError(f"tiny {family!r}: override(s) {unknown} are no fields of transformers' {model_type} config")
+        raise TinyBuildError(f"tiny {family!r}: override(s) {unknown} are no fields of transformers' {model_type} "
+                             f"config")
     kwargs = {**_COMMON, **TINY_FAMILIES[family], **(overrides or {})}
     kwargs.pop("model_type")
     config = AutoConfig.for_model(model_type, **kwargs)
@@ -419,14 +423,10 @@ def ensure_default_checkpoint(cache_dir: str | Path | None = None) -> Path:
         raise ValueError(f"cache directory {str(root)!r} (EPMOE_CACHE) is a file: point EPMOE_CACHE at a directory")
     target = root / f"{DEFAULT_FAMILY}-tiny"
     if (target / "epmoe_tiny.json").is_file():
-        from epmoe.models.checkpoint import CheckpointReader
         from epmoe.models.hf import check_checkpoint
-        from epmoe.spec import load_moe_spec
 
         try:
-            load_moe_spec(target)  # its config.json, as the run reads it
-            check_checkpoint(str(target))  # and against the weights' headers, as the loader does
-            reader = CheckpointReader(target)
+            reader = check_checkpoint(str(target))  # its config.json against the weights' headers, as the loader
             for name in reader.keys():  # read every tensor header and payload once: catches truncation
                 reader.get(name)
         except Exception as exc:
