@@ -349,6 +349,22 @@ def test_stop_ids_run_refuses_are_doctor_errors(tiny_checkpoints, tmp_path, edit
     assert re.search(message, error.what), error.what
 
 
+def test_stop_ids_of_a_config_file_are_checked(tmp_path):
+    """``doctor --config FILE`` checked no eos_token_id; a bad one is now an error there too, given as JSON writes
+    it, and the real config's ids are fine."""
+    assert not [f for f in diagnose(DoctorConfig(model=DSV3, ep=16, nodes=2)) if "eos_token_id" in f.what]
+    cfg = json.loads((CONFIGS / "deepseek-v3.config.json").read_text())
+    vocab = cfg["vocab_size"]
+    bad = tmp_path / "config.json"
+    for value, message in ((True, "eos_token_id must be a token id (an integer >= 0) or a list of them, got true"),
+                           ([1, vocab], f"eos_token_id {vocab} is outside the model's vocabulary [0, {vocab}) "
+                                        f"(got [1, {vocab}])")):
+        bad.write_text(json.dumps(dict(cfg, eos_token_id=value)))
+        (error,) = [f for f in _errors(diagnose(DoctorConfig(model=str(bad), ep=16, nodes=2)))
+                    if "eos_token_id" in f.what]
+        assert error.what == f"the target model: {str(bad)!r}: {message}"
+
+
 def _set_config(directory, **fields):
     cfg = json.loads((directory / "config.json").read_text())
     cfg.update(fields)

@@ -199,8 +199,9 @@ def check_checkpoint(spec: MoESpec, directory: str, what: str = "the target mode
 
 def check_stop_ids(spec: MoESpec, directory: str, what: str = "the target model") -> list[Finding]:
     """The end-of-sequence ids ``epmoe run`` and ``serve`` read from ``config.json`` and ``generation_config.json``
-    (``engine.tokenizer.eos_token_ids``, without the tokenizer's own): an error finding with its message where they
-    refuse them (an unreadable ``generation_config.json``, an id that is not one or is outside the vocabulary)."""
+    (``engine.tokenizer.eos_token_ids``, without the tokenizer's own; ``directory`` may name a config file, whose
+    ids alone are read): an error finding with its message where they refuse them (an unreadable
+    ``generation_config.json``, an id that is not one or is outside the vocabulary)."""
     from epmoe.engine.tokenizer import eos_token_ids
 
     try:
@@ -392,7 +393,7 @@ def diagnose(cfg: DoctorConfig) -> list[Finding]:
     if spec is not None:
         if Path(cfg.model).is_dir():
             findings += check_checkpoint(spec, cfg.model)
-            findings += check_stop_ids(spec, cfg.model)
+        findings += check_stop_ids(spec, cfg.model)
         redundant, placed = check_placement(spec, cfg.placement, ep, "the target model")
         findings += placed
         placed_ok = not any(f.severity == "error" for f in placed)

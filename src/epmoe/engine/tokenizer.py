@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from epmoe.config_fields import json_text
 from epmoe.spec import language_model_config, read_config
 
 
@@ -151,25 +152,31 @@ def eos_token_ids(model_dir: str, tokenizer, generation_dir: str | None = None,
     ``generation_config.json``'s (Qwen3 stops on ``<|im_end|>`` and ``<|endoftext|>`` there, as vLLM reads it; that
     of ``generation_dir`` instead when given) and the tokenizer's.
 
+    ``model_dir`` may also name a ``config.json`` file (``epmoe doctor --config``): its ids alone are read then,
+    unless ``generation_dir`` is given.
+
     Raises:
         ValueError: an unreadable ``generation_config.json`` (``generation_config``), or an ``eos_token_id`` there
             or in ``config.json`` that is not a token id or a list of them, or (given ``vocab_size``) outside the
-            vocabulary (the file and the value named).
+            vocabulary (the file and the value named, as JSON writes it).
     """
-    raw = language_model_config(read_config(model_dir)[0])
+    raw, config_path = read_config(model_dir)
+    raw = language_model_config(raw)
     ids: set[int] = set()
-    gen = generation_dir or model_dir
-    for path, source in ((Path(model_dir) / "config.json", raw.get("eos_token_id")),
-                         (Path(gen) / "generation_config.json", generation_config(gen).get("eos_token_id"))):
+    sources = [(config_path, raw.get("eos_token_id"))]
+    gen = generation_dir or (model_dir if Path(model_dir).is_dir() else None)
+    if gen is not None:
+        sources.append((Path(gen) / "generation_config.json", generation_config(gen).get("eos_token_id")))
+    for path, source in sources:
         values = source if isinstance(source, list) else [] if source is None else [source]
         bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 0]
         if bad:
             raise ValueError(f"{str(path)!r}: eos_token_id must be a token id (an integer >= 0) or a list of them, "
-                             f"got {source!r}")
+                             f"got {json_text(source)}")
         outside = [v for v in values if vocab_size is not None and v >= vocab_size]
         if outside:
             raise ValueError(f"{str(path)!r}: eos_token_id {outside[0]} is outside the model's vocabulary "
-                             f"[0, {vocab_size}) (got {source!r})")
+                             f"[0, {vocab_size}) (got {json_text(source)})")
         ids.update(values)
     tok = getattr(tokenizer, "eos_token_id", None)
     if isinstance(tok, int) and tok >= 0:
