@@ -460,6 +460,6 @@ def test_windowed_and_chunked_layers_are_read_from_layer_types():
     cfg = json.loads((CONFIGS / "gpt-oss-20b.config.json").read_text())
     with pytest.raises(ValueError, match=r"layer_types has 23 entries, expected one per layer \(24\)"):
         parse_moe_spec({**cfg, "layer_types": cfg["layer_types"][:23]})
-    with pytest.raises(ValueError, match="layer_types names 'sliding_attention' layers but sliding_window is None; "
+    with pytest.raises(ValueError, match="layer_types names 'sliding_attention' layers but sliding_window is null; "
                                          "expected a positive integer"):
         parse_moe_spec({**cfg, "sliding_window": None})

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Literal, Mapping, NamedTuple
 
-from epmoe.config_fields import ConfigFields, transformers_rope_types
+from epmoe.config_fields import ConfigFields, json_text, transformers_rope_types
 
 Scoring = Literal["softmax", "sigmoid"]
 # How the router turns logits into top-k weights:
@@ -299,7 +299,7 @@ def fp8_block_size(qc: dict[str, Any], where: str) -> tuple[int, int]:
     if (not isinstance(size, list) or len(size) != 2
             or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in size)):
         raise ValueError(f"{where}: quantization_config.weight_block_size must be two positive integers, got "
-                         f"{size!r}")
+                         f"{json_text(size)}")
     return int(size[0]), int(size[1])
 
 
@@ -523,16 +523,16 @@ def _layer_spans(cfg: dict[str, Any], mt: str, num_layers: int, source: str) -> 
     if not types:
         return ()
     if not isinstance(types, list) or len(types) != num_layers:
-        raise ValueError(f"{source}: layer_types has {len(types) if isinstance(types, list) else types!r} entries, "
-                         f"expected one per layer ({num_layers})")
+        count = len(types) if isinstance(types, list) else json_text(types)
+        raise ValueError(f"{source}: layer_types has {count} entries, expected one per layer ({num_layers})")
     sizes = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
     spans: list[int | None] = []
     for kind in types:
         field = sizes.get(kind)
         size = cfg.get(field) if field else None
         if field and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
-            raise ValueError(f"{source}: layer_types names {kind!r} layers but {field} is {size!r}; expected a "
-                             f"positive integer")
+            raise ValueError(f"{source}: layer_types names {kind!r} layers but {field} is {json_text(size)}; "
+                             f"expected a positive integer")
         spans.append(size)
     return tuple(spans) if any(x is not None for x in spans) else ()
 

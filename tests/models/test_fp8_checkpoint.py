@@ -10,6 +10,7 @@ pair with F 256 (hidden still ragged) keeps them as stored, float8_e4m3fn with t
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -267,14 +268,16 @@ def test_doctor_refuses_a_float8_tensor_without_scales_as_run_does(ckpts128, tmp
         check_checkpoint(str(cut))
 
 
-@pytest.mark.parametrize("size", [[True, 128], [128.0, 128.0], [128], "128"])
-def test_bad_fp8_block_size_is_one_error(ckpts128, tmp_path, size):
+@pytest.mark.parametrize("size, shown", [([True, 128], "[true, 128]"), ([128.0, 128.0], "[128.0, 128.0]"),
+                                         ([128], "[128]"), ("128", '"128"')])
+def test_bad_fp8_block_size_is_one_error(ckpts128, tmp_path, size, shown):
+    """The value as config.json writes it (was Python's: ``[True, 128]``, ``'128'``)."""
     from epmoe.spec import load_moe_spec
 
     bad = _broken_copy(ckpts128["fp8"], tmp_path / "bad", lambda t: None)
     _edit_config(bad, quantization_config={**FP8_CONFIG, "weight_block_size": size})
     with pytest.raises(ValueError, match=r"config[.]json: quantization_config[.]weight_block_size must be two positive "
-                                         r"integers"):
+                                         r"integers, got " + re.escape(shown) + "$"):
         load_moe_spec(str(bad))
 
 
