@@ -381,3 +381,43 @@ def test_a_broken_tokenizer_auto_map_is_named_with_its_file(remote_tokenizer_che
         with pytest.raises(ValueError, match=re.escape(f"{ckpt / 'tokenizer_config.json'}: ") + ".*"
                            + re.escape(message)):
             load_tokenizer(str(ckpt), trust_remote_code=trust)
+
+
+@pytest.mark.parametrize("after_s", [1.0, 6.0])
+def test_ctrl_c_at_any_moment_is_one_line_and_no_traceback(after_s):
+    """Ctrl-C (SIGINT) during the first imports printed a traceback (``import epmoe`` imported PyTorch before
+    ``main`` ran), and ``bench serve`` alone caught it later. Now at 1 s (PyTorch's import, inside ``main``) and 6 s
+    (requests waiting on a server that accepts and never answers) the command prints one line and exits.
+    (Pressed during a dependency's import, one Ctrl-C may be swallowed by a bare ``except`` there: the test presses
+    again. Before ``main``, while Python imports the few standard modules ``epmoe.cli`` needs, Ctrl-C still stops
+    the interpreter with its own traceback.)"""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as listener:  # accepts connections into its backlog, never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        proc = subprocess.Popen([sys.executable, "-m", "epmoe.cli", "bench", "serve", "--base-url", url,
+                                 "--num-prompts", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                # a shell's background job ignores SIGINT, and its children inherit that
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            with pytest.raises(subprocess.TimeoutExpired):
+                proc.wait(timeout=after_s)
+            out = err = None
+            for _ in range(3):  # as a user presses again: a library's bare except may swallow one during its import
+                proc.send_signal(signal.SIGINT)
+                try:
+                    out, err = proc.communicate(timeout=20)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        finally:
+            proc.kill()
+    assert err is not None, "still running after three Ctrl-C"
+    # 130, or killed by the SIGINT itself where asyncio's Ctrl-C handling ends the run (both read as Ctrl-C to a shell)
+    assert proc.returncode in (130, -signal.SIGINT), (out, err)
+    assert err.strip().splitlines()[-1] == "epmoe: interrupted" and "Traceback" not in err, err

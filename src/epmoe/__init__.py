@@ -6,19 +6,34 @@ TP against EP; ``models`` loads real checkpoints; ``runtime`` runs processes. Th
 re-exported here.
 """
 
-from epmoe.comm import Comm
-from epmoe.dispatch import DISPATCHERS, Dispatcher, make_dispatcher
-from epmoe.experts import EXPERT_BACKENDS, Activation, ExpertWeights, get_expert_backend
-from epmoe.layer import MoELayer, MoELayerOptions, TPMoELayer
-from epmoe.loads import ExpertLoadRecorder
-from epmoe.models.hf import EPModel, load_ep_model
-from epmoe.placement import ExpertPlacement
-from epmoe.spec import MoESpec, load_moe_spec
+import importlib
+from typing import Any
 
-__all__ = [
-    "DISPATCHERS", "EXPERT_BACKENDS", "Activation", "Comm", "Dispatcher", "EPModel", "ExpertLoadRecorder",
-    "ExpertPlacement", "ExpertWeights", "MoELayer", "MoELayerOptions", "MoESpec", "TPMoELayer", "get_expert_backend",
-    "load_ep_model", "load_moe_spec", "make_dispatcher",
-]
+_EXPORTS = {
+    "Comm": "epmoe.comm", "DISPATCHERS": "epmoe.dispatch", "Dispatcher": "epmoe.dispatch",
+    "make_dispatcher": "epmoe.dispatch", "EXPERT_BACKENDS": "epmoe.experts", "Activation": "epmoe.experts",
+    "ExpertWeights": "epmoe.experts", "get_expert_backend": "epmoe.experts", "MoELayer": "epmoe.layer",
+    "MoELayerOptions": "epmoe.layer", "TPMoELayer": "epmoe.layer", "ExpertLoadRecorder": "epmoe.loads",
+    "EPModel": "epmoe.models.hf", "load_ep_model": "epmoe.models.hf", "ExpertPlacement": "epmoe.placement",
+    "MoESpec": "epmoe.spec", "load_moe_spec": "epmoe.spec",
+}
+"""The public API, name -> the module that defines it. Imported on first use (PEP 562), so that ``import epmoe``
+(and the ``epmoe`` command's start: its help, argument errors, Ctrl-C) does not wait for PyTorch."""
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'epmoe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __version__ = "0.1.0"

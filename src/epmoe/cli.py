@@ -138,7 +138,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             top_p=args.top_p, top_k=args.top_k, seed=args.seed, save_loads=args.save_loads,
         ))
     except (ValueError, TypeError) as exc:  # the engine's and the sampler's field names as the flags typed
-        raise _flag_error(exc, _RUN_FLAGS, _typed_paths(args)) from exc
+        raise _flag_error(exc, _run_flags(), _typed_paths(args)) from exc
     if report is None:  # a non-zero torchrun rank: rank 0 prints
         return 0
     if args.json == "-":
@@ -235,7 +235,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         )
         return serve(cfg)
     except (ValueError, TypeError) as exc:
-        raise _flag_error(exc, _SERVE_FLAGS, _typed_paths(args)) from exc
+        raise _flag_error(exc, _serve_flags(), _typed_paths(args)) from exc
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -296,9 +296,6 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
                          f"{exc.response.reason_phrase} to {exc.request.method} {exc.request.url}{key}") from None
     except httpx.HTTPError as exc:
         raise ValueError(f"--base-url {args.base_url}: {type(exc).__name__}: {exc}") from None
-    except KeyboardInterrupt:
-        print("epmoe bench serve: interrupted; no report", file=sys.stderr)
-        return 130
     if args.json == "-":
         print(json.dumps(report.to_json(), indent=2))
     else:
@@ -315,11 +312,16 @@ def _command_flags(*own: str) -> dict[str, str]:
     return {name: "--" + name.replace("_", "-") for name in ("model", "ep", *own)} | COMMAND_FLAGS
 
 
-_SERVE_FLAGS = _command_flags("seed", "host", "port", "served_model_name", "api_key", "chat_template",
-                              "generation_config", "allowed_origins", "allowed_methods", "allowed_headers",
-                              "ssl_keyfile", "ssl_certfile") | {
-    "drain_timeout_s": "--drain-timeout"}
-_RUN_FLAGS = _command_flags("request_rate", "temperature", "top_p", "top_k", "seed", "max_new_tokens")
+def _serve_flags() -> dict[str, str]:
+    """``{field: flag}`` of ``serve`` (a function: the engine's flags import PyTorch, which the start waits for)."""
+    return _command_flags("seed", "host", "port", "served_model_name", "api_key", "chat_template",
+                          "generation_config", "allowed_origins", "allowed_methods", "allowed_headers", "ssl_keyfile",
+                          "ssl_certfile") | {"drain_timeout_s": "--drain-timeout"}
+
+
+def _run_flags() -> dict[str, str]:
+    """``{field: flag}`` of ``run``."""
+    return _command_flags("request_rate", "temperature", "top_p", "top_k", "seed", "max_new_tokens")
 
 
 def _batches(text: str) -> tuple[int, ...]:
@@ -618,8 +620,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_INTERRUPTED = 130
+"""The exit code of a command stopped by Ctrl-C (SIGINT), as a shell gives one: 128 + 2."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``epmoe`` console script."""
+    """Entry point of the ``epmoe`` console script: the command's exit code; Ctrl-C at any point, the first imports
+    included, prints one line and returns ``EXIT_INTERRUPTED``."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("epmoe: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from epmoe.runtime.launch import EXIT_BAD_INPUT, EXIT_RANK_ERROR, RankError, RankFailure
 
     args = build_parser().parse_args(argv)
@@ -627,7 +642,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except RankFailure as exc:  # spawned ranks: every rank's first error, named by rank, the cause first
         # options the ranks' errors name by field, as flags (only names with an underscore: rank errors are prose)
-        flags = {k: v for k, v in {"run": _RUN_FLAGS, "serve": _SERVE_FLAGS}.get(args.command, {}).items() if "_" in k}
+        named = {"run": _run_flags, "serve": _serve_flags}.get(args.command, dict)()
+        flags = {k: v for k, v in named.items() if "_" in k}
         print(f"epmoe {args.command}: error: {_flag_error(ValueError(str(exc)), flags, _typed_paths(args))}",
               file=sys.stderr)
         return exc.exit_code
