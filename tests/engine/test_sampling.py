@@ -95,6 +95,20 @@ def test_top_k_and_top_p_stay_in_the_allowed_set():
         assert set(draws) == allowed, (params, sorted(set(draws)))
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1e-39), SamplingParams(temperature=9e-6),
+                                    SamplingParams(temperature=1.0, top_p=1e-300),
+                                    SamplingParams(temperature=1.0, top_p=1e-46)])
+def test_a_tiny_temperature_or_top_p_takes_the_most_likely_token(params):
+    """Were token 0 at every step: float32 made 1e-39 subnormal and 1e-46 zero, so the logits over the temperature
+    were infinite (NaN probabilities) and a top_p of 0 dropped every token. A temperature below 1e-5 is greedy, as
+    in vLLM, and top_p keeps the most likely token."""
+    logits = torch.tensor([[0.5, 2.0, 1.0, -1.0, 1.9]])
+    g = torch.Generator().manual_seed(0)
+    assert sample(logits.expand(50, 5), [params] * 50, [None] * 50, g).tolist() == [1] * 50
+    assert params.greedy == (params.temperature < 1e-5)
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
 def test_seeded_rows_reproducible():
     logits = _logits(rows=4, vocab=30, seed=5)
     params = [SamplingParams(temperature=1.5, top_p=0.95, seed=7)] * 4

@@ -3,9 +3,9 @@
 ``SamplingParams`` follows vLLM's names (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
 ``max_tokens``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``logprobs``, the penalties, ``logit_bias``,
 ``structured_outputs``);
-``temperature == 0`` is greedy. The sampler draws with the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``),
-which samples from ``p`` exactly; a request with a ``seed`` draws its ``q`` from its own generator, so the same
-seed gives the same tokens on rerun.
+``temperature`` below ``GREEDY_BELOW`` is greedy. The sampler draws with the exponential race (``argmax(p / q)``,
+``q ~ Exp(1)``), which samples from ``p`` exactly; a request with a ``seed`` draws its ``q`` from its own
+generator, so the same seed gives the same tokens on rerun.
 
 Logits are adjusted before sampling (greedy rows too) in vLLM's order: the logit bias is added, then the
 penalties applied: the repetition penalty (Keskar et al. 2019, "CTRL": a logit of a token of the prompt or the
@@ -47,12 +47,18 @@ def _is_real(v: object) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
+GREEDY_BELOW = 1e-5
+"""Temperatures below this sample greedily, as vLLM's (its ``_SAMPLING_EPS``): dividing the logits by a smaller one
+(in float32, where 1e-39 is subnormal and 1e-46 is 0) gives infinities, and the softmax of those is not a
+distribution."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops.
 
     Attributes:
-        temperature: softmax temperature, ``>= 0``; ``0`` = greedy (argmax).
+        temperature: softmax temperature, ``>= 0``; below ``GREEDY_BELOW`` (``0`` among them) = greedy (argmax).
         top_p: keep the smallest set of tokens whose probability sums to at least ``top_p``, in ``(0, 1]``.
         top_k: keep the ``top_k`` most likely tokens; ``-1`` or ``0`` = all.
         seed: seed of this request's own generator (reproducible sampling); ``None`` = the engine's.
@@ -172,8 +178,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when the request takes the argmax."""
-        return self.temperature == 0
+        """True when the request takes the argmax (a temperature below ``GREEDY_BELOW``)."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:
@@ -231,6 +237,7 @@ def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of the more likely tokens
         ps = to_device(top_ps, x.device, probs.dtype).unsqueeze(1)
         drop_sorted = before >= ps
+        drop_sorted[:, 0] = False  # the most likely token stays, whatever top_p (one too small for float32 is 0)
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     return probs

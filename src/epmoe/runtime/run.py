@@ -22,7 +22,7 @@ from epmoe.comm import COLLECTIVE_KINDS, Comm
 from epmoe.engine import Engine, EngineConfig, SamplingParams
 from epmoe.engine.config import COMMAND_FLAGS, EAGER_DISPATCHERS, PARALLEL_MODES, command_engine_config
 from epmoe.engine.group import check_group
-from epmoe.engine.sampling import valid_seed
+from epmoe.engine.sampling import GREEDY_BELOW, valid_seed
 from epmoe.engine.tokenizer import decode_text, encode_text, generation_config, load_tokenizer
 from epmoe.experts import describe_expert_backend
 from epmoe.experts.storage import held_as
@@ -449,7 +449,7 @@ def run_job(cfg: RunConfig) -> RunReport:
     model_dir = str(cfg.model) if cfg.model is not None else str(ensure_default_checkpoint(cfg.cache_dir))
     spec = load_moe_spec(model_dir)
     hf_config(model_dir)  # transformers' own checks of config.json, before the tokenizer (which reads it too) fails
-    reference = (cfg.reference and cfg.temperature == 0 and cfg.load_format != "dummy"
+    reference = (cfg.reference and cfg.temperature < GREEDY_BELOW and cfg.load_format != "dummy"
                  and cfg.moe_routing_simulation is None)
     if reference and not needs_own_loader(model_dir):  # from_pretrained reads the file; our own loader does not
         _check_generation_config(model_dir)
