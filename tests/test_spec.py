@@ -463,3 +463,13 @@ def test_windowed_and_chunked_layers_are_read_from_layer_types():
     with pytest.raises(ValueError, match="layer_types names 'sliding_attention' layers but sliding_window is null; "
                                          "expected a positive integer"):
         parse_moe_spec({**cfg, "sliding_window": None})
+
+
+def test_a_layer_count_past_the_bound_is_named():
+    """``num_hidden_layers`` 1e9 made plan and doctor build per-layer tables until memory ran out (no message);
+    now refused by name, with the bound."""
+    cfg = json.loads((CONFIGS / "deepseek-v3.config.json").read_text())
+    with pytest.raises(ValueError, match=r"num_hidden_layers.* must be an integer in \[1, 65536\], got 1000000000"):
+        parse_moe_spec({**cfg, "num_hidden_layers": 10**9}, "config.json")
+    assert parse_moe_spec({**cfg, "num_hidden_layers": 65536}).num_layers == 65536
+

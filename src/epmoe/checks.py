@@ -122,3 +122,11 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
 MAX_EXPERTS = 1 << 20
 """The most experts (and ranks) a layer may have in a placement or loads file: far past any model's, and a bound on
 the tables a file's ids size before they are made."""
+
+MAX_SPECULATIVE_TOKENS = 16
+"""The most draft tokens a speculative round verifies (``EngineConfig.speculative_num_tokens``) and so the most
+``epmoe plan --spec-tokens`` prices."""
+
+MAX_LAYERS = 1 << 16
+"""The most decoder layers a config.json may give (``num_hidden_layers``): far past any model's, and a bound on the
+per-layer tables the spec and the planner make from it."""

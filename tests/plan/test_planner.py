@@ -373,7 +373,8 @@ def test_weights_hint_only_smaller_formats(capsys):
 
 @pytest.mark.parametrize("flag,value,msg", [
     ("--batch", "1000000000000", "--batch must be at most 1048576, got 1000000000000"),
-    ("--spec-tokens", "1000000000", "--spec-tokens must be at most 256, got 1000000000"),
+    ("--spec-tokens", "1000000000", "--spec-tokens must be at most 16, got 1000000000"),
+    ("--spec-tokens", "17", "--spec-tokens must be at most 16, got 17"),  # priced 100 draft tokens: run takes 16
     ("--context", "999999999999", "--context must be at most 16777216, got 999999999999"),
     ("--redundant", "100000", "--redundant must be at most 896, got 100000"),  # 128 experts x (8 - 1) GPUs
 ])

@@ -218,6 +218,9 @@ def test_responses_api_calls_tools_and_takes_their_outputs(client):
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format",
      "text.format of type json_schema needs its schema"),
     ({"input": [{"role": "user", "content": 5}]}, "input.0", ""),
+    # was a 500 and a traceback in the log (the translated chat's own check, a pydantic error, was not caught)
+    ({"input": []}, "input", "input: give at least one item, or instructions (got an empty list)"),
+    ({"input": [], "instructions": ""}, "input", "give at least one item"),
     ('{"instructions": "x", "input": [{"role": "user", "content": "a\\ud800"}]}', "input",
      "is not valid Unicode text: a lone surrogate"),  # JSON's escape of a lone surrogate, sent as it is
 ])

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from epmoe.checks import MAX_SPECULATIVE_TOKENS
 from epmoe.engine.sampling import valid_seed
 from epmoe.spec import is_checkpoint_dir
 
@@ -331,8 +332,9 @@ class EngineConfig:
             raise ValueError(f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {algo!r}")
         if self.speculative_num_tokens is not None:
             k = self.speculative_num_tokens
-            if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= 16:
-                raise ValueError(f"speculative_num_tokens must be an integer in [1, 16], got {k!r}")
+            if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+                raise ValueError(f"speculative_num_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got "
+                                 f"{k!r}")
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
             _positive(name, getattr(self, name))
         if self.prompt_lookup_min > self.prompt_lookup_max:

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from epmoe.checks import check_int
+from epmoe.checks import MAX_SPECULATIVE_TOKENS, check_int
 from epmoe.experts.storage import ExpertStorage, dequantized_reason, served_format
 from epmoe.placement import max_redundant_slots
 from epmoe.plan.costs import WEIGHT_CHOICES, CollectiveKind
@@ -39,9 +39,9 @@ def counted(n: int, noun: str, plural: str = "") -> str:
 
 
 # Sanity bounds of a plan request (far above any serving set-up; they keep nonsense from running for minutes):
-# sequences per decode step, draft tokens verified per step, KV-cache tokens per sequence, GPUs.
+# sequences per decode step, KV-cache tokens per sequence, GPUs (draft tokens per step: what the engine verifies,
+# ``checks.MAX_SPECULATIVE_TOKENS``).
 MAX_BATCH = 1 << 20
-MAX_SPEC_TOKENS = 256
 MAX_CONTEXT = 1 << 24
 MAX_GPUS = 1 << 16
 
@@ -104,7 +104,7 @@ class PlanRequest:
 
         pos_int("gpus", self.gpus, 1, MAX_GPUS)
         pos_int("nodes", self.nodes)
-        pos_int("spec_tokens", self.spec_tokens, 0, MAX_SPEC_TOKENS)
+        pos_int("spec_tokens", self.spec_tokens, 0, MAX_SPECULATIVE_TOKENS)
         pos_int("redundant", self.redundant, 0, max_redundant_slots(self.spec.num_experts, self.gpus))
         pos_int("context", self.context, 1, MAX_CONTEXT)
         if not self.batches:

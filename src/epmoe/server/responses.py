@@ -16,7 +16,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from epmoe.server.errors import ApiError
+import pydantic
+
+from epmoe.server.errors import ApiError, validation_error
 from epmoe.server.generate import check_update
 from epmoe.server.job import Job
 from epmoe.server.protocol import (
@@ -41,7 +43,8 @@ def as_chat(req: ResponsesRequest) -> ChatCompletionRequest:
 
     Raises:
         ApiError: 400 ``previous_response_id`` or ``background`` (nothing is stored), ``text.format``
-            ``json_schema`` without its ``schema``.
+            ``json_schema`` without its ``schema``, no message at all (an empty ``input`` and no ``instructions``),
+            a translated request the chat endpoint refuses (named as there, ``renamed`` for the Responses API).
     """
     if req.previous_response_id is not None:
         raise ApiError(400, f"previous_response_id={req.previous_response_id!r} is not served: epmoe stores no "
@@ -86,7 +89,12 @@ def as_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         body["response_format"] = {"type": fmt.type} if fmt.type == "json_object" else {
             "type": "json_schema", "json_schema": {"name": fmt.name or "output", "schema": fmt.json_schema,
                                                    "strict": fmt.strict}}
-    return ChatCompletionRequest.model_validate(body, strict=False)
+    if not messages:  # the chat's own check would name messages
+        raise ApiError(400, "input: give at least one item, or instructions (got an empty list)", "input")
+    try:
+        return ChatCompletionRequest.model_validate(body, strict=False)
+    except pydantic.ValidationError as exc:  # named as the chat endpoint names it, then renamed for input
+        raise validation_error(exc) from None
 
 
 def renamed(exc: ApiError) -> ApiError:
