@@ -397,6 +397,37 @@ def test_tokenize_renders_messages_with_tools_and_template_kwargs_as_the_chat_do
     assert err.value.param == "tools" and "tools go with messages" in err.value.message
 
 
+def test_generation_prompt_and_continuing_the_final_message_are_served(codec):
+    """``add_generation_prompt: false`` and ``continue_final_message: true`` were ignored (the prompt still ended in
+    a new assistant header), and a request's own ``chat_template`` was ignored too. Now the first two render as
+    ``apply_chat_template`` renders them, for a chat and for ``/tokenize``, and the third is refused."""
+    import pydantic
+
+    from epmoe.server.prompts import tokenize
+    from epmoe.server.protocol import TokenizeRequest
+
+    asked = [{"role": "user", "content": "hi"}]
+    started = asked + [{"role": "assistant", "content": "par"}]
+    for fields, text in (({"messages": asked}, "<|user|>hi<|assistant|><think>"),
+                         ({"messages": asked, "add_generation_prompt": False}, "<|user|>hi"),
+                         ({"messages": started, "add_generation_prompt": False, "continue_final_message": True},
+                          "<|user|>hi<|assistant|>par")):
+        got = tokenize(TokenizeRequest.model_validate(fields, strict=True), codec, INFO)["tokens"]
+        assert codec.decode(got, skip_special_tokens=False) == text, fields
+        assert build_job(_chat(**fields), MODEL, codec, INFO).prompts[0] == got
+    for fields, message in (
+            ({"messages": started, "continue_final_message": True}, "send add_generation_prompt=false with it"),
+            ({"messages": asked, "add_generation_prompt": False, "continue_final_message": True},
+             "the last message is a user's")):
+        with pytest.raises(ApiError) as err:
+            build_job(_chat(**fields), MODEL, codec, INFO)
+        assert err.value.param == "continue_final_message" and message in err.value.message
+    with pytest.raises(pydantic.ValidationError, match="chat_template=.* is not served by epmoe"):
+        _chat(messages=asked, chat_template="{{ bad")
+    with pytest.raises(pydantic.ValidationError, match="continue_final_message"):
+        _chat(messages=started, continue_final_message="x")
+
+
 def test_a_kimi_function_name_keeps_its_dots():
     text = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.db.query:0<|tool_call_argument_begin|>{}"
             "<|tool_call_end|><|tool_calls_section_end|>")

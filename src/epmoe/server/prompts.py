@@ -45,8 +45,9 @@ def chat_text(req: ChatCompletionRequest | TokenizeRequest, codec: TextCodec) ->
 
     Raises:
         ApiError: 400 naming the field: a message without content (but an assistant's), text that is not valid
-            Unicode, a ``chat_template_kwargs`` key that is ``apply_chat_template``'s own, a conversation the
-            template refuses or fails on.
+            Unicode, a ``chat_template_kwargs`` key that is ``apply_chat_template``'s own, ``continue_final_message``
+            with ``add_generation_prompt`` or after another role's message, a conversation the template refuses or
+            fails on.
     """
     messages = req.messages
     for i, m in enumerate(messages):
@@ -59,8 +60,16 @@ def chat_text(req: ChatCompletionRequest | TokenizeRequest, codec: TextCodec) ->
     if reserved:
         raise ApiError(400, f"chat_template_kwargs may not set {reserved}: the server sets them",
                        "chat_template_kwargs")
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise ApiError(400, "continue_final_message=true continues the last message: send "
+                                "add_generation_prompt=false with it", "continue_final_message")
+        if messages[-1].role != "assistant":
+            raise ApiError(400, f"continue_final_message=true continues an assistant's message; the last message is "
+                                f"a {messages[-1].role}'s", "continue_final_message")
     try:
-        return codec.chat_prompt(plain, tools or None, kwargs)
+        return codec.chat_prompt(plain, tools or None, kwargs, add_generation_prompt=req.add_generation_prompt,
+                                 continue_final_message=req.continue_final_message)
     except jinja2.TemplateError as exc:  # the template refused the conversation (e.g. roles not alternating)
         raise ApiError(400, f"messages: the chat template refused them: {exc}", "messages") from None
     except Exception as exc:  # the template failed on what the request gave it (a type, a sandbox limit)

@@ -28,6 +28,7 @@ UNSERVED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "functions": (None, []), "function_call": (None, "none", "auto"),
     "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,),
+    "chat_template": (None,),
 }
 """OpenAI and vLLM request fields that change the output and that this server does not serve, with the values that
 leave the output as it is (a request with another value is refused, naming the field)."""
@@ -251,9 +252,13 @@ class ChatCompletionRequest(SamplingFields):
     asks for each token's log-probability, ``top_logprobs`` for those of that many most likely tokens too;
     ``add_special_tokens`` (vLLM's; default false: the template's text holds them) lets the tokenizer add its own.
     ``tools`` and ``tool_choice`` as OpenAI's (``server.tools``; ``parallel_tool_calls`` false keeps the first
-    call); ``chat_template_kwargs`` (vLLM's) are passed to the chat template (Qwen3's ``enable_thinking``)."""
+    call); ``chat_template_kwargs`` (vLLM's) are passed to the chat template (Qwen3's ``enable_thinking``);
+    ``add_generation_prompt`` (default true) and ``continue_final_message`` (default false; the reply continues the
+    last, assistant, message) as vLLM's and ``apply_chat_template``'s."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -384,12 +389,15 @@ class ResponsesRequest(_Request):
 
 class TokenizeRequest(_Request):
     """``POST /tokenize`` (vLLM's): a ``prompt`` as a completion encodes it, or ``messages`` as a chat renders and
-    encodes them (with its ``tools`` and ``chat_template_kwargs``); ``add_special_tokens`` defaults as there (true
-    for a prompt, false for messages). ``model`` may be left out, as vLLM allows (the served model)."""
+    encodes them (with its ``tools``, ``chat_template_kwargs``, ``add_generation_prompt`` and
+    ``continue_final_message``); ``add_special_tokens`` defaults as there (true for a prompt, false for messages).
+    ``model`` may be left out, as vLLM allows (the served model)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     add_special_tokens: bool | None = None
     tools: list[ToolDefinition] | None = None
     chat_template_kwargs: dict | None = None

@@ -131,7 +131,8 @@ class TextCodec:
             return str(token_id)
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None, kwargs: dict | None = None) -> str:
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None, kwargs: dict | None = None, *,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
         """The prompt of a conversation: the tokenizer's chat template, or ``DEFAULT_CHAT_TEMPLATE``.
 
         Args:
@@ -140,15 +141,19 @@ class TextCodec:
             tools: the tools' definitions (``{"type": "function", "function": {...}}``), shown to templates that
                 render them; ``None`` = none.
             kwargs: more variables for the template (``chat_template_kwargs``).
+            add_generation_prompt: end with the header of the assistant's reply.
+            continue_final_message: end inside the last message (``apply_chat_template``'s: its end-of-turn text
+                cut off), so that the reply continues it.
         """
         kwargs = kwargs or {}
+        flags = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
         if self.tokenizer is not None:
             return self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=self.chat_template,
-                                                      tokenize=False, add_generation_prompt=True, **kwargs)
+                                                      tokenize=False, **flags, **kwargs)
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        return render_jinja_template([messages], tools=tools, chat_template=self.chat_template,
-                                    add_generation_prompt=True, **kwargs)[0][0]
+        return render_jinja_template([messages], tools=tools, chat_template=self.chat_template, **flags,
+                                     **kwargs)[0][0]
 
     def any_special(self, texts: Sequence[str]) -> bool:
         """Whether one of ``texts`` is a special token of the tokenizer (one that decoding with
