@@ -349,6 +349,38 @@ def test_stop_ids_run_refuses_are_doctor_errors(tiny_checkpoints, tmp_path, edit
     assert re.search(message, error.what), error.what
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: _set_json(d / "generation_config.json", temperature=-1),
+     "generation_config.json: temperature: temperature must be a finite number >= 0, got -1"),
+    (lambda d: _set_json(d / "generation_config.json", top_p="0.9"), "top_p must be in (0, 1], got '0.9'"),
+    (lambda d: _set_json(d / "generation_config.json", max_new_tokens=0), "max_tokens must be"),
+    (lambda d: (d / "tokenizer.json").write_text("{"), "tokenizer.json' cannot be read"),
+    (lambda d: (d / "tokenizer_config.json").write_text("[1]"),
+     "tokenizer_config.json' must hold a JSON object, got list"),
+])
+def test_generation_config_and_tokenizer_run_and_serve_refuse_are_doctor_errors(tmp_path, edit, message):
+    """Were "ok" in doctor while serve refused the sampling defaults at start and run the rest (the last with
+    "AttributeError: 'list' object has no attribute 'get'", naming no file)."""
+    import shutil
+
+    from epmoe.models.tiny import ensure_default_checkpoint
+
+    bad = tmp_path / "ckpt"
+    shutil.copytree(ensure_default_checkpoint(), bad)
+    assert not _errors(diagnose(DoctorConfig(model=str(bad), ep=2)))
+    if not (bad / "generation_config.json").exists():
+        (bad / "generation_config.json").write_text("{}")
+    edit(bad)
+    (error,) = _errors(diagnose(DoctorConfig(model=str(bad), ep=2)))
+    assert message in error.what, error.what
+
+
+def _set_json(path, **fields):
+    cfg = json.loads(path.read_text()) if path.exists() else {}
+    cfg.update(fields)
+    path.write_text(json.dumps(cfg))
+
+
 def test_stop_ids_of_a_config_file_are_checked(tmp_path):
     """``doctor --config FILE`` checked no eos_token_id; a bad one is now an error there too, given as JSON writes
     it, and the real config's ids are fine."""

@@ -212,6 +212,36 @@ def check_stop_ids(spec: MoESpec, directory: str, what: str = "the target model"
     return []
 
 
+def check_generation_files(directory: str, what: str = "the target model") -> list[Finding]:
+    """What ``epmoe run`` and ``serve`` read beside the weights and refuse at start: ``generation_config.json``'s
+    sampling defaults (``serve``: ``engine.sampling.sampling_defaults``) and its fields transformers checks (``run``'s
+    reference: ``engine.tokenizer.check_generation_config``), and the tokenizer (``engine.tokenizer.load_tokenizer``;
+    one shipped as code is not run here, and named). An error finding with the message they refuse with, each."""
+    from epmoe.engine.sampling import sampling_defaults
+    from epmoe.engine.tokenizer import check_generation_config, load_tokenizer, remote_tokenizer
+
+    findings = []
+    for check, who in ((sampling_defaults, "epmoe serve refuses"), (check_generation_config, "epmoe run refuses")):
+        try:
+            check(directory)
+        except ValueError as exc:
+            findings.append(Finding("error", f"{what}: {exc}", f"{who} this checkpoint with the same message",
+                                    "mend or remove the field"))
+            break  # the same file: its first refusal is enough
+    try:
+        code = remote_tokenizer(directory)
+        if code is None:
+            load_tokenizer(directory)
+    except ValueError as exc:
+        findings.append(Finding("error", f"{what}: {exc}", "epmoe run and serve refuse this checkpoint with the same "
+                                "message", "mend the tokenizer files"))
+    else:
+        if code is not None:
+            findings.append(Finding("warning", f"{what}: the tokenizer is code shipped with the checkpoint ({code})",
+                                    "not run by doctor", "epmoe run and serve need --trust-remote-code for it"))
+    return findings
+
+
 def draft_mismatches(model: DraftModel, eagle: bool, target: MoESpec) -> list[tuple[str, int, int]]:
     """What a draft must share with its target and does not: ``(label, draft's value, target's value)`` for the
     vocabulary size (every draft) and the hidden size (an EAGLE-style head, ``eagle``: it reads the target's hidden
@@ -391,9 +421,11 @@ def diagnose(cfg: DoctorConfig) -> list[Finding]:
     findings += problems
     redundant = 0
     if spec is not None:
-        if Path(cfg.model).is_dir():
-            findings += check_checkpoint(spec, cfg.model)
-        findings += check_stop_ids(spec, cfg.model)
+        weights = check_checkpoint(spec, cfg.model) if Path(cfg.model).is_dir() else []
+        stop_ids = check_stop_ids(spec, cfg.model)  # an unreadable generation_config.json is named here first
+        findings += weights + stop_ids
+        if Path(cfg.model).is_dir() and not stop_ids and not any(f.severity == "error" for f in weights):
+            findings += check_generation_files(cfg.model)  # (the tokenizer reads config.json too: its error first)
         redundant, placed = check_placement(spec, cfg.placement, ep, "the target model")
         findings += placed
         placed_ok = not any(f.severity == "error" for f in placed)

@@ -93,7 +93,7 @@ def test_chat_without_max_tokens_gets_what_the_context_leaves(codec):
 
 
 def test_generation_config_defaults_fill_only_the_fields_left_out(codec, tmp_path):
-    from epmoe.server.generate import sampling_defaults
+    from epmoe.engine.sampling import sampling_defaults
 
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True, "max_new_tokens": 7, "eos_token_id": 2}))

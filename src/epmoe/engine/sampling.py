@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from epmoe.engine.structured import KINDS, StructuredOutputs
+from epmoe.engine.tokenizer import generation_config
 from epmoe.engine.transfer import to_device
 
 MAX_LOGPROBS = 20
@@ -406,4 +407,28 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         q[j].exponential_(generator=generators[rows[j]])
     picked = (probs / q).argmax(dim=-1)
     out[idx] = picked
+    return out
+
+
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+"""The ``generation_config.json`` keys a request's left-out fields default to, and the fields (vLLM's set)."""
+
+def sampling_defaults(directory: str) -> dict[str, float | int]:
+    """The sampling defaults of ``directory``'s ``generation_config.json`` (``GENERATION_DEFAULTS``' keys that it
+    sets, by field name); ``{}`` without the file.
+
+    Raises:
+        ValueError: the file cannot be read, or a value ``SamplingParams`` refuses (the file and key named).
+    """
+    raw = generation_config(directory)
+    out: dict[str, float | int] = {}
+    for key, name in GENERATION_DEFAULTS.items():
+        if raw.get(key) is None:
+            continue
+        try:
+            SamplingParams(**{name: raw[key]})
+        except ValueError as exc:
+            raise ValueError(f"{directory}/generation_config.json: {key}: {exc}") from None
+        out[name] = raw[key]
     return out

@@ -20,7 +20,8 @@ def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
     Raises:
         ValueError: the tokenizer is code shipped with the checkpoint and ``trust_remote_code`` is false (its file
             named; transformers would ask on the terminal); an ``auto_map`` that names no class of the checkpoint's
-            own files; the tokenizer files cannot be read (the broken JSON file named, with the parser's reason), or
+            own files; the tokenizer files cannot be read (the broken JSON file named, with the parser's reason, or
+            one that is not a JSON object), or
             a ``tokenizer_config.json`` without any vocabulary file beside it.
     """
     names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -30,7 +31,7 @@ def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
 
     from transformers import AutoTokenizer
 
-    remote = _remote_tokenizer(model_dir)
+    remote = remote_tokenizer(model_dir)
     if remote is not None and not trust_remote_code:
         raise ValueError(f"the tokenizer of {model_dir!r} is code shipped with the checkpoint ({remote}): set "
                          f"trust_remote_code to run it")
@@ -40,10 +41,12 @@ def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             path = Path(model_dir) / name
             try:
-                if path.is_file():
-                    json.loads(path.read_text())
+                held = json.loads(path.read_text()) if path.is_file() else {}
             except (ValueError, OSError) as bad:
                 raise ValueError(f"tokenizer file {str(path)!r} cannot be read: {bad}") from None
+            if not isinstance(held, dict):
+                raise ValueError(f"tokenizer file {str(path)!r} must hold a JSON object, got "
+                                 f"{type(held).__name__}") from None
         # the files a tokenizer's vocabulary comes in (tokenizer.json, sentencepiece's .model files, vocab.json /
         # vocab.txt, merges.txt, .tiktoken): none of them beside tokenizer_config.json is a missing file
         vocab = [f.name for f in Path(model_dir).iterdir() if f.is_file() and (
@@ -58,7 +61,7 @@ def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
                          f"{exc}") from None
 
 
-def _remote_tokenizer(model_dir: str) -> str | None:
+def remote_tokenizer(model_dir: str) -> str | None:
     """The file of the checkpoint's own tokenizer class where it needs one (``tokenization_kimi.py``): its
     ``tokenizer_config.json`` maps ``AutoTokenizer`` (``"module.Class"``, or a ``[slow, fast]`` pair of them) to
     code in the checkpoint and names a ``tokenizer_class`` transformers does not have; else ``None`` (a file that
@@ -144,6 +147,28 @@ def generation_config(model_dir: str) -> dict:
     if not isinstance(raw, dict):
         raise ValueError(f"{str(path)!r} must hold a JSON object, got {type(raw).__name__}")
     return raw
+
+
+def check_generation_config(model_dir: str) -> None:
+    """transformers' own checks of the checkpoint's ``generation_config.json``, which its ``from_pretrained`` makes
+    when the reference loads: made before any rank starts, a refusal named by the file and the field (not taken for
+    the ``--max-new-tokens`` or ``--temperature`` the run was given).
+
+    Raises:
+        ValueError: the file is not a JSON object, or transformers' ``GenerationConfig`` refuses a field (the file,
+            the field and its value named).
+    """
+    from transformers import GenerationConfig
+
+    raw = generation_config(model_dir)
+    try:
+        GenerationConfig.from_dict(raw)
+    except (ValueError, TypeError) as exc:
+        reason = str(exc).replace("`", "'")  # transformers writes `field`
+        named = next((k for k in raw if f"'{k}'" in reason), None)
+        what = "it" if named is None else f"field {named!r} ({raw[named]!r})"
+        raise ValueError(f"{Path(model_dir) / 'generation_config.json'}: transformers' GenerationConfig refuses "
+                         f"{what}: {reason}") from None
 
 
 def eos_token_ids(model_dir: str, tokenizer, generation_dir: str | None = None,

@@ -23,7 +23,7 @@ from epmoe.engine import Engine, EngineConfig, SamplingParams
 from epmoe.engine.config import COMMAND_FLAGS, EAGER_DISPATCHERS, PARALLEL_MODES, command_engine_config
 from epmoe.engine.group import check_group
 from epmoe.engine.sampling import GREEDY_BELOW, valid_seed
-from epmoe.engine.tokenizer import decode_text, encode_text, generation_config, load_tokenizer
+from epmoe.engine.tokenizer import check_generation_config, decode_text, encode_text, generation_config, load_tokenizer
 from epmoe.experts import describe_expert_backend
 from epmoe.experts.storage import held_as
 from epmoe.models.hf import hf_config, needs_own_loader
@@ -408,28 +408,6 @@ def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids
     return out
 
 
-def _check_generation_config(model_dir: str) -> None:
-    """transformers' own checks of the checkpoint's ``generation_config.json``, which its ``from_pretrained`` makes
-    when the reference loads: made before any rank starts, a refusal named by the file and the field (not taken for
-    the ``--max-new-tokens`` or ``--temperature`` the run was given).
-
-    Raises:
-        ValueError: the file is not a JSON object, or transformers' ``GenerationConfig`` refuses a field (the file,
-            the field and its value named).
-    """
-    from transformers import GenerationConfig
-
-    raw = generation_config(model_dir)
-    try:
-        GenerationConfig.from_dict(raw)
-    except (ValueError, TypeError) as exc:
-        reason = str(exc).replace("`", "'")  # transformers writes `field`
-        named = next((k for k in raw if f"'{k}'" in reason), None)
-        what = "it" if named is None else f"field {named!r} ({raw[named]!r})"
-        raise ValueError(f"{Path(model_dir) / 'generation_config.json'}: transformers' GenerationConfig refuses "
-                         f"{what}: {reason}") from None
-
-
 def run_job(cfg: RunConfig) -> RunReport:
     """Run the main job (see the module docstring).
 
@@ -452,7 +430,7 @@ def run_job(cfg: RunConfig) -> RunReport:
     reference = (cfg.reference and cfg.temperature < GREEDY_BELOW and cfg.load_format != "dummy"
                  and cfg.moe_routing_simulation is None)
     if reference and not needs_own_loader(model_dir):  # from_pretrained reads the file; our own loader does not
-        _check_generation_config(model_dir)
+        check_generation_config(model_dir)
     prompts = list(cfg.prompts) or list(DEFAULT_PROMPTS)
     all_ids, tok = _encode(model_dir, prompts, cfg.trust_remote_code)
     if under_torchrun():

@@ -68,7 +68,7 @@ class AppContext:
         model_dir: the checkpoint directory.
         api_key: the bearer token, or ``None``.
         max_body_bytes: largest request body (413 past it).
-        sampling_defaults: what requests' left-out sampling fields take (``generate.sampling_defaults``).
+        sampling_defaults: what requests' left-out sampling fields take (``engine.sampling.sampling_defaults``).
         parsers: how chat outputs are read (reasoning, tool calls).
         cors: the keyword arguments of Starlette's ``CORSMiddleware`` (``allow_origins``, ``allow_methods``,
             ``allow_headers``, ``allow_credentials``); ``None`` = no CORS answers.

@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Mapping
 from epmoe.engine import SamplingParams, TokenLogprobs
 from epmoe.engine.sampling import MAX_LOGPROBS
 from epmoe.engine.structured import StructuredOutputs
-from epmoe.engine.tokenizer import generation_config
 from epmoe.server.chat_output import ChatParsers, tool_choice
 from epmoe.server.core import EngineInfo
 from epmoe.server.errors import ApiError
@@ -54,30 +53,6 @@ from epmoe.server.tools import forced_schema
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 DONE = "data: [DONE]\n\n"
-GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-"""The ``generation_config.json`` keys a request's left-out fields default to, and the fields (vLLM's set)."""
-
-def sampling_defaults(directory: str) -> dict[str, float | int]:
-    """The sampling defaults of ``directory``'s ``generation_config.json`` (``GENERATION_DEFAULTS``' keys that it
-    sets, by field name); ``{}`` without the file.
-
-    Raises:
-        ValueError: the file cannot be read, or a value ``SamplingParams`` refuses (the file and key named).
-    """
-    raw = generation_config(directory)
-    out: dict[str, float | int] = {}
-    for key, name in GENERATION_DEFAULTS.items():
-        if raw.get(key) is None:
-            continue
-        try:
-            SamplingParams(**{name: raw[key]})
-        except ValueError as exc:
-            raise ValueError(f"{directory}/generation_config.json: {key}: {exc}") from None
-        out[name] = raw[key]
-    return out
-
-
 def _param_of(message: str) -> str | None:
     """The field a ``SamplingParams`` message starts with (``"top_p must be ..."`` -> ``top_p``)."""
     word = message.split(" ", 1)[0]

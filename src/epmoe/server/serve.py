@@ -33,6 +33,7 @@ import uvicorn
 
 from epmoe.engine.config import synthetic_text
 from epmoe.engine.group import check_group
+from epmoe.engine.sampling import sampling_defaults
 from epmoe.experts import describe_expert_backend
 from epmoe.experts.storage import held_as
 from epmoe.models.tiny import ensure_default_checkpoint
@@ -51,7 +52,6 @@ from epmoe.server.chat_output import ChatParsers
 from epmoe.server.config import ServeConfig
 from epmoe.server.core import EngineInfo, core_process, follow, follower_process
 from epmoe.server.frontend import Frontend
-from epmoe.server.generate import sampling_defaults
 from epmoe.server.metrics import ServerMetrics
 from epmoe.server.text import TextCodec, load_chat_template
 from epmoe.spec import load_moe_spec
