@@ -473,3 +473,15 @@ def test_a_layer_count_past_the_bound_is_named():
         parse_moe_spec({**cfg, "num_hidden_layers": 10**9}, "config.json")
     assert parse_moe_spec({**cfg, "num_hidden_layers": 65536}).num_layers == 65536
 
+
+
+def test_a_null_field_without_a_rule_is_named_not_defaulted():
+    """``hidden_size: null`` was reported as absent and took transformers' default 7168; transformers' config keeps
+    the null (its model cannot be built from it). A null that transformers derives a value for (``q_lora_rank``,
+    ``num_key_value_heads``) still is."""
+    cfg = json.loads((CONFIGS / "deepseek-v3.config.json").read_text())
+    with pytest.raises(ValueError, match=r"^config\.json: field 'hidden_size' is null in config\.json; give its value "
+                                         r"or leave it out for transformers' default$"):
+        parse_moe_spec({**cfg, "hidden_size": None}, "config.json")
+    derived = parse_moe_spec({**cfg, "num_key_value_heads": None, "q_lora_rank": None})
+    assert derived.attention.num_kv_heads == cfg["num_attention_heads"]

@@ -113,9 +113,13 @@ class ConfigFields:
         for k in names:
             if self.cfg.get(k) is not None:
                 return self.prefix + k, self.cfg[k]
-        if fallback is not _MISSING and any(k in self.cfg for k in names):
+        nulls = [k for k in names if k in self.cfg]
+        if nulls and fallback is not _MISSING:
             # an explicit null: transformers derives the value (``q_lora_rank: null``: none)
             return self.prefix + key, fallback
+        if nulls:  # transformers' config keeps a null it has no rule for: not its default
+            raise ValueError(f"{self.source}: field {self.prefix + nulls[0]!r} is null in config.json; give its value "
+                             f"or leave it out for transformers' default")
         if self.model_type is not None:
             cls, defaults, aliases = transformers_defaults(self.model_type)
             for k in names:
