@@ -228,8 +228,8 @@ def test_a_wrapped_language_model_names_its_fields_by_path():
     too, apart from a wrapper's (both are checked)."""
     k25 = json.loads((CONFIGS / "kimi-k2.5.config.json").read_text())
     bad = {**k25, "text_config": {**k25["text_config"], "hidden_size": -1}}
-    with pytest.raises(ValueError, match=r"k25\.json: field 'text_config\.hidden_size' must be a positive integer, "
-                                         r"got -1$"):
+    with pytest.raises(ValueError, match=r"k25\.json: field 'text_config\.hidden_size' must be an integer in "
+                                         r"\[1, 1048576\], got -1$"):
         parse_moe_spec(bad, "k25.json")
     bad = {**k25, "text_config": {**k25["text_config"], "quantization_config": 5}}
     with pytest.raises(ValueError, match=r"field 'text_config\.quantization_config' must be a JSON object, got 5$"):
@@ -263,7 +263,7 @@ def test_moe_layer_freq_other_than_one_is_refused():
         ({"num_experts_per_tok": 300}, r"num_experts_per_tok \(300\) exceeds the number of experts \(256\)"),
         ({"scoring_func": "softmax"}, r"field 'scoring_func' must be one of \"sigmoid\", got \"softmax\""),
         ({"first_k_dense_replace": 70}, r"field 'first_k_dense_replace' must be an integer in \[0, 61\], got 70"),
-        ({"hidden_size": -1}, r"'hidden_size' must be a positive integer, got -1"),
+        ({"hidden_size": -1}, r"'hidden_size' must be an integer in \[1, 1048576\], got -1"),
         ({"first_k_dense_replace": 61}, r"has no MoE layers"),
     ],
 )
@@ -472,6 +472,9 @@ def test_a_layer_count_past_the_bound_is_named():
     with pytest.raises(ValueError, match=r"num_hidden_layers.* must be an integer in \[1, 65536\], got 1000000000"):
         parse_moe_spec({**cfg, "num_hidden_layers": 10**9}, "config.json")
     assert parse_moe_spec({**cfg, "num_hidden_layers": 65536}).num_layers == 65536
+    # a hidden size of 2**40 was an "ok" of 11679793152.0 GiB per rank in doctor
+    with pytest.raises(ValueError, match=r"hidden_size.* must be an integer in \[1, 1048576\], got 1099511627776"):
+        parse_moe_spec({**cfg, "hidden_size": 2**40}, "config.json")
 
 
 

@@ -127,6 +127,10 @@ MAX_SPECULATIVE_TOKENS = 16
 """The most draft tokens a speculative round verifies (``EngineConfig.speculative_num_tokens``) and so the most
 ``epmoe plan --spec-tokens`` prices."""
 
+MAX_HIDDEN_SIZE = 1 << 20
+"""The widest hidden size a config.json may give: far past any model's (tens of thousands), a bound on what the
+planner and doctor size from it."""
+
 MAX_LAYERS = 1 << 16
 """The most decoder layers a config.json may give (``num_hidden_layers``): far past any model's, and a bound on the
 per-layer tables the spec and the planner make from it."""

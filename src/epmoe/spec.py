@@ -15,7 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Literal, Mapping, NamedTuple
 
-from epmoe.checks import MAX_LAYERS
+from epmoe.checks import MAX_HIDDEN_SIZE, MAX_LAYERS
 from epmoe.config_fields import ConfigFields, json_text, transformers_rope_types
 
 Scoring = Literal["softmax", "sigmoid"]
@@ -584,7 +584,7 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
 
     f = ConfigFields(cfg, source, mt, prefix=where)
     num_layers = f.int("num_hidden_layers", maximum=MAX_LAYERS)
-    hidden = f.int("hidden_size")
+    hidden = f.int("hidden_size", maximum=MAX_HIDDEN_SIZE)
     vocab = f.int("vocab_size")
     if cfg.get("pad_token_id") is not None:  # the embedding's padding row (transformers asserts it lies in the table)
         f.int("pad_token_id", minimum=0, maximum=vocab - 1)

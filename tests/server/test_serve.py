@@ -76,6 +76,8 @@ def test_models_and_health(server, client):
     assert client.models.retrieve(MODEL).id == MODEL  # OpenAI's GET /v1/models/{model}
     with pytest.raises(openai.NotFoundError, match="model 'other/model' does not exist; this server serves"):
         client.models.retrieve("other/model")
+    empty = httpx.get(f"{server.url}/v1/models/", headers=AUTH, timeout=30)  # was the served model's card, 200
+    assert empty.status_code == 404 and empty.json()["error"]["param"] == "model", empty.text
     # vLLM's /ping (GET and POST) and /version; CORS answers for any origin by default (vLLM's)
     assert httpx.get(f"{server.url}/ping").json() == httpx.post(f"{server.url}/ping").json() == {"status": "ready"}
     assert httpx.get(f"{server.url}/version").json() == {"version": epmoe.__version__}

@@ -308,8 +308,11 @@ def build_app(ctx: AppContext) -> FastAPI:
 
     @app.get("/v1/models/{name:path}")
     async def model(request: Request, name: str) -> JSONResponse:
-        """OpenAI's model retrieval (``client.models.retrieve``): the served model's card, or 404 naming it."""
+        """OpenAI's model retrieval (``client.models.retrieve``): the served model's card, or 404 naming it (an
+        empty id too: a request's left-out ``model`` means the served one, a path's does not)."""
         check_key(request)
+        if not name:
+            raise ApiError(404, f"GET /v1/models/ names no model id; this server serves {ctx.model_name!r}", "model")
         check_model(name)
         return JSONResponse(model_card().model_dump())
 
