@@ -347,8 +347,9 @@ class ResponsesRequest(_Request):
     """``POST /v1/responses`` (OpenAI's Responses API, as vLLM serves it, stateless): ``input`` a string or a list of
     messages, earlier function calls and their outputs; ``instructions`` a system message before them; ``tools``
     function tools; ``text.format`` a constraint as chat's ``response_format``. Nothing is stored:
-    ``previous_response_id`` and ``background`` are refused (``server.responses`` translates the rest to a chat
-    request). ``model`` may be left out, as vLLM allows (the served model)."""
+    ``previous_response_id``, ``background`` and ``prompt`` (a stored prompt's reference) are refused
+    (``server.responses`` translates the rest to a chat request). ``model`` may be left out, as vLLM allows (the
+    served model)."""
 
     model: str | None = None
     input: str | list[InputMessage | InputFunctionCall | InputFunctionOutput]
@@ -368,6 +369,7 @@ class ResponsesRequest(_Request):
     user: str | None = None
     previous_response_id: str | None = None
     background: bool = False
+    prompt: dict | None = None
     chat_template_kwargs: dict | None = None
 
     @model_validator(mode="before")

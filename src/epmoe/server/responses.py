@@ -42,7 +42,7 @@ def as_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     messages; the tools, the choice and ``text.format`` in their chat form.
 
     Raises:
-        ApiError: 400 ``previous_response_id`` or ``background`` (nothing is stored), ``text.format``
+        ApiError: 400 ``previous_response_id``, ``background`` or ``prompt`` (nothing is stored), ``text.format``
             ``json_schema`` without its ``schema``, no message at all (an empty ``input`` and no ``instructions``),
             a translated request the chat endpoint refuses (named as there, ``renamed`` for the Responses API).
     """
@@ -51,6 +51,9 @@ def as_chat(req: ResponsesRequest) -> ChatCompletionRequest:
                             "responses; send the whole conversation in input", "previous_response_id")
     if req.background:
         raise ApiError(400, "background=true is not served: epmoe answers while the request is open", "background")
+    if req.prompt is not None:
+        raise ApiError(400, "prompt (a stored prompt's reference) is not served: epmoe stores no prompts; send its "
+                            "text in instructions and input", "prompt")
     messages: list[dict] = [{"role": "system", "content": req.instructions}] if req.instructions else []
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
     for item in items:
