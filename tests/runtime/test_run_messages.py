@@ -94,6 +94,18 @@ def test_a_bad_generation_config_is_named_with_its_file_not_taken_for_a_flag(kim
     assert "--max-new-tokens" not in err
 
 
+@pytest.mark.parametrize("generation", [{"num_beams": 0}, {"num_beams": "2"}, {"stop_strings": ["\n\n"]},
+                                        {"num_beams": 2, "repetition_penalty": 1.5}])
+def test_the_reference_is_plain_greedy_whatever_generation_config_asks(kimi, tmp_path, capsys, generation):
+    """The reference's generate took the file's beams, stop strings and penalties: num_beams 0 ended in a
+    ZeroDivisionError traceback, "2" in an error naming no file, stop_strings in "could not locate a tokenizer", and
+    beams or a penalty made it another search than the engine's greedy one. doctor and serve accept these files;
+    run now does too, and its greedy tokens match the reference's."""
+    good = _copy_with(kimi, tmp_path / "ckpt", generation=generation)
+    assert main(["run", "--model", str(good), "--ep", "1", "--max-new-tokens", "3"]) == 0, capsys.readouterr().err
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_a_generation_config_that_is_no_json_object_is_named_before_any_rank_starts(kimi, tmp_path, capsys):
     """Without the reference too: the engine's ranks read the file (its EOS ids), so it is read once before them."""
     bad = _copy_with(kimi, tmp_path / "ckpt")

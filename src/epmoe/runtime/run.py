@@ -378,10 +378,10 @@ def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids
     """Greedy tokens of the unsharded transformers model, prompt by prompt with its own ``generate`` (no
     ``MoELayer``, no engine): transformers' ``from_pretrained`` where it reads the checkpoint, else a full
     single-rank load of the dequantized tensors into the same transformers model (block-FP8 weights, a
-    ``language_model.`` wrapper)."""
+    ``language_model.`` wrapper); plain greedy search, whatever ``generation_config.json`` asks besides."""
     from rich.console import Console
     from rich.progress import Progress
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     from epmoe.models.hf import load_full_model
 
@@ -395,6 +395,9 @@ def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids
         else:
             model = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config(model_dir), dtype=dtype)
             model = model.to(device).eval()
+        # greedy decoding alone, as the engine runs it: generation_config.json's beams, stop strings and penalties
+        # are not the engine's (--temperature and friends are; serve reads the file's sampling defaults)
+        model.generation_config = GenerationConfig(do_sample=False, num_beams=1)
         bar.update(task, description=f"transformers reference ({dtype_name}, prompts)", total=len(all_ids),
                    completed=0)
         with torch.no_grad():
