@@ -114,3 +114,21 @@ def test_no_private_names_imported_across_modules():
 def test_at_most_a_dozen_top_level_modules():
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= 12, top
+
+
+def test_import_epmoe_is_light_and_its_api_and_subpackages_load_on_use():
+    """``import epmoe`` imported PyTorch (seconds, and a Ctrl-C then was a traceback); it now imports the public API
+    on first use, and ``epmoe.spec``-style access to subpackages still works after a bare ``import epmoe``."""
+    import subprocess
+    import sys
+
+    code = ("import sys, epmoe\n"
+            "assert 'torch' not in sys.modules, 'torch imported by import epmoe'\n"
+            "from epmoe import Comm, load_moe_spec, MoELayer\n"
+            "assert epmoe.spec.load_moe_spec is load_moe_spec\n"
+            "assert epmoe.placement.ExpertPlacement is epmoe.ExpertPlacement\n"
+            "assert set(epmoe.__all__) <= set(dir(epmoe)) and 'importlib' not in dir(epmoe)\n"
+            "try:\n    epmoe.nope\nexcept AttributeError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "module 'epmoe' has no attribute 'nope'"

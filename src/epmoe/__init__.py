@@ -6,8 +6,9 @@ TP against EP; ``models`` loads real checkpoints; ``runtime`` runs processes. Th
 re-exported here.
 """
 
-import importlib
-from typing import Any
+import importlib as _importlib
+import importlib.util as _importlib_util
+from typing import Any as _Any
 
 _EXPORTS = {
     "Comm": "epmoe.comm", "DISPATCHERS": "epmoe.dispatch", "Dispatcher": "epmoe.dispatch",
@@ -23,17 +24,21 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
+    """A public name (``_EXPORTS``) or a subpackage (``epmoe.spec`` after ``import epmoe``), imported on first use."""
     module = _EXPORTS.get(name)
-    if module is None:
+    if module is not None:
+        value = getattr(_importlib.import_module(module), name)
+    elif not name.startswith("_") and _importlib_util.find_spec(f"{__name__}.{name}") is not None:
+        value = _importlib.import_module(f"{__name__}.{name}")
+    else:
         raise AttributeError(f"module 'epmoe' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted({n for n in globals() if not n.startswith("_")} | set(_EXPORTS) | {"__version__"})
 
 
 __version__ = "0.1.0"

@@ -625,8 +625,9 @@ EXIT_INTERRUPTED = 130
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``epmoe`` console script: the command's exit code; Ctrl-C at any point, the first imports
-    included, prints one line and returns ``EXIT_INTERRUPTED``."""
+    """Entry point of the ``epmoe`` console script: the command's exit code; Ctrl-C prints one line and returns
+    ``EXIT_INTERRUPTED``. (Pressed while a library is being imported, in the first second or so, the interrupt may
+    leave that library half-imported, and its own error can come first: Python gives no way to defer it there.)"""
     try:
         return _main(argv)
     except KeyboardInterrupt:

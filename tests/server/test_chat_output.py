@@ -424,6 +424,8 @@ def test_generation_prompt_and_continuing_the_final_message_are_served(codec):
         assert err.value.param == "continue_final_message" and message in err.value.message
     with pytest.raises(pydantic.ValidationError, match="chat_template=.* is not served by epmoe"):
         _chat(messages=asked, chat_template="{{ bad")
+    with pytest.raises(pydantic.ValidationError, match="chat_template=.* is not served by epmoe"):  # was ignored
+        TokenizeRequest.model_validate({"messages": asked, "chat_template": "{{ 'x' }}"}, strict=True)
     with pytest.raises(pydantic.ValidationError, match="continue_final_message"):
         _chat(messages=started, continue_final_message="x")
 

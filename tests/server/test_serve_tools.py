@@ -211,6 +211,9 @@ def test_responses_api_calls_tools_and_takes_their_outputs(client):
 @pytest.mark.parametrize("fields, param, message", [
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id", "epmoe stores no responses"),
     ({"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt", "epmoe stores no prompts"),  # was ignored
+    # the key sent is named as sent (was rewritten to 'input', as the chat's messages field is)
+    ({"input": "hi", "chat_template_kwargs": {"messages": 1}}, "chat_template_kwargs",
+     "chat_template_kwargs may not set ['messages']"),
     ({"input": "hi", "max_output_tokens": 999}, "max_output_tokens",
      "max_output_tokens (999) plus the prompt's"),
     # the type named (was the function tool's missing name: "tools.0.name: Field required")

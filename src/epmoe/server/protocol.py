@@ -53,6 +53,17 @@ def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
     return False
 
 
+def _refuse_unserved(cls: type[BaseModel], data: dict, unserved: dict[str, tuple[Any, ...]]) -> None:
+    """Refuse (pydantic's ``unserved`` error) a field of ``unserved`` that request type ``cls`` does not have, sent
+    at another value than its neutral ones."""
+    for name, allowed in unserved.items():
+        if name in data and name not in cls.model_fields and not _neutral(data[name], allowed):
+            raise PydanticCustomError(
+                "unserved", "{field}={shown} is not served by epmoe (the output would not be what was asked); "
+                "leave {field} out or send {allowed}",
+                {"field": name, "shown": _shown(data[name]), "allowed": " or ".join(json.dumps(a) for a in allowed)})
+
+
 def _shown(value: Any) -> str:
     """``value`` as JSON for an error message, cut to 80 characters."""
     shown = json.dumps(value, default=repr)
@@ -152,13 +163,7 @@ class SamplingFields(_Request):
         have at another value: refused."""
         if not isinstance(data, dict):
             return data
-        for name, allowed in UNSERVED.items():
-            if name in data and name not in cls.model_fields and not _neutral(data[name], allowed):
-                raise PydanticCustomError(
-                    "unserved", "{field}={shown} is not served by epmoe (the output would not be what was asked); "
-                    "leave {field} out or send {allowed}",
-                    {"field": name, "shown": _shown(data[name]),
-                     "allowed": " or ".join(json.dumps(a) for a in allowed)})
+        _refuse_unserved(cls, data, UNSERVED)
         return _null_as_default(cls, data)
 
 
@@ -403,6 +408,14 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool | None = None
     tools: list[ToolDefinition] | None = None
     chat_template_kwargs: dict | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unserved(cls, data: Any) -> Any:
+        """A request's own ``chat_template`` is refused, as on chats."""
+        if isinstance(data, dict):
+            _refuse_unserved(cls, data, {"chat_template": UNSERVED["chat_template"]})
+        return data
 
 
 class DetokenizeRequest(_Request):

@@ -33,7 +33,7 @@ from epmoe.server.text import StreamText, TextCodec
 _FIELDS = (("max_tokens", "max_output_tokens"), ("response_format", "text.format"))
 """Chat fields a translated request's errors name, as the Responses API calls them (a message's place among the
 chat's ``messages`` is not its place in ``input``: such errors name ``input``)."""
-_MESSAGES = re.compile(r"\bmessages(\.\d+(\.\w+)*)?")
+_MESSAGES = re.compile(r"(?<!')\bmessages(\.\d+(\.\w+)*)?")  # not a quoted key the client sent ('messages')
 
 
 def as_chat(req: ResponsesRequest) -> ChatCompletionRequest:
