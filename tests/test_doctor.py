@@ -375,6 +375,21 @@ def test_generation_config_and_tokenizer_run_and_serve_refuse_are_doctor_errors(
     assert message in error.what, error.what
 
 
+def test_a_chat_template_that_does_not_compile_is_a_doctor_warning(tmp_path):
+    """serve starts with it and answers every chat with a 400; doctor said ok."""
+    import shutil
+
+    from epmoe.models.tiny import ensure_default_checkpoint
+
+    bad = tmp_path / "ckpt"
+    shutil.copytree(ensure_default_checkpoint(), bad)
+    _set_json(bad / "tokenizer_config.json", chat_template="{% for %}")
+    findings = diagnose(DoctorConfig(model=str(bad), ep=2))
+    assert not _errors(findings)
+    (warning,) = [f for f in findings if "chat template" in f.what]
+    assert warning.severity == "warning" and "does not compile: " in warning.what and "line 1" in warning.what
+
+
 def _set_json(path, **fields):
     cfg = json.loads(path.read_text()) if path.exists() else {}
     cfg.update(fields)

@@ -230,8 +230,7 @@ def check_generation_files(directory: str, what: str = "the target model") -> li
             break  # the same file: its first refusal is enough
     try:
         code = remote_tokenizer(directory)
-        if code is None:
-            load_tokenizer(directory)
+        tokenizer = load_tokenizer(directory) if code is None else None
     except ValueError as exc:
         findings.append(Finding("error", f"{what}: {exc}", "epmoe run and serve refuse this checkpoint with the same "
                                 "message", "mend the tokenizer files"))
@@ -239,7 +238,29 @@ def check_generation_files(directory: str, what: str = "the target model") -> li
         if code is not None:
             findings.append(Finding("warning", f"{what}: the tokenizer is code shipped with the checkpoint ({code})",
                                     "not run by doctor", "epmoe run and serve need --trust-remote-code for it"))
+        findings += _chat_template_findings(tokenizer, what)
     return findings
+
+
+def _chat_template_findings(tokenizer, what: str) -> list[Finding]:
+    """A warning where the tokenizer's chat template is not a Jinja template that compiles: ``serve`` starts, and
+    every chat request is then a 400."""
+    import jinja2
+
+    template = getattr(tokenizer, "chat_template", None)
+    templates = template.values() if isinstance(template, dict) else [] if template is None else [template]
+    for t in templates:
+        reason = None if isinstance(t, str) else f"it is a {type(t).__name__}, not text"
+        if reason is None:
+            try:
+                jinja2.Environment().parse(t)
+            except jinja2.TemplateSyntaxError as exc:
+                reason = f"{exc} (line {exc.lineno})"
+        if reason is not None:
+            return [Finding("warning", f"{what}: the tokenizer's chat template does not compile: {reason}",
+                            "epmoe serve starts, and answers every chat with a 400",
+                            "mend chat_template in the tokenizer files, or pass --chat-template FILE")]
+    return []
 
 
 def draft_mismatches(model: DraftModel, eagle: bool, target: MoESpec) -> list[tuple[str, int, int]]:
