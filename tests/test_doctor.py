@@ -375,19 +375,38 @@ def test_generation_config_and_tokenizer_run_and_serve_refuse_are_doctor_errors(
     assert message in error.what, error.what
 
 
-def test_a_chat_template_that_does_not_compile_is_a_doctor_warning(tmp_path):
-    """serve starts with it and answers every chat with a 400; doctor said ok."""
+GOOD_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+
+@pytest.mark.parametrize("template, warned", [
+    ("{% for %}", "does not compile: "),
+    ("{{ messages | nosuchfilter }}", "No filter named 'nosuchfilter'"),  # parses, does not compile
+    (5, "does not compile: it is not text: 5"),
+    ([{"name": "default", "template": GOOD_TEMPLATE}, {"name": "tool_use", "template": "{% if %}"}],
+     "chat template 'tool_use' does not compile"),
+    # transformers' own Jinja extensions compile: no warning
+    ("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.content }}{% endfor %}", None),
+    ("{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}", None),
+    ([{"name": "default", "template": GOOD_TEMPLATE}, {"name": "tool_use", "template": GOOD_TEMPLATE}], None),
+])
+def test_a_chat_template_that_does_not_compile_is_a_doctor_warning(tmp_path, template, warned):
+    """serve starts with it and answers every chat that uses it with a 400; doctor said ok. The check is serve's own
+    (transformers' Jinja environment), and a named template is named."""
     import shutil
 
     from epmoe.models.tiny import ensure_default_checkpoint
 
     bad = tmp_path / "ckpt"
     shutil.copytree(ensure_default_checkpoint(), bad)
-    _set_json(bad / "tokenizer_config.json", chat_template="{% for %}")
+    _set_json(bad / "tokenizer_config.json", chat_template=template)
     findings = diagnose(DoctorConfig(model=str(bad), ep=2))
     assert not _errors(findings)
-    (warning,) = [f for f in findings if "chat template" in f.what]
-    assert warning.severity == "warning" and "does not compile: " in warning.what and "line 1" in warning.what
+    found = [f for f in findings if "chat template" in f.what]
+    if warned is None:
+        assert not found, found
+    else:
+        (warning,) = found
+        assert warning.severity == "warning" and warned in warning.what, warning.what
 
 
 def _set_json(path, **fields):

@@ -29,7 +29,7 @@ def __getattr__(name: str) -> _Any:
     module = _EXPORTS.get(name)
     if module is not None:
         value = getattr(_importlib.import_module(module), name)
-    elif not name.startswith("_") and _importlib_util.find_spec(f"{__name__}.{name}") is not None:
+    elif name.isidentifier() and not name.startswith("_") and _importlib_util.find_spec(f"{__name__}.{name}"):
         value = _importlib.import_module(f"{__name__}.{name}")
     else:
         raise AttributeError(f"module 'epmoe' has no attribute {name!r}")

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from epmoe.checks import check_int
+from epmoe.config_fields import json_text
 from epmoe.experts.storage import ExpertStorage, dequantized_reason
 from epmoe.integrations.placements import load_placement_as
 from epmoe.plan.costs import WEIGHT_CHOICES, weights_hint
@@ -243,24 +244,22 @@ def check_generation_files(directory: str, what: str = "the target model") -> li
 
 
 def _chat_template_findings(tokenizer, what: str) -> list[Finding]:
-    """A warning where the tokenizer's chat template is not a Jinja template that compiles: ``serve`` starts, and
-    every chat request is then a 400."""
-    import jinja2
+    """A warning for each of the tokenizer's chat templates (one, or named ones) that does not compile as ``serve``
+    renders it (``server.text.template_problem``): ``serve`` starts, and answers the chats that use it with a 400."""
+    from epmoe.server.text import template_problem
 
     template = getattr(tokenizer, "chat_template", None)
-    templates = template.values() if isinstance(template, dict) else [] if template is None else [template]
-    for t in templates:
-        reason = None if isinstance(t, str) else f"it is a {type(t).__name__}, not text"
-        if reason is None:
-            try:
-                jinja2.Environment().parse(t)
-            except jinja2.TemplateSyntaxError as exc:
-                reason = f"{exc} (line {exc.lineno})"
-        if reason is not None:
-            return [Finding("warning", f"{what}: the tokenizer's chat template does not compile: {reason}",
-                            "epmoe serve starts, and answers every chat with a 400",
-                            "mend chat_template in the tokenizer files, or pass --chat-template FILE")]
-    return []
+    named = template.items() if isinstance(template, dict) else [] if template is None else [(None, template)]
+    findings = []
+    for name, t in named:
+        problem = template_problem(t) if isinstance(t, str) else f"it is not text: {json_text(t)}"
+        if problem is not None:
+            which = "the tokenizer's chat template" + ("" if name is None else f" {name!r}")
+            findings.append(Finding("warning", f"{what}: {which} does not compile: {problem}",
+                                    "epmoe serve starts, and answers the chats that use it with a 400",
+                                    "mend it (tokenizer_config.json's chat_template, or chat_template.jinja), or "
+                                    "pass --chat-template FILE"))
+    return findings
 
 
 def draft_mismatches(model: DraftModel, eagle: bool, target: MoESpec) -> list[tuple[str, int, int]]:

@@ -430,6 +430,23 @@ def test_generation_prompt_and_continuing_the_final_message_are_served(codec):
         _chat(messages=started, continue_final_message="x")
 
 
+def test_named_chat_templates_are_chosen_as_transformers_chooses_them(tmp_path):
+    """tokenizer_config.json's list of named templates (Command-R's layout) reached apply_chat_template as a dict:
+    every chat was a 400 ("unhashable type: 'dict'"). Now 'default' renders a chat, 'tool_use' one with tools."""
+    import shutil
+
+    ckpt = tmp_path / "named"
+    shutil.copytree(ensure_default_checkpoint(), ckpt)
+    path = ckpt / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["chat_template"] = [{"name": "default", "template": "D{% for m in messages %}{{ m.content }}{% endfor %}"},
+                            {"name": "tool_use", "template": "T{{ tools | length }}{{ messages[0].content }}"}]
+    path.write_text(json.dumps(cfg))
+    named = TextCodec(str(ckpt), 259)
+    assert named.chat_prompt([{"role": "user", "content": "hi"}]) == "Dhi"
+    assert named.chat_prompt([{"role": "user", "content": "hi"}], [WEATHER]) == "T1hi"
+
+
 def test_a_kimi_function_name_keeps_its_dots():
     text = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.db.query:0<|tool_call_argument_begin|>{}"
             "<|tool_call_end|><|tool_calls_section_end|>")

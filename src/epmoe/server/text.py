@@ -31,9 +31,6 @@ def load_chat_template(value: str) -> str:
         ValueError: ``value`` is neither a readable file nor a template, or the template does not parse (the
             parser's message and line named).
     """
-    import jinja2
-    from transformers.utils.chat_template_utils import render_jinja_template
-
     path = Path(value)
     if path.is_file():
         try:
@@ -44,13 +41,26 @@ def load_chat_template(value: str) -> str:
         template = value
     else:
         raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
-    try:  # transformers' environment (loop controls, {% generation %}), as the tokenizer renders it
-        render_jinja_template([[{"role": "user", "content": "x"}]], chat_template=template, add_generation_prompt=True)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ValueError(f"chat_template does not parse: {exc.message} (line {exc.lineno})") from None
-    except jinja2.TemplateError:  # it parses; a conversation it refuses is the request's 400
-        pass
+    problem = template_problem(template)
+    if problem is not None:
+        raise ValueError(f"chat_template does not parse: {problem}")
     return template
+
+
+def template_problem(template: str) -> str | None:
+    """Why a chat template does not compile in transformers' environment (loop controls, ``{% generation %}``, as
+    the tokenizer renders it): the parser's message and line, or ``None`` when it compiles (a conversation it then
+    refuses is a request's 400)."""
+    import jinja2
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    try:
+        render_jinja_template([[{"role": "user", "content": "x"}]], chat_template=template, add_generation_prompt=True)
+    except jinja2.TemplateSyntaxError as exc:  # an unknown filter or test too (TemplateAssertionError)
+        return f"{exc.message} (line {exc.lineno})"
+    except jinja2.TemplateError:
+        pass
+    return None
 
 
 class TextCodec:
@@ -68,7 +78,7 @@ class TextCodec:
         self.tokenizer = load_tokenizer(model_dir, trust_remote_code)
         self.vocab_size = vocab_size
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
-        self.chat_template = template or DEFAULT_CHAT_TEMPLATE
+        self.chat_template: str | dict[str, str] = template or DEFAULT_CHAT_TEMPLATE  # a dict: named templates
         self._constraints: Grammars | None = None
         self._constraints_lock = threading.Lock()  # requests compile in worker threads: one compiler, built once
 
@@ -147,13 +157,18 @@ class TextCodec:
         """
         kwargs = kwargs or {}
         flags = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+        template = self.chat_template
+        if isinstance(template, dict):  # named templates (tokenizer_config.json's list): transformers' choice
+            name = "tool_use" if tools and "tool_use" in template else "default"
+            if name not in template:
+                raise ValueError(f"the tokenizer's chat templates {sorted(template)} hold no 'default'")
+            template = template[name]
         if self.tokenizer is not None:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=self.chat_template,
-                                                      tokenize=False, **flags, **kwargs)
+            return self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False,
+                                                      **flags, **kwargs)
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        return render_jinja_template([messages], tools=tools, chat_template=self.chat_template, **flags,
-                                     **kwargs)[0][0]
+        return render_jinja_template([messages], tools=tools, chat_template=template, **flags, **kwargs)[0][0]
 
     def any_special(self, texts: Sequence[str]) -> bool:
         """Whether one of ``texts`` is a special token of the tokenizer (one that decoding with
