@@ -9,8 +9,6 @@ map serving now; the SGLang and vLLM plug-ins (``epmoe.integrations``) call it.
 
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
 import torch
 
@@ -18,7 +16,7 @@ from epmoe.balance.balancers import balance_deepseek
 from epmoe.balance.moves import rebalance_with_moves
 from epmoe.balance.problem import layer_balancedness
 from epmoe.balance.registry import get_balancer
-from epmoe.checks import check_positive_int
+from epmoe.checks import check_int, check_positive_int
 from epmoe.loads import as_load_array
 from epmoe.placement import ExpertPlacement
 
@@ -85,10 +83,8 @@ def rebalance_placement(weight: torch.Tensor | np.ndarray, num_replicas: int, nu
     check_positive_int("num_gpus", num_gpus)
     check_positive_int("num_replicas", num_replicas)
     check_positive_int("num_nodes", num_nodes)
-    if num_groups is not None and (isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral)
-                                   or num_groups < 0):
-        raise ValueError(f"num_groups must be a non-negative integer or None (0 and None: no groups), got "
-                         f"{num_groups!r}")
+    if num_groups is not None:
+        check_int("num_groups", num_groups, 0, wording="a non-negative integer or None (0 and None: no groups)")
     if num_replicas < num_experts or num_replicas % num_gpus:
         raise ValueError(f"num_replicas ({num_replicas}) must be at least the {num_experts} logical experts and "
                          f"divisible by num_gpus ({num_gpus})")

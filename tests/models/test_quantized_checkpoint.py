@@ -287,6 +287,16 @@ def _broken(src: str, tmp: Path, edit) -> str:
 EXPERT = "language_model.model.layers.2.mlp.experts.5"
 
 
+def _load_one_rank(directory: str):
+    """``load_ep_model`` of ``directory`` on one rank (trivial placement, local dispatch)."""
+    from epmoe.models.hf import load_ep_model
+    from epmoe.spec import load_moe_spec
+
+    spec = load_moe_spec(directory)
+    return load_ep_model(directory, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
+                         options=MoELayerOptions(dispatcher="local"))
+
+
 def _drop_scale(t, cfg):
     del t[f"{EXPERT}.down_proj.weight_scale"]
 
@@ -371,14 +381,9 @@ REFUSED = [
 
 @pytest.mark.parametrize("family,edit,match", REFUSED)
 def test_bad_quantized_checkpoint_is_named(ckpts, tmp_path, family, edit, match):
-    from epmoe.models.hf import load_ep_model
-    from epmoe.spec import load_moe_spec
-
     directory = _broken(ckpts[family][0], tmp_path, edit)
-    spec = load_moe_spec(directory)
     with pytest.raises(ValueError, match=match.replace(".", "[.]").replace("[.]*", ".*")):
-        load_ep_model(directory, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
-                      options=MoELayerOptions(dispatcher="local"))
+        _load_one_rank(directory)
 
 
 def _other_packing(t, cfg):
@@ -442,16 +447,11 @@ def test_spec_and_reader_take_the_same_quantization_config(ckpts, tmp_path, edit
 
 
 def test_mxfp4_blocks_missing_beside_their_scales_is_named(ckpts, tmp_path):
-    from epmoe.models.hf import load_ep_model
-    from epmoe.spec import load_moe_spec
-
     directory = _broken(ckpts["gpt-oss-mxfp4"][0], tmp_path, _drop_mxfp4_blocks)
-    spec = load_moe_spec(directory)
     with pytest.raises(KeyError, match=r"no tensor 'model[.]layers[.]1[.]mlp[.]experts[.]gate_up_proj' \(it holds "
                                        r"'model[.]layers[.]1[.]mlp[.]experts[.]gate_up_proj_scales' without the tensor "
                                        r"they belong with\)"):
-        load_ep_model(directory, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
-                      options=MoELayerOptions(dispatcher="local"))
+        _load_one_rank(directory)
 
 
 def test_a_tensor_in_two_weights_files_is_refused(ckpts, tmp_path):
@@ -481,36 +481,28 @@ def test_an_index_naming_a_directory_says_so(ckpts, tmp_path):  # was "index nam
 @pytest.mark.parametrize("value", [float("nan"), 3e38])  # 3e38 is finite, but 8 times it is not a float32
 def test_int4_scale_that_is_no_weight_is_refused_on_load(ckpts, tmp_path, value):
     # was served: NaN logits (or zeros), and the reference built from the same weights "matched"
-    from epmoe.models.hf import load_ep_model
-    from epmoe.spec import load_moe_spec
 
     def bad_scale(t, cfg):
         t[f"{EXPERT}.gate_proj.weight_scale"][2, 1] = value
 
     directory = _broken(ckpts["kimi-k2.5-int4"][0], tmp_path, bad_scale)
-    spec = load_moe_spec(directory)
     with pytest.raises(ValueError, match=rf"tensor '{EXPERT}[.]gate_proj[.]weight_scale' \(times the largest 4-bit "
                                          rf"value, 8\) holds 1 NaN or infinite value, the first at \(2, 1\): not a "
                                          rf"weight"):
-        load_ep_model(directory, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
-                      options=MoELayerOptions(dispatcher="local"))
+        _load_one_rank(directory)
 
 
 def test_mxfp4_nan_scale_is_refused_on_load(ckpts, tmp_path):
     # E8M0's NaN code in one block scale of expert 1 (a value only the data shows: doctor reads headers, the loader
     # the scales of its slots)
-    from epmoe.models.hf import load_ep_model
-    from epmoe.spec import load_moe_spec
 
     def nan_scale(t, cfg):
         t["model.layers.1.mlp.experts.down_proj_scales"][1, 3, 0] = 255
 
     directory = _broken(ckpts["gpt-oss-mxfp4"][0], tmp_path, nan_scale)
-    spec = load_moe_spec(directory)
     with pytest.raises(ValueError, match=r"tensor 'model[.]layers[.]1[.]mlp[.]experts[.]down_proj_scales' \(expert 1\) "
                                          r"holds 1 scale of 255, E8M0's NaN code, the first at \(3, 0\)"):
-        load_ep_model(directory, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
-                      options=MoELayerOptions(dispatcher="local"))
+        _load_one_rank(directory)
 
     def huge_scale(t, cfg):  # 2 ** 126: a code of 4 or 6 gives a value past float32's largest
         t["model.layers.0.mlp.experts.gate_up_proj_scales"][0, 5, 1] = 253
@@ -519,8 +511,7 @@ def test_mxfp4_nan_scale_is_refused_on_load(ckpts, tmp_path):
     with pytest.raises(ValueError, match=r"gate_up_proj_scales' \(expert 0\) holds 1 scale above 252 \(whose blocks' "
                                          r"values, up to 6 x 2 \*\* \(s - 127\), overflow bf16 and float32\), the "
                                          r"first at \(5, 1\) \(253\)"):
-        load_ep_model(directory, ExpertPlacement.trivial(spec.num_moe_layers, spec.num_experts, 1), Comm(None),
-                      options=MoELayerOptions(dispatcher="local"))
+        _load_one_rank(directory)
 
 
 @pytest.mark.parametrize("family,edit,match", REFUSED)
