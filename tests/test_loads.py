@@ -177,6 +177,27 @@ def test_directory_is_not_a_loads_file(tmp_path):
         read_loads(tmp_path)
 
 
+def test_a_device_a_short_csv_row_and_booleans_are_refused(tmp_path):
+    """``/dev/zero`` as the loads file was read until memory ran out (balance killed); a CSV row short of its
+    ``count`` said "float() argument must be ... not 'NoneType'"; a boolean safetensors table was balanced as 1s
+    and 0s (JSON's true is refused)."""
+    from safetensors.torch import save_file
+
+    from epmoe.integrations.dumps import read_load_dump
+
+    with pytest.raises(ValueError, match=r"^loads file '/dev/zero' is not a regular file$"):
+        read_load_dump("/dev/zero")
+    short = tmp_path / "s.csv"
+    short.write_text("hf_model,domain,layer,expert,count\nm,d,0,0,5\nm,d,0,1\n")
+    with pytest.raises(ValueError, match=r"s\.csv' line 3: no 'count' value \(the row has 4 of the header's 5 "
+                                         r"columns\)$"):
+        read_loads(short)
+    st = tmp_path / "b.safetensors"
+    save_file({"load": torch.tensor([[True, False]])}, str(st))
+    with pytest.raises(ValueError, match=r"load must hold numbers \(tokens per expert\), got booleans"):
+        read_loads(st)
+
+
 def test_load_file_errors_name_the_file_once(tmp_path):
     from safetensors.torch import save_file
 

@@ -146,7 +146,7 @@ def test_explicit_null_is_what_transformers_derives():
     "name, edit, message",
     [
         ("deepseek-v3", {"n_shared_experts": -1},
-         r"v3\.json: field 'n_shared_experts' must be an integer >= 0, got -1$"),
+         r"v3\.json: field 'n_shared_experts' must be an integer in \[0, 1048576\], got -1$"),
         ("qwen3-30b-a3b", {"decoder_sparse_step": -2},
          r"v3\.json: field 'decoder_sparse_step' must be a positive integer, got -2$"),
         ("qwen3-30b-a3b", {"decoder_sparse_step": 0},
@@ -158,18 +158,19 @@ def test_explicit_null_is_what_transformers_derives():
          r"v3\.json: field 'routed_scaling_factor' must be a positive number, got \"2\.5\" \(a string\)$"),
         ("qwen3-30b-a3b", {"num_key_value_heads": "4"},
          r"v3\.json: field 'num_key_value_heads' must be an integer in \[1, 32\], got \"4\" \(a string\)$"),
-        ("qwen3-30b-a3b", {"num_experts": "128"}, r"v3\.json: field 'num_experts' must be a positive integer, got "
-                                                  r"\"128\" \(a string\)$"),
-        ("deepseek-v3", {"n_routed_experts": True}, r"field 'n_routed_experts' must be a positive integer, got true$"),
+        ("qwen3-30b-a3b", {"num_experts": "128"},
+         r"v3\.json: field 'num_experts' must be an integer in \[1, 1048576\], got \"128\" \(a string\)$"),
+        ("deepseek-v3", {"n_routed_experts": True},
+         r"field 'n_routed_experts' must be an integer in \[1, 1048576\], got true$"),
         ("deepseek-v3", {"norm_topk_prob": "yes"}, r"field 'norm_topk_prob' must be true or false, got \"yes\""),
         # MLA's latent width: 0 had planned the model as grouped-query attention without a word
-        ("deepseek-v3", {"kv_lora_rank": 0}, r"field 'kv_lora_rank' must be a positive integer, got 0$"),
+        ("deepseek-v3", {"kv_lora_rank": 0}, r"field 'kv_lora_rank' must be an integer in \[1, 1048576\], got 0$"),
         ("deepseek-v3", {"routed_scaling_factor": 0},
          r"field 'routed_scaling_factor' must be a positive number, got 0"),
         ("qwen3-30b-a3b", {"mlp_only_layers": [3, "4"]},
          r"field 'mlp_only_layers'\[1\] must be an integer in \[0, 47\], got \"4\" \(a string\)"),
         ("qwen3-30b-a3b", {"mlp_only_layers": [48]}, r"field 'mlp_only_layers'\[0\] must be an integer in \[0, 47\]"),
-        ("glm-4.5", {"n_group": 0}, r"field 'n_group' must be a positive integer, got 0"),
+        ("glm-4.5", {"n_group": 0}, r"field 'n_group' must be an integer in \[1, 1048576\], got 0"),
         ("gpt-oss-20b", {"swiglu_limit": float("inf")}, r"field 'swiglu_limit' must be a positive number, got inf"),
         # the context (was 4096 for 0, taken as is when negative)
         ("qwen3-30b-a3b", {"max_position_embeddings": 0},
@@ -353,8 +354,11 @@ def test_defaults_of_a_config_class_that_is_not_a_dataclass(monkeypatch):
 def test_a_config_that_is_not_utf8_is_named(tmp_path):
     path = tmp_path / "config.json"
     path.write_bytes(b"\xff\xfe\x00\x01")
-    with pytest.raises(ValueError, match=r"config\.json: not UTF-8 text \(byte 0xff at position 0\)"):
+    with pytest.raises(ValueError, match=r"config file '.*config\.json' is not UTF-8 text \(byte 0xff at position "
+                                         r"0\)$"):
         load_moe_spec(tmp_path)
+    with pytest.raises(ValueError, match=r"^config file '/dev/zero' is not a regular file$"):
+        load_moe_spec("/dev/zero")
 
 
 def test_a_mistyped_symmetric_is_named(tmp_path):  # "false" was taken for an asymmetric scheme
@@ -421,7 +425,7 @@ def test_format_name_is_the_checkpoints_dtype_for_unquantized_experts():
     del cfg["dtype"], cfg["torch_dtype"]
     assert (parse_moe_spec(cfg).checkpoint_dtype, parse_moe_spec(cfg).expert_format_name) == (None, "unquantized")
     cfg["dtype"] = 16
-    with pytest.raises(ValueError, match=r"<dict>: field 'dtype' must be a string, got 16"):
+    with pytest.raises(ValueError, match=r"<dict>: field 'dtype' must be one of \"bfloat16\", .*, got 16$"):
         parse_moe_spec(cfg)
 
 
@@ -475,6 +479,33 @@ def test_a_layer_count_past_the_bound_is_named():
     # a hidden size of 2**40 was an "ok" of 11679793152.0 GiB per rank in doctor
     with pytest.raises(ValueError, match=r"hidden_size.* must be an integer in \[1, 1048576\], got 1099511627776"):
         parse_moe_spec({**cfg, "hidden_size": 2**40}, "config.json")
+
+
+@pytest.mark.parametrize("name, field, value, bound", [
+    ("deepseek-v3", "n_routed_experts", 10**20, r"\[1, 1048576\]"),
+    ("qwen3-30b-a3b", "num_experts", 10**20, r"\[1, 1048576\]"),
+    ("mixtral-8x7b", "num_local_experts", 2**21, r"\[1, 1048576\]"),
+    ("deepseek-v3", "n_shared_experts", 2**21, r"\[0, 1048576\]"),
+    ("qwen3-30b-a3b", "moe_intermediate_size", 2**30, r"\[1, 1048576\]"),
+    ("mixtral-8x7b", "intermediate_size", 2**30, r"\[1, 1048576\]"),
+    ("qwen3-30b-a3b", "vocab_size", 10**12, r"\[1, 16777216\]"),
+    ("qwen3-30b-a3b", "num_attention_heads", 2**30, r"\[1, 1048576\]"),
+    ("deepseek-v3", "kv_lora_rank", 2**30, r"\[1, 1048576\]"),
+])
+def test_a_size_past_its_bound_is_named(name, field, value, bound):
+    """``num_experts`` 1e20 was priced by plan (a step of 4.6e15 ms) and called ok by doctor; every size the spec
+    reads now has a bound, named with the field."""
+    cfg = json.loads((CONFIGS / f"{name}.config.json").read_text())
+    with pytest.raises(ValueError, match=rf"field '{field}' must be an integer in {bound}, got {value}$"):
+        parse_moe_spec({**cfg, field: value}, "config.json")
+
+
+def test_an_unknown_dtype_is_named():
+    """``torch_dtype: "float99"`` was reported as the experts' storage by doctor and priced as bf16 by plan."""
+    cfg = json.loads((CONFIGS / "qwen3-30b-a3b.config.json").read_text())
+    with pytest.raises(ValueError, match=r"field 'torch_dtype' must be one of \"bfloat16\", .*got \"float99\""):
+        parse_moe_spec({**cfg, "torch_dtype": "float99"}, "config.json")
+    assert parse_moe_spec({**cfg, "torch_dtype": "float16"}).checkpoint_dtype == "float16"
 
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from pathlib import Path
 
 
 def is_int(value: object) -> bool:
@@ -120,17 +121,49 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
 
 
 MAX_EXPERTS = 1 << 20
-"""The most experts (and ranks) a layer may have in a placement or loads file: far past any model's, and a bound on
-the tables a file's ids size before they are made."""
+"""The most experts (and ranks) a layer may have in a placement or loads file or a config.json (routed, shared,
+groups): far past any model's, and a bound on the tables a file's ids size before they are made."""
 
 MAX_SPECULATIVE_TOKENS = 16
 """The most draft tokens a speculative round verifies (``EngineConfig.speculative_num_tokens``) and so the most
 ``epmoe plan --spec-tokens`` prices."""
 
-MAX_HIDDEN_SIZE = 1 << 20
-"""The widest hidden size a config.json may give: far past any model's (tens of thousands), a bound on what the
-planner and doctor size from it."""
+MAX_WIDTH = 1 << 20
+"""The widest dimension a config.json may give (``hidden_size``, the dense and expert intermediate sizes, the attention
+heads and head widths): far past any model's (tens of thousands), a bound on what the planner and doctor size from
+it."""
+
+MAX_VOCAB = 1 << 24
+"""The largest ``vocab_size`` a config.json may give: far past any model's (a few hundred thousand), a bound on the
+embedding and logits the planner and doctor size from it."""
 
 MAX_LAYERS = 1 << 16
 """The most decoder layers a config.json may give (``num_hidden_layers``): far past any model's, and a bound on the
 per-layer tables the spec and the planner make from it."""
+
+
+def read_text_file(path: str | Path, what: str) -> str:
+    """The UTF-8 text of the regular file ``path``; ``what`` names it in errors (``"loads file"``: ``loads file
+    'x.json' is a directory``).
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        ValueError: a directory, a path that is not a regular file (a device such as ``/dev/zero``, a pipe), a file
+            that cannot be read (the reason named), or bytes that are not UTF-8 (the first bad byte and its position
+            named).
+    """
+    p = Path(path)
+    label = f"{what} {str(p)!r}"
+    if not p.exists():
+        raise FileNotFoundError(f"{label} does not exist")
+    if p.is_dir():
+        raise ValueError(f"{label} is a directory, not a file")
+    if not p.is_file():
+        raise ValueError(f"{label} is not a regular file")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{label} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at position {exc.start})"
+                         ) from None
+    except OSError as exc:
+        raise ValueError(f"{label} cannot be read: {exc.strerror or exc}") from None

@@ -39,12 +39,14 @@ def as_load_array(load: torch.Tensor | np.ndarray, name: str = "load") -> np.nda
         ``[L, E]`` float64 copy.
 
     Raises:
-        ValueError: complex values, not 2-D, empty, NaN or infinite entries, negative entries (position named), or a
-            layer whose sum (times the expert count, the balancers' headroom) overflows float64.
+        ValueError: complex or boolean values, not 2-D, empty, NaN or infinite entries, negative entries (position
+            named), or a layer whose sum (times the expert count, the balancers' headroom) overflows float64.
     """
     raw = load if isinstance(load, torch.Tensor) else np.asarray(load)
     if raw.is_complex() if isinstance(raw, torch.Tensor) else np.iscomplexobj(raw):  # the imaginary part would go
         raise ValueError(f"{name} must hold real loads, got complex values ({raw.dtype})")
+    if raw.dtype in (torch.bool, np.bool_):  # true/false are no token counts (as a JSON file's are refused)
+        raise ValueError(f"{name} must hold numbers (tokens per expert), got booleans ({raw.dtype})")
     arr = raw.detach().cpu().double().numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw, dtype=np.float64)
     if arr.ndim != 2:
         raise ValueError(f"{name} must be 2-D [num_layers, num_experts], got shape {tuple(arr.shape)}")
@@ -295,6 +297,11 @@ def read_csv_loads(path: str | Path) -> tuple[torch.Tensor, list[str]]:
         if missing:
             raise ValueError(f"loads file {str(path)!r}: missing column(s) {sorted(missing)}")
         for line, row in enumerate(reader, start=2):
+            short = [c for c in ("layer", "expert", "count") if row.get(c) is None]
+            if short:  # DictReader fills a short row's last columns with None
+                raise ValueError(f"loads file {str(path)!r} line {line}: no {', '.join(map(repr, short))} value (the "
+                                 f"row has {len([v for v in row.values() if v is not None])} of the header's "
+                                 f"{len(reader.fieldnames)} columns)")
             name = f"{row['domain']}:{row['layer']}" if row.get("domain") else str(row["layer"])
             try:
                 expert, count = int(row["expert"]), float(row["count"])

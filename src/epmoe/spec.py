@@ -15,7 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Literal, Mapping, NamedTuple
 
-from epmoe.checks import MAX_HIDDEN_SIZE, MAX_LAYERS
+from epmoe.checks import MAX_EXPERTS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, read_text_file
 from epmoe.config_fields import ConfigFields, json_text, transformers_rope_types
 
 Scoring = Literal["softmax", "sigmoid"]
@@ -230,17 +230,23 @@ def language_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+CONFIG_DTYPES = ("bfloat16", "float16", "float32", "float64", "half", "float", "double", "float8_e4m3fn",
+                 "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+"""The dtype names a config.json's ``dtype`` (``torch_dtype``) may give: torch's floating dtypes, which transformers
+reads it as."""
+
+
 def _checkpoint_dtype(lm: dict[str, Any], top: dict[str, Any], source: str) -> str | None:
     """The weights' dtype ``config.json`` names (``dtype``; ``torch_dtype`` before transformers 5), the language
     model's (``lm``) first, else the top level's; ``None`` when neither names one.
 
     Raises:
-        ValueError: the field is not a string (file, field and value named).
+        ValueError: the field is not one of ``CONFIG_DTYPES`` (file, field and value named).
     """
     for part in (lm, top):
         for key in ("dtype", "torch_dtype"):
             if part.get(key) is not None:
-                return ConfigFields(part, source).str(key)
+                return ConfigFields(part, source).str(key, choices=CONFIG_DTYPES)
     return None
 
 
@@ -441,14 +447,15 @@ class FamilyFacts:
 def _deepseek(f: ConfigFields, mt: str) -> FamilyFacts:
     """DeepSeek-V2 (softmax, optionally group-limited), DeepSeek-V3/R1 and Kimi-K2 (sigmoid, ``noaux_tc``), and
     GLM-4.5/4.6/4.7 (``glm4_moe``: the DeepSeek-V3 router and shared experts, with GQA attention instead of MLA)."""
-    num_experts = f.int("n_routed_experts", "num_local_experts")
-    moe_inter = f.int("moe_intermediate_size")
-    n_shared = f.int("n_shared_experts", minimum=0, fallback=0)
+    num_experts = f.int("n_routed_experts", "num_local_experts", maximum=MAX_EXPERTS)
+    moe_inter = f.int("moe_intermediate_size", maximum=MAX_WIDTH)
+    n_shared = f.int("n_shared_experts", minimum=0, maximum=MAX_EXPERTS, fallback=0)
     common = dict(
         num_experts=num_experts, moe_inter=moe_inter, n_shared=n_shared, shared_inter=n_shared * moe_inter,
         scale=f.float("routed_scaling_factor", positive=True, fallback=1.0),
     )
-    n_group, topk_group = f.int("n_group", fallback=1), f.int("topk_group", fallback=1)
+    n_group = f.int("n_group", maximum=MAX_EXPERTS, fallback=1)
+    topk_group = f.int("topk_group", maximum=MAX_EXPERTS, fallback=1)
     if mt == "deepseek_v2":
         f.str("scoring_func", choices=("softmax",), fallback="softmax")
         method = f.str("topk_method", choices=("greedy", "group_limited_greedy"), fallback="greedy")
@@ -464,11 +471,12 @@ def _deepseek(f: ConfigFields, mt: str) -> FamilyFacts:
 
 def _qwen_olmoe(f: ConfigFields, mt: str) -> FamilyFacts:
     """Qwen1.5/Qwen2-MoE (a gated shared expert), Qwen3-MoE and OLMoE: softmax, then top-k."""
-    num_experts = f.int("num_experts", "num_local_experts")
+    num_experts = f.int("num_experts", "num_local_experts", maximum=MAX_EXPERTS)
     # Qwen's experts are moe_intermediate_size wide (absent: transformers' default), never intermediate_size,
     # which is its dense MLP's
-    moe_inter = f.int("intermediate_size" if mt == "olmoe" else "moe_intermediate_size")
-    shared_inter = f.int("shared_expert_intermediate_size", minimum=0, fallback=0) if mt == "qwen2_moe" else 0
+    moe_inter = f.int("intermediate_size" if mt == "olmoe" else "moe_intermediate_size", maximum=MAX_WIDTH)
+    shared_inter = (f.int("shared_expert_intermediate_size", minimum=0, maximum=MAX_WIDTH, fallback=0)
+                    if mt == "qwen2_moe" else 0)
     return FamilyFacts(
         num_experts=num_experts, moe_inter=moe_inter, router_kind="softmax_topk",
         norm=f.bool("norm_topk_prob", fallback=False),
@@ -478,13 +486,15 @@ def _qwen_olmoe(f: ConfigFields, mt: str) -> FamilyFacts:
 
 def _mixtral(f: ConfigFields, mt: str) -> FamilyFacts:
     """Mixtral: softmax, top-k, renormalised; every layer is MoE."""
-    return FamilyFacts(num_experts=f.int("num_local_experts"), moe_inter=f.int("intermediate_size"),
+    return FamilyFacts(num_experts=f.int("num_local_experts", maximum=MAX_EXPERTS),
+                       moe_inter=f.int("intermediate_size", maximum=MAX_WIDTH),
                        router_kind="softmax_topk", norm=True, dense_inter=0)
 
 
 def _gpt_oss(f: ConfigFields, mt: str) -> FamilyFacts:
     """gpt-oss: top-k logits with a router bias, softmax over them; biased experts with the clamped SwiGLU."""
-    return FamilyFacts(num_experts=f.int("num_local_experts"), moe_inter=f.int("intermediate_size"),
+    return FamilyFacts(num_experts=f.int("num_local_experts", maximum=MAX_EXPERTS),
+                       moe_inter=f.int("intermediate_size", maximum=MAX_WIDTH),
                        router_kind="topk_softmax", router_bias=True, expert_bias=True,
                        swiglu_limit=f.float("swiglu_limit", positive=True),
                        swiglu_alpha=f.float("swiglu_alpha", positive=True, fallback=1.702), dense_inter=0)
@@ -492,10 +502,11 @@ def _gpt_oss(f: ConfigFields, mt: str) -> FamilyFacts:
 
 def _llama4(f: ConfigFields, mt: str) -> FamilyFacts:
     """Llama-4 (text): top-k logits, sigmoid weight on the expert input; one shared expert."""
-    num_experts = f.int("num_local_experts")
-    moe_inter = f.int("intermediate_size")
+    num_experts = f.int("num_local_experts", maximum=MAX_EXPERTS)
+    moe_inter = f.int("intermediate_size", maximum=MAX_WIDTH)
     return FamilyFacts(num_experts=num_experts, moe_inter=moe_inter, router_kind="topk_sigmoid", n_shared=1,
-                       shared_inter=moe_inter, dense_inter=f.int("intermediate_size_mlp", minimum=0, fallback=0))
+                       shared_inter=moe_inter,
+                       dense_inter=f.int("intermediate_size_mlp", minimum=0, maximum=MAX_WIDTH, fallback=0))
 
 
 # model_type -> the parser of its routed-expert facts (read-only, like ``models.layout.FAMILY_LAYOUTS``)
@@ -584,11 +595,11 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
 
     f = ConfigFields(cfg, source, mt, prefix=where)
     num_layers = f.int("num_hidden_layers", maximum=MAX_LAYERS)
-    hidden = f.int("hidden_size", maximum=MAX_HIDDEN_SIZE)
-    vocab = f.int("vocab_size")
+    hidden = f.int("hidden_size", maximum=MAX_WIDTH)
+    vocab = f.int("vocab_size", maximum=MAX_VOCAB)
     if cfg.get("pad_token_id") is not None:  # the embedding's padding row (transformers asserts it lies in the table)
         f.int("pad_token_id", minimum=0, maximum=vocab - 1)
-    num_heads = f.int("num_attention_heads")
+    num_heads = f.int("num_attention_heads", maximum=MAX_WIDTH)
     hidden_act = f.str("hidden_act", choices=ACTIVATIONS, fallback="silu")
     max_positions = f.int("max_position_embeddings")
     if f.has("rms_norm_eps"):
@@ -598,7 +609,7 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
     facts = FAMILY_PARSERS[mt](f, mt)
     num_experts, moe_inter, n_group, topk_group = facts.num_experts, facts.moe_inter, facts.n_group, facts.topk_group
     dense_inter = (facts.dense_inter if facts.dense_inter is not None
-                   else f.int("intermediate_size", minimum=0, fallback=0))
+                   else f.int("intermediate_size", minimum=0, maximum=MAX_WIDTH, fallback=0))
 
     top_k = f.int("num_experts_per_tok", "experts_per_token")
     both = f.has("experts_per_token") and f.has("num_experts_per_tok")
@@ -623,19 +634,20 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
         raise DenseModelError(f"{source}: {mt} config has no MoE layers (all {num_layers} layers are dense)")
 
     # MLA's compressed KV width: absent (or null) for grouped-query attention; given, at least 1 (0 names no MLA)
-    kv_lora = f.int("kv_lora_rank", minimum=1) if f.has("kv_lora_rank") else 0
+    kv_lora = f.int("kv_lora_rank", minimum=1, maximum=MAX_WIDTH) if f.has("kv_lora_rank") else 0
     if kv_lora:
-        nope = f.int("qk_nope_head_dim")
-        rope = f.int("qk_rope_head_dim")
+        nope = f.int("qk_nope_head_dim", maximum=MAX_WIDTH)
+        rope = f.int("qk_rope_head_dim", maximum=MAX_WIDTH)
         attention = AttentionSpec(
-            num_heads=num_heads, num_kv_heads=num_heads, head_dim=nope + rope, v_head_dim=f.int("v_head_dim"),
-            kv_lora_rank=kv_lora, q_lora_rank=f.int("q_lora_rank", minimum=0, fallback=0), qk_rope_head_dim=rope,
+            num_heads=num_heads, num_kv_heads=num_heads, head_dim=nope + rope,
+            v_head_dim=f.int("v_head_dim", maximum=MAX_WIDTH), kv_lora_rank=kv_lora,
+            q_lora_rank=f.int("q_lora_rank", minimum=0, maximum=MAX_WIDTH, fallback=0), qk_rope_head_dim=rope,
         )
     else:
         num_kv = f.int("num_key_value_heads", maximum=num_heads, fallback=num_heads)
         if num_heads % num_kv:
             raise ValueError(f"{source}: num_key_value_heads ({num_kv}) must divide num_attention_heads ({num_heads})")
-        head_dim = f.int("head_dim", fallback=max(1, hidden // num_heads))
+        head_dim = f.int("head_dim", maximum=MAX_WIDTH, fallback=max(1, hidden // num_heads))
         attention = AttentionSpec(num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dim, v_head_dim=head_dim,
                                   layer_spans=_layer_spans(cfg, mt, num_layers, source))
 
@@ -676,14 +688,11 @@ def read_config(path: str | Path) -> tuple[dict[str, Any], Path]:
                                 f"or a config file)")
     if p.is_dir():
         p = p / "config.json"
-    if not p.is_file():
-        raise FileNotFoundError(f"config file {str(p)!r} does not exist")
+    text = read_text_file(p, "config file")
     try:
-        cfg = json.loads(p.read_text())
+        cfg = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{p}: not valid JSON ({exc})") from exc
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{p}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at position {exc.start})") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{p}: expected a JSON object, got {type(cfg).__name__}")
     return cfg, p

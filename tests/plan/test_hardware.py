@@ -180,6 +180,21 @@ def test_plan_and_doctor_report_a_bad_profile(tmp_path, capsys):
     assert want in out.err and out.out == "" and "Traceback" not in out.err
 
 
+def test_a_profile_path_that_is_no_text_file_is_named(tmp_path, capsys):
+    """Random bytes as --hardware gave "'utf-8' codec can't decode byte ..." naming neither the flag nor the file;
+    a directory was "not known"."""
+    from ..conftest import CONFIGS
+
+    cfg = str(CONFIGS / "olmoe-1b-7b-0924.config.json")
+    binary = tmp_path / "bin.json"
+    binary.write_bytes(b"{\x9d\xff}")
+    for path, want in ((binary, f"hardware profile file '{binary}' is not UTF-8 text (byte 0x9d at position 1)"),
+                       (tmp_path, f"hardware profile file '{tmp_path}' is a directory, not a file")):
+        assert main(["plan", "--config", cfg, "--gpus", "8", "--hardware", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert want in err and "Traceback" not in err
+
+
 def test_doctor_names_every_missing_field_of_an_incomplete_profile(tmp_path, capsys):
     """An incomplete --hardware profile is a bad argument for doctor as for plan: exit 2, before any check, naming
     every field it lacks (doctor exited 1 with the first one as a finding)."""

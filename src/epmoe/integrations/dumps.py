@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from epmoe.checks import read_text_file
 from epmoe.loads import as_load_array, read_csv_loads, read_loads
 from epmoe.spec import MoESpec
 
@@ -104,9 +105,10 @@ def _file_doc(path: Path) -> Any:
     """The object stored in a single-file dump: torch.load for ``.pt``/``.pth``, JSON otherwise."""
     if path.suffix in (".pt", ".pth"):
         return _torch_load(path, "loads file")
+    text = read_text_file(path, "loads file")
     try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
         raise ValueError(f"loads file {str(path)!r} is not JSON: {exc}") from exc
 
 

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
+from epmoe.checks import read_text_file
 from epmoe.config_fields import json_text
 
 
@@ -174,11 +175,7 @@ def load_requests(cfg: BenchConfig) -> list[tuple[str | list[int], int, int]]:
         return [(prefix + [rng.randrange(256) for _ in range(cfg.input_len)], n, cfg.output_len)
                 for _ in range(cfg.num_prompts)]
     rows = []
-    try:
-        text = Path(cfg.dataset).read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"dataset {cfg.dataset!r} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at "
-                         f"position {exc.start})") from None
+    text = read_text_file(cfg.dataset, "dataset")
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue

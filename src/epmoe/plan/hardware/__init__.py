@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from epmoe.checks import check_positive_int
+from epmoe.checks import check_positive_int, read_text_file
 
 HARDWARE_FORMAT = "epmoe.hardware/1"
 _LINK_FIELDS = (
@@ -359,13 +359,11 @@ def load_hardware(name_or_path: str | Path) -> HardwareProfile:
     """
     text = str(name_or_path)
     path = Path(text)
-    if text.endswith(".json") or path.is_file():
-        if not path.is_file():
-            raise ValueError(f"hardware profile file {text!r} does not exist")
+    if text.endswith(".json") or path.exists():
         try:
-            source, raw = str(path), path.read_text()
-        except OSError as exc:
-            raise ValueError(f"hardware profile file {text!r} cannot be read: {exc.strerror or exc}") from None
+            source, raw = str(path), read_text_file(path, "hardware profile file")
+        except FileNotFoundError as exc:
+            raise ValueError(str(exc)) from None
     else:
         names = hardware_names()
         if text not in names:
