@@ -505,6 +505,9 @@ def test_memory_check_context_stays_within_the_model(tiny_checkpoints, capsys):
     for hw in ([], ["--hardware", "h200-sxm"]):
         assert main(["doctor", "--model", tiny, *hw, "--batch", "99999999999"]) == 2
         assert "--batch must be at most 1048576, got 99999999999" in capsys.readouterr().err
+    # and an EP size past plan's --gpus bound (it was a finding advising 99999999983 redundant slots)
+    assert main(["doctor", "--model", tiny, "--ep", "99999999999"]) == 2
+    assert "--ep must be at most 65536, got 99999999999" in capsys.readouterr().err
     # DeepSeek-V3's 163840 positions: the default stays at 4096
     assert main(["doctor", "--config", DSV3, "--ep", "8", "--hardware", "h200-sxm"]) == 0
     assert "context 4096)" in capsys.readouterr().out

@@ -280,7 +280,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
                                 "input_len": "--random-input-len", "output_len": "--random-output-len",
                                 "prefix_len": "--random-prefix-len",
                                 "request_rate": "--request-rate", "max_concurrency": "--max-concurrency",
-                                "dataset": "--dataset"}) from exc
+                                "dataset": "--dataset", "seed": "--seed"}) from exc
     if args.json not in (None, "-"):
         from epmoe.files import check_output_path
 

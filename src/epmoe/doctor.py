@@ -32,6 +32,7 @@ from epmoe.plan.request import (
     GIB,
     MAX_BATCH,
     MAX_CONTEXT,
+    MAX_GPUS,
     PlanRequest,
     StrategyPlan,
     counted,
@@ -420,6 +421,8 @@ def diagnose(cfg: DoctorConfig) -> list[Finding]:
             ``hardware`` profile that is unknown, unreadable or incomplete (named).
     """
     ep = check_int("ep", 1 if cfg.ep is None else cfg.ep, 1)
+    if ep > MAX_GPUS:  # as plan's --gpus
+        raise ValueError(f"ep must be at most {MAX_GPUS}, got {ep}")
     nodes = check_int("nodes", cfg.nodes, 1)
     check_int("batch", cfg.batch, 1)
     if cfg.batch > MAX_BATCH:

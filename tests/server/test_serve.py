@@ -690,6 +690,14 @@ def test_bench_bad_urls_named(url, message):  # were tracebacks from the connect
         BenchConfig(url)
 
 
+def test_bench_seed_range_is_runs(capsys):
+    """--seed -1 was taken by bench serve while run and the server refuse it."""
+    from epmoe.cli import main
+
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--seed", "-1"]) == 2
+    assert "--seed must be an integer in [0, 2**63), got -1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("line, message", [
     ('{"prompt": "hi", "max_tokens": 1e400}', "field 'max_tokens' must be an integer >= 1, got inf"),
     ('{"prompt": "hi", "max_tokens": "abc"}', "field 'max_tokens' must be an integer >= 1, got \"abc\""),
@@ -697,6 +705,7 @@ def test_bench_bad_urls_named(url, message):  # were tracebacks from the connect
     ('{"prompt": "hi", "max_tokens": true}', "field 'max_tokens' must be an integer >= 1, got true"),  # was 1
     ('{"prompt": "hi", "max_tokens": null}', "field 'max_tokens' must be an integer >= 1, got null"),
     ('{"prompt": "\\udc80"}', r"field 'prompt' is not text \(surrogates not allowed at position 0\)"),
+    ('{"prompt": ""}', "field 'prompt' is empty"),  # every request failed at the server
 ])
 def test_bench_dataset_max_tokens_named(tmp_path, line, message):
     from epmoe.server.bench import BenchConfig, load_requests

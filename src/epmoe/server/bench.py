@@ -77,6 +77,8 @@ class BenchConfig:
         if not self.request_rate > 0:
             raise ValueError(f"request_rate must be > 0 requests per second (inf = all at once), "
                              f"got {self.request_rate!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")  # as run's and the server's
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency!r}")
         if self.dataset is not None and not Path(self.dataset).is_file():
@@ -165,8 +167,8 @@ def load_requests(cfg: BenchConfig) -> list[tuple[str | list[int], int, int]]:
     Random prompts are token ids below 256 (valid in any vocabulary of 256 or more).
 
     Raises:
-        ValueError: a dataset that is not UTF-8 text, or a line that is not JSON, has no string ``prompt`` or a
-            ``max_tokens`` that is not an integer >= 1 (line named).
+        ValueError: a dataset that is not UTF-8 text, or a line that is not JSON, has no string ``prompt`` (or an
+            empty one) or a ``max_tokens`` that is not an integer >= 1 (line named).
     """
     rng = random.Random(cfg.seed)
     if cfg.dataset is None:
@@ -185,6 +187,8 @@ def load_requests(cfg: BenchConfig) -> list[tuple[str | list[int], int, int]]:
             raise ValueError(f"dataset {cfg.dataset!r} line {number}: not JSON ({exc})") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise ValueError(f"dataset {cfg.dataset!r} line {number}: needs a string 'prompt'")
+        if not row["prompt"]:  # the server refuses an empty prompt: every request would fail
+            raise ValueError(f"dataset {cfg.dataset!r} line {number}: field 'prompt' is empty")
         max_tokens = row.get("max_tokens", cfg.output_len)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"dataset {cfg.dataset!r} line {number}: field 'max_tokens' must be an integer >= 1, got "
