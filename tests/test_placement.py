@@ -87,6 +87,7 @@ def test_type_errors_and_model_check():
     [
         ({"ep_size": 2, "phy2log": [[0, 1], [0]]}, r"phy2log layer 1 has 1 slots but layer 0 has 2"),
         ({"ep_size": 2}, r"field 'phy2log' is missing"),
+        ({"ep_size": 2, "phy2log": None}, r"field 'phy2log' is null; it must be a list of per-layer lists$"),
         ({"ep_size": 2, "num_experts": 4, "phy2log": [[0, 1, 2, 2]]}, r"layer 0: logical expert 3 has no physical "
                                                                       r"slot"),
         ({"ep_size": 2, "phy2log": [[0, 1.5]]}, r"integers only, got phy2log\[0, 1\] = 1\.5$"),

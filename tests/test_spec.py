@@ -517,5 +517,9 @@ def test_a_null_field_without_a_rule_is_named_not_defaulted():
     with pytest.raises(ValueError, match=r"^config\.json: field 'hidden_size' is null in config\.json; give its value "
                                          r"or leave it out for transformers' default$"):
         parse_moe_spec({**cfg, "hidden_size": None}, "config.json")
+    # a field transformers declares no default for is not advised away ("leave it out" for model_type misled)
+    with pytest.raises(ValueError, match=r"^config\.json: field 'model_type' is null in config\.json; give its "
+                                         r"value$"):
+        parse_moe_spec({**cfg, "model_type": None}, "config.json")
     derived = parse_moe_spec({**cfg, "num_key_value_heads": None, "q_lora_rank": None})
     assert derived.attention.num_kv_heads == cfg["num_attention_heads"]

@@ -21,8 +21,10 @@ def check_output_path(field: str, value: str | Path, expected: str) -> Path:
         ``value`` as a ``Path``.
 
     Raises:
-        ValueError: the path is a directory, or its directory does not exist or is not writable.
+        ValueError: the path is empty or a directory, or its directory does not exist or is not writable.
     """
+    if not str(value):  # Path("") is "." (a directory): say what was given
+        raise ValueError(f"{field} is empty; expected {expected}")
     path = Path(value)
     if path.is_dir():
         raise ValueError(f"{field} ({str(value)!r}) is a directory; expected {expected}")

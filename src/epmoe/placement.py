@@ -379,7 +379,9 @@ class ExpertPlacement:
                                      f"{', '.join(map(repr, PLACEMENT_KEYS))}")
                 rows = doc.get("phy2log", doc.get("physical_to_logical_map"))
                 if rows is None:
-                    raise ValueError("field 'phy2log' is missing")
+                    named = next((k for k in ("phy2log", "physical_to_logical_map") if k in doc), None)
+                    raise ValueError(f"field {named!r} is null; it must be a list of per-layer lists" if named
+                                     else "field 'phy2log' is missing")
                 if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows):
                     raise ValueError("field 'phy2log' must be a list of per-layer lists")
                 widths = {len(r) for r in rows}

@@ -94,6 +94,8 @@ def test_out_that_is_a_directory_or_in_a_missing_one(tmp_path, capsys):
     assert main(["balance", "--loads", EPLB, "--ep", "8", "--redundant", "4", "--out", str(somedir)]) == 2
     err = capsys.readouterr().err
     assert f"epmoe balance: error: --out ({str(somedir)!r}) is a directory; expected a placement file path" in err
+    assert main(["balance", "--loads", EPLB, "--ep", "8", "--out", ""]) == 2  # was "('') is a directory"
+    assert "epmoe balance: error: --out is empty; expected a placement file path" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["somedir"] and list(somedir.iterdir()) == []
     missing = tmp_path / "missing" / "p.json"
     assert main(["balance", "--loads", EPLB, "--ep", "8", "--redundant", "4", "--out", str(missing)]) == 2

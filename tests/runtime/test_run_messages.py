@@ -20,6 +20,12 @@ def test_a_prompt_that_is_not_utf8_is_named(kimi, capsys):
     err = capsys.readouterr().err
     assert ("epmoe run: error: --prompt b'caf\\xc3\\xa9 \\xe9t\\xe9' is not valid UTF-8 text (byte 0xe9 at "
             "position 6); pass prompts in UTF-8") in err
+    # a long one is shown by its first 40 bytes (3000 bytes filled the terminal)
+    long = (b"x" * 100 + b"\xff" * 2900).decode("utf-8", "surrogateescape")
+    assert main(["run", "--model", str(kimi), "--prompt", long]) == 2
+    err = capsys.readouterr().err
+    assert (f"epmoe run: error: --prompt {b'x' * 40!r}... (3000 bytes) is not valid UTF-8 text (byte 0xff at "
+            "position 100); pass prompts in UTF-8") in err and len(err) < 300
 
 
 def test_encoding_text_that_is_not_unicode_names_it(kimi):

@@ -194,7 +194,8 @@ class RunConfig:
                 p.encode()
             except UnicodeEncodeError as exc:  # command-line bytes that are not UTF-8 arrive as lone surrogates
                 raw, at = p.encode(errors="surrogateescape"), len(p[:exc.start].encode(errors="surrogateescape"))
-                raise ValueError(f"--prompt {raw!r} is not valid UTF-8 text (byte {raw[at]:#04x} at position {at}); "
+                shown = repr(raw) if len(raw) <= 40 else f"{raw[:40]!r}... ({len(raw)} bytes)"
+                raise ValueError(f"--prompt {shown} is not valid UTF-8 text (byte {raw[at]:#04x} at position {at}); "
                                  f"pass prompts in UTF-8") from None
         if self.seed is not None and not valid_seed(self.seed):  # None: unset, which no flag spells
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
