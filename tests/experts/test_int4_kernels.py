@@ -720,7 +720,8 @@ def test_wgmma_tiles_by_size_and_their_checks():
     # through shared memory) from there for groups of 32; down steps of at least 32 words; 32-row tails always
     assert default_wgmma_config(32) == WgmmaConfig(64, 16, 32, 3, 8, 128, 128, 32)
     assert default_wgmma_config(32, 64 * 48 - 1, 48) == WgmmaConfig(64, 16, 32, 3, 8, 128, 128, 32)
-    assert default_wgmma_config(32, 64 * 48, 48) == WgmmaConfig(128, 16, 32, 3, 8, 128, 128, 32, words_smem=True)
+    assert default_wgmma_config(32, 64 * 48, 48) == WgmmaConfig(128, 16, 16, 3, 8, 128, 128, 32, maxnreg2=128,
+                                                                 words_smem=True)
     assert default_wgmma_config(64, 10**6, 48) == WgmmaConfig(64, 32, 32, 3, 8, 128, 128, 32)
     assert default_wgmma_config(128, 10**6, 48) == WgmmaConfig(64, 64, 64, 3, 8, 128, 128, 32)
     for cfg in (default_wgmma_config(32, 10**6, 48), default_wgmma_config(64), default_wgmma_config(128)):

@@ -35,7 +35,7 @@ from epmoe.experts.triton.w4a16_decode import PackedDecodeConfig, packed_decode_
 from epmoe.experts.triton.w4a16_mma import packed_mma_experts
 from epmoe.experts.triton.w4a16_mma_config import default_mma_config
 from epmoe.experts.triton.w4a16_wgmma import packed_wgmma_experts
-from epmoe.experts.triton.w4a16_wgmma_config import WgmmaConfig, default_wgmma_config
+from epmoe.experts.triton.w4a16_wgmma_config import WGMMA_DOWN_REGS, WgmmaConfig, default_wgmma_config
 from epmoe.experts.weights import Activation, ExpertWeights, check_expert_call
 
 MXFP4_BACKEND_DECODE_PAIRS = 8
@@ -62,20 +62,15 @@ gptoss20b_mxfp4,gptoss_mxfp4`` (``moe_layer_mxfp4_mma_h100.json``) has the MMA k
 the wgmma kernels faster at 32."""
 
 
-MXFP4_WGMMA_DOWN_REGS = 128
-"""``mxfp4_wgmma_config`` caps the wgmma down program at this many registers a thread, with 16-word steps, so two
-programs share an SM. Set from an H100 A/B of the wgmma kernels at 256-4096 tokens of gpt-oss-20b's and gpt-oss-120b's
-layers against ``default_wgmma_config``'s down tiles (README's gpt-oss section, and
-``benchmarks/results/mxfp4_wgmma_down_regs_h100.txt``): faster at every size; on Kimi-K2.5's INT4 layer it was slower
-at 1024 and 2048 tokens, so INT4 keeps the default."""
-
-
 def mxfp4_wgmma_config(num_pairs: int, num_slots: int) -> WgmmaConfig:
     """The wgmma tiles ``mxfp4_experts`` takes for ``num_pairs`` expected pairs over ``num_slots`` local slots:
     ``default_wgmma_config``'s (groups of ``MXFP4_BLOCK``), with the down program's steps of 16 words and its registers
-    capped at ``MXFP4_WGMMA_DOWN_REGS``."""
-    return replace(default_wgmma_config(MXFP4_BLOCK, num_pairs, num_slots), block_kw2=16,
-                   maxnreg2=MXFP4_WGMMA_DOWN_REGS)
+    capped at ``WGMMA_DOWN_REGS`` at every block size, so two programs share an SM. Set from an H100 A/B of the wgmma
+    kernels at 256-4096 tokens of gpt-oss-20b's and gpt-oss-120b's layers against ``default_wgmma_config``'s down tiles
+    of then (README's gpt-oss section, and ``benchmarks/results/mxfp4_wgmma_down_regs_h100.txt``): faster at every
+    size. INT4 takes them with its 128-row blocks only: with 64-row blocks (1024 and 2048 tokens of Kimi-K2.5's layer)
+    they were slower."""
+    return replace(default_wgmma_config(MXFP4_BLOCK, num_pairs, num_slots), block_kw2=16, maxnreg2=WGMMA_DOWN_REGS)
 
 
 @triton.jit

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -88,18 +89,38 @@ def _operand_segment(k: int, block_kw: int) -> int:
     return -(-k // step) * step
 
 
+_PLANES_BLOCK = 2048  # outputs a program of _planes_kernel writes (whole steps for block_kw up to 64)
+
+
+@triton.jit
+def _planes_kernel(x_ptr, out_ptr, K, KP, stride_x, stride_o, BLOCK_KW: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid ``(T, cdiv(KP, BLOCK))``: outputs ``[BLOCK]`` of one row of ``wgmma_planes``, each read from its input
+    (the inverse of ``_operand_position``; zero past ``K``), stored contiguously."""
+    t = tl.program_id(0).to(tl.int64)
+    o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    R: tl.constexpr = BLOCK_KW // 8
+    i = o % (8 * BLOCK_KW)
+    j = i // (2 * BLOCK_KW)
+    w = (i % (2 * BLOCK_KW)) // 2
+    c = 2 * R * (w % 4) + 2 * (w // 8) + (w // 4) % 2
+    n = (o - i) + 8 * c + j + 4 * (i % 2)
+    v = tl.load(x_ptr + t * stride_x + n, mask=(n < K) & (o < KP), other=0.0)
+    tl.store(out_ptr + t * stride_o + o, v, mask=o < KP)
+
+
 def wgmma_planes(x: torch.Tensor, block_kw: int) -> torch.Tensor:
-    """``x [T, K]`` (``K`` a multiple of 8) -> its operand-order copy ``[T, KP]`` (``KP``: ``K`` rounded up to whole
-    steps of ``8 block_kw`` inputs, the padding zero): input ``8 c + j + 4 e`` of step ``s`` (memory word ``c = 2 R q
-    + 2 r + h`` of the step, ``R = block_kw / 8``) at ``8 block_kw s + 2 block_kw j + 2 (8 r + 4 h + q) + e``
-    (``_operand_position``)."""
+    """``x [T, K]`` (``K`` a multiple of 8, contiguous along ``K``; CUDA, or any device under ``TRITON_INTERPRET=1``)
+    -> its operand-order copy ``[T, KP]`` (``KP``: ``K`` rounded up to whole steps of ``8 block_kw`` inputs, the
+    padding zero): input ``8 c + j + 4 e`` of step ``s`` (memory word ``c = 2 R q + 2 r + h`` of the step, ``R =
+    block_kw / 8``) at ``8 block_kw s + 2 block_kw j + 2 (8 r + 4 h + q) + e`` (``_operand_position``), by one launch
+    of ``_planes_kernel``."""
     t, k = x.shape
     kp = _operand_segment(k, block_kw)
-    r = block_kw // 8
-    if kp != k:
-        x = torch.nn.functional.pad(x, (0, kp - k))
-    # a step's inputs as [q, r, h, e, j] -> [j, r, h, q, e]
-    return x.view(t, kp // (8 * block_kw), 4, r, 2, 2, 4).permute(0, 1, 6, 3, 4, 2, 5).reshape(t, kp)
+    out = torch.empty(t, kp, dtype=x.dtype, device=x.device)
+    if t and kp:
+        _planes_kernel[(t, triton.cdiv(kp, _PLANES_BLOCK))](x, out, k, kp, x.stride(0), out.stride(0),
+                                                            BLOCK_KW=block_kw, BLOCK=_PLANES_BLOCK)
+    return out
 
 
 @gluon.jit

@@ -55,19 +55,30 @@ from this many ``(token, k)`` pairs per local slot on average, 64-row blocks bel
 ``wg_t32`` against ``wg64_t32``: 64-row blocks 1.5x faster at 43 pairs a slot, 128-row blocks 1-7% faster at 85)."""
 
 
+WGMMA_DOWN_REGS = 128
+"""Registers a thread of a down program may use where two programs share an SM (with 16-word steps, whose buffers fit
+twice in its shared memory): the 128-row blocks of ``default_wgmma_config`` and every MXFP4 tile
+(``mxfp4.mxfp4_wgmma_config``)."""
+
+
 def default_wgmma_config(group_size: int, num_pairs: int = 0, num_slots: int = 1) -> WgmmaConfig:
     """The tiles ``packed_wgmma_experts`` takes for ``num_pairs`` pairs over ``num_slots`` local slots (``num_pairs``
     0: unknown): steps of at least half a group (``block_kw >= G / 2``) and of at least 32 words in the down kernel,
     32-row tail blocks, 128-row blocks from ``WGMMA_BLOCK128_MIN_PAIRS_PER_SLOT`` pairs a slot on for groups of 32,
     64-row blocks otherwise (128-row blocks of the 32-word gate/up steps of groups of 64 and 128 spill registers and
     take 192 KiB of shared memory, compiled for sm_90a); the 128-row blocks' gate/up words staged through shared
-    memory (``words_smem``). Two warpgroups a program share each step's activations in
-    shared memory. Set from the H200 runs of ``benchmarks/int4_prefill.py`` and of a tile sweep at 1024-4096 tokens
+    memory (``words_smem``) and their down programs two an SM (16-word steps, at most ``WGMMA_DOWN_REGS`` registers a
+    thread). Two warpgroups a program share each step's activations in shared memory. Set from the H200 runs of
+    ``benchmarks/int4_prefill.py`` and of a tile sweep at 1024-4096 tokens
     (``benchmarks/results/int4_wgmma_sweep_h200.txt``: 32-word down steps faster than 16-word ones at every size but
-    one, 64-word ones slower)."""
+    one, 64-word ones slower), and the 128-row blocks' down programs from two A/Bs at 4096 tokens on an H200
+    (``benchmarks/HISTORY.md``, 2026-12-07)."""
     kw = max(WgmmaConfig.block_kw1, group_size // 2)
     big = kw == WgmmaConfig.block_kw1 and num_pairs >= WGMMA_BLOCK128_MIN_PAIRS_PER_SLOT * max(num_slots, 1)
-    return WgmmaConfig(block_m=128 if big else 64, block_kw1=kw, block_kw2=max(32, kw), tail_rows=32, words_smem=big)
+    if big:
+        return WgmmaConfig(block_m=128, block_kw1=kw, block_kw2=16, tail_rows=32, maxnreg2=WGMMA_DOWN_REGS,
+                           words_smem=True)
+    return WgmmaConfig(block_m=64, block_kw1=kw, block_kw2=max(32, kw), tail_rows=32)
 
 
 SMEM_MAX = 232448
