@@ -28,8 +28,9 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from epmoe.experts.triton import w4a16_wgmma as wg
-from epmoe.experts.triton.grouped import _ACT_CODES
+from epmoe.experts.triton.grouped import act_code
 from epmoe.experts.triton.w4a16_wgmma_config import WgmmaConfig, check_wgmma_config, default_wgmma_config
+from epmoe.experts.weights import Activation
 
 D, F, GROUP = 7168, 2048, 32
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -60,7 +61,7 @@ def kernel_sources(cfg: WgmmaConfig) -> dict[str, tuple[GluonASTSource, dict]]:
     gate_up = _source(wg._gate_up_kernel, dict(xw_ptr="*bf16", h_ptr="*bf16", top_k=i, stride_x=i16, act_limit=f,
                                                 act_alpha=f, **ptrs, **strides), dict(
         BLOCK_N=cfg.block_n1, BLOCK_KW=cfg.block_kw1, BLOCK_KW2=cfg.block_kw2, BLOCK_M=cfg.block_m, GW=GROUP // 8,
-        STAGES=cfg.stages, NUM_WARPS=cfg.num_warps, ACT=_ACT_CODES["silu"], HAS_BIAS=False, WEIGHT_ON_INPUT=False,
+        STAGES=cfg.stages, NUM_WARPS=cfg.num_warps, ACT=act_code(Activation()), HAS_BIAS=False, WEIGHT_ON_INPUT=False,
         EVEN=True, TAIL=cfg.tail_rows or cfg.block_m, WORDS_SMEM=cfg.words_smem))
     down = _source(wg._down_kernel, dict(h_ptr="*bf16", y_ptr="*fp32", **ptrs, **strides), dict(
         BLOCK_N=cfg.block_n2, BLOCK_KW=cfg.block_kw2, BLOCK_M=cfg.block_m, GW=GROUP // 8, STAGES=cfg.stages,
