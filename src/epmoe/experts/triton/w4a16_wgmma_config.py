@@ -63,13 +63,13 @@ twice in its shared memory): the 128-row blocks of ``default_wgmma_config`` and 
 
 def default_wgmma_config(group_size: int, num_pairs: int = 0, num_slots: int = 1) -> WgmmaConfig:
     """The tiles ``packed_wgmma_experts`` takes for ``num_pairs`` pairs over ``num_slots`` local slots (``num_pairs``
-    0: unknown): steps of at least half a group (``block_kw >= G / 2``) and of at least 32 words in the down kernel,
-    32-row tail blocks, 128-row blocks from ``WGMMA_BLOCK128_MIN_PAIRS_PER_SLOT`` pairs a slot on for groups of 32,
-    64-row blocks otherwise (128-row blocks of the 32-word gate/up steps of groups of 64 and 128 spill registers and
-    take 192 KiB of shared memory, compiled for sm_90a); the 128-row blocks' gate/up words staged through shared
-    memory (``words_smem``) and their down programs two an SM (16-word steps, at most ``WGMMA_DOWN_REGS`` registers a
-    thread). Two warpgroups a program share each step's activations in shared memory. Set from the H200 runs of
-    ``benchmarks/int4_prefill.py`` and of a tile sweep at 1024-4096 tokens
+    0: unknown): steps of at least half a group (``block_kw >= G / 2``) and 32-row tail blocks; 128-row blocks from
+    ``WGMMA_BLOCK128_MIN_PAIRS_PER_SLOT`` pairs a slot on for groups of 32, 64-row blocks otherwise (128-row blocks of
+    the 32-word gate/up steps of groups of 64 and 128 spill registers and take 192 KiB of shared memory, compiled for
+    sm_90a). The 128-row blocks stage their gate/up words through shared memory (``words_smem``) and run their down
+    programs two an SM (16-word steps, at most ``WGMMA_DOWN_REGS`` registers a thread); the 64-row blocks' down steps
+    are at least 32 words. Two warpgroups a program share each step's activations in shared memory. Set from the H200
+    runs of ``benchmarks/int4_prefill.py`` and of a tile sweep at 1024-4096 tokens
     (``benchmarks/results/int4_wgmma_sweep_h200.txt``: 32-word down steps faster than 16-word ones at every size but
     one, 64-word ones slower), and the 128-row blocks' down programs from two A/Bs at 4096 tokens on an H200
     (``benchmarks/HISTORY.md``, 2026-12-07)."""
