@@ -1,5 +1,6 @@
 """ExpertLoadRecorder counts, windowing, cross-rank reduction (gloo), load files."""
 
+import os
 import socket
 from pathlib import Path
 
@@ -188,10 +189,21 @@ def test_a_device_a_short_csv_row_and_booleans_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"^loads file '/dev/zero' is not a regular file$"):
         read_load_dump("/dev/zero")
     short = tmp_path / "s.csv"
-    short.write_text("hf_model,domain,layer,expert,count\nm,d,0,0,5\nm,d,0,1\n")
-    with pytest.raises(ValueError, match=r"s\.csv' line 3: no 'count' value \(the row has 4 of the header's 5 "
-                                         r"columns\)$"):
+    short.write_text("hf_model,domain,layer,expert,count\n\nm,d,0,0,5\n\nm,d,0,1\n")  # blank lines count
+    with pytest.raises(ValueError, match=r"s\.csv' line 5: no 'count' value \(the header has 5 columns\)$"):
         read_loads(short)
+    short.write_text("\ufefflayer,expert,count\n0,0,5\n0,1,2,9\n")  # a byte-order mark is read past
+    with pytest.raises(ValueError, match=r"s\.csv' line 3: more values than the header has columns \(the header "
+                                         r"has 3 columns\)$"):
+        read_loads(short)
+    pipe = tmp_path / "f.pt"
+    os.mkfifo(pipe)  # torch.load blocked on it
+    with pytest.raises(ValueError, match=r"^loads file '.*f\.pt' is not a regular file$"):
+        read_load_dump(pipe)
+    (tmp_path / "trt").mkdir()
+    os.symlink("/dev/zero", tmp_path / "trt" / "meta_info.json")  # was read until memory ran out
+    with pytest.raises(ValueError, match=r"meta_info\.json' is not a regular file$"):
+        read_load_dump(tmp_path / "trt", fmt="trtllm")
     st = tmp_path / "b.safetensors"
     save_file({"load": torch.tensor([[True, False]])}, str(st))
     with pytest.raises(ValueError, match=r"load must hold numbers \(tokens per expert\), got booleans"):

@@ -506,6 +506,12 @@ def test_an_unknown_dtype_is_named():
     with pytest.raises(ValueError, match=r"field 'torch_dtype' must be one of \"bfloat16\", .*got \"float99\""):
         parse_moe_spec({**cfg, "torch_dtype": "float99"}, "config.json")
     assert parse_moe_spec({**cfg, "torch_dtype": "float16"}).checkpoint_dtype == "float16"
+    # every dtype given is checked: a valid dtype does not pass a bad torch_dtype, nor text_config's a bad top level
+    with pytest.raises(ValueError, match=r"field 'torch_dtype' must be one of .*got \"float99\""):
+        parse_moe_spec({**cfg, "dtype": "bfloat16", "torch_dtype": "float99"}, "config.json")
+    kimi = json.loads((CONFIGS / "kimi-k2.5.config.json").read_text())
+    with pytest.raises(ValueError, match=r"field 'dtype' must be one of .*got \"float99\""):
+        parse_moe_spec({**kimi, "dtype": "float99"}, "config.json")
 
 
 

@@ -142,15 +142,13 @@ MAX_LAYERS = 1 << 16
 per-layer tables the spec and the planner make from it."""
 
 
-def read_text_file(path: str | Path, what: str) -> str:
-    """The UTF-8 text of the regular file ``path``; ``what`` names it in errors (``"loads file"``: ``loads file
-    'x.json' is a directory``).
+def check_regular_file(path: str | Path, what: str) -> Path:
+    """``path`` as a ``Path`` if it names a regular file (a symlink to one counts); ``what`` names it in errors.
 
     Raises:
         FileNotFoundError: nothing at ``path``.
-        ValueError: a directory, a path that is not a regular file (a device such as ``/dev/zero``, a pipe), a file
-            that cannot be read (the reason named), or bytes that are not UTF-8 (the first bad byte and its position
-            named).
+        ValueError: a directory, or a path that is not a regular file (a device such as ``/dev/zero``, a pipe, which
+            reading would exhaust memory or block on).
     """
     p = Path(path)
     label = f"{what} {str(p)!r}"
@@ -160,6 +158,20 @@ def read_text_file(path: str | Path, what: str) -> str:
         raise ValueError(f"{label} is a directory, not a file")
     if not p.is_file():
         raise ValueError(f"{label} is not a regular file")
+    return p
+
+
+def read_text_file(path: str | Path, what: str) -> str:
+    """The UTF-8 text of the regular file ``path`` (``check_regular_file``); ``what`` names it in errors (``"loads
+    file"``: ``loads file 'x.json' is a directory``).
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        ValueError: not a regular file (``check_regular_file``), a file that cannot be read (the reason named), or
+            bytes that are not UTF-8 (the first bad byte and its position named).
+    """
+    p = check_regular_file(path, what)
+    label = f"{what} {str(p)!r}"
     try:
         return p.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:

@@ -13,6 +13,7 @@ EPLB example is read too), safetensors (tensor ``load``), and the CSV of allenai
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
 from typing import NamedTuple
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from epmoe.checks import MAX_EXPERTS, check_positive_int
+from epmoe.checks import MAX_EXPERTS, check_positive_int, check_regular_file, read_text_file
 from epmoe.files import atomic_path
 from epmoe.placement import ExpertPlacement
 
@@ -287,32 +288,36 @@ def read_csv_loads(path: str | Path) -> tuple[torch.Tensor, list[str]]:
         ``(load, names)``: ``[L, E]`` float64 counts and ``L`` names ``"domain:layer"``.
 
     Raises:
-        ValueError: a missing column, a bad number, or a group without exactly one count per expert.
+        FileNotFoundError: no such file.
+        ValueError: not a regular UTF-8 file (``checks.read_text_file``), a missing column, a row short of the
+            header's columns or past them, a bad number, or a group without exactly one count per expert (the line
+            named).
     """
     path = Path(path)
     groups: dict[str, dict[int, float]] = {}
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        missing = {"layer", "expert", "count"} - set(reader.fieldnames or ())
-        if missing:
-            raise ValueError(f"loads file {str(path)!r}: missing column(s) {sorted(missing)}")
-        for line, row in enumerate(reader, start=2):
-            short = [c for c in ("layer", "expert", "count") if row.get(c) is None]
-            if short:  # DictReader fills a short row's last columns with None
-                raise ValueError(f"loads file {str(path)!r} line {line}: no {', '.join(map(repr, short))} value (the "
-                                 f"row has {len([v for v in row.values() if v is not None])} of the header's "
-                                 f"{len(reader.fieldnames)} columns)")
-            name = f"{row['domain']}:{row['layer']}" if row.get("domain") else str(row["layer"])
-            try:
-                expert, count = int(row["expert"]), float(row["count"])
-            except ValueError as exc:
-                raise ValueError(f"loads file {str(path)!r} line {line}: {exc}") from exc
-            if not 0 <= expert < MAX_EXPERTS:
-                raise ValueError(f"loads file {str(path)!r} line {line}: expert {expert} is no expert id (ids count "
-                                 f"from 0, at most {MAX_EXPERTS} experts a layer)")
-            if expert in groups.setdefault(name, {}):
-                raise ValueError(f"loads file {str(path)!r} line {line}: expert {expert} repeated in {name}")
-            groups[name][expert] = count
+    text = read_text_file(path, "loads file").removeprefix("\ufeff")  # a spreadsheet's byte-order mark
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    missing = {"layer", "expert", "count"} - set(reader.fieldnames or ())
+    if missing:
+        raise ValueError(f"loads file {str(path)!r}: missing column(s) {sorted(missing)}")
+    for row in reader:
+        line = reader.line_num
+        short = [c for c in ("layer", "expert", "count") if row.get(c) is None]
+        if short or None in row:  # DictReader fills a short row's last columns with None, keys a long one's rest None
+            shown = f"no {', '.join(map(repr, short))} value" if short else "more values than the header has columns"
+            raise ValueError(f"loads file {str(path)!r} line {line}: {shown} (the header has "
+                             f"{len(reader.fieldnames)} columns)")
+        name = f"{row['domain']}:{row['layer']}" if row.get("domain") else str(row["layer"])
+        try:
+            expert, count = int(row["expert"]), float(row["count"])
+        except ValueError as exc:
+            raise ValueError(f"loads file {str(path)!r} line {line}: {exc}") from exc
+        if not 0 <= expert < MAX_EXPERTS:
+            raise ValueError(f"loads file {str(path)!r} line {line}: expert {expert} is no expert id (ids count "
+                             f"from 0, at most {MAX_EXPERTS} experts a layer)")
+        if expert in groups.setdefault(name, {}):
+            raise ValueError(f"loads file {str(path)!r} line {line}: expert {expert} repeated in {name}")
+        groups[name][expert] = count
     if not groups:
         raise ValueError(f"loads file {str(path)!r} has no rows")
     num_experts = max(max(g) for g in groups.values()) + 1
@@ -336,14 +341,10 @@ def read_loads(path: str | Path) -> torch.Tensor:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: a directory, unreadable file, missing field, ragged rows, or bad values (file and the
-            JSON key used, ``load`` or ``weight``, named).
+        ValueError: a directory, device or pipe, an unreadable file, missing field, ragged rows, or bad values (file
+            and the JSON key used, ``load`` or ``weight``, named).
     """
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"loads file {str(path)!r} is a directory, not a file")
-    if not path.is_file():
-        raise FileNotFoundError(f"loads file {str(path)!r} does not exist")
+    path = check_regular_file(path, "loads file")
     label = "load"  # how the values are named in messages: the tensor, or the JSON key used
     try:
         if path.suffix == ".csv":
@@ -356,7 +357,7 @@ def read_loads(path: str | Path) -> torch.Tensor:
                     raise ValueError(f"tensor 'load' is missing; the file holds {sorted(f.keys())}")
                 load = f.get_tensor("load")
         else:
-            doc = json.loads(path.read_text())
+            doc = json.loads(read_text_file(path, "loads file"))
             if not isinstance(doc, dict):
                 raise ValueError("expected a JSON object with field 'load' (or 'weight'), got a JSON "
                                  f"{_json_type(doc)}")

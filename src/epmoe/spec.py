@@ -231,23 +231,21 @@ def language_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 CONFIG_DTYPES = ("bfloat16", "float16", "float32", "float64", "half", "float", "double", "float8_e4m3fn",
-                 "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                 "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
 """The dtype names a config.json's ``dtype`` (``torch_dtype``) may give: torch's floating dtypes, which transformers
 reads it as."""
 
 
 def _checkpoint_dtype(lm: dict[str, Any], top: dict[str, Any], source: str) -> str | None:
     """The weights' dtype ``config.json`` names (``dtype``; ``torch_dtype`` before transformers 5), the language
-    model's (``lm``) first, else the top level's; ``None`` when neither names one.
+    model's (``lm``) first, else the top level's; ``None`` when neither names one. Every one given is checked.
 
     Raises:
         ValueError: the field is not one of ``CONFIG_DTYPES`` (file, field and value named).
     """
-    for part in (lm, top):
-        for key in ("dtype", "torch_dtype"):
-            if part.get(key) is not None:
-                return ConfigFields(part, source).str(key, choices=CONFIG_DTYPES)
-    return None
+    named = [ConfigFields(part, source).str(key, choices=CONFIG_DTYPES)  # every one given is checked
+             for part in (lm, top) for key in ("dtype", "torch_dtype") if part.get(key) is not None]
+    return named[0] if named else None
 
 
 def _check_rope(f: ConfigFields) -> None:

@@ -180,7 +180,7 @@ def test_plan_and_doctor_report_a_bad_profile(tmp_path, capsys):
     assert want in out.err and out.out == "" and "Traceback" not in out.err
 
 
-def test_a_profile_path_that_is_no_text_file_is_named(tmp_path, capsys):
+def test_a_profile_path_that_is_no_text_file_is_named(tmp_path, capsys, monkeypatch):
     """Random bytes as --hardware gave "'utf-8' codec can't decode byte ..." naming neither the flag nor the file;
     a directory was "not known"."""
     from ..conftest import CONFIGS
@@ -193,6 +193,10 @@ def test_a_profile_path_that_is_no_text_file_is_named(tmp_path, capsys):
         assert main(["plan", "--config", cfg, "--gpus", "8", "--hardware", str(path)]) == 2
         err = capsys.readouterr().err
         assert want in err and "Traceback" not in err
+    # a directory named as a shipped profile does not hide it (only a file or a .json path is read as a profile)
+    (tmp_path / "h200-sxm").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--config", cfg, "--gpus", "8", "--hardware", "h200-sxm"]) == 0
 
 
 def test_doctor_names_every_missing_field_of_an_incomplete_profile(tmp_path, capsys):

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from epmoe.checks import read_text_file
+from epmoe.checks import check_regular_file, read_text_file
 from epmoe.loads import as_load_array, read_csv_loads, read_loads
 from epmoe.spec import MoESpec
 
@@ -74,6 +74,7 @@ def parse_iters(text: str) -> tuple[int, int]:
 
 
 def _torch_load(path: Path, what: str) -> Any:
+    check_regular_file(path, what)  # a pipe would block torch.load, a device exhaust memory
     try:
         return torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as exc:  # truncated zip, pickle errors, disallowed globals: all mean "not readable"
@@ -207,8 +208,10 @@ def _trtllm(path: Path, iters: tuple[int, int] | None) -> tuple[torch.Tensor, tu
         raise ValueError(f"loads {str(path)!r} is a file; a TensorRT-LLM statistic is a folder (EXPERT_STATISTIC_PATH)")
     meta_path = path / "meta_info.json"
     try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        meta = json.loads(read_text_file(meta_path, "loads file"))
+    except FileNotFoundError as exc:
+        raise ValueError(str(exc)) from None
+    except json.JSONDecodeError as exc:
         raise ValueError(f"loads file {str(meta_path)!r} could not be read: {exc}") from exc
     num_experts = meta.get("num_experts") if isinstance(meta, dict) else None
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:

@@ -359,7 +359,8 @@ def load_hardware(name_or_path: str | Path) -> HardwareProfile:
     """
     text = str(name_or_path)
     path = Path(text)
-    if text.endswith(".json") or path.exists():
+    # a path: a .json name, a file, or anything else there that is no shipped name (a directory is named as such)
+    if text.endswith(".json") or path.is_file() or (path.exists() and text not in hardware_names()):
         try:
             source, raw = str(path), read_text_file(path, "hardware profile file")
         except FileNotFoundError as exc:
