@@ -118,8 +118,9 @@ class ConfigFields:
             # an explicit null: transformers derives the value (``q_lora_rank: null``: none)
             return self.prefix + key, fallback
         if nulls:  # transformers' config keeps a null it has no rule for: not its default
-            defaults = transformers_defaults(self.model_type) if self.model_type is not None else ("", {}, {})
-            has_default = any(defaults[2].get(k, k) in defaults[1] for k in names)
+            _, declared, aliases = (transformers_defaults(self.model_type) if self.model_type is not None
+                                    else ("", {}, {}))
+            has_default = any(aliases.get(k, k) in declared for k in names)
             raise ValueError(f"{self.source}: field {self.prefix + nulls[0]!r} is null in config.json; give its value"
                              + (" or leave it out for transformers' default" if has_default else ""))
         if self.model_type is not None:

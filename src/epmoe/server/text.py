@@ -13,6 +13,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from epmoe.checks import read_text_file
 from epmoe.engine.structured import Grammars
 from epmoe.engine.tokenizer import decode_text, encode_text, load_tokenizer
 
@@ -31,12 +32,8 @@ def load_chat_template(value: str) -> str:
         ValueError: ``value`` is neither a readable file nor a template, or the template does not parse (the
             parser's message and line named).
     """
-    path = Path(value)
-    if path.is_file():
-        try:
-            template = path.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"chat_template file {value!r} cannot be read: {exc}") from None
+    if Path(value).is_file():
+        template = read_text_file(value, "chat_template file")
     elif any(ch in value for ch in "{}\n"):
         template = value
     else:
