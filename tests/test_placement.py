@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -191,3 +192,25 @@ def test_a_missing_placement_file_and_a_directory_are_told_apart(tmp_path):
     (tmp_path / "dir.json").mkdir()
     with pytest.raises(FileNotFoundError, match=r"placement file '.*dir\.json' is a directory, not a file$"):
         ExpertPlacement.load(tmp_path / "dir.json")
+
+
+def test_a_pipe_or_non_utf8_placement_file_is_named(tmp_path):
+    """A pipe was said to "not exist" (and read, had it existed, would block); a binary JSON file gave a codec
+    error; a YAML (TensorRT-LLM) one the same."""
+    from epmoe.integrations.placements import load_placement_as
+
+    pipe = tmp_path / "p.json"
+    os.mkfifo(pipe)
+    with pytest.raises(ValueError, match=r"^placement file '.*p\.json' is not a regular file$"):
+        ExpertPlacement.load(pipe)
+    with pytest.raises(ValueError, match=r"^placement file '.*p\.json' is not a regular file$"):
+        load_placement_as(pipe)
+    for name in ("b.json", "b.yaml"):
+        (tmp_path / name).write_bytes(b'{"phy2log": [[0, 1]], "ep_size": 1}\xff')
+        with pytest.raises(ValueError, match=rf"^placement file '.*{name}' is not UTF-8 text \(byte 0xff at "
+                                             r"position 35\)$"):
+            load_placement_as(tmp_path / name)
+    with pytest.raises(ValueError, match=r"^placement file '.*b\.json' is not UTF-8 text"):
+        ExpertPlacement.load(tmp_path / "b.json")
+    (tmp_path / "ok.json").write_text('{"phy2log": [[0, 1]], "ep_size": 1}\r\n')
+    assert ExpertPlacement.load(tmp_path / "ok.json").phy2log.tolist() == [[0, 1]]

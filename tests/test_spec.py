@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -529,3 +533,26 @@ def test_a_null_field_without_a_rule_is_named_not_defaulted():
         parse_moe_spec({**cfg, "model_type": None}, "config.json")
     derived = parse_moe_spec({**cfg, "num_key_value_heads": None, "q_lora_rank": None})
     assert derived.attention.num_kv_heads == cfg["num_attention_heads"]
+
+
+def test_a_huge_or_waiting_config_file_is_refused_before_it_is_read(tmp_path):
+    """A 3 GB file given as --config was read whole; a kernel file that waits for data (``/proc/kmsg``) blocked."""
+    from epmoe.checks import MAX_TEXT_BYTES, read_text_file
+
+    big = tmp_path / "config.json"
+    with open(big, "wb") as f:
+        f.truncate(MAX_TEXT_BYTES + 1)  # sparse: no disk, no time
+    with pytest.raises(ValueError, match=rf"^config file '.*config\.json' is larger than {MAX_TEXT_BYTES} bytes, "
+                                         rf"the most read for a config file; is it the file meant\? \(it holds "
+                                         rf"{MAX_TEXT_BYTES + 1} bytes\)$"):
+        load_moe_spec(tmp_path)
+    # a kernel file lists no size: the bound holds on what is read
+    with pytest.raises(ValueError, match=r"^status '/proc/self/status' is larger than 16 bytes"):
+        read_text_file("/proc/self/status", "status", max_bytes=16)
+    assert read_text_file("/proc/self/status", "status").startswith("Name:")
+    if os.path.exists("/proc/kmsg"):  # root reads it without waiting refused; others cannot open it
+        code = ("from epmoe.checks import read_text_file\ntry:\n    read_text_file('/proc/kmsg', 'config file')\n"
+                "except ValueError as exc:\n    print(exc)\n")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+        assert re.fullmatch(r"config file '/proc/kmsg' (has nothing to read without waiting \(a kernel or device "
+                            r"file\?\)|cannot be read: .+)\n", out), out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from pathlib import Path
 
 
@@ -161,21 +162,59 @@ def check_regular_file(path: str | Path, what: str) -> Path:
     return p
 
 
-def read_text_file(path: str | Path, what: str) -> str:
+MAX_TEXT_BYTES = 64 << 20
+"""Largest text file ``read_text_file`` reads by default: a ``config.json``, a hardware profile or a chat template
+is a few KB; more is a wrong path (a log, a checkpoint shard), refused before it fills the memory."""
+MAX_DATA_TEXT_BYTES = 4 << 30
+"""Largest data file (a loads dump, a benchmark dataset) ``read_text_file`` reads for the readers that pass it."""
+_READ_CHUNK = 1 << 20
+
+
+def read_text_file(path: str | Path, what: str, max_bytes: int = MAX_TEXT_BYTES) -> str:
     """The UTF-8 text of the regular file ``path`` (``check_regular_file``); ``what`` names it in errors (``"loads
     file"``: ``loads file 'x.json' is a directory``).
 
+    The file is opened without blocking and read in pieces up to ``max_bytes``: a kernel file that would wait for
+    data (``/proc/kmsg``) and a file larger than the bound (its size as listed, or as read where a kernel file lists
+    none) are refused instead of blocking or filling the memory.
+
+    Args:
+        path: the file.
+        what: what the file is, for messages.
+        max_bytes: the largest size read (bytes; ``MAX_TEXT_BYTES``, or ``MAX_DATA_TEXT_BYTES`` for data files).
+
     Raises:
         FileNotFoundError: nothing at ``path``.
-        ValueError: not a regular file (``check_regular_file``), a file that cannot be read (the reason named), or
-            bytes that are not UTF-8 (the first bad byte and its position named).
+        ValueError: not a regular file (``check_regular_file``), a file that cannot be read (the reason named), one
+            with nothing to read without waiting, one larger than ``max_bytes``, or bytes that are not UTF-8 (the
+            first bad byte and its position named).
     """
     p = check_regular_file(path, what)
     label = f"{what} {str(p)!r}"
+    too_large = f"{label} is larger than {max_bytes} bytes, the most read for a {what}; is it the file meant?"
     try:
-        return p.read_text(encoding="utf-8")
+        if p.stat().st_size > max_bytes:
+            raise ValueError(f"{too_large} (it holds {p.stat().st_size} bytes)")
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            pieces, size = [], 0
+            while size <= max_bytes:
+                piece = os.read(fd, min(_READ_CHUNK, max_bytes + 1 - size))
+                if not piece:
+                    break
+                pieces.append(piece)
+                size += len(piece)
+        finally:
+            os.close(fd)
+    except BlockingIOError:
+        raise ValueError(f"{label} has nothing to read without waiting (a kernel or device file?)") from None
+    except OSError as exc:
+        raise ValueError(f"{label} cannot be read: {exc.strerror or exc}") from None
+    if size > max_bytes:
+        raise ValueError(too_large)
+    try:
+        text = b"".join(pieces).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"{label} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at position {exc.start})"
                          ) from None
-    except OSError as exc:
-        raise ValueError(f"{label} cannot be read: {exc.strerror or exc}") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # universal newlines, as ``open`` reads text

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from epmoe.checks import MAX_EXPERTS, check_positive_int, check_regular_file, read_text_file
+from epmoe.checks import MAX_DATA_TEXT_BYTES, MAX_EXPERTS, check_positive_int, check_regular_file, read_text_file
 from epmoe.files import atomic_path
 from epmoe.placement import ExpertPlacement
 
@@ -295,7 +295,8 @@ def read_csv_loads(path: str | Path) -> tuple[torch.Tensor, list[str]]:
     """
     path = Path(path)
     groups: dict[str, dict[int, float]] = {}
-    text = read_text_file(path, "loads file").removeprefix("\ufeff")  # a spreadsheet's byte-order mark
+    text = read_text_file(path, "loads file", MAX_DATA_TEXT_BYTES)
+    text = text.removeprefix("\ufeff")  # a spreadsheet's byte-order mark
     reader = csv.DictReader(io.StringIO(text, newline=""))
     missing = {"layer", "expert", "count"} - set(reader.fieldnames or ())
     if missing:
@@ -357,7 +358,7 @@ def read_loads(path: str | Path) -> torch.Tensor:
                     raise ValueError(f"tensor 'load' is missing; the file holds {sorted(f.keys())}")
                 load = f.get_tensor("load")
         else:
-            doc = json.loads(read_text_file(path, "loads file"))
+            doc = json.loads(read_text_file(path, "loads file", MAX_DATA_TEXT_BYTES))
             if not isinstance(doc, dict):
                 raise ValueError("expected a JSON object with field 'load' (or 'weight'), got a JSON "
                                  f"{_json_type(doc)}")

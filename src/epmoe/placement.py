@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from epmoe.checks import MAX_EXPERTS, check_int, check_positive_int
+from epmoe.checks import MAX_EXPERTS, check_int, check_positive_int, check_regular_file, read_text_file
 from epmoe.files import atomic_path
 
 PLACEMENT_FORMAT = "epmoe.placement/1"
@@ -49,12 +49,13 @@ def placement_file(path: str | Path) -> Path:
 
     Raises:
         FileNotFoundError: nothing is there, or a directory (the path and which named).
+        ValueError: a path that is not a regular file (a pipe or a device, which reading would block on or exhaust
+            memory with; ``checks.check_regular_file``).
     """
     path = Path(path)
-    if not path.is_file():
-        what = "is a directory, not a file" if path.is_dir() else "does not exist"
-        raise FileNotFoundError(f"placement file {str(path)!r} {what}")
-    return path
+    if path.is_dir():
+        raise FileNotFoundError(f"placement file {str(path)!r} is a directory, not a file")
+    return check_regular_file(path, "placement file")
 
 
 def check_redundant(num_redundant: int, num_experts: int, ep_size: int, name: str = "num_redundant") -> None:
@@ -359,8 +360,9 @@ class ExpertPlacement:
                 position before anything else (the file's name is in the message).
         """
         path = placement_file(path)
+        text = None if path.suffix == ".safetensors" else read_text_file(path, "placement file")
         try:
-            if path.suffix == ".safetensors":
+            if text is None:
                 from safetensors import safe_open
 
                 with safe_open(str(path), framework="pt") as f:
@@ -370,7 +372,7 @@ class ExpertPlacement:
                     phy2log = f.get_tensor("phy2log")
                 file_ep, num_experts = (_metadata_int(meta, key) for key in ("ep_size", "num_experts"))
             else:
-                doc = json.loads(path.read_text())
+                doc = json.loads(text)
                 if not isinstance(doc, dict):
                     raise ValueError(f"expected a JSON object, got {type(doc).__name__}")
                 unknown = sorted(k for k in doc if k not in PLACEMENT_KEYS)

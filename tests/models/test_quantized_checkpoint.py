@@ -478,6 +478,22 @@ def test_an_index_naming_a_directory_says_so(ckpts, tmp_path):  # was "index nam
         CheckpointReader(directory)
 
 
+@pytest.mark.parametrize("index,message", [
+    ("not json", r" is not JSON \(Expecting value: line 1 column 1 \(char 0\)\)"),  # was the bare parser message
+    ('{"metadata": {}}', r" has no object 'weight_map' \(tensor name -> shard file; its fields are \['metadata'\]\)"),
+    ("[1, 2]", r" has no object 'weight_map' \(tensor name -> shard file; it holds a list\)"),  # was a TypeError
+    ('{"weight_map": {"a": 3}}', r": field 'weight_map' names no shard file for tensor 'a' \(got 3\)"),
+])
+def test_a_bad_index_is_named(ckpts, tmp_path, index, message):  # was "weight_map", or a TypeError's words
+    from epmoe.models.checkpoint import CheckpointReader
+
+    directory = tmp_path / "indexed"
+    shutil.copytree(ckpts["kimi-k2.5-int4"][0], directory)
+    (directory / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ValueError, match=rf"^checkpoint index '.*model\.safetensors\.index\.json'{message}$"):
+        CheckpointReader(directory)
+
+
 @pytest.mark.parametrize("value", [float("nan"), 3e38])  # 3e38 is finite, but 8 times it is not a float32
 def test_int4_scale_that_is_no_weight_is_refused_on_load(ckpts, tmp_path, value):
     # was served: NaN logits (or zeros), and the reference built from the same weights "matched"

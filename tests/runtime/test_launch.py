@@ -144,6 +144,33 @@ def test_every_rank_error_is_reported_by_rank_with_the_cause_first():
     assert failure.exit_code == EXIT_BAD_INPUT
 
 
+def _fail_alike(info, bad_rank_2):
+    """Every rank raises the same bad-input error (a bad flag is seen by all), rank 2 its own if asked; all at
+    once, after a barrier (a rank still starting when another fails would be stopped, not fail)."""
+    import torch.distributed as dist
+
+    from epmoe.runtime.launch import init_group
+
+    dist.barrier(group=init_group(info, "cpu", timeout_s=60))
+    if bad_rank_2 and info.rank == 2:
+        raise ValueError("checkpoint /y is damaged")
+    raise ValueError("--prompt-file 'p.txt' does not exist")
+
+
+def test_ranks_that_raise_the_same_error_share_one_line():  # the message was printed once per rank
+    from epmoe.runtime.launch import EXIT_BAD_INPUT, RankFailure
+
+    with pytest.raises(RankFailure) as caught:
+        spawn(_fail_alike, 2, (False,))
+    assert str(caught.value) == "ranks 0 and 1 failed: ValueError: --prompt-file 'p.txt' does not exist"
+    assert caught.value.exit_code == EXIT_BAD_INPUT and sorted(e.rank for e in caught.value.errors) == [0, 1]
+    with pytest.raises(RankFailure) as caught:
+        spawn(_fail_alike, 3, (True,))
+    assert sorted(str(caught.value).splitlines()) == [
+        "rank 2 failed: ValueError: checkpoint /y is damaged",
+        "ranks 0 and 1 failed: ValueError: --prompt-file 'p.txt' does not exist"]
+
+
 def test_a_rank_killed_by_a_signal_is_named_with_the_signal():
     from epmoe.runtime.launch import EXIT_RANK_KILLED, RankFailure
 

@@ -690,6 +690,21 @@ def test_bench_bad_urls_named(url, message):  # were tracebacks from the connect
         BenchConfig(url)
 
 
+def test_bench_dataset_path_errors_say_what_is_there(tmp_path, capsys):
+    """A missing dataset, a directory and a pipe were all "is not a file"; a pipe is now refused before a read that
+    would block."""
+    import os
+
+    from epmoe.cli import main
+
+    pipe = tmp_path / "fifo.jsonl"
+    os.mkfifo(pipe)
+    for path, what in ((tmp_path / "none.jsonl", "does not exist"), (tmp_path, "is a directory, not a file"),
+                       (pipe, "is not a regular file")):
+        assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--dataset", str(path)]) == 2
+        assert f"--dataset '{path}' {what}" in capsys.readouterr().err
+
+
 def test_bench_seed_range_is_runs(capsys):
     """--seed -1 was taken by bench serve while run and the server refuse it."""
     from epmoe.cli import main

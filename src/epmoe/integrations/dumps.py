@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from epmoe.checks import check_regular_file, read_text_file
+from epmoe.checks import MAX_DATA_TEXT_BYTES, check_regular_file, read_text_file
 from epmoe.loads import as_load_array, read_csv_loads, read_loads
 from epmoe.spec import MoESpec
 
@@ -106,7 +106,7 @@ def _file_doc(path: Path) -> Any:
     """The object stored in a single-file dump: torch.load for ``.pt``/``.pth``, JSON otherwise."""
     if path.suffix in (".pt", ".pth"):
         return _torch_load(path, "loads file")
-    text = read_text_file(path, "loads file")
+    text = read_text_file(path, "loads file", MAX_DATA_TEXT_BYTES)
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
@@ -208,7 +208,7 @@ def _trtllm(path: Path, iters: tuple[int, int] | None) -> tuple[torch.Tensor, tu
         raise ValueError(f"loads {str(path)!r} is a file; a TensorRT-LLM statistic is a folder (EXPERT_STATISTIC_PATH)")
     meta_path = path / "meta_info.json"
     try:
-        meta = json.loads(read_text_file(meta_path, "loads file"))
+        meta = json.loads(read_text_file(meta_path, "loads file", MAX_DATA_TEXT_BYTES))
     except FileNotFoundError as exc:
         raise ValueError(str(exc)) from None
     except json.JSONDecodeError as exc:

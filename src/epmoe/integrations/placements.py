@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from epmoe.checks import read_text_file
 from epmoe.files import atomic_path
 from epmoe.placement import ExpertPlacement, placement_file
 from epmoe.spec import MoESpec
@@ -143,7 +144,8 @@ def _read_doc(path: Path) -> tuple[str, Any]:
         import yaml
 
         try:
-            return "trtllm", yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+            loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+            return "trtllm", yaml.load(read_text_file(path, "placement file"), Loader=loader)
         except yaml.YAMLError as exc:
             raise ValueError(f"placement file {str(path)!r} is not YAML: {exc}") from exc
     if path.suffix in (".pt", ".pth"):
@@ -154,8 +156,8 @@ def _read_doc(path: Path) -> tuple[str, Any]:
                              f"torch.save file): {exc}") from exc
         return "sglang", doc
     try:
-        doc = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        doc = json.loads(read_text_file(path, "placement file"))
+    except json.JSONDecodeError as exc:
         raise ValueError(f"placement file {str(path)!r} is not JSON: {exc}") from exc
     if isinstance(doc, dict) and SGLANG_KEY in doc and "phy2log" not in doc:
         return "sglang", doc

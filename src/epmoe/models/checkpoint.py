@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from epmoe.checks import read_text_file
 from epmoe.experts.mxfp4 import E8M0_MAX_FINITE, E8M0_NAN
 from epmoe.spec import fp8_block_size, int4_scheme_departure, language_model_config
 
@@ -73,6 +74,29 @@ def _open(path: Path):
                          f"damaged or incomplete; download it again") from None
 
 
+def _index_weight_map(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a sharded checkpoint's ``model.safetensors.index.json``: tensor name -> shard file.
+
+    Raises:
+        ValueError: the file is not UTF-8 JSON (``checks.read_text_file``), not an object, or its ``weight_map`` is
+            missing or not an object of file names (the file and the field named).
+    """
+    try:
+        doc = json.loads(read_text_file(index, "checkpoint index"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"checkpoint index {str(index)!r} is not JSON ({exc})") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        found = f"its fields are {sorted(doc)}" if isinstance(doc, dict) else f"it holds a {type(doc).__name__}"
+        raise ValueError(f"checkpoint index {str(index)!r} has no object 'weight_map' (tensor name -> shard file; "
+                         f"{found})")
+    bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str) or not v), None)
+    if bad is not None:
+        raise ValueError(f"checkpoint index {str(index)!r}: field 'weight_map' names no shard file for tensor "
+                         f"{bad[0]!r} (got {bad[1]!r})")
+    return weight_map
+
+
 class CheckpointReader:
     """Random access to the tensors of a local checkpoint (``model.safetensors`` or a sharded index).
 
@@ -94,7 +118,7 @@ class CheckpointReader:
             raise FileNotFoundError(f"checkpoint directory {str(self.directory)!r} has no config.json")
         index = self.directory / "model.safetensors.index.json"
         if index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            weight_map = _index_weight_map(index)
             missing = sorted({f for f in weight_map.values() if not (self.directory / f).is_file()})
             odd = [f for f in missing if (self.directory / f).exists()]
             if odd:

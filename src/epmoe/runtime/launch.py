@@ -202,11 +202,30 @@ class RankError:
 _ORDER = {"signal": 0, "error": 1, "exit": 2, "peer_lost": 3, "stopped": 4}
 
 
+def _lines(errors: list[RankError]) -> list[str]:
+    """One line per error, in order, but one for all the ranks that raised the same error (``ranks 0 and 1 failed:
+    ValueError: ...``): a bad flag or file fails every rank alike."""
+    lines, done = [], set()
+    for i, e in enumerate(errors):
+        if i in done:
+            continue
+        same = [j for j in range(i, len(errors)) if errors[j].kind == "error" == e.kind
+                and errors[j].message == e.message]
+        done.update(same)
+        if len(same) < 2:
+            lines.append(e.line())
+            continue
+        ranks = [str(r) for r in sorted(errors[j].rank for j in same)]
+        lines.append(f"ranks {', '.join(ranks[:-1])} and {ranks[-1]} failed: {e.message}")
+    return lines
+
+
 class RankFailure(RuntimeError):
     """One or more ranks failed; every rank's first error, the cause first.
 
     The cause is a rank killed by a signal if there is one, else the first error reported that is not a
-    consequence of a peer going away; the other ranks' errors follow, one line each.
+    consequence of a peer going away; the other ranks' errors follow, one line each (ranks that raised the same
+    error share one line).
 
     Attributes:
         errors: the ``RankError`` of every rank that ended without a result, the cause first.
@@ -222,7 +241,7 @@ class RankFailure(RuntimeError):
             self.exit_code = EXIT_RANK_KILLED
         else:
             self.exit_code = EXIT_BAD_INPUT if cause.bad_input else EXIT_RANK_ERROR
-        super().__init__("\n".join(e.line() for e in ordered))
+        super().__init__("\n".join(_lines(ordered)))
         if cause.trace:
             self.add_note(cause.trace)
 

@@ -16,13 +16,12 @@ import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
 
-from epmoe.checks import read_text_file
+from epmoe.checks import MAX_DATA_TEXT_BYTES, check_regular_file, read_text_file
 from epmoe.config_fields import json_text
 
 
@@ -81,8 +80,11 @@ class BenchConfig:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")  # as run's and the server's
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency!r}")
-        if self.dataset is not None and not Path(self.dataset).is_file():
-            raise ValueError(f"dataset {self.dataset!r} is not a file")
+        if self.dataset is not None:
+            try:
+                check_regular_file(self.dataset, "dataset")
+            except FileNotFoundError as exc:  # a bad field, as the others: ValueError
+                raise ValueError(str(exc)) from None
 
 
 @dataclass
@@ -177,7 +179,7 @@ def load_requests(cfg: BenchConfig) -> list[tuple[str | list[int], int, int]]:
         return [(prefix + [rng.randrange(256) for _ in range(cfg.input_len)], n, cfg.output_len)
                 for _ in range(cfg.num_prompts)]
     rows = []
-    text = read_text_file(cfg.dataset, "dataset")
+    text = read_text_file(cfg.dataset, "dataset", MAX_DATA_TEXT_BYTES)
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
