@@ -147,7 +147,8 @@ def test_kv_pool_short_of_the_context_is_refused_at_start():
     err = done.stderr
     assert done.returncode == 2, err
     # the rank that reports first is the cause (the other one may be stopped before it reports the same)
-    assert re.search(r"fatal: rank [01] failed: ValueError: the model's max seq len \(256 tokens, the model's context; "
+    assert re.search(r"fatal: (rank [01]|ranks 0 and 1) failed: ValueError: the model's max seq len \(256 tokens, the "
+                     r"model's context; "
                      r"--max-model-len not given\) is larger than the maximum number of tokens that can be stored in "
                      r"the KV cache \(240: 15 blocks of 16 besides the padding block\); try increasing --num-kv-blocks "
                      r"\(now 16\) to at least 17 or decreasing --max-model-len", err), err
