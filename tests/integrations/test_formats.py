@@ -75,6 +75,19 @@ def test_sglang_stat_json_and_without_config_the_counted_rows_are_kept(tmp_path)
     assert torch.equal(d.load, count[1:].double())
 
 
+def test_sglang_stat_negative_count_is_refused_not_its_layer_dropped(tmp_path):
+    """A negative count in a row summing to zero or less dropped that layer from the balance (exit 0); counts near
+    2**62 overflowed the row sums into "counts no token on any layer"."""
+    dump = tmp_path / "dump.pt"
+    torch.save({"logical_count": torch.tensor([[[1, -2], [3, 4], [5, 6]]], dtype=torch.int32)}, dump)
+    with pytest.raises(ValueError, match=r"^loads '.*dump\.pt': logical_count\[0, 1\] = -2\.0 is negative; loads "
+                                         r"count tokens$"):
+        read_load_dump(dump)
+    torch.save({"logical_count": torch.tensor([[[2**62, 2**62], [0, 0], [5, 6]]], dtype=torch.int64)}, dump)
+    d = read_load_dump(dump)
+    assert d.layers == (0, 2) and d.load.tolist() == [[2.0**62, 2.0**62], [5.0, 6.0]]
+
+
 def test_sglang_per_pass_rank_files_mapped_back_through_their_map(tmp_path):
     phy2log = torch.tensor([[0, 1, 2, 3, 0, 1], [3, 2, 1, 0, 3, 3]])  # 2 layers, 4 experts, 6 slots
     expected = torch.zeros(2, 4, dtype=torch.float64)

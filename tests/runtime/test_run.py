@@ -25,6 +25,26 @@ def kimi(tiny_checkpoints):
     return tiny_checkpoints("kimi-k2.5")
 
 
+def test_nan_weights_fail_the_reference_check(tiny_checkpoints, tmp_path, capsys):
+    """A NaN in a router weight made every token 0 here and in the reference, and the check said "YES, token for
+    token"."""
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "nan"
+    shutil.copytree(tiny_checkpoints("qwen3-moe"), bad)
+    tensors = load_file(bad / "model.safetensors")
+    tensors["model.layers.1.mlp.gate.weight"][0, 0] = float("nan")
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "report.json"
+    assert main(["run", "--model", str(bad), "--max-new-tokens", "3", "--prompt", "hello", "--prompt", "abc",
+                 "--json", str(out)]) == 1  # 1: the tokens do not match the reference
+    report = json.loads(out.read_text())
+    assert report["matches_reference"] is False and report["mismatches"] == [0, 1]
+    assert report["reference_not_finite"] == [0, 0] and report["first_mismatch"] is None
+    text = capsys.readouterr().out
+    assert "NO: the reference's logits hold NaN or infinite values" in text and "YES" not in text
+
+
 def test_run_two_ranks_matches_reference(kimi, tmp_path, capsys):
     out = tmp_path / "report.json"
     code = main(["run", "--model", str(kimi), "--ep", "2", "--max-new-tokens", "4", "--redundant", "2",

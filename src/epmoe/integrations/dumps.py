@@ -318,11 +318,15 @@ def read_load_dump(path: str | Path, fmt: str = "auto", *, spec: MoESpec | None 
         full = _sglang_stat(p) if kind == "sglang-stat" else _sglang_per_pass(p)
         field = "logical_count" if kind == "sglang-stat" else "last_physical_to_logical_map"
         _check_rows(full, p, field, spec, config)
+        try:  # every row, before the layers that count tokens are picked (a negative count is no token count)
+            as_load_array(full, field)
+        except ValueError as exc:
+            raise ValueError(f"loads {str(p)!r}: {exc}") from exc
         num_decoder = full.shape[0]
         if spec is not None:
             layers = spec.moe_layers
         else:
-            layers = tuple(int(i) for i in torch.nonzero(full.sum(1) > 0).flatten())
+            layers = tuple(int(i) for i in torch.nonzero((full != 0).any(1)).flatten())
             if not layers:
                 raise ValueError(f"loads {str(p)!r}: field {field!r} counts no token on any layer")
         load = full[list(layers)]

@@ -98,6 +98,9 @@ class RunReport:
             reference).
         reference_outputs: token ids the reference generated per prompt (empty if skipped).
         first_mismatch: ``(prompt, step, ours, reference)`` of the first differing token, or ``None``.
+        reference_not_finite: ``(prompt, step)`` of the first reference step whose logits hold NaN or infinite
+            values (NaN or infinite weights, or activations past the dtype's range), or ``None``: tokens drawn from
+            such logits mean nothing, so the check does not pass (its prompts are among ``mismatches``).
         float32_judged: per prompt that differed from the same-dtype reference in a bf16/fp16 run, which side
             equals the float32 reference: ``{"prompt", "epmoe_equals_float32", "reference_equals_float32"}``.
         graphs: whether steps replayed CUDA graphs (decode buckets or piecewise graphs).
@@ -132,6 +135,7 @@ class RunReport:
     mismatches: list[int] = field(default_factory=list)
     reference_outputs: list[list[int]] = field(default_factory=list)
     first_mismatch: tuple[int, int, int, int] | None = None
+    reference_not_finite: tuple[int, int] | None = None
     float32_judged: list[dict] = field(default_factory=list)
     graphs: bool = False
     overlap: bool = False
@@ -211,6 +215,11 @@ def _rebalances(events: list[dict]) -> str:
 
 def _verdict(report: RunReport) -> str:
     """The reference check in one cell; in bf16/fp16, which side of a differing prompt equals float32."""
+    if report.reference_not_finite is not None:
+        i, step = report.reference_not_finite
+        return (f"NO: the reference's logits hold NaN or infinite values (first at prompt {i}, step {step}): the "
+                f"checkpoint's weights, or its activations in {report.dtype}, are not finite, so no run's tokens "
+                f"mean anything (prompts {report.mismatches})")
     saved = [j["prompt"] for j in report.float32_judged if j["epmoe_equals_float32"]]
     if report.matches_reference:
         if not saved:

@@ -375,11 +375,16 @@ def _check_before_start(cfg: RunConfig, model_dir: str, ep: int, all_ids: list[l
 
 
 def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids: list[int],
-               dtype_name: str) -> list[list[int]]:
+               dtype_name: str) -> tuple[list[list[int]], list[tuple[int, int]]]:
     """Greedy tokens of the unsharded transformers model, prompt by prompt with its own ``generate`` (no
     ``MoELayer``, no engine): transformers' ``from_pretrained`` where it reads the checkpoint, else a full
     single-rank load of the dequantized tensors into the same transformers model (block-FP8 weights, a
-    ``language_model.`` wrapper); plain greedy search, whatever ``generation_config.json`` asks besides."""
+    ``language_model.`` wrapper); plain greedy search, whatever ``generation_config.json`` asks besides.
+
+    Returns:
+        The tokens per prompt, and ``(prompt, step)`` of each prompt's first step whose logits hold NaN or
+        infinite values (greedy search picks a token from them all the same).
+    """
     from rich.console import Console
     from rich.progress import Progress
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -388,7 +393,7 @@ def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids
 
     device = "cuda" if cfg.device == "cuda" else "cpu"
     dtype = _DTYPES[dtype_name]
-    out = []
+    out, not_finite = [], []
     with Progress(transient=True, console=Console(stderr=True)) as bar:
         task = bar.add_task(f"loading the unsharded transformers reference ({dtype_name})", total=None)
         if needs_own_loader(model_dir):
@@ -402,14 +407,18 @@ def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids
         bar.update(task, description=f"transformers reference ({dtype_name}, prompts)", total=len(all_ids),
                    completed=0)
         with torch.no_grad():
-            for ids in all_ids:
+            for i, ids in enumerate(all_ids):
                 x = torch.tensor([ids], device=device)
                 y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=cfg.max_new_tokens,
                                    do_sample=False, eos_token_id=eos_ids or None,
-                                   pad_token_id=eos_ids[0] if eos_ids else 0)
-                out.append(y[0, len(ids):].tolist())
+                                   pad_token_id=eos_ids[0] if eos_ids else 0, output_logits=True,
+                                   return_dict_in_generate=True)
+                out.append(y.sequences[0, len(ids):].tolist())
+                bad = [step for step, logits in enumerate(y.logits) if not bool(torch.isfinite(logits).all())]
+                if bad:
+                    not_finite.append((i, bad[0]))
                 bar.advance(task)
-    return out
+    return out, not_finite
 
 
 def run_job(cfg: RunConfig) -> RunReport:
@@ -495,16 +504,20 @@ def run_job(cfg: RunConfig) -> RunReport:
         from epmoe.engine.tokenizer import eos_token_ids
 
         eos = sorted(eos_token_ids(model_dir, tok, vocab_size=spec.vocab_size))
-        ref_tokens = _reference(cfg, model_dir, all_ids, eos, cfg.dtype)
+        ref_tokens, not_finite = _reference(cfg, model_dir, all_ids, eos, cfg.dtype)
         differ = [i for i in range(len(prompts)) if tokens[i] != ref_tokens[i]]
         ref32: dict[int, list[int]] = {}
         if differ and cfg.dtype != "float32":
-            ref32 = dict(zip(differ, _reference(cfg, model_dir, [all_ids[i] for i in differ], eos, "float32")))
+            ref32 = dict(zip(differ, _reference(cfg, model_dir, [all_ids[i] for i in differ], eos, "float32")[0]))
         report.reference_outputs = ref_tokens
         report.mismatches, report.float32_judged = judge_mismatches(tokens, ref_tokens, ref32)
+        if not_finite:
+            report.reference_not_finite = not_finite[0]
+            report.mismatches = sorted(set(report.mismatches) | {i for i, _ in not_finite})
         report.matches_reference = not report.mismatches
-        if report.mismatches:
-            i = report.mismatches[0]
+        token_differ = [i for i in report.mismatches if tokens[i] != ref_tokens[i]]
+        if token_differ:
+            i = token_differ[0]
             pairs = list(zip(tokens[i], ref_tokens[i]))
             step = next((k for k, (a, b) in enumerate(pairs) if a != b), len(pairs))
             ours = tokens[i][step] if step < len(tokens[i]) else -1
