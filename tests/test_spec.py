@@ -178,13 +178,13 @@ def test_explicit_null_is_what_transformers_derives():
         ("gpt-oss-20b", {"swiglu_limit": float("inf")}, r"field 'swiglu_limit' must be a positive number, got inf"),
         # the context (was 4096 for 0, taken as is when negative)
         ("qwen3-30b-a3b", {"max_position_embeddings": 0},
-         r"v3\.json: field 'max_position_embeddings' must be a positive integer, got 0$"),
+         r"v3\.json: field 'max_position_embeddings' must be an integer in \[1, 16777216\], got 0$"),
         ("qwen3-30b-a3b", {"max_position_embeddings": -4},
-         r"v3\.json: field 'max_position_embeddings' must be a positive integer, got -4$"),
+         r"v3\.json: field 'max_position_embeddings' must be an integer in \[1, 16777216\], got -4$"),
         ("qwen3-30b-a3b", {"max_position_embeddings": 256.7},
-         r"v3\.json: field 'max_position_embeddings' must be a positive integer, got 256\.7$"),
+         r"v3\.json: field 'max_position_embeddings' must be an integer in \[1, 16777216\], got 256\.7$"),
         ("qwen3-30b-a3b", {"max_position_embeddings": "256"},
-         r"v3\.json: field 'max_position_embeddings' must be a positive integer, got \"256\" \(a string\)$"),
+         r"v3\.json: field 'max_position_embeddings' must be an integer in \[1, 16777216\], got \"256\" \(a string\)$"),
         # norm and RoPE: top level, and in the RoPE object (rope_scaling, or transformers 5's rope_parameters)
         ("qwen3-30b-a3b", {"rms_norm_eps": -1}, r"v3\.json: field 'rms_norm_eps' must be a positive number, got -1$"),
         ("qwen3-30b-a3b", {"rms_norm_eps": 0.0},
@@ -495,6 +495,8 @@ def test_a_layer_count_past_the_bound_is_named():
     ("qwen3-30b-a3b", "vocab_size", 10**12, r"\[1, 16777216\]"),
     ("qwen3-30b-a3b", "num_attention_heads", 2**30, r"\[1, 1048576\]"),
     ("deepseek-v3", "kv_lora_rank", 2**30, r"\[1, 1048576\]"),
+    # 10**9 made each rank of run fail allocating its block tables, in the allocator's words
+    ("qwen3-30b-a3b", "max_position_embeddings", 10**9, r"\[1, 16777216\]"),
 ])
 def test_a_size_past_its_bound_is_named(name, field, value, bound):
     """``num_experts`` 1e20 was priced by plan (a step of 4.6e15 ms) and called ok by doctor; every size the spec

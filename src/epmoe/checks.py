@@ -138,6 +138,10 @@ MAX_VOCAB = 1 << 24
 """The largest ``vocab_size`` a config.json may give: far past any model's (a few hundred thousand), a bound on the
 embedding and logits the planner and doctor size from it."""
 
+MAX_POSITIONS = 1 << 24
+"""The largest ``max_position_embeddings`` a config.json may give: past the longest published context (Llama-4
+Scout's 10485760), a bound on the block tables and position tables the engine sizes from it."""
+
 MAX_LAYERS = 1 << 16
 """The most decoder layers a config.json may give (``num_hidden_layers``): far past any model's, and a bound on the
 per-layer tables the spec and the planner make from it."""

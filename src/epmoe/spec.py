@@ -15,7 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Literal, Mapping, NamedTuple
 
-from epmoe.checks import MAX_EXPERTS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, read_text_file
+from epmoe.checks import MAX_EXPERTS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, read_text_file
 from epmoe.config_fields import ConfigFields, json_text, transformers_rope_types
 
 Scoring = Literal["softmax", "sigmoid"]
@@ -599,7 +599,7 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
         f.int("pad_token_id", minimum=0, maximum=vocab - 1)
     num_heads = f.int("num_attention_heads", maximum=MAX_WIDTH)
     hidden_act = f.str("hidden_act", choices=ACTIVATIONS, fallback="silu")
-    max_positions = f.int("max_position_embeddings")
+    max_positions = f.int("max_position_embeddings", maximum=MAX_POSITIONS)
     if f.has("rms_norm_eps"):
         f.float("rms_norm_eps", positive=True)
     _check_rope(f)

@@ -73,7 +73,8 @@ def _copy_with(kimi, dst, config=None, generation=None):
 
 @pytest.mark.parametrize("edit, message", [
     ({"rms_norm_eps": -1}, "config.json: field 'rms_norm_eps' must be a positive number, got -1"),
-    ({"max_position_embeddings": 0}, "config.json: field 'max_position_embeddings' must be a positive integer, got 0"),
+    ({"max_position_embeddings": 0},
+     "config.json: field 'max_position_embeddings' must be an integer in [1, 16777216], got 0"),
     ({"tie_word_embeddings": "yes"}, "config.json: transformers cannot build the model's config from it: "
                                      "StrictDataclassFieldValidationError: Validation error for field "
                                      "'tie_word_embeddings': TypeError: Field 'tie_word_embeddings' expected bool, got "
@@ -191,8 +192,9 @@ def test_the_reference_run_shows_progress(kimi, monkeypatch, capsys):
     from epmoe.runtime.run import RunConfig, _reference
 
     monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich draws its live progress as on a terminal
-    out = _reference(RunConfig(model=str(kimi), max_new_tokens=2), str(kimi), [[72, 105], [66]], [], "float32")
-    assert [len(t) for t in out] == [2, 2]
+    out, not_finite = _reference(RunConfig(model=str(kimi), max_new_tokens=2), str(kimi), [[72, 105], [66]], [],
+                                 "float32")
+    assert [len(t) for t in out] == [2, 2] and not_finite == []
     err = capsys.readouterr().err
     assert "loading the unsharded transformers reference (float32)" in err
     assert "transformers reference (float32, prompts)" in err
