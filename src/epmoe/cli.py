@@ -448,7 +448,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                                  + (" (an EAGLE head reads the target's hidden states: it was trained for another "
                                     "target)" if eagle else ""))
         if (args.draft or args.accept_length is not None) and not args.spec_tokens:
-            raise ValueError("--draft and --accept-length price speculative decoding: they need --spec-tokens")
+            given = "--draft" if args.draft else "--accept-length"
+            raise ValueError(f"{given} prices speculative decoding: it needs --spec-tokens of at least 1 (draft "
+                             f"tokens verified per step), got {args.spec_tokens}")
         report_plan(req, as_json=args.json, plot_path=args.plot, draft=draft, accept_length=args.accept_length,
                     engine=args.engine, model=str(Path(args.config)) if Path(args.config).is_dir() else None,
                     draft_path=args.draft)

@@ -318,6 +318,11 @@ def test_redundant_suggestion_counts_the_slots_given():
         (["--gpus", "0"], "error: --gpus must be an integer >= 1, got 0"),
         (["--gpus", "16"], "error: --gpus (16) on 1 node(s) is 16 per node but h200-sxm has 8; pass --nodes 2"),
         (["--gpus", "8", "--nodes", "3"], "error: --gpus (8) must be divisible by --nodes (3)"),
+        # was "pass --nodes 2", which the line above refuses
+        (["--gpus", "9"], "error: --gpus (9) on 1 node(s) is 9 per node but h200-sxm has 8; pass --nodes 3"),
+        # was "they need --spec-tokens" when --spec-tokens was given
+        (["--gpus", "8", "--spec-tokens", "0", "--accept-length", "2"], "error: --accept-length prices speculative "
+         "decoding: it needs --spec-tokens of at least 1 (draft tokens verified per step), got 0"),
     ],
 )
 def test_cli_messages_name_the_flags(capsys, args, msg):

@@ -103,7 +103,8 @@ def test_plan_cli_speculation_and_engine_commands(capsys):
     assert "--speculative-algorithm EAGLE3" in out and "--speculative-num-draft-tokens 4" in out
     assert main(["plan", "--config", str(KIMI), "--gpus", "8", "--hardware", "rtx-pro-6000",
                  "--accept-length", "2"]) == 2
-    assert "--accept-length price speculative decoding: they need --spec-tokens" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--accept-length prices speculative decoding: it needs --spec-tokens of at least 1" in err
 
 
 def test_server_commands_for_expert_parallel_with_redundant_experts():

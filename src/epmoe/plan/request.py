@@ -50,6 +50,12 @@ DEFAULT_CONTEXT = 4096
 and ``epmoe doctor`` take without ``--context`` (the model's ``max_position_embeddings`` where shorter)."""
 
 
+def nodes_needed(gpus: int, gpus_per_node: int) -> int:
+    """The fewest nodes ``gpus`` GPUs fit on with as many on each (at most ``gpus_per_node``): the smallest divisor
+    of ``gpus`` at least ``gpus / gpus_per_node`` (9 GPUs of 8-GPU nodes: 3 nodes of 3)."""
+    return next(n for n in range(math.ceil(gpus / gpus_per_node), gpus + 1) if gpus % n == 0)
+
+
 def default_context(spec: MoESpec) -> int:
     """The KV-cache tokens a sequence ``epmoe plan`` and ``epmoe doctor`` price without ``--context``:
     ``DEFAULT_CONTEXT``, or the model's ``max_position_embeddings`` where shorter."""
@@ -133,7 +139,7 @@ class PlanRequest:
         if per_node > self.hardware.gpus_per_node:
             raise ValueError(
                 f"gpus ({self.gpus}) on {self.nodes} node(s) is {per_node} per node but {self.hardware.name} has "
-                f"{self.hardware.gpus_per_node}; pass --nodes {math.ceil(self.gpus / self.hardware.gpus_per_node)}"
+                f"{self.hardware.gpus_per_node}; pass --nodes {nodes_needed(self.gpus, self.hardware.gpus_per_node)}"
             )
         if self.nodes > 1 and self.hardware.inter_node is None:
             raise ValueError(f"nodes ({self.nodes}) > 1 but hardware {self.hardware.name} has no inter_node link")
