@@ -210,6 +210,14 @@ def test_a_device_a_short_csv_row_and_booleans_are_refused(tmp_path):
         read_loads(st)
 
 
+def test_an_integer_past_float64_is_named(tmp_path):  # was "could not be read: int too large to convert to float"
+    path = tmp_path / "l.json"
+    path.write_text('{"load": [[1' + "0" * 400 + ', 2], [3, 4]]}')
+    with pytest.raises(ValueError, match=r"^loads file '.*l\.json': field 'load' \[layer 0, expert 0\] is an integer "
+                                         r"of 1329 bits, past a float64's range; loads count tokens$"):
+        read_loads(path)
+
+
 def test_load_file_errors_name_the_file_once(tmp_path):
     from safetensors.torch import save_file
 

@@ -249,10 +249,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--base-url", required=True, help="server URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", help="model id (default: the server's first)")
     p.add_argument("--num-prompts", type=int, default=100, help="requests to send (default 100)")
-    p.add_argument("--random-input-len", type=int, default=128, help="prompt tokens of random prompts (default 128)")
-    p.add_argument("--random-output-len", type=int, default=128, help="tokens asked per request (default 128)")
-    p.add_argument("--random-prefix-len", type=int, default=0,
-                   help="random tokens before every random prompt, shared by all (default 0)")
+    p.add_argument("--random-input-len", type=int, default=None,
+                   help="prompt tokens of random prompts (default 128; not with --dataset)")
+    p.add_argument("--random-output-len", type=int, default=128,
+                   help="tokens asked per request (default 128; with --dataset, for lines without max_tokens)")
+    p.add_argument("--random-prefix-len", type=int, default=None,
+                   help="random tokens before every random prompt, shared by all (default 0; not with --dataset)")
     p.add_argument("--dataset", metavar="JSONL", help='prompts, one {"prompt": ..., "max_tokens": ...} per line')
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests per second (default inf)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
@@ -269,10 +271,16 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
     from epmoe.server.bench import BenchConfig, run_bench
 
+    if args.dataset is not None:
+        given = [flag for flag, v in (("--random-input-len", args.random_input_len),
+                                      ("--random-prefix-len", args.random_prefix_len)) if v is not None]
+        if given:
+            raise ValueError(f"{given[0]} shapes random prompts; with --dataset the prompts are the file's")
     try:
         cfg = BenchConfig(base_url=args.base_url, model=args.model, num_prompts=args.num_prompts,
-                          input_len=args.random_input_len, output_len=args.random_output_len,
-                          prefix_len=args.random_prefix_len, dataset=args.dataset,
+                          input_len=128 if args.random_input_len is None else args.random_input_len,
+                          output_len=args.random_output_len,
+                          prefix_len=args.random_prefix_len or 0, dataset=args.dataset,
                           request_rate=args.request_rate, max_concurrency=args.max_concurrency, api_key=args.api_key,
                           seed=args.seed)
     except ValueError as exc:

@@ -377,6 +377,12 @@ def read_loads(path: str | Path) -> torch.Tensor:
                     if isinstance(v, bool) or not isinstance(v, (int, float)):
                         raise ValueError(f"field {name!r} [layer {layer}, expert {expert}] = {v!r}: loads must be "
                                          "numbers (tokens per expert)")
+                    try:
+                        float(v)
+                    except OverflowError:  # an integer past float64's range: torch.tensor's words name nothing
+                        raise ValueError(f"field {name!r} [layer {layer}, expert {expert}] is an integer of "
+                                         f"{v.bit_length()} bits, past a float64's range; loads count tokens"
+                                         ) from None
             load = torch.tensor(rows, dtype=torch.float64)
         return torch.from_numpy(as_load_array(load, label))
     except (ValueError, TypeError, KeyError) as exc:

@@ -705,6 +705,16 @@ def test_bench_dataset_path_errors_say_what_is_there(tmp_path, capsys):
         assert f"--dataset '{path}' {what}" in capsys.readouterr().err
 
 
+def test_bench_random_prompt_flags_are_refused_with_a_dataset(tmp_path, capsys):  # were ignored
+    from epmoe.cli import main
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "hi"}\n')
+    for flag in ("--random-input-len", "--random-prefix-len"):
+        assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--dataset", str(data), flag, "5"]) == 2
+        assert f"{flag} shapes random prompts; with --dataset the prompts are the file's" in capsys.readouterr().err
+
+
 def test_bench_seed_range_is_runs(capsys):
     """--seed -1 was taken by bench serve while run and the server refuse it."""
     from epmoe.cli import main
