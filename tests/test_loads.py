@@ -216,6 +216,15 @@ def test_an_integer_past_float64_is_named(tmp_path):  # was "could not be read: 
     with pytest.raises(ValueError, match=r"^loads file '.*l\.json': field 'load' \[layer 0, expert 0\] is an integer "
                                          r"of 1329 bits, past a float64's range; loads count tokens$"):
         read_loads(path)
+    # another format's file, or both keys (which one was read depended on the reader): were taken
+    path.write_text('{"format": "bogus", "load": [[1, 2]]}')
+    with pytest.raises(ValueError, match=r"field 'format' is \"bogus\"; this reader knows \"epmoe\.loads/1\"$"):
+        read_loads(path)
+    path.write_text('{"load": [[1, 2]], "weight": [[3, 4]]}')
+    with pytest.raises(ValueError, match=r"fields 'load' and 'weight' are both given; a loads file holds one of them$"):
+        read_loads(path)
+    path.write_text('{"load": [[1, 2]]}')
+    assert read_loads(path).tolist() == [[1.0, 2.0]]
 
 
 def test_load_file_errors_name_the_file_once(tmp_path):

@@ -342,8 +342,9 @@ def read_loads(path: str | Path) -> torch.Tensor:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: a directory, device or pipe, an unreadable file, missing field, ragged rows, or bad values (file
-            and the JSON key used, ``load`` or ``weight``, named).
+        ValueError: a directory, device or pipe, an unreadable file, missing field, a ``format`` other than
+            ``LOADS_FORMAT``, both ``load`` and ``weight``, ragged rows, or bad values (file and the JSON key used,
+            ``load`` or ``weight``, named).
     """
     path = check_regular_file(path, "loads file")
     label = "load"  # how the values are named in messages: the tensor, or the JSON key used
@@ -362,6 +363,11 @@ def read_loads(path: str | Path) -> torch.Tensor:
             if not isinstance(doc, dict):
                 raise ValueError("expected a JSON object with field 'load' (or 'weight'), got a JSON "
                                  f"{_json_type(doc)}")
+            if "format" in doc and doc["format"] != LOADS_FORMAT:
+                raise ValueError(f"field 'format' is {json.dumps(doc['format'])}; this reader knows "
+                                 f"{json.dumps(LOADS_FORMAT)}")
+            if doc.get("load") is not None and doc.get("weight") is not None:
+                raise ValueError("fields 'load' and 'weight' are both given; a loads file holds one of them")
             name = "load" if "load" in doc else "weight"
             label = name
             rows = doc.get(name)
