@@ -227,6 +227,10 @@ def test_responses_api_calls_tools_and_takes_their_outputs(client):
     ({"input": [], "instructions": ""}, "input", "give at least one item"),
     ('{"instructions": "x", "input": [{"role": "user", "content": "a\\ud800"}]}', "input",
      "is not valid Unicode text: a lone surrogate"),  # JSON's escape of a lone surrogate, sent as it is
+    # an output answering no call was rendered as a tool message (OpenAI refuses it)
+    ({"input": [{"role": "user", "content": "hi"},
+                {"type": "function_call_output", "call_id": "call_9", "output": "sunny"}]}, "input.1.call_id",
+     "input[1]: no function_call before it has call_id 'call_9', which this function_call_output answers"),
 ])
 def test_responses_api_bad_requests_name_their_fields(server, fields, param, message):
     import httpx

@@ -44,7 +44,8 @@ def as_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     Raises:
         ApiError: 400 ``previous_response_id``, ``background`` or ``prompt`` (nothing is stored), ``text.format``
             ``json_schema`` without its ``schema``, no message at all (an empty ``input`` and no ``instructions``),
-            a translated request the chat endpoint refuses (named as there, ``renamed`` for the Responses API).
+            a translated request the chat endpoint refuses (named as there, ``renamed`` for the Responses API), a
+            ``function_call_output`` whose ``call_id`` no ``function_call`` before it has.
     """
     if req.previous_response_id is not None:
         raise ApiError(400, f"previous_response_id={req.previous_response_id!r} is not served: epmoe stores no "
@@ -56,10 +57,12 @@ def as_chat(req: ResponsesRequest) -> ChatCompletionRequest:
                             "text in instructions and input", "prompt")
     messages: list[dict] = [{"role": "system", "content": req.instructions}] if req.instructions else []
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
-    for item in items:
+    calls: set[str] = set()  # the call ids of the function calls so far: an output answers one of them
+    for i, item in enumerate(items):
         if isinstance(item, dict):
             messages.append(item)
         elif isinstance(item, InputFunctionCall):
+            calls.add(item.call_id)
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
             last = messages[-1] if messages else None
@@ -68,6 +71,9 @@ def as_chat(req: ResponsesRequest) -> ChatCompletionRequest:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif isinstance(item, InputFunctionOutput):
+            if item.call_id not in calls:  # as OpenAI refuses it: the template would show an answer to no call
+                raise ApiError(400, f"input[{i}]: no function_call before it has call_id {item.call_id!r}, which "
+                                    f"this function_call_output answers", f"input.{i}.call_id")
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
         else:
             messages.append({"role": item.role, "content": item.text()})
