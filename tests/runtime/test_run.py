@@ -25,6 +25,15 @@ def kimi(tiny_checkpoints):
     return tiny_checkpoints("kimi-k2.5")
 
 
+def test_json_to_stdout_is_the_json_alone(kimi):
+    """``--json`` without a file: stdout began with the rank's progress bar's empty line."""
+    proc = subprocess.run([sys.executable, "-m", "epmoe.cli", "run", "--model", str(kimi), "--ep", "1",
+                           "--max-new-tokens", "2", "--no-reference", "--json"], capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("{") and json.loads(proc.stdout)["ep"] == 1, proc.stdout[:200]
+
+
 def test_nan_weights_fail_the_reference_check(tiny_checkpoints, tmp_path, capsys):
     """A NaN in a router weight made every token 0 here and in the reference, and the check said "YES, token for
     token"."""

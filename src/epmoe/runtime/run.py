@@ -276,9 +276,11 @@ def _rank_worker(
 
 def _serve_share(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], mine: list[int], comm: Comm,
                  show: bool) -> RankReport:
+    from rich.console import Console
     from rich.progress import Progress
 
-    with Progress(transient=True, disable=not show) as bar:
+    # on stderr, as the reference's: stdout holds the report (``--json -``: the JSON alone)
+    with Progress(transient=True, disable=not show, console=Console(stderr=True)) as bar:
         task = bar.add_task("loading the model", total=None)
         engine = Engine(cfg.engine_config(model_dir), comm, progress=lambda msg: bar.update(task, description=msg))
         if show and engine.proposer is not None:
