@@ -223,8 +223,9 @@ def test_an_integer_past_float64_is_named(tmp_path):  # was "could not be read: 
     path.write_text('{"load": [[1, 2]], "weight": [[3, 4]]}')
     with pytest.raises(ValueError, match=r"fields 'load' and 'weight' are both given; a loads file holds one of them$"):
         read_loads(path)
-    path.write_text('{"load": [[1, 2]]}')
-    assert read_loads(path).tolist() == [[1.0, 2.0]]
+    for doc in ('{"load": [[1, 2]]}', '{"format": null, "load": [[1, 2]]}'):  # no format given: read as epmoe's
+        path.write_text(doc)
+        assert read_loads(path).tolist() == [[1.0, 2.0]]
 
 
 def test_load_file_errors_name_the_file_once(tmp_path):

@@ -368,7 +368,9 @@ def check_memory(spec: MoESpec, cfg: DoctorConfig, ep: int, redundant: int, draf
     if ep // nodes > hw.gpus_per_node:
         return [Finding("error", f"EP size {ep} on {nodes} node(s) is {ep // nodes} GPUs per node but {hw.name} has "
                                  f"{hw.gpus_per_node}", "one node cannot hold that many EP ranks",
-                        f"pass --nodes {nodes_needed(ep, hw.gpus_per_node)} or a smaller --ep")]
+                        f"pass --nodes {nodes_needed(ep, hw.gpus_per_node)} or a smaller --ep"
+                        if hw.inter_node is not None else
+                        f"pass --ep {hw.gpus_per_node} or less: {hw.name} has no inter_node link")]
     slots = spec.num_experts + redundant
     if ep > 1 and (ep > slots or slots % ep):
         return [Finding("warning", f"memory not checked: {slots} expert slots per layer cannot be spread evenly over "

@@ -363,7 +363,7 @@ def read_loads(path: str | Path) -> torch.Tensor:
             if not isinstance(doc, dict):
                 raise ValueError("expected a JSON object with field 'load' (or 'weight'), got a JSON "
                                  f"{_json_type(doc)}")
-            if "format" in doc and doc["format"] != LOADS_FORMAT:
+            if doc.get("format") not in (None, LOADS_FORMAT):
                 raise ValueError(f"field 'format' is {json.dumps(doc['format'])}; this reader knows "
                                  f"{json.dumps(LOADS_FORMAT)}")
             if doc.get("load") is not None and doc.get("weight") is not None:

@@ -86,6 +86,9 @@ def test_sglang_stat_negative_count_is_refused_not_its_layer_dropped(tmp_path):
     torch.save({"logical_count": torch.tensor([[[2**62, 2**62], [0, 0], [5, 6]]], dtype=torch.int64)}, dump)
     d = read_load_dump(dump)
     assert d.layers == (0, 2) and d.load.tolist() == [[2.0**62, 2.0**62], [5.0, 6.0]]
+    # two batches of [B, L, E] summed: in int64 they wrapped to a "negative" count the file does not hold
+    torch.save({"logical_count": torch.tensor([[[2**62, 1], [3, 4]], [[2**62, 1], [3, 4]]], dtype=torch.int64)}, dump)
+    assert read_load_dump(dump).load.tolist() == [[2.0**63, 2.0], [6.0, 8.0]]
 
 
 def test_sglang_per_pass_rank_files_mapped_back_through_their_map(tmp_path):

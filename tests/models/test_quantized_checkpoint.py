@@ -483,6 +483,7 @@ def test_an_index_naming_a_directory_says_so(ckpts, tmp_path):  # was "index nam
     ('{"metadata": {}}', r" has no object 'weight_map' \(tensor name -> shard file; its fields are \['metadata'\]\)"),
     ("[1, 2]", r" has no object 'weight_map' \(tensor name -> shard file; it holds a list\)"),  # was a TypeError
     ('{"weight_map": {"a": 3}}', r": field 'weight_map' names no shard file for tensor 'a' \(got 3\)"),
+    ('{"weight_map": null}', r": field 'weight_map' must be an object \(tensor name -> shard file\), got null"),
 ])
 def test_a_bad_index_is_named(ckpts, tmp_path, index, message):  # was "weight_map", or a TypeError's words
     from epmoe.models.checkpoint import CheckpointReader
@@ -590,3 +591,24 @@ def test_epmoe_run_on_the_int4_checkpoint(ckpts, tmp_path):
                  "--prompt", "int4 experts", "--prompt", "packed", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["matches_reference"] is True and report["mismatches"] == []
+
+
+def test_a_pipe_as_index_or_tokenizer_file_is_refused(ckpts, tmp_path):
+    """A pipe as model.safetensors.index.json was taken for no index; as tokenizer_config.json it blocked epmoe run
+    forever (transformers' read of it)."""
+    import os
+
+    from epmoe.engine.tokenizer import load_tokenizer
+    from epmoe.models.checkpoint import CheckpointReader
+
+    directory = tmp_path / "piped"
+    shutil.copytree(ckpts["kimi-k2.5-int4"][0], directory)
+    os.mkfifo(directory / "model.safetensors.index.json")
+    with pytest.raises(ValueError, match=r"^checkpoint index '.*model\.safetensors\.index\.json' is not a regular "
+                                         r"file$"):
+        CheckpointReader(directory)
+    (directory / "model.safetensors.index.json").unlink()
+    (directory / "tokenizer_config.json").unlink(missing_ok=True)
+    os.mkfifo(directory / "tokenizer_config.json")
+    with pytest.raises(ValueError, match=r"^tokenizer file '.*tokenizer_config\.json' is not a regular file$"):
+        load_tokenizer(str(directory))

@@ -308,6 +308,13 @@ def test_redundant_suggestion_counts_the_slots_given():
     assert "EP4 with all-to-all: 9 expert slots are not divisible by 4; use --redundant 4" in skipped
 
 
+def test_nodes_advice_on_hardware_without_an_inter_node_link(capsys):  # was "pass --nodes 2", then refused
+    cfg = str(CONFIGS / "deepseek-v3.config.json")
+    assert main(["plan", "--config", cfg, "--hardware", "rtx-pro-6000", "--gpus", "16"]) == 2
+    assert ("error: --gpus (16) on 1 node(s) is 16 per node but rtx-pro-6000 has 8; it has no inter_node link, so at "
+            "most 8 GPUs") in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "args,msg",
     [

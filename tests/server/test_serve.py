@@ -705,6 +705,18 @@ def test_bench_dataset_path_errors_say_what_is_there(tmp_path, capsys):
         assert f"--dataset '{path}' {what}" in capsys.readouterr().err
 
 
+def test_bench_dataset_lines_are_json_lines(tmp_path):
+    """A prompt holding U+2028 (json.dumps with ensure_ascii=False writes it as is) was split off as a line of its
+    own: "line 2: not JSON"."""
+    from epmoe.server.bench import BenchConfig, load_requests
+
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "a\u2028b\u0085c"}, ensure_ascii=False) + "\n" + '{"prompt": "x"}\n',
+                    encoding="utf-8")
+    rows = load_requests(BenchConfig("http://x", dataset=str(path), num_prompts=2))
+    assert [r[0] for r in rows] == ["a\u2028b\u0085c", "x"]
+
+
 def test_bench_random_prompt_flags_are_refused_with_a_dataset(tmp_path, capsys):  # were ignored
     from epmoe.cli import main
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from epmoe.checks import read_text_file
 from epmoe.engine.attention import register_attention
 from epmoe.engine.kv_cache import KVCache, KVLayout
 from epmoe.engine.packing import Feed, pack
@@ -174,7 +175,7 @@ class Eagle3Proposer(Proposer):
 
         cfg = engine.config
         self.path = Path(cfg.speculative_draft_model)
-        raw = json.loads((self.path / "config.json").read_text())
+        raw = json.loads(read_text_file(self.path / "config.json", "EAGLE-3 draft config"))
         target = engine.ep_model.model
         tcfg = target.config
         what = f"EAGLE-3 draft {self.path}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from epmoe.checks import check_regular_file, read_text_file
 from epmoe.config_fields import json_text
 from epmoe.spec import language_model_config, read_config
 
@@ -22,9 +23,13 @@ def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
             named; transformers would ask on the terminal); an ``auto_map`` that names no class of the checkpoint's
             own files; the tokenizer files cannot be read (the broken JSON file named, with the parser's reason, or
             one that is not a JSON object), or
-            a ``tokenizer_config.json`` without any vocabulary file beside it.
+            a ``tokenizer_config.json`` without any vocabulary file beside it; a tokenizer file that is not a
+            regular file (a pipe or a device: ``checks.check_regular_file``).
     """
     names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    for name in (*names, "special_tokens_map.json"):  # a pipe would block transformers' read, a device fill memory
+        if (Path(model_dir) / name).exists():
+            check_regular_file(Path(model_dir) / name, "tokenizer file")
     if not any((Path(model_dir) / f).is_file() for f in names):
         return None
     import json
@@ -41,7 +46,7 @@ def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             path = Path(model_dir) / name
             try:
-                held = json.loads(path.read_text()) if path.is_file() else {}
+                held = json.loads(read_text_file(path, "tokenizer file")) if path.is_file() else {}
             except (ValueError, OSError) as bad:
                 raise ValueError(f"tokenizer file {str(path)!r} cannot be read: {bad}") from None
             if not isinstance(held, dict):
@@ -69,16 +74,19 @@ def remote_tokenizer(model_dir: str) -> str | None:
 
     Raises:
         ValueError: the ``auto_map`` entry is not such a name, names code of another repository (which would be
-            fetched from the Hub), or a module the checkpoint does not hold (the file and the value named).
+            fetched from the Hub), or a module the checkpoint does not hold (the file and the value named); a
+            ``tokenizer_config.json`` that is not a regular UTF-8 file (``checks.read_text_file``).
     """
     import json
 
     from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
     path = Path(model_dir) / "tokenizer_config.json"
+    if not path.exists():
+        return None
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
+        config = json.loads(read_text_file(path, "tokenizer file"))
+    except json.JSONDecodeError:  # the tokenizer's loader names it
         return None
     auto_map = config.get("auto_map") if isinstance(config, dict) else None
     if not isinstance(auto_map, dict) or "AutoTokenizer" not in auto_map:
@@ -133,16 +141,17 @@ def generation_config(model_dir: str) -> dict:
     """The checkpoint's ``generation_config.json`` (transformers' generation defaults), ``{}`` when it has none.
 
     Raises:
-        ValueError: the file is not a JSON object (the file and the parser's reason named).
+        ValueError: the file is not a JSON object (the file and the parser's reason named), or not a regular UTF-8
+            file (``checks.read_text_file``: a pipe would block transformers' own read of it).
     """
     path = Path(model_dir) / "generation_config.json"
-    if not path.is_file():
+    if not path.exists():
         return {}
     import json
 
     try:
-        raw = json.loads(path.read_text())
-    except (ValueError, OSError) as exc:
+        raw = json.loads(read_text_file(path, "generation config"))
+    except json.JSONDecodeError as exc:
         raise ValueError(f"{str(path)!r} cannot be read: {exc}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{str(path)!r} must hold a JSON object, got {type(raw).__name__}")

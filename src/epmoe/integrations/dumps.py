@@ -157,7 +157,7 @@ def _sglang_stat(path: Path) -> torch.Tensor:
         raise ValueError(f"loads file {str(path)!r}: field 'logical_count' is missing (found {keys})")
     count = _as_tensor(doc["logical_count"], path, "logical_count")
     if count.dim() == 3:
-        count = count.sum(0)
+        count = count.double().sum(0)  # in float64: int64 counts near 2**62 would wrap to negatives
     if count.dim() != 2:
         raise ValueError(f"loads file {str(path)!r}: field 'logical_count' must be [B, L, E] or [L, E], got shape "
                          f"{tuple(count.shape)}")

@@ -86,6 +86,9 @@ def _index_weight_map(index: Path) -> dict[str, str]:
     except json.JSONDecodeError as exc:
         raise ValueError(f"checkpoint index {str(index)!r} is not JSON ({exc})") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if isinstance(doc, dict) and "weight_map" in doc and not isinstance(weight_map, dict):
+        raise ValueError(f"checkpoint index {str(index)!r}: field 'weight_map' must be an object (tensor name -> "
+                         f"shard file), got {json.dumps(weight_map)}")
     if not isinstance(weight_map, dict):
         found = f"its fields are {sorted(doc)}" if isinstance(doc, dict) else f"it holds a {type(doc).__name__}"
         raise ValueError(f"checkpoint index {str(index)!r} has no object 'weight_map' (tensor name -> shard file; "
@@ -117,7 +120,7 @@ class CheckpointReader:
         if not (self.directory / "config.json").is_file():
             raise FileNotFoundError(f"checkpoint directory {str(self.directory)!r} has no config.json")
         index = self.directory / "model.safetensors.index.json"
-        if index.is_file():
+        if index.exists():  # a pipe or a device there is refused by the reader, not taken for no index
             weight_map = _index_weight_map(index)
             missing = sorted({f for f in weight_map.values() if not (self.directory / f).is_file()})
             odd = [f for f in missing if (self.directory / f).exists()]
@@ -140,7 +143,7 @@ class CheckpointReader:
                         raise ValueError(f"checkpoint {self.directory}: tensor {k!r} is in both {weight_map[k]!r} "
                                          f"and {name!r} (with no model.safetensors.index.json to say which is read)")
                     weight_map[k] = name
-        config = json.loads((self.directory / "config.json").read_text())
+        config = json.loads(read_text_file(self.directory / "config.json", "config file"))
         self.prefix = ""
         if isinstance(config.get("text_config"), dict) and any(k.startswith(_WRAPPER_PREFIX) for k in weight_map):
             self.prefix = _WRAPPER_PREFIX

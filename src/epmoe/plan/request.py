@@ -137,10 +137,11 @@ class PlanRequest:
             raise ValueError(f"gpus ({self.gpus}) must be divisible by nodes ({self.nodes})")
         per_node = self.gpus // self.nodes
         if per_node > self.hardware.gpus_per_node:
-            raise ValueError(
-                f"gpus ({self.gpus}) on {self.nodes} node(s) is {per_node} per node but {self.hardware.name} has "
-                f"{self.hardware.gpus_per_node}; pass --nodes {nodes_needed(self.gpus, self.hardware.gpus_per_node)}"
-            )
+            advice = (f"pass --nodes {nodes_needed(self.gpus, self.hardware.gpus_per_node)}"
+                      if self.hardware.inter_node is not None else
+                      f"it has no inter_node link, so at most {self.hardware.gpus_per_node} GPUs")
+            raise ValueError(f"gpus ({self.gpus}) on {self.nodes} node(s) is {per_node} per node but "
+                             f"{self.hardware.name} has {self.hardware.gpus_per_node}; {advice}")
         if self.nodes > 1 and self.hardware.inter_node is None:
             raise ValueError(f"nodes ({self.nodes}) > 1 but hardware {self.hardware.name} has no inter_node link")
         slots = self.spec.num_experts + self.redundant

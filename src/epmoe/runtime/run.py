@@ -411,16 +411,29 @@ def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids
         with torch.no_grad():
             for i, ids in enumerate(all_ids):
                 x = torch.tensor([ids], device=device)
+                watch = _FiniteWatch()
                 y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=cfg.max_new_tokens,
                                    do_sample=False, eos_token_id=eos_ids or None,
-                                   pad_token_id=eos_ids[0] if eos_ids else 0, output_logits=True,
-                                   return_dict_in_generate=True)
-                out.append(y.sequences[0, len(ids):].tolist())
-                bad = [step for step, logits in enumerate(y.logits) if not bool(torch.isfinite(logits).all())]
-                if bad:
-                    not_finite.append((i, bad[0]))
+                                   pad_token_id=eos_ids[0] if eos_ids else 0, logits_processor=[watch])
+                out.append(y[0, len(ids):].tolist())
+                if watch.first_bad is not None:
+                    not_finite.append((i, watch.first_bad))
                 bar.advance(task)
     return out, not_finite
+
+
+class _FiniteWatch:
+    """A transformers logits processor that leaves the scores as they are and notes the first step whose scores
+    hold NaN or infinite values (``first_bad``), so that no step's logits are kept."""
+
+    def __init__(self) -> None:
+        self.step, self.first_bad = 0, None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.first_bad is None and not bool(torch.isfinite(scores).all()):
+            self.first_bad = self.step
+        self.step += 1
+        return scores
 
 
 def run_job(cfg: RunConfig) -> RunReport:

@@ -180,7 +180,7 @@ def load_requests(cfg: BenchConfig) -> list[tuple[str | list[int], int, int]]:
                 for _ in range(cfg.num_prompts)]
     rows = []
     text = read_text_file(cfg.dataset, "dataset", MAX_DATA_TEXT_BYTES)
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(text.split("\n"), start=1):  # JSON Lines' lines (splitlines also breaks on U+2028)
         if not line.strip():
             continue
         try:
