@@ -140,7 +140,8 @@ embedding and logits the planner and doctor size from it."""
 
 MAX_POSITIONS = 1 << 24
 """The largest ``max_position_embeddings`` a config.json may give: past the longest published context (Llama-4
-Scout's 10485760), a bound on the block tables and position tables the engine sizes from it."""
+Scout's 10485760), a bound on what the engine sizes from it (its block tables, and a KV pool of up to
+``max_num_seqs`` sequences of that context)."""
 
 MAX_LAYERS = 1 << 16
 """The most decoder layers a config.json may give (``num_hidden_layers``): far past any model's, and a bound on the
