@@ -45,9 +45,10 @@ def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
     except Exception as exc:
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             path = Path(model_dir) / name
+            text = read_text_file(path, "tokenizer file") if path.is_file() else "{}"  # names its own errors
             try:
-                held = json.loads(read_text_file(path, "tokenizer file")) if path.is_file() else {}
-            except (ValueError, OSError) as bad:
+                held = json.loads(text)
+            except ValueError as bad:
                 raise ValueError(f"tokenizer file {str(path)!r} cannot be read: {bad}") from None
             if not isinstance(held, dict):
                 raise ValueError(f"tokenizer file {str(path)!r} must hold a JSON object, got "
