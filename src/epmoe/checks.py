@@ -13,6 +13,12 @@ def is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def valid_seed(value: object) -> bool:
+    """Whether ``value`` is a sampling seed: an integer (not a bool) in ``[0, 2**63)`` (the engine's, ``run``'s, the
+    server's and ``bench serve``'s)."""
+    return is_int(value) and 0 <= value < 2**63
+
+
 def check_int(name: str, value: object, minimum: int, *, wording: str = "") -> int:
     """Return ``value`` as an ``int`` if it is an integer ``>= minimum``.
 

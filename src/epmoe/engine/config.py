@@ -9,8 +9,7 @@ from pathlib import Path
 
 import torch
 
-from epmoe.checks import MAX_SPECULATIVE_TOKENS
-from epmoe.engine.sampling import valid_seed
+from epmoe.checks import MAX_SPECULATIVE_TOKENS, valid_seed
 from epmoe.spec import is_checkpoint_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

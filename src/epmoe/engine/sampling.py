@@ -27,21 +27,13 @@ from dataclasses import dataclass
 
 import torch
 
+from epmoe.checks import is_int, valid_seed
 from epmoe.engine.structured import KINDS, StructuredOutputs
 from epmoe.engine.tokenizer import generation_config
 from epmoe.engine.transfer import to_device
 
 MAX_LOGPROBS = 20
 """The most alternatives a request may ask log-probabilities of per token (vLLM's default ``max_logprobs``)."""
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def valid_seed(v: object) -> bool:
-    """Whether ``v`` is a sampling seed: an integer (not a bool) in ``[0, 2**63)``."""
-    return _is_int(v) and 0 <= v < 2**63
 
 
 def _is_real(v: object) -> bool:
@@ -142,25 +134,25 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= -1 (-1 or 0 = all tokens), got {self.top_k!r}")
         if self.seed is not None and not valid_seed(self.seed):
             raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
         if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
@@ -171,7 +163,7 @@ class SamplingParams:
         if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         for token, value in self.logit_bias:
-            if not _is_int(token) or token < 0:
+            if not is_int(token) or token < 0:
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
             if not _is_real(value) or not -100 <= value <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r} for token {token}")

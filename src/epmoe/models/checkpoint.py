@@ -29,7 +29,7 @@ from safetensors import SafetensorError, safe_open
 
 from epmoe.checks import read_text_file
 from epmoe.experts.mxfp4 import E8M0_MAX_FINITE, E8M0_NAN
-from epmoe.spec import fp8_block_size, int4_scheme_departure, language_model_config
+from epmoe.spec import fp8_block_size, int4_scheme_departure, language_model_config, read_config
 
 SCALE_SUFFIX = "_scale_inv"
 _WRAPPER_PREFIX = "language_model."
@@ -143,7 +143,7 @@ class CheckpointReader:
                         raise ValueError(f"checkpoint {self.directory}: tensor {k!r} is in both {weight_map[k]!r} "
                                          f"and {name!r} (with no model.safetensors.index.json to say which is read)")
                     weight_map[k] = name
-        config = json.loads(read_text_file(self.directory / "config.json", "config file"))
+        config = read_config(self.directory)[0]
         self.prefix = ""
         if isinstance(config.get("text_config"), dict) and any(k.startswith(_WRAPPER_PREFIX) for k in weight_map):
             self.prefix = _WRAPPER_PREFIX

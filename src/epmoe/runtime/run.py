@@ -18,11 +18,12 @@ from pathlib import Path
 import torch
 
 from epmoe.balance import rank_balancedness
+from epmoe.checks import valid_seed
 from epmoe.comm import COLLECTIVE_KINDS, Comm
 from epmoe.engine import Engine, EngineConfig, SamplingParams
 from epmoe.engine.config import COMMAND_FLAGS, EAGER_DISPATCHERS, PARALLEL_MODES, command_engine_config
 from epmoe.engine.group import check_group
-from epmoe.engine.sampling import GREEDY_BELOW, valid_seed
+from epmoe.engine.sampling import GREEDY_BELOW
 from epmoe.engine.tokenizer import check_generation_config, decode_text, encode_text, generation_config, load_tokenizer
 from epmoe.experts import describe_expert_backend
 from epmoe.experts.storage import held_as
