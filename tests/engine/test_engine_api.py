@@ -189,6 +189,18 @@ def test_bad_engine_config_named(model_dir, field, value, message):
         config(model_dir, **{field: value})
 
 
+def test_triton_in_float32_on_cuda_is_refused_by_the_config(model_dir, monkeypatch):
+    """The Triton kernels compute in bf16/fp16: a rank used to fail with the kernels' TypeError at its first step."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match=r"^expert_backend 'triton' computes on CUDA in bfloat16 or float16, got dtype "
+                                         r"'float32': use expert_backend 'reference'"):
+        config(model_dir, device="cuda", dtype="float32", expert_backend="triton", enforce_eager=True)
+    assert config(model_dir, device="cuda", dtype="float32", enforce_eager=True).expert_backend == "reference"
+    assert config(model_dir, device="cpu", dtype="float32", expert_backend="triton").expert_backend == "triton"
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("dtype", ["float32"], r"dtype must be a string, got list \['float32'\]"),  # was "unhashable type: 'list'"
     ("expert_backend", ["reference"], r"expert_backend must be a string, got list \['reference'\]"),

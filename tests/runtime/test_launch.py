@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from epmoe.runtime.launch import spawn
 
@@ -239,3 +240,26 @@ def test_rank_threads_follow_omp_num_threads_or_share_the_cores(monkeypatch):
     # spawned ranks set theirs before running the function
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert spawn(_threads, 2) == [1, 1]
+
+
+def test_check_gpus_names_the_ranks_a_machine_cannot_hold(monkeypatch):
+    """--ep 2 on a one-GPU machine failed inside rank 1 with "CUDA error: invalid device ordinal" (seen on an H100);
+    it is named before any rank starts, with the GPUs visible."""
+    from epmoe.runtime.launch import RankInfo, check_gpus
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    check_gpus("cuda", 1)
+    check_gpus("cpu", 8)  # gloo ranks need no GPU
+    with pytest.raises(ValueError, match=r"^--ep 2 on --device cuda starts one rank a GPU, and this machine has 1 "
+                                         r"visible GPU: pass --ep 1 or less$"):
+        check_gpus("cuda", 2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(ValueError, match=r"has 0 visible GPUs \(CUDA_VISIBLE_DEVICES=''\)"):
+        check_gpus("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    check_gpus("cuda", 16, RankInfo(9, 16, 3, "tcp://h:1"))  # under torchrun the group may span machines
+    with pytest.raises(ValueError, match=r"^this rank's LOCAL_RANK 4 names no GPU: the machine has 4 visible GPUs "
+                                         r"\(CUDA_VISIBLE_DEVICES=''\); start at most 4 ranks on it$"):
+        check_gpus("cuda", 16, RankInfo(12, 16, 4, "tcp://h:1"))

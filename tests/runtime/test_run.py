@@ -130,6 +130,36 @@ def test_bad_options(kimi, capsys, args, message):
     assert re.search(message, capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--ep", "2"], r"^epmoe run: error: --ep 2 on --device cuda starts one rank a GPU, and this machine has 1 "
+                    r"visible GPU"),  # was rank 1's "CUDA error: invalid device ordinal" (an H100)
+    (["--ep", "1", "--dtype", "float32", "--expert-backend", "triton"],
+     r"^epmoe run: error: --expert-backend 'triton' computes on CUDA in bfloat16 or float16, got --dtype 'float32': "
+     r"use --expert-backend 'reference'"),
+])
+def test_what_a_one_gpu_machine_cannot_run_is_named_before_any_rank_starts(kimi, capsys, monkeypatch, args, message):
+    """Both failed inside a rank on an H100; ``--dtype float32`` without a backend was a rank's TypeError too (the
+    default ``triton`` computes in bf16/fp16; the default is ``reference`` there now). No rank starts here: the
+    machine has no GPU, and the checks run before any would."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert main(["run", "--model", str(kimi), "--device", "cuda", *args]) == 2
+    assert re.search(message, capsys.readouterr().err, re.M)
+
+
+def test_float32_on_cuda_takes_the_reference_backend(kimi, monkeypatch):
+    from epmoe.engine.config import command_engine_config, default_expert_backend
+    from epmoe.runtime.run import RunConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert default_expert_backend("cuda", "float32") == "reference"
+    assert default_expert_backend("cuda", "bfloat16") == default_expert_backend("cuda", "float16") == "triton"
+    assert default_expert_backend("cpu", "bfloat16") == "reference"
+    cfg = command_engine_config(RunConfig(model=str(kimi), device="cuda", dtype="float32"), str(kimi))
+    assert cfg.expert_backend == "reference" and cfg.enforce_eager
+
+
 def test_placement_file_with_default_placement_options(kimi, tmp_path, capsys):
     path = tmp_path / "pl.json"
     ExpertPlacement.trivial(2, 16, 2).save(path)

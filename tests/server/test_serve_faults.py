@@ -175,3 +175,19 @@ def test_experts_that_do_not_fit_the_ranks_are_refused_before_any_rank_starts(fl
     assert done.returncode == 2, err
     assert re.search(rf"^epmoe serve: error: {message}", err, re.M), err
     assert "listening" not in err and "rank 0 failed" not in err and "Traceback" not in err, err
+
+
+def test_more_ranks_than_gpus_is_refused_before_any_rank_starts(capsys, monkeypatch, tiny_checkpoints):
+    """``epmoe run`` met it on an H100 as rank 1's "CUDA error: invalid device ordinal"; serve starts its ranks
+    the same way. Named before a process starts (this machine has no GPU: CUDA is pretended up to that check)."""
+    import torch
+
+    from epmoe.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    model = str(tiny_checkpoints("qwen3-moe"))
+    assert main(["serve", "--model", model, "--device", "cuda", "--dtype", "bfloat16", "--ep", "2", "--port", "0"]) == 2
+    assert ("--ep 2 on --device cuda starts one rank a GPU, and this machine has 1 visible GPU: pass --ep 1 or less"
+            in capsys.readouterr().err)

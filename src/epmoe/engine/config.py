@@ -304,6 +304,9 @@ class EngineConfig:
             raise ValueError(f"dispatcher {self.dispatcher!r} is not one of {list(EAGER_DISPATCHERS)}")
         if self.expert_backend not in EXPERT_BACKENDS:
             raise ValueError(f"expert_backend {self.expert_backend!r} is not one of {sorted(EXPERT_BACKENDS)}")
+        if self.expert_backend == "triton" and self.device == "cuda" and self.dtype == "float32":
+            raise ValueError("expert_backend 'triton' computes on CUDA in bfloat16 or float16, got dtype 'float32': "
+                             "use expert_backend 'reference' for float32 on CUDA (the commands' default there)")
         if self.use_graphs and (self.expert_backend not in GRAPH_SAFE_BACKENDS or self.dtype == "float32"):
             raise ValueError(
                 f"CUDA-graph decode needs a graph-safe expert backend {GRAPH_SAFE_BACKENDS} in bfloat16 or float16; "
@@ -407,16 +410,23 @@ def synthetic_text(load_format: str, moe_routing_simulation: str | None) -> str 
     return f"weights {weights}, MoE routing {routing}: not the model's text"
 
 
+def default_expert_backend(device: str, dtype: str) -> str:
+    """The commands' expert backend when none is named: ``triton`` on CUDA in bfloat16 or float16, ``reference``
+    elsewhere (on CPU, and in float32 on CUDA, which the Triton kernels do not compute)."""
+    return "triton" if device == "cuda" and dtype != "float32" else "reference"
+
+
 def command_engine_config(source: object, model_dir: str, **fields: object) -> EngineConfig:
     """The ``EngineConfig`` of a command's options for ``model_dir``: every ``COMMAND_FIELDS`` name read from
     ``source`` (a RunConfig or a ServeConfig), with the commands' defaults applied: an ``expert_backend`` of
     ``None`` is ``triton`` on CUDA and ``reference`` on CPU, and steps run eagerly (``enforce_eager``) when asked,
-    in float32, or on a backend CUDA graphs cannot replay. ``fields``: the other ``EngineConfig`` fields.
+    in float32, or on a backend CUDA graphs cannot replay. ``fields``: the other ``EngineConfig`` fields. An
+    ``expert_backend`` of ``None`` in float32 on CUDA is ``reference`` (the Triton kernels compute in bf16 or fp16).
 
     Raises:
         ValueError: a bad option (named by its field).
     """
-    backend = source.expert_backend or ("triton" if source.device == "cuda" else "reference")
+    backend = source.expert_backend or default_expert_backend(source.device, source.dtype)
     eager = source.enforce_eager or source.dtype == "float32" or backend not in GRAPH_SAFE_BACKENDS
     return EngineConfig(model=model_dir, expert_backend=backend, enforce_eager=eager,
                         **{name: getattr(source, name) for name in COMMAND_FIELDS}, **fields)

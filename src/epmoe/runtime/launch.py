@@ -73,6 +73,33 @@ def torchrun_rank_info() -> RankInfo:
     return RankInfo(rank, world, local, f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
 
 
+def check_gpus(device: str, size: int, info: RankInfo | None = None) -> None:
+    """That every rank this machine starts on ``device`` ``cuda`` has a GPU of its own, checked before any rank starts
+    (``epmoe run`` and ``epmoe serve`` call it; a rank without one failed inside with "invalid device ordinal").
+
+    Args:
+        device: ``cpu`` (nothing to check) or ``cuda``.
+        size: the EP size, ``--ep``: spawned ranks, one a GPU of this machine.
+        info: under torchrun, this rank's ``RankInfo``: its ``local_rank`` must name a visible GPU (the group may
+            span machines); ``None`` when this process spawns the ranks.
+
+    Raises:
+        ValueError: fewer visible GPUs than the ranks need (the count, and ``CUDA_VISIBLE_DEVICES`` when set).
+    """
+    if device != "cuda":
+        return
+    gpus = torch.cuda.device_count()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = f"{gpus} visible GPU{'' if gpus == 1 else 's'}" + (
+        f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
+    if info is None and size > gpus:
+        raise ValueError(f"--ep {size} on --device cuda starts one rank a GPU, and this machine has {shown}: "
+                         f"pass --ep {gpus} or less")
+    if info is not None and info.local_rank >= gpus:
+        raise ValueError(f"this rank's LOCAL_RANK {info.local_rank} names no GPU: the machine has {shown}; "
+                         f"start at most {gpus} ranks on it")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

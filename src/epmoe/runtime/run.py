@@ -30,7 +30,7 @@ from epmoe.experts.storage import held_as
 from epmoe.models.hf import hf_config, needs_own_loader
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.plan.request import counted
-from epmoe.runtime.launch import RankInfo, init_group, spawn, torchrun_rank_info, under_torchrun
+from epmoe.runtime.launch import RankInfo, check_gpus, init_group, spawn, torchrun_rank_info, under_torchrun
 from epmoe.runtime.report import RankReport, RunReport, judge_mismatches
 from epmoe.spec import MoESpec, is_checkpoint_dir, load_moe_spec
 
@@ -62,7 +62,8 @@ class RunConfig:
         dtype: ``float32``, ``bfloat16`` or ``float16``.
         dispatcher: dispatcher of eager steps (``all_to_all``; ``local`` for EP 1); ``None`` = the
             engine's choice. Graph-replayed decode steps use ``fixed_capacity`` on several ranks.
-        expert_backend: expert compute backend name; ``None`` = ``triton`` on CUDA, ``reference`` on CPU.
+        expert_backend: expert compute backend name; ``None`` = ``triton`` on CUDA in bf16/fp16, ``reference`` on CPU
+            and in float32.
         reference: run the unsharded transformers model and compare tokens (greedy runs only).
         eplb_interval: rebalance every this many engine steps from the recorded loads (0 = never).
         eplb_max_moves: most expert copies one rebalance may move (``None`` = as few as reach the target).
@@ -348,12 +349,15 @@ def _engine_config(cfg: RunConfig, model_dir: str) -> EngineConfig:
         raise ValueError(msg) from None
 
 
-def _check_before_start(cfg: RunConfig, model_dir: str, ep: int, all_ids: list[list[int]]) -> None:
-    """Everything that can be checked before any rank starts: the engine options, the weights, whether
+def _check_before_start(cfg: RunConfig, model_dir: str, ep: int, all_ids: list[list[int]],
+                        info: RankInfo | None = None) -> None:
+    """Everything that can be checked before any rank starts: a GPU for each rank on CUDA (``launch.check_gpus``;
+    ``info``: this rank's under torchrun), the engine options, the weights, whether
     ``generation_config.json`` is a JSON object, the KV pool when its size is given, and what the group must fit
     (``engine.group.check_group``: the target's and a draft model's placements, or the sizes tp divides)."""
     if cfg.dispatcher == "local" and ep != 1:
         raise ValueError(f"--dispatcher local serves EP size 1 only; EP size is {ep}: use all_to_all")
+    check_gpus(cfg.device, ep, info)
     engine_cfg = _engine_config(cfg, model_dir)
     spec = load_moe_spec(model_dir)
     _check_context(spec, all_ids, cfg.max_new_tokens, cfg.max_model_len)
@@ -464,7 +468,7 @@ def run_job(cfg: RunConfig) -> RunReport:
     all_ids, tok = _encode(model_dir, prompts, cfg.trust_remote_code)
     if under_torchrun():
         info = torchrun_rank_info()
-        _check_before_start(cfg, model_dir, info.world_size, all_ids)
+        _check_before_start(cfg, model_dir, info.world_size, all_ids, info)
         ranks = _rank_worker(info, cfg, model_dir, all_ids, gather=True, progress=True)
         if ranks is None:
             return None  # type: ignore[return-value]

@@ -67,7 +67,7 @@ class ServeConfig:
             engine's options
             (``EngineConfig``).
         seed: seed of the dummy weights and of requests sampled without a seed of their own (``EngineConfig``).
-        expert_backend: ``None`` = ``triton`` on CUDA, ``reference`` on CPU.
+        expert_backend: ``None`` = ``triton`` on CUDA in bf16/fp16, ``reference`` on CPU and in float32.
         host: address to listen on.
         port: TCP port (0 = any free one, logged).
         served_model_name: the model id clients send; ``None`` = the checkpoint directory's name.

@@ -44,6 +44,7 @@ from epmoe.runtime.launch import (
     RankFailure,
     RankInfo,
     SpawnedRanks,
+    check_gpus,
     torchrun_rank_info,
     under_torchrun,
 )
@@ -188,7 +189,8 @@ def serve(cfg: ServeConfig) -> int:
     engine_cfg = cfg.engine_config(model_dir)  # a bad engine option fails here, before any process starts
     parsers = ChatParsers(cfg.reasoning_parser, cfg.tool_call_parser, cfg.enable_auto_tool_choice)
     info = torchrun_rank_info() if under_torchrun() else None
-    check_group(engine_cfg, info.world_size if info is not None else cfg.ep)  # before any rank starts
+    check_gpus(cfg.device, cfg.ep, info)  # before any rank starts, as the group's fit
+    check_group(engine_cfg, info.world_size if info is not None else cfg.ep)
     if info is not None and info.rank != 0:
         follow(info, cfg, model_dir)
         return 0
