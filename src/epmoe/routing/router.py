@@ -356,14 +356,45 @@ def _fused_router(x: torch.Tensor, router_kind: str):
     return router_triton if router_triton.supports(router_kind) else None
 
 
+def router_choices(spec: MoESpec, logits: torch.Tensor,
+                   correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The values ``Router`` picks a token's experts by, from its gate logits, before any group mask: the softmax
+    probabilities (``softmax_topk``), the sigmoid scores plus the correction bias (``sigmoid_topk``), or the logits
+    themselves (``topk_softmax``, ``topk_sigmoid``); with expert groups also the groups' scores, by which the
+    ``topk_group`` groups are kept (``_group_scores``). ``runtime.near_tie`` reads how close the choices were.
+
+    Args:
+        spec: the model's MoE facts.
+        logits: ``[T, E]`` float32 gate logits.
+        correction_bias: ``[E]`` float32 ``e_score_correction_bias`` (``sigmoid_topk``), or ``None``.
+
+    Returns:
+        ``[T, E]`` float32 choice values and ``[T, n_group]`` float32 group scores (``None`` without groups).
+    """
+    kind = spec.router_kind
+    if kind == "softmax_topk":
+        choice = torch.softmax(logits.float(), dim=-1)
+    elif kind == "sigmoid_topk":
+        choice = logits.float().sigmoid()
+        if correction_bias is not None:
+            choice = choice + correction_bias.float()
+    else:
+        choice = logits.float()
+    return choice, (_group_scores(choice, spec) if spec.n_group > 1 else None)
+
+
+def _group_scores(scores_for_groups: torch.Tensor, s: MoESpec) -> torch.Tensor:
+    """``[T, n_group]``: each group's best score, or the sum of its two best (``group_score == "top2_sum"``)."""
+    grouped = scores_for_groups.view(scores_for_groups.shape[0], s.n_group, s.num_experts // s.n_group)
+    if s.group_score == "top2_sum":
+        return grouped.topk(2, dim=-1)[0].sum(dim=-1)
+    return grouped.max(dim=-1).values
+
+
 def _group_mask(values: torch.Tensor, s: MoESpec, scores_for_groups: torch.Tensor, fill: float) -> torch.Tensor:
     """Keep only experts of the ``topk_group`` best groups (DeepSeek grouped / device-limited routing)."""
     t = values.shape[0]
-    grouped = scores_for_groups.view(t, s.n_group, s.num_experts // s.n_group)
-    if s.group_score == "top2_sum":
-        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
-    else:
-        group_scores = grouped.max(dim=-1).values
+    group_scores = _group_scores(scores_for_groups, s)
     group_idx = torch.topk(group_scores, k=s.topk_group, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()
     expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, s.num_experts // s.n_group).reshape(t, s.num_experts)

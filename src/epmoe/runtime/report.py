@@ -13,6 +13,7 @@ from rich.table import Table
 from epmoe.comm import COLLECTIVE_KINDS
 from epmoe.engine.config import synthetic_text
 from epmoe.plan.request import counted, format_bytes
+from epmoe.runtime.near_tie import Divergence, describe
 
 
 @dataclass
@@ -103,6 +104,10 @@ class RunReport:
             such logits mean nothing, so the check does not pass (its prompts are among ``mismatches``).
         float32_judged: per prompt that differed from the same-dtype reference in a bf16/fp16 run, which side
             equals the float32 reference: ``{"prompt", "epmoe_equals_float32", "reference_equals_float32"}``.
+        divergences: per prompt of a bf16/fp16 run whose tokens equal neither reference, its first step that differs
+            from the float32 reference measured there (``near_tie.Divergence.to_json``: the token's and the nearest
+            router's float32 gaps against how far transformers' own half-precision run moves them); a prompt whose
+            divergence is a near-tie (``near_tie``) matches, since rounding alone flips such a choice.
         graphs: whether steps replayed CUDA graphs (decode buckets or piecewise graphs).
         overlap: whether the engine ran the overlap schedule (``EngineConfig.disable_overlap_schedule``).
         speculative: with speculative decoding, the counts over every rank (``SpecStats.to_json``), the
@@ -137,6 +142,7 @@ class RunReport:
     first_mismatch: tuple[int, int, int, int] | None = None
     reference_not_finite: tuple[int, int] | None = None
     float32_judged: list[dict] = field(default_factory=list)
+    divergences: list[dict] = field(default_factory=list)
     graphs: bool = False
     overlap: bool = False
     speculative: dict | None = None
@@ -221,11 +227,18 @@ def _verdict(report: RunReport) -> str:
                 f"checkpoint's weights, or its activations in {report.dtype}, are not finite, so no run's tokens "
                 f"mean anything (prompts {report.mismatches})")
     saved = [j["prompt"] for j in report.float32_judged if j["epmoe_equals_float32"]]
+    tied = [d["prompt"] for d in report.divergences if d["near_tie"]]
     if report.matches_reference:
-        if not saved:
+        if not saved and not tied:
             return "YES, token for token"
-        return (f"YES: prompts {saved} differ from transformers' {report.dtype} run, but equal its float32 run "
-                f"(its {report.dtype} run rounded a near-tie the other way); the others token for token")
+        parts = []
+        if saved:
+            parts.append(f"prompts {saved} differ from transformers' {report.dtype} run, but equal its float32 run "
+                         f"(its {report.dtype} run rounded a near-tie the other way)")
+        if tied:
+            parts.append(f"prompts {tied} differ from both transformers runs at a near-tie of the float32 model, "
+                         f"which {report.dtype} rounding flips (where the tokens differ, below)")
+        return "YES: " + "; ".join(parts) + "; the others token for token"
     i, step, ours, theirs = report.first_mismatch
     verdict = (f"NO: prompts {report.mismatches} differ; first at prompt {i}, step {step}: token {ours} here, "
                f"{theirs} in the reference")
@@ -235,6 +248,8 @@ def _verdict(report: RunReport) -> str:
         verdict += f"; the float32 reference equals {side} there"
     if saved:
         verdict += f"; prompts {saved} equal the float32 reference"
+    if tied:
+        verdict += f"; prompts {tied} differ from a near-tie (below)"
     return verdict
 
 
@@ -252,10 +267,13 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     if spec is not None:
         outputs.add_column("accepted length", justify="right")
     by_float32 = {j["prompt"] for j in report.float32_judged if j["epmoe_equals_float32"]}
+    tied = {d["prompt"] for d in report.divergences if d["near_tie"]}
     for i, (p, o) in enumerate(zip(report.prompts, report.outputs)):
         match = "-" if report.matches_reference is None else ("no" if i in report.mismatches else "yes")
         if i in by_float32:
             match = "yes (float32)"
+        elif i in tied:
+            match = "yes (near-tie)"
         extra = [_accepted(spec["requests"][i])] if spec is not None else []
         outputs.add_row(str(i), p, repr(o), match, *extra)
     console.print(outputs)
@@ -332,4 +350,7 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     else:
         verdict = _verdict(report)
         summary.add_row("matches transformers reference", verdict)
+        for d in report.divergences:
+            summary.add_row("where the tokens differ from float32", describe(Divergence(
+                **{k: v for k, v in d.items() if k != "near_tie"}), report.dtype))
     console.print(summary)

@@ -31,6 +31,7 @@ from epmoe.models.hf import hf_config, needs_own_loader
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.plan.request import counted
 from epmoe.runtime.launch import RankInfo, check_gpus, init_group, spawn, torchrun_rank_info, under_torchrun
+from epmoe.runtime.near_tie import Divergence, exchanged, first_difference, measure, probe, router_ties
 from epmoe.runtime.report import RankReport, RunReport, judge_mismatches
 from epmoe.spec import MoESpec, is_checkpoint_dir, load_moe_spec
 
@@ -394,20 +395,13 @@ def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids
     """
     from rich.console import Console
     from rich.progress import Progress
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
-    from epmoe.models.hf import load_full_model
-
-    device = "cuda" if cfg.device == "cuda" else "cpu"
-    dtype = _DTYPES[dtype_name]
+    device = _reference_device(cfg)
     out, not_finite = [], []
     with Progress(transient=True, console=Console(stderr=True)) as bar:
         task = bar.add_task(f"loading the unsharded transformers reference ({dtype_name})", total=None)
-        if needs_own_loader(model_dir):
-            model = load_full_model(model_dir, dtype, device)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config(model_dir), dtype=dtype)
-            model = model.to(device).eval()
+        model = _load_reference(model_dir, dtype_name, device)
         # greedy decoding alone, as the engine runs it: generation_config.json's beams, stop strings and penalties
         # are not the engine's (--temperature and friends are; serve reads the file's sampling defaults)
         model.generation_config = GenerationConfig(do_sample=False, num_beams=1)
@@ -425,6 +419,58 @@ def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids
                     not_finite.append((i, watch.first_bad))
                 bar.advance(task)
     return out, not_finite
+
+
+def _reference_device(cfg: RunConfig) -> str:
+    return "cuda" if cfg.device == "cuda" else "cpu"
+
+
+def _load_reference(model_dir: str, dtype_name: str, device: str) -> torch.nn.Module:
+    """The unsharded transformers model in ``dtype_name`` on ``device``, in eval mode: transformers'
+    ``from_pretrained`` where it reads the checkpoint, else ``load_full_model``."""
+    from transformers import AutoModelForCausalLM
+
+    from epmoe.models.hf import load_full_model
+
+    if needs_own_loader(model_dir):
+        return load_full_model(model_dir, _DTYPES[dtype_name], device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config(model_dir), dtype=_DTYPES[dtype_name])
+    return model.to(device).eval()
+
+
+def _divergences(cfg: RunConfig, model_dir: str, spec: MoESpec, all_ids: list[list[int]], tokens: list[list[int]],
+                 ref32: dict[int, list[int]], prompts: list[int]) -> list[Divergence]:
+    """For each of ``prompts`` (a half-precision run's prompts that differ from the float32 reference), its first
+    differing step weighed by ``near_tie``: the prompt and our tokens before it fed through the run's-dtype and then
+    the float32 transformers model (each loaded once more, one at a time, only here), the float32 one again with each
+    router tie's experts exchanged."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    cases = {i: s for i in prompts if (s := first_difference(tokens[i], ref32[i])) is not None}
+    if not cases:
+        return []
+    device = _reference_device(cfg)
+    seqs = {i: all_ids[i] + tokens[i][:step] for i, step in cases.items()}  # the tokens both runs share
+    out = []
+    with Progress(transient=True, console=Console(stderr=True)) as bar:
+        task = bar.add_task(f"weighing where the tokens differ ({cfg.dtype} reference)", total=len(cases))
+        model = _load_reference(model_dir, cfg.dtype, device)
+        half = {}
+        for i in cases:
+            half[i] = probe(model, spec, seqs[i], device)
+            bar.advance(task)
+        del model
+        task = bar.add_task("weighing where the tokens differ (float32 reference)", total=len(cases))
+        model = _load_reference(model_dir, "float32", device)
+        for i, step in cases.items():
+            full = probe(model, spec, seqs[i], device)
+            ties = router_ties(full, half[i], spec)
+            swapped = exchanged(model, spec, seqs[i], [(layer, a, b) for _, layer, a, b, _ in ties], device)
+            out.append(measure(i, step, tokens[i][step], ref32[i][step], full, half[i], ties, swapped))
+            bar.advance(task)
+        del model
+    return out
 
 
 class _FiniteWatch:
@@ -531,6 +577,12 @@ def run_job(cfg: RunConfig) -> RunReport:
             ref32 = dict(zip(differ, _reference(cfg, model_dir, [all_ids[i] for i in differ], eos, "float32")[0]))
         report.reference_outputs = ref_tokens
         report.mismatches, report.float32_judged = judge_mismatches(tokens, ref_tokens, ref32)
+        unexplained = [i for i in report.mismatches if i in ref32]
+        if unexplained and not not_finite:
+            divergences = _divergences(cfg, model_dir, spec, all_ids, tokens, ref32, unexplained)
+            report.divergences = [d.to_json() for d in divergences]
+            tied = {d.prompt for d in divergences if d.near_tie}
+            report.mismatches = [i for i in report.mismatches if i not in tied]
         if not_finite:
             report.reference_not_finite = not_finite[0]
             report.mismatches = sorted(set(report.mismatches) | {i for i, _ in not_finite})

@@ -1,0 +1,229 @@
+"""Whether the first token of a half-precision run that differs from the float32 reference is a near-tie there.
+
+In bf16/fp16 the engine's sums run in another order than transformers' (sharded experts, fused kernels), so where the
+model's float32 choice is close, rounding alone can flip it: the greedy token, or a router's choice between its
+``K``-th and ``(K+1)``-th expert, after which every later value differs. ``epmoe run`` then finds our tokens equal to
+neither transformers run. This module weighs such a divergence: the prompt and our tokens up to the first step where
+they differ from the float32 reference's are fed (teacher-forced) through the unsharded transformers model in the run's
+dtype and in float32, and at that last position it reads
+
+* the token gap: the float32 logit of the reference's greedy token less that of ours;
+* per MoE layer, the router gap: the float32 choice value (``routing.router.router_choices``) of the ``K``-th expert
+  less that of the ``(K+1)``-th among the kept groups' experts.
+
+Each gap is set against how far transformers' own half-precision run moves the same values there (the largest change
+of any logit, or of any of the layer's choice values): its noise. A token gap within its noise is a near-tie. A router
+gap within its noise counts only once it is shown to explain our token: the float32 model is run again on the last
+position (the others from its cache) with that router's two experts exchanged (their gate rows, and their bias and
+correction-bias entries: each then takes the other's choice value and weight, which differ by the gap), and our token
+must then be float32's choice, or within the token noise of it. The nearest such router is kept.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from epmoe.models.layout import family_layout
+from epmoe.routing.router import router_choices
+from epmoe.spec import MoESpec
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One teacher-forced position of a transformers model.
+
+    Attributes:
+        logits: ``[V]`` float32 logits at the last position.
+        choices: decoder layer -> the router's choice values ``[E]`` and group scores ``[n_group]`` (``None``
+            without groups) at the last position, float32 (``router_choices`` of the layer's own gate weights).
+    """
+
+    logits: torch.Tensor
+    choices: dict[int, tuple[torch.Tensor, torch.Tensor | None]]
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """The first step where a half-precision run's tokens differ from the float32 reference's, measured there.
+
+    Attributes:
+        prompt: prompt index.
+        step: generated-token index of the first difference.
+        ours: our token there; ``float32``: the float32 reference's.
+        token_gap: float32 logit of ``float32`` less that of ``ours`` (>= 0).
+        token_noise: the largest change of any logit between the half-precision and float32 runs there.
+        router_layer: the decoder layer of the nearest router tie within its noise whose exchange leads to our token
+            (see the module docstring), or ``None``.
+        router_gap: that router's float32 gap, or ``None``.
+        router_noise: the largest change of its choice values between the runs, or ``None``.
+        experts: the router's ``K``-th and ``(K+1)``-th experts there, which were exchanged, or ``None``.
+    """
+
+    prompt: int
+    step: int
+    ours: int
+    float32: int
+    token_gap: float
+    token_noise: float
+    router_layer: int | None = None
+    router_gap: float | None = None
+    router_noise: float | None = None
+    experts: tuple[int, int] | None = None
+
+    @property
+    def near_tie(self) -> bool:
+        """The token gap is within the half-precision noise there, or a router tie within it leads to our token."""
+        return self.token_gap <= self.token_noise or self.router_layer is not None
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict, ``near_tie`` included."""
+        return {**asdict(self), "near_tie": self.near_tie}
+
+
+def router_modules(model: nn.Module, spec: MoESpec) -> dict[int, nn.Module]:
+    """The router (gate) module of each MoE decoder layer of a transformers model of ``spec``'s family, by layer
+    index: the module ``layers.{i}.{moe_attr}.{gate}`` that ``models.layout.family_layout`` names.
+
+    Raises:
+        KeyError: a family without a layout; ValueError: no router module found (named).
+    """
+    layout = family_layout(spec.model_type)
+    name = layout.router["weight"].removesuffix(".weight")
+    pattern = re.compile(rf"(?:^|\.)layers\.(\d+)\.{re.escape(layout.moe_attr)}\.{re.escape(name)}$")
+    found = {int(m.group(1)): module for path, module in model.named_modules() if (m := pattern.search(path))}
+    if not found:
+        raise ValueError(f"no router module 'layers.N.{layout.moe_attr}.{name}' in the {spec.model_type} reference "
+                         f"model")
+    return found
+
+
+def probe(model: nn.Module, spec: MoESpec, ids: list[int], device: torch.device | str) -> Probe:
+    """Feed ``ids`` once through ``model`` (a transformers causal LM of ``spec``) and read its last position: the
+    logits and every router's choice values, computed in float32 from the router's input and its own weights.
+
+    Raises:
+        ValueError: as ``router_modules``.
+    """
+    routers = router_modules(model, spec)
+    inputs: dict[int, torch.Tensor] = {}
+
+    def keep(layer: int):
+        def hook(_module: nn.Module, args: tuple) -> None:
+            inputs[layer] = args[0].reshape(-1, args[0].shape[-1])[-1].float()
+        return hook
+
+    handles = [module.register_forward_pre_hook(keep(layer)) for layer, module in routers.items()]
+    with torch.no_grad():
+        try:
+            logits = model(torch.tensor([ids], device=device)).logits[0, -1].float()
+        finally:
+            for h in handles:
+                h.remove()
+        choices = {}
+        for layer, module in routers.items():
+            bias = getattr(module, "bias", None)
+            lg = inputs[layer] @ module.weight.float().T + (bias.float() if isinstance(bias, torch.Tensor) else 0.0)
+            correction = getattr(module, "e_score_correction_bias", None)
+            choice, groups = router_choices(spec, lg[None],
+                                            correction if isinstance(correction, torch.Tensor) else None)
+            choices[layer] = (choice[0].cpu(), None if groups is None else groups[0].cpu())
+    return Probe(logits.cpu(), choices)
+
+
+def router_tie(spec: MoESpec, choice: torch.Tensor, groups: torch.Tensor | None) -> tuple[float, int, int]:
+    """How close a router's choice was: the ``K``-th choice value less the ``(K+1)``-th among the kept groups' experts
+    (``groups``: the group scores, the best ``topk_group`` kept), with those two experts; an infinite gap (and ``-1``)
+    where no expert is left outside the ``K``."""
+    eligible = choice
+    if groups is not None:
+        kept = torch.zeros_like(groups, dtype=torch.bool)
+        kept[groups.topk(spec.topk_group).indices] = True
+        eligible = choice.masked_fill(~kept.repeat_interleave(choice.numel() // groups.numel()), float("-inf"))
+    values, order = eligible.sort(descending=True)
+    if spec.top_k >= values.numel() or not bool(torch.isfinite(values[spec.top_k])):
+        return float("inf"), -1, -1
+    return float(values[spec.top_k - 1] - values[spec.top_k]), int(order[spec.top_k - 1]), int(order[spec.top_k])
+
+
+def _cache_names(model: nn.Module) -> tuple[str, str]:
+    """The keyword of a transformers model's forward that takes a KV cache, and the output field that returns it
+    (``cache`` from transformers 5.2x, ``past_key_values`` before)."""
+    named = "cache" in inspect.signature(model.forward).parameters
+    return ("cache", "cache") if named else ("past_key_values", "past_key_values")
+
+
+def exchanged(model: nn.Module, spec: MoESpec, ids: list[int], swaps: list[tuple[int, int, int]],
+              device: torch.device | str) -> list[torch.Tensor]:
+    """``[V]`` float32 logits at the last position of ``ids`` with, in turn, each ``(layer, i, j)`` of ``swaps``:
+    router ``layer`` exchanging experts ``i`` and ``j`` (gate rows, bias and correction-bias entries) for that position
+    alone (the positions before it from one cached pass of the unchanged model). The weights are restored."""
+    routers = router_modules(model, spec)
+    arg, field = _cache_names(model)
+    out = []
+    with torch.no_grad():
+        cache = getattr(model(torch.tensor([ids[:-1]], device=device), use_cache=True), field)
+        last = torch.tensor([ids[-1:]], device=device)
+        for layer, i, j in swaps:
+            module = routers[layer]
+            params = [t for n in ("weight", "bias", "e_score_correction_bias")
+                      if isinstance(t := getattr(module, n, None), torch.Tensor)]
+            for t in params:
+                t[[i, j]] = t[[j, i]]
+            try:
+                out.append(model(last, use_cache=True, **{arg: copy.deepcopy(cache)}).logits[0, -1].float().cpu())
+            finally:
+                for t in params:
+                    t[[i, j]] = t[[j, i]]
+    return out
+
+
+def router_ties(full: Probe, half: Probe, spec: MoESpec) -> list[tuple[float, int, int, int, float]]:
+    """The routers whose float32 gap is within the half-precision run's noise there: ``(gap, layer, i, j, noise)``,
+    the nearest (smallest gap over noise) first."""
+    ties = []
+    for layer, (choice, groups) in full.choices.items():
+        noise = float((half.choices[layer][0] - choice).abs().max())
+        gap, i, j = router_tie(spec, choice, groups)
+        if gap <= noise:
+            ties.append((gap / noise if noise > 0 else 0.0, gap, layer, i, j, noise))
+    return [(gap, layer, i, j, noise) for _, gap, layer, i, j, noise in sorted(ties)]
+
+
+def measure(prompt: int, step: int, ours: int, float32_token: int, full: Probe, half: Probe,
+            ties: list[tuple[float, int, int, int, float]], swapped: list[torch.Tensor]) -> Divergence:
+    """The divergence at one position from its float32 (``full``) and half-precision (``half``) probes, the router
+    ties there (``router_ties``) and the float32 logits with each tie's experts exchanged (``exchanged``): the first
+    tie whose exchange makes our token float32's choice, or within the token noise of it, explains it."""
+    token_gap = float(full.logits.max() - full.logits[ours])
+    token_noise = float((half.logits - full.logits).abs().max())
+    for (gap, layer, i, j, noise), logits in zip(ties, swapped):
+        if float(logits.max() - logits[ours]) <= token_noise:
+            return Divergence(prompt, step, ours, float32_token, token_gap, token_noise, layer, gap, noise, (i, j))
+    return Divergence(prompt, step, ours, float32_token, token_gap, token_noise)
+
+
+def first_difference(ours: list[int], theirs: list[int]) -> int | None:
+    """The first step where two token lists differ with a token on both sides, or ``None`` (equal, or one a prefix
+    of the other: nothing to weigh there)."""
+    return next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+
+
+def describe(d: Divergence, dtype: str) -> str:
+    """One sentence on a divergence for the run's summary (prompt, step, both tokens and the measured gaps)."""
+    head = (f"prompt {d.prompt}, step {d.step}: token {d.ours} here, {d.float32} in float32, "
+            f"{d.token_gap:.3g} apart in float32 logits against the {d.token_noise:.3g} that transformers' own "
+            f"{dtype} run moves them there")
+    if d.router_layer is not None:
+        i, j = d.experts
+        return (f"{head}; layer {d.router_layer}'s router picks expert {i} over expert {j} there by {d.router_gap:.3g} "
+                f"in float32, within the {d.router_noise:.3g} that run moves its choices, and with the two exchanged "
+                f"float32 chooses token {d.ours} too: a near-tie")
+    if d.near_tie:
+        return f"{head}: a near-tie"
+    return f"{head}, and no router tie within that run's rounding there leads to token {d.ours}: not a near-tie"
