@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epmoe.models.tiny import TINY_FAMILIES
+from epmoe.models.tiny import QUANTIZED_FAMILIES, TINY_FAMILIES
 from epmoe.routing.router import Router, router_choices
 from epmoe.runtime.near_tie import (
     Divergence,
@@ -29,11 +29,11 @@ FOX_FLOAT32 = [121, 57, 38, 112, 57, 38, 112, 8]
 FOX_OURS = [121, 57, 38, 112, 57, 86, 205, 134]
 
 
-@pytest.mark.parametrize("family", [f for f in TINY_FAMILIES if f not in ("kimi-k2.5-int4", "gpt-oss-mxfp4",
-                                                                          "deepseek-v3-fp8")])
+@pytest.mark.parametrize("family", [*TINY_FAMILIES, *QUANTIZED_FAMILIES])
 def test_router_choices_pick_what_the_router_picks(tiny_checkpoints, family):
-    """The top-K of ``router_choices`` among the kept groups is the expert set ``Router`` routes to, for the router
-    inputs ``probe`` reads from transformers' own model of every family."""
+    """The top-K of ``router_choices`` among the kept groups is the expert set ``Router`` routes to, with the router
+    modules ``probe`` reads in transformers' own model of every family (the quantized ones through
+    ``load_full_model``)."""
     d = str(tiny_checkpoints(family))
     spec = load_moe_spec(d)
     model = _load_reference(d, "float32", "cpu")
