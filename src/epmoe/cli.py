@@ -49,7 +49,9 @@ def _add_engine_flags(p: argparse.ArgumentParser, ep_default: int) -> None:
                    help="experts expert-parallel (ep, default) or tensor-parallel over the --ep ranks (tp: the "
                         "baseline; attention stays data-parallel)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="compute dtype; auto (default): float32 on cpu, on cuda the checkpoint's bfloat16 or "
+                        "float16 (bfloat16 for a float32 one)")
     p.add_argument("--placement", metavar="FILE", help="expert placement file (JSON or safetensors)")
     p.add_argument("--redundant", type=int, default=0, help="redundant slots per layer for the default placement")
     p.add_argument("--layout", choices=("contiguous", "round_robin"), default="contiguous",

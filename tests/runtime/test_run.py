@@ -160,6 +160,28 @@ def test_float32_on_cuda_takes_the_reference_backend(kimi, monkeypatch):
     assert cfg.expert_backend == "reference" and cfg.enforce_eager
 
 
+def test_dtype_auto_is_float32_on_cpu_and_the_checkpoints_half_dtype_on_cuda(kimi):
+    """``--dtype`` was float32 unless given, so ``--device cuda`` ran float32: eager steps and (before) a rank's
+    TypeError from the Triton kernels. ``auto`` is the default now, as vLLM's."""
+    from dataclasses import replace
+
+    from epmoe.engine.config import command_dtype
+    from epmoe.runtime.run import RunConfig
+    from epmoe.spec import load_moe_spec
+
+    spec = load_moe_spec(str(kimi))
+    assert RunConfig().dtype == "auto"
+    assert command_dtype("auto", "cpu", replace(spec, checkpoint_dtype="bfloat16")) == "float32"
+    for named, taken in (("bfloat16", "bfloat16"), ("float16", "float16"), ("half", "float16"),
+                         ("float32", "bfloat16"), (None, "bfloat16")):
+        assert command_dtype("auto", "cuda", replace(spec, checkpoint_dtype=named)) == taken, named
+    assert command_dtype("float16", "cuda", replace(spec, checkpoint_dtype="bfloat16")) == "float16"
+    assert command_dtype("bfloat16", "cpu", spec) == "bfloat16"
+    with pytest.raises(ValueError, match=r"--dtype must be one of \['auto', 'float32', 'bfloat16', 'float16'\], "
+                                         r"got 'float64'"):
+        RunConfig(dtype="float64").validate()
+
+
 def test_placement_file_with_default_placement_options(kimi, tmp_path, capsys):
     path = tmp_path / "pl.json"
     ExpertPlacement.trivial(2, 16, 2).save(path)

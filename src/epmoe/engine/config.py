@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from epmoe.checks import MAX_SPECULATIVE_TOKENS, valid_seed
-from epmoe.spec import is_checkpoint_dir
+from epmoe.spec import MoESpec, is_checkpoint_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PARALLEL_MODES = ("ep", "tp")
@@ -408,6 +408,23 @@ def synthetic_text(load_format: str, moe_routing_simulation: str | None) -> str 
     routing = (f"simulated, {moe_routing_simulation} (--moe-routing-simulation)" if moe_routing_simulation
                else "the gates'")
     return f"weights {weights}, MoE routing {routing}: not the model's text"
+
+
+COMMAND_DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""What ``epmoe run`` and ``epmoe serve`` take as ``--dtype``: a compute dtype, or ``auto`` (``command_dtype``)."""
+
+
+def command_dtype(dtype: str, device: str, spec: MoESpec) -> str:
+    """A command's ``--dtype`` as the engine takes it: ``auto`` (the default) is ``float32`` on the CPU, where the
+    reference check is exact, and on CUDA the checkpoint's own ``bfloat16`` or ``float16``
+    (``MoESpec.checkpoint_dtype``), else ``bfloat16`` (a float32 checkpoint keeps its range; vLLM's ``--dtype auto``
+    takes float16 there); any other value is returned as it is (the commands check it)."""
+    if dtype != "auto":
+        return dtype
+    if device != "cuda":
+        return "float32"
+    named = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16"}.get(spec.checkpoint_dtype or "")
+    return named or "bfloat16"
 
 
 def default_expert_backend(device: str, dtype: str) -> str:

@@ -312,6 +312,7 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     summary.add_column("what")
     summary.add_column("value")
     summary.add_row("model", report.model)
+    summary.add_row("compute dtype", report.dtype)
     synthetic = synthetic_text(report.load_format, report.moe_routing_simulation)
     if synthetic is not None:
         summary.add_row("weights and MoE routing", synthetic)

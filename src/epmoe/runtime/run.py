@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import resource
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -21,7 +21,14 @@ from epmoe.balance import rank_balancedness
 from epmoe.checks import valid_seed
 from epmoe.comm import COLLECTIVE_KINDS, Comm
 from epmoe.engine import Engine, EngineConfig, SamplingParams
-from epmoe.engine.config import COMMAND_FLAGS, EAGER_DISPATCHERS, PARALLEL_MODES, command_engine_config
+from epmoe.engine.config import (
+    COMMAND_DTYPES,
+    COMMAND_FLAGS,
+    EAGER_DISPATCHERS,
+    PARALLEL_MODES,
+    command_dtype,
+    command_engine_config,
+)
 from epmoe.engine.group import check_group
 from epmoe.engine.sampling import GREEDY_BELOW
 from epmoe.engine.tokenizer import check_generation_config, decode_text, encode_text, generation_config, load_tokenizer
@@ -60,7 +67,8 @@ class RunConfig:
         layout: trivial placement layout, ``contiguous`` or ``round_robin``.
         prompts: prompt strings; empty = the built-in ones.
         max_new_tokens: most tokens generated per prompt (fewer when the model emits EOS).
-        dtype: ``float32``, ``bfloat16`` or ``float16``.
+        dtype: ``auto`` (``engine.config.command_dtype``: float32 on CPU, on CUDA the checkpoint's bf16/fp16),
+            ``float32``, ``bfloat16`` or ``float16``.
         dispatcher: dispatcher of eager steps (``all_to_all``; ``local`` for EP 1); ``None`` = the
             engine's choice. Graph-replayed decode steps use ``fixed_capacity`` on several ranks.
         expert_backend: expert compute backend name; ``None`` = ``triton`` on CUDA in bf16/fp16, ``reference`` on CPU
@@ -107,7 +115,7 @@ class RunConfig:
     layout: str = "contiguous"
     prompts: tuple[str, ...] = ()
     max_new_tokens: int = 8
-    dtype: str = "float32"
+    dtype: str = "auto"
     dispatcher: str | None = None
     expert_backend: str | None = None
     reference: bool = True
@@ -156,8 +164,8 @@ class RunConfig:
             raise ValueError("--device cuda asked for, but CUDA is not available on this machine")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"--dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in COMMAND_DTYPES:
+            raise ValueError(f"--dtype must be one of {list(COMMAND_DTYPES)}, got {self.dtype!r}")
         if self.redundant < 0:
             raise ValueError(f"--redundant must be non-negative, got {self.redundant}")
         if self.eplb_interval < 0:
@@ -505,6 +513,7 @@ def run_job(cfg: RunConfig) -> RunReport:
     hf_logging.set_verbosity_error()
     model_dir = str(cfg.model) if cfg.model is not None else str(ensure_default_checkpoint(cfg.cache_dir))
     spec = load_moe_spec(model_dir)
+    cfg = replace(cfg, dtype=command_dtype(cfg.dtype, cfg.device, spec))
     hf_config(model_dir)  # transformers' own checks of config.json, before the tokenizer (which reads it too) fails
     reference = (cfg.reference and cfg.temperature < GREEDY_BELOW and cfg.load_format != "dummy"
                  and cfg.moe_routing_simulation is None)

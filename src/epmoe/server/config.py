@@ -66,6 +66,8 @@ class ServeConfig:
             eplb_interval, eplb_max_moves, replica_policy, moe_routing_simulation, trust_remote_code: the
             engine's options
             (``EngineConfig``).
+        dtype: as ``EngineConfig``, or ``auto`` (the default; ``engine.config.command_dtype``: float32 on CPU, on
+            CUDA the checkpoint's bf16/fp16), which ``serve`` resolves first.
         seed: seed of the dummy weights and of requests sampled without a seed of their own (``EngineConfig``).
         expert_backend: ``None`` = ``triton`` on CUDA in bf16/fp16, ``reference`` on CPU and in float32.
         host: address to listen on.
@@ -101,7 +103,7 @@ class ServeConfig:
     ep: int = 1
     parallel: str = "ep"
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     mem_fraction_static: float = 0.9

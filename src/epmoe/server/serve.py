@@ -20,6 +20,7 @@ engine failed alone).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -31,7 +32,7 @@ from multiprocessing.process import BaseProcess
 import torch.multiprocessing as mp
 import uvicorn
 
-from epmoe.engine.config import synthetic_text
+from epmoe.engine.config import command_dtype, synthetic_text
 from epmoe.engine.group import check_group
 from epmoe.engine.sampling import sampling_defaults
 from epmoe.experts import describe_expert_backend
@@ -186,6 +187,7 @@ def serve(cfg: ServeConfig) -> int:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     model_dir = str(cfg.model) if cfg.model is not None else str(ensure_default_checkpoint(cfg.cache_dir))
+    cfg = dataclasses.replace(cfg, dtype=command_dtype(cfg.dtype, cfg.device, load_moe_spec(model_dir)))
     engine_cfg = cfg.engine_config(model_dir)  # a bad engine option fails here, before any process starts
     parsers = ChatParsers(cfg.reasoning_parser, cfg.tool_call_parser, cfg.enable_auto_tool_choice)
     info = torchrun_rank_info() if under_torchrun() else None
