@@ -19,6 +19,7 @@ from epmoe.runtime.near_tie import (
     router_modules,
     router_tie,
     router_ties,
+    unweighed_ties,
 )
 from epmoe.runtime.run import RunConfig, _divergences, _load_reference
 from epmoe.spec import load_moe_spec
@@ -73,7 +74,8 @@ def test_router_tie_of_the_kept_groups_experts(tiny_checkpoints):
 
 
 def _probe(logits: list[float], choices: dict[int, list[float]]) -> Probe:
-    return Probe(torch.tensor(logits), {layer: (torch.tensor(c), None) for layer, c in choices.items()})
+    """A probe of one position (``choices``: each layer's choice values there)."""
+    return Probe(torch.tensor(logits), {layer: (torch.tensor([c]), None) for layer, c in choices.items()})
 
 
 def test_a_router_tie_explains_a_token_only_where_its_exchange_leads_to_it(tiny_checkpoints):
@@ -84,18 +86,39 @@ def test_a_router_tie_explains_a_token_only_where_its_exchange_leads_to_it(tiny_
                                      2: [v + 0.2 * (i == 4) for i, v in enumerate(base)]})
     ties = router_ties(full, half, spec)
     assert [(round(g, 6), layer, i, j, round(n, 6)) for g, layer, i, j, n in ties] == [(0.05, 2, 3, 4, 0.2)]
-    d = measure(0, 3, 1, 0, full, half, ties, [torch.tensor([1.0, 1.005, 0.0])])  # the exchange: token 1 by 0.005
+    d = measure(spec, 0, 3, 1, 0, full, half, ties, [torch.tensor([1.0, 1.005, 0.0])])  # the exchange: token 1 by 0.005
     assert (d.token_gap, round(d.token_noise, 6)) == (2.0, 0.01) and d.token_gap > d.token_noise
     assert (d.router_layer, d.experts) == (2, (3, 4)) and d.router_gap == pytest.approx(0.05) and d.near_tie
     assert "layer 2's router picks expert 3 over expert 4 there by 0.05 in float32, within the 0.2" in describe(
         d, "bfloat16")
-    unled = measure(0, 3, 1, 0, full, half, ties, [torch.tensor([2.0, 1.0, 0.0])])  # the exchange keeps token 0
+    unled = measure(spec, 0, 3, 1, 0, full, half, ties, [torch.tensor([2.0, 1.0, 0.0])])  # the exchange keeps token 0
     assert unled.router_layer is None and not unled.near_tie
     assert describe(unled, "bfloat16").endswith("no router tie within that run's rounding there leads to token 1: "
                                                 "not a near-tie")
-    close = measure(0, 3, 1, 0, _probe([1.001, 1.0, 0.0], {}), _probe([1.0, 1.003, 0.0], {}), [], [])
+    close = measure(spec, 0, 3, 1, 0, _probe([1.001, 1.0, 0.0], {}), _probe([1.0, 1.003, 0.0], {}), [], [])
     assert close.near_tie and close.router_layer is None and describe(close, "float16").endswith(": a near-tie")
     assert Divergence(**{k: v for k, v in d.to_json().items() if k != "near_tie"}) == d
+
+
+def test_ties_at_earlier_positions_and_between_groups_are_counted_not_weighed(tiny_checkpoints):
+    grouped = load_moe_spec(str(tiny_checkpoints("deepseek-v2")))  # 16 experts in 4 groups, 2 kept, top 4
+    clear = [0.0] * 4 + [0.9, 0.8, 0.3, 0.2] + [0.5, 0.1, 0.1, 0.0] + [0.05, 0.0, 0.0, 0.0]  # experts 0.2 apart
+    tied = [0.0] * 4 + [0.9, 0.8, 0.3, 0.2] + [0.5, 0.299, 0.1, 0.0] + [0.05, 0.0, 0.0, 0.0]  # 0.001 apart
+    apart, close = [0.1, 0.9, 0.5, 0.2], [0.1, 0.9, 0.5, 0.499]  # the kept groups 0.3 and 0.001 above the next
+    full = Probe(torch.zeros(3), {1: (torch.tensor([tied, clear, clear, clear]),
+                                      torch.tensor([apart, close, apart, close]))})
+    half = Probe(torch.zeros(3), {1: (torch.tensor([tied, clear, clear, clear]) + 0.01,
+                                      torch.tensor([apart, close, apart, close]) + 0.01)})
+    same = Probe(torch.zeros(3), {1: (full.choices[1][0].clone(), full.choices[1][1].clone())})
+    # position 0: an expert tie; 1: a group tie; 2: neither; the last: a group tie (its experts are weighed)
+    assert unweighed_ties(full, half, grouped) == 3
+    assert unweighed_ties(full, same, grouped) == 0  # no rounding between the runs: nothing within it
+    d = measure(grouped, 0, 3, 1, 0, Probe(torch.tensor([2.0, 1.0, 0.0]), full.choices),
+                Probe(torch.tensor([2.001, 1.0, 0.0]), half.choices), [], [])
+    assert not d.near_tie and d.unweighed_ties == 3
+    assert describe(d, "bfloat16").endswith("; 3 router choices are within it at earlier positions or between "
+                                            "groups, which another summation order may flip unseen and this check "
+                                            "does not weigh")
 
 
 def test_an_exchange_changes_the_last_position_alone_and_is_undone(tiny_checkpoints):
@@ -105,7 +128,7 @@ def test_an_exchange_changes_the_last_position_alone_and_is_undone(tiny_checkpoi
     ids = [5, 17, 3, 9, 11, 2]
     before = probe(model, spec, ids, "cpu")
     layer = min(before.choices)
-    order = before.choices[layer][0].sort(descending=True).indices
+    order = before.choices[layer][0][-1].sort(descending=True).indices
     top, out = int(order[0]), int(order[-1])
     plain, swapped = exchanged(model, spec, ids, [(layer, top, top), (layer, top, out)], "cpu")
     torch.testing.assert_close(plain, before.logits, rtol=1e-5, atol=1e-5)  # the cached pass is the same model
