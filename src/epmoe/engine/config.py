@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from epmoe.checks import MAX_SPECULATIVE_TOKENS, valid_seed
-from epmoe.spec import MoESpec, is_checkpoint_dir
+from epmoe.spec import MoESpec, is_checkpoint_dir, load_moe_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PARALLEL_MODES = ("ep", "tp")
@@ -65,7 +65,8 @@ class EngineConfig:
     Attributes:
         model: checkpoint directory (``config.json`` + safetensors; ``config.json`` alone with
             ``load_format='dummy'``).
-        dtype: ``float32``, ``bfloat16`` or ``float16``.
+        dtype: ``float32``, ``bfloat16`` or ``float16``; ``auto`` (the default, vLLM's): ``command_dtype``'s choice
+            for the device and checkpoint, which the config holds from its construction on.
         device: ``cpu`` or ``cuda``.
         parallel: ``ep``: attention data-parallel (each rank serves its own requests), experts
             expert-parallel over the group. ``tp``: attention data-parallel as well, experts
@@ -141,7 +142,7 @@ class EngineConfig:
     """
 
     model: str
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     parallel: str = "ep"
     placement: str | None = None
@@ -191,12 +192,14 @@ class EngineConfig:
                                 f"{type(value).__name__} {value!r}")
         if not is_checkpoint_dir(self.model):
             raise ValueError(f"model {self.model!r} is not a checkpoint directory (config.json + *.safetensors)")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in COMMAND_DTYPES:
+            raise ValueError(f"dtype must be one of {list(COMMAND_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' asked for, but CUDA is not available on this machine")
+        if self.dtype == "auto":
+            object.__setattr__(self, "dtype", command_dtype("auto", self.device, load_moe_spec(self.model)))
         if self.parallel not in PARALLEL_MODES:
             raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {self.parallel!r}")
         if self.load_format not in ("auto", "dummy"):
@@ -208,8 +211,6 @@ class EngineConfig:
             if self.max_model_len < 2:
                 raise ValueError(f"max_model_len must be at least 2 (a prompt's token and one generated), got "
                                  f"{self.max_model_len}")
-            from epmoe.spec import load_moe_spec
-
             # the parsed context (transformers' default where config.json has none), not the file's raw field
             try:
                 limit = load_moe_spec(self.model).max_position_embeddings
@@ -437,13 +438,17 @@ def command_engine_config(source: object, model_dir: str, **fields: object) -> E
     """The ``EngineConfig`` of a command's options for ``model_dir``: every ``COMMAND_FIELDS`` name read from
     ``source`` (a RunConfig or a ServeConfig), with the commands' defaults applied: an ``expert_backend`` of
     ``None`` is ``triton`` on CUDA and ``reference`` on CPU, and steps run eagerly (``enforce_eager``) when asked,
-    in float32, or on a backend CUDA graphs cannot replay. ``fields``: the other ``EngineConfig`` fields. An
-    ``expert_backend`` of ``None`` in float32 on CUDA is ``reference`` (the Triton kernels compute in bf16 or fp16).
+    in float32, or on a backend CUDA graphs cannot replay. ``fields``: the other ``EngineConfig`` fields. A ``dtype``
+    of ``auto`` is ``command_dtype``'s, and an ``expert_backend`` of ``None`` in float32 on CUDA is ``reference`` (the
+    Triton kernels compute in bf16 or fp16).
 
     Raises:
         ValueError: a bad option (named by its field).
     """
-    backend = source.expert_backend or default_expert_backend(source.device, source.dtype)
-    eager = source.enforce_eager or source.dtype == "float32" or backend not in GRAPH_SAFE_BACKENDS
-    return EngineConfig(model=model_dir, expert_backend=backend, enforce_eager=eager,
-                        **{name: getattr(source, name) for name in COMMAND_FIELDS}, **fields)
+    dtype = command_dtype(source.dtype, source.device, load_moe_spec(model_dir)) if is_checkpoint_dir(model_dir) \
+        else source.dtype  # not a checkpoint: EngineConfig names it
+    backend = source.expert_backend or default_expert_backend(source.device, dtype)
+    eager = source.enforce_eager or dtype == "float32" or backend not in GRAPH_SAFE_BACKENDS
+    given = {name: getattr(source, name) for name in COMMAND_FIELDS}
+    return EngineConfig(model=model_dir, expert_backend=backend, enforce_eager=eager, **{**given, "dtype": dtype},
+                        **fields)
