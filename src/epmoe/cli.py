@@ -60,8 +60,8 @@ def _add_engine_flags(p: argparse.ArgumentParser, ep_default: int) -> None:
                    help="dispatcher of eager steps: all_to_all (default on several ranks) or local (EP 1); "
                    "CUDA-graph decode steps choose their own (fixed_capacity on several ranks)")
     p.add_argument("--expert-backend", default=None,
-                   help="triton (default on CUDA in bfloat16/float16), reference (default on CPU and in float32) or "
-                        "grouped_mm")
+                   help="triton (default on CUDA in bfloat16/float16; not float32 there), reference (default on CPU "
+                        "and in float32) or grouped_mm")
     p.add_argument("--replica-policy", choices=("static", "round_robin", "random"), default="static",
                    help="how a token picks among an expert's copies: static (one fixed copy per rank, default), "
                         "round_robin or random")

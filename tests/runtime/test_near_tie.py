@@ -158,6 +158,11 @@ def test_the_default_models_bf16_flip_is_a_router_near_tie(tiny_checkpoints):
     assert div.token_gap == pytest.approx(0.0865, abs=2e-3) and 0.005 < div.token_noise < 0.05
     assert div.router_layer == 1 and div.router_gap == pytest.approx(0.00112, abs=1e-4) and div.experts == (1, 6)
     assert div.router_gap <= div.router_noise < 0.02 and div.near_tie
+    # the random gates sit close together: earlier positions hold ties within bf16's rounding too, counted and named
+    assert div.unweighed_ties >= 5
+    assert describe(div, "bfloat16").endswith(f"a near-tie; {div.unweighed_ties} router choices are within it at "
+                                              f"earlier positions or between groups, which another summation order "
+                                              f"may flip unseen and this check does not weigh")
     # a token float32 ranks far lower at step 0: layer 1 is within rounding there too, but its exchange does not lead
     # to that token, so nothing explains it
     (other,) = _divergences(cfg, d, spec, [ids], [[3] + FOX_OURS[1:]], {0: FOX_FLOAT32}, [0])

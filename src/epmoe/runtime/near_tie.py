@@ -21,8 +21,8 @@ must then be float32's choice, or within the token noise of it. The nearest such
 What it does not weigh, and counts instead (``unweighed_ties``): router choices within that rounding at earlier
 positions (a flip there changes the keys and values every later position reads, and which one our run flipped, if
 any, is not known) and choices between expert groups (no exchange of two experts' rows reproduces one). A divergence
-with such choices and no near-tie at its own position stays unexplained: the check does not pass it, and says how
-many there were.
+with no near-tie at its own position stays unexplained, whatever that count: the check does not pass it. One with a
+near-tie there passes (rounding at that position alone explains its token). The count is given either way.
 """
 
 from __future__ import annotations
@@ -258,12 +258,13 @@ def describe(d: Divergence, dtype: str) -> str:
             f"{dtype} run moves them there")
     if d.router_layer is not None:
         i, j = d.experts
-        return (f"{head}; layer {d.router_layer}'s router picks expert {i} over expert {j} there by {d.router_gap:.3g} "
-                f"in float32, within the {d.router_noise:.3g} that run moves its choices, and with the two exchanged "
-                f"float32 chooses token {d.ours} too: a near-tie")
-    if d.near_tie:
-        return f"{head}: a near-tie"
-    text = f"{head}, and no router tie within that run's rounding there leads to token {d.ours}: not a near-tie"
+        text = (f"{head}; layer {d.router_layer}'s router picks expert {i} over expert {j} there by "
+                f"{d.router_gap:.3g} in float32, within the {d.router_noise:.3g} that run moves its choices, and with "
+                f"the two exchanged float32 chooses token {d.ours} too: a near-tie")
+    elif d.near_tie:
+        text = f"{head}: a near-tie"
+    else:
+        text = f"{head}, and no router tie within that run's rounding there leads to token {d.ours}: not a near-tie"
     if d.unweighed_ties:
         are = "s are" if d.unweighed_ties != 1 else " is"
         text += (f"; {d.unweighed_ties} router choice{are} within it at earlier positions or between groups, which "
