@@ -405,7 +405,7 @@ def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids
     from rich.progress import Progress
     from transformers import GenerationConfig
 
-    device = _reference_device(cfg)
+    device = cfg.device
     out, not_finite = [], []
     with Progress(transient=True, console=Console(stderr=True)) as bar:
         task = bar.add_task(f"loading the unsharded transformers reference ({dtype_name})", total=None)
@@ -427,10 +427,6 @@ def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids
                     not_finite.append((i, watch.first_bad))
                 bar.advance(task)
     return out, not_finite
-
-
-def _reference_device(cfg: RunConfig) -> str:
-    return "cuda" if cfg.device == "cuda" else "cpu"
 
 
 def _load_reference(model_dir: str, dtype_name: str, device: str) -> torch.nn.Module:
@@ -458,7 +454,7 @@ def _divergences(cfg: RunConfig, model_dir: str, spec: MoESpec, all_ids: list[li
     cases = {i: s for i in prompts if (s := first_difference(tokens[i], ref32[i])) is not None}
     if not cases:
         return []
-    device = _reference_device(cfg)
+    device = cfg.device
     seqs = {i: all_ids[i] + tokens[i][:step] for i, step in cases.items()}  # the tokens both runs share
     out = []
     with Progress(transient=True, console=Console(stderr=True)) as bar:
