@@ -260,6 +260,15 @@ def test_check_gpus_names_the_ranks_a_machine_cannot_hold(monkeypatch):
         check_gpus("cuda", 1)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     check_gpus("cuda", 16, RankInfo(9, 16, 3, "tcp://h:1"))  # under torchrun the group may span machines
+    monkeypatch.setenv("LOCAL_RANK", "4")
     with pytest.raises(ValueError, match=r"^this rank's LOCAL_RANK 4 names no GPU: the machine has 4 visible GPUs "
                                          r"\(CUDA_VISIBLE_DEVICES=''\); start at most 4 ranks on it$"):
         check_gpus("cuda", 16, RankInfo(12, 16, 4, "tcp://h:1"))
+    monkeypatch.setenv("LOCAL_RANK", "-1")
+    with pytest.raises(ValueError, match=r"^this rank's LOCAL_RANK -1 names no GPU"):  # it reached the rank before
+        check_gpus("cuda", 16, RankInfo(12, 16, -1, "tcp://h:1"))
+    # without LOCAL_RANK, torchrun_rank_info takes RANK for it: the missing variable is the cause, not the count
+    monkeypatch.delenv("LOCAL_RANK")
+    with pytest.raises(ValueError, match=r"^LOCAL_RANK is not set, so this rank takes GPU 12 \(its RANK\), and the "
+                                         r"machine has 4 visible GPUs"):
+        check_gpus("cuda", 16, RankInfo(12, 16, 12, "tcp://h:1"))

@@ -134,6 +134,32 @@ def test_an_exchange_changes_the_last_position_alone_and_is_undone(tiny_checkpoi
     torch.testing.assert_close(plain, before.logits, rtol=1e-5, atol=1e-5)  # the cached pass is the same model
     assert (swapped - before.logits).abs().max() > 1e-3  # its best expert for its worst: another output
     torch.testing.assert_close(probe(model, spec, ids, "cpu").logits, before.logits, rtol=0, atol=0)
+    # a one-token sequence (a one-token prompt differing at step 0) has no positions before its last: it ran the
+    # model on an empty (float) tensor and failed in the embedding
+    one = probe(model, spec, ids[:1], "cpu")
+    (same,) = exchanged(model, spec, ids[:1], [(layer, top, top)], "cpu")
+    torch.testing.assert_close(same, one.logits, rtol=1e-5, atol=1e-5)
+    assert exchanged(model, spec, ids[:1], [], "cpu") == []
+
+
+def test_a_half_precision_pass_that_overflows_weighs_nothing(tiny_checkpoints):
+    """An infinite logit or choice change in the half-precision pass (an fp16 overflow) passed any divergence as a
+    near-tie, and its JSON held ``Infinity``."""
+    import json
+
+    spec = load_moe_spec(str(tiny_checkpoints("kimi-k2.5")))
+    base = [0.9, 0.8, 0.7, 0.6, 0.55] + [0.0] * 11
+    full = _probe([5.0, 1.0, 0.0], {1: base})
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        half = _probe([bad, 1.0, 0.0], {1: [bad] + base[1:]})
+        assert router_ties(full, half, spec) == [] and unweighed_ties(full, half, spec) == 0
+        d = measure(spec, 0, 0, 1, 0, full, half, [], [])
+        assert not d.near_tie and d.token_gap == 4.0
+        assert json.loads(json.dumps(d.to_json(), allow_nan=False))["token_noise"] is None
+        assert describe(d, "float16").endswith("does not hold finite logits there (an overflow), so it measures no "
+                                               "rounding: not weighed, not a near-tie")
+        again = Divergence(**{k: v for k, v in d.to_json().items() if k != "near_tie"})  # the report's round trip
+        assert not again.near_tie and describe(again, "float16") == describe(d, "float16")
 
 
 def test_first_difference():

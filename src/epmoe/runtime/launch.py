@@ -95,7 +95,11 @@ def check_gpus(device: str, size: int, info: RankInfo | None = None) -> None:
     if info is None and size > gpus:
         raise ValueError(f"--ep {size} on --device cuda starts one rank a GPU, and this machine has {shown}: "
                          f"pass --ep {gpus} or less")
-    if info is not None and info.local_rank >= gpus:
+    if info is not None and not 0 <= info.local_rank < gpus:
+        if "LOCAL_RANK" not in os.environ:  # torchrun_rank_info took RANK for it
+            raise ValueError(f"LOCAL_RANK is not set, so this rank takes GPU {info.local_rank} (its RANK), and the "
+                             f"machine has {shown}: set LOCAL_RANK to the rank's index on its machine (torchrun "
+                             f"does)")
         raise ValueError(f"this rank's LOCAL_RANK {info.local_rank} names no GPU: the machine has {shown}; "
                          f"start at most {gpus} ranks on it")
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import re
 from dataclasses import asdict, dataclass
 
@@ -63,7 +64,8 @@ class Divergence:
         step: generated-token index of the first difference.
         ours: our token there; ``float32``: the float32 reference's.
         token_gap: float32 logit of ``float32`` less that of ``ours`` (>= 0).
-        token_noise: the largest change of any logit between the half-precision and float32 runs there.
+        token_noise: the largest change of any logit between the half-precision and float32 runs there (not finite
+            where the half-precision pass overflowed: nothing is weighed then; ``None`` in ``to_json``).
         unweighed_ties: router choices within that rounding which the check does not weigh (``unweighed_ties``):
             at earlier positions, where our run may have flipped one unseen, and between groups at this one.
         router_layer: the decoder layer of the nearest router tie within its noise whose exchange leads to our token
@@ -87,12 +89,15 @@ class Divergence:
 
     @property
     def near_tie(self) -> bool:
-        """The token gap is within the half-precision noise there, or a router tie within it leads to our token."""
-        return self.token_gap <= self.token_noise or self.router_layer is not None
+        """The token gap is within the half-precision noise there (a finite one), or a router tie within it leads to
+        our token."""
+        finite = self.token_gap is not None and self.token_noise is not None and math.isfinite(self.token_noise)
+        return (finite and self.token_gap <= self.token_noise) or self.router_layer is not None
 
     def to_json(self) -> dict:
-        """A JSON-ready dict, ``near_tie`` included."""
-        return {**asdict(self), "near_tie": self.near_tie}
+        """A JSON-ready dict, ``near_tie`` included; a gap or noise that is not finite is ``None``."""
+        out = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+        return {**out, "near_tie": self.near_tie}
 
 
 def router_modules(model: nn.Module, spec: MoESpec) -> dict[int, nn.Module]:
@@ -170,11 +175,15 @@ def exchanged(model: nn.Module, spec: MoESpec, ids: list[int], swaps: list[tuple
     """``[V]`` float32 logits at the last position of ``ids`` with, in turn, each ``(layer, i, j)`` of ``swaps``:
     router ``layer`` exchanging experts ``i`` and ``j`` (gate rows, bias and correction-bias entries) for that position
     alone (the positions before it from one cached pass of the unchanged model). The weights are restored."""
+    if not swaps:
+        return []
     routers = router_modules(model, spec)
     arg, field = _cache_names(model)
     out = []
     with torch.no_grad():
-        cache = getattr(model(torch.tensor([ids[:-1]], device=device), use_cache=True), field)
+        # a one-token sequence has no positions before its last: its pass is the last position's alone
+        cache = getattr(model(torch.tensor([ids[:-1]], device=device), use_cache=True), field) if len(ids) > 1 \
+            else None
         last = torch.tensor([ids[-1:]], device=device)
         for layer, i, j in swaps:
             module = routers[layer]
@@ -183,7 +192,8 @@ def exchanged(model: nn.Module, spec: MoESpec, ids: list[int], swaps: list[tuple
             for t in params:
                 t[[i, j]] = t[[j, i]]
             try:
-                out.append(model(last, use_cache=True, **{arg: copy.deepcopy(cache)}).logits[0, -1].float().cpu())
+                cached = {} if cache is None else {arg: copy.deepcopy(cache)}
+                out.append(model(last, use_cache=True, **cached).logits[0, -1].float().cpu())
             finally:
                 for t in params:
                     t[[i, j]] = t[[j, i]]
@@ -198,7 +208,7 @@ def router_ties(full: Probe, half: Probe, spec: MoESpec) -> list[tuple[float, in
         choice, groups = choice[-1], None if groups is None else groups[-1]
         noise = float((half.choices[layer][0][-1] - choice).abs().max())
         gap, i, j = router_tie(spec, choice, groups)
-        if gap <= noise:
+        if gap <= noise < math.inf:  # a change of no finite size measures no rounding (an overflow)
             ties.append((gap / noise if noise > 0 else 0.0, gap, layer, i, j, noise))
     return [(gap, layer, i, j, noise) for _, gap, layer, i, j, noise in sorted(ties)]
 
@@ -212,14 +222,20 @@ def unweighed_ties(full: Probe, half: Probe, spec: MoESpec) -> int:
         h_choice, h_groups = half.choices[layer]
         noise = (h_choice - choice).abs().amax(dim=1)
         for p in range(choice.shape[0] - 1):
-            if router_tie(spec, choice[p], None if groups is None else groups[p])[0] <= float(noise[p]):
+            if router_tie(spec, choice[p], None if groups is None else groups[p])[0] <= float(noise[p]) < math.inf:
                 count += 1
                 continue
-            if groups is not None and _group_gap(spec, groups[p]) <= float((h_groups[p] - groups[p]).abs().max()):
+            if groups is not None and _within(_group_gap(spec, groups[p]), h_groups[p] - groups[p]):
                 count += 1
-        if groups is not None and _group_gap(spec, groups[-1]) <= float((h_groups[-1] - groups[-1]).abs().max()):
+        if groups is not None and _within(_group_gap(spec, groups[-1]), h_groups[-1] - groups[-1]):
             count += 1
     return count
+
+
+def _within(gap: float, change: torch.Tensor) -> bool:
+    """``gap`` is within the largest of ``change``, a finite one."""
+    noise = float(change.abs().max())
+    return gap <= noise < math.inf
 
 
 def _group_gap(spec: MoESpec, groups: torch.Tensor) -> float:
@@ -237,6 +253,8 @@ def measure(spec: MoESpec, prompt: int, step: int, ours: int, float32_token: int
     tie whose exchange makes our token float32's choice, or within the token noise of it, explains it."""
     token_gap = float(full.logits.max() - full.logits[ours])
     token_noise = float((half.logits - full.logits).abs().max())
+    if not math.isfinite(token_noise):  # the half-precision pass overflowed (or is NaN): it measures no rounding
+        return Divergence(prompt, step, ours, float32_token, token_gap, token_noise, unweighed_ties(full, half, spec))
     unweighed = unweighed_ties(full, half, spec)
     for (gap, layer, i, j, noise), logits in zip(ties, swapped):
         if float(logits.max() - logits[ours]) <= token_noise:
@@ -253,6 +271,10 @@ def first_difference(ours: list[int], theirs: list[int]) -> int | None:
 
 def describe(d: Divergence, dtype: str) -> str:
     """One sentence on a divergence for the run's summary (prompt, step, both tokens and the measured gaps)."""
+    if d.token_noise is None or not math.isfinite(d.token_noise):
+        return (f"prompt {d.prompt}, step {d.step}: token {d.ours} here, {d.float32} in float32; transformers' own "
+                f"{dtype} pass over those tokens does not hold finite logits there (an overflow), so it measures no "
+                f"rounding: not weighed, not a near-tie")
     head = (f"prompt {d.prompt}, step {d.step}: token {d.ours} here, {d.float32} in float32, "
             f"{d.token_gap:.3g} apart in float32 logits against the {d.token_noise:.3g} that transformers' own "
             f"{dtype} run moves them there")
