@@ -11,6 +11,7 @@ from epmoe.routing.router import Router, router_choices
 from epmoe.runtime.near_tie import (
     Divergence,
     Probe,
+    Tie,
     describe,
     exchanged,
     first_difference,
@@ -85,7 +86,8 @@ def test_a_router_tie_explains_a_token_only_where_its_exchange_leads_to_it(tiny_
     half = _probe([3.01, 1.0, 0.0], {1: [v + 0.01 * (i == 4) for i, v in enumerate(base)],
                                      2: [v + 0.2 * (i == 4) for i, v in enumerate(base)]})
     ties = router_ties(full, half, spec)
-    assert [(round(g, 6), layer, i, j, round(n, 6)) for g, layer, i, j, n in ties] == [(0.05, 2, 3, 4, 0.2)]
+    assert [(t.layer, t.kind, t.first, t.second, round(t.gap, 6), round(t.noise, 6)) for t in ties] == [
+        (2, "experts", 3, 4, 0.05, 0.2)]
     d = measure(spec, 0, 3, 1, 0, full, half, ties, [torch.tensor([1.0, 1.005, 0.0])])  # the exchange: token 1 by 0.005
     assert (d.token_gap, round(d.token_noise, 6)) == (2.0, 0.01) and d.token_gap > d.token_noise
     assert (d.router_layer, d.experts) == (2, (3, 4)) and d.router_gap == pytest.approx(0.05) and d.near_tie
@@ -121,6 +123,34 @@ def test_ties_at_earlier_positions_and_between_groups_are_counted_not_weighed(ti
                                             "does not weigh")
 
 
+def test_a_group_tie_is_exchanged_by_the_correction_bias(tiny_checkpoints):
+    """GLM-4.5's small checkpoint in bf16 on an H100 differed from float32 at prompt 3, step 7 (our token 22, float32's
+    239) with no expert tie there, but layer 2 keeps group 1 over group 3 by 0.0021 in float32, within the 0.0065 that
+    transformers' own bf16 run moves the group scores; with the two groups' order exchanged float32 chooses 22."""
+    from epmoe.engine.tokenizer import load_tokenizer
+    from epmoe.runtime.run import DEFAULT_PROMPTS
+
+    d = str(tiny_checkpoints("glm4.5"))
+    spec = load_moe_spec(d)
+    assert spec.correction_bias and (spec.n_group, spec.topk_group) == (4, 2)
+    ids = load_tokenizer(d)(DEFAULT_PROMPTS[3]).input_ids
+    ref = [137, 202, 217, 137, 239, 244, 137, 239]
+    (div,) = _divergences(RunConfig(model=d, dtype="bfloat16"), d, spec, [ids], [ref[:7] + [22]], {0: ref}, [0])
+    assert (div.step, div.ours, div.float32, div.router_layer, div.groups, div.experts) == (7, 22, 239, 2, (1, 3), None)
+    assert div.router_gap == pytest.approx(0.0021, abs=2e-4) and div.router_gap <= div.router_noise and div.near_tie
+    assert "layer 2's router keeps group 1 over group 3 there by 0.002" in describe(div, "bfloat16")
+    model = _load_reference(d, "float32", "cpu")
+    bias = dict(model.named_buffers())["model.layers.2.mlp.gate.e_score_correction_bias"].clone()
+    full = probe(model, spec, ids + ref[:7], "cpu")
+    (flipped,) = exchanged(model, spec, ids + ref[:7], [Tie(2, "groups", 1, 3, div.router_gap, 1.0)], "cpu")
+    assert int(flipped.argmax()) == 22 and int(full.logits.argmax()) == 239
+    assert torch.equal(dict(model.named_buffers())["model.layers.2.mlp.gate.e_score_correction_bias"], bias)
+    plain = load_moe_spec(str(tiny_checkpoints("deepseek-v2")))  # groups without a correction bias: not exchanged
+    with pytest.raises(ValueError, match="layer 1's router has no correction bias to exchange groups 0 and 1 by"):
+        v2 = _load_reference(str(tiny_checkpoints("deepseek-v2")), "float32", "cpu")
+        exchanged(v2, plain, [5, 6], [Tie(1, "groups", 0, 1, 0.001, 1.0)], "cpu")
+
+
 def test_an_exchange_changes_the_last_position_alone_and_is_undone(tiny_checkpoints):
     d = str(tiny_checkpoints("qwen3-moe"))
     spec = load_moe_spec(d)
@@ -130,14 +160,15 @@ def test_an_exchange_changes_the_last_position_alone_and_is_undone(tiny_checkpoi
     layer = min(before.choices)
     order = before.choices[layer][0][-1].sort(descending=True).indices
     top, out = int(order[0]), int(order[-1])
-    plain, swapped = exchanged(model, spec, ids, [(layer, top, top), (layer, top, out)], "cpu")
+    plain, swapped = exchanged(model, spec, ids, [Tie(layer, "experts", top, top, 0.0, 1.0),
+                                                  Tie(layer, "experts", top, out, 0.0, 1.0)], "cpu")
     torch.testing.assert_close(plain, before.logits, rtol=1e-5, atol=1e-5)  # the cached pass is the same model
     assert (swapped - before.logits).abs().max() > 1e-3  # its best expert for its worst: another output
     torch.testing.assert_close(probe(model, spec, ids, "cpu").logits, before.logits, rtol=0, atol=0)
     # a one-token sequence (a one-token prompt differing at step 0) has no positions before its last: it ran the
     # model on an empty (float) tensor and failed in the embedding
     one = probe(model, spec, ids[:1], "cpu")
-    (same,) = exchanged(model, spec, ids[:1], [(layer, top, top)], "cpu")
+    (same,) = exchanged(model, spec, ids[:1], [Tie(layer, "experts", top, top, 0.0, 1.0)], "cpu")
     torch.testing.assert_close(same, one.logits, rtol=1e-5, atol=1e-5)
     assert exchanged(model, spec, ids[:1], [], "cpu") == []
 

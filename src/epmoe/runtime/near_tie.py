@@ -9,18 +9,20 @@ dtype and in float32, and at that last position it reads
 
 * the token gap: the float32 logit of the reference's greedy token less that of ours;
 * per MoE layer, the router gap: the float32 choice value (``routing.router.router_choices``) of the ``K``-th expert
-  less that of the ``(K+1)``-th among the kept groups' experts.
+  less that of the ``(K+1)``-th among the kept groups' experts; with expert groups also the last kept group's score
+  less the next group's.
 
 Each gap is set against how far transformers' own half-precision run moves the same values there (the largest change
-of any logit, or of any of the layer's choice values): its noise. A token gap within its noise is a near-tie. A router
-gap within its noise counts only once it is shown to explain our token: the float32 model is run again on the last
-position (the others from its cache) with that router's two experts exchanged (their gate rows, and their bias and
-correction-bias entries: each then takes the other's choice value and weight, which differ by the gap), and our token
+of any logit, or of any of the layer's choice values or group scores): its noise. A token gap within its noise is a
+near-tie. A router gap within its noise counts only once it is shown to explain our token: the float32 model is run
+again on the last position (the others from its cache) with that choice flipped (``exchanged``: two experts' gate rows
+and bias entries exchanged, or two groups' correction-bias entries moved apart by just over their gap), and our token
 must then be float32's choice, or within the token noise of it. The nearest such router is kept.
 
 What it does not weigh, and counts instead (``unweighed_ties``): router choices within that rounding at earlier
 positions (a flip there changes the keys and values every later position reads, and which one our run flipped, if
-any, is not known) and choices between expert groups (no exchange of two experts' rows reproduces one). A divergence
+any, is not known) and group choices of routers without a correction bias (DeepSeek-V2's; nothing flips them alone).
+A divergence
 with no near-tie at its own position stays unexplained, whatever that count: the check does not pass it. One with a
 near-tie there passes (rounding at that position alone explains its token). The count is given either way.
 """
@@ -73,6 +75,7 @@ class Divergence:
         router_gap: that router's float32 gap, or ``None``.
         router_noise: the largest change of its choice values between the runs, or ``None``.
         experts: the router's ``K``-th and ``(K+1)``-th experts there, which were exchanged, or ``None``.
+        groups: the router's last kept group and the next there, which were exchanged, or ``None``.
     """
 
     prompt: int
@@ -86,6 +89,7 @@ class Divergence:
     router_gap: float | None = None
     router_noise: float | None = None
     experts: tuple[int, int] | None = None
+    groups: tuple[int, int] | None = None
 
     @property
     def near_tie(self) -> bool:
@@ -98,6 +102,27 @@ class Divergence:
         """A JSON-ready dict, ``near_tie`` included; a gap or noise that is not finite is ``None``."""
         out = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
         return {**out, "near_tie": self.near_tie}
+
+
+@dataclass(frozen=True)
+class Tie:
+    """A router's choice at the last position whose float32 gap is within the half-precision run's change there.
+
+    Attributes:
+        layer: the decoder layer.
+        kind: ``experts`` (its ``K``-th and ``(K+1)``-th expert among the kept groups) or ``groups`` (its last kept
+            group and the next; weighed only for routers with a correction bias, ``exchanged``).
+        first, second: those experts, or those groups.
+        gap: their float32 gap (choice values, or group scores).
+        noise: the largest change of the layer's choice values, or group scores, between the runs there.
+    """
+
+    layer: int
+    kind: str
+    first: int
+    second: int
+    gap: float
+    noise: float
 
 
 def router_modules(model: nn.Module, spec: MoESpec) -> dict[int, nn.Module]:
@@ -170,53 +195,81 @@ def _cache_names(model: nn.Module) -> tuple[str, str]:
     return ("cache", "cache") if named else ("past_key_values", "past_key_values")
 
 
-def exchanged(model: nn.Module, spec: MoESpec, ids: list[int], swaps: list[tuple[int, int, int]],
+def exchanged(model: nn.Module, spec: MoESpec, ids: list[int], ties: list[Tie],
               device: torch.device | str) -> list[torch.Tensor]:
-    """``[V]`` float32 logits at the last position of ``ids`` with, in turn, each ``(layer, i, j)`` of ``swaps``:
-    router ``layer`` exchanging experts ``i`` and ``j`` (gate rows, bias and correction-bias entries) for that position
-    alone (the positions before it from one cached pass of the unchanged model). The weights are restored."""
-    if not swaps:
+    """``[V]`` float32 logits at the last position of ``ids`` with, in turn, each tie of ``ties`` flipped in its
+    router for that position alone (the positions before it from one cached pass of the unchanged model): two experts
+    exchanged (their gate rows, bias and correction-bias entries: each takes the other's choice value and weight), or
+    two groups' order exchanged by moving their correction-bias entries apart by just over the gap (the last kept
+    group's experts down, the next group's up: a shift within the tie's own size, their weights unchanged). The
+    weights are restored.
+
+    Raises:
+        ValueError: a ``groups`` tie of a router without a correction bias.
+    """
+    if not ties:
         return []
     routers = router_modules(model, spec)
     arg, field = _cache_names(model)
+    per = spec.num_experts // spec.n_group
     out = []
     with torch.no_grad():
         # a one-token sequence has no positions before its last: its pass is the last position's alone
         cache = getattr(model(torch.tensor([ids[:-1]], device=device), use_cache=True), field) if len(ids) > 1 \
             else None
         last = torch.tensor([ids[-1:]], device=device)
-        for layer, i, j in swaps:
-            module = routers[layer]
-            params = [t for n in ("weight", "bias", "e_score_correction_bias")
-                      if isinstance(t := getattr(module, n, None), torch.Tensor)]
-            for t in params:
-                t[[i, j]] = t[[j, i]]
+        for tie in ties:
+            module = routers[tie.layer]
+            saved = [(t, t.clone()) for n in ("weight", "bias", "e_score_correction_bias")
+                     if isinstance(t := getattr(module, n, None), torch.Tensor)]
+            a, b = tie.first, tie.second
+            if tie.kind == "experts":
+                for t, _ in saved:
+                    t[[a, b]] = t[[b, a]]
+            else:
+                bias = getattr(module, "e_score_correction_bias", None)
+                if not isinstance(bias, torch.Tensor):
+                    raise ValueError(f"layer {tie.layer}'s router has no correction bias to exchange groups {a} and "
+                                     f"{b} by")
+                shift = 0.505 * tie.gap + 1e-6
+                bias[a * per:(a + 1) * per] -= shift
+                bias[b * per:(b + 1) * per] += shift
             try:
                 cached = {} if cache is None else {arg: copy.deepcopy(cache)}
                 out.append(model(last, use_cache=True, **cached).logits[0, -1].float().cpu())
             finally:
-                for t in params:
-                    t[[i, j]] = t[[j, i]]
+                for t, value in saved:
+                    t.copy_(value)
     return out
 
 
-def router_ties(full: Probe, half: Probe, spec: MoESpec) -> list[tuple[float, int, int, int, float]]:
-    """The routers whose float32 gap is within the half-precision run's noise there: ``(gap, layer, i, j, noise)``,
-    the nearest (smallest gap over noise) first."""
+def router_ties(full: Probe, half: Probe, spec: MoESpec) -> list[Tie]:
+    """The router choices at the last position whose float32 gap is within the half-precision run's change there,
+    the nearest (smallest gap over noise) first: each router's experts (``router_tie``), and with groups and a
+    correction bias (``MoESpec.correction_bias``: a way to exchange them) its groups (``_group_gap``)."""
     ties = []
     for layer, (choice, groups) in full.choices.items():
+        h_choice, h_groups = half.choices[layer]
         choice, groups = choice[-1], None if groups is None else groups[-1]
-        noise = float((half.choices[layer][0][-1] - choice).abs().max())
+        noise = float((h_choice[-1] - choice).abs().max())
         gap, i, j = router_tie(spec, choice, groups)
         if gap <= noise < math.inf:  # a change of no finite size measures no rounding (an overflow)
-            ties.append((gap / noise if noise > 0 else 0.0, gap, layer, i, j, noise))
-    return [(gap, layer, i, j, noise) for _, gap, layer, i, j, noise in sorted(ties)]
+            ties.append(Tie(layer, "experts", i, j, gap, noise))
+        if groups is not None and spec.correction_bias:
+            g_noise = float((h_groups[-1] - groups).abs().max())
+            g_gap = _group_gap(spec, groups)
+            if g_gap <= g_noise < math.inf:
+                order = groups.sort(descending=True).indices
+                ties.append(Tie(layer, "groups", int(order[spec.topk_group - 1]), int(order[spec.topk_group]), g_gap,
+                                g_noise))
+    return sorted(ties, key=lambda t: t.gap / t.noise if t.noise > 0 else 0.0)
 
 
 def unweighed_ties(full: Probe, half: Probe, spec: MoESpec) -> int:
     """How many router choices within the half-precision run's rounding this check does not weigh: at every position
     before the last, a router whose expert gap (``router_tie``) or group gap (the last kept group's score less the
-    next one's) is within that run's change of the same values there; at the last, its group gaps so."""
+    next one's) is within that run's change of the same values there; at the last, its group gaps so where it has no
+    correction bias to exchange them by."""
     count = 0
     for layer, (choice, groups) in full.choices.items():
         h_choice, h_groups = half.choices[layer]
@@ -227,8 +280,9 @@ def unweighed_ties(full: Probe, half: Probe, spec: MoESpec) -> int:
                 continue
             if groups is not None and _within(_group_gap(spec, groups[p]), h_groups[p] - groups[p]):
                 count += 1
-        if groups is not None and _within(_group_gap(spec, groups[-1]), h_groups[-1] - groups[-1]):
-            count += 1
+        if groups is not None and not spec.correction_bias and _within(_group_gap(spec, groups[-1]),
+                                                                       h_groups[-1] - groups[-1]):
+            count += 1  # no way to exchange them (``router_ties``)
     return count
 
 
@@ -247,7 +301,7 @@ def _group_gap(spec: MoESpec, groups: torch.Tensor) -> float:
 
 
 def measure(spec: MoESpec, prompt: int, step: int, ours: int, float32_token: int, full: Probe, half: Probe,
-            ties: list[tuple[float, int, int, int, float]], swapped: list[torch.Tensor]) -> Divergence:
+            ties: list[Tie], swapped: list[torch.Tensor]) -> Divergence:
     """The divergence at one position from its float32 (``full``) and half-precision (``half``) probes, the router
     ties there (``router_ties``) and the float32 logits with each tie's experts exchanged (``exchanged``): the first
     tie whose exchange makes our token float32's choice, or within the token noise of it, explains it."""
@@ -256,10 +310,12 @@ def measure(spec: MoESpec, prompt: int, step: int, ours: int, float32_token: int
     if not math.isfinite(token_noise):  # the half-precision pass overflowed (or is NaN): it measures no rounding
         return Divergence(prompt, step, ours, float32_token, token_gap, token_noise, unweighed_ties(full, half, spec))
     unweighed = unweighed_ties(full, half, spec)
-    for (gap, layer, i, j, noise), logits in zip(ties, swapped):
+    for tie, logits in zip(ties, swapped):
         if float(logits.max() - logits[ours]) <= token_noise:
-            return Divergence(prompt, step, ours, float32_token, token_gap, token_noise, unweighed, layer, gap, noise,
-                              (i, j))
+            pair = (tie.first, tie.second)
+            return Divergence(prompt, step, ours, float32_token, token_gap, token_noise, unweighed, tie.layer, tie.gap,
+                              tie.noise, pair if tie.kind == "experts" else None,
+                              pair if tie.kind == "groups" else None)
     return Divergence(prompt, step, ours, float32_token, token_gap, token_noise, unweighed)
 
 
@@ -279,10 +335,11 @@ def describe(d: Divergence, dtype: str) -> str:
             f"{d.token_gap:.3g} apart in float32 logits against the {d.token_noise:.3g} that transformers' own "
             f"{dtype} run moves them there")
     if d.router_layer is not None:
-        i, j = d.experts
-        text = (f"{head}; layer {d.router_layer}'s router picks expert {i} over expert {j} there by "
-                f"{d.router_gap:.3g} in float32, within the {d.router_noise:.3g} that run moves its choices, and with "
-                f"the two exchanged float32 chooses token {d.ours} too: a near-tie")
+        what = (f"picks expert {d.experts[0]} over expert {d.experts[1]}" if d.experts is not None
+                else f"keeps group {d.groups[0]} over group {d.groups[1]}")
+        text = (f"{head}; layer {d.router_layer}'s router {what} there by {d.router_gap:.3g} in float32, within the "
+                f"{d.router_noise:.3g} that run moves {'its choices' if d.experts is not None else 'its group scores'}"
+                f", and with the two exchanged float32 chooses token {d.ours} too: a near-tie")
     elif d.near_tie:
         text = f"{head}: a near-tie"
     else:

@@ -470,7 +470,7 @@ def _divergences(cfg: RunConfig, model_dir: str, spec: MoESpec, all_ids: list[li
         for i, step in cases.items():
             full = probe(model, spec, seqs[i], device)
             ties = router_ties(full, half[i], spec)
-            swapped = exchanged(model, spec, seqs[i], [(layer, a, b) for _, layer, a, b, _ in ties], device)
+            swapped = exchanged(model, spec, seqs[i], ties, device)
             out.append(measure(spec, i, step, tokens[i][step], ref32[i][step], full, half[i], ties, swapped))
             bar.advance(task)
         del model
