@@ -22,9 +22,8 @@ must then be float32's choice, or within the token noise of it. The nearest such
 What it does not weigh, and counts instead (``unweighed_ties``): router choices within that rounding at earlier
 positions (a flip there changes the keys and values every later position reads, and which one our run flipped, if
 any, is not known) and group choices of routers without a correction bias (DeepSeek-V2's; nothing flips them alone).
-A divergence
-with no near-tie at its own position stays unexplained, whatever that count: the check does not pass it. One with a
-near-tie there passes (rounding at that position alone explains its token). The count is given either way.
+A divergence with no near-tie at its own position stays unexplained, whatever that count: the check does not pass it.
+One with a near-tie there passes (rounding at that position alone explains its token). The count is given either way.
 """
 
 from __future__ import annotations
