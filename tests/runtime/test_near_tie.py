@@ -15,11 +15,13 @@ from epmoe.runtime.near_tie import (
     describe,
     exchanged,
     first_difference,
+    flipped_selection,
     measure,
     probe,
     router_modules,
     router_tie,
     router_ties,
+    selection,
     unweighed_ties,
 )
 from epmoe.runtime.run import RunConfig, _divergences, _load_reference
@@ -74,6 +76,23 @@ def test_router_tie_of_the_kept_groups_experts(tiny_checkpoints):
     assert router_tie(spec, torch.tensor([1.0] * 4 + [float("-inf")] * 12), None) == (float("inf"), -1, -1)
 
 
+def test_an_exact_tie_is_oriented_as_the_router_picks(tiny_checkpoints):
+    """With equal values at the boundary, the tie's first expert (or group) is the one ``torch.topk`` keeps, as the
+    router does (a sort could name the other, so an exchange would lower the expert the router had already left)."""
+    spec = load_moe_spec(str(tiny_checkpoints("kimi-k2.5")))  # top 4 of 16
+    choice = torch.tensor([0.9, 0.8, 0.7, 0.5, 0.5, 0.5] + [0.0] * 10)
+    gap, first, second = router_tie(spec, choice, None)
+    assert gap == 0.0 and first in selection(spec, choice, None) and second not in selection(spec, choice, None)
+    grouped = load_moe_spec(str(tiny_checkpoints("glm4.5")))  # 4 groups, 2 kept, correction bias
+    values = torch.tensor([0.9, 0.8, 0.1, 0.0] + [0.5, 0.4, 0.0, 0.0] * 2 + [0.1] * 4)
+    groups = torch.tensor([1.7, 0.9, 0.9, 0.2])  # groups 1 and 2 tie for the second place
+    empty = Probe(torch.zeros(2), {1: (values[None], groups[None])})
+    half = Probe(torch.zeros(2), {1: (values[None] + 0.01, groups[None] + 0.01)})
+    (tie,) = [t for t in router_ties(empty, half, grouped) if t.kind == "groups"]
+    kept = set(groups.topk(2).indices.tolist())
+    assert tie.gap == 0.0 and tie.first in kept and tie.second not in kept
+
+
 def _probe(logits: list[float], choices: dict[int, list[float]]) -> Probe:
     """A probe of one position (``choices``: each layer's choice values there)."""
     return Probe(torch.tensor(logits), {layer: (torch.tensor([c]), None) for layer, c in choices.items()})
@@ -88,17 +107,30 @@ def test_a_router_tie_explains_a_token_only_where_its_exchange_leads_to_it(tiny_
     ties = router_ties(full, half, spec)
     assert [(t.layer, t.kind, t.first, t.second, round(t.gap, 6), round(t.noise, 6)) for t in ties] == [
         (2, "experts", 3, 4, 0.05, 0.2)]
-    d = measure(spec, 0, 3, 1, 0, full, half, ties, [torch.tensor([1.0, 1.005, 0.0])])  # the exchange: token 1 by 0.005
+    flipped = frozenset({0, 1, 2, 4})  # expert 4 in place of 3
+    d = measure(spec, 0, 3, 1, 0, full, half, ties, [(torch.tensor([1.0, 1.005, 0.0]), flipped)])  # token 1 by 0.005
     assert (d.token_gap, round(d.token_noise, 6)) == (2.0, 0.01) and d.token_gap > d.token_noise
     assert (d.router_layer, d.experts) == (2, (3, 4)) and d.router_gap == pytest.approx(0.05) and d.near_tie
-    assert "layer 2's router picks expert 3 over expert 4 there by 0.05 in float32, within the 0.2" in describe(
-        d, "bfloat16")
-    unled = measure(spec, 0, 3, 1, 0, full, half, ties, [torch.tensor([2.0, 1.0, 0.0])])  # the exchange keeps token 0
+    assert d.exchange_gap == pytest.approx(0.0)
+    assert ("layer 2's router picks expert 3 over expert 4 there by 0.05 in float32, within the 0.2 that run moves its "
+            "choices, and with the two exchanged float32 chooses token 1 too: a near-tie") in describe(d, "bfloat16")
+    near = measure(spec, 0, 3, 1, 0, full, half, ties, [(torch.tensor([1.005, 1.0, 0.0]), flipped)])
+    assert near.near_tie and near.exchange_gap == pytest.approx(0.005)  # within the token noise, not its choice
+    assert "token 1 comes within 0.005 of float32's choice, inside the token's rounding: a near-tie" in describe(
+        near, "bfloat16")
+    # an exchange that flipped nothing (an exact tie) or more than that choice explains nothing, whatever it gave
+    for picked in (frozenset({0, 1, 2, 3}), frozenset({0, 1, 4, 5})):
+        assert not measure(spec, 0, 3, 1, 0, full, half, ties, [(torch.tensor([1.0, 1.005, 0.0]), picked)]).near_tie
+    unled = measure(spec, 0, 3, 1, 0, full, half, ties, [(torch.tensor([2.0, 1.0, 0.0]), flipped)])  # keeps token 0
     assert unled.router_layer is None and not unled.near_tie
     assert describe(unled, "bfloat16").endswith("no router tie within that run's rounding there leads to token 1: "
                                                 "not a near-tie")
     close = measure(spec, 0, 3, 1, 0, _probe([1.001, 1.0, 0.0], {}), _probe([1.0, 1.003, 0.0], {}), [], [])
     assert close.near_tie and close.router_layer is None and describe(close, "float16").endswith(": a near-tie")
+    # a token tie is weighed first: no router is credited for a token already within its rounding
+    tied = measure(spec, 0, 3, 1, 0, _probe([1.001, 1.0, 0.0], {2: base}), _probe([1.0, 1.003, 0.0], {
+        2: [v + 0.2 * (i == 4) for i, v in enumerate(base)]}), ties, [(torch.tensor([1.0, 1.005, 0.0]), flipped)])
+    assert tied.near_tie and tied.router_layer is None
     assert Divergence(**{k: v for k, v in d.to_json().items() if k != "near_tie"}) == d
 
 
@@ -142,8 +174,11 @@ def test_a_group_tie_is_exchanged_by_the_correction_bias(tiny_checkpoints):
     model = _load_reference(d, "float32", "cpu")
     bias = dict(model.named_buffers())["model.layers.2.mlp.gate.e_score_correction_bias"].clone()
     full = probe(model, spec, ids + ref[:7], "cpu")
-    (flipped,) = exchanged(model, spec, ids + ref[:7], [Tie(2, "groups", 1, 3, div.router_gap, 1.0)], "cpu")
+    ((flipped, picked),) = exchanged(model, spec, ids + ref[:7], [Tie(2, "groups", 1, 3, div.router_gap, 1.0)], "cpu")
     assert int(flipped.argmax()) == 22 and int(full.logits.argmax()) == 239
+    choice, groups = full.choices[2]
+    tie = Tie(2, "groups", 1, 3, div.router_gap, 1.0)
+    assert picked == flipped_selection(spec, choice[-1], groups[-1], tie) != selection(spec, choice[-1], groups[-1])
     assert torch.equal(dict(model.named_buffers())["model.layers.2.mlp.gate.e_score_correction_bias"], bias)
     plain = load_moe_spec(str(tiny_checkpoints("deepseek-v2")))  # groups without a correction bias: not exchanged
     with pytest.raises(ValueError, match="layer 1's router has no correction bias to exchange groups 0 and 1 by"):
@@ -160,15 +195,17 @@ def test_an_exchange_changes_the_last_position_alone_and_is_undone(tiny_checkpoi
     layer = min(before.choices)
     order = before.choices[layer][0][-1].sort(descending=True).indices
     top, out = int(order[0]), int(order[-1])
-    plain, swapped = exchanged(model, spec, ids, [Tie(layer, "experts", top, top, 0.0, 1.0),
-                                                  Tie(layer, "experts", top, out, 0.0, 1.0)], "cpu")
+    (plain, unmoved), (swapped, moved) = exchanged(model, spec, ids, [Tie(layer, "experts", top, top, 0.0, 1.0),
+                                                                      Tie(layer, "experts", top, out, 0.0, 1.0)], "cpu")
+    choice = before.choices[layer][0][-1]
+    assert unmoved == selection(spec, choice, None) and moved == selection(spec, choice, None) - {top} | {out}
     torch.testing.assert_close(plain, before.logits, rtol=1e-5, atol=1e-5)  # the cached pass is the same model
     assert (swapped - before.logits).abs().max() > 1e-3  # its best expert for its worst: another output
     torch.testing.assert_close(probe(model, spec, ids, "cpu").logits, before.logits, rtol=0, atol=0)
     # a one-token sequence (a one-token prompt differing at step 0) has no positions before its last: it ran the
     # model on an empty (float) tensor and failed in the embedding
     one = probe(model, spec, ids[:1], "cpu")
-    (same,) = exchanged(model, spec, ids[:1], [Tie(layer, "experts", top, top, 0.0, 1.0)], "cpu")
+    ((same, _),) = exchanged(model, spec, ids[:1], [Tie(layer, "experts", top, top, 0.0, 1.0)], "cpu")
     torch.testing.assert_close(same, one.logits, rtol=1e-5, atol=1e-5)
     assert exchanged(model, spec, ids[:1], [], "cpu") == []
 

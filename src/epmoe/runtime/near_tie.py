@@ -16,8 +16,10 @@ Each gap is set against how far transformers' own half-precision run moves the s
 of any logit, or of any of the layer's choice values or group scores): its noise. A token gap within its noise is a
 near-tie. A router gap within its noise counts only once it is shown to explain our token: the float32 model is run
 again on the last position (the others from its cache) with that choice flipped (``exchanged``: two experts' gate rows
-and bias entries exchanged, or two groups' correction-bias entries moved apart by just over their gap), and our token
-must then be float32's choice, or within the token noise of it. The nearest such router is kept.
+and bias entries exchanged, or the kept group's correction-bias entries lowered by just over the gap), and our token
+must then be float32's choice, or within the token noise of it; the router must then pick exactly the flipped
+selection (an exact tie, which no exchange flips, or an exchange that flips a second choice too, is not credited). The
+nearest such router is kept; a token gap within its noise is weighed first.
 
 What it does not weigh, and counts instead (``unweighed_ties``): router choices within that rounding at earlier
 positions (a flip there changes the keys and values every later position reads, and which one our run flipped, if
@@ -68,13 +70,16 @@ class Divergence:
         token_noise: the largest change of any logit between the half-precision and float32 runs there (not finite
             where the half-precision pass overflowed: nothing is weighed then; ``None`` in ``to_json``).
         unweighed_ties: router choices within that rounding which the check does not weigh (``unweighed_ties``):
-            at earlier positions, where our run may have flipped one unseen, and between groups at this one.
+            at earlier positions, where our run may have flipped one unseen, and at this one between the groups of
+            a router without a correction bias.
         router_layer: the decoder layer of the nearest router tie within its noise whose exchange leads to our token
             (see the module docstring), or ``None``.
         router_gap: that router's float32 gap, or ``None``.
         router_noise: the largest change of its choice values between the runs, or ``None``.
         experts: the router's ``K``-th and ``(K+1)``-th experts there, which were exchanged, or ``None``.
         groups: the router's last kept group and the next there, which were exchanged, or ``None``.
+        exchange_gap: with that tie flipped, float32's choice's logit less that of ours (0: ours is its choice), or
+            ``None``.
     """
 
     prompt: int
@@ -89,6 +94,7 @@ class Divergence:
     router_noise: float | None = None
     experts: tuple[int, int] | None = None
     groups: tuple[int, int] | None = None
+    exchange_gap: float | None = None
 
     @property
     def near_tie(self) -> bool:
@@ -172,19 +178,41 @@ def probe(model: nn.Module, spec: MoESpec, ids: list[int], device: torch.device 
     return Probe(logits.cpu(), choices)
 
 
+def _kept_groups(spec: MoESpec, groups: torch.Tensor) -> torch.Tensor:
+    """``[n_group]`` bool: the groups a router keeps, by ``torch.topk`` as transformers' routers pick them (so an
+    exact tie breaks as theirs does)."""
+    kept = torch.zeros_like(groups, dtype=torch.bool)
+    kept[groups.topk(spec.topk_group).indices] = True
+    return kept
+
+
+def _eligible(spec: MoESpec, choice: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+    """The choice values of the kept groups' experts, ``-inf`` elsewhere."""
+    if kept is None:
+        return choice
+    return choice.masked_fill(~kept.repeat_interleave(choice.numel() // kept.numel()), float("-inf"))
+
+
+def selection(spec: MoESpec, choice: torch.Tensor, groups: torch.Tensor | None) -> frozenset[int]:
+    """The experts a router of ``spec`` picks from its choice values and group scores at one position
+    (``torch.topk`` among the kept groups' experts, as transformers' routers pick them)."""
+    kept = None if groups is None else _kept_groups(spec, groups)
+    return frozenset(_eligible(spec, choice, kept).topk(spec.top_k).indices.tolist())
+
+
 def router_tie(spec: MoESpec, choice: torch.Tensor, groups: torch.Tensor | None) -> tuple[float, int, int]:
-    """How close a router's choice was: the ``K``-th choice value less the ``(K+1)``-th among the kept groups' experts
-    (``groups``: the group scores, the best ``topk_group`` kept), with those two experts; an infinite gap (and ``-1``)
-    where no expert is left outside the ``K``."""
-    eligible = choice
-    if groups is not None:
-        kept = torch.zeros_like(groups, dtype=torch.bool)
-        kept[groups.topk(spec.topk_group).indices] = True
-        eligible = choice.masked_fill(~kept.repeat_interleave(choice.numel() // groups.numel()), float("-inf"))
-    values, order = eligible.sort(descending=True)
-    if spec.top_k >= values.numel() or not bool(torch.isfinite(values[spec.top_k])):
+    """How close a router's choice was: the value of the lowest expert it picks (``selection``) less that of the
+    highest it leaves among the kept groups' experts, with those two experts; an infinite gap (and ``-1``) where no
+    expert is left outside the ``K``."""
+    eligible = _eligible(spec, choice, None if groups is None else _kept_groups(spec, groups))
+    picked = torch.zeros_like(eligible, dtype=torch.bool)
+    picked[eligible.topk(spec.top_k).indices] = True
+    inside = eligible.masked_fill(~picked, float("inf"))
+    outside = eligible.masked_fill(picked, float("-inf"))
+    if not bool(torch.isfinite(outside.max())):
         return float("inf"), -1, -1
-    return float(values[spec.top_k - 1] - values[spec.top_k]), int(order[spec.top_k - 1]), int(order[spec.top_k])
+    first, second = int(inside.argmin()), int(outside.argmax())
+    return float(eligible[first] - eligible[second]), first, second
 
 
 def _cache_names(model: nn.Module) -> tuple[str, str]:
@@ -195,13 +223,14 @@ def _cache_names(model: nn.Module) -> tuple[str, str]:
 
 
 def exchanged(model: nn.Module, spec: MoESpec, ids: list[int], ties: list[Tie],
-              device: torch.device | str) -> list[torch.Tensor]:
-    """``[V]`` float32 logits at the last position of ``ids`` with, in turn, each tie of ``ties`` flipped in its
-    router for that position alone (the positions before it from one cached pass of the unchanged model): two experts
-    exchanged (their gate rows, bias and correction-bias entries: each takes the other's choice value and weight), or
-    two groups' order exchanged by moving their correction-bias entries apart by just over the gap (the last kept
-    group's experts down, the next group's up: a shift within the tie's own size, their weights unchanged). The
-    weights are restored.
+              device: torch.device | str) -> list[tuple[torch.Tensor, frozenset[int]]]:
+    """For each tie of ``ties`` in turn, flipped in its router for the last position of ``ids`` alone (the positions
+    before it from one cached pass of the unchanged model): the ``[V]`` float32 logits there and the experts the
+    router then picked (``selection`` of its input and changed weights). Two experts are exchanged by their gate rows
+    and bias and correction-bias entries (each takes the other's choice value and weight); two groups by lowering the
+    kept one's correction-bias entries by just over the gap, which drops it for the next without touching any other
+    value (its experts leave the choice with it). The weights are restored. An exact tie (a gap of 0) is not flipped
+    by either: the caller sees its selection unchanged.
 
     Raises:
         ValueError: a ``groups`` tie of a router without a correction bias.
@@ -230,16 +259,38 @@ def exchanged(model: nn.Module, spec: MoESpec, ids: list[int], ties: list[Tie],
                 if not isinstance(bias, torch.Tensor):
                     raise ValueError(f"layer {tie.layer}'s router has no correction bias to exchange groups {a} and "
                                      f"{b} by")
-                shift = 0.505 * tie.gap + 1e-6
-                bias[a * per:(a + 1) * per] -= shift
-                bias[b * per:(b + 1) * per] += shift
+                bias[a * per:(a + 1) * per] -= tie.gap * 1.01 + 1e-6
+            picked: list[frozenset[int]] = []
+            hook = module.register_forward_pre_hook(lambda m, args: picked.append(_picked(m, spec, args[0])))
             try:
                 cached = {} if cache is None else {arg: copy.deepcopy(cache)}
-                out.append(model(last, use_cache=True, **cached).logits[0, -1].float().cpu())
+                out.append((model(last, use_cache=True, **cached).logits[0, -1].float().cpu(), picked[-1]))
             finally:
+                hook.remove()
                 for t, value in saved:
                     t.copy_(value)
     return out
+
+
+def _picked(module: nn.Module, spec: MoESpec, x: torch.Tensor) -> frozenset[int]:
+    """The experts ``module`` (a router) picks for the last row of ``x`` with its weights as they are."""
+    bias = getattr(module, "bias", None)
+    correction = getattr(module, "e_score_correction_bias", None)
+    lg = x.reshape(-1, x.shape[-1])[-1:].float() @ module.weight.float().T
+    lg = lg + (bias.float() if isinstance(bias, torch.Tensor) else 0.0)
+    choice, groups = router_choices(spec, lg, correction if isinstance(correction, torch.Tensor) else None)
+    return selection(spec, choice[0].cpu(), None if groups is None else groups[0].cpu())
+
+
+def flipped_selection(spec: MoESpec, choice: torch.Tensor, groups: torch.Tensor | None, tie: Tie) -> frozenset[int]:
+    """The experts the router would pick with ``tie`` alone flipped, from its float32 choice values and group scores
+    at the position: the other expert in place of ``tie.first``, or the top ``K`` among the kept groups with the
+    other group in place of ``tie.first``."""
+    if tie.kind == "experts":
+        return selection(spec, choice, groups) - {tie.first} | {tie.second}
+    kept = _kept_groups(spec, groups)
+    kept[tie.first], kept[tie.second] = False, True
+    return frozenset(_eligible(spec, choice, kept).topk(spec.top_k).indices.tolist())
 
 
 def router_ties(full: Probe, half: Probe, spec: MoESpec) -> list[Tie]:
@@ -254,13 +305,14 @@ def router_ties(full: Probe, half: Probe, spec: MoESpec) -> list[Tie]:
         gap, i, j = router_tie(spec, choice, groups)
         if gap <= noise < math.inf:  # a change of no finite size measures no rounding (an overflow)
             ties.append(Tie(layer, "experts", i, j, gap, noise))
-        if groups is not None and spec.correction_bias:
+        if groups is not None and spec.correction_bias and spec.topk_group < groups.numel():
             g_noise = float((h_groups[-1] - groups).abs().max())
-            g_gap = _group_gap(spec, groups)
+            kept = _kept_groups(spec, groups)
+            first = int(groups.masked_fill(~kept, float("inf")).argmin())
+            second = int(groups.masked_fill(kept, float("-inf")).argmax())
+            g_gap = float(groups[first] - groups[second])
             if g_gap <= g_noise < math.inf:
-                order = groups.sort(descending=True).indices
-                ties.append(Tie(layer, "groups", int(order[spec.topk_group - 1]), int(order[spec.topk_group]), g_gap,
-                                g_noise))
+                ties.append(Tie(layer, "groups", first, second, g_gap, g_noise))
     return sorted(ties, key=lambda t: t.gap / t.noise if t.noise > 0 else 0.0)
 
 
@@ -292,29 +344,34 @@ def _within(gap: float, change: torch.Tensor) -> bool:
 
 
 def _group_gap(spec: MoESpec, groups: torch.Tensor) -> float:
-    """The last kept group's score less the next one's (infinite with every group kept)."""
+    """The lowest kept group's score less the highest dropped one's (infinite with every group kept)."""
     if spec.topk_group >= groups.numel():
         return float("inf")
-    order = groups.sort(descending=True).values
-    return float(order[spec.topk_group - 1] - order[spec.topk_group])
+    kept = _kept_groups(spec, groups)
+    return float(groups.masked_fill(~kept, float("inf")).min() - groups.masked_fill(kept, float("-inf")).max())
 
 
 def measure(spec: MoESpec, prompt: int, step: int, ours: int, float32_token: int, full: Probe, half: Probe,
-            ties: list[Tie], swapped: list[torch.Tensor]) -> Divergence:
+            ties: list[Tie], swapped: list[tuple[torch.Tensor, frozenset[int]]]) -> Divergence:
     """The divergence at one position from its float32 (``full``) and half-precision (``half``) probes, the router
-    ties there (``router_ties``) and the float32 logits with each tie's experts exchanged (``exchanged``): the first
-    tie whose exchange makes our token float32's choice, or within the token noise of it, explains it."""
+    ties there (``router_ties``) and what each tie's exchange gave (``exchanged``). A token gap within its noise is
+    the near-tie; else the first tie whose exchange flipped exactly that choice (its selection is
+    ``flipped_selection``'s) and brought our token within the token noise of float32's choice explains it."""
     token_gap = float(full.logits.max() - full.logits[ours])
     token_noise = float((half.logits - full.logits).abs().max())
-    if not math.isfinite(token_noise):  # the half-precision pass overflowed (or is NaN): it measures no rounding
-        return Divergence(prompt, step, ours, float32_token, token_gap, token_noise, unweighed_ties(full, half, spec))
     unweighed = unweighed_ties(full, half, spec)
-    for tie, logits in zip(ties, swapped):
-        if float(logits.max() - logits[ours]) <= token_noise:
+    if not math.isfinite(token_noise) or token_gap <= token_noise:  # an overflow weighs nothing; else a token tie
+        return Divergence(prompt, step, ours, float32_token, token_gap, token_noise, unweighed)
+    for tie, (logits, picked) in zip(ties, swapped):
+        choice, groups = full.choices[tie.layer]
+        if picked != flipped_selection(spec, choice[-1], None if groups is None else groups[-1], tie):
+            continue  # the exchange flipped nothing (an exact tie) or more than that choice
+        exchange_gap = float(logits.max() - logits[ours])
+        if exchange_gap <= token_noise:
             pair = (tie.first, tie.second)
             return Divergence(prompt, step, ours, float32_token, token_gap, token_noise, unweighed, tie.layer, tie.gap,
                               tie.noise, pair if tie.kind == "experts" else None,
-                              pair if tie.kind == "groups" else None)
+                              pair if tie.kind == "groups" else None, exchange_gap)
     return Divergence(prompt, step, ours, float32_token, token_gap, token_noise, unweighed)
 
 
@@ -336,9 +393,11 @@ def describe(d: Divergence, dtype: str) -> str:
     if d.router_layer is not None:
         what = (f"picks expert {d.experts[0]} over expert {d.experts[1]}" if d.experts is not None
                 else f"keeps group {d.groups[0]} over group {d.groups[1]}")
+        led = (f"float32 chooses token {d.ours} too" if not d.exchange_gap else
+               f"token {d.ours} comes within {d.exchange_gap:.3g} of float32's choice, inside the token's rounding")
         text = (f"{head}; layer {d.router_layer}'s router {what} there by {d.router_gap:.3g} in float32, within the "
                 f"{d.router_noise:.3g} that run moves {'its choices' if d.experts is not None else 'its group scores'}"
-                f", and with the two exchanged float32 chooses token {d.ours} too: a near-tie")
+                f", and with the two exchanged {led}: a near-tie")
     elif d.near_tie:
         text = f"{head}: a near-tie"
     else:
