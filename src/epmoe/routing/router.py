@@ -391,11 +391,16 @@ def _group_scores(scores_for_groups: torch.Tensor, s: MoESpec) -> torch.Tensor:
     return grouped.max(dim=-1).values
 
 
+def kept_groups(group_scores: torch.Tensor, s: MoESpec) -> torch.Tensor:
+    """``[T, n_group]`` bool: the ``topk_group`` groups ``Router`` keeps by their scores (``torch.topk``, so an exact
+    tie breaks as transformers' routers break it)."""
+    group_idx = torch.topk(group_scores, k=s.topk_group, dim=-1, sorted=False)[1]
+    return torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+
+
 def _group_mask(values: torch.Tensor, s: MoESpec, scores_for_groups: torch.Tensor, fill: float) -> torch.Tensor:
     """Keep only experts of the ``topk_group`` best groups (DeepSeek grouped / device-limited routing)."""
     t = values.shape[0]
-    group_scores = _group_scores(scores_for_groups, s)
-    group_idx = torch.topk(group_scores, k=s.topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()
+    group_mask = kept_groups(_group_scores(scores_for_groups, s), s)
     expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, s.num_experts // s.n_group).reshape(t, s.num_experts)
     return values.masked_fill(~expert_mask, fill)

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from epmoe.models.layout import family_layout
-from epmoe.routing.router import router_choices
+from epmoe.routing.router import kept_groups, router_choices
 from epmoe.spec import MoESpec
 
 
@@ -157,18 +157,12 @@ def probe(model: nn.Module, spec: MoESpec, ids: list[int], device: torch.device 
     routers = router_modules(model, spec)
     choices: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
-    def keep(layer: int, module: nn.Module):
-        bias = getattr(module, "bias", None)
-        correction = getattr(module, "e_score_correction_bias", None)
-
-        def hook(_module: nn.Module, args: tuple) -> None:
-            x = args[0].reshape(-1, args[0].shape[-1]).float()
-            lg = x @ module.weight.float().T + (bias.float() if isinstance(bias, torch.Tensor) else 0.0)
-            choice, groups = router_choices(spec, lg, correction if isinstance(correction, torch.Tensor) else None)
-            choices[layer] = (choice.cpu(), None if groups is None else groups.cpu())
+    def keep(layer: int):
+        def hook(module: nn.Module, args: tuple) -> None:
+            choices[layer] = _module_choices(module, spec, args[0])
         return hook
 
-    handles = [module.register_forward_pre_hook(keep(layer, module)) for layer, module in routers.items()]
+    handles = [module.register_forward_pre_hook(keep(layer)) for layer, module in routers.items()]
     with torch.no_grad():
         try:
             logits = model(torch.tensor([ids], device=device)).logits[0, -1].float()
@@ -178,12 +172,20 @@ def probe(model: nn.Module, spec: MoESpec, ids: list[int], device: torch.device 
     return Probe(logits.cpu(), choices)
 
 
+def _module_choices(module: nn.Module, spec: MoESpec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A router module's choice values ``[P, E]`` and group scores ``[P, n_group]`` (``None`` without groups) for its
+    input rows ``x``, float32 on the CPU, from its weights as they are (``router_choices``)."""
+    bias = getattr(module, "bias", None)
+    correction = getattr(module, "e_score_correction_bias", None)
+    lg = x.reshape(-1, x.shape[-1]).float() @ module.weight.float().T
+    lg = lg + (bias.float() if isinstance(bias, torch.Tensor) else 0.0)
+    choice, groups = router_choices(spec, lg, correction if isinstance(correction, torch.Tensor) else None)
+    return choice.cpu(), None if groups is None else groups.cpu()
+
+
 def _kept_groups(spec: MoESpec, groups: torch.Tensor) -> torch.Tensor:
-    """``[n_group]`` bool: the groups a router keeps, by ``torch.topk`` as transformers' routers pick them (so an
-    exact tie breaks as theirs does)."""
-    kept = torch.zeros_like(groups, dtype=torch.bool)
-    kept[groups.topk(spec.topk_group).indices] = True
-    return kept
+    """``[n_group]`` bool: the groups a router keeps at one position (``routing.router.kept_groups``)."""
+    return kept_groups(groups[None], spec)[0]
 
 
 def _eligible(spec: MoESpec, choice: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
@@ -274,12 +276,8 @@ def exchanged(model: nn.Module, spec: MoESpec, ids: list[int], ties: list[Tie],
 
 def _picked(module: nn.Module, spec: MoESpec, x: torch.Tensor) -> frozenset[int]:
     """The experts ``module`` (a router) picks for the last row of ``x`` with its weights as they are."""
-    bias = getattr(module, "bias", None)
-    correction = getattr(module, "e_score_correction_bias", None)
-    lg = x.reshape(-1, x.shape[-1])[-1:].float() @ module.weight.float().T
-    lg = lg + (bias.float() if isinstance(bias, torch.Tensor) else 0.0)
-    choice, groups = router_choices(spec, lg, correction if isinstance(correction, torch.Tensor) else None)
-    return selection(spec, choice[0].cpu(), None if groups is None else groups[0].cpu())
+    choice, groups = _module_choices(module, spec, x.reshape(-1, x.shape[-1])[-1:])
+    return selection(spec, choice[0], None if groups is None else groups[0])
 
 
 def flipped_selection(spec: MoESpec, choice: torch.Tensor, groups: torch.Tensor | None, tie: Tie) -> frozenset[int]:

@@ -24,6 +24,7 @@ from epmoe.engine import Engine, EngineConfig, SamplingParams
 from epmoe.engine.config import (
     COMMAND_DTYPES,
     COMMAND_FLAGS,
+    DTYPES,
     EAGER_DISPATCHERS,
     PARALLEL_MODES,
     command_dtype,
@@ -48,7 +49,6 @@ DEFAULT_PROMPTS = (
     "def all_to_all(x):",
     "Mixture of experts",
 )
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -437,8 +437,8 @@ def _load_reference(model_dir: str, dtype_name: str, device: str) -> torch.nn.Mo
     from epmoe.models.hf import load_full_model
 
     if needs_own_loader(model_dir):
-        return load_full_model(model_dir, _DTYPES[dtype_name], device)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config(model_dir), dtype=_DTYPES[dtype_name])
+        return load_full_model(model_dir, DTYPES[dtype_name], device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config(model_dir), dtype=DTYPES[dtype_name])
     return model.to(device).eval()
 
 
