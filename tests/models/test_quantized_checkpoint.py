@@ -484,6 +484,13 @@ def test_an_index_naming_a_directory_says_so(ckpts, tmp_path):  # was "index nam
     ("[1, 2]", r" has no object 'weight_map' \(tensor name -> shard file; it holds a list\)"),  # was a TypeError
     ('{"weight_map": {"a": 3}}', r": field 'weight_map' names no shard file for tensor 'a' \(got 3\)"),
     ('{"weight_map": null}', r": field 'weight_map' must be an object \(tensor name -> shard file\), got null"),
+    # was read from wherever the path led
+    ('{"weight_map": {"a": "../model.safetensors"}}', r": field 'weight_map' names shard file '../model.safetensors' "
+                                                      r"for tensor 'a', outside the checkpoint directory \(shards are "
+                                                      r"named relative to it, without '..'\)"),
+    ('{"weight_map": {"a": "/tmp/model.safetensors"}}', r": field 'weight_map' names shard file "
+                                                        r"'/tmp/model.safetensors' for tensor 'a', outside the "
+                                                        r"checkpoint directory .*"),
 ])
 def test_a_bad_index_is_named(ckpts, tmp_path, index, message):  # was "weight_map", or a TypeError's words
     from epmoe.models.checkpoint import CheckpointReader

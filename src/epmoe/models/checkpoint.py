@@ -79,7 +79,8 @@ def _index_weight_map(index: Path) -> dict[str, str]:
 
     Raises:
         ValueError: the file is not UTF-8 JSON (``checks.read_text_file``), not an object, or its ``weight_map`` is
-            missing or not an object of file names (the file and the field named).
+            missing, not an object of file names, or names a file outside the checkpoint directory (an absolute
+            path, or one through ``..``; the file and the field named).
     """
     try:
         doc = json.loads(read_text_file(index, "checkpoint index"))
@@ -97,6 +98,12 @@ def _index_weight_map(index: Path) -> dict[str, str]:
     if bad is not None:
         raise ValueError(f"checkpoint index {str(index)!r}: field 'weight_map' names no shard file for tensor "
                          f"{bad[0]!r} (got {bad[1]!r})")
+    outside = next(((k, v) for k, v in weight_map.items()
+                    if Path(v).is_absolute() or ".." in Path(v).parts), None)
+    if outside is not None:
+        raise ValueError(f"checkpoint index {str(index)!r}: field 'weight_map' names shard file {outside[1]!r} for "
+                         f"tensor {outside[0]!r}, outside the checkpoint directory (shards are named relative to it, "
+                         f"without '..')")
     return weight_map
 
 
