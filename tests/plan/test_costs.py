@@ -29,6 +29,8 @@ from epmoe.plan.costs import (
 )
 from epmoe.plan.hardware import load_hardware, parse_hardware
 
+from ..conftest import CONFIGS
+
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "moe_layer_h200.json"
 # benchmarks/planner_vs_h200.py --int4-results: the INT4 rows' measured times (the path the backend takes).
 INT4_RESULTS = RESULTS.with_name("planner_vs_h200_int4.json")
@@ -274,3 +276,16 @@ def test_dispatch_layout_ms_hand_worked():
     # 100 tokens reaching 1.5 ranks each: pack reads and writes 150 rows, combine reads 150 and writes 100
     ms = dispatch_layout_ms(150, 100, 7168, 4e12, 9.4)
     assert ms == pytest.approx(9.4e-3 + (3 * 150 + 100) * 7168 * ACT_BYTES / 4e12 * 1e3)
+
+
+@pytest.mark.parametrize("name,billions", [
+    # the published totals: DeepSeek-V3 671B (its MTP layer aside), Kimi-K2 1.03T, Qwen3-30B-A3B 30.5B,
+    # Mixtral-8x7B 46.7B, gpt-oss-20b 20.9B
+    ("deepseek-v3", 671.0), ("kimi-k2-instruct", 1026.4), ("qwen3-30b-a3b", 30.5), ("mixtral-8x7b", 46.7),
+    ("gpt-oss-20b", 20.9),
+])
+def test_model_params_of_published_models(name, billions):
+    from epmoe.plan.costs import model_params
+    from epmoe.spec import load_moe_spec
+
+    assert model_params(load_moe_spec(CONFIGS / f"{name}.config.json")) / 1e9 == pytest.approx(billions, abs=0.05)

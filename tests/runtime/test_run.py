@@ -72,6 +72,47 @@ def test_run_two_ranks_matches_reference(kimi, tmp_path, capsys):
     assert "YES, token for token" in capsys.readouterr().out
 
 
+def test_a_reference_that_does_not_fit_is_skipped_with_its_reason(kimi, tmp_path, capsys, monkeypatch):
+    """The reference check loads the whole model on one device: on a model served only sharded it died of an
+    out-of-memory error after the run, its report lost."""
+    import epmoe.runtime.run as run_module
+    from epmoe.plan.costs import model_params
+    from epmoe.plan.request import format_bytes
+    from epmoe.spec import load_moe_spec
+
+    monkeypatch.setattr(run_module, "free_bytes", lambda device: 1000)
+    need = format_bytes(model_params(load_moe_spec(kimi)) * 4)
+    out = tmp_path / "report.json"
+    assert main(["run", "--model", str(kimi), "--max-new-tokens", "2", "--prompt", "hello", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    reason = f"the unsharded transformers model needs about {need} in float32, and the host has 1000 B free"
+    assert report["matches_reference"] is None and report["reference_skipped"] == reason
+    assert report["reference_outputs"] == [] and len(report["outputs"]) == 1
+    text = " ".join(re.sub("[│┃]", " ", capsys.readouterr().out).split())
+    assert f"not checked: {reason} (--no-reference does not ask for it)" in text
+
+
+def test_a_float32_judgement_that_does_not_fit_leaves_the_prompts_unweighed(kimi, tmp_path, capsys, monkeypatch):
+    """In bfloat16 Kimi-K2.5's small checkpoint differs from transformers' bfloat16 run (a near-tie); where the
+    float32 model, which would judge it, does not fit, the prompts stay differing and the verdict says why."""
+    import epmoe.runtime.run as run_module
+    from epmoe.plan.costs import model_params
+    from epmoe.plan.request import format_bytes
+    from epmoe.spec import load_moe_spec
+
+    params = model_params(load_moe_spec(kimi))
+    monkeypatch.setattr(run_module, "free_bytes", lambda device: 3 * params)  # bf16 fits, float32 does not
+    out = tmp_path / "report.json"
+    code = main(["run", "--model", str(kimi), "--dtype", "bfloat16", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["reference_skipped"] is None and report["float32_judged"] == [] and report["divergences"] == []
+    assert report["float32_skipped"].startswith("the unsharded transformers model needs about ")
+    assert report["float32_skipped"].endswith(f" in float32, and the host has {format_bytes(3 * params)} free")
+    assert code == 1 and report["matches_reference"] is False and report["mismatches"]
+    text = " ".join(re.sub("[│┃]", " ", capsys.readouterr().out).split())
+    assert "not weighed against float32: the unsharded transformers model needs about" in text
+
+
 def test_run_with_placement_file_and_idle_rank(kimi, tmp_path):
     placement = tmp_path / "pl.safetensors"
     ExpertPlacement.trivial(2, 16, 4, layout="round_robin").save(placement)

@@ -134,6 +134,19 @@ def attention_params(spec: MoESpec) -> AttentionParams:
     return AttentionParams(replicated=0, split=q_o, kv_params=d * a.num_kv_heads * (a.head_dim + a.v_head_dim))
 
 
+def model_params(spec: MoESpec) -> int:
+    """Parameters of the whole unsharded model (biases of attention and norms left out): the embedding and the LM
+    head, each layer's attention, each MoE layer's routed experts, gate and shared experts, each dense layer's
+    MLP."""
+    d, v = spec.hidden_size, spec.vocab_size
+    a = attention_params(spec)
+    attention = a.replicated + a.split + a.kv_params
+    shared = 3 * d * spec.shared_intermediate_size + (d if spec.shared_expert_gate else 0)
+    moe = spec.num_experts * (spec.expert_params() + d) + shared
+    dense = 3 * d * spec.dense_intermediate_size
+    return spec.num_layers * attention + spec.num_moe_layers * moe + len(spec.dense_layers) * dense + 2 * v * d
+
+
 def kv_bytes_per_token(spec: MoESpec, tp: int) -> float:
     """KV-cache bytes one rank stores per token per layer under attention TP ``tp`` (bf16 cache).
 

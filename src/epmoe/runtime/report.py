@@ -123,6 +123,10 @@ class RunReport:
         load_format: ``auto`` (the checkpoint's weights) or ``dummy`` (random ones).
         moe_routing_simulation: how the tokens were sent to experts instead of by the gates
             (``EngineConfig.moe_routing_simulation``), or ``None``.
+        reference_skipped: why the reference check, asked for, did not run (``run.reference_room``: the unsharded
+            model does not fit the device), or ``None``; ``matches_reference`` is then ``None``.
+        float32_skipped: why the float32 reference that would judge a bf16/fp16 run's differing prompts did not
+            run (it does not fit the device), or ``None``; those prompts then stay among ``mismatches``.
     """
 
     model: str
@@ -152,6 +156,8 @@ class RunReport:
     prefix_cache: dict | None = None
     load_format: str = "auto"
     moe_routing_simulation: str | None = None
+    reference_skipped: str | None = None
+    float32_skipped: str | None = None
 
     def to_json(self) -> dict:
         """A JSON-ready dict."""
@@ -250,6 +256,8 @@ def _verdict(report: RunReport) -> str:
         verdict += f"; prompts {saved} equal the float32 reference"
     if tied:
         verdict += f"; prompts {tied} differ from a near-tie (below)"
+    if report.float32_skipped is not None:
+        verdict += f"; not weighed against float32: {report.float32_skipped}"
     return verdict
 
 
@@ -345,7 +353,10 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
                         f"{_accepted(spec)} / {spec['acceptance_rate']:.2f} ({spec['accepted_tokens']} of "
                         f"{counted(spec['draft_tokens'], 'proposed token')}, "
                         f"{counted(spec['verify_steps'], 'verify step')})")
-    if report.matches_reference is None:
+    if report.reference_skipped is not None:
+        summary.add_row("matches transformers reference",
+                        f"not checked: {report.reference_skipped} (--no-reference does not ask for it)")
+    elif report.matches_reference is None:
         summary.add_row("matches transformers reference",
                         "not checked (--no-reference, sampling, dummy weights or simulated routing)")
     else:

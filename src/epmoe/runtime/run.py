@@ -37,7 +37,8 @@ from epmoe.experts import describe_expert_backend
 from epmoe.experts.storage import held_as
 from epmoe.models.hf import hf_config, needs_own_loader
 from epmoe.models.tiny import ensure_default_checkpoint
-from epmoe.plan.request import counted
+from epmoe.plan.costs import model_params
+from epmoe.plan.request import counted, format_bytes
 from epmoe.runtime.launch import RankInfo, check_gpus, init_group, spawn, torchrun_rank_info, under_torchrun
 from epmoe.runtime.near_tie import Divergence, exchanged, first_difference, measure, probe, router_ties
 from epmoe.runtime.report import RankReport, RunReport, judge_mismatches
@@ -390,6 +391,36 @@ def _check_before_start(cfg: RunConfig, model_dir: str, ep: int, all_ids: list[l
     check_group(engine_cfg, ep)
 
 
+def free_bytes(device: str) -> int | None:
+    """Memory free for one more model on ``device``, bytes: on CUDA the current device's free memory
+    (``torch.cuda.mem_get_info``), on the CPU the kernel's ``MemAvailable`` (``/proc/meminfo``); ``None`` where
+    that cannot be read (another OS)."""
+    if device == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def reference_room(spec: MoESpec, dtype_name: str, device: str) -> str | None:
+    """Why the unsharded transformers model in ``dtype_name`` would not fit on ``device`` (``plan.costs.model_params``
+    parameters of that dtype against ``free_bytes``), or ``None`` where it fits or the free memory is unknown. The
+    reference check loads it whole on one device, so a model served only sharded (DeepSeek-V3 on 8 GPUs) skips it
+    with this reason instead of dying of an out-of-memory error after its run."""
+    need = model_params(spec) * DTYPES[dtype_name].itemsize
+    free = free_bytes(device)
+    if free is None or need <= free:
+        return None
+    where = "the CUDA device" if device == "cuda" else "the host"
+    return (f"the unsharded transformers model needs about {format_bytes(need)} in {dtype_name}, and {where} has "
+            f"{format_bytes(free)} free")
+
+
 def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids: list[int],
                dtype_name: str) -> tuple[list[list[int]], list[tuple[int, int]]]:
     """Greedy tokens of the unsharded transformers model, prompt by prompt with its own ``generate`` (no
@@ -572,6 +603,8 @@ def run_job(cfg: RunConfig) -> RunReport:
 
         save_loads(cfg.save_loads, torch.tensor([r.logical_loads for r in ranks]).sum(0))
     if reference:
+        report.reference_skipped = reference_room(spec, cfg.dtype, cfg.device)
+    if reference and report.reference_skipped is None:
         from epmoe.engine.tokenizer import eos_token_ids
 
         eos = sorted(eos_token_ids(model_dir, tok, vocab_size=spec.vocab_size))
@@ -579,6 +612,8 @@ def run_job(cfg: RunConfig) -> RunReport:
         differ = [i for i in range(len(prompts)) if tokens[i] != ref_tokens[i]]
         ref32: dict[int, list[int]] = {}
         if differ and cfg.dtype != "float32":
+            report.float32_skipped = reference_room(spec, "float32", cfg.device)
+        if differ and cfg.dtype != "float32" and report.float32_skipped is None:
             ref32 = dict(zip(differ, _reference(cfg, model_dir, [all_ids[i] for i in differ], eos, "float32")[0]))
         report.reference_outputs = ref_tokens
         report.mismatches, report.float32_judged = judge_mismatches(tokens, ref_tokens, ref32)
