@@ -393,9 +393,11 @@ def _check_before_start(cfg: RunConfig, model_dir: str, ep: int, all_ids: list[l
 
 def free_bytes(device: str) -> int | None:
     """Memory free for one more model on ``device``, bytes: on CUDA the current device's free memory
-    (``torch.cuda.mem_get_info``), on the CPU the kernel's ``MemAvailable`` (``/proc/meminfo``); ``None`` where
-    that cannot be read (another OS)."""
+    (``torch.cuda.mem_get_info``, after the caching allocator's unused blocks are returned: under torchrun the
+    engine ran in this process), on the CPU the kernel's ``MemAvailable`` (``/proc/meminfo``); ``None`` where that
+    cannot be read (another OS)."""
     if device == "cuda":
+        torch.cuda.empty_cache()
         return torch.cuda.mem_get_info()[0]
     try:
         with open("/proc/meminfo") as f:
