@@ -502,6 +502,35 @@ def test_a_bad_index_is_named(ckpts, tmp_path, index, message):  # was "weight_m
         CheckpointReader(directory)
 
 
+def test_an_index_that_puts_a_tensor_in_the_wrong_shard_is_named(ckpts, tmp_path):
+    # was a SafetensorError traceback from the first read of that tensor ("File does not contain tensor ...")
+    from safetensors.torch import load_file, save_file
+
+    from epmoe.models.checkpoint import CheckpointReader
+
+    directory = tmp_path / "indexed"
+    shutil.copytree(ckpts["kimi-k2.5-int4"][0], directory)
+    tensors = load_file(directory / "model.safetensors")
+    (directory / "model.safetensors").unlink()
+    names = sorted(tensors)
+    halves = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2:]}
+    for file, part in halves.items():
+        save_file({k: tensors[k] for k in part}, directory / file, metadata={"format": "pt"})
+    weight_map = {k: file for file, part in halves.items() for k in part}
+    index = directory / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    assert len(CheckpointReader(directory).weight_map) == len(names)  # the split itself reads
+    weight_map[names[0]] = "b.safetensors"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match=rf"^checkpoint index '.*model\.safetensors\.index\.json': field 'weight_map' "
+                                         rf"puts tensor '{re.escape(names[0])}' in shard file 'b.safetensors', "
+                                         rf"which does not hold it$"):
+        CheckpointReader(directory)
+    (directory / "sub").mkdir()  # a name whose '..' stays inside the directory is read
+    index.write_text(json.dumps({"weight_map": {k: f"sub/../{f}" for f, part in halves.items() for k in part}}))
+    assert len(CheckpointReader(directory).weight_map) == len(names)
+
+
 @pytest.mark.parametrize("value", [float("nan"), 3e38])  # 3e38 is finite, but 8 times it is not a float32
 def test_int4_scale_that_is_no_weight_is_refused_on_load(ckpts, tmp_path, value):
     # was served: NaN logits (or zeros), and the reference built from the same weights "matched"

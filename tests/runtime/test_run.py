@@ -425,3 +425,46 @@ def test_json_target_checked_before_the_run(tmp_path, capsys):
     assert main(["run", "--model", str(tmp_path / "no-model"), "--json", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "--json" in err and "is a directory" in err
+
+
+def test_host_free_memory_is_read_defensively(tmp_path, monkeypatch):
+    """A ``MemAvailable`` line without a number crashed the run after its generation (an ``IndexError``), ``abc``
+    ended it as bad input, and a container's memory limit was not read."""
+    import epmoe.runtime.run as run_module
+
+    meminfo, limit, usage = tmp_path / "meminfo", tmp_path / "memory.max", tmp_path / "memory.current"
+    monkeypatch.setattr(run_module, "_MEMINFO", str(meminfo))
+    monkeypatch.setattr(run_module, "_CGROUP_MEMORY", ((str(limit), str(usage)),))
+    for line, expected in [("MemAvailable:   2048 kB", 2 << 20), ("MemAvailable:", None),
+                           ("MemAvailable: abc kB", None), ("MemAvailable: -5 kB", None), ("MemFree: 4 kB", None)]:
+        meminfo.write_text(f"MemTotal: 8192 kB\n{line}\n")
+        assert run_module._host_free_bytes() == expected, line
+    meminfo.write_bytes(b"\xff\xfe")
+    assert run_module._host_free_bytes() is None
+    meminfo.write_text("MemAvailable: 4096 kB\n")
+    limit.write_text("max\n")
+    usage.write_text("1048576\n")
+    assert run_module._host_free_bytes() == 4 << 20  # no limit: the kernel's figure
+    limit.write_text("3145728\n")
+    assert run_module._host_free_bytes() == 2 << 20  # the container's limit less its usage, below the kernel's
+    usage.write_text("4194304\n")
+    assert run_module._host_free_bytes() == 0
+
+
+def test_a_reference_loaded_through_the_host_is_priced_there_too(kimi, monkeypatch):
+    import epmoe.runtime.run as run_module
+    from epmoe.plan.costs import model_params
+    from epmoe.plan.request import format_bytes
+    from epmoe.spec import load_moe_spec
+
+    spec = load_moe_spec(kimi)
+    need = model_params(spec) * 2
+    monkeypatch.setattr(run_module, "free_bytes", lambda device: 10 * need if device == "cuda" else need - 1)
+    assert run_module.reference_room(spec, "bfloat16", "cuda") is None  # built on the device
+    assert run_module.reference_room(spec, "bfloat16", "cuda", via_host=True) == (
+        f"the unsharded transformers model needs about {format_bytes(need)} in bfloat16, and the host has "
+        f"{format_bytes(need - 1)} free")
+    monkeypatch.setattr(run_module, "free_bytes", lambda device: 2 * need - 1000)  # both round alike: in bytes
+    assert format_bytes(2 * need) == format_bytes(2 * need - 1000)
+    assert run_module.reference_room(spec, "float32", "cpu").endswith(f"needs about {2 * need} B in float32, and the "
+                                                                      f"host has {2 * need - 1000} B free")

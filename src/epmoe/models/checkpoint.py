@@ -21,6 +21,7 @@ Multimodal wrappers whose language model is under ``text_config`` (Kimi-K2.5) ke
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,7 +81,7 @@ def _index_weight_map(index: Path) -> dict[str, str]:
     Raises:
         ValueError: the file is not UTF-8 JSON (``checks.read_text_file``), not an object, or its ``weight_map`` is
             missing, not an object of file names, or names a file outside the checkpoint directory (an absolute
-            path, or one through ``..``; the file and the field named).
+            path, or one that ``..`` leads out of; the file and the field named).
     """
     try:
         doc = json.loads(read_text_file(index, "checkpoint index"))
@@ -99,7 +100,7 @@ def _index_weight_map(index: Path) -> dict[str, str]:
         raise ValueError(f"checkpoint index {str(index)!r}: field 'weight_map' names no shard file for tensor "
                          f"{bad[0]!r} (got {bad[1]!r})")
     outside = next(((k, v) for k, v in weight_map.items()
-                    if Path(v).is_absolute() or ".." in Path(v).parts), None)
+                    if Path(v).is_absolute() or os.path.normpath(v).split(os.sep)[0] == ".."), None)
     if outside is not None:
         raise ValueError(f"checkpoint index {str(index)!r}: field 'weight_map' names shard file {outside[1]!r} for "
                          f"tensor {outside[0]!r}, outside the checkpoint directory (shards are named relative to it, "
@@ -115,7 +116,8 @@ class CheckpointReader:
 
     Raises:
         FileNotFoundError: no directory, no ``config.json``, or no safetensors weights in it.
-        ValueError: an index file naming a shard that does not exist; a weights file that cannot be read (damaged or
+        ValueError: an index file naming a shard that does not exist, or putting a tensor in a shard that does not
+            hold it; a weights file that cannot be read (damaged or
             truncated: its header does not cover the file); 4-bit compressed-tensors weights in a scheme
             other than symmetric int groups, ``pack-quantized`` (the field named).
     """
@@ -138,6 +140,11 @@ class CheckpointReader:
                 raise ValueError(f"checkpoint {self.directory}: index names missing shard files {missing}")
             # every shard opened now (its header checked), so that a damaged one is named before anything runs
             handles = {f: _open(self.directory / f) for f in sorted(set(weight_map.values()))}
+            held = {f: set(h.keys()) for f, h in handles.items()}
+            astray = next(((k, f) for k, f in weight_map.items() if k not in held[f]), None)
+            if astray is not None:
+                raise ValueError(f"checkpoint index {str(index)!r}: field 'weight_map' puts tensor {astray[0]!r} in "
+                                 f"shard file {astray[1]!r}, which does not hold it")
         else:
             files = sorted(self.directory.glob("*.safetensors"))
             if not files:

@@ -391,36 +391,71 @@ def _check_before_start(cfg: RunConfig, model_dir: str, ep: int, all_ids: list[l
     check_group(engine_cfg, ep)
 
 
+def _read_number(path: str, key: str | None = None) -> int | None:
+    """The non-negative integer in file ``path`` (a cgroup file), or on its line starting ``key`` (``/proc/meminfo``:
+    the value in kB, returned in bytes); ``None`` where the file is unreadable, holds no such number or says
+    ``max``."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if key is not None:
+        lines = [line.split()[1] if len(line.split()) > 1 else "" for line in lines if line.startswith(key)]
+    value = lines[0].strip() if lines else ""
+    if not value.isdigit():
+        return None
+    return int(value) * (1024 if key is not None else 1)
+
+
+_MEMINFO = "/proc/meminfo"
+_CGROUP_MEMORY = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # v2
+                  ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))  # v1
+"""The files of a cgroup's (a container's) memory limit and usage: ``(limit, usage)`` for cgroup v2, then v1."""
+
+
+def _host_free_bytes() -> int | None:
+    """The host memory this process may still take, bytes: the kernel's ``MemAvailable``, or less where a cgroup
+    (a container) limits the process (its limit less its usage, cgroup v2 or v1); ``None`` where neither can be
+    read (another OS)."""
+    free = [_read_number(_MEMINFO, "MemAvailable:")]
+    for limit, usage in _CGROUP_MEMORY:
+        cap, used = _read_number(limit), _read_number(usage)
+        if cap is not None and used is not None:
+            free.append(max(0, cap - used))
+    known = [f for f in free if f is not None]
+    return min(known) if known else None
+
+
 def free_bytes(device: str) -> int | None:
     """Memory free for one more model on ``device``, bytes: on CUDA the current device's free memory
     (``torch.cuda.mem_get_info``, after the caching allocator's unused blocks are returned: under torchrun the
-    engine ran in this process), on the CPU the kernel's ``MemAvailable`` (``/proc/meminfo``); ``None`` where that
-    cannot be read (another OS)."""
+    engine ran in this process), on the CPU ``_host_free_bytes``; ``None`` where that cannot be read."""
     if device == "cuda":
         torch.cuda.empty_cache()
         return torch.cuda.mem_get_info()[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return _host_free_bytes()
 
 
-def reference_room(spec: MoESpec, dtype_name: str, device: str) -> str | None:
+def reference_room(spec: MoESpec, dtype_name: str, device: str, via_host: bool = False) -> str | None:
     """Why the unsharded transformers model in ``dtype_name`` would not fit on ``device`` (``plan.costs.model_params``
-    parameters of that dtype against ``free_bytes``), or ``None`` where it fits or the free memory is unknown. The
-    reference check loads it whole on one device, so a model served only sharded (DeepSeek-V3 on 8 GPUs) skips it
-    with this reason instead of dying of an out-of-memory error after its run."""
+    parameters of that dtype against ``free_bytes``; with ``via_host`` on CUDA the host's memory too, where
+    transformers' ``from_pretrained`` builds the model before it moves to the device), or ``None`` where it fits or
+    the free memory is unknown. The reference check loads it whole on one device, so a model served only sharded
+    (DeepSeek-V3 on 8 GPUs) skips it with this reason instead of dying of an out-of-memory error after its run."""
     need = model_params(spec) * DTYPES[dtype_name].itemsize
-    free = free_bytes(device)
-    if free is None or need <= free:
-        return None
-    where = "the CUDA device" if device == "cuda" else "the host"
-    return (f"the unsharded transformers model needs about {format_bytes(need)} in {dtype_name}, and {where} has "
-            f"{format_bytes(free)} free")
+    places = [(device, free_bytes(device))]
+    if via_host and device == "cuda":
+        places.append(("cpu", free_bytes("cpu")))
+    for place, free in places:
+        if free is not None and need > free:
+            shown = (format_bytes(need), format_bytes(free))
+            if shown[0] == shown[1]:
+                shown = (f"{need} B", f"{free} B")
+            where = "the CUDA device" if place == "cuda" else "the host"
+            return (f"the unsharded transformers model needs about {shown[0]} in {dtype_name}, and {where} has "
+                    f"{shown[1]} free")
+    return None
 
 
 def _reference(cfg: RunConfig, model_dir: str, all_ids: list[list[int]], eos_ids: list[int],
@@ -605,7 +640,7 @@ def run_job(cfg: RunConfig) -> RunReport:
 
         save_loads(cfg.save_loads, torch.tensor([r.logical_loads for r in ranks]).sum(0))
     if reference:
-        report.reference_skipped = reference_room(spec, cfg.dtype, cfg.device)
+        report.reference_skipped = reference_room(spec, cfg.dtype, cfg.device, not needs_own_loader(model_dir))
     if reference and report.reference_skipped is None:
         from epmoe.engine.tokenizer import eos_token_ids
 
@@ -614,7 +649,7 @@ def run_job(cfg: RunConfig) -> RunReport:
         differ = [i for i in range(len(prompts)) if tokens[i] != ref_tokens[i]]
         ref32: dict[int, list[int]] = {}
         if differ and cfg.dtype != "float32":
-            report.float32_skipped = reference_room(spec, "float32", cfg.device)
+            report.float32_skipped = reference_room(spec, "float32", cfg.device, not needs_own_loader(model_dir))
         if differ and cfg.dtype != "float32" and report.float32_skipped is None:
             ref32 = dict(zip(differ, _reference(cfg, model_dir, [all_ids[i] for i in differ], eos, "float32")[0]))
         report.reference_outputs = ref_tokens
