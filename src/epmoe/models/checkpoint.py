@@ -103,8 +103,7 @@ def _index_weight_map(index: Path) -> dict[str, str]:
                     if Path(v).is_absolute() or os.path.normpath(v).split(os.sep)[0] == ".."), None)
     if outside is not None:
         raise ValueError(f"checkpoint index {str(index)!r}: field 'weight_map' names shard file {outside[1]!r} for "
-                         f"tensor {outside[0]!r}, outside the checkpoint directory (shards are named relative to it, "
-                         f"without '..')")
+                         f"tensor {outside[0]!r}, outside the checkpoint directory (shards are named relative to it)")
     return weight_map
 
 
