@@ -487,7 +487,13 @@ def test_an_index_naming_a_directory_says_so(ckpts, tmp_path):  # was "index nam
     # was read from wherever the path led
     ('{"weight_map": {"a": "../model.safetensors"}}', r": field 'weight_map' names shard file '../model.safetensors' "
                                                       r"for tensor 'a', outside the checkpoint directory \(shards are "
-                                                      r"named relative to it\)"),
+                                                      r"named relative to it, without '..', as transformers reads "
+                                                      r"them\)"),
+    ('{"weight_map": {"a": "sub/../model.safetensors"}}', r": field 'weight_map' names shard file "
+                                                          r"'sub/../model.safetensors' for tensor 'a', outside the "
+                                                          r"checkpoint directory .*"),  # transformers refuses it
+    ('{"weight_map": {"a": "model.safetensors/"}}', r": field 'weight_map' names shard file 'model.safetensors/' for "
+                                                   r"tensor 'a', a directory's name \(ending in '/'\)"),
     ('{"weight_map": {"a": "/tmp/model.safetensors"}}', r": field 'weight_map' names shard file "
                                                         r"'/tmp/model.safetensors' for tensor 'a', outside the "
                                                         r"checkpoint directory .*"),
@@ -526,9 +532,33 @@ def test_an_index_that_puts_a_tensor_in_the_wrong_shard_is_named(ckpts, tmp_path
                                          rf"puts tensor '{re.escape(names[0])}' in shard file 'b.safetensors', "
                                          rf"which does not hold it$"):
         CheckpointReader(directory)
-    (directory / "sub").mkdir()  # a name whose '..' stays inside the directory is read
-    index.write_text(json.dumps({"weight_map": {k: f"sub/../{f}" for f, part in halves.items() for k in part}}))
-    assert len(CheckpointReader(directory).weight_map) == len(names)
+    weight_map[names[0]] = "a.safetensors"  # a second copy in another shard: transformers would read the last
+    save_file({k: tensors[k] for k in [*halves["b.safetensors"], names[0]]}, directory / "b.safetensors",
+              metadata={"format": "pt"})
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match=rf"tensor '{re.escape(names[0])}' is in both 'a.safetensors' \(where the "
+                                         rf"index puts it\) and 'b.safetensors'$"):
+        CheckpointReader(directory)
+
+
+def test_an_index_transformers_cannot_read_is_named_before_the_run(tiny_checkpoints, tmp_path, capsys):
+    # was "epmoe run: error: metadata" (transformers' KeyError) after the run had generated
+    from epmoe.cli import main
+    from epmoe.models.checkpoint import check_index_for_transformers
+
+    directory = tmp_path / "indexed"
+    shutil.copytree(tiny_checkpoints("qwen3-moe"), directory)
+    from safetensors import safe_open
+
+    with safe_open(directory / "model.safetensors", "pt") as f:
+        names = list(f.keys())
+    index = directory / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": dict.fromkeys(names, "model.safetensors")}))
+    assert main(["run", "--model", str(directory), "--max-new-tokens", "2"]) == 2
+    assert (f"checkpoint index '{index}' has no object 'metadata', which transformers' from_pretrained reads for the "
+            f"reference check (--no-reference runs without it)") in " ".join(capsys.readouterr().err.split())
+    index.write_text(json.dumps({"metadata": {}, "weight_map": dict.fromkeys(names, "model.safetensors")}))
+    check_index_for_transformers(directory)
 
 
 @pytest.mark.parametrize("value", [float("nan"), 3e38])  # 3e38 is finite, but 8 times it is not a float32

@@ -21,7 +21,6 @@ Multimodal wrappers whose language model is under ``text_config`` (Kimi-K2.5) ke
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,7 +80,7 @@ def _index_weight_map(index: Path) -> dict[str, str]:
     Raises:
         ValueError: the file is not UTF-8 JSON (``checks.read_text_file``), not an object, or its ``weight_map`` is
             missing, not an object of file names, or names a file outside the checkpoint directory (an absolute
-            path, or one that ``..`` leads out of; the file and the field named).
+            path, or one through ``..``, which transformers refuses) or a directory (the file and the field named).
     """
     try:
         doc = json.loads(read_text_file(index, "checkpoint index"))
@@ -99,12 +98,35 @@ def _index_weight_map(index: Path) -> dict[str, str]:
     if bad is not None:
         raise ValueError(f"checkpoint index {str(index)!r}: field 'weight_map' names no shard file for tensor "
                          f"{bad[0]!r} (got {bad[1]!r})")
-    outside = next(((k, v) for k, v in weight_map.items()
-                    if Path(v).is_absolute() or os.path.normpath(v).split(os.sep)[0] == ".."), None)
+    outside = next(((k, v) for k, v in weight_map.items() if Path(v).is_absolute() or ".." in Path(v).parts), None)
     if outside is not None:
         raise ValueError(f"checkpoint index {str(index)!r}: field 'weight_map' names shard file {outside[1]!r} for "
-                         f"tensor {outside[0]!r}, outside the checkpoint directory (shards are named relative to it)")
+                         f"tensor {outside[0]!r}, outside the checkpoint directory (shards are named relative to it, "
+                         f"without '..', as transformers reads them)")
+    folder = next(((k, v) for k, v in weight_map.items() if v.endswith("/")), None)
+    if folder is not None:
+        raise ValueError(f"checkpoint index {str(index)!r}: field 'weight_map' names shard file {folder[1]!r} for "
+                         f"tensor {folder[0]!r}, a directory's name (ending in '/')")
     return weight_map
+
+
+def check_index_for_transformers(directory: str | Path) -> None:
+    """What transformers' ``from_pretrained`` asks of a sharded checkpoint's index beyond what ``CheckpointReader``
+    reads (it needs a ``metadata`` object), checked before the reference check is started, not after the run.
+
+    Raises:
+        ValueError: the index has no object ``metadata`` (the file and the field named).
+    """
+    index = Path(directory) / "model.safetensors.index.json"
+    if not index.is_file():
+        return
+    try:
+        doc = json.loads(read_text_file(index, "checkpoint index"))
+    except json.JSONDecodeError:
+        return  # named by the reader (``_index_weight_map``)
+    if isinstance(doc, dict) and not isinstance(doc.get("metadata"), dict):
+        raise ValueError(f"checkpoint index {str(index)!r} has no object 'metadata', which transformers' "
+                         f"from_pretrained reads for the reference check (--no-reference runs without it)")
 
 
 class CheckpointReader:
@@ -116,7 +138,7 @@ class CheckpointReader:
     Raises:
         FileNotFoundError: no directory, no ``config.json``, or no safetensors weights in it.
         ValueError: an index file naming a shard that does not exist, or putting a tensor in a shard that does not
-            hold it; a weights file that cannot be read (damaged or
+            hold it, or in one shard where another holds it too; a weights file that cannot be read (damaged or
             truncated: its header does not cover the file); 4-bit compressed-tensors weights in a scheme
             other than symmetric int groups, ``pack-quantized`` (the field named).
     """
@@ -144,6 +166,11 @@ class CheckpointReader:
             if astray is not None:
                 raise ValueError(f"checkpoint index {str(index)!r}: field 'weight_map' puts tensor {astray[0]!r} in "
                                  f"shard file {astray[1]!r}, which does not hold it")
+            twice = next(((k, f) for f, keys in held.items() for k in sorted(keys)
+                          if k in weight_map and weight_map[k] != f), None)
+            if twice is not None:  # transformers reads every shard named: the last copy would win there
+                raise ValueError(f"checkpoint {self.directory}: tensor {twice[0]!r} is in both "
+                                 f"{weight_map[twice[0]]!r} (where the index puts it) and {twice[1]!r}")
         else:
             files = sorted(self.directory.glob("*.safetensors"))
             if not files:
