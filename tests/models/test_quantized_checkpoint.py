@@ -543,13 +543,13 @@ def test_an_index_that_puts_a_tensor_in_the_wrong_shard_is_named(ckpts, tmp_path
 
 def test_an_index_transformers_cannot_read_is_named_before_the_run(tiny_checkpoints, tmp_path, capsys):
     # was "epmoe run: error: metadata" (transformers' KeyError) after the run had generated
+    from safetensors import safe_open
+
     from epmoe.cli import main
     from epmoe.models.checkpoint import check_index_for_transformers
 
     directory = tmp_path / "indexed"
     shutil.copytree(tiny_checkpoints("qwen3-moe"), directory)
-    from safetensors import safe_open
-
     with safe_open(directory / "model.safetensors", "pt") as f:
         names = list(f.keys())
     index = directory / "model.safetensors.index.json"
@@ -558,7 +558,7 @@ def test_an_index_transformers_cannot_read_is_named_before_the_run(tiny_checkpoi
     assert (f"checkpoint index '{index}' has no object 'metadata', which transformers' from_pretrained reads for the "
             f"reference check (--no-reference runs without it)") in " ".join(capsys.readouterr().err.split())
     index.write_text(json.dumps({"metadata": {}, "weight_map": dict.fromkeys(names, "model.safetensors")}))
-    check_index_for_transformers(directory)
+    assert check_index_for_transformers(directory) is None  # with its metadata: nothing to refuse
 
 
 @pytest.mark.parametrize("value", [float("nan"), 3e38])  # 3e38 is finite, but 8 times it is not a float32
