@@ -532,6 +532,16 @@ def test_an_index_that_puts_a_tensor_in_the_wrong_shard_is_named(ckpts, tmp_path
                                          rf"puts tensor '{re.escape(names[0])}' in shard file 'b.safetensors', "
                                          rf"which does not hold it$"):
         CheckpointReader(directory)
+    from epmoe.models.hf import check_checkpoint
+
+    packed = next(k for k in names if k.endswith(".weight_packed"))
+    unlisted = {k: f for k, f in weight_map.items() if k != packed}
+    unlisted[names[0]] = "a.safetensors"
+    index.write_text(json.dumps({"weight_map": unlisted}))  # was "missing tensor", with no word of the shard
+    with pytest.raises(KeyError, match=rf"has no tensor '{re.escape(packed.removeprefix('language_model.')[:-7])}' "
+                                       rf"\(shard file '{weight_map[packed]}' holds '{re.escape(packed)}', but "
+                                       rf"model\.safetensors\.index\.json does not list it\)"):
+        check_checkpoint(directory)
     weight_map[names[0]] = "a.safetensors"  # a second copy in another shard: transformers would read the last
     save_file({k: tensors[k] for k in [*halves["b.safetensors"], names[0]]}, directory / "b.safetensors",
               metadata={"format": "pt"})

@@ -135,6 +135,11 @@ class CheckpointReader:
     Args:
         directory: the checkpoint directory.
 
+    Attributes:
+        weight_map: full tensor name -> the shard file that holds it.
+        unindexed: with an index, full tensor name -> a shard file the index names that holds that tensor though the
+            index does not list it (named where the tensor is found missing); empty without an index.
+
     Raises:
         FileNotFoundError: no directory, no ``config.json``, or no safetensors weights in it.
         ValueError: an index file naming a shard that does not exist, or putting a tensor in a shard that does not
@@ -168,6 +173,7 @@ class CheckpointReader:
                                  f"shard file {astray[1]!r}, which does not hold it")
             twice = next(((k, f) for f, keys in held.items() for k in sorted(keys)
                           if k in weight_map and weight_map[k] != f), None)
+            unindexed = {k: f for f, keys in sorted(held.items()) for k in sorted(keys) if k not in weight_map}
             if twice is not None:  # transformers reads every shard named: the last copy would win there
                 raise ValueError(f"checkpoint {self.directory}: tensor {twice[0]!r} is in both "
                                  f"{weight_map[twice[0]]!r} (where the index puts it) and {twice[1]!r}")
@@ -176,7 +182,7 @@ class CheckpointReader:
             if not files:
                 raise FileNotFoundError(f"checkpoint directory {str(self.directory)!r} has no *.safetensors weights")
             handles = {f.name: _open(f) for f in files}
-            weight_map = {}
+            weight_map, unindexed = {}, {}
             for name, h in handles.items():
                 for k in h.keys():
                     if k in weight_map:  # which one would be read is the files' order: a copy left beside the weights?
@@ -188,6 +194,7 @@ class CheckpointReader:
         if isinstance(config.get("text_config"), dict) and any(k.startswith(_WRAPPER_PREFIX) for k in weight_map):
             self.prefix = _WRAPPER_PREFIX
         self.weight_map = weight_map
+        self.unindexed = unindexed
         self.block_size = _block_size(config, self.directory)
         self.int4_group_size = _int4_group_size(config, self.directory)
         self._handles: dict[str, object] = handles
