@@ -430,19 +430,19 @@ def test_json_target_checked_before_the_run(tmp_path, capsys):
 def test_host_free_memory_is_read_defensively(tmp_path, monkeypatch):
     """A ``MemAvailable`` line without a number crashed the run after its generation (an ``IndexError``), ``abc``
     ended it as bad input, and a container's or batch job's memory limit was not read."""
-    import epmoe.runtime.run as run_module
+    import epmoe.memory as memory_module
 
     meminfo, cgroups, root = tmp_path / "meminfo", tmp_path / "cgroup", tmp_path / "fs"
-    monkeypatch.setattr(run_module, "_MEMINFO", str(meminfo))
-    monkeypatch.setattr(run_module, "_SELF_CGROUP", str(cgroups))
-    monkeypatch.setattr(run_module, "_CGROUP_ROOT", str(root))
+    monkeypatch.setattr(memory_module, "_MEMINFO", str(meminfo))
+    monkeypatch.setattr(memory_module, "_SELF_CGROUP", str(cgroups))
+    monkeypatch.setattr(memory_module, "_CGROUP_ROOT", str(root))
     for line, expected in [("MemAvailable:   2048 kB", 2 << 20), ("MemAvailable:", None),
                            ("MemAvailable: abc kB", None), ("MemAvailable: -5 kB", None), ("MemFree: 4 kB", None),
                            ("MemAvailable: \u00b2 kB", None)]:
         meminfo.write_text(f"MemTotal: 8192 kB\n{line}\n")
-        assert run_module._host_free_bytes() == expected, line
+        assert memory_module._host_free_bytes() == expected, line
     meminfo.write_bytes(b"\xff\xfe")
-    assert run_module._host_free_bytes() is None
+    assert memory_module._host_free_bytes() is None
     meminfo.write_text("MemAvailable: 4096 kB\n")
     # cgroup v2: this process in /job/step, the limit on /job (an ancestor); the step has none
     cgroups.write_text("0::/job/step\n")
@@ -450,14 +450,14 @@ def test_host_free_memory_is_read_defensively(tmp_path, monkeypatch):
     step.mkdir(parents=True)
     (step / "memory.max").write_text("max\n")
     (step / "memory.current").write_text("1048576\n")
-    assert run_module._host_free_bytes() == 4 << 20  # no limit: the kernel's figure
+    assert memory_module._host_free_bytes() == 4 << 20  # no limit: the kernel's figure
     (job / "memory.max").write_text("3145728\n")
     (job / "memory.current").write_text("2097152\n")
-    assert run_module._host_free_bytes() == 1 << 20  # the job's limit less its usage, below the kernel's
+    assert memory_module._host_free_bytes() == 1 << 20  # the job's limit less its usage, below the kernel's
     (job / "memory.stat").write_text("anon 1048576\ninactive_file 524288\nactive_file 524288\n")
-    assert run_module._host_free_bytes() == (1 << 20) + (1 << 19)  # its reclaimable page cache counted free
+    assert memory_module._host_free_bytes() == (1 << 20) + (1 << 19)  # its reclaimable page cache counted free
     (job / "memory.current").write_text("8388608\n")
-    assert run_module._host_free_bytes() == 0  # usage above the limit
+    assert memory_module._host_free_bytes() == 0  # usage above the limit
     # cgroup v1: the memory controller's line
     cgroups.write_text("9:name=systemd:/\n5:cpu,memory:/job\n")
     v1 = root / "memory" / "job"
@@ -465,9 +465,9 @@ def test_host_free_memory_is_read_defensively(tmp_path, monkeypatch):
     (v1 / "memory.limit_in_bytes").write_text("3145728\n")
     (v1 / "memory.usage_in_bytes").write_text("2621440\n")
     (v1 / "memory.stat").write_text("inactive_file 0\ntotal_inactive_file 524288\n")
-    assert run_module._host_free_bytes() == 1 << 20
+    assert memory_module._host_free_bytes() == 1 << 20
     cgroups.write_text("garbage\n")
-    assert run_module._host_free_bytes() == 4 << 20
+    assert memory_module._host_free_bytes() == 4 << 20
 
 
 def test_a_reference_loaded_through_the_host_is_priced_there_too(kimi, monkeypatch):

@@ -3,13 +3,12 @@ the row and token counts of its CUDA-graph buckets."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from epmoe.engine.config import EngineConfig
 from epmoe.engine.kv_cache import KVLayout, blocks_for_memory
 from epmoe.engine.piecewise import piece_buckets
+from epmoe.memory import free_bytes
 
 CPU_KV_BYTES = 1 << 30
 """The KV budget on the CPU, bytes (there is no memory query there)."""
@@ -53,9 +52,8 @@ def kv_blocks(config: EngineConfig, layout: KVLayout, device: torch.device, max_
         torch.cuda.empty_cache()  # blocks the load freed but the allocator keeps: free memory for the pool
     if config.num_kv_blocks is not None:
         want = config.num_kv_blocks * config.block_size * per_token
-        have = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
-                else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
-        if want > have:
+        have = free_bytes(device)
+        if have is not None and want > have:
             raise ValueError(f"num_kv_blocks {config.num_kv_blocks} needs {want / 2**30:.1f} GiB of KV cache; "
                              f"{have / 2**30:.1f} GiB are free on {device}")
         return int(config.num_kv_blocks)

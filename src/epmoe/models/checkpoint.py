@@ -173,10 +173,10 @@ class CheckpointReader:
                                  f"shard file {astray[1]!r}, which does not hold it")
             twice = next(((k, f) for f, keys in held.items() for k in sorted(keys)
                           if k in weight_map and weight_map[k] != f), None)
-            unindexed = {k: f for f, keys in sorted(held.items()) for k in sorted(keys) if k not in weight_map}
             if twice is not None:  # transformers reads every shard named: the last copy would win there
                 raise ValueError(f"checkpoint {self.directory}: tensor {twice[0]!r} is in both "
                                  f"{weight_map[twice[0]]!r} (where the index puts it) and {twice[1]!r}")
+            unindexed = {k: f for f, keys in sorted(held.items()) for k in sorted(keys) if k not in weight_map}
         else:
             files = sorted(self.directory.glob("*.safetensors"))
             if not files:

@@ -502,12 +502,15 @@ def check_checkpoint(checkpoint_dir: str, experts: Callable[[int], Iterable[int]
     for name, (shape, owner) in (every if experts is None else _expected_tensors(model, spec, layout, experts)).items():
         if name not in reader:
             full = reader.prefix + name
-            parts = sorted(k for k in reader.weight_map if k.startswith(full + "_") and not k.endswith("_bias"))
-            held = f" (it holds {', '.join(map(repr, parts))} without the tensor they belong with)" if parts else ""
             strays = sorted(k for k in reader.unindexed if k == full or k.startswith(full + "_"))
+            parts = sorted(k for k in reader.weight_map if k.startswith(full + "_") and not k.endswith("_bias"))
             if strays:
                 held = (f" (shard file {reader.unindexed[strays[0]]!r} holds {strays[0]!r}, but "
                         f"model.safetensors.index.json does not list it)")
+            elif parts:
+                held = f" (it holds {', '.join(map(repr, parts))} without the tensor they belong with)"
+            else:
+                held = ""
             if owner:
                 raise KeyError(f"checkpoint is missing a tensor of {owner}: checkpoint {reader.directory} has no "
                                f"tensor {name!r}{held}")

@@ -294,7 +294,7 @@ def flipped_selection(spec: MoESpec, choice: torch.Tensor, groups: torch.Tensor 
 def router_ties(full: Probe, half: Probe, spec: MoESpec) -> list[Tie]:
     """The router choices at the last position whose float32 gap is within the half-precision run's change there,
     the nearest (smallest gap over noise) first: each router's experts (``router_tie``), and with groups and a
-    correction bias (``MoESpec.correction_bias``: a way to exchange them) its groups (``_group_gap``)."""
+    correction bias (``MoESpec.correction_bias``: a way to exchange them) its groups (``_group_tie``)."""
     ties = []
     for layer, (choice, groups) in full.choices.items():
         h_choice, h_groups = half.choices[layer]
@@ -305,10 +305,7 @@ def router_ties(full: Probe, half: Probe, spec: MoESpec) -> list[Tie]:
             ties.append(Tie(layer, "experts", i, j, gap, noise))
         if groups is not None and spec.correction_bias and spec.topk_group < groups.numel():
             g_noise = float((h_groups[-1] - groups).abs().max())
-            kept = _kept_groups(spec, groups)
-            first = int(groups.masked_fill(~kept, float("inf")).argmin())
-            second = int(groups.masked_fill(kept, float("-inf")).argmax())
-            g_gap = float(groups[first] - groups[second])
+            g_gap, first, second = _group_tie(spec, groups)
             if g_gap <= g_noise < math.inf:
                 ties.append(Tie(layer, "groups", first, second, g_gap, g_noise))
     return sorted(ties, key=lambda t: t.gap / t.noise if t.noise > 0 else 0.0)
@@ -317,8 +314,8 @@ def router_ties(full: Probe, half: Probe, spec: MoESpec) -> list[Tie]:
 def unweighed_ties(full: Probe, half: Probe, spec: MoESpec) -> int:
     """How many router choices within the half-precision run's rounding this check does not weigh: at every position
     before the last, a router whose expert gap (``router_tie``) or group gap (the last kept group's score less the
-    next one's) is within that run's change of the same values there; at the last, its group gaps so where it has no
-    correction bias to exchange them by."""
+    next one's) is within that run's change of the same values there; at the last, its group gap where it has no
+    correction bias to exchange the groups by."""
     count = 0
     for layer, (choice, groups) in full.choices.items():
         h_choice, h_groups = half.choices[layer]
@@ -327,9 +324,9 @@ def unweighed_ties(full: Probe, half: Probe, spec: MoESpec) -> int:
             if router_tie(spec, choice[p], None if groups is None else groups[p])[0] <= float(noise[p]) < math.inf:
                 count += 1
                 continue
-            if groups is not None and _within(_group_gap(spec, groups[p]), h_groups[p] - groups[p]):
+            if groups is not None and _within(_group_tie(spec, groups[p])[0], h_groups[p] - groups[p]):
                 count += 1
-        if groups is not None and not spec.correction_bias and _within(_group_gap(spec, groups[-1]),
+        if groups is not None and not spec.correction_bias and _within(_group_tie(spec, groups[-1])[0],
                                                                        h_groups[-1] - groups[-1]):
             count += 1  # no way to exchange them (``router_ties``)
     return count
@@ -341,12 +338,15 @@ def _within(gap: float, change: torch.Tensor) -> bool:
     return gap <= noise < math.inf
 
 
-def _group_gap(spec: MoESpec, groups: torch.Tensor) -> float:
-    """The lowest kept group's score less the highest dropped one's (infinite with every group kept)."""
+def _group_tie(spec: MoESpec, groups: torch.Tensor) -> tuple[float, int, int]:
+    """The lowest kept group's score less the highest dropped one's, with those two groups; an infinite gap (and
+    ``-1``) with every group kept."""
     if spec.topk_group >= groups.numel():
-        return float("inf")
+        return float("inf"), -1, -1
     kept = _kept_groups(spec, groups)
-    return float(groups.masked_fill(~kept, float("inf")).min() - groups.masked_fill(kept, float("-inf")).max())
+    first = int(groups.masked_fill(~kept, float("inf")).argmin())
+    second = int(groups.masked_fill(kept, float("-inf")).argmax())
+    return float(groups[first] - groups[second]), first, second
 
 
 def measure(spec: MoESpec, prompt: int, step: int, ours: int, float32_token: int, full: Probe, half: Probe,

@@ -35,6 +35,7 @@ from epmoe.engine.sampling import GREEDY_BELOW
 from epmoe.engine.tokenizer import check_generation_config, decode_text, encode_text, generation_config, load_tokenizer
 from epmoe.experts import describe_expert_backend
 from epmoe.experts.storage import held_as
+from epmoe.memory import free_bytes
 from epmoe.models.checkpoint import check_index_for_transformers
 from epmoe.models.hf import hf_config, needs_own_loader
 from epmoe.models.tiny import ensure_default_checkpoint
@@ -392,84 +393,6 @@ def _check_before_start(cfg: RunConfig, model_dir: str, ep: int, all_ids: list[l
     check_group(engine_cfg, ep)
 
 
-def _read_number(path: str, key: str | None = None, unit: int = 1) -> int | None:
-    """The non-negative integer in file ``path`` (a cgroup file), or the first on its line starting ``key``
-    (``/proc/meminfo``, ``memory.stat``), times ``unit``; ``None`` where the file is unreadable, holds no such
-    number or says ``max``."""
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except (OSError, UnicodeDecodeError):
-        return None
-    if key is not None:
-        lines = [line.split()[1] if len(line.split()) > 1 else "" for line in lines if line.startswith(key)]
-    value = lines[0].strip() if lines else ""
-    if not (value.isascii() and value.isdigit()):
-        return None
-    return int(value) * unit
-
-
-_MEMINFO = "/proc/meminfo"
-_SELF_CGROUP = "/proc/self/cgroup"
-_CGROUP_ROOT = "/sys/fs/cgroup"
-_CGROUP_FILES = {"v2": ("memory.max", "memory.current", "inactive_file"),
-                 "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
-"""Per cgroup version: the files of a cgroup's memory limit and usage, and the ``memory.stat`` field of its
-reclaimable page cache."""
-
-
-def _cgroup_dirs() -> list[tuple[str, str]]:
-    """``(version, directory)`` of this process's memory cgroup and each ancestor up to the mount's root (a limit may
-    sit on any of them), from ``/proc/self/cgroup``; empty where that cannot be read."""
-    try:
-        with open(_SELF_CGROUP) as f:
-            lines = f.read().splitlines()
-    except (OSError, UnicodeDecodeError):
-        return []
-    out = []
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        if parts[0] == "0" and parts[1] == "":
-            version, root = "v2", _CGROUP_ROOT
-        elif "memory" in parts[1].split(","):
-            version, root = "v1", f"{_CGROUP_ROOT}/memory"
-        else:
-            continue
-        path = parts[2].strip("/")
-        levels = path.split("/") if path else []
-        for depth in range(len(levels), -1, -1):
-            out.append((version, "/".join([root, *levels[:depth]])))
-    return out
-
-
-def _host_free_bytes() -> int | None:
-    """The host memory this process may still take, bytes: the kernel's ``MemAvailable``, or less where a memory
-    cgroup (a container, a batch job) of this process or an ancestor limits it: its limit less its usage, the
-    reclaimable page cache (``memory.stat``'s inactive files) counted free as ``MemAvailable`` counts it (cgroup v2
-    or v1); ``None`` where neither can be read (another OS)."""
-    free = [_read_number(_MEMINFO, "MemAvailable:", 1024)]
-    for version, directory in _cgroup_dirs():
-        limit_file, usage_file, cache_field = _CGROUP_FILES[version]
-        cap, used = _read_number(f"{directory}/{limit_file}"), _read_number(f"{directory}/{usage_file}")
-        if cap is not None and used is not None:
-            cache = _read_number(f"{directory}/memory.stat", cache_field + " ") or 0
-            free.append(max(0, cap - max(0, used - cache)))
-    known = [f for f in free if f is not None]
-    return min(known) if known else None
-
-
-def free_bytes(device: str) -> int | None:
-    """Memory free for one more model on ``device``, bytes: on CUDA the current device's free memory
-    (``torch.cuda.mem_get_info``, after the caching allocator's unused blocks are returned: under torchrun the
-    engine ran in this process), on the CPU ``_host_free_bytes``; ``None`` where that cannot be read."""
-    if device == "cuda":
-        torch.cuda.empty_cache()
-        return torch.cuda.mem_get_info()[0]
-    return _host_free_bytes()
-
-
 def reference_room(spec: MoESpec, dtype_name: str, device: str, via_host: bool = False) -> str | None:
     """Why the unsharded transformers model in ``dtype_name`` would not fit on ``device`` (``plan.costs.model_params``
     parameters of that dtype against ``free_bytes``; with ``via_host`` on CUDA the host's memory too, where
@@ -614,7 +537,8 @@ def run_job(cfg: RunConfig) -> RunReport:
     hf_config(model_dir)  # transformers' own checks of config.json, before the tokenizer (which reads it too) fails
     reference = (cfg.reference and cfg.temperature < GREEDY_BELOW and cfg.load_format != "dummy"
                  and cfg.moe_routing_simulation is None)
-    if reference and not needs_own_loader(model_dir):  # from_pretrained reads the files; our own loader does not
+    via_host = not needs_own_loader(model_dir)  # from_pretrained builds the reference on the host, our loader does not
+    if reference and via_host:  # from_pretrained reads the files; our own loader does not
         check_generation_config(model_dir)
         check_index_for_transformers(model_dir)
     prompts = list(cfg.prompts) or list(DEFAULT_PROMPTS)
@@ -674,7 +598,7 @@ def run_job(cfg: RunConfig) -> RunReport:
 
         save_loads(cfg.save_loads, torch.tensor([r.logical_loads for r in ranks]).sum(0))
     if reference:
-        report.reference_skipped = reference_room(spec, cfg.dtype, cfg.device, not needs_own_loader(model_dir))
+        report.reference_skipped = reference_room(spec, cfg.dtype, cfg.device, via_host)
     if reference and report.reference_skipped is None:
         from epmoe.engine.tokenizer import eos_token_ids
 
@@ -683,7 +607,7 @@ def run_job(cfg: RunConfig) -> RunReport:
         differ = [i for i in range(len(prompts)) if tokens[i] != ref_tokens[i]]
         ref32: dict[int, list[int]] = {}
         if differ and cfg.dtype != "float32":
-            report.float32_skipped = reference_room(spec, "float32", cfg.device, not needs_own_loader(model_dir))
+            report.float32_skipped = reference_room(spec, "float32", cfg.device, via_host)
         if differ and cfg.dtype != "float32" and report.float32_skipped is None:
             ref32 = dict(zip(differ, _reference(cfg, model_dir, [all_ids[i] for i in differ], eos, "float32")[0]))
         report.reference_outputs = ref_tokens
