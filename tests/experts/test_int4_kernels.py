@@ -789,6 +789,32 @@ def test_int4_wgmma_operand_order():
         assert torch.allclose(acc, nib @ x.T)
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("t,k,s", [(1, 8, 48), (8, 8, 384), (37, 4, 20), (300, 8, 16)])
+def test_mma_prologue_equals_its_parts(t, k, s):
+    # the MMA path's one prologue launch writes what nibble_planes and the alignment give, and zeroes the counters
+    # (300 tokens of 8 pairs: above align_kernels.one_program, the separate launches)
+    from epmoe.experts.triton.align import align_reference
+    from epmoe.experts.triton.w4a16_mma import mma_prologue, nibble_planes, plane_segment
+
+    d = 200  # a plane segment of 64 elements, 50 of them inputs
+    x = torch.randn(t, d, dtype=torch.float16)
+    slots = torch.randint(-1, s, (t, k))
+    counters = torch.full((5,), 7, dtype=torch.int32), torch.full((3,), 9, dtype=torch.int32)
+    xq, aln = mma_prologue(x, slots, s, 16, counters)
+    assert all(c.eq(0).all() for c in counters)
+    seg = plane_segment(d)
+    inputs = torch.arange(4 * seg) % seg < d // 4  # the planes' padding is never read
+    assert torch.equal(xq[:, inputs], nibble_planes(x)[:, inputs])
+    ref = align_reference(slots, s, 16, tail_rows=8)
+    for name in ("block_slot", "block_start", "block_rows"):
+        assert torch.equal(getattr(aln, name), getattr(ref, name)), name
+    assert torch.equal(aln.sorted_pair_ids.sort().values, ref.sorted_pair_ids.sort().values)
+    for blk in range(ref.block_slot.numel()):
+        lo, hi = int(ref.block_start[blk]), int(ref.block_start[blk] + ref.block_rows[blk])
+        assert sorted(aln.sorted_pair_ids[lo:hi].tolist()) == sorted(ref.sorted_pair_ids[lo:hi].tolist())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [40, 300])  # partly filled 64/128-row blocks; several blocks a slot
 @pytest.mark.parametrize("case", ["silu_g128", "swiglu_bias_woi_g64", "ragged_skip"])

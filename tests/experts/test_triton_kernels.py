@@ -160,17 +160,21 @@ def test_kernels_skip_slot_ids_outside_the_slots(t):
     assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-3
 
 
-@pytest.mark.parametrize("n_tokens,tail", [(7, None), (3000, None), (7, 8), (3000, 8)])
-def test_alignment_equals_reference(n_tokens, tail):
-    """Both alignment paths (one program; fill + count + offsets + scatter), with half-size last blocks or last
-    blocks rounded up to a multiple of a quarter block."""
+@pytest.mark.parametrize("n_tokens,tail,s", [(7, None, 40), (3000, None, 40), (7, 8, 40), (3000, 8, 40),
+                                             (250, 8, 40), (0, None, 40), (9, 8, 384), (60, None, 3000)])
+def test_alignment_equals_reference(n_tokens, tail, s):
+    """Both alignment paths (one program, up to 2048 pairs and 2048 slots; fill + count + offsets + scatter), with
+    half-size last blocks or last blocks rounded up to a multiple of a quarter block; no pairs; more slots than
+    pairs."""
     from epmoe.experts.triton.align import align_reference
-    from epmoe.experts.triton.align_kernels import align_triton
+    from epmoe.experts.triton.align_kernels import align_triton, one_program
 
-    slots = torch.randint(-1, 40, (n_tokens, 8))
-    a, b = align_triton(slots, 40, 32, True, tail), align_reference(slots, 40, 32, True, tail)
+    assert one_program(n_tokens * 8, s) == (n_tokens * 8 <= 2048 and s <= 2048)
+    slots = torch.randint(-1, s, (n_tokens, 8))
+    a, b = align_triton(slots, s, 32, True, tail), align_reference(slots, s, 32, True, tail)
     assert torch.equal(a.block_slot, b.block_slot) and torch.equal(a.block_start, b.block_start)
     assert torch.equal(a.block_rows, b.block_rows)
+    assert torch.equal(a.sorted_pair_ids.sort().values, b.sorted_pair_ids.sort().values)  # the sentinels too
     for blk in range(a.block_slot.numel()):
         lo, hi = int(a.block_start[blk]), int(a.block_start[blk] + a.block_rows[blk])
         assert sorted(a.sorted_pair_ids[lo:hi].tolist()) == sorted(b.sorted_pair_ids[lo:hi].tolist())

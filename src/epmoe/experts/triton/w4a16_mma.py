@@ -20,8 +20,10 @@ Activations are read from nibble-plane copies (``nibble_planes``: input ``8 c + 
 so a thread's part of ``B_j`` is also consecutive in memory (16-byte loads) and relabelled the same way
 (``_b_operand``); the gate/up kernel writes ``h`` in that form for the down kernel.
 
-1. ``nibble_planes(x)`` and ``align_kernels.align_triton`` (pairs sorted by slot, ``block_m`` rows a block, a slot's
-   last block rounded up to 8 rows).
+1. ``_prologue_kernel``, one launch: program 0 aligns the pairs (``align_kernels.align_program``: pairs sorted by slot,
+   ``block_m`` rows a block, a slot's last block rounded up to 8 rows), the others write the activations'
+   nibble-plane copy (``nibble_planes``) and zero the split counters. Above ``align_kernels.one_program``'s sizes,
+   ``nibble_planes``, ``align_kernels.align_triton`` and a fill of the counters instead.
 2. ``_gate_up_kernel``, grid ``SPLIT_MAX * NB * cdiv(F, BLOCK_N1)``: gate and up rows of a block's slot against the
    block's token rows (the next step's words and scales requested before this step's are widened), bias, routing
    weight (on the input), the gated activation; ``h`` stored per sorted position.
@@ -45,13 +47,16 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
 from epmoe.experts.mxfp4 import MXFP4ExpertWeights
-from epmoe.experts.triton.align_kernels import align_triton
+from epmoe.experts.triton.align import Alignment, num_aligned_blocks
+from epmoe.experts.triton.align_kernels import align_program, align_triton, one_program
+from epmoe.experts.triton.decode import zero_arrival_counters
 from epmoe.experts.triton.grouped import act_code, packed_scales, packed_words, sum_pairs
 from epmoe.experts.triton.w4a16 import row_strides
 from epmoe.experts.triton.w4a16_mma_config import MmaConfig, check_mma_config, default_mma_config
@@ -466,6 +471,65 @@ def nibble_planes(x: torch.Tensor) -> torch.Tensor:
     return out.view(t, 4 * plane_segment(k))
 
 
+_PLANES_BLOCK = 2048  # outputs a plane-copy program of _prologue_kernel writes
+_ZERO_BLOCK = 1024
+
+
+@triton.jit
+def _prologue_kernel(
+    slots_ptr, cursor_ptr, block_slot_ptr, block_start_ptr, block_rows_ptr, sorted_ptr, x_ptr, xq_ptr, count1_ptr,
+    count2_ptr, num_count1, num_count2, num_pairs, num_slots, num_blocks, num_out, K, SEG, stride_x,
+    BLOCK_M: tl.constexpr, TAIL: tl.constexpr, S_PAD: tl.constexpr, BLOCK: tl.constexpr, PLANES_BLOCK: tl.constexpr,
+    ZERO_BLOCK: tl.constexpr,
+):
+    """Grid ``1 + cdiv(T * 4 * SEG, PLANES_BLOCK)``: program 0 aligns the pairs (``align_program``); program 1 also
+    zeroes the two launches' split counters; programs from 1 write ``PLANES_BLOCK`` outputs each of the nibble-plane
+    copy ``xq [T, 4 SEG]`` (``nibble_planes``), each read from its input (the planes' padding is not written)."""
+    pid = tl.program_id(0)
+    if pid == 0:
+        align_program(slots_ptr, cursor_ptr, block_slot_ptr, block_start_ptr, block_rows_ptr, sorted_ptr, num_pairs,
+                      num_slots, num_blocks, BLOCK_M, TAIL, S_PAD, BLOCK)
+    else:
+        if pid == 1:
+            zero_arrival_counters(count1_ptr, num_count1, ZERO_BLOCK)
+            zero_arrival_counters(count2_ptr, num_count2, ZERO_BLOCK)
+        o = (pid - 1).to(tl.int64) * PLANES_BLOCK + tl.arange(0, PLANES_BLOCK)
+        t = o // (4 * SEG)
+        q = o % SEG
+        n = 8 * (q // 2) + (o % (4 * SEG)) // SEG + 4 * (q % 2)
+        ok = (o < num_out) & (q < K // 4)
+        tl.store(xq_ptr + o, tl.load(x_ptr + t * stride_x + n, mask=ok), mask=ok)
+
+
+def mma_prologue(x: torch.Tensor, topk_slots: torch.Tensor, num_slots: int, block_m: int,
+              counters: tuple[torch.Tensor | None, torch.Tensor | None]) -> tuple[torch.Tensor, Alignment]:
+    """The activations' nibble-plane copy ``[T, 4 * plane_segment(K)]`` and the pairs' alignment (``block_m`` rows a
+    block, last blocks rounded up to 8 rows), with ``counters`` (int32, or ``None``) zeroed: one launch where
+    ``align_kernels.one_program`` takes the sizes, else ``nibble_planes``, ``align_triton`` and fills."""
+    t, k = x.shape
+    n = topk_slots.numel()
+    if not one_program(n, num_slots):
+        for c in counters:
+            if c is not None:
+                c.zero_()
+        return nibble_planes(x), align_triton(topk_slots, num_slots, block_m, tail_rows=8)
+    dev = x.device
+    seg = plane_segment(k)
+    xq = torch.empty(t, 4 * seg, dtype=x.dtype, device=dev)
+    nb = num_aligned_blocks(n, num_slots, block_m)
+    layout = torch.empty(3, nb, dtype=torch.int32, device=dev)
+    sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
+    cursor = torch.empty(num_slots, dtype=torch.int32, device=dev)
+    c1, c2 = (c if c is not None else cursor for c in counters)
+    _prologue_kernel[(1 + triton.cdiv(xq.numel(), _PLANES_BLOCK),)](
+        topk_slots, cursor, layout[0], layout[1], layout[2], sorted_ids, x, xq, c1, c2,
+        0 if counters[0] is None else c1.numel(), 0 if counters[1] is None else c2.numel(), n, num_slots, nb,
+        xq.numel(), k, seg, x.stride(0), BLOCK_M=block_m, TAIL=8, S_PAD=triton.next_power_of_2(num_slots),
+        BLOCK=1024, PLANES_BLOCK=_PLANES_BLOCK, ZERO_BLOCK=_ZERO_BLOCK, num_warps=8,
+    )
+    return xq, Alignment(sorted_ids, layout[0], layout[1], layout[2], block_m)
+
+
 def packed_mma_experts(
     x: torch.Tensor,
     topk_slots: torch.Tensor,
@@ -511,10 +575,8 @@ def packed_mma_experts(
     if n == 0:  # no pair: no expert adds to any row
         return torch.zeros(t, d, dtype=x.dtype, device=x.device)
     out = torch.empty(t, d, dtype=x.dtype, device=x.device)
-    xq = nibble_planes(x)
     bm = cfg.block_m
-    aln = align_triton(topk_slots, s, bm, tail_rows=8)
-    nb = aln.block_slot.shape[0]
+    nb = num_aligned_blocks(n, s, bm)
     seg_h = plane_segment(f)
     h = torch.empty(nb * bm, 4 * seg_h, dtype=x.dtype, device=x.device)
     y = torch.empty(n, d, dtype=torch.float32, device=x.device)
@@ -526,6 +588,7 @@ def packed_mma_experts(
     target = programs_wanted(x.device, cfg.num_warps)
     split1, ws1, count1 = split_workspace(cfg.split_max, nb, n1, 2 * cfg.block_n1 * bm, target, placeholder)
     split2, ws2, count2 = split_workspace(cfg.split_max, nb, n2, cfg.block_n2 * bm, target, placeholder)
+    xq, aln = mma_prologue(x, topk_slots, s, bm, (count1 if split1 > 1 else None, count2 if split2 > 1 else None))
     nb_pad = triton.next_power_of_2(nb)
     _gate_up_kernel[(nb * n1 * split1,)](
         xq, w13, s13, weights.b13 if weights.b13 is not None else placeholder, topk_weights, h, aln.sorted_pair_ids,

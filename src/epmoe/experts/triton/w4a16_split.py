@@ -117,12 +117,13 @@ def split_workspace(split_max: int, nb: int, tiles: int, values: int, target: in
                     placeholder: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
     """A launch's ``SPLIT_MAX`` (``split_max`` when its row blocks (at most ``nb``) times ``tiles`` column tiles give
     fewer than ``target`` programs, else 1), its partial workspace (``values`` accumulator values a tile) and its
-    arrival counters (zero; the kernels leave them zero)."""
+    arrival counters, not zeroed: the caller zeroes them before the launch (``w4a16_mma``'s prologue); the kernels
+    leave them zero. With ``SPLIT_MAX`` 1 both are ``placeholder``."""
     if split_max == 1 or nb * tiles >= target:
         return 1, placeholder, placeholder
     dev = placeholder.device
     ws = torch.empty(nb * tiles * split_max * values, dtype=torch.float32, device=dev)
-    return split_max, ws, torch.zeros(nb * tiles, dtype=torch.int32, device=dev)
+    return split_max, ws, torch.empty(nb * tiles, dtype=torch.int32, device=dev)
 
 
 def programs_wanted(device: torch.device, num_warps: int) -> int:
