@@ -133,6 +133,14 @@ def test_alignment_all_skipped():
     assert bool((a.block_slot == -1).all()) and bool((a.sorted_pair_ids == 10).all())
 
 
+def test_alignment_skips_every_id_outside_the_slots():
+    # -1, -5, S and above all skip, as the Triton alignment does (they indexed past the counts before)
+    slots = torch.tensor([[0, 4, 1], [-5, 2, 7], [3, 2, -1]])
+    a, b = align_reference(slots, 3, 2), align_reference(torch.where(slots.ge(0) & slots.lt(3), slots, -1), 3, 2)
+    assert torch.equal(a.block_slot, b.block_slot) and torch.equal(a.sorted_pair_ids, b.sorted_pair_ids)
+    assert a.block_slot.tolist()[:4] == [0, 1, 2, -1] and a.block_rows.tolist()[:3] == [2, 2, 2]
+
+
 def test_fp8_roundtrip_and_fallback():
     w, x, slots, tw = _problem(5)
     q = block_fp8_expert_weights(w)

@@ -790,16 +790,17 @@ def test_int4_wgmma_operand_order():
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("t,k,s", [(1, 8, 48), (8, 8, 384), (37, 4, 20), (300, 8, 16)])
+@pytest.mark.parametrize("t,k,s", [(1, 8, 48), (8, 8, 384), (37, 4, 20), (300, 8, 16), (0, 8, 48)])
 def test_mma_prologue_equals_its_parts(t, k, s):
-    # the MMA path's one prologue launch writes what nibble_planes and the alignment give, and zeroes the counters
-    # (300 tokens of 8 pairs: above align_kernels.one_program, the separate launches)
+    # the MMA path's one prologue launch writes what nibble_planes and the alignment give, and zeroes the counters,
+    # also with no rows (300 tokens of 8 pairs: above align_kernels.one_program, the separate launches); the slots
+    # a column slice of a wider tensor (not contiguous)
     from epmoe.experts.triton.align import align_reference
     from epmoe.experts.triton.w4a16_mma import mma_prologue, nibble_planes, plane_segment
 
     d = 200  # a plane segment of 64 elements, 50 of them inputs
     x = torch.randn(t, d, dtype=torch.float16)
-    slots = torch.randint(-1, s, (t, k))
+    slots = torch.randint(-1, s, (t, k + 3))[:, :k]
     counters = torch.full((5,), 7, dtype=torch.int32), torch.full((3,), 9, dtype=torch.int32)
     xq, aln = mma_prologue(x, slots, s, 16, counters)
     assert all(c.eq(0).all() for c in counters)
@@ -813,6 +814,8 @@ def test_mma_prologue_equals_its_parts(t, k, s):
     for blk in range(ref.block_slot.numel()):
         lo, hi = int(ref.block_start[blk]), int(ref.block_start[blk] + ref.block_rows[blk])
         assert sorted(aln.sorted_pair_ids[lo:hi].tolist()) == sorted(ref.sorted_pair_ids[lo:hi].tolist())
+    with pytest.raises(ValueError, match=r"tail_rows must be a positive divisor of block_m \(12\), got 8"):
+        mma_prologue(x, slots, s, 12, counters)
 
 
 @pytest.mark.gpu

@@ -8,8 +8,8 @@ padding computed is under ``block_m / 2`` rows per slot instead of under ``block
 about 256 rows per expert, a 1.25x padded GEMM becomes about 1.12x); more generally ``tail_rows`` rounds the
 rows of a slot's last block up to a multiple of ``tail_rows`` (``half_tail``: ``block_m / 2``; the INT4 wgmma
 kernels also take ``block_m / 4``: a last block of 32, 64, 96 or 128 rows). Block ``b`` covers sorted positions
-``[block_start[b], block_start[b] + block_rows[b])`` of slot ``block_slot[b]``. Pairs whose slot is
-``-1`` (served on another rank) are left out. All sizes are static functions of ``(N, S, block_m)``, so
+``[block_start[b], block_start[b] + block_rows[b])`` of slot ``block_slot[b]``. Pairs whose slot is outside
+``[0, S)`` (``-1``: served on another rank) are left out. All sizes are static functions of ``(N, S, block_m)``, so
 nothing reads the routing on the host: the alignment can be captured in a CUDA graph.
 
 The padded-block layout follows vLLM's ``moe_align_block_size`` (vllm/model_executor/layers/fused_moe)
@@ -81,7 +81,7 @@ def align_reference(topk_slots: torch.Tensor, num_slots: int, block_m: int, half
     """Align pairs to slot blocks with plain PyTorch ops (no host sync; stable order within a slot).
 
     Args:
-        topk_slots: ``[T, K]`` int64 local slot ids in ``[0, S)``, ``-1`` = skip.
+        topk_slots: ``[T, K]`` int64 local slot ids; an id outside ``[0, S)`` (``-1``) skips.
         num_slots: ``S``.
         block_m: rows per full block (positive; even when ``half_tail``).
         half_tail: give a slot's last block ``block_m // 2`` rows when at most that many are left.
@@ -98,7 +98,7 @@ def align_reference(topk_slots: torch.Tensor, num_slots: int, block_m: int, half
     device = topk_slots.device
     n = topk_slots.numel()
     nb = num_aligned_blocks(n, num_slots, block_m)
-    key = torch.where(topk_slots >= 0, topk_slots, num_slots).reshape(-1)
+    key = torch.where((topk_slots >= 0) & (topk_slots < num_slots), topk_slots, num_slots).reshape(-1)
     counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
     counts.scatter_add_(0, key, torch.ones_like(key))
     counts = counts[:num_slots]

@@ -3,7 +3,7 @@ static grids and without host synchronisation (CUDA-graph safe); the order of pa
 
 Up to ``ONE_PROGRAM_PAIRS`` pairs and ``ONE_PROGRAM_SLOTS`` slots, one program does it all (``align_program``, one
 launch: at decode sizes the launches are what the alignment costs); its work grows with the pairs plus the slots
-times their most blocks, not with their product:
+times their most blocks, not with pairs times slots:
 
 1. per-slot pair counts as histograms of ``BLOCK`` pairs at a time, in registers;
 2. each slot's first padded position and blocks (``_slot_layout``); each block's slot, first position and rows
@@ -14,9 +14,9 @@ times their most blocks, not with their product:
    change any row's result).
 
 Kernels of other launches may run ``align_program`` in one of their programs (``w4a16_mma``'s prologue does, beside
-the activation copy). Above those sizes, a sentinel fill, ``_count_kernel`` (counts with atomics),
-``_offsets_kernel`` (one program per group of row blocks, each recomputing the per-slot prefix sums) and
-``_scatter_kernel`` (as 4), so that many programs share the pairs.
+the activation copy). Above those sizes, five launches of many programs: a sentinel fill, a zero fill of the counts,
+``_count_kernel`` (counts with atomics), ``_offsets_kernel`` (one program per group of row blocks, each recomputing
+the per-slot prefix sums) and ``_scatter_kernel`` (as 4).
 """
 
 from __future__ import annotations
@@ -162,11 +162,11 @@ def align_triton(topk_slots: torch.Tensor, num_slots: int, block_m: int, half_ta
                  tail_rows: int | None = None) -> Alignment:
     """Same blocks as ``align_reference`` (order inside a slot may differ: atomics); CUDA-graph safe.
 
-    One launch of one program where ``one_program`` takes the sizes (decode: launches dominate); above, a
-    sentinel fill, a count, an offsets and a scatter launch.
+    One launch of one program where ``one_program`` takes the sizes (decode: launches dominate); above, five
+    launches: a sentinel fill, a zero fill of the counts, and the count, offsets and scatter kernels.
 
     Args:
-        topk_slots: ``[T, K]`` int64 CUDA local slot ids, ``-1`` = skip.
+        topk_slots: ``[T, K]`` int64 CUDA local slot ids; an id outside ``[0, S)`` (``-1``) skips.
         num_slots: ``S``.
         block_m: rows per full block.
         half_tail: half-size last blocks (see ``align``).

@@ -4,7 +4,7 @@ Pipeline for ``x [T, D]`` and ``topk_slots [T, K]`` (``N = T * K`` pairs), all l
 size and no host synchronisation (CUDA-graph safe):
 
 1-3. ``align_kernels.align_triton``: the pairs sorted by slot into padded row blocks (full blocks of ``BM`` rows, with
-   ``half_tail`` a half-size last block when at most ``BM / 2`` rows are left), in one to four launches. Up to
+   ``half_tail`` a half-size last block when at most ``BM / 2`` rows are left), in one launch or five. Up to
    ``decode.DECODE_MAX_PAIRS`` pairs none of this runs: ``decode`` computes them in two launches without
    alignment.
 4. ``_gate_up_kernel``: per (row block, F tile): rows gathered from ``x`` by pair id, gate and up tiles

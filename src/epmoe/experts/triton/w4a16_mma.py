@@ -20,10 +20,11 @@ Activations are read from nibble-plane copies (``nibble_planes``: input ``8 c + 
 so a thread's part of ``B_j`` is also consecutive in memory (16-byte loads) and relabelled the same way
 (``_b_operand``); the gate/up kernel writes ``h`` in that form for the down kernel.
 
-1. ``_prologue_kernel``, one launch: program 0 aligns the pairs (``align_kernels.align_program``: pairs sorted by slot,
-   ``block_m`` rows a block, a slot's last block rounded up to 8 rows), the others write the activations'
-   nibble-plane copy (``nibble_planes``) and zero the split counters. Above ``align_kernels.one_program``'s sizes,
-   ``nibble_planes``, ``align_kernels.align_triton`` and a fill of the counters instead.
+1. ``mma_prologue``: one launch of ``_prologue_kernel``, whose program 0 aligns the pairs
+   (``align_kernels.align_program``: pairs sorted by slot, ``block_m`` rows a block, a slot's last block rounded up
+   to 8 rows) while the others write the activations' nibble-plane copy (``nibble_planes``) and program 1 zeroes
+   the split counters. Above ``align_kernels.one_program``'s sizes, ``nibble_planes``,
+   ``align_kernels.align_triton`` and a fill of the counters instead.
 2. ``_gate_up_kernel``, grid ``SPLIT_MAX * NB * cdiv(F, BLOCK_N1)``: gate and up rows of a block's slot against the
    block's token rows (the next step's words and scales requested before this step's are widened), bias, routing
    weight (on the input), the gated activation; ``h`` stored per sorted position.
@@ -54,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
 from epmoe.experts.mxfp4 import MXFP4ExpertWeights
-from epmoe.experts.triton.align import Alignment, num_aligned_blocks
+from epmoe.experts.triton.align import Alignment, num_aligned_blocks, tail_rows_of
 from epmoe.experts.triton.align_kernels import align_program, align_triton, one_program
 from epmoe.experts.triton.decode import zero_arrival_counters
 from epmoe.experts.triton.grouped import act_code, packed_scales, packed_words, sum_pairs
@@ -502,10 +503,26 @@ def _prologue_kernel(
 
 
 def mma_prologue(x: torch.Tensor, topk_slots: torch.Tensor, num_slots: int, block_m: int,
-              counters: tuple[torch.Tensor | None, torch.Tensor | None]) -> tuple[torch.Tensor, Alignment]:
-    """The activations' nibble-plane copy ``[T, 4 * plane_segment(K)]`` and the pairs' alignment (``block_m`` rows a
-    block, last blocks rounded up to 8 rows), with ``counters`` (int32, or ``None``) zeroed: one launch where
-    ``align_kernels.one_program`` takes the sizes, else ``nibble_planes``, ``align_triton`` and fills."""
+                 counters: tuple[torch.Tensor | None, torch.Tensor | None]) -> tuple[torch.Tensor, Alignment]:
+    """The activations' nibble-plane copy and the pairs' alignment, with the split counters zeroed: one launch
+    (``_prologue_kernel``) where ``align_kernels.one_program`` takes the sizes, else ``nibble_planes``,
+    ``align_kernels.align_triton`` and fills.
+
+    Args:
+        x: ``[T, K]`` rows (``K`` a multiple of 8); CUDA, or any device under ``TRITON_INTERPRET=1``.
+        topk_slots: ``[T, top_k]`` int64 local slot ids; an id outside ``[0, num_slots)`` skips.
+        num_slots: ``S``.
+        block_m: rows per full block (a multiple of 8: a slot's last block is rounded up to a multiple of 8 rows).
+        counters: two int32 tensors to zero (either may be ``None``).
+
+    Returns:
+        ``(xq [T, 4 * plane_segment(K)], alignment)`` as ``nibble_planes(x)`` (the planes' padding unwritten) and
+        ``align_kernels.align_triton(topk_slots, num_slots, block_m, tail_rows=8)`` give them.
+
+    Raises:
+        ValueError: ``block_m`` not a positive multiple of 8 (``align.tail_rows_of``).
+    """
+    tail_rows_of(block_m, False, 8)
     t, k = x.shape
     n = topk_slots.numel()
     if not one_program(n, num_slots):
@@ -514,6 +531,7 @@ def mma_prologue(x: torch.Tensor, topk_slots: torch.Tensor, num_slots: int, bloc
                 c.zero_()
         return nibble_planes(x), align_triton(topk_slots, num_slots, block_m, tail_rows=8)
     dev = x.device
+    x = x if x.stride(1) == 1 else x.contiguous()
     seg = plane_segment(k)
     xq = torch.empty(t, 4 * seg, dtype=x.dtype, device=dev)
     nb = num_aligned_blocks(n, num_slots, block_m)
@@ -521,8 +539,9 @@ def mma_prologue(x: torch.Tensor, topk_slots: torch.Tensor, num_slots: int, bloc
     sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
     cursor = torch.empty(num_slots, dtype=torch.int32, device=dev)
     c1, c2 = (c if c is not None else cursor for c in counters)
-    _prologue_kernel[(1 + triton.cdiv(xq.numel(), _PLANES_BLOCK),)](
-        topk_slots, cursor, layout[0], layout[1], layout[2], sorted_ids, x, xq, c1, c2,
+    # program 1 zeroes the counters, also where there are no rows to copy
+    _prologue_kernel[(1 + max(1, triton.cdiv(xq.numel(), _PLANES_BLOCK)),)](
+        topk_slots.reshape(-1), cursor, layout[0], layout[1], layout[2], sorted_ids, x, xq, c1, c2,
         0 if counters[0] is None else c1.numel(), 0 if counters[1] is None else c2.numel(), n, num_slots, nb,
         xq.numel(), k, seg, x.stride(0), BLOCK_M=block_m, TAIL=8, S_PAD=triton.next_power_of_2(num_slots),
         BLOCK=1024, PLANES_BLOCK=_PLANES_BLOCK, ZERO_BLOCK=_ZERO_BLOCK, num_warps=8,
