@@ -475,11 +475,11 @@ def test_a_field_transformers_refuses_is_a_config_error(tiny_checkpoints, tmp_pa
     """A field epmoe does not read but transformers' config class refuses: named with config.json and the value (it
     was a safetensors-like 'cannot be read ... re-download the checkpoint')."""
     bad = _edited_copy(tiny_checkpoints("kimi-k2.5"), tmp_path / "tie",
-                       lambda d: d.get("text_config", d).update(tie_word_embeddings="yes"))
+                       lambda d: d.get("text_config", d).update(use_cache="yes"))
     (error,) = _errors(diagnose(DoctorConfig(model=str(bad), ep=2)))
     assert error.what.startswith(f"the target model: {bad / 'config.json'}: transformers cannot build the model's "
                                  "config from it: StrictDataclassFieldValidationError: Validation error for field "
-                                 "'tie_word_embeddings':")
+                                 "'use_cache':")
     assert "(value: 'yes')" in error.what and "re-download" not in error.line()
 
 

@@ -120,6 +120,7 @@ class MoESpec:
         defaults: ``(field, value)`` of the config fields that were absent and took the default of
             transformers' config class (``defaults_class``), in reading order; empty when none was.
         defaults_class: the transformers config class those defaults came from (``""`` when none).
+        tie_word_embeddings: the LM head shares the embedding's weight (``config.json``'s field of that name).
     """
 
     model_type: str
@@ -153,6 +154,7 @@ class MoESpec:
     defaults: tuple[tuple[str, Any], ...] = ()
     defaults_class: str = ""
     checkpoint_dtype: str | None = None
+    tie_word_embeddings: bool = False
 
     @property
     def expert_format_name(self) -> str:
@@ -600,6 +602,7 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
     num_heads = f.int("num_attention_heads", maximum=MAX_WIDTH)
     hidden_act = f.str("hidden_act", choices=ACTIVATIONS, fallback="silu")
     max_positions = f.int("max_position_embeddings", maximum=MAX_POSITIONS)
+    tied = f.bool("tie_word_embeddings", fallback=False)
     if f.has("rms_norm_eps"):
         f.float("rms_norm_eps", positive=True)
     _check_rope(f)
@@ -660,7 +663,7 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
         hidden_act=hidden_act, swiglu_limit=facts.swiglu_limit, swiglu_alpha=facts.swiglu_alpha, vocab_size=vocab,
         max_position_embeddings=max_positions, attention=attention, expert_weight_format=weight_format,
         defaults=tuple(f.defaulted.items()), defaults_class=f.defaults_class,
-        checkpoint_dtype=_checkpoint_dtype(cfg, top, source),
+        checkpoint_dtype=_checkpoint_dtype(cfg, top, source), tie_word_embeddings=tied,
     )
 
 

@@ -289,3 +289,21 @@ def test_model_params_of_published_models(name, billions):
     from epmoe.spec import load_moe_spec
 
     assert model_params(load_moe_spec(CONFIGS / f"{name}.config.json")) / 1e9 == pytest.approx(billions, abs=0.05)
+
+
+def test_model_params_counts_a_tied_lm_head_once(tmp_path):
+    # the same model with the LM head tied to the embedding holds one vocab x hidden table fewer
+    import json
+
+    from epmoe.plan.costs import model_params
+    from epmoe.spec import load_moe_spec
+
+    cfg = json.loads((CONFIGS / "qwen3-30b-a3b.config.json").read_text())
+    untied = load_moe_spec(CONFIGS / "qwen3-30b-a3b.config.json")
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    tied = load_moe_spec(tmp_path / "config.json")
+    assert not untied.tie_word_embeddings and tied.tie_word_embeddings
+    assert model_params(untied) - model_params(tied) == 151936 * 2048 == untied.vocab_size * untied.hidden_size
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": "yes"}))
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        load_moe_spec(tmp_path / "config.json")

@@ -75,10 +75,11 @@ def _copy_with(kimi, dst, config=None, generation=None):
     ({"rms_norm_eps": -1}, "config.json: field 'rms_norm_eps' must be a positive number, got -1"),
     ({"max_position_embeddings": 0},
      "config.json: field 'max_position_embeddings' must be an integer in [1, 16777216], got 0"),
-    ({"tie_word_embeddings": "yes"}, "config.json: transformers cannot build the model's config from it: "
-                                     "StrictDataclassFieldValidationError: Validation error for field "
-                                     "'tie_word_embeddings': TypeError: Field 'tie_word_embeddings' expected bool, got "
-                                     "str (value: 'yes')"),
+    ({"tie_word_embeddings": "yes"},
+     'config.json: field \'tie_word_embeddings\' must be true or false, got "yes" (a string)'),
+    ({"use_cache": "yes"}, "config.json: transformers cannot build the model's config from it: "
+                           "StrictDataclassFieldValidationError: Validation error for field 'use_cache': TypeError: "
+                           "Field 'use_cache' expected bool, got str (value: 'yes')"),
 ])
 def test_a_config_error_is_named_as_itself_not_as_the_tokenizers(kimi, tmp_path, capsys, edit, message):
     """Fields transformers' config class refuses made the tokenizer fail first ("the tokenizer ... cannot be

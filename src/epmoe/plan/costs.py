@@ -136,7 +136,7 @@ def attention_params(spec: MoESpec) -> AttentionParams:
 
 def model_params(spec: MoESpec) -> int:
     """Parameters of the whole unsharded model (biases of attention and norms left out): the embedding and the LM
-    head (counted apart, also where a checkpoint ties them), each layer's attention, each MoE layer's routed
+    head (once where the config ties them, ``tie_word_embeddings``), each layer's attention, each MoE layer's routed
     experts, gate and shared experts, each dense layer's MLP."""
     d, v = spec.hidden_size, spec.vocab_size
     a = attention_params(spec)
@@ -144,7 +144,8 @@ def model_params(spec: MoESpec) -> int:
     shared = 3 * d * spec.shared_intermediate_size + (d if spec.shared_expert_gate else 0)
     moe = spec.num_experts * (spec.expert_params() + d) + shared
     dense = 3 * d * spec.dense_intermediate_size
-    return spec.num_layers * attention + spec.num_moe_layers * moe + len(spec.dense_layers) * dense + 2 * v * d
+    tables = 1 if spec.tie_word_embeddings else 2
+    return spec.num_layers * attention + spec.num_moe_layers * moe + len(spec.dense_layers) * dense + tables * v * d
 
 
 def kv_bytes_per_token(spec: MoESpec, tp: int) -> float:
