@@ -497,6 +497,10 @@ def test_an_index_naming_a_directory_says_so(ckpts, tmp_path):  # was "index nam
     ('{"weight_map": {"a": "/tmp/model.safetensors"}}', r": field 'weight_map' names shard file "
                                                         r"'/tmp/model.safetensors' for tensor 'a', outside the "
                                                         r"checkpoint directory .*"),
+    # was the OS error alone ([Errno 36] File name too long)
+    ('{"weight_map": {"a": "' + "x" * 300 + '.safetensors"}}',
+     r": field 'weight_map' names shard file 'x{300}\.safetensors' for tensor 'a', which the file system cannot look "
+     r"up: File name too long"),
 ])
 def test_a_bad_index_is_named(ckpts, tmp_path, index, message):  # was "weight_map", or a TypeError's words
     from epmoe.models.checkpoint import CheckpointReader

@@ -110,6 +110,23 @@ def _index_weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
+def _shard_kind(index: Path, weight_map: dict[str, str], shard: str) -> str:
+    """``"file"``, ``"missing"`` or ``"other"`` (a directory or another kind) for a shard the index names, beside the
+    index.
+
+    Raises:
+        ValueError: the file system cannot look the name up (too long, a loop of links, no permission), with the
+            index's field, the shard and a tensor it holds named.
+    """
+    path = index.parent / shard
+    try:
+        return "file" if path.is_file() else "other" if path.exists() else "missing"
+    except OSError as exc:
+        tensor = next(k for k, v in weight_map.items() if v == shard)
+        raise ValueError(f"checkpoint index {str(index)!r}: field 'weight_map' names shard file {shard!r} for tensor "
+                         f"{tensor!r}, which the file system cannot look up: {exc.strerror or exc}") from None
+
+
 def check_index_for_transformers(directory: str | Path) -> None:
     """What transformers' ``from_pretrained`` asks of a sharded checkpoint's index beyond what ``CheckpointReader``
     reads (it needs a ``metadata`` object), checked before the reference check is started, not after the run.
@@ -157,8 +174,9 @@ class CheckpointReader:
         index = self.directory / "model.safetensors.index.json"
         if index.exists():  # a pipe or a device there is refused by the reader, not taken for no index
             weight_map = _index_weight_map(index)
-            missing = sorted({f for f in weight_map.values() if not (self.directory / f).is_file()})
-            odd = [f for f in missing if (self.directory / f).exists()]
+            kinds = {f: _shard_kind(index, weight_map, f) for f in sorted(set(weight_map.values()))}
+            missing = [f for f, kind in kinds.items() if kind != "file"]
+            odd = [f for f in missing if kinds[f] == "other"]
             if odd:
                 raise ValueError(f"checkpoint {self.directory}: index names shard file {odd[0]!r}, which is not a file "
                                  f"(a directory or another kind)")
