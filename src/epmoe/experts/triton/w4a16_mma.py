@@ -483,9 +483,10 @@ def _prologue_kernel(
     BLOCK_M: tl.constexpr, TAIL: tl.constexpr, S_PAD: tl.constexpr, BLOCK: tl.constexpr, PLANES_BLOCK: tl.constexpr,
     ZERO_BLOCK: tl.constexpr,
 ):
-    """Grid ``1 + cdiv(T * 4 * SEG, PLANES_BLOCK)``: program 0 aligns the pairs (``align_program``); program 1 also
-    zeroes the two launches' split counters; programs from 1 write ``PLANES_BLOCK`` outputs each of the nibble-plane
-    copy ``xq [T, 4 SEG]`` (``nibble_planes``), each read from its input (the planes' padding is not written)."""
+    """Grid ``1 + max(1, cdiv(T * 4 * SEG, PLANES_BLOCK))``: program 0 aligns the pairs (``align_program``); program 1
+    also zeroes the two launches' split counters; programs from 1 write ``PLANES_BLOCK`` outputs each of the
+    nibble-plane copy ``xq [T, 4 SEG]`` (``nibble_planes``), each read from its input (the planes' padding is not
+    written)."""
     pid = tl.program_id(0)
     if pid == 0:
         align_program(slots_ptr, cursor_ptr, block_slot_ptr, block_start_ptr, block_rows_ptr, sorted_ptr, num_pairs,
