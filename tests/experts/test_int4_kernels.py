@@ -789,9 +789,22 @@ def test_int4_wgmma_operand_order():
         assert torch.allclose(acc, nib @ x.T)
 
 
+_PROLOGUE_CASES = [(1, 8, 48), (8, 8, 384), (37, 4, 20), (300, 8, 16), (0, 8, 48)]
+
+
 @pytest.mark.interpret
-@pytest.mark.parametrize("t,k,s", [(1, 8, 48), (8, 8, 384), (37, 4, 20), (300, 8, 16), (0, 8, 48)])
+@pytest.mark.parametrize("t,k,s", _PROLOGUE_CASES)
 def test_mma_prologue_equals_its_parts(t, k, s):
+    _check_mma_prologue(t, k, s, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,k,s", _PROLOGUE_CASES)
+def test_mma_prologue_equals_its_parts_on_gpu(t, k, s):
+    _check_mma_prologue(t, k, s, "cuda")
+
+
+def _check_mma_prologue(t, k, s, device):
     # the MMA path's one prologue launch writes what nibble_planes and the alignment give, and zeroes the counters,
     # also with no rows (300 tokens of 8 pairs: above align_kernels.one_program, the separate launches); the slots
     # a column slice of a wider tensor (not contiguous)
@@ -799,9 +812,10 @@ def test_mma_prologue_equals_its_parts(t, k, s):
     from epmoe.experts.triton.w4a16_mma import mma_prologue, nibble_planes, plane_segment
 
     d = 200  # a plane segment of 64 elements, 50 of them inputs
-    x = torch.randn(t, d, dtype=torch.float16)
-    slots = torch.randint(-1, s, (t, k + 3))[:, :k]
-    counters = torch.full((5,), 7, dtype=torch.int32), torch.full((3,), 9, dtype=torch.int32)
+    x = torch.randn(t, d, dtype=torch.float16, device=device)
+    slots = torch.randint(-1, s, (t, k + 3), device=device)[:, :k]
+    counters = (torch.full((5,), 7, dtype=torch.int32, device=device),
+                torch.full((3,), 9, dtype=torch.int32, device=device))
     xq, aln = mma_prologue(x, slots, s, 16, counters)
     assert all(c.eq(0).all() for c in counters)
     seg = plane_segment(d)
