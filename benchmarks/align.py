@@ -26,6 +26,10 @@ from timing import graph_us  # noqa: E402
 
 MAX_SLOTS = 2048
 """Most slots a case may have: ``align_kernels.ONE_PROGRAM_SLOTS``, above which there is no one-program launch."""
+MAX_PAIRS = 1 << 20
+"""Most pairs a case may have (the kernels' positions are int32; a million pairs is far past any step's)."""
+MAX_BLOCK_M = 256
+"""Most rows a block may have (the expert kernels' largest is 128)."""
 
 
 def time_both(pairs: int, slots: int, block_m: int, gen: torch.Generator) -> dict:
@@ -62,16 +66,19 @@ def _counts(name: str, low: int, high: int | None = None):
 
 
 def _block_m(text: str) -> int:
-    v = int(text) if text.isdigit() else 0
-    if v < 8 or v % 8:
-        raise argparse.ArgumentTypeError(f"--block-m takes a positive multiple of 8 (last blocks round up to 8 rows), "
-                                         f"got {text!r}")
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if not 8 <= v <= MAX_BLOCK_M or v % 8:
+        raise argparse.ArgumentTypeError(f"--block-m takes a multiple of 8 from 8 to {MAX_BLOCK_M} (last blocks round "
+                                         f"up to 8 rows), got {text!r}")
     return v
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pairs", type=_counts("--pairs", 0), default="8,64,512,1024,2048,4096,8192,32768")
+    ap.add_argument("--pairs", type=_counts("--pairs", 0, MAX_PAIRS), default="8,64,512,1024,2048,4096,8192,32768")
     ap.add_argument("--slots", type=_counts("--slots", 1, MAX_SLOTS), default="48,128,384")
     ap.add_argument("--block-m", type=_block_m, default=16)
     ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "align.json") if "OUT" in os.environ else None)

@@ -120,7 +120,9 @@ class MoESpec:
         defaults: ``(field, value)`` of the config fields that were absent and took the default of
             transformers' config class (``defaults_class``), in reading order; empty when none was.
         defaults_class: the transformers config class those defaults came from (``""`` when none).
-        tie_word_embeddings: the LM head shares the embedding's weight (``config.json``'s field of that name).
+        tie_word_embeddings: the LM head shares the embedding's weight (``config.json``'s field of that name; false
+            for a config with a ``text_config``, whose model class decides which level's field ties: the parameter
+            count then holds both tables).
     """
 
     model_type: str
@@ -602,7 +604,12 @@ def parse_moe_spec(cfg: dict[str, Any], source: str = "<dict>") -> MoESpec:
     num_heads = f.int("num_attention_heads", maximum=MAX_WIDTH)
     hidden_act = f.str("hidden_act", choices=ACTIVATIONS, fallback="silu")
     max_positions = f.int("max_position_embeddings", maximum=MAX_POSITIONS)
-    tied = f.bool("tie_word_embeddings", fallback=False)
+    # a composite config's tying is its model class's rule (Kimi-K2.5 reads the top level, true when absent; Llama-4
+    # its text_config): read only where there is one level, else both tables are counted (an overestimate)
+    if cfg.get("tie_word_embeddings", False) is None:
+        raise ValueError(f"{source}: field {where + 'tie_word_embeddings'!r} is null in config.json; give true or "
+                         f"false, or leave it out for transformers' default")
+    tied = f.bool("tie_word_embeddings", fallback=False) if not where else False
     if f.has("rms_norm_eps"):
         f.float("rms_norm_eps", positive=True)
     _check_rope(f)

@@ -501,6 +501,13 @@ def test_an_index_naming_a_directory_says_so(ckpts, tmp_path):  # was "index nam
     ('{"weight_map": {"a": "' + "x" * 300 + '.safetensors"}}',
      r": field 'weight_map' names shard file 'x{300}\.safetensors' for tensor 'a', which the file system cannot look "
      r"up: File name too long"),
+    # a path through a file, a NUL byte (were "missing shard files")
+    ('{"weight_map": {"a": "config.json/x.safetensors"}}',
+     r": field 'weight_map' names shard file 'config.json/x\.safetensors' for tensor 'a', which the file system cannot "
+     r"look up: Not a directory"),
+    ('{"weight_map": {"a": "x\\u0000.safetensors"}}',
+     r": field 'weight_map' names shard file 'x\\x00\.safetensors' for tensor 'a', which the file system cannot look "
+     r"up: embedded null byte"),
 ])
 def test_a_bad_index_is_named(ckpts, tmp_path, index, message):  # was "weight_map", or a TypeError's words
     from epmoe.models.checkpoint import CheckpointReader
@@ -509,6 +516,20 @@ def test_a_bad_index_is_named(ckpts, tmp_path, index, message):  # was "weight_m
     shutil.copytree(ckpts["kimi-k2.5-int4"][0], directory)
     (directory / "model.safetensors.index.json").write_text(index)
     with pytest.raises(ValueError, match=rf"^checkpoint index '.*model\.safetensors\.index\.json'{message}$"):
+        CheckpointReader(directory)
+
+
+def test_a_loop_of_links_in_the_index_is_named(ckpts, tmp_path):
+    # Path.is_file() reads a loop as no file: it was "index names missing shard files"
+    from epmoe.models.checkpoint import CheckpointReader
+
+    directory = tmp_path / "indexed"
+    shutil.copytree(ckpts["kimi-k2.5-int4"][0], directory)
+    (directory / "a.safetensors").symlink_to("b.safetensors")
+    (directory / "b.safetensors").symlink_to("a.safetensors")
+    (directory / "model.safetensors.index.json").write_text('{"weight_map": {"t": "a.safetensors"}}')
+    with pytest.raises(ValueError, match=r"field 'weight_map' names shard file 'a\.safetensors' for tensor 't', which "
+                                         r"the file system cannot look up: Too many levels of symbolic links$"):
         CheckpointReader(directory)
 
 

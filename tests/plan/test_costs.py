@@ -307,3 +307,11 @@ def test_model_params_counts_a_tied_lm_head_once(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": "yes"}))
     with pytest.raises(ValueError, match="tie_word_embeddings"):
         load_moe_spec(tmp_path / "config.json")
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": None}))  # transformers refuses it
+    with pytest.raises(ValueError, match="field 'tie_word_embeddings' is null in config.json; give true or false"):
+        load_moe_spec(tmp_path / "config.json")
+    # a composite config's model class decides which level ties (Kimi-K2.5: the top level): both tables counted
+    kimi = json.loads((CONFIGS / "kimi-k2.5.config.json").read_text())
+    kimi["text_config"]["tie_word_embeddings"] = True
+    (tmp_path / "config.json").write_text(json.dumps(kimi))
+    assert not load_moe_spec(tmp_path / "config.json").tie_word_embeddings

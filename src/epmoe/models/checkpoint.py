@@ -21,6 +21,8 @@ Multimodal wrappers whose language model is under ``text_config`` (Kimi-K2.5) ke
 from __future__ import annotations
 
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,20 +113,23 @@ def _index_weight_map(index: Path) -> dict[str, str]:
 
 
 def _shard_kind(index: Path, weight_map: dict[str, str], shard: str) -> str:
-    """``"file"``, ``"missing"`` or ``"other"`` (a directory or another kind) for a shard the index names, beside the
-    index.
+    """``"file"``, ``"missing"`` (a dangling link too) or ``"other"`` (a directory or another kind) for a shard the
+    index names, beside the index.
 
     Raises:
-        ValueError: the file system cannot look the name up (too long, a loop of links, no permission), with the
-            index's field, the shard and a tensor it holds named.
+        ValueError: the file system cannot look the name up (too long, a loop of links, a file where a directory is
+            named, a NUL byte, no permission), with the index's field, the shard and a tensor it holds named.
     """
-    path = index.parent / shard
     try:
-        return "file" if path.is_file() else "other" if path.exists() else "missing"
-    except OSError as exc:
+        st = os.stat(index.parent / shard)
+    except FileNotFoundError:
+        return "missing"
+    except (OSError, ValueError) as exc:
         tensor = next(k for k, v in weight_map.items() if v == shard)
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ValueError(f"checkpoint index {str(index)!r}: field 'weight_map' names shard file {shard!r} for tensor "
-                         f"{tensor!r}, which the file system cannot look up: {exc.strerror or exc}") from None
+                         f"{tensor!r}, which the file system cannot look up: {why}") from None
+    return "file" if stat.S_ISREG(st.st_mode) else "other"
 
 
 def check_index_for_transformers(directory: str | Path) -> None:

@@ -136,8 +136,8 @@ def attention_params(spec: MoESpec) -> AttentionParams:
 
 def model_params(spec: MoESpec) -> int:
     """Parameters of the whole unsharded model (biases of attention and norms left out): the embedding and the LM
-    head (once where the config ties them, ``tie_word_embeddings``), each layer's attention, each MoE layer's routed
-    experts, gate and shared experts, each dense layer's MLP."""
+    head (once where the config ties them, ``MoESpec.tie_word_embeddings``), each layer's attention, each MoE
+    layer's routed experts, gate and shared experts, each dense layer's MLP."""
     d, v = spec.hidden_size, spec.vocab_size
     a = attention_params(spec)
     attention = a.replicated + a.split + a.kv_params
