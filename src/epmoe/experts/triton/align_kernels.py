@@ -32,7 +32,8 @@ ONE_PROGRAM_PAIRS = 2048
 replays, ``benchmarks/align.py``)."""
 ONE_PROGRAM_SLOTS = 2048
 """Most slots ``align_program`` takes in one program (its per-slot vectors are ``next_power_of_2(S)`` long)."""
-_BLOCK = 1024  # pairs (or positions) a step of align_program handles
+PROGRAM_BLOCK = 1024
+"""Pairs (or positions) a step of ``align_program`` handles (its ``BLOCK``)."""
 
 
 @triton.jit
@@ -158,6 +159,16 @@ def _scatter_kernel(slots_ptr, cursor_ptr, sorted_ptr, num_pairs, num_slots, BLO
     tl.store(sorted_ptr + pos, idx.to(tl.int32), mask=ok)
 
 
+def alignment_buffers(num_pairs: int, num_slots: int, block_m: int,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The uninitialised int32 buffers of an alignment: the slots' cursors ``[S]`` (scratch), the blocks' slot, first
+    position and rows ``[3, NB]`` and the sorted pair ids ``[NB * block_m]`` (``NB = num_aligned_blocks``)."""
+    nb = num_aligned_blocks(num_pairs, num_slots, block_m)
+    return (torch.empty(num_slots, dtype=torch.int32, device=device),
+            torch.empty(3, nb, dtype=torch.int32, device=device),
+            torch.empty(nb * block_m, dtype=torch.int32, device=device))
+
+
 def align_triton(topk_slots: torch.Tensor, num_slots: int, block_m: int, half_tail: bool = False,
                  tail_rows: int | None = None) -> Alignment:
     """Same blocks as ``align_reference`` (order inside a slot may differ: atomics); CUDA-graph safe.
@@ -176,21 +187,18 @@ def align_triton(topk_slots: torch.Tensor, num_slots: int, block_m: int, half_ta
         ValueError: as ``align.align_reference``.
     """
     tail = tail_rows_of(block_m, half_tail, tail_rows)
-    device = topk_slots.device
     n = topk_slots.numel()
-    nb = num_aligned_blocks(n, num_slots, block_m)
     flat = topk_slots.reshape(-1)
-    cursor = torch.empty(num_slots, dtype=torch.int32, device=device)
-    layout = torch.empty(3, nb, dtype=torch.int32, device=device)
+    cursor, layout, sorted_ids = alignment_buffers(n, num_slots, block_m, topk_slots.device)
     block_slot, block_start, block_rows = layout.unbind(0)
+    nb = block_slot.numel()
     s_pad = triton.next_power_of_2(num_slots)
     if one_program(n, num_slots):
-        sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=device)
         _align_one_kernel[(1,)](flat, cursor, block_slot, block_start, block_rows, sorted_ids, n, num_slots, nb,
-                                BLOCK_M=block_m, TAIL=tail, S_PAD=s_pad, BLOCK=_BLOCK, num_warps=8)
+                                BLOCK_M=block_m, TAIL=tail, S_PAD=s_pad, BLOCK=PROGRAM_BLOCK, num_warps=8)
     else:
-        sorted_ids = torch.full((nb * block_m,), n, dtype=torch.int32, device=device)
-        counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        sorted_ids.fill_(n)
+        counts = torch.zeros(num_slots, dtype=torch.int32, device=topk_slots.device)
         block = 1024
         grid = (max(1, triton.cdiv(n, block)),)
         _count_kernel[grid](flat, counts, n, num_slots, BLOCK=block)

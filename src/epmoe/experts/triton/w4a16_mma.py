@@ -56,7 +56,13 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from epmoe.experts.int4 import INT4_PACK, Int4ExpertWeights
 from epmoe.experts.mxfp4 import MXFP4ExpertWeights
 from epmoe.experts.triton.align import Alignment, num_aligned_blocks, tail_rows_of
-from epmoe.experts.triton.align_kernels import align_program, align_triton, one_program
+from epmoe.experts.triton.align_kernels import (
+    PROGRAM_BLOCK,
+    align_program,
+    align_triton,
+    alignment_buffers,
+    one_program,
+)
 from epmoe.experts.triton.decode import zero_arrival_counters
 from epmoe.experts.triton.grouped import act_code, packed_scales, packed_words, sum_pairs
 from epmoe.experts.triton.w4a16 import row_strides
@@ -531,21 +537,18 @@ def mma_prologue(x: torch.Tensor, topk_slots: torch.Tensor, num_slots: int, bloc
             if c is not None:
                 c.zero_()
         return nibble_planes(x), align_triton(topk_slots, num_slots, block_m, tail_rows=8)
-    dev = x.device
     x = x if x.stride(1) == 1 else x.contiguous()
     seg = plane_segment(k)
-    xq = torch.empty(t, 4 * seg, dtype=x.dtype, device=dev)
-    nb = num_aligned_blocks(n, num_slots, block_m)
-    layout = torch.empty(3, nb, dtype=torch.int32, device=dev)
-    sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
-    cursor = torch.empty(num_slots, dtype=torch.int32, device=dev)
+    xq = torch.empty(t, 4 * seg, dtype=x.dtype, device=x.device)
+    cursor, layout, sorted_ids = alignment_buffers(n, num_slots, block_m, x.device)
     c1, c2 = (c if c is not None else cursor for c in counters)
     # program 1 zeroes the counters, also where there are no rows to copy
     _prologue_kernel[(1 + max(1, triton.cdiv(xq.numel(), _PLANES_BLOCK)),)](
         topk_slots.reshape(-1), cursor, layout[0], layout[1], layout[2], sorted_ids, x, xq, c1, c2,
-        0 if counters[0] is None else c1.numel(), 0 if counters[1] is None else c2.numel(), n, num_slots, nb,
-        xq.numel(), k, seg, x.stride(0), BLOCK_M=block_m, TAIL=8, S_PAD=triton.next_power_of_2(num_slots),
-        BLOCK=1024, PLANES_BLOCK=_PLANES_BLOCK, ZERO_BLOCK=_ZERO_BLOCK, num_warps=8,
+        0 if counters[0] is None else c1.numel(), 0 if counters[1] is None else c2.numel(), n, num_slots,
+        layout.shape[1], xq.numel(), k, seg, x.stride(0), BLOCK_M=block_m, TAIL=8,
+        S_PAD=triton.next_power_of_2(num_slots), BLOCK=PROGRAM_BLOCK, PLANES_BLOCK=_PLANES_BLOCK,
+        ZERO_BLOCK=_ZERO_BLOCK, num_warps=8,
     )
     return xq, Alignment(sorted_ids, layout[0], layout[1], layout[2], block_m)
 
