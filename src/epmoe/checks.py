@@ -153,6 +153,24 @@ MAX_LAYERS = 1 << 16
 """The most decoder layers a config.json may give (``num_hidden_layers``): far past any model's, and a bound on the
 per-layer tables the spec and the planner make from it."""
 
+MAX_ARRIVAL_SPAN_S = 86400.0
+"""The longest a request rate may spread its arrivals (``epmoe run --request-rate``: the last prompt's arrival on a
+rank; ``epmoe bench serve``: the last request's expected arrival), in seconds: one day. A rate so low that the arrivals
+would take longer is a typo (``1e-3`` for ``1e3``), refused before anything runs rather than left to wait."""
+
+
+def check_arrival_span(flag: str, rate: float, arrivals: int, what: str = "prompts") -> None:
+    """Refuse a request rate whose ``arrivals`` prompts (one every ``1 / rate`` s after the first) would span more
+    than ``MAX_ARRIVAL_SPAN_S``; ``flag`` names the rate and ``what`` the prompts in the message.
+
+    Raises:
+        ValueError: the span over the bound, with the rate, the prompts and the span in seconds.
+    """
+    span = max(arrivals - 1, 0) / rate
+    if span > MAX_ARRIVAL_SPAN_S:
+        raise ValueError(f"{flag} {rate!r} spreads {arrivals} {what} over {span:.3g} s, past the "
+                         f"{MAX_ARRIVAL_SPAN_S:g} s (one day) a run waits for arrivals; give more requests a second")
+
 
 def check_regular_file(path: str | Path, what: str) -> Path:
     """``path`` as a ``Path`` if it names a regular file (a symlink to one counts); ``what`` names it in errors.

@@ -735,6 +735,19 @@ def test_bench_seed_range_is_runs(capsys):
     assert "--seed must be an integer in [0, 2**63), got -1" in capsys.readouterr().err
 
 
+def test_bench_rate_that_would_wait_days_is_refused(capsys):
+    """--request-rate 1e-4 spread 100 arrivals over 11 days and waited silently."""
+    from epmoe.cli import main
+
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--request-rate", "1e-4"]) == 2
+    assert ("--request-rate 0.0001 spreads 100 prompts over 9.9e+05 s, past the 86400 s (one day)"
+            in capsys.readouterr().err)
+    from epmoe.server.bench import BenchConfig
+
+    assert BenchConfig("http://127.0.0.1:9", num_prompts=1, request_rate=1e-4).request_rate == 1e-4  # one arrival
+    assert BenchConfig("http://127.0.0.1:9", num_prompts=9, request_rate=1e-4).num_prompts == 9  # 8e4 s: a day holds it
+
+
 @pytest.mark.parametrize("line, message", [
     ('{"prompt": "hi", "max_tokens": 1e400}', "field 'max_tokens' must be an integer >= 1, got inf"),
     ('{"prompt": "hi", "max_tokens": "abc"}', "field 'max_tokens' must be an integer >= 1, got \"abc\""),

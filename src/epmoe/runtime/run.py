@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from epmoe.balance import rank_balancedness
-from epmoe.checks import valid_seed
+from epmoe.checks import check_arrival_span, valid_seed
 from epmoe.comm import COLLECTIVE_KINDS, Comm
 from epmoe.engine import Engine, EngineConfig, SamplingParams
 from epmoe.engine.config import (
@@ -178,6 +178,9 @@ class RunConfig:
         if self.request_rate is not None and not self.request_rate > 0:
             raise ValueError(f"--request-rate must be a positive number of requests per second, "
                              f"got {self.request_rate}")
+        if self.request_rate is not None:
+            per_rank = -(-len(self.prompts or DEFAULT_PROMPTS) // max(self.ep, 1))
+            check_arrival_span("--request-rate", self.request_rate, per_rank, "prompts on a rank")
         from epmoe.experts import EXPERT_BACKENDS
 
         if self.dispatcher == "fixed_capacity":

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
-from epmoe.checks import MAX_DATA_TEXT_BYTES, check_regular_file, read_text_file, valid_seed
+from epmoe.checks import MAX_DATA_TEXT_BYTES, check_arrival_span, check_regular_file, read_text_file, valid_seed
 from epmoe.config_fields import json_text
 
 
@@ -76,6 +76,7 @@ class BenchConfig:
         if not self.request_rate > 0:
             raise ValueError(f"request_rate must be > 0 requests per second (inf = all at once), "
                              f"got {self.request_rate!r}")
+        check_arrival_span("request_rate", self.request_rate, self.num_prompts)
         if not valid_seed(self.seed):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")  # as run's and the server's
         if self.max_concurrency is not None and self.max_concurrency < 1:
