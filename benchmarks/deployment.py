@@ -606,10 +606,14 @@ def print_serve(doc: dict) -> None:
     s = doc.get("serve")
     if s:
         rep = s["report"]
+
+        def ms(stats: dict, key: str, digits: int) -> str:  # None: nothing measured (no request completed)
+            return "-" if stats[key] is None else f"{stats[key]:.{digits}f}"
+
         print(f"serve --parallel ep --ep {doc['gpus']} at concurrency {s['concurrency']}: TTFT p50 "
-              f"{rep['ttft_ms']['p50']:.1f} p99 {rep['ttft_ms']['p99']:.1f} ms, TPOT p50 {rep['tpot_ms']['p50']:.2f} "
-              f"p99 {rep['tpot_ms']['p99']:.2f} ms, {rep['output_throughput']:.1f} tok/s, failed {rep['failed']}, "
-              f"exit code {s['exit_code']}")
+              f"{ms(rep['ttft_ms'], 'p50', 1)} p99 {ms(rep['ttft_ms'], 'p99', 1)} ms, TPOT p50 "
+              f"{ms(rep['tpot_ms'], 'p50', 2)} p99 {ms(rep['tpot_ms'], 'p99', 2)} ms, {rep['output_throughput']:.1f} "
+              f"tok/s, failed {rep['failed']}, exit code {s['exit_code']}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 import uuid
@@ -16,6 +17,7 @@ import pytest
 import epmoe
 from epmoe.engine import Engine, EngineConfig, SamplingParams
 from epmoe.models.tiny import ensure_default_checkpoint
+from epmoe.runtime.launch import free_port
 from epmoe.server.ranks import STEP_KINDS
 from epmoe.server.text import TextCodec
 from tests.server.conftest import API_KEY, MODEL
@@ -676,6 +678,21 @@ def test_bench_serve_without_the_key_says_so(server, capsys):
     assert main(["bench", "serve", "--base-url", server.url, "--num-prompts", "1"]) == 2
     assert (f"--base-url {server.url}: the server answered 401 Unauthorized to GET {server.url}/v1/models (pass the "
             f"server's key with --api-key)") in capsys.readouterr().err
+    # also with --model given (it sent every request, each failing with 401, and printed a table of zeros)
+    assert main(["bench", "serve", "--base-url", server.url, "--num-prompts", "1", "--model", MODEL]) == 2
+    assert "the server answered 401 Unauthorized to GET" in capsys.readouterr().err
+
+
+def test_bench_where_nothing_completed_measures_nothing(server, capsys):
+    """Every request refused (prompts past the 256-token context): the latencies are not measured, not zero."""
+    from epmoe.cli import main
+
+    assert main(["bench", "serve", "--base-url", server.url, "--api-key", API_KEY, "--model", MODEL,
+                 "--num-prompts", "2", "--random-input-len", "300", "--random-output-len", "1"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"completed / failed\s+│\s+0 / 2", out), out
+    assert re.search(r"TTFT mean / p50 / p99 \(ms\)\s+│\s+- / - / -", out), out
+    assert re.search(r"first failure\s+│\s+HTTP 400", out), out
 
 
 @pytest.mark.parametrize("url, message", [
@@ -733,6 +750,32 @@ def test_bench_seed_range_is_runs(capsys):
 
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--seed", "-1"]) == 2
     assert "--seed must be an integer in [0, 2**63), got -1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-prompts", "10000000000000"], "--num-prompts must be at most 1,000,000, got 10,000,000,000,000"),
+    (["--num-prompts", "1", "--random-input-len", "1000000000"],
+     "--random-input-len must be at most 16,777,216 tokens (past any model's context), got 1,000,000,000"),
+    (["--num-prompts", "100000", "--random-input-len", "1000"],
+     "--num-prompts (100,000) random prompts of --random-prefix-len + --random-input-len (1,000) tokens are "
+     "100,000,000 tokens, past the 67,108,864 a run makes before it sends the first"),
+])
+def test_bench_sizes_that_would_fill_memory_are_refused(capsys, flags, message):
+    """They made every prompt before sending one: no output, memory growing, until killed."""
+    from epmoe.cli import main
+
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_without_a_server_is_one_error_with_or_without_model(capsys):
+    """With --model it skipped the model list and reported a table of failed requests (exit 1)."""
+    from epmoe.cli import main
+
+    for model in ([], ["--model", "foo"]):
+        assert main(["bench", "serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "2",
+                     *model]) == 2
+        assert "ConnectError" in capsys.readouterr().err
 
 
 def test_bench_rate_that_would_wait_days_is_refused(capsys):

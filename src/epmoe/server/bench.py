@@ -21,8 +21,21 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
-from epmoe.checks import MAX_DATA_TEXT_BYTES, check_arrival_span, check_regular_file, read_text_file, valid_seed
+from epmoe.checks import (
+    MAX_DATA_TEXT_BYTES,
+    MAX_POSITIONS,
+    check_arrival_span,
+    check_regular_file,
+    read_text_file,
+    valid_seed,
+)
 from epmoe.config_fields import json_text
+
+MAX_BENCH_PROMPTS = 1_000_000
+"""The most requests one ``bench serve`` run sends (its prompts are made before the first is sent)."""
+MAX_BENCH_PROMPT_TOKENS = 1 << 26
+"""The most random prompt tokens (all prompts, prefix included) one run makes before the first is sent: about 2 GiB of
+Python token lists."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,17 @@ class BenchConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if isinstance(self.prefix_len, bool) or not isinstance(self.prefix_len, int) or self.prefix_len < 0:
             raise ValueError(f"prefix_len must be an integer >= 0, got {self.prefix_len!r}")
+        if self.num_prompts > MAX_BENCH_PROMPTS:
+            raise ValueError(f"num_prompts must be at most {MAX_BENCH_PROMPTS:,}, got {self.num_prompts:,}")
+        for name in ("input_len", "output_len", "prefix_len"):
+            if getattr(self, name) > MAX_POSITIONS:
+                raise ValueError(f"{name} must be at most {MAX_POSITIONS:,} tokens (past any model's context), "
+                                 f"got {getattr(self, name):,}")
+        tokens = self.num_prompts * (self.prefix_len + self.input_len)
+        if self.dataset is None and tokens > MAX_BENCH_PROMPT_TOKENS:
+            raise ValueError(f"num_prompts ({self.num_prompts:,}) random prompts of prefix_len + input_len "
+                             f"({self.prefix_len + self.input_len:,}) tokens are {tokens:,} tokens, past the "
+                             f"{MAX_BENCH_PROMPT_TOKENS:,} a run makes before it sends the first")
         if not self.request_rate > 0:
             raise ValueError(f"request_rate must be > 0 requests per second (inf = all at once), "
                              f"got {self.request_rate!r}")
@@ -109,7 +133,8 @@ class BenchReport:
         duration_s: from the first request sent to the last done.
         request_throughput, output_throughput, total_token_throughput: requests/s, output tokens/s,
             (prompt + output) tokens/s.
-        ttft_ms, tpot_ms, itl_ms: ``{"mean", "p50", "p99"}``.
+        ttft_ms, tpot_ms, itl_ms: ``{"mean", "p50", "p99"}`` (``None`` each where there is nothing to measure: no
+            request completed, or for TPOT and ITL none wrote two tokens).
     """
 
     base_url: str
@@ -126,9 +151,9 @@ class BenchReport:
     request_throughput: float
     output_throughput: float
     total_token_throughput: float
-    ttft_ms: dict[str, float]
-    tpot_ms: dict[str, float]
-    itl_ms: dict[str, float]
+    ttft_ms: dict[str, float | None]
+    tpot_ms: dict[str, float | None]
+    itl_ms: dict[str, float | None]
 
     def to_json(self) -> dict:
         """A JSON-ready dict (``inf`` request rate as the string ``"inf"``)."""
@@ -149,7 +174,7 @@ class BenchReport:
                 ("total token throughput (tok/s)", f"{self.total_token_throughput:.1f}")]
         for name, stats in (("TTFT", self.ttft_ms), ("TPOT", self.tpot_ms), ("ITL", self.itl_ms)):
             rows.append((f"{name} mean / p50 / p99 (ms)",
-                         f"{stats['mean']:.2f} / {stats['p50']:.2f} / {stats['p99']:.2f}"))
+                         " / ".join("-" if stats[k] is None else f"{stats[k]:.2f}" for k in ("mean", "p50", "p99"))))
         if self.errors:
             rows.append(("first failure", self.errors[0]))
         for row in rows:
@@ -157,9 +182,9 @@ class BenchReport:
         return t
 
 
-def _stats_ms(values_s: list[float]) -> dict[str, float]:
-    if not values_s:
-        return {"mean": 0.0, "p50": 0.0, "p99": 0.0}
+def _stats_ms(values_s: list[float]) -> dict[str, float | None]:
+    if not values_s:  # nothing to measure (no request completed, or none wrote two tokens): not a zero latency
+        return {"mean": None, "p50": None, "p99": None}
     a = np.asarray(values_s) * 1e3
     return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
 
@@ -255,11 +280,11 @@ async def _run(cfg: BenchConfig, progress: bool) -> BenchReport:
     rng = random.Random(cfg.seed + 1)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=cfg.timeout_s, limits=limits) as http:
-        model = cfg.model
-        if model is None:
-            r = await http.get(f"{base}/v1/models", headers=headers)
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
+        # asked also with a model given: a server that is not there (or refuses the key) is one error, not a run of
+        # failed requests
+        r = await http.get(f"{base}/v1/models", headers=headers)
+        r.raise_for_status()
+        model = cfg.model if cfg.model is not None else r.json()["data"][0]["id"]
         gate = asyncio.Semaphore(cfg.max_concurrency or len(requests))
         with Progress(disable=not progress, transient=True) as bar:
             task = bar.add_task("requests", total=len(requests))
@@ -297,6 +322,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchReport:
     """Run the benchmark (see the module docstring).
 
     Raises:
-        ValueError: a bad dataset line; httpx.HTTPError: ``/v1/models`` unreachable (with no ``model``).
+        ValueError: a bad dataset line; httpx.HTTPError: ``/v1/models`` unreachable or refused (asked before any
+            request, with or without ``model``).
     """
     return asyncio.run(_run(cfg, progress))
