@@ -158,6 +158,8 @@ def test_run_under_torchrun_environment(kimi, tmp_path):
                                       r"max_position_embeddings \(256\)"),
         (["--max-moves", "3"], r"--max-moves limits live rebalancing: give --eplb-interval with it"),
         (["--request-rate", "0"], r"--request-rate must be a positive number"),
+        (["--num-kv-blocks", "1000000000"], r"--num-kv-blocks 1000000000 of --block-size 16 is 4291\.5 GiB of KV "
+                                            r"cache a rank, and the 2 CPU rank\(s\) share the host's [\d.]+ GiB free"),
         (["--request-rate", "1e-300"], r"--request-rate 1e-300 spreads 2 prompts on a rank over 1e\+300 s, past the "
                                        r"86400 s \(one day\)"),
         (["--max-num-seqs", "0"], r"^epmoe run: error: --max-num-seqs must be a positive integer, got 0"),

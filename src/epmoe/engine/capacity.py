@@ -31,6 +31,34 @@ def graph_buckets(max_bs: int) -> list[int]:
     return sorted(sizes)
 
 
+def check_kv_pool_room(config: EngineConfig, size: int) -> None:
+    """Before any rank starts, a ``num_kv_blocks`` whose pool could not be held: on the CPU the ``size`` ranks' pools
+    together against the host's free memory (a group's CPU ranks share one host: spawned ones do; a torchrun group
+    over several hosts is over-counted), on CUDA one rank's pool against a GPU's whole memory. A lower bound of what
+    the ranks will need (weights and a draft model's cache come on top): ``kv_blocks`` checks again as each rank
+    makes its pool. Nothing to check without ``num_kv_blocks``.
+
+    Raises:
+        ValueError: the pool past that memory, with the blocks, the bytes a rank and the memory named.
+    """
+    if config.num_kv_blocks is None:
+        return
+    from epmoe.models.hf import hf_config
+
+    text = hf_config(config.model)
+    layout = KVLayout.from_config(text.get_text_config() if hasattr(text, "get_text_config") else text)
+    per_rank = config.num_kv_blocks * config.block_size * layout.bytes_per_token(config.torch_dtype)
+    if config.device == "cuda":
+        need, have = per_rank, torch.cuda.get_device_properties(0).total_memory
+        where = f"a rank's GPU holds {have / 2**30:.1f} GiB in all"
+    else:
+        need, have = size * per_rank, free_bytes("cpu")
+        where = f"the {size} CPU rank(s) share the host's {have / 2**30:.1f} GiB free" if have is not None else ""
+    if have is not None and need > have:
+        raise ValueError(f"--num-kv-blocks {config.num_kv_blocks} of --block-size {config.block_size} is "
+                         f"{per_rank / 2**30:.1f} GiB of KV cache a rank, and {where}")
+
+
 def kv_blocks(config: EngineConfig, layout: KVLayout, device: torch.device, max_model_len: int,
               extra_bytes_per_token: int = 0) -> int:
     """KV blocks of the pool: ``config.num_kv_blocks`` where given (checked against the free memory), else as many

@@ -3,6 +3,7 @@ one), the tensor-parallel sizes, and a speculative-decoding draft model's own pl
 
 from __future__ import annotations
 
+from epmoe.engine.capacity import check_kv_pool_room
 from epmoe.engine.config import EngineConfig
 from epmoe.engine.draft import draft_placement
 from epmoe.integrations.placements import load_served_placement
@@ -33,14 +34,17 @@ def trivial_or_file_placement(config: EngineConfig, num_layers: int, num_experts
 def check_group(config: EngineConfig, size: int) -> None:
     """What a group of ``size`` ranks must fit, checked before any rank starts (``epmoe run`` and ``epmoe serve``
     call it, so a bad placement is named before a process loads a weight): under ``tp`` the sizes the group must
-    divide; under ``ep`` the target's placement (the file, or the trivial one of ``redundant``); and an MoE draft
+    divide; under ``ep`` the target's placement (the file, or the trivial one of ``redundant``); an MoE draft
     model's placement (``speculative_draft_placement``, or the draft's trivial one), which the draft would
-    otherwise meet only as it loads inside the ranks.
+    otherwise meet only as it loads inside the ranks; and a ``num_kv_blocks`` pool the memory could not hold
+    (``capacity.check_kv_pool_room``).
 
     Raises:
         ValueError: the first misfit (a placement file missing too), its message prefixed with the flags that
-            chose it (``--placement FILE with --ep N``, ``--speculative-draft-placement FILE with --ep N``).
+            chose it (``--placement FILE with --ep N``, ``--speculative-draft-placement FILE with --ep N``); a KV pool
+            past the memory (``check_kv_pool_room``).
     """
+    check_kv_pool_room(config, size)
     spec = load_moe_spec(config.model)
     try:
         if config.parallel == "tp":
