@@ -343,7 +343,8 @@ class ExpertPlacement:
                 tmp.write_text(json.dumps(doc))
 
     @classmethod
-    def load(cls, path: str | Path, ep_size: int | None = None) -> "ExpertPlacement":
+    def load(cls, path: str | Path, ep_size: int | None = None,
+             model_experts: int | None = None) -> "ExpertPlacement":
         """Read a placement written by ``save`` (JSON or safetensors).
 
         JSON files may also use SGLang's key ``physical_to_logical_map`` for ``phy2log``; any other key is
@@ -352,6 +353,8 @@ class ExpertPlacement:
         Args:
             path: the file.
             ep_size: EP size to use when the file names none; must agree when it does.
+            model_experts: the model's experts a layer, used when the file names none (an id past them is then named
+                as out of range); a file that names its own is read as it says (its user checks it against the model).
 
         Raises:
             FileNotFoundError: no such file (or a directory there).
@@ -422,7 +425,8 @@ class ExpertPlacement:
             use_ep = int(file_ep) if file_ep is not None else ep_size
             if use_ep is None:
                 raise ValueError("field 'ep_size' is missing and no EP size was given")
-            return cls.from_phy2log(phy2log, ep_size=use_ep, num_experts=num_experts)
+            given = num_experts if num_experts is not None else model_experts
+            return cls.from_phy2log(phy2log, ep_size=use_ep, num_experts=given)
         except (ValueError, TypeError, KeyError) as exc:
             raise ValueError(f"placement file {str(path)!r}: {exc}") from exc
         except Exception as exc:  # safetensors / json parser errors of other types

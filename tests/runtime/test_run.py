@@ -251,6 +251,17 @@ def test_placement_with_expert_without_slot(kimi, tmp_path, capsys):
     assert "layer 1: logical expert 15 has no physical slot" in capsys.readouterr().err
 
 
+def test_placement_id_past_the_models_experts_is_named_out_of_range(kimi, tmp_path, capsys):
+    """A file without num_experts was read as having max id + 1 experts ("100 experts were assumed; is 99 out of
+    range?") although the model says 16."""
+    bad = tmp_path / "oor.json"
+    rows = [list(range(16)), list(range(15)) + [99]]
+    bad.write_text(json.dumps({"ep_size": 2, "phy2log": rows}))
+    assert main(["run", "--model", str(kimi), "--placement", str(bad)]) == 2
+    assert (f"--placement {bad} with --ep 2: placement file '{bad}': phy2log[1, 15] = 99 is not a logical expert id "
+            f"in [0, 16)") in capsys.readouterr().err
+
+
 def test_missing_model_dir(tmp_path, capsys):
     assert main(["run", "--model", str(tmp_path / "nope")]) == 2
     assert "is not a checkpoint directory" in capsys.readouterr().err

@@ -191,8 +191,8 @@ def _build(path: Path, field: str, phy2log: torch.Tensor, ep_size: int | None, n
         raise ValueError(f"placement file {str(path)!r}: field {field!r}: {exc}") from exc
 
 
-def load_placement_as(path: str | Path, *, ep_size: int | None = None, spec: MoESpec | None = None
-                      ) -> LayeredPlacement:
+def load_placement_as(path: str | Path, *, ep_size: int | None = None, spec: MoESpec | None = None,
+                      model_experts: int | None = None) -> LayeredPlacement:
     """Read a placement file of any of ``PLACEMENT_FORMATS`` (recognised by suffix and content).
 
     SGLang files (``physical_to_logical_map`` alone, every decoder layer) are cut to the MoE layers of
@@ -204,6 +204,9 @@ def load_placement_as(path: str | Path, *, ep_size: int | None = None, spec: MoE
         ep_size: the EP size; needed for SGLang and TensorRT-LLM files (they do not carry it), checked
             against epmoe files.
         spec: the served model, or None.
+        model_experts: the model's experts a layer where ``spec`` is not given, or None: an epmoe file that names
+            no ``num_experts`` is read with the model's (``spec``'s, else this), so that an id past them is named as
+            out of range.
 
     Raises:
         FileNotFoundError: no such file (or a directory).
@@ -216,7 +219,7 @@ def load_placement_as(path: str | Path, *, ep_size: int | None = None, spec: MoE
     config = spec.source if spec is not None else None
     num_experts = spec.num_experts if spec is not None else None
     if fmt == "epmoe":
-        p = ExpertPlacement.load(path, ep_size=ep_size)
+        p = ExpertPlacement.load(path, ep_size=ep_size, model_experts=num_experts or model_experts)
         if spec is not None:
             try:
                 p.check_model(spec.num_moe_layers, spec.num_experts, f"config {config!r}")
@@ -282,7 +285,7 @@ def load_served_placement(path: str | Path, *, ep_size: int, spec: MoESpec) -> E
     Raises:
         FileNotFoundError, ValueError: as ``load_placement_as``.
     """
-    layered = load_placement_as(path, ep_size=ep_size)
+    layered = load_placement_as(path, ep_size=ep_size, model_experts=spec.num_experts)
     if layered.format != "epmoe":
         layered = load_placement_as(path, ep_size=ep_size, spec=spec)
     return layered.placement
