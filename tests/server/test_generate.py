@@ -92,6 +92,16 @@ def test_chat_without_max_tokens_gets_what_the_context_leaves(codec):
     assert "no room left in the model's context of 256 tokens" in err.value.message
 
 
+def test_a_bad_prompt_of_a_batch_is_named_by_its_place(codec):
+    """A list of prompts named the bad one "prompt", as the stop list names its items ("stop.1") only for stops."""
+    for prompt, param, message in ((["hi", "x" * 300], "prompt.1", "prompt.1 has 300 tokens: no room left"),
+                                   ([[5, 6], [7, 999]], "prompt.1", "prompt.1 token ids must be in [0, 259)"),
+                                   ("x" * 300, "prompt", "prompt has 300 tokens"),
+                                   ([5, 999], "prompt", "prompt token ids must be in [0, 259)")):
+        error = _refused(_completion(prompt=prompt, max_tokens=2), codec)
+        assert (error.status, error.param) == (400, param) and message in error.message, error.message
+
+
 def test_generation_config_defaults_fill_only_the_fields_left_out(codec, tmp_path):
     from epmoe.engine.sampling import sampling_defaults
 

@@ -122,16 +122,18 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
     if bad_stops:
         raise ApiError(400, f"stop_token_ids must be in [0, {info.vocab_size}), got {bad_stops[:5]}", "stop_token_ids")
     bias = _logit_bias(req.logit_bias, info.vocab_size)
-    for ids in prompts:
+    batch = kind == "completion" and not (isinstance(raw, str) or (raw and isinstance(raw[0], int)))
+    for i, ids in enumerate(prompts):
+        at = f"{where}.{i}" if batch else where  # which prompt of a batch, as the stop list's items are named
         if not ids:
             what = "the chat template rendered no text for these messages" if kind == "chat" else "it has no tokens"
-            raise ApiError(400, f"{where} must not be empty: {what}", where)
+            raise ApiError(400, f"{at} must not be empty: {what}", at)
         bad = [t for t in ids if not 0 <= t < info.vocab_size]
         if bad:
-            raise ApiError(400, f"{where} token ids must be in [0, {info.vocab_size}), got {bad[:5]}", where)
+            raise ApiError(400, f"{at} token ids must be in [0, {info.vocab_size}), got {bad[:5]}", at)
         if len(ids) >= info.max_model_len:
-            raise ApiError(400, f"{where} has {len(ids)} tokens: no room left in the model's context of "
-                                f"{info.max_model_len} tokens", where)
+            raise ApiError(400, f"{at} has {len(ids)} tokens: no room left in the model's context of "
+                                f"{info.max_model_len} tokens", at)
     if req.stop and codec.tokenizer is None:
         raise ApiError(400, f"stop strings ({req.stop!r}) need the checkpoint's tokenizer and this checkpoint has "
                             "none; use stop_token_ids", "stop")
