@@ -17,7 +17,9 @@ def model_dir() -> str:
 
 def _check(model_dir: str, **options) -> None:
     cfg = ServeConfig(**options)
-    check_kv_holds_context(Engine(cfg.engine_config(model_dir)), cfg)
+    engine = Engine(cfg.engine_config(model_dir))
+    kv = engine.kv_report()
+    check_kv_holds_context(engine.max_model_len, kv["blocks"], kv["block_size"], cfg)
 
 
 def test_pool_short_of_the_models_context_is_refused_naming_both(model_dir):

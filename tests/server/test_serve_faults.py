@@ -107,8 +107,8 @@ def test_rank_killed_fails_requests_and_exits_nonzero(start_server, victim):
     assert not any(_alive(p) for p in ranks + server.children())
 
 
-def test_refused_checkpoint_is_one_line_without_a_traceback(start_server, tiny_checkpoints, tmp_path):
-    # config.json of another expert width than the weights: the rank's loader refuses it, the server exits 2 with
+def test_refused_checkpoint_is_one_line_without_a_traceback(tiny_checkpoints, tmp_path):
+    # config.json of another expert width than the weights: the ranks' loaders refuse it, the server exits 2 with
     # that one error line (named tensor and shapes), no Python traceback
     import shutil
 
@@ -117,10 +117,16 @@ def test_refused_checkpoint_is_one_line_without_a_traceback(start_server, tiny_c
     cfg = json.loads((bad / "config.json").read_text())
     cfg["moe_intermediate_size"] *= 2
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(RuntimeError, match="server exited with 2") as err:
-        start_server("--model", str(bad), "--ep", "1")
-    log = str(err.value)
-    assert "fatal: rank 0 failed: ValueError: checkpoint" in log and "expected" in log and "Traceback" not in log, log
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"))
+    cmd = [sys.executable, "-m", "epmoe.cli", "serve", "--model", str(bad), "--ep", "2", "--port", str(free_port())]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)  # until every writer is gone
+    err = done.stderr
+    assert done.returncode == 2, err
+    assert re.search(r"fatal: (rank [01]|ranks 0 and 1) failed: ValueError: checkpoint .*expected", err), err
+    assert "Traceback" not in err and "ready" not in err, err
+    # the ranks' report queue was closed before the exit: multiprocessing's resource tracker (whose output ends this
+    # stderr) found no semaphore left
+    assert "leaked semaphore" not in err, err
 
 
 def test_port_in_use_is_refused_before_loading(capsys):
@@ -138,24 +144,19 @@ def test_port_in_use_is_refused_before_loading(capsys):
     assert f"--host 127.0.0.1 --port {port}: cannot listen there" in capsys.readouterr().err
 
 
-def test_kv_pool_short_of_the_context_is_refused_at_start():
+def test_kv_pool_short_of_the_context_is_refused_at_start(capsys, caplog):
     # 16 blocks of 16 tokens per rank, one the padding block: 240 tokens, short of the built-in model's context of
-    # 256; vLLM refuses to start then, and so does the server: exit 2 (bad input), every rank's error in one line
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"))
-    cmd = [sys.executable, "-m", "epmoe.cli", "serve", "--ep", "2", "--port", str(free_port()), "--num-kv-blocks", "16"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    err = done.stderr
-    assert done.returncode == 2, err
-    # the rank that reports first is the cause (the other one may be stopped before it reports the same)
-    assert re.search(r"fatal: (rank [01]|ranks 0 and 1) failed: ValueError: the model's max seq len \(256 tokens, the "
-                     r"model's context; "
-                     r"--max-model-len not given\) is larger than the maximum number of tokens that can be stored in "
-                     r"the KV cache \(240: 15 blocks of 16 besides the padding block\); try increasing --num-kv-blocks "
-                     r"\(now 16\) to at least 17 or decreasing --max-model-len", err), err
-    assert "Traceback" not in err and "ready" not in err, err
-    # the ranks' report queue was closed before the exit: multiprocessing's resource tracker (whose output ends this
-    # stderr) found no semaphore left
-    assert "leaked semaphore" not in err, err
+    # 256; vLLM refuses to start then, and so does the server: exit 2 (bad input), before any rank starts (the ranks
+    # found it while loading, after the server had said it was listening)
+    from epmoe.cli import main
+
+    assert main(["serve", "--ep", "2", "--port", str(free_port()), "--num-kv-blocks", "16"]) == 2
+    err = capsys.readouterr().err
+    assert ("epmoe serve: error: the model's max seq len (256 tokens, the model's context; --max-model-len not given) "
+            "is larger than the maximum number of tokens that can be stored in the KV cache (240: 15 blocks of 16 "
+            "besides the padding block); try increasing --num-kv-blocks (now 16) to at least 17 or decreasing "
+            "--max-model-len") in err, err
+    assert "listening" not in caplog.text + err and "rank" not in err and "Traceback" not in err, err
 
 
 @pytest.mark.parametrize("flags, message", [

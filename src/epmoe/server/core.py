@@ -254,24 +254,25 @@ def _ignore_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def check_kv_holds_context(engine: Engine, cfg: ServeConfig) -> None:
+def check_kv_holds_context(context: int, blocks: int, block_size: int, cfg: ServeConfig) -> None:
     """Refuse a KV pool that cannot hold one sequence of the whole context, as vLLM refuses to start then (a server
-    would otherwise start and answer 400 to every request that long). ``epmoe run`` does not call this: its requests
-    are known up front and each is checked against the pool.
+    would otherwise start and answer 400 to every request that long). ``epmoe serve`` calls it before any rank starts
+    where ``--num-kv-blocks`` gives the pool, and each rank with the pool its engine made. ``epmoe run`` does not: its
+    requests are known up front and each is checked against the pool.
 
     Args:
-        engine: this rank's loaded engine (its ``max_model_len`` and KV pool).
+        context: the longest sequence, tokens (the engine's ``max_model_len``).
+        blocks: the pool's blocks besides the padding block.
+        block_size: tokens a block.
         cfg: the server's options (which flags set the context and the pool).
 
     Raises:
-        ValueError: ``max_model_len`` (tokens) is larger than the pool's tokens (its blocks besides the padding
-            block, times the block size); the message names both and the flags that change them.
+        ValueError: the context is larger than the pool's tokens (``blocks * block_size``); the message names both
+            and the flags that change them.
     """
-    kv = engine.kv_report()
-    context = engine.max_model_len
-    if context <= kv["tokens"]:
+    if context <= blocks * block_size:
         return
-    need = -(-context // kv["block_size"]) + 1  # blocks of the full context, plus the padding block
+    need = -(-context // block_size) + 1  # blocks of the full context, plus the padding block
     source = "--max-model-len" if cfg.max_model_len is not None else "the model's context; --max-model-len not given"
     if cfg.num_kv_blocks is not None:
         fix = f"increasing --num-kv-blocks (now {cfg.num_kv_blocks}) to at least {need}"
@@ -280,8 +281,8 @@ def check_kv_holds_context(engine: Engine, cfg: ServeConfig) -> None:
     else:
         fix = f"setting --num-kv-blocks {need}"
     raise ValueError(f"the model's max seq len ({context} tokens, {source}) is larger than the maximum number of "
-                     f"tokens that can be stored in the KV cache ({kv['tokens']}: {kv['blocks']} blocks of "
-                     f"{kv['block_size']} besides the padding block); try {fix} or decreasing --max-model-len")
+                     f"tokens that can be stored in the KV cache ({blocks * block_size}: {blocks} blocks of "
+                     f"{block_size} besides the padding block); try {fix} or decreasing --max-model-len")
 
 
 def start_rank(info: RankInfo, cfg: ServeConfig, model_dir: str) -> RankStepper:
@@ -293,7 +294,8 @@ def start_rank(info: RankInfo, cfg: ServeConfig, model_dir: str) -> RankStepper:
     group = init_group(info, cfg.device) if info.world_size > 1 else None
     control = dist.new_group(backend="gloo") if group is not None else None
     engine = Engine(cfg.engine_config(model_dir), Comm(group))
-    check_kv_holds_context(engine, cfg)
+    kv = engine.kv_report()
+    check_kv_holds_context(engine.max_model_len, kv["blocks"], kv["block_size"], cfg)
     return RankStepper(engine, control)
 
 

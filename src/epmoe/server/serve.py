@@ -52,7 +52,7 @@ from epmoe.runtime.launch import (
 from epmoe.server.app import AppContext, build_app
 from epmoe.server.chat_output import ChatParsers
 from epmoe.server.config import ServeConfig
-from epmoe.server.core import EngineInfo, core_process, follow, follower_process
+from epmoe.server.core import EngineInfo, check_kv_holds_context, core_process, follow, follower_process
 from epmoe.server.frontend import Frontend
 from epmoe.server.metrics import ServerMetrics
 from epmoe.server.text import TextCodec, load_chat_template
@@ -193,6 +193,9 @@ def serve(cfg: ServeConfig) -> int:
     info = torchrun_rank_info() if under_torchrun() else None
     check_gpus(cfg.device, cfg.ep, info)  # before any rank starts, as the group's fit
     check_group(engine_cfg, info.world_size if info is not None else cfg.ep)
+    if cfg.num_kv_blocks is not None:  # the pool's size is known: short of the context, refused before any rank starts
+        check_kv_holds_context(cfg.max_model_len or load_moe_spec(model_dir).max_position_embeddings,
+                               cfg.num_kv_blocks - 1, cfg.block_size, cfg)
     if info is not None and info.rank != 0:
         follow(info, cfg, model_dir)
         return 0
