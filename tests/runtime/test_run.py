@@ -29,9 +29,12 @@ def test_json_to_stdout_is_the_json_alone(kimi):
     """``--json`` without a file: stdout began with the rank's progress bar's empty line."""
     proc = subprocess.run([sys.executable, "-m", "epmoe.cli", "run", "--model", str(kimi), "--ep", "1",
                            "--max-new-tokens", "2", "--no-reference", "--json"], capture_output=True, text=True,
-                          timeout=240)
+                          timeout=240, env=dict(os.environ, EPMOE_PDL="0"))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("{") and json.loads(proc.stdout)["ep"] == 1, proc.stdout[:200]
+    # an environment switch is named in the report (no effect on the CPU, but a GPU run would differ)
+    assert json.loads(proc.stdout)["switched_off"] == [
+        "EPMOE_PDL=0 turns off the Triton kernels' programmatic dependent launches (Hopper)"]
 
 
 def test_nan_weights_fail_the_reference_check(tiny_checkpoints, tmp_path, capsys):

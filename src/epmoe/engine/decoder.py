@@ -24,7 +24,6 @@ fused add and norm are vLLM's ``fused_add_rms_norm``; the loop is our own.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -32,6 +31,7 @@ from torch import nn
 
 from epmoe.engine.attention import AttnBatch
 from epmoe.engine.fused_norm import FusedRMSNorm
+from epmoe.experts.switches import enabled
 from epmoe.layer import FoldedNorm
 
 _BASE_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
@@ -129,7 +129,7 @@ def fold_or_add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor, c
     _check_rows(x, residual)
     x = x.view(residual.shape)
     folds = getattr(consumer, "folds_norm", None)
-    if (folds is not None and isinstance(norm, FusedRMSNorm) and os.environ.get("EPMOE_FOLD_NORM", "1") != "0"
+    if (folds is not None and isinstance(norm, FusedRMSNorm) and enabled("EPMOE_FOLD_NORM")
             and x.shape[-1] <= FOLD_NORM_MAX_WIDTH and x.dtype == residual.dtype
             and residual.stride(-1) == 1 and x.stride(-1) == 1 and folds(x, norm.weight, norm.weight_then_cast)):
         summed = torch.empty_like(residual, memory_format=torch.contiguous_format)

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from epmoe.checks import check_add_norm, norm_weight_fits
+from epmoe.experts.switches import enabled
 from epmoe.experts.triton.pdl import pdl_launch
 from epmoe.layer import FoldedNorm
 
@@ -68,7 +69,7 @@ def gemv_fits(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     ``M <= GEMV_MAX_ROWS``, bf16 or fp16 rows contiguous along ``K``, ``1 <= K <= GEMV_MAX_K``, a contiguous
     ``[N, K]`` weight on the rows' device (of at most ``GEMV_MAX_WEIGHT_BYTES`` where ``M > 1``), a bias (or none)
     of the rows' dtype; not with ``EPMOE_GEMV=0``."""
-    return (os.environ.get("EPMOE_GEMV", "1") != "0" and rows.dim() == 2 and rows.shape[0] <= GEMV_MAX_ROWS
+    return (enabled("EPMOE_GEMV") and rows.dim() == 2 and rows.shape[0] <= GEMV_MAX_ROWS
             and rows.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == rows.dtype and weight.dim() == 2 and weight.is_contiguous()
             and weight.device == rows.device and 1 <= weight.shape[1] == rows.shape[1] <= GEMV_MAX_K

@@ -4,13 +4,12 @@ experts' parameters."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from epmoe.experts import Activation, AnyExpertWeights
 from epmoe.experts.storage import ExpertStorage
+from epmoe.experts.switches import enabled
 from epmoe.layer.shared import SHARED_OVERLAP_MAX_ROWS, SharedExpert
 from epmoe.routing import Router
 from epmoe.spec import MoESpec
@@ -74,7 +73,7 @@ class MoEBase(nn.Module):
         layer's stream is made at its first such forward (eager: the engine warms each bucket up before capturing it);
         a forward captured before that, or one whose current stream is that stream, runs in order."""
         if (self.shared_experts is None or not x.is_cuda or not 0 < x.shape[0] <= SHARED_OVERLAP_MAX_ROWS
-                or os.environ.get("EPMOE_SHARED_OVERLAP", "1") == "0"):
+                or not enabled("EPMOE_SHARED_OVERLAP")):
             return None
         side = self._shared_stream
         if side is None or side.device != x.device:

@@ -121,6 +121,7 @@ class RunReport:
         prefix_cache: with prefix caching on, prompt tokens looked up in the cache and found there, summed over
             the ranks: ``{"queried_tokens", "hit_tokens"}``; ``None`` with it off.
         load_format: ``auto`` (the checkpoint's weights) or ``dummy`` (random ones).
+        switched_off: the fast paths the environment turned off (``experts.switches.switched_off``; empty: none).
         moe_routing_simulation: how the tokens were sent to experts instead of by the gates
             (``EngineConfig.moe_routing_simulation``), or ``None``.
         reference_skipped: why the reference check, asked for, did not run (``run.reference_room``: the unsharded
@@ -158,6 +159,7 @@ class RunReport:
     moe_routing_simulation: str | None = None
     reference_skipped: str | None = None
     float32_skipped: str | None = None
+    switched_off: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         """A JSON-ready dict."""
@@ -334,6 +336,8 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
     summary.add_row("expert backend", report.expert_backend)
     if report.expert_storage:
         summary.add_row("routed experts held as", report.expert_storage)
+    if report.switched_off:
+        summary.add_row("fast paths switched off by the environment", "; ".join(report.switched_off))
     summary.add_row("CUDA graphs / overlap schedule / preemptions",
                     f"{'on' if report.graphs else 'off'} / {'on' if report.overlap else 'off'} / {preempted}")
     if report.prefix_cache is not None:

@@ -35,6 +35,7 @@ from epmoe.engine.sampling import GREEDY_BELOW
 from epmoe.engine.tokenizer import check_generation_config, decode_text, encode_text, generation_config, load_tokenizer
 from epmoe.experts import describe_expert_backend
 from epmoe.experts.storage import held_as
+from epmoe.experts.switches import switched_off
 from epmoe.memory import free_bytes
 from epmoe.models.checkpoint import check_index_for_transformers
 from epmoe.models.hf import hf_config, needs_own_loader
@@ -577,6 +578,7 @@ def run_job(cfg: RunConfig) -> RunReport:
         expert_storage=held_as(spec.expert_weight_format, spec.moe_intermediate_size, cfg.parallel, cfg.dtype),
         graphs=any(r.step_kinds.get("graph_steps", 0) + r.step_kinds.get("piecewise_steps", 0) for r in ranks),
         overlap=not cfg.disable_overlap_schedule and cfg.speculative_algorithm is None,
+        switched_off=switched_off(),
     )
     if ranks[0].kv.get("prefix_caching"):
         report.prefix_cache = {"queried_tokens": sum(r.step_kinds.get("prefix_cache_queries", 0) for r in ranks),

@@ -37,6 +37,7 @@ from epmoe.engine.group import check_group
 from epmoe.engine.sampling import sampling_defaults
 from epmoe.experts import describe_expert_backend
 from epmoe.experts.storage import held_as
+from epmoe.experts.switches import switched_off
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.plan.request import counted
 from epmoe.runtime.launch import (
@@ -125,6 +126,9 @@ def _startup_log(cfg: ServeConfig, model_dir: str, name: str, info: EngineInfo, 
     synthetic = synthetic_text(cfg.load_format, cfg.moe_routing_simulation)
     if synthetic is not None:
         log.warning("%s", synthetic)
+    off = switched_off()
+    if off:
+        log.warning("fast paths switched off by the environment: %s", "; ".join(off))
     if info.speculative is not None:
         log.info("speculative decoding, K = %d: %s", cfg.engine_config(model_dir).num_speculative_tokens,
                  info.speculative)

@@ -13,15 +13,16 @@ launch ends only after the launches before it have. At a decode step of a few ro
 this hides most of the gap between dependent launches (CUDA Programming Guide, "Programmatic Dependent Launch and
 Synchronization").
 
-``EPMOE_PDL=0`` in the environment turns it off everywhere (for measuring what it gains).
+``EPMOE_PDL=0`` in the environment turns it off everywhere (for measuring what it gains; ``epmoe.experts.switches``).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from epmoe.experts.switches import enabled
 
 
 @functools.cache
@@ -32,5 +33,5 @@ def _capable(device_index: int) -> bool:
 def pdl_launch(t: torch.Tensor) -> bool:
     """Whether kernels working on ``t``'s device launch as programmatic dependents: a CUDA device of compute
     capability 9.0 or later (PDL's ``griddepcontrol`` instructions), unless ``EPMOE_PDL=0``."""
-    return t.is_cuda and os.environ.get("EPMOE_PDL", "1") != "0" and _capable(t.device.index or 0)
+    return t.is_cuda and enabled("EPMOE_PDL") and _capable(t.device.index or 0)
 

@@ -1,0 +1,24 @@
+"""The environment's off switches: read in one place, named when one is off."""
+
+from __future__ import annotations
+
+import pytest
+
+from epmoe.experts.switches import SWITCHES, enabled, switched_off
+
+
+def test_every_switch_is_on_unless_its_variable_is_0(monkeypatch):
+    for name in SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    assert all(enabled(name) for name in SWITCHES) and switched_off() == []
+    monkeypatch.setenv("EPMOE_GEMV", "0")
+    monkeypatch.setenv("EPMOE_SHARED_OVERLAP", "1")  # anything but 0 keeps the path
+    monkeypatch.setenv("EPMOE_FOLD_NORM", "0")
+    assert [n for n in SWITCHES if not enabled(n)] == ["EPMOE_GEMV", "EPMOE_FOLD_NORM"]
+    assert switched_off() == ["EPMOE_GEMV=0 turns off the Triton matrix-vector kernel of the projections at a few rows",
+                              "EPMOE_FOLD_NORM=0 turns off the norms folded into the kernels after them at one row"]
+
+
+def test_an_unknown_switch_is_a_key_error_listing_the_known():
+    with pytest.raises(KeyError, match=r"'EPMOE_GEMM' is not one of epmoe's switches \['EPMOE_FOLD_NORM', "):
+        enabled("EPMOE_GEMM")
