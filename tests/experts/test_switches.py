@@ -22,3 +22,27 @@ def test_every_switch_is_on_unless_its_variable_is_0(monkeypatch):
 def test_an_unknown_switch_is_a_key_error_listing_the_known():
     with pytest.raises(KeyError, match=r"'EPMOE_GEMM' is not one of epmoe's switches \['EPMOE_FOLD_NORM', "):
         enabled("EPMOE_GEMM")
+
+
+def test_the_server_start_log_names_a_switch_that_is_off(monkeypatch, caplog):
+    import logging
+
+    from epmoe.models.tiny import ensure_default_checkpoint
+    from epmoe.server.config import ServeConfig
+    from epmoe.server.core import EngineInfo
+    from epmoe.server.serve import _startup_log
+
+    model_dir = str(ensure_default_checkpoint())
+    kv = {"blocks": 15, "block_size": 16, "tokens": 240, "bytes": 1 << 20, "max_concurrency": 1, "context": 240,
+          "graph_buckets": [], "piecewise_buckets": [], "prefix_caching": True}
+    info = EngineInfo(max_model_len=240, vocab_size=259, ranks=1, parallel="ep", kv=kv)
+    for name in SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    with caplog.at_level(logging.INFO, logger="epmoe.serve"):
+        _startup_log(ServeConfig(), model_dir, "m", info, "http://127.0.0.1:1")
+    assert "switched off" not in caplog.text
+    monkeypatch.setenv("EPMOE_PDL", "0")
+    with caplog.at_level(logging.INFO, logger="epmoe.serve"):
+        _startup_log(ServeConfig(), model_dir, "m", info, "http://127.0.0.1:1")
+    assert ("fast paths switched off by the environment: EPMOE_PDL=0 turns off the Triton kernels' programmatic "
+            "dependent launches (Hopper)") in caplog.text
