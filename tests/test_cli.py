@@ -253,12 +253,19 @@ def test_a_missing_config_or_draft_is_named_by_its_flag(tmp_path, capsys, argv, 
 
 @pytest.mark.multiprocess
 def test_a_ranks_error_names_the_flag_typed(kimi, capsys):
-    """An option only a rank can check (the KV pool against the memory it finds) is named in its error by the flag
-    typed, not by the engine's field."""
+    """A KV pool past the memory is named by the flag typed, not by the engine's field: before any rank starts where
+    the pool alone is past it (a rank found it, until the check before the start), and in a rank's own error (its
+    pool against the memory the weights left) as the CLI reports it."""
+    from epmoe.cli import _flag_error, _run_flags
+
     assert main(["run", "--model", str(kimi), "--ep", "1", "--no-reference", "--num-kv-blocks", "100000000"]) == 2
     err = capsys.readouterr().err
-    assert re.search(r"^epmoe run: error: rank 0 failed: ValueError: --num-kv-blocks 100000000 needs [\d.]+ GiB of "
-                     r"KV cache; [\d.]+ GiB are free on cpu$", err, re.M), err
+    assert re.search(r"^epmoe run: error: --num-kv-blocks 100000000 of --block-size 16 is [\d.]+ GiB of KV cache a "
+                     r"rank, and the 1 CPU rank\(s\) share the host's [\d.]+ GiB free$", err, re.M), err
+    ranks = ValueError("rank 0 failed: ValueError: num_kv_blocks 100000000 needs 429.2 GiB of KV cache; 20.0 GiB are "
+                       "free on cpu")
+    assert str(_flag_error(ranks, _run_flags())) == ("rank 0 failed: ValueError: --num-kv-blocks 100000000 needs 429.2 "
+                                                     "GiB of KV cache; 20.0 GiB are free on cpu")
 
 
 def test_a_redundant_count_past_its_bound_is_named_by_its_flag(kimi, capsys):
