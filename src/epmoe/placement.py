@@ -354,7 +354,8 @@ class ExpertPlacement:
             path: the file.
             ep_size: EP size to use when the file names none; must agree when it does.
             model_experts: the model's experts a layer, used when the file names none (an id past them is then named
-                as out of range); a file that names its own is read as it says (its user checks it against the model).
+                as out of range); a file that names its own is read as it says (its user checks it against the model),
+                and where it does not hold together the disagreement with the model is named first.
 
         Raises:
             FileNotFoundError: no such file (or a directory there).
@@ -426,7 +427,13 @@ class ExpertPlacement:
             if use_ep is None:
                 raise ValueError("field 'ep_size' is missing and no EP size was given")
             given = num_experts if num_experts is not None else model_experts
-            return cls.from_phy2log(phy2log, ep_size=use_ep, num_experts=given)
+            try:
+                return cls.from_phy2log(phy2log, ep_size=use_ep, num_experts=given)
+            except ValueError as exc:  # a file's own count past the model's: that disagreement is the cause
+                if num_experts is None or model_experts is None or num_experts == model_experts:
+                    raise
+                raise ValueError(f"field 'num_experts' is {num_experts} but the model has {model_experts} experts a "
+                                 f"layer ({exc})") from None
         except (ValueError, TypeError, KeyError) as exc:
             raise ValueError(f"placement file {str(path)!r}: {exc}") from exc
         except Exception as exc:  # safetensors / json parser errors of other types

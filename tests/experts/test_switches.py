@@ -19,6 +19,20 @@ def test_every_switch_is_on_unless_its_variable_is_0(monkeypatch):
                               "EPMOE_FOLD_NORM=0 turns off the norms folded into the kernels after them at one row"]
 
 
+def test_a_switch_value_other_than_0_or_1_is_refused_before_anything_runs(monkeypatch, capsys):
+    """EPMOE_PDL=false read as on, with no word."""
+    from epmoe.cli import main
+    from epmoe.experts.switches import check_switches
+
+    monkeypatch.setenv("EPMOE_PDL", "false")
+    with pytest.raises(ValueError, match=r"environment variable EPMOE_PDL='false': epmoe's switches take 0 \(turns off "
+                                         r"the Triton kernels' programmatic dependent launches \(Hopper\)\) or 1"):
+        check_switches()
+    for command in ("run", "serve"):
+        assert main([command, "--port", "0"] if command == "serve" else [command]) == 2
+        assert "error: environment variable EPMOE_PDL='false'" in capsys.readouterr().err
+
+
 def test_an_unknown_switch_is_a_key_error_listing_the_known():
     with pytest.raises(KeyError, match=r"'EPMOE_GEMM' is not one of epmoe's switches \['EPMOE_FOLD_NORM', "):
         enabled("EPMOE_GEMM")

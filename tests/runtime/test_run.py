@@ -265,6 +265,29 @@ def test_placement_id_past_the_models_experts_is_named_out_of_range(kimi, tmp_pa
             f"in [0, 16)") in capsys.readouterr().err
 
 
+def test_placement_num_experts_past_the_models_is_named(kimi, tmp_path, capsys):
+    """A file's num_experts of 32 on a model of 16 was reported as "logical expert 16 has no physical slot"."""
+    bad = tmp_path / "ne32.json"
+    bad.write_text(json.dumps({"ep_size": 2, "num_experts": 32, "phy2log": [list(range(16))] * 2}))
+    assert main(["run", "--model", str(kimi), "--placement", str(bad)]) == 2
+    assert (f"placement file '{bad}': field 'num_experts' is 32 but the model has 16 experts a layer (layer 0: "
+            "logical expert 16 has no physical slot") in capsys.readouterr().err
+
+
+def test_request_rate_span_under_torchrun_counts_its_world(kimi, monkeypatch, capsys):
+    """Under torchrun the world size shares the prompts, not --ep (default 2): one rank's 4 prompts at 1.2e-5 a
+    second span 2.5e5 s, which was let through."""
+    from epmoe.runtime.launch import free_port
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    assert main(["run", "--model", str(kimi), "--request-rate", "1.2e-5", "--no-reference"]) == 2
+    assert "--request-rate 1.2e-05 spreads 4 prompts on a rank over 2.5e+05 s" in capsys.readouterr().err
+
+
 def test_missing_model_dir(tmp_path, capsys):
     assert main(["run", "--model", str(tmp_path / "nope")]) == 2
     assert "is not a checkpoint directory" in capsys.readouterr().err

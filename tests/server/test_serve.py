@@ -683,6 +683,16 @@ def test_bench_serve_without_the_key_says_so(server, capsys):
     assert "the server answered 401 Unauthorized to GET" in capsys.readouterr().err
 
 
+def test_bench_of_a_model_the_server_does_not_list_is_refused(server, capsys):
+    """It sent every request, each answered 404."""
+    from epmoe.cli import main
+
+    assert main(["bench", "serve", "--base-url", server.url, "--api-key", API_KEY, "--model", "nosuch",
+                 "--num-prompts", "2"]) == 2
+    assert (f"model 'nosuch' is not served at {server.url}: its /v1/models lists ['{MODEL}']"
+            in capsys.readouterr().err)
+
+
 def test_bench_where_nothing_completed_measures_nothing(server, capsys):
     """Every request refused (prompts past the 256-token context): the latencies are not measured, not zero."""
     from epmoe.cli import main

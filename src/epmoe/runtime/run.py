@@ -35,7 +35,7 @@ from epmoe.engine.sampling import GREEDY_BELOW
 from epmoe.engine.tokenizer import check_generation_config, decode_text, encode_text, generation_config, load_tokenizer
 from epmoe.experts import describe_expert_backend
 from epmoe.experts.storage import held_as
-from epmoe.experts.switches import switched_off
+from epmoe.experts.switches import check_switches, switched_off
 from epmoe.memory import free_bytes
 from epmoe.models.checkpoint import check_index_for_transformers
 from epmoe.models.hf import hf_config, needs_own_loader
@@ -176,12 +176,10 @@ class RunConfig:
             raise ValueError(f"--eplb-interval must be non-negative, got {self.eplb_interval}")
         if self.eplb_max_moves is not None and self.eplb_max_moves < 0:
             raise ValueError(f"--max-moves must be non-negative, got {self.eplb_max_moves}")
+        check_switches()
         if self.request_rate is not None and not self.request_rate > 0:
             raise ValueError(f"--request-rate must be a positive number of requests per second, "
                              f"got {self.request_rate}")
-        if self.request_rate is not None:
-            per_rank = -(-len(self.prompts or DEFAULT_PROMPTS) // max(self.ep, 1))
-            check_arrival_span("--request-rate", self.request_rate, per_rank, "prompts on a rank")
         from epmoe.experts import EXPERT_BACKENDS
 
         if self.dispatcher == "fixed_capacity":
@@ -368,11 +366,14 @@ def _engine_config(cfg: RunConfig, model_dir: str) -> EngineConfig:
 def _check_before_start(cfg: RunConfig, model_dir: str, ep: int, all_ids: list[list[int]],
                         info: RankInfo | None = None) -> None:
     """Everything that can be checked before any rank starts: a GPU for each rank on CUDA (``launch.check_gpus``;
-    ``info``: this rank's under torchrun), the engine options, the weights, whether
+    ``info``: this rank's under torchrun), the request rate's arrival span (``checks.check_arrival_span``), the
+    engine options, the weights, whether
     ``generation_config.json`` is a JSON object, the KV pool when its size is given, and what the group must fit
     (``engine.group.check_group``: the target's and a draft model's placements, or the sizes tp divides)."""
     if cfg.dispatcher == "local" and ep != 1:
         raise ValueError(f"--dispatcher local serves EP size 1 only; EP size is {ep}: use all_to_all")
+    if cfg.request_rate is not None:  # the ranks of the group (torchrun's world size, else --ep) share the prompts
+        check_arrival_span("--request-rate", cfg.request_rate, -(-len(all_ids) // ep), "prompts on a rank")
     check_gpus(cfg.device, ep, info)
     engine_cfg = _engine_config(cfg, model_dir)
     spec = load_moe_spec(model_dir)

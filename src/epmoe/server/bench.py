@@ -276,15 +276,18 @@ async def _run(cfg: BenchConfig, progress: bool) -> BenchReport:
 
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     base = cfg.base_url.rstrip("/")
-    requests = load_requests(cfg)
     rng = random.Random(cfg.seed + 1)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=cfg.timeout_s, limits=limits) as http:
-        # asked also with a model given: a server that is not there (or refuses the key) is one error, not a run of
-        # failed requests
+        # asked first, also with a model given: a server that is not there (or refuses the key) is one error, before
+        # any prompt is made, not a run of failed requests
         r = await http.get(f"{base}/v1/models", headers=headers)
         r.raise_for_status()
-        model = cfg.model if cfg.model is not None else r.json()["data"][0]["id"]
+        served = [m["id"] for m in r.json()["data"]]
+        if cfg.model is not None and cfg.model not in served:
+            raise ValueError(f"model {cfg.model!r} is not served at {cfg.base_url}: its /v1/models lists {served}")
+        model = cfg.model if cfg.model is not None else served[0]
+        requests = load_requests(cfg)
         gate = asyncio.Semaphore(cfg.max_concurrency or len(requests))
         with Progress(disable=not progress, transient=True) as bar:
             task = bar.add_task("requests", total=len(requests))
@@ -322,7 +325,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchReport:
     """Run the benchmark (see the module docstring).
 
     Raises:
-        ValueError: a bad dataset line; httpx.HTTPError: ``/v1/models`` unreachable or refused (asked before any
-            request, with or without ``model``).
+        ValueError: a bad dataset line, or a ``model`` the server does not list; httpx.HTTPError: ``/v1/models``
+            unreachable or refused (asked before any prompt is made, with or without ``model``).
     """
     return asyncio.run(_run(cfg, progress))

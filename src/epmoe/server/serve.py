@@ -37,7 +37,7 @@ from epmoe.engine.group import check_group
 from epmoe.engine.sampling import sampling_defaults
 from epmoe.experts import describe_expert_backend
 from epmoe.experts.storage import held_as
-from epmoe.experts.switches import switched_off
+from epmoe.experts.switches import check_switches, switched_off
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.plan.request import counted
 from epmoe.runtime.launch import (
@@ -197,6 +197,7 @@ def serve(cfg: ServeConfig) -> int:
     info = torchrun_rank_info() if under_torchrun() else None
     check_gpus(cfg.device, cfg.ep, info)  # before any rank starts, as the group's fit
     check_group(engine_cfg, info.world_size if info is not None else cfg.ep)
+    check_switches()
     if cfg.num_kv_blocks is not None:  # the pool's size is known: short of the context, refused before any rank starts
         check_kv_holds_context(cfg.max_model_len or load_moe_spec(model_dir).max_position_embeddings,
                                cfg.num_kv_blocks - 1, cfg.block_size, cfg)
