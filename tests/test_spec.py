@@ -558,3 +558,12 @@ def test_a_huge_or_waiting_config_file_is_refused_before_it_is_read(tmp_path):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
         assert re.fullmatch(r"config file '/proc/kmsg' (has nothing to read without waiting \(a kernel or device "
                             r"file\?\)|cannot be read: .+)\n", out), out
+
+
+def test_arrival_span_message_shows_a_span_just_past_the_day():
+    """A span just past the bound read '8.64e+04 s, past the 86400 s', as if it were within it."""
+    from epmoe.checks import MAX_ARRIVAL_SPAN_S, check_arrival_span
+
+    check_arrival_span("--request-rate", 1.0, int(MAX_ARRIVAL_SPAN_S) + 1)  # exactly one day: let through
+    with pytest.raises(ValueError, match=r"--request-rate 1\.0 spreads 86402 prompts over 86401 s, past the 86400 s"):
+        check_arrival_span("--request-rate", 1.0, int(MAX_ARRIVAL_SPAN_S) + 2)

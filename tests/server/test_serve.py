@@ -793,7 +793,7 @@ def test_bench_rate_that_would_wait_days_is_refused(capsys):
     from epmoe.cli import main
 
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--request-rate", "1e-4"]) == 2
-    assert ("--request-rate 0.0001 spreads 100 prompts over 9.9e+05 s, past the 86400 s (one day)"
+    assert ("--request-rate 0.0001 spreads 100 prompts over 990000 s, past the 86400 s (one day)"
             in capsys.readouterr().err)
     from epmoe.server.bench import BenchConfig
 
