@@ -181,3 +181,7 @@ def test_a_completion_without_max_tokens_is_capped_by_the_context(codec):
     error = _refused(_completion(prompt=prompt, max_tokens=16), codec)
     assert (error.status, error.param) == (400, "max_tokens")
     assert error.message == "max_tokens (16) plus the prompt's 250 tokens is past the model's context of 256 tokens"
+    # in a batch, the longest prompt is named by its position
+    error = _refused(_completion(prompt=[[1, 2], prompt, prompt[:3]], max_tokens=16), codec)
+    assert (error.status, error.param) == (400, "max_tokens")
+    assert error.message == "max_tokens (16) plus prompt.1's 250 tokens is past the model's context of 256 tokens"

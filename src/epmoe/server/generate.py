@@ -138,6 +138,8 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
         raise ApiError(400, f"stop strings ({req.stop!r}) need the checkpoint's tokenizer and this checkpoint has "
                             "none; use stop_token_ids", "stop")
     longest = max(len(ids) for ids in prompts)
+    # a batch's longest prompt named by its position, as its other errors name a prompt
+    whose = f"{where}.{[len(ids) for ids in prompts].index(longest)}'s" if batch else "the prompt's"
     # a rank's KV pool holds the whole context (the server refuses to start otherwise: core.check_kv_holds_context),
     # so the context is the only bound
     defaults = defaults or {}
@@ -147,7 +149,7 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
     elif longest + max_tokens > info.max_model_len and kind == "completion" and implied and not prompt_only:
         max_tokens = info.max_model_len - longest  # as vLLM: the default is capped by what the context leaves
     elif longest + max_tokens > info.max_model_len:
-        raise ApiError(400, f"{sent} ({max_tokens}) plus the prompt's {longest} tokens is past the model's "
+        raise ApiError(400, f"{sent} ({max_tokens}) plus {whose} {longest} tokens is past the model's "
                             f"context of {info.max_model_len} tokens", sent)
     constraint_field, constraint = _constraint(req, info, forced)
     chat = None
