@@ -251,6 +251,30 @@ def test_a_missing_config_or_draft_is_named_by_its_flag(tmp_path, capsys, argv, 
     assert not (tmp_path / "p.json").exists()
 
 
+def test_kv_pool_room_counts_only_this_hosts_torchrun_ranks(kimi, monkeypatch):
+    """Under torchrun the ranks on this host (``LOCAL_WORLD_SIZE``) share its memory, not the whole group's: a group of
+    four over two hosts was counted as four pools on each."""
+    from epmoe.engine.capacity import check_kv_pool_room
+    from epmoe.engine.config import EngineConfig
+    from epmoe.engine.kv_cache import KVLayout
+    from epmoe.memory import free_bytes
+    from epmoe.models.hf import hf_config
+
+    dtype = EngineConfig(model=str(kimi)).torch_dtype
+    per_block = 16 * KVLayout.from_config(hf_config(str(kimi)).get_text_config()).bytes_per_token(dtype)
+    blocks = int(0.4 * free_bytes("cpu") / per_block)  # a pool of 0.4 of the free memory a rank
+    cfg = EngineConfig(model=str(kimi), num_kv_blocks=blocks, block_size=16)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match=r"the 4 CPU rank\(s\) share the host's"):
+        check_kv_pool_room(cfg, 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    check_kv_pool_room(cfg, 4)  # two of the four here: 0.8 of the free memory
+    for bad in ("0", "9", "two"):  # not a count within the group: all of them, as spawned ranks
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", bad)
+        with pytest.raises(ValueError, match=r"the 4 CPU rank\(s\)"):
+            check_kv_pool_room(cfg, 4)
+
+
 @pytest.mark.multiprocess
 def test_a_ranks_error_names_the_flag_typed(kimi, capsys):
     """A KV pool past the memory is named by the flag typed, not by the engine's field: before any rank starts where

@@ -3,6 +3,8 @@ the row and token counts of its CUDA-graph buckets."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from epmoe.engine.config import EngineConfig
@@ -31,10 +33,17 @@ def graph_buckets(max_bs: int) -> list[int]:
     return sorted(sizes)
 
 
+def _ranks_on_host(size: int) -> int:
+    """Of a group of ``size`` ranks, those on this host: torchrun's ``LOCAL_WORLD_SIZE`` where it is set to a count
+    within the group, else all of them (ranks spawned here)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(local) if local.isdigit() and 1 <= int(local) <= size else size
+
+
 def check_kv_pool_room(config: EngineConfig, size: int) -> None:
-    """Before any rank starts, a ``num_kv_blocks`` whose pool could not be held: on the CPU the ``size`` ranks' pools
-    together against the host's free memory (a group's CPU ranks share one host: spawned ones do; a torchrun group
-    over several hosts is over-counted), on CUDA one rank's pool against a GPU's whole memory. A lower bound of what
+    """Before any rank starts, a ``num_kv_blocks`` whose pool could not be held: on the CPU the pools of the ranks on
+    this host together against its free memory (spawned ranks: all ``size``; under torchrun, ``LOCAL_WORLD_SIZE`` of
+    them), on CUDA one rank's pool against a GPU's whole memory. A lower bound of what
     the ranks will need (weights and a draft model's cache come on top): ``kv_blocks`` checks again as each rank
     makes its pool. Nothing to check without ``num_kv_blocks``.
 
@@ -52,8 +61,9 @@ def check_kv_pool_room(config: EngineConfig, size: int) -> None:
         need, have = per_rank, torch.cuda.get_device_properties(0).total_memory
         where = f"a rank's GPU holds {have / 2**30:.1f} GiB in all"
     else:
-        need, have = size * per_rank, free_bytes("cpu")
-        where = f"the {size} CPU rank(s) share the host's {have / 2**30:.1f} GiB free" if have is not None else ""
+        host = _ranks_on_host(size)
+        need, have = host * per_rank, free_bytes("cpu")
+        where = f"the {host} CPU rank(s) share the host's {have / 2**30:.1f} GiB free" if have is not None else ""
     if have is not None and need > have:
         raise ValueError(f"--num-kv-blocks {config.num_kv_blocks} of --block-size {config.block_size} is "
                          f"{per_rank / 2**30:.1f} GiB of KV cache a rank, and {where}")
