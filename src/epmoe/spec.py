@@ -680,6 +680,17 @@ def is_checkpoint_dir(path: str | Path) -> bool:
     return bool(str(path)) and (Path(path) / "config.json").is_file()
 
 
+def check_checkpoint_dir(path: str | Path, what: str) -> None:
+    """Refuse a ``path`` that is not a checkpoint directory (``is_checkpoint_dir``); ``what`` names it.
+
+    Raises:
+        ValueError: no ``config.json`` in a directory at ``path``, with what a checkpoint directory holds.
+    """
+    if not is_checkpoint_dir(path):
+        raise ValueError(f"{what} {str(path)!r} is not a checkpoint directory (a config.json, and its *.safetensors "
+                         f"weights unless --load-format dummy)")
+
+
 def read_config(path: str | Path) -> tuple[dict[str, Any], Path]:
     """Read a ``config.json`` (or the one in a checkpoint directory) as a JSON object.
 

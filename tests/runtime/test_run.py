@@ -295,7 +295,25 @@ def test_missing_model_dir(tmp_path, capsys):
     assert "--model '' is not a checkpoint directory" in capsys.readouterr().err
     assert main(["run", "--model", str(tmp_path)]) == 2  # a directory without config.json: named by its flag
     err = capsys.readouterr().err
-    assert f"--model '{tmp_path}' is not a checkpoint directory (config.json + *.safetensors)" in err
+    assert (f"--model '{tmp_path}' is not a checkpoint directory (a config.json, and its *.safetensors weights "
+            "unless --load-format dummy)") in err
+
+
+def test_dummy_weights_run_from_a_config_json_alone(kimi, tmp_path):
+    """``--load-format dummy`` needs only ``config.json``, as the README says (``run`` asked the weights files whether
+    transformers could read them, for a reference it would not run, and refused: "has no *.safetensors weights");
+    the summary names the one reason the reference is not checked."""
+    import json
+    import shutil
+
+    shutil.copy(kimi / "config.json", tmp_path / "config.json")
+    out = tmp_path / "run.json"
+    assert main(["run", "--model", str(tmp_path), "--load-format", "dummy", "--ep", "1", "--max-new-tokens", "2",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["load_format"] == "dummy" and report["matches_reference"] is None
+    assert report["reference_not_asked"] == "--load-format dummy: random weights"
+    assert all(len(r["tokens"]) for r in report["ranks"])
 
 
 def test_damaged_weights_file_refused_before_the_start(kimi, tmp_path, capsys):

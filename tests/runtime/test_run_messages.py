@@ -249,6 +249,7 @@ def test_run_with_simulated_routing_says_so_and_repeats(kimi, tmp_path, capsys):
         outs.append(json.loads(out.read_text()))
     text = " ".join(capsys.readouterr().out.replace("│", " ").split())  # the summary's cells wrap
     assert "simulated, uniform_random (--moe-routing-simulation): not the model's text" in text
-    assert "not checked (--no-reference, sampling, dummy weights or simulated routing)" in text
+    assert "not checked (--moe-routing-simulation uniform_random)" in text  # the one reason that applied
     assert outs[0]["moe_routing_simulation"] == "uniform_random" and outs[0]["load_format"] == "auto"
+    assert outs[0]["reference_not_asked"] == "--moe-routing-simulation uniform_random"
     assert outs[0]["matches_reference"] is None and outs[0]["outputs"] == outs[1]["outputs"]

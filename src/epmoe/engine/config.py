@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from epmoe.checks import MAX_SPECULATIVE_TOKENS, valid_seed
-from epmoe.spec import MoESpec, is_checkpoint_dir, load_moe_spec
+from epmoe.spec import MoESpec, check_checkpoint_dir, is_checkpoint_dir, load_moe_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PARALLEL_MODES = ("ep", "tp")
@@ -190,8 +190,7 @@ class EngineConfig:
             if f.type in ("str", "str | None") and not (isinstance(value, str) or (value is None and f.type != "str")):
                 raise TypeError(f"{f.name} must be a string{' or None' if f.type != 'str' else ''}, got "
                                 f"{type(value).__name__} {value!r}")
-        if not is_checkpoint_dir(self.model):
-            raise ValueError(f"model {self.model!r} is not a checkpoint directory (config.json + *.safetensors)")
+        check_checkpoint_dir(self.model, "model")
         if self.dtype not in COMMAND_DTYPES:
             raise ValueError(f"dtype must be one of {list(COMMAND_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda"):

@@ -126,6 +126,8 @@ class RunReport:
             (``EngineConfig.moe_routing_simulation``), or ``None``.
         reference_skipped: why the reference check, asked for, did not run (``run.reference_room``: the unsharded
             model does not fit the device), or ``None``; ``matches_reference`` is then ``None``.
+        reference_not_asked: why the reference check was not asked for (``--no-reference``, sampling, dummy weights
+            or simulated routing, the one that applied), or ``None`` where it was.
         float32_skipped: why the float32 reference that would judge a bf16/fp16 run's differing prompts did not
             run (it does not fit the device), or ``None``; those prompts then stay among ``mismatches``.
     """
@@ -158,6 +160,7 @@ class RunReport:
     load_format: str = "auto"
     moe_routing_simulation: str | None = None
     reference_skipped: str | None = None
+    reference_not_asked: str | None = None
     float32_skipped: str | None = None
     switched_off: list[str] = field(default_factory=list)
 
@@ -361,8 +364,7 @@ def print_run_report(report: RunReport, console: Console | None = None) -> None:
         summary.add_row("matches transformers reference",
                         f"not checked: {report.reference_skipped} (--no-reference does not ask for it)")
     elif report.matches_reference is None:
-        summary.add_row("matches transformers reference",
-                        "not checked (--no-reference, sampling, dummy weights or simulated routing)")
+        summary.add_row("matches transformers reference", f"not checked ({report.reference_not_asked})")
     else:
         verdict = _verdict(report)
         summary.add_row("matches transformers reference", verdict)

@@ -45,7 +45,7 @@ from epmoe.plan.request import counted, format_bytes
 from epmoe.runtime.launch import RankInfo, check_gpus, init_group, spawn, torchrun_rank_info, under_torchrun
 from epmoe.runtime.near_tie import Divergence, exchanged, first_difference, measure, probe, router_ties
 from epmoe.runtime.report import RankReport, RunReport, judge_mismatches
-from epmoe.spec import MoESpec, is_checkpoint_dir, load_moe_spec
+from epmoe.spec import MoESpec, check_checkpoint_dir, load_moe_spec
 
 DEFAULT_PROMPTS = (
     "Expert parallelism places whole experts on ranks",
@@ -189,8 +189,8 @@ class RunConfig:
             raise ValueError(f"--dispatcher {self.dispatcher!r} is not one of {list(EAGER_DISPATCHERS)}")
         if self.expert_backend is not None and self.expert_backend not in EXPERT_BACKENDS:
             raise ValueError(f"--expert-backend {self.expert_backend!r} is not one of {sorted(EXPERT_BACKENDS)}")
-        if self.model is not None and not is_checkpoint_dir(self.model):
-            raise ValueError(f"--model {self.model!r} is not a checkpoint directory (config.json + *.safetensors)")
+        if self.model is not None:
+            check_checkpoint_dir(self.model, "--model")
         if any(not p for p in self.prompts):
             raise ValueError("--prompt must not be empty")
         if self.save_loads is not None:
@@ -398,6 +398,20 @@ def _check_before_start(cfg: RunConfig, model_dir: str, ep: int, all_ids: list[l
     check_group(engine_cfg, ep)
 
 
+def _reference_not_asked(cfg: RunConfig) -> str | None:
+    """Why ``cfg`` does not ask for the reference check (the first reason that applies, as the flag that gave it),
+    or ``None`` where it does."""
+    if not cfg.reference:
+        return "--no-reference"
+    if cfg.temperature >= GREEDY_BELOW:
+        return f"sampling: --temperature {cfg.temperature:g}"
+    if cfg.load_format == "dummy":
+        return "--load-format dummy: random weights"
+    if cfg.moe_routing_simulation is not None:
+        return f"--moe-routing-simulation {cfg.moe_routing_simulation}"
+    return None
+
+
 def reference_room(spec: MoESpec, dtype_name: str, device: str, via_host: bool = False) -> str | None:
     """Why the unsharded transformers model in ``dtype_name`` would not fit on ``device`` (``plan.costs.model_params``
     parameters of that dtype against ``free_bytes``; with ``via_host`` on CUDA the host's memory too, where
@@ -540,9 +554,10 @@ def run_job(cfg: RunConfig) -> RunReport:
     spec = load_moe_spec(model_dir)
     cfg = replace(cfg, dtype=command_dtype(cfg.dtype, cfg.device, spec))
     hf_config(model_dir)  # transformers' own checks of config.json, before the tokenizer (which reads it too) fails
-    reference = (cfg.reference and cfg.temperature < GREEDY_BELOW and cfg.load_format != "dummy"
-                 and cfg.moe_routing_simulation is None)
-    via_host = not needs_own_loader(model_dir)  # from_pretrained builds the reference on the host, our loader does not
+    not_asked = _reference_not_asked(cfg)
+    reference = not_asked is None
+    # from_pretrained builds the reference on the host, our loader does not (dummy weights: no files to ask about)
+    via_host = reference and not needs_own_loader(model_dir)
     if reference and via_host:  # from_pretrained reads the files; our own loader does not
         check_generation_config(model_dir)
         check_index_for_transformers(model_dir)
@@ -573,7 +588,7 @@ def run_job(cfg: RunConfig) -> RunReport:
         tokens_per_s=sum(len(t) for t in tokens) / gen_s if gen_s > 0 else float("nan"),
         balancedness=float(rank_balancedness(rank_counts).mean()),
         routed_tokens_per_step=(rank_counts.sum(0).double() / (steps * spec.num_moe_layers)).tolist(),
-        matches_reference=None, dtype=cfg.dtype, load_format=cfg.load_format,
+        matches_reference=None, reference_not_asked=not_asked, dtype=cfg.dtype, load_format=cfg.load_format,
         moe_routing_simulation=cfg.moe_routing_simulation,
         expert_backend=describe_expert_backend(_engine_config(cfg, model_dir).expert_backend, cfg.device),
         expert_storage=held_as(spec.expert_weight_format, spec.moe_intermediate_size, cfg.parallel, cfg.dtype),

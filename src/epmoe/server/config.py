@@ -11,7 +11,7 @@ from pathlib import Path
 
 from epmoe.engine import EngineConfig
 from epmoe.engine.config import command_engine_config
-from epmoe.spec import is_checkpoint_dir
+from epmoe.spec import check_checkpoint_dir
 
 MAX_N = 16  # most choices one request may ask for (``n``)
 MAX_BODY_BYTES = 8 << 20  # a request body past this is refused with 413
@@ -167,8 +167,8 @@ class ServeConfig:
         except ValueError:
             if self.host != "localhost":
                 raise ValueError(f"host must be an IP address or 'localhost', got {self.host!r}") from None
-        if self.model is not None and not is_checkpoint_dir(self.model):
-            raise ValueError(f"model {self.model!r} is not a checkpoint directory (config.json + *.safetensors)")
+        if self.model is not None:
+            check_checkpoint_dir(self.model, "model")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError(f"served_model_name must not be empty, got {self.served_model_name!r}")
         if self.api_key is not None and not self.api_key:
