@@ -251,6 +251,38 @@ def test_a_missing_config_or_draft_is_named_by_its_flag(tmp_path, capsys, argv, 
     assert not (tmp_path / "p.json").exists()
 
 
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_eos_ids_and_an_eagle3_heads_sizes_are_refused_before_any_rank_starts(command, kimi, tmp_path, capsys):
+    """An EAGLE-3 head of another hidden size, and an eos_token_id past the vocabulary, were found by the ranks after
+    they started ("ranks 0 and 1 failed: ValueError: ..."); doctor and plan named them without loading anything."""
+    import json
+    import shutil
+
+    from epmoe.engine.config import EngineConfig
+    from epmoe.engine.group import check_group
+
+    head = tmp_path / "eagle"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 7168,
+                                                  "vocab_size": 163840, "num_hidden_layers": 1}))
+    extra = ["--port", "0"] if command == "serve" else []
+    assert main([command, "--model", str(kimi), "--speculative-algorithm", "eagle3", "--speculative-draft-model",
+                 str(head), *extra]) == 2
+    assert (f"epmoe {command}: error: --speculative-draft-model {head} has hidden_size 7168 but the target model "
+            f"{kimi} has 64: an EAGLE-3 head reads the target's hidden states and token ids") in capsys.readouterr().err
+    model = tmp_path / "model"
+    shutil.copytree(kimi, model)
+    cfg = json.loads((model / "config.json").read_text())
+    vocab = cfg.get("text_config", cfg)["vocab_size"]
+    cfg["eos_token_id"] = vocab + 10
+    (model / "config.json").write_text(json.dumps(cfg))
+    assert main([command, "--model", str(model), *extra]) == 2
+    assert (f"epmoe {command}: error: '{model}/config.json': eos_token_id {vocab + 10} is outside the model's "
+            f"vocabulary [0, {vocab}) (got {vocab + 10})") in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"eos_token_id"):
+        check_group(EngineConfig(model=str(model)), 1)
+
+
 def test_kv_pool_room_counts_only_this_hosts_torchrun_ranks(kimi, monkeypatch):
     """Under torchrun the ranks on this host (``LOCAL_WORLD_SIZE``) share its memory, not the whole group's: a group of
     four over two hosts was counted as four pools on each."""

@@ -156,6 +156,22 @@ def _load_weights(head: Eagle3Head, directory: Path, device, dtype, seed: int) -
     return f"weights of {len(files)} safetensors file(s)"
 
 
+def check_eagle3_fits(raw: dict, what: str, target: str, hidden_size: int, vocab_size: int) -> None:
+    """Refuse an EAGLE-3 head (its ``config.json`` as ``raw``; ``what`` names it) whose hidden or vocabulary size is
+    not the target's (``target`` names it): the head reads the target's hidden states and token ids. The engine
+    checks it as it builds the head, ``epmoe run`` and ``epmoe serve`` before any rank starts
+    (``group.check_group``).
+
+    Raises:
+        ValueError: the first size that differs, both values named.
+    """
+    for field_name, mine, theirs in (("hidden_size", raw.get("hidden_size"), hidden_size),
+                                     ("vocab_size", raw.get("vocab_size"), vocab_size)):
+        if mine != theirs:
+            raise ValueError(f"{what} has {field_name} {mine!r} but the target model {target} has {theirs}: an "
+                             f"EAGLE-3 head reads the target's hidden states and token ids")
+
+
 class Eagle3Proposer(Proposer):
     """EAGLE-3 speculation for the engine's target.
 
@@ -179,11 +195,7 @@ class Eagle3Proposer(Proposer):
         target = engine.ep_model.model
         tcfg = target.config
         what = f"EAGLE-3 draft {self.path}"
-        for field, mine, theirs in (("hidden_size", raw.get("hidden_size"), tcfg.hidden_size),
-                                    ("vocab_size", raw.get("vocab_size"), engine.vocab_size)):
-            if mine != theirs:
-                raise ValueError(f"{what} has {field} {mine!r} but the target model {cfg.model} has {theirs}: an "
-                                 f"EAGLE-3 head reads the target's hidden states and token ids")
+        check_eagle3_fits(raw, what, cfg.model, tcfg.hidden_size, engine.vocab_size)
         draft_vocab = raw.get("draft_vocab_size") or raw["vocab_size"]
         if not isinstance(draft_vocab, int) or not 0 < draft_vocab <= engine.vocab_size:
             raise ValueError(f"{what}: draft_vocab_size {draft_vocab!r} must be in [1, vocab_size "
