@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -484,3 +485,38 @@ def test_ctrl_c_at_any_moment_is_one_line_and_no_traceback(after_s):
     # 130, or killed by the SIGINT itself where asyncio's Ctrl-C handling ends the run (both read as Ctrl-C to a shell)
     assert proc.returncode in (130, -signal.SIGINT), (out, err)
     assert err.strip().splitlines()[-1] == "epmoe: interrupted" and "Traceback" not in err, err
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the ranks through Linux's /proc")
+def test_sigterm_stops_a_run_with_one_line_and_its_ranks(kimi):
+    """SIGTERM (as ``timeout``, systemd or a batch scheduler send it) to ``epmoe run``'s own process: it ended with
+    exit -15 and only multiprocessing's warning of two leaked semaphores; now one line, 143 (128 + 15, as a shell
+    reports it), and the spawned ranks stopped."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "epmoe.cli", "run", "--model", str(kimi), "--ep", "2",
+                             "--max-new-tokens", "64", "--no-reference", "--request-rate", "0.05"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    children = set()
+    try:
+        deadline = time.monotonic() + 120
+        while len(children) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)  # the ranks, once spawned (the rendezvous store's own process may come too)
+            children = {int(c) for t in os.listdir(f"/proc/{proc.pid}/task")
+                        for c in open(f"/proc/{proc.pid}/task/{t}/children").read().split()}
+        assert len(children) >= 2, "the ranks did not start"
+        time.sleep(3)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, (out, err)
+    assert err.strip().splitlines()[-1] == "epmoe: terminated (SIGTERM)", err
+    assert "Traceback" not in err and "leaked" not in err, err
+    time.sleep(1)
+    assert not [c for c in children if os.path.exists(f"/proc/{c}") and
+                open(f"/proc/{c}/stat").read().split(")")[-1].split()[0] != "Z"], "a rank outlived the run"

@@ -6,7 +6,9 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -635,17 +637,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 EXIT_INTERRUPTED = 130
 """The exit code of a command stopped by Ctrl-C (SIGINT), as a shell gives one: 128 + 2."""
+EXIT_TERMINATED = 143
+"""The exit code of a command stopped by SIGTERM (``timeout``, systemd, a batch scheduler), as a shell gives one:
+128 + 15."""
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the command is (as Ctrl-C raises ``KeyboardInterrupt``), so that the same ways out run:
+    spawned ranks are stopped and their queue's semaphores released (``launch.spawn``)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``epmoe`` console script: the command's exit code; Ctrl-C prints one line and returns
-    ``EXIT_INTERRUPTED``. (Pressed while a library is being imported, in the first second or so, the interrupt may
-    leave that library half-imported, and its own error can come first: Python gives no way to defer it there.)"""
+    ``EXIT_INTERRUPTED``, SIGTERM one line and ``EXIT_TERMINATED`` (``epmoe serve`` drains on SIGTERM instead, once
+    it listens). (Pressed while a library is being imported, in the first second or so, the interrupt may leave that
+    library half-imported, and its own error can come first: Python gives no way to defer it there.)"""
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
         return _main(argv)
     except KeyboardInterrupt:
         print("epmoe: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Terminated:
+        print("epmoe: terminated (SIGTERM)", file=sys.stderr)
+        return EXIT_TERMINATED
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, before)
 
 
 def _main(argv: Sequence[str] | None) -> int:
