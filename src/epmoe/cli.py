@@ -269,6 +269,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_bench_serve)
 
 
+_BENCH_FLAGS = {"base_url": "--base-url", "num_prompts": "--num-prompts", "input_len": "--random-input-len",
+                "output_len": "--random-output-len", "prefix_len": "--random-prefix-len",
+                "request_rate": "--request-rate", "max_concurrency": "--max-concurrency", "dataset": "--dataset",
+                "seed": "--seed"}
+
+
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
     import json
 
@@ -289,11 +295,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
                           request_rate=args.request_rate, max_concurrency=args.max_concurrency, api_key=args.api_key,
                           seed=args.seed)
     except ValueError as exc:
-        raise _flag_error(exc, {"base_url": "--base-url", "num_prompts": "--num-prompts",
-                                "input_len": "--random-input-len", "output_len": "--random-output-len",
-                                "prefix_len": "--random-prefix-len",
-                                "request_rate": "--request-rate", "max_concurrency": "--max-concurrency",
-                                "dataset": "--dataset", "seed": "--seed"}) from exc
+        raise _flag_error(exc, _BENCH_FLAGS) from exc
     if args.json not in (None, "-"):
         from epmoe.files import check_output_path
 
@@ -302,6 +304,8 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
     try:
         report = run_bench(cfg, progress=args.json != "-")
+    except ValueError as exc:
+        raise _flag_error(exc, _BENCH_FLAGS) from exc
     except httpx.HTTPStatusError as exc:
         key = "" if exc.response.status_code != 401 else (
             " (is --api-key the server's key?)" if args.api_key else " (pass the server's key with --api-key)")

@@ -693,12 +693,21 @@ def test_bench_of_a_model_the_server_does_not_list_is_refused(server, capsys):
             in capsys.readouterr().err)
 
 
-def test_bench_where_nothing_completed_measures_nothing(server, capsys):
-    """Every request refused (prompts past the 256-token context): the latencies are not measured, not zero."""
+def test_bench_where_nothing_completed_measures_nothing(server, tmp_path, capsys):
+    """Every request refused (a dataset's max_tokens past the 256-token context): the latencies are not measured, not
+    zero. Random requests past the context are refused before any is sent, as /v1/models lists the context (it sent
+    them all, each answered 400)."""
     from epmoe.cli import main
 
     assert main(["bench", "serve", "--base-url", server.url, "--api-key", API_KEY, "--model", MODEL,
-                 "--num-prompts", "2", "--random-input-len", "300", "--random-output-len", "1"]) == 1
+                 "--num-prompts", "2", "--random-input-len", "300", "--random-output-len", "1"]) == 2
+    assert (f"epmoe bench: error: --random-prefix-len (0) + --random-input-len (300) + --random-output-len (1) is "
+            f"301 tokens a request, past the max_model_len (256) of model '{MODEL}' at {server.url}: the server would "
+            f"refuse every request") in capsys.readouterr().err
+    data = tmp_path / "long.jsonl"
+    data.write_text('{"prompt": "hello", "max_tokens": 1000}\n')
+    assert main(["bench", "serve", "--base-url", server.url, "--api-key", API_KEY, "--model", MODEL,
+                 "--num-prompts", "2", "--dataset", str(data)]) == 1
     out = capsys.readouterr().out
     assert re.search(r"completed / failed\s+│\s+0 / 2", out), out
     assert re.search(r"TTFT mean / p50 / p99 \(ms\)\s+│\s+- / - / -", out), out

@@ -271,6 +271,23 @@ async def _one(http: httpx.AsyncClient, url: str, model: str, prompt: str | list
     return result
 
 
+def _check_context(cfg: BenchConfig, model: str, max_model_len) -> None:
+    """Refuse random prompts and outputs the served model's context cannot hold (the server would answer every
+    request 400); ``max_model_len`` as ``/v1/models`` lists it (vLLM's field), unchecked where it is not an integer.
+    A dataset's prompts are text, their tokens unknown here: the server judges them.
+
+    Raises:
+        ValueError: ``prefix_len + input_len + output_len`` past ``max_model_len``, each named.
+    """
+    if cfg.dataset is not None or isinstance(max_model_len, bool) or not isinstance(max_model_len, int):
+        return
+    need = cfg.prefix_len + cfg.input_len + cfg.output_len
+    if need > max_model_len:
+        raise ValueError(f"prefix_len ({cfg.prefix_len}) + input_len ({cfg.input_len}) + output_len "
+                         f"({cfg.output_len}) is {need} tokens a request, past the max_model_len ({max_model_len}) of "
+                         f"model {model!r} at {cfg.base_url}: the server would refuse every request")
+
+
 async def _run(cfg: BenchConfig, progress: bool) -> BenchReport:
     from rich.progress import Progress
 
@@ -283,10 +300,12 @@ async def _run(cfg: BenchConfig, progress: bool) -> BenchReport:
         # any prompt is made, not a run of failed requests
         r = await http.get(f"{base}/v1/models", headers=headers)
         r.raise_for_status()
-        served = [m["id"] for m in r.json()["data"]]
+        listed = r.json()["data"]
+        served = [m["id"] for m in listed]
         if cfg.model is not None and cfg.model not in served:
             raise ValueError(f"model {cfg.model!r} is not served at {cfg.base_url}: its /v1/models lists {served}")
         model = cfg.model if cfg.model is not None else served[0]
+        _check_context(cfg, model, listed[served.index(model)].get("max_model_len"))
         requests = load_requests(cfg)
         gate = asyncio.Semaphore(cfg.max_concurrency or len(requests))
         with Progress(disable=not progress, transient=True) as bar:
@@ -325,7 +344,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchReport:
     """Run the benchmark (see the module docstring).
 
     Raises:
-        ValueError: a bad dataset line, or a ``model`` the server does not list; httpx.HTTPError: ``/v1/models``
+        ValueError: a bad dataset line, a ``model`` the server does not list, random requests longer than its
+            ``max_model_len`` (``_check_context``); httpx.HTTPError: ``/v1/models``
             unreachable or refused (asked before any prompt is made, with or without ``model``).
     """
     return asyncio.run(_run(cfg, progress))
