@@ -284,6 +284,21 @@ def test_eos_ids_and_an_eagle3_heads_sizes_are_refused_before_any_rank_starts(co
         check_group(EngineConfig(model=str(model)), 1)
 
 
+def test_a_generation_config_directory_without_the_file_is_refused(kimi, tmp_path, capsys):
+    """``--generation-config DIR`` with no generation_config.json in it started, logging that the API's defaults
+    would serve: the file the user pointed at was silently not there. A path that is not a directory was refused."""
+    from epmoe.engine.config import EngineConfig
+
+    assert main(["serve", "--model", str(kimi), "--port", "0", "--generation-config", str(tmp_path)]) == 2
+    assert (f"epmoe serve: error: --generation-config {str(tmp_path)!r} is a directory without a "
+            f"generation_config.json; give one that holds it, 'auto' (the checkpoint's) or 'vllm' (the API's own "
+            f"defaults)") in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"generation_config must be a directory holding a generation_config\.json"):
+        EngineConfig(model=str(kimi), generation_config=str(tmp_path))
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.5}')
+    assert EngineConfig(model=str(kimi), generation_config=str(tmp_path)).generation_config == str(tmp_path)
+
+
 def test_kv_pool_room_counts_only_this_hosts_torchrun_ranks(kimi, monkeypatch):
     """Under torchrun the ranks on this host (``LOCAL_WORLD_SIZE``) share its memory, not the whole group's: a group of
     four over two hosts was counted as four pools on each."""

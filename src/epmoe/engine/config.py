@@ -263,7 +263,8 @@ class EngineConfig:
         for name in ("enforce_eager", "static_decode_on_cpu", "disable_overlap_schedule", "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.generation_config is not None and not os.path.isdir(str(self.generation_config)):
+        if self.generation_config is not None and not os.path.isfile(
+                os.path.join(str(self.generation_config), "generation_config.json")):
             raise ValueError(f"generation_config must be a directory holding a generation_config.json, got "
                              f"{self.generation_config!r}")
         if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):

@@ -179,6 +179,11 @@ class ServeConfig:
         if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).is_dir():
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory holding a "
                              f"generation_config.json, got {self.generation_config!r}")
+        if (self.generation_config not in ("auto", "vllm")
+                and not (Path(self.generation_config) / "generation_config.json").is_file()):
+            raise ValueError(f"generation_config {self.generation_config!r} is a directory without a "
+                             f"generation_config.json; give one that holds it, 'auto' (the checkpoint's) or 'vllm' "
+                             f"(the API's own defaults)")
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
             value = getattr(self, name)
             if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v.strip() for v in value):

@@ -150,7 +150,7 @@ def _sampling_defaults(cfg: ServeConfig, model_dir: str) -> dict[str, float | in
         return {}
     directory = model_dir if cfg.generation_config == "auto" else cfg.generation_config
     defaults = sampling_defaults(directory)
-    if not os.path.isfile(os.path.join(directory, "generation_config.json")):
+    if not os.path.isfile(os.path.join(directory, "generation_config.json")):  # the checkpoint's ('auto') only
         log.info("no generation_config.json in %s: requests take the API's sampling defaults", directory)
     if cfg.speculative_algorithm is not None and defaults.get("repetition_penalty", 1) != 1:
         log.warning("generation_config.json's repetition_penalty %s is not applied: speculative decoding does not "
