@@ -185,3 +185,14 @@ def test_a_completion_without_max_tokens_is_capped_by_the_context(codec):
     error = _refused(_completion(prompt=[[1, 2], prompt, prompt[:3]], max_tokens=16), codec)
     assert (error.status, error.param) == (400, "max_tokens")
     assert error.message == "max_tokens (16) plus prompt.1's 250 tokens is past the model's context of 256 tokens"
+
+
+def test_a_message_without_content_parts_is_refused(codec):
+    """A user message whose content was an empty array was answered from the bare template (OpenAI's API refuses
+    it); one without content at all was already a 400. An empty string stays a message (OpenAI's API takes it)."""
+    error = _refused(_chat(messages=[{"role": "user", "content": []}], max_tokens=4), codec)
+    assert (error.status, error.param) == (400, "messages.0.content")
+    assert error.message == ("messages.0.content: an empty array; give at least one content part or a string")
+    error = _refused(_chat(messages=[{"role": "system", "content": "be brief"}, {"role": "user"}]), codec)
+    assert (error.status, error.param) == (400, "messages.1.content")
+    assert build_job(_chat(messages=[{"role": "user", "content": ""}], max_tokens=4), MODEL, codec, INFO).prompts

@@ -44,7 +44,8 @@ def chat_text(req: ChatCompletionRequest | TokenizeRequest, codec: TextCodec) ->
     ``chat_template_kwargs``).
 
     Raises:
-        ApiError: 400 naming the field: a message without content (but an assistant's), text that is not valid
+        ApiError: 400 naming the field: a message without content (but an assistant's) or with an empty array of
+            parts, text that is not valid
             Unicode, a ``chat_template_kwargs`` key that is ``apply_chat_template``'s own, ``continue_final_message``
             with ``add_generation_prompt`` or after another role's message, a conversation the template refuses or
             fails on.
@@ -53,6 +54,9 @@ def chat_text(req: ChatCompletionRequest | TokenizeRequest, codec: TextCodec) ->
     for i, m in enumerate(messages):
         if m.content is None and m.role != "assistant":
             raise ApiError(400, f"messages.{i}.content: a {m.role} message needs content", f"messages.{i}.content")
+        if isinstance(m.content, list) and not m.content:  # OpenAI's API refuses an empty array too
+            raise ApiError(400, f"messages.{i}.content: an empty array; give at least one content part or a string",
+                           f"messages.{i}.content")
     plain = [_template_message(i, m) for i, m in enumerate(messages)]
     tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
     kwargs = req.chat_template_kwargs or {}
