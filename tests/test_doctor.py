@@ -511,3 +511,20 @@ def test_memory_check_context_stays_within_the_model(tiny_checkpoints, capsys):
     # DeepSeek-V3's 163840 positions: the default stays at 4096
     assert main(["doctor", "--config", DSV3, "--ep", "8", "--hardware", "h200-sxm"]) == 0
     assert "context 4096)" in capsys.readouterr().out
+
+
+def test_a_path_to_no_config_is_a_bad_argument(tmp_path, capsys):
+    """``doctor --model DIR`` on a directory without config.json exited 1, as a finding about a model; a path that
+    holds no config is a bad argument (2), named by the flag typed, as run, serve and plan treat it."""
+    assert main(["doctor", "--model", str(tmp_path)]) == 2
+    assert (f"epmoe doctor: error: --model {str(tmp_path)!r} is neither a config.json nor a directory holding one"
+            in capsys.readouterr().err)
+    missing = tmp_path / "nope" / "config.json"
+    assert main(["doctor", "--config", str(missing)]) == 2
+    assert f"--config {str(missing)!r} is neither" in capsys.readouterr().err
+    assert main(["doctor", "--config", str(CONFIGS / "qwen3-30b-a3b.config.json"), "--draft", str(tmp_path)]) == 2
+    assert f"--draft {str(tmp_path)!r} is neither" in capsys.readouterr().err
+    # a config that is there but wrong stays a finding (exit 1)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    assert main(["doctor", "--model", str(tmp_path)]) == 1
+    assert "error: the target model cannot be read" in capsys.readouterr().out

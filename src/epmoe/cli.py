@@ -546,7 +546,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         ))
     except (ValueError, TypeError) as exc:
         raise _flag_error(exc, {"ep": "--ep", "nodes": "--nodes", "batch": "--batch", "context": "--context",
-                                "weights": "--weights", "hardware": "--hardware"}) from exc
+                                "weights": "--weights", "hardware": "--hardware", "draft": "--draft",
+                                "model": "--model" if args.model else "--config"}, _typed_paths(args)) from exc
 
 
 LOAD_FORMAT_CHOICES = ("auto", "epmoe", "olmoe-csv", "sglang-stat", "sglang-per-pass", "trtllm")

@@ -420,8 +420,8 @@ def diagnose(cfg: DoctorConfig) -> list[Finding]:
     """All checks of ``cfg``, in order: backends, target model, checkpoint and placement, draft, memory.
 
     Raises:
-        ValueError: a bad ``ep``, ``nodes``, ``batch``, ``context``, ``weights`` or ``mem_fraction``, or a
-            ``hardware`` profile that is unknown, unreadable or incomplete (named).
+        ValueError: a bad ``ep``, ``nodes``, ``batch``, ``context``, ``weights`` or ``mem_fraction``, a ``hardware``
+            profile that is unknown, unreadable or incomplete, or a ``model`` or ``draft`` path to no config (named).
     """
     ep = check_int("ep", 1 if cfg.ep is None else cfg.ep, 1)
     if ep > MAX_GPUS:  # as plan's --gpus
@@ -442,6 +442,10 @@ def diagnose(cfg: DoctorConfig) -> list[Finding]:
         raise ValueError(f"mem_fraction must lie in (0, 1], got {cfg.mem_fraction}")
     if cfg.hardware is not None:
         load_hardware(cfg.hardware)  # an unknown, unreadable or incomplete profile is a bad argument, named first
+    for name in ("model", "draft"):  # a path to no config at all is a bad argument; a config that is wrong, a finding
+        path = getattr(cfg, name)
+        if path is not None and not (Path(path).is_file() or (Path(path) / "config.json").is_file()):
+            raise ValueError(f"{name} {str(path)!r} is neither a config.json nor a directory holding one")
     findings = check_backends(ep, nodes)
     spec, problems = _load_spec(cfg.model, "the target model")
     findings += problems
