@@ -315,8 +315,12 @@ def test_kv_pool_room_counts_only_this_hosts_torchrun_ranks(kimi, monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match=r"the 4 CPU rank\(s\) share the host's"):
         check_kv_pool_room(cfg, 4)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    check_kv_pool_room(cfg, 4)  # two of the four here: 0.8 of the free memory
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # left in the environment: spawned ranks still all share this host
+    with pytest.raises(ValueError, match=r"the 4 CPU rank\(s\) share the host's"):
+        check_kv_pool_room(cfg, 4)
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)
+    check_kv_pool_room(cfg, 4)  # under torchrun, two of the four here: 0.8 of the free memory
     for bad in ("0", "9", "two"):  # not a count within the group: all of them, as spawned ranks
         monkeypatch.setenv("LOCAL_WORLD_SIZE", bad)
         with pytest.raises(ValueError, match=r"the 4 CPU rank\(s\)"):

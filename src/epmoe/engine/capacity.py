@@ -34,10 +34,12 @@ def graph_buckets(max_bs: int) -> list[int]:
 
 
 def _ranks_on_host(size: int) -> int:
-    """Of a group of ``size`` ranks, those on this host: torchrun's ``LOCAL_WORLD_SIZE`` where it is set to a count
-    within the group, else all of them (ranks spawned here)."""
+    """Of a group of ``size`` ranks, those on this host: under torchrun its ``LOCAL_WORLD_SIZE`` where that is a count
+    within the group, else all of them (ranks spawned here share this host, whatever the environment says)."""
+    from epmoe.runtime.launch import under_torchrun
+
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return int(local) if local.isdigit() and 1 <= int(local) <= size else size
+    return int(local) if under_torchrun() and local.isdigit() and 1 <= int(local) <= size else size
 
 
 def check_kv_pool_room(config: EngineConfig, size: int) -> None:
