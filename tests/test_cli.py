@@ -506,6 +506,34 @@ def test_ctrl_c_at_any_moment_is_one_line_and_no_traceback(after_s):
     assert err.strip().splitlines()[-1] == "epmoe: interrupted" and "Traceback" not in err, err
 
 
+def test_sigterm_during_an_import_waits_for_the_import(tmp_path, monkeypatch):
+    """A SIGTERM that came while a library was importing raised inside it: numpy or scipy were left half-imported
+    (AttributeError, a recursion error), or the exception crossed pybind11's C++ frames and aborted the process. It
+    is now delivered again once the import is over, and stops the command there."""
+    import importlib
+    import signal
+    import time
+
+    from epmoe.cli import Terminated, _raise_terminated
+
+    (tmp_path / "slow_module_under_sigterm.py").write_text(
+        "import os, signal, time\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(0.3)  # the handler runs here, inside the import\n"
+        "FINISHED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        module = importlib.import_module("slow_module_under_sigterm")
+        assert module.FINISHED  # the import ran to its end
+        with pytest.raises(Terminated):
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                time.sleep(0.01)  # the signal again, out of the import: raised here
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the ranks through Linux's /proc")
 def test_sigterm_stops_a_run_with_one_line_and_its_ranks(kimi):

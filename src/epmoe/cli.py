@@ -652,7 +652,28 @@ class Terminated(BaseException):
     spawned ranks are stopped and their queue's semaphores released (``launch.spawn``)."""
 
 
+_RETRY_S = 0.05
+"""How soon a SIGTERM that came during an import is delivered again, seconds."""
+
+
+def _importing(frame) -> bool:
+    """Whether ``frame`` (where a signal found the main thread) is inside an import: an exception raised there would
+    leave a library half-imported (numpy, scipy), or cross a C++ frame that aborts the process (pybind11)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _raise_terminated(signum, frame) -> None:
+    """SIGTERM's handler: ``Terminated`` where the command is, or, inside an import, the same signal again in
+    ``_RETRY_S`` (and so on until the import is over)."""
+    if _importing(frame):
+        timer = threading.Timer(_RETRY_S, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.daemon = True
+        timer.start()
+        return
     raise Terminated
 
 
