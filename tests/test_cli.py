@@ -271,6 +271,15 @@ def test_eos_ids_and_an_eagle3_heads_sizes_are_refused_before_any_rank_starts(co
                  str(head), *extra]) == 2
     assert (f"epmoe {command}: error: --speculative-draft-model {head} has hidden_size 7168 but the target model "
             f"{kimi} has 64: an EAGLE-3 head reads the target's hidden states and token ids") in capsys.readouterr().err
+    # a head whose fields sit under text_config, or whose size is not an integer, the ranks refused after the start
+    for fields, message in (({"text_config": {"hidden_size": 64, "vocab_size": 259}}, "field 'hidden_size' of its "
+                             "config.json must be an integer, got None"),
+                            ({"hidden_size": 64.0, "vocab_size": 259}, "field 'hidden_size' of its config.json must "
+                             "be an integer, got 64.0")):
+        (head / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], **fields}))
+        assert main([command, "--model", str(kimi), "--speculative-algorithm", "eagle3", "--speculative-draft-model",
+                     str(head), *extra]) == 2
+        assert f"--speculative-draft-model {head}: {message}" in capsys.readouterr().err
     model = tmp_path / "model"
     shutil.copytree(kimi, model)
     cfg = json.loads((model / "config.json").read_text())

@@ -163,10 +163,12 @@ def check_eagle3_fits(raw: dict, what: str, target: str, hidden_size: int, vocab
     (``group.check_group``).
 
     Raises:
-        ValueError: the first size that differs, both values named.
+        ValueError: a size that is not an integer, or the first that differs, both values named.
     """
     for field_name, mine, theirs in (("hidden_size", raw.get("hidden_size"), hidden_size),
                                      ("vocab_size", raw.get("vocab_size"), vocab_size)):
+        if isinstance(mine, bool) or not isinstance(mine, int):
+            raise ValueError(f"{what}: field {field_name!r} of its config.json must be an integer, got {mine!r}")
         if mine != theirs:
             raise ValueError(f"{what} has {field_name} {mine!r} but the target model {target} has {theirs}: an "
                              f"EAGLE-3 head reads the target's hidden states and token ids")

@@ -12,7 +12,7 @@ from epmoe.engine.tokenizer import eos_token_ids
 from epmoe.integrations.placements import load_served_placement
 from epmoe.layer import check_tp_sizes
 from epmoe.placement import ExpertPlacement, check_redundant
-from epmoe.spec import language_model_config, load_moe_spec, read_config
+from epmoe.spec import load_moe_spec, read_config
 
 
 def trivial_or_file_placement(config: EngineConfig, num_layers: int, num_experts: int,
@@ -65,8 +65,9 @@ def check_group(config: EngineConfig, size: int) -> None:
         return
     if config.speculative_algorithm == "eagle3":
         draft = str(config.speculative_draft_model)
-        check_eagle3_fits(language_model_config(read_config(draft)[0]), f"--speculative-draft-model {draft}",
-                          config.model, spec.hidden_size, spec.vocab_size)
+        # the head's config.json as the head reads it (``eagle3.Eagle3Proposer``): its own fields, not a text_config's
+        check_eagle3_fits(read_config(draft)[0], f"--speculative-draft-model {draft}", config.model,
+                          spec.hidden_size, spec.vocab_size)
     try:
         draft_placement(config, size)
     except (ValueError, FileNotFoundError) as exc:
