@@ -705,7 +705,13 @@ def test_bench_where_nothing_completed_measures_nothing(server, tmp_path, capsys
             f"301 tokens a request, past the max_model_len (256) of model '{MODEL}' at {server.url}: the server would "
             f"refuse every request") in capsys.readouterr().err
     data = tmp_path / "long.jsonl"
-    data.write_text('{"prompt": "hello", "max_tokens": 1000}\n')
+    data.write_text('{"prompt": "hi", "max_tokens": 200}\n{"prompt": "hi"}\n')  # the second asks 256: no room
+    assert main(["bench", "serve", "--base-url", server.url, "--api-key", API_KEY, "--model", MODEL,
+                 "--num-prompts", "2", "--dataset", str(data), "--random-output-len", "256"]) == 2
+    assert (f"--dataset {str(data)!r} asks 256 tokens of a request (a line's max_tokens, or --random-output-len "
+            f"where a line has none), which leaves no room for its prompt in the max_model_len (256)"
+            in capsys.readouterr().err)
+    data.write_text("{\"prompt\": \"" + "hello " * 300 + "\", \"max_tokens\": 8}\n")  # the server judges the text
     assert main(["bench", "serve", "--base-url", server.url, "--api-key", API_KEY, "--model", MODEL,
                  "--num-prompts", "2", "--dataset", str(data)]) == 1
     out = capsys.readouterr().out

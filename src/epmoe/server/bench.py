@@ -271,15 +271,25 @@ async def _one(http: httpx.AsyncClient, url: str, model: str, prompt: str | list
     return result
 
 
-def _check_context(cfg: BenchConfig, model: str, max_model_len) -> None:
-    """Refuse random prompts and outputs the served model's context cannot hold (the server would answer every
-    request 400); ``max_model_len`` as ``/v1/models`` lists it (vLLM's field), unchecked where it is not an integer.
-    A dataset's prompts are text, their tokens unknown here: the server judges them.
+def _check_context(cfg: BenchConfig, model: str, max_model_len,
+                   requests: list[tuple[str | list[int], int, int]]) -> None:
+    """Refuse requests the served model's context cannot hold (the server would answer them 400); ``max_model_len``
+    as ``/v1/models`` lists it (vLLM's field), unchecked where it is not an integer. A dataset's prompts are text,
+    their tokens unknown here: its requests are refused only where their ``max_tokens`` alone leaves no room for a
+    prompt; the server judges the rest.
 
     Raises:
-        ValueError: ``prefix_len + input_len + output_len`` past ``max_model_len``, each named.
+        ValueError: random requests of ``prefix_len + input_len + output_len`` past ``max_model_len``, each named; a
+            dataset request asking ``max_model_len`` tokens or more.
     """
-    if cfg.dataset is not None or isinstance(max_model_len, bool) or not isinstance(max_model_len, int):
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int):
+        return
+    if cfg.dataset is not None:
+        asked = max(m for _, _, m in requests)
+        if asked >= max_model_len:
+            raise ValueError(f"dataset {cfg.dataset!r} asks {asked} tokens of a request (a line's max_tokens, or "
+                             f"output_len where a line has none), which leaves no room for its prompt in the "
+                             f"max_model_len ({max_model_len}) of model {model!r} at {cfg.base_url}")
         return
     need = cfg.prefix_len + cfg.input_len + cfg.output_len
     if need > max_model_len:
@@ -305,8 +315,8 @@ async def _run(cfg: BenchConfig, progress: bool) -> BenchReport:
         if cfg.model is not None and cfg.model not in served:
             raise ValueError(f"model {cfg.model!r} is not served at {cfg.base_url}: its /v1/models lists {served}")
         model = cfg.model if cfg.model is not None else served[0]
-        _check_context(cfg, model, listed[served.index(model)].get("max_model_len"))
         requests = load_requests(cfg)
+        _check_context(cfg, model, listed[served.index(model)].get("max_model_len"), requests)
         gate = asyncio.Semaphore(cfg.max_concurrency or len(requests))
         with Progress(disable=not progress, transient=True) as bar:
             task = bar.add_task("requests", total=len(requests))
