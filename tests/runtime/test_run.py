@@ -306,7 +306,13 @@ def test_dummy_weights_run_from_a_config_json_alone(kimi, tmp_path):
     import json
     import shutil
 
+    from epmoe.runtime.run import RunConfig, run_job
+
     shutil.copy(kimi / "config.json", tmp_path / "config.json")
+    # without it, the weights are asked for, and the flag that does without them named
+    with pytest.raises(ValueError, match=rf"^--model: checkpoint directory '{tmp_path}' has no \*\.safetensors "
+                                         rf"weights \(--load-format dummy runs a config\.json alone\)$"):
+        run_job(RunConfig(model=str(tmp_path)))
     out = tmp_path / "run.json"
     assert main(["run", "--model", str(tmp_path), "--load-format", "dummy", "--ep", "1", "--max-new-tokens", "2",
                  "--json", str(out)]) == 0

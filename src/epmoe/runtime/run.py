@@ -557,10 +557,13 @@ def run_job(cfg: RunConfig) -> RunReport:
     not_asked = _reference_not_asked(cfg)
     reference = not_asked is None
     # from_pretrained builds the reference on the host, our loader does not (dummy weights: no files to ask about)
-    via_host = reference and not needs_own_loader(model_dir)
-    if reference and via_host:  # from_pretrained reads the files; our own loader does not
-        check_generation_config(model_dir)
-        check_index_for_transformers(model_dir)
+    try:
+        via_host = reference and not needs_own_loader(model_dir)
+        if reference and via_host:  # from_pretrained reads the files; our own loader does not
+            check_generation_config(model_dir)
+            check_index_for_transformers(model_dir)
+    except FileNotFoundError as exc:  # no weights files: as the checks before the start name it
+        raise ValueError(f"--model: {exc} (--load-format dummy runs a config.json alone)") from None
     prompts = list(cfg.prompts) or list(DEFAULT_PROMPTS)
     all_ids, tok = _encode(model_dir, prompts, cfg.trust_remote_code)
     if under_torchrun():
