@@ -300,8 +300,10 @@ def test_a_generation_config_directory_without_the_file_is_refused(kimi, tmp_pat
 
     assert main(["serve", "--model", str(kimi), "--port", "0", "--generation-config", str(tmp_path)]) == 2
     assert (f"epmoe serve: error: --generation-config {str(tmp_path)!r} is a directory without a "
-            f"generation_config.json; give one that holds it, 'auto' (the checkpoint's) or 'vllm' (the API's own "
-            f"defaults)") in capsys.readouterr().err
+            f"generation_config.json file; give one that holds it, 'auto' (the checkpoint's) or 'vllm' (the API's "
+            f"own defaults)") in capsys.readouterr().err
+    assert main(["serve", "--model", str(kimi), "--port", "0", "--generation-config", ""]) == 2  # not the cwd's
+    assert "--generation-config must not be empty" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"generation_config must be a directory holding a generation_config\.json"):
         EngineConfig(model=str(kimi), generation_config=str(tmp_path))
     (tmp_path / "generation_config.json").write_text('{"temperature": 0.5}')

@@ -567,3 +567,6 @@ def test_arrival_span_message_shows_a_span_just_past_the_day():
     check_arrival_span("--request-rate", 1.0, int(MAX_ARRIVAL_SPAN_S) + 1)  # exactly one day: let through
     with pytest.raises(ValueError, match=r"--request-rate 1\.0 spreads 86402 prompts over 86401 s, past the 86400 s"):
         check_arrival_span("--request-rate", 1.0, int(MAX_ARRIVAL_SPAN_S) + 2)
+    with pytest.raises(ValueError, match=r"--request-rate 1e-310 spreads 2 prompts over more seconds than a float "
+                                         r"holds, past"):  # was "over inf s"
+        check_arrival_span("--request-rate", 1e-310, 2)

@@ -168,7 +168,8 @@ def check_arrival_span(flag: str, rate: float, arrivals: int, what: str = "promp
     """
     span = max(arrivals - 1, 0) / rate
     if span > MAX_ARRIVAL_SPAN_S:
-        raise ValueError(f"{flag} {rate!r} spreads {arrivals} {what} over {span:.10g} s, past the "
+        shown = f"{span:.10g} s" if math.isfinite(span) else "more seconds than a float holds"
+        raise ValueError(f"{flag} {rate!r} spreads {arrivals} {what} over {shown}, past the "
                          f"{MAX_ARRIVAL_SPAN_S:g} s (one day) a run waits for arrivals; give more requests a second")
 
 
