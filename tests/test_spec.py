@@ -570,3 +570,20 @@ def test_arrival_span_message_shows_a_span_just_past_the_day():
     with pytest.raises(ValueError, match=r"--request-rate 1e-310 spreads 2 prompts over more seconds than a float "
                                          r"holds, past"):  # was "over inf s"
         check_arrival_span("--request-rate", 1e-310, 2)
+
+
+def test_a_wrapped_configs_own_eos_ids_are_read_and_checked(tmp_path):
+    """A wrapper (text_config) that names end-of-sequence ids of its own: they were neither used nor checked, so
+    an id past the vocabulary there passed every check before the start."""
+    import json
+
+    from epmoe.engine.tokenizer import eos_token_ids
+
+    cfg = {"model_type": "kimi_k25", "eos_token_id": 7, "text_config": {"eos_token_id": 5, "vocab_size": 100}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert eos_token_ids(str(tmp_path / "config.json"), None, vocab_size=100) == {5, 7}
+    cfg["eos_token_id"] = 999999
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"config\.json': eos_token_id 999999 is outside the model's vocabulary "
+                                         r"\[0, 100\)"):
+        eos_token_ids(str(tmp_path / "config.json"), None, vocab_size=100)

@@ -183,7 +183,8 @@ def check_generation_config(model_dir: str) -> None:
 
 def eos_token_ids(model_dir: str, tokenizer, generation_dir: str | None = None,
                   vocab_size: int | None = None) -> frozenset[int]:
-    """The end-of-sequence token ids of the checkpoint: its config's ``eos_token_id`` (one or a list), its
+    """The end-of-sequence token ids of the checkpoint: its config's ``eos_token_id`` (one or a list; a wrapped
+    model's, under ``text_config``, and the wrapper's own), its
     ``generation_config.json``'s (Qwen3 stops on ``<|im_end|>`` and ``<|endoftext|>`` there, as vLLM reads it; that
     of ``generation_dir`` instead when given) and the tokenizer's.
 
@@ -195,10 +196,13 @@ def eos_token_ids(model_dir: str, tokenizer, generation_dir: str | None = None,
             or in ``config.json`` that is not a token id or a list of them, or (given ``vocab_size``) outside the
             vocabulary (the file and the value named, as JSON writes it).
     """
-    raw, config_path = read_config(model_dir)
-    raw = language_model_config(raw)
+    top, config_path = read_config(model_dir)
+    text = language_model_config(top)
     ids: set[int] = set()
-    sources = [(config_path, raw.get("eos_token_id"))]
+    # a wrapped model's (text_config) and, where it also names some, the wrapper's own
+    sources = [(config_path, text.get("eos_token_id"))]
+    if text is not top and top.get("eos_token_id") is not None:
+        sources.append((config_path, top["eos_token_id"]))
     gen = generation_dir or (model_dir if Path(model_dir).is_dir() else None)
     if gen is not None:
         sources.append((Path(gen) / "generation_config.json", generation_config(gen).get("eos_token_id")))
