@@ -137,3 +137,7 @@ def test_a_cap_that_admits_no_move_is_named_as_the_reason_nothing_moved():
     event = ctl.rebalance(8, load=torch.tensor([[10.0, 1.0, 10.0, 1.0]]), max_moves=1)
     assert event.skipped == "already balanced: no copy to move"
     assert ctl.rebalance(12, load=skewed, max_moves=0).skipped == "max_moves is 0: no copy may move"
+    # an empty window (no request since the last commit) read as "already balanced"
+    event = ctl.rebalance(16, load=torch.zeros(1, 4))
+    assert not event.committed and event.copies_moved == 0
+    assert event.skipped == "no tokens were routed since the last rebalance: no load to balance by"

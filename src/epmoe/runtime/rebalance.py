@@ -198,7 +198,8 @@ class RebalanceEvent:
         copies_moved: slots whose expert changed.
         committed: the new placement serves.
         error: why it failed (the failing rank's own reason), if it did.
-        skipped: why nothing was tried (``already balanced: no copy to move``), if so; a skipped attempt is
+        skipped: why nothing was tried (``already balanced: no copy to move``; no tokens routed since the last
+            rebalance), if so; a skipped attempt is
             neither committed nor failed.
     """
 
@@ -264,6 +265,11 @@ class EPLBController:
             load = self.recorder.logical_load(current, self.ep_model.comm.group)
         load = load.double()
         before = balancedness(load, current)
+        if not load.sum():  # an empty window: nothing to balance by (its balancedness is 1 by definition)
+            event = RebalanceEvent(step, before, before, 0, False,
+                                   skipped="no tokens were routed since the last rebalance: no load to balance by")
+            self.events.append(event)
+            return event
         cap = self.max_moves if max_moves is None else max_moves
         plan = rebalance_with_moves(load, current, max_moves=cap, algorithm=self.algorithm)
         after = balancedness(load, plan.placement)
