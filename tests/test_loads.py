@@ -240,3 +240,16 @@ def test_load_file_errors_name_the_file_once(tmp_path):
     save_file({"w": torch.ones(2, 4)}, str(st))
     with pytest.raises(ValueError, match=r"tensor 'load' is missing; the file holds \['w'\]"):
         read_loads(st)
+
+
+def test_loads_of_another_model_are_named_without_a_field_the_file_lacks(tmp_path, capsys):
+    """DeepSeek's README example keeps its loads under 'weight'; the mismatch with a config named a field 'load' the
+    file does not have."""
+    from epmoe.cli import main
+
+    loads = DATA / "eplb_readme_example.json"
+    assert main(["balance", "--loads", str(loads), "--ep", "8", "--redundant", "4", "--config",
+                 str(DATA.parent / "configs" / "deepseek-v3.config.json"), "--out", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert "the loads cover 2 MoE layers x 12 experts, but config" in err and "'load'" not in err, err
+    assert not (tmp_path / "p.json").exists()

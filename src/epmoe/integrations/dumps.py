@@ -307,7 +307,7 @@ def read_load_dump(path: str | Path, fmt: str = "auto", *, spec: MoESpec | None 
         load = read_loads(p)
         names = tuple(read_csv_loads(p)[1]) if kind == "olmoe-csv" else tuple(str(i) for i in range(load.shape[0]))
         if spec is not None and load.shape != (spec.num_moe_layers, spec.num_experts):
-            raise ValueError(f"loads {str(p)!r}: field 'load' covers {load.shape[0]} MoE layers x {load.shape[1]} "
+            raise ValueError(f"loads {str(p)!r}: the loads cover {load.shape[0]} MoE layers x {load.shape[1]} "
                              f"experts, but config {config!r} has {spec.num_moe_layers} MoE layers x "
                              f"{spec.num_experts} experts (a dump of another model?)")
         layers = spec.moe_layers if spec is not None else tuple(range(load.shape[0]))
