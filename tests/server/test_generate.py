@@ -196,3 +196,15 @@ def test_a_message_without_content_parts_is_refused(codec):
     error = _refused(_chat(messages=[{"role": "system", "content": "be brief"}, {"role": "user"}]), codec)
     assert (error.status, error.param) == (400, "messages.1.content")
     assert build_job(_chat(messages=[{"role": "user", "content": ""}], max_tokens=4), MODEL, codec, INFO).prompts
+
+
+def test_a_tool_reply_to_no_call_is_refused(codec):
+    """A chat whose tool message answers a call id no assistant message made was served from the template; the
+    Responses API refused the same conversation."""
+    error = _refused(_chat(messages=[{"role": "tool", "tool_call_id": "zzz", "content": "42"}]), codec)
+    assert (error.status, error.param) == (400, "messages.0.tool_call_id")
+    assert error.message == ("messages.0.tool_call_id: no assistant message before it has a tool call with id 'zzz'")
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    answered = _chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]},
+                               {"role": "tool", "tool_call_id": "c1", "content": "42"}], max_tokens=4)
+    assert build_job(answered, MODEL, codec, INFO).prompts

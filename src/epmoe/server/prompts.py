@@ -45,7 +45,7 @@ def chat_text(req: ChatCompletionRequest | TokenizeRequest, codec: TextCodec) ->
 
     Raises:
         ApiError: 400 naming the field: a message without content (but an assistant's) or with an empty array of
-            parts, text that is not valid
+            parts, a tool's reply to a call id no earlier assistant message made, text that is not valid
             Unicode, a ``chat_template_kwargs`` key that is ``apply_chat_template``'s own, ``continue_final_message``
             with ``add_generation_prompt`` or after another role's message, a conversation the template refuses or
             fails on.
@@ -57,6 +57,10 @@ def chat_text(req: ChatCompletionRequest | TokenizeRequest, codec: TextCodec) ->
         if isinstance(m.content, list) and not m.content:  # OpenAI's API refuses an empty array too
             raise ApiError(400, f"messages.{i}.content: an empty array; give at least one content part or a string",
                            f"messages.{i}.content")
+        if m.role == "tool" and m.tool_call_id is not None and m.tool_call_id not in {
+                c.id for earlier in messages[:i] for c in earlier.tool_calls or ()}:  # as /v1/responses refuses it
+            raise ApiError(400, f"messages.{i}.tool_call_id: no assistant message before it has a tool call with id "
+                                f"{m.tool_call_id!r}", f"messages.{i}.tool_call_id")
     plain = [_template_message(i, m) for i, m in enumerate(messages)]
     tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
     kwargs = req.chat_template_kwargs or {}
