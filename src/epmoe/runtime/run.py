@@ -559,7 +559,7 @@ def run_job(cfg: RunConfig) -> RunReport:
     # from_pretrained builds the reference on the host, our loader does not (dummy weights: no files to ask about)
     try:
         via_host = reference and not needs_own_loader(model_dir)
-        if reference and via_host:  # from_pretrained reads the files; our own loader does not
+        if via_host:  # from_pretrained reads the files; our own loader does not
             check_generation_config(model_dir)
             check_index_for_transformers(model_dir)
     except FileNotFoundError as exc:  # no weights files: as the checks before the start name it
