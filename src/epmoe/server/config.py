@@ -179,14 +179,15 @@ class ServeConfig:
         if not self.generation_config:  # Path("") is the working directory
             raise ValueError("generation_config must not be empty: give 'auto', 'vllm' or a directory holding a "
                              "generation_config.json")
-        if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).is_dir():
-            raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory holding a "
-                             f"generation_config.json, got {self.generation_config!r}")
-        if (self.generation_config not in ("auto", "vllm")
-                and not (Path(self.generation_config) / "generation_config.json").is_file()):
-            raise ValueError(f"generation_config {self.generation_config!r} is a directory without a "
-                             f"generation_config.json file; give one that holds it, 'auto' (the checkpoint's) or "
-                             f"'vllm' (the API's own defaults)")
+        if self.generation_config not in ("auto", "vllm"):
+            directory = Path(self.generation_config)
+            if not directory.is_dir():
+                raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory holding a "
+                                 f"generation_config.json, got {self.generation_config!r}")
+            if not (directory / "generation_config.json").is_file():
+                raise ValueError(f"generation_config {self.generation_config!r} is a directory without a "
+                                 f"generation_config.json file; give one that holds it, 'auto' (the checkpoint's) "
+                                 f"or 'vllm' (the API's own defaults)")
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
             value = getattr(self, name)
             if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v.strip() for v in value):

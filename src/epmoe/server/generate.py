@@ -76,7 +76,7 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
     """
     forced = None
     if isinstance(req, ChatCompletionRequest):
-        kind, where = "chat", "messages"
+        kind, where, batch = "chat", "messages", False
         choice = tool_choice(req)
         if choice not in ("none", "auto"):
             forced = ("tool_choice", forced_schema(choice, [t.function.model_dump() for t in req.tools],
@@ -96,7 +96,8 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
     else:
         kind, where = "completion", "prompt"
         raw = req.prompt
-        items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
+        batch = not (isinstance(raw, str) or (raw and isinstance(raw[0], int)))  # a list of prompts
+        items = list(raw) if batch else [raw]
         if not items:
             raise ApiError(400, "prompt must not be empty, got []", "prompt")
         prompts = [codec.encode(utf8(p, "prompt"), req.add_special_tokens) if isinstance(p, str) else list(p)
@@ -122,7 +123,6 @@ def build_job(req: CompletionRequest | ChatCompletionRequest, model: str, codec:
     if bad_stops:
         raise ApiError(400, f"stop_token_ids must be in [0, {info.vocab_size}), got {bad_stops[:5]}", "stop_token_ids")
     bias = _logit_bias(req.logit_bias, info.vocab_size)
-    batch = kind == "completion" and not (isinstance(raw, str) or (raw and isinstance(raw[0], int)))
     for i, ids in enumerate(prompts):
         at = f"{where}.{i}" if batch else where  # which prompt of a batch, as the stop list's items are named
         if not ids:

@@ -51,16 +51,17 @@ def chat_text(req: ChatCompletionRequest | TokenizeRequest, codec: TextCodec) ->
             fails on.
     """
     messages = req.messages
+    calls: set[str] = set()  # the ids of the tool calls of the assistant messages so far
     for i, m in enumerate(messages):
         if m.content is None and m.role != "assistant":
             raise ApiError(400, f"messages.{i}.content: a {m.role} message needs content", f"messages.{i}.content")
         if isinstance(m.content, list) and not m.content:  # OpenAI's API refuses an empty array too
             raise ApiError(400, f"messages.{i}.content: an empty array; give at least one content part or a string",
                            f"messages.{i}.content")
-        if m.role == "tool" and m.tool_call_id is not None and m.tool_call_id not in {
-                c.id for earlier in messages[:i] for c in earlier.tool_calls or ()}:  # as /v1/responses refuses it
+        if m.role == "tool" and m.tool_call_id is not None and m.tool_call_id not in calls:  # as /v1/responses does
             raise ApiError(400, f"messages.{i}.tool_call_id: no assistant message before it has a tool call with id "
                                 f"{m.tool_call_id!r}", f"messages.{i}.tool_call_id")
+        calls.update(c.id for c in m.tool_calls or ())
     plain = [_template_message(i, m) for i, m in enumerate(messages)]
     tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
     kwargs = req.chat_template_kwargs or {}
