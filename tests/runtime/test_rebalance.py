@@ -141,3 +141,15 @@ def test_a_cap_that_admits_no_move_is_named_as_the_reason_nothing_moved():
     event = ctl.rebalance(16, load=torch.zeros(1, 4))
     assert not event.committed and event.copies_moved == 0
     assert event.skipped == "no tokens were routed since the last rebalance: no load to balance by"
+
+
+def test_an_event_describes_itself_in_one_line_per_outcome():
+    done = rebalance.RebalanceEvent(8, 0.6125, 0.87449, 6, True)
+    assert done.describe() == "step 8: committed, 6 expert copies moved, balancedness 0.613 -> 0.874"
+    one = rebalance.RebalanceEvent(4, 0.5, 0.75, 1, True)
+    assert one.describe() == "step 4: committed, 1 expert copy moved, balancedness 0.500 -> 0.750"
+    skipped = rebalance.RebalanceEvent(12, 0.95, 0.95, 0, False, skipped="already balanced: no copy to move")
+    assert skipped.describe() == "step 12: skipped, balancedness 0.950: already balanced: no copy to move"
+    failed = rebalance.RebalanceEvent(16, 0.7, 0.7, 2, False, error="rank 1, MoE layer 0: RuntimeError: boom")
+    assert failed.describe() == ("step 16: not committed (2 expert copies would have moved), balancedness 0.700 kept: "
+                                 "rank 1, MoE layer 0: RuntimeError: boom")

@@ -960,6 +960,39 @@ def test_eplb_rebalance_moves_experts_and_keeps_outputs(server, client, offline)
     assert "max_moves is 0" in again["skipped"]
 
 
+def test_eplb_interval_logs_every_periodic_rebalance(start_server):
+    """``--eplb-interval 4``: the engine rebalances by itself every 4 steps; the server logs one line for each, with
+    its step, outcome, copies moved and balancedness before -> after; a ``POST /eplb/rebalance`` is answered, not
+    logged."""
+    eplb = start_server("--ep", "2", "--eplb-interval", "4")
+    client = openai.OpenAI(base_url=f"{eplb.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
+    wait_kv_free(eplb)
+    text = httpx.get(f"{eplb.url}/metrics").text
+    kinds = _labelled(text, "epmoe:engine_steps_total")
+    steps = int(sum(v for kind, v in kinds.items() if kind != "graph_prefill"))  # a graph prefill step is a graph one
+    assert steps >= 12, kinds  # every prompt's prefill and 11 decode steps at least
+    line = re.compile(r"epmoe\.serve (INFO|WARNING) EPLB rebalance at step (\d+): (.*)")
+    deadline = time.monotonic() + 10.0  # the HTTP process logs a round's events when it reads the round
+    while len(found := line.findall(eplb.log.read_text())) < steps // 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [int(s) for _, s, _ in found] == list(range(4, steps + 1, 4)), eplb.log.read_text()
+    committed = re.compile(r"committed, (\d+) expert cop(?:y|ies) moved, balancedness (\d\.\d{3}) -> (\d\.\d{3})")
+    outcomes = [committed.fullmatch(rest) for _, _, rest in found]
+    assert outcomes[0] is not None and found[0][0] == "INFO", found  # 4 steps of routed tokens: a move balances better
+    for level, _, rest in found:
+        m = committed.fullmatch(rest)
+        if m is not None:
+            moved, before, after = int(m[1]), float(m[2]), float(m[3])
+            assert moved > 0 and 0 < before < after <= 1, rest
+        else:
+            assert level == "INFO" and re.fullmatch(r"skipped, balancedness \d\.\d{3}: .+", rest), rest
+    answered = httpx.post(f"{eplb.url}/eplb/rebalance", json={"max_moves": 0}, headers=AUTH, timeout=60).json()
+    assert answered["committed"] is False and answered["step"] == steps and answered["skipped"], answered
+    time.sleep(0.5)  # the next idle round's report
+    assert line.findall(eplb.log.read_text()) == found
+
+
 def test_speculative_server_equals_offline_and_reports_acceptance(start_server, offline):
     """``--speculative-algorithm ngram`` on one rank: the same greedy text as plain decoding offline, the
     proposer in the start-up log, and the acceptance counts in ``/metrics``."""

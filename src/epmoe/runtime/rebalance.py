@@ -211,6 +211,20 @@ class RebalanceEvent:
     error: str | None = None
     skipped: str | None = None
 
+    def describe(self) -> str:
+        """The event in one line, for a log: ``step S: committed, N expert copies moved, balancedness B -> A``;
+        ``step S: not committed (N expert copies would have moved), balancedness B kept: <error>``; ``step S:
+        skipped, balancedness B: <why>`` (``B``, ``A``: ``balancedness_before``, ``balancedness_after`` with three
+        decimals)."""
+        copies = f"{self.copies_moved} expert {'copy' if self.copies_moved == 1 else 'copies'}"
+        if self.committed:
+            return (f"step {self.step}: committed, {copies} moved, balancedness {self.balancedness_before:.3f} -> "
+                    f"{self.balancedness_after:.3f}")
+        if self.skipped is not None:
+            return f"step {self.step}: skipped, balancedness {self.balancedness_before:.3f}: {self.skipped}"
+        return (f"step {self.step}: not committed ({copies} would have moved), balancedness "
+                f"{self.balancedness_before:.3f} kept: {self.error}")
+
 
 @dataclass
 class EPLBController:

@@ -32,6 +32,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,9 @@ from epmoe.engine import Engine
 from epmoe.runtime.launch import RankError, RankInfo, die_with_parent, init_group, set_rank_threads
 from epmoe.server.config import ServeConfig
 from epmoe.server.ranks import LOADS_COMMAND, STEP_KINDS, Control, NewRequest, RankReply, RankStepper, StepUpdate
+
+if TYPE_CHECKING:
+    from epmoe.runtime.rebalance import RebalanceEvent
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,8 @@ class StepReport:
         idle_s: the core's other wall seconds since the previous report: waiting for and reading requests,
             sending reports, rounds that did not step.
         prefix_cache: prefix-cache queried and hit tokens so far, summed over ranks.
+        rebalances: the live rebalances the engine ran by itself at this round's step (``--eplb-interval``), as
+            rank 0 reports them (``RankReply.rebalances``); the HTTP process logs each.
     """
 
     updates: list[StepUpdate]
@@ -105,6 +111,7 @@ class StepReport:
     round_s: float | None = None
     idle_s: float = 0.0
     prefix_cache: tuple[int, int] = (0, 0)
+    rebalances: tuple[RebalanceEvent, ...] = ()
 
 
 @dataclass
@@ -232,7 +239,8 @@ class EngineCore:
                           sum(r.preemptions for r in replies), per_step, balance,
                           tuple(sum(r.spec[i] for r in replies) for i in range(3)), lead.engine_steps,
                           lead.step_tokens, round_s, idle_s,
-                          (sum(r.prefix_cache[0] for r in replies), sum(r.prefix_cache[1] for r in replies)))
+                          (sum(r.prefix_cache[0] for r in replies), sum(r.prefix_cache[1] for r in replies)),
+                          lead.rebalances)
 
     def _balancedness(self, replies: list[RankReply]) -> list[float] | None:
         """Per layer, the balancedness of the tokens routed since the last sample (``None``: none routed)."""

@@ -22,12 +22,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from epmoe.engine import SamplingParams, TokenLogprobs
 from epmoe.runtime.launch import RankError
 from epmoe.server.core import EngineInfo, StepReport
 from epmoe.server.metrics import ServerMetrics
 from epmoe.server.ranks import STEP_KINDS, NewRequest, StepUpdate
+
+if TYPE_CHECKING:
+    from epmoe.runtime.rebalance import RebalanceEvent
 
 STATES = ("loading", "ready", "draining", "stopped", "failed")
 
@@ -99,14 +103,18 @@ class Frontend:
         on_fatal: called once, on any thread, with the reason, when the core fails or its process ends.
         on_ready: called once, on the reader thread, with the core's ``EngineInfo`` when it is ready, before the
             state turns ``ready`` (so what it logs precedes every answer of a ready server).
+        on_rebalance: called on the reader thread with each live rebalance the engine ran by itself
+            (``StepReport.rebalances``: ``--eplb-interval``), in order, before the round's updates are delivered.
     """
 
     def __init__(self, conn: Connection, metrics: ServerMetrics, on_fatal: Callable[[str], None],
-                 on_ready: Callable[[EngineInfo], None] | None = None) -> None:
+                 on_ready: Callable[[EngineInfo], None] | None = None,
+                 on_rebalance: Callable[[RebalanceEvent], None] | None = None) -> None:
         self._conn = conn
         self.metrics = metrics
         self._on_fatal = on_fatal
         self._on_ready = on_ready
+        self._on_rebalance = on_rebalance
         self.state = "loading"
         self.info: EngineInfo | None = None
         self.failure: str | None = None
@@ -258,6 +266,9 @@ class Frontend:
             self.core_down.set()
 
     def _deliver(self, report: StepReport) -> None:
+        if self._on_rebalance is not None:
+            for event in report.rebalances:
+                self._on_rebalance(event)
         now = time.perf_counter()
         m = self.metrics
         batches: dict[asyncio.AbstractEventLoop, list[tuple[_Open, Update]]] = {}

@@ -18,10 +18,14 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from epmoe.engine import Engine, RequestOutput, SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:
+    from epmoe.runtime.rebalance import RebalanceEvent
 
 LOADS_COMMAND = "loads"  # each rank returns its logical loads since start, [L, E]
 REBALANCE_COMMAND = "rebalance"  # every rank rebalances together (argument: max_moves); each returns the outcome
@@ -129,6 +133,9 @@ class RankReply:
             ``None`` when the round ran no model pass (no step, nothing to do on any rank, an idle step).
         prefix_cache: prefix-cache queried and hit tokens so far (``Scheduler.prefix_queries``, ``prefix_hits``).
         compiling: requests of ``waiting`` whose grammar still compiles (not in the engine yet).
+        rebalances: the live rebalances the engine ran by itself at this round's step (``--eplb-interval``:
+            committed, skipped or failed), oldest first; rank 0 only (every rank's are the same), and not those
+            of ``REBALANCE_COMMAND`` (its result tells them).
     """
 
     rank: int
@@ -146,6 +153,7 @@ class RankReply:
     step_tokens: int | None = None
     prefix_cache: tuple[int, int] = (0, 0)
     compiling: int = 0
+    rebalances: tuple[RebalanceEvent, ...] = ()
 
 
 class RankStepper:
@@ -163,6 +171,7 @@ class RankStepper:
         self.size = engine.comm.size
         self._compiler: ThreadPoolExecutor | None = None  # compiles new grammars off the step loop (made on first use)
         self._compiling: dict[str, tuple[NewRequest, Future]] = {}  # by request id, in arrival order
+        self._rebalances_seen = 0  # the engine's EPLB events already reported (or answered)
 
     def lead(self, control: Control) -> list[RankReply]:
         """Rank 0: run one round; returns every rank's reply in rank order."""
@@ -217,14 +226,17 @@ class RankStepper:
         if control.stop and self._compiler is not None:
             self._compiler.shutdown(wait=False, cancel_futures=True)
         step_tokens = None
+        rebalances: tuple[RebalanceEvent, ...] = ()
         if control.step:
             updates += [StepUpdate.of(out) for out in engine.step()]
             step_tokens = engine.last_step_tokens
+            rebalances = self._new_rebalances()
         result = None
         if control.command == LOADS_COMMAND:
             result = engine.logical_loads().tolist()
         elif control.command == REBALANCE_COMMAND:
             result = self.rebalance(control.command_arg)
+            self._new_rebalances()  # the command's own event: its result answers it
         sched = engine.scheduler
         return RankReply(self.rank, updates, len(sched.running), len(sched.waiting) + len(self._compiling),
                          engine.allocator.num_free, engine.allocator.capacity, engine.stats["preemptions"],
@@ -233,7 +245,17 @@ class RankStepper:
                          (engine.spec_stats.verify_steps, engine.spec_stats.draft_tokens,
                           engine.spec_stats.accepted_tokens),
                          tuple(engine.stats[f"{kind}_steps"] for kind in STEP_KINDS), step_tokens,
-                         (sched.prefix_queries, sched.prefix_hits), len(self._compiling))
+                         (sched.prefix_queries, sched.prefix_hits), len(self._compiling),
+                         rebalances if self.rank == 0 else ())
+
+    def _new_rebalances(self) -> tuple[RebalanceEvent, ...]:
+        """The engine's EPLB events since the last call, oldest first (none without ``eplb_interval``)."""
+        eplb = self.engine.eplb
+        if eplb is None:
+            return ()
+        new = tuple(eplb.events[self._rebalances_seen:])
+        self._rebalances_seen = len(eplb.events)
+        return new
 
     def _add(self, req: NewRequest, updates: list[StepUpdate]) -> None:
         """Queue ``req`` in the engine; a refusal becomes its final update (the error named)."""

@@ -8,7 +8,9 @@ torchrun's group with this process's rank facts) and serves HTTP; the other rank
 Rank processes die with this one. The HTTP socket is bound before any rank process starts (``--port 0``: a free
 port), and its address is logged (``listening on http://HOST:PORT``, ``https`` with ``ssl_certfile``) once
 uvicorn listens on it; ``/health`` is 503 until the engine is loaded; the load is logged with the KV capacity and
-the graph buckets.
+the graph buckets. With ``eplb_interval``, each live rebalance the engine runs by itself is logged in one line
+(``EPLB rebalance at step N: committed, ...``: copies moved and balancedness before and after, or why it did not
+commit).
 
 Shutdown: SIGTERM or SIGINT drains: no new requests (503), the running ones get ``drain_timeout_s`` to
 finish, then the rest are aborted (``finish_reason`` ``abort``), the ranks stop together, exit code 0.
@@ -28,6 +30,7 @@ import sys
 import threading
 import time
 from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
 
 import torch.multiprocessing as mp
 import uvicorn
@@ -59,6 +62,9 @@ from epmoe.server.metrics import ServerMetrics
 from epmoe.server.text import TextCodec, load_chat_template
 from epmoe.spec import load_moe_spec
 
+if TYPE_CHECKING:
+    from epmoe.runtime.rebalance import RebalanceEvent
+
 FATAL_EXIT_S = 10.0  # after a fatal error, the process exits at the latest this many seconds later
 _WATCH_S = 0.2  # how often the rank processes are checked
 
@@ -80,6 +86,12 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.close()
         raise ValueError(f"--host {host} --port {port}: cannot listen there: {exc.strerror}") from None
     return sock
+
+
+def _rebalance_log(event: RebalanceEvent) -> None:
+    """One line per live rebalance the engine ran by itself (``--eplb-interval``): committed (copies moved,
+    balancedness before -> after), skipped (why) at ``info``; failed (the failing rank's reason) at ``warning``."""
+    log.log(logging.WARNING if event.error is not None else logging.INFO, "EPLB rebalance at %s", event.describe())
 
 
 def _url(scheme: str, host: str, port: int) -> str:
@@ -241,7 +253,8 @@ def serve(cfg: ServeConfig) -> int:
             followers.start()
         there.close()  # the core holds its end now: the pipe closes when the core's process ends
         frontend = Frontend(here, ServerMetrics(), on_fatal,
-                            on_ready=lambda info: _startup_log(cfg, model_dir, name, info, url))
+                            on_ready=lambda info: _startup_log(cfg, model_dir, name, info, url),
+                            on_rebalance=_rebalance_log)
         app = build_app(AppContext(frontend, codec, name, model_dir, cfg.api_key, cfg.max_body_bytes, defaults,
                                    parsers, cfg.cors))
     except BaseException:  # Ctrl-C: the ranks started and the socket go with it
