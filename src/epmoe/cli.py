@@ -426,7 +426,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", choices=("sglang", "vllm"), help="also print the command that runs the recommended "
                                                                 "strategy on this server")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--plot", metavar="PNG", help="write step time vs batch per strategy to this PNG")
+    p.add_argument("--plot", metavar="FILE", help="write step time vs batch per strategy to this figure (format from "
+                                                  "the suffix: .png, .pdf, .svg, ...; none: PNG)")
     p.set_defaults(func=_cmd_plan)
 
 
@@ -588,7 +589,8 @@ def _add_balance(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="PLACEMENT", help="placement file to write (.json, .safetensors, "
                                                                      ".pt or .yaml)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--plot", metavar="PNG", help="write per-rank loads before/after as a PNG")
+    p.add_argument("--plot", metavar="FILE", help="write per-rank loads before/after to this figure (format from the "
+                                                  "suffix: .png, .pdf, .svg, ...; none: PNG)")
     p.set_defaults(func=_cmd_balance)
 
 

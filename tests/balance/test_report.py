@@ -88,6 +88,21 @@ def test_bad_plot_path_writes_nothing(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_plot_suffix_matplotlib_cannot_write_is_refused_and_others_picked(tmp_path, capsys):
+    from epmoe.plan.plot import plot_formats
+
+    out = tmp_path / "ok.json"
+    args = ["balance", "--loads", EPLB, "--ep", "8", "--redundant", "4", "--out", str(out)]
+    assert main([*args, "--plot", str(tmp_path / "x.txt")]) == 2
+    known = ", ".join(f".{s}" for s in plot_formats())
+    assert capsys.readouterr().err.endswith(
+        f"epmoe balance: error: --plot ({str(tmp_path / 'x.txt')!r}): matplotlib writes no '.txt' files; "
+        f"supported: {known} (no suffix: PNG)\n")
+    assert list(tmp_path.iterdir()) == []
+    assert main([*args, "--plot", str(tmp_path / "loads.pdf")]) == 0
+    assert (tmp_path / "loads.pdf").read_bytes()[:5] == b"%PDF-" and out.exists()
+
+
 def test_out_that_is_a_directory_or_in_a_missing_one(tmp_path, capsys):
     somedir = tmp_path / "somedir"
     somedir.mkdir()

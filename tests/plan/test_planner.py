@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 from epmoe.cli import main
+from epmoe.plan import plot
 from epmoe.plan.costs import MoEDims, expected_destination_ranks, expected_max_load, predict_moe_layer_time
 from epmoe.plan.hardware import hardware_names, load_hardware
 from epmoe.plan.planner import plan
+from epmoe.plan.plot import plot_formats
 from epmoe.plan.report import plan_to_dict, plot_plan, recommend
 from epmoe.plan.request import PlanRequest
 from epmoe.spec import DenseModelError, load_moe_spec
@@ -419,6 +421,33 @@ def test_plot_path_checked_before_planning_and_written_exactly(tmp_path, capsys)
     assert "is a directory" in capsys.readouterr().err
     assert main([*base, "--plot", str(tmp_path / "steps")]) == 0  # no suffix: written under exactly that name
     assert (tmp_path / "steps").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "steps.png").exists()
+
+
+def test_plot_suffix_picks_the_format_and_one_matplotlib_cannot_write_is_refused_before_planning(tmp_path, capsys):
+    cfg = str(CONFIGS / "qwen3-30b-a3b.config.json")
+    base = ["plan", "--config", cfg, "--gpus", "8", "--hardware", "h200-sxm", "--batch", "1"]
+    known = ", ".join(f".{s}" for s in plot_formats())
+    assert main([*base, "--plot", str(tmp_path / "x.txt")]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.endswith(f"epmoe plan: error: --plot ({str(tmp_path / 'x.txt')!r}): matplotlib writes no "
+                                 f"'.txt' files; supported: {known} (no suffix: PNG)\n"), captured.err
+    assert captured.out == "" and list(tmp_path.iterdir()) == []
+    assert ".pdf" in known and ".svg" in known and ".txt" not in known
+    assert main([*base, "--plot", str(tmp_path / "steps.PDF")]) == 0  # the suffix's format, case ignored
+    assert (tmp_path / "steps.PDF").read_bytes()[:5] == b"%PDF-"
+    assert main([*base, "--plot", str(tmp_path / "steps.svg")]) == 0
+    assert b"<svg" in (tmp_path / "steps.svg").read_bytes()[:500]
+
+
+def test_a_pgf_plot_needs_its_tex_system(tmp_path, monkeypatch):
+    monkeypatch.setattr(plot.shutil, "which", lambda name: None)
+    with pytest.raises(ValueError, match=r"^plot \('.*x\.pgf'\): '\.pgf' needs xelatex \(matplotlib's "
+                                         r"pgf\.texsystem\), which is not on PATH; supported: \.avif"):
+        plot.check_plot_path("plot", tmp_path / "x.pgf")
+    monkeypatch.setattr(plot.shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert plot.check_plot_path("plot", tmp_path / "x.pgf") == (tmp_path / "x.pgf", "pgf")
+    assert plot.check_plot_path("plot", tmp_path / "x") == (tmp_path / "x", "png")
+    assert plot.check_plot_path("plot", tmp_path / "x.Svg") == (tmp_path / "x.Svg", "svg")
 
 
 def test_batch_list_parsing(capsys):

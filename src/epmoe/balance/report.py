@@ -22,6 +22,7 @@ from epmoe.integrations.placements import (
     sglang_map,
 )
 from epmoe.placement import ExpertPlacement
+from epmoe.plan.plot import check_plot_path
 from epmoe.spec import load_moe_spec
 
 
@@ -46,7 +47,7 @@ class BalanceReport:
         balancedness_before: mean over layers, before (the ``--from`` placement, else the trivial one).
         balancedness_after: mean over layers, after.
         moves: ``(layer, slot, old_expert, new_expert)`` of every changed slot.
-        out: the placement file written; plot: the PNG written or None.
+        out: the placement file written; plot: the figure written or None.
     """
 
     rows: list[LayerRow]
@@ -77,7 +78,9 @@ class BalanceReport:
         return t
 
 
-def _plot_png(names: list[str], before: torch.Tensor, after: torch.Tensor) -> bytes:
+def _plot_figure(names: list[str], before: torch.Tensor, after: torch.Tensor, fmt: str) -> bytes:
+    """The per-rank loads before and after (``[L, G]`` tokens) side by side, as a file of matplotlib format
+    ``fmt``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -94,23 +97,23 @@ def _plot_png(names: list[str], before: torch.Tensor, after: torch.Tensor) -> by
         axes[0].set_yticks(range(len(names)), names, fontsize=7)
     fig.colorbar(im, ax=axes, label="tokens")
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
+    fig.savefig(buf, format=fmt, dpi=100)
     plt.close(fig)
     return buf.getvalue()
 
 
-def _write_outputs(placement: LayeredPlacement, out: Path, png: bytes | None, plot: Path | None) -> None:
-    """Write the placement and the PNG: both prepared under temporary names next to their targets, then renamed;
+def _write_outputs(placement: LayeredPlacement, out: Path, figure: bytes | None, plot: Path | None) -> None:
+    """Write the placement and the figure: both prepared under temporary names next to their targets, then renamed;
     on an error every temporary file is removed and the message names the path the user gave."""
     staged: list[tuple[Path, Path, str]] = []  # (temporary, final, field)
     try:
         tmp_out = out.with_name(f".{out.name}.epmoe-partial{out.suffix}")
         staged.append((tmp_out, out, "out"))
         save_placement_as(placement, tmp_out, placement.format)  # writes ``tmp_out.tmp``, renames it to ``tmp_out``
-        if png is not None and plot is not None:
-            tmp_png = plot.with_name(plot.name + ".tmp")
-            staged.append((tmp_png, plot, "plot"))
-            tmp_png.write_bytes(png)
+        if figure is not None and plot is not None:
+            tmp_fig = plot.with_name(plot.name + ".tmp")
+            staged.append((tmp_fig, plot, "plot"))
+            tmp_fig.write_bytes(figure)
     except OSError as exc:
         field, final = staged[-1][2], staged[-1][1]
         for tmp, _, _ in staged:
@@ -138,7 +141,7 @@ def balance_file(
     iters: tuple[int, int] | None = None,
     out_format: str | None = None,
 ) -> BalanceReport:
-    """Balance the loads in a file and write the placement (and a PNG of per-rank loads).
+    """Balance the loads in a file and write the placement (and a figure of per-rank loads).
 
     Without ``from_placement`` the balancer ``algorithm`` runs from scratch and "before" is the trivial
     contiguous placement. With it, ``rebalance_with_moves`` starts from that placement (at most
@@ -154,7 +157,7 @@ def balance_file(
         num_nodes, num_groups: hierarchical option (see ``balance``).
         algorithm: balancer name. from_placement: current placement file (any format of
             ``integrations.placements``). max_moves: slot budget.
-        plot: PNG path, or None.
+        plot: figure path, or None; its format is its suffix's (``.png``, ``.pdf``, ``.svg``, ...; none: PNG).
         loads_format: one of ``integrations.dumps.LOAD_FORMATS`` (default ``auto``: by content).
         config: the model's ``config.json`` (or checkpoint directory): dense-layer rows are dropped with it and
             the layer and expert counts of the loads and ``from_placement`` checked against it.
@@ -165,13 +168,14 @@ def balance_file(
     Raises:
         FileNotFoundError: a missing input file.
         ValueError: bad loads, sizes, a placement that does not fit them or that the target server would reject,
-            or an ``out`` / ``plot`` path that cannot be written (checked before anything is computed; nothing is
-            written then).
+            an ``out`` / ``plot`` path that cannot be written, or a ``plot`` suffix that names no format matplotlib
+            writes (``plan.plot.check_plot_path``; paths checked before anything is computed; nothing is written
+            then).
         KeyError: unknown ``algorithm``.
     """
     out_path = check_output_path("out", out, "a placement file path (.json, .safetensors, .pt or .yaml)")
     fmt = check_placement_path(out_path, out_format)
-    plot_path = check_output_path("plot", plot, "a PNG file path") if plot is not None else None
+    plot_path, plot_format = check_plot_path("plot", plot) if plot is not None else (None, None)
     if plot_path is not None and plot_path.resolve() == out_path.resolve():
         raise ValueError(f"plot ({str(plot)!r}) and out ({str(out)!r}) name the same file")
     path = Path(loads)
@@ -231,8 +235,8 @@ def balance_file(
                  int(moved[i]))
         for i in range(num_layers)
     ]
-    png = _plot_png(names, rb, ra) if plot is not None else None
-    _write_outputs(written, out_path, png, plot_path)
+    figure = _plot_figure(names, rb, ra, plot_format) if plot_format is not None else None
+    _write_outputs(written, out_path, figure, plot_path)
     return BalanceReport(
         rows=rows,
         balancedness_before=float(bal_b.mean()),

@@ -3,8 +3,9 @@ it never runs anything).
 
 ``request`` holds the request and result values, ``costs`` the cost and memory model, ``hardware/`` the
 hardware profiles (JSON files with their sources) and their parser, ``planner`` the strategies priced,
-``report`` the ``epmoe plan`` table, plot and JSON, ``draft`` a speculative-decoding draft's sizes,
-``speculative`` whether speculative decoding pays per strategy (verify step, drafts, break-even, tokens/s).
+``report`` the ``epmoe plan`` table, plot and JSON, ``plot`` a ``--plot`` path's check and format (``epmoe
+balance`` too), ``draft`` a speculative-decoding draft's sizes, ``speculative`` whether speculative decoding
+pays per strategy (verify step, drafts, break-even, tokens/s).
 """
 
 from __future__ import annotations

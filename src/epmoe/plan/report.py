@@ -9,10 +9,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from epmoe.files import check_output_path
 from epmoe.plan.costs import weights_hint
 from epmoe.plan.draft import DraftModel
 from epmoe.plan.planner import plan
+from epmoe.plan.plot import check_plot_path
 from epmoe.plan.request import GIB, Plan, PlanRequest, StepEstimate, StrategyPlan, counted
 from epmoe.plan.speculative import Speculation, SpeculativeStep, price_speculation
 
@@ -289,8 +289,15 @@ def prefill_table(p: Plan) -> Table:
 
 
 def plot_plan(p: Plan, path: str | Path) -> None:
-    """Write a PNG of step time (ms) against batch size to ``path`` (exactly that name, whatever its
-    suffix), one line per strategy; steps that do not fit are drawn as open markers."""
+    """Write a figure of step time (ms) against batch size to ``path`` (exactly that name, in the format its suffix
+    names: ``.png``, ``.pdf``, ``.svg``, ...; no suffix: PNG), one line per strategy; steps that do not fit are
+    drawn as open markers.
+
+    Raises:
+        ValueError: ``path`` cannot be written, or its suffix names no format matplotlib writes
+            (``plot.check_plot_path``; checked before drawing).
+    """
+    path, fmt = check_plot_path("path", path)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -313,7 +320,7 @@ def plot_plan(p: Plan, path: str | Path) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(str(path), format="png", dpi=120)
+    fig.savefig(str(path), format=fmt, dpi=120)
     plt.close(fig)
 
 
@@ -322,20 +329,20 @@ def report_plan(req: PlanRequest, as_json: bool = False, plot_path: str | Path |
                 accept_length: float | None = None, engine: str | None = None, model: str | None = None,
                 draft_path: str | None = None) -> Plan:
     """Plan ``req`` and report it: the table (or the JSON document), the config fields that took transformers'
-    defaults, the skipped strategies, the recommendation and, when ``plot_path`` is given, the PNG. With
-    ``req.spec_tokens >= 1`` also the price of speculative decoding (``speculative.price_speculation`` with
-    ``draft`` and ``accept_length``) and whether it pays under TP and EP over all GPUs; with ``engine``
-    (``sglang`` or ``vllm``) the server command line that realises the recommendation
-    (``integrations.commands``) for ``model`` (and ``draft_path``).
+    defaults, the skipped strategies, the recommendation and, when ``plot_path`` is given, the figure
+    (``plot_plan``). With ``req.spec_tokens >= 1`` also the price of speculative decoding
+    (``speculative.price_speculation`` with ``draft`` and ``accept_length``) and whether it pays under TP and EP
+    over all GPUs; with ``engine`` (``sglang`` or ``vllm``) the server command line that realises the
+    recommendation (``integrations.commands``) for ``model`` (and ``draft_path``).
 
     Raises:
-        ValueError: as ``plan`` or ``price_speculation``, or a ``plot_path`` that cannot be written (checked before
-            planning).
+        ValueError: as ``plan`` or ``price_speculation``, or a ``plot_path`` that cannot be written or whose suffix
+            names no format matplotlib writes (``plot.check_plot_path``; checked before planning, named ``--plot``).
     """
     from epmoe.integrations.commands import server_command
 
     if plot_path is not None:
-        check_output_path("--plot", plot_path, "a PNG file path")
+        check_plot_path("--plot", plot_path)
     p = plan(req)
     sp = price_speculation(req, draft, accept_length) if req.spec_tokens else None
     command = server_command(engine, p, model=model, draft_path=draft_path, speculation=sp) if engine else None
