@@ -14,8 +14,11 @@ from epmoe.balance import (
     balance_epmoe,
     balancedness,
     get_balancer,
+    layer_balancedness,
     max_load_lower_bound,
+    rank_balancedness,
     rank_loads,
+    rank_max_over_mean,
 )
 from epmoe.balance.exact import solve_exact
 from epmoe.balance.moves import align_placement, placement_moves, rebalance_with_moves
@@ -165,3 +168,13 @@ def test_rank_loads_shape_check():
     assert rank_loads(torch.tensor([[1.0, 2, 3, 4], [0, 0, 0, 8]]), p).tolist() == [[3.0, 7.0], [0.0, 8.0]]
     with pytest.raises(ValueError, match="covers"):
         rank_loads(torch.ones(3, 4), p)
+
+
+def test_idle_ranks_count_as_balanced_in_both_measures():
+    per_rank = torch.tensor([[3.0, 7.0], [0.0, 0.0], [0.0, 8.0]])  # the middle layer: every rank idle
+    assert rank_balancedness(per_rank).tolist() == [0.5 / 0.7, 1.0, 0.5]
+    assert rank_max_over_mean(per_rank).tolist() == pytest.approx([1.4, 1.0, 2.0], rel=1e-15)
+    p = ExpertPlacement.trivial(2, 4, 2)
+    load = torch.tensor([[1.0, 2, 3, 4], [0, 0, 0, 0]])
+    assert layer_balancedness(load, p).tolist() == [0.5 / 0.7, 1.0]
+    assert balancedness(load, p) == pytest.approx((0.5 / 0.7 + 1.0) / 2, rel=1e-15)

@@ -1,6 +1,7 @@
 """``epmoe balance``: writes the placement and the PNG, reports per layer, writes nothing on bad input."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,24 @@ def test_plot_suffix_matplotlib_cannot_write_is_refused_and_others_picked(tmp_pa
     assert list(tmp_path.iterdir()) == []
     assert main([*args, "--plot", str(tmp_path / "loads.pdf")]) == 0
     assert (tmp_path / "loads.pdf").read_bytes()[:5] == b"%PDF-" and out.exists()
+
+
+def test_an_all_zero_layer_is_balanced_by_both_columns(tmp_path, capsys):
+    rows = ["domain,layer,expert,count"]
+    rows += [f"web,{layer},{e},{(e + 1) * 10 if layer == 0 else 0}" for layer in range(2) for e in range(4)]
+    csv = tmp_path / "loads.csv"
+    csv.write_text("\n".join(rows) + "\n")
+    assert main(["balance", "--loads", str(csv), "--ep", "2", "--out", str(tmp_path / "p.json"), "--json"]) == 0
+    layers = json.loads(capsys.readouterr().out)["rows"]
+    # layer 0: ranks carry 10+20 and 30+40 tokens (mean 50, max 70); layer 1: every rank idle
+    assert [r["layer"] for r in layers] == ["web:0", "web:1"]
+    assert layers[0]["balancedness_before"] == pytest.approx(50 / 70) and layers[0]["max_over_mean_before"] == 1.4
+    zero = layers[1]
+    assert (zero["balancedness_before"], zero["balancedness_after"]) == (1.0, 1.0)
+    assert (zero["max_over_mean_before"], zero["max_over_mean_after"]) == (1.0, 1.0)
+    assert main(["balance", "--loads", str(csv), "--ep", "2", "--out", str(tmp_path / "q.json")]) == 0
+    table = capsys.readouterr().out
+    assert re.search(r"web:1 +│ +1\.0000 +│ +1\.0000 +│ +1\.000 +│ +1\.000 +│ +0 +│", table), table
 
 
 def test_out_that_is_a_directory_or_in_a_missing_one(tmp_path, capsys):

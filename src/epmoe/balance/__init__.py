@@ -36,11 +36,12 @@ from epmoe.balance.problem import (
     rank_balancedness,
     rank_loads,
     rank_loads_array,
+    rank_max_over_mean,
 )
 from epmoe.balance.registry import BALANCERS, balance, get_balancer
 
 __all__ = [
     "BALANCERS", "Balancer", "align_placement", "balance", "balance_deepseek", "balance_epmoe", "balancedness",
     "check_problem", "get_balancer", "layer_balancedness", "max_load_lower_bound", "placement_moves",
-    "rank_balancedness", "rank_loads", "rank_loads_array", "rebalance_with_moves",
+    "rank_balancedness", "rank_loads", "rank_loads_array", "rank_max_over_mean", "rebalance_with_moves",
 ]

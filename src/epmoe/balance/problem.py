@@ -3,7 +3,9 @@
 Load model (the same as DeepSeek's EPLB): the ``c`` copies of one logical expert share its load
 evenly, so a copy of expert ``e`` carries ``load[e] / logcnt[e]`` tokens, and an EP rank's load is the
 sum over the slots it holds. ``balancedness`` of a layer is mean over ranks / max over ranks of that
-per-rank load (1.0 = perfect); of a placement, the average over layers.
+per-rank load (1.0 = perfect); of a placement, the average over layers. ``max/mean`` (``rank_max_over_mean``) is
+its reciprocal. A layer where every rank is idle (all-zero loads: 0 / 0) counts as perfectly balanced: balancedness
+1.0 and max/mean 1.0, wherever either is reported.
 """
 
 from __future__ import annotations
@@ -99,10 +101,16 @@ def rank_loads(load: torch.Tensor | np.ndarray, placement: ExpertPlacement) -> t
 
 def rank_balancedness(per_rank: torch.Tensor | np.ndarray) -> torch.Tensor:
     """The one definition of balancedness: ``per_rank [..., G]`` tokens per EP rank -> ``[...]`` float64
-    mean over ranks / max over ranks (1.0 where every rank is idle)."""
+    mean over ranks / max over ranks, in ``(0, 1]`` (1.0 where every rank is idle: 0 / 0 counts as balanced)."""
     r = torch.as_tensor(per_rank).double()
     mx = r.max(dim=-1).values
     return torch.where(mx > 0, r.mean(dim=-1) / torch.where(mx > 0, mx, 1.0), torch.ones_like(mx))
+
+
+def rank_max_over_mean(per_rank: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """``per_rank [..., G]`` tokens per EP rank -> ``[...]`` float64 max over ranks / mean over ranks, in ``[1, G]``:
+    the reciprocal of ``rank_balancedness``, so 1.0 where every rank is idle too (0 / 0 counts as balanced)."""
+    return 1.0 / rank_balancedness(per_rank)
 
 
 def layer_balancedness(load: torch.Tensor | np.ndarray, placement: ExpertPlacement) -> torch.Tensor:

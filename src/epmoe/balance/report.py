@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from epmoe.balance.moves import placement_moves, rebalance_with_moves
-from epmoe.balance.problem import check_problem, rank_balancedness, rank_loads
+from epmoe.balance.problem import check_problem, rank_balancedness, rank_loads, rank_max_over_mean
 from epmoe.balance.registry import balance, get_balancer
 from epmoe.checks import check_int
 from epmoe.files import check_output_path
@@ -28,7 +28,9 @@ from epmoe.spec import load_moe_spec
 
 @dataclass(frozen=True)
 class LayerRow:
-    """One layer of the report: balancedness and max/mean rank load before and after, copies moved."""
+    """One layer of the report: balancedness and max/mean rank load before and after, copies moved. A layer whose
+    loads are all zero has balancedness 1.0 and max/mean 1.0 (``problem.rank_max_over_mean``: every rank idle
+    counts as balanced)."""
 
     layer: str
     balancedness_before: float
@@ -225,14 +227,13 @@ def balance_file(
     if fmt == "sglang":
         sglang_map(written)  # the layer indices fit the decoder layers: checked before anything is written
     rb, ra = rank_loads(load, before), rank_loads(load, after)
-    mean = rb.mean(1).clamp(min=1e-300)
     bal_b, bal_a = rank_balancedness(rb), rank_balancedness(ra)
+    mom_b, mom_a = rank_max_over_mean(rb), rank_max_over_mean(ra)
     moved = torch.zeros(num_layers, dtype=torch.int64)
     for m in moves:
         moved[m[0]] += 1
     rows = [
-        LayerRow(names[i], float(bal_b[i]), float(bal_a[i]), float(rb[i].max() / mean[i]), float(ra[i].max() / mean[i]),
-                 int(moved[i]))
+        LayerRow(names[i], float(bal_b[i]), float(bal_a[i]), float(mom_b[i]), float(mom_a[i]), int(moved[i]))
         for i in range(num_layers)
     ]
     figure = _plot_figure(names, rb, ra, plot_format) if plot_format is not None else None
