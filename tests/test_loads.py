@@ -141,7 +141,8 @@ def test_read_bad_files(tmp_path):
     with pytest.raises(FileNotFoundError):
         read_loads(tmp_path / "missing.json")
     (tmp_path / "bad.csv").write_text("domain,layer,expert,count\na,0,0,5\na,0,2,1\n")
-    with pytest.raises(ValueError, match="expected ids 0..2"):
+    with pytest.raises(ValueError, match=r"bad\.csv': layer a:0 has no count for 1 expert\(s\): 1 \(every layer needs "
+                                         r"ids 0\.\.2, 2 being the largest id in the file\)$"):
         read_loads(tmp_path / "bad.csv")
     (tmp_path / "neg.csv").write_text("domain,layer,expert,count\na,0,0,5\na,0,-1,1\n")  # was "expected ids 0..0"
     with pytest.raises(ValueError, match=r"neg\.csv' line 3: expert -1 is no expert id \(ids count from 0, at most "
@@ -150,6 +151,37 @@ def test_read_bad_files(tmp_path):
     (tmp_path / "huge.csv").write_text("domain,layer,expert,count\na,0,100000000,5\n")  # was a 10**8-entry table
     with pytest.raises(ValueError, match=r"huge\.csv' line 2: expert 100000000 is no expert id"):
         read_loads(tmp_path / "huge.csv")
+
+
+def test_a_csv_layer_missing_experts_names_the_layer_and_the_ids(tmp_path):
+    rows = ["domain,layer,expert,count"]
+    rows += [f"{d},3,{e},7" for d in ("a", "b", "c") for e in range(20) if d == "a" or e % 2 == 0]
+    (tmp_path / "gaps.csv").write_text("\n".join(rows) + "\n")
+    with pytest.raises(ValueError) as info:
+        read_loads(tmp_path / "gaps.csv")
+    # b:3 and c:3 hold the even ids only: the first one's first 8 missing ids named, then how many in all
+    assert str(info.value) == (f"loads file {str(tmp_path / 'gaps.csv')!r}: layer b:3 has no count for 10 expert(s): "
+                               "1, 3, 5, 7, 9, 11, 13, 15, ... (every layer needs ids 0..19, 19 being the largest id "
+                               "in the file); 1 more layer misses some too")
+    rows = ["layer,expert,count", "0,0,1", "0,1,2", "1,0,3"]  # no domain column: the layer alone names it
+    (tmp_path / "short.csv").write_text("\n".join(rows) + "\n")
+    with pytest.raises(ValueError, match=r"short\.csv': layer 1 has no count for 1 expert\(s\): 1 \(every layer "
+                                         r"needs ids 0\.\.1, 1 being the largest id in the file\)$"):
+        read_loads(tmp_path / "short.csv")
+
+
+NEGATIVE, NOT_FINITE = "is negative; loads count tokens", "is not a finite number"
+
+
+@pytest.mark.parametrize("count,what", [("-3", NEGATIVE), ("-0.5", NEGATIVE), ("nan", NOT_FINITE), ("inf", NOT_FINITE)])
+def test_a_bad_csv_count_names_its_line_layer_expert_and_value(tmp_path, count, what):
+    rows = ["domain,layer,expert,count"] + [f"web,{layer},{e},5" for layer in range(2) for e in range(4)]
+    rows[7] = f"web,1,2,{count}"  # line 8 of the file
+    (tmp_path / "bad.csv").write_text("\n".join(rows) + "\n")
+    with pytest.raises(ValueError) as info:
+        read_loads(tmp_path / "bad.csv")
+    assert str(info.value) == (f"loads file {str(tmp_path / 'bad.csv')!r} line 8: layer web:1, expert 2: count "
+                               f"{count!r} {what}")
 
 
 @pytest.mark.parametrize(

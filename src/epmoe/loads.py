@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 from pathlib import Path
 from typing import NamedTuple
 
@@ -281,6 +282,9 @@ def save_loads(path: str | Path, load: torch.Tensor) -> None:
             tmp.write_text(json.dumps({"format": LOADS_FORMAT, "load": load.tolist()}))
 
 
+_SHOWN_IDS = 8  # missing expert ids a message lists before "..."
+
+
 def read_csv_loads(path: str | Path) -> tuple[torch.Tensor, list[str]]:
     """Read the OLMoE routing-count CSV: one layer per (domain, layer) group, in file order.
 
@@ -290,8 +294,9 @@ def read_csv_loads(path: str | Path) -> tuple[torch.Tensor, list[str]]:
     Raises:
         FileNotFoundError: no such file.
         ValueError: not a regular UTF-8 file (``checks.read_text_file``), a missing column, a row short of the
-            header's columns or past them, a bad number, or a group without exactly one count per expert (the line
-            named).
+            header's columns or past them, a bad number, a negative or non-finite count (the line, layer, expert and
+            value named), an expert repeated in a group (the line named), or a group without a count for every
+            expert id up to the largest in the file (the layer, the first missing ids and how many named).
     """
     path = Path(path)
     groups: dict[str, dict[int, float]] = {}
@@ -316,16 +321,25 @@ def read_csv_loads(path: str | Path) -> tuple[torch.Tensor, list[str]]:
         if not 0 <= expert < MAX_EXPERTS:
             raise ValueError(f"loads file {str(path)!r} line {line}: expert {expert} is no expert id (ids count "
                              f"from 0, at most {MAX_EXPERTS} experts a layer)")
+        if not math.isfinite(count) or count < 0:
+            what = "is negative; loads count tokens" if count < 0 else "is not a finite number"
+            raise ValueError(f"loads file {str(path)!r} line {line}: layer {name}, expert {expert}: count "
+                             f"{row['count']!r} {what}")
         if expert in groups.setdefault(name, {}):
             raise ValueError(f"loads file {str(path)!r} line {line}: expert {expert} repeated in {name}")
         groups[name][expert] = count
     if not groups:
         raise ValueError(f"loads file {str(path)!r} has no rows")
     num_experts = max(max(g) for g in groups.values()) + 1
-    for name, g in groups.items():
-        if sorted(g) != list(range(num_experts)):
-            raise ValueError(f"loads file {str(path)!r}: {name} has {len(g)} experts, expected ids "
-                             f"0..{num_experts - 1}")
+    short = {name: [e for e in range(num_experts) if e not in g] for name, g in groups.items() if len(g) < num_experts}
+    if short:
+        name, missing = next(iter(short.items()))
+        shown = ", ".join(map(str, missing[:_SHOWN_IDS])) + (", ..." if len(missing) > _SHOWN_IDS else "")
+        more = len(short) - 1
+        others = f"; {more} more layer{'s miss' if more > 1 else ' misses'} some too" if more else ""
+        raise ValueError(f"loads file {str(path)!r}: layer {name} has no count for {len(missing)} expert(s): {shown} "
+                         f"(every layer needs ids 0..{num_experts - 1}, {num_experts - 1} being the largest id in the "
+                         f"file){others}")
     load = torch.tensor([[g[e] for e in range(num_experts)] for g in groups.values()], dtype=torch.float64)
     return load, list(groups)
 

@@ -104,6 +104,24 @@ def test_plot_suffix_matplotlib_cannot_write_is_refused_and_others_picked(tmp_pa
     assert (tmp_path / "loads.pdf").read_bytes()[:5] == b"%PDF-" and out.exists()
 
 
+def test_a_csv_missing_experts_or_with_a_negative_count_names_layer_expert_and_value(tmp_path, capsys):
+    rows = ["domain,layer,expert,count"] + [f"web,{layer},{e},5" for layer in range(2) for e in range(8)
+                                            if (layer, e) not in ((1, 2), (1, 5))]
+    csv = tmp_path / "loads.csv"
+    csv.write_text("\n".join(rows) + "\n")
+    args = ["balance", "--loads", str(csv), "--ep", "2", "--out", str(tmp_path / "p.json")]
+    assert main(args) == 2
+    assert capsys.readouterr().err.endswith(
+        f"epmoe balance: error: loads file {str(csv)!r}: layer web:1 has no count for 2 expert(s): 2, 5 (every layer "
+        "needs ids 0..7, 7 being the largest id in the file)\n")
+    csv.write_text("\n".join(rows[:12] + ["web,1,2,-3", "web,1,5,1"] + rows[12:]) + "\n")
+    assert main(args) == 2
+    assert capsys.readouterr().err.endswith(
+        f"epmoe balance: error: loads file {str(csv)!r} line 13: layer web:1, expert 2: count '-3' is negative; loads "
+        "count tokens\n")
+    assert list(tmp_path.iterdir()) == [csv]
+
+
 def test_an_all_zero_layer_is_balanced_by_both_columns(tmp_path, capsys):
     rows = ["domain,layer,expert,count"]
     rows += [f"web,{layer},{e},{(e + 1) * 10 if layer == 0 else 0}" for layer in range(2) for e in range(4)]
