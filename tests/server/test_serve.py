@@ -643,6 +643,9 @@ def test_dropped_streams_free_their_blocks(server):
 
 
 def test_eplb_loads_in_the_balance_format(server, tmp_path):
+    done = httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=60,
+                      json={"model": MODEL, "prompt": "loads", "max_tokens": 2})  # routed tokens, whatever ran before
+    assert done.status_code == 200, done.text
     r = httpx.get(f"{server.url}/eplb/loads", headers=AUTH)
     assert r.status_code == 200
     doc = r.json()
