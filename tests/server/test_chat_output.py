@@ -268,6 +268,37 @@ def test_a_stream_settles_only_what_no_later_token_changes(output, text):
     assert (reply.reasoning or "").startswith(before[0]) and (reply.content or "").startswith(before[1])
 
 
+@pytest.mark.parametrize("output, pieces, count", [
+    (ChatOutput(REASONING_PARSERS["qwen3"], False), ["<", "think", ">", "plan", "</", "think>", "Par", "is"], 6),
+    (ChatOutput(REASONING_PARSERS["qwen3"], True), ["pl", "an", " on"], 3),  # never leaves the reasoning: all
+    (ChatOutput(REASONING_PARSERS["qwen3"], False), ["Par", "is"], 0),  # thinking off, not opened: no reasoning
+    (ChatOutput(REASONING_PARSERS["qwen3"], False), ["<think>", "</think>", "Paris"], 2),  # an empty reasoning
+    (ChatOutput(None, False, TOOL_CALL_PARSERS["hermes"]), ["plan", "</think>", "x"], 0),  # no reasoning parser
+    (ChatOutput(REASONING_PARSERS["qwen3"], True, forced="get_weather"), ["{}"], 0),  # a forced call
+    (ChatOutput(REASONING_PARSERS["deepseek_r1"], True), ["plan", "</think>"], 2),  # nothing after its end
+    (ChatOutput(REASONING_PARSERS["deepseek_r1"], True), ["plan", "</think>Par", "is"], 1),  # answer in its token
+    (ChatOutput(REASONING_PARSERS["deepseek_r1"], True, TOOL_CALL_PARSERS["hermes"]),
+     ["a", " <", "/think", ">", "\n", "<tool_call>", "{}"], 4),
+    (ChatOutput(REASONING_PARSERS["kimi_k2"], True, TOOL_CALL_PARSERS["kimi_k2"]),
+     ["hmm", "<|tool_calls_section_begin|>", "<|tool_call_begin|>"], 1),  # the kept section begins the answer
+    (ChatOutput(REASONING_PARSERS["openai_gptoss"], True),
+     ["<|channel|>", "analysis", "<|message|>", "Simple sum.", "<|end|>", "<|start|>", "assistant", "<|channel|>",
+      "final", "<|message|>", "2 + 2", " = 4."], 10),
+])
+def test_reasoning_tokens_are_those_before_the_answer_begins(output, pieces, count):
+    """``ChatOutput.reasoning_tokens``: the tokens before the first one at which the answer begins (with the end
+    marker ``</think>``), found in O(log n) decodes of the output's prefixes."""
+    decoded = []
+
+    def decode(ids):
+        decoded.append(len(ids))
+        return "".join(pieces[i] for i in ids)
+
+    ids, text = list(range(len(pieces))), "".join(pieces)
+    assert output.reasoning_tokens(ids, decode, text) == count
+    assert len(decoded) <= 1 + len(ids).bit_length()  # the whole output's, then a binary search's
+
+
 def test_kimi_reply_with_reasoning_content_and_calls():
     reply = ChatOutput(REASONING_PARSERS["kimi_k2"], True, TOOL_CALL_PARSERS["kimi_k2"]).reply("hmm</think>" + KIMI_OUT)
     assert (reply.reasoning, reply.content) == ("hmm", "I will look.")

@@ -185,6 +185,59 @@ def test_responses_api_answers_as_the_chat_does_whole_and_streamed(client):
         thought.output[0].content[0].text
 
 
+def test_reasoning_tokens_are_counted_whole_and_streamed(server, client):
+    """``usage.output_tokens_details.reasoning_tokens`` (Responses API) and ``completion_tokens_details`` (chat):
+    the output's tokens before its answer begins, with ``</think>``; all of an output that never leaves its
+    reasoning; 0 without reasoning (was always 0)."""
+    import httpx
+
+    def post(path: str, body: dict) -> dict:
+        got = httpx.post(f"{server.url}{path}", json=body, timeout=30, headers={"Authorization": f"Bearer {API_KEY}"})
+        assert got.status_code == 200, got.text
+        return got.json()
+
+    def responses(**fields) -> list[tuple[int, int]]:
+        """(output_tokens, reasoning_tokens) of the whole response, then of the streamed one's last event."""
+        usages = [client.responses.create(model=MODEL, **fields).usage, _events(client, **fields)[4].usage]
+        return [(u.output_tokens, u.output_tokens_details.reasoning_tokens) for u in usages]
+
+    def chats(**fields) -> list[tuple[int, int | None]]:
+        """(completion_tokens, reasoning_tokens) of the whole chat, then of the streamed one's usage chunk."""
+        usages = [client.chat.completions.create(model=MODEL, messages=USER, **fields).usage,
+                  [c.usage for c in client.chat.completions.create(model=MODEL, messages=USER, stream=True,
+                                                                   stream_options={"include_usage": True}, **fields)
+                   if c.usage is not None][-1]]
+        return [(u.completion_tokens, u.completion_tokens_details and u.completion_tokens_details.reasoning_tokens)
+                for u in usages]
+
+    # (a) the template opens <think> and the output never closes it: all of it is reasoning
+    assert responses(input="weather?", max_output_tokens=6, temperature=0) == [(6, 6)] * 2
+    assert chats(max_tokens=6, temperature=0) == [(6, 6)] * 2
+    # (b) reasoning, then the answer: the tokens up to and with </think>, from the output's own token ids
+    off = {"enable_thinking": False}
+    forced = {"structured_outputs": {"regex": "<think>plan</think>Paris"}, "chat_template_kwargs": off}
+    ids = [int(t.token.removeprefix("token_id:")) for t in client.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=40, temperature=0, logprobs=True,
+        extra_body={**forced, "return_tokens_as_token_ids": True}).choices[0].logprobs.content]
+    thought = next(k for k in range(1, len(ids) + 1)
+                   if post("/detokenize", {"model": MODEL, "tokens": ids[:k]})["prompt"].endswith("</think>"))
+    assert thought == post("/tokenize", {"model": MODEL, "prompt": "<think>plan</think>",
+                                         "add_special_tokens": False})["count"]
+    assert 0 < thought < len(ids)
+    assert responses(input="weather?", max_output_tokens=40, temperature=0, extra_body=forced) == [
+        (len(ids), thought)] * 2
+    assert chats(max_tokens=40, temperature=0, extra_body=forced) == [(len(ids), thought)] * 2
+    # (c) thinking off, no <think> written: no reasoning
+    assert responses(input="weather?", max_output_tokens=6, temperature=0,
+                     extra_body={"chat_template_kwargs": off}) == [(6, 0)] * 2
+    assert chats(max_tokens=6, temperature=0, extra_body={"chat_template_kwargs": off}) == [(6, 0)] * 2
+    # a forced tool call: no reasoning parser reads it, the chat has no details
+    tool = {"type": "function", "name": "get_weather", "parameters": CITY}
+    assert responses(input="weather?", tools=[tool], max_output_tokens=40, temperature=0,
+                     tool_choice={"type": "function", "name": "get_weather"})[0][1] == 0
+    assert chats(tools=[WEATHER], max_tokens=40, temperature=0, tool_choice="required")[0][1] is None
+
+
 def test_responses_api_calls_tools_and_takes_their_outputs(client):
     tool = {"type": "function", "name": "get_weather", "parameters": CITY}
     fields = {"input": "weather?", "tools": [tool], "max_output_tokens": 40, "temperature": 0,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from epmoe.server.errors import ApiError
@@ -64,6 +65,45 @@ class ChatOutput:
         if not content and (reasoning is not None or calls):
             content = None
         return Reply(reasoning or None, content, calls if self.parallel else calls[:1])
+
+    def reasoning_tokens(self, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str], text: str) -> int:
+        """How many of an output's tokens are reasoning (the usage's ``reasoning_tokens``): the tokens before the
+        first token at which the answer (content or tool calls) begins, i.e. the reasoning's tokens with its end
+        marker (``</think>``; a marker kept in the answer, as Kimi's tool-call section, begins the answer); all
+        of them where the answer never begins (the output never leaves the reasoning, or nothing follows its end);
+        0 without a reasoning parser, with a forced ``tool_choice``, or where the parser says the output does not
+        reason (``reasoning`` ``None`` for the whole ``text``; an empty reasoning, ``<think></think>``, counts its
+        markers' tokens).
+
+        The token at which the answer begins is the first ``k`` whose prefix ``token_ids[:k + 1]``, decoded and
+        split by the parser (as a stream splits it: text that may still become a marker held back, but for the
+        whole output), has answer text: a predicate that only turns true as the prefix grows, found by binary
+        search in O(log n) decodes. No text is tokenized again.
+
+        Args:
+            token_ids: the output's tokens.
+            decode: the text of some of its tokens, as the output's text is decoded (special tokens the parser
+                reads kept).
+            text: the whole output's text (``final_text``), as ``reply`` reads it.
+        """
+        if self.reasoning is None or self.forced is not None or self._answer(text, final=True)[0] is None:
+            return 0
+        n = len(token_ids)
+
+        def begun(k: int) -> bool:
+            """The answer has begun within the first ``k`` tokens."""
+            return bool(self._answer(decode(token_ids[:k]), final=k == n)[1])
+
+        if not begun(n):
+            return n
+        lo, hi = 1, n  # the least k with begun(k) lies in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if begun(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo - 1
 
     def settled(self, text: str) -> tuple[str, str]:
         """``(reasoning, content)`` of an unfinished output that no later token changes: what may still become a

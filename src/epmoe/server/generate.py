@@ -46,6 +46,8 @@ from epmoe.server.replies import (
     echoed_prompt,
     final_text,
     prompt_logprobs_of,
+    reads_reasoning,
+    reasoning_tokens_of,
     usage_of,
 )
 from epmoe.server.text import StreamText, TextCodec
@@ -338,7 +340,8 @@ async def collect(frontend: Frontend, job: Job, updates: asyncio.Queue, codec: T
         for rid in ids:
             if index[rid] not in finals:
                 frontend.abort(rid)
-    usage = usage_of(job, 0 if job.prompt_only else sum(len(u.token_ids) for u in finals.values()))
+    reasoning = sum(reasoning_tokens_of(codec, job, i, u) for i, u in finals.items()) if reads_reasoning(job) else None
+    usage = usage_of(job, 0 if job.prompt_only else sum(len(u.token_ids) for u in finals.values()), reasoning)
     created = int(time.time())
     if job.kind == "chat":
         choices = []
@@ -385,6 +388,7 @@ async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: se
     texts = [StreamText(codec, p.stop, p.skip_special_tokens) for p in job.params]
     readers = [StreamReply(job) for _ in ids]
     tokens = [0] * len(ids)
+    reasoning = [0] * len(ids)  # per choice, its reasoning tokens (counted when it finishes, for the usage)
     unsent: list[list[TokenLogprobs]] = [[] for _ in ids]  # per choice, log-probabilities not sent yet
     sent = [0] * len(ids)  # per choice, tokens whose log-probabilities were sent
     base = [0] * len(ids)  # completions: where the completion's text begins (past an echoed prompt)
@@ -411,6 +415,8 @@ async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: se
             text = texts[i].delta(up.token_ids, final_text(codec, up) if up.finished else None)
             if up.finished:
                 pending.discard(up.request_id)
+                if job.include_usage:
+                    reasoning[i] = reasoning_tokens_of(codec, job, i, up)
             if up.new_logprobs is not None:
                 unsent[i] += up.new_logprobs
             delta, finish = None, up.finish_reason if up.finished else None
@@ -434,5 +440,6 @@ async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: se
         if job.include_usage:
             yield _event({"id": job.request_id, "object": "chat.completion.chunk" if job.kind == "chat"
                           else "text_completion", "created": created, "model": job.model, "choices": [],
-                          "usage": usage_of(job, sum(tokens)).model_dump()})
+                          "usage": usage_of(job, sum(tokens),
+                                            sum(reasoning) if reads_reasoning(job) else None).model_dump()})
     yield DONE

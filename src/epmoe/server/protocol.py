@@ -351,7 +351,8 @@ class ResponseText(_Request):
 class ResponsesRequest(_Request):
     """``POST /v1/responses`` (OpenAI's Responses API, as vLLM serves it, stateless): ``input`` a string or a list of
     messages, earlier function calls and their outputs; ``instructions`` a system message before them; ``tools``
-    function tools; ``text.format`` a constraint as chat's ``response_format``. Nothing is stored:
+    function tools; ``text.format`` a constraint as chat's ``response_format``, vLLM's ``structured_outputs`` one as
+    the chat's. Nothing is stored:
     ``previous_response_id``, ``background`` and ``prompt`` (a stored prompt's reference) are refused
     (``server.responses`` translates the rest to a chat request). ``model`` may be left out, as vLLM allows (the
     served model)."""
@@ -376,6 +377,7 @@ class ResponsesRequest(_Request):
     background: bool = False
     prompt: dict | None = None
     chat_template_kwargs: dict | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -435,12 +437,21 @@ class RebalanceRequest(_Request):
     max_moves: int | None = Field(None, ge=0)
 
 
+class CompletionTokensDetails(BaseModel):
+    """OpenAI's breakdown of the completion tokens: ``reasoning_tokens``, the output's reasoning
+    (``ChatOutput.reasoning_tokens``, summed over the choices)."""
+
+    reasoning_tokens: int
+
+
 class Usage(BaseModel):
-    """Token counts of one response."""
+    """Token counts of one response; ``completion_tokens_details`` only for a chat whose output a reasoning parser
+    reads (else ``null``)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):

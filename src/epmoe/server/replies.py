@@ -16,6 +16,7 @@ from epmoe.server.protocol import (
     ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
+    CompletionTokensDetails,
     DeltaToolCall,
     FunctionCall,
     PromptLogprob,
@@ -171,10 +172,28 @@ def chat_reply(job: Job, text: str, finish: str | None) -> tuple[AssistantMessag
                             tool_calls=_tool_calls(reply.calls, delta=False)), _finish(job, reply, finish)
 
 
-def usage_of(job: Job, completion_tokens: int) -> Usage:
-    """The response's token counts: every prompt's, and ``completion_tokens``."""
+def usage_of(job: Job, completion_tokens: int, reasoning_tokens: int | None = None) -> Usage:
+    """The response's token counts: every prompt's, ``completion_tokens``, and ``reasoning_tokens`` (of those, the
+    reasoning's) as ``completion_tokens_details`` unless ``None``."""
     prompt = sum(len(p) for p in job.prompts)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens)
+    details = None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens,
+                 completion_tokens_details=details)
+
+
+def reads_reasoning(job: Job) -> bool:
+    """Whether a reasoning parser reads the job's outputs (its usage then counts ``reasoning_tokens``)."""
+    return job.chat is not None and job.chat.reasoning is not None and job.chat.forced is None
+
+
+def reasoning_tokens_of(codec: TextCodec, job: Job, choice: int, up: Update) -> int:
+    """How many of a finished choice's tokens (its final update ``up``'s) are reasoning
+    (``ChatOutput.reasoning_tokens``: its tokens' prefixes decoded as its text is); 0 where no reasoning parser
+    reads it."""
+    if not reads_reasoning(job):
+        return 0
+    skip = job.params[choice].skip_special_tokens
+    return job.chat.reasoning_tokens(up.token_ids, lambda ids: codec.decode(ids, skip), final_text(codec, up))
 
 
 class StreamReply:

@@ -27,7 +27,7 @@ from epmoe.server.protocol import (
     InputFunctionOutput,
     ResponsesRequest,
 )
-from epmoe.server.replies import StreamReply, final_text
+from epmoe.server.replies import StreamReply, final_text, reasoning_tokens_of
 from epmoe.server.text import StreamText, TextCodec
 
 _FIELDS = (("max_tokens", "max_output_tokens"), ("response_format", "text.format"))
@@ -39,7 +39,7 @@ _MESSAGES = re.compile(r"(?<!')\bmessages(\.\d+(\.\w+)*)?")  # not a quoted key 
 def as_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request of a Responses API request: ``instructions`` as a system message, ``input``'s messages,
     runs of function calls as one assistant message with those ``tool_calls``, function outputs as ``tool``
-    messages; the tools, the choice and ``text.format`` in their chat form.
+    messages; the tools, the choice, ``text.format`` and ``structured_outputs`` in their chat form.
 
     Raises:
         ApiError: 400 ``previous_response_id``, ``background`` or ``prompt`` (nothing is stored), ``text.format``
@@ -84,6 +84,8 @@ def as_chat(req: ResponsesRequest) -> ChatCompletionRequest:
             body[name] = getattr(req, name)
     if req.max_output_tokens is not None:
         body["max_tokens"] = req.max_output_tokens
+    if req.structured_outputs is not None:
+        body["structured_outputs"] = req.structured_outputs.model_dump(by_alias=True, exclude_none=True)
     if req.tools is not None:
         body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                          for t in req.tools]
@@ -149,10 +151,13 @@ def _response(req: ResponsesRequest, job: Job, created: int, status: str, output
             "store": False, "background": False}
 
 
-def _usage(job: Job, output_tokens: int) -> dict:
+def _usage(job: Job, output_tokens: int, reasoning_tokens: int) -> dict:
+    """The response's ``usage``; ``reasoning_tokens``: of the output's tokens, the reasoning's
+    (``ChatOutput.reasoning_tokens``: up to and with its end marker ``</think>``, all where the answer never begins,
+    0 where no reasoning parser reads the output or it does not reason)."""
     prompt = len(job.prompts[0])
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": output_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + output_tokens}
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens}, "total_tokens": prompt + output_tokens}
 
 
 def _status(finish: str | None) -> str:
@@ -173,8 +178,9 @@ def whole(req: ResponsesRequest, job: Job, chat: dict) -> dict:
                        "name": call["function"]["name"], "arguments": call["function"]["arguments"],
                        "status": "completed"})
     usage = chat["usage"]
+    details = usage.get("completion_tokens_details") or {"reasoning_tokens": 0}  # none: no reasoning parser
     return _response(req, job, chat["created"], _status(choice["finish_reason"]), output,
-                     _usage(job, usage["completion_tokens"]), choice["finish_reason"])
+                     _usage(job, usage["completion_tokens"], details["reasoning_tokens"]), choice["finish_reason"])
 
 
 class _Events:
@@ -239,7 +245,7 @@ async def stream(req: ResponsesRequest, job: Job, updates: asyncio.Queue, codec:
                 event("response.content_part.added", item_id=output[-1]["id"], output_index=index,
                       content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
 
-    finish, tokens = None, 0
+    finish, tokens, reasoning = None, 0, 0
     try:
         while pending:
             up = check_update(await updates.get())
@@ -247,6 +253,7 @@ async def stream(req: ResponsesRequest, job: Job, updates: asyncio.Queue, codec:
             if up.finished:
                 pending.discard(up.request_id)
                 finish = up.finish_reason
+                reasoning = reasoning_tokens_of(codec, job, 0, up)
             new = text.delta(up.token_ids, final_text(codec, up) if up.finished else None)
             delta, finish = reply.delta(new, up.finished, finish) if job.chat is not None else (None, finish)
             pieces = ([("reasoning", delta.reasoning_content), ("message", delta.content)] if delta is not None
@@ -284,4 +291,4 @@ async def stream(req: ResponsesRequest, job: Job, updates: asyncio.Queue, codec:
         return
     status = _status(finish)
     yield event(f"response.{status}", response=_response(req, job, created, status, output,
-                                                         _usage(job, tokens), finish))
+                                                         _usage(job, tokens, reasoning), finish))
