@@ -461,6 +461,31 @@ def test_a_failed_step_leaves_the_engine_serving(model_dir, reference, monkeypat
     assert_idle(engine)
 
 
+@pytest.mark.parametrize("interval", [1, 2, 3])
+def test_a_periodic_rebalance_reads_every_step_of_its_interval(model_dir, interval, monkeypatch):
+    """The window a rebalance of ``eplb_interval`` reads holds the routing of each step since the one before: the
+    recorder advances after the rebalance (it used to advance first and clear the interval's oldest step, so an
+    interval of 1 read nothing and skipped every time)."""
+    engine = Engine(config(model_dir, eplb_interval=interval))
+    per_step, read = [], []
+    add, rebalance = engine.loads.add, engine.eplb.rebalance
+
+    def counted(counts):
+        per_step.append(int(counts.sum()))
+        add(counts)
+
+    def reading(step, load=None, max_moves=None):
+        read.append((step, int(engine.recorder.logical_load(engine.ep_model.placement).sum())))
+        return rebalance(step, load, max_moves)
+
+    monkeypatch.setattr(engine.loads, "add", counted)
+    monkeypatch.setattr(engine.eplb, "rebalance", reading)
+    engine.generate(PROMPTS, GREEDY)
+    assert len(read) == len(per_step) // interval > 0 and all(per_step)
+    assert read == [(s, sum(per_step[s - interval:s])) for s in range(interval, len(per_step) + 1, interval)]
+    assert not any(e.skipped and "no tokens" in e.skipped for e in engine.eplb.events)
+
+
 def test_the_load_window_of_a_long_eplb_interval_is_bounded(model_dir):
     """The recorder keeps a row of counts per step of its window: an interval past ``EPLB_WINDOW_STEPS`` rebalances
     from the loads of its last that many steps instead of holding a row per step of the interval (an interval of

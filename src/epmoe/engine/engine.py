@@ -426,12 +426,12 @@ class Engine:
                     outputs += self._resolve()
         self.num_steps += 1
         self.loads.add(self.recorder.current_counts())
-        self.recorder.step()
         if self.eplb is not None and self.num_steps % self.eplb.interval == 0:
             outputs += self._resolve()  # nothing in flight while weights move and graphs are captured again
-            self.eplb.on_step(self.num_steps)
+            self.eplb.on_step(self.num_steps)  # its window holds this step too: the recorder advances after
             if self.eplb.events and self.eplb.events[-1].committed and self.config.static_decode:
                 self._capture()  # the committed weights and slot tables are new tensors
+        self.recorder.step()
         return outputs
 
     def _launch(self, plan: StepPlan, out: StepOutput) -> Launch:
