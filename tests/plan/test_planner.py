@@ -423,6 +423,25 @@ def test_plot_path_checked_before_planning_and_written_exactly(tmp_path, capsys)
     assert (tmp_path / "steps").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "steps.png").exists()
 
 
+def test_a_plot_whose_write_fails_is_named_and_nothing_is_printed(tmp_path, capsys, monkeypatch):
+    """A path the up-front check passes but the file system refuses (a full or read-only one: ``/dev/full``,
+    ``/proc``) fails the command naming ``--plot``, before the plan is printed."""
+    from matplotlib.figure import Figure
+
+    def full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full)
+    cfg = str(CONFIGS / "qwen3-30b-a3b.config.json")
+    path = tmp_path / "x.png"
+    assert main(["plan", "--config", cfg, "--gpus", "8", "--hardware", "h200-sxm", "--batch", "1",
+                 "--plot", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.endswith(f"epmoe plan: error: --plot ({str(path)!r}) cannot be written: No space left on "
+                                 f"device\n"), captured.err
+    assert captured.out == ""
+
+
 def test_plot_suffix_picks_the_format_and_one_matplotlib_cannot_write_is_refused_before_planning(tmp_path, capsys):
     cfg = str(CONFIGS / "qwen3-30b-a3b.config.json")
     base = ["plan", "--config", cfg, "--gpus", "8", "--hardware", "h200-sxm", "--batch", "1"]

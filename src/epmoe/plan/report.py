@@ -288,16 +288,17 @@ def prefill_table(p: Plan) -> Table:
     return t
 
 
-def plot_plan(p: Plan, path: str | Path) -> None:
+def plot_plan(p: Plan, path: str | Path, field: str = "path") -> None:
     """Write a figure of step time (ms) against batch size to ``path`` (exactly that name, in the format its suffix
     names: ``.png``, ``.pdf``, ``.svg``, ...; no suffix: PNG), one line per strategy; steps that do not fit are
     drawn as open markers.
 
     Raises:
         ValueError: ``path`` cannot be written, or its suffix names no format matplotlib writes
-            (``plot.check_plot_path``; checked before drawing).
+            (``plot.check_plot_path``; checked before drawing); the write failing (a read-only or full file
+            system), named as ``field`` with the path and the system's reason.
     """
-    path, fmt = check_plot_path("path", path)
+    path, fmt = check_plot_path(field, path)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -320,8 +321,12 @@ def plot_plan(p: Plan, path: str | Path) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(str(path), format=fmt, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(str(path), format=fmt, dpi=120)
+    except OSError as exc:
+        raise ValueError(f"{field} ({str(path)!r}) cannot be written: {exc.strerror or exc}") from exc
+    finally:
+        plt.close(fig)
 
 
 def report_plan(req: PlanRequest, as_json: bool = False, plot_path: str | Path | None = None,
@@ -344,6 +349,8 @@ def report_plan(req: PlanRequest, as_json: bool = False, plot_path: str | Path |
     if plot_path is not None:
         check_plot_path("--plot", plot_path)
     p = plan(req)
+    if plot_path is not None:  # before anything is printed: a figure that cannot be written fails the command
+        plot_plan(p, plot_path, "--plot")
     sp = price_speculation(req, draft, accept_length) if req.spec_tokens else None
     command = server_command(engine, p, model=model, draft_path=draft_path, speculation=sp) if engine else None
     if console is None:
@@ -383,8 +390,6 @@ def report_plan(req: PlanRequest, as_json: bool = False, plot_path: str | Path |
             console.print(command.text(), soft_wrap=True, markup=False, highlight=False)
             for note in command.notes:
                 console.print(f"  note: {note}", soft_wrap=True)
-    if plot_path is not None:
-        plot_plan(p, plot_path)
-        if not as_json:
-            console.print(f"plot written to {plot_path}")
+    if plot_path is not None and not as_json:
+        console.print(f"plot written to {plot_path}")
     return p
