@@ -184,6 +184,24 @@ def test_a_bad_csv_count_names_its_line_layer_expert_and_value(tmp_path, count, 
                                f"{count!r} {what}")
 
 
+@pytest.mark.parametrize("row,msg", [
+    ("web,1,1.5,3", "layer web:1: expert '1.5' is not an integer id"),  # was "invalid literal for int() ..."
+    ("web,1,x,3", "layer web:1: expert 'x' is not an integer id"),
+    ("web,1,2,", "layer web:1, expert 2: count '' is not a number"),  # was "could not convert string to float: ''"
+    ("web,1,2,0x10", "layer web:1, expert 2: count '0x10' is not a number"),
+    ("web,1 ,2,3", "layer 'web:1 ' is empty or has spaces around it"),  # was a layer of its own, "web:1 "
+    (",,2,3", "layer '' is empty or has spaces around it"),
+])
+def test_a_bad_csv_value_names_its_column_and_value(tmp_path, row, msg):
+    rows = ["domain,layer,expert,count"] + [f"web,{layer},{e},5" for layer in range(2) for e in range(4)]
+    rows[7] = row  # line 8 of the file
+    (tmp_path / "bad.csv").write_text("\n".join(rows) + "\n")
+    with pytest.raises(ValueError) as info:
+        read_loads(tmp_path / "bad.csv")
+    assert str(info.value) == f"loads file {str(tmp_path / 'bad.csv')!r} line 8: {msg}" + (
+        " (a layer is named by its 'domain' and 'layer' values as written)" if "spaces" in msg else "")
+
+
 @pytest.mark.parametrize(
     "text,msg",
     [

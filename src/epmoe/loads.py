@@ -294,9 +294,10 @@ def read_csv_loads(path: str | Path) -> tuple[torch.Tensor, list[str]]:
     Raises:
         FileNotFoundError: no such file.
         ValueError: not a regular UTF-8 file (``checks.read_text_file``), a missing column, a row short of the
-            header's columns or past them, a bad number, a negative or non-finite count (the line, layer, expert and
-            value named), an expert repeated in a group (the line named), or a group without a count for every
-            expert id up to the largest in the file (the layer, the first missing ids and how many named).
+            header's columns or past them, a layer value empty or with spaces around it, an expert id that is not an
+            integer, a count that is not a number, negative or not finite (the line, layer, expert and value named),
+            an expert repeated in a group (the line named), or a group without a count for every expert id up to the
+            largest in the file (the layer, the first missing ids and how many named).
     """
     path = Path(path)
     groups: dict[str, dict[int, float]] = {}
@@ -314,10 +315,19 @@ def read_csv_loads(path: str | Path) -> tuple[torch.Tensor, list[str]]:
             raise ValueError(f"loads file {str(path)!r} line {line}: {shown} (the header has "
                              f"{len(reader.fieldnames)} columns)")
         name = f"{row['domain']}:{row['layer']}" if row.get("domain") else str(row["layer"])
+        if not name.strip() or name != name.strip():
+            raise ValueError(f"loads file {str(path)!r} line {line}: layer {name!r} is empty or has spaces around it "
+                             f"(a layer is named by its 'domain' and 'layer' values as written)")
         try:
-            expert, count = int(row["expert"]), float(row["count"])
+            expert = int(row["expert"])
         except ValueError as exc:
-            raise ValueError(f"loads file {str(path)!r} line {line}: {exc}") from exc
+            raise ValueError(f"loads file {str(path)!r} line {line}: layer {name}: expert {row['expert']!r} is not "
+                             f"an integer id") from exc
+        try:
+            count = float(row["count"])
+        except ValueError as exc:
+            raise ValueError(f"loads file {str(path)!r} line {line}: layer {name}, expert {expert}: count "
+                             f"{row['count']!r} is not a number") from exc
         if not 0 <= expert < MAX_EXPERTS:
             raise ValueError(f"loads file {str(path)!r} line {line}: expert {expert} is no expert id (ids count "
                              f"from 0, at most {MAX_EXPERTS} experts a layer)")
