@@ -303,6 +303,9 @@ def read_csv_loads(path: str | Path) -> tuple[torch.Tensor, list[str]]:
     groups: dict[str, dict[int, float]] = {}
     text = read_text_file(path, "loads file", MAX_DATA_TEXT_BYTES)
     text = text.removeprefix("\ufeff")  # a spreadsheet's byte-order mark
+    if not text.strip():
+        raise ValueError(f"loads file {str(path)!r} is empty: the OLMoE CSV has a header 'layer,expert,count' "
+                         f"(and optionally 'domain') and a row per layer and expert")
     reader = csv.DictReader(io.StringIO(text, newline=""))
     missing = {"layer", "expert", "count"} - set(reader.fieldnames or ())
     if missing:

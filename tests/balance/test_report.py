@@ -213,3 +213,18 @@ def test_a_from_placement_with_ep_size_0_names_the_field(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"placement file '{bad}': field 'ep_size' must be a positive integer, got 0\n" in err
     assert "EP size 0" not in err and not out.exists()
+
+
+def test_an_empty_csv_and_a_csv_under_another_suffix_say_what_is_read(tmp_path, capsys):
+    """Loads files are read by their suffix: a CSV named ``.txt`` is read as JSON, and the error says which suffix
+    reads what; an empty ``.csv`` is called empty (it was "missing column(s)")."""
+    (tmp_path / "empty.csv").write_text("")
+    (tmp_path / "loads.txt").write_text("layer,expert,count\n0,0,1\n0,1,2\n")
+    out = str(tmp_path / "p.json")
+    assert main(["balance", "--loads", str(tmp_path / "empty.csv"), "--ep", "2", "--out", out]) == 2
+    assert f"loads file {str(tmp_path / 'empty.csv')!r} is empty: the OLMoE CSV has a header" in capsys.readouterr().err
+    assert main(["balance", "--loads", str(tmp_path / "loads.txt"), "--ep", "2", "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert f"loads file {str(tmp_path / 'loads.txt')!r} is not JSON: " in err
+    assert "(a loads file is read by its suffix: '.csv' the OLMoE routing CSV" in err
+    assert not (tmp_path / "p.json").exists()

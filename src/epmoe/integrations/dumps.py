@@ -110,7 +110,9 @@ def _file_doc(path: Path) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"loads file {str(path)!r} is not JSON: {exc}") from exc
+        raise ValueError(f"loads file {str(path)!r} is not JSON: {exc} (a loads file is read by its suffix: "
+                         f"'.csv' the OLMoE routing CSV, '.safetensors', '.pt'/'.pth' a torch dump, any other JSON)"
+                         ) from exc
 
 
 def detect_load_format(path: str | Path) -> str:
