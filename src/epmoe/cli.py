@@ -617,6 +617,8 @@ def _cmd_balance(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_json()))
     else:
         Console().print(report.table())
+        if report.plot is not None:
+            print(f"plot written to {report.plot}")  # as epmoe plan --plot says
     return 0
 
 

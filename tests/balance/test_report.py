@@ -102,6 +102,7 @@ def test_plot_suffix_matplotlib_cannot_write_is_refused_and_others_picked(tmp_pa
     assert list(tmp_path.iterdir()) == []
     assert main([*args, "--plot", str(tmp_path / "loads.pdf")]) == 0
     assert (tmp_path / "loads.pdf").read_bytes()[:5] == b"%PDF-" and out.exists()
+    assert capsys.readouterr().out.endswith(f"plot written to {tmp_path / 'loads.pdf'}\n")
 
 
 def test_a_csv_missing_experts_or_with_a_negative_count_names_layer_expert_and_value(tmp_path, capsys):
