@@ -189,8 +189,10 @@ def test_a_bad_csv_count_names_its_line_layer_expert_and_value(tmp_path, count, 
     ("web,1,x,3", "layer web:1: expert 'x' is not an integer id"),
     ("web,1,2,", "layer web:1, expert 2: count '' is not a number"),  # was "could not convert string to float: ''"
     ("web,1,2,0x10", "layer web:1, expert 2: count '0x10' is not a number"),
-    ("web,1 ,2,3", "layer 'web:1 ' is empty or has spaces around it"),  # was a layer of its own, "web:1 "
+    ("web,1 ,2,3", "layer '1 ' is empty or has spaces around it"),  # was a layer of its own, "web:1 "
+    ("web,,2,3", "layer '' is empty or has spaces around it"),  # was a layer of its own, "web:"
     (",,2,3", "layer '' is empty or has spaces around it"),
+    (" web,1,2,3", "domain ' web' is empty or has spaces around it"),
 ])
 def test_a_bad_csv_value_names_its_column_and_value(tmp_path, row, msg):
     rows = ["domain,layer,expert,count"] + [f"web,{layer},{e},5" for layer in range(2) for e in range(4)]

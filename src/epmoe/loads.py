@@ -318,9 +318,11 @@ def read_csv_loads(path: str | Path) -> tuple[torch.Tensor, list[str]]:
             raise ValueError(f"loads file {str(path)!r} line {line}: {shown} (the header has "
                              f"{len(reader.fieldnames)} columns)")
         name = f"{row['domain']}:{row['layer']}" if row.get("domain") else str(row["layer"])
-        if not name.strip() or name != name.strip():
-            raise ValueError(f"loads file {str(path)!r} line {line}: layer {name!r} is empty or has spaces around it "
-                             f"(a layer is named by its 'domain' and 'layer' values as written)")
+        for column in ("domain", "layer"):
+            value = row.get(column)
+            if value is not None and (value != value.strip() or (column == "layer" and not value)):
+                raise ValueError(f"loads file {str(path)!r} line {line}: {column} {value!r} is empty or has spaces "
+                                 f"around it (a layer is named by its 'domain' and 'layer' values as written)")
         try:
             expert = int(row["expert"])
         except ValueError as exc:
