@@ -36,6 +36,22 @@ def check_output_path(field: str, value: str | Path, expected: str) -> Path:
     return path
 
 
+
+def write_failed(field: str, path: str | Path, exc: OSError) -> ValueError:
+    """The error for a write the file system refused after ``check_output_path`` passed (a full or read-only one).
+
+    Raise it ``from exc``: ``raise write_failed("--plot", path, exc) from exc``.
+
+    Args:
+        field: the option or argument name for the message (e.g. ``--plot`` or ``out``).
+        path: the path the user gave (not a temporary name beside it).
+        exc: the ``OSError`` of the write.
+
+    Returns:
+        A ``ValueError`` naming ``field``, the path and the system's reason (``strerror``, else the error itself).
+    """
+    return ValueError(f"{field} ({str(path)!r}) cannot be written: {exc.strerror or exc}")
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Write ``path`` atomically: yield ``<path>.tmp`` to write, then rename it onto ``path``.

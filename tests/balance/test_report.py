@@ -89,6 +89,23 @@ def test_bad_plot_path_writes_nothing(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+
+def test_a_plot_whose_write_fails_is_named_and_no_file_is_left(tmp_path, capsys, monkeypatch):
+    """A figure the up-front check passes but the file system refuses (a full one) fails the command naming
+    ``--plot``, the path given (not its temporary name) and the system's reason; the placement staged before it is
+    removed too."""
+    def full(self, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    out, png = tmp_path / "ok.json", tmp_path / "x.png"
+    assert main(["balance", "--loads", EPLB, "--ep", "8", "--redundant", "4", "--out", str(out),
+                 "--plot", str(png)]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"epmoe balance: error: --plot ({str(png)!r}) cannot be written: No space left on "
+                        "device\n"), err
+    assert list(tmp_path.iterdir()) == []
+
 def test_plot_suffix_matplotlib_cannot_write_is_refused_and_others_picked(tmp_path, capsys):
     from epmoe.plan.plot import plot_formats
 

@@ -12,7 +12,7 @@ from epmoe.balance.moves import placement_moves, rebalance_with_moves
 from epmoe.balance.problem import check_problem, rank_balancedness, rank_loads, rank_max_over_mean
 from epmoe.balance.registry import balance, get_balancer
 from epmoe.checks import check_int
-from epmoe.files import check_output_path
+from epmoe.files import check_output_path, write_failed
 from epmoe.integrations.dumps import read_load_dump
 from epmoe.integrations.placements import (
     LayeredPlacement,
@@ -121,7 +121,7 @@ def _write_outputs(placement: LayeredPlacement, out: Path, figure: bytes | None,
         for tmp, _, _ in staged:
             for p in (tmp, tmp.with_name(tmp.name + ".tmp")):
                 p.unlink(missing_ok=True)
-        raise ValueError(f"{field} ({str(final)!r}) cannot be written: {exc.strerror or exc}") from exc
+        raise write_failed(field, final, exc) from exc
     for tmp, final, _ in staged:
         tmp.replace(final)
 

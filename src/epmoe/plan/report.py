@@ -9,6 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from epmoe.files import write_failed
 from epmoe.plan.costs import weights_hint
 from epmoe.plan.draft import DraftModel
 from epmoe.plan.planner import plan
@@ -324,7 +325,7 @@ def plot_plan(p: Plan, path: str | Path, field: str = "path") -> None:
     try:
         fig.savefig(str(path), format=fmt, dpi=120)
     except OSError as exc:
-        raise ValueError(f"{field} ({str(path)!r}) cannot be written: {exc.strerror or exc}") from exc
+        raise write_failed(field, path, exc) from exc
     finally:
         plt.close(fig)
 
