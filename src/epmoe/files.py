@@ -36,7 +36,6 @@ def check_output_path(field: str, value: str | Path, expected: str) -> Path:
     return path
 
 
-
 def write_failed(field: str, path: str | Path, exc: OSError) -> ValueError:
     """The error for a write the file system refused after ``check_output_path`` passed (a full or read-only one).
 
@@ -51,6 +50,7 @@ def write_failed(field: str, path: str | Path, exc: OSError) -> ValueError:
         A ``ValueError`` naming ``field``, the path and the system's reason (``strerror``, else the error itself).
     """
     return ValueError(f"{field} ({str(path)!r}) cannot be written: {exc.strerror or exc}")
+
 
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
