@@ -131,6 +131,37 @@ def test_read_olmoe_csv():
     assert read_loads(DATA / "eplb_readme_example.json").shape == (2, 12)
 
 
+
+def test_a_csv_dump_is_read_once_and_its_parse_and_sum_errors_name_the_file(tmp_path, monkeypatch):
+    """``read_load_dump`` reads an OLMoE CSV once for its loads and layer names (it read it twice); a field the csv
+    module cannot parse and a layer whose sum overflows float64 are ValueErrors naming the file, from the dump reader
+    and the CSV reader alike."""
+    import epmoe.loads
+    from epmoe.integrations.dumps import read_load_dump
+
+    reads = []
+    read_text = epmoe.loads.read_text_file
+    monkeypatch.setattr(epmoe.loads, "read_text_file", lambda path, *a: reads.append(path) or read_text(path, *a))
+    csv_path = DATA / "olmoe_expert_counts.csv"
+    dump = read_load_dump(csv_path)
+    assert reads == [csv_path]
+    assert dump.load.shape == (15, 64) and dump.names[0] == "arxiv:0" and dump.names[-1] == "wikipedia:15"
+    assert torch.equal(dump.load, read_csv_loads(csv_path)[0])
+    long_field = tmp_path / "long.csv"
+    long_field.write_text("layer,expert,count\n0,0," + "1" * 200_000 + "\n")
+    for read in (read_load_dump, read_loads, read_csv_loads):
+        with pytest.raises(ValueError) as info:
+            read(long_field)
+        assert str(info.value) == (f"loads file {str(long_field)!r} could not be read: field larger than field limit "
+                                   "(131072)")
+    huge = tmp_path / "huge.csv"
+    huge.write_text("layer,expert,count\n0,0,1e308\n0,1,1e308\n")
+    for read in (read_load_dump, read_loads, read_csv_loads):
+        with pytest.raises(ValueError) as info:
+            read(huge)
+        assert str(info.value) == (f"loads file {str(huge)!r}: load[0] is too large to balance: its entries (up to "
+                                   "1e+308) overflow float64 when summed; loads count tokens")
+
 def test_read_bad_files(tmp_path):
     (tmp_path / "neg.json").write_text('{"load": [[1, -3]]}')
     with pytest.raises(ValueError, match=r"neg.json.*load\[0, 1\] = -3.0 is negative"):

@@ -286,26 +286,52 @@ _SHOWN_IDS = 8  # missing expert ids a message lists before "..."
 
 
 def read_csv_loads(path: str | Path) -> tuple[torch.Tensor, list[str]]:
-    """Read the OLMoE routing-count CSV: one layer per (domain, layer) group, in file order.
+    """Read the OLMoE routing-count CSV: one layer per (domain, layer) group, in file order. The file is read once.
 
     Returns:
-        ``(load, names)``: ``[L, E]`` float64 counts and ``L`` names ``"domain:layer"``.
+        ``(load, names)``: ``[L, E]`` float64 counts (validated by ``as_load_array``) and ``L`` names
+        ``"domain:layer"``.
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: not a regular UTF-8 file (``checks.read_text_file``), a missing column, a row short of the
-            header's columns or past them, a layer value empty or with spaces around it, an expert id that is not an
-            integer, a count that is not a number, negative or not finite (the line, layer, expert and value named),
-            an expert repeated in a group (the line named), or a group without a count for every expert id up to the
-            largest in the file (the layer, the first missing ids and how many named).
+        ValueError: not a regular UTF-8 file (``checks.read_text_file``), text the csv module cannot parse (a field
+            past its size limit), a missing column, a row short of the header's columns or past them, a layer value
+            empty or with spaces around it, an expert id that is not an integer, a count that is not a number,
+            negative or not finite (the line, layer, expert and value named), an expert repeated in a group (the line
+            named), a group without a count for every expert id up to the largest in the file (the layer, the first
+            missing ids and how many named), or a layer whose counts overflow float64 when summed.
     """
     path = Path(path)
-    groups: dict[str, dict[int, float]] = {}
     text = read_text_file(path, "loads file", MAX_DATA_TEXT_BYTES)
     text = text.removeprefix("\ufeff")  # a spreadsheet's byte-order mark
     if not text.strip():
         raise ValueError(f"loads file {str(path)!r} is empty: the OLMoE CSV has a header 'layer,expert,count' "
                          f"(and optionally 'domain') and a row per layer and expert")
+    try:
+        groups = _csv_groups(path, text)
+    except csv.Error as exc:
+        raise ValueError(f"loads file {str(path)!r} could not be read: {exc}") from exc
+    num_experts = max(max(g) for g in groups.values()) + 1
+    short = {name: [e for e in range(num_experts) if e not in g] for name, g in groups.items() if len(g) < num_experts}
+    if short:
+        name, missing = next(iter(short.items()))
+        shown = ", ".join(map(str, missing[:_SHOWN_IDS])) + (", ..." if len(missing) > _SHOWN_IDS else "")
+        more = len(short) - 1
+        others = f"; {more} more layer{'s miss' if more > 1 else ' misses'} some too" if more else ""
+        raise ValueError(f"loads file {str(path)!r}: layer {name} has no count for {len(missing)} expert(s): {shown} "
+                         f"(every layer needs ids 0..{num_experts - 1}, {num_experts - 1} being the largest id in the "
+                         f"file){others}")
+    load = torch.tensor([[g[e] for e in range(num_experts)] for g in groups.values()], dtype=torch.float64)
+    try:
+        return torch.from_numpy(as_load_array(load)), list(groups)
+    except ValueError as exc:
+        raise ValueError(f"loads file {str(path)!r}: {exc}") from exc
+
+
+def _csv_groups(path: Path, text: str) -> dict[str, dict[int, float]]:
+    """The counts of the OLMoE CSV ``text`` (read from ``path``) by layer name and expert id, in file order; the
+    row checks of ``read_csv_loads``. Raises ``csv.Error`` where the csv module cannot parse ``text``."""
+    groups: dict[str, dict[int, float]] = {}
     reader = csv.DictReader(io.StringIO(text, newline=""))
     missing = {"layer", "expert", "count"} - set(reader.fieldnames or ())
     if missing:
@@ -345,18 +371,7 @@ def read_csv_loads(path: str | Path) -> tuple[torch.Tensor, list[str]]:
         groups[name][expert] = count
     if not groups:
         raise ValueError(f"loads file {str(path)!r} has no rows")
-    num_experts = max(max(g) for g in groups.values()) + 1
-    short = {name: [e for e in range(num_experts) if e not in g] for name, g in groups.items() if len(g) < num_experts}
-    if short:
-        name, missing = next(iter(short.items()))
-        shown = ", ".join(map(str, missing[:_SHOWN_IDS])) + (", ..." if len(missing) > _SHOWN_IDS else "")
-        more = len(short) - 1
-        others = f"; {more} more layer{'s miss' if more > 1 else ' misses'} some too" if more else ""
-        raise ValueError(f"loads file {str(path)!r}: layer {name} has no count for {len(missing)} expert(s): {shown} "
-                         f"(every layer needs ids 0..{num_experts - 1}, {num_experts - 1} being the largest id in the "
-                         f"file){others}")
-    load = torch.tensor([[g[e] for e in range(num_experts)] for g in groups.values()], dtype=torch.float64)
-    return load, list(groups)
+    return groups
 
 
 def _json_type(value: object) -> str:
@@ -379,8 +394,8 @@ def read_loads(path: str | Path) -> torch.Tensor:
     label = "load"  # how the values are named in messages: the tensor, or the JSON key used
     try:
         if path.suffix == ".csv":
-            load = read_csv_loads(path)[0]
-        elif path.suffix == ".safetensors":
+            return read_csv_loads(path)[0]  # validated there
+        if path.suffix == ".safetensors":
             from safetensors import safe_open
 
             with safe_open(str(path), framework="pt") as f:

@@ -306,8 +306,12 @@ def read_load_dump(path: str | Path, fmt: str = "auto", *, spec: MoESpec | None 
         if (kind == "olmoe-csv") != (p.suffix == ".csv"):
             raise ValueError(f"loads {str(p)!r}: loads_format {kind} needs " + (
                 "a .csv file" if kind == "olmoe-csv" else "a .json or .safetensors file"))
-        load = read_loads(p)
-        names = tuple(read_csv_loads(p)[1]) if kind == "olmoe-csv" else tuple(str(i) for i in range(load.shape[0]))
+        if kind == "olmoe-csv":  # read once: the loads and their layer names
+            load, csv_names = read_csv_loads(p)
+            names = tuple(csv_names)
+        else:
+            load = read_loads(p)
+            names = tuple(str(i) for i in range(load.shape[0]))
         if spec is not None and load.shape != (spec.num_moe_layers, spec.num_experts):
             raise ValueError(f"loads {str(p)!r}: the loads cover {load.shape[0]} MoE layers x {load.shape[1]} "
                              f"experts, but config {config!r} has {spec.num_moe_layers} MoE layers x "
