@@ -253,3 +253,27 @@ def test_run_with_simulated_routing_says_so_and_repeats(kimi, tmp_path, capsys):
     assert outs[0]["moe_routing_simulation"] == "uniform_random" and outs[0]["load_format"] == "auto"
     assert outs[0]["reference_not_asked"] == "--moe-routing-simulation uniform_random"
     assert outs[0]["matches_reference"] is None and outs[0]["outputs"] == outs[1]["outputs"]
+
+
+@pytest.mark.parametrize("reference", [True, False])
+def test_the_checkpoint_headers_are_read_once_before_the_ranks_start(kimi, monkeypatch, reference):
+    """With the reference check asked for, the headers read to ask whether transformers can load the checkpoint are
+    the ones checked before the start (they were read twice); without it the check reads them once as before."""
+    import epmoe.runtime.run as run
+    from epmoe.models.checkpoint import CheckpointReader
+
+    opened = []
+    init = CheckpointReader.__init__
+    monkeypatch.setattr(CheckpointReader, "__init__", lambda self, directory: opened.append(str(directory)) or
+                        init(self, directory))
+
+    class Started(Exception):
+        pass
+
+    def spawn(fn, world_size, args):
+        raise Started(world_size)
+
+    monkeypatch.setattr(run, "spawn", spawn)
+    with pytest.raises(Started):
+        run.run_job(run.RunConfig(model=str(kimi), max_new_tokens=2, prompts=("hi",), reference=reference))
+    assert opened == [str(kimi)]

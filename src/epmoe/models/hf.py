@@ -348,11 +348,16 @@ def load_dense_model(checkpoint_dir: str, *, dtype: torch.dtype = torch.float32,
     return model
 
 
-def needs_own_loader(checkpoint_dir: str) -> bool:
-    """True when transformers' ``from_pretrained`` cannot read ``checkpoint_dir`` as a plain model: block-FP8
-    weights (its FP8 path needs ``accelerate`` and a GPU, and computes in FP8), INT4 pack-quantized or MXFP4
-    weights (its quantizers compute in their own kernels, not from the dequantized weights) or a wrapper prefix."""
-    reader = CheckpointReader(checkpoint_dir)
+def needs_own_loader(checkpoint: str | CheckpointReader) -> bool:
+    """True when transformers' ``from_pretrained`` cannot read the checkpoint (its directory, or its reader where the
+    caller opened one: the headers are not read again) as a plain model: block-FP8 weights (its FP8 path needs
+    ``accelerate`` and a GPU, and computes in FP8), INT4 pack-quantized or MXFP4 weights (its quantizers compute in
+    their own kernels, not from the dequantized weights) or a wrapper prefix.
+
+    Raises:
+        FileNotFoundError, ValueError: as ``CheckpointReader`` for a directory.
+    """
+    reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
     return reader.has_fp8 or reader.has_packed or bool(reader.prefix)
 
 
@@ -465,7 +470,7 @@ def load_tp_model(
 
 
 def check_checkpoint(checkpoint_dir: str, experts: Callable[[int], Iterable[int]] | None = None,
-                     model: nn.Module | None = None) -> CheckpointReader:
+                     model: nn.Module | None = None, reader: CheckpointReader | None = None) -> CheckpointReader:
     """Check, before any weight is read, that a checkpoint holds what the loaders read: a weight format they
     support, every tensor with the shape ``config.json`` predicts, stored as a float (or packed as the format says),
     and no tensor the model ``config.json`` describes has no place for (names, shapes and dtypes from the
@@ -476,9 +481,11 @@ def check_checkpoint(checkpoint_dir: str, experts: Callable[[int], Iterable[int]
         checkpoint_dir: the checkpoint directory.
         experts: MoE layer index -> the logical experts to check (a rank's own); ``None`` = every expert.
         model: the model ``build_meta_model`` built for it (built here when ``None``), MoE blocks not replaced yet.
+        reader: the checkpoint's reader where the caller opened one (its headers are not read again); opened here
+            when ``None``.
 
     Returns:
-        The checkpoint's reader.
+        The checkpoint's reader (``reader`` where given).
 
     Raises:
         FileNotFoundError: no checkpoint there.
@@ -492,7 +499,7 @@ def check_checkpoint(checkpoint_dir: str, experts: Callable[[int], Iterable[int]
     spec = load_moe_spec(checkpoint_dir)
     _check_weight_format(spec, checkpoint_dir)
     layout = family_layout(spec.model_type)
-    reader = CheckpointReader(checkpoint_dir)
+    reader = CheckpointReader(checkpoint_dir) if reader is None else reader
     if model is None:
         model = build_meta_model(checkpoint_dir, torch.float32)
     fmt = spec.expert_weight_format

@@ -37,7 +37,7 @@ from epmoe.experts import describe_expert_backend
 from epmoe.experts.storage import held_as
 from epmoe.experts.switches import check_switches, switched_off
 from epmoe.memory import free_bytes
-from epmoe.models.checkpoint import check_index_for_transformers
+from epmoe.models.checkpoint import CheckpointReader, check_index_for_transformers
 from epmoe.models.hf import hf_config, needs_own_loader
 from epmoe.models.tiny import ensure_default_checkpoint
 from epmoe.plan.costs import model_params
@@ -364,10 +364,10 @@ def _engine_config(cfg: RunConfig, model_dir: str) -> EngineConfig:
 
 
 def _check_before_start(cfg: RunConfig, model_dir: str, ep: int, all_ids: list[list[int]],
-                        info: RankInfo | None = None) -> None:
+                        info: RankInfo | None = None, reader: CheckpointReader | None = None) -> None:
     """Everything that can be checked before any rank starts: a GPU for each rank on CUDA (``launch.check_gpus``;
     ``info``: this rank's under torchrun), the request rate's arrival span (``checks.check_arrival_span``), the
-    engine options, the weights, whether
+    engine options, the weights (from ``reader``'s headers where ``run_job`` opened the checkpoint already), whether
     ``generation_config.json`` is a JSON object, the KV pool when its size is given, and what the group must fit
     (``engine.group.check_group``: the target's and a draft model's placements, or the sizes tp divides)."""
     if cfg.dispatcher == "local" and ep != 1:
@@ -382,7 +382,7 @@ def _check_before_start(cfg: RunConfig, model_dir: str, ep: int, all_ids: list[l
         from epmoe.models.hf import check_checkpoint  # which each rank checks for its own slots as it loads them
 
         try:
-            check_checkpoint(model_dir, experts=lambda _layer: ())
+            check_checkpoint(model_dir, experts=lambda _layer: (), reader=reader)
         except KeyError as exc:  # a missing tensor: its message without the quotes a KeyError's str() adds
             raise ValueError(exc.args[0] if exc.args else str(exc)) from None
         except FileNotFoundError as exc:
@@ -556,9 +556,11 @@ def run_job(cfg: RunConfig) -> RunReport:
     hf_config(model_dir)  # transformers' own checks of config.json, before the tokenizer (which reads it too) fails
     not_asked = _reference_not_asked(cfg)
     reference = not_asked is None
-    # from_pretrained builds the reference on the host, our loader does not (dummy weights: no files to ask about)
+    # from_pretrained builds the reference on the host, our loader does not (dummy weights: no files to ask about);
+    # the headers read here are checked before the start too, not read again
     try:
-        via_host = reference and not needs_own_loader(model_dir)
+        reader = CheckpointReader(model_dir) if reference else None
+        via_host = reader is not None and not needs_own_loader(reader)
         if via_host:  # from_pretrained reads the files; our own loader does not
             check_generation_config(model_dir)
             check_index_for_transformers(model_dir)
@@ -568,14 +570,14 @@ def run_job(cfg: RunConfig) -> RunReport:
     all_ids, tok = _encode(model_dir, prompts, cfg.trust_remote_code)
     if under_torchrun():
         info = torchrun_rank_info()
-        _check_before_start(cfg, model_dir, info.world_size, all_ids, info)
+        _check_before_start(cfg, model_dir, info.world_size, all_ids, info, reader)
         ranks = _rank_worker(info, cfg, model_dir, all_ids, gather=True, progress=True)
         if ranks is None:
             return None  # type: ignore[return-value]
         ep = info.world_size
     else:
         ep = cfg.ep
-        _check_before_start(cfg, model_dir, ep, all_ids)  # fail here, before any process starts
+        _check_before_start(cfg, model_dir, ep, all_ids, reader=reader)  # fail here, before any process starts
         ranks = spawn(_rank_worker, ep, (cfg, model_dir, all_ids, False, True))
 
     tokens: list[list[int]] = [[] for _ in prompts]
