@@ -250,6 +250,11 @@ def test_a_missing_config_or_draft_is_named_by_its_flag(tmp_path, capsys, argv, 
     assert (f"epmoe {command}: error: {flag} '{missing}' does not exist (expected a model directory holding "
             f"config.json, or a config file)\n") in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+    missing.mkdir()  # a directory without config.json: "config file '.../missing/config.json' does not exist"
+    assert main([a.format(**paths) for a in argv]) == 2
+    assert (f"epmoe {command}: error: {flag} '{missing}' is a directory without a config.json file (expected a "
+            f"model directory holding config.json, or a config file)\n") in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
 
 
 @pytest.mark.parametrize("command", ["run", "serve"])

@@ -515,15 +515,23 @@ def test_memory_check_context_stays_within_the_model(tiny_checkpoints, capsys):
 
 def test_a_path_to_no_config_is_a_bad_argument(tmp_path, capsys):
     """``doctor --model DIR`` on a directory without config.json exited 1, as a finding about a model; a path that
-    holds no config is a bad argument (2), named by the flag typed, as run, serve and plan treat it."""
+    holds no config is a bad argument (2), named by the flag typed, in plan's words (``spec.check_config_path``: doctor
+    said "is neither a config.json nor a directory holding one" for a missing path and a directory alike)."""
+    expected = "(expected a model directory holding config.json, or a config file)\n"
     assert main(["doctor", "--model", str(tmp_path)]) == 2
-    assert (f"epmoe doctor: error: --model {str(tmp_path)!r} is neither a config.json nor a directory holding one"
-            in capsys.readouterr().err)
+    assert capsys.readouterr().err.endswith(f"epmoe doctor: error: --model {str(tmp_path)!r} is a directory without a "
+                                            f"config.json file {expected}")
     missing = tmp_path / "nope" / "config.json"
     assert main(["doctor", "--config", str(missing)]) == 2
-    assert f"--config {str(missing)!r} is neither" in capsys.readouterr().err
+    assert capsys.readouterr().err.endswith(f"epmoe doctor: error: --config {str(missing)!r} does not exist {expected}")
     assert main(["doctor", "--config", str(CONFIGS / "qwen3-30b-a3b.config.json"), "--draft", str(tmp_path)]) == 2
-    assert f"--draft {str(tmp_path)!r} is neither" in capsys.readouterr().err
+    assert capsys.readouterr().err.endswith(f"epmoe doctor: error: --draft {str(tmp_path)!r} is a directory without "
+                                            f"a config.json file {expected}")
+    assert main(["doctor", "--model", ""]) == 2  # was "expected str, bytes or os.PathLike object, not NoneType"
+    assert capsys.readouterr().err.endswith(f"epmoe doctor: error: --model is empty {expected}")
+    assert main(["doctor", "--config", "/dev/null"]) == 2
+    assert capsys.readouterr().err.endswith(f"epmoe doctor: error: --config '/dev/null' is neither a file nor a "
+                                            f"directory {expected}")
     # a config that is there but wrong stays a finding (exit 1)
     (tmp_path / "config.json").write_text("[1, 2]")
     assert main(["doctor", "--model", str(tmp_path)]) == 1

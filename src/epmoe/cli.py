@@ -352,13 +352,6 @@ def _batches(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(values)))
 
 
-def _check_exists(flag: str, path: str | None) -> None:
-    """A ``--config`` / ``--draft`` path that does not exist, named by its flag (the reader names only the path)."""
-    if path is not None and not Path(path).exists():
-        raise ValueError(f"{flag} {path!r} does not exist (expected a model directory holding config.json, or a "
-                         f"config file)")
-
-
 def _typed_paths(args: argparse.Namespace) -> tuple[str, ...]:
     """The paths the user typed (every string option holding a ``/``), which ``_flag_error`` leaves as they are."""
     return tuple(v for v in vars(args).values() if isinstance(v, str) and "/" in v)
@@ -436,11 +429,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from epmoe.plan.hardware import load_hardware
     from epmoe.plan.report import report_plan
     from epmoe.plan.request import PlanRequest, default_context
-    from epmoe.spec import load_moe_spec
+    from epmoe.spec import check_config_path, load_moe_spec
 
     try:
-        _check_exists("--config", args.config)
-        _check_exists("--draft", args.draft)
+        check_config_path(args.config, "--config")  # named by its flag (the reader names only the path)
+        if args.draft is not None:
+            check_config_path(args.draft, "--draft")
         spec = load_moe_spec(args.config)
         context = args.context if args.context is not None else default_context(spec)
         req = PlanRequest(
@@ -541,14 +535,15 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
     try:
         return run_doctor(DoctorConfig(
-            model=args.model or args.config, placement=args.placement, draft=args.draft,
+            model=args.model if args.model is not None else args.config, placement=args.placement, draft=args.draft,
             draft_placement=args.draft_placement, ep=args.ep, nodes=args.nodes, hardware=args.hardware,
             batch=args.batch, context=args.context, weights=args.weights,
         ))
     except (ValueError, TypeError) as exc:
         raise _flag_error(exc, {"ep": "--ep", "nodes": "--nodes", "batch": "--batch", "context": "--context",
                                 "weights": "--weights", "hardware": "--hardware", "draft": "--draft",
-                                "model": "--model" if args.model else "--config"}, _typed_paths(args)) from exc
+                                "model": "--model" if args.model is not None else "--config"},
+                          _typed_paths(args)) from exc
 
 
 LOAD_FORMAT_CHOICES = ("auto", "epmoe", "olmoe-csv", "sglang-stat", "sglang-per-pass", "trtllm")
@@ -600,9 +595,11 @@ def _cmd_balance(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from epmoe.balance.report import balance_file
+    from epmoe.spec import check_config_path
 
     try:
-        _check_exists("--config", args.config)
+        if args.config is not None:
+            check_config_path(args.config, "--config")
         report = balance_file(
             args.loads, args.ep, args.redundant, args.out, num_nodes=args.nodes, num_groups=args.groups,
             algorithm=args.algorithm, from_placement=args.from_placement, max_moves=args.max_moves, plot=args.plot,

@@ -40,7 +40,7 @@ from epmoe.plan.request import (
     format_bytes,
     nodes_needed,
 )
-from epmoe.spec import DenseModelError, MoESpec, is_checkpoint_dir, load_moe_spec
+from epmoe.spec import DenseModelError, MoESpec, check_config_path, load_moe_spec
 
 Severity = Literal["error", "warning", "ok"]
 
@@ -444,8 +444,8 @@ def diagnose(cfg: DoctorConfig) -> list[Finding]:
         load_hardware(cfg.hardware)  # an unknown, unreadable or incomplete profile is a bad argument, named first
     for name in ("model", "draft"):  # a path to no config at all is a bad argument; a config that is wrong, a finding
         path = getattr(cfg, name)
-        if path is not None and not (Path(path).is_file() or is_checkpoint_dir(path)):
-            raise ValueError(f"{name} {str(path)!r} is neither a config.json nor a directory holding one")
+        if path is not None:
+            check_config_path(path, name)
     findings = check_backends(ep, nodes)
     spec, problems = _load_spec(cfg.model, "the target model")
     findings += problems

@@ -691,6 +691,28 @@ def check_checkpoint_dir(path: str | Path, what: str) -> None:
                          f"weights unless --load-format dummy)")
 
 
+_CONFIG_PATH = "expected a model directory holding config.json, or a config file"  # what a config path names
+
+
+def check_config_path(path: str | Path, what: str) -> None:
+    """Refuse a ``path`` that names no config (what ``--config`` and doctor's ``--model`` take: a ``config.json``
+    or a directory holding one), before it is read; ``what`` names it (``--config``, ``model``).
+
+    Raises:
+        ValueError: the path is empty, does not exist, is a directory without a ``config.json`` file, or neither a
+            file nor a directory (a pipe, a device), with what it should name.
+    """
+    p = Path(path)
+    if not str(path):  # Path("") is "." (the working directory)
+        raise ValueError(f"{what} is empty ({_CONFIG_PATH})")
+    if not p.exists():
+        raise ValueError(f"{what} {str(path)!r} does not exist ({_CONFIG_PATH})")
+    if p.is_dir() and not (p / "config.json").is_file():
+        raise ValueError(f"{what} {str(path)!r} is a directory without a config.json file ({_CONFIG_PATH})")
+    if not p.is_dir() and not p.is_file():
+        raise ValueError(f"{what} {str(path)!r} is neither a file nor a directory ({_CONFIG_PATH})")
+
+
 def read_config(path: str | Path) -> tuple[dict[str, Any], Path]:
     """Read a ``config.json`` (or the one in a checkpoint directory) as a JSON object.
 
@@ -703,8 +725,7 @@ def read_config(path: str | Path) -> tuple[dict[str, Any], Path]:
     """
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"{str(p)!r} does not exist (expected a model directory holding config.json, "
-                                f"or a config file)")
+        raise FileNotFoundError(f"{str(p)!r} does not exist ({_CONFIG_PATH})")
     if p.is_dir():
         p = p / "config.json"
     text = read_text_file(p, "config file")
