@@ -64,11 +64,12 @@ def plain(model_dir) -> list[list[int]]:
 def test_cached_prefixes_give_the_same_tokens(model_dir, plain, overlap):
     engine = _engine(model_dir, True, disable_overlap_schedule=not overlap)
     (first,) = engine.generate(PROMPTS[:1], GREEDY)  # computes the shared blocks
-    assert first.token_ids == plain[0] and engine.scheduler.prefix_hits == 0
+    assert first.token_ids == plain[0] and engine.scheduler.prefix_hits == 0 and first.num_cached_tokens == 0
     outs = engine.generate(PROMPTS, GREEDY)  # the others start after SYSTEM's three blocks; the first after its four
     assert [o.token_ids for o in outs] == plain
     s = engine.scheduler
     assert s.prefix_hits == 4 * 4 + 3 * 4 * 2 and s.prefix_queries == len(PROMPTS[0]) + sum(map(len, PROMPTS))
+    assert [o.num_cached_tokens for o in outs] == [4 * 4, 3 * 4, 3 * 4, 0]  # each request's own hits
     again = engine.generate(PROMPTS, GREEDY)  # every prompt and its 5 fed outputs are cached now
     assert [o.token_ids for o in again] == plain
     assert engine.allocator.num_free == engine.allocator.capacity and engine.allocator.num_cached > 0
@@ -81,6 +82,17 @@ def test_preempted_sequences_find_their_blocks_again(model_dir, plain):
     assert [o.token_ids for o in outs] == plain
     assert sum(o.num_preemptions for o in outs) > 0 and engine.scheduler.prefix_hits > 0
     assert engine.allocator.num_free == engine.allocator.capacity
+
+
+def test_a_preempted_request_reports_the_cached_tokens_of_its_first_admission(model_dir):
+    # two prompts sharing no block on a fresh engine: neither is served from the cache when first admitted; the
+    # second, preempted, finds its own blocks again when readmitted (the scheduler's hits), which its
+    # num_cached_tokens does not count
+    prompts = [list(range(11, 24)), list(range(200, 187, -1))]
+    engine = _engine(model_dir, True, num_kv_blocks=10, max_num_seqs=2)
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [o.num_preemptions > 0 for o in outs] == [False, True] and engine.scheduler.prefix_hits > 0
+    assert [o.num_cached_tokens for o in outs] == [0, 0]
 
 
 def test_prompt_logprobs_requests_compute_their_whole_prompt(model_dir, plain):

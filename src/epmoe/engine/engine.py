@@ -462,7 +462,8 @@ class Engine:
         prompt_logprobs = list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.resolved_output, new, text,
                              seq.finished, seq.finish_reason, seq.num_preemptions, ttft, seq.spec.verify_steps,
-                             seq.spec.draft_tokens, seq.spec.accepted_tokens, logprobs, prompt_logprobs, seq.error)
+                             seq.spec.draft_tokens, seq.spec.accepted_tokens, logprobs, prompt_logprobs, seq.error,
+                             seq.num_cached_tokens)
 
     # ---- expert loads and live rebalancing ---------------------------------------------------------
 

@@ -71,6 +71,9 @@ class Sequence:
         constraint_done: it stopped because its constraint was complete (its last token is kept in the text).
         error: why it ended with ``abort`` on its own (its constraint engine failed), else ``None``.
         count_row: with penalties, its row of the engine's ``sampling.TokenCounts`` (from its first sample on).
+        num_cached_tokens: prompt tokens its first admission took from the prefix cache (0 without prefix caching
+            or before it is admitted); a preempted sequence's re-admission, which may find its own blocks again,
+            leaves it as it was: it counts what the request was served, not what its recomputation reused.
     """
 
     request_id: str
@@ -98,6 +101,7 @@ class Sequence:
     constraint_done: bool = False
     error: str | None = None
     count_row: int | None = None
+    num_cached_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -159,6 +163,9 @@ class RequestOutput:
             ``None``), from the first output on; else ``None``.
         error: set when the engine ended the request itself (``finish_reason`` ``abort``): what failed, named (a
             structured output's constraint engine giving up mid-generation); else ``None``.
+        num_cached_tokens: prompt tokens served from the prefix cache at its first admission (vLLM's name;
+            ``Sequence.num_cached_tokens``: a preempted request's recomputation does not change it); 0 before it
+            is admitted and without prefix caching.
     """
 
     request_id: str
@@ -176,3 +183,4 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     error: str | None = None
+    num_cached_tokens: int = 0

@@ -35,7 +35,8 @@ parent's key), and stays there after the sequence frees it until the blocks are 
 nothing computed (new, or preempted) takes the longest run of cached blocks matching its tokens, as far as the
 block before its last token (the last token is always fed: its logits sample the next), and starts computing
 after them; a request asking for its prompt's log-probabilities takes none (they need every prompt row's logits).
-A preempted sequence so finds its own blocks again while no one has taken them.
+A preempted sequence so finds its own blocks again while no one has taken them. A sequence's
+``num_cached_tokens`` is what its first admission took from the cache (a re-admission after preemption leaves it).
 """
 
 from __future__ import annotations
@@ -351,6 +352,8 @@ class Scheduler:
             if self.prefix_caching:
                 self.prefix_queries += seq.num_tokens
                 self.prefix_hits += seq.num_computed
+                if not seq.num_preemptions:  # what the request was served: its first admission's
+                    seq.num_cached_tokens = seq.num_computed
             self.allocator.acquire(hits)
             seq.block_table.extend(hits)
             seq.num_registered = len(hits)
