@@ -328,6 +328,56 @@ def test_generation_config_chat_template_and_prefix_caching_flags(start_server, 
     assert "--chat-template" in capsys.readouterr().err
 
 
+def test_cached_tokens_are_the_prompt_tokens_served_from_the_prefix_cache(server, client):
+    """``usage.prompt_tokens_details.cached_tokens`` (completions and chats, whole and streamed) and the Responses
+    API's ``input_tokens_details.cached_tokens``: the prompt's tokens the engine took from its prefix cache (was
+    absent, and 0 on /v1/responses). A prompt sent again is served its full blocks as far as the block before its
+    last token (always fed: its logits sample the next); each prompt is counted once, as in ``prompt_tokens``."""
+    block = int(re.search(r"KV cache per rank: \d+ blocks of (\d+) tokens", server.log.read_text())[1])
+
+    def served(prompt_tokens: int) -> int:
+        """The cached tokens of a prompt of ``prompt_tokens`` sent again: its full blocks before its last token."""
+        return (prompt_tokens - 1) // block * block
+
+    def unique(blocks: int) -> str:
+        """A prompt over ``blocks`` blocks long (one byte a token) whose first block no earlier prompt shares."""
+        return uuid.uuid4().hex + " experts" * (blocks * block // 8) + "!"
+
+    prompt, other = unique(3), unique(2)
+    assert len(prompt.encode()) % block and served(len(prompt.encode())) >= 3 * block  # a partial last block too
+    first, again = (client.completions.create(model=MODEL, prompt=prompt, max_tokens=2) for _ in range(2))
+    assert first.usage.prompt_tokens == again.usage.prompt_tokens == len(prompt.encode())
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == served(len(prompt.encode()))
+    assert again.usage.completion_tokens_details is None  # as vLLM's completions (no reasoning is read)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == served(len(prompt.encode()))
+    # two prompts, two choices each, twice: the second time every choice is served from its rank's cache (the
+    # server's hits), and each prompt counts once (its first choice's), as prompt_tokens does
+    client.completions.create(model=MODEL, prompt=[prompt, other], n=2, max_tokens=2)
+    hits = server.metric("epmoe:prefix_cache_hits_total")
+    batch = client.completions.create(model=MODEL, prompt=[prompt, other], n=2, max_tokens=2)
+    each = served(len(prompt.encode())) + served(len(other.encode()))
+    assert server.metric("epmoe:prefix_cache_hits_total") - hits == 2 * each
+    assert batch.usage.prompt_tokens == len(prompt.encode()) + len(other.encode())
+    assert batch.usage.prompt_tokens_details.cached_tokens == each
+    messages = [{"role": "user", "content": unique(3)}]
+    first, again = (client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2) for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == served(again.usage.prompt_tokens) >= 3 * block
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == served(again.usage.prompt_tokens)
+    text = unique(3)
+    first, again = (client.responses.create(model=MODEL, input=text, max_output_tokens=2) for _ in range(2))
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    assert again.usage.input_tokens_details.cached_tokens == served(again.usage.input_tokens) >= 3 * block
+    events = list(client.responses.create(model=MODEL, input=text, max_output_tokens=2, stream=True))
+    assert events[-1].type in ("response.completed", "response.incomplete")  # max_output_tokens may end it
+    assert events[-1].response.usage.input_tokens_details.cached_tokens == served(again.usage.input_tokens)
+
+
 def test_stop_string_cuts_the_text(client, offline):
     text = offline(PROMPTS[1:2], 12)[0].text
     stop = text[4:6]

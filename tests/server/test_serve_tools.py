@@ -276,8 +276,11 @@ def test_responses_api_calls_tools_and_takes_their_outputs(client):
      "text.format of type json_schema needs its schema"),
     ({"input": [{"role": "user", "content": 5}]}, "input.0", ""),
     # was a 500 and a traceback in the log (the translated chat's own check, a pydantic error, was not caught)
-    ({"input": []}, "input", "input: give at least one item, or instructions (got an empty list)"),
-    ({"input": [], "instructions": ""}, "input", "give at least one item"),
+    ({"input": []}, "input", "input must not be empty, got []"),
+    # an empty input, as OpenAI refuses it (were served: a chat of the instructions alone, or of an empty message)
+    ({"input": [], "instructions": "be brief"}, "input", "input must not be empty, got []"),
+    ({"input": ""}, "input", "input must not be empty, got ''"),
+    ({"input": "", "instructions": "be brief"}, "input", "input must not be empty, got ''"),
     ('{"instructions": "x", "input": [{"role": "user", "content": "a\\ud800"}]}', "input",
      "is not valid Unicode text: a lone surrogate"),  # JSON's escape of a lone surrogate, sent as it is
     # an output answering no call was rendered as a tool message (OpenAI refuses it)

@@ -70,15 +70,18 @@ class ChatOutput:
         """How many of an output's tokens are reasoning (the usage's ``reasoning_tokens``): the tokens before the
         first token at which the answer (content or tool calls) begins, i.e. the reasoning's tokens with its end
         marker (``</think>``; a marker kept in the answer, as Kimi's tool-call section, begins the answer); all
-        of them where the answer never begins (the output never leaves the reasoning, or nothing follows its end);
-        0 without a reasoning parser, with a forced ``tool_choice``, or where the parser says the output does not
-        reason (``reasoning`` ``None`` for the whole ``text``; an empty reasoning, ``<think></think>``, counts its
-        markers' tokens).
+        of them where the answer never begins in ``text`` (the output never leaves the reasoning, or nothing follows
+        its end: a stop string cut from the text is not an answer); 0 without a reasoning parser, with a forced
+        ``tool_choice``, or where the parser says the output does not reason (``reasoning`` ``None`` for the whole
+        ``text``; an empty reasoning, ``<think></think>``, counts its markers' tokens).
 
         The token at which the answer begins is the first ``k`` whose prefix ``token_ids[:k + 1]``, decoded and
-        split by the parser (as a stream splits it: text that may still become a marker held back, but for the
-        whole output), has answer text: a predicate that only turns true as the prefix grows, found by binary
-        search in O(log n) decodes. No text is tokenized again.
+        split by the parser (as a stream splits it: text that may still become a marker held back), has answer
+        text: a predicate that only turns true as the prefix grows, found by binary search. Cost, for an output of
+        ``n`` tokens: one parse of ``text`` and, only where an answer follows the reasoning, at most
+        ``n.bit_length()`` decodes of prefixes shorter than the output (each of at most ``n`` tokens, so
+        O(n log n) tokenizer work; the whole output is never decoded again: ``text`` is it). No text is tokenized
+        again. The server calls it once per finished choice, in a worker thread (``replies.reasoning_tokens_of``).
 
         Args:
             token_ids: the output's tokens.
@@ -86,17 +89,20 @@ class ChatOutput:
                 reads kept).
             text: the whole output's text (``final_text``), as ``reply`` reads it.
         """
-        if self.reasoning is None or self.forced is not None or self._answer(text, final=True)[0] is None:
+        if self.reasoning is None or self.forced is not None:
+            return 0
+        reasoning, answer = self._answer(text, final=True)
+        if reasoning is None:
             return 0
         n = len(token_ids)
+        if not answer:
+            return n
 
         def begun(k: int) -> bool:
-            """The answer has begun within the first ``k`` tokens."""
-            return bool(self._answer(decode(token_ids[:k]), final=k == n)[1])
+            """The answer has begun within the first ``k < n`` tokens."""
+            return bool(self._answer(decode(token_ids[:k]), final=False)[1])
 
-        if not begun(n):
-            return n
-        lo, hi = 1, n  # the least k with begun(k) lies in [lo, hi]
+        lo, hi = 1, n  # the least k with begun(k) lies in [lo, hi]: the whole output's text has an answer
         while lo < hi:
             mid = (lo + hi) // 2
             if begun(mid):

@@ -67,6 +67,7 @@ class Update:
             ``new_token_ids``; else ``None``.
         prompt_logprobs: with ``SamplingParams.prompt_logprobs`` set, the prompt's, from the first update with
             tokens on; else ``None``.
+        num_cached_tokens: prompt tokens the engine served from its prefix cache (``RequestOutput``'s).
     """
 
     request_id: str
@@ -79,6 +80,7 @@ class Update:
     logprobs: list[TokenLogprobs] | None = None
     new_logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -346,7 +348,7 @@ class Frontend:
                                                        / up.num_verify_steps)
         logprobs = list(item.logprobs) if up.new_logprobs is not None else None
         return item, Update(up.request_id, list(item.token_ids), up.new_token_ids, up.finished, up.finish_reason,
-                            up.text, up.error, logprobs, up.new_logprobs, item.prompt_logprobs)
+                            up.text, up.error, logprobs, up.new_logprobs, item.prompt_logprobs, up.num_cached_tokens)
 
 
 def _put_all(batch: list[tuple[_Open, Update]]) -> None:

@@ -340,13 +340,18 @@ async def collect(frontend: Frontend, job: Job, updates: asyncio.Queue, codec: T
         for rid in ids:
             if index[rid] not in finals:
                 frontend.abort(rid)
-    reasoning = sum(reasoning_tokens_of(codec, job, i, u) for i, u in finals.items()) if reads_reasoning(job) else None
-    usage = usage_of(job, 0 if job.prompt_only else sum(len(u.token_ids) for u in finals.values()), reasoning)
+    texts = [final_text(codec, finals[i]) for i in range(len(ids))] if job.kind == "chat" else []
+    reasoning = None
+    if reads_reasoning(job):
+        reasoning = sum(await asyncio.gather(*(reasoning_tokens_of(codec, job, i, finals[i], texts[i])
+                                               for i in range(len(ids)))))
+    usage = usage_of(job, 0 if job.prompt_only else sum(len(u.token_ids) for u in finals.values()),
+                     [finals[i].num_cached_tokens for i in range(len(ids))], reasoning)
     created = int(time.time())
     if job.kind == "chat":
         choices = []
         for i in range(len(ids)):
-            message, finish = chat_reply(job, final_text(codec, finals[i]), finals[i].finish_reason)
+            message, finish = chat_reply(job, texts[i], finals[i].finish_reason)
             choices.append(ChatChoice(index=i, message=message, finish_reason=finish,
                                       logprobs=chat_logprobs(codec, finals[i].logprobs, job.as_ids)))
         return ChatCompletionResponse(id=job.request_id, created=created, model=job.model, usage=usage,
@@ -389,6 +394,7 @@ async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: se
     readers = [StreamReply(job) for _ in ids]
     tokens = [0] * len(ids)
     reasoning = [0] * len(ids)  # per choice, its reasoning tokens (counted when it finishes, for the usage)
+    cached = [0] * len(ids)  # per choice, its prompt tokens served from the prefix cache (for the usage)
     unsent: list[list[TokenLogprobs]] = [[] for _ in ids]  # per choice, log-probabilities not sent yet
     sent = [0] * len(ids)  # per choice, tokens whose log-probabilities were sent
     base = [0] * len(ids)  # completions: where the completion's text begins (past an echoed prompt)
@@ -401,6 +407,7 @@ async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: se
         while pending:
             up = check_update(await updates.get())
             i = index[up.request_id]
+            cached[i] = up.num_cached_tokens
             if not echoed[i]:  # the first update: the prompt (with its log-probabilities) before any token
                 echoed[i] = True
                 prompt_text, prompt_lp = echoed_prompt(codec, job, i, up)
@@ -412,11 +419,12 @@ async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: se
                     yield _chunk(job, created, i, "", "length")
                 continue
             tokens[i] = len(up.token_ids)
-            text = texts[i].delta(up.token_ids, final_text(codec, up) if up.finished else None)
+            whole = final_text(codec, up) if up.finished else None
+            text = texts[i].delta(up.token_ids, whole)
             if up.finished:
                 pending.discard(up.request_id)
                 if job.include_usage:
-                    reasoning[i] = reasoning_tokens_of(codec, job, i, up)
+                    reasoning[i] = await reasoning_tokens_of(codec, job, i, up, whole)
             if up.new_logprobs is not None:
                 unsent[i] += up.new_logprobs
             delta, finish = None, up.finish_reason if up.finished else None
@@ -440,6 +448,6 @@ async def stream(job: Job, updates: asyncio.Queue, codec: TextCodec, pending: se
         if job.include_usage:
             yield _event({"id": job.request_id, "object": "chat.completion.chunk" if job.kind == "chat"
                           else "text_completion", "created": created, "model": job.model, "choices": [],
-                          "usage": usage_of(job, sum(tokens),
+                          "usage": usage_of(job, sum(tokens), cached,
                                             sum(reasoning) if reads_reasoning(job) else None).model_dump()})
     yield DONE

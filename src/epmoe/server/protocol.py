@@ -444,6 +444,13 @@ class CompletionTokensDetails(BaseModel):
     reasoning_tokens: int
 
 
+class PromptTokensDetails(BaseModel):
+    """OpenAI's breakdown of the prompt tokens: ``cached_tokens``, those the engine served from its prefix cache
+    (``RequestOutput.num_cached_tokens``, counted once per prompt as ``prompt_tokens`` is)."""
+
+    cached_tokens: int
+
+
 class Usage(BaseModel):
     """Token counts of one response; ``completion_tokens_details`` only for a chat whose output a reasoning parser
     reads (else ``null``)."""
@@ -451,6 +458,7 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
     completion_tokens_details: CompletionTokensDetails | None = None
 
 

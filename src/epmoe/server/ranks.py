@@ -86,6 +86,7 @@ class StepUpdate:
         new_logprobs: with ``SamplingParams.logprobs`` set, one entry per token of ``new_token_ids``; else ``None``.
         prompt_logprobs: with ``SamplingParams.prompt_logprobs`` set, the prompt's (``RequestOutput``'s), on the
             first update that brings tokens only; else ``None``.
+        num_cached_tokens: prompt tokens served from the prefix cache (``RequestOutput.num_cached_tokens``).
     """
 
     request_id: str
@@ -99,6 +100,7 @@ class StepUpdate:
     num_accepted_tokens: int = 0
     new_logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0
 
     @classmethod
     def of(cls, out: RequestOutput) -> StepUpdate:
@@ -109,7 +111,7 @@ class StepUpdate:
         first = bool(out.new_token_ids) and len(out.new_token_ids) == len(out.token_ids)
         return cls(out.request_id, out.new_token_ids, out.finished, out.finish_reason, out.text, out.error,
                    out.num_preemptions, out.num_verify_steps, out.num_accepted_tokens, new_logprobs,
-                   out.prompt_logprobs if first else None)
+                   out.prompt_logprobs if first else None, out.num_cached_tokens)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ the completion's and vLLM's ``prompt_logprobs`` forms, usage, and a streamed cha
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from collections.abc import Sequence
 
 from epmoe.engine import TokenLogprobs
 from epmoe.server.chat_output import Reply
@@ -21,6 +23,7 @@ from epmoe.server.protocol import (
     FunctionCall,
     PromptLogprob,
     PromptLogprobs,
+    PromptTokensDetails,
     ToolCallOut,
     TopLogprob,
     Usage,
@@ -172,13 +175,25 @@ def chat_reply(job: Job, text: str, finish: str | None) -> tuple[AssistantMessag
                             tool_calls=_tool_calls(reply.calls, delta=False)), _finish(job, reply, finish)
 
 
-def usage_of(job: Job, completion_tokens: int, reasoning_tokens: int | None = None) -> Usage:
-    """The response's token counts: every prompt's, ``completion_tokens``, and ``reasoning_tokens`` (of those, the
-    reasoning's) as ``completion_tokens_details`` unless ``None``."""
+def usage_of(job: Job, completion_tokens: int, cached_tokens: Sequence[int],
+             reasoning_tokens: int | None = None) -> Usage:
+    """The response's token counts: every prompt's (each once, whatever ``n``), of those the ones served from the
+    prefix cache, ``completion_tokens``, and ``reasoning_tokens`` (of those, the reasoning's) as
+    ``completion_tokens_details`` unless ``None``.
+
+    Args:
+        job: the request.
+        completion_tokens: the choices' generated tokens, summed.
+        cached_tokens: per choice (``len(job.params)`` entries), its prompt tokens served from the prefix cache
+            (``Update.num_cached_tokens``); each prompt counts its first choice's, as ``prompt_tokens`` counts each
+            prompt once.
+        reasoning_tokens: of ``completion_tokens``, the reasoning's, or ``None`` (no reasoning parser).
+    """
     prompt = sum(len(p) for p in job.prompts)
+    cached = sum(cached_tokens[i * job.n] for i in range(len(job.prompts)))
     details = None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
     return Usage(prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens,
-                 completion_tokens_details=details)
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached), completion_tokens_details=details)
 
 
 def reads_reasoning(job: Job) -> bool:
@@ -186,14 +201,21 @@ def reads_reasoning(job: Job) -> bool:
     return job.chat is not None and job.chat.reasoning is not None and job.chat.forced is None
 
 
-def reasoning_tokens_of(codec: TextCodec, job: Job, choice: int, up: Update) -> int:
+async def reasoning_tokens_of(codec: TextCodec, job: Job, choice: int, up: Update, text: str) -> int:
     """How many of a finished choice's tokens (its final update ``up``'s) are reasoning
     (``ChatOutput.reasoning_tokens``: its tokens' prefixes decoded as its text is); 0 where no reasoning parser
-    reads it."""
+    reads it. Called once per finished choice; the count runs in a worker thread, since its decodes (up to
+    ``n.bit_length()`` of up to ``n`` tokens each, for an output of ``n``) take milliseconds for a long output, which
+    the event loop and the other requests' streams would otherwise wait for.
+
+    Args:
+        text: the choice's whole text (``final_text(codec, up)``), which the count reads instead of decoding it
+            again.
+    """
     if not reads_reasoning(job):
         return 0
     skip = job.params[choice].skip_special_tokens
-    return job.chat.reasoning_tokens(up.token_ids, lambda ids: codec.decode(ids, skip), final_text(codec, up))
+    return await asyncio.to_thread(job.chat.reasoning_tokens, up.token_ids, lambda ids: codec.decode(ids, skip), text)
 
 
 class StreamReply:

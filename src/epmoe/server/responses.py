@@ -43,9 +43,10 @@ def as_chat(req: ResponsesRequest) -> ChatCompletionRequest:
 
     Raises:
         ApiError: 400 ``previous_response_id``, ``background`` or ``prompt`` (nothing is stored), ``text.format``
-            ``json_schema`` without its ``schema``, no message at all (an empty ``input`` and no ``instructions``),
-            a translated request the chat endpoint refuses (named as there, ``renamed`` for the Responses API), a
-            ``function_call_output`` whose ``call_id`` no ``function_call`` before it has.
+            ``json_schema`` without its ``schema``, an empty ``input`` (``""`` or ``[]``, with ``instructions`` or
+            without, as OpenAI refuses it), a translated request the chat endpoint refuses (named as there,
+            ``renamed`` for the Responses API), a ``function_call_output`` whose ``call_id`` no ``function_call``
+            before it has.
     """
     if req.previous_response_id is not None:
         raise ApiError(400, f"previous_response_id={req.previous_response_id!r} is not served: epmoe stores no "
@@ -55,6 +56,9 @@ def as_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     if req.prompt is not None:
         raise ApiError(400, "prompt (a stored prompt's reference) is not served: epmoe stores no prompts; send its "
                             "text in instructions and input", "prompt")
+    if not req.input:  # as OpenAI: instructions alone are no input
+        raise ApiError(400, f"input must not be empty, got {req.input!r}: send a message's text or a list of "
+                            "input items", "input")
     messages: list[dict] = [{"role": "system", "content": req.instructions}] if req.instructions else []
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
     calls: set[str] = set()  # the call ids of the function calls so far: an output answers one of them
@@ -100,8 +104,6 @@ def as_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         body["response_format"] = {"type": fmt.type} if fmt.type == "json_object" else {
             "type": "json_schema", "json_schema": {"name": fmt.name or "output", "schema": fmt.json_schema,
                                                    "strict": fmt.strict}}
-    if not messages:  # the chat's own check would name messages
-        raise ApiError(400, "input: give at least one item, or instructions (got an empty list)", "input")
     try:
         return ChatCompletionRequest.model_validate(body, strict=False)
     except pydantic.ValidationError as exc:  # named as the chat endpoint names it, then renamed for input
@@ -151,13 +153,21 @@ def _response(req: ResponsesRequest, job: Job, created: int, status: str, output
             "store": False, "background": False}
 
 
-def _usage(job: Job, output_tokens: int, reasoning_tokens: int) -> dict:
-    """The response's ``usage``; ``reasoning_tokens``: of the output's tokens, the reasoning's
-    (``ChatOutput.reasoning_tokens``: up to and with its end marker ``</think>``, all where the answer never begins,
-    0 where no reasoning parser reads the output or it does not reason)."""
+def _usage(job: Job, output_tokens: int, reasoning_tokens: int, cached_tokens: int) -> dict:
+    """The response's ``usage``.
+
+    Args:
+        job: the request (one prompt, one choice).
+        output_tokens: the tokens generated.
+        reasoning_tokens: of those, the reasoning's (``ChatOutput.reasoning_tokens``: up to and with its end marker
+            ``</think>``, all where the answer never begins, 0 where no reasoning parser reads the output or it does
+            not reason).
+        cached_tokens: the prompt tokens the engine served from its prefix cache (``Update.num_cached_tokens``).
+    """
     prompt = len(job.prompts[0])
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": output_tokens,
-            "output_tokens_details": {"reasoning_tokens": reasoning_tokens}, "total_tokens": prompt + output_tokens}
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": prompt + output_tokens}
 
 
 def _status(finish: str | None) -> str:
@@ -180,7 +190,8 @@ def whole(req: ResponsesRequest, job: Job, chat: dict) -> dict:
     usage = chat["usage"]
     details = usage.get("completion_tokens_details") or {"reasoning_tokens": 0}  # none: no reasoning parser
     return _response(req, job, chat["created"], _status(choice["finish_reason"]), output,
-                     _usage(job, usage["completion_tokens"], details["reasoning_tokens"]), choice["finish_reason"])
+                     _usage(job, usage["completion_tokens"], details["reasoning_tokens"],
+                            usage["prompt_tokens_details"]["cached_tokens"]), choice["finish_reason"])
 
 
 class _Events:
@@ -245,16 +256,17 @@ async def stream(req: ResponsesRequest, job: Job, updates: asyncio.Queue, codec:
                 event("response.content_part.added", item_id=output[-1]["id"], output_index=index,
                       content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
 
-    finish, tokens, reasoning = None, 0, 0
+    finish, tokens, reasoning, cached = None, 0, 0, 0
     try:
         while pending:
             up = check_update(await updates.get())
-            tokens = len(up.token_ids)
+            tokens, cached = len(up.token_ids), up.num_cached_tokens
+            whole_text = final_text(codec, up) if up.finished else None
             if up.finished:
                 pending.discard(up.request_id)
                 finish = up.finish_reason
-                reasoning = reasoning_tokens_of(codec, job, 0, up)
-            new = text.delta(up.token_ids, final_text(codec, up) if up.finished else None)
+                reasoning = await reasoning_tokens_of(codec, job, 0, up, whole_text)
+            new = text.delta(up.token_ids, whole_text)
             delta, finish = reply.delta(new, up.finished, finish) if job.chat is not None else (None, finish)
             pieces = ([("reasoning", delta.reasoning_content), ("message", delta.content)] if delta is not None
                       else [("message", new)])
@@ -291,4 +303,4 @@ async def stream(req: ResponsesRequest, job: Job, updates: asyncio.Queue, codec:
         return
     status = _status(finish)
     yield event(f"response.{status}", response=_response(req, job, created, status, output,
-                                                         _usage(job, tokens, reasoning), finish))
+                                                         _usage(job, tokens, reasoning, cached), finish))
