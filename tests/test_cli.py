@@ -550,6 +550,36 @@ def test_sigterm_during_an_import_waits_for_the_import(tmp_path, monkeypatch):
         signal.signal(signal.SIGTERM, before)
 
 
+def test_sigterm_reaches_a_main_thread_blocked_in_cpp(tmp_path):
+    """A main thread blocked in C++ (here a store read of a key nobody writes, as a torchrun rank waits in the
+    process-group setup for a peer that failed) runs no Python signal handler: SIGTERM waited for the SIGKILL that
+    follows it. The command now prints its line and exits 143 once the grace is over."""
+    import signal
+    import subprocess
+
+    script = tmp_path / "blocked.py"
+    script.write_text(
+        "import sys\n"
+        "from datetime import timedelta\n"
+        "import torch.distributed as dist\n"
+        "from epmoe import cli\n"
+        "def blocked(args):\n"
+        "    store = dist.TCPStore('127.0.0.1', 0, 1, True, timeout=timedelta(seconds=120))\n"
+        "    print('blocked', flush=True)\n"
+        "    store.get('a key nobody sets')\n"
+        "cli._main = blocked\n"
+        "sys.exit(cli.main([]))\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "blocked\n"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines() == ["epmoe: terminated (SIGTERM)"], err
+
+
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the ranks through Linux's /proc")
 def test_sigterm_stops_a_run_with_one_line_and_its_ranks(kimi):

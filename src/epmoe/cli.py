@@ -667,6 +667,14 @@ def _importing(frame) -> bool:
     return False
 
 
+_TERM_GRACE_S = 2.0
+"""How long the main thread has to take a SIGTERM (``_raise_terminated``) before ``_TermWatch`` exits the process,
+seconds."""
+
+_raised = threading.Event()
+"""Set when ``_raise_terminated`` raised ``Terminated`` in the main thread (the command's own ways out run)."""
+
+
 def _raise_terminated(signum, frame) -> None:
     """SIGTERM's handler: ``Terminated`` where the command is, or, inside an import, the same signal again in
     ``_RETRY_S`` (and so on until the import is over)."""
@@ -675,16 +683,66 @@ def _raise_terminated(signum, frame) -> None:
         timer.daemon = True
         timer.start()
         return
+    _raised.set()
     raise Terminated
+
+
+class _TermWatch:
+    """A SIGTERM the main thread cannot take: Python runs signal handlers only between the main thread's bytecodes,
+    so a rank blocked in C++ (under torchrun, in a collective or a process-group setup waiting for a peer that
+    failed) would sit there until torchrun's SIGKILL 30 s later. This daemon thread wakes on every signal through
+    ``signal.set_wakeup_fd``; on SIGTERM, if ``_raise_terminated`` has not raised within ``_TERM_GRACE_S`` and is still
+    SIGTERM's handler (``epmoe serve`` drains with its own once it listens), it prints the command's one line and
+    exits the process with ``EXIT_TERMINATED``.
+
+    Args:
+        grace_s: seconds the main thread gets, ``_TERM_GRACE_S`` by default.
+
+    Raises:
+        ValueError: made outside the main thread (``signal.set_wakeup_fd`` works only there).
+    """
+
+    def __init__(self, grace_s: float = _TERM_GRACE_S) -> None:
+        import socket
+
+        self.grace_s = grace_s
+        self._read, self._write = socket.socketpair()
+        self._read.setblocking(True)
+        self._write.setblocking(False)
+        self._before = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, name="epmoe-sigterm", daemon=True).start()
+
+    def _watch(self) -> None:
+        while True:
+            try:
+                data = self._read.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            if signal.SIGTERM in data and not _raised.wait(self.grace_s) \
+                    and signal.getsignal(signal.SIGTERM) is _raise_terminated:
+                print("epmoe: terminated (SIGTERM)", file=sys.stderr, flush=True)
+                os._exit(EXIT_TERMINATED)
+
+    def close(self) -> None:
+        """Give the previous wakeup fd back and stop the thread (from the main thread)."""
+        signal.set_wakeup_fd(self._before)
+        self._write.close()
+        self._read.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``epmoe`` console script: the command's exit code; Ctrl-C prints one line and returns
     ``EXIT_INTERRUPTED``, SIGTERM one line and ``EXIT_TERMINATED`` (``epmoe serve`` drains on SIGTERM instead, once
-    it listens). (Pressed while a library is being imported, in the first second or so, the interrupt may leave that
-    library half-imported, and its own error can come first: Python gives no way to defer it there.)"""
+    it listens; a main thread blocked in C++ that cannot take the SIGTERM, as a torchrun rank waiting for a failed
+    peer, exits ``_TERM_GRACE_S`` after it with the same line and code: ``_TermWatch``). (Pressed while a library is
+    being imported, in the first second or so, the interrupt may leave that library half-imported, and its own error
+    can come first: Python gives no way to defer it there.)"""
     main_thread = threading.current_thread() is threading.main_thread()
     before = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
+    _raised.clear()
+    watch = _TermWatch() if main_thread else None
     try:
         return _main(argv)
     except KeyboardInterrupt:
@@ -696,6 +754,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, before)
+            watch.close()
 
 
 def _main(argv: Sequence[str] | None) -> int:

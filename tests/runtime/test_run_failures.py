@@ -59,6 +59,10 @@ def test_torchrun_shows_the_error_of_the_rank_that_failed(missing_rank1_tensor):
     out = proc.stdout + proc.stderr
     assert (f"epmoe run: error: rank 1 failed: KeyError: checkpoint is missing a tensor of logical expert 9 of "
             f"model.layers.1.mlp: checkpoint {missing_rank1_tensor} has no tensor '{MISSING}'") in out, out
+    # rank 0, blocked in the process-group setup waiting for rank 1, takes torchrun's SIGTERM (143), not its SIGKILL
+    # 30 s later (-9)
+    assert "epmoe: terminated (SIGTERM)" in out and "SIGKILL" not in out, out
+    assert re.search(r"rank +: 0 \(local_rank: 0\)\n +exitcode +: 143 ", out), out
 
 
 def test_spawned_run_shows_the_failed_ranks_error_once_and_no_lost_store_error(kimi, tmp_path):
