@@ -133,7 +133,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from epmoe.runtime.run import RunConfig, run_job
 
     if args.json not in (None, "-"):
-        check_output_path("--json", args.json, "a JSON file path")
+        check_output_path("--json", args.json, "a JSON file path", replaces=False)
     if args.save_loads is not None:
         check_output_path("--save-loads", args.save_loads, "a loads file path (.json or .safetensors)")
     try:
@@ -299,7 +299,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.json not in (None, "-"):
         from epmoe.files import check_output_path
 
-        check_output_path("--json", args.json, "a JSON file path")
+        check_output_path("--json", args.json, "a JSON file path", replaces=False)
     import httpx
 
     try:
@@ -609,7 +609,8 @@ def _cmd_balance(args: argparse.Namespace) -> int:
         raise _flag_error(exc, {"ep_size": "--ep", "num_redundant": "--redundant", "num_nodes": "--nodes",
                                 "num_groups": "--groups", "max_moves": "--max-moves", "from_placement": "--from",
                                 "out": "--out", "plot": "--plot", "algorithm": "--algorithm", "iters": "--iters",
-                                "out_format": "--out-format", "loads_format": "--loads-format"}) from exc
+                                "out_format": "--out-format", "loads_format": "--loads-format",
+                                "loads": "--loads"}) from exc
     if args.json:
         print(json.dumps(report.to_json()))
     else:

@@ -172,6 +172,15 @@ def test_out_that_is_a_directory_or_in_a_missing_one(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"--out ({str(missing)!r}) cannot be written: directory {str(missing.parent)!r} does not exist" in err
     assert ".tmp" not in err
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine")
+    under = a_file / "p.json"  # was "directory ... does not exist": it exists, as a file
+    assert main(["balance", "--loads", EPLB, "--ep", "8", "--out", str(under)]) == 2
+    assert (f"epmoe balance: error: --out ({str(under)!r}) cannot be written: {str(a_file)!r} is not a directory"
+            in capsys.readouterr().err)
+    assert main(["balance", "--loads", "", "--ep", "8", "--out", str(tmp_path / "p.json")]) == 2
+    # was "loads folder '.' holds neither TensorRT-LLM's meta_info.json nor SGLang's per-pass .pt files"
+    assert capsys.readouterr().err.endswith("epmoe balance: error: --loads is empty; expected a loads file or folder\n")
 
 
 def test_outputs_written_together_without_temporary_files(tmp_path, capsys):
@@ -180,6 +189,13 @@ def test_outputs_written_together_without_temporary_files(tmp_path, capsys):
     assert main(args) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loads.png", "p.safetensors"]
     assert ExpertPlacement.load(out).ep_size == 8 and png.read_bytes()[:4] == b"\x89PNG"
+    # files of the user's beside the targets under the names the writes once staged in are left alone
+    for name in ("loads.png.tmp", ".p.safetensors.epmoe-partial.safetensors"):
+        (tmp_path / name).write_text("mine")
+    assert main(args) == 0
+    assert all((tmp_path / name).read_text() == "mine" for name in ("loads.png.tmp",
+                                                                   ".p.safetensors.epmoe-partial.safetensors"))
+    assert len(list(tmp_path.iterdir())) == 4
 
 
 def test_loads_directory_and_weight_key_messages(tmp_path, capsys):

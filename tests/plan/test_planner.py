@@ -424,22 +424,48 @@ def test_plot_path_checked_before_planning_and_written_exactly(tmp_path, capsys)
 
 
 def test_a_plot_whose_write_fails_is_named_and_nothing_is_printed(tmp_path, capsys, monkeypatch):
-    """A path the up-front check passes but the file system refuses (a full or read-only one: ``/dev/full``,
-    ``/proc``) fails the command naming ``--plot``, before the plan is printed."""
-    from matplotlib.figure import Figure
-
+    """A path the up-front check passes but the file system refuses (a full or read-only one) fails the command
+    naming ``--plot``, before the plan is printed; the figure there before is left as it was and no partial file
+    stays (the figure was saved straight onto the path: an old one was truncated, a new one left empty)."""
     def full(self, *args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(Figure, "savefig", full)
-    cfg = str(CONFIGS / "qwen3-30b-a3b.config.json")
     path = tmp_path / "x.png"
+    path.write_bytes(b"the old figure")
+    monkeypatch.setattr(Path, "write_bytes", full)
+    cfg = str(CONFIGS / "qwen3-30b-a3b.config.json")
     assert main(["plan", "--config", cfg, "--gpus", "8", "--hardware", "h200-sxm", "--batch", "1",
                  "--plot", str(path)]) == 2
     captured = capsys.readouterr()
     assert captured.err.endswith(f"epmoe plan: error: --plot ({str(path)!r}) cannot be written: No space left on "
                                  f"device\n"), captured.err
     assert captured.out == ""
+    assert path.read_bytes() == b"the old figure" and sorted(tmp_path.iterdir()) == [path]
+
+
+def test_a_plot_or_placement_onto_a_device_or_pipe_is_refused(tmp_path, capsys):
+    """``--plot`` or ``--out`` naming a device or a pipe: the atomic write's rename replaced it with a regular file
+    (``balance --plot /dev/full`` turned the device into a PNG); now refused up front, naming the flag."""
+    import os
+
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)
+    cfg = str(CONFIGS / "qwen3-30b-a3b.config.json")
+    assert main(["plan", "--config", cfg, "--gpus", "8", "--hardware", "h200-sxm", "--batch", "1",
+                 "--plot", str(fifo)]) == 2
+    assert capsys.readouterr().err.endswith(f"epmoe plan: error: --plot ({str(fifo)!r}) is not a regular file (a "
+                                            f"device, pipe or socket), which writing it would replace; expected a "
+                                            f"figure file path (.png, .pdf, .svg, ...)\n")
+    assert fifo.is_fifo()
+    loads = tmp_path / "loads.json"
+    loads.write_text('{"format": "epmoe.loads/1", "load": [[4, 3, 2, 1]]}')
+    for flag in ("--out", "--plot"):
+        target = tmp_path / f"pipe{flag[2:]}.png"
+        os.mkfifo(target)
+        out = ["--out", str(target)] if flag == "--out" else ["--out", str(tmp_path / "p.json"), "--plot", str(target)]
+        assert main(["balance", "--loads", str(loads), "--ep", "2", *out]) == 2
+        assert f"epmoe balance: error: {flag} ({str(target)!r}) is not a regular file" in capsys.readouterr().err
+        assert target.is_fifo() and not (tmp_path / "p.json").exists()
 
 
 def test_plot_suffix_picks_the_format_and_one_matplotlib_cannot_write_is_refused_before_planning(tmp_path, capsys):

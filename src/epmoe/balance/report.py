@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from epmoe.balance.moves import placement_moves, rebalance_with_moves
 from epmoe.balance.problem import check_problem, rank_balancedness, rank_loads, rank_max_over_mean
 from epmoe.balance.registry import balance, get_balancer
 from epmoe.checks import check_int
-from epmoe.files import check_output_path, write_failed
+from epmoe.files import atomic_path, check_output_path, write_failed
 from epmoe.integrations.dumps import read_load_dump
 from epmoe.integrations.placements import (
     LayeredPlacement,
@@ -105,25 +106,18 @@ def _plot_figure(names: list[str], before: torch.Tensor, after: torch.Tensor, fm
 
 
 def _write_outputs(placement: LayeredPlacement, out: Path, figure: bytes | None, plot: Path | None) -> None:
-    """Write the placement and the figure: both prepared under temporary names next to their targets, then renamed;
-    on an error every temporary file is removed and the message names the path the user gave."""
-    staged: list[tuple[Path, Path, str]] = []  # (temporary, final, field)
+    """Write the placement and the figure: both prepared under new temporary names next to their targets
+    (``files.atomic_path``), then renamed once both are written; on an error every temporary file is removed and the
+    message names the path the user gave."""
+    field, final = "out", out
     try:
-        tmp_out = out.with_name(f".{out.name}.epmoe-partial{out.suffix}")
-        staged.append((tmp_out, out, "out"))
-        save_placement_as(placement, tmp_out, placement.format)  # writes ``tmp_out.tmp``, renames it to ``tmp_out``
-        if figure is not None and plot is not None:
-            tmp_fig = plot.with_name(plot.name + ".tmp")
-            staged.append((tmp_fig, plot, "plot"))
-            tmp_fig.write_bytes(figure)
+        with ExitStack() as stack:
+            save_placement_as(placement, stack.enter_context(atomic_path(out)), placement.format)
+            if figure is not None and plot is not None:
+                field, final = "plot", plot
+                stack.enter_context(atomic_path(plot)).write_bytes(figure)
     except OSError as exc:
-        field, final = staged[-1][2], staged[-1][1]
-        for tmp, _, _ in staged:
-            for p in (tmp, tmp.with_name(tmp.name + ".tmp")):
-                p.unlink(missing_ok=True)
         raise write_failed(field, final, exc) from exc
-    for tmp, final, _ in staged:
-        tmp.replace(final)
 
 
 def balance_file(
@@ -185,7 +179,7 @@ def balance_file(
         if target is not None and target.resolve() == path.resolve():
             raise ValueError(f"{field} ({str(target)!r}) names the loads file; write the placement elsewhere")
     spec = load_moe_spec(config) if config is not None else None
-    dump = read_load_dump(path, loads_format, spec=spec, iters=iters)
+    dump = read_load_dump(loads, loads_format, spec=spec, iters=iters)
     load, names = dump.load, list(dump.names)
     check_problem(load, ep_size, num_redundant, num_nodes, num_groups)
     if max_moves is not None:

@@ -287,9 +287,11 @@ def read_load_dump(path: str | Path, fmt: str = "auto", *, spec: MoESpec | None 
 
     Raises:
         FileNotFoundError: no such file or folder.
-        ValueError: an unknown format, a file that cannot be read (truncated ``.pt`` included), a missing or
-            malformed field, or counts that do not fit ``spec`` (file and field named).
+        ValueError: an empty ``path``, an unknown format, a file that cannot be read (truncated ``.pt`` included), a
+            missing or malformed field, or counts that do not fit ``spec`` (file and field named).
     """
+    if not str(path):  # Path("") is "." (the working directory, read as a folder): say what was given
+        raise ValueError("loads is empty; expected a loads file or folder")
     p = Path(path)
     if fmt not in LOAD_FORMATS:
         raise ValueError(f"loads_format must be one of {', '.join(LOAD_FORMATS)}, got {fmt!r}")

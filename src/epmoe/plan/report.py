@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from epmoe.files import write_failed
+from epmoe.files import atomic_path, write_failed
 from epmoe.plan.costs import weights_hint
 from epmoe.plan.draft import DraftModel
 from epmoe.plan.planner import plan
@@ -322,12 +323,14 @@ def plot_plan(p: Plan, path: str | Path, field: str = "path") -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format=fmt, dpi=120)
+    plt.close(fig)
     try:
-        fig.savefig(str(path), format=fmt, dpi=120)
+        with atomic_path(path) as tmp:  # a failed write leaves no half file, and an old figure as it was
+            tmp.write_bytes(buf.getvalue())
     except OSError as exc:
         raise write_failed(field, path, exc) from exc
-    finally:
-        plt.close(fig)
 
 
 def report_plan(req: PlanRequest, as_json: bool = False, plot_path: str | Path | None = None,
