@@ -255,6 +255,17 @@ def test_a_missing_config_or_draft_is_named_by_its_flag(tmp_path, capsys, argv, 
     assert (f"epmoe {command}: error: {flag} '{missing}' is a directory without a config.json file (expected a "
             f"model directory holding config.json, or a config file)\n") in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+    # a config that exists but does not parse: the error named the file alone ("config.json: not valid JSON")
+    config = missing / "config.json"
+    for text, what in (("", "is empty (expected a model directory holding config.json, or a config file)"),
+                       ("{x", ": not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 "
+                              "(char 1))"),
+                       ("[1]", ": expected a JSON object, got list")):
+        config.write_text(text)
+        assert main([a.format(**paths) for a in argv]) == 2
+        sep = "" if what.startswith(":") else " "
+        assert f"epmoe {command}: error: {flag} '{config}'{sep}{what}\n" in capsys.readouterr().err
+        assert not (tmp_path / "p.json").exists()
 
 
 @pytest.mark.parametrize("command", ["run", "serve"])

@@ -432,9 +432,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from epmoe.spec import check_config_path, load_moe_spec
 
     try:
-        check_config_path(args.config, "--config")  # named by its flag (the reader names only the path)
+        check_config_path(args.config, "--config", parse=True)  # named by its flag (the reader names the path)
         if args.draft is not None:
-            check_config_path(args.draft, "--draft")
+            check_config_path(args.draft, "--draft", parse=True)
         spec = load_moe_spec(args.config)
         context = args.context if args.context is not None else default_context(spec)
         req = PlanRequest(
@@ -599,7 +599,7 @@ def _cmd_balance(args: argparse.Namespace) -> int:
 
     try:
         if args.config is not None:
-            check_config_path(args.config, "--config")
+            check_config_path(args.config, "--config", parse=True)
         report = balance_file(
             args.loads, args.ep, args.redundant, args.out, num_nodes=args.nodes, num_groups=args.groups,
             algorithm=args.algorithm, from_placement=args.from_placement, max_moves=args.max_moves, plot=args.plot,

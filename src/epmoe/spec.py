@@ -694,13 +694,20 @@ def check_checkpoint_dir(path: str | Path, what: str) -> None:
 _CONFIG_PATH = "expected a model directory holding config.json, or a config file"  # what a config path names
 
 
-def check_config_path(path: str | Path, what: str) -> None:
+def check_config_path(path: str | Path, what: str, *, parse: bool = False) -> None:
     """Refuse a ``path`` that names no config (what ``--config`` and doctor's ``--model`` take: a ``config.json``
     or a directory holding one), before it is read; ``what`` names it (``--config``, ``model``).
 
+    Args:
+        path: the path given.
+        what: its flag or field, for the message.
+        parse: also read the file as ``read_config`` does (``plan`` and ``balance``: its JSON errors then name
+            ``what``; ``doctor`` reports them as findings instead).
+
     Raises:
         ValueError: the path is empty, does not exist, is a directory without a ``config.json`` file, or neither a
-            file nor a directory (a pipe, a device), with what it should name.
+            file nor a directory (a pipe, a device), with what it should name; with ``parse``, a file that is empty,
+            not JSON or not a JSON object.
     """
     p = Path(path)
     if not str(path):  # Path("") is "." (the working directory)
@@ -711,6 +718,26 @@ def check_config_path(path: str | Path, what: str) -> None:
         raise ValueError(f"{what} {str(path)!r} is a directory without a config.json file ({_CONFIG_PATH})")
     if not p.is_dir() and not p.is_file():
         raise ValueError(f"{what} {str(path)!r} is neither a file nor a directory ({_CONFIG_PATH})")
+    if parse:
+        file = p / "config.json" if p.is_dir() else p
+        _parse_config(read_text_file(file, "config file"), f"{what} {str(file)!r}")
+
+
+def _parse_config(text: str, name: str) -> dict[str, Any]:
+    """``text`` as a JSON object; ``name`` (the file, or the flag and file) leads the messages.
+
+    Raises:
+        ValueError: ``text`` is empty (whitespace only), not JSON or not a JSON object.
+    """
+    if not text.strip():
+        raise ValueError(f"{name} is empty ({_CONFIG_PATH})")
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name}: not valid JSON ({exc})") from exc
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{name}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
 
 
 def read_config(path: str | Path) -> tuple[dict[str, Any], Path]:
@@ -721,21 +748,14 @@ def read_config(path: str | Path) -> tuple[dict[str, Any], Path]:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the file is not JSON or not a JSON object.
+        ValueError: the file is empty, not JSON or not a JSON object.
     """
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{str(p)!r} does not exist ({_CONFIG_PATH})")
     if p.is_dir():
         p = p / "config.json"
-    text = read_text_file(p, "config file")
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{p}: not valid JSON ({exc})") from exc
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{p}: expected a JSON object, got {type(cfg).__name__}")
-    return cfg, p
+    return _parse_config(read_text_file(p, "config file"), str(p)), p
 
 
 def load_moe_spec(path: str | Path) -> MoESpec:
