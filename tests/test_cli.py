@@ -561,6 +561,30 @@ def test_sigterm_during_an_import_waits_for_the_import(tmp_path, monkeypatch):
         signal.signal(signal.SIGTERM, before)
 
 
+def test_the_last_line_on_a_terminal_clears_a_stopped_bar_and_shows_the_cursor(monkeypatch):
+    """A rank's progress bar stopped by SIGTERM left the cursor hidden and the command's line glued to the bar
+    ("... 20% 0:00:08epmoe: terminated (SIGTERM)"); on a terminal the line is now cleared and the cursor shown first.
+    Not on a pipe: the line alone."""
+    import io
+
+    from epmoe import cli
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    def stopped(argv):
+        sys.stderr.write("\x1b[?25l generating 20% 0:00:08")  # a bar being drawn, cursor hidden
+        raise cli.Terminated
+
+    monkeypatch.setattr(cli, "_main", stopped)
+    for stream, want in ((Tty(), "\r\x1b[2K\x1b[?25hepmoe: terminated (SIGTERM)\n"),
+                         (io.StringIO(), "0:00:08epmoe: terminated (SIGTERM)\n")):
+        monkeypatch.setattr(sys, "stderr", stream)
+        assert cli.main([]) == cli.EXIT_TERMINATED
+        assert stream.getvalue().endswith(want), repr(stream.getvalue())
+
+
 def test_sigterm_reaches_a_main_thread_blocked_in_cpp(tmp_path):
     """A main thread blocked in C++ (here a store read of a key nobody writes, as a torchrun rank waits in the
     process-group setup for a peer that failed) runs no Python signal handler: SIGTERM waited for the SIGKILL that

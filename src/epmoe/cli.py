@@ -733,6 +733,15 @@ class _TermWatch:
         self._read.close()
 
 
+def _leave_line() -> None:
+    """On a terminal, clear the line a stopped rank's progress bar was drawn on and show the cursor again (rich hides
+    it while it draws; a rank stopped by SIGTERM never gave it back, and the command's last line followed the bar on
+    its line)."""
+    if sys.stderr.isatty():
+        sys.stderr.write("\r\x1b[2K\x1b[?25h")
+        sys.stderr.flush()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``epmoe`` console script: the command's exit code; Ctrl-C prints one line and returns
     ``EXIT_INTERRUPTED``, SIGTERM one line and ``EXIT_TERMINATED`` (``epmoe serve`` drains on SIGTERM instead, once
@@ -747,9 +756,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt:
+        _leave_line()
         print("epmoe: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Terminated:
+        _leave_line()
         print("epmoe: terminated (SIGTERM)", file=sys.stderr)
         return EXIT_TERMINATED
     finally:
