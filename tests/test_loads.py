@@ -215,6 +215,14 @@ def test_a_bad_csv_count_names_its_line_layer_expert_and_value(tmp_path, count, 
                                f"{count!r} {what}")
 
 
+def test_a_csv_header_repeating_a_column_is_refused(tmp_path):
+    """``layer,layer,expert,count``: the csv module kept the last 'layer' column, the first one's values unread."""
+    (tmp_path / "bad.csv").write_text("layer,layer,expert,count\n0,1,0,5\n0,1,1,5\n")
+    with pytest.raises(ValueError) as info:
+        read_loads(tmp_path / "bad.csv")
+    assert str(info.value) == f"loads file {str(tmp_path / 'bad.csv')!r}: the header repeats column(s) ['layer']"
+
+
 @pytest.mark.parametrize("row,msg", [
     ("web,1,1.5,3", "layer web:1: expert '1.5' is not an integer id"),  # was "invalid literal for int() ..."
     ("web,1,x,3", "layer web:1: expert 'x' is not an integer id"),
@@ -224,6 +232,15 @@ def test_a_bad_csv_count_names_its_line_layer_expert_and_value(tmp_path, count, 
     ("web,,2,3", "layer '' is empty or has spaces around it"),  # was a layer of its own, "web:"
     (",,2,3", "layer '' is empty or has spaces around it"),
     (" web,1,2,3", "domain ' web' is empty or has spaces around it"),
+    ("web,1, 2,3", "layer web:1: expert ' 2' is not an integer id"),  # int() took these three as 2, 2 and 20
+    ("web,1,\u0662,3", "layer web:1: expert '\u0662' is not an integer id"),
+    ("web,1,2_0,3", "layer web:1: expert '2_0' is not an integer id"),
+    ("web,1,2, 3", "layer web:1, expert 2: count ' 3' is not a number"),  # float() took these as 3 and 30
+    ("web,1,2,3_0", "layer web:1, expert 2: count '3_0' is not a number"),
+    ("web,1," + "9" * 5000 + ",3", "expert " + "9" * 40 + "... (5000 digits) is no expert id (ids count from 0, at "
+                                   "most 1048576 experts a layer)"),  # was echoed whole
+    ("web,1," + "x" * 5000 + ",3", "layer web:1: expert " + repr("x" * 40) + " (5000 characters) is not an integer "
+                                   "id"),
 ])
 def test_a_bad_csv_value_names_its_column_and_value(tmp_path, row, msg):
     rows = ["domain,layer,expert,count"] + [f"web,{layer},{e},5" for layer in range(2) for e in range(4)]

@@ -16,6 +16,7 @@ import csv
 import io
 import json
 import math
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -328,6 +329,11 @@ def read_csv_loads(path: str | Path) -> tuple[torch.Tensor, list[str]]:
         raise ValueError(f"loads file {str(path)!r}: {exc}") from exc
 
 
+def _shown(value: str, most: int = 40) -> str:
+    """``value`` quoted for a message, cut to its first ``most`` characters (a 5000-digit id was echoed whole)."""
+    return repr(value) if len(value) <= most else repr(value[:most]) + f" ({len(value)} characters)"
+
+
 def _csv_groups(path: Path, text: str) -> dict[str, dict[int, float]]:
     """The counts of the OLMoE CSV ``text`` (read from ``path``) by layer name and expert id, in file order; the
     row checks of ``read_csv_loads``. Raises ``csv.Error`` where the csv module cannot parse ``text``."""
@@ -336,6 +342,9 @@ def _csv_groups(path: Path, text: str) -> dict[str, dict[int, float]]:
     missing = {"layer", "expert", "count"} - set(reader.fieldnames or ())
     if missing:
         raise ValueError(f"loads file {str(path)!r}: missing column(s) {sorted(missing)}")
+    repeated = sorted({c for c in reader.fieldnames if reader.fieldnames.count(c) > 1})
+    if repeated:  # DictReader keeps the last column of a name: the others' values were dropped unread
+        raise ValueError(f"loads file {str(path)!r}: the header repeats column(s) {repeated}")
     for row in reader:
         line = reader.line_num
         short = [c for c in ("layer", "expert", "count") if row.get(c) is None]
@@ -349,19 +358,22 @@ def _csv_groups(path: Path, text: str) -> dict[str, dict[int, float]]:
             if value is not None and (value != value.strip() or (column == "layer" and not value)):
                 raise ValueError(f"loads file {str(path)!r} line {line}: {column} {value!r} is empty or has spaces "
                                  f"around it (a layer is named by its 'domain' and 'layer' values as written)")
+        digits = row["expert"]
+        if not re.fullmatch(r"-?[0-9]+", digits):  # ASCII digits as written: int() also takes " 7", "7_0", "٧"
+            raise ValueError(f"loads file {str(path)!r} line {line}: layer {name}: expert {_shown(digits)} is not "
+                             f"an integer id")
+        if len(digits.lstrip("-")) > len(str(MAX_EXPERTS)) or not 0 <= int(digits) < MAX_EXPERTS:
+            shown = digits if len(digits) <= 40 else f"{digits[:40]}... ({len(digits)} digits)"
+            raise ValueError(f"loads file {str(path)!r} line {line}: expert {shown} is no expert id (ids count from "
+                             f"0, at most {MAX_EXPERTS} experts a layer)")
+        expert = int(digits)
         try:
-            expert = int(row["expert"])
-        except ValueError as exc:
-            raise ValueError(f"loads file {str(path)!r} line {line}: layer {name}: expert {row['expert']!r} is not "
-                             f"an integer id") from exc
-        try:
+            if not row["count"].isascii() or row["count"] != row["count"].strip() or "_" in row["count"]:
+                raise ValueError(row["count"])  # float() also takes " 7", "7_0", "٧"
             count = float(row["count"])
         except ValueError as exc:
             raise ValueError(f"loads file {str(path)!r} line {line}: layer {name}, expert {expert}: count "
-                             f"{row['count']!r} is not a number") from exc
-        if not 0 <= expert < MAX_EXPERTS:
-            raise ValueError(f"loads file {str(path)!r} line {line}: expert {expert} is no expert id (ids count "
-                             f"from 0, at most {MAX_EXPERTS} experts a layer)")
+                             f"{_shown(row['count'])} is not a number") from exc
         if not math.isfinite(count) or count < 0:
             what = "is negative; loads count tokens" if count < 0 else "is not a finite number"
             raise ValueError(f"loads file {str(path)!r} line {line}: layer {name}, expert {expert}: count "
