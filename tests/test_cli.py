@@ -260,7 +260,9 @@ def test_a_missing_config_or_draft_is_named_by_its_flag(tmp_path, capsys, argv, 
     for text, what in (("", "is empty (expected a model directory holding config.json, or a config file)"),
                        ("{x", ": not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 "
                               "(char 1))"),
-                       ("[1]", ": expected a JSON object, got list")):
+                       ("[1]", ": expected a JSON object, got list"),
+                       # was Python's own advice: "Exceeds the limit (4300 digits) ... use sys.set_int_max_str_digits()"
+                       ('{"a": ' + "9" * 5000 + "}", ": not valid JSON (a number of more than 4300 digits)")):
         config.write_text(text)
         assert main([a.format(**paths) for a in argv]) == 2
         sep = "" if what.startswith(":") else " "
@@ -559,6 +561,29 @@ def test_sigterm_during_an_import_waits_for_the_import(tmp_path, monkeypatch):
                 time.sleep(0.01)  # the signal again, out of the import: raised here
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_run_json_and_save_loads_naming_one_file_are_refused_before_the_run(tmp_path, capsys):
+    """``--json F --save-loads F``: the report silently overwrote the loads (which ``balance`` then refused)."""
+    both = tmp_path / "both.json"
+    assert main(["run", "--json", str(both), "--save-loads", str(both)]) == 2
+    assert capsys.readouterr().err.endswith(f"epmoe run: error: --json ({str(both)!r}) and --save-loads "
+                                            f"({str(both)!r}) name the same file\n")
+    assert not both.exists()
+
+
+def test_an_output_name_longer_than_the_file_system_takes_is_named(tmp_path, capsys):
+    """A 300-byte name was "[Errno 36] File name too long" after the work, naming no flag; a 240-byte one, which
+    the file system takes, failed too, from the longer temporary name the write staged it under."""
+    loads = tmp_path / "loads.json"
+    loads.write_text('{"format": "epmoe.loads/1", "load": [[4, 3, 2, 1]]}')
+    long = tmp_path / ("p" * 295 + ".json")
+    assert main(["balance", "--loads", str(loads), "--ep", "2", "--out", str(long)]) == 2
+    assert capsys.readouterr().err.endswith(f"epmoe balance: error: --out ({str(long)!r}) cannot be written: its "
+                                            f"name is 300 bytes, longer than the 255 its file system takes\n")
+    fits = tmp_path / ("p" * 235 + ".json")
+    assert main(["balance", "--loads", str(loads), "--ep", "2", "--out", str(fits)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["loads.json", fits.name])
 
 
 def test_the_last_line_on_a_terminal_clears_a_stopped_bar_and_shows_the_cursor(monkeypatch):

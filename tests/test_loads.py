@@ -241,6 +241,8 @@ def test_a_csv_header_repeating_a_column_is_refused(tmp_path):
                                    "most 1048576 experts a layer)"),  # was echoed whole
     ("web,1," + "x" * 5000 + ",3", "layer web:1: expert " + repr("x" * 40) + " (5000 characters) is not an integer "
                                    "id"),
+    ("web,1,2," + "9" * 5000, "layer web:1, expert 2: count " + repr("9" * 40) + " (5000 characters) is not a finite "
+                              "number"),
 ])
 def test_a_bad_csv_value_names_its_column_and_value(tmp_path, row, msg):
     rows = ["domain,layer,expert,count"] + [f"web,{layer},{e},5" for layer in range(2) for e in range(4)]

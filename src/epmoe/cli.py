@@ -133,9 +133,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from epmoe.runtime.run import RunConfig, run_job
 
     if args.json not in (None, "-"):
-        check_output_path("--json", args.json, "a JSON file path", replaces=False)
+        check_output_path("--json", args.json, "a JSON file path")
     if args.save_loads is not None:
         check_output_path("--save-loads", args.save_loads, "a loads file path (.json or .safetensors)")
+        if args.json not in (None, "-") and Path(args.json).resolve() == Path(args.save_loads).resolve():
+            raise ValueError(f"--json ({args.json!r}) and --save-loads ({args.save_loads!r}) name the same file")
     try:
         report = run_job(RunConfig(
             **_engine_args(args), prompts=tuple(args.prompt), max_new_tokens=args.max_new_tokens,
@@ -147,17 +149,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if report is None:  # a non-zero torchrun rank: rank 0 prints
         return 0
     if args.json == "-":
-        import json
-
         print(json.dumps(report.to_json(), indent=2))
     else:
         from epmoe.runtime.report import print_run_report
 
         print_run_report(report)
         if args.json:
-            from epmoe.runtime.report import write_json
+            from epmoe.files import write_text_atomic
 
-            write_json(report, args.json)
+            write_text_atomic("--json", args.json, json.dumps(report.to_json(), indent=2))
     return 0 if report.matches_reference in (True, None) else 1
 
 
@@ -299,7 +299,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.json not in (None, "-"):
         from epmoe.files import check_output_path
 
-        check_output_path("--json", args.json, "a JSON file path", replaces=False)
+        check_output_path("--json", args.json, "a JSON file path")
     import httpx
 
     try:
@@ -318,7 +318,9 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     else:
         Console().print(report.table())
         if args.json:
-            Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
+            from epmoe.files import write_text_atomic
+
+            write_text_atomic("--json", args.json, json.dumps(report.to_json(), indent=2))
     return 0 if report.failed == 0 else 1
 
 
@@ -723,6 +725,7 @@ class _TermWatch:
                 return
             if signal.SIGTERM in data and not _raised.wait(self.grace_s) \
                     and signal.getsignal(signal.SIGTERM) is _raise_terminated:
+                _leave_line()
                 print("epmoe: terminated (SIGTERM)", file=sys.stderr, flush=True)
                 os._exit(EXIT_TERMINATED)
 

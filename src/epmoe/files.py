@@ -10,31 +10,36 @@ from pathlib import Path
 from typing import Iterator
 
 
-def check_output_path(field: str, value: str | Path, expected: str, *, replaces: bool = True) -> Path:
-    """The path a command will write, checked up front: not a directory, in an existing writable directory, and,
-    where the writer replaces the file (``atomic_path``'s rename), not an existing device, pipe or socket (a rename
-    would put a regular file in its place: ``/dev/full`` or ``/dev/null`` replaced).
+def check_output_path(field: str, value: str | Path, expected: str) -> Path:
+    """The path a command will write (``atomic_path``: a new file renamed onto it), checked up front: not a
+    directory, not an existing device, pipe or socket (the rename would put a regular file in its place:
+    ``/dev/full`` or ``/dev/null`` replaced), a name the file system takes, in an existing writable directory.
 
     Args:
         field: the option or argument name for messages (e.g. ``--plot`` or ``out``).
         value: the path given.
         expected: what the path should name, for the message (e.g. ``a PNG file path``).
-        replaces: the writer renames a new file onto the path (``atomic_path``); ``False`` for one that opens and
-            writes the path itself (``/dev/stdout`` then works).
 
     Returns:
         ``value`` as a ``Path``.
 
     Raises:
-        ValueError: the path is empty or a directory, or (``replaces``) exists and is not a regular file, or its
-            directory does not exist, is not a directory or is not writable.
+        ValueError: the path is empty or a directory, exists and is not a regular file, has a name longer than its
+            file system takes, or its directory does not exist, is not a directory or is not writable.
     """
     if not str(value):  # Path("") is "." (a directory): say what was given
         raise ValueError(f"{field} is empty; expected {expected}")
     path = Path(value)
+    try:  # first: asking a file system about a name longer than it takes raises (ENAMETOOLONG)
+        most = os.pathconf(path.parent, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):  # no such directory (named below), or no pathconf here
+        most = 255
+    if len(os.fsencode(path.name)) > most:
+        raise ValueError(f"{field} ({str(value)!r}) cannot be written: its name is {len(os.fsencode(path.name))} "
+                         f"bytes, longer than the {most} its file system takes")
     if path.is_dir():
         raise ValueError(f"{field} ({str(value)!r}) is a directory; expected {expected}")
-    if replaces and path.exists() and not path.is_file():
+    if path.exists() and not path.is_file():
         raise ValueError(f"{field} ({str(value)!r}) is not a regular file (a device, pipe or socket), which writing "
                          f"it would replace; expected {expected}")
     parent = path.parent
@@ -65,9 +70,9 @@ def write_failed(field: str, path: str | Path, exc: OSError) -> ValueError:
 
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Write ``path`` atomically: yield a new temporary file beside it (``.<name>.<random>.epmoe-partial<suffix>``,
-    made empty by ``tempfile.mkstemp``, so no file of the user's is overwritten) to write, then rename it onto
-    ``path``.
+    """Write ``path`` atomically: yield a new temporary file beside it (``.epmoe-partial-<random><suffix>``, made
+    empty by ``tempfile.mkstemp``, so no file of the user's is overwritten, and short whatever ``path``'s name) to
+    write, then rename it onto ``path``.
 
     The file is made readable by all (``0o644``; the safetensors writer creates owner-only files). If the
     body raises, the temporary file is removed and ``path`` is untouched, so a failed write leaves no half file.
@@ -82,7 +87,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         OSError: the temporary file cannot be made in ``path``'s directory, or the write or rename fails.
     """
     path = Path(path)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".epmoe-partial{path.suffix}", dir=path.parent)
+    fd, name = tempfile.mkstemp(prefix=".epmoe-partial-", suffix=path.suffix[:16], dir=path.parent)
     os.close(fd)
     tmp = Path(name)
     try:
@@ -92,3 +97,22 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_text_atomic(field: str, path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through ``atomic_path`` (a failed write leaves no half file and an old file as it
+    was).
+
+    Args:
+        field: the option named in the error (e.g. ``--json``).
+        path: the file (checked by ``check_output_path`` before the work that made ``text``).
+        text: the content, written as UTF-8.
+
+    Raises:
+        ValueError: the write failed (``write_failed``: ``field``, the path and the system's reason).
+    """
+    try:
+        with atomic_path(path) as tmp:
+            tmp.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise write_failed(field, path, exc) from exc

@@ -377,7 +377,7 @@ def _csv_groups(path: Path, text: str) -> dict[str, dict[int, float]]:
         if not math.isfinite(count) or count < 0:
             what = "is negative; loads count tokens" if count < 0 else "is not a finite number"
             raise ValueError(f"loads file {str(path)!r} line {line}: layer {name}, expert {expert}: count "
-                             f"{row['count']!r} {what}")
+                             f"{_shown(row['count'])} {what}")
         if expert in groups.setdefault(name, {}):
             raise ValueError(f"loads file {str(path)!r} line {line}: expert {expert} repeated in {name}")
         groups[name][expert] = count

@@ -720,7 +720,11 @@ def check_config_path(path: str | Path, what: str, *, parse: bool = False) -> No
         raise ValueError(f"{what} {str(path)!r} is neither a file nor a directory ({_CONFIG_PATH})")
     if parse:
         file = p / "config.json" if p.is_dir() else p
-        _parse_config(read_text_file(file, "config file"), f"{what} {str(file)!r}")
+        try:
+            text = read_text_file(file, "config file")
+        except ValueError as exc:  # not UTF-8, too large: named by the flag too
+            raise ValueError(f"{what}: {exc}") from exc
+        _parse_config(text, f"{what} {str(file)!r}")
 
 
 def _parse_config(text: str, name: str) -> dict[str, Any]:
@@ -733,8 +737,9 @@ def _parse_config(text: str, name: str) -> dict[str, Any]:
         raise ValueError(f"{name} is empty ({_CONFIG_PATH})")
     try:
         cfg = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{name}: not valid JSON ({exc})") from exc
+    except ValueError as exc:  # JSONDecodeError, or an integer past Python's digit limit for int()
+        reason = exc if isinstance(exc, json.JSONDecodeError) else "a number of more than 4300 digits"
+        raise ValueError(f"{name}: not valid JSON ({reason})") from exc
     if not isinstance(cfg, dict):
         raise ValueError(f"{name}: expected a JSON object, got {type(cfg).__name__}")
     return cfg

@@ -3,9 +3,7 @@ reference check's verdict on half-precision runs (``judge_mismatches``), the JSO
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -197,11 +195,6 @@ def judge_mismatches(tokens: list[list[int]], reference: list[list[int]],
                 continue
         failing.append(i)
     return failing, judged
-
-
-def write_json(report: RunReport, path: str | Path) -> None:
-    """Write ``report.to_json()`` to ``path``."""
-    Path(path).write_text(json.dumps(report.to_json(), indent=2))
 
 
 _SHORT = {"all_to_all": "a2a", "all_reduce": "ar", "all_gather": "ag"}

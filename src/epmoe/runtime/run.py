@@ -620,9 +620,13 @@ def run_job(cfg: RunConfig) -> RunReport:
                               "num_tokens": _engine_config(cfg, model_dir).num_speculative_tokens,
                               "proposer": ranks[0].speculative["proposer"], "requests": requests}
     if cfg.save_loads is not None:
+        from epmoe.files import write_failed
         from epmoe.loads import save_loads
 
-        save_loads(cfg.save_loads, torch.tensor([r.logical_loads for r in ranks]).sum(0))
+        try:
+            save_loads(cfg.save_loads, torch.tensor([r.logical_loads for r in ranks]).sum(0))
+        except OSError as exc:  # a full or read-only file system: named by the flag, not the temporary file
+            raise write_failed("--save-loads", cfg.save_loads, exc) from exc
     if reference:
         report.reference_skipped = reference_room(spec, cfg.dtype, cfg.device, via_host)
     if reference and report.reference_skipped is None:
