@@ -10,6 +10,7 @@ field is read through ``epmoe.config_fields.ConfigFields`` (typed, range-checked
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -738,7 +739,8 @@ def _parse_config(text: str, name: str) -> dict[str, Any]:
     try:
         cfg = json.loads(text)
     except ValueError as exc:  # JSONDecodeError, or an integer past Python's digit limit for int()
-        reason = exc if isinstance(exc, json.JSONDecodeError) else "a number of more than 4300 digits"
+        reason = (exc if isinstance(exc, json.JSONDecodeError)
+                  else f"a number of more than {sys.get_int_max_str_digits()} digits")
         raise ValueError(f"{name}: not valid JSON ({reason})") from exc
     if not isinstance(cfg, dict):
         raise ValueError(f"{name}: expected a JSON object, got {type(cfg).__name__}")
